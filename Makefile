@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+# Each creates (or reuses) the virtual environment in .venv, installs torch==2.13.0 first
+# (a local CPU wheel on our machines; an unpinned torch pulls several GB of CUDA packages),
+# then this package with its dev extras, then does its job.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvscope-installed
+
+.PHONY: run test lint typecheck unit bench clean install
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kvscope demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvscope tests benchmarks app.py
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/pytest
+
+test: lint typecheck unit
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_alloc.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,327 @@
+"""The token-to-KV allocator contract, and the machinery every allocator shares.
+
+An allocator hands out *slots*: row indices into the per-layer KV buffers. Slots are
+grouped in pages of `page_size` consecutive slots (page_size 1: a page is a slot). The
+free list holds page ids on the pool's device.
+
+NOTE: slot map of a pool with `total_size` usable tokens and page size `ps`:
+    ps == 1: slot 0 is padding; usable slots are [1, total_size].
+    ps  > 1: page 0 (slots [0, ps)) is padding; usable pages are [1, total_size // ps],
+             usable slots [ps, total_size + ps).
+The KV buffers therefore have `total_size + ps` rows.
+
+Contract (all allocators):
+- `alloc(num_tokens)` returns a new int64 tensor of slots on the device, or None when
+  there are not enough free pages; on None nothing is consumed. Returned slots stay owned
+  by the caller until passed to `free`.
+- `free(slots)` mutates: the pages of `slots` go back to the free list (page size 1: the
+  slots themselves, appended, FIFO reuse; paged: every page touched, prepended, LIFO
+  reuse). Inside a free group the pages come back only at `free_group_end()`. With
+  `need_sort` they are parked in the release list and merged, sorted, when an allocation
+  cannot be met from the free list alone.
+- `available_size()` counts tokens: free plus released pages times `page_size`.
+- `backup_state()` / `restore_state()` snapshot and roll back the free lists.
+- `check_integrity(owned_slots)` proves conservation: the free list has no duplicate and
+  no padding page, every free page is in range, and, given the slots held by everyone
+  else, free + pending-in-group + owned covers every usable page exactly once.
+
+Strict mode (`strict=True`, or `set_strict(True)`) tracks each page's state on the host
+and rejects misuse where it happens, naming the pool and the slots: double free, freeing
+the padding slot, freeing a slot never allocated, page-misaligned paged allocation.
+Off, the hot path pays one flag check.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Any, ClassVar, Literal, NamedTuple
+
+import numpy as np
+import torch
+
+from kvscope.mem.device import resolve_device
+from kvscope.mem.errors import IntegrityError, PoolMisuseError
+
+INDEX_DTYPE = torch.int64
+
+
+class PoolUsage(NamedTuple):
+    """Token counts of one pool, as a usage sample needs them."""
+
+    total_size: int
+    available_size: int
+
+    @property
+    def used_size(self) -> int:
+        return self.total_size - self.available_size
+
+
+class PageState(IntEnum):
+    NEVER_ALLOCATED = 0
+    IN_USE = 1
+    FREED = 2
+    PADDING = 3
+
+
+class AllocatorState(NamedTuple):
+    free_pages: torch.Tensor
+    release_pages: torch.Tensor
+    page_state: np.ndarray | None
+
+
+class BaseTokenAllocator:
+    """Free-list bookkeeping shared by the page-size-1 and paged allocators."""
+
+    reuse_order: ClassVar[Literal["fifo", "lifo"]] = "fifo"
+
+    def __init__(
+        self,
+        total_size: int,
+        page_size: int,
+        device: str | torch.device | None = None,
+        *,
+        need_sort: bool = False,
+        strict: bool = False,
+        name: str = "full",
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"[{name}] page_size must be >= 1, got {page_size}")
+        if total_size < page_size or total_size % page_size:
+            raise ValueError(
+                f"[{name}] total_size must be a positive multiple of page_size "
+                f"({page_size}), got {total_size}"
+            )
+        self.name = name
+        self.page_size = page_size
+        self.total_size = total_size
+        self.num_pages = total_size // page_size
+        self.device = resolve_device(device)
+        self.need_sort = need_sort
+        self._strict = strict
+        self._page_state: np.ndarray | None = None
+        self.clear()
+
+    # -- state -------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        self.free_pages = torch.arange(1, self.num_pages + 1, dtype=INDEX_DTYPE, device=self.device)
+        self.release_pages = torch.empty(0, dtype=INDEX_DTYPE, device=self.device)
+        self._free_group: list[torch.Tensor] | None = None
+        if self._strict:
+            self._page_state = self._fresh_page_state()
+
+    def _fresh_page_state(self) -> np.ndarray:
+        state = np.full(self.num_pages + 1, PageState.NEVER_ALLOCATED, dtype=np.int8)
+        state[0] = PageState.PADDING
+        return state
+
+    @property
+    def strict(self) -> bool:
+        return self._strict
+
+    def set_strict(self, strict: bool) -> None:
+        """Turn strict tracking on or off. Turned on mid-run, pages now free count as FREED."""
+        if strict and not self._strict:
+            state = np.full(self.num_pages + 1, PageState.IN_USE, dtype=np.int8)
+            state[0] = PageState.PADDING
+            state[self._all_free_pages_np()] = PageState.FREED
+            self._page_state = state
+        elif not strict:
+            self._page_state = None
+        self._strict = strict
+
+    def available_size(self) -> int:
+        return (len(self.free_pages) + len(self.release_pages)) * self.page_size
+
+    def usage(self) -> PoolUsage:
+        return PoolUsage(self.total_size, self.available_size())
+
+    def backup_state(self) -> AllocatorState:
+        state = None if self._page_state is None else self._page_state.copy()
+        return AllocatorState(self.free_pages, self.release_pages, state)
+
+    def restore_state(self, state: AllocatorState) -> None:
+        self.free_pages, self.release_pages = state.free_pages, state.release_pages
+        if self._strict:
+            self._page_state = None if state.page_state is None else state.page_state.copy()
+
+    def merge_and_sort_free(self) -> None:
+        if len(self.release_pages) == 0:
+            return
+        merged = torch.cat((self.free_pages, self.release_pages))
+        self.free_pages = torch.sort(merged).values
+        self.release_pages = torch.empty(0, dtype=INDEX_DTYPE, device=self.device)
+
+    # -- allocation ------------------------------------------------------------------------
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """`num_tokens` slots (a multiple of page_size when paged) or None if too few free."""
+        if num_tokens % self.page_size:
+            raise PoolMisuseError(
+                self.name, f"page-misaligned alloc of {num_tokens} tokens (page_size {self.page_size})"
+            )
+        pages = self._take_pages(num_tokens // self.page_size)
+        return None if pages is None else self.pages_to_slots(pages)
+
+    def _take_pages(self, num_pages: int) -> torch.Tensor | None:
+        if self.need_sort and num_pages > len(self.free_pages):
+            self.merge_and_sort_free()
+        if num_pages > len(self.free_pages):
+            return None
+        pages = self.free_pages[:num_pages]
+        self.free_pages = self.free_pages[num_pages:]
+        if self._strict:
+            self._mark_in_use(pages)
+        return pages
+
+    def pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        if self.page_size == 1:
+            return pages
+        offsets = torch.arange(self.page_size, dtype=INDEX_DTYPE, device=self.device)
+        return (pages[:, None] * self.page_size + offsets).reshape(-1)
+
+    def slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
+        """Pages that `slots` touch: the slots themselves at page size 1, else unique pages."""
+        if self.page_size == 1:
+            return slots.to(INDEX_DTYPE)
+        return torch.unique(slots.to(INDEX_DTYPE) // self.page_size)
+
+    # -- freeing ---------------------------------------------------------------------------
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        if self._strict:
+            self._check_free(slots)
+        if self._free_group is not None:
+            self._free_group.append(slots)
+            return
+        self._return_pages(self.slots_to_pages(slots))
+
+    def _return_pages(self, pages: torch.Tensor) -> None:
+        if self.need_sort:
+            self.release_pages = torch.cat((self.release_pages, pages))
+        elif self.reuse_order == "fifo":
+            self.free_pages = torch.cat((self.free_pages, pages))
+        else:
+            self.free_pages = torch.cat((pages, self.free_pages))
+
+    def free_group_begin(self) -> None:
+        """Defer frees until `free_group_end()`; groups do not nest."""
+        if self._free_group is not None:
+            raise PoolMisuseError(self.name, "free_group_begin inside an open free group")
+        self._free_group = []
+
+    def free_group_end(self) -> None:
+        if self._free_group is None:
+            raise PoolMisuseError(self.name, "free_group_end without free_group_begin")
+        group, self._free_group = self._free_group, None
+        if group:
+            self._return_pages(self.slots_to_pages(torch.cat(group)))
+
+    @property
+    def in_free_group(self) -> bool:
+        return self._free_group is not None
+
+    # -- strict mode -------------------------------------------------------------------------
+
+    def _mark_in_use(self, pages: torch.Tensor) -> None:
+        assert self._page_state is not None
+        self._page_state[pages.cpu().numpy()] = PageState.IN_USE
+
+    def _check_free(self, slots: torch.Tensor) -> None:
+        assert self._page_state is not None
+        slots_np = slots.detach().cpu().numpy().astype(np.int64).reshape(-1)
+        ps = self.page_size
+        out_of_range = slots_np[(slots_np < 0) | (slots_np >= (self.num_pages + 1) * ps)]
+        if len(out_of_range):
+            raise PoolMisuseError(self.name, "freeing slots outside the pool", out_of_range.tolist())
+        pages_np = slots_np // ps
+        if ps == 1:
+            uniq, counts = np.unique(pages_np, return_counts=True)
+            if (counts > 1).any():
+                raise PoolMisuseError(self.name, "double free within one call", uniq[counts > 1].tolist())
+        pages_np = np.unique(pages_np)
+        state = self._page_state[pages_np]
+        for bad, problem in (
+            (PageState.PADDING, "freeing the padding slot"),
+            (PageState.FREED, "double free: slots already free"),
+            (PageState.NEVER_ALLOCATED, "freeing slots that were never allocated"),
+        ):
+            hit = state == bad
+            if hit.any():
+                raise PoolMisuseError(self.name, problem, self._slots_on_pages(slots_np, pages_np[hit]))
+        self._page_state[pages_np] = PageState.FREED
+
+    def _slots_on_pages(self, slots_np: np.ndarray, pages_np: np.ndarray) -> list[int]:
+        bad_pages = set(pages_np.tolist())
+        return [int(s) for s in slots_np if s // self.page_size in bad_pages]
+
+    # -- integrity -----------------------------------------------------------------------------
+
+    def _all_free_pages_np(self) -> np.ndarray:
+        return torch.cat((self.free_pages, self.release_pages)).cpu().numpy().astype(np.int64)
+
+    def _pending_pages_np(self) -> np.ndarray:
+        if not self._free_group:
+            return np.empty(0, dtype=np.int64)
+        pending = torch.cat(self._free_group).cpu().numpy().astype(np.int64)
+        return np.unique(pending // self.page_size)
+
+    def check_integrity(self, owned_slots: Any = None) -> None:
+        """Raise IntegrityError, printing the numbers, if any conservation rule is broken.
+
+        `owned_slots`: every slot held outside the allocator (requests, tree, ...). When
+        given, free + pending + owned must cover each usable page exactly once.
+        """
+        free = self._all_free_pages_np()
+        uniq, counts = np.unique(free, return_counts=True)
+        if (counts > 1).any():
+            raise IntegrityError(f"[{self.name}] pages free twice: {uniq[counts > 1][:16].tolist()}")
+        bad = free[(free < 1) | (free > self.num_pages)]
+        if len(bad):
+            raise IntegrityError(
+                f"[{self.name}] free pages out of range [1, {self.num_pages}]: {bad[:16].tolist()}"
+            )
+        pending = self._pending_pages_np()
+        if self._page_state is not None:
+            self._check_page_state(free, pending)
+        if owned_slots is not None:
+            self._check_owned(free, pending, owned_slots)
+
+    def _check_page_state(self, free: np.ndarray, pending: np.ndarray) -> None:
+        assert self._page_state is not None
+        state = self._page_state[free]
+        if (state == PageState.IN_USE).any():
+            in_use = free[state == PageState.IN_USE][:16].tolist()
+            raise IntegrityError(f"[{self.name}] free pages marked in use: {in_use}")
+        num_in_use = int((self._page_state == PageState.IN_USE).sum())
+        expected = self.num_pages - len(free) - len(pending)
+        if num_in_use != expected:
+            raise IntegrityError(
+                f"[{self.name}] strict state has {num_in_use} pages in use, free lists imply {expected}"
+            )
+
+    def _check_owned(self, free: np.ndarray, pending: np.ndarray, owned_slots: Any) -> None:
+        owned = np.asarray(
+            owned_slots.cpu() if isinstance(owned_slots, torch.Tensor) else list(owned_slots),
+            dtype=np.int64,
+        ).reshape(-1)
+        if self.page_size == 1:
+            uniq, counts = np.unique(owned, return_counts=True)
+            if (counts > 1).any():
+                raise IntegrityError(f"[{self.name}] slots owned twice: {uniq[counts > 1][:16].tolist()}")
+        owned_pages = np.unique(owned // self.page_size)
+        if (owned_pages == 0).any():
+            raise IntegrityError(f"[{self.name}] the padding page is owned")
+        everything = np.concatenate((free, pending, owned_pages))
+        uniq, counts = np.unique(everything, return_counts=True)
+        twice = uniq[counts > 1]
+        if len(twice):
+            raise IntegrityError(f"[{self.name}] pages both free and owned: {twice[:16].tolist()}")
+        if len(everything) != self.num_pages:
+            missing = np.setdiff1d(np.arange(1, self.num_pages + 1), uniq)
+            raise IntegrityError(
+                f"[{self.name}] conservation broken: free {len(free)} + pending {len(pending)} + "
+                f"owned {len(owned_pages)} != {self.num_pages} pages; leaked pages {missing[:16].tolist()}"
+            )

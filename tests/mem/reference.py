@@ -1,0 +1,81 @@
+"""A reference model of the allocators from plain Python lists and sets.
+
+It mirrors SGLang's free-list order (semantics note §2.3-2.6) so tests compare returned
+slots exactly, not only counts.
+"""
+
+from __future__ import annotations
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class RefFreeList:
+    def __init__(self, num_pages: int, page_size: int, need_sort: bool) -> None:
+        self.page_size = page_size
+        self.need_sort = need_sort
+        self.free = list(range(1, num_pages + 1))
+        self.release: list[int] = []
+        self.group: list[int] | None = None
+
+    def available(self) -> int:
+        return (len(self.free) + len(self.release)) * self.page_size
+
+    def merge(self) -> None:
+        self.free = sorted(self.free + self.release)
+        self.release = []
+
+    def take(self, num_pages: int) -> list[int] | None:
+        if self.need_sort and num_pages > len(self.free):
+            self.merge()
+        if num_pages > len(self.free):
+            return None
+        pages, self.free = self.free[:num_pages], self.free[num_pages:]
+        return pages
+
+    def expand(self, pages: list[int]) -> list[int]:
+        return [p * self.page_size + o for p in pages for o in range(self.page_size)]
+
+    def release_slots(self, slots: list[int]) -> None:
+        if not slots:
+            return
+        if self.group is not None:
+            self.group.extend(slots)
+            return
+        self._return(slots)
+
+    def _return(self, slots: list[int]) -> None:
+        ps = self.page_size
+        pages = slots if ps == 1 else sorted({s // ps for s in slots})
+        if self.need_sort:
+            self.release += pages
+        elif ps == 1:
+            self.free += pages
+        else:
+            self.free = pages + self.free
+
+    def group_end(self) -> None:
+        group, self.group = self.group, None
+        if group:
+            self._return(group)
+
+
+def ref_extend(
+    free_list: RefFreeList, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int],
+    pages: list[int],
+) -> list[int]:
+    """Slots by the paged rules: finish the partial page from last_loc+1, then fresh pages."""
+    ps = free_list.page_size
+    out: list[int] = []
+    cursor = 0
+    for p, s, last in zip(prefix_lens, seq_lens, last_locs, strict=True):
+        num_new = cdiv(s, ps) - cdiv(p, ps)
+        mine = pages[cursor : cursor + num_new]
+        cursor += num_new
+        for pos in range(p, s):
+            if pos < cdiv(p, ps) * ps:
+                out.append(last + 1 + pos - p)
+            else:
+                out.append(mine[pos // ps - cdiv(p, ps)] * ps + pos % ps)
+    return out
