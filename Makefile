@@ -22,7 +22,7 @@ run: $(STAMP)
 	$(BIN)/kvscope demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvscope tests benchmarks app.py
+	$(BIN)/ruff check .
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
