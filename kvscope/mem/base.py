@@ -142,8 +142,11 @@ class BaseTokenAllocator:
 
     def restore_state(self, state: AllocatorState) -> None:
         self.free_pages, self.release_pages = state.free_pages, state.release_pages
-        if self._strict:
-            self._page_state = None if state.page_state is None else state.page_state.copy()
+        if self._strict and state.page_state is not None:
+            self._page_state = state.page_state.copy()
+        elif self._strict:  # snapshot taken before strict was on: rebuild from the free lists
+            self._strict = False
+            self.set_strict(True)
 
     def merge_and_sort_free(self) -> None:
         if len(self.release_pages) == 0:
@@ -307,10 +310,9 @@ class BaseTokenAllocator:
             owned_slots.cpu() if isinstance(owned_slots, torch.Tensor) else list(owned_slots),
             dtype=np.int64,
         ).reshape(-1)
-        if self.page_size == 1:
-            uniq, counts = np.unique(owned, return_counts=True)
-            if (counts > 1).any():
-                raise IntegrityError(f"[{self.name}] slots owned twice: {uniq[counts > 1][:16].tolist()}")
+        uniq, counts = np.unique(owned, return_counts=True)
+        if (counts > 1).any():
+            raise IntegrityError(f"[{self.name}] slots owned twice: {uniq[counts > 1][:16].tolist()}")
         owned_pages = np.unique(owned // self.page_size)
         if (owned_pages == 0).any():
             raise IntegrityError(f"[{self.name}] the padding page is owned")

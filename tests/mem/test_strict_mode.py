@@ -184,3 +184,22 @@ def test_need_sort_merges_release_on_demand() -> None:
     assert alloc.release_pages.tolist() == [5, 2, 4]
     assert alloc.alloc(2).tolist() == [7, 8]  # type: ignore[union-attr]
     assert alloc.alloc(2).tolist() == [2, 4]  # type: ignore[union-attr]
+
+
+def test_paged_check_integrity_rejects_a_slot_owned_twice() -> None:
+    alloc = PagedTokenToKVPoolAllocator(8, 4)
+    got = alloc.alloc(4)
+    assert got is not None
+    with pytest.raises(IntegrityError, match="slots owned twice"):
+        alloc.check_integrity(torch.cat((got, got)))
+
+
+def test_restoring_a_snapshot_taken_before_strict_keeps_strict_working() -> None:
+    alloc = TokenToKVPoolAllocator(8)
+    snapshot = alloc.backup_state()
+    alloc.set_strict(True)
+    alloc.alloc(3)
+    alloc.restore_state(snapshot)
+    got = alloc.alloc(2)
+    assert got is not None and got.tolist() == [1, 2]
+    alloc.check_integrity(got)
