@@ -201,6 +201,30 @@ class BaseTokenAllocator:
             return
         self._return_pages(self.slots_to_pages(slots))
 
+    def free_segments(self, segments: list[tuple[torch.Tensor, int]]) -> None:
+        """Free contiguous pieces (slots, start position) of one request's row."""
+        pieces = [slots for slots, _ in segments if slots.numel()]
+        if pieces:
+            self.free(torch.cat(pieces))
+
+    def free_many(self, chunks: list[np.ndarray]) -> None:
+        """Same free-list result as `free(chunk)` for each chunk in turn, in one update.
+
+        Paged and without a group or need_sort, each free prepends its pages, so the
+        chunks' pages go in front in reverse order.
+        """
+        chunks = [c for c in chunks if len(c)]
+        if not chunks:
+            return
+        slots = torch.from_numpy(np.concatenate(chunks)).to(self.device)
+        if self.page_size == 1 or self.need_sort or self._free_group is not None or len(chunks) == 1:
+            self.free(slots)
+            return
+        if self._strict:
+            self._check_free(slots)
+        pages = np.concatenate([np.unique(c // self.page_size) for c in reversed(chunks)])
+        self.free_pages = torch.cat((torch.from_numpy(pages).to(self.device), self.free_pages))
+
     def _return_pages(self, pages: torch.Tensor) -> None:
         if self.need_sort:
             self.release_pages = torch.cat((self.release_pages, pages))

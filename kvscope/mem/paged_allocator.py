@@ -126,16 +126,34 @@ class PagedTokenToKVPoolAllocator(BaseTokenAllocator):
         return decode_slots(seq_t, last_t, pages, self.page_size)
 
     def free_segment(self, slots: torch.Tensor, start_pos: int) -> None:
-        """Free a contiguous piece of one request's row: positions start_pos, start_pos+1, ...
+        self.free_segments([(slots, start_pos)])
 
-        One representative slot per page (the first slot, and each slot at a page start).
+    def free_segments(self, segments: list[tuple[torch.Tensor, int]]) -> None:
+        """Free contiguous pieces (slots, start position) of one request's row.
+
+        One representative slot per page (a piece's first slot and each slot at a page
+        start), pages returned in position order without sorting; where a piece starts on
+        the page the previous one ended on, that page is freed once.
         """
-        if slots.numel() == 0:
+        ps = self.page_size
+        reps: list[torch.Tensor] = []
+        last_page = -1
+        for slots, start_pos in segments:
+            if slots.numel() == 0:
+                continue
+            positions = start_pos + torch.arange(len(slots), device=slots.device)
+            representative = positions % ps == 0
+            representative[0] = int(slots[0]) // ps != last_page
+            reps.append(slots[representative])
+            last_page = int(slots[-1]) // ps
+        if not reps or not (rep := torch.cat(reps)).numel():
             return
-        positions = start_pos + torch.arange(len(slots), device=slots.device)
-        representative = (positions % self.page_size == 0)
-        representative[0] = True
-        self.free(slots[representative])
+        if self._strict:
+            self._check_free(rep)
+        if self._free_group is not None:
+            self._free_group.append(rep)
+            return
+        self._return_pages(rep.to(INDEX_DTYPE) // ps)
 
     # -- strict checks -----------------------------------------------------------------------
 

@@ -171,6 +171,11 @@ class SWATokenToKVPoolAllocator:
         self.full_to_swa_index_mapping[full_slots] = 0
         self.full_attn_allocator.free(full_slots)
 
+    def free_segments(self, segments: list[tuple[torch.Tensor, int]]) -> None:
+        pieces = [slots for slots, _ in segments if slots.numel()]
+        if pieces:
+            self.free(torch.cat(pieces))
+
     def free_swa(self, full_slots: torch.Tensor) -> None:
         """Free only the SWA half of every page `full_slots` touch; the full KV stays."""
         if full_slots.numel() == 0:

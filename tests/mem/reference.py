@@ -55,6 +55,17 @@ class RefFreeList:
         else:
             self.free = pages + self.free
 
+    def release_segment_pages(self, slots: list[int]) -> None:
+        """free_segment: one page per page start, in position order, no sorting."""
+        ps = self.page_size
+        pages = [s // ps for i, s in enumerate(slots) if i == 0 or s % ps == 0]
+        if self.group is not None:
+            self.group.extend(p * ps for p in pages)
+        elif self.need_sort:
+            self.release += pages
+        else:
+            self.free = pages + self.free
+
     def group_end(self) -> None:
         group, self.group = self.group, None
         if group:

@@ -119,8 +119,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         if ps > 1 and 0 < split < len(slots):
             self.alloc.free_segment(self.tensor(slots[:split]), 0)  # type: ignore[attr-defined]
             self.alloc.free_segment(self.tensor(slots[split:]), split)  # type: ignore[attr-defined]
-            self.model.release_slots(slots[:split])
-            self.model.release_slots(slots[split:])
+            self.model.release_segment_pages(slots[:split])
+            self.model.release_segment_pages(slots[split:])
         else:
             self.alloc.free(self.tensor(slots))
             self.model.release_slots(slots)

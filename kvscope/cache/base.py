@@ -1,0 +1,152 @@
+"""The prefix-cache contract (semantics note §4-§6). Every cache kind implements it.
+
+A prefix cache owns a tree of token keys whose values are KV slots. It knows the pools
+(the request-to-token pool and the token allocator) and reports to a telemetry recorder;
+it never knows the engine or the SQL store.
+
+Keys are token ids as a 1-D int32 numpy array (`as_token_ids` converts). Values are KV
+slots: int64 torch tensors on the allocator's device at the boundary.
+
+Contract:
+- `match_prefix(token_ids, user)` -> MatchResult. Does not change node contents, hit
+  counts or locks; may split a node (shape only) and refreshes last-access times along the
+  path. The match is truncated to whole pages. `device_indices` is a new tensor; its slots
+  stay valid only while `last_node` is locked (an unlocked match may be evicted).
+- `insert(token_ids, slots, user, chunked)` -> the number of leading tokens that were
+  already cached. Slots placed in a new node now belong to the tree; on the overlap the
+  tree keeps its own slots, and the caller must free its duplicates beyond what it
+  already held (`cache_protected_len`). Keys and slots are truncated to whole pages.
+- `cache_unfinished_req(req, chunked)`: after a prefill (chunk), insert the request's
+  computed tokens, free its duplicates, repoint its row at the tree's slots, move its lock
+  to the new last node. The sub-page tail stays with the request.
+- `cache_finished_req(req, is_insert)`: insert prompt + output up to `kv_committed_len`
+  (the last sampled token has no KV and is never inserted), free duplicates and the
+  sub-page tail, release the request's lock. `is_insert=False` (retract, abort) frees
+  everything the request owns beyond `cache_protected_len`.
+- `inc_lock_ref(node)` / `dec_lock_ref(node, lock_id)`: lock the path node -> root.
+  Tokens move from evictable to protected on each 0 -> 1 transition and back on 1 -> 0.
+  The root is always protected. `inc_lock_ref` returns a lock id (SWA window locks) or None.
+- `evict(num_tokens)` frees at least `num_tokens` (whole leaves may overshoot) from
+  unlocked leaves in policy order and returns the number freed. Asking for more than
+  `evictable_size()` is an error stating both numbers.
+- `evictable_size()` / `protected_size()`: tokens in unlocked / locked tree nodes.
+- `check_integrity()` raises IntegrityError with the numbers if any tree invariant breaks.
+- `pretty_print()` returns the tree as text; `export_nodes()` the flat node table.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+TOKEN_DTYPE = np.int32
+
+
+class CacheMisuseError(ValueError):
+    """A caller broke the cache contract; the message states the numbers."""
+
+
+def as_token_ids(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a contiguous 1-D int32 array (no copy when already one)."""
+    return np.ascontiguousarray(token_ids, dtype=TOKEN_DTYPE).reshape(-1)
+
+
+class MatchResult(NamedTuple):
+    device_indices: torch.Tensor
+    last_node: Any
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.device_indices)
+
+
+class NodeRow(NamedTuple):
+    """One row of the flat node table the dashboard draws."""
+
+    node_id: int
+    parent_id: int | None
+    num_tokens: int
+    token_preview: str
+    lock_ref: int
+    last_access_time: float
+    hit_count: int
+    owner: str | None
+    tombstone: bool
+    depth_tokens: int
+
+
+class CacheableRequest(Protocol):
+    """What a cache reads and writes on a request (the engine's Req implements it).
+
+    NOTE: fill_ids = prompt + outputs so far; positions [0, kv_committed_len) have KV in
+    the row `req_pool_idx` of the request-to-token pool; positions [0, cache_protected_len)
+    are owned by the tree, the rest by the request.
+    """
+
+    rid: str
+    user: str | None
+    req_pool_idx: int | None
+    fill_ids: np.ndarray
+    kv_committed_len: int
+    cache_protected_len: int
+    prefix_indices: torch.Tensor
+    last_node: Any
+    swa_lock_id: int | None
+    swa_evicted_len: int
+
+
+class BasePrefixCache(ABC):
+    page_size: int
+
+    @abstractmethod
+    def match_prefix(self, token_ids: np.ndarray, user: str | None = None) -> MatchResult: ...
+
+    @abstractmethod
+    def insert(
+        self, token_ids: np.ndarray, slots: torch.Tensor, user: str | None = None, chunked: bool = False
+    ) -> int: ...
+
+    @abstractmethod
+    def cache_unfinished_req(self, req: CacheableRequest, chunked: bool = False) -> None: ...
+
+    @abstractmethod
+    def cache_finished_req(self, req: CacheableRequest, is_insert: bool = True) -> None: ...
+
+    @abstractmethod
+    def inc_lock_ref(self, node: Any) -> int | None: ...
+
+    @abstractmethod
+    def dec_lock_ref(self, node: Any, lock_id: int | None = None) -> None: ...
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int: ...
+
+    @abstractmethod
+    def evictable_size(self) -> int: ...
+
+    @abstractmethod
+    def protected_size(self) -> int: ...
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    @abstractmethod
+    def check_integrity(self) -> None: ...
+
+    @abstractmethod
+    def pretty_print(self) -> str: ...
+
+    @abstractmethod
+    def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]: ...
+
+    @property
+    def disabled(self) -> bool:
+        return False
+
+    def tree_slots(self) -> np.ndarray:
+        """Every slot the tree owns (for conservation checks with the allocator)."""
+        return np.empty(0, dtype=np.int64)

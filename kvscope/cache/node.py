@@ -1,0 +1,116 @@
+"""Radix tree nodes and the views of a tree: text print and the flat node table.
+
+NOTE: `key` holds the node's token ids as int32 bytes (4 bytes a token), so a child is
+found by the bytes of its first page and a whole node is compared with one memcmp.
+`value` holds the node's KV slots (int64 numpy), one per token: len(value) == len(key)//4.
+A node whose `parent` is None and is not the root has been deleted from the tree.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from kvscope.cache.base import NodeRow
+
+TOKEN_BYTES = 4
+EMPTY_SLOTS = np.empty(0, dtype=np.int64)
+_node_ids = itertools.count()
+
+
+class TreeNode:
+    __slots__ = (
+        "children",
+        "creation_time",
+        "hit_count",
+        "id",
+        "key",
+        "last_access_time",
+        "lock_ref",
+        "owner",
+        "parent",
+        "priority",
+        "swa_lock_id",
+        "swa_lock_ref",
+        "tombstone",
+        "value",
+    )
+
+    def __init__(self, key: bytes = b"", value: np.ndarray = EMPTY_SLOTS, now: float = 0.0) -> None:
+        self.id = next(_node_ids)
+        self.parent: TreeNode | None = None
+        self.children: dict[bytes, TreeNode] = {}
+        self.key = key
+        self.value = value
+        self.lock_ref = 0
+        self.last_access_time = now
+        self.creation_time = now
+        self.hit_count = 0
+        self.priority = 0
+        self.owner: str | None = None
+        # SWA radix only (kept here so one node type serves both trees)
+        self.swa_lock_ref = 0
+        self.swa_lock_id: int | None = None
+        self.tombstone = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.value)
+
+    def token_ids(self) -> np.ndarray:
+        return np.frombuffer(self.key, dtype=np.int32)
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, tokens={len(self.value)}, lock_ref={self.lock_ref})"
+
+
+def walk(root: TreeNode) -> list[tuple[TreeNode, int, int]]:
+    """(node, depth in nodes, depth in tokens at the node's start), depth-first, root first."""
+    out: list[tuple[TreeNode, int, int]] = []
+    stack: list[tuple[TreeNode, int, int]] = [(root, 0, 0)]
+    while stack:
+        node, depth, start = stack.pop()
+        out.append((node, depth, start))
+        end = start + len(node.value)
+        stack += [(c, depth + 1, end) for c in reversed(list(node.children.values()))]
+    return out
+
+
+def preview(node: TreeNode, num_tokens: int) -> str:
+    ids = node.token_ids()[:num_tokens].tolist()
+    return " ".join(map(str, ids)) + (" …" if len(node.value) > num_tokens else "")
+
+
+def export_rows(root: TreeNode, preview_tokens: int = 8) -> list[NodeRow]:
+    return [
+        NodeRow(
+            node_id=node.id,
+            parent_id=None if node.parent is None else node.parent.id,
+            num_tokens=len(node.value),
+            token_preview=preview(node, preview_tokens),
+            lock_ref=node.lock_ref,
+            last_access_time=node.last_access_time,
+            hit_count=node.hit_count,
+            owner=node.owner,
+            tombstone=node.tombstone,
+            depth_tokens=start + len(node.value),
+        )
+        for node, _, start in walk(root)
+    ]
+
+
+def render(root: TreeNode, preview_tokens: int = 6, extra: Any = None) -> str:
+    lines = []
+    for node, depth, _ in walk(root):
+        if node is root:
+            lines.append(f"root [{node.id}]")
+            continue
+        flags = " tombstone" if node.tombstone else ""
+        more = f" {extra(node)}" if extra else ""
+        lines.append(
+            f"{'  ' * depth}[{node.id}] {len(node.value)} tok lock={node.lock_ref} "
+            f"hits={node.hit_count}{flags}{more}: {preview(node, preview_tokens)}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,320 @@
+"""RadixCache: SGLang's page-aware radix prefix cache (semantics note §4), slot for slot.
+
+NOTE: tree accounting, kept exact after every call:
+    evictable_size = Σ len(value) over nodes with lock_ref == 0 (root excluded)
+    protected_size = Σ len(value) over nodes with lock_ref  > 0 (root excluded)
+    evictable leaves = nodes with lock_ref == 0 and no children
+Keys are whole pages: a child is keyed by the bytes of its first page, matches are
+truncated to a multiple of page_size, and position i of a path sits at a slot with
+slot % page_size == i % page_size.
+
+Named option `eviction_granularity`: "leaf" (SGLang's default: whole leaves, may
+overshoot) or "page" (kvscope's: only as many pages as needed, from the tail of the
+coldest leaf, ties to the deeper leaf; this makes one-pass hit-rate curves exact).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import numpy as np
+import torch
+
+from kvscope.cache.base import BasePrefixCache, CacheMisuseError, MatchResult, NodeRow, as_token_ids
+from kvscope.cache.eviction import LeafHeap, get_policy
+from kvscope.cache.node import EMPTY_SLOTS, TOKEN_BYTES, TreeNode, export_rows, render
+from kvscope.cache.radix_integrity import check_radix_integrity
+from kvscope.cache.radix_requests import RequestCachingMixin
+from kvscope.mem import BaseTokenAllocator, ReqToTokenPool
+from kvscope.telemetry import NULL_RECORDER, EventKind, EvictReason, PoolName, Recorder
+
+
+class RadixCache(RequestCachingMixin, BasePrefixCache):
+    def __init__(
+        self,
+        allocator: BaseTokenAllocator,
+        page_size: int = 1,
+        *,
+        req_to_token_pool: ReqToTokenPool | None = None,
+        eviction_policy: str = "lru",
+        eviction_granularity: Literal["leaf", "page"] = "leaf",
+        recorder: Recorder = NULL_RECORDER,
+        strict: bool = False,
+    ) -> None:
+        if page_size != allocator.page_size:
+            raise CacheMisuseError(f"page_size {page_size} != the allocator's {allocator.page_size}")
+        if eviction_granularity not in ("leaf", "page"):
+            raise CacheMisuseError(f"eviction_granularity must be 'leaf' or 'page', got {eviction_granularity!r}")
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.page_size = page_size
+        self.page_bytes = page_size * TOKEN_BYTES
+        self.device = allocator.device
+        self.policy = get_policy(eviction_policy)
+        self.eviction_granularity = eviction_granularity
+        self.recorder = recorder
+        self.strict = strict
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the tree (the caller clears the allocator too, as flush_cache does)."""
+        self.root = TreeNode(now=time.monotonic())
+        self.root.lock_ref = 1
+        self.root.priority = -(2**62)
+        self._evictable_size = 0
+        self._protected_size = 0
+        self.evictable_leaves: set[TreeNode] = set()
+        self.heap = LeafHeap(self.policy, deeper_first=self.eviction_granularity == "page")
+        self._tree_slot = np.zeros(self.allocator.total_size + 2 * self.page_size, dtype=bool)
+
+    def evictable_size(self) -> int:
+        return self._evictable_size
+
+    def protected_size(self) -> int:
+        return self._protected_size
+
+    def total_size(self) -> int:
+        return self._evictable_size + self._protected_size
+
+    # -- match -----------------------------------------------------------------------------
+
+    def match_prefix(
+        self, token_ids: np.ndarray, user: str | None = None, rid: str | None = None
+    ) -> MatchResult:
+        ids = as_token_ids(token_ids)
+        key = ids[: len(ids) // self.page_size * self.page_size].tobytes()
+        values, node = self._walk_match(key)
+        slots = self._to_tensor(values)
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.MATCH, pool=PoolName.FULL, rid=rid, node_id=node.id,
+                                 num_tokens=len(slots), aux=len(ids) - len(slots))
+        return MatchResult(slots, node)
+
+    def _walk_match(self, key: bytes) -> tuple[list[np.ndarray], TreeNode]:
+        now = time.monotonic()
+        node = self.root
+        node.last_access_time = now
+        values: list[np.ndarray] = []
+        pos, end, page_bytes = 0, len(key), self.page_bytes
+        while pos < end:
+            child = node.children.get(key[pos : pos + page_bytes])
+            if child is None:
+                break
+            child.last_access_time = now
+            if key.startswith(child.key, pos):
+                values.append(child.value)
+                pos += len(child.key)
+                node = child
+                continue
+            node = self._split(child, self._common_len(child.key, key, pos))
+            values.append(node.value)
+            break
+        return values, node
+
+    def _common_len(self, node_key: bytes, key: bytes, pos: int) -> int:
+        """Tokens the node shares with key[pos:], rounded down to whole pages."""
+        a = np.frombuffer(node_key, dtype=np.int32)
+        b = np.frombuffer(key, dtype=np.int32, offset=pos)[: len(a)]
+        a = a[: len(b)]
+        diff = np.flatnonzero(a != b)
+        shared = int(diff[0]) if len(diff) else len(a)
+        return shared // self.page_size * self.page_size
+
+    def _to_tensor(self, values: list[np.ndarray]) -> torch.Tensor:
+        joined = values[0] if len(values) == 1 else np.concatenate(values) if values else EMPTY_SLOTS
+        tensor = torch.from_numpy(joined)
+        return tensor if self.device.type == "cpu" else tensor.to(self.device)
+
+    def _split(self, child: TreeNode, split_len: int) -> TreeNode:
+        """Cut `child` after split_len tokens; the new upper node takes its place."""
+        parent = child.parent
+        assert parent is not None
+        cut = split_len * TOKEN_BYTES
+        upper = TreeNode(child.key[:cut], child.value[:split_len], child.last_access_time)
+        upper.parent, upper.lock_ref, upper.hit_count = parent, child.lock_ref, child.hit_count
+        upper.priority, upper.owner, upper.creation_time = child.priority, child.owner, child.creation_time
+        child.key, child.value, child.parent = child.key[cut:], child.value[split_len:], upper
+        upper.children[child.key[: self.page_bytes]] = child
+        parent.children[upper.key[: self.page_bytes]] = upper
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.SPLIT, node_id=upper.id, num_tokens=split_len, aux=child.id)
+        return upper
+
+    # -- insert ----------------------------------------------------------------------------
+
+    def insert(
+        self,
+        token_ids: np.ndarray,
+        slots: torch.Tensor,
+        user: str | None = None,
+        chunked: bool = False,
+        priority: int = 0,
+        rid: str | None = None,
+    ) -> int:
+        ids = as_token_ids(token_ids)
+        if len(slots) != len(ids):
+            raise CacheMisuseError(f"insert: {len(ids)} token ids but {len(slots)} slots")
+        key_len = len(ids) // self.page_size * self.page_size
+        key = ids[:key_len].tobytes()
+        node, pos = self._walk_insert(key, chunked, priority)
+        prefix_len = pos // TOKEN_BYTES
+        if pos < len(key):
+            value = slots[prefix_len:key_len].cpu().numpy().astype(np.int64, copy=True)
+            self._add_leaf(node, key[pos:], value, user, 0 if chunked else 1, priority, rid)
+        return prefix_len
+
+    def _walk_insert(self, key: bytes, chunked: bool, priority: int) -> tuple[TreeNode, int]:
+        now = time.monotonic()
+        node = self.root
+        node.last_access_time = now
+        pos, end, page_bytes = 0, len(key), self.page_bytes
+        while pos < end:
+            child = node.children.get(key[pos : pos + page_bytes])
+            if child is None:
+                break
+            child.last_access_time = now
+            if priority > child.priority:
+                child.priority = priority
+            if not key.startswith(child.key, pos):
+                child = self._split(child, self._common_len(child.key, key, pos))
+            if not chunked:
+                child.hit_count += 1
+            pos += len(child.key)
+            node = child
+        return node, pos
+
+    def _add_leaf(
+        self, parent: TreeNode, key: bytes, value: np.ndarray, user: str | None, hits: int, priority: int,
+        rid: str | None,
+    ) -> TreeNode:
+        if self.strict:
+            self._claim_slots(value)
+        leaf = TreeNode(key, value, time.monotonic())
+        leaf.parent, leaf.owner, leaf.hit_count, leaf.priority = parent, user, hits, priority
+        parent.children[key[: self.page_bytes]] = leaf
+        self._evictable_size += len(value)
+        self.evictable_leaves.discard(parent)
+        self._mark_leaf(leaf)
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=leaf.id,
+                                 num_tokens=len(value), slots=value)
+        return leaf
+
+    def _claim_slots(self, value: np.ndarray) -> None:
+        taken = value[self._tree_slot[value]]
+        if len(taken):
+            raise CacheMisuseError(f"strict: slots already in the tree inserted again: {taken[:16].tolist()}")
+        self._tree_slot[value] = True
+
+    def _mark_leaf(self, node: TreeNode) -> None:
+        """Put `node` in the evictable leaves if it now qualifies."""
+        if node.lock_ref == 0 and not node.children and node is not self.root:
+            self.evictable_leaves.add(node)
+            self.heap.push(node)
+
+    # -- locks -----------------------------------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode) -> int | None:
+        start, moved = node, 0
+        while node is not self.root:
+            if node.lock_ref == 0:
+                moved += len(node.value)
+                self.evictable_leaves.discard(node)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+        self._evictable_size -= moved
+        self._protected_size += moved
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.LOCK, node_id=start.id, num_tokens=moved)
+        return None
+
+    def dec_lock_ref(self, node: TreeNode, lock_id: int | None = None) -> None:
+        if node is not self.root and node.lock_ref <= 0:
+            raise CacheMisuseError(f"dec_lock_ref on node {node.id}, which is not locked (lock_ref {node.lock_ref})")
+        start, moved = node, 0
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                moved += len(node.value)
+                self._mark_leaf(node)
+            node = node.parent  # type: ignore[assignment]
+        self._evictable_size += moved
+        self._protected_size -= moved
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.UNLOCK, node_id=start.id, num_tokens=moved)
+
+    # -- eviction --------------------------------------------------------------------------
+
+    def refresh_eviction_order(self) -> None:
+        """Re-key every evictable leaf. Needed only after editing node fields by hand in a way
+        that lowers a policy key; normal operation only ever raises keys."""
+        self.heap.rebuild(self.evictable_leaves)
+
+    def evict(self, num_tokens: int, reason: EvictReason = EvictReason.CAPACITY) -> int:
+        if num_tokens > self._evictable_size:
+            raise CacheMisuseError(
+                f"evict({num_tokens}) beyond the evictable size {self._evictable_size} "
+                f"(protected {self._protected_size})"
+            )
+        if num_tokens <= 0:
+            return 0
+        self.heap.start(self.evictable_leaves)
+        freed: list[np.ndarray] = []
+        evicted = 0
+        by_page = self.eviction_granularity == "page"
+        while evicted < num_tokens:
+            leaf = self.heap.pop(self.evictable_leaves.__contains__)
+            if leaf is None:
+                break
+            want = -(-(num_tokens - evicted) // self.page_size) * self.page_size
+            chunk = self._trim_leaf(leaf, want) if by_page and len(leaf.value) > want else self._delete_leaf(leaf)
+            freed.append(chunk)
+            evicted += len(chunk)
+            if self.recorder.enabled:
+                self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=leaf.id,
+                                     num_tokens=len(chunk), slots=chunk, reason=reason)
+        self.allocator.free_many(freed)
+        return evicted
+
+    def _delete_leaf(self, leaf: TreeNode) -> np.ndarray:
+        parent = leaf.parent
+        assert parent is not None
+        del parent.children[leaf.key[: self.page_bytes]]
+        leaf.parent = None
+        self.evictable_leaves.discard(leaf)
+        self._evictable_size -= len(leaf.value)
+        if self.strict:
+            self._tree_slot[leaf.value] = False
+        self._mark_leaf(parent)
+        return leaf.value
+
+    def _trim_leaf(self, leaf: TreeNode, num_tokens: int) -> np.ndarray:
+        chunk = leaf.value[-num_tokens:]
+        leaf.value = leaf.value[:-num_tokens]
+        leaf.key = leaf.key[: -num_tokens * TOKEN_BYTES]
+        self._evictable_size -= num_tokens
+        if self.strict:
+            self._tree_slot[chunk] = False
+        self.heap.push(leaf)
+        return chunk
+
+    # -- views -----------------------------------------------------------------------------
+
+    def tree_slots(self) -> np.ndarray:
+        values = [n.value for n, _, _ in self._nodes() if n is not self.root]
+        return np.concatenate(values) if values else EMPTY_SLOTS
+
+    def _nodes(self) -> list[tuple[TreeNode, int, int]]:
+        from kvscope.cache.node import walk
+
+        return walk(self.root)
+
+    def check_integrity(self) -> None:
+        check_radix_integrity(self)
+
+    def pretty_print(self) -> str:
+        return render(self.root)
+
+    def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]:
+        return export_rows(self.root, preview_tokens)

@@ -1,0 +1,115 @@
+"""Event kinds and the recorder interface every layer reports to (no SQL here).
+
+NOTE: one event = (kind, pool, rid, node_id, num_tokens, slots, reason, aux):
+    match      num_tokens = hit tokens, aux = miss tokens, node_id = last matched node
+    insert     num_tokens = new tokens placed in a new node, node_id = that node
+    split      node_id = the new upper node, aux = the node that was split
+    lock/unlock node_id = the node the lock starts at, num_tokens = tokens whose state moved
+    evict      node_id, num_tokens, slots freed, reason (capacity, finish, abort, tombstone)
+    tombstone  node_id, num_tokens = SWA tokens freed, slots = the SWA-freed full slots
+    alloc/free pool, rid, num_tokens, slots
+Producers guard every call with `if recorder.enabled:` so a disabled recorder costs one
+flag check; they pass slot tensors/arrays as they are (the recorder copies if it keeps them).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, NamedTuple
+
+
+class EventKind(StrEnum):
+    REQUEST_ARRIVE = "arrive"
+    REQUEST_ADMIT = "admit"
+    REQUEST_FINISH = "finish"
+    REQUEST_RETRACT = "retract"
+    REQUEST_ABORT = "abort"
+    MATCH = "match"
+    ALLOC = "alloc"
+    FREE = "free"
+    INSERT = "insert"
+    SPLIT = "split"
+    LOCK = "lock"
+    UNLOCK = "unlock"
+    EVICT = "evict"
+    TOMBSTONE = "tombstone"
+    LEAK_CHECK = "leak_check"
+
+
+class EvictReason(StrEnum):
+    CAPACITY = "capacity"
+    FINISH = "finish"
+    ABORT = "abort"
+    TOMBSTONE = "tombstone"
+
+
+class PoolName(StrEnum):
+    FULL = "full"
+    SWA = "swa"
+    REQ = "req"
+    HOST = "host"
+
+
+class Event(NamedTuple):
+    kind: EventKind
+    pool: PoolName | None
+    rid: str | None
+    node_id: int | None
+    num_tokens: int
+    slots: Any
+    reason: EvictReason | None
+    aux: int
+
+
+class Recorder:
+    """Base recorder: disabled, records nothing. Subclasses set `enabled = True`."""
+
+    enabled: bool = False
+
+    def record(
+        self,
+        kind: EventKind,
+        *,
+        pool: PoolName | None = None,
+        rid: str | None = None,
+        node_id: int | None = None,
+        num_tokens: int = 0,
+        slots: Any = None,
+        reason: EvictReason | None = None,
+        aux: int = 0,
+    ) -> None:
+        """Append one event. Called only when `enabled`; must not raise on the hot path."""
+
+
+class NullRecorder(Recorder):
+    enabled = False
+
+
+NULL_RECORDER = NullRecorder()
+
+
+class ListRecorder(Recorder):
+    """Keeps events in a list: for tests and small in-process inspection."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def record(
+        self,
+        kind: EventKind,
+        *,
+        pool: PoolName | None = None,
+        rid: str | None = None,
+        node_id: int | None = None,
+        num_tokens: int = 0,
+        slots: Any = None,
+        reason: EvictReason | None = None,
+        aux: int = 0,
+    ) -> None:
+        kept = None if slots is None else [int(s) for s in slots]
+        self.events.append(Event(kind, pool, rid, node_id, num_tokens, kept, reason, aux))
+
+    def of_kind(self, kind: EventKind) -> list[Event]:
+        return [e for e in self.events if e.kind is kind]

@@ -1,0 +1,211 @@
+"""RadixCache on hand-built trees: eviction orders, page-granular eviction, misuse errors,
+telemetry events, the flat export; and the chunk caches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvscope.cache import CacheMisuseError, ChunkCache, RadixCache, SWAChunkCache
+from kvscope.mem import ReqToTokenPool, SWATokenToKVPoolAllocator, make_token_allocator
+from kvscope.telemetry import EventKind, EvictReason, ListRecorder
+from tests.cache.helpers import Req, ids
+
+# leaf: (first token, last_access_time, hit_count, creation_time, priority)
+LEAVES = {"a": (1, 40.0, 3, 1.0, 5), "b": (2, 10.0, 9, 4.0, 1), "c": (3, 30.0, 1, 2.0, 1), "d": (4, 20.0, 3, 3.0, 9)}
+EXPECTED = {
+    "lru": "bdca",  # last access ascending
+    "lfu": "cdab",  # (hits, last access)
+    "fifo": "acdb",  # creation ascending
+    "mru": "acdb",  # last access descending
+    "filo": "bdca",  # creation descending
+    "priority": "bcad",  # (priority, last access)
+}
+
+
+def build(policy: str, recorder: ListRecorder | None = None) -> tuple[RadixCache, dict[int, str]]:
+    allocator = make_token_allocator(64, 1)
+    cache = RadixCache(allocator, 1, eviction_policy=policy, **({"recorder": recorder} if recorder else {}))
+    names = {}
+    for name, (token, access, hits, created, priority) in LEAVES.items():
+        slots = allocator.alloc(2)
+        assert slots is not None
+        cache.insert(ids(token, token), slots)
+        node = cache.root.children[ids(token).tobytes()]
+        node.last_access_time, node.hit_count, node.creation_time, node.priority = access, hits, created, priority
+        names[node.id] = name
+    cache.refresh_eviction_order()
+    return cache, names
+
+
+@pytest.mark.parametrize("policy", sorted(EXPECTED))
+def test_each_policy_evicts_in_its_documented_order(policy: str) -> None:
+    recorder = ListRecorder()
+    cache, names = build(policy, recorder)
+    for _ in LEAVES:
+        assert cache.evict(1) == 2
+        cache.check_integrity()
+    order = "".join(names[e.node_id] for e in recorder.of_kind(EventKind.EVICT))
+    assert order == EXPECTED[policy]
+
+
+def test_unknown_policy_is_a_clear_error() -> None:
+    with pytest.raises(CacheMisuseError, match="unknown eviction policy 'random'"):
+        RadixCache(make_token_allocator(8, 1), 1, eviction_policy="random")
+
+
+def test_page_granular_eviction_trims_the_coldest_leaf_tail() -> None:
+    allocator = make_token_allocator(64, 4)
+    cache = RadixCache(allocator, 4, eviction_granularity="page")
+    cold = allocator.alloc(12)
+    warm = allocator.alloc(8)
+    assert cold is not None and warm is not None
+    cache.insert(np.arange(12, dtype=np.int32), cold)
+    cache.insert(np.arange(100, 108, dtype=np.int32), warm)
+    assert cache.evict(3) == 4, "one page, not the whole 12-token leaf"
+    assert cache.match_prefix(np.arange(12, dtype=np.int32)).prefix_len == 8
+    assert cache.evictable_size() == 16
+    cache.check_integrity()
+    allocator.check_integrity(cache.tree_slots())
+    # that match made the first leaf the warmer one: the 8-token leaf goes whole, then one page
+    assert cache.evict(9) == 12
+    assert cache.match_prefix(np.arange(100, 108, dtype=np.int32)).prefix_len == 0
+    assert cache.match_prefix(np.arange(12, dtype=np.int32)).prefix_len == 4
+
+
+def test_page_granular_ties_go_to_the_deeper_leaf() -> None:
+    allocator = make_token_allocator(64, 2)
+    cache = RadixCache(allocator, 2, eviction_granularity="page")
+    shallow, deep = allocator.alloc(4), allocator.alloc(8)
+    assert shallow is not None and deep is not None
+    cache.insert(ids(9, 9, 9, 9), shallow)
+    cache.insert(ids(1, 1, 2, 2, 3, 3, 4, 4), deep)
+    for node in cache.root.children.values():
+        node.last_access_time = 5.0
+    cache.refresh_eviction_order()
+    cache.evict(2)
+    assert cache.match_prefix(ids(1, 1, 2, 2, 3, 3, 4, 4)).prefix_len == 6
+    assert cache.match_prefix(ids(9, 9, 9, 9)).prefix_len == 4
+
+
+def test_whole_leaf_eviction_overshoots_as_sglang_does() -> None:
+    cache, _ = build("lru")
+    assert cache.evict(1) == 2
+
+
+def test_misuse_errors_state_the_numbers() -> None:
+    allocator = make_token_allocator(32, 1)
+    cache = RadixCache(allocator, 1, strict=True)
+    slots = allocator.alloc(4)
+    assert slots is not None
+    with pytest.raises(CacheMisuseError, match="4 token ids but 3 slots"):
+        cache.insert(ids(1, 2, 3, 4), slots[:3])
+    cache.insert(ids(1, 2, 3, 4), slots)
+    with pytest.raises(CacheMisuseError, match=r"evict\(5\) beyond the evictable size 4"):
+        cache.evict(5)
+    node = cache.match_prefix(ids(1, 2, 3, 4)).last_node
+    with pytest.raises(CacheMisuseError, match=f"node {node.id}, which is not locked"):
+        cache.dec_lock_ref(node)
+    with pytest.raises(CacheMisuseError, match=r"slots already in the tree inserted again: \[1\]"):
+        cache.insert(ids(7, 8), torch.tensor([1, 9]))
+
+
+def test_locks_move_tokens_between_evictable_and_protected() -> None:
+    allocator = make_token_allocator(32, 1)
+    cache = RadixCache(allocator, 1)
+    cache.insert(ids(1, 2, 3, 4), allocator.alloc(4))  # type: ignore[arg-type]
+    cache.insert(ids(1, 2, 7), allocator.alloc(3)[[0, 1, 2]])  # type: ignore[index]
+    leaf = cache.match_prefix(ids(1, 2, 3, 4)).last_node
+    assert (cache.evictable_size(), cache.protected_size()) == (5, 0)
+    cache.inc_lock_ref(leaf)
+    assert (cache.evictable_size(), cache.protected_size()) == (1, 4)
+    cache.inc_lock_ref(leaf)
+    assert (cache.evictable_size(), cache.protected_size()) == (1, 4)
+    cache.dec_lock_ref(leaf)
+    cache.dec_lock_ref(leaf)
+    assert (cache.evictable_size(), cache.protected_size()) == (5, 0)
+    assert cache.root.lock_ref == 1
+
+
+def test_every_operation_reports_to_the_recorder() -> None:
+    recorder = ListRecorder()
+    allocator = make_token_allocator(32, 1)
+    cache = RadixCache(allocator, 1, recorder=recorder)
+    first = allocator.alloc(4)
+    cache.insert(ids(1, 2, 3, 4), first, user="alice", rid="r1")  # type: ignore[arg-type]
+    match = cache.match_prefix(ids(1, 2, 9), rid="r2")
+    cache.inc_lock_ref(match.last_node)
+    cache.dec_lock_ref(match.last_node)
+    cache.evict(2)
+    kinds = [e.kind for e in recorder.events]
+    assert kinds == [EventKind.INSERT, EventKind.SPLIT, EventKind.MATCH, EventKind.LOCK, EventKind.UNLOCK,
+                     EventKind.EVICT]
+    insert, split, found, lock, _, evict = recorder.events
+    assert (insert.rid, insert.num_tokens, insert.slots) == ("r1", 4, first.tolist())  # type: ignore[union-attr]
+    assert (found.num_tokens, found.aux, found.node_id) == (2, 1, split.node_id)
+    assert lock.num_tokens == 2
+    assert (evict.reason, evict.num_tokens) == (EvictReason.CAPACITY, 2)
+
+
+def test_no_recorder_records_nothing_and_costs_a_flag() -> None:
+    cache = RadixCache(make_token_allocator(8, 1), 1)
+    assert cache.recorder.enabled is False
+
+
+def test_export_and_pretty_print_show_the_tree() -> None:
+    allocator = make_token_allocator(32, 1)
+    cache = RadixCache(allocator, 1)
+    cache.insert(ids(1, 2, 3, 4), allocator.alloc(4), user="alice")  # type: ignore[arg-type]
+    cache.insert(ids(1, 2, 7), allocator.alloc(3), user="bob")  # type: ignore[arg-type]
+    rows = {r.token_preview: r for r in cache.export_nodes(preview_tokens=2)}
+    assert set(rows) == {"", "1 2", "3 4", "7"}
+    assert rows["3 4"].depth_tokens == 4 and rows["3 4"].owner == "alice" and rows["7"].owner == "bob"
+    assert rows["3 4"].parent_id == rows["1 2"].node_id
+    assert rows["1 2"].hit_count == 2 and rows["1 2"].owner == "alice"
+    text = cache.pretty_print()
+    assert "2 tok" in text and "7" in text and text.startswith("root")
+
+
+def test_cache_finished_req_never_inserts_the_last_token_and_frees_the_tail() -> None:
+    allocator = make_token_allocator(64, 4, strict=True)
+    rows = ReqToTokenPool(2, 64)
+    cache = RadixCache(allocator, 4, req_to_token_pool=rows, strict=True)
+    req = Req("r1", np.arange(11, dtype=np.int32), kv_committed_len=10, last_node=cache.root)
+    rows.alloc([req])
+    slots = allocator.alloc_extend([0], [10], [-1], 10)  # type: ignore[attr-defined]
+    rows.write(req.req_pool_idx, 0, slots)  # type: ignore[arg-type]
+    cache.cache_finished_req(req)
+    assert cache.total_size() == 8, "10 tokens with KV, page-floored; token 10 has none"
+    assert allocator.available_size() == 64 - 8
+    allocator.check_integrity(cache.tree_slots())
+
+
+def test_chunk_cache_keeps_nothing_and_frees_everything() -> None:
+    allocator = make_token_allocator(32, 1, strict=True)
+    rows = ReqToTokenPool(2, 32)
+    cache = ChunkCache(allocator, 1, req_to_token_pool=rows)
+    req = Req("r1", np.arange(6, dtype=np.int32), kv_committed_len=5)
+    rows.alloc([req])
+    rows.write(req.req_pool_idx, 0, allocator.alloc(6))  # type: ignore[arg-type]
+    assert cache.match_prefix(req.fill_ids).prefix_len == 0
+    cache.cache_unfinished_req(req)
+    assert len(req.prefix_indices) == 6 and allocator.available_size() == 26
+    cache.cache_finished_req(req)
+    assert allocator.available_size() == 31, "the 6th slot was never committed, so it stays"
+    with pytest.raises(CacheMisuseError, match="evictable size 0"):
+        cache.evict(1)
+
+
+def test_swa_chunk_cache_frees_window_slots() -> None:
+    allocator = SWATokenToKVPoolAllocator(32, 16, 1, strict=True)
+    rows = ReqToTokenPool(2, 32)
+    cache = SWAChunkCache(allocator, 1, req_to_token_pool=rows, window_len=4)
+    req = Req("r1", np.arange(10, dtype=np.int32), kv_committed_len=10)
+    rows.alloc([req])
+    rows.write(req.req_pool_idx, 0, allocator.alloc(10))  # type: ignore[arg-type]
+    cache.free_out_of_window(req, pre_len=10)
+    assert req.swa_evicted_len == 6 and allocator.swa_available_size() == 12
+    cache.cache_finished_req(req)
+    assert allocator.swa_available_size() == 16 and allocator.full_available_size() == 32
+    allocator.check_integrity([])
