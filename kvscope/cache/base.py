@@ -51,8 +51,16 @@ class CacheMisuseError(ValueError):
 
 
 def as_token_ids(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Token ids as a contiguous 1-D int32 array (no copy when already one)."""
+    """Token ids as a 1-D int32 array (the array itself when it already is one)."""
+    if type(token_ids) is np.ndarray and token_ids.dtype == TOKEN_DTYPE and token_ids.ndim == 1:
+        return token_ids
     return np.ascontiguousarray(token_ids, dtype=TOKEN_DTYPE).reshape(-1)
+
+
+def page_key(ids: np.ndarray, page_size: int) -> bytes:
+    """The bytes of the whole pages of `ids` (int32, 4 bytes a token)."""
+    key_len = len(ids) - len(ids) % page_size
+    return (ids if key_len == len(ids) else ids[:key_len]).tobytes()
 
 
 class MatchResult(NamedTuple):

@@ -13,7 +13,7 @@ the leaf's depth in tokens when ties must go to the deeper leaf (page-granular e
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,9 +72,8 @@ class LeafHeap:
         if self.policy.monotone:
             heapq.heappush(self.entries, self.entry(node))
 
-    def start(self, leaves: Iterable[TreeNode]) -> None:
+    def start(self, leaves: Collection[TreeNode]) -> None:
         """Called at the start of each evict: rebuild when keys are not monotone or the heap bloated."""
-        leaves = list(leaves)
         if not self.policy.monotone or len(self.entries) > 4 * len(leaves) + 64:
             self.rebuild(leaves)
 

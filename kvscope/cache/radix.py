@@ -21,7 +21,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kvscope.cache.base import BasePrefixCache, CacheMisuseError, MatchResult, NodeRow, as_token_ids
+from kvscope.cache.base import BasePrefixCache, CacheMisuseError, MatchResult, NodeRow, as_token_ids, page_key
 from kvscope.cache.eviction import LeafHeap, get_policy
 from kvscope.cache.node import EMPTY_SLOTS, TOKEN_BYTES, TreeNode, export_rows, render
 from kvscope.cache.radix_integrity import check_radix_integrity
@@ -51,6 +51,7 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
         self.page_size = page_size
         self.page_bytes = page_size * TOKEN_BYTES
         self.device = allocator.device
+        self._on_cpu = self.device.type == "cpu"
         self.policy = get_policy(eviction_policy)
         self.eviction_granularity = eviction_granularity
         self.recorder = recorder
@@ -83,8 +84,7 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
         self, token_ids: np.ndarray, user: str | None = None, rid: str | None = None
     ) -> MatchResult:
         ids = as_token_ids(token_ids)
-        key = ids[: len(ids) // self.page_size * self.page_size].tobytes()
-        values, node = self._walk_match(key)
+        values, node = self._walk_match(page_key(ids, self.page_size))
         slots = self._to_tensor(values)
         if self.recorder.enabled:
             self.recorder.record(EventKind.MATCH, pool=PoolName.FULL, rid=rid, node_id=node.id,
@@ -124,7 +124,7 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
     def _to_tensor(self, values: list[np.ndarray]) -> torch.Tensor:
         joined = values[0] if len(values) == 1 else np.concatenate(values) if values else EMPTY_SLOTS
         tensor = torch.from_numpy(joined)
-        return tensor if self.device.type == "cpu" else tensor.to(self.device)
+        return tensor if self._on_cpu else tensor.to(self.device)
 
     def _split(self, child: TreeNode, split_len: int) -> TreeNode:
         """Cut `child` after split_len tokens; the new upper node takes its place."""
@@ -153,14 +153,15 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
         rid: str | None = None,
     ) -> int:
         ids = as_token_ids(token_ids)
-        if len(slots) != len(ids):
-            raise CacheMisuseError(f"insert: {len(ids)} token ids but {len(slots)} slots")
-        key_len = len(ids) // self.page_size * self.page_size
-        key = ids[:key_len].tobytes()
+        if slots.shape[0] != len(ids):
+            raise CacheMisuseError(f"insert: {len(ids)} token ids but {slots.shape[0]} slots")
+        key_len = len(ids) - len(ids) % self.page_size
+        key = page_key(ids, self.page_size)
         node, pos = self._walk_insert(key, chunked, priority)
         prefix_len = pos // TOKEN_BYTES
         if pos < len(key):
-            value = slots[prefix_len:key_len].cpu().numpy().astype(np.int64, copy=True)
+            host = slots.numpy() if self._on_cpu else slots.cpu().numpy()
+            value = np.array(host[prefix_len:key_len], dtype=np.int64)
             self._add_leaf(node, key[pos:], value, user, 0 if chunked else 1, priority, rid)
         return prefix_len
 

@@ -210,20 +210,35 @@ class BaseTokenAllocator:
     def free_many(self, chunks: list[np.ndarray]) -> None:
         """Same free-list result as `free(chunk)` for each chunk in turn, in one update.
 
-        Paged and without a group or need_sort, each free prepends its pages, so the
-        chunks' pages go in front in reverse order.
+        Each chunk is whole aligned pages (as tree node values are), so its pages are its
+        every page_size-th slot. Paged and without a group or need_sort, each free
+        prepends its pages, so the chunks' pages go in front in reverse order.
         """
         chunks = [c for c in chunks if len(c)]
         if not chunks:
             return
-        slots = torch.from_numpy(np.concatenate(chunks)).to(self.device)
-        if self.page_size == 1 or self.need_sort or self._free_group is not None or len(chunks) == 1:
-            self.free(slots)
-            return
+        joined = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+        slots = torch.from_numpy(joined).to(self.device)
+        ps = self.page_size
         if self._strict:
+            self._check_whole_pages(chunks)
             self._check_free(slots)
-        pages = np.concatenate([np.unique(c // self.page_size) for c in reversed(chunks)])
-        self.free_pages = torch.cat((torch.from_numpy(pages).to(self.device), self.free_pages))
+        if self._free_group is not None:
+            self._free_group.append(slots)
+            return
+        if ps == 1:
+            pages = joined
+        elif self.need_sort or len(chunks) == 1:
+            pages = np.sort(joined[::ps] // ps)
+        else:
+            pages = np.concatenate([np.sort(c[::ps] // ps) for c in reversed(chunks)])
+        self._return_pages(torch.from_numpy(pages).to(self.device))
+
+    def _check_whole_pages(self, chunks: list[np.ndarray]) -> None:
+        ps = self.page_size
+        for chunk in chunks:
+            if len(chunk) % ps or (chunk % ps != np.arange(len(chunk)) % ps).any():
+                raise PoolMisuseError(self.name, "free_many chunk is not whole aligned pages", chunk[:16].tolist())
 
     def _return_pages(self, pages: torch.Tensor) -> None:
         if self.need_sort:
