@@ -199,7 +199,7 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
         self._mark_leaf(leaf)
         if self.recorder.enabled:
             self.recorder.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=leaf.id,
-                                 num_tokens=len(value), slots=value)
+                                 num_tokens=len(value), slots=value, aux=parent.id)
         return leaf
 
     def _claim_slots(self, value: np.ndarray) -> None:

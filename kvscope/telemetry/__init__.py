@@ -1,4 +1,8 @@
-"""Telemetry: event kinds and the recorder interface (the SQLite store comes later)."""
+"""Telemetry: event kinds, the recorder interface, the SQLite capture store and its queries.
+
+The producer side (events, recorders) is imported by mem/cache/engine; the reader side
+(queries) by the dashboard and CLI. Nothing here imports torch.
+"""
 
 from kvscope.telemetry.events import (
     NULL_RECORDER,
@@ -10,14 +14,20 @@ from kvscope.telemetry.events import (
     PoolName,
     Recorder,
 )
+from kvscope.telemetry.records import LEVELS, LeakCheck, PoolTerms, RequestRecord, UsageSample
 
 __all__ = [
+    "LEVELS",
     "NULL_RECORDER",
     "Event",
     "EventKind",
     "EvictReason",
+    "LeakCheck",
     "ListRecorder",
     "NullRecorder",
     "PoolName",
+    "PoolTerms",
     "Recorder",
+    "RequestRecord",
+    "UsageSample",
 ]

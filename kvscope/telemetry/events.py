@@ -2,7 +2,7 @@
 
 NOTE: one event = (kind, pool, rid, node_id, num_tokens, slots, reason, aux):
     match      num_tokens = hit tokens, aux = miss tokens, node_id = last matched node
-    insert     num_tokens = new tokens placed in a new node, node_id = that node
+    insert     num_tokens = new tokens placed in a new node, node_id = that node, aux = its parent
     split      node_id = the new upper node, aux = the node that was split
     lock/unlock node_id = the node the lock starts at, num_tokens = tokens whose state moved
     evict      node_id, num_tokens, slots freed, reason (capacity, finish, abort, tombstone)

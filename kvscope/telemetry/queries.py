@@ -1,0 +1,149 @@
+"""Read queries over a capture, used by the dashboard and the CLI. Each returns a DataFrame.
+
+Readers open the capture read-only (store.open_reader). Aggregation happens in SQL: the
+usage series is downsampled to at most `max_points` buckets, events are paged.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from sqlalchemy import Engine, func, select
+
+from kvscope.telemetry import schema
+from kvscope.telemetry.store import open_reader
+from kvscope.telemetry.tree_replay import replay_tree
+
+STALE_HEARTBEAT_S = 30.0
+ENDED_WITHOUT_CLOSING = "ended without closing"
+
+
+class Capture:
+    """A capture opened read-only."""
+
+    def __init__(self, target: str | Path) -> None:
+        self.target = str(target)
+        self.engine: Engine = open_reader(target)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def _frame(self, stmt: Any) -> pd.DataFrame:
+        with self.engine.connect() as conn:
+            result = conn.execute(stmt)
+            return pd.DataFrame(result.fetchall(), columns=list(result.keys()))
+
+    # -- runs ------------------------------------------------------------------------------
+
+    def runs(self) -> pd.DataFrame:
+        r = schema.runs.c
+        frame = self._frame(select(schema.runs).order_by(r.id))
+        frame["display_status"] = [display_status(row) for row in frame.itertuples()]
+        return frame
+
+    def latest_run_id(self) -> int | None:
+        with self.engine.connect() as conn:
+            return conn.execute(select(func.max(schema.runs.c.id))).scalar_one_or_none()
+
+    # -- series and tables -------------------------------------------------------------------
+
+    def usage(self, run_id: int, max_points: int = 500) -> pd.DataFrame:
+        """Usage per step, at most `max_points` rows: each bucket of steps keeps its maxima."""
+        u = schema.usage.c
+        with self.engine.connect() as conn:
+            lo, hi = conn.execute(select(func.min(u.step), func.max(u.step)).where(u.run_id == run_id)).one()
+        if lo is None:
+            return pd.DataFrame(columns=[c.name for c in schema.usage.columns])
+        width = max(1, -(-(hi - lo + 1) // max_points))
+        value_cols = [c for c in schema.usage.columns if c.name not in ("run_id", "step")]
+        stmt = (
+            select(func.max(u.step).label("step"), *(func.max(c).label(c.name) for c in value_cols))
+            .where(u.run_id == run_id)
+            .group_by((u.step - lo) // width)
+            .order_by(func.max(u.step))
+        )
+        return self._frame(stmt)
+
+    def events(
+        self,
+        run_id: int,
+        *,
+        kinds: list[str] | None = None,
+        rid: str | None = None,
+        node_id: int | None = None,
+        step_range: tuple[int, int] | None = None,
+        limit: int = 1000,
+        offset: int = 0,
+    ) -> pd.DataFrame:
+        e = schema.events.c
+        stmt = select(schema.events).where(e.run_id == run_id)
+        if kinds:
+            stmt = stmt.where(e.kind.in_(kinds))
+        if rid is not None:
+            stmt = stmt.where(e.rid == rid)
+        if node_id is not None:
+            stmt = stmt.where(e.node_id == node_id)
+        if step_range is not None:
+            stmt = stmt.where(e.step.between(*step_range))
+        return self._frame(stmt.order_by(e.seq).limit(limit).offset(offset))
+
+    def event_counts(self, run_id: int) -> pd.DataFrame:
+        e = schema.events.c
+        stmt = select(e.kind, func.count().label("count")).where(e.run_id == run_id).group_by(e.kind)
+        return self._frame(stmt.order_by(e.kind))
+
+    def leak_checks(self, run_id: int) -> pd.DataFrame:
+        c = schema.leak_checks.c
+        return self._frame(select(schema.leak_checks).where(c.run_id == run_id).order_by(c.step, c.pool))
+
+    def requests(self, run_id: int) -> pd.DataFrame:
+        c = schema.requests.c
+        return self._frame(select(schema.requests).where(c.run_id == run_id).order_by(c.arrive_step, c.rid))
+
+    def snapshot_steps(self, run_id: int) -> list[int]:
+        t = schema.tree_snapshots.c
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(t.step).where(t.run_id == run_id).distinct().order_by(t.step))
+            return [int(s) for (s,) in rows]
+
+    def tree_at(self, run_id: int, step: int) -> pd.DataFrame:
+        """The node table at `step`: the latest snapshot at or before it, then the structural
+        events after it (insert, split, evict, lock, unlock, tombstone) replayed up to `step`."""
+        t = schema.tree_snapshots.c
+        with self.engine.connect() as conn:
+            base_step = conn.execute(
+                select(func.max(t.step)).where(t.run_id == run_id, t.step <= step)
+            ).scalar_one_or_none()
+        nodes = pd.DataFrame(columns=[c.name for c in schema.tree_snapshots.columns])
+        if base_step is not None:
+            nodes = self._frame(select(schema.tree_snapshots).where(t.run_id == run_id, t.step == base_step))
+        start = -1 if base_step is None else base_step
+        events = self.events(run_id, kinds=["insert", "split", "evict", "lock", "unlock", "tombstone"],
+                             step_range=(start + 1, step), limit=10_000_000)
+        return replay_tree(nodes.drop(columns=["run_id", "step"], errors="ignore"), events)
+
+
+def display_status(row: Any) -> str:
+    """running / finished / crashed, or 'ended without closing' for a run whose writer died."""
+    if row.status != "running":
+        return str(row.status)
+    if row.host == socket.gethostname() and row.pid and not _pid_alive(int(row.pid)):
+        return ENDED_WITHOUT_CLOSING
+    if row.heartbeat_at is not None and time.time() - row.heartbeat_at > STALE_HEARTBEAT_S:
+        return ENDED_WITHOUT_CLOSING
+    return "running"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,250 @@
+"""SQLRecorder: events into an in-memory buffer, a background thread writes batches.
+
+NOTE: levels
+    off      nothing recorded (use NullRecorder)
+    summary  usage samples, requests, leak checks, tree snapshots
+    full     summary + every memory event with its slots (`enabled` is True only here)
+The caller's thread pays one append per event (plus a length check); the writer drains the
+buffer every `flush_interval_s` or when `flush_max_events` are waiting, converts slots to
+int32 bytes, and inserts each table's rows with one executemany, all in one transaction.
+A SIGKILL leaves a readable database with everything up to the last flush and the run
+still 'running'; close() (normal exit, SIGINT, SIGTERM) flushes and marks it finished.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+import numpy as np
+from sqlalchemy import update
+
+from kvscope.telemetry import schema
+from kvscope.telemetry.events import EventKind, EvictReason, PoolName, Recorder
+from kvscope.telemetry.records import LEVELS, LeakCheck, RequestRecord, UsageSample
+from kvscope.telemetry.store import BulkInsert, open_writer
+
+EVENT_COLUMNS = ("run_id", "seq", "step", "t_mono", "kind", "pool", "rid", "node_id", "num_tokens", "aux",
+                 "reason", "slots")
+TREE_COLUMNS = ("run_id", "step", "node_id", "parent_id", "num_tokens", "token_preview", "lock_ref",
+                "last_access_time", "hit_count", "owner", "tombstone", "depth_tokens")
+LEAK_COLUMNS = ("run_id", "step", "pool", "t_mono", "total", "available", "evictable", "protected", "held",
+                "uncached", "ok", "message")
+USAGE_COLUMNS = tuple(c.name for c in schema.usage.columns)
+REQUEST_COLUMNS = tuple(c.name for c in schema.requests.columns)
+
+
+def slots_blob(slots: Any) -> bytes | None:
+    """Slot indices as int32 little-endian bytes; accepts torch tensors without importing torch."""
+    if slots is None:
+        return None
+    if type(slots).__module__.startswith("torch"):
+        slots = slots.detach().cpu().numpy()
+    return np.asarray(slots, dtype="<i4").tobytes()
+
+
+def decode_slots(blob: bytes | None) -> list[int]:
+    return [] if blob is None else np.frombuffer(blob, dtype="<i4").tolist()
+
+
+class SQLRecorder(Recorder):
+    def __init__(
+        self,
+        target: str | Path,
+        *,
+        level: str = "full",
+        label: str = "",
+        config: dict[str, Any] | None = None,
+        flush_interval_s: float = 0.2,
+        flush_max_events: int = 200_000,
+    ) -> None:
+        if level not in LEVELS[1:]:
+            raise ValueError(f"recording level must be 'summary' or 'full' here, got {level!r}")
+        self.engine = open_writer(target)
+        self.level = level
+        self.enabled = level == "full"
+        self.step = 0
+        self.error: BaseException | None = None
+        self.closed = False
+        self._seq = itertools.count()
+        self._events: deque[tuple[Any, ...]] = deque()
+        self._rows: deque[tuple[str, tuple[Any, ...]]] = deque()
+        self._max_events = flush_max_events
+        self._interval_s = flush_interval_s
+        self._inserts = {
+            "events": BulkInsert(self.engine, schema.events, EVENT_COLUMNS),
+            "tree_snapshots": BulkInsert(self.engine, schema.tree_snapshots, TREE_COLUMNS),
+            "leak_checks": BulkInsert(self.engine, schema.leak_checks, LEAK_COLUMNS),
+            "usage": BulkInsert(self.engine, schema.usage, USAGE_COLUMNS),
+            "requests": BulkInsert(self.engine, schema.requests, REQUEST_COLUMNS),
+        }
+        self.run_id = self._start_run(label, config or {})
+        self._flush_lock = threading.Lock()
+        self._flush_waiters: deque[threading.Event] = deque()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="kvscope-recorder", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    def _start_run(self, label: str, config: dict[str, Any]) -> int:
+        now = time.time()
+        with self.engine.begin() as conn:
+            result = conn.execute(schema.runs.insert().values(
+                label=label, status="running", started_at=now, heartbeat_at=now, host=socket.gethostname(),
+                pid=os.getpid(), level=self.level, config=json.dumps(config, default=str, sort_keys=True),
+            ))
+            assert result.inserted_primary_key is not None
+            return int(result.inserted_primary_key[0])
+
+    # -- the caller's side -----------------------------------------------------------------
+
+    def record(
+        self,
+        kind: EventKind,
+        *,
+        pool: PoolName | None = None,
+        rid: str | None = None,
+        node_id: int | None = None,
+        num_tokens: int = 0,
+        slots: Any = None,
+        reason: EvictReason | None = None,
+        aux: int = 0,
+    ) -> None:
+        events = self._events
+        events.append((next(self._seq), self.step, time.monotonic(), kind, pool, rid, node_id, num_tokens, aux,
+                       reason, slots))
+        if len(events) >= self._max_events:
+            self._wake.set()
+
+    def usage(self, sample: UsageSample) -> None:
+        swa = sample.swa or (None, None, None, None)
+        self._rows.append(("usage", (self.run_id, sample.step, time.monotonic(), *sample.full, *swa,
+                                     *sample[3:])))
+
+    def leak_check(self, check: LeakCheck) -> None:
+        self._rows.append(("leak_checks", (self.run_id, check.step, check.pool, time.monotonic(), *check[2:],
+                                           check.ok, None if check.ok else check.message())))
+
+    def request(self, rec: RequestRecord) -> None:
+        """Store a request's final record (call once, when it ends or when the run closes)."""
+        moments = schema.REQUEST_MOMENTS
+        self._rows.append(("requests", (
+            self.run_id, rec.rid, rec.principal, rec.status, rec.prompt_len, rec.cached_tokens, rec.output_len,
+            rec.num_retractions, *(rec.times.get(m) for m in moments), *(rec.steps.get(m) for m in moments),
+        )))
+
+    def tree_snapshot(self, step: int, rows: list[Any]) -> None:
+        """`rows`: the cache's export_nodes() (NodeRow tuples)."""
+        self._rows.extend(("tree_snapshots", (self.run_id, step, *row)) for row in rows)
+
+    # -- the writer's side -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait(self._interval_s)
+            self._wake.clear()
+            waiters = [self._flush_waiters.popleft() for _ in range(len(self._flush_waiters))]
+            self._flush_now()
+            for waiter in waiters:
+                waiter.set()
+            if self._stop:
+                return
+
+    def flush(self) -> None:
+        """Block until everything recorded so far is on disk.
+
+        The writing happens on the writer thread, so a signal that interrupts the caller
+        (SIGINT, SIGTERM) can never interrupt a write transaction halfway.
+        """
+        if not self._thread.is_alive() or threading.current_thread() is self._thread:
+            self._flush_now()
+            return
+        done = threading.Event()
+        self._flush_waiters.append(done)
+        self._wake.set()
+        done.wait()
+
+    def _flush_now(self) -> None:
+        """Write everything buffered so far, in one transaction (table by table if that fails)."""
+        with self._flush_lock:
+            batches = self._drain()
+            try:
+                self._write(batches)
+            except Exception:
+                for table, rows in batches.items():
+                    try:
+                        self._write({table: rows})
+                    except Exception as err:  # the writer thread must not die silently
+                        self.error = err
+                        print(f"kvscope recorder: writing {len(rows)} {table} rows failed: "
+                              f"{str(err).splitlines()[0]}", file=sys.stderr)
+
+    def _drain(self) -> dict[str, list[tuple[Any, ...]]]:
+        run_id = self.run_id
+        out: dict[str, list[tuple[Any, ...]]] = {name: [] for name in self._inserts}
+        events, rows = self._events, self._rows
+        out["events"] = [
+            (run_id, e[0], e[1], e[2], e[3].value, e[4] and e[4].value, e[5], e[6], e[7], e[8],
+             e[9] and e[9].value, slots_blob(e[10]))
+            for e in (events.popleft() for _ in range(len(events)))
+        ]
+        for _ in range(len(rows)):
+            table, row = rows.popleft()
+            out[table].append(row)
+        return out
+
+    def _write(self, batches: dict[str, list[tuple[Any, ...]]]) -> None:
+        with self.engine.begin() as conn:
+            for table, rows in batches.items():
+                if rows:
+                    insert = self._inserts[table]
+                    conn.exec_driver_sql(insert.sql, insert.params(rows))
+            conn.execute(update(schema.runs).where(schema.runs.c.id == self.run_id).values(heartbeat_at=time.time()))
+
+    # -- closing ---------------------------------------------------------------------------
+
+    def close(self, status: str = "finished", error: str | None = None) -> None:
+        """Flush everything and mark the run ended. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop = True
+        self._wake.set()
+        self._thread.join()
+        self._flush_now()
+        with self.engine.begin() as conn:
+            conn.execute(update(schema.runs).where(schema.runs.c.id == self.run_id).values(
+                status=status, ended_at=time.time(), heartbeat_at=time.time(), error=error))
+        self.engine.dispose()
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> SQLRecorder:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None or issubclass(exc_type, KeyboardInterrupt | SystemExit):
+            self.close("finished")
+        else:
+            self.close("crashed", f"{exc_type.__name__}: {exc}")
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM exits like SIGINT does (through exceptions), so `with recorder:` closes it."""
+
+    def _terminate(signum: int, _frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _terminate)

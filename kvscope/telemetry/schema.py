@@ -1,0 +1,148 @@
+"""The capture schema (SQLAlchemy Core). Every row carries run_id, so one database holds
+many runs; by default one capture = one SQLite file under runs/.
+
+NOTE: tables and what one row is
+    kvscope_meta     key/value; 'schema_version' says which schema wrote the file
+    runs             one run: status, times, config fingerprint (JSON), host, pid, heartbeat
+    events           one memory event (level full): seq, step, time, kind, pool, rid, node,
+                     tokens, aux, reason, slots as int32 little-endian bytes
+    usage            one scheduler step: per pool total/available/evictable/protected,
+                     running/waiting requests, cumulative hit/prompt/evicted/retracted counters
+    tree_snapshots   one node of the cache tree at a step (the flat node table)
+    leak_checks      one pool's idle invariant at a step: every term and the verdict
+    requests         one request's life: principal, lengths, times and steps
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    Boolean,
+    Column,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
+
+SCHEMA_VERSION = 1
+metadata = MetaData()
+
+meta = Table(
+    "kvscope_meta",
+    metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", Text, nullable=False),
+)
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("label", String(200), nullable=False, default=""),
+    Column("status", String(16), nullable=False),  # running / finished / crashed
+    Column("started_at", Float, nullable=False),  # unix seconds
+    Column("ended_at", Float),
+    Column("heartbeat_at", Float),
+    Column("host", String(200)),
+    Column("pid", Integer),
+    Column("level", String(16), nullable=False),
+    Column("config", Text, nullable=False),  # JSON fingerprint
+    Column("error", Text),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("run_id", Integer, primary_key=True),
+    Column("seq", Integer, primary_key=True),
+    Column("step", Integer, nullable=False),
+    Column("t_mono", Float, nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("pool", String(8)),
+    Column("rid", String(64)),
+    Column("node_id", Integer),
+    Column("num_tokens", Integer, nullable=False),
+    Column("aux", Integer, nullable=False),
+    Column("reason", String(16)),
+    Column("slots", LargeBinary),
+)
+Index("ix_events_step", events.c.run_id, events.c.step)
+Index("ix_events_kind", events.c.run_id, events.c.kind, events.c.step)
+Index("ix_events_rid", events.c.run_id, events.c.rid)
+Index("ix_events_node", events.c.run_id, events.c.node_id)
+
+POOL_COLUMNS = ("total", "available", "evictable", "protected")
+usage = Table(
+    "usage",
+    metadata,
+    Column("run_id", Integer, primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("t_mono", Float, nullable=False),
+    *(Column(f"full_{c}", Integer, nullable=False) for c in POOL_COLUMNS),
+    *(Column(f"swa_{c}", Integer) for c in POOL_COLUMNS),
+    Column("req_total", Integer, nullable=False),
+    Column("req_available", Integer, nullable=False),
+    Column("num_running", Integer, nullable=False),
+    Column("num_waiting", Integer, nullable=False),
+    Column("cum_prompt_tokens", Integer, nullable=False),
+    Column("cum_hit_tokens", Integer, nullable=False),
+    Column("cum_requests", Integer, nullable=False),
+    Column("cum_hit_requests", Integer, nullable=False),
+    Column("cum_evicted_tokens", Integer, nullable=False),
+    Column("cum_retractions", Integer, nullable=False),
+)
+
+tree_snapshots = Table(
+    "tree_snapshots",
+    metadata,
+    Column("run_id", Integer, primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("node_id", Integer, primary_key=True),
+    Column("parent_id", Integer),
+    Column("num_tokens", Integer, nullable=False),
+    Column("token_preview", String(200), nullable=False),
+    Column("lock_ref", Integer, nullable=False),
+    Column("last_access_time", Float, nullable=False),
+    Column("hit_count", Integer, nullable=False),
+    Column("owner", String(64)),
+    Column("tombstone", Boolean, nullable=False),
+    Column("depth_tokens", Integer, nullable=False),
+)
+
+leak_checks = Table(
+    "leak_checks",
+    metadata,
+    Column("run_id", Integer, primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("pool", String(8), primary_key=True),
+    Column("t_mono", Float, nullable=False),
+    Column("total", Integer, nullable=False),
+    Column("available", Integer, nullable=False),
+    Column("evictable", Integer, nullable=False),
+    Column("protected", Integer, nullable=False),
+    Column("held", Integer, nullable=False),
+    Column("uncached", Integer, nullable=False),
+    Column("ok", Boolean, nullable=False),
+    Column("message", Text),
+)
+
+REQUEST_MOMENTS = ("arrive", "admit", "first_token", "finish", "retract")
+requests = Table(
+    "requests",
+    metadata,
+    Column("run_id", Integer, primary_key=True),
+    Column("rid", String(64), primary_key=True),
+    Column("principal", String(64)),
+    Column("status", String(16), nullable=False),  # running / finished / aborted / unfinished
+    Column("prompt_len", Integer, nullable=False),
+    Column("cached_tokens", Integer, nullable=False),
+    Column("output_len", Integer, nullable=False),
+    Column("num_retractions", Integer, nullable=False),
+    *(Column(f"{m}_t", Float) for m in REQUEST_MOMENTS),
+    *(Column(f"{m}_step", Integer) for m in REQUEST_MOMENTS),
+)
+Index("ix_tree_step", tree_snapshots.c.run_id, tree_snapshots.c.step)
