@@ -12,6 +12,7 @@ from kvscope.cache.chunk import ChunkCache, SWAChunkCache
 from kvscope.cache.eviction import POLICIES, EvictionPolicy, get_policy
 from kvscope.cache.node import TreeNode
 from kvscope.cache.radix import RadixCache
+from kvscope.cache.swa_radix import SWARadixCache
 
 __all__ = [
     "POLICIES",
@@ -24,6 +25,7 @@ __all__ = [
     "NodeRow",
     "RadixCache",
     "SWAChunkCache",
+    "SWARadixCache",
     "TreeNode",
     "as_token_ids",
     "get_policy",

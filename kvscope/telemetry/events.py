@@ -7,6 +7,7 @@ NOTE: one event = (kind, pool, rid, node_id, num_tokens, slots, reason, aux):
     lock/unlock node_id = the node the lock starts at, num_tokens = tokens whose state moved
     evict      node_id, num_tokens, slots freed, reason (capacity, finish, abort, tombstone)
     tombstone  node_id, num_tokens = SWA tokens freed, slots = the SWA-freed full slots
+    revive     node_id: a tombstone got live SWA KV again (SWA radix insert)
     alloc/free pool, rid, num_tokens, slots
 Producers guard every call with `if recorder.enabled:` so a disabled recorder costs one
 flag check; they pass slot tensors/arrays as they are (the recorder copies if it keeps them).
@@ -33,6 +34,7 @@ class EventKind(StrEnum):
     UNLOCK = "unlock"
     EVICT = "evict"
     TOMBSTONE = "tombstone"
+    REVIVE = "revive"
     LEAK_CHECK = "leak_check"
 
 

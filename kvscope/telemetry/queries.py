@@ -123,7 +123,7 @@ class Capture:
         if base_step is not None:
             nodes = self._frame(select(schema.tree_snapshots).where(t.run_id == run_id, t.step == base_step))
         start = -1 if base_step is None else base_step
-        events = self.events(run_id, kinds=["insert", "split", "evict", "lock", "unlock", "tombstone"],
+        events = self.events(run_id, kinds=["insert", "split", "evict", "lock", "unlock", "tombstone", "revive"],
                              step_range=(start + 1, step), limit=10_000_000)
         return replay_tree(nodes.drop(columns=["run_id", "step"], errors="ignore"), events)
 

@@ -5,7 +5,7 @@ NOTE: what each event does to the table (see events.py for the fields)
     split      new node node_id takes the first num_tokens tokens of node `aux` and its place
     evict      node loses num_tokens from its tail; at zero it is gone
     lock       +1 lock_ref on the node and every ancestor (unlock: -1)
-    tombstone  the node's SWA half is gone
+    tombstone  the node's SWA half is gone (revive: it is back)
 Hit counts and access times of nodes born after the snapshot are approximate.
 """
 
@@ -39,8 +39,8 @@ def _apply(nodes: dict[int, dict[str, Any]], ev: Any) -> None:
         while node is not None and node["parent_id"] is not None:
             node["lock_ref"] += delta
             node = nodes.get(node["parent_id"])
-    elif ev.kind == "tombstone" and node is not None:
-        node["tombstone"] = True
+    elif ev.kind in ("tombstone", "revive") and node is not None:
+        node["tombstone"] = ev.kind == "tombstone"
 
 
 def replay_tree(snapshot: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
