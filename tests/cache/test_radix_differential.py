@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvscope.cache import RadixCache
-from kvscope.mem import make_token_allocator
+from kvscope.cache import RadixCache, SWARadixCache
+from kvscope.mem import SWATokenToKVPoolAllocator, make_token_allocator
 from tests.cache.helpers import alloc_extend
 
 
@@ -35,12 +35,18 @@ def random_workload(rng: np.random.Generator, num_requests: int) -> list[np.ndar
     return seqs
 
 
+@pytest.mark.parametrize("kind", ["radix", "swa-radix"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_matches_equal_brute_force_longest_common_prefix(page_size: int, seed: int) -> None:
+def test_matches_equal_brute_force_longest_common_prefix(kind: str, page_size: int, seed: int) -> None:
+    """SWA radix without eviction has no tombstones, so the window rule never cuts a match."""
     rng = np.random.default_rng(seed)
-    allocator = make_token_allocator(8192, page_size, "cpu")
-    cache = RadixCache(allocator, page_size, strict=True)
+    if kind == "radix":
+        allocator = make_token_allocator(8192, page_size, "cpu")
+        cache = RadixCache(allocator, page_size, strict=True)
+    else:
+        allocator = SWATokenToKVPoolAllocator(8192, 8192, page_size, "cpu")
+        cache = SWARadixCache(allocator, page_size, window_len=8, strict=True)
     inserted: list[np.ndarray] = []
     kv_token = np.full(allocator.total_size + page_size, -1, dtype=np.int64)
     for seq in random_workload(rng, 150):
@@ -53,9 +59,12 @@ def test_matches_equal_brute_force_longest_common_prefix(page_size: int, seed: i
         assert new is not None
         kv_token[new.numpy()] = seq[len(hit) :]
         slots = torch.cat((match.device_indices, new))
-        prefix_len = cache.insert(seq, slots)
+        if kind == "radix":
+            prefix_len = cache.insert(seq, slots)
+        else:
+            prefix_len = cache.insert(seq, slots, prev_prefix_len=match.prefix_len)
         assert prefix_len == match.prefix_len
         allocator.free(slots[seq.size // page_size * page_size :])
         inserted.append(seq)
         cache.check_integrity()
-    allocator.check_integrity(cache.tree_slots())
+    allocator.check_integrity(cache.tree_slots())  # type: ignore[arg-type]
