@@ -69,8 +69,8 @@ class LeafHeap:
         return (self.policy.key(node), tie, node.id, node)
 
     def push(self, node: TreeNode) -> None:
-        if self.policy.monotone:
-            heapq.heappush(self.entries, self.entry(node))
+        """A node just became an evictable leaf (also mid-evict: a parent whose last child went)."""
+        heapq.heappush(self.entries, self.entry(node))
 
     def start(self, leaves: Collection[TreeNode]) -> None:
         """Called at the start of each evict: rebuild when keys are not monotone or the heap bloated."""

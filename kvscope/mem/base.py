@@ -96,6 +96,7 @@ class BaseTokenAllocator:
         self.total_size = total_size
         self.num_pages = total_size // page_size
         self.device = resolve_device(device)
+        self.on_host = self.device.type == "cpu"  # page math in numpy rather than tiny torch ops
         self.need_sort = need_sort
         self._strict = strict
         self._page_state: np.ndarray | None = None
@@ -208,11 +209,12 @@ class BaseTokenAllocator:
             self.free(torch.cat(pieces))
 
     def free_many(self, chunks: list[np.ndarray]) -> None:
-        """Same free-list result as `free(chunk)` for each chunk in turn, in one update.
+        """Same free lists as `free_segments([(chunk, 0)])` for each chunk in turn, in one update.
 
-        Each chunk is whole aligned pages (as tree node values are), so its pages are its
-        every page_size-th slot. Paged and without a group or need_sort, each free
-        prepends its pages, so the chunks' pages go in front in reverse order.
+        This is how SGLang's radix eviction frees leaves. Each chunk is whole aligned pages
+        (as tree node values are), so its pages are its every page_size-th slot, in row
+        order. Paged and without a group, each call prepends its pages, so the chunks'
+        pages go in front in reverse chunk order.
         """
         chunks = [c for c in chunks if len(c)]
         if not chunks:
@@ -226,12 +228,10 @@ class BaseTokenAllocator:
         if self._free_group is not None:
             self._free_group.append(slots)
             return
-        if ps == 1:
-            pages = joined
-        elif self.need_sort or len(chunks) == 1:
-            pages = np.sort(joined[::ps] // ps)
+        if ps == 1 or self.need_sort or len(chunks) == 1:
+            pages = joined[::ps] // ps
         else:
-            pages = np.concatenate([np.sort(c[::ps] // ps) for c in reversed(chunks)])
+            pages = np.concatenate([c[::ps] // ps for c in reversed(chunks)])
         self._return_pages(torch.from_numpy(pages).to(self.device))
 
     def _check_whole_pages(self, chunks: list[np.ndarray]) -> None:

@@ -2,12 +2,7 @@
 
 NOTE: alignment invariant: position i of any request lives at a slot with
 `slot % ps == i % ps`, so positions [k*ps, (k+1)*ps) of a request share one page.
-
-NOTE: a request growing from prefix length p to sequence length s gets, in order:
-    positions [p, min(s, ceil_ps(p)))  -> last_loc + 1, last_loc + 2, ... (its partial page)
-    positions [ceil_ps(p), s)          -> fresh pages, one per started page
-so it needs ceil(s/ps) - ceil(p/ps) new pages. A decode step (seq_len includes the new
-token) needs a fresh page exactly when seq_len % ps == 1. Frees release every page
+The slot arithmetic of extend and decode is in page_math. Frees release every page
 touched and prepend them: LIFO reuse.
 """
 
@@ -15,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from kvscope.mem import page_math
 from kvscope.mem.base import INDEX_DTYPE, BaseTokenAllocator, PageState
 from kvscope.mem.errors import PoolMisuseError
 
@@ -29,48 +26,11 @@ def as_index_tensor(values: IntsLike, device: torch.device) -> torch.Tensor:
     return torch.tensor(list(values), dtype=INDEX_DTYPE, device=device)
 
 
-def extend_page_counts(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
-    """New pages each request needs to grow from prefix_lens to seq_lens."""
-    return -(-seq_lens // page_size) - (-(-prefix_lens // page_size))
-
-
-def extend_slots(
-    prefix_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    last_loc: torch.Tensor,
-    pages: torch.Tensor,
-    page_counts: torch.Tensor,
-    extend_num_tokens: int,
-    page_size: int,
-) -> torch.Tensor:
-    """Slots for every new position of every request, batch order, no per-token Python."""
-    device = seq_lens.device
-    extend_lens = seq_lens - prefix_lens
-    batch = torch.arange(len(seq_lens), device=device)
-    req_of_token = torch.repeat_interleave(batch, extend_lens, output_size=extend_num_tokens)
-    token_start = torch.cumsum(extend_lens, 0) - extend_lens
-    offsets = torch.arange(extend_num_tokens, dtype=INDEX_DTYPE, device=device)
-    prefix = prefix_lens[req_of_token]
-    positions = prefix + offsets - token_start[req_of_token]
-    partial_slots = last_loc[req_of_token] + 1 + (positions - prefix)
-    if len(pages) == 0:
-        return partial_slots
-    prefix_pages = -(-prefix_lens // page_size)
-    page_start = torch.cumsum(page_counts, 0) - page_counts
-    page_idx = page_start[req_of_token] + positions // page_size - prefix_pages[req_of_token]
-    fresh_slots = pages[page_idx.clamp(min=0)] * page_size + positions % page_size
-    in_partial_page = positions < prefix_pages[req_of_token] * page_size
-    return torch.where(in_partial_page, partial_slots, fresh_slots)
-
-
-def decode_slots(
-    seq_lens: torch.Tensor, last_loc: torch.Tensor, pages: torch.Tensor, page_size: int
-) -> torch.Tensor:
-    needs_page = seq_lens % page_size == 1
-    if len(pages) == 0:
-        return last_loc + 1
-    page_idx = (torch.cumsum(needs_page.to(INDEX_DTYPE), 0) - 1).clamp(min=0)
-    return torch.where(needs_page, pages[page_idx] * page_size, last_loc + 1)
+def as_index_array(values: IntsLike) -> np.ndarray:
+    """Host int64 array (a copy: page math writes into its results)."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().numpy().astype(np.int64, copy=True)
+    return np.array(values, dtype=np.int64)
 
 
 class PagedTokenToKVPoolAllocator(BaseTokenAllocator):
@@ -102,28 +62,45 @@ class PagedTokenToKVPoolAllocator(BaseTokenAllocator):
         `last_loc`: slot of each request's last prefix token, -1 when it has no prefix.
         Returns None, consuming nothing, when the free pages do not suffice.
         """
-        prefix_t, seq_t, last_t = (as_index_tensor(v, self.device) for v in (prefix_lens, seq_lens, last_loc))
         if self._strict:
+            prefix_t, seq_t, last_t = (as_index_tensor(v, self.device) for v in (prefix_lens, seq_lens, last_loc))
             self._check_extend_args(prefix_t, seq_t, last_t, extend_num_tokens)
-        if self.need_sort and extend_num_tokens // self.page_size + len(seq_t) + 1 > len(self.free_pages):
+        if self.need_sort and extend_num_tokens // self.page_size + len(seq_lens) + 1 > len(self.free_pages):
             self.merge_and_sort_free()
-        counts = extend_page_counts(prefix_t, seq_t, self.page_size)
+        ps = self.page_size
+        if self.on_host:
+            prefix_a, seq_a, last_a = (as_index_array(v) for v in (prefix_lens, seq_lens, last_loc))
+            counts_a = page_math.extend_page_counts_np(prefix_a, seq_a, ps)
+            pages = self._take_pages(int(counts_a.sum()))
+            if pages is None:
+                return None
+            return torch.from_numpy(page_math.extend_slots_np(prefix_a, seq_a, last_a, pages.numpy(), counts_a, ps))
+        prefix_t, seq_t, last_t = (as_index_tensor(v, self.device) for v in (prefix_lens, seq_lens, last_loc))
+        counts = page_math.extend_page_counts(prefix_t, seq_t, ps)
         pages = self._take_pages(int(counts.sum()))
         if pages is None:
             return None
-        return extend_slots(prefix_t, seq_t, last_t, pages, counts, extend_num_tokens, self.page_size)
+        return page_math.extend_slots(prefix_t, seq_t, last_t, pages, counts, extend_num_tokens, ps)
 
     def alloc_decode(self, seq_lens: IntsLike, last_loc: IntsLike) -> torch.Tensor | None:
         """One slot per request for its new token; `seq_lens` already counts that token."""
-        seq_t, last_t = as_index_tensor(seq_lens, self.device), as_index_tensor(last_loc, self.device)
+        ps = self.page_size
         if self._strict:
+            seq_t, last_t = as_index_tensor(seq_lens, self.device), as_index_tensor(last_loc, self.device)
             self._check_alignment(seq_t - 2, last_t, "decode")
-        if self.need_sort and len(seq_t) > len(self.free_pages):
+        if self.need_sort and len(seq_lens) > len(self.free_pages):
             self.merge_and_sort_free()
-        pages = self._take_pages(int((seq_t % self.page_size == 1).sum()))
+        if self.on_host:
+            seq_a, last_a = as_index_array(seq_lens), as_index_array(last_loc)
+            pages = self._take_pages(int((seq_a % ps == 1).sum()))
+            if pages is None:
+                return None
+            return torch.from_numpy(page_math.decode_slots_np(seq_a, last_a, pages.numpy(), ps))
+        seq_t, last_t = as_index_tensor(seq_lens, self.device), as_index_tensor(last_loc, self.device)
+        pages = self._take_pages(int((seq_t % ps == 1).sum()))
         if pages is None:
             return None
-        return decode_slots(seq_t, last_t, pages, self.page_size)
+        return page_math.decode_slots(seq_t, last_t, pages, ps)
 
     def free_segment(self, slots: torch.Tensor, start_pos: int) -> None:
         self.free_segments([(slots, start_pos)])

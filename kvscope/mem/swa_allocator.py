@@ -19,14 +19,8 @@ import torch
 from kvscope.mem.base import INDEX_DTYPE, AllocatorState, BaseTokenAllocator, PoolUsage
 from kvscope.mem.device import resolve_device
 from kvscope.mem.errors import IntegrityError, PoolMisuseError
-from kvscope.mem.paged_allocator import (
-    IntsLike,
-    PagedTokenToKVPoolAllocator,
-    as_index_tensor,
-    decode_slots,
-    extend_page_counts,
-    extend_slots,
-)
+from kvscope.mem.page_math import decode_slots, extend_page_counts, extend_slots
+from kvscope.mem.paged_allocator import IntsLike, PagedTokenToKVPoolAllocator, as_index_tensor
 from kvscope.mem.token_allocator import TokenToKVPoolAllocator
 
 

@@ -10,7 +10,9 @@ NOTE: one event = (kind, pool, rid, node_id, num_tokens, slots, reason, aux):
     revive     node_id: a tombstone got live SWA KV again (SWA radix insert)
     alloc/free pool, rid, num_tokens, slots
 Producers guard every call with `if recorder.enabled:` so a disabled recorder costs one
-flag check; they pass slot tensors/arrays as they are (the recorder copies if it keeps them).
+flag check. Slots are passed as they are (tensor or array) and a recorder may keep a
+reference until it flushes: a producer must never write into a recorded slot array
+afterwards. kvscope's pools and caches only ever create new arrays (slicing, cat, copy).
 """
 
 from __future__ import annotations

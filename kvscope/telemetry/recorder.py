@@ -7,6 +7,7 @@ NOTE: levels
 The caller's thread pays one append per event (plus a length check); the writer drains the
 buffer every `flush_interval_s` or when `flush_max_events` are waiting, converts slots to
 int32 bytes, and inserts each table's rows with one executemany, all in one transaction.
+At 4 x flush_max_events waiting, record() waits for the writer (back-pressure).
 A SIGKILL leaves a readable database with everything up to the last flush and the run
 still 'running'; close() (normal exit, SIGINT, SIGTERM) flushes and marks it finished.
 """
@@ -81,6 +82,7 @@ class SQLRecorder(Recorder):
         self._events: deque[tuple[Any, ...]] = deque()
         self._rows: deque[tuple[str, tuple[Any, ...]]] = deque()
         self._max_events = flush_max_events
+        self._backlog_cap = 4 * flush_max_events
         self._interval_s = flush_interval_s
         self._inserts = {
             "events": BulkInsert(self.engine, schema.events, EVENT_COLUMNS),
@@ -122,11 +124,14 @@ class SQLRecorder(Recorder):
         reason: EvictReason | None = None,
         aux: int = 0,
     ) -> None:
+        # NOTE: plain str values, not Enum members, so the GC can stop tracking buffered tuples
         events = self._events
-        events.append((next(self._seq), self.step, time.monotonic(), kind, pool, rid, node_id, num_tokens, aux,
-                       reason, slots))
+        events.append((next(self._seq), self.step, time.monotonic(), kind._value_, pool and pool._value_, rid,
+                       node_id, num_tokens, aux, reason and reason._value_, slots))
         if len(events) >= self._max_events:
             self._wake.set()
+            if len(events) >= self._backlog_cap:
+                self.flush()  # back-pressure: never let the buffer outgrow the writer without bound
 
     def usage(self, sample: UsageSample) -> None:
         swa = sample.swa or (None, None, None, None)
@@ -196,9 +201,7 @@ class SQLRecorder(Recorder):
         out: dict[str, list[tuple[Any, ...]]] = {name: [] for name in self._inserts}
         events, rows = self._events, self._rows
         out["events"] = [
-            (run_id, e[0], e[1], e[2], e[3].value, e[4] and e[4].value, e[5], e[6], e[7], e[8],
-             e[9] and e[9].value, slots_blob(e[10]))
-            for e in (events.popleft() for _ in range(len(events)))
+            (run_id, *e[:10], slots_blob(e[10])) for e in (events.popleft() for _ in range(len(events)))
         ]
         for _ in range(len(rows)):
             table, row = rows.popleft()
@@ -227,6 +230,8 @@ class SQLRecorder(Recorder):
         with self.engine.begin() as conn:
             conn.execute(update(schema.runs).where(schema.runs.c.id == self.run_id).values(
                 status=status, ended_at=time.time(), heartbeat_at=time.time(), error=error))
+        for index in schema.DEFERRED_INDEXES:
+            index.create(self.engine, checkfirst=True)
         self.engine.dispose()
         atexit.unregister(self.close)
 

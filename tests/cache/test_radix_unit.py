@@ -209,3 +209,30 @@ def test_swa_chunk_cache_frees_window_slots() -> None:
     cache.cache_finished_req(req)
     assert allocator.swa_available_size() == 16 and allocator.full_available_size() == 32
     allocator.check_integrity([])
+
+
+def test_mru_evicts_a_parent_that_became_a_leaf_during_the_same_call() -> None:
+    """SGLang pushes the parent onto the heap at once; found against sglang 0.5.18."""
+    allocator = make_token_allocator(32, 1)
+    cache = RadixCache(allocator, 1, eviction_policy="mru")
+    for seq in ((9, 9), (1, 2, 3, 4), (1, 2, 5, 6)):
+        cache.insert(ids(*seq), allocator.alloc(len(seq)))  # type: ignore[arg-type]
+    cache.evict(5)
+    assert cache.match_prefix(ids(1, 2)).prefix_len == 0
+    assert cache.match_prefix(ids(9, 9)).prefix_len == 2
+
+
+def test_paged_eviction_returns_pages_in_row_order_as_sglang() -> None:
+    """SGLang 0.5.18 frees an evicted leaf with free_segment: pages in row order, unsorted."""
+    allocator = make_token_allocator(16, 2)
+    cache = RadixCache(allocator, 2)
+    first = allocator.alloc(4)
+    assert first is not None and first.tolist() == [2, 3, 4, 5]
+    allocator.free(first[:2])
+    allocator.free(first[2:])
+    slots = allocator.alloc(4)
+    assert slots is not None and slots.tolist() == [4, 5, 2, 3]
+    cache.insert(ids(7, 8, 9, 10), slots)
+    cache.evict(4)
+    again = allocator.alloc(4)
+    assert again is not None and again.tolist() == [4, 5, 2, 3]

@@ -133,3 +133,24 @@ def test_reader_reads_while_a_writer_process_writes_and_sigterm_finishes(tmp_pat
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 128 + signal.SIGTERM
     assert capture.runs().iloc[0].status == "finished"
+
+
+def test_request_and_node_indexes_exist_once_a_run_closes(tmp_path: Path) -> None:
+    path = tmp_path / "i.db"
+    recorder = SQLRecorder(path)
+    capture = Capture(path)
+    names = {row[0] for row in capture.engine.connect().execute(text("SELECT name FROM sqlite_master "
+                                                                     "WHERE type = 'index'"))}
+    assert "ix_events_step" in names and "ix_events_rid" not in names
+    recorder.close()
+    names = {row[0] for row in capture.engine.connect().execute(text("SELECT name FROM sqlite_master "
+                                                                     "WHERE type = 'index'"))}
+    assert {"ix_events_rid", "ix_events_node"} <= names
+
+
+def test_a_full_buffer_makes_the_caller_wait_for_the_writer(tmp_path: Path) -> None:
+    with SQLRecorder(tmp_path / "b.db", flush_interval_s=60, flush_max_events=100) as recorder:
+        for _ in range(1000):
+            recorder.record(EventKind.LOCK, node_id=1)
+            assert len(recorder._events) <= 400, "the buffer outgrew its back-pressure cap"
+    assert len(Capture(tmp_path / "b.db").events(1, limit=5000)) == 1000
