@@ -33,7 +33,10 @@ unit: $(STAMP)
 test: lint typecheck unit
 
 bench: $(STAMP)
+	$(BIN)/python benchmarks/gen_traces.py
 	$(BIN)/python benchmarks/bench_alloc.py
+	$(BIN)/python benchmarks/bench_radix.py benchmarks/traces/shared_prefix.jsonl benchmarks/traces/multi_turn.jsonl
+	$(BIN)/python benchmarks/bench_recorder.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -21,7 +21,15 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kvscope.cache.base import BasePrefixCache, CacheMisuseError, MatchResult, NodeRow, as_token_ids, page_key
+from kvscope.cache.base import (
+    TOKEN_DTYPE,
+    BasePrefixCache,
+    CacheMisuseError,
+    MatchResult,
+    NodeRow,
+    as_token_ids,
+    page_key,
+)
 from kvscope.cache.eviction import LeafHeap, get_policy
 from kvscope.cache.node import EMPTY_SLOTS, TOKEN_BYTES, TreeNode, export_rows, render
 from kvscope.cache.radix_integrity import check_radix_integrity
@@ -52,6 +60,7 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
         self.page_bytes = page_size * TOKEN_BYTES
         self.device = allocator.device
         self._on_cpu = self.device.type == "cpu"
+        self._no_slots = torch.empty(0, dtype=torch.int64, device=self.device)
         self.policy = get_policy(eviction_policy)
         self.eviction_granularity = eviction_granularity
         self.recorder = recorder
@@ -83,9 +92,16 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
     def match_prefix(
         self, token_ids: np.ndarray, user: str | None = None, rid: str | None = None
     ) -> MatchResult:
-        ids = as_token_ids(token_ids)
-        values, node = self._walk_match(page_key(ids, self.page_size))
-        slots = self._to_tensor(values)
+        # NOTE: the hot path: helpers are inlined here (as_token_ids, page_key, _to_tensor)
+        ids = token_ids if type(token_ids) is np.ndarray and token_ids.dtype == TOKEN_DTYPE else as_token_ids(token_ids)
+        key_len = len(ids) - len(ids) % self.page_size
+        values, node = self._walk_match((ids if key_len == len(ids) else ids[:key_len]).tobytes())
+        if not values:
+            slots = self._no_slots
+        else:
+            slots = torch.from_numpy(values[0] if len(values) == 1 else np.concatenate(values))
+            if not self._on_cpu:
+                slots = slots.to(self.device)
         if self.recorder.enabled:
             self.recorder.record(EventKind.MATCH, pool=PoolName.FULL, rid=rid, node_id=node.id,
                                  num_tokens=len(slots), aux=len(ids) - len(slots))
