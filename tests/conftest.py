@@ -6,6 +6,7 @@ import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
+torch.set_num_threads(1)  # tiny tensors: a second intra-op thread only adds stalls on 2-core machines
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

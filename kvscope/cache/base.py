@@ -111,11 +111,12 @@ class BasePrefixCache(ABC):
     page_size: int
 
     @abstractmethod
-    def match_prefix(self, token_ids: np.ndarray, user: str | None = None) -> MatchResult: ...
+    def match_prefix(self, token_ids: np.ndarray, user: str | None = None, rid: str | None = None) -> MatchResult: ...
 
     @abstractmethod
     def insert(
-        self, token_ids: np.ndarray, slots: torch.Tensor, user: str | None = None, chunked: bool = False
+        self, token_ids: np.ndarray, slots: torch.Tensor, user: str | None = None, chunked: bool = False,
+        priority: int = 0, rid: str | None = None,
     ) -> int: ...
 
     @abstractmethod

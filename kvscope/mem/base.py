@@ -29,6 +29,11 @@ Strict mode (`strict=True`, or `set_strict(True)`) tracks each page's state on t
 and rejects misuse where it happens, naming the pool and the slots: double free, freeing
 the padding slot, freeing a slot never allocated, page-misaligned paged allocation.
 Off, the hot path pays one flag check.
+
+Telemetry: with a recorder attached (`allocator.recorder = ...`), every allocation and
+every free is recorded as an ALLOC / FREE event with the pool, the slots, and
+`active_rid`, the request the caller says it is working for (None: the tree's own frees);
+a batched allocation for many requests is split per request by `active_batch`.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import torch
 
 from kvscope.mem.device import resolve_device
 from kvscope.mem.errors import IntegrityError, PoolMisuseError
+from kvscope.telemetry.events import NULL_RECORDER, EventKind, PoolName, Recorder
 
 INDEX_DTYPE = torch.int64
 
@@ -100,6 +106,10 @@ class BaseTokenAllocator:
         self.need_sort = need_sort
         self._strict = strict
         self._page_state: np.ndarray | None = None
+        self.recorder: Recorder = NULL_RECORDER
+        self.active_rid: str | None = None
+        self.active_batch: list[tuple[str, int]] | None = None  # (rid, tokens) per request of a batched alloc
+        self.pool_name = PoolName(name) if name in PoolName._value2member_map_ else None
         self.clear()
 
     # -- state -------------------------------------------------------------------------
@@ -165,7 +175,28 @@ class BaseTokenAllocator:
                 self.name, f"page-misaligned alloc of {num_tokens} tokens (page_size {self.page_size})"
             )
         pages = self._take_pages(num_tokens // self.page_size)
-        return None if pages is None else self.pages_to_slots(pages)
+        if pages is None:
+            return None
+        slots = self.pages_to_slots(pages)
+        if self.recorder.enabled:
+            self.record_alloc(slots)
+        return slots
+
+    def record_alloc(self, slots: Any) -> None:
+        """One ALLOC event, or one per request when the caller set `active_batch`."""
+        if self.active_batch is None:
+            self.recorder.record(EventKind.ALLOC, pool=self.pool_name, rid=self.active_rid, num_tokens=len(slots),
+                                 slots=slots)
+            return
+        start = 0
+        for rid, num_tokens in self.active_batch:
+            self.recorder.record(EventKind.ALLOC, pool=self.pool_name, rid=rid, num_tokens=num_tokens,
+                                 slots=slots[start : start + num_tokens])
+            start += num_tokens
+
+    def record_free(self, slots: Any) -> None:
+        self.recorder.record(EventKind.FREE, pool=self.pool_name, rid=self.active_rid, num_tokens=len(slots),
+                             slots=slots)
 
     def _take_pages(self, num_pages: int) -> torch.Tensor | None:
         if self.need_sort and num_pages > len(self.free_pages):
@@ -197,6 +228,8 @@ class BaseTokenAllocator:
             return
         if self._strict:
             self._check_free(slots)
+        if self.recorder.enabled:
+            self.record_free(slots)
         if self._free_group is not None:
             self._free_group.append(slots)
             return
@@ -225,6 +258,8 @@ class BaseTokenAllocator:
         if self._strict:
             self._check_whole_pages(chunks)
             self._check_free(slots)
+        if self.recorder.enabled:
+            self.record_free(slots)
         if self._free_group is not None:
             self._free_group.append(slots)
             return

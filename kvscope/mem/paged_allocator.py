@@ -74,7 +74,20 @@ class PagedTokenToKVPoolAllocator(BaseTokenAllocator):
             pages = self._take_pages(int(counts_a.sum()))
             if pages is None:
                 return None
-            return torch.from_numpy(page_math.extend_slots_np(prefix_a, seq_a, last_a, pages.numpy(), counts_a, ps))
+            out = torch.from_numpy(page_math.extend_slots_np(prefix_a, seq_a, last_a, pages.numpy(), counts_a, ps))
+        else:
+            on_device = self._extend_on_device(prefix_lens, seq_lens, last_loc, extend_num_tokens)
+            if on_device is None:
+                return None
+            out = on_device
+        if self.recorder.enabled:
+            self.record_alloc(out)
+        return out
+
+    def _extend_on_device(
+        self, prefix_lens: IntsLike, seq_lens: IntsLike, last_loc: IntsLike, extend_num_tokens: int
+    ) -> torch.Tensor | None:
+        ps = self.page_size
         prefix_t, seq_t, last_t = (as_index_tensor(v, self.device) for v in (prefix_lens, seq_lens, last_loc))
         counts = page_math.extend_page_counts(prefix_t, seq_t, ps)
         pages = self._take_pages(int(counts.sum()))
@@ -95,12 +108,16 @@ class PagedTokenToKVPoolAllocator(BaseTokenAllocator):
             pages = self._take_pages(int((seq_a % ps == 1).sum()))
             if pages is None:
                 return None
-            return torch.from_numpy(page_math.decode_slots_np(seq_a, last_a, pages.numpy(), ps))
-        seq_t, last_t = as_index_tensor(seq_lens, self.device), as_index_tensor(last_loc, self.device)
-        pages = self._take_pages(int((seq_t % ps == 1).sum()))
-        if pages is None:
-            return None
-        return page_math.decode_slots(seq_t, last_t, pages, ps)
+            out = torch.from_numpy(page_math.decode_slots_np(seq_a, last_a, pages.numpy(), ps))
+        else:
+            seq_t, last_t = as_index_tensor(seq_lens, self.device), as_index_tensor(last_loc, self.device)
+            pages = self._take_pages(int((seq_t % ps == 1).sum()))
+            if pages is None:
+                return None
+            out = page_math.decode_slots(seq_t, last_t, pages, ps)
+        if self.recorder.enabled:
+            self.record_alloc(out)
+        return out
 
     def free_segment(self, slots: torch.Tensor, start_pos: int) -> None:
         self.free_segments([(slots, start_pos)])
@@ -127,6 +144,8 @@ class PagedTokenToKVPoolAllocator(BaseTokenAllocator):
             return
         if self._strict:
             self._check_free(rep)
+        if self.recorder.enabled:
+            self.record_free(torch.cat([slots for slots, _ in segments if slots.numel()]))
         if self._free_group is not None:
             self._free_group.append(rep)
             return

@@ -95,6 +95,16 @@ class ReqToTokenPool:
             )
         self.req_to_token[row, start_pos:end_pos] = slots.to(torch.int32)
 
+    def write_tokens(self, rows: Sequence[int | None], positions: Sequence[int], slots: torch.Tensor) -> None:
+        """One slot per (row, position) pair, in one scatter: a decode step's new tokens."""
+        index = torch.tensor([list(rows), list(positions)], dtype=torch.int64, device=self.device)
+        self.req_to_token[index[0], index[1]] = slots.to(device=self.device, dtype=torch.int32)
+
+    def read_tokens(self, rows: Sequence[int | None], positions: Sequence[int]) -> torch.Tensor:
+        """The slot at each (row, position) pair, as int64, in one gather."""
+        index = torch.tensor([list(rows), list(positions)], dtype=torch.int64, device=self.device)
+        return self.req_to_token[index[0], index[1]].to(torch.int64)
+
     def read(self, row: int, start_pos: int, end_pos: int) -> torch.Tensor:
         """Slots of positions [start_pos, end_pos) as int64 (a new tensor)."""
         return self.req_to_token[row, start_pos:end_pos].to(torch.int64)

@@ -22,6 +22,7 @@ from kvscope.mem.errors import IntegrityError, PoolMisuseError
 from kvscope.mem.page_math import decode_slots, extend_page_counts, extend_slots
 from kvscope.mem.paged_allocator import IntsLike, PagedTokenToKVPoolAllocator, as_index_tensor
 from kvscope.mem.token_allocator import TokenToKVPoolAllocator
+from kvscope.telemetry.events import Recorder
 
 
 def make_token_allocator(
@@ -71,6 +72,39 @@ class SWATokenToKVPoolAllocator:
         )
         self.full_to_swa_index_mapping[-1] = -1
 
+    # -- telemetry: both sub-allocators record their frees; allocations are recorded here --
+
+    @property
+    def recorder(self) -> Recorder:
+        return self.full_attn_allocator.recorder
+
+    @recorder.setter
+    def recorder(self, recorder: Recorder) -> None:
+        self.full_attn_allocator.recorder = self.swa_attn_allocator.recorder = recorder
+
+    @property
+    def active_rid(self) -> str | None:
+        return self.full_attn_allocator.active_rid
+
+    @active_rid.setter
+    def active_rid(self, rid: str | None) -> None:
+        self.full_attn_allocator.active_rid = self.swa_attn_allocator.active_rid = rid
+
+    @property
+    def active_batch(self) -> list[tuple[str, int]] | None:
+        return self.full_attn_allocator.active_batch
+
+    @active_batch.setter
+    def active_batch(self, batch: list[tuple[str, int]] | None) -> None:
+        self.full_attn_allocator.active_batch = self.swa_attn_allocator.active_batch = batch
+
+    def _paired(self, full: torch.Tensor, swa: torch.Tensor) -> torch.Tensor:
+        self.full_to_swa_index_mapping[full] = swa
+        if self.full_attn_allocator.recorder.enabled:
+            self.full_attn_allocator.record_alloc(full)
+            self.swa_attn_allocator.record_alloc(swa)
+        return full
+
     # -- sizes ---------------------------------------------------------------------------
 
     @property
@@ -101,11 +135,9 @@ class SWATokenToKVPoolAllocator:
         pages_needed = num_tokens // self.page_size
         if not self._both_have(pages_needed):
             return None
-        full = self.full_attn_allocator.alloc(num_tokens)
-        swa = self.swa_attn_allocator.alloc(num_tokens)
-        assert full is not None and swa is not None
-        self.full_to_swa_index_mapping[full] = swa
-        return full
+        full_pages, swa_pages = self._take_both(pages_needed)
+        full = self.full_attn_allocator.pages_to_slots(full_pages)
+        return self._paired(full, self.swa_attn_allocator.pages_to_slots(swa_pages))
 
     def alloc_extend(
         self, prefix_lens: IntsLike, seq_lens: IntsLike, last_loc: IntsLike, extend_num_tokens: int
@@ -121,8 +153,7 @@ class SWATokenToKVPoolAllocator:
         full = extend_slots(prefix_t, seq_t, last_t, full_pages, counts, extend_num_tokens, ps)
         swa_last = self.translate_loc(last_t)
         swa = extend_slots(prefix_t, seq_t, swa_last, swa_pages, counts, extend_num_tokens, ps)
-        self.full_to_swa_index_mapping[full] = swa
-        return full
+        return self._paired(full, swa)
 
     def alloc_decode(self, seq_lens: IntsLike, last_loc: IntsLike) -> torch.Tensor | None:
         self._require_paged("alloc_decode")
@@ -133,8 +164,7 @@ class SWATokenToKVPoolAllocator:
         full_pages, swa_pages = self._take_both(pages_needed)
         full = decode_slots(seq_t, last_t, full_pages, self.page_size)
         swa = decode_slots(seq_t, self.translate_loc(last_t), swa_pages, self.page_size)
-        self.full_to_swa_index_mapping[full] = swa
-        return full
+        return self._paired(full, swa)
 
     def _require_paged(self, what: str) -> None:
         if self.page_size == 1:

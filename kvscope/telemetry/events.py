@@ -66,9 +66,30 @@ class Event(NamedTuple):
 
 
 class Recorder:
-    """Base recorder: disabled, records nothing. Subclasses set `enabled = True`."""
+    """Base recorder: records nothing.
+
+    `enabled` (level full) turns on memory events; `summary_enabled` (level summary and up)
+    turns on the per-step records: usage samples, leak checks, requests, tree snapshots.
+    """
 
     enabled: bool = False
+    summary_enabled: bool = False
+    step: int = 0
+
+    def usage(self, sample: Any) -> None:
+        """A UsageSample for the current step."""
+
+    def leak_check(self, check: Any) -> None:
+        """A LeakCheck (one pool's invariant terms)."""
+
+    def request(self, rec: Any) -> None:
+        """A RequestRecord, once, when the request ends (or the run closes)."""
+
+    def tree_snapshot(self, step: int, rows: list[Any]) -> None:
+        """The cache's flat node table at `step`."""
+
+    def close(self, status: str = "finished", error: str | None = None) -> None:
+        """Flush and mark the run ended."""
 
     def record(
         self,
@@ -93,12 +114,29 @@ NULL_RECORDER = NullRecorder()
 
 
 class ListRecorder(Recorder):
-    """Keeps events in a list: for tests and small in-process inspection."""
+    """Keeps everything in lists: for tests and small in-process inspection."""
 
     enabled = True
+    summary_enabled = True
 
     def __init__(self) -> None:
         self.events: list[Event] = []
+        self.samples: list[Any] = []
+        self.checks: list[Any] = []
+        self.requests: list[Any] = []
+        self.snapshots: dict[int, list[Any]] = {}
+
+    def usage(self, sample: Any) -> None:
+        self.samples.append(sample)
+
+    def leak_check(self, check: Any) -> None:
+        self.checks.append(check)
+
+    def request(self, rec: Any) -> None:
+        self.requests.append(rec)
+
+    def tree_snapshot(self, step: int, rows: list[Any]) -> None:
+        self.snapshots[step] = list(rows)
 
     def record(
         self,

@@ -75,6 +75,7 @@ class SQLRecorder(Recorder):
         self.engine = open_writer(target)
         self.level = level
         self.enabled = level == "full"
+        self.summary_enabled = True
         self.step = 0
         self.error: BaseException | None = None
         self.closed = False

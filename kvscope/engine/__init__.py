@@ -1,0 +1,1 @@
+"""The engine: the model and what drives it over the memory pools."""

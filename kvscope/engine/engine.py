@@ -1,0 +1,103 @@
+"""The engine: a model, its memory system and the scheduler, fed with requests.
+
+Requests arrive all at once, or paced in real time (`pace_per_s`) so a dashboard can watch
+the memory fill and drain. Whenever the engine is fully idle it runs the leak check.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.memory import MemorySystem, build_memory
+from kvscope.engine.model import ModelConfig, TinyTransformer, kv_pool_shape
+from kvscope.engine.request import Req
+from kvscope.engine.scheduler import LogitsHook, Scheduler
+from kvscope.engine.stats import EngineStats
+from kvscope.mem import resolve_device
+from kvscope.telemetry import NULL_RECORDER, Recorder
+
+ProgressHook = Callable[[EngineStats, int], None]  # (stats, requests submitted so far)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, recorder: Recorder = NULL_RECORDER,
+                 on_logits: LogitsHook | None = None) -> None:
+        config.check_model(model_config.sliding_window, model_config.is_hybrid)
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config.device)
+        self.recorder = recorder
+        self.model = TinyTransformer(model_config, self.device)
+        self.memory: MemorySystem = build_memory(config, kv_pool_shape(model_config), model_config.sliding_window,
+                                                 recorder)
+        self.scheduler = Scheduler(config, self.model, self.memory, recorder, on_logits)
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats
+
+    def validate(self, req: Req) -> None:
+        """A request that can never run is a clear error before the run starts."""
+        pool = self.config.pool
+        total = req.prompt_len + req.max_new_tokens
+        if total > pool.max_context_len:
+            raise ValueError(f"request {req.rid}: {total} tokens (prompt + output) exceed the context length "
+                             f"{pool.max_context_len}")
+        need = -(-total // pool.page_size) * pool.page_size + pool.page_size
+        if need > pool.full_size_tokens:
+            raise ValueError(f"KV capacity {pool.full_size_tokens} tokens is smaller than one request "
+                             f"({req.rid} needs {need})")
+        if int(np.max(req.prompt_ids)) >= self.model_config.vocab_size:
+            raise ValueError(f"request {req.rid}: token id {int(np.max(req.prompt_ids))} outside the model's "
+                             f"vocabulary of {self.model_config.vocab_size}")
+
+    def submit(self, req: Req) -> None:
+        self.validate(req)
+        self.scheduler.add_request(req)
+
+    def run(self, requests: Sequence[Req], pace_per_s: float | None = None,
+            progress: ProgressHook | None = None, max_steps: int | None = None) -> EngineStats:
+        """Run until every request has finished (or aborted); the leak check runs at idle points."""
+        for req in requests:
+            self.validate(req)
+        start = time.monotonic()
+        arrivals = [start + i / pace_per_s if pace_per_s else start for i in range(len(requests))]
+        submitted = 0
+        scheduler = self.scheduler
+        while True:
+            now = time.monotonic()
+            while submitted < len(requests) and arrivals[submitted] <= now:
+                scheduler.add_request(requests[submitted])
+                submitted += 1
+            if scheduler.is_idle():
+                scheduler.on_idle()
+                if submitted == len(requests):
+                    break
+                time.sleep(max(0.0, arrivals[submitted] - time.monotonic()))
+                continue
+            scheduler.run_step()
+            if progress is not None:
+                progress(self.stats, submitted)
+            if max_steps is not None and scheduler.step >= max_steps:
+                break
+        if self.recorder.summary_enabled:
+            scheduler.snapshot()
+        self.stats.close_unfinished()
+        return self.stats
+
+    def check_integrity(self) -> None:
+        """Every pool and the cache conserve, given the slots running requests own."""
+        memory, scheduler = self.memory, self.scheduler
+        memory.cache.check_integrity()
+        holders = [*scheduler.running, *([scheduler.chunked_req] if scheduler.chunked_req else [])]
+        owned = [memory.cache.tree_slots()]
+        for req in holders:
+            assert req.req_pool_idx is not None
+            owned.append(memory.req_to_token_pool.read(req.req_pool_idx, req.cache_protected_len,
+                                                       req.kv_committed_len).cpu().numpy())
+        memory.allocator.check_integrity(np.concatenate(owned))
+        memory.req_to_token_pool.check_integrity([r.req_pool_idx for r in holders if r.req_pool_idx])

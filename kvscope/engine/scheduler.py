@@ -1,0 +1,327 @@
+"""The scheduler loop, SGLang's way (semantics note §3, §9): prefill when something can be
+admitted, else decode the running batch, else run the idle leak check.
+
+NOTE: one step
+    prefill  admit (match, lock, budget), rows, evict the shortfall, allocate, forward,
+             then per request: chunk -> cache_unfinished_req(chunked); prompt done ->
+             first output token, cache_unfinished_req (or finish)
+    decode   check memory (evict, else retract the requests with the fewest outputs),
+             free out-of-window SWA, allocate one slot each, forward, sample, finish
+    idle     the 5-term leak check per pool; reset new_token_ratio
+Frees of one step's results happen inside one free group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kvscope.cache import SWARadixCache
+from kvscope.engine.admission import PrefillAdder
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.memory import MemorySystem
+from kvscope.engine.model import ForwardBatch, TinyTransformer
+from kvscope.engine.request import Req, ReqState
+from kvscope.engine.stats import EngineStats, LeakDetected
+from kvscope.mem import free_swa_out_of_window
+from kvscope.telemetry import Recorder
+
+LogitsHook = Callable[[Req, int, torch.Tensor], None]  # (request, position, logits row)
+
+
+def held_rows(batch: list[Req]) -> list[int]:
+    """The req_to_token rows of a batch whose requests all hold one."""
+    rows = [r.req_pool_idx for r in batch]
+    if None in rows:
+        raise RuntimeError("a request in a forward batch holds no req_to_token row (this is a kvscope bug)")
+    return [r for r in rows if r is not None]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, model: TinyTransformer, memory: MemorySystem, recorder: Recorder,
+                 on_logits: LogitsHook | None = None) -> None:
+        self.config = config
+        self.sched = config.scheduler
+        self.model = model
+        self.memory = memory
+        self.recorder = recorder
+        self.on_logits = on_logits
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.step = 0
+        self.new_token_ratio = self.sched.init_new_token_ratio
+        self.stats = EngineStats(recorder)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def add_request(self, req: Req) -> None:
+        req.arrival_step = self.step
+        req.last_node = self.memory.cache.root if hasattr(self.memory.cache, "root") else None
+        self.waiting.append(req)
+        self.stats.arrived(req, self.step)
+
+    def is_idle(self) -> bool:
+        return not self.waiting and not self.running and self.chunked_req is None
+
+    def run_step(self) -> None:
+        self.step += 1
+        self.recorder.step = self.step
+        admitted = self._prefill_batch()
+        if admitted:
+            self._run_prefill(admitted)
+        elif self.running:
+            self._run_decode()
+        self.stats.sample(self.step, self.memory, len(self.running), len(self.waiting))
+        if self.recorder.summary_enabled and self.step % self.sched.snapshot_interval_steps == 0:
+            self.snapshot()
+
+    def on_idle(self) -> bool:
+        """The idle leak check; returns whether every pool balanced."""
+        checks = self.memory.leak_checks(self.step, [])
+        self.new_token_ratio = self.sched.init_new_token_ratio
+        ok = self.stats.leak_checked(checks)
+        if not ok and self.sched.leak_check_raise:
+            raise LeakDetected("pool memory leak detected! " + "\n".join(c.message() for c in checks if not c.ok))
+        return ok
+
+    def snapshot(self) -> None:
+        self.recorder.tree_snapshot(self.step, self.memory.cache.export_nodes())
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    def _prefill_batch(self) -> list[Req]:
+        if not self.waiting and self.chunked_req is None:
+            return []
+        pool = self.config.pool
+        adder = PrefillAdder(self.memory, self.running, self.new_token_ratio, self.sched.clip_max_new_tokens,
+                             self.sched.max_prefill_tokens, self.sched.chunked_prefill_size)
+        if self.chunked_req is not None:
+            adder.add_chunked(self.chunked_req)
+        while self.waiting:
+            if adder.admitted and adder.admitted[-1].req.is_chunked:
+                break  # a chunked request ends the batch
+            if len(self.running) + len(adder.admitted) >= pool.max_running_requests:
+                break
+            if not self._try_admit(self.waiting[0], adder):
+                break
+            self.waiting.popleft()
+        return [a.req for a in adder.admitted]
+
+    def _try_admit(self, req: Req, adder: PrefillAdder) -> bool:
+        """Match, lock, budget; on success the request's prefix state is set from the match."""
+        cache = self.memory.cache
+        all_ids = req.all_ids()
+        match = cache.match_prefix(all_ids[: req.all_len - 1], user=req.user, rid=req.rid)
+        lock_id = cache.inc_lock_ref(match.last_node)
+        fits = adder.try_add(req, match.prefix_len)
+        if not fits and (not adder.admitted or adder.admitted[-1].req is not req):
+            cache.dec_lock_ref(match.last_node, lock_id)
+            return False
+        req.prefix_indices, req.last_node, req.swa_lock_id = match.device_indices, match.last_node, lock_id
+        req.cache_protected_len = req.kv_committed_len = req.swa_evicted_len = match.prefix_len
+        if not req.admitted:
+            req.admitted = True
+            req.cached_tokens = match.prefix_len
+        self.stats.admitted(req, self.step, match.prefix_len)
+        return True
+
+    def _run_prefill(self, batch: list[Req]) -> None:
+        memory = self.memory
+        rows = memory.req_to_token_pool
+        if rows.alloc(batch) is None:
+            raise RuntimeError(f"out of request rows: {rows.available_size()} free for {len(batch)} requests")
+        if isinstance(memory.cache, SWARadixCache) is False and memory.is_swa:
+            for req in batch:
+                if req.kv_committed_len > 0:
+                    self._free_window(req, req.kv_committed_len)
+        prefix_lens = [r.kv_committed_len for r in batch]
+        extend_lens = [r.extend_len for r in batch]
+        slots = self._alloc_extend(batch, prefix_lens, extend_lens)
+        cursor = 0
+        for req, prefix, extend in zip(batch, prefix_lens, extend_lens, strict=True):
+            assert req.req_pool_idx is not None
+            rows.write(req.req_pool_idx, 0, req.prefix_indices)
+            rows.write(req.req_pool_idx, prefix, slots[cursor : cursor + extend])
+            cursor += extend
+        input_ids = np.concatenate([r.all_ids()[p : p + e] for r, p, e in zip(batch, prefix_lens, extend_lens,
+                                                                               strict=True)])
+        forward = ForwardBatch.build("extend", torch.from_numpy(input_ids.astype(np.int64)), held_rows(batch),
+                                     prefix_lens, slots, extend_lens)
+        logits = self.model.forward(forward, rows, memory.kv_pool)
+        memory.allocator.free_group_begin()
+        for req, row in zip(batch, logits, strict=True):
+            self._after_prefill(req, row)
+        memory.allocator.free_group_end()
+
+    def _alloc_extend(self, batch: list[Req], prefix_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
+        memory, ps = self.memory, self.memory.page_size
+        need = sum(extend_lens) + (len(batch) * ps if ps > 1 else 0)
+        self.stats.evicted(memory.evict(need - memory.full_available(), need - memory.swa_available()))
+        allocator = memory.allocator
+        allocator.active_batch = [(r.rid, e) for r, e in zip(batch, extend_lens, strict=True)]
+        if ps == 1:
+            slots = allocator.alloc(sum(extend_lens))
+        else:
+            last = [int(r.prefix_indices[p - 1]) if p else -1 for r, p in zip(batch, prefix_lens, strict=True)]
+            seq = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+            slots = allocator.alloc_extend(prefix_lens, seq, last, sum(extend_lens))
+        allocator.active_batch = None
+        if slots is None:
+            raise RuntimeError(f"Prefill out of memory: {need} tokens needed, {memory.full_available()} available "
+                               f"after eviction (the admission budget should have prevented this)")
+        return slots
+
+    def _after_prefill(self, req: Req, logits_row: torch.Tensor) -> None:
+        req.kv_committed_len += req.extend_len
+        req.fill_ids = req.all_ids()[: req.kv_committed_len]
+        if self.on_logits is not None:
+            self.on_logits(req, req.kv_committed_len - 1, logits_row)
+        if req.is_chunked:
+            self.memory.cache.cache_unfinished_req(req, chunked=True)
+            self.chunked_req = req
+            return
+        if self.chunked_req is req:
+            self.chunked_req = None
+        req.append_output(req.next_token(int(torch.argmax(logits_row))))
+        self.stats.first_token(req, self.step)
+        if req.is_done():
+            self._finish(req)
+            return
+        self.memory.cache.cache_unfinished_req(req)
+        req.state = ReqState.RUNNING
+        self.running.append(req)
+
+    # -- decode ------------------------------------------------------------------------------
+
+    def _run_decode(self) -> None:
+        self._ensure_decode_memory()
+        batch = self.running
+        if not batch:
+            return
+        memory = self.memory
+        if memory.is_swa:
+            self._free_windows_for_decode(batch)
+        row_ids = held_rows(batch)
+        positions = [r.kv_committed_len for r in batch]
+        slots = self._alloc_decode(batch, row_ids, positions)
+        rows = memory.req_to_token_pool
+        rows.write_tokens(row_ids, positions, slots)
+        input_ids = torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64)
+        forward = ForwardBatch.build("decode", input_ids, held_rows(batch), [r.kv_committed_len for r in batch], slots)
+        logits = self.model.forward(forward, rows, memory.kv_pool)
+        memory.allocator.free_group_begin()
+        still_running = []
+        for req, row in zip(batch, logits, strict=True):
+            req.kv_committed_len += 1
+            req.decode_steps += 1
+            if self.on_logits is not None:
+                self.on_logits(req, req.kv_committed_len - 1, row)
+            req.append_output(req.next_token(int(torch.argmax(row))))
+            if req.is_done():
+                self._finish(req)
+            else:
+                still_running.append(req)
+        memory.allocator.free_group_end()
+        self.running = still_running
+
+    def _alloc_decode(self, batch: list[Req], row_ids: list[int], positions: list[int]) -> torch.Tensor:
+        allocator = self.memory.allocator
+        allocator.active_batch = [(r.rid, 1) for r in batch]
+        if self.memory.page_size == 1:
+            slots = allocator.alloc(len(batch))
+        else:
+            last = self.memory.req_to_token_pool.read_tokens(row_ids, [p - 1 for p in positions])
+            slots = allocator.alloc_decode([p + 1 for p in positions], last)
+        allocator.active_batch = None
+        if slots is None:
+            raise RuntimeError("Decode out of memory after the memory check (this is a kvscope bug)")
+        return slots
+
+    def _decode_need(self, reqs: list[Req]) -> int:
+        ps = self.memory.page_size
+        return ps * sum(1 for r in reqs if r.kv_committed_len % ps == 0)
+
+    def _decode_fits(self, reqs: list[Req]) -> bool:
+        memory = self.memory
+        need = self._decode_need(reqs)
+        self.stats.evicted(memory.evict(need - memory.full_available(), need - memory.swa_available()))
+        return memory.full_available() >= need and (not memory.is_swa or memory.swa_available() >= need)
+
+    def _ensure_decode_memory(self) -> None:
+        if self._decode_fits(self.running):
+            self.new_token_ratio = max(self.new_token_ratio - self.sched.new_token_ratio_decay,
+                                       self.sched.min_new_token_ratio)
+            return
+        keep = sorted(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len), reverse=True)
+        retracted: list[Req] = []
+        while keep and not self._decode_fits(keep):
+            victim = keep.pop()
+            if not keep:
+                self._abort(victim, "out of memory even after retracting all other requests in the decode batch")
+                break
+            self._retract(victim)
+            retracted.append(victim)
+        self.running = [r for r in self.running if r in keep]
+        if keep:
+            future = len(keep) * self.sched.retract_decode_steps
+            self.stats.evicted(self.memory.evict(future - self.memory.full_available(),
+                                                 future - self.memory.swa_available()))
+            decoded = sum(len(r.output_ids) for r in keep)
+            budget = sum(r.max_new_tokens for r in keep)
+            self.new_token_ratio = min(1.0, (decoded + self.sched.retract_decode_steps * len(keep)) / (budget + 1))
+        for req in reversed(retracted):
+            self.waiting.appendleft(req)
+
+    def _free_windows_for_decode(self, batch: list[Req]) -> None:
+        window, interval = self.memory.window_len, self.sched.swa_eviction_interval
+        assert window is not None
+        for req in batch:
+            pre_len = req.kv_committed_len
+            if req.decode_steps >= 1 and pre_len - window >= req.swa_evicted_len + interval:
+                self._free_window(req, pre_len)
+
+    def _free_window(self, req: Req, pre_len: int) -> None:
+        memory = self.memory
+        assert req.req_pool_idx is not None and memory.window_len is not None
+        for_radix = isinstance(memory.cache, SWARadixCache)
+        start = max(req.swa_evicted_len, req.cache_protected_len) if for_radix else req.swa_evicted_len
+        memory.allocator.active_rid = req.rid
+        req.swa_evicted_len = free_swa_out_of_window(memory.allocator, memory.req_to_token_pool, req.req_pool_idx,
+                                                     start, pre_len, memory.window_len, for_radix=for_radix)
+        memory.allocator.active_rid = None
+
+    # -- leaving -------------------------------------------------------------------------------
+
+    def _release(self, req: Req, is_insert: bool) -> None:
+        """release_kv_cache (§3.6): the cache takes or frees the KV, then the row goes."""
+        memory = self.memory
+        memory.allocator.active_rid = req.rid
+        req.fill_ids = req.all_ids()
+        memory.cache.cache_finished_req(req, is_insert=is_insert)
+        memory.req_to_token_pool.free(req)
+        memory.allocator.active_rid = None
+
+    def _finish(self, req: Req) -> None:
+        self._release(req, is_insert=True)
+        req.state = ReqState.FINISHED
+        self.stats.finished(req, self.step)
+
+    def _retract(self, req: Req) -> None:
+        self._release(req, is_insert=False)
+        req.reset_for_retract(getattr(self.memory.cache, "root", None))
+        self.stats.retracted(req, self.step)
+
+    def _abort(self, req: Req, reason: str) -> None:
+        self._release(req, is_insert=False)
+        req.state = ReqState.ABORTED
+        self.running = [r for r in self.running if r is not req]
+        self.stats.aborted(req, self.step, reason)
+
+    def __repr__(self) -> str:
+        return (f"Scheduler(step={self.step}, waiting={len(self.waiting)}, running={len(self.running)}, "
+                f"t={time.monotonic():.1f})")
