@@ -33,6 +33,73 @@ def _runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvscope.engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from kvscope.engine.model import model_config
+    from kvscope.engine.runner import RunSpec, run
+    from kvscope.telemetry.recorder import install_signal_handlers
+
+    model = model_config(args.model)
+    cache = args.cache if args.cache != "auto" else ("swa-radix" if model.is_hybrid else "radix")
+    engine = EngineConfig(
+        pool=PoolConfig(kv_size_tokens=args.kv_tokens, page_size=args.page_size, swa_full_tokens_ratio=args.swa_ratio,
+                        max_running_requests=args.max_running_requests, max_context_len=args.max_context_len),
+        cache=CacheConfig(kind=cache, eviction_policy=args.eviction_policy,
+                          eviction_granularity=args.eviction_granularity),
+        scheduler=SchedulerConfig(chunked_prefill_size=args.chunked_prefill_size or None,
+                                  leak_check_raise=args.leak_check == "raise"),
+        device=args.device, strict=args.strict,
+    )
+    spec = RunSpec(engine=engine, model=model, workload=args.workload, trace=Path(args.trace) if args.trace else None,
+                   num_requests=args.num_requests, seed=args.seed, level=args.level,
+                   capture=Path(args.capture) if args.capture else None, pace_per_s=args.pace)
+    install_signal_handlers()
+    stats = run(spec)
+    return 1 if stats.leak_checks_failed else 0
+
+
+def _add_run(verbs: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvscope.engine.config import CACHE_KINDS
+    from kvscope.workloads import WORKLOADS
+
+    run = verbs.add_parser(
+        "run",
+        help="run a workload or a trace through the engine and record a capture",
+        description="Run requests through the instrumented engine (a tiny seeded transformer on real KV pools) "
+        "and record every memory event into a capture. Exit code 1 when an idle leak check failed.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    source = run.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workload", choices=sorted(WORKLOADS), help="a generated workload")
+    source.add_argument("--trace", metavar="FILE", help="a JSONL trace: one {id, user, prompt, output} per line")
+    run.add_argument("--num-requests", type=int, default=64, help="requests to generate (with --workload)")
+    run.add_argument("--seed", type=int, default=0, help="workload seed")
+    run.add_argument("--model", default="tiny", help="tiny, tiny-swa, or a shape like 'layers=4,hidden=64,window=32'")
+    run.add_argument("--cache", default="auto", choices=["auto", *CACHE_KINDS],
+                     help="prefix cache; auto = radix, or swa-radix for a sliding-window model")
+    run.add_argument("--eviction-policy", default="lru", help="lru, lfu, fifo, mru, filo, priority, slru")
+    run.add_argument("--eviction-granularity", default="leaf", choices=["leaf", "page"],
+                     help="leaf: SGLang's whole-leaf eviction; page: only the pages needed")
+    run.add_argument("--page-size", type=int, default=1, help="tokens per KV page (a power of two)")
+    run.add_argument("--kv-tokens", type=int, default=4096, help="KV capacity of the full pool, in tokens")
+    run.add_argument("--swa-ratio", type=float, default=0.8, help="SWA pool size as a fraction of the full pool")
+    run.add_argument("--chunked-prefill-size", type=int, default=256, help="tokens per prefill chunk; 0 disables")
+    run.add_argument("--max-running-requests", type=int, default=32, help="request rows in req_to_token")
+    run.add_argument("--max-context-len", type=int, default=2048, help="longest prompt + output, in tokens")
+    run.add_argument("--level", default="full", choices=["off", "summary", "full"],
+                     help="summary: usage, requests, leak checks, tree snapshots; full: plus every memory event")
+    run.add_argument("--capture", metavar="PATH", help="capture file (default runs/<time>-<workload>.db)")
+    run.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu or cuda")
+    run.add_argument("--pace", type=float, metavar="RATE",
+                     help="arrivals per second in real time; without it all requests arrive at once")
+    run.add_argument("--strict", action="store_true", help="pools and caches check every call for misuse")
+    run.add_argument("--leak-check", default="record", choices=["record", "raise"],
+                     help="on a failed idle leak check: record it and go on, or stop the run")
+    run.set_defaults(func=_run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvscope",
@@ -60,18 +127,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     runs.add_argument("capture", help="a capture file (SQLite) or a SQLAlchemy URL")
     runs.set_defaults(func=_runs)
+    _add_run(verbs)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from kvscope.engine.stats import LeakDetected
     from kvscope.telemetry.store import CaptureError
 
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)
+    except LeakDetected as err:
+        print(f"kvscope {args.verb}: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 1
     except (ValueError, OSError, CaptureError) as err:
         print(f"kvscope {args.verb}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"kvscope {args.verb}: interrupted", file=sys.stderr)
+        return 130
     return code
 
 

@@ -23,6 +23,22 @@ from kvscope.telemetry import NULL_RECORDER, Recorder
 ProgressHook = Callable[[EngineStats, int], None]  # (stats, requests submitted so far)
 
 
+def check_request(config: EngineConfig, model_config: ModelConfig, req: Req) -> None:
+    """A request that can never run is a clear error before the run starts."""
+    pool = config.pool
+    total = req.prompt_len + req.max_new_tokens
+    if total > pool.max_context_len:
+        raise ValueError(f"request {req.rid}: {total} tokens (prompt + output) exceed the context length "
+                         f"{pool.max_context_len}")
+    need = -(-total // pool.page_size) * pool.page_size + pool.page_size
+    if need > pool.full_size_tokens:
+        raise ValueError(f"KV capacity {pool.full_size_tokens} tokens is smaller than one request "
+                         f"({req.rid} needs {need})")
+    if int(np.max(req.prompt_ids)) >= model_config.vocab_size:
+        raise ValueError(f"request {req.rid}: token id {int(np.max(req.prompt_ids))} outside the model's "
+                         f"vocabulary of {model_config.vocab_size}")
+
+
 class Engine:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, recorder: Recorder = NULL_RECORDER,
                  on_logits: LogitsHook | None = None) -> None:
@@ -41,19 +57,7 @@ class Engine:
         return self.scheduler.stats
 
     def validate(self, req: Req) -> None:
-        """A request that can never run is a clear error before the run starts."""
-        pool = self.config.pool
-        total = req.prompt_len + req.max_new_tokens
-        if total > pool.max_context_len:
-            raise ValueError(f"request {req.rid}: {total} tokens (prompt + output) exceed the context length "
-                             f"{pool.max_context_len}")
-        need = -(-total // pool.page_size) * pool.page_size + pool.page_size
-        if need > pool.full_size_tokens:
-            raise ValueError(f"KV capacity {pool.full_size_tokens} tokens is smaller than one request "
-                             f"({req.rid} needs {need})")
-        if int(np.max(req.prompt_ids)) >= self.model_config.vocab_size:
-            raise ValueError(f"request {req.rid}: token id {int(np.max(req.prompt_ids))} outside the model's "
-                             f"vocabulary of {self.model_config.vocab_size}")
+        check_request(self.config, self.model_config, req)
 
     def submit(self, req: Req) -> None:
         self.validate(req)
@@ -67,6 +71,7 @@ class Engine:
         start = time.monotonic()
         arrivals = [start + i / pace_per_s if pace_per_s else start for i in range(len(requests))]
         submitted = 0
+        last_check_step = -1
         scheduler = self.scheduler
         while True:
             now = time.monotonic()
@@ -74,7 +79,9 @@ class Engine:
                 scheduler.add_request(requests[submitted])
                 submitted += 1
             if scheduler.is_idle():
-                scheduler.on_idle()
+                if last_check_step != scheduler.step:  # once per idle point, however long it lasts
+                    scheduler.on_idle()
+                    last_check_step = scheduler.step
                 if submitted == len(requests):
                     break
                 time.sleep(max(0.0, arrivals[submitted] - time.monotonic()))
