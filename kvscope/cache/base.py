@@ -26,6 +26,7 @@ Contract:
 - `inc_lock_ref(node)` / `dec_lock_ref(node, lock_id)`: lock the path node -> root.
   Tokens move from evictable to protected on each 0 -> 1 transition and back on 1 -> 0.
   The root is always protected. `inc_lock_ref` returns a lock id (SWA window locks) or None.
+  `rid` names the request taking or releasing the lock, for the lock / unlock events.
 - `evict(num_tokens)` frees at least `num_tokens` (whole leaves may overshoot) from
   unlocked leaves in policy order and returns the number freed. Asking for more than
   `evictable_size()` is an error stating both numbers.
@@ -126,10 +127,10 @@ class BasePrefixCache(ABC):
     def cache_finished_req(self, req: CacheableRequest, is_insert: bool = True) -> None: ...
 
     @abstractmethod
-    def inc_lock_ref(self, node: Any) -> int | None: ...
+    def inc_lock_ref(self, node: Any, rid: str | None = None) -> int | None: ...
 
     @abstractmethod
-    def dec_lock_ref(self, node: Any, lock_id: int | None = None) -> None: ...
+    def dec_lock_ref(self, node: Any, lock_id: int | None = None, rid: str | None = None) -> None: ...
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int: ...

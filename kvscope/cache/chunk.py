@@ -58,10 +58,10 @@ class ChunkCache(BasePrefixCache):
         kv = self._row(req, req.kv_committed_len)
         self.allocator.free(kv[req.cache_protected_len :])
 
-    def inc_lock_ref(self, node: Any) -> int | None:
+    def inc_lock_ref(self, node: Any, rid: str | None = None) -> int | None:
         return None
 
-    def dec_lock_ref(self, node: Any, lock_id: int | None = None) -> None:
+    def dec_lock_ref(self, node: Any, lock_id: int | None = None, rid: str | None = None) -> None:
         return None
 
     def evict(self, num_tokens: int) -> int:

@@ -232,7 +232,7 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
 
     # -- locks -----------------------------------------------------------------------------
 
-    def inc_lock_ref(self, node: TreeNode) -> int | None:
+    def inc_lock_ref(self, node: TreeNode, rid: str | None = None) -> int | None:
         start, moved = node, 0
         while node is not self.root:
             if node.lock_ref == 0:
@@ -243,10 +243,10 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
         self._evictable_size -= moved
         self._protected_size += moved
         if self.recorder.enabled:
-            self.recorder.record(EventKind.LOCK, node_id=start.id, num_tokens=moved)
+            self.recorder.record(EventKind.LOCK, rid=rid, node_id=start.id, num_tokens=moved)
         return None
 
-    def dec_lock_ref(self, node: TreeNode, lock_id: int | None = None) -> None:
+    def dec_lock_ref(self, node: TreeNode, lock_id: int | None = None, rid: str | None = None) -> None:
         if node is not self.root and node.lock_ref <= 0:
             raise CacheMisuseError(f"dec_lock_ref on node {node.id}, which is not locked (lock_ref {node.lock_ref})")
         start, moved = node, 0
@@ -259,7 +259,7 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
         self._evictable_size += moved
         self._protected_size -= moved
         if self.recorder.enabled:
-            self.recorder.record(EventKind.UNLOCK, node_id=start.id, num_tokens=moved)
+            self.recorder.record(EventKind.UNLOCK, rid=rid, node_id=start.id, num_tokens=moved)
 
     # -- eviction --------------------------------------------------------------------------
 

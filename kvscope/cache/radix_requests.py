@@ -29,10 +29,10 @@ class RequestCachingMixin:
                chunked: bool = False, priority: int = 0, rid: str | None = None) -> int:
         raise NotImplementedError
 
-    def inc_lock_ref(self, node: Any) -> int | None:
+    def inc_lock_ref(self, node: Any, rid: str | None = None) -> int | None:
         raise NotImplementedError
 
-    def dec_lock_ref(self, node: Any, lock_id: int | None = None) -> None:
+    def dec_lock_ref(self, node: Any, lock_id: int | None = None, rid: str | None = None) -> None:
         raise NotImplementedError
 
     def _walk_match(self, key: bytes) -> tuple[list[np.ndarray], Any]:
@@ -61,8 +61,8 @@ class RequestCachingMixin:
             raise CacheMisuseError(f"re-match after insert found {len(new_slots)} of {key_len} tokens")
         assert self.req_to_token_pool is not None and req.req_pool_idx is not None
         self.req_to_token_pool.write(req.req_pool_idx, protected, new_slots[protected:])
-        self.dec_lock_ref(req.last_node, req.swa_lock_id)
-        req.swa_lock_id = self.inc_lock_ref(new_last)
+        self.dec_lock_ref(req.last_node, req.swa_lock_id, rid=req.rid)
+        req.swa_lock_id = self.inc_lock_ref(new_last, rid=req.rid)
         req.last_node = new_last
         req.cache_protected_len = key_len
         req.prefix_indices = torch.cat((new_slots, kv[key_len:]))
@@ -77,5 +77,5 @@ class RequestCachingMixin:
         else:
             freed_end = key_len
         self.allocator.free_segments([(kv[protected:freed_end], protected), (kv[key_len:], key_len)])
-        self.dec_lock_ref(req.last_node, req.swa_lock_id)
+        self.dec_lock_ref(req.last_node, req.swa_lock_id, rid=req.rid)
         req.swa_lock_id = None

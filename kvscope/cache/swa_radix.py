@@ -176,7 +176,7 @@ class SWARadixCache(SWARequestCachingMixin, SWAInsertMixin, SWAEvictionMixin, Ba
 
     # -- locks -----------------------------------------------------------------------------
 
-    def inc_lock_ref(self, node: TreeNode) -> int | None:
+    def inc_lock_ref(self, node: TreeNode, rid: str | None = None) -> int | None:
         """§5.2: full-lock node -> root; SWA-lock the deepest `window_len` tokens of it."""
         self._check_window_live(node)
         start, moved, swa_moved, swa_len = node, 0, 0, 0
@@ -197,7 +197,7 @@ class SWARadixCache(SWARequestCachingMixin, SWAInsertMixin, SWAEvictionMixin, Ba
             node = node.parent  # type: ignore[assignment]
         self._move_sizes(-moved, -swa_moved)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.LOCK, node_id=start.id, num_tokens=moved, aux=swa_moved)
+            self.recorder.record(EventKind.LOCK, rid=rid, node_id=start.id, num_tokens=moved, aux=swa_moved)
         return lock_id
 
     def _check_window_live(self, node: TreeNode) -> None:
@@ -211,7 +211,8 @@ class SWARadixCache(SWARequestCachingMixin, SWAInsertMixin, SWAEvictionMixin, Ba
             swa_len += len(node.value)
             node = node.parent  # type: ignore[assignment]
 
-    def dec_lock_ref(self, node: TreeNode, lock_id: int | None = None, skip_swa: bool = False) -> None:
+    def dec_lock_ref(self, node: TreeNode, lock_id: int | None = None, rid: str | None = None,
+                     skip_swa: bool = False) -> None:
         if node is not self.root and node.lock_ref <= 0:
             raise CacheMisuseError(f"dec_lock_ref on node {node.id}, which is not locked (lock_ref {node.lock_ref})")
         start, moved, swa_moved, dec_swa = node, 0, 0, not skip_swa
@@ -233,7 +234,7 @@ class SWARadixCache(SWARequestCachingMixin, SWAInsertMixin, SWAEvictionMixin, Ba
             node = node.parent  # type: ignore[assignment]
         self._move_sizes(moved, swa_moved)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.UNLOCK, node_id=start.id, num_tokens=moved, aux=swa_moved)
+            self.recorder.record(EventKind.UNLOCK, rid=rid, node_id=start.id, num_tokens=moved, aux=swa_moved)
 
     def _move_sizes(self, to_evictable: int, swa_to_evictable: int) -> None:
         self._evictable_size += to_evictable

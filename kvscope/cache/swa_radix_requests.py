@@ -27,7 +27,7 @@ class SWARequestCachingMixin:
 
     # provided by the cache class (attributes, so that they shadow nothing in the MRO)
     insert: Callable[..., int]
-    inc_lock_ref: Callable[[Any], int | None]
+    inc_lock_ref: Callable[..., int | None]
     dec_lock_ref: Callable[..., None]
     _walk_match: Callable[[bytes], tuple[list[np.ndarray], Any]]
     _to_tensor: Callable[[list[np.ndarray]], torch.Tensor]
@@ -56,8 +56,8 @@ class SWARequestCachingMixin:
             raise CacheMisuseError(f"re-match after insert found {len(new_slots)} of {key_len} tokens")
         assert self.req_to_token_pool is not None and req.req_pool_idx is not None
         self.req_to_token_pool.write(req.req_pool_idx, protected, new_slots[protected:])
-        self.dec_lock_ref(req.last_node, req.swa_lock_id)
-        req.swa_lock_id = self.inc_lock_ref(new_last)
+        self.dec_lock_ref(req.last_node, req.swa_lock_id, rid=req.rid)
+        req.swa_lock_id = self.inc_lock_ref(new_last, rid=req.rid)
         req.last_node = new_last
         req.cache_protected_len = key_len
         req.swa_evicted_len = max(req.swa_evicted_len, key_len)
@@ -74,5 +74,5 @@ class SWARequestCachingMixin:
             self.allocator.free(kv[key_len:])
         else:
             self.allocator.free(kv[protected:])
-        self.dec_lock_ref(req.last_node, req.swa_lock_id)
+        self.dec_lock_ref(req.last_node, req.swa_lock_id, rid=req.rid)
         req.swa_lock_id = None

@@ -117,10 +117,10 @@ class Scheduler:
         cache = self.memory.cache
         all_ids = req.all_ids()
         match = cache.match_prefix(all_ids[: req.all_len - 1], user=req.user, rid=req.rid)
-        lock_id = cache.inc_lock_ref(match.last_node)
+        lock_id = cache.inc_lock_ref(match.last_node, rid=req.rid)
         fits = adder.try_add(req, match.prefix_len)
         if not fits and (not adder.admitted or adder.admitted[-1].req is not req):
-            cache.dec_lock_ref(match.last_node, lock_id)
+            cache.dec_lock_ref(match.last_node, lock_id, rid=req.rid)
             return False
         req.prefix_indices, req.last_node, req.swa_lock_id = match.device_indices, match.last_node, lock_id
         req.cache_protected_len = req.kv_committed_len = req.swa_evicted_len = match.prefix_len
