@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvscope-installed
 
-.PHONY: run test lint typecheck unit bench clean install
+.PHONY: run test lint typecheck unit bench samples clean install
 
 install: $(STAMP)
 
@@ -37,6 +37,17 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_alloc.py
 	$(BIN)/python benchmarks/bench_radix.py benchmarks/traces/shared_prefix.jsonl benchmarks/traces/multi_turn.jsonl
 	$(BIN)/python benchmarks/bench_recorder.py
+
+# Small captures anyone can open without an engine; deterministic for their seeds.
+# The leaking run exits 1 (its leak check fails, as intended).
+samples: $(STAMP)
+	rm -f sample_runs/*.db sample_runs/*.db-wal sample_runs/*.db-shm
+	$(BIN)/kvscope run --workload shared-prefix --num-requests 48 --capture sample_runs/shared-prefix.db
+	$(BIN)/kvscope run --workload multi-turn --num-requests 32 --model tiny-swa --kv-tokens 2048 \
+		--capture sample_runs/hybrid-swa.db
+	$(BIN)/kvscope run --workload multi-turn --num-requests 32 --page-size 4 --kv-tokens 2048 \
+		--inject leak-tail:0.3 --inject lock-leak:0.2 --inject double-free:0.3 --inject-seed 7 \
+		--capture sample_runs/leaky.db || [ $$? -eq 1 ]
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -37,8 +37,10 @@ def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvscope.engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from kvscope.engine.faults import FaultSpec
     from kvscope.engine.model import model_config
     from kvscope.engine.runner import RunSpec, run
+    from kvscope.telemetry import FaultKind
     from kvscope.telemetry.recorder import install_signal_handlers
 
     model = model_config(args.model)
@@ -52,12 +54,68 @@ def _run(args: argparse.Namespace) -> int:
                                   leak_check_raise=args.leak_check == "raise"),
         device=args.device, strict=args.strict,
     )
+    faults = [FaultSpec.parse(text) for text in args.inject]
+    debug = args.debug or any(f.kind == FaultKind.USE_AFTER_FREE for f in faults)
     spec = RunSpec(engine=engine, model=model, workload=args.workload, trace=Path(args.trace) if args.trace else None,
                    num_requests=args.num_requests, seed=args.seed, level=args.level,
-                   capture=Path(args.capture) if args.capture else None, pace_per_s=args.pace)
+                   capture=Path(args.capture) if args.capture else None, pace_per_s=args.pace, debug=debug,
+                   faults=tuple(faults), fault_seed=args.inject_seed)
     install_signal_handlers()
     stats = run(spec)
     return 1 if stats.leak_checks_failed else 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from kvscope.debug.report import build_report, render_text
+
+    report = build_report(args.capture, args.run)
+    print(report.to_json() if args.json else render_text(report))
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from kvscope.debug.report import build_report, check_reason
+
+    report = build_report(args.capture, args.run)
+    print(f"{args.capture}: {check_reason(report)}")
+    return 0 if report.clean else 1
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from kvscope.debug.diff import render_diff
+
+    print(render_diff(args.a, args.b))
+    return 0
+
+
+def _add_debugger(verbs: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    report = verbs.add_parser("report", help="explain a capture (report leaks CAPTURE)", formatter_class=fmt,
+                              description="Reports over a capture.")
+    topics = report.add_subparsers(dest="topic", required=True, metavar="TOPIC")
+    leaks = topics.add_parser(
+        "leaks", formatter_class=fmt, help="name the culprits of every leak",
+        description="For each leak: the pool, the slots, the request that last owned them and its principal, the "
+        "step and event that allocated them, the free that never came, the first failing leak check and the onset "
+        "step. A capture recorded below level full has no slot indices: the report says so and works from the "
+        "leak checks and the requests table.")
+    leaks.add_argument("capture", help="a capture file or a SQLAlchemy URL")
+    leaks.add_argument("--run", type=int, help="run id (default: the latest run)")
+    leaks.add_argument("--json", action="store_true", help="machine-readable output")
+    leaks.set_defaults(func=_report)
+    check = verbs.add_parser(
+        "check", formatter_class=fmt, help="CI gate: exit 0 clean, 1 on a leak or broken invariant, 2 unreadable",
+        description="Exit 0 when the capture is clean, 1 on a leak or a broken invariant (with the one-line "
+        "reason), 2 when the capture cannot be read.")
+    check.add_argument("capture", help="a capture file or a SQLAlchemy URL")
+    check.add_argument("--run", type=int, help="run id (default: the latest run)")
+    check.set_defaults(func=_check)
+    diff = verbs.add_parser("diff", formatter_class=fmt, help="two captures side by side",
+                            description="Usage peaks, hit rates, evictions, retractions, the last leak-check terms "
+                            "and event counts per kind of the latest run of each capture.")
+    diff.add_argument("a", help="first capture")
+    diff.add_argument("b", help="second capture")
+    diff.set_defaults(func=_diff)
 
 
 def _add_run(verbs: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -97,6 +155,13 @@ def _add_run(verbs: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     run.add_argument("--strict", action="store_true", help="pools and caches check every call for misuse")
     run.add_argument("--leak-check", default="record", choices=["record", "raise"],
                      help="on a failed idle leak check: record it and go on, or stop the run")
+    run.add_argument("--debug", action="store_true",
+                     help="keep the slot ledger live, poison freed KV with NaN and check every read "
+                     "(a use-after-free is caught at the read)")
+    run.add_argument("--inject", action="append", default=[], metavar="KIND[:RATE]",
+                     help="inject a fault into each request with probability RATE (default 1): leak-tail, lock-leak, "
+                     "double-free, use-after-free, swa-window-leak; repeatable")
+    run.add_argument("--inject-seed", type=int, default=0, help="seed of the fault injection")
     run.set_defaults(func=_run)
 
 
@@ -128,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("capture", help="a capture file (SQLite) or a SQLAlchemy URL")
     runs.set_defaults(func=_runs)
     _add_run(verbs)
+    _add_debugger(verbs)
     return parser
 
 

@@ -123,9 +123,11 @@ class SWAInsertMixin:
             node.value = req_slots.copy()
         node.tombstone = False
         self._swa_evictable_size += len(node.value)
-        if self.recorder.enabled:
-            self.recorder.record(EventKind.REVIVE, pool=PoolName.SWA, node_id=node.id,
+        if self.recorder.enabled:  # both halves: the node's full slots, then the SWA slots now behind them
+            self.recorder.record(EventKind.REVIVE, pool=PoolName.FULL, node_id=node.id,
                                  num_tokens=len(node.value), slots=node.value)
+            self.recorder.record(EventKind.REVIVE, pool=PoolName.SWA, node_id=node.id, num_tokens=len(node.value),
+                                 slots=self.allocator.translate_loc(self._t(node.value)))
 
     def _add_tail(
         self, node: TreeNode, key: bytes, value: np.ndarray, t: int, e: int, to_free: list[np.ndarray],

@@ -11,7 +11,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvscope.debug.monitor import DebugMonitor
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.faults import FaultInjector, FaultSpec, check_applicable
 from kvscope.engine.memory import MemorySystem, build_memory
 from kvscope.engine.model import ModelConfig, TinyTransformer, kv_pool_shape
 from kvscope.engine.request import Req
@@ -21,6 +23,14 @@ from kvscope.mem import resolve_device
 from kvscope.telemetry import NULL_RECORDER, Recorder
 
 ProgressHook = Callable[[EngineStats, int], None]  # (stats, requests submitted so far)
+
+
+def check_faults(config: EngineConfig, model_config: ModelConfig, faults: list[FaultSpec]) -> None:
+    if not faults:
+        return
+    if config.strict:
+        raise ValueError("fault injection needs strict mode off (strict mode stops each fault where it happens)")
+    check_applicable(faults, has_tree=config.cache.kind in ("radix", "swa-radix"), is_swa=model_config.is_hybrid)
 
 
 def check_request(config: EngineConfig, model_config: ModelConfig, req: Req) -> None:
@@ -41,16 +51,25 @@ def check_request(config: EngineConfig, model_config: ModelConfig, req: Req) -> 
 
 class Engine:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, recorder: Recorder = NULL_RECORDER,
-                 on_logits: LogitsHook | None = None) -> None:
+                 on_logits: LogitsHook | None = None, debug: bool = False, faults: list[FaultSpec] | None = None,
+                 fault_seed: int = 0) -> None:
+        """`debug`: keep the slot ledger live, poison freed K/V and check every read (catches a
+        use-after-free at the read). `faults`: inject these faults (needs strict mode off)."""
         config.check_model(model_config.sliding_window, model_config.is_hybrid)
+        check_faults(config, model_config, faults or [])
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
-        self.recorder = recorder
+        self.monitor = DebugMonitor(recorder) if debug else None
+        self.recorder: Recorder = self.monitor or recorder
         self.model = TinyTransformer(model_config, self.device)
         self.memory: MemorySystem = build_memory(config, kv_pool_shape(model_config), model_config.sliding_window,
-                                                 recorder)
-        self.scheduler = Scheduler(config, self.model, self.memory, recorder, on_logits)
+                                                 self.recorder)
+        if self.monitor is not None:
+            self.monitor.kv_pool = self.memory.kv_pool
+        self.faults = FaultInjector(faults, fault_seed, self.recorder) if faults else None
+        self.scheduler = Scheduler(config, self.model, self.memory, self.recorder, on_logits, self.monitor,
+                                   self.faults)
 
     @property
     def stats(self) -> EngineStats:

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.engine import Engine, check_request
+from kvscope.engine.engine import Engine, check_faults, check_request
+from kvscope.engine.faults import FaultSpec
 from kvscope.engine.model import ModelConfig
 from kvscope.engine.request import Req
 from kvscope.engine.stats import EngineStats
@@ -31,6 +32,9 @@ class RunSpec:
     capture: Path | None = None
     pace_per_s: float | None = None
     workload_options: dict[str, Any] = field(default_factory=dict)
+    debug: bool = False
+    faults: tuple[FaultSpec, ...] = ()
+    fault_seed: int = 0
 
     @property
     def label(self) -> str:
@@ -61,6 +65,8 @@ def fingerprint(spec: RunSpec, device: str) -> dict[str, Any]:
         "workload": {"name": spec.workload, "trace": str(spec.trace) if spec.trace else None,
                      "num_requests": spec.num_requests, "seed": spec.seed, "options": spec.workload_options,
                      "pace_per_s": spec.pace_per_s},
+        "debug": {"enabled": spec.debug, "faults": [f"{f.kind}:{f.rate}" for f in spec.faults],
+                  "fault_seed": spec.fault_seed},
         "environment": environment_fingerprint(device),
     }
 
@@ -106,6 +112,7 @@ def run(spec: RunSpec, out: TextIO = sys.stdout) -> EngineStats:
         raise ValueError("the workload has no requests")
     requests = to_engine_requests(trace)
     spec.engine.check_model(spec.model.sliding_window, spec.model.is_hybrid)  # before any capture is created
+    check_faults(spec.engine, spec.model, list(spec.faults))
     for req in requests:
         check_request(spec.engine, spec.model, req)
     recorder, path = open_recorder(spec, spec.engine.device)
@@ -113,7 +120,8 @@ def run(spec: RunSpec, out: TextIO = sys.stdout) -> EngineStats:
     progress = Progress(len(requests))
     status, error = "finished", None
     try:
-        engine = Engine(spec.engine, spec.model, recorder)
+        engine = Engine(spec.engine, spec.model, recorder, debug=spec.debug, faults=list(spec.faults),
+                        fault_seed=spec.fault_seed)
         stats = engine.run(requests, pace_per_s=spec.pace_per_s, progress=progress)
     except (KeyboardInterrupt, SystemExit):
         raise

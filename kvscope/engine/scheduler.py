@@ -21,8 +21,11 @@ import numpy as np
 import torch
 
 from kvscope.cache import SWARadixCache
+from kvscope.debug.monitor import DebugMonitor
+from kvscope.engine import fault_hooks
 from kvscope.engine.admission import PrefillAdder
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.faults import FaultInjector
 from kvscope.engine.memory import MemorySystem
 from kvscope.engine.model import ForwardBatch, TinyTransformer
 from kvscope.engine.request import Req, ReqState
@@ -43,13 +46,16 @@ def held_rows(batch: list[Req]) -> list[int]:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, model: TinyTransformer, memory: MemorySystem, recorder: Recorder,
-                 on_logits: LogitsHook | None = None) -> None:
+                 on_logits: LogitsHook | None = None, monitor: DebugMonitor | None = None,
+                 faults: FaultInjector | None = None) -> None:
         self.config = config
         self.sched = config.scheduler
         self.model = model
         self.memory = memory
         self.recorder = recorder
         self.on_logits = on_logits
+        self.monitor = monitor
+        self.faults = faults
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -152,6 +158,7 @@ class Scheduler:
                                                                                strict=True)])
         forward = ForwardBatch.build("extend", torch.from_numpy(input_ids.astype(np.int64)), held_rows(batch),
                                      prefix_lens, slots, extend_lens)
+        self._check_reads(batch, prefix_lens)
         logits = self.model.forward(forward, rows, memory.kv_pool)
         memory.allocator.free_group_begin()
         for req, row in zip(batch, logits, strict=True):
@@ -206,6 +213,9 @@ class Scheduler:
         memory = self.memory
         if memory.is_swa:
             self._free_windows_for_decode(batch)
+        if self.faults is not None:
+            for req in batch:
+                fault_hooks.maybe_use_after_free(self.faults, memory, req)
         row_ids = held_rows(batch)
         positions = [r.kv_committed_len for r in batch]
         slots = self._alloc_decode(batch, row_ids, positions)
@@ -213,6 +223,7 @@ class Scheduler:
         rows.write_tokens(row_ids, positions, slots)
         input_ids = torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64)
         forward = ForwardBatch.build("decode", input_ids, held_rows(batch), [r.kv_committed_len for r in batch], slots)
+        self._check_reads(batch, positions)
         logits = self.model.forward(forward, rows, memory.kv_pool)
         memory.allocator.free_group_begin()
         still_running = []
@@ -285,11 +296,24 @@ class Scheduler:
             if req.decode_steps >= 1 and pre_len - window >= req.swa_evicted_len + interval:
                 self._free_window(req, pre_len)
 
+    def _check_reads(self, batch: list[Req], read_lens: list[int]) -> None:
+        """Debug mode: every slot a request reads must be its own or the tree's."""
+        if self.monitor is None:
+            return
+        rows = self.memory.req_to_token_pool
+        for req, read_len in zip(batch, read_lens, strict=True):
+            assert req.req_pool_idx is not None
+            if read_len:
+                self.monitor.check_reads(req.rid, rows.read(req.req_pool_idx, 0, read_len))
+
     def _free_window(self, req: Req, pre_len: int) -> None:
         memory = self.memory
         assert req.req_pool_idx is not None and memory.window_len is not None
         for_radix = isinstance(memory.cache, SWARadixCache)
         start = max(req.swa_evicted_len, req.cache_protected_len) if for_radix else req.swa_evicted_len
+        if self.faults is not None and fault_hooks.maybe_swa_window_leak(self.faults, memory, req, start, pre_len,
+                                                                         for_radix):
+            return
         memory.allocator.active_rid = req.rid
         req.swa_evicted_len = free_swa_out_of_window(memory.allocator, memory.req_to_token_pool, req.req_pool_idx,
                                                      start, pre_len, memory.window_len, for_radix=for_radix)
@@ -307,7 +331,14 @@ class Scheduler:
         memory.allocator.active_rid = None
 
     def _finish(self, req: Req) -> None:
-        self._release(req, is_insert=True)
+        faults = self.faults
+        if faults is None:
+            self._release(req, is_insert=True)
+        else:
+            fault_hooks.maybe_leak_tail(faults, self.memory, req)
+            with fault_hooks.double_free_window(faults, self.memory, req):
+                self._release(req, is_insert=True)
+            fault_hooks.maybe_lock_leak(faults, self.memory, req)
         req.state = ReqState.FINISHED
         self.stats.finished(req, self.step)
 
@@ -315,6 +346,25 @@ class Scheduler:
         self._release(req, is_insert=False)
         req.reset_for_retract(getattr(self.memory.cache, "root", None))
         self.stats.retracted(req, self.step)
+
+    def abort_request(self, rid: str) -> bool:
+        """A client gave up (as SGLang's abort_request): a waiting request just leaves; a running
+        or half-prefilled one gives its KV back without inserting it. False if rid is unknown."""
+        for req in self.waiting:  # a waiting request holds no KV (a retracted one gave it back)
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.state = ReqState.ABORTED
+                self.stats.aborted(req, self.step, "client abort")
+                return True
+        target = next((r for r in [*self.running, self.chunked_req] if r is not None and r.rid == rid), None)
+        if target is None:
+            return False
+        if target is self.chunked_req:
+            self.chunked_req = None
+        self.memory.allocator.free_group_begin()
+        self._abort(target, "client abort")
+        self.memory.allocator.free_group_end()
+        return True
 
     def _abort(self, req: Req, reason: str) -> None:
         self._release(req, is_insert=False)

@@ -7,7 +7,10 @@ NOTE: one event = (kind, pool, rid, node_id, num_tokens, slots, reason, aux):
     lock/unlock node_id = the node the lock starts at, num_tokens = tokens whose state moved
     evict      node_id, num_tokens, slots freed, reason (capacity, finish, abort, tombstone)
     tombstone  node_id, num_tokens = SWA tokens freed, slots = the SWA-freed full slots
-    revive     node_id: a tombstone got live SWA KV again (SWA radix insert)
+    revive     node_id: a tombstone got live SWA KV again (SWA radix insert); recorded twice: pool full
+               with the node's full slots, then pool swa with the SWA slots now paired with them
+    inject     rid, reason = the FaultKind, slots / node_id = what the fault touched
+    violation  rid, reason = the FaultKind caught, slots read, aux = the position read
     alloc/free pool, rid, num_tokens, slots
 Producers guard every call with `if recorder.enabled:` so a disabled recorder costs one
 flag check. Slots are passed as they are (tensor or array) and a recorder may keep a
@@ -38,6 +41,8 @@ class EventKind(StrEnum):
     TOMBSTONE = "tombstone"
     REVIVE = "revive"
     LEAK_CHECK = "leak_check"
+    INJECT = "inject"  # a fault injected on purpose (ground truth for the debugger's tests)
+    VIOLATION = "violation"  # a misuse caught while running (e.g. a read of a freed slot)
 
 
 class EvictReason(StrEnum):
@@ -45,6 +50,14 @@ class EvictReason(StrEnum):
     FINISH = "finish"
     ABORT = "abort"
     TOMBSTONE = "tombstone"
+
+
+class FaultKind(StrEnum):
+    LEAK_TAIL = "leak-tail"
+    LOCK_LEAK = "lock-leak"
+    DOUBLE_FREE = "double-free"
+    USE_AFTER_FREE = "use-after-free"
+    SWA_WINDOW_LEAK = "swa-window-leak"
 
 
 class PoolName(StrEnum):
@@ -61,7 +74,7 @@ class Event(NamedTuple):
     node_id: int | None
     num_tokens: int
     slots: Any
-    reason: EvictReason | None
+    reason: StrEnum | None
     aux: int
 
 
@@ -100,10 +113,11 @@ class Recorder:
         node_id: int | None = None,
         num_tokens: int = 0,
         slots: Any = None,
-        reason: EvictReason | None = None,
+        reason: StrEnum | None = None,
         aux: int = 0,
     ) -> None:
-        """Append one event. Called only when `enabled`; must not raise on the hot path."""
+        """Append one event. Called only when `enabled`; must not raise on the hot path.
+        `reason` is an EvictReason, or a FaultKind for inject / violation events."""
 
 
 class NullRecorder(Recorder):
@@ -147,7 +161,7 @@ class ListRecorder(Recorder):
         node_id: int | None = None,
         num_tokens: int = 0,
         slots: Any = None,
-        reason: EvictReason | None = None,
+        reason: StrEnum | None = None,
         aux: int = 0,
     ) -> None:
         kept = None if slots is None else [int(s) for s in slots]

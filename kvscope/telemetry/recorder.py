@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections import deque
+from enum import StrEnum
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -32,7 +33,7 @@ import numpy as np
 from sqlalchemy import update
 
 from kvscope.telemetry import schema
-from kvscope.telemetry.events import EventKind, EvictReason, PoolName, Recorder
+from kvscope.telemetry.events import EventKind, PoolName, Recorder
 from kvscope.telemetry.records import LEVELS, LeakCheck, RequestRecord, UsageSample
 from kvscope.telemetry.store import BulkInsert, open_writer
 
@@ -122,7 +123,7 @@ class SQLRecorder(Recorder):
         node_id: int | None = None,
         num_tokens: int = 0,
         slots: Any = None,
-        reason: EvictReason | None = None,
+        reason: StrEnum | None = None,
         aux: int = 0,
     ) -> None:
         # NOTE: plain str values, not Enum members, so the GC can stop tracking buffered tuples
@@ -140,7 +141,7 @@ class SQLRecorder(Recorder):
                                      *sample[3:])))
 
     def leak_check(self, check: LeakCheck) -> None:
-        self._rows.append(("leak_checks", (self.run_id, check.step, check.pool, time.monotonic(), *check[2:],
+        self._rows.append(("leak_checks", (self.run_id, check.step, check.pool, time.monotonic(), *check[2:8],
                                            check.ok, None if check.ok else check.message())))
 
     def request(self, rec: RequestRecord) -> None:

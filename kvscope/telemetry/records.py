@@ -39,7 +39,11 @@ class UsageSample(NamedTuple):
 
 
 class LeakCheck(NamedTuple):
-    """One pool's idle invariant: available + evictable + protected + held + uncached == total."""
+    """One pool's invariant: available + evictable + protected + held + uncached == total.
+
+    At an idle point (`idle`), nothing may stay locked either: protected must be 0. SGLang's
+    equation alone counts a lock that is never released as balanced.
+    """
 
     step: int
     pool: str
@@ -49,16 +53,25 @@ class LeakCheck(NamedTuple):
     protected: int
     held: int
     uncached: int
+    idle: bool = True
+
+    @property
+    def balanced(self) -> bool:
+        return self.available + self.evictable + self.protected + self.held + self.uncached == self.total
 
     @property
     def ok(self) -> bool:
-        return self.available + self.evictable + self.protected + self.held + self.uncached == self.total
+        return self.balanced and not (self.idle and self.protected)
 
     def message(self) -> str:
-        return (
-            f"[{self.pool}] total={self.total}, available={self.available}, evictable={self.evictable}, "
-            f"protected={self.protected}, held={self.held}, uncached={self.uncached}"
-        )
+        terms = (f"[{self.pool}] total={self.total}, available={self.available}, evictable={self.evictable}, "
+                 f"protected={self.protected}, held={self.held}, uncached={self.uncached}")
+        if not self.balanced:
+            gap = self.total - (self.available + self.evictable + self.protected + self.held + self.uncached)
+            return f"{terms}: {abs(gap)} tokens {'missing' if gap > 0 else 'counted twice'}"
+        if self.idle and self.protected:
+            return f"{terms}: {self.protected} tokens still locked at an idle point"
+        return terms
 
 
 @dataclass

@@ -1,0 +1,291 @@
+"""The slot-ownership ledger: for every slot of every pool, who holds it now (free, a
+request, a tree node), since which step, through which event.
+
+It is fed the event stream, so the same code runs live (the debug monitor wraps the
+recorder) and after the fact (replaying a `full` capture).
+
+NOTE: what each event does to the ledger
+    alloc   pool's slots -> the request (a SWA alloc right after the same request's full
+            alloc of as many slots pairs them: that is how the SWA half is followed)
+    free    slots -> free; a slot that was already free is a double free
+    insert  full slots (and their SWA peers) -> the new node
+    split   the first num_tokens slots of node `aux` -> the new upper node
+    revive  the node's full slots (and SWA peers) -> the node
+    evict   the slots leave their node (the allocator's free follows)
+    lock / unlock   (node, rid) pairs; admit / finish / abort / retract   request liveness
+An orphan is a slot held by a request that is no longer live, or by a node that is gone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+FREE, REQUEST, TREE = 0, 1, 2
+POOLS = ("full", "swa")
+
+
+class Holding(NamedTuple):
+    """Slots one owner holds, and the event that gave them (the earliest)."""
+
+    pool: str
+    slots: list[int]
+    rid: str | None
+    node_id: int | None
+    step: int
+    seq: int
+
+
+class DoubleFree(NamedTuple):
+    pool: str
+    slots: list[int]
+    rid: str | None
+    step: int
+    seq: int
+    first_step: int
+    first_seq: int
+
+
+class HeldLock(NamedTuple):
+    node_id: int
+    rid: str | None
+    step: int
+    seq: int
+
+
+class BadRead(NamedTuple):
+    """A request read slots it did not hold; the culprit is whoever freed them last."""
+
+    reader: str | None
+    slots: list[int]
+    step: int
+    seq: int
+    position: int
+    freer: str | None
+    free_step: int
+    free_seq: int
+
+
+class PoolLedger:
+    """Owner kind, owner reference (request index or node id), since step, since event seq;
+    and per slot the last free: by which request, at which step and event."""
+
+    FIELDS = (("kind", 0), ("ref", -1), ("step", 0), ("seq", -1), ("freed_by", -1), ("freed_step", -1),
+              ("freed_seq", -1))
+
+    def __init__(self, num_slots: int = 1024) -> None:
+        self.kind = np.zeros(num_slots, dtype=np.int8)
+        self.ref = np.full(num_slots, -1, dtype=np.int64)
+        self.step = np.zeros(num_slots, dtype=np.int64)
+        self.seq = np.full(num_slots, -1, dtype=np.int64)
+        self.freed_by = np.full(num_slots, -1, dtype=np.int64)
+        self.freed_step = np.full(num_slots, -1, dtype=np.int64)
+        self.freed_seq = np.full(num_slots, -1, dtype=np.int64)
+
+    def _fit(self, slots: np.ndarray) -> None:
+        if len(slots) and int(slots.max()) >= len(self.kind):
+            size = max(int(slots.max()) + 1, 2 * len(self.kind))
+            for name, fill in self.FIELDS:
+                old = getattr(self, name)
+                new = np.full(size, fill, dtype=old.dtype)
+                new[: len(old)] = old
+                setattr(self, name, new)
+
+    def assign(self, slots: np.ndarray, kind: int, ref: int, step: int, seq: int) -> None:
+        self._fit(slots)
+        self.kind[slots], self.ref[slots], self.step[slots], self.seq[slots] = kind, ref, step, seq
+
+    def free(self, slots: np.ndarray, step: int, seq: int, by: int) -> np.ndarray:
+        """Mark free (by request index `by`, -1 for the tree); returns the slots that were
+        free already (a double free)."""
+        self._fit(slots)
+        already = slots[self.kind[slots] == FREE]
+        self.assign(slots, FREE, -1, step, seq)
+        self.freed_by[slots], self.freed_step[slots], self.freed_seq[slots] = by, step, seq
+        return already
+
+
+@dataclass
+class Ledger:
+    pools: dict[str, PoolLedger] = field(default_factory=lambda: {p: PoolLedger() for p in POOLS})
+    rids: list[str] = field(default_factory=list)
+    rid_index: dict[str, int] = field(default_factory=dict)
+    live: set[int] = field(default_factory=set)
+    ended: dict[int, tuple[str, int]] = field(default_factory=dict)  # request -> (how, step)
+    node_slots: dict[int, np.ndarray] = field(default_factory=dict)
+    full_to_swa: dict[int, int] = field(default_factory=dict)
+    locks: list[HeldLock] = field(default_factory=list)
+    double_frees: list[DoubleFree] = field(default_factory=list)
+    bad_reads: list[BadRead] = field(default_factory=list)
+    # NOTE: a batched SWA allocation records full r1, full r2, ..., then swa r1, swa r2, ...;
+    # the full halves wait here until their SWA halves pair with them (cleared by any other event)
+    _pending_full: list[tuple[str | None, np.ndarray]] = field(default_factory=list)
+
+    def request_index(self, rid: str) -> int:
+        if rid not in self.rid_index:
+            self.rid_index[rid] = len(self.rids)
+            self.rids.append(rid)
+        return self.rid_index[rid]
+
+    # -- events ------------------------------------------------------------------------------
+
+    def apply(self, kind: str, step: int, seq: int, pool: str | None, rid: str | None, node_id: int | None,
+              num_tokens: int, aux: int, slots: np.ndarray | None) -> None:
+        if kind != "alloc":
+            self._pending_full.clear()
+        handler = getattr(self, f"_on_{kind}", None)
+        if handler is not None:
+            handler(step, seq, pool or "full", rid, node_id, num_tokens, aux,
+                    np.empty(0, dtype=np.int64) if slots is None else np.asarray(slots, dtype=np.int64))
+
+    def _on_alloc(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
+                  slots: np.ndarray) -> None:
+        ref = self.request_index(rid) if rid is not None else -1
+        self.pools[pool].assign(slots, REQUEST, ref, step, seq)
+        if pool == "full":
+            self._pending_full.append((rid, slots))
+            return
+        for i, (full_rid, full) in enumerate(self._pending_full):
+            if full_rid == rid and len(full) == len(slots):
+                self.full_to_swa.update(zip(full.tolist(), slots.tolist(), strict=True))
+                del self._pending_full[i]
+                return
+
+    def _on_free(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
+                 slots: np.ndarray) -> None:
+        ledger = self.pools[pool]
+        ledger._fit(slots)
+        first_step, first_seq = ledger.step[slots].copy(), ledger.seq[slots].copy()
+        twice = ledger.free(slots, step, seq, self.request_index(rid) if rid is not None else -1)
+        if len(twice):
+            where = np.isin(slots, twice)
+            self.double_frees.append(DoubleFree(pool, twice.tolist(), rid, step, seq, int(first_step[where][0]),
+                                                int(first_seq[where][0])))
+
+    def _tree(self, slots: np.ndarray, node_id: int, step: int, seq: int) -> None:
+        self.pools["full"].assign(slots, TREE, node_id, step, seq)
+        swa = self._swa_of(slots)
+        if len(swa):
+            ledger = self.pools["swa"]
+            ledger._fit(swa)
+            ledger.assign(swa[ledger.kind[swa] != FREE], TREE, node_id, step, seq)  # tombstoned halves stay free
+
+    def _on_insert(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
+                   slots: np.ndarray) -> None:
+        self.node_slots[int(node_id)] = slots
+        self._tree(slots, int(node_id), step, seq)
+
+    def _on_revive(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
+                   slots: np.ndarray) -> None:
+        """pool full: the node's (maybe adopted) full slots; pool swa: the SWA slots now behind them."""
+        if pool == "full":
+            self.node_slots[int(node_id)] = slots
+            self.pools["full"].assign(slots, TREE, int(node_id), step, seq)
+            return
+        full = self.node_slots.get(int(node_id))
+        if full is not None and len(full) == len(slots):
+            self.full_to_swa.update(zip(full.tolist(), slots.tolist(), strict=True))
+        self.pools["swa"].assign(slots[slots > 0], TREE, int(node_id), step, seq)
+
+    def _on_split(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
+                  slots: np.ndarray) -> None:
+        child = self.node_slots.get(aux)
+        if child is None:
+            return
+        upper, self.node_slots[aux] = child[:n], child[n:]
+        self.node_slots[int(node_id)] = upper
+        for name, moved in (("full", upper), ("swa", self._swa_of(upper))):
+            ledger = self.pools[name]
+            ledger._fit(moved)
+            moved = moved[(ledger.kind[moved] == TREE) & (ledger.ref[moved] == aux)]
+            ledger.ref[moved] = int(node_id)
+
+    def _swa_of(self, full_slots: np.ndarray) -> np.ndarray:
+        return np.array([self.full_to_swa[s] for s in full_slots.tolist() if s in self.full_to_swa], dtype=np.int64)
+
+    def _on_evict(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
+                  slots: np.ndarray) -> None:
+        held = self.node_slots.get(int(node_id))
+        if held is None:
+            return
+        rest = held[~np.isin(held, slots)]
+        if len(rest):
+            self.node_slots[int(node_id)] = rest
+        else:
+            del self.node_slots[int(node_id)]
+
+    def _on_violation(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
+                      slots: np.ndarray) -> None:
+        ledger = self.pools["full"]
+        ledger._fit(slots)
+        last = slots[np.argmax(ledger.freed_seq[slots])] if len(slots) else 0
+        by = int(ledger.freed_by[last])
+        self.bad_reads.append(BadRead(rid, slots.tolist(), step, seq, aux, self.rids[by] if by >= 0 else None,
+                                      int(ledger.freed_step[last]), int(ledger.freed_seq[last])))
+
+    def _on_lock(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
+                 slots: np.ndarray) -> None:
+        if node_id is not None:
+            self.locks.append(HeldLock(int(node_id), rid, step, seq))
+
+    def _on_unlock(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
+                   slots: np.ndarray) -> None:
+        for i in range(len(self.locks) - 1, -1, -1):
+            held = self.locks[i]
+            if held.node_id == node_id and held.rid == rid:
+                del self.locks[i]
+                return
+
+    def _on_admit(self, step: int, seq: int, pool: str, rid: str | None, *_: Any) -> None:
+        if rid is not None:
+            index = self.request_index(rid)
+            self.live.add(index)
+            self.ended.pop(index, None)
+
+    def _end(self, how: str, step: int, rid: str | None) -> None:
+        if rid is not None:
+            index = self.request_index(rid)
+            self.live.discard(index)
+            self.ended[index] = (how, step)
+
+    def _on_finish(self, step: int, seq: int, pool: str, rid: str | None, *_: Any) -> None:
+        self._end("finished", step, rid)
+
+    def _on_abort(self, step: int, seq: int, pool: str, rid: str | None, *_: Any) -> None:
+        self._end("aborted", step, rid)
+
+    def _on_retract(self, step: int, seq: int, pool: str, rid: str | None, *_: Any) -> None:
+        self._end("retracted", step, rid)
+
+    # -- questions ---------------------------------------------------------------------------
+
+    def orphans(self) -> list[Holding]:
+        """Slots held by requests that ended, or by nodes no longer in the tree; one entry per owner."""
+        found: list[Holding] = []
+        for name, ledger in self.pools.items():
+            by_request = (ledger.kind == REQUEST) & ~np.isin(ledger.ref, list(self.live))
+            by_node = (ledger.kind == TREE) & ~np.isin(ledger.ref, list(self.node_slots))
+            for mask, is_request in ((by_request, True), (by_node, False)):
+                for ref in np.unique(ledger.ref[mask]).tolist():
+                    slots = np.flatnonzero(mask & (ledger.ref == ref))
+                    first = slots[np.argmin(ledger.seq[slots])]
+                    rid = self.rids[ref] if is_request and ref >= 0 else None
+                    found.append(Holding(name, slots.tolist(), rid, None if is_request else ref,
+                                         int(ledger.step[first]), int(ledger.seq[first])))
+        return found
+
+    def locks_of_ended_requests(self) -> list[HeldLock]:
+        return [h for h in self.locks if h.rid is None or self.rid_index.get(h.rid, -1) not in self.live]
+
+    def is_broken(self) -> bool:
+        return bool(self.double_frees or self.locks_of_ended_requests() or self.orphans())
+
+    def read_violations(self, rid: str, slots: np.ndarray) -> np.ndarray:
+        """Slots a request is about to read that it may not: free, or another live request's."""
+        ledger = self.pools["full"]
+        ledger._fit(slots)
+        own = self.rid_index.get(rid, -2)
+        kind, ref = ledger.kind[slots], ledger.ref[slots]
+        return slots[(kind == FREE) | ((kind == REQUEST) & (ref != own))]

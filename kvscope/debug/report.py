@@ -1,0 +1,245 @@
+"""`kvscope report leaks` and `kvscope check`: explain a capture's leaks after the fact.
+
+From a `full` capture the ledger is rebuilt event by event; each leak names the pool, the
+slots, the request that last owned them (and its principal), the step and event that
+allocated them, and the step the free should have come (the request's end). The onset is
+the first step at which the ledger's invariant series breaks, found by bisection. A
+`summary` capture has no slot indices: the report says so and works from the leak checks
+and the requests table (onset, suspect requests).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from kvscope.debug.ledger import Ledger
+from kvscope.debug.replay import replay
+from kvscope.telemetry.queries import Capture
+from kvscope.telemetry.recorder import decode_slots
+
+SUMMARY_NOTE = ("recorded at level summary: the capture holds no slot indices, so this report works from the "
+                "leak checks and the requests table only (record with --level full for slots and culprits)")
+
+
+@dataclass
+class Leak:
+    kind: str  # orphaned, double-free, lock-never-released, use-after-free
+    pool: str
+    slots: list[int]
+    rid: str | None = None
+    principal: str | None = None
+    allocated_step: int | None = None
+    allocated_event: int | None = None
+    free_due_step: int | None = None  # the request's end: the free that never came
+    node_id: int | None = None
+    detail: str = ""
+    event: int = -1  # the event that exposes it: leaks are listed in this order
+    consequence_of: int | None = None  # 1-based index of an earlier leak touching the same slots
+
+
+@dataclass
+class LeakReport:
+    capture: str
+    run_id: int
+    level: str
+    status: str
+    checks_run: int = 0
+    first_failure_step: int | None = None
+    first_failure: list[str] = field(default_factory=list)
+    last_clean_step: int | None = None
+    onset_step: int | None = None
+    leaks: list[Leak] = field(default_factory=list)
+    suspects: list[str] = field(default_factory=list)
+    injected: list[dict[str, Any]] = field(default_factory=list)
+    note: str | None = None
+
+    @property
+    def clean(self) -> bool:
+        return not self.leaks and self.first_failure_step is None
+
+    @property
+    def root_leaks(self) -> list[Leak]:
+        """The leaks that are not consequences of an earlier one."""
+        return [leak for leak in self.leaks if leak.consequence_of is None]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, default=int)
+
+
+def _slots_text(slots: list[int], limit: int = 12) -> str:
+    head = ", ".join(map(str, slots[:limit]))
+    return f"[{head}{f', … +{len(slots) - limit} more' if len(slots) > limit else ''}]"
+
+
+def _run_row(capture: Capture, run_id: int | None) -> Any:
+    runs = capture.runs()
+    if runs.empty:
+        raise ValueError(f"{capture.target}: the capture holds no runs")
+    if run_id is None:
+        return runs.iloc[-1]
+    chosen = runs[runs.id == run_id]
+    if chosen.empty:
+        raise ValueError(f"{capture.target}: no run {run_id} (runs: {', '.join(map(str, runs.id))})")
+    return chosen.iloc[0]
+
+
+def build_report(target: str | Path, run_id: int | None = None) -> LeakReport:
+    capture = Capture(target)
+    try:
+        run = _run_row(capture, run_id)
+        report = LeakReport(str(target), int(run.id), str(run.level), str(run.display_status))
+        _from_checks(report, capture.leak_checks(report.run_id))
+        requests = capture.requests(report.run_id)
+        if report.level != "full":
+            report.note = SUMMARY_NOTE
+            report.onset_step = report.first_failure_step
+            report.suspects = _suspects(requests, report)
+            return report
+        _from_ledger(report, capture, requests)
+        return report
+    finally:
+        capture.close()
+
+
+def _from_checks(report: LeakReport, checks: pd.DataFrame) -> None:
+    report.checks_run = int(checks.step.nunique()) if not checks.empty else 0
+    failed = checks[~checks.ok.astype(bool)]
+    if not failed.empty:
+        step = int(failed.step.min())
+        report.first_failure_step = step
+        report.first_failure = [str(m) for m in failed[failed.step == step].message]
+        before = checks[checks.step < step]
+        report.last_clean_step = int(before.step.max()) if not before.empty else None
+    elif not checks.empty:
+        report.last_clean_step = int(checks.step.max())
+
+
+def _suspects(requests: pd.DataFrame, report: LeakReport) -> list[str]:
+    """Requests that ended after the last clean check and by the first failing one."""
+    if report.first_failure_step is None or requests.empty:
+        return []
+    lo = report.last_clean_step if report.last_clean_step is not None else -1
+    ended = requests[(requests.finish_step > lo) & (requests.finish_step <= report.first_failure_step)]
+    return [str(r) for r in ended.rid]
+
+
+def _from_ledger(report: LeakReport, capture: Capture, requests: pd.DataFrame) -> None:
+    series: list[tuple[int, bool]] = []
+    ledger = replay(capture, report.run_id, lambda step, led: series.append((step, led.is_broken())))
+    report.onset_step = _bisect_onset(series)
+    people = dict(zip(requests.rid, requests.principal, strict=True)) if not requests.empty else {}
+    report.leaks = _link_consequences(_leaks(ledger, people))
+    injected = capture.events(report.run_id, kinds=["inject"], limit=100_000)
+    report.injected = [{"kind": r.reason, "rid": r.rid, "step": int(r.step), "slots": decode_slots(r.slots),
+                        "node_id": None if r.node_id != r.node_id else r.node_id} for r in injected.itertuples()]
+
+
+def _bisect_onset(series: list[tuple[int, bool]]) -> int | None:
+    """First step whose ledger is broken; bisection over the 'broken so far' series."""
+    ever, broken = [], False
+    for _, flag in series:
+        broken = broken or flag
+        ever.append(broken)
+    index = bisect.bisect_left(ever, True)
+    return series[index][0] if index < len(series) else None
+
+
+def _link_consequences(leaks: list[Leak]) -> list[Leak]:
+    """Order by the exposing event; a leak whose slots an earlier leak touched is its consequence
+    (after a slot is freed under a reader, the reader's own free and other readers follow)."""
+    leaks = sorted(leaks, key=lambda leak: leak.event)
+    touched: dict[tuple[str, int], int] = {}
+    for index, leak in enumerate(leaks, 1):
+        earlier = [touched[(leak.pool, s)] for s in leak.slots if (leak.pool, s) in touched]
+        if earlier:
+            leak.consequence_of = min(earlier)
+        for slot in leak.slots:
+            touched.setdefault((leak.pool, slot), index)
+    return leaks
+
+
+def _ended_step(ledger: Ledger, rid: str | None) -> int | None:
+    if rid is None or ledger.rid_index.get(rid) not in ledger.ended:
+        return None
+    return ledger.ended[ledger.rid_index[rid]][1]
+
+
+def _leaks(ledger: Ledger, people: dict[str, Any]) -> list[Leak]:
+    leaks = []
+    for hold in ledger.orphans():
+        how = ledger.ended.get(ledger.rid_index.get(hold.rid or "", -1), ("gone", None))[0]
+        detail = (f"held by request {hold.rid}, which {how}" if hold.rid else f"held by node {hold.node_id}, "
+                  "which is no longer in the tree")
+        leaks.append(Leak("orphaned", hold.pool, hold.slots, hold.rid, people.get(hold.rid or ""), hold.step,
+                          hold.seq, _ended_step(ledger, hold.rid), hold.node_id, detail, event=hold.seq))
+    for twice in ledger.double_frees:
+        leaks.append(Leak("double-free", twice.pool, twice.slots, twice.rid, people.get(twice.rid or ""),
+                          detail=f"freed again at step {twice.step} (event #{twice.seq}); first freed at step "
+                          f"{twice.first_step} (event #{twice.first_seq})", event=twice.seq))
+    for held in ledger.locks_of_ended_requests():
+        slots = ledger.node_slots.get(held.node_id)
+        leaks.append(Leak("lock-never-released", "full", [] if slots is None else slots.tolist(), held.rid,
+                          people.get(held.rid or ""), held.step, held.seq, _ended_step(ledger, held.rid),
+                          held.node_id, f"node {held.node_id} locked at step {held.step} (event #{held.seq}) "
+                          "and never unlocked: its tokens stay protected", event=held.seq))
+    for read in ledger.bad_reads:  # the culprit is whoever freed the slots while they were still in use
+        reader = "it" if read.reader == read.freer else f"request {read.reader}"
+        leaks.append(Leak("use-after-free", "full", read.slots, read.freer, people.get(read.freer or ""),
+                          detail=f"freed at step {read.free_step} (event #{read.free_seq}) while still in use; "
+                          f"{reader} read it at step {read.step} (event #{read.seq}), position {read.position}",
+                          event=read.free_seq))
+    return leaks
+
+
+def render_text(report: LeakReport) -> str:
+    lines = [f"capture {report.capture} — run {report.run_id}, level {report.level}, {report.status}"]
+    if report.note:
+        lines.append(f"note: {report.note}")
+    if report.first_failure_step is None:
+        lines.append(f"leak checks: {report.checks_run} idle points, all balanced")
+    else:
+        lines.append(f"leak checks: {report.checks_run} idle points; first failure at step "
+                     f"{report.first_failure_step}:")
+        lines += [f"    {m}" for m in report.first_failure]
+    if report.onset_step is not None:
+        clean = f"; last clean check at step {report.last_clean_step}" if report.last_clean_step is not None else ""
+        lines.append(f"onset: step {report.onset_step} (bisected over the invariant series{clean})")
+    if report.suspects:
+        lines.append(f"suspect requests (ended between the last clean and the first failing check): "
+                     f"{', '.join(report.suspects[:20])}")
+    roots = len(report.root_leaks)
+    lines.append(f"leaks: {roots} root cause{'s' if roots != 1 else ''}, {len(report.leaks) - roots} consequences"
+                 if report.leaks else "leaks: none")
+    for i, leak in enumerate(report.leaks, 1):
+        who = f"request {leak.rid}" + (f" (user {leak.principal})" if leak.principal else "") if leak.rid else "-"
+        count = f"{len(leak.slots)} slot{'s' if len(leak.slots) != 1 else ''}"
+        after = f" — a consequence of #{leak.consequence_of}" if leak.consequence_of else ""
+        lines.append(f"  {i}. {leak.kind}, pool {leak.pool}: {count} {_slots_text(leak.slots)}{after}")
+        lines.append(f"     culprit: {who}; {leak.detail}")
+        if leak.kind == "lock-never-released" and leak.free_due_step is not None:
+            lines.append(f"     the unlock was due at step {leak.free_due_step}, when the request finished")
+        elif leak.allocated_step is not None:
+            due = f"; the free was due at step {leak.free_due_step} and never came" if leak.free_due_step else ""
+            lines.append(f"     allocated at step {leak.allocated_step} (event #{leak.allocated_event}){due}")
+    if report.injected:
+        kinds = sorted({str(i["kind"]) for i in report.injected})
+        lines.append(f"injected faults (ground truth in the capture): {len(report.injected)} ({', '.join(kinds)})")
+    return "\n".join(lines)
+
+
+def check_reason(report: LeakReport) -> str:
+    """One line: why the capture fails the check, or that it is clean."""
+    if report.clean:
+        return f"clean: {report.checks_run} idle leak checks balanced, no orphaned slots, double frees or held locks"
+    if report.leaks:
+        leak = report.root_leaks[0]
+        who = f" ({leak.rid})" if leak.rid else ""
+        more = f" and {len(report.leaks) - 1} more" if len(report.leaks) > 1 else ""
+        return f"{leak.kind}: {len(leak.slots)} slots of pool {leak.pool}{who}{more}"
+    return f"leak check failed at step {report.first_failure_step}: {report.first_failure[0]}"

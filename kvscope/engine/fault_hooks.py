@@ -1,0 +1,95 @@
+"""Where each injected fault acts on a request (see faults.py for what they mean)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from kvscope.engine.faults import FaultInjector, observe_frees
+from kvscope.engine.memory import MemorySystem
+from kvscope.engine.request import Req
+from kvscope.mem import swa_window_frontier
+from kvscope.telemetry import FaultKind
+
+
+def _own_slots(memory: MemorySystem, req: Req, start: int, end: int) -> torch.Tensor:
+    assert req.req_pool_idx is not None
+    return memory.req_to_token_pool.read(req.req_pool_idx, start, end)
+
+
+def maybe_leak_tail(faults: FaultInjector, memory: MemorySystem, req: Req) -> None:
+    """The cache is told the KV ends before the last own page, which is never freed."""
+    ps, kv_len = memory.page_size, req.kv_committed_len
+    keep = kv_len - min(2, kv_len - req.cache_protected_len) if ps == 1 else (kv_len - 1) // ps * ps
+    if keep >= kv_len or keep < req.cache_protected_len or not faults.wants(FaultKind.LEAK_TAIL, req.rid):
+        return
+    faults.injected(FaultKind.LEAK_TAIL, req.rid, _own_slots(memory, req, keep, kv_len).tolist())
+    req.kv_committed_len = keep
+
+
+@contextmanager
+def double_free_window(faults: FaultInjector, memory: MemorySystem, req: Req) -> Iterator[None]:
+    """Around the release: free again one page (two slots at page size 1) it just freed."""
+    if FaultKind.DOUBLE_FREE not in faults.rates:
+        yield
+        return
+    with observe_frees(memory.allocator) as freed:
+        yield
+    if not freed:
+        return
+    slots = np.unique(torch.cat(freed).cpu().numpy())
+    ps = memory.page_size
+    again = slots[:2] if ps == 1 else np.arange(slots[0] // ps * ps, slots[0] // ps * ps + ps)
+    if not faults.wants(FaultKind.DOUBLE_FREE, req.rid):
+        return
+    faults.injected(FaultKind.DOUBLE_FREE, req.rid, again.tolist())
+    memory.allocator.active_rid = req.rid
+    memory.allocator.free(torch.from_numpy(again).to(memory.allocator.device))
+    memory.allocator.active_rid = None
+
+
+def maybe_lock_leak(faults: FaultInjector, memory: MemorySystem, req: Req) -> None:
+    """Lock the request's last node again after its release: protected never returns."""
+    node = req.last_node
+    if node is None or node is getattr(memory.cache, "root", None) or not faults.wants(FaultKind.LOCK_LEAK, req.rid):
+        return
+    memory.cache.inc_lock_ref(node, rid=req.rid)
+    faults.injected(FaultKind.LOCK_LEAK, req.rid, node.value.tolist(), node_id=node.id)
+
+
+def maybe_use_after_free(faults: FaultInjector, memory: MemorySystem, req: Req) -> None:
+    """Free one page the request still reads (below the page decode continues)."""
+    ps = memory.page_size
+    start = -(-req.cache_protected_len // ps) * ps
+    end = start + ps
+    if end > (req.kv_committed_len - 1) // ps * ps or not faults.wants(FaultKind.USE_AFTER_FREE, req.rid):
+        return
+    slots = _own_slots(memory, req, start, end)
+    faults.injected(FaultKind.USE_AFTER_FREE, req.rid, slots.tolist())
+    memory.allocator.active_rid = req.rid
+    memory.allocator.free(slots)
+    memory.allocator.active_rid = None
+
+
+def maybe_swa_window_leak(faults: FaultInjector, memory: MemorySystem, req: Req, start: int, pre_len: int,
+                          for_radix: bool) -> bool:
+    """Drop the SWA slots that left the window from the mapping without freeing them."""
+    assert memory.window_len is not None
+    new = swa_window_frontier(start, pre_len, memory.window_len, memory.page_size, for_radix=for_radix)
+    if new <= start or not faults.wants(FaultKind.SWA_WINDOW_LEAK, req.rid):
+        return False
+    full = _own_slots(memory, req, start, new)
+    mapping = memory.allocator.full_to_swa_index_mapping
+    swa = mapping[full]
+    live = swa > 0
+    mapping[full[live]] = 0
+    faults.injected(FaultKind.SWA_WINDOW_LEAK, req.rid, swa[live].tolist())
+    req.swa_evicted_len = new
+    return True
+
+
+__all__ = ["double_free_window", "maybe_leak_tail", "maybe_lock_leak", "maybe_swa_window_leak",
+           "maybe_use_after_free"]

@@ -1,0 +1,142 @@
+"""Hit rate vs cache capacity for a request stream, from one pass (stack distances, §2.6-2.7).
+
+Capacity convention (the one under which the curve is exact): `capacity` is the number of
+tokens the radix tree may hold between requests, floored to whole pages. The request being
+served does not count against it: its new slots come from headroom, and the tree is evicted
+back to `capacity` once the request is inserted and unlocked. Under that convention the curve
+equals, request by request and at every capacity, a replay through
+`RadixCache(eviction_granularity="page")` with LRU (see `replay.replay(convention="tree")`).
+
+Under the slot convention of benchmarks/bench_radix.py (a pool of C slots that the request in
+flight shares with the tree) a replay's tree holds between C minus the largest in-flight need
+and C tokens when a request arrives, so its hit tokens lie between the curve at those two
+capacities. SGLang's whole-leaf eviction (the default `eviction_granularity="leaf"`) may evict
+more than needed; the curve does not model it, and replays report the gap.
+
+Pure: numpy only (no torch), so the dashboard can import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import overload
+
+import numpy as np
+
+from kvscope.planning.requests import ReplayRequest
+from kvscope.planning.stack_distance import Ramps, stack_distance_ramps
+
+EXACTNESS = (
+    "exact for page-granular LRU tail eviction, tree-capacity convention (tokens the radix tree holds "
+    "between requests; the request in flight not counted)"
+)
+
+
+@dataclass(frozen=True, eq=False)
+class HitRateCurve:
+    """Prompt tokens served from the cache at every capacity.
+
+    `ramps` hold the piecewise-linear curve: hit_tokens(K) = Σ clamp(K - start, 0, length).
+    `prompt_lens` are whole prompts (the hit rate's denominator); hits count whole pages only.
+    """
+
+    page_size: int
+    prompt_lens: np.ndarray  # int64, per request
+    ramps: Ramps
+    # NOTE: sorted ramp starts and ends with their prefix sums ([0, ...], one longer)
+    _starts: np.ndarray = field(init=False, repr=False)
+    _ends: np.ndarray = field(init=False, repr=False)
+    _start_sums: np.ndarray = field(init=False, repr=False)
+    _end_sums: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        starts = np.sort(self.ramps.start)
+        ends = np.sort(self.ramps.start + self.ramps.length)
+        object.__setattr__(self, "_starts", starts)
+        object.__setattr__(self, "_ends", ends)
+        object.__setattr__(self, "_start_sums", np.concatenate(([0], np.cumsum(starts))))
+        object.__setattr__(self, "_end_sums", np.concatenate(([0], np.cumsum(ends))))
+
+    # -- totals ----------------------------------------------------------------------------------
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompt_lens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self.prompt_lens.sum())
+
+    @property
+    def working_set_tokens(self) -> int:
+        """Tokens of every path ever inserted: no capacity beyond it changes anything."""
+        return self.ramps.num_tokens_in_trie
+
+    @property
+    def saturation_tokens(self) -> int:
+        """The smallest capacity that reaches the infinite-cache hit rate."""
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    @property
+    def max_hit_tokens(self) -> int:
+        """Hits with an unbounded cache; the rest of the prompt tokens are compulsory misses."""
+        return int(self.ramps.length.sum())
+
+    @property
+    def max_hit_rate(self) -> float:
+        return self.max_hit_tokens / max(self.num_prompt_tokens, 1)
+
+    # -- the curve -------------------------------------------------------------------------------
+
+    @overload
+    def hit_tokens(self, capacity: int) -> int: ...
+    @overload
+    def hit_tokens(self, capacity: np.ndarray) -> np.ndarray: ...
+
+    def hit_tokens(self, capacity: int | np.ndarray) -> int | np.ndarray:
+        """Prompt tokens hit over the whole stream with a tree of `capacity` tokens (page-floored)."""
+        k = np.asarray(capacity, dtype=np.int64) // self.page_size * self.page_size
+        if np.any(k < 0):
+            raise ValueError(f"capacity must be >= 0, got {np.min(k)}")
+        num_started = np.searchsorted(self._starts, k, side="left")
+        num_ended = np.searchsorted(self._ends, k, side="left")
+        hits = (num_started * k - self._start_sums[num_started]) - (num_ended * k - self._end_sums[num_ended])
+        return int(hits) if np.ndim(hits) == 0 else hits
+
+    @overload
+    def hit_rate(self, capacity: int) -> float: ...
+    @overload
+    def hit_rate(self, capacity: np.ndarray) -> np.ndarray: ...
+
+    def hit_rate(self, capacity: int | np.ndarray) -> float | np.ndarray:
+        """Token hit rate: hit tokens / prompt tokens."""
+        hits = self.hit_tokens(capacity)
+        return hits / max(self.num_prompt_tokens, 1)
+
+    def request_hit_tokens(self, capacity: int) -> np.ndarray:
+        """Per request, the prompt tokens hit with a tree of `capacity` tokens (int64)."""
+        k = int(capacity) // self.page_size * self.page_size
+        per_ramp = np.clip(k - self.ramps.start, 0, self.ramps.length)
+        return np.bincount(self.ramps.request, weights=per_ramp, minlength=self.num_requests).astype(np.int64)
+
+    def breakpoints(self) -> tuple[np.ndarray, np.ndarray]:
+        """(capacities, hit tokens) at every point where the curve's slope changes, from 0 to
+        saturation; the curve is linear in between (page size 1) or steps per page."""
+        capacities = np.unique(np.concatenate(([0], self._starts, self._ends)))
+        return capacities, self.hit_tokens(capacities)
+
+    def log_grid(self, num_points: int = 12, low_fraction: float = 0.01) -> np.ndarray:
+        """Page-aligned capacities, log-spaced from low_fraction of the working set to all of it (§2.7)."""
+        top = max(self.working_set_tokens, self.page_size)
+        grid = np.geomspace(max(top * low_fraction, self.page_size), top, num_points)
+        return np.unique(np.ceil(grid / self.page_size).astype(np.int64) * self.page_size)
+
+
+def one_pass_curve(requests: Sequence[ReplayRequest], page_size: int = 1) -> HitRateCurve:
+    """The hit-rate curve of `requests` at every capacity, from one pass (see the module doc)."""
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    ramps = stack_distance_ramps(((r.prompt_len, r.all_ids) for r in requests), page_size)
+    prompt_lens = np.fromiter((r.prompt_len for r in requests), dtype=np.int64, count=len(requests))
+    return HitRateCurve(page_size, prompt_lens, ramps)

@@ -1,0 +1,119 @@
+"""The request stream a capacity replay reads: from a trace file, a workload, or a capture.
+
+A replay needs each request's prompt and the tokens it leaves in the cache (prompt +
+output). Where a request has no forced `output_ids` (the engine sampled them), the output
+is `output_len` copies of the placeholder id -(i+1), i = the request's index: it occupies
+cache like a real output but never matches another request's tokens.
+
+A capture's `requests` table holds only lengths, so a capture is replayed by rebuilding its
+request stream from the run's config fingerprint (`runs.config`, key "workload"): the trace
+file it named (read again, relative to the current directory) or the generated workload
+(`generate(name, num_requests, seed, vocab_size=model.vocab_size, **options)`), which is
+deterministic for the same arguments. The engine itself inserts prompt + output[:-1] and
+runs requests concurrently; a replay serves them one at a time and inserts prompt + output
+(the protocol of benchmarks/bench_radix.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from kvscope.workloads import TraceRequest, generate, read_trace
+
+TOKEN_DTYPE = np.int32
+ANY_VOCAB_SIZE = 2**31  # replays accept any int32 token id
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+class ReplayRequest(NamedTuple):
+    rid: str
+    prompt_ids: np.ndarray  # int32, non-empty
+    all_ids: np.ndarray  # int32, prompt + output
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.all_ids)
+
+
+def replay_requests(trace: Sequence[TraceRequest]) -> list[ReplayRequest]:
+    """Prompt and prompt + output of every request, in order (placeholders for sampled outputs)."""
+    out = []
+    for i, request in enumerate(trace):
+        prompt = np.ascontiguousarray(request.prompt_ids, dtype=TOKEN_DTYPE)
+        if request.output_ids is not None:
+            output = np.asarray(request.output_ids, dtype=TOKEN_DTYPE)
+        else:
+            output = np.full(request.output_len, -(i + 1), dtype=TOKEN_DTYPE)
+        out.append(ReplayRequest(request.rid, prompt, np.concatenate((prompt, output))))
+    return out
+
+
+def is_capture(source: str | os.PathLike[str]) -> bool:
+    """A SQLAlchemy URL, or a file that starts with SQLite's magic bytes."""
+    name = os.fspath(source)
+    if "://" in name:
+        return True
+    try:
+        with open(name, "rb") as f:
+            return f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+    except OSError:
+        return False
+
+
+def load_trace_requests(source: str | os.PathLike[str], run_id: int | None = None) -> list[TraceRequest]:
+    """Requests of a JSONL trace, or of a capture's run (the latest when run_id is None).
+    Raises ValueError (TraceError is one) with one line on bad input."""
+    if is_capture(source):
+        return capture_trace_requests(source, run_id)
+    if run_id is not None:
+        raise ValueError(f"{os.fspath(source)}: --run-id applies to captures, and this is not one")
+    return read_trace(source, vocab_size=ANY_VOCAB_SIZE)
+
+
+def load_requests(source: str | os.PathLike[str], run_id: int | None = None) -> list[ReplayRequest]:
+    requests = replay_requests(load_trace_requests(source, run_id))
+    if not requests:
+        raise ValueError(f"{os.fspath(source)}: no requests")
+    return requests
+
+
+def capture_trace_requests(target: str | os.PathLike[str], run_id: int | None = None) -> list[TraceRequest]:
+    """Rebuild a captured run's request stream from its config fingerprint (see the module doc)."""
+    from kvscope.telemetry.queries import Capture
+
+    capture = Capture(os.fspath(target))
+    try:
+        runs = capture.runs()
+    finally:
+        capture.close()
+    if runs.empty:
+        raise ValueError(f"{os.fspath(target)}: no runs recorded")
+    chosen = runs[runs["id"] == run_id] if run_id is not None else runs.tail(1)
+    if chosen.empty:
+        raise ValueError(f"{os.fspath(target)}: no run {run_id} (runs: {', '.join(map(str, runs['id']))})")
+    row = chosen.iloc[0]
+    return workload_of_config(json.loads(row["config"]), f"{os.fspath(target)} run {int(row['id'])}")
+
+
+def workload_of_config(config: dict[str, Any], where: str) -> list[TraceRequest]:
+    workload = config.get("workload") or {}
+    vocab_size = int((config.get("model") or {}).get("vocab_size") or ANY_VOCAB_SIZE)
+    if workload.get("trace"):
+        path = Path(workload["trace"])
+        if not path.exists():
+            raise ValueError(f"{where}: its trace {path} is not found (paths are relative to where it ran)")
+        return read_trace(path, vocab_size=vocab_size)
+    if workload.get("name"):
+        return generate(workload["name"], num_requests=int(workload["num_requests"]), seed=int(workload["seed"]),
+                        vocab_size=vocab_size, **(workload.get("options") or {}))
+    raise ValueError(f"{where}: its config names neither a workload nor a trace")

@@ -1,0 +1,82 @@
+"""No false positives: clean runs of every workload — chunked prefill, retraction, aborts,
+the SWA model — pass `kvscope check`, and the live debug monitor flags nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvscope.debug.report import build_report
+from kvscope.engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+from kvscope.engine.engine import Engine
+from kvscope.engine.model import model_config
+from kvscope.engine.runner import to_engine_requests
+from kvscope.telemetry.recorder import SQLRecorder
+from kvscope.workloads import WORKLOADS, generate
+
+SETUPS = {  # name: (model, cache, page size, KV tokens, chunk)
+    "radix": ("tiny", "radix", 1, 4096, 64),
+    "radix-paged-tight": ("tiny", "radix", 4, 700, 32),  # evicts and retracts
+    "chunk": ("tiny", "chunk", 1, 1500, 32),
+    "swa-radix": ("tiny-swa,window=8", "swa-radix", 1, 1500, 32),
+    "swa-chunk-paged": ("tiny-swa,window=8", "chunk", 4, 1500, 32),
+}
+
+
+def run_clean(tmp_path: Path, workload: str, setup: str, abort_every: int | None = None) -> tuple[Path, Engine]:
+    model, cache, page_size, kv_tokens, chunk = SETUPS[setup]
+    config = EngineConfig(pool=PoolConfig(kv_size_tokens=kv_tokens, page_size=page_size, max_running_requests=16),
+                          cache=CacheConfig(kind=cache),  # type: ignore[arg-type]
+                          scheduler=SchedulerConfig(chunked_prefill_size=chunk, swa_eviction_interval=4))
+    path = tmp_path / f"{workload}-{setup}.db"
+    recorder = SQLRecorder(path, level="full")
+    engine = Engine(config, model_config(model), recorder, debug=True)
+    requests = to_engine_requests(generate(workload, num_requests=20, seed=2))
+    aborted: list[str] = []
+
+    def maybe_abort(stats: object, submitted: int) -> None:
+        step = engine.scheduler.step
+        if abort_every and step % abort_every == 0 and len(aborted) < 3:
+            live = [*engine.scheduler.running, *engine.scheduler.waiting]
+            if live and engine.scheduler.abort_request(live[0].rid):
+                aborted.append(live[0].rid)
+
+    engine.run(requests, progress=maybe_abort)
+    recorder.close()
+    engine.check_integrity()
+    assert not engine.monitor.violations  # type: ignore[union-attr]
+    if abort_every:
+        assert aborted, "nothing was aborted; the test would prove little"
+    return path, engine
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_clean_runs_are_clean(tmp_path: Path, workload: str, setup: str) -> None:
+    path, engine = run_clean(tmp_path, workload, setup)
+    report = build_report(path)
+    assert report.clean, [leak.detail for leak in report.leaks] + report.first_failure
+    if setup == "radix-paged-tight" and workload == "multi-turn":
+        assert engine.stats.evicted_tokens > 0
+
+
+@pytest.mark.parametrize("setup", ["radix", "radix-paged-tight", "swa-radix", "chunk"])
+def test_aborts_leave_a_clean_capture(tmp_path: Path, setup: str) -> None:
+    path, _ = run_clean(tmp_path, "multi-turn", setup, abort_every=5)
+    report = build_report(path)
+    assert report.clean, [leak.detail for leak in report.leaks] + report.first_failure
+
+
+def test_check_exit_codes(tmp_path: Path) -> None:
+    path, _ = run_clean(tmp_path, "shared-prefix", "radix")
+    ok = subprocess.run([sys.executable, "-m", "kvscope.cli", "check", str(path)], capture_output=True, text=True,
+                        check=False)
+    assert ok.returncode == 0 and "clean" in ok.stdout, ok.stderr
+    bad = tmp_path / "junk.db"
+    bad.write_text("junk\n" * 50)
+    broken = subprocess.run([sys.executable, "-m", "kvscope.cli", "check", str(bad)], capture_output=True,
+                            text=True, check=False)
+    assert broken.returncode == 2 and "not a kvscope capture" in broken.stderr
