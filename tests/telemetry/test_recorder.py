@@ -154,3 +154,12 @@ def test_a_full_buffer_makes_the_caller_wait_for_the_writer(tmp_path: Path) -> N
             recorder.record(EventKind.LOCK, node_id=1)
             assert len(recorder._events) <= 400, "the buffer outgrew its back-pressure cap"
     assert len(Capture(tmp_path / "b.db").events(1, limit=5000)) == 1000
+
+
+def test_the_store_takes_a_sqlalchemy_url(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'url.db'}"
+    with SQLRecorder(url, label="by-url") as recorder:
+        recorder.record(EventKind.MATCH, rid="r1", num_tokens=3)
+    capture = Capture(url)
+    assert capture.runs().iloc[0].label == "by-url"
+    assert list(capture.events(1).rid) == ["r1"]
