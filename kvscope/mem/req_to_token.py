@@ -34,8 +34,11 @@ class ReqToTokenPool:
         max_context_len: int,
         device: str | torch.device | None = None,
         *,
+        dtype: torch.dtype = torch.int32,
         strict: bool = False,
     ) -> None:
+        if dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"[req] the slot table holds int32 or int64 slot indices, not {dtype}")
         if num_rows < 1 or max_context_len < 1:
             raise ValueError(
                 f"[req] num_rows and max_context_len must be >= 1, got {num_rows}, {max_context_len}"
@@ -44,9 +47,8 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.device = resolve_device(device)
         self.strict = strict
-        self.req_to_token = torch.zeros(
-            (num_rows + 1, max_context_len), dtype=torch.int32, device=self.device
-        )
+        self.dtype = dtype
+        self.req_to_token = torch.zeros((num_rows + 1, max_context_len), dtype=dtype, device=self.device)
         self.row_generation = [0] * (num_rows + 1)
         self.clear()
 
@@ -93,12 +95,12 @@ class ReqToTokenPool:
             raise PoolMisuseError(
                 self.name, f"row {row}: position {end_pos} beyond max_context_len {self.max_context_len}"
             )
-        self.req_to_token[row, start_pos:end_pos] = slots.to(torch.int32)
+        self.req_to_token[row, start_pos:end_pos] = slots.to(self.dtype)
 
     def write_tokens(self, rows: Sequence[int | None], positions: Sequence[int], slots: torch.Tensor) -> None:
         """One slot per (row, position) pair, in one scatter: a decode step's new tokens."""
         index = torch.tensor([list(rows), list(positions)], dtype=torch.int64, device=self.device)
-        self.req_to_token[index[0], index[1]] = slots.to(device=self.device, dtype=torch.int32)
+        self.req_to_token[index[0], index[1]] = slots.to(device=self.device, dtype=self.dtype)
 
     def read_tokens(self, rows: Sequence[int | None], positions: Sequence[int]) -> torch.Tensor:
         """The slot at each (row, position) pair, as int64, in one gather."""

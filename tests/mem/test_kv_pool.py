@@ -79,3 +79,14 @@ def test_resolve_device_defaults_and_errors() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             resolve_device("cuda")
+
+
+def test_req_to_token_pool_takes_a_device_and_a_dtype() -> None:
+    from kvscope.mem import ReqToTokenPool
+
+    pool = ReqToTokenPool(4, 16, "cpu", dtype=torch.int64)
+    assert pool.req_to_token.dtype == torch.int64 and pool.req_to_token.shape == (5, 16)
+    pool.write(2, 3, torch.tensor([7, 8]))
+    assert pool.read(2, 3, 5).tolist() == [7, 8]
+    with pytest.raises(ValueError, match="int32 or int64"):
+        ReqToTokenPool(4, 16, "cpu", dtype=torch.float32)
