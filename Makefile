@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_alloc.py
 	$(BIN)/python benchmarks/bench_radix.py benchmarks/traces/shared_prefix.jsonl benchmarks/traces/multi_turn.jsonl
 	$(BIN)/python benchmarks/bench_recorder.py
+	$(BIN)/python benchmarks/bench_curve.py benchmarks/traces/multi_turn.jsonl benchmarks/traces/shared_prefix.jsonl
 
 # Small captures anyone can open without an engine; deterministic for their seeds.
 # The leaking run exits 1 (its leak check fails, as intended).

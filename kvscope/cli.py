@@ -166,6 +166,8 @@ def _add_run(verbs: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvscope.planning.cli_verbs import add_plan_parser, add_replay_parser
+
     parser = argparse.ArgumentParser(
         prog="kvscope",
         description="Observability dashboard and memory debugger for SGLang-style KV-cache memory.",
@@ -194,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     runs.set_defaults(func=_runs)
     _add_run(verbs)
     _add_debugger(verbs)
+    add_plan_parser(verbs)
+    add_replay_parser(verbs)
     return parser
 
 

@@ -63,6 +63,9 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
         self._no_slots = torch.empty(0, dtype=torch.int64, device=self.device)
         self.policy = get_policy(eviction_policy)
         self.eviction_granularity = eviction_granularity
+        # NOTE: SGLang stamps a split node's unmatched lower piece as accessed; page mode does
+        # not, so one recency order describes the tree and hit-rate curves are exact
+        self._page_granular = eviction_granularity == "page"
         self.recorder = recorder
         self.strict = strict
         self.reset()
@@ -117,13 +120,15 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
             child = node.children.get(key[pos : pos + page_bytes])
             if child is None:
                 break
-            child.last_access_time = now
+            last_access_time, child.last_access_time = child.last_access_time, now
             if key.startswith(child.key, pos):
                 values.append(child.value)
                 pos += len(child.key)
                 node = child
                 continue
             node = self._split(child, self._common_len(child.key, key, pos))
+            if self._page_granular:
+                child.last_access_time = last_access_time  # NOTE: the unmatched lower piece was not accessed
             values.append(node.value)
             break
         return values, node
@@ -190,11 +195,13 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
             child = node.children.get(key[pos : pos + page_bytes])
             if child is None:
                 break
-            child.last_access_time = now
+            last_access_time, child.last_access_time = child.last_access_time, now
             if priority > child.priority:
                 child.priority = priority
             if not key.startswith(child.key, pos):
-                child = self._split(child, self._common_len(child.key, key, pos))
+                lower, child = child, self._split(child, self._common_len(child.key, key, pos))
+                if self._page_granular:
+                    lower.last_access_time = last_access_time  # NOTE: the lower piece was not accessed
             if not chunked:
                 child.hit_count += 1
             pos += len(child.key)

@@ -5,13 +5,18 @@ tokens the radix tree may hold between requests, floored to whole pages. The req
 served does not count against it: its new slots come from headroom, and the tree is evicted
 back to `capacity` once the request is inserted and unlocked. Under that convention the curve
 equals, request by request and at every capacity, a replay through
-`RadixCache(eviction_granularity="page")` with LRU (see `replay.replay(convention="tree")`).
+`RadixCache(eviction_granularity="page")` with LRU (see `brute_force.replay` with convention="tree").
 
 Under the slot convention of benchmarks/bench_radix.py (a pool of C slots that the request in
 flight shares with the tree) a replay's tree holds between C minus the largest in-flight need
 and C tokens when a request arrives, so its hit tokens lie between the curve at those two
 capacities. SGLang's whole-leaf eviction (the default `eviction_granularity="leaf"`) may evict
 more than needed; the curve does not model it, and replays report the gap.
+
+Why page mode: SGLang's RadixCache stamps the unmatched lower half of a node that a match or an
+insert splits as just accessed, so that half can outlive younger leaves, which no recency order
+over tokens describes. kvscope's page-granular mode keeps that half's access time, which is what
+makes the curve exact there.
 
 Pure: numpy only (no torch), so the dashboard can import it.
 """

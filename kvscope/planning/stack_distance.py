@@ -104,59 +104,80 @@ def common_len(node_key: bytes, key: bytes, pos: int, page_size: int) -> int:
 
 def stack_distance_ramps(sequences: Iterable[tuple[int, np.ndarray]], page_size: int) -> Ramps:
     """The ramps of every request. `sequences` yields (prompt_len, prompt + output as int32)."""
-    page_bytes = page_size * TOKEN_BYTES
-    root = _Node(b"", 0)
-    fenwick = _Fenwick(1 << 12)
-    stamp = 0
-    num_trie_tokens = 0
-    ramp_request: list[int] = []
-    ramp_start: list[int] = []
-    ramp_length: list[int] = []
+    trie = _StampedTrie(page_size)
     for i, (prompt_len, all_ids) in enumerate(sequences):
         key_len = len(all_ids) // page_size * page_size
         key = (all_ids if key_len == len(all_ids) else all_ids[:key_len]).tobytes()
-        prompt_end = prompt_len // page_size * page_bytes
-        # NOTE: walk the trie along the key; path = nodes present before this request
+        path, pos = trie.walk(key)
+        trie.add_ramps(i, path, prompt_len // page_size * page_size * TOKEN_BYTES)
+        trie.touch(path, key, pos)
+    return Ramps(
+        np.array(trie.ramp_request, dtype=np.int64),
+        np.array(trie.ramp_start, dtype=np.int64),
+        np.array(trie.ramp_length, dtype=np.int64),
+        trie.num_tokens,
+    )
+
+
+class _StampedTrie:
+    """The trie of every path seen so far, its nodes' stamps in a Fenwick tree, and the ramps."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.page_bytes = page_size * TOKEN_BYTES
+        self.root = _Node(b"", 0)
+        self.fenwick = _Fenwick(1 << 12)
+        self.stamp = 0
+        self.num_tokens = 0
+        self.ramp_request: list[int] = []
+        self.ramp_start: list[int] = []
+        self.ramp_length: list[int] = []
+
+    def walk(self, key: bytes) -> tuple[list[_Node], int]:
+        """(nodes of `key` already in the trie, bytes of key they cover); splits the last one
+        where key leaves it, so the path ends on a node boundary."""
         path: list[_Node] = []
-        node, pos, end = root, 0, len(key)
+        node, pos, end, page_bytes = self.root, 0, len(key), self.page_bytes
         while pos < end:
             child = node.children.get(key[pos : pos + page_bytes])
             if child is None:
                 break
             if not key.startswith(child.key, pos):
-                child = _split(node, child, common_len(child.key, key, pos, page_size) * TOKEN_BYTES, page_bytes)
+                cut = common_len(child.key, key, pos, self.page_size) * TOKEN_BYTES
+                child = _split(node, child, cut, page_bytes)
             path.append(child)
             pos += len(child.key)
             node = child
-        # NOTE: ramps against the pre-request order
+        return path, pos
+
+    def add_ramps(self, request: int, path: list[_Node], prompt_end: int) -> None:
+        """One ramp per path node holding prompt tokens, against the pre-request order."""
         depth = 0
-        for n in path:
+        for node in path:
             if depth >= prompt_end:
                 break
-            width = len(n.key)
-            ramp_request.append(i)
-            ramp_start.append(fenwick.above(n.stamp))
-            ramp_length.append((min(width, prompt_end - depth)) // TOKEN_BYTES)
-            depth += width
-        # NOTE: re-stamp deepest first: the new leaf, then the path bottom-up
-        if pos < end:
-            stamp += 1
-            leaf = _Node(key[pos:], stamp)
-            node.children[key[pos : pos + page_bytes]] = leaf
-            fenwick.add(stamp, (end - pos) // TOKEN_BYTES)
-            num_trie_tokens += (end - pos) // TOKEN_BYTES
-        for n in reversed(path):
-            weight = len(n.key) // TOKEN_BYTES
-            fenwick.add(n.stamp, -weight)
-            stamp += 1
-            n.stamp = stamp
-            fenwick.add(stamp, weight)
-    return Ramps(
-        np.array(ramp_request, dtype=np.int64),
-        np.array(ramp_start, dtype=np.int64),
-        np.array(ramp_length, dtype=np.int64),
-        num_trie_tokens,
-    )
+            self.ramp_request.append(request)
+            self.ramp_start.append(self.fenwick.above(node.stamp))
+            self.ramp_length.append(min(len(node.key), prompt_end - depth) // TOKEN_BYTES)
+            depth += len(node.key)
+
+    def touch(self, path: list[_Node], key: bytes, pos: int) -> None:
+        """Insert key[pos:] as a new leaf, then re-stamp deepest first: the leaf, then the path
+        bottom-up, so ancestors get the larger stamps."""
+        fenwick = self.fenwick
+        if pos < len(key):
+            self.stamp += 1
+            weight = (len(key) - pos) // TOKEN_BYTES
+            parent = path[-1] if path else self.root
+            parent.children[key[pos : pos + self.page_bytes]] = _Node(key[pos:], self.stamp)
+            fenwick.add(self.stamp, weight)
+            self.num_tokens += weight
+        for node in reversed(path):
+            weight = len(node.key) // TOKEN_BYTES
+            fenwick.add(node.stamp, -weight)
+            self.stamp += 1
+            node.stamp = self.stamp
+            fenwick.add(self.stamp, weight)
 
 
 def _split(parent: _Node, child: _Node, cut: int, page_bytes: int) -> _Node:

@@ -9,6 +9,7 @@ benchmarks/bench_radix.py, so hit rates compare with its figures:
             still short (the request alone exceeds the pool): unlock, count it skipped (hit -1)
     insert  p = insert(all_ids, matched + new slots); free the duplicates [hit, p) and the
             sub-page tail [floor_ps(seq_len), seq_len); dec_lock_ref(m.last_node)
+bench_radix runs it with eviction_granularity="leaf" (the default), the slots convention and LRU.
 Conventions for `capacity`:
     "slots"  the pool has `capacity` slots, shared by the tree and the request in flight
              (bench_radix's protocol; SGLang's max_total_num_tokens at concurrency 1)
@@ -25,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing
 import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ Convention = Literal["slots", "tree"]
 Granularity = Literal["page", "leaf"]
 CONVENTIONS: tuple[Convention, ...] = ("slots", "tree")
 GRANULARITIES: tuple[Granularity, ...] = ("page", "leaf")
+PROGRESS_TICK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -96,26 +99,42 @@ def ceil_pages(num_tokens: int, page_size: int) -> int:
 
 def replay(requests: Sequence[ReplayRequest], config: ReplayConfig) -> ReplayResult:
     """Serve `requests` one at a time through a fresh radix cache (see the module doc)."""
-    ps, capacity = config.page_size, config.capacity
+    ps = config.page_size
     headroom = max((ceil_pages(r.seq_len, ps) for r in requests), default=ps) if config.convention == "tree" else 0
-    allocator: Any = make_token_allocator(capacity + headroom, ps, "cpu")
-    cache = RadixCache(allocator, page_size=ps, eviction_policy=config.eviction_policy,
-                       eviction_granularity=config.eviction_granularity)
+    server = _Server(config, config.capacity + headroom)
     hits = np.full(len(requests), -1, dtype=np.int64)
-    evicted = peak = 0
-    trim_tree = config.convention == "tree"
+    trim_to = config.capacity if config.convention == "tree" else None
     start = time.perf_counter()
     for i, request in enumerate(requests):
-        seq_len = request.seq_len
+        hits[i] = server.serve(request)
+        if trim_to is not None:
+            server.trim(trim_to)
+    wall_s = time.perf_counter() - start
+    num_prompt_tokens = sum(r.prompt_len for r in requests)
+    return ReplayResult(config, hits, num_prompt_tokens, server.num_evicted, server.peak_usage, wall_s)
+
+
+class _Server:
+    """A radix cache and its allocator, serving one request at a time (the protocol above)."""
+
+    def __init__(self, config: ReplayConfig, num_slots: int) -> None:
+        self.page_size = config.page_size
+        self.allocator: Any = make_token_allocator(num_slots, config.page_size, "cpu")
+        self.cache = RadixCache(self.allocator, page_size=config.page_size, eviction_policy=config.eviction_policy,
+                                eviction_granularity=config.eviction_granularity)
+        self.num_evicted = 0
+        self.peak_usage = 0
+
+    def serve(self, request: ReplayRequest) -> int:
+        """Hit tokens, or -1 when the request does not fit in the pool at all."""
+        cache, allocator, ps = self.cache, self.allocator, self.page_size
         match = cache.match_prefix(request.prompt_ids)
-        prefix_slots, node = match.device_indices, match.last_node
-        prefix_len = len(prefix_slots)
+        prefix_slots, node, prefix_len = match.device_indices, match.last_node, match.prefix_len
+        seq_len = request.seq_len
         cache.inc_lock_ref(node)
         shortfall = ceil_pages(seq_len, ps) - prefix_len - allocator.available_size()
-        if shortfall > 0:
-            num_tokens = min(shortfall, cache.evictable_size())
-            if num_tokens > 0:
-                evicted += cache.evict(num_tokens)
+        if shortfall > 0 and cache.evictable_size() > 0:
+            self.num_evicted += cache.evict(min(shortfall, cache.evictable_size()))
         if ps == 1:
             new_slots = allocator.alloc(seq_len - prefix_len)
         else:
@@ -123,8 +142,8 @@ def replay(requests: Sequence[ReplayRequest], config: ReplayConfig) -> ReplayRes
             new_slots = allocator.alloc_extend([prefix_len], [seq_len], [last_loc], seq_len - prefix_len)
         if new_slots is None:
             cache.dec_lock_ref(node)
-            continue
-        peak = max(peak, allocator.total_size - allocator.available_size())
+            return -1
+        self.peak_usage = max(self.peak_usage, allocator.total_size - allocator.available_size())
         slots = torch.cat((prefix_slots, new_slots))
         cached_len = cache.insert(request.all_ids, slots)
         key_len = seq_len // ps * ps
@@ -133,12 +152,12 @@ def replay(requests: Sequence[ReplayRequest], config: ReplayConfig) -> ReplayRes
         if key_len < seq_len:
             allocator.free(slots[key_len:])
         cache.dec_lock_ref(node)
-        hits[i] = prefix_len
-        if trim_tree and cache.total_size() > capacity:
-            evicted += cache.evict(cache.total_size() - capacity)
-    wall_s = time.perf_counter() - start
-    num_prompt_tokens = sum(r.prompt_len for r in requests)
-    return ReplayResult(config, hits, num_prompt_tokens, evicted, peak, wall_s)
+        return prefix_len
+
+    def trim(self, capacity: int) -> None:
+        """Evict the tree back to `capacity` tokens (tree convention, between requests)."""
+        if self.cache.total_size() > capacity:
+            self.num_evicted += self.cache.evict(self.cache.total_size() - capacity)
 
 
 # -- several capacities in parallel ---------------------------------------------------------------
@@ -147,12 +166,24 @@ _worker_requests: list[ReplayRequest] = []
 
 
 def _init_worker(sequences: list[tuple[int, np.ndarray]]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # NOTE: Ctrl-C is the parent's to handle
     torch.set_num_threads(1)
     _worker_requests[:] = [ReplayRequest(str(i), ids[:n], ids) for i, (n, ids) in enumerate(sequences)]
 
 
 def _replay_in_worker(config: ReplayConfig) -> ReplayResult:
     return replay(_worker_requests, config)
+
+
+def _terminate_workers(pool: cf.ProcessPoolExecutor) -> None:
+    """NOTE: ProcessPoolExecutor has no public way to stop running workers before Python 3.14
+    (terminate_workers); its private process table is the only handle."""
+    terminate = getattr(pool, "terminate_workers", None)
+    if terminate is not None:
+        terminate()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.terminate()
 
 
 def replay_many(
@@ -162,8 +193,10 @@ def replay_many(
     on_done: Callable[[int, int], None] | None = None,
 ) -> list[ReplayResult]:
     """One replay per config, in worker processes (at most os.cpu_count(), one per config);
-    results in the order of `configs`. `on_done(num_done, num_total)` after each one.
-    With one worker (or one config) the replays run in this process."""
+    results in the order of `configs`. `on_done(num_done, num_total)` after each one finishes
+    and every PROGRESS_TICK_S while they run. With one worker (or one config) the replays run
+    in this process. Workers are spawned (not forked: the parent holds torch, and may hold
+    threads), so a script that calls this needs the `if __name__ == "__main__":` guard."""
     num_workers = min(len(configs), max_workers or os.cpu_count() or 1, os.cpu_count() or 1)
     results: list[ReplayResult | None] = [None] * len(configs)
     if num_workers <= 1:
@@ -179,8 +212,16 @@ def replay_many(
     with cf.ProcessPoolExecutor(num_workers, mp_context=context, initializer=_init_worker,
                                 initargs=(sequences,)) as pool:
         futures = {pool.submit(_replay_in_worker, config): k for k, config in enumerate(configs)}
-        for num_done, future in enumerate(cf.as_completed(futures), start=1):
-            results[futures[future]] = future.result()
-            if on_done:
-                on_done(num_done, len(configs))
+        pending = set(futures)
+        try:
+            while pending:
+                done, pending = cf.wait(pending, timeout=PROGRESS_TICK_S, return_when=cf.FIRST_COMPLETED)
+                for future in done:
+                    results[futures[future]] = future.result()
+                if on_done:
+                    on_done(len(configs) - len(pending), len(configs))
+        except BaseException:  # NOTE: Ctrl-C or a failed replay: start no more, end the running ones
+            pool.shutdown(wait=False, cancel_futures=True)
+            _terminate_workers(pool)
+            raise
     return [r for r in results if r is not None]
