@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvscope-installed
 
-.PHONY: run test lint typecheck unit bench samples clean install
+.PHONY: run demo test lint typecheck unit bench samples clean install
 
 install: $(STAMP)
 
@@ -18,7 +18,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
+# The main job: record a paced multi-turn run in the background and open the dashboard on it.
 run: $(STAMP)
+	$(BIN)/python -m kvscope.dashboard.launch
+
+demo: $(STAMP)
 	$(BIN)/kvscope demo
 
 lint: $(STAMP)

@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"engine", "cache", "mem", "telemetry", "workloads", "debug"},
     "planning": {"planning", "telemetry", "cache", "mem", "workloads"},
     "server": {"server", "engine", "cache", "mem", "telemetry", "workloads", "debug"},
-    "dashboard": {"dashboard", "telemetry", "planning"},
+    "dashboard": {"dashboard", "telemetry", "planning", "debug"},
 }
 TOP_LEVEL_MODULES = {"cli", "__init__"}  # kvscope/cli.py may import anything
 NO_TORCH = {"dashboard"}

@@ -1,0 +1,170 @@
+"""Dashboard page loads on a large capture: each page rendered through AppTest, cold and warm.
+
+    .venv/bin/python benchmarks/bench_dashboard.py [--events N] [--quick] [--no-write]
+
+Builds a synthetic capture of about N events (default 1,000,000) through SQLRecorder at
+level full: every step some requests arrive, match a random cached node, allocate, insert a
+new node under it, decode and finish, and when the tree is over its budget the oldest leaves
+are evicted; a usage sample per step, a tree snapshot every SNAPSHOT_EVERY steps, a leak
+check every LEAK_CHECK_EVERY steps, a request record per request. Then times each page of the
+real app (AppTest, the capture picked by KVSCOPE_DB): cold = st.cache_data cleared first (the
+page's SQL + chart building + Streamlit's own work), warm = the same page again (cached).
+Writes the `## bench_dashboard` section of benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import streamlit as st
+from _results import command_line, machine_lines, write_section
+from streamlit.testing.v1 import AppTest
+
+from kvscope.telemetry import EventKind, EvictReason, LeakCheck, PoolName, PoolTerms, RequestRecord, UsageSample
+from kvscope.telemetry.recorder import SQLRecorder
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = ("overview", "memory", "tree", "evictions", "leaks", "requests")
+REQUESTS_PER_STEP = 4
+DECODE_TOKENS = 8
+TREE_BUDGET_NODES = 3000
+SNAPSHOT_EVERY = 50
+LEAK_CHECK_EVERY = 500
+POOL_TOKENS = 1 << 20
+
+
+def build_capture(path: Path, num_events: int, seed: int = 0) -> tuple[int, int]:
+    """Returns (events, steps) written."""
+    rng = random.Random(seed)
+    nodes: dict[int, tuple[int, int]] = {0: (-1, 0)}  # node -> (parent, tokens)
+    next_node, next_slot, events, step, cum = 1, 1, 0, 0, [0, 0, 0, 0, 0]
+    with SQLRecorder(path, level="full", label="bench-dashboard") as rec:
+        while events < num_events:
+            rec.step = step
+            for i in range(REQUESTS_PER_STEP):
+                rid = f"r{step}-{i}"
+                parent = rng.choice(list(nodes)) if len(nodes) < 64 else rng.choice(list(nodes)[-64:])
+                hit, miss = nodes[parent][1], rng.randint(8, 64)
+                slots = np.arange(next_slot, next_slot + miss, dtype=np.int64)
+                next_slot += miss
+                rec.record(EventKind.REQUEST_ARRIVE, rid=rid, num_tokens=hit + miss)
+                rec.record(EventKind.MATCH, pool=PoolName.FULL, rid=rid, node_id=parent, num_tokens=hit, aux=miss)
+                rec.record(EventKind.LOCK, rid=rid, node_id=parent)
+                rec.record(EventKind.REQUEST_ADMIT, rid=rid, num_tokens=hit + miss)
+                rec.record(EventKind.ALLOC, pool=PoolName.FULL, rid=rid, num_tokens=miss, slots=slots)
+                for _ in range(DECODE_TOKENS):
+                    rec.record(EventKind.ALLOC, pool=PoolName.FULL, rid=rid, num_tokens=1,
+                               slots=np.array([next_slot], dtype=np.int64))
+                    next_slot += 1
+                rec.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=next_node, num_tokens=miss,
+                           aux=parent, slots=slots)
+                nodes[next_node] = (parent, miss)
+                next_node += 1
+                rec.record(EventKind.UNLOCK, rid=rid, node_id=parent)
+                rec.record(EventKind.REQUEST_FINISH, rid=rid, num_tokens=DECODE_TOKENS)
+                events += 9 + DECODE_TOKENS
+                cum = [cum[0] + hit + miss, cum[1] + hit, cum[2] + 1, cum[3] + (hit > 0), cum[4]]
+                rec.request(RequestRecord(rid, f"u{i}", hit + miss, "finished", hit, DECODE_TOKENS, 0,
+                                          {"arrive": time.monotonic()}, {"arrive": step, "admit": step,
+                                                                          "first_token": step, "finish": step + 1}))
+            events += _evict(rec, nodes, rng, cum)
+            tokens = sum(t for _, t in nodes.values())
+            rec.usage(UsageSample(step, PoolTerms(POOL_TOKENS, POOL_TOKENS - tokens, tokens, 0), None, 64, 64, 0,
+                                  0, *cum[:4], cum[4], 0))
+            if step % SNAPSHOT_EVERY == 0:
+                _snapshot(rec, step, nodes)
+            if step % LEAK_CHECK_EVERY == 0:
+                rec.leak_check(LeakCheck(step, "full", POOL_TOKENS, POOL_TOKENS - tokens, tokens, 0, 0, 0))
+            step += 1
+    return events, step
+
+
+def _evict(rec: SQLRecorder, nodes: dict[int, tuple[int, int]], rng: random.Random, cum: list[int]) -> int:
+    if len(nodes) <= TREE_BUDGET_NODES:
+        return 0
+    parents = {p for p, _ in nodes.values()}
+    leaves = [n for n in list(nodes)[:200] if n not in parents and n != 0]
+    for node in leaves[: REQUESTS_PER_STEP]:
+        tokens = nodes.pop(node)[1]
+        rec.record(EventKind.EVICT, pool=PoolName.FULL, node_id=node, num_tokens=tokens,
+                   reason=EvictReason.CAPACITY, slots=np.arange(tokens, dtype=np.int64))
+        cum[4] += tokens
+    return len(leaves[: REQUESTS_PER_STEP])
+
+
+def _snapshot(rec: SQLRecorder, step: int, nodes: dict[int, tuple[int, int]]) -> None:
+    rows = [(n, None if p < 0 else p, t, "", 0, float(n), 1, None, False, 0) for n, (p, t) in nodes.items()]
+    rec.tree_snapshot(step, rows)
+
+
+def time_pages(path: Path) -> list[tuple[str, float, float]]:
+    os.environ["KVSCOPE_DB"] = str(path)
+    os.chdir(ROOT)
+    out = []
+    for page in PAGES:
+        timings = []
+        for cold in (True, False):
+            if cold:
+                st.cache_data.clear()
+            at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=600)
+            start = time.perf_counter()
+            at.run()
+            if page != "overview":
+                at.switch_page(f"kvscope/dashboard/app_pages/{page}.py").run()
+            timings.append(time.perf_counter() - start)
+            assert not at.exception, [e.value for e in at.exception]
+        out.append((page, *timings))
+        print(f"{page}: cold {timings[0]:.2f} s, warm {timings[1]:.2f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def _counts(path: Path) -> tuple[int, int]:
+    import sqlite3
+
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        events = conn.execute("SELECT count(*) FROM events").fetchone()[0]
+        steps = conn.execute("SELECT count(*) FROM usage").fetchone()[0]
+    return int(events), int(steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--quick", action="store_true", help="100,000 events")
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--keep", type=Path, help="build the capture here and keep it (reused if it exists)")
+    args = parser.parse_args()
+    num_events = 100_000 if args.quick else args.events
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.keep or Path(tmp) / "large.db"
+        start = time.perf_counter()
+        if not path.exists():
+            build_capture(path, num_events)
+        build_s = time.perf_counter() - start
+        events, steps = _counts(path)
+        print(f"capture {path}: {events:,} events, {steps:,} steps, built in {build_s:.0f} s", file=sys.stderr)
+        size_mib = path.stat().st_size / 2**20
+        timings = time_pages(path)
+    lines = [f"Run {datetime.now(UTC):%Y-%m-%d} with `{command_line()}`.", "", *machine_lines("cpu"), "",
+             f"Synthetic capture: {events:,} events over {steps:,} steps ({size_mib:.0f} MiB, built in {build_s:.0f} s "
+             "through SQLRecorder; 0 s = reused). Each page is the real app through AppTest, including the app frame; "
+             "cold = st.cache_data cleared, warm = rendered again from the caches.", "",
+             "| page | cold (s) | warm (s) |", "|---|---:|---:|"]
+    lines += [f"| {page} | {cold:.2f} | {warm:.2f} |" for page, cold, warm in timings]
+    body = "\n".join(lines)
+    print(body)
+    if not args.no_write:
+        write_section("bench_dashboard", body)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

@@ -1,0 +1,49 @@
+"""Evictions: the log with reason, node age, idle time and 'evicted, then needed again' (regret)."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from kvscope.dashboard import charts, data
+from kvscope.dashboard.frame import selection
+
+PAGE_ROWS = 200
+
+chosen = selection()
+st.header("Evictions")
+summary = data.eviction_summary(chosen.path, chosen.run_id, chosen.stamp)
+if summary.empty:
+    level = "" if chosen.run.level == "full" else " (the run was recorded at level summary: no events)"
+    st.info(f"No evictions in this run{level}.")
+    st.stop()
+
+total = int(summary["num_evictions"].sum())
+cols = st.columns(3)
+cols[0].metric("evictions", f"{total:,}")
+cols[1].metric("evicted tokens", f"{int(summary['evicted_tokens'].sum()):,}")
+cols[2].metric("reasons", ", ".join(sorted(set(summary["reason"]))))
+st.dataframe(summary, hide_index=True)
+st.plotly_chart(charts.evictions_figure(data.evictions_per_step(chosen.path, chosen.run_id, chosen.stamp)),
+                key="evictions.per_step")
+
+st.subheader("Eviction log")
+num_pages = max(1, -(-total // PAGE_ROWS))
+page = int(st.number_input(f"page (of {num_pages}, {PAGE_ROWS} evictions each)", 1, num_pages, 1,
+                           key="evictions.page"))
+log = data.eviction_log(chosen.path, chosen.run_id, chosen.stamp, PAGE_ROWS, (page - 1) * PAGE_ROWS)
+regret = log[log["regret_tokens"] > 0]
+cols = st.columns(3)
+cols[0].metric("evicted, then needed again (this page)", f"{len(regret):,} of {len(log):,}")
+cols[1].metric("regret tokens (this page)", f"{int(regret['regret_tokens'].sum()):,}")
+cols[2].metric("median idle before eviction", f"{log['idle_steps'].median():.0f} steps")
+with st.expander("How age, idle and regret are computed", expanded=False):
+    st.markdown(
+        "- **age**: eviction step/time minus the node's birth (its insert, or the split that made it).\n"
+        "- **idle**: eviction time minus the node's last touch — the latest match or lock that ended at this very "
+        "node (or its birth). A match that ended deeper also touches it, so idle is an upper bound.\n"
+        "- **evicted, then needed again**: a later prefix match stopped at the evicted node (if partly evicted) or "
+        "at its parent at eviction time, and then missed tokens. **regret tokens** = min(evicted tokens, that first "
+        "match's miss): tokens a later request probably had to recompute. A request that branched off at the same "
+        "parent for other reasons counts too, so this is an upper bound.")
+st.plotly_chart(charts.eviction_idle_figure(log), key="evictions.idle")
+st.dataframe(log, hide_index=True)

@@ -1,0 +1,45 @@
+"""Memory: each pool's terms over time (full and SWA side by side), token vs page occupancy."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from kvscope.dashboard import charts, data, sql
+from kvscope.dashboard.frame import selection
+
+chosen = selection()
+st.header("Memory")
+usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
+if usage.empty:
+    st.info("No usage samples in this run yet.")
+    st.stop()
+
+st.subheader("Pools over time")
+st.caption("Stacked per pool: **free** (the allocator's free list), **evictable** (cached, unlocked), **protected** "
+           "(cached, locked by a running request) and **held by requests** (the rest: slots running requests hold "
+           f"outside the tree). Downsampled in SQL to at most {data.MAX_POINTS} points (each bucket keeps its maxima).")
+st.plotly_chart(charts.memory_timeline_figure(usage), key="memory.timeline")
+
+st.subheader("Token vs page occupancy")
+pool = data.pool_config(chosen.run)
+page_size = int(pool.get("page_size", 1) or 1)
+if page_size == 1:
+    st.caption("Page size 1: every slot holds a token, no slot is wasted.")
+    st.stop()
+busiest = int(usage.loc[usage["num_running"].astype(int).idxmax(), "step"])
+bounds = data.step_range(chosen.path, chosen.run_id, chosen.stamp).iloc[0]
+step = st.slider("step", int(bounds["lo"]), int(bounds["hi"]), busiest, key="memory.step",
+                 help="defaults to the step with the most running requests")
+waste = sql.page_waste(data.running_lengths(chosen.path, chosen.run_id, chosen.stamp, step), page_size)
+wasted, held = int(waste["wasted_slots"].sum()), int(waste["slots_held"].sum())
+cols = st.columns(3)
+cols[0].metric("page size", f"{page_size} tokens")
+cols[1].metric("running requests' slots", f"{held:,}", help="whole pages: ceil(tokens / page size) × page size")
+cols[2].metric("wasted slots", f"{wasted:,}", help="the unused tail of each running request's last page")
+st.caption("Tree nodes are page-aligned, so the waste is in running requests' last pages: a request of length L "
+           f"holds ceil(L / {page_size}) pages. L = the hit of its latest prefix match + the tokens allocated for it "
+           "since (an estimate from the events).")
+if waste.empty:
+    st.caption(f"No request was running at step {step}.")
+else:
+    st.plotly_chart(charts.page_waste_figure(waste), key="memory.waste")

@@ -1,0 +1,92 @@
+"""Usage charts: pool terms over time, the live panel, hit rates, page waste.
+
+NOTE: the four terms of a pool stack to its total:
+    free        the allocator's available slots
+    evictable   cached in the tree, unlocked (reclaimable)
+    protected   cached in the tree, locked by a running request
+    requests    held by running requests outside the tree: total - free - evictable - protected
+                (at an idle leak check, anything here that no request holds is a leak)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+TERMS = ("requests", "protected", "evictable", "free")
+TERM_COLORS = {"requests": "#d62728", "protected": "#ff7f0e", "evictable": "#1f77b4", "free": "#c7c7c7"}
+POOL_TITLES = {"full": "full pool", "swa": "SWA pool"}
+
+
+def pools_of(usage: pd.DataFrame) -> list[str]:
+    """full, plus swa when the run has a sliding-window pool."""
+    has_swa = "swa_total" in usage and usage["swa_total"].notna().any()
+    return ["full", "swa"] if has_swa else ["full"]
+
+
+def pool_terms(usage: pd.DataFrame, pool: str) -> pd.DataFrame:
+    """step, total and the four stacked terms of one pool, in tokens."""
+    total = usage[f"{pool}_total"].astype(float)
+    free = usage[f"{pool}_available"].astype(float)
+    evictable = usage[f"{pool}_evictable"].astype(float)
+    protected = usage[f"{pool}_protected"].astype(float)
+    return pd.DataFrame({"step": usage["step"], "total": total, "free": free, "evictable": evictable,
+                         "protected": protected, "requests": total - free - evictable - protected})
+
+
+def memory_timeline_figure(usage: pd.DataFrame) -> go.Figure:
+    """One stacked area per pool, side by side on one shared step axis."""
+    pools = pools_of(usage)
+    fig = make_subplots(rows=1, cols=len(pools), shared_xaxes="all", subplot_titles=[POOL_TITLES[p] for p in pools])
+    for col, pool in enumerate(pools, 1):
+        terms = pool_terms(usage, pool)
+        for term in TERMS:
+            fig.add_trace(go.Scatter(x=terms["step"], y=terms[term], name=term, stackgroup=pool, mode="lines",
+                                     line={"width": 0.5, "color": TERM_COLORS[term]}, legendgroup=term,
+                                     showlegend=col == 1), row=1, col=col)
+        fig.update_yaxes(title_text="tokens", row=1, col=col)
+        fig.update_xaxes(title_text="step", row=1, col=col)
+    fig.update_layout(height=380, margin={"t": 40, "b": 10}, hovermode="x unified")
+    return fig
+
+
+def live_usage_figure(usage: pd.DataFrame) -> go.Figure:
+    """Used fraction of each pool, and running / waiting requests, over steps."""
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    for pool in pools_of(usage):
+        terms = pool_terms(usage, pool)
+        used = (terms["total"] - terms["free"]) / terms["total"].where(terms["total"] > 0)
+        fig.add_trace(go.Scatter(x=terms["step"], y=used, name=f"{pool} used", mode="lines"))
+    for column in ("num_running", "num_waiting"):
+        fig.add_trace(go.Scatter(x=usage["step"], y=usage[column], name=column.removeprefix("num_"),
+                                 mode="lines", line={"dash": "dot"}), secondary_y=True)
+    fig.update_yaxes(title_text="used fraction", tickformat=".0%", range=[0, 1.05], secondary_y=False)
+    fig.update_yaxes(title_text="requests", rangemode="tozero", secondary_y=True)
+    fig.update_layout(height=280, margin={"t": 20, "b": 10}, xaxis_title="step")
+    return fig
+
+
+class HitRates(NamedTuple):
+    token_weighted: float | None  # cached prompt tokens / prompt tokens (ratio of sums)
+    request_weighted: float | None  # requests with any hit / requests
+
+
+def hit_rates(row: Any) -> HitRates:
+    prompt, requests = float(row["cum_prompt_tokens"]), float(row["cum_requests"])
+    return HitRates(float(row["cum_hit_tokens"]) / prompt if prompt else None,
+                    float(row["cum_hit_requests"]) / requests if requests else None)
+
+
+def page_waste_figure(waste: pd.DataFrame) -> go.Figure:
+    """Tokens vs slots held per running request (whole pages); the gap is wasted slots."""
+    waste = waste.sort_values("slots_held", ascending=False)
+    fig = go.Figure([
+        go.Bar(x=waste["rid"], y=waste["seq_len"], name="tokens"),
+        go.Bar(x=waste["rid"], y=waste["wasted_slots"], name="wasted slots (last page)"),
+    ])
+    fig.update_layout(barmode="stack", height=300, margin={"t": 20, "b": 10}, yaxis_title="slots",
+                      xaxis_title="running request")
+    return fig

@@ -1,0 +1,126 @@
+"""Cached reads. One cached store per capture path; every read is a `st.cache_data` function
+keyed by (path, run_id, stamp, ...) — `stamp` moves whenever a running run flushes, so a
+finished run's reads are computed once and a running run's follow it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from kvscope.dashboard import gpu, sql
+from kvscope.debug.report import LeakReport, build_report
+from kvscope.telemetry.queries import Capture
+
+LIVE_TTL_S = 1.0  # the run list: status changes must show within a refresh
+CACHE_TTL_S = 600.0  # everything else is keyed by the stamp; the TTL only bounds memory
+MAX_POINTS = 600
+
+
+@st.cache_resource(show_spinner=False)
+def open_capture(path: str) -> Capture:
+    """The one store per capture (read-only). A CaptureError is raised, not cached."""
+    return Capture(path)
+
+
+@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
+def runs(path: str) -> pd.DataFrame:
+    return open_capture(path).runs()
+
+
+def run_config(run: Any) -> dict[str, Any]:
+    try:
+        config = json.loads(run.config or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def pool_config(run: Any) -> dict[str, Any]:
+    pool = run_config(run).get("engine", {}).get("pool", {})
+    return pool if isinstance(pool, dict) else {}
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def usage(path: str, run_id: int, stamp: float, max_points: int = MAX_POINTS) -> pd.DataFrame:
+    return open_capture(path).usage(run_id, max_points)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def latest_usage(path: str, run_id: int, stamp: float) -> pd.DataFrame:
+    """The last usage row and the row about `window_s` seconds before it (for rates)."""
+    return sql.frame(open_capture(path).engine, """
+        SELECT * FROM usage WHERE run_id = :run AND step IN (
+            (SELECT max(step) FROM usage WHERE run_id = :run),
+            (SELECT min(step) FROM usage WHERE run_id = :run AND t_mono >=
+                (SELECT max(t_mono) FROM usage WHERE run_id = :run) - 10.0))
+        ORDER BY step""", run=run_id)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def recent_evictions(path: str, run_id: int, stamp: float, since_step: int) -> pd.DataFrame:
+    return sql.frame(open_capture(path).engine, sql.RECENT_RATE, run=run_id, since_step=since_step)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def leak_checks(path: str, run_id: int, stamp: float) -> pd.DataFrame:
+    return open_capture(path).leak_checks(run_id)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def event_counts(path: str, run_id: int, stamp: float) -> pd.DataFrame:
+    return open_capture(path).event_counts(run_id)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def step_range(path: str, run_id: int, stamp: float) -> pd.DataFrame:
+    return sql.frame(open_capture(path).engine, "SELECT min(step) AS lo, max(step) AS hi FROM usage "
+                     "WHERE run_id = :run", run=run_id)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner="Rebuilding the tree…")
+def tree_at(path: str, run_id: int, step: int, stamp: float) -> pd.DataFrame:
+    return open_capture(path).tree_at(run_id, step)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def eviction_summary(path: str, run_id: int, stamp: float) -> pd.DataFrame:
+    return sql.frame(open_capture(path).engine, sql.EVICTION_SUMMARY, run=run_id)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def evictions_per_step(path: str, run_id: int, stamp: float) -> pd.DataFrame:
+    return sql.frame(open_capture(path).engine, sql.EVICTIONS_PER_STEP, run=run_id)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner="Joining evictions with later matches…")
+def eviction_log(path: str, run_id: int, stamp: float, limit: int, offset: int) -> pd.DataFrame:
+    return sql.eviction_log(open_capture(path).engine, run_id, limit, offset)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def requests(path: str, run_id: int, stamp: float) -> pd.DataFrame:
+    return open_capture(path).requests(run_id)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def allocs_of_requests(path: str, run_id: int, stamp: float, rids: tuple[str, ...]) -> pd.DataFrame:
+    return sql.allocs_of_requests(open_capture(path).engine, run_id, rids)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def running_lengths(path: str, run_id: int, stamp: float, step: int) -> pd.DataFrame:
+    return sql.frame(open_capture(path).engine, sql.RUNNING_LENGTHS, run=run_id, step=step)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner="Replaying the slot ledger…")
+def leak_report(path: str, run_id: int, stamp: float) -> LeakReport:
+    """The debugger's report (a dataclass, not a frame: it is the debugger's own record)."""
+    return build_report(path, run_id)
+
+
+@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
+def gpus() -> pd.DataFrame:
+    return gpu.probe()

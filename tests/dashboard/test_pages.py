@@ -1,0 +1,138 @@
+"""Every page through the real app (AppTest) on every sample capture; bad files; the picker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from kvscope.dashboard.frame import find_captures, requested_capture
+from tests.dashboard.conftest import PAGES, ROOT
+
+TIMEOUT_S = 60
+
+
+def open_app(db: Path | str, monkeypatch: pytest.MonkeyPatch) -> AppTest:
+    monkeypatch.setenv("KVSCOPE_DB", str(db))
+    monkeypatch.chdir(ROOT)
+    return AppTest.from_file(str(ROOT / "app.py"), default_timeout=TIMEOUT_S).run()
+
+
+def page_path(page: str) -> str:
+    return f"kvscope/dashboard/app_pages/{page}.py"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_renders_on_every_sample(sample: Path, page: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_app(sample, monkeypatch)
+    if page != "overview":
+        at.switch_page(page_path(page)).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.header and at.header[0].value.lower().startswith(page[:4] if page != "tree" else "radix")
+
+
+def test_overview_shows_both_hit_rates_labelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_app(ROOT / "sample_runs" / "shared-prefix.db", monkeypatch)
+    labels = {m.label: m.value for m in at.metric}
+    # shared-prefix: 5558 of 7705 prompt tokens hit; 44 of 48 requests
+    assert labels["hit rate: tokens"] == "72.1%"
+    assert labels["hit rate: requests"] == "91.7%"
+    assert labels["leak check, step 49"] == "ok"
+
+
+def test_leaks_page_names_the_injected_culprits(monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_app(ROOT / "sample_runs" / "leaky.db", monkeypatch)
+    at.switch_page(page_path("leaks")).run()
+    assert {m.label: m.value for m in at.metric}["verdict"] == "LEAKS"
+    culprits = at.dataframe[0].value
+    assert {"orphaned", "double-free", "lock-never-released"} <= set(culprits["kind"])
+    assert culprits["request"].notna().any()
+
+
+def test_memory_page_counts_wasted_slots_with_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_app(ROOT / "sample_runs" / "leaky.db", monkeypatch)  # page size 4
+    at.switch_page(page_path("memory")).run()
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["page size"] == "4 tokens" and int(metrics["wasted slots"]) > 0
+
+
+def test_tree_time_travel_changes_the_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_app(ROOT / "sample_runs" / "hybrid-swa.db", monkeypatch)
+    at.switch_page(page_path("tree")).run()
+    late = at.caption[0].value
+    at.slider(key="tree.step").set_value(5).run()
+    assert not at.exception
+    assert at.caption[0].value != late and at.caption[0].value.startswith("Step 5:")
+
+
+def test_token_previews_are_off_until_turned_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_app(ROOT / "sample_runs" / "shared-prefix.db", monkeypatch)
+    at.switch_page(page_path("tree")).run()
+    assert "token_preview" not in at.dataframe[0].value.columns
+    at.toggle(key="tree.preview").set_value(True).run()
+    assert "token_preview" in at.dataframe[0].value.columns
+
+
+@pytest.mark.parametrize("content", [b"", b"hello, not a database" * 10, b"SQLite format 3\x00" + b"\x00" * 200])
+def test_a_bad_file_shows_one_line_not_a_traceback(tmp_path: Path, content: bytes,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(content)
+    at = open_app(bad, monkeypatch)
+    assert not at.exception
+    assert len(at.error) == 1 and str(bad) in at.error[0].value and "\n" not in at.error[0].value
+
+
+def test_a_missing_file_shows_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_app(tmp_path / "nope.db", monkeypatch)
+    assert not at.exception and "no such file" in at.error[0].value
+
+
+def test_the_picker_switches_captures_and_lists_run_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_app(ROOT / "sample_runs" / "leaky.db", monkeypatch)
+    assert at.sidebar.selectbox(key="kvscope.run").options == ["run 1 · multi-turn · finished"]
+    other = next(o for o in at.sidebar.selectbox(key="kvscope.capture").options if o.endswith("shared-prefix.db"))
+    at.sidebar.selectbox(key="kvscope.capture").set_value(other).run()
+    assert not at.exception
+    assert at.sidebar.selectbox(key="kvscope.run").options == ["run 1 · shared-prefix · finished"]
+
+
+def test_db_argument_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSCOPE_DB", "env.db")
+    assert requested_capture(["--db", "arg.db"]) == "arg.db"
+    assert requested_capture([]) == "env.db"
+    monkeypatch.delenv("KVSCOPE_DB")
+    assert requested_capture(["--other", "x"]) is None
+
+
+def test_newest_capture_under_runs_comes_first(tmp_path: Path) -> None:
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "sample_runs").mkdir()
+    (tmp_path / "sample_runs" / "s.db").write_bytes(b"x")
+    old, new = tmp_path / "runs" / "old.db", tmp_path / "runs" / "new.db"
+    old.write_bytes(b"x")
+    new.write_bytes(b"x")
+    os.utime(old, (1, 1))
+    found = find_captures((tmp_path / "runs", tmp_path / "sample_runs"))
+    assert [p.name for p in found] == ["new.db", "old.db", "s.db"]
+
+
+def test_no_page_loads_torch() -> None:
+    """Every page (the Leaks page imports kvscope.debug.report) in a fresh interpreter, torch never loaded."""
+    code = (
+        "import sys, os\n"
+        "from streamlit.testing.v1 import AppTest\n"
+        f"os.environ['KVSCOPE_DB'] = {str(ROOT / 'sample_runs' / 'leaky.db')!r}\n"
+        f"at = AppTest.from_file({str(ROOT / 'app.py')!r}, default_timeout=60).run()\n"
+        f"for page in {PAGES[1:]!r}:\n"
+        "    at.switch_page(f'kvscope/dashboard/app_pages/{page}.py').run()\n"
+        "    assert not at.exception, at.exception\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"
