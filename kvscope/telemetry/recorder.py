@@ -52,8 +52,8 @@ def slots_blob(slots: Any) -> bytes | None:
     if slots is None:
         return None
     if type(slots).__module__.startswith("torch"):
-        slots = slots.detach().cpu().numpy()
-    return np.asarray(slots, dtype="<i4").tobytes()
+        slots = slots.cpu().numpy()  # slot indices never need grad: no detach
+    return slots.astype("<i4").tobytes() if isinstance(slots, np.ndarray) else np.asarray(slots, "<i4").tobytes()
 
 
 def decode_slots(blob: bytes | None) -> list[int]:

@@ -103,10 +103,8 @@ class Attention(nn.Module):
 
         Query head h reads KV head h // (heads / kv_heads).
         """
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              enable_gqa=self.num_heads != self.num_kv_heads)
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """[tokens, heads, D] -> [tokens, hidden]."""
