@@ -124,3 +124,15 @@ def leak_report(path: str, run_id: int, stamp: float) -> LeakReport:
 @st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
 def gpus() -> pd.DataFrame:
     return gpu.probe()
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner="Replaying the request stream for the hit-rate curve…")
+def capacity_curve(path: str, run_id: int, stamp: float, page_size: int) -> tuple[pd.DataFrame, int]:
+    """The one-pass hit-rate curve of the run's request stream (regenerated from its config),
+    and its prompt tokens. Raises ValueError when the stream cannot be rebuilt."""
+    from kvscope.dashboard.charts import curve_frame
+    from kvscope.planning import load_requests, one_pass_curve
+
+    curve = one_pass_curve(load_requests(path, run_id), page_size)
+    capacities, hits = curve.breakpoints()
+    return curve_frame(capacities, hits, curve.num_prompt_tokens), curve.num_prompt_tokens

@@ -26,6 +26,7 @@ PAGE_FILES = {
     "Evictions": "evictions.py",
     "Leaks": "leaks.py",
     "Requests": "requests.py",
+    "Capacity": "capacity.py",
 }
 STATE_KEY = "kvscope.selection"
 

@@ -24,7 +24,7 @@ CHROMIUM = Path(os.environ.get("KVSCOPE_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 PAGES = {"": "Overview", "memory": "Memory", "tree": "Radix tree", "evictions": "Evictions", "leaks": "Leaks",
-         "requests": "Requests"}
+         "requests": "Requests", "capacity": "Capacity"}
 SCREENSHOT = ROOT / "docs" / "screenshot.png"
 START_TIMEOUT_S = 60.0
 RENDER_TIMEOUT_MS = 60_000

@@ -149,3 +149,16 @@ def test_eviction_figures_split_regret() -> None:
     assert len(charts.evictions_figure(per_step).data) == 2
     requests = pd.DataFrame({"rid": ["a"], "prompt_len": [10], "cached_tokens": [4]})
     assert list(charts.cached_tokens_figure(requests).data[1].y) == [6]
+
+
+def test_capacity_for_a_target_is_the_first_capacity_that_reaches_it() -> None:
+    import numpy as np
+
+    from kvscope.dashboard.charts import capacity_figure, capacity_for, curve_frame
+
+    curve = curve_frame(np.array([10, 40, 90]), np.array([20, 50, 60]), prompt_tokens=100)
+    assert curve["hit_rate"].tolist() == [0.0, 0.2, 0.5, 0.6]
+    assert capacity_for(curve, 0.5) == 40 and capacity_for(curve, 0.55) == 90 and capacity_for(curve, 0.7) is None
+    assert capacity_for(curve, 0.0) == 0
+    fig = capacity_figure(curve, 0.5, 40, gpu_tokens=1000)
+    assert fig.data[0].y.tolist() == [0.0, 0.2, 0.5, 0.6]

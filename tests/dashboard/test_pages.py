@@ -136,3 +136,17 @@ def test_no_page_loads_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_capacity_page_plans_a_gpu_and_marks_the_capacity_a_target_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_app(ROOT / "sample_runs" / "shared-prefix.db", monkeypatch)
+    at.switch_page(page_path("capacity")).run()
+    assert not at.exception, [e.value for e in at.exception]
+    shown = {m.label: m.value for m in at.metric}
+    assert shown["KV bytes per token"] == "131,072"  # llama-3.1-8b, bf16: 2 x 8 heads x 128 x 32 layers x 2 bytes
+    assert int(shown["max KV tokens (SGLang)"].replace(",", "")) > 0
+    at.slider(key="capacity.target").set_value(0.3).run()
+    assert not at.exception
+    assert any(m.label == "capacity for 30%" for m in at.metric)
+    at.number_input(key="capacity.gpu").set_value(8.0).run()
+    assert at.error and "do not fit" in at.error[0].value

@@ -1,5 +1,6 @@
 """Pure chart builders: DataFrame in, plotly Figure (or DataFrame) out; no Streamlit here."""
 
+from kvscope.dashboard.charts.capacity import capacity_figure, capacity_for, curve_frame
 from kvscope.dashboard.charts.events import (
     cached_tokens_figure,
     eviction_idle_figure,
@@ -30,6 +31,9 @@ __all__ = [
     "HitRates",
     "cached_tokens_figure",
     "cap_nodes",
+    "capacity_figure",
+    "capacity_for",
+    "curve_frame",
     "eviction_idle_figure",
     "evictions_figure",
     "hit_rates",

@@ -1,0 +1,62 @@
+"""Capacity: KV tokens per GPU for a model, and the cache a target hit rate needs for this run's traffic."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from kvscope.dashboard import charts, data
+from kvscope.dashboard.frame import selection
+from kvscope.planning import EXACTNESS, GIB, KV_DTYPES, PRESETS, PlanInputs, plan_memory, resolve_model
+
+chosen = selection()
+st.header("Capacity")
+pool = data.pool_config(chosen.run)
+page_size = int(pool.get("page_size", 1))
+
+st.subheader("How many tokens fit")
+gpus = data.gpus()
+default_gib = float(gpus["total_bytes"].iloc[0]) / GIB if not gpus.empty else 80.0
+cols = st.columns(5)
+model_name = cols[0].selectbox("model", sorted(PRESETS), index=sorted(PRESETS).index("llama-3.1-8b"),
+                               key="capacity.model")
+gpu_gib = cols[1].number_input("GPU memory (GiB)", 1.0, 4096.0, round(default_gib, 1), key="capacity.gpu",
+                               help="from pynvml when a GPU is present, else 80")
+tp = int(cols[2].number_input("TP size", 1, 64, 1, key="capacity.tp"))
+kv_dtype = cols[3].selectbox("KV dtype", KV_DTYPES, key="capacity.dtype")
+context = int(cols[4].number_input("context length", 1, 1_048_576, 8192, key="capacity.context"))
+try:
+    plan = plan_memory(PlanInputs(resolve_model(model_name), int(gpu_gib * GIB), int(gpu_gib * GIB), tp_size=tp,
+                                  kv_dtype=kv_dtype, page_size=page_size, context_len=context))
+except ValueError as err:
+    st.error(str(err))
+    st.stop()
+bytes_per_token = plan.token_bytes.cell_bytes(plan.inputs.swa_full_tokens_ratio)
+metrics = st.columns(4)
+metrics[0].metric("KV bytes per token", f"{bytes_per_token:,.0f}")
+metrics[1].metric("max KV tokens (SGLang)", f"{plan.sglang.max_total_num_tokens:,}")
+metrics[2].metric(f"pages of {page_size}", f"{plan.sglang.max_total_num_tokens // page_size:,}")
+metrics[3].metric(f"requests of {context:,} tokens at once", f"{plan.sglang_requests_at_context:,}")
+if plan.vllm is not None:
+    st.caption(f"vLLM at gpu_memory_utilization {plan.inputs.gpu_memory_utilization}: "
+               f"{plan.vllm.num_tokens:,} tokens in {plan.vllm.num_gpu_blocks:,} blocks of {plan.vllm.block_size} "
+               f"(activation memory not subtracted)")
+
+st.subheader("Hit rate vs cache capacity for this run's traffic")
+try:
+    curve, prompt_tokens = data.capacity_curve(chosen.path, chosen.run_id, chosen.stamp, page_size)
+except ValueError as err:
+    st.info(f"This run's request stream cannot be rebuilt: {err}")
+    st.stop()
+target = st.slider("target token hit rate", 0.0, 1.0, min(0.5, float(curve["hit_rate"].max())), 0.01,
+                   key="capacity.target")
+needed = charts.capacity_for(curve, target)
+st.plotly_chart(charts.capacity_figure(curve, target, needed, plan.sglang.max_total_num_tokens),
+                key="capacity.curve")
+st.caption(f"One pass over {prompt_tokens:,} prompt tokens (stack-distance method): {EXACTNESS}.")
+if needed is None:
+    st.warning(f"No capacity reaches {target:.0%}: this traffic tops out at {curve['hit_rate'].max():.1%}.")
+else:
+    st.metric(f"capacity for {target:.0%}", f"{needed:,} tokens",
+              help="the smallest cache that reaches the target hit rate on this request stream")
+    st.caption(f"For {model_name} that is {needed * bytes_per_token / GIB:,.2f} GiB of KV per GPU at TP {tp} "
+               f"({kv_dtype} KV), beside {plan.inputs.weights_per_gpu_bytes / GIB:,.2f} GiB of weights.")
