@@ -64,6 +64,15 @@ def page_key(ids: np.ndarray, page_size: int) -> bytes:
     return (ids if key_len == len(ids) else ids[:key_len]).tobytes()
 
 
+def request_row(pool: Any, req: CacheableRequest, end: int) -> torch.Tensor:
+    """Slots of positions [0, end) of the request's req_to_token row (a new int64 tensor)."""
+    if pool is None:
+        raise CacheMisuseError("caching a request needs the cache built with a req_to_token_pool")
+    if req.req_pool_idx is None:
+        raise CacheMisuseError(f"request {req.rid} holds no req_to_token row")
+    return pool.read(req.req_pool_idx, 0, end)
+
+
 class MatchResult(NamedTuple):
     device_indices: torch.Tensor
     last_node: Any

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvscope.cache.base import BasePrefixCache, CacheableRequest, CacheMisuseError, MatchResult, NodeRow
+from kvscope.cache.base import BasePrefixCache, CacheableRequest, CacheMisuseError, MatchResult, NodeRow, request_row
 from kvscope.mem import ReqToTokenPool, SWATokenToKVPoolAllocator, free_swa_out_of_window
 from kvscope.telemetry import NULL_RECORDER, Recorder
 
@@ -47,9 +47,7 @@ class ChunkCache(BasePrefixCache):
         return 0
 
     def _row(self, req: CacheableRequest, end: int) -> torch.Tensor:
-        if req.req_pool_idx is None:
-            raise CacheMisuseError(f"request {req.rid} holds no req_to_token row")
-        return self.req_to_token_pool.read(req.req_pool_idx, 0, end)
+        return request_row(self.req_to_token_pool, req, end)
 
     def cache_unfinished_req(self, req: CacheableRequest, chunked: bool = False) -> None:
         req.prefix_indices = self._row(req, len(req.fill_ids))

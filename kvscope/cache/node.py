@@ -12,8 +12,9 @@ import itertools
 from typing import Any
 
 import numpy as np
+import torch
 
-from kvscope.cache.base import NodeRow
+from kvscope.cache.base import CacheMisuseError, NodeRow
 
 TOKEN_BYTES = 4
 EMPTY_SLOTS = np.empty(0, dtype=np.int64)
@@ -64,6 +65,31 @@ class TreeNode:
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, tokens={len(self.value)}, lock_ref={self.lock_ref})"
+
+
+def common_page_len(node_key: bytes, key: bytes, pos: int, page_size: int) -> int:
+    """Tokens a node's key shares with key[pos:], rounded down to whole pages."""
+    a = np.frombuffer(node_key, dtype=np.int32)
+    b = np.frombuffer(key, dtype=np.int32, offset=pos)[: len(a)]
+    a = a[: len(b)]
+    diff = np.flatnonzero(a != b)
+    shared = int(diff[0]) if len(diff) else len(a)
+    return shared // page_size * page_size
+
+
+def slots_tensor(values: list[np.ndarray], device: torch.device) -> torch.Tensor:
+    """The concatenated slot arrays of a matched path as one int64 tensor on `device`."""
+    joined = values[0] if len(values) == 1 else np.concatenate(values) if values else EMPTY_SLOTS
+    tensor = torch.from_numpy(joined)
+    return tensor if device.type == "cpu" else tensor.to(device)
+
+
+def claim_slots(in_tree: np.ndarray, value: np.ndarray) -> None:
+    """Strict mode: mark `value` as tree slots, refusing any slot the tree already holds."""
+    taken = value[in_tree[value]]
+    if len(taken):
+        raise CacheMisuseError(f"strict: slots already in the tree inserted again: {taken[:16].tolist()}")
+    in_tree[value] = True
 
 
 def walk(root: TreeNode) -> list[tuple[TreeNode, int, int]]:

@@ -31,7 +31,16 @@ from kvscope.cache.base import (
     page_key,
 )
 from kvscope.cache.eviction import LeafHeap, get_policy
-from kvscope.cache.node import EMPTY_SLOTS, TOKEN_BYTES, TreeNode, export_rows, render
+from kvscope.cache.node import (
+    EMPTY_SLOTS,
+    TOKEN_BYTES,
+    TreeNode,
+    claim_slots,
+    common_page_len,
+    export_rows,
+    render,
+    slots_tensor,
+)
 from kvscope.cache.radix_integrity import check_radix_integrity
 from kvscope.cache.radix_requests import RequestCachingMixin
 from kvscope.mem import BaseTokenAllocator, ReqToTokenPool
@@ -134,18 +143,10 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
         return values, node
 
     def _common_len(self, node_key: bytes, key: bytes, pos: int) -> int:
-        """Tokens the node shares with key[pos:], rounded down to whole pages."""
-        a = np.frombuffer(node_key, dtype=np.int32)
-        b = np.frombuffer(key, dtype=np.int32, offset=pos)[: len(a)]
-        a = a[: len(b)]
-        diff = np.flatnonzero(a != b)
-        shared = int(diff[0]) if len(diff) else len(a)
-        return shared // self.page_size * self.page_size
+        return common_page_len(node_key, key, pos, self.page_size)
 
     def _to_tensor(self, values: list[np.ndarray]) -> torch.Tensor:
-        joined = values[0] if len(values) == 1 else np.concatenate(values) if values else EMPTY_SLOTS
-        tensor = torch.from_numpy(joined)
-        return tensor if self._on_cpu else tensor.to(self.device)
+        return slots_tensor(values, self.device)
 
     def _split(self, child: TreeNode, split_len: int) -> TreeNode:
         """Cut `child` after split_len tokens; the new upper node takes its place."""
@@ -213,7 +214,7 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
         rid: str | None,
     ) -> TreeNode:
         if self.strict:
-            self._claim_slots(value)
+            claim_slots(self._tree_slot, value)
         leaf = TreeNode(key, value, time.monotonic())
         leaf.parent, leaf.owner, leaf.hit_count, leaf.priority = parent, user, hits, priority
         parent.children[key[: self.page_bytes]] = leaf
@@ -224,12 +225,6 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
             self.recorder.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=leaf.id,
                                  num_tokens=len(value), slots=value, aux=parent.id)
         return leaf
-
-    def _claim_slots(self, value: np.ndarray) -> None:
-        taken = value[self._tree_slot[value]]
-        if len(taken):
-            raise CacheMisuseError(f"strict: slots already in the tree inserted again: {taken[:16].tolist()}")
-        self._tree_slot[value] = True
 
     def _mark_leaf(self, node: TreeNode) -> None:
         """Put `node` in the evictable leaves if it now qualifies."""

@@ -46,10 +46,12 @@ def check_radix_integrity(cache: Any) -> None:
             f"evictable leaves: tree has {sorted(n.id for n in leaves)}, "
             f"the set has {sorted(n.id for n in cache.evictable_leaves)}"
         )
-    check_tree_slots(cache, [n.value for n, _ in nodes])
+    check_tree_slots(cache, [n.value for n, _ in nodes], cache.allocator)
 
 
-def check_tree_slots(cache: Any, values: list[np.ndarray]) -> None:
+def check_tree_slots(cache: Any, values: list[np.ndarray], allocator: Any) -> None:
+    """No slot in two nodes, no padding slot, no tree slot on a page `allocator` holds free,
+    and (strict) the tree-slot bitmap agrees."""
     slots = np.concatenate(values) if values else np.empty(0, dtype=np.int64)
     uniq, counts = np.unique(slots, return_counts=True)
     if (counts > 1).any():
@@ -57,7 +59,7 @@ def check_tree_slots(cache: Any, values: list[np.ndarray]) -> None:
     ps = cache.page_size
     if (slots < ps).any():
         raise IntegrityError("the tree holds a padding slot")
-    free_pages = cache.allocator._all_free_pages_np()
+    free_pages = allocator._all_free_pages_np()
     freed = np.intersect1d(np.unique(slots // ps), free_pages)
     if len(freed):
         raise IntegrityError(f"tree slots on pages the allocator holds free: pages {freed[:16].tolist()}")

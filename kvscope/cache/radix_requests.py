@@ -10,12 +10,13 @@ tail [page_floor(kv_len), kv_len) never enters the tree.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvscope.cache.base import CacheableRequest, CacheMisuseError
+from kvscope.cache.base import CacheableRequest, CacheMisuseError, request_row
 from kvscope.mem import ReqToTokenPool
 
 
@@ -24,29 +25,15 @@ class RequestCachingMixin:
     allocator: Any
     req_to_token_pool: ReqToTokenPool | None
 
-    # provided by the cache class
-    def insert(self, token_ids: np.ndarray, slots: torch.Tensor, user: str | None = None,
-               chunked: bool = False, priority: int = 0, rid: str | None = None) -> int:
-        raise NotImplementedError
-
-    def inc_lock_ref(self, node: Any, rid: str | None = None) -> int | None:
-        raise NotImplementedError
-
-    def dec_lock_ref(self, node: Any, lock_id: int | None = None, rid: str | None = None) -> None:
-        raise NotImplementedError
-
-    def _walk_match(self, key: bytes) -> tuple[list[np.ndarray], Any]:
-        raise NotImplementedError
-
-    def _to_tensor(self, values: list[np.ndarray]) -> torch.Tensor:
-        raise NotImplementedError
+    # provided by the cache class (annotations only, so they shadow nothing in the MRO)
+    insert: Callable[..., int]
+    inc_lock_ref: Callable[..., int | None]
+    dec_lock_ref: Callable[..., None]
+    _walk_match: Callable[[bytes], tuple[list[np.ndarray], Any]]
+    _to_tensor: Callable[[list[np.ndarray]], torch.Tensor]
 
     def _row(self, req: CacheableRequest, end: int) -> torch.Tensor:
-        if self.req_to_token_pool is None:
-            raise CacheMisuseError("caching a request needs the cache built with a req_to_token_pool")
-        if req.req_pool_idx is None:
-            raise CacheMisuseError(f"request {req.rid} holds no req_to_token row")
-        return self.req_to_token_pool.read(req.req_pool_idx, 0, end)
+        return request_row(self.req_to_token_pool, req, end)
 
     def cache_unfinished_req(self, req: CacheableRequest, chunked: bool = False) -> None:
         ids = req.fill_ids

@@ -21,7 +21,16 @@ import numpy as np
 import torch
 
 from kvscope.cache.base import BasePrefixCache, CacheMisuseError, MatchResult, NodeRow, as_token_ids
-from kvscope.cache.node import EMPTY_SLOTS, TOKEN_BYTES, TreeNode, export_rows, render, walk
+from kvscope.cache.node import (
+    EMPTY_SLOTS,
+    TOKEN_BYTES,
+    TreeNode,
+    common_page_len,
+    export_rows,
+    render,
+    slots_tensor,
+    walk,
+)
 from kvscope.cache.swa_radix_evict import SWAEvictionMixin
 from kvscope.cache.swa_radix_insert import SWAInsertMixin
 from kvscope.cache.swa_radix_integrity import check_swa_radix_integrity
@@ -135,18 +144,10 @@ class SWARadixCache(SWARequestCachingMixin, SWAInsertMixin, SWAEvictionMixin, Ba
         return values[:best_len], best_node
 
     def _common_len(self, node_key: bytes, key: bytes, pos: int) -> int:
-        """Tokens the node shares with key[pos:], rounded down to whole pages."""
-        a = np.frombuffer(node_key, dtype=np.int32)
-        b = np.frombuffer(key, dtype=np.int32, offset=pos)[: len(a)]
-        a = a[: len(b)]
-        diff = np.flatnonzero(a != b)
-        shared = int(diff[0]) if len(diff) else len(a)
-        return shared // self.page_size * self.page_size
+        return common_page_len(node_key, key, pos, self.page_size)
 
     def _to_tensor(self, values: list[np.ndarray]) -> torch.Tensor:
-        joined = values[0] if len(values) == 1 else np.concatenate(values) if values else EMPTY_SLOTS
-        tensor = torch.from_numpy(joined)
-        return tensor if self.device.type == "cpu" else tensor.to(self.device)
+        return slots_tensor(values, self.device)
 
     def _t(self, slots: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(slots).to(self.device)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvscope.cache.base import CacheMisuseError, as_token_ids
-from kvscope.cache.node import TOKEN_BYTES, TreeNode
+from kvscope.cache.node import TOKEN_BYTES, TreeNode, claim_slots
 from kvscope.telemetry import EventKind, EvictReason, PoolName
 
 
@@ -119,7 +119,7 @@ class SWAInsertMixin:
             self.allocator.free(node_t)
             if self.strict:
                 self._tree_slot[node.value] = False
-                self._claim_slots(req_slots)
+                claim_slots(self._tree_slot, req_slots)
             node.value = req_slots.copy()
         node.tombstone = False
         self._swa_evictable_size += len(node.value)
@@ -149,7 +149,7 @@ class SWAInsertMixin:
     ) -> TreeNode:
         user, chunked, priority, rid = meta
         if self.strict:
-            self._claim_slots(value)
+            claim_slots(self._tree_slot, value)
         node = TreeNode(key, value.copy(), 0.0)
         node.parent, node.owner, node.priority, node.tombstone = parent, user, priority, tombstone
         node.hit_count = 0 if chunked else 1
@@ -164,9 +164,3 @@ class SWAInsertMixin:
                 self.recorder.record(EventKind.TOMBSTONE, pool=PoolName.SWA, rid=rid, node_id=node.id,
                                      num_tokens=len(value), slots=value, reason=EvictReason.TOMBSTONE)
         return node
-
-    def _claim_slots(self, value: np.ndarray) -> None:
-        taken = value[self._tree_slot[value]]
-        if len(taken):
-            raise CacheMisuseError(f"strict: slots already in the tree inserted again: {taken[:16].tolist()}")
-        self._tree_slot[value] = True

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvscope.cache.node import walk
-from kvscope.cache.radix_integrity import check_node_shape
+from kvscope.cache.radix_integrity import check_node_shape, check_tree_slots
 from kvscope.mem import IntegrityError
 
 
@@ -29,7 +29,7 @@ def check_swa_radix_integrity(cache: Any) -> None:
         check_swa_node(node, mapping)
     check_sizes(cache, [n for n, _ in nodes])
     check_lru(cache, [n for n, _ in nodes])
-    check_slots(cache, [n.value for n, _ in nodes])
+    check_tree_slots(cache, [n.value for n, _ in nodes], cache.allocator.full_attn_allocator)
 
 
 def check_swa_node(node: Any, mapping: np.ndarray) -> None:
@@ -78,19 +78,3 @@ def check_lru(cache: Any, nodes: list[Any]) -> None:
                 f"is not older than child {node.id} (t={node.last_access_time})"
             )
         node = node.parent
-
-
-def check_slots(cache: Any, values: list[np.ndarray]) -> None:
-    slots = np.concatenate(values) if values else np.empty(0, dtype=np.int64)
-    uniq, counts = np.unique(slots, return_counts=True)
-    if (counts > 1).any():
-        raise IntegrityError(f"slots in two tree nodes: {uniq[counts > 1][:16].tolist()}")
-    ps = cache.page_size
-    if (slots < ps).any():
-        raise IntegrityError("the tree holds a padding slot")
-    free_pages = cache.allocator.full_attn_allocator._all_free_pages_np()
-    freed = np.intersect1d(np.unique(slots // ps), free_pages)
-    if len(freed):
-        raise IntegrityError(f"tree slots on pages the full allocator holds free: pages {freed[:16].tolist()}")
-    if cache.strict and not np.array_equal(np.flatnonzero(cache._tree_slot), uniq):
-        raise IntegrityError("strict slot bitmap disagrees with the tree")

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvscope.cache.base import CacheableRequest, CacheMisuseError
+from kvscope.cache.base import CacheableRequest, CacheMisuseError, request_row
 from kvscope.mem import ReqToTokenPool
 
 
@@ -33,11 +33,7 @@ class SWARequestCachingMixin:
     _to_tensor: Callable[[list[np.ndarray]], torch.Tensor]
 
     def _row(self, req: CacheableRequest, end: int) -> torch.Tensor:
-        if self.req_to_token_pool is None:
-            raise CacheMisuseError("caching a request needs the cache built with a req_to_token_pool")
-        if req.req_pool_idx is None:
-            raise CacheMisuseError(f"request {req.rid} holds no req_to_token row")
-        return self.req_to_token_pool.read(req.req_pool_idx, 0, end)
+        return request_row(self.req_to_token_pool, req, end)
 
     def cache_unfinished_req(self, req: CacheableRequest, chunked: bool = False) -> None:
         ids = req.fill_ids

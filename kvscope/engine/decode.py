@@ -10,6 +10,7 @@ becomes min(1, (decoded + retract_decode_steps * n) / (Σ max_new + 1)) over tho
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,20 +48,12 @@ class DecodeMixin:
     waiting: deque[Req]
     new_token_ratio: float
 
-    def _check_reads(self, batch: list[Req], read_lens: list[int]) -> None:
-        raise NotImplementedError
-
-    def _free_window(self, req: Req, pre_len: int) -> None:
-        raise NotImplementedError
-
-    def _finish(self, req: Req) -> None:
-        raise NotImplementedError
-
-    def _retract(self, req: Req) -> None:
-        raise NotImplementedError
-
-    def _abort(self, req: Req, reason: str) -> None:
-        raise NotImplementedError
+    # provided by Scheduler (annotations only, so they shadow nothing in the MRO)
+    _check_reads: Callable[[list[Req], list[int]], None]
+    _free_window: Callable[[Req, int], None]
+    _finish: Callable[[Req], None]
+    _retract: Callable[[Req], None]
+    _abort: Callable[[Req, str], None]
 
     # -- decode ------------------------------------------------------------------------------
 

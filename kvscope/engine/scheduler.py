@@ -60,7 +60,7 @@ class Scheduler(DecodeMixin):
 
     def add_request(self, req: Req) -> None:
         req.arrival_step = self.step
-        req.last_node = self.memory.cache.root if hasattr(self.memory.cache, "root") else None
+        req.last_node = getattr(self.memory.cache, "root", None)
         self.waiting.append(req)
         self.stats.arrived(req, self.step)
 
