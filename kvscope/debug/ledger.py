@@ -14,10 +14,16 @@ NOTE: what each event does to the ledger
     evict   the slots leave their node (the allocator's free follows)
     lock / unlock   (node, rid) pairs; admit / finish / abort / retract   request liveness
 An orphan is a slot held by a request that is no longer live, or by a node that is gone.
+
+NOTE: the per-step "is anything broken?" the onset needs must not scan the pools (a replay
+asks it after every step). `Owners` keeps, per owner, how many slots it holds (both pools
+together) and which owners died or got slots since the last question; only those can have
+started holding orphans, so the answer costs O(owners touched) instead of O(pool).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -68,6 +74,43 @@ class BadRead(NamedTuple):
     free_seq: int
 
 
+SMALL_MOVE = 16  # slots counted one by one below this; np.unique above
+
+
+class Owners:
+    """Slots held per owner, across pools: requests by index, nodes by id. `touched` collects the
+    owners that got slots or died since the last `orphaned_owners()`; `orphaned` the owners found
+    dead and holding slots then (kept, since they stay so until their slots move)."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, defaultdict[int, int]] = {REQUEST: defaultdict(int), TREE: defaultdict(int)}
+        self.touched: set[tuple[int, int]] = set()
+        self.orphaned: set[tuple[int, int]] = set()
+
+    def move(self, old_kind: np.ndarray, old_ref: np.ndarray, kind: int, ref: int) -> None:
+        """Slots that were (old_kind, old_ref) now belong to (kind, ref)."""
+        if len(old_kind) <= SMALL_MOVE:
+            for k, r in zip(old_kind.tolist(), old_ref.tolist(), strict=True):
+                if k != FREE:
+                    self.held[k][r] -= 1
+        else:
+            for k, table in self.held.items():
+                refs = old_ref[old_kind == k]
+                if len(refs):
+                    values, counts = np.unique(refs, return_counts=True)
+                    for r, c in zip(values.tolist(), counts.tolist(), strict=True):
+                        table[r] -= c
+        if kind != FREE and len(old_kind):
+            self.held[kind][ref] += len(old_kind)
+            self.touched.add((kind, ref))
+
+    def orphaned_owners(self, alive_requests: set[int], alive_nodes: dict[int, Any]) -> set[tuple[int, int]]:
+        candidates, self.touched = self.orphaned | self.touched, set()
+        self.orphaned = {(k, r) for k, r in candidates if self.held[k][r] > 0
+                         and r not in (alive_requests if k == REQUEST else alive_nodes)}
+        return self.orphaned
+
+
 class PoolLedger:
     """Owner kind, owner reference (request index or node id), since step, since event seq;
     and per slot the last free: by which request, at which step and event."""
@@ -75,7 +118,8 @@ class PoolLedger:
     FIELDS = (("kind", 0), ("ref", -1), ("step", 0), ("seq", -1), ("freed_by", -1), ("freed_step", -1),
               ("freed_seq", -1))
 
-    def __init__(self, num_slots: int = 1024) -> None:
+    def __init__(self, owners: Owners, num_slots: int = 1024) -> None:
+        self.owners = owners
         self.kind = np.zeros(num_slots, dtype=np.int8)
         self.ref = np.full(num_slots, -1, dtype=np.int64)
         self.step = np.zeros(num_slots, dtype=np.int64)
@@ -95,6 +139,7 @@ class PoolLedger:
 
     def assign(self, slots: np.ndarray, kind: int, ref: int, step: int, seq: int) -> None:
         self._fit(slots)
+        self.owners.move(self.kind[slots], self.ref[slots], kind, ref)
         self.kind[slots], self.ref[slots], self.step[slots], self.seq[slots] = kind, ref, step, seq
 
     def free(self, slots: np.ndarray, step: int, seq: int, by: int) -> np.ndarray:
@@ -106,10 +151,16 @@ class PoolLedger:
         self.freed_by[slots], self.freed_step[slots], self.freed_seq[slots] = by, step, seq
         return already
 
+    def rename(self, slots: np.ndarray, ref: int) -> None:
+        """Tree slots move to node `ref` (a split), keeping their since step and event."""
+        self.owners.move(self.kind[slots], self.ref[slots], TREE, ref)
+        self.ref[slots] = ref
+
 
 @dataclass
 class Ledger:
-    pools: dict[str, PoolLedger] = field(default_factory=lambda: {p: PoolLedger() for p in POOLS})
+    owners: Owners = field(default_factory=Owners)
+    pools: dict[str, PoolLedger] = field(default_factory=dict)
     rids: list[str] = field(default_factory=list)
     rid_index: dict[str, int] = field(default_factory=dict)
     live: set[int] = field(default_factory=set)
@@ -123,6 +174,10 @@ class Ledger:
     # the full halves wait here until their SWA halves pair with them (cleared by any other event)
     _pending_full: list[tuple[str | None, np.ndarray]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.pools = {p: PoolLedger(self.owners) for p in POOLS}
+        self._handlers = {name[4:]: getattr(self, name) for name in dir(self) if name.startswith("_on_")}
+
     def request_index(self, rid: str) -> int:
         if rid not in self.rid_index:
             self.rid_index[rid] = len(self.rids)
@@ -135,7 +190,7 @@ class Ledger:
               num_tokens: int, aux: int, slots: np.ndarray | None) -> None:
         if kind != "alloc":
             self._pending_full.clear()
-        handler = getattr(self, f"_on_{kind}", None)
+        handler = self._handlers.get(kind)
         if handler is not None:
             handler(step, seq, pool or "full", rid, node_id, num_tokens, aux,
                     np.empty(0, dtype=np.int64) if slots is None else np.asarray(slots, dtype=np.int64))
@@ -199,8 +254,7 @@ class Ledger:
         for name, moved in (("full", upper), ("swa", self._swa_of(upper))):
             ledger = self.pools[name]
             ledger._fit(moved)
-            moved = moved[(ledger.kind[moved] == TREE) & (ledger.ref[moved] == aux)]
-            ledger.ref[moved] = int(node_id)
+            ledger.rename(moved[(ledger.kind[moved] == TREE) & (ledger.ref[moved] == aux)], int(node_id))
 
     def _swa_of(self, full_slots: np.ndarray) -> np.ndarray:
         return np.array([self.full_to_swa[s] for s in full_slots.tolist() if s in self.full_to_swa], dtype=np.int64)
@@ -215,6 +269,7 @@ class Ledger:
             self.node_slots[int(node_id)] = rest
         else:
             del self.node_slots[int(node_id)]
+            self.owners.touched.add((TREE, int(node_id)))
 
     def _on_violation(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
                       slots: np.ndarray) -> None:
@@ -249,6 +304,7 @@ class Ledger:
             index = self.request_index(rid)
             self.live.discard(index)
             self.ended[index] = (how, step)
+            self.owners.touched.add((REQUEST, index))
 
     def _on_finish(self, step: int, seq: int, pool: str, rid: str | None, *_: Any) -> None:
         self._end("finished", step, rid)
@@ -280,7 +336,27 @@ class Ledger:
         return [h for h in self.locks if h.rid is None or self.rid_index.get(h.rid, -1) not in self.live]
 
     def is_broken(self) -> bool:
-        return bool(self.double_frees or self.locks_of_ended_requests() or self.orphans())
+        """Any double free, lock held by an ended request, or orphaned slot now; costs what
+        changed since the last call, not a scan of the pools (equals `bool(orphans())` etc.)."""
+        return bool(self.double_frees or self.orphaned_owners() or self.locks_of_ended_requests())
+
+    def orphaned_owners(self) -> set[tuple[int, int]]:
+        """(REQUEST, request index) and (TREE, node id) of the owners holding orphans now."""
+        return self.owners.orphaned_owners(self.live, self.node_slots)
+
+    def check_integrity(self) -> None:
+        """The per-owner held counts equal a recount of both pools."""
+        recount: dict[int, defaultdict[int, int]] = {REQUEST: defaultdict(int), TREE: defaultdict(int)}
+        for ledger in self.pools.values():
+            for kind, table in recount.items():
+                refs, counts = np.unique(ledger.ref[ledger.kind == kind], return_counts=True)
+                for ref, count in zip(refs.tolist(), counts.tolist(), strict=True):
+                    table[ref] += count
+        for kind, table in recount.items():
+            kept = {ref: n for ref, n in self.owners.held[kind].items() if n}
+            if kept != dict(table):
+                raise AssertionError(f"ledger held counts ({'request' if kind == REQUEST else 'node'}) drifted: "
+                                     f"kept {kept}, recount {dict(table)}")
 
     def read_violations(self, rid: str, slots: np.ndarray) -> np.ndarray:
         """Slots a request is about to read that it may not: free, or another live request's."""

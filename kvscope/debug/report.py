@@ -19,7 +19,7 @@ from typing import Any
 import pandas as pd
 
 from kvscope.debug.ledger import Ledger
-from kvscope.debug.replay import replay
+from kvscope.debug.replay import ProgressHook, replay
 from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.recorder import decode_slots
 
@@ -89,7 +89,9 @@ def _run_row(capture: Capture, run_id: int | None) -> Any:
     return chosen.iloc[0]
 
 
-def build_report(target: str | Path, run_id: int | None = None) -> LeakReport:
+def build_report(target: str | Path, run_id: int | None = None, *, on_progress: ProgressHook | None = None
+                 ) -> LeakReport:
+    """`on_progress(events)` follows the ledger replay of a full capture, batch by batch."""
     capture = Capture(target)
     try:
         run = _run_row(capture, run_id)
@@ -101,7 +103,7 @@ def build_report(target: str | Path, run_id: int | None = None) -> LeakReport:
             report.onset_step = report.first_failure_step
             report.suspects = _suspects(requests, report)
             return report
-        _from_ledger(report, capture, requests)
+        _from_ledger(report, capture, requests, on_progress)
         return report
     finally:
         capture.close()
@@ -129,9 +131,11 @@ def _suspects(requests: pd.DataFrame, report: LeakReport) -> list[str]:
     return [str(r) for r in ended.rid]
 
 
-def _from_ledger(report: LeakReport, capture: Capture, requests: pd.DataFrame) -> None:
+def _from_ledger(report: LeakReport, capture: Capture, requests: pd.DataFrame,
+                 on_progress: ProgressHook | None) -> None:
     series: list[tuple[int, bool]] = []
-    ledger = replay(capture, report.run_id, lambda step, led: series.append((step, led.is_broken())))
+    ledger = replay(capture, report.run_id, lambda step, led: series.append((step, led.is_broken())),
+                    on_progress=on_progress)
     report.onset_step = _bisect_onset(series)
     people = dict(zip(requests.rid, requests.principal, strict=True)) if not requests.empty else {}
     report.leaks = _link_consequences(_leaks(ledger, people))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,22 @@ class Capture:
         if step_range is not None:
             stmt = stmt.where(e.step.between(*step_range))
         return self._frame(stmt.order_by(e.seq).limit(limit).offset(offset))
+
+    STREAM_COLUMNS = ("kind", "step", "seq", "pool", "rid", "node_id", "num_tokens", "aux", "slots")
+
+    def event_stream(self, run_id: int, *, after_seq: int = -1, batch_rows: int = 20_000) -> Iterator[list[tuple]]:
+        """The run's events after `after_seq` in sequence order, as plain tuples of STREAM_COLUMNS,
+        a batch at a time: the ledger replay's path (a DataFrame or Row per event costs more than
+        the replay itself)."""
+        sql = (f"SELECT {', '.join(self.STREAM_COLUMNS)} FROM events WHERE run_id = ? AND seq > ? ORDER BY seq")
+        with self.engine.connect() as conn:
+            cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+            try:
+                cursor.execute(sql, (run_id, after_seq))
+                while rows := cursor.fetchmany(batch_rows):
+                    yield rows
+            finally:
+                cursor.close()
 
     def event_counts(self, run_id: int) -> pd.DataFrame:
         e = schema.events.c
