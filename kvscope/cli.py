@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -59,24 +60,35 @@ def _run(args: argparse.Namespace) -> int:
     spec = RunSpec(engine=engine, model=model, workload=args.workload, trace=Path(args.trace) if args.trace else None,
                    num_requests=args.num_requests, seed=args.seed, level=args.level,
                    capture=Path(args.capture) if args.capture else None, pace_per_s=args.pace, debug=debug,
-                   faults=tuple(faults), fault_seed=args.inject_seed)
+                   faults=tuple(faults), fault_seed=args.inject_seed, store_report=not args.no_report)
     install_signal_handlers()
     stats = run(spec)
     return 1 if stats.leak_checks_failed else 0
 
 
-def _report(args: argparse.Namespace) -> int:
-    from kvscope.debug.report import build_report, render_text
+def _build_report(args: argparse.Namespace) -> Any:
+    """Always replayed afresh (the stored copy is the dashboard's shortcut), with progress."""
+    from kvscope.debug.report import ReplayProgress, build_report
 
-    report = build_report(args.capture, args.run)
+    progress = ReplayProgress()
+    try:
+        return build_report(args.capture, args.run, on_progress=progress)
+    finally:
+        progress.close()
+
+
+def _report(args: argparse.Namespace) -> int:
+    from kvscope.debug.report import render_text
+
+    report = _build_report(args)
     print(report.to_json() if args.json else render_text(report))
     return 0
 
 
 def _check(args: argparse.Namespace) -> int:
-    from kvscope.debug.report import build_report, check_reason
+    from kvscope.debug.report import check_reason
 
-    report = build_report(args.capture, args.run)
+    report = _build_report(args)
     print(f"{args.capture}: {check_reason(report)}")
     return 0 if report.clean else 1
 
@@ -162,6 +174,9 @@ def _add_run(verbs: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                      help="inject a fault into each request with probability RATE (default 1): leak-tail, lock-leak, "
                      "double-free, use-after-free, swa-window-leak; repeatable")
     run.add_argument("--inject-seed", type=int, default=0, help="seed of the fault injection")
+    run.add_argument("--no-report", action="store_true",
+                     help="at level full, skip building the leak report when the run closes (it replays every "
+                     "event, ~10 µs each; the dashboard and `report leaks` then replay on demand)")
     run.set_defaults(func=_run)
 
 

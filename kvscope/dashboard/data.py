@@ -11,7 +11,7 @@ import pandas as pd
 import streamlit as st
 
 from kvscope.dashboard import gpu, sql
-from kvscope.debug.report import LeakReport, build_report
+from kvscope.debug.report import LeakReport, build_report, stored_report
 from kvscope.telemetry.queries import Capture
 
 LIVE_TTL_S = 1.0  # the run list: status changes must show within a refresh
@@ -115,10 +115,12 @@ def running_lengths(path: str, run_id: int, stamp: float, step: int) -> pd.DataF
     return sql.frame(open_capture(path).engine, sql.RUNNING_LENGTHS, run=run_id, step=step)
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner="Replaying the slot ledger…")
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner="Replaying the slot ledger (about 10 µs per event)…")
 def leak_report(path: str, run_id: int, stamp: float) -> LeakReport:
-    """The debugger's report (a dataclass, not a frame: it is the debugger's own record)."""
-    return build_report(path, run_id)
+    """The debugger's report (a dataclass, not a frame: it is the debugger's own record): the
+    one stored at close when it still describes the run, else replayed now."""
+    stored = stored_report(open_capture(path), run_id)
+    return stored if stored is not None else build_report(path, run_id)
 
 
 @st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)

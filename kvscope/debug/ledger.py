@@ -170,6 +170,7 @@ class Ledger:
     locks: list[HeldLock] = field(default_factory=list)
     double_frees: list[DoubleFree] = field(default_factory=list)
     bad_reads: list[BadRead] = field(default_factory=list)
+    last_seq: int = -1  # the last event applied
     # NOTE: a batched SWA allocation records full r1, full r2, ..., then swa r1, swa r2, ...;
     # the full halves wait here until their SWA halves pair with them (cleared by any other event)
     _pending_full: list[tuple[str | None, np.ndarray]] = field(default_factory=list)
@@ -188,6 +189,7 @@ class Ledger:
 
     def apply(self, kind: str, step: int, seq: int, pool: str | None, rid: str | None, node_id: int | None,
               num_tokens: int, aux: int, slots: np.ndarray | None) -> None:
+        self.last_seq = seq
         if kind != "alloc":
             self._pending_full.clear()
         handler = self._handlers.get(kind)

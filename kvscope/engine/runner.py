@@ -35,6 +35,7 @@ class RunSpec:
     debug: bool = False
     faults: tuple[FaultSpec, ...] = ()
     fault_seed: int = 0
+    store_report: bool = True  # level full: build the leak report at close and store it in the capture
 
     @property
     def label(self) -> str:
@@ -131,11 +132,33 @@ def run(spec: RunSpec, out: TextIO = sys.stdout) -> EngineStats:
     finally:
         progress.close()
         recorder.close(status, error)
-    print_summary(stats, time.monotonic() - start, path, out)
+    wall_s = time.monotonic() - start
+    verdict = None
+    if path is not None and spec.level == "full" and spec.store_report:
+        verdict = store_leak_report(path, getattr(recorder, "run_id", None))
+    print_summary(stats, wall_s, path, out, verdict)
     return stats
 
 
-def print_summary(stats: EngineStats, wall_s: float, capture: Path | None, out: TextIO) -> None:
+def store_leak_report(path: Path, run_id: int | None, err: TextIO = sys.stderr) -> str:
+    """Build the debugger's leak report of the run just closed and store it in the capture, so
+    the dashboard and `report leaks` need not replay the events again. Returns the verdict line."""
+    from kvscope.debug.report import ReplayProgress, build_report, check_reason, save_report
+    from kvscope.telemetry.store import CaptureError
+
+    progress = ReplayProgress(err)
+    try:
+        report = build_report(path, run_id, on_progress=progress)
+        save_report(path, report)
+    except (CaptureError, ValueError) as exc:
+        return f"not stored ({exc})"
+    finally:
+        progress.close()
+    return f"{check_reason(report)} (stored in the capture)"
+
+
+def print_summary(stats: EngineStats, wall_s: float, capture: Path | None, out: TextIO,
+                  leak_report: str | None = None) -> None:
     checks = stats.leak_checks_passed + stats.leak_checks_failed
     verdict = "all passed" if not stats.leak_checks_failed else f"{stats.leak_checks_failed} FAILED"
     lines = [
@@ -147,6 +170,7 @@ def print_summary(stats: EngineStats, wall_s: float, capture: Path | None, out: 
         f"evicted tokens    {stats.evicted_tokens}",
         f"retractions       {stats.num_retractions}",
         f"leak checks       {checks} ({verdict})",
+        *([f"leak report       {leak_report}"] if leak_report else []),
         f"wall time         {wall_s:.2f} s",
         f"capture           {capture if capture else '(recording off)'}",
     ]

@@ -109,6 +109,23 @@ class Capture:
             finally:
                 cursor.close()
 
+    def last_event_seq(self, run_id: int) -> int:
+        """The run's last event seq (-1 when it has none)."""
+        e = schema.events.c
+        with self.engine.connect() as conn:
+            found = conn.execute(select(func.max(e.seq)).where(e.run_id == run_id)).scalar_one_or_none()
+        return -1 if found is None else int(found)
+
+    def stored_report(self, run_id: int, kind: str) -> Any | None:
+        """The report row (through_seq, built_at, producer, body) stored with the run, or None
+        (none stored, or a capture from before the reports table)."""
+        r = schema.reports.c
+        with self.engine.connect() as conn:
+            if not self.engine.dialect.has_table(conn, schema.reports.name):
+                return None
+            return conn.execute(select(r.through_seq, r.built_at, r.producer, r.body)
+                                .where(r.run_id == run_id, r.kind == kind)).first()
+
     def event_counts(self, run_id: int) -> pd.DataFrame:
         e = schema.events.c
         stmt = select(e.kind, func.count().label("count")).where(e.run_id == run_id).group_by(e.kind)

@@ -11,6 +11,11 @@ NOTE: tables and what one row is
     tree_snapshots   one node of the cache tree at a step (the flat node table)
     leak_checks      one pool's idle invariant at a step: every term and the verdict
     requests         one request's life: principal, lengths, times and steps
+    reports          a derived report stored with the run (the leak report, built when the run
+                     closes): which events it covers (through_seq), who built it, its JSON
+
+NOTE: `reports` came after schema version 1 without a bump: it is additive (older readers never
+look at it), a reader treats it as optional, and a writer adds it to an older file.
 """
 
 from __future__ import annotations
@@ -153,3 +158,15 @@ requests = Table(
     *(Column(f"{m}_step", Integer) for m in REQUEST_MOMENTS),
 )
 Index("ix_tree_step", tree_snapshots.c.run_id, tree_snapshots.c.step)
+
+reports = Table(
+    "reports",
+    metadata,
+    Column("run_id", Integer, primary_key=True),
+    Column("kind", String(16), primary_key=True),  # 'leaks'
+    Column("through_seq", Integer, nullable=False),  # the last event it covers; -1 = none
+    Column("built_at", Float, nullable=False),  # unix seconds
+    Column("producer", String(64), nullable=False),  # what built it (kvscope version, report format)
+    Column("body", Text, nullable=False),
+)
+OPTIONAL_TABLES = (reports,)

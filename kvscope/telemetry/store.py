@@ -82,7 +82,7 @@ def check_schema(engine: Engine, name: str) -> None:
             f"{name}: written by a newer kvscope (schema version {found}; this one reads up to "
             f"{schema.SCHEMA_VERSION}); upgrade kvscope to read it"
         )
-    missing = {t.name for t in schema.metadata.sorted_tables} - tables
+    missing = {t.name for t in schema.metadata.sorted_tables} - {t.name for t in schema.OPTIONAL_TABLES} - tables
     if missing:
         raise CaptureError(f"{name}: damaged capture (missing tables {sorted(missing)})")
 
@@ -136,11 +136,29 @@ def open_writer(target: str | Path) -> Engine:
         raise CaptureError(f"{name}: unreadable capture ({_first_line(err)})") from err
     if tables:
         check_schema(engine, name)
+        schema.metadata.create_all(engine, tables=[t for t in schema.OPTIONAL_TABLES if t.name not in tables])
     else:
         schema.metadata.create_all(engine)
         with engine.begin() as conn:
             conn.execute(schema.meta.insert(), [{"key": "schema_version", "value": str(schema.SCHEMA_VERSION)}])
     return engine
+
+
+def save_report(target: str | Path, run_id: int, kind: str, through_seq: int, producer: str, body: str) -> None:
+    """Store (or replace) a derived report of a run in the capture."""
+    import time
+
+    engine = open_writer(target)
+    try:
+        table = schema.reports
+        with engine.begin() as conn:
+            conn.execute(table.delete().where(table.c.run_id == run_id, table.c.kind == kind))
+            conn.execute(table.insert(), [{"run_id": run_id, "kind": kind, "through_seq": through_seq,
+                                           "built_at": time.time(), "producer": producer, "body": body}])
+    except SQLAlchemyError as err:
+        raise CaptureError(f"{target}: cannot store the {kind} report ({_first_line(err)})") from err
+    finally:
+        engine.dispose()
 
 
 class BulkInsert:

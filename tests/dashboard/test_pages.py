@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,22 @@ def test_leaks_page_names_the_injected_culprits(monkeypatch: pytest.MonkeyPatch)
     culprits = at.dataframe[0].value
     assert {"orphaned", "double-free", "lock-never-released"} <= set(culprits["kind"])
     assert culprits["request"].notna().any()
+
+
+def test_leaks_page_uses_the_stored_report_and_replays_when_there_is_none(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_app(ROOT / "sample_runs" / "leaky.db", monkeypatch)
+    at.switch_page(page_path("leaks")).run()
+    assert any("stored with the capture" in c.value for c in at.caption)
+    stored = at.dataframe[0].value
+    path = tmp_path / "leaky.db"
+    path.write_bytes((ROOT / "sample_runs" / "leaky.db").read_bytes())
+    with sqlite3.connect(path) as conn:
+        conn.execute("DELETE FROM reports")
+    at = open_app(path, monkeypatch)
+    at.switch_page(page_path("leaks")).run()
+    assert not at.exception and any("Replayed from the capture" in c.value for c in at.caption)
+    assert at.dataframe[0].value.equals(stored)
 
 
 def test_memory_page_counts_wasted_slots_with_pages(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,11 @@ st.header("Leaks")
 if chosen.running:
     st.caption("The run is still running: the report covers what has been flushed so far.")
 report = data.leak_report(chosen.path, chosen.run_id, chosen.stamp)
+if report.stored_at is not None:
+    st.caption(f"The report stored with the capture when the run closed ({report.through_seq + 1:,} events replayed).")
+elif report.level == "full":
+    st.caption(f"Replayed from the capture's {report.through_seq + 1:,} events just now (the run stored no report, "
+               "or it no longer matches).")
 
 cols = st.columns(4)
 cols[0].metric("verdict", "clean" if report.clean else "LEAKS")

@@ -1,0 +1,102 @@
+"""The leak report stored in the capture when a run closes: equal to a fresh replay, used only
+while it still describes the run, optional in older captures, skipped with --no-report."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvscope.debug import report as leak_report
+from kvscope.debug.report import LeakReport, build_report, save_report, stored_report
+from kvscope.telemetry.queries import Capture
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def record(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([sys.executable, "-m", "kvscope.cli", "run", "--workload", "shared-prefix",
+                           "--num-requests", "24", "--kv-tokens", "1024", "--capture", str(path), *extra],
+                          capture_output=True, text=True, cwd=ROOT, check=False)
+    assert done.returncode in (0, 1), done.stderr
+    return done
+
+
+def same(a: LeakReport, b: LeakReport) -> bool:
+    return dataclasses.replace(a, stored_at=None) == dataclasses.replace(b, stored_at=None)
+
+
+@pytest.mark.parametrize("inject", [[], ["--inject", "leak-tail:0.3", "--inject", "lock-leak:0.2"]],
+                         ids=["clean", "leaky"])
+def test_a_full_run_stores_the_report_a_replay_gives(tmp_path: Path, inject: list[str]) -> None:
+    path = tmp_path / "run.db"
+    done = record(path, *inject)
+    fresh = build_report(path)
+    assert "(stored in the capture)" in done.stdout
+    assert ("clean" in done.stdout) == fresh.clean
+    capture = Capture(path)
+    try:
+        stored = stored_report(capture, fresh.run_id)
+    finally:
+        capture.close()
+    assert stored is not None and stored.stored_at is not None
+    assert same(stored, fresh) and stored.through_seq == fresh.through_seq > 0
+    assert bool(inject) == bool(stored.leaks)
+
+
+def test_no_report_and_summary_runs_store_none(tmp_path: Path) -> None:
+    for name, extra in (("off.db", ["--no-report"]), ("summary.db", ["--level", "summary"])):
+        record(tmp_path / name, *extra)
+        capture = Capture(tmp_path / name)
+        try:
+            assert stored_report(capture, 1) is None
+        finally:
+            capture.close()
+
+
+def test_a_stored_report_that_no_longer_matches_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "run.db"
+    record(path, "--no-report")
+    report = build_report(path)
+
+    def stored() -> LeakReport | None:
+        capture = Capture(path)
+        try:
+            return stored_report(capture, report.run_id)
+        finally:
+            capture.close()
+
+    save_report(path, dataclasses.replace(report, through_seq=report.through_seq - 1))  # misses the last event
+    assert stored() is None
+    save_report(path, report)
+    assert stored() is not None
+    monkeypatch.setattr(leak_report, "PRODUCER", "kvscope 0.0.1 / leak report 0")  # another version built it
+    assert stored() is None
+    monkeypatch.undo()
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE reports SET body = '{not json'")
+    assert stored() is None  # a damaged body: rebuilt, not a traceback
+
+
+def test_a_capture_from_before_the_reports_table_reads_and_gains_it(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    shutil.copy(ROOT / "sample_runs" / "leaky.db", path)
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE IF EXISTS reports")
+    capture = Capture(path)
+    try:
+        assert stored_report(capture, 1) is None and not capture.runs().empty
+    finally:
+        capture.close()
+    report = build_report(path)
+    save_report(path, report)
+    capture = Capture(path)
+    try:
+        assert same(stored_report(capture, 1) or LeakReport("", 0, "", ""), report)
+    finally:
+        capture.close()
