@@ -10,8 +10,10 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import gpu, sql
+from kvscope.dashboard import gpu
 from kvscope.debug.report import LeakReport, build_report, stored_report
+from kvscope.telemetry import derived
+from kvscope.telemetry.derived import frame
 from kvscope.telemetry.queries import Capture
 
 LIVE_TTL_S = 1.0  # the run list: status changes must show within a refresh
@@ -51,7 +53,7 @@ def usage(path: str, run_id: int, stamp: float, max_points: int = MAX_POINTS) ->
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def latest_usage(path: str, run_id: int, stamp: float) -> pd.DataFrame:
     """The last usage row and the row about `window_s` seconds before it (for rates)."""
-    return sql.frame(open_capture(path).engine, """
+    return frame(open_capture(path).engine, """
         SELECT * FROM usage WHERE run_id = :run AND step IN (
             (SELECT max(step) FROM usage WHERE run_id = :run),
             (SELECT min(step) FROM usage WHERE run_id = :run AND t_mono >=
@@ -61,7 +63,7 @@ def latest_usage(path: str, run_id: int, stamp: float) -> pd.DataFrame:
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def recent_evictions(path: str, run_id: int, stamp: float, since_step: int) -> pd.DataFrame:
-    return sql.frame(open_capture(path).engine, sql.RECENT_RATE, run=run_id, since_step=since_step)
+    return derived.recent_evictions(open_capture(path), run_id, since_step)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
@@ -76,7 +78,7 @@ def event_counts(path: str, run_id: int, stamp: float) -> pd.DataFrame:
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def step_range(path: str, run_id: int, stamp: float) -> pd.DataFrame:
-    return sql.frame(open_capture(path).engine, "SELECT min(step) AS lo, max(step) AS hi FROM usage "
+    return frame(open_capture(path).engine, "SELECT min(step) AS lo, max(step) AS hi FROM usage "
                      "WHERE run_id = :run", run=run_id)
 
 
@@ -87,17 +89,17 @@ def tree_at(path: str, run_id: int, step: int, stamp: float) -> pd.DataFrame:
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def eviction_summary(path: str, run_id: int, stamp: float) -> pd.DataFrame:
-    return sql.frame(open_capture(path).engine, sql.EVICTION_SUMMARY, run=run_id)
+    return derived.eviction_summary(open_capture(path), run_id)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def evictions_per_step(path: str, run_id: int, stamp: float) -> pd.DataFrame:
-    return sql.frame(open_capture(path).engine, sql.EVICTIONS_PER_STEP, run=run_id)
+def evictions_over_steps(path: str, run_id: int, stamp: float, max_points: int = MAX_POINTS) -> pd.DataFrame:
+    return derived.evictions_over_steps(open_capture(path), run_id, max_points)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner="Joining evictions with later matches…")
 def eviction_log(path: str, run_id: int, stamp: float, limit: int, offset: int) -> pd.DataFrame:
-    return sql.eviction_log(open_capture(path).engine, run_id, limit, offset)
+    return derived.eviction_log(open_capture(path), run_id, limit, offset)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
@@ -107,12 +109,12 @@ def requests(path: str, run_id: int, stamp: float) -> pd.DataFrame:
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def allocs_of_requests(path: str, run_id: int, stamp: float, rids: tuple[str, ...]) -> pd.DataFrame:
-    return sql.allocs_of_requests(open_capture(path).engine, run_id, rids)
+    return derived.allocs_of_requests(open_capture(path), run_id, rids)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def running_lengths(path: str, run_id: int, stamp: float, step: int) -> pd.DataFrame:
-    return sql.frame(open_capture(path).engine, sql.RUNNING_LENGTHS, run=run_id, step=step)
+    return derived.running_lengths(open_capture(path), run_id, step)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner="Replaying the slot ledger (about 10 µs per event)…")
@@ -138,3 +140,12 @@ def capacity_curve(path: str, run_id: int, stamp: float, page_size: int) -> tupl
     curve = one_pass_curve(load_requests(path, run_id), page_size)
     capacities, hits = curve.breakpoints()
     return curve_frame(capacities, hits, curve.num_prompt_tokens), curve.num_prompt_tokens
+
+
+def page_waste(lengths: pd.DataFrame, page_size: int) -> pd.DataFrame:
+    """Per running request: tokens, slots held (whole pages) and wasted tail slots."""
+    out = lengths.copy()
+    out["seq_len"] = out["seq_len"].fillna(0).astype(int)
+    out["slots_held"] = -(-out["seq_len"] // page_size) * page_size
+    out["wasted_slots"] = out["slots_held"] - out["seq_len"]
+    return out

@@ -79,8 +79,8 @@ SMALL_MOVE = 16  # slots counted one by one below this; np.unique above
 
 class Owners:
     """Slots held per owner, across pools: requests by index, nodes by id. `touched` collects the
-    owners that got slots or died since the last `orphaned_owners()`; `orphaned` the owners found
-    dead and holding slots then (kept, since they stay so until their slots move)."""
+    owners that got or lost slots, died or came back since the last `orphaned_owners()`;
+    `orphaned` holds the owners that are dead and hold slots."""
 
     def __init__(self) -> None:
         self.held: dict[int, defaultdict[int, int]] = {REQUEST: defaultdict(int), TREE: defaultdict(int)}
@@ -93,6 +93,7 @@ class Owners:
             for k, r in zip(old_kind.tolist(), old_ref.tolist(), strict=True):
                 if k != FREE:
                     self.held[k][r] -= 1
+                    self.touched.add((k, r))
         else:
             for k, table in self.held.items():
                 refs = old_ref[old_kind == k]
@@ -100,14 +101,19 @@ class Owners:
                     values, counts = np.unique(refs, return_counts=True)
                     for r, c in zip(values.tolist(), counts.tolist(), strict=True):
                         table[r] -= c
+                        self.touched.add((k, r))
         if kind != FREE and len(old_kind):
             self.held[kind][ref] += len(old_kind)
             self.touched.add((kind, ref))
 
     def orphaned_owners(self, alive_requests: set[int], alive_nodes: dict[int, Any]) -> set[tuple[int, int]]:
-        candidates, self.touched = self.orphaned | self.touched, set()
-        self.orphaned = {(k, r) for k, r in candidates if self.held[k][r] > 0
-                         and r not in (alive_requests if k == REQUEST else alive_nodes)}
+        """Only a touched owner can have changed: it got or lost slots, died or came back."""
+        for k, r in self.touched:
+            if self.held[k][r] > 0 and r not in (alive_requests if k == REQUEST else alive_nodes):
+                self.orphaned.add((k, r))
+            else:
+                self.orphaned.discard((k, r))
+        self.touched = set()
         return self.orphaned
 
 
@@ -229,16 +235,20 @@ class Ledger:
             ledger._fit(swa)
             ledger.assign(swa[ledger.kind[swa] != FREE], TREE, node_id, step, seq)  # tombstoned halves stay free
 
+    def _node_alive(self, node_id: int, slots: np.ndarray) -> None:
+        self.node_slots[node_id] = slots
+        self.owners.touched.add((TREE, node_id))
+
     def _on_insert(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
                    slots: np.ndarray) -> None:
-        self.node_slots[int(node_id)] = slots
+        self._node_alive(int(node_id), slots)
         self._tree(slots, int(node_id), step, seq)
 
     def _on_revive(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
                    slots: np.ndarray) -> None:
         """pool full: the node's (maybe adopted) full slots; pool swa: the SWA slots now behind them."""
         if pool == "full":
-            self.node_slots[int(node_id)] = slots
+            self._node_alive(int(node_id), slots)
             self.pools["full"].assign(slots, TREE, int(node_id), step, seq)
             return
         full = self.node_slots.get(int(node_id))
@@ -252,7 +262,7 @@ class Ledger:
         if child is None:
             return
         upper, self.node_slots[aux] = child[:n], child[n:]
-        self.node_slots[int(node_id)] = upper
+        self._node_alive(int(node_id), upper)
         for name, moved in (("full", upper), ("swa", self._swa_of(upper))):
             ledger = self.pools[name]
             ledger._fit(moved)
@@ -300,6 +310,7 @@ class Ledger:
             index = self.request_index(rid)
             self.live.add(index)
             self.ended.pop(index, None)
+            self.owners.touched.add((REQUEST, index))
 
     def _end(self, how: str, step: int, rid: str | None) -> None:
         if rid is not None:
@@ -326,11 +337,15 @@ class Ledger:
             by_request = (ledger.kind == REQUEST) & ~np.isin(ledger.ref, list(self.live))
             by_node = (ledger.kind == TREE) & ~np.isin(ledger.ref, list(self.node_slots))
             for mask, is_request in ((by_request, True), (by_node, False)):
-                for ref in np.unique(ledger.ref[mask]).tolist():
-                    slots = np.flatnonzero(mask & (ledger.ref == ref))
-                    first = slots[np.argmin(ledger.seq[slots])]
+                slots = np.flatnonzero(mask)
+                slots = slots[np.argsort(ledger.ref[slots], kind="stable")]  # grouped by owner, slots ascending
+                refs = ledger.ref[slots]
+                starts = np.flatnonzero(np.r_[True, refs[1:] != refs[:-1]]) if len(refs) else refs
+                for group in np.split(slots, starts[1:]) if len(refs) else []:
+                    ref = int(ledger.ref[group[0]])
+                    first = group[np.argmin(ledger.seq[group])]
                     rid = self.rids[ref] if is_request and ref >= 0 else None
-                    found.append(Holding(name, slots.tolist(), rid, None if is_request else ref,
+                    found.append(Holding(name, group.tolist(), rid, None if is_request else ref,
                                          int(ledger.step[first]), int(ledger.seq[first])))
         return found
 

@@ -196,9 +196,12 @@ def _suspects(requests: pd.DataFrame, report: LeakReport) -> list[str]:
 
 def _from_ledger(report: LeakReport, capture: Capture, requests: pd.DataFrame,
                  on_progress: ProgressHook | None) -> None:
-    series: list[tuple[int, bool]] = []
-    ledger = replay(capture, report.run_id, lambda step, led: series.append((step, led.is_broken())),
-                    on_progress=on_progress)
+    series: list[tuple[int, bool]] = []  # (step, broken so far): once broken, the ledger need not be asked
+
+    def after_step(step: int, ledger: Ledger) -> None:
+        series.append((step, bool(series and series[-1][1]) or ledger.is_broken()))
+
+    ledger = replay(capture, report.run_id, after_step, on_progress=on_progress)
     report.through_seq = ledger.last_seq
     report.onset_step = _bisect_onset(series)
     people = dict(zip(requests.rid, requests.principal, strict=True)) if not requests.empty else {}

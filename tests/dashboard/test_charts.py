@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from kvscope.dashboard import charts, sql
+from kvscope.dashboard import charts, data
 
 NODES = pd.DataFrame({
     "node_id": [0, 1, 2, 3, 4],
@@ -113,7 +113,7 @@ def test_hit_rates_are_ratios_of_sums_and_labelled_apart() -> None:
 
 
 def test_page_waste_counts_the_unused_tail_of_the_last_page() -> None:
-    waste = sql.page_waste(pd.DataFrame({"rid": ["a", "b", "c"], "seq_len": [8, 9, 15]}), page_size=4)
+    waste = data.page_waste(pd.DataFrame({"rid": ["a", "b", "c"], "seq_len": [8, 9, 15]}), page_size=4)
     assert waste["wasted_slots"].tolist() == [0, 3, 1]
     assert waste["slots_held"].tolist() == [8, 12, 16]
     assert len(charts.page_waste_figure(waste).data) == 2

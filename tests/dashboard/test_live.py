@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from kvscope.dashboard import data, sql
-from kvscope.telemetry import EventKind, EvictReason, PoolName, PoolTerms, UsageSample
+from kvscope.dashboard import data
+from kvscope.telemetry import EventKind, EvictReason, PoolName, PoolTerms, UsageSample, derived
 from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.recorder import SQLRecorder
 from tests.dashboard.conftest import ROOT
@@ -68,7 +68,7 @@ def test_eviction_log_measures_age_idle_and_regret(tmp_path: Path) -> None:
             rec.step = step
             rec.record(kind, pool=PoolName.FULL, **kw)
     capture = Capture(db)
-    log = sql.eviction_log(capture.engine, 1, limit=10, offset=0)
+    log = derived.eviction_log(capture, 1, limit=10, offset=0)
     capture.close()
     row = log.iloc[0]
     assert (row.age_steps, row.idle_steps, row.parent_id) == (4, 3, 1)

@@ -23,8 +23,11 @@ cols[0].metric("evictions", f"{total:,}")
 cols[1].metric("evicted tokens", f"{int(summary['evicted_tokens'].sum()):,}")
 cols[2].metric("reasons", ", ".join(sorted(set(summary["reason"]))))
 st.dataframe(summary, hide_index=True)
-st.plotly_chart(charts.evictions_figure(data.evictions_per_step(chosen.path, chosen.run_id, chosen.stamp)),
-                key="evictions.per_step")
+over_steps = data.evictions_over_steps(chosen.path, chosen.run_id, chosen.stamp)
+if int(over_steps["steps"].max()) > 1:
+    st.caption(f"Summed in SQL over buckets of {int(over_steps['steps'].max())} steps (at most {data.MAX_POINTS} "
+               "points).")
+st.plotly_chart(charts.evictions_figure(over_steps), key="evictions.per_step")
 
 st.subheader("Eviction log")
 num_pages = max(1, -(-total // PAGE_ROWS))

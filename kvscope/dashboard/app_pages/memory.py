@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvscope.dashboard import charts, data, sql
+from kvscope.dashboard import charts, data
 from kvscope.dashboard.frame import selection
 
 chosen = selection()
@@ -30,7 +30,7 @@ busiest = int(usage.loc[usage["num_running"].astype(int).idxmax(), "step"])
 bounds = data.step_range(chosen.path, chosen.run_id, chosen.stamp).iloc[0]
 step = st.slider("step", int(bounds["lo"]), int(bounds["hi"]), busiest, key="memory.step",
                  help="defaults to the step with the most running requests")
-waste = sql.page_waste(data.running_lengths(chosen.path, chosen.run_id, chosen.stamp, step), page_size)
+waste = data.page_waste(data.running_lengths(chosen.path, chosen.run_id, chosen.stamp, step), page_size)
 wasted, held = int(waste["wasted_slots"].sum()), int(waste["slots_held"].sum())
 cols = st.columns(3)
 cols[0].metric("page size", f"{page_size} tokens")
