@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/bench_dashboard.py [--events N] [--quick] [--no-write] [--keep DIR]
 
 Two captures of about N events each (default 1,000,000):
-- engine: a real `kvscope run` of the multi-turn workload (34 requests per 1,000 events) with
+- engine: a real `kvscope run` of the multi-turn workload (34 requests per 1,000 events; page
+  size 4, so the Memory page's page-waste view runs; 16,384 KV tokens) with
   a few injected leak-tail faults, so the Leaks page has culprits; the run stores its leak
   report at close, as every `kvscope run` does.
 - synthetic: written straight through SQLRecorder to stress the tree pages: every step some
@@ -39,7 +40,7 @@ from kvscope.telemetry.recorder import SQLRecorder
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ("overview", "memory", "tree", "evictions", "leaks", "requests")
-EVENTS_PER_ENGINE_REQUEST = 29.8  # multi-turn at the defaults below (measured)
+EVENTS_PER_ENGINE_REQUEST = 29.5  # multi-turn, page size 4, 16,384 KV tokens (measured on 2,000 requests)
 REQUESTS_PER_STEP = 4
 DECODE_TOKENS = 8
 TREE_BUDGET_NODES = 3000
@@ -49,9 +50,10 @@ POOL_TOKENS = 1 << 20
 
 
 def build_engine_capture(path: Path, num_events: int) -> None:
-    num_requests = int(num_events / EVENTS_PER_ENGINE_REQUEST) + 1
+    num_requests = int(num_events / EVENTS_PER_ENGINE_REQUEST * 1.02) + 1  # a margin: at least num_events
     subprocess.run([sys.executable, "-m", "kvscope.cli", "run", "--workload", "multi-turn", "--num-requests",
-                    str(num_requests), "--seed", "1", "--inject", "leak-tail:0.0005", "--capture", str(path)],
+                    str(num_requests), "--seed", "1", "--page-size", "4", "--kv-tokens", "16384",
+                    "--inject", "leak-tail:0.0005", "--capture", str(path)],
                    check=False, cwd=ROOT, stdout=subprocess.DEVNULL)  # exit 1: the injected leaks fail the check
     if not path.exists():
         raise SystemExit(f"kvscope run wrote no capture at {path}")
@@ -86,7 +88,7 @@ def build_synthetic_capture(path: Path, num_events: int, seed: int = 0) -> tuple
                 next_node += 1
                 rec.record(EventKind.UNLOCK, rid=rid, node_id=parent)
                 rec.record(EventKind.REQUEST_FINISH, rid=rid, num_tokens=DECODE_TOKENS)
-                events += 9 + DECODE_TOKENS
+                events += 8 + DECODE_TOKENS
                 cum = [cum[0] + hit + miss, cum[1] + hit, cum[2] + 1, cum[3] + (hit > 0), cum[4]]
                 rec.request(RequestRecord(rid, f"u{i}", hit + miss, "finished", hit, DECODE_TOKENS, 0,
                                           {"arrive": time.monotonic()}, {"arrive": step, "admit": step,

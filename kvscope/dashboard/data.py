@@ -11,7 +11,8 @@ import pandas as pd
 import streamlit as st
 
 from kvscope.dashboard import gpu
-from kvscope.debug.report import LeakReport, build_report, stored_report
+from kvscope.debug.replay import Replay
+from kvscope.debug.report import LeakReport, ReportState, build_report, stored_report
 from kvscope.telemetry import derived
 from kvscope.telemetry.derived import frame
 from kvscope.telemetry.queries import Capture
@@ -117,12 +118,25 @@ def running_lengths(path: str, run_id: int, stamp: float, step: int) -> pd.DataF
     return derived.running_lengths(open_capture(path), run_id, step)
 
 
+@st.cache_resource(show_spinner=False, max_entries=8)
+def _report_state(path: str, run_id: int, started_at: float) -> ReportState:
+    """The paused ledger replay of one run (keyed by its start time too, so a capture file
+    replaced under the same path starts afresh)."""
+    return ReportState(Replay(run_id))
+
+
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner="Replaying the slot ledger (about 10 µs per event)…")
 def leak_report(path: str, run_id: int, stamp: float) -> LeakReport:
     """The debugger's report (a dataclass, not a frame: it is the debugger's own record): the
-    one stored at close when it still describes the run, else replayed now."""
+    one stored at close when it still describes the run, else a replay that resumes where the
+    last one on this run stopped (a running run replays only its new events)."""
     stored = stored_report(open_capture(path), run_id)
-    return stored if stored is not None else build_report(path, run_id)
+    if stored is not None:
+        return stored
+    known = runs(path)
+    started = known[known.id == run_id]["started_at"]
+    state = _report_state(path, run_id, float(started.iloc[0]) if not started.empty else 0.0)
+    return build_report(path, run_id, state=state)
 
 
 @st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)

@@ -27,7 +27,7 @@ import pandas as pd
 
 from kvscope import __version__
 from kvscope.debug.ledger import Ledger
-from kvscope.debug.replay import ProgressHook, replay
+from kvscope.debug.replay import ProgressHook, Replay
 from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.recorder import decode_slots
 from kvscope.telemetry.store import save_report as _store_report
@@ -109,9 +109,22 @@ def _run_row(capture: Capture, run_id: int | None) -> Any:
     return chosen.iloc[0]
 
 
-def build_report(target: str | Path, run_id: int | None = None, *, on_progress: ProgressHook | None = None
-                 ) -> LeakReport:
-    """`on_progress(events)` follows the ledger replay of a full capture, batch by batch."""
+@dataclass
+class ReportState:
+    """What a report of a growing capture carries from one build to the next: the paused replay
+    and the 'broken so far' series of the steps it completed."""
+
+    replay: Replay
+    series: list[tuple[int, bool]] = field(default_factory=list)
+
+    def after_step(self, step: int, ledger: Ledger) -> None:
+        self.series.append((step, bool(self.series and self.series[-1][1]) or ledger.is_broken()))
+
+
+def build_report(target: str | Path, run_id: int | None = None, *, on_progress: ProgressHook | None = None,
+                 state: ReportState | None = None) -> LeakReport:
+    """`on_progress(events)` follows the ledger replay of a full capture, batch by batch. With
+    `state` (kept by the caller, for one run), only the events after its last one are replayed."""
     capture = Capture(target)
     try:
         run = _run_row(capture, run_id)
@@ -123,7 +136,9 @@ def build_report(target: str | Path, run_id: int | None = None, *, on_progress: 
             report.onset_step = report.first_failure_step
             report.suspects = _suspects(requests, report)
             return report
-        _from_ledger(report, capture, requests, on_progress)
+        if state is None or state.replay.run_id != report.run_id:
+            state = ReportState(Replay(report.run_id))
+        _from_ledger(report, capture, requests, on_progress, state)
         return report
     finally:
         capture.close()
@@ -194,18 +209,18 @@ def _suspects(requests: pd.DataFrame, report: LeakReport) -> list[str]:
     return [str(r) for r in ended.rid]
 
 
-def _from_ledger(report: LeakReport, capture: Capture, requests: pd.DataFrame,
-                 on_progress: ProgressHook | None) -> None:
-    series: list[tuple[int, bool]] = []  # (step, broken so far): once broken, the ledger need not be asked
-
-    def after_step(step: int, ledger: Ledger) -> None:
-        series.append((step, bool(series and series[-1][1]) or ledger.is_broken()))
-
-    ledger = replay(capture, report.run_id, after_step, on_progress=on_progress)
-    report.through_seq = ledger.last_seq
-    report.onset_step = _bisect_onset(series)
+def _from_ledger(report: LeakReport, capture: Capture, requests: pd.DataFrame, on_progress: ProgressHook | None,
+                 state: ReportState) -> None:
     people = dict(zip(requests.rid, requests.principal, strict=True)) if not requests.empty else {}
-    report.leaks = _link_consequences(_leaks(ledger, people))
+    with state.replay.lock:
+        state.replay.advance(capture, state.after_step, on_progress=on_progress)
+        ledger, current = state.replay.ledger, state.replay.current
+        series = list(state.series)
+        if current is not None:  # the last step, as far as the capture goes
+            series.append((current, bool(series and series[-1][1]) or ledger.is_broken()))
+        report.onset_step = _bisect_onset(series)
+        report.through_seq = ledger.last_seq
+        report.leaks = _link_consequences(_leaks(ledger, people))
     injected = capture.events(report.run_id, kinds=["inject"], limit=100_000)
     report.injected = [{"kind": r.reason, "rid": r.rid, "step": int(r.step), "slots": decode_slots(r.slots),
                         "node_id": None if r.node_id != r.node_id else r.node_id} for r in injected.itertuples()]
@@ -268,7 +283,8 @@ def _leaks(ledger: Ledger, people: dict[str, Any]) -> list[Leak]:
     return leaks
 
 
-def render_text(report: LeakReport) -> str:
+def render_text(report: LeakReport, max_leaks: int | None = None) -> str:
+    """The report as text; `max_leaks` lists only the first leaks, then says how many more."""
     lines = [f"capture {report.capture} — run {report.run_id}, level {report.level}, {report.status}"]
     if report.note:
         lines.append(f"note: {report.note}")
@@ -287,7 +303,8 @@ def render_text(report: LeakReport) -> str:
     roots = len(report.root_leaks)
     lines.append(f"leaks: {roots} root cause{'s' if roots != 1 else ''}, {len(report.leaks) - roots} consequences"
                  if report.leaks else "leaks: none")
-    for i, leak in enumerate(report.leaks, 1):
+    shown = report.leaks if max_leaks is None else report.leaks[:max_leaks]
+    for i, leak in enumerate(shown, 1):
         who = f"request {leak.rid}" + (f" (user {leak.principal})" if leak.principal else "") if leak.rid else "-"
         count = f"{len(leak.slots)} slot{'s' if len(leak.slots) != 1 else ''}"
         after = f" — a consequence of #{leak.consequence_of}" if leak.consequence_of else ""
@@ -298,6 +315,8 @@ def render_text(report: LeakReport) -> str:
         elif leak.allocated_step is not None:
             due = f"; the free was due at step {leak.free_due_step} and never came" if leak.free_due_step else ""
             lines.append(f"     allocated at step {leak.allocated_step} (event #{leak.allocated_event}){due}")
+    if len(shown) < len(report.leaks):
+        lines.append(f"  … and {len(report.leaks) - len(shown):,} more (kvscope report leaks lists them all)")
     if report.injected:
         kinds = sorted({str(i["kind"]) for i in report.injected})
         lines.append(f"injected faults (ground truth in the capture): {len(report.injected)} ({', '.join(kinds)})")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.debug.report import SUMMARY_NOTE, build_report
+from kvscope.debug.report import SUMMARY_NOTE, build_report, render_text
 from kvscope.engine.config import EngineConfig, PoolConfig
 from kvscope.engine.faults import FaultSpec
 from kvscope.engine.model import MODEL_PRESETS
@@ -77,3 +77,12 @@ def test_diff_puts_two_captures_side_by_side() -> None:
     for row in ("peak used tokens (full)", "hit rate (token-weighted)", "evicted tokens", "retractions",
                 "leak checks failed", "events: alloc"):
         assert row in out.stdout
+
+
+def test_the_text_report_can_list_only_the_first_leaks() -> None:
+    report = build_report(ROOT / "sample_runs" / "leaky.db")
+    assert len(report.leaks) > 3
+    text = render_text(report, max_leaks=2)
+    assert "  2. " in text and "  3. " not in text
+    assert f"… and {len(report.leaks) - 2:,} more" in text
+    assert "more (kvscope" not in render_text(report)

@@ -9,6 +9,9 @@ from kvscope.dashboard import charts, data
 from kvscope.dashboard.frame import selection
 from kvscope.debug.report import render_text
 
+MAX_ROWS = 1000  # culprits shipped to the browser
+MAX_TEXT_LEAKS = 100
+
 chosen = selection()
 st.header("Leaks")
 if chosen.running:
@@ -44,14 +47,17 @@ st.subheader("Culprits")
 if not report.leaks:
     st.success("No orphaned slots, double frees, held locks or reads of freed slots.")
 else:
+    roots = len(report.root_leaks)
+    st.caption(f"{roots:,} root causes, {len(report.leaks) - roots:,} consequences (a later leak touching the same "
+               "slots as an earlier one).")
+    if len(report.leaks) > MAX_ROWS:
+        st.caption(f"The first {MAX_ROWS:,} of {len(report.leaks):,}, by the event that exposes them "
+                   "(`kvscope report leaks --json` has all).")
     leaks = pd.DataFrame([{"#": i, "kind": leak.kind, "pool": leak.pool, "num_slots": len(leak.slots),
                            "slots": ", ".join(map(str, leak.slots[:16])) + (" …" if len(leak.slots) > 16 else ""),
                            "request": leak.rid, "principal": leak.principal, "allocated_step": leak.allocated_step,
                            "free_due_step": leak.free_due_step, "consequence_of": leak.consequence_of,
-                           "detail": leak.detail} for i, leak in enumerate(report.leaks, 1)])
-    roots = leaks[leaks["consequence_of"].isna()]
-    st.caption(f"{len(roots)} root causes, {len(leaks) - len(roots)} consequences (a later leak touching the same "
-               "slots as an earlier one).")
+                           "detail": leak.detail} for i, leak in enumerate(report.leaks[:MAX_ROWS], 1)])
     st.dataframe(leaks, hide_index=True)
 if report.suspects:
     st.caption("Suspect requests (ended between the last clean and the first failing check): "
@@ -60,4 +66,4 @@ if report.injected:
     with st.expander(f"Injected faults: the ground truth ({len(report.injected)})"):
         st.dataframe(pd.DataFrame(report.injected).assign(slots=lambda f: f["slots"].map(len)), hide_index=True)
 with st.expander("The report as text (`kvscope report leaks`)"):
-    st.code(render_text(report), language=None)
+    st.code(render_text(report, max_leaks=MAX_TEXT_LEAKS), language=None)
