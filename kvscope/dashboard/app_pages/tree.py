@@ -36,8 +36,8 @@ else:
     st.plotly_chart(charts.tree_figure(drawn, color_by, show_preview), key="tree.icicle")
 
     st.subheader("Node details")
-    choices = nodes.sort_values("value", ascending=False)["node_id"].astype(int).tolist()
-    node_id = st.selectbox("node (largest subtrees first)", choices, key="tree.node")
+    choices = drawn.sort_values("value", ascending=False)["node_id"].astype(int).tolist()  # only what is drawn
+    node_id = st.selectbox(f"node (the {len(choices):,} drawn, largest subtrees first)", choices, key="tree.node")
     detail = nodes[nodes["node_id"] == node_id].drop(columns=[] if show_preview else ["token_preview"])
     st.dataframe(detail, hide_index=True)
 
