@@ -13,7 +13,8 @@ Two captures of about N events each (default 1,000,000):
   ~20x the engine run's); a usage sample per step, a tree snapshot every SNAPSHOT_EVERY steps,
   a leak check every LEAK_CHECK_EVERY steps; its leak report is stored as `kvscope run` would.
 Then times each page of the real app (AppTest, the capture picked by KVSCOPE_DB): cold =
-st.cache_data cleared first (the page's SQL + chart building + Streamlit's own work), warm =
+st.cache_data and st.cache_resource cleared first (opening the store, the page's SQL, chart
+building and Streamlit's own work), warm =
 the same page again (cached). Writes the `## bench_dashboard` section of benchmarks/RESULTS.md.
 """
 
@@ -133,6 +134,7 @@ def time_pages(path: Path) -> list[tuple[str, float, float]]:
         for cold in (True, False):
             if cold:
                 st.cache_data.clear()
+                st.cache_resource.clear()  # the store and the leak report too
             at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=600)
             start = time.perf_counter()
             at.run()
@@ -167,7 +169,8 @@ def main() -> None:
     num_events = 100_000 if args.quick else args.events
     lines = [f"Run {datetime.now(UTC):%Y-%m-%d} with `{command_line()}`.", "", *machine_lines("cpu"), "",
              "Each page is the real app through AppTest, including the app frame and the run picker; cold = "
-             "st.cache_data cleared first, warm = rendered again from the caches. Target: every page ≤ 2 s.", ""]
+             "Streamlit's caches (data and resources) cleared first, warm = rendered again from the caches. "
+             "Target: every page ≤ 2 s.", ""]
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)

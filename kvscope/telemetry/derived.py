@@ -51,7 +51,7 @@ def frame(engine: Engine, sql: str, **params: Any) -> pd.DataFrame:
             stmt = stmt.bindparams(bindparam(name, expanding=True))
     with engine.connect() as conn:
         result = conn.execute(stmt, params)
-        return pd.DataFrame(result.fetchall(), columns=list(result.keys()))
+        return pd.DataFrame([tuple(row) for row in result.fetchall()], columns=list(result.keys()))
 
 
 def _has_index(engine: Engine, name: str) -> bool:

@@ -37,7 +37,8 @@ class Capture:
     def _frame(self, stmt: Any) -> pd.DataFrame:
         with self.engine.connect() as conn:
             result = conn.execute(stmt)
-            return pd.DataFrame(result.fetchall(), columns=list(result.keys()))
+            # NOTE: plain tuples: from SQLAlchemy Rows pandas probes each row's attributes (2.5x slower)
+            return pd.DataFrame([tuple(row) for row in result.fetchall()], columns=list(result.keys()))
 
     # -- runs ------------------------------------------------------------------------------
 
