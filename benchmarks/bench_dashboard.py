@@ -147,7 +147,7 @@ def time_pages(path: Path) -> list[tuple[str, float, float]]:
     return out
 
 
-def _counts(path: Path) -> tuple[int, int, int]:
+def _counts(path: Path) -> tuple[int, int, int, float]:
     import sqlite3
 
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
@@ -155,7 +155,8 @@ def _counts(path: Path) -> tuple[int, int, int]:
         steps = conn.execute("SELECT count(*) FROM usage").fetchone()[0]
         nodes = conn.execute("SELECT max(n) FROM (SELECT count(*) AS n FROM tree_snapshots GROUP BY step)")
         nodes = nodes.fetchone()[0]
-    return int(events), int(steps), int(nodes or 0)
+        run_s = conn.execute("SELECT max(coalesce(ended_at, heartbeat_at) - started_at) FROM runs").fetchone()[0]
+    return int(events), int(steps), int(nodes or 0), float(run_s or 0.0)
 
 
 def main() -> None:
@@ -186,15 +187,24 @@ def main() -> None:
                 else:
                     build_synthetic_capture(path, num_events)
             build_s = time.perf_counter() - start
-            events, steps, nodes = _counts(path)
+            events, steps, nodes, run_s = _counts(path)
+            built = f"built in {build_s:.0f} s" if build_s > 1 else f"reused (its run took {run_s:.0f} s to record)"
             size_mib = path.stat().st_size / 2**20
             print(f"{source} capture {path}: {events:,} events, {steps:,} steps, largest tree {nodes:,} nodes, "
-                  f"built in {build_s:.0f} s", file=sys.stderr, flush=True)
+                  f"{built}", file=sys.stderr, flush=True)
             timings = time_pages(path)
+            start = time.perf_counter()
+            report = build_report(path)
+            replay_s = time.perf_counter() - start
             lines += [f"**{source}**: {events:,} events over {steps:,} steps, largest tree snapshot {nodes:,} nodes, "
-                      f"{size_mib:.0f} MiB, built in {build_s:.0f} s (0 s = reused).", "",
+                      f"{size_mib:.0f} MiB, {built}.", "",
                       "| page | cold (s) | warm (s) |", "|---|---:|---:|"]
             lines += [f"| {page} | {cold:.2f} | {warm:.2f} |" for page, cold, warm in timings]
+            replayed = report.through_seq + 1
+            lines += ["", "The Leaks page reads the report stored at close. Without one (`--no-report`, or a run "
+                      f"still running) it replays the ledger: {replay_s:.1f} s for this capture's {replayed:,} events "
+                      f"({replay_s / max(replayed, 1) * 1e6:.1f} µs per event, {len(report.leaks):,} leaks found), "
+                      "once; a running run then replays only its new events."]
             lines.append("")
     body = "\n".join(lines).rstrip()
     print(body)

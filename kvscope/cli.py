@@ -176,7 +176,7 @@ def _add_run(verbs: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     run.add_argument("--inject-seed", type=int, default=0, help="seed of the fault injection")
     run.add_argument("--no-report", action="store_true",
                      help="at level full, skip building the leak report when the run closes (it replays every "
-                     "event, ~10 µs each; the dashboard and `report leaks` then replay on demand)")
+                     "event, ~7 µs each; the dashboard then replays on demand)")
     run.set_defaults(func=_run)
 
 

@@ -125,7 +125,7 @@ def _report_state(path: str, run_id: int, started_at: float) -> ReportState:
     return ReportState(Replay(run_id))
 
 
-@st.cache_resource(ttl=CACHE_TTL_S, max_entries=16, show_spinner="Replaying the slot ledger (about 10 µs per "
+@st.cache_resource(ttl=CACHE_TTL_S, max_entries=16, show_spinner="Replaying the slot ledger (about 7 µs per "
                    "event)…")
 def leak_report(path: str, run_id: int, stamp: float) -> LeakReport:
     """The debugger's report (a dataclass, not a frame: it is the debugger's own record): the
