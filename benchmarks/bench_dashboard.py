@@ -40,7 +40,7 @@ from kvscope.telemetry import EventKind, EvictReason, LeakCheck, PoolName, PoolT
 from kvscope.telemetry.recorder import SQLRecorder
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ("overview", "memory", "tree", "evictions", "leaks", "requests")
+PAGES = ("overview", "memory", "tree", "evictions", "leaks", "requests", "capacity")
 EVENTS_PER_ENGINE_REQUEST = 29.5  # multi-turn, page size 4, 16,384 KV tokens (measured on 2,000 requests)
 REQUESTS_PER_STEP = 4
 DECODE_TOKENS = 8

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from kvscope.telemetry.store import open_reader
 from kvscope.telemetry.tree_replay import replay_tree
 
 STALE_HEARTBEAT_S = 30.0
+SNAPSHOTS_KEPT = 4  # tree snapshots a Capture remembers
 ENDED_WITHOUT_CLOSING = "ended without closing"
 
 
@@ -30,6 +33,8 @@ class Capture:
     def __init__(self, target: str | Path) -> None:
         self.target = str(target)
         self.engine: Engine = open_reader(target)
+        self._snapshots: OrderedDict[tuple[int, int], pd.DataFrame] = OrderedDict()
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         self.engine.dispose()
@@ -156,11 +161,28 @@ class Capture:
             ).scalar_one_or_none()
         nodes = pd.DataFrame(columns=[c.name for c in schema.tree_snapshots.columns])
         if base_step is not None:
-            nodes = self._frame(select(schema.tree_snapshots).where(t.run_id == run_id, t.step == base_step))
+            nodes = self._snapshot(run_id, int(base_step))
         start = -1 if base_step is None else base_step
         events = self.events(run_id, kinds=["insert", "split", "evict", "lock", "unlock", "tombstone", "revive"],
                              step_range=(start + 1, step), limit=10_000_000)
         return replay_tree(nodes.drop(columns=["run_id", "step"], errors="ignore"), events)
+
+
+    def _snapshot(self, run_id: int, step: int) -> pd.DataFrame:
+        """One snapshot's rows, remembered (a snapshot never changes once written): the tree page
+        rebuilds two nearby steps, usually from the same snapshot. Callers must not modify it."""
+        key = (run_id, step)
+        with self._lock:
+            if key in self._snapshots:
+                self._snapshots.move_to_end(key)
+                return self._snapshots[key]
+        t = schema.tree_snapshots.c
+        nodes = self._frame(select(schema.tree_snapshots).where(t.run_id == run_id, t.step == step))
+        with self._lock:
+            self._snapshots[key] = nodes
+            while len(self._snapshots) > SNAPSHOTS_KEPT:
+                self._snapshots.popitem(last=False)
+        return nodes
 
 
 def display_status(row: Any) -> str:

@@ -44,7 +44,7 @@ def _apply(nodes: dict[int, dict[str, Any]], ev: Any) -> None:
 
 
 def replay_tree(snapshot: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
-    nodes = {int(r["node_id"]): {c: r[c] for c in COLUMNS} for r in snapshot.to_dict("records")}
+    nodes = {int(r["node_id"]): r for r in snapshot.reindex(columns=list(COLUMNS)).to_dict("records")}
     for ev in events.itertuples():
         _apply(nodes, ev)
     depth: dict[int, int] = {}
