@@ -105,11 +105,16 @@ class Capture:
         """The run's events after `after_seq` in sequence order, as plain tuples of STREAM_COLUMNS,
         a batch at a time: the ledger replay's path (a DataFrame or Row per event costs more than
         the replay itself)."""
-        sql = (f"SELECT {', '.join(self.STREAM_COLUMNS)} FROM events WHERE run_id = ? AND seq > ? ORDER BY seq")
+        e = schema.events.c
+        stmt = (select(*(e[name] for name in self.STREAM_COLUMNS))
+                .where(e.run_id == run_id, e.seq > after_seq).order_by(e.seq))
+        compiled = stmt.compile(dialect=self.engine.dialect, compile_kwargs={"render_postcompile": True})
+        params = ([compiled.params[k] for k in compiled.positiontup or []] if compiled.positional
+                  else compiled.params)
         with self.engine.connect() as conn:
             cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
             try:
-                cursor.execute(sql, (run_id, after_seq))
+                cursor.execute(str(compiled), params)
                 while rows := cursor.fetchmany(batch_rows):
                     yield rows
             finally:

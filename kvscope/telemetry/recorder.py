@@ -154,7 +154,9 @@ class SQLRecorder(Recorder):
 
     def tree_snapshot(self, step: int, rows: list[Any]) -> None:
         """`rows`: the cache's export_nodes() (NodeRow tuples)."""
-        self._rows.extend(("tree_snapshots", (self.run_id, step, *row)) for row in rows)
+        # NOTE: a list, not a generator: deque.extend of a list runs no Python code, so the writer
+        # never drains half a snapshot; a snapshot lands in one transaction (readers memoize them)
+        self._rows.extend([("tree_snapshots", (self.run_id, step, *row)) for row in rows])
 
     # -- the writer's side -----------------------------------------------------------------
 

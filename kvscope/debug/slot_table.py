@@ -1,0 +1,105 @@
+"""The ledger's storage: per pool, one row per slot (owner kind and reference, since when, the
+last free), and per owner the slots it holds across pools.
+
+NOTE: the per-step "is anything broken?" the onset needs must not scan the pools (a replay
+asks it after every step). `Owners` keeps, per owner, how many slots it holds (both pools
+together) and which owners got or lost slots, died or came back since the last question;
+only those can have started or stopped holding orphans, so the answer costs O(owners
+touched) instead of O(pool).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+FREE, REQUEST, TREE = 0, 1, 2  # owner kinds
+SMALL_MOVE = 16  # slots counted one by one below this; np.unique above
+
+
+class Owners:
+    """Slots held per owner, across pools: requests by index, nodes by id. `touched` collects the
+    owners that got or lost slots, died or came back since the last `orphaned_owners()`;
+    `orphaned` holds the owners that are dead and hold slots."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, defaultdict[int, int]] = {REQUEST: defaultdict(int), TREE: defaultdict(int)}
+        self.touched: set[tuple[int, int]] = set()
+        self.orphaned: set[tuple[int, int]] = set()
+
+    def move(self, old_kind: np.ndarray, old_ref: np.ndarray, kind: int, ref: int) -> None:
+        """Slots that were (old_kind, old_ref) now belong to (kind, ref)."""
+        if len(old_kind) <= SMALL_MOVE:
+            for k, r in zip(old_kind.tolist(), old_ref.tolist(), strict=True):
+                if k != FREE:
+                    self.held[k][r] -= 1
+                    self.touched.add((k, r))
+        else:
+            for k, table in self.held.items():
+                refs = old_ref[old_kind == k]
+                if len(refs):
+                    values, counts = np.unique(refs, return_counts=True)
+                    for r, c in zip(values.tolist(), counts.tolist(), strict=True):
+                        table[r] -= c
+                        self.touched.add((k, r))
+        if kind != FREE and len(old_kind):
+            self.held[kind][ref] += len(old_kind)
+            self.touched.add((kind, ref))
+
+    def orphaned_owners(self, alive_requests: set[int], alive_nodes: dict[int, Any]) -> set[tuple[int, int]]:
+        """Only a touched owner can have changed: it got or lost slots, died or came back."""
+        for k, r in self.touched:
+            if self.held[k][r] > 0 and r not in (alive_requests if k == REQUEST else alive_nodes):
+                self.orphaned.add((k, r))
+            else:
+                self.orphaned.discard((k, r))
+        self.touched = set()
+        return self.orphaned
+
+
+class PoolLedger:
+    """Owner kind, owner reference (request index or node id), since step, since event seq;
+    and per slot the last free: by which request, at which step and event."""
+
+    FIELDS = (("kind", 0), ("ref", -1), ("step", 0), ("seq", -1), ("freed_by", -1), ("freed_step", -1),
+              ("freed_seq", -1))
+
+    def __init__(self, owners: Owners, num_slots: int = 1024) -> None:
+        self.owners = owners
+        self.kind = np.zeros(num_slots, dtype=np.int8)
+        self.ref = np.full(num_slots, -1, dtype=np.int64)
+        self.step = np.zeros(num_slots, dtype=np.int64)
+        self.seq = np.full(num_slots, -1, dtype=np.int64)
+        self.freed_by = np.full(num_slots, -1, dtype=np.int64)
+        self.freed_step = np.full(num_slots, -1, dtype=np.int64)
+        self.freed_seq = np.full(num_slots, -1, dtype=np.int64)
+
+    def _fit(self, slots: np.ndarray) -> None:
+        if len(slots) and int(slots.max()) >= len(self.kind):
+            size = max(int(slots.max()) + 1, 2 * len(self.kind))
+            for name, fill in self.FIELDS:
+                old = getattr(self, name)
+                new = np.full(size, fill, dtype=old.dtype)
+                new[: len(old)] = old
+                setattr(self, name, new)
+
+    def assign(self, slots: np.ndarray, kind: int, ref: int, step: int, seq: int) -> None:
+        self._fit(slots)
+        self.owners.move(self.kind[slots], self.ref[slots], kind, ref)
+        self.kind[slots], self.ref[slots], self.step[slots], self.seq[slots] = kind, ref, step, seq
+
+    def free(self, slots: np.ndarray, step: int, seq: int, by: int) -> np.ndarray:
+        """Mark free (by request index `by`, -1 for the tree); returns the slots that were
+        free already (a double free)."""
+        self._fit(slots)
+        already = slots[self.kind[slots] == FREE]
+        self.assign(slots, FREE, -1, step, seq)
+        self.freed_by[slots], self.freed_step[slots], self.freed_seq[slots] = by, step, seq
+        return already
+
+    def rename(self, slots: np.ndarray, ref: int) -> None:
+        """Tree slots move to node `ref` (a split), keeping their since step and event."""
+        self.owners.move(self.kind[slots], self.ref[slots], TREE, ref)
+        self.ref[slots] = ref
