@@ -11,7 +11,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvscope.dashboard import PAGE_FILES, render_frame
+from kvscope.dashboard.frame import PAGE_FILES, render_frame
 
 PAGES_DIR = Path(__file__).parent / "kvscope" / "dashboard" / "app_pages"
 
