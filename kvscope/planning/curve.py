@@ -1,4 +1,4 @@
-"""Hit rate vs cache capacity for a request stream, from one pass (stack distances, §2.6-2.7).
+"""Hit rate vs cache capacity for a request stream, from one pass (stack distances, docs/capacity-planning.md §6-§9).
 
 Capacity convention (the one under which the curve is exact): `capacity` is the number of
 tokens the radix tree may hold between requests, floored to whole pages. The request being
@@ -132,7 +132,8 @@ class HitRateCurve:
         return capacities, self.hit_tokens(capacities)
 
     def log_grid(self, num_points: int = 12, low_fraction: float = 0.01) -> np.ndarray:
-        """Page-aligned capacities, log-spaced from low_fraction of the working set to all of it (§2.7)."""
+        """Page-aligned capacities, log-spaced from low_fraction of the working set to all of it
+        (docs/capacity-planning.md §8)."""
         top = max(self.working_set_tokens, self.page_size)
         grid = np.geomspace(max(top * low_fraction, self.page_size), top, num_points)
         return np.unique(np.ceil(grid / self.page_size).astype(np.int64) * self.page_size)

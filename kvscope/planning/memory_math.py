@@ -1,7 +1,7 @@
 """KV-cache memory math: bytes per token, SGLang's max_total_num_tokens, vLLM's block count.
 
-Pure arithmetic (no torch, no GPU): the dashboard imports it. Sources: research notes
-isolation-and-capacity.md §2.1-2.3 and sglang-memory-semantics.md §2.2, §5.6, §9.1.
+Pure arithmetic (no torch, no GPU): the dashboard imports it. Described in
+docs/capacity-planning.md §2-§4 and docs/memory-semantics.md §2.2, §5.6, §9.1.
 
 NOTE: formulas, all per GPU (one TP rank), W = weights per GPU = whole model / tp:
     KV heads per rank  H = max(1, num_kv_heads // tp)   (replicated when tp > num_kv_heads)

@@ -1,4 +1,4 @@
-"""Token-level stack distances of prompt prefixes over a radix trie, in one pass (research note §2.6).
+"""Token-level stack distances of prompt prefixes over a radix trie, in one pass (docs/capacity-planning.md §6).
 
 NOTE: the model. Requests are served one at a time, in order. Request i matches its prompt P_i
 and then its whole sequence S_i = P_i + O_i (page-floored) is touched and inserted. Items are

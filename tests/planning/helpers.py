@@ -47,9 +47,10 @@ def capacities_for(requests: list[ReplayRequest], page_size: int) -> list[int]:
 
 
 def reference_hits(requests: list[ReplayRequest], capacities: list[int], page_size: int) -> dict[int, list[int]]:
-    """The §2.6 model taken literally, page by page, by sorting: items are page-prefixes, the key
-    is (last request that touched the page, -depth), a tree of K tokens holds the top K/page_size
-    pages before each request, and a prompt hits its leading pages that are held."""
+    """The model of docs/capacity-planning.md §6.1 taken literally, page by page, by sorting: items
+    are page-prefixes, the key is (last request that touched the page, -depth), a tree of K tokens
+    holds the top K/page_size pages before each request, and a prompt hits its leading pages that
+    are held."""
     touched: dict[bytes, tuple[int, int]] = {}
     hits: dict[int, list[int]] = {k: [] for k in capacities}
     for i, request in enumerate(requests):

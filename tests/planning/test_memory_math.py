@@ -24,7 +24,7 @@ from kvscope.planning.gpu import GpuInfo, probe_gpus, visible
 
 # (preset, kv dtype, tp) -> bytes per token per GPU, by hand: heads_per_rank x (K + V dims) x bytes x layers
 HAND_BYTES_PER_TOKEN = [
-    ("llama-3.1-8b", "bf16", 1, 8 * (128 + 128) * 2 * 32),  # 131,072 (research note §2.3)
+    ("llama-3.1-8b", "bf16", 1, 8 * (128 + 128) * 2 * 32),  # 131,072 (docs/capacity-planning.md §4)
     ("llama-3.1-8b", "fp8", 1, 8 * 256 * 1 * 32),
     ("llama-3.1-8b", "fp32", 2, 4 * 256 * 4 * 32),
     ("llama-3-70b", "bf16", 1, 8 * 256 * 2 * 80),
