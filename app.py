@@ -7,13 +7,9 @@ checks), so it opens captures on a machine without them.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import streamlit as st
 
-from kvscope.dashboard.frame import PAGE_FILES, render_frame
-
-PAGES_DIR = Path(__file__).parent / "kvscope" / "dashboard" / "app_pages"
+from kvscope.dashboard import PAGE_FILES, PAGES_DIR, render_frame
 
 st.set_page_config(page_title="kvscope", layout="wide")
 chosen = render_frame()

@@ -52,7 +52,7 @@ POOL_TOKENS = 1 << 20
 
 def build_engine_capture(path: Path, num_events: int) -> None:
     num_requests = int(num_events / EVENTS_PER_ENGINE_REQUEST * 1.02) + 1  # a margin: at least num_events
-    subprocess.run([sys.executable, "-m", "kvscope.cli", "run", "--workload", "multi-turn", "--num-requests",
+    subprocess.run([sys.executable, "-m", "kvscope", "run", "--workload", "multi-turn", "--num-requests",
                     str(num_requests), "--seed", "1", "--page-size", "4", "--kv-tokens", "16384",
                     "--inject", "leak-tail:0.0005", "--capture", str(path)],
                    check=False, cwd=ROOT, stdout=subprocess.DEVNULL)  # exit 1: the injected leaks fail the check

@@ -49,7 +49,7 @@ from _results import command_line, machine_lines, write_section
 from sqlalchemy.schema import CreateIndex, CreateTable
 
 from kvscope.telemetry import NULL_RECORDER, EventKind, PoolName, schema
-from kvscope.telemetry.recorder import EVENT_COLUMNS, SQLRecorder, slots_blob
+from kvscope.telemetry.recorder import SQLRecorder, slots_blob
 
 DEFAULT_NUM_EVENTS = 2_000_000
 QUICK_NUM_EVENTS = 400_000
@@ -148,7 +148,7 @@ def produce(recorder: SQLRecorder, steps: list[list[Args]], num_steps: int) -> N
 
 def raw_rows(steps: list[list[Args]], num_steps: int) -> list[tuple[Any, ...]]:
     """The rows the writer binds for the same events (run_id 1, seq = position)."""
-    bound = [[(a.kind.value, a.pool and a.pool.value, a.rid, a.node_id, a.num_tokens, a.aux, None,
+    bound = [[(a.kind.value, a.pool and a.pool.value, a.rid, a.node_id, a.num_tokens, a.aux, None, None,
                slots_blob(a.slots)) for a in s] for s in steps]
     t0 = time.monotonic()
     flat = ((step, row) for step in range(num_steps) for row in bound[step % len(steps)])
@@ -293,7 +293,8 @@ def raw_ddl(variant: str) -> list[str]:
 
 
 def run_raw(variant: str, rows: list[tuple[Any, ...]], expected: Expected) -> Throughput:
-    sql = f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) VALUES ({', '.join('?' * len(EVENT_COLUMNS))})"
+    columns = schema.EVENT_COLUMNS
+    sql = f"INSERT INTO events ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
     with fresh_db() as db_path:
         conn = sqlite3.connect(db_path)
         conn.execute("PRAGMA journal_mode = WAL")

@@ -1,9 +1,31 @@
 """The Streamlit dashboard: the shared frame (frame.py), cached reads (data.py), pure chart
 builders (charts/), the pages (app_pages/) and `make run`'s launcher (launch.py).
 
-It reads captures through `kvscope.telemetry.queries` (read-only) and the leak report from
-`kvscope.debug.report`; it never imports torch or the engine layers (tests/test_import_direction.py).
+It reads captures through kvscope.telemetry's read functions (read-only; it holds no SQL) and
+the leak report through kvscope.debug; it never imports torch or the engine layers
+(tests/test_import_direction.py).
 
-NOTE: nothing is imported here: the launcher runs outside Streamlit, where importing the
-cached reads makes Streamlit warn once per cache decorator.
+NOTE: nothing is imported here eagerly: the launcher runs outside Streamlit, where importing
+the cached reads makes Streamlit warn once per cache decorator. The frame's names load it on
+first use (app.py, inside Streamlit).
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvscope.dashboard.frame import PAGE_FILES, PAGES_DIR, Selection, find_captures, render_frame, selection
+
+_FRAME_NAMES = ("PAGE_FILES", "PAGES_DIR", "Selection", "find_captures", "render_frame", "selection")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FRAME_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module("kvscope.dashboard.frame"), name)
+    raise AttributeError(f"module 'kvscope.dashboard' has no attribute {name!r}")
+
+
+__all__ = ["PAGES_DIR", "PAGE_FILES", "Selection", "find_captures", "render_frame", "selection"]

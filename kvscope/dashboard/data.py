@@ -1,6 +1,9 @@
 """Cached reads. One cached store per capture path; every read is a `st.cache_data` function
 keyed by (path, run_id, stamp, ...) — `stamp` moves whenever a running run flushes, so a
-finished run's reads are computed once and a running run's follow it."""
+finished run's reads are computed once and a running run's follow it.
+
+NOTE: no SQL here: every read is a kvscope.telemetry read (a Capture method or a derived read)
+or a kvscope.debug report."""
 
 from __future__ import annotations
 
@@ -10,12 +13,10 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
+from kvscope import telemetry
 from kvscope.dashboard import gpu
-from kvscope.debug.replay import Replay
-from kvscope.debug.report import LeakReport, ReportState, build_report, stored_report
-from kvscope.telemetry import derived
-from kvscope.telemetry.derived import frame
-from kvscope.telemetry.queries import Capture
+from kvscope.debug import LeakReport, Replay, ReportState, build_report, stored_report
+from kvscope.telemetry import Capture
 
 LIVE_TTL_S = 1.0  # the run list: status changes must show within a refresh
 CACHE_TTL_S = 600.0  # everything else is keyed by the stamp; the TTL only bounds memory
@@ -53,18 +54,13 @@ def usage(path: str, run_id: int, stamp: float, max_points: int = MAX_POINTS) ->
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def latest_usage(path: str, run_id: int, stamp: float) -> pd.DataFrame:
-    """The last usage row and the row about `window_s` seconds before it (for rates)."""
-    return frame(open_capture(path).engine, """
-        SELECT * FROM usage WHERE run_id = :run AND step IN (
-            (SELECT max(step) FROM usage WHERE run_id = :run),
-            (SELECT min(step) FROM usage WHERE run_id = :run AND t_mono >=
-                (SELECT max(t_mono) FROM usage WHERE run_id = :run) - 10.0))
-        ORDER BY step""", run=run_id)
+    """The last usage row and the row about RATE_WINDOW_S seconds before it (for rates)."""
+    return open_capture(path).latest_usage(run_id)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def recent_evictions(path: str, run_id: int, stamp: float, since_step: int) -> pd.DataFrame:
-    return derived.recent_evictions(open_capture(path), run_id, since_step)
+    return telemetry.recent_evictions(open_capture(path), run_id, since_step)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
@@ -79,8 +75,7 @@ def event_counts(path: str, run_id: int, stamp: float) -> pd.DataFrame:
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def step_range(path: str, run_id: int, stamp: float) -> pd.DataFrame:
-    return frame(open_capture(path).engine, "SELECT min(step) AS lo, max(step) AS hi FROM usage "
-                     "WHERE run_id = :run", run=run_id)
+    return open_capture(path).step_range(run_id)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner="Rebuilding the tree…")
@@ -90,17 +85,17 @@ def tree_at(path: str, run_id: int, step: int, stamp: float) -> pd.DataFrame:
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def eviction_summary(path: str, run_id: int, stamp: float) -> pd.DataFrame:
-    return derived.eviction_summary(open_capture(path), run_id)
+    return telemetry.eviction_summary(open_capture(path), run_id)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def evictions_over_steps(path: str, run_id: int, stamp: float, max_points: int = MAX_POINTS) -> pd.DataFrame:
-    return derived.evictions_over_steps(open_capture(path), run_id, max_points)
+    return telemetry.evictions_over_steps(open_capture(path), run_id, max_points)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner="Joining evictions with later matches…")
 def eviction_log(path: str, run_id: int, stamp: float, limit: int, offset: int) -> pd.DataFrame:
-    return derived.eviction_log(open_capture(path), run_id, limit, offset)
+    return telemetry.eviction_log(open_capture(path), run_id, limit, offset)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
@@ -110,12 +105,12 @@ def requests(path: str, run_id: int, stamp: float) -> pd.DataFrame:
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def allocs_of_requests(path: str, run_id: int, stamp: float, rids: tuple[str, ...]) -> pd.DataFrame:
-    return derived.allocs_of_requests(open_capture(path), run_id, rids)
+    return telemetry.allocs_of_requests(open_capture(path), run_id, rids)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def running_lengths(path: str, run_id: int, stamp: float, step: int) -> pd.DataFrame:
-    return derived.running_lengths(open_capture(path), run_id, step)
+    return telemetry.running_lengths(open_capture(path), run_id, step)
 
 
 @st.cache_resource(show_spinner=False, max_entries=8)

@@ -16,9 +16,10 @@ import pandas as pd
 import streamlit as st
 
 from kvscope.dashboard import data
-from kvscope.telemetry.store import CaptureError
+from kvscope.telemetry import CaptureError
 
 CAPTURE_DIRS = (Path("runs"), Path("sample_runs"))
+PAGES_DIR = Path(__file__).parent / "app_pages"
 PAGE_FILES = {
     "Overview": "overview.py",
     "Memory": "memory.py",

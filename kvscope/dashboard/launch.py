@@ -20,7 +20,7 @@ WAIT_FOR_CAPTURE_S = 60.0
 
 
 def engine_command(capture: Path, workload: str, num_requests: int, pace: float) -> list[str]:
-    return [sys.executable, "-m", "kvscope.cli", "run", "--workload", workload, "--pace", str(pace),
+    return [sys.executable, "-m", "kvscope", "run", "--workload", workload, "--pace", str(pace),
             "--num-requests", str(num_requests), "--capture", str(capture)]
 
 

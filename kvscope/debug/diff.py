@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvscope.telemetry.queries import Capture
+from kvscope.telemetry import Capture
 
 
 def summarize(target: str | Path) -> dict[str, Any]:

@@ -13,6 +13,9 @@ NOTE: what each event does to the ledger
     revive  the node's full slots (and SWA peers) -> the node
     evict   the slots leave their node (the allocator's free follows)
     lock / unlock   (node, rid) pairs; admit / finish / abort / retract   request liveness
+    violation       a read of slots the reader did not hold: the last freer is the culprit
+IGNORED_KINDS lists the kinds that move no slot and change no liveness; every kind is either
+handled or listed there (a test checks).
 An orphan is a slot held by a request that is no longer live, or by a node that is gone.
 
 The per-slot arrays and the per-owner counts live in slot_table.py.
@@ -20,15 +23,26 @@ The per-slot arrays and the per-owner counts live in slot_table.py.
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from kvscope.debug.slot_table import FREE, REQUEST, TREE, Owners, PoolLedger
+from kvscope.telemetry import EventKind
 
 POOLS = ("full", "swa")
+IGNORED_KINDS = frozenset({
+    EventKind.REQUEST_ARRIVE,  # a request holds nothing and is not live before its admit
+    EventKind.MATCH,  # a read of the tree: no slot changes hands
+    EventKind.TOMBSTONE,  # the SWA free events that follow move the slots
+    EventKind.LEAK_CHECK,  # the engine's own verdict, stored in leak_checks
+    EventKind.INJECT,  # the ground truth of an injected fault, for tests; its effects come as events
+})
+Handler = Callable[[int, int, str, str | None, Any, int, int, np.ndarray], None]
 
 
 class Holding(NamedTuple):
@@ -92,7 +106,21 @@ class Ledger:
 
     def __post_init__(self) -> None:
         self.pools = {p: PoolLedger(self.owners) for p in POOLS}
-        self._handlers = {name[4:]: getattr(self, name) for name in dir(self) if name.startswith("_on_")}
+        self._handlers: dict[EventKind, Handler] = {
+            EventKind.ALLOC: self._on_alloc,
+            EventKind.FREE: self._on_free,
+            EventKind.INSERT: self._on_insert,
+            EventKind.SPLIT: self._on_split,
+            EventKind.REVIVE: self._on_revive,
+            EventKind.EVICT: self._on_evict,
+            EventKind.LOCK: self._on_lock,
+            EventKind.UNLOCK: self._on_unlock,
+            EventKind.VIOLATION: self._on_violation,
+            EventKind.REQUEST_ADMIT: self._on_admit,
+            EventKind.REQUEST_FINISH: self._on_finish,
+            EventKind.REQUEST_ABORT: self._on_abort,
+            EventKind.REQUEST_RETRACT: self._on_retract,
+        }
 
     def request_index(self, rid: str) -> int:
         if rid not in self.rid_index:
@@ -102,10 +130,12 @@ class Ledger:
 
     # -- events ------------------------------------------------------------------------------
 
-    def apply(self, kind: str, step: int, seq: int, pool: str | None, rid: str | None, node_id: int | None,
+    def apply(self, kind: EventKind, step: int, seq: int, pool: str | None, rid: str | None, node_id: int | None,
               num_tokens: int, aux: int, slots: np.ndarray | None) -> None:
+        """One event. NOTE: the parameters after `kind` are named after schema.events columns
+        (APPLY_COLUMNS): a replay selects exactly those, in this order."""
         self.last_seq = seq
-        if kind != "alloc":
+        if kind != EventKind.ALLOC:
             self._pending_full.clear()
         handler = self._handlers.get(kind)
         if handler is not None:
@@ -291,3 +321,6 @@ class Ledger:
         own = self.rid_index.get(rid, -2)
         kind, ref = ledger.kind[slots], ledger.ref[slots]
         return slots[(kind == FREE) | ((kind == REQUEST) & (ref != own))]
+
+
+APPLY_COLUMNS = tuple(inspect.signature(Ledger.apply).parameters)[1:]  # kind, step, seq, ..., slots

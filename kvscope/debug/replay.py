@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvscope.debug.ledger import Ledger
-from kvscope.telemetry.queries import Capture
+from kvscope.debug.ledger import APPLY_COLUMNS, Ledger
+from kvscope.telemetry import Capture, EventKind
 
 StepHook = Callable[[int, Ledger], None]  # called when the replay moves past a step
 ProgressHook = Callable[[int], None]  # events applied so far
+KIND_OF = {kind.value: kind for kind in EventKind}  # a stored kind back to its EventKind
 
 
 @dataclass
@@ -31,15 +32,15 @@ class Replay:
         """Apply the events after the last one applied; `on_step_end` sees every step completed
         on the way. Returns the number of events applied."""
         ledger, done = self.ledger, 0
-        apply, empty = ledger.apply, np.empty(0, dtype=np.int64)
-        for batch in capture.event_stream(self.run_id, after_seq=ledger.last_seq):
+        apply, empty, kind_of = ledger.apply, np.empty(0, dtype=np.int64), KIND_OF
+        for batch in capture.event_stream(self.run_id, APPLY_COLUMNS, after_seq=ledger.last_seq):
             for kind, step, seq, pool, rid, node_id, num_tokens, aux, blob in batch:
                 if step != self.current:
                     if on_step_end is not None and self.current is not None:
                         on_step_end(self.current, ledger)
                     self.current = step
                 slots = empty if blob is None else np.frombuffer(blob, dtype="<i4").astype(np.int64)
-                apply(kind, step, seq, pool, rid, node_id, num_tokens, aux, slots)
+                apply(kind_of[kind], step, seq, pool, rid, node_id, num_tokens, aux, slots)
             done += len(batch)
             if on_progress is not None:
                 on_progress(done)

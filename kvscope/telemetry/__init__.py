@@ -1,8 +1,18 @@
-"""Telemetry: event kinds, the recorder interface, the SQLite capture store and its queries.
+"""Telemetry: event kinds, the recorder interface, the one schema declaration (schema.py), the
+capture store and every read of a capture.
 
-The producer side (events, recorders) is imported by mem/cache/engine; the reader side
-(queries) by the dashboard and CLI. Nothing here imports torch.
+The producer side (events, records) is imported by mem/cache/engine on the hot path; the
+reader and writer side (the SQL recorder, the store, queries, derived reads, tree replay) by
+the app layer, the debugger and the dashboard. Nothing here imports torch.
+
+NOTE: importing this package loads only the producer side (no numpy, pandas or SQLAlchemy);
+the reader and writer names below load their module on first use (module __getattr__).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from kvscope.telemetry.events import (
     NULL_RECORDER,
@@ -15,21 +25,80 @@ from kvscope.telemetry.events import (
     PoolName,
     Recorder,
 )
-from kvscope.telemetry.records import LEVELS, LeakCheck, PoolTerms, RequestRecord, UsageSample
+from kvscope.telemetry.records import LEVELS, LeakCheck, NodeRow, PoolTerms, RequestRecord, UsageSample
+
+if TYPE_CHECKING:
+    from kvscope.telemetry.derived import (
+        EVICTION_LOG_COLUMNS,
+        allocs_of_requests,
+        eviction_log,
+        eviction_summary,
+        evictions_over_steps,
+        recent_evictions,
+        running_lengths,
+    )
+    from kvscope.telemetry.fingerprint import environment_fingerprint
+    from kvscope.telemetry.queries import ENDED_WITHOUT_CLOSING, Capture, display_status
+    from kvscope.telemetry.recorder import SQLRecorder, decode_slots, install_signal_handlers, slots_blob
+    from kvscope.telemetry.store import CaptureError, open_reader, open_writer, save_report
+    from kvscope.telemetry.tree_replay import STRUCTURAL_KINDS, replay_tree
+
+_LAZY = {
+    "kvscope.telemetry.derived": ("EVICTION_LOG_COLUMNS", "allocs_of_requests", "eviction_log", "eviction_summary",
+                                  "evictions_over_steps", "recent_evictions", "running_lengths"),
+    "kvscope.telemetry.fingerprint": ("environment_fingerprint",),
+    "kvscope.telemetry.queries": ("ENDED_WITHOUT_CLOSING", "Capture", "display_status"),
+    "kvscope.telemetry.recorder": ("SQLRecorder", "decode_slots", "install_signal_handlers", "slots_blob"),
+    "kvscope.telemetry.store": ("CaptureError", "open_reader", "open_writer", "save_report"),
+    "kvscope.telemetry.tree_replay": ("STRUCTURAL_KINDS", "replay_tree"),
+}
+_MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvscope.telemetry' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
+    "ENDED_WITHOUT_CLOSING",
+    "EVICTION_LOG_COLUMNS",
     "LEVELS",
     "NULL_RECORDER",
+    "STRUCTURAL_KINDS",
+    "Capture",
+    "CaptureError",
     "Event",
     "EventKind",
     "EvictReason",
     "FaultKind",
     "LeakCheck",
     "ListRecorder",
+    "NodeRow",
     "NullRecorder",
     "PoolName",
     "PoolTerms",
     "Recorder",
     "RequestRecord",
+    "SQLRecorder",
     "UsageSample",
+    "allocs_of_requests",
+    "decode_slots",
+    "display_status",
+    "environment_fingerprint",
+    "eviction_log",
+    "eviction_summary",
+    "evictions_over_steps",
+    "install_signal_handlers",
+    "open_reader",
+    "open_writer",
+    "recent_evictions",
+    "replay_tree",
+    "running_lengths",
+    "save_report",
+    "slots_blob",
 ]

@@ -22,7 +22,8 @@ page shown (200 evictions and their nodes) or by the number of requests, never o
 row over the whole event table: the correlated-subquery version of the eviction log took ~20 s
 per page on a million-event capture, because a hot parent node's later matches were scanned
 once per eviction. A run that was killed has no rid/node index (built at close), so the node
-lookups scan its events once per page instead.
+lookups scan its events once per page instead. The index each read goes through is named with
+dialect.read_through: a hint on SQLite, nothing on a server database.
 """
 
 from __future__ import annotations
@@ -33,48 +34,43 @@ from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, bindparam, text
+from sqlalchemy import ColumnElement, Select, TableClause, desc, func, select
 
+from kvscope.telemetry import schema
+from kvscope.telemetry.dialect import read_through
+from kvscope.telemetry.events import EventKind, PoolName
 from kvscope.telemetry.queries import Capture
 
 EVICTION_LOG_COLUMNS = ("seq", "step", "t_mono", "pool", "node_id", "parent_id", "evicted_tokens", "reason",
                         "age_steps", "age_s", "idle_steps", "idle_s", "needed_again_step", "needed_again_by",
                         "regret_tokens")
 MAX_PARENT_HOPS = 64  # a chain of splits of splits, followed back to an inserted node
+EVICT = EventKind.EVICT.value
+ENDS = [EventKind.REQUEST_FINISH.value, EventKind.REQUEST_ABORT.value, EventKind.REQUEST_RETRACT.value]
+NODE_TOUCHES = [EventKind.INSERT.value, EventKind.SPLIT.value, EventKind.MATCH.value, EventKind.LOCK.value]
+BIRTHS = (EventKind.INSERT, EventKind.SPLIT)
 
 
-def frame(engine: Engine, sql: str, **params: Any) -> pd.DataFrame:
-    """A SQL text query to a DataFrame; list and tuple parameters expand (`IN :name`)."""
-    stmt = text(sql)
-    for name, value in params.items():
-        if isinstance(value, tuple | list):
-            stmt = stmt.bindparams(bindparam(name, expanding=True))
-    with engine.connect() as conn:
-        result = conn.execute(stmt, params)
-        return pd.DataFrame([tuple(row) for row in result.fetchall()], columns=list(result.keys()))
-
-
-def _has_index(engine: Engine, name: str) -> bool:
-    with engine.connect() as conn:
-        return conn.execute(text("SELECT 1 FROM sqlite_master WHERE name = :n"), {"n": name}).first() is not None
+def _events_of_run(source: TableClause, run_id: int, *columns: ColumnElement[Any]) -> Select[Any]:
+    return select(*columns).select_from(source).where(source.c.run_id == run_id)
 
 
 # -- eviction log ----------------------------------------------------------------------------
 
 def eviction_log(capture: Capture, run_id: int, limit: int, offset: int) -> pd.DataFrame:
     """One page of the log (evictions in event order), with age, idle, parent and regret."""
-    engine = capture.engine
-    ev = frame(engine, "SELECT seq, step, t_mono, pool, node_id, num_tokens AS evicted_tokens, reason FROM events "
-               "WHERE run_id = :run AND kind = 'evict' ORDER BY seq LIMIT :limit OFFSET :offset",
-               run=run_id, limit=limit, offset=offset)
+    e = schema.events.c
+    ev = capture.read_frame(
+        select(e.seq, e.step, e.t_mono, e.pool, e.node_id, e.num_tokens.label("evicted_tokens"), e.reason)
+        .where(e.run_id == run_id, e.kind == EVICT).order_by(e.seq).limit(limit).offset(offset))
     if ev.empty:
         return pd.DataFrame(columns=list(EVICTION_LOG_COLUMNS))
-    by_node = "INDEXED BY ix_events_node" if _has_index(engine, "ix_events_node") else ""
+    by_node = read_through(capture.engine, schema.ix_events_node)
     nodes = sorted({int(n) for n in ev.node_id})
-    history = _NodeHistory(engine, run_id, by_node)
+    history = _NodeHistory(capture, run_id, by_node)
     history.load(nodes)
     parents = [history.parent_at(int(n), int(s)) for n, s in zip(ev.node_id, ev.seq, strict=True)]
-    later = _later_matches(engine, run_id, by_node, sorted(set(nodes) | {p for p in parents if p is not None}),
+    later = _later_matches(capture, run_id, by_node, sorted(set(nodes) | {p for p in parents if p is not None}),
                            int(ev.seq.min()))
     rows = []
     for row, parent in zip(ev.itertuples(index=False), parents, strict=True):
@@ -94,8 +90,9 @@ def eviction_log(capture: Capture, run_id: int, limit: int, offset: int) -> pd.D
 class _NodeHistory:
     """Births, touches and splits of a set of nodes, from one or a few index reads."""
 
-    def __init__(self, engine: Engine, run_id: int, by_node: str) -> None:
-        self.engine, self.run_id, self.by_node = engine, run_id, by_node
+    def __init__(self, capture: Capture, run_id: int, by_node: TableClause) -> None:
+        self.capture, self.run_id, self.by_node = capture, run_id, by_node
+        self.by_kind = read_through(capture.engine, schema.ix_events_kind)
         self.rows: dict[int, list[tuple[int, int, float, str, int]]] = defaultdict(list)  # (seq, step, t, kind, aux)
         self.splits_of: dict[int, list[tuple[int, int]]] = defaultdict(list)  # node -> [(seq, upper node)]
         self.loaded: set[int] = set()
@@ -105,19 +102,21 @@ class _NodeHistory:
         if not todo:
             return
         self.loaded.update(todo)
-        own = frame(self.engine, f"SELECT seq, step, t_mono, kind, node_id, aux FROM events {self.by_node} "
-                    "WHERE run_id = :run AND node_id IN :nodes AND kind IN ('insert', 'split', 'match', 'lock') "
-                    "ORDER BY seq", run=self.run_id, nodes=todo)
+        n = self.by_node.c
+        own = self.capture.read_frame(
+            _events_of_run(self.by_node, self.run_id, n.seq, n.step, n.t_mono, n.kind, n.node_id, n.aux)
+            .where(n.node_id.in_(todo), n.kind.in_(NODE_TOUCHES)).order_by(n.seq))
         for r in own.itertuples(index=False):
             self.rows[int(r.node_id)].append((int(r.seq), int(r.step), float(r.t_mono), str(r.kind), int(r.aux)))
-        splits = frame(self.engine, "SELECT seq, node_id, aux FROM events INDEXED BY ix_events_kind "
-                       "WHERE run_id = :run AND kind = 'split' AND aux IN :nodes ORDER BY seq",
-                       run=self.run_id, nodes=todo)
+        k = self.by_kind.c
+        splits = self.capture.read_frame(
+            _events_of_run(self.by_kind, self.run_id, k.seq, k.node_id, k.aux)
+            .where(k.kind == EventKind.SPLIT.value, k.aux.in_(todo)).order_by(k.seq))
         for r in splits.itertuples(index=False):
             self.splits_of[int(r.aux)].append((int(r.seq), int(r.node_id)))
 
     def born(self, node: int, before: int) -> tuple[int, int, float, str, int] | None:
-        return next((r for r in self.rows[node] if r[3] in ("insert", "split") and r[0] < before), None)
+        return next((r for r in self.rows[node] if r[3] in BIRTHS and r[0] < before), None)
 
     def last_touch(self, node: int, before: int) -> tuple[int, int, float, str, int] | None:
         rows = self.rows[node]
@@ -134,7 +133,7 @@ class _NodeHistory:
             born = self.born(node, seq)
             if born is None:
                 return None
-            if born[3] == "insert":
+            if born[3] == EventKind.INSERT:
                 return born[4]
             node, seq = born[4], born[0]  # an upper piece: the parent the split node had then
         return None
@@ -154,11 +153,14 @@ class _LaterMatches:
         return matches[index] if index < len(matches) else None
 
 
-def _later_matches(engine: Engine, run_id: int, by_node: str, nodes: list[int], after_seq: int) -> _LaterMatches:
+def _later_matches(capture: Capture, run_id: int, by_node: TableClause, nodes: list[int],
+                   after_seq: int) -> _LaterMatches:
     """Matches that stopped at one of `nodes` after `after_seq` and missed tokens."""
-    return _LaterMatches(frame(engine, f"SELECT seq, step, rid, node_id, aux FROM events {by_node} "
-                               "WHERE run_id = :run AND node_id IN :nodes AND kind = 'match' AND aux > 0 "
-                               "AND seq > :after ORDER BY seq", run=run_id, nodes=nodes, after=after_seq))
+    n = by_node.c
+    return _LaterMatches(capture.read_frame(
+        _events_of_run(by_node, run_id, n.seq, n.step, n.rid, n.node_id, n.aux)
+        .where(n.node_id.in_(nodes), n.kind == EventKind.MATCH.value, n.aux > 0, n.seq > after_seq)
+        .order_by(n.seq)))
 
 
 # -- running requests ------------------------------------------------------------------------
@@ -166,22 +168,27 @@ def _later_matches(engine: Engine, run_id: int, by_node: str, nodes: list[int], 
 def running_lengths(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
     """rid, seq_len of every request running at `step`: matched by then and not finished,
     aborted or retracted since its latest match."""
-    engine = capture.engine
-    latest = frame(engine, "SELECT rid, max(seq) AS mseq FROM events INDEXED BY ix_events_kind WHERE run_id = :run "
-                   "AND kind = 'match' AND step <= :step AND rid IS NOT NULL GROUP BY rid", run=run_id, step=step)
-    ends = frame(engine, "SELECT rid, max(seq) AS eseq FROM events INDEXED BY ix_events_kind WHERE run_id = :run "
-                 "AND kind IN ('finish', 'abort', 'retract') AND step <= :step AND rid IS NOT NULL GROUP BY rid",
-                 run=run_id, step=step)
+    by_kind = read_through(capture.engine, schema.ix_events_kind)
+    k = by_kind.c
+    latest = capture.read_frame(
+        _events_of_run(by_kind, run_id, k.rid, func.max(k.seq).label("mseq"))
+        .where(k.kind == EventKind.MATCH.value, k.step <= step, k.rid.is_not(None)).group_by(k.rid))
+    ends = capture.read_frame(
+        _events_of_run(by_kind, run_id, k.rid, func.max(k.seq).label("eseq"))
+        .where(k.kind.in_(ENDS), k.step <= step, k.rid.is_not(None)).group_by(k.rid))
     live = latest.merge(ends, on="rid", how="left")
     live = live[live.eseq.isna() | (live.eseq < live.mseq)]
     if live.empty:
         return pd.DataFrame({"rid": pd.Series(dtype=object), "seq_len": pd.Series(dtype="int64")})
-    hits = frame(engine, "SELECT seq AS mseq, step AS mstep, num_tokens AS hit FROM events WHERE run_id = :run "
-                 "AND seq IN :seqs", run=run_id, seqs=[int(s) for s in live.mseq])
+    e = schema.events.c
+    hits = capture.read_frame(
+        select(e.seq.label("mseq"), e.step.label("mstep"), e.num_tokens.label("hit"))
+        .where(e.run_id == run_id, e.seq.in_([int(s) for s in live.mseq])))
     live = live.merge(hits, on="mseq")
-    allocs = frame(engine, "SELECT rid, seq, num_tokens FROM events INDEXED BY ix_events_kind WHERE run_id = :run "
-                   "AND kind = 'alloc' AND step BETWEEN :lo AND :step AND pool = 'full' AND rid IN :rids",
-                   run=run_id, lo=int(live.mstep.min()), step=step, rids=list(live.rid))
+    allocs = capture.read_frame(
+        _events_of_run(by_kind, run_id, k.rid, k.seq, k.num_tokens)
+        .where(k.kind == EventKind.ALLOC.value, k.step.between(int(live.mstep.min()), step),
+               k.pool == PoolName.FULL.value, k.rid.in_(list(live.rid))))
     since = allocs.merge(live[["rid", "mseq"]], on="rid")
     grown = since[since.seq > since.mseq].groupby("rid")["num_tokens"].sum()
     live["seq_len"] = live["hit"] + live["rid"].map(grown).fillna(0).astype("int64")
@@ -192,39 +199,48 @@ def allocs_of_requests(capture: Capture, run_id: int, rids: Sequence[str]) -> pd
     """rid, step, tokens: each request's full-pool allocations per step."""
     if not rids:
         return pd.DataFrame(columns=["rid", "step", "tokens"])
-    by_rid = "INDEXED BY ix_events_rid" if _has_index(capture.engine, "ix_events_rid") else ""
-    return frame(capture.engine, f"SELECT rid, step, sum(num_tokens) AS tokens FROM events {by_rid} "
-                 "WHERE run_id = :run AND rid IN :rids AND kind = 'alloc' AND pool = 'full' "
-                 "GROUP BY rid, step ORDER BY rid, step", run=run_id, rids=list(rids))
+    by_rid = read_through(capture.engine, schema.ix_events_rid)
+    r = by_rid.c
+    return capture.read_frame(
+        _events_of_run(by_rid, run_id, r.rid, r.step, func.sum(r.num_tokens).label("tokens"))
+        .where(r.rid.in_(list(rids)), r.kind == EventKind.ALLOC.value, r.pool == PoolName.FULL.value)
+        .group_by(r.rid, r.step).order_by(r.rid, r.step))
 
 
 # -- evictions over time ---------------------------------------------------------------------
 
 def eviction_summary(capture: Capture, run_id: int) -> pd.DataFrame:
-    return frame(capture.engine, """
-        SELECT coalesce(reason, '?') AS reason, pool, count(*) AS num_evictions, sum(num_tokens) AS evicted_tokens,
-            min(step) AS first_step, max(step) AS last_step
-        FROM events WHERE run_id = :run AND kind = 'evict' GROUP BY reason, pool ORDER BY num_evictions DESC""",
-                 run=run_id)
+    e = schema.events.c
+    return capture.read_frame(
+        select(func.coalesce(e.reason, "?").label("reason"), e.pool, func.count().label("num_evictions"),
+               func.sum(e.num_tokens).label("evicted_tokens"), func.min(e.step).label("first_step"),
+               func.max(e.step).label("last_step"))
+        .where(e.run_id == run_id, e.kind == EVICT).group_by(e.reason, e.pool).order_by(desc("num_evictions")))
 
 
 def evictions_over_steps(capture: Capture, run_id: int, max_points: int) -> pd.DataFrame:
     """Evictions and evicted tokens per bucket of steps (at most `max_points` buckets; `step` is
     each bucket's last step with an eviction, `steps` its width)."""
-    bounds = frame(capture.engine, "SELECT min(step) AS lo, max(step) AS hi FROM events INDEXED BY ix_events_kind "
-                   "WHERE run_id = :run AND kind = 'evict'", run=run_id).iloc[0]
+    by_kind = read_through(capture.engine, schema.ix_events_kind)
+    k = by_kind.c
+    bounds = capture.read_frame(
+        _events_of_run(by_kind, run_id, func.min(k.step).label("lo"), func.max(k.step).label("hi"))
+        .where(k.kind == EVICT)).iloc[0]
     if pd.isna(bounds.lo):
         return pd.DataFrame(columns=["step", "num_evictions", "evicted_tokens", "t_mono", "steps"])
-    width = max(1, -(-(int(bounds.hi) - int(bounds.lo) + 1) // max_points))
-    out = frame(capture.engine, """
-        SELECT max(step) AS step, count(*) AS num_evictions, sum(num_tokens) AS evicted_tokens, min(t_mono) AS t_mono
-        FROM events WHERE run_id = :run AND kind = 'evict' GROUP BY (step - :lo) / :width ORDER BY 1""",
-                run=run_id, lo=int(bounds.lo), width=width)
+    lo = int(bounds.lo)
+    width = max(1, -(-(int(bounds.hi) - lo + 1) // max_points))
+    e = schema.events.c
+    out = capture.read_frame(
+        select(func.max(e.step).label("step"), func.count().label("num_evictions"),
+               func.sum(e.num_tokens).label("evicted_tokens"), func.min(e.t_mono).label("t_mono"))
+        .where(e.run_id == run_id, e.kind == EVICT).group_by((e.step - lo) // width).order_by(func.max(e.step)))
     out["steps"] = width
     return out
 
 
 def recent_evictions(capture: Capture, run_id: int, since_step: int) -> pd.DataFrame:
-    return frame(capture.engine, "SELECT count(*) AS num_evictions, coalesce(sum(num_tokens), 0) AS evicted_tokens "
-                 "FROM events WHERE run_id = :run AND kind = 'evict' AND step >= :since", run=run_id,
-                 since=since_step)
+    e = schema.events.c
+    return capture.read_frame(
+        select(func.count().label("num_evictions"), func.coalesce(func.sum(e.num_tokens), 0).label("evicted_tokens"))
+        .where(e.run_id == run_id, e.kind == EVICT, e.step >= since_step))

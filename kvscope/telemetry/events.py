@@ -1,9 +1,10 @@
 """Event kinds and the recorder interface every layer reports to (no SQL here).
 
-NOTE: one event = (kind, pool, rid, node_id, num_tokens, slots, reason, aux):
+NOTE: one event = (kind, pool, rid, node_id, num_tokens, slots, reason, aux, principal):
     match      num_tokens = hit tokens, aux = miss tokens, node_id = last matched node
-    insert     num_tokens = new tokens placed in a new node, node_id = that node, aux = its parent
-    split      node_id = the new upper node, aux = the node that was split
+    insert     num_tokens = new tokens placed in a new node, node_id = that node, aux = its parent,
+               principal = the new node's owner (None: no owner)
+    split      node_id = the new upper node, aux = the node that was split (the upper node keeps its owner)
     lock/unlock node_id = the node the lock starts at, num_tokens = tokens whose state moved
     evict      node_id, num_tokens, slots freed, reason (capacity, finish, abort, tombstone)
     tombstone  node_id, num_tokens = SWA tokens freed, slots = the SWA-freed full slots
@@ -76,6 +77,7 @@ class Event(NamedTuple):
     slots: Any
     reason: StrEnum | None
     aux: int
+    principal: str | None = None
 
 
 class Recorder:
@@ -99,7 +101,7 @@ class Recorder:
         """A RequestRecord, once, when the request ends (or the run closes)."""
 
     def tree_snapshot(self, step: int, rows: list[Any]) -> None:
-        """The cache's flat node table at `step`."""
+        """The cache's flat node table at `step` (NodeRow tuples)."""
 
     def close(self, status: str = "finished", error: str | None = None) -> None:
         """Flush and mark the run ended."""
@@ -115,9 +117,11 @@ class Recorder:
         slots: Any = None,
         reason: StrEnum | None = None,
         aux: int = 0,
+        principal: str | None = None,
     ) -> None:
         """Append one event. Called only when `enabled`; must not raise on the hot path.
-        `reason` is an EvictReason, or a FaultKind for inject / violation events."""
+        `reason` is an EvictReason, or a FaultKind for inject / violation events; `principal`
+        is the owner of the node an insert event creates."""
 
 
 class NullRecorder(Recorder):
@@ -163,9 +167,10 @@ class ListRecorder(Recorder):
         slots: Any = None,
         reason: StrEnum | None = None,
         aux: int = 0,
+        principal: str | None = None,
     ) -> None:
         kept = None if slots is None else [int(s) for s in slots]
-        self.events.append(Event(kind, pool, rid, node_id, num_tokens, kept, reason, aux))
+        self.events.append(Event(kind, pool, rid, node_id, num_tokens, kept, reason, aux, principal))
 
     def of_kind(self, kind: EventKind) -> list[Event]:
         return [e for e in self.events if e.kind is kind]

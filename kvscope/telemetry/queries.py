@@ -1,7 +1,10 @@
-"""Read queries over a capture, used by the dashboard and the CLI. Each returns a DataFrame.
+"""Read queries over a capture, used by the dashboard, the debugger and the CLI. Each returns
+a DataFrame (or plain rows, for the ledger replay).
 
 Readers open the capture read-only (store.open_reader). Aggregation happens in SQL: the
-usage series is downsampled to at most `max_points` buckets, events are paged.
+usage series is downsampled to at most `max_points` buckets, events are paged. Every query is
+SQLAlchemy Core over the tables of schema.py, read as the file's schema version holds them
+(schema.columns_as_of), so the same code reads SQLite and a server database.
 """
 
 from __future__ import annotations
@@ -11,18 +14,20 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, Executable, func, select
 
 from kvscope.telemetry import schema
-from kvscope.telemetry.store import open_reader
-from kvscope.telemetry.tree_replay import replay_tree
+from kvscope.telemetry.events import EventKind
+from kvscope.telemetry.store import open_reader, stored_version
+from kvscope.telemetry.tree_replay import STRUCTURAL_KINDS, replay_tree
 
 STALE_HEARTBEAT_S = 30.0
+RATE_WINDOW_S = 10.0  # latest_usage: how far back the earlier row of a rate is
 SNAPSHOTS_KEPT = 4  # tree snapshots a Capture remembers
 ENDED_WITHOUT_CLOSING = "ended without closing"
 
@@ -39,7 +44,14 @@ class Capture:
     def close(self) -> None:
         self.engine.dispose()
 
-    def _frame(self, stmt: Any) -> pd.DataFrame:
+    @property
+    def schema_version(self) -> int:
+        """The file's schema version now (a writer appending a run upgrades an older file)."""
+        with self.engine.connect() as conn:
+            return int(stored_version(conn) or schema.SCHEMA_VERSION)  # open_reader checked it is there
+
+    def read_frame(self, stmt: Executable) -> pd.DataFrame:
+        """A Core statement's rows as a DataFrame, one column per selected name."""
         with self.engine.connect() as conn:
             result = conn.execute(stmt)
             # NOTE: plain tuples: from SQLAlchemy Rows pandas probes each row's attributes (2.5x slower)
@@ -49,7 +61,7 @@ class Capture:
 
     def runs(self) -> pd.DataFrame:
         r = schema.runs.c
-        frame = self._frame(select(schema.runs).order_by(r.id))
+        frame = self.read_frame(select(schema.runs).order_by(r.id))
         frame["display_status"] = [display_status(row) for row in frame.itertuples()]
         return frame
 
@@ -58,6 +70,22 @@ class Capture:
             return conn.execute(select(func.max(schema.runs.c.id))).scalar_one_or_none()
 
     # -- series and tables -------------------------------------------------------------------
+
+    def step_range(self, run_id: int) -> pd.DataFrame:
+        """One row: the run's first and last step with a usage sample (lo, hi; NULL when none)."""
+        u = schema.usage.c
+        return self.read_frame(select(func.min(u.step).label("lo"), func.max(u.step).label("hi"))
+                               .where(u.run_id == run_id))
+
+    def latest_usage(self, run_id: int, window_s: float = RATE_WINDOW_S) -> pd.DataFrame:
+        """The last usage row and the first one at most `window_s` seconds before it (for rates),
+        in step order (one row when they are the same)."""
+        u = schema.usage.c
+        last_step = select(func.max(u.step)).where(u.run_id == run_id).scalar_subquery()
+        last_t = select(func.max(u.t_mono)).where(u.run_id == run_id).scalar_subquery()
+        window_start = select(func.min(u.step)).where(u.run_id == run_id, u.t_mono >= last_t - window_s)
+        return self.read_frame(select(schema.usage).where(
+            u.run_id == run_id, u.step.in_([last_step, window_start.scalar_subquery()])).order_by(u.step))
 
     def usage(self, run_id: int, max_points: int = 500) -> pd.DataFrame:
         """Usage per step, at most `max_points` rows: each bucket of steps keeps its maxima."""
@@ -74,13 +102,13 @@ class Capture:
             .group_by((u.step - lo) // width)
             .order_by(func.max(u.step))
         )
-        return self._frame(stmt)
+        return self.read_frame(stmt)
 
     def events(
         self,
         run_id: int,
         *,
-        kinds: list[str] | None = None,
+        kinds: Sequence[EventKind] | None = None,
         rid: str | None = None,
         node_id: int | None = None,
         step_range: tuple[int, int] | None = None,
@@ -88,25 +116,24 @@ class Capture:
         offset: int = 0,
     ) -> pd.DataFrame:
         e = schema.events.c
-        stmt = select(schema.events).where(e.run_id == run_id)
+        stmt = select(*schema.columns_as_of(schema.events, self.schema_version)).where(e.run_id == run_id)
         if kinds:
-            stmt = stmt.where(e.kind.in_(kinds))
+            stmt = stmt.where(e.kind.in_([str(k) for k in kinds]))
         if rid is not None:
             stmt = stmt.where(e.rid == rid)
         if node_id is not None:
             stmt = stmt.where(e.node_id == node_id)
         if step_range is not None:
             stmt = stmt.where(e.step.between(*step_range))
-        return self._frame(stmt.order_by(e.seq).limit(limit).offset(offset))
+        return self.read_frame(stmt.order_by(e.seq).limit(limit).offset(offset))
 
-    STREAM_COLUMNS = ("kind", "step", "seq", "pool", "rid", "node_id", "num_tokens", "aux", "slots")
-
-    def event_stream(self, run_id: int, *, after_seq: int = -1, batch_rows: int = 20_000) -> Iterator[list[tuple]]:
-        """The run's events after `after_seq` in sequence order, as plain tuples of STREAM_COLUMNS,
-        a batch at a time: the ledger replay's path (a DataFrame or Row per event costs more than
-        the replay itself)."""
+    def event_stream(self, run_id: int, columns: Sequence[str], *, after_seq: int = -1,
+                     batch_rows: int = 20_000) -> Iterator[list[tuple]]:
+        """The run's events after `after_seq` in sequence order, as plain tuples of `columns`
+        (names of schema.events), a batch at a time: the ledger replay's path (a DataFrame or
+        Row per event costs more than the replay itself)."""
         e = schema.events.c
-        stmt = (select(*(e[name] for name in self.STREAM_COLUMNS))
+        stmt = (select(*(e[name] for name in columns))
                 .where(e.run_id == run_id, e.seq > after_seq).order_by(e.seq))
         compiled = stmt.compile(dialect=self.engine.dialect, compile_kwargs={"render_postcompile": True})
         params = ([compiled.params[k] for k in compiled.positiontup or []] if compiled.positional
@@ -140,15 +167,15 @@ class Capture:
     def event_counts(self, run_id: int) -> pd.DataFrame:
         e = schema.events.c
         stmt = select(e.kind, func.count().label("count")).where(e.run_id == run_id).group_by(e.kind)
-        return self._frame(stmt.order_by(e.kind))
+        return self.read_frame(stmt.order_by(e.kind))
 
     def leak_checks(self, run_id: int) -> pd.DataFrame:
         c = schema.leak_checks.c
-        return self._frame(select(schema.leak_checks).where(c.run_id == run_id).order_by(c.step, c.pool))
+        return self.read_frame(select(schema.leak_checks).where(c.run_id == run_id).order_by(c.step, c.pool))
 
     def requests(self, run_id: int) -> pd.DataFrame:
         c = schema.requests.c
-        return self._frame(select(schema.requests).where(c.run_id == run_id).order_by(c.arrive_step, c.rid))
+        return self.read_frame(select(schema.requests).where(c.run_id == run_id).order_by(c.arrive_step, c.rid))
 
     def snapshot_steps(self, run_id: int) -> list[int]:
         t = schema.tree_snapshots.c
@@ -164,14 +191,12 @@ class Capture:
             base_step = conn.execute(
                 select(func.max(t.step)).where(t.run_id == run_id, t.step <= step)
             ).scalar_one_or_none()
-        nodes = pd.DataFrame(columns=[c.name for c in schema.tree_snapshots.columns])
+        nodes = pd.DataFrame(columns=list(schema.TREE_SNAPSHOT_COLUMNS))
         if base_step is not None:
             nodes = self._snapshot(run_id, int(base_step))
         start = -1 if base_step is None else base_step
-        events = self.events(run_id, kinds=["insert", "split", "evict", "lock", "unlock", "tombstone", "revive"],
-                             step_range=(start + 1, step), limit=10_000_000)
+        events = self.events(run_id, kinds=STRUCTURAL_KINDS, step_range=(start + 1, step), limit=10_000_000)
         return replay_tree(nodes.drop(columns=["run_id", "step"], errors="ignore"), events)
-
 
     def _snapshot(self, run_id: int, step: int) -> pd.DataFrame:
         """One snapshot's rows, remembered (a snapshot never changes once written): the tree page
@@ -182,7 +207,7 @@ class Capture:
                 self._snapshots.move_to_end(key)
                 return self._snapshots[key]
         t = schema.tree_snapshots.c
-        nodes = self._frame(select(schema.tree_snapshots).where(t.run_id == run_id, t.step == step))
+        nodes = self.read_frame(select(schema.tree_snapshots).where(t.run_id == run_id, t.step == step))
         with self._lock:
             self._snapshots[key] = nodes
             while len(self._snapshots) > SNAPSHOTS_KEPT:

@@ -37,15 +37,6 @@ from kvscope.telemetry.events import EventKind, PoolName, Recorder
 from kvscope.telemetry.records import LEVELS, LeakCheck, RequestRecord, UsageSample
 from kvscope.telemetry.store import BulkInsert, open_writer
 
-EVENT_COLUMNS = ("run_id", "seq", "step", "t_mono", "kind", "pool", "rid", "node_id", "num_tokens", "aux",
-                 "reason", "slots")
-TREE_COLUMNS = ("run_id", "step", "node_id", "parent_id", "num_tokens", "token_preview", "lock_ref",
-                "last_access_time", "hit_count", "owner", "tombstone", "depth_tokens")
-LEAK_COLUMNS = ("run_id", "step", "pool", "t_mono", "total", "available", "evictable", "protected", "held",
-                "uncached", "ok", "message")
-USAGE_COLUMNS = tuple(c.name for c in schema.usage.columns)
-REQUEST_COLUMNS = tuple(c.name for c in schema.requests.columns)
-
 
 def slots_blob(slots: Any) -> bytes | None:
     """Slot indices as int32 little-endian bytes; accepts torch tensors without importing torch."""
@@ -87,11 +78,11 @@ class SQLRecorder(Recorder):
         self._backlog_cap = 4 * flush_max_events
         self._interval_s = flush_interval_s
         self._inserts = {
-            "events": BulkInsert(self.engine, schema.events, EVENT_COLUMNS),
-            "tree_snapshots": BulkInsert(self.engine, schema.tree_snapshots, TREE_COLUMNS),
-            "leak_checks": BulkInsert(self.engine, schema.leak_checks, LEAK_COLUMNS),
-            "usage": BulkInsert(self.engine, schema.usage, USAGE_COLUMNS),
-            "requests": BulkInsert(self.engine, schema.requests, REQUEST_COLUMNS),
+            "events": BulkInsert(self.engine, schema.events, schema.EVENT_COLUMNS),
+            "tree_snapshots": BulkInsert(self.engine, schema.tree_snapshots, schema.TREE_SNAPSHOT_COLUMNS),
+            "leak_checks": BulkInsert(self.engine, schema.leak_checks, schema.LEAK_CHECK_COLUMNS),
+            "usage": BulkInsert(self.engine, schema.usage, schema.USAGE_COLUMNS),
+            "requests": BulkInsert(self.engine, schema.requests, schema.REQUEST_COLUMNS),
         }
         self.run_id = self._start_run(label, config or {})
         self._flush_lock = threading.Lock()
@@ -125,11 +116,14 @@ class SQLRecorder(Recorder):
         slots: Any = None,
         reason: StrEnum | None = None,
         aux: int = 0,
+        principal: str | None = None,
     ) -> None:
-        # NOTE: plain str values, not Enum members, so the GC can stop tracking buffered tuples
+        # NOTE: a buffered event is its row in schema.EVENT_COLUMNS order without run_id (slots
+        # last, converted when drained); plain str values, not Enum members, so the GC can stop
+        # tracking buffered tuples
         events = self._events
         events.append((next(self._seq), self.step, time.monotonic(), kind._value_, pool and pool._value_, rid,
-                       node_id, num_tokens, aux, reason and reason._value_, slots))
+                       node_id, num_tokens, aux, reason and reason._value_, principal, slots))
         if len(events) >= self._max_events:
             self._wake.set()
             if len(events) >= self._backlog_cap:
@@ -205,7 +199,7 @@ class SQLRecorder(Recorder):
         out: dict[str, list[tuple[Any, ...]]] = {name: [] for name in self._inserts}
         events, rows = self._events, self._rows
         out["events"] = [
-            (run_id, *e[:10], slots_blob(e[10])) for e in (events.popleft() for _ in range(len(events)))
+            (run_id, *e[:-1], slots_blob(e[-1])) for e in (events.popleft() for _ in range(len(events)))
         ]
         for _ in range(len(rows)):
             table, row = rows.popleft()

@@ -8,6 +8,22 @@ from typing import NamedTuple
 LEVELS = ("off", "summary", "full")
 
 
+class NodeRow(NamedTuple):
+    """One node of a cache's flat node table, as a tree snapshot stores it: the fields are
+    schema.TREE_NODE_COLUMNS, in that order (a test checks)."""
+
+    node_id: int
+    parent_id: int | None
+    num_tokens: int
+    token_preview: str
+    lock_ref: int
+    last_access_time: float
+    hit_count: int
+    owner: str | None
+    tombstone: bool
+    depth_tokens: int
+
+
 class PoolTerms(NamedTuple):
     """Token counts of one pool at one moment."""
 

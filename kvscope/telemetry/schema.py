@@ -14,8 +14,23 @@ NOTE: tables and what one row is
     reports          a derived report stored with the run (the leak report, built when the run
                      closes): which events it covers (through_seq), who built it, its JSON
 
-NOTE: `reports` came after schema version 1 without a bump: it is additive (older readers never
-look at it), a reader treats it as optional, and a writer adds it to an older file.
+NOTE: versions. A reader reads every version from OLDEST_READABLE_VERSION to SCHEMA_VERSION
+and refuses a newer file (it cannot know what it would miss). A column added after version 1
+names its version in `info["since"]`; a reader of an older file selects NULL in its place
+(`columns_as_of`), and a writer brings an older file up to date (adds the columns and stores
+the new version): every older row stays valid, with NULL in the added columns.
+    1  the first schema
+    2  events.principal: an insert event names the new node's owner, so a tree rebuilt from a
+       snapshot and later events knows the owner of every node. NULL there means no owner was
+       recorded (none, or an event written under version 1); a reader of a version-1 file sees
+       NULL too, as a version-1 reader would have shown it.
+`reports` came after version 1 without a bump: it is an additive table (older readers never
+look at it), a reader treats it as optional, and a writer adds it to an older file. A column
+got a bump because a version-1 reader cannot see it and would show an owner as missing.
+
+NOTE: this module is the one declaration of every table's columns; the recorder (its row
+tuples), the readers, the tree replay and the ledger take their column names from the tuples
+below (EVENT_COLUMNS, TREE_NODE_COLUMNS, ...), never from a list of their own.
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ from __future__ import annotations
 from sqlalchemy import (
     Boolean,
     Column,
+    ColumnElement,
     Float,
     Index,
     Integer,
@@ -31,9 +47,11 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    null,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+OLDEST_READABLE_VERSION = 1
 metadata = MetaData()
 
 meta = Table(
@@ -73,17 +91,18 @@ events = Table(
     Column("num_tokens", Integer, nullable=False),
     Column("aux", Integer, nullable=False),
     Column("reason", String(16)),
-    Column("slots", LargeBinary),
+    Column("principal", String(64), info={"since": 2}),  # insert: the new node's owner
+    Column("slots", LargeBinary),  # NOTE: last: the recorder converts the last field of a buffered event
 )
-Index("ix_events_step", events.c.run_id, events.c.step)
-Index("ix_events_kind", events.c.run_id, events.c.kind, events.c.step)
+EVENT_COLUMNS = tuple(c.name for c in events.columns)
+ix_events_step = Index("ix_events_step", events.c.run_id, events.c.step)
+ix_events_kind = Index("ix_events_kind", events.c.run_id, events.c.kind, events.c.step)
 # NOTE: rid and node_id keys are scattered, so maintaining these two while recording costs
 # ~2.6x the insert rate (bench_recorder); the recorder builds them when a run closes.
 # A run that was killed has none until the next run into the same file closes.
-DEFERRED_INDEXES = (
-    Index("ix_events_rid", events.c.run_id, events.c.rid),
-    Index("ix_events_node", events.c.run_id, events.c.node_id),
-)
+ix_events_rid = Index("ix_events_rid", events.c.run_id, events.c.rid)
+ix_events_node = Index("ix_events_node", events.c.run_id, events.c.node_id)
+DEFERRED_INDEXES = (ix_events_rid, ix_events_node)
 for _index in DEFERRED_INDEXES:
     events.indexes.discard(_index)  # not made by create_all
 
@@ -124,6 +143,8 @@ tree_snapshots = Table(
     Column("tombstone", Boolean, nullable=False),
     Column("depth_tokens", Integer, nullable=False),
 )
+TREE_SNAPSHOT_COLUMNS = tuple(c.name for c in tree_snapshots.columns)
+TREE_NODE_COLUMNS = TREE_SNAPSHOT_COLUMNS[2:]  # a node's fields: a snapshot row after run_id, step
 
 leak_checks = Table(
     "leak_checks",
@@ -141,6 +162,7 @@ leak_checks = Table(
     Column("ok", Boolean, nullable=False),
     Column("message", Text),
 )
+LEAK_CHECK_COLUMNS = tuple(c.name for c in leak_checks.columns)
 
 REQUEST_MOMENTS = ("arrive", "admit", "first_token", "finish", "retract")
 requests = Table(
@@ -170,3 +192,21 @@ reports = Table(
     Column("body", Text, nullable=False),
 )
 OPTIONAL_TABLES = (reports,)
+USAGE_COLUMNS = tuple(c.name for c in usage.columns)
+REQUEST_COLUMNS = tuple(c.name for c in requests.columns)
+
+
+def since_version(column: Column) -> int:
+    """The schema version that added `column`."""
+    return int(column.info.get("since", 1))
+
+
+def added_after(version: int) -> list[Column]:
+    """Columns a file of `version` lacks (a writer adds them when it upgrades the file)."""
+    return [c for table in metadata.sorted_tables for c in table.columns if since_version(c) > version]
+
+
+def columns_as_of(table: Table, version: int) -> list[ColumnElement]:
+    """`table`'s columns as a reader selects them from a file of `version`: a column added
+    later reads as NULL under its own name."""
+    return [c if since_version(c) <= version else null().label(c.name) for c in table.columns]

@@ -6,7 +6,8 @@ synchronous=NORMAL. Readers open SQLite files with `mode=ro` and can never write
 
 Bad input (a missing path, a file that is not SQLite, a truncated file, a SQLite file that
 is not a kvscope capture, a newer schema version) raises CaptureError with one line naming
-the file and the problem; nothing is written to the file.
+the file and the problem; nothing is written to the file. A writer brings a file of an older
+readable version up to the current one (see schema.py, versions).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, Table, create_engine, event, inspect, select
+from sqlalchemy import Connection, Engine, Table, create_engine, event, inspect, select, text, update
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.schema import CreateColumn
 
 from kvscope.telemetry import schema
 
@@ -64,18 +66,17 @@ def check_sqlite_file(path: Path) -> None:
         )
 
 
-def check_schema(engine: Engine, name: str) -> None:
+def check_schema(engine: Engine, name: str) -> int:
+    """The file's schema version, checked to be one this kvscope reads."""
     try:
         tables = set(inspect(engine).get_table_names())
         if schema.meta.name not in tables:
             raise CaptureError(f"{name}: not a kvscope capture (no {schema.meta.name} table)")
         with engine.connect() as conn:
-            found = conn.execute(
-                select(schema.meta.c.value).where(schema.meta.c.key == "schema_version")
-            ).scalar_one_or_none()
+            found = stored_version(conn)
     except SQLAlchemyError as err:
         raise CaptureError(f"{name}: unreadable capture ({_first_line(err)})") from err
-    if found is None or not str(found).isdigit():
+    if found is None or not found.isdigit() or int(found) < schema.OLDEST_READABLE_VERSION:
         raise CaptureError(f"{name}: not a kvscope capture (no schema version)")
     if int(found) > schema.SCHEMA_VERSION:
         raise CaptureError(
@@ -85,6 +86,25 @@ def check_schema(engine: Engine, name: str) -> None:
     missing = {t.name for t in schema.metadata.sorted_tables} - {t.name for t in schema.OPTIONAL_TABLES} - tables
     if missing:
         raise CaptureError(f"{name}: damaged capture (missing tables {sorted(missing)})")
+    return int(found)
+
+
+def stored_version(conn: Connection) -> str | None:
+    """The schema_version stored in the file (None when there is none)."""
+    found = conn.execute(select(schema.meta.c.value).where(schema.meta.c.key == "schema_version")).scalar_one_or_none()
+    return None if found is None else str(found)
+
+
+def _upgrade(engine: Engine, version: int) -> None:
+    """Bring a file of an older readable version up to SCHEMA_VERSION: add the later columns
+    (NULL in every existing row), then store the new version, in one transaction."""
+    preparer = engine.dialect.identifier_preparer
+    with engine.begin() as conn:
+        for column in schema.added_after(version):
+            ddl = CreateColumn(column).compile(dialect=engine.dialect)
+            conn.execute(text(f"ALTER TABLE {preparer.format_table(column.table)} ADD COLUMN {ddl}"))
+        conn.execute(update(schema.meta).where(schema.meta.c.key == "schema_version")
+                     .values(value=str(schema.SCHEMA_VERSION)))
 
 
 def _first_line(err: Exception) -> str:
@@ -135,7 +155,9 @@ def open_writer(target: str | Path) -> Engine:
     except SQLAlchemyError as err:
         raise CaptureError(f"{name}: unreadable capture ({_first_line(err)})") from err
     if tables:
-        check_schema(engine, name)
+        version = check_schema(engine, name)
+        if version < schema.SCHEMA_VERSION:
+            _upgrade(engine, version)
         schema.metadata.create_all(engine, tables=[t for t in schema.OPTIONAL_TABLES if t.name not in tables])
     else:
         schema.metadata.create_all(engine)

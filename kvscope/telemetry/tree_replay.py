@@ -1,52 +1,86 @@
 """Rebuild the node table at a step from a snapshot and the structural events after it.
 
 NOTE: what each event does to the table (see events.py for the fields)
-    insert     new node node_id under parent `aux`, num_tokens tokens, lock 0, hits 1
-    split      new node node_id takes the first num_tokens tokens of node `aux` and its place
+    insert     new node node_id under parent `aux`, num_tokens tokens, lock 0, hits 1, owned by
+               the event's principal
+    split      new node node_id takes the first num_tokens tokens of node `aux` and its place,
+               and keeps its owner, hits and access time
     evict      node loses num_tokens from its tail; at zero it is gone
     lock       +1 lock_ref on the node and every ancestor (unlock: -1)
     tombstone  the node's SWA half is gone (revive: it is back)
-Hit counts and access times of nodes born after the snapshot are approximate.
+Hit counts and access times of nodes born after the snapshot are approximate. An insert from a
+schema-version-1 capture carries no principal: such a node shows no owner.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
 
-COLUMNS = ("node_id", "parent_id", "num_tokens", "token_preview", "lock_ref", "last_access_time", "hit_count",
-           "owner", "tombstone", "depth_tokens")
+from kvscope.telemetry.events import EventKind
+from kvscope.telemetry.schema import TREE_NODE_COLUMNS
+
+NEW_NODE: dict[str, Any] = {**dict.fromkeys(TREE_NODE_COLUMNS), "token_preview": "", "lock_ref": 0, "hit_count": 1,
+                            "tombstone": False, "depth_tokens": 0}  # an inserted node before its event's fields
+Nodes = dict[int, dict[str, Any]]
 
 
-def _apply(nodes: dict[int, dict[str, Any]], ev: Any) -> None:
-    node = nodes.get(ev.node_id)
-    if ev.kind == "insert":
-        nodes[ev.node_id] = {"node_id": ev.node_id, "parent_id": ev.aux, "num_tokens": ev.num_tokens,
-                             "token_preview": "", "lock_ref": 0, "last_access_time": ev.t_mono, "hit_count": 1,
-                             "owner": None, "tombstone": False, "depth_tokens": 0}
-    elif ev.kind == "split" and ev.aux in nodes:
-        child = nodes[ev.aux]
+def _insert(nodes: Nodes, ev: Any) -> None:
+    nodes[ev.node_id] = {**NEW_NODE, "node_id": ev.node_id, "parent_id": ev.aux, "num_tokens": ev.num_tokens,
+                         "last_access_time": ev.t_mono, "owner": ev.principal}
+
+
+def _split(nodes: Nodes, ev: Any) -> None:
+    child = nodes.get(ev.aux)
+    if child is not None:
         nodes[ev.node_id] = {**child, "node_id": ev.node_id, "num_tokens": ev.num_tokens, "token_preview": ""}
         child["parent_id"] = ev.node_id
         child["num_tokens"] -= ev.num_tokens
-    elif ev.kind == "evict" and node is not None:
+
+
+def _evict(nodes: Nodes, ev: Any) -> None:
+    node = nodes.get(ev.node_id)
+    if node is not None:
         node["num_tokens"] -= ev.num_tokens
         if node["num_tokens"] <= 0:
             del nodes[ev.node_id]
-    elif ev.kind in ("lock", "unlock"):
-        delta = 1 if ev.kind == "lock" else -1
-        while node is not None and node["parent_id"] is not None:
-            node["lock_ref"] += delta
-            node = nodes.get(node["parent_id"])
-    elif ev.kind in ("tombstone", "revive") and node is not None:
-        node["tombstone"] = ev.kind == "tombstone"
+
+
+def _add_lock(nodes: Nodes, node_id: int, delta: int) -> None:
+    node = nodes.get(node_id)
+    while node is not None and node["parent_id"] is not None:
+        node["lock_ref"] += delta
+        node = nodes.get(node["parent_id"])
+
+
+def _set_tombstone(nodes: Nodes, node_id: int, tombstone: bool) -> None:
+    node = nodes.get(node_id)
+    if node is not None:
+        node["tombstone"] = tombstone
+
+
+APPLY: dict[EventKind, Callable[[Nodes, Any], None]] = {
+    EventKind.INSERT: _insert,
+    EventKind.SPLIT: _split,
+    EventKind.EVICT: _evict,
+    EventKind.LOCK: lambda nodes, ev: _add_lock(nodes, ev.node_id, 1),
+    EventKind.UNLOCK: lambda nodes, ev: _add_lock(nodes, ev.node_id, -1),
+    EventKind.TOMBSTONE: lambda nodes, ev: _set_tombstone(nodes, ev.node_id, True),
+    EventKind.REVIVE: lambda nodes, ev: _set_tombstone(nodes, ev.node_id, False),
+}
+STRUCTURAL_KINDS = tuple(APPLY)  # the kinds that change the node table; every other kind leaves it as it is
 
 
 def replay_tree(snapshot: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
-    nodes = {int(r["node_id"]): r for r in snapshot.reindex(columns=list(COLUMNS)).to_dict("records")}
+    """`snapshot`: a node table (TREE_NODE_COLUMNS); `events`: the structural events after it in
+    sequence order, with at least kind, node_id, num_tokens, aux, t_mono and principal."""
+    nodes = {int(r["node_id"]): r for r in snapshot.reindex(columns=list(TREE_NODE_COLUMNS)).to_dict("records")}
     for ev in events.itertuples():
-        _apply(nodes, ev)
+        apply = APPLY.get(ev.kind)
+        if apply is not None:
+            apply(nodes, ev)
     depth: dict[int, int] = {}
 
     def depth_of(node_id: int) -> int:
@@ -59,4 +93,4 @@ def replay_tree(snapshot: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
 
     for node_id in nodes:
         nodes[node_id]["depth_tokens"] = depth_of(node_id)
-    return pd.DataFrame(list(nodes.values()), columns=list(COLUMNS)).astype({"parent_id": "Int64"})
+    return pd.DataFrame(list(nodes.values()), columns=list(TREE_NODE_COLUMNS)).astype({"parent_id": "Int64"})

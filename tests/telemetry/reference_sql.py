@@ -5,14 +5,22 @@ kvscope/telemetry/derived.py, so they serve as the reference the fast versions m
 Known difference: for a node born as a split's upper piece, this version names the node
 itself as its parent (the split event does not carry the parent); derived.py follows the
 split node back to the parent it had then.
+
+SQLite text with index hints: a test reference, never a kvscope read (those are Core).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 from sqlalchemy import Engine, text
 
-from kvscope.telemetry.derived import frame
+
+def frame(engine: Engine, sql: str, **params: Any) -> pd.DataFrame:
+    with engine.connect() as conn:
+        result = conn.execute(text(sql), params)
+        return pd.DataFrame([tuple(row) for row in result.fetchall()], columns=list(result.keys()))
 
 EVICTION_LOG = """
 WITH ev AS (

@@ -11,10 +11,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from kvscope.app import RunSpec, run
 from kvscope.engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
 from kvscope.engine.engine import Engine
 from kvscope.engine.model import MODEL_PRESETS, model_config
-from kvscope.engine.runner import RunSpec, run
 from kvscope.telemetry import EventKind, EvictReason, PoolName, derived
 from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.recorder import SQLRecorder

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 from sqlalchemy import insert, text
 from sqlalchemy.exc import OperationalError
@@ -27,18 +28,19 @@ def test_every_event_kind_round_trips_with_its_fields(tmp_path: Path) -> None:
             recorder.step = i
             recorder.record(kind, pool=PoolName.SWA if i % 2 else PoolName.FULL, rid=f"r{i}", node_id=i * 10,
                             num_tokens=i + 1, slots=np.array([i, i + 1, 70000]), reason=EvictReason.TOMBSTONE,
-                            aux=-i)
+                            aux=-i, principal=f"u{i}" if i % 3 else None)
     capture = Capture(path)
     frame = capture.events(1)
     assert list(frame.kind) == [k.value for k in EventKind]
     for i, row in enumerate(frame.itertuples()):
         assert (row.seq, row.step, row.rid, row.node_id, row.num_tokens, row.aux) == (i, i, f"r{i}", i * 10, i + 1, -i)
         assert row.pool == ("swa" if i % 2 else "full") and row.reason == "tombstone"
+        assert (f"u{i}" if i % 3 else None) == (None if pd.isna(row.principal) else row.principal)
         assert decode_slots(row.slots) == [i, i + 1, 70000]
     run = capture.runs().iloc[0]
     assert (run.status, run.label, run.level) == ("finished", "kinds", "full")
     assert '"cache": "radix"' in run.config
-    assert list(capture.events(1, kinds=["evict", "lock"]).kind) == ["lock", "evict"]
+    assert list(capture.events(1, kinds=[EventKind.EVICT, EventKind.LOCK]).kind) == ["lock", "evict"]
     assert len(capture.events(1, step_range=(3, 5))) == 3
     assert list(capture.events(1, rid="r4").seq) == [4]
     assert list(capture.events(1, node_id=20).seq) == [2]

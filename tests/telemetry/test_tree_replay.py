@@ -1,5 +1,5 @@
 """Tree state at any step is reconstructable: a snapshot plus the structural events since
-rebuild exactly the live tree's node table (ids, parents, sizes, locks, tombstones)."""
+rebuild exactly the live tree's node table (ids, parents, sizes, locks, tombstones, owners)."""
 
 from __future__ import annotations
 
@@ -10,23 +10,30 @@ import pandas as pd
 import pytest
 import torch
 
-from kvscope.cache import RadixCache, SWARadixCache
+from kvscope.cache import EvictParams, RadixCache, SWARadixCache
 from kvscope.mem import SWATokenToKVPoolAllocator, make_token_allocator
-from kvscope.telemetry import ListRecorder
+from kvscope.telemetry import EventKind, ListRecorder
 from kvscope.telemetry.tree_replay import replay_tree
 from tests.cache.helpers import alloc_extend
 
-STRUCTURE = ["node_id", "parent_id", "num_tokens", "lock_ref", "tombstone", "depth_tokens"]
+STRUCTURE = ["node_id", "parent_id", "num_tokens", "lock_ref", "tombstone", "depth_tokens", "owner"]
+USERS = ("alice", "bob", None)
 
 
 def as_event_frame(recorder: ListRecorder, start: int) -> pd.DataFrame:
-    rows = [(e.kind.value, e.node_id, e.num_tokens, e.aux, 0.0) for e in recorder.events[start:]]
-    return pd.DataFrame(rows, columns=["kind", "node_id", "num_tokens", "aux", "t_mono"])
+    rows = [(e.kind.value, e.node_id, e.num_tokens, e.aux, 0.0, e.principal) for e in recorder.events[start:]]
+    return pd.DataFrame(rows, columns=["kind", "node_id", "num_tokens", "aux", "t_mono", "principal"])
+
+
+def structure(frame: pd.DataFrame) -> pd.DataFrame:
+    """The compared columns, sorted by node; a missing owner is None whatever the frame's dtype."""
+    out = frame[STRUCTURE].astype({"parent_id": "Int64", "owner": object})
+    out["owner"] = out["owner"].where(out["owner"].notna(), None)
+    return out.sort_values("node_id").reset_index(drop=True)
 
 
 def table(cache: Any) -> pd.DataFrame:
-    frame = pd.DataFrame(cache.export_nodes(), columns=cache.export_nodes()[0]._fields)
-    return frame[STRUCTURE].astype({"parent_id": "Int64"}).sort_values("node_id").reset_index(drop=True)
+    return structure(pd.DataFrame(cache.export_nodes(), columns=cache.export_nodes()[0]._fields))
 
 
 def drive(cache: Any, allocator: Any, rng: np.random.Generator, steps: int, swa: bool, locks: list[Any]) -> None:
@@ -45,11 +52,12 @@ def drive(cache: Any, allocator: Any, rng: np.random.Generator, steps: int, swa:
             if new is None:
                 continue
             slots = torch.cat((match.device_indices, new))
+            user = USERS[int(seq[0])]  # NOTE: from the sequence, so the random stream stays as it was
             if swa:
-                cache.insert(seq, slots, prev_prefix_len=match.prefix_len)
+                cache.insert(seq, slots, user=user, prev_prefix_len=match.prefix_len)
                 allocator.free(slots[len(seq) // ps * ps :])
             else:
-                prefix_len = cache.insert(seq, slots)
+                prefix_len = cache.insert(seq, slots, user=user)
                 allocator.free(slots[match.prefix_len : prefix_len])
                 allocator.free(slots[len(seq) // ps * ps :])
         elif op == 2:
@@ -61,11 +69,11 @@ def drive(cache: Any, allocator: Any, rng: np.random.Generator, steps: int, swa:
         elif op == 4:
             full = int(cache.evictable_size() * rng.random())
             if swa and rng.random() < 0.7:
-                cache.evict(0, int(cache.swa_evictable_size() * rng.random() * 0.3))
+                cache.evict(EvictParams(0, int(cache.swa_evictable_size() * rng.random() * 0.3)))
             elif swa:
-                cache.evict(full, int(cache.swa_evictable_size() * rng.random()))
+                cache.evict(EvictParams(full, int(cache.swa_evictable_size() * rng.random())))
             else:
-                cache.evict(full)
+                cache.evict(EvictParams(full))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -88,10 +96,12 @@ def test_snapshot_plus_events_rebuilds_the_live_tree(kind: str, seed: int) -> No
         seen = len(recorder.events)
         drive(cache, allocator, rng, 1, kind == "swa-radix", locks)
         snapshot = replay_tree(snapshot, as_event_frame(recorder, seen))  # the previous state is the snapshot
-        rebuilt = snapshot[STRUCTURE].sort_values("node_id").reset_index(drop=True)
+        rebuilt = structure(snapshot)
         pd.testing.assert_frame_equal(rebuilt, table(cache), check_dtype=False)
         checkpoints_with_tombstones += bool(table(cache).tombstone.any())
-    kinds = {e.kind.value for e in recorder.events}
-    assert {"insert", "split", "evict", "lock", "unlock"} <= kinds
+    kinds = {e.kind for e in recorder.events}
+    assert {EventKind.INSERT, EventKind.SPLIT, EventKind.EVICT, EventKind.LOCK, EventKind.UNLOCK} <= kinds
+    owners = {e.principal for e in recorder.events if e.kind is EventKind.INSERT}
+    assert {"alice", "bob", None} <= owners, "the owners the replay must follow are missing"
     if kind == "swa-radix":
         assert checkpoints_with_tombstones, "no checkpoint held a tombstone; the test would prove little"

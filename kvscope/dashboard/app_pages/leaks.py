@@ -7,7 +7,7 @@ import streamlit as st
 
 from kvscope.dashboard import charts, data
 from kvscope.dashboard.frame import selection
-from kvscope.debug.report import render_text
+from kvscope.debug import render_text
 
 MAX_ROWS = 1000  # culprits shipped to the browser
 MAX_TEXT_LEAKS = 100
