@@ -26,16 +26,15 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
 from _results import command_line, machine_lines, write_section
 
-from kvscope.mem import SWATokenToKVPoolAllocator, make_token_allocator, resolve_device
+from kvscope.mem import SWATokenToKVPoolAllocator, TokenAllocator, make_token_allocator, resolve_device
 
-# BaseTokenAllocator or SWATokenToKVPoolAllocator; the paged calls exist only on some of them
-Allocator = Any
+Allocator = TokenAllocator
 INDEX = torch.int64
 
 DECODE_BATCH_SIZE = 256

@@ -73,7 +73,7 @@ import numpy as np
 import torch
 from _results import command_line, machine_lines, write_section
 
-from kvscope.cache import RadixCache
+from kvscope.cache import EvictParams, RadixCache
 from kvscope.mem import make_token_allocator
 
 ns = time.perf_counter_ns
@@ -116,7 +116,7 @@ class KvscopeSide:
     def __init__(self, trace: Trace, capacity: int, page_size: int, policy: str) -> None:
         self.trace = trace
         self.page_size = page_size
-        self.allocator: Any = make_token_allocator(capacity, page_size, "cpu")
+        self.allocator = make_token_allocator(capacity, page_size, "cpu")
         self.cache = RadixCache(self.allocator, page_size=page_size, eviction_policy=policy,
                                 req_to_token_pool=None)
 
@@ -128,7 +128,7 @@ class KvscopeSide:
         return self.cache.insert(self.trace.all_ids[i], slots, self.trace.users[i])
 
     def evict(self, num_tokens: int) -> int:
-        return self.cache.evict(num_tokens)
+        return self.cache.evict(EvictParams(num_tokens)).num_tokens_evicted
 
     def lock(self, node: Any) -> None:
         self.cache.inc_lock_ref(node)

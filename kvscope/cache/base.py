@@ -1,4 +1,4 @@
-"""The prefix-cache contract (semantics note §4-§6). Every cache kind implements it.
+"""The prefix-cache contract (docs/memory-semantics.md §4-§6). Every cache kind implements it.
 
 A prefix cache owns a tree of token keys whose values are KV slots. It knows the pools
 (the request-to-token pool and the token allocator) and reports to a telemetry recorder;
@@ -27,22 +27,39 @@ Contract:
   Tokens move from evictable to protected on each 0 -> 1 transition and back on 1 -> 0.
   The root is always protected. `inc_lock_ref` returns a lock id (SWA window locks) or None.
   `rid` names the request taking or releasing the lock, for the lock / unlock events.
-- `evict(num_tokens)` frees at least `num_tokens` (whole leaves may overshoot) from
-  unlocked leaves in policy order and returns the number freed. Asking for more than
-  `evictable_size()` is an error stating both numbers.
+- `evict(EvictParams(num_tokens, swa_num_tokens))` frees at least `num_tokens` full-pool
+  tokens (whole leaves may overshoot) from unlocked leaves in policy order, and at least
+  `swa_num_tokens` SWA-pool tokens (SWA caches; others have none to free), and returns an
+  EvictResult with the tokens freed from each pool. Asking for more than
+  `evictable_size()` (or `swa_evictable_size()`) is an error stating the numbers.
 - `evictable_size()` / `protected_size()`: tokens in unlocked / locked tree nodes.
 - `check_integrity()` raises IntegrityError with the numbers if any tree invariant breaks.
 - `pretty_print()` returns the tree as text; `export_nodes()` the flat node table.
+
+Caches over a full pool and a sliding-window pool (SWATokenToKVPoolAllocator) implement
+`SWAPrefixCache`, which adds:
+- `swa_evictable_size()` / `swa_protected_size()`: SWA tokens the cache could free /
+  holds locked (a chunk cache: 0 and 0).
+- `window_range(req, pre_len)` -> (start_len, end_len), the family's window rule: with
+  `pre_len` tokens, positions [start_len, end_len) of the request leave the window now and
+  end_len is its new frontier (start_len <= end_len; equal when nothing moves). Pure.
+- `free_window(req, start_len, end_len)` frees the SWA half of those positions (their
+  full KV stays with the request) and sets `req.swa_evicted_len = end_len`;
+  `free_out_of_window(req, pre_len)` does both steps.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
+
+from kvscope.mem import ReqToTokenPool, SWATokenToKVPoolAllocator, free_swa_range
+from kvscope.telemetry import NodeRow  # NOTE: a row of the tree_snapshots table (the one schema)
 
 TOKEN_DTYPE = np.int32
 
@@ -64,7 +81,7 @@ def page_key(ids: np.ndarray, page_size: int) -> bytes:
     return (ids if key_len == len(ids) else ids[:key_len]).tobytes()
 
 
-def request_row(pool: Any, req: CacheableRequest, end: int) -> torch.Tensor:
+def request_row(pool: ReqToTokenPool | None, req: CacheableRequest, end: int) -> torch.Tensor:
     """Slots of positions [0, end) of the request's req_to_token row (a new int64 tensor)."""
     if pool is None:
         raise CacheMisuseError("caching a request needs the cache built with a req_to_token_pool")
@@ -82,19 +99,24 @@ class MatchResult(NamedTuple):
         return len(self.device_indices)
 
 
-class NodeRow(NamedTuple):
-    """One row of the flat node table the dashboard draws."""
+# NOTE: slotted dataclasses rather than NamedTuples: built on every evict call, they cost
+# about half as much to construct
 
-    node_id: int
-    parent_id: int | None
-    num_tokens: int
-    token_preview: str
-    lock_ref: int
-    last_access_time: float
-    hit_count: int
-    owner: str | None
-    tombstone: bool
-    depth_tokens: int
+
+@dataclass(slots=True)
+class EvictParams:
+    """How much `evict` must free: full-pool tokens, and SWA-pool tokens (SWA caches)."""
+
+    num_tokens: int = 0
+    swa_num_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EvictResult:
+    """What `evict` freed, per pool (whole leaves may overshoot the request)."""
+
+    num_tokens_evicted: int = 0
+    swa_num_tokens_evicted: int = 0
 
 
 class CacheableRequest(Protocol):
@@ -142,7 +164,7 @@ class BasePrefixCache(ABC):
     def dec_lock_ref(self, node: Any, lock_id: int | None = None, rid: str | None = None) -> None: ...
 
     @abstractmethod
-    def evict(self, num_tokens: int) -> int: ...
+    def evict(self, params: EvictParams) -> EvictResult: ...
 
     @abstractmethod
     def evictable_size(self) -> int: ...
@@ -169,3 +191,29 @@ class BasePrefixCache(ABC):
     def tree_slots(self) -> np.ndarray:
         """Every slot the tree owns (for conservation checks with the allocator)."""
         return np.empty(0, dtype=np.int64)
+
+
+class SWAPrefixCache(BasePrefixCache):
+    """A prefix cache over a full pool and a sliding-window pool (the contract above)."""
+
+    allocator: SWATokenToKVPoolAllocator
+    req_to_token_pool: ReqToTokenPool | None
+    window_len: int
+
+    @abstractmethod
+    def swa_evictable_size(self) -> int: ...
+
+    @abstractmethod
+    def swa_protected_size(self) -> int: ...
+
+    @abstractmethod
+    def window_range(self, req: CacheableRequest, pre_len: int) -> tuple[int, int]: ...
+
+    def free_window(self, req: CacheableRequest, start_len: int, end_len: int) -> None:
+        assert self.req_to_token_pool is not None and req.req_pool_idx is not None
+        free_swa_range(self.allocator, self.req_to_token_pool, req.req_pool_idx, start_len, end_len)
+        req.swa_evicted_len = end_len
+
+    def free_out_of_window(self, req: CacheableRequest, pre_len: int) -> None:
+        """Free the SWA half of the request's tokens that left the window."""
+        self.free_window(req, *self.window_range(req, pre_len))

@@ -1,4 +1,4 @@
-"""ChunkCache and SWAChunkCache (semantics note §6): no reuse, no tree.
+"""ChunkCache and SWAChunkCache (docs/memory-semantics.md §6): no reuse, no tree.
 
 A request keeps every slot it computed; chunked prefill snapshots its row as the next
 chunk's prefix; on finish it gives back everything beyond cache_protected_len. The SWA
@@ -12,15 +12,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvscope.cache.base import BasePrefixCache, CacheableRequest, CacheMisuseError, MatchResult, NodeRow, request_row
-from kvscope.mem import ReqToTokenPool, SWATokenToKVPoolAllocator, free_swa_out_of_window
+from kvscope.cache.base import (
+    BasePrefixCache,
+    CacheableRequest,
+    CacheMisuseError,
+    EvictParams,
+    EvictResult,
+    MatchResult,
+    NodeRow,
+    SWAPrefixCache,
+    request_row,
+)
+from kvscope.mem import ReqToTokenPool, SWATokenToKVPoolAllocator, TokenAllocator, swa_window_frontier
 from kvscope.telemetry import NULL_RECORDER, Recorder
 
 
 class ChunkCache(BasePrefixCache):
     def __init__(
         self,
-        allocator: Any,
+        allocator: TokenAllocator,
         page_size: int = 1,
         *,
         req_to_token_pool: ReqToTokenPool,
@@ -62,10 +72,13 @@ class ChunkCache(BasePrefixCache):
     def dec_lock_ref(self, node: Any, lock_id: int | None = None, rid: str | None = None) -> None:
         return None
 
-    def evict(self, num_tokens: int) -> int:
-        if num_tokens > 0:
-            raise CacheMisuseError(f"evict({num_tokens}) beyond the evictable size 0 (a chunk cache holds no tree)")
-        return 0
+    def evict(self, params: EvictParams) -> EvictResult:
+        if params.num_tokens > 0 or params.swa_num_tokens > 0:
+            raise CacheMisuseError(
+                f"evict({params.num_tokens}, swa {params.swa_num_tokens}) beyond the evictable size 0 "
+                f"(a chunk cache holds no tree)"
+            )
+        return EvictResult()
 
     def evictable_size(self) -> int:
         return 0
@@ -83,7 +96,10 @@ class ChunkCache(BasePrefixCache):
         return []
 
 
-class SWAChunkCache(ChunkCache):
+class SWAChunkCache(ChunkCache, SWAPrefixCache):
+    allocator: SWATokenToKVPoolAllocator
+    req_to_token_pool: ReqToTokenPool
+
     def __init__(
         self,
         allocator: SWATokenToKVPoolAllocator,
@@ -98,10 +114,13 @@ class SWAChunkCache(ChunkCache):
         super().__init__(allocator, page_size, req_to_token_pool=req_to_token_pool, recorder=recorder)
         self.window_len = window_len
 
-    def free_out_of_window(self, req: CacheableRequest, pre_len: int) -> None:
-        """Free the SWA half of the request's tokens that left the window."""
-        assert req.req_pool_idx is not None
-        req.swa_evicted_len = free_swa_out_of_window(
-            self.allocator, self.req_to_token_pool, req.req_pool_idx, req.swa_evicted_len, pre_len,
-            self.window_len, for_radix=False,
-        )
+    def swa_evictable_size(self) -> int:
+        return 0
+
+    def swa_protected_size(self) -> int:
+        return 0
+
+    def window_range(self, req: CacheableRequest, pre_len: int) -> tuple[int, int]:
+        """Chunk rule: the newest window_len tokens keep their SWA KV."""
+        start_len = req.swa_evicted_len
+        return start_len, swa_window_frontier(start_len, pre_len, self.window_len, self.page_size)

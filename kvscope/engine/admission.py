@@ -1,7 +1,7 @@
-"""Admission to a prefill batch: SGLang's PrefillAdder budget (semantics note §9.2).
+"""Admission to a prefill batch: SGLang's PrefillAdder budget (docs/memory-semantics.md §9.2).
 
 NOTE: budgets in tokens, rebuilt for every prefill pass
-    rem_total = available + evictable - reserved
+    rem_total = available + evictable - reserved   (SWA: the smaller over the two pools)
         reserved starts at Σ_running min(max_new - len(out), CLIP) * new_token_ratio and grows
         by page_ceil(extend) + min(max_new, CLIP) + page_size per admitted request
     rem_input = max_prefill_tokens, rem_chunk = chunked_prefill_size (None: no chunking)
@@ -38,11 +38,7 @@ class PrefillAdder:
         self.batch_full = False
 
     def rem_total(self) -> float:
-        memory = self.memory
-        budget = memory.full_available() + memory.cache.evictable_size() - self.reserved
-        if memory.is_swa:
-            budget = min(budget, memory.swa_available() + memory.swa_evictable() - self.reserved)
-        return budget
+        return self.memory.reclaimable_size() - self.reserved
 
     def _page_ceil(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size) * self.page_size

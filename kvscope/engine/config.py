@@ -12,7 +12,8 @@ CACHE_KINDS: tuple[str, ...] = ("radix", "chunk", "swa-radix", "none")
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """Capacities in tokens; the SWA pool is `swa_full_tokens_ratio` of the full one (§5.6)."""
+    """Capacities in tokens; the SWA pool is `swa_full_tokens_ratio` of the full one
+    (docs/memory-semantics.md §5.6)."""
 
     kv_size_tokens: int = 8192
     page_size: int = 1
@@ -53,7 +54,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """SGLang's scheduling knobs (semantics note §9) with their defaults."""
+    """SGLang's scheduling knobs (docs/memory-semantics.md §9) with their defaults."""
 
     chunked_prefill_size: int | None = 512
     max_prefill_tokens: int = 16384

@@ -2,6 +2,9 @@
 
 Requests arrive all at once, or paced in real time (`pace_per_s`) so a dashboard can watch
 the memory fill and drain. Whenever the engine is fully idle it runs the leak check.
+
+It writes to the recorder it is given and never reads a capture back; a read checker, when
+given, sees every slot a forward is about to read (both come from the caller, by interface).
 """
 
 from __future__ import annotations
@@ -11,11 +14,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvscope.debug.monitor import DebugMonitor
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.faults import FaultInjector, FaultSpec, check_applicable
 from kvscope.engine.memory import MemorySystem, build_memory
 from kvscope.engine.model import ModelConfig, TinyTransformer, kv_pool_shape
+from kvscope.engine.read_check import ReadChecker
 from kvscope.engine.request import Req
 from kvscope.engine.scheduler import LogitsHook, Scheduler
 from kvscope.engine.stats import EngineStats
@@ -51,25 +54,26 @@ def check_request(config: EngineConfig, model_config: ModelConfig, req: Req) -> 
 
 class Engine:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, recorder: Recorder = NULL_RECORDER,
-                 on_logits: LogitsHook | None = None, debug: bool = False, faults: list[FaultSpec] | None = None,
-                 fault_seed: int = 0) -> None:
-        """`debug`: keep the slot ledger live, poison freed K/V and check every read (catches a
-        use-after-free at the read). `faults`: inject these faults (needs strict mode off)."""
+                 on_logits: LogitsHook | None = None, *, read_checker: ReadChecker | None = None,
+                 faults: list[FaultSpec] | None = None, fault_seed: int = 0) -> None:
+        """`read_checker`: sees the KV pool once built, then every slot a request is about to read
+        (the debugger's monitor catches a use-after-free at the read; it is usually the recorder
+        too). `faults`: inject these faults (needs strict mode off)."""
         config.check_model(model_config.sliding_window, model_config.is_hybrid)
         check_faults(config, model_config, faults or [])
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
-        self.monitor = DebugMonitor(recorder) if debug else None
-        self.recorder: Recorder = self.monitor or recorder
+        self.recorder = recorder
+        self.read_checker = read_checker
         self.model = TinyTransformer(model_config, self.device)
         self.memory: MemorySystem = build_memory(config, kv_pool_shape(model_config), model_config.sliding_window,
-                                                 self.recorder)
-        if self.monitor is not None:
-            self.monitor.kv_pool = self.memory.kv_pool
-        self.faults = FaultInjector(faults, fault_seed, self.recorder) if faults else None
-        self.scheduler = Scheduler(config, self.model, self.memory, self.recorder, on_logits, self.monitor,
-                                   self.faults)
+                                                 recorder)
+        if read_checker is not None:
+            read_checker.attach_kv_pool(self.memory.kv_pool)
+        self.faults = FaultInjector(faults, fault_seed, recorder) if faults else None
+        self.scheduler = Scheduler(config, self.model, self.memory, recorder, on_logits, read_checker=read_checker,
+                                   faults=self.faults)
 
     @property
     def stats(self) -> EngineStats:

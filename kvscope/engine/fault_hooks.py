@@ -9,9 +9,8 @@ import numpy as np
 import torch
 
 from kvscope.engine.faults import FaultInjector, observe_frees
-from kvscope.engine.memory import MemorySystem
+from kvscope.engine.memory import MemorySystem, SWAMemorySystem
 from kvscope.engine.request import Req
-from kvscope.mem import swa_window_frontier
 from kvscope.telemetry import FaultKind
 
 
@@ -74,20 +73,19 @@ def maybe_use_after_free(faults: FaultInjector, memory: MemorySystem, req: Req) 
     memory.allocator.active_rid = None
 
 
-def maybe_swa_window_leak(faults: FaultInjector, memory: MemorySystem, req: Req, start: int, pre_len: int,
-                          for_radix: bool) -> bool:
-    """Drop the SWA slots that left the window from the mapping without freeing them."""
-    assert memory.window_len is not None
-    new = swa_window_frontier(start, pre_len, memory.window_len, memory.page_size, for_radix=for_radix)
-    if new <= start or not faults.wants(FaultKind.SWA_WINDOW_LEAK, req.rid):
+def maybe_swa_window_leak(faults: FaultInjector, memory: SWAMemorySystem, req: Req, start_len: int,
+                          end_len: int) -> bool:
+    """Drop the SWA slots of positions [start_len, end_len), which left the window, from the
+    mapping without freeing them. A WindowHook: True when it took the window move over."""
+    if end_len <= start_len or not faults.wants(FaultKind.SWA_WINDOW_LEAK, req.rid):
         return False
-    full = _own_slots(memory, req, start, new)
+    full = _own_slots(memory, req, start_len, end_len)
     mapping = memory.allocator.full_to_swa_index_mapping
     swa = mapping[full]
     live = swa > 0
     mapping[full[live]] = 0
     faults.injected(FaultKind.SWA_WINDOW_LEAK, req.rid, swa[live].tolist())
-    req.swa_evicted_len = new
+    req.swa_evicted_len = end_len
     return True
 
 

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvscope.telemetry.events import EventKind, FaultKind, Recorder
+from kvscope.mem import TokenAllocator
+from kvscope.telemetry import EventKind, FaultKind, Recorder
 
 TREE_ONLY = {FaultKind.LOCK_LEAK}
 SWA_ONLY = {FaultKind.SWA_WINDOW_LEAK}
@@ -80,11 +81,14 @@ def check_applicable(specs: list[FaultSpec], has_tree: bool, is_swa: bool) -> No
 
 
 @contextmanager
-def observe_frees(allocator: Any) -> Iterator[list[torch.Tensor]]:
-    """Collect the full-pool slots freed inside the block (for double-free); may repeat slots."""
+def observe_frees(allocator: TokenAllocator) -> Iterator[list[torch.Tensor]]:
+    """Collect the full-pool slots freed inside the block (for double-free); may repeat slots.
+
+    NOTE: spies on the full-attention pool's own free and free_segments (an SWA allocator
+    frees both halves through its full pool's free)."""
     seen: list[torch.Tensor] = []
-    target = getattr(allocator, "full_attn_allocator", allocator)
-    methods = ["free"] if target is not allocator else ["free", "free_segments"]
+    target = allocator.full_attn_allocator
+    methods = ["free", "free_segments"]
 
     def spy(name: str, original: Any) -> Any:
         def call(arg: Any, *rest: Any) -> None:

@@ -1,5 +1,10 @@
 """The engine's memory system: request-to-token pool, allocator, KV buffers and prefix cache,
-built from the config and the model's KV shape; usage terms and the idle leak check (§8).
+built from the config and the model's KV shape; usage terms and the idle leak check (docs/memory-semantics.md §8).
+
+Two variants behind one interface, picked once by `build_memory` from the model's shape:
+`MemorySystem` (full attention: one token pool) and `SWAMemorySystem` (hybrid sliding-window
+models: a full pool and an SWA pool in lockstep, with window freeing). The scheduler asks
+for sizes, eviction and window freeing without knowing which one it holds.
 
 NOTE: the leak invariant, exact for each pool at an idle point:
     available + evictable + protected + held + uncached == total
@@ -10,90 +15,171 @@ frontier too), zero when truly idle.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
 
-from kvscope.cache import BasePrefixCache, ChunkCache, RadixCache, SWAChunkCache, SWARadixCache
+from kvscope.cache import (
+    BasePrefixCache,
+    ChunkCache,
+    EvictParams,
+    RadixCache,
+    SWAChunkCache,
+    SWAPrefixCache,
+    SWARadixCache,
+)
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.model import KVPoolShape
 from kvscope.engine.request import Req
 from kvscope.mem import (
+    BaseTokenAllocator,
+    KVPool,
     MHATokenToKVPool,
     ReqToTokenPool,
     SWAKVPool,
     SWATokenToKVPoolAllocator,
+    TokenAllocator,
     make_token_allocator,
     resolve_device,
 )
 from kvscope.telemetry import LeakCheck, PoolTerms, Recorder
 
+# (memory, request, start_len, end_len) -> True when it took the window move over (a fault)
+WindowHook = Callable[["SWAMemorySystem", Req, int, int], bool]
 
-@dataclass
+
 class MemorySystem:
-    config: EngineConfig
-    req_to_token_pool: ReqToTokenPool
-    allocator: Any  # BaseTokenAllocator or SWATokenToKVPoolAllocator
-    kv_pool: MHATokenToKVPool | SWAKVPool
-    cache: BasePrefixCache
-    window_len: int | None
+    """Full attention: one token pool; nothing leaves a window."""
+
+    def __init__(self, config: EngineConfig, req_to_token_pool: ReqToTokenPool, allocator: TokenAllocator,
+                 kv_pool: KVPool, cache: BasePrefixCache) -> None:
+        self.config = config
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.kv_pool = kv_pool
+        self.cache = cache
 
     @property
     def page_size(self) -> int:
         return self.config.pool.page_size
 
-    @property
-    def is_swa(self) -> bool:
-        return isinstance(self.allocator, SWATokenToKVPoolAllocator)
-
     # -- sizes -------------------------------------------------------------------------------
 
+    def available_size(self) -> int:
+        """Tokens every pool can still hand out without evicting."""
+        return self.allocator.available_size()
+
     def full_available(self) -> int:
-        return self.allocator.full_available_size() if self.is_swa else self.allocator.available_size()
+        return self.allocator.available_size()
 
-    def swa_available(self) -> int:
-        return self.allocator.swa_available_size() if self.is_swa else 0
-
-    def swa_evictable(self) -> int:
-        return self.cache.swa_evictable_size() if isinstance(self.cache, SWARadixCache) else 0
-
-    def swa_protected(self) -> int:
-        return self.cache.swa_protected_size() if isinstance(self.cache, SWARadixCache) else 0
+    def reclaimable_size(self) -> int:
+        """Tokens every pool could hand out after evicting all it can: available + evictable."""
+        return self.full_available() + self.cache.evictable_size()
 
     def full_terms(self) -> PoolTerms:
         total = self.config.pool.full_size_tokens
         return PoolTerms(total, self.full_available(), self.cache.evictable_size(), self.cache.protected_size())
 
     def swa_terms(self) -> PoolTerms | None:
-        if not self.is_swa:
-            return None
-        return PoolTerms(self.config.pool.swa_size_tokens, self.swa_available(), self.swa_evictable(),
-                         self.swa_protected())
+        return None
 
-    def evict(self, full_tokens: int, swa_tokens: int = 0) -> int:
-        """Evict the shortfalls, clamped to what the tree can give; returns full tokens freed."""
-        full = min(max(full_tokens, 0), self.cache.evictable_size())
-        if isinstance(self.cache, SWARadixCache):
-            swa = min(max(swa_tokens, 0), self.swa_evictable())
-            return self.cache.evict(full, swa) if full or swa else 0
-        return self.cache.evict(full) if full else 0
+    def evict_for(self, num_tokens: int) -> int:
+        """Evict so that `num_tokens` more fit in every pool, clamped to what the tree can give;
+        returns the full-pool tokens freed."""
+        full = min(max(num_tokens - self.full_available(), 0), self.cache.evictable_size())
+        return self.cache.evict(EvictParams(full)).num_tokens_evicted if full else 0
+
+    # -- the sliding window --------------------------------------------------------------------
+
+    def free_windows_before_extend(self, batch: Sequence[Req], hook: WindowHook | None) -> None:
+        """Before a prefill extends `batch`: full attention keeps every token."""
+
+    def free_windows_for_decode(self, batch: Sequence[Req], interval: int, hook: WindowHook | None) -> None:
+        """Before a decode step: full attention keeps every token."""
 
     # -- the leak check ----------------------------------------------------------------------
 
     def leak_checks(self, step: int, holders: Sequence[Req]) -> list[LeakCheck]:
-        ps = self.page_size
-        full, swa = self.full_terms(), self.swa_terms()
-        uncached = sum(-(-r.kv_committed_len // ps) * ps - r.cache_protected_len for r in holders)
-        checks = [LeakCheck(step, "full", full.total, full.available, full.evictable, full.protected, 0, uncached)]
-        if swa is not None:
-            swa_uncached = sum(-(-r.kv_committed_len // ps) * ps - max(r.cache_protected_len, r.swa_evicted_len)
-                               for r in holders)
-            checks.append(LeakCheck(step, "swa", swa.total, swa.available, swa.evictable, swa.protected, 0,
-                                    swa_uncached))
         rows = self.req_to_token_pool
         held_rows = sum(1 for r in holders if r.req_pool_idx is not None)
-        checks.append(LeakCheck(step, "req", rows.num_rows, rows.available_size(), 0, 0, 0, held_rows))
-        return checks
+        req_check = LeakCheck(step, "req", rows.num_rows, rows.available_size(), 0, 0, 0, held_rows)
+        return [*self.pool_checks(step, holders), req_check]
+
+    def pool_checks(self, step: int, holders: Sequence[Req]) -> list[LeakCheck]:
+        ps = self.page_size
+        full = self.full_terms()
+        uncached = sum(-(-r.kv_committed_len // ps) * ps - r.cache_protected_len for r in holders)
+        return [LeakCheck(step, "full", full.total, full.available, full.evictable, full.protected, 0, uncached)]
+
+
+class SWAMemorySystem(MemorySystem):
+    """Hybrid sliding-window models: a full pool and an SWA pool; tokens that leave the
+    window give their SWA half back (the cache family's rule says which, the engine when)."""
+
+    allocator: SWATokenToKVPoolAllocator
+    cache: SWAPrefixCache
+
+    def __init__(self, config: EngineConfig, req_to_token_pool: ReqToTokenPool,
+                 allocator: SWATokenToKVPoolAllocator, kv_pool: SWAKVPool, cache: SWAPrefixCache,
+                 window_len: int) -> None:
+        super().__init__(config, req_to_token_pool, allocator, kv_pool, cache)
+        self.window_len = window_len
+
+    def full_available(self) -> int:
+        return self.allocator.full_available_size()
+
+    def swa_available(self) -> int:
+        return self.allocator.swa_available_size()
+
+    def reclaimable_size(self) -> int:
+        return min(super().reclaimable_size(), self.swa_available() + self.cache.swa_evictable_size())
+
+    def swa_terms(self) -> PoolTerms:
+        return PoolTerms(self.config.pool.swa_size_tokens, self.swa_available(), self.cache.swa_evictable_size(),
+                         self.cache.swa_protected_size())
+
+    def evict_for(self, num_tokens: int) -> int:
+        cache = self.cache
+        full = min(max(num_tokens - self.full_available(), 0), cache.evictable_size())
+        swa = min(max(num_tokens - self.swa_available(), 0), cache.swa_evictable_size())
+        return cache.evict(EvictParams(full, swa)).num_tokens_evicted if full or swa else 0
+
+    # -- the sliding window --------------------------------------------------------------------
+
+    def free_windows_before_extend(self, batch: Sequence[Req], hook: WindowHook | None) -> None:
+        """A chunk cache frees the window of a request it extends again (once per chunk).
+
+        NOTE: for a radix tree this frees nothing: the tree owns every whole page below
+        kv_committed_len and the frontier already sits at cache_protected_len, so the window
+        range is empty.
+        """
+        for req in batch:
+            if req.kv_committed_len > 0:
+                self._move_window(req, req.kv_committed_len, hook)
+
+    def free_windows_for_decode(self, batch: Sequence[Req], interval: int, hook: WindowHook | None) -> None:
+        """Every `interval` tokens past the window, after the request's first decode step."""
+        window_len = self.window_len
+        for req in batch:
+            pre_len = req.kv_committed_len
+            if req.decode_steps >= 1 and pre_len - window_len >= req.swa_evicted_len + interval:
+                self._move_window(req, pre_len, hook)
+
+    def _move_window(self, req: Req, pre_len: int, hook: WindowHook | None) -> None:
+        start_len, end_len = self.cache.window_range(req, pre_len)
+        if hook is not None and hook(self, req, start_len, end_len):
+            return
+        self.allocator.active_rid = req.rid
+        self.cache.free_window(req, start_len, end_len)
+        self.allocator.active_rid = None
+
+    # -- the leak check ----------------------------------------------------------------------
+
+    def pool_checks(self, step: int, holders: Sequence[Req]) -> list[LeakCheck]:
+        ps = self.page_size
+        swa = self.swa_terms()
+        swa_uncached = sum(-(-r.kv_committed_len // ps) * ps - max(r.cache_protected_len, r.swa_evicted_len)
+                           for r in holders)
+        swa_check = LeakCheck(step, "swa", swa.total, swa.available, swa.evictable, swa.protected, 0, swa_uncached)
+        return [*super().pool_checks(step, holders), swa_check]
 
 
 def build_memory(config: EngineConfig, shape: KVPoolShape, window_len: int | None, recorder: Recorder) -> MemorySystem:
@@ -102,36 +188,44 @@ def build_memory(config: EngineConfig, shape: KVPoolShape, window_len: int | Non
     ps = pool_cfg.page_size
     rows = ReqToTokenPool(pool_cfg.max_running_requests, pool_cfg.max_context_len, device, strict=config.strict)
     if shape.is_hybrid:
-        allocator: Any = SWATokenToKVPoolAllocator(pool_cfg.full_size_tokens, pool_cfg.swa_size_tokens, ps, device,
-                                                   strict=config.strict)
+        assert window_len is not None
+        swa_allocator = SWATokenToKVPoolAllocator(pool_cfg.full_size_tokens, pool_cfg.swa_size_tokens, ps, device,
+                                                  strict=config.strict)
         full = MHATokenToKVPool(pool_cfg.full_size_tokens, ps, shape.dtype, shape.num_kv_heads, shape.head_dim,
                                 shape.num_full_layers, device, name="full")
         swa = MHATokenToKVPool(pool_cfg.swa_size_tokens, ps, shape.dtype, shape.num_kv_heads, shape.head_dim,
                                shape.num_swa_layers, device, name="swa")
-        kv_pool: MHATokenToKVPool | SWAKVPool = SWAKVPool(full, swa, list(shape.swa_layer_ids),
-                                                          allocator.full_to_swa_index_mapping)
-    else:
-        allocator = make_token_allocator(pool_cfg.full_size_tokens, ps, device, strict=config.strict)
-        kv_pool = MHATokenToKVPool(pool_cfg.full_size_tokens, ps, shape.dtype, shape.num_kv_heads, shape.head_dim,
-                                   shape.num_full_layers, device)
+        swa_kv_pool = SWAKVPool(full, swa, list(shape.swa_layer_ids), swa_allocator.full_to_swa_index_mapping)
+        swa_allocator.recorder = recorder
+        swa_cache = build_swa_cache(config, swa_allocator, rows, window_len, recorder)
+        return SWAMemorySystem(config, rows, swa_allocator, swa_kv_pool, swa_cache, window_len)
+    allocator = make_token_allocator(pool_cfg.full_size_tokens, ps, device, strict=config.strict)
+    kv_pool = MHATokenToKVPool(pool_cfg.full_size_tokens, ps, shape.dtype, shape.num_kv_heads, shape.head_dim,
+                               shape.num_full_layers, device)
     allocator.recorder = recorder
-    cache = build_cache(config, allocator, rows, window_len, shape.is_hybrid, recorder)
-    return MemorySystem(config, rows, allocator, kv_pool, cache, window_len)
+    return MemorySystem(config, rows, allocator, kv_pool, build_cache(config, allocator, rows, recorder))
 
 
-def build_cache(config: EngineConfig, allocator: Any, rows: ReqToTokenPool, window_len: int | None, hybrid: bool,
+def build_cache(config: EngineConfig, allocator: BaseTokenAllocator, rows: ReqToTokenPool,
                 recorder: Recorder) -> BasePrefixCache:
-    """radix / swa-radix keep a tree; chunk and none keep nothing (SGLang frees the same way)."""
+    """radix keeps a tree; chunk and none keep nothing (SGLang frees the same way)."""
     kind, ps = config.cache.kind, config.pool.page_size
+    if kind == "swa-radix":
+        raise ValueError("the swa-radix cache needs a hybrid sliding-window model (e.g. --model tiny-swa)")
     if kind == "radix":
         return RadixCache(allocator, ps, req_to_token_pool=rows, eviction_policy=config.cache.eviction_policy,
                           eviction_granularity=config.cache.eviction_granularity, recorder=recorder,
                           strict=config.strict)
+    return ChunkCache(allocator, ps, req_to_token_pool=rows, recorder=recorder)
+
+
+def build_swa_cache(config: EngineConfig, allocator: SWATokenToKVPoolAllocator, rows: ReqToTokenPool,
+                    window_len: int, recorder: Recorder) -> SWAPrefixCache:
+    """swa-radix keeps a tree; chunk and none keep nothing."""
+    kind, ps = config.cache.kind, config.pool.page_size
+    if kind == "radix":
+        raise ValueError("a hybrid sliding-window model needs --cache swa-radix, chunk or none, not radix")
     if kind == "swa-radix":
-        assert window_len is not None
         return SWARadixCache(allocator, ps, window_len=window_len, req_to_token_pool=rows, recorder=recorder,
                              strict=config.strict)
-    if hybrid:
-        assert window_len is not None
-        return SWAChunkCache(allocator, ps, req_to_token_pool=rows, window_len=window_len, recorder=recorder)
-    return ChunkCache(allocator, ps, req_to_token_pool=rows, recorder=recorder)
+    return SWAChunkCache(allocator, ps, req_to_token_pool=rows, window_len=window_len, recorder=recorder)

@@ -1,4 +1,4 @@
-"""A request as the scheduler and the caches see it (semantics note §3).
+"""A request as the scheduler and the caches see it (docs/memory-semantics.md §3).
 
 NOTE: positions of a running request
     [0, cache_protected_len)        slots owned by the tree (locked through last_node)
@@ -89,7 +89,7 @@ class Req:
         return not self.ignore_eos and bool(self.output_ids) and self.output_ids[-1] == self.eos_id
 
     def reset_for_retract(self, root: Any) -> None:
-        """Back to waiting with outputs kept (§9.3): the tree forgets it, its KV is gone."""
+        """Back to waiting with outputs kept (docs/memory-semantics.md §9.3): the tree forgets it, its KV is gone."""
         self.state = ReqState.WAITING
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.last_node = root

@@ -1,4 +1,4 @@
-"""The scheduler loop, SGLang's way (semantics note §3, §9): prefill when something can be
+"""The scheduler loop, SGLang's way (docs/memory-semantics.md §3, §9): prefill when something can be
 admitted, else decode the running batch, else run the idle leak check.
 
 NOTE: one step
@@ -16,30 +16,36 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
 
-from kvscope.cache import SWARadixCache
-from kvscope.debug.monitor import DebugMonitor
 from kvscope.engine import fault_hooks
 from kvscope.engine.admission import PrefillAdder
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.decode import DecodeMixin, held_rows
 from kvscope.engine.faults import FaultInjector
-from kvscope.engine.memory import MemorySystem
+from kvscope.engine.memory import MemorySystem, WindowHook
 from kvscope.engine.model import ForwardBatch, TinyTransformer
+from kvscope.engine.read_check import ReadChecker
 from kvscope.engine.request import Req, ReqState
 from kvscope.engine.stats import EngineStats, LeakDetected
-from kvscope.mem import free_swa_out_of_window
 from kvscope.telemetry import Recorder
 
 LogitsHook = Callable[[Req, int, torch.Tensor], None]  # (request, position, logits row)
 
 
-class Scheduler(DecodeMixin):
+def held_rows(batch: list[Req]) -> list[int]:
+    """The req_to_token rows of a batch whose requests all hold one."""
+    rows = [r.req_pool_idx for r in batch]
+    if None in rows:
+        raise RuntimeError("a request in a forward batch holds no req_to_token row (this is a kvscope bug)")
+    return [r for r in rows if r is not None]
+
+
+class Scheduler:
     def __init__(self, config: EngineConfig, model: TinyTransformer, memory: MemorySystem, recorder: Recorder,
-                 on_logits: LogitsHook | None = None, monitor: DebugMonitor | None = None,
+                 on_logits: LogitsHook | None = None, read_checker: ReadChecker | None = None,
                  faults: FaultInjector | None = None) -> None:
         self.config = config
         self.sched = config.scheduler
@@ -47,8 +53,11 @@ class Scheduler(DecodeMixin):
         self.memory = memory
         self.recorder = recorder
         self.on_logits = on_logits
-        self.monitor = monitor
+        self.read_checker = read_checker
         self.faults = faults
+        self.window_hook: WindowHook | None = (
+            None if faults is None else partial(fault_hooks.maybe_swa_window_leak, faults)
+        )
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -134,10 +143,7 @@ class Scheduler(DecodeMixin):
         rows = memory.req_to_token_pool
         if rows.alloc(batch) is None:
             raise RuntimeError(f"out of request rows: {rows.available_size()} free for {len(batch)} requests")
-        if isinstance(memory.cache, SWARadixCache) is False and memory.is_swa:
-            for req in batch:
-                if req.kv_committed_len > 0:
-                    self._free_window(req, req.kv_committed_len)
+        memory.free_windows_before_extend(batch, self.window_hook)
         prefix_lens = [r.kv_committed_len for r in batch]
         extend_lens = [r.extend_len for r in batch]
         slots = self._alloc_extend(batch, prefix_lens, extend_lens)
@@ -162,7 +168,7 @@ class Scheduler(DecodeMixin):
     def _alloc_extend(self, batch: list[Req], prefix_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
         memory, ps = self.memory, self.memory.page_size
         need = sum(extend_lens) + (len(batch) * ps if ps > 1 else 0)
-        self.stats.evicted(memory.evict(need - memory.full_available(), need - memory.swa_available()))
+        self.stats.evicted(memory.evict_for(need))
         allocator = memory.allocator
         allocator.active_batch = [(r.rid, e) for r, e in zip(batch, extend_lens, strict=True)]
         if ps == 1:
@@ -199,31 +205,107 @@ class Scheduler(DecodeMixin):
 
     def _check_reads(self, batch: list[Req], read_lens: list[int]) -> None:
         """Debug mode: every slot a request reads must be its own or the tree's."""
-        if self.monitor is None:
+        if self.read_checker is None:
             return
         rows = self.memory.req_to_token_pool
         for req, read_len in zip(batch, read_lens, strict=True):
             assert req.req_pool_idx is not None
             if read_len:
-                self.monitor.check_reads(req.rid, rows.read(req.req_pool_idx, 0, read_len))
+                self.read_checker.check_reads(req.rid, rows.read(req.req_pool_idx, 0, read_len))
 
-    def _free_window(self, req: Req, pre_len: int) -> None:
-        memory = self.memory
-        assert req.req_pool_idx is not None and memory.window_len is not None
-        for_radix = isinstance(memory.cache, SWARadixCache)
-        start = max(req.swa_evicted_len, req.cache_protected_len) if for_radix else req.swa_evicted_len
-        if self.faults is not None and fault_hooks.maybe_swa_window_leak(self.faults, memory, req, start, pre_len,
-                                                                         for_radix):
+    # -- decode (docs/memory-semantics.md §9.3): memory check, retraction, window freeing, one slot per
+    # request, forward, sampling, finish
+    # NOTE: retraction order: requests sorted by (len(output), -len(prompt)) descending; victims
+    # are popped from the end (fewest outputs first; among ties the longest prompt), always
+    # keeping one. new_token_ratio decays by `decay` per successful check, and after a retraction
+    # becomes min(1, (decoded + retract_decode_steps * n) / (Σ max_new + 1)) over those kept.
+
+    def _run_decode(self) -> None:
+        self._ensure_decode_memory()
+        batch = self.running
+        if not batch:
             return
-        memory.allocator.active_rid = req.rid
-        req.swa_evicted_len = free_swa_out_of_window(memory.allocator, memory.req_to_token_pool, req.req_pool_idx,
-                                                     start, pre_len, memory.window_len, for_radix=for_radix)
-        memory.allocator.active_rid = None
+        memory = self.memory
+        memory.free_windows_for_decode(batch, self.sched.swa_eviction_interval, self.window_hook)
+        if self.faults is not None:
+            for req in batch:
+                fault_hooks.maybe_use_after_free(self.faults, memory, req)
+        row_ids = held_rows(batch)
+        positions = [r.kv_committed_len for r in batch]
+        slots = self._alloc_decode(batch, row_ids, positions)
+        rows = memory.req_to_token_pool
+        rows.write_tokens(row_ids, positions, slots)
+        input_ids = torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64)
+        forward = ForwardBatch.build("decode", input_ids, held_rows(batch), [r.kv_committed_len for r in batch], slots)
+        self._check_reads(batch, positions)
+        logits = self.model.forward(forward, rows, memory.kv_pool)
+        memory.allocator.free_group_begin()
+        still_running = []
+        sampled = logits.argmax(-1).tolist()  # NOTE: one device sync per step, not one per request
+        for req, row, token in zip(batch, logits, sampled, strict=True):
+            req.kv_committed_len += 1
+            req.decode_steps += 1
+            if self.on_logits is not None:
+                self.on_logits(req, req.kv_committed_len - 1, row)
+            req.append_output(req.next_token(token))
+            if req.is_done():
+                self._finish(req)
+            else:
+                still_running.append(req)
+        memory.allocator.free_group_end()
+        self.running = still_running
+
+    def _alloc_decode(self, batch: list[Req], row_ids: list[int], positions: list[int]) -> torch.Tensor:
+        allocator = self.memory.allocator
+        allocator.active_batch = [(r.rid, 1) for r in batch]
+        if self.memory.page_size == 1:
+            slots = allocator.alloc(len(batch))
+        else:
+            last = self.memory.req_to_token_pool.read_tokens(row_ids, [p - 1 for p in positions])
+            slots = allocator.alloc_decode([p + 1 for p in positions], last)
+        allocator.active_batch = None
+        if slots is None:
+            raise RuntimeError("Decode out of memory after the memory check (this is a kvscope bug)")
+        return slots
+
+    def _decode_need(self, reqs: list[Req]) -> int:
+        ps = self.memory.page_size
+        return ps * sum(1 for r in reqs if r.kv_committed_len % ps == 0)
+
+    def _decode_fits(self, reqs: list[Req]) -> bool:
+        memory = self.memory
+        need = self._decode_need(reqs)
+        self.stats.evicted(memory.evict_for(need))
+        return memory.available_size() >= need
+
+    def _ensure_decode_memory(self) -> None:
+        if self._decode_fits(self.running):
+            self.new_token_ratio = max(self.new_token_ratio - self.sched.new_token_ratio_decay,
+                                       self.sched.min_new_token_ratio)
+            return
+        keep = sorted(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len), reverse=True)
+        retracted: list[Req] = []
+        while keep and not self._decode_fits(keep):
+            victim = keep.pop()
+            if not keep:
+                self._abort(victim, "out of memory even after retracting all other requests in the decode batch")
+                break
+            self._retract(victim)
+            retracted.append(victim)
+        self.running = [r for r in self.running if r in keep]
+        if keep:
+            future = len(keep) * self.sched.retract_decode_steps
+            self.stats.evicted(self.memory.evict_for(future))
+            decoded = sum(len(r.output_ids) for r in keep)
+            budget = sum(r.max_new_tokens for r in keep)
+            self.new_token_ratio = min(1.0, (decoded + self.sched.retract_decode_steps * len(keep)) / (budget + 1))
+        for req in reversed(retracted):
+            self.waiting.appendleft(req)
 
     # -- leaving -------------------------------------------------------------------------------
 
     def _release(self, req: Req, is_insert: bool) -> None:
-        """release_kv_cache (§3.6): the cache takes or frees the KV, then the row goes."""
+        """release_kv_cache (docs/memory-semantics.md §3.6): the cache takes or frees the KV, then the row goes."""
         memory = self.memory
         memory.allocator.active_rid = req.rid
         req.fill_ids = req.all_ids()

@@ -7,12 +7,42 @@ and viewed back as the fp8 dtype on read.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from kvscope.mem.device import resolve_device
 from kvscope.mem.errors import PoolMisuseError
 
 FP8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+class KVPool(Protocol):
+    """What the model and the debugger use of a KV pool, full-only or hybrid alike.
+
+    NOTE: every layer id is global (0 .. num_layers); slots are full-pool slots. A pool
+    translates them for the layers that address another pool (SWA layers of a hybrid pool).
+    """
+
+    num_layers: int
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def set_kv_buffer(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, /) -> None: ...
+
+    def translate_loc(self, full_slots: torch.Tensor) -> torch.Tensor:
+        """The slots that sliding-window layers address for `full_slots` (a new tensor or the same)."""
+        ...
+
+    def buffers_of(self, pool_name: str) -> MHATokenToKVPool:
+        """The buffers that hold pool `pool_name`'s slots ("full" or "swa")."""
+        ...
+
+    def check_layers(self, num_layers: int, swa_layer_ids: tuple[int, ...]) -> list[MHATokenToKVPool]:
+        """Raise ValueError unless the pool has a model's layers; return its buffers."""
+        ...
+
+    def bytes_used(self) -> int: ...
 
 
 class MHATokenToKVPool:
@@ -69,6 +99,18 @@ class MHATokenToKVPool:
         self.k_buffer[layer][slots] = k
         self.v_buffer[layer][slots] = v
 
+    def translate_loc(self, full_slots: torch.Tensor) -> torch.Tensor:
+        """Every layer of a full-only pool addresses full slots, window layers too."""
+        return full_slots
+
+    def buffers_of(self, pool_name: str) -> MHATokenToKVPool:
+        return self
+
+    def check_layers(self, num_layers: int, swa_layer_ids: tuple[int, ...]) -> list[MHATokenToKVPool]:
+        if self.num_layers != num_layers:
+            raise ValueError(f"KV pool has {self.num_layers} layers, the model {num_layers}")
+        return [self]
+
     def _layer(self, layer_id: int) -> int:
         if not 0 <= layer_id < self.num_layers:
             raise PoolMisuseError(self.name, f"layer {layer_id} outside [0, {self.num_layers})")
@@ -110,6 +152,15 @@ class SWAKVPool:
 
     def translate_loc(self, full_slots: torch.Tensor) -> torch.Tensor:
         return self.full_to_swa_index_mapping[full_slots]
+
+    def buffers_of(self, pool_name: str) -> MHATokenToKVPool:
+        return self.swa_kv_pool if pool_name == "swa" else self.full_kv_pool
+
+    def check_layers(self, num_layers: int, swa_layer_ids: tuple[int, ...]) -> list[MHATokenToKVPool]:
+        found = tuple(sorted(g for g, (_, is_swa) in self.layers_mapping.items() if is_swa))
+        if found != swa_layer_ids:
+            raise ValueError(f"SWAKVPool has SWA layers {found}, the model {swa_layer_ids}")
+        return [self.full_kv_pool, self.swa_kv_pool]
 
     def _route(self, layer_id: int) -> tuple[MHATokenToKVPool, int, bool]:
         if layer_id not in self.layers_mapping:

@@ -1,4 +1,4 @@
-"""Slot arithmetic of paged allocation (semantics note §2.4), in torch and in numpy.
+"""Slot arithmetic of paged allocation (docs/memory-semantics.md §2.4), in torch and in numpy.
 
 NOTE: a request growing from prefix length p to sequence length s gets, in order:
     positions [p, min(s, ceil_ps(p)))  -> last_loc + 1, last_loc + 2, ... (its partial page)

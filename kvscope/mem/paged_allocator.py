@@ -1,4 +1,4 @@
-"""PagedTokenToKVPoolAllocator: page size > 1 (semantics note §2.4).
+"""PagedTokenToKVPoolAllocator: page size > 1 (docs/memory-semantics.md §2.4).
 
 NOTE: alignment invariant: position i of any request lives at a slot with
 `slot % ps == i % ps`, so positions [k*ps, (k+1)*ps) of a request share one page.
@@ -8,16 +8,13 @@ touched and prepend them: LIFO reuse.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
 from kvscope.mem import page_math
-from kvscope.mem.base import INDEX_DTYPE, BaseTokenAllocator, PageState
+from kvscope.mem.base import INDEX_DTYPE, IntsLike
 from kvscope.mem.errors import PoolMisuseError
-
-IntsLike = torch.Tensor | Sequence[int]
+from kvscope.mem.token_allocator import BaseTokenAllocator, PageState
 
 
 def as_index_tensor(values: IntsLike, device: torch.device) -> torch.Tensor:

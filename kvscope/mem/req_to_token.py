@@ -1,4 +1,4 @@
-"""ReqToTokenPool: one int32 row per running request mapping token position -> slot (§2.1).
+"""ReqToTokenPool: one int32 row per running request mapping token position -> slot (docs/memory-semantics.md §2.1).
 
 NOTE: `req_to_token[row, i]` is the slot of position i of the request holding `row`.
 Row 0 is padding (padded batches point at it); rows 1..num_rows are handed out.

@@ -1,4 +1,4 @@
-"""SWATokenToKVPoolAllocator: a full pool and a sliding-window pool in lockstep (§2.6).
+"""SWATokenToKVPoolAllocator: a full pool and a sliding-window pool in lockstep (docs/memory-semantics.md §2.6).
 
 NOTE: callers only ever see *full* slots. `full_to_swa_index_mapping[full_slot]` is the
 paired SWA slot, or 0 when none (never allocated, freed, or out of the window). The
@@ -16,12 +16,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kvscope.mem.base import INDEX_DTYPE, AllocatorState, BaseTokenAllocator, PoolUsage
+from kvscope.mem.base import INDEX_DTYPE, AllocatorState, IntsLike, PoolUsage
 from kvscope.mem.device import resolve_device
 from kvscope.mem.errors import IntegrityError, PoolMisuseError
 from kvscope.mem.page_math import decode_slots, extend_page_counts, extend_slots
-from kvscope.mem.paged_allocator import IntsLike, PagedTokenToKVPoolAllocator, as_index_tensor
-from kvscope.mem.token_allocator import TokenToKVPoolAllocator
+from kvscope.mem.paged_allocator import PagedTokenToKVPoolAllocator, as_index_tensor
+from kvscope.mem.token_allocator import BaseTokenAllocator, TokenToKVPoolAllocator
 from kvscope.telemetry.events import Recorder
 
 
@@ -257,7 +257,7 @@ class SWATokenToKVPoolAllocator:
         mapped_full = torch.nonzero(mapping[:-1] > 0).flatten()
         self.swa_attn_allocator.check_integrity(mapping[mapped_full])
         ps = self.page_size
-        free_full = set(self.full_attn_allocator._all_free_pages_np().tolist())
+        free_full = set(self.full_attn_allocator.free_page_ids().tolist())
         stale = [int(s) for s in mapped_full.tolist() if s // ps in free_full]
         if stale:
             raise IntegrityError(f"[swa] free full slots still mapped to SWA slots: {stale[:16]}")

@@ -31,8 +31,15 @@ from kvscope.planning.memory_math import (
     vllm_sizing,
 )
 from kvscope.planning.model_shape import ModelShape, load_hf_config, shape_from_hf_config
-from kvscope.planning.plan import MemoryPlan, PlanInputs, plan_memory
+from kvscope.planning.plan import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MEM_FRACTION_STATIC,
+    MemoryPlan,
+    PlanInputs,
+    plan_memory,
+)
 from kvscope.planning.presets import PRESETS, resolve_model
+from kvscope.planning.report import format_plan, format_replay, gpu_line
 from kvscope.planning.requests import ReplayRequest, load_requests, replay_requests
 
 _REPLAY_NAMES = ("ReplayConfig", "ReplayResult", "replay", "replay_many")
@@ -47,6 +54,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "DEFAULT_GPU_MEMORY_UTILIZATION",
+    "DEFAULT_MEM_FRACTION_STATIC",
     "EXACTNESS",
     "GIB",
     "KV_DTYPES",
@@ -63,6 +72,9 @@ __all__ = [
     "TokenBytes",
     "VLLMSizing",
     "bytes_per_token",
+    "format_plan",
+    "format_replay",
+    "gpu_line",
     "kv_heads_per_rank",
     "load_hf_config",
     "load_requests",

@@ -30,12 +30,12 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
 
-from kvscope.cache import RadixCache, get_policy
+from kvscope.cache import EvictParams, RadixCache, get_policy
 from kvscope.mem import make_token_allocator
 from kvscope.planning.requests import ReplayRequest
 
@@ -119,7 +119,7 @@ class _Server:
 
     def __init__(self, config: ReplayConfig, num_slots: int) -> None:
         self.page_size = config.page_size
-        self.allocator: Any = make_token_allocator(num_slots, config.page_size, "cpu")
+        self.allocator = make_token_allocator(num_slots, config.page_size, "cpu")
         self.cache = RadixCache(self.allocator, page_size=config.page_size, eviction_policy=config.eviction_policy,
                                 eviction_granularity=config.eviction_granularity)
         self.num_evicted = 0
@@ -134,7 +134,7 @@ class _Server:
         cache.inc_lock_ref(node)
         shortfall = ceil_pages(seq_len, ps) - prefix_len - allocator.available_size()
         if shortfall > 0 and cache.evictable_size() > 0:
-            self.num_evicted += cache.evict(min(shortfall, cache.evictable_size()))
+            self.num_evicted += cache.evict(EvictParams(min(shortfall, cache.evictable_size()))).num_tokens_evicted
         if ps == 1:
             new_slots = allocator.alloc(seq_len - prefix_len)
         else:
@@ -157,7 +157,7 @@ class _Server:
     def trim(self, capacity: int) -> None:
         """Evict the tree back to `capacity` tokens (tree convention, between requests)."""
         if self.cache.total_size() > capacity:
-            self.num_evicted += self.cache.evict(self.cache.total_size() - capacity)
+            self.num_evicted += self.cache.evict(EvictParams(self.cache.total_size() - capacity)).num_tokens_evicted
 
 
 # -- several capacities in parallel ---------------------------------------------------------------

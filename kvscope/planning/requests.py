@@ -89,7 +89,7 @@ def load_requests(source: str | os.PathLike[str], run_id: int | None = None) -> 
 
 def capture_trace_requests(target: str | os.PathLike[str], run_id: int | None = None) -> list[TraceRequest]:
     """Rebuild a captured run's request stream from its config fingerprint (see the module doc)."""
-    from kvscope.telemetry.queries import Capture
+    from kvscope.telemetry import Capture
 
     capture = Capture(os.fspath(target))
     try:

@@ -1,6 +1,6 @@
 """A reference model of the allocators from plain Python lists and sets.
 
-It mirrors SGLang's free-list order (semantics note §2.3-2.6) so tests compare returned
+It mirrors SGLang's free-list order (docs/memory-semantics.md §2.3-2.6) so tests compare returned
 slots exactly, not only counts.
 """
 

@@ -82,12 +82,11 @@ class SWAMachine(RuleBasedStateMachine):
         ps = self.page_size
         req = self.requests[data.draw(st.sampled_from(sorted(self.requests)), "rid")]
         pre_len = len(req.slots) - lag
-        threshold = pre_len - (max(WINDOW, ps) if for_radix else WINDOW)
+        keep_len = max(WINDOW, ps) if for_radix else WINDOW  # the radix and the chunk caches' rules
+        threshold = pre_len - keep_len
         expected = max(req.frontier, max(req.frontier, threshold) // ps * ps)
         assert req.req_pool_idx is not None
-        new = free_swa_out_of_window(
-            self.alloc, self.rows, req.req_pool_idx, req.frontier, pre_len, WINDOW, for_radix=for_radix
-        )
+        new = free_swa_out_of_window(self.alloc, self.rows, req.req_pool_idx, req.frontier, pre_len, keep_len)
         assert new == expected
         self.model_free_swa(req.slots[req.frontier : new])
         req.frontier = new

@@ -25,9 +25,7 @@ from torch import nn
 from kvscope.engine.model.batch import ForwardBatch
 from kvscope.engine.model.config import ModelConfig
 from kvscope.engine.model.layers import apply_rope, linear_weight
-from kvscope.mem import MHATokenToKVPool, SWAKVPool
-
-KVPool = MHATokenToKVPool | SWAKVPool
+from kvscope.mem import KVPool
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -51,7 +49,7 @@ class AttentionMetadata(NamedTuple):
 def build_attention_metadata(
     batch: ForwardBatch, req_to_token: torch.Tensor, window: int | None, kv_pool: KVPool | None = None
 ) -> AttentionMetadata:
-    """Gather slots and masks for layers with `window`; pass an SWAKVPool to translate to SWA slots."""
+    """Gather slots and masks for layers with `window`; a KV pool translates them for its window layers."""
     device = req_to_token.device
     prefix_a = np.asarray(batch.prefix_lens, dtype=np.int64)
     ext_a = np.asarray(batch.extend_lens, dtype=np.int64)
@@ -65,7 +63,7 @@ def build_attention_metadata(
     k_idx = torch.arange(int(kv_len_a.max()), device=device)
     kv_pos = torch.minimum(start[:, None] + k_idx, last_pos)
     read_slots = req_to_token[rows[:, None], kv_pos].to(torch.int64)
-    if isinstance(kv_pool, SWAKVPool):
+    if kv_pool is not None:
         read_slots = kv_pool.translate_loc(read_slots)
 
     q_idx = torch.arange(int(ext_a.max()), device=device)

@@ -17,7 +17,7 @@ from kvscope.engine.model.attention import Attention, AttentionMetadata, KVPool,
 from kvscope.engine.model.batch import ForwardBatch
 from kvscope.engine.model.config import ModelConfig
 from kvscope.engine.model.layers import RMSNorm, SwiGLU, linear_weight, seeded_weight
-from kvscope.mem import MHATokenToKVPool, ReqToTokenPool, SWAKVPool, resolve_device
+from kvscope.mem import MHATokenToKVPool, ReqToTokenPool, resolve_device
 
 
 class DecoderLayer(nn.Module):
@@ -105,16 +105,7 @@ class TinyTransformer(nn.Module):
     def check_kv_pool(self, kv_pool: KVPool) -> None:
         """Raise ValueError unless the pool has this model's layers, heads and head size."""
         cfg = self.config
-        if isinstance(kv_pool, SWAKVPool):
-            swa_ids = tuple(sorted(g for g, (_, is_swa) in kv_pool.layers_mapping.items() if is_swa))
-            if swa_ids != cfg.swa_layer_ids:
-                raise ValueError(f"SWAKVPool has SWA layers {swa_ids}, the model {cfg.swa_layer_ids}")
-            pools = [kv_pool.full_kv_pool, kv_pool.swa_kv_pool]
-        else:
-            if kv_pool.num_layers != cfg.num_layers:
-                raise ValueError(f"KV pool has {kv_pool.num_layers} layers, the model {cfg.num_layers}")
-            pools = [kv_pool]
-        for pool in pools:
+        for pool in kv_pool.check_layers(cfg.num_layers, cfg.swa_layer_ids):
             check_pool_heads(pool, cfg)
 
 

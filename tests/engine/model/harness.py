@@ -151,7 +151,7 @@ class PoolHarness:
         full = self.rows.read(seq.req_pool_idx, 0, seq.kv_len)
         before = self.allocator.translate_loc(full)
         seq.swa_frontier_len = free_swa_out_of_window(
-            self.allocator, self.rows, seq.req_pool_idx, seq.swa_frontier_len, seq.kv_len, window, for_radix=False
+            self.allocator, self.rows, seq.req_pool_idx, seq.swa_frontier_len, seq.kv_len, window
         )
         after = self.allocator.translate_loc(full)
         freed = before[(before > 0) & (after == 0)]

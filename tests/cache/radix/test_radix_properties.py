@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvscope.cache import RadixCache
+from kvscope.cache import EvictParams, RadixCache
 from kvscope.mem import ReqToTokenPool, make_token_allocator
 from tests.cache.helpers import Req, alloc_extend
 
@@ -52,7 +52,7 @@ class RadixMachine(RuleBasedStateMachine):
         need = end - start + self.page_size
         shortfall = need - self.allocator.available_size()
         if shortfall > 0:
-            self.cache.evict(min(shortfall, self.cache.evictable_size()))
+            self.cache.evict(EvictParams(min(shortfall, self.cache.evictable_size())))
         assert req.req_pool_idx is not None
         last = int(self.rows.read(req.req_pool_idx, start - 1, start)[0]) if start else -1
         slots = alloc_extend(self.allocator, start, end, last)
@@ -132,8 +132,8 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(fraction=st.floats(0, 1))
     def evict(self, fraction: float) -> None:
         want = int(self.cache.evictable_size() * fraction)
-        got = self.cache.evict(want)
-        assert got >= want
+        got = self.cache.evict(EvictParams(want))
+        assert got.num_tokens_evicted >= want and got.swa_num_tokens_evicted == 0
 
     # -- invariants ------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Eviction policies (semantics note §4.9) and the heap of evictable leaves.
+"""Eviction policies (docs/memory-semantics.md §4.9) and the heap of evictable leaves.
 
 A policy is a small strategy picked once at construction: a key function (smallest is
 evicted first) and whether keys only ever grow as a node is used. For such monotone
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvscope.cache.base import CacheMisuseError
-from kvscope.cache.node import TreeNode
+from kvscope.cache.tree.node import TreeNode
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""RadixCache: SGLang's page-aware radix prefix cache (semantics note §4), slot for slot.
+"""RadixCache: SGLang's page-aware radix prefix cache (docs/memory-semantics.md §4), slot for slot.
 
 NOTE: tree accounting, kept exact after every call:
     evictable_size = Σ len(value) over nodes with lock_ref == 0 (root excluded)
@@ -24,30 +24,38 @@ import torch
 from kvscope.cache.base import (
     TOKEN_DTYPE,
     BasePrefixCache,
+    CacheableRequest,
     CacheMisuseError,
+    EvictParams,
+    EvictResult,
     MatchResult,
     NodeRow,
     as_token_ids,
     page_key,
 )
-from kvscope.cache.eviction import LeafHeap, get_policy
-from kvscope.cache.node import (
-    EMPTY_SLOTS,
+from kvscope.cache.tree import (
     TOKEN_BYTES,
+    LeafHeap,
     TreeNode,
+    cache_finished_req,
+    cache_unfinished_req,
+    check_node_shape,
+    check_sizes,
+    check_tree_slots,
     claim_slots,
     common_page_len,
     export_rows,
+    get_policy,
+    node_values,
     render,
-    slots_tensor,
+    split_node,
+    walk,
 )
-from kvscope.cache.radix_integrity import check_radix_integrity
-from kvscope.cache.radix_requests import RequestCachingMixin
-from kvscope.mem import BaseTokenAllocator, ReqToTokenPool
+from kvscope.mem import BaseTokenAllocator, IntegrityError, ReqToTokenPool
 from kvscope.telemetry import NULL_RECORDER, EventKind, EvictReason, PoolName, Recorder
 
 
-class RadixCache(RequestCachingMixin, BasePrefixCache):
+class RadixCache(BasePrefixCache):
     def __init__(
         self,
         allocator: BaseTokenAllocator,
@@ -104,10 +112,10 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
     def match_prefix(
         self, token_ids: np.ndarray, user: str | None = None, rid: str | None = None
     ) -> MatchResult:
-        # NOTE: the hot path: helpers are inlined here (as_token_ids, page_key, _to_tensor)
+        # NOTE: the hot path: helpers are inlined here (as_token_ids, page_key, slots_tensor)
         ids = token_ids if type(token_ids) is np.ndarray and token_ids.dtype == TOKEN_DTYPE else as_token_ids(token_ids)
         key_len = len(ids) - len(ids) % self.page_size
-        values, node = self._walk_match((ids if key_len == len(ids) else ids[:key_len]).tobytes())
+        values, node = self.walk_match((ids if key_len == len(ids) else ids[:key_len]).tobytes())
         if not values:
             slots = self._no_slots
         else:
@@ -119,7 +127,9 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
                                  num_tokens=len(slots), aux=len(ids) - len(slots))
         return MatchResult(slots, node)
 
-    def _walk_match(self, key: bytes) -> tuple[list[np.ndarray], TreeNode]:
+    def walk_match(self, key: bytes) -> tuple[list[np.ndarray], TreeNode]:
+        """The values along the longest page-aligned match of `key`, and its last node (split
+        there when the match ends inside a node); refreshes last-access times on the path."""
         now = time.monotonic()
         node = self.root
         node.last_access_time = now
@@ -135,33 +145,13 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
                 pos += len(child.key)
                 node = child
                 continue
-            node = self._split(child, self._common_len(child.key, key, pos))
+            node = split_node(child, common_page_len(child.key, key, pos, self.page_size), self.page_bytes,
+                              self.recorder)
             if self._page_granular:
                 child.last_access_time = last_access_time  # NOTE: the unmatched lower piece was not accessed
             values.append(node.value)
             break
         return values, node
-
-    def _common_len(self, node_key: bytes, key: bytes, pos: int) -> int:
-        return common_page_len(node_key, key, pos, self.page_size)
-
-    def _to_tensor(self, values: list[np.ndarray]) -> torch.Tensor:
-        return slots_tensor(values, self.device)
-
-    def _split(self, child: TreeNode, split_len: int) -> TreeNode:
-        """Cut `child` after split_len tokens; the new upper node takes its place."""
-        parent = child.parent
-        assert parent is not None
-        cut = split_len * TOKEN_BYTES
-        upper = TreeNode(child.key[:cut], child.value[:split_len], child.last_access_time)
-        upper.parent, upper.lock_ref, upper.hit_count = parent, child.lock_ref, child.hit_count
-        upper.priority, upper.owner, upper.creation_time = child.priority, child.owner, child.creation_time
-        child.key, child.value, child.parent = child.key[cut:], child.value[split_len:], upper
-        upper.children[child.key[: self.page_bytes]] = child
-        parent.children[upper.key[: self.page_bytes]] = upper
-        if self.recorder.enabled:
-            self.recorder.record(EventKind.SPLIT, node_id=upper.id, num_tokens=split_len, aux=child.id)
-        return upper
 
     # -- insert ----------------------------------------------------------------------------
 
@@ -187,6 +177,22 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
             self._add_leaf(node, key[pos:], value, user, 0 if chunked else 1, priority, rid)
         return prefix_len
 
+    # -- requests (the shared bookkeeping in tree/requests.py) ------------------------------
+
+    def cache_unfinished_req(self, req: CacheableRequest, chunked: bool = False) -> None:
+        cache_unfinished_req(self, req, chunked)
+
+    def cache_finished_req(self, req: CacheableRequest, is_insert: bool = True) -> None:
+        cache_finished_req(self, req, is_insert)
+
+    def insert_unfinished(self, req: CacheableRequest, token_ids: np.ndarray, slots: torch.Tensor,
+                          chunked: bool) -> int:
+        """The caller frees its duplicates: they end at the prefix the tree already had."""
+        return self.insert(token_ids, slots, user=req.user, chunked=chunked, rid=req.rid)
+
+    def insert_finished(self, req: CacheableRequest, token_ids: np.ndarray, slots: torch.Tensor) -> int:
+        return self.insert(token_ids, slots, user=req.user, rid=req.rid)
+
     def _walk_insert(self, key: bytes, chunked: bool, priority: int) -> tuple[TreeNode, int]:
         now = time.monotonic()
         node = self.root
@@ -200,7 +206,8 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
             if priority > child.priority:
                 child.priority = priority
             if not key.startswith(child.key, pos):
-                lower, child = child, self._split(child, self._common_len(child.key, key, pos))
+                lower, child = child, split_node(child, common_page_len(child.key, key, pos, self.page_size),
+                                                 self.page_bytes, self.recorder)
                 if self._page_granular:
                     lower.last_access_time = last_access_time  # NOTE: the lower piece was not accessed
             if not chunked:
@@ -223,7 +230,7 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
         self._mark_leaf(leaf)
         if self.recorder.enabled:
             self.recorder.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=leaf.id,
-                                 num_tokens=len(value), slots=value, aux=parent.id)
+                                 num_tokens=len(value), slots=value, aux=parent.id, principal=user)
         return leaf
 
     def _mark_leaf(self, node: TreeNode) -> None:
@@ -270,14 +277,15 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
         that lowers a policy key; normal operation only ever raises keys."""
         self.heap.rebuild(self.evictable_leaves)
 
-    def evict(self, num_tokens: int, reason: EvictReason = EvictReason.CAPACITY) -> int:
-        if num_tokens > self._evictable_size:
+    def evict(self, params: EvictParams) -> EvictResult:
+        num_tokens = params.num_tokens
+        if num_tokens > self._evictable_size or params.swa_num_tokens > 0:
             raise CacheMisuseError(
-                f"evict({num_tokens}) beyond the evictable size {self._evictable_size} "
-                f"(protected {self._protected_size})"
+                f"evict({num_tokens}, swa {params.swa_num_tokens}) beyond the evictable size "
+                f"{self._evictable_size} (protected {self._protected_size}; a radix cache holds no SWA KV)"
             )
         if num_tokens <= 0:
-            return 0
+            return EvictResult()
         self.heap.start(self.evictable_leaves)
         freed: list[np.ndarray] = []
         evicted = 0
@@ -292,9 +300,9 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
             evicted += len(chunk)
             if self.recorder.enabled:
                 self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=leaf.id,
-                                     num_tokens=len(chunk), slots=chunk, reason=reason)
+                                     num_tokens=len(chunk), slots=chunk, reason=EvictReason.CAPACITY)
         self.allocator.free_many(freed)
-        return evicted
+        return EvictResult(evicted)
 
     def _delete_leaf(self, leaf: TreeNode) -> np.ndarray:
         parent = leaf.parent
@@ -321,16 +329,23 @@ class RadixCache(RequestCachingMixin, BasePrefixCache):
     # -- views -----------------------------------------------------------------------------
 
     def tree_slots(self) -> np.ndarray:
-        values = [n.value for n, _, _ in self._nodes() if n is not self.root]
-        return np.concatenate(values) if values else EMPTY_SLOTS
-
-    def _nodes(self) -> list[tuple[TreeNode, int, int]]:
-        from kvscope.cache.node import walk
-
-        return walk(self.root)
+        return node_values(self.root)
 
     def check_integrity(self) -> None:
-        check_radix_integrity(self)
+        """Every shared tree invariant (tree/integrity.py), and the evictable-leaf set is exact."""
+        nodes = [(n, start) for n, _, start in walk(self.root) if n is not self.root]
+        for node, start in nodes:
+            check_node_shape(node, start, self.page_size)
+        evictable = sum(len(n.value) for n, _ in nodes if n.lock_ref == 0)
+        protected = sum(len(n.value) for n, _ in nodes if n.lock_ref > 0)
+        check_sizes("evictable, protected", (evictable, protected), (self._evictable_size, self._protected_size))
+        leaves = {n for n, _ in nodes if n.lock_ref == 0 and not n.children}
+        if leaves != self.evictable_leaves:
+            raise IntegrityError(
+                f"evictable leaves: tree has {sorted(n.id for n in leaves)}, "
+                f"the set has {sorted(n.id for n in self.evictable_leaves)}"
+            )
+        check_tree_slots([n.value for n, _ in nodes], self.allocator, self._tree_slot if self.strict else None)
 
     def pretty_print(self) -> str:
         return render(self.root)

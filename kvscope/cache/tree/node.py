@@ -1,4 +1,5 @@
-"""Radix tree nodes and the views of a tree: text print and the flat node table.
+"""Radix tree nodes, the node operations both radix families share (page-keyed compare,
+split, slots as a tensor, walk), and the views of a tree: text print and the flat node table.
 
 NOTE: `key` holds the node's token ids as int32 bytes (4 bytes a token), so a child is
 found by the bytes of its first page and a whole node is compared with one memcmp.
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from kvscope.cache.base import CacheMisuseError, NodeRow
+from kvscope.telemetry import EventKind, Recorder
 
 TOKEN_BYTES = 4
 EMPTY_SLOTS = np.empty(0, dtype=np.int64)
@@ -77,6 +79,29 @@ def common_page_len(node_key: bytes, key: bytes, pos: int, page_size: int) -> in
     return shared // page_size * page_size
 
 
+def split_node(child: TreeNode, split_len: int, page_bytes: int, recorder: Recorder) -> TreeNode:
+    """Cut `child` after split_len tokens; the new upper node takes its place under the parent.
+
+    NOTE: both halves keep the lock refs, the tombstone flag, the hit count, priority, owner
+    and creation time; the upper half takes the swa_lock_id (a window lock that ended at
+    child now ends at its upper half) and child's last_access_time.
+    """
+    parent = child.parent
+    assert parent is not None
+    cut = split_len * TOKEN_BYTES
+    upper = TreeNode(child.key[:cut], child.value[:split_len], child.last_access_time)
+    upper.parent, upper.lock_ref, upper.swa_lock_ref = parent, child.lock_ref, child.swa_lock_ref
+    upper.hit_count, upper.priority, upper.owner = child.hit_count, child.priority, child.owner
+    upper.creation_time, upper.tombstone = child.creation_time, child.tombstone
+    upper.swa_lock_id, child.swa_lock_id = child.swa_lock_id, None
+    child.key, child.value, child.parent = child.key[cut:], child.value[split_len:], upper
+    upper.children[child.key[:page_bytes]] = child
+    parent.children[upper.key[:page_bytes]] = upper
+    if recorder.enabled:
+        recorder.record(EventKind.SPLIT, node_id=upper.id, num_tokens=split_len, aux=child.id)
+    return upper
+
+
 def slots_tensor(values: list[np.ndarray], device: torch.device) -> torch.Tensor:
     """The concatenated slot arrays of a matched path as one int64 tensor on `device`."""
     joined = values[0] if len(values) == 1 else np.concatenate(values) if values else EMPTY_SLOTS
@@ -90,6 +115,12 @@ def claim_slots(in_tree: np.ndarray, value: np.ndarray) -> None:
     if len(taken):
         raise CacheMisuseError(f"strict: slots already in the tree inserted again: {taken[:16].tolist()}")
     in_tree[value] = True
+
+
+def node_values(root: TreeNode, live_only: bool = False) -> np.ndarray:
+    """The slots of every node but the root (live_only: of non-tombstone nodes), concatenated."""
+    values = [n.value for n, _, _ in walk(root) if n is not root and not (live_only and n.tombstone)]
+    return np.concatenate(values) if values else EMPTY_SLOTS
 
 
 def walk(root: TreeNode) -> list[tuple[TreeNode, int, int]]:

@@ -1,5 +1,5 @@
 """RadixCache on hand-built trees: eviction orders, page-granular eviction, misuse errors,
-telemetry events, the flat export; and the chunk caches."""
+telemetry events, the flat export."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvscope.cache import CacheMisuseError, ChunkCache, RadixCache, SWAChunkCache
-from kvscope.mem import ReqToTokenPool, SWATokenToKVPoolAllocator, make_token_allocator
+from kvscope.cache import CacheMisuseError, EvictParams, RadixCache
+from kvscope.mem import ReqToTokenPool, make_token_allocator
 from kvscope.telemetry import EventKind, EvictReason, ListRecorder
 from tests.cache.helpers import Req, ids
 
@@ -44,7 +44,7 @@ def test_each_policy_evicts_in_its_documented_order(policy: str) -> None:
     recorder = ListRecorder()
     cache, names = build(policy, recorder)
     for _ in LEAVES:
-        assert cache.evict(1) == 2
+        assert cache.evict(EvictParams(1)).num_tokens_evicted == 2
         cache.check_integrity()
     order = "".join(names[e.node_id] for e in recorder.of_kind(EventKind.EVICT))
     assert order == EXPECTED[policy]
@@ -63,13 +63,13 @@ def test_page_granular_eviction_trims_the_coldest_leaf_tail() -> None:
     assert cold is not None and warm is not None
     cache.insert(np.arange(12, dtype=np.int32), cold)
     cache.insert(np.arange(100, 108, dtype=np.int32), warm)
-    assert cache.evict(3) == 4, "one page, not the whole 12-token leaf"
+    assert cache.evict(EvictParams(3)).num_tokens_evicted == 4, "one page, not the whole 12-token leaf"
     assert cache.match_prefix(np.arange(12, dtype=np.int32)).prefix_len == 8
     assert cache.evictable_size() == 16
     cache.check_integrity()
     allocator.check_integrity(cache.tree_slots())
     # that match made the first leaf the warmer one: the 8-token leaf goes whole, then one page
-    assert cache.evict(9) == 12
+    assert cache.evict(EvictParams(9)).num_tokens_evicted == 12
     assert cache.match_prefix(np.arange(100, 108, dtype=np.int32)).prefix_len == 0
     assert cache.match_prefix(np.arange(12, dtype=np.int32)).prefix_len == 4
 
@@ -84,14 +84,14 @@ def test_page_granular_ties_go_to_the_deeper_leaf() -> None:
     for node in cache.root.children.values():
         node.last_access_time = 5.0
     cache.refresh_eviction_order()
-    cache.evict(2)
+    cache.evict(EvictParams(2))
     assert cache.match_prefix(ids(1, 1, 2, 2, 3, 3, 4, 4)).prefix_len == 6
     assert cache.match_prefix(ids(9, 9, 9, 9)).prefix_len == 4
 
 
 def test_whole_leaf_eviction_overshoots_as_sglang_does() -> None:
     cache, _ = build("lru")
-    assert cache.evict(1) == 2
+    assert cache.evict(EvictParams(1)).num_tokens_evicted == 2
 
 
 def test_misuse_errors_state_the_numbers() -> None:
@@ -102,8 +102,11 @@ def test_misuse_errors_state_the_numbers() -> None:
     with pytest.raises(CacheMisuseError, match="4 token ids but 3 slots"):
         cache.insert(ids(1, 2, 3, 4), slots[:3])
     cache.insert(ids(1, 2, 3, 4), slots)
-    with pytest.raises(CacheMisuseError, match=r"evict\(5\) beyond the evictable size 4"):
-        cache.evict(5)
+    with pytest.raises(CacheMisuseError, match=r"evict\(5, swa 0\) beyond the evictable size 4"):
+        cache.evict(EvictParams(5))
+    with pytest.raises(CacheMisuseError, match=r"evict\(1, swa 1\) .* holds no SWA KV"):
+        cache.evict(EvictParams(1, swa_num_tokens=1))
+    assert cache.evictable_size() == 4, "a refused evict frees nothing"
     node = cache.match_prefix(ids(1, 2, 3, 4)).last_node
     with pytest.raises(CacheMisuseError, match=f"node {node.id}, which is not locked"):
         cache.dec_lock_ref(node)
@@ -137,12 +140,13 @@ def test_every_operation_reports_to_the_recorder() -> None:
     match = cache.match_prefix(ids(1, 2, 9), rid="r2")
     cache.inc_lock_ref(match.last_node)
     cache.dec_lock_ref(match.last_node)
-    cache.evict(2)
+    cache.evict(EvictParams(2))
     kinds = [e.kind for e in recorder.events]
     assert kinds == [EventKind.INSERT, EventKind.SPLIT, EventKind.MATCH, EventKind.LOCK, EventKind.UNLOCK,
                      EventKind.EVICT]
     insert, split, found, lock, _, evict = recorder.events
     assert (insert.rid, insert.num_tokens, insert.slots) == ("r1", 4, first.tolist())  # type: ignore[union-attr]
+    assert insert.principal == "alice", "an insert event names the new node's owner"
     assert (found.num_tokens, found.aux, found.node_id) == (2, 1, split.node_id)
     assert lock.num_tokens == 2
     assert (evict.reason, evict.num_tokens) == (EvictReason.CAPACITY, 2)
@@ -181,43 +185,13 @@ def test_cache_finished_req_never_inserts_the_last_token_and_frees_the_tail() ->
     allocator.check_integrity(cache.tree_slots())
 
 
-def test_chunk_cache_keeps_nothing_and_frees_everything() -> None:
-    allocator = make_token_allocator(32, 1, strict=True)
-    rows = ReqToTokenPool(2, 32)
-    cache = ChunkCache(allocator, 1, req_to_token_pool=rows)
-    req = Req("r1", np.arange(6, dtype=np.int32), kv_committed_len=5)
-    rows.alloc([req])
-    rows.write(req.req_pool_idx, 0, allocator.alloc(6))  # type: ignore[arg-type]
-    assert cache.match_prefix(req.fill_ids).prefix_len == 0
-    cache.cache_unfinished_req(req)
-    assert len(req.prefix_indices) == 6 and allocator.available_size() == 26
-    cache.cache_finished_req(req)
-    assert allocator.available_size() == 31, "the 6th slot was never committed, so it stays"
-    with pytest.raises(CacheMisuseError, match="evictable size 0"):
-        cache.evict(1)
-
-
-def test_swa_chunk_cache_frees_window_slots() -> None:
-    allocator = SWATokenToKVPoolAllocator(32, 16, 1, strict=True)
-    rows = ReqToTokenPool(2, 32)
-    cache = SWAChunkCache(allocator, 1, req_to_token_pool=rows, window_len=4)
-    req = Req("r1", np.arange(10, dtype=np.int32), kv_committed_len=10)
-    rows.alloc([req])
-    rows.write(req.req_pool_idx, 0, allocator.alloc(10))  # type: ignore[arg-type]
-    cache.free_out_of_window(req, pre_len=10)
-    assert req.swa_evicted_len == 6 and allocator.swa_available_size() == 12
-    cache.cache_finished_req(req)
-    assert allocator.swa_available_size() == 16 and allocator.full_available_size() == 32
-    allocator.check_integrity([])
-
-
 def test_mru_evicts_a_parent_that_became_a_leaf_during_the_same_call() -> None:
     """SGLang pushes the parent onto the heap at once; found against sglang 0.5.18."""
     allocator = make_token_allocator(32, 1)
     cache = RadixCache(allocator, 1, eviction_policy="mru")
     for seq in ((9, 9), (1, 2, 3, 4), (1, 2, 5, 6)):
         cache.insert(ids(*seq), allocator.alloc(len(seq)))  # type: ignore[arg-type]
-    cache.evict(5)
+    cache.evict(EvictParams(5))
     assert cache.match_prefix(ids(1, 2)).prefix_len == 0
     assert cache.match_prefix(ids(9, 9)).prefix_len == 2
 
@@ -233,6 +207,6 @@ def test_paged_eviction_returns_pages_in_row_order_as_sglang() -> None:
     slots = allocator.alloc(4)
     assert slots is not None and slots.tolist() == [4, 5, 2, 3]
     cache.insert(ids(7, 8, 9, 10), slots)
-    cache.evict(4)
+    cache.evict(EvictParams(4))
     again = allocator.alloc(4)
     assert again is not None and again.tolist() == [4, 5, 2, 3]

@@ -1,7 +1,7 @@
-"""check_integrity() for SWA radix trees: semantics note §13 items 5-7.
+"""check_integrity() for SWA radix trees: docs/memory-semantics.md §13 items 5-7.
 
 NOTE: what is checked (IntegrityError with the numbers on the first failure):
-    shape       key/value lengths, whole pages, child keys, page alignment, lock_ref >= children's
+    shape       the shared node checks (tree/integrity.py)
     sizes       the four counters equal the sums over the tree
     SWA         no tombstone leaf; lock_ref >= swa_lock_ref >= 0; tombstones have
                 swa_lock_ref 0 and mapping 0; live nodes mapping > 0
@@ -12,27 +12,30 @@ NOTE: what is checked (IntegrityError with the numbers on the first failure):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvscope.cache.node import walk
-from kvscope.cache.radix_integrity import check_node_shape, check_tree_slots
+from kvscope.cache.tree import TreeNode, check_node_shape, check_sizes, check_tree_slots, walk
 from kvscope.mem import IntegrityError
 
+if TYPE_CHECKING:
+    from kvscope.cache.swa_radix.cache import SWARadixCache
 
-def check_swa_radix_integrity(cache: Any) -> None:
+
+def check_swa_radix_integrity(cache: SWARadixCache, tree_slot: np.ndarray | None) -> None:
+    """`tree_slot`: the strict-mode bitmap of tree slots (None when not strict)."""
     nodes = [(n, start) for n, _, start in walk(cache.root) if n is not cache.root]
     mapping = cache.allocator.full_to_swa_index_mapping.cpu().numpy()
     for node, start in nodes:
-        check_node_shape(cache, node, start)
+        check_node_shape(node, start, cache.page_size)
         check_swa_node(node, mapping)
-    check_sizes(cache, [n for n, _ in nodes])
+    check_swa_sizes(cache, [n for n, _ in nodes])
     check_lru(cache, [n for n, _ in nodes])
-    check_tree_slots(cache, [n.value for n, _ in nodes], cache.allocator.full_attn_allocator)
+    check_tree_slots([n.value for n, _ in nodes], cache.allocator.full_attn_allocator, tree_slot)
 
 
-def check_swa_node(node: Any, mapping: np.ndarray) -> None:
+def check_swa_node(node: TreeNode, mapping: np.ndarray) -> None:
     if node.tombstone and not node.children:
         raise IntegrityError(f"tombstone leaf: node {node.id} ({len(node.value)} tokens)")
     if not node.lock_ref >= node.swa_lock_ref >= 0:
@@ -47,7 +50,7 @@ def check_swa_node(node: Any, mapping: np.ndarray) -> None:
         raise IntegrityError(f"live node {node.id}: {int((swa <= 0).sum())} of {len(swa)} slots lack SWA KV")
 
 
-def check_sizes(cache: Any, nodes: list[Any]) -> None:
+def check_swa_sizes(cache: SWARadixCache, nodes: list[TreeNode]) -> None:
     live = [n for n in nodes if not n.tombstone]
     found = (
         sum(len(n.value) for n in nodes if n.lock_ref == 0),
@@ -56,25 +59,20 @@ def check_sizes(cache: Any, nodes: list[Any]) -> None:
         sum(len(n.value) for n in live if n.swa_lock_ref > 0),
     )
     said = (cache.evictable_size(), cache.protected_size(), cache.swa_evictable_size(), cache.swa_protected_size())
-    if found != said:
-        raise IntegrityError(
-            f"sizes (full evictable, full protected, swa evictable, swa protected): tree has {found}, "
-            f"counters say {said}"
-        )
+    check_sizes("full evictable, full protected, swa evictable, swa protected", found, said)
 
 
-def check_lru(cache: Any, nodes: list[Any]) -> None:
+def check_lru(cache: SWARadixCache, nodes: list[TreeNode]) -> None:
     stamps = [n.last_access_time for n in nodes]
     if len(set(stamps)) != len(stamps):
         raise IntegrityError(f"LRU stamps not distinct: {len(stamps)} nodes, {len(set(stamps))} stamps")
     if not nodes:
         return
-    newest = max(nodes, key=lambda n: n.last_access_time)
-    node = newest
-    while node.parent is not cache.root:
-        if node.parent.last_access_time >= node.last_access_time:
+    node = max(nodes, key=lambda n: n.last_access_time)
+    while (parent := node.parent) is not cache.root and parent is not None:
+        if parent.last_access_time >= node.last_access_time:
             raise IntegrityError(
-                f"LRU: on the last touched path, parent {node.parent.id} (t={node.parent.last_access_time}) "
+                f"LRU: on the last touched path, parent {parent.id} (t={parent.last_access_time}) "
                 f"is not older than child {node.id} (t={node.last_access_time})"
             )
-        node = node.parent
+        node = parent

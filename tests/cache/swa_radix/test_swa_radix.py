@@ -1,4 +1,4 @@
-"""SWARadixCache (semantics note §5): the window rule of match, tombstones from SWA
+"""SWARadixCache (docs/memory-semantics.md §5): the window rule of match, tombstones from SWA
 eviction, revival on insert, and a state machine with exact full and SWA accounting."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from kvscope.cache import CacheMisuseError
-from kvscope.cache.node import walk
+from kvscope.cache import CacheMisuseError, EvictParams, EvictResult
 from kvscope.cache.swa_radix import SWARadixCache
+from kvscope.cache.tree import walk
 from kvscope.mem import ReqToTokenPool, SWATokenToKVPoolAllocator, free_swa_out_of_window
 from kvscope.telemetry import EventKind, ListRecorder
 from tests.cache.helpers import Req, alloc_extend, ids
@@ -39,7 +39,7 @@ def two_level_tree(window_len: int):
     cache, allocator = make_cache(window_len=window_len)
     insert_fresh(cache, ids(*range(1, 9)))
     insert_fresh(cache, ids(*range(1, 13)))
-    cache.evict(0, swa_num_tokens=1)
+    assert cache.evict(EvictParams(0, swa_num_tokens=1)) == EvictResult(0, 8), "X's SWA half only"
     (x,) = cache.root.children.values()
     (y,) = x.children.values()
     assert x.tombstone and not y.tombstone
@@ -79,7 +79,7 @@ def test_match_cut_lands_before_the_tombstone_after_a_live_window() -> None:
     a = cache.root.children[ids(1).tobytes()]
     b = next(iter(a.children.values()))
     cache.inc_lock_ref(a)  # a stays live, b (older than its leaf) is tombstoned
-    cache.evict(0, swa_num_tokens=1)
+    cache.evict(EvictParams(0, swa_num_tokens=1))
     assert b.tombstone and not a.tombstone
     hit = cache.match_prefix(ids(*range(1, 11)))
     assert (hit.prefix_len, hit.last_node) == (4, a)
@@ -112,9 +112,17 @@ def test_evict_beyond_the_evictable_sizes_states_the_numbers() -> None:
     cache, _ = make_cache()
     insert_fresh(cache, ids(1, 2, 3))
     with pytest.raises(CacheMisuseError, match="swa 4"):
-        cache.evict(0, swa_num_tokens=4)
+        cache.evict(EvictParams(0, swa_num_tokens=4))
     with pytest.raises(CacheMisuseError, match="evict\\(4"):
-        cache.evict(4)
+        cache.evict(EvictParams(4))
+
+
+def test_window_rule_keeps_a_window_or_a_page_and_starts_at_the_trees_range() -> None:
+    """Radix rule: threshold pre_len - max(window, page), never below cache_protected_len."""
+    cache, _ = make_cache(page_size=4, window_len=3)
+    req = Req("r1", np.arange(20, dtype=np.int32), cache_protected_len=8, swa_evicted_len=4)
+    assert cache.window_range(req, 20) == (8, 16)
+    assert cache.window_range(req, 10) == (8, 8)
 
 
 def test_insert_revives_an_unlocked_tombstone_with_the_callers_slots() -> None:
@@ -178,15 +186,28 @@ def test_new_tail_below_the_frontier_becomes_a_tombstone_then_a_live_leaf() -> N
     allocator.check_integrity(torch.from_numpy(cache.tree_slots()))
 
 
+def test_insert_events_name_the_owner_of_each_new_node() -> None:
+    cache, allocator = make_cache(window_len=4)
+    recorder = ListRecorder()
+    cache.recorder = recorder
+    slots = alloc_extend(allocator, 0, 8, -1)
+    assert slots is not None
+    allocator.free_swa(slots[:5])
+    cache.insert(ids(*range(1, 9)), slots, user="bob", swa_evicted_len=5)  # a tombstone, then a live leaf
+    inserts = recorder.of_kind(EventKind.INSERT)
+    assert [(e.num_tokens, e.principal) for e in inserts] == [(5, "bob"), (3, "bob")]
+
+
 def test_events_record_tombstones_and_the_cascade_of_an_unlocked_leaf() -> None:
     cache, _, x, y = two_level_tree(window_len=4)
     recorder = ListRecorder()
     cache.recorder = recorder
     insert_fresh(cache, ids(50, 51, 52, 53))
     insert_fresh(cache, ids(50, 51, 52, 53, 54))
-    cache.evict(0, swa_num_tokens=1)  # y is the SWA-LRU node: an unlocked leaf, x follows it
+    freed = cache.evict(EvictParams(0, swa_num_tokens=1))  # y is the SWA-LRU node: an unlocked leaf, x follows it
+    assert freed == EvictResult(12, 4), "y's both halves, then tombstone x's full KV"
     assert [(e.kind, e.node_id) for e in recorder.events[-2:]] == [(EventKind.EVICT, y.id), (EventKind.EVICT, x.id)]
-    cache.evict(0, swa_num_tokens=1)  # [50..53] is an internal node now: tombstoned
+    assert cache.evict(EvictParams(0, swa_num_tokens=1)) == EvictResult(0, 4)  # [50..53] is internal now: tombstoned
     last = recorder.events[-1]
     assert (last.kind, last.num_tokens) == (EventKind.TOMBSTONE, 4)
     cache.check_integrity()
@@ -258,7 +279,7 @@ class SWARadixMachine(RuleBasedStateMachine):
         swa_short = max(0, need - self.allocator.swa_available_size())
         if full_short > self.cache.evictable_size() or swa_short > self.cache.swa_evictable_size():
             return None
-        self.cache.evict(full_short, swa_short)
+        self.cache.evict(EvictParams(full_short, swa_short))
         return alloc_extend(self.allocator, p, seq_len, last_loc)
 
     def draw_req(self, data: st.DataObject) -> Req:
@@ -273,7 +294,7 @@ class SWARadixMachine(RuleBasedStateMachine):
         assert req.req_pool_idx is not None and self.rows is not None
         req.swa_evicted_len = free_swa_out_of_window(
             self.allocator, self.rows, req.req_pool_idx, req.swa_evicted_len, req.kv_committed_len,
-            self.window_len, for_radix=True,
+            max(self.window_len, self.page_size),
         )
 
     @precondition(lambda self: self.live)
@@ -318,7 +339,10 @@ class SWARadixMachine(RuleBasedStateMachine):
     def evict_full(self, data: st.DataObject) -> None:
         before = self.cache.evictable_size()
         num_tokens = data.draw(st.integers(1, before), "num_tokens")
-        freed = self.cache.evict(num_tokens)
+        swa_before = self.cache.swa_evictable_size()
+        result = self.cache.evict(EvictParams(num_tokens))
+        freed = result.num_tokens_evicted
+        assert swa_before - self.cache.swa_evictable_size() == result.swa_num_tokens_evicted
         assert freed >= num_tokens and before - self.cache.evictable_size() == freed
 
     @precondition(lambda self: self.cache.swa_evictable_size() > 0)
@@ -326,15 +350,15 @@ class SWARadixMachine(RuleBasedStateMachine):
     def evict_swa(self, data: st.DataObject) -> None:
         before, swa_before = self.cache.evictable_size(), self.cache.swa_evictable_size()
         swa_num_tokens = data.draw(st.integers(1, swa_before), "swa_num_tokens")
-        freed = self.cache.evict(0, swa_num_tokens)
-        assert swa_before - self.cache.swa_evictable_size() >= swa_num_tokens
-        assert before - self.cache.evictable_size() == freed
+        result = self.cache.evict(EvictParams(0, swa_num_tokens))
+        assert swa_before - self.cache.swa_evictable_size() == result.swa_num_tokens_evicted >= swa_num_tokens
+        assert before - self.cache.evictable_size() == result.num_tokens_evicted
 
     @precondition(lambda self: self.cache.swa_evictable_size() < 1000)
     @rule()
     def evict_too_much(self) -> None:
         with pytest.raises(CacheMisuseError):
-            self.cache.evict(0, self.cache.swa_evictable_size() + 1)
+            self.cache.evict(EvictParams(0, self.cache.swa_evictable_size() + 1))
 
     @invariant()
     def integrity_and_accounting(self) -> None:
