@@ -58,10 +58,10 @@ from typing import Any, NamedTuple
 import torch
 from _results import command_line, machine_lines, write_section
 
+from kvscope.app import to_engine_requests
 from kvscope.engine.config import EngineConfig, PoolConfig, SchedulerConfig
 from kvscope.engine.engine import Engine
 from kvscope.engine.model import MODEL_PRESETS
-from kvscope.engine.runner import to_engine_requests
 from kvscope.engine.stats import EngineStats
 from kvscope.telemetry import NULL_RECORDER, Recorder
 from kvscope.telemetry.recorder import SQLRecorder

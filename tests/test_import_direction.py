@@ -1,5 +1,7 @@
-"""Layers import downward only (DESIGN.md); the dashboard and app.py never touch torch or
-the engine layers, so a capture opens on a laptop without them."""
+"""Layers import downward only (DESIGN.md), with no exceptions: app -> server / attach ->
+engine -> cache -> mem -> telemetry, workloads at the bottom beside telemetry. The engine
+imports neither the debugger nor the SQL store; the dashboard and app.py never touch torch
+or the engine layers, so a capture opens on a laptop without them."""
 
 from __future__ import annotations
 
@@ -9,60 +11,125 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "kvscope"
 
-# What each package may import from kvscope (itself included). Downward only:
-# cli/server -> engine -> cache -> mem -> telemetry.events.
+# What each package may import from kvscope (itself included).
 ALLOWED: dict[str, set[str]] = {
     "telemetry": {"telemetry"},
     "workloads": {"workloads"},
     "mem": {"mem", "telemetry"},
     "cache": {"cache", "mem", "telemetry"},
-    "debug": {"debug", "telemetry", "mem", "cache"},
-    "engine": {"engine", "cache", "mem", "telemetry", "workloads", "debug"},
-    "planning": {"planning", "telemetry", "cache", "mem", "workloads"},
-    "server": {"server", "engine", "cache", "mem", "telemetry", "workloads", "debug"},
-    "dashboard": {"dashboard", "telemetry", "planning", "debug"},
+    "engine": {"engine", "cache", "mem", "telemetry", "workloads"},
+    "server": {"server", "engine", "cache", "mem", "telemetry", "workloads"},
+    "attach": {"attach", "engine", "cache", "mem", "telemetry", "workloads"},
+    "debug": {"debug", "telemetry", "mem"},  # mem: the KV pool types whose freed rows the monitor poisons
+    "planning": {"planning", "cache", "mem", "workloads", "telemetry"},
+    "dashboard": {"dashboard", "telemetry", "debug", "planning"},
+    "app": {"app", "server", "attach", "engine", "cache", "mem", "telemetry", "workloads", "debug", "planning",
+            "dashboard"},
+    "__init__": set(),  # kvscope/__init__.py holds the version and imports nothing
+    "__main__": {"app"},  # `python -m kvscope`
 }
-TOP_LEVEL_MODULES = {"cli", "__init__"}  # kvscope/cli.py may import anything
+# The engine writes telemetry and never reads it back: from telemetry it imports the package
+# face, and from the face only the producer side (the names events.py and records.py define:
+# event kinds, the Recorder interface, records), never the SQL recorder, store or queries.
+PRODUCER_ONLY = {"engine": ("telemetry", ("events.py", "records.py"))}
 NO_TORCH = {"dashboard"}
+ENGINE_NEVER_LOADS = ("kvscope.debug", "kvscope.telemetry.store", "kvscope.telemetry.recorder",
+                      "kvscope.telemetry.queries")
 
 
-def kvscope_imports(path: Path) -> list[tuple[int, str]]:
-    """(line, imported module) for every import in a file."""
-    found = []
+def _module_of_from(node: ast.ImportFrom, alias: ast.alias) -> str:
+    """`from kvscope import engine` imports kvscope.engine; `from kvscope import __version__` the root."""
+    assert node.module is not None
+    if node.module == "kvscope" and ((PACKAGE / alias.name).is_dir() or (PACKAGE / f"{alias.name}.py").exists()):
+        return f"kvscope.{alias.name}"
+    return node.module
+
+
+def kvscope_imports(path: Path) -> list[tuple[int, str, str | None]]:
+    """(line, imported module, imported name or None) for every import in a file; a relative
+    import reads as module '.'."""
+    found: list[tuple[int, str, str | None]] = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.lineno, node.module))
-    return found
+            found += [(node.lineno, alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                found.append((node.lineno, ".", None))
+            else:
+                found += [(node.lineno, _module_of_from(node, alias), alias.name) for alias in node.names]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute | ast.Name)
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            found.append((node.lineno, node.args[0].value, None))
+    return sorted(found, key=lambda item: item[0])
+
+
+def defined_names(package: str, files: tuple[str, ...]) -> set[str]:
+    """The top-level names the given modules of a kvscope package define."""
+    names = set()
+    for file in files:
+        for node in ast.parse((PACKAGE / package / file).read_text()).body:
+            if isinstance(node, ast.ClassDef | ast.FunctionDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
 
 
 def package_of(path: Path) -> str:
-    return path.relative_to(ROOT / "kvscope").parts[0].removesuffix(".py")
+    return path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+
+
+def violations(package: str, imports: list[tuple[int, str, str | None]]) -> list[str]:
+    """`line: module` for every import a module of `package` may not make."""
+    bad = []
+    only_from, producer_files = PRODUCER_ONLY.get(package, ("", ()))
+    producer_names = defined_names(only_from, producer_files) if only_from else set()
+    for line, module, name in imports:
+        parts = module.split(".")
+        if module == ".":
+            bad.append(f"{line}: a relative import (write kvscope.<package>)")
+        elif parts[0] == "kvscope" and len(parts) > 1 and parts[1] not in ALLOWED[package]:
+            bad.append(f"{line}: {module}")
+        elif parts[0] == "kvscope" and len(parts) > 1 and parts[1] == only_from and (
+                len(parts) > 2 or name not in producer_names):
+            bad.append(f"{line}: {module}{f' import {name}' if len(parts) == 2 else ''} (only the producer side "
+                       f"of the package face kvscope.{only_from})")
+        elif package in NO_TORCH and parts[0] == "torch":
+            bad.append(f"{line}: torch")
+    return bad
 
 
 def test_layers_import_downward_only() -> None:
-    violations = []
-    for path in sorted((ROOT / "kvscope").rglob("*.py")):
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
         package = package_of(path)
-        if package in TOP_LEVEL_MODULES:
-            continue
-        assert package in ALLOWED, f"new package {package!r}: add its allowed imports to this test"
-        for line, module in kvscope_imports(path):
-            parts = module.split(".")
-            if parts[0] == "kvscope" and len(parts) > 1 and parts[1] not in ALLOWED[package]:
-                violations.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
-            if package in NO_TORCH and parts[0] == "torch":
-                violations.append(f"{path.relative_to(ROOT)}:{line} imports torch")
-    assert not violations, "upward imports:\n" + "\n".join(violations)
+        assert package in ALLOWED, f"new package or top-level module {package!r}: add its allowed imports here"
+        found += [f"{path.relative_to(ROOT)}:{v}" for v in violations(package, kvscope_imports(path))]
+    assert not found, "imports against the layering:\n" + "\n".join(found)
+
+
+def test_the_engine_loads_neither_the_debugger_nor_the_store() -> None:
+    """Every name of the engine's face, loaded in a fresh interpreter, pulls in no debugger
+    and no capture reader or writer (the lazy names included)."""
+    code = (
+        "import sys, kvscope.engine as engine\n"
+        "for name in engine.__all__: getattr(engine, name)\n"
+        f"print([m for m in sys.modules if m.startswith({ENGINE_NEVER_LOADS!r})])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 
 
 def test_app_imports_only_the_dashboard_side() -> None:
     allowed = ALLOWED["dashboard"]
     bad = [
         f"app.py:{line} imports {module}"
-        for line, module in kvscope_imports(ROOT / "app.py")
+        for line, module, _ in kvscope_imports(ROOT / "app.py")
         if module.split(".")[0] == "torch"
         or (module.startswith("kvscope.") and module.split(".")[1] not in allowed)
     ]
@@ -84,9 +151,21 @@ def test_app_runs_without_loading_torch() -> None:
 
 
 def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
-    """Guard against a checker that cannot fail: an upward import is reported."""
+    """Guard against a checker that cannot fail: each kind of wrong import is reported."""
     bad = tmp_path / "mod.py"
-    bad.write_text("from kvscope.engine import scheduler\nimport torch\n")
-    modules = [m for _, m in kvscope_imports(bad)]
-    assert modules == ["kvscope.engine", "torch"]
-    assert "engine" not in ALLOWED["mem"] and "engine" not in ALLOWED["dashboard"]
+    bad.write_text("from kvscope.engine import scheduler\nimport torch\nfrom kvscope import debug\n"
+                   "from kvscope.telemetry.store import CaptureError\nfrom . import sibling\n"
+                   "import importlib\nimportlib.import_module('kvscope.app')\n"
+                   "from kvscope.telemetry import EventKind, SQLRecorder\n")
+    imports = kvscope_imports(bad)
+    assert [m for _, m, _ in imports] == ["kvscope.engine", "torch", "kvscope.debug", "kvscope.telemetry.store",
+                                          ".", "importlib", "kvscope.app", "kvscope.telemetry", "kvscope.telemetry"]
+    assert violations("mem", imports) == ["1: kvscope.engine", "3: kvscope.debug", "5: a relative import "
+                                          "(write kvscope.<package>)", "7: kvscope.app"]
+    producer = "(only the producer side of the package face kvscope.telemetry)"
+    assert violations("engine", imports) == [
+        "3: kvscope.debug", f"4: kvscope.telemetry.store {producer}",
+        "5: a relative import (write kvscope.<package>)", "7: kvscope.app",
+        f"8: kvscope.telemetry import SQLRecorder {producer}"]
+    assert "2: torch" in violations("dashboard", imports)
+    assert violations("app", [(1, "kvscope.debug.report", "build_report"), (2, "kvscope.telemetry", "Capture")]) == []

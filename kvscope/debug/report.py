@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import bisect
 import json
-import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import pandas as pd
 
 from kvscope import __version__
 from kvscope.debug.ledger import Ledger
 from kvscope.debug.replay import ProgressHook, Replay
-from kvscope.telemetry.queries import Capture
-from kvscope.telemetry.recorder import decode_slots
-from kvscope.telemetry.store import save_report as _store_report
+from kvscope.telemetry import Capture, EventKind, decode_slots
+from kvscope.telemetry import save_report as _store_report
 
 REPORT_KIND = "leaks"
 PRODUCER = f"kvscope {__version__} / leak report 1"  # a stored report from another producer is rebuilt
@@ -144,25 +141,6 @@ def build_report(target: str | Path, run_id: int | None = None, *, on_progress: 
         capture.close()
 
 
-class ReplayProgress:
-    """`replaying the slot ledger: 412,000 events, 4 s` on stderr, redrawn after the first
-    second and only on a terminal; pass it as build_report's on_progress, close() when done."""
-
-    def __init__(self, out: TextIO = sys.stderr) -> None:
-        self.out, self.started, self.drawn = out, time.monotonic(), False
-
-    def __call__(self, done: int) -> None:
-        elapsed = time.monotonic() - self.started
-        if elapsed > 1.0 and self.out.isatty():
-            self.out.write(f"\rreplaying the slot ledger: {done:,} events, {elapsed:.0f} s ")
-            self.out.flush()
-            self.drawn = True
-
-    def close(self) -> None:
-        if self.drawn:
-            self.out.write("\n")
-
-
 def save_report(target: str | Path, report: LeakReport) -> None:
     """Store the report in the capture, replacing an older one of the same run."""
     report.stored_at = None
@@ -221,7 +199,7 @@ def _from_ledger(report: LeakReport, capture: Capture, requests: pd.DataFrame, o
         report.onset_step = _bisect_onset(series)
         report.through_seq = ledger.last_seq
         report.leaks = _link_consequences(_leaks(ledger, people))
-    injected = capture.events(report.run_id, kinds=["inject"], limit=100_000)
+    injected = capture.events(report.run_id, kinds=[EventKind.INJECT], limit=100_000)
     report.injected = [{"kind": r.reason, "rid": r.rid, "step": int(r.step), "slots": decode_slots(r.slots),
                         "node_id": None if r.node_id != r.node_id else r.node_id} for r in injected.itertuples()]
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from kvscope.app import RunSpec, run
 from kvscope.debug.report import build_report
 from kvscope.engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
 from kvscope.engine.faults import FaultSpec
 from kvscope.engine.model import model_config
-from kvscope.engine.runner import RunSpec, run
 
 KIND_OF_LEAK = {"leak-tail": "orphaned", "swa-window-leak": "orphaned", "lock-leak": "lock-never-released",
                 "double-free": "double-free", "use-after-free": "use-after-free"}

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from kvscope.app import to_engine_requests
+from kvscope.debug.monitor import DebugMonitor
 from kvscope.debug.report import build_report
 from kvscope.engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
 from kvscope.engine.engine import Engine
 from kvscope.engine.model import model_config
-from kvscope.engine.runner import to_engine_requests
 from kvscope.telemetry.recorder import SQLRecorder
 from kvscope.workloads import WORKLOADS, generate
 
@@ -33,7 +34,8 @@ def run_clean(tmp_path: Path, workload: str, setup: str, abort_every: int | None
                           scheduler=SchedulerConfig(chunked_prefill_size=chunk, swa_eviction_interval=4))
     path = tmp_path / f"{workload}-{setup}.db"
     recorder = SQLRecorder(path, level="full")
-    engine = Engine(config, model_config(model), recorder, debug=True)
+    monitor = DebugMonitor(recorder)
+    engine = Engine(config, model_config(model), monitor, read_checker=monitor)
     requests = to_engine_requests(generate(workload, num_requests=20, seed=2))
     aborted: list[str] = []
 
@@ -47,7 +49,7 @@ def run_clean(tmp_path: Path, workload: str, setup: str, abort_every: int | None
     engine.run(requests, progress=maybe_abort)
     recorder.close()
     engine.check_integrity()
-    assert not engine.monitor.violations  # type: ignore[union-attr]
+    assert not monitor.violations
     if abort_every:
         assert aborted, "nothing was aborted; the test would prove little"
     return path, engine
@@ -72,11 +74,11 @@ def test_aborts_leave_a_clean_capture(tmp_path: Path, setup: str) -> None:
 
 def test_check_exit_codes(tmp_path: Path) -> None:
     path, _ = run_clean(tmp_path, "shared-prefix", "radix")
-    ok = subprocess.run([sys.executable, "-m", "kvscope.cli", "check", str(path)], capture_output=True, text=True,
+    ok = subprocess.run([sys.executable, "-m", "kvscope", "check", str(path)], capture_output=True, text=True,
                         check=False)
     assert ok.returncode == 0 and "clean" in ok.stdout, ok.stderr
     bad = tmp_path / "junk.db"
     bad.write_text("junk\n" * 50)
-    broken = subprocess.run([sys.executable, "-m", "kvscope.cli", "check", str(bad)], capture_output=True,
+    broken = subprocess.run([sys.executable, "-m", "kvscope", "check", str(bad)], capture_output=True,
                             text=True, check=False)
     assert broken.returncode == 2 and "not a kvscope capture" in broken.stderr

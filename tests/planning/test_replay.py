@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvscope.app import RunSpec, run
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.model import MODEL_PRESETS
-from kvscope.engine.runner import RunSpec, run
 from kvscope.planning import ReplayConfig, ReplayRequest, load_requests, replay, replay_many, replay_requests
 from kvscope.telemetry.recorder import SQLRecorder
 from kvscope.workloads import TraceError, TraceRequest, generate, write_trace

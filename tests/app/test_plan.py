@@ -3,7 +3,6 @@ line (ValueError from the handler, or argparse's usage error for a malformed fla
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import subprocess
@@ -12,24 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from kvscope.app import build_parser, main
+from kvscope.app.cli import parse_capacities
 from kvscope.planning import GIB, PRESETS, PlanInputs, plan_memory, probe_gpus
-from kvscope.planning.cli_verbs import add_plan_parser, add_replay_parser, parse_capacities
 from kvscope.workloads import generate, write_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def parser() -> argparse.ArgumentParser:
-    """The two verbs under a `kvscope`-like parser, as kvscope/cli.py adds them."""
-    top = argparse.ArgumentParser(prog="kvscope")
-    verbs = top.add_subparsers(dest="verb", required=True)
-    add_plan_parser(verbs)
-    add_replay_parser(verbs)
-    return top
-
-
 def call(*argv: str) -> str:
-    args = parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     out = io.StringIO()
     assert args.func(args, out) == 0
     return out.getvalue()
@@ -113,7 +104,7 @@ def test_replay_json_rows_and_curve_only(tmp_path: Path) -> None:
 def test_replay_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert parse_capacities("10k, 1.5M,200") == [10_000, 1_500_000, 200]
     with pytest.raises(SystemExit) as exit_info:
-        parser().parse_args(["replay", "t.jsonl", "--capacities", "10x"])
+        build_parser().parse_args(["replay", "t.jsonl", "--capacities", "10x"])
     assert exit_info.value.code == 2 and "'10x' is not a token count" in capsys.readouterr().err
     for argv, message in ((["--page-size", "3"], "power of two"), (["--workers", "0"], "--workers must be >= 1")):
         with pytest.raises(ValueError, match=message):
@@ -123,12 +114,12 @@ def test_replay_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_the_math_and_the_curve_never_load_torch(tmp_path: Path) -> None:
-    """What the dashboard uses (the math, the presets, the one-pass curve, the verbs' parsers and a
-    curve-only replay) runs in a fresh interpreter without importing torch."""
+    """What the dashboard uses (the math, the presets, the one-pass curve), the `kvscope` parser and a
+    curve-only replay run in a fresh interpreter without importing torch."""
     code = (
         "import io, sys\n"
         "from kvscope.planning import PRESETS, PlanInputs, plan_memory, one_pass_curve, load_requests\n"
-        "from tests.planning.test_cli_verbs import call\n"
+        "from tests.app.test_plan import call\n"
         f"call('replay', {str(trace_file(tmp_path))!r}, '--curve-only')\n"
         "call('plan', '--model', 'gemma-3-12b', '--gpu-mem', '80')\n"
         "print('torch' in sys.modules)\n"
@@ -138,13 +129,8 @@ def test_the_math_and_the_curve_never_load_torch(tmp_path: Path) -> None:
     assert out.stdout.strip().splitlines()[-1] == "False", "planning math pulled torch in"
 
 
-def test_kvscope_cli_reports_errors_once_the_verbs_are_wired(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvscope import cli
-
-    verbs = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    if not {"plan", "replay"} <= set(verbs.choices):
-        pytest.skip("kvscope/cli.py does not add the plan and replay verbs yet")
-    assert cli.main(["plan", "--model", "llama-3.1-8b", "--tp", "3", "--gpu-mem", "80"]) == 2
+def test_kvscope_reports_errors_as_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "llama-3.1-8b", "--tp", "3", "--gpu-mem", "80"]) == 2
     assert capsys.readouterr().err.strip() == (
         "kvscope plan: error: TP 3 does not divide the 32 attention heads of llama-3.1-8b"
     )
