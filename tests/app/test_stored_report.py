@@ -3,29 +3,13 @@ replay; none with --no-report or at level summary."""
 
 from __future__ import annotations
 
-import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from kvscope.debug.report import LeakReport, build_report, stored_report
+from kvscope.debug.report import build_report, stored_report
 from kvscope.telemetry.queries import Capture
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def record(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "kvscope", "run", "--workload", "shared-prefix",
-                           "--num-requests", "24", "--kv-tokens", "1024", "--capture", str(path), *extra],
-                          capture_output=True, text=True, cwd=ROOT, check=False)
-    assert done.returncode in (0, 1), done.stderr
-    return done
-
-
-def same(a: LeakReport, b: LeakReport) -> bool:
-    return dataclasses.replace(a, stored_at=None) == dataclasses.replace(b, stored_at=None)
+from tests.stored_report_helpers import record, same
 
 
 @pytest.mark.parametrize("inject", [[], ["--inject", "leak-tail:0.3", "--inject", "lock-leak:0.2"]],

@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,20 +14,7 @@ import pytest
 from kvscope.debug import report as leak_report
 from kvscope.debug.report import LeakReport, build_report, save_report, stored_report
 from kvscope.telemetry.queries import Capture
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def record(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "kvscope", "run", "--workload", "shared-prefix",
-                           "--num-requests", "24", "--kv-tokens", "1024", "--capture", str(path), *extra],
-                          capture_output=True, text=True, cwd=ROOT, check=False)
-    assert done.returncode in (0, 1), done.stderr
-    return done
-
-
-def same(a: LeakReport, b: LeakReport) -> bool:
-    return dataclasses.replace(a, stored_at=None) == dataclasses.replace(b, stored_at=None)
+from tests.stored_report_helpers import ROOT, record, same
 
 
 def test_a_stored_report_that_no_longer_matches_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

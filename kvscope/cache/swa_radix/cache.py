@@ -299,7 +299,7 @@ class SWARadixCache(SWAPrefixCache):
                                      num_tokens=len(value), slots=value, reason=EvictReason.TOMBSTONE)
         return node
 
-    # -- requests (the shared bookkeeping in tree/requests.py, docs/memory-semantics.md §5.4) -------------------------
+    # -- requests (shared bookkeeping in tree/requests.py; docs/memory-semantics.md §5.4) ------
 
     def cache_unfinished_req(self, req: CacheableRequest, chunked: bool = False) -> None:
         cache_unfinished_req(self, req, chunked)
