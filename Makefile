@@ -3,6 +3,7 @@
 # (a local CPU wheel on our machines; an unpinned torch pulls several GB of CUDA packages),
 # then this package with its dev extras, then does its job.
 
+SHELL  := /bin/bash
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -12,15 +13,27 @@ STAMP  := $(VENV)/.kvscope-installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
-	touch $(STAMP)
+# NOTE: the first install takes a few minutes; each phase says so, and pip's lines show what it fetches
+PIP := $(BIN)/python -m pip install --disable-pip-version-check --progress-bar off
+SHOW := grep --line-buffered -E '^(Collecting|Successfully installed)' | sed -u 's/^/    /'
 
-# The main job: record a paced multi-turn run in the background and open the dashboard on it.
+$(STAMP): pyproject.toml
+	@echo "kvscope: setting up $(VENV) (first time only, a few minutes; later runs skip this)"
+	@test -x $(BIN)/python || { echo "  [1/3] creating the virtual environment"; $(PYTHON) -m venv $(VENV); }
+	@echo "  [2/3] installing torch==2.13.0 (CPU wheel, the largest step)"
+	@set -o pipefail; $(PIP) torch==2.13.0 | $(SHOW)
+	@echo "  [3/3] installing kvscope with its dependencies (streamlit, plotly, sqlalchemy, test tools)"
+	@set -o pipefail; $(PIP) -e '.[dev]' | $(SHOW)
+	@touch $(STAMP)
+	@echo "kvscope: set up done"
+
+# The main job: record a paced multi-turn run in the background and open the dashboard on it,
+# on http://127.0.0.1:8501 (make run HOST=0.0.0.0 PORT=8600 ARGS="--pace 8" to change). Ctrl-C stops both.
+HOST ?= 127.0.0.1
+PORT ?= 8501
+ARGS ?=
 run: $(STAMP)
-	$(BIN)/python -m kvscope.dashboard.launch
+	@$(BIN)/python -m kvscope.dashboard.launch --host $(HOST) --port $(PORT) $(ARGS)
 
 demo: $(STAMP)
 	$(BIN)/kvscope demo

@@ -25,7 +25,16 @@ from kvscope.telemetry.events import (
     PoolName,
     Recorder,
 )
-from kvscope.telemetry.records import LEVELS, LeakCheck, NodeRow, PoolTerms, RequestRecord, UsageSample
+from kvscope.telemetry.records import (
+    LEVELS,
+    LeakCheck,
+    NodeRow,
+    PoolTerms,
+    RequestRecord,
+    RequestStatus,
+    RunStatus,
+    UsageSample,
+)
 
 if TYPE_CHECKING:
     from kvscope.telemetry.derived import (
@@ -84,6 +93,8 @@ __all__ = [
     "PoolTerms",
     "Recorder",
     "RequestRecord",
+    "RequestStatus",
+    "RunStatus",
     "SQLRecorder",
     "UsageSample",
     "allocs_of_requests",

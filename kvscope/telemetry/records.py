@@ -3,9 +3,31 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import NamedTuple
 
 LEVELS = ("off", "summary", "full")
+
+
+class RunStatus(StrEnum):
+    """A run's stored status (runs.status). Readers add 'ended without closing' for a run
+    still 'running' whose writer is gone (queries.display_status)."""
+
+    RUNNING = "running"
+    FINISHED = "finished"  # ran to its end and closed its capture
+    INTERRUPTED = "interrupted"  # stopped by Ctrl-C, SIGTERM or SIGHUP; closed its capture
+    CRASHED = "crashed"  # an exception stopped it; runs.error holds its one line
+    INCOMPLETE = "incomplete"  # recording stopped on a write failure; runs.error says through which step
+
+
+class RequestStatus(StrEnum):
+    """A request's stored status (requests.status)."""
+
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    UNFINISHED = "unfinished"  # never finished: the run ended (drained, limit) with it waiting
+    IN_FLIGHT = "in_flight"  # the run was interrupted or crashed while it was admitted or waiting
 
 
 class NodeRow(NamedTuple):
