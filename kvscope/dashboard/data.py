@@ -8,7 +8,7 @@ or a kvscope.debug report."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
 import streamlit as st
@@ -17,6 +17,7 @@ from kvscope import telemetry
 from kvscope.dashboard import gpu
 from kvscope.debug import LeakReport, Replay, ReportState, build_report, stored_report
 from kvscope.telemetry import Capture
+from kvscope.telemetry.derived import usage_at as usage_at_step
 
 LIVE_TTL_S = 1.0  # the run list: status changes must show within a refresh
 CACHE_TTL_S = 600.0  # everything else is keyed by the stamp; the TTL only bounds memory
@@ -56,6 +57,12 @@ def usage(path: str, run_id: int, stamp: float, max_points: int = MAX_POINTS) ->
 def latest_usage(path: str, run_id: int, stamp: float) -> pd.DataFrame:
     """The last usage row and the row about RATE_WINDOW_S seconds before it (for rates)."""
     return open_capture(path).latest_usage(run_id)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def usage_at(path: str, run_id: int, stamp: float, step: int) -> pd.DataFrame:
+    """The exact usage row of the last sampled step at or before `step` (not downsampled)."""
+    return usage_at_step(open_capture(path), run_id, step)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
@@ -138,6 +145,13 @@ def leak_report(path: str, run_id: int, stamp: float) -> LeakReport:
     return build_report(path, run_id, state=state)
 
 
+@st.cache_resource(ttl=CACHE_TTL_S, max_entries=16, show_spinner=False)
+def stored_leak_report(path: str, run_id: int, stamp: float) -> LeakReport | None:
+    """The report stored with the run when it closed, if it still describes it; never a replay
+    (the Overview's verdict must stay cheap on a live run)."""
+    return stored_report(open_capture(path), run_id)
+
+
 @st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
 def gpus() -> pd.DataFrame:
     return gpu.probe()
@@ -156,9 +170,32 @@ def capacity_curve(path: str, run_id: int, stamp: float, page_size: int) -> tupl
 
 
 def page_waste(lengths: pd.DataFrame, page_size: int) -> pd.DataFrame:
-    """Per running request: tokens, slots held (whole pages) and wasted tail slots."""
+    """Per running request: tokens, slots held (whole pages) and wasted tail slots.
+
+    NOTE: slots_held counts a request's shared prefix as its own: summed over requests it counts
+    a prefix once per request that uses it, so a total of the pool's slots comes from
+    slots_of_running (the pool's own terms), never from this sum."""
     out = lengths.copy()
     out["seq_len"] = out["seq_len"].fillna(0).astype(int)
     out["slots_held"] = -(-out["seq_len"] // page_size) * page_size
     out["wasted_slots"] = out["slots_held"] - out["seq_len"]
     return out
+
+
+class RunningSlots(NamedTuple):
+    """Full-pool slots in use by running requests at one step, each slot counted once."""
+
+    in_tree: int  # the locked (protected) prefixes they share: a prefix used by many counts once
+    own: int  # their slots outside the tree (total - free - evictable - protected)
+    total: int  # the pool's size
+
+    @property
+    def held(self) -> int:
+        return self.in_tree + self.own
+
+
+def slots_of_running(usage_row: pd.Series) -> RunningSlots:
+    """From the pool's own terms at a step: what running requests hold, shared slots once."""
+    total, free = int(usage_row["full_total"]), int(usage_row["full_available"])
+    evictable, protected = int(usage_row["full_evictable"]), int(usage_row["full_protected"])
+    return RunningSlots(protected, total - free - evictable - protected, total)

@@ -5,6 +5,14 @@ from __future__ import annotations
 import pandas as pd
 
 COLUMNS = ["index", "name", "memory_used_mib", "memory_total_mib", "utilization_pct"]
+MIB_PER_GIB = 1024
+
+
+def total_gib(gpus: pd.DataFrame) -> float | None:
+    """The first GPU's memory in GiB, from probe()'s rows; None when there is no GPU."""
+    if gpus.empty:
+        return None
+    return float(gpus["memory_total_mib"].iloc[0]) / MIB_PER_GIB
 
 
 def probe() -> pd.DataFrame:

@@ -244,3 +244,13 @@ def recent_evictions(capture: Capture, run_id: int, since_step: int) -> pd.DataF
     return capture.read_frame(
         select(func.count().label("num_evictions"), func.coalesce(func.sum(e.num_tokens), 0).label("evicted_tokens"))
         .where(e.run_id == run_id, e.kind == EVICT, e.step >= since_step))
+
+
+# -- usage -----------------------------------------------------------------------------------
+
+def usage_at(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
+    """The usage row of the last sampled step at or before `step`, exact (not downsampled);
+    empty when there is none."""
+    u = schema.usage.c
+    return capture.read_frame(select(schema.usage).where(u.run_id == run_id, u.step <= step)
+                              .order_by(desc(u.step)).limit(1))

@@ -42,7 +42,7 @@ def test_overview_shows_both_hit_rates_labelled(monkeypatch: pytest.MonkeyPatch)
     # shared-prefix: 5558 of 7705 prompt tokens hit; 44 of 48 requests
     assert labels["hit rate: tokens"] == "72.1%"
     assert labels["hit rate: requests"] == "91.7%"
-    assert labels["leak check, step 49"] == "ok"
+    assert at.success[0].value.startswith("**Clean: 1 idle leak check balanced (the last at step 49)")
 
 
 def test_leaks_page_names_the_injected_culprits(monkeypatch: pytest.MonkeyPatch) -> None:

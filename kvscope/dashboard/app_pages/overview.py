@@ -1,61 +1,103 @@
-"""Overview: the pools now, hit rates, requests, evictions, the last leak check, the GPU. Live."""
+"""Overview: the leak verdict, the pools now, hit rates, requests, evictions, the GPU. Live."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pandas as pd
 import streamlit as st
 
 from kvscope.dashboard import charts, data
 from kvscope.dashboard.frame import Selection, selection
+from kvscope.dashboard.verdict import Verdict, leak_verdict, run_seconds
 
 LIVE_EVERY_S = 1.0
+VERDICT_BOXES = {"clean": st.success, "failed": st.error, "inconclusive": st.warning}
 
 
 def _pct(value: float | None) -> str:
     return "–" if value is None else f"{value:.1%}"
 
 
+def show_verdict(verdict: Verdict) -> None:
+    """The verdict whole, in its colour: the failing checks' own messages on lines of their own."""
+    body = "\n\n".join([f"**{verdict.title}**", *(f"`{line}`" for line in verdict.lines)])
+    VERDICT_BOXES[verdict.level](body)
+
+
+def verdict_panel(chosen: Selection, run: Any) -> None:
+    checks = data.leak_checks(chosen.path, chosen.run_id, chosen.stamp)
+    status = str(run["display_status"])
+    report = None if status == "running" else data.stored_leak_report(chosen.path, chosen.run_id, chosen.stamp)
+    error = run["error"] if isinstance(run.get("error"), str) and run["error"] else None
+    show_verdict(leak_verdict(checks, status, error, report))
+
+
 def pool_metrics(last: pd.Series) -> None:
+    """Each pool's total and its terms; with no request running, what is outside the free list
+    and the tree is missing (leaked), not held."""
     usage = last.to_frame().T
+    idle = int(last["num_running"]) == 0
     for pool in charts.pools_of(usage):
         terms = charts.pool_terms(usage, pool).iloc[0]
-        total = terms["total"] or 1.0
-        cols = st.columns(5)
-        cols[0].metric(f"{pool}: used", f"{int(terms['total'] - terms['free']):,}",
-                       help=f"of {int(terms['total']):,} tokens ({(terms['total'] - terms['free']) / total:.0%})")
-        cols[1].metric(f"{pool}: evictable", f"{int(terms['evictable']):,}")
-        cols[2].metric(f"{pool}: protected", f"{int(terms['protected']):,}")
-        cols[3].metric(f"{pool}: held by requests", f"{int(terms['requests']):,}")
-        cols[4].metric(f"{pool}: free", f"{int(terms['free']):,}")
+        total, used = int(terms["total"]), int(terms["total"] - terms["free"])
+        cols = st.columns(6)
+        cols[0].metric(f"{pool}: total", f"{total:,}", help="the pool's size in token slots")
+        cols[1].metric(f"{pool}: used", f"{used:,}", help=f"{used / (total or 1):.0%} of {total:,} slots")
+        cols[2].metric(f"{pool}: evictable", f"{int(terms['evictable']):,}", help="cached in the tree, unlocked")
+        cols[3].metric(f"{pool}: protected", f"{int(terms['protected']):,}",
+                       help="cached in the tree and locked: " + ("no request is running, so a lock that was never "
+                                                                  "released" if idle else "by a running request"))
+        if idle:
+            cols[4].metric(f"{pool}: missing", f"{int(terms['requests']):,}",
+                           help="no request is running, so every slot should be free or cached: these are neither "
+                                "(the leak check's imbalance)")
+        else:
+            cols[4].metric(f"{pool}: held by requests", f"{int(terms['requests']):,}",
+                           help="slots running requests hold outside the tree (plus any leaked ones)")
+        cols[5].metric(f"{pool}: free", f"{int(terms['free']):,}")
+    st.caption(f"Request pool: {int(last['req_total'] - last['req_available']):,} of {int(last['req_total']):,} "
+               "rows in use.")
 
 
-def traffic_metrics(chosen: Selection, rows: pd.DataFrame) -> None:
+def recent_eviction_metric(column: Any, chosen: Selection, rows: pd.DataFrame) -> None:
+    """A live run: the rate over its recent window (at most RATE_WINDOW_S), labelled so."""
     last, first = rows.iloc[-1], rows.iloc[0]
-    rates = charts.hit_rates(last)
-    seconds = float(last["t_mono"]) - float(first["t_mono"])
+    window_s = float(last["t_mono"]) - float(first["t_mono"])
     recent = data.recent_evictions(chosen.path, chosen.run_id, chosen.stamp, int(first["step"])).iloc[0]
-    cols = st.columns(6)
+    rate = "–" if window_s <= 0 else f"{int(recent['num_evictions']) / window_s:.1f}"
+    column.metric(f"evictions / s (last {window_s:.0f} s)", rate,
+                  help=f"{int(recent['num_evictions']):,} evictions ({int(recent['evicted_tokens']):,} tokens) in "
+                       f"the last {window_s:.1f} s; {int(last['cum_evicted_tokens']):,} tokens in all")
+
+
+def whole_run_eviction_metric(column: Any, chosen: Selection, run: Any, last: pd.Series) -> None:
+    """A run that is not running: its count, and the average over its wall-clock length."""
+    tokens = int(last["cum_evicted_tokens"])
+    if run["level"] != "full":
+        column.metric("evicted tokens (whole run)", f"{tokens:,}", help="recorded at level summary: no events")
+        return
+    counts = data.event_counts(chosen.path, chosen.run_id, chosen.stamp)
+    count = int(counts.loc[counts["kind"] == "evict", "count"].sum())
+    seconds = run_seconds(run)
+    average = f"; {count / seconds:.1f} per second on average over its {seconds:.1f} s" if seconds else ""
+    column.metric("evictions (whole run)", f"{count:,}", help=f"{tokens:,} tokens evicted in the whole run{average}")
+
+
+def traffic_metrics(chosen: Selection, run: Any, rows: pd.DataFrame) -> None:
+    last = rows.iloc[-1]
+    rates = charts.hit_rates(last)
+    cols = st.columns(5)
     cols[0].metric("hit rate: tokens", _pct(rates.token_weighted),
                    help="token-weighted: cached prompt tokens / prompt tokens (the ratio of sums)")
     cols[1].metric("hit rate: requests", _pct(rates.request_weighted),
                    help="request-weighted: requests that hit any cached prefix / requests")
     cols[2].metric("running / waiting", f"{int(last['num_running'])} / {int(last['num_waiting'])}")
-    per_s = "–" if seconds <= 0 else f"{int(recent['num_evictions']) / seconds:.1f}"
-    cols[3].metric("evictions / s", per_s, help=f"over the last {seconds:.1f} s of the run "
-                   f"({int(recent['evicted_tokens']):,} tokens); {int(last['cum_evicted_tokens']):,} tokens in all")
+    if str(run["display_status"]) == "running":
+        recent_eviction_metric(cols[3], chosen, rows)
+    else:
+        whole_run_eviction_metric(cols[3], chosen, run, last)
     cols[4].metric("retractions", f"{int(last['cum_retractions']):,}")
-    step, verdict = leak_verdict(chosen)
-    cols[5].metric("last leak check" if step is None else f"leak check, step {step}", verdict)
-
-
-def leak_verdict(chosen: Selection) -> tuple[int | None, str]:
-    """The last idle leak check: its step and 'ok' or 'FAILED: <pools>'."""
-    checks = data.leak_checks(chosen.path, chosen.run_id, chosen.stamp)
-    if checks.empty:
-        return None, "none yet"
-    last = checks[checks["step"] == checks["step"].max()]
-    bad = last[~last["ok"].astype(bool)]
-    return int(last["step"].iloc[0]), "ok" if bad.empty else f"FAILED: {', '.join(bad['pool'])}"
 
 
 def gpu_panel() -> None:
@@ -81,11 +123,12 @@ def live_panel() -> None:
     rows = data.latest_usage(chosen.path, chosen.run_id, chosen.stamp)
     st.caption(f"run {chosen.run_id} · **{run['display_status']}**" + (" · refreshing every second"
                                                                         if chosen.live else ""))
+    verdict_panel(chosen, run)
     if rows.empty:
         st.info("No usage samples yet: the run has not finished its first step.")
         return
     pool_metrics(rows.iloc[-1])
-    traffic_metrics(chosen, rows)
+    traffic_metrics(chosen, run, rows)
     usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
     st.plotly_chart(charts.live_usage_figure(usage), key="overview.usage")
     gpu_panel()

@@ -1,6 +1,10 @@
-"""Pure chart builders: DataFrame in, plotly Figure (or DataFrame) out; no Streamlit here."""
+"""Pure chart builders: DataFrame in, plotly Figure (or DataFrame) out; no Streamlit here.
 
-from kvscope.dashboard.charts.capacity import capacity_figure, capacity_for, curve_frame
+Every builder takes its colours from style.COLORS (one colour per series name), gives count
+axes whole-number ticks (style.count_axis) and puts its legend above the plot (style.legend_above).
+"""
+
+from kvscope.dashboard.charts.capacity import capacity_figure, capacity_for, curve_frame, working_set_tokens
 from kvscope.dashboard.charts.events import (
     cached_tokens_figure,
     eviction_idle_figure,
@@ -8,6 +12,7 @@ from kvscope.dashboard.charts.events import (
     leak_terms_figure,
     request_timeline_figure,
 )
+from kvscope.dashboard.charts.style import COLORS, color, count_axis, legend_above, owner_color
 from kvscope.dashboard.charts.tree import (
     COLOR_FIELDS,
     cap_nodes,
@@ -27,19 +32,24 @@ from kvscope.dashboard.charts.usage import (
 )
 
 __all__ = [
+    "COLORS",
     "COLOR_FIELDS",
     "HitRates",
     "cached_tokens_figure",
     "cap_nodes",
     "capacity_figure",
     "capacity_for",
+    "color",
+    "count_axis",
     "curve_frame",
     "eviction_idle_figure",
     "evictions_figure",
     "hit_rates",
     "leak_terms_figure",
+    "legend_above",
     "live_usage_figure",
     "memory_timeline_figure",
+    "owner_color",
     "page_waste_figure",
     "pool_terms",
     "pools_of",
@@ -48,4 +58,5 @@ __all__ = [
     "tree_diff",
     "tree_diff_figure",
     "tree_figure",
+    "working_set_tokens",
 ]

@@ -6,6 +6,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from kvscope.dashboard.charts.style import BOTTOM_MARGIN, color, count_axis, legend_above
+
 
 def curve_frame(capacities: np.ndarray, hit_tokens: np.ndarray, prompt_tokens: int) -> pd.DataFrame:
     """The curve's breakpoints as (capacity_tokens, hit_rate), a step function from zero."""
@@ -20,17 +22,33 @@ def capacity_for(curve: pd.DataFrame, target_rate: float) -> int | None:
     return None if reached.empty else int(reached["capacity_tokens"].iloc[0])
 
 
+def working_set_tokens(curve: pd.DataFrame) -> int:
+    """The capacity past which the hit rate grows no more: the curve's last breakpoint."""
+    return int(curve["capacity_tokens"].max()) if not curve.empty else 0
+
+
 def capacity_figure(curve: pd.DataFrame, target_rate: float, needed_tokens: int | None,
                     gpu_tokens: int | None = None) -> go.Figure:
+    """The curve on an axis scaled to the run's working set (a GPU's capacity is usually far
+    beyond it: then it is named at the right edge rather than stretching the axis to it)."""
+    working_set = working_set_tokens(curve)
+    x_max = max(working_set, needed_tokens or 0, 1) * 1.1
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=curve["capacity_tokens"], y=curve["hit_rate"], mode="lines", line_shape="hv",
-                             name="token hit rate"))
-    fig.add_hline(y=target_rate, line_dash="dot", annotation_text=f"target {target_rate:.0%}")
+                             name="token hit rate", line={"color": color("token hit rate")}))
+    fig.add_hline(y=target_rate, line_dash="dot", line_color=color("target"),
+                  annotation_text=f"target {target_rate:.0%}")
     if needed_tokens is not None:
-        fig.add_vline(x=needed_tokens, line_dash="dash", annotation_text=f"needs {needed_tokens:,} tokens")
-    if gpu_tokens is not None:
-        fig.add_vline(x=gpu_tokens, line_color="green", annotation_text="fits on the GPU",
+        fig.add_vline(x=needed_tokens, line_dash="dash", line_color=color("needed"),
+                      annotation_text=f"needs {needed_tokens:,} tokens")
+    if gpu_tokens is not None and gpu_tokens <= x_max:
+        fig.add_vline(x=gpu_tokens, line_color=color("fits on the GPU"), annotation_text="fits on the GPU",
                       annotation_position="bottom right")
-    fig.update_layout(xaxis_title="cache capacity (tokens)", yaxis_title="token hit rate", yaxis_tickformat=".0%",
-                      margin={"l": 10, "r": 10, "t": 30, "b": 10}, height=380)
-    return fig
+    elif gpu_tokens is not None:
+        fig.add_annotation(text=f"the GPU holds {gpu_tokens:,} tokens →<br>({gpu_tokens / max(working_set, 1):,.0f}× "
+                           "this traffic's working set)", x=1.0, xref="paper", y=0.05, yref="paper", xanchor="right",
+                           showarrow=False, font={"color": color("fits on the GPU")})
+    fig.update_layout(xaxis={**count_axis([0, x_max], "cache capacity (tokens)"), "range": [0, x_max]},
+                      yaxis={"title": {"text": "token hit rate"}, "tickformat": ".0%", "range": [0, 1.05]},
+                      margin={"b": BOTTOM_MARGIN}, height=400)
+    return legend_above(fig)

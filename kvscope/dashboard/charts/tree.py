@@ -13,12 +13,14 @@ from __future__ import annotations
 from typing import Any
 
 import pandas as pd
-import plotly.express as px
 import plotly.graph_objects as go
+
+from kvscope.dashboard.charts.style import BOTTOM_MARGIN, color, count_axis, legend_above, owner_color
 
 COLOR_FIELDS = ("lock_ref", "idle", "hit_count", "owner", "tombstone")
 CATEGORICAL = {"owner", "tombstone"}
 DEFAULT_MAX_NODES = 2000
+MAX_LEGEND_CATEGORIES = 20  # owners named in the legend; the rest are counted
 
 
 def subtree_values(nodes: pd.DataFrame) -> pd.DataFrame:
@@ -79,15 +81,52 @@ def _hover(nodes: pd.DataFrame, show_preview: bool) -> list[str]:
     return rows
 
 
+def _is_root(nodes: pd.DataFrame) -> pd.Series:
+    return nodes["parent_id"].isna()
+
+
+def _category_names(nodes: pd.DataFrame, color_by: str) -> list[str]:
+    """Each node's category, as its legend names it."""
+    if color_by == "tombstone":
+        return ["tombstone" if bool(t) else "live" for t in nodes["tombstone"]]
+    return [o if isinstance(o, str) and o else "no owner" for o in nodes["owner"]]
+
+
+def _category_color(name: str) -> str:
+    return color(name) if name in ("tombstone", "live", "no owner") else owner_color(name)
+
+
 def _marker(nodes: pd.DataFrame, color_by: str) -> dict[str, Any]:
+    """Icicle colours. A numeric field's scale spans the nodes below the root: the root's lock is
+    permanent (and every match passes it), so it takes the scale's low end and sets no range."""
     if color_by in CATEGORICAL:
-        keys = nodes[color_by].astype(str).where(nodes[color_by].notna(), "-")
-        palette = px.colors.qualitative.Plotly
-        codes = {k: palette[i % len(palette)] for i, k in enumerate(sorted(set(keys)))}
-        return {"colors": [codes[k] for k in keys]}
+        return {"colors": [_category_color(name) for name in _category_names(nodes, color_by)]}
     values = nodes[color_by].astype(float)
-    return {"colors": values.tolist(), "colorscale": "Viridis", "showscale": True,
-            "colorbar": {"title": {"text": color_by}}}
+    roots = _is_root(nodes)
+    ranged = values[~roots] if (~roots).any() else values
+    cmin = float(ranged.min()) if len(ranged) else 0.0
+    cmax = max(float(ranged.max()) if len(ranged) else 0.0, cmin + 1.0)
+    return {"colors": values.where(~roots, cmin).tolist(), "colorscale": "Viridis", "cmin": cmin, "cmax": cmax,
+            "showscale": True, "colorbar": {"title": {"text": f"{color_by}<br>(root not coloured)"}}}
+
+
+def _category_legend(fig: go.Figure, nodes: pd.DataFrame, color_by: str) -> None:
+    """One legend entry per category (an icicle has no legend of its own), on hidden axes."""
+    names = pd.Series(_category_names(nodes, color_by)).value_counts()
+    shown = names.index[:MAX_LEGEND_CATEGORIES]
+    for name in shown:
+        label = name if color_by == "tombstone" or name == "no owner" else f"owner {name}"
+        count = int(names[name])
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers",
+                                 name=f"{label} ({count:,} node{'' if count == 1 else 's'})",
+                                 marker={"color": _category_color(str(name)), "size": 12, "symbol": "square"},
+                                 hoverinfo="skip"))
+    if len(names) > len(shown):
+        fig.add_annotation(text=f"+{len(names) - len(shown):,} more owners", showarrow=False, xref="paper",
+                           yref="paper", x=1.0, y=1.02, xanchor="right", yanchor="bottom")
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    fig.update_layout(plot_bgcolor="rgba(0,0,0,0)", showlegend=True)
 
 
 def tree_figure(nodes: pd.DataFrame, color_by: str = "lock_ref", show_preview: bool = False) -> go.Figure:
@@ -102,8 +141,10 @@ def tree_figure(nodes: pd.DataFrame, color_by: str = "lock_ref", show_preview: b
         hovertext=_hover(nodes, show_preview), hoverinfo="text", tiling={"orientation": "v"},
         maxdepth=12,
     ))
-    fig.update_layout(height=520, margin={"t": 10, "l": 10, "r": 10, "b": 10})
-    return fig
+    fig.update_layout(height=540, margin={"l": 10, "r": 10, "b": 10})
+    if color_by in CATEGORICAL:
+        _category_legend(fig, nodes, color_by)
+    return legend_above(fig, top_margin=40)
 
 
 def tree_diff(before: pd.DataFrame, after: pd.DataFrame) -> pd.DataFrame:
@@ -127,7 +168,7 @@ def tree_diff_figure(diff: pd.DataFrame) -> go.Figure:
     order = ["new", "grew", "shrank", "evicted"]
     sums = diff.groupby("change")["delta"].sum().reindex(order, fill_value=0)
     counts = diff.groupby("change").size().reindex(order, fill_value=0)
-    colors = ["#2ca02c", "#98df8a", "#ff9896", "#d62728"]
-    fig = go.Figure(go.Bar(x=order, y=sums, marker_color=colors, text=[f"{c} nodes" for c in counts]))
-    fig.update_layout(height=280, margin={"t": 10, "b": 10}, yaxis_title="token change")
+    fig = go.Figure(go.Bar(x=order, y=sums, marker_color=[color(c) for c in order], name="token change",
+                           text=[f"{c} nodes" for c in counts]))
+    fig.update_layout(height=280, margin={"t": 10, "b": BOTTOM_MARGIN}, yaxis=count_axis(sums, "token change"))
     return fig

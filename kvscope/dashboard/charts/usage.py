@@ -16,8 +16,10 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from kvscope.dashboard.charts.style import BOTTOM_MARGIN, color, count_axis, legend_above, step_axis
+
 TERMS = ("requests", "protected", "evictable", "free")
-TERM_COLORS = {"requests": "#d62728", "protected": "#ff7f0e", "evictable": "#1f77b4", "free": "#c7c7c7"}
+TERM_NAMES = {"requests": "held by requests", "protected": "protected", "evictable": "evictable", "free": "free"}
 POOL_TITLES = {"full": "full pool", "swa": "SWA pool"}
 
 
@@ -44,13 +46,13 @@ def memory_timeline_figure(usage: pd.DataFrame) -> go.Figure:
     for col, pool in enumerate(pools, 1):
         terms = pool_terms(usage, pool)
         for term in TERMS:
-            fig.add_trace(go.Scatter(x=terms["step"], y=terms[term], name=term, stackgroup=pool, mode="lines",
-                                     line={"width": 0.5, "color": TERM_COLORS[term]}, legendgroup=term,
-                                     showlegend=col == 1), row=1, col=col)
-        fig.update_yaxes(title_text="tokens", row=1, col=col)
-        fig.update_xaxes(title_text="step", row=1, col=col)
-    fig.update_layout(height=380, margin={"t": 40, "b": 10}, hovermode="x unified")
-    return fig
+            fig.add_trace(go.Scatter(x=terms["step"], y=terms[term], name=TERM_NAMES[term], stackgroup=pool,
+                                     mode="lines", line={"width": 0.5, "color": color(term)},
+                                     fillcolor=color(term), legendgroup=term, showlegend=col == 1), row=1, col=col)
+        fig.update_yaxes(count_axis(terms["total"], "tokens"), row=1, col=col)
+        fig.update_xaxes(step_axis(terms["step"]), row=1, col=col)
+    fig.update_layout(height=400, hovermode="x unified")
+    return legend_above(fig, top_margin=80, y=1.1)
 
 
 def live_usage_figure(usage: pd.DataFrame) -> go.Figure:
@@ -59,14 +61,18 @@ def live_usage_figure(usage: pd.DataFrame) -> go.Figure:
     for pool in pools_of(usage):
         terms = pool_terms(usage, pool)
         used = (terms["total"] - terms["free"]) / terms["total"].where(terms["total"] > 0)
-        fig.add_trace(go.Scatter(x=terms["step"], y=used, name=f"{pool} used", mode="lines"))
+        fig.add_trace(go.Scatter(x=terms["step"], y=used, name=f"{pool} used", mode="lines",
+                                 line={"color": color(pool)}))
     for column in ("num_running", "num_waiting"):
-        fig.add_trace(go.Scatter(x=usage["step"], y=usage[column], name=column.removeprefix("num_"),
-                                 mode="lines", line={"dash": "dot"}), secondary_y=True)
+        name = column.removeprefix("num_")
+        fig.add_trace(go.Scatter(x=usage["step"], y=usage[column], name=name, mode="lines",
+                                 line={"dash": "dot", "color": color(name)}), secondary_y=True)
+    counts = pd.concat([usage["num_running"], usage["num_waiting"]])
     fig.update_yaxes(title_text="used fraction", tickformat=".0%", range=[0, 1.05], secondary_y=False)
-    fig.update_yaxes(title_text="requests", rangemode="tozero", secondary_y=True)
-    fig.update_layout(height=280, margin={"t": 20, "b": 10}, xaxis_title="step")
-    return fig
+    fig.update_yaxes(count_axis(counts, "requests"), rangemode="tozero", showgrid=False, secondary_y=True)
+    fig.update_xaxes(step_axis(usage["step"]))
+    fig.update_layout(height=300, margin={"b": BOTTOM_MARGIN})
+    return legend_above(fig)
 
 
 class HitRates(NamedTuple):
@@ -84,9 +90,11 @@ def page_waste_figure(waste: pd.DataFrame) -> go.Figure:
     """Tokens vs slots held per running request (whole pages); the gap is wasted slots."""
     waste = waste.sort_values("slots_held", ascending=False)
     fig = go.Figure([
-        go.Bar(x=waste["rid"], y=waste["seq_len"], name="tokens"),
-        go.Bar(x=waste["rid"], y=waste["wasted_slots"], name="wasted slots (last page)"),
+        go.Bar(x=waste["rid"], y=waste["seq_len"], name="tokens", marker_color=color("tokens")),
+        go.Bar(x=waste["rid"], y=waste["wasted_slots"], name="wasted slots (last page)",
+               marker_color=color("wasted slots")),
     ])
-    fig.update_layout(barmode="stack", height=300, margin={"t": 20, "b": 10}, yaxis_title="slots",
-                      xaxis_title="running request")
-    return fig
+    fig.update_layout(barmode="stack", height=320, margin={"b": BOTTOM_MARGIN},
+                      yaxis=count_axis(waste["slots_held"], "slots"),
+                      xaxis={"title": {"text": "running request"}, "type": "category"})
+    return legend_above(fig)
