@@ -35,7 +35,6 @@ import torch
 from _results import command_line, machine_lines, write_section
 
 from kvscope.planning import HitRateCurve, ReplayConfig, ReplayRequest, load_requests, one_pass_curve, replay
-from kvscope.planning.brute_force import split_refreshes_unmatched_piece
 
 TARGET_RATIO = 3.0
 DEFAULT_TRACE = Path(__file__).with_name("traces") / "multi_turn.jsonl"
@@ -96,6 +95,23 @@ def check_rows(name: str, requests: list[ReplayRequest], curve: HitRateCurve, nu
         print(f"{name} ps={ps} capacity {k}: checked", file=sys.stderr)
     return [f"| {name} | {ps} | {grid[0]:,} .. {grid[-1]:,} ({len(grid)}) | {equal} / {len(grid)} "
             f"| {within} / {len(grid)} | {np.mean(gaps):.4f} | {max(gaps):.4f} |"]
+
+
+def split_refreshes_unmatched_piece() -> bool:
+    """Whether a match that splits a node (page granularity) stamps the unmatched lower piece
+    as accessed, as SGLang does in leaf mode: probed on a real RadixCache, not assumed."""
+    from kvscope.cache import RadixCache
+    from kvscope.mem import make_token_allocator
+
+    allocator = make_token_allocator(16, 1, "cpu")
+    cache = RadixCache(allocator, page_size=1, eviction_granularity="page")
+    cache.insert(np.arange(8), allocator.alloc(8))
+    (lower,) = cache.root.children.values()
+    before = lower.last_access_time
+    time.sleep(0.01)
+    cache.match_prefix(np.arange(4))
+    assert lower.parent is not cache.root, "the match did not split the node"
+    return bool(lower.last_access_time != before)
 
 
 def report(args: argparse.Namespace, traces: list[str], speed: list[str], checks: list[str], run_s: float,
