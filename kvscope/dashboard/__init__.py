@@ -1,5 +1,7 @@
-"""The Streamlit dashboard: the shared frame (frame.py), cached reads (data.py), pure chart
-builders (charts/), the pages (app_pages/) and `make run`'s launcher (launch.py).
+"""The Streamlit dashboard: the shared frame (frame.py), the view in the URL (url_state.py),
+cached reads (data.py, and reads.py for the links, time and leak views), pure builders
+(charts/, timing.py, latency.py, leak_views.py), the pages (app_pages/) and `make run`'s
+launcher (launch.py).
 
 It reads captures through kvscope.telemetry's read functions (read-only; it holds no SQL) and
 the leak report through kvscope.debug; it never imports torch or the engine layers

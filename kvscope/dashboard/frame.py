@@ -1,7 +1,10 @@
 """The shared frame: which capture and run are shown, the sidebar picker and refresh toggle.
 
-NOTE: the capture is chosen in this order: the sidebar picker (once touched), `-- --db PATH`
-on the streamlit command line, $KVSCOPE_DB, the newest *.db under runs/, else sample_runs/.
+NOTE: the capture is chosen in this order: a link's `?capture=` (when the sidebar lists it),
+the sidebar picker (once touched), `-- --db PATH` on the streamlit command line, $KVSCOPE_DB,
+the newest *.db under runs/, else sample_runs/. The run: a link's `?run=`, the picker, else
+the newest run. The run's status is read once per rerun (Selection.status): the picker's label,
+the status line and the pages all show that one.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any, NamedTuple
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import data
+from kvscope.dashboard import data, url_state
 from kvscope.telemetry import CaptureError
 
 CAPTURE_DIRS = (Path("runs"), Path("sample_runs"))
@@ -30,18 +33,23 @@ PAGE_FILES = {
     "Capacity": "capacity.py",
 }
 STATE_KEY = "kvscope.selection"
+CAPTURE_KEY = "kvscope.capture"
+RUN_KEY = "kvscope.run"
+LABELS_KEY = "kvscope.run_labels"  # the picker's labels at the last rerun
+RUNS_OF_KEY = "kvscope.runs_of"  # the capture those labels are of
 
 
 class Selection(NamedTuple):
     path: str
     run_id: int
-    run: Any  # the runs() row: id, label, status, display_status, config, heartbeat_at, ...
+    run: Any  # the runs() row: id, label, status, display_status, config, heartbeat_at, error, ...
     stamp: float  # changes whenever the run's data may have changed: the cache key of every read
     live: bool  # the run is running and the refresh toggle is on
+    status: str  # the run's status for this whole rerun: the picker, the status line and every page show this one
 
     @property
     def running(self) -> bool:
-        return str(self.run.display_status) == "running"
+        return self.status == "running"
 
 
 def find_captures(dirs: tuple[Path, ...] = CAPTURE_DIRS) -> list[Path]:
@@ -62,24 +70,58 @@ def requested_capture(argv: list[str] | None = None) -> str | None:
     return args.db or os.environ.get("KVSCOPE_DB") or None
 
 
-def _run_label(row: Any) -> str:
-    return f"run {row.id} · {row.label or 'unlabelled'} · {row.display_status}"
+def run_labels(runs: pd.DataFrame) -> dict[int, str]:
+    """The picker's label of each run, from the one status column read this rerun."""
+    return {int(row.id): f"run {row.id} · {row.label or 'unlabelled'} · {row.display_status}"
+            for row in runs.itertuples()}
 
 
 def _pick_capture(options: list[str]) -> str:
-    return str(st.sidebar.selectbox("Capture", options, index=0, key="kvscope.capture"))
+    linked = url_state.pending("capture")
+    if linked is not None:
+        if linked in options:
+            st.session_state[CAPTURE_KEY] = linked
+        else:
+            url_state.note(f"The link's capture {linked!r} is not one this dashboard lists: showing {options[0]!r}.")
+    if st.session_state.get(CAPTURE_KEY) not in options:
+        st.session_state[CAPTURE_KEY] = options[0]
+    return str(st.sidebar.selectbox("Capture", options, key=CAPTURE_KEY))
 
 
-def _pick_run(runs: pd.DataFrame) -> Any:
-    labels = [_run_label(row) for row in runs.itertuples()]
-    index = st.sidebar.selectbox("Run", range(len(labels)), index=len(labels) - 1, format_func=labels.__getitem__,
-                                 key="kvscope.run")
-    return runs.iloc[int(index)]
+def _pick_run(path: str, runs: pd.DataFrame) -> Any:
+    """NOTE: the labels carry the status, and a keyed selectbox keeps showing the label the
+    browser last had when only the labels change (its key is its identity): when they change,
+    the choice is set again, which sends the new label. Another capture starts at its newest run."""
+    labels = run_labels(runs)
+    if st.session_state.get(RUNS_OF_KEY) != path:
+        st.session_state.pop(RUN_KEY, None)
+        st.session_state[RUNS_OF_KEY] = path
+    ids = list(labels)
+    linked = url_state.pending("run")
+    if linked is not None and linked not in labels:
+        url_state.note(f"The link's run {linked} is not in this capture (runs: {', '.join(map(str, ids))}): "
+                       f"showing run {ids[-1]}.")
+    chosen = linked if linked in labels else st.session_state.get(RUN_KEY)
+    if chosen not in labels:
+        chosen = ids[-1]
+    if chosen != st.session_state.get(RUN_KEY) or st.session_state.get(LABELS_KEY) != labels:
+        st.session_state[RUN_KEY] = chosen
+    st.session_state[LABELS_KEY] = labels
+    run_id = st.sidebar.selectbox("Run", ids, format_func=labels.__getitem__, key=RUN_KEY)
+    return runs[runs["id"] == run_id].iloc[0]
+
+
+def _status_line(run: Any, status: str) -> None:
+    st.sidebar.caption(f"status: **{status}** · level {run.level}")
+    error = getattr(run, "error", None)
+    if isinstance(error, str) and error and status != "finished":
+        st.sidebar.caption(error)
 
 
 def render_frame() -> Selection | None:
     """The sidebar; returns the selection, or shows one line and returns None when there is none."""
     st.sidebar.title("kvscope")
+    url_state.take_new()
     requested = requested_capture()
     options = list(dict.fromkeys([*([requested] if requested else []), *map(str, find_captures())]))
     if not options:
@@ -95,14 +137,20 @@ def render_frame() -> Selection | None:
     if runs.empty:
         st.info(f"{path}: the capture holds no runs yet.")
         return None
-    run = _pick_run(runs)
+    run = _pick_run(path, runs)
     refresh = st.sidebar.toggle("Live refresh", value=True, key="kvscope.refresh",
                                 help="While the run is running, the live panels refresh about every second.")
-    st.sidebar.caption(f"status: **{run.display_status}** · level {run.level}")
-    stamp = float(run.heartbeat_at or 0.0) + float(run.ended_at or 0.0)
-    chosen = Selection(path, int(run.id), run, stamp, bool(refresh) and run.display_status == "running")
+    status = str(run.display_status)
+    _status_line(run, status)
+    url_state.reset(capture=path, run=int(run.id))
+    url_state.show_notes()
+    chosen = Selection(path, int(run.id), run, _stamp(run), bool(refresh) and status == "running", status)
     st.session_state[STATE_KEY] = chosen
     return chosen
+
+
+def _stamp(run: Any) -> float:
+    return float(run.heartbeat_at or 0.0) + float(run.ended_at or 0.0)
 
 
 def selection() -> Selection:
@@ -112,3 +160,4 @@ def selection() -> Selection:
         st.info("Open the app through `streamlit run app.py`.")
         st.stop()
     return chosen
+

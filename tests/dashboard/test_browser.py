@@ -1,5 +1,7 @@
 """End to end in a real headless browser: `streamlit run app.py` on a sample capture, every page
 loads without an exception; the Overview's screenshot goes to docs/screenshot.png (the README's).
+On the leaking sample, the numbers Overview and Leaks state; a copied URL reopens the same step;
+on a capture being written, the run picker and the status line agree when the run ends.
 
 Needs Debian's `chromium` (/usr/bin/chromium) and the Python `playwright` package (never
 `playwright install`: no browser download). Without them the test skips and says which is missing.
@@ -14,10 +16,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 
+from kvscope.telemetry import PoolTerms, UsageSample
+from kvscope.telemetry.recorder import SQLRecorder
 from tests.dashboard.conftest import ROOT
 
 CHROMIUM = Path(os.environ.get("KVSCOPE_CHROMIUM", "/usr/bin/chromium"))
@@ -60,12 +66,12 @@ def wait_for_port(port: int, server: subprocess.Popen[bytes]) -> None:
     raise AssertionError(f"streamlit did not listen on port {port} within {START_TIMEOUT_S:.0f} s")
 
 
-@pytest.fixture(scope="module")
-def server_url() -> Iterator[str]:
+@contextmanager
+def streamlit_server(db: Path) -> Iterator[str]:
     port = free_port()
-    env = {**os.environ, "KVSCOPE_DB": str(ROOT / "sample_runs" / "leaky.db")}
+    env = {**os.environ, "KVSCOPE_DB": str(db)}
     command = [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.headless", "true",
-               "--server.port", str(port), "--browser.gatherUsageStats", "false"]
+               "--server.port", str(port), "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"]
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_port(port, server)
@@ -73,6 +79,12 @@ def server_url() -> Iterator[str]:
     finally:
         server.terminate()
         server.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def server_url() -> Iterator[str]:
+    with streamlit_server(ROOT / "sample_runs" / "leaky.db") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +99,22 @@ def page() -> Iterator[Page]:
 
 def rendered(page: Page, url: str, title: str) -> None:
     page.goto(url)
+    settled(page, title)
+
+
+def settled(page: Page, title: str) -> None:
     page.get_by_role("heading", name=title).first.wait_for(timeout=RENDER_TIMEOUT_MS)
     page.wait_for_selector('[data-testid="stStatusWidget"]', state="detached", timeout=RENDER_TIMEOUT_MS)
     page.locator('[data-testid="stPlotlyChart"]').first.wait_for(timeout=RENDER_TIMEOUT_MS)
     page.wait_for_timeout(1000)  # let plotly lay the charts out before checks and screenshots
+
+
+def main_text(page: Page) -> str:
+    return page.locator('[data-testid="stMain"]').inner_text()
+
+
+def step_shown(page: Page) -> int:
+    return int(page.locator('[data-testid="stSlider"] input[type="range"]').first.input_value())
 
 
 @pytest.mark.parametrize("path", list(PAGES), ids=[t for t in PAGES.values()])
@@ -103,3 +127,78 @@ def test_every_page_renders_in_a_browser(server_url: str, page: Page, path: str,
         shot = README_SCREENSHOT if os.environ.get("KVSCOPE_UPDATE_SCREENSHOT") else tmp_path / "overview.png"
         page.screenshot(path=str(shot), full_page=True)
         assert shot.stat().st_size > 10_000, "the Overview rendered as an (almost) empty page"
+
+
+def test_overview_and_leaks_state_the_leaking_samples_numbers(server_url: str, page: Page) -> None:
+    """leaky.db: the idle check at step 38 finds 56 full-pool tokens missing; the ledger names 22 root
+    causes and 2 consequences; the lock on node 31 is 44 slots when locked and 20 in the report."""
+    rendered(page, f"{server_url}/", "Overview")
+    overview = main_text(page)
+    assert "FAILED" in overview and "step 38" in overview
+    assert "56 tokens missing" in overview
+    rendered(page, f"{server_url}/leaks", "Leaks")
+    leaks = main_text(page)
+    assert "LEAKS" in leaks and "step 16" in leaks  # the verdict and the bisected onset
+    assert "22 root causes, 2 consequences" in leaks
+    assert "Node 31: the injection record says 44 slots" in leaks and "The report says 20" in leaks
+
+
+def test_the_culprit_table_fits_without_scrolling_sideways(server_url: str, page: Page) -> None:
+    rendered(page, f"{server_url}/leaks", "Leaks")
+    table = page.locator('[data-testid="stDataFrame"]').first
+    table.scroll_into_view_if_needed()
+    scroller = table.locator(".dvn-scroller").first
+    scroller.wait_for(timeout=RENDER_TIMEOUT_MS)
+    overflow = scroller.evaluate("e => e.scrollWidth - e.clientWidth")
+    assert overflow <= 1, f"the culprit table scrolls sideways by {overflow} px"
+
+
+def test_a_copied_url_reopens_the_same_step(server_url: str, page: Page) -> None:
+    rendered(page, f"{server_url}/tree?step=20", "Radix tree")
+    assert step_shown(page) == 20 and "Step 20:" in main_text(page)
+    copied = page.url
+    query = parse_qs(urlparse(copied).query)
+    assert urlparse(copied).path == "/tree" and query["step"] == ["20"] and query["run"] == ["1"]
+    assert query["capture"] == [str(ROOT / "sample_runs" / "leaky.db")]
+    fresh = page.context.browser.new_page(viewport={"width": 1400, "height": 1000})  # a new session, as a colleague
+    try:
+        rendered(fresh, copied, "Radix tree")
+        assert step_shown(fresh) == 20 and "Step 20:" in main_text(fresh)
+    finally:
+        fresh.close()
+    rendered(page, f"{server_url}/tree?step=oops", "Radix tree")
+    assert step_shown(page) == 38 and "The link's step 'oops' is not a whole number" in main_text(page)
+
+
+def test_a_culprits_link_opens_its_request(server_url: str, page: Page) -> None:
+    rendered(page, f"{server_url}/leaks", "Leaks")
+    page.get_by_role("link", name="request mt-c0009-t0 on Requests").click()
+    settled(page, "Requests")
+    assert parse_qs(urlparse(page.url).query)["rid"] == ["mt-c0009-t0"]
+    picked = page.locator('[data-testid="stSelectbox"]').filter(has_text="request").locator("input").first
+    assert picked.input_value() == "mt-c0009-t0"
+
+
+def run_picker_label(page: Page) -> str:
+    return page.locator('[data-testid="stSidebar"] input[aria-label="Run"]').input_value()
+
+
+def test_the_run_picker_and_the_status_line_agree_when_a_run_ends(tmp_path: Path, page: Page) -> None:
+    db = tmp_path / "live.db"
+    recorder = SQLRecorder(db, level="full", label="live")
+    try:
+        for step in range(3):
+            recorder.step = step
+            recorder.usage(UsageSample(step, PoolTerms(100, 60, 30, 10), None, 4, 2, 2, step, 10 * step, 5 * step,
+                                       step, step, 0, 0))
+        recorder.flush()
+        with streamlit_server(db) as url:
+            rendered(page, f"{url}/", "Overview")
+            status = page.locator('[data-testid="stSidebar"]').get_by_text("status:")
+            assert run_picker_label(page) == "run 1 · live · running" and "running" in status.inner_text()
+            recorder.close()
+            status.filter(has_text="finished").wait_for(timeout=RENDER_TIMEOUT_MS)  # the live panel reruns the app
+            page.wait_for_timeout(1000)
+            assert run_picker_label(page) == "run 1 · live · finished"
+    finally:
+        recorder.close()

@@ -93,11 +93,12 @@ def _healthy(port: int) -> bool:
 def test_make_run_serves_on_loopback_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     port = _free_port()
     runs_dir = tmp_path / "runs"
-    make = subprocess.Popen(
-        ["make", "--no-print-directory", "run", f"PORT={port}",
+    venv = Path(sys.executable).parents[1]
+    make = subprocess.Popen(  # -o: this venv is the one under test, even when pyproject.toml is newer
+        ["make", "--no-print-directory", "-o", f"{venv}/.kvscope-installed", "run", f"PORT={port}",
          f"ARGS=--runs-dir {runs_dir} --num-requests 400 --pace 20"],
         cwd=launch.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "VENV": str(Path(sys.executable).parents[1])},
+        env={**os.environ, "VENV": str(venv)},
     )
     try:
         assert _wait_until(lambda: _healthy(port), 90.0), "the dashboard never answered"

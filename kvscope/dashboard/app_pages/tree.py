@@ -1,23 +1,148 @@
-"""Radix tree: the tree at any step (time travel), coloured by a field; a diff of two steps; node details."""
+"""Radix tree: the tree at any step (time travel), coloured by a field; a diff of two steps; node details
+with the requests holding its locks. The step and the node are in the URL (?step=, ?node=)."""
 
 from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import charts, data
-from kvscope.dashboard.frame import selection
+from kvscope.dashboard import charts, data, leak_views, reads, url_state
+from kvscope.dashboard.frame import Selection, selection
+from kvscope.dashboard.timing import Clock, zone_name
+
+STEP_KEY = "tree.step"
+FOLLOW_KEY = "tree.follow"
+CHOSEN_KEY = "tree.chosen_step"  # (capture, run, step) the user or a link chose: kept while the run grows
+NODE_KEY = "tree.node"
+
+
+def _moved(path: str, run_id: int) -> None:
+    """The slider moved: remember the step and stop following the newest one."""
+    st.session_state[CHOSEN_KEY] = (path, run_id, int(st.session_state[STEP_KEY]))
+    st.session_state[FOLLOW_KEY] = False
+
+
+def _chosen_step(chosen: Selection) -> int | None:
+    path, run_id, step = st.session_state.get(CHOSEN_KEY, (None, None, None))
+    return step if (path, run_id) == (chosen.path, chosen.run_id) else None
+
+
+def _apply_link_step(chosen: Selection, lo: int, hi: int) -> None:
+    linked = url_state.pending("step")
+    if linked is None:
+        return
+    if lo <= linked <= hi:
+        st.session_state[CHOSEN_KEY] = (chosen.path, chosen.run_id, linked)
+        st.session_state[FOLLOW_KEY] = False
+    else:
+        url_state.note(f"The link's step {linked} is outside this run's steps {lo}–{hi}: showing the newest step.")
+
+
+def pick_step(chosen: Selection, lo: int, hi: int) -> int:
+    """NOTE: the slider's range grows with a live run, and a new range makes a new slider (its
+    key is not its whole identity): the value comes from our own state, the newest step while
+    'follow newest' is on, else the step last chosen (clamped to the range)."""
+    _apply_link_step(chosen, lo, hi)
+    st.session_state.setdefault(FOLLOW_KEY, True)
+    follow = chosen.running and st.toggle("follow newest", key=FOLLOW_KEY,
+                                          help="Show each new step as the run records it. Moving the slider turns "
+                                               "this off.")
+    remembered = _chosen_step(chosen)
+    wanted = hi if follow or remembered is None else min(max(remembered, lo), hi)
+    st.session_state[STEP_KEY] = wanted
+    step = int(st.slider("step (time travel)", lo, max(hi, lo + 1), key=STEP_KEY, on_change=_moved,
+                         args=(chosen.path, chosen.run_id)))
+    if remembered is not None:
+        st.session_state[CHOSEN_KEY] = (chosen.path, chosen.run_id, step)
+    url_state.publish(step=step)
+    return step
+
+
+def step_caption(chosen: Selection, clock: Clock | None, step: int, nodes: pd.DataFrame, drawn: pd.DataFrame) -> None:
+    row = data.usage_at(chosen.path, chosen.run_id, chosen.stamp, step)
+    moment = None if clock is None or row.empty else clock.stamp(float(row["t_mono"].iloc[0]))
+    when = "" if moment is None else f" (recorded {moment} {zone_name()})"
+    st.caption(f"Step {step}: {len(nodes):,} nodes, {int(nodes['num_tokens'].sum()):,} cached tokens{when}. Width = "
+               "tokens in the subtree. " + (f"Drawing the {len(drawn):,} largest subtrees and their ancestors; the "
+                                            "rest is blank." if len(drawn) < len(nodes) else "")
+               + " Nodes born after the last snapshot have approximate hit counts and access times.")
+
+
+def pick_node(drawn: pd.DataFrame, nodes: pd.DataFrame) -> int:
+    choices = drawn.sort_values("value", ascending=False)["node_id"].astype(int).tolist()  # only what is drawn
+    linked = url_state.pending("node")
+    if linked is not None:
+        if linked in set(nodes["node_id"].astype(int)):
+            choices = [linked, *[c for c in choices if c != linked]]
+            st.session_state[NODE_KEY] = linked
+        else:
+            url_state.note(f"The link's node {linked} is not in the tree at this step.")
+    if st.session_state.get(NODE_KEY) not in choices:
+        st.session_state[NODE_KEY] = choices[0]
+    node_id = int(st.selectbox(f"node (the {len(choices):,} drawn, largest subtrees first)", choices, key=NODE_KEY))
+    url_state.publish(node=node_id)
+    return node_id
+
+
+def node_details(chosen: Selection, clock: Clock | None, step: int, nodes: pd.DataFrame, drawn: pd.DataFrame,
+                 show_preview: bool) -> None:
+    st.subheader("Node details")
+    node_id = pick_node(drawn, nodes)
+    detail = nodes[nodes["node_id"] == node_id].drop(columns=[] if show_preview else ["token_preview"])
+    if clock is not None and "last_access_time" in detail:
+        detail = detail.assign(last_access_time=clock.datetimes(detail["last_access_time"]))
+    st.dataframe(detail, hide_index=True)
+    lock_holders(chosen, step, node_id, nodes, int(detail["lock_ref"].fillna(0).iloc[0]) if len(detail) else 0)
+
+
+def lock_holders(chosen: Selection, step: int, node_id: int, nodes: pd.DataFrame, lock_ref: int) -> None:
+    if lock_ref <= 0:
+        return
+    locks = reads.lock_events(chosen.path, chosen.run_id, chosen.stamp)
+    if locks.empty:
+        st.caption(f"Node {node_id} has {lock_ref} lock(s); who holds them needs a capture recorded at level full.")
+        return
+    holders = leak_views.holders_of(node_id, leak_views.held_locks(locks, step), nodes)
+    if holders.empty:
+        st.caption(f"Node {node_id} has {lock_ref} lock(s) (the root's is permanent).")
+        return
+    st.caption(f"Node {node_id} is locked {lock_ref} time(s) at step {step}, held by these requests (a lock on a node "
+               "below it holds it too):")
+    st.dataframe(holders, hide_index=True)
+
+
+def diff_section(chosen: Selection, lo: int, hi: int, step: int) -> None:
+    st.subheader("What changed between two steps")
+    diff_cols = st.columns(2)
+    before_step = diff_cols[0].number_input("from step", lo, hi, max(lo, step - 10), key="tree.diff_from")
+    after_step = diff_cols[1].number_input("to step", lo, hi, step, key="tree.diff_to")
+    diff = charts.tree_diff(data.tree_at(chosen.path, chosen.run_id, int(before_step), chosen.stamp),
+                            data.tree_at(chosen.path, chosen.run_id, int(after_step), chosen.stamp))
+    if diff.empty:
+        st.caption("No node changed size between these steps.")
+        return
+    grew = int(diff.loc[diff["delta"] > 0, "delta"].sum())
+    lost = int(-diff.loc[diff["delta"] < 0, "delta"].sum())
+    st.caption(f"{grew:,} tokens grew (new nodes and extended ones), {lost:,} tokens went (evicted, or moved into "
+               "a new upper node by a split).")
+    st.plotly_chart(charts.tree_diff_figure(diff), key="tree.diff")
+    st.dataframe(diff, hide_index=True)
+
 
 chosen = selection()
 st.header("Radix tree")
+notes = st.container()
 bounds = data.step_range(chosen.path, chosen.run_id, chosen.stamp).iloc[0]
 if pd.isna(bounds["lo"]):
+    url_state.show_notes()
     st.info("No steps recorded in this run yet.")
     st.stop()
 lo, hi = int(bounds["lo"]), int(bounds["hi"])
+clock = reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run)
 
 cols = st.columns([3, 1, 1, 1])
-step = cols[0].slider("step (time travel)", lo, max(hi, lo + 1), hi, key="tree.step")
+with cols[0]:
+    step = pick_step(chosen, lo, hi)
 color_by = cols[1].selectbox("colour by", charts.COLOR_FIELDS, key="tree.color")
 max_nodes = int(cols[2].number_input("max nodes drawn", 100, 20_000, charts.tree.DEFAULT_MAX_NODES, step=100,
                                      key="tree.max_nodes"))
@@ -26,33 +151,12 @@ show_preview = cols[3].toggle("token previews", value=False, key="tree.preview",
 
 nodes = charts.subtree_values(data.tree_at(chosen.path, chosen.run_id, step, chosen.stamp))
 drawn = charts.cap_nodes(nodes, max_nodes)
-st.caption(f"Step {step}: {len(nodes):,} nodes, {int(nodes['num_tokens'].sum()):,} cached tokens. Width = tokens in "
-           "the subtree. " + (f"Drawing the {len(drawn):,} largest subtrees and their ancestors; the rest is blank."
-                              if len(drawn) < len(nodes) else "")
-           + " Nodes born after the last snapshot have approximate hit counts and access times.")
+step_caption(chosen, clock, step, nodes, drawn)
 if nodes.empty:
     st.info("The tree is empty at this step.")
 else:
     st.plotly_chart(charts.tree_figure(drawn, color_by, show_preview), key="tree.icicle")
-
-    st.subheader("Node details")
-    choices = drawn.sort_values("value", ascending=False)["node_id"].astype(int).tolist()  # only what is drawn
-    node_id = st.selectbox(f"node (the {len(choices):,} drawn, largest subtrees first)", choices, key="tree.node")
-    detail = nodes[nodes["node_id"] == node_id].drop(columns=[] if show_preview else ["token_preview"])
-    st.dataframe(detail, hide_index=True)
-
-st.subheader("What changed between two steps")
-diff_cols = st.columns(2)
-before_step = diff_cols[0].number_input("from step", lo, hi, max(lo, step - 10), key="tree.diff_from")
-after_step = diff_cols[1].number_input("to step", lo, hi, step, key="tree.diff_to")
-diff = charts.tree_diff(data.tree_at(chosen.path, chosen.run_id, int(before_step), chosen.stamp),
-                        data.tree_at(chosen.path, chosen.run_id, int(after_step), chosen.stamp))
-if diff.empty:
-    st.caption("No node changed size between these steps.")
-else:
-    grew = int(diff.loc[diff["delta"] > 0, "delta"].sum())
-    lost = int(-diff.loc[diff["delta"] < 0, "delta"].sum())
-    st.caption(f"{grew:,} tokens grew (new nodes and extended ones), {lost:,} tokens went (evicted, or moved into "
-               "a new upper node by a split).")
-    st.plotly_chart(charts.tree_diff_figure(diff), key="tree.diff")
-    st.dataframe(diff, hide_index=True)
+    node_details(chosen, clock, step, nodes, drawn, show_preview)
+with notes:
+    url_state.show_notes()
+diff_section(chosen, lo, hi, step)

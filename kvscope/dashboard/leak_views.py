@@ -1,0 +1,166 @@
+"""The Leaks page's pure builders: the terms at one idle check, the culprit table, the locked
+path of a lock that was never released, and who holds the locks on a node (pure: DataFrames
+and the report's Leak records in, frames and figures out).
+
+NOTE: a lock on a tree node holds the whole path from the node to the root (SGLang's
+inc_lock_ref walks up), and a node split after the lock moves the node's upper tokens into a
+new parent that the lock still covers. So for one leaked lock on node N:
+    slots in the report    N's slots now (what the slot ledger holds for N at the end)
+    slots when locked      N's slots now + the slots of the nodes split off above N since
+                           (what an injected lock-leak records: N's slots at the lock)
+    slots on the path      every slot from N up to the root: what stays protected (shared
+                           with other locks on the same path)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from kvscope.dashboard.charts.style import color, count_axis
+from kvscope.debug import Leak
+
+CHECK_TERMS = ("available", "evictable", "protected", "held", "uncached", "missing")
+POOL_TITLES = {"full": "full pool", "swa": "SWA pool", "req": "request pool (rows)", "host": "host pool"}
+MAX_RANGES = 4
+
+
+def check_terms(checks: pd.DataFrame) -> pd.DataFrame:
+    """The checks with a `missing` column: total minus the five terms (leaked slots)."""
+    out = checks.copy()
+    terms = [t for t in CHECK_TERMS if t != "missing"]
+    out["missing"] = out["total"].astype(int) - out[terms].astype(int).sum(axis=1)
+    return out
+
+
+def check_terms_figure(at_check: pd.DataFrame) -> go.Figure:
+    """One idle check: a bar per term, a panel per pool, each bar labelled with its count and the
+    panel with the pool's total (the terms must add up to it)."""
+    rows = check_terms(at_check).sort_values("pool")
+    titles = [f"{POOL_TITLES.get(str(r.pool), str(r.pool))}: total {int(r.total):,}"
+              + ("" if bool(r.ok) else " · FAILED") for r in rows.itertuples()]
+    fig = make_subplots(rows=1, cols=len(rows), subplot_titles=titles)
+    for col, row in enumerate(rows.itertuples(), 1):
+        values = [int(getattr(row, term)) for term in CHECK_TERMS]
+        fig.add_trace(go.Bar(x=list(CHECK_TERMS), y=values, text=[f"{v:,}" for v in values], textposition="outside",
+                             marker_color=[color(term) for term in CHECK_TERMS], showlegend=False,
+                             hovertemplate="%{x}: %{y:,} slots<extra></extra>"), row=1, col=col)
+        fig.update_yaxes(count_axis([0, *values, int(row.total)], "slots" if col == 1 else None),
+                         range=[0, max(*values, 1) * 1.2], row=1, col=col)
+    fig.update_layout(height=320, margin={"t": 50, "b": 10})
+    return fig
+
+
+def slot_ranges(slots: Sequence[int], limit: int = MAX_RANGES) -> str:
+    """'1840–1842, 1900' style: consecutive slots as ranges, at most `limit` ranges shown."""
+    ranges: list[tuple[int, int]] = []
+    for slot in sorted(slots):
+        if ranges and slot == ranges[-1][1] + 1:
+            ranges[-1] = (ranges[-1][0], slot)
+        else:
+            ranges.append((slot, slot))
+    shown = [f"{a}–{b}" if b > a else f"{a}" for a, b in ranges[:limit]]
+    more = f", … +{len(ranges) - limit} ranges" if len(ranges) > limit else ""
+    return ", ".join(shown) + more
+
+
+def _note(leak: Leak) -> str:
+    """One line: when it happened, without what the other columns say (request, slots)."""
+    if leak.kind == "lock-never-released":
+        detail = f"locked at step {leak.allocated_step}, never unlocked"
+    elif leak.kind == "orphaned" and leak.rid is not None:
+        due = "" if leak.free_due_step is None else f"; the free was due at step {leak.free_due_step}"
+        detail = f"allocated at step {leak.allocated_step}{due}"
+    else:
+        detail = re.sub(r" \(event #\d+\)", "", leak.detail)
+    after = f"a consequence of #{leak.consequence_of}: " if leak.consequence_of else ""
+    return after + detail
+
+
+def culprit_table(leaks: Sequence[Leak]) -> pd.DataFrame:
+    """One short row per leak: #, kind (and pool when not full), slots (count and ranges), the
+    request, its user, the locked node and a one-line note."""
+    rows = []
+    for i, leak in enumerate(leaks, 1):
+        rows.append({
+            "#": i,
+            "kind": leak.kind if leak.pool == "full" else f"{leak.kind} ({leak.pool})",
+            "slots": f"{len(leak.slots):,}: {slot_ranges(leak.slots)}" if leak.slots else "0",
+            "request": leak.rid,
+            "user": leak.principal,
+            "node": str(leak.node_id) if leak.kind == "lock-never-released" and leak.node_id is not None else "",
+            "note": _note(leak),
+        })
+    return pd.DataFrame(rows, columns=["#", "kind", "slots", "request", "user", "node", "note"])
+
+
+def split_off_since(node_id: int, since_seq: int, splits: pd.DataFrame) -> list[tuple[int, int]]:
+    """(new node, step) of every split after `since_seq` that cut tokens off the node, or off a
+    node cut from it, in order: these nodes now hold the node's upper tokens as it was then."""
+    cut = {node_id}
+    found: list[tuple[int, int]] = []
+    for row in splits[splits["seq"] > since_seq].sort_values("seq").itertuples():
+        if int(row.aux) in cut:
+            cut.add(int(row.node_id))
+            found.append((int(row.node_id), int(row.step)))
+    return found
+
+
+def lock_paths(leaks: Sequence[Leak], tree: pd.DataFrame, splits: pd.DataFrame) -> pd.DataFrame:
+    """Per leaked lock: the node's slots in the report, its slots when locked (splits since put
+    back together), the nodes split off it and the slots on its path to the root (`tree` is the
+    node table at the run's last step, with depth_tokens)."""
+    tokens = dict(zip(tree["node_id"].astype(int), tree["num_tokens"].astype(int), strict=True))
+    depth = dict(zip(tree["node_id"].astype(int), tree["depth_tokens"].astype(int), strict=True))
+    rows = []
+    for leak in leaks:
+        if leak.kind != "lock-never-released" or leak.node_id is None:
+            continue
+        node = int(leak.node_id)
+        split = split_off_since(node, leak.allocated_event if leak.allocated_event is not None else -1, splits)
+        rows.append({
+            "node": node, "request": leak.rid, "locked at step": leak.allocated_step,
+            "slots in the report": len(leak.slots),
+            "slots when locked": tokens.get(node, len(leak.slots)) + sum(tokens.get(n, 0) for n, _ in split),
+            "split off since": ", ".join(f"node {n} at step {s} ({tokens.get(n, 0)} slots)" for n, s in split) or "–",
+            "slots on the path to the root": depth.get(node),
+        })
+    return pd.DataFrame(rows, columns=["node", "request", "locked at step", "slots in the report", "slots when locked",
+                                       "split off since", "slots on the path to the root"])
+
+
+def held_locks(locks: pd.DataFrame, step: int) -> pd.DataFrame:
+    """The locks held after `step`: node_id, rid and the step it was taken (an unlock releases
+    the latest lock of the same request on the same node, as the slot ledger does)."""
+    held: list[tuple[int, Any, int]] = []
+    for row in locks[locks["step"] <= step].sort_values("seq").itertuples():
+        if pd.isna(row.node_id):
+            continue
+        node = int(row.node_id)
+        if row.kind == "lock":
+            held.append((node, row.rid, int(row.step)))
+            continue
+        for i in range(len(held) - 1, -1, -1):
+            if held[i][0] == node and held[i][1] == row.rid:
+                del held[i]
+                break
+    return pd.DataFrame(held, columns=["node_id", "rid", "since_step"])
+
+
+def holders_of(node_id: int, held: pd.DataFrame, tree: pd.DataFrame) -> pd.DataFrame:
+    """The requests whose locks hold `node_id`: a lock on the node itself or on any node below
+    it (a lock holds the path up to the root). Columns: rid, locked node, since step."""
+    parent = {int(n): (None if pd.isna(p) else int(p)) for n, p in zip(tree["node_id"], tree["parent_id"], strict=True)}
+    rows = []
+    for lock in held.itertuples():
+        node: int | None = int(lock.node_id)
+        while node is not None and node != node_id:
+            node = parent.get(node)
+        if node == node_id:
+            rows.append({"request": lock.rid, "locked node": int(lock.node_id), "since step": int(lock.since_step)})
+    return pd.DataFrame(rows, columns=["request", "locked node", "since step"])

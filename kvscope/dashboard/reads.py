@@ -1,0 +1,55 @@
+"""Cached reads for the links, time and leak views (the shape of data.py: kvscope.telemetry reads,
+keyed by (path, run_id, stamp, ...); no SQL here)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from kvscope.dashboard import data
+from kvscope.dashboard.timing import Clock, clock_of
+from kvscope.telemetry import EventKind
+
+ALL_ROWS = 10_000_000
+EVENT_COLUMNS = ["seq", "step", "kind", "rid", "node_id", "num_tokens", "aux"]
+
+
+@st.cache_data(ttl=data.CACHE_TTL_S, show_spinner=False)
+def first_t_mono(path: str, run_id: int, stamp: float) -> float | None:
+    """The run's earliest monotonic time: its first event, else its first request's arrival or
+    its first usage sample (a summary capture has no events)."""
+    capture = data.open_capture(path)
+    found = _earliest([capture.events(run_id, limit=1)["t_mono"], capture.requests(run_id)["arrive_t"]])
+    return found if found is not None else _earliest([capture.usage(run_id, max_points=ALL_ROWS)["t_mono"]])
+
+
+def _earliest(columns: list[pd.Series]) -> float | None:
+    values = [float(v) for c in columns for v in pd.to_numeric(c, errors="coerce").dropna()]
+    finite = [v for v in values if math.isfinite(v)]
+    return min(finite) if finite else None
+
+
+def run_clock(path: str, run_id: int, stamp: float, run: Any) -> Clock | None:
+    """The run's wall clock (timing.clock_of): the config's anchor, else started_at."""
+    config = data.run_config(run)
+    if isinstance(config.get("clock"), dict):
+        return clock_of(config, run.started_at, None)
+    return clock_of(config, run.started_at, first_t_mono(path, run_id, stamp))
+
+
+@st.cache_data(ttl=data.CACHE_TTL_S, show_spinner=False)
+def lock_events(path: str, run_id: int, stamp: float) -> pd.DataFrame:
+    """Every lock and unlock of tree nodes, in event order (empty for a summary capture)."""
+    events = data.open_capture(path).events(run_id, kinds=[EventKind.LOCK, EventKind.UNLOCK], limit=ALL_ROWS)
+    return events.reindex(columns=EVENT_COLUMNS)
+
+
+@st.cache_data(ttl=data.CACHE_TTL_S, show_spinner=False)
+def split_events(path: str, run_id: int, stamp: float) -> pd.DataFrame:
+    """Every node split: node_id is the new upper node, aux the node it was cut from,
+    num_tokens the tokens that moved up."""
+    events = data.open_capture(path).events(run_id, kinds=[EventKind.SPLIT], limit=ALL_ROWS)
+    return events.reindex(columns=EVENT_COLUMNS)
