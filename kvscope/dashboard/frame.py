@@ -76,6 +76,16 @@ def run_labels(runs: pd.DataFrame) -> dict[int, str]:
             for row in runs.itertuples()}
 
 
+def capture_options(requested: str | None, found: list[Path]) -> list[str]:
+    """The requested capture first, then the ones found; one entry per file however it was
+    named (relative or absolute). A URL is kept as written."""
+    options: dict[str, str] = {}
+    for name in [*([requested] if requested else []), *map(str, found)]:
+        key = name if "://" in name else os.path.realpath(name)
+        options.setdefault(key, name)
+    return list(options.values())
+
+
 def _pick_capture(options: list[str]) -> str:
     linked = url_state.pending("capture")
     if linked is not None:
@@ -123,7 +133,7 @@ def render_frame() -> Selection | None:
     st.sidebar.title("kvscope")
     url_state.take_new()
     requested = requested_capture()
-    options = list(dict.fromkeys([*([requested] if requested else []), *map(str, find_captures())]))
+    options = capture_options(requested, find_captures())
     if not options:
         st.info("No captures under `runs/` or `sample_runs/`. Record one with `kvscope run --workload "
                 "shared-prefix`, or open a file with `streamlit run app.py -- --db PATH`.")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from kvscope.dashboard import data
+from kvscope.dashboard import data, frame
 from kvscope.dashboard.url_state import link, parse
 from kvscope.telemetry import PoolTerms, UsageSample
 from kvscope.telemetry.recorder import SQLRecorder
@@ -138,3 +138,14 @@ def test_every_status_reads_the_same_in_the_picker_and_the_status_line(tmp_path:
         lines = [c.value for c in at.sidebar.caption]
         assert lines[0].startswith(f"status: **{status}**")
         assert (error in lines) if error else len(lines) == 1
+
+
+def test_a_capture_named_absolute_and_relative_is_listed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "a.db").write_bytes(b"")
+    (tmp_path / "runs" / "b.db").write_bytes(b"")
+    found = frame.find_captures((Path("runs"),))
+    options = frame.capture_options(str(tmp_path / "runs" / "a.db"), found)
+    assert len(options) == 2 and options[0] == str(tmp_path / "runs" / "a.db")
+    assert frame.capture_options("sqlite:///runs/a.db", found)[0] == "sqlite:///runs/a.db"
