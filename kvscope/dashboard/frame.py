@@ -81,16 +81,26 @@ def capture_options(requested: str | None, found: list[Path]) -> list[str]:
     named (relative or absolute). A URL is kept as written."""
     options: dict[str, str] = {}
     for name in [*([requested] if requested else []), *map(str, found)]:
-        key = name if "://" in name else os.path.realpath(name)
-        options.setdefault(key, name)
+        options.setdefault(_same_file_key(name), name)
     return list(options.values())
+
+
+def _same_file_key(name: str) -> str:
+    return name if "://" in name else os.path.realpath(name)
+
+
+def _listed_as(name: str, options: list[str]) -> str | None:
+    """The option naming the same capture as `name`, if any."""
+    keys = {_same_file_key(option): option for option in options}
+    return keys.get(_same_file_key(name))
 
 
 def _pick_capture(options: list[str]) -> str:
     linked = url_state.pending("capture")
     if linked is not None:
-        if linked in options:
-            st.session_state[CAPTURE_KEY] = linked
+        listed = _listed_as(linked, options)
+        if listed is not None:
+            st.session_state[CAPTURE_KEY] = listed
         else:
             url_state.note(f"The link's capture {linked!r} is not one this dashboard lists: showing {options[0]!r}.")
     if st.session_state.get(CAPTURE_KEY) not in options:
