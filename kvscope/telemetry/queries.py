@@ -23,7 +23,7 @@ from sqlalchemy import Engine, Executable, func, select
 
 from kvscope.telemetry import schema
 from kvscope.telemetry.events import EventKind
-from kvscope.telemetry.store import open_reader, stored_version
+from kvscope.telemetry.store import open_reader, reraise_read_error, stored_version
 from kvscope.telemetry.tree_replay import STRUCTURAL_KINDS, replay_tree
 
 STALE_HEARTBEAT_S = 30.0
@@ -144,6 +144,9 @@ class Capture:
                 cursor.execute(str(compiled), params)
                 while rows := cursor.fetchmany(batch_rows):
                     yield rows
+            except Exception as err:  # NOTE: reads through SQLAlchemy get this from store.open_reader
+                reraise_read_error(self.target, err)
+                raise
             finally:
                 cursor.close()
 
@@ -219,11 +222,21 @@ def display_status(row: Any) -> str:
     """running / finished / crashed, or 'ended without closing' for a run whose writer died."""
     if row.status != "running":
         return str(row.status)
-    if row.host == socket.gethostname() and row.pid and not _pid_alive(int(row.pid)):
+    pid, heartbeat_at = _number(row.pid), _number(row.heartbeat_at)
+    if row.host == socket.gethostname() and pid and not _pid_alive(int(pid)):
         return ENDED_WITHOUT_CLOSING
-    if row.heartbeat_at is not None and time.time() - row.heartbeat_at > STALE_HEARTBEAT_S:
+    if heartbeat_at is not None and time.time() - heartbeat_at > STALE_HEARTBEAT_S:
         return ENDED_WITHOUT_CLOSING
     return "running"
+
+
+def _number(value: Any) -> float | None:
+    """A stored number, or None for NULL, NaN or a value that is not one (a hand-edited row)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if number != number else number
 
 
 def _pid_alive(pid: int) -> bool:

@@ -8,8 +8,18 @@ The caller's thread pays one append per event (plus a length check); the writer 
 buffer every `flush_interval_s` or when `flush_max_events` are waiting, converts slots to
 int32 bytes, and inserts each table's rows with one executemany, all in one transaction.
 At 4 x flush_max_events waiting, record() waits for the writer (back-pressure).
-A SIGKILL leaves a readable database with everything up to the last flush and the run
-still 'running'; close() (normal exit, SIGINT, SIGTERM) flushes and marks it finished.
+
+NOTE: what survives
+    SIGKILL        everything up to the last flush; the run stays 'running' (readers show
+                   "ended without closing")
+    a write fails  (a full disk, ...) recording stops: later records are dropped, one line on
+                   stderr and in `failure` says through which step the capture is complete, and
+                   close() marks the run 'incomplete' with that line (or, if even that write
+                   fails, leaves it 'running'); everything committed before stays readable
+    close()        flushes, marks the run (finished / interrupted / crashed / incomplete), builds
+                   the deferred indexes and folds the log into the file (store.settle); it never
+                   raises, and on the main thread a second SIGINT/SIGTERM/SIGHUP while it runs is
+                   swallowed: the capture always ends closed
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -31,11 +43,14 @@ from typing import Any
 
 import numpy as np
 from sqlalchemy import update
+from sqlalchemy.exc import SQLAlchemyError
 
 from kvscope.telemetry import schema
 from kvscope.telemetry.events import EventKind, PoolName, Recorder
-from kvscope.telemetry.records import LEVELS, LeakCheck, RequestRecord, UsageSample
-from kvscope.telemetry.store import BulkInsert, open_writer
+from kvscope.telemetry.records import LEVELS, LeakCheck, RequestRecord, RunStatus, UsageSample
+from kvscope.telemetry.store import BulkInsert, CaptureError, display_name, first_line, open_writer, settle
+
+DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 def slots_blob(slots: Any) -> bytes | None:
@@ -65,11 +80,15 @@ class SQLRecorder(Recorder):
         if level not in LEVELS[1:]:
             raise ValueError(f"recording level must be 'summary' or 'full' here, got {level!r}")
         self.engine = open_writer(target)
+        self.name = display_name(target)
         self.level = level
         self.enabled = level == "full"
         self.summary_enabled = True
         self.step = 0
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the write that failed
+        self.failure: str | None = None  # "capture complete through step N: <reason>" once recording stopped
+        self._complete_step = -1  # NOTE: every row of steps <= this is committed
+        self._snapshot_step: int | None = None
         self.closed = False
         self._seq = itertools.count()
         self._events: deque[tuple[Any, ...]] = deque()
@@ -84,7 +103,11 @@ class SQLRecorder(Recorder):
             "usage": BulkInsert(self.engine, schema.usage, schema.USAGE_COLUMNS),
             "requests": BulkInsert(self.engine, schema.requests, schema.REQUEST_COLUMNS),
         }
-        self.run_id = self._start_run(label, config or {})
+        try:
+            self.run_id = self._start_run(label, config or {})
+        except SQLAlchemyError as err:
+            self.engine.dispose()
+            raise CaptureError(f"{self.name}: cannot start a run ({first_line(err)})") from err
         self._flush_lock = threading.Lock()
         self._flush_waiters: deque[threading.Event] = deque()
         self._wake = threading.Event()
@@ -95,9 +118,11 @@ class SQLRecorder(Recorder):
 
     def _start_run(self, label: str, config: dict[str, Any]) -> int:
         now = time.time()
+        # NOTE: the clock anchor: a t_mono of this run is wall time wall_s + (t_mono - mono_s)
+        config = {**config, "clock": {"wall_s": now, "mono_s": time.monotonic()}}
         with self.engine.begin() as conn:
             result = conn.execute(schema.runs.insert().values(
-                label=label, status="running", started_at=now, heartbeat_at=now, host=socket.gethostname(),
+                label=label, status=RunStatus.RUNNING, started_at=now, heartbeat_at=now, host=socket.gethostname(),
                 pid=os.getpid(), level=self.level, config=json.dumps(config, default=str, sort_keys=True),
             ))
             assert result.inserted_primary_key is not None
@@ -147,7 +172,11 @@ class SQLRecorder(Recorder):
         )))
 
     def tree_snapshot(self, step: int, rows: list[Any]) -> None:
-        """`rows`: the cache's export_nodes() (NodeRow tuples)."""
+        """`rows`: the cache's export_nodes() (NodeRow tuples). One snapshot per step: a second
+        at the same step (the engine's end-of-run snapshot on a snapshot step) is not stored."""
+        if step == self._snapshot_step:
+            return
+        self._snapshot_step = step
         # NOTE: a list, not a generator: deque.extend of a list runs no Python code, so the writer
         # never drains half a snapshot; a snapshot lands in one transaction (readers memoize them)
         self._rows.extend([("tree_snapshots", (self.run_id, step, *row)) for row in rows])
@@ -179,20 +208,31 @@ class SQLRecorder(Recorder):
         self._wake.set()
         done.wait()
 
-    def _flush_now(self) -> None:
-        """Write everything buffered so far, in one transaction (table by table if that fails)."""
+    def _flush_now(self, *, closing: bool = False) -> None:
+        """Write everything buffered so far, in one transaction; once a write has failed,
+        drop it (recording stopped)."""
         with self._flush_lock:
-            batches = self._drain()
+            if self.failure is not None:
+                self._events.clear()
+                self._rows.clear()
+                return
+            step = self.step
             try:
-                self._write(batches)
-            except Exception:
-                for table, rows in batches.items():
-                    try:
-                        self._write({table: rows})
-                    except Exception as err:  # the writer thread must not die silently
-                        self.error = err
-                        print(f"kvscope recorder: writing {len(rows)} {table} rows failed: "
-                              f"{str(err).splitlines()[0]}", file=sys.stderr)
+                self._write(self._drain())
+            except Exception as err:  # the writer thread must not die silently
+                self._stop_recording(err)
+                return
+            self._complete_step = step if closing else step - 1  # NOTE: rows of `step` may still arrive
+
+    def _stop_recording(self, err: BaseException) -> None:
+        """Recording stops: one line on stderr and in `failure`, through which step the capture
+        is complete."""
+        self.error = err
+        reason = first_line(err)
+        done = self._complete_step
+        self.failure = (f"capture complete through step {done}: {reason}" if done >= 0
+                        else f"capture holds no complete step: {reason}")
+        print(f"kvscope recorder: recording stopped, {self.failure}", file=sys.stderr, flush=True)
 
     def _drain(self) -> dict[str, list[tuple[Any, ...]]]:
         run_id = self.run_id
@@ -216,32 +256,75 @@ class SQLRecorder(Recorder):
 
     # -- closing ---------------------------------------------------------------------------
 
-    def close(self, status: str = "finished", error: str | None = None) -> None:
-        """Flush everything and mark the run ended. Idempotent."""
+    def close(self, status: str = RunStatus.FINISHED, error: str | None = None) -> None:
+        """Flush everything and mark the run ended (`status`, or 'incomplete' once a write has
+        failed, whatever `status` says). Idempotent; never raises."""
         if self.closed:
             return
         self.closed = True
-        self._stop = True
-        self._wake.set()
-        self._thread.join()
-        self._flush_now()
-        with self.engine.begin() as conn:
-            conn.execute(update(schema.runs).where(schema.runs.c.id == self.run_id).values(
-                status=status, ended_at=time.time(), heartbeat_at=time.time(), error=error))
+        with _signals_deferred():
+            self._stop = True
+            self._wake.set()
+            self._thread.join()
+            self._flush_now(closing=True)
+            self._mark_ended(status, error)
+            if self.failure is None:
+                self._build_deferred_indexes()
+            settle(self.engine)
+            self.engine.dispose()
+            atexit.unregister(self.close)
+
+    def _mark_ended(self, status: str, error: str | None) -> None:
+        if self.failure is not None:
+            status, error = RunStatus.INCOMPLETE, self.failure if error is None else f"{self.failure}; {error}"
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(update(schema.runs).where(schema.runs.c.id == self.run_id).values(
+                    status=status, ended_at=time.time(), heartbeat_at=time.time(), error=error))
+        except Exception as err:  # NOTE: the run stays 'running': readers show "ended without closing"
+            if self.failure is None:
+                self._stop_recording(err)
+
+    def _build_deferred_indexes(self) -> None:
         for index in schema.DEFERRED_INDEXES:
-            index.create(self.engine, checkfirst=True)
-        self.engine.dispose()
-        atexit.unregister(self.close)
+            try:
+                index.create(self.engine, checkfirst=True)
+            except Exception as err:  # NOTE: readers read without them (dialect.read_through)
+                print(f"kvscope recorder: building the {index.name} index failed: {first_line(err)}",
+                      file=sys.stderr)
+                return
 
     def __enter__(self) -> SQLRecorder:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if exc_type is None or issubclass(exc_type, KeyboardInterrupt | SystemExit):
-            self.close("finished")
+        if exc_type is None:
+            self.close(RunStatus.FINISHED)
+        elif issubclass(exc_type, KeyboardInterrupt | SystemExit):
+            self.close(RunStatus.INTERRUPTED)
         else:
-            self.close("crashed", f"{exc_type.__name__}: {exc}")
+            self.close(RunStatus.CRASHED, f"{exc_type.__name__}: {exc}")
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """On the main thread, SIGINT/SIGTERM/SIGHUP arriving inside the block are swallowed (the
+    block is closing the capture the signal asks to close); elsewhere signals stay as they are."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _swallow) for sig in DEFERRED_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def _swallow(_signum: int, _frame: FrameType | None) -> None:
+    pass
 
 
 def install_signal_handlers() -> None:

@@ -1,81 +1,230 @@
 """Opening captures: a writer engine (creates the schema) and a read-only reader engine.
 
-The store takes any SQLAlchemy URL; a plain path means a SQLite file. Only the pragmas are
-SQLite-specific: WAL so readers read while the engine writes, a busy timeout, and
-synchronous=NORMAL. Readers open SQLite files with `mode=ro` and can never write.
+NOTE: what a target names
+    "scheme://..."     a SQLAlchemy URL, for writers and readers alike; a sqlite URL naming a
+                       file (sqlite:////abs/c.db) means that file, opened as a path is
+    anything else      a SQLite file path, verbatim ("what?.db", "a%20b.db", "run#1.db");
+                       a Path object is always a path, and no URL ever goes through Path()
+SQLite files are opened through percent-encoded `file:` URIs, so no character of a name is
+read as URI syntax. Only the pragmas are SQLite-specific: WAL while a writer writes (readers
+read beside it), a busy timeout, synchronous=NORMAL, and every write transaction BEGIN
+IMMEDIATE (two writers queue on the busy timeout instead of failing on a lock upgrade).
 
-Bad input (a missing path, a file that is not SQLite, a truncated file, a SQLite file that
-is not a kvscope capture, a newer schema version) raises CaptureError with one line naming
-the file and the problem; nothing is written to the file. A writer brings a file of an older
-readable version up to the current one (see schema.py, versions).
+NOTE: what a reader guarantees
+    - it never writes, and never creates a file (a sqlite URL to a missing file is refused)
+    - a file in rollback (DELETE) mode, as a writer leaves it when it closes, is read with no
+      -wal/-shm beside it; on read-only media SQLite's immutable mode reads a WAL-mode file
+      whose log is empty (read_mode)
+    - SQLite itself judges a file: quick_check at open below QUICK_CHECK_MAX_BYTES, and any
+      read that meets a damaged page raises CaptureError ("damaged capture (...)"), not a
+      DatabaseError
+Bad input (a missing path, a directory or device, a file that is not SQLite, an empty or
+damaged file, a SQLite file that is not a kvscope capture, a newer schema version, a server
+that refuses the connection) raises CaptureError with one line naming the target and the
+problem; nothing is written to the file. A writer creates the schema in one transaction (a
+process killed meanwhile leaves an empty file, which the next writer reuses) and brings a
+file of an older readable version up to the current one (see schema.py, versions).
 """
 
 from __future__ import annotations
 
+import os
+import re
+import sqlite3
 import struct
 from collections.abc import Sequence
+from contextlib import suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import quote
 
-from sqlalchemy import Connection, Engine, Table, create_engine, event, inspect, select, text, update
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import URL, Connection, Engine, Table, create_engine, event, inspect, select, text, update
+from sqlalchemy.engine import ExceptionContext, make_url
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.pool import QueuePool, SingletonThreadPool
 from sqlalchemy.schema import CreateColumn
 
 from kvscope.telemetry import schema
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 BUSY_TIMEOUT_MS = 10_000
+QUICK_CHECK_MAX_BYTES = 64 << 20  # ~0.3 s of quick_check; larger files are checked by the reads themselves
+SCHEMA_ATTEMPTS = 3  # a server database: creating the schema again after a concurrent creator won
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
+# NOTE: SQLite primary result codes (extended code & 0xff) a reader reports as one line
+_DAMAGED_CODES = {11, 26}  # SQLITE_CORRUPT, SQLITE_NOTADB
+_UNREADABLE_CODES = {10, 14}  # SQLITE_IOERR, SQLITE_CANTOPEN
+SQLITE_READONLY_ROLLBACK = 776  # a read-only connection met a hot journal
+
+ReadMode = Literal["ro", "immutable", "wal-unreadable"]
 
 
 class CaptureError(Exception):
     """A capture cannot be used; the message is one line naming the file and the problem."""
 
 
+class EmptyCaptureError(CaptureError):
+    """A capture with no schema yet (a writer stopped while creating it): readers refuse it,
+    writers reuse it."""
+
+
+# -- what a target names ---------------------------------------------------------------------
+
+
 def is_url(target: str | Path) -> bool:
-    return "://" in str(target)
+    """A SQLAlchemy URL (`scheme://...`); a Path object never is one."""
+    return isinstance(target, str) and _URL.match(target) is not None
 
 
-def _sqlite_pragmas(engine: Engine, read_only: bool) -> None:
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-        cursor = dbapi_conn.cursor()
-        cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        if not read_only:
-            cursor.execute("PRAGMA journal_mode = WAL")
-            cursor.execute("PRAGMA synchronous = NORMAL")
-            cursor.execute("PRAGMA cache_size = -65536")  # 64 MiB page cache for bulk inserts
-        cursor.close()
+def file_of(target: str | Path) -> Path | None:
+    """The SQLite file a target names (a path, or a sqlite URL's file); None for a server URL
+    (or a sqlite URL with options or no file, handed to SQLAlchemy as it is)."""
+    if not is_url(target):
+        return Path(target)
+    url = _parse_url(str(target))
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:") and not url.query:
+        return Path(str(url.database))
+    return None
 
 
-def check_sqlite_file(path: Path) -> None:
-    """Cheap structural checks before SQLite sees the file: exists, magic, not truncated."""
+def display_name(target: str | Path) -> str:
+    """The target as messages name it (a URL without its password)."""
+    return _parse_url(str(target)).render_as_string(hide_password=True) if is_url(target) else str(target)
+
+
+def _parse_url(target: str) -> URL:
+    try:
+        return make_url(target)
+    except SQLAlchemyError as err:
+        raise CaptureError(f"{target}: not a database URL ({first_line(err)})") from err
+
+
+def file_uri(path: Path, **params: str) -> str:
+    """A SQLite `file:` URI naming `path` verbatim: every character but letters, digits and
+    `/_.-~` percent-encoded, so `?`, `#` and `%` in a name stay part of it."""
+    query = "&".join(f"{key}={value}" for key, value in params.items())
+    return f"file://{quote(os.path.abspath(path), safe='/')}?{query}"
+
+
+def first_line(err: BaseException) -> str:
+    """An error's first line (a SQLAlchemy error's driver message, without the SQL)."""
+    text = str(getattr(err, "orig", None) or err)
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+# -- checks on a SQLite file ------------------------------------------------------------------
+
+
+def check_sqlite_file(path: Path, *, allow_empty: bool = False) -> None:
+    """Checks before SQLite sees the file: a regular file that starts like a SQLite database
+    (a zero-byte file is an empty capture: refused unless `allow_empty`)."""
     if not path.exists():
         raise CaptureError(f"{path}: no such file")
+    if path.is_dir():
+        raise CaptureError(f"{path}: is a directory, not a capture file")
     if not path.is_file():
-        raise CaptureError(f"{path}: not a file")
+        raise CaptureError(f"{path}: not a regular file (a capture is a SQLite file)")
+    if path.stat().st_size == 0:
+        if allow_empty:
+            return
+        raise EmptyCaptureError(f"{path}: empty capture (no run recorded in it yet)")
     with path.open("rb") as fh:
         header = fh.read(100)
     if len(header) < 100 or not header.startswith(SQLITE_MAGIC):
         raise CaptureError(f"{path}: not a kvscope capture (not a SQLite database)")
-    page_size = struct.unpack(">H", header[16:18])[0] or 65536
+
+
+def read_mode(dir_writable: bool, wal_mode: bool, wal_bytes: int, has_shm: bool) -> ReadMode:
+    """How a reader opens a SQLite file.
+
+    'ro': SQLite's read-only mode. It needs nothing beside a file in rollback mode; beside a
+    WAL-mode file it needs the -shm (and -wal) to exist or to be creatable.
+    'immutable': the file alone, no locks: for a WAL-mode file in a directory we cannot write
+    (read-only media) whose log holds nothing. SQLite's immutable mode ignores the log.
+    'wal-unreadable': committed data sits in a log SQLite cannot read here (a -wal without its
+    -shm, in a directory we cannot write).
+    """
+    if dir_writable or not wal_mode:
+        return "ro"
+    if wal_bytes == 0:
+        return "immutable"
+    return "ro" if has_shm else "wal-unreadable"
+
+
+def _read_mode_of(path: Path) -> ReadMode:
+    with path.open("rb") as fh:
+        header = fh.read(20)
+    wal = Path(f"{path}-wal")
+    return read_mode(dir_writable=os.access(path.parent, os.W_OK),
+                     wal_mode=header[18:20] == b"\x02\x02", wal_bytes=wal.stat().st_size if wal.exists() else 0,
+                     has_shm=Path(f"{path}-shm").exists())
+
+
+def _damage_detail(path: Path, reason: str) -> str:
+    """SQLite's reason, and the sizes when the file is shorter than its header says (and no
+    log holds the rest)."""
+    wal = Path(f"{path}-wal")
+    if wal.exists() and wal.stat().st_size:
+        return reason
+    with path.open("rb") as fh:
+        header = fh.read(100)
+    page_size = struct.unpack(">H", header[16:18])[0]
     page_size = 65536 if page_size == 1 else page_size
-    num_pages = struct.unpack(">I", header[28:32])[0]
-    if num_pages and path.stat().st_size < page_size * num_pages:
-        raise CaptureError(
-            f"{path}: truncated capture ({path.stat().st_size} bytes, the header says {page_size * num_pages})"
-        )
+    expected = page_size * struct.unpack(">I", header[28:32])[0]
+    size = path.stat().st_size
+    return f"truncated: {size} bytes, the header says {expected}; {reason}" if size < expected else reason
 
 
-def check_schema(engine: Engine, name: str) -> int:
+def _sqlite_error_of(err: BaseException) -> tuple[str, int] | None:
+    """(message, primary result code) of a sqlite3 error a reader reports as one line."""
+    if not isinstance(err, sqlite3.Error):
+        return None
+    code = (getattr(err, "sqlite_errorcode", 0) or 0) & 0xFF
+    if code in _DAMAGED_CODES or code in _UNREADABLE_CODES:
+        return first_line(err), code
+    return None
+
+
+def _capture_error_for(name: str, path: Path | None, err: BaseException) -> CaptureError | None:
+    found = _sqlite_error_of(err)
+    if found is None:
+        return None
+    reason, code = found
+    if code in _DAMAGED_CODES:
+        return CaptureError(f"{name}: damaged capture ({_damage_detail(path, reason) if path else reason})")
+    return CaptureError(f"{name}: unreadable capture ({reason})")
+
+
+def _report_damage(engine: Engine, name: str, path: Path | None) -> None:
+    """Reads through `engine` that meet a damaged or unreadable file raise one-line CaptureErrors."""
+
+    @event.listens_for(engine, "handle_error")
+    def _on_error(ctx: ExceptionContext) -> None:
+        replacement = _capture_error_for(name, path, ctx.original_exception)
+        if replacement is not None:
+            raise replacement from ctx.original_exception
+
+
+def reraise_read_error(capture_name: str, err: BaseException) -> None:
+    """For reads through the driver itself (not SQLAlchemy): raise the one-line CaptureError
+    for a damaged or unreadable file; return for any other error (the caller re-raises)."""
+    path = file_of(capture_name)
+    replacement = _capture_error_for(display_name(capture_name), path, err)
+    if replacement is not None:
+        raise replacement from err
+
+
+def check_schema(conn: Connection, name: str) -> int:
     """The file's schema version, checked to be one this kvscope reads."""
     try:
-        tables = set(inspect(engine).get_table_names())
+        tables = set(inspect(conn).get_table_names())
+        if not tables:
+            raise EmptyCaptureError(f"{name}: empty capture (no run recorded in it yet)")
         if schema.meta.name not in tables:
             raise CaptureError(f"{name}: not a kvscope capture (no {schema.meta.name} table)")
-        with engine.connect() as conn:
-            found = stored_version(conn)
+        found = stored_version(conn)
     except SQLAlchemyError as err:
-        raise CaptureError(f"{name}: unreadable capture ({_first_line(err)})") from err
+        raise CaptureError(f"{name}: unreadable capture ({first_line(err)})") from err
     if found is None or not found.isdigit() or int(found) < schema.OLDEST_READABLE_VERSION:
         raise CaptureError(f"{name}: not a kvscope capture (no schema version)")
     if int(found) > schema.SCHEMA_VERSION:
@@ -89,81 +238,201 @@ def check_schema(engine: Engine, name: str) -> int:
     return int(found)
 
 
+def _quick_check(conn: Connection, name: str) -> None:
+    found = conn.exec_driver_sql("PRAGMA quick_check(1)").scalar_one_or_none()
+    if found != "ok":
+        # NOTE: SQLite heads the first problem with "*** in database main ***"
+        lines = [line for line in str(found).splitlines() if line.strip() and not line.startswith("***")]
+        raise CaptureError(f"{name}: damaged capture (quick_check: {lines[0] if lines else found})")
+
+
 def stored_version(conn: Connection) -> str | None:
     """The schema_version stored in the file (None when there is none)."""
     found = conn.execute(select(schema.meta.c.value).where(schema.meta.c.key == "schema_version")).scalar_one_or_none()
     return None if found is None else str(found)
 
 
-def _upgrade(engine: Engine, version: int) -> None:
-    """Bring a file of an older readable version up to SCHEMA_VERSION: add the later columns
-    (NULL in every existing row), then store the new version, in one transaction."""
-    preparer = engine.dialect.identifier_preparer
-    with engine.begin() as conn:
-        for column in schema.added_after(version):
-            ddl = CreateColumn(column).compile(dialect=engine.dialect)
-            conn.execute(text(f"ALTER TABLE {preparer.format_table(column.table)} ADD COLUMN {ddl}"))
-        conn.execute(update(schema.meta).where(schema.meta.c.key == "schema_version")
-                     .values(value=str(schema.SCHEMA_VERSION)))
-
-
-def _first_line(err: Exception) -> str:
-    text = str(getattr(err, "orig", None) or err)
-    return text.splitlines()[0] if text else type(err).__name__
+# -- readers ----------------------------------------------------------------------------------
 
 
 def open_reader(target: str | Path) -> Engine:
     """A read-only engine on a capture, checked to be one we can read."""
-    if is_url(target):
-        engine = create_engine(str(target))
-        check_schema(engine, str(target))
-        return engine
-    path = Path(target)
-    check_sqlite_file(path)
-    uri = f"file:{path.resolve()}?mode=ro"
-    engine = create_engine("sqlite://", creator=lambda: _sqlite_ro_connect(uri))
-    _sqlite_pragmas(engine, read_only=True)
+    path = file_of(target)
+    name = display_name(target)
+    if path is None:
+        engine = _server_engine(str(target), name)
+    else:
+        check_sqlite_file(path)
+        engine = _sqlite_reader_engine(path, name, _read_mode_of(path))
     try:
-        check_schema(engine, str(path))
-    except CaptureError:
+        if path is not None and _refused_for_a_hot_journal(engine):
+            engine.dispose()
+            engine = _sqlite_reader_engine(path, name, "immutable")
+        with engine.connect() as conn:
+            check_schema(conn, name)
+            if path is not None and path.stat().st_size <= QUICK_CHECK_MAX_BYTES:
+                _quick_check(conn, name)
+    except BaseException:
         engine.dispose()
         raise
     return engine
 
 
-def _sqlite_ro_connect(uri: str) -> Any:
-    import sqlite3
+def _sqlite_reader_engine(path: Path, name: str, mode: ReadMode) -> Engine:
+    if mode == "wal-unreadable":
+        raise CaptureError(f"{name}: unreadable here: its log {path}-wal holds committed data that SQLite cannot read "
+                           "in a directory it cannot write; copy both files to a writable directory")
+    uri = file_uri(path, mode="ro", **({"immutable": "1"} if mode == "immutable" else {}))
+    engine = create_engine(URL.create("sqlite", database=str(path)), poolclass=SingletonThreadPool,
+                           creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False))
+    _on_connect(engine, f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    _report_damage(engine, name, path)
+    return engine
 
-    return sqlite3.connect(uri, uri=True, check_same_thread=False)
+
+def _refused_for_a_hot_journal(engine: Engine) -> bool:
+    """Whether SQLite refuses a read-only open for a hot -journal, which only a writer may roll
+    back. A kvscope writer leaves one only when killed while switching the journal mode (it
+    changes the header alone), so the file itself holds every committed row: read it as it is."""
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT count(*) FROM sqlite_master").scalar_one()
+    except DBAPIError as err:
+        return getattr(err.orig, "sqlite_errorcode", None) == SQLITE_READONLY_ROLLBACK
+    return False
+
+
+def _server_engine(url: str, name: str) -> Engine:
+    """An engine on a server database (or a sqlite URL with options), connected once so that a
+    missing driver or a refused connection is one line here."""
+    try:
+        engine = create_engine(url)
+        with engine.connect():
+            pass
+    except (SQLAlchemyError, ImportError) as err:
+        raise CaptureError(f"{name}: cannot open the database ({first_line(err)})") from err
+    _report_damage(engine, name, None)
+    return engine
+
+
+def _on_connect(engine: Engine, *statements: str, autocommit: bool = False) -> None:
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        if autocommit:
+            dbapi_conn.isolation_level = None  # NOTE: transactions are begun by _begin_immediate
+        cursor = dbapi_conn.cursor()
+        for statement in statements:
+            cursor.execute(statement)
+        cursor.close()
+
+
+# -- writers ----------------------------------------------------------------------------------
 
 
 def open_writer(target: str | Path) -> Engine:
     """An engine that creates the schema if needed; refuses files it must not write to."""
-    if is_url(target):
-        engine = create_engine(str(target))
-        name = str(target)
+    path = file_of(target)
+    name = display_name(target)
+    if path is None:
+        engine = _server_engine(str(target), name)
     else:
-        path = Path(target)
-        if path.exists() and path.stat().st_size:
-            open_reader(path).dispose()  # validate read-only before any pragma touches the file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(f"sqlite:///{path}", connect_args={"check_same_thread": False})
-        _sqlite_pragmas(engine, read_only=False)
-        name = str(path)
+        if path.exists():
+            check_sqlite_file(path, allow_empty=True)
+            if path.stat().st_size:
+                _validate_existing(path)  # read-only, before any pragma touches the file
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CaptureError(f"{name}: cannot create its directory ({err.strerror})") from err
+        engine = _sqlite_writer_engine(path)
     try:
-        tables = set(inspect(engine).get_table_names())
-    except SQLAlchemyError as err:
-        raise CaptureError(f"{name}: unreadable capture ({_first_line(err)})") from err
-    if tables:
-        version = check_schema(engine, name)
-        if version < schema.SCHEMA_VERSION:
-            _upgrade(engine, version)
-        schema.metadata.create_all(engine, tables=[t for t in schema.OPTIONAL_TABLES if t.name not in tables])
-    else:
-        schema.metadata.create_all(engine)
-        with engine.begin() as conn:
-            conn.execute(schema.meta.insert(), [{"key": "schema_version", "value": str(schema.SCHEMA_VERSION)}])
+        _ensure_schema(engine, name)
+    except BaseException:
+        engine.dispose()
+        raise
     return engine
+
+
+def _validate_existing(path: Path) -> None:
+    """Refuse a file a reader would refuse, except an empty one (a creation that was stopped)."""
+    with suppress(EmptyCaptureError):
+        open_reader(path).dispose()
+
+
+def _sqlite_writer_engine(path: Path) -> Engine:
+    uri = file_uri(path, mode="rwc")
+    engine = create_engine(URL.create("sqlite", database=str(path)), poolclass=QueuePool,
+                           creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False))
+    _on_connect(engine, f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}", "PRAGMA journal_mode = WAL",
+                "PRAGMA synchronous = NORMAL", "PRAGMA cache_size = -65536",  # 64 MiB page cache for bulk inserts
+                autocommit=True)
+
+    @event.listens_for(engine, "begin")
+    def _begin_immediate(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def _ensure_schema(engine: Engine, name: str) -> None:
+    """Create the schema, or check and upgrade the one there, in one transaction: a writer
+    killed meanwhile leaves no half schema, and a second writer starting on the same new file
+    waits for the first (SQLite) or finds its tables and tries again (a server database)."""
+    for attempt in range(SCHEMA_ATTEMPTS):
+        try:
+            with engine.begin() as conn:
+                _create_or_upgrade(conn, name)
+            return
+        except CaptureError:
+            raise
+        except (SQLAlchemyError, sqlite3.Error) as err:
+            if attempt + 1 < SCHEMA_ATTEMPTS and "already exists" in str(err):
+                continue
+            raise CaptureError(f"{name}: cannot write the capture ({first_line(err)})") from err
+
+
+def _create_or_upgrade(conn: Connection, name: str) -> None:
+    tables = set(inspect(conn).get_table_names())
+    if not tables:
+        schema.metadata.create_all(conn)
+        conn.execute(schema.meta.insert(), [{"key": "schema_version", "value": str(schema.SCHEMA_VERSION)}])
+        return
+    version = check_schema(conn, name)
+    if version < schema.SCHEMA_VERSION:
+        _upgrade(conn, version)
+    schema.metadata.create_all(conn, tables=[t for t in schema.OPTIONAL_TABLES if t.name not in tables])
+
+
+def _upgrade(conn: Connection, version: int) -> None:
+    """Bring a file of an older readable version up to SCHEMA_VERSION: add the later columns
+    (NULL in every existing row), then store the new version (in the caller's transaction)."""
+    preparer = conn.dialect.identifier_preparer
+    for column in schema.added_after(version):
+        ddl = CreateColumn(column).compile(dialect=conn.dialect)
+        conn.execute(text(f"ALTER TABLE {preparer.format_table(column.table)} ADD COLUMN {ddl}"))
+    conn.execute(update(schema.meta).where(schema.meta.c.key == "schema_version")
+                 .values(value=str(schema.SCHEMA_VERSION)))
+
+
+def settle(engine: Engine) -> bool:
+    """After the last write: fold a SQLite file's log into it and put it back in rollback mode,
+    so readers find one file and leave nothing beside it. Does nothing (False) while another
+    connection holds the file (a reader, another run writing) or when the fold cannot be
+    written (a full disk): the log then stays, and every committed row with it."""
+    if engine.dialect.name != "sqlite" or not engine.url.database:
+        return False
+    engine.dispose()
+    try:
+        conn = sqlite3.connect(file_uri(Path(engine.url.database), mode="rw"), uri=True, timeout=0,
+                               isolation_level=None)
+    except sqlite3.Error:
+        return False
+    try:
+        return str(conn.execute("PRAGMA journal_mode = DELETE").fetchone()[0]).lower() == "delete"
+    except sqlite3.Error:
+        return False
+    finally:
+        conn.close()
 
 
 def save_report(target: str | Path, run_id: int, kind: str, through_seq: int, producer: str, body: str) -> None:
@@ -178,8 +447,9 @@ def save_report(target: str | Path, run_id: int, kind: str, through_seq: int, pr
             conn.execute(table.insert(), [{"run_id": run_id, "kind": kind, "through_seq": through_seq,
                                            "built_at": time.time(), "producer": producer, "body": body}])
     except SQLAlchemyError as err:
-        raise CaptureError(f"{target}: cannot store the {kind} report ({_first_line(err)})") from err
+        raise CaptureError(f"{display_name(target)}: cannot store the {kind} report ({first_line(err)})") from err
     finally:
+        settle(engine)
         engine.dispose()
 
 

@@ -58,10 +58,10 @@ def make_empty(path: Path) -> Path:
 CASES = {
     "missing": (lambda p: p, "no such file"),
     "text": (make_text, "not a kvscope capture (not a SQLite database)"),
-    "truncated": (make_truncated, "truncated capture"),
+    "truncated": (make_truncated, "damaged capture (truncated: 6000 bytes"),
     "foreign": (make_foreign, "not a kvscope capture (no kvscope_meta table)"),
     "newer": (make_newer, "newer kvscope (schema version 99"),
-    "empty": (make_empty, "not a kvscope capture"),
+    "empty": (make_empty, "empty capture (no run recorded in it yet)"),
 }
 
 

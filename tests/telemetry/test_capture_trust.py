@@ -1,0 +1,431 @@
+"""What a capture guarantees when things go wrong (issue 13, items 1-6): a write that fails
+stops recording without losing what was committed; a writer killed while creating a capture
+leaves it absent, empty and reusable, or complete; read-only media and odd names read; URLs
+go where they say; damaged files and racing writers give one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sqlalchemy import event
+
+from kvscope.telemetry import EventKind, PoolName, PoolTerms, RunStatus, UsageSample
+from kvscope.telemetry import store as store_module
+from kvscope.telemetry.queries import Capture
+from kvscope.telemetry.recorder import SQLRecorder
+from kvscope.telemetry.store import CaptureError, open_reader, open_writer, read_mode
+
+ROOT = Path(__file__).resolve().parents[2]
+EVENTS_PER_STEP = 500
+
+
+def side_files(path: Path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(path.name) and p != path)
+
+
+def record_step(recorder: SQLRecorder, step: int) -> None:
+    recorder.step = step
+    slots = np.arange(16)
+    for i in range(EVENTS_PER_STEP):
+        recorder.record(EventKind.ALLOC, pool=PoolName.FULL, rid=f"r{step}-{i}", num_tokens=16, slots=slots)
+    recorder.usage(UsageSample(step, PoolTerms(100, 50, 30, 20), None, 4, 2, 2, 0, 0, 0, 0, 0, 0, 0))
+
+
+def finished_capture(path: Path, steps: int = 3, label: str = "before") -> Path:
+    with SQLRecorder(path, label=label, flush_interval_s=60) as recorder:
+        for step in range(steps):
+            record_step(recorder, step)
+    return path
+
+
+def limit_pages(recorder: SQLRecorder, extra_pages: int) -> None:
+    """Every connection the recorder checks out may grow the file by `extra_pages` at most:
+    SQLite's own SQLITE_FULL, as on a full disk."""
+    with recorder.engine.connect() as conn:
+        limit = int(conn.exec_driver_sql("PRAGMA page_count").scalar_one()) + extra_pages
+
+    @event.listens_for(recorder.engine, "checkout")
+    def _limit(dbapi_conn: object, _record: object, _proxy: object) -> None:
+        dbapi_conn.execute(f"PRAGMA max_page_count = {limit}")  # type: ignore[attr-defined]
+
+
+def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, check=False,
+                          cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+# -- 1. a write that fails ------------------------------------------------------------------
+
+
+def test_a_full_disk_stops_recording_with_one_line_and_keeps_what_was_committed(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    path = finished_capture(tmp_path / "full.db")
+    recorder = SQLRecorder(path, label="full", flush_interval_s=60)
+    limit_pages(recorder, extra_pages=40)
+    step = 0
+    while recorder.failure is None and step < 500:
+        step += 1
+        record_step(recorder, step)
+        recorder.flush()
+    assert recorder.failure is not None, "the page limit was never reached"
+    failed_at = step
+    for later in range(failed_at + 1, failed_at + 5):  # recording stopped: dropped, no more lines
+        record_step(recorder, later)
+        recorder.flush()
+    recorder.close(RunStatus.FINISHED)
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    # NOTE: each flush ran with its step's rows all in, but the recorder cannot know that a step
+    # is over until the next begins: it promises one step less than was written
+    expected = f"capture complete through step {failed_at - 2}: database or disk is full"
+    assert recorder.failure == expected and expected in err
+
+    capture = Capture(path)  # every reader opens it, and finds every committed row
+    runs = capture.runs()
+    assert list(runs.status) == ["finished", "incomplete"] and runs.error.iloc[1] == expected
+    assert len(capture.events(1, limit=10_000_000)) == 3 * EVENTS_PER_STEP
+    steps = capture.events(2, limit=10_000_000).step.value_counts().sort_index()
+    assert list(steps.index) == list(range(1, failed_at)) and (steps == EVENTS_PER_STEP).all()
+    open_reader(path).dispose()
+    out = cli("runs", str(path))
+    assert out.returncode == 0 and "incomplete" in out.stdout, out.stderr
+
+
+def test_a_run_whose_end_cannot_be_written_stays_running_and_close_does_not_raise(tmp_path: Path) -> None:
+    path = tmp_path / "readonly-writes.db"
+    recorder = SQLRecorder(path, label="stuck", flush_interval_s=60)
+
+    @event.listens_for(recorder.engine, "checkout")
+    def _refuse_writes(dbapi_conn: object, _record: object, _proxy: object) -> None:
+        dbapi_conn.execute("PRAGMA query_only = 1")  # type: ignore[attr-defined]
+
+    record_step(recorder, 1)
+    recorder.flush()
+    assert recorder.failure == "capture holds no complete step: attempt to write a readonly database"
+    recorder.close(RunStatus.FINISHED)
+    run = Capture(path).runs().iloc[0]
+    assert run.status == "running" and run.ended_at is None
+
+
+def test_ctrl_c_or_sigterm_inside_the_block_marks_the_run_interrupted(tmp_path: Path) -> None:
+    for exc in (KeyboardInterrupt, SystemExit):
+        path = tmp_path / f"{exc.__name__}.db"
+        with pytest.raises(exc), SQLRecorder(path):
+            raise exc()
+        assert Capture(path).runs().iloc[0].status == "interrupted"
+
+
+def test_a_second_ctrl_c_while_closing_still_closes_the_capture(tmp_path: Path) -> None:
+    path = tmp_path / "twice.db"
+    recorder = SQLRecorder(path, flush_interval_s=60)
+    record_step(recorder, 1)
+
+    @event.listens_for(recorder.engine, "before_cursor_execute")
+    def _second_ctrl_c(_conn: object, _cursor: object, statement: str, *_args: object) -> None:
+        if statement.startswith("UPDATE runs SET status"):
+            os.kill(os.getpid(), signal.SIGINT)  # a real SIGINT, delivered in the middle of close()
+
+    try:
+        recorder.close(RunStatus.INTERRUPTED)
+    except KeyboardInterrupt:
+        pytest.fail("the second Ctrl-C escaped close()")
+    assert Capture(path).runs().iloc[0].status == "interrupted"
+    assert side_files(path) == [], "the log was not folded into the capture"
+
+
+# -- 2. killed while the capture is being created ---------------------------------------------
+
+
+def start_child(path: Path, *flags: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-m", "tests.telemetry.create_proc", str(path), *flags], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def go(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_writer_killed_while_creating_leaves_an_absent_empty_or_complete_capture(
+        tmp_path: Path, sig: signal.Signals) -> None:
+    rng = random.Random(13)
+    outcomes = []
+    for attempt in range(16):
+        path = tmp_path / f"created-{attempt}.db"
+        proc = start_child(path, "--signals")
+        go(proc)
+        time_s = 0.002 * attempt + rng.uniform(0, 0.002)  # sweeps the first ~35 ms of the child's work
+        try:
+            proc.wait(timeout=time_s)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(sig)
+        proc.communicate(timeout=30)
+        outcomes.append(classify_created(path))
+    assert set(outcomes) <= {"absent", "empty", "complete"}, outcomes
+
+
+def classify_created(path: Path) -> str:
+    """Absent, empty (readers say so, a writer reuses it) or complete; anything else fails."""
+    if not path.exists():
+        return "absent"
+    try:
+        runs = Capture(path).runs()
+        outcome = "complete"
+        assert set(runs.status) <= {"running", "interrupted", "finished"}
+    except CaptureError as err:
+        assert "empty capture" in str(err), str(err)
+        outcome = "empty"
+    SQLRecorder(path, label="reuse").close()  # a writer takes it, whatever the kill left
+    assert Capture(path).runs().label.iloc[-1] == "reuse"
+    return outcome
+
+
+def test_an_empty_or_schema_less_file_is_reported_as_empty_and_reused(tmp_path: Path) -> None:
+    zero = tmp_path / "zero.db"
+    zero.write_bytes(b"")
+    schemaless = tmp_path / "schemaless.db"
+    conn = sqlite3.connect(schemaless)
+    conn.execute("PRAGMA journal_mode = WAL")  # what a writer killed before its first commit leaves
+    conn.close()
+    for path in (zero, schemaless):
+        with pytest.raises(CaptureError, match=r"empty capture \(no run recorded in it yet\)"):
+            Capture(path)
+        SQLRecorder(path, label="reused").close()
+        assert list(Capture(path).runs().label) == ["reused"]
+
+
+# -- 3. read-only media -----------------------------------------------------------------------
+
+
+def test_reading_a_closed_capture_leaves_nothing_beside_it(tmp_path: Path) -> None:
+    path = finished_capture(tmp_path / "closed.db")
+    assert side_files(path) == []
+    capture = Capture(path)
+    assert len(capture.events(1, limit=10_000)) == 3 * EVENTS_PER_STEP
+    capture.close()
+    assert cli("runs", str(path)).returncode == 0
+    assert side_files(path) == []
+
+
+@pytest.mark.parametrize(("dir_writable", "wal_mode", "wal_bytes", "has_shm", "mode"), [
+    (True, True, 4096, True, "ro"),  # SQLite creates what it needs
+    (True, False, 0, False, "ro"),
+    (False, False, 0, False, "ro"),  # rollback mode needs nothing beside the file
+    (False, True, 0, False, "immutable"),  # a WAL-mode file whose log is gone or empty
+    (False, True, 0, True, "immutable"),
+    (False, True, 4096, True, "ro"),  # SQLite reads an existing log read-only
+    (False, True, 4096, False, "wal-unreadable"),
+])
+def test_read_mode_decision(dir_writable: bool, wal_mode: bool, wal_bytes: int, has_shm: bool, mode: str) -> None:
+    assert read_mode(dir_writable, wal_mode, wal_bytes, has_shm) == mode
+
+
+def read_only_view(directory: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run argv where `directory` cannot be written: a read-only bind mount in a private mount
+    namespace when we are root (chmod does not stop root), chmod 555 otherwise."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if os.geteuid() == 0:
+        if shutil.which("unshare") is None:
+            pytest.skip("root without unshare: no way to make a directory read-only here")
+        probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, check=False)
+        if probe.returncode != 0:
+            pytest.skip("root without mount namespaces: no way to make a directory read-only here")
+        script = ('mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && touch "$0/probe" 2>/dev/null '
+                  '&& echo "still writable" && exit 97; exec "$@"')
+        return subprocess.run(["unshare", "--mount", "sh", "-c", script, str(directory), *argv], capture_output=True,
+                              text=True, check=False, cwd=ROOT, env=env)
+    directory.chmod(0o555)
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, check=False, cwd=ROOT, env=env)
+    finally:
+        directory.chmod(0o755)
+
+
+def wal_mode_copy(source: Path, target: Path, with_log: bool) -> Path:
+    """`source` as an older kvscope or a killed writer left it: in WAL mode, with its committed
+    data in the -wal (with_log) or folded into the file with no -wal/-shm beside it."""
+    shutil.copy(source, target)
+    conn = sqlite3.connect(target, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    if with_log:
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
+        conn.execute("UPDATE runs SET label = 'in the log'")
+        for suffix in ("", "-wal", "-shm"):  # copies taken while the writer holds the file
+            shutil.copy(f"{target}{suffix}", f"{target.with_name('killed.db')}{suffix}")
+    conn.close()
+    return target.with_name("killed.db") if with_log else target
+
+
+def test_a_capture_on_read_only_media_opens_and_gains_no_files(tmp_path: Path) -> None:
+    media = tmp_path / "media"
+    media.mkdir()
+    closed = finished_capture(media / "closed.db")
+    old_style = wal_mode_copy(closed, media / "old-style.db", with_log=False)
+    killed = wal_mode_copy(closed, media / "killed-src.db", with_log=True)
+    (media / "killed-src.db").unlink()
+    before = sorted(p.name for p in media.iterdir())
+    assert "killed.db-wal" in before and "old-style.db-wal" not in before
+    out = read_only_view(media, [sys.executable, "-m", "tests.telemetry.read_proc",
+                                 str(closed), str(old_style), str(killed)])
+    assert out.returncode == 0, out.stderr
+    results = [json.loads(line) for line in out.stdout.splitlines()]
+    assert results == [{"statuses": ["finished"], "events": [3 * EVENTS_PER_STEP]}] * 3
+    assert sorted(p.name for p in media.iterdir()) == before
+
+
+# -- 4. paths and URLs ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["what?.db", "a%20b.db", "run#1.db", "file:x.db", "sp ace.db"])
+def test_a_path_is_a_file_of_exactly_that_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    SQLRecorder(name, label="relative").close()
+    SQLRecorder(tmp_path / name, label="absolute").close()
+    assert sorted(os.listdir(tmp_path)) == [name]
+    assert list(Capture(name).runs().label) == ["relative", "absolute"]
+    assert list(Capture(tmp_path / name).runs().label) == ["relative", "absolute"]
+
+
+def test_a_sqlite_url_names_its_file_for_writers_and_readers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    url = f"sqlite:///{tmp_path / 'sub' / 'url.db'}"  # sqlite:////abs/...
+    assert url.startswith("sqlite:////")
+    SQLRecorder(url, label="by-url").close()
+    SQLRecorder(f"sqlite:///{tmp_path / 'sub' / 'what%3F.db'}", label="quoted").close()
+    assert sorted(os.listdir(tmp_path)) == ["sub"] and sorted(os.listdir(tmp_path / "sub")) == ["url.db", "what?.db"]
+    assert list(Capture(url).runs().label) == ["by-url"]
+    assert list(Capture(tmp_path / "sub" / "what?.db").runs().label) == ["quoted"]
+    missing = f"sqlite:///{tmp_path / 'missing.db'}"
+    with pytest.raises(CaptureError, match="no such file"):
+        Capture(missing)
+    assert not (tmp_path / "missing.db").exists()
+
+
+@pytest.mark.parametrize("url", ["mysql://kvscope@127.0.0.1:1/captures", "postgresql://u:secret@127.0.0.1:1/c",
+                                 "bogus://host/db"])
+def test_a_server_url_is_never_a_local_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    for open_it in (SQLRecorder, Capture):
+        with pytest.raises(CaptureError) as err:
+            open_it(url)
+        message = str(err.value)
+        assert "\n" not in message and "cannot open the database" in message and "secret" not in message
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(("target", "message"), [("/dev/null", "/dev/null: not a regular file"),
+                                               ("a-directory", "a-directory: is a directory")])
+def test_a_device_or_directory_is_refused_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      target: str, message: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-directory").mkdir()
+    for open_it in (SQLRecorder, Capture):
+        with pytest.raises(CaptureError, match=re.escape(message)):
+            open_it(target)
+    assert os.listdir(tmp_path) == ["a-directory"] and os.listdir(tmp_path / "a-directory") == []
+
+
+# -- 5. a damaged page --------------------------------------------------------------------------
+
+
+def damaged_capture(path: Path) -> Path:
+    """A real capture with one page in the middle of its events overwritten by garbage."""
+    finished_capture(path, steps=40)
+    page_size = int(sqlite3.connect(path).execute("PRAGMA page_size").fetchone()[0])
+    num_pages = path.stat().st_size // page_size
+    with path.open("r+b") as fh:
+        fh.seek(page_size * (num_pages // 2))
+        fh.write(random.Random(5).randbytes(page_size))
+    return path
+
+
+def test_a_damaged_page_is_one_line_for_readers_and_writers(tmp_path: Path) -> None:
+    path = damaged_capture(tmp_path / "damaged.db")
+    before = path.read_bytes()
+    for open_it in (Capture, open_reader, open_writer, SQLRecorder):
+        with pytest.raises(CaptureError, match="damaged capture") as err:
+            open_it(path)
+        assert str(path) in str(err.value) and "\n" not in str(err.value)
+    out = cli("runs", str(path))
+    assert out.returncode == 2 and "damaged capture" in out.stderr and "Traceback" not in out.stderr
+    assert path.read_bytes() == before and side_files(path) == []
+
+
+def test_a_damaged_page_met_by_a_read_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = damaged_capture(tmp_path / "big.db")
+    monkeypatch.setattr(store_module, "QUICK_CHECK_MAX_BYTES", 0)  # as for a capture too big to check at open
+    capture = Capture(path)
+    with pytest.raises(CaptureError, match="damaged capture"):
+        capture.events(1, limit=10_000_000)
+    with pytest.raises(CaptureError, match="damaged capture"):
+        for _ in capture.event_stream(1, ["seq", "slots"]):
+            pass
+
+
+# -- 6. two runs starting on one new file -------------------------------------------------------
+
+
+def test_two_runs_starting_on_one_new_file_both_land(tmp_path: Path) -> None:
+    for attempt in range(5):
+        path = tmp_path / f"race-{attempt}.db"
+        children = [start_child(path), start_child(path)]
+        for child in children:
+            go(child)
+        for child in children:
+            out, err = child.communicate(timeout=60)
+            assert child.returncode == 0 and out == "done\n", err
+        capture = Capture(path)
+        runs = capture.runs()
+        assert list(runs.status) == ["finished", "finished"]
+        assert [len(capture.events(int(i))) for i in runs.id] == [100, 100]
+
+
+def test_a_hot_journal_left_by_a_killed_writer_still_reads(tmp_path: Path) -> None:
+    """A writer killed while switching the journal mode leaves a hot -journal, which a
+    read-only connection may not roll back: readers read the file as it is, writers roll back."""
+    path = finished_capture(tmp_path / "live.db")
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute("UPDATE runs SET label = 'uncommitted'")
+    hot = tmp_path / "hot.db"
+    for suffix in ("", "-journal"):  # the files as a SIGKILL at this moment leaves them
+        shutil.copy(f"{path}{suffix}", f"{hot}{suffix}")
+    conn.rollback()
+    conn.close()
+    assert side_files(hot) == ["hot.db-journal"]
+    runs = Capture(hot).runs()
+    assert list(runs.label) == ["before"] and list(runs.status) == ["finished"]
+    SQLRecorder(hot, label="after").close()
+    assert list(Capture(hot).runs().label) == ["before", "after"] and side_files(hot) == []
+
+
+def test_a_second_snapshot_at_the_same_step_does_not_stop_recording(tmp_path: Path,
+                                                                     capfd: pytest.CaptureFixture[str]) -> None:
+    """The engine snapshots the tree at the end of a run, which can be a step that already has
+    one: that must not read as a failed write (the run would end 'incomplete')."""
+    path = tmp_path / "snap.db"
+    node = (0, None, 0, "", 1, 0.0, 0, None, False, 0)
+    with SQLRecorder(path, level="summary") as recorder:
+        recorder.tree_snapshot(250, [node])
+        recorder.flush()
+        recorder.tree_snapshot(250, [node])
+        assert recorder.failure is None
+    assert "kvscope recorder" not in capfd.readouterr().err
+    capture = Capture(path)
+    assert capture.runs().status.iloc[0] == "finished" and capture.snapshot_steps(1) == [250]
