@@ -1,8 +1,70 @@
-"""`python -m kvscope`: the `kvscope` command."""
+"""The `kvscope` command's entry point (`python -m kvscope` and the console script).
 
+It installs the signal handling before anything heavy is imported, so a Ctrl-C or a SIGTERM
+in the first seconds of any verb (while pandas or torch load) ends with one line, not a
+traceback:
+
+    SIGINT   kvscope <verb>: interrupted   exit 130
+    SIGTERM  kvscope <verb>: interrupted   exit 143
+    SIGHUP   kvscope <verb>: interrupted   exit 129
+
+NOTE: the first of these signals raises Interrupted (a KeyboardInterrupt carrying `signum`)
+and sets all three to be ignored: shutting down (closing a capture as 'interrupted') cannot be
+interrupted again, however often the key is pressed. SIGKILL or SIGQUIT still stop it at once.
+Imports nothing from kvscope at module level: `kvscope` itself holds only the version.
+"""
+
+from __future__ import annotations
+
+import signal
 import sys
+from collections.abc import Sequence
+from types import FrameType
 
-from kvscope.app import main
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal arrived; the exit code is 128 + signum."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum: int, _frame: FrameType | None) -> None:
+    for each in STOP_SIGNALS:
+        signal.signal(each, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def install_stop_handlers() -> None:
+    """SIGINT, SIGTERM and SIGHUP raise Interrupted once, then are ignored."""
+    for each in STOP_SIGNALS:
+        if signal.getsignal(each) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+            signal.signal(each, _stop)
+
+
+def verb_of(argv: Sequence[str]) -> str:
+    """The verb before argparse has run: the first argument that is not an option."""
+    return next((arg for arg in argv if not arg.startswith("-")), "")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        install_stop_handlers()
+        from kvscope.app.cli import main as cli_main
+
+        return cli_main(args)
+    except KeyboardInterrupt as stop:  # before the verb ran (cli.main reports the rest)
+        signum = getattr(stop, "signum", signal.SIGINT)
+        for each in STOP_SIGNALS:
+            signal.signal(each, signal.SIG_IGN)
+        verb = verb_of(args)
+        print(f"kvscope{f' {verb}' if verb else ''}: interrupted", file=sys.stderr)
+        return 128 + signum
+
 
 if __name__ == "__main__":
     sys.exit(main())

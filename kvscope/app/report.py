@@ -2,19 +2,26 @@
 leak report in the capture when `kvscope run` closes it.
 
 `report leaks` and `check` always replay the capture afresh (the stored report is the
-dashboard's shortcut), with the ledger replay's progress on stderr.
+dashboard's shortcut), with the ledger replay's progress on stderr. Each verb's `--json`
+shape is documented in docs/cli.md ("Exit codes and JSON").
+
+NOTE: none of these load torch (tests/app/test_json_shapes.py runs them and looks).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from kvscope.app.progress import Progress
-from kvscope.debug import LeakReport, ProgressHook, build_report, check_reason, render_diff, render_text, save_report
+from kvscope.debug import LeakReport, ProgressHook, build_report, render_text, save_report
+from kvscope.debug.diff import diff, render_diff
+from kvscope.debug.report import verdict
 from kvscope.telemetry import Capture, CaptureError
 
 PROGRESS_DELAY_S = 1.0  # a replay shorter than this shows no progress
@@ -39,46 +46,121 @@ def replay_report(target: str | Path, run_id: int | None, err: TextIO = sys.stde
         progress.close()
 
 
-def store_leak_report(path: Path, run_id: int, err: TextIO = sys.stderr) -> str:
+def store_leak_report(target: str | Path, run_id: int, err: TextIO = sys.stderr) -> str:
     """Build the leak report of the run just closed and store it in the capture, so the
     dashboard and `report leaks` need not replay the events again. Returns the verdict line."""
     try:
-        report = replay_report(path, run_id, err)
-        save_report(path, report)
+        report = replay_report(target, run_id, err)
+        save_report(target, report)
     except (CaptureError, ValueError) as exc:
         return f"not stored ({exc})"
-    return f"{check_reason(report)} (stored in the capture)"
+    return f"{verdict(report).reason} (stored in the capture)"
+
+
+# -- runs ------------------------------------------------------------------------------------
+
+
+def _number(value: Any) -> float | None:
+    """A numeric cell as a float; None for NULL, NaN, '' or anything else that is not a number."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _text(value: Any) -> str | None:
+    if value is None or (isinstance(value, float) and math.isnan(value)) or str(value) == "":
+        return None
+    return str(value)
+
+
+def run_entry(row: Any) -> dict[str, Any]:
+    """One run as `kvscope runs --json` gives it; an empty or malformed field is None."""
+    started = _number(row.started_at)
+    end = _number(row.ended_at)
+    end = _number(row.heartbeat_at) if end is None else end
+    return {
+        "id": int(row.id),
+        "label": _text(row.label),
+        "status": _text(row.display_status),
+        "level": _text(row.level),
+        "started_at": None if started is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "started_at_unix": started,
+        "seconds": None if started is None or end is None else round(end - started, 3),
+        "error": _text(row.error),
+    }
 
 
 def runs_verb(args: argparse.Namespace) -> int:
     capture = Capture(args.capture)
-    frame = capture.runs()
-    capture.close()
-    if frame.empty:
+    try:
+        frame = capture.runs()
+    finally:
+        capture.close()
+    if args.run is not None:
+        if args.run not in set(frame.id):
+            raise ValueError(f"{args.capture}: no run {args.run} (runs: {', '.join(map(str, frame.id)) or 'none'})")
+        frame = frame[frame.id == args.run]
+    entries = [run_entry(row) for row in frame.itertuples()]
+    if args.json:
+        print(json.dumps({"capture": args.capture, "runs": entries}, indent=2))
+    elif not entries:
         print(f"{args.capture}: no runs recorded")
-        return 0
-    print(f"{'id':>4}  {'status':<22} {'level':<8} {'started (UTC)':<20} {'seconds':>8}  label")
-    for row in frame.itertuples():
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(row.started_at))
-        end = row.ended_at if row.ended_at == row.ended_at and row.ended_at is not None else row.heartbeat_at
-        print(f"{row.id:>4}  {row.display_status:<22} {row.level:<8} {started:<20} {end - row.started_at:>8.1f}  "
-              f"{row.label}")
+    else:
+        print("\n".join(runs_table(entries)))
     return 0
+
+
+def runs_table(entries: list[dict[str, Any]]) -> list[str]:
+    lines = [f"{'id':>4}  {'status':<22} {'level':<8} {'started (UTC)':<20} {'seconds':>8}  label"]
+    for run in entries:
+        started = "-" if run["started_at"] is None else run["started_at"].replace("T", " ").rstrip("Z")
+        seconds = "-" if run["seconds"] is None else f"{run['seconds']:.1f}"
+        lines.append(f"{run['id']:>4}  {run['status'] or '-':<22} {run['level'] or '-':<8} {started:<20} "
+                     f"{seconds:>8}  {run['label'] or '-'}")
+        if run["error"]:
+            lines.append(f"{'':>6}error: {run['error']}")
+    return lines
+
+
+# -- report leaks, check, diff ---------------------------------------------------------------
 
 
 def report_verb(args: argparse.Namespace) -> int:
     report = replay_report(args.capture, args.run)
-    print(report.to_json() if args.json else render_text(report))
+    if args.json:
+        check = verdict(report)
+        print(json.dumps({**json.loads(report.to_json()), "verdict": check.verdict, "reason": check.reason},
+                         indent=2))
+    else:
+        print(render_text(report))
     return 0
 
 
 def check_verb(args: argparse.Namespace) -> int:
-    """Exit 0 clean, 1 on a leak or a broken invariant (2, unreadable, comes from cli.main)."""
+    """Exit 0 clean, 1 leak, 3 inconclusive (2, unreadable, comes from cli.main)."""
     report = replay_report(args.capture, args.run)
-    print(f"{args.capture}: {check_reason(report)}")
-    return 0 if report.clean else 1
+    check = verdict(report)
+    if args.json:
+        print(json.dumps({"capture": args.capture, "run": report.run_id, "status": report.status,
+                          "verdict": check.verdict, "exit_code": check.exit_code, "reason": check.reason}, indent=2))
+    else:
+        print(f"{args.capture}: {check.reason}")
+    return check.exit_code
 
 
 def diff_verb(args: argparse.Namespace) -> int:
-    print(render_diff(args.a, args.b))
+    runs = args.run or []
+    if len(runs) > 2:
+        raise ValueError(f"--run given {len(runs)} times: give it once (both captures) or twice (A, then B)")
+    run_a, run_b = (runs[0], runs[-1]) if runs else (None, None)
+    progress = Progress(sys.stderr, delay_s=PROGRESS_DELAY_S)
+    try:
+        result = diff(args.a, args.b, run_a, run_b, on_progress=ledger_progress(progress))
+    finally:
+        progress.close()
+    print(json.dumps(result, indent=2, default=str) if args.json else render_diff(result))
     return 0

@@ -3,15 +3,28 @@ stderr, the leak report stored in the capture when the run closes, and a summary
 
 This is where the run is wired: the SQL recorder (the capture), the debugger's monitor as
 recorder and read checker when `--debug` is on, and the engine that knows neither.
+
+NOTE: how a run ends, in its capture and in `kvscope run`'s exit code
+    finished     ran to its end                                      0, or 1 if an idle leak check failed
+    interrupted  Ctrl-C, SIGTERM or SIGHUP (kvscope.__main__ turns   130, 143, 129
+                 them into KeyboardInterrupt); requests still admitted or waiting get in_flight rows
+    crashed      an exception; runs.error holds its line; in_flight rows too    (the exception propagates)
+    incomplete   the recorder stopped on a write failure (its `failure` line)   4 (RecordingStopped)
+Closing happens with these signals held, so a second Ctrl-C cannot leave the run 'running'.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any, TextIO
 
 from kvscope.app.progress import Progress, bar
@@ -38,13 +51,20 @@ from kvscope.telemetry import (
     NULL_RECORDER,
     FaultKind,
     Recorder,
+    RunStatus,
     SQLRecorder,
     environment_fingerprint,
-    install_signal_handlers,
 )
 from kvscope.workloads import TraceRequest, generate, read_trace
 
 PROGRESS_INTERVAL_S = 0.1
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # as kvscope.__main__'s
+EXIT_RECORDING_STOPPED = 4
+
+
+class RecordingStopped(RuntimeError):
+    """The capture stopped recording on a write failure; the message says through which step
+    it is complete. The run stops at its next step (its summary is printed)."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +76,7 @@ class RunSpec:
     num_requests: int = 64
     seed: int = 0
     level: str = "full"
-    capture: Path | None = None
+    capture: str | Path | None = None  # a file path or a SQLAlchemy URL, verbatim (Path() folds sqlite:////x's slashes)
     pace_per_s: float | None = None
     workload_options: dict[str, Any] = field(default_factory=dict)
     debug: bool = False
@@ -86,30 +106,32 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     debug = args.debug or any(f.kind == FaultKind.USE_AFTER_FREE for f in faults)
     return RunSpec(engine=engine, model=model, workload=args.workload, trace=Path(args.trace) if args.trace else None,
                    num_requests=args.num_requests, seed=args.seed, level=args.level,
-                   capture=Path(args.capture) if args.capture else None, pace_per_s=args.pace, debug=debug,
+                   capture=args.capture, pace_per_s=args.pace, debug=debug,
                    faults=tuple(faults), fault_seed=args.inject_seed, store_report=not args.no_report)
 
 
 def run_verb(args: argparse.Namespace) -> int:
-    """Exit code 1 when an idle leak check failed (or stopped the run, with --leak-check raise)."""
+    """Exit code 1 when an idle leak check failed (or stopped the run, with --leak-check raise),
+    4 when the capture stopped recording; an interrupt is cli.main's (130, 143, 129)."""
     spec = spec_from_args(args)
-    install_signal_handlers()
     try:
         stats = run(spec)
     except LeakDetected as err:
         print(f"kvscope {args.verb}: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1
+    except RecordingStopped:  # the recorder printed its one line when it stopped
+        return EXIT_RECORDING_STOPPED
     return 1 if stats.leak_checks_failed else 0
 
 
-def default_capture_path(label: str) -> Path:
-    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{label}.db"
+def default_capture_path(label: str) -> str:
+    return f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{label}.db"
 
 
 def load_requests(spec: RunSpec) -> list[TraceRequest]:
     vocab = spec.model.vocab_size
     if spec.trace is not None:
-        return read_trace(spec.trace, vocab_size=vocab)
+        return read_trace(spec.trace, vocab_size=vocab, max_seq_len=spec.engine.pool.max_context_len)
     assert spec.workload is not None
     return generate(spec.workload, num_requests=spec.num_requests, seed=spec.seed, vocab_size=vocab,
                     **spec.workload_options)
@@ -132,8 +154,8 @@ def fingerprint(spec: RunSpec, device: str) -> dict[str, Any]:
     }
 
 
-def capture_path(spec: RunSpec) -> Path | None:
-    """Where the run's capture goes; None at level off."""
+def capture_path(spec: RunSpec) -> str | Path | None:
+    """Where the run's capture goes, as given; None at level off."""
     if spec.level == "off":
         return None
     return spec.capture or default_capture_path(spec.label)
@@ -153,47 +175,126 @@ def engine_progress(progress: Progress, num_requests: int) -> ProgressHook:
 
 def run(spec: RunSpec, out: TextIO = sys.stdout) -> EngineStats:
     """Run the spec's requests into its capture and print the summary on `out`. A request or a
-    config that cannot run raises ValueError before any capture is created."""
+    config that cannot run raises ValueError before any capture is created; a capture that
+    stopped recording raises RecordingStopped once the summary is printed."""
+    requests = checked_requests(spec)
+    path = capture_path(spec)
+    start = time.monotonic()
+    capture, stats = record_run(spec, path, requests)
+    wall_s = time.monotonic() - start
+    failure = getattr(capture, "failure", None)
+    verdict = None
+    if path is not None and capture is not None and spec.level == "full" and spec.store_report and not failure:
+        verdict = store_leak_report(path, capture.run_id)
+    print_summary(stats, wall_s, path, out, verdict, failure)
+    if failure:
+        raise RecordingStopped(failure)
+    return stats
+
+
+def checked_requests(spec: RunSpec) -> list[Req]:
+    """The spec's requests, each checked against its config (ValueError for one that can never run)."""
     trace = load_requests(spec)
     if not trace:
         raise ValueError("the workload has no requests")
     requests = to_engine_requests(trace)
-    spec.engine.check_model(spec.model.sliding_window, spec.model.is_hybrid)  # before any capture is created
+    # NOTE: before any capture is created: the model fits the cache, and the pools the memory
+    spec.engine.check_model(spec.model.sliding_window, spec.model.is_hybrid, spec.model)
     check_faults(spec.engine, spec.model, list(spec.faults))
     for req in requests:
         check_request(spec.engine, spec.model, req)
-    path = capture_path(spec)
-    capture = None if path is None else SQLRecorder(path, level=spec.level, label=spec.label,
-                                                    config=fingerprint(spec, spec.engine.device))
-    recorder: Recorder = NULL_RECORDER if capture is None else capture
-    start = time.monotonic()
+    return requests
+
+
+def record_run(spec: RunSpec, path: str | Path | None, requests: list[Req]) -> tuple[SQLRecorder | None, EngineStats]:
+    """The engine's run into a new capture at `path` (none when None), closed whatever happens:
+    finished, interrupted (KeyboardInterrupt, SystemExit) or crashed (any other exception, which
+    propagates), with the requests still in flight stored as such."""
+    capture: SQLRecorder | None = None
+    recorder: Recorder = NULL_RECORDER
     progress = Progress(interval_s=PROGRESS_INTERVAL_S)
-    status, error = "finished", None
+    engine: Engine | None = None
+    status, error = RunStatus.FINISHED, None
     try:
+        if path is not None:
+            with signals_held():  # a capture is never left half made: a Ctrl-C here comes once it exists
+                capture = recorder = SQLRecorder(path, level=spec.level, label=spec.label,
+                                                 config=fingerprint(spec, spec.engine.device))
         monitor = DebugMonitor(recorder) if spec.debug else None
         engine = Engine(spec.engine, spec.model, recorder if monitor is None else monitor, read_checker=monitor,
                         faults=list(spec.faults), fault_seed=spec.fault_seed)
-        stats = engine.run(requests, pace_per_s=spec.pace_per_s, progress=engine_progress(progress, len(requests)))
-    except (KeyboardInterrupt, SystemExit):
+        hook = stop_when_recording_stops(engine_progress(progress, len(requests)), capture)
+        stats = engine.run(requests, pace_per_s=spec.pace_per_s, progress=hook)
+    except RecordingStopped:  # nothing more can be recorded: the run ends here, its capture incomplete
+        assert engine is not None
+        status, stats = RunStatus.INCOMPLETE, engine.stats
+    except (KeyboardInterrupt, SystemExit) as stop:
+        status, error = RunStatus.INTERRUPTED, stop_line(stop, engine)
         raise
     except BaseException as err:
-        status, error = "crashed", f"{type(err).__name__}: {err}"
+        status, error = RunStatus.CRASHED, f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
         raise
     finally:
-        progress.close()
-        recorder.close(status, error)
-    wall_s = time.monotonic() - start
-    verdict = None
-    if path is not None and capture is not None and spec.level == "full" and spec.store_report:
-        verdict = store_leak_report(path, capture.run_id)
-    print_summary(stats, wall_s, path, out, verdict)
-    return stats
+        with signals_held():
+            progress.close()
+            if engine is not None and status != RunStatus.FINISHED:
+                engine.stats.close_in_flight()
+            recorder.close(status, error)
+    return capture, stats
 
 
-def print_summary(stats: EngineStats, wall_s: float, capture: Path | None, out: TextIO,
-                  leak_report: str | None = None) -> None:
+def stop_when_recording_stops(hook: ProgressHook, capture: SQLRecorder | None) -> ProgressHook:
+    """`hook`, after a check that the capture still records (a run that cannot be recorded stops)."""
+
+    def on_step(stats: EngineStats, num_submitted: int) -> None:
+        if capture is not None and capture.failure:
+            raise RecordingStopped(capture.failure)
+        hook(stats, num_submitted)
+
+    return on_step
+
+
+def stop_line(stop: BaseException, engine: Engine | None) -> str:
+    """runs.error of an interrupted run: `SIGTERM at step 31`."""
+    signum = getattr(stop, "signum", signal.SIGINT if isinstance(stop, KeyboardInterrupt) else None)
+    if signum is None and isinstance(stop, SystemExit) and isinstance(stop.code, int) and stop.code > 128:
+        signum = stop.code - 128  # an exit raised by a signal handler (128 + signum)
+    try:
+        cause = signal.Signals(signum).name if signum is not None else type(stop).__name__
+    except ValueError:
+        cause = type(stop).__name__
+    return cause if engine is None else f"{cause} at step {engine.scheduler.step}"
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP inside; afterwards deliver the first one that came (to
+    whatever handler was there before: an ignored one stays ignored). Main thread only: other
+    threads never run Python signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, _frame: FrameType | None) -> None:
+        held.append(signum)
+
+    previous = {signum: signal.signal(signum, hold) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        if held:
+            signal.raise_signal(held[0])
+
+
+def print_summary(stats: EngineStats, wall_s: float, capture: str | Path | None, out: TextIO,
+                  leak_report: str | None = None, failure: str | None = None) -> None:
     checks = stats.leak_checks_passed + stats.leak_checks_failed
-    verdict = "all passed" if not stats.leak_checks_failed else f"{stats.leak_checks_failed} FAILED"
+    verdict = (f"{stats.leak_checks_failed} FAILED" if stats.leak_checks_failed
+               else "all passed" if checks else "none ran: no idle point")
+    where = f" (incomplete: {failure})" if failure else ""
     lines = [
         f"requests          {stats.num_finished} finished, {stats.num_aborted} aborted of {stats.num_requests}",
         f"prompt tokens     {stats.prompt_tokens}",
@@ -205,6 +306,6 @@ def print_summary(stats: EngineStats, wall_s: float, capture: Path | None, out: 
         f"leak checks       {checks} ({verdict})",
         *([f"leak report       {leak_report}"] if leak_report else []),
         f"wall time         {wall_s:.2f} s",
-        f"capture           {capture if capture else '(recording off)'}",
+        f"capture           {capture if capture else '(recording off)'}{where}",
     ]
     out.write("\n".join(lines) + "\n")

@@ -19,14 +19,14 @@ import bisect
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import pandas as pd
 
 from kvscope import __version__
 from kvscope.debug.ledger import Ledger
 from kvscope.debug.replay import ProgressHook, Replay
-from kvscope.telemetry import Capture, EventKind, decode_slots
+from kvscope.telemetry import ENDED_WITHOUT_CLOSING, Capture, EventKind, RunStatus, decode_slots
 from kvscope.telemetry import save_report as _store_report
 
 REPORT_KIND = "leaks"
@@ -34,6 +34,25 @@ PRODUCER = f"kvscope {__version__} / leak report 1"  # a stored report from anot
 
 SUMMARY_NOTE = ("recorded at level summary: the capture holds no slot indices, so this report works from the "
                 "leak checks and the requests table only (record with --level full for slots and culprits)")
+# NOTE: a leak the ledger finds in a run that stopped mid-step may be a free still pending in
+# that step (frees are grouped per step); these kinds are single events, certain wherever they are
+DEFINITE_KINDS = ("double-free", "use-after-free")
+CHECK_EXIT_CODES = {"clean": 0, "leak": 1, "inconclusive": 3}  # kvscope check's (2: unreadable, from the CLI)
+_STOPPED = {
+    RunStatus.RUNNING.value: "the run is still running",
+    RunStatus.INTERRUPTED.value: "the run was interrupted",
+    RunStatus.CRASHED.value: "the run crashed",
+    RunStatus.INCOMPLETE.value: "the capture is incomplete",
+    ENDED_WITHOUT_CLOSING: "the run ended without closing its capture (its process died)",
+}
+
+
+class Verdict(NamedTuple):
+    """`kvscope check`'s verdict on a report: clean (exit 0), leak (1) or inconclusive (3)."""
+
+    verdict: Literal["clean", "leak", "inconclusive"]
+    exit_code: int
+    reason: str  # one line
 
 
 @dataclass
@@ -69,10 +88,18 @@ class LeakReport:
     note: str | None = None
     through_seq: int = -1  # the last event the ledger replayed
     stored_at: float | None = None  # unix seconds, when read back from the capture
+    error: str | None = None  # the run's one-line error (crashed, interrupted, incomplete)
+    last_step: int | None = None  # the run's last step with a usage sample
 
     @property
     def clean(self) -> bool:
+        """Nothing found: no leak and no failed check. Not a verdict: see `verdict()`, which also
+        asks that the run finished and reached an idle check."""
         return not self.leaks and self.first_failure_step is None
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RunStatus.FINISHED
 
     @property
     def root_leaks(self) -> list[Leak]:
@@ -85,6 +112,7 @@ class LeakReport:
     @classmethod
     def from_json(cls, text: str) -> LeakReport:
         fields = json.loads(text)
+        fields = {name: value for name, value in fields.items() if name in cls.__dataclass_fields__}
         fields["leaks"] = [Leak(**leak) for leak in fields.get("leaks", [])]
         return cls(**fields)
 
@@ -94,7 +122,8 @@ def _slots_text(slots: list[int], limit: int = 12) -> str:
     return f"[{head}{f', … +{len(slots) - limit} more' if len(slots) > limit else ''}]"
 
 
-def _run_row(capture: Capture, run_id: int | None) -> Any:
+def run_row(capture: Capture, run_id: int | None) -> Any:
+    """The run's row of `capture.runs()` (default: the latest); ValueError naming the runs there are."""
     runs = capture.runs()
     if runs.empty:
         raise ValueError(f"{capture.target}: the capture holds no runs")
@@ -124,9 +153,11 @@ def build_report(target: str | Path, run_id: int | None = None, *, on_progress: 
     `state` (kept by the caller, for one run), only the events after its last one are replayed."""
     capture = Capture(target)
     try:
-        run = _run_row(capture, run_id)
-        report = LeakReport(str(target), int(run.id), str(run.level), str(run.display_status))
+        run = run_row(capture, run_id)
+        report = LeakReport(str(target), int(run.id), str(run.level), str(run.display_status), error=_text(run.error))
         _from_checks(report, capture.leak_checks(report.run_id))
+        last_step = capture.step_range(report.run_id).hi.iloc[0]
+        report.last_step = None if pd.isna(last_step) else int(last_step)
         requests = capture.requests(report.run_id)
         if report.level != "full":
             report.note = SUMMARY_NOTE
@@ -162,7 +193,13 @@ def stored_report(capture: Capture, run_id: int) -> LeakReport | None:
         return None  # a damaged body: the caller rebuilds
     report.stored_at = float(row.built_at)
     report.status = str(run.iloc[0].display_status)
+    report.error = _text(run.iloc[0].error)
     return report
+
+
+def _text(value: Any) -> str | None:
+    """A nullable text cell as str or None (pandas reads SQL NULL as None or NaN)."""
+    return None if value is None or pd.isna(value) or value == "" else str(value)
 
 
 def _from_checks(report: LeakReport, checks: pd.DataFrame) -> None:
@@ -264,50 +301,123 @@ def _leaks(ledger: Ledger, people: dict[str, Any]) -> list[Leak]:
 def render_text(report: LeakReport, max_leaks: int | None = None) -> str:
     """The report as text; `max_leaks` lists only the first leaks, then says how many more."""
     lines = [f"capture {report.capture} — run {report.run_id}, level {report.level}, {report.status}"]
+    if report.error:
+        lines.append(f"error: {report.error}")
     if report.note:
         lines.append(f"note: {report.note}")
-    if report.first_failure_step is None:
-        lines.append(f"leak checks: {report.checks_run} idle points, all balanced")
-    else:
-        lines.append(f"leak checks: {report.checks_run} idle points; first failure at step "
-                     f"{report.first_failure_step}:")
-        lines += [f"    {m}" for m in report.first_failure]
+    lines += _checks_lines(report)
     if report.onset_step is not None:
         clean = f"; last clean check at step {report.last_clean_step}" if report.last_clean_step is not None else ""
         lines.append(f"onset: step {report.onset_step} (bisected over the invariant series{clean})")
     if report.suspects:
         lines.append(f"suspect requests (ended between the last clean and the first failing check): "
                      f"{', '.join(report.suspects[:20])}")
-    roots = len(report.root_leaks)
-    lines.append(f"leaks: {roots} root cause{'s' if roots != 1 else ''}, {len(report.leaks) - roots} consequences"
-                 if report.leaks else "leaks: none")
+    lines.append(_leaks_line(report))
     shown = report.leaks if max_leaks is None else report.leaks[:max_leaks]
     for i, leak in enumerate(shown, 1):
-        who = f"request {leak.rid}" + (f" (user {leak.principal})" if leak.principal else "") if leak.rid else "-"
-        count = f"{len(leak.slots)} slot{'s' if len(leak.slots) != 1 else ''}"
-        after = f" — a consequence of #{leak.consequence_of}" if leak.consequence_of else ""
-        lines.append(f"  {i}. {leak.kind}, pool {leak.pool}: {count} {_slots_text(leak.slots)}{after}")
-        lines.append(f"     culprit: {who}; {leak.detail}")
-        if leak.kind == "lock-never-released" and leak.free_due_step is not None:
-            lines.append(f"     the unlock was due at step {leak.free_due_step}, when the request finished")
-        elif leak.allocated_step is not None:
-            due = f"; the free was due at step {leak.free_due_step} and never came" if leak.free_due_step else ""
-            lines.append(f"     allocated at step {leak.allocated_step} (event #{leak.allocated_event}){due}")
+        lines += _leak_lines(i, leak)
     if len(shown) < len(report.leaks):
         lines.append(f"  … and {len(report.leaks) - len(shown):,} more (kvscope report leaks lists them all)")
     if report.injected:
         kinds = sorted({str(i["kind"]) for i in report.injected})
         lines.append(f"injected faults (ground truth in the capture): {len(report.injected)} ({', '.join(kinds)})")
+    check = verdict(report)
+    lines.append(f"verdict: {check.verdict} (kvscope check exits {check.exit_code})")
     return "\n".join(lines)
 
 
-def check_reason(report: LeakReport) -> str:
-    """One line: why the capture fails the check, or that it is clean."""
-    if report.clean:
-        return f"clean: {report.checks_run} idle leak checks balanced, no orphaned slots, double frees or held locks"
+def _checks_lines(report: LeakReport) -> list[str]:
+    if report.first_failure_step is not None:
+        return [f"leak checks: {report.checks_run} idle points; first failure at step {report.first_failure_step}:",
+                *(f"    {m}" for m in report.first_failure)]
+    if report.checks_run == 0:
+        return ["leak checks: the run reached no idle point, so no leak check ran"]
+    return [f"leak checks: {report.checks_run} idle points, all balanced"]
+
+
+def _leaks_line(report: LeakReport) -> str:
+    """What the capture can and cannot say about leaks: 'none' only when it can know."""
     if report.leaks:
-        leak = report.root_leaks[0]
-        who = f" ({leak.rid})" if leak.rid else ""
-        more = f" and {len(report.leaks) - 1} more" if len(report.leaks) > 1 else ""
-        return f"{leak.kind}: {len(leak.slots)} slots of pool {leak.pool}{who}{more}"
-    return f"leak check failed at step {report.first_failure_step}: {report.first_failure[0]}"
+        roots = len(report.root_leaks)
+        cut = "" if report.finished else (" (found where the run stopped: one that is not "
+                                          f"{' or '.join(DEFINITE_KINDS)} may be a free still pending in that step)")
+        return f"leaks: {roots} root cause{'s' if roots != 1 else ''}, {len(report.leaks) - roots} consequences{cut}"
+    if report.first_failure_step is not None:
+        if report.level != "full":
+            return (f"leaks: the leak check failed at step {report.first_failure_step} "
+                    f"({_gap(report.first_failure)}), but this capture is at level {report.level}, so it has no "
+                    "slot indices to name the culprits: re-record at --level full")
+        return (f"leaks: the slot ledger names no culprit for the check that failed at step "
+                f"{report.first_failure_step}")
+    if not report.finished:
+        return (f"leaks: not known: {_STOPPED.get(report.status, f'the run is {report.status!r}')}"
+                f"{_at_step(report)}; whether its memory would have balanced at the end is not in the capture")
+    if report.level != "full":
+        return f"leaks: none seen by the leak checks (level {report.level}: no slot ledger to look further)"
+    if report.checks_run == 0:
+        return "leaks: the slot ledger found no leak, but no idle leak check ran to confirm it"
+    return "leaks: none"
+
+
+def _gap(messages: list[str]) -> str:
+    """'22 tokens missing' of a failed check's message (the text after the terms)."""
+    return "; ".join(m.rsplit(": ", 1)[-1] for m in messages if ": " in m) or "unbalanced"
+
+
+def _at_step(report: LeakReport) -> str:
+    return "" if report.last_step is None else f" at step {report.last_step}"
+
+
+def _leak_lines(index: int, leak: Leak) -> list[str]:
+    who = f"request {leak.rid}" + (f" (user {leak.principal})" if leak.principal else "") if leak.rid else "-"
+    count = f"{len(leak.slots)} slot{'s' if len(leak.slots) != 1 else ''}"
+    after = f" — a consequence of #{leak.consequence_of}" if leak.consequence_of else ""
+    lines = [f"  {index}. {leak.kind}, pool {leak.pool}: {count} {_slots_text(leak.slots)}{after}",
+             f"     culprit: {who}; {leak.detail}"]
+    if leak.kind == "lock-never-released" and leak.free_due_step is not None:
+        lines.append(f"     the unlock was due at step {leak.free_due_step}, when the request finished")
+    elif leak.allocated_step is not None:
+        due = f"; the free was due at step {leak.free_due_step} and never came" if leak.free_due_step else ""
+        lines.append(f"     allocated at step {leak.allocated_step} (event #{leak.allocated_event}){due}")
+    return lines
+
+
+def verdict(report: LeakReport) -> Verdict:
+    """clean: the run finished, reached at least one idle leak check, and nothing failed.
+    leak: a leak check failed, or the ledger found a leak (in a run cut short, only the
+    DEFINITE_KINDS count). inconclusive: the run did not finish, or no idle check ran."""
+    leaks = [leak for leak in report.root_leaks if report.finished or leak.kind in DEFINITE_KINDS]
+    if leaks or report.first_failure_step is not None:
+        return Verdict("leak", CHECK_EXIT_CODES["leak"], _leak_reason(report, leaks))
+    if not report.finished:
+        stopped = _STOPPED.get(report.status, f"the run's status is {report.status!r}")
+        why = f" ({report.error})" if report.error else _at_step(report)
+        when = "so far" if report.status == RunStatus.RUNNING else "before it stopped"
+        balanced = f"{_checks(report.checks_run)} balanced {when}"
+        return Verdict("inconclusive", CHECK_EXIT_CODES["inconclusive"], f"inconclusive: {stopped}{why}; {balanced}")
+    if report.checks_run == 0:
+        return Verdict("inconclusive", CHECK_EXIT_CODES["inconclusive"],
+                       "inconclusive: the run finished without reaching an idle point, so no leak check ran")
+    if report.level != "full":
+        return Verdict("clean", CHECK_EXIT_CODES["clean"], f"clean: {_checks(report.checks_run)} balanced "
+                       f"(level {report.level}: no slot ledger to look further)")
+    return Verdict("clean", CHECK_EXIT_CODES["clean"], f"clean: {_checks(report.checks_run)} balanced, "
+                   "no orphaned slots, double frees or held locks")
+
+
+def _checks(count: int) -> str:
+    return f"{count} idle leak check{'s' if count != 1 else ''}"
+
+
+def _leak_reason(report: LeakReport, leaks: list[Leak]) -> str:
+    if not leaks:
+        return f"leak check failed at step {report.first_failure_step}: {report.first_failure[0]}"
+    leak = leaks[0]
+    who = f" ({leak.rid})" if leak.rid else ""
+    more = f" and {len(report.leaks) - 1} more" if len(report.leaks) > 1 else ""
+    return f"{leak.kind}: {len(leak.slots)} slots of pool {leak.pool}{who}{more}"
+
+
+def check_reason(report: LeakReport) -> str:
+    """One line: the verdict's reason (why the run leaks, why it is inconclusive, or that it is clean)."""
+    return verdict(report).reason

@@ -62,6 +62,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.step = 0
+        self.last_snapshot_step = -1
         self.new_token_ratio = self.sched.init_new_token_ratio
         self.stats = EngineStats(recorder)
 
@@ -98,6 +99,10 @@ class Scheduler:
         return ok
 
     def snapshot(self) -> None:
+        """The tree at this step, once per step (the end of a run may fall on a periodic one)."""
+        if self.step == self.last_snapshot_step:
+            return
+        self.last_snapshot_step = self.step
         self.recorder.tree_snapshot(self.step, self.memory.cache.export_nodes())
 
     # -- prefill -----------------------------------------------------------------------------

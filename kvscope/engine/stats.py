@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from kvscope.engine.memory import MemorySystem
 from kvscope.engine.request import Req
-from kvscope.telemetry import EventKind, LeakCheck, Recorder, RequestRecord, UsageSample
+from kvscope.telemetry import EventKind, LeakCheck, Recorder, RequestRecord, RequestStatus, UsageSample
 
 
 class LeakDetected(RuntimeError):
@@ -69,7 +69,7 @@ class EngineStats:
     def finished(self, req: Req, step: int) -> None:
         self.num_finished += 1
         self.generated_tokens += len(req.output_ids)
-        self._close_record(req, "finished", step, "finish")
+        self._close_record(req, RequestStatus.FINISHED, step, "finish")
         self._event(EventKind.REQUEST_FINISH, req, len(req.output_ids))
 
     def retracted(self, req: Req, step: int) -> None:
@@ -80,7 +80,7 @@ class EngineStats:
 
     def aborted(self, req: Req, step: int, reason: str) -> None:
         self.num_aborted += 1
-        self._close_record(req, "aborted", step, "finish")
+        self._close_record(req, RequestStatus.ABORTED, step, "finish")
         self._event(EventKind.REQUEST_ABORT, req, len(req.output_ids))
 
     def _close_record(self, req: Req, status: str, step: int, moment: str) -> None:
@@ -119,9 +119,19 @@ class EngineStats:
 
     def close_unfinished(self) -> None:
         """At the end of a run, store the records of requests that never finished."""
+        self._close_open_records(RequestStatus.UNFINISHED)
+
+    def close_in_flight(self) -> None:
+        """When a run is interrupted or crashes: store the records of requests still admitted or
+        waiting, marked in_flight (the caller does this before it closes the recorder)."""
+        self._close_open_records(RequestStatus.IN_FLIGHT)
+
+    def _close_open_records(self, status: RequestStatus) -> None:
+        if not self.recorder.summary_enabled:
+            return
         for record in self.records.values():
-            if record.status == "running" and self.recorder.summary_enabled:
-                record.status = "unfinished"
+            if record.status == RequestStatus.RUNNING:
+                record.status = status
                 self.recorder.request(record)
 
     @property
