@@ -8,21 +8,25 @@
 
 A handler returns the exit code. Bad input raises ValueError, OSError or CaptureError with one
 line, which `main` prints as `kvscope <verb>: error: <line>` and exits 2; Ctrl-C exits 130.
+A malformed flag value is argparse's error, printed the same way (`Parser`). Sizes take unit
+suffixes (units.py); help states each default once (`HelpFormatter`).
 
 NOTE: runner.py and demo.py load torch, so they are imported only when their verb runs:
-`--help`, the capture readers and the planner never load it.
+`--help`, the capture readers, `plan` and `replay` never load it (replays run in workers).
 """
 
 from __future__ import annotations
 
 import argparse
-import re
+import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
+from kvscope import __version__
 from kvscope.app.plan import plan_verb, replay_verb
 from kvscope.app.report import check_verb, diff_verb, report_verb, runs_verb
+from kvscope.app.units import byte_size, finite_float, positive_count, token_count, token_counts
 from kvscope.engine import CACHE_KINDS
 from kvscope.planning import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -35,8 +39,28 @@ from kvscope.telemetry import CaptureError
 from kvscope.workloads import WORKLOADS
 
 SubParsers = Any  # argparse._SubParsersAction, private in typeshed
-DEFAULTS = argparse.ArgumentDefaultsHelpFormatter
-_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
+POLICY_HELP = "lru, lfu, fifo, mru, filo, priority, slru"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line, `kvscope <verb>: error: <line>`, exit 2 (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: ...)" only where the help states no default of its own and there is
+    one to state (not None, a flag's False, or an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False or action.default == []:
+            return text
+        return super()._get_help_string(action)
+
+
+DEFAULTS = HelpFormatter
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -61,7 +85,7 @@ def add_demo_parser(verbs: SubParsers) -> None:
     )
     demo.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu or cuda")
     demo.add_argument("--page-size", type=int, default=4, help="tokens per page (>= 2)")
-    demo.add_argument("--delay", type=float, default=0.3, help="seconds between steps")
+    demo.add_argument("--delay", type=finite_float(0, low_open=False), default=0.3, help="seconds between steps")
     demo.set_defaults(func=_demo)
 
 
@@ -69,11 +93,14 @@ def add_runs_parser(verbs: SubParsers) -> None:
     runs = verbs.add_parser(
         "runs",
         help="list the runs recorded in a capture",
-        description="List every run in a capture with its status (running, finished, crashed, or "
-        "'ended without closing' when the recording process died), level, start time and length.",
+        description="List every run in a capture with its status (running, finished, interrupted, crashed, "
+        "incomplete, or 'ended without closing' when the recording process died), level, start time, length "
+        "and error line.",
         formatter_class=DEFAULTS,
     )
     runs.add_argument("capture", help="a capture file (SQLite) or a SQLAlchemy URL")
+    runs.add_argument("--run", type=int, help="only this run id (default: every run)")
+    runs.add_argument("--json", action="store_true", help="print the runs as JSON (shape: docs/cli.md)")
     runs.set_defaults(func=runs_verb)
 
 
@@ -88,25 +115,30 @@ def add_run_parser(verbs: SubParsers) -> None:
     source = run.add_mutually_exclusive_group(required=True)
     source.add_argument("--workload", choices=sorted(WORKLOADS), help="a generated workload")
     source.add_argument("--trace", metavar="FILE", help="a JSONL trace: one {id, user, prompt, output} per line")
-    run.add_argument("--num-requests", type=int, default=64, help="requests to generate (with --workload)")
+    run.add_argument("--num-requests", type=positive_count, default=64, help="requests to generate (with --workload)")
     run.add_argument("--seed", type=int, default=0, help="workload seed")
     run.add_argument("--model", default="tiny", help="tiny, tiny-swa, or a shape like 'layers=4,hidden=64,window=32'")
     run.add_argument("--cache", default="auto", choices=["auto", *CACHE_KINDS],
                      help="prefix cache; auto = radix, or swa-radix for a sliding-window model")
-    run.add_argument("--eviction-policy", default="lru", help="lru, lfu, fifo, mru, filo, priority, slru")
+    run.add_argument("--eviction-policy", default="lru", help=POLICY_HELP)
     run.add_argument("--eviction-granularity", default="leaf", choices=["leaf", "page"],
                      help="leaf: SGLang's whole-leaf eviction; page: only the pages needed")
     run.add_argument("--page-size", type=int, default=1, help="tokens per KV page (a power of two)")
-    run.add_argument("--kv-tokens", type=int, default=4096, help="KV capacity of the full pool, in tokens")
-    run.add_argument("--swa-ratio", type=float, default=0.8, help="SWA pool size as a fraction of the full pool")
-    run.add_argument("--chunked-prefill-size", type=int, default=256, help="tokens per prefill chunk; 0 disables")
-    run.add_argument("--max-running-requests", type=int, default=32, help="request rows in req_to_token")
-    run.add_argument("--max-context-len", type=int, default=2048, help="longest prompt + output, in tokens")
+    run.add_argument("--kv-tokens", type=token_count, default=4096, metavar="TOKENS",
+                     help="KV capacity of the full pool, in tokens (4096, 64k, 1.5M, 128Ki)")
+    run.add_argument("--swa-ratio", type=finite_float(0, 1), default=0.8,
+                     help="SWA pool size as a fraction of the full pool")
+    run.add_argument("--chunked-prefill-size", type=token_count, default=256, metavar="TOKENS",
+                     help="tokens per prefill chunk; 0 disables")
+    run.add_argument("--max-running-requests", type=positive_count, default=32, metavar="N",
+                     help="request rows in req_to_token")
+    run.add_argument("--max-context-len", type=positive_count, default=2048, metavar="TOKENS",
+                     help="longest prompt + output, in tokens (2048, 8k, 128Ki)")
     run.add_argument("--level", default="full", choices=["off", "summary", "full"],
                      help="summary: usage, requests, leak checks, tree snapshots; full: plus every memory event")
     run.add_argument("--capture", metavar="PATH", help="capture file (default runs/<time>-<workload>.db)")
     run.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu or cuda")
-    run.add_argument("--pace", type=float, metavar="RATE",
+    run.add_argument("--pace", type=finite_float(0), metavar="RATE",
                      help="arrivals per second in real time; without it all requests arrive at once")
     run.add_argument("--strict", action="store_true", help="pools and caches check every call for misuse")
     run.add_argument("--leak-check", default="record", choices=["record", "raise"],
@@ -132,25 +164,33 @@ def add_debugger_parsers(verbs: SubParsers) -> None:
         "leaks", formatter_class=DEFAULTS, help="name the culprits of every leak",
         description="For each leak: the pool, the slots, the request that last owned them and its principal, the "
         "step and event that allocated them, the free that never came, the first failing leak check and the onset "
-        "step. A capture recorded below level full has no slot indices: the report says so and works from the "
-        "leak checks and the requests table.")
+        "step; then the verdict `kvscope check` gives. A capture recorded below level full has no slot indices: the "
+        "report says what it can and cannot show, and works from the leak checks and the requests table.")
     leaks.add_argument("capture", help="a capture file or a SQLAlchemy URL")
     leaks.add_argument("--run", type=int, help="run id (default: the latest run)")
-    leaks.add_argument("--json", action="store_true", help="machine-readable output")
+    leaks.add_argument("--json", action="store_true", help="print the report and its verdict as JSON")
     leaks.set_defaults(func=report_verb)
     check = verbs.add_parser(
         "check", formatter_class=DEFAULTS,
-        help="CI gate: exit 0 clean, 1 on a leak or broken invariant, 2 unreadable",
-        description="Exit 0 when the capture is clean, 1 on a leak or a broken invariant (with the one-line "
-        "reason), 2 when the capture cannot be read.")
+        help="CI gate: exit 0 clean, 1 leak, 2 unreadable, 3 inconclusive",
+        description="Print one line and exit with the verdict: 0 clean (the run finished and passed at least one "
+        "idle leak check, with nothing failing); 1 a leak or a broken invariant; 2 the capture cannot be read (or "
+        "bad input); 3 inconclusive: the run was interrupted, crashed, is incomplete (recording stopped), is still "
+        "running or ended without closing, or never reached an idle leak check. See docs/cli.md.")
     check.add_argument("capture", help="a capture file or a SQLAlchemy URL")
     check.add_argument("--run", type=int, help="run id (default: the latest run)")
+    check.add_argument("--json", action="store_true", help="print the verdict as JSON (the exit code is the same)")
     check.set_defaults(func=check_verb)
-    diff = verbs.add_parser("diff", formatter_class=DEFAULTS, help="two captures side by side",
-                            description="Usage peaks, hit rates, evictions, retractions, the last leak-check terms "
-                            "and event counts per kind of the latest run of each capture.")
+    diff = verbs.add_parser("diff", formatter_class=DEFAULTS, help="two runs side by side",
+                            description="The verdicts, usage peaks, hit rates, evictions, retractions, the last "
+                            "leak-check terms (held and missing included), event counts per kind and the settings "
+                            "that differ between the two runs' configs. A and B may be the same capture, with --run "
+                            "given twice.")
     diff.add_argument("a", help="first capture")
     diff.add_argument("b", help="second capture")
+    diff.add_argument("--run", type=int, action="append", metavar="ID",
+                      help="run id of both captures; given twice, of A then B (default: each capture's latest run)")
+    diff.add_argument("--json", action="store_true", help="print both sides, the deltas and the verdicts as JSON")
     diff.set_defaults(func=diff_verb)
 
 
@@ -164,25 +204,30 @@ def add_plan_parser(verbs: SubParsers) -> None:
         formatter_class=DEFAULTS,
     )
     plan.add_argument("--model", required=True, metavar="NAME|CONFIG",
-                      help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config.json file")
+                      help=f"a preset ({', '.join(PRESETS)}), its Hugging Face id (meta-llama/Llama-3.1-8B-Instruct), "
+                      "or a Hugging Face config.json file")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     plan.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, metavar="DTYPE",
                       help=f"KV cache dtype ({', '.join(KV_DTYPES)}); auto = the model's dtype")
-    plan.add_argument("--gpu-mem", type=float, metavar="GIB",
-                      help="memory per GPU in GiB (SGLang: free at start; vLLM: total); default: NVML")
-    plan.add_argument("--weights-gib", type=float, metavar="GIB",
-                      help="the whole model's weights in GiB (all TP ranks); default: the preset's")
+    plan.add_argument("--gpu-mem", type=byte_size, metavar="SIZE",
+                      help="memory per GPU (SGLang: free at start; vLLM: total): 80 (GiB), 80G, 80GiB, 81920MiB, "
+                      "or 85.9GB for decimal bytes; default: NVML")
+    plan.add_argument("--weights-gib", type=byte_size, metavar="SIZE",
+                      help="the whole model's weights (all TP ranks), a size like --gpu-mem's (16, 16GiB, "
+                      "16GB); default: the preset's")
     plan.add_argument("--page-size", type=int, default=1, help="SGLang tokens per page")
     plan.add_argument("--mem-fraction-static", type=float, default=DEFAULT_MEM_FRACTION_STATIC,
                       help="SGLang: share of the memory free at start for weights + KV")
     plan.add_argument("--swa-full-tokens-ratio", type=float, default=0.8,
                       help="SGLang hybrid SWA: SWA pool tokens per full pool token")
-    plan.add_argument("--context-len", type=int, default=8192, help="tokens per request (prompt + output)")
+    plan.add_argument("--context-len", type=positive_count, default=8192, metavar="TOKENS",
+                      help="tokens per request (prompt + output): 8192, 8k, 128Ki")
     plan.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
                       help="vLLM: share of the GPU's total memory for the instance")
     plan.add_argument("--block-size", type=int, default=16, help="vLLM tokens per block")
-    plan.add_argument("--vllm-activation-gib", type=float, default=0.0, metavar="GIB",
-                      help="vLLM: activation peak of its profile run, subtracted from its KV memory")
+    plan.add_argument("--vllm-activation-gib", type=byte_size, default=0, metavar="SIZE",
+                      help="vLLM: activation peak of its profile run, subtracted from its KV memory (2, 2GiB, "
+                      "512MiB)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=plan_verb)
 
@@ -198,42 +243,34 @@ def add_replay_parser(verbs: SubParsers) -> None:
         formatter_class=DEFAULTS,
     )
     replay.add_argument("source", help="a JSONL trace, or a capture (SQLite file or SQLAlchemy URL)")
-    replay.add_argument("--capacities", type=parse_capacities, metavar="LIST",
-                        help="comma-separated capacities in tokens (200000, 200k, 1.5M), floored to pages; "
-                        "default: 12 log-spaced from 1%% to 100%% of the working set")
-    replay.add_argument("--page-size", type=int, default=1, help="tokens per KV page (a power of two)")
+    replay.add_argument("--capacities", type=token_counts, metavar="LIST",
+                        help="comma-separated capacities in tokens (200000, 200k, 1.5M, 128Ki), floored to pages; "
+                        "default: 12 log-spaced from 1%% to 100%% of the working set, none below the longest "
+                        "request under the slots convention")
+    replay.add_argument("--page-size", type=int,
+                        help="tokens per KV page (a power of two); default: a capture's own, else 1")
     replay.add_argument("--eviction", default="page", choices=["page", "leaf"],
                         help="page: only the pages needed, the curve's model; leaf: SGLang's whole leaves")
     replay.add_argument("--convention", default="slots", choices=["slots", "tree"],
                         help="slots: the pool holds CAPACITY slots shared with the request in flight "
                         "(bench_radix); tree: the tree holds CAPACITY tokens between requests (the curve's)")
     replay.add_argument("--policy", default="lru",
-                        help="eviction policy: lru, lfu, fifo, mru, filo, priority, slru (the one-pass curve is lru's)")
+                        help=f"eviction policy: {POLICY_HELP} (the one-pass curve is lru's)")
     replay.add_argument("--workers", type=int, help="worker processes (default: one per capacity, at most the CPUs)")
-    replay.add_argument("--run-id", type=int, help="the run of a capture to replay (default: the latest)")
+    replay.add_argument("--run", type=int, help="the run of a capture to replay (default: the latest)")
+    replay.add_argument("--run-id", type=int, dest="run", help=argparse.SUPPRESS)  # NOTE: the old name
     replay.add_argument("--curve-only", action="store_true", help="only the one-pass curve, no replays")
     replay.add_argument("--json", action="store_true", help="print the results as JSON")
     replay.set_defaults(func=replay_verb)
 
 
-def parse_capacities(text: str) -> list[int]:
-    values = []
-    for item in (s.strip() for s in text.split(",") if s.strip()):
-        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kKmMgG]?)", item)
-        if not match:
-            raise argparse.ArgumentTypeError(f"{item!r} is not a token count (write 200000, 200k or 1.5M)")
-        values.append(int(float(match[1]) * _SUFFIXES[match[2].lower()]))
-    if not values:
-        raise argparse.ArgumentTypeError("no capacities given")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvscope",
         description="Observability dashboard and memory debugger for SGLang-style KV-cache memory.",
         formatter_class=DEFAULTS,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     add_demo_parser(verbs)
     add_runs_parser(verbs)
@@ -251,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, CaptureError) as err:
         print(f"kvscope {args.verb}: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:  # Ctrl-C; SIGTERM and SIGHUP too, through kvscope.__main__
         print(f"kvscope {args.verb}: interrupted", file=sys.stderr)
-        return 130
+        return 128 + getattr(stop, "signum", signal.SIGINT)
     return code

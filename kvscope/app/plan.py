@@ -1,7 +1,7 @@
 """`kvscope plan` and `kvscope replay`: capacity on a GPU, and hit rate vs cache capacity.
 
 Handlers return the exit code and raise ValueError (one line) on bad input; cli.main prints
-`kvscope <verb>: error: ...` and exits 2. Torch loads only when `replay` runs replays.
+`kvscope <verb>: error: ...` and exits 2. Neither loads torch: replays run in worker processes.
 """
 
 from __future__ import annotations
@@ -12,36 +12,43 @@ import sys
 from typing import Any, TextIO
 
 from kvscope.app.progress import Progress, bar
+from kvscope.app.units import gib_text
 from kvscope.planning import (
+    CONVENTION_MEANINGS,
     EXACTNESS,
-    GIB,
     HitRateCurve,
     PlanInputs,
+    ReplayConfig,
     ReplayRequest,
+    ReplayResult,
+    ReplaySource,
+    ceil_pages,
     format_plan,
     format_replay,
     gpu_line,
-    load_requests,
+    load_source,
     one_pass_curve,
     plan_memory,
     probe_gpus,
+    replay_many,
     resolve_model,
 )
 
 PROGRESS_DELAY_S = 1.0  # replays shorter than this show no progress
+CURVE_CONVENTION = "tree"  # the one-pass curve's capacity convention (exact there)
 
 # -- plan ----------------------------------------------------------------------------------------
 
 
 def plan_verb(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    weights = None if args.weights_gib is None else _gib_bytes(args.weights_gib, "--weights-gib")
-    model = resolve_model(args.model, weights)
+    """--gpu-mem, --weights-gib and --vllm-activation-gib arrive in bytes (cli.py parses the units)."""
+    model = resolve_model(args.model, args.weights_gib)
     free, total, gpu_lines, gpus = _gpu_memory(args.gpu_mem, args.tp)
     inputs = PlanInputs(
         model, free, total, tp_size=args.tp, kv_dtype=args.kv_dtype, page_size=args.page_size,
         mem_fraction_static=args.mem_fraction_static, swa_full_tokens_ratio=args.swa_full_tokens_ratio,
         context_len=args.context_len, gpu_memory_utilization=args.gpu_memory_utilization,
-        block_size=args.block_size, vllm_activation_bytes=_gib_bytes(args.vllm_activation_gib, "--vllm-activation-gib"),
+        block_size=args.block_size, vllm_activation_bytes=args.vllm_activation_gib,
     )
     plan = plan_memory(inputs)
     if args.json:
@@ -51,22 +58,15 @@ def plan_verb(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return 0
 
 
-def _gib_bytes(value: float, flag: str) -> int:
-    if not value >= 0:
-        raise ValueError(f"{flag} must be >= 0 GiB, got {value}")
-    return int(value * GIB)
-
-
-def _gpu_memory(gpu_mem_gib: float | None, tp_size: int) -> tuple[int, int, list[str], list[dict[str, Any]]]:
+def _gpu_memory(gpu_mem_bytes: int | None, tp_size: int) -> tuple[int, int, list[str], list[dict[str, Any]]]:
     """(free, total) bytes per GPU, description lines, and the GPUs as dicts for --json."""
-    if gpu_mem_gib is not None:
-        if not gpu_mem_gib > 0:
-            raise ValueError(f"--gpu-mem must be > 0 GiB, got {gpu_mem_gib}")
-        size = int(gpu_mem_gib * GIB)
-        return size, size, [f"GPU memory {gpu_mem_gib:g} GiB (given)"], []
+    if gpu_mem_bytes is not None:
+        if gpu_mem_bytes <= 0:
+            raise ValueError(f"--gpu-mem must be > 0, got {gpu_mem_bytes} bytes")
+        return gpu_mem_bytes, gpu_mem_bytes, [f"GPU memory {gib_text(gpu_mem_bytes)} (given)"], []
     gpus = probe_gpus()
     if not gpus:
-        raise ValueError("no GPU visible to NVML; give the memory per GPU with --gpu-mem GIB")
+        raise ValueError("no GPU visible to NVML; give the memory per GPU with --gpu-mem SIZE (80GiB)")
     ranks = gpus[:tp_size]
     lines = [gpu_line(g) for g in gpus]
     lines.append(f"planning with the smallest free / total of GPUs {', '.join(str(g.gpu_index) for g in ranks)}"
@@ -79,30 +79,58 @@ def _gpu_memory(gpu_mem_gib: float | None, tp_size: int) -> tuple[int, int, list
 
 
 def replay_verb(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    if args.workers is not None and args.workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {args.workers}")
-    if args.page_size < 1 or args.page_size & (args.page_size - 1):
-        raise ValueError(f"--page-size must be a power of two >= 1, got {args.page_size}")
-    if args.curve_only and args.policy != "lru":
-        raise ValueError(f"the one-pass curve models lru eviction only, not {args.policy!r}")
-    requests = load_requests(args.source, args.run_id)
-    curve = one_pass_curve(requests, args.page_size)
-    capacities = sorted({int(c) // args.page_size * args.page_size for c in (args.capacities or curve.log_grid())})
+    _check_replay_args(args)
+    source = load_source(args.source, args.run)
+    page_size = args.page_size or source.page_size or 1
+    _check_page_size(page_size)
+    requests = source.requests
+    curve = one_pass_curve(requests, page_size)
+    longest = max(ceil_pages(r.seq_len, page_size) for r in requests)
+    capacities = _capacities(args, curve, longest, page_size)
     rows = [_curve_row(curve, c, args.policy) for c in capacities]
-    header = {
-        "source": f"{args.source}: {len(requests):,} requests, {curve.num_prompt_tokens:,} prompt tokens",
-        "replay": "none (--curve-only)" if args.curve_only else
-        f"page size {args.page_size}, {args.policy} eviction by {args.eviction}, {args.convention} convention",
-    }
     if not args.curve_only:
-        for row, result in zip(rows, _replays(requests, capacities, args, err), strict=True):
+        for row, result in zip(rows, _replays(requests, capacities, page_size, args, err), strict=True):
             row.update(_result_fields(result))
-        header.update(_replay_notes(requests, args))
+    header = _replay_header(args, source.label, curve, longest, page_size, _page_size_origin(args, source.page_size))
     if args.json:
-        out.write(json.dumps(_replay_json(args, header, rows, curve), indent=2) + "\n")
+        out.write(json.dumps(_replay_json(args, source, header, rows, curve, page_size), indent=2) + "\n")
     else:
         out.write(format_replay(header, rows, curve if args.policy == "lru" else None) + "\n")
     return 0
+
+
+def _check_replay_args(args: argparse.Namespace) -> None:
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    if args.page_size is not None:
+        _check_page_size(args.page_size)
+    if args.curve_only and args.policy != "lru":
+        raise ValueError(f"the one-pass curve models lru eviction only, not {args.policy!r}")
+
+
+def _check_page_size(page_size: int) -> None:
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"--page-size must be a power of two >= 1, got {page_size}")
+
+
+def _page_size_origin(args: argparse.Namespace, captured: int | None) -> str:
+    if args.page_size is not None:
+        return "given"
+    return "the capture's" if captured is not None else "default"
+
+
+def _capacities(args: argparse.Namespace, curve: HitRateCurve, longest: int, page_size: int) -> list[int]:
+    """Page-floored capacities. Under the slots convention none below the longest request (whole
+    pages): a pool that small cannot serve it; the default grid starts there, a given one is an error."""
+    given = args.capacities is not None
+    capacities = sorted({int(c) // page_size * page_size for c in (args.capacities if given else curve.log_grid())})
+    if args.convention != "slots" or args.curve_only:
+        return capacities
+    small = [c for c in capacities if c < longest]
+    if small and given:
+        raise ValueError(f"capacity {small[0]:,} is below the longest request ({longest:,} tokens in whole pages), "
+                         "which a pool of that many slots cannot serve; give capacities >= that, or --convention tree")
+    return [c for c in capacities if c >= longest] or [longest]
 
 
 def _curve_row(curve: HitRateCurve, capacity: int, policy: str) -> dict[str, Any]:
@@ -113,48 +141,75 @@ def _curve_row(curve: HitRateCurve, capacity: int, policy: str) -> dict[str, Any
     return row
 
 
-def _replays(requests: Any, capacities: list[int], args: argparse.Namespace, err: TextIO) -> list[Any]:
-    from kvscope.planning import ReplayConfig, replay_many  # loads the radix cache and torch
-
-    configs = [ReplayConfig(c, args.page_size, args.eviction, args.convention, args.policy) for c in capacities]
+def _replays(requests: list[ReplayRequest], capacities: list[int], page_size: int, args: argparse.Namespace,
+             err: TextIO) -> list[ReplayResult]:
+    configs = [ReplayConfig(c, page_size, args.eviction, args.convention, args.policy) for c in capacities]
     progress = Progress(err, delay_s=PROGRESS_DELAY_S)
 
     def on_done(num_done: int, num_total: int) -> None:
         if progress.due():
             progress.draw(f"{bar(num_done, num_total)} {num_done}/{num_total} capacities, {progress.elapsed_s:.0f} s ")
 
-    try:
-        return replay_many(requests, configs, args.workers, on_done=on_done)
+    try:  # NOTE: always in worker processes, so this one never loads torch
+        return replay_many(requests, configs, args.workers, on_done=on_done, always_spawn=True)
     finally:
         progress.close()
 
 
-def _replay_notes(requests: list[ReplayRequest], args: argparse.Namespace) -> dict[str, str]:
+def _replay_header(args: argparse.Namespace, label: str, curve: HitRateCurve, longest: int, page_size: int,
+                   page_size_origin: str) -> dict[str, str]:
+    """The lines above the table: the source, the replay settings and each column's convention."""
+    header = {
+        "source": f"{label}: {curve.num_requests:,} requests, {curve.num_prompt_tokens:,} prompt tokens, "
+                  f"longest {longest:,} tokens (whole pages)",
+        "replay": "none (--curve-only)" if args.curve_only else
+        f"page size {page_size} ({page_size_origin}), {args.policy} eviction by {args.eviction}",
+    }
+    conventions = [] if args.curve_only else [f"replays: {args.convention} convention, "
+                                               f"{CONVENTION_MEANINGS[args.convention]}"]
+    if args.policy == "lru":
+        conventions.append(f"one-pass: {CURVE_CONVENTION} convention, {CONVENTION_MEANINGS[CURVE_CONVENTION]}")
+    header["conventions"] = "; ".join(conventions)
+    if not args.curve_only:
+        header.update(_replay_notes(longest, args))
+    return header
+
+
+def _replay_notes(longest: int, args: argparse.Namespace) -> dict[str, str]:
     """How to read the replays beside the curve (lru only)."""
     if args.policy != "lru":
         return {"note": "the one-pass curve models lru only"}
     notes = {}
     if args.convention == "slots":
-        longest = max(-(-r.seq_len // args.page_size) * args.page_size for r in requests)
-        notes["bounds"] = (f"slots convention: each request's hits lie between the curve at C - {longest:,} and at "
-                           "C (the longest request, whole pages)")
+        notes["bounds"] = (f"a replay's hits lie between the curve at C - {longest:,} and at C (C: its capacity; "
+                           f"{longest:,}: the longest request, whole pages)")
     if args.eviction == "leaf":
         notes["note"] = "whole-leaf eviction may evict more than needed; the curve does not model it"
     return notes
 
 
-def _result_fields(result: Any) -> dict[str, Any]:
+def _result_fields(result: ReplayResult) -> dict[str, Any]:
     return {"hit_rate": result.hit_rate, "hit_tokens": result.num_hit_tokens,
             "evicted_tokens": result.num_evicted_tokens, "peak_usage_tokens": result.peak_usage_tokens,
             "num_skipped": result.num_skipped, "wall_s": result.wall_s}
 
 
-def _replay_json(args: argparse.Namespace, header: dict[str, str], rows: list[dict[str, Any]],
-                 curve: HitRateCurve) -> dict[str, Any]:
+def _replay_json(args: argparse.Namespace, source: ReplaySource, header: dict[str, str], rows: list[dict[str, Any]],
+                 curve: HitRateCurve, page_size: int) -> dict[str, Any]:
+    """The shape is documented in docs/cli.md (replay --json)."""
     return {
-        "source": args.source, "num_requests": curve.num_requests, "num_prompt_tokens": curve.num_prompt_tokens,
-        "page_size": args.page_size, "eviction": args.eviction, "convention": args.convention,
-        "policy": args.policy, "replayed": not args.curve_only, "notes": header,
+        "source": args.source, "run": source.run_id, "num_requests": curve.num_requests,
+        "num_prompt_tokens": curve.num_prompt_tokens,
+        "longest_request_tokens": max(ceil_pages(r.seq_len, page_size) for r in source.requests),
+        "page_size": page_size, "eviction": args.eviction, "convention": args.convention,
+        "policy": args.policy, "replayed": not args.curve_only,
+        "conventions": {
+            "replays": None if args.curve_only else
+            {"name": args.convention, "meaning": CONVENTION_MEANINGS[args.convention]},
+            "curve": {"name": CURVE_CONVENTION, "meaning": CONVENTION_MEANINGS[CURVE_CONVENTION],
+                      "exactness": EXACTNESS} if args.policy == "lru" else None,
+        },
+        "notes": header,
         "curve": {"exactness": EXACTNESS, "working_set_tokens": curve.working_set_tokens,
                   "max_hit_tokens": curve.max_hit_tokens, "max_hit_rate": curve.max_hit_rate,
                   "saturation_tokens": curve.saturation_tokens},

@@ -1,13 +1,62 @@
 """Engine configuration: pools, cache, scheduler. Frozen and validated at construction;
-an impossible config raises ValueError with one line saying what and why."""
+an impossible config raises ValueError with one line saying what and why.
+`EngineConfig.check_model` adds what needs the model and the machine (the device exists, the
+pools fit its memory); the engine and `kvscope run` call it before anything is allocated.
+
+NOTE: the bytes the pools take (build_memory in memory.py), F = full-pool tokens, S = SWA-pool
+tokens, P = page size, R = max running requests, L = max context length, B = K+V bytes of one
+token in one layer:
+    KV buffers       (F + P) x B x full layers + (S + P) x B x SWA layers    (padding page included)
+    req_to_token     (R + 1) x L x 4 (int32) + (R + 1) x 8 (row generations)
+    free lists       (F / P + S / P) x 8 (int64 page ids) + (F + P + 1) x 8 (hybrid: full->SWA map)
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple, Protocol
 
 CacheKind = Literal["radix", "chunk", "swa-radix", "none"]
 CACHE_KINDS: tuple[str, ...] = ("radix", "chunk", "swa-radix", "none")
+INDEX_BYTES = 8  # an int64 page id or slot index
+SLOT_BYTES = 4  # an int32 slot in req_to_token
+
+
+class KVLayout(Protocol):
+    """What the memory check needs of a model (ModelConfig has it)."""
+
+    @property
+    def full_layer_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def swa_layer_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def kv_bytes_per_layer_token(self) -> int: ...
+
+
+class PoolBytes(NamedTuple):
+    kv_bytes: int | None  # K/V buffers of every layer; None: not counted (no model given)
+    req_to_token_bytes: int
+    free_list_bytes: int  # the allocators' page lists and the SWA slot map
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.kv_bytes or 0) + self.req_to_token_bytes + self.free_list_bytes
+
+    def describe(self) -> str:
+        kv = "" if self.kv_bytes is None else f"KV buffers {format_bytes(self.kv_bytes)}, "
+        rows, lists = format_bytes(self.req_to_token_bytes), format_bytes(self.free_list_bytes)
+        return f"{kv}req_to_token {rows}, free lists {lists}"
+
+
+def format_bytes(num_bytes: float) -> str:
+    """1.50 GiB, 3.64 TiB, 512 B."""
+    if num_bytes < 1024:
+        return f"{num_bytes:.0f} B"
+    exponent = min(int(math.log(num_bytes, 1024)), 6)
+    return f"{num_bytes / 1024**exponent:,.2f} {'BKMGTPE'[exponent]}iB"
 
 
 @dataclass(frozen=True)
@@ -39,6 +88,18 @@ class PoolConfig:
     @property
     def swa_size_tokens(self) -> int:
         return int(self.full_size_tokens * self.swa_full_tokens_ratio) // self.page_size * self.page_size
+
+    def pool_bytes(self, is_hybrid: bool, kv: KVLayout | None = None) -> PoolBytes:
+        """The bytes the pools take (the module note); KV buffers count only when `kv` is given."""
+        ps, full = self.page_size, self.full_size_tokens
+        swa = self.swa_size_tokens if is_hybrid else 0
+        kv_bytes = None
+        if kv is not None:
+            full_layers, swa_layers = len(kv.full_layer_ids), len(kv.swa_layer_ids)
+            kv_bytes = ((full + ps) * full_layers + (swa + ps) * swa_layers) * kv.kv_bytes_per_layer_token
+        rows = self.max_running_requests + 1
+        free_lists = (full // ps + swa // ps) * INDEX_BYTES + ((full + ps + 1) * INDEX_BYTES if is_hybrid else 0)
+        return PoolBytes(kv_bytes, rows * self.max_context_len * SLOT_BYTES + rows * INDEX_BYTES, free_lists)
 
 
 @dataclass(frozen=True)
@@ -94,8 +155,30 @@ class EngineConfig:
     device: str = "auto"
     strict: bool = False
 
-    def check_model(self, sliding_window: int | None, is_hybrid: bool) -> None:
-        """Cross-checks between the engine and the model it runs."""
+    def check_model(self, sliding_window: int | None, is_hybrid: bool, kv: KVLayout | None = None) -> None:
+        """Cross-checks between the engine, the model it runs and the machine: the cache and the
+        window fit the model, the eviction policy exists, the device is there, and the pools
+        fit in the memory it has free (KV buffers counted when `kv`, the model, is given)."""
+        self._check_window(sliding_window, is_hybrid)
+        from kvscope.cache import get_policy  # NOTE: loads torch; the configs themselves do not
+
+        get_policy(self.cache.eviction_policy)  # CacheMisuseError (a ValueError) names the valid ones
+        self.check_memory(is_hybrid, kv)
+
+    def check_memory(self, is_hybrid: bool, kv: KVLayout | None = None) -> None:
+        """ValueError naming both numbers when the pools need more than the device has free."""
+        from kvscope.mem import available_memory_bytes, resolve_device
+
+        device = resolve_device(self.device)
+        available = available_memory_bytes(device)
+        need = self.pool.pool_bytes(is_hybrid, kv)
+        if available is not None and need.total_bytes > available:
+            raise ValueError(
+                f"the pools need {format_bytes(need.total_bytes)} ({need.describe()}) but {device} has "
+                f"{format_bytes(available)} available; lower --kv-tokens, --max-running-requests or --max-context-len"
+            )
+
+    def _check_window(self, sliding_window: int | None, is_hybrid: bool) -> None:
         if sliding_window is not None and sliding_window >= self.pool.max_context_len:
             raise ValueError(
                 f"sliding window {sliding_window} is not smaller than the context length {self.pool.max_context_len}"

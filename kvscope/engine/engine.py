@@ -59,7 +59,7 @@ class Engine:
         """`read_checker`: sees the KV pool once built, then every slot a request is about to read
         (the debugger's monitor catches a use-after-free at the read; it is usually the recorder
         too). `faults`: inject these faults (needs strict mode off)."""
-        config.check_model(model_config.sliding_window, model_config.is_hybrid)
+        config.check_model(model_config.sliding_window, model_config.is_hybrid, model_config)
         check_faults(config, model_config, faults or [])
         self.config = config
         self.model_config = model_config

@@ -6,7 +6,7 @@ helper and the errors. The contract is in base.py.
 """
 
 from kvscope.mem.base import AllocatorState, IntsLike, PoolUsage, TokenAllocator
-from kvscope.mem.device import cuda_available, resolve_device
+from kvscope.mem.device import available_memory_bytes, cuda_available, resolve_device
 from kvscope.mem.errors import IntegrityError, PoolMisuseError
 from kvscope.mem.kv_pool import KVPool, MHATokenToKVPool, SWAKVPool
 from kvscope.mem.paged_allocator import PagedTokenToKVPoolAllocator
@@ -32,6 +32,7 @@ __all__ = [
     "SWATokenToKVPoolAllocator",
     "TokenAllocator",
     "TokenToKVPoolAllocator",
+    "available_memory_bytes",
     "cuda_available",
     "free_swa_out_of_window",
     "free_swa_range",

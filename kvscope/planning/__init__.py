@@ -1,9 +1,10 @@
 """Capacity planning: KV byte math, model presets, the GPU probe, and hit rate vs capacity.
 
-The math (memory_math, model_shape, presets, plan, gpu) and the one-pass curve (curve,
-stack_distance, requests) import no torch, so the dashboard can use them. The brute-force
-replays (`replay`, `replay_many`, `ReplayConfig`, `ReplayResult`) need the radix cache and
-torch: they load on first use of those names.
+The math (memory_math, model_shape, presets, plan, gpu), the one-pass curve (curve,
+stack_distance, requests) and the replays' configs and worker pool (replays) import no torch,
+so the dashboard and `kvscope plan` / `kvscope replay` can use them. A brute-force replay
+itself (`replay`) needs the radix cache and torch: it loads on first use of that name, and
+`replay_many` loads it in its worker processes.
 
     requests = load_requests("trace.jsonl")               # a JSONL trace or a capture
     curve = one_pass_curve(requests, page_size=16)        # hit rate at every capacity, one pass
@@ -38,11 +39,19 @@ from kvscope.planning.plan import (
     PlanInputs,
     plan_memory,
 )
-from kvscope.planning.presets import PRESETS, resolve_model
+from kvscope.planning.presets import HF_IDS, PRESETS, resolve_model
+from kvscope.planning.replays import (
+    CONVENTION_MEANINGS,
+    CONVENTIONS,
+    ReplayConfig,
+    ReplayResult,
+    ceil_pages,
+    replay_many,
+)
 from kvscope.planning.report import format_plan, format_replay, gpu_line
-from kvscope.planning.requests import ReplayRequest, load_requests, replay_requests
+from kvscope.planning.requests import ReplayRequest, ReplaySource, load_requests, load_source, replay_requests
 
-_REPLAY_NAMES = ("ReplayConfig", "ReplayResult", "replay", "replay_many")
+_REPLAY_NAMES = ("replay",)
 
 
 def __getattr__(name: str) -> Any:
@@ -54,10 +63,13 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CONVENTIONS",
+    "CONVENTION_MEANINGS",
     "DEFAULT_GPU_MEMORY_UTILIZATION",
     "DEFAULT_MEM_FRACTION_STATIC",
     "EXACTNESS",
     "GIB",
+    "HF_IDS",
     "KV_DTYPES",
     "PRESETS",
     "GpuInfo",
@@ -68,16 +80,19 @@ __all__ = [
     "ReplayConfig",
     "ReplayRequest",
     "ReplayResult",
+    "ReplaySource",
     "SGLangSizing",
     "TokenBytes",
     "VLLMSizing",
     "bytes_per_token",
+    "ceil_pages",
     "format_plan",
     "format_replay",
     "gpu_line",
     "kv_heads_per_rank",
     "load_hf_config",
     "load_requests",
+    "load_source",
     "one_pass_curve",
     "plan_memory",
     "probe_gpus",

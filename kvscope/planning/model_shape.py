@@ -40,6 +40,9 @@ class ModelShape:
         bad = {k: v for k, v in counts.items() if not isinstance(v, int) or v < 1}
         if bad:
             raise ValueError(f"model {self.name}: sizes must be ints >= 1, got {bad}")
+        if self.kv_lora_rank is None and self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(f"model {self.name}: {self.num_attention_heads} attention heads are not a multiple of "
+                             f"the {self.num_kv_heads} KV heads")
         if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
             raise ValueError(f"model {self.name}: MLA needs both kv_lora_rank and qk_rope_head_dim")
         if not 0 <= self.num_swa_layers <= self.num_layers:
@@ -97,38 +100,60 @@ def shape_from_hf_config(config: dict[str, Any], name: str, weights_bytes: int |
     hidden_size / num_attention_heads), kv_lora_rank + qk_rope_head_dim (MLA), v_head_dim,
     sliding_window with layer_types or sliding_window_pattern (hybrid SWA; a window on every
     layer, as Mistral's, is counted as full attention, as SGLang sizes it), torch_dtype. A
-    multimodal config's text_config is used when the top level has no layers."""
+    multimodal config's text_config is used when the top level has no layers. Every size read
+    must be an integer >= 1: a missing, zero, negative or fractional one is a ValueError naming
+    the file and the field."""
     text = config.get("text_config") if "num_hidden_layers" not in config else None
     cfg = {**config, **text} if isinstance(text, dict) else config
-    try:
-        num_layers = int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    except KeyError as exc:
-        raise ValueError(f"{name}: config has no {exc.args[0]!r}") from None
-    kv_lora_rank = cfg.get("kv_lora_rank")
-    window, num_swa = _sliding_layers(cfg, num_layers)
+    num_layers = _size(cfg, "num_hidden_layers", name)
+    heads = _size(cfg, "num_attention_heads", name)
+    head_dim = _size(cfg, "head_dim", name, None) or _head_dim_of_hidden(cfg, heads, name)
+    mla = cfg.get("kv_lora_rank") is not None
+    window, num_swa = _sliding_layers(cfg, num_layers, name)
     return ModelShape(
         name=str(cfg.get("_name_or_path") or name), num_layers=num_layers, num_attention_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
-        v_head_dim=None if kv_lora_rank else cfg.get("v_head_dim"),
-        kv_lora_rank=int(kv_lora_rank) if kv_lora_rank else None,
-        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]) if kv_lora_rank else None,
+        num_kv_heads=_size(cfg, "num_key_value_heads", name, heads), head_dim=head_dim,
+        v_head_dim=None if mla else _size(cfg, "v_head_dim", name, None),
+        kv_lora_rank=_size(cfg, "kv_lora_rank", name) if mla else None,
+        qk_rope_head_dim=_size(cfg, "qk_rope_head_dim", name) if mla else None,
         sliding_window=window, num_swa_layers=num_swa, weights_bytes=weights_bytes,
         dtype=HF_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), "bf16"), source=name,
     )
 
 
-def _sliding_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, int]:
+_REQUIRED = object()
+
+
+def _size(cfg: dict[str, Any], key: str, name: str, default: Any = _REQUIRED) -> Any:
+    """cfg[key] as an int >= 1; `default` when absent or null (required when none is given)."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{name}: config has no {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < 1:
+        raise ValueError(f"{name}: config field {key!r} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _head_dim_of_hidden(cfg: dict[str, Any], heads: int, name: str) -> int:
+    hidden = _size(cfg, "hidden_size", name)
+    if hidden % heads:
+        raise ValueError(f"{name}: hidden_size {hidden} is not a multiple of the {heads} attention heads; "
+                         "give head_dim")
+    return int(hidden // heads)
+
+
+def _sliding_layers(cfg: dict[str, Any], num_layers: int, name: str) -> tuple[int | None, int]:
     """(window, number of SWA layers) of a hybrid model; (None, 0) when every layer is full."""
-    window = cfg.get("sliding_window")
-    if not window or cfg.get("use_sliding_window") is False:
+    if not cfg.get("sliding_window") or cfg.get("use_sliding_window") is False:
         return None, 0
+    window = _size(cfg, "sliding_window", name)
     layer_types = cfg.get("layer_types")
     if isinstance(layer_types, list) and layer_types:
         num_swa = sum(1 for t in layer_types if "sliding" in str(t))
     elif cfg.get("sliding_window_pattern"):
-        num_swa = num_layers - num_layers // int(cfg["sliding_window_pattern"])  # every Nth layer is full
+        num_swa = num_layers - num_layers // _size(cfg, "sliding_window_pattern", name)  # every Nth layer is full
     else:
         return None, 0
-    return (int(window), num_swa) if 0 < num_swa < num_layers else (None, 0)
+    return (window, num_swa) if 0 < num_swa < num_layers else (None, 0)

@@ -13,6 +13,7 @@ NOTE: requests of `context_len` tokens that fit at once
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,8 @@ class PlanInputs:
              f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"),
             (0 < self.gpu_memory_utilization <= 1,
              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
-            (self.swa_full_tokens_ratio > 0, f"swa_full_tokens_ratio must be > 0, got {self.swa_full_tokens_ratio}"),
+            (0 < self.swa_full_tokens_ratio < math.inf,
+             f"swa_full_tokens_ratio must be a finite number > 0, got {self.swa_full_tokens_ratio}"),
             (self.context_len >= 1, f"context length must be >= 1, got {self.context_len}"),
             (self.vllm_activation_bytes >= 0, "vLLM activation memory must be >= 0"),
         ]

@@ -9,6 +9,8 @@ and the engine's own buffers are not counted). Pass the measured size where it m
     gemma-3-12b    12.19 B params (with the vision tower), bf16; 5 local : 1 global layers
     gpt-oss-20b    ~13.8 GB checkpoint (MoE experts in MXFP4, the rest bf16); alternating layers
     deepseek-v3    671 B params, fp8 (MTP layer not loaded)
+Each preset also answers to the Hugging Face ids of the checkpoints with its shape and size
+(base and instruct alike; Llama 3.1 and 3.3 70B share Llama 3's), case-insensitive.
 """
 
 from __future__ import annotations
@@ -42,13 +44,32 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
+HF_IDS: dict[str, tuple[str, ...]] = {
+    "llama-3.1-8b": ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Meta-Llama-3.1-8B",
+                     "meta-llama/Meta-Llama-3.1-8B-Instruct"),
+    "llama-3-70b": ("meta-llama/Meta-Llama-3-70B", "meta-llama/Meta-Llama-3-70B-Instruct", "meta-llama/Llama-3.1-70B",
+                    "meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.3-70B-Instruct"),
+    "qwen2.5-7b": ("Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct"),
+    "gemma-3-12b": ("google/gemma-3-12b-it", "google/gemma-3-12b-pt"),
+    "gpt-oss-20b": ("openai/gpt-oss-20b",),
+    "deepseek-v3": ("deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-V3-Base", "deepseek-ai/DeepSeek-V3-0324"),
+}
+_BY_NAME: dict[str, str] = {
+    **{name.lower(): name for name in PRESETS},
+    **{hf_id.lower(): name for name, ids in HF_IDS.items() for hf_id in ids},
+}
+
+
 def resolve_model(name_or_path: str, weights_bytes: int | None = None) -> ModelShape:
-    """A preset by name (case-insensitive), or a config.json file. `weights_bytes` overrides."""
-    preset = PRESETS.get(name_or_path.lower())
-    if preset is not None:
-        if weights_bytes is None:
-            return preset
-        return replace(preset, weights_bytes=weights_bytes)
+    """A preset by name or Hugging Face id (case-insensitive), or a config.json file (or a
+    folder holding one). `weights_bytes` overrides the preset's."""
+    name = _BY_NAME.get(name_or_path.strip().lower())
+    if name is not None:
+        preset = PRESETS[name]
+        return preset if weights_bytes is None else replace(preset, weights_bytes=weights_bytes)
+    if os.path.isdir(name_or_path) and os.path.isfile(os.path.join(name_or_path, "config.json")):
+        return load_hf_config(os.path.join(name_or_path, "config.json"), weights_bytes)
     if name_or_path.endswith(".json") or os.path.isfile(name_or_path):
         return load_hf_config(name_or_path, weights_bytes)
-    raise ValueError(f"unknown model {name_or_path!r}: a preset ({', '.join(PRESETS)}) or a config.json file")
+    raise ValueError(f"unknown model {name_or_path!r}: a preset ({', '.join(PRESETS)}), a preset's Hugging Face id "
+                     "(e.g. meta-llama/Llama-3.1-8B-Instruct), or a config.json file (nothing is downloaded)")

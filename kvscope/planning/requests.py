@@ -6,7 +6,8 @@ is `output_len` copies of the placeholder id -(i+1), i = the request's index: it
 cache like a real output but never matches another request's tokens.
 
 A capture's `requests` table holds only lengths, so a capture is replayed by rebuilding its
-request stream from the run's config fingerprint (`runs.config`, key "workload"): the trace
+request stream from the run's config fingerprint (`runs.config`, key "workload"; its page size
+from key "engine"): the trace
 file it named (read again, relative to the current directory) or the generated workload
 (`generate(name, num_requests, seed, vocab_size=model.vocab_size, **options)`), which is
 deterministic for the same arguments. The engine itself inserts prompt + output[:-1] and
@@ -29,6 +30,15 @@ from kvscope.workloads import TraceRequest, generate, read_trace
 TOKEN_DTYPE = np.int32
 ANY_VOCAB_SIZE = 2**31  # replays accept any int32 token id
 SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+class ReplaySource(NamedTuple):
+    """A replay's request stream and where it came from."""
+
+    requests: list[ReplayRequest]
+    label: str  # the trace file, or "<capture> run <id>"
+    run_id: int | None  # the captured run; None for a trace
+    page_size: int | None  # the captured run's page size; None for a trace
 
 
 class ReplayRequest(NamedTuple):
@@ -70,25 +80,37 @@ def is_capture(source: str | os.PathLike[str]) -> bool:
         return False
 
 
-def load_trace_requests(source: str | os.PathLike[str], run_id: int | None = None) -> list[TraceRequest]:
-    """Requests of a JSONL trace, or of a capture's run (the latest when run_id is None).
-    Raises ValueError (TraceError is one) with one line on bad input."""
+def load_source(source: str | os.PathLike[str], run_id: int | None = None) -> ReplaySource:
+    """The requests of a JSONL trace, or of a capture's run (the latest when run_id is None),
+    with the run's page size. Raises ValueError (TraceError is one) with one line on bad input."""
+    name = os.fspath(source)
     if is_capture(source):
-        return capture_trace_requests(source, run_id)
-    if run_id is not None:
-        raise ValueError(f"{os.fspath(source)}: --run-id applies to captures, and this is not one")
-    return read_trace(source, vocab_size=ANY_VOCAB_SIZE)
+        chosen, config = capture_run_config(source, run_id)
+        label = f"{name} run {chosen}"
+        trace, page_size = workload_of_config(config, label), capture_page_size(config)
+    elif run_id is not None:
+        raise ValueError(f"{name}: --run applies to captures, and this is not one")
+    else:
+        chosen, label, trace, page_size = None, name, read_trace(source, vocab_size=ANY_VOCAB_SIZE), None
+    requests = replay_requests(trace)
+    if not requests:
+        raise ValueError(f"{label}: no requests")
+    return ReplaySource(requests, label, chosen, page_size)
 
 
 def load_requests(source: str | os.PathLike[str], run_id: int | None = None) -> list[ReplayRequest]:
-    requests = replay_requests(load_trace_requests(source, run_id))
-    if not requests:
-        raise ValueError(f"{os.fspath(source)}: no requests")
-    return requests
+    return load_source(source, run_id).requests
 
 
-def capture_trace_requests(target: str | os.PathLike[str], run_id: int | None = None) -> list[TraceRequest]:
-    """Rebuild a captured run's request stream from its config fingerprint (see the module doc)."""
+def capture_page_size(config: dict[str, Any]) -> int | None:
+    """The page size a captured run's engine used, when its config records one."""
+    pool = ((config.get("engine") or {}).get("pool") or {}) if isinstance(config, dict) else {}
+    page_size = pool.get("page_size") if isinstance(pool, dict) else None
+    return page_size if type(page_size) is int and page_size >= 1 else None
+
+
+def capture_run_config(target: str | os.PathLike[str], run_id: int | None = None) -> tuple[int, dict[str, Any]]:
+    """(run id, config fingerprint) of a captured run, the latest when run_id is None."""
     from kvscope.telemetry import Capture
 
     capture = Capture(os.fspath(target))
@@ -102,7 +124,11 @@ def capture_trace_requests(target: str | os.PathLike[str], run_id: int | None = 
     if chosen.empty:
         raise ValueError(f"{os.fspath(target)}: no run {run_id} (runs: {', '.join(map(str, runs['id']))})")
     row = chosen.iloc[0]
-    return workload_of_config(json.loads(row["config"]), f"{os.fspath(target)} run {int(row['id'])}")
+    try:
+        config = json.loads(row["config"] or "{}")
+    except json.JSONDecodeError:
+        raise ValueError(f"{os.fspath(target)} run {int(row['id'])}: its config is not valid JSON") from None
+    return int(row["id"]), config if isinstance(config, dict) else {}
 
 
 def workload_of_config(config: dict[str, Any], where: str) -> list[TraceRequest]:

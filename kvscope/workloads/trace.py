@@ -2,8 +2,8 @@
 
 A bad file gets one TraceError whose message is a single line naming the file, the 1-based
 line number and the field, e.g. `traces/a.jsonl:7: field 'prompt': token id 600 at index 3
-is out of range [0, 512)`. `write_trace` writes the list-of-ids form, which `read_trace`
-reads back equal.
+is out of range [0, 512)`; a file with no request is one too. `write_trace` writes the
+list-of-ids form, which `read_trace` reads back equal.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import IO, Any
 
 from kvscope.workloads.request import TraceRequest
 from kvscope.workloads.tokenizer import ByteTokenizer
-from kvscope.workloads.trace_fields import FieldError, json_type, parse_record
+from kvscope.workloads.trace_fields import MAX_SEQ_LEN, FieldError, json_type, parse_record
 
 PathLike = str | os.PathLike[str]
 
@@ -39,26 +39,34 @@ class TraceError(ValueError):
         return (type(self), (self.path, self.problem, self.line, self.field))
 
 
-def read_trace(path: PathLike, vocab_size: int, tokenizer: ByteTokenizer | None = None) -> list[TraceRequest]:
-    """All requests of a JSONL trace, in file order. Token ids must lie in [0, vocab_size);
-    text prompts are encoded by `tokenizer` (a ByteTokenizer by default)."""
+def read_trace(path: PathLike, vocab_size: int, tokenizer: ByteTokenizer | None = None,
+               max_seq_len: int = MAX_SEQ_LEN) -> list[TraceRequest]:
+    """All requests of a JSONL trace (at least one), in file order. Token ids must lie in
+    [0, vocab_size); prompt + output fit `max_seq_len` tokens (a run's context length; by
+    default a bound beyond any model's); text prompts are encoded by `tokenizer` (a
+    ByteTokenizer by default)."""
     if type(vocab_size) is not int or vocab_size < 1:
         raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+    if type(max_seq_len) is not int or max_seq_len < 2:
+        raise ValueError(f"max_seq_len must be an int >= 2, got {max_seq_len!r}")
     name = os.fspath(path)
     tokenizer = tokenizer or ByteTokenizer()
     requests: list[TraceRequest] = []
     first_line_of: dict[str, int] = {}
+    line_no = 0
     with _open(name) as lines:
         for line_no, raw in enumerate(lines, start=1):
             record = _decode_line(name, line_no, raw)
             if record is None:
                 continue
-            request = _parse_line(name, line_no, record, vocab_size, tokenizer)
+            request = _parse_line(name, line_no, record, vocab_size, tokenizer, max_seq_len)
             if request.rid in first_line_of:
                 problem = f"duplicate id {request.rid!r} (first on line {first_line_of[request.rid]})"
                 raise TraceError(name, problem, line_no, "id")
             first_line_of[request.rid] = line_no
             requests.append(request)
+    if not requests:
+        raise TraceError(name, f"no requests (the file {'has only blank lines' if line_no else 'is empty'})")
     return requests
 
 
@@ -107,10 +115,10 @@ def _decode_line(name: str, line_no: int, raw: bytes) -> dict[str, Any] | None:
 
 
 def _parse_line(
-    name: str, line_no: int, record: dict[str, Any], vocab_size: int, tokenizer: ByteTokenizer
+    name: str, line_no: int, record: dict[str, Any], vocab_size: int, tokenizer: ByteTokenizer, max_seq_len: int
 ) -> TraceRequest:
     try:
-        return parse_record(record, vocab_size, tokenizer)
+        return parse_record(record, vocab_size, tokenizer, max_seq_len)
     except FieldError as exc:
         raise TraceError(name, exc.problem, line_no, exc.field) from None
     except ValueError as exc:  # NOTE: parse_record checks every field first; this is a backstop

@@ -7,7 +7,9 @@ NOTE: the record
     output      one of    non-empty list of int token ids in [0, vocab_size) (forced outputs)
     output_len  one of    int >= 1
     arrival_s   optional  finite number >= 0 (order across lines is not checked)
-A null value counts as an absent field. Unknown fields are ignored.
+A null value counts as an absent field. Unknown fields are ignored. Prompt + output must fit
+`max_seq_len` tokens: the run's context length when the reader is given one, else MAX_SEQ_LEN,
+beyond any model's context; the longer part is the field named.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 from kvscope.workloads.request import TOKEN_DTYPE, TraceRequest
 from kvscope.workloads.tokenizer import ByteTokenizer
 
+MAX_SEQ_LEN = 2**24  # tokens (16,777,216): beyond any model's context (the longest are 10M)
 _JSON_TYPES: dict[type, str] = {
     bool: "boolean",
     int: "integer",
@@ -44,12 +47,24 @@ def json_type(value: object) -> str:
     return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
-def parse_record(record: dict[str, Any], vocab_size: int, tokenizer: ByteTokenizer) -> TraceRequest:
+def parse_record(record: dict[str, Any], vocab_size: int, tokenizer: ByteTokenizer,
+                 max_seq_len: int = MAX_SEQ_LEN) -> TraceRequest:
     """Fields are checked in the order of the note above; the first bad one is reported."""
     rid, user = parse_id(record), parse_user(record)
     prompt_ids = parse_prompt(record, vocab_size, tokenizer)
     output_len, output_ids = parse_output(record, vocab_size)
+    check_seq_len(len(prompt_ids), output_len, "output_len" if output_ids is None else "output", max_seq_len)
     return TraceRequest(rid, user, prompt_ids, output_len, output_ids, parse_arrival(record))
+
+
+def check_seq_len(prompt_len: int, output_len: int, output_field: str, max_seq_len: int) -> None:
+    """Prompt + output within `max_seq_len`; else the field of the longer part is named."""
+    total = prompt_len + output_len
+    if total <= max_seq_len:
+        return
+    limit = "beyond any model's context (limit " if max_seq_len == MAX_SEQ_LEN else "more than the context length ("
+    what = f"prompt {prompt_len:,} + output {output_len:,} = {total:,} tokens, {limit}{max_seq_len:,})"
+    raise FieldError(output_field if output_len >= prompt_len else "prompt", what)
 
 
 def parse_id(record: dict[str, Any]) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvscope.app import build_parser, main
-from kvscope.app.cli import parse_capacities
+from kvscope.app.units import token_counts
 from kvscope.planning import GIB, PRESETS, PlanInputs, plan_memory, probe_gpus
 from kvscope.workloads import generate, write_trace
 
@@ -58,8 +58,7 @@ def test_plan_reads_a_config_json_with_given_weights(tmp_path: Path) -> None:
     ("argv", "message"),
     [(["--model", "llama-3.1-8b", "--tp", "3", "--gpu-mem", "80"], "TP 3 does not divide"),
      (["--model", "llama-3-70b", "--gpu-mem", "80"], "do not fit"),
-     (["--model", "llama-3.1-8b", "--gpu-mem", "0"], "--gpu-mem must be > 0"),
-     (["--model", "llama-3.1-8b", "--gpu-mem", "80", "--weights-gib", "-1"], "--weights-gib must be >= 0")],
+     (["--model", "llama-3.1-8b", "--gpu-mem", "0"], "--gpu-mem must be > 0")],
 )
 def test_plan_errors_are_value_errors(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -102,10 +101,10 @@ def test_replay_json_rows_and_curve_only(tmp_path: Path) -> None:
 
 
 def test_replay_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert parse_capacities("10k, 1.5M,200") == [10_000, 1_500_000, 200]
+    assert token_counts("10k, 1.5M,200") == [10_000, 1_500_000, 200]
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["replay", "t.jsonl", "--capacities", "10x"])
-    assert exit_info.value.code == 2 and "'10x' is not a token count" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "'10x' is not a whole token count" in capsys.readouterr().err
     for argv, message in ((["--page-size", "3"], "power of two"), (["--workers", "0"], "--workers must be >= 1")):
         with pytest.raises(ValueError, match=message):
             call("replay", str(trace_file(tmp_path)), *argv)

@@ -72,12 +72,17 @@ def test_parallel_workers_agree_with_serial_replays() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [({"capacity": 100, "page_size": 16}, "multiple of the page size"), ({"capacity": 0}, "holds no page"),
-     ({"capacity": 64, "page_size": 3}, "power of two"), ({"capacity": 64, "eviction_policy": "nope"}, "nope"),
-     ({"capacity": 64, "convention": "pool"}, "convention")],
+     ({"capacity": 64, "page_size": 3}, "power of two"), ({"capacity": 64, "convention": "pool"}, "convention")],
 )
 def test_bad_replay_configs_are_rejected(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ReplayConfig(**kwargs)
+
+
+def test_an_unknown_eviction_policy_is_rejected_where_the_cache_is_built() -> None:
+    """The policy registry lives with the cache (torch), so the torch-free config cannot check it."""
+    with pytest.raises(ValueError, match="unknown eviction policy 'nope'"):
+        replay([request("a", [1, 2], [3])], ReplayConfig(64, eviction_policy="nope"))
 
 
 def test_sampled_outputs_get_placeholders_that_never_match() -> None:
@@ -97,7 +102,7 @@ def test_a_trace_file_and_bad_sources(tmp_path: Path) -> None:
         load_requests(tmp_path / "empty.jsonl")
     with pytest.raises(TraceError, match="no such file"):
         load_requests(tmp_path / "missing.jsonl")
-    with pytest.raises(ValueError, match="--run-id applies to captures"):
+    with pytest.raises(ValueError, match="--run applies to captures"):
         load_requests(tmp_path / "t.jsonl", run_id=1)
 
 

@@ -77,6 +77,11 @@ class ModelConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    @property
+    def kv_bytes_per_layer_token(self) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
+
     def layer_window(self, layer_id: int) -> int | None:
         """The sliding window of a layer in tokens, None for full attention."""
         return self.sliding_window if layer_id in self.swa_layer_ids else None
