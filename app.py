@@ -10,6 +10,7 @@ from __future__ import annotations
 import streamlit as st
 
 from kvscope.dashboard import PAGE_FILES, PAGES_DIR, render_frame
+from kvscope.telemetry import CaptureError
 
 st.set_page_config(page_title="kvscope", layout="wide")
 chosen = render_frame()
@@ -17,4 +18,7 @@ pages = [st.Page(PAGES_DIR / file, title=title, default=i == 0) for i, (title, f
 page = st.navigation(pages)
 if chosen is None:
     st.stop()
-page.run()
+try:
+    page.run()
+except CaptureError as err:  # a damaged page met by a read (large captures skip the check at open)
+    st.error(str(err))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -167,3 +169,30 @@ def test_capacity_page_plans_a_gpu_and_marks_the_capacity_a_target_needs(monkeyp
     assert any(m.label == "capacity for 30%" for m in at.metric)
     at.number_input(key="capacity.gpu").set_value(8.0).run()
     assert at.error and "do not fit" in at.error[0].value
+
+
+def test_a_damaged_page_met_by_a_page_read_is_one_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A damaged page in a capture too big for the check at open: each page shows one message."""
+    from kvscope.telemetry import store
+
+    path = tmp_path / "damaged.db"
+    shutil.copy(ROOT / "sample_runs" / "leaky.db", path)
+    with sqlite3.connect(path) as conn:
+        page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
+        leaves = [p for (p,) in conn.execute("SELECT pageno FROM dbstat WHERE name = 'events' AND pagetype = 'leaf'")]
+    conn.close()
+    with path.open("r+b") as fh:
+        for page in leaves:  # the events table only: the runs, usage and checks stay readable
+            fh.seek(page_size * (page - 1))
+            fh.write(random.Random(page).randbytes(page_size))
+    monkeypatch.setattr(store, "QUICK_CHECK_MAX_BYTES", 0)
+    damaged_pages = 0
+    for page in PAGES:
+        at = open_app(path, monkeypatch)
+        if page != "overview":
+            at.switch_page(page_path(page)).run()
+        assert not at.exception, (page, [e.value for e in at.exception])
+        errors = [e.value for e in at.error if "damaged capture" in e.value]
+        assert all("\n" not in e for e in errors), errors
+        damaged_pages += bool(errors)
+    assert 0 < damaged_pages < len(PAGES)  # the pages that read events say so; Overview still renders
