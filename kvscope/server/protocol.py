@@ -1,0 +1,89 @@
+"""The messages between the HTTP front and the scheduler process (msgspec structs over ZMQ).
+
+    front --PUSH--> scheduler   GenerateReq, AbortReq, ShutdownReq
+    front <--PUSH-- scheduler   TokenOut (per request, per step it produced tokens), StatsOut
+
+NOTE: the front tokenizes and detokenizes; the scheduler sees token ids only. A request's
+principal is resolved by the front (API key and `user`) and travels as `principal`
+("tenant/user", or the plain `user` without keys); the scheduler gives it to Req.user, which
+reaches match_prefix, node owners, every event and the requests table.
+Every message is one ZMQ frame: `encode(msg)`; `decode_to_scheduler` / `decode_to_front`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class GenerateReq(msgspec.Struct, tag="generate"):
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    principal: str | None = None
+    arrival_wall_s: float = 0.0  # the front's time.time() when the HTTP request arrived
+
+
+class AbortReq(msgspec.Struct, tag="abort"):
+    rid: str
+
+
+class ShutdownReq(msgspec.Struct, tag="shutdown"):
+    """Stop taking requests; finish (abort_in_flight=False) or abort those in flight; close."""
+
+    abort_in_flight: bool = False
+
+
+class TokenOut(msgspec.Struct, tag="tokens"):
+    rid: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # the prefix the radix cache matched at first admission
+    completion_tokens: int = 0
+    error: str | None = None  # a request the scheduler refused (finish_reason "error")
+    queue_s: float | None = None  # arrival to first admission, set once admitted
+
+
+class PoolStats(msgspec.Struct):
+    total: int
+    used: int
+    available: int
+    evictable: int
+    protected: int
+
+
+class StatsOut(msgspec.Struct, tag="stats"):
+    """The scheduler's counters, sent at most every stats interval and at each idle point."""
+
+    step: int
+    pools: dict[str, PoolStats]  # "full", and "swa" for a hybrid model
+    num_running: int
+    num_waiting: int
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    evicted_tokens: int
+    num_retractions: int
+    leak_checks_passed: int
+    leak_checks_failed: int
+
+
+ToScheduler = GenerateReq | AbortReq | ShutdownReq
+ToFront = TokenOut | StatsOut
+
+_encoder = msgspec.msgpack.Encoder()
+_to_scheduler = msgspec.msgpack.Decoder(ToScheduler)
+_to_front = msgspec.msgpack.Decoder(ToFront)
+
+
+def encode(msg: ToScheduler | ToFront) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_scheduler(frame: bytes) -> ToScheduler:
+    return _to_scheduler.decode(frame)
+
+
+def decode_to_front(frame: bytes) -> ToFront:
+    return _to_front.decode(frame)
