@@ -2,6 +2,8 @@
 
 Requests arrive all at once, or paced in real time (`pace_per_s`) so a dashboard can watch
 the memory fill and drain. Whenever the engine is fully idle it runs the leak check.
+`step_once` is the one scheduler code path: `run` loops over it with its arrivals and pacing,
+the `kvscope serve` scheduler process (kvscope.server.scheduler) with requests from ZMQ.
 
 It writes to the recorder it is given and never reads a capture back; a read checker, when
 given, sees every slot a forward is about to read (both come from the caller, by interface).
@@ -9,6 +11,7 @@ given, sees every slot a forward is about to read (both come from the caller, by
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -19,12 +22,13 @@ from kvscope.engine.faults import FaultInjector, FaultSpec, check_applicable
 from kvscope.engine.memory import MemorySystem, build_memory
 from kvscope.engine.model import ModelConfig, TinyTransformer, kv_pool_shape
 from kvscope.engine.read_check import ReadChecker
-from kvscope.engine.request import Req
+from kvscope.engine.request import Req, ReqState
 from kvscope.engine.scheduler import LogitsHook, Scheduler
 from kvscope.engine.stats import EngineStats
 from kvscope.mem import resolve_device
 from kvscope.telemetry import NULL_RECORDER, Recorder
 
+ENDED = (ReqState.FINISHED, ReqState.ABORTED)
 ProgressHook = Callable[[EngineStats, int], None]  # (stats, requests submitted so far)
 
 
@@ -74,6 +78,7 @@ class Engine:
         self.faults = FaultInjector(faults, fault_seed, recorder) if faults else None
         self.scheduler = Scheduler(config, self.model, self.memory, recorder, on_logits, read_checker=read_checker,
                                    faults=self.faults)
+        self._last_check_step = -1  # the step of the last idle check
 
     @property
     def stats(self) -> EngineStats:
@@ -86,6 +91,31 @@ class Engine:
         self.validate(req)
         self.scheduler.add_request(req)
 
+    def step_once(self) -> list[Req]:
+        """One scheduler step, or the idle leak check when nothing is in flight (once per idle
+        point, however long it lasts); returns the requests whose output grew or that ended in it.
+
+        `run` and the serve scheduler process both drive the engine through this one call."""
+        scheduler = self.scheduler
+        if scheduler.is_idle():
+            self.idle_check()
+            return []
+        # NOTE: only these can change: a step admits from the head of the queue, at most a batch
+        queue_head = itertools.islice(scheduler.waiting, self.config.pool.max_running_requests)
+        chunked = [scheduler.chunked_req] if scheduler.chunked_req is not None else []
+        before = [(r, len(r.output_ids)) for r in (*scheduler.running, *chunked, *queue_head)]
+        scheduler.run_step()
+        return [r for r, num_outputs in before if len(r.output_ids) != num_outputs or r.state in ENDED]
+
+    def idle_check(self) -> bool:
+        """The idle leak check, once per idle point; True when it ran now."""
+        scheduler = self.scheduler
+        if self._last_check_step == scheduler.step:
+            return False
+        self._last_check_step = scheduler.step
+        scheduler.on_idle()
+        return True
+
     def run(self, requests: Sequence[Req], pace_per_s: float | None = None,
             progress: ProgressHook | None = None, max_steps: int | None = None) -> EngineStats:
         """Run until every request has finished (or aborted); the leak check runs at idle points."""
@@ -94,7 +124,6 @@ class Engine:
         start = time.monotonic()
         arrivals = [start + i / pace_per_s if pace_per_s else start for i in range(len(requests))]
         submitted = 0
-        last_check_step = -1
         scheduler = self.scheduler
         while True:
             now = time.monotonic()
@@ -102,22 +131,24 @@ class Engine:
                 scheduler.add_request(requests[submitted])
                 submitted += 1
             if scheduler.is_idle():
-                if last_check_step != scheduler.step:  # once per idle point, however long it lasts
-                    scheduler.on_idle()
-                    last_check_step = scheduler.step
+                self.step_once()  # the idle check
                 if submitted == len(requests):
                     break
                 time.sleep(max(0.0, arrivals[submitted] - time.monotonic()))
                 continue
-            scheduler.run_step()
+            self.step_once()
             if progress is not None:
                 progress(self.stats, submitted)
             if max_steps is not None and scheduler.step >= max_steps:
                 break
-        if self.recorder.summary_enabled:
-            scheduler.snapshot()
-        self.stats.close_unfinished()
+        self.finish_run()
         return self.stats
+
+    def finish_run(self) -> None:
+        """The end of a run: the tree's last snapshot; requests still open get 'unfinished' rows."""
+        if self.recorder.summary_enabled:
+            self.scheduler.snapshot()
+        self.stats.close_unfinished()
 
     def check_integrity(self) -> None:
         """Every pool and the cache conserve, given the slots running requests own."""

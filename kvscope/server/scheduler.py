@@ -1,0 +1,346 @@
+"""The scheduler process of `kvscope serve`: the engine's one scheduler code path
+(`Engine.step_once`, as `kvscope run` drives it), fed with requests over ZMQ.
+
+    process = start_scheduler(spec, "ipc:///tmp/k/in", "ipc:///tmp/k/out")
+    # the front: PUSH connected to the first address, PULL connected to the second; the first
+    # message it receives is a StatsOut: the scheduler is ready
+
+NOTE: sockets. The child binds both addresses (PULL on `to_scheduler`, PUSH on `to_front`), so
+the front connects, before or after the child is up (ZMQ connects again until the bind
+exists). A send to the front waits until the front is connected (TokenOut is never dropped);
+once the process is stopping, a send that waits more than SEND_GIVE_UP_S is dropped (the
+front is gone).
+
+NOTE: the loop
+    busy    take every waiting message without blocking, then one engine step
+    idle    the idle leak check (once per idle point) and a StatsOut, then block on the
+            sockets for at most IDLE_POLL_S
+    after each step: a TokenOut per request whose output grew or that ended, the step's
+    KV events, and a StatsOut when stats_interval_s has passed
+    stop    ShutdownReq, SIGTERM or SIGINT: new requests are refused, those in flight finish
+            (ShutdownReq(abort_in_flight=True) or a second signal aborts them), the idle
+            check runs, the capture closes ('finished'), exit 0. The front's death counts as
+            a stop with its requests aborted. An exception: the capture closes 'crashed'
+            with its line, exit 1.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from kvscope.engine.config import EngineConfig
+from kvscope.server.kv_events import AllBlocksCleared, CachedPages, KVEventPublisher, KVEventsConfig
+from kvscope.server.protocol import (
+    AbortReq,
+    GenerateReq,
+    PoolStats,
+    ShutdownReq,
+    StatsOut,
+    TokenOut,
+    decode_to_scheduler,
+    encode,
+)
+from kvscope.telemetry import NULL_RECORDER, PoolTerms, Recorder, RunStatus
+
+if TYPE_CHECKING:
+    from kvscope.engine import ModelConfig, Req
+
+IDLE_POLL_S = 0.05
+SEND_RETRY_S = 0.2
+SEND_GIVE_UP_S = 5.0
+EXIT_OK, EXIT_CRASHED = 0, 1
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    engine: EngineConfig
+    model: ModelConfig
+    capture: str | None  # a file path or SQLAlchemy URL; None: recording off
+    level: str = "full"
+    label: str = "serve"
+    config: dict[str, Any] = field(default_factory=dict)  # the run fingerprint stored in the capture
+    kv_events: KVEventsConfig | None = None
+    stats_interval_s: float = 0.5
+
+
+def start_scheduler(spec: ServeSpec, to_scheduler: str, to_front: str) -> BaseProcess:
+    """Start the scheduler process (spawned); an impossible model/config pairing raises
+    ValueError here, before any process or capture exists."""
+    spec.engine.check_model(spec.model.sliding_window, spec.model.is_hybrid, spec.model)
+    process = multiprocessing.get_context("spawn").Process(
+        target=_child, args=(spec, to_scheduler, to_front), name="kvscope-scheduler", daemon=True)
+    process.start()
+    return process
+
+
+def _child(spec: ServeSpec, to_scheduler: str, to_front: str) -> None:
+    sys.exit(scheduler_main(spec, to_scheduler, to_front))
+
+
+def scheduler_main(spec: ServeSpec, to_scheduler: str, to_front: str) -> int:
+    """The scheduler process's body; returns its exit code."""
+    stop = StopFlag()
+    stop.install()
+    recorder: Recorder = NULL_RECORDER
+    loop: ServeLoop | None = None
+    status, error = RunStatus.FINISHED, None
+    try:
+        if spec.capture is not None:
+            from kvscope.telemetry import SQLRecorder
+
+            recorder = SQLRecorder(spec.capture, level=spec.level, label=spec.label, config=spec.config)
+        loop = ServeLoop(spec, recorder, stop, to_scheduler, to_front)
+        loop.run()
+    except BaseException as err:
+        status, error = RunStatus.CRASHED, f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+        print(f"kvscope serve: scheduler crashed: {error}", file=sys.stderr)
+        if loop is not None:
+            loop.engine.stats.close_in_flight()
+    finally:
+        recorder.close(status, error)
+        if loop is not None:
+            loop.close()
+    return EXIT_OK if status == RunStatus.FINISHED else EXIT_CRASHED
+
+
+class StopFlag:
+    """SIGTERM and SIGINT: the first asks for a drain, the second for the in-flight requests' abort."""
+
+    def __init__(self) -> None:
+        self.num_signals = 0
+
+    def install(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.num_signals += 1
+
+
+@dataclass
+class Flight:
+    """What the front has been told of one request."""
+
+    req: Req  # NOTE: kvscope.engine loads torch: the child imports it, the front never
+    arrival_wall_s: float
+    num_sent: int = 0
+    queue_sent: bool = False
+
+
+class ServeLoop:
+    def __init__(self, spec: ServeSpec, recorder: Recorder, stop: StopFlag, to_scheduler: str,
+                 to_front: str) -> None:
+        from kvscope.engine import Engine
+
+        self.spec = spec
+        self.stop = stop
+        self.engine = Engine(spec.engine, spec.model, recorder)
+        self.context: zmq.Context[Any] = zmq.Context()
+        self.inbox = self.context.socket(zmq.PULL)
+        self.inbox.bind(to_scheduler)
+        self.outbox = self.context.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.SNDTIMEO, int(SEND_RETRY_S * 1000))
+        self.outbox.setsockopt(zmq.LINGER, 2000)
+        self.outbox.bind(to_front)
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox, zmq.POLLIN)
+        self.publisher: KVEventPublisher | None = None
+        self.pages: CachedPages | None = None
+        if spec.kv_events is not None and spec.kv_events.enabled:
+            self.publisher = KVEventPublisher(spec.kv_events, self.context)
+            self.pages = CachedPages(self.engine.memory.cache, spec.engine.pool.page_size)
+            if self.publisher.replay is not None:
+                self.poller.register(self.publisher.replay, zmq.POLLIN)
+        self.flights: dict[str, Flight] = {}
+        self.client_aborts: set[str] = set()
+        self.draining = False
+        self.abort_requested = False
+        self.last_stats_s = 0.0
+        self.parent = multiprocessing.parent_process()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        if self.publisher is not None:
+            self.publisher.publish([AllBlocksCleared()])
+        self.send_stats()  # ready
+        scheduler = self.engine.scheduler
+        while True:
+            idle = scheduler.is_idle()
+            self.receive(timeout_s=IDLE_POLL_S if idle else 0.0)
+            self.check_stop()
+            if self.abort_requested:
+                self.abort_all()
+            if self.draining and scheduler.is_idle():
+                break
+            self.step()
+        self.engine.idle_check()
+        self.engine.finish_run()
+        self.send_stats()
+
+    def step(self) -> None:
+        engine = self.engine
+        if engine.scheduler.is_idle():
+            if engine.idle_check() or time.monotonic() - self.last_stats_s >= self.spec.stats_interval_s:
+                self.send_stats()
+            return
+        changed = engine.step_once()
+        for req in changed:
+            self.send_tokens(req)
+        self.publish_kv_events()
+        if time.monotonic() - self.last_stats_s >= self.spec.stats_interval_s:
+            self.send_stats()
+
+    def check_stop(self) -> None:
+        if self.stop.num_signals >= 1:
+            self.draining = True
+        if self.stop.num_signals >= 2:
+            self.abort_requested = True
+        if self.parent is not None and not self.parent.is_alive():
+            self.draining = self.abort_requested = True
+
+    # -- requests from the front ---------------------------------------------------------------
+
+    def receive(self, timeout_s: float) -> None:
+        """Every message waiting (waiting up to `timeout_s` for the first), and replay requests."""
+        ready = dict(self.poller.poll(int(timeout_s * 1000)))
+        if self.publisher is not None and self.publisher.replay in ready:
+            self.publisher.serve_replay()
+        if self.inbox not in ready:
+            return
+        while True:
+            try:
+                frame = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode_to_scheduler(frame)
+            except msgspec.DecodeError as err:
+                print(f"kvscope serve: scheduler ignored a message it cannot decode ({err})", file=sys.stderr)
+                continue
+            self.handle(msg)
+
+    def handle(self, msg: GenerateReq | AbortReq | ShutdownReq) -> None:
+        if isinstance(msg, GenerateReq):
+            self.generate(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort(msg.rid)
+        else:
+            self.draining = True
+            self.abort_requested = self.abort_requested or msg.abort_in_flight
+
+    def generate(self, msg: GenerateReq) -> None:
+        from kvscope.engine.request import Req
+
+        max_context_len = self.spec.engine.pool.max_context_len
+        if self.draining:
+            return self.refuse(msg.rid, "the server is shutting down")
+        if msg.rid in self.flights:
+            return self.refuse(msg.rid, f"request id {msg.rid!r} is already in flight")
+        if len(msg.input_ids) + msg.max_new_tokens > max_context_len:  # NOTE: before Req sizes its buffer
+            return self.refuse(msg.rid, f"request {msg.rid}: {len(msg.input_ids) + msg.max_new_tokens} tokens "
+                                        f"(prompt + output) exceed the context length {max_context_len}")
+        try:
+            req = Req(msg.rid, np.asarray(msg.input_ids, dtype=np.int32), msg.max_new_tokens, user=msg.principal)
+            if min(msg.input_ids) < 0:
+                raise ValueError(f"request {msg.rid}: negative token id {min(msg.input_ids)}")
+            self.engine.submit(req)
+        except (ValueError, OverflowError) as err:
+            return self.refuse(msg.rid, (str(err).splitlines() or ["invalid request"])[0])
+        self.flights[msg.rid] = Flight(req, msg.arrival_wall_s or time.time())
+
+    def refuse(self, rid: str, error: str) -> None:
+        self.send(TokenOut(rid, [], finished=True, finish_reason="error", error=error))
+
+    def abort(self, rid: str) -> None:
+        flight = self.flights.get(rid)
+        if flight is None:  # unknown or already ended: nothing to do
+            return
+        self.client_aborts.add(rid)
+        if self.engine.scheduler.abort_request(rid):
+            self.send_tokens(flight.req)
+            self.publish_kv_events()
+
+    def abort_all(self) -> None:
+        for rid in list(self.flights):
+            self.abort(rid)
+
+    # -- what goes to the front ----------------------------------------------------------------
+
+    def send_tokens(self, req: Req) -> None:
+        from kvscope.engine.request import ReqState
+
+        flight = self.flights.get(req.rid)
+        if flight is None:
+            return
+        out = TokenOut(req.rid, req.output_ids[flight.num_sent :], prompt_tokens=req.prompt_len,
+                       cached_tokens=req.cached_tokens, completion_tokens=len(req.output_ids))
+        flight.num_sent = len(req.output_ids)
+        if req.admitted and not flight.queue_sent:
+            out.queue_s = max(0.0, time.time() - flight.arrival_wall_s)
+            flight.queue_sent = True
+        if req.state in (ReqState.FINISHED, ReqState.ABORTED):
+            out.finished = True
+            if req.state == ReqState.FINISHED:
+                out.finish_reason = "length"
+            elif req.rid in self.client_aborts:
+                out.finish_reason = "abort"
+            else:
+                out.finish_reason, out.error = "error", "aborted by the scheduler: out of KV memory"
+            del self.flights[req.rid]
+            self.client_aborts.discard(req.rid)
+        self.send(out)
+
+    def send_stats(self) -> None:
+        engine = self.engine
+        memory, scheduler, stats = engine.memory, engine.scheduler, engine.stats
+        pools = {"full": pool_stats(memory.full_terms())}
+        swa = memory.swa_terms()
+        if swa is not None:
+            pools["swa"] = pool_stats(swa)
+        self.last_stats_s = time.monotonic()
+        num_running = len(scheduler.running) + (scheduler.chunked_req is not None)
+        self.send(StatsOut(scheduler.step, pools, num_running, len(scheduler.waiting), stats.prompt_tokens,
+                           stats.cached_tokens, stats.generated_tokens, stats.evicted_tokens, stats.num_retractions,
+                           stats.leak_checks_passed, stats.leak_checks_failed))
+
+    def send(self, msg: TokenOut | StatsOut) -> None:
+        frame = encode(msg)
+        waited_s = 0.0
+        while True:
+            try:
+                self.outbox.send(frame)
+                return
+            except zmq.Again:
+                waited_s += SEND_RETRY_S
+                self.check_stop()
+                if self.draining and waited_s >= SEND_GIVE_UP_S:
+                    return  # NOTE: stopping and no front reads: the message has no one to go to
+
+    def publish_kv_events(self) -> None:
+        if self.publisher is not None and self.pages is not None:
+            self.publisher.publish(self.pages.diff())
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+        self.inbox.close(linger=0)
+        self.outbox.close()
+        self.context.term()
+
+
+def pool_stats(terms: PoolTerms) -> PoolStats:
+    """SGLang's split: used = total - available - evictable (KV neither free nor reclaimable)."""
+    used = terms.total - terms.available - terms.evictable
+    return PoolStats(terms.total, used, terms.available, terms.evictable, terms.protected)
