@@ -69,6 +69,12 @@ def _run(args: argparse.Namespace) -> int:
     return run_verb(args)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from kvscope.app.serve import serve_verb
+
+    return serve_verb(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from kvscope.app.demo import demo_verb
 
@@ -154,6 +160,48 @@ def add_run_parser(verbs: SubParsers) -> None:
                      help="at level full, skip building the leak report when the run closes (it replays every "
                      "event, ~7 µs each; the dashboard then replays on demand)")
     run.set_defaults(func=_run)
+
+
+def add_serve_parser(verbs: SubParsers) -> None:
+    serve = verbs.add_parser(
+        "serve",
+        help="serve the engine over HTTP: OpenAI's completions and chat, /metrics, KV events",
+        description="An OpenAI-compatible server on the engine (docs/serve.md): the HTTP front tokenizes and "
+        "streams, a scheduler process runs the engine and records the capture. Prints 'ready on URL' when it "
+        "serves; SIGINT or SIGTERM finish the requests in flight, close the capture and exit 0.",
+        formatter_class=DEFAULTS,
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=30000, help="port to listen on (0: any free port)")
+    serve.add_argument("--model", default="tiny", help="tiny, tiny-swa, or a shape like 'layers=4,hidden=64,window=32'")
+    serve.add_argument("--cache", default="auto", choices=["auto", *CACHE_KINDS],
+                       help="prefix cache; auto = radix, or swa-radix for a sliding-window model")
+    serve.add_argument("--eviction-policy", default="lru", help=POLICY_HELP)
+    serve.add_argument("--eviction-granularity", default="leaf", choices=["leaf", "page"],
+                       help="leaf: SGLang's whole-leaf eviction; page: only the pages needed")
+    serve.add_argument("--page-size", type=int, default=1, help="tokens per KV page (a power of two)")
+    serve.add_argument("--kv-tokens", type=token_count, default=4096, metavar="TOKENS",
+                       help="KV capacity of the full pool, in tokens (4096, 64k, 1.5M, 128Ki)")
+    serve.add_argument("--swa-ratio", type=finite_float(0, 1), default=0.8,
+                       help="SWA pool size as a fraction of the full pool")
+    serve.add_argument("--chunked-prefill-size", type=token_count, default=256, metavar="TOKENS",
+                       help="tokens per prefill chunk; 0 disables")
+    serve.add_argument("--max-running-requests", type=positive_count, default=32, metavar="N",
+                       help="request rows in req_to_token")
+    serve.add_argument("--max-context-len", type=positive_count, default=2048, metavar="TOKENS",
+                       help="longest prompt + output, in tokens (2048, 8k, 128Ki)")
+    serve.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu or cuda")
+    serve.add_argument("--strict", action="store_true", help="pools and caches check every call for misuse")
+    serve.add_argument("--capture", metavar="PATH", help="capture file (default runs/<time>-serve.db)")
+    serve.add_argument("--level", default="full", choices=["off", "summary", "full"],
+                       help="off: no capture; summary: usage, requests, leak checks, tree snapshots; full: plus "
+                       "every memory event")
+    serve.add_argument("--api-keys", metavar="FILE",
+                       help='JSON {key: {"tenant": T, "user": U}}: requests need "Authorization: Bearer KEY"')
+    serve.add_argument("--kv-events-config", metavar="JSON",
+                       help='SGLang\'s KV-event publisher config, e.g. \'{"publisher": "zmq", "endpoint": '
+                       '"tcp://*:5557"}\'')
+    serve.set_defaults(func=_serve)
 
 
 def add_debugger_parsers(verbs: SubParsers) -> None:
@@ -275,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(verbs)
     add_runs_parser(verbs)
     add_run_parser(verbs)
+    add_serve_parser(verbs)
     add_debugger_parsers(verbs)
     add_plan_parser(verbs)
     add_replay_parser(verbs)

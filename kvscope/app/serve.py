@@ -1,0 +1,208 @@
+"""`kvscope serve`: an OpenAI-compatible server on the engine, in SGLang's process layout.
+
+    this process     the HTTP front (kvscope.server.front) on uvicorn: parse, authenticate,
+                     tokenize, stream; /metrics, /server_info
+    a child process  the scheduler (kvscope.server.scheduler): the engine, its memory and the capture
+    between them     two ZMQ PUSH/PULL pairs on ipc:// sockets in a private temp dir (the scheduler binds)
+
+NOTE: the order of things
+    1. the arguments, the keys file, the KV-events config, the engine config against the model
+       and the machine, and the listening socket: any error is one line, exit 2, and nothing
+       has started (no scheduler, no capture)
+    2. the scheduler starts; its first StatsOut means ready (Ctrl-C reaches the whole process
+       group: the scheduler drains on it, as on the ShutdownReq that follows)
+    3. uvicorn serves on the socket bound in 1; then "kvscope serve: ready on http://HOST:PORT"
+    4. SIGINT, SIGTERM or SIGHUP: /health and new requests answer 503, the scheduler gets
+       ShutdownReq (it finishes the requests in flight, flushes and closes the capture), uvicorn
+       waits for the open responses, the scheduler is joined; one line, exit 0. A scheduler
+       that dies on its own fails the requests in flight and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Generator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # as kvscope.__main__'s
+READY_TIMEOUT_S = 300.0
+GRACEFUL_S = 30
+JOIN_TIMEOUT_S = 60.0
+
+# the options of `kvscope run` that serve does not take, at run's defaults, for runner.spec_from_args
+_RUN_ONLY: dict[str, Any] = {"workload": "serve", "trace": None, "num_requests": 1, "seed": 0, "pace": None,
+                             "debug": False, "inject": [], "inject_seed": 0, "no_report": True,
+                             "leak_check": "record"}
+
+
+@dataclass
+class ServeOptions:
+    engine: Any  # EngineConfig
+    model: Any  # ModelConfig
+    model_id: str
+    host: str
+    port: int
+    capture: str | None
+    level: str
+    api_keys: Any  # dict[str, Principal] | None
+    kv_events: Any  # KVEventsConfig | None
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    """Everything checked before anything starts; ValueError or OSError with one line."""
+    from kvscope.app.runner import default_capture_path, spec_from_args
+    from kvscope.server.front import load_api_keys
+    from kvscope.server.kv_events import KVEventsConfig
+
+    run_args = argparse.Namespace(**{**_RUN_ONLY, **vars(args)})
+    spec = spec_from_args(run_args)
+    spec.engine.check_model(spec.model.sliding_window, spec.model.is_hybrid, spec.model)
+    keys = load_api_keys(args.api_keys) if args.api_keys else None
+    kv_events = KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None
+    capture = None if args.level == "off" else (args.capture or default_capture_path("serve"))
+    name = args.model.strip()
+    model_id = f"kvscope-{name}" if re.fullmatch(r"[A-Za-z0-9._-]+", name) else "kvscope-custom"
+    return ServeOptions(spec.engine, spec.model, model_id, args.host, args.port, capture, args.level, keys, kv_events)
+
+
+def serve_verb(args: argparse.Namespace) -> int:
+    options = options_from_args(args)
+    listener = bind_listener(options.host, options.port)
+    from kvscope.server.scheduler import ServeSpec, start_scheduler
+
+    kv_events = options.kv_events if options.kv_events is not None and options.kv_events.enabled else None
+    config = {"serve": {"host": options.host, "port": listener.getsockname()[1], "model_id": options.model_id,
+                        "api_keys": options.api_keys is not None,
+                        "kv_events": asdict(options.kv_events) if options.kv_events else None}}
+    spec = ServeSpec(engine=options.engine, model=options.model, capture=options.capture, level=options.level,
+                     label="serve", config=config, kv_events=kv_events)
+
+    def start(to_scheduler: str, to_front: str) -> multiprocessing.process.BaseProcess:
+        return start_scheduler(spec, to_scheduler, to_front)
+
+    return serve(options, listener, start)
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now so a taken port is an error before anything starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as err:
+        listener.close()
+        raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    listener.listen(2048)
+    listener.set_inheritable(True)
+    return listener
+
+
+StartScheduler = Callable[[str, str], multiprocessing.process.BaseProcess]
+
+
+def serve(options: ServeOptions, listener: socket.socket, start: StartScheduler) -> int:
+    ipc_dir = tempfile.mkdtemp(prefix="kvscope-serve-")
+    try:
+        return asyncio.run(_serve(options, listener, start, ipc_dir))
+    finally:
+        listener.close()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+async def _serve(options: ServeOptions, listener: socket.socket, start: StartScheduler, ipc_dir: str) -> int:
+    import uvicorn
+
+    from kvscope.server.front import Front, FrontState
+    from kvscope.server.protocol import ShutdownReq, TokenOut
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:  # the front handles the signals
+            yield
+
+    state = FrontState(engine=options.engine, model=options.model, model_id=options.model_id,
+                       api_keys=options.api_keys, kv_events=asdict(options.kv_events) if options.kv_events else None,
+                       extra_info={"capture": options.capture, "level": options.level})
+    front = Front(state, f"ipc://{ipc_dir}/to_scheduler", f"ipc://{ipc_dir}/to_front")
+    front.start_router()
+    loop = asyncio.get_running_loop()
+    stopped: list[str] = []
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if not stopped:
+            stopped.append(signal.Signals(signum).name)
+        stop.set()
+
+    process = start(f"ipc://{ipc_dir}/to_scheduler", f"ipc://{ipc_dir}/to_front")
+    for each in STOP_SIGNALS:
+        loop.add_signal_handler(each, on_signal, each)
+    host, port = listener.getsockname()[:2]
+    server: Server | None = None
+    serving: asyncio.Task[None] | None = None
+    code = 0
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not front.ready.is_set() and not stop.is_set():
+            if not process.is_alive() or time.monotonic() > deadline:
+                why = "exited" if not process.is_alive() else f"was not ready in {READY_TIMEOUT_S:.0f} s"
+                print(f"kvscope serve: error: the scheduler process {why}", file=sys.stderr)
+                return 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(front.ready.wait(), 0.2)
+        if not stop.is_set():
+            config = uvicorn.Config(front.app(), log_level="warning", lifespan="off", access_log=False,
+                                    timeout_graceful_shutdown=GRACEFUL_S)
+            server = Server(config)
+            serving = loop.create_task(server.serve(sockets=[listener]))
+            while not server.started and not serving.done() and not stop.is_set():
+                await asyncio.sleep(0.02)
+            if serving.done():
+                serving.result()
+                return 1
+            shown = f"[{host}]" if ":" in host else host
+            print(f"kvscope serve: ready on http://{shown}:{port}", flush=True)
+        while not stop.is_set():
+            if not process.is_alive():
+                print("kvscope serve: error: the scheduler process exited", file=sys.stderr)
+                for rid, pending in list(front.pending.items()):
+                    pending.queue.put_nowait(TokenOut(rid, [], finished=True, finish_reason="error",
+                                                      error="the scheduler process exited"))
+                code = 1
+                break
+            if serving is not None and serving.done():
+                code = 1
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+    finally:
+        front.accepting = False
+        if process.is_alive():
+            with contextlib.suppress(Exception):
+                await front.send(ShutdownReq(abort_in_flight=False))
+        if server is not None and serving is not None:
+            server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(serving, GRACEFUL_S + 5)
+        await loop.run_in_executor(None, process.join, JOIN_TIMEOUT_S)
+        if process.is_alive():
+            process.terminate()
+            await loop.run_in_executor(None, process.join, 5.0)
+            code = code or 1
+        await front.close()
+    why = f" ({stopped[0]})" if stopped else ""
+    where = f"; capture {options.capture}" if options.capture else ""
+    print(f"kvscope serve: stopped{why}{where}", flush=True)
+    return code

@@ -1,0 +1,519 @@
+"""The HTTP front of `kvscope serve`: parses, authenticates, tokenizes, streams (Starlette on uvicorn).
+
+    client --HTTP--> Front --GenerateReq/AbortReq--> scheduler process (ZMQ PUSH)
+    client <--SSE--- Front <--TokenOut/StatsOut----- scheduler process (ZMQ PULL)
+
+One background task (`route`) reads the scheduler's socket: a TokenOut goes to its request's
+asyncio queue, a StatsOut to the metrics. Each handler sends its GenerateReq, then reads its
+queue until the TokenOut that finishes it. A client that goes away (a closed stream, or a
+disconnect while a plain response is pending) makes the handler send AbortReq.
+
+NOTE: principals (docs/serve.md)
+    no --api-keys   principal = the request's `user` (or None)
+    --api-keys      a key maps to {"tenant": T, "user": U}; principal = "T/U". A request `user`
+                    may only narrow it: "S" (no slash) or "T/U/S" both give "T/U/S"; "T/U" is
+                    the key's own principal; any other value with a slash (another tenant, or
+                    another user of the same tenant) is 403.
+Every request error is OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvscope.engine import EngineConfig, ModelConfig
+from kvscope.server.chat import ChatError, render_chat
+from kvscope.server.metrics import ServerMetrics
+from kvscope.server.protocol import (
+    AbortReq,
+    GenerateReq,
+    StatsOut,
+    TokenOut,
+    ToScheduler,
+    decode_to_front,
+    encode,
+)
+from kvscope.workloads.tokenizer import NUM_SPECIAL, ByteTokenizer
+
+DEFAULT_MAX_TOKENS = 16
+DISCONNECT_POLL_S = 0.2
+
+
+class ApiError(Exception):
+    """A request error, answered as OpenAI's error JSON with `status`."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, type_=self.type, param=self.param, code=self.code)
+
+
+def error_response(status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+@dataclass(frozen=True)
+class Principal:
+    tenant: str
+    user: str
+
+
+def load_api_keys(path: str | Path) -> dict[str, Principal]:
+    """The keys file: a JSON object {key: {"tenant": T, "user": U}}; ValueError on a bad one."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--api-keys {path}: not JSON ({err})") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"--api-keys {path}: expected a non-empty object {{key: {{tenant, user}}}}")
+    keys = {}
+    for key, who in raw.items():
+        if not key or not isinstance(who, dict):
+            raise ValueError(f"--api-keys {path}: key {key!r} must map to {{\"tenant\": ..., \"user\": ...}}")
+        tenant, user = who.get("tenant"), who.get("user")
+        for name, value in (("tenant", tenant), ("user", user)):
+            if not isinstance(value, str) or not value or "/" in value:
+                raise ValueError(f"--api-keys {path}: key {key[:4]}…: {name} must be a non-empty string without '/'")
+        keys[key] = Principal(str(tenant), str(user))
+    return keys
+
+
+def resolve_principal(keys: dict[str, Principal] | None, authorization: str | None, user: str | None) -> str | None:
+    """The request's principal (see the module NOTE); ApiError 401 or 403."""
+    if keys is None:
+        return user
+    scheme, _, key = (authorization or "").partition(" ")
+    who = keys.get(key.strip()) if scheme.lower() == "bearer" else None
+    if who is None:
+        message = "missing API key (Authorization: Bearer KEY)" if not authorization else "invalid API key"
+        raise ApiError(401, message, code="invalid_api_key")
+    base = f"{who.tenant}/{who.user}"
+    if not user or user == base:
+        return base
+    if "/" not in user:
+        return f"{base}/{user}"
+    if user.startswith(base + "/") and user != base + "/":
+        return user
+    raise ApiError(403, f"user {user!r} is outside this key's principal {base!r}", type_="permission_error",
+                   param="user", code="permission_denied")
+
+
+class Detokenizer:
+    """Incremental byte-tokenizer decoding: text is released once its UTF-8 bytes are complete,
+    and the whole text equals ByteTokenizer.decode of all the ids."""
+
+    def __init__(self) -> None:
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, ids: list[int], final: bool = False) -> str:
+        end = NUM_SPECIAL + 256  # ids past the bytes (a larger vocabulary) are one invalid byte each
+        data = bytes(i - NUM_SPECIAL if i < end else 0xFF for i in ids if i >= NUM_SPECIAL)
+        return self.decoder.decode(data, final)
+
+
+@dataclass
+class FrontState:
+    """What the front knows about the engine, for checks and /server_info."""
+
+    engine: EngineConfig
+    model: ModelConfig
+    model_id: str
+    api_keys: dict[str, Principal] | None = None
+    kv_events: dict[str, Any] | None = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Pending:
+    queue: asyncio.Queue[TokenOut]
+    arrival_s: float
+
+
+@dataclass
+class Outcome:
+    ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+    def usage(self) -> dict[str, Any]:
+        completion = self.completion_tokens or len(self.ids)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class GenRequest:
+    """A validated completions or chat request."""
+
+    chat: bool
+    input_ids: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    principal: str | None
+    arrival_wall_s: float
+
+
+class Front:
+    """The sockets to the scheduler, the per-request queues and the HTTP app."""
+
+    def __init__(self, state: FrontState, to_scheduler: str, to_front: str) -> None:
+        self.state = state
+        self.tokenizer = ByteTokenizer()
+        self.metrics = ServerMetrics(state.engine.pool.page_size)
+        self.context = zmq.asyncio.Context()
+        self.push = self.context.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 2000)
+        self.push.connect(to_scheduler)
+        self.pull = self.context.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.connect(to_front)
+        self.pending: dict[str, Pending] = {}
+        self.accepting = True
+        self.ready = asyncio.Event()
+        self.stats: StatsOut | None = None
+        self.router: asyncio.Task[None] | None = None
+        self.aborts: set[asyncio.Task[None]] = set()
+
+    # --- the scheduler side
+
+    def start_router(self) -> None:
+        self.router = asyncio.get_running_loop().create_task(self.route())
+
+    async def route(self) -> None:
+        while True:
+            frame = await self.pull.recv()
+            msg = decode_to_front(frame)
+            if isinstance(msg, StatsOut):
+                self.stats = msg
+                self.metrics.update(msg)
+                self.ready.set()
+                continue
+            pending = self.pending.get(msg.rid)
+            if pending is not None:
+                pending.queue.put_nowait(msg)
+
+    async def send(self, msg: ToScheduler) -> None:
+        await self.push.send(encode(msg))
+
+    async def close(self) -> None:
+        if self.router is not None:
+            self.router.cancel()
+        self.push.close()
+        self.pull.close()
+        self.context.term()
+
+    # --- requests
+
+    def check_request(self, input_ids: list[int], max_tokens: int) -> None:
+        """A request that can never run is a 400 before the scheduler sees it (as Engine.check_request)."""
+        pool = self.state.engine.pool
+        total = len(input_ids) + max_tokens
+        if total > pool.max_context_len:
+            raise ApiError(400, f"this model's maximum context length is {pool.max_context_len} tokens; the "
+                           f"request has {len(input_ids)} prompt tokens and max_tokens {max_tokens}",
+                           param="max_tokens", code="context_length_exceeded")
+        need = -(-total // pool.page_size) * pool.page_size + pool.page_size
+        if need > pool.full_size_tokens:
+            raise ApiError(400, f"the request needs {need} KV tokens; the pool holds {pool.full_size_tokens}",
+                           param="max_tokens", code="context_length_exceeded")
+
+    async def generate(self, rid: str, req: GenRequest, request: Request) -> AsyncGenerator[TokenOut, None]:
+        """The scheduler's TokenOuts for `req`; aborts it when the caller stops early."""
+        pending = Pending(asyncio.Queue(), time.monotonic())
+        self.pending[rid] = pending
+        finished = False
+        first_token_s = last_token_s = None
+        try:
+            await self.send(GenerateReq(rid, req.input_ids, req.max_tokens, req.principal, req.arrival_wall_s))
+            next_poll = time.monotonic() + DISCONNECT_POLL_S
+            while not finished:
+                try:
+                    out = await asyncio.wait_for(pending.queue.get(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    out = None
+                now = time.monotonic()
+                if now >= next_poll:  # tokens may arrive faster than the poll: check on the clock
+                    next_poll = now + DISCONNECT_POLL_S
+                    if await request.is_disconnected():
+                        return
+                if out is None:
+                    continue
+                if out.queue_s is not None and first_token_s is None:
+                    self.metrics.queue_time.observe(out.queue_s)
+                if out.new_token_ids:
+                    if first_token_s is None:
+                        first_token_s = now
+                        self.metrics.ttft.observe(now - pending.arrival_s)
+                    elif last_token_s is not None:
+                        gap = (now - last_token_s) / len(out.new_token_ids)
+                        for _ in out.new_token_ids:
+                            self.metrics.itl.observe(gap)
+                    last_token_s = now
+                finished = out.finished
+                if finished:
+                    self.metrics.e2e.observe(now - pending.arrival_s)
+                    self.metrics.request_finished(out.finish_reason or "unknown")
+                yield out
+        finally:  # NOTE: no await here, so a cancelled stream still runs it to the end
+            self.pending.pop(rid, None)
+            if not finished:
+                self.metrics.request_finished("abort")
+                task = asyncio.get_running_loop().create_task(self.send(AbortReq(rid)))
+                self.aborts.add(task)
+                task.add_done_callback(self.aborts.discard)
+
+    # --- HTTP
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/server_info", self.server_info, methods=["GET"]),
+            Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+        ]
+        return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+
+    async def health(self, request: Request) -> Response:
+        if not self.accepting:
+            return error_response(503, "the server is shutting down", type_="server_error", code="shutting_down")
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.state.model_id, "object": "model", "created": 0, "owned_by": "kvscope"}]})
+
+    async def server_info(self, request: Request) -> Response:
+        eng, model = self.state.engine, self.state.model
+        pools = {name: {"total": p.total, "used": p.used, "available": p.available, "evictable": p.evictable,
+                        "protected": p.protected} for name, p in (self.stats.pools if self.stats else {}).items()}
+        return JSONResponse({
+            "model": self.state.model_id,
+            "model_shape": {"vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
+                            "num_layers": model.num_layers, "num_heads": model.num_heads,
+                            "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
+                            "sliding_window": model.sliding_window, "swa_layer_ids": list(model.swa_layer_ids),
+                            "dtype": model.dtype},
+            "page_size": eng.pool.page_size,
+            "max_total_num_tokens": eng.pool.full_size_tokens,
+            "max_running_requests": eng.pool.max_running_requests,
+            "max_context_len": eng.pool.max_context_len,
+            "cache": eng.cache.kind,
+            "eviction_policy": eng.cache.eviction_policy,
+            "chunked_prefill_size": eng.scheduler.chunked_prefill_size,
+            "pools": pools,
+            "kv_events": self.state.kv_events,
+            "auth": self.state.api_keys is not None,
+            **self.state.extra_info,
+        })
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def completions(self, request: Request) -> Response:
+        return await self.handle(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.handle(request, chat=True)
+
+    async def handle(self, request: Request, chat: bool) -> Response:
+        arrival = time.time()
+        try:
+            if not self.accepting:
+                raise ApiError(503, "the server is shutting down", type_="server_error", code="shutting_down")
+            body = await read_json(request)
+            req = self.parse(body, chat, request.headers.get("authorization"), arrival)
+        except ApiError as err:
+            return err.response()
+        created = int(arrival)
+        rid = uuid.uuid4().hex  # the scheduler's and the capture's; the response id is "cmpl-RID"
+        if req.stream:
+            return StreamingResponse(self.stream(req, request, rid, created), media_type="text/event-stream")
+        outcome = Outcome()
+        detok = Detokenizer()
+        outs = self.generate(rid, req, request)
+        try:
+            async for out in outs:
+                absorb(outcome, out)
+        finally:
+            await outs.aclose()
+        if not outcome.finish_reason:  # the client went away
+            return error_response(499, "client closed the request", code="client_closed")
+        if outcome.finish_reason == "error":
+            return error_response(400, outcome.error or "the scheduler refused the request", code="rejected")
+        text = detok.feed(outcome.ids, final=True)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": outcome.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return JSONResponse({"id": response_id(rid, chat), "object": "chat.completion" if chat else "text_completion",
+                             "created": created, "model": self.state.model_id, "choices": [choice],
+                             "usage": outcome.usage()})
+
+    async def stream(self, req: GenRequest, request: Request, rid: str, created: int) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if req.chat else "text_completion"
+        rid, gen_rid = response_id(rid, req.chat), rid
+        detok = Detokenizer()
+        outcome = Outcome()
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+            if req.chat:
+                delta: dict[str, Any] = {"role": "assistant"} if role else {}
+                if text is not None:
+                    delta["content"] = text
+                choice["delta"] = delta
+            else:
+                choice["text"] = text or ""
+            return sse({"id": rid, "object": kind, "created": created, "model": self.state.model_id,
+                        "choices": [choice]})
+
+        if req.chat:
+            yield chunk("", None, role=True)
+        outs = self.generate(gen_rid, req, request)
+        try:
+            async for out in outs:
+                absorb(outcome, out)
+                if out.finish_reason == "error":
+                    yield sse({"error": {"message": out.error or "the scheduler refused the request",
+                                         "type": "invalid_request_error", "param": None, "code": "rejected"}})
+                    break
+                text = detok.feed(out.new_token_ids, final=out.finished)
+                if text:
+                    yield chunk(text, None)
+                if out.finished:
+                    yield chunk(None if req.chat else "", out.finish_reason)
+        finally:
+            await outs.aclose()
+        if outcome.finish_reason and req.include_usage:
+            yield sse({"id": rid, "object": kind, "created": created, "model": self.state.model_id, "choices": [],
+                       "usage": outcome.usage()})
+        yield "data: [DONE]\n\n"
+
+    def parse(self, body: Any, chat: bool, authorization: str | None, arrival: float) -> GenRequest:
+        """A validated request, or ApiError naming the bad field."""
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        user = body.get("user")
+        if user is not None and not isinstance(user, str):
+            raise ApiError(400, "'user' must be a string", param="user", code="invalid_type")
+        principal = resolve_principal(self.state.api_keys, authorization, user or None)
+        model = body.get("model", self.state.model_id)
+        if not isinstance(model, str):
+            raise ApiError(400, "'model' must be a string", param="model", code="invalid_type")
+        if model != self.state.model_id:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.state.model_id!r}",
+                           param="model", code="model_not_found")
+        if chat:
+            try:
+                input_ids = self.tokenizer.encode(render_chat(body.get("messages"))).tolist()
+            except ChatError as err:
+                raise ApiError(400, str(err), param=err.param, code="invalid_value") from None
+        else:
+            input_ids = self.prompt_ids(body.get("prompt"))
+        max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        max_tokens = body.get(max_key)
+        if max_tokens is None:
+            max_tokens = DEFAULT_MAX_TOKENS
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+            raise ApiError(400, f"'{max_key}' must be an integer", param=max_key, code="invalid_type")
+        if max_tokens <= 0:
+            raise ApiError(400, f"'{max_key}' must be >= 1, got {max_tokens}", param=max_key, code="invalid_value")
+        n = body.get("n", 1)
+        if n != 1 or isinstance(n, bool):
+            raise ApiError(400, "only n = 1 is supported", param="n", code="invalid_value")
+        stream = body.get("stream", False)
+        if stream is None:
+            stream = False
+        if not isinstance(stream, bool):
+            raise ApiError(400, "'stream' must be a boolean", param="stream", code="invalid_type")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise ApiError(400, "'stream_options' must be an object", param="stream_options", code="invalid_type")
+        self.check_request(input_ids, max_tokens)
+        return GenRequest(chat, input_ids, max_tokens, stream, bool(options.get("include_usage")), principal, arrival)
+
+    def prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, "'prompt' is empty", param="prompt", code="invalid_value")
+            ids: list[int] = self.tokenizer.encode(prompt).tolist()
+            return ids
+        if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+            vocab = self.state.model.vocab_size
+            bad = next((i for i in prompt if not 0 <= i < vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt",
+                               code="invalid_value")
+            return list(prompt)
+        if prompt is None:
+            raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
+        raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids (batches of more than one "
+                       "are not supported)", param="prompt", code="invalid_type")
+
+
+def absorb(outcome: Outcome, out: TokenOut) -> None:
+    outcome.ids.extend(out.new_token_ids)
+    outcome.prompt_tokens = out.prompt_tokens or outcome.prompt_tokens
+    outcome.cached_tokens = out.cached_tokens or outcome.cached_tokens
+    outcome.completion_tokens = out.completion_tokens or outcome.completion_tokens
+    if out.finished:
+        outcome.finish_reason = out.finish_reason or "length"
+        outcome.error = out.error
+
+
+def response_id(rid: str, chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + rid
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def read_json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the body is not valid JSON: {err}", code="invalid_json") from None
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    detail = exc.detail if isinstance(exc, HTTPException) else str(exc)
+    return error_response(status, str(detail), code="not_found" if status == 404 else None)
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
+

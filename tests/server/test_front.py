@@ -1,0 +1,154 @@
+"""The front's pieces on their own: principals, the keys file, the chat template, incremental
+detokenization, request validation and the /metrics registry. (The served path end to end is
+test_serve_e2e.py.)"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvscope.engine import EngineConfig, PoolConfig, model_config
+from kvscope.server.chat import ChatError, render_chat
+from kvscope.server.front import (
+    ApiError,
+    Detokenizer,
+    Front,
+    FrontState,
+    Principal,
+    load_api_keys,
+    resolve_principal,
+)
+from kvscope.server.metrics import COUNTERS, GAUGES, HISTOGRAMS, ServerMetrics
+from kvscope.server.protocol import PoolStats, StatsOut
+from kvscope.workloads.tokenizer import ByteTokenizer
+
+KEYS = {"k1": Principal("acme", "alice")}
+
+
+def test_principal_without_keys_is_the_user() -> None:
+    assert resolve_principal(None, None, "carol") == "carol"
+    assert resolve_principal(None, "Bearer whatever", None) is None
+
+
+@pytest.mark.parametrize(("user", "principal"), [
+    (None, "acme/alice"), ("acme/alice", "acme/alice"), ("sub", "acme/alice/sub"),
+    ("acme/alice/sub", "acme/alice/sub"), ("acme/alice/a/b", "acme/alice/a/b"),
+])
+def test_a_user_only_narrows_the_keys_principal(user: str | None, principal: str) -> None:
+    assert resolve_principal(KEYS, "Bearer k1", user) == principal
+
+
+@pytest.mark.parametrize("user", ["beta/bob", "acme/mallory", "acme/alice2", "acme/alice/", "/acme/alice"])
+def test_another_tenant_or_user_is_403(user: str) -> None:
+    with pytest.raises(ApiError) as err:
+        resolve_principal(KEYS, "Bearer k1", user)
+    assert err.value.status == 403 and err.value.param == "user"
+
+
+@pytest.mark.parametrize("header", [None, "", "Bearer", "Bearer k2", "Basic k1", "k1"])
+def test_missing_or_wrong_key_is_401(header: str | None) -> None:
+    with pytest.raises(ApiError) as err:
+        resolve_principal(KEYS, header, None)
+    assert err.value.status == 401 and err.value.code == "invalid_api_key"
+
+
+def test_keys_file(tmp_path: Path) -> None:
+    good = tmp_path / "keys.json"
+    good.write_text(json.dumps({"k1": {"tenant": "acme", "user": "alice"}}))
+    assert load_api_keys(good) == KEYS
+    for bad in ("{", "[]", "{}", '{"k": 1}', '{"k": {"tenant": "a/b", "user": "u"}}', '{"k": {"tenant": "a"}}'):
+        good.write_text(bad)
+        with pytest.raises(ValueError, match="--api-keys"):
+            load_api_keys(good)
+
+
+def test_chat_template_is_deterministic_and_prefix_stable() -> None:
+    one = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    two = [*one, {"role": "assistant", "content": "hello"}, {"role": "user", "content": [{"type": "text",
+                                                                                          "text": "more"}]}]
+    assert render_chat(one) == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+    assert render_chat(one) == render_chat(json.loads(json.dumps(one)))
+    assert render_chat(two).startswith(render_chat(one)[: -len("<|assistant|>\n")])
+    for bad, param in ((None, "messages"), ([], "messages"), ([{"role": "x"}], "messages[0].role"),
+                       ([{"role": "user", "content": 3}], "messages[0].content")):
+        with pytest.raises(ChatError) as err:
+            render_chat(bad)
+        assert err.value.param == param
+
+
+def test_detokenizer_streams_what_decode_gives() -> None:
+    tok = ByteTokenizer()
+    ids = [*tok.encode("naïve → ok").tolist(), 2, 400, *tok.encode("é").tolist()]
+    detok = Detokenizer()
+    pieces = [detok.feed([i], final=n == len(ids) - 1) for n, i in enumerate(ids)]
+    assert "".join(pieces) == tok.decode(ids)
+    assert all("\ufffd" not in p for p in pieces[:3])  # a split UTF-8 character waits for its bytes
+
+
+@pytest.fixture
+def front() -> Iterator[Front]:
+    engine = EngineConfig(pool=PoolConfig(kv_size_tokens=256, max_context_len=128))
+    state = FrontState(engine=engine, model=model_config("tiny"), model_id="kvscope-tiny", api_keys=KEYS)
+    made = Front(state, "ipc:///tmp/kvscope-test-front-in", "ipc:///tmp/kvscope-test-front-out")
+    try:
+        yield made
+    finally:
+        made.push.close()
+        made.pull.close()
+        made.context.term()
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ([], 400, None),
+    ({"prompt": "hi"}, 401, None),
+    ({"prompt": "hi", "model": "other", "auth": True}, 404, "model"),
+    ({"prompt": "", "auth": True}, 400, "prompt"),
+    ({"prompt": [[1], [2]], "auth": True}, 400, "prompt"),
+    ({"prompt": [True], "auth": True}, 400, "prompt"),
+    ({"prompt": "x" * 120, "max_tokens": 9, "auth": True}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": True, "auth": True}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -1, "auth": True}, 400, "max_tokens"),
+    ({"prompt": "hi", "n": 2, "auth": True}, 400, "n"),
+    ({"prompt": "hi", "stream_options": 1, "auth": True}, 400, "stream_options"),
+])
+def test_parse_rejects_with_the_field(front: Front, body: object, status: int, param: str | None) -> None:
+    if isinstance(body, dict):
+        body = dict(body)  # the parameter is shared between runs
+    auth = "Bearer k1" if isinstance(body, dict) and body.pop("auth", False) else None
+    with pytest.raises(ApiError) as err:
+        front.parse(body, False, auth, 0.0)
+    assert (err.value.status, err.value.param) == (status, param)
+    assert set(json.loads(bytes(err.value.response().body))["error"]) == {"message", "type", "param", "code"}
+
+
+def test_parse_a_good_request(front: Front) -> None:
+    req = front.parse({"prompt": ["hi"], "max_tokens": 3, "user": "sub", "stream": True,
+                       "stream_options": {"include_usage": True}}, False, "Bearer k1", 1.5)
+    assert req.input_ids == ByteTokenizer().encode("hi").tolist()
+    assert (req.max_tokens, req.stream, req.include_usage, req.principal) == (3, True, True, "acme/alice/sub")
+    chat = front.parse({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2}, True,
+                       "Bearer k1", 0.0)
+    assert chat.max_tokens == 2 and chat.chat
+
+
+def test_metrics_render_every_documented_name() -> None:
+    metrics = ServerMetrics(page_size=4)
+    pool = PoolStats(total=100, used=10, available=80, evictable=10, protected=5)
+    metrics.update(StatsOut(step=3, pools={"full": pool, "swa": pool}, num_running=1, num_waiting=2,
+                            prompt_tokens=50, cached_tokens=20, generated_tokens=7, evicted_tokens=4,
+                            num_retractions=1, leak_checks_passed=2, leak_checks_failed=0))
+    metrics.request_finished("length")
+    metrics.ttft.observe(0.01)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    names = {f.name for f in families.values()}
+    for name in (*GAUGES, *HISTOGRAMS):
+        assert name in names, name
+    for name in COUNTERS:
+        assert name.removesuffix("_total") in names, name
+    samples = {s.name: s.value for f in families.values() for s in f.samples if not s.labels}
+    assert samples["sglang:prompt_tokens_total"] == 50 and samples["sglang:num_queue_reqs"] == 2
+    assert samples["sglang:max_total_num_tokens_swa"] == 100

@@ -1,0 +1,350 @@
+"""`python -m kvscope serve` as a real subprocess on a free loopback port, driven by the official
+openai client and httpx; the capture is read after SIGTERM closed it.
+
+The tests of each server run in file order: the last one stops it and reads its capture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvscope.workloads.tokenizer import ByteTokenizer
+
+READY_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 60.0
+MODEL = "kvscope-tiny"
+KEYS = {"k-acme-alice": {"tenant": "acme", "user": "alice"}, "k-beta-bob": {"tenant": "beta", "user": "bob"}}
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[str]
+    url: str
+    capture: Path
+    lines: queue.Queue[str]
+    seen: dict[str, object] = field(default_factory=dict)  # what earlier tests leave for the last one
+
+    def client(self, key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+    def stop(self) -> tuple[int, str]:
+        """SIGTERM, then the exit code and everything it printed after 'ready'."""
+        self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(STOP_TIMEOUT_S)
+        out = []
+        while not self.lines.empty():
+            out.append(self.lines.get())
+        return code, "".join(out)
+
+
+def start_server(tmp: Path, *extra: str) -> Server:
+    capture = tmp / "serve.db"
+    cmd = [sys.executable, "-m", "kvscope", "serve", "--port", "0", "--device", "cpu", "--capture", str(capture),
+           "--kv-tokens", "4096", *extra]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    printed = []
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            if process.poll() is not None:
+                break
+            continue
+        printed.append(line)
+        if "ready on http://" in line:
+            return Server(process, line.strip().rsplit(" ", 1)[1], capture, lines)
+    process.kill()
+    raise AssertionError(f"the server did not get ready: {''.join(printed)}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory.mktemp("open"))
+    try:
+        yield srv
+    finally:
+        if srv.process.poll() is None:
+            srv.process.kill()
+            srv.process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("keyed")
+    (tmp / "keys.json").write_text(json.dumps(KEYS))
+    srv = start_server(tmp, "--api-keys", str(tmp / "keys.json"), "--level", "summary")
+    try:
+        yield srv
+    finally:
+        if srv.process.poll() is None:
+            srv.process.kill()
+            srv.process.wait(10)
+
+
+def rid_of(response_id: str) -> str:
+    return response_id.split("-", 1)[1]
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample of /metrics, by name and labels."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def wait_idle(url: str, timeout_s: float = 30.0) -> dict[str, float]:
+    """/metrics once no request runs or waits and the scheduler has sent its idle stats."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        values = metrics(url)
+        if values.get("sglang:num_running_reqs") == 0 and values.get("sglang:num_queue_reqs") == 0:
+            time.sleep(1.0)  # one more stats interval, so the counters include the last step
+            return metrics(url)
+        time.sleep(0.2)
+    raise AssertionError("the server did not go idle")
+
+
+# --- the open server (no keys), level full
+
+
+def test_completions_text_and_ids(server: Server) -> None:
+    client = server.client()
+    text = client.completions.create(model=MODEL, prompt="The pools fill up", max_tokens=8, user="carol")
+    assert text.choices[0].finish_reason == "length"
+    assert text.usage is not None and text.usage.completion_tokens == 8
+    assert text.usage.prompt_tokens == len(ByteTokenizer().encode("The pools fill up"))
+    ids = [5, 6, 7, 8, 9, 10, 11, 12]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4)
+    assert by_ids.usage is not None and by_ids.usage.prompt_tokens == len(ids)
+    assert by_ids.usage.completion_tokens == 4
+    chunks = list(client.completions.create(model=MODEL, prompt="The pools fill up", max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == text.choices[0].text  # the tiny model is deterministic (greedy)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    server.seen["rids"] = [rid_of(text.id), rid_of(by_ids.id), rid_of(chunks[0].id)]
+
+
+def test_chat_streamed_and_not(server: Server) -> None:
+    client = server.client()
+    messages: list[Any] = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+    assert plain.choices[0].message.role == "assistant"
+    assert plain.usage is not None and plain.usage.completion_tokens == 6
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_repeated_prompt_hits_the_cache(server: Server) -> None:
+    client = server.client()
+    prompt = "A long shared system prompt that the radix cache should keep between requests. " * 3
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert first.usage is not None and second.usage is not None
+    details = second.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
+    assert details.cached_tokens > len(prompt) // 2
+    server.seen["cached"] = (rid_of(second.id), details.cached_tokens)
+
+
+BAD = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (json.dumps({"model": MODEL}).encode(), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": 5}).encode(), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": [1, "x"]}).encode(), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": [100000]}).encode(), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": "5"}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "x" * 3000, "max_tokens": 4}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "gpt-4", "prompt": "hi"}).encode(), 404, "model"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "stream": "yes"}).encode(), 400, "stream"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "user": 7}).encode(), 400, "user"),
+]
+
+
+def test_malformed_requests_get_openai_errors_and_the_server_survives(server: Server) -> None:
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for body, status, param in BAD:
+            reply = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert reply.status_code == status, (body, reply.text)
+            error = reply.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"]
+            assert error["param"] == param, (body, error)
+        chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard"}]})
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages[0].role"
+        missing = http.get("/v1/nothing")
+        assert missing.status_code == 404 and "error" in missing.json()
+        for i in range(1000):
+            body, status, _ = BAD[i % len(BAD)]
+            reply = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert reply.status_code == status
+    good = server.client().completions.create(model=MODEL, prompt="still here", max_tokens=3)
+    assert good.usage is not None and good.usage.completion_tokens == 3
+    with pytest.raises(openai.NotFoundError):
+        server.client().completions.create(model="no-such-model", prompt="hi", max_tokens=1)
+
+
+def test_models_health_server_info(server: Server) -> None:
+    assert [m.id for m in server.client().models.list()] == [MODEL]
+    assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}
+    info = httpx.get(f"{server.url}/server_info", timeout=10).json()
+    assert info["page_size"] == 1 and info["max_total_num_tokens"] == 4096 and info["cache"] == "radix"
+    assert info["model_shape"]["num_layers"] >= 1 and info["pools"]["full"]["total"] == 4096
+
+
+def test_client_closing_mid_stream_aborts(server: Server) -> None:
+    with httpx.Client(timeout=30) as http, http.stream(
+            "POST", f"{server.url}/v1/completions",
+            json={"model": MODEL, "prompt": "go on and on", "max_tokens": 1500, "stream": True}) as reply:
+        lines = reply.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        rid = rid_of(json.loads(first[len("data: "):])["id"])
+    server.seen["aborted"] = rid
+    values = wait_idle(server.url)
+    assert values["kvscope_requests_total{reason=abort}"] == 1
+    with pytest.raises(httpx.TimeoutException):  # a plain (not streamed) request whose client gives up
+        httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "wait", "max_tokens": 1500},
+                   timeout=1.0)
+    values = wait_idle(server.url)
+    assert values["kvscope_requests_total{reason=abort}"] == 2
+    assert values["sglang:kv_used_tokens"] == 0 and values["kvscope_protected_tokens{pool=full}"] == 0
+    assert values["sglang:kv_available_tokens"] + values["sglang:kv_evictable_tokens"] == 4096
+
+
+def test_sigterm_finishes_the_capture_and_metrics_agree(server: Server) -> None:
+    values = wait_idle(server.url)
+    started, streamed = threading.Event(), queue.Queue[tuple[str, str | None, int]]()
+
+    def in_flight() -> None:  # a stream that is running when SIGTERM arrives: it is finished, not cut
+        chunks = server.client().completions.create(model=MODEL, prompt="drain me", max_tokens=24, stream=True,
+                                                    stream_options={"include_usage": True})
+        rid, reason, completion = "", None, 0
+        for chunk in chunks:
+            started.set()
+            rid = rid_of(chunk.id)
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reason = chunk.choices[0].finish_reason
+            if chunk.usage is not None:
+                completion = chunk.usage.completion_tokens
+        streamed.put((rid, reason, completion))
+
+    threading.Thread(target=in_flight, daemon=True).start()
+    assert started.wait(30)
+    code, printed = server.stop()
+    drained_rid, reason, completion = streamed.get(timeout=30)
+    assert (reason, completion) == ("length", 24)
+    assert code == 0, printed
+    assert "kvscope serve: stopped (SIGTERM)" in printed
+    with sqlite3.connect(server.capture) as db:
+        (status,) = db.execute("select status from runs").fetchone()
+        assert status == "finished"
+        rows = {rid: (st, prompt, cached, out) for rid, st, prompt, cached, out in db.execute(
+            "select rid, status, prompt_len, cached_tokens, output_len from requests")}
+        last_check = db.execute("select ok, step from leak_checks order by step desc limit 1").fetchone()
+        aborted_step = db.execute("select finish_step from requests where rid = ?",
+                                  (server.seen["aborted"],)).fetchone()
+    assert last_check[0] == 1 and last_check[1] >= aborted_step[0]
+    for rid in server.seen["rids"]:  # type: ignore[attr-defined]
+        assert rows[rid][0] == "finished"
+    assert rows.pop(drained_rid) == ("finished", len(ByteTokenizer().encode("drain me")), 0, 24)
+    assert rows[str(server.seen["aborted"])][0] == "aborted"
+    cached_rid, cached = cast(tuple[str, int], server.seen["cached"])
+    assert rows[cached_rid][2] == cached
+    assert values["sglang:prompt_tokens_total"] == sum(r[1] for r in rows.values())
+    assert values["sglang:cached_tokens_total{source=device}"] == sum(r[2] for r in rows.values())
+    # the engine counts the output of finished requests (EngineStats.generated_tokens)
+    assert values["sglang:generation_tokens_total"] == sum(r[3] for r in rows.values() if r[0] == "finished")
+    assert values["kvscope_leak_checks_failed_total"] == 0
+    num_finished = sum(r[0] == "finished" for r in rows.values())
+    assert values["sglang:e2e_request_latency_seconds_count"] == num_finished  # aborted ones have no end
+    assert values["sglang:time_to_first_token_seconds_count"] >= num_finished
+    assert values["kvscope_requests_total{reason=length}"] == num_finished
+
+
+# --- the keyed server (--api-keys), level summary
+
+
+def test_api_keys_401_403_and_narrowing(keyed: Server) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        keyed.client("wrong").completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    no_key = httpx.post(f"{keyed.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10)
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
+    alice = keyed.client("k-acme-alice")
+    for user in ("beta/bob", "acme/mallory", "acme/alice2/x"):
+        with pytest.raises(openai.PermissionDeniedError):
+            alice.completions.create(model=MODEL, prompt="hi", max_tokens=1, user=user)
+    prompt = "tenant acme's own shared prefix, long enough to stay in the tree " * 2
+    narrowed = alice.completions.create(model=MODEL, prompt=prompt, max_tokens=2, user="sub1")
+    plain = keyed.client("k-beta-bob").chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "bob's question"}], max_tokens=2)
+    keyed.seen["principals"] = {rid_of(narrowed.id): "acme/alice/sub1", rid_of(plain.id): "beta/bob"}
+
+
+def test_principals_reach_the_capture(keyed: Server) -> None:
+    wait_idle(keyed.url)
+    code, printed = keyed.stop()
+    assert code == 0, printed
+    with sqlite3.connect(keyed.capture) as db:
+        principals = dict(db.execute("select rid, principal from requests").fetchall())
+        owners = {owner for (owner,) in db.execute("select distinct owner from tree_snapshots")}
+    expected: dict[str, str] = keyed.seen["principals"]  # type: ignore[assignment]
+    for rid, principal in expected.items():
+        assert principals[rid] == principal
+    assert {"acme/alice/sub1", "beta/bob"} <= owners
+
+
+# --- the command line
+
+
+def test_bad_config_is_one_line_exit_2(tmp_path: Path) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    (tmp_path / "bad.json").write_text("[1]")
+    try:
+        for args in (["--model", "nope"], ["--page-size", "3"], ["--api-keys", str(tmp_path / "bad.json")],
+                     ["--kv-events-config", "{bad"], ["--port", str(port)]):
+            done = subprocess.run([sys.executable, "-m", "kvscope", "serve", "--device", "cpu", "--level", "off",
+                                   *args], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 2, (args, done.stderr)
+            assert done.stderr.startswith("kvscope serve: error: ") and done.stderr.count("\n") == 1, done.stderr
+            assert "ready" not in done.stdout
+    finally:
+        taken.close()
