@@ -5,13 +5,16 @@
     runs, report leaks, check, diff
                     report.py   read a capture
     plan, replay    plan.py     capacity on a GPU, hit rate vs cache capacity
+    serve           serve.py    the engine behind an OpenAI-compatible HTTP server
+    load            load.py     traffic for a server, through the official openai client
 
 A handler returns the exit code. Bad input raises ValueError, OSError or CaptureError with one
-line, which `main` prints as `kvscope <verb>: error: <line>` and exits 2; Ctrl-C exits 130.
+line, which `main` prints as `kvscope <verb>: error: <line>` and exits 2; a stop signal exits
+128 + its number with one line (kvscope/__main__.py).
 A malformed flag value is argparse's error, printed the same way (`Parser`). Sizes take unit
 suffixes (units.py); help states each default once (`HelpFormatter`).
 
-NOTE: runner.py and demo.py load torch, so they are imported only when their verb runs:
+NOTE: runner.py, demo.py and serve.py load torch, so they are imported only when their verb runs:
 `--help`, the capture readers, `plan` and `replay` never load it (replays run in workers).
 """
 
@@ -312,6 +315,48 @@ def add_replay_parser(verbs: SubParsers) -> None:
     replay.set_defaults(func=replay_verb)
 
 
+def _load(args: argparse.Namespace) -> int:
+    from kvscope.app.load import load_verb
+
+    return load_verb(args)
+
+
+def add_load_parser(verbs: SubParsers) -> None:
+    load = verbs.add_parser(
+        "load",
+        help="drive an OpenAI-compatible server (kvscope serve) with a workload or trace",
+        description="Replay a workload or trace against a server's streamed /v1/completions with the official "
+        "openai client: prompts as token ids, each request's user in `user`, a session's next turn sent after "
+        "the previous one finished. Prints throughput and TTFT, inter-token and end-to-end latency percentiles. "
+        "Exit 1 when any request failed, 2 when no server answers.",
+        formatter_class=DEFAULTS,
+    )
+    load.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:30000 (or its /v1 base URL)")
+    source = load.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workload", choices=sorted(WORKLOADS), help="a generated workload")
+    source.add_argument("--trace", metavar="FILE", help="a JSONL trace: one {id, user, prompt, output} per line")
+    load.add_argument("--num-requests", type=positive_count, metavar="N",
+                      help="requests to send (default: 100 of a workload, all of a trace; with --duration, per "
+                      "round of the repeated workload)")
+    load.add_argument("--seed", type=int, default=0, help="workload seed (round r of --duration uses seed + r)")
+    load.add_argument("--vocab-size", type=positive_count, default=512, help="token ids of a workload lie below this")
+    load.add_argument("--rate", type=finite_float(0), metavar="R",
+                      help="requests per second (default: as fast as --concurrency allows)")
+    load.add_argument("--arrivals", default="poisson", choices=["poisson", "even"], help="arrival process with --rate")
+    load.add_argument("--duration", type=finite_float(0), metavar="S",
+                      help="stop sending after S seconds; the workload repeats until then")
+    load.add_argument("--concurrency", type=positive_count, default=8, metavar="C", help="requests in flight at most")
+    load.add_argument("--api-keys", metavar="FILE",
+                      help="the server's key file; user groups (the id up to its first '-': t1-u2 -> t1) take the keys "
+                      "round-robin in order of first appearance; `user` stays the workload's user")
+    load.add_argument("--max-tokens", type=positive_count, metavar="N",
+                      help="output tokens per request (default: each request's output length)")
+    load.add_argument("--timeout", type=finite_float(0), default=600.0, metavar="S", help="per-request timeout")
+    load.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    load.add_argument("--json", action="store_true", help="print the summary as JSON (shape: kvscope/app/load.py)")
+    load.set_defaults(func=_load)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="kvscope",
@@ -327,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_debugger_parsers(verbs)
     add_plan_parser(verbs)
     add_replay_parser(verbs)
+    add_load_parser(verbs)
     return parser
 
 

@@ -1,0 +1,205 @@
+"""`kvscope serve` under load: requests/s, TTFT and end-to-end latency at concurrency 1, 16 and 64,
+against the same workload through the engine directly (what `kvscope run` does) as the baseline.
+
+    .venv/bin/python benchmarks/bench_serve.py [--num-requests N] [--rounds R] [--device cpu|cuda]
+                                               [--workload NAME] [--quick] [--write | --no-write]
+
+Prints Markdown tables; with --write (the default) also replaces the `## bench_serve` section of
+benchmarks/RESULTS.md.
+
+NOTE: what runs
+    server    `python -m kvscope serve --port 0 --level off --max-running-requests 64` (the tiny
+              model, `run`'s default engine otherwise), started once; every point drives it with
+              kvscope.server.load (the official openai client, streamed /v1/completions, token-id
+              prompts, `user` set) at one concurrency, every request must succeed
+    baseline  the same requests through a fresh Engine (level off, the same engine options but
+              --max-running-requests 16), all submitted at once: engine.run() timed, not the build
+NOTE: what is compared. "Time per request" is a point's wall time / its requests (the inverse
+of throughput). The target: serve at concurrency 16 costs at most 10% more time per request
+than the baseline with 16 request rows (ratio = serve / baseline, the median over rounds).
+The workload is shared-prefix by default: independent requests with no forced outputs, so both
+sides sample the same number of tokens and no request waits for another.
+Rounds alternate the order (baseline first, then serve 1/16/64; then the reverse), since the
+machine is noisy; one untimed warm-up of each comes first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _results import command_line, machine_lines, write_section
+
+from kvscope.app.runner import to_engine_requests
+from kvscope.engine import EngineConfig, PoolConfig, model_config
+from kvscope.engine.engine import Engine
+from kvscope.server.load import LoadConfig, run_load, summarize
+from kvscope.workloads import TraceRequest, generate
+
+REPO = Path(__file__).resolve().parents[1]
+CONCURRENCIES = (1, 16, 64)
+COMPARED = 16
+TARGET = 1.10
+READY_TIMEOUT_S = 180.0
+
+
+def start_server(device: str) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "kvscope", "serve", "--port", "0", "--level", "off", "--device", device,
+           "--max-running-requests", "64"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    seen = []
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1.0)
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+            continue
+        seen.append(line)
+        if "ready on " in line:
+            return proc, line.split("ready on ", 1)[1].strip()
+    stop_server(proc)
+    raise RuntimeError("kvscope serve did not become ready: " + "".join(seen[-5:]))
+
+
+def stop_server(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def serve_point(url: str, trace: list[TraceRequest], concurrency: int) -> dict[str, Any]:
+    before = cpu_s()
+    report = run_load(lambda _r: trace, LoadConfig(url=url, concurrency=concurrency), progress=None)
+    client_cpu_s = cpu_s() - before
+    summary = summarize(report)
+    if summary["requests"]["failed"] or summary["requests"]["completed"] != len(trace):
+        raise RuntimeError(f"concurrency {concurrency}: {summary['requests']}; first error: {summary['first_error']}")
+    summary["per_request_s"] = report.wall_s / len(trace)
+    summary["client_cpu_per_request_s"] = client_cpu_s / len(trace)
+    return summary
+
+
+def baseline_point(trace: list[TraceRequest], device: str) -> float:
+    model = model_config("tiny")
+    engine = Engine(EngineConfig(pool=PoolConfig(max_running_requests=COMPARED), device=device), model)
+    requests = to_engine_requests(trace)
+    start = time.perf_counter()
+    stats = engine.run(requests)
+    wall = time.perf_counter() - start
+    if stats.num_finished != len(trace):
+        raise RuntimeError(f"baseline finished {stats.num_finished} of {len(trace)} requests")
+    return wall / len(trace)
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workload", default="shared-prefix")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--quick", action="store_true", help="32 requests, 1 round")
+    parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
+                        help="write the section of benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_requests, args.rounds = 32, 1
+    torch.set_num_threads(1)
+    trace = generate(args.workload, num_requests=args.num_requests, seed=0)
+    load_before = os.getloadavg()[0]
+    proc, url = start_server(args.device)
+    points: dict[int, list[dict[str, Any]]] = {c: [] for c in CONCURRENCIES}
+    baselines: list[float] = []
+    try:
+        serve_point(url, trace, COMPARED)  # warm-up, untimed
+        baseline_point(trace, args.device)
+        for r in range(args.rounds):
+            steps: list[Any] = ["baseline", *CONCURRENCIES]
+            for step in steps if r % 2 == 0 else reversed(steps):
+                if step == "baseline":
+                    baselines.append(baseline_point(trace, args.device))
+                else:
+                    points[step].append(serve_point(url, trace, step))
+                print(f"round {r + 1}/{args.rounds}: {step} done", file=sys.stderr)
+    finally:
+        stop_server(proc)
+    load_after = os.getloadavg()[0]
+
+    def med(values: list[float]) -> float:
+        return statistics.median(values)
+
+    base = med(baselines)
+    lines = [
+        f"{args.num_requests} `{args.workload}` requests (seed 0) on the tiny model, device {args.device}; "
+        f"{args.rounds} rounds in alternating order, medians over rounds. Time per request = wall time / "
+        "requests; the baseline is the engine directly (all requests at once, 16 request rows, level off).",
+        "",
+        "| point | req/s | time per request (ms) | TTFT p50 (ms) | TTFT p99 (ms) | e2e p50 (ms) | e2e p99 (ms) "
+        "| client CPU per request (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| engine directly (`kvscope run`) | {1 / base:.1f} | {base * 1000:.2f} | - | - | - | - | - |",
+    ]
+    for c in CONCURRENCIES:
+        runs = points[c]
+        per = med([p["per_request_s"] for p in runs])
+        lines.append(
+            f"| serve, concurrency {c} | {med([p['throughput']['requests_per_s'] for p in runs]):.1f} | "
+            f"{per * 1000:.2f} | {ms(med([p['ttft_s']['p50'] for p in runs]))} | "
+            f"{ms(med([p['ttft_s']['p99'] for p in runs]))} | {ms(med([p['e2e_s']['p50'] for p in runs]))} | "
+            f"{ms(med([p['e2e_s']['p99'] for p in runs]))} | "
+            f"{ms(med([p['client_cpu_per_request_s'] for p in runs]))} |")
+    ratios = [p["per_request_s"] / b for p, b in zip(points[COMPARED], baselines, strict=True)]
+    ratio = med([p["per_request_s"] for p in points[COMPARED]]) / base
+    verdict = "met" if ratio <= TARGET else "NOT met"
+    lines += [
+        "",
+        f"Serve at concurrency {COMPARED} / engine directly, time per request: **{ratio:.3f}** "
+        f"(per round: {', '.join(f'{x:.3f}' for x in ratios)}); target <= {TARGET:.2f}: {verdict}.",
+    ]
+    body = "\n".join(lines)
+    print(body)
+    if args.write:
+        stamp = time.strftime("%Y-%m-%d", time.gmtime())
+        header = [f"Run {stamp}: `{command_line()}`", "", *machine_lines(args.device),
+                  "- the server runs in its own processes (front, scheduler) on the same machine as the load "
+                  "generator; client CPU is this process's CPU time during a point",
+                  f"- 1-minute load average before / after: {load_before:.2f} / {load_after:.2f} (other processes "
+                  "on the machine slow every point)", ""]
+        write_section("bench_serve", "\n".join(header) + "\n" + body)
+
+
+if __name__ == "__main__":
+    main()
