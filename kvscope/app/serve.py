@@ -33,11 +33,15 @@ import tempfile
 import time
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvscope.server.front import Front
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # as kvscope.__main__'s
 READY_TIMEOUT_S = 300.0
 GRACEFUL_S = 30
+DRAIN_S = 25  # requests in flight may finish this long; then they are aborted, before uvicorn's own limit
 JOIN_TIMEOUT_S = 60.0
 
 # the options of `kvscope run` that serve does not take, at run's defaults, for runner.spec_from_args
@@ -194,8 +198,7 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
                 await front.send(ShutdownReq(abort_in_flight=False))
         if server is not None and serving is not None:
             server.should_exit = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(serving, GRACEFUL_S + 5)
+            await drain(front, serving, process.is_alive())
         await loop.run_in_executor(None, process.join, JOIN_TIMEOUT_S)
         if process.is_alive():
             process.terminate()
@@ -206,3 +209,21 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
     where = f"; capture {options.capture}" if options.capture else ""
     print(f"kvscope serve: stopped{why}{where}", flush=True)
     return code
+
+
+async def drain(front: Front, serving: asyncio.Task[None], scheduler_alive: bool) -> None:
+    """Let the requests in flight finish for DRAIN_S, then abort them, so every stream ends with
+    its last message before uvicorn's graceful limit (which would cancel it mid-stream)."""
+    from kvscope.server.protocol import ShutdownReq
+
+    try:
+        await asyncio.wait_for(asyncio.shield(serving), DRAIN_S)
+        return
+    except TimeoutError:
+        if scheduler_alive:
+            with contextlib.suppress(Exception):
+                await front.send(ShutdownReq(abort_in_flight=True))
+    except Exception:
+        return
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(serving, GRACEFUL_S - DRAIN_S + 5)
