@@ -14,8 +14,9 @@ STAMP  := $(VENV)/.kvscope-installed
 install: $(STAMP)
 
 # NOTE: the first install takes a few minutes; each phase says so, and pip's lines show what it fetches
+# (grep finds none when everything is there already: that is not a failure)
 PIP := $(BIN)/python -m pip install --disable-pip-version-check --progress-bar off
-SHOW := grep --line-buffered -E '^(Collecting|Successfully installed)' | sed -u 's/^/    /'
+SHOW := { grep --line-buffered -E '^(Collecting|Successfully installed)' || true; } | sed -u 's/^/    /'
 
 $(STAMP): pyproject.toml
 	@echo "kvscope: setting up $(VENV) (first time only, a few minutes; later runs skip this)"

@@ -1,13 +1,16 @@
-"""`make run`: record a paced workload in the background and open the dashboard on it, live.
+"""`make run`: a served engine under load, and the dashboard watching it fill up, live.
 
-    python -m kvscope.dashboard.launch [--num-requests N] [--pace RATE] [--workload NAME]
-                                       [--host 127.0.0.1] [--port 8501] [--runs-dir DIR]
+    python -m kvscope.dashboard.launch [--workload multi-tenant] [--num-requests N] [--rate R]
+                                       [--host 127.0.0.1] [--port 8501] [--serve-port 30000]
+                                       [--runs-dir DIR]
 
-Starts `kvscope run … --capture runs/<time>-live.db`, waits for the capture to exist, then
-runs `streamlit run app.py -- --db <capture>` bound to 127.0.0.1 (unless --host says
-otherwise), headless, with Streamlit's usage statistics off and its Deploy button hidden.
-Ctrl-C (or SIGTERM, or either process ending badly) stops both, waits for them, and exits 0
-after Ctrl-C so `make` prints no error line. Torch-free: the engine runs in its own process.
+Starts `kvscope serve` on loopback recording `runs/<time>-live.db`, waits until it answers
+/health, starts `kvscope load` against it (the multi-tenant workload through the official
+openai client), then `streamlit run app.py -- --db <capture>` bound to 127.0.0.1 (unless
+--host says otherwise), headless, with Streamlit's usage statistics off and its Deploy
+button hidden. Ctrl-C (or SIGTERM, or the server or the dashboard ending) stops all three,
+waits for them, and exits 0 after Ctrl-C so `make` prints no error line. Torch-free: the
+engine runs in the server's scheduler process.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from types import FrameType
 
@@ -26,6 +30,7 @@ GRACE_S = 3.0  # a Ctrl-C at the terminal reaches every process of the group: gi
 STOP_TIMEOUT_S = 10.0
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8501
+DEFAULT_SERVE_PORT = 30000
 # NOTE: the same settings as .streamlit/config.toml, passed explicitly so they hold from any directory
 STREAMLIT_SETTINGS = {
     "server.headless": "true",  # no browser launch and no first-run e-mail prompt on stdin
@@ -34,9 +39,14 @@ STREAMLIT_SETTINGS = {
 }
 
 
-def engine_command(capture: Path, workload: str, num_requests: int, pace: float) -> list[str]:
-    return [sys.executable, "-m", "kvscope", "run", "--workload", workload, "--pace", str(pace),
-            "--num-requests", str(num_requests), "--capture", str(capture)]
+def serve_command(capture: Path, port: int) -> list[str]:
+    return [sys.executable, "-m", "kvscope", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--capture", str(capture)]
+
+
+def load_command(port: int, workload: str, num_requests: int, rate: float) -> list[str]:
+    return [sys.executable, "-m", "kvscope", "load", "--url", f"http://127.0.0.1:{port}", "--workload", workload,
+            "--num-requests", str(num_requests), "--rate", str(rate), "--quiet"]
 
 
 def dashboard_command(capture: Path, port: int | None = None, host: str = DEFAULT_HOST) -> list[str]:
@@ -58,12 +68,21 @@ def say(line: str) -> None:
     print(f"kvscope: {line}", flush=True)
 
 
-def _wait_for(capture: Path, engine: subprocess.Popen[bytes]) -> bool:
+def _serving(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+def _wait_for(capture: Path, port: int, server: subprocess.Popen[bytes]) -> bool:
+    """Until the server answers /health and its capture exists; False if it ended first."""
     deadline = time.monotonic() + WAIT_FOR_CAPTURE_S
     while time.monotonic() < deadline:
-        if capture.exists() and capture.stat().st_size > 0:
+        if capture.exists() and capture.stat().st_size > 0 and _serving(port):
             return True
-        if engine.poll() is not None:
+        if server.poll() is not None:
             return False
         time.sleep(0.2)
     return False
@@ -89,9 +108,10 @@ def _terminate(signum: int, _frame: FrameType | None) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--workload", default="multi-turn", help="the generated workload to record")
-    parser.add_argument("--num-requests", type=int, default=200, help="requests in the workload")
-    parser.add_argument("--pace", type=float, default=4.0, help="arrivals per second")
+    parser.add_argument("--workload", default="multi-tenant", help="the generated workload the load sends")
+    parser.add_argument("--num-requests", type=int, default=400, help="requests in the workload")
+    parser.add_argument("--rate", type=float, default=4.0, help="requests per second the load sends")
+    parser.add_argument("--serve-port", type=int, default=DEFAULT_SERVE_PORT, help="port the server listens on")
     parser.add_argument("--host", default=DEFAULT_HOST, help="address the dashboard listens on (0.0.0.0: every one)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port the dashboard listens on")
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs", help="folder of the new capture")
@@ -103,25 +123,37 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     capture = live_capture_path(args.runs_dir.resolve())
     capture.parent.mkdir(parents=True, exist_ok=True)
-    say(f"starting the engine (loading torch takes a few seconds); recording {_shown(capture)}")
-    engine = subprocess.Popen(engine_command(capture, args.workload, args.num_requests, args.pace), cwd=ROOT)
+    say(f"starting kvscope serve on http://127.0.0.1:{args.serve_port}, recording {_shown(capture)}")
+    server = subprocess.Popen(serve_command(capture, args.serve_port), cwd=ROOT)
+    load: subprocess.Popen[bytes] | None = None
     dashboard: subprocess.Popen[bytes] | None = None
     try:
-        if not _wait_for(capture, engine):
-            print(f"kvscope: error: kvscope run did not start a capture at {capture}", file=sys.stderr)
+        if not _wait_for(capture, args.serve_port, server):
+            print(f"kvscope: error: kvscope serve did not start serving on port {args.serve_port}", file=sys.stderr)
             return 1
-        say(f"starting the dashboard on http://{args.host}:{args.port} (Ctrl-C stops both)")
+        say(f"sending the {args.workload} workload at {args.rate:g} requests/s")
+        load = subprocess.Popen(load_command(args.serve_port, args.workload, args.num_requests, args.rate), cwd=ROOT)
+        say(f"starting the dashboard on http://{args.host}:{args.port} (Ctrl-C stops all three)")
         dashboard = subprocess.Popen(dashboard_command(capture, args.port, args.host), cwd=ROOT)
-        return dashboard.wait()
+        return _wait_any(dashboard, server)
     except KeyboardInterrupt:
-        say("stopping the engine and the dashboard")
+        say("stopping the load, the dashboard and the server")
         return 0  # a Ctrl-C is how this is meant to end: no error line from make
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
-        for process in (dashboard, engine):
+        for process in (load, dashboard, server):
             if process is not None:
                 _stop(process)
         say(f"stopped; the capture is {_shown(capture)}")
+
+
+def _wait_any(*processes: subprocess.Popen[bytes]) -> int:
+    """Until one of them ends; its exit code."""
+    while True:
+        for process in processes:
+            if process.poll() is not None:
+                return int(process.returncode)
+        time.sleep(0.5)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,12 @@ from kvscope.dashboard import launch
 def test_the_dashboard_opens_the_capture_the_engine_writes(tmp_path: Path) -> None:
     capture = launch.live_capture_path(tmp_path / "runs", now=0.0)
     assert capture.parent == tmp_path / "runs" and capture.name.endswith("-live.db")
-    engine = launch.engine_command(capture, "multi-turn", 200, 4.0)
-    assert engine[1:4] == ["-m", "kvscope", "run"]
-    assert engine[engine.index("--capture") + 1] == str(capture) and engine[engine.index("--pace") + 1] == "4.0"
+    server = launch.serve_command(capture, 30123)
+    assert server[1:4] == ["-m", "kvscope", "serve"] and server[server.index("--port") + 1] == "30123"
+    assert server[server.index("--capture") + 1] == str(capture) and server[server.index("--host") + 1] == "127.0.0.1"
+    load = launch.load_command(30123, "multi-tenant", 200, 4.0)
+    assert load[1:4] == ["-m", "kvscope", "load"] and load[load.index("--url") + 1] == "http://127.0.0.1:30123"
+    assert load[load.index("--workload") + 1] == "multi-tenant" and load[load.index("--rate") + 1] == "4.0"
     dashboard = launch.dashboard_command(capture, port=8999)
     assert dashboard[-3:] == ["--", "--db", str(capture)] and "8999" in dashboard
     assert dashboard[dashboard.index("run") + 1] == str(launch.ROOT / "app.py")
@@ -81,6 +84,16 @@ def _wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
     return False
 
 
+def _served_tokens(port: int) -> float:
+    """Prompt tokens the server has counted (its /metrics), 0 while it is not answering."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("sglang:prompt_tokens_total"))
+
+
 def _healthy(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=1) as reply:
@@ -91,18 +104,19 @@ def _healthy(port: int) -> bool:
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_run_serves_on_loopback_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
-    port = _free_port()
+    port, serve_port = _free_port(), _free_port()
     runs_dir = tmp_path / "runs"
     venv = Path(sys.executable).parents[1]
     make = subprocess.Popen(  # -o: this venv is the one under test, even when pyproject.toml is newer
         ["make", "--no-print-directory", "-o", f"{venv}/.kvscope-installed", "run", f"PORT={port}",
-         f"ARGS=--runs-dir {runs_dir} --num-requests 400 --pace 20"],
+         f"ARGS=--runs-dir {runs_dir} --num-requests 400 --rate 20 --serve-port {serve_port}"],
         cwd=launch.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "VENV": str(venv)},
     )
     try:
         assert _wait_until(lambda: _healthy(port), 90.0), "the dashboard never answered"
-        assert _listening_addresses(port) == {"127.0.0.1"}
+        assert _listening_addresses(port) == {"127.0.0.1"} and _listening_addresses(serve_port) == {"127.0.0.1"}
+        assert _wait_until(lambda: _served_tokens(serve_port) > 0, 60.0), "the load never reached the server"
         os.killpg(make.pid, signal.SIGINT)  # what Ctrl-C at the terminal does: the whole group
         output = make.communicate(timeout=60)[0].decode()
     finally:
@@ -115,4 +129,28 @@ def test_make_run_serves_on_loopback_and_stops_cleanly_on_ctrl_c(tmp_path: Path)
     (capture,) = runs_dir.glob("*-live.db")
     with sqlite3.connect(f"file:{capture}?mode=ro", uri=True) as conn:
         (status,) = conn.execute("SELECT status FROM runs").fetchone()
-    assert status != "running"  # closed: interrupted (or finished, had it ended first)
+        principals = {p for (p,) in conn.execute("SELECT DISTINCT principal FROM requests")}
+    conn.close()
+    assert status == "finished"  # the server drains what is in flight and closes its capture
+    assert len(principals - {None}) > 1  # the multi-tenant workload's users, as the served requests' principals
+
+
+def _make_variable(name: str) -> str:
+    """A variable of the Makefile as make itself expands it (`make -pn` prints its database)."""
+    database = subprocess.run(["make", "-pn", "--no-print-directory", "lint"], cwd=launch.ROOT, capture_output=True,
+                              text=True, check=False).stdout
+    (line,) = [line for line in database.splitlines() if line.startswith(f"{name} := ")]
+    return line.split(" := ", 1)[1]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize(("pip_output", "shown"), [
+    ("Collecting streamlit>=1.37\nDownloading x.whl\nSuccessfully installed streamlit-1.67.0\n",
+     "    Collecting streamlit>=1.37\n    Successfully installed streamlit-1.67.0\n"),
+    ("Requirement already satisfied: torch==2.13.0\n", ""),  # a second install: nothing to show, not a failure
+])
+def test_the_install_progress_filter_shows_what_pip_fetches_and_never_fails(pip_output: str, shown: str) -> None:
+    show = _make_variable("SHOW")
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", f"printf %s \"$PIP_OUTPUT\" | {show}"],
+                          env={**os.environ, "PIP_OUTPUT": pip_output}, capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and done.stdout == shown, done
