@@ -100,7 +100,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("keyed")
     (tmp / "keys.json").write_text(json.dumps(KEYS))
-    srv = start_server(tmp, "--api-keys", str(tmp / "keys.json"), "--level", "summary")
+    srv = start_server(tmp, "--api-keys", str(tmp / "keys.json"), "--level", "full")
     try:
         yield srv
     finally:
@@ -297,7 +297,7 @@ def test_sigterm_finishes_the_capture_and_metrics_agree(server: Server) -> None:
     assert values["kvscope_requests_total{reason=length}"] == num_finished
 
 
-# --- the keyed server (--api-keys), level summary
+# --- the keyed server (--api-keys), level full
 
 
 def test_api_keys_401_403_and_narrowing(keyed: Server) -> None:
@@ -323,10 +323,26 @@ def test_principals_reach_the_capture(keyed: Server) -> None:
     with sqlite3.connect(keyed.capture) as db:
         principals = dict(db.execute("select rid, principal from requests").fetchall())
         owners = {owner for (owner,) in db.execute("select distinct owner from tree_snapshots")}
+        inserted = dict(db.execute("select rid, principal from events where kind = 'insert'").fetchall())
+    db.close()
     expected: dict[str, str] = keyed.seen["principals"]  # type: ignore[assignment]
     for rid, principal in expected.items():
-        assert principals[rid] == principal
+        assert principals[rid] == principal and inserted[rid] == principal  # the request row and its insert event
     assert {"acme/alice/sub1", "beta/bob"} <= owners
+    # the dashboard's Requests table shows each request's principal
+    from streamlit.testing.v1 import AppTest
+
+    root = Path(__file__).resolve().parents[2]
+    os.environ["KVSCOPE_DB"] = str(keyed.capture)
+    try:
+        at = AppTest.from_file(str(root / "app.py"), default_timeout=60)
+        at.switch_page("kvscope/dashboard/app_pages/requests.py")
+        at.run()
+    finally:
+        del os.environ["KVSCOPE_DB"]
+    assert not at.exception, [e.value for e in at.exception]
+    shown = {str(value) for frame in at.dataframe for value in frame.value.get("principal", [])}
+    assert {"acme/alice/sub1", "beta/bob"} <= shown
 
 
 # --- the command line
