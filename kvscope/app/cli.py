@@ -113,6 +113,30 @@ def add_runs_parser(verbs: SubParsers) -> None:
     runs.set_defaults(func=runs_verb)
 
 
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The engine's options, the same for `run` and `serve` (runner.engine_from_args reads them)."""
+    parser.add_argument("--model", default="tiny",
+                        help="tiny, tiny-swa, or a shape like 'layers=4,hidden=64,window=32'")
+    parser.add_argument("--cache", default="auto", choices=["auto", *CACHE_KINDS],
+                        help="prefix cache; auto = radix, or swa-radix for a sliding-window model")
+    parser.add_argument("--eviction-policy", default="lru", help=POLICY_HELP)
+    parser.add_argument("--eviction-granularity", default="leaf", choices=["leaf", "page"],
+                        help="leaf: SGLang's whole-leaf eviction; page: only the pages needed")
+    parser.add_argument("--page-size", type=int, default=1, help="tokens per KV page (a power of two)")
+    parser.add_argument("--kv-tokens", type=token_count, default=4096, metavar="TOKENS",
+                        help="KV capacity of the full pool, in tokens (4096, 64k, 1.5M, 128Ki)")
+    parser.add_argument("--swa-ratio", type=finite_float(0, 1), default=0.8,
+                        help="SWA pool size as a fraction of the full pool")
+    parser.add_argument("--chunked-prefill-size", type=token_count, default=256, metavar="TOKENS",
+                        help="tokens per prefill chunk; 0 disables")
+    parser.add_argument("--max-running-requests", type=positive_count, default=32, metavar="N",
+                        help="request rows in req_to_token")
+    parser.add_argument("--max-context-len", type=positive_count, default=2048, metavar="TOKENS",
+                        help="longest prompt + output, in tokens (2048, 8k, 128Ki)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu or cuda")
+    parser.add_argument("--strict", action="store_true", help="pools and caches check every call for misuse")
+
+
 def add_run_parser(verbs: SubParsers) -> None:
     run = verbs.add_parser(
         "run",
@@ -126,30 +150,12 @@ def add_run_parser(verbs: SubParsers) -> None:
     source.add_argument("--trace", metavar="FILE", help="a JSONL trace: one {id, user, prompt, output} per line")
     run.add_argument("--num-requests", type=positive_count, default=64, help="requests to generate (with --workload)")
     run.add_argument("--seed", type=int, default=0, help="workload seed")
-    run.add_argument("--model", default="tiny", help="tiny, tiny-swa, or a shape like 'layers=4,hidden=64,window=32'")
-    run.add_argument("--cache", default="auto", choices=["auto", *CACHE_KINDS],
-                     help="prefix cache; auto = radix, or swa-radix for a sliding-window model")
-    run.add_argument("--eviction-policy", default="lru", help=POLICY_HELP)
-    run.add_argument("--eviction-granularity", default="leaf", choices=["leaf", "page"],
-                     help="leaf: SGLang's whole-leaf eviction; page: only the pages needed")
-    run.add_argument("--page-size", type=int, default=1, help="tokens per KV page (a power of two)")
-    run.add_argument("--kv-tokens", type=token_count, default=4096, metavar="TOKENS",
-                     help="KV capacity of the full pool, in tokens (4096, 64k, 1.5M, 128Ki)")
-    run.add_argument("--swa-ratio", type=finite_float(0, 1), default=0.8,
-                     help="SWA pool size as a fraction of the full pool")
-    run.add_argument("--chunked-prefill-size", type=token_count, default=256, metavar="TOKENS",
-                     help="tokens per prefill chunk; 0 disables")
-    run.add_argument("--max-running-requests", type=positive_count, default=32, metavar="N",
-                     help="request rows in req_to_token")
-    run.add_argument("--max-context-len", type=positive_count, default=2048, metavar="TOKENS",
-                     help="longest prompt + output, in tokens (2048, 8k, 128Ki)")
+    add_engine_options(run)
     run.add_argument("--level", default="full", choices=["off", "summary", "full"],
                      help="summary: usage, requests, leak checks, tree snapshots; full: plus every memory event")
     run.add_argument("--capture", metavar="PATH", help="capture file (default runs/<time>-<workload>.db)")
-    run.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu or cuda")
     run.add_argument("--pace", type=finite_float(0), metavar="RATE",
                      help="arrivals per second in real time; without it all requests arrive at once")
-    run.add_argument("--strict", action="store_true", help="pools and caches check every call for misuse")
     run.add_argument("--leak-check", default="record", choices=["record", "raise"],
                      help="on a failed idle leak check: record it and go on, or stop the run")
     run.add_argument("--debug", action="store_true",
@@ -176,25 +182,7 @@ def add_serve_parser(verbs: SubParsers) -> None:
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=30000, help="port to listen on (0: any free port)")
-    serve.add_argument("--model", default="tiny", help="tiny, tiny-swa, or a shape like 'layers=4,hidden=64,window=32'")
-    serve.add_argument("--cache", default="auto", choices=["auto", *CACHE_KINDS],
-                       help="prefix cache; auto = radix, or swa-radix for a sliding-window model")
-    serve.add_argument("--eviction-policy", default="lru", help=POLICY_HELP)
-    serve.add_argument("--eviction-granularity", default="leaf", choices=["leaf", "page"],
-                       help="leaf: SGLang's whole-leaf eviction; page: only the pages needed")
-    serve.add_argument("--page-size", type=int, default=1, help="tokens per KV page (a power of two)")
-    serve.add_argument("--kv-tokens", type=token_count, default=4096, metavar="TOKENS",
-                       help="KV capacity of the full pool, in tokens (4096, 64k, 1.5M, 128Ki)")
-    serve.add_argument("--swa-ratio", type=finite_float(0, 1), default=0.8,
-                       help="SWA pool size as a fraction of the full pool")
-    serve.add_argument("--chunked-prefill-size", type=token_count, default=256, metavar="TOKENS",
-                       help="tokens per prefill chunk; 0 disables")
-    serve.add_argument("--max-running-requests", type=positive_count, default=32, metavar="N",
-                       help="request rows in req_to_token")
-    serve.add_argument("--max-context-len", type=positive_count, default=2048, metavar="TOKENS",
-                       help="longest prompt + output, in tokens (2048, 8k, 128Ki)")
-    serve.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu or cuda")
-    serve.add_argument("--strict", action="store_true", help="pools and caches check every call for misuse")
+    add_engine_options(serve)
     serve.add_argument("--capture", metavar="PATH", help="capture file (default runs/<time>-serve.db)")
     serve.add_argument("--level", default="full", choices=["off", "summary", "full"],
                        help="off: no capture; summary: usage, requests, leak checks, tree snapshots; full: plus "

@@ -89,8 +89,9 @@ class RunSpec:
         return self.workload or (self.trace.stem if self.trace else "run")
 
 
-def spec_from_args(args: argparse.Namespace) -> RunSpec:
-    """The RunSpec of `kvscope run`'s arguments (see cli.py); ValueError on an impossible config."""
+def engine_from_args(args: argparse.Namespace, leak_check_raise: bool = False) -> tuple[EngineConfig, ModelConfig]:
+    """The engine and model of the engine options `run` and `serve` share (cli.add_engine_options);
+    ValueError on an impossible config."""
     model = model_config(args.model)
     cache: CacheKind = args.cache if args.cache != "auto" else ("swa-radix" if model.is_hybrid else "radix")
     engine = EngineConfig(
@@ -99,9 +100,15 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         cache=CacheConfig(kind=cache, eviction_policy=args.eviction_policy,
                           eviction_granularity=args.eviction_granularity),
         scheduler=SchedulerConfig(chunked_prefill_size=args.chunked_prefill_size or None,
-                                  leak_check_raise=args.leak_check == "raise"),
+                                  leak_check_raise=leak_check_raise),
         device=args.device, strict=args.strict,
     )
+    return engine, model
+
+
+def spec_from_args(args: argparse.Namespace) -> RunSpec:
+    """The RunSpec of `kvscope run`'s arguments (see cli.py); ValueError on an impossible config."""
+    engine, model = engine_from_args(args, leak_check_raise=args.leak_check == "raise")
     faults = [FaultSpec.parse(text) for text in args.inject]
     debug = args.debug or any(f.kind == FaultKind.USE_AFTER_FREE for f in faults)
     return RunSpec(engine=engine, model=model, workload=args.workload, trace=Path(args.trace) if args.trace else None,

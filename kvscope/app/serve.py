@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvscope.engine import EngineConfig, ModelConfig
     from kvscope.server.front import Front
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # as kvscope.__main__'s
@@ -44,16 +45,10 @@ GRACEFUL_S = 30
 DRAIN_S = 25  # requests in flight may finish this long; then they are aborted, before uvicorn's own limit
 JOIN_TIMEOUT_S = 60.0
 
-# the options of `kvscope run` that serve does not take, at run's defaults, for runner.spec_from_args
-_RUN_ONLY: dict[str, Any] = {"workload": "serve", "trace": None, "num_requests": 1, "seed": 0, "pace": None,
-                             "debug": False, "inject": [], "inject_seed": 0, "no_report": True,
-                             "leak_check": "record"}
-
-
 @dataclass
 class ServeOptions:
-    engine: Any  # EngineConfig
-    model: Any  # ModelConfig
+    engine: EngineConfig
+    model: ModelConfig
     model_id: str
     host: str
     port: int
@@ -65,19 +60,18 @@ class ServeOptions:
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     """Everything checked before anything starts; ValueError or OSError with one line."""
-    from kvscope.app.runner import default_capture_path, spec_from_args
+    from kvscope.app.runner import default_capture_path, engine_from_args
     from kvscope.server.front import load_api_keys
     from kvscope.server.kv_events import KVEventsConfig
 
-    run_args = argparse.Namespace(**{**_RUN_ONLY, **vars(args)})
-    spec = spec_from_args(run_args)
-    spec.engine.check_model(spec.model.sliding_window, spec.model.is_hybrid, spec.model)
+    engine, model = engine_from_args(args)
+    engine.check_model(model.sliding_window, model.is_hybrid, model)
     keys = load_api_keys(args.api_keys) if args.api_keys else None
     kv_events = KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None
     capture = None if args.level == "off" else (args.capture or default_capture_path("serve"))
     name = args.model.strip()
     model_id = f"kvscope-{name}" if re.fullmatch(r"[A-Za-z0-9._-]+", name) else "kvscope-custom"
-    return ServeOptions(spec.engine, spec.model, model_id, args.host, args.port, capture, args.level, keys, kv_events)
+    return ServeOptions(engine, model, model_id, args.host, args.port, capture, args.level, keys, kv_events)
 
 
 def serve_verb(args: argparse.Namespace) -> int:

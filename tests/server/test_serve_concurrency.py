@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from kvscope.app.cli import build_parser
-from kvscope.app.runner import spec_from_args
+from kvscope.app.runner import engine_from_args
 from kvscope.workloads.tokenizer import ByteTokenizer
 from tests.server.test_serve_e2e import MODEL, Server, start_server
 
@@ -53,12 +53,10 @@ def engine_texts(texts: list[str]) -> list[str]:
     """The same prompts through the engine in-process, configured as the server is."""
     from kvscope.engine import Engine, Req
 
-    args = build_parser().parse_args(["run", "--workload", "random", "--kv-tokens", "4096", "--device", "cpu",
-                                      "--level", "off"])
-    spec = spec_from_args(args)
+    engine, model = engine_from_args(build_parser().parse_args(["serve", "--kv-tokens", "4096", "--device", "cpu"]))
     tokenizer = ByteTokenizer()
     requests = [Req(f"r{i}", np.asarray(tokenizer.encode(t), dtype=np.int32), MAX_TOKENS) for i, t in enumerate(texts)]
-    Engine(spec.engine, spec.model).run(requests)
+    Engine(engine, model).run(requests)
     return [tokenizer.decode(req.output_ids) for req in requests]
 
 
