@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import queue
 import signal
 import socket
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +34,7 @@ from kvscope.server.load import (
     summarize,
 )
 from kvscope.workloads import generate
+from tests.server.serving import Server, serving
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -138,83 +137,44 @@ def test_no_server_at_the_url_is_one_line_and_exit_2() -> None:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, subprocess.Popen[str]]]:
-    """A real `kvscope serve` on a free loopback port, recording into a capture; SIGTERM at the end."""
-    capture = tmp_path_factory.mktemp("serve") / "serve.db"
-    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "serve", "--port", "0", "--device", "cpu",
-                             "--capture", str(capture), "--level", "summary"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = wait_ready(proc)
-        yield url, capture, proc
-    finally:
-        stop(proc)
-
-
-def wait_ready(proc: subprocess.Popen[str], timeout_s: float = 120.0) -> str:
-    lines: queue.Queue[str] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    seen: list[str] = []
-    while time.monotonic() < deadline and proc.poll() is None:
-        with contextlib.suppress(queue.Empty):
-            line = lines.get(timeout=0.5)
-            seen.append(line)
-            if "ready on " in line:
-                return line.split("ready on ", 1)[1].strip()
-    raise AssertionError(f"kvscope serve not ready: {''.join(seen[-5:])}")
-
-
-def stop(proc: subprocess.Popen[str]) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-    return int(proc.returncode)
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A real `kvscope serve` on a free loopback port, recording into a capture at level summary."""
+    with serving(tmp_path_factory.mktemp("serve") / "serve.db", "--level", "summary") as server:
+        yield server
 
 
 def test_a_duration_repeats_the_workload_and_sigterm_prints_what_was_gathered() -> None:
-    server = subprocess.Popen([sys.executable, "-m", "kvscope", "serve", "--port", "0", "--device", "cpu",
-                               "--level", "off"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     load = None
-    try:
-        url = wait_ready(server)
-        # --duration repeats the workload in rounds (seed + r, ids prefixed r{r}-) until the time is up
-        small = LoadConfig(url=url, concurrency=4, duration_s=3.0)
-        report = run_load(lambda r: generate("multi-turn", num_requests=8, seed=r, output_len=2), small, progress=None)
-        assert all(r.ok for r in report.results) and len(report.results) > 8
-        assert report.planned == len(report.results) and report.wall_s < 3.0 + 30
-        assert {r.rid.split("-", 1)[0] for r in report.results} >= {"r0", "r1"}
-        load = subprocess.Popen([sys.executable, "-m", "kvscope", "load", "--url", url, "--workload", "multi-turn",
-                                 "--num-requests", "2000", "--concurrency", "2", "--json", "--quiet"],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(6)
-        load.send_signal(signal.SIGTERM)
-        out, err = load.communicate(timeout=60)
-        assert load.returncode == 143, err
-        assert err.strip() == "kvscope load: interrupted"
-        summary = json.loads(out)
-        assert summary["interrupted"] is True
-        assert summary["requests"]["completed"] < 2000 and summary["requests"]["failed"] == 0
-    finally:
-        if load is not None and load.poll() is None:
-            load.kill()
-            load.wait(timeout=10)
-        stop(server)
+    with serving(None, "--level", "off") as server:
+        try:
+            url = server.url
+            # --duration repeats the workload in rounds (seed + r, ids prefixed r{r}-) until the time is up
+            small = LoadConfig(url=url, concurrency=4, duration_s=3.0)
+            report = run_load(lambda r: generate("multi-turn", num_requests=8, seed=r, output_len=2), small,
+                              progress=None)
+            assert all(r.ok for r in report.results) and len(report.results) > 8
+            assert report.planned == len(report.results) and report.wall_s < 3.0 + 30
+            assert {r.rid.split("-", 1)[0] for r in report.results} >= {"r0", "r1"}
+            load = subprocess.Popen([sys.executable, "-m", "kvscope", "load", "--url", url, "--workload",
+                                     "multi-turn", "--num-requests", "2000", "--concurrency", "2", "--json", "--quiet"],
+                                    cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            time.sleep(6)
+            load.send_signal(signal.SIGTERM)
+            out, err = load.communicate(timeout=60)
+            assert load.returncode == 143, err
+            assert err.strip() == "kvscope load: interrupted"
+            summary = json.loads(out)
+            assert summary["interrupted"] is True
+            assert summary["requests"]["completed"] < 2000 and summary["requests"]["failed"] == 0
+        finally:
+            if load is not None and load.poll() is None:
+                load.kill()
+                load.wait(timeout=10)
 
 
 def test_load_replays_a_workload_against_kvscope_serve_and_the_capture_holds_every_request(
-        served: tuple[str, Path, subprocess.Popen[str]]) -> None:
-    url, capture, proc = served
+        served: Server) -> None:
+    url, capture = served.url, served.capture
     # in-process: a session's next turn starts only after its previous turn finished
     trace = generate("multi-turn", num_requests=12, seed=5, output_len=4)
     report = run_load(lambda _r: trace, LoadConfig(url=url, concurrency=6), progress=None)
@@ -234,7 +194,7 @@ def test_load_replays_a_workload_against_kvscope_serve_and_the_capture_holds_eve
     assert summary["requests"] == {"planned": 16, "sent": 16, "completed": 16, "failed": 0}
     assert summary["tokens"]["completion"] == 16 * 4 and summary["tokens"]["cached"] > 0
     assert summary["ttft_s"]["p50"] > 0 and summary["e2e_s"]["p99"] >= summary["e2e_s"]["p50"]
-    assert stop(proc) == 0
+    assert served.stop()[0] == 0
     # the capture: every request of both loads, with the workload's users as principals
     tenant = generate("multi-tenant", num_requests=16, seed=0)
     expected = sorted([(t.user, t.prompt_len) for t in trace] + [(t.user, t.prompt_len) for t in tenant])
@@ -251,11 +211,8 @@ def test_with_api_keys_each_tenant_of_the_workload_sends_under_its_key(tmp_path:
     keys.write_text(json.dumps({"key-a": {"tenant": "acme", "user": "ann"},
                                 "key-b": {"tenant": "beta", "user": "bob"}}))
     capture = tmp_path / "keyed.db"
-    server = subprocess.Popen([sys.executable, "-m", "kvscope", "serve", "--port", "0", "--device", "cpu",
-                               "--api-keys", str(keys), "--capture", str(capture), "--level", "summary"],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = wait_ready(server)
+    with serving(capture, "--api-keys", str(keys), "--level", "summary") as server:
+        url = server.url
         args = [sys.executable, "-m", "kvscope", "load", "--url", url, "--workload", "multi-tenant",
                 "--num-requests", "12", "--concurrency", "4", "--max-tokens", "2", "--json", "--quiet"]
         keyless = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -264,9 +221,7 @@ def test_with_api_keys_each_tenant_of_the_workload_sends_under_its_key(tmp_path:
         keyed = subprocess.run([*args, "--api-keys", str(keys)], cwd=REPO, capture_output=True, text=True,
                                timeout=120)
         assert keyed.returncode == 0, keyed.stdout + keyed.stderr
-        assert stop(server) == 0
-    finally:
-        stop(server)
+        assert server.stop()[0] == 0
     trace = generate("multi-tenant", num_requests=12, seed=0)
     tenant_key: dict[str, str] = {}
     for t in trace:  # tenants in order of first appearance take the keys round-robin

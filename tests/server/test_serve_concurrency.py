@@ -15,7 +15,8 @@ import pytest
 from kvscope.app.cli import build_parser
 from kvscope.app.runner import engine_from_args
 from kvscope.workloads.tokenizer import ByteTokenizer
-from tests.server.test_serve_e2e import MODEL, Server, start_server
+from tests.server.serving import Server, serving
+from tests.server.test_serve_e2e import MODEL
 
 NUM_STREAMS = 64
 MAX_TOKENS = 8
@@ -62,13 +63,8 @@ def engine_texts(texts: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("many"))
-    try:
+    with serving(tmp_path_factory.mktemp("many") / "serve.db") as srv:
         yield srv
-    finally:
-        if srv.process.poll() is None:
-            srv.process.kill()
-            srv.process.wait(10)
 
 
 def test_64_concurrent_streams_complete_with_the_engines_tokens(server: Server) -> None:

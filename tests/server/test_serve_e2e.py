@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
 import socket
 import sqlite3
 import subprocess
@@ -17,7 +16,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,86 +25,24 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.workloads.tokenizer import ByteTokenizer
+from tests.server.serving import Server, serving
 
-READY_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 60.0
 MODEL = "kvscope-tiny"
 KEYS = {"k-acme-alice": {"tenant": "acme", "user": "alice"}, "k-beta-bob": {"tenant": "beta", "user": "bob"}}
 
 
-@dataclass
-class Server:
-    process: subprocess.Popen[str]
-    url: str
-    capture: Path
-    lines: queue.Queue[str]
-    seen: dict[str, object] = field(default_factory=dict)  # what earlier tests leave for the last one
-
-    def client(self, key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
-
-    def stop(self) -> tuple[int, str]:
-        """SIGTERM, then the exit code and everything it printed after 'ready'."""
-        self.process.send_signal(signal.SIGTERM)
-        code = self.process.wait(STOP_TIMEOUT_S)
-        out = []
-        while not self.lines.empty():
-            out.append(self.lines.get())
-        return code, "".join(out)
-
-
-def start_server(tmp: Path, *extra: str) -> Server:
-    capture = tmp / "serve.db"
-    cmd = [sys.executable, "-m", "kvscope", "serve", "--port", "0", "--device", "cpu", "--capture", str(capture),
-           "--kv-tokens", "4096", *extra]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: queue.Queue[str] = queue.Queue()
-
-    def pump() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            lines.put(line)
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    printed = []
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=0.5)
-        except queue.Empty:
-            if process.poll() is not None:
-                break
-            continue
-        printed.append(line)
-        if "ready on http://" in line:
-            return Server(process, line.strip().rsplit(" ", 1)[1], capture, lines)
-    process.kill()
-    raise AssertionError(f"the server did not get ready: {''.join(printed)}")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("open"))
-    try:
+    with serving(tmp_path_factory.mktemp("open") / "serve.db") as srv:
         yield srv
-    finally:
-        if srv.process.poll() is None:
-            srv.process.kill()
-            srv.process.wait(10)
 
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("keyed")
     (tmp / "keys.json").write_text(json.dumps(KEYS))
-    srv = start_server(tmp, "--api-keys", str(tmp / "keys.json"), "--level", "full")
-    try:
+    with serving(tmp / "serve.db", "--api-keys", str(tmp / "keys.json"), "--level", "full") as srv:
         yield srv
-    finally:
-        if srv.process.poll() is None:
-            srv.process.kill()
-            srv.process.wait(10)
 
 
 def rid_of(response_id: str) -> str:
