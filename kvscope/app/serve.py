@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvscope.engine import EngineConfig, ModelConfig
+    from kvscope.server.api_keys import Principal
     from kvscope.server.front import Front
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # as kvscope.__main__'s
@@ -54,14 +55,14 @@ class ServeOptions:
     port: int
     capture: str | None
     level: str
-    api_keys: Any  # dict[str, Principal] | None
+    api_keys: dict[str, Principal] | None
     kv_events: Any  # KVEventsConfig | None
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     """Everything checked before anything starts; ValueError or OSError with one line."""
     from kvscope.app.runner import default_capture_path, engine_from_args
-    from kvscope.server.front import load_api_keys
+    from kvscope.server.api_keys import load_api_keys
     from kvscope.server.kv_events import KVEventsConfig
 
     engine, model = engine_from_args(args)

@@ -26,7 +26,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -38,6 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvscope.engine import EngineConfig, ModelConfig
+from kvscope.server.api_keys import Principal
 from kvscope.server.chat import ChatError, render_chat
 from kvscope.server.metrics import ServerMetrics
 from kvscope.server.protocol import (
@@ -71,32 +71,6 @@ def error_response(status: int, message: str, *, type_: str = "invalid_request_e
                    code: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
-
-
-@dataclass(frozen=True)
-class Principal:
-    tenant: str
-    user: str
-
-
-def load_api_keys(path: str | Path) -> dict[str, Principal]:
-    """The keys file: a JSON object {key: {"tenant": T, "user": U}}; ValueError on a bad one."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--api-keys {path}: not JSON ({err})") from None
-    if not isinstance(raw, dict) or not raw:
-        raise ValueError(f"--api-keys {path}: expected a non-empty object {{key: {{tenant, user}}}}")
-    keys = {}
-    for key, who in raw.items():
-        if not key or not isinstance(who, dict):
-            raise ValueError(f"--api-keys {path}: key {key!r} must map to {{\"tenant\": ..., \"user\": ...}}")
-        tenant, user = who.get("tenant"), who.get("user")
-        for name, value in (("tenant", tenant), ("user", user)):
-            if not isinstance(value, str) or not value or "/" in value:
-                raise ValueError(f"--api-keys {path}: key {key[:4]}…: {name} must be a non-empty string without '/'")
-        keys[key] = Principal(str(tenant), str(user))
-    return keys
 
 
 def resolve_principal(keys: dict[str, Principal] | None, authorization: str | None, user: str | None) -> str | None:

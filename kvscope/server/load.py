@@ -51,6 +51,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from kvscope.server.api_keys import load_api_keys
 from kvscope.workloads import TraceRequest
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -78,8 +79,8 @@ class PlannedRequest:
 @dataclass(frozen=True)
 class ApiKey:
     key: str
-    tenant: str | None
-    user: str | None
+    tenant: str
+    user: str
 
 
 @dataclass
@@ -240,20 +241,8 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def read_api_keys(path: str | Path) -> list[ApiKey]:
-    """Keys of an --api-keys file (a JSON object: key -> {"tenant", "user"}), in file order."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not JSON ({err.msg} at line {err.lineno})") from None
-    if not isinstance(data, dict) or not data:
-        raise ValueError(f"{path}: expected a non-empty JSON object mapping each key to {{tenant, user}}")
-    keys = []
-    for key, who in data.items():
-        if not isinstance(who, dict):
-            raise ValueError(f"{path}: key {key[:4]}…: expected an object with tenant and user")
-        tenant, user = who.get("tenant"), who.get("user")
-        keys.append(ApiKey(key, tenant if isinstance(tenant, str) else None, user if isinstance(user, str) else None))
-    return keys
+    """The keys of an --api-keys file (api_keys.py, the same file `serve` reads), in file order."""
+    return [ApiKey(key, who.tenant, who.user) for key, who in load_api_keys(path).items()]
 
 
 def error_line(err: BaseException) -> str:

@@ -12,14 +12,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.engine import EngineConfig, PoolConfig, model_config
+from kvscope.server.api_keys import Principal, load_api_keys
 from kvscope.server.chat import ChatError, render_chat
 from kvscope.server.front import (
     ApiError,
     Detokenizer,
     Front,
     FrontState,
-    Principal,
-    load_api_keys,
     resolve_principal,
 )
 from kvscope.server.metrics import COUNTERS, GAUGES, HISTOGRAMS, ServerMetrics

@@ -122,7 +122,7 @@ def test_users_take_the_keys_round_robin_in_order_of_first_appearance(tmp_path: 
     users = ("t2-u0", "t0-u1", "t2-u5", "t1-u0", "t0-u0")
     assert [tenants.key_for(u) for u in users] == [keys[0], keys[1], keys[0], keys[0], keys[1]]
     path.write_text("[1]")
-    with pytest.raises(ValueError, match="non-empty JSON object"):
+    with pytest.raises(ValueError, match="expected a non-empty object"):
         read_api_keys(path)
 
 
