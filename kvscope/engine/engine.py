@@ -2,8 +2,9 @@
 
 Requests arrive all at once, or paced in real time (`pace_per_s`) so a dashboard can watch
 the memory fill and drain. Whenever the engine is fully idle it runs the leak check.
-`step_once` is the one scheduler code path: `run` loops over it with its arrivals and pacing,
-the `kvscope serve` scheduler process (kvscope.server.scheduler) with requests from ZMQ.
+`step` is the one scheduler code path: `run` loops over it with its arrivals and pacing, the
+`kvscope serve` scheduler process (kvscope.server.scheduler) over `step_once`, which also names
+the requests whose output changed, with requests from ZMQ.
 
 It writes to the recorder it is given and never reads a capture back; a read checker, when
 given, sees every slot a forward is about to read (both come from the caller, by interface).
@@ -91,11 +92,17 @@ class Engine:
         self.validate(req)
         self.scheduler.add_request(req)
 
-    def step_once(self) -> list[Req]:
+    def step(self) -> None:
         """One scheduler step, or the idle leak check when nothing is in flight (once per idle
-        point, however long it lasts); returns the requests whose output grew or that ended in it.
+        point, however long it lasts). `run` and the serve scheduler process both drive the
+        engine through this one call (serve through step_once)."""
+        if self.scheduler.is_idle():
+            self.idle_check()
+        else:
+            self.scheduler.run_step()
 
-        `run` and the serve scheduler process both drive the engine through this one call."""
+    def step_once(self) -> list[Req]:
+        """step(), and the requests whose output grew or that ended in it (what serve streams)."""
         scheduler = self.scheduler
         if scheduler.is_idle():
             self.idle_check()
@@ -104,7 +111,7 @@ class Engine:
         queue_head = itertools.islice(scheduler.waiting, self.config.pool.max_running_requests)
         chunked = [scheduler.chunked_req] if scheduler.chunked_req is not None else []
         before = [(r, len(r.output_ids)) for r in (*scheduler.running, *chunked, *queue_head)]
-        scheduler.run_step()
+        self.step()
         return [r for r, num_outputs in before if len(r.output_ids) != num_outputs or r.state in ENDED]
 
     def idle_check(self) -> bool:
@@ -131,12 +138,12 @@ class Engine:
                 scheduler.add_request(requests[submitted])
                 submitted += 1
             if scheduler.is_idle():
-                self.step_once()  # the idle check
+                self.step()  # the idle check
                 if submitted == len(requests):
                     break
                 time.sleep(max(0.0, arrivals[submitted] - time.monotonic()))
                 continue
-            self.step_once()
+            self.step()
             if progress is not None:
                 progress(self.stats, submitted)
             if max_steps is not None and scheduler.step >= max_steps:
