@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 from kvscope import __version__
 from kvscope.app.plan import plan_verb, replay_verb
 from kvscope.app.report import check_verb, diff_verb, report_verb, runs_verb
-from kvscope.app.units import byte_size, finite_float, positive_count, token_count, token_counts
+from kvscope.app.units import byte_size, finite_float, port_number, positive_count, token_count, token_counts
 from kvscope.engine import CACHE_KINDS
 from kvscope.planning import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -181,7 +181,7 @@ def add_serve_parser(verbs: SubParsers) -> None:
         formatter_class=DEFAULTS,
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=30000, help="port to listen on (0: any free port)")
+    serve.add_argument("--port", type=port_number, default=30000, help="port to listen on (0: any free port)")
     add_engine_options(serve)
     serve.add_argument("--capture", metavar="PATH", help="capture file (default runs/<time>-serve.db)")
     serve.add_argument("--level", default="full", choices=["off", "summary", "full"],

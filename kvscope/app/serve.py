@@ -100,9 +100,9 @@ def bind_listener(host: str, port: int) -> socket.socket:
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         listener.bind((host, port))
-    except OSError as err:
+    except (OSError, OverflowError) as err:  # OverflowError: a port out of range from a library caller
         listener.close()
-        raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+        raise OSError(f"cannot listen on {host}:{port}: {getattr(err, 'strerror', None) or err}") from None
     listener.listen(2048)
     listener.set_inheritable(True)
     return listener

@@ -58,6 +58,13 @@ def positive_count(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535."""
+    if not re.fullmatch(r"\d{1,5}", text.strip()) or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535; 0: any free port)")
+    return int(text)
+
+
 def byte_size(text: str) -> int:
     """A memory size in bytes (floored): 80 (GiB), 79.6, 80G, 80GiB, 512MiB, 80GB (decimal)."""
     value = _scaled(text, BYTE_SCALES, whole=False)

@@ -21,6 +21,8 @@ def load_api_keys(path: str | Path) -> dict[str, Principal]:
         raw = json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"--api-keys {path}: not JSON ({err})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--api-keys {path}: cannot read it ({getattr(err, 'strerror', None) or err})") from None
     if not isinstance(raw, dict) or not raw:
         raise ValueError(f"--api-keys {path}: expected a non-empty object {{key: {{tenant, user}}}}")
     keys = {}

@@ -292,7 +292,8 @@ def test_bad_config_is_one_line_exit_2(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("[1]")
     try:
         for args in (["--model", "nope"], ["--page-size", "3"], ["--api-keys", str(tmp_path / "bad.json")],
-                     ["--kv-events-config", "{bad"], ["--port", str(port)]):
+                     ["--kv-events-config", "{bad"], ["--port", str(port)], ["--port", "70000"],
+                     ["--api-keys", str(tmp_path / "missing.json")], ["--api-keys", str(tmp_path)]):
             done = subprocess.run([sys.executable, "-m", "kvscope", "serve", "--device", "cpu", "--level", "off",
                                    *args], capture_output=True, text=True, timeout=120)
             assert done.returncode == 2, (args, done.stderr)
