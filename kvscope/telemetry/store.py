@@ -32,6 +32,7 @@ import os
 import re
 import sqlite3
 import struct
+import time
 from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
@@ -55,6 +56,8 @@ _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 _DAMAGED_CODES = {11, 26}  # SQLITE_CORRUPT, SQLITE_NOTADB
 _UNREADABLE_CODES = {10, 14}  # SQLITE_IOERR, SQLITE_CANTOPEN
 SQLITE_READONLY_ROLLBACK = 776  # a read-only connection met a hot journal
+_BUSY_CODES = {5, 6}  # SQLITE_BUSY, SQLITE_LOCKED
+BUSY_RETRY_S = 0.01
 
 ReadMode = Literal["ro", "immutable", "wal-unreadable"]
 
@@ -322,8 +325,26 @@ def _on_connect(engine: Engine, *statements: str, autocommit: bool = False) -> N
             dbapi_conn.isolation_level = None  # NOTE: transactions are begun by _begin_immediate
         cursor = dbapi_conn.cursor()
         for statement in statements:
-            cursor.execute(statement)
+            _execute_when_free(cursor, statement)
         cursor.close()
+
+
+def _execute_when_free(cursor: sqlite3.Cursor, statement: str) -> None:
+    """Run a connection pragma, trying again while another connection holds the lock it needs,
+    for up to the busy timeout. SQLite's busy handler does not cover every case: two
+    connections switching one new file to WAL at once both hold a shared lock and want an
+    exclusive one, and SQLite fails one of them at once with "database is locked" rather
+    than let them wait on each other."""
+    deadline_s = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor.execute(statement)
+            return
+        except sqlite3.OperationalError as err:
+            busy = (getattr(err, "sqlite_errorcode", 0) & 0xFF) in _BUSY_CODES
+            if not busy or time.monotonic() >= deadline_s:
+                raise
+            time.sleep(BUSY_RETRY_S)
 
 
 # -- writers ----------------------------------------------------------------------------------
@@ -437,8 +458,6 @@ def settle(engine: Engine) -> bool:
 
 def save_report(target: str | Path, run_id: int, kind: str, through_seq: int, producer: str, body: str) -> None:
     """Store (or replace) a derived report of a run in the capture."""
-    import time
-
     engine = open_writer(target)
     try:
         table = schema.reports

@@ -6,6 +6,7 @@ go where they say; damaged files and racing writers give one line."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -15,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -394,6 +396,37 @@ def test_two_runs_starting_on_one_new_file_both_land(tmp_path: Path) -> None:
         runs = capture.runs()
         assert list(runs.status) == ["finished", "finished"]
         assert [len(capture.events(int(i))) for i in runs.id] == [100, 100]
+
+
+def open_writer_at_barrier(path: str, barrier: Any, outcomes: Any) -> None:
+    barrier.wait()
+    try:
+        open_writer(path).dispose()
+        outcomes.put("opened")
+    except CaptureError as err:
+        outcomes.put(str(err))
+
+
+def test_writers_opening_one_new_file_at_the_same_instant_all_open(tmp_path: Path) -> None:
+    """Connections switching one new file to WAL at once can deadlock, and SQLite then fails one
+    at once with "database is locked", whatever the busy timeout: the writer tries again. The
+    race is rare (about one open in a hundred before the fix), hence the many attempts."""
+    context = multiprocessing.get_context("fork")
+    outcomes = context.Queue()
+    writers, attempts = 4, 100
+    for attempt in range(attempts):
+        path = tmp_path / f"instant-{attempt}.db"
+        path.touch()  # an empty file, as a creation that was stopped leaves it: every writer reuses it
+        barrier = context.Barrier(writers)
+        procs = [context.Process(target=open_writer_at_barrier, args=(str(path), barrier, outcomes))
+                 for _ in range(writers)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout=60)
+        assert [proc.exitcode for proc in procs] == [0] * writers
+    results = [outcomes.get(timeout=10) for _ in range(writers * attempts)]
+    assert [r for r in results if r != "opened"] == []
 
 
 def test_a_hot_journal_left_by_a_killed_writer_still_reads(tmp_path: Path) -> None:
