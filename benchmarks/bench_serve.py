@@ -8,7 +8,8 @@ Prints Markdown tables; with --write (the default) also replaces the `## bench_s
 benchmarks/RESULTS.md.
 
 NOTE: what runs
-    server    `python -m kvscope serve --port 0 --level off --max-running-requests 64` (the tiny
+    server    `python -m kvscope serve --port 0 --level off --max-running-requests 64 --torch-threads 1`
+              (one torch thread, as the in-process baselines; the tiny
               model, `run`'s default engine otherwise), started once; every point drives it with
               kvscope.server.load (the official openai client, streamed /v1/completions, token-id
               prompts, `user` set) at one concurrency, every request must succeed
@@ -57,13 +58,14 @@ REPO = Path(__file__).resolve().parents[1]
 CONCURRENCIES = (1, 16, 64)
 COMPARED = 16
 SERVER_ROWS = 64  # the server's --max-running-requests
+TORCH_THREADS = 1  # the server's --torch-threads and this process's: the same engine on both sides
 TARGET = 1.10
 READY_TIMEOUT_S = 180.0
 
 
 def start_server(device: str) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "kvscope", "serve", "--port", "0", "--level", "off", "--device", device,
-           "--max-running-requests", str(SERVER_ROWS)]
+           "--max-running-requests", str(SERVER_ROWS), "--torch-threads", str(TORCH_THREADS)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
 
@@ -173,7 +175,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.num_requests, args.rounds = 32, 1
-    torch.set_num_threads(1)
+    torch.set_num_threads(TORCH_THREADS)
     trace = generate(args.workload, num_requests=args.num_requests, seed=0)
     load_before = os.getloadavg()[0]
     proc, url = start_server(args.device)

@@ -29,7 +29,15 @@ from typing import Any, NoReturn
 from kvscope import __version__
 from kvscope.app.plan import plan_verb, replay_verb
 from kvscope.app.report import check_verb, diff_verb, report_verb, runs_verb
-from kvscope.app.units import byte_size, finite_float, port_number, positive_count, token_count, token_counts
+from kvscope.app.units import (
+    byte_size,
+    finite_float,
+    port_number,
+    positive_count,
+    thread_count,
+    token_count,
+    token_counts,
+)
 from kvscope.engine import CACHE_KINDS
 from kvscope.planning import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -135,6 +143,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="longest prompt + output, in tokens (2048, 8k, 128Ki)")
     parser.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu or cuda")
     parser.add_argument("--strict", action="store_true", help="pools and caches check every call for misuse")
+    parser.add_argument("--torch-threads", type=thread_count, default="auto", metavar="N|auto",
+                        help="torch's intra-op threads in the engine's process. auto: as torch chooses (one per "
+                        "core) for run; for serve on the CPU one fewer than the usable cores, leaving a core "
+                        "to the HTTP front")
 
 
 def add_run_parser(verbs: SubParsers) -> None:

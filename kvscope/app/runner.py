@@ -16,13 +16,14 @@ Closing happens with these signals held, so a second Ctrl-C cannot leave the run
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
@@ -47,6 +48,7 @@ from kvscope.engine import (
     check_request,
     model_config,
 )
+from kvscope.mem import resolve_device
 from kvscope.telemetry import (
     NULL_RECORDER,
     FaultKind,
@@ -89,9 +91,12 @@ class RunSpec:
         return self.workload or (self.trace.stem if self.trace else "run")
 
 
-def engine_from_args(args: argparse.Namespace, leak_check_raise: bool = False) -> tuple[EngineConfig, ModelConfig]:
+def engine_from_args(args: argparse.Namespace, leak_check_raise: bool = False,
+                     serving: bool = False) -> tuple[EngineConfig, ModelConfig]:
     """The engine and model of the engine options `run` and `serve` share (cli.add_engine_options);
-    ValueError on an impossible config."""
+    ValueError on an impossible config. `serving`: --torch-threads auto leaves a core to the
+    HTTP front when the engine runs on the CPU (torch's default takes them all, and its threads
+    then fight the front and its clients for the cores: half the throughput on two cores)."""
     model = model_config(args.model)
     cache: CacheKind = args.cache if args.cache != "auto" else ("swa-radix" if model.is_hybrid else "radix")
     engine = EngineConfig(
@@ -101,8 +106,10 @@ def engine_from_args(args: argparse.Namespace, leak_check_raise: bool = False) -
                           eviction_granularity=args.eviction_granularity),
         scheduler=SchedulerConfig(chunked_prefill_size=args.chunked_prefill_size or None,
                                   leak_check_raise=leak_check_raise),
-        device=args.device, strict=args.strict,
+        device=args.device, strict=args.strict, torch_threads=args.torch_threads,
     )
+    if serving and engine.torch_threads is None and resolve_device(engine.device).type == "cpu":
+        engine = replace(engine, torch_threads=max(1, len(os.sched_getaffinity(0)) - 1))
     return engine, model
 
 

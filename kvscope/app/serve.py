@@ -65,7 +65,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     from kvscope.server.api_keys import load_api_keys
     from kvscope.server.kv_events import KVEventsConfig
 
-    engine, model = engine_from_args(args)
+    engine, model = engine_from_args(args, serving=True)
     engine.check_model(model.sliding_window, model.is_hybrid, model)
     keys = load_api_keys(args.api_keys) if args.api_keys else None
     kv_events = KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None
@@ -78,12 +78,16 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
 def serve_verb(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     listener = bind_listener(options.host, options.port)
+    from kvscope.mem import resolve_device
     from kvscope.server.scheduler import ServeSpec, start_scheduler
+    from kvscope.telemetry.fingerprint import environment_fingerprint
 
     kv_events = options.kv_events if options.kv_events is not None and options.kv_events.enabled else None
     config = {"serve": {"host": options.host, "port": listener.getsockname()[1], "model_id": options.model_id,
                         "api_keys": options.api_keys is not None,
-                        "kv_events": asdict(options.kv_events) if options.kv_events else None}}
+                        "kv_events": asdict(options.kv_events) if options.kv_events else None},
+              "engine": options.engine.fingerprint(), "model": asdict(options.model),
+              "environment": environment_fingerprint(str(resolve_device(options.engine.device)))}
     spec = ServeSpec(engine=options.engine, model=options.model, capture=options.capture, level=options.level,
                      label="serve", config=config, kv_events=kv_events)
 

@@ -58,6 +58,15 @@ def positive_count(text: str) -> int:
     return value
 
 
+def thread_count(text: str) -> int | None:
+    """A thread count >= 1, or "auto" (None: the caller's default)."""
+    if text.strip().lower() == "auto":
+        return None
+    if not re.fullmatch(r"\d+", text.strip()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a thread count (a whole number >= 1, or auto)")
+    return int(text)
+
+
 def port_number(text: str) -> int:
     """A TCP port, 0 (any free one) to 65535."""
     if not re.fullmatch(r"\d{1,5}", text.strip()) or int(text) > 65535:

@@ -154,6 +154,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"
     strict: bool = False
+    torch_threads: int | None = None  # torch's intra-op threads in the engine's process; None: torch's own default
 
     def check_model(self, sliding_window: int | None, is_hybrid: bool, kv: KVLayout | None = None) -> None:
         """Cross-checks between the engine, the model it runs and the machine: the cache and the

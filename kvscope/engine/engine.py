@@ -69,6 +69,10 @@ class Engine:
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
+        if config.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(config.torch_threads)  # NOTE: for the whole process, which the engine owns
         self.recorder = recorder
         self.read_checker = read_checker
         self.model = TinyTransformer(model_config, self.device)

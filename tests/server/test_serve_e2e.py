@@ -208,8 +208,12 @@ def test_sigterm_finishes_the_capture_and_metrics_agree(server: Server) -> None:
     assert code == 0, printed
     assert "kvscope serve: stopped (SIGTERM)" in printed
     with sqlite3.connect(server.capture) as db:
-        (status,) = db.execute("select status from runs").fetchone()
+        status, config = db.execute("select status, config from runs").fetchone()
         assert status == "finished"
+    stored = json.loads(config)  # the engine, model and machine, as `kvscope run` stores them
+    assert stored["engine"]["torch_threads"] == max(1, len(os.sched_getaffinity(0)) - 1)  # auto on the CPU
+    assert stored["model"]["vocab_size"] == 512 and stored["environment"]["device"] == "cpu"
+    with sqlite3.connect(server.capture) as db:
         rows = {rid: (st, prompt, cached, out) for rid, st, prompt, cached, out in db.execute(
             "select rid, status, prompt_len, cached_tokens, output_len from requests")}
         last_check = db.execute("select ok, step from leak_checks order by step desc limit 1").fetchone()
@@ -293,7 +297,8 @@ def test_bad_config_is_one_line_exit_2(tmp_path: Path) -> None:
     try:
         for args in (["--model", "nope"], ["--page-size", "3"], ["--api-keys", str(tmp_path / "bad.json")],
                      ["--kv-events-config", "{bad"], ["--port", str(port)], ["--port", "70000"],
-                     ["--api-keys", str(tmp_path / "missing.json")], ["--api-keys", str(tmp_path)]):
+                     ["--api-keys", str(tmp_path / "missing.json")], ["--api-keys", str(tmp_path)],
+                     ["--torch-threads", "0"]):
             done = subprocess.run([sys.executable, "-m", "kvscope", "serve", "--device", "cpu", "--level", "off",
                                    *args], capture_output=True, text=True, timeout=120)
             assert done.returncode == 2, (args, done.stderr)
