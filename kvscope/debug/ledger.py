@@ -41,6 +41,9 @@ IGNORED_KINDS = frozenset({
     EventKind.TOMBSTONE,  # the SWA free events that follow move the slots
     EventKind.LEAK_CHECK,  # the engine's own verdict, stored in leak_checks
     EventKind.INJECT,  # the ground truth of an injected fault, for tests; its effects come as events
+    EventKind.PROMOTE,  # scoped radix: who may see a node changes, not who holds its slots
+    EventKind.DEMOTE,  # scoped radix: the TOMBSTONE, EVICT and FREE events that follow move the slots
+    EventKind.CROSS_HIT,  # scoped radix: part of a match, read only
 })
 Handler = Callable[[int, int, str, str | None, Any, int, int, np.ndarray], None]
 

@@ -24,7 +24,9 @@ from kvscope.telemetry.events import (
     NullRecorder,
     PoolName,
     Recorder,
+    Visibility,
 )
+from kvscope.telemetry.principals import tenant_of
 from kvscope.telemetry.records import (
     LEVELS,
     LeakCheck,
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from kvscope.telemetry.fingerprint import environment_fingerprint
     from kvscope.telemetry.queries import ENDED_WITHOUT_CLOSING, Capture, display_status
     from kvscope.telemetry.recorder import SQLRecorder, decode_slots, install_signal_handlers, slots_blob
+    from kvscope.telemetry.sharing import reuse_by_principal, run_principals, visibility_changes
     from kvscope.telemetry.store import CaptureError, open_reader, open_writer, save_report
     from kvscope.telemetry.tree_replay import STRUCTURAL_KINDS, replay_tree
 
@@ -58,6 +61,7 @@ _LAZY = {
     "kvscope.telemetry.fingerprint": ("environment_fingerprint",),
     "kvscope.telemetry.queries": ("ENDED_WITHOUT_CLOSING", "Capture", "display_status"),
     "kvscope.telemetry.recorder": ("SQLRecorder", "decode_slots", "install_signal_handlers", "slots_blob"),
+    "kvscope.telemetry.sharing": ("reuse_by_principal", "run_principals", "visibility_changes"),
     "kvscope.telemetry.store": ("CaptureError", "open_reader", "open_writer", "save_report"),
     "kvscope.telemetry.tree_replay": ("STRUCTURAL_KINDS", "replay_tree"),
 }
@@ -97,6 +101,7 @@ __all__ = [
     "RunStatus",
     "SQLRecorder",
     "UsageSample",
+    "Visibility",
     "allocs_of_requests",
     "decode_slots",
     "display_status",
@@ -109,7 +114,11 @@ __all__ = [
     "open_writer",
     "recent_evictions",
     "replay_tree",
+    "reuse_by_principal",
+    "run_principals",
     "running_lengths",
     "save_report",
     "slots_blob",
+    "tenant_of",
+    "visibility_changes",
 ]

@@ -1,7 +1,12 @@
 """Event kinds and the recorder interface every layer reports to (no SQL here).
 
 NOTE: one event = (kind, pool, rid, node_id, num_tokens, slots, reason, aux, principal):
-    match      num_tokens = hit tokens, aux = miss tokens, node_id = last matched node
+    match      num_tokens = hit tokens, aux = miss tokens, node_id = last matched node, principal = the requester
+    cross_hit  rid, node_id = last matched node, num_tokens = matched tokens in nodes owned by a principal
+               other than the requester (nodes with no owner do not count), principal = the requester
+    promote    node_id, num_tokens, principal = the node's owner, aux = distinct creators in the window
+    demote     node_id = subtree root, num_tokens = tokens in the subtree, principal = the principals
+               involved joined by "," (cut to 64 chars), aux = how many
     insert     num_tokens = new tokens placed in a new node, node_id = that node, aux = its parent,
                principal = the new node's owner (None: no owner)
     split      node_id = the new upper node, aux = the node that was split (the upper node keeps its owner)
@@ -44,6 +49,9 @@ class EventKind(StrEnum):
     LEAK_CHECK = "leak_check"
     INJECT = "inject"  # a fault injected on purpose (ground truth for the debugger's tests)
     VIOLATION = "violation"  # a misuse caught while running (e.g. a read of a freed slot)
+    PROMOTE = "promote"  # scoped radix: a private node became public
+    DEMOTE = "demote"  # scoped radix: a public subtree became private again
+    CROSS_HIT = "cross_hit"  # a match reused tokens in nodes another principal owns
 
 
 class EvictReason(StrEnum):
@@ -51,6 +59,15 @@ class EvictReason(StrEnum):
     FINISH = "finish"
     ABORT = "abort"
     TOMBSTONE = "tombstone"
+
+
+class Visibility(StrEnum):
+    """Who may see a tree node (the scoped radix cache; every other tree is public): an insert
+    event's reason, and the tree snapshots' visibility column."""
+
+    PRIVATE = "private"
+    PUBLIC = "public"
+    PINNED = "pinned"
 
 
 class FaultKind(StrEnum):
@@ -121,7 +138,7 @@ class Recorder:
     ) -> None:
         """Append one event. Called only when `enabled`; must not raise on the hot path.
         `reason` is an EvictReason, or a FaultKind for inject / violation events; `principal`
-        is the owner of the node an insert event creates."""
+        is the owner of the node an insert event creates, or the requester of a match (see above)."""
 
 
 class NullRecorder(Recorder):

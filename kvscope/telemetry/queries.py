@@ -210,7 +210,10 @@ class Capture:
                 self._snapshots.move_to_end(key)
                 return self._snapshots[key]
         t = schema.tree_snapshots.c
-        nodes = self.read_frame(select(schema.tree_snapshots).where(t.run_id == run_id, t.step == step))
+        columns = schema.columns_as_of(schema.tree_snapshots, self.schema_version)
+        nodes = self.read_frame(select(*columns).where(t.run_id == run_id, t.step == step))
+        # NOTE: NULL only in rows written before schema version 3, when every cache shared globally
+        nodes["visibility"] = nodes["visibility"].astype(object).where(nodes["visibility"].notna(), "public")
         with self._lock:
             self._snapshots[key] = nodes
             while len(self._snapshots) > SNAPSHOTS_KEPT:

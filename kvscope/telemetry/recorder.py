@@ -47,7 +47,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kvscope.telemetry import schema
 from kvscope.telemetry.events import EventKind, PoolName, Recorder
-from kvscope.telemetry.records import LEVELS, LeakCheck, RequestRecord, RunStatus, UsageSample
+from kvscope.telemetry.records import LEVELS, LeakCheck, NodeRow, RequestRecord, RunStatus, UsageSample
 from kvscope.telemetry.store import BulkInsert, CaptureError, display_name, first_line, open_writer, settle
 
 DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
@@ -172,14 +172,15 @@ class SQLRecorder(Recorder):
         )))
 
     def tree_snapshot(self, step: int, rows: list[Any]) -> None:
-        """`rows`: the cache's export_nodes() (NodeRow tuples). One snapshot per step: a second
-        at the same step (the engine's end-of-run snapshot on a snapshot step) is not stored."""
+        """`rows`: the cache's export_nodes() (NodeRow tuples; a plain tuple without the fields
+        added later gets NodeRow's defaults). One snapshot per step: a second at the same step
+        (the engine's end-of-run snapshot on a snapshot step) is not stored."""
         if step == self._snapshot_step:
             return
         self._snapshot_step = step
         # NOTE: a list, not a generator: deque.extend of a list runs no Python code, so the writer
         # never drains half a snapshot; a snapshot lands in one transaction (readers memoize them)
-        self._rows.extend([("tree_snapshots", (self.run_id, step, *row)) for row in rows])
+        self._rows.extend([("tree_snapshots", (self.run_id, step, *NodeRow(*row))) for row in rows])
 
     # -- the writer's side -----------------------------------------------------------------
 

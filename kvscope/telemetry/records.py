@@ -44,6 +44,7 @@ class NodeRow(NamedTuple):
     owner: str | None
     tombstone: bool
     depth_tokens: int
+    visibility: str = "public"  # private / public / pinned (scoped radix); global-sharing trees: public
 
 
 class PoolTerms(NamedTuple):

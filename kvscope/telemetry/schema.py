@@ -24,6 +24,10 @@ the new version): every older row stays valid, with NULL in the added columns.
        snapshot and later events knows the owner of every node. NULL there means no owner was
        recorded (none, or an event written under version 1); a reader of a version-1 file sees
        NULL too, as a version-1 reader would have shown it.
+    3  tree_snapshots.visibility: private / public / pinned (the scoped radix cache). Every cache
+       before version 3 shared globally, so a reader shows NULL read from an older file as
+       "public" (Capture fills it in); events gained the kinds promote, demote and cross_hit,
+       and match events name their requester in principal.
 `reports` came after version 1 without a bump: it is an additive table (older readers never
 look at it), a reader treats it as optional, and a writer adds it to an older file. A column
 got a bump because a version-1 reader cannot see it and would show an owner as missing.
@@ -50,7 +54,7 @@ from sqlalchemy import (
     null,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 OLDEST_READABLE_VERSION = 1
 metadata = MetaData()
 
@@ -142,6 +146,7 @@ tree_snapshots = Table(
     Column("owner", String(64)),
     Column("tombstone", Boolean, nullable=False),
     Column("depth_tokens", Integer, nullable=False),
+    Column("visibility", String(8), info={"since": 3}),  # private / public / pinned
 )
 TREE_SNAPSHOT_COLUMNS = tuple(c.name for c in tree_snapshots.columns)
 TREE_NODE_COLUMNS = TREE_SNAPSHOT_COLUMNS[2:]  # a node's fields: a snapshot row after run_id, step

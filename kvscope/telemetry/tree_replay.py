@@ -2,12 +2,15 @@
 
 NOTE: what each event does to the table (see events.py for the fields)
     insert     new node node_id under parent `aux`, num_tokens tokens, lock 0, hits 1, owned by
-               the event's principal
+               the event's principal, of the visibility in its reason
     split      new node node_id takes the first num_tokens tokens of node `aux` and its place,
                and keeps its owner, hits and access time
     evict      node loses num_tokens from its tail; at zero it is gone
     lock       +1 lock_ref on the node and every ancestor (unlock: -1)
     tombstone  the node's SWA half is gone (revive: it is back)
+    promote    the node becomes public; demote: the node and every node below it become private
+An insert event's reason is the new node's visibility (the scoped radix cache: private or pinned);
+a global-sharing tree records none, and its nodes are public.
 Hit counts and access times of nodes born after the snapshot are approximate. An insert from a
 schema-version-1 capture carries no principal: such a node shows no owner.
 """
@@ -25,11 +28,14 @@ from kvscope.telemetry.schema import TREE_NODE_COLUMNS
 NEW_NODE: dict[str, Any] = {**dict.fromkeys(TREE_NODE_COLUMNS), "token_preview": "", "lock_ref": 0, "hit_count": 1,
                             "tombstone": False, "depth_tokens": 0}  # an inserted node before its event's fields
 Nodes = dict[int, dict[str, Any]]
+VISIBILITIES = ("private", "public", "pinned")
 
 
 def _insert(nodes: Nodes, ev: Any) -> None:
+    reason = getattr(ev, "reason", None)  # NOTE: global-sharing trees record none; an events frame may omit it
+    visibility = reason if reason in VISIBILITIES else "public"
     nodes[ev.node_id] = {**NEW_NODE, "node_id": ev.node_id, "parent_id": ev.aux, "num_tokens": ev.num_tokens,
-                         "last_access_time": ev.t_mono, "owner": ev.principal}
+                         "last_access_time": ev.t_mono, "owner": ev.principal, "visibility": visibility}
 
 
 def _split(nodes: Nodes, ev: Any) -> None:
@@ -61,6 +67,24 @@ def _set_tombstone(nodes: Nodes, node_id: int, tombstone: bool) -> None:
         node["tombstone"] = tombstone
 
 
+def _set_visibility(nodes: Nodes, ev: Any, visibility: str, subtree: bool) -> None:
+    if ev.node_id not in nodes:
+        return
+    marked = {int(ev.node_id)}
+    nodes[ev.node_id]["visibility"] = visibility
+    if not subtree:
+        return
+    for node_id in list(nodes):  # NOTE: parents need not come before children: walk up
+        path, up = [], node_id
+        while up is not None and up not in marked and up in nodes:
+            path.append(up)
+            up = nodes[up]["parent_id"]
+        if up in marked:
+            for below in path:
+                nodes[below]["visibility"] = visibility
+                marked.add(below)
+
+
 APPLY: dict[EventKind, Callable[[Nodes, Any], None]] = {
     EventKind.INSERT: _insert,
     EventKind.SPLIT: _split,
@@ -69,6 +93,8 @@ APPLY: dict[EventKind, Callable[[Nodes, Any], None]] = {
     EventKind.UNLOCK: lambda nodes, ev: _add_lock(nodes, ev.node_id, -1),
     EventKind.TOMBSTONE: lambda nodes, ev: _set_tombstone(nodes, ev.node_id, True),
     EventKind.REVIVE: lambda nodes, ev: _set_tombstone(nodes, ev.node_id, False),
+    EventKind.PROMOTE: lambda nodes, ev: _set_visibility(nodes, ev, "public", subtree=False),
+    EventKind.DEMOTE: lambda nodes, ev: _set_visibility(nodes, ev, "private", subtree=True),
 }
 STRUCTURAL_KINDS = tuple(APPLY)  # the kinds that change the node table; every other kind leaves it as it is
 

@@ -71,7 +71,8 @@ def test_column_lists_are_the_tables_columns() -> None:
 
 
 def test_only_later_columns_read_as_null_from_an_older_file() -> None:
-    assert [c.name for c in schema.added_after(1)] == ["principal"]
+    assert [c.name for c in schema.added_after(1)] == ["principal", "visibility"]
+    assert [c.name for c in schema.added_after(2)] == ["visibility"]
     assert schema.added_after(schema.SCHEMA_VERSION) == []
     as_v1 = schema.columns_as_of(schema.events, 1)
     assert [c.name for c in as_v1] == list(schema.EVENT_COLUMNS)

@@ -51,6 +51,7 @@ from kvscope.cache.tree import (
     split_node,
     walk,
 )
+from kvscope.cache.tree.node import foreign_tokens
 from kvscope.mem import BaseTokenAllocator, IntegrityError, ReqToTokenPool
 from kvscope.telemetry import NULL_RECORDER, EventKind, EvictReason, PoolName, Recorder
 
@@ -124,10 +125,14 @@ class RadixCache(BasePrefixCache):
                 slots = slots.to(self.device)
         if self.recorder.enabled:
             self.recorder.record(EventKind.MATCH, pool=PoolName.FULL, rid=rid, node_id=node.id,
-                                 num_tokens=len(slots), aux=len(ids) - len(slots))
+                                 num_tokens=len(slots), aux=len(ids) - len(slots), principal=user)
+            cross = foreign_tokens(node, user)
+            if cross:
+                self.recorder.record(EventKind.CROSS_HIT, pool=PoolName.FULL, rid=rid, node_id=node.id,
+                                     num_tokens=cross, principal=user)
         return MatchResult(slots, node)
 
-    def walk_match(self, key: bytes) -> tuple[list[np.ndarray], TreeNode]:
+    def walk_match(self, key: bytes, user: str | None = None) -> tuple[list[np.ndarray], TreeNode]:
         """The values along the longest page-aligned match of `key`, and its last node (split
         there when the match ends inside a node); refreshes last-access times on the path."""
         now = time.monotonic()

@@ -46,6 +46,7 @@ from kvscope.cache.tree import (
     split_node,
     walk,
 )
+from kvscope.cache.tree.node import foreign_tokens
 from kvscope.mem import ReqToTokenPool, SWATokenToKVPoolAllocator, swa_window_frontier
 from kvscope.telemetry import NULL_RECORDER, EventKind, EvictReason, PoolName, Recorder
 
@@ -123,10 +124,14 @@ class SWARadixCache(SWAPrefixCache):
         slots = slots_tensor(values, self.device)
         if self.recorder.enabled:
             self.recorder.record(EventKind.MATCH, pool=PoolName.FULL, rid=rid, node_id=node.id,
-                                 num_tokens=len(slots), aux=len(ids) - len(slots))
+                                 num_tokens=len(slots), aux=len(ids) - len(slots), principal=user)
+            cross = foreign_tokens(node, user)
+            if cross:
+                self.recorder.record(EventKind.CROSS_HIT, pool=PoolName.FULL, rid=rid, node_id=node.id,
+                                     num_tokens=cross, principal=user)
         return MatchResult(slots, node)
 
-    def walk_match(self, key: bytes) -> tuple[list[np.ndarray], TreeNode]:
+    def walk_match(self, key: bytes, user: str | None = None) -> tuple[list[np.ndarray], TreeNode]:
         """docs/memory-semantics.md §5.1: the deepest cut whose last >= window tokens all have live SWA KV."""
         node = self.root
         values: list[np.ndarray] = []

@@ -39,6 +39,7 @@ class TreeNode:
         "swa_lock_ref",
         "tombstone",
         "value",
+        "visibility",
     )
 
     def __init__(self, key: bytes = b"", value: np.ndarray = EMPTY_SLOTS, now: float = 0.0) -> None:
@@ -53,6 +54,7 @@ class TreeNode:
         self.hit_count = 0
         self.priority = 0
         self.owner: str | None = None
+        self.visibility = "public"  # private / public / pinned: only the scoped radix cache sets another
         # SWA radix only (kept here so one node type serves both trees)
         self.swa_lock_ref = 0
         self.swa_lock_id: int | None = None
@@ -82,8 +84,8 @@ def common_page_len(node_key: bytes, key: bytes, pos: int, page_size: int) -> in
 def split_node(child: TreeNode, split_len: int, page_bytes: int, recorder: Recorder) -> TreeNode:
     """Cut `child` after split_len tokens; the new upper node takes its place under the parent.
 
-    NOTE: both halves keep the lock refs, the tombstone flag, the hit count, priority, owner
-    and creation time; the upper half takes the swa_lock_id (a window lock that ended at
+    NOTE: both halves keep the lock refs, the tombstone flag, the hit count, priority, owner,
+    visibility and creation time; the upper half takes the swa_lock_id (a window lock that ended at
     child now ends at its upper half) and child's last_access_time.
     """
     parent = child.parent
@@ -93,6 +95,7 @@ def split_node(child: TreeNode, split_len: int, page_bytes: int, recorder: Recor
     upper.parent, upper.lock_ref, upper.swa_lock_ref = parent, child.lock_ref, child.swa_lock_ref
     upper.hit_count, upper.priority, upper.owner = child.hit_count, child.priority, child.owner
     upper.creation_time, upper.tombstone = child.creation_time, child.tombstone
+    upper.visibility = child.visibility
     upper.swa_lock_id, child.swa_lock_id = child.swa_lock_id, None
     child.key, child.value, child.parent = child.key[cut:], child.value[split_len:], upper
     upper.children[child.key[:page_bytes]] = child
@@ -100,6 +103,17 @@ def split_node(child: TreeNode, split_len: int, page_bytes: int, recorder: Recor
     if recorder.enabled:
         recorder.record(EventKind.SPLIT, node_id=upper.id, num_tokens=split_len, aux=child.id)
     return upper
+
+
+def foreign_tokens(node: TreeNode, user: str | None) -> int:
+    """Tokens on the path from the root to `node` in nodes owned by a principal other than
+    `user` (a node with no owner counts for nobody): a match's cross-principal reuse."""
+    num_tokens = 0
+    while node.parent is not None:
+        if node.owner is not None and node.owner != user:
+            num_tokens += len(node.value)
+        node = node.parent
+    return num_tokens
 
 
 def slots_tensor(values: list[np.ndarray], device: torch.device) -> torch.Tensor:
@@ -153,6 +167,7 @@ def export_rows(root: TreeNode, preview_tokens: int = 8) -> list[NodeRow]:
             owner=node.owner,
             tombstone=node.tombstone,
             depth_tokens=start + len(node.value),
+            visibility=node.visibility,
         )
         for node, _, start in walk(root)
     ]
