@@ -5,9 +5,11 @@
                  and the leaf heap, tree invariants, request caching
     radix/       RadixCache, over one full-attention pool
     swa_radix/   SWARadixCache, over a full and a sliding-window pool (tombstones, window locks)
+    scoped/      ScopedRadixCache, tenant isolation: private and public nodes, promotion by
+                 distinct creators in an epoch window, demotion by tombstone (docs/isolation.md)
     chunk.py     ChunkCache and SWAChunkCache: no tree, no reuse
-Later families get their own package beside these: scoped/ (a tenant-scoped radix cache)
-and hierarchical/ (a host-memory tier under a device tree).
+A later family gets its own package beside these: hierarchical/ (a host-memory tier under a
+device tree).
 """
 
 from kvscope.cache.base import (
@@ -23,6 +25,7 @@ from kvscope.cache.base import (
 )
 from kvscope.cache.chunk import ChunkCache, SWAChunkCache
 from kvscope.cache.radix import RadixCache
+from kvscope.cache.scoped import MonitorConfig, ScopedRadixCache
 from kvscope.cache.swa_radix import SWARadixCache
 from kvscope.cache.tree import POLICIES, EvictionPolicy, TreeNode, get_policy
 
@@ -36,11 +39,13 @@ __all__ = [
     "EvictResult",
     "EvictionPolicy",
     "MatchResult",
+    "MonitorConfig",
     "NodeRow",
     "RadixCache",
     "SWAChunkCache",
     "SWAPrefixCache",
     "SWARadixCache",
+    "ScopedRadixCache",
     "TreeNode",
     "as_token_ids",
     "get_policy",

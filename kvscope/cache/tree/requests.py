@@ -41,7 +41,7 @@ class RequestTree(Protocol):
 
     def insert_finished(self, req: CacheableRequest, token_ids: np.ndarray, slots: torch.Tensor) -> int: ...
 
-    def walk_match(self, key: bytes) -> tuple[list[np.ndarray], TreeNode]: ...
+    def walk_match(self, key: bytes, user: str | None = None) -> tuple[list[np.ndarray], TreeNode]: ...
 
     def inc_lock_ref(self, node: TreeNode, rid: str | None = None) -> int | None: ...
 
@@ -57,7 +57,7 @@ def cache_unfinished_req(tree: RequestTree, req: CacheableRequest, chunked: bool
     duplicates_end = tree.insert_unfinished(req, ids, kv, chunked)
     protected = req.cache_protected_len
     tree.allocator.free(kv[protected:duplicates_end])
-    values, new_last = tree.walk_match(np.ascontiguousarray(ids[:key_len], dtype=np.int32).tobytes())
+    values, new_last = tree.walk_match(np.ascontiguousarray(ids[:key_len], dtype=np.int32).tobytes(), req.user)
     new_slots = slots_tensor(values, tree.device)
     if len(new_slots) != key_len:
         raise CacheMisuseError(f"re-match after insert found {len(new_slots)} of {key_len} tokens")
