@@ -12,7 +12,6 @@ given, sees every slot a forward is about to read (both come from the caller, by
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -38,7 +37,8 @@ def check_faults(config: EngineConfig, model_config: ModelConfig, faults: list[F
         return
     if config.strict:
         raise ValueError("fault injection needs strict mode off (strict mode stops each fault where it happens)")
-    check_applicable(faults, has_tree=config.cache.kind in ("radix", "swa-radix"), is_swa=model_config.is_hybrid)
+    check_applicable(faults, has_tree=config.cache.kind in ("radix", "swa-radix", "scoped-radix"),
+                     is_swa=model_config.is_hybrid)
 
 
 def check_request(config: EngineConfig, model_config: ModelConfig, req: Req) -> None:
@@ -112,7 +112,7 @@ class Engine:
             self.idle_check()
             return []
         # NOTE: only these can change: a step admits from the head of the queue, at most a batch
-        queue_head = itertools.islice(scheduler.waiting, self.config.pool.max_running_requests)
+        queue_head = scheduler.prefill_candidates()
         chunked = [scheduler.chunked_req] if scheduler.chunked_req is not None else []
         before = [(r, len(r.output_ids)) for r in (*scheduler.running, *chunked, *queue_head)]
         self.step()

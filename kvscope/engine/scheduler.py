@@ -2,7 +2,8 @@
 admitted, else decode the running batch, else run the idle leak check.
 
 NOTE: one step
-    prefill  admit (match, lock, budget), rows, evict the shortfall, allocate, forward,
+    prefill  (lpm: sort the queue by visible match) admit (match, lock, budget), rows,
+             evict the shortfall, allocate, forward,
              then per request: chunk -> cache_unfinished_req(chunked); prompt done ->
              first output token, cache_unfinished_req (or finish)
     decode   check memory (evict, else retract the requests with the fewest outputs),
@@ -13,9 +14,10 @@ Frees of one step's results happen inside one free group.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import numpy as np
@@ -33,6 +35,7 @@ from kvscope.engine.stats import EngineStats, LeakDetected
 from kvscope.telemetry import Recorder
 
 LogitsHook = Callable[[Req, int, torch.Tensor], None]  # (request, position, logits row)
+LPM_MAX_WAITING = 128  # SGLang's lpm keeps arrival order when more requests than this wait
 
 
 def held_rows(batch: list[Req]) -> list[int]:
@@ -65,6 +68,8 @@ class Scheduler:
         self.last_snapshot_step = -1
         self.new_token_ratio = self.sched.init_new_token_ratio
         self.stats = EngineStats(recorder)
+        # NOTE: lpm needs a tree to match against; a chunk cache (none) keeps arrival order
+        self.sorts_by_prefix = self.sched.schedule_policy == "lpm" and not memory.cache.disabled
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -115,6 +120,9 @@ class Scheduler:
                              self.sched.max_prefill_tokens, self.sched.chunked_prefill_size)
         if self.chunked_req is not None:
             adder.add_chunked(self.chunked_req)
+        if self.sorts_by_prefix and len(self.waiting) <= LPM_MAX_WAITING \
+                and len(self.running) + len(adder.admitted) < pool.max_running_requests:
+            self._sort_by_prefix()
         while self.waiting:
             if adder.admitted and adder.admitted[-1].req.is_chunked:
                 break  # a chunked request ends the batch
@@ -124,6 +132,27 @@ class Scheduler:
                 break
             self.waiting.popleft()
         return [a.req for a in adder.admitted]
+
+    def _sort_by_prefix(self) -> None:
+        """SGLang's lpm: the longest cached prefix first, ties in arrival order. The match is the
+        one admission makes (§3.1): the prefix the request's own principal can see, nothing else.
+
+        NOTE: a read for ordering only. Nothing is locked (admission matches again), and the
+        match carries no rid: a MATCH event with a rid marks its request as running in the
+        telemetry (derived.running_lengths), which a waiting request is not."""
+        cache = self.memory.cache
+
+        def longest_first(req: Req) -> int:
+            return -cache.match_prefix(req.all_ids()[: req.all_len - 1], user=req.user).prefix_len
+
+        self.waiting = deque(sorted(self.waiting, key=longest_first))  # NOTE: stable: ties keep arrival order
+
+    def prefill_candidates(self) -> Iterator[Req]:
+        """The waiting requests the next prefill pass may admit: the queue's head, or under lpm the
+        whole queue (the pass sorts it first)."""
+        if self.sorts_by_prefix and len(self.waiting) <= LPM_MAX_WAITING:
+            return iter(self.waiting)
+        return itertools.islice(self.waiting, self.config.pool.max_running_requests)
 
     def _try_admit(self, req: Req, adder: PrefillAdder) -> bool:
         """Match, lock, budget; on success the request's prefix state is set from the match."""
