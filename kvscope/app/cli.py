@@ -32,13 +32,17 @@ from kvscope.app.report import check_verb, diff_verb, report_verb, runs_verb
 from kvscope.app.units import (
     byte_size,
     finite_float,
+    on_off,
+    pinned_file,
     port_number,
     positive_count,
+    promote_threshold,
     thread_count,
     token_count,
     token_counts,
 )
 from kvscope.engine import CACHE_KINDS
+from kvscope.engine.config import SCHEDULE_POLICIES
 from kvscope.planning import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MEM_FRACTION_STATIC,
@@ -141,12 +145,35 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="request rows in req_to_token")
     parser.add_argument("--max-context-len", type=positive_count, default=2048, metavar="TOKENS",
                         help="longest prompt + output, in tokens (2048, 8k, 128Ki)")
+    parser.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES,
+                        help="waiting-queue order: fcfs (arrival) or lpm (longest cached prefix the request's "
+                        "principal can see first; arrival order above 128 waiting)")
     parser.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu or cuda")
     parser.add_argument("--strict", action="store_true", help="pools and caches check every call for misuse")
     parser.add_argument("--torch-threads", type=thread_count, default="auto", metavar="N|auto",
                         help="torch's intra-op threads in the engine's process. auto: as torch chooses (one per "
                         "core) for run; for serve on the CPU one fewer than the usable cores, leaving a core "
                         "to the HTTP front")
+    add_scoped_options(parser, "monotonic time")
+
+
+def add_scoped_options(parser: argparse.ArgumentParser, clock: str) -> None:
+    """The scoped-radix cache's options (run, serve, replay); None where not given, so that a
+    reader can refuse them without --cache scoped-radix (runner.scoped_options)."""
+    group = parser.add_argument_group("tenant isolation (--cache scoped-radix only)")
+    group.add_argument("--promote-k", type=promote_threshold, metavar="K|inf",
+                       help="a private node turns public once K distinct principals computed it within the "
+                       "window (two epochs); inf never promotes: per-principal isolation (default: 3)")
+    group.add_argument("--epoch-s", type=finite_float(0), metavar="SECONDS",
+                       help=f"length of one epoch of the promotion window, in {clock} (default: 60)")
+    group.add_argument("--pinned", type=pinned_file, metavar="FILE",
+                       help='operator-declared public prefixes (system prompts), JSONL: per line a list of token '
+                       'ids, {"prompt": [ids]} or {"text": "..."} (byte tokenizer)')
+    group.add_argument("--dedup", type=on_off, metavar="on|off",
+                       help="on: a principal's recomputed copy of a node it cannot see shares that node's KV "
+                       "(saves memory, may leak through capacity); off: it keeps a private copy (default: off)")
+    group.add_argument("--merge-chains", action="store_true", default=None,
+                       help="merge private unary chains into one node (an optimization)")
 
 
 def add_run_parser(verbs: SubParsers) -> None:
@@ -307,6 +334,11 @@ def add_replay_parser(verbs: SubParsers) -> None:
                         "(bench_radix); tree: the tree holds CAPACITY tokens between requests (the curve's)")
     replay.add_argument("--policy", default="lru",
                         help=f"eviction policy: {POLICY_HELP} (the one-pass curve is lru's)")
+    replay.add_argument("--cache", default="radix", choices=["radix", "scoped-radix"],
+                        help="radix: global sharing; scoped-radix: each request's user is its principal, replayed "
+                        "beside global sharing, with the isolated one-pass curve (keys per principal) beside "
+                        "the global one")
+    add_scoped_options(replay, "trace time (a request's arrival_s; a trace without arrival times: its index x 1 s)")
     replay.add_argument("--workers", type=int, help="worker processes (default: one per capacity, at most the CPUs)")
     replay.add_argument("--run", type=int, help="the run of a capture to replay (default: the latest)")
     replay.add_argument("--run-id", type=int, dest="run", help=argparse.SUPPRESS)  # NOTE: the old name

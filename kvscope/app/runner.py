@@ -30,6 +30,7 @@ from typing import Any, TextIO
 
 from kvscope.app.progress import Progress, bar
 from kvscope.app.report import store_leak_report
+from kvscope.app.units import scoped_cache_options
 from kvscope.debug import DebugMonitor
 from kvscope.engine import (
     CacheConfig,
@@ -103,9 +104,9 @@ def engine_from_args(args: argparse.Namespace, leak_check_raise: bool = False,
         pool=PoolConfig(kv_size_tokens=args.kv_tokens, page_size=args.page_size, swa_full_tokens_ratio=args.swa_ratio,
                         max_running_requests=args.max_running_requests, max_context_len=args.max_context_len),
         cache=CacheConfig(kind=cache, eviction_policy=args.eviction_policy,
-                          eviction_granularity=args.eviction_granularity),
+                          eviction_granularity=args.eviction_granularity, **scoped_cache_options(args, cache)),
         scheduler=SchedulerConfig(chunked_prefill_size=args.chunked_prefill_size or None,
-                                  leak_check_raise=leak_check_raise),
+                                  leak_check_raise=leak_check_raise, schedule_policy=args.schedule_policy),
         device=args.device, strict=args.strict, torch_threads=args.torch_threads,
     )
     if serving and engine.torch_threads is None and resolve_device(engine.device).type == "cpu":

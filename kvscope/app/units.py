@@ -1,4 +1,5 @@
-"""Numbers on the command line: token counts and memory sizes with unit suffixes, and rates.
+"""Values on the command line: token counts and memory sizes with unit suffixes, rates, and the
+scoped cache's settings (a promotion threshold, on/off switches, a file of pinned prefixes).
 
 NOTE: the suffixes (case-insensitive; a fraction is fine where the result is whole)
     token counts   200000, 200k = 200,000, 1.5M = 1,500,000, 1G = 10^9     decimal
@@ -13,10 +14,15 @@ Each parser is an argparse `type`: bad text raises ArgumentTypeError with the ac
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from collections.abc import Callable
 from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from kvscope.workloads import ByteTokenizer
 
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
 COUNT_SCALES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
@@ -106,6 +112,96 @@ def finite_float(low: float, high: float = math.inf, *, low_open: bool = True) -
         return value
 
     return parse
+
+
+SCOPED_OPTIONS = {"promote_k": "--promote-k", "epoch_s": "--epoch-s", "pinned": "--pinned", "dedup": "--dedup",
+                  "merge_chains": "--merge-chains"}
+SCOPED_DEFAULTS: dict[str, Any] = {"promote_k": 3, "epoch_s": 60.0, "pinned": (), "dedup": False,
+                                   "merge_chains": False}
+
+
+def scoped_cache_options(args: argparse.Namespace, cache_kind: str) -> dict[str, Any]:
+    """The scoped cache's settings from `args` (cli.add_scoped_options), defaults filled in;
+    ValueError naming the flags when any is given for another cache kind."""
+    given = {name: getattr(args, name) for name in SCOPED_OPTIONS if getattr(args, name, None) is not None}
+    if given and cache_kind != "scoped-radix":
+        flags = ", ".join(SCOPED_OPTIONS[name] for name in given)
+        verb = "applies" if len(given) == 1 else "apply"
+        raise ValueError(f"{flags} {verb} to --cache scoped-radix only, not {cache_kind}")
+    options = {**SCOPED_DEFAULTS, **given}
+    if options["promote_k"] == math.inf:
+        options["promote_k"] = None  # NOTE: the caches' spelling of "never promote"
+    return options
+
+
+def promote_threshold(text: str) -> float:
+    """The scoped cache's promotion threshold: a whole number >= 1, or inf (math.inf: never promote)."""
+    if text.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    if not re.fullmatch(r"\d+", text.strip()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a promotion threshold (a whole number >= 1, or inf)")
+    return int(text)
+
+
+def on_off(text: str) -> bool:
+    """on or off (also true/false, yes/no, 1/0)."""
+    value = text.strip().lower()
+    if value in ("on", "true", "yes", "1"):
+        return True
+    if value in ("off", "false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not on or off")
+
+
+def pinned_prefixes(path: str | Path) -> tuple[tuple[int, ...], ...]:
+    """The pinned prefixes of a JSONL file. Each non-blank line is one prefix: a JSON list of
+    token ids, {"prompt": [ids]}, or {"text": "..."} (ByteTokenizer's ids). ValueError naming
+    the file and the line for a bad line; OSError when the file cannot be read."""
+    prefixes = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if line.strip():
+                try:
+                    prefixes.append(_pinned_prefix(json.loads(line)))
+                except (json.JSONDecodeError, ValueError) as err:
+                    raise ValueError(f"{path} line {number}: {_one_line(err)}") from None
+    return tuple(prefixes)
+
+
+def pinned_file(text: str) -> tuple[tuple[int, ...], ...]:
+    """`pinned_prefixes` as an argparse type: a bad file or line is one ArgumentTypeError line."""
+    try:
+        return pinned_prefixes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"{text}: {err.strerror or err}") from None
+
+
+def _pinned_prefix(record: Any) -> tuple[int, ...]:
+    if isinstance(record, dict) and set(record) == {"text"} and isinstance(record["text"], str):
+        ids = tuple(int(i) for i in ByteTokenizer().encode(record["text"]))
+    elif isinstance(record, dict) and set(record) == {"prompt"}:
+        ids = _token_ids(record["prompt"])
+    elif isinstance(record, list):
+        ids = _token_ids(record)
+    else:
+        raise ValueError('expected a list of token ids, {"prompt": [ids]} or {"text": "..."}')
+    if not ids:
+        raise ValueError("the prefix is empty")
+    return ids
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or any(type(i) is not int or not 0 <= i < 2**31 for i in value):
+        raise ValueError("token ids must be a list of ints in [0, 2^31)")
+    return tuple(value)
+
+
+def _one_line(err: Exception) -> str:
+    if isinstance(err, json.JSONDecodeError):
+        return f"not JSON ({err.msg}, column {err.colno})"
+    return str(err)
 
 
 def gib_text(num_bytes: int) -> str:

@@ -17,8 +17,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
-CacheKind = Literal["radix", "chunk", "swa-radix", "none"]
-CACHE_KINDS: tuple[str, ...] = ("radix", "chunk", "swa-radix", "none")
+CacheKind = Literal["radix", "chunk", "swa-radix", "scoped-radix", "none"]
+CACHE_KINDS: tuple[str, ...] = ("radix", "chunk", "swa-radix", "scoped-radix", "none")
+SchedulePolicy = Literal["fcfs", "lpm"]
+SCHEDULE_POLICIES: tuple[str, ...] = ("fcfs", "lpm")
 INDEX_BYTES = 8  # an int64 page id or slot index
 SLOT_BYTES = 4  # an int32 slot in req_to_token
 
@@ -104,13 +106,31 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """The prefix cache. promote_k .. merge_chains are the scoped-radix cache's (tenant isolation,
+    docs/isolation.md): promote_k None never promotes (per-principal isolation); epoch_s
+    is the length of one epoch of the promotion window; pinned are operator-declared public
+    prefixes as token ids; dedup lets a principal's recomputed copy of a node it cannot see share
+    that node's KV; merge_chains merges private unary chains."""
+
     kind: CacheKind = "radix"
     eviction_policy: str = "lru"
     eviction_granularity: Literal["leaf", "page"] = "leaf"
+    promote_k: int | None = 3
+    epoch_s: float = 60.0
+    pinned: tuple[tuple[int, ...], ...] = ()
+    dedup: bool = False
+    merge_chains: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in CACHE_KINDS:
             raise ValueError(f"cache kind must be one of {', '.join(CACHE_KINDS)}; got {self.kind!r}")
+        if self.promote_k is not None and (type(self.promote_k) is not int or self.promote_k < 1):
+            raise ValueError(f"promote_k must be an int >= 1, or None for never; got {self.promote_k!r}")
+        if isinstance(self.epoch_s, bool) or not isinstance(self.epoch_s, int | float) \
+                or not math.isfinite(self.epoch_s) or self.epoch_s <= 0:
+            raise ValueError(f"epoch_s must be a finite number of seconds > 0, got {self.epoch_s!r}")
+        if any(not prefix for prefix in self.pinned):
+            raise ValueError("a pinned prefix must hold at least one token")
 
 
 @dataclass(frozen=True)
@@ -127,8 +147,12 @@ class SchedulerConfig:
     swa_eviction_interval: int = 128
     snapshot_interval_steps: int = 50
     leak_check_raise: bool = False
+    schedule_policy: SchedulePolicy = "fcfs"  # lpm: longest visible cached prefix first (§9.2)
 
     def __post_init__(self) -> None:
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule policy must be one of {', '.join(SCHEDULE_POLICIES)}; "
+                             f"got {self.schedule_policy!r}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise ValueError(f"chunked prefill size must be >= 1 (or None to disable), got {self.chunked_prefill_size}")
         if self.max_prefill_tokens < 1 or self.schedule_conservativeness <= 0:
@@ -186,8 +210,9 @@ class EngineConfig:
             )
         if self.cache.kind == "swa-radix" and not is_hybrid:
             raise ValueError("the swa-radix cache needs a hybrid sliding-window model (e.g. --model tiny-swa)")
-        if is_hybrid and self.cache.kind == "radix":
-            raise ValueError("a hybrid sliding-window model needs --cache swa-radix, chunk or none, not radix")
+        if is_hybrid and self.cache.kind in ("radix", "scoped-radix"):
+            raise ValueError(f"a hybrid sliding-window model needs --cache swa-radix, chunk or none, not "
+                             f"{self.cache.kind} (the scoped cache is for full-attention models)")
         window_and_page = (sliding_window or 0) + self.pool.page_size
         if is_hybrid and window_and_page >= self.pool.swa_size_tokens:
             raise ValueError(

@@ -75,7 +75,7 @@ class FaultInjector:
 def check_applicable(specs: list[FaultSpec], has_tree: bool, is_swa: bool) -> None:
     for spec in specs:
         if spec.kind in TREE_ONLY and not has_tree:
-            raise ValueError(f"fault {spec.kind} needs a cache with a tree (radix or swa-radix)")
+            raise ValueError(f"fault {spec.kind} needs a cache with a tree (radix, scoped-radix or swa-radix)")
         if spec.kind in SWA_ONLY and not is_swa:
             raise ValueError(f"fault {spec.kind} needs a sliding-window model (e.g. --model tiny-swa)")
 

@@ -208,7 +208,8 @@ def build_memory(config: EngineConfig, shape: KVPoolShape, window_len: int | Non
 
 def build_cache(config: EngineConfig, allocator: BaseTokenAllocator, rows: ReqToTokenPool,
                 recorder: Recorder) -> BasePrefixCache:
-    """radix keeps a tree; chunk and none keep nothing (SGLang frees the same way)."""
+    """radix keeps a tree; scoped-radix a tree whose nodes are private to their principals until
+    promoted; chunk and none keep nothing (SGLang frees the same way)."""
     kind, ps = config.cache.kind, config.pool.page_size
     if kind == "swa-radix":
         raise ValueError("the swa-radix cache needs a hybrid sliding-window model (e.g. --model tiny-swa)")
@@ -216,15 +217,30 @@ def build_cache(config: EngineConfig, allocator: BaseTokenAllocator, rows: ReqTo
         return RadixCache(allocator, ps, req_to_token_pool=rows, eviction_policy=config.cache.eviction_policy,
                           eviction_granularity=config.cache.eviction_granularity, recorder=recorder,
                           strict=config.strict)
+    if kind == "scoped-radix":
+        return build_scoped_cache(config, allocator, rows, recorder)
     return ChunkCache(allocator, ps, req_to_token_pool=rows, recorder=recorder)
+
+
+def build_scoped_cache(config: EngineConfig, allocator: BaseTokenAllocator, rows: ReqToTokenPool,
+                       recorder: Recorder) -> BasePrefixCache:
+    """The scoped radix cache; its epochs run on the default clock (monotonic time)."""
+    from kvscope.cache.scoped import ScopedRadixCache  # NOTE: imported where it is built
+
+    cache = config.cache
+    return ScopedRadixCache(allocator, config.pool.page_size, req_to_token_pool=rows,
+                            eviction_policy=cache.eviction_policy, eviction_granularity=cache.eviction_granularity,
+                            recorder=recorder, strict=config.strict, promote_k=cache.promote_k,
+                            epoch_s=cache.epoch_s, pinned=cache.pinned, dedup=cache.dedup,
+                            merge_chains=cache.merge_chains)
 
 
 def build_swa_cache(config: EngineConfig, allocator: SWATokenToKVPoolAllocator, rows: ReqToTokenPool,
                     window_len: int, recorder: Recorder) -> SWAPrefixCache:
     """swa-radix keeps a tree; chunk and none keep nothing."""
     kind, ps = config.cache.kind, config.pool.page_size
-    if kind == "radix":
-        raise ValueError("a hybrid sliding-window model needs --cache swa-radix, chunk or none, not radix")
+    if kind in ("radix", "scoped-radix"):
+        raise ValueError(f"a hybrid sliding-window model needs --cache swa-radix, chunk or none, not {kind}")
     if kind == "swa-radix":
         return SWARadixCache(allocator, ps, window_len=window_len, req_to_token_pool=rows, recorder=recorder,
                              strict=config.strict)

@@ -26,6 +26,9 @@ CASES = [  # (fault, model, cache, page size)
     ("use-after-free", "tiny", "radix", 1), ("use-after-free", "tiny", "chunk", 4),
     ("use-after-free", "tiny-swa,window=8", "swa-radix", 1),
     ("swa-window-leak", "tiny-swa,window=8", "swa-radix", 1), ("swa-window-leak", "tiny-swa,window=8", "chunk", 1),
+    ("leak-tail", "tiny", "scoped-radix", 1), ("leak-tail", "tiny", "scoped-radix", 4),
+    ("lock-leak", "tiny", "scoped-radix", 4), ("double-free", "tiny", "scoped-radix", 4),
+    ("use-after-free", "tiny", "scoped-radix", 1),
 ]
 
 

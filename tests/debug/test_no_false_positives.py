@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvscope.app import to_engine_requests
+from kvscope.cache import MonitorConfig
 from kvscope.debug.monitor import DebugMonitor
 from kvscope.debug.report import build_report
 from kvscope.engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
@@ -24,18 +25,30 @@ SETUPS = {  # name: (model, cache, page size, KV tokens, chunk)
     "chunk": ("tiny", "chunk", 1, 1500, 32),
     "swa-radix": ("tiny-swa,window=8", "swa-radix", 1, 1500, 32),
     "swa-chunk-paged": ("tiny-swa,window=8", "chunk", 4, 1500, 32),
+    "scoped-radix": ("tiny", "scoped-radix", 1, 4096, 64),
+    "scoped-radix-paged-tight": ("tiny", "scoped-radix", 4, 700, 32),  # private copies evict and retract
+    "scoped-radix-demoting": ("tiny", "scoped-radix", 1, 4096, 64),  # the monitor tombstones public nodes
 }
+# NOTE: scoped setups promote quickly (k = 2, an epoch every 2 engine steps: the cache's clock is the
+# step counter, so runs are deterministic), so public nodes, private copies and, with the monitor,
+# tombstones under locks all occur within a short run
+SCOPED = {"promote_k": 2, "epoch_s": 2.0}
+TRIGGER_HAPPY = MonitorConfig(alpha=1.0, min_hits=2, min_new_users=2, min_user_ratio=0.0)
 
 
 def run_clean(tmp_path: Path, workload: str, setup: str, abort_every: int | None = None) -> tuple[Path, Engine]:
     model, cache, page_size, kv_tokens, chunk = SETUPS[setup]
     config = EngineConfig(pool=PoolConfig(kv_size_tokens=kv_tokens, page_size=page_size, max_running_requests=16),
-                          cache=CacheConfig(kind=cache),  # type: ignore[arg-type]
+                          cache=CacheConfig(kind=cache, **(SCOPED if cache == "scoped-radix" else {})),  # type: ignore[arg-type]
                           scheduler=SchedulerConfig(chunked_prefill_size=chunk, swa_eviction_interval=4))
     path = tmp_path / f"{workload}-{setup}.db"
     recorder = SQLRecorder(path, level="full")
     monitor = DebugMonitor(recorder)
     engine = Engine(config, model_config(model), monitor, read_checker=monitor)
+    if cache == "scoped-radix":
+        engine.memory.cache.set_clock(lambda: float(engine.scheduler.step))  # type: ignore[attr-defined]
+    if setup == "scoped-radix-demoting":
+        engine.memory.cache.monitor = TRIGGER_HAPPY  # type: ignore[attr-defined]
     requests = to_engine_requests(generate(workload, num_requests=20, seed=2))
     aborted: list[str] = []
 
@@ -61,11 +74,16 @@ def test_clean_runs_are_clean(tmp_path: Path, workload: str, setup: str) -> None
     path, engine = run_clean(tmp_path, workload, setup)
     report = build_report(path)
     assert report.clean, [leak.detail for leak in report.leaks] + report.first_failure
-    if setup == "radix-paged-tight" and workload == "multi-turn":
+    if setup in ("radix-paged-tight", "scoped-radix-paged-tight") and workload == "multi-turn":
         assert engine.stats.evicted_tokens > 0
+    if setup in ("scoped-radix", "scoped-radix-demoting") and workload in ("multi-tenant", "shared-prefix"):
+        scoped = engine.memory.cache.stats()  # type: ignore[attr-defined]
+        assert scoped.promotions > 0, "nothing was promoted; the test would prove little"
+        if setup == "scoped-radix-demoting" and workload == "multi-tenant":
+            assert scoped.demotions > 0, "nothing was demoted; the test would prove little"
 
 
-@pytest.mark.parametrize("setup", ["radix", "radix-paged-tight", "swa-radix", "chunk"])
+@pytest.mark.parametrize("setup", ["radix", "radix-paged-tight", "swa-radix", "chunk", "scoped-radix-demoting"])
 def test_aborts_leave_a_clean_capture(tmp_path: Path, setup: str) -> None:
     path, _ = run_clean(tmp_path, "multi-turn", setup, abort_every=5)
     report = build_report(path)

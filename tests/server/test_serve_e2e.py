@@ -41,7 +41,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("keyed")
     (tmp / "keys.json").write_text(json.dumps(KEYS))
-    with serving(tmp / "serve.db", "--api-keys", str(tmp / "keys.json"), "--level", "full") as srv:
+    with serving(tmp / "serve.db", "--api-keys", str(tmp / "keys.json"), "--level", "full",
+                 "--cache", "scoped-radix", "--promote-k", "inf") as srv:
         yield srv
 
 
@@ -254,6 +255,16 @@ def test_api_keys_401_403_and_narrowing(keyed: Server) -> None:
     plain = keyed.client("k-beta-bob").chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "bob's question"}], max_tokens=2)
     keyed.seen["principals"] = {rid_of(narrowed.id): "acme/alice/sub1", rid_of(plain.id): "beta/bob"}
+    # T7: the principal scopes the cache. The same prompt again hits for its principal (control);
+    # for bob, or for alice without the narrowing suffix, it is another principal's: no hit
+    again = alice.completions.create(model=MODEL, prompt=prompt, max_tokens=1, user="sub1")
+    bob = keyed.client("k-beta-bob").completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    wide = alice.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert again.usage is not None and bob.usage is not None and wide.usage is not None
+    cached = [u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+              for u in (again.usage, bob.usage, wide.usage)]
+    assert cached[0] >= len(prompt) - 1 and cached[1:] == [0, 0], cached
+    keyed.seen["matched"] = {rid_of(again.id): "acme/alice/sub1", rid_of(bob.id): "beta/bob"}
 
 
 def test_principals_reach_the_capture(keyed: Server) -> None:
@@ -264,7 +275,13 @@ def test_principals_reach_the_capture(keyed: Server) -> None:
         principals = dict(db.execute("select rid, principal from requests").fetchall())
         owners = {owner for (owner,) in db.execute("select distinct owner from tree_snapshots")}
         inserted = dict(db.execute("select rid, principal from events where kind = 'insert'").fetchall())
+        matched = dict(db.execute("select rid, principal from events where kind = 'match'").fetchall())
+        visibility = set(db.execute("select distinct owner, visibility from tree_snapshots where owner is not null"))
     db.close()
+    for rid, principal in keyed.seen["matched"].items():  # type: ignore[attr-defined]
+        assert matched[rid] == principal  # the principal reached match_prefix
+    assert ("acme/alice/sub1", "private") in visibility and ("beta/bob", "private") in visibility
+    assert {v for _, v in visibility} == {"private"}  # --promote-k inf: nothing was ever promoted
     expected: dict[str, str] = keyed.seen["principals"]  # type: ignore[assignment]
     for rid, principal in expected.items():
         assert principals[rid] == principal and inserted[rid] == principal  # the request row and its insert event
