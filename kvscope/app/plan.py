@@ -7,12 +7,13 @@ Handlers return the exit code and raise ValueError (one line) on bad input; cli.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any, TextIO
 
 from kvscope.app.progress import Progress, bar
-from kvscope.app.units import gib_text
+from kvscope.app.units import gib_text, scoped_cache_options
 from kvscope.planning import (
     CONVENTION_MEANINGS,
     EXACTNESS,
@@ -22,6 +23,7 @@ from kvscope.planning import (
     ReplayRequest,
     ReplayResult,
     ReplaySource,
+    ScopedOptions,
     ceil_pages,
     format_plan,
     format_replay,
@@ -79,33 +81,66 @@ def _gpu_memory(gpu_mem_bytes: int | None, tp_size: int) -> tuple[int, int, list
 
 
 def replay_verb(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    _check_replay_args(args)
+    scoped = _check_replay_args(args)
     source = load_source(args.source, args.run)
     page_size = args.page_size or source.page_size or 1
     _check_page_size(page_size)
     requests = source.requests
     curve = one_pass_curve(requests, page_size)
+    isolated = one_pass_curve(requests, page_size, isolated=True) if scoped is not None else None
     longest = max(ceil_pages(r.seq_len, page_size) for r in requests)
     capacities = _capacities(args, curve, longest, page_size)
-    rows = [_curve_row(curve, c, args.policy) for c in capacities]
+    rows = [_curve_row(curve, c, args.policy, isolated) for c in capacities]
     if not args.curve_only:
-        for row, result in zip(rows, _replays(requests, capacities, page_size, args, err), strict=True):
+        results = _replays(requests, capacities, page_size, args, err, scoped)
+        for row, result in zip(rows, results[: len(capacities)], strict=True):
             row.update(_result_fields(result))
+            if scoped is not None:
+                row["cross_hit_tokens"] = result.num_cross_hit_tokens
+        for row, result in zip(rows, results[len(capacities):], strict=False):  # NOTE: none without scoped
+            row.update(_scoped_fields(row, result))
     header = _replay_header(args, source.label, curve, longest, page_size, _page_size_origin(args, source.page_size))
+    if scoped is not None:
+        header["scoped"] = (f"scoped-radix, {scoped.describe()}; principal = each request's user; clock = "
+                            f"{_clock_text(requests)}; beside global sharing (radix) at the same settings")
+    lru = args.policy == "lru"
     if args.json:
-        out.write(json.dumps(_replay_json(args, source, header, rows, curve, page_size), indent=2) + "\n")
+        report = _replay_json(args, source, header, rows, curve, page_size)
+        report["cache"] = args.cache
+        report["scoped"] = None if scoped is None else dataclasses.asdict(scoped)
+        report["isolated_curve"] = None if isolated is None or not lru else _curve_json(isolated)
+        out.write(json.dumps(report, indent=2) + "\n")
     else:
-        out.write(format_replay(header, rows, curve if args.policy == "lru" else None) + "\n")
+        out.write(format_replay(header, rows, curve if lru else None, isolated if lru else None) + "\n")
     return 0
 
 
-def _check_replay_args(args: argparse.Namespace) -> None:
+def _clock_text(requests: list[ReplayRequest]) -> str:
+    if all(r.arrival_s is not None for r in requests):
+        return "trace time (arrival_s)"
+    return "the request's index x 1 s (the trace has no arrival_s on every request)"
+
+
+def _scoped_fields(row: dict[str, Any], result: ReplayResult) -> dict[str, Any]:
+    """The scoped replay's columns beside a row that holds the global replay's."""
+    return {"scoped_hit_rate": result.hit_rate, "scoped_hit_tokens": result.num_hit_tokens,
+            "scoped_cost_hit_rate": row["hit_rate"] - result.hit_rate,
+            "scoped_evicted_tokens": result.num_evicted_tokens,
+            "scoped_peak_usage_tokens": result.peak_usage_tokens, "scoped_num_skipped": result.num_skipped,
+            "scoped_wall_s": result.wall_s, "scoped_stats": result.cache_stats}
+
+
+def _check_replay_args(args: argparse.Namespace) -> ScopedOptions | None:
+    """The scoped options when --cache scoped-radix (ValueError for scoped flags without it)."""
+    cache = getattr(args, "cache", "radix")
+    options = scoped_cache_options(args, cache)
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     if args.page_size is not None:
         _check_page_size(args.page_size)
     if args.curve_only and args.policy != "lru":
         raise ValueError(f"the one-pass curve models lru eviction only, not {args.policy!r}")
+    return ScopedOptions(**options) if cache == "scoped-radix" else None
 
 
 def _check_page_size(page_size: int) -> None:
@@ -133,17 +168,24 @@ def _capacities(args: argparse.Namespace, curve: HitRateCurve, longest: int, pag
     return [c for c in capacities if c >= longest] or [longest]
 
 
-def _curve_row(curve: HitRateCurve, capacity: int, policy: str) -> dict[str, Any]:
+def _curve_row(curve: HitRateCurve, capacity: int, policy: str, isolated: HitRateCurve | None) -> dict[str, Any]:
     row: dict[str, Any] = {"capacity": capacity, "curve_hit_rate": None, "curve_hit_tokens": None}
     if policy == "lru":
         row["curve_hit_tokens"] = curve.hit_tokens(capacity)
         row["curve_hit_rate"] = curve.hit_rate(capacity)
+    if isolated is not None:
+        lru = policy == "lru"
+        row["isolated_curve_hit_tokens"] = isolated.hit_tokens(capacity) if lru else None
+        row["isolated_curve_hit_rate"] = isolated.hit_rate(capacity) if lru else None
     return row
 
 
 def _replays(requests: list[ReplayRequest], capacities: list[int], page_size: int, args: argparse.Namespace,
-             err: TextIO) -> list[ReplayResult]:
+             err: TextIO, scoped: ScopedOptions | None = None) -> list[ReplayResult]:
+    """One replay per capacity (global sharing), then one scoped replay per capacity when `scoped`."""
     configs = [ReplayConfig(c, page_size, args.eviction, args.convention, args.policy) for c in capacities]
+    if scoped is not None:
+        configs += [dataclasses.replace(config, scoped=scoped) for config in configs]
     progress = Progress(err, delay_s=PROGRESS_DELAY_S)
 
     def on_done(num_done: int, num_total: int) -> None:
@@ -210,8 +252,12 @@ def _replay_json(args: argparse.Namespace, source: ReplaySource, header: dict[st
                       "exactness": EXACTNESS} if args.policy == "lru" else None,
         },
         "notes": header,
-        "curve": {"exactness": EXACTNESS, "working_set_tokens": curve.working_set_tokens,
-                  "max_hit_tokens": curve.max_hit_tokens, "max_hit_rate": curve.max_hit_rate,
-                  "saturation_tokens": curve.saturation_tokens},
+        "curve": _curve_json(curve),
         "rows": rows,
     }
+
+
+def _curve_json(curve: HitRateCurve) -> dict[str, Any]:
+    return {"exactness": EXACTNESS, "working_set_tokens": curve.working_set_tokens,
+            "max_hit_tokens": curve.max_hit_tokens, "max_hit_rate": curve.max_hit_rate,
+            "saturation_tokens": curve.saturation_tokens}

@@ -11,6 +11,7 @@ itself (`replay`) needs the radix cache and torch: it loads on first use of that
     capacities, hits = curve.breakpoints()                # plot hits / curve.num_prompt_tokens
     plan = plan_memory(PlanInputs(resolve_model("llama-3.1-8b"), free_bytes, total_bytes))
     curve.hit_rate(plan.sglang.max_total_num_tokens)      # this traffic's hit rate on that GPU
+    isolated = one_pass_curve(requests, isolated=True)    # keys per principal (user): k = inf isolation
 """
 
 from __future__ import annotations
@@ -45,11 +46,19 @@ from kvscope.planning.replays import (
     CONVENTIONS,
     ReplayConfig,
     ReplayResult,
+    ScopedOptions,
     ceil_pages,
     replay_many,
 )
 from kvscope.planning.report import format_plan, format_replay, gpu_line
-from kvscope.planning.requests import ReplayRequest, ReplaySource, load_requests, load_source, replay_requests
+from kvscope.planning.requests import (
+    ReplayRequest,
+    ReplaySource,
+    load_requests,
+    load_source,
+    replay_requests,
+    trace_times_s,
+)
 
 _REPLAY_NAMES = ("replay",)
 
@@ -82,6 +91,7 @@ __all__ = [
     "ReplayResult",
     "ReplaySource",
     "SGLangSizing",
+    "ScopedOptions",
     "TokenBytes",
     "VLLMSizing",
     "bytes_per_token",
@@ -103,5 +113,6 @@ __all__ = [
     "resolve_model",
     "sglang_sizing",
     "shape_from_hf_config",
+    "trace_times_s",
     "vllm_sizing",
 ]

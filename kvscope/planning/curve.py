@@ -139,10 +139,14 @@ class HitRateCurve:
         return np.unique(np.ceil(grid / self.page_size).astype(np.int64) * self.page_size)
 
 
-def one_pass_curve(requests: Sequence[ReplayRequest], page_size: int = 1) -> HitRateCurve:
-    """The hit-rate curve of `requests` at every capacity, from one pass (see the module doc)."""
+def one_pass_curve(requests: Sequence[ReplayRequest], page_size: int = 1, *, isolated: bool = False) -> HitRateCurve:
+    """The hit-rate curve of `requests` at every capacity, from one pass (see the module doc).
+    `isolated`: keys namespaced by each request's `user` (None is one principal of its own), so
+    no two principals share a node: the curve of per-principal isolation (scoped radix cache
+    with k = inf, no pinned prefixes, dedup off) under the same shared capacity."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    ramps = stack_distance_ramps(((r.prompt_len, r.all_ids) for r in requests), page_size)
+    namespaces = [r.user for r in requests] if isolated else None
+    ramps = stack_distance_ramps(((r.prompt_len, r.all_ids) for r in requests), page_size, namespaces)
     prompt_lens = np.fromiter((r.prompt_len for r in requests), dtype=np.int64, count=len(requests))
     return HitRateCurve(page_size, prompt_lens, ramps)

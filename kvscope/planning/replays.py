@@ -13,6 +13,10 @@ NOTE: conventions for `capacity` (how to read a replay's capacity beside the one
              `capacity`. The one-pass curve (curve.py) is exact under this convention with
              eviction_granularity="page".
 Peak usage = the most slots in use at once (tree + the request in flight, whole pages).
+
+A scoped replay (`ReplayConfig.scoped` set) serves the same stream through the scoped radix
+cache: each request's `user` is its principal, and the cache's clock is trace time
+(requests.trace_times_s), so its epochs are the trace's, not the replay's wall time.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -49,6 +53,30 @@ def ceil_pages(num_tokens: int, page_size: int) -> int:
 
 
 @dataclass(frozen=True)
+class ScopedOptions:
+    """The scoped radix cache's settings in a replay (kvscope.engine.CacheConfig's meanings):
+    promote_k None never promotes; epoch_s in trace seconds; pinned prefixes as token ids."""
+
+    promote_k: int | None = 3
+    epoch_s: float = 60.0
+    pinned: tuple[tuple[int, ...], ...] = ()
+    dedup: bool = False
+    merge_chains: bool = False
+
+    def __post_init__(self) -> None:
+        if self.promote_k is not None and (type(self.promote_k) is not int or self.promote_k < 1):
+            raise ValueError(f"promote_k must be an int >= 1, or None for never; got {self.promote_k!r}")
+        if not 0 < self.epoch_s < float("inf"):
+            raise ValueError(f"epoch_s must be a finite number of seconds > 0, got {self.epoch_s!r}")
+
+    def describe(self) -> str:
+        """k=3, epoch 60 s, 2 pinned, dedup off"""
+        k = "inf" if self.promote_k is None else str(self.promote_k)
+        return (f"k={k}, epoch {self.epoch_s:g} s, {len(self.pinned)} pinned, dedup {'on' if self.dedup else 'off'}"
+                + (", merged chains" if self.merge_chains else ""))
+
+
+@dataclass(frozen=True)
 class ReplayConfig:
     """One replay's settings. The eviction policy's name is checked where the replay builds its
     cache (the policy registry lives with the cache, which loads torch)."""
@@ -58,6 +86,7 @@ class ReplayConfig:
     eviction_granularity: Granularity = "page"
     convention: Convention = "slots"
     eviction_policy: str = "lru"
+    scoped: ScopedOptions | None = None  # None: the radix cache, global sharing
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -79,6 +108,9 @@ class ReplayResult(NamedTuple):
     num_evicted_tokens: int
     peak_usage_tokens: int
     wall_s: float
+    # per request, hit tokens in shared (not private) nodes another principal created; -1 skipped
+    request_cross_hit_tokens: np.ndarray | None = None
+    cache_stats: dict[str, Any] | None = None  # a scoped replay's ScopedStats at the end, as a dict
 
     @property
     def num_requests(self) -> int:
@@ -96,18 +128,25 @@ class ReplayResult(NamedTuple):
     def hit_rate(self) -> float:
         return self.num_hit_tokens / max(self.num_prompt_tokens, 1)
 
+    @property
+    def num_cross_hit_tokens(self) -> int:
+        """Hit tokens served by nodes another principal created (the cross-principal reuse)."""
+        cross = self.request_cross_hit_tokens
+        return 0 if cross is None else int(cross[cross > 0].sum())
+
 
 # -- several capacities in parallel ---------------------------------------------------------------
 
 _worker_requests: list[ReplayRequest] = []
 
 
-def _init_worker(sequences: list[tuple[int, np.ndarray]]) -> None:
+def _init_worker(sequences: list[tuple[int, np.ndarray, str | None, float | None]]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # NOTE: Ctrl-C is the parent's to handle
     import torch
 
     torch.set_num_threads(1)
-    _worker_requests[:] = [ReplayRequest(str(i), ids[:n], ids) for i, (n, ids) in enumerate(sequences)]
+    _worker_requests[:] = [ReplayRequest(str(i), ids[:n], ids, user, arrival_s)
+                           for i, (n, ids, user, arrival_s) in enumerate(sequences)]
 
 
 def _replay_in_worker(config: ReplayConfig) -> ReplayResult:
@@ -171,7 +210,7 @@ def replay_many(
     if num_workers <= 1 and not always_spawn:
         return _replay_here(requests, configs, on_done)
     results: list[ReplayResult | None] = [None] * len(configs)
-    sequences = [(r.prompt_len, r.all_ids) for r in requests]
+    sequences = [(r.prompt_len, r.all_ids, r.user, r.arrival_s) for r in requests]
     # NOTE: spawn, not fork: the parent may have torch loaded, and a forked child of a process
     # with OpenMP threads can hang; the request stream goes to each worker once
     context = multiprocessing.get_context("spawn")

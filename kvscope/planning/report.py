@@ -88,7 +88,10 @@ def plan_notes(plan: MemoryPlan) -> list[str]:
 # -- replay --------------------------------------------------------------------------------------
 
 
-def format_replay(header: dict[str, Any], rows: Sequence[dict[str, Any]], curve: HitRateCurve | None) -> str:
+def format_replay(header: dict[str, Any], rows: Sequence[dict[str, Any]], curve: HitRateCurve | None,
+                  isolated: HitRateCurve | None = None) -> str:
+    """The replay's text; with `isolated` (a scoped replay) the table compares global sharing
+    with the scoped cache, and the isolated one-pass curve with the global one."""
     lines = [f"{k:<13} {v}" for k, v in header.items()]
     if curve is not None:
         lines += [
@@ -96,13 +99,23 @@ def format_replay(header: dict[str, Any], rows: Sequence[dict[str, Any]], curve:
             f"{curve.max_hit_rate:.2%}, reached at {short_tokens(curve.saturation_tokens)} tokens",
             f"{'':<13} {EXACTNESS}",
         ]
-    lines += ["", _replay_table(rows)]
+    if isolated is not None:
+        lines.append(
+            f"{'isolated':<13} one pass with keys per principal (k = inf, no pinned, dedup off): working set "
+            f"{short_tokens(isolated.working_set_tokens)} tokens; unbounded cache: hit rate "
+            f"{isolated.max_hit_rate:.2%}, reached at {short_tokens(isolated.saturation_tokens)} tokens")
+    lines += ["", _replay_table(rows, SCOPED_COLUMNS if isolated is not None else COLUMNS)]
     return "\n".join(lines)
 
 
-def _replay_table(rows: Sequence[dict[str, Any]]) -> str:
-    columns = [("capacity", ">"), ("hit rate", ">"), ("hit tokens", ">"), ("evicted", ">"), ("peak usage", ">"),
-               ("skipped", ">"), ("replay s", ">"), ("one-pass", ">"), ("replay - one-pass", ">")]
+COLUMNS = ("capacity", "hit rate", "hit tokens", "evicted", "peak usage", "skipped", "replay s", "one-pass",
+           "replay - one-pass")
+SCOPED_COLUMNS = ("capacity", "global hit", "cross-principal", "scoped hit", "cost", "scoped evicted",
+                  "scoped skipped", "one-pass global", "one-pass isolated", "isolation cost")
+
+
+def _replay_table(rows: Sequence[dict[str, Any]], names: Sequence[str] = COLUMNS) -> str:
+    columns = [(name, ">") for name in names]
     cells = [[_cell(row, name) for name, _ in columns] for row in rows]
     widths = [max(len(name), *(len(c[k]) for c in cells)) for k, (name, _) in enumerate(columns)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
@@ -112,6 +125,8 @@ def _replay_table(rows: Sequence[dict[str, Any]]) -> str:
 def _cell(row: dict[str, Any], name: str) -> str:
     replayed = row.get("hit_rate") is not None
     curve_rate = row.get("curve_hit_rate")
+    if name in SCOPED_COLUMNS and name not in COLUMNS:
+        return _scoped_cell(row, name)
     value: dict[str, str] = {
         "capacity": f"{row['capacity']:,}",
         "hit rate": f"{row['hit_rate']:.2%}" if replayed else "-",
@@ -123,5 +138,24 @@ def _cell(row: dict[str, Any], name: str) -> str:
         "one-pass": f"{curve_rate:.2%}" if curve_rate is not None else "-",
         "replay - one-pass": (f"{row['hit_tokens'] - row['curve_hit_tokens']:+,} tok"
                               if replayed and curve_rate is not None else "-"),
+    }
+    return value[name]
+
+
+def _scoped_cell(row: dict[str, Any], name: str) -> str:
+    """A cell of the scoped table: global sharing vs the scoped cache, replays and one-pass curves."""
+    replayed = row.get("scoped_hit_rate") is not None
+    curve_rate, isolated_rate = row.get("curve_hit_rate"), row.get("isolated_curve_hit_rate")
+    gap = None if curve_rate is None or isolated_rate is None else curve_rate - isolated_rate
+    value: dict[str, str] = {
+        "global hit": f"{row['hit_rate']:.2%}" if replayed else "-",
+        "cross-principal": f"{row['cross_hit_tokens'] / max(row['hit_tokens'], 1):.1%} of hits" if replayed else "-",
+        "scoped hit": f"{row['scoped_hit_rate']:.2%}" if replayed else "-",
+        "cost": f"{100 * row['scoped_cost_hit_rate']:+.2f} pp" if replayed else "-",
+        "scoped evicted": f"{row['scoped_evicted_tokens']:,}" if replayed else "-",
+        "scoped skipped": f"{row['scoped_num_skipped']:,}" if replayed else "-",
+        "one-pass global": f"{curve_rate:.2%}" if curve_rate is not None else "-",
+        "one-pass isolated": f"{isolated_rate:.2%}" if isolated_rate is not None else "-",
+        "isolation cost": f"{100 * gap:+.2f} pp" if gap is not None else "-",
     }
     return value[name]

@@ -45,6 +45,8 @@ class ReplayRequest(NamedTuple):
     rid: str
     prompt_ids: np.ndarray  # int32, non-empty
     all_ids: np.ndarray  # int32, prompt + output
+    user: str | None = None  # the principal of a scoped replay (the trace's `user`)
+    arrival_s: float | None = None  # the trace's arrival time; None: not given
 
     @property
     def prompt_len(self) -> int:
@@ -64,8 +66,18 @@ def replay_requests(trace: Sequence[TraceRequest]) -> list[ReplayRequest]:
             output = np.asarray(request.output_ids, dtype=TOKEN_DTYPE)
         else:
             output = np.full(request.output_len, -(i + 1), dtype=TOKEN_DTYPE)
-        out.append(ReplayRequest(request.rid, prompt, np.concatenate((prompt, output))))
+        out.append(ReplayRequest(request.rid, prompt, np.concatenate((prompt, output)), request.user,
+                                 request.arrival_s))
     return out
+
+
+def trace_times_s(requests: Sequence[ReplayRequest]) -> np.ndarray:
+    """The clock of a scoped replay at each request, in seconds: the arrival times when every
+    request has one, made non-decreasing (a trace's order across lines is not checked, and
+    epochs never run backwards); otherwise the request's index x 1 s."""
+    if requests and all(r.arrival_s is not None for r in requests):
+        return np.maximum.accumulate(np.array([r.arrival_s for r in requests], dtype=np.float64))
+    return np.arange(len(requests), dtype=np.float64)
 
 
 def is_capture(source: str | os.PathLike[str]) -> bool:

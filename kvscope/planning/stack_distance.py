@@ -21,11 +21,17 @@ first (a new leaf first of all), so that ancestors get the larger stamps. A spli
 pieces on the old stamp, and the upper piece (on the path) is re-stamped in the same request,
 so a stamp never holds more than one piece when it is read. Cost: O(path nodes · log stamps)
 per request, about the cost of one replay, for the whole curve.
+
+NOTE: namespaces. Given a namespace per request (a principal), each namespace walks its own
+root, so no two namespaces share a node, while every node of every namespace sits in the one
+stamp order: the curve of a cache where each principal keeps its own copies under one shared
+capacity (per-principal isolation, k = inf). This is the same as prefixing every sequence with
+a sentinel page per principal, without counting the sentinel as a token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from typing import NamedTuple
 
 import numpy as np
@@ -102,15 +108,19 @@ def common_len(node_key: bytes, key: bytes, pos: int, page_size: int) -> int:
     return shared // page_size * page_size
 
 
-def stack_distance_ramps(sequences: Iterable[tuple[int, np.ndarray]], page_size: int) -> Ramps:
-    """The ramps of every request. `sequences` yields (prompt_len, prompt + output as int32)."""
+def stack_distance_ramps(sequences: Iterable[tuple[int, np.ndarray]], page_size: int,
+                         namespaces: Iterable[Hashable] | None = None) -> Ramps:
+    """The ramps of every request. `sequences` yields (prompt_len, prompt + output as int32);
+    `namespaces`, when given, yields each request's namespace (see the note on namespaces)."""
     trie = _StampedTrie(page_size)
+    names = iter(namespaces) if namespaces is not None else None
     for i, (prompt_len, all_ids) in enumerate(sequences):
         key_len = len(all_ids) // page_size * page_size
         key = (all_ids if key_len == len(all_ids) else all_ids[:key_len]).tobytes()
-        path, pos = trie.walk(key)
+        root = trie.root_of(next(names)) if names is not None else trie.root
+        path, pos = trie.walk(key, root)
         trie.add_ramps(i, path, prompt_len // page_size * page_size * TOKEN_BYTES)
-        trie.touch(path, key, pos)
+        trie.touch(root, path, key, pos)
     return Ramps(
         np.array(trie.ramp_request, dtype=np.int64),
         np.array(trie.ramp_start, dtype=np.int64),
@@ -126,6 +136,7 @@ class _StampedTrie:
         self.page_size = page_size
         self.page_bytes = page_size * TOKEN_BYTES
         self.root = _Node(b"", 0)
+        self.roots: dict[Hashable, _Node] = {}
         self.fenwick = _Fenwick(1 << 12)
         self.stamp = 0
         self.num_tokens = 0
@@ -133,11 +144,17 @@ class _StampedTrie:
         self.ramp_start: list[int] = []
         self.ramp_length: list[int] = []
 
-    def walk(self, key: bytes) -> tuple[list[_Node], int]:
-        """(nodes of `key` already in the trie, bytes of key they cover); splits the last one
-        where key leaves it, so the path ends on a node boundary."""
+    def root_of(self, namespace: Hashable) -> _Node:
+        root = self.roots.get(namespace)
+        if root is None:
+            root = self.roots[namespace] = _Node(b"", 0)
+        return root
+
+    def walk(self, key: bytes, root: _Node) -> tuple[list[_Node], int]:
+        """(nodes of `key` already under `root`, bytes of key they cover), the root itself not
+        included; splits the last one where key leaves it, so the path ends on a node boundary."""
         path: list[_Node] = []
-        node, pos, end, page_bytes = self.root, 0, len(key), self.page_bytes
+        node, pos, end, page_bytes = root, 0, len(key), self.page_bytes
         while pos < end:
             child = node.children.get(key[pos : pos + page_bytes])
             if child is None:
@@ -161,14 +178,14 @@ class _StampedTrie:
             self.ramp_length.append(min(len(node.key), prompt_end - depth) // TOKEN_BYTES)
             depth += len(node.key)
 
-    def touch(self, path: list[_Node], key: bytes, pos: int) -> None:
+    def touch(self, root: _Node, path: list[_Node], key: bytes, pos: int) -> None:
         """Insert key[pos:] as a new leaf, then re-stamp deepest first: the leaf, then the path
         bottom-up, so ancestors get the larger stamps."""
         fenwick = self.fenwick
         if pos < len(key):
             self.stamp += 1
             weight = (len(key) - pos) // TOKEN_BYTES
-            parent = path[-1] if path else self.root
+            parent = path[-1] if path else root
             parent.children[key[pos : pos + self.page_bytes]] = _Node(key[pos:], self.stamp)
             fenwick.add(self.stamp, weight)
             self.num_tokens += weight
