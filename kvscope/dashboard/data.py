@@ -111,6 +111,31 @@ def requests(path: str, run_id: int, stamp: float) -> pd.DataFrame:
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def principals(path: str, run_id: int, stamp: float) -> list[str]:
+    return telemetry.run_principals(open_capture(path), run_id)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def visibility_changes(path: str, run_id: int, stamp: float) -> pd.DataFrame:
+    return telemetry.visibility_changes(open_capture(path), run_id)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def reuse_by_principal(path: str, run_id: int, stamp: float) -> pd.DataFrame:
+    return telemetry.reuse_by_principal(open_capture(path), run_id)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def latest_snapshot(path: str, run_id: int, stamp: float) -> tuple[int | None, pd.DataFrame]:
+    """The run's latest tree snapshot as stored (step None and an empty table when it has none)."""
+    capture = open_capture(path)
+    steps = capture.snapshot_steps(run_id)
+    if not steps:
+        return None, pd.DataFrame()
+    return steps[-1], capture.tree_at(run_id, steps[-1])
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def allocs_of_requests(path: str, run_id: int, stamp: float, rids: tuple[str, ...]) -> pd.DataFrame:
     return telemetry.allocs_of_requests(open_capture(path), run_id, rids)
 

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import data, url_state
+from kvscope.dashboard import data, tenants, url_state
 from kvscope.telemetry import CaptureError
 
 CAPTURE_DIRS = (Path("runs"), Path("sample_runs"))
@@ -46,6 +46,7 @@ class Selection(NamedTuple):
     stamp: float  # changes whenever the run's data may have changed: the cache key of every read
     live: bool  # the run is running and the refresh toggle is on
     status: str  # the run's status for this whole rerun: the picker, the status line and every page show this one
+    tenant: str | None = None  # the sidebar's tenant filter (None: all tenants)
 
     @property
     def running(self) -> bool:
@@ -162,11 +163,22 @@ def render_frame() -> Selection | None:
                                 help="While the run is running, the live panels refresh about every second.")
     status = str(run.display_status)
     _status_line(run, status)
-    url_state.reset(capture=path, run=int(run.id))
+    stamp = _stamp(run)
+    tenant = tenants.pick_tenant(_principals(path, int(run.id), stamp))
+    url_state.reset(capture=path, run=int(run.id), tenant=tenant)
     url_state.show_notes()
-    chosen = Selection(path, int(run.id), run, _stamp(run), bool(refresh) and status == "running", status)
+    chosen = Selection(path, int(run.id), run, stamp, bool(refresh) and status == "running", status, tenant)
     st.session_state[STATE_KEY] = chosen
     return chosen
+
+
+def _principals(path: str, run_id: int, stamp: float) -> list[str]:
+    """The run's principals for the tenant filter; none when a damaged page of the capture is in
+    the way (the pages that read it say so, and the Overview still renders)."""
+    try:
+        return data.principals(path, run_id, stamp)
+    except CaptureError:
+        return []
 
 
 def _stamp(run: Any) -> float:

@@ -3,6 +3,7 @@
 The page is the URL's path (st.navigation: /tree, /leaks, ...); the rest is query parameters:
     capture  the capture file, as the sidebar lists it     (every page)
     run      the run id                                     (every page)
+    tenant   the sidebar's tenant filter (absent: all)      (every page)
     step     the Radix tree page's step
     node     the Radix tree page's node in 'Node details'
     rid      the Requests page's request
@@ -23,7 +24,7 @@ from urllib.parse import urlencode
 
 import streamlit as st
 
-FRAME_KEYS = ("capture", "run")
+FRAME_KEYS = ("capture", "run", "tenant")
 PAGE_KEYS = ("step", "node", "rid")
 MAX_TEXT_LEN = 200
 WRITTEN_KEY = "kvscope.url.written"  # the query parameters this session wrote last
@@ -39,8 +40,8 @@ class Parsed(NamedTuple):
 
 
 def parse(params: Mapping[str, str]) -> Parsed:
-    """Type-check the link's values: run, step and node whole numbers >= 0; capture and rid
-    non-empty printable text. Unknown keys are ignored."""
+    """Type-check the link's values: run, step and node whole numbers >= 0; capture, tenant and
+    rid non-empty printable text. Unknown keys are ignored."""
     values: dict[str, Any] = {}
     notes: list[str] = []
     for key in (*FRAME_KEYS, *PAGE_KEYS):
@@ -122,7 +123,7 @@ def publish(**values: Any) -> None:
 
 
 def reset(**frame_values: Any) -> None:
-    """The frame's write: capture and run, and no page's keys (the page adds its own)."""
+    """The frame's write: capture, run and tenant, and no page's keys (the page adds its own)."""
     for key in PAGE_KEYS:
         st.query_params.pop(key, None)
     st.session_state[WRITTEN_KEY] = {}

@@ -17,6 +17,9 @@ if summary.empty:
     st.info(f"No evictions in this run{level}.")
     st.stop()
 
+if chosen.tenant is not None:
+    st.caption(f"Evictions are of the whole cache, every tenant's nodes (the tenant filter, {chosen.tenant}, applies "
+               "to the Requests page, the Radix tree's node details and the Memory page's sharing views).")
 total = int(summary["num_evictions"].sum())
 cols = st.columns(3)
 cols[0].metric("evictions", f"{total:,}")

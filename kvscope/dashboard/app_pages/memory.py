@@ -1,11 +1,75 @@
-"""Memory: each pool's terms over time (full and SWA side by side), token vs page occupancy."""
+"""Memory: each pool's terms over time (full and SWA side by side), sharing between tenants (tokens
+per tenant by visibility, promotions and demotions, cross-principal reuse), token vs page occupancy."""
 
 from __future__ import annotations
 
 import streamlit as st
 
-from kvscope.dashboard import charts, data
-from kvscope.dashboard.frame import selection
+from kvscope.dashboard import charts, data, tenants
+from kvscope.dashboard.frame import Selection, selection
+
+
+def cache_kind(chosen: Selection) -> str:
+    cache = data.run_config(chosen.run).get("engine", {}).get("cache", {})
+    return str(cache.get("kind", "radix")) if isinstance(cache, dict) else "radix"
+
+
+def tenant_cache_section(chosen: Selection) -> None:
+    step, nodes = data.latest_snapshot(chosen.path, chosen.run_id, chosen.stamp)
+    if step is None:
+        st.caption("No tree snapshot in this run: tokens per tenant need one (recorded at level summary and up).")
+        return
+    table = tenants.cache_by_tenant(nodes)
+    if chosen.tenant is not None:
+        table = table[table["tenant"] == chosen.tenant]
+    if table.empty:
+        whose = "" if chosen.tenant is None else f" owned by tenant {chosen.tenant}"
+        st.caption(f"No cached tokens{whose} in the latest tree snapshot (step {step}).")
+        return
+    st.caption(f"From the latest tree snapshot (step {step}): the tokens each tenant's nodes hold (a node belongs to "
+               "the tenant of its owner, the principal that inserted it), **private** (only its owner matches it), "
+               "**public** (everyone matches it) or **pinned** (declared public by the operator). A cache with "
+               "global sharing (radix, swa-radix) has only public nodes.")
+    st.plotly_chart(charts.cache_by_tenant_figure(table), key="memory.tenants")
+
+
+def visibility_changes_section(chosen: Selection, kind: str) -> None:
+    changes = data.visibility_changes(chosen.path, chosen.run_id, chosen.stamp)
+    if changes.empty:
+        why = (f"this run used the {kind} cache (global sharing: every node is public from the start)"
+               if kind != "scoped-radix" else
+               "no prefix was computed by promote_k distinct principals within one epoch, so nothing was promoted")
+        if chosen.run.level != "full":
+            why = "the run was recorded at level summary (no events)"
+        st.caption(f"No promotions or demotions: {why}.")
+        return
+    totals = changes.groupby("kind")["num_tokens"].sum()
+    st.caption(f"{int(totals.get('promote', 0)):,} tokens promoted (private → public) and "
+               f"{int(totals.get('demote', 0)):,} demoted (public → private) over the run, per step. Promotions and "
+               "demotions are of the whole run (a node's owner may be of any tenant).")
+    st.plotly_chart(charts.visibility_changes_figure(changes), key="memory.promotions")
+
+
+def reuse_metric(chosen: Selection) -> None:
+    reuse = tenants.reuse_share(data.reuse_by_principal(chosen.path, chosen.run_id, chosen.stamp), chosen.tenant)
+    if reuse.share is None:
+        st.caption("No cross-principal reuse to show: the capture has no match events naming their requester "
+                   "(recorded at level full by kvscope with schema version 3), or no match reused a token.")
+        return
+    whose = "" if chosen.tenant is None else f" (requests of tenant {chosen.tenant})"
+    st.metric(f"cross-principal reuse share{whose}", f"{reuse.share:.1%}",
+              help=f"{reuse.cross_tokens:,} of {reuse.matched_tokens:,} matched tokens")
+    st.caption("Of the tokens prefix matches reused, the share that sat in nodes another principal inserted: how much "
+               "the cache's hits depend on sharing across users.")
+
+
+def sharing_section(chosen: Selection) -> None:
+    st.subheader("Sharing between tenants")
+    kind = cache_kind(chosen)
+    tenant_cache_section(chosen)
+    reuse_metric(chosen)
+    visibility_changes_section(chosen, kind)
+
 
 chosen = selection()
 st.header("Memory")
@@ -20,6 +84,7 @@ st.caption("Stacked per pool: **free** (the allocator's free list), **evictable*
            "outside the tree; with no request running, anything left here is missing, a leak). Downsampled in SQL "
            f"to at most {data.MAX_POINTS} points (each bucket keeps its maxima).")
 st.plotly_chart(charts.memory_timeline_figure(usage), key="memory.timeline")
+sharing_section(chosen)
 
 st.subheader("Token vs page occupancy")
 pool = data.pool_config(chosen.run)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import charts, data, latency, reads, timing, url_state
+from kvscope.dashboard import charts, data, latency, reads, tenants, timing, url_state
 from kvscope.dashboard.frame import Selection, selection
 
 PAGE_ROWS = 60
@@ -77,6 +77,15 @@ if requests.empty:
         url_state.show_notes()
     st.info("No finished requests recorded in this run yet.")
     st.stop()
+if chosen.tenant is not None:
+    requests = tenants.of_tenant(requests, chosen.tenant)
+    st.caption(f"Only the requests of tenant **{chosen.tenant}** ({len(requests):,}): pick all tenants in the "
+               "sidebar to see every request.")
+    if requests.empty:
+        with notes:
+            url_state.show_notes()
+        st.info(f"No finished request of tenant {chosen.tenant} in this run.")
+        st.stop()
 clock = reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run)
 latency_ms = timing.latencies(requests)
 

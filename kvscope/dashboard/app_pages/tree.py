@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import charts, data, leak_views, reads, url_state
+from kvscope.dashboard import charts, data, leak_views, reads, tenants, url_state
 from kvscope.dashboard.frame import Selection, selection
 from kvscope.dashboard.timing import Clock, zone_name
 
@@ -143,7 +143,9 @@ clock = reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run)
 cols = st.columns([3, 1, 1, 1])
 with cols[0]:
     step = pick_step(chosen, lo, hi)
-color_by = cols[1].selectbox("colour by", charts.COLOR_FIELDS, key="tree.color")
+color_by = cols[1].selectbox("colour by", charts.COLOR_FIELDS, key="tree.color",
+                             help="owner: the principal that inserted the node; visibility: private (its owner "
+                                  "only), public, pinned (scoped radix; other caches share every node: public)")
 max_nodes = int(cols[2].number_input("max nodes drawn", 100, 20_000, charts.tree.DEFAULT_MAX_NODES, step=100,
                                      key="tree.max_nodes"))
 show_preview = cols[3].toggle("token previews", value=False, key="tree.preview",
@@ -156,7 +158,12 @@ if nodes.empty:
     st.info("The tree is empty at this step.")
 else:
     st.plotly_chart(charts.tree_figure(drawn, color_by, show_preview), key="tree.icicle")
-    node_details(chosen, clock, step, nodes, drawn, show_preview)
+    listed = drawn if chosen.tenant is None else tenants.of_tenant(drawn, chosen.tenant, column="owner")
+    if chosen.tenant is not None:
+        st.caption(f"The tree is drawn whole; node details list the {len(listed):,} drawn nodes owned by tenant "
+                   f"**{chosen.tenant}**" + (" (none at this step)." if listed.empty else "."))
+    if not listed.empty:
+        node_details(chosen, clock, step, nodes, listed, show_preview)
 with notes:
     url_state.show_notes()
 diff_section(chosen, lo, hi, step)

@@ -13,6 +13,7 @@ from kvscope.dashboard.charts.events import (
     request_timeline_figure,
 )
 from kvscope.dashboard.charts.style import COLORS, color, count_axis, legend_above, owner_color
+from kvscope.dashboard.charts.tenants import cache_by_tenant_figure, visibility_changes_figure
 from kvscope.dashboard.charts.tree import (
     COLOR_FIELDS,
     cap_nodes,
@@ -35,6 +36,7 @@ __all__ = [
     "COLORS",
     "COLOR_FIELDS",
     "HitRates",
+    "cache_by_tenant_figure",
     "cached_tokens_figure",
     "cap_nodes",
     "capacity_figure",
@@ -58,5 +60,6 @@ __all__ = [
     "tree_diff",
     "tree_diff_figure",
     "tree_figure",
+    "visibility_changes_figure",
     "working_set_tokens",
 ]

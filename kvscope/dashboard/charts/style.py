@@ -47,6 +47,13 @@ COLORS: dict[str, str] = {
     "aborted": "#e377c2",
     "unfinished": "#bcbd22",
     "in_flight": "#17becf",
+    # node visibility (scoped radix; global-sharing trees are all public) and tenant reuse
+    "private": "#ff7f0e",
+    "public": "#1f77b4",
+    "pinned": "#2ca02c",
+    "visibility not recorded": "#c7c7c7",
+    "promote": "#2ca02c",
+    "demote": "#d62728",
     # request phases
     "prefill": "#ff7f0e",
     "decode": "#1f77b4",

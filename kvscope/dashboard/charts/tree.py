@@ -1,7 +1,8 @@
 """The radix tree as an icicle: subtree sums, a node cap, colouring, and a diff of two steps.
 
 NOTE: the node table (telemetry tree_at): node_id, parent_id (root: null), num_tokens,
-token_preview, lock_ref, last_access_time, hit_count, owner, tombstone, depth_tokens.
+token_preview, lock_ref, last_access_time, hit_count, owner, tombstone, depth_tokens, visibility
+(None for a node born after the last snapshot that no promote or demote named).
 `value` below is the subtree's token count (the node's own tokens plus all descendants'),
 which plotly's branchvalues="total" needs. last_access_time is the cache's own clock
 (monotonic seconds for the radix cache, a logical counter for the SWA radix cache), so
@@ -17,8 +18,10 @@ import plotly.graph_objects as go
 
 from kvscope.dashboard.charts.style import BOTTOM_MARGIN, color, count_axis, legend_above, owner_color
 
-COLOR_FIELDS = ("lock_ref", "idle", "hit_count", "owner", "tombstone")
-CATEGORICAL = {"owner", "tombstone"}
+COLOR_FIELDS = ("lock_ref", "idle", "hit_count", "owner", "visibility", "tombstone")
+CATEGORICAL = {"owner", "visibility", "tombstone"}
+UNRECORDED = "visibility not recorded"
+VISIBILITIES = ("private", "public", "pinned", UNRECORDED)
 DEFAULT_MAX_NODES = 2000
 MAX_LEGEND_CATEGORIES = 20  # owners named in the legend; the rest are counted
 
@@ -74,11 +77,17 @@ def _hover(nodes: pd.DataFrame, show_preview: bool) -> list[str]:
     for r in nodes.itertuples():
         text = (f"node {int(r.node_id)}<br>tokens {int(r.num_tokens)} (subtree {int(r.value)})<br>"
                 f"lock_ref {int(r.lock_ref)} · hits {int(r.hit_count)} · idle {float(r.idle):.3g}<br>"
-                f"owner {r.owner if isinstance(r.owner, str) else '-'} · tombstone {bool(r.tombstone)}")
+                f"owner {r.owner if isinstance(r.owner, str) else '-'} · {_visibility(r)} · "
+                f"tombstone {bool(r.tombstone)}")
         if show_preview and r.token_preview:
             text += f"<br>tokens: {r.token_preview}"
         rows.append(text)
     return rows
+
+
+def _visibility(row: Any) -> str:
+    value = getattr(row, "visibility", None)
+    return value if isinstance(value, str) and value else UNRECORDED
 
 
 def _is_root(nodes: pd.DataFrame) -> pd.Series:
@@ -89,11 +98,13 @@ def _category_names(nodes: pd.DataFrame, color_by: str) -> list[str]:
     """Each node's category, as its legend names it."""
     if color_by == "tombstone":
         return ["tombstone" if bool(t) else "live" for t in nodes["tombstone"]]
+    if color_by == "visibility":
+        return [_visibility(r) for r in nodes.reindex(columns=["visibility"]).itertuples()]
     return [o if isinstance(o, str) and o else "no owner" for o in nodes["owner"]]
 
 
 def _category_color(name: str) -> str:
-    return color(name) if name in ("tombstone", "live", "no owner") else owner_color(name)
+    return color(name) if name in ("tombstone", "live", "no owner", *VISIBILITIES) else owner_color(name)
 
 
 def _marker(nodes: pd.DataFrame, color_by: str) -> dict[str, Any]:
@@ -115,7 +126,7 @@ def _category_legend(fig: go.Figure, nodes: pd.DataFrame, color_by: str) -> None
     names = pd.Series(_category_names(nodes, color_by)).value_counts()
     shown = names.index[:MAX_LEGEND_CATEGORIES]
     for name in shown:
-        label = name if color_by == "tombstone" or name == "no owner" else f"owner {name}"
+        label = name if color_by != "owner" or name == "no owner" else f"owner {name}"
         count = int(names[name])
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers",
                                  name=f"{label} ({count:,} node{'' if count == 1 else 's'})",
