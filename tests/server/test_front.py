@@ -23,6 +23,7 @@ from kvscope.server.front import (
 )
 from kvscope.server.metrics import COUNTERS, GAUGES, HISTOGRAMS, ServerMetrics
 from kvscope.server.protocol import PoolStats, StatsOut
+from kvscope.telemetry import tenant_of
 from kvscope.workloads.tokenizer import ByteTokenizer
 
 KEYS = {"k1": Principal("acme", "alice")}
@@ -63,6 +64,22 @@ def test_keys_file(tmp_path: Path) -> None:
         good.write_text(bad)
         with pytest.raises(ValueError, match="--api-keys"):
             load_api_keys(good)
+
+
+def test_principals_are_a_canonical_encoding_no_two_keys_collide(tmp_path: Path) -> None:
+    """T7: ("a", "b:c") and ("a:b", "c") are two principals, and stay two through every narrowing;
+    the separator cannot occur in a name, so ("a", "b/c") and ("a/b", "c") cannot both exist."""
+    keys = {"k1": Principal("a", "b:c"), "k2": Principal("a:b", "c")}
+    names = {resolve_principal(keys, f"Bearer {k}", user) for k in keys for user in (None, "x")}
+    assert len(names) == 4 and names == {"a/b:c", "a:b/c", "a/b:c/x", "a:b/c/x"}
+    assert tenant_of("a/b:c") == "a" and tenant_of("a:b/c") == "a:b"  # the dashboard's tenants differ too
+    path = tmp_path / "keys.json"
+    for tenant, user in (("a", "b/c"), ("a/b", "c")):
+        path.write_text(json.dumps({"k": {"tenant": tenant, "user": user}}))
+        with pytest.raises(ValueError, match="without '/'"):
+            load_api_keys(path)
+    path.write_text(json.dumps({"k1": {"tenant": "a", "user": "b:c"}, "k2": {"tenant": "a:b", "user": "c"}}))
+    assert load_api_keys(path) == keys  # control: the colon names are fine
 
 
 def test_chat_template_is_deterministic_and_prefix_stable() -> None:
