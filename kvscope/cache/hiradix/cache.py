@@ -1,0 +1,577 @@
+"""HiRadixCache: SGLang's two-tier radix cache (docs/memory-semantics.md §7), a device tier
+over a host tier, on the radix cache of §4.
+
+NOTE: node tiers (node.py): device-only, device+host (backed up), host-only (evicted).
+Invariants, exact after every call (check_integrity):
+    device nodes are closed under ancestors (a device node's parent is the root or a device node)
+    every host-only node is backed up and unlocked; through policies: backups are closed under ancestors
+    evictable_size / protected_size = Σ len(value) over unlocked / locked DEVICE nodes
+    evictable leaves = unlocked device nodes with no device child
+    host_allocator.available_size() + Σ len(host_value) == host_allocator.total_size
+    a node with write_op / load_op belongs to that in-flight op; its op's deepest node is locked
+Write policies (threshold = hit_count that triggers a backup):
+    write_through            1: a new leaf is backed up at its insert
+    write_through_selective  2: on its second insert
+    write_back               never on hits; an evicted device leaf is written then (synchronously)
+Ops: `write` / `load` on the controller take an opaque op id; `writing_check()` /
+`loading_check()` turn the acknowledgements into lock releases (and host unpins).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from kvscope.cache.base import (
+    CacheMisuseError,
+    EvictParams,
+    EvictResult,
+    MatchResult,
+    NodeRow,
+    as_token_ids,
+    page_key,
+)
+from kvscope.cache.hiradix.node import HiTreeNode, hi_walk, split_hi_node
+from kvscope.cache.radix.cache import RadixCache
+from kvscope.cache.tree import (
+    TOKEN_BYTES,
+    TreeNode,
+    check_node_shape,
+    check_sizes,
+    check_tree_slots,
+    claim_slots,
+    common_page_len,
+)
+from kvscope.mem import BaseTokenAllocator, CacheController, HostTokenAllocator, IntegrityError, ReqToTokenPool
+from kvscope.telemetry import NULL_RECORDER, EventKind, EvictReason, PoolName, Recorder
+
+WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+WRITE_THROUGH_THRESHOLD: dict[str, int] = {"write_through": 1, "write_through_selective": 2}
+LOAD_BACK_MIN_TOKENS = 10  # NOTE: SGLang's load_back_threshold: shorter host hits are recomputed
+EMPTY_HOST = np.empty(0, dtype=np.int64)
+
+
+class HiMatchResult(MatchResult):
+    """A MatchResult (device_indices, last_node = the last DEVICE node, prefix_len) plus the
+    host tier: `host_hit_length`, tokens in host-only nodes behind last_node on the matched
+    path, and `last_host_node`, the deepest backed-up node of the match (init_load_back's start)."""
+
+    host_hit_length: int
+    last_host_node: Any
+
+    def __new__(cls, device_indices: torch.Tensor, last_node: Any, host_hit_length: int = 0,
+                last_host_node: Any = None) -> HiMatchResult:
+        self = super().__new__(cls, device_indices, last_node)
+        self.host_hit_length = host_hit_length
+        self.last_host_node = last_node if last_host_node is None else last_host_node
+        return self
+
+
+@dataclass(slots=True)
+class InFlight:
+    """One controller op: `lock_node` stays locked until its ack (None: nothing locked);
+    `nodes` carry its id (both halves of a split among them)."""
+
+    kind: Literal["write", "load"]
+    lock_node: HiTreeNode | None
+    nodes: list[HiTreeNode] = field(default_factory=list)
+
+
+class HiRadixCache(RadixCache):
+    def __init__(
+        self,
+        allocator: BaseTokenAllocator,
+        page_size: int,
+        controller: CacheController,
+        *,
+        write_policy: WritePolicy = "write_through",
+        req_to_token_pool: ReqToTokenPool | None = None,
+        eviction_policy: str = "lru",
+        recorder: Recorder = NULL_RECORDER,
+        strict: bool = False,
+    ) -> None:
+        if write_policy not in ("write_through", "write_through_selective", "write_back"):
+            raise CacheMisuseError(f"unknown write policy {write_policy!r}")
+        if controller.device_allocator is not allocator:
+            raise CacheMisuseError("the controller must load into this cache's device allocator")
+        if controller.host_allocator.page_size != page_size:
+            raise CacheMisuseError(f"host page_size {controller.host_allocator.page_size} != {page_size}")
+        self.controller = controller
+        self.host_allocator: HostTokenAllocator = controller.host_allocator
+        self.write_policy = write_policy
+        self.write_through_threshold = WRITE_THROUGH_THRESHOLD.get(write_policy, 0)
+        self._op_ids = itertools.count(1)
+        super().__init__(allocator, page_size, req_to_token_pool=req_to_token_pool, eviction_policy=eviction_policy,
+                         eviction_granularity="leaf", recorder=recorder, strict=strict)
+
+    def reset(self) -> None:
+        """Forget both tiers (the caller clears both allocators, and has drained the controller)."""
+        super().reset()
+        self.root: HiTreeNode = HiTreeNode(now=time.monotonic(), value=np.empty(0, dtype=np.int64),
+                                           host_value=EMPTY_HOST)
+        self.root.lock_ref = 1
+        self.root.priority = -(2**62)
+        self._in_flight: dict[int, InFlight] = {}
+        self.num_dropped_tokens = 0  # NOTE: write_back: device tokens the host could not take (host_pressure)
+        self.num_load_back_tokens = 0
+        self.num_write_tokens = 0
+
+    @property
+    def through(self) -> bool:
+        return self.write_policy != "write_back"
+
+    def host_tokens(self) -> int:
+        """Host slots the tree holds (every backed-up node's host_value)."""
+        return len(self.tree_host_slots())
+
+    # -- match -----------------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: np.ndarray, user: str | None = None, rid: str | None = None) -> HiMatchResult:
+        ids = as_token_ids(token_ids)
+        values, node = self._walk(page_key(ids, self.page_size))
+        host_hit_length, last_host = 0, node
+        while node.value is None:
+            assert node.host_value is not None and node.parent is not None
+            host_hit_length += len(node.host_value)
+            node = node.parent  # type: ignore[assignment]
+        while last_host.host_value is None:
+            last_host = last_host.parent  # type: ignore[assignment]
+        slots = self._slots(values)
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.MATCH, pool=PoolName.FULL, rid=rid, node_id=node.id,
+                                 num_tokens=len(slots), aux=len(ids) - len(slots), principal=user)
+        return HiMatchResult(slots, node, host_hit_length, last_host)
+
+    def walk_match(self, key: bytes, user: str | None = None) -> tuple[list[np.ndarray], TreeNode]:
+        """Device values along the match of `key` and the last device node (request caching's re-match)."""
+        values, node = self._walk(key)
+        while node.value is None:
+            node = node.parent  # type: ignore[assignment]
+        return values, node
+
+    def _walk(self, key: bytes) -> tuple[list[np.ndarray], HiTreeNode]:
+        """The device values along the longest page-aligned match of `key` and its terminal node
+        (device or host-only; split where the match ends inside a node); refreshes access times."""
+        now = time.monotonic()
+        node = self.root
+        node.last_access_time = now
+        values: list[np.ndarray] = []
+        pos, end = 0, len(key)
+        while pos < end:
+            child: HiTreeNode | None = node.children.get(key[pos : pos + self.page_bytes])  # type: ignore[assignment]
+            if child is None:
+                break
+            child.last_access_time = now
+            if not key.startswith(child.key, pos):
+                child = self._split(child, common_page_len(child.key, key, pos, self.page_size))
+                pos = end
+            else:
+                pos += len(child.key)
+            if child.value is not None:
+                values.append(child.value)
+            node = child
+        return values, node
+
+    def _slots(self, values: list[np.ndarray]) -> torch.Tensor:
+        if not values:
+            return self._no_slots
+        slots = torch.from_numpy(values[0] if len(values) == 1 else np.concatenate(values))
+        return slots if self._on_cpu else slots.to(self.device)
+
+    def _split(self, child: HiTreeNode, split_len: int) -> HiTreeNode:
+        upper = split_hi_node(child, split_len, self.page_bytes, self.recorder)
+        for op_id in (upper.write_op, upper.load_op):
+            if op_id is not None:
+                self._in_flight[op_id].nodes.append(upper)
+        return upper
+
+    # -- insert ----------------------------------------------------------------------------
+
+    def insert(
+        self,
+        token_ids: np.ndarray,
+        slots: torch.Tensor,
+        user: str | None = None,
+        chunked: bool = False,
+        priority: int = 0,
+        rid: str | None = None,
+    ) -> int:
+        """RadixCache.insert, except that a host-only node the key fully covers adopts the
+        caller's slots (the recompute case): those are the tree's now and NOT counted in the
+        returned prefix_len, so the caller does not free them."""
+        ids = as_token_ids(token_ids)
+        if slots.shape[0] != len(ids):
+            raise CacheMisuseError(f"insert: {len(ids)} token ids but {slots.shape[0]} slots")
+        key = page_key(ids, self.page_size)
+        host = (slots.numpy() if self._on_cpu else slots.cpu().numpy())[: len(key) // TOKEN_BYTES]
+        now = time.monotonic()
+        node, pos, prefix_len = self.root, 0, 0
+        node.last_access_time = now
+        while pos < len(key):
+            child: HiTreeNode | None = node.children.get(key[pos : pos + self.page_bytes])  # type: ignore[assignment]
+            if child is None:
+                break
+            child.last_access_time = now
+            child.priority = max(child.priority, priority)
+            if not key.startswith(child.key, pos):
+                child = self._split(child, common_page_len(child.key, key, pos, self.page_size))
+            start = pos // TOKEN_BYTES
+            if child.value is None:
+                self._adopt(child, np.array(host[start : start + child.key_len], dtype=np.int64))
+            else:
+                self._hit(child, chunked)
+                prefix_len += child.key_len
+            pos += len(child.key)
+            node = child
+        if pos < len(key):
+            value = np.array(host[pos // TOKEN_BYTES :], dtype=np.int64)
+            leaf = self._add_leaf(node, key[pos:], value, user, 0, priority, rid)
+            self._hit(leaf, chunked)  # type: ignore[arg-type]
+        return prefix_len
+
+    def _hit(self, node: HiTreeNode, chunked: bool) -> None:
+        """SGLang's inc_hit_count: count a reuse and back the node up once it reaches the
+        threshold. Chunked inserts and write_back count no hits."""
+        if chunked or not self.through:
+            return
+        node.hit_count += 1
+        self._maybe_write_through(node)
+
+    def _maybe_write_through(self, node: HiTreeNode) -> None:
+        parent = node.parent
+        assert parent is not None
+        if (self.through and node.host_value is None and node.hit_count >= self.write_through_threshold
+                and parent.host_value is not None):  # type: ignore[attr-defined]
+            self.write_backup(node)
+
+    def _add_leaf(
+        self, parent: TreeNode, key: bytes, value: np.ndarray, user: str | None, hits: int, priority: int,
+        rid: str | None,
+    ) -> TreeNode:
+        if self.strict:
+            claim_slots(self._tree_slot, value)
+        leaf = HiTreeNode(key, value, time.monotonic())
+        leaf.parent, leaf.owner, leaf.hit_count, leaf.priority = parent, user, hits, priority
+        parent.children[key[: self.page_bytes]] = leaf
+        self._evictable_size += len(value)
+        self.evictable_leaves.discard(parent)
+        self._mark_leaf(leaf)
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=leaf.id,
+                                 num_tokens=len(value), slots=value, aux=parent.id, principal=user)
+        return leaf
+
+    def _adopt(self, node: HiTreeNode, value: np.ndarray) -> None:
+        """A host-only node takes device slots (insert's recompute case, or a load)."""
+        if self.strict:
+            claim_slots(self._tree_slot, value)
+        node.value = value
+        if node.lock_ref == 0:
+            self._evictable_size += len(value)
+        else:
+            self._protected_size += len(value)
+        assert node.parent is not None
+        self.evictable_leaves.discard(node.parent)
+        self._mark_leaf(node)
+
+    def _mark_leaf(self, node: TreeNode) -> None:
+        """Put `node` in the evictable leaves if it is an unlocked device node with no device child."""
+        if (node.lock_ref == 0 and node.value is not None and node is not self.root
+                and not any(c.value is not None for c in node.children.values())):
+            self.evictable_leaves.add(node)
+            self.heap.push(node)
+
+    # -- writes (device -> host) -----------------------------------------------------------
+
+    def write_backup(self, node: HiTreeNode, lock: bool = True) -> int:
+        """Copy a device node to the host; evict host-only leaves once if the host is full.
+        Through policies lock the node until writing_check() sees the ack. Returns the tokens
+        backed up (0: the host could not take them)."""
+        assert node.value is not None and node.host_value is None
+        op_id = next(self._op_ids)
+        device_slots = torch.from_numpy(node.value)
+        device_slots = device_slots if self._on_cpu else device_slots.to(self.device)
+        host_slots = self.controller.write(device_slots, op_id)
+        if host_slots is None:
+            self.evict_host(len(node.value))
+            host_slots = self.controller.write(device_slots, op_id)
+        if host_slots is None:
+            return 0
+        node.host_value = host_slots
+        node.write_op = op_id
+        self._in_flight[op_id] = InFlight("write", node if lock else None, [node])
+        self.num_write_tokens += len(host_slots)
+        if lock:
+            self.inc_lock_ref(node)
+        return len(host_slots)
+
+    def writing_check(self) -> list[int]:
+        """Release the nodes whose writes the controller acknowledged; returns those op ids."""
+        done = self.controller.writing_check()
+        for op_id in done:
+            self._finish(op_id)
+        return done
+
+    def loading_check(self) -> list[int]:
+        """Release the nodes (and unpin the host copies) whose loads were acknowledged."""
+        done = self.controller.loading_check()
+        for op_id in done:
+            self._finish(op_id)
+        return done
+
+    def _finish(self, op_id: int) -> None:
+        op = self._in_flight.pop(op_id)
+        for node in op.nodes:
+            if op.kind == "write":
+                node.write_op = None
+            else:
+                node.load_op = None
+                node.host_ref_counter -= 1
+        if op.lock_node is not None:
+            self.dec_lock_ref(op.lock_node)
+
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    # -- device eviction -------------------------------------------------------------------
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Free at least num_tokens device tokens: backed-up leaves are demoted to host-only,
+        others deleted (write_back: written to the host first, or dropped with their subtree
+        when the host cannot take them)."""
+        num_tokens = params.num_tokens
+        if num_tokens > self._evictable_size or params.swa_num_tokens > 0:
+            raise CacheMisuseError(
+                f"evict({num_tokens}, swa {params.swa_num_tokens}) beyond the evictable size "
+                f"{self._evictable_size} (protected {self._protected_size}; a radix cache holds no SWA KV)"
+            )
+        if num_tokens <= 0:
+            return EvictResult()
+        self.heap.start(self.evictable_leaves)
+        freed: list[np.ndarray] = []
+        evicted, wrote_back = 0, False
+        while evicted < num_tokens:
+            leaf: HiTreeNode | None = self.heap.pop(self.evictable_leaves.__contains__)  # type: ignore[assignment]
+            if leaf is None:
+                break
+            if leaf.host_value is None and not self.through:
+                wrote_back |= self.write_backup(leaf, lock=False) > 0
+                if leaf.host_value is None and any(n.host_ref_counter for n, _, _ in hi_walk(leaf)):
+                    continue  # NOTE: a load reads a host copy below: neither written nor droppable now
+            chunk = self._demote(leaf) if leaf.host_value is not None else self._drop(leaf)
+            freed.append(chunk)
+            evicted += len(chunk)
+            if self.recorder.enabled:
+                self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=leaf.id,
+                                     num_tokens=len(chunk), slots=chunk, reason=EvictReason.CAPACITY)
+        if wrote_back:
+            self.controller.wait_all()  # NOTE: the written rows must be copied before their device slots are reused
+            self.writing_check()
+        self.allocator.free_many(freed)
+        return EvictResult(evicted)
+
+    def _demote(self, leaf: HiTreeNode) -> np.ndarray:
+        """A backed-up device leaf becomes host-only; returns its device slots (the caller frees)."""
+        value = leaf.value
+        assert value is not None and leaf.lock_ref == 0
+        leaf.value = None
+        self.evictable_leaves.discard(leaf)
+        self._evictable_size -= len(value)
+        if self.strict:
+            self._tree_slot[value] = False
+        assert leaf.parent is not None
+        self._mark_leaf(leaf.parent)
+        return value
+
+    def _drop(self, leaf: HiTreeNode) -> np.ndarray:
+        """Delete a device leaf that has no host copy, with its host-only subtree (write_back's
+        host pressure: its device tokens are counted as dropped); returns its device slots (the
+        caller frees)."""
+        below = [n for n, _, _ in hi_walk(leaf) if n is not leaf]
+        for node in below:
+            assert node.host_value is not None and node.host_ref_counter == 0
+            self.host_allocator.free(node.host_value)
+        if not self.through:
+            self.num_dropped_tokens += leaf.key_len
+        leaf.children = {}
+        return self._delete_leaf(leaf)
+
+    # -- host eviction ---------------------------------------------------------------------
+
+    def host_evictable_leaves(self) -> list[HiTreeNode]:
+        """Host-only nodes with lock_ref 0, no children (every child of a host-only node is
+        backed up) and no in-flight load pin."""
+        return [n for n, _, _ in hi_walk(self.root) if self._host_evictable(n)]
+
+    def _host_evictable(self, node: HiTreeNode) -> bool:
+        return (node.value is None and node is not self.root and node.lock_ref == 0 and not node.children
+                and node.host_ref_counter == 0)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least num_tokens host tokens (whole leaves; fewer when nothing else is
+        evictable) from host-only leaves in policy order; returns the tokens freed."""
+        heap = [(self.policy.key(n), n.id, n) for n in self.host_evictable_leaves()]
+        heapq.heapify(heap)
+        evicted = 0
+        while evicted < num_tokens and heap:
+            node = heapq.heappop(heap)[2]
+            assert node.host_value is not None and node.parent is not None
+            self.host_allocator.free(node.host_value)
+            evicted += len(node.host_value)
+            parent: HiTreeNode = node.parent  # type: ignore[assignment]
+            del parent.children[node.key[: self.page_bytes]]
+            node.parent = None
+            if self._host_evictable(parent):
+                heapq.heappush(heap, (self.policy.key(parent), parent.id, parent))
+        return evicted
+
+    # -- load back (host -> device) --------------------------------------------------------
+
+    def load_back(self, node: HiTreeNode, mem_quota: int | None = None) -> torch.Tensor | None:
+        """Load the host-only chain ending at `node` up to its first device ancestor, all or
+        nothing: refused below LOAD_BACK_MIN_TOKENS or above mem_quota (plus the evictable
+        tokens the temporary ancestor lock takes away); on device OOM, evict once and retry.
+        On success each node takes its share of the new device slots, and `node` stays locked
+        (its host copies pinned) until loading_check() sees the ack. Returns the device slots."""
+        chain: list[HiTreeNode] = []
+        ancestor = node
+        while ancestor.value is None:
+            chain.append(ancestor)
+            ancestor = ancestor.parent  # type: ignore[assignment]
+        chain.reverse()
+        host_slots = np.concatenate([n.host_value for n in chain]) if chain else EMPTY_HOST
+        before = self._evictable_size
+        self.inc_lock_ref(ancestor)
+        quota_delta = self._evictable_size - before
+        over_quota = mem_quota is not None and len(host_slots) > mem_quota + quota_delta
+        if len(host_slots) < LOAD_BACK_MIN_TOKENS or over_quota:
+            self.dec_lock_ref(ancestor)
+            return None
+        for n in chain:
+            n.host_ref_counter += 1  # NOTE: pinned: an eviction below (write_back) may evict host leaves
+        op_id = next(self._op_ids)
+        device_slots = self.controller.load(host_slots, op_id)
+        if device_slots is None and self._evictable_size > 0:
+            self.evict(EvictParams(min(len(host_slots), self._evictable_size)))
+            device_slots = self.controller.load(host_slots, op_id)
+        self.dec_lock_ref(ancestor)
+        if device_slots is None:
+            for n in chain:
+                n.host_ref_counter -= 1
+            return None
+        self._place_loaded(chain, device_slots, op_id)
+        return device_slots
+
+    def _place_loaded(self, chain: list[HiTreeNode], device_slots: torch.Tensor, op_id: int) -> None:
+        values = device_slots.cpu().numpy().astype(np.int64, copy=False)
+        offset = 0
+        for node in chain:
+            self._adopt(node, values[offset : offset + node.key_len].copy())
+            offset += node.key_len
+            node.load_op = op_id
+        self._in_flight[op_id] = InFlight("load", chain[-1], list(chain))
+        self.num_load_back_tokens += offset
+        self.inc_lock_ref(chain[-1])
+
+    def init_load_back(self, last_host_node: HiTreeNode, host_hit_length: int,
+                       mem_quota: int | None = None) -> tuple[torch.Tensor, HiTreeNode]:
+        """As the PrefillAdder calls it after a match: (the loaded device slots, to append to the
+        request's prefix, and the request's new last node). Nothing loaded: (empty, the last
+        device node)."""
+        del host_hit_length  # NOTE: SGLang passes it and does not use it either
+        node = last_host_node
+        if node.value is None:
+            loaded = self.load_back(node, mem_quota)
+            if loaded is not None:
+                return loaded, node
+            while node.value is None:
+                node = node.parent  # type: ignore[assignment]
+        return self._no_slots, node
+
+    # -- views -----------------------------------------------------------------------------
+
+    def tree_slots(self) -> np.ndarray:
+        values = [n.value for n, _, _ in hi_walk(self.root) if n is not self.root and n.value is not None]
+        return np.concatenate(values) if values else EMPTY_HOST
+
+    def tree_host_slots(self) -> np.ndarray:
+        values = [n.host_value for n, _, _ in hi_walk(self.root) if n is not self.root and n.host_value is not None]
+        return np.concatenate(values) if values else EMPTY_HOST
+
+    def check_integrity(self) -> None:
+        """The radix invariants over device nodes, and the tier invariants of the module NOTE."""
+        nodes = [(n, start) for n, _, start in hi_walk(self.root) if n is not self.root]
+        device = [(n, start) for n, start in nodes if n.value is not None]
+        for node, start in device:
+            check_node_shape(node, start, self.page_size)
+        for node, _ in nodes:
+            self._check_tiers(node)
+        evictable = sum(n.key_len for n, _ in device if n.lock_ref == 0)
+        protected = sum(n.key_len for n, _ in device if n.lock_ref > 0)
+        check_sizes("evictable, protected", (evictable, protected), (self._evictable_size, self._protected_size))
+        leaves = {n for n, _ in device if n.lock_ref == 0 and not n.device_children()}
+        if leaves != self.evictable_leaves:
+            raise IntegrityError(f"evictable leaves: tree has {sorted(n.id for n in leaves)}, "
+                                 f"the set has {sorted(n.id for n in self.evictable_leaves)}")
+        check_tree_slots([n.value for n, _ in device], self.allocator,  # type: ignore[misc]
+                         self._tree_slot if self.strict else None)
+        self.host_allocator.check_integrity(held=self.tree_host_slots())
+        self._check_in_flight()
+
+    def _check_tiers(self, node: HiTreeNode) -> None:
+        parent: HiTreeNode = node.parent  # type: ignore[assignment]
+        if node.value is None:
+            if node.host_value is None or node.lock_ref or node.load_op is not None or node.write_op is not None:
+                raise IntegrityError(f"host-only node {node.id}: host_value {node.host_value is not None}, "
+                                     f"lock_ref {node.lock_ref}, ops {node.write_op}/{node.load_op}")
+            if parent is None or parent.children.get(node.key[: self.page_bytes]) is not node:
+                raise IntegrityError(f"host-only node {node.id} is not its parent's child under its first page")
+        elif parent.value is None:
+            raise IntegrityError(f"device node {node.id} under host-only node {parent.id}")
+        if node.host_value is not None and (len(node.host_value) != node.key_len or node.key_len % self.page_size):
+            raise IntegrityError(f"node {node.id}: {len(node.host_value)} host slots for {node.key_len} tokens")
+        if self.through and node.host_value is not None and parent.host_value is None:
+            raise IntegrityError(f"backed-up node {node.id} under node {parent.id}, which is not backed up")
+        if node.host_ref_counter != (node.load_op is not None):
+            raise IntegrityError(f"node {node.id}: host_ref_counter {node.host_ref_counter}, load op {node.load_op}")
+
+    def _check_in_flight(self) -> None:
+        for op_id, op in self._in_flight.items():
+            for node in op.nodes:
+                if (node.write_op if op.kind == "write" else node.load_op) != op_id:
+                    raise IntegrityError(f"node {node.id} listed in {op.kind} op {op_id} does not carry it")
+            if op.lock_node is not None and op.lock_node.lock_ref <= 0:
+                raise IntegrityError(f"{op.kind} op {op_id} in flight but node {op.lock_node.id} is unlocked")
+
+    def pretty_print(self) -> str:
+        lines = []
+        for node, depth, _ in hi_walk(self.root):
+            if node is self.root:
+                lines.append(f"root [{node.id}]")
+                continue
+            flight = "".join(f" {k}={v}" for k, v in (("writing", node.write_op), ("loading", node.load_op)) if v)
+            lines.append(f"{'  ' * depth}[{node.id}] {node.key_len} tok {node.tier} lock={node.lock_ref} "
+                         f"hits={node.hit_count}{flight}: {self._preview(node, 6)}")
+        return "\n".join(lines)
+
+    def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]:
+        """The flat node table; num_tokens counts a node's key on whichever tier holds it."""
+        return [
+            NodeRow(node_id=node.id, parent_id=None if node.parent is None else node.parent.id,
+                    num_tokens=node.key_len, token_preview=self._preview(node, preview_tokens),
+                    lock_ref=node.lock_ref, last_access_time=node.last_access_time, hit_count=node.hit_count,
+                    owner=node.owner, tombstone=False, depth_tokens=start + node.key_len,
+                    visibility=node.visibility)
+            for node, _, start in hi_walk(self.root)
+        ]
+
+    @staticmethod
+    def _preview(node: HiTreeNode, num_tokens: int) -> str:
+        ids = node.token_ids()[:num_tokens].tolist()
+        return " ".join(map(str, ids)) + (" …" if node.key_len > num_tokens else "")
