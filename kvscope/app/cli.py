@@ -42,7 +42,7 @@ from kvscope.app.units import (
     token_counts,
 )
 from kvscope.engine import CACHE_KINDS
-from kvscope.engine.config import SCHEDULE_POLICIES
+from kvscope.engine.config import SCHEDULE_POLICIES, WRITE_POLICIES
 from kvscope.planning import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MEM_FRACTION_STATIC,
@@ -155,6 +155,20 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                         "core) for run; for serve on the CPU one fewer than the usable cores, leaving a core "
                         "to the HTTP front")
     add_scoped_options(parser, "monotonic time")
+    add_host_options(parser)
+
+
+def add_host_options(parser: argparse.ArgumentParser) -> None:
+    """The hiradix cache's options; None where not given, so that a reader can refuse them
+    without --cache hiradix (runner.host_cache_options)."""
+    group = parser.add_argument_group("host tier (--cache hiradix only)")
+    group.add_argument("--write-policy", choices=WRITE_POLICIES,
+                       help="when a node is copied to the host: write_through at its first insert, "
+                       "write_through_selective at its second, write_back on device eviction (default: write_through)")
+    group.add_argument("--host-ratio", type=finite_float(0), metavar="RATIO",
+                       help="host pool size as a multiple of the device pool (default: 2.0)")
+    group.add_argument("--host-tokens", type=positive_count, metavar="TOKENS",
+                       help="host pool size in tokens (overrides --host-ratio)")
 
 
 def add_scoped_options(parser: argparse.ArgumentParser, clock: str) -> None:

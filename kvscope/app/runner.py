@@ -104,7 +104,8 @@ def engine_from_args(args: argparse.Namespace, leak_check_raise: bool = False,
         pool=PoolConfig(kv_size_tokens=args.kv_tokens, page_size=args.page_size, swa_full_tokens_ratio=args.swa_ratio,
                         max_running_requests=args.max_running_requests, max_context_len=args.max_context_len),
         cache=CacheConfig(kind=cache, eviction_policy=args.eviction_policy,
-                          eviction_granularity=args.eviction_granularity, **scoped_cache_options(args, cache)),
+                          eviction_granularity=args.eviction_granularity, **scoped_cache_options(args, cache),
+                          **host_cache_options(args, cache)),
         scheduler=SchedulerConfig(chunked_prefill_size=args.chunked_prefill_size or None,
                                   leak_check_raise=leak_check_raise, schedule_policy=args.schedule_policy),
         device=args.device, strict=args.strict, torch_threads=args.torch_threads,
@@ -112,6 +113,20 @@ def engine_from_args(args: argparse.Namespace, leak_check_raise: bool = False,
     if serving and engine.torch_threads is None and resolve_device(engine.device).type == "cpu":
         engine = replace(engine, torch_threads=max(1, len(os.sched_getaffinity(0)) - 1))
     return engine, model
+
+
+HOST_OPTIONS = {"write_policy": "--write-policy", "host_ratio": "--host-ratio", "host_tokens": "--host-tokens"}
+
+
+def host_cache_options(args: argparse.Namespace, cache_kind: str) -> dict[str, Any]:
+    """The hiradix cache's settings given in `args` (cli.add_host_options); ValueError naming
+    the flags when any is given for another cache kind."""
+    given = {name: getattr(args, name) for name in HOST_OPTIONS if getattr(args, name, None) is not None}
+    if given and cache_kind != "hiradix":
+        flags = ", ".join(HOST_OPTIONS[name] for name in given)
+        raise ValueError(f"{flags} {'applies' if len(given) == 1 else 'apply'} to --cache hiradix only, "
+                         f"not {cache_kind}")
+    return given
 
 
 def spec_from_args(args: argparse.Namespace) -> RunSpec:

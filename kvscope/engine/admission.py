@@ -77,6 +77,13 @@ class PrefillAdder:
         self._admit(req, prefix_len, extend, max_new)
         return True
 
+    def load_quota(self, req: Req, prefix_len: int) -> int:
+        """The device tokens a load-back may take for `req` if its prefix grows to `prefix_len`:
+        what the budget leaves after the request itself (hiradix's mem_quota)."""
+        extend = req.all_len - prefix_len
+        max_new = min(max(req.max_new_tokens - len(req.output_ids), 0), self.clip)
+        return int(self.rem_total()) - (extend + max_new + self.page_size)
+
     def _admit(self, req: Req, prefix_len: int, extend_len: int, max_new: int) -> None:
         self.reserved += self._page_ceil(extend_len) + max_new + self.page_size
         self.rem_input -= extend_len

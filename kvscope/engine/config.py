@@ -17,8 +17,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
-CacheKind = Literal["radix", "chunk", "swa-radix", "scoped-radix", "none"]
-CACHE_KINDS: tuple[str, ...] = ("radix", "chunk", "swa-radix", "scoped-radix", "none")
+CacheKind = Literal["radix", "chunk", "swa-radix", "scoped-radix", "hiradix", "none"]
+CACHE_KINDS: tuple[str, ...] = ("radix", "chunk", "swa-radix", "scoped-radix", "hiradix", "none")
+WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_through_selective", "write_back")
+HOST_SETTINGS = ("write_policy", "host_ratio", "host_tokens")  # the hiradix cache's (CacheConfig)
 SchedulePolicy = Literal["fcfs", "lpm"]
 SCHEDULE_POLICIES: tuple[str, ...] = ("fcfs", "lpm")
 INDEX_BYTES = 8  # an int64 page id or slot index
@@ -110,7 +113,9 @@ class CacheConfig:
     docs/isolation.md): promote_k None never promotes (per-principal isolation); epoch_s
     is the length of one epoch of the promotion window; pinned are operator-declared public
     prefixes as token ids; dedup lets a principal's recomputed copy of a node it cannot see share
-    that node's KV; merge_chains merges private unary chains."""
+    that node's KV; merge_chains merges private unary chains. write_policy .. host_tokens are the
+    hiradix cache's (docs/memory-semantics.md §2.8, §7): the host pool holds host_tokens, or
+    host_ratio x the device pool when None."""
 
     kind: CacheKind = "radix"
     eviction_policy: str = "lru"
@@ -120,6 +125,9 @@ class CacheConfig:
     pinned: tuple[tuple[int, ...], ...] = ()
     dedup: bool = False
     merge_chains: bool = False
+    write_policy: WritePolicy = "write_through"
+    host_ratio: float = 2.0
+    host_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in CACHE_KINDS:
@@ -131,6 +139,13 @@ class CacheConfig:
             raise ValueError(f"epoch_s must be a finite number of seconds > 0, got {self.epoch_s!r}")
         if any(not prefix for prefix in self.pinned):
             raise ValueError("a pinned prefix must hold at least one token")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write policy must be one of {', '.join(WRITE_POLICIES)}; got {self.write_policy!r}")
+        if isinstance(self.host_ratio, bool) or not isinstance(self.host_ratio, int | float) \
+                or not math.isfinite(self.host_ratio) or self.host_ratio <= 0:
+            raise ValueError(f"host ratio must be a finite number > 0, got {self.host_ratio!r}")
+        if self.host_tokens is not None and (type(self.host_tokens) is not int or self.host_tokens < 1):
+            raise ValueError(f"host tokens must be an int >= 1, or None for the ratio; got {self.host_tokens!r}")
 
 
 @dataclass(frozen=True)
@@ -210,6 +225,9 @@ class EngineConfig:
             )
         if self.cache.kind == "swa-radix" and not is_hybrid:
             raise ValueError("the swa-radix cache needs a hybrid sliding-window model (e.g. --model tiny-swa)")
+        if is_hybrid and self.cache.kind == "hiradix":
+            raise ValueError("the hiradix cache is for full-attention models; a hybrid sliding-window model needs "
+                             "--cache swa-radix, chunk or none")
         if is_hybrid and self.cache.kind in ("radix", "scoped-radix"):
             raise ValueError(f"a hybrid sliding-window model needs --cache swa-radix, chunk or none, not "
                              f"{self.cache.kind} (the scoped cache is for full-attention models)")
@@ -221,4 +239,9 @@ class EngineConfig:
             )
 
     def fingerprint(self) -> dict[str, Any]:
-        return asdict(self)
+        """The config as a dict; the host tier's settings only where the cache has one."""
+        config = asdict(self)
+        if self.cache.kind != "hiradix":
+            for name in HOST_SETTINGS:
+                del config["cache"][name]
+        return config

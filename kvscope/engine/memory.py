@@ -1,16 +1,18 @@
 """The engine's memory system: request-to-token pool, allocator, KV buffers and prefix cache,
 built from the config and the model's KV shape; usage terms and the idle leak check (docs/memory-semantics.md §8).
 
-Two variants behind one interface, picked once by `build_memory` from the model's shape:
-`MemorySystem` (full attention: one token pool) and `SWAMemorySystem` (hybrid sliding-window
-models: a full pool and an SWA pool in lockstep, with window freeing). The scheduler asks
-for sizes, eviction and window freeing without knowing which one it holds.
+Three variants behind one interface, picked once by `build_memory` from the model's shape
+and the cache kind: `MemorySystem` (full attention: one token pool), `SWAMemorySystem` (hybrid
+sliding-window models: a full pool and an SWA pool in lockstep, with window freeing) and
+`HiMemorySystem` (full attention with the hiradix cache: the device pool over a host pool).
+The scheduler asks for sizes, eviction and window freeing without knowing which one it holds.
 
 NOTE: the leak invariant, exact for each pool at an idle point:
     available + evictable + protected + held + uncached == total
 `held` is session-held KV (none in kvscope yet); `uncached` is the KV running requests
 own beyond the tree (page_ceil(kv_len) - cache_protected_len; SWA: minus the window
-frontier too), zero when truly idle.
+frontier too), zero when truly idle. The host pool (hiradix) balances on its own:
+    host available + host slots the tree holds (as evictable) == host total
 """
 
 from __future__ import annotations
@@ -26,17 +28,22 @@ from kvscope.cache import (
     SWAPrefixCache,
     SWARadixCache,
 )
+from kvscope.cache.hiradix import HiRadixCache
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.model import KVPoolShape
 from kvscope.engine.request import Req
 from kvscope.mem import (
     BaseTokenAllocator,
+    CacheController,
+    HostKVPool,
+    HostTokenAllocator,
     KVPool,
     MHATokenToKVPool,
     ReqToTokenPool,
     SWAKVPool,
     SWATokenToKVPoolAllocator,
     TokenAllocator,
+    host_pool_tokens,
     make_token_allocator,
     resolve_device,
 )
@@ -182,6 +189,28 @@ class SWAMemorySystem(MemorySystem):
         return [*super().pool_checks(step, holders), swa_check]
 
 
+class HiMemorySystem(MemorySystem):
+    """Full attention with the two-tier hiradix cache: the device pool over a host pool that
+    the cache's controller copies to and from (docs/memory-semantics.md §2.8, §7)."""
+
+    cache: HiRadixCache
+
+    def __init__(self, config: EngineConfig, req_to_token_pool: ReqToTokenPool, allocator: TokenAllocator,
+                 kv_pool: MHATokenToKVPool, cache: HiRadixCache) -> None:
+        super().__init__(config, req_to_token_pool, allocator, kv_pool, cache)
+        self.controller: CacheController = cache.controller
+        self.host_allocator: HostTokenAllocator = cache.host_allocator
+
+    def host_terms(self) -> PoolTerms:
+        host = self.host_allocator
+        return PoolTerms(host.total_size, host.available_size(), self.cache.host_tokens(), 0)
+
+    def pool_checks(self, step: int, holders: Sequence[Req]) -> list[LeakCheck]:
+        host = self.host_terms()
+        host_check = LeakCheck(step, "host", host.total, host.available, host.evictable, host.protected, 0, 0)
+        return [*super().pool_checks(step, holders), host_check]
+
+
 def build_memory(config: EngineConfig, shape: KVPoolShape, window_len: int | None, recorder: Recorder) -> MemorySystem:
     pool_cfg = config.pool
     device = resolve_device(config.device)
@@ -203,6 +232,9 @@ def build_memory(config: EngineConfig, shape: KVPoolShape, window_len: int | Non
     kv_pool = MHATokenToKVPool(pool_cfg.full_size_tokens, ps, shape.dtype, shape.num_kv_heads, shape.head_dim,
                                shape.num_full_layers, device)
     allocator.recorder = recorder
+    if config.cache.kind == "hiradix":
+        return HiMemorySystem(config, rows, allocator, kv_pool, build_hi_cache(config, allocator, kv_pool, rows,
+                                                                                recorder))
     return MemorySystem(config, rows, allocator, kv_pool, build_cache(config, allocator, rows, recorder))
 
 
@@ -213,6 +245,8 @@ def build_cache(config: EngineConfig, allocator: BaseTokenAllocator, rows: ReqTo
     kind, ps = config.cache.kind, config.pool.page_size
     if kind == "swa-radix":
         raise ValueError("the swa-radix cache needs a hybrid sliding-window model (e.g. --model tiny-swa)")
+    if kind == "hiradix":
+        raise ValueError("the hiradix cache is built with its host pool (build_memory)")
     if kind == "radix":
         return RadixCache(allocator, ps, req_to_token_pool=rows, eviction_policy=config.cache.eviction_policy,
                           eviction_granularity=config.cache.eviction_granularity, recorder=recorder,
@@ -220,6 +254,18 @@ def build_cache(config: EngineConfig, allocator: BaseTokenAllocator, rows: ReqTo
     if kind == "scoped-radix":
         return build_scoped_cache(config, allocator, rows, recorder)
     return ChunkCache(allocator, ps, req_to_token_pool=rows, recorder=recorder)
+
+
+def build_hi_cache(config: EngineConfig, allocator: BaseTokenAllocator, kv_pool: MHATokenToKVPool,
+                   rows: ReqToTokenPool, recorder: Recorder) -> HiRadixCache:
+    """The two-tier cache: a host pool like the device one, host_tokens or host_ratio x its size
+    (page-aligned, one page more: §2.8), and the controller that copies between them."""
+    cache, ps = config.cache, config.pool.page_size
+    size = host_pool_tokens(config.pool.full_size_tokens, ps, ratio=cache.host_ratio, tokens=cache.host_tokens)
+    host_allocator = HostTokenAllocator(size, ps, strict=config.strict)
+    controller = CacheController(allocator, kv_pool, host_allocator, HostKVPool.like(kv_pool, size))
+    return HiRadixCache(allocator, ps, controller, write_policy=cache.write_policy, req_to_token_pool=rows,
+                        eviction_policy=cache.eviction_policy, recorder=recorder, strict=config.strict)
 
 
 def build_scoped_cache(config: EngineConfig, allocator: BaseTokenAllocator, rows: ReqToTokenPool,
@@ -239,7 +285,7 @@ def build_swa_cache(config: EngineConfig, allocator: SWATokenToKVPoolAllocator, 
                     window_len: int, recorder: Recorder) -> SWAPrefixCache:
     """swa-radix keeps a tree; chunk and none keep nothing."""
     kind, ps = config.cache.kind, config.pool.page_size
-    if kind in ("radix", "scoped-radix"):
+    if kind in ("radix", "scoped-radix", "hiradix"):
         raise ValueError(f"a hybrid sliding-window model needs --cache swa-radix, chunk or none, not {kind}")
     if kind == "swa-radix":
         return SWARadixCache(allocator, ps, window_len=window_len, req_to_token_pool=rows, recorder=recorder,

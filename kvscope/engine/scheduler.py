@@ -9,6 +9,10 @@ NOTE: one step
     decode   check memory (evict, else retract the requests with the fewest outputs),
              free out-of-window SWA, allocate one slot each, forward, sample, finish
     idle     the 5-term leak check per pool; reset new_token_ratio
+hiradix (docs/memory-semantics.md §7): every step first turns the controller's acknowledgements
+into lock releases (writing_check, loading_check: SGLang's check_hicache_events); admission
+loads a host hit back (init_load_back, under the request's temporary lock, within the budget)
+and the prefill forward waits for those loads; an idle point drains every copy first.
 Frees of one step's results happen inside one free group.
 """
 
@@ -23,6 +27,8 @@ from functools import partial
 import numpy as np
 import torch
 
+from kvscope.cache.base import MatchResult
+from kvscope.cache.hiradix import HiMatchResult, HiRadixCache
 from kvscope.engine import fault_hooks
 from kvscope.engine.admission import PrefillAdder
 from kvscope.engine.config import EngineConfig
@@ -70,6 +76,8 @@ class Scheduler:
         self.stats = EngineStats(recorder)
         # NOTE: lpm needs a tree to match against; a chunk cache (none) keeps arrival order
         self.sorts_by_prefix = self.sched.schedule_policy == "lpm" and not memory.cache.disabled
+        # NOTE: the two-tier cache's extra work, decided once: other caches' steps never pay for it
+        self.hicache: HiRadixCache | None = memory.cache if isinstance(memory.cache, HiRadixCache) else None
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -85,6 +93,8 @@ class Scheduler:
     def run_step(self) -> None:
         self.step += 1
         self.recorder.step = self.step
+        if self.hicache is not None:
+            self._check_hicache_events(self.hicache)
         admitted = self._prefill_batch()
         if admitted:
             self._run_prefill(admitted)
@@ -95,13 +105,23 @@ class Scheduler:
             self.snapshot()
 
     def on_idle(self) -> bool:
-        """The idle leak check; returns whether every pool balanced."""
+        """The idle leak check; returns whether every pool balanced. hiradix: every copy is
+        drained and acknowledged first (an unacknowledged write still locks its node)."""
+        if self.hicache is not None:
+            self.hicache.controller.wait_all()
+            self._check_hicache_events(self.hicache)
         checks = self.memory.leak_checks(self.step, [])
         self.new_token_ratio = self.sched.init_new_token_ratio
         ok = self.stats.leak_checked(checks)
         if not ok and self.sched.leak_check_raise:
             raise LeakDetected("pool memory leak detected! " + "\n".join(c.message() for c in checks if not c.ok))
         return ok
+
+    @staticmethod
+    def _check_hicache_events(cache: HiRadixCache) -> None:
+        """Acknowledged writes and loads release their locks (and loads their host pins)."""
+        cache.writing_check()
+        cache.loading_check()
 
     def snapshot(self) -> None:
         """The tree at this step, once per step (the end of a run may fall on a periodic one)."""
@@ -160,17 +180,36 @@ class Scheduler:
         all_ids = req.all_ids()
         match = cache.match_prefix(all_ids[: req.all_len - 1], user=req.user, rid=req.rid)
         lock_id = cache.inc_lock_ref(match.last_node, rid=req.rid)
-        fits = adder.try_add(req, match.prefix_len)
+        if self.hicache is not None:
+            match, lock_id = self._load_back(self.hicache, req, match, lock_id, adder)
+        prefix_len = match.prefix_len
+        fits = adder.try_add(req, prefix_len)
         if not fits and (not adder.admitted or adder.admitted[-1].req is not req):
             cache.dec_lock_ref(match.last_node, lock_id, rid=req.rid)
             return False
         req.prefix_indices, req.last_node, req.swa_lock_id = match.device_indices, match.last_node, lock_id
-        req.cache_protected_len = req.kv_committed_len = req.swa_evicted_len = match.prefix_len
+        req.cache_protected_len = req.kv_committed_len = req.swa_evicted_len = prefix_len
         if not req.admitted:
             req.admitted = True
-            req.cached_tokens = match.prefix_len
-        self.stats.admitted(req, self.step, match.prefix_len)
+            req.cached_tokens = prefix_len
+        self.stats.admitted(req, self.step, prefix_len)
         return True
+
+    def _load_back(self, cache: HiRadixCache, req: Req, match: MatchResult, lock_id: int | None,
+                   adder: PrefillAdder) -> tuple[MatchResult, int | None]:
+        """init_load_back as SGLang's PrefillAdder runs it (§9.2 step 5): with the matched device
+        prefix locked, load the host hit behind it within what the budget leaves; on success the
+        request's lock moves down to the loaded node and its prefix grows by the loaded slots.
+        Returns the (possibly extended) match and the request's lock id."""
+        if not isinstance(match, HiMatchResult) or match.host_hit_length <= 0:
+            return match, lock_id
+        quota = adder.load_quota(req, match.prefix_len + match.host_hit_length)
+        loaded, node = cache.init_load_back(match.last_host_node, match.host_hit_length, quota)
+        if not len(loaded):
+            return match, lock_id
+        new_lock = cache.inc_lock_ref(node, rid=req.rid)
+        cache.dec_lock_ref(match.last_node, lock_id, rid=req.rid)
+        return MatchResult(torch.cat((match.device_indices, loaded.to(match.device_indices.device))), node), new_lock
 
     def _run_prefill(self, batch: list[Req]) -> None:
         memory = self.memory
@@ -192,6 +231,8 @@ class Scheduler:
         forward = ForwardBatch.build("extend", torch.from_numpy(input_ids.astype(np.int64)), held_rows(batch),
                                      prefix_lens, slots, extend_lens)
         self._check_reads(batch, prefix_lens)
+        if self.hicache is not None:
+            self.hicache.controller.wait_loads_on_current_stream()  # NOTE: the loaded rows are read now
         logits = self.model.forward(forward, rows, memory.kv_pool)
         memory.allocator.free_group_begin()
         sampled = logits.argmax(-1).tolist()  # NOTE: one device sync per step, not one per request

@@ -279,6 +279,9 @@ class HiRadixCache(RadixCache):
         assert node.parent is not None
         self.evictable_leaves.discard(node.parent)
         self._mark_leaf(node)
+        if self.recorder.enabled:  # NOTE: the slots are the node's now (the ledger moves them to the tree)
+            self.recorder.record(EventKind.REVIVE, pool=PoolName.FULL, node_id=node.id, num_tokens=len(value),
+                                 slots=value)
 
     def _mark_leaf(self, node: TreeNode) -> None:
         """Put `node` in the evictable leaves if it is an unlocked device node with no device child."""
