@@ -56,6 +56,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_radix.py benchmarks/traces/shared_prefix.jsonl benchmarks/traces/multi_turn.jsonl
 	$(BIN)/python benchmarks/bench_recorder.py
 	$(BIN)/python benchmarks/bench_curve.py benchmarks/traces/multi_turn.jsonl benchmarks/traces/shared_prefix.jsonl
+	$(BIN)/python benchmarks/bench_isolation.py
+	$(BIN)/python benchmarks/bench_hicache.py
 
 # Small captures anyone can open without an engine; deterministic for their seeds.
 # The leaking run exits 1 (its leak check fails, as intended).
