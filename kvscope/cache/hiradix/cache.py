@@ -84,6 +84,8 @@ class InFlight:
 
 
 class HiRadixCache(RadixCache):
+    node_type = HiTreeNode
+
     def __init__(
         self,
         allocator: BaseTokenAllocator,
@@ -249,23 +251,6 @@ class HiRadixCache(RadixCache):
         if (self.through and node.host_value is None and node.hit_count >= self.write_through_threshold
                 and parent.host_value is not None):  # type: ignore[attr-defined]
             self.write_backup(node)
-
-    def _add_leaf(
-        self, parent: TreeNode, key: bytes, value: np.ndarray, user: str | None, hits: int, priority: int,
-        rid: str | None,
-    ) -> TreeNode:
-        if self.strict:
-            claim_slots(self._tree_slot, value)
-        leaf = HiTreeNode(key, value, time.monotonic())
-        leaf.parent, leaf.owner, leaf.hit_count, leaf.priority = parent, user, hits, priority
-        parent.children[key[: self.page_bytes]] = leaf
-        self._evictable_size += len(value)
-        self.evictable_leaves.discard(parent)
-        self._mark_leaf(leaf)
-        if self.recorder.enabled:
-            self.recorder.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=leaf.id,
-                                 num_tokens=len(value), slots=value, aux=parent.id, principal=user)
-        return leaf
 
     def _adopt(self, node: HiTreeNode, value: np.ndarray) -> None:
         """A host-only node takes device slots (insert's recompute case, or a load)."""

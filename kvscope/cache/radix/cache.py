@@ -57,6 +57,8 @@ from kvscope.telemetry import NULL_RECORDER, EventKind, EvictReason, PoolName, R
 
 
 class RadixCache(BasePrefixCache):
+    node_type: type[TreeNode] = TreeNode  # NOTE: a subclass's own node class (more state per node)
+
     def __init__(
         self,
         allocator: BaseTokenAllocator,
@@ -90,7 +92,7 @@ class RadixCache(BasePrefixCache):
 
     def reset(self) -> None:
         """Forget the tree (the caller clears the allocator too, as flush_cache does)."""
-        self.root = TreeNode(now=time.monotonic())
+        self.root = self.node_type(now=time.monotonic())
         self.root.lock_ref = 1
         self.root.priority = -(2**62)
         self._evictable_size = 0
@@ -227,7 +229,7 @@ class RadixCache(BasePrefixCache):
     ) -> TreeNode:
         if self.strict:
             claim_slots(self._tree_slot, value)
-        leaf = TreeNode(key, value, time.monotonic())
+        leaf = self.node_type(key, value, time.monotonic())
         leaf.parent, leaf.owner, leaf.hit_count, leaf.priority = parent, user, hits, priority
         parent.children[key[: self.page_bytes]] = leaf
         self._evictable_size += len(value)
@@ -312,7 +314,7 @@ class RadixCache(BasePrefixCache):
     def _delete_leaf(self, leaf: TreeNode) -> np.ndarray:
         parent = leaf.parent
         assert parent is not None
-        del parent.children[leaf.key[: self.page_bytes]]
+        self._detach(leaf, parent)
         leaf.parent = None
         self.evictable_leaves.discard(leaf)
         self._evictable_size -= len(leaf.value)
@@ -320,6 +322,10 @@ class RadixCache(BasePrefixCache):
             self._tree_slot[leaf.value] = False
         self._mark_leaf(parent)
         return leaf.value
+
+    def _detach(self, leaf: TreeNode, parent: TreeNode) -> None:
+        """Take `leaf` out of its parent's children (a subclass may file children otherwise)."""
+        del parent.children[leaf.key[: self.page_bytes]]
 
     def _trim_leaf(self, leaf: TreeNode, num_tokens: int) -> np.ndarray:
         chunk = leaf.value[-num_tokens:]

@@ -19,6 +19,8 @@ Named options: promote_k (None: never, per-principal isolation), epoch_s, pinned
 principal whose tokens equal another's private copy joins its holders and frees its own pages;
 off: it keeps its own copy), merge_chains (unary private chains merge into one node at epoch
 boundaries), monitor. LRU stamps come from a counter, not a clock, so equal runs evict equally.
+Locks, the evictable accounting and the eviction loop are RadixCache's; this class changes what
+a principal sees, where children are filed (copies per first page) and what a tombstone frees.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import torch
 
 from kvscope.cache.base import (
     TOKEN_DTYPE,
-    BasePrefixCache,
     CacheableRequest,
     CacheMisuseError,
     EvictParams,
@@ -45,18 +46,17 @@ from kvscope.cache.base import (
     page_key,
     request_row,
 )
+from kvscope.cache.radix import RadixCache
 from kvscope.cache.scoped.creators import ROOT_HASH, CreatorLedger, chain_hashes
 from kvscope.cache.scoped.monitor import MonitorConfig
 from kvscope.cache.scoped.node import PINNED, PRIVATE, PUBLIC, ScopedNode, path_values, principal_key, walk_scoped
 from kvscope.cache.tree import (
     TOKEN_BYTES,
-    LeafHeap,
     TreeNode,
     check_sizes,
     check_tree_slots,
     claim_slots,
     common_page_len,
-    get_policy,
     slots_tensor,
 )
 from kvscope.cache.tree.node import preview
@@ -88,7 +88,10 @@ class ScopedStats:
     tokens_by_owner: dict[tuple[str | None, str], int] = field(default_factory=dict)  # filled by stats()
 
 
-class ScopedRadixCache(BasePrefixCache):
+class ScopedRadixCache(RadixCache):
+    node_type = ScopedNode
+    root: ScopedNode
+
     def __init__(
         self,
         allocator: BaseTokenAllocator,
@@ -107,49 +110,29 @@ class ScopedRadixCache(BasePrefixCache):
         monitor: MonitorConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if page_size != allocator.page_size:
-            raise CacheMisuseError(f"page_size {page_size} != the allocator's {allocator.page_size}")
-        if eviction_granularity not in ("leaf", "page"):
-            raise CacheMisuseError(f"eviction_granularity must be 'leaf' or 'page', got {eviction_granularity!r}")
         if promote_k is not None and promote_k < 1:
             raise CacheMisuseError(f"promote_k must be >= 1 or None (never), got {promote_k}")
         if not epoch_s > 0 or epoch_s == float("inf"):
             raise CacheMisuseError(f"epoch_s must be a positive number of seconds, got {epoch_s}")
-        self.allocator = allocator
-        self.req_to_token_pool = req_to_token_pool
-        self.page_size = page_size
-        self.page_bytes = page_size * TOKEN_BYTES
-        self.device = allocator.device
-        self._on_cpu = self.device.type == "cpu"
-        self._no_slots = torch.empty(0, dtype=torch.int64, device=self.device)
-        self.policy = get_policy(eviction_policy)
-        self.eviction_granularity = eviction_granularity
-        self.recorder = recorder
-        self.strict = strict
         self.promote_k = promote_k
         self.epoch_s = epoch_s
         self.dedup = dedup
         self.merge_chains = merge_chains
         self.monitor = monitor
         self.clock = clock
+        self.stats_counters = ScopedStats()
+        super().__init__(allocator, page_size, req_to_token_pool=req_to_token_pool, eviction_policy=eviction_policy,
+                         eviction_granularity=eviction_granularity, recorder=recorder, strict=strict)
         self.pinned_hashes: set[bytes] = set()
         for prefix in pinned:
             self.pinned_hashes.update(chain_hashes(ROOT_HASH, page_key(as_token_ids(prefix), page_size),
                                                    self.page_bytes))
-        self.stats_counters = ScopedStats()
-        self.reset()
 
     def reset(self) -> None:
         """Forget the tree and the creator ledger (the caller clears the allocator too)."""
+        super().reset()
         self._ticks = itertools.count(1)
-        self.root = ScopedNode(now=0.0)
-        self.root.lock_ref = 1
-        self.root.priority = -(2**62)
-        self._evictable_size = 0
-        self._protected_size = 0
-        self.evictable_leaves: set[ScopedNode] = set()
-        self.heap = LeafHeap(self.policy, deeper_first=self.eviction_granularity == "page")
-        self._tree_slot = np.zeros(self.allocator.total_size + 2 * self.page_size, dtype=bool)
+        self._num_tombstoned = 0  # nodes tombstoned and still in the tree (locked): unlocks look for them
         self.ledger = CreatorLedger()
         self._start_s = self.clock()
         self._epoch = 0
@@ -162,15 +145,6 @@ class ScopedRadixCache(BasePrefixCache):
 
     def epoch(self) -> int:
         return int((self.clock() - self._start_s) // self.epoch_s)
-
-    def evictable_size(self) -> int:
-        return self._evictable_size
-
-    def protected_size(self) -> int:
-        return self._protected_size
-
-    def total_size(self) -> int:
-        return self._evictable_size + self._protected_size
 
     # -- epochs: promotion, ledger pruning, chain merging ---------------------------------------
 
@@ -274,11 +248,12 @@ class ScopedRadixCache(BasePrefixCache):
         slots = self._no_slots if not values else torch.from_numpy(np.concatenate(values))
         if not self._on_cpu and values:
             slots = slots.to(self.device)
+        if not counted:
+            return MatchResult(slots, node)
         cross = sum(len(n.value) for n in path if n.owner != principal)
-        if counted:
-            self.stats_counters.matched_tokens += len(slots)
-            self.stats_counters.cross_hit_tokens += cross
-        if self.recorder.enabled and counted:
+        self.stats_counters.matched_tokens += len(slots)
+        self.stats_counters.cross_hit_tokens += cross
+        if self.recorder.enabled:
             self.recorder.record(EventKind.MATCH, pool=PoolName.FULL, rid=rid, node_id=node.id,
                                  num_tokens=len(slots), aux=len(ids) - len(slots), principal=user)
             if cross:
@@ -421,15 +396,15 @@ class ScopedRadixCache(BasePrefixCache):
                 pinned_pages += 1
         cut = pinned_pages * self.page_size
         if cut:
-            parent = self._add_leaf(parent, key[: cut * TOKEN_BYTES], value[:cut], principal, PINNED, hits,
+            parent = self._add_scoped_leaf(parent, key[: cut * TOKEN_BYTES], value[:cut], principal, PINNED, hits,
                                     priority, rid)
         if cut < len(value):
-            parent = self._add_leaf(parent, key[cut * TOKEN_BYTES :], value[cut:], principal, PRIVATE, hits,
+            parent = self._add_scoped_leaf(parent, key[cut * TOKEN_BYTES :], value[cut:], principal, PRIVATE, hits,
                                     priority, rid)
         return parent
 
-    def _add_leaf(self, parent: ScopedNode, key: bytes, value: np.ndarray, principal: str, visibility: Visibility,
-                  hits: int, priority: int, rid: str | None) -> ScopedNode:
+    def _add_scoped_leaf(self, parent: ScopedNode, key: bytes, value: np.ndarray, principal: str,
+                         visibility: Visibility, hits: int, priority: int, rid: str | None) -> ScopedNode:
         if self.strict:
             claim_slots(self._tree_slot, value)
         leaf = ScopedNode(key, value, next(self._ticks))
@@ -514,47 +489,23 @@ class ScopedRadixCache(BasePrefixCache):
         self.dec_lock_ref(last, rid=req.rid)
         req.swa_lock_id = None
 
-    # -- locks -----------------------------------------------------------------------------
+    # -- locks (RadixCache's; a tombstoned node is never an evictable leaf, and is freed at its last unlock)
 
-    def _mark_leaf(self, node: ScopedNode) -> None:
-        if node.lock_ref == 0 and not node.children and node is not self.root and not node.tombstone:
-            self.evictable_leaves.add(node)
-            self.heap.push(node)
-
-    def inc_lock_ref(self, node: TreeNode, rid: str | None = None) -> int | None:
-        start, moved = node, 0
-        while node is not self.root:
-            if node.lock_ref == 0:
-                moved += len(node.value)
-                self.evictable_leaves.discard(node)
-            node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
-        self._evictable_size -= moved
-        self._protected_size += moved
-        if self.recorder.enabled:
-            self.recorder.record(EventKind.LOCK, rid=rid, node_id=start.id, num_tokens=moved)
-        return None
+    def _mark_leaf(self, node: TreeNode) -> None:
+        if not node.tombstone:
+            super()._mark_leaf(node)
 
     def dec_lock_ref(self, node: TreeNode, lock_id: int | None = None, rid: str | None = None) -> None:
-        if node is not self.root and node.lock_ref <= 0:
-            raise CacheMisuseError(f"dec_lock_ref on node {node.id}, which is not locked (lock_ref {node.lock_ref})")
-        start, moved = node, 0
-        released: list[ScopedNode] = []
-        while node is not self.root:
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                moved += len(node.value)
-                if node.tombstone:
-                    released.append(cast(ScopedNode, node))
-                else:
-                    self._mark_leaf(cast(ScopedNode, node))
+        super().dec_lock_ref(node, lock_id, rid)
+        if not self._num_tombstoned:
+            return
+        top = None  # the highest tombstoned node on the path this unlock left unlocked
+        while node is not self.root and node is not None:
+            if node.tombstone and node.lock_ref == 0:
+                top = node
             node = node.parent  # type: ignore[assignment]
-        self._evictable_size += moved
-        self._protected_size -= moved
-        if self.recorder.enabled:
-            self.recorder.record(EventKind.UNLOCK, rid=rid, node_id=start.id, num_tokens=moved)
-        if released:  # the top one takes its unlocked tombstoned subtree with it
-            self._free_subtree(released[-1])
+        if top is not None:
+            self._free_subtree(cast(ScopedNode, top))
 
     # -- demotion --------------------------------------------------------------------------
 
@@ -565,6 +516,7 @@ class ScopedRadixCache(BasePrefixCache):
         tokens = sum(len(n.value) for n in subtree)
         for n in subtree:
             n.tombstone = True
+            self._num_tombstoned += 1
             n.visibility = PRIVATE
             n.holders = frozenset()
             self.evictable_leaves.discard(n)
@@ -594,6 +546,7 @@ class ScopedRadixCache(BasePrefixCache):
         if not copies:
             del parent.children[top.key[: self.page_bytes]]
         freed = []
+        self._num_tombstoned -= len(nodes)
         for n in nodes:
             self._evictable_size -= len(n.value)
             self.evictable_leaves.discard(n)
@@ -611,59 +564,20 @@ class ScopedRadixCache(BasePrefixCache):
 
     def evict(self, params: EvictParams) -> EvictResult:
         self.advance()
-        num_tokens = params.num_tokens
-        if num_tokens > self._evictable_size or params.swa_num_tokens > 0:
-            raise CacheMisuseError(
-                f"evict({num_tokens}, swa {params.swa_num_tokens}) beyond the evictable size "
-                f"{self._evictable_size} (protected {self._protected_size}; a radix cache holds no SWA KV)"
-            )
-        if num_tokens <= 0:
-            return EvictResult()
-        self.heap.start(self.evictable_leaves)
-        freed: list[np.ndarray] = []
-        evicted = 0
-        by_page = self.eviction_granularity == "page"
-        while evicted < num_tokens:
-            popped = self.heap.pop(self.evictable_leaves.__contains__)
-            if popped is None:
-                break
-            leaf = cast(ScopedNode, popped)
-            want = -(-(num_tokens - evicted) // self.page_size) * self.page_size
-            chunk = self._trim_leaf(leaf, want) if by_page and len(leaf.value) > want else self._delete_leaf(leaf)
-            freed.append(chunk)
-            evicted += len(chunk)
-            if self.recorder.enabled:
-                self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=leaf.id,
-                                     num_tokens=len(chunk), slots=chunk, reason=EvictReason.CAPACITY)
-        self.allocator.free_many(freed)
-        return EvictResult(evicted)
+        return super().evict(params)
 
-    def _delete_leaf(self, leaf: ScopedNode) -> np.ndarray:
-        parent = leaf.parent
-        assert parent is not None
+    def _detach(self, leaf: TreeNode, parent: TreeNode) -> None:
         first = leaf.key[: self.page_bytes]
-        copies = parent.children[first]
-        copies.remove(leaf)
+        copies = cast(ScopedNode, parent).children[first]
+        copies.remove(cast(ScopedNode, leaf))
         if not copies:
-            del parent.children[first]
-        leaf.parent = None
-        self.evictable_leaves.discard(leaf)
-        self._evictable_size -= len(leaf.value)
-        if self.strict:
-            self._tree_slot[leaf.value] = False
-        self._mark_leaf(parent)
-        return leaf.value
+            del cast(ScopedNode, parent).children[first]
 
-    def _trim_leaf(self, leaf: ScopedNode, num_tokens: int) -> np.ndarray:
-        chunk = leaf.value[-num_tokens:]
-        leaf.value = leaf.value[:-num_tokens]
-        leaf.key = leaf.key[: -num_tokens * TOKEN_BYTES]
-        assert leaf.parent is not None
-        leaf.path_hash = chain_hashes(leaf.parent.path_hash, leaf.key, self.page_bytes)[-1]
-        self._evictable_size -= num_tokens
-        if self.strict:
-            self._tree_slot[chunk] = False
-        self.heap.push(leaf)
+    def _trim_leaf(self, leaf: TreeNode, num_tokens: int) -> np.ndarray:
+        chunk = super()._trim_leaf(leaf, num_tokens)
+        node = cast(ScopedNode, leaf)
+        assert node.parent is not None
+        node.path_hash = chain_hashes(node.parent.path_hash, node.key, self.page_bytes)[-1]
         return chunk
 
     # -- views -----------------------------------------------------------------------------
