@@ -136,7 +136,8 @@ class RadixCache(BasePrefixCache):
 
     def walk_match(self, key: bytes, user: str | None = None) -> tuple[list[np.ndarray], TreeNode]:
         """The values along the longest page-aligned match of `key`, and its last node (split
-        there when the match ends inside a node); refreshes last-access times on the path."""
+        there when the match ends inside a node); refreshes last-access times on the path.
+        `user` is not read: this tree is shared by everyone (the scoped cache reads it)."""
         now = time.monotonic()
         node = self.root
         node.last_access_time = now
