@@ -49,6 +49,7 @@ from kvscope.engine import (
     check_request,
     model_config,
 )
+from kvscope.engine.model import kv_pool_shape
 from kvscope.mem import resolve_device
 from kvscope.telemetry import (
     NULL_RECORDER,
@@ -175,6 +176,7 @@ def fingerprint(spec: RunSpec, device: str) -> dict[str, Any]:
     return {
         "engine": spec.engine.fingerprint(),
         "model": asdict(spec.model),
+        "kv": kv_fingerprint(spec.model),
         "workload": {"name": spec.workload, "trace": str(spec.trace) if spec.trace else None,
                      "num_requests": spec.num_requests, "seed": spec.seed, "options": spec.workload_options,
                      "pace_per_s": spec.pace_per_s},
@@ -182,6 +184,11 @@ def fingerprint(spec: RunSpec, device: str) -> dict[str, Any]:
                   "fault_seed": spec.fault_seed},
         "environment": environment_fingerprint(device),
     }
+
+
+def kv_fingerprint(model: ModelConfig) -> dict[str, Any]:
+    """The KV sizes a reader of the capture needs (the dashboard's bytes per token moved)."""
+    return {"full_bytes_per_token": kv_pool_shape(model).full_bytes_per_token}
 
 
 def capture_path(spec: RunSpec) -> str | Path | None:

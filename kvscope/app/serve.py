@@ -78,6 +78,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
 def serve_verb(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     listener = bind_listener(options.host, options.port)
+    from kvscope.app.runner import kv_fingerprint
     from kvscope.mem import resolve_device
     from kvscope.server.scheduler import ServeSpec, start_scheduler
     from kvscope.telemetry.fingerprint import environment_fingerprint
@@ -87,6 +88,7 @@ def serve_verb(args: argparse.Namespace) -> int:
                         "api_keys": options.api_keys is not None,
                         "kv_events": asdict(options.kv_events) if options.kv_events else None},
               "engine": options.engine.fingerprint(), "model": asdict(options.model),
+              "kv": kv_fingerprint(options.model),
               "environment": environment_fingerprint(str(resolve_device(options.engine.device)))}
     spec = ServeSpec(engine=options.engine, model=options.model, capture=options.capture, level=options.level,
                      label="serve", config=config, kv_events=kv_events)

@@ -88,6 +88,14 @@ class MemorySystem:
     def swa_terms(self) -> PoolTerms | None:
         return None
 
+    def host_terms(self) -> PoolTerms | None:
+        """The host tier's terms (hiradix); None: no host tier."""
+        return None
+
+    def copied_tokens(self) -> tuple[int, int]:
+        """Tokens copied device -> host and host -> device so far (written, loaded)."""
+        return 0, 0
+
     def evict_for(self, num_tokens: int) -> int:
         """Evict so that `num_tokens` more fit in every pool, clamped to what the tree can give;
         returns the full-pool tokens freed."""
@@ -202,8 +210,13 @@ class HiMemorySystem(MemorySystem):
         self.host_allocator: HostTokenAllocator = cache.host_allocator
 
     def host_terms(self) -> PoolTerms:
+        """evictable: every host slot the tree holds (host copies are never locked; a load pins
+        its source copies only while it is in flight)."""
         host = self.host_allocator
         return PoolTerms(host.total_size, host.available_size(), self.cache.host_tokens(), 0)
+
+    def copied_tokens(self) -> tuple[int, int]:
+        return self.cache.num_write_tokens, self.cache.num_load_back_tokens
 
     def pool_checks(self, step: int, holders: Sequence[Req]) -> list[LeakCheck]:
         host = self.host_terms()
@@ -263,6 +276,7 @@ def build_hi_cache(config: EngineConfig, allocator: BaseTokenAllocator, kv_pool:
     cache, ps = config.cache, config.pool.page_size
     size = host_pool_tokens(config.pool.full_size_tokens, ps, ratio=cache.host_ratio, tokens=cache.host_tokens)
     host_allocator = HostTokenAllocator(size, ps, strict=config.strict)
+    host_allocator.recorder = recorder
     controller = CacheController(allocator, kv_pool, host_allocator, HostKVPool.like(kv_pool, size))
     return HiRadixCache(allocator, ps, controller, write_policy=cache.write_policy, req_to_token_pool=rows,
                         eviction_policy=cache.eviction_policy, recorder=recorder, strict=config.strict)

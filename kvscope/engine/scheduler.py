@@ -180,6 +180,7 @@ class Scheduler:
         all_ids = req.all_ids()
         match = cache.match_prefix(all_ids[: req.all_len - 1], user=req.user, rid=req.rid)
         lock_id = cache.inc_lock_ref(match.last_node, rid=req.rid)
+        device_len = match.prefix_len
         if self.hicache is not None:
             match, lock_id = self._load_back(self.hicache, req, match, lock_id, adder)
         prefix_len = match.prefix_len
@@ -192,7 +193,7 @@ class Scheduler:
         if not req.admitted:
             req.admitted = True
             req.cached_tokens = prefix_len
-        self.stats.admitted(req, self.step, prefix_len)
+        self.stats.admitted(req, self.step, prefix_len, host_hit_tokens=prefix_len - device_len)
         return True
 
     def _load_back(self, cache: HiRadixCache, req: Req, match: MatchResult, lock_id: int | None,

@@ -32,6 +32,7 @@ class EngineStats:
     num_retractions: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_hit_tokens: int = 0  # of cached_tokens, loaded back from the host tier at admission
     generated_tokens: int = 0
     evicted_tokens: int = 0
     leak_checks_passed: int = 0
@@ -52,12 +53,14 @@ class EngineStats:
         self._mark(req, "arrive", step)
         self._event(EventKind.REQUEST_ARRIVE, req, req.prompt_len)
 
-    def admitted(self, req: Req, step: int, prefix_len: int) -> None:
+    def admitted(self, req: Req, step: int, prefix_len: int, host_hit_tokens: int = 0) -> None:
+        """`host_hit_tokens`: of prefix_len, the tokens loaded back from the host tier."""
         record = self.records[req.rid]
         if "admit" not in record.times:
             self.num_admitted += 1
             self.prompt_tokens += req.prompt_len
             self.cached_tokens += prefix_len
+            self.host_hit_tokens += host_hit_tokens
             self.num_hit_requests += prefix_len > 0
             record.cached_tokens = prefix_len
         self._mark(req, "admit", step)
@@ -111,10 +114,11 @@ class EngineStats:
         if not self.recorder.summary_enabled:
             return
         rows = memory.req_to_token_pool
+        written, loaded = memory.copied_tokens()
         self.recorder.usage(UsageSample(
             step, memory.full_terms(), memory.swa_terms(), rows.num_rows, rows.available_size(), num_running,
             num_waiting, self.prompt_tokens, self.cached_tokens, self.num_admitted, self.num_hit_requests,
-            self.evicted_tokens, self.num_retractions,
+            self.evicted_tokens, self.num_retractions, memory.host_terms(), self.host_hit_tokens, written, loaded,
         ))
 
     def close_unfinished(self) -> None:

@@ -21,6 +21,7 @@ import torch
 from kvscope.mem.base import PoolUsage
 from kvscope.mem.errors import IntegrityError, PoolMisuseError
 from kvscope.mem.kv_pool import FP8_DTYPES, MHATokenToKVPool
+from kvscope.telemetry import NULL_RECORDER, EventKind, PoolName, Recorder
 
 HOST_INDEX_DTYPE = np.int64
 
@@ -68,6 +69,9 @@ class HostTokenAllocator:
     is a multiple of page_size, so slots handed out from a fresh pool are whole pages;
     frees are token-granular.
 
+    With a recorder, every alloc and free is an event of pool host (no request: the cache's
+    write event says which node the slots went to).
+
     Strict mode keeps `slot_used` (one bool per slot) and rejects double alloc and double
     free where they happen; check_integrity() finds either afterwards in any mode.
     """
@@ -84,6 +88,7 @@ class HostTokenAllocator:
         self.total_size = size_tokens
         self._strict = strict
         self.slot_used: np.ndarray | None = None
+        self.recorder: Recorder = NULL_RECORDER
         self.clear()
 
     # -- state -------------------------------------------------------------------------
@@ -142,7 +147,10 @@ class HostTokenAllocator:
             self._check_alloc(slots)
             self.slot_used[slots] = True
         self.free_slots = self.free_slots[num_tokens:]
-        return slots.copy()
+        slots = slots.copy()
+        if self.recorder.enabled and num_tokens:
+            self.recorder.record(EventKind.ALLOC, pool=PoolName.HOST, num_tokens=num_tokens, slots=slots)
+        return slots
 
     def free(self, slots: Any) -> None:
         """Return `slots` (np.ndarray, or anything as_host_slots takes); an empty input is a no-op."""
@@ -153,6 +161,8 @@ class HostTokenAllocator:
             self._check_free(slots_np)
             self.slot_used[slots_np] = False
         self.release_slots = np.concatenate((self.release_slots, slots_np))
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.FREE, pool=PoolName.HOST, num_tokens=len(slots_np), slots=slots_np)
 
     # -- strict mode --------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvscope.telemetry.events import (
     NULL_RECORDER,
+    CopyKind,
     Event,
     EventKind,
     EvictReason,
@@ -85,6 +86,7 @@ __all__ = [
     "STRUCTURAL_KINDS",
     "Capture",
     "CaptureError",
+    "CopyKind",
     "Event",
     "EventKind",
     "EvictReason",

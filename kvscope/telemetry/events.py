@@ -10,14 +10,28 @@ NOTE: one event = (kind, pool, rid, node_id, num_tokens, slots, reason, aux, pri
     insert     num_tokens = new tokens placed in a new node, node_id = that node, aux = its parent,
                principal = the new node's owner (None: no owner)
     split      node_id = the new upper node, aux = the node that was split (the upper node keeps its owner)
-    lock/unlock node_id = the node the lock starts at, num_tokens = tokens whose state moved
-    evict      node_id, num_tokens, slots freed, reason (capacity, finish, abort, tombstone)
+    lock/unlock node_id = the node the lock starts at, num_tokens = tokens whose state moved,
+               aux = SWA tokens whose state moved (swa-radix); a copy lock (hiradix: held by a
+               write or load in flight, not by a request): rid None, reason = the CopyKind,
+               aux = the op id
+    evict      node_id, num_tokens, slots freed, reason (capacity, finish, abort, tombstone; hiradix:
+               to-host = the node keeps its host copy, drop = write_back deleted a leaf the host
+               could not take, with its host-only subtree)
     tombstone  node_id, num_tokens = SWA tokens freed, slots = the SWA-freed full slots
     revive     node_id: a tombstone got live SWA KV again (SWA radix insert); recorded twice: pool full
                with the node's full slots, then pool swa with the SWA slots now paired with them
     inject     rid, reason = the FaultKind, slots / node_id = what the fault touched
     violation  rid, reason = the FaultKind caught, slots read, aux = the position read
     alloc/free pool, rid, num_tokens, slots
+hiradix, the host tier (pool = the tier whose slots the event names: host or full = device):
+    write      pool host, node_id, num_tokens, slots = the host slots now holding the node's copy,
+               aux = the op id (a device -> host copy in flight until its ack)
+    load       pool full, node_id = the deepest node loaded (locked until the ack), num_tokens,
+               slots = the new device slots (each node's share follows as a revive), aux = the op id
+    ack        the controller acknowledged op `aux`: reason = the CopyKind, pool host (a write) or
+               full (a load), node_id = the op's node, num_tokens = the tokens it copied
+    host_evict pool host, node_id, num_tokens, slots = the host copy leaving the tree (the host
+               allocator's free follows), reason capacity (evict_host) or drop (under a dropped leaf)
 Producers guard every call with `if recorder.enabled:` so a disabled recorder costs one
 flag check. Slots are passed as they are (tensor or array) and a recorder may keep a
 reference until it flushes: a producer must never write into a recorded slot array
@@ -52,6 +66,10 @@ class EventKind(StrEnum):
     PROMOTE = "promote"  # scoped radix: a private node became public
     DEMOTE = "demote"  # scoped radix: a public subtree became private again
     CROSS_HIT = "cross_hit"  # a match reused tokens in nodes another principal owns
+    WRITE = "write"  # hiradix: a node's KV is being copied device -> host
+    LOAD = "load"  # hiradix: host-only nodes are being copied host -> device
+    ACK = "ack"  # hiradix: the controller acknowledged a write or a load
+    HOST_EVICT = "host_evict"  # hiradix: a host copy left the tree
 
 
 class EvictReason(StrEnum):
@@ -59,6 +77,15 @@ class EvictReason(StrEnum):
     FINISH = "finish"
     ABORT = "abort"
     TOMBSTONE = "tombstone"
+    TO_HOST = "to-host"  # hiradix: a backed-up device leaf became host-only
+    DROP = "drop"  # hiradix write_back: deleted, the host could not take it
+
+
+class CopyKind(StrEnum):
+    """A host-tier copy (hiradix): the reason of its ack event and of the lock it holds."""
+
+    WRITE = "write"  # device -> host
+    LOAD = "load"  # host -> device
 
 
 class Visibility(StrEnum):
@@ -76,6 +103,7 @@ class FaultKind(StrEnum):
     DOUBLE_FREE = "double-free"
     USE_AFTER_FREE = "use-after-free"
     SWA_WINDOW_LEAK = "swa-window-leak"
+    HOST_LEAK = "host-leak"
 
 
 class PoolName(StrEnum):

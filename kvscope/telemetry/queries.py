@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, Executable, func, select
+from sqlalchemy import Engine, Executable, func, null, select
 
 from kvscope.telemetry import schema
 from kvscope.telemetry.events import EventKind
@@ -84,7 +84,8 @@ class Capture:
         last_step = select(func.max(u.step)).where(u.run_id == run_id).scalar_subquery()
         last_t = select(func.max(u.t_mono)).where(u.run_id == run_id).scalar_subquery()
         window_start = select(func.min(u.step)).where(u.run_id == run_id, u.t_mono >= last_t - window_s)
-        return self.read_frame(select(schema.usage).where(
+        columns = schema.columns_as_of(schema.usage, self.schema_version)
+        return self.read_frame(select(*columns).where(
             u.run_id == run_id, u.step.in_([last_step, window_start.scalar_subquery()])).order_by(u.step))
 
     def usage(self, run_id: int, max_points: int = 500) -> pd.DataFrame:
@@ -95,9 +96,11 @@ class Capture:
         if lo is None:
             return pd.DataFrame(columns=[c.name for c in schema.usage.columns])
         width = max(1, -(-(hi - lo + 1) // max_points))
-        value_cols = [c for c in schema.usage.columns if c.name not in ("run_id", "step")]
+        version = self.schema_version
+        value_cols = [func.max(c).label(c.name) if schema.since_version(c) <= version else null().label(c.name)
+                      for c in schema.usage.columns if c.name not in ("run_id", "step")]
         stmt = (
-            select(func.max(u.step).label("step"), *(func.max(c).label(c.name) for c in value_cols))
+            select(func.max(u.step).label("step"), *value_cols)
             .where(u.run_id == run_id)
             .group_by((u.step - lo) // width)
             .order_by(func.max(u.step))
@@ -214,6 +217,8 @@ class Capture:
         nodes = self.read_frame(select(*columns).where(t.run_id == run_id, t.step == step))
         # NOTE: NULL only in rows written before schema version 3, when every cache shared globally
         nodes["visibility"] = nodes["visibility"].astype(object).where(nodes["visibility"].notna(), "public")
+        # NOTE: NULL only in rows written before schema version 4, when every cache had one tier
+        nodes["tier"] = nodes["tier"].astype(object).where(nodes["tier"].notna(), "device")
         with self._lock:
             self._snapshots[key] = nodes
             while len(self._snapshots) > SNAPSHOTS_KEPT:

@@ -45,6 +45,7 @@ class NodeRow(NamedTuple):
     tombstone: bool
     depth_tokens: int
     visibility: str = "public"  # private / public / pinned (scoped radix); global-sharing trees: public
+    tier: str = "device"  # device / device+host / host (hiradix); single-tier caches: device
 
 
 class PoolTerms(NamedTuple):
@@ -75,6 +76,10 @@ class UsageSample(NamedTuple):
     cum_hit_requests: int
     cum_evicted_tokens: int
     cum_retractions: int
+    host: PoolTerms | None = None  # the host tier (hiradix); None: no host tier
+    cum_host_hit_tokens: int = 0  # of cum_hit_tokens, the tokens loaded back from the host at admission
+    cum_written_tokens: int = 0  # device -> host copies started
+    cum_loaded_tokens: int = 0  # host -> device copies started
 
 
 class LeakCheck(NamedTuple):

@@ -28,6 +28,12 @@ the new version): every older row stays valid, with NULL in the added columns.
        before version 3 shared globally, so a reader shows NULL read from an older file as
        "public" (Capture fills it in); events gained the kinds promote, demote and cross_hit,
        and match events name their requester in principal.
+    4  the host tier (hiradix): usage.host_total / host_available / host_evictable /
+       host_protected and the cumulative cum_host_hit_tokens / cum_written_tokens /
+       cum_loaded_tokens (NULL: the run had no host tier), tree_snapshots.tier (device,
+       device+host or host; NULL read from an older file is "device", every older cache had
+       one tier); events gained the kinds write, load, ack and host_evict, and the evict
+       reasons to-host and drop.
 `reports` came after version 1 without a bump: it is an additive table (older readers never
 look at it), a reader treats it as optional, and a writer adds it to an older file. A column
 got a bump because a version-1 reader cannot see it and would show an owner as missing.
@@ -54,7 +60,7 @@ from sqlalchemy import (
     null,
 )
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 OLDEST_READABLE_VERSION = 1
 metadata = MetaData()
 
@@ -129,6 +135,10 @@ usage = Table(
     Column("cum_hit_requests", Integer, nullable=False),
     Column("cum_evicted_tokens", Integer, nullable=False),
     Column("cum_retractions", Integer, nullable=False),
+    *(Column(f"host_{c}", Integer, info={"since": 4}) for c in POOL_COLUMNS),
+    Column("cum_host_hit_tokens", Integer, info={"since": 4}),  # of cum_hit_tokens, loaded back from the host
+    Column("cum_written_tokens", Integer, info={"since": 4}),  # device -> host copies started
+    Column("cum_loaded_tokens", Integer, info={"since": 4}),  # host -> device copies started
 )
 
 tree_snapshots = Table(
@@ -147,6 +157,7 @@ tree_snapshots = Table(
     Column("tombstone", Boolean, nullable=False),
     Column("depth_tokens", Integer, nullable=False),
     Column("visibility", String(8), info={"since": 3}),  # private / public / pinned
+    Column("tier", String(12), info={"since": 4}),  # device / device+host / host
 )
 TREE_SNAPSHOT_COLUMNS = tuple(c.name for c in tree_snapshots.columns)
 TREE_NODE_COLUMNS = TREE_SNAPSHOT_COLUMNS[2:]  # a node's fields: a snapshot row after run_id, step

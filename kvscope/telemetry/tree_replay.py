@@ -9,6 +9,10 @@ NOTE: what each event does to the table (see events.py for the fields)
     lock       +1 lock_ref on the node and every ancestor (unlock: -1)
     tombstone  the node's SWA half is gone (revive: it is back)
     promote    the node becomes public; demote: the node and every node below it become private
+    write      (hiradix) the node gains a host copy: tier device -> device+host
+    evict      reason to-host: the node keeps its key on the host (tier host), nothing is removed
+    revive     a host-only node has device KV again (tier device+host)
+    host_evict the host-only node is gone
 An insert event's reason is the new node's visibility (the scoped radix cache: private or pinned);
 a global-sharing tree records none, and its nodes are public.
 Hit counts and access times of nodes born after the snapshot are approximate. An insert from a
@@ -22,11 +26,12 @@ from typing import Any
 
 import pandas as pd
 
-from kvscope.telemetry.events import EventKind
+from kvscope.telemetry.events import EventKind, EvictReason
 from kvscope.telemetry.schema import TREE_NODE_COLUMNS
 
+# an inserted node before its event's fields
 NEW_NODE: dict[str, Any] = {**dict.fromkeys(TREE_NODE_COLUMNS), "token_preview": "", "lock_ref": 0, "hit_count": 1,
-                            "tombstone": False, "depth_tokens": 0}  # an inserted node before its event's fields
+                            "tombstone": False, "depth_tokens": 0, "tier": "device"}
 Nodes = dict[int, dict[str, Any]]
 VISIBILITIES = ("private", "public", "pinned")
 
@@ -48,15 +53,35 @@ def _split(nodes: Nodes, ev: Any) -> None:
 
 def _evict(nodes: Nodes, ev: Any) -> None:
     node = nodes.get(ev.node_id)
-    if node is not None:
+    if node is not None and getattr(ev, "reason", None) == EvictReason.TO_HOST:
+        node["tier"] = "host"
+    elif node is not None:
         node["num_tokens"] -= ev.num_tokens
         if node["num_tokens"] <= 0:
             del nodes[ev.node_id]
 
 
-def _add_lock(nodes: Nodes, node_id: int, delta: int) -> None:
+def _set_tier(nodes: Nodes, node_id: int, tier: str, only_from: str | None = None) -> None:
     node = nodes.get(node_id)
-    while node is not None and node["parent_id"] is not None:
+    if node is not None and (only_from is None or node["tier"] == only_from):
+        node["tier"] = tier
+
+
+def _remove(nodes: Nodes, node_id: int) -> None:
+    nodes.pop(node_id, None)
+
+
+def _revive(nodes: Nodes, ev: Any) -> None:
+    """A tombstone got SWA KV again (swa-radix), or a host-only node device KV (hiradix)."""
+    _set_tombstone(nodes, ev.node_id, False)
+    _set_tier(nodes, ev.node_id, "device+host", only_from="host")
+
+
+def _add_lock(nodes: Nodes, node_id: int, delta: int) -> None:
+    """As inc_lock_ref: the node and its ancestors, not the root (whose parent reads None, or NaN
+    from a snapshot frame)."""
+    node = nodes.get(node_id)
+    while node is not None and not pd.isna(node["parent_id"]):
         node["lock_ref"] += delta
         node = nodes.get(node["parent_id"])
 
@@ -92,9 +117,11 @@ APPLY: dict[EventKind, Callable[[Nodes, Any], None]] = {
     EventKind.LOCK: lambda nodes, ev: _add_lock(nodes, ev.node_id, 1),
     EventKind.UNLOCK: lambda nodes, ev: _add_lock(nodes, ev.node_id, -1),
     EventKind.TOMBSTONE: lambda nodes, ev: _set_tombstone(nodes, ev.node_id, True),
-    EventKind.REVIVE: lambda nodes, ev: _set_tombstone(nodes, ev.node_id, False),
+    EventKind.REVIVE: _revive,
     EventKind.PROMOTE: lambda nodes, ev: _set_visibility(nodes, ev, "public", subtree=False),
     EventKind.DEMOTE: lambda nodes, ev: _set_visibility(nodes, ev, "private", subtree=True),
+    EventKind.WRITE: lambda nodes, ev: _set_tier(nodes, ev.node_id, "device+host", only_from="device"),
+    EventKind.HOST_EVICT: lambda nodes, ev: _remove(nodes, ev.node_id),
 }
 STRUCTURAL_KINDS = tuple(APPLY)  # the kinds that change the node table; every other kind leaves it as it is
 

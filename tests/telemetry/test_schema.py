@@ -71,8 +71,11 @@ def test_column_lists_are_the_tables_columns() -> None:
 
 
 def test_only_later_columns_read_as_null_from_an_older_file() -> None:
-    assert [c.name for c in schema.added_after(1)] == ["principal", "visibility"]
-    assert [c.name for c in schema.added_after(2)] == ["visibility"]
+    tier_columns = [*(f"host_{c}" for c in schema.POOL_COLUMNS), "cum_host_hit_tokens", "cum_written_tokens",
+                    "cum_loaded_tokens", "tier"]
+    assert sorted(c.name for c in schema.added_after(1)) == sorted(["principal", "visibility", *tier_columns])
+    assert sorted(c.name for c in schema.added_after(2)) == sorted(["visibility", *tier_columns])
+    assert sorted(c.name for c in schema.added_after(3)) == sorted(tier_columns)
     assert schema.added_after(schema.SCHEMA_VERSION) == []
     as_v1 = schema.columns_as_of(schema.events, 1)
     assert [c.name for c in as_v1] == list(schema.EVENT_COLUMNS)

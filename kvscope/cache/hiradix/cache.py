@@ -15,6 +15,10 @@ Write policies (threshold = hit_count that triggers a backup):
     write_back               never on hits; an evicted device leaf is written then (synchronously)
 Ops: `write` / `load` on the controller take an opaque op id; `writing_check()` /
 `loading_check()` turn the acknowledgements into lock releases (and host unpins).
+Events (telemetry/events.py): write and load when an op starts, ack when it is acknowledged,
+their locks with aux = the op id; a device eviction is an evict with reason to-host (the node
+keeps its host copy) or drop; a host copy leaving the tree is a host_evict, then the host
+allocator's free.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -49,12 +54,15 @@ from kvscope.cache.tree import (
     common_page_len,
 )
 from kvscope.mem import BaseTokenAllocator, CacheController, HostTokenAllocator, IntegrityError, ReqToTokenPool
-from kvscope.telemetry import NULL_RECORDER, EventKind, EvictReason, PoolName, Recorder
+from kvscope.telemetry import NULL_RECORDER, CopyKind, EventKind, EvictReason, PoolName, Recorder
 
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 WRITE_THROUGH_THRESHOLD: dict[str, int] = {"write_through": 1, "write_through_selective": 2}
 LOAD_BACK_MIN_TOKENS = 10  # NOTE: SGLang's load_back_threshold: shorter host hits are recomputed
 EMPTY_HOST = np.empty(0, dtype=np.int64)
+# (node, its host slots) before a host copy that leaves the tree is freed -> True when the hook
+# took the free over (fault injection: host-leak)
+HostFreeHook = Callable[["HiTreeNode", np.ndarray], bool]
 
 
 class HiMatchResult(MatchResult):
@@ -81,6 +89,7 @@ class InFlight:
     kind: Literal["write", "load"]
     lock_node: HiTreeNode | None
     nodes: list[HiTreeNode] = field(default_factory=list)
+    num_tokens: int = 0
 
 
 class HiRadixCache(RadixCache):
@@ -109,6 +118,7 @@ class HiRadixCache(RadixCache):
         self.write_policy = write_policy
         self.write_through_threshold = WRITE_THROUGH_THRESHOLD.get(write_policy, 0)
         self._op_ids = itertools.count(1)
+        self.on_host_free: HostFreeHook | None = None
         super().__init__(allocator, page_size, req_to_token_pool=req_to_token_pool, eviction_policy=eviction_policy,
                          eviction_granularity="leaf", recorder=recorder, strict=strict)
 
@@ -123,6 +133,7 @@ class HiRadixCache(RadixCache):
         self.num_dropped_tokens = 0  # NOTE: write_back: device tokens the host could not take (host_pressure)
         self.num_load_back_tokens = 0
         self.num_write_tokens = 0
+        self._host_size = 0  # NOTE: host slots the tree holds (Σ len(host_value)), kept as nodes change
 
     @property
     def through(self) -> bool:
@@ -130,7 +141,7 @@ class HiRadixCache(RadixCache):
 
     def host_tokens(self) -> int:
         """Host slots the tree holds (every backed-up node's host_value)."""
-        return len(self.tree_host_slots())
+        return self._host_size
 
     # -- match -----------------------------------------------------------------------------
 
@@ -293,10 +304,14 @@ class HiRadixCache(RadixCache):
             return 0
         node.host_value = host_slots
         node.write_op = op_id
-        self._in_flight[op_id] = InFlight("write", node if lock else None, [node])
+        self._host_size += len(host_slots)
+        self._in_flight[op_id] = InFlight("write", node if lock else None, [node], len(host_slots))
         self.num_write_tokens += len(host_slots)
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.WRITE, pool=PoolName.HOST, node_id=node.id, num_tokens=len(host_slots),
+                                 slots=host_slots, aux=op_id)
         if lock:
-            self.inc_lock_ref(node)
+            self._lock_path(node, None, CopyKind.WRITE, op_id)
         return len(host_slots)
 
     def writing_check(self) -> list[int]:
@@ -321,8 +336,12 @@ class HiRadixCache(RadixCache):
             else:
                 node.load_op = None
                 node.host_ref_counter -= 1
+        copy = CopyKind(op.kind)
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.ACK, pool=PoolName.HOST if copy is CopyKind.WRITE else PoolName.FULL,
+                                 node_id=op.nodes[0].id, num_tokens=op.num_tokens, reason=copy, aux=op_id)
         if op.lock_node is not None:
-            self.dec_lock_ref(op.lock_node)
+            self._unlock_path(op.lock_node, None, copy, op_id)
 
     def num_in_flight(self) -> int:
         return len(self._in_flight)
@@ -352,12 +371,15 @@ class HiRadixCache(RadixCache):
                 wrote_back |= self.write_backup(leaf, lock=False) > 0
                 if leaf.host_value is None and any(n.host_ref_counter for n, _, _ in hi_walk(leaf)):
                     continue  # NOTE: a load reads a host copy below: neither written nor droppable now
-            chunk = self._demote(leaf) if leaf.host_value is not None else self._drop(leaf)
+            backed_up = leaf.host_value is not None
+            if self.recorder.enabled:
+                reason = EvictReason.TO_HOST if backed_up else EvictReason.DROP if not self.through \
+                    else EvictReason.CAPACITY
+                self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=leaf.id,
+                                     num_tokens=leaf.key_len, slots=leaf.value, reason=reason)
+            chunk = self._demote(leaf) if backed_up else self._drop(leaf)
             freed.append(chunk)
             evicted += len(chunk)
-            if self.recorder.enabled:
-                self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=leaf.id,
-                                     num_tokens=len(chunk), slots=chunk, reason=EvictReason.CAPACITY)
         if wrote_back:
             self.controller.wait_all()  # NOTE: the written rows must be copied before their device slots are reused
             self.writing_check()
@@ -384,7 +406,7 @@ class HiRadixCache(RadixCache):
         below = [n for n, _, _ in hi_walk(leaf) if n is not leaf]
         for node in below:
             assert node.host_value is not None and node.host_ref_counter == 0
-            self.host_allocator.free(node.host_value)
+            self._free_host_copy(node, EvictReason.DROP)
         if not self.through:
             self.num_dropped_tokens += leaf.key_len
         leaf.children = {}
@@ -410,14 +432,26 @@ class HiRadixCache(RadixCache):
         while evicted < num_tokens and heap:
             node = heapq.heappop(heap)[2]
             assert node.host_value is not None and node.parent is not None
-            self.host_allocator.free(node.host_value)
             evicted += len(node.host_value)
+            self._free_host_copy(node, EvictReason.CAPACITY)
             parent: HiTreeNode = node.parent  # type: ignore[assignment]
             del parent.children[node.key[: self.page_bytes]]
             node.parent = None
             if self._host_evictable(parent):
                 heapq.heappush(heap, (self.policy.key(parent), parent.id, parent))
         return evicted
+
+    def _free_host_copy(self, node: HiTreeNode, reason: EvictReason) -> None:
+        """A host-only node's copy leaves the tree (the caller unlinks the node): host_evict, then
+        the host allocator's free (unless the free hook takes it over)."""
+        host_value = node.host_value
+        assert host_value is not None
+        self._host_size -= len(host_value)
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.HOST_EVICT, pool=PoolName.HOST, node_id=node.id,
+                                 num_tokens=len(host_value), slots=host_value, reason=reason)
+        if self.on_host_free is None or not self.on_host_free(node, host_value):
+            self.host_allocator.free(host_value)
 
     # -- load back (host -> device) --------------------------------------------------------
 
@@ -459,13 +493,16 @@ class HiRadixCache(RadixCache):
     def _place_loaded(self, chain: list[HiTreeNode], device_slots: torch.Tensor, op_id: int) -> None:
         values = device_slots.cpu().numpy().astype(np.int64, copy=False)
         offset = 0
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.LOAD, pool=PoolName.FULL, node_id=chain[-1].id, num_tokens=len(values),
+                                 slots=values, aux=op_id)
         for node in chain:
             self._adopt(node, values[offset : offset + node.key_len].copy())
             offset += node.key_len
             node.load_op = op_id
-        self._in_flight[op_id] = InFlight("load", chain[-1], list(chain))
+        self._in_flight[op_id] = InFlight("load", chain[-1], list(chain), offset)
         self.num_load_back_tokens += offset
-        self.inc_lock_ref(chain[-1])
+        self._lock_path(chain[-1], None, CopyKind.LOAD, op_id)
 
     def init_load_back(self, last_host_node: HiTreeNode, host_hit_length: int,
                        mem_quota: int | None = None) -> tuple[torch.Tensor, HiTreeNode]:
@@ -509,7 +546,9 @@ class HiRadixCache(RadixCache):
                                  f"the set has {sorted(n.id for n in self.evictable_leaves)}")
         check_tree_slots([n.value for n, _ in device], self.allocator,  # type: ignore[misc]
                          self._tree_slot if self.strict else None)
-        self.host_allocator.check_integrity(held=self.tree_host_slots())
+        host_slots = self.tree_host_slots()
+        check_sizes("host", (len(host_slots),), (self._host_size,))
+        self.host_allocator.check_integrity(held=host_slots)
         self._check_in_flight()
 
     def _check_tiers(self, node: HiTreeNode) -> None:
@@ -555,7 +594,7 @@ class HiRadixCache(RadixCache):
                     num_tokens=node.key_len, token_preview=self._preview(node, preview_tokens),
                     lock_ref=node.lock_ref, last_access_time=node.last_access_time, hit_count=node.hit_count,
                     owner=node.owner, tombstone=False, depth_tokens=start + node.key_len,
-                    visibility=node.visibility)
+                    visibility=node.visibility, tier=node.tier)
             for node, _, start in hi_walk(self.root)
         ]
 

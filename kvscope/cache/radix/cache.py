@@ -53,7 +53,7 @@ from kvscope.cache.tree import (
 )
 from kvscope.cache.tree.node import foreign_tokens
 from kvscope.mem import BaseTokenAllocator, IntegrityError, ReqToTokenPool
-from kvscope.telemetry import NULL_RECORDER, EventKind, EvictReason, PoolName, Recorder
+from kvscope.telemetry import NULL_RECORDER, CopyKind, EventKind, EvictReason, PoolName, Recorder
 
 
 class RadixCache(BasePrefixCache):
@@ -250,6 +250,15 @@ class RadixCache(BasePrefixCache):
     # -- locks -----------------------------------------------------------------------------
 
     def inc_lock_ref(self, node: TreeNode, rid: str | None = None) -> int | None:
+        self._lock_path(node, rid)
+        return None
+
+    def dec_lock_ref(self, node: TreeNode, lock_id: int | None = None, rid: str | None = None) -> None:
+        self._unlock_path(node, rid)
+
+    def _lock_path(self, node: TreeNode, rid: str | None, copy: CopyKind | None = None, op: int = 0) -> None:
+        """+1 lock_ref from `node` up to the root, for request `rid`, or (hiradix) for copy op
+        `op` of kind `copy`."""
         start, moved = node, 0
         while node is not self.root:
             if node.lock_ref == 0:
@@ -260,10 +269,9 @@ class RadixCache(BasePrefixCache):
         self._evictable_size -= moved
         self._protected_size += moved
         if self.recorder.enabled:
-            self.recorder.record(EventKind.LOCK, rid=rid, node_id=start.id, num_tokens=moved)
-        return None
+            self.recorder.record(EventKind.LOCK, rid=rid, node_id=start.id, num_tokens=moved, reason=copy, aux=op)
 
-    def dec_lock_ref(self, node: TreeNode, lock_id: int | None = None, rid: str | None = None) -> None:
+    def _unlock_path(self, node: TreeNode, rid: str | None, copy: CopyKind | None = None, op: int = 0) -> None:
         if node is not self.root and node.lock_ref <= 0:
             raise CacheMisuseError(f"dec_lock_ref on node {node.id}, which is not locked (lock_ref {node.lock_ref})")
         start, moved = node, 0
@@ -276,7 +284,8 @@ class RadixCache(BasePrefixCache):
         self._evictable_size += moved
         self._protected_size -= moved
         if self.recorder.enabled:
-            self.recorder.record(EventKind.UNLOCK, rid=rid, node_id=start.id, num_tokens=moved)
+            self.recorder.record(EventKind.UNLOCK, rid=rid, node_id=start.id, num_tokens=moved, reason=copy,
+                                 aux=op)
 
     # -- eviction --------------------------------------------------------------------------
 

@@ -164,6 +164,11 @@ class KVPoolShape(NamedTuple):
     def is_hybrid(self) -> bool:
         return self.num_swa_layers > 0
 
+    @property
+    def full_bytes_per_token(self) -> int:
+        """K and V of one token over every full-attention layer: what a host-tier copy moves."""
+        return 2 * self.num_kv_heads * self.head_dim * self.num_full_layers * self.dtype.itemsize
+
 
 def kv_pool_shape(config: ModelConfig) -> KVPoolShape:
     return KVPoolShape(
