@@ -43,6 +43,12 @@ def run_config(run: Any) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
+def cache_kind(run: Any) -> str:
+    """The run's cache kind from its config ("radix" when the config does not say)."""
+    cache = run_config(run).get("engine", {}).get("cache", {})
+    return str(cache.get("kind", "radix")) if isinstance(cache, dict) else "radix"
+
+
 def pool_config(run: Any) -> dict[str, Any]:
     pool = run_config(run).get("engine", {}).get("pool", {})
     return pool if isinstance(pool, dict) else {}

@@ -26,6 +26,7 @@ PAGES_DIR = Path(__file__).parent / "app_pages"
 PAGE_FILES = {
     "Overview": "overview.py",
     "Memory": "memory.py",
+    "Tiers": "tiers.py",
     "Radix tree": "tree.py",
     "Evictions": "evictions.py",
     "Leaks": "leaks.py",

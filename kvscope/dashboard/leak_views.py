@@ -134,19 +134,28 @@ def lock_paths(leaks: Sequence[Leak], tree: pd.DataFrame, splits: pd.DataFrame) 
                                        "split off since", "slots on the path to the root"])
 
 
+def lock_holder(row: Any) -> Any:
+    """Who holds a lock event's lock: its request, or (hiradix) the copy in flight that took it,
+    named "write 7" / "load 9" (a copy lock has no request; its reason names the copy, aux the op)."""
+    if pd.isna(row.rid) and isinstance(row.reason, str) and row.reason in ("write", "load"):
+        return f"{row.reason} {int(row.aux)}"
+    return row.rid
+
+
 def held_locks(locks: pd.DataFrame, step: int) -> pd.DataFrame:
-    """The locks held after `step`: node_id, rid and the step it was taken (an unlock releases
-    the latest lock of the same request on the same node, as the slot ledger does)."""
+    """The locks held after `step`: node_id, rid (the holder: a request, or a host-tier copy) and
+    the step it was taken (an unlock releases the latest lock of the same holder on the same
+    node, as the slot ledger does)."""
     held: list[tuple[int, Any, int]] = []
     for row in locks[locks["step"] <= step].sort_values("seq").itertuples():
         if pd.isna(row.node_id):
             continue
-        node = int(row.node_id)
+        node, holder = int(row.node_id), lock_holder(row)
         if row.kind == "lock":
-            held.append((node, row.rid, int(row.step)))
+            held.append((node, holder, int(row.step)))
             continue
         for i in range(len(held) - 1, -1, -1):
-            if held[i][0] == node and held[i][1] == row.rid:
+            if held[i][0] == node and (held[i][1] == holder or (pd.isna(holder) and pd.isna(held[i][1]))):
                 del held[i]
                 break
     return pd.DataFrame(held, columns=["node_id", "rid", "since_step"])

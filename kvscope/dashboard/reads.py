@@ -14,7 +14,7 @@ from kvscope.dashboard.timing import Clock, clock_of
 from kvscope.telemetry import EventKind
 
 ALL_ROWS = 10_000_000
-EVENT_COLUMNS = ["seq", "step", "kind", "rid", "node_id", "num_tokens", "aux"]
+EVENT_COLUMNS = ["seq", "step", "kind", "rid", "node_id", "num_tokens", "aux", "reason"]
 
 
 @st.cache_data(ttl=data.CACHE_TTL_S, show_spinner=False)

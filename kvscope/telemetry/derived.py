@@ -252,5 +252,6 @@ def usage_at(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
     """The usage row of the last sampled step at or before `step`, exact (not downsampled);
     empty when there is none."""
     u = schema.usage.c
-    return capture.read_frame(select(schema.usage).where(u.run_id == run_id, u.step <= step)
+    columns = schema.columns_as_of(schema.usage, capture.schema_version)
+    return capture.read_frame(select(*columns).where(u.run_id == run_id, u.step <= step)
                               .order_by(desc(u.step)).limit(1))

@@ -1,7 +1,8 @@
 """End to end in a real headless browser: `streamlit run app.py` on a sample capture, every page
 loads without an exception; the Overview's screenshot goes to docs/screenshot.png (the README's).
 On the leaking sample, the numbers Overview and Leaks state; a copied URL reopens the same step;
-on a capture being written, the run picker and the status line agree when the run ends.
+on a capture being written, the run picker and the status line agree when the run ends; the Tiers page
+draws both tiers of a hiradix run.
 
 Needs Debian's `chromium` (/usr/bin/chromium) and the Python `playwright` package (never
 `playwright install`: no browser download). Without them the test skips and says which is missing.
@@ -202,3 +203,17 @@ def test_the_run_picker_and_the_status_line_agree_when_a_run_ends(tmp_path: Path
             assert run_picker_label(page) == "run 1 · live · finished"
     finally:
         recorder.close()
+
+
+def test_the_tiers_page_draws_both_tiers_in_a_browser(tmp_path: Path, page: Page) -> None:
+    from tests.dashboard.test_tiers import record_hiradix
+
+    with streamlit_server(record_hiradix(tmp_path / "hiradix.db")) as url:
+        rendered(page, f"{url}/tiers", "Tiers")
+        assert page.locator('[data-testid="stException"]').count() == 0 and "Traceback" not in page.content()
+        charts = page.locator('[data-testid="stPlotlyChart"]')
+        assert charts.count() == 3
+        for i in range(3):  # plotly drew each one: its lines are paths in the figure's svg
+            assert charts.nth(i).locator(".scatterlayer .trace path.js-line").count() >= 1, i
+        text = main_text(page)
+        assert "device tokens used" in text and "host tokens used" in text and "one tier" not in text

@@ -9,11 +9,6 @@ from kvscope.dashboard import charts, data, tenants
 from kvscope.dashboard.frame import Selection, selection
 
 
-def cache_kind(chosen: Selection) -> str:
-    cache = data.run_config(chosen.run).get("engine", {}).get("cache", {})
-    return str(cache.get("kind", "radix")) if isinstance(cache, dict) else "radix"
-
-
 def tenant_cache_section(chosen: Selection) -> None:
     step, nodes = data.latest_snapshot(chosen.path, chosen.run_id, chosen.stamp)
     if step is None:
@@ -65,7 +60,7 @@ def reuse_metric(chosen: Selection) -> None:
 
 def sharing_section(chosen: Selection) -> None:
     st.subheader("Sharing between tenants")
-    kind = cache_kind(chosen)
+    kind = data.cache_kind(chosen.run)
     tenant_cache_section(chosen)
     reuse_metric(chosen)
     visibility_changes_section(chosen, kind)

@@ -145,7 +145,9 @@ with cols[0]:
     step = pick_step(chosen, lo, hi)
 color_by = cols[1].selectbox("colour by", charts.COLOR_FIELDS, key="tree.color",
                              help="owner: the principal that inserted the node; visibility: private (its owner "
-                                  "only), public, pinned (scoped radix; other caches share every node: public)")
+                                  "only), public, pinned (scoped radix; other caches share every node: public); "
+                                  "tier: device, device+host (a host copy too) or host only (hiradix; other caches "
+                                  "keep every node on the device)")
 max_nodes = int(cols[2].number_input("max nodes drawn", 100, 20_000, charts.tree.DEFAULT_MAX_NODES, step=100,
                                      key="tree.max_nodes"))
 show_preview = cols[3].toggle("token previews", value=False, key="tree.preview",

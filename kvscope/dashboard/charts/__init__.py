@@ -14,6 +14,19 @@ from kvscope.dashboard.charts.events import (
 )
 from kvscope.dashboard.charts.style import COLORS, color, count_axis, legend_above, owner_color
 from kvscope.dashboard.charts.tenants import cache_by_tenant_figure, visibility_changes_figure
+from kvscope.dashboard.charts.tiers import (
+    TIER_COLORS,
+    TIERS,
+    CopyTotals,
+    copy_rates,
+    copy_rates_figure,
+    copy_totals,
+    has_host_tier,
+    host_hit_share,
+    host_hit_share_figure,
+    tier_tokens,
+    tier_tokens_figure,
+)
 from kvscope.dashboard.charts.tree import (
     COLOR_FIELDS,
     cap_nodes,
@@ -35,6 +48,9 @@ from kvscope.dashboard.charts.usage import (
 __all__ = [
     "COLORS",
     "COLOR_FIELDS",
+    "TIERS",
+    "TIER_COLORS",
+    "CopyTotals",
     "HitRates",
     "cache_by_tenant_figure",
     "cached_tokens_figure",
@@ -42,11 +58,17 @@ __all__ = [
     "capacity_figure",
     "capacity_for",
     "color",
+    "copy_rates",
+    "copy_rates_figure",
+    "copy_totals",
     "count_axis",
     "curve_frame",
     "eviction_idle_figure",
     "evictions_figure",
+    "has_host_tier",
     "hit_rates",
+    "host_hit_share",
+    "host_hit_share_figure",
     "leak_terms_figure",
     "legend_above",
     "live_usage_figure",
@@ -57,6 +79,8 @@ __all__ = [
     "pools_of",
     "request_timeline_figure",
     "subtree_values",
+    "tier_tokens",
+    "tier_tokens_figure",
     "tree_diff",
     "tree_diff_figure",
     "tree_figure",

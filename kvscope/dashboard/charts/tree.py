@@ -2,7 +2,8 @@
 
 NOTE: the node table (telemetry tree_at): node_id, parent_id (root: null), num_tokens,
 token_preview, lock_ref, last_access_time, hit_count, owner, tombstone, depth_tokens, visibility
-(None for a node born after the last snapshot that no promote or demote named).
+(None for a node born after the last snapshot that no promote or demote named), tier (device,
+device+host or host; absent from a hand-made table: device).
 `value` below is the subtree's token count (the node's own tokens plus all descendants'),
 which plotly's branchvalues="total" needs. last_access_time is the cache's own clock
 (monotonic seconds for the radix cache, a logical counter for the SWA radix cache), so
@@ -17,9 +18,10 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from kvscope.dashboard.charts.style import BOTTOM_MARGIN, color, count_axis, legend_above, owner_color
+from kvscope.dashboard.charts.tiers import TIER_COLORS, TIERS
 
-COLOR_FIELDS = ("lock_ref", "idle", "hit_count", "owner", "visibility", "tombstone")
-CATEGORICAL = {"owner", "visibility", "tombstone"}
+COLOR_FIELDS = ("lock_ref", "idle", "hit_count", "owner", "visibility", "tombstone", "tier")
+CATEGORICAL = {"owner", "visibility", "tombstone", "tier"}
 UNRECORDED = "visibility not recorded"
 VISIBILITIES = ("private", "public", "pinned", UNRECORDED)
 DEFAULT_MAX_NODES = 2000
@@ -78,7 +80,7 @@ def _hover(nodes: pd.DataFrame, show_preview: bool) -> list[str]:
         text = (f"node {int(r.node_id)}<br>tokens {int(r.num_tokens)} (subtree {int(r.value)})<br>"
                 f"lock_ref {int(r.lock_ref)} · hits {int(r.hit_count)} · idle {float(r.idle):.3g}<br>"
                 f"owner {r.owner if isinstance(r.owner, str) else '-'} · {_visibility(r)} · "
-                f"tombstone {bool(r.tombstone)}")
+                f"tombstone {bool(r.tombstone)} · tier {_tier(r)}")
         if show_preview and r.token_preview:
             text += f"<br>tokens: {r.token_preview}"
         rows.append(text)
@@ -88,6 +90,11 @@ def _hover(nodes: pd.DataFrame, show_preview: bool) -> list[str]:
 def _visibility(row: Any) -> str:
     value = getattr(row, "visibility", None)
     return value if isinstance(value, str) and value else UNRECORDED
+
+
+def _tier(row: Any) -> str:
+    value = getattr(row, "tier", None)
+    return value if isinstance(value, str) and value in TIERS else "device"
 
 
 def _is_root(nodes: pd.DataFrame) -> pd.Series:
@@ -100,10 +107,14 @@ def _category_names(nodes: pd.DataFrame, color_by: str) -> list[str]:
         return ["tombstone" if bool(t) else "live" for t in nodes["tombstone"]]
     if color_by == "visibility":
         return [_visibility(r) for r in nodes.reindex(columns=["visibility"]).itertuples()]
+    if color_by == "tier":
+        return [_tier(r) for r in nodes.reindex(columns=["tier"]).itertuples()]
     return [o if isinstance(o, str) and o else "no owner" for o in nodes["owner"]]
 
 
-def _category_color(name: str) -> str:
+def _category_color(name: str, color_by: str) -> str:
+    if color_by == "tier":
+        return TIER_COLORS[name]
     return color(name) if name in ("tombstone", "live", "no owner", *VISIBILITIES) else owner_color(name)
 
 
@@ -111,7 +122,7 @@ def _marker(nodes: pd.DataFrame, color_by: str) -> dict[str, Any]:
     """Icicle colours. A numeric field's scale spans the nodes below the root: the root's lock is
     permanent (and every match passes it), so it takes the scale's low end and sets no range."""
     if color_by in CATEGORICAL:
-        return {"colors": [_category_color(name) for name in _category_names(nodes, color_by)]}
+        return {"colors": [_category_color(name, color_by) for name in _category_names(nodes, color_by)]}
     values = nodes[color_by].astype(float)
     roots = _is_root(nodes)
     ranged = values[~roots] if (~roots).any() else values
@@ -130,7 +141,8 @@ def _category_legend(fig: go.Figure, nodes: pd.DataFrame, color_by: str) -> None
         count = int(names[name])
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers",
                                  name=f"{label} ({count:,} node{'' if count == 1 else 's'})",
-                                 marker={"color": _category_color(str(name)), "size": 12, "symbol": "square"},
+                                 marker={"color": _category_color(str(name), color_by), "size": 12,
+                                         "symbol": "square"},
                                  hoverinfo="skip"))
     if len(names) > len(shown):
         fig.add_annotation(text=f"+{len(names) - len(shown):,} more owners", showarrow=False, xref="paper",
