@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 
 from kvscope import __version__
 from kvscope.app.plan import plan_verb, replay_verb
-from kvscope.app.report import check_verb, diff_verb, report_verb, runs_verb
+from kvscope.app.report import check_verb, diff_verb, engine_log_verb, report_verb, runs_verb
 from kvscope.app.units import (
     byte_size,
     finite_float,
@@ -216,7 +216,8 @@ def add_run_parser(verbs: SubParsers) -> None:
                      "(a use-after-free is caught at the read)")
     run.add_argument("--inject", action="append", default=[], metavar="KIND[:RATE]",
                      help="inject a fault into each request with probability RATE (default 1): leak-tail, lock-leak, "
-                     "double-free, use-after-free, swa-window-leak; repeatable")
+                     "double-free, use-after-free, swa-window-leak; host-leak (--cache hiradix) into each host "
+                     "copy leaving the tree; repeatable")
     run.add_argument("--inject-seed", type=int, default=0, help="seed of the fault injection")
     run.add_argument("--no-report", action="store_true",
                      help="at level full, skip building the leak report when the run closes (it replays every "
@@ -249,8 +250,9 @@ def add_serve_parser(verbs: SubParsers) -> None:
 
 
 def add_debugger_parsers(verbs: SubParsers) -> None:
-    report = verbs.add_parser("report", help="explain a capture (report leaks CAPTURE)", formatter_class=DEFAULTS,
-                              description="Reports over a capture.")
+    report = verbs.add_parser("report", help="explain a capture or a server log (report leaks CAPTURE, report "
+                              "engine-log FILE)", formatter_class=DEFAULTS,
+                              description="Reports over a capture, or over an SGLang server's log.")
     topics = report.add_subparsers(dest="topic", required=True, metavar="TOPIC")
     leaks = topics.add_parser(
         "leaks", formatter_class=DEFAULTS, help="name the culprits of every leak",
@@ -262,6 +264,18 @@ def add_debugger_parsers(verbs: SubParsers) -> None:
     leaks.add_argument("--run", type=int, help="run id (default: the latest run)")
     leaks.add_argument("--json", action="store_true", help="print the report and its verdict as JSON")
     leaks.set_defaults(func=report_verb)
+    engine_log = topics.add_parser(
+        "engine-log", formatter_class=DEFAULTS, help="explain the leak messages in an SGLang server log",
+        description="Find SGLang's leak-check messages (every release's text: 0.1 to 0.5.23, idle and busy "
+        "checks, SWA and mamba pools, the request pool, use-after-free) in a server log, and explain each in the "
+        "words of `report leaks`: per pool, the invariant's terms and how many tokens are missing or counted "
+        "twice, the line and time, the release family, and what the message cannot tell (no culprit) with the "
+        "kvscope command that would. Exit 1 when a leak message was found, 0 when none, 2 when the file cannot "
+        "be read as a text log. See docs/cli.md.")
+    engine_log.add_argument("log", metavar="FILE", help="the server's log (any size; read line by line)")
+    engine_log.add_argument("--json", action="store_true", help="print the messages as JSON (the exit code is "
+                            "the same)")
+    engine_log.set_defaults(func=engine_log_verb)
     check = verbs.add_parser(
         "check", formatter_class=DEFAULTS,
         help="CI gate: exit 0 clean, 1 leak, 2 unreadable, 3 inconclusive",

@@ -1,5 +1,6 @@
 """The verbs that read a capture: `runs`, `report leaks`, `check` and `diff`; and storing the
-leak report in the capture when `kvscope run` closes it.
+leak report in the capture when `kvscope run` closes it. `report engine-log` reads an SGLang
+server's log instead.
 
 `report leaks` and `check` always replay the capture afresh (the stored report is the
 dashboard's shortcut), with the ledger replay's progress on stderr. Each verb's `--json`
@@ -21,6 +22,8 @@ from typing import Any, TextIO
 from kvscope.app.progress import Progress
 from kvscope.debug import LeakReport, ProgressHook, build_report, render_text, save_report
 from kvscope.debug.diff import diff, render_diff
+from kvscope.debug.engine_log import read_engine_log
+from kvscope.debug.engine_log import render_text as render_engine_log
 from kvscope.debug.report import verdict
 from kvscope.telemetry import Capture, CaptureError
 
@@ -164,3 +167,13 @@ def diff_verb(args: argparse.Namespace) -> int:
         progress.close()
     print(json.dumps(result, indent=2, default=str) if args.json else render_diff(result))
     return 0
+
+
+# -- report engine-log -----------------------------------------------------------------------
+
+
+def engine_log_verb(args: argparse.Namespace) -> int:
+    """Exit 1 when the log holds a leak message, 0 when none (2, unreadable, comes from cli.main)."""
+    report = read_engine_log(args.log)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else render_engine_log(report))
+    return report.exit_code
