@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
 # face, and from the face only the producer side (the names events.py and records.py define:
 # event kinds, the Recorder interface, records), never the SQL recorder, store or queries.
 PRODUCER_ONLY = {"engine": ("telemetry", ("events.py", "records.py"))}
-NO_TORCH = {"dashboard"}
+NO_TORCH = {"dashboard", "attach"}
 ENGINE_NEVER_LOADS = ("kvscope.debug", "kvscope.telemetry.store", "kvscope.telemetry.recorder",
                       "kvscope.telemetry.queries")
 
