@@ -1,22 +1,36 @@
-"""The slot-ownership ledger: for every slot of every pool, who holds it now (free, a
-request, a tree node), since which step, through which event.
+"""The slot-ownership ledger: for every slot of every pool (full, swa, host), who holds it
+now (free, a request, a tree node, a node's host copy), since which step, through which event.
 
 It is fed the event stream, so the same code runs live (the debug monitor wraps the
 recorder) and after the fact (replaying a `full` capture).
 
 NOTE: what each event does to the ledger
     alloc   pool's slots -> the request (a SWA alloc right after the same request's full
-            alloc of as many slots pairs them: that is how the SWA half is followed)
-    free    slots -> free; a slot that was already free is a double free
+            alloc of as many slots pairs them: that is how the SWA half is followed; a host
+            alloc has rid None and its write follows at once)
+    free    slots -> free; a slot that was already free is a double free (any pool)
     insert  full slots (and their SWA peers) -> the new node
-    split   the first num_tokens slots of node `aux` -> the new upper node
-    revive  the node's full slots (and SWA peers) -> the node
-    evict   the slots leave their node (the allocator's free follows)
-    lock / unlock   (node, rid) pairs; admit / finish / abort / retract   request liveness
+    split   the first num_tokens slots of node `aux` -> the new upper node, on both tiers: its
+            device slots (none for a host-only node) and its host copy
+    revive  the node's full slots (and SWA peers) -> the node (hiradix: a load or an adoption
+            gives a host-only node device slots again)
+    evict   the slots leave their node (the allocator's free follows); hiradix to-host: only
+            the device slots leave, the node's host copy stays in the tree
+    write   host slots -> the node's host copy (owner kind HOST_COPY); op `aux` is in flight
+    load    op `aux` is in flight (the device slots come with the revives that follow)
+    ack     op `aux` ends
+    host_evict      the node's host copy leaves the tree (the host free follows)
+    leak_check      an idle point: every copy op must have been acknowledged by now
+    lock / unlock   a request's lock: (node, rid) pairs; a copy lock (reason a CopyKind, rid
+            None): (node, op aux), legitimate only while that op is in flight. apply() turns a
+            lock's aux into that op id, or 0 for a request's lock (whose aux counts SWA tokens)
+    admit / finish / abort / retract   request liveness
     violation       a read of slots the reader did not hold: the last freer is the culprit
 IGNORED_KINDS lists the kinds that move no slot and change no liveness; every kind is either
 handled or listed there (a test checks).
-An orphan is a slot held by a request that is no longer live, or by a node that is gone.
+An orphan is a slot held by a request that is no longer live, by a node that is gone, or by a
+host copy that left the tree. A defect is an orphan, a double free, a lock held by an ended
+request or by a copy op that was acknowledged, or a copy op in flight at an idle point.
 
 The per-slot arrays and the per-owner counts live in slot_table.py.
 """
@@ -31,25 +45,27 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvscope.debug.slot_table import FREE, REQUEST, TREE, Owners, PoolLedger
-from kvscope.telemetry import EventKind
+from kvscope.debug.slot_table import FREE, HOST_COPY, REQUEST, TREE, Owners, PoolLedger
+from kvscope.telemetry import CopyKind, EventKind
 
-POOLS = ("full", "swa")
+POOLS = ("full", "swa", "host")
 IGNORED_KINDS = frozenset({
     EventKind.REQUEST_ARRIVE,  # a request holds nothing and is not live before its admit
     EventKind.MATCH,  # a read of the tree: no slot changes hands
     EventKind.TOMBSTONE,  # the SWA free events that follow move the slots
-    EventKind.LEAK_CHECK,  # the engine's own verdict, stored in leak_checks
     EventKind.INJECT,  # the ground truth of an injected fault, for tests; its effects come as events
     EventKind.PROMOTE,  # scoped radix: who may see a node changes, not who holds its slots
     EventKind.DEMOTE,  # scoped radix: the TOMBSTONE, EVICT and FREE events that follow move the slots
     EventKind.CROSS_HIT,  # scoped radix: part of a match, read only
 })
+LOCK_KINDS = frozenset({EventKind.LOCK, EventKind.UNLOCK})
+COPY_KINDS = frozenset(k.value for k in CopyKind)  # a lock event's reason when a copy op holds it
 Handler = Callable[[int, int, str, str | None, Any, int, int, np.ndarray], None]
 
 
 class Holding(NamedTuple):
-    """Slots one owner holds, and the event that gave them (the earliest)."""
+    """Slots one owner holds, and the event that gave them (the earliest); `owner` is its kind
+    (REQUEST, TREE or HOST_COPY), `gone_step` when a node or host copy left the tree."""
 
     pool: str
     slots: list[int]
@@ -57,6 +73,8 @@ class Holding(NamedTuple):
     node_id: int | None
     step: int
     seq: int
+    owner: int = REQUEST
+    gone_step: int | None = None
 
 
 class DoubleFree(NamedTuple):
@@ -74,6 +92,26 @@ class HeldLock(NamedTuple):
     rid: str | None
     step: int
     seq: int
+    op: int = 0  # the copy op holding it (hiradix), 0: request rid's lock
+
+
+class CopyOp(NamedTuple):
+    """A hiradix copy in flight: a write (device -> host) or a load (host -> device)."""
+
+    kind: str
+    node_id: int | None
+    step: int
+    seq: int
+    num_tokens: int
+
+
+class StuckOp(NamedTuple):
+    """A copy op still in flight at an idle point (idle_step), where every op is acknowledged."""
+
+    op: int
+    copy: CopyOp
+    idle_step: int
+    idle_seq: int
 
 
 class BadRead(NamedTuple):
@@ -98,6 +136,10 @@ class Ledger:
     live: set[int] = field(default_factory=set)
     ended: dict[int, tuple[str, int]] = field(default_factory=dict)  # request -> (how, step)
     node_slots: dict[int, np.ndarray] = field(default_factory=dict)
+    host_copies: dict[int, np.ndarray] = field(default_factory=dict)  # node id -> its host slots
+    gone: dict[tuple[int, int], int] = field(default_factory=dict)  # (TREE | HOST_COPY, node) -> step it left
+    in_flight: dict[int, CopyOp] = field(default_factory=dict)  # op id -> the copy
+    stuck_ops: list[StuckOp] = field(default_factory=list)
     full_to_swa: dict[int, int] = field(default_factory=dict)
     locks: list[HeldLock] = field(default_factory=list)
     double_frees: list[DoubleFree] = field(default_factory=list)
@@ -123,6 +165,11 @@ class Ledger:
             EventKind.REQUEST_FINISH: self._on_finish,
             EventKind.REQUEST_ABORT: self._on_abort,
             EventKind.REQUEST_RETRACT: self._on_retract,
+            EventKind.WRITE: self._on_write,
+            EventKind.LOAD: self._on_load,
+            EventKind.ACK: self._on_ack,
+            EventKind.HOST_EVICT: self._on_host_evict,
+            EventKind.LEAK_CHECK: self._on_leak_check,
         }
 
     def request_index(self, rid: str) -> int:
@@ -134,10 +181,12 @@ class Ledger:
     # -- events ------------------------------------------------------------------------------
 
     def apply(self, kind: EventKind, step: int, seq: int, pool: str | None, rid: str | None, node_id: int | None,
-              num_tokens: int, aux: int, slots: np.ndarray | None) -> None:
+              num_tokens: int, aux: int, slots: np.ndarray | None, reason: str | None = None) -> None:
         """One event. NOTE: the parameters after `kind` are named after schema.events columns
         (APPLY_COLUMNS): a replay selects exactly those, in this order."""
         self.last_seq = seq
+        if kind in LOCK_KINDS and reason not in COPY_KINDS:
+            aux = 0  # a request's lock (see the NOTE above)
         if kind != EventKind.ALLOC:
             self._pending_full.clear()
         handler = self._handlers.get(kind)
@@ -151,6 +200,8 @@ class Ledger:
         self.pools[pool].assign(slots, REQUEST, ref, step, seq)
         if pool == "full":
             self._pending_full.append((rid, slots))
+            return
+        if pool != "swa":
             return
         for i, (full_rid, full) in enumerate(self._pending_full):
             if full_rid == rid and len(full) == len(slots):
@@ -179,7 +230,13 @@ class Ledger:
 
     def _node_alive(self, node_id: int, slots: np.ndarray) -> None:
         self.node_slots[node_id] = slots
+        self.gone.pop((TREE, node_id), None)
         self.owners.touched.add((TREE, node_id))
+
+    def _host_alive(self, node_id: int, slots: np.ndarray) -> None:
+        self.host_copies[node_id] = slots
+        self.gone.pop((HOST_COPY, node_id), None)
+        self.owners.touched.add((HOST_COPY, node_id))
 
     def _on_insert(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
                    slots: np.ndarray) -> None:
@@ -200,15 +257,21 @@ class Ledger:
 
     def _on_split(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
                   slots: np.ndarray) -> None:
-        child = self.node_slots.get(aux)
-        if child is None:
-            return
-        upper, self.node_slots[aux] = child[:n], child[n:]
-        self._node_alive(int(node_id), upper)
-        for name, moved in (("full", upper), ("swa", self._swa_of(upper))):
-            ledger = self.pools[name]
-            ledger._fit(moved)
-            ledger.rename(moved[(ledger.kind[moved] == TREE) & (ledger.ref[moved] == aux)], int(node_id))
+        child, host = self.node_slots.get(aux), self.host_copies.get(aux)
+        if child is not None:
+            upper, self.node_slots[aux] = child[:n], child[n:]
+            self._node_alive(int(node_id), upper)
+            for name, moved in (("full", upper), ("swa", self._swa_of(upper))):
+                self._rename(name, moved, TREE, aux, int(node_id))
+        if host is not None:
+            upper, self.host_copies[aux] = host[:n], host[n:]
+            self._host_alive(int(node_id), upper)
+            self._rename("host", upper, HOST_COPY, aux, int(node_id))
+
+    def _rename(self, pool: str, moved: np.ndarray, kind: int, old: int, new: int) -> None:
+        ledger = self.pools[pool]
+        ledger._fit(moved)
+        ledger.rename(moved[(ledger.kind[moved] == kind) & (ledger.ref[moved] == old)], kind, new)
 
     def _swa_of(self, full_slots: np.ndarray) -> np.ndarray:
         return np.array([self.full_to_swa[s] for s in full_slots.tolist() if s in self.full_to_swa], dtype=np.int64)
@@ -223,7 +286,35 @@ class Ledger:
             self.node_slots[int(node_id)] = rest
         else:
             del self.node_slots[int(node_id)]
+            self.gone[(TREE, int(node_id))] = step
             self.owners.touched.add((TREE, int(node_id)))
+
+    def _on_write(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
+                  slots: np.ndarray) -> None:
+        if node_id is None:
+            return
+        self._host_alive(int(node_id), slots)
+        self.pools["host"].assign(slots, HOST_COPY, int(node_id), step, seq)
+        self.in_flight[aux] = CopyOp("write", int(node_id), step, seq, n)
+
+    def _on_load(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
+                 slots: np.ndarray) -> None:
+        self.in_flight[aux] = CopyOp("load", None if node_id is None else int(node_id), step, seq, n)
+
+    def _on_ack(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
+                slots: np.ndarray) -> None:
+        self.in_flight.pop(aux, None)
+
+    def _on_host_evict(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
+                       slots: np.ndarray) -> None:
+        if node_id is not None and self.host_copies.pop(int(node_id), None) is not None:
+            self.gone[(HOST_COPY, int(node_id))] = step
+            self.owners.touched.add((HOST_COPY, int(node_id)))
+
+    def _on_leak_check(self, step: int, seq: int, *_: Any) -> None:
+        """An idle point: the engine drained every copy before its leak check."""
+        stuck = {s.op for s in self.stuck_ops}
+        self.stuck_ops += [StuckOp(op, copy, step, seq) for op, copy in self.in_flight.items() if op not in stuck]
 
     def _on_violation(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
                       slots: np.ndarray) -> None:
@@ -237,13 +328,13 @@ class Ledger:
     def _on_lock(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
                  slots: np.ndarray) -> None:
         if node_id is not None:
-            self.locks.append(HeldLock(int(node_id), rid, step, seq))
+            self.locks.append(HeldLock(int(node_id), rid, step, seq, aux))
 
     def _on_unlock(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
                    slots: np.ndarray) -> None:
         for i in range(len(self.locks) - 1, -1, -1):
             held = self.locks[i]
-            if held.node_id == node_id and held.rid == rid:
+            if held.node_id == node_id and held.rid == rid and held.op == aux:
                 del self.locks[i]
                 return
 
@@ -272,50 +363,63 @@ class Ledger:
 
     # -- questions ---------------------------------------------------------------------------
 
+    def alive(self) -> dict[int, Any]:
+        """Per owner kind, the references that are live now (the test of an orphan)."""
+        return {REQUEST: self.live, TREE: self.node_slots, HOST_COPY: self.host_copies}
+
     def orphans(self) -> list[Holding]:
-        """Slots held by requests that ended, or by nodes no longer in the tree; one entry per owner."""
+        """Slots held by requests that ended, by nodes no longer in the tree, or by host copies
+        that left it; one entry per owner."""
         found: list[Holding] = []
         for name, ledger in self.pools.items():
-            by_request = (ledger.kind == REQUEST) & ~np.isin(ledger.ref, list(self.live))
-            by_node = (ledger.kind == TREE) & ~np.isin(ledger.ref, list(self.node_slots))
-            for mask, is_request in ((by_request, True), (by_node, False)):
-                slots = np.flatnonzero(mask)
+            for owner, alive in self.alive().items():
+                slots = np.flatnonzero((ledger.kind == owner) & ~np.isin(ledger.ref, list(alive)))
                 slots = slots[np.argsort(ledger.ref[slots], kind="stable")]  # grouped by owner, slots ascending
                 refs = ledger.ref[slots]
                 for group in np.split(slots, np.flatnonzero(refs[1:] != refs[:-1]) + 1) if len(slots) else []:
-                    ref = int(ledger.ref[group[0]])
-                    first = group[np.argmin(ledger.seq[group])]
-                    rid = self.rids[ref] if is_request and ref >= 0 else None
-                    found.append(Holding(name, group.tolist(), rid, None if is_request else ref,
-                                         int(ledger.step[first]), int(ledger.seq[first])))
+                    found.append(self._holding(name, ledger, owner, group))
         return found
 
+    def _holding(self, pool: str, ledger: PoolLedger, owner: int, group: np.ndarray) -> Holding:
+        ref = int(ledger.ref[group[0]])
+        first = group[np.argmin(ledger.seq[group])]
+        is_request = owner == REQUEST
+        rid = self.rids[ref] if is_request and ref >= 0 else None
+        return Holding(pool, group.tolist(), rid, None if is_request else ref, int(ledger.step[first]),
+                       int(ledger.seq[first]), owner, None if is_request else self.gone.get((owner, ref)))
+
     def locks_of_ended_requests(self) -> list[HeldLock]:
-        return [h for h in self.locks if h.rid is None or self.rid_index.get(h.rid, -1) not in self.live]
+        """Locks nobody may hold now: a request's (op 0) once it ended, a copy op's once that op
+        is no longer in flight."""
+        return [h for h in self.locks if (h.op not in self.in_flight if h.op else
+                                          h.rid is None or self.rid_index.get(h.rid, -1) not in self.live)]
 
     def is_broken(self) -> bool:
-        """Any double free, lock held by an ended request, or orphaned slot now; costs what
-        changed since the last call, not a scan of the pools (equals `bool(orphans())` etc.)."""
+        """Any double free, lock nobody may hold, copy op stuck at an idle point, or orphaned slot
+        now; costs what changed since the last call, not a scan of the pools (equals
+        `bool(orphans())` etc.)."""
         orphaned = self.orphaned_owners()  # always: it also empties the touched set
-        return bool(self.double_frees or orphaned or self.locks_of_ended_requests())
+        return bool(self.double_frees or self.stuck_ops or orphaned or self.locks_of_ended_requests())
 
     def orphaned_owners(self) -> set[tuple[int, int]]:
-        """(REQUEST, request index) and (TREE, node id) of the owners holding orphans now."""
-        return self.owners.orphaned_owners(self.live, self.node_slots)
+        """(REQUEST, request index), (TREE, node id) and (HOST_COPY, node id) of the owners
+        holding orphans now."""
+        return self.owners.orphaned_owners(self.alive())
 
     def check_integrity(self) -> None:
-        """The per-owner held counts equal a recount of both pools."""
-        recount: dict[int, defaultdict[int, int]] = {REQUEST: defaultdict(int), TREE: defaultdict(int)}
+        """The per-owner held counts equal a recount of every pool."""
+        recount: dict[int, defaultdict[int, int]] = {kind: defaultdict(int) for kind in self.owners.held}
         for ledger in self.pools.values():
             for kind, table in recount.items():
                 refs, counts = np.unique(ledger.ref[ledger.kind == kind], return_counts=True)
                 for ref, count in zip(refs.tolist(), counts.tolist(), strict=True):
                     table[ref] += count
+        names = {REQUEST: "request", TREE: "node", HOST_COPY: "host copy"}
         for kind, table in recount.items():
             kept = {ref: n for ref, n in self.owners.held[kind].items() if n}
             if kept != dict(table):
-                raise AssertionError(f"ledger held counts ({'request' if kind == REQUEST else 'node'}) drifted: "
-                                     f"kept {kept}, recount {dict(table)}")
+                raise AssertionError(f"ledger held counts ({names[kind]}) drifted: kept {kept}, "
+                                     f"recount {dict(table)}")
 
     def read_violations(self, rid: str, slots: np.ndarray) -> np.ndarray:
         """Slots a request is about to read that it may not: free, or another live request's."""

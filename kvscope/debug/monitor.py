@@ -54,7 +54,8 @@ class DebugMonitor(Recorder):
                node_id: int | None = None, num_tokens: int = 0, slots: Any = None, reason: StrEnum | None = None,
                aux: int = 0, principal: str | None = None) -> None:
         host = _as_slots(slots)
-        self.ledger.apply(kind, self._step, self._seq, pool and pool.value, rid, node_id, num_tokens, aux, host)
+        self.ledger.apply(kind, self._step, self._seq, pool and pool.value, rid, node_id, num_tokens, aux, host,
+                          reason)
         self._seq += 1
         if kind is EventKind.FREE and host is not None and len(host):
             self._poison(pool, host)
@@ -64,7 +65,7 @@ class DebugMonitor(Recorder):
 
     def _poison(self, pool: PoolName | None, slots: np.ndarray) -> None:
         kv = self.kv_pool
-        if kv is None:
+        if kv is None or pool is PoolName.HOST:  # NOTE: host slots index the host pool, which no forward reads
             return
         target = kv.buffers_of(pool.value if pool is not None else PoolName.FULL.value)
         if not target.dtype.is_floating_point or target.store_dtype != target.dtype:

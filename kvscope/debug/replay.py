@@ -34,13 +34,13 @@ class Replay:
         ledger, done = self.ledger, 0
         apply, empty, kind_of = ledger.apply, np.empty(0, dtype=np.int64), KIND_OF
         for batch in capture.event_stream(self.run_id, APPLY_COLUMNS, after_seq=ledger.last_seq):
-            for kind, step, seq, pool, rid, node_id, num_tokens, aux, blob in batch:
+            for kind, step, seq, pool, rid, node_id, num_tokens, aux, blob, reason in batch:
                 if step != self.current:
                     if on_step_end is not None and self.current is not None:
                         on_step_end(self.current, ledger)
                     self.current = step
                 slots = empty if blob is None else np.frombuffer(blob, dtype="<i4").astype(np.int64)
-                apply(kind_of[kind], step, seq, pool, rid, node_id, num_tokens, aux, slots)
+                apply(kind_of[kind], step, seq, pool, rid, node_id, num_tokens, aux, slots, reason)
             done += len(batch)
             if on_progress is not None:
                 on_progress(done)

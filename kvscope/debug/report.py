@@ -24,7 +24,7 @@ from typing import Any, Literal, NamedTuple
 import pandas as pd
 
 from kvscope import __version__
-from kvscope.debug.ledger import Ledger
+from kvscope.debug.ledger import HOST_COPY, REQUEST, Holding, Ledger
 from kvscope.debug.replay import ProgressHook, Replay
 from kvscope.telemetry import ENDED_WITHOUT_CLOSING, Capture, EventKind, RunStatus, decode_slots
 from kvscope.telemetry import save_report as _store_report
@@ -57,14 +57,14 @@ class Verdict(NamedTuple):
 
 @dataclass
 class Leak:
-    kind: str  # orphaned, double-free, lock-never-released, use-after-free
+    kind: str  # orphaned, double-free, lock-never-released, use-after-free, copy-never-acknowledged
     pool: str
     slots: list[int]
     rid: str | None = None
     principal: str | None = None
     allocated_step: int | None = None
     allocated_event: int | None = None
-    free_due_step: int | None = None  # the request's end: the free that never came
+    free_due_step: int | None = None  # the request's end, or when the node left the tree: the free that never came
     node_id: int | None = None
     detail: str = ""
     event: int = -1  # the event that exposes it: leaks are listed in this order
@@ -237,7 +237,7 @@ def _from_ledger(report: LeakReport, capture: Capture, requests: pd.DataFrame, o
         report.through_seq = ledger.last_seq
         report.leaks = _link_consequences(_leaks(ledger, people))
     injected = capture.events(report.run_id, kinds=[EventKind.INJECT], limit=100_000)
-    report.injected = [{"kind": r.reason, "rid": r.rid, "step": int(r.step), "slots": decode_slots(r.slots),
+    report.injected = [{"kind": r.reason, "rid": _text(r.rid), "step": int(r.step), "slots": decode_slots(r.slots),
                         "node_id": None if r.node_id != r.node_id else r.node_id} for r in injected.itertuples()]
 
 
@@ -271,24 +271,49 @@ def _ended_step(ledger: Ledger, rid: str | None) -> int | None:
     return ledger.ended[ledger.rid_index[rid]][1]
 
 
+def _orphan_detail(ledger: Ledger, hold: Holding) -> str:
+    if hold.owner == REQUEST:
+        if hold.rid is None:
+            return "allocated for no request and never claimed by a node"
+        how = ledger.ended.get(ledger.rid_index.get(hold.rid, -1), ("gone", None))[0]
+        return f"held by request {hold.rid}, which {how}"
+    when = "" if hold.gone_step is None else f" at step {hold.gone_step}"
+    if hold.owner == HOST_COPY:
+        return f"held by node {hold.node_id}'s host copy, which left the tree{when} without being freed"
+    return f"held by node {hold.node_id}, which is no longer in the tree (it left{when})" if when else \
+        f"held by node {hold.node_id}, which is no longer in the tree"
+
+
 def _leaks(ledger: Ledger, people: dict[str, Any]) -> list[Leak]:
     leaks = []
     for hold in ledger.orphans():
-        how = ledger.ended.get(ledger.rid_index.get(hold.rid or "", -1), ("gone", None))[0]
-        detail = (f"held by request {hold.rid}, which {how}" if hold.rid else f"held by node {hold.node_id}, "
-                  "which is no longer in the tree")
+        due = _ended_step(ledger, hold.rid) if hold.owner == REQUEST else hold.gone_step
         leaks.append(Leak("orphaned", hold.pool, hold.slots, hold.rid, people.get(hold.rid or ""), hold.step,
-                          hold.seq, _ended_step(ledger, hold.rid), hold.node_id, detail, event=hold.seq))
+                          hold.seq, due, hold.node_id, _orphan_detail(ledger, hold), event=hold.seq))
     for twice in ledger.double_frees:
         leaks.append(Leak("double-free", twice.pool, twice.slots, twice.rid, people.get(twice.rid or ""),
                           detail=f"freed again at step {twice.step} (event #{twice.seq}); first freed at step "
                           f"{twice.first_step} (event #{twice.first_seq})", event=twice.seq))
     for held in ledger.locks_of_ended_requests():
         slots = ledger.node_slots.get(held.node_id)
+        if held.op:
+            detail = (f"node {held.node_id} locked by copy op {held.op} at step {held.step} (event #{held.seq}) "
+                      "and never unlocked, though the op is no longer in flight: its tokens stay protected")
+        else:
+            detail = (f"node {held.node_id} locked at step {held.step} (event #{held.seq}) "
+                      "and never unlocked: its tokens stay protected")
         leaks.append(Leak("lock-never-released", "full", [] if slots is None else slots.tolist(), held.rid,
                           people.get(held.rid or ""), held.step, held.seq, _ended_step(ledger, held.rid),
-                          held.node_id, f"node {held.node_id} locked at step {held.step} (event #{held.seq}) "
-                          "and never unlocked: its tokens stay protected", event=held.seq))
+                          held.node_id, detail, event=held.seq))
+    for stuck in ledger.stuck_ops:
+        copy, node = stuck.copy, stuck.copy.node_id
+        pool, copies = ("host", ledger.host_copies) if copy.kind == "write" else ("full", ledger.node_slots)
+        slots = copies.get(node) if node is not None else None
+        leaks.append(Leak("copy-never-acknowledged", pool, [] if slots is None else slots.tolist(), None, None,
+                          copy.step, copy.seq, stuck.idle_step, node,
+                          f"{copy.kind} op {stuck.op} of node {node} ({copy.num_tokens} tokens) was still in "
+                          f"flight at the idle point of step {stuck.idle_step} (event #{stuck.idle_seq}), where "
+                          "every copy is acknowledged", event=stuck.idle_seq))
     for read in ledger.bad_reads:  # the culprit is whoever freed the slots while they were still in use
         reader = "it" if read.reader == read.freer else f"request {read.reader}"
         leaks.append(Leak("use-after-free", "full", read.slots, read.freer, people.get(read.freer or ""),
@@ -369,7 +394,8 @@ def _at_step(report: LeakReport) -> str:
 
 
 def _leak_lines(index: int, leak: Leak) -> list[str]:
-    who = f"request {leak.rid}" + (f" (user {leak.principal})" if leak.principal else "") if leak.rid else "-"
+    who = f"request {leak.rid}" + (f" (user {leak.principal})" if leak.principal else "") if leak.rid else \
+        f"node {leak.node_id}" if leak.node_id is not None else "-"
     count = f"{len(leak.slots)} slot{'s' if len(leak.slots) != 1 else ''}"
     after = f" — a consequence of #{leak.consequence_of}" if leak.consequence_of else ""
     lines = [f"  {index}. {leak.kind}, pool {leak.pool}: {count} {_slots_text(leak.slots)}{after}",
@@ -378,7 +404,12 @@ def _leak_lines(index: int, leak: Leak) -> list[str]:
         lines.append(f"     the unlock was due at step {leak.free_due_step}, when the request finished")
     elif leak.allocated_step is not None:
         due = f"; the free was due at step {leak.free_due_step} and never came" if leak.free_due_step else ""
-        lines.append(f"     allocated at step {leak.allocated_step} (event #{leak.allocated_event}){due}")
+        what = "allocated"
+        if leak.kind == "copy-never-acknowledged":
+            what, due = "started", f"; the ack was due by step {leak.free_due_step}"
+        elif leak.pool == "host" and leak.node_id is not None:
+            what = "written to the host"
+        lines.append(f"     {what} at step {leak.allocated_step} (event #{leak.allocated_event}){due}")
     return lines
 
 

@@ -2,7 +2,7 @@
 last free), and per owner the slots it holds across pools.
 
 NOTE: the per-step "is anything broken?" the onset needs must not scan the pools (a replay
-asks it after every step). `Owners` keeps, per owner, how many slots it holds (both pools
+asks it after every step). `Owners` keeps, per owner, how many slots it holds (all pools
 together) and which owners got or lost slots, died or came back since the last question;
 only those can have started or stopped holding orphans, so the answer costs O(owners
 touched) instead of O(pool).
@@ -11,21 +11,25 @@ touched) instead of O(pool).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from collections.abc import Container
 
 import numpy as np
 
-FREE, REQUEST, TREE = 0, 1, 2  # owner kinds
+FREE, REQUEST, TREE, HOST_COPY = 0, 1, 2, 3  # owner kinds
+OWNER_KINDS = (REQUEST, TREE, HOST_COPY)
+# NOTE: a node owns its device slots (TREE) and its host copy (HOST_COPY, hiradix) apart: either
+# may leave the tree while the other stays, so each kind has its own set of live references
 SMALL_MOVE = 16  # slots counted one by one below this; np.unique above
 
 
 class Owners:
-    """Slots held per owner, across pools: requests by index, nodes by id. `touched` collects the
+    """Slots held per owner, across pools: requests by index, nodes (device slots) and host copies
+    by node id. `touched` collects the
     owners that got or lost slots, died or came back since the last `orphaned_owners()`;
     `orphaned` holds the owners that are dead and hold slots."""
 
     def __init__(self) -> None:
-        self.held: dict[int, defaultdict[int, int]] = {REQUEST: defaultdict(int), TREE: defaultdict(int)}
+        self.held: dict[int, defaultdict[int, int]] = {kind: defaultdict(int) for kind in OWNER_KINDS}
         self.touched: set[tuple[int, int]] = set()
         self.orphaned: set[tuple[int, int]] = set()
 
@@ -48,10 +52,11 @@ class Owners:
             self.held[kind][ref] += len(old_kind)
             self.touched.add((kind, ref))
 
-    def orphaned_owners(self, alive_requests: set[int], alive_nodes: dict[int, Any]) -> set[tuple[int, int]]:
-        """Only a touched owner can have changed: it got or lost slots, died or came back."""
+    def orphaned_owners(self, alive: dict[int, Container[int]]) -> set[tuple[int, int]]:
+        """`alive`: per owner kind, the live references. Only a touched owner can have changed:
+        it got or lost slots, died or came back."""
         for k, r in self.touched:
-            if self.held[k][r] > 0 and r not in (alive_requests if k == REQUEST else alive_nodes):
+            if self.held[k][r] > 0 and r not in alive[k]:
                 self.orphaned.add((k, r))
             else:
                 self.orphaned.discard((k, r))
@@ -99,7 +104,8 @@ class PoolLedger:
         self.freed_by[slots], self.freed_step[slots], self.freed_seq[slots] = by, step, seq
         return already
 
-    def rename(self, slots: np.ndarray, ref: int) -> None:
-        """Tree slots move to node `ref` (a split), keeping their since step and event."""
-        self.owners.move(self.kind[slots], self.ref[slots], TREE, ref)
+    def rename(self, slots: np.ndarray, kind: int, ref: int) -> None:
+        """Slots of owner kind `kind` (TREE or HOST_COPY) move to node `ref` (a split), keeping
+        their since step and event."""
+        self.owners.move(self.kind[slots], self.ref[slots], kind, ref)
         self.ref[slots] = ref

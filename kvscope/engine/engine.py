@@ -14,19 +14,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 
+from kvscope.engine import fault_hooks
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.faults import FaultInjector, FaultSpec, check_applicable
-from kvscope.engine.memory import MemorySystem, build_memory
+from kvscope.engine.memory import HiMemorySystem, MemorySystem, build_memory
 from kvscope.engine.model import ModelConfig, TinyTransformer, kv_pool_shape
 from kvscope.engine.read_check import ReadChecker
 from kvscope.engine.request import Req, ReqState
 from kvscope.engine.scheduler import LogitsHook, Scheduler
 from kvscope.engine.stats import EngineStats
 from kvscope.mem import resolve_device
-from kvscope.telemetry import NULL_RECORDER, Recorder
+from kvscope.telemetry import NULL_RECORDER, FaultKind, Recorder
 
 ENDED = (ReqState.FINISHED, ReqState.ABORTED)
 ProgressHook = Callable[[EngineStats, int], None]  # (stats, requests submitted so far)
@@ -37,8 +39,9 @@ def check_faults(config: EngineConfig, model_config: ModelConfig, faults: list[F
         return
     if config.strict:
         raise ValueError("fault injection needs strict mode off (strict mode stops each fault where it happens)")
-    check_applicable(faults, has_tree=config.cache.kind in ("radix", "swa-radix", "scoped-radix"),
-                     is_swa=model_config.is_hybrid)
+    kind = config.cache.kind
+    check_applicable(faults, has_tree=kind in ("radix", "swa-radix", "scoped-radix", "hiradix"),
+                     is_swa=model_config.is_hybrid, has_host=kind == "hiradix")
 
 
 def check_request(config: EngineConfig, model_config: ModelConfig, req: Req) -> None:
@@ -81,6 +84,9 @@ class Engine:
         if read_checker is not None:
             read_checker.attach_kv_pool(self.memory.kv_pool)
         self.faults = FaultInjector(faults, fault_seed, recorder) if faults else None
+        if self.faults is not None and FaultKind.HOST_LEAK in self.faults.rates:
+            assert isinstance(self.memory, HiMemorySystem)  # check_faults: host-leak needs hiradix
+            self.memory.cache.on_host_free = partial(fault_hooks.maybe_host_leak, self.faults)
         self.scheduler = Scheduler(config, self.model, self.memory, recorder, on_logits, read_checker=read_checker,
                                    faults=self.faults)
         self._last_check_step = -1  # the step of the last idle check

@@ -8,7 +8,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from kvscope.engine.faults import FaultInjector, observe_frees
+from kvscope.cache.hiradix import HiTreeNode
+from kvscope.engine.faults import FaultInjector, node_target, observe_frees
 from kvscope.engine.memory import MemorySystem, SWAMemorySystem
 from kvscope.engine.request import Req
 from kvscope.telemetry import FaultKind
@@ -89,5 +90,14 @@ def maybe_swa_window_leak(faults: FaultInjector, memory: SWAMemorySystem, req: R
     return True
 
 
-__all__ = ["double_free_window", "maybe_leak_tail", "maybe_lock_leak", "maybe_swa_window_leak",
+def maybe_host_leak(faults: FaultInjector, node: HiTreeNode, host_slots: np.ndarray) -> bool:
+    """A host copy leaves the tree and its host slots are never freed. A HostFreeHook: True
+    when it took the free over. Decided once per node (no request owns a host copy)."""
+    if not faults.wants(FaultKind.HOST_LEAK, node_target(node.id)):
+        return False
+    faults.injected(FaultKind.HOST_LEAK, None, host_slots.tolist(), node_id=node.id)
+    return True
+
+
+__all__ = ["double_free_window", "maybe_host_leak", "maybe_leak_tail", "maybe_lock_leak", "maybe_swa_window_leak",
            "maybe_use_after_free"]

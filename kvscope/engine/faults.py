@@ -9,7 +9,10 @@ NOTE: what each fault does, and where
     use-after-free    at decode: one page the request still reads is freed under it
     swa-window-leak   when the window moves: the SWA slots that left it are dropped from the
                       mapping and never freed
-Each request gets at most one fault of each kind, with probability `rate`.
+    host-leak         hiradix, when a host copy leaves the tree (host eviction, or under a
+                      dropped leaf): its host slots are never freed
+Each request gets at most one fault of each kind, with probability `rate`; host-leak decides
+once per node instead (its inject event has rid None and names the node).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from kvscope.telemetry import EventKind, FaultKind, Recorder
 
 TREE_ONLY = {FaultKind.LOCK_LEAK}
 SWA_ONLY = {FaultKind.SWA_WINDOW_LEAK}
+HOST_ONLY = {FaultKind.HOST_LEAK}
 
 
 @dataclass(frozen=True)
@@ -55,16 +59,17 @@ class FaultInjector:
         self.rng = np.random.default_rng(seed)
         self.recorder = recorder
         self.done: set[tuple[FaultKind, str]] = set()
-        self.log: list[tuple[FaultKind, str, list[int], int | None]] = []  # kind, rid, slots, node
+        self.log: list[tuple[FaultKind, str | None, list[int], int | None]] = []  # kind, rid, slots, node
 
-    def wants(self, kind: FaultKind, rid: str) -> bool:
-        """Decide once per (kind, request), deterministically for the seed."""
-        if kind not in self.rates or (kind, rid) in self.done:
+    def wants(self, kind: FaultKind, target: str) -> bool:
+        """Decide once per (kind, target), deterministically for the seed; the target is a
+        request id (host-leak: `node_target(node_id)`)."""
+        if kind not in self.rates or (kind, target) in self.done:
             return False
-        self.done.add((kind, rid))
+        self.done.add((kind, target))
         return bool(self.rng.random() < self.rates[kind])
 
-    def injected(self, kind: FaultKind, rid: str, slots: Any = None, node_id: int | None = None) -> None:
+    def injected(self, kind: FaultKind, rid: str | None, slots: Any = None, node_id: int | None = None) -> None:
         kept = [] if slots is None else [int(s) for s in slots]
         self.log.append((kind, rid, kept, node_id))
         if self.recorder.enabled:
@@ -72,10 +77,18 @@ class FaultInjector:
                                  slots=None if slots is None else np.asarray(kept, dtype=np.int64), reason=kind)
 
 
-def check_applicable(specs: list[FaultSpec], has_tree: bool, is_swa: bool) -> None:
+def node_target(node_id: int) -> str:
+    """The target a per-node fault (host-leak) is decided for, apart from any request id."""
+    return f"node:{node_id}"
+
+
+def check_applicable(specs: list[FaultSpec], has_tree: bool, is_swa: bool, has_host: bool = False) -> None:
     for spec in specs:
         if spec.kind in TREE_ONLY and not has_tree:
-            raise ValueError(f"fault {spec.kind} needs a cache with a tree (radix, scoped-radix or swa-radix)")
+            raise ValueError(f"fault {spec.kind} needs a cache with a tree (radix, scoped-radix, swa-radix or "
+                             "hiradix)")
+        if spec.kind in HOST_ONLY and not has_host:
+            raise ValueError(f"fault {spec.kind} needs a host tier (--cache hiradix)")
         if spec.kind in SWA_ONLY and not is_swa:
             raise ValueError(f"fault {spec.kind} needs a sliding-window model (e.g. --model tiny-swa)")
 

@@ -15,7 +15,7 @@ from kvscope.engine.faults import FaultSpec
 from kvscope.engine.model import model_config
 
 KIND_OF_LEAK = {"leak-tail": "orphaned", "swa-window-leak": "orphaned", "lock-leak": "lock-never-released",
-                "double-free": "double-free", "use-after-free": "use-after-free"}
+                "double-free": "double-free", "use-after-free": "use-after-free", "host-leak": "orphaned"}
 CASES = [  # (fault, model, cache, page size)
     ("leak-tail", "tiny", "radix", 1), ("leak-tail", "tiny", "radix", 4), ("leak-tail", "tiny", "chunk", 1),
     ("leak-tail", "tiny-swa,window=8", "swa-radix", 1),
@@ -29,12 +29,19 @@ CASES = [  # (fault, model, cache, page size)
     ("leak-tail", "tiny", "scoped-radix", 1), ("leak-tail", "tiny", "scoped-radix", 4),
     ("lock-leak", "tiny", "scoped-radix", 4), ("double-free", "tiny", "scoped-radix", 4),
     ("use-after-free", "tiny", "scoped-radix", 1),
+    ("host-leak", "tiny", "hiradix", 1), ("host-leak", "tiny", "hiradix", 4), ("lock-leak", "tiny", "hiradix", 1),
+    ("leak-tail", "tiny", "hiradix", 4),
 ]
+# NOTE: host-leak runs on tight pools (device leaves go to the host, host copies leave it); the other
+# faults keep the roomy pool: leaked locks and tails would starve a tight one
+TIGHT_HOST = {"kv_size_tokens": 400, "host_tokens": 300}
 
 
 def record(tmp_path: Path, fault: str, model: str, cache: str, page_size: int) -> Path:
-    engine = EngineConfig(pool=PoolConfig(kv_size_tokens=3000, page_size=page_size),
-                          cache=CacheConfig(kind=cache),  # type: ignore[arg-type]
+    tight = fault == "host-leak"
+    engine = EngineConfig(pool=PoolConfig(kv_size_tokens=TIGHT_HOST["kv_size_tokens"] if tight else 3000,
+                                          page_size=page_size),
+                          cache=CacheConfig(kind=cache, host_tokens=TIGHT_HOST["host_tokens"] if tight else None),  # type: ignore[arg-type]
                           scheduler=SchedulerConfig(chunked_prefill_size=64, swa_eviction_interval=4))
     path = tmp_path / "c.db"
     spec = RunSpec(engine=engine, model=model_config(model), workload="multi-turn", num_requests=16, seed=1,
@@ -55,7 +62,14 @@ def test_the_report_names_exactly_the_injected_culprits(tmp_path: Path, fault: s
     found = [leak for leak in report.root_leaks if leak.kind == KIND_OF_LEAK[fault]]
     assert {leak.kind for leak in report.root_leaks} == {KIND_OF_LEAK[fault]}, "a root cause of another kind"
     assert not report.clean
-    if fault == "lock-leak":  # the locked node may be split later: (request, node) is the ground truth
+    if fault == "host-leak":  # no request owns a host copy: (node, host slots) is the ground truth
+        assert {(leak.rid, leak.node_id, leak.pool, tuple(leak.slots)) for leak in found} == \
+            {(None, i["node_id"], "host", tuple(sorted(i["slots"]))) for i in report.injected}
+        left = {i["node_id"]: i["step"] for i in report.injected}
+        assert all(leak.free_due_step == left[leak.node_id] for leak in found), "the step the copy left the tree"
+        assert report.onset_step == min(left.values())
+        assert any(m.startswith("[host]") and m.endswith(" tokens missing") for m in report.first_failure)
+    elif fault == "lock-leak":  # the locked node may be split later: (request, node) is the ground truth
         assert {(leak.rid, leak.node_id) for leak in found} == {(i["rid"], i["node_id"]) for i in report.injected}
     elif fault == "use-after-free":
         assert {leak.rid for leak in found} == {rid for rid, _ in injected}

@@ -1,5 +1,6 @@
 """The ledger's cheap per-step verdict against the brute-force one, on arbitrary event streams
-(the ledger reads buggy streams too, so any order of any event must keep it consistent)."""
+(the ledger reads buggy streams too, so any order of any event must keep it consistent); and the
+host tier's life cycle (hiradix: host copies, copy ops and their locks) event by event."""
 
 from __future__ import annotations
 
@@ -7,29 +8,33 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvscope.debug.ledger import APPLY_COLUMNS, FREE, IGNORED_KINDS, REQUEST, Ledger
+from kvscope.debug.ledger import APPLY_COLUMNS, FREE, HOST_COPY, IGNORED_KINDS, REQUEST, TREE, Ledger
 from kvscope.telemetry import EventKind, schema
 
 KINDS = (EventKind.ALLOC, EventKind.FREE, EventKind.INSERT, EventKind.SPLIT, EventKind.EVICT, EventKind.REVIVE,
          EventKind.REQUEST_ADMIT, EventKind.REQUEST_FINISH, EventKind.REQUEST_RETRACT, EventKind.REQUEST_ABORT,
-         EventKind.LOCK, EventKind.UNLOCK)
+         EventKind.LOCK, EventKind.UNLOCK, EventKind.WRITE, EventKind.LOAD, EventKind.ACK, EventKind.HOST_EVICT,
+         EventKind.LEAK_CHECK)
 UNIVERSE = 16  # slots 0..15: small, so events collide often
 
 slot_sets = st.lists(st.integers(0, UNIVERSE - 1), min_size=0, max_size=8, unique=True)
-events = st.tuples(st.sampled_from(KINDS), st.sampled_from(("full", "swa")), st.sampled_from(("a", "b", "c", None)),
-                   st.integers(0, 2), st.integers(0, 4), st.integers(0, 2), slot_sets)
+events = st.tuples(st.sampled_from(KINDS), st.sampled_from(("full", "swa", "host")),
+                   st.sampled_from(("a", "b", "c", None)), st.integers(0, 2), st.integers(0, 4), st.integers(0, 2),
+                   slot_sets, st.sampled_from((None, "write", "load")))  # a lock's reason: a copy op's or not
 
 
 def brute_broken(ledger: Ledger) -> bool:
-    return bool(ledger.double_frees or ledger.locks_of_ended_requests() or ledger.orphans())
+    return bool(ledger.double_frees or ledger.stuck_ops or ledger.locks_of_ended_requests() or ledger.orphans())
 
 
 def brute_orphaned_owners(ledger: Ledger) -> set[tuple[int, int]]:
-    """Every (kind, ref) owning a slot in a pool scan, whose request ended or whose node is gone."""
+    """Every (kind, ref) owning a slot in a pool scan, whose request ended, whose node is gone or
+    whose host copy left the tree."""
+    alive = {REQUEST: ledger.live, TREE: ledger.node_slots, HOST_COPY: ledger.host_copies}
     found = set()
     for pool in ledger.pools.values():
         for kind, ref in zip(pool.kind.tolist(), pool.ref.tolist(), strict=True):
-            if kind != FREE and ref not in (ledger.live if kind == REQUEST else ledger.node_slots):
+            if kind != FREE and ref not in alive[kind]:
                 found.add((kind, ref))
     return found
 
@@ -45,6 +50,12 @@ def owned_slots(ledger: Ledger, kind: EventKind, pool: str, rid: str | None, nod
     if kind is EventKind.EVICT:
         held = ledger.node_slots.get(node)
         return None if held is None else held.tolist()
+    if kind is EventKind.HOST_EVICT:
+        held = ledger.host_copies.get(node)
+        return None if held is None else held.tolist()
+    if kind is EventKind.FREE and pool == "host":  # a host copy's free (it may have left the tree)
+        host = ledger.pools["host"]
+        return np.flatnonzero((host.kind == HOST_COPY) & (host.ref == node)).tolist()
     if kind is EventKind.FREE and rid is not None and rid in ledger.rid_index:
         pool_ledger = ledger.pools[pool]
         return np.flatnonzero((pool_ledger.kind == 1) & (pool_ledger.ref == ledger.rid_index[rid])).tolist()
@@ -55,11 +66,11 @@ def owned_slots(ledger: Ledger, kind: EventKind, pool: str, rid: str | None, nod
 @given(st.lists(events, min_size=20, max_size=60), st.integers(1, 5), st.data())
 def test_per_step_verdict_equals_the_pool_scan(stream: list, check_every: int, data: st.DataObject) -> None:
     ledger = Ledger()
-    for seq, (kind, pool, rid, node, num_tokens, aux, slots) in enumerate(stream):
+    for seq, (kind, pool, rid, node, num_tokens, aux, slots, reason) in enumerate(stream):
         owned = owned_slots(ledger, kind, pool, rid, node)
         if owned is not None and data.draw(st.booleans()):
             slots = owned
-        ledger.apply(kind, seq // 3, seq, pool, rid, node, num_tokens, aux, np.array(slots, dtype=np.int64))
+        ledger.apply(kind, seq // 3, seq, pool, rid, node, num_tokens, aux, np.array(slots, dtype=np.int64), reason)
         if seq % check_every == 0:
             check(ledger, (seq, kind))
     check(ledger, "end")
@@ -95,5 +106,69 @@ def test_every_event_kind_is_handled_or_deliberately_ignored() -> None:
 
 
 def test_apply_takes_event_columns_in_its_parameter_order() -> None:
-    assert APPLY_COLUMNS == ("kind", "step", "seq", "pool", "rid", "node_id", "num_tokens", "aux", "slots")
+    assert APPLY_COLUMNS == ("kind", "step", "seq", "pool", "rid", "node_id", "num_tokens", "aux", "slots",
+                             "reason")
     assert set(APPLY_COLUMNS) <= set(schema.EVENT_COLUMNS)
+
+
+def host_ledger() -> Ledger:
+    """Node 3 holds device slots [1, 2] and, written by op 7 (acknowledged), host slots [10, 11]."""
+    ledger = Ledger()
+    ledger.apply(EventKind.INSERT, 0, 0, "full", None, 3, 2, 0, np.array([1, 2]))
+    ledger.apply(EventKind.ALLOC, 0, 1, "host", None, None, 2, 0, np.array([10, 11]))
+    ledger.apply(EventKind.WRITE, 0, 2, "host", None, 3, 2, 7, np.array([10, 11]))
+    ledger.apply(EventKind.LOCK, 0, 3, None, None, 3, 2, 7, None, "write")
+    assert not ledger.is_broken(), "a copy lock is legitimate while its op is in flight"
+    ledger.apply(EventKind.ACK, 1, 4, "host", None, 3, 2, 7, None)
+    ledger.apply(EventKind.UNLOCK, 1, 5, None, None, 3, 2, 7, None, "write")
+    assert not ledger.is_broken()
+    return ledger
+
+
+def test_a_host_copy_outlives_its_device_slots_and_orphans_its_slots_when_it_leaves_unfreed() -> None:
+    ledger = host_ledger()
+    ledger.apply(EventKind.EVICT, 2, 6, "full", None, 3, 2, 0, np.array([1, 2]))  # to-host
+    ledger.apply(EventKind.FREE, 2, 7, "full", None, None, 2, 0, np.array([1, 2]))
+    assert not ledger.is_broken(), "a host-only node is still in the tree"
+    ledger.apply(EventKind.HOST_EVICT, 3, 8, "host", None, 3, 2, 0, np.array([10, 11]))
+    assert ledger.is_broken()
+    [hold] = ledger.orphans()
+    assert (hold.pool, hold.slots, hold.node_id, hold.owner, hold.step, hold.gone_step) == \
+        ("host", [10, 11], 3, HOST_COPY, 0, 3)
+    ledger.apply(EventKind.FREE, 3, 9, "host", None, None, 2, 0, np.array([10, 11]))
+    assert not ledger.is_broken()
+    ledger.apply(EventKind.FREE, 4, 10, "host", None, None, 2, 0, np.array([10, 11]))
+    assert [(d.pool, d.slots, d.first_step) for d in ledger.double_frees] == [("host", [10, 11], 3)]
+    ledger.check_integrity()
+
+
+def test_a_split_gives_the_upper_node_the_head_of_the_host_copy_even_without_device_slots() -> None:
+    ledger = host_ledger()
+    ledger.apply(EventKind.EVICT, 2, 6, "full", None, 3, 2, 0, np.array([1, 2]))
+    ledger.apply(EventKind.FREE, 2, 7, "full", None, None, 2, 0, np.array([1, 2]))
+    ledger.apply(EventKind.SPLIT, 3, 8, None, None, 5, 1, 3, None)  # upper node 5 takes 1 token
+    host = ledger.pools["host"]
+    assert (host.ref[10], host.ref[11]) == (5, 3) and 5 not in ledger.node_slots
+    ledger.apply(EventKind.HOST_EVICT, 4, 9, "host", None, 3, 1, 0, np.array([11]))
+    ledger.apply(EventKind.FREE, 4, 10, "host", None, None, 1, 0, np.array([11]))
+    assert not ledger.is_broken(), "node 5's host copy is still in the tree"
+    ledger.apply(EventKind.HOST_EVICT, 5, 11, "host", None, 5, 1, 0, np.array([10]))
+    assert [(h.node_id, h.slots) for h in ledger.orphans()] == [(5, [10])]
+    ledger.check_integrity()
+
+
+def test_a_copy_lock_after_its_ack_and_an_op_in_flight_at_an_idle_point_are_defects() -> None:
+    ledger = host_ledger()
+    ledger.apply(EventKind.LOAD, 2, 6, "full", None, 3, 2, 8, np.array([4, 5]))
+    ledger.apply(EventKind.LOCK, 2, 7, None, None, 3, 2, 8, None, "load")
+    assert not ledger.is_broken()
+    ledger.apply(EventKind.ACK, 3, 8, "full", None, 3, 2, 8, None)
+    assert ledger.is_broken() and [h.op for h in ledger.locks_of_ended_requests()] == [8]
+    ledger.apply(EventKind.UNLOCK, 3, 9, None, None, 3, 2, 8, None, "load")
+    assert not ledger.is_broken()
+    ledger.apply(EventKind.WRITE, 4, 10, "host", None, 3, 2, 9, np.array([12, 13]))
+    ledger.apply(EventKind.LEAK_CHECK, 5, 11, None, None, None, 0, 1, None)
+    ledger.apply(EventKind.LEAK_CHECK, 5, 12, None, None, None, 0, 1, None)  # one per pool: reported once
+    assert [(s.op, s.copy.kind, s.idle_step) for s in ledger.stuck_ops] == [(9, "write", 5)]
+    assert ledger.is_broken()
+    ledger.check_integrity()

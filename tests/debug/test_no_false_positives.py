@@ -1,5 +1,6 @@
 """No false positives: clean runs of every workload — chunked prefill, retraction, aborts,
-the SWA model — pass `kvscope check`, and the live debug monitor flags nothing."""
+the SWA model, the hiradix host tier under each write policy — pass `kvscope check`, and the
+live debug monitor flags nothing."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvscope.debug.report import build_report
 from kvscope.engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
 from kvscope.engine.engine import Engine
 from kvscope.engine.model import model_config
+from kvscope.telemetry import Capture
 from kvscope.telemetry.recorder import SQLRecorder
 from kvscope.workloads import WORKLOADS, generate
 
@@ -28,7 +30,14 @@ SETUPS = {  # name: (model, cache, page size, KV tokens, chunk)
     "scoped-radix": ("tiny", "scoped-radix", 1, 4096, 64),
     "scoped-radix-paged-tight": ("tiny", "scoped-radix", 4, 700, 32),  # private copies evict and retract
     "scoped-radix-demoting": ("tiny", "scoped-radix", 1, 4096, 64),  # the monitor tombstones public nodes
+    # tight device and host pools: device leaves go to the host, host copies are evicted, loads come back
+    "hiradix-write-through": ("tiny", "hiradix", 1, 400, 32),
+    "hiradix-write-through-selective-paged": ("tiny", "hiradix", 4, 400, 32),
+    "hiradix-write-back": ("tiny", "hiradix", 1, 400, 32),
 }
+HOST_TOKENS = 300
+WRITE_POLICY = {"hiradix-write-through": "write_through", "hiradix-write-through-selective-paged":
+                "write_through_selective", "hiradix-write-back": "write_back"}
 # NOTE: scoped setups promote quickly (k = 2, an epoch every 2 engine steps: the cache's clock is the
 # step counter, so runs are deterministic), so public nodes, private copies and, with the monitor,
 # tombstones under locks all occur within a short run
@@ -38,8 +47,11 @@ TRIGGER_HAPPY = MonitorConfig(alpha=1.0, min_hits=2, min_new_users=2, min_user_r
 
 def run_clean(tmp_path: Path, workload: str, setup: str, abort_every: int | None = None) -> tuple[Path, Engine]:
     model, cache, page_size, kv_tokens, chunk = SETUPS[setup]
+    extra: dict[str, object] = dict(SCOPED) if cache == "scoped-radix" else {}
+    if cache == "hiradix":
+        extra = {"write_policy": WRITE_POLICY[setup], "host_tokens": HOST_TOKENS}
     config = EngineConfig(pool=PoolConfig(kv_size_tokens=kv_tokens, page_size=page_size, max_running_requests=16),
-                          cache=CacheConfig(kind=cache, **(SCOPED if cache == "scoped-radix" else {})),  # type: ignore[arg-type]
+                          cache=CacheConfig(kind=cache, **extra),  # type: ignore[arg-type]
                           scheduler=SchedulerConfig(chunked_prefill_size=chunk, swa_eviction_interval=4))
     path = tmp_path / f"{workload}-{setup}.db"
     recorder = SQLRecorder(path, level="full")
@@ -62,7 +74,9 @@ def run_clean(tmp_path: Path, workload: str, setup: str, abort_every: int | None
     engine.run(requests, progress=maybe_abort)
     recorder.close()
     engine.check_integrity()
+    monitor.ledger.check_integrity()
     assert not monitor.violations
+    assert not monitor.ledger.is_broken(), monitor.ledger.orphans()
     if abort_every:
         assert aborted, "nothing was aborted; the test would prove little"
     return path, engine
@@ -74,6 +88,7 @@ def test_clean_runs_are_clean(tmp_path: Path, workload: str, setup: str) -> None
     path, engine = run_clean(tmp_path, workload, setup)
     report = build_report(path)
     assert report.clean, [leak.detail for leak in report.leaks] + report.first_failure
+    assert report.onset_step is None, "the ledger's invariant series broke on a clean run"
     if setup in ("radix-paged-tight", "scoped-radix-paged-tight") and workload == "multi-turn":
         assert engine.stats.evicted_tokens > 0
     if setup in ("scoped-radix", "scoped-radix-demoting") and workload in ("multi-tenant", "shared-prefix"):
@@ -81,9 +96,22 @@ def test_clean_runs_are_clean(tmp_path: Path, workload: str, setup: str) -> None
         assert scoped.promotions > 0, "nothing was promoted; the test would prove little"
         if setup == "scoped-radix-demoting" and workload == "multi-tenant":
             assert scoped.demotions > 0, "nothing was demoted; the test would prove little"
+    if setup.startswith("hiradix") and workload == "multi-turn":
+        counts = event_counts(path)
+        for kind in ("write", "ack", "host_evict", "load"):
+            assert counts.get(kind, 0) > 0, f"no {kind} event; the test would prove little ({counts})"
 
 
-@pytest.mark.parametrize("setup", ["radix", "radix-paged-tight", "swa-radix", "chunk", "scoped-radix-demoting"])
+def event_counts(path: Path) -> dict[str, int]:
+    capture = Capture(path)
+    try:
+        return {str(k): int(n) for k, n in capture.events(1, limit=1_000_000).kind.value_counts().items()}
+    finally:
+        capture.close()
+
+
+@pytest.mark.parametrize("setup", ["radix", "radix-paged-tight", "swa-radix", "chunk", "scoped-radix-demoting",
+                                   "hiradix-write-back"])
 def test_aborts_leave_a_clean_capture(tmp_path: Path, setup: str) -> None:
     path, _ = run_clean(tmp_path, "multi-turn", setup, abort_every=5)
     report = build_report(path)
