@@ -326,6 +326,14 @@ def signals_held() -> Iterator[None]:
             signal.raise_signal(held[0])
 
 
+def host_tier_line(stats: EngineStats) -> str:
+    host = stats.host_tier
+    assert host is not None
+    share = f" ({stats.host_hit_tokens / stats.cached_tokens:.1%} of cached tokens)" if stats.cached_tokens else ""
+    return (f"host tier         {host.host_tokens} tokens: {host.written} written, {host.loaded} loaded back, "
+            f"{stats.host_hit_tokens} cached tokens came from the host{share}, {host.dropped} dropped")
+
+
 def print_summary(stats: EngineStats, wall_s: float, capture: str | Path | None, out: TextIO,
                   leak_report: str | None = None, failure: str | None = None) -> None:
     checks = stats.leak_checks_passed + stats.leak_checks_failed
@@ -340,6 +348,7 @@ def print_summary(stats: EngineStats, wall_s: float, capture: str | Path | None,
         f"hit rate          {stats.token_hit_rate:.1%} token-weighted, {stats.request_hit_rate:.1%} request-weighted",
         f"evicted tokens    {stats.evicted_tokens}",
         f"retractions       {stats.num_retractions}",
+        *([host_tier_line(stats)] if stats.host_tier is not None else []),
         f"leak checks       {checks} ({verdict})",
         *([f"leak report       {leak_report}"] if leak_report else []),
         f"wall time         {wall_s:.2f} s",

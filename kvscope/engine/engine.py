@@ -165,6 +165,7 @@ class Engine:
         """The end of a run: the tree's last snapshot; requests still open get 'unfinished' rows."""
         if self.recorder.summary_enabled:
             self.scheduler.snapshot()
+        self.stats.host_tier = self.memory.host_totals()
         self.stats.close_unfinished()
 
     def check_integrity(self) -> None:

@@ -18,6 +18,7 @@ frontier too), zero when truly idle. The host pool (hiradix) balances on its own
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from kvscope.cache import (
     BasePrefixCache,
@@ -48,6 +49,16 @@ from kvscope.mem import (
     resolve_device,
 )
 from kvscope.telemetry import LeakCheck, PoolTerms, Recorder
+
+
+class HostTierTotals(NamedTuple):
+    """What the host tier did over a run (hiradix), in tokens."""
+
+    host_tokens: int  # the host pool's size
+    written: int  # device -> host copies
+    loaded: int  # host -> device copies (load-back)
+    dropped: int  # write_back: device tokens the host could not take
+
 
 # (memory, request, start_len, end_len) -> True when it took the window move over (a fault)
 WindowHook = Callable[["SWAMemorySystem", Req, int, int], bool]
@@ -95,6 +106,10 @@ class MemorySystem:
     def copied_tokens(self) -> tuple[int, int]:
         """Tokens copied device -> host and host -> device so far (written, loaded)."""
         return 0, 0
+
+    def host_totals(self) -> HostTierTotals | None:
+        """The host tier's totals so far; None: no host tier."""
+        return None
 
     def evict_for(self, num_tokens: int) -> int:
         """Evict so that `num_tokens` more fit in every pool, clamped to what the tree can give;
@@ -217,6 +232,11 @@ class HiMemorySystem(MemorySystem):
 
     def copied_tokens(self) -> tuple[int, int]:
         return self.cache.num_write_tokens, self.cache.num_load_back_tokens
+
+    def host_totals(self) -> HostTierTotals:
+        cache = self.cache
+        return HostTierTotals(self.host_allocator.total_size, cache.num_write_tokens, cache.num_load_back_tokens,
+                              cache.num_dropped_tokens)
 
     def pool_checks(self, step: int, holders: Sequence[Req]) -> list[LeakCheck]:
         host = self.host_terms()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvscope.engine.memory import MemorySystem
+from kvscope.engine.memory import HostTierTotals, MemorySystem
 from kvscope.engine.request import Req
 from kvscope.telemetry import EventKind, LeakCheck, Recorder, RequestRecord, RequestStatus, UsageSample
 
@@ -38,6 +38,7 @@ class EngineStats:
     leak_checks_passed: int = 0
     leak_checks_failed: int = 0
     first_failed_check: list[LeakCheck] = field(default_factory=list)
+    host_tier: HostTierTotals | None = None  # hiradix: set when the run ends
     records: dict[str, RequestRecord] = field(default_factory=dict)
 
     def _event(self, kind: EventKind, req: Req, num_tokens: int = 0, aux: int = 0) -> None:

@@ -6,6 +6,8 @@ for --cache hiradix only."""
 
 from __future__ import annotations
 
+import re
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -113,10 +115,25 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_kvscope_run_with_hiradix_exits_clean(tmp_path: Path) -> None:
-    out = cli("--workload", "multi-turn", "--cache", "hiradix", "--num-requests", "16", "--kv-tokens", "1024",
+    out = cli("--workload", "multi-turn", "--cache", "hiradix", "--num-requests", "48", "--kv-tokens", "622",
               "--write-policy", "write_back", "--host-ratio", "1.5", "--capture", "c.db", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "leak checks       1 (all passed)" in out.stdout and "leak report       clean" in out.stdout
+    host = re.search(r"host tier +(\d+) tokens: (\d+) written, (\d+) loaded back, (\d+) cached tokens came from the "
+                     r"host \(([\d.]+)% of cached tokens\), (\d+) dropped", out.stdout)
+    assert host is not None, out.stdout
+    size, written, loaded, from_host, _, _ = (float(g) for g in host.groups())
+    assert size == 934 and written > 0 and 0 < from_host <= loaded  # 622 x 1.5 = 933, whole pages plus one
+    with sqlite3.connect(tmp_path / "c.db") as conn:  # the summary's totals are the capture's last usage row
+        row = conn.execute("SELECT cum_written_tokens, cum_loaded_tokens, cum_host_hit_tokens FROM usage "
+                           "ORDER BY step DESC LIMIT 1").fetchone()
+    assert row == (written, loaded, from_host)
+
+
+def test_a_single_tier_run_prints_no_host_line(tmp_path: Path) -> None:
+    out = cli("--workload", "multi-turn", "--num-requests", "8", "--level", "off", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "host tier" not in out.stdout and "leak checks" in out.stdout
 
 
 BAD = [
