@@ -1,4 +1,5 @@
-"""Shared test setup: the `cuda` marker skips (with its reason shown by -ra) without a GPU."""
+"""Shared test setup: the `cuda` marker skips (with its reason shown by -ra) without a GPU; the `engines`
+marker (a real SGLang or vLLM server) skips unless `-m engines` selects it."""
 
 from __future__ import annotations
 
@@ -10,12 +11,21 @@ torch.set_num_threads(1)  # tiny tensors: a second intra-op thread only adds sta
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device; none present on this machine")
+    skips = {}
+    if not CUDA:
+        skips["cuda"] = pytest.mark.skip(reason="needs a CUDA device; none present on this machine")
+    if not engines_selected(config):
+        skips["engines"] = pytest.mark.skip(reason="starts a real engine server: run with `pytest -m engines`")
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
+
+
+def engines_selected(config: pytest.Config) -> bool:
+    """`engines` tests (minutes each) run only when `-m` asks for them by name."""
+    expression = str(config.getoption("markexpr") or "")
+    return "engines" in expression and "not engines" not in expression
 
 
 def device_params() -> list[object]:
