@@ -16,7 +16,8 @@ NOTE: one event = (kind, pool, rid, node_id, num_tokens, slots, reason, aux, pri
                aux = the op id
     evict      node_id, num_tokens, slots freed, reason (capacity, finish, abort, tombstone; hiradix:
                to-host = the node keeps its host copy, drop = write_back deleted a leaf the host
-               could not take, with its host-only subtree)
+               could not take, with its host-only subtree; an attached engine: reset = its cache was
+               cleared)
     tombstone  node_id, num_tokens = SWA tokens freed, slots = the SWA-freed full slots
     revive     node_id: a tombstone got live SWA KV again (SWA radix insert); recorded twice: pool full
                with the node's full slots, then pool swa with the SWA slots now paired with them
@@ -79,6 +80,7 @@ class EvictReason(StrEnum):
     TOMBSTONE = "tombstone"
     TO_HOST = "to-host"  # hiradix: a backed-up device leaf became host-only
     DROP = "drop"  # hiradix write_back: deleted, the host could not take it
+    RESET = "reset"  # an attached engine's cache was cleared (its AllBlocksCleared; schema version 5)
 
 
 class CopyKind(StrEnum):

@@ -84,7 +84,8 @@ class Capture:
         last_step = select(func.max(u.step)).where(u.run_id == run_id).scalar_subquery()
         last_t = select(func.max(u.t_mono)).where(u.run_id == run_id).scalar_subquery()
         window_start = select(func.min(u.step)).where(u.run_id == run_id, u.t_mono >= last_t - window_s)
-        columns = schema.columns_as_of(schema.usage, self.schema_version)
+        columns = [_used_of_older().label(c.name) if c.name == "full_used" and self.schema_version < 5 else c
+                   for c in schema.columns_as_of(schema.usage, self.schema_version)]
         return self.read_frame(select(*columns).where(
             u.run_id == run_id, u.step.in_([last_step, window_start.scalar_subquery()])).order_by(u.step))
 
@@ -97,7 +98,9 @@ class Capture:
             return pd.DataFrame(columns=[c.name for c in schema.usage.columns])
         width = max(1, -(-(hi - lo + 1) // max_points))
         version = self.schema_version
-        value_cols = [func.max(c).label(c.name) if schema.since_version(c) <= version else null().label(c.name)
+        value_cols = [func.max(c).label(c.name) if schema.since_version(c) <= version
+                      else func.max(_used_of_older()).label(c.name) if c.name == "full_used"
+                      else null().label(c.name)
                       for c in schema.usage.columns if c.name not in ("run_id", "step")]
         stmt = (
             select(func.max(u.step).label("step"), *value_cols)
@@ -255,3 +258,10 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _used_of_older() -> Any:
+    """usage.full_used read from a file older than version 5: only engine runs wrote those, and
+    their used tokens are total - available - evictable."""
+    u = schema.usage.c
+    return u.full_total - u.full_available - u.full_evictable

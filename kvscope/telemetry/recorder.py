@@ -158,8 +158,11 @@ class SQLRecorder(Recorder):
         swa = sample.swa or (None, None, None, None)
         host = (*sample.host, sample.cum_host_hit_tokens, sample.cum_written_tokens, sample.cum_loaded_tokens) \
             if sample.host is not None else (None,) * 7
+        used = sample.full_used
+        if used is None and sample.full.available is not None and sample.full.evictable is not None:
+            used = sample.full.used
         self._rows.append(("usage", (self.run_id, sample.step, time.monotonic(), *sample.full, *swa,
-                                     *sample[3:13], *host)))
+                                     *sample[3:13], *host, used)))
 
     def leak_check(self, check: LeakCheck) -> None:
         self._rows.append(("leak_checks", (self.run_id, check.step, check.pool, time.monotonic(), *check[2:8],

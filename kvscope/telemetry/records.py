@@ -63,6 +63,9 @@ class PoolTerms(NamedTuple):
 
 
 class UsageSample(NamedTuple):
+    """One step's usage row. An engine run fills every field; an attached engine (`kvscope
+    attach`) leaves None where its source does not say (schema version 5 stores NULL there)."""
+
     step: int
     full: PoolTerms
     swa: PoolTerms | None
@@ -80,6 +83,7 @@ class UsageSample(NamedTuple):
     cum_host_hit_tokens: int = 0  # of cum_hit_tokens, the tokens loaded back from the host at admission
     cum_written_tokens: int = 0  # device -> host copies started
     cum_loaded_tokens: int = 0  # host -> device copies started
+    full_used: int | None = None  # device tokens in use; None: full.total - full.available - full.evictable
 
 
 class LeakCheck(NamedTuple):

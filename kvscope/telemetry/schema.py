@@ -34,6 +34,15 @@ the new version): every older row stays valid, with NULL in the added columns.
        device+host or host; NULL read from an older file is "device", every older cache had
        one tier); events gained the kinds write, load, ack and host_evict, and the evict
        reasons to-host and drop.
+    5  attached engines (`kvscope attach`): usage.full_used, the device tokens in use as the
+       source counts them (engine runs write total - available - evictable; NULL read from an
+       older file is that same difference, as Capture computes it). In a file created at version 5
+       the usage columns an attached engine may not report are nullable (full_available,
+       full_evictable, full_protected, req_total, req_available, num_running, num_waiting and
+       the cum_* counters): NULL there means "the source does not say". A file upgraded from an
+       older version keeps NOT NULL on them (SQLite cannot relax a column), so an attached run
+       is refused there (attach_ready tells); engine runs write every one of them, as before;
+       the evict reason reset (the engine's cache was cleared).
 `reports` came after version 1 without a bump: it is an additive table (older readers never
 look at it), a reader treats it as optional, and a writer adds it to an older file. A column
 got a bump because a version-1 reader cannot see it and would show an owner as missing.
@@ -60,7 +69,7 @@ from sqlalchemy import (
     null,
 )
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 OLDEST_READABLE_VERSION = 1
 metadata = MetaData()
 
@@ -123,23 +132,30 @@ usage = Table(
     Column("run_id", Integer, primary_key=True),
     Column("step", Integer, primary_key=True),
     Column("t_mono", Float, nullable=False),
-    *(Column(f"full_{c}", Integer, nullable=False) for c in POOL_COLUMNS),
+    Column("full_total", Integer, nullable=False),
+    # NOTE: nullable since version 5 (an attached engine may not report them; see the version notes)
+    *(Column(f"full_{c}", Integer) for c in POOL_COLUMNS[1:]),
     *(Column(f"swa_{c}", Integer) for c in POOL_COLUMNS),
-    Column("req_total", Integer, nullable=False),
-    Column("req_available", Integer, nullable=False),
-    Column("num_running", Integer, nullable=False),
-    Column("num_waiting", Integer, nullable=False),
-    Column("cum_prompt_tokens", Integer, nullable=False),
-    Column("cum_hit_tokens", Integer, nullable=False),
-    Column("cum_requests", Integer, nullable=False),
-    Column("cum_hit_requests", Integer, nullable=False),
-    Column("cum_evicted_tokens", Integer, nullable=False),
-    Column("cum_retractions", Integer, nullable=False),
+    Column("req_total", Integer),
+    Column("req_available", Integer),
+    Column("num_running", Integer),
+    Column("num_waiting", Integer),
+    Column("cum_prompt_tokens", Integer),
+    Column("cum_hit_tokens", Integer),
+    Column("cum_requests", Integer),
+    Column("cum_hit_requests", Integer),
+    Column("cum_evicted_tokens", Integer),
+    Column("cum_retractions", Integer),
     *(Column(f"host_{c}", Integer, info={"since": 4}) for c in POOL_COLUMNS),
     Column("cum_host_hit_tokens", Integer, info={"since": 4}),  # of cum_hit_tokens, loaded back from the host
     Column("cum_written_tokens", Integer, info={"since": 4}),  # device -> host copies started
     Column("cum_loaded_tokens", Integer, info={"since": 4}),  # host -> device copies started
+    Column("full_used", Integer, info={"since": 5}),  # device tokens in use (engine runs: total - avail. - evictable)
 )
+# NOTE: usage columns NOT NULL in files created before version 5; an attached run needs them nullable
+ATTACH_NULLABLE_USAGE = ("full_available", "full_evictable", "full_protected", "req_total", "req_available",
+                         "num_running", "num_waiting", "cum_prompt_tokens", "cum_hit_tokens", "cum_requests",
+                         "cum_hit_requests", "cum_evicted_tokens", "cum_retractions")
 
 tree_snapshots = Table(
     "tree_snapshots",

@@ -12,7 +12,8 @@ NOTE: what each event does to the table (see events.py for the fields)
     write      (hiradix) the node gains a host copy: tier device -> device+host
     evict      reason to-host: the node keeps its key on the host (tier host), nothing is removed
     revive     a host-only node has device KV again (tier device+host)
-    host_evict the host-only node is gone
+    host_evict the node's host copy is gone: a host-only node goes, a device+host one stays on the device
+An insert of pool host (an attached engine's page first seen on its host tier) starts at tier host.
 An insert event's reason is the new node's visibility (the scoped radix cache: private or pinned);
 a global-sharing tree records none, and its nodes are public.
 Hit counts and access times of nodes born after the snapshot are approximate. An insert from a
@@ -39,8 +40,9 @@ VISIBILITIES = ("private", "public", "pinned")
 def _insert(nodes: Nodes, ev: Any) -> None:
     reason = getattr(ev, "reason", None)  # NOTE: global-sharing trees record none; an events frame may omit it
     visibility = reason if reason in VISIBILITIES else "public"
+    tier = "host" if getattr(ev, "pool", None) == "host" else "device"
     nodes[ev.node_id] = {**NEW_NODE, "node_id": ev.node_id, "parent_id": ev.aux, "num_tokens": ev.num_tokens,
-                         "last_access_time": ev.t_mono, "owner": ev.principal, "visibility": visibility}
+                         "last_access_time": ev.t_mono, "owner": ev.principal, "visibility": visibility, "tier": tier}
 
 
 def _split(nodes: Nodes, ev: Any) -> None:
@@ -67,8 +69,12 @@ def _set_tier(nodes: Nodes, node_id: int, tier: str, only_from: str | None = Non
         node["tier"] = tier
 
 
-def _remove(nodes: Nodes, node_id: int) -> None:
-    nodes.pop(node_id, None)
+def _host_evict(nodes: Nodes, node_id: int) -> None:
+    node = nodes.get(node_id)
+    if node is not None and node["tier"] == "device+host":
+        node["tier"] = "device"
+    else:
+        nodes.pop(node_id, None)
 
 
 def _revive(nodes: Nodes, ev: Any) -> None:
@@ -121,7 +127,7 @@ APPLY: dict[EventKind, Callable[[Nodes, Any], None]] = {
     EventKind.PROMOTE: lambda nodes, ev: _set_visibility(nodes, ev, "public", subtree=False),
     EventKind.DEMOTE: lambda nodes, ev: _set_visibility(nodes, ev, "private", subtree=True),
     EventKind.WRITE: lambda nodes, ev: _set_tier(nodes, ev.node_id, "device+host", only_from="device"),
-    EventKind.HOST_EVICT: lambda nodes, ev: _remove(nodes, ev.node_id),
+    EventKind.HOST_EVICT: lambda nodes, ev: _host_evict(nodes, ev.node_id),
 }
 STRUCTURAL_KINDS = tuple(APPLY)  # the kinds that change the node table; every other kind leaves it as it is
 

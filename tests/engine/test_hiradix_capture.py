@@ -57,7 +57,7 @@ def test_usage_has_both_tiers_and_the_copy_counters(hiradix_run: tuple[Path, Eng
         written = conn.execute("SELECT SUM(num_tokens) FROM events WHERE kind = 'write'").fetchone()[0]
         loaded = conn.execute("SELECT SUM(num_tokens) FROM events WHERE kind = 'load'").fetchone()[0]
         version = conn.execute("SELECT value FROM kvscope_meta WHERE key = 'schema_version'").fetchone()[0]
-    assert version == "4"
+    assert int(version) >= 4  # the version that added the host tier, or a later one
     host_total = engine.memory.host_terms().total  # type: ignore[union-attr]
     assert host_total >= HOST_TOKENS and set(rows["host_total"]) == {host_total}
     host_used = rows["host_total"] - rows["host_available"]

@@ -349,10 +349,13 @@ def test_a_device_or_directory_is_refused_in_one_line(tmp_path: Path, monkeypatc
 def damaged_capture(path: Path) -> Path:
     """A real capture with one page in the middle of its events overwritten by garbage."""
     finished_capture(path, steps=40)
-    page_size = int(sqlite3.connect(path).execute("PRAGMA page_size").fetchone()[0])
-    num_pages = path.stat().st_size // page_size
+    conn = sqlite3.connect(path)
+    page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
+    # NOTE: a page of the events table itself (the file's layout moves with the schema; dbstat says where it is)
+    event_pages = [row[0] for row in conn.execute("SELECT pageno FROM dbstat WHERE name = 'events' ORDER BY pageno")]
+    conn.close()
     with path.open("r+b") as fh:
-        fh.seek(page_size * (num_pages // 2))
+        fh.seek(page_size * (event_pages[len(event_pages) // 2] - 1))
         fh.write(random.Random(5).randbytes(page_size))
     return path
 

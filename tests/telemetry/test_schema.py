@@ -73,9 +73,11 @@ def test_column_lists_are_the_tables_columns() -> None:
 def test_only_later_columns_read_as_null_from_an_older_file() -> None:
     tier_columns = [*(f"host_{c}" for c in schema.POOL_COLUMNS), "cum_host_hit_tokens", "cum_written_tokens",
                     "cum_loaded_tokens", "tier"]
-    assert sorted(c.name for c in schema.added_after(1)) == sorted(["principal", "visibility", *tier_columns])
-    assert sorted(c.name for c in schema.added_after(2)) == sorted(["visibility", *tier_columns])
-    assert sorted(c.name for c in schema.added_after(3)) == sorted(tier_columns)
+    assert sorted(c.name for c in schema.added_after(1)) == sorted(["principal", "visibility", *tier_columns,
+                                                                    "full_used"])
+    assert sorted(c.name for c in schema.added_after(2)) == sorted(["visibility", *tier_columns, "full_used"])
+    assert sorted(c.name for c in schema.added_after(3)) == sorted([*tier_columns, "full_used"])
+    assert [c.name for c in schema.added_after(4)] == ["full_used"]
     assert schema.added_after(schema.SCHEMA_VERSION) == []
     as_v1 = schema.columns_as_of(schema.events, 1)
     assert [c.name for c in as_v1] == list(schema.EVENT_COLUMNS)
@@ -98,6 +100,9 @@ def test_a_version_1_capture_opens_in_every_reader(v1_copy: Path) -> None:
     assert not capture.leak_checks(1).empty and capture.snapshot_steps(1) == [50, 72]
     assert tuple(capture.step_range(1).iloc[0]) == (1, 72)
     assert list(capture.latest_usage(1).step)[-1] == 72
+    latest = capture.latest_usage(1).iloc[-1]  # version 5's full_used, computed as engine runs define it
+    assert latest.full_used == latest.full_total - latest.full_available - latest.full_evictable
+    assert capture.usage(1).full_used.notna().all()
     log = eviction_log(capture, 1, 50, 0)
     assert len(log) == int(eviction_summary(capture, 1)["num_evictions"].sum()) > 0
     assert log["regret_tokens"].sum() > 0
