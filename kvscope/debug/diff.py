@@ -54,20 +54,33 @@ def _metrics(capture: Capture, run_id: int) -> dict[str, int | float]:
     usage = capture.usage(run_id, max_points=100_000)
     out: dict[str, int | float] = {}
     if not usage.empty:
-        last = usage.iloc[-1]  # NOTE: the cum_* columns only grow, so a bucket's maxima are its last row
-        out["peak used tokens (full)"] = int((usage.full_total - usage.full_available - usage.full_evictable).max())
-        if usage.swa_total.notna().any():
-            out["peak used tokens (swa)"] = int((usage.swa_total - usage.swa_available - usage.swa_evictable).max())
-        out["peak running requests"] = int(usage.num_running.max())
-        out[RATES[0]] = float(last.cum_hit_tokens / max(last.cum_prompt_tokens, 1))
-        out[RATES[1]] = float(last.cum_hit_requests / max(last.cum_requests, 1))
-        out["evicted tokens"] = int(last.cum_evicted_tokens)
-        out["retractions"] = int(last.cum_retractions)
-        out["steps"] = int(last.step)
+        # NOTE: the cum_* columns only grow, so a bucket's maxima are its last row. An attached engine's
+        # capture leaves what its source does not provide NULL: such a figure is left out, never read as 0.
+        last = usage.iloc[-1]
+        figures = {
+            "peak used tokens (full)": pd.to_numeric(usage.full_used).max(),
+            "peak used tokens (swa)": (usage.swa_total - usage.swa_available - usage.swa_evictable).max(),
+            "peak running requests": pd.to_numeric(usage.num_running).max(),
+            RATES[0]: _ratio(last.cum_hit_tokens, last.cum_prompt_tokens),
+            RATES[1]: _ratio(last.cum_hit_requests, last.cum_requests),
+            "evicted tokens": last.cum_evicted_tokens,
+            "retractions": last.cum_retractions,
+            "steps": last.step,
+        }
+        for name, value in figures.items():
+            if pd.notna(value):
+                out[name] = float(value) if name in RATES else int(value)
     checks = capture.leak_checks(run_id)
     out["leak checks"] = int(checks.step.nunique()) if not checks.empty else 0
     out["leak checks failed"] = int(checks[~checks.ok.astype(bool)].step.nunique()) if not checks.empty else 0
     return out
+
+
+def _ratio(part: Any, whole: Any) -> float | None:
+    """part / whole (whole at least 1); None when the capture does not hold either."""
+    if pd.isna(part) or pd.isna(whole):
+        return None
+    return float(part) / max(float(whole), 1.0)
 
 
 def _last_check(checks: pd.DataFrame) -> dict[str, dict[str, int]]:

@@ -90,6 +90,7 @@ class LeakReport:
     stored_at: float | None = None  # unix seconds, when read back from the capture
     error: str | None = None  # the run's one-line error (crashed, interrupted, incomplete)
     last_step: int | None = None  # the run's last step with a usage sample
+    attached: str | None = None  # an attached engine's run ("vllm 0.32.0"): its leaks are not kvscope's to see
 
     @property
     def clean(self) -> bool:
@@ -135,6 +136,17 @@ def run_row(capture: Capture, run_id: int | None) -> Any:
     return chosen.iloc[0]
 
 
+def attached_source(run: Any) -> str | None:
+    """"<engine> <version>" when the run is a `kvscope attach` recording of a real engine, else None."""
+    try:
+        source = json.loads(run.config or "{}").get("source")
+    except (TypeError, ValueError, AttributeError):
+        return None
+    if not isinstance(source, dict) or source.get("kind") != "attach":
+        return None
+    return " ".join(str(part) for part in (source.get("engine") or "engine", source.get("version")) if part)
+
+
 @dataclass
 class ReportState:
     """What a report of a growing capture carries from one build to the next: the paused replay
@@ -154,7 +166,8 @@ def build_report(target: str | Path, run_id: int | None = None, *, on_progress: 
     capture = Capture(target)
     try:
         run = run_row(capture, run_id)
-        report = LeakReport(str(target), int(run.id), str(run.level), str(run.display_status), error=_text(run.error))
+        report = LeakReport(str(target), int(run.id), str(run.level), str(run.display_status), error=_text(run.error),
+                            attached=attached_source(run))
         _from_checks(report, capture.leak_checks(report.run_id))
         last_step = capture.step_range(report.run_id).hi.iloc[0]
         report.last_step = None if pd.isna(last_step) else int(last_step)
@@ -417,6 +430,10 @@ def verdict(report: LeakReport) -> Verdict:
     """clean: the run finished, reached at least one idle leak check, and nothing failed.
     leak: a leak check failed, or the ledger found a leak (in a run cut short, only the
     DEFINITE_KINDS count). inconclusive: the run did not finish, or no idle check ran."""
+    if report.attached is not None:
+        return Verdict("inconclusive", CHECK_EXIT_CODES["inconclusive"],
+                       f"inconclusive: an attached engine ({report.attached}) runs its own leak check; kvscope sees "
+                       "its cached pages, not its slots (`kvscope report engine-log LOG` explains its leak messages)")
     leaks = [leak for leak in report.root_leaks if report.finished or leak.kind in DEFINITE_KINDS]
     if leaks or report.first_failure_step is not None:
         return Verdict("leak", CHECK_EXIT_CODES["leak"], _leak_reason(report, leaks))
