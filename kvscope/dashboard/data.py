@@ -132,6 +132,11 @@ def reuse_by_principal(path: str, run_id: int, stamp: float) -> pd.DataFrame:
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def snapshot_steps(path: str, run_id: int, stamp: float) -> list[int]:
+    return open_capture(path).snapshot_steps(run_id)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def latest_snapshot(path: str, run_id: int, stamp: float) -> tuple[int | None, pd.DataFrame]:
     """The run's latest tree snapshot as stored (step None and an empty table when it has none)."""
     capture = open_capture(path)
@@ -181,6 +186,16 @@ def stored_leak_report(path: str, run_id: int, stamp: float) -> LeakReport | Non
     """The report stored with the run when it closed, if it still describes it; never a replay
     (the Overview's verdict must stay cheap on a live run)."""
     return stored_report(open_capture(path), run_id)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def attach_counters(path: str, run_id: int, stamp: float) -> dict[str, int] | None:
+    """The attach loop's counters (the run's `reports` row of kind "attach", stored when
+    `kvscope attach` ends); None when the run stored none (still running, or not attached)."""
+    from kvscope.dashboard.attached import counters_of
+
+    row = open_capture(path).stored_report(run_id, "attach")
+    return None if row is None else counters_of(row.body)
 
 
 @st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)

@@ -5,6 +5,8 @@ NOTE: the same rule as `kvscope check`:
     inconclusive  nothing failed, but the run did not finish (running, ended without closing,
                   interrupted, crashed, incomplete) or it never reached an idle check
     clean         the run finished and passed at least one idle check with nothing failing
+An attached run (`kvscope attach`: a real engine watched from outside) is never any of these:
+its verdict is "not known" (attached_verdict), because the engine runs its own leak check.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from typing import Any, Literal, NamedTuple
 
 import pandas as pd
 
+from kvscope.dashboard.attached import VERDICT_LINE, VERDICT_TITLE
 from kvscope.debug import LeakReport, check_reason
 from kvscope.telemetry import LeakCheck, RunStatus
 
-Level = Literal["clean", "failed", "inconclusive"]
+Level = Literal["clean", "failed", "inconclusive", "not known"]
 TERMS = ("total", "available", "evictable", "protected", "held", "uncached")
 
 
@@ -49,6 +52,11 @@ def leak_verdict(checks: pd.DataFrame, status: str, error: str | None = None,
         return Verdict("inconclusive", "Inconclusive: the run finished without reaching an idle leak check", [])
     return Verdict("clean", f"Clean: {_checks(num_checks)} balanced (the last at step {int(checks['step'].max())})",
                    [])
+
+
+def attached_verdict() -> Verdict:
+    """An attached engine's verdict: never clean, kvscope cannot balance another engine's pool."""
+    return Verdict("not known", VERDICT_TITLE, [VERDICT_LINE])
 
 
 def _unfinished(status: str, error: str | None) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvscope.dashboard import charts, data, gpu
+from kvscope.dashboard import attached, attached_pages, charts, data, gpu
 from kvscope.dashboard.frame import selection
 from kvscope.planning import (
     EXACTNESS,
@@ -43,6 +43,11 @@ chosen = selection()
 st.header("Capacity")
 pool = data.pool_config(chosen.run)
 page_size = int(pool.get("page_size", 1))
+source = attached.source_of(chosen.run)  # a real engine watched by `kvscope attach`: its page size
+if source is not None:
+    attached_pages.source_header(source)
+    attached_pages.capacity_source(source)
+    page_size = attached_pages.page_size(source, page_size)
 
 st.subheader("How many tokens fit")
 probed_gib = gpu.total_gib(data.gpus())
@@ -64,6 +69,9 @@ else:
     plan_metrics(plan, context, page_size)
 
 st.subheader("Hit rate vs cache capacity for this run's traffic")
+if source is not None:
+    attached_pages.capacity_note(source)
+    st.stop()
 try:
     curve, prompt_tokens = data.capacity_curve(chosen.path, chosen.run_id, chosen.stamp, page_size)
 except ValueError as err:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvscope.dashboard import charts, data
+from kvscope.dashboard import attached, attached_pages, charts, data
 from kvscope.dashboard.frame import selection
 
 PAGE_ROWS = 200
 
 chosen = selection()
 st.header("Evictions")
+if (source := attached.source_of(chosen.run)) is not None:  # a real engine watched by `kvscope attach`
+    attached_pages.evictions(chosen, source)
+    st.stop()
 summary = data.eviction_summary(chosen.path, chosen.run_id, chosen.stamp)
 if summary.empty:
     level = "" if chosen.run.level == "full" else " (the run was recorded at level summary: no events)"

@@ -8,7 +8,7 @@ from datetime import datetime
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import charts, data, leak_views, reads, url_state
+from kvscope.dashboard import attached, attached_pages, charts, data, leak_views, reads, url_state
 from kvscope.dashboard.frame import PAGES_DIR, Selection, selection
 from kvscope.debug import Leak, LeakReport, render_text
 
@@ -155,6 +155,9 @@ def injection_differences(report: LeakReport, paths: pd.DataFrame) -> list[str]:
 
 chosen = selection()
 st.header("Leaks")
+if (source := attached.source_of(chosen.run)) is not None:  # a real engine watched by `kvscope attach`
+    attached_pages.leaks(chosen, source)
+    st.stop()
 url_state.show_notes()
 if chosen.running:
     st.caption("The run is still running: the report covers what has been flushed so far.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvscope.dashboard import charts, data, tenants
+from kvscope.dashboard import attached, attached_pages, charts, data, tenants
 from kvscope.dashboard.frame import Selection, selection
 
 
@@ -68,6 +68,9 @@ def sharing_section(chosen: Selection) -> None:
 
 chosen = selection()
 st.header("Memory")
+if (source := attached.source_of(chosen.run)) is not None:  # a real engine watched by `kvscope attach`
+    attached_pages.memory(chosen, source)
+    st.stop()
 usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
 if usage.empty:
     st.info("No usage samples in this run yet.")

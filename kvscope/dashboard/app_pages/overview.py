@@ -7,12 +7,12 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import charts, data
+from kvscope.dashboard import attached, attached_pages, charts, data
 from kvscope.dashboard.frame import Selection, selection
 from kvscope.dashboard.verdict import Verdict, leak_verdict, run_seconds
 
 LIVE_EVERY_S = 1.0
-VERDICT_BOXES = {"clean": st.success, "failed": st.error, "inconclusive": st.warning}
+VERDICT_BOXES = {"clean": st.success, "failed": st.error, "inconclusive": st.warning, "not known": st.info}
 
 
 def _pct(value: float | None) -> str:
@@ -136,4 +136,7 @@ def live_panel() -> None:
 
 chosen = selection()
 st.header("Overview")
+if attached.source_of(chosen.run) is not None:  # a real engine watched by `kvscope attach`
+    st.fragment(attached_pages.overview_panel, run_every=LIVE_EVERY_S if chosen.live else None)()
+    st.stop()
 st.fragment(live_panel, run_every=LIVE_EVERY_S if chosen.live else None)()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import charts, data, latency, reads, tenants, timing, url_state
+from kvscope.dashboard import attached, attached_pages, charts, data, latency, reads, tenants, timing, url_state
 from kvscope.dashboard.frame import Selection, selection
 
 PAGE_ROWS = 60
@@ -68,6 +68,9 @@ def request_rows(requests: pd.DataFrame) -> pd.DataFrame:
 
 chosen = selection()
 st.header("Requests")
+if (source := attached.source_of(chosen.run)) is not None:  # a real engine watched by `kvscope attach`
+    attached_pages.requests(chosen, source)
+    st.stop()
 notes = st.container()
 requests = data.requests(chosen.path, chosen.run_id, chosen.stamp)
 if chosen.running:

@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import charts, data
+from kvscope.dashboard import attached, attached_pages, charts, data
 from kvscope.dashboard.frame import PAGES_DIR, Selection, selection
 from kvscope.telemetry import CaptureError
 
@@ -181,6 +181,9 @@ def tiers_view(chosen: Selection) -> None:
 
 chosen = selection()
 st.header("Tiers")
+if (source := attached.source_of(chosen.run)) is not None:  # a real engine watched by `kvscope attach`
+    attached_pages.tiers(chosen, source)
+    st.stop()
 st.fragment(live_panel, run_every=LIVE_EVERY_S if chosen.live else None)()
 if st.button("Open the Radix tree coloured by tier", key="tiers.to_tree", icon=":material/account_tree:"):
     st.session_state[TREE_COLOR_KEY] = "tier"

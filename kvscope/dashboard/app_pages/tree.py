@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import charts, data, leak_views, reads, tenants, url_state
+from kvscope.dashboard import attached, attached_pages, charts, data, leak_views, reads, tenants, url_state
 from kvscope.dashboard.frame import Selection, selection
 from kvscope.dashboard.timing import Clock, zone_name
 
@@ -131,6 +131,9 @@ def diff_section(chosen: Selection, lo: int, hi: int, step: int) -> None:
 
 chosen = selection()
 st.header("Radix tree")
+if (source := attached.source_of(chosen.run)) is not None:  # a real engine watched by `kvscope attach`
+    attached_pages.tree(chosen, source)
+    st.stop()
 notes = st.container()
 bounds = data.step_range(chosen.path, chosen.run_id, chosen.stamp).iloc[0]
 if pd.isna(bounds["lo"]):
