@@ -37,6 +37,7 @@ from kvscope.engine import (
     CacheKind,
     Engine,
     EngineConfig,
+    EngineStalled,
     EngineStats,
     FaultSpec,
     LeakDetected,
@@ -147,7 +148,7 @@ def run_verb(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     try:
         stats = run(spec)
-    except LeakDetected as err:
+    except (LeakDetected, EngineStalled) as err:
         print(f"kvscope {args.verb}: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1
     except RecordingStopped:  # the recorder printed its one line when it stopped

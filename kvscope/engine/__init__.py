@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from kvscope.engine.read_check import ReadChecker
     from kvscope.engine.request import Req
     from kvscope.engine.scheduler import LogitsHook
-    from kvscope.engine.stats import EngineStats, LeakDetected
+    from kvscope.engine.stats import EngineStalled, EngineStats, LeakDetected
 
 _LAZY_NAMES = {
     "Engine": "kvscope.engine.engine",
@@ -37,6 +37,7 @@ _LAZY_NAMES = {
     "ReadChecker": "kvscope.engine.read_check",
     "Req": "kvscope.engine.request",
     "LogitsHook": "kvscope.engine.scheduler",
+    "EngineStalled": "kvscope.engine.stats",
     "EngineStats": "kvscope.engine.stats",
     "LeakDetected": "kvscope.engine.stats",
 }
@@ -57,6 +58,7 @@ __all__ = [
     "CacheKind",
     "Engine",
     "EngineConfig",
+    "EngineStalled",
     "EngineStats",
     "FaultSpec",
     "LeakDetected",

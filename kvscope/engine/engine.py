@@ -26,11 +26,12 @@ from kvscope.engine.model import ModelConfig, TinyTransformer, kv_pool_shape
 from kvscope.engine.read_check import ReadChecker
 from kvscope.engine.request import Req, ReqState
 from kvscope.engine.scheduler import LogitsHook, Scheduler
-from kvscope.engine.stats import EngineStats
+from kvscope.engine.stats import EngineStalled, EngineStats
 from kvscope.mem import resolve_device
 from kvscope.telemetry import NULL_RECORDER, FaultKind, Recorder
 
 ENDED = (ReqState.FINISHED, ReqState.ABORTED)
+STALL_STEPS = 8  # steps in a row with nothing admitted or running before a batch run gives up
 ProgressHook = Callable[[EngineStats, int], None]  # (stats, requests submitted so far)
 
 
@@ -154,12 +155,24 @@ class Engine:
                 time.sleep(max(0.0, arrivals[submitted] - time.monotonic()))
                 continue
             self.step()
+            if scheduler.stalled_steps >= STALL_STEPS:
+                raise EngineStalled(self.stall_message())
             if progress is not None:
                 progress(self.stats, submitted)
             if max_steps is not None and scheduler.step >= max_steps:
                 break
         self.finish_run()
         return self.stats
+
+    def stall_message(self) -> str:
+        """One line: why no waiting request can start."""
+        scheduler, memory = self.scheduler, self.memory
+        head = scheduler.waiting[0] if scheduler.waiting else None
+        full = memory.full_terms()
+        need = f"the next ({head.rid}) needs {head.all_len} tokens; " if head is not None else ""
+        return (f"stalled at step {scheduler.step}: {len(scheduler.waiting)} requests wait and none can start, none "
+                f"runs: {need}the pool has {full.available} free and {full.evictable} evictable of {full.total}, and "
+                f"{full.protected} stay locked with no request running (a lock that is never released?)")
 
     def finish_run(self) -> None:
         """The end of a run: the tree's last snapshot; requests still open get 'unfinished' rows."""

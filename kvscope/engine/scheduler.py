@@ -71,6 +71,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.step = 0
+        self.stalled_steps = 0  # steps in a row that admitted and ran nothing while requests waited
         self.last_snapshot_step = -1
         self.new_token_ratio = self.sched.init_new_token_ratio
         self.stats = EngineStats(recorder)
@@ -100,6 +101,9 @@ class Scheduler:
             self._run_prefill(admitted)
         elif self.running:
             self._run_decode()
+        # NOTE: nothing admitted and nothing running while requests wait: memory frees only when a
+        # request ends or a copy is acknowledged, so a few such steps in a row mean none ever will
+        self.stalled_steps = 0 if admitted or self.running else self.stalled_steps + 1
         self.stats.sample(self.step, self.memory, len(self.running), len(self.waiting))
         if self.recorder.summary_enabled and self.step % self.sched.snapshot_interval_steps == 0:
             self.snapshot()

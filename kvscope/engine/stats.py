@@ -21,6 +21,11 @@ class LeakDetected(RuntimeError):
     """The idle leak check failed and the engine was told to stop on it."""
 
 
+class EngineStalled(RuntimeError):
+    """Requests wait, none can be admitted and none runs: the run can never finish (a batch run
+    stops with this instead of looping forever)."""
+
+
 @dataclass
 class EngineStats:
     recorder: Recorder

@@ -54,3 +54,25 @@ def test_a_capture_that_stops_recording_exits_4(tmp_path: Path) -> None:
     check = subprocess.run([sys.executable, "-m", "kvscope", "check", "c.db"], capture_output=True, text=True,
                            cwd=tmp_path, check=False)
     assert check.returncode == 3 and "incomplete" in check.stdout, check.stdout + check.stderr
+
+
+STALLING = ("--workload", "multi-turn", "--num-requests", "16", "--seed", "1", "--kv-tokens", "400",
+            "--chunked-prefill-size", "64", "--inject-seed", "5")
+
+
+def test_a_run_whose_pool_is_starved_by_leaked_locks_stops_with_one_line(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "kvscope", "run", *STALLING, "--inject", "lock-leak:0.4",
+                           "--capture", "c.db"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 1, done.stderr
+    line = done.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert line.startswith("kvscope run: stalled at step ") and "stay locked with no request running" in line
+    with sqlite3.connect(tmp_path / "c.db") as conn:
+        status, error = conn.execute("SELECT status, error FROM runs").fetchone()
+    assert status == "crashed" and "stalled at step" in error
+    report = subprocess.run([sys.executable, "-m", "kvscope", "report", "leaks", "c.db"], capture_output=True,
+                            text=True, cwd=tmp_path, timeout=120)
+    assert "lock-never-released" in report.stdout  # the debugger names the locks that starved it
+    control = subprocess.run([sys.executable, "-m", "kvscope", "run", *STALLING, "--level", "off"],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert control.returncode == 0, control.stderr  # the same run without the leak finishes
