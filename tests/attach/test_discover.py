@@ -5,10 +5,7 @@ and (marked `engines`) a real vLLM server. Bad URLs fail with one line."""
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,10 +27,10 @@ from tests.attach.loopback_http import (
     text_route,
     url_of,
 )
+from tests.engines.vllm_server import vllm_server
 
 METRICS = Path(__file__).parent / "data" / "metrics"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-VLLM_VENV = Path("/root/.cache/kvscope/vllm-venv")  # `make test-engines` names another in KVSCOPE_VLLM_PYTHON
 
 
 def sglang_routes(version: str, *, kv_events: dict[str, Any] | None = None, kv_events_config: str | None = None,
@@ -248,60 +245,20 @@ def wait_for(take: Any, done: Any, timeout_s: float = 30.0) -> Any:
 
 
 @pytest.mark.engines
-def test_a_real_vllm_server_is_found_and_scraped(tmp_path: Path) -> None:
-    python = Path(os.environ.get("KVSCOPE_VLLM_PYTHON") or VLLM_VENV / "bin" / "python")
-    if not python.exists():
-        pytest.skip(f"no vLLM python at {python} (`make test-engines` makes the venv; docs/attach.md says how)")
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-        "vocab_size": 512, "max_position_embeddings": 512, "torch_dtype": "float32", "rms_norm_eps": 1e-5}))
-    port = free_port()
-    log = (tmp_path / "vllm.log").open("w")
-    process = subprocess.Popen(
-        [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--load-format", "dummy",
-         "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "256", "--block-size", "32",
-         "--num-gpu-blocks-override", "12", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(url, process, tmp_path / "vllm.log")
+def test_a_real_vllm_server_is_found_and_scraped() -> None:
+    with vllm_server() as server:
+        url = server.url
         info = discover(url)
-        assert info == EngineInfo("vllm", "0.32.0", str(model), 32, 384, None, ())
+        assert info == EngineInfo("vllm", "0.32.0", server.model, 32, 384, None, ())
         before = scrape(url, info)
         assert (before.capacity_tokens, before.used_tokens, before.prompt_tokens_total, before.cached_tokens_total,
                 before.num_running, before.preemptions_total) == (384, 0, 0, 0, 0, 0)
         first = list(range(3, 103))
         second = first[:64] + list(range(200, 236))  # shares two full 32-token blocks with the first
         for prompt in (first, second):
-            answer = httpx.post(f"{url}/v1/completions", json={"model": str(model), "prompt": prompt, "max_tokens": 1},
-                                timeout=120)
+            answer = httpx.post(f"{url}/v1/completions", json={"model": server.model, "prompt": prompt,
+                                                               "max_tokens": 1}, timeout=120)
             assert answer.status_code == 200, answer.text
         after = wait_for(lambda: scrape(url, info), lambda s: s.prompt_tokens_total == 200)
         assert (after.prompt_tokens_total, after.cached_tokens_total) == (200, 64)
         assert (after.available_tokens, after.evictable_tokens, after.evicted_tokens_total) == (None, None, None)
-    finally:
-        process.terminate()
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-        log.close()
-
-
-def wait_until_up(url: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"vLLM exited with {process.returncode}: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/version", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"vLLM was not up within {timeout_s} s: {log.read_text()[-3000:]}")

@@ -13,15 +13,11 @@ and names its python in KVSCOPE_VLLM_PYTHON); `make test` skips it.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,72 +27,18 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-VLLM_PYTHON = os.environ.get("KVSCOPE_VLLM_PYTHON") or str(CACHE / "kvscope" / "vllm-venv" / "bin" / "python")
+from tests.engines.vllm_server import BLOCK, NUM_BLOCKS, VllmServer, vllm_server
+
 pytestmark = pytest.mark.engines  # NOTE: skipped unless `-m engines` selects it (tests/conftest.py)
 
-BLOCK = 32
-NUM_BLOCKS = 12  # --num-gpu-blocks-override; vLLM keeps one as its null block
 USABLE_BLOCKS = NUM_BLOCKS - 1
 PROMPT_LEN = 100  # 3 full blocks; with its 1 output token the request holds 4 blocks (the 4th partial)
-READY_TIMEOUT_S = 240.0
-MODEL_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512,
-    "max_position_embeddings": 512, "torch_dtype": "float32", "rms_norm_eps": 1e-5, "bos_token_id": 1,
-    "eos_token_id": 2, "tie_word_embeddings": False,
-}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
-def vllm() -> Iterator[tuple[str, Path]]:
-    """A vLLM server; yields its URL and a short temp dir holding its ipc sockets (kv.sock, replay.sock)."""
-    assert Path(VLLM_PYTHON).exists(), f"no vLLM venv at {VLLM_PYTHON}: `make test-engines` makes it"
-    tmp = Path(tempfile.mkdtemp(prefix="kvs-vllm-", dir="/tmp"))  # NOTE: ipc:// paths must stay short
-    model = tmp / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
-    port = free_port()
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{tmp}/kv.sock",
-              "replay_endpoint": f"ipc://{tmp}/replay.sock", "topic": "kv"}
-    log = (tmp / "vllm.log").open("w")
-    process = subprocess.Popen(
-        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--load-format", "dummy",
-         "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "256", "--block-size", str(BLOCK),
-         "--num-gpu-blocks-override", str(NUM_BLOCKS), "--host", "127.0.0.1", "--port", str(port),
-         "--kv-events-config", json.dumps(events)],
-        stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
-        start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            assert process.poll() is None, f"vLLM exited: {(tmp / 'vllm.log').read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "vLLM did not get ready"
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        yield url, tmp
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(10)
-        log.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+def vllm() -> Iterator[VllmServer]:
+    with vllm_server() as server:
+        yield server
 
 
 def complete(url: str, prompt: list[int]) -> None:
@@ -170,12 +112,12 @@ def rows(db: Path, sql: str) -> list[tuple[Any, ...]]:
         conn.close()
 
 
-def test_attach_rebuilds_vllms_blocks_and_evictions(vllm: tuple[str, Path], tmp_path: Path) -> None:
-    url, sockets = vllm
+def test_attach_rebuilds_vllms_blocks_and_evictions(vllm: VllmServer, tmp_path: Path) -> None:
+    url = vllm.url
     capture = tmp_path / "vllm.db"
     attach = subprocess.Popen(
-        [sys.executable, "-m", "kvscope", "attach", "--url", url, "--kv-events", f"ipc://{sockets}/kv.sock",
-         "--replay", f"ipc://{sockets}/replay.sock", "--topic", "kv", "--capture", str(capture), "--scrape-s", "0.5",
+        [sys.executable, "-m", "kvscope", "attach", "--url", url, "--kv-events", vllm.kv_events,
+         "--replay", vllm.replay, "--topic", "kv", "--capture", str(capture), "--scrape-s", "0.5",
          "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         time.sleep(3.0)  # discovery, the capture made, the SUB socket connected (the replay fills in anyway)

@@ -52,6 +52,8 @@ from kvscope.cache.tree import (
     check_tree_slots,
     claim_slots,
     common_page_len,
+    preview,
+    render,
 )
 from kvscope.mem import BaseTokenAllocator, CacheController, HostTokenAllocator, IntegrityError, ReqToTokenPool
 from kvscope.telemetry import NULL_RECORDER, CopyKind, EventKind, EvictReason, PoolName, Recorder
@@ -577,28 +579,19 @@ class HiRadixCache(RadixCache):
                 raise IntegrityError(f"{op.kind} op {op_id} in flight but node {op.lock_node.id} is unlocked")
 
     def pretty_print(self) -> str:
-        lines = []
-        for node, depth, _ in hi_walk(self.root):
-            if node is self.root:
-                lines.append(f"root [{node.id}]")
-                continue
-            flight = "".join(f" {k}={v}" for k, v in (("writing", node.write_op), ("loading", node.load_op)) if v)
-            lines.append(f"{'  ' * depth}[{node.id}] {node.key_len} tok {node.tier} lock={node.lock_ref} "
-                         f"hits={node.hit_count}{flight}: {self._preview(node, 6)}")
-        return "\n".join(lines)
+        def tier_and_copies(node: HiTreeNode) -> str:
+            return node.tier + "".join(f" {k}={v}" for k, v in (("writing", node.write_op), ("loading", node.load_op))
+                                       if v)
+
+        return render(self.root, extra=tier_and_copies)
 
     def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]:
         """The flat node table; num_tokens counts a node's key on whichever tier holds it."""
         return [
             NodeRow(node_id=node.id, parent_id=None if node.parent is None else node.parent.id,
-                    num_tokens=node.key_len, token_preview=self._preview(node, preview_tokens),
+                    num_tokens=node.key_len, token_preview=preview(node, preview_tokens),
                     lock_ref=node.lock_ref, last_access_time=node.last_access_time, hit_count=node.hit_count,
                     owner=node.owner, tombstone=False, depth_tokens=start + node.key_len,
                     visibility=node.visibility, tier=node.tier)
             for node, _, start in hi_walk(self.root)
         ]
-
-    @staticmethod
-    def _preview(node: HiTreeNode, num_tokens: int) -> str:
-        ids = node.token_ids()[:num_tokens].tolist()
-        return " ".join(map(str, ids)) + (" …" if node.key_len > num_tokens else "")

@@ -17,7 +17,7 @@ from typing import Literal
 
 import numpy as np
 
-from kvscope.cache.tree import TOKEN_BYTES, TreeNode
+from kvscope.cache.tree import TOKEN_BYTES, TreeNode, walk
 from kvscope.telemetry import EventKind, Recorder
 
 Tier = Literal["device", "device+host", "host"]
@@ -43,10 +43,6 @@ class HiTreeNode(TreeNode):
     @property
     def backed_up(self) -> bool:
         return self.host_value is not None
-
-    @property
-    def key_len(self) -> int:
-        return len(self.key) // TOKEN_BYTES
 
     @property
     def tier(self) -> Tier:
@@ -92,13 +88,5 @@ def split_hi_node(child: HiTreeNode, split_len: int, page_bytes: int, recorder: 
 
 
 def hi_walk(root: HiTreeNode) -> list[tuple[HiTreeNode, int, int]]:
-    """(node, depth in nodes, depth in tokens at the node's start), depth-first, root first;
-    lengths from the key, so host-only nodes count."""
-    out: list[tuple[HiTreeNode, int, int]] = []
-    stack: list[tuple[HiTreeNode, int, int]] = [(root, 0, 0)]
-    while stack:
-        node, depth, start = stack.pop()
-        out.append((node, depth, start))
-        end = start + node.key_len
-        stack += [(c, depth + 1, end) for c in reversed(list(node.children.values()))]  # type: ignore[misc]
-    return out
+    """tree.walk over a two-tier tree (lengths come from the keys, so host-only nodes count)."""
+    return walk(root)  # type: ignore[return-value]

@@ -64,6 +64,11 @@ class TreeNode:
     def num_tokens(self) -> int:
         return len(self.value)
 
+    @property
+    def key_len(self) -> int:
+        """Tokens in the key (equal to num_tokens wherever the node holds device slots)."""
+        return len(self.key) // TOKEN_BYTES
+
     def token_ids(self) -> np.ndarray:
         return np.frombuffer(self.key, dtype=np.int32)
 
@@ -144,14 +149,14 @@ def walk(root: TreeNode) -> list[tuple[TreeNode, int, int]]:
     while stack:
         node, depth, start = stack.pop()
         out.append((node, depth, start))
-        end = start + len(node.value)
+        end = start + node.key_len  # NOTE: from the key: a hiradix host-only node holds no device slots
         stack += [(c, depth + 1, end) for c in reversed(list(node.children.values()))]
     return out
 
 
 def preview(node: TreeNode, num_tokens: int) -> str:
     ids = node.token_ids()[:num_tokens].tolist()
-    return " ".join(map(str, ids)) + (" …" if len(node.value) > num_tokens else "")
+    return " ".join(map(str, ids)) + (" …" if node.key_len > num_tokens else "")
 
 
 def export_rows(root: TreeNode, preview_tokens: int = 8) -> list[NodeRow]:
@@ -182,7 +187,7 @@ def render(root: TreeNode, preview_tokens: int = 6, extra: Any = None) -> str:
         flags = " tombstone" if node.tombstone else ""
         more = f" {extra(node)}" if extra else ""
         lines.append(
-            f"{'  ' * depth}[{node.id}] {len(node.value)} tok lock={node.lock_ref} "
+            f"{'  ' * depth}[{node.id}] {node.key_len} tok lock={node.lock_ref} "
             f"hits={node.hit_count}{flags}{more}: {preview(node, preview_tokens)}"
         )
     return "\n".join(lines)

@@ -339,7 +339,7 @@ def test_views_show_each_tier() -> None:
     evict_all(t)
     insert_seq(t, np.arange(700, 708, dtype=np.int32))
     text = t.cache.pretty_print()
-    assert " host " in text and " device+host " in text and "writing=" in text
+    assert " hits=1 host: " in text and " device+host writing=" in text  # each node names its tier
     rows = t.cache.export_nodes()
     assert sorted(r.num_tokens for r in rows) == [0, 8, 16]
     assert all(r.depth_tokens == r.num_tokens for r in rows)

