@@ -156,12 +156,9 @@ class BaseTokenAllocator:
             self.recorder.record(EventKind.ALLOC, pool=self.pool_name, rid=self.active_rid, num_tokens=len(slots),
                                  slots=slots)
             return
+        rids, counts = zip(*self.active_batch, strict=True) if self.active_batch else ((), ())
         host = slots.cpu().numpy() if isinstance(slots, torch.Tensor) else slots  # numpy slices are cheaper
-        start = 0
-        for rid, num_tokens in self.active_batch:
-            self.recorder.record(EventKind.ALLOC, pool=self.pool_name, rid=rid, num_tokens=num_tokens,
-                                 slots=host[start : start + num_tokens])
-            start += num_tokens
+        self.recorder.record_batch(EventKind.ALLOC, pool=self.pool_name, rids=rids, num_tokens=counts, slots=host)
 
     def record_free(self, slots: Any) -> None:
         self.recorder.record(EventKind.FREE, pool=self.pool_name, rid=self.active_rid, num_tokens=len(slots),

@@ -41,6 +41,7 @@ afterwards. kvscope's pools and caches only ever create new arrays (slicing, cat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Any, NamedTuple
 
@@ -169,6 +170,16 @@ class Recorder:
         """Append one event. Called only when `enabled`; must not raise on the hot path.
         `reason` is an EvictReason, or a FaultKind for inject / violation events; `principal`
         is the owner of the node an insert event creates, or the requester of a match (see above)."""
+
+    def record_batch(self, kind: EventKind, *, pool: PoolName | None, rids: Sequence[str | None],
+                     num_tokens: Sequence[int], slots: Any) -> None:
+        """One event per request of a batch, in order: request i gets the next num_tokens[i] of
+        `slots` (which holds sum(num_tokens) slots). The same events as that many record()
+        calls; a recorder may keep the batch as one item until it writes."""
+        start = 0
+        for rid, count in zip(rids, num_tokens, strict=True):
+            self.record(kind, pool=pool, rid=rid, num_tokens=count, slots=slots[start : start + count])
+            start += count
 
 
 class NullRecorder(Recorder):

@@ -22,6 +22,14 @@ import pandas as pd
 from sqlalchemy import Engine, Executable, func, null, select
 
 from kvscope.telemetry import schema
+from kvscope.telemetry.event_source import (
+    EVENT_COLUMNS,
+    PackedEvents,
+    last_seq,
+    packed_arrays,
+    python_values,
+    read_events,
+)
 from kvscope.telemetry.events import EventKind
 from kvscope.telemetry.store import open_reader, reraise_read_error, stored_version
 from kvscope.telemetry.tree_replay import STRUCTURAL_KINDS, replay_tree
@@ -38,6 +46,7 @@ class Capture:
     def __init__(self, target: str | Path) -> None:
         self.target = str(target)
         self.engine: Engine = open_reader(target)
+        self.packed = PackedEvents(self.engine)
         self._snapshots: OrderedDict[tuple[int, int], pd.DataFrame] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -118,26 +127,34 @@ class Capture:
         rid: str | None = None,
         node_id: int | None = None,
         step_range: tuple[int, int] | None = None,
-        limit: int = 1000,
+        limit: int | None = 1000,
         offset: int = 0,
+        columns: Sequence[str] = EVENT_COLUMNS,
     ) -> pd.DataFrame:
-        e = schema.events.c
-        stmt = select(*schema.columns_as_of(schema.events, self.schema_version)).where(e.run_id == run_id)
-        if kinds:
-            stmt = stmt.where(e.kind.in_([str(k) for k in kinds]))
-        if rid is not None:
-            stmt = stmt.where(e.rid == rid)
-        if node_id is not None:
-            stmt = stmt.where(e.node_id == node_id)
-        if step_range is not None:
-            stmt = stmt.where(e.step.between(*step_range))
-        return self.read_frame(stmt.order_by(e.seq).limit(limit).offset(offset))
+        """The run's events in seq order (every column but run_id unless `columns` says), from
+        either layout (event_source.py); `limit` None: all of them."""
+        return read_events(self, run_id, columns, kinds=None if kinds is None else [str(k) for k in kinds],
+                           rid=rid, node_id=node_id, step_range=step_range, limit=limit, offset=offset)
 
     def event_stream(self, run_id: int, columns: Sequence[str], *, after_seq: int = -1,
                      batch_rows: int = 20_000) -> Iterator[list[tuple]]:
         """The run's events after `after_seq` in sequence order, as plain tuples of `columns`
         (names of schema.events), a batch at a time: the ledger replay's path (a DataFrame or
         Row per event costs more than the replay itself)."""
+        chunks = self.packed.chunks(run_id)
+        if chunks.empty:
+            yield from self._row_stream(run_id, columns, after_seq, batch_rows)
+            return
+        names = ["seq", *(c for c in columns if c != "seq")]
+        for chunk in chunks[chunks.first_seq + chunks.num_events - 1 > after_seq].itertuples(index=False):
+            arrays = packed_arrays(self.packed, pd.DataFrame([chunk]), run_id, names, after_seq=after_seq)
+            values = [python_values(self.packed, run_id, c, arrays[c]) for c in columns]
+            rows = list(zip(*values, strict=True))
+            for start in range(0, len(rows), batch_rows):
+                yield rows[start : start + batch_rows]
+
+    def _row_stream(self, run_id: int, columns: Sequence[str], after_seq: int,
+                    batch_rows: int) -> Iterator[list[tuple]]:
         e = schema.events.c
         stmt = (select(*(e[name] for name in columns))
                 .where(e.run_id == run_id, e.seq > after_seq).order_by(e.seq))
@@ -158,10 +175,7 @@ class Capture:
 
     def last_event_seq(self, run_id: int) -> int:
         """The run's last event seq (-1 when it has none)."""
-        e = schema.events.c
-        with self.engine.connect() as conn:
-            found = conn.execute(select(func.max(e.seq)).where(e.run_id == run_id)).scalar_one_or_none()
-        return -1 if found is None else int(found)
+        return last_seq(self, run_id)
 
     def stored_report(self, run_id: int, kind: str) -> Any | None:
         """The report row (through_seq, built_at, producer, body) stored with the run, or None
@@ -174,6 +188,10 @@ class Capture:
                                 .where(r.run_id == run_id, r.kind == kind)).first()
 
     def event_counts(self, run_id: int) -> pd.DataFrame:
+        """kind, count: the run's events per kind, by kind."""
+        counts = self.packed.kind_counts(run_id)
+        if counts:
+            return pd.DataFrame(sorted(counts.items()), columns=["kind", "count"])
         e = schema.events.c
         stmt = select(e.kind, func.count().label("count")).where(e.run_id == run_id).group_by(e.kind)
         return self.read_frame(stmt.order_by(e.kind))
@@ -204,7 +222,7 @@ class Capture:
         if base_step is not None:
             nodes = self._snapshot(run_id, int(base_step))
         start = -1 if base_step is None else base_step
-        events = self.events(run_id, kinds=STRUCTURAL_KINDS, step_range=(start + 1, step), limit=10_000_000)
+        events = self.events(run_id, kinds=STRUCTURAL_KINDS, step_range=(start + 1, step), limit=None)
         return replay_tree(nodes.drop(columns=["run_id", "step"], errors="ignore"), events)
 
     def _snapshot(self, run_id: int, step: int) -> pd.DataFrame:

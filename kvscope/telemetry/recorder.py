@@ -4,10 +4,11 @@ NOTE: levels
     off      nothing recorded (use NullRecorder)
     summary  usage samples, requests, leak checks, tree snapshots
     full     summary + every memory event with its slots (`enabled` is True only here)
-The caller's thread pays one append per event (plus a length check); the writer drains the
-buffer every `flush_interval_s` or when `flush_max_events` are waiting, converts slots to
-int32 bytes, and inserts each table's rows with one executemany, all in one transaction.
-At 4 x flush_max_events waiting, record() waits for the writer (back-pressure).
+The caller's thread pays one append per event (plus a length check), or one per batch
+(record_batch); the writer drains the buffer every `flush_interval_s` or when
+`flush_max_events` are waiting, packs the events into one chunk of columns (packed.py: a few
+blobs, not a row per event) and inserts it with the other tables' rows, all in one
+transaction. At 4 x flush_max_events waiting, record() waits for the writer (back-pressure).
 
 NOTE: what survives
     SIGKILL        everything up to the last flush; the run stays 'running' (readers show
@@ -16,16 +17,15 @@ NOTE: what survives
                    stderr and in `failure` says through which step the capture is complete, and
                    close() marks the run 'incomplete' with that line (or, if even that write
                    fails, leaves it 'running'); everything committed before stays readable
-    close()        flushes, marks the run (finished / interrupted / crashed / incomplete), builds
-                   the deferred indexes and folds the log into the file (store.settle); it never
-                   raises, and on the main thread a second SIGINT/SIGTERM/SIGHUP while it runs is
-                   swallowed: the capture always ends closed
+    close()        flushes, marks the run (finished / interrupted / crashed / incomplete) and
+                   folds the log into the file (store.settle); it never raises, and on the
+                   main thread a second SIGINT/SIGTERM/SIGHUP while it runs is swallowed: the
+                   capture always ends closed
 """
 
 from __future__ import annotations
 
 import atexit
-import itertools
 import json
 import os
 import signal
@@ -47,6 +47,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kvscope.telemetry import schema
 from kvscope.telemetry.events import EventKind, PoolName, Recorder
+from kvscope.telemetry.packed import BATCH, Chunk, Packer
 from kvscope.telemetry.records import LEVELS, LeakCheck, NodeRow, RequestRecord, RunStatus, UsageSample
 from kvscope.telemetry.store import BulkInsert, CaptureError, display_name, first_line, open_writer, settle
 
@@ -90,14 +91,17 @@ class SQLRecorder(Recorder):
         self._complete_step = -1  # NOTE: every row of steps <= this is committed
         self._snapshot_step: int | None = None
         self.closed = False
-        self._seq = itertools.count()
+        self._packer = Packer()
+        self._chunks = 0
         self._events: deque[tuple[Any, ...]] = deque()
         self._rows: deque[tuple[str, tuple[Any, ...]]] = deque()
         self._max_events = flush_max_events
         self._backlog_cap = 4 * flush_max_events
         self._interval_s = flush_interval_s
         self._inserts = {
-            "events": BulkInsert(self.engine, schema.events, schema.EVENT_COLUMNS),
+            "event_chunks": BulkInsert(self.engine, schema.event_chunks, [c.name for c in schema.event_chunks.c]),
+            "event_columns": BulkInsert(self.engine, schema.event_columns, [c.name for c in schema.event_columns.c]),
+            "event_strings": BulkInsert(self.engine, schema.event_strings, [c.name for c in schema.event_strings.c]),
             "tree_snapshots": BulkInsert(self.engine, schema.tree_snapshots, schema.TREE_SNAPSHOT_COLUMNS),
             "leak_checks": BulkInsert(self.engine, schema.leak_checks, schema.LEAK_CHECK_COLUMNS),
             "usage": BulkInsert(self.engine, schema.usage, schema.USAGE_COLUMNS),
@@ -143,16 +147,23 @@ class SQLRecorder(Recorder):
         aux: int = 0,
         principal: str | None = None,
     ) -> None:
-        # NOTE: a buffered event is its row in schema.EVENT_COLUMNS order without run_id (slots
-        # last, converted when drained); plain str values, not Enum members, so the GC can stop
-        # tracking buffered tuples
+        # NOTE: a buffered event is packed.BUFFER_FIELDS (its seq is its place in the buffer);
+        # plain str values, not Enum members, so the GC can stop tracking buffered tuples
         events = self._events
-        events.append((next(self._seq), self.step, time.monotonic(), kind._value_, pool and pool._value_, rid,
-                       node_id, num_tokens, aux, reason and reason._value_, principal, slots))
+        events.append((self.step, time.monotonic(), kind._value_, pool and pool._value_, rid, node_id, num_tokens,
+                       aux, reason and reason._value_, principal, slots))
         if len(events) >= self._max_events:
             self._wake.set()
             if len(events) >= self._backlog_cap:
                 self.flush()  # back-pressure: never let the buffer outgrow the writer without bound
+
+    def record_batch(self, kind: EventKind, *, pool: PoolName | None, rids: Any, num_tokens: Any,
+                     slots: Any) -> None:
+        events = self._events
+        events.append((self.step, time.monotonic(), kind._value_, pool and pool._value_, tuple(rids), BATCH,
+                       tuple(num_tokens), 0, None, None, slots))
+        if len(events) >= self._max_events:
+            self._wake.set()
 
     def usage(self, sample: UsageSample) -> None:
         swa = sample.swa or (None, None, None, None)
@@ -241,16 +252,23 @@ class SQLRecorder(Recorder):
         print(f"kvscope recorder: recording stopped, {self.failure}", file=sys.stderr, flush=True)
 
     def _drain(self) -> dict[str, list[tuple[Any, ...]]]:
-        run_id = self.run_id
         out: dict[str, list[tuple[Any, ...]]] = {name: [] for name in self._inserts}
         events, rows = self._events, self._rows
-        out["events"] = [
-            (run_id, *e[:-1], slots_blob(e[-1])) for e in (events.popleft() for _ in range(len(events)))
-        ]
+        buffered = [events.popleft() for _ in range(len(events))]
+        if buffered:
+            self._add_chunk(out, self._packer.pack(buffered))
         for _ in range(len(rows)):
             table, row = rows.popleft()
             out[table].append(row)
         return out
+
+    def _add_chunk(self, out: dict[str, list[tuple[Any, ...]]], chunk: Chunk) -> None:
+        run_id, number = self.run_id, self._chunks
+        self._chunks += 1
+        out["event_strings"].extend((run_id, code, text) for code, text in chunk.new_strings)
+        out["event_chunks"].append((run_id, number, chunk.first_seq, chunk.num_events, chunk.first_step,
+                                    chunk.last_step, chunk.kinds))
+        out["event_columns"].extend((run_id, number, name, data) for name, data in chunk.columns.items())
 
     def _write(self, batches: dict[str, list[tuple[Any, ...]]]) -> None:
         with self.engine.begin() as conn:
@@ -274,8 +292,6 @@ class SQLRecorder(Recorder):
             self._thread.join()
             self._flush_now(closing=True)
             self._mark_ended(status, error)
-            if self.failure is None:
-                self._build_deferred_indexes()
             settle(self.engine)
             self.engine.dispose()
             atexit.unregister(self.close)
@@ -290,15 +306,6 @@ class SQLRecorder(Recorder):
         except Exception as err:  # NOTE: the run stays 'running': readers show "ended without closing"
             if self.failure is None:
                 self._stop_recording(err)
-
-    def _build_deferred_indexes(self) -> None:
-        for index in schema.DEFERRED_INDEXES:
-            try:
-                index.create(self.engine, checkfirst=True)
-            except Exception as err:  # NOTE: readers read without them (dialect.read_through)
-                print(f"kvscope recorder: building the {index.name} index failed: {first_line(err)}",
-                      file=sys.stderr)
-                return
 
     def __enter__(self) -> SQLRecorder:
         return self

@@ -43,6 +43,10 @@ the new version): every older row stays valid, with NULL in the added columns.
        older version keeps NOT NULL on them (SQLite cannot relax a column), so an attached run
        is refused there (attach_ready tells); engine runs write every one of them, as before;
        the evict reason reset (the engine's cache was cleared).
+    6  events packed by column (telemetry/packed.py): a run's events are chunks
+       (event_chunks, event_columns, event_strings) instead of one `events` row each. A run
+       written before version 6 keeps its rows, and readers read either (EventSource); a file
+       upgraded to 6 can hold runs of both layouts. `kvscope upgrade` packs an older file's rows.
 `reports` came after version 1 without a bump: it is an additive table (older readers never
 look at it), a reader treats it as optional, and a writer adds it to an older file. A column
 got a bump because a version-1 reader cannot see it and would show an owner as missing.
@@ -69,7 +73,7 @@ from sqlalchemy import (
     null,
 )
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 OLDEST_READABLE_VERSION = 1
 metadata = MetaData()
 
@@ -223,7 +227,35 @@ reports = Table(
     Column("producer", String(64), nullable=False),  # what built it (kvscope version, report format)
     Column("body", Text, nullable=False),
 )
-OPTIONAL_TABLES = (reports,)
+# NOTE: version 6, events packed by column (packed.py): a chunk's row, its columns, the run's strings
+event_chunks = Table(
+    "event_chunks",
+    metadata,
+    Column("run_id", Integer, primary_key=True),
+    Column("chunk", Integer, primary_key=True),
+    Column("first_seq", Integer, nullable=False),
+    Column("num_events", Integer, nullable=False),
+    Column("first_step", Integer, nullable=False),
+    Column("last_step", Integer, nullable=False),
+    Column("kinds", Text, nullable=False),  # the distinct kinds, comma-separated
+)
+event_columns = Table(
+    "event_columns",
+    metadata,
+    Column("run_id", Integer, primary_key=True),
+    Column("chunk", Integer, primary_key=True),
+    Column("name", String(16), primary_key=True),
+    Column("data", LargeBinary, nullable=False),
+)
+event_strings = Table(
+    "event_strings",
+    metadata,
+    Column("run_id", Integer, primary_key=True),
+    Column("code", Integer, primary_key=True),
+    Column("text", Text, nullable=False),
+)
+PACKED_TABLES = (event_chunks, event_columns, event_strings)
+OPTIONAL_TABLES = (reports, *PACKED_TABLES)  # NOTE: a file older than version 6 has no packed tables
 USAGE_COLUMNS = tuple(c.name for c in usage.columns)
 REQUEST_COLUMNS = tuple(c.name for c in requests.columns)
 

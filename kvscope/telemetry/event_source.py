@@ -1,0 +1,294 @@
+"""A run's events as columns, from either layout: packed chunks (schema version 6 on,
+packed.py) or one `events` row per event (runs written before version 6).
+
+NOTE: what a read returns
+    A DataFrame of the asked columns (names of schema.EVENT_COLUMNS; `seq` always first) in
+    seq order, the same from both layouts: integers as int64 (node_id as float64 with NaN when
+    a NULL is among the rows, as pandas reads a NULL integer column), t_mono as float64,
+    strings as objects with None for NULL, slots as bytes (int32 little-endian) or None.
+    Filters: kinds, a step range, events after a seq, a rid, a node id, then offset/limit.
+NOTE: cost. A packed chunk is immutable once written, so its decoded columns are cached per
+(run, chunk, column) up to CACHE_BYTES; a read by kind or step range skips the chunks whose
+metadata rules them out, and a live run's new chunks are read as they appear. The filters
+are numpy masks over the chunks read, so a read touches at most the run's events once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from sqlalchemy import Engine, func, select
+
+from kvscope.telemetry import schema
+from kvscope.telemetry.packed import COLUMN_DTYPES, NO_CODE, NO_SLOTS, NULL_INT, STRING_COLUMNS
+
+CACHE_BYTES = 1 << 30
+EVENT_COLUMNS = tuple(c for c in schema.EVENT_COLUMNS if c != "run_id")
+_STORED_OF = {"slots": ("slot_counts", "slots")}
+
+
+class PackedEvents:
+    """The decoded chunks of a capture's packed runs (shared by every read of one Capture)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._columns: OrderedDict[tuple[int, int, str], np.ndarray] = OrderedDict()
+        self._bytes = 0
+        self._strings: dict[int, dict[int, str]] = {}
+        self._has_tables: bool | None = None
+
+    def has_tables(self) -> bool:
+        if self._has_tables is None:
+            with self.engine.connect() as conn:
+                self._has_tables = self.engine.dialect.has_table(conn, schema.event_chunks.name)
+        return self._has_tables
+
+    def chunks(self, run_id: int) -> pd.DataFrame:
+        """The run's chunks (chunk, first_seq, num_events, first_step, last_step, kinds), in
+        seq order; empty for a run of the row layout."""
+        c = schema.event_chunks.c
+        if not self.has_tables():
+            return pd.DataFrame(columns=["chunk", "first_seq", "num_events", "first_step", "last_step", "kinds"])
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(c.chunk, c.first_seq, c.num_events, c.first_step, c.last_step, c.kinds)
+                                .where(c.run_id == run_id).order_by(c.first_seq)).fetchall()
+        return pd.DataFrame([tuple(r) for r in rows],
+                            columns=["chunk", "first_seq", "num_events", "first_step", "last_step", "kinds"])
+
+    def column(self, run_id: int, chunk: int, name: str) -> np.ndarray:
+        key = (run_id, chunk, name)
+        with self._lock:
+            found = self._columns.get(key)
+            if found is not None:
+                self._columns.move_to_end(key)
+                return found
+        c = schema.event_columns.c
+        with self.engine.connect() as conn:
+            data = conn.execute(select(c.data).where(c.run_id == run_id, c.chunk == chunk, c.name == name)
+                                ).scalar_one()
+        values = np.frombuffer(data, COLUMN_DTYPES[name])
+        with self._lock:
+            self._columns[key] = values
+            self._bytes += values.nbytes
+            while self._bytes > CACHE_BYTES and len(self._columns) > 1:
+                _, dropped = self._columns.popitem(last=False)
+                self._bytes -= dropped.nbytes
+        return values
+
+    def _table(self, run_id: int, *, reload: bool = False) -> dict[int, str]:
+        if not self.has_tables():
+            return {}
+        if reload or run_id not in self._strings:
+            s = schema.event_strings.c
+            with self.engine.connect() as conn:
+                rows = conn.execute(select(s.code, s.text).where(s.run_id == run_id)).fetchall()
+            self._strings[run_id] = {int(code): str(text) for code, text in rows}
+        return self._strings[run_id]
+
+    def strings(self, run_id: int, codes: np.ndarray) -> np.ndarray:
+        """Codes as an object array of their strings (None for NO_CODE)."""
+        table = self._table(run_id)
+        top = int(codes.max()) if len(codes) else NO_CODE
+        if top >= len(table):
+            table = self._table(run_id, reload=True)  # NOTE: a live run defined new strings since
+        lookup = np.empty(max(len(table), top + 1) + 1, dtype=object)  # NOTE: slot 0 is NO_CODE (-1)
+        for code, text in table.items():
+            lookup[code + 1] = text
+        return lookup[codes.astype(np.int64) + 1]
+
+    def codes_of(self, run_id: int, texts: Sequence[str]) -> list[int]:
+        """The codes of `texts` in the run's dictionary (a text the run never used has none)."""
+        inverse = {text: code for code, text in self._table(run_id).items()}
+        if any(t not in inverse for t in texts):
+            inverse = {text: code for code, text in self._table(run_id, reload=True).items()}
+        return [inverse[t] for t in texts if t in inverse]
+
+    def kind_counts(self, run_id: int) -> dict[str, int]:
+        """Events per kind over the run's chunks (empty for a run of the row layout)."""
+        total: dict[int, int] = {}
+        for chunk in self.chunks(run_id).chunk:
+            codes, counts = np.unique(self.column(run_id, int(chunk), "kind"), return_counts=True)
+            for code, count in zip(codes.tolist(), counts.tolist(), strict=True):
+                total[code] = total.get(code, 0) + count
+        if not total:
+            return {}
+        names = self.strings(run_id, np.asarray(list(total), np.int64))
+        return {str(name): count for name, count in zip(names, total.values(), strict=True)}
+
+
+def read_events(
+    capture: Any,
+    run_id: int,
+    columns: Sequence[str] = EVENT_COLUMNS,
+    *,
+    kinds: Sequence[str] | None = None,
+    step_range: tuple[int, int] | None = None,
+    after_seq: int | None = None,
+    rid: str | None = None,
+    node_id: int | None = None,
+    limit: int | None = None,
+    offset: int = 0,
+) -> pd.DataFrame:
+    """`capture`: a queries.Capture. See the module note."""
+    names = ["seq", *(c for c in columns if c != "seq")]
+    unknown = set(names) - set(EVENT_COLUMNS)
+    if unknown:
+        raise ValueError(f"not event columns: {sorted(unknown)}")
+    packed: PackedEvents = capture.packed
+    chunks = packed.chunks(run_id)
+    if chunks.empty:
+        return _rows(capture, run_id, names, kinds, step_range, after_seq, rid, node_id, limit, offset)
+    kinds = None if kinds is None else [str(k) for k in kinds]
+    if kinds is not None:
+        wanted = set(kinds)
+        chunks = chunks[[bool(wanted & set(k.split(","))) for k in chunks.kinds]]
+    if step_range is not None:
+        chunks = chunks[(chunks.last_step >= step_range[0]) & (chunks.first_step <= step_range[1])]
+    if after_seq is not None:
+        chunks = chunks[chunks.first_seq + chunks.num_events - 1 > after_seq]
+    out = packed_arrays(packed, chunks, run_id, names, kinds=kinds, step_range=step_range, after_seq=after_seq,
+                        rid=rid, node_id=node_id, limit=limit, offset=offset)
+    return _frame(packed, run_id, out, names)
+
+
+def packed_arrays(packed: PackedEvents, chunks: pd.DataFrame, run_id: int, names: list[str], *,
+                  kinds: list[str] | None = None, step_range: tuple[int, int] | None = None,
+                  after_seq: int | None = None, rid: str | None = None, node_id: int | None = None,
+                  limit: int | None = None, offset: int = 0) -> dict[str, np.ndarray]:
+    """The stored arrays of `names` (strings as codes, node_id with NULL_INT) of the events of
+    `chunks` that pass the filters; chunks are read one at a time and only until `limit` rows
+    past `offset` are found."""
+    end = None if limit is None else offset + limit
+    parts: list[dict[str, np.ndarray]] = []
+    found = 0
+    for row in chunks.itertuples(index=False):
+        part = _chunk_frame(packed, run_id, row, names, kinds, step_range, after_seq, rid, node_id)
+        if len(part["seq"]):
+            parts.append(part)
+            found += len(part["seq"])
+        if end is not None and found >= end:
+            break
+    out = {name: np.concatenate([p[name] for p in parts]) if parts else _empty(name) for name in names}
+    return {name: values[offset:end] for name, values in out.items()}
+
+
+def python_values(packed: PackedEvents, run_id: int, name: str, values: np.ndarray) -> list[Any]:
+    """A stored array as plain Python values, as the row layout's driver returns them (None for
+    NULL)."""
+    if name in STRING_COLUMNS:
+        return list(packed.strings(run_id, values).tolist())
+    if name == "node_id":
+        return [None if v == NULL_INT else v for v in values.tolist()]
+    return list(values.tolist())
+
+
+def _chunk_frame(packed: PackedEvents, run_id: int, row: Any, names: list[str], kinds: list[str] | None,
+                 step_range: tuple[int, int] | None, after_seq: int | None, rid: str | None,
+                 node_id: int | None) -> dict[str, np.ndarray]:
+    def col(name: str) -> np.ndarray:
+        return packed.column(run_id, int(row.chunk), name)
+
+    n = int(row.num_events)
+    mask = np.ones(n, bool)
+    if kinds is not None:
+        mask &= np.isin(col("kind"), packed.codes_of(run_id, kinds))
+    if step_range is not None:
+        step = col("step")
+        mask &= (step >= step_range[0]) & (step <= step_range[1])
+    if after_seq is not None and after_seq >= row.first_seq:
+        mask[: after_seq - int(row.first_seq) + 1] = False
+    if rid is not None:
+        mask &= np.isin(col("rid"), packed.codes_of(run_id, [rid]))
+    if node_id is not None:
+        mask &= col("node_id") == node_id
+    out: dict[str, np.ndarray] = {}
+    for name in names:
+        if name == "seq":
+            out[name] = np.arange(int(row.first_seq), int(row.first_seq) + n, dtype=np.int64)[mask]
+        elif name == "slots":
+            out[name] = _slot_blobs(col("slot_counts"), col("slots"), mask)
+        else:
+            out[name] = col(name)[mask]
+    return out
+
+
+def _slot_blobs(counts: np.ndarray, slots: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    ends = np.cumsum(np.maximum(counts, 0))
+    starts = ends - np.maximum(counts, 0)
+    data = slots.tobytes()
+    out = np.empty(int(mask.sum()), dtype=object)
+    for i, (start, end, count) in enumerate(zip(starts[mask], ends[mask], counts[mask], strict=True)):
+        out[i] = None if count == NO_SLOTS else data[4 * start : 4 * end]
+    return out
+
+
+def _empty(name: str) -> np.ndarray:
+    if name == "seq":
+        return np.zeros(0, np.int64)
+    if name == "slots":
+        return np.zeros(0, object)
+    return np.zeros(0, COLUMN_DTYPES[name])
+
+
+def _frame(packed: PackedEvents, run_id: int, out: dict[str, np.ndarray], names: list[str]) -> pd.DataFrame:
+    data: dict[str, Any] = {}
+    for name in names:
+        values = out[name]
+        if name in STRING_COLUMNS:
+            data[name] = packed.strings(run_id, values)
+        elif name == "node_id":
+            nulls = values == NULL_INT
+            # NOTE: as pandas reads a NULL integer column: all NULL is objects, some NULL floats
+            data[name] = (np.full(len(values), None, object) if len(values) and nulls.all()
+                          else np.where(nulls, np.nan, values) if nulls.any() else values.astype(np.int64))
+        elif values.dtype.kind in "iu":
+            data[name] = values.astype(np.int64)
+        else:
+            data[name] = values
+    return pd.DataFrame(data, columns=names)
+
+
+def _rows(capture: Any, run_id: int, names: list[str], kinds: Sequence[str] | None,
+          step_range: tuple[int, int] | None, after_seq: int | None, rid: str | None, node_id: int | None,
+          limit: int | None, offset: int) -> pd.DataFrame:
+    """A run of the row layout (written before version 6), through SQL."""
+    e = schema.events.c
+    available = {c.name: c for c in schema.columns_as_of(schema.events, capture.schema_version)}
+    stmt = select(*(available[name] for name in names)).where(e.run_id == run_id)
+    if kinds is not None:
+        stmt = stmt.where(e.kind.in_([str(k) for k in kinds]))
+    if step_range is not None:
+        stmt = stmt.where(e.step.between(*step_range))
+    if after_seq is not None:
+        stmt = stmt.where(e.seq > after_seq)
+    if rid is not None:
+        stmt = stmt.where(e.rid == rid)
+    if node_id is not None:
+        stmt = stmt.where(e.node_id == node_id)
+    stmt = stmt.order_by(e.seq)
+    if limit is not None:
+        stmt = stmt.limit(limit)
+    if offset:
+        stmt = stmt.offset(offset)
+    frame = capture.read_frame(stmt)
+    for name in names:
+        if name in ("seq", "step", "num_tokens", "aux") and frame[name].dtype == object and frame[name].notna().all():
+            frame[name] = frame[name].astype(np.int64)
+    return frame
+
+
+def last_seq(capture: Any, run_id: int) -> int:
+    """The run's last event seq (-1 when it has none), from either layout."""
+    chunks = capture.packed.chunks(run_id)
+    if not chunks.empty:
+        return int((chunks.first_seq + chunks.num_events).max()) - 1
+    e = schema.events.c
+    with capture.engine.connect() as conn:
+        found = conn.execute(select(func.max(e.seq)).where(e.run_id == run_id)).scalar_one_or_none()
+    return -1 if found is None else int(found)

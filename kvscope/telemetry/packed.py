@@ -1,0 +1,182 @@
+"""Events packed by column: the recorder's buffered events become one chunk of numpy columns
+(schema version 6), so a flush writes a handful of blobs instead of one row per event.
+
+NOTE: a chunk
+    event_chunks   one row per chunk: first_seq, num_events (its events have seqs first_seq ..
+                   first_seq + num_events - 1, in order), first/last step, the distinct kinds
+                   (comma-separated, so a read by kind skips the chunks without them)
+    event_columns  one row per chunk and column: the column's values as little-endian bytes
+                   (COLUMN_DTYPES); a read of some columns reads only their rows
+    event_strings  the run's string dictionary: every kind, pool, rid, reason and principal
+                   is an int32 code (NO_CODE: NULL), defined once per run, in the transaction of
+                   the first chunk that uses it
+    slots          every event's slots, concatenated; `slot_counts` says how many belong to each
+                   event (NO_SLOTS: NULL, as an event recorded without slots)
+    node_id        NULL is NULL_INT (no recorded node id is that negative)
+A buffered event is the recorder's tuple (BUFFER_FIELDS); a batch item (record_batch: one
+kind for several requests at once, their slots concatenated) carries BATCH in its node_id
+and tuples of rids and token counts, and unpacks into one event per request, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+BUFFER_FIELDS = ("step", "t_mono", "kind", "pool", "rid", "node_id", "num_tokens", "aux", "reason", "principal",
+                 "slots")
+STRING_COLUMNS = ("kind", "pool", "rid", "reason", "principal")
+COLUMN_DTYPES = {
+    "step": "<i8", "t_mono": "<f8", "kind": "<i4", "pool": "<i4", "rid": "<i4", "node_id": "<i8",
+    "num_tokens": "<i8", "aux": "<i8", "reason": "<i4", "principal": "<i4", "slot_counts": "<i4", "slots": "<i4",
+}
+STORED_COLUMNS = tuple(COLUMN_DTYPES)
+NO_CODE = -1
+NO_SLOTS = -1
+NULL_INT = np.iinfo(np.int64).min
+
+
+class _Batch:
+    def __repr__(self) -> str:
+        return "BATCH"
+
+
+BATCH: Any = _Batch()  # the node_id of a batch item
+
+
+class StringCodes(dict[Any, int]):
+    """The run's dictionary, string -> code; an unseen string gets the next code (and is kept
+    in `new` until the chunk that defines it is written)."""
+
+    def __init__(self) -> None:
+        super().__init__({None: NO_CODE})
+        self.new: list[tuple[int, str]] = []
+
+    def __missing__(self, key: Any) -> int:
+        code = len(self) - 1
+        self[key] = code
+        self.new.append((code, str(key)))
+        return code
+
+
+@dataclass
+class Chunk:
+    first_seq: int
+    num_events: int
+    first_step: int
+    last_step: int
+    kinds: str  # the distinct kinds, sorted, comma-separated
+    columns: dict[str, bytes]
+    new_strings: list[tuple[int, str]]
+
+
+class Packer:
+    """Turns the recorder's buffered events into chunks; owns the run's seq counter and string
+    codes (one Packer per run)."""
+
+    def __init__(self) -> None:
+        self.codes = StringCodes()
+        self.next_seq = 0
+
+    def pack(self, buffered: Sequence[tuple[Any, ...]]) -> Chunk:
+        cols: list[Sequence[Any]] = list(zip(*buffered, strict=True))
+        step, t_mono, kind, pool, rid, node_id, num_tokens, aux, reason, principal, slots = cols
+        repeat = batches = None
+        if node_id.count(BATCH):
+            repeat, is_batch, rid, num_tokens, node_id = _expand_batches(node_id, rid, num_tokens)
+            batches = (repeat, is_batch)
+        codes = self.codes
+        columns: dict[str, np.ndarray] = {}
+        for name, values in (("kind", kind), ("pool", pool), ("reason", reason), ("principal", principal)):
+            columns[name] = _repeated(np.fromiter(map(codes.__getitem__, values), np.int32, len(values)), repeat)
+        columns["rid"] = np.fromiter(map(codes.__getitem__, rid), np.int32, len(rid))
+        columns["step"] = _repeated(np.fromiter(step, np.int64, len(step)), repeat)
+        columns["t_mono"] = _repeated(np.fromiter(t_mono, np.float64, len(t_mono)), repeat)
+        columns["node_id"] = _nullable_ints(node_id)
+        columns["num_tokens"] = np.fromiter(num_tokens, np.int64, len(num_tokens))
+        columns["aux"] = _repeated(np.fromiter(aux, np.int64, len(aux)), repeat)
+        columns["slot_counts"], columns["slots"] = _slots(slots, batches, columns["num_tokens"])
+        n = len(columns["step"])
+        first = self.next_seq
+        self.next_seq += n
+        new, codes.new = codes.new, []
+        kind_codes = np.unique(columns["kind"])
+        names = {code: text for text, code in codes.items()}
+        return Chunk(
+            first_seq=first, num_events=n, first_step=int(columns["step"].min()) if n else 0,
+            last_step=int(columns["step"].max()) if n else 0,
+            kinds=",".join(sorted(str(names[int(c)]) for c in kind_codes)),
+            columns={name: np.ascontiguousarray(columns[name], COLUMN_DTYPES[name]).tobytes()
+                     for name in STORED_COLUMNS},
+            new_strings=new,
+        )
+
+
+def _repeated(values: np.ndarray, repeat: np.ndarray | None) -> np.ndarray:
+    return values if repeat is None else np.repeat(values, repeat)
+
+
+def _nullable_ints(values: Sequence[Any]) -> np.ndarray:
+    if values.count(None):
+        return np.fromiter((NULL_INT if v is None else v for v in values), np.int64, len(values))
+    return np.fromiter(values, np.int64, len(values))
+
+
+def _expand_batches(node_id: Sequence[Any], rid: Sequence[Any], num_tokens: Sequence[Any]
+                    ) -> tuple[np.ndarray, np.ndarray, list[Any], list[Any], list[Any]]:
+    """Per buffered item, how many events it unpacks into and whether it is a batch item; the
+    per-event rid, num_tokens and node_id columns."""
+    repeat = np.ones(len(node_id), np.int64)
+    is_batch = np.zeros(len(node_id), bool)
+    rids: list[Any] = []
+    tokens: list[Any] = []
+    nodes: list[Any] = []
+    for i, (node, r, t) in enumerate(zip(node_id, rid, num_tokens, strict=True)):
+        if node is BATCH:
+            repeat[i], is_batch[i] = len(r), True
+            rids.extend(r)
+            tokens.extend(t)
+            nodes.extend([None] * len(r))
+        else:
+            rids.append(r)
+            tokens.append(t)
+            nodes.append(node)
+    return repeat, is_batch, rids, tokens, nodes
+
+
+def _length(slots: Any) -> int:
+    shape = getattr(slots, "shape", None)
+    return int(shape[0]) if shape is not None else len(slots)
+
+
+def _slots(slots: Sequence[Any], batches: tuple[np.ndarray, np.ndarray] | None,
+           num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(per-event slot counts, every slot concatenated in event order). A batch item's slots
+    split by its requests' token counts."""
+    counts = np.fromiter((NO_SLOTS if s is None else _length(s) for s in slots), np.int32, len(slots))
+    if batches is not None:
+        repeat, is_batch = batches
+        counts = np.repeat(counts, repeat)
+        per_event = np.repeat(is_batch, repeat)
+        counts[per_event] = num_tokens[per_event]
+    present = [s for s in slots if s is not None]
+    if not present:
+        return counts, np.zeros(0, np.int32)
+    return counts, _concatenate(present)
+
+
+def _concatenate(arrays: list[Any]) -> np.ndarray:
+    """One int32 array of every slot array (numpy, torch on any device, or a list), in order."""
+    torch_at = [i for i, a in enumerate(arrays) if type(a).__module__.startswith("torch")]
+    if not torch_at:
+        return np.concatenate([np.asarray(a, np.int32) for a in arrays]) if len(arrays) > 1 \
+            else np.asarray(arrays[0], np.int32).reshape(-1)
+    import torch  # NOTE: only when a producer passed tensors, so torch is already loaded
+
+    if len(torch_at) == len(arrays):
+        return torch.cat([a.reshape(-1) for a in arrays]).to(torch.int32).cpu().numpy()
+    parts = [a.cpu().numpy() if i in set(torch_at) else a for i, a in enumerate(arrays)]
+    return np.concatenate([np.asarray(p, np.int32).reshape(-1) for p in parts])

@@ -1,0 +1,110 @@
+"""`kvscope upgrade`: pack the event rows of runs written before schema version 6 into chunks
+(packed.py), so they read as fast as new runs. Readers read the row layout too; upgrading is
+for speed and size, never needed to open a file.
+
+NOTE: what it keeps. Every event keeps its seq, step, time and fields; a chunk never spans a
+gap in the seqs (a run stopped by a failed write has none, but a hand-edited file may). A run
+is packed in one transaction: its chunks are written and its rows deleted together, so a kill
+leaves each run either as rows or as chunks. A run still being written (status running, with a
+live writer) is refused, and so is a file this kvscope cannot read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import delete, func, select
+
+from kvscope.telemetry import schema
+from kvscope.telemetry.packed import Packer
+from kvscope.telemetry.store import BulkInsert, CaptureError, display_name, first_line, open_writer, settle
+
+CHUNK_EVENTS = 200_000
+ROW_FIELDS = ("seq", "step", "t_mono", "kind", "pool", "rid", "node_id", "num_tokens", "aux", "reason",
+              "principal", "slots")
+
+
+@dataclass
+class UpgradedRun:
+    run_id: int
+    events: int
+    chunks: int
+
+
+def upgrade(target: str | Path, *, progress: Callable[[int, int, int], None] | None = None
+            ) -> list[UpgradedRun]:
+    """Pack every row-layout run of the capture; returns what was packed. `progress(run_id,
+    events done, events in the run)` is called after each chunk."""
+    name = display_name(target)
+    engine = open_writer(target)  # NOTE: brings the file to the current version (the packed tables)
+    try:
+        with engine.connect() as conn:
+            e = schema.events.c
+            counts = conn.execute(select(e.run_id, func.count()).group_by(e.run_id).order_by(e.run_id)).fetchall()
+        done = []
+        for run_id, total in counts:
+            done.append(_pack_run(engine, int(run_id), int(total), progress))
+        settle(engine)
+        return done
+    except CaptureError:
+        raise
+    except Exception as err:
+        raise CaptureError(f"{name}: cannot upgrade ({first_line(err)})") from err
+    finally:
+        engine.dispose()
+
+
+def _pack_run(engine: object, run_id: int, total: int, progress: Callable[[int, int, int], None] | None
+              ) -> UpgradedRun:
+    e = schema.events.c
+    inserts = {t.name: BulkInsert(engine, t, [c.name for c in t.columns])  # type: ignore[arg-type]
+               for t in schema.PACKED_TABLES}
+    packer = Packer()
+    chunk_no = 0
+    done = 0
+    with engine.begin() as conn:  # type: ignore[attr-defined]
+        existing = conn.execute(select(func.count()).select_from(schema.event_chunks)
+                                .where(schema.event_chunks.c.run_id == run_id)).scalar_one()
+        if existing:
+            raise CaptureError(f"run {run_id} has both event rows and packed chunks; not touching it")
+        cursor = conn.execute(select(*(e[n] for n in ROW_FIELDS)).where(e.run_id == run_id).order_by(e.seq))
+        pending: list[tuple] = []
+        first_seq = None
+        while rows := cursor.fetchmany(CHUNK_EVENTS):
+            for row in rows:
+                seq = int(row[0])
+                if first_seq is None:
+                    first_seq = seq
+                elif seq != first_seq + len(pending) or len(pending) >= CHUNK_EVENTS:
+                    chunk_no = _write_chunk(conn, inserts, packer, run_id, chunk_no, first_seq, pending)
+                    pending, first_seq = [], seq
+                blob = row[11]
+                pending.append((*row[1:11], None if blob is None else np.frombuffer(blob, "<i4")))
+            done += len(rows)
+            if progress is not None:
+                progress(run_id, done, total)
+        if pending:
+            assert first_seq is not None
+            chunk_no = _write_chunk(conn, inserts, packer, run_id, chunk_no, first_seq, pending)
+        conn.execute(delete(schema.events).where(e.run_id == run_id))
+    return UpgradedRun(run_id, total, chunk_no)
+
+
+def _write_chunk(conn: object, inserts: dict[str, BulkInsert], packer: Packer, run_id: int, number: int,
+                 first_seq: int, buffered: list[tuple]) -> int:
+    packer.next_seq = first_seq
+    chunk = packer.pack(buffered)
+    rows = {
+        "event_strings": [(run_id, code, text) for code, text in chunk.new_strings],
+        "event_chunks": [(run_id, number, chunk.first_seq, chunk.num_events, chunk.first_step, chunk.last_step,
+                          chunk.kinds)],
+        "event_columns": [(run_id, number, name, data) for name, data in chunk.columns.items()],
+    }
+    for table, values in rows.items():
+        if values:
+            insert = inserts[table]
+            conn.exec_driver_sql(insert.sql, insert.params(values))  # type: ignore[attr-defined]
+    return number + 1
