@@ -301,7 +301,7 @@ def check_capture(db_path: Path, num_steps: int) -> int:
     try:
         ((status,),) = conn.execute("SELECT status FROM runs").fetchall()
         ((num_usage,),) = conn.execute("SELECT count(*) FROM usage").fetchall()
-        ((num_events,),) = conn.execute("SELECT count(*) FROM events").fetchall()
+        ((num_events,),) = conn.execute("SELECT coalesce(sum(num_events), 0) FROM event_chunks").fetchall()
     finally:
         conn.close()
     if status != "finished" or num_usage != num_steps:

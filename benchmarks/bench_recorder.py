@@ -49,6 +49,7 @@ from _results import command_line, machine_lines, write_section
 from sqlalchemy.schema import CreateIndex, CreateTable
 
 from kvscope.telemetry import NULL_RECORDER, EventKind, PoolName, schema
+from kvscope.telemetry.packed import COLUMN_DTYPES
 from kvscope.telemetry.recorder import SQLRecorder, slots_blob
 
 DEFAULT_NUM_EVENTS = 2_000_000
@@ -159,14 +160,29 @@ def raw_rows(steps: list[list[Args]], num_steps: int) -> list[tuple[Any, ...]]:
 
 
 def check_rows(db_path: Path, expected: Expected) -> None:
+    """The capture holds exactly the events recorded: (events, slot bytes, tokens), from the
+    packed chunks (or the events table of the raw cases)."""
     conn = sqlite3.connect(db_path)
     try:
-        found = conn.execute("SELECT count(*), coalesce(sum(length(slots)), 0), coalesce(sum(num_tokens), 0) "
-                             "FROM events").fetchone()
+        tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "event_chunks" in tables:
+            events = conn.execute("SELECT coalesce(sum(num_events), 0) FROM event_chunks").fetchone()[0]
+            slot_bytes = tokens = 0
+            for name, data in conn.execute("SELECT name, data FROM event_columns WHERE name IN "
+                                           "('slot_counts', 'num_tokens')"):
+                values = np.frombuffer(data, COLUMN_DTYPES[name])
+                if name == "slot_counts":
+                    slot_bytes += 4 * int(np.maximum(values, 0).sum())
+                else:
+                    tokens += int(values.sum())
+            found: tuple[int, ...] = (events, slot_bytes, tokens)
+        else:
+            found = tuple(conn.execute("SELECT count(*), coalesce(sum(length(slots)), 0), "
+                                       "coalesce(sum(num_tokens), 0) FROM events").fetchone())
     finally:
         conn.close()
     if tuple(found) != tuple(expected):
-        raise AssertionError(f"{db_path.name}: events table has (rows, slot bytes, tokens) = {tuple(found)}, "
+        raise AssertionError(f"{db_path.name}: the capture has (events, slot bytes, tokens) = {tuple(found)}, "
                              f"expected {tuple(expected)}")
 
 

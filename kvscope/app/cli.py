@@ -42,6 +42,7 @@ from kvscope.app.units import (
     token_count,
     token_counts,
 )
+from kvscope.app.upgrade import upgrade_verb
 from kvscope.engine import CACHE_KINDS
 from kvscope.engine.config import SCHEDULE_POLICIES, WRITE_POLICIES
 from kvscope.planning import (
@@ -299,6 +300,15 @@ def add_debugger_parsers(verbs: SubParsers) -> None:
                       help="run id of both captures; given twice, of A then B (default: each capture's latest run)")
     diff.add_argument("--json", action="store_true", help="print both sides, the deltas and the verdicts as JSON")
     diff.set_defaults(func=diff_verb)
+    upgrade = verbs.add_parser(
+        "upgrade", formatter_class=DEFAULTS, help="pack an older capture's events (schema 6)",
+        description="Pack the event rows of every run recorded before schema version 6 into chunks of columns, in "
+        "place, one transaction per run (a kill leaves each run whole, as rows or as chunks). Readers read both "
+        "layouts, so this is never needed to open a file: it makes an older capture as fast to read as a new one. "
+        "A run still being recorded is refused. Exit 0 done, 2 the capture cannot be upgraded. See docs/captures.md.")
+    upgrade.add_argument("capture", help="a capture file or a SQLAlchemy URL")
+    upgrade.add_argument("--json", action="store_true", help="print what was packed as JSON")
+    upgrade.set_defaults(func=upgrade_verb)
 
 
 def add_plan_parser(verbs: SubParsers) -> None:

@@ -53,13 +53,20 @@ class StringCodes(dict[Any, int]):
 
     def __init__(self) -> None:
         super().__init__({None: NO_CODE})
+        self.texts: list[str] = []  # code -> string
         self.new: list[tuple[int, str]] = []
 
     def __missing__(self, key: Any) -> int:
-        code = len(self) - 1
+        code = len(self.texts)
         self[key] = code
+        self.texts.append(str(key))
         self.new.append((code, str(key)))
         return code
+
+    def encode(self, values: Sequence[Any]) -> np.ndarray:
+        if values.count(None) == len(values):  # NOTE: pool, reason and principal are mostly NULL
+            return np.full(len(values), NO_CODE, np.int32)
+        return np.fromiter(map(self.__getitem__, values), np.int32, len(values))
 
 
 @dataclass
@@ -82,7 +89,8 @@ class Packer:
         self.next_seq = 0
 
     def pack(self, buffered: Sequence[tuple[Any, ...]]) -> Chunk:
-        cols: list[Sequence[Any]] = list(zip(*buffered, strict=True))
+        # NOTE: no strict zip: every buffered tuple is built by the recorder with BUFFER_FIELDS
+        cols: list[Sequence[Any]] = list(zip(*buffered))  # noqa: B905
         step, t_mono, kind, pool, rid, node_id, num_tokens, aux, reason, principal, slots = cols
         repeat = batches = None
         if node_id.count(BATCH):
@@ -91,11 +99,11 @@ class Packer:
         codes = self.codes
         columns: dict[str, np.ndarray] = {}
         for name, values in (("kind", kind), ("pool", pool), ("reason", reason), ("principal", principal)):
-            columns[name] = _repeated(np.fromiter(map(codes.__getitem__, values), np.int32, len(values)), repeat)
-        columns["rid"] = np.fromiter(map(codes.__getitem__, rid), np.int32, len(rid))
+            columns[name] = _repeated(codes.encode(values), repeat)
+        columns["rid"] = codes.encode(rid)
         columns["step"] = _repeated(np.fromiter(step, np.int64, len(step)), repeat)
         columns["t_mono"] = _repeated(np.fromiter(t_mono, np.float64, len(t_mono)), repeat)
-        columns["node_id"] = _nullable_ints(node_id)
+        columns["node_id"] = np.fromiter(map(_NULL_IDS.get, node_id, node_id), np.int64, len(node_id))
         columns["num_tokens"] = np.fromiter(num_tokens, np.int64, len(num_tokens))
         columns["aux"] = _repeated(np.fromiter(aux, np.int64, len(aux)), repeat)
         columns["slot_counts"], columns["slots"] = _slots(slots, batches, columns["num_tokens"])
@@ -103,26 +111,21 @@ class Packer:
         first = self.next_seq
         self.next_seq += n
         new, codes.new = codes.new, []
-        kind_codes = np.unique(columns["kind"])
-        names = {code: text for text, code in codes.items()}
         return Chunk(
             first_seq=first, num_events=n, first_step=int(columns["step"].min()) if n else 0,
             last_step=int(columns["step"].max()) if n else 0,
-            kinds=",".join(sorted(str(names[int(c)]) for c in kind_codes)),
+            kinds=",".join(sorted(codes.texts[int(c)] for c in np.unique(columns["kind"]))),
             columns={name: np.ascontiguousarray(columns[name], COLUMN_DTYPES[name]).tobytes()
                      for name in STORED_COLUMNS},
             new_strings=new,
         )
 
 
+_NULL_IDS = {None: NULL_INT}  # NOTE: map(_NULL_IDS.get, ids, ids): NULL_INT for None, the id itself otherwise
+
+
 def _repeated(values: np.ndarray, repeat: np.ndarray | None) -> np.ndarray:
     return values if repeat is None else np.repeat(values, repeat)
-
-
-def _nullable_ints(values: Sequence[Any]) -> np.ndarray:
-    if values.count(None):
-        return np.fromiter((NULL_INT if v is None else v for v in values), np.int64, len(values))
-    return np.fromiter(values, np.int64, len(values))
 
 
 def _expand_batches(node_id: Sequence[Any], rid: Sequence[Any], num_tokens: Sequence[Any]

@@ -14,12 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from sqlalchemy import delete, func, select
+from sqlalchemy import Connection, Engine, delete, func, select
 
 from kvscope.telemetry import schema
 from kvscope.telemetry.packed import Packer
+from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.store import BulkInsert, CaptureError, display_name, first_line, open_writer, settle
 
 CHUNK_EVENTS = 200_000
@@ -39,6 +41,7 @@ def upgrade(target: str | Path, *, progress: Callable[[int, int, int], None] | N
     """Pack every row-layout run of the capture; returns what was packed. `progress(run_id,
     events done, events in the run)` is called after each chunk."""
     name = display_name(target)
+    _check_upgradable(target, name)
     engine = open_writer(target)  # NOTE: brings the file to the current version (the packed tables)
     try:
         with engine.connect() as conn:
@@ -57,21 +60,34 @@ def upgrade(target: str | Path, *, progress: Callable[[int, int, int], None] | N
         engine.dispose()
 
 
-def _pack_run(engine: object, run_id: int, total: int, progress: Callable[[int, int, int], None] | None
+def _check_upgradable(target: str | Path, name: str) -> None:
+    """A capture this kvscope reads (missing, foreign, damaged or newer files are refused, and
+    no file is created), with no run still being recorded."""
+    capture = Capture(target)
+    try:
+        runs = capture.runs()
+    finally:
+        capture.close()
+    live = [int(r.id) for r in runs.itertuples() if r.display_status == "running"]
+    if live:
+        raise CaptureError(f"{name}: run {live[0]} is still being recorded; upgrade it once it has ended")
+
+
+def _pack_run(engine: Engine, run_id: int, total: int, progress: Callable[[int, int, int], None] | None
               ) -> UpgradedRun:
     e = schema.events.c
-    inserts = {t.name: BulkInsert(engine, t, [c.name for c in t.columns])  # type: ignore[arg-type]
+    inserts = {t.name: BulkInsert(engine, t, [c.name for c in t.columns])
                for t in schema.PACKED_TABLES}
     packer = Packer()
     chunk_no = 0
     done = 0
-    with engine.begin() as conn:  # type: ignore[attr-defined]
+    with engine.begin() as conn:
         existing = conn.execute(select(func.count()).select_from(schema.event_chunks)
                                 .where(schema.event_chunks.c.run_id == run_id)).scalar_one()
         if existing:
             raise CaptureError(f"run {run_id} has both event rows and packed chunks; not touching it")
         cursor = conn.execute(select(*(e[n] for n in ROW_FIELDS)).where(e.run_id == run_id).order_by(e.seq))
-        pending: list[tuple] = []
+        pending: list[tuple[Any, ...]] = []
         first_seq = None
         while rows := cursor.fetchmany(CHUNK_EVENTS):
             for row in rows:
@@ -93,11 +109,11 @@ def _pack_run(engine: object, run_id: int, total: int, progress: Callable[[int, 
     return UpgradedRun(run_id, total, chunk_no)
 
 
-def _write_chunk(conn: object, inserts: dict[str, BulkInsert], packer: Packer, run_id: int, number: int,
-                 first_seq: int, buffered: list[tuple]) -> int:
+def _write_chunk(conn: Connection, inserts: dict[str, BulkInsert], packer: Packer, run_id: int, number: int,
+                 first_seq: int, buffered: list[tuple[Any, ...]]) -> int:
     packer.next_seq = first_seq
     chunk = packer.pack(buffered)
-    rows = {
+    rows: dict[str, list[tuple[Any, ...]]] = {
         "event_strings": [(run_id, code, text) for code, text in chunk.new_strings],
         "event_chunks": [(run_id, number, chunk.first_seq, chunk.num_events, chunk.first_step, chunk.last_step,
                           chunk.kinds)],
@@ -106,5 +122,5 @@ def _write_chunk(conn: object, inserts: dict[str, BulkInsert], packer: Packer, r
     for table, values in rows.items():
         if values:
             insert = inserts[table]
-            conn.exec_driver_sql(insert.sql, insert.params(values))  # type: ignore[attr-defined]
+            conn.exec_driver_sql(insert.sql, insert.params(values))
     return number + 1
