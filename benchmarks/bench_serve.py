@@ -36,9 +36,11 @@ import os
 import queue
 import resource
 import signal
+import sqlite3
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -63,9 +65,10 @@ TARGET = 1.10
 READY_TIMEOUT_S = 180.0
 
 
-def start_server(device: str) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "kvscope", "serve", "--port", "0", "--level", "off", "--device", device,
-           "--max-running-requests", str(SERVER_ROWS), "--torch-threads", str(TORCH_THREADS)]
+def start_server(device: str, level: str = "off", capture: Path | None = None) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "kvscope", "serve", "--port", "0", "--level", level, "--device", device,
+           "--max-running-requests", str(SERVER_ROWS), "--torch-threads", str(TORCH_THREADS),
+           *(["--capture", str(capture)] if capture is not None else [])]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
 
@@ -106,15 +109,41 @@ def cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def serve_point(url: str, trace: list[TraceRequest], concurrency: int) -> dict[str, Any]:
-    before = cpu_s()
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its descendants (from /proc; Linux)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    spent: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        spent[int(entry.name)] = (int(fields[11]) + int(fields[12])) / ticks
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [p for p, pp in parents.items() if pp == parent and p not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(spent.get(p, 0.0) for p in tree)
+
+
+def serve_point(url: str, trace: list[TraceRequest], concurrency: int, server_pid: int | None = None
+                ) -> dict[str, Any]:
+    before, server_before = cpu_s(), tree_cpu_s(server_pid) if server_pid else 0.0
     report = run_load(lambda _r: trace, LoadConfig(url=url, concurrency=concurrency), progress=None)
     client_cpu_s = cpu_s() - before
+    server_cpu_s = tree_cpu_s(server_pid) - server_before if server_pid else 0.0
     summary = summarize(report)
     if summary["requests"]["failed"] or summary["requests"]["completed"] != len(trace):
         raise RuntimeError(f"concurrency {concurrency}: {summary['requests']}; first error: {summary['first_error']}")
     summary["per_request_s"] = report.wall_s / len(trace)
     summary["client_cpu_per_request_s"] = client_cpu_s / len(trace)
+    summary["server_cpu_per_request_s"] = server_cpu_s / len(trace)
     return summary
 
 
@@ -170,6 +199,10 @@ def main() -> None:
     parser.add_argument("--workload", default="shared-prefix")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="32 requests, 1 round")
+    parser.add_argument("--recording", action="store_true",
+                        help="instead: what recording costs while serving, a server at --level full (capture in a "
+                        f"temporary directory) beside one at --level off, concurrency {COMPARED}, alternating; "
+                        "writes the bench_serve_recording section")
     parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
                         help="write the section of benchmarks/RESULTS.md")
     args = parser.parse_args()
@@ -177,6 +210,9 @@ def main() -> None:
         args.num_requests, args.rounds = 32, 1
     torch.set_num_threads(TORCH_THREADS)
     trace = generate(args.workload, num_requests=args.num_requests, seed=0)
+    if args.recording:
+        recording_cost(args, trace)
+        return
     load_before = os.getloadavg()[0]
     proc, url = start_server(args.device)
     points: dict[int, list[dict[str, Any]]] = {c: [] for c in CONCURRENCIES}
@@ -251,6 +287,73 @@ def main() -> None:
                   f"- 1-minute load average before / after: {load_before:.2f} / {load_after:.2f} (other processes "
                   "on the machine slow every point)", ""]
         write_section("bench_serve", "\n".join(header) + "\n" + body)
+
+
+def recording_cost(args: argparse.Namespace, trace: list[TraceRequest]) -> None:
+    """Serve at level off and at level full side by side; rounds alternate which goes first."""
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="bench_serve-") as tmp:
+        servers = {level: start_server(args.device, level, Path(tmp) / "capture.db" if level == "full" else None)
+                   for level in ("off", "full")}
+        points: dict[str, list[dict[str, Any]]] = {"off": [], "full": []}
+        try:
+            for _proc, url in servers.values():
+                serve_point(url, trace, COMPARED)  # warm-up, untimed
+            for r in range(args.rounds):
+                order = ("off", "full") if r % 2 == 0 else ("full", "off")
+                for level in order:
+                    proc, url = servers[level]
+                    points[level].append(serve_point(url, trace, COMPARED, proc.pid))
+                print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+        finally:
+            for proc, _url in servers.values():
+                stop_server(proc)
+        events = captured_events(Path(tmp) / "capture.db")
+    load_after = os.getloadavg()[0]
+    per = {level: [p["per_request_s"] for p in runs] for level, runs in points.items()}
+    cpu = {level: [p["server_cpu_per_request_s"] for p in runs] for level, runs in points.items()}
+    wall_ratios = [f / o for f, o in zip(per["full"], per["off"], strict=True)]
+    cpu_ratios = [f / o for f, o in zip(cpu["full"], cpu["off"], strict=True)]
+    lines = [
+        f"{args.num_requests} `{args.workload}` requests (seed 0) per point on the tiny model, device {args.device}, "
+        f"concurrency {COMPARED}; two servers started side by side, `--level off` and `--level full` (capture in a "
+        f"temporary directory: {events:,} events recorded over all its points), {args.rounds} rounds alternating "
+        "which level goes first; medians over rounds. Server CPU = user + system time of the server's process "
+        "tree (front and scheduler) during a point.",
+        "",
+        "| level | req/s | time per request (ms) | e2e p50 (ms) | server CPU per request (ms) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for level, runs in points.items():
+        lines.append(f"| {level} | {statistics.median(p['throughput']['requests_per_s'] for p in runs):.1f} | "
+                     f"{statistics.median(per[level]) * 1000:.2f} | "
+                     f"{ms(statistics.median(p['e2e_s']['p50'] for p in runs))} | "
+                     f"{statistics.median(cpu[level]) * 1000:.2f} |")
+    wall = statistics.median(per["full"]) / statistics.median(per["off"]) - 1
+    cpu_cost = statistics.median(cpu["full"]) / statistics.median(cpu["off"]) - 1
+    lines += [
+        "",
+        f"Recording `full` vs `off` at concurrency {COMPARED}: time per request {wall:+.1%} (per round: "
+        f"{', '.join(f'{x - 1:+.1%}' for x in wall_ratios)}), server CPU per request {cpu_cost:+.1%} (per round: "
+        f"{', '.join(f'{x - 1:+.1%}' for x in cpu_ratios)}); target at most +3%: "
+        f"{'met' if wall <= 0.03 and cpu_cost <= 0.03 else 'NOT met'}.",
+    ]
+    body = "\n".join(lines)
+    print(body)
+    if args.write:
+        stamp = time.strftime("%Y-%m-%d", time.gmtime())
+        header = [f"Run {stamp}: `{command_line()}`", "", *machine_lines(args.device),
+                  "- both servers and the load generator share the machine",
+                  f"- 1-minute load average before / after: {load_before:.2f} / {load_after:.2f}", ""]
+        write_section("bench_serve_recording", "\n".join(header) + "\n" + body)
+
+
+def captured_events(path: Path) -> int:
+    conn = sqlite3.connect(path)
+    try:
+        return int(conn.execute("SELECT coalesce(sum(num_events), 0) FROM event_chunks").fetchone()[0])
+    finally:
+        conn.close()
 
 
 if __name__ == "__main__":
