@@ -5,7 +5,8 @@ NOTE: what a read returns
     A DataFrame of the asked columns (names of schema.EVENT_COLUMNS; `seq` always first) in
     seq order, the same from both layouts: integers as int64 (node_id as float64 with NaN when
     a NULL is among the rows, as pandas reads a NULL integer column), t_mono as float64,
-    strings as objects with None for NULL, slots as bytes (int32 little-endian) or None.
+    strings as pandas reads a text column (a NULL is NaN there; a column of NULLs only is
+    objects, None), slots as bytes (int32 little-endian) or None.
     Filters: kinds, a step range, events after a seq, a rid, a node id, then offset/limit.
 NOTE: cost. A packed chunk is immutable once written, so its decoded columns are cached per
 (run, chunk, column) up to CACHE_BYTES; a read by kind or step range skips the chunks whose

@@ -15,12 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pytest
 
 from kvscope.attach.recorder import OLD_CAPTURE, AttachRecorder, attach_ready
 from kvscope.attach.scrape import EngineSample
 from kvscope.attach.wire import Batch, Cleared, Removed, Stored
 from kvscope.telemetry import CaptureError, SQLRecorder
+from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.records import PoolTerms, UsageSample
 from tests.telemetry.test_schema import V1_CAPTURE
 
@@ -73,7 +75,9 @@ def test_the_forest_changes_become_events_and_usage_keeps_nulls(tmp_path: Path) 
     recorder.apply(Batch(3.0, (Cleared(),), None))
     recorder.close({"delivered": 3, "lost_batches": 0})
 
-    events = rows(db, "SELECT step, kind, pool, node_id, num_tokens, aux, reason FROM events ORDER BY seq")
+    names = ["step", "kind", "pool", "node_id", "num_tokens", "aux", "reason"]
+    frame = Capture(db).events(1, limit=None, columns=names)[names]
+    events = [tuple(None if pd.isna(v) else v for v in row) for row in frame.itertuples(index=False, name=None)]
     assert events == [
         (1, "insert", "full", 1, 2, 0, None), (1, "insert", "full", 2, 2, 1, None),
         (1, "insert", "full", 3, 2, 1, None),

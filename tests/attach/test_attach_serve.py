@@ -23,6 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
+from kvscope.telemetry import EventKind
+from kvscope.telemetry.queries import Capture
 from tests.server.serving import Server, serving
 
 PAGE_SIZE = 4
@@ -220,12 +222,13 @@ def test_attach_records_what_serve_caches(served: tuple[Server, Path]) -> None:
         assert any(tuple(prompt[:len(chain)]) == chain for prompt in sent), chain
 
     # the evictions: one evict event per page serve evicted
-    (evicted_tokens,), = rows(serve_db, "SELECT sum(num_tokens) FROM events WHERE run_id = ? AND kind = 'evict'",
-                              serve_run)
-    evicts = rows(capture, "SELECT num_tokens, reason, pool FROM events WHERE run_id = 1 AND kind = 'evict'")
+    evicted_tokens = int(Capture(serve_db).events(serve_run, kinds=[EventKind.EVICT], limit=None).num_tokens.sum())
+    evicts = list(Capture(capture).events(1, kinds=[EventKind.EVICT], limit=None,
+                                          columns=["num_tokens", "reason", "pool"])
+                  [["num_tokens", "reason", "pool"]].itertuples(index=False, name=None))
     assert evicted_tokens and len(evicts) == evicted_tokens // PAGE_SIZE
     assert {(n, reason, pool) for n, reason, pool in evicts} == {(PAGE_SIZE, "capacity", "full")}
-    (inserts,), = rows(capture, "SELECT count(*) FROM events WHERE run_id = 1 AND kind = 'insert'")
+    inserts = len(Capture(capture).events(1, kinds=[EventKind.INSERT], limit=None, columns=["seq"]))
     assert inserts == len(snapshot) - 1 + len(evicts)
 
     # usage: serve's own counters, the split known

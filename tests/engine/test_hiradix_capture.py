@@ -54,10 +54,11 @@ def test_usage_has_both_tiers_and_the_copy_counters(hiradix_run: tuple[Path, Eng
     assert isinstance(cache, HiRadixCache)
     with sqlite3.connect(path) as conn:
         rows = pd.read_sql("SELECT * FROM usage ORDER BY step", conn)
-        written = conn.execute("SELECT SUM(num_tokens) FROM events WHERE kind = 'write'").fetchone()[0]
-        loaded = conn.execute("SELECT SUM(num_tokens) FROM events WHERE kind = 'load'").fetchone()[0]
         version = conn.execute("SELECT value FROM kvscope_meta WHERE key = 'schema_version'").fetchone()[0]
     assert int(version) >= 4  # the version that added the host tier, or a later one
+    copies = Capture(path).events(1, kinds=[EventKind.WRITE, EventKind.LOAD], limit=None)
+    written = int(copies.num_tokens[copies.kind == "write"].sum())
+    loaded = int(copies.num_tokens[copies.kind == "load"].sum())
     host_total = engine.memory.host_terms().total  # type: ignore[union-attr]
     assert host_total >= HOST_TOKENS and set(rows["host_total"]) == {host_total}
     host_used = rows["host_total"] - rows["host_available"]
@@ -102,10 +103,10 @@ def test_host_events_are_in_the_capture(hiradix_run: tuple[Path, Engine]) -> Non
     counts = Capture(path).event_counts(1).set_index("kind")["count"]
     for kind in (EventKind.WRITE, EventKind.LOAD, EventKind.ACK, EventKind.HOST_EVICT):
         assert counts.get(kind.value, 0) > 0, kind
-    with sqlite3.connect(path) as conn:
-        reasons = dict(conn.execute("SELECT reason, COUNT(*) FROM events WHERE kind = 'evict' GROUP BY reason"))
-        host_pool = conn.execute("SELECT COUNT(*) FROM events WHERE pool = 'host' AND kind IN ('alloc', 'free')")
-        assert host_pool.fetchone()[0] > 0
+    capture = Capture(path)
+    reasons = capture.events(1, kinds=[EventKind.EVICT], limit=None, columns=["reason"]).reason.value_counts()
+    pooled = capture.events(1, kinds=[EventKind.ALLOC, EventKind.FREE], limit=None, columns=["pool"])
+    assert (pooled.pool == "host").sum() > 0
     assert reasons.get("to-host", 0) > 0
 
 

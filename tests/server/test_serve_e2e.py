@@ -21,9 +21,12 @@ from typing import Any, cast
 
 import httpx
 import openai
+import pandas as pd
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvscope.telemetry import EventKind
+from kvscope.telemetry.queries import Capture
 from kvscope.workloads.tokenizer import ByteTokenizer
 from tests.server.serving import Server, serving
 
@@ -267,6 +270,12 @@ def test_api_keys_401_403_and_narrowing(keyed: Server) -> None:
     keyed.seen["matched"] = {rid_of(again.id): "acme/alice/sub1", rid_of(bob.id): "beta/bob"}
 
 
+def principals_of(capture: Path, kind: EventKind) -> dict[str, str | None]:
+    """rid -> principal of the capture's events of `kind` (the last one per rid)."""
+    frame = Capture(capture).events(1, kinds=[kind], limit=None, columns=["rid", "principal"])
+    return {rid: None if pd.isna(p) else p for rid, p in zip(frame.rid, frame.principal, strict=True)}
+
+
 def test_principals_reach_the_capture(keyed: Server) -> None:
     wait_idle(keyed.url)
     code, printed = keyed.stop()
@@ -274,8 +283,8 @@ def test_principals_reach_the_capture(keyed: Server) -> None:
     with sqlite3.connect(keyed.capture) as db:
         principals = dict(db.execute("select rid, principal from requests").fetchall())
         owners = {owner for (owner,) in db.execute("select distinct owner from tree_snapshots")}
-        inserted = dict(db.execute("select rid, principal from events where kind = 'insert'").fetchall())
-        matched = dict(db.execute("select rid, principal from events where kind = 'match'").fetchall())
+        inserted = principals_of(keyed.capture, EventKind.INSERT)
+        matched = principals_of(keyed.capture, EventKind.MATCH)
         visibility = set(db.execute("select distinct owner, visibility from tree_snapshots where owner is not null"))
     db.close()
     for rid, principal in keyed.seen["matched"].items():  # type: ignore[attr-defined]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvscope.telemetry import EventKind
+from kvscope.telemetry.queries import Capture
 from tests.server.serving import serving
 
 MODEL = "kvscope-tiny"
@@ -37,8 +39,8 @@ def test_a_conversation_evicted_to_host_comes_back_equal(tmp_path: Path) -> None
     with sqlite3.connect(capture) as conn:
         loaded, host_hits, host_total = conn.execute(
             "SELECT MAX(cum_loaded_tokens), MAX(cum_host_hit_tokens), MAX(host_total) FROM usage").fetchone()
-        evicted_to_host = conn.execute(
-            "SELECT COUNT(*) FROM events WHERE kind = 'evict' AND reason = 'to-host'").fetchone()[0]
+    evicts = Capture(capture).events(1, kinds=[EventKind.EVICT], limit=None, columns=["reason"])
+    evicted_to_host = int((evicts.reason == "to-host").sum())
     assert evicted_to_host > 0 and loaded >= host_hits
     assert cached // 2 < host_hits <= cached  # most of the revisited conversation came back from the host
     assert host_total >= 4 * KV_TOKENS

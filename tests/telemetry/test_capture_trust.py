@@ -347,15 +347,16 @@ def test_a_device_or_directory_is_refused_in_one_line(tmp_path: Path, monkeypatc
 
 
 def damaged_capture(path: Path) -> Path:
-    """A real capture with one page in the middle of its events overwritten by garbage."""
+    """A real capture with the root page of its packed event columns overwritten by garbage
+    (every read of an event column passes through it)."""
     finished_capture(path, steps=40)
     conn = sqlite3.connect(path)
     page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
-    # NOTE: a page of the events table itself (the file's layout moves with the schema; dbstat says where it is)
-    event_pages = [row[0] for row in conn.execute("SELECT pageno FROM dbstat WHERE name = 'events' ORDER BY pageno")]
+    # NOTE: the file's layout moves with the schema; dbstat says where the table's root is
+    (root,) = conn.execute("SELECT pageno FROM dbstat WHERE name = 'event_columns' AND path = '/'").fetchone()
     conn.close()
     with path.open("r+b") as fh:
-        fh.seek(page_size * (event_pages[len(event_pages) // 2] - 1))
+        fh.seek(page_size * (root - 1))
         fh.write(random.Random(5).randbytes(page_size))
     return path
 

@@ -126,8 +126,7 @@ def test_reader_reads_while_a_writer_process_writes_and_sigterm_finishes(tmp_pat
     seen = []
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
-        with capture.engine.connect() as conn:
-            seen.append(conn.execute(text("SELECT count(*) FROM events")).scalar_one())
+        seen.append(capture.last_event_seq(1) + 1)  # NOTE: seqs run 0, 1, ...: the events on disk
         assert not capture.usage(1).empty
         assert capture.runs().iloc[0].display_status == "running"
         time.sleep(0.05)
@@ -137,17 +136,25 @@ def test_reader_reads_while_a_writer_process_writes_and_sigterm_finishes(tmp_pat
     assert capture.runs().iloc[0].status == "interrupted"
 
 
-def test_request_and_node_indexes_exist_once_a_run_closes(tmp_path: Path) -> None:
+def test_a_new_file_has_the_packed_tables_and_closing_builds_no_event_index(tmp_path: Path) -> None:
     path = tmp_path / "i.db"
     recorder = SQLRecorder(path)
+    recorder.record(EventKind.MATCH, rid="r1", num_tokens=3)
     capture = Capture(path)
-    names = {row[0] for row in capture.engine.connect().execute(text("SELECT name FROM sqlite_master "
-                                                                     "WHERE type = 'index'"))}
-    assert "ix_events_step" in names and "ix_events_rid" not in names
+
+    def names(kind: str) -> set[str]:
+        with capture.engine.connect() as conn:
+            return {row[0] for row in conn.execute(text("SELECT name FROM sqlite_master WHERE type = :t"), {"t": kind})}
+
+    assert {t.name for t in schema.PACKED_TABLES} <= names("table")
+    before = names("index")
+    assert "ix_events_rid" not in before and "ix_events_node" not in before
     recorder.close()
-    names = {row[0] for row in capture.engine.connect().execute(text("SELECT name FROM sqlite_master "
-                                                                     "WHERE type = 'index'"))}
-    assert {"ix_events_rid", "ix_events_node"} <= names
+    # NOTE: a new run's events are chunks, so the row layout's deferred rid / node indexes are never built
+    assert names("index") == before
+    assert capture.event_counts(1).values.tolist() == [["match", 1]]
+    with capture.engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM events")).scalar_one() == 0
 
 
 def test_a_full_buffer_makes_the_caller_wait_for_the_writer(tmp_path: Path) -> None:
@@ -165,3 +172,98 @@ def test_the_store_takes_a_sqlalchemy_url(tmp_path: Path) -> None:
     capture = Capture(url)
     assert capture.runs().iloc[0].label == "by-url"
     assert list(capture.events(1).rid) == ["r1"]
+
+
+# -- the packed writer (schema version 6) ------------------------------------------------------
+
+
+def recorded_events(recorder: SQLRecorder) -> list[tuple]:
+    """Records a mix of events across many flushes; returns every event as (step, kind, pool,
+    rid, node_id, num_tokens, aux, reason, principal, slots as a list or None), in seq order."""
+    import torch
+
+    expected: list[tuple] = []
+    for step in range(12):
+        recorder.step = step
+        # NOTE: a string first seen in a later chunk (rid, principal) must still read back
+        rid, who = f"req-{step // 3}", None if step % 2 else f"user-{step}"
+        recorder.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=step, num_tokens=step + 1,
+                        slots=torch.arange(step, step + 3, dtype=torch.int64), aux=-step, principal=who)
+        expected.append((step, "insert", "full", rid, step, step + 1, -step, None, who, [step, step + 1, step + 2]))
+        recorder.record(EventKind.LOCK, node_id=None if step % 3 else 7)
+        expected.append((step, "lock", None, None, None if step % 3 else 7, 0, 0, None, None, None))
+        recorder.record(EventKind.EVICT, pool=PoolName.SWA, rid=None, num_tokens=2, slots=[],
+                        reason=EvictReason.TOMBSTONE)
+        expected.append((step, "evict", "swa", None, None, 2, 0, "tombstone", None, []))
+        rids, counts = (f"b{step}-0", None, f"b{step}-2"), (2, 0, 3)
+        recorder.record_batch(EventKind.ALLOC, pool=PoolName.FULL, rids=rids, num_tokens=counts,
+                              slots=np.arange(100 * step, 100 * step + 5, dtype=np.int32))
+        starts = (0, 2, 2)
+        expected += [(step, "alloc", "full", r, None, c, 0, None, None, list(range(100 * step + s, 100 * step + s + c)))
+                     for r, c, s in zip(rids, counts, starts, strict=True)]
+        recorder.record_batch(EventKind.FREE, pool=PoolName.FULL, rids=(), num_tokens=(), slots=np.zeros(0, np.int64))
+        recorder.flush()
+    return expected
+
+
+def test_record_and_record_batch_round_trip_exactly_through_many_chunks(tmp_path: Path) -> None:
+    path = tmp_path / "p.db"
+    with SQLRecorder(path, flush_interval_s=60, flush_max_events=4) as recorder:
+        expected = recorded_events(recorder)
+    capture = Capture(path)
+    assert len(capture.packed.chunks(1)) == 12
+    frame = capture.events(1, limit=None)
+    assert list(frame.seq) == list(range(len(expected)))
+    got = []
+    for row in frame.itertuples():
+        node = None if row.node_id is None or pd.isna(row.node_id) else int(row.node_id)
+        rid, pool, reason, principal = (None if pd.isna(v) else v for v in (row.rid, row.pool, row.reason,
+                                                                              row.principal))
+        got.append((row.step, row.kind, pool, rid, node, row.num_tokens, row.aux, reason, principal,
+                    None if row.slots is None else decode_slots(row.slots)))
+    assert got == expected
+    assert capture.last_event_seq(1) == len(expected) - 1
+    counts = dict(capture.event_counts(1).itertuples(index=False))
+    assert counts == {"alloc": 36, "evict": 12, "insert": 12, "lock": 12}
+    streamed = [r for batch in capture.event_stream(1, ["seq", "rid", "node_id"], batch_rows=7) for r in batch]
+    assert streamed == [(i, e[3], e[4]) for i, e in enumerate(expected)]
+
+
+def test_a_killed_run_keeps_every_committed_chunk(tmp_path: Path) -> None:
+    path = tmp_path / "k6.db"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.telemetry.writer_proc", str(path), "100000"],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    flushed = 0
+    for line in proc.stdout:
+        flushed = int(line.split()[1])
+        if flushed >= 3000:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    capture = Capture(path)
+    chunks = capture.packed.chunks(1)
+    assert len(chunks) >= 6 and chunks.num_events.sum() >= flushed
+    frame = capture.events(1, limit=None, columns=["seq", "step", "rid", "num_tokens", "slots"])
+    assert (frame.seq.to_numpy() == np.arange(len(frame))).all(), "a gap in the event sequence"
+    assert (frame.rid == [f"r{s}" for s in frame.step]).all() and (frame.num_tokens == 8).all()
+    assert all(decode_slots(s) == list(range(8)) for s in frame.slots)
+    assert capture.runs().iloc[0].display_status == ENDED_WITHOUT_CLOSING
+
+
+def test_a_version_5_file_gets_a_packed_second_run_and_reads_both(tmp_path: Path) -> None:
+    import shutil
+
+    path = tmp_path / "v5.db"
+    shutil.copy(ROOT / "tests" / "telemetry" / "data" / "v5" / "radix.db", path)
+    before = Capture(path).events(1, limit=None)
+    assert Capture(path).schema_version == 5 and len(before) > 0
+    with SQLRecorder(path, flush_interval_s=60, flush_max_events=4) as recorder:
+        expected = recorded_events(recorder)
+    capture = Capture(path)
+    assert capture.schema_version == schema.SCHEMA_VERSION
+    assert capture.packed.chunks(1).empty and len(capture.packed.chunks(2)) == 12
+    pd.testing.assert_frame_equal(capture.events(1, limit=None), before)
+    assert [None if pd.isna(r) else r for r in capture.events(2, limit=None).rid] == [e[3] for e in expected]
+    with capture.engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM events WHERE run_id = 2")).scalar_one() == 0
