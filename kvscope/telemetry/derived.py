@@ -17,27 +17,28 @@ NOTE: definitions (also shown on the pages)
     running length a running request's tokens at a step: the hit of its latest match by then plus
                    the full-pool tokens allocated for it since
 
-NOTE: cost. Every query here is a handful of index range reads whose size is bounded by the
-page shown (200 evictions and their nodes) or by the number of requests, never one lookup per
-row over the whole event table: the correlated-subquery version of the eviction log took ~20 s
-per page on a million-event capture, because a hot parent node's later matches were scanned
-once per eviction. A run that was killed has no rid/node index (built at close), so the node
-lookups scan its events once per page instead. The index each read goes through is named with
-dialect.read_through: a hint on SQLite, nothing on a server database.
+NOTE: cost. Every read goes through Capture.events (either layout: event_source.py) and asks
+for the kinds and columns it needs, with a step range where the definition bounds it (running
+lengths, recent evictions), so a packed run skips the chunks without those kinds or steps; the
+filters by node, rid and pool and every join or aggregate are numpy/pandas over those columns,
+never one read or one Python step per event. The eviction log reads the run's node touches
+(insert, split, match, lock) once per page and loops over that page's evictions only. A run of
+the row layout (written before version 6) reads the same columns through SQL, which is slower
+on a big run: `kvscope upgrade` packs it.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import pandas as pd
-from sqlalchemy import ColumnElement, Select, TableClause, desc, func, select
+from sqlalchemy import desc, select
 
 from kvscope.telemetry import schema
-from kvscope.telemetry.dialect import read_through
 from kvscope.telemetry.events import EventKind, PoolName
 from kvscope.telemetry.queries import Capture
 
@@ -45,33 +46,53 @@ EVICTION_LOG_COLUMNS = ("seq", "step", "t_mono", "pool", "node_id", "parent_id",
                         "age_steps", "age_s", "idle_steps", "idle_s", "needed_again_step", "needed_again_by",
                         "regret_tokens")
 MAX_PARENT_HOPS = 64  # a chain of splits of splits, followed back to an inserted node
-EVICT = EventKind.EVICT.value
-ENDS = [EventKind.REQUEST_FINISH.value, EventKind.REQUEST_ABORT.value, EventKind.REQUEST_RETRACT.value]
-NODE_TOUCHES = [EventKind.INSERT.value, EventKind.SPLIT.value, EventKind.MATCH.value, EventKind.LOCK.value]
+EVICT = EventKind.EVICT
+ENDS = (EventKind.REQUEST_FINISH, EventKind.REQUEST_ABORT, EventKind.REQUEST_RETRACT)
+NODE_TOUCHES = (EventKind.INSERT, EventKind.SPLIT, EventKind.MATCH, EventKind.LOCK)
 BIRTHS = (EventKind.INSERT, EventKind.SPLIT)
+FIRST_STEP = -(1 << 62)  # a step range's open end
+LAST_STEP = 1 << 62
+Touch = tuple[int, int, float, str, int]  # (seq, step, t_mono, kind, aux)
+Match = tuple[int, int, str, int]  # (seq, step, rid, miss tokens)
 
 
-def _events_of_run(source: TableClause, run_id: int, *columns: ColumnElement[Any]) -> Select[Any]:
-    return select(*columns).select_from(source).where(source.c.run_id == run_id)
+def _all(capture: Capture, run_id: int, kinds: Sequence[EventKind], columns: Sequence[str],
+         step_range: tuple[int, int] | None = None) -> pd.DataFrame:
+    """Every event of `kinds` (in `step_range`), as `columns` plus seq, in seq order."""
+    return capture.events(run_id, kinds=kinds, step_range=step_range, limit=None, columns=columns)
+
+
+def _isin(values: pd.Series, wanted: Iterable[int]) -> np.ndarray:
+    """values (ints, or floats with NaN for NULL) in `wanted`: a bool mask (NULL never is)."""
+    keys = np.unique(np.fromiter(wanted, np.int64))
+    array = values.to_numpy()
+    if not len(keys) or not len(array):
+        return np.zeros(len(array), bool)
+    if array.dtype.kind in "iu":
+        present = np.ones(len(array), bool)
+        array = array.astype(np.int64)
+    else:  # NOTE: floats with NaN, or objects with None (every value NULL)
+        present = pd.notna(array)
+        array = np.where(present, array, 0).astype(np.int64)
+    at = np.minimum(np.searchsorted(keys, array), len(keys) - 1)
+    return present & (keys[at] == array)
 
 
 # -- eviction log ----------------------------------------------------------------------------
 
 def eviction_log(capture: Capture, run_id: int, limit: int, offset: int) -> pd.DataFrame:
     """One page of the log (evictions in event order), with age, idle, parent and regret."""
-    e = schema.events.c
-    ev = capture.read_frame(
-        select(e.seq, e.step, e.t_mono, e.pool, e.node_id, e.num_tokens.label("evicted_tokens"), e.reason)
-        .where(e.run_id == run_id, e.kind == EVICT).order_by(e.seq).limit(limit).offset(offset))
+    ev = capture.events(run_id, kinds=[EVICT], limit=limit, offset=offset,
+                        columns=["seq", "step", "t_mono", "pool", "node_id", "num_tokens", "reason"])
+    ev = ev.rename(columns={"num_tokens": "evicted_tokens"})
     if ev.empty:
         return pd.DataFrame(columns=list(EVICTION_LOG_COLUMNS))
-    by_node = read_through(capture.engine, schema.ix_events_node)
+    touches = _all(capture, run_id, NODE_TOUCHES, ["step", "t_mono", "kind", "rid", "node_id", "aux"])
     nodes = sorted({int(n) for n in ev.node_id})
-    history = _NodeHistory(capture, run_id, by_node)
-    history.load(nodes)
+    history = _NodeHistory(touches)
+    history.load_chains(nodes)
     parents = [history.parent_at(int(n), int(s)) for n, s in zip(ev.node_id, ev.seq, strict=True)]
-    later = _later_matches(capture, run_id, by_node, sorted(set(nodes) | {p for p in parents if p is not None}),
-                           int(ev.seq.min()))
+    later = _later_matches(touches, set(nodes) | {p for p in parents if p is not None}, int(ev.seq.min()))
     rows = []
     for row, parent in zip(ev.itertuples(index=False), parents, strict=True):
         born, touch = history.born(row.node_id, row.seq), history.last_touch(row.node_id, row.seq)
@@ -88,37 +109,44 @@ def eviction_log(capture: Capture, run_id: int, limit: int, offset: int) -> pd.D
 
 
 class _NodeHistory:
-    """Births, touches and splits of a set of nodes, from one or a few index reads."""
+    """Births, touches and splits of a set of nodes, picked out of the run's touches (seq order)."""
 
-    def __init__(self, capture: Capture, run_id: int, by_node: TableClause) -> None:
-        self.capture, self.run_id, self.by_node = capture, run_id, by_node
-        self.by_kind = read_through(capture.engine, schema.ix_events_kind)
-        self.rows: dict[int, list[tuple[int, int, float, str, int]]] = defaultdict(list)  # (seq, step, t, kind, aux)
+    def __init__(self, touches: pd.DataFrame) -> None:
+        self.touches = touches
+        self.is_split = (touches["kind"] == EventKind.SPLIT.value).to_numpy()
+        self.rows: dict[int, list[Touch]] = defaultdict(list)
         self.splits_of: dict[int, list[tuple[int, int]]] = defaultdict(list)  # node -> [(seq, upper node)]
         self.loaded: set[int] = set()
 
-    def load(self, nodes: Sequence[int]) -> None:
+    def load(self, nodes: Iterable[int]) -> list[int]:
+        """Pick out the rows of `nodes` not loaded yet; returns those nodes."""
         todo = sorted(set(nodes) - self.loaded)
         if not todo:
-            return
+            return todo
         self.loaded.update(todo)
-        n = self.by_node.c
-        own = self.capture.read_frame(
-            _events_of_run(self.by_node, self.run_id, n.seq, n.step, n.t_mono, n.kind, n.node_id, n.aux)
-            .where(n.node_id.in_(todo), n.kind.in_(NODE_TOUCHES)).order_by(n.seq))
-        for r in own.itertuples(index=False):
+        t = self.touches
+        own = t[_isin(t["node_id"], todo)]
+        for r in own[["seq", "step", "t_mono", "kind", "node_id", "aux"]].itertuples(index=False):
             self.rows[int(r.node_id)].append((int(r.seq), int(r.step), float(r.t_mono), str(r.kind), int(r.aux)))
-        k = self.by_kind.c
-        splits = self.capture.read_frame(
-            _events_of_run(self.by_kind, self.run_id, k.seq, k.node_id, k.aux)
-            .where(k.kind == EventKind.SPLIT.value, k.aux.in_(todo)).order_by(k.seq))
-        for r in splits.itertuples(index=False):
+        splits = t[self.is_split & _isin(t["aux"], todo)]
+        for r in splits[["seq", "node_id", "aux"]].itertuples(index=False):
             self.splits_of[int(r.aux)].append((int(r.seq), int(r.node_id)))
+        return todo
 
-    def born(self, node: int, before: int) -> tuple[int, int, float, str, int] | None:
+    def load_chains(self, nodes: Iterable[int]) -> None:
+        """Load `nodes` and, hop by hop, the split nodes their upper pieces came from: parent_at
+        then finds every node it visits loaded (one pass over the touches per hop, not per node)."""
+        todo = self.load(nodes)
+        for _ in range(MAX_PARENT_HOPS):
+            came_from = {r[4] for n in todo for r in self.rows[n] if r[3] == EventKind.SPLIT}
+            todo = self.load(came_from)
+            if not todo:
+                return
+
+    def born(self, node: int, before: int) -> Touch | None:
         return next((r for r in self.rows[node] if r[3] in BIRTHS and r[0] < before), None)
 
-    def last_touch(self, node: int, before: int) -> tuple[int, int, float, str, int] | None:
+    def last_touch(self, node: int, before: int) -> Touch | None:
         rows = self.rows[node]
         index = bisect.bisect_left(rows, before, key=lambda r: r[0])
         return rows[index - 1] if index else None
@@ -141,11 +169,11 @@ class _NodeHistory:
 
 class _LaterMatches:
     def __init__(self, frame_: pd.DataFrame) -> None:
-        self.by_node: dict[int, list[tuple[int, int, str, int]]] = defaultdict(list)  # (seq, step, rid, miss)
+        self.by_node: dict[int, list[Match]] = defaultdict(list)
         for r in frame_.itertuples(index=False):
             self.by_node[int(r.node_id)].append((int(r.seq), int(r.step), r.rid, int(r.aux)))
 
-    def first_after(self, node: int | None, seq: int) -> tuple[int, int, str, int] | None:
+    def first_after(self, node: int | None, seq: int) -> Match | None:
         if node is None:
             return None
         matches = self.by_node.get(node, [])
@@ -153,14 +181,12 @@ class _LaterMatches:
         return matches[index] if index < len(matches) else None
 
 
-def _later_matches(capture: Capture, run_id: int, by_node: TableClause, nodes: list[int],
-                   after_seq: int) -> _LaterMatches:
+def _later_matches(touches: pd.DataFrame, nodes: set[int], after_seq: int) -> _LaterMatches:
     """Matches that stopped at one of `nodes` after `after_seq` and missed tokens."""
-    n = by_node.c
-    return _LaterMatches(capture.read_frame(
-        _events_of_run(by_node, run_id, n.seq, n.step, n.rid, n.node_id, n.aux)
-        .where(n.node_id.in_(nodes), n.kind == EventKind.MATCH.value, n.aux > 0, n.seq > after_seq)
-        .order_by(n.seq)))
+    t = touches
+    found = (t["kind"] == EventKind.MATCH.value).to_numpy() & (t["aux"] > 0).to_numpy() \
+        & (t["seq"] > after_seq).to_numpy() & _isin(t["node_id"], nodes)
+    return _LaterMatches(t.loc[found, ["seq", "step", "rid", "node_id", "aux"]])
 
 
 # -- running requests ------------------------------------------------------------------------
@@ -168,82 +194,86 @@ def _later_matches(capture: Capture, run_id: int, by_node: TableClause, nodes: l
 def running_lengths(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
     """rid, seq_len of every request running at `step`: matched by then and not finished,
     aborted or retracted since its latest match."""
-    by_kind = read_through(capture.engine, schema.ix_events_kind)
-    k = by_kind.c
-    latest = capture.read_frame(
-        _events_of_run(by_kind, run_id, k.rid, func.max(k.seq).label("mseq"))
-        .where(k.kind == EventKind.MATCH.value, k.step <= step, k.rid.is_not(None)).group_by(k.rid))
-    ends = capture.read_frame(
-        _events_of_run(by_kind, run_id, k.rid, func.max(k.seq).label("eseq"))
-        .where(k.kind.in_(ENDS), k.step <= step, k.rid.is_not(None)).group_by(k.rid))
-    live = latest.merge(ends, on="rid", how="left")
+    matches = _all(capture, run_id, [EventKind.MATCH], ["step", "rid", "num_tokens"], (FIRST_STEP, step))
+    latest = _last_per_rid(matches).rename(columns={"seq": "mseq", "step": "mstep", "num_tokens": "hit"})
+    ends = _last_per_rid(_all(capture, run_id, ENDS, ["rid"], (FIRST_STEP, step))).rename(columns={"seq": "eseq"})
+    live = latest[["rid", "mseq"]].merge(ends, on="rid", how="left")
     live = live[live.eseq.isna() | (live.eseq < live.mseq)]
     if live.empty:
         return pd.DataFrame({"rid": pd.Series(dtype=object), "seq_len": pd.Series(dtype="int64")})
-    e = schema.events.c
-    hits = capture.read_frame(
-        select(e.seq.label("mseq"), e.step.label("mstep"), e.num_tokens.label("hit"))
-        .where(e.run_id == run_id, e.seq.in_([int(s) for s in live.mseq])))
-    live = live.merge(hits, on="mseq")
-    allocs = capture.read_frame(
-        _events_of_run(by_kind, run_id, k.rid, k.seq, k.num_tokens)
-        .where(k.kind == EventKind.ALLOC.value, k.step.between(int(live.mstep.min()), step),
-               k.pool == PoolName.FULL.value, k.rid.in_(list(live.rid))))
-    since = allocs.merge(live[["rid", "mseq"]], on="rid")
+    live = live.merge(latest[["mseq", "mstep", "hit"]], on="mseq")
+    allocs = _all(capture, run_id, [EventKind.ALLOC], ["rid", "pool", "num_tokens"], (int(live.mstep.min()), step))
+    allocs = allocs[(allocs["pool"] == PoolName.FULL.value) & allocs["rid"].isin(list(live.rid))]
+    since = allocs[["rid", "seq", "num_tokens"]].merge(live[["rid", "mseq"]], on="rid")
     grown = since[since.seq > since.mseq].groupby("rid")["num_tokens"].sum()
     live["seq_len"] = live["hit"] + live["rid"].map(grown).fillna(0).astype("int64")
     return live[["rid", "seq_len"]].reset_index(drop=True)
+
+
+def _last_per_rid(events: pd.DataFrame) -> pd.DataFrame:
+    """Each rid's latest event (rids not NULL), by rid."""
+    events = events[events["rid"].notna()]
+    return events.drop_duplicates("rid", keep="last").sort_values("rid", kind="stable").reset_index(drop=True)
 
 
 def allocs_of_requests(capture: Capture, run_id: int, rids: Sequence[str]) -> pd.DataFrame:
     """rid, step, tokens: each request's full-pool allocations per step."""
     if not rids:
         return pd.DataFrame(columns=["rid", "step", "tokens"])
-    by_rid = read_through(capture.engine, schema.ix_events_rid)
-    r = by_rid.c
-    return capture.read_frame(
-        _events_of_run(by_rid, run_id, r.rid, r.step, func.sum(r.num_tokens).label("tokens"))
-        .where(r.rid.in_(list(rids)), r.kind == EventKind.ALLOC.value, r.pool == PoolName.FULL.value)
-        .group_by(r.rid, r.step).order_by(r.rid, r.step))
+    allocs = _all(capture, run_id, [EventKind.ALLOC], ["step", "rid", "pool", "num_tokens"])
+    allocs = allocs[(allocs["pool"] == PoolName.FULL.value) & allocs["rid"].isin(list(rids))]
+    if allocs.empty:
+        return pd.DataFrame(columns=["rid", "step", "tokens"])
+    sums = allocs.groupby(["rid", "step"], sort=True)["num_tokens"].sum()
+    return sums.rename("tokens").reset_index()
 
 
 # -- evictions over time ---------------------------------------------------------------------
 
 def eviction_summary(capture: Capture, run_id: int) -> pd.DataFrame:
-    e = schema.events.c
-    return capture.read_frame(
-        select(func.coalesce(e.reason, "?").label("reason"), e.pool, func.count().label("num_evictions"),
-               func.sum(e.num_tokens).label("evicted_tokens"), func.min(e.step).label("first_step"),
-               func.max(e.step).label("last_step"))
-        .where(e.run_id == run_id, e.kind == EVICT).group_by(e.reason, e.pool).order_by(desc("num_evictions")))
+    """reason ('?' when none), pool, num_evictions, evicted_tokens, first_step, last_step per
+    reason and pool, most evictions first (ties: by reason, then pool, NULL first)."""
+    columns = ["reason", "pool", "num_evictions", "evicted_tokens", "first_step", "last_step"]
+    ev = _all(capture, run_id, [EVICT], ["step", "pool", "num_tokens", "reason"])
+    if ev.empty:
+        return pd.DataFrame(columns=columns)
+    groups = ev.groupby(["reason", "pool"], dropna=False, sort=False).agg(
+        num_evictions=("seq", "size"), evicted_tokens=("num_tokens", "sum"), first_step=("step", "min"),
+        last_step=("step", "max"))
+    rows: list[tuple[Any, ...]] = [(_text(reason), _text(pool), *(int(v) for v in values))
+            for (reason, pool), values in zip(groups.index, groups.itertuples(index=False), strict=True)]
+    rows.sort(key=lambda r: (_null_first(r[0]), _null_first(r[1])))
+    rows.sort(key=lambda r: -r[2])  # NOTE: stable: ties keep the (reason, pool) order, as SQL's GROUP BY gave it
+    return pd.DataFrame([("?" if r[0] is None else r[0], *r[1:]) for r in rows], columns=columns)
+
+
+def _text(value: object) -> str | None:
+    return None if value is None or value != value else str(value)  # NOTE: NaN != NaN
+
+
+def _null_first(value: str | None) -> tuple[bool, str]:
+    return (value is not None, value or "")
 
 
 def evictions_over_steps(capture: Capture, run_id: int, max_points: int) -> pd.DataFrame:
     """Evictions and evicted tokens per bucket of steps (at most `max_points` buckets; `step` is
     each bucket's last step with an eviction, `steps` its width)."""
-    by_kind = read_through(capture.engine, schema.ix_events_kind)
-    k = by_kind.c
-    bounds = capture.read_frame(
-        _events_of_run(by_kind, run_id, func.min(k.step).label("lo"), func.max(k.step).label("hi"))
-        .where(k.kind == EVICT)).iloc[0]
-    if pd.isna(bounds.lo):
+    ev = _all(capture, run_id, [EVICT], ["step", "t_mono", "num_tokens"])
+    if ev.empty:
         return pd.DataFrame(columns=["step", "num_evictions", "evicted_tokens", "t_mono", "steps"])
-    lo = int(bounds.lo)
-    width = max(1, -(-(int(bounds.hi) - lo + 1) // max_points))
-    e = schema.events.c
-    out = capture.read_frame(
-        select(func.max(e.step).label("step"), func.count().label("num_evictions"),
-               func.sum(e.num_tokens).label("evicted_tokens"), func.min(e.t_mono).label("t_mono"))
-        .where(e.run_id == run_id, e.kind == EVICT).group_by((e.step - lo) // width).order_by(func.max(e.step)))
+    lo = int(ev.step.min())
+    width = max(1, -(-(int(ev.step.max()) - lo + 1) // max_points))
+    out = ev.groupby(((ev.step - lo) // width).to_numpy()).agg(
+        step=("step", "max"), num_evictions=("seq", "size"), evicted_tokens=("num_tokens", "sum"),
+        t_mono=("t_mono", "min"))
+    out = out.sort_values("step").reset_index(drop=True)
     out["steps"] = width
     return out
 
 
 def recent_evictions(capture: Capture, run_id: int, since_step: int) -> pd.DataFrame:
-    e = schema.events.c
-    return capture.read_frame(
-        select(func.count().label("num_evictions"), func.coalesce(func.sum(e.num_tokens), 0).label("evicted_tokens"))
-        .where(e.run_id == run_id, e.kind == EVICT, e.step >= since_step))
+    ev = _all(capture, run_id, [EVICT], ["num_tokens"], (since_step, LAST_STEP))
+    return pd.DataFrame({"num_evictions": [len(ev)], "evicted_tokens": [int(ev.num_tokens.sum())]})
 
 
 # -- usage -----------------------------------------------------------------------------------

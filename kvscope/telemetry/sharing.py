@@ -7,40 +7,45 @@ NOTE: definitions (also shown on the dashboard)
                           the part that sat in nodes another principal owns. Only captures of
                           schema version 3 record cross_hit events and the requester of a match;
                           an older capture has neither (its reads come back empty).
-Every aggregate is computed in SQL (grouped by step or principal), never row by row.
+Events are read through Capture.events (either layout), only the kinds and columns a read needs;
+every aggregate is pandas over those columns (grouped by step or principal), never row by row.
 """
 
 from __future__ import annotations
 
 import pandas as pd
-from sqlalchemy import func, select, union
+from sqlalchemy import select
 
 from kvscope.telemetry import schema
 from kvscope.telemetry.events import EventKind
 from kvscope.telemetry.queries import Capture
 
-VISIBILITY_KINDS = (EventKind.PROMOTE.value, EventKind.DEMOTE.value)
-REUSE_KINDS = (EventKind.MATCH.value, EventKind.CROSS_HIT.value)
+VISIBILITY_KINDS = (EventKind.PROMOTE, EventKind.DEMOTE)
+REUSE_KINDS = (EventKind.MATCH, EventKind.CROSS_HIT)
 REUSE_COLUMNS = ("principal", "matched_tokens", "cross_tokens")
+VISIBILITY_COLUMNS = ("step", "kind", "num_events", "num_tokens")
 
 
 def run_principals(capture: Capture, run_id: int) -> list[str]:
     """The distinct principals of the run's requests and match events, sorted."""
-    r, e = schema.requests.c, schema.events.c
-    of_requests = select(r.principal).where(r.run_id == run_id, r.principal.is_not(None)).distinct()
-    if capture.schema_version < schema.since_version(e.principal):
-        return sorted(str(p) for p in capture.read_frame(of_requests).iloc[:, 0])
-    of_matches = select(e.principal).where(e.run_id == run_id, e.kind == EventKind.MATCH.value,
-                                           e.principal.is_not(None))
-    return sorted(str(p) for p in capture.read_frame(union(of_requests, of_matches)).iloc[:, 0])
+    r = schema.requests.c
+    of_requests = capture.read_frame(select(r.principal).where(r.run_id == run_id, r.principal.is_not(None))
+                                     .distinct()).iloc[:, 0]
+    found = {str(p) for p in of_requests}
+    if capture.schema_version >= schema.since_version(schema.events.c.principal):
+        matches = capture.events(run_id, kinds=[EventKind.MATCH], limit=None, columns=["principal"])
+        found.update(str(p) for p in matches["principal"].dropna().unique())
+    return sorted(found)
 
 
 def visibility_changes(capture: Capture, run_id: int) -> pd.DataFrame:
     """Promotions and demotions per step: step, kind, num_events, num_tokens."""
-    e = schema.events.c
-    stmt = (select(e.step, e.kind, func.count().label("num_events"), func.sum(e.num_tokens).label("num_tokens"))
-            .where(e.run_id == run_id, e.kind.in_(VISIBILITY_KINDS)).group_by(e.step, e.kind).order_by(e.step))
-    return capture.read_frame(stmt)
+    changes = capture.events(run_id, kinds=VISIBILITY_KINDS, limit=None, columns=["step", "kind", "num_tokens"])
+    if changes.empty:
+        return pd.DataFrame(columns=list(VISIBILITY_COLUMNS))
+    out = changes.groupby(["step", "kind"], sort=True).agg(num_events=("seq", "size"),
+                                                           num_tokens=("num_tokens", "sum"))
+    return out.reset_index()[list(VISIBILITY_COLUMNS)]
 
 
 def reuse_by_principal(capture: Capture, run_id: int) -> pd.DataFrame:
@@ -48,13 +53,14 @@ def reuse_by_principal(capture: Capture, run_id: int) -> pd.DataFrame:
     them in nodes another principal owns. Empty before schema version 3."""
     if capture.schema_version < 3:
         return pd.DataFrame(columns=list(REUSE_COLUMNS))
-    e = schema.events.c
-    stmt = (select(e.principal, e.kind, func.sum(e.num_tokens).label("num_tokens"))
-            .where(e.run_id == run_id, e.kind.in_(REUSE_KINDS)).group_by(e.principal, e.kind))
-    sums = capture.read_frame(stmt)
-    if sums.empty:
+    reuse = capture.events(run_id, kinds=REUSE_KINDS, limit=None, columns=["kind", "principal", "num_tokens"])
+    if reuse.empty:
         return pd.DataFrame(columns=list(REUSE_COLUMNS))
+    sums = reuse.groupby(["principal", "kind"], dropna=False, sort=True)["num_tokens"].sum().reset_index()
+    # NOTE: a NULL principal is a group of its own, named None (as SQL's GROUP BY gives it), not NaN
+    sums["principal"] = sums["principal"].astype(object).where(sums["principal"].notna(), None)
     table = sums.pivot_table(index="principal", columns="kind", values="num_tokens", aggfunc="sum",
                              fill_value=0, dropna=False)
-    table = table.reindex(columns=list(REUSE_KINDS), fill_value=0).astype(int).rename_axis(columns=None).reset_index()
+    table = table.reindex(columns=[k.value for k in REUSE_KINDS], fill_value=0).astype(int)
+    table = table.rename_axis(columns=None).reset_index()
     return table.rename(columns={"match": "matched_tokens", "cross_hit": "cross_tokens"})[list(REUSE_COLUMNS)]

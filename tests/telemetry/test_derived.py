@@ -19,7 +19,7 @@ from kvscope.telemetry import EventKind, EvictReason, PoolName, derived
 from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.recorder import SQLRecorder
 from tests.engine.test_logits_equality import make_requests
-from tests.telemetry import reference_sql
+from tests.telemetry import oracle_reads, reference_sql
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,6 +32,7 @@ def tight_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
                           cache=CacheConfig(kind="radix"), scheduler=SchedulerConfig(chunked_prefill_size=32))
     run(RunSpec(engine=engine, model=model_config("tiny"), workload="multi-turn", num_requests=60, seed=3,
                 capture=path, store_report=False))
+    oracle_reads.unpack_to_rows(path)  # NOTE: the references are SQL over `events` rows
     return path
 
 
@@ -44,6 +45,7 @@ def retracting_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with SQLRecorder(path, level="full") as rec:
         stats = Engine(config, MODEL_PRESETS["tiny"], rec).run(make_requests(7, out_range=(24, 48)))
     assert stats.num_retractions > 0
+    oracle_reads.unpack_to_rows(path)  # NOTE: the references are SQL over `events` rows
     return path
 
 
