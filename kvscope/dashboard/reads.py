@@ -14,7 +14,8 @@ from kvscope.dashboard.timing import Clock, clock_of
 from kvscope.telemetry import EventKind
 
 ALL_ROWS = 10_000_000
-EVENT_COLUMNS = ["seq", "step", "kind", "rid", "node_id", "num_tokens", "aux", "reason"]
+EVENT_COLUMNS = ["seq", "step", "kind", "rid", "node_id", "num_tokens", "aux", "reason"]  # NOTE: what is read:
+# never slots or t_mono (on a 10M-event capture the slot blobs of every lock event alone cost seconds)
 
 
 @st.cache_data(ttl=data.CACHE_TTL_S, show_spinner=False)
@@ -43,7 +44,8 @@ def run_clock(path: str, run_id: int, stamp: float, run: Any) -> Clock | None:
 @st.cache_data(ttl=data.CACHE_TTL_S, show_spinner=False)
 def lock_events(path: str, run_id: int, stamp: float) -> pd.DataFrame:
     """Every lock and unlock of tree nodes, in event order (empty for a summary capture)."""
-    events = data.open_capture(path).events(run_id, kinds=[EventKind.LOCK, EventKind.UNLOCK], limit=ALL_ROWS)
+    events = data.open_capture(path).events(run_id, kinds=[EventKind.LOCK, EventKind.UNLOCK], limit=None,
+                                            columns=EVENT_COLUMNS)
     return events.reindex(columns=EVENT_COLUMNS)
 
 
@@ -51,5 +53,5 @@ def lock_events(path: str, run_id: int, stamp: float) -> pd.DataFrame:
 def split_events(path: str, run_id: int, stamp: float) -> pd.DataFrame:
     """Every node split: node_id is the new upper node, aux the node it was cut from,
     num_tokens the tokens that moved up."""
-    events = data.open_capture(path).events(run_id, kinds=[EventKind.SPLIT], limit=ALL_ROWS)
+    events = data.open_capture(path).events(run_id, kinds=[EventKind.SPLIT], limit=None, columns=EVENT_COLUMNS)
     return events.reindex(columns=EVENT_COLUMNS)

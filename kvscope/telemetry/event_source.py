@@ -33,6 +33,27 @@ EVENT_COLUMNS = tuple(c for c in schema.EVENT_COLUMNS if c != "run_id")
 _STORED_OF = {"slots": ("slot_counts", "slots")}
 
 
+class _Dictionary:
+    """A run's strings: `lookup[code + 1]` is the text of a code (slot 0: NO_CODE, None), and
+    `inverse` the code of a text. Codes are dense from 0, so new ones extend both."""
+
+    def __init__(self) -> None:
+        self.lookup = np.full(1, None, dtype=object)
+        self.inverse: dict[str, int] = {}
+
+    @property
+    def size(self) -> int:
+        return len(self.lookup) - 1
+
+    def extend(self, rows: Sequence[Any]) -> None:
+        if not rows:
+            return
+        texts = [str(text) for _code, text in rows]
+        assert int(rows[0][0]) == self.size and int(rows[-1][0]) == self.size + len(rows) - 1, "codes are dense"
+        self.inverse.update((text, self.size + i) for i, text in enumerate(texts))
+        self.lookup = np.concatenate([self.lookup, np.asarray(texts, dtype=object)])
+
+
 class PackedEvents:
     """The decoded chunks of a capture's packed runs (shared by every read of one Capture)."""
 
@@ -41,7 +62,7 @@ class PackedEvents:
         self._lock = threading.Lock()
         self._columns: OrderedDict[tuple[int, int, str], np.ndarray] = OrderedDict()
         self._bytes = 0
-        self._strings: dict[int, dict[int, str]] = {}
+        self._strings: dict[int, _Dictionary] = {}
         self._has_tables: bool | None = None
 
     def has_tables(self) -> bool:
@@ -82,33 +103,34 @@ class PackedEvents:
                 self._bytes -= dropped.nbytes
         return values
 
-    def _table(self, run_id: int, *, reload: bool = False) -> dict[int, str]:
-        if not self.has_tables():
-            return {}
-        if reload or run_id not in self._strings:
+    def _dictionary(self, run_id: int, *, refresh: bool = False) -> _Dictionary:
+        """The run's strings; `refresh` reads the ones defined since (a live run adds some)."""
+        found = self._strings.get(run_id)
+        if found is None:
+            found = self._strings[run_id] = _Dictionary()
+            refresh = True
+        if refresh and self.has_tables():
             s = schema.event_strings.c
             with self.engine.connect() as conn:
-                rows = conn.execute(select(s.code, s.text).where(s.run_id == run_id)).fetchall()
-            self._strings[run_id] = {int(code): str(text) for code, text in rows}
-        return self._strings[run_id]
+                rows = conn.execute(select(s.code, s.text).where(s.run_id == run_id, s.code >= found.size)
+                                    .order_by(s.code)).fetchall()
+            found.extend(rows)
+        return found
 
     def strings(self, run_id: int, codes: np.ndarray) -> np.ndarray:
         """Codes as an object array of their strings (None for NO_CODE)."""
-        table = self._table(run_id)
+        found = self._dictionary(run_id)
         top = int(codes.max()) if len(codes) else NO_CODE
-        if top >= len(table):
-            table = self._table(run_id, reload=True)  # NOTE: a live run defined new strings since
-        lookup = np.empty(max(len(table), top + 1) + 1, dtype=object)  # NOTE: slot 0 is NO_CODE (-1)
-        for code, text in table.items():
-            lookup[code + 1] = text
-        return lookup[codes.astype(np.int64) + 1]
+        if top >= found.size:
+            found = self._dictionary(run_id, refresh=True)
+        return found.lookup[codes.astype(np.int64) + 1]
 
     def codes_of(self, run_id: int, texts: Sequence[str]) -> list[int]:
         """The codes of `texts` in the run's dictionary (a text the run never used has none)."""
-        inverse = {text: code for code, text in self._table(run_id).items()}
-        if any(t not in inverse for t in texts):
-            inverse = {text: code for code, text in self._table(run_id, reload=True).items()}
-        return [inverse[t] for t in texts if t in inverse]
+        found = self._dictionary(run_id)
+        if any(t not in found.inverse for t in texts):
+            found = self._dictionary(run_id, refresh=True)
+        return [found.inverse[t] for t in texts if t in found.inverse]
 
     def kind_counts(self, run_id: int) -> dict[str, int]:
         """Events per kind over the run's chunks (empty for a run of the row layout)."""
@@ -168,8 +190,11 @@ def packed_arrays(packed: PackedEvents, chunks: pd.DataFrame, run_id: int, names
     end = None if limit is None else offset + limit
     parts: list[dict[str, np.ndarray]] = []
     found = 0
+    # NOTE: codes resolved once (the chunks were listed first, and a chunk's strings land with it)
+    kind_codes = None if kinds is None else np.asarray(packed.codes_of(run_id, kinds), np.int32)
+    rid_codes = None if rid is None else np.asarray(packed.codes_of(run_id, [rid]), np.int32)
     for row in chunks.itertuples(index=False):
-        part = _chunk_frame(packed, run_id, row, names, kinds, step_range, after_seq, rid, node_id)
+        part = _chunk_frame(packed, run_id, row, names, kind_codes, step_range, after_seq, rid_codes, node_id)
         if len(part["seq"]):
             parts.append(part)
             found += len(part["seq"])
@@ -189,23 +214,23 @@ def python_values(packed: PackedEvents, run_id: int, name: str, values: np.ndarr
     return list(values.tolist())
 
 
-def _chunk_frame(packed: PackedEvents, run_id: int, row: Any, names: list[str], kinds: list[str] | None,
-                 step_range: tuple[int, int] | None, after_seq: int | None, rid: str | None,
+def _chunk_frame(packed: PackedEvents, run_id: int, row: Any, names: list[str], kind_codes: np.ndarray | None,
+                 step_range: tuple[int, int] | None, after_seq: int | None, rid_codes: np.ndarray | None,
                  node_id: int | None) -> dict[str, np.ndarray]:
     def col(name: str) -> np.ndarray:
         return packed.column(run_id, int(row.chunk), name)
 
     n = int(row.num_events)
     mask = np.ones(n, bool)
-    if kinds is not None:
-        mask &= np.isin(col("kind"), packed.codes_of(run_id, kinds))
-    if step_range is not None:
+    if kind_codes is not None:
+        mask &= np.isin(col("kind"), kind_codes)
+    if step_range is not None and not (step_range[0] <= row.first_step and row.last_step <= step_range[1]):
         step = col("step")
         mask &= (step >= step_range[0]) & (step <= step_range[1])
     if after_seq is not None and after_seq >= row.first_seq:
         mask[: after_seq - int(row.first_seq) + 1] = False
-    if rid is not None:
-        mask &= np.isin(col("rid"), packed.codes_of(run_id, [rid]))
+    if rid_codes is not None:
+        mask &= np.isin(col("rid"), rid_codes)
     if node_id is not None:
         mask &= col("node_id") == node_id
     out: dict[str, np.ndarray] = {}

@@ -29,6 +29,7 @@ from kvscope.attach.scrape import EngineSample
 from kvscope.attach.wire import Batch, Cleared, Removed, Stored, WireEvent
 from kvscope.dashboard import attached, charts
 from kvscope.dashboard.verdict import attached_verdict
+from kvscope.telemetry import Capture, EventKind
 from tests.dashboard.conftest import PAGES, ROOT
 
 URL = "http://127.0.0.1:30000"
@@ -178,6 +179,15 @@ def texts(at: AppTest) -> list[str]:
             for e in at.get(kind)]
 
 
+def event_rows(db: Path, columns: list[str], kinds: list[EventKind] | None = None) -> list[dict[str, Any]]:
+    """Run 1's events as records, read through the Capture API (either layout)."""
+    capture = Capture(db)
+    try:
+        return list(capture.events(1, kinds=kinds, limit=None, columns=columns).to_dict("records"))
+    finally:
+        capture.close()
+
+
 @pytest.mark.parametrize("name", BUILDERS)
 @pytest.mark.parametrize("page", PAGES)
 def test_every_page_renders_on_an_attached_capture_with_its_captions(captures: dict[str, Path], name: str,
@@ -246,7 +256,7 @@ def test_the_evictions_page_counts_the_evict_events_by_reason(captures: dict[str
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     for name, reasons in (("vllm", {"capacity", "reset"}), ("sglang", {"capacity", "to-host"})):
         db = captures[name]
-        evicts = rows(db, "SELECT reason, num_tokens FROM events WHERE kind = 'evict'")
+        evicts = event_rows(db, ["reason", "num_tokens"], kinds=[EventKind.EVICT])
         at = open_page(db, monkeypatch, "evictions")
         shown = metrics(at)
         assert shown["evictions (pages)"] == f"{len(evicts):,}"
@@ -268,7 +278,7 @@ def test_the_tiers_page_shows_the_host_tier_only_when_provided(captures: dict[st
     host_used = last["host_total"] - last["host_available"]
     assert shown["host tokens used"] == f"{host_used:,} of {last['host_total']:,}"
     assert shown["host-tier share of hits"] == f"{last['cum_host_hit_tokens'] / last['cum_hit_tokens']:.1%}"
-    counts = {r["kind"]: r["n"] for r in rows(db, "SELECT kind, count(*) AS n FROM events GROUP BY kind")}
+    counts = pd.Series([r["kind"] for r in event_rows(db, ["kind"])]).value_counts().to_dict()
     assert shown["backed up to the host"] == str(counts["write"])
     assert shown["loaded back"] == str(counts["revive"])
     assert shown["host evictions"] == str(counts["host_evict"])

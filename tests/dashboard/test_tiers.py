@@ -84,11 +84,14 @@ def usage_rows(db: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def count_events(db: Path, where: str) -> int:
-    with sqlite3.connect(db) as conn:
-        found = int(conn.execute(f"SELECT count(*) FROM events WHERE run_id = 1 AND {where}").fetchone()[0])
-    conn.close()
-    return found
+def count_events(db: Path, column: str, value: str) -> int:
+    """Events of run 1 whose `column` is `value`, read through the Capture API (either layout)."""
+    capture = Capture(db)
+    try:
+        events = capture.events(1, limit=None, columns=[column])
+    finally:
+        capture.close()
+    return int((events[column] == value).sum())
 
 
 def figures(at: AppTest) -> dict[str, dict[str, Any]]:
@@ -126,8 +129,8 @@ def test_the_tiers_page_shows_both_tiers_with_the_captures_numbers(hiradix_db: P
     assert shown["host-tier share of hits"] == f"{last['cum_host_hit_tokens'] / last['cum_hit_tokens']:.1%}"
     assert shown["tokens written to host"] == f"{last['cum_written_tokens']:,}"
     assert shown["tokens loaded from host"] == f"{last['cum_loaded_tokens']:,}"
-    host_evictions, to_host = count_events(hiradix_db, "kind = 'host_evict'"), count_events(hiradix_db,
-                                                                                            "reason = 'to-host'")
+    host_evictions = count_events(hiradix_db, "kind", "host_evict")
+    to_host = count_events(hiradix_db, "reason", "to-host")
     assert host_evictions > 0 and to_host > 0
     assert (shown["host evictions"], shown["device evictions kept on host"]) == (f"{host_evictions:,}", f"{to_host:,}")
 
@@ -194,7 +197,9 @@ def test_damaged_events_are_one_line_and_the_usage_charts_stay(hiradix_db: Path,
     path.write_bytes(hiradix_db.read_bytes())
     with sqlite3.connect(path) as conn:
         page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
-        leaves = [p for (p,) in conn.execute("SELECT pageno FROM dbstat WHERE name = 'events' AND pagetype = 'leaf'")]
+        # NOTE: every page of the packed event columns (leaves and the blobs' overflow pages)
+        leaves = [p for (p,) in conn.execute("SELECT pageno FROM dbstat WHERE name = 'event_columns' "
+                                             "AND pagetype IN ('leaf', 'overflow')")]
     conn.close()
     with path.open("r+b") as fh:
         for page in leaves:  # the events only: runs and usage stay readable
