@@ -220,8 +220,9 @@ def allocs_of_requests(capture: Capture, run_id: int, rids: Sequence[str]) -> pd
     """rid, step, tokens: each request's full-pool allocations per step."""
     if not rids:
         return pd.DataFrame(columns=["rid", "step", "tokens"])
-    allocs = _all(capture, run_id, [EventKind.ALLOC], ["step", "rid", "pool", "num_tokens"])
-    allocs = allocs[(allocs["pool"] == PoolName.FULL.value) & allocs["rid"].isin(list(rids))]
+    allocs = capture.events(run_id, kinds=[EventKind.ALLOC], rids=list(rids), limit=None,
+                            columns=["step", "rid", "pool", "num_tokens"])
+    allocs = allocs[allocs["pool"] == PoolName.FULL.value]
     if allocs.empty:
         return pd.DataFrame(columns=["rid", "step", "tokens"])
     sums = allocs.groupby(["rid", "step"], sort=True)["num_tokens"].sum()

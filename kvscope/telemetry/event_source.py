@@ -7,7 +7,8 @@ NOTE: what a read returns
     a NULL is among the rows, as pandas reads a NULL integer column), t_mono as float64,
     strings as pandas reads a text column (a NULL is NaN there; a column of NULLs only is
     objects, None), slots as bytes (int32 little-endian) or None.
-    Filters: kinds, a step range, events after a seq, a rid, a node id, then offset/limit.
+    Filters: kinds, a step range, events after a seq, a rid (or any of rids), a node id, then
+    offset/limit.
 NOTE: cost. A packed chunk is immutable once written, so its decoded columns are cached per
 (run, chunk, column) up to CACHE_BYTES; a read by kind or step range skips the chunks whose
 metadata rules them out, and a live run's new chunks are read as they appear. The filters
@@ -157,6 +158,7 @@ def read_events(
     node_id: int | None = None,
     limit: int | None = None,
     offset: int = 0,
+    rids: Sequence[str] | None = None,
 ) -> pd.DataFrame:
     """`capture`: a queries.Capture. See the module note."""
     names = ["seq", *(c for c in columns if c != "seq")]
@@ -166,7 +168,8 @@ def read_events(
     packed: PackedEvents = capture.packed
     chunks = packed.chunks(run_id)
     if chunks.empty:
-        return _rows(capture, run_id, names, kinds, step_range, after_seq, rid, node_id, limit, offset)
+        return _rows(capture, run_id, names, kinds, step_range, after_seq, rids if rid is None else [rid], node_id,
+                     limit, offset)
     kinds = None if kinds is None else [str(k) for k in kinds]
     if kinds is not None:
         wanted = set(kinds)
@@ -176,13 +179,13 @@ def read_events(
     if after_seq is not None:
         chunks = chunks[chunks.first_seq + chunks.num_events - 1 > after_seq]
     out = packed_arrays(packed, chunks, run_id, names, kinds=kinds, step_range=step_range, after_seq=after_seq,
-                        rid=rid, node_id=node_id, limit=limit, offset=offset)
+                        rids=rids if rid is None else [rid], node_id=node_id, limit=limit, offset=offset)
     return _frame(packed, run_id, out, names)
 
 
 def packed_arrays(packed: PackedEvents, chunks: pd.DataFrame, run_id: int, names: list[str], *,
                   kinds: list[str] | None = None, step_range: tuple[int, int] | None = None,
-                  after_seq: int | None = None, rid: str | None = None, node_id: int | None = None,
+                  after_seq: int | None = None, rids: Sequence[str] | None = None, node_id: int | None = None,
                   limit: int | None = None, offset: int = 0) -> dict[str, np.ndarray]:
     """The stored arrays of `names` (strings as codes, node_id with NULL_INT) of the events of
     `chunks` that pass the filters; chunks are read one at a time and only until `limit` rows
@@ -192,7 +195,7 @@ def packed_arrays(packed: PackedEvents, chunks: pd.DataFrame, run_id: int, names
     found = 0
     # NOTE: codes resolved once (the chunks were listed first, and a chunk's strings land with it)
     kind_codes = None if kinds is None else np.asarray(packed.codes_of(run_id, kinds), np.int32)
-    rid_codes = None if rid is None else np.asarray(packed.codes_of(run_id, [rid]), np.int32)
+    rid_codes = None if rids is None else np.asarray(packed.codes_of(run_id, list(rids)), np.int32)
     for row in chunks.itertuples(index=False):
         part = _chunk_frame(packed, run_id, row, names, kind_codes, step_range, after_seq, rid_codes, node_id)
         if len(part["seq"]):
@@ -281,7 +284,8 @@ def _frame(packed: PackedEvents, run_id: int, out: dict[str, np.ndarray], names:
 
 
 def _rows(capture: Any, run_id: int, names: list[str], kinds: Sequence[str] | None,
-          step_range: tuple[int, int] | None, after_seq: int | None, rid: str | None, node_id: int | None,
+          step_range: tuple[int, int] | None, after_seq: int | None, rids: Sequence[str] | None,
+          node_id: int | None,
           limit: int | None, offset: int) -> pd.DataFrame:
     """A run of the row layout (written before version 6), through SQL."""
     e = schema.events.c
@@ -293,8 +297,8 @@ def _rows(capture: Any, run_id: int, names: list[str], kinds: Sequence[str] | No
         stmt = stmt.where(e.step.between(*step_range))
     if after_seq is not None:
         stmt = stmt.where(e.seq > after_seq)
-    if rid is not None:
-        stmt = stmt.where(e.rid == rid)
+    if rids is not None:
+        stmt = stmt.where(e.rid.in_(list(rids)))
     if node_id is not None:
         stmt = stmt.where(e.node_id == node_id)
     stmt = stmt.order_by(e.seq)
@@ -307,6 +311,19 @@ def _rows(capture: Any, run_id: int, names: list[str], kinds: Sequence[str] | No
         if name in ("seq", "step", "num_tokens", "aux") and frame[name].dtype == object and frame[name].notna().all():
             frame[name] = frame[name].astype(np.int64)
     return frame
+
+
+def distinct_strings(capture: Any, run_id: int, column: str, kinds: Sequence[str]) -> list[str]:
+    """The distinct non-NULL values of a string column among events of `kinds` (a packed run
+    decodes only the distinct codes)."""
+    packed: PackedEvents = capture.packed
+    chunks = packed.chunks(run_id)
+    if chunks.empty:
+        frame = read_events(capture, run_id, [column], kinds=kinds)
+        return sorted({str(v) for v in frame[column].dropna().unique()})
+    codes = packed_arrays(packed, chunks, run_id, ["seq", column], kinds=[str(k) for k in kinds])[column]
+    unique = np.unique(codes)
+    return sorted(str(v) for v in packed.strings(run_id, unique[unique != NO_CODE]))
 
 
 def last_seq(capture: Any, run_id: int) -> int:

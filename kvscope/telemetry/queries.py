@@ -130,11 +130,12 @@ class Capture:
         limit: int | None = 1000,
         offset: int = 0,
         columns: Sequence[str] = EVENT_COLUMNS,
+        rids: Sequence[str] | None = None,
     ) -> pd.DataFrame:
         """The run's events in seq order (every column but run_id unless `columns` says), from
-        either layout (event_source.py); `limit` None: all of them."""
+        either layout (event_source.py); `limit` None: all of them; `rids`: any of these requests."""
         return read_events(self, run_id, columns, kinds=None if kinds is None else [str(k) for k in kinds],
-                           rid=rid, node_id=node_id, step_range=step_range, limit=limit, offset=offset)
+                           rid=rid, rids=rids, node_id=node_id, step_range=step_range, limit=limit, offset=offset)
 
     def event_stream(self, run_id: int, columns: Sequence[str], *, after_seq: int = -1,
                      batch_rows: int = 20_000) -> Iterator[list[tuple]]:

@@ -17,6 +17,7 @@ import pandas as pd
 from sqlalchemy import select
 
 from kvscope.telemetry import schema
+from kvscope.telemetry.event_source import distinct_strings
 from kvscope.telemetry.events import EventKind
 from kvscope.telemetry.queries import Capture
 
@@ -33,8 +34,7 @@ def run_principals(capture: Capture, run_id: int) -> list[str]:
                                      .distinct()).iloc[:, 0]
     found = {str(p) for p in of_requests}
     if capture.schema_version >= schema.since_version(schema.events.c.principal):
-        matches = capture.events(run_id, kinds=[EventKind.MATCH], limit=None, columns=["principal"])
-        found.update(str(p) for p in matches["principal"].dropna().unique())
+        found.update(distinct_strings(capture, run_id, "principal", [EventKind.MATCH.value]))
     return sorted(found)
 
 
