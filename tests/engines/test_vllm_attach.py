@@ -27,6 +27,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvscope.telemetry import Capture, EventKind
 from tests.engines.vllm_server import BLOCK, NUM_BLOCKS, VllmServer, vllm_server
 
 pytestmark = pytest.mark.engines  # NOTE: skipped unless `-m engines` selects it (tests/conftest.py)
@@ -112,6 +113,16 @@ def rows(db: Path, sql: str) -> list[tuple[Any, ...]]:
         conn.close()
 
 
+def event_rows(db: Path, kind: str, columns: list[str]) -> list[tuple[Any, ...]]:
+    """Run 1's events of `kind` as tuples of `columns`, through the Capture API (either layout)."""
+    capture = Capture(db)
+    try:
+        frame = capture.events(1, kinds=[EventKind(kind)], limit=None, columns=columns)
+    finally:
+        capture.close()
+    return [tuple(row) for row in frame[columns].itertuples(index=False)]
+
+
 def test_attach_rebuilds_vllms_blocks_and_evictions(vllm: VllmServer, tmp_path: Path) -> None:
     url = vllm.url
     capture = tmp_path / "vllm.db"
@@ -141,7 +152,7 @@ def test_attach_rebuilds_vllms_blocks_and_evictions(vllm: VllmServer, tmp_path: 
     # what the prompts must produce: each distinct full block stored once (no prompt came back after an eviction)
     expected = {prefix for prompt in sent for prefix in full_blocks(prompt)}
     assert len(expected) == 2 + 3 + 6 * 3
-    inserts = rows(capture, "SELECT node_id, num_tokens, pool FROM events WHERE kind = 'insert'")
+    inserts = event_rows(capture, "insert", ["node_id", "num_tokens", "pool"])
     assert len(inserts) == len(expected) and {(n, pool) for _, n, pool in inserts} == {(BLOCK, "full")}
 
     # the pages left at the end: each a full block of a prompt, chained on its prefix
@@ -158,7 +169,7 @@ def test_attach_rebuilds_vllms_blocks_and_evictions(vllm: VllmServer, tmp_path: 
         (len(prefix), " ".join(map(str, prefix[-BLOCK:][:8])) + " …") for prefix in left}
 
     # evictions: every stored page not left at the end, one evict event each, as vLLM's LRU evicts them
-    evicts = rows(capture, "SELECT num_tokens, reason, pool FROM events WHERE kind = 'evict'")
+    evicts = event_rows(capture, "evict", ["num_tokens", "reason", "pool"])
     assert len(evicts) == len(expected) - len(snapshot) == num_evicted > 0
     assert set(evicts) == {(BLOCK, "capacity", "full")}
 
