@@ -277,16 +277,22 @@ def main() -> None:
         f"{serve_per / base:.3f} (that batch admits many prompts per prefill step, which a closed loop of "
         f"{COMPARED} cannot).",
     ]
+    report(args, "bench_serve", lines, [
+        "- the server runs in its own processes (front, scheduler) on the same machine as the load generator; "
+        "client CPU is this process's CPU time during a point",
+        f"- 1-minute load average before / after: {load_before:.2f} / {load_after:.2f} (other processes on the "
+        "machine slow every point)"])
+
+
+def report(args: argparse.Namespace, section: str, lines: list[str], notes: list[str]) -> None:
+    """Print the body; with --write, store it under `section` of RESULTS.md with the date, the
+    command line, the machine and `notes`."""
     body = "\n".join(lines)
     print(body)
     if args.write:
         stamp = time.strftime("%Y-%m-%d", time.gmtime())
-        header = [f"Run {stamp}: `{command_line()}`", "", *machine_lines(args.device),
-                  "- the server runs in its own processes (front, scheduler) on the same machine as the load "
-                  "generator; client CPU is this process's CPU time during a point",
-                  f"- 1-minute load average before / after: {load_before:.2f} / {load_after:.2f} (other processes "
-                  "on the machine slow every point)", ""]
-        write_section("bench_serve", "\n".join(header) + "\n" + body)
+        header = [f"Run {stamp}: `{command_line()}`", "", *machine_lines(args.device), *notes, ""]
+        write_section(section, "\n".join(header) + "\n" + body)
 
 
 def recording_cost(args: argparse.Namespace, trace: list[TraceRequest]) -> None:
@@ -338,14 +344,9 @@ def recording_cost(args: argparse.Namespace, trace: list[TraceRequest]) -> None:
         f"{', '.join(f'{x - 1:+.1%}' for x in cpu_ratios)}); target at most +3%: "
         f"{'met' if wall <= 0.03 and cpu_cost <= 0.03 else 'NOT met'}.",
     ]
-    body = "\n".join(lines)
-    print(body)
-    if args.write:
-        stamp = time.strftime("%Y-%m-%d", time.gmtime())
-        header = [f"Run {stamp}: `{command_line()}`", "", *machine_lines(args.device),
-                  "- both servers and the load generator share the machine",
-                  f"- 1-minute load average before / after: {load_before:.2f} / {load_after:.2f}", ""]
-        write_section("bench_serve_recording", "\n".join(header) + "\n" + body)
+    report(args, "bench_serve_recording", lines, [
+        "- both servers and the load generator share the machine",
+        f"- 1-minute load average before / after: {load_before:.2f} / {load_after:.2f}"])
 
 
 def captured_events(path: Path) -> int:

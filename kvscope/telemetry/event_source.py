@@ -28,10 +28,10 @@ from sqlalchemy import Engine, func, select
 
 from kvscope.telemetry import schema
 from kvscope.telemetry.packed import COLUMN_DTYPES, NO_CODE, NO_SLOTS, NULL_INT, STRING_COLUMNS
+from kvscope.telemetry.store import CaptureError
 
 CACHE_BYTES = 1 << 30
 EVENT_COLUMNS = tuple(c for c in schema.EVENT_COLUMNS if c != "run_id")
-_STORED_OF = {"slots": ("slot_counts", "slots")}
 
 
 class _Dictionary:
@@ -50,7 +50,9 @@ class _Dictionary:
         if not rows:
             return
         texts = [str(text) for _code, text in rows]
-        assert int(rows[0][0]) == self.size and int(rows[-1][0]) == self.size + len(rows) - 1, "codes are dense"
+        if int(rows[0][0]) != self.size or int(rows[-1][0]) != self.size + len(rows) - 1:
+            raise CaptureError(f"damaged capture (the run's string codes skip from {self.size - 1} to "
+                               f"{int(rows[0][0])})")
         self.inverse.update((text, self.size + i) for i, text in enumerate(texts))
         self.lookup = np.concatenate([self.lookup, np.asarray(texts, dtype=object)])
 

@@ -173,13 +173,11 @@ def _slots(slots: Sequence[Any], batches: tuple[np.ndarray, np.ndarray] | None,
 
 def _concatenate(arrays: list[Any]) -> np.ndarray:
     """One int32 array of every slot array (numpy, torch on any device, or a list), in order."""
-    torch_at = [i for i, a in enumerate(arrays) if type(a).__module__.startswith("torch")]
-    if not torch_at:
-        return np.concatenate([np.asarray(a, np.int32) for a in arrays]) if len(arrays) > 1 \
-            else np.asarray(arrays[0], np.int32).reshape(-1)
-    import torch  # NOTE: only when a producer passed tensors, so torch is already loaded
+    is_torch = [type(a).__module__.startswith("torch") for a in arrays]
+    if all(is_torch):
+        import torch  # NOTE: only when a producer passed tensors, so torch is already loaded
 
-    if len(torch_at) == len(arrays):
         return torch.cat([a.reshape(-1) for a in arrays]).to(torch.int32).cpu().numpy()
-    parts = [a.cpu().numpy() if i in set(torch_at) else a for i, a in enumerate(arrays)]
-    return np.concatenate([np.asarray(p, np.int32).reshape(-1) for p in parts])
+    if any(is_torch):
+        arrays = [a.cpu().numpy() if t else a for a, t in zip(arrays, is_torch, strict=True)]
+    return np.concatenate([np.asarray(a).reshape(-1) for a in arrays]).astype(np.int32, copy=False)

@@ -164,6 +164,8 @@ class SQLRecorder(Recorder):
                        tuple(num_tokens), 0, None, None, slots))
         if len(events) >= self._max_events:
             self._wake.set()
+            if len(events) >= self._backlog_cap:
+                self.flush()  # back-pressure, as record()
 
     def usage(self, sample: UsageSample) -> None:
         swa = sample.swa or (None, None, None, None)

@@ -25,8 +25,7 @@ from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.store import BulkInsert, CaptureError, display_name, first_line, open_writer, settle
 
 CHUNK_EVENTS = 200_000
-ROW_FIELDS = ("seq", "step", "t_mono", "kind", "pool", "rid", "node_id", "num_tokens", "aux", "reason",
-              "principal", "slots")
+ROW_FIELDS = schema.EVENT_COLUMNS[1:]  # NOTE: seq, then packed.BUFFER_FIELDS in the same order
 
 
 @dataclass

@@ -96,18 +96,25 @@ def test_readers_cannot_write(tmp_path: Path) -> None:
     assert path.read_bytes() == before
 
 
-def test_sigkill_leaves_everything_up_to_the_last_flush(tmp_path: Path) -> None:
-    path = tmp_path / "k.db"
+def kill_writer_after(path: Path, num_events: int) -> int:
+    """Run tests.telemetry.writer_proc into `path`, SIGKILL it once it reports at least
+    `num_events` flushed; returns the count it last reported."""
     proc = subprocess.Popen([sys.executable, "-m", "tests.telemetry.writer_proc", str(path), "100000"],
                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     flushed = 0
     for line in proc.stdout:
         flushed = int(line.split()[1])
-        if flushed >= 5000:
+        if flushed >= num_events:
             break
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
+    return flushed
+
+
+def test_sigkill_leaves_everything_up_to_the_last_flush(tmp_path: Path) -> None:
+    path = tmp_path / "k.db"
+    flushed = kill_writer_after(path, 5000)
     capture = Capture(path)
     seqs = capture.events(1, limit=10_000_000).seq.to_numpy()
     assert len(seqs) >= flushed, "events flushed before the kill are missing"
@@ -231,16 +238,7 @@ def test_record_and_record_batch_round_trip_exactly_through_many_chunks(tmp_path
 
 def test_a_killed_run_keeps_every_committed_chunk(tmp_path: Path) -> None:
     path = tmp_path / "k6.db"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.telemetry.writer_proc", str(path), "100000"],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    flushed = 0
-    for line in proc.stdout:
-        flushed = int(line.split()[1])
-        if flushed >= 3000:
-            break
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
+    flushed = kill_writer_after(path, 3000)
     capture = Capture(path)
     chunks = capture.packed.chunks(1)
     assert len(chunks) >= 6 and chunks.num_events.sum() >= flushed
