@@ -22,7 +22,8 @@ ALWAYS = {"arrive", "admit", "match", "alloc", "lock", "unlock", "finish", "leak
 
 def record(tmp_path: Path, workload: str, **kwargs: object) -> Capture:
     spec = RunSpec(engine=EngineConfig(**kwargs.pop("engine", {})),  # type: ignore[arg-type]
-                   model=MODEL_PRESETS[str(kwargs.pop("model", "tiny"))], workload=workload, num_requests=24,
+                   model=MODEL_PRESETS[str(kwargs.pop("model", "tiny"))], workload=workload,
+                   num_requests=int(kwargs.pop("num_requests", 24)),  # type: ignore[call-overload]
                    capture=tmp_path / f"{workload}.db", **kwargs)  # type: ignore[arg-type]
     with open(tmp_path / "summary.txt", "w") as out:
         run(spec, out=out)
@@ -48,7 +49,10 @@ def test_each_workload_records_a_clean_capture(tmp_path: Path, workload: str) ->
 
 
 def test_paced_arrivals_leak_check_every_idle_point(tmp_path: Path) -> None:
-    capture = record(tmp_path, "multi-turn", pace_per_s=25.0)
+    # Gaps of 250 ms between short requests (4 output tokens) on one torch thread: the engine goes
+    # idle between arrivals even on a loaded machine (at 25/s with two threads CI saw only the last).
+    capture = record(tmp_path, "multi-turn", pace_per_s=4.0, num_requests=8,
+                     engine={"torch_threads": 1}, workload_options={"output_len": 4})
     checks = capture.leak_checks(1)
     assert checks.step.nunique() >= 3, "pacing should leave the engine idle several times"
     assert checks.ok.all()
