@@ -1,11 +1,11 @@
 """Recorder into SQLite at level full: sustained events/s, and the cost of record() on the caller's thread.
 
-    .venv/bin/python benchmarks/bench_recorder.py [--events N] [--quick] [--profile] [--no-write]
+    .venv/bin/python benchmarks/bench_recorder.py [--events N] [--rounds R] [--quick] [--profile] [--no-write]
 
 Prints Markdown tables; with --write (the default) also replaces the `## bench_recorder`
-section of benchmarks/RESULTS.md. `--profile` then runs one more, untimed writer-only case
-(at most PROFILE_NUM_EVENTS) with cProfile on the writer thread and prints its top functions
-to stderr.
+section of benchmarks/RESULTS.md. `--profile` then profiles the writer's packing of one
+buffer (at most PROFILE_NUM_EVENTS) in this process with cProfile and prints its top
+functions to stderr.
 
 NOTE: cases; each writes a fresh SQLite file in its own temporary directory, and what it holds
 is checked after timing (count, total slot bytes and total num_tokens of the packed events)
@@ -13,13 +13,17 @@ is checked after timing (count, total slot bytes and total num_tokens of the pac
                NUM_CHUNKS chunks, the writer paused (flush_interval_s and flush_max_events too
                large to fire before close); and the record loops of the two cases below
     sustained  M mixed events through record() with the default settings, as fast as the
-               loop goes; events/s = M / (first record -> close() returned, all on disk)
+               loop goes; events/s = M / (first record -> close() returned, all on disk). The
+               record loop includes the hand-offs to the writer process (marshal and send)
+               and any wait for it (back-pressure); its CPU time is the caller's cost
     writer     the same M events recorded with the writer paused, then one timed flush()
+               (hand-off, the writer process's packing and writing, its acknowledgement)
     raw        sqlite3 executemany of the same M events as rows of the layout before schema 6
                (slots as int32 bytes), one transaction, WAL + synchronous=NORMAL: the events table
                (a) with the secondary indexes kept while recording (step, kind; its rid and
                node indexes were built at close), (b) without them (the (run_id, seq) primary
                key keeps its automatic index), (c) as a plain rowid table with no index
+The sustained and writer cases run --rounds times, alternating; the tables show medians.
 The mixed events repeat a fixed set of NUM_TEMPLATE_STEPS steps x EVENTS_PER_STEP events
 (built before timing; recorder.step advances every EVENTS_PER_STEP events): KIND_SHARES of
 each kind, alloc/free with 1-32 slots (int64 numpy arrays), the rest without slots.
@@ -30,12 +34,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import marshal
 import pstats
+import resource
 import sqlite3
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,10 +54,11 @@ from _results import command_line, machine_lines, write_section
 from sqlalchemy.schema import CreateIndex, CreateTable
 
 from kvscope.telemetry import NULL_RECORDER, EventKind, PoolName, schema
-from kvscope.telemetry.packed import COLUMN_DTYPES
+from kvscope.telemetry.packed import COLUMN_DTYPES, Packer
 from kvscope.telemetry.recorder import SQLRecorder, slots_blob
 
 DEFAULT_NUM_EVENTS = 2_000_000
+DEFAULT_ROUNDS = 3
 QUICK_NUM_EVENTS = 400_000
 PROFILE_NUM_EVENTS = 500_000
 NUM_CHUNKS = 10
@@ -103,10 +109,25 @@ class Throughput(NamedTuple):
     num_events: int
     record_s: float  # the record() loop (0 for raw)
     write_s: float  # close() for sustained, flush() for writer, executemany + commit for raw
+    record_cpu_s: float = 0.0  # CPU time of this process in the record loop
+    writer_cpu_s: float = 0.0  # CPU time of the writer process, start to exit (0 for raw)
 
     @property
     def events_per_s(self) -> float:
         return self.num_events / (self.record_s + self.write_s)
+
+
+def median_throughput(rounds: list[Throughput]) -> Throughput:
+    """Field by field, the median over rounds (events/s is then the median round's figure)."""
+    best = sorted(rounds, key=lambda r: r.events_per_s)[len(rounds) // 2]
+    return best._replace(record_cpu_s=statistics.median(r.record_cpu_s for r in rounds),
+                         writer_cpu_s=statistics.median(r.writer_cpu_s for r in rounds))
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's ended and waited-for children (the recorders' writers)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 # -- the events --------------------------------------------------------------------------
@@ -255,46 +276,50 @@ def caller_figure(case: CallerCase, num_events: int, chunks_s: list[float]) -> C
 
 def run_sustained(steps: list[list[Args]], num_steps: int, expected: Expected) -> Throughput:
     with fresh_db() as db_path:
+        children_before = children_cpu_s()
         recorder = SQLRecorder(db_path)
-        start_s = time.perf_counter()
+        start_s, start_cpu_s = time.perf_counter(), time.process_time()
         produce(recorder, steps, num_steps)
-        recorded_s = time.perf_counter()
+        recorded_s, recorded_cpu_s = time.perf_counter(), time.process_time()
         recorder.close()
         closed_s = time.perf_counter()
+        writer_cpu_s = children_cpu_s() - children_before
         check_rows(db_path, expected)
     return Throughput("recorder, sustained (defaults): record loop + close()", expected.num_events,
-                      recorded_s - start_s, closed_s - recorded_s)
+                      recorded_s - start_s, closed_s - recorded_s, recorded_cpu_s - start_cpu_s, writer_cpu_s)
 
 
-def run_writer_only(steps: list[list[Args]], num_steps: int, expected: Expected) -> tuple[Throughput, float]:
-    """The flush's figure, and the seconds the record loop took with the writer paused."""
+def run_writer_only(steps: list[list[Args]], num_steps: int, expected: Expected) -> Throughput:
+    """The flush's figure; its record_s is the record loop's, with the writer paused."""
     with fresh_db() as db_path:
+        children_before = children_cpu_s()
         recorder = SQLRecorder(db_path, **PAUSED)
-        start_s = time.perf_counter()
+        start_s, start_cpu_s = time.perf_counter(), time.process_time()
         produce(recorder, steps, num_steps)
-        recorded_s = time.perf_counter()
-        recorder.flush()  # NOTE: returns once the writer thread has written everything
+        recorded_s, recorded_cpu_s = time.perf_counter(), time.process_time()
+        recorder.flush()  # NOTE: returns once the writer process has written everything
         flushed_s = time.perf_counter()
         recorder.close()
+        writer_cpu_s = children_cpu_s() - children_before
         check_rows(db_path, expected)
     return Throughput("recorder, writer only: one flush() of the buffered events", expected.num_events,
-                      0.0, flushed_s - recorded_s), recorded_s - start_s
+                      recorded_s - start_s, flushed_s - recorded_s, recorded_cpu_s - start_cpu_s, writer_cpu_s)
 
 
-def profile_writer(steps: list[list[Args]], num_steps: int, expected: Expected) -> None:
-    """One untimed writer-only case with cProfile enabled on the threads it starts (the writer)."""
+def profile_writer(steps: list[list[Args]], num_steps: int) -> None:
+    """The writer's work on one buffer (unmarshal and pack), in this process under cProfile."""
+    with fresh_db() as db_path:
+        recorder = SQLRecorder(db_path, **PAUSED)
+        produce(recorder, steps, num_steps)
+        body = marshal.dumps((recorder._items, []))
+        recorder._items.clear()
+        recorder.close()
     profiler = cProfile.Profile()
-
-    def start_profiling(*_: Any) -> None:
-        sys.setprofile(None)
-        profiler.enable()
-
-    threading.setprofile(start_profiling)
-    try:
-        run_writer_only(steps, num_steps, expected)
-    finally:
-        threading.setprofile(None)
-    print("cProfile of the writer thread (its idle wait shows as lock acquire):", file=sys.stderr)
+    profiler.enable()
+    items, _ = marshal.loads(body)
+    Packer().pack(items)
+    profiler.disable()
+    print("cProfile of the writer's unmarshal and pack of one buffer:", file=sys.stderr)
     pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(15)
 
 
@@ -347,12 +372,14 @@ def caller_table(figures: list[CallerFigure]) -> str:
 
 
 def throughput_table(results: list[Throughput], raw_a: Throughput, raw_b: Throughput) -> str:
-    lines = ["| case | events | record loop s | write s | events/s | vs raw (a) | vs raw (b) |",
-             "|---|--:|--:|--:|--:|--:|--:|"]
+    lines = ["| case | events | record loop s | write s | events/s | vs raw (a) | vs raw (b) | "
+             "caller CPU ns/event | writer process CPU ns/event |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in results:
+        cpu = [f"{s / r.num_events * 1e9:.0f}" if s else "-" for s in (r.record_cpu_s, r.writer_cpu_s)]
         lines.append(f"| {r.label} | {r.num_events:,} | {r.record_s:.2f} | {r.write_s:.2f} | "
                      f"{fmt_rate(r.events_per_s)} | {r.events_per_s / raw_a.events_per_s:.2f}x | "
-                     f"{r.events_per_s / raw_b.events_per_s:.2f}x |")
+                     f"{r.events_per_s / raw_b.events_per_s:.2f}x | {' | '.join(cpu)} |")
     return "\n".join(lines)
 
 
@@ -361,24 +388,30 @@ def verdict_lines(callers: list[CallerFigure], sustained: Throughput, writer: Th
     ns = {f.key: f.ns_per_event for f in callers}
     best_raw = max(r.events_per_s for r in raw.values())
     rate_ok = sustained.events_per_s >= TARGET_EVENTS_PER_S
-    caller_ok = ns["mixed-running"] < TARGET_CALLER_NS
+    caller_cpu_ns = sustained.record_cpu_s / sustained.num_events * 1e9
+    caller_ok = caller_cpu_ns <= TARGET_CALLER_NS
+    writer_ns = sustained.writer_cpu_s / sustained.num_events * 1e9
     return [
         f"- **1M events/s: {'met' if rate_ok else 'not met'}.** Sustained "
         f"{fmt_rate(sustained.events_per_s)} events/s ({sustained.events_per_s / TARGET_EVENTS_PER_S:.0%} of the "
-        f"target), the writer alone (packing and writing the chunks) {fmt_rate(writer.events_per_s)}. The row "
-        f"layout of schema 5 and before, one row per event, is bounded by SQLite's executemany: "
-        f"{fmt_rate(raw['a'].events_per_s)} rows/s into its table on this machine, {fmt_rate(best_raw)} rows/s "
-        "with no index at all, before any Python-side conversion.",
-        f"- **At most 0.5 µs per event on the caller's thread: {'met' if caller_ok else 'not met'}** in the "
-        f"realistic case, the mixed events with the writer running: {ns['mixed-running']:.0f} ns/event "
-        f"({ns['mixed-paused']:.0f} ns with the writer paused and every event buffered). One alloc with 16 "
-        f"slots costs {ns['alloc']:.0f} ns with the writer paused, {ns['alloc-nogc']:.0f} ns with the garbage "
-        f"collector disabled; the call alone (a no-op recorder) {ns['floor']:.0f} ns.",
+        f"target), from the first record() to close() returning; the writer process spends {writer_ns:.0f} ns "
+        f"of CPU per event (unmarshal, pack, SQLite), so on its own core it takes up to "
+        f"{fmt_rate(1e9 / writer_ns)} events/s. A flush of events already buffered runs at "
+        f"{fmt_rate(writer.events_per_s)}. The row layout of schema 5 and before, one row per event, is bounded "
+        f"by SQLite's executemany: {fmt_rate(raw['a'].events_per_s)} rows/s into its table on this machine, "
+        f"{fmt_rate(best_raw)} rows/s with no index at all, before any Python-side conversion.",
+        f"- **At most 0.5 µs per event on the caller's thread: {'met' if caller_ok else 'not met'}.** The "
+        f"sustained record loop costs its thread {caller_cpu_ns:.0f} ns of CPU per event, hand-offs to the writer "
+        f"included ({ns['mixed-running']:.0f} ns of wall time: the loop outruns the writer, so back-pressure "
+        f"makes it wait; an engine records far fewer events per second). Buffering alone, the writer paused: "
+        f"{ns['mixed-paused']:.0f} ns per mixed event, {ns['alloc']:.0f} ns per alloc with 16 slots "
+        f"({ns['alloc-nogc']:.0f} ns with the garbage collector disabled); the call alone (a no-op recorder) "
+        f"{ns['floor']:.0f} ns.",
     ]
 
 
 def section_body(callers: list[CallerFigure], throughputs: list[Throughput], raw: dict[str, Throughput],
-                 total_s: float) -> str:
+                 total_s: float, num_rounds: int) -> str:
     sustained, writer = throughputs[0], throughputs[1]
     num_events = sustained.num_events
     shares = ", ".join(f"{kind.value} {share:.0%}" for kind, share in KIND_SHARES.items())
@@ -387,7 +420,8 @@ def section_body(callers: list[CallerFigure], throughputs: list[Throughput], raw
         f"- command: `{command_line()}`",
         *machine_lines("cpu"),
         f"- SQLite {sqlite3.sqlite_version} (Python sqlite3), SQLAlchemy {sqlalchemy.__version__}; "
-        f"{num_events:,} mixed events per throughput case; whole run {total_s:.0f} s",
+        f"{num_events:,} mixed events per throughput case, {num_rounds} alternating rounds of the recorder "
+        f"cases (medians); whole run {total_s:.0f} s",
         "",
         "### Cost of record() on the caller's thread",
         "",
@@ -403,6 +437,11 @@ def section_body(callers: list[CallerFigure], throughputs: list[Throughput], raw
         "",
         "Reading the tables:",
         "",
+        "- The recorder buffers on the caller's thread (record() extends one flat list; no object per event) "
+        "and hands the buffer to its writer process (marshal, sent through a socket pair, large batches in "
+        "an anonymous in-memory file) when the step advances with the flush interval passed or "
+        "`flush_max_events` buffered; the writer process unmarshals, packs the columns and writes them. The "
+        "two share no interpreter lock; on this 2-core machine each can have a core.",
         "- Every case writes a fresh SQLite file (WAL, synchronous=NORMAL) in a temporary directory; "
         "after timing, its packed chunks (the raw cases: its events table) are checked for the event count, "
         "total slot bytes and total `num_tokens` of what was recorded.",
@@ -411,15 +450,15 @@ def section_body(callers: list[CallerFigure], throughputs: list[Throughput], raw
         "(a full collection lands in one chunk). Writer paused: `flush_interval_s` and `flush_max_events` "
         "too large to fire before `close()`, so the buffer only grows. The mixed rows are the record "
         "loops of the two throughput cases below: paused (writer only), and running with the defaults "
-        "(0.2 s, 200,000 events), the writer thread competing for the GIL on this 2-core machine.",
-        "- Buffered events are tuples of plain values (the recorder stores Enum values as str), so the "
-        "garbage collector can untrack them; the `gc disabled` row shows what collection still costs.",
+        "(0.2 s, 200,000 events), hand-offs and back-pressure waits included.",
         f"- Mixed events: {shares}; alloc/free carry 1-{MAX_SLOTS} slots (int64 numpy arrays), the rest "
         f"none; `recorder.step` advances every {EVENTS_PER_STEP} events.",
         "- `events/s` = events / (record loop + write): sustained counts from the first `record()` to "
         "`close()` returning with everything on disk; writer only times one `flush()` of events "
-        "already buffered; raw times `executemany` + commit of the rows the writer would bind "
-        "(slots already int32 bytes), so it has no Python-side conversion at all.",
+        "already buffered (the hand-off included); raw times `executemany` + commit of the rows the old "
+        "writer would bind (slots already int32 bytes), so it has no Python-side conversion at all.",
+        "- `caller CPU` is this process's CPU time in the record loop (hand-offs included, waits not); "
+        "`writer process CPU` is the writer process's whole CPU time, its start (about 0.1 s) included.",
         "- `vs raw` divides by the raw rate of the same events in the row layout that schema 6 replaced: "
         "(a) its schema as it was, (b) without its secondary indexes. Above 1.00x the packed recorder, "
         "Python conversion included, writes faster than SQLite alone could insert one row per event.",
@@ -435,13 +474,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help=f"events per throughput case (default {DEFAULT_NUM_EVENTS:,}; "
                         f"--quick {QUICK_NUM_EVENTS:,}); caller cases use a tenth")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_NUM_EVENTS:,} events: about 25 s")
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                        help=f"alternating rounds of the sustained and writer-only cases (default {DEFAULT_ROUNDS})")
     parser.add_argument("--profile", action="store_true",
-                        help="then cProfile one more writer-only case on the writer thread (stderr)")
+                        help="then cProfile the writer's packing of one buffer, in this process (stderr)")
     parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
                         help="replace the bench_recorder section of benchmarks/RESULTS.md")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.events = args.events or (QUICK_NUM_EVENTS if args.quick else DEFAULT_NUM_EVENTS)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.events < EVENTS_PER_STEP * NUM_CHUNKS * 10:
         parser.error(f"--events must be at least {EVENTS_PER_STEP * NUM_CHUNKS * 10}")
     return args
@@ -461,12 +504,15 @@ def main(argv: list[str] | None = None) -> None:
     steps = template_steps(args.seed)
     num_steps = args.events // EVENTS_PER_STEP
     expected = expected_of(steps, num_steps)
-    sustained = run_sustained(steps, num_steps, expected)
-    progress("sustained")
-    writer, paused_record_s = run_writer_only(steps, num_steps, expected)
-    progress("writer only")
+    sustained_rounds, writer_rounds = [], []
+    for round_no in range(args.rounds):
+        cases = [("sustained", run_sustained, sustained_rounds), ("writer only", run_writer_only, writer_rounds)]
+        for name, run_case, results in cases if round_no % 2 == 0 else cases[::-1]:
+            results.append(run_case(steps, num_steps, expected))
+            progress(f"{name}, round {round_no + 1}")
+    sustained, writer = median_throughput(sustained_rounds), median_throughput(writer_rounds)
     for key, label, record_s in (
-        ("mixed-paused", "mixed events, writer paused (record loop of the writer-only case)", paused_record_s),
+        ("mixed-paused", "mixed events, writer paused (record loop of the writer-only case)", writer.record_s),
         ("mixed-running", "mixed events, writer running (record loop of the sustained case)", sustained.record_s),
     ):
         callers.append(CallerFigure(key, label, expected.num_events, record_s / expected.num_events * 1e9,
@@ -477,13 +523,13 @@ def main(argv: list[str] | None = None) -> None:
         raw[variant] = run_raw(variant, rows, expected)
         progress(f"raw ({variant})")
     del rows
-    body = section_body(callers, [sustained, writer], raw, time.perf_counter() - start_s)
+    body = section_body(callers, [sustained, writer], raw, time.perf_counter() - start_s, args.rounds)
     print(body)
     if args.write:
         write_section("bench_recorder", body)
     if args.profile:
         num_profile_steps = min(num_steps, PROFILE_NUM_EVENTS // EVENTS_PER_STEP)
-        profile_writer(steps, num_profile_steps, expected_of(steps, num_profile_steps))
+        profile_writer(steps, num_profile_steps)
 
 
 if __name__ == "__main__":

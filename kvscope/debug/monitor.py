@@ -50,6 +50,9 @@ class DebugMonitor(Recorder):
         self._step = value
         self.inner.step = value
 
+    def idle(self) -> None:
+        self.inner.idle()
+
     def record(self, kind: EventKind, *, pool: PoolName | None = None, rid: str | None = None,
                node_id: int | None = None, num_tokens: int = 0, slots: Any = None, reason: StrEnum | None = None,
                aux: int = 0, principal: str | None = None) -> None:

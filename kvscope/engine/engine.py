@@ -132,6 +132,7 @@ class Engine:
             return False
         self._last_check_step = scheduler.step
         scheduler.on_idle()
+        self.recorder.idle()
         return True
 
     def run(self, requests: Sequence[Req], pace_per_s: float | None = None,

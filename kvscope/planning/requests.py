@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from kvscope.telemetry.sqlite_files import read_head
 from kvscope.workloads import TraceRequest, generate, read_trace
 
 TOKEN_DTYPE = np.int32
@@ -86,8 +87,7 @@ def is_capture(source: str | os.PathLike[str]) -> bool:
     if "://" in name:
         return True
     try:
-        with open(name, "rb") as f:
-            return f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+        return read_head(Path(name), len(SQLITE_MAGIC)) == SQLITE_MAGIC  # NOTE: keeps this process's SQLite locks
     except OSError:
         return False
 

@@ -151,6 +151,10 @@ class Recorder:
     def tree_snapshot(self, step: int, rows: list[Any]) -> None:
         """The cache's flat node table at `step` (NodeRow tuples)."""
 
+    def idle(self) -> None:
+        """The producer has nothing in flight: what is buffered should reach the capture now,
+        not when the next step begins (which may be a long wait)."""
+
     def close(self, status: str = "finished", error: str | None = None) -> None:
         """Flush and mark the run ended."""
 

@@ -13,21 +13,31 @@ NOTE: a chunk
     slots          every event's slots, concatenated; `slot_counts` says how many belong to each
                    event (NO_SLOTS: NULL, as an event recorded without slots)
     node_id        NULL is NULL_INT (no recorded node id is that negative)
-A buffered event is the recorder's tuple (BUFFER_FIELDS); a batch item (record_batch: one
-kind for several requests at once, their slots concatenated) carries BATCH in its node_id
-and tuples of rids and token counts, and unpacks into one event per request, in order.
+
+NOTE: what the packer takes: buffered items laid end to end in one flat list, ITEM_WIDTH values
+each, in ITEM_FIELDS order (the recorder extends one list per event: no object per event to
+allocate or for the garbage collector to track). kind, pool, reason and principal are str or
+None; slots is None or the slots' bytes (SLOT_WIRE_DTYPE as the recorder hands them over). A
+batch item (record_batch: one kind for several requests at once, their slots concatenated)
+carries BATCH in its node_id and tuples of rids and token counts, and unpacks into one event
+per request, in order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
+from itertools import repeat as forever
+from operator import is_not
 from typing import Any
 
 import numpy as np
 
-BUFFER_FIELDS = ("step", "t_mono", "kind", "pool", "rid", "node_id", "num_tokens", "aux", "reason", "principal",
-                 "slots")
+ITEM_FIELDS = ("step", "t_mono", "kind", "pool", "rid", "node_id", "num_tokens", "aux", "reason", "principal",
+               "slots")
+ITEM_WIDTH = len(ITEM_FIELDS)
+SLOT_WIRE_DTYPE = "=i8"  # NOTE: slots as the recorder hands them over: int64 arrays' raw bytes
 STRING_COLUMNS = ("kind", "pool", "rid", "reason", "principal")
 COLUMN_DTYPES = {
     "step": "<i8", "t_mono": "<f8", "kind": "<i4", "pool": "<i4", "rid": "<i4", "node_id": "<i8",
@@ -39,12 +49,7 @@ NO_SLOTS = -1
 NULL_INT = np.iinfo(np.int64).min
 
 
-class _Batch:
-    def __repr__(self) -> str:
-        return "BATCH"
-
-
-BATCH: Any = _Batch()  # the node_id of a batch item
+BATCH: Any = ...  # NOTE: the node_id of a batch item (Ellipsis: a singleton marshal carries)
 
 
 class StringCodes(dict[Any, int]):
@@ -81,19 +86,21 @@ class Chunk:
 
 
 class Packer:
-    """Turns the recorder's buffered events into chunks; owns the run's seq counter and string
+    """Turns the recorder's buffered items into chunks; owns the run's seq counter and string
     codes (one Packer per run)."""
 
     def __init__(self) -> None:
         self.codes = StringCodes()
         self.next_seq = 0
 
-    def pack(self, buffered: Sequence[tuple[Any, ...]]) -> Chunk:
-        # NOTE: no strict zip: every buffered tuple is built by the recorder with BUFFER_FIELDS
-        cols: list[Sequence[Any]] = list(zip(*buffered))  # noqa: B905
-        step, t_mono, kind, pool, rid, node_id, num_tokens, aux, reason, principal, slots = cols
+    def pack(self, items: list[Any], *, has_batches: bool = False, slot_dtype: str = SLOT_WIRE_DTYPE) -> Chunk:
+        """`items`: flat, ITEM_WIDTH values per item (see the module's note); `has_batches`:
+        whether any item is a batch item."""
+        w = ITEM_WIDTH
+        step, t_mono, kind, pool, rid, node_id, num_tokens, aux, reason, principal, slots = (
+            items[i::w] for i in range(w))
         repeat = batches = None
-        if node_id.count(BATCH):
+        if has_batches:
             repeat, is_batch, rid, num_tokens, node_id = _expand_batches(node_id, rid, num_tokens)
             batches = (repeat, is_batch)
         codes = self.codes
@@ -103,10 +110,10 @@ class Packer:
         columns["rid"] = codes.encode(rid)
         columns["step"] = _repeated(np.fromiter(step, np.int64, len(step)), repeat)
         columns["t_mono"] = _repeated(np.fromiter(t_mono, np.float64, len(t_mono)), repeat)
-        columns["node_id"] = np.fromiter(map(_NULL_IDS.get, node_id, node_id), np.int64, len(node_id))
+        columns["node_id"] = _node_ids(node_id)
         columns["num_tokens"] = np.fromiter(num_tokens, np.int64, len(num_tokens))
         columns["aux"] = _repeated(np.fromiter(aux, np.int64, len(aux)), repeat)
-        columns["slot_counts"], columns["slots"] = _slots(slots, batches, columns["num_tokens"])
+        columns["slot_counts"], columns["slots"] = _slots(slots, np.dtype(slot_dtype), batches, columns["num_tokens"])
         n = len(columns["step"])
         first = self.next_seq
         self.next_seq += n
@@ -114,14 +121,26 @@ class Packer:
         return Chunk(
             first_seq=first, num_events=n, first_step=int(columns["step"].min()) if n else 0,
             last_step=int(columns["step"].max()) if n else 0,
-            kinds=",".join(sorted(codes.texts[int(c)] for c in np.unique(columns["kind"]))),
+            kinds=",".join(sorted(set(kind))),
             columns={name: np.ascontiguousarray(columns[name], COLUMN_DTYPES[name]).tobytes()
                      for name in STORED_COLUMNS},
             new_strings=new,
         )
 
 
-_NULL_IDS = {None: NULL_INT}  # NOTE: map(_NULL_IDS.get, ids, ids): NULL_INT for None, the id itself otherwise
+def _node_ids(node_id: list[Any]) -> np.ndarray:
+    """NULL_INT for None. NOTE: through float64 (None is NaN) when every id is below 2**53, where
+    float64 is exact; the slow way otherwise."""
+    if not node_id.count(None):
+        return np.fromiter(node_id, np.int64, len(node_id))
+    as_float = np.array(node_id, np.float64)
+    nulls = np.isnan(as_float)
+    if nulls.all() or np.abs(as_float[~nulls]).max() < _FLOAT_EXACT:
+        return np.where(nulls, NULL_INT, as_float).astype(np.int64)
+    return np.fromiter([NULL_INT if v is None else v for v in node_id], np.int64, len(node_id))
+
+
+_FLOAT_EXACT = float(2**53)
 
 
 def _repeated(values: np.ndarray, repeat: np.ndarray | None) -> np.ndarray:
@@ -150,34 +169,24 @@ def _expand_batches(node_id: Sequence[Any], rid: Sequence[Any], num_tokens: Sequ
     return repeat, is_batch, rids, tokens, nodes
 
 
-def _length(slots: Any) -> int:
-    shape = getattr(slots, "shape", None)
-    return int(shape[0]) if shape is not None else len(slots)
-
-
-def _slots(slots: Sequence[Any], batches: tuple[np.ndarray, np.ndarray] | None,
+def _slots(slots: list[Any], dtype: np.dtype, batches: tuple[np.ndarray, np.ndarray] | None,
            num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(per-event slot counts, every slot concatenated in event order). A batch item's slots
     split by its requests' token counts."""
-    counts = np.fromiter((NO_SLOTS if s is None else _length(s) for s in slots), np.int32, len(slots))
+    num_present = len(slots) - slots.count(None)
+    if num_present == len(slots):
+        counts = np.fromiter(map(len, slots), np.int32, len(slots)) // dtype.itemsize
+    else:
+        counts = np.full(len(slots), NO_SLOTS, np.int32)
+        if num_present:
+            present = np.fromiter(map(is_not, slots, forever(None)), bool, len(slots))
+            counts[present] = np.fromiter(map(len, compress(slots, present)), np.int32, num_present) // dtype.itemsize
     if batches is not None:
         repeat, is_batch = batches
         counts = np.repeat(counts, repeat)
         per_event = np.repeat(is_batch, repeat)
         counts[per_event] = num_tokens[per_event]
-    present = [s for s in slots if s is not None]
-    if not present:
+    if not num_present:
         return counts, np.zeros(0, np.int32)
-    return counts, _concatenate(present)
-
-
-def _concatenate(arrays: list[Any]) -> np.ndarray:
-    """One int32 array of every slot array (numpy, torch on any device, or a list), in order."""
-    is_torch = [type(a).__module__.startswith("torch") for a in arrays]
-    if all(is_torch):
-        import torch  # NOTE: only when a producer passed tensors, so torch is already loaded
-
-        return torch.cat([a.reshape(-1) for a in arrays]).to(torch.int32).cpu().numpy()
-    if any(is_torch):
-        arrays = [a.cpu().numpy() if t else a for a, t in zip(arrays, is_torch, strict=True)]
-    return np.concatenate([np.asarray(a).reshape(-1) for a in arrays]).astype(np.int32, copy=False)
+    data = b"".join(compress(slots, map(is_not, slots, forever(None))) if num_present < len(slots) else slots)
+    return counts, np.frombuffer(data, dtype).astype(np.int32)

@@ -1,57 +1,84 @@
-"""SQLRecorder: events into an in-memory buffer, a background thread writes batches.
+"""SQLRecorder: the recording process buffers, a writer process packs and writes.
 
 NOTE: levels
     off      nothing recorded (use NullRecorder)
     summary  usage samples, requests, leak checks, tree snapshots
     full     summary + every memory event with its slots (`enabled` is True only here)
-The caller's thread pays one append per event (plus a length check), or one per batch
-(record_batch); the writer drains the buffer every `flush_interval_s` or when
-`flush_max_events` are waiting, packs the events into one chunk of columns (packed.py: a few
-blobs, not a row per event) and inserts it with the other tables' rows, all in one
-transaction. At 4 x flush_max_events waiting, record() waits for the writer (back-pressure).
+
+NOTE: the two processes
+    recording process  record() extends one flat list with the event's values (packed.ITEM_FIELDS:
+                       no object per event, nothing for the garbage collector to track) and does
+                       nothing else; the other records append rows. When the step advances with
+                       `flush_interval_s` passed or `flush_max_events` buffered, at idle points and
+                       on flush(), the buffer is handed to the writer: slots that are not int64
+                       numpy arrays (torch tensors on any device, lists) are converted in one go,
+                       then the buffer is marshalled and sent (channel.py). Callers are one thread.
+    writer process     kvscope.telemetry.writer: packs, writes, acknowledges. Its CPU time and its
+                       interpreter are its own.
+With more than 4 x flush_max_events handed over and not yet written, a hand-off waits for the
+writer (back-pressure). flush() waits until everything recorded so far is on disk.
 
 NOTE: what survives
-    SIGKILL        everything up to the last flush; the run stays 'running' (readers show
-                   "ended without closing")
+    SIGKILL        of the recording process: everything handed to the writer (which writes it,
+                   then exits); the run stays 'running' (readers show "ended without closing")
     a write fails  (a full disk, ...) recording stops: later records are dropped, one line on
                    stderr and in `failure` says through which step the capture is complete, and
                    close() marks the run 'incomplete' with that line (or, if even that write
-                   fails, leaves it 'running'); everything committed before stays readable
-    close()        flushes, marks the run (finished / interrupted / crashed / incomplete) and
-                   folds the log into the file (store.settle); it never raises, and on the
-                   main thread a second SIGINT/SIGTERM/SIGHUP while it runs is swallowed: the
-                   capture always ends closed
+                   fails, leaves it 'running'); everything committed before stays readable. The
+                   writer process ending unexpectedly stops recording the same way.
+    close()        hands over the rest, waits for the writer to write it and exit, marks the run
+                   (finished / interrupted / crashed / incomplete) and folds the log into the file
+                   (store.settle); it never raises, and on the main thread a second
+                   SIGINT/SIGTERM/SIGHUP while it runs is swallowed: the capture always ends closed
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import marshal
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from enum import StrEnum
+from enum import Enum, StrEnum
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
 import numpy as np
-from sqlalchemy import update
+from sqlalchemy import bindparam, update
 from sqlalchemy.exc import SQLAlchemyError
 
+import kvscope
 from kvscope.telemetry import schema
+from kvscope.telemetry.channel import Channel, ChannelClosed, Message
 from kvscope.telemetry.events import EventKind, PoolName, Recorder
-from kvscope.telemetry.packed import BATCH, Chunk, Packer
+from kvscope.telemetry.packed import BATCH, ITEM_FIELDS, ITEM_WIDTH
 from kvscope.telemetry.records import LEVELS, LeakCheck, NodeRow, RequestRecord, RunStatus, UsageSample
-from kvscope.telemetry.store import BulkInsert, CaptureError, display_name, first_line, open_writer, settle
+from kvscope.telemetry.store import (
+    CaptureError,
+    compiled_statement,
+    display_name,
+    file_of,
+    first_line,
+    insert_statement,
+    open_writer,
+    settle,
+)
+from kvscope.telemetry.writer import WriterSettings
 
 DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+SLOTS_AT = ITEM_FIELDS.index("slots")
+BACKLOG_FLUSHES = 4  # NOTE: flush_max_events x this, handed over and not yet written, makes a hand-off wait
+_NDARRAY = np.ndarray
+_INT64 = np.dtype(np.int64)
+_monotonic = time.monotonic
 
 
 def slots_blob(slots: Any) -> bytes | None:
@@ -85,39 +112,32 @@ class SQLRecorder(Recorder):
         self.level = level
         self.enabled = level == "full"
         self.summary_enabled = True
-        self.step = 0
-        self.error: BaseException | None = None  # the write that failed
+        self._step = 0
         self.failure: str | None = None  # "capture complete through step N: <reason>" once recording stopped
-        self._complete_step = -1  # NOTE: every row of steps <= this is committed
+        self._complete_step = -1  # NOTE: every row of steps <= this is committed (the writer says)
         self._snapshot_step: int | None = None
         self.closed = False
-        self._packer = Packer()
-        self._chunks = 0
-        self._events: deque[tuple[Any, ...]] = deque()
-        self._rows: deque[tuple[str, tuple[Any, ...]]] = deque()
-        self._max_events = flush_max_events
-        self._backlog_cap = 4 * flush_max_events
+        self._pid = os.getpid()
+        # NOTE: the buffer: flat items (packed.ITEM_FIELDS), rows as (table, row); slots to convert
+        # before a hand-off as (position in _items, slots)
+        self._items: list[Any] = []
+        self._extend = self._items.extend
+        self._rows: list[tuple[str, tuple[Any, ...]]] = []
+        self._deferred: list[tuple[int, Any]] = []
+        self._has_batches = False
+        self._max_items = flush_max_events * ITEM_WIDTH
+        self._backlog_events = BACKLOG_FLUSHES * flush_max_events
         self._interval_s = flush_interval_s
-        self._inserts = {
-            "event_chunks": BulkInsert(self.engine, schema.event_chunks, [c.name for c in schema.event_chunks.c]),
-            "event_columns": BulkInsert(self.engine, schema.event_columns, [c.name for c in schema.event_columns.c]),
-            "event_strings": BulkInsert(self.engine, schema.event_strings, [c.name for c in schema.event_strings.c]),
-            "tree_snapshots": BulkInsert(self.engine, schema.tree_snapshots, schema.TREE_SNAPSHOT_COLUMNS),
-            "leak_checks": BulkInsert(self.engine, schema.leak_checks, schema.LEAK_CHECK_COLUMNS),
-            "usage": BulkInsert(self.engine, schema.usage, schema.USAGE_COLUMNS),
-            "requests": BulkInsert(self.engine, schema.requests, schema.REQUEST_COLUMNS),
-        }
+        self._due_s = _monotonic() + flush_interval_s
+        self._num_sent = self._num_acked = 0  # batches
+        self._items_sent = self._items_done = self._rows_sent = 0
+        self._writer_closed = False
         try:
             self.run_id = self._start_run(label, config or {})
         except SQLAlchemyError as err:
             self.engine.dispose()
             raise CaptureError(f"{self.name}: cannot start a run ({first_line(err)})") from err
-        self._flush_lock = threading.Lock()
-        self._flush_waiters: deque[threading.Event] = deque()
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="kvscope-recorder", daemon=True)
-        self._thread.start()
+        self._channel, self._process = _start_writer(self._writer_settings(target))
         atexit.register(self.close)
 
     def _start_run(self, label: str, config: dict[str, Any]) -> int:
@@ -132,7 +152,49 @@ class SQLRecorder(Recorder):
             assert result.inserted_primary_key is not None
             return int(result.inserted_primary_key[0])
 
+    def _writer_settings(self, target: str | Path) -> WriterSettings:
+        engine, path = self.engine, file_of(target)
+        tables = {
+            "event_strings": (schema.event_strings, [c.name for c in schema.event_strings.c]),
+            "event_chunks": (schema.event_chunks, [c.name for c in schema.event_chunks.c]),
+            "event_columns": (schema.event_columns, [c.name for c in schema.event_columns.c]),
+            "tree_snapshots": (schema.tree_snapshots, schema.TREE_SNAPSHOT_COLUMNS),
+            "leak_checks": (schema.leak_checks, schema.LEAK_CHECK_COLUMNS),
+            "usage": (schema.usage, schema.USAGE_COLUMNS),
+            "requests": (schema.requests, schema.REQUEST_COLUMNS),
+        }
+        heartbeat = update(schema.runs).where(schema.runs.c.id == bindparam("run_id")).values(
+            heartbeat_at=bindparam("heartbeat_at"))
+        return WriterSettings(
+            file=None if path is None else str(path), url=None if path is not None else str(target), run_id=self.run_id,
+            inserts={name: insert_statement(engine, table, columns) for name, (table, columns) in tables.items()},
+            heartbeat=compiled_statement(engine, heartbeat, ("heartbeat_at", "run_id")),
+        )
+
+    @property
+    def writer_pid(self) -> int:
+        return self._process.pid
+
     # -- the caller's side -----------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = value
+        self.poll()
+
+    def poll(self) -> None:
+        """Hand the buffer to the writer when `flush_interval_s` has passed since the last
+        hand-off or `flush_max_events` are buffered (setting `step` does this)."""
+        if len(self._items) >= self._max_items or _monotonic() >= self._due_s:
+            self._hand_off()
+
+    def idle(self) -> None:
+        if self._items or self._rows:
+            self._hand_off()
 
     def record(
         self,
@@ -147,25 +209,20 @@ class SQLRecorder(Recorder):
         aux: int = 0,
         principal: str | None = None,
     ) -> None:
-        # NOTE: a buffered event is packed.BUFFER_FIELDS (its seq is its place in the buffer);
-        # plain str values, not Enum members, so the GC can stop tracking buffered tuples
-        events = self._events
-        events.append((self.step, time.monotonic(), kind._value_, pool and pool._value_, rid, node_id, num_tokens,
-                       aux, reason and reason._value_, principal, slots))
-        if len(events) >= self._max_events:
-            self._wake.set()
-            if len(events) >= self._backlog_cap:
-                self.flush()  # back-pressure: never let the buffer outgrow the writer without bound
+        # NOTE: plain str values, not Enum members (marshal carries only plain values); slots other
+        # than int64 arrays are converted at the hand-off, all at once (one copy off a GPU)
+        if slots is not None and (slots.__class__ is not _NDARRAY or slots.dtype is not _INT64):
+            self._deferred.append((len(self._items) + SLOTS_AT, slots))
+        self._extend((self._step, _monotonic(), kind._value_, pool and pool._value_, rid, node_id, num_tokens, aux,
+                      reason and reason._value_, principal, slots))
 
     def record_batch(self, kind: EventKind, *, pool: PoolName | None, rids: Any, num_tokens: Any,
                      slots: Any) -> None:
-        events = self._events
-        events.append((self.step, time.monotonic(), kind._value_, pool and pool._value_, tuple(rids), BATCH,
-                       tuple(num_tokens), 0, None, None, slots))
-        if len(events) >= self._max_events:
-            self._wake.set()
-            if len(events) >= self._backlog_cap:
-                self.flush()  # back-pressure, as record()
+        if slots is not None and (slots.__class__ is not _NDARRAY or slots.dtype is not _INT64):
+            self._deferred.append((len(self._items) + SLOTS_AT, slots))
+        self._has_batches = True
+        self._extend((self._step, _monotonic(), kind._value_, pool and pool._value_, tuple(rids), BATCH,
+                      tuple(num_tokens), 0, None, None, slots))
 
     def usage(self, sample: UsageSample) -> None:
         swa = sample.swa or (None, None, None, None)
@@ -196,103 +253,133 @@ class SQLRecorder(Recorder):
         if step == self._snapshot_step:
             return
         self._snapshot_step = step
-        # NOTE: a list, not a generator: deque.extend of a list runs no Python code, so the writer
-        # never drains half a snapshot; a snapshot lands in one transaction (readers memoize them)
         self._rows.extend([("tree_snapshots", (self.run_id, step, *NodeRow(*row))) for row in rows])
 
-    # -- the writer's side -----------------------------------------------------------------
-
-    def _loop(self) -> None:
-        while True:
-            self._wake.wait(self._interval_s)
-            self._wake.clear()
-            waiters = [self._flush_waiters.popleft() for _ in range(len(self._flush_waiters))]
-            self._flush_now()
-            for waiter in waiters:
-                waiter.set()
-            if self._stop:
-                return
+    # -- handing over ----------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Block until everything recorded so far is on disk.
+        """Block until everything recorded so far is on disk (or dropped, once recording stopped)."""
+        self._hand_off()
+        while self._num_acked < self._num_sent and not self._writer_closed:
+            self._wait_for_writer()
 
-        The writing happens on the writer thread, so a signal that interrupts the caller
-        (SIGINT, SIGTERM) can never interrupt a write transaction halfway.
-        """
-        if not self._thread.is_alive() or threading.current_thread() is self._thread:
-            self._flush_now()
+    def _hand_off(self, *, closing: bool = False) -> None:
+        """Send the buffer to the writer as one batch. NOTE: the buffer is forgotten only after
+        the send: a signal in between sends it again, and the writer skips what it has."""
+        self._due_s = _monotonic() + self._interval_s
+        self._read_answers()
+        items, rows = self._items, self._rows
+        if self.failure is not None or self._writer_closed:
+            items.clear()
+            rows.clear()
+            self._deferred.clear()
             return
-        done = threading.Event()
-        self._flush_waiters.append(done)
-        self._wake.set()
-        done.wait()
+        if not items and not rows and not closing:
+            return
+        try:
+            body = self._body()
+        except (ValueError, TypeError) as err:
+            self._stop_recording(f"a record could not be handed to the writer ({err})")
+            return
+        num_items = len(items) // ITEM_WIDTH
+        header = ("batch", self._num_sent, self._items_sent, self._rows_sent, self._step, closing, self._has_batches)
+        try:
+            self._channel.send(header, body)
+        except ChannelClosed:
+            self._writer_gone()
+            return
+        self._num_sent += 1
+        self._items_sent += num_items
+        self._rows_sent += len(rows)
+        items.clear()
+        rows.clear()
+        self._has_batches = False
+        while self._items_sent - self._items_done > self._backlog_events and not self._writer_closed:
+            self._wait_for_writer()  # back-pressure
 
-    def _flush_now(self, *, closing: bool = False) -> None:
-        """Write everything buffered so far, in one transaction; once a write has failed,
-        drop it (recording stopped)."""
-        with self._flush_lock:
-            if self.failure is not None:
-                self._events.clear()
-                self._rows.clear()
-                return
-            step = self.step
-            try:
-                self._write(self._drain())
-            except Exception as err:  # the writer thread must not die silently
-                self._stop_recording(err)
-                return
-            self._complete_step = step if closing else step - 1  # NOTE: rows of `step` may still arrive
+    def _body(self) -> bytes:
+        """marshal of (items, rows), their slots int64 arrays (raw bytes on the wire)."""
+        items, rows = self._items, self._rows
+        if self._deferred:
+            _convert_slots(items, self._deferred)
+            self._deferred.clear()
+        try:
+            return marshal.dumps((items, rows))
+        except ValueError:  # NOTE: a non-contiguous array, a numpy scalar, an Enum member: the slow way
+            for i in range(SLOTS_AT, len(items), ITEM_WIDTH):
+                if items[i] is not None:
+                    items[i] = np.ascontiguousarray(items[i], np.int64).reshape(-1)
+            items[:] = [v if i % ITEM_WIDTH == SLOTS_AT else _plain(v) for i, v in enumerate(items)]
+            rows[:] = [(table, tuple(_plain(v) for v in row)) for table, row in rows]
+            return marshal.dumps((items, rows))
 
-    def _stop_recording(self, err: BaseException) -> None:
+    def _read_answers(self) -> None:
+        if self._writer_closed:
+            return
+        try:
+            answers = self._channel.poll()
+        except ChannelClosed:
+            self._writer_gone()
+            return
+        for answer in answers:
+            self._take(answer)
+
+    def _wait_for_writer(self) -> None:
+        try:
+            answer = self._channel.receive()
+        except ChannelClosed:
+            self._writer_gone()
+            return
+        if answer is not None:
+            self._take(answer)
+
+    def _take(self, answer: Message) -> None:
+        header = answer.header
+        if answer.kind == "ack":
+            self._num_acked, self._items_done, self._complete_step = header[1] + 1, header[2], header[3]
+        elif answer.kind == "failed":
+            self._stop_recording(str(header[1]))
+        elif answer.kind == "closed":
+            self._complete_step = header[1]
+            self._writer_closed = True
+
+    def _writer_gone(self) -> None:
+        """The writer's end of the channel closed before it said "closed": it died."""
+        self._writer_closed = True
+        self._num_acked = self._num_sent
+        if self.failure is None:
+            code = self._process.wait()
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            self._stop_recording(f"the recorder's writer process ended ({how})")
+
+    def _stop_recording(self, reason: str) -> None:
         """Recording stops: one line on stderr and in `failure`, through which step the capture
         is complete."""
-        self.error = err
-        reason = first_line(err)
         done = self._complete_step
         self.failure = (f"capture complete through step {done}: {reason}" if done >= 0
                         else f"capture holds no complete step: {reason}")
         print(f"kvscope recorder: recording stopped, {self.failure}", file=sys.stderr, flush=True)
 
-    def _drain(self) -> dict[str, list[tuple[Any, ...]]]:
-        out: dict[str, list[tuple[Any, ...]]] = {name: [] for name in self._inserts}
-        events, rows = self._events, self._rows
-        buffered = [events.popleft() for _ in range(len(events))]
-        if buffered:
-            self._add_chunk(out, self._packer.pack(buffered))
-        for _ in range(len(rows)):
-            table, row = rows.popleft()
-            out[table].append(row)
-        return out
-
-    def _add_chunk(self, out: dict[str, list[tuple[Any, ...]]], chunk: Chunk) -> None:
-        run_id, number = self.run_id, self._chunks
-        self._chunks += 1
-        out["event_strings"].extend((run_id, code, text) for code, text in chunk.new_strings)
-        out["event_chunks"].append((run_id, number, chunk.first_seq, chunk.num_events, chunk.first_step,
-                                    chunk.last_step, chunk.kinds))
-        out["event_columns"].extend((run_id, number, name, data) for name, data in chunk.columns.items())
-
-    def _write(self, batches: dict[str, list[tuple[Any, ...]]]) -> None:
-        with self.engine.begin() as conn:
-            for table, rows in batches.items():
-                if rows:
-                    insert = self._inserts[table]
-                    conn.exec_driver_sql(insert.sql, insert.params(rows))
-            conn.execute(update(schema.runs).where(schema.runs.c.id == self.run_id).values(heartbeat_at=time.time()))
-
     # -- closing ---------------------------------------------------------------------------
 
     def close(self, status: str = RunStatus.FINISHED, error: str | None = None) -> None:
-        """Flush everything and mark the run ended (`status`, or 'incomplete' once a write has
-        failed, whatever `status` says). Idempotent; never raises."""
-        if self.closed:
+        """Hand over the rest, let the writer write it and exit, and mark the run ended
+        (`status`, or 'incomplete' once recording stopped, whatever `status` says). Idempotent;
+        never raises; does nothing in a forked child (the run is its parent's)."""
+        if self.closed or os.getpid() != self._pid:
             return
         self.closed = True
         with _signals_deferred():
-            self._stop = True
-            self._wake.set()
-            self._thread.join()
-            self._flush_now(closing=True)
+            self._hand_off(closing=True)
+            if not self._writer_closed:
+                try:
+                    self._channel.send(("close",))
+                except ChannelClosed:
+                    self._writer_gone()
+                while not self._writer_closed:
+                    self._wait_for_writer()
+            self._process.wait()
+            self._channel.close()
             self._mark_ended(status, error)
             settle(self.engine)
             self.engine.dispose()
@@ -307,7 +394,7 @@ class SQLRecorder(Recorder):
                     status=status, ended_at=time.time(), heartbeat_at=time.time(), error=error))
         except Exception as err:  # NOTE: the run stays 'running': readers show "ended without closing"
             if self.failure is None:
-                self._stop_recording(err)
+                self._stop_recording(first_line(err))
 
     def __enter__(self) -> SQLRecorder:
         return self
@@ -320,6 +407,51 @@ class SQLRecorder(Recorder):
             self.close(RunStatus.INTERRUPTED)
         else:
             self.close(RunStatus.CRASHED, f"{exc_type.__name__}: {exc}")
+
+
+def _start_writer(settings: WriterSettings) -> tuple[Channel, subprocess.Popen[bytes]]:
+    """The writer process (in a process group of its own: a terminal's Ctrl-C goes to the
+    recording process, which closes the capture), and our end of its channel."""
+    channel, theirs = Channel.pair()
+    package_root = str(Path(kvscope.__file__).resolve().parent.parent)
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": package_root if not path else f"{package_root}{os.pathsep}{path}"}
+    try:
+        process = subprocess.Popen([sys.executable, "-m", "kvscope.telemetry.writer", str(theirs.fileno())],
+                                   pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env, process_group=0)
+    finally:
+        theirs.close()
+    channel.send(("start", settings.to_plain()))
+    return channel, process
+
+
+def _convert_slots(items: list[Any], deferred: list[tuple[int, Any]]) -> None:
+    """Replace each deferred slots value in `items` by an int64 array: torch tensors by one
+    concatenation per device (one copy off a GPU), anything else one by one."""
+    tensors: dict[Any, list[tuple[int, Any]]] = {}
+    for position, slots in deferred:
+        if type(slots).__module__.startswith("torch"):
+            tensors.setdefault(slots.device, []).append((position, slots))
+        else:
+            items[position] = np.ascontiguousarray(slots, np.int64).reshape(-1)
+    for group in tensors.values():
+        import torch  # NOTE: only when a producer passed tensors, so torch is already loaded
+
+        joined = torch.cat([t.reshape(-1) for _, t in group]).to(torch.int64).cpu().numpy()
+        ends = np.cumsum([t.numel() for _, t in group])
+        for (position, _), piece in zip(group, np.split(joined, ends[:-1]), strict=True):
+            items[position] = piece
+
+
+def _plain(value: Any) -> Any:
+    """A value marshal carries: numpy scalars and Enum members as plain values."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return value
 
 
 @contextmanager

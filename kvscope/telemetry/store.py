@@ -37,7 +37,6 @@ from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import quote
 
 from sqlalchemy import URL, Connection, Engine, Table, create_engine, event, inspect, select, text, update
 from sqlalchemy.engine import ExceptionContext, make_url
@@ -46,9 +45,10 @@ from sqlalchemy.pool import QueuePool, SingletonThreadPool
 from sqlalchemy.schema import CreateColumn
 
 from kvscope.telemetry import schema
+from kvscope.telemetry.sqlite_files import BUSY_TIMEOUT_MS, execute_when_free, file_uri, first_line, read_head
+from kvscope.telemetry.writer import Statement
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
-BUSY_TIMEOUT_MS = 10_000
 QUICK_CHECK_MAX_BYTES = 64 << 20  # ~0.3 s of quick_check; larger files are checked by the reads themselves
 SCHEMA_ATTEMPTS = 3  # a server database: creating the schema again after a concurrent creator won
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
@@ -56,8 +56,6 @@ _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 _DAMAGED_CODES = {11, 26}  # SQLITE_CORRUPT, SQLITE_NOTADB
 _UNREADABLE_CODES = {10, 14}  # SQLITE_IOERR, SQLITE_CANTOPEN
 SQLITE_READONLY_ROLLBACK = 776  # a read-only connection met a hot journal
-_BUSY_CODES = {5, 6}  # SQLITE_BUSY, SQLITE_LOCKED
-BUSY_RETRY_S = 0.01
 
 ReadMode = Literal["ro", "immutable", "wal-unreadable"]
 
@@ -102,19 +100,6 @@ def _parse_url(target: str) -> URL:
         raise CaptureError(f"{target}: not a database URL ({first_line(err)})") from err
 
 
-def file_uri(path: Path, **params: str) -> str:
-    """A SQLite `file:` URI naming `path` verbatim: every character but letters, digits and
-    `/_.-~` percent-encoded, so `?`, `#` and `%` in a name stay part of it."""
-    query = "&".join(f"{key}={value}" for key, value in params.items())
-    return f"file://{quote(os.path.abspath(path), safe='/')}?{query}"
-
-
-def first_line(err: BaseException) -> str:
-    """An error's first line (a SQLAlchemy error's driver message, without the SQL)."""
-    text = str(getattr(err, "orig", None) or err)
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 # -- checks on a SQLite file ------------------------------------------------------------------
 
 
@@ -131,8 +116,7 @@ def check_sqlite_file(path: Path, *, allow_empty: bool = False) -> None:
         if allow_empty:
             return
         raise EmptyCaptureError(f"{path}: empty capture (no run recorded in it yet)")
-    with path.open("rb") as fh:
-        header = fh.read(100)
+    header = read_head(path, 100)
     if len(header) < 100 or not header.startswith(SQLITE_MAGIC):
         raise CaptureError(f"{path}: not a kvscope capture (not a SQLite database)")
 
@@ -155,8 +139,7 @@ def read_mode(dir_writable: bool, wal_mode: bool, wal_bytes: int, has_shm: bool)
 
 
 def _read_mode_of(path: Path) -> ReadMode:
-    with path.open("rb") as fh:
-        header = fh.read(20)
+    header = read_head(path, 20)
     wal = Path(f"{path}-wal")
     return read_mode(dir_writable=os.access(path.parent, os.W_OK),
                      wal_mode=header[18:20] == b"\x02\x02", wal_bytes=wal.stat().st_size if wal.exists() else 0,
@@ -169,8 +152,7 @@ def _damage_detail(path: Path, reason: str) -> str:
     wal = Path(f"{path}-wal")
     if wal.exists() and wal.stat().st_size:
         return reason
-    with path.open("rb") as fh:
-        header = fh.read(100)
+    header = read_head(path, 100)
     page_size = struct.unpack(">H", header[16:18])[0]
     page_size = 65536 if page_size == 1 else page_size
     expected = page_size * struct.unpack(">I", header[28:32])[0]
@@ -325,26 +307,8 @@ def _on_connect(engine: Engine, *statements: str, autocommit: bool = False) -> N
             dbapi_conn.isolation_level = None  # NOTE: transactions are begun by _begin_immediate
         cursor = dbapi_conn.cursor()
         for statement in statements:
-            _execute_when_free(cursor, statement)
+            execute_when_free(cursor, statement)
         cursor.close()
-
-
-def _execute_when_free(cursor: sqlite3.Cursor, statement: str) -> None:
-    """Run a connection pragma, trying again while another connection holds the lock it needs,
-    for up to the busy timeout. SQLite's busy handler does not cover every case: two
-    connections switching one new file to WAL at once both hold a shared lock and want an
-    exclusive one, and SQLite fails one of them at once with "database is locked" rather
-    than let them wait on each other."""
-    deadline_s = time.monotonic() + BUSY_TIMEOUT_MS / 1000
-    while True:
-        try:
-            cursor.execute(statement)
-            return
-        except sqlite3.OperationalError as err:
-            busy = (getattr(err, "sqlite_errorcode", 0) & 0xFF) in _BUSY_CODES
-            if not busy or time.monotonic() >= deadline_s:
-                raise
-            time.sleep(BUSY_RETRY_S)
 
 
 # -- writers ----------------------------------------------------------------------------------
@@ -472,21 +436,16 @@ def save_report(target: str | Path, run_id: int, kind: str, through_seq: int, pr
         engine.dispose()
 
 
-class BulkInsert:
-    """executemany of positional rows through the driver, in the dialect's paramstyle."""
+def insert_statement(engine: Engine, table: Table, columns: Sequence[str]) -> Statement:
+    """An executemany-ready INSERT of positional rows (`columns` order) in the dialect's paramstyle."""
+    return compiled_statement(engine, table.insert().values({c: None for c in columns}), columns)
 
-    def __init__(self, engine: Engine, table: Table, columns: Sequence[str]) -> None:
-        stmt = table.insert().values({c: None for c in columns})
-        compiled = stmt.compile(dialect=engine.dialect)
-        self.sql = str(compiled)
-        self.positional = bool(compiled.positional)
-        order = list(compiled.positiontup or []) if self.positional else list(columns)
-        self.columns = list(columns)
-        self.index = [self.columns.index(name) for name in order]
 
-    def params(self, rows: Sequence[Sequence[Any]]) -> list[Any]:
-        if self.positional:
-            if self.index == list(range(len(self.columns))):
-                return list(rows)
-            return [tuple(row[i] for i in self.index) for row in rows]
-        return [dict(zip(self.columns, row, strict=True)) for row in rows]
+def compiled_statement(engine: Engine, stmt: Any, columns: Sequence[str]) -> Statement:
+    """`stmt` (its bind parameters named as `columns`) compiled for the engine's dialect, run
+    through the driver with rows of values in `columns` order."""
+    compiled = stmt.compile(dialect=engine.dialect)
+    names = tuple(str(c) for c in columns)  # NOTE: plain str (SQLAlchemy's names are a str subclass)
+    if not compiled.positional:
+        return Statement(str(compiled), names, None)
+    return Statement(str(compiled), names, tuple(names.index(str(name)) for name in compiled.positiontup or []))

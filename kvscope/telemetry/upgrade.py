@@ -16,16 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from sqlalchemy import Connection, Engine, delete, func, select
 
 from kvscope.telemetry import schema
-from kvscope.telemetry.packed import Packer
+from kvscope.telemetry.packed import ITEM_WIDTH, Packer
 from kvscope.telemetry.queries import Capture
-from kvscope.telemetry.store import BulkInsert, CaptureError, display_name, first_line, open_writer, settle
+from kvscope.telemetry.store import CaptureError, display_name, first_line, insert_statement, open_writer, settle
+from kvscope.telemetry.writer import Statement
 
 CHUNK_EVENTS = 200_000
-ROW_FIELDS = schema.EVENT_COLUMNS[1:]  # NOTE: seq, then packed.BUFFER_FIELDS in the same order
+ROW_FIELDS = schema.EVENT_COLUMNS[1:]  # NOTE: seq, then packed.ITEM_FIELDS in the same order
 
 
 @dataclass
@@ -75,7 +75,7 @@ def _check_upgradable(target: str | Path, name: str) -> None:
 def _pack_run(engine: Engine, run_id: int, total: int, progress: Callable[[int, int, int], None] | None
               ) -> UpgradedRun:
     e = schema.events.c
-    inserts = {t.name: BulkInsert(engine, t, [c.name for c in t.columns])
+    inserts = {t.name: insert_statement(engine, t, [c.name for c in t.columns])
                for t in schema.PACKED_TABLES}
     packer = Packer()
     chunk_no = 0
@@ -86,18 +86,17 @@ def _pack_run(engine: Engine, run_id: int, total: int, progress: Callable[[int, 
         if existing:
             raise CaptureError(f"run {run_id} has both event rows and packed chunks; not touching it")
         cursor = conn.execute(select(*(e[n] for n in ROW_FIELDS)).where(e.run_id == run_id).order_by(e.seq))
-        pending: list[tuple[Any, ...]] = []
+        pending: list[Any] = []
         first_seq = None
         while rows := cursor.fetchmany(CHUNK_EVENTS):
             for row in rows:
                 seq = int(row[0])
                 if first_seq is None:
                     first_seq = seq
-                elif seq != first_seq + len(pending) or len(pending) >= CHUNK_EVENTS:
+                elif seq != first_seq + len(pending) // ITEM_WIDTH or len(pending) >= CHUNK_EVENTS * ITEM_WIDTH:
                     chunk_no = _write_chunk(conn, inserts, packer, run_id, chunk_no, first_seq, pending)
                     pending, first_seq = [], seq
-                blob = row[11]
-                pending.append((*row[1:11], None if blob is None else np.frombuffer(blob, "<i4")))
+                pending.extend(row[1:12])  # NOTE: ITEM_FIELDS, slots as the row layout's int32 blob
             done += len(rows)
             if progress is not None:
                 progress(run_id, done, total)
@@ -108,10 +107,10 @@ def _pack_run(engine: Engine, run_id: int, total: int, progress: Callable[[int, 
     return UpgradedRun(run_id, total, chunk_no)
 
 
-def _write_chunk(conn: Connection, inserts: dict[str, BulkInsert], packer: Packer, run_id: int, number: int,
-                 first_seq: int, buffered: list[tuple[Any, ...]]) -> int:
+def _write_chunk(conn: Connection, inserts: dict[str, Statement], packer: Packer, run_id: int, number: int,
+                 first_seq: int, buffered: list[Any]) -> int:
     packer.next_seq = first_seq
-    chunk = packer.pack(buffered)
+    chunk = packer.pack(buffered, slot_dtype="<i4")
     rows: dict[str, list[tuple[Any, ...]]] = {
         "event_strings": [(run_id, code, text) for code, text in chunk.new_strings],
         "event_chunks": [(run_id, number, chunk.first_seq, chunk.num_events, chunk.first_step, chunk.last_step,

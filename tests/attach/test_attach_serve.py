@@ -90,6 +90,7 @@ def wait_idle(url: str, timeout_s: float = 30.0) -> None:
     while time.monotonic() < deadline:
         text = httpx.get(f"{url}/metrics", timeout=10).text
         if "sglang:num_running_reqs 0.0" in text and "sglang:num_queue_reqs 0.0" in text:
+            time.sleep(1.0)  # one more stats interval: idle-looking stats may predate the last requests
             return
         time.sleep(0.2)
     raise AssertionError("the server did not go idle")

@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import random
+import resource
 import re
 import shutil
 import signal
@@ -51,15 +52,15 @@ def finished_capture(path: Path, steps: int = 3, label: str = "before") -> Path:
     return path
 
 
-def limit_pages(recorder: SQLRecorder, extra_pages: int) -> None:
-    """Every connection the recorder checks out may grow the file by `extra_pages` at most:
-    SQLite's own SQLITE_FULL, as on a full disk."""
-    with recorder.engine.connect() as conn:
-        limit = int(conn.exec_driver_sql("PRAGMA page_count").scalar_one()) + extra_pages
+def limit_writes(recorder: SQLRecorder, path: Path, extra_bytes: int) -> None:
+    """The recorder's writer process may grow the capture's files by `extra_bytes` at most: a
+    file-size limit (RLIMIT_FSIZE) on that process, whose writes past it fail as on a full disk
+    (SQLite says "database or disk is full", or "disk I/O error" when a write starts past it)."""
+    limit = max(p.stat().st_size for p in (path, Path(f"{path}-wal")) if p.exists()) + extra_bytes
+    resource.prlimit(recorder.writer_pid, resource.RLIMIT_FSIZE, (limit, limit))
 
-    @event.listens_for(recorder.engine, "checkout")
-    def _limit(dbapi_conn: object, _record: object, _proxy: object) -> None:
-        dbapi_conn.execute(f"PRAGMA max_page_count = {limit}")  # type: ignore[attr-defined]
+
+WRITE_REFUSED = ("database or disk is full", "disk I/O error")
 
 
 def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
@@ -74,7 +75,7 @@ def test_a_full_disk_stops_recording_with_one_line_and_keeps_what_was_committed(
         tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     path = finished_capture(tmp_path / "full.db")
     recorder = SQLRecorder(path, label="full", flush_interval_s=60)
-    limit_pages(recorder, extra_pages=40)
+    limit_writes(recorder, path, extra_bytes=160_000)
     step = 0
     while recorder.failure is None and step < 500:
         step += 1
@@ -90,12 +91,13 @@ def test_a_full_disk_stops_recording_with_one_line_and_keeps_what_was_committed(
     assert err.count("\n") == 1 and "Traceback" not in err, err
     # NOTE: each flush ran with its step's rows all in, but the recorder cannot know that a step
     # is over until the next begins: it promises one step less than was written
-    expected = f"capture complete through step {failed_at - 2}: database or disk is full"
-    assert recorder.failure == expected and expected in err
+    expected = f"capture complete through step {failed_at - 2}: "
+    assert recorder.failure is not None and recorder.failure.startswith(expected), recorder.failure
+    assert recorder.failure.removeprefix(expected) in WRITE_REFUSED and recorder.failure in err
 
     capture = Capture(path)  # every reader opens it, and finds every committed row
     runs = capture.runs()
-    assert list(runs.status) == ["finished", "incomplete"] and runs.error.iloc[1] == expected
+    assert list(runs.status) == ["finished", "incomplete"] and runs.error.iloc[1] == recorder.failure
     assert len(capture.events(1, limit=10_000_000)) == 3 * EVENTS_PER_STEP
     steps = capture.events(2, limit=10_000_000).step.value_counts().sort_index()
     assert list(steps.index) == list(range(1, failed_at)) and (steps == EVENTS_PER_STEP).all()
@@ -107,14 +109,16 @@ def test_a_full_disk_stops_recording_with_one_line_and_keeps_what_was_committed(
 def test_a_run_whose_end_cannot_be_written_stays_running_and_close_does_not_raise(tmp_path: Path) -> None:
     path = tmp_path / "readonly-writes.db"
     recorder = SQLRecorder(path, label="stuck", flush_interval_s=60)
+    limit_writes(recorder, path, extra_bytes=0)  # the writer's data, and
 
     @event.listens_for(recorder.engine, "checkout")
     def _refuse_writes(dbapi_conn: object, _record: object, _proxy: object) -> None:
-        dbapi_conn.execute("PRAGMA query_only = 1")  # type: ignore[attr-defined]
+        dbapi_conn.execute("PRAGMA query_only = 1")  # type: ignore[attr-defined]  # the run's end
 
     record_step(recorder, 1)
     recorder.flush()
-    assert recorder.failure == "capture holds no complete step: attempt to write a readonly database"
+    assert recorder.failure is not None
+    assert recorder.failure.removeprefix("capture holds no complete step: ") in WRITE_REFUSED, recorder.failure
     recorder.close(RunStatus.FINISHED)
     run = Capture(path).runs().iloc[0]
     assert run.status == "running" and run.ended_at is None
@@ -466,3 +470,36 @@ def test_a_second_snapshot_at_the_same_step_does_not_stop_recording(tmp_path: Pa
     assert "kvscope recorder" not in capfd.readouterr().err
     capture = Capture(path)
     assert capture.runs().status.iloc[0] == "finished" and capture.snapshot_steps(1) == [250]
+
+
+def test_a_reader_keeps_its_locks_while_another_run_is_recorded_and_closed(tmp_path: Path) -> None:
+    """Opening a capture reads its header, which must not drop this process's SQLite locks on
+    the file (POSIX locks go with the close of any descriptor of it). Dropped, the recorder's
+    writer process takes itself for the file's last user when it closes, folds the log and
+    deletes it under this process's connections: the run's end lands in a log nobody reads and
+    the file reads as damaged."""
+    path = tmp_path / "killed.db"
+    killed = subprocess.run([sys.executable, "-c", KILLED_IN_WAL_MODE, str(path)], cwd=ROOT, check=False)
+    assert killed.returncode == -signal.SIGKILL and side_files(path) == ["killed.db-shm", "killed.db-wal"]
+    reader = Capture(path)
+    assert list(reader.runs().label) == ["killed"]
+    with SQLRecorder(path, label="after", flush_interval_s=60) as recorder:
+        record_step(recorder, 0)
+    assert recorder.failure is None
+    capture = Capture(path)
+    assert list(capture.runs().label) == ["killed", "after"] and capture.runs().status.iloc[1] == "finished"
+    assert len(capture.events(2, limit=None)) == EVENTS_PER_STEP
+    assert list(reader.runs().label) == ["killed", "after"]
+
+
+# a run started in a WAL-mode capture, then SIGKILL: its rows are in the log beside the file
+KILLED_IN_WAL_MODE = """
+import os, signal, sys
+from kvscope.telemetry import schema
+from kvscope.telemetry.store import open_writer
+engine = open_writer(sys.argv[1])
+with engine.begin() as conn:
+    conn.execute(schema.runs.insert().values(label="killed", status="running", started_at=0.0, level="full",
+                                             config="{}"))
+os.kill(os.getpid(), signal.SIGKILL)
+"""

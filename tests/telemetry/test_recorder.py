@@ -16,6 +16,7 @@ from sqlalchemy.exc import OperationalError
 
 from kvscope.telemetry import EventKind, EvictReason, LeakCheck, PoolName, PoolTerms, RequestRecord, UsageSample, schema
 from kvscope.telemetry.queries import ENDED_WITHOUT_CLOSING, Capture
+from kvscope.telemetry.packed import ITEM_WIDTH
 from kvscope.telemetry.recorder import SQLRecorder, decode_slots
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,11 +166,19 @@ def test_a_new_file_has_the_packed_tables_and_closing_builds_no_event_index(tmp_
 
 
 def test_a_full_buffer_makes_the_caller_wait_for_the_writer(tmp_path: Path) -> None:
+    """Buffered events are handed over when the step advances with flush_max_events waiting;
+    with 4 x flush_max_events handed over and not yet written, the hand-off waits."""
+    most_buffered = most_in_flight = 0
     with SQLRecorder(tmp_path / "b.db", flush_interval_s=60, flush_max_events=100) as recorder:
-        for _ in range(1000):
-            recorder.record(EventKind.LOCK, node_id=1)
-            assert len(recorder._events) <= 400, "the buffer outgrew its back-pressure cap"
-    assert len(Capture(tmp_path / "b.db").events(1, limit=5000)) == 1000
+        for step in range(500):
+            recorder.step = step
+            for _ in range(10):
+                recorder.record(EventKind.LOCK, node_id=1)
+            most_buffered = max(most_buffered, len(recorder._items) // ITEM_WIDTH)
+            most_in_flight = max(most_in_flight, recorder._items_sent - recorder._items_done)
+    assert most_buffered <= 100 + 10, "the buffer outgrew flush_max_events and a step"
+    assert 100 <= most_in_flight <= 4 * 100 + 110, "the writer's backlog outgrew its back-pressure cap"
+    assert len(Capture(tmp_path / "b.db").events(1, limit=None)) == 5000
 
 
 def test_the_store_takes_a_sqlalchemy_url(tmp_path: Path) -> None:

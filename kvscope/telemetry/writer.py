@@ -1,0 +1,245 @@
+"""The recorder's writer process: it takes the recorder's batches off the channel, packs their
+events into chunks (packed.py) and writes them with the other tables' rows into the capture,
+one transaction for whatever batches are waiting, and acknowledges them. The recording
+process never packs, converts or writes, and never shares its interpreter lock with this work.
+
+    python -m kvscope.telemetry.writer FD      (started by SQLRecorder; FD: its end of the channel)
+
+NOTE: messages (channel.py frames; headers are tuples, the first value names the message)
+    recorder -> writer
+        ("start", settings)       first, once: WriterSettings.to_plain()
+        ("batch", number, first_item, first_row, step, closing, has_batches)
+                                  body: marshal of (items, rows): the flat buffered items
+                                  (packed.ITEM_FIELDS) and (table, row) pairs; first_item and
+                                  first_row count what came before, so a batch sent again
+                                  (the sender interrupted between sending and forgetting it)
+                                  is written once
+        ("close",)                everything is sent: answer "closed" and exit
+    writer -> recorder
+        ("ack", number, items_done, complete_step)
+                                  batches up to `number` are on disk (or dropped, once
+                                  recording stopped); every row of steps <= complete_step is
+        ("failed", reason)        a write failed: recording stopped, nothing more is written
+        ("closed", complete_step) the last answer
+It ends on "close", or when the recorder's end of the channel closes (the recording process
+died): what it received is written first. It ignores SIGINT, SIGTERM and SIGHUP (the recorder
+decides when it ends, and a terminal's Ctrl-C reaches the recorder's process group, not this
+one) and SIGXFSZ (a file-size limit fails the write, as a full disk does, instead of killing it).
+It imports no SQLAlchemy for a capture file: sqlite3 directly, the same pragmas as the store.
+"""
+
+from __future__ import annotations
+
+import marshal
+import signal
+import sqlite3
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import suppress
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from kvscope.telemetry.channel import Channel, ChannelClosed, Message
+from kvscope.telemetry.packed import ITEM_WIDTH, Packer
+from kvscope.telemetry.sqlite_files import BUSY_TIMEOUT_MS, execute_when_free, file_uri, first_line
+
+EVENT_TABLES = ("event_strings", "event_chunks", "event_columns")
+
+
+class Statement(NamedTuple):
+    """A statement in the database's own parameter style: `columns` name a row's values in
+    order; `order` is the order the statement takes them in (positional), or None (named)."""
+
+    sql: str
+    columns: tuple[str, ...]
+    order: tuple[int, ...] | None
+
+    def params(self, rows: Sequence[Sequence[Any]]) -> list[Any]:
+        order = self.order
+        if order is None:
+            return [dict(zip(self.columns, row, strict=True)) for row in rows]
+        if order == tuple(range(len(self.columns))):
+            return list(rows)
+        return [tuple(row[i] for i in order) for row in rows]
+
+
+class WriterSettings(NamedTuple):
+    """What the writer writes where: `file` (a SQLite file) or `url` (any other database,
+    through SQLAlchemy); the run; one insert per table and the heartbeat update (columns
+    heartbeat_at, run_id)."""
+
+    file: str | None
+    url: str | None
+    run_id: int
+    inserts: dict[str, Statement]
+    heartbeat: Statement
+
+    def to_plain(self) -> tuple[Any, ...]:
+        return (self.file, self.url, self.run_id, {name: tuple(s) for name, s in self.inserts.items()},
+                tuple(self.heartbeat))
+
+    @classmethod
+    def from_plain(cls, plain: tuple[Any, ...]) -> WriterSettings:
+        file, url, run_id, inserts, heartbeat = plain
+        return cls(file, url, run_id, {name: Statement(*s) for name, s in inserts.items()}, Statement(*heartbeat))
+
+
+class SQLiteSink:
+    """Transactions on a capture file through sqlite3."""
+
+    def __init__(self, path: str) -> None:
+        self.conn = sqlite3.connect(file_uri(Path(path), mode="rw"), uri=True, isolation_level=None)
+        cursor = self.conn.cursor()
+        # NOTE: no journal mode: the store put the file in WAL mode, and a file another run's close
+        # put back in rollback mode meanwhile is written as it is
+        for pragma in (f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}", "PRAGMA synchronous = NORMAL",
+                       "PRAGMA cache_size = -65536"):
+            execute_when_free(cursor, pragma)
+        cursor.close()
+
+    def write(self, work: list[tuple[Statement, list[Any]]]) -> None:
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement, rows in work:
+                conn.executemany(statement.sql, statement.params(rows))
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class DatabaseSink:
+    """Transactions on a server database through SQLAlchemy (imported only here)."""
+
+    def __init__(self, url: str) -> None:
+        from sqlalchemy import create_engine
+
+        self.engine = create_engine(url)
+
+    def write(self, work: list[tuple[Statement, list[Any]]]) -> None:
+        with self.engine.begin() as conn:
+            for statement, rows in work:
+                conn.exec_driver_sql(statement.sql, statement.params(rows))
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+class Writer:
+    """Batches in, transactions out; the run's packer and what is complete so far."""
+
+    def __init__(self, settings: WriterSettings) -> None:
+        self.settings = settings
+        self.failure: str | None = None  # NOTE: set once a write failed: recording stopped
+        self.sink: SQLiteSink | DatabaseSink | None = None  # NOTE: opened by the first write
+        self.packer = Packer()
+        self.num_chunks = 0
+        self.next_item = 0
+        self.next_row = 0
+        self.complete_step = -1  # NOTE: every row of steps <= this is committed
+
+    def write(self, batches: list[Message]) -> None:
+        """Write the batches in one transaction (or drop them once recording stopped)."""
+        items: list[Any] = []
+        rows: list[tuple[str, tuple[Any, ...]]] = []
+        has_batches = False
+        done_step = self.complete_step
+        for message in batches:
+            _, _number, first_item, first_row, step, closing, batched = message.header
+            body_items, body_rows = marshal.loads(message.body) if message.body is not None else ([], [])
+            message.release()
+            skip_items, skip_rows = max(0, self.next_item - first_item), max(0, self.next_row - first_row)
+            items += body_items[skip_items * ITEM_WIDTH:]
+            rows += body_rows[skip_rows:]
+            self.next_item = max(self.next_item, first_item + len(body_items) // ITEM_WIDTH)
+            self.next_row = max(self.next_row, first_row + len(body_rows))
+            has_batches = has_batches or bool(batched)
+            done_step = step if closing else step - 1
+        if self.failure is not None:
+            return
+        try:
+            if self.sink is None:
+                file, url = self.settings.file, self.settings.url
+                self.sink = SQLiteSink(file) if file is not None else DatabaseSink(str(url))
+            self.sink.write(self._work(items, rows, has_batches))
+        except Exception as err:
+            self.failure = first_line(err)
+            return
+        self.complete_step = max(self.complete_step, done_step)
+
+    def _work(self, items: list[Any], rows: list[tuple[str, tuple[Any, ...]]], has_batches: bool
+              ) -> list[tuple[Statement, list[Any]]]:
+        inserts, run_id = self.settings.inserts, self.settings.run_id
+        tables: dict[str, list[Any]] = {name: [] for name in inserts}
+        if items:
+            chunk = self.packer.pack(items, has_batches=has_batches)
+            number, self.num_chunks = self.num_chunks, self.num_chunks + 1
+            tables["event_strings"] += [(run_id, code, text) for code, text in chunk.new_strings]
+            tables["event_chunks"].append((run_id, number, chunk.first_seq, chunk.num_events, chunk.first_step,
+                                           chunk.last_step, chunk.kinds))
+            tables["event_columns"] += [(run_id, number, name, data) for name, data in chunk.columns.items()]
+        for table, row in rows:
+            tables[table].append(row)
+        work = [(inserts[name], values) for name, values in tables.items() if values]
+        return [*work, (self.settings.heartbeat, [(time.time(), run_id)])]
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
+
+
+def serve(channel: Channel) -> None:
+    """The writer's loop, until the recorder closes it or goes away."""
+    first = channel.receive()
+    assert first is not None and first.kind == "start", "the recorder speaks first"
+    writer = Writer(WriterSettings.from_plain(first.header[1]))
+    try:
+        while True:
+            try:
+                arrived = channel.receive()
+                messages = [arrived, *channel.poll()] if arrived is not None else []
+            except ChannelClosed:
+                return  # NOTE: the recording process is gone; every batch it sent is written
+            batches = [m for m in messages if m.kind == "batch"]
+            if batches:
+                failed_before = writer.failure is not None
+                writer.write(batches)
+                if writer.failure is not None and not failed_before:
+                    _answer(channel, ("failed", writer.failure))
+                _answer(channel, ("ack", batches[-1].header[1], writer.next_item, writer.complete_step))
+            if any(m.kind == "close" for m in messages):
+                _answer(channel, ("closed", writer.complete_step))
+                return
+    finally:
+        writer.close()
+
+
+def _answer(channel: Channel, header: tuple[Any, ...]) -> None:
+    with suppress(ChannelClosed):  # NOTE: the recorder is gone; the batches still get written
+        channel.send(header)
+
+
+def main(argv: list[str]) -> int:
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGXFSZ"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    channel = Channel.from_fd(int(argv[0]))
+    try:
+        serve(channel)
+    except Exception as err:  # NOTE: one line, never a traceback; the recorder reports the end
+        print(f"kvscope recorder: the writer process stopped: {type(err).__name__}: {first_line(err)}",
+              file=sys.stderr, flush=True)
+        return 1
+    finally:
+        channel.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
