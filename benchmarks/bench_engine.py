@@ -246,7 +246,9 @@ def engine_config(case: Case, device: torch.device) -> EngineConfig:
 def open_recorder(level: str, tmp_dir: Path, label: str) -> Recorder:
     if level == "off":
         return NULL_RECORDER
-    return SQLRecorder(tmp_dir / "capture.db", level=level, label=label)
+    recorder = SQLRecorder(tmp_dir / "capture.db", level=level, label=label)
+    recorder.wait_ready()  # NOTE: the writer process's start is construction, untimed as the engine's
+    return recorder
 
 
 def writer_cpu_s(recorder: Recorder) -> float:

@@ -27,7 +27,7 @@ import pandas as pd
 from sqlalchemy import Engine, func, select
 
 from kvscope.telemetry import schema
-from kvscope.telemetry.packed import COLUMN_DTYPES, NO_CODE, NO_SLOTS, NULL_INT, STRING_COLUMNS
+from kvscope.telemetry.packed import COLUMN_DTYPES, NO_CODE, NO_SLOTS, NULL_INT, STRING_COLUMNS, widen
 from kvscope.telemetry.store import CaptureError
 
 CACHE_BYTES = 1 << 30
@@ -95,9 +95,9 @@ class PackedEvents:
                 return found
         c = schema.event_columns.c
         with self.engine.connect() as conn:
-            data = conn.execute(select(c.data).where(c.run_id == run_id, c.chunk == chunk, c.name == name)
-                                ).scalar_one()
-        values = np.frombuffer(data, COLUMN_DTYPES[name])
+            stored, data = conn.execute(select(c.dtype, c.data).where(c.run_id == run_id, c.chunk == chunk,
+                                                                      c.name == name)).one()
+        values = widen(name, stored, data)
         with self._lock:
             self._columns[key] = values
             self._bytes += values.nbytes

@@ -5,14 +5,17 @@ NOTE: a chunk
     event_chunks   one row per chunk: first_seq, num_events (its events have seqs first_seq ..
                    first_seq + num_events - 1, in order), first/last step, the distinct kinds
                    (comma-separated, so a read by kind skips the chunks without them)
-    event_columns  one row per chunk and column: the column's values as little-endian bytes
-                   (COLUMN_DTYPES); a read of some columns reads only their rows
+    event_columns  one row per chunk and column: the column's values as little-endian bytes of
+                   `dtype`, the narrowest integer type that holds them (readers widen them to
+                   COLUMN_DTYPES; t_mono is always float64); a read of some columns reads only
+                   their rows
     event_strings  the run's string dictionary: every kind, pool, rid, reason and principal
                    is an int32 code (NO_CODE: NULL), defined once per run, in the transaction of
                    the first chunk that uses it
     slots          every event's slots, concatenated; `slot_counts` says how many belong to each
                    event (NO_SLOTS: NULL, as an event recorded without slots)
-    node_id        NULL is NULL_INT (no recorded node id is that negative)
+    node_id        NULL is NULL_INT (no recorded node id is that negative); stored narrower, NULL
+                   is the narrow type's smallest value (chosen only when no id is that small)
 
 NOTE: what the packer takes: buffered items laid end to end in one flat list, ITEM_WIDTH values
 each, in ITEM_FIELDS order (the recorder extends one list per event: no object per event to
@@ -69,7 +72,8 @@ class StringCodes(dict[Any, int]):
         return code
 
     def encode(self, values: Sequence[Any]) -> np.ndarray:
-        if values.count(None) == len(values):  # NOTE: pool, reason and principal are mostly NULL
+        # NOTE: pool, reason and principal are mostly NULL; any() stops at the first string
+        if not any(values) and values.count(None) == len(values):
             return np.full(len(values), NO_CODE, np.int32)
         return np.fromiter(map(self.__getitem__, values), np.int32, len(values))
 
@@ -81,7 +85,7 @@ class Chunk:
     first_step: int
     last_step: int
     kinds: str  # the distinct kinds, sorted, comma-separated
-    columns: dict[str, bytes]
+    columns: dict[str, tuple[str, bytes]]  # name -> (stored dtype, data)
     new_strings: list[tuple[int, str]]
 
 
@@ -122,17 +126,53 @@ class Packer:
             first_seq=first, num_events=n, first_step=int(columns["step"].min()) if n else 0,
             last_step=int(columns["step"].max()) if n else 0,
             kinds=",".join(sorted(set(kind))),
-            columns={name: np.ascontiguousarray(columns[name], COLUMN_DTYPES[name]).tobytes()
-                     for name in STORED_COLUMNS},
+            columns={name: narrow(name, columns[name]) for name in STORED_COLUMNS},
             new_strings=new,
         )
+
+
+_NARROW_INTS = tuple(np.dtype(t) for t in ("<i1", "<i2", "<i4", "<i8"))
+
+
+def narrow(name: str, values: np.ndarray) -> tuple[str, bytes]:
+    """(stored dtype, little-endian bytes) of a column: integers in the narrowest type that holds
+    them (node_id's NULL_INT as that type's smallest value, see the module's note)."""
+    if name == "t_mono":
+        return "<f8", np.ascontiguousarray(values, "<f8").tobytes()
+    if not len(values):
+        return "<i1", b""
+    if name == "node_id":  # NOTE: the narrow type's smallest value is NULL: no id may be that small
+        nulls = values == NULL_INT
+        present = values[~nulls]
+        low, high = (int(present.min()), int(present.max())) if len(present) else (0, 0)
+        for dtype in _NARROW_INTS[:-1]:
+            info = np.iinfo(dtype)
+            if info.min < low and high <= info.max:
+                return dtype.str, np.where(nulls, info.min, values).astype(dtype).tobytes()
+        return "<i8", np.ascontiguousarray(values, "<i8").tobytes()
+    low, high = int(values.min()), int(values.max())
+    for dtype in _NARROW_INTS:
+        info = np.iinfo(dtype)
+        if info.min <= low and high <= info.max:
+            return dtype.str, values.astype(dtype).tobytes()
+    raise ValueError(f"column {name} holds values beyond int64")  # NOTE: unreachable from int64 arrays
+
+
+def widen(name: str, stored_dtype: str, data: bytes) -> np.ndarray:
+    """A stored column as COLUMN_DTYPES[name] (narrow's inverse)."""
+    wanted = np.dtype(COLUMN_DTYPES[name])
+    values = np.frombuffer(data, stored_dtype)
+    if values.dtype == wanted:
+        return values
+    wide = values.astype(wanted)
+    if name == "node_id":
+        wide[values == np.iinfo(values.dtype).min] = NULL_INT
+    return wide
 
 
 def _node_ids(node_id: list[Any]) -> np.ndarray:
     """NULL_INT for None. NOTE: through float64 (None is NaN) when every id is below 2**53, where
     float64 is exact; the slow way otherwise."""
-    if not node_id.count(None):
-        return np.fromiter(node_id, np.int64, len(node_id))
     as_float = np.array(node_id, np.float64)
     nulls = np.isnan(as_float)
     if nulls.all() or np.abs(as_float[~nulls]).max() < _FLOAT_EXACT:
@@ -173,13 +213,13 @@ def _slots(slots: list[Any], dtype: np.dtype, batches: tuple[np.ndarray, np.ndar
            num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(per-event slot counts, every slot concatenated in event order). A batch item's slots
     split by its requests' token counts."""
-    num_present = len(slots) - slots.count(None)
+    present = np.fromiter(map(is_not, slots, forever(None)), bool, len(slots))
+    num_present = int(np.count_nonzero(present))
     if num_present == len(slots):
         counts = np.fromiter(map(len, slots), np.int32, len(slots)) // dtype.itemsize
     else:
         counts = np.full(len(slots), NO_SLOTS, np.int32)
         if num_present:
-            present = np.fromiter(map(is_not, slots, forever(None)), bool, len(slots))
             counts[present] = np.fromiter(map(len, compress(slots, present)), np.int32, num_present) // dtype.itemsize
     if batches is not None:
         repeat, is_batch = batches
@@ -188,5 +228,5 @@ def _slots(slots: list[Any], dtype: np.dtype, batches: tuple[np.ndarray, np.ndar
         counts[per_event] = num_tokens[per_event]
     if not num_present:
         return counts, np.zeros(0, np.int32)
-    data = b"".join(compress(slots, map(is_not, slots, forever(None))) if num_present < len(slots) else slots)
+    data = b"".join(compress(slots, present) if num_present < len(slots) else slots)
     return counts, np.frombuffer(data, dtype).astype(np.int32)

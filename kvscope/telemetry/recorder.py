@@ -75,6 +75,9 @@ from kvscope.telemetry.writer import WriterSettings
 
 DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 SLOTS_AT = ITEM_FIELDS.index("slots")
+# NOTE: the writer does no linear algebra: without these numpy's BLAS starts a thread per core,
+# which costs the writer about 60 ms of CPU at every start
+WRITER_THREADS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 BACKLOG_FLUSHES = 4  # NOTE: flush_max_events x this, handed over and not yet written, makes a hand-off wait
 _NDARRAY = np.ndarray
 _INT64 = np.dtype(np.int64)
@@ -132,6 +135,7 @@ class SQLRecorder(Recorder):
         self._num_sent = self._num_acked = 0  # batches
         self._items_sent = self._items_done = self._rows_sent = 0
         self._writer_closed = False
+        self._writer_ready = False
         try:
             self.run_id = self._start_run(label, config or {})
         except SQLAlchemyError as err:
@@ -174,6 +178,12 @@ class SQLRecorder(Recorder):
     @property
     def writer_pid(self) -> int:
         return self._process.pid
+
+    def wait_ready(self) -> None:
+        """Block until the writer process has started (its imports take about 0.1 s of CPU, on
+        another core where there is one); a benchmark waits so as not to time them."""
+        while not self._writer_ready and not self._writer_closed:
+            self._wait_for_writer()
 
     # -- the caller's side -----------------------------------------------------------------
 
@@ -242,7 +252,7 @@ class SQLRecorder(Recorder):
         """Store a request's final record (call once, when it ends or when the run closes)."""
         moments = schema.REQUEST_MOMENTS
         self._rows.append(("requests", (
-            self.run_id, rec.rid, rec.principal, rec.status, rec.prompt_len, rec.cached_tokens, rec.output_len,
+            self.run_id, rec.rid, rec.principal, str(rec.status), rec.prompt_len, rec.cached_tokens, rec.output_len,
             rec.num_retractions, *(rec.times.get(m) for m in moments), *(rec.steps.get(m) for m in moments),
         )))
 
@@ -342,6 +352,8 @@ class SQLRecorder(Recorder):
         elif answer.kind == "closed":
             self._complete_step = header[1]
             self._writer_closed = True
+        elif answer.kind == "ready":
+            self._writer_ready = True
 
     def _writer_gone(self) -> None:
         """The writer's end of the channel closed before it said "closed": it died."""
@@ -415,7 +427,8 @@ def _start_writer(settings: WriterSettings) -> tuple[Channel, subprocess.Popen[b
     channel, theirs = Channel.pair()
     package_root = str(Path(kvscope.__file__).resolve().parent.parent)
     path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": package_root if not path else f"{package_root}{os.pathsep}{path}"}
+    env = {**os.environ, "PYTHONPATH": package_root if not path else f"{package_root}{os.pathsep}{path}",
+           **WRITER_THREADS}
     try:
         process = subprocess.Popen([sys.executable, "-m", "kvscope.telemetry.writer", str(theirs.fileno())],
                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env, process_group=0)

@@ -245,6 +245,7 @@ event_columns = Table(
     Column("run_id", Integer, primary_key=True),
     Column("chunk", Integer, primary_key=True),
     Column("name", String(16), primary_key=True),
+    Column("dtype", String(8), nullable=False),  # NOTE: the stored type of `data` (packed.narrow)
     Column("data", LargeBinary, nullable=False),
 )
 event_strings = Table(

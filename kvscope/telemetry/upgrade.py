@@ -115,7 +115,7 @@ def _write_chunk(conn: Connection, inserts: dict[str, Statement], packer: Packer
         "event_strings": [(run_id, code, text) for code, text in chunk.new_strings],
         "event_chunks": [(run_id, number, chunk.first_seq, chunk.num_events, chunk.first_step, chunk.last_step,
                           chunk.kinds)],
-        "event_columns": [(run_id, number, name, data) for name, data in chunk.columns.items()],
+        "event_columns": [(run_id, number, name, dtype, data) for name, (dtype, data) in chunk.columns.items()],
     }
     for table, values in rows.items():
         if values:

@@ -20,6 +20,7 @@ NOTE: messages (channel.py frames; headers are tuples, the first value names the
                                   batches up to `number` are on disk (or dropped, once
                                   recording stopped); every row of steps <= complete_step is
         ("failed", reason)        a write failed: recording stopped, nothing more is written
+        ("ready",)                the start message arrived (the writer's imports are done)
         ("closed", complete_step) the last answer
 It ends on "close", or when the recorder's end of the channel closes (the recording process
 died): what it received is written first. It ignores SIGINT, SIGTERM and SIGHUP (the recorder
@@ -31,6 +32,7 @@ It imports no SQLAlchemy for a capture file: sqlite3 directly, the same pragmas 
 from __future__ import annotations
 
 import marshal
+import os
 import signal
 import sqlite3
 import sys
@@ -44,7 +46,7 @@ from kvscope.telemetry.channel import Channel, ChannelClosed, Message
 from kvscope.telemetry.packed import ITEM_WIDTH, Packer
 from kvscope.telemetry.sqlite_files import BUSY_TIMEOUT_MS, execute_when_free, file_uri, first_line
 
-EVENT_TABLES = ("event_strings", "event_chunks", "event_columns")
+CHUNK_ITEMS = 65_536  # NOTE: a larger batch is packed as several chunks (their columns stay in the CPU's caches)
 
 
 class Statement(NamedTuple):
@@ -155,10 +157,17 @@ class Writer:
             body_items, body_rows = marshal.loads(message.body) if message.body is not None else ([], [])
             message.release()
             skip_items, skip_rows = max(0, self.next_item - first_item), max(0, self.next_row - first_row)
-            items += body_items[skip_items * ITEM_WIDTH:]
-            rows += body_rows[skip_rows:]
             self.next_item = max(self.next_item, first_item + len(body_items) // ITEM_WIDTH)
             self.next_row = max(self.next_row, first_row + len(body_rows))
+            if skip_items:  # NOTE: sent again: what this writer has already taken is skipped
+                del body_items[: skip_items * ITEM_WIDTH]
+            if skip_rows:
+                del body_rows[:skip_rows]
+            if items:
+                items += body_items
+            else:
+                items = body_items  # NOTE: no copy of the usual single batch
+            rows += body_rows
             has_batches = has_batches or bool(batched)
             done_step = step if closing else step - 1
         if self.failure is not None:
@@ -177,13 +186,16 @@ class Writer:
               ) -> list[tuple[Statement, list[Any]]]:
         inserts, run_id = self.settings.inserts, self.settings.run_id
         tables: dict[str, list[Any]] = {name: [] for name in inserts}
-        if items:
-            chunk = self.packer.pack(items, has_batches=has_batches)
+        step = CHUNK_ITEMS * ITEM_WIDTH
+        for start in range(0, len(items), step):
+            chunk = self.packer.pack(items[start : start + step] if len(items) > step else items,
+                                     has_batches=has_batches)
             number, self.num_chunks = self.num_chunks, self.num_chunks + 1
             tables["event_strings"] += [(run_id, code, text) for code, text in chunk.new_strings]
             tables["event_chunks"].append((run_id, number, chunk.first_seq, chunk.num_events, chunk.first_step,
                                            chunk.last_step, chunk.kinds))
-            tables["event_columns"] += [(run_id, number, name, data) for name, data in chunk.columns.items()]
+            tables["event_columns"] += [(run_id, number, name, dtype, data)
+                                        for name, (dtype, data) in chunk.columns.items()]
         for table, row in rows:
             tables[table].append(row)
         work = [(inserts[name], values) for name, values in tables.items() if values]
@@ -192,6 +204,7 @@ class Writer:
     def close(self) -> None:
         if self.sink is not None:
             self.sink.close()
+            self.sink = None
 
 
 def serve(channel: Channel) -> None:
@@ -199,6 +212,7 @@ def serve(channel: Channel) -> None:
     first = channel.receive()
     assert first is not None and first.kind == "start", "the recorder speaks first"
     writer = Writer(WriterSettings.from_plain(first.header[1]))
+    _answer(channel, ("ready",))
     try:
         while True:
             try:
@@ -214,6 +228,7 @@ def serve(channel: Channel) -> None:
                     _answer(channel, ("failed", writer.failure))
                 _answer(channel, ("ack", batches[-1].header[1], writer.next_item, writer.complete_step))
             if any(m.kind == "close" for m in messages):
+                writer.close()  # NOTE: before the answer: the recorder folds the log once it has it
                 _answer(channel, ("closed", writer.complete_step))
                 return
     finally:
@@ -242,4 +257,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    sys.stderr.flush()
+    os._exit(code)  # NOTE: everything is written and closed; the interpreter's teardown would cost ~20 ms
