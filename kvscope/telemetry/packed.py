@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import compress
 from itertools import repeat as forever
-from operator import is_not
+from operator import is_, is_not
 from typing import Any
 
 import numpy as np
@@ -187,25 +187,31 @@ def _repeated(values: np.ndarray, repeat: np.ndarray | None) -> np.ndarray:
     return values if repeat is None else np.repeat(values, repeat)
 
 
-def _expand_batches(node_id: Sequence[Any], rid: Sequence[Any], num_tokens: Sequence[Any]
+def _expand_batches(node_id: list[Any], rid: list[Any], num_tokens: list[Any]
                     ) -> tuple[np.ndarray, np.ndarray, list[Any], list[Any], list[Any]]:
     """Per buffered item, how many events it unpacks into and whether it is a batch item; the
-    per-event rid, num_tokens and node_id columns."""
+    per-event rid, num_tokens and node_id columns. NOTE: Python work per batch item only; the
+    plain items between two batch items are copied as list slices."""
+    is_batch = np.fromiter(map(is_, node_id, forever(BATCH)), bool, len(node_id))
+    where = np.flatnonzero(is_batch).tolist()
     repeat = np.ones(len(node_id), np.int64)
-    is_batch = np.zeros(len(node_id), bool)
     rids: list[Any] = []
     tokens: list[Any] = []
     nodes: list[Any] = []
-    for i, (node, r, t) in enumerate(zip(node_id, rid, num_tokens, strict=True)):
-        if node is BATCH:
-            repeat[i], is_batch[i] = len(r), True
-            rids.extend(r)
-            tokens.extend(t)
-            nodes.extend([None] * len(r))
-        else:
-            rids.append(r)
-            tokens.append(t)
-            nodes.append(node)
+    start = 0
+    for i in where:
+        rids += rid[start:i]
+        tokens += num_tokens[start:i]
+        nodes += node_id[start:i]
+        batch_rids = rid[i]
+        repeat[i] = len(batch_rids)
+        rids += batch_rids
+        tokens += num_tokens[i]
+        nodes += [None] * len(batch_rids)
+        start = i + 1
+    rids += rid[start:]
+    tokens += num_tokens[start:]
+    nodes += node_id[start:]
     return repeat, is_batch, rids, tokens, nodes
 
 

@@ -263,7 +263,9 @@ class SQLRecorder(Recorder):
         if step == self._snapshot_step:
             return
         self._snapshot_step = step
-        self._rows.extend([("tree_snapshots", (self.run_id, step, *NodeRow(*row))) for row in rows])
+        run_id, width = self.run_id, len(NodeRow._fields)
+        self._rows.extend([("tree_snapshots", (run_id, step, *(row if len(row) == width else NodeRow(*row))))
+                           for row in rows])
 
     # -- handing over ----------------------------------------------------------------------
 

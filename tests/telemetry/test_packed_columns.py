@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvscope.telemetry.packed import COLUMN_DTYPES, NULL_INT, narrow, widen
+from kvscope.telemetry.packed import BATCH, COLUMN_DTYPES, NULL_INT, Packer, narrow, widen
 
 INT64 = st.integers(min_value=-(2**63) + 1, max_value=2**63 - 1)
 
@@ -37,3 +37,40 @@ def test_small_ids_with_nulls_take_one_byte_and_times_stay_float64() -> None:
     times = np.array([1.5, 2**40 + 0.25])
     stored, data = narrow("t_mono", times)
     assert stored == "<f8" and np.array_equal(widen("t_mono", stored, data), times)
+
+
+ITEM = st.one_of(
+    st.tuples(st.just("plain"), st.one_of(st.none(), st.integers(0, 50)), st.sampled_from(["r1", "r2", None]),
+              st.lists(st.integers(0, 1000), max_size=4)),
+    st.tuples(st.just("batch"), st.lists(st.sampled_from(["r1", "r3", None]), max_size=4), st.integers(0, 3)),
+)
+
+
+@given(st.lists(ITEM, max_size=30))
+def test_items_and_batch_items_unpack_into_their_events_in_order(items: list[tuple]) -> None:
+    """Plain items and batch items (one per request, slots split by token counts) in any order
+    become one event each per request, with their rid, node, token count and slots."""
+    flat: list[object] = []
+    expected = []
+    for step, item in enumerate(items):
+        if item[0] == "plain":
+            _, node, rid, slots = item
+            flat += [step, 0.5, "alloc", "full", rid, node, len(slots), 0, None, None,
+                     np.array(slots, np.int64).tobytes()]
+            expected.append((step, rid, NULL_INT if node is None else node, len(slots), slots))
+        else:
+            _, rids, per = item
+            slots = list(range(per * len(rids)))
+            flat += [step, 0.5, "free", "full", tuple(rids), BATCH, (per,) * len(rids), 0, None, None,
+                     np.array(slots, np.int64).tobytes()]
+            expected += [(step, r, NULL_INT, per, slots[i * per : (i + 1) * per]) for i, r in enumerate(rids)]
+    packer = Packer()
+    chunk = packer.pack(flat, has_batches=True)
+    cols = {name: widen(name, *chunk.columns[name]) for name in chunk.columns}
+    assert chunk.num_events == len(expected)
+    texts = [None, *packer.codes.texts]
+    counts = cols["slot_counts"]
+    starts = np.concatenate(([0], np.cumsum(np.maximum(counts, 0))))
+    got = [(int(cols["step"][i]), texts[cols["rid"][i] + 1], int(cols["node_id"][i]), int(cols["num_tokens"][i]),
+            cols["slots"][starts[i] : starts[i + 1]].tolist()) for i in range(chunk.num_events)]
+    assert got == expected

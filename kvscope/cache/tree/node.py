@@ -155,25 +155,17 @@ def walk(root: TreeNode) -> list[tuple[TreeNode, int, int]]:
 
 
 def preview(node: TreeNode, num_tokens: int) -> str:
-    ids = node.token_ids()[:num_tokens].tolist()
-    return " ".join(map(str, ids)) + (" …" if node.key_len > num_tokens else "")
+    key = node.key
+    ids = memoryview(key[: num_tokens * TOKEN_BYTES]).cast("i").tolist()  # NOTE: int32 tokens, as token_ids()
+    return " ".join(map(str, ids)) + (" …" if len(key) > num_tokens * TOKEN_BYTES else "")
 
 
 def export_rows(root: TreeNode, preview_tokens: int = 8) -> list[NodeRow]:
+    """NOTE: positional NodeRow fields (a tree snapshot exports every node: it is on the engine's time)."""
     return [
-        NodeRow(
-            node_id=node.id,
-            parent_id=None if node.parent is None else node.parent.id,
-            num_tokens=len(node.value),
-            token_preview=preview(node, preview_tokens),
-            lock_ref=node.lock_ref,
-            last_access_time=node.last_access_time,
-            hit_count=node.hit_count,
-            owner=node.owner,
-            tombstone=node.tombstone,
-            depth_tokens=start + len(node.value),
-            visibility=node.visibility,
-        )
+        NodeRow(node.id, None if node.parent is None else node.parent.id, len(node.value),
+                preview(node, preview_tokens), node.lock_ref, node.last_access_time, node.hit_count, node.owner,
+                node.tombstone, start + len(node.value), node.visibility)
         for node, _, start in walk(root)
     ]
 
