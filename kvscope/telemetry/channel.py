@@ -150,7 +150,10 @@ class Channel:
         # NOTE: always with room for descriptors: a plain recv that runs into a frame sent with
         # one closes it (Linux hands descriptors only to a read with ancillary space; it stops
         # a read after the segment that carried some, so they arrive in frame order)
-        data, fds, _flags, _addr = socket.recv_fds(self.sock, _RECV_BYTES, _MAX_FDS)
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, _RECV_BYTES, _MAX_FDS)
+        except ConnectionResetError as err:  # NOTE: the other end died with our data unread
+            raise ChannelClosed(str(err)) from err
         self._fds.extend(fds)
         if not data:
             raise ChannelClosed("the other end closed the channel")

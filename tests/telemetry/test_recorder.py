@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -15,8 +16,8 @@ from sqlalchemy import insert, text
 from sqlalchemy.exc import OperationalError
 
 from kvscope.telemetry import EventKind, EvictReason, LeakCheck, PoolName, PoolTerms, RequestRecord, UsageSample, schema
-from kvscope.telemetry.queries import ENDED_WITHOUT_CLOSING, Capture
 from kvscope.telemetry.packed import ITEM_WIDTH
+from kvscope.telemetry.queries import ENDED_WITHOUT_CLOSING, Capture
 from kvscope.telemetry.recorder import SQLRecorder, decode_slots
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -274,3 +275,47 @@ def test_a_version_5_file_gets_a_packed_second_run_and_reads_both(tmp_path: Path
     assert [None if pd.isna(r) else r for r in capture.events(2, limit=None).rid] == [e[3] for e in expected]
     with capture.engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM events WHERE run_id = 2")).scalar_one() == 0
+
+
+# -- the writer process ------------------------------------------------------------------------
+
+
+def test_the_writer_process_ends_with_the_capture_and_ignores_ctrl_c(tmp_path: Path) -> None:
+    path = tmp_path / "w.db"
+    recorder = SQLRecorder(path, flush_interval_s=60)
+    recorder.wait_ready()
+    pid = recorder.writer_pid
+    assert os.getpgid(pid) == pid, "the writer runs in a process group of its own"
+    os.kill(pid, signal.SIGINT)  # a terminal's Ctrl-C does not reach it; were it sent, it is ignored
+    recorder.step = 1
+    recorder.record(EventKind.MATCH, rid="r1", num_tokens=3)
+    recorder.close()
+    assert recorder.failure is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # exited and reaped
+    assert list(Capture(path).events(1).rid) == ["r1"]
+
+
+def test_a_writer_process_that_dies_stops_recording_with_one_line(tmp_path: Path,
+                                                                   capfd: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "dead.db"
+    recorder = SQLRecorder(path, flush_interval_s=60)
+    for step in range(3):
+        recorder.step = step
+        recorder.record(EventKind.MATCH, rid=f"r{step}", num_tokens=3)
+        recorder.flush()
+    os.kill(recorder.writer_pid, signal.SIGKILL)
+    recorder.step = 3
+    recorder.record(EventKind.MATCH, rid="r3", num_tokens=3)
+    recorder.flush()
+    expected = "capture complete through step 1: the recorder's writer process ended (killed by signal 9)"
+    assert recorder.failure == expected
+    recorder.step = 4
+    recorder.record(EventKind.MATCH, rid="r4", num_tokens=3)  # dropped: recording stopped
+    recorder.close()
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and expected in err and "Traceback" not in err
+    capture = Capture(path)
+    run = capture.runs().iloc[0]
+    assert (run.status, run.error) == ("incomplete", expected)
+    assert list(capture.events(1).rid) == ["r0", "r1", "r2"]
