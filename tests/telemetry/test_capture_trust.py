@@ -9,8 +9,8 @@ import json
 import multiprocessing
 import os
 import random
-import resource
 import re
+import resource
 import shutil
 import signal
 import sqlite3
