@@ -15,7 +15,7 @@ new parent that the lock still covers. So for one leaked lock on node N:
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,7 @@ from plotly.subplots import make_subplots
 
 from kvscope.dashboard.charts.style import color, count_axis
 from kvscope.debug import Leak
+from kvscope.telemetry.event_source import present
 
 CHECK_TERMS = ("available", "evictable", "protected", "held", "uncached", "missing")
 POOL_TITLES = {"full": "full pool", "swa": "SWA pool", "req": "request pool (rows)", "host": "host pool"}
@@ -145,21 +146,23 @@ def lock_holder(row: Any) -> Any:
 
 
 def lock_holders_of(locks: pd.DataFrame) -> pd.Series:
-    """lock_holder of every row, at once."""
+    """lock_holder of every row, at once (rids as strings, or as codes: see held_locks)."""
     holder = locks["rid"].astype(object)
     if "reason" not in locks:
         return holder
-    copy = holder.isna() & locks["reason"].isin(["write", "load"])
+    copy = ~present(locks["rid"]) & locks["reason"].isin(["write", "load"])
     if copy.any():
         named = locks.loc[copy, "reason"].astype(str) + " " + locks.loc[copy, "aux"].astype("int64").astype(str)
         holder = holder.where(~copy, named)
     return holder
 
 
-def held_locks(locks: pd.DataFrame, step: int) -> pd.DataFrame:
+def held_locks(locks: pd.DataFrame, step: int, decode: Callable[[np.ndarray], np.ndarray] | None = None
+               ) -> pd.DataFrame:
     """The locks held after `step`: node_id, rid (the holder: a request, or a host-tier copy) and
     the step it was taken (an unlock releases the latest lock of the same holder on the same
-    node, as the slot ledger does; an unlock with none held releases nothing).
+    node, as the slot ledger does; an unlock with none held releases nothing). `locks` may hold
+    rids as codes (Capture.events `coded`); `decode` then names the holders found.
 
     NOTE: per (node, holder), in seq order, the stack height after each event is the running sum
     of +1 (lock) / -1 (unlock) reflected at 0: s = c - min(0, running min of c). The lock that
@@ -178,8 +181,20 @@ def held_locks(locks: pd.DataFrame, step: int) -> pd.DataFrame:
     height = (summed - np.minimum(summed.groupby(group).cummin(), 0)).to_numpy()
     lowest_after = pd.Series(height[::-1]).groupby(group[::-1]).cummin().to_numpy()[::-1]
     held = is_lock & (lowest_after >= height)
-    return pd.DataFrame({"node_id": nodes[held], "rid": holder.to_numpy()[held],
+    holders = holder.to_numpy()[held]
+    if decode is not None:
+        holders = _decoded(holders, decode)
+    return pd.DataFrame({"node_id": nodes[held], "rid": holders,
                          "since_step": rows["step"].astype("int64").to_numpy()[held]})
+
+
+def _decoded(holders: np.ndarray, decode: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """Holders as names: rid codes decoded at once (copies are named already)."""
+    out = holders.astype(object)
+    coded = np.fromiter((isinstance(h, int | np.integer) for h in out), bool, len(out))
+    if coded.any():
+        out[coded] = decode(out[coded].astype(np.int64))
+    return out
 
 
 def holders_of(node_id: int, held: pd.DataFrame, tree: pd.DataFrame) -> pd.DataFrame:

@@ -4,14 +4,17 @@ keyed by (path, run_id, stamp, ...); no SQL here)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import streamlit as st
 
 from kvscope.dashboard import data
 from kvscope.dashboard.timing import Clock, clock_of
 from kvscope.telemetry import EventKind
+from kvscope.telemetry.event_source import decode_strings
 
 ALL_ROWS = 10_000_000
 EVENT_COLUMNS = ["seq", "step", "kind", "rid", "node_id", "num_tokens", "aux", "reason"]  # NOTE: what is read:
@@ -43,10 +46,17 @@ def run_clock(path: str, run_id: int, stamp: float, run: Any) -> Clock | None:
 
 @st.cache_data(ttl=data.CACHE_TTL_S, show_spinner=False)
 def lock_events(path: str, run_id: int, stamp: float) -> pd.DataFrame:
-    """Every lock and unlock of tree nodes, in event order (empty for a summary capture)."""
+    """Every lock and unlock of tree nodes, in event order (empty for a summary capture); rids
+    as codes where the run has them (a 10M-event run has ~700k locks): see rid_names."""
     events = data.open_capture(path).events(run_id, kinds=[EventKind.LOCK, EventKind.UNLOCK], limit=None,
-                                            columns=EVENT_COLUMNS)
+                                            columns=EVENT_COLUMNS, coded=("rid",))
     return events.reindex(columns=EVENT_COLUMNS)
+
+
+def rid_names(path: str, run_id: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Decodes the rid codes of lock_events."""
+    capture = data.open_capture(path)
+    return lambda codes: decode_strings(capture, run_id, codes)
 
 
 @st.cache_data(ttl=data.CACHE_TTL_S, show_spinner=False)

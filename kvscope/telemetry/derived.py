@@ -39,6 +39,7 @@ import pandas as pd
 from sqlalchemy import desc, select
 
 from kvscope.telemetry import schema
+from kvscope.telemetry.event_source import decode_strings, present
 from kvscope.telemetry.events import EventKind, PoolName
 from kvscope.telemetry.queries import Capture
 
@@ -57,9 +58,10 @@ Match = tuple[int, int, str, int]  # (seq, step, rid, miss tokens)
 
 
 def _all(capture: Capture, run_id: int, kinds: Sequence[EventKind], columns: Sequence[str],
-         step_range: tuple[int, int] | None = None) -> pd.DataFrame:
-    """Every event of `kinds` (in `step_range`), as `columns` plus seq, in seq order."""
-    return capture.events(run_id, kinds=kinds, step_range=step_range, limit=None, columns=columns)
+         step_range: tuple[int, int] | None = None, coded: Sequence[str] = ()) -> pd.DataFrame:
+    """Every event of `kinds` (in `step_range`), as `columns` plus seq, in seq order (`coded`:
+    string columns left as codes, see Capture.events)."""
+    return capture.events(run_id, kinds=kinds, step_range=step_range, limit=None, columns=columns, coded=coded)
 
 
 def _isin(values: pd.Series, wanted: Iterable[int]) -> np.ndarray:
@@ -87,7 +89,9 @@ def eviction_log(capture: Capture, run_id: int, limit: int, offset: int) -> pd.D
     ev = ev.rename(columns={"num_tokens": "evicted_tokens"})
     if ev.empty:
         return pd.DataFrame(columns=list(EVICTION_LOG_COLUMNS))
-    touches = _all(capture, run_id, NODE_TOUCHES, ["step", "t_mono", "kind", "rid", "node_id", "aux"])
+    # NOTE: rids as codes: only those of the later matches the page shows are decoded
+    touches = _all(capture, run_id, NODE_TOUCHES, ["step", "t_mono", "kind", "rid", "node_id", "aux"],
+                   coded=("rid",))
     nodes = sorted({int(n) for n in ev.node_id})
     history = _NodeHistory(touches)
     history.load_chains(nodes)
@@ -105,6 +109,12 @@ def eviction_log(capture: Capture, run_id: int, limit: int, offset: int) -> pd.D
             None if again is None else again[1], None if again is None else again[2],
             0 if again is None else min(int(row.evicted_tokens), int(again[3])),
         ))
+    by = EVICTION_LOG_COLUMNS.index("needed_again_by")
+    known = [i for i, row in enumerate(rows) if row[by] is not None]
+    if known:  # NOTE: rid codes of a packed run (the row layout's are strings already), decoded at once
+        names = decode_strings(capture, run_id, np.asarray([rows[i][by] for i in known]))
+        for i, name in zip(known, names.tolist(), strict=True):
+            rows[i] = (*rows[i][:by], name, *rows[i][by + 1 :])
     return pd.DataFrame(rows, columns=list(EVICTION_LOG_COLUMNS))
 
 
@@ -193,26 +203,31 @@ def _later_matches(touches: pd.DataFrame, nodes: set[int], after_seq: int) -> _L
 
 def running_lengths(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
     """rid, seq_len of every request running at `step`: matched by then and not finished,
-    aborted or retracted since its latest match."""
-    matches = _all(capture, run_id, [EventKind.MATCH], ["step", "rid", "num_tokens"], (FIRST_STEP, step))
+    aborted or retracted since its latest match (sorted by rid). NOTE: joins on rid codes;
+    only the running requests' rids are decoded."""
+    coded = ("rid",)
+    matches = _all(capture, run_id, [EventKind.MATCH], ["step", "rid", "num_tokens"], (FIRST_STEP, step), coded)
     latest = _last_per_rid(matches).rename(columns={"seq": "mseq", "step": "mstep", "num_tokens": "hit"})
-    ends = _last_per_rid(_all(capture, run_id, ENDS, ["rid"], (FIRST_STEP, step))).rename(columns={"seq": "eseq"})
+    ends = _last_per_rid(_all(capture, run_id, ENDS, ["rid"], (FIRST_STEP, step), coded)).rename(
+        columns={"seq": "eseq"})
     live = latest[["rid", "mseq"]].merge(ends, on="rid", how="left")
     live = live[live.eseq.isna() | (live.eseq < live.mseq)]
     if live.empty:
         return pd.DataFrame({"rid": pd.Series(dtype=object), "seq_len": pd.Series(dtype="int64")})
     live = live.merge(latest[["mseq", "mstep", "hit"]], on="mseq")
-    allocs = _all(capture, run_id, [EventKind.ALLOC], ["rid", "pool", "num_tokens"], (int(live.mstep.min()), step))
+    allocs = _all(capture, run_id, [EventKind.ALLOC], ["rid", "pool", "num_tokens"], (int(live.mstep.min()), step),
+                  coded)
     allocs = allocs[(allocs["pool"] == PoolName.FULL.value) & allocs["rid"].isin(list(live.rid))]
     since = allocs[["rid", "seq", "num_tokens"]].merge(live[["rid", "mseq"]], on="rid")
     grown = since[since.seq > since.mseq].groupby("rid")["num_tokens"].sum()
     live["seq_len"] = live["hit"] + live["rid"].map(grown).fillna(0).astype("int64")
-    return live[["rid", "seq_len"]].reset_index(drop=True)
+    live["rid"] = decode_strings(capture, run_id, live["rid"])
+    return live[["rid", "seq_len"]].sort_values("rid", kind="stable").reset_index(drop=True)
 
 
 def _last_per_rid(events: pd.DataFrame) -> pd.DataFrame:
-    """Each rid's latest event (rids not NULL), by rid."""
-    events = events[events["rid"].notna()]
+    """Each rid's latest event (rids not NULL), by rid (by code, for rids read as codes)."""
+    events = events[present(events["rid"])]
     return events.drop_duplicates("rid", keep="last").sort_values("rid", kind="stable").reset_index(drop=True)
 
 

@@ -28,9 +28,10 @@ from sqlalchemy import Engine, func, select
 
 from kvscope.telemetry import schema
 from kvscope.telemetry.packed import COLUMN_DTYPES, NO_CODE, NO_SLOTS, NULL_INT, STRING_COLUMNS, widen
-from kvscope.telemetry.store import CaptureError
+from kvscope.telemetry.store import CaptureError, driver_rows
 
 CACHE_BYTES = 1 << 30
+FEW_STRINGS = 256  # NOTE: up to this many codes or texts are looked up by SQL, not by the whole dictionary
 EVENT_COLUMNS = tuple(c for c in schema.EVENT_COLUMNS if c != "run_id")
 
 
@@ -60,8 +61,9 @@ class _Dictionary:
 class PackedEvents:
     """The decoded chunks of a capture's packed runs (shared by every read of one Capture)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, name: str) -> None:
         self.engine = engine
+        self.name = name  # NOTE: the capture as error lines name it
         self._lock = threading.Lock()
         self._columns: OrderedDict[tuple[int, int, str], np.ndarray] = OrderedDict()
         self._bytes = 0
@@ -93,18 +95,36 @@ class PackedEvents:
             if found is not None:
                 self._columns.move_to_end(key)
                 return found
-        c = schema.event_columns.c
-        with self.engine.connect() as conn:
-            stored, data = conn.execute(select(c.dtype, c.data).where(c.run_id == run_id, c.chunk == chunk,
-                                                                      c.name == name)).one()
-        values = widen(name, stored, data)
+        self.prefetch(run_id, [chunk], [name])
         with self._lock:
+            return self._columns[key]
+
+    def prefetch(self, run_id: int, chunks: Sequence[int], names: Sequence[str]) -> None:
+        """Read the columns `names` of `chunks` that are not cached yet, in one read (a page of a
+        10M-event run needs a few columns of each of its ~150 chunks)."""
+        with self._lock:
+            missing = sorted({int(chunk) for chunk in chunks for name in names
+                              if (run_id, int(chunk), name) not in self._columns})
+        if not missing:
+            return
+        c = schema.event_columns.c
+        stmt = select(c.chunk, c.name, c.dtype, c.data).where(
+            c.run_id == run_id, c.chunk.between(missing[0], missing[-1]), c.name.in_(list(names)))
+        wanted = set(missing)
+        for rows in driver_rows(self.engine, stmt, self.name, batch_rows=64):
+            for chunk, name, stored, data in rows:
+                if chunk in wanted:
+                    self._keep((run_id, int(chunk), str(name)), widen(str(name), str(stored), data))
+
+    def _keep(self, key: tuple[int, int, str], values: np.ndarray) -> None:
+        with self._lock:
+            if key in self._columns:
+                return
             self._columns[key] = values
             self._bytes += values.nbytes
             while self._bytes > CACHE_BYTES and len(self._columns) > 1:
                 _, dropped = self._columns.popitem(last=False)
                 self._bytes -= dropped.nbytes
-        return values
 
     def _dictionary(self, run_id: int, *, refresh: bool = False) -> _Dictionary:
         """The run's strings; `refresh` reads the ones defined since (a live run adds some)."""
@@ -114,26 +134,53 @@ class PackedEvents:
             refresh = True
         if refresh and self.has_tables():
             s = schema.event_strings.c
-            with self.engine.connect() as conn:
-                rows = conn.execute(select(s.code, s.text).where(s.run_id == run_id, s.code >= found.size)
-                                    .order_by(s.code)).fetchall()
-            found.extend(rows)
+            stmt = select(s.code, s.text).where(s.run_id == run_id, s.code >= found.size).order_by(s.code)
+            for rows in driver_rows(self.engine, stmt, self.name):
+                found.extend(rows)
         return found
 
     def strings(self, run_id: int, codes: np.ndarray) -> np.ndarray:
-        """Codes as an object array of their strings (None for NO_CODE)."""
-        found = self._dictionary(run_id)
+        """Codes as an object array of their strings (None for NO_CODE). NOTE: a few codes are
+        looked up one by one; many read the run's whole dictionary once (a 10M-event run holds
+        hundreds of thousands of request ids)."""
+        found = self._strings.get(run_id)
         top = int(codes.max()) if len(codes) else NO_CODE
-        if top >= found.size:
+        if found is None or top >= found.size:
+            # NOTE: the distinct codes in O(n) (codes are dense from 0): a few are looked up alone
+            present = np.flatnonzero(np.bincount(codes.astype(np.int64) + 1, minlength=1)) - 1
+            if len(present) <= FEW_STRINGS:
+                return self._few_strings(run_id, present, top)[codes.astype(np.int64) + 1]
             found = self._dictionary(run_id, refresh=True)
         return found.lookup[codes.astype(np.int64) + 1]
 
     def codes_of(self, run_id: int, texts: Sequence[str]) -> list[int]:
         """The codes of `texts` in the run's dictionary (a text the run never used has none)."""
-        found = self._dictionary(run_id)
-        if any(t not in found.inverse for t in texts):
+        found = self._strings.get(run_id)
+        if found is None and len(texts) <= FEW_STRINGS:
+            return self._few_codes(run_id, texts)
+        if found is None or any(t not in found.inverse for t in texts):
             found = self._dictionary(run_id, refresh=True)
         return [found.inverse[t] for t in texts if t in found.inverse]
+
+    def _few_strings(self, run_id: int, present: np.ndarray, top: int) -> np.ndarray:
+        """A lookup (index code + 1) holding the texts of the `present` codes only."""
+        wanted = [int(c) for c in present.tolist() if c != NO_CODE]
+        s = schema.event_strings.c
+        with self.engine.connect() as conn:
+            known = dict(conn.execute(select(s.code, s.text).where(s.run_id == run_id, s.code.in_(wanted))).fetchall())
+        lookup = np.full(top + 2, None, dtype=object)
+        for code in wanted:
+            if code not in known:
+                raise CaptureError(f"{self.name}: damaged capture (no string for code {code} of run {run_id})")
+            lookup[code + 1] = str(known[code])
+        return lookup
+
+    def _few_codes(self, run_id: int, texts: Sequence[str]) -> list[int]:
+        s = schema.event_strings.c
+        with self.engine.connect() as conn:
+            known = dict(conn.execute(select(s.text, s.code).where(s.run_id == run_id, s.text.in_(list(texts))))
+                         .fetchall())
+        return [int(known[t]) for t in texts if t in known]
 
     def kind_counts(self, run_id: int) -> dict[str, int]:
         """Events per kind over the run's chunks (empty for a run of the row layout)."""
@@ -161,8 +208,11 @@ def read_events(
     limit: int | None = None,
     offset: int = 0,
     rids: Sequence[str] | None = None,
+    coded: Sequence[str] = (),
 ) -> pd.DataFrame:
-    """`capture`: a queries.Capture. See the module note."""
+    """`capture`: a queries.Capture. See the module note. `coded`: string columns of a packed run
+    that stay int codes (NO_CODE for NULL), for reads that group or join on them and decode only
+    what they return (decode_strings); a run of the row layout has its strings either way."""
     names = ["seq", *(c for c in columns if c != "seq")]
     unknown = set(names) - set(EVENT_COLUMNS)
     if unknown:
@@ -182,7 +232,21 @@ def read_events(
         chunks = chunks[chunks.first_seq + chunks.num_events - 1 > after_seq]
     out = packed_arrays(packed, chunks, run_id, names, kinds=kinds, step_range=step_range, after_seq=after_seq,
                         rids=rids if rid is None else [rid], node_id=node_id, limit=limit, offset=offset)
-    return _frame(packed, run_id, out, names)
+    return _frame(packed, run_id, out, names, coded)
+
+
+def decode_strings(capture: Any, run_id: int, values: Any) -> np.ndarray:
+    """A string column read with `coded` as strings (None for NULL): codes of a packed run
+    decoded, strings of a row-layout run as they are."""
+    array = np.asarray(values)
+    if array.dtype.kind in "iu":
+        return capture.packed.strings(run_id, array)
+    return np.asarray([None if v is None or v != v else v for v in array.tolist()], dtype=object)  # NOTE: NaN != NaN
+
+
+def present(values: pd.Series) -> pd.Series:
+    """A string column (strings, or codes read with `coded`) is not NULL."""
+    return values != NO_CODE if values.dtype.kind in "iu" else values.notna()
 
 
 def packed_arrays(packed: PackedEvents, chunks: pd.DataFrame, run_id: int, names: list[str], *,
@@ -198,6 +262,10 @@ def packed_arrays(packed: PackedEvents, chunks: pd.DataFrame, run_id: int, names
     # NOTE: codes resolved once (the chunks were listed first, and a chunk's strings land with it)
     kind_codes = None if kinds is None else np.asarray(packed.codes_of(run_id, kinds), np.int32)
     rid_codes = None if rids is None else np.asarray(packed.codes_of(run_id, list(rids)), np.int32)
+    if end is None:  # NOTE: every chunk is read: its filter columns and `names` in one read
+        filters = [n for n, wanted in (("kind", kinds), ("step", step_range), ("rid", rids), ("node_id", node_id))
+                   if wanted is not None]
+        packed.prefetch(run_id, chunks.chunk.tolist(), [*filters, *_stored(names)])
     for row in chunks.itertuples(index=False):
         part = _chunk_frame(packed, run_id, row, names, kind_codes, step_range, after_seq, rid_codes, node_id)
         if len(part["seq"]):
@@ -207,6 +275,12 @@ def packed_arrays(packed: PackedEvents, chunks: pd.DataFrame, run_id: int, names
             break
     out = {name: np.concatenate([p[name] for p in parts]) if parts else _empty(name) for name in names}
     return {name: values[offset:end] for name, values in out.items()}
+
+
+def _stored(names: Sequence[str]) -> list[str]:
+    """The stored columns behind `names` (seq is computed; slots need their counts)."""
+    out = [n for n in names if n not in ("seq", "slots")]
+    return [*out, "slot_counts", "slots"] if "slots" in names else out
 
 
 def python_values(packed: PackedEvents, run_id: int, name: str, values: np.ndarray) -> list[Any]:
@@ -267,12 +341,13 @@ def _empty(name: str) -> np.ndarray:
     return np.zeros(0, COLUMN_DTYPES[name])
 
 
-def _frame(packed: PackedEvents, run_id: int, out: dict[str, np.ndarray], names: list[str]) -> pd.DataFrame:
+def _frame(packed: PackedEvents, run_id: int, out: dict[str, np.ndarray], names: list[str],
+           coded: Sequence[str] = ()) -> pd.DataFrame:
     data: dict[str, Any] = {}
     for name in names:
         values = out[name]
         if name in STRING_COLUMNS:
-            data[name] = packed.strings(run_id, values)
+            data[name] = values.astype(np.int64) if name in coded else packed.strings(run_id, values)
         elif name == "node_id":
             nulls = values == NULL_INT
             # NOTE: as pandas reads a NULL integer column: all NULL is objects, some NULL floats

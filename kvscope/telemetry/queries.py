@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, Executable, func, null, select
+from sqlalchemy import Engine, Select, func, null, select
 
 from kvscope.telemetry import schema
 from kvscope.telemetry.event_source import (
@@ -31,7 +31,7 @@ from kvscope.telemetry.event_source import (
     read_events,
 )
 from kvscope.telemetry.events import EventKind
-from kvscope.telemetry.store import open_reader, reraise_read_error, stored_version
+from kvscope.telemetry.store import driver_rows, open_reader, stored_version
 from kvscope.telemetry.tree_replay import STRUCTURAL_KINDS, replay_tree
 
 STALE_HEARTBEAT_S = 30.0
@@ -46,7 +46,7 @@ class Capture:
     def __init__(self, target: str | Path) -> None:
         self.target = str(target)
         self.engine: Engine = open_reader(target)
-        self.packed = PackedEvents(self.engine)
+        self.packed = PackedEvents(self.engine, self.target)
         self._snapshots: OrderedDict[tuple[int, int], pd.DataFrame] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -59,12 +59,11 @@ class Capture:
         with self.engine.connect() as conn:
             return int(stored_version(conn) or schema.SCHEMA_VERSION)  # open_reader checked it is there
 
-    def read_frame(self, stmt: Executable) -> pd.DataFrame:
-        """A Core statement's rows as a DataFrame, one column per selected name."""
-        with self.engine.connect() as conn:
-            result = conn.execute(stmt)
-            # NOTE: plain tuples: from SQLAlchemy Rows pandas probes each row's attributes (2.5x slower)
-            return pd.DataFrame([tuple(row) for row in result.fetchall()], columns=list(result.keys()))
+    def read_frame(self, stmt: Select[Any]) -> pd.DataFrame:
+        """A Core SELECT's rows as a DataFrame, one column per selected name. NOTE: read through
+        the driver: plain tuples, not SQLAlchemy rows (about 4x faster on 100k-row tables)."""
+        rows = [row for batch in driver_rows(self.engine, stmt, self.target) for row in batch]
+        return pd.DataFrame(rows, columns=[c.name for c in stmt.selected_columns])
 
     # -- runs ------------------------------------------------------------------------------
 
@@ -131,11 +130,14 @@ class Capture:
         offset: int = 0,
         columns: Sequence[str] = EVENT_COLUMNS,
         rids: Sequence[str] | None = None,
+        coded: Sequence[str] = (),
     ) -> pd.DataFrame:
         """The run's events in seq order (every column but run_id unless `columns` says), from
-        either layout (event_source.py); `limit` None: all of them; `rids`: any of these requests."""
+        either layout (event_source.py); `limit` None: all of them; `rids`: any of these requests;
+        `coded`: these string columns as codes where the run has them (event_source.read_events)."""
         return read_events(self, run_id, columns, kinds=None if kinds is None else [str(k) for k in kinds],
-                           rid=rid, rids=rids, node_id=node_id, step_range=step_range, limit=limit, offset=offset)
+                           rid=rid, rids=rids, node_id=node_id, step_range=step_range, limit=limit, offset=offset,
+                           coded=coded)
 
     def event_stream(self, run_id: int, columns: Sequence[str], *, after_seq: int = -1,
                      batch_rows: int = 20_000) -> Iterator[list[tuple]]:
@@ -159,20 +161,7 @@ class Capture:
         e = schema.events.c
         stmt = (select(*(e[name] for name in columns))
                 .where(e.run_id == run_id, e.seq > after_seq).order_by(e.seq))
-        compiled = stmt.compile(dialect=self.engine.dialect, compile_kwargs={"render_postcompile": True})
-        params = ([compiled.params[k] for k in compiled.positiontup or []] if compiled.positional
-                  else compiled.params)
-        with self.engine.connect() as conn:
-            cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-            try:
-                cursor.execute(str(compiled), params)
-                while rows := cursor.fetchmany(batch_rows):
-                    yield rows
-            except Exception as err:  # NOTE: reads through SQLAlchemy get this from store.open_reader
-                reraise_read_error(self.target, err)
-                raise
-            finally:
-                cursor.close()
+        yield from driver_rows(self.engine, stmt, self.target, batch_rows)
 
     def last_event_seq(self, run_id: int) -> int:
         """The run's last event seq (-1 when it has none)."""

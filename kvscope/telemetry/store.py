@@ -33,7 +33,7 @@ import re
 import sqlite3
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import suppress
 from pathlib import Path
 from typing import Any, Literal
@@ -188,6 +188,26 @@ def _report_damage(engine: Engine, name: str, path: Path | None) -> None:
         replacement = _capture_error_for(name, path, ctx.original_exception)
         if replacement is not None:
             raise replacement from ctx.original_exception
+
+
+def driver_rows(engine: Engine, stmt: Any, capture_name: str, batch_rows: int = 100_000) -> Iterator[list[tuple]]:
+    """The rows of a SELECT read through the driver itself, in batches: plain tuples, without
+    SQLAlchemy's row objects (several times faster on large reads); a damaged or unreadable
+    file raises the one-line CaptureError, as reads through SQLAlchemy do."""
+    compiled = stmt.compile(dialect=engine.dialect, compile_kwargs={"render_postcompile": True})
+    params = ([compiled.params[k] for k in compiled.positiontup or []] if compiled.positional
+              else compiled.params)
+    with engine.connect() as conn:
+        cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        try:
+            cursor.execute(str(compiled), params)
+            while rows := cursor.fetchmany(batch_rows):
+                yield rows
+        except Exception as err:
+            reraise_read_error(capture_name, err)
+            raise
+        finally:
+            cursor.close()
 
 
 def reraise_read_error(capture_name: str, err: BaseException) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pandas as pd
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -43,4 +44,22 @@ def test_held_locks_equal_the_stack_replay(events: list[tuple[Any, ...]], step: 
     got, want = held_locks(locks, step), reference_held_locks(locks, step)
     assert got["node_id"].astype(int).tolist() == want["node_id"].astype(int).tolist()
     assert got["since_step"].astype(int).tolist() == want["since_step"].astype(int).tolist()
+    assert [None if pd.isna(r) else r for r in got["rid"]] == [None if pd.isna(r) else r for r in want["rid"]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(EVENT, max_size=40), st.integers(0, 45))
+def test_held_locks_of_rid_codes_name_the_same_holders(events: list[tuple[Any, ...]], step: int) -> None:
+    """Rids read as codes (-1 for NULL), decoded only for the locks found held: the same locks."""
+    names = {"a": 0, "b": 1}
+    rows = [{"seq": seq, "step": seq, "kind": kind, "node_id": node, "num_tokens": 0, "aux": aux,
+             "reason": reason if rid is None else None, "rid": rid}
+            for seq, (kind, node, rid, reason, aux) in enumerate(events)]
+    columns = ["seq", "step", "kind", "rid", "node_id", "num_tokens", "aux", "reason"]
+    as_strings = pd.DataFrame(rows, columns=columns)
+    as_codes = as_strings.assign(rid=[names.get(r, -1) if r is not None else -1 for r in as_strings["rid"]])
+    texts = np.array(["a", "b"], dtype=object)
+    got = held_locks(as_codes, step, lambda codes: np.where(codes >= 0, texts[np.maximum(codes, 0)], None))
+    want = held_locks(as_strings, step)
+    assert got["node_id"].astype(int).tolist() == want["node_id"].astype(int).tolist()
     assert [None if pd.isna(r) else r for r in got["rid"]] == [None if pd.isna(r) else r for r in want["rid"]]

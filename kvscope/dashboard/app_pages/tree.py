@@ -102,7 +102,8 @@ def lock_holders(chosen: Selection, step: int, node_id: int, nodes: pd.DataFrame
     if locks.empty:
         st.caption(f"Node {node_id} has {lock_ref} lock(s); who holds them needs a capture recorded at level full.")
         return
-    holders = leak_views.holders_of(node_id, leak_views.held_locks(locks, step), nodes)
+    held = leak_views.held_locks(locks, step, reads.rid_names(chosen.path, chosen.run_id))
+    holders = leak_views.holders_of(node_id, held, nodes)
     if holders.empty:
         st.caption(f"Node {node_id} has {lock_ref} lock(s) (the root's is permanent).")
         return
