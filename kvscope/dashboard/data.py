@@ -16,7 +16,7 @@ import streamlit as st
 from kvscope import telemetry
 from kvscope.dashboard import gpu
 from kvscope.debug import LeakReport, Replay, ReportState, build_report, stored_report
-from kvscope.telemetry import Capture
+from kvscope.telemetry import Capture, tenant_of
 from kvscope.telemetry.derived import usage_at as usage_at_step
 
 LIVE_TTL_S = 1.0  # the run list: status changes must show within a refresh
@@ -114,6 +114,47 @@ def eviction_log(path: str, run_id: int, stamp: float, limit: int, offset: int) 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def requests(path: str, run_id: int, stamp: float) -> pd.DataFrame:
     return open_capture(path).requests(run_id)
+
+
+# NOTE: the Requests page reads a run's requests by page and by aggregate, never all rows at once
+# (a long serve session records hundreds of thousands); `tenant` None: every tenant
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def request_principals(path: str, run_id: int, stamp: float) -> list[str]:
+    return open_capture(path).request_principals(run_id)
+
+
+def _principals_of(path: str, run_id: int, stamp: float, tenant: str | None) -> list[str] | None:
+    if tenant is None:
+        return None
+    return [p for p in request_principals(path, run_id, stamp) if tenant_of(p) == tenant]
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def request_totals(path: str, run_id: int, stamp: float, tenant: str | None) -> pd.DataFrame:
+    return open_capture(path).request_totals(run_id, _principals_of(path, run_id, stamp, tenant))
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def request_times(path: str, run_id: int, stamp: float, tenant: str | None) -> pd.DataFrame:
+    """The monotonic times of every request (arrive, admit, first token, finish): the latencies."""
+    return open_capture(path).request_rows(run_id, principals=_principals_of(path, run_id, stamp, tenant),
+                                           columns=["arrive_t", "admit_t", "first_token_t", "finish_t"],
+                                           ordered=False)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def request_ids(path: str, run_id: int, stamp: float, tenant: str | None) -> list[str]:
+    frame = open_capture(path).request_rows(run_id, principals=_principals_of(path, run_id, stamp, tenant),
+                                            columns=["rid"])
+    return [str(r) for r in frame["rid"]]
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def request_page(path: str, run_id: int, stamp: float, tenant: str | None, statuses: tuple[str, ...] | None,
+                 rid: str | None, limit: int, offset: int) -> pd.DataFrame:
+    return open_capture(path).request_rows(run_id, principals=_principals_of(path, run_id, stamp, tenant),
+                                           statuses=statuses, rid=rid, limit=limit, offset=offset)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)

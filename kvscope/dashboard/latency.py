@@ -6,6 +6,7 @@ so each keeps its colour on every capture.
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -26,17 +27,34 @@ TIME_COLUMNS = {"arrive_t": "arrive", "admit_t": "admit", "first_token_t": "firs
                 "retract_t": "retract"}
 
 
+BOX_POINTS_MAX = 20_000  # NOTE: more requests: the box is computed here, drawn without its points
+
+
 def latency_figure(latency_ms: pd.DataFrame) -> go.Figure:
     """One horizontal box per latency (ms): median, quartiles and outliers of the requests that
-    reached that stage."""
+    reached that stage. Past BOX_POINTS_MAX requests the box is computed here (quartiles, and
+    whiskers at the furthest values within 1.5 IQR, as plotly draws them) and drawn without its
+    outliers: the browser gets five numbers, not every request."""
     fig = go.Figure()
     for name in reversed(list(LATENCIES)):
         values = latency_ms[name].dropna()
+        if len(values) > BOX_POINTS_MAX:
+            fig.add_trace(_box_of_many(values.to_numpy(dtype=float), name))
+            continue
         fig.add_trace(go.Box(x=values, name=name, orientation="h", marker_color=COLORS[name], boxpoints="outliers",
                              hovertemplate="%{x:,.1f} ms<extra>" + name + "</extra>", showlegend=False))
     fig.update_layout(height=260, margin={"t": 10, "b": 10}, xaxis={"title": {"text": "milliseconds"},
                                                                     "rangemode": "tozero"})
     return fig
+
+
+def _box_of_many(values: np.ndarray, name: str) -> go.Box:
+    q1, median, q3 = np.percentile(values, [25, 50, 75])
+    reach = 1.5 * (q3 - q1)
+    low = values[values >= q1 - reach].min()
+    high = values[values <= q3 + reach].max()
+    return go.Box(q1=[q1], median=[median], q3=[q3], lowerfence=[low], upperfence=[high], y=[name], name=name,
+                  orientation="h", marker_color=COLORS[name], boxpoints=False, showlegend=False)
 
 
 def throughput_figure(series: pd.DataFrame, with_clock: bool) -> go.Figure:

@@ -18,6 +18,7 @@ from kvscope.telemetry.event_source import decode_strings
 
 ALL_ROWS = 10_000_000
 EVENT_COLUMNS = ["seq", "step", "kind", "rid", "node_id", "num_tokens", "aux", "reason"]  # NOTE: what is read:
+LOCK_COLUMNS = ["seq", "step", "kind", "rid", "node_id", "aux", "reason"]  # NOTE: what held_locks needs
 # never slots or t_mono (on a 10M-event capture the slot blobs of every lock event alone cost seconds)
 
 
@@ -49,8 +50,8 @@ def lock_events(path: str, run_id: int, stamp: float) -> pd.DataFrame:
     """Every lock and unlock of tree nodes, in event order (empty for a summary capture); rids
     as codes where the run has them (a 10M-event run has ~700k locks): see rid_names."""
     events = data.open_capture(path).events(run_id, kinds=[EventKind.LOCK, EventKind.UNLOCK], limit=None,
-                                            columns=EVENT_COLUMNS, coded=("rid",))
-    return events.reindex(columns=EVENT_COLUMNS)
+                                            columns=LOCK_COLUMNS, coded=("rid",))
+    return events.reindex(columns=LOCK_COLUMNS)
 
 
 def rid_names(path: str, run_id: int) -> Callable[[np.ndarray], np.ndarray]:

@@ -86,8 +86,9 @@ def clock_of(config: dict[str, Any], started_at: Any, first_t_mono: float | None
 
 
 def latencies(requests: pd.DataFrame) -> pd.DataFrame:
-    """rid, status and the three latencies in milliseconds (NaN where a stage was not reached)."""
-    out = requests[["rid", "status"]].copy()
+    """rid and status (where `requests` has them) and the three latencies in milliseconds (NaN
+    where a stage was not reached)."""
+    out = requests[[c for c in ("rid", "status") if c in requests]].copy()
     for name, (end, start) in LATENCIES.items():
         delta = pd.to_numeric(requests[end], errors="coerce") - pd.to_numeric(requests[start], errors="coerce")
         out[name] = (delta * 1000.0).where(delta >= 0)

@@ -68,6 +68,7 @@ class PackedEvents:
         self._columns: OrderedDict[tuple[int, int, str], np.ndarray] = OrderedDict()
         self._bytes = 0
         self._strings: dict[int, _Dictionary] = {}
+        self._known_codes: dict[int, dict[str, int]] = {}  # NOTE: codes looked up by text, before any dictionary
         self._has_tables: bool | None = None
 
     def has_tables(self) -> bool:
@@ -176,10 +177,13 @@ class PackedEvents:
         return lookup
 
     def _few_codes(self, run_id: int, texts: Sequence[str]) -> list[int]:
-        s = schema.event_strings.c
-        with self.engine.connect() as conn:
-            known = dict(conn.execute(select(s.text, s.code).where(s.run_id == run_id, s.text.in_(list(texts))))
-                         .fetchall())
+        known = self._known_codes.setdefault(run_id, {})
+        missing = [t for t in texts if t not in known]
+        if missing:  # NOTE: a text the run does not have yet is asked again next time (a live run adds some)
+            s = schema.event_strings.c
+            with self.engine.connect() as conn:
+                known.update(conn.execute(select(s.text, s.code).where(s.run_id == run_id, s.text.in_(missing)))
+                             .fetchall())
         return [int(known[t]) for t in texts if t in known]
 
     def kind_counts(self, run_id: int) -> dict[str, int]:

@@ -32,7 +32,7 @@ from kvscope.telemetry.event_source import (
 )
 from kvscope.telemetry.events import EventKind
 from kvscope.telemetry.store import driver_rows, open_reader, stored_version
-from kvscope.telemetry.tree_replay import STRUCTURAL_KINDS, replay_tree
+from kvscope.telemetry.tree_replay import REPLAY_COLUMNS, STRUCTURAL_KINDS, replay_tree
 
 STALE_HEARTBEAT_S = 30.0
 RATE_WINDOW_S = 10.0  # latest_usage: how far back the earlier row of a rate is
@@ -194,6 +194,46 @@ class Capture:
         c = schema.requests.c
         return self.read_frame(select(schema.requests).where(c.run_id == run_id).order_by(c.arrive_step, c.rid))
 
+    def request_rows(self, run_id: int, *, principals: Sequence[str] | None = None,
+                     statuses: Sequence[str] | None = None, rid: str | None = None,
+                     columns: Sequence[str] | None = None, limit: int | None = None, offset: int = 0,
+                     ordered: bool = True) -> pd.DataFrame:
+        """Requests rows (ordered as requests(): by arrival step, then rid; in no order unless
+        `ordered`), of `principals`, `statuses` or one `rid` when given, as `columns` (every column
+        by default), a page of `limit` rows past `offset`: a page of a run of 300k requests
+        without reading them all."""
+        c = schema.requests.c
+        picked = [c[name] for name in columns] if columns is not None else list(schema.requests.c)
+        stmt = select(*picked).where(c.run_id == run_id)
+        if principals is not None:
+            stmt = stmt.where(c.principal.in_(list(principals)))
+        if statuses is not None:
+            stmt = stmt.where(c.status.in_(list(statuses)))
+        if rid is not None:
+            stmt = stmt.where(c.rid == rid)
+        if ordered:
+            stmt = stmt.order_by(c.arrive_step, c.rid)
+        stmt = stmt.offset(offset or None)
+        return self.read_frame(stmt.limit(limit) if limit is not None else stmt)
+
+    def request_totals(self, run_id: int, principals: Sequence[str] | None = None) -> pd.DataFrame:
+        """Per status of the requests (of `principals` when given): requests, prompt tokens,
+        cached tokens and retractions (status, num_requests, prompt_tokens, cached_tokens,
+        retractions), by status."""
+        c = schema.requests.c
+        stmt = select(c.status, func.count().label("num_requests"), func.sum(c.prompt_len).label("prompt_tokens"),
+                      func.sum(c.cached_tokens).label("cached_tokens"),
+                      func.sum(c.num_retractions).label("retractions")).where(c.run_id == run_id)
+        if principals is not None:
+            stmt = stmt.where(c.principal.in_(list(principals)))
+        return self.read_frame(stmt.group_by(c.status).order_by(c.status))
+
+    def request_principals(self, run_id: int) -> list[str]:
+        """The distinct principals of the run's requests (no NULL), sorted."""
+        c = schema.requests.c
+        stmt = select(c.principal).where(c.run_id == run_id, c.principal.is_not(None)).distinct()
+        return sorted(str(p) for p in self.read_frame(stmt).iloc[:, 0])
+
     def snapshot_steps(self, run_id: int) -> list[int]:
         t = schema.tree_snapshots.c
         with self.engine.connect() as conn:
@@ -212,7 +252,8 @@ class Capture:
         if base_step is not None:
             nodes = self._snapshot(run_id, int(base_step))
         start = -1 if base_step is None else base_step
-        events = self.events(run_id, kinds=STRUCTURAL_KINDS, step_range=(start + 1, step), limit=None)
+        events = self.events(run_id, kinds=STRUCTURAL_KINDS, step_range=(start + 1, step), limit=None,
+                             columns=REPLAY_COLUMNS)
         return replay_tree(nodes.drop(columns=["run_id", "step"], errors="ignore"), events)
 
     def _snapshot(self, run_id: int, step: int) -> pd.DataFrame:

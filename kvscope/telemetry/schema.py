@@ -216,6 +216,9 @@ requests = Table(
     *(Column(f"{m}_step", Integer) for m in REQUEST_MOMENTS),
 )
 Index("ix_tree_step", tree_snapshots.c.run_id, tree_snapshots.c.step)
+# NOTE: version 6: the Requests page reads a page of a run's requests in arrival order (files made
+# before it have no such index and sort instead)
+Index("ix_requests_arrival", requests.c.run_id, requests.c.arrive_step, requests.c.rid)
 
 reports = Table(
     "reports",
@@ -255,6 +258,9 @@ event_strings = Table(
     Column("code", Integer, primary_key=True),
     Column("text", Text, nullable=False),
 )
+# NOTE: a read by kind or request looks its strings' codes up by text (the dictionary of a long run holds
+# hundreds of thousands of request ids)
+Index("ix_event_strings_text", event_strings.c.run_id, event_strings.c.text)
 PACKED_TABLES = (event_chunks, event_columns, event_strings)
 OPTIONAL_TABLES = (reports, *PACKED_TABLES)  # NOTE: a file older than version 6 has no packed tables
 USAGE_COLUMNS = tuple(c.name for c in usage.columns)

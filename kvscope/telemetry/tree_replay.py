@@ -130,6 +130,7 @@ APPLY: dict[EventKind, Callable[[Nodes, Any], None]] = {
     EventKind.HOST_EVICT: lambda nodes, ev: _host_evict(nodes, ev.node_id),
 }
 STRUCTURAL_KINDS = tuple(APPLY)  # the kinds that change the node table; every other kind leaves it as it is
+REPLAY_COLUMNS = ("step", "kind", "pool", "node_id", "num_tokens", "aux", "reason", "principal", "t_mono")  # read
 
 
 def replay_tree(snapshot: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:

@@ -9,11 +9,13 @@ import sqlite3
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from kvscope.dashboard.timing import Clock, clock_of, latencies, latency_percentiles, throughput
+from kvscope.dashboard.latency import BOX_POINTS_MAX, latency_figure
+from kvscope.dashboard.timing import LATENCIES, Clock, clock_of, latencies, latency_percentiles, throughput
 from kvscope.telemetry import PoolTerms, RequestRecord, UsageSample
 from kvscope.telemetry.recorder import SQLRecorder
 from tests.dashboard.conftest import ROOT
@@ -128,3 +130,19 @@ def test_an_older_capture_without_the_anchor_shows_times_from_its_start(monkeypa
     rows = at.dataframe[-1].value.set_index("rid")
     # started_at is the wall time of the run's first event
     assert rows.loc["mt-c0005-t3", "arrive"].timestamp() == pytest.approx(started_at + arrive_t - first_t, abs=1e-3)
+
+
+def test_the_latency_boxes_of_many_requests_are_computed_here() -> None:
+    """Past BOX_POINTS_MAX requests a box carries five numbers (plotly's: quartiles, whiskers at
+    the furthest values within 1.5 IQR) and no points; fewer requests send their values."""
+    rng = np.random.default_rng(0)
+    many = pd.DataFrame({name: rng.exponential(10.0, BOX_POINTS_MAX + 1) for name in LATENCIES})
+    for trace in latency_figure(many).data:
+        values = many[trace.name].to_numpy()
+        q1, median, q3 = np.percentile(values, [25, 50, 75])
+        assert trace.x is None and trace.boxpoints is False
+        assert (trace.q1[0], trace.median[0], trace.q3[0]) == pytest.approx((q1, median, q3))
+        assert trace.upperfence[0] == values[values <= q3 + 1.5 * (q3 - q1)].max()
+        assert trace.lowerfence[0] == values.min()  # NOTE: nothing lies below q1 - 1.5 IQR here
+    few = many.head(100)
+    assert all(len(trace.x) == 100 and trace.boxpoints == "outliers" for trace in latency_figure(few).data)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import attached, attached_pages, charts, data, latency, reads, tenants, timing, url_state
+from kvscope.dashboard import attached, attached_pages, charts, data, latency, reads, timing, url_state
 from kvscope.dashboard.frame import Selection, selection
 
 PAGE_ROWS = 60
+PICK_FROM_MAX = 2_000  # NOTE: more requests: the picker is a box to type an id in
 ALL = "(all requests)"
 RID_KEY = "requests.rid"
+RID_TEXT_KEY = "requests.rid_text"
 
 
 def latency_section(latency_ms: pd.DataFrame) -> None:
@@ -39,9 +41,21 @@ def throughput_section(chosen: Selection, clock: timing.Clock | None) -> None:
     st.plotly_chart(latency.throughput_figure(series, clock is not None), key="requests.throughput")
 
 
-def pick_request(requests: pd.DataFrame) -> str:
-    rids = requests["rid"].astype(str).tolist()
+def pick_request(path: str, run_id: int, stamp: float, tenant: str | None, num_requests: int) -> str:
+    """ALL, or the rid of one request: a list to pick from, or a box to type an id in when the
+    run has more than PICK_FROM_MAX requests (a list of 300k ids is no use in a browser)."""
     linked = url_state.pending("rid")
+    if num_requests > PICK_FROM_MAX:
+        if linked is not None:
+            st.session_state[RID_TEXT_KEY] = linked
+        typed = st.text_input(f"request (one of {num_requests:,}: type its id)", key=RID_TEXT_KEY,
+                              help="empty: every request").strip()
+        if typed and data.request_page(path, run_id, stamp, tenant, None, typed, 1, 0).empty:
+            url_state.note(f"The request {typed!r} is not in this run: showing all requests.")
+            typed = ""
+        url_state.publish(rid=typed or None)
+        return typed or ALL
+    rids = data.request_ids(path, run_id, stamp, tenant)
     if linked is not None:
         if linked in set(rids):
             st.session_state[RID_KEY] = linked
@@ -54,16 +68,17 @@ def pick_request(requests: pd.DataFrame) -> str:
     return rid
 
 
-def request_rows(requests: pd.DataFrame) -> pd.DataFrame:
-    """The requests to show: the one picked, or those with the picked statuses."""
+def request_filter(chosen: Selection, totals: pd.DataFrame) -> tuple[str | None, tuple[str, ...] | None, int]:
+    """(the request picked, or None; the statuses picked, or None for all; how many match)."""
     cols = st.columns([1, 2])
     with cols[0]:
-        rid = pick_request(requests)
+        rid = pick_request(chosen.path, chosen.run_id, chosen.stamp, chosen.tenant, int(totals["num_requests"].sum()))
     if rid != ALL:
-        return requests[requests["rid"].astype(str) == rid]
-    statuses = sorted(set(requests["status"]))
-    chosen_status = cols[1].multiselect("status", statuses, default=statuses, key="requests.status")
-    return requests[requests["status"].isin(chosen_status)]
+        return rid, None, 1
+    statuses = [str(s) for s in totals["status"]]
+    picked = cols[1].multiselect("status", statuses, default=statuses, key="requests.status")
+    counts = dict(zip(statuses, totals["num_requests"].astype(int), strict=True))
+    return None, (None if set(picked) == set(statuses) else tuple(picked)), sum(counts[s] for s in picked)
 
 
 chosen = selection()
@@ -72,42 +87,44 @@ if (source := attached.source_of(chosen.run)) is not None:  # a real engine watc
     attached_pages.requests(chosen, source)
     st.stop()
 notes = st.container()
-requests = data.requests(chosen.path, chosen.run_id, chosen.stamp)
+totals = data.request_totals(chosen.path, chosen.run_id, chosen.stamp, None)
 if chosen.running:
     st.caption("A request's record is written when it ends: running requests appear once they finish.")
-if requests.empty:
+if totals.empty:
     with notes:
         url_state.show_notes()
     st.info("No finished requests recorded in this run yet.")
     st.stop()
 if chosen.tenant is not None:
-    requests = tenants.of_tenant(requests, chosen.tenant)
-    st.caption(f"Only the requests of tenant **{chosen.tenant}** ({len(requests):,}): pick all tenants in the "
+    totals = data.request_totals(chosen.path, chosen.run_id, chosen.stamp, chosen.tenant)
+    num_of_tenant = int(totals["num_requests"].sum()) if not totals.empty else 0
+    st.caption(f"Only the requests of tenant **{chosen.tenant}** ({num_of_tenant:,}): pick all tenants in the "
                "sidebar to see every request.")
-    if requests.empty:
+    if totals.empty:
         with notes:
             url_state.show_notes()
         st.info(f"No finished request of tenant {chosen.tenant} in this run.")
         st.stop()
 clock = reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run)
-latency_ms = timing.latencies(requests)
+latency_ms = timing.latencies(data.request_times(chosen.path, chosen.run_id, chosen.stamp, chosen.tenant))
 
 cols = st.columns(4)
-cols[0].metric("requests", f"{len(requests):,}")
-cols[1].metric("prompt tokens", f"{int(requests['prompt_len'].sum()):,}")
-cols[2].metric("cached tokens", f"{int(requests['cached_tokens'].sum()):,}")
-cols[3].metric("retractions", f"{int(requests['num_retractions'].sum()):,}")
+cols[0].metric("requests", f"{int(totals['num_requests'].sum()):,}")
+cols[1].metric("prompt tokens", f"{int(totals['prompt_tokens'].sum()):,}")
+cols[2].metric("cached tokens", f"{int(totals['cached_tokens'].sum()):,}")
+cols[3].metric("retractions", f"{int(totals['retractions'].sum()):,}")
 latency_section(latency_ms)
 throughput_section(chosen, clock)
 
 st.subheader("Requests")
-shown = request_rows(requests)
+rid, statuses, num_shown = request_filter(chosen, totals)
 with notes:
     url_state.show_notes()
-num_pages = max(1, -(-len(shown) // PAGE_ROWS))
+num_pages = max(1, -(-num_shown // PAGE_ROWS))
 page = int(st.number_input(f"page (of {num_pages}, {PAGE_ROWS} requests each, by arrival)", 1, num_pages, 1,
                            key="requests.page"))
-window = shown.iloc[(page - 1) * PAGE_ROWS: page * PAGE_ROWS]
+window = data.request_page(chosen.path, chosen.run_id, chosen.stamp, chosen.tenant, statuses, rid, PAGE_ROWS,
+                           (page - 1) * PAGE_ROWS)
 allocs = data.allocs_of_requests(chosen.path, chosen.run_id, chosen.stamp, tuple(window["rid"]))
 st.caption("Steps on the x axis: waiting (arrive → admit), prefill (admit → first token; dots are the steps that "
            "allocated prefill chunks), decode (first token → finish); a cross marks a retraction.")
@@ -115,4 +132,4 @@ st.plotly_chart(charts.request_timeline_figure(window, allocs), key="requests.ti
 st.plotly_chart(charts.cached_tokens_figure(window), key="requests.cached")
 st.caption("Times are wall-clock " + (timing.zone_name() if clock is not None else "seconds since the first arrival")
            + "; latencies in milliseconds.")
-st.dataframe(latency.request_table(window, latency_ms.loc[window.index], clock), hide_index=True)
+st.dataframe(latency.request_table(window, timing.latencies(window), clock), hide_index=True)
