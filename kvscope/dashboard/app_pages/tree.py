@@ -98,6 +98,10 @@ def node_details(chosen: Selection, clock: Clock | None, step: int, nodes: pd.Da
 def lock_holders(chosen: Selection, step: int, node_id: int, nodes: pd.DataFrame, lock_ref: int) -> None:
     if lock_ref <= 0:
         return
+    if nodes.loc[nodes["node_id"] == node_id, "parent_id"].isna().all():  # NOTE: the root (or an unknown node)
+        st.caption(f"The root is on the path of every lock: its {lock_ref} lock(s) are every lock held at step "
+                   f"{step} (its own is permanent). Pick a node to see who holds its locks.")
+        return
     locks = reads.lock_events(chosen.path, chosen.run_id, chosen.stamp)
     if locks.empty:
         st.caption(f"Node {node_id} has {lock_ref} lock(s); who holds them needs a capture recorded at level full.")
