@@ -53,8 +53,8 @@ NODE_TOUCHES = (EventKind.INSERT, EventKind.SPLIT, EventKind.MATCH, EventKind.LO
 BIRTHS = (EventKind.INSERT, EventKind.SPLIT)
 FIRST_STEP = -(1 << 62)  # a step range's open end
 LAST_STEP = 1 << 62
-Touch = tuple[int, int, float, str, int]  # (seq, step, t_mono, kind, aux)
-Match = tuple[int, int, str, int]  # (seq, step, rid, miss tokens)
+Touch = tuple[int, str, int]  # (seq, kind, aux)
+Match = tuple[int, int]  # (seq, miss tokens)
 
 
 def _all(capture: Capture, run_id: int, kinds: Sequence[EventKind], columns: Sequence[str],
@@ -83,43 +83,48 @@ def _isin(values: pd.Series, wanted: Iterable[int]) -> np.ndarray:
 # -- eviction log ----------------------------------------------------------------------------
 
 def eviction_log(capture: Capture, run_id: int, limit: int, offset: int) -> pd.DataFrame:
-    """One page of the log (evictions in event order), with age, idle, parent and regret."""
+    """One page of the log (evictions in event order), with age, idle, parent and regret.
+
+    NOTE: two reads. The run's touches (every insert, split, match and lock) are read as kind,
+    node and aux alone, enough to follow each evicted node's births, splits and later matches;
+    the step, time and request of the few touches the page names are then read by seq."""
     ev = capture.events(run_id, kinds=[EVICT], limit=limit, offset=offset,
                         columns=["seq", "step", "t_mono", "pool", "node_id", "num_tokens", "reason"])
     ev = ev.rename(columns={"num_tokens": "evicted_tokens"})
     if ev.empty:
         return pd.DataFrame(columns=list(EVICTION_LOG_COLUMNS))
-    # NOTE: rids as codes: only those of the later matches the page shows are decoded
-    touches = _all(capture, run_id, NODE_TOUCHES, ["step", "t_mono", "kind", "rid", "node_id", "aux"],
-                   coded=("rid",))
+    touches = _all(capture, run_id, NODE_TOUCHES, ["kind", "node_id", "aux"])
     nodes = sorted({int(n) for n in ev.node_id})
     history = _NodeHistory(touches)
     history.load_chains(nodes)
     parents = [history.parent_at(int(n), int(s)) for n, s in zip(ev.node_id, ev.seq, strict=True)]
     later = _later_matches(touches, set(nodes) | {p for p in parents if p is not None}, int(ev.seq.min()))
-    rows = []
+    found = []
     for row, parent in zip(ev.itertuples(index=False), parents, strict=True):
-        born, touch = history.born(row.node_id, row.seq), history.last_touch(row.node_id, row.seq)
         again = min((m for m in (later.first_after(row.node_id, row.seq), later.first_after(parent, row.seq))
                      if m is not None), default=None, key=lambda m: m[0])
+        found.append((history.born(row.node_id, row.seq), history.last_touch(row.node_id, row.seq), again))
+    named = {r[0] for trio in found for r in trio if r is not None}
+    details = capture.events(run_id, kinds=NODE_TOUCHES, limit=None, columns=["step", "t_mono", "rid"],
+                             seqs=sorted(named))
+    at = {int(d.seq): (int(d.step), float(d.t_mono), None if pd.isna(d.rid) else d.rid)
+          for d in details.itertuples(index=False)}
+    rows = []
+    for row, parent, (born, touch, again) in zip(ev.itertuples(index=False), parents, found, strict=True):
+        b, t, a = (None if r is None else at[r[0]] for r in (born, touch, again))
         rows.append((
             row.seq, row.step, row.t_mono, row.pool, row.node_id, parent, row.evicted_tokens, row.reason,
-            None if born is None else row.step - born[1], None if born is None else row.t_mono - born[2],
-            None if touch is None else row.step - touch[1], None if touch is None else row.t_mono - touch[2],
-            None if again is None else again[1], None if again is None else again[2],
-            0 if again is None else min(int(row.evicted_tokens), int(again[3])),
+            None if b is None else row.step - b[0], None if b is None else row.t_mono - b[1],
+            None if t is None else row.step - t[0], None if t is None else row.t_mono - t[1],
+            None if a is None else a[0], None if a is None else a[2],
+            0 if again is None else min(int(row.evicted_tokens), int(again[1])),
         ))
-    by = EVICTION_LOG_COLUMNS.index("needed_again_by")
-    known = [i for i, row in enumerate(rows) if row[by] is not None]
-    if known:  # NOTE: rid codes of a packed run (the row layout's are strings already), decoded at once
-        names = decode_strings(capture, run_id, np.asarray([rows[i][by] for i in known]))
-        for i, name in zip(known, names.tolist(), strict=True):
-            rows[i] = (*rows[i][:by], name, *rows[i][by + 1 :])
     return pd.DataFrame(rows, columns=list(EVICTION_LOG_COLUMNS))
 
 
 class _NodeHistory:
-    """Births, touches and splits of a set of nodes, picked out of the run's touches (seq order)."""
+    """Births, touches and splits of a set of nodes, picked out of the run's touches (seq order;
+    a touch here is (seq, kind, aux): eviction_log reads the rest of the few it needs)."""
 
     def __init__(self, touches: pd.DataFrame) -> None:
         self.touches = touches
@@ -136,8 +141,8 @@ class _NodeHistory:
         self.loaded.update(todo)
         t = self.touches
         own = t[_isin(t["node_id"], todo)]
-        for r in own[["seq", "step", "t_mono", "kind", "node_id", "aux"]].itertuples(index=False):
-            self.rows[int(r.node_id)].append((int(r.seq), int(r.step), float(r.t_mono), str(r.kind), int(r.aux)))
+        for r in own[["seq", "kind", "node_id", "aux"]].itertuples(index=False):
+            self.rows[int(r.node_id)].append((int(r.seq), str(r.kind), int(r.aux)))
         splits = t[self.is_split & _isin(t["aux"], todo)]
         for r in splits[["seq", "node_id", "aux"]].itertuples(index=False):
             self.splits_of[int(r.aux)].append((int(r.seq), int(r.node_id)))
@@ -148,13 +153,13 @@ class _NodeHistory:
         then finds every node it visits loaded (one pass over the touches per hop, not per node)."""
         todo = self.load(nodes)
         for _ in range(MAX_PARENT_HOPS):
-            came_from = {r[4] for n in todo for r in self.rows[n] if r[3] == EventKind.SPLIT}
+            came_from = {r[2] for n in todo for r in self.rows[n] if r[1] == EventKind.SPLIT}
             todo = self.load(came_from)
             if not todo:
                 return
 
     def born(self, node: int, before: int) -> Touch | None:
-        return next((r for r in self.rows[node] if r[3] in BIRTHS and r[0] < before), None)
+        return next((r for r in self.rows[node] if r[1] in BIRTHS and r[0] < before), None)
 
     def last_touch(self, node: int, before: int) -> Touch | None:
         rows = self.rows[node]
@@ -171,9 +176,9 @@ class _NodeHistory:
             born = self.born(node, seq)
             if born is None:
                 return None
-            if born[3] == EventKind.INSERT:
-                return born[4]
-            node, seq = born[4], born[0]  # an upper piece: the parent the split node had then
+            if born[1] == EventKind.INSERT:
+                return born[2]
+            node, seq = born[2], born[0]  # an upper piece: the parent the split node had then
         return None
 
 
@@ -181,7 +186,7 @@ class _LaterMatches:
     def __init__(self, frame_: pd.DataFrame) -> None:
         self.by_node: dict[int, list[Match]] = defaultdict(list)
         for r in frame_.itertuples(index=False):
-            self.by_node[int(r.node_id)].append((int(r.seq), int(r.step), r.rid, int(r.aux)))
+            self.by_node[int(r.node_id)].append((int(r.seq), int(r.aux)))
 
     def first_after(self, node: int | None, seq: int) -> Match | None:
         if node is None:
@@ -196,7 +201,7 @@ def _later_matches(touches: pd.DataFrame, nodes: set[int], after_seq: int) -> _L
     t = touches
     found = (t["kind"] == EventKind.MATCH.value).to_numpy() & (t["aux"] > 0).to_numpy() \
         & (t["seq"] > after_seq).to_numpy() & _isin(t["node_id"], nodes)
-    return _LaterMatches(t.loc[found, ["seq", "step", "rid", "node_id", "aux"]])
+    return _LaterMatches(t.loc[found, ["seq", "node_id", "aux"]])
 
 
 # -- running requests ------------------------------------------------------------------------

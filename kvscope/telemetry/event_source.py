@@ -27,7 +27,7 @@ import pandas as pd
 from sqlalchemy import Engine, func, select
 
 from kvscope.telemetry import schema
-from kvscope.telemetry.packed import COLUMN_DTYPES, NO_CODE, NO_SLOTS, NULL_INT, STRING_COLUMNS, widen
+from kvscope.telemetry.packed import COLUMN_DTYPES, NO_CODE, NO_SLOTS, NULL_INT, STRING_COLUMNS, widen_array
 from kvscope.telemetry.store import CaptureError, driver_rows
 
 CACHE_BYTES = 1 << 30
@@ -90,6 +90,12 @@ class PackedEvents:
                             columns=["chunk", "first_seq", "num_events", "first_step", "last_step", "kinds"])
 
     def column(self, run_id: int, chunk: int, name: str) -> np.ndarray:
+        """A chunk's column as COLUMN_DTYPES[name]."""
+        return widen_array(name, self.stored(run_id, chunk, name))
+
+    def stored(self, run_id: int, chunk: int, name: str) -> np.ndarray:
+        """A chunk's column as stored (the narrowest type that holds it: packed.narrow), a view
+        of the bytes read; widen what you keep with packed.widen_array."""
         key = (run_id, chunk, name)
         with self._lock:
             found = self._columns.get(key)
@@ -115,7 +121,7 @@ class PackedEvents:
         for rows in driver_rows(self.engine, stmt, self.name, batch_rows=64):
             for chunk, name, stored, data in rows:
                 if chunk in wanted:
-                    self._keep((run_id, int(chunk), str(name)), widen(str(name), str(stored), data))
+                    self._keep((run_id, int(chunk), str(name)), np.frombuffer(data, str(stored)))
 
     def _keep(self, key: tuple[int, int, str], values: np.ndarray) -> None:
         with self._lock:
@@ -213,6 +219,7 @@ def read_events(
     offset: int = 0,
     rids: Sequence[str] | None = None,
     coded: Sequence[str] = (),
+    seqs: Sequence[int] | None = None,
 ) -> pd.DataFrame:
     """`capture`: a queries.Capture. See the module note. `coded`: string columns of a packed run
     that stay int codes (NO_CODE for NULL), for reads that group or join on them and decode only
@@ -225,7 +232,7 @@ def read_events(
     chunks = packed.chunks(run_id)
     if chunks.empty:
         return _rows(capture, run_id, names, kinds, step_range, after_seq, rids if rid is None else [rid], node_id,
-                     limit, offset)
+                     limit, offset, seqs)
     kinds = None if kinds is None else [str(k) for k in kinds]
     if kinds is not None:
         wanted = set(kinds)
@@ -234,8 +241,15 @@ def read_events(
         chunks = chunks[(chunks.last_step >= step_range[0]) & (chunks.first_step <= step_range[1])]
     if after_seq is not None:
         chunks = chunks[chunks.first_seq + chunks.num_events - 1 > after_seq]
+    wanted_seqs = None
+    if seqs is not None:
+        wanted_seqs = np.unique(np.asarray(list(seqs), np.int64))
+        ends = (chunks.first_seq + chunks.num_events).to_numpy()
+        hit = np.searchsorted(wanted_seqs, chunks.first_seq.to_numpy()) < np.searchsorted(wanted_seqs, ends)
+        chunks = chunks[hit]
     out = packed_arrays(packed, chunks, run_id, names, kinds=kinds, step_range=step_range, after_seq=after_seq,
-                        rids=rids if rid is None else [rid], node_id=node_id, limit=limit, offset=offset)
+                        rids=rids if rid is None else [rid], node_id=node_id, limit=limit, offset=offset,
+                        seqs=wanted_seqs)
     return _frame(packed, run_id, out, names, coded)
 
 
@@ -256,7 +270,7 @@ def present(values: pd.Series) -> pd.Series:
 def packed_arrays(packed: PackedEvents, chunks: pd.DataFrame, run_id: int, names: list[str], *,
                   kinds: list[str] | None = None, step_range: tuple[int, int] | None = None,
                   after_seq: int | None = None, rids: Sequence[str] | None = None, node_id: int | None = None,
-                  limit: int | None = None, offset: int = 0) -> dict[str, np.ndarray]:
+                  limit: int | None = None, offset: int = 0, seqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The stored arrays of `names` (strings as codes, node_id with NULL_INT) of the events of
     `chunks` that pass the filters; chunks are read one at a time and only until `limit` rows
     past `offset` are found."""
@@ -271,7 +285,7 @@ def packed_arrays(packed: PackedEvents, chunks: pd.DataFrame, run_id: int, names
                    if wanted is not None]
         packed.prefetch(run_id, chunks.chunk.tolist(), [*filters, *_stored(names)])
     for row in chunks.itertuples(index=False):
-        part = _chunk_frame(packed, run_id, row, names, kind_codes, step_range, after_seq, rid_codes, node_id)
+        part = _chunk_frame(packed, run_id, row, names, kind_codes, step_range, after_seq, rid_codes, node_id, seqs)
         if len(part["seq"]):
             parts.append(part)
             found += len(part["seq"])
@@ -299,9 +313,9 @@ def python_values(packed: PackedEvents, run_id: int, name: str, values: np.ndarr
 
 def _chunk_frame(packed: PackedEvents, run_id: int, row: Any, names: list[str], kind_codes: np.ndarray | None,
                  step_range: tuple[int, int] | None, after_seq: int | None, rid_codes: np.ndarray | None,
-                 node_id: int | None) -> dict[str, np.ndarray]:
-    def col(name: str) -> np.ndarray:
-        return packed.column(run_id, int(row.chunk), name)
+                 node_id: int | None, seqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    def col(name: str) -> np.ndarray:  # NOTE: as stored (narrow): filtered first, widened when kept
+        return packed.stored(run_id, int(row.chunk), name)
 
     n = int(row.num_events)
     mask = np.ones(n, bool)
@@ -312,18 +326,25 @@ def _chunk_frame(packed: PackedEvents, run_id: int, row: Any, names: list[str], 
         mask &= (step >= step_range[0]) & (step <= step_range[1])
     if after_seq is not None and after_seq >= row.first_seq:
         mask[: after_seq - int(row.first_seq) + 1] = False
+    if seqs is not None:  # NOTE: sorted; the chunk holds seqs first_seq .. first_seq + n - 1
+        first = int(row.first_seq)
+        inside = seqs[(seqs >= first) & (seqs < first + n)] - first
+        picked = np.zeros(n, bool)
+        picked[inside] = True
+        mask &= picked
     if rid_codes is not None:
         mask &= np.isin(col("rid"), rid_codes)
     if node_id is not None:
-        mask &= col("node_id") == node_id
+        mask &= widen_array("node_id", col("node_id")) == node_id
     out: dict[str, np.ndarray] = {}
     for name in names:
         if name == "seq":
             out[name] = np.arange(int(row.first_seq), int(row.first_seq) + n, dtype=np.int64)[mask]
         elif name == "slots":
-            out[name] = _slot_blobs(col("slot_counts"), col("slots"), mask)
+            out[name] = _slot_blobs(widen_array("slot_counts", col("slot_counts")),
+                                    widen_array("slots", col("slots")), mask)
         else:
-            out[name] = col(name)[mask]
+            out[name] = widen_array(name, col(name)[mask])
     return out
 
 
@@ -367,7 +388,7 @@ def _frame(packed: PackedEvents, run_id: int, out: dict[str, np.ndarray], names:
 def _rows(capture: Any, run_id: int, names: list[str], kinds: Sequence[str] | None,
           step_range: tuple[int, int] | None, after_seq: int | None, rids: Sequence[str] | None,
           node_id: int | None,
-          limit: int | None, offset: int) -> pd.DataFrame:
+          limit: int | None, offset: int, seqs: Sequence[int] | None = None) -> pd.DataFrame:
     """A run of the row layout (written before version 6), through SQL."""
     e = schema.events.c
     available = {c.name: c for c in schema.columns_as_of(schema.events, capture.schema_version)}
@@ -382,6 +403,8 @@ def _rows(capture: Any, run_id: int, names: list[str], kinds: Sequence[str] | No
         stmt = stmt.where(e.rid.in_(list(rids)))
     if node_id is not None:
         stmt = stmt.where(e.node_id == node_id)
+    if seqs is not None:
+        stmt = stmt.where(e.seq.in_(sorted({int(q) for q in seqs})))
     stmt = stmt.order_by(e.seq)
     if limit is not None:
         stmt = stmt.limit(limit)

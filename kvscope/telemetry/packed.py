@@ -160,8 +160,13 @@ def narrow(name: str, values: np.ndarray) -> tuple[str, bytes]:
 
 def widen(name: str, stored_dtype: str, data: bytes) -> np.ndarray:
     """A stored column as COLUMN_DTYPES[name] (narrow's inverse)."""
+    return widen_array(name, np.frombuffer(data, stored_dtype))
+
+
+def widen_array(name: str, values: np.ndarray) -> np.ndarray:
+    """Stored values (or a selection of them) as COLUMN_DTYPES[name]: a reader filters a chunk's
+    narrow columns first and widens only what it keeps."""
     wanted = np.dtype(COLUMN_DTYPES[name])
-    values = np.frombuffer(data, stored_dtype)
     if values.dtype == wanted:
         return values
     wide = values.astype(wanted)

@@ -131,13 +131,15 @@ class Capture:
         columns: Sequence[str] = EVENT_COLUMNS,
         rids: Sequence[str] | None = None,
         coded: Sequence[str] = (),
+        seqs: Sequence[int] | None = None,
     ) -> pd.DataFrame:
         """The run's events in seq order (every column but run_id unless `columns` says), from
         either layout (event_source.py); `limit` None: all of them; `rids`: any of these requests;
-        `coded`: these string columns as codes where the run has them (event_source.read_events)."""
+        `coded`: these string columns as codes where the run has them (event_source.read_events);
+        `seqs`: only the events of these sequence numbers."""
         return read_events(self, run_id, columns, kinds=None if kinds is None else [str(k) for k in kinds],
                            rid=rid, rids=rids, node_id=node_id, step_range=step_range, limit=limit, offset=offset,
-                           coded=coded)
+                           coded=coded, seqs=seqs)
 
     def event_stream(self, run_id: int, columns: Sequence[str], *, after_seq: int = -1,
                      batch_rows: int = 20_000) -> Iterator[list[tuple]]:
