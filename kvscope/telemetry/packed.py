@@ -88,6 +88,16 @@ class Chunk:
     columns: dict[str, tuple[str, bytes]]  # name -> (stored dtype, data)
     new_strings: list[tuple[int, str]]
 
+    def table_rows(self, run_id: int, number: int) -> dict[str, list[tuple[Any, ...]]]:
+        """The chunk as rows of the packed tables (schema.PACKED_TABLES' columns, in order), as
+        the run's chunk `number`."""
+        return {
+            "event_strings": [(run_id, code, text) for code, text in self.new_strings],
+            "event_chunks": [(run_id, number, self.first_seq, self.num_events, self.first_step, self.last_step,
+                              self.kinds)],
+            "event_columns": [(run_id, number, name, dtype, data) for name, (dtype, data) in self.columns.items()],
+        }
+
 
 class Packer:
     """Turns the recorder's buffered items into chunks; owns the run's seq counter and string

@@ -111,13 +111,7 @@ def _write_chunk(conn: Connection, inserts: dict[str, Statement], packer: Packer
                  first_seq: int, buffered: list[Any]) -> int:
     packer.next_seq = first_seq
     chunk = packer.pack(buffered, slot_dtype="<i4")
-    rows: dict[str, list[tuple[Any, ...]]] = {
-        "event_strings": [(run_id, code, text) for code, text in chunk.new_strings],
-        "event_chunks": [(run_id, number, chunk.first_seq, chunk.num_events, chunk.first_step, chunk.last_step,
-                          chunk.kinds)],
-        "event_columns": [(run_id, number, name, dtype, data) for name, (dtype, data) in chunk.columns.items()],
-    }
-    for table, values in rows.items():
+    for table, values in chunk.table_rows(run_id, number).items():
         if values:
             insert = inserts[table]
             conn.exec_driver_sql(insert.sql, insert.params(values))

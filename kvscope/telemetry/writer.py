@@ -191,11 +191,8 @@ class Writer:
             chunk = self.packer.pack(items[start : start + step] if len(items) > step else items,
                                      has_batches=has_batches)
             number, self.num_chunks = self.num_chunks, self.num_chunks + 1
-            tables["event_strings"] += [(run_id, code, text) for code, text in chunk.new_strings]
-            tables["event_chunks"].append((run_id, number, chunk.first_seq, chunk.num_events, chunk.first_step,
-                                           chunk.last_step, chunk.kinds))
-            tables["event_columns"] += [(run_id, number, name, dtype, data)
-                                        for name, (dtype, data) in chunk.columns.items()]
+            for table, values in chunk.table_rows(run_id, number).items():
+                tables[table] += values
         for table, row in rows:
             tables[table].append(row)
         work = [(inserts[name], values) for name, values in tables.items() if values]
