@@ -111,11 +111,6 @@ def eviction_log(path: str, run_id: int, stamp: float, limit: int, offset: int) 
     return telemetry.eviction_log(open_capture(path), run_id, limit, offset)
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def requests(path: str, run_id: int, stamp: float) -> pd.DataFrame:
-    return open_capture(path).requests(run_id)
-
-
 # NOTE: the Requests page reads a run's requests by page and by aggregate, never all rows at once
 # (a long serve session records hundreds of thousands); `tenant` None: every tenant
 

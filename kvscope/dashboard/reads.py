@@ -27,7 +27,7 @@ def first_t_mono(path: str, run_id: int, stamp: float) -> float | None:
     """The run's earliest monotonic time: its first event, else its first request's arrival or
     its first usage sample (a summary capture has no events)."""
     capture = data.open_capture(path)
-    found = _earliest([capture.events(run_id, limit=1)["t_mono"], capture.requests(run_id)["arrive_t"]])
+    found = _earliest([capture.events(run_id, limit=1)["t_mono"], pd.Series([capture.first_arrival(run_id)])])
     return found if found is not None else _earliest([capture.usage(run_id, max_points=ALL_ROWS)["t_mono"]])
 
 

@@ -230,6 +230,13 @@ class Capture:
             stmt = stmt.where(c.principal.in_(list(principals)))
         return self.read_frame(stmt.group_by(c.status).order_by(c.status))
 
+    def first_arrival(self, run_id: int) -> float | None:
+        """The earliest monotonic arrival time of the run's requests (None without any)."""
+        c = schema.requests.c
+        with self.engine.connect() as conn:
+            found = conn.execute(select(func.min(c.arrive_t)).where(c.run_id == run_id)).scalar()
+        return None if found is None else float(found)
+
     def request_principals(self, run_id: int) -> list[str]:
         """The distinct principals of the run's requests (no NULL), sorted."""
         c = schema.requests.c
