@@ -23,8 +23,9 @@ NOTE: what survives
                    then exits); the run stays 'running' (readers show "ended without closing")
     a write fails  (a full disk, ...) recording stops: later records are dropped, one line on
                    stderr and in `failure` says through which step the capture is complete, and
-                   close() marks the run 'incomplete' with that line (or, if even that write
-                   fails, leaves it 'running'); everything committed before stays readable. The
+                   close() marks the run 'incomplete' with that line (folding the log into the
+                   file first when the log has no room left for it; if even that fails, it
+                   leaves it 'running'); everything committed before stays readable. The
                    writer process ending unexpectedly stops recording the same way.
     close()        hands over the rest, waits for the writer to write it and exit, marks the run
                    (finished / interrupted / crashed / incomplete) and folds the log into the file
@@ -400,15 +401,24 @@ class SQLRecorder(Recorder):
             atexit.unregister(self.close)
 
     def _mark_ended(self, status: str, error: str | None) -> None:
+        """NOTE: a write that failed for room (a full disk, a file-size limit) may leave the log too
+        full for even this one page: the log is then folded into the file (settle: the rows it
+        holds are kept, the log file goes) and the end written once more."""
         if self.failure is not None:
             status, error = RunStatus.INCOMPLETE, self.failure if error is None else f"{self.failure}; {error}"
-        try:
-            with self.engine.begin() as conn:
-                conn.execute(update(schema.runs).where(schema.runs.c.id == self.run_id).values(
-                    status=status, ended_at=time.time(), heartbeat_at=time.time(), error=error))
-        except Exception as err:  # NOTE: the run stays 'running': readers show "ended without closing"
-            if self.failure is None:
-                self._stop_recording(first_line(err))
+        mark = update(schema.runs).where(schema.runs.c.id == self.run_id).values(
+            status=status, ended_at=time.time(), heartbeat_at=time.time(), error=error)
+        for last_try in (False, True):
+            try:
+                with self.engine.begin() as conn:
+                    conn.execute(mark)
+                return
+            except Exception as err:  # NOTE: the run stays 'running': readers show "ended without closing"
+                if not last_try and settle(self.engine):
+                    continue
+                if self.failure is None:
+                    self._stop_recording(first_line(err))
+                return
 
     def __enter__(self) -> SQLRecorder:
         return self

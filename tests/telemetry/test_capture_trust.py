@@ -503,3 +503,45 @@ with engine.begin() as conn:
                                              config="{}"))
 os.kill(os.getpid(), signal.SIGKILL)
 """
+
+
+def test_a_run_whose_log_is_too_full_for_its_end_folds_the_log_and_ends(tmp_path: Path) -> None:
+    """The run's end is one more page in the log. When the log has no room left for it (a full
+    disk, a file-size limit: here the recording process may write no byte past the log's last
+    committed frame), close folds the log into the file and writes the end there: the run is
+    marked as it ended, not left 'running'."""
+    path = tmp_path / "tight.db"
+    done = subprocess.run([sys.executable, "-c", END_WITHOUT_ROOM, str(path)], cwd=ROOT, capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "recording stopped" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    capture = Capture(path)
+    run = capture.runs().iloc[0]
+    assert (run.status, run.error) == ("finished", None)
+    assert len(capture.events(1, limit=None)) == 3 * EVENTS_PER_STEP
+    assert side_files(path) == []
+
+
+# three steps written, then RLIMIT_FSIZE on this process at the log's last commit + 100 bytes
+END_WITHOUT_ROOM = f"""
+import os, resource, signal, struct, sys
+import numpy as np
+from kvscope.telemetry import EventKind, PoolName, SQLRecorder
+path = sys.argv[1]
+recorder = SQLRecorder(path, label="tight", flush_interval_s=60)
+for step in range(3):
+    recorder.step = step
+    for i in range({EVENTS_PER_STEP}):
+        recorder.record(EventKind.ALLOC, pool=PoolName.FULL, rid=f"r{{step}}-{{i}}", num_tokens=16,
+                        slots=np.arange(16))
+    recorder.flush()
+with open(path + "-wal", "rb") as log:
+    wal = log.read()
+frame = 24 + struct.unpack(">I", wal[8:12])[0]
+commits = [32 + (i + 1) * frame for i in range((len(wal) - 32) // frame)
+           if struct.unpack(">I", wal[32 + i * frame + 4 : 32 + i * frame + 8])[0]]
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+limit = commits[-1] + 100
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+recorder.close()
+"""
