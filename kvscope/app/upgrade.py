@@ -34,5 +34,6 @@ def upgrade_verb(args: argparse.Namespace) -> int:
         print(f"{args.capture}: nothing to upgrade (every run is packed already)")
     else:
         for r in packed:
-            print(f"{args.capture}: run {r.run_id}: {r.events:,} events packed into {r.chunks} chunks")
+            chunks = "1 chunk" if r.chunks == 1 else f"{r.chunks:,} chunks"
+            print(f"{args.capture}: run {r.run_id}: {r.events:,} events packed into {chunks}")
     return 0
