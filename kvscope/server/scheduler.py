@@ -19,9 +19,12 @@ NOTE: the loop
     KV events, and a StatsOut when stats_interval_s has passed
     stop    ShutdownReq, SIGTERM or SIGINT: new requests are refused, those in flight finish
             (ShutdownReq(abort_in_flight=True) or a second signal aborts them), the idle
-            check runs, the capture closes ('finished'), exit 0. The front's death counts as
-            a stop with its requests aborted. An exception: the capture closes 'crashed'
-            with its line, exit 1.
+            check runs, the capture closes ('finished'), exit 0. An exception: the capture
+            closes 'crashed' with its line, exit 1.
+    the front dies  (the parent process ends without a ShutdownReq: SIGKILL, a crash) the loop
+            stops at once, nothing more is sent (no one reads it), the requests in flight are
+            stored in_flight and the capture closes 'crashed' ("the HTTP front died"), exit 1:
+            a killed server is never a finished run
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ IDLE_POLL_S = 0.05
 SEND_RETRY_S = 0.2
 SEND_GIVE_UP_S = 5.0
 EXIT_OK, EXIT_CRASHED = 0, 1
+FRONT_DIED = "the HTTP front died (the kvscope serve process ended without stopping the scheduler)"
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,10 @@ def scheduler_main(spec: ServeSpec, to_scheduler: str, to_front: str) -> int:
             recorder = SQLRecorder(spec.capture, level=spec.level, label=spec.label, config=spec.config)
         loop = ServeLoop(spec, recorder, stop, to_scheduler, to_front)
         loop.run()
+        if loop.front_died:
+            status, error = RunStatus.CRASHED, FRONT_DIED
+            print(f"kvscope serve: scheduler stopped: {FRONT_DIED}", file=sys.stderr)
+            loop.engine.stats.close_in_flight()
     except BaseException as err:
         status, error = RunStatus.CRASHED, f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
         print(f"kvscope serve: scheduler crashed: {error}", file=sys.stderr)
@@ -166,6 +174,7 @@ class ServeLoop:
         self.client_aborts: set[str] = set()
         self.draining = False
         self.abort_requested = False
+        self.front_died = False
         self.last_stats_s = 0.0
         self.parent = multiprocessing.parent_process()
 
@@ -180,6 +189,8 @@ class ServeLoop:
             idle = scheduler.is_idle()
             self.receive(timeout_s=IDLE_POLL_S if idle else 0.0)
             self.check_stop()
+            if self.front_died:
+                return
             if self.abort_requested:
                 self.abort_all()
             if self.draining and scheduler.is_idle():
@@ -208,7 +219,7 @@ class ServeLoop:
         if self.stop.num_signals >= 2:
             self.abort_requested = True
         if self.parent is not None and not self.parent.is_alive():
-            self.draining = self.abort_requested = True
+            self.front_died = self.draining = True
 
     # -- requests from the front ---------------------------------------------------------------
 
@@ -318,7 +329,7 @@ class ServeLoop:
     def send(self, msg: TokenOut | StatsOut) -> None:
         frame = encode(msg)
         waited_s = 0.0
-        while True:
+        while not self.front_died:
             try:
                 self.outbox.send(frame)
                 return
@@ -336,7 +347,7 @@ class ServeLoop:
         if self.publisher is not None:
             self.publisher.close()
         self.inbox.close(linger=0)
-        self.outbox.close()
+        self.outbox.close(linger=0 if self.front_died else None)
         self.context.term()
 
 
