@@ -13,8 +13,9 @@ NOTE: the two processes
                        on flush(), the buffer is handed to the writer: slots that are not int64
                        numpy arrays (torch tensors on any device, lists) are converted in one go,
                        then the buffer is marshalled and sent (channel.py). Callers are one thread.
-    writer process     kvscope.telemetry.writer: packs, writes, acknowledges. Its CPU time and its
-                       interpreter are its own.
+    writer process     kvscope.telemetry.writer: packs, writes, acknowledges, and beats the run's
+                       heartbeat every `heartbeat_interval_s` while this process lives (idle or not).
+                       Its CPU time and its interpreter are its own.
 With more than 4 x flush_max_events handed over and not yet written, a hand-off waits for the
 writer (back-pressure). flush() waits until everything recorded so far is on disk.
 
@@ -72,7 +73,7 @@ from kvscope.telemetry.store import (
     open_writer,
     settle,
 )
-from kvscope.telemetry.writer import WriterSettings
+from kvscope.telemetry.writer import HEARTBEAT_INTERVAL_S, WriterSettings
 
 DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 SLOTS_AT = ITEM_FIELDS.index("slots")
@@ -108,6 +109,7 @@ class SQLRecorder(Recorder):
         config: dict[str, Any] | None = None,
         flush_interval_s: float = 0.2,
         flush_max_events: int = 200_000,
+        heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
     ) -> None:
         if level not in LEVELS[1:]:
             raise ValueError(f"recording level must be 'summary' or 'full' here, got {level!r}")
@@ -137,6 +139,7 @@ class SQLRecorder(Recorder):
         self._items_sent = self._items_done = self._rows_sent = 0
         self._writer_closed = False
         self._writer_ready = False
+        self._heartbeat_interval_s = heartbeat_interval_s
         try:
             self.run_id = self._start_run(label, config or {})
         except SQLAlchemyError as err:
@@ -174,6 +177,7 @@ class SQLRecorder(Recorder):
             file=None if path is None else str(path), url=None if path is not None else str(target), run_id=self.run_id,
             inserts={name: insert_statement(engine, table, columns) for name, (table, columns) in tables.items()},
             heartbeat=compiled_statement(engine, heartbeat, ("heartbeat_at", "run_id")),
+            heartbeat_interval_s=self._heartbeat_interval_s,
         )
 
     @property

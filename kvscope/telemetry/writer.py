@@ -27,6 +27,10 @@ died): what it received is written first. It ignores SIGINT, SIGTERM and SIGHUP 
 decides when it ends, and a terminal's Ctrl-C reaches the recorder's process group, not this
 one) and SIGXFSZ (a file-size limit fails the write, as a full disk does, instead of killing it).
 It imports no SQLAlchemy for a capture file: sqlite3 directly, the same pragmas as the store.
+NOTE: the heartbeat (runs.heartbeat_at) is written with every batch and, while no batch comes,
+every `heartbeat_interval_s`: it beats exactly while the recording process lives (the channel
+is open), so an idle run reads as running and a killed one stops beating. A beat that cannot
+be written is skipped (the next batch reports a real write failure); none once recording stopped.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from kvscope.telemetry.channel import Channel, ChannelClosed, Message
 from kvscope.telemetry.packed import ITEM_WIDTH, Packer
 from kvscope.telemetry.sqlite_files import BUSY_TIMEOUT_MS, execute_when_free, file_uri, first_line
 
+HEARTBEAT_INTERVAL_S = 5.0  # NOTE: readers call a run dead after queries.STALE_HEARTBEAT_S (30 s) without one
 CHUNK_ITEMS = 65_536  # NOTE: a larger batch is packed as several chunks (their columns stay in the CPU's caches)
 
 
@@ -69,22 +74,24 @@ class Statement(NamedTuple):
 class WriterSettings(NamedTuple):
     """What the writer writes where: `file` (a SQLite file) or `url` (any other database,
     through SQLAlchemy); the run; one insert per table and the heartbeat update (columns
-    heartbeat_at, run_id)."""
+    heartbeat_at, run_id), written at least every `heartbeat_interval_s`."""
 
     file: str | None
     url: str | None
     run_id: int
     inserts: dict[str, Statement]
     heartbeat: Statement
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
 
     def to_plain(self) -> tuple[Any, ...]:
         return (self.file, self.url, self.run_id, {name: tuple(s) for name, s in self.inserts.items()},
-                tuple(self.heartbeat))
+                tuple(self.heartbeat), self.heartbeat_interval_s)
 
     @classmethod
     def from_plain(cls, plain: tuple[Any, ...]) -> WriterSettings:
-        file, url, run_id, inserts, heartbeat = plain
-        return cls(file, url, run_id, {name: Statement(*s) for name, s in inserts.items()}, Statement(*heartbeat))
+        file, url, run_id, inserts, heartbeat, interval_s = plain
+        return cls(file, url, run_id, {name: Statement(*s) for name, s in inserts.items()}, Statement(*heartbeat),
+                   interval_s)
 
 
 class SQLiteSink:
@@ -173,14 +180,25 @@ class Writer:
         if self.failure is not None:
             return
         try:
-            if self.sink is None:
-                file, url = self.settings.file, self.settings.url
-                self.sink = SQLiteSink(file) if file is not None else DatabaseSink(str(url))
-            self.sink.write(self._work(items, rows, has_batches))
+            self._sink().write(self._work(items, rows, has_batches))
         except Exception as err:
             self.failure = first_line(err)
             return
         self.complete_step = max(self.complete_step, done_step)
+
+    def beat(self) -> None:
+        """The heartbeat alone (no batch came for a while); skipped once recording stopped, and
+        when it cannot be written (a busy or full database: the next batch says so)."""
+        if self.failure is not None:
+            return
+        with suppress(Exception):
+            self._sink().write([(self.settings.heartbeat, [(time.time(), self.settings.run_id)])])
+
+    def _sink(self) -> SQLiteSink | DatabaseSink:
+        if self.sink is None:
+            file, url = self.settings.file, self.settings.url
+            self.sink = SQLiteSink(file) if file is not None else DatabaseSink(str(url))
+        return self.sink
 
     def _work(self, items: list[Any], rows: list[tuple[str, tuple[Any, ...]]], has_batches: bool
               ) -> list[tuple[Statement, list[Any]]]:
@@ -210,14 +228,20 @@ def serve(channel: Channel) -> None:
     assert first is not None and first.kind == "start", "the recorder speaks first"
     writer = Writer(WriterSettings.from_plain(first.header[1]))
     _answer(channel, ("ready",))
+    interval_s = writer.settings.heartbeat_interval_s
+    beat_due_s = time.monotonic() + interval_s
     try:
         while True:
             try:
-                arrived = channel.receive()
+                arrived = channel.receive(max(0.0, beat_due_s - time.monotonic()))
                 messages = [arrived, *channel.poll()] if arrived is not None else []
             except ChannelClosed:
                 return  # NOTE: the recording process is gone; every batch it sent is written
             batches = [m for m in messages if m.kind == "batch"]
+            if batches or time.monotonic() >= beat_due_s:
+                beat_due_s = time.monotonic() + interval_s
+            if not messages:
+                writer.beat()
             if batches:
                 failed_before = writer.failure is not None
                 writer.write(batches)

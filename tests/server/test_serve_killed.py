@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvscope.telemetry.writer import HEARTBEAT_INTERVAL_S
 from tests.server.serving import serving
 
 MODEL = "kvscope-tiny"
@@ -64,6 +65,13 @@ def test_a_killed_serve_is_crashed_not_finished_and_check_is_inconclusive(tmp_pa
             (scheduler_pid,) = db.execute("select pid from runs").fetchone()
         writers = children(scheduler_pid)
         assert writers, "the scheduler's writer process"
+        if when == "idle":  # an idle server's capture beats: it reads as running, however long it idles
+            with sqlite3.connect(capture) as db:
+                (before,) = db.execute("select heartbeat_at from runs").fetchone()
+            time.sleep(HEARTBEAT_INTERVAL_S + 1.5)
+            with sqlite3.connect(capture) as db:
+                (after,) = db.execute("select heartbeat_at from runs").fetchone()
+            assert after > before, "no heartbeat while idle"
         if when == "mid-load":
             started = threading.Event()
             threading.Thread(target=stream_until_first_token, args=(server.url, started), daemon=True).start()
