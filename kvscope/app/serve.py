@@ -133,7 +133,7 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
     import uvicorn
 
     from kvscope.server.front import Front, FrontState
-    from kvscope.server.protocol import ShutdownReq, TokenOut
+    from kvscope.server.protocol import ShutdownReq
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -185,9 +185,7 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
         while not stop.is_set():
             if not process.is_alive():
                 print("kvscope serve: error: the scheduler process exited", file=sys.stderr)
-                for rid, pending in list(front.pending.items()):
-                    pending.queue.put_nowait(TokenOut(rid, [], finished=True, finish_reason="error",
-                                                      error="the scheduler process exited"))
+                front.scheduler_exited("the scheduler process exited")
                 code = 1
                 break
             if serving is not None and serving.done():

@@ -15,6 +15,17 @@ NOTE: principals (docs/serve.md)
                     the key's own principal; any other value with a slash (another tenant, or
                     another user of the same tenant) is 403.
 Every request error is OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
+
+NOTE: bad input never reaches a handler as a Python surprise
+    the body     read_json: not JSON, not UTF-8, NaN / Infinity / 1e999, an integer longer than
+                 MAX_INT_DIGITS, nesting deeper than MAX_JSON_DEPTH, a lone UTF-16 surrogate
+                 ("\\ud800", which no text encoding carries) in any string or key: 400 naming
+                 the field's path (e.g. "messages[0].content")
+    a handler    ErrorBoundary (around every route): an ApiError it lets out is its JSON error;
+                 a client gone while sending its body ends quietly; anything else is one line on
+                 stderr and a 500 (a bug, never a traceback); a stream already started ends
+    the scheduler dead: its requests in flight end 503 server_error (a server fault, not the
+                 request's)
 """
 
 from __future__ import annotations
@@ -22,9 +33,12 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
+import math
+import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +46,11 @@ import zmq
 import zmq.asyncio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvscope.engine import EngineConfig, ModelConfig
 from kvscope.server.api_keys import Principal
@@ -53,6 +69,8 @@ from kvscope.workloads.tokenizer import NUM_SPECIAL, ByteTokenizer
 
 DEFAULT_MAX_TOKENS = 16
 DISCONNECT_POLL_S = 0.2
+MAX_JSON_DEPTH = 64  # NOTE: OpenAI bodies nest a few levels (a tool's JSON schema a dozen or so)
+MAX_INT_DIGITS = 4300  # NOTE: Python's own limit for int(str); past it a number is refused by name
 
 
 class ApiError(Exception):
@@ -173,6 +191,7 @@ class Front:
         self.stats: StatsOut | None = None
         self.router: asyncio.Task[None] | None = None
         self.aborts: set[asyncio.Task[None]] = set()
+        self.scheduler_error: str | None = None  # set once the scheduler process is gone
 
     # --- the scheduler side
 
@@ -194,6 +213,20 @@ class Front:
 
     async def send(self, msg: ToScheduler) -> None:
         await self.push.send(encode(msg))
+
+    def scheduler_exited(self, error: str) -> None:
+        """The scheduler process is gone: no new request is taken, and those in flight end with
+        `error` (a 503: the server's fault, not the request's)."""
+        self.scheduler_error = error
+        self.accepting = False
+        for rid, pending in list(self.pending.items()):
+            pending.queue.put_nowait(TokenOut(rid, [], finished=True, finish_reason="error", error=error))
+
+    def refusal(self) -> tuple[int, str, str]:
+        """A request that ended in error: (status, type, code); 503 once the scheduler is gone."""
+        if self.scheduler_error is not None:
+            return 503, "server_error", "scheduler_unavailable"
+        return 400, "invalid_request_error", "rejected"
 
     async def close(self) -> None:
         if self.router is not None:
@@ -273,7 +306,8 @@ class Front:
             Route("/server_info", self.server_info, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
         ]
-        return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+        return Starlette(routes=routes, middleware=[Middleware(ErrorBoundary)],
+                         exception_handlers={HTTPException: http_error})
 
     async def health(self, request: Request) -> Response:
         if not self.accepting:
@@ -341,7 +375,9 @@ class Front:
         if not outcome.finish_reason:  # the client went away
             return error_response(499, "client closed the request", code="client_closed")
         if outcome.finish_reason == "error":
-            return error_response(400, outcome.error or "the scheduler refused the request", code="rejected")
+            status, type_, code = self.refusal()
+            return error_response(status, outcome.error or "the scheduler refused the request", type_=type_,
+                                  code=code)
         text = detok.feed(outcome.ids, final=True)
         choice: dict[str, Any] = {"index": 0, "finish_reason": outcome.finish_reason, "logprobs": None}
         if chat:
@@ -377,14 +413,20 @@ class Front:
             async for out in outs:
                 absorb(outcome, out)
                 if out.finish_reason == "error":
+                    _, type_, code = self.refusal()
                     yield sse({"error": {"message": out.error or "the scheduler refused the request",
-                                         "type": "invalid_request_error", "param": None, "code": "rejected"}})
+                                         "type": type_, "param": None, "code": code}})
                     break
                 text = detok.feed(out.new_token_ids, final=out.finished)
                 if text:
                     yield chunk(text, None)
                 if out.finished:
                     yield chunk(None if req.chat else "", out.finish_reason)
+        except Exception as err:  # NOTE: a bug mid-stream: the stream ends with an error event, not cut
+            report_internal_error(request.scope, err)
+            yield sse({"error": {"message": f"internal error: {type(err).__name__}", "type": "server_error",
+                                 "param": None, "code": "internal_error"}})
+            outcome.finish_reason = None
         finally:
             await outs.aclose()
         if outcome.finish_reason and req.include_usage:
@@ -429,9 +471,13 @@ class Front:
             stream = False
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be a boolean", param="stream", code="invalid_type")
-        options = body.get("stream_options") or {}
+        options = body.get("stream_options")
+        options = {} if options is None else options
         if not isinstance(options, dict):
             raise ApiError(400, "'stream_options' must be an object", param="stream_options", code="invalid_type")
+        if not isinstance(options.get("include_usage", False), bool | None):
+            raise ApiError(400, "'stream_options.include_usage' must be a boolean",
+                           param="stream_options.include_usage", code="invalid_type")
         self.check_request(input_ids, max_tokens)
         return GenRequest(chat, input_ids, max_tokens, stream, bool(options.get("include_usage")), principal, arrival)
 
@@ -475,19 +521,134 @@ def sse(payload: dict[str, Any]) -> str:
 
 
 async def read_json(request: Request) -> Any:
-    raw = await request.body()
+    """The body as JSON values a handler can trust (see the module NOTE), or ApiError 400."""
+    return decode_json(await request.body())
+
+
+class BadNumber:
+    """A JSON number no handler should see (NaN, an infinity, an integer of too many digits):
+    decode_json's placeholder until check_json names its field."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def why(self) -> str:
+        if self.text.lstrip("-").isdigit():
+            return f"is an integer of {len(self.text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})"
+        return f"is {self.text[:20]}, not a finite number"
+
+
+def _int(text: str) -> int | BadNumber:
+    return int(text) if len(text) <= MAX_INT_DIGITS else BadNumber(text)
+
+
+def _float(text: str) -> float | BadNumber:
+    value = float(text)
+    return value if math.isfinite(value) else BadNumber(text)
+
+
+def decode_json(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
+        body = json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=BadNumber)
+    except RecursionError:
+        raise ApiError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ApiError(400, f"the body is not valid JSON: {err}", code="invalid_json") from None
+    check_json(body)
+    return body
+
+
+def check_json(body: Any) -> None:
+    """ApiError 400 naming the first field that nests too deep, is a BadNumber or holds a lone
+    surrogate (in its value or its key). Iterative: a deep body cannot exhaust the stack."""
+    if isinstance(body, BadNumber):
+        raise ApiError(400, f"the body {body.why()}", code="invalid_json")
+    if isinstance(body, str) and not _is_text(body):
+        raise ApiError(400, "the body holds a lone UTF-16 surrogate, which is not text", code="invalid_json")
+    stack: list[tuple[Any, str, int]] = [(body, "", 1)] if isinstance(body, dict | list) else []
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            field = path.split("[", 1)[0].split(".", 1)[0] or None  # NOTE: the top-level field it is in
+            raise ApiError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels"
+                           + (f" (in '{field}')" if field else ""), param=field, code="invalid_json")
+        pairs = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in pairs:
+            if isinstance(key, str) and not _is_text(key):
+                raise ApiError(400, f"a key in {path or 'the body'} holds a lone UTF-16 surrogate, which is not "
+                               "text", param=path or None, code="invalid_value")
+            if isinstance(item, str):
+                if not _is_text(item):
+                    where = _path(path, key)
+                    raise ApiError(400, f"'{where}' holds a lone UTF-16 surrogate, which is not text",
+                                   param=where, code="invalid_value")
+            elif isinstance(item, BadNumber):
+                where = _path(path, key)
+                raise ApiError(400, f"'{where}' {item.why()}", param=where, code="invalid_value")
+            elif isinstance(item, dict | list):
+                stack.append((item, _path(path, key), depth + 1))
+
+
+def _is_text(value: str) -> bool:
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+class ErrorBoundary:
+    """Around every route (see the module NOTE): no exception leaves the app, so uvicorn never
+    prints a traceback and no bad request is a 500."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except ClientDisconnect:
+            return  # NOTE: the client went away (mid-body, mid-stream): no one to answer
+        except ApiError as err:
+            if not started:
+                await err.response()(scope, receive, send)
+        except Exception as err:
+            report_internal_error(scope, err)
+            if not started:
+                await error_response(500, f"internal error: {type(err).__name__}", type_="server_error",
+                                     code="internal_error")(scope, receive, send)
+            else:
+                with suppress(Exception):
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def report_internal_error(scope: Scope, err: BaseException) -> None:
+    """One line on stderr for a bug a request ran into (never a traceback)."""
+    line = (str(err).splitlines() or [""])[0][:200]
+    print(f"kvscope serve: internal error on {scope.get('method', '')} {scope.get('path', '')}: "
+          f"{type(err).__name__}: {line!r}", file=sys.stderr, flush=True)
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     detail = exc.detail if isinstance(exc, HTTPException) else str(exc)
     return error_response(status, str(detail), code="not_found" if status == 404 else None)
-
-
-async def server_error(request: Request, exc: Exception) -> Response:
-    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
 

@@ -19,6 +19,7 @@ from kvscope.server.front import (
     Detokenizer,
     Front,
     FrontState,
+    decode_json,
     resolve_principal,
 )
 from kvscope.server.metrics import COUNTERS, GAUGES, HISTOGRAMS, ServerMetrics
@@ -168,3 +169,33 @@ def test_metrics_render_every_documented_name() -> None:
     samples = {s.name: s.value for f in families.values() for s in f.samples if not s.labels}
     assert samples["sglang:prompt_tokens_total"] == 50 and samples["sglang:num_queue_reqs"] == 2
     assert samples["sglang:max_total_num_tokens_swa"] == 100
+
+
+@pytest.mark.parametrize(("options", "param"), [([], "stream_options"), ("", "stream_options"),
+                                                ({"include_usage": "yes"}, "stream_options.include_usage")])
+def test_stream_options_must_be_an_object_with_a_boolean(front: Front, options: object, param: str) -> None:
+    with pytest.raises(ApiError) as err:
+        front.parse({"prompt": "hi", "stream": True, "stream_options": options}, False, "Bearer k1", 0.0)
+    assert (err.value.status, err.value.param) == (400, param)
+
+
+@pytest.mark.parametrize(("raw", "param"), [
+    (b'{"prompt": "\\ud800"}', "prompt"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}',
+     "messages[0].content[0].text"),
+    (b'{"max_tokens": ' + b"9" * 4301 + b"}", "max_tokens"),
+    (b'{"temperature": NaN}', "temperature"),
+    (b'{"top_p": 1e999}', "top_p"),
+    (b'{"stream_options": ' + b"[" * 100 + b"]" * 100 + b"}", "stream_options"),
+    (b"[" * 100_000, None),
+])
+def test_a_body_no_handler_can_trust_is_a_400_naming_its_field(raw: bytes, param: str | None) -> None:
+    with pytest.raises(ApiError) as err:
+        decode_json(raw)
+    assert (err.value.status, err.value.param) == (400, param)
+    json.loads(bytes(err.value.response().body))  # the error itself is valid JSON
+
+
+def test_text_numbers_and_nesting_within_the_limits_decode() -> None:
+    body = {"prompt": "naïve 😀", "max_tokens": 10**40, "messages": [[[{"a": 1.5}]]]}
+    assert decode_json(json.dumps(body).encode()) == body

@@ -5,6 +5,7 @@ so `kvscope check` is inconclusive (exit 3), as for `kvscope run` killed the sam
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sqlite3
 import subprocess
@@ -91,3 +92,39 @@ def test_a_killed_serve_is_crashed_not_finished_and_check_is_inconclusive(tmp_pa
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 3, check.stdout + check.stderr
     assert json.loads(check.stdout)["verdict"] == "inconclusive"
+
+
+def test_a_dead_scheduler_is_a_503_server_error_to_the_requests_in_flight(tmp_path: Path) -> None:
+    capture = tmp_path / "serve.db"
+    with serving(capture) as server:
+        with sqlite3.connect(capture) as db:
+            (scheduler_pid,) = db.execute("select pid from runs").fetchone()
+        events: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"model": MODEL, "prompt": "keep going", "max_tokens": 1500, "stream": True}
+            with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/v1/completions",
+                                                               json=body) as reply:
+                for line in reply.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[len("data: "):])
+                        started.set()
+
+        streaming = threading.Thread(target=stream, daemon=True)
+        streaming.start()
+        assert started.wait(60)
+        plain: list[httpx.Response] = []
+        posting = threading.Thread(target=lambda: plain.append(httpx.post(
+            f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "wait", "max_tokens": 1500},
+            timeout=60)), daemon=True)
+        posting.start()
+        time.sleep(0.5)  # NOTE: the plain request is in flight (its stream neighbour runs for seconds)
+        os.kill(scheduler_pid, signal.SIGKILL)
+        posting.join(60)
+        streaming.join(60)
+        code, printed = server.stop()
+    assert plain and plain[0].status_code == 503, plain[0].text if plain else "no reply"
+    assert plain[0].json()["error"]["type"] == "server_error"
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
+    assert code == 1 and "Traceback" not in printed, printed
