@@ -13,11 +13,12 @@ NOTE: where each field comes from (research note §3; None whenever the metric i
     host_used/total_tokens     sglang:hicache_host_{used,total}_tokens     None
     num_running / num_waiting  sglang:num_running_reqs / num_queue_reqs    vllm:num_requests_running / _waiting
     prompt_tokens_total        sglang:prompt_tokens_total                  vllm:prefix_cache_queries_total
-    cached_tokens_total        sglang:cached_tokens_total, every source    vllm:prefix_cache_hits_total
-    host_cached_tokens_total   sglang:cached_tokens_total{source="host"}   None
+    cached_tokens_total        sglang:cached_tokens_total, every cache_source vllm:prefix_cache_hits_total
+    host_cached_tokens_total   sglang:cached_tokens_total{cache_source="host"} None
     evicted_tokens_total       sglang:evicted_tokens_total                 None
     preemptions_total          None (num_retracted_reqs is a gauge)        vllm:num_preemptions_total
-Label sets are summed: over `source`, and over data-parallel ranks (`dp_rank`; vLLM's `engine`), each
+Label sets are summed: over `cache_source` (SGLang 0.5.23: device, host, storage; or "total" alone
+when a request has no breakdown), and over data-parallel ranks (`dp_rank`; vLLM's `engine`), each
 of which has a pool of its own. Samples labelled with a tensor/pipeline/expert rank other than 0
 (SGLang's --enable-metrics-for-all-schedulers) repeat rank 0's view of the same pool and are skipped.
 """
@@ -169,7 +170,7 @@ def sglang_sample(samples: Samples, t_wall: float, info: EngineInfo) -> EngineSa
         num_waiting=total(samples, "sglang:num_queue_reqs"),
         prompt_tokens_total=total(samples, "sglang:prompt_tokens_total"),
         cached_tokens_total=total(samples, "sglang:cached_tokens_total"),
-        host_cached_tokens_total=total(samples, "sglang:cached_tokens_total", source="host"),
+        host_cached_tokens_total=total(samples, "sglang:cached_tokens_total", cache_source="host"),
         evicted_tokens_total=total(samples, "sglang:evicted_tokens_total"),
         preemptions_total=None,
     )

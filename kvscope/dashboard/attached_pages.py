@@ -112,6 +112,13 @@ def counters_panel(chosen: Selection) -> None:
             col.metric(name.replace("_", " "), f"{counters[name]:,}", help=attached.COUNTER_HELP[name])
 
 
+USED_MEANS = {  # NOTE: "used" is SGLang's word; what each engine's figure counts
+    "sglang": "SGLang's kv_used_tokens: total - available - evictable",
+    "vllm": "vLLM's kv_cache_usage_perc x the capacity: blocks not free (vLLM counts cached blocks no request "
+            "holds as free, so this is close to SGLang's total - available - evictable)",
+}
+
+
 def pool_panel(chosen: Selection, source: Source, last: pd.Series) -> None:
     total = attached.value(last, "full_total") or source.capacity_tokens  # NOTE: 0 is written when unknown
     used = attached.used_tokens(last)
@@ -119,7 +126,8 @@ def pool_panel(chosen: Selection, source: Source, last: pd.Series) -> None:
     cols = st.columns(4)
     cols[0].metric("capacity (tokens)", _tokens(total), help="the engine's KV pool on the device, in tokens")
     share = f"{used / total:.0%} of the capacity" if used is not None and total else "the engine exports no usage"
-    cols[1].metric("used (tokens)", _tokens(used), help=f"as the engine reports it at the latest scrape: {share}")
+    cols[1].metric("used (tokens)", _tokens(used), help=f"as the engine reports it at the latest scrape: {share}; "
+                   f"{USED_MEANS.get(source.engine, USED_MEANS['sglang'])}")
     if step is None or not source.gives("pages"):
         cols[2].metric("cached tokens", NOT_PROVIDED_VALUE,
                        help="no snapshot of the page forest: the engine's KV events were not subscribed")

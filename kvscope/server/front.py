@@ -177,7 +177,7 @@ class Front:
     def __init__(self, state: FrontState, to_scheduler: str, to_front: str) -> None:
         self.state = state
         self.tokenizer = ByteTokenizer()
-        self.metrics = ServerMetrics(state.engine.pool.page_size)
+        self.metrics = ServerMetrics(state.engine.pool.page_size, state.model_id)
         self.context = zmq.asyncio.Context()
         self.push = self.context.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 2000)

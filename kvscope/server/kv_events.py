@@ -6,17 +6,22 @@
 
 NOTE: the wire format is SGLang's (>= 0.5.22, map-encoded events; research note §1):
     PUB frames      topic | seq (8 bytes, big-endian, from 0) | msgpack KVEventBatch
-    KVEventBatch    [ts, [event, ...], attn_dp_rank]   (a positional array)
+    KVEventBatch    [ts, [event, ...], attn_dp_rank]   (a positional array; the rank is 0, one rank)
     event           {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
                      "block_size", "lora_id", "medium"}
                     {"type": "BlockRemoved", "block_hashes", "medium"} | {"type": "AllBlocksCleared"}
     replay          a DEALER/REQ sends [b"", start_seq (8 bytes)] to the ROUTER; it answers every
                     kept batch with seq >= start_seq as [b"", topic, seq, payload], then
                     [b"", topic, seq = -1 (signed), b""] to end
-A page's block hash chains on its parent page's hash: the first 8 bytes (signed, big-endian)
-of sha256(parent hash as 8 signed big-endian bytes, when it has a parent | the page's token ids
-as int32 little-endian). One BlockStored covers a run of new pages that chain one on the next
-(its token_ids are block_size per hash). The stream starts with AllBlocksCleared (seq 0).
+Block hashes are SGLang 0.5.23's (HiCache's page hash, `get_hash_str` page by page, and the
+event id `hash_str_to_int64` of mem_cache/utils.py; read in the released wheel):
+    digest(page)    sha256(digest(parent page), all 32 bytes, absent for a page under the root
+                           | the page's token ids as uint32 little-endian)
+    block hash      the digest's first 8 bytes as a signed big-endian int64
+so a consumer that recomputes SGLang's hashes from token ids (a HiCache storage key is the
+digest's hex, a Dynamo-style indexer the block hash) finds kvscope's. One BlockStored covers a
+run of new pages that chain one on the next (its token_ids are block_size per hash). The stream
+starts with AllBlocksCleared (seq 0).
 Only the full-attention pages are published: SWA window frees (tombstones) are silent, as in SGLang.
 """
 
@@ -35,6 +40,7 @@ import zmq
 MEDIUM = "GPU"
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 PUBLISHERS = ("null", "zmq")
+FORMATS = ("default", "dynamo")
 
 
 # -- the messages -------------------------------------------------------------------------------
@@ -67,6 +73,7 @@ class KVEventBatch(msgspec.Struct, array_like=True):
     attn_dp_rank: int | None = None
 
 
+ATTN_DP_RANK = 0  # SGLang's publisher stamps its rank; a server with one rank is rank 0
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
@@ -84,9 +91,13 @@ def decode_batch(payload: bytes) -> KVEventBatch:
 
 @dataclass(frozen=True)
 class KVEventsConfig:
-    """SGLang's `--kv-events-config` keys; `publisher="null"` publishes nothing."""
+    """SGLang's `--kv-events-config` keys, and vLLM's `enable_kv_cache_events`: events are
+    published when the publisher is "zmq" and enable_kv_cache_events is not false; with no
+    publisher given, enable_kv_cache_events true means "zmq" (vLLM's rule), else "null".
+    `format` "dynamo" (SGLang's) namespaces block hashes by LoRA adapter and cache salt: kvscope
+    serves neither, so its hashes, like SGLang's for requests without them, equal "default"'s."""
 
-    publisher: str = "null"
+    publisher: str | None = None
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000  # batches kept for replay
@@ -95,9 +106,10 @@ class KVEventsConfig:
     topic: str = ""
     bind: bool | None = None  # None: SGLang's rule (bind for *, ::, 0.0.0.0, ipc://, inproc://)
     format: str = "default"
+    enable_kv_cache_events: bool | None = None  # vLLM's key
 
     def __post_init__(self) -> None:
-        if self.publisher not in PUBLISHERS:
+        if self.publisher is not None and self.publisher not in PUBLISHERS:
             raise ValueError(f"kv events publisher must be one of {', '.join(PUBLISHERS)}, got {self.publisher!r}")
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(self, name)
@@ -109,10 +121,12 @@ class KVEventsConfig:
                 raise ValueError(f"kv events {name} must be an integer >= {low}, got {value!r}")
         if not isinstance(self.topic, str):
             raise ValueError(f"kv events topic must be a string, got {self.topic!r}")
-        if self.bind is not None and not isinstance(self.bind, bool):
-            raise ValueError(f"kv events bind must be true or false, got {self.bind!r}")
-        if self.format != "default":
-            raise ValueError(f"kv events format {self.format!r} is not supported (only 'default')")
+        for name in ("bind", "enable_kv_cache_events"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"kv events {name} must be true or false, got {value!r}")
+        if self.format not in FORMATS:
+            raise ValueError(f"kv events format must be one of {', '.join(FORMATS)}, got {self.format!r}")
 
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
@@ -132,7 +146,8 @@ class KVEventsConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.publisher == "zmq"
+        publisher = self.publisher or ("zmq" if self.enable_kv_cache_events else "null")
+        return publisher == "zmq" and self.enable_kv_cache_events is not False
 
     def binds(self) -> bool:
         """Whether the PUB socket binds its endpoint (else it connects, as SGLang's publisher)."""
@@ -147,19 +162,26 @@ class KVEventsConfig:
 
 class Page(NamedTuple):
     parent_hash: int | None
-    token_bytes: bytes  # the page's token ids, int32 little-endian
+    token_bytes: bytes  # the page's token ids, int32 little-endian (= uint32: ids are >= 0)
+    digest: bytes  # SGLang's page digest: its hex is the page's HiCache storage key
 
 
-def block_hash(parent_hash: int | None, token_bytes: bytes) -> int:
+def page_digest(parent_digest: bytes | None, token_bytes: bytes) -> bytes:
+    """sha256(the parent page's 32-byte digest, absent under the root | the page's token bytes)."""
     digest = hashlib.sha256()
-    if parent_hash is not None:
-        digest.update(parent_hash.to_bytes(8, "big", signed=True))
+    if parent_digest is not None:
+        digest.update(parent_digest)
     digest.update(token_bytes)
-    return int.from_bytes(digest.digest()[:8], "big", signed=True)
+    return digest.digest()
+
+
+def block_hash(digest: bytes) -> int:
+    """The event's block hash of a page digest: its first 8 bytes, signed big-endian."""
+    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 NodePages = list[tuple[int, Page]]
-NodeMemo = dict[tuple[int, int, int | None], NodePages]  # (node id, key length, parent hash) -> its pages
+NodeMemo = dict[tuple[int, int, bytes | None], NodePages]  # (node id, key length, parent digest) -> its pages
 
 
 def cached_pages(cache: Any, page_size: int, memo: NodeMemo | None = None) -> dict[int, Page]:
@@ -175,29 +197,30 @@ def cached_pages(cache: Any, page_size: int, memo: NodeMemo | None = None) -> di
         return pages
     old_memo, new_memo = memo or {}, {}
     page_bytes = page_size * 4
-    stack: list[tuple[Any, int | None]] = [(child, None) for child in reversed(list(root.children.values()))]
+    stack: list[tuple[Any, bytes | None]] = [(child, None) for child in reversed(list(root.children.values()))]
     while stack:
-        node, parent_hash = stack.pop()
+        node, parent_digest = stack.pop()
         key = node.key if isinstance(node.key, bytes) else bytes(node.key)
-        memo_key = (node.id, len(key), parent_hash)
-        node_pages = new_memo[memo_key] = old_memo.get(memo_key) or node_page_list(key, page_bytes, parent_hash)
+        memo_key = (node.id, len(key), parent_digest)
+        node_pages = new_memo[memo_key] = old_memo.get(memo_key) or node_page_list(key, page_bytes, parent_digest)
         pages.update(node_pages)
         if len(key) % page_bytes or not node_pages:
             continue
-        stack += [(child, node_pages[-1][0]) for child in reversed(list(node.children.values()))]
+        stack += [(child, node_pages[-1][1].digest) for child in reversed(list(node.children.values()))]
     if memo is not None:  # NOTE: only the nodes still in the tree stay
         memo.clear()
         memo.update(new_memo)
     return pages
 
 
-def node_page_list(key: bytes, page_bytes: int, parent_hash: int | None) -> NodePages:
+def node_page_list(key: bytes, page_bytes: int, parent_digest: bytes | None) -> NodePages:
     out: NodePages = []
     for start in range(0, len(key) - page_bytes + 1, page_bytes):
         token_bytes = key[start : start + page_bytes]
-        page_hash = block_hash(parent_hash, token_bytes)
-        out.append((page_hash, Page(parent_hash, token_bytes)))
-        parent_hash = page_hash
+        digest = page_digest(parent_digest, token_bytes)
+        parent_hash = None if parent_digest is None else block_hash(parent_digest)
+        out.append((block_hash(digest), Page(parent_hash, token_bytes, digest)))
+        parent_digest = digest
     return out
 
 
@@ -266,7 +289,7 @@ class KVEventPublisher:
     def publish(self, events: list[KVEvent]) -> None:
         if not events:
             return
-        payload = encode_batch(KVEventBatch(time.time(), events))
+        payload = encode_batch(KVEventBatch(time.time(), events, ATTN_DP_RANK))
         seq = self.seq.to_bytes(8, "big")
         self.pub.send_multipart((self.topic, seq, payload))
         self.kept.append((self.seq, payload))

@@ -1,31 +1,39 @@
 """`/metrics`: the scheduler's counters (its latest StatsOut) and the front's latency histograms,
 in Prometheus text format on a registry of the server's own.
 
-NOTE: names. Where SGLang exports the same quantity, the name is SGLang's (sglang:..., so an
-SGLang Grafana dashboard reads kvscope unchanged); the rest are kvscope_*. docs/serve.md lists
-them all. The token counters are the scheduler's running totals, exposed as counters through a
-collector (a Counter cannot be set), so hit rate is a ratio of sums:
-    rate(sglang:cached_tokens_total[1m]) / rate(sglang:prompt_tokens_total[1m])
+NOTE: names. Where SGLang exports the same quantity, the name, the definition and the labels are
+SGLang 0.5.23's (sglang:..., each series labelled model_name and engine_type="unified", as SGLang
+labels its own); the rest are kvscope_*. docs/serve.md lists them all, and
+tests/server/test_grafana_dashboard.py checks SGLang's published Grafana dashboard against them.
+"used" is SGLang's: total - available - evictable. The token counters are the scheduler's running
+totals, exposed as counters through a collector (a Counter cannot be set), so hit rate over a
+window is a ratio of sums:
+    sum(rate(sglang:cached_tokens_total[1m])) / sum(rate(sglang:prompt_tokens_total[1m]))
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvscope.server.protocol import StatsOut
+from kvscope.server.protocol import PoolStats, StatsOut
 
 # per pool: (SGLang's prefix, pool label); kvscope's own protected count is labelled by pool
 POOL_PREFIX = {"full": "sglang:kv", "swa": "sglang:swa"}
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+IDENTITY_LABELS = ("model_name", "engine_type")  # on every sglang:* series, as SGLang labels its own
+ENGINE_TYPE = "unified"  # SGLang's engine_type of a server that is neither a prefill nor a decode node
+GEN_THROUGHPUT_STALE_S = 30.0  # SGLang reads gen_throughput as 0 once no report came for 30 s
 
 GAUGES = (
     "sglang:kv_used_tokens", "sglang:kv_available_tokens", "sglang:kv_evictable_tokens",
     "sglang:swa_used_tokens", "sglang:swa_available_tokens", "sglang:swa_evictable_tokens",
     "sglang:max_total_num_tokens", "sglang:max_total_num_tokens_swa", "sglang:page_size",
+    "sglang:token_usage", "sglang:gen_throughput", "sglang:cache_hit_rate",
     "sglang:num_running_reqs", "sglang:num_queue_reqs", "kvscope_protected_tokens", "kvscope_scheduler_step",
 )
 COUNTERS = (
@@ -39,71 +47,133 @@ HISTOGRAMS = (
 )
 
 
+class ReportRates:
+    """SGLang's two per-report gauges, from successive StatsOut:
+    gen_throughput  tokens generated since the previous report / the seconds between the two
+                    (0 once no report came for GEN_THROUGHPUT_STALE_S)
+    cache_hit_rate  cached / prompt tokens of the requests admitted since the previous report;
+                    kept while none is admitted (SGLang sets it per prefill batch, not per decode)"""
+
+    def __init__(self, now_s: float) -> None:
+        self.last_s = now_s
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+        self.gen_throughput = 0.0
+        self.cache_hit_rate = 0.0
+
+    def update(self, stats: StatsOut, now_s: float) -> None:
+        elapsed_s = now_s - self.last_s
+        if elapsed_s > 0:
+            self.gen_throughput = (stats.generated_tokens - self.num_generated_tokens) / elapsed_s
+        new_prompt_tokens = stats.prompt_tokens - self.num_prompt_tokens
+        if new_prompt_tokens > 0:
+            self.cache_hit_rate = (stats.cached_tokens - self.num_cached_tokens) / new_prompt_tokens
+        self.last_s = now_s
+        self.num_generated_tokens, self.num_prompt_tokens = stats.generated_tokens, stats.prompt_tokens
+        self.num_cached_tokens = stats.cached_tokens
+
+    def throughput(self, now_s: float) -> float:
+        return 0.0 if now_s - self.last_s > GEN_THROUGHPUT_STALE_S else self.gen_throughput
+
+
+def token_usage(pools: dict[str, PoolStats]) -> float:
+    """SGLang's token_usage: the fullest pool's used / total (used = total - available - evictable), 2 decimals."""
+    return round(max((each.used / each.total for each in pools.values() if each.total > 0), default=0.0), 2)
+
+
 class SchedulerCollector(Collector):
     """Gauges and counters from the latest StatsOut; nothing before the first one arrives."""
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, model_name: str) -> None:
         self.page_size = page_size
+        self.identity = [model_name, ENGINE_TYPE]
         self.stats: StatsOut | None = None
+        self.rates = ReportRates(time.monotonic())
         self.finished: dict[str, int] = {}  # finish_reason -> requests, counted by the front
+
+    def update(self, stats: StatsOut) -> None:
+        self.rates.update(stats, time.monotonic())
+        self.stats = stats
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats
-        yield _gauge("sglang:page_size", "tokens per KV page", self.page_size)
+        yield self._gauge("sglang:page_size", "tokens per KV page", self.page_size)
         requests = CounterMetricFamily("kvscope_requests", "requests finished, by finish reason", labels=["reason"])
         for reason, count in sorted(self.finished.items()):
             requests.add_metric([reason], count)
         yield requests
         if stats is None:
             return
+        yield from self._pools(stats)
+        yield self._gauge("sglang:token_usage", "the fullest pool's used / total tokens", token_usage(stats.pools))
+        yield self._gauge("sglang:gen_throughput", "tokens generated per second since the previous report",
+                          self.rates.throughput(time.monotonic()))
+        yield self._gauge("sglang:cache_hit_rate", "cached / prompt tokens of the requests admitted since the "
+                          "previous report that admitted any", self.rates.cache_hit_rate)
+        yield self._gauge("sglang:num_running_reqs", "requests running", stats.num_running)
+        yield self._gauge("sglang:num_queue_reqs", "requests waiting", stats.num_waiting)
+        yield GaugeMetricFamily("kvscope_scheduler_step", "the scheduler's step counter", value=stats.step)
+        yield self._counter("sglang:prompt_tokens", "prompt tokens admitted", stats.prompt_tokens)
+        yield self._cached_tokens(stats)
+        yield self._counter("sglang:generation_tokens", "tokens generated", stats.generated_tokens)
+        yield self._counter("sglang:evicted_tokens", "tokens evicted from the prefix cache", stats.evicted_tokens)
+        for name, doc, value in (
+                ("kvscope_retractions", "requests retracted (preempted) for memory", stats.num_retractions),
+                ("kvscope_leak_checks_passed", "idle leak checks passed", stats.leak_checks_passed),
+                ("kvscope_leak_checks_failed", "idle leak checks failed", stats.leak_checks_failed)):
+            yield CounterMetricFamily(name, doc, value=value)
+
+    def _pools(self, stats: StatsOut) -> Iterator[Metric]:
         for pool, each in stats.pools.items():
             prefix = POOL_PREFIX.get(pool)
             if prefix is None:
                 continue
-            yield _gauge(f"{prefix}_used_tokens", f"{pool} pool: tokens in use and not evictable", each.used)
-            yield _gauge(f"{prefix}_available_tokens", f"{pool} pool: free tokens", each.available)
-            yield _gauge(f"{prefix}_evictable_tokens", f"{pool} pool: cached tokens no request locks",
-                         each.evictable)
+            yield self._gauge(f"{prefix}_used_tokens", f"{pool} pool: total - available - evictable tokens "
+                              "(held by requests)", each.used)
+            yield self._gauge(f"{prefix}_available_tokens", f"{pool} pool: free tokens", each.available)
+            yield self._gauge(f"{prefix}_evictable_tokens", f"{pool} pool: cached tokens no request locks",
+                              each.evictable)
             total_name = "sglang:max_total_num_tokens" + ("" if pool == "full" else f"_{pool}")
-            yield _gauge(total_name, f"{pool} pool: capacity in tokens", each.total)
+            yield self._gauge(total_name, f"{pool} pool: capacity in tokens", each.total)
         protected = GaugeMetricFamily("kvscope_protected_tokens", "cached tokens locked by running requests",
                                       labels=["pool"])
         for pool, each in stats.pools.items():
             protected.add_metric([pool], each.protected)
         yield protected
-        yield _gauge("sglang:num_running_reqs", "requests running", stats.num_running)
-        yield _gauge("sglang:num_queue_reqs", "requests waiting", stats.num_waiting)
-        yield _gauge("kvscope_scheduler_step", "the scheduler's step counter", stats.step)
-        yield _counter("sglang:prompt_tokens", "prompt tokens admitted", stats.prompt_tokens)
-        cached = CounterMetricFamily("sglang:cached_tokens", "prompt tokens the prefix cache matched",
-                                     labels=["source"])
-        cached.add_metric(["device"], stats.cached_tokens)
-        yield cached
-        yield _counter("sglang:generation_tokens", "tokens generated", stats.generated_tokens)
-        yield _counter("sglang:evicted_tokens", "tokens evicted from the prefix cache", stats.evicted_tokens)
-        yield _counter("kvscope_retractions", "requests retracted (preempted) for memory", stats.num_retractions)
-        yield _counter("kvscope_leak_checks_passed", "idle leak checks passed", stats.leak_checks_passed)
-        yield _counter("kvscope_leak_checks_failed", "idle leak checks failed", stats.leak_checks_failed)
 
+    def _cached_tokens(self, stats: StatsOut) -> CounterMetricFamily:
+        """SGLang's cache_source values: device hits, and host hits (loaded back) when there is a host tier."""
+        cached = CounterMetricFamily("sglang:cached_tokens", "prompt tokens the prefix cache matched, by source",
+                                     labels=[*IDENTITY_LABELS, "cache_source"])
+        host = stats.host_hit_tokens
+        cached.add_metric([*self.identity, "device"], stats.cached_tokens - (host or 0))
+        if host is not None:
+            cached.add_metric([*self.identity, "host"], host)
+        return cached
 
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=IDENTITY_LABELS)
+        family.add_metric(self.identity, value)
+        return family
 
-
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(name, doc, value=value)
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=IDENTITY_LABELS)
+        family.add_metric(self.identity, value)
+        return family
 
 
 class ServerMetrics:
     """The server's registry: the scheduler collector and the front's histograms."""
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        self.scheduler = SchedulerCollector(page_size)
+        self.scheduler = SchedulerCollector(page_size, model_name)
         self.registry.register(self.scheduler)
 
         def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+            family = Histogram(name, doc, IDENTITY_LABELS, buckets=LATENCY_BUCKETS, registry=self.registry)
+            return family.labels(model_name, ENGINE_TYPE)
 
         self.queue_time = histogram("sglang:queue_time_seconds", "arrival to first admission")
         self.ttft = histogram("sglang:time_to_first_token_seconds", "arrival to the first generated token")
@@ -111,7 +181,7 @@ class ServerMetrics:
         self.e2e = histogram("sglang:e2e_request_latency_seconds", "arrival to the last token")
 
     def update(self, stats: StatsOut) -> None:
-        self.scheduler.stats = stats
+        self.scheduler.update(stats)
 
     def request_finished(self, reason: str) -> None:
         self.scheduler.finished[reason] = self.scheduler.finished.get(reason, 0) + 1

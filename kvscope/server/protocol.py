@@ -67,6 +67,7 @@ class StatsOut(msgspec.Struct, tag="stats"):
     num_retractions: int
     leak_checks_passed: int
     leak_checks_failed: int
+    host_hit_tokens: int | None = None  # of cached_tokens, loaded back from the host tier; None: no host tier
 
 
 ToScheduler = GenerateReq | AbortReq | ShutdownReq

@@ -324,7 +324,8 @@ class ServeLoop:
         num_running = len(scheduler.running) + (scheduler.chunked_req is not None)
         self.send(StatsOut(scheduler.step, pools, num_running, len(scheduler.waiting), stats.prompt_tokens,
                            stats.cached_tokens, stats.generated_tokens, stats.evicted_tokens, stats.num_retractions,
-                           stats.leak_checks_passed, stats.leak_checks_failed))
+                           stats.leak_checks_passed, stats.leak_checks_failed,
+                           None if memory.host_terms() is None else stats.host_hit_tokens))
 
     def send(self, msg: TokenOut | StatsOut) -> None:
         frame = encode(msg)

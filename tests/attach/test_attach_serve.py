@@ -23,6 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
+from kvscope.attach.scrape import read_samples
+from kvscope.attach.scrape import total as metric_total
 from kvscope.telemetry import EventKind
 from kvscope.telemetry.queries import Capture
 from tests.server.serving import Server, serving
@@ -88,8 +90,8 @@ def complete(url: str, prompt: list[int]) -> None:
 def wait_idle(url: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-        if "sglang:num_running_reqs 0.0" in text and "sglang:num_queue_reqs 0.0" in text:
+        samples = read_samples(httpx.get(f"{url}/metrics", timeout=10).text)
+        if metric_total(samples, "sglang:num_running_reqs") == metric_total(samples, "sglang:num_queue_reqs") == 0:
             time.sleep(1.0)  # one more stats interval: idle-looking stats may predate the last requests
             return
         time.sleep(0.2)
@@ -238,7 +240,7 @@ def test_attach_records_what_serve_caches(served: tuple[Server, Path]) -> None:
                          "ORDER BY step DESC LIMIT 1")[0]
     total, available, evictable, used, prompt_tokens, hit_tokens, evicted, req_total = last
     assert total == KV_TOKENS and evictable == serve_tokens and used == total - available - evictable
-    assert f"sglang:prompt_tokens_total {float(prompt_tokens)}" in metrics
+    assert metric_total(read_samples(metrics), "sglang:prompt_tokens_total") == prompt_tokens
     assert hit_tokens > 0 and evicted == evicted_tokens and req_total is None
 
     # the stream's counters, stored for the dashboard

@@ -97,9 +97,24 @@ def test_sglang_before_the_pool_split_leaves_the_split_unknown() -> None:
         "used_tokens": 1234,                 # num_used_tokens
         "host_used_tokens": None, "host_total_tokens": None, "num_running": 2, "num_waiting": 0,
         "prompt_tokens_total": 4096, "cached_tokens_total": 1024,
-        "host_cached_tokens_total": None,    # only source="device" is there
+        "host_cached_tokens_total": None,    # only cache_source="device" is there
         "evicted_tokens_total": 512, "preemptions_total": None,
     }
+
+
+def test_sglang_host_hits_are_read_from_the_cache_source_label() -> None:
+    # SGLang 0.5.23's TokenizerMetricsCollector: labels model_name, engine_type (+ cache_source); one
+    # sample per source that had hits, or cache_source="total" alone for a request with no breakdown
+    labels = 'model_name="Qwen/Qwen3-8B",engine_type="unified"'
+    text = ("# HELP sglang:cached_tokens_total Number of cached prompt tokens by source (device/host/storage).\n"
+            "# TYPE sglang:cached_tokens_total counter\n"
+            f'sglang:cached_tokens_total{{{labels},cache_source="device"}} 700.0\n'
+            f'sglang:cached_tokens_total{{{labels},cache_source="host"}} 300.0\n')
+    sample = parse_metrics(text, "sglang", 0.0, SGLANG)
+    assert (sample.cached_tokens_total, sample.host_cached_tokens_total) == (1000, 300)
+    no_breakdown = f'sglang:cached_tokens_total{{{labels},cache_source="total"}} 1000.0\n'
+    sample = parse_metrics(no_breakdown, "sglang", 0.0, SGLANG)
+    assert (sample.cached_tokens_total, sample.host_cached_tokens_total) == (1000, None)
 
 
 @pytest.mark.parametrize("engine", ["sglang", "kvscope", "vllm"])

@@ -258,7 +258,7 @@ def serve_events() -> tuple[list[Any], list[tuple[int, int | None, list[int]]]]:
     """A chain of 3 pages and a branch off page 2, as kvscope serve's CachedPages publishes them."""
     prompt, branch = list(range(40, 52)), [90, 91, 92, 93]
     chain_pages = node_page_list(token_bytes(prompt), 16, None)
-    branch_pages = node_page_list(token_bytes(branch), 16, chain_pages[1][0])
+    branch_pages = node_page_list(token_bytes(branch), 16, chain_pages[1][1].digest)
     events = [AllBlocksCleared(),
               BlockStored([h for h, _ in chain_pages], None, prompt, 4, None, "GPU"),
               BlockStored([h for h, _ in branch_pages], chain_pages[1][0], branch, 4, None, "GPU"),

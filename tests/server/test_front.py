@@ -153,7 +153,7 @@ def test_parse_a_good_request(front: Front) -> None:
 
 
 def test_metrics_render_every_documented_name() -> None:
-    metrics = ServerMetrics(page_size=4)
+    metrics = ServerMetrics(page_size=4, model_name="m")
     pool = PoolStats(total=100, used=10, available=80, evictable=10, protected=5)
     metrics.update(StatsOut(step=3, pools={"full": pool, "swa": pool}, num_running=1, num_waiting=2,
                             prompt_tokens=50, cached_tokens=20, generated_tokens=7, evicted_tokens=4,
@@ -166,7 +166,8 @@ def test_metrics_render_every_documented_name() -> None:
         assert name in names, name
     for name in COUNTERS:
         assert name.removesuffix("_total") in names, name
-    samples = {s.name: s.value for f in families.values() for s in f.samples if not s.labels}
+    identity = {"model_name": "m", "engine_type": "unified"}
+    samples = {s.name: s.value for f in families.values() for s in f.samples if s.labels == identity}
     assert samples["sglang:prompt_tokens_total"] == 50 and samples["sglang:num_queue_reqs"] == 2
     assert samples["sglang:max_total_num_tokens_swa"] == 100
 

@@ -1,8 +1,10 @@
 """SGLang's KV-event stream from the real scheduler process: a subscriber that decodes every
 batch rebuilds exactly the cache's pages at each quiet point (evictions included), every page's
 parent chain spells a prefix the server really cached, sequence numbers are contiguous, and the
-replay socket hands back the batches a late subscriber missed, byte for byte.
-`--kv-events-config` takes SGLang's keys and refuses anything else in one line."""
+replay socket hands back the batches a late subscriber missed, byte for byte. Block hashes are
+SGLang 0.5.23's, checked against SGLang's own function's output on the same tokens, and every
+batch says rank 0. `--kv-events-config` takes SGLang's keys (format "dynamo" included) and vLLM's
+enable_kv_cache_events, and refuses anything else in one line."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from kvscope.server.kv_events import (
     KVEventsConfig,
     cached_pages,
     decode_batch,
+    node_page_list,
 )
 from tests.server.test_scheduler_process import MODEL, prompts, serve, short_dir  # noqa: F401 - fixture
 
@@ -32,6 +35,20 @@ ENGINE = EngineConfig(pool=PoolConfig(kv_size_tokens=192, page_size=PAGE_SIZE, m
                                       max_context_len=128), device="cpu", strict=True)
 TIMEOUT_S = 30.0
 Pages = dict[int, tuple[int | None, list[int]]]
+
+# NOTE: made by SGLang 0.5.23's own get_hash_str (its native page hash) and hash_str_to_int64 on these
+# tokens with page_size 4 (tests/server/data/sglang_hash_vectors.py says how). "branch" shares the
+# trunk's first 2 pages, then has 2 of its own; "last_digest" is its last page's digest (hex).
+TRUNK = [(i * 37 + 11) % 500 + 3 for i in range(40)]
+BRANCH = TRUNK[:8] + [(i * 53 + 7) % 500 + 3 for i in range(8)]
+SGLANG_VECTORS = {
+    "trunk": (TRUNK, [3815746184421846117, -5921859961963763885, 4997794459189861004, -5476093876805891296,
+                      -7569460905722751660, 4760520530061387283, 7659227183944990754, 6897603871589100525,
+                      -2908309191659037156, -928214672411263626],
+              "f31e51ac5f9efd7685fd2a2e1498d22a3d5991456163db828eeb78864eb6bb7d"),
+    "branch": (BRANCH, [3815746184421846117, -5921859961963763885, 1855182388418527155, -5959878918115434848],
+               "ad4a41b36563dea09a51cb152f884d7b7e2eda2c9603afa231de1fbd3d1eccf7"),
+}
 
 
 class Subscriber:
@@ -121,11 +138,29 @@ def prefix_of(pages: Pages, block: int) -> list[int]:
     return tokens
 
 
+def token_bytes(tokens: list[int]) -> bytes:
+    return np.array(tokens, dtype=np.int32).tobytes()
+
+
+@pytest.mark.parametrize("name", sorted(SGLANG_VECTORS))
+def test_block_hashes_are_sglangs_on_the_same_tokens(name: str) -> None:
+    tokens, hashes, last_digest = SGLANG_VECTORS[name]
+    whole = node_page_list(token_bytes(tokens), PAGE_SIZE * 4, None)
+    assert [h for h, _ in whole] == hashes
+    assert whole[-1][1].digest.hex() == last_digest
+    assert [page.parent_hash for _, page in whole] == [None, *hashes[:-1]]
+    # as a tree holds it: a node of 2 pages under the root, its child chaining on its last page's digest
+    first = node_page_list(token_bytes(tokens[:8]), PAGE_SIZE * 4, None)
+    rest = node_page_list(token_bytes(tokens[8:]), PAGE_SIZE * 4, first[-1][1].digest)
+    assert first + rest == whole
+
+
 def test_a_subscriber_rebuilds_the_cache_pages_and_replay_fills_what_it_missed(short_dir: Path) -> None:  # noqa: F811
     config = KVEventsConfig(publisher="zmq", endpoint=f"ipc://{short_dir}/kv", replay_endpoint=f"ipc://{short_dir}/rp",
                             topic="kv")
     local = Engine(ENGINE, MODEL)
-    requests = [(f"r{i}", p, 8 + i) for i, p in enumerate(prompts(7, 8))]
+    trunk = np.array(SGLANG_VECTORS["trunk"][0], dtype=np.int32)  # first, so its pages are there to see
+    requests = [("trunk", trunk, 2), *[(f"r{i}", p, 8 + i) for i, p in enumerate(prompts(7, 8))]]
     sequences: list[list[int]] = []
     context: zmq.Context[Any] = zmq.Context()
     try:
@@ -143,6 +178,10 @@ def test_a_subscriber_rebuilds_the_cache_pages_and_replay_fills_what_it_missed(s
                 sequences.append([*prompt.tolist(), *req.output_ids])
                 expected = expected_pages(local)
                 assert sub.wait_for(expected) == expected, f"after {rid}"
+                if rid == "trunk":  # the stream's ids are SGLang's for the same tokens
+                    hashes = SGLANG_VECTORS["trunk"][1]
+                    assert [expected[h] for h in hashes] == [(parent, TRUNK[i * PAGE_SIZE : (i + 1) * PAGE_SIZE])
+                                                             for i, parent in enumerate([None, *hashes[:-1]])]
                 for block in expected:
                     path = prefix_of(expected, block)
                     assert any(seq[: len(path)] == path for seq in sequences), "a page chain no request spelled"
@@ -151,9 +190,11 @@ def test_a_subscriber_rebuilds_the_cache_pages_and_replay_fills_what_it_missed(s
             late = sub.replay(3)
             assert late == [(seq, sub.live.get(seq, sub.replayed.get(seq))) for seq in range(3, last + 1)]
             assert sub.replay(last + 1) == []
-            events = [e for batch in sub.batches() for e in batch.events]
+            batches = sub.batches()
+            events = [e for batch in batches for e in batch.events]
     finally:
         context.destroy(linger=0)
+    assert {batch.attn_dp_rank for batch in batches} == {0}  # one rank: rank 0, as SGLang stamps it
     assert local.stats.evicted_tokens > 0
     assert any(isinstance(e, BlockRemoved) for e in events), "the small pool evicted: pages must leave"
 
@@ -167,6 +208,18 @@ def test_the_config_takes_sglang_keys() -> None:
     assert not KVEventsConfig(publisher="zmq", endpoint="tcp://127.0.0.1:5557").binds()
     assert KVEventsConfig(publisher="zmq", endpoint="tcp://127.0.0.1:5557", bind=True).binds()
     assert KVEventsConfig(publisher="zmq", endpoint="ipc:///tmp/x").binds()
+    assert KVEventsConfig.from_json('{"publisher": "zmq", "format": "dynamo"}').enabled
+
+
+@pytest.mark.parametrize(("text", "enabled"), [
+    ('{"enable_kv_cache_events": true}', True),  # vLLM: no publisher given means zmq
+    ('{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}', True),
+    ('{"enable_kv_cache_events": false, "publisher": "zmq"}', False),  # vLLM publishes nothing then
+    ('{"enable_kv_cache_events": true, "publisher": "null"}', False),
+    ('{"enable_kv_cache_events": false}', False),
+])
+def test_the_config_takes_vllms_switch(text: str, enabled: bool) -> None:
+    assert KVEventsConfig.from_json(text).enabled is enabled
 
 
 @pytest.mark.parametrize(("text", "says"), [
@@ -176,7 +229,8 @@ def test_the_config_takes_sglang_keys() -> None:
     ('{"buffer_steps": "10"}', "buffer_steps must be an integer >= 1"),
     ('{"endpoint": "localhost:5557"}', "endpoint must be a ZMQ address"),
     ('{"bind": "yes"}', "bind must be true or false"),
-    ('{"format": "dynamo"}', "format 'dynamo' is not supported"),
+    ('{"format": "vllm"}', "format must be one of default, dynamo, got 'vllm'"),
+    ('{"enable_kv_cache_events": 1}', "enable_kv_cache_events must be true or false"),
     ('[1, 2]', "must be a JSON object"),
     ('{"publisher": ', "kv events config is not JSON"),
 ])

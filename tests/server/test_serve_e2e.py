@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import socket
 import sqlite3
 import subprocess
@@ -28,9 +29,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvscope.telemetry import EventKind
 from kvscope.telemetry.queries import Capture
 from kvscope.workloads.tokenizer import ByteTokenizer
+from tests.server.grafana import Selector, exprs, selectors, template_labels
 from tests.server.serving import Server, serving
 
 MODEL = "kvscope-tiny"
+DASHBOARD = Path(__file__).parent / "data" / "sglang-dashboard.json"  # SGLang's, see data/README.md
 KEYS = {"k-acme-alice": {"tenant": "acme", "user": "alice"}, "k-beta-bob": {"tenant": "beta", "user": "bob"}}
 
 
@@ -53,13 +56,18 @@ def rid_of(response_id: str) -> str:
     return response_id.split("-", 1)[1]
 
 
+IDENTITY = {"model_name": MODEL, "engine_type": "unified"}  # on every sglang:* series, as SGLang labels its own
+
+
 def metrics(url: str) -> dict[str, float]:
-    """Every sample of /metrics, by name and labels."""
+    """Every sample of /metrics, by name and labels (the identity labels checked and left out)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            if sample.name.startswith("sglang:"):
+                assert {k: sample.labels.get(k) for k in IDENTITY} == IDENTITY, sample
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in IDENTITY)
             out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
 
@@ -187,6 +195,44 @@ def test_client_closing_mid_stream_aborts(server: Server) -> None:
     assert values["sglang:kv_available_tokens"] + values["sglang:kv_evictable_tokens"] == 4096
 
 
+Series = list[tuple[str, dict[str, str]]]
+
+
+def matches(labels: dict[str, str], matcher: tuple[str, str, str], variables: dict[str, list[str]]) -> bool:
+    """One label matcher against a series' labels; a `$variable` value takes the variable's first value."""
+    label, op, value = matcher
+    if value.startswith("$"):
+        value = re.escape(variables[value[1:]][0])
+    have = labels.get(label, "")
+    found = have == value if op in ("=", "!=") else re.fullmatch(value, have) is not None
+    return found if op in ("=", "=~") else not found
+
+
+def selected(selector: Selector, series: Series, variables: dict[str, list[str]]) -> bool:
+    return any(name == selector.metric and all(matches(labels, m, variables) for m in selector.matchers)
+               for name, labels in series)
+
+
+def test_sglang_grafana_dashboard_finds_every_series(server: Server) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    wait_idle(server.url)
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    series = [(s.name, dict(s.labels)) for f in text_string_to_metric_families(text) for s in f.samples]
+    # NOTE: instance is the scrape target's label, which Prometheus adds to every series; no exporter does
+    variables = {label: sorted({labels[label] for _, labels in series if label in labels})
+                 for label in template_labels(dashboard) if label != "instance"}
+    assert variables == {"model_name": [MODEL]}
+    queries = exprs(dashboard)
+    assert len(queries) == 14
+    missing = [f"{selector.metric}{list(selector.matchers)} in {expr.strip()!r}" for expr in queries
+               for selector in selectors(expr) if not selected(selector, series, variables)]
+    assert missing == []
+    values = metrics(server.url)  # SGLang's definitions
+    assert values["sglang:token_usage"] == round(values["sglang:kv_used_tokens"]
+                                                 / values["sglang:max_total_num_tokens"], 2)
+    assert 0 <= values["sglang:cache_hit_rate"] <= 1 and values["sglang:gen_throughput"] >= 0
+
+
 def test_sigterm_finishes_the_capture_and_metrics_agree(server: Server) -> None:
     values = wait_idle(server.url)
     started, streamed = threading.Event(), queue.Queue[tuple[str, str | None, int]]()
@@ -231,7 +277,7 @@ def test_sigterm_finishes_the_capture_and_metrics_agree(server: Server) -> None:
     cached_rid, cached = cast(tuple[str, int], server.seen["cached"])
     assert rows[cached_rid][2] == cached
     assert values["sglang:prompt_tokens_total"] == sum(r[1] for r in rows.values())
-    assert values["sglang:cached_tokens_total{source=device}"] == sum(r[2] for r in rows.values())
+    assert values["sglang:cached_tokens_total{cache_source=device}"] == sum(r[2] for r in rows.values())
     # the engine counts the output of finished requests (EngineStats.generated_tokens)
     assert values["sglang:generation_tokens_total"] == sum(r[3] for r in rows.values() if r[0] == "finished")
     assert values["kvscope_leak_checks_failed_total"] == 0

@@ -40,10 +40,11 @@ def pool_metrics(last: pd.Series) -> None:
     idle = int(last["num_running"]) == 0
     for pool in charts.pools_of(usage):
         terms = charts.pool_terms(usage, pool).iloc[0]
-        total, used = int(terms["total"]), int(terms["total"] - terms["free"])
+        total, used = int(terms["total"]), int(terms["total"] - terms["free"] - terms["evictable"])
         cols = st.columns(6)
         cols[0].metric(f"{pool}: total", f"{total:,}", help="the pool's size in token slots")
-        cols[1].metric(f"{pool}: used", f"{used:,}", help=f"{used / (total or 1):.0%} of {total:,} slots")
+        cols[1].metric(f"{pool}: used", f"{used:,}", help=f"{used / (total or 1):.0%} of {total:,} slots: total - free "
+                       "- evictable (SGLang's kv_used_tokens), the protected slots plus those held outside the tree")
         cols[2].metric(f"{pool}: evictable", f"{int(terms['evictable']):,}", help="cached in the tree, unlocked")
         cols[3].metric(f"{pool}: protected", f"{int(terms['protected']):,}",
                        help="cached in the tree and locked: " + ("no request is running, so a lock that was never "

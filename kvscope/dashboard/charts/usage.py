@@ -56,19 +56,20 @@ def memory_timeline_figure(usage: pd.DataFrame) -> go.Figure:
 
 
 def live_usage_figure(usage: pd.DataFrame) -> go.Figure:
-    """Used fraction of each pool, and running / waiting requests, over steps."""
+    """Allocated fraction of each pool (total - free: "used" plus evictable), and running / waiting
+    requests, over steps."""
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     for pool in pools_of(usage):
         terms = pool_terms(usage, pool)
-        used = (terms["total"] - terms["free"]) / terms["total"].where(terms["total"] > 0)
-        fig.add_trace(go.Scatter(x=terms["step"], y=used, name=f"{pool} used", mode="lines",
+        allocated = (terms["total"] - terms["free"]) / terms["total"].where(terms["total"] > 0)
+        fig.add_trace(go.Scatter(x=terms["step"], y=allocated, name=f"{pool} allocated", mode="lines",
                                  line={"color": color(pool)}))
     for column in ("num_running", "num_waiting"):
         name = column.removeprefix("num_")
         fig.add_trace(go.Scatter(x=usage["step"], y=usage[column], name=name, mode="lines",
                                  line={"dash": "dot", "color": color(name)}), secondary_y=True)
     counts = pd.concat([usage["num_running"], usage["num_waiting"]])
-    fig.update_yaxes(title_text="used fraction", tickformat=".0%", range=[0, 1.05], secondary_y=False)
+    fig.update_yaxes(title_text="allocated (total - free)", tickformat=".0%", range=[0, 1.05], secondary_y=False)
     fig.update_yaxes(count_axis(counts, "requests"), rangemode="tozero", showgrid=False, secondary_y=True)
     fig.update_xaxes(step_axis(usage["step"]))
     fig.update_layout(height=300, margin={"b": BOTTOM_MARGIN})
