@@ -184,7 +184,7 @@ def memory(chosen: Selection, source: Source) -> None:
                    + (", **available** (free) and **evictable** (cached, unlocked)" if source.gives("usage.split")
                       else "")
                    + f", against the capacity (dotted). Downsampled to at most {data.MAX_POINTS} points (each bucket "
-                   "keeps its maxima).")
+                   "of scrapes keeps its peak row).")
         st.plotly_chart(attached_charts.device_tokens_figure(usage, used), key="attached.memory.tokens")
     else:
         st.caption("Used tokens: not provided by this source's /metrics.")

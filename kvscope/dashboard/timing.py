@@ -112,7 +112,7 @@ def throughput(usage: pd.DataFrame, clock: Clock | None, window_rows: int = 5) -
     """Per usage row (in step order): wall time (or seconds since the first row without a
     clock), the token hit rate so far, the hit rate over the last `window_rows` rows, and
     prompt / cached tokens per second over that window. From the cumulative columns, so a
-    downsampled series (each bucket keeps its maxima, the cumulative values at its end) works."""
+    downsampled series (whole recorded rows, each row's time and totals from one step) works."""
     rows = usage.sort_values("step")
     t = pd.to_numeric(rows["t_mono"], errors="coerce").astype(float).reset_index(drop=True)
     prompt = pd.to_numeric(rows["cum_prompt_tokens"], errors="coerce").astype(float).reset_index(drop=True)

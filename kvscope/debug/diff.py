@@ -27,6 +27,7 @@ from kvscope.telemetry import Capture
 TERMS = ("available", "evictable", "protected", "held", "uncached")
 RATES = ("hit rate (token-weighted)", "hit rate (request-weighted)")
 IGNORED_CONFIG = ("clock",)  # differs between any two runs
+ALL_ROWS = 10_000_000  # usage rows read for the run's figures: every one
 
 
 def summarize(target: str | Path, run_id: int | None = None, *,
@@ -51,10 +52,11 @@ def summarize(target: str | Path, run_id: int | None = None, *,
 
 
 def _metrics(capture: Capture, run_id: int) -> dict[str, int | float]:
-    usage = capture.usage(run_id, max_points=100_000)
+    usage = capture.usage(run_id, max_points=ALL_ROWS)
     out: dict[str, int | float] = {}
     if not usage.empty:
-        # NOTE: the cum_* columns only grow, so a bucket's maxima are its last row. An attached engine's
+        # NOTE: every row, so each column's peak is exact (a downsampled series keeps each bucket's peak
+        # rows, not every column's peak); the last row holds the running totals. An attached engine's
         # capture leaves what its source does not provide NULL: such a figure is left out, never read as 0.
         last = usage.iloc[-1]
         figures = {

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, Select, func, null, select
+from sqlalchemy import Engine, Select, func, literal, or_, select
 
 from kvscope.telemetry import schema
 from kvscope.telemetry.event_source import (
@@ -98,25 +98,33 @@ class Capture:
             u.run_id == run_id, u.step.in_([last_step, window_start.scalar_subquery()])).order_by(u.step))
 
     def usage(self, run_id: int, max_points: int = 500) -> pd.DataFrame:
-        """Usage per step, at most `max_points` rows: each bucket of steps keeps its maxima."""
+        """Usage per step, at most `max_points` of the run's own rows: the steps are cut into
+        buckets and each bucket keeps, for each pool the run has (full, swa, host), the row where
+        that pool has the most tokens in use (total - available; the full pool's `full_used` where
+        available is NULL), the latest such row on a tie; the run's last row is always kept.
+        NOTE: whole rows, never per-column maxima: a row's pool terms sum to its total, and terms
+        taken from different steps do not (their difference can go negative)."""
         u = schema.usage.c
+        version = self.schema_version
+        has_host = version >= schema.since_version(u.host_total)
         with self.engine.connect() as conn:
-            lo, hi = conn.execute(select(func.min(u.step), func.max(u.step)).where(u.run_id == run_id)).one()
+            lo, hi, num_swa, num_host = conn.execute(select(
+                func.min(u.step), func.max(u.step), func.count(u.swa_total),
+                func.count(u.host_total) if has_host else literal(0)).where(u.run_id == run_id)).one()
         if lo is None:
             return pd.DataFrame(columns=[c.name for c in schema.usage.columns])
-        width = max(1, -(-(hi - lo + 1) // max_points))
-        version = self.schema_version
-        value_cols = [func.max(c).label(c.name) if schema.since_version(c) <= version
-                      else func.max(_used_of_older()).label(c.name) if c.name == "full_used"
-                      else null().label(c.name)
-                      for c in schema.usage.columns if c.name not in ("run_id", "step")]
-        stmt = (
-            select(func.max(u.step).label("step"), *value_cols)
-            .where(u.run_id == run_id)
-            .group_by((u.step - lo) // width)
-            .order_by(func.max(u.step))
-        )
-        return self.read_frame(stmt)
+        peaks = [_in_use_full(version), *([u.swa_total - u.swa_available] if num_swa else []),
+                 *([u.host_total - u.host_available] if num_host else [])]
+        num_buckets = max(1, (max_points - 1) // len(peaks))
+        width = max(1, -(-(hi - lo + 1) // num_buckets))
+        bucket = (u.step - lo) // width
+        ranks = [func.row_number().over(partition_by=bucket, order_by=(func.coalesce(peak, -1).desc(), u.step.desc()))
+                 .label(f"peak_rank_{i}") for i, peak in enumerate(peaks)]
+        ranked = select(u.step, *ranks).where(u.run_id == run_id).subquery()  # NOTE: narrow: the sort carries 2-4 ints
+        kept = select(ranked.c.step).where(or_(ranked.c.step == hi, *(ranked.c[rank.name] == 1 for rank in ranks)))
+        columns = [_used_of_older().label(c.name) if c.name == "full_used" and version < 5 else c
+                   for c in schema.columns_as_of(schema.usage, version) if c.name != "run_id"]
+        return self.read_frame(select(*columns).where(u.run_id == run_id, u.step.in_(kept)).order_by(u.step))
 
     def events(
         self,
@@ -316,6 +324,14 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _in_use_full(version: int) -> Any:
+    """The full pool's tokens in use (total - available), or `full_used` where an attached
+    engine left available NULL (files older than version 5 have no full_used, nor such rows)."""
+    u = schema.usage.c
+    in_use = u.full_total - u.full_available
+    return in_use if version < 5 else func.coalesce(in_use, u.full_used)
 
 
 def _used_of_older() -> Any:

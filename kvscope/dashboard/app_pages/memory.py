@@ -80,7 +80,8 @@ st.subheader("Pools over time")
 st.caption("Stacked per pool: **free** (the allocator's free list), **evictable** (cached, unlocked), **protected** "
            "(cached, locked by a running request) and **held by requests** (the rest: slots running requests hold "
            "outside the tree; with no request running, anything left here is missing, a leak). Downsampled in SQL "
-           f"to at most {data.MAX_POINTS} points (each bucket keeps its maxima).")
+           f"to at most {data.MAX_POINTS} recorded rows (each bucket of steps keeps its peak row, so the terms of a "
+           "point are one step's and stack to its total).")
 st.plotly_chart(charts.memory_timeline_figure(usage), key="memory.timeline")
 sharing_section(chosen)
 

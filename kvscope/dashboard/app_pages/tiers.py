@@ -168,8 +168,8 @@ def tiers_view(chosen: Selection) -> None:
     tier_metrics(usage)
     st.subheader("Tokens per tier")
     st.caption("Used (total - free) against each tier's total. On the host, every used slot is a node's copy; on "
-               f"the device, running requests' slots count too. Downsampled to at most {data.MAX_POINTS} points "
-               "(each bucket keeps its maxima).")
+               f"the device, running requests' slots count too. Downsampled to at most {data.MAX_POINTS} "
+               "recorded rows (each bucket of steps keeps each tier's peak row).")
     st.plotly_chart(charts.tier_tokens_figure(usage), key="tiers.tokens")
     rates_section(chosen, usage)
     st.subheader("Hits served by the host tier")
