@@ -22,7 +22,9 @@ AllBlocksCleared, which then resets a forest; vLLM's do not, so a caller watchin
 forest when `restarts` grows. A restart whose first seen seq is already past the old publisher's
 last one looks like a gap: no seq rule can tell them apart.
 A malformed message (a WireError) is counted in `bad_messages`, `last_error` keeps its text, and the
-loop goes on; its seq, if it was one, shows up as a gap later. A replay socket that does not answer
+loop goes on; its seq, if it was one, shows up as a gap later. So is a batch whose seq jumps further
+ahead than a publisher can send in the time since the last batch heard (MAX_BATCHES_PER_S, with one
+second's slack): a forged or corrupted seq (2**63, say) is not counted as that many lost batches. A replay socket that does not answer
 within `replay_timeout_ms` is dropped and made anew (late answers to the old one are discarded);
 what it did not deliver is lost.
 Reconnects are ZMQ's: both sockets retry every RECONNECT_IVL_MS, backing off to RECONNECT_IVL_MAX_MS,
@@ -34,6 +36,7 @@ on endpoints of their own), used from one thread.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import zmq
@@ -44,6 +47,8 @@ RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 2000
 RCVHWM = 100_000  # NOTE: the publishers' default send high-water mark
 MAX_DRAIN = 10_000  # messages taken per poll, so one poll returns in bounded time
+# NOTE: far above any engine's rate (SGLang and vLLM publish at most one batch per scheduler step)
+MAX_BATCHES_PER_S = 100_000
 
 
 class EventSubscriber:
@@ -85,6 +90,7 @@ class EventSubscriber:
         self.last_error: str | None = None  # the last WireError's text
         self.replay_timeouts = 0
         self._ready: list[Frame] = []
+        self._heard_s = time.monotonic()  # NOTE: when the last batch was delivered (or the subscriber made)
 
     # -- the public calls --------------------------------------------------------------------------
 
@@ -99,7 +105,7 @@ class EventSubscriber:
         for frame in got:
             if self.next_seq is None:
                 self.next_seq = frame.seq
-            if frame.seq >= self.next_seq:
+            if frame.seq >= self.next_seq and not self._implausible(frame.seq):
                 self._fill_to(frame.seq)  # NOTE: a hole inside the replay itself is lost
                 self._deliver(frame, replayed=True)
         return self.replayed - before
@@ -141,12 +147,26 @@ class EventSubscriber:
                 return
             self.restarts += 1
             self.next_seq, self.last_live_seq = 0, None
+        if self._implausible(seq):
+            return
         self.last_live_seq = seq
         if self.next_seq is not None and seq > self.next_seq:
             self._fill_gap(seq)
             if seq < self.next_seq:  # the replay delivered it
                 return
         self._deliver(frame, replayed=False)
+
+    def _implausible(self, seq: int) -> bool:
+        """A seq further ahead of next_seq than a publisher can have sent since the last batch is
+        counted as a bad message (True: skip it)."""
+        if self.next_seq is None or seq <= self.next_seq:
+            return False
+        jump = seq - self.next_seq
+        if jump <= MAX_BATCHES_PER_S * (time.monotonic() - self._heard_s + 1.0):
+            return False
+        self._bad(WireError(f"seq {seq} is {jump:,} batches past the next one due ({self.next_seq}), more than a "
+                            "publisher sends in the time since the last batch: skipped"))
+        return True
 
     def _went_back(self, seq: int) -> bool:
         last = self.last_live_seq
@@ -157,7 +177,7 @@ class EventSubscriber:
         assert self.next_seq is not None
         if self.replay_endpoint is not None:
             for frame in self._replay(self.next_seq):
-                if frame.seq >= self.next_seq:
+                if frame.seq >= self.next_seq and not self._implausible(frame.seq):
                     self._fill_to(frame.seq)
                     self._deliver(frame, replayed=True)
         self._fill_to(upto)
@@ -174,6 +194,7 @@ class EventSubscriber:
         if self.first_seq is None:
             self.first_seq = frame.seq
         self._ready.append(frame)
+        self._heard_s = time.monotonic()
         self.next_seq = frame.seq + 1
         self.delivered += 1
         self.replayed += replayed

@@ -169,6 +169,15 @@ def decode_batch(payload: bytes) -> Batch:
         raw = msgspec.msgpack.decode(payload)
     except (msgspec.DecodeError, TypeError) as err:
         raise WireError(f"payload is not msgpack: {err}") from None
+    except RecursionError:
+        raise WireError("payload nests too deeply to be a KV-event batch") from None
+    try:
+        return _batch(raw)
+    except RecursionError:  # NOTE: a nesting msgspec could decode but showing it could not
+        raise WireError("payload nests too deeply to be a KV-event batch") from None
+
+
+def _batch(raw: Any) -> Batch:
     if not isinstance(raw, list) or not 2 <= len(raw) <= 3:
         shape = f"an array of {len(raw)}" if isinstance(raw, list) else f"a {_kind(raw)}"
         raise WireError(f"a batch is an array [ts, events, dp_rank?] of 2-3 elements, got {shape}")

@@ -13,6 +13,11 @@ NOTE: cost. A packed chunk is immutable once written, so its decoded columns are
 (run, chunk, column) up to CACHE_BYTES; a read by kind or step range skips the chunks whose
 metadata rules them out, and a live run's new chunks are read as they appear. The filters
 are numpy masks over the chunks read, so a read touches at most the run's events once.
+NOTE: trust. A run's chunks must cover its seqs from 0 without a gap or an overlap, each column
+must be of a type packed.narrow writes and hold one value per event (slots: the sum of the
+counts), every code must be in the dictionary, and a run without chunks must have no column or
+string rows either. Anything else is a damaged capture (CaptureError, one line): events are
+missing, and no verdict may be read from what is left.
 """
 
 from __future__ import annotations
@@ -27,7 +32,16 @@ import pandas as pd
 from sqlalchemy import Engine, func, select
 
 from kvscope.telemetry import schema
-from kvscope.telemetry.packed import COLUMN_DTYPES, NO_CODE, NO_SLOTS, NULL_INT, STRING_COLUMNS, widen_array
+from kvscope.telemetry.packed import (
+    COLUMN_DTYPES,
+    NO_CODE,
+    NO_SLOTS,
+    NULL_INT,
+    STORED_COLUMNS,
+    STRING_COLUMNS,
+    widen_array,
+    writes_dtype,
+)
 from kvscope.telemetry.store import CaptureError, driver_rows
 
 CACHE_BYTES = 1 << 30
@@ -79,15 +93,109 @@ class PackedEvents:
 
     def chunks(self, run_id: int) -> pd.DataFrame:
         """The run's chunks (chunk, first_seq, num_events, first_step, last_step, kinds), in
-        seq order; empty for a run of the row layout."""
+        seq order, checked to cover seqs 0 .. last without a gap; empty for a run of the row
+        layout."""
         c = schema.event_chunks.c
         if not self.has_tables():
             return pd.DataFrame(columns=["chunk", "first_seq", "num_events", "first_step", "last_step", "kinds"])
         with self.engine.connect() as conn:
             rows = conn.execute(select(c.chunk, c.first_seq, c.num_events, c.first_step, c.last_step, c.kinds)
                                 .where(c.run_id == run_id).order_by(c.first_seq)).fetchall()
-        return pd.DataFrame([tuple(r) for r in rows],
-                            columns=["chunk", "first_seq", "num_events", "first_step", "last_step", "kinds"])
+        frame = pd.DataFrame([tuple(r) for r in rows],
+                             columns=["chunk", "first_seq", "num_events", "first_step", "last_step", "kinds"])
+        if frame.empty:
+            self._check_no_parts(run_id)
+        else:
+            self._check_contiguous(run_id, frame)
+        return frame
+
+    def check_structure(self, *, with_columns: bool) -> None:
+        """Every packed run's chunks against their column and string rows (see the trust note),
+        so a capture damaged there is refused when it is opened, before any page or verdict reads
+        it. The chunk rows and the columns' keys (an index) are always checked; each column's type
+        and length only `with_columns` (a small file: a large one's reads check what they read)."""
+        if not self.has_tables():
+            return
+        c, k, s = schema.event_chunks.c, schema.event_columns.c, schema.event_strings.c
+        with self.engine.connect() as conn:
+            chunks = pd.DataFrame(conn.execute(select(c.run_id, c.chunk, c.first_seq, c.num_events)
+                                               .order_by(c.run_id, c.first_seq)).fetchall(),
+                                  columns=["run_id", "chunk", "first_seq", "num_events"])
+            keys = conn.execute(select(k.run_id, k.chunk, func.count()).where(k.name.in_(STORED_COLUMNS))
+                                .group_by(k.run_id, k.chunk)).fetchall()
+            string_runs = {int(r) for (r,) in conn.execute(select(s.run_id).distinct())}
+            columns = (conn.execute(select(k.run_id, k.chunk, k.name, k.dtype, func.length(k.data))).fetchall()
+                       if with_columns else [])
+        for run_id, frame in chunks.groupby("run_id"):
+            self._check_contiguous(int(run_id), frame)
+        counts = {(int(r), int(ch)): int(n) for r, ch, n in zip(chunks.run_id, chunks.chunk, chunks.num_events,
+                                                                  strict=True)}
+        self._check_keys(counts, {(int(r), int(ch)): int(n) for r, ch, n in keys}, string_runs)
+        for run_id, chunk, name, stored, num_bytes in columns:
+            self._check_column(int(run_id), int(chunk), str(name), str(stored), int(num_bytes or 0),
+                               counts[(int(run_id), int(chunk))])
+
+    def _check_keys(self, counts: dict[tuple[int, int], int], num_columns: dict[tuple[int, int], int],
+                    string_runs: set[int]) -> None:
+        """Each chunk has all its columns, each column a chunk, each run's strings a chunk."""
+        orphan = min(set(num_columns) - set(counts), default=None)
+        if orphan is not None:
+            raise self.damaged(orphan[0], f"event chunk {orphan[1]} has columns but no event_chunks row: "
+                                          "events are missing")
+        short = min((key for key in counts if num_columns.get(key, 0) != len(STORED_COLUMNS)), default=None)
+        if short is not None:
+            raise self.damaged(short[0], f"event chunk {short[1]} has {num_columns.get(short, 0)} of its "
+                                         f"{len(STORED_COLUMNS)} columns")
+        orphans = string_runs - {r for r, _ in counts}
+        if orphans:
+            raise self.damaged(min(orphans), "its event strings are there but no event_chunks row: "
+                                             "events are missing")
+
+    def _check_column(self, run_id: int, chunk: int, name: str, stored: str, num_bytes: int,
+                      num_events: int) -> None:
+        if name not in COLUMN_DTYPES:
+            return  # NOTE: a column this kvscope does not read
+        if not writes_dtype(name, stored):
+            raise self.damaged(run_id, f"event chunk {chunk}'s {name} column has type {stored!r}, "
+                                       "which kvscope never writes")
+        size = np.dtype(stored).itemsize
+        if num_bytes % size or (name != "slots" and num_bytes // size != num_events):
+            raise self.damaged(run_id, f"event chunk {chunk} holds {num_bytes} bytes of {stored} {name} values "
+                                       f"for {num_events} events")
+
+    def damaged(self, run_id: int, what: str) -> CaptureError:
+        return CaptureError(f"{self.name}: damaged capture (run {run_id}: {what})")
+
+    def _check_contiguous(self, run_id: int, frame: pd.DataFrame) -> None:
+        first = frame.first_seq.to_numpy(np.int64)
+        counts = frame.num_events.to_numpy(np.int64)
+        expected = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        wrong = np.flatnonzero((first != expected) | (counts < 0))
+        if len(wrong):
+            i = int(wrong[0])
+            raise self.damaged(run_id, f"event chunk {int(frame.chunk.iloc[i])} starts at seq {int(first[i])} "
+                                       f"with {int(counts[i])} events, where seq {int(expected[i])} was due: "
+                                       "events are missing")
+
+    def _check_no_parts(self, run_id: int) -> None:
+        """A run without chunks has no packed columns or strings (else its chunk rows are lost)."""
+        with self.engine.connect() as conn:
+            for table in (schema.event_columns, schema.event_strings):
+                if conn.execute(select(table.c.run_id).where(table.c.run_id == run_id).limit(1)).first():
+                    raise self.damaged(run_id, f"its events' {table.name} rows are there but no event_chunks "
+                                               "row: events are missing")
+
+    def event_values(self, run_id: int, chunk: Any, name: str) -> np.ndarray:
+        """Column `name` of a chunk (a row of `chunks`) as stored, checked to hold one value per
+        event (slots: as many as the chunk's slot counts add up to)."""
+        values = self.stored(run_id, int(chunk.chunk), name)
+        expected = int(chunk.num_events)
+        if name == "slots":
+            expected = int(np.maximum(self.event_values(run_id, chunk, "slot_counts"), 0).sum())
+        if len(values) != expected:
+            raise self.damaged(run_id, f"event chunk {int(chunk.chunk)} holds {len(values)} {name} values "
+                                       f"where {expected} are due")
+        return values
 
     def column(self, run_id: int, chunk: int, name: str) -> np.ndarray:
         """A chunk's column as COLUMN_DTYPES[name]."""
@@ -104,7 +212,10 @@ class PackedEvents:
                 return found
         self.prefetch(run_id, [chunk], [name])
         with self._lock:
-            return self._columns[key]
+            found = self._columns.get(key)
+        if found is None:
+            raise self.damaged(run_id, f"event chunk {chunk} has no {name} column")
+        return found
 
     def prefetch(self, run_id: int, chunks: Sequence[int], names: Sequence[str]) -> None:
         """Read the columns `names` of `chunks` that are not cached yet, in one read (a page of a
@@ -121,7 +232,17 @@ class PackedEvents:
         for rows in driver_rows(self.engine, stmt, self.name, batch_rows=64):
             for chunk, name, stored, data in rows:
                 if chunk in wanted:
-                    self._keep((run_id, int(chunk), str(name)), np.frombuffer(data, str(stored)))
+                    self._keep((run_id, int(chunk), str(name)), self._decoded(run_id, chunk, str(name), str(stored),
+                                                                             data))
+
+    def _decoded(self, run_id: int, chunk: int, name: str, stored: str, data: bytes) -> np.ndarray:
+        if not writes_dtype(name, stored):
+            raise self.damaged(run_id, f"event chunk {chunk}'s {name} column has type {stored!r}, "
+                                       "which kvscope never writes")
+        if not isinstance(data, bytes) or len(data) % np.dtype(stored).itemsize:
+            raise self.damaged(run_id, f"event chunk {chunk}'s {name} column is not a whole number of {stored} "
+                                       "values")
+        return np.frombuffer(data, stored)
 
     def _keep(self, key: tuple[int, int, str], values: np.ndarray) -> None:
         with self._lock:
@@ -152,12 +273,16 @@ class PackedEvents:
         hundreds of thousands of request ids)."""
         found = self._strings.get(run_id)
         top = int(codes.max()) if len(codes) else NO_CODE
+        if len(codes) and int(codes.min()) < NO_CODE:
+            raise self.damaged(run_id, f"a string code {int(codes.min())} is out of range")
         if found is None or top >= found.size:
             # NOTE: the distinct codes in O(n) (codes are dense from 0): a few are looked up alone
             present = np.flatnonzero(np.bincount(codes.astype(np.int64) + 1, minlength=1)) - 1
             if len(present) <= FEW_STRINGS:
                 return self._few_strings(run_id, present, top)[codes.astype(np.int64) + 1]
             found = self._dictionary(run_id, refresh=True)
+            if top >= found.size:
+                raise self.damaged(run_id, f"no string for code {top}")
         return found.lookup[codes.astype(np.int64) + 1]
 
     def codes_of(self, run_id: int, texts: Sequence[str]) -> list[int]:
@@ -195,8 +320,8 @@ class PackedEvents:
     def kind_counts(self, run_id: int) -> dict[str, int]:
         """Events per kind over the run's chunks (empty for a run of the row layout)."""
         total: dict[int, int] = {}
-        for chunk in self.chunks(run_id).chunk:
-            codes, counts = np.unique(self.column(run_id, int(chunk), "kind"), return_counts=True)
+        for chunk in self.chunks(run_id).itertuples(index=False):
+            codes, counts = np.unique(self.event_values(run_id, chunk, "kind"), return_counts=True)
             for code, count in zip(codes.tolist(), counts.tolist(), strict=True):
                 total[code] = total.get(code, 0) + count
         if not total:
@@ -315,7 +440,7 @@ def _chunk_frame(packed: PackedEvents, run_id: int, row: Any, names: list[str], 
                  step_range: tuple[int, int] | None, after_seq: int | None, rid_codes: np.ndarray | None,
                  node_id: int | None, seqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
     def col(name: str) -> np.ndarray:  # NOTE: as stored (narrow): filtered first, widened when kept
-        return packed.stored(run_id, int(row.chunk), name)
+        return packed.event_values(run_id, row, name)
 
     n = int(row.num_events)
     mask = np.ones(n, bool)

@@ -168,6 +168,14 @@ def narrow(name: str, values: np.ndarray) -> tuple[str, bytes]:
     raise ValueError(f"column {name} holds values beyond int64")  # NOTE: unreachable from int64 arrays
 
 
+_STORED_INTS = frozenset(t.str for t in _NARROW_INTS)
+
+
+def writes_dtype(name: str, stored_dtype: str) -> bool:
+    """Whether `narrow` ever stores column `name` as `stored_dtype` (a reader refuses any other)."""
+    return stored_dtype == "<f8" if name == "t_mono" else stored_dtype in _STORED_INTS
+
+
 def widen(name: str, stored_dtype: str, data: bytes) -> np.ndarray:
     """A stored column as COLUMN_DTYPES[name] (narrow's inverse)."""
     return widen_array(name, np.frombuffer(data, stored_dtype))

@@ -21,7 +21,7 @@ from typing import Any
 import pandas as pd
 from sqlalchemy import Engine, Select, func, literal, or_, select
 
-from kvscope.telemetry import schema
+from kvscope.telemetry import schema, store
 from kvscope.telemetry.event_source import (
     EVENT_COLUMNS,
     PackedEvents,
@@ -47,6 +47,11 @@ class Capture:
         self.target = str(target)
         self.engine: Engine = open_reader(target)
         self.packed = PackedEvents(self.engine, self.target)
+        try:
+            self.packed.check_structure(with_columns=_small_file(target))
+        except BaseException:
+            self.engine.dispose()
+            raise
         self._snapshots: OrderedDict[tuple[int, int], pd.DataFrame] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -293,6 +298,13 @@ class Capture:
             while len(self._snapshots) > SNAPSHOTS_KEPT:
                 self._snapshots.popitem(last=False)
         return nodes
+
+
+def _small_file(target: str | Path) -> bool:
+    """A SQLite file small enough for the checks at open to read all of it (store.open_reader's
+    quick_check bound)."""
+    path = store.file_of(target)
+    return path is not None and path.stat().st_size <= store.QUICK_CHECK_MAX_BYTES
 
 
 def display_status(row: Any) -> str:

@@ -47,6 +47,7 @@ the new version): every older row stays valid, with NULL in the added columns.
        (event_chunks, event_columns, event_strings) instead of one `events` row each. A run
        written before version 6 keeps its rows, and readers read either (EventSource); a file
        upgraded to 6 can hold runs of both layouts. `kvscope upgrade` packs an older file's rows.
+       A file of version 6 without the packed tables has lost its events: readers refuse it.
 `reports` came after version 1 without a bump: it is an additive table (older readers never
 look at it), a reader treats it as optional, and a writer adds it to an older file. A column
 got a bump because a version-1 reader cannot see it and would show an owner as missing.
@@ -262,9 +263,17 @@ event_strings = Table(
 # hundreds of thousands of request ids)
 Index("ix_event_strings_text", event_strings.c.run_id, event_strings.c.text)
 PACKED_TABLES = (event_chunks, event_columns, event_strings)
+PACKED_SINCE = 6
 OPTIONAL_TABLES = (reports, *PACKED_TABLES)  # NOTE: a file older than version 6 has no packed tables
 USAGE_COLUMNS = tuple(c.name for c in usage.columns)
 REQUEST_COLUMNS = tuple(c.name for c in requests.columns)
+
+
+def optional_tables(version: int) -> tuple[Table, ...]:
+    """The tables a file of `version` may lack: from version 6 on the packed tables hold its
+    events (a writer creates them when it brings an older file up to date), so a file without
+    them has lost its events."""
+    return (reports,) if version >= PACKED_SINCE else OPTIONAL_TABLES
 
 
 def since_version(column: Column) -> int:

@@ -237,7 +237,8 @@ def check_schema(conn: Connection, name: str) -> int:
             f"{name}: written by a newer kvscope (schema version {found}; this one reads up to "
             f"{schema.SCHEMA_VERSION}); upgrade kvscope to read it"
         )
-    missing = {t.name for t in schema.metadata.sorted_tables} - {t.name for t in schema.OPTIONAL_TABLES} - tables
+    optional = {t.name for t in schema.optional_tables(int(found))}
+    missing = {t.name for t in schema.metadata.sorted_tables} - optional - tables
     if missing:
         raise CaptureError(f"{name}: damaged capture (missing tables {sorted(missing)})")
     return int(found)

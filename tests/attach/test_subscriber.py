@@ -405,3 +405,22 @@ def test_malformed_messages_are_counted_and_skipped(raw: RawStream) -> None:
         subscriber.close()
     assert seqs(frames) == [0, 2] and subscriber.gaps == [(1, 1)]
     assert errors == 5 and subscriber.last_error and "\n" not in subscriber.last_error
+
+
+def test_a_forged_seq_far_ahead_is_a_bad_message_not_a_gap(raw: RawStream) -> None:
+    """A seq no publisher could have reached since the last batch (2**63, 2**64 - 1) is counted as a bad
+    message and skipped: the stream goes on from where it was, nothing counted lost."""
+    subscriber = subscribe(raw)
+    try:
+        raw.send(0)
+        first = drain(subscriber, lambda got: len(got) >= 1)
+        for forged in (2**63, 2**64 - 1):
+            raw.xpub.send_multipart([TOPIC.encode(), forged.to_bytes(8, "big"), payload(1)])
+        raw.send(1)
+        raw.send(2)
+        later = drain(subscriber, lambda got: len(got) >= 2)
+    finally:
+        subscriber.close()
+    assert seqs(first) == [0] and seqs(later) == [1, 2]
+    assert (subscriber.lost_batches, subscriber.gaps, subscriber.restarts) == (0, [], 0)
+    assert subscriber.bad_messages == 2 and "batches past the next one due" in str(subscriber.last_error)

@@ -392,6 +392,9 @@ BAD_PAYLOADS = {
     "unknown medium": (pack([1.0, [["BlockRemoved", [1], "HBM"]]]), "unknown medium 'HBM'"),
     "group_idx a string": (pack([1.0, [stored(group_idx="1")]]), "group_idx must be int or nil"),
     "spec kind a number": (pack([1.0, [stored(kv_cache_spec_kind=3)]]), "kv_cache_spec_kind must be str or nil"),
+    # NOTE: arrays nested 100,000 deep (msgspec gives up) and 900 deep (it decodes; showing the event would not)
+    "nested too deep to decode": (b"\x92\x01\x91" + b"\x91" * 100_000 + b"\x01", "nests too deeply"),
+    "nested deep events": (b"\x92\x01\x91" + b"\x91" * 900 + b"\x01", "unknown event type"),
 }
 
 

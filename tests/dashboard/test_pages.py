@@ -196,3 +196,29 @@ def test_a_damaged_page_met_by_a_page_read_is_one_message(tmp_path: Path, monkey
         assert all("\n" not in e for e in errors), errors
         damaged_pages += bool(errors)
     assert 0 < damaged_pages < len(PAGES)  # the pages that read events say so; Overview still renders
+
+
+@pytest.mark.parametrize("damage", ["DROP TABLE event_chunks; DROP TABLE event_columns; DROP TABLE event_strings",
+                                    "UPDATE event_chunks SET num_events = 1000",
+                                    "UPDATE event_columns SET dtype = '<c9' WHERE name = 'kind'"],
+                         ids=["tables-gone", "count-disagrees", "unknown-dtype"])
+def test_every_page_shows_one_message_on_damaged_packed_events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               damage: str) -> None:
+    """A schema-6 capture whose packed events are missing or inconsistent: every page says it is damaged
+    (in one line), none raises, none shows a verdict read from what is left."""
+    path = tmp_path / "packed.db"
+    shutil.copy(ROOT / "sample_runs" / "shared-prefix.db", path)
+    upgraded = subprocess.run([sys.executable, "-m", "kvscope", "upgrade", str(path)], capture_output=True,
+                              cwd=ROOT, check=False)
+    assert upgraded.returncode == 0, upgraded.stderr
+    with sqlite3.connect(path) as conn:
+        conn.executescript(damage)
+    conn.close()
+    for page in PAGES:
+        at = open_app(path, monkeypatch)
+        if page != "overview":
+            at.switch_page(page_path(page)).run()
+        assert not at.exception, (page, [e.value for e in at.exception])
+        errors = [e.value for e in at.error]
+        assert len(errors) == 1 and f"{path}: damaged capture (" in errors[0] and "\n" not in errors[0], (page, errors)
+        assert not at.success and not at.metric, (page, [s.value for s in at.success])
