@@ -71,3 +71,35 @@ def check_line(path: Path) -> tuple[int, str]:
     done = subprocess.run([sys.executable, "-m", "kvscope", "check", str(path)], capture_output=True, text=True,
                           cwd=ROOT, check=False)
     return done.returncode, done.stdout.split(": ", 1)[1].strip()
+
+
+def verdicts_shown(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, str]:
+    """(the Overview's verdict box, the Leaks page's box, the Leaks page's verdict metric)."""
+    at = open_app(path, monkeypatch)
+    assert not at.exception, [e.value for e in at.exception]
+    overview = at.warning[0].value
+    at.switch_page(page_path("leaks")).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return overview, at.warning[0].value, {m.label: m.value for m in at.metric}["verdict"]
+
+
+def test_an_interrupted_run_without_an_idle_check_is_inconclusive_on_every_page(
+        stopped: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    code, line = check_line(stopped)
+    assert code == 3 and line.startswith("inconclusive: the run was interrupted (SIGINT at step 4)"), line
+    assert verdicts_shown(stopped, monkeypatch) == (f"**{line}**", f"**{line}**", "inconclusive")
+
+
+def test_a_running_run_is_inconclusive_on_every_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "live.db"
+    recorder = SQLRecorder(path, level="full", label="live")
+    try:
+        for step in range(3):
+            recorder.step = step
+            recorder.usage(sample(step, 1))
+        recorder.flush()
+        code, line = check_line(path)
+        assert code == 3 and line.startswith("inconclusive: the run is still running"), line
+        assert verdicts_shown(path, monkeypatch) == (f"**{line}**", f"**{line}**", "inconclusive")
+    finally:
+        recorder.close()
