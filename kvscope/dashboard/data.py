@@ -15,7 +15,7 @@ import streamlit as st
 
 from kvscope import telemetry
 from kvscope.dashboard import gpu
-from kvscope.debug import LeakReport, Replay, ReportState, build_report, stored_report
+from kvscope.debug import LeakReport, Replay, ReportState, build_report, checks_report, stored_report
 from kvscope.telemetry import Capture, tenant_of
 from kvscope.telemetry.derived import usage_at as usage_at_step
 
@@ -218,10 +218,19 @@ def leak_report(path: str, run_id: int, stamp: float) -> LeakReport:
 
 
 @st.cache_resource(ttl=CACHE_TTL_S, max_entries=16, show_spinner=False)
-def stored_leak_report(path: str, run_id: int, stamp: float) -> LeakReport | None:
-    """The report stored with the run when it closed, if it still describes it; never a replay
-    (the Overview's verdict must stay cheap on a live run)."""
-    return stored_report(open_capture(path), run_id)
+def verdict_report(path: str, run_id: int, stamp: float) -> LeakReport:
+    """The report the Overview's verdict is read from (kvscope.debug.verdict, as `kvscope check`):
+    the one stored with the run when it still describes it; a finished run's whole report
+    (leak_report: only the ledger can say clean); else, for a run that has not finished, its
+    leak checks alone (never a replay: the Overview must stay cheap on a live run)."""
+    stored = stored_report(open_capture(path), run_id)
+    if stored is not None:
+        return stored
+    known = runs(path)
+    run = known[known.id == run_id]
+    if not run.empty and str(run.iloc[0].display_status) == "finished" and str(run.iloc[0].level) == "full":
+        return leak_report(path, run_id, stamp)
+    return checks_report(path, run_id)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)

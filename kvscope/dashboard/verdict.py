@@ -1,12 +1,11 @@
-"""The run's leak verdict as the Overview states it, and the run's wall-clock length.
+"""The run's leak verdict as the pages state it, and the run's wall-clock length.
 
-NOTE: the same rule as `kvscope check`:
-    failed        any idle leak check failed, or the report stored with the run names leaks
-    inconclusive  nothing failed, but the run did not finish (running, ended without closing,
-                  interrupted, crashed, incomplete) or it never reached an idle check
-    clean         the run finished and passed at least one idle check with nothing failing
-An attached run (`kvscope attach`: a real engine watched from outside) is never any of these:
-its verdict is "not known" (attached_verdict), because the engine runs its own leak check.
+NOTE: the verdict is `kvscope check`'s, word for word (kvscope.debug.verdict on the run's leak
+report): leak, inconclusive (the run did not finish, or never reached an idle check) or clean
+(it finished, passed at least one idle check, and nothing failed). The pages add the failing
+checks' own messages under it. An attached run (`kvscope attach`: a real engine watched from
+outside) is never any of these: its verdict is "not known" (attached_verdict), because the
+engine runs its own leak check.
 """
 
 from __future__ import annotations
@@ -15,12 +14,14 @@ import math
 from typing import Any, Literal, NamedTuple
 
 import pandas as pd
+import streamlit as st
 
 from kvscope.dashboard.attached import VERDICT_LINE, VERDICT_TITLE
-from kvscope.debug import LeakReport, check_reason
-from kvscope.telemetry import LeakCheck, RunStatus
+from kvscope.debug import LeakReport, verdict
+from kvscope.telemetry import LeakCheck
 
 Level = Literal["clean", "failed", "inconclusive", "not known"]
+LEVELS: dict[str, Level] = {"clean": "clean", "leak": "failed", "inconclusive": "inconclusive"}
 TERMS = ("total", "available", "evictable", "protected", "held", "uncached")
 
 
@@ -30,44 +31,32 @@ class Verdict(NamedTuple):
     lines: list[str]  # the failing checks' own messages, whole, one per pool
 
 
-def leak_verdict(checks: pd.DataFrame, status: str, error: str | None = None,
-                 report: LeakReport | None = None) -> Verdict:
-    """`checks`: the run's leak_checks rows; `status`: its display status; `report`: the leak
-    report stored with the run, when there is one."""
+def leak_verdict(report: LeakReport, checks: pd.DataFrame) -> Verdict:
+    """`report`: the run's leak report (its verdict is kvscope check's); `checks`: its leak_checks
+    rows, whose failing messages are shown whole under the verdict."""
+    check = verdict(report)
     failed = checks[~checks["ok"].astype(bool)] if not checks.empty else checks
-    ledger = [] if report is None or report.clean or not report.leaks else [f"slot ledger: {check_reason(report)}"]
-    if not failed.empty:
-        first = int(failed["step"].min())
-        later = failed["step"].nunique() - 1
-        title = f"Leak check FAILED at step {first}" + (f" (and {later} later checks)" if later else "")
-        lines = [line for row in failed[failed["step"] == first].itertuples() for line in _messages(row)]
-        return Verdict("failed", title, lines + ledger)
-    if ledger:
-        return Verdict("failed", "Leaks found by the slot ledger", ledger)
-    num_checks = int(checks["step"].nunique()) if not checks.empty else 0
-    if status != RunStatus.FINISHED:
-        return Verdict("inconclusive", f"Inconclusive: {_unfinished(status, error)}; {_checks(num_checks)} "
-                       "balanced so far", [])
-    if num_checks == 0:
-        return Verdict("inconclusive", "Inconclusive: the run finished without reaching an idle leak check", [])
-    return Verdict("clean", f"Clean: {_checks(num_checks)} balanced (the last at step {int(checks['step'].max())})",
-                   [])
+    if failed.empty:
+        return Verdict(LEVELS[check.verdict], check.reason, [])
+    first = int(failed["step"].min())
+    later = failed["step"].nunique() - 1
+    head = f"idle leak check failed at step {first}" + (f" (and {later} later checks)" if later else "") + ":"
+    lines = [line for row in failed[failed["step"] == first].itertuples() for line in _messages(row)]
+    return Verdict(LEVELS[check.verdict], check.reason, [head, *lines])
+
+
+BOXES = {"clean": st.success, "failed": st.error, "inconclusive": st.warning, "not known": st.info}
+
+
+def show_verdict(shown: Verdict) -> None:
+    """The verdict whole, in its colour: the failing checks' own messages on lines of their own."""
+    body = "\n\n".join([f"**{shown.title}**", *(f"`{line}`" for line in shown.lines)])
+    BOXES[shown.level](body)
 
 
 def attached_verdict() -> Verdict:
     """An attached engine's verdict: never clean, kvscope cannot balance another engine's pool."""
     return Verdict("not known", VERDICT_TITLE, [VERDICT_LINE])
-
-
-def _unfinished(status: str, error: str | None) -> str:
-    reasons = {
-        RunStatus.RUNNING.value: "the run is still running",
-        RunStatus.INTERRUPTED.value: "the run was interrupted",
-        RunStatus.CRASHED.value: "the run crashed",
-        RunStatus.INCOMPLETE.value: "the capture is incomplete",
-    }
-    reason = reasons.get(status, f"the run {status}")
-    return f"{reason} ({error})" if error else reason
 
 
 def _messages(row: Any) -> list[str]:
@@ -78,10 +67,6 @@ def _messages(row: Any) -> list[str]:
     if check.protected and not check.balanced:
         return [message, f"[{check.pool}] {check.protected} tokens still locked at an idle point"]
     return [message]
-
-
-def _checks(num: int) -> str:
-    return f"{num} idle leak check{'' if num == 1 else 's'}"
 
 
 def run_seconds(run: Any) -> float | None:

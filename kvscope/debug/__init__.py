@@ -18,11 +18,14 @@ from kvscope.debug.report import (
     Leak,
     LeakReport,
     ReportState,
+    Verdict,
     build_report,
     check_reason,
+    checks_report,
     render_text,
     save_report,
     stored_report,
+    verdict,
 )
 
 if TYPE_CHECKING:
@@ -48,12 +51,15 @@ __all__ = [
     "Replay",
     "ReportState",
     "StepHook",
+    "Verdict",
     "build_report",
     "check_reason",
+    "checks_report",
     "render_diff",
     "render_text",
     "replay",
     "save_report",
     "stored_report",
     "summarize",
+    "verdict",
 ]

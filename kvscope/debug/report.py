@@ -185,6 +185,25 @@ def build_report(target: str | Path, run_id: int | None = None, *, on_progress: 
         capture.close()
 
 
+def checks_report(target: str | Path, run_id: int | None = None) -> LeakReport:
+    """The report of a run that has not finished, from its leak checks alone (no ledger replay:
+    cheap on a live run; its verdict is a leak or inconclusive, never clean). A finished run at
+    level full gets the whole report (build_report): only the ledger can say it is clean."""
+    capture = Capture(target)
+    try:
+        run = run_row(capture, run_id)
+        if str(run.display_status) == RunStatus.FINISHED and str(run.level) == "full":
+            return build_report(target, int(run.id))
+        report = LeakReport(str(target), int(run.id), str(run.level), str(run.display_status), error=_text(run.error),
+                            attached=attached_source(run))
+        _from_checks(report, capture.leak_checks(report.run_id))
+        last_step = capture.step_range(report.run_id).hi.iloc[0]
+        report.last_step = None if pd.isna(last_step) else int(last_step)
+        return report
+    finally:
+        capture.close()
+
+
 def save_report(target: str | Path, report: LeakReport) -> None:
     """Store the report in the capture, replacing an older one of the same run."""
     report.stored_at = None
@@ -207,6 +226,9 @@ def stored_report(capture: Capture, run_id: int) -> LeakReport | None:
     report.stored_at = float(row.built_at)
     report.status = str(run.iloc[0].display_status)
     report.error = _text(run.iloc[0].error)
+    if report.last_step is None:  # NOTE: a report stored before it had last_step: as build_report reads it
+        last_step = capture.step_range(run_id).hi.iloc[0]
+        report.last_step = None if pd.isna(last_step) else int(last_step)
     return report
 
 

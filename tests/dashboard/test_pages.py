@@ -44,13 +44,13 @@ def test_overview_shows_both_hit_rates_labelled(monkeypatch: pytest.MonkeyPatch)
     # shared-prefix: 5558 of 7705 prompt tokens hit; 44 of 48 requests
     assert labels["hit rate: tokens"] == "72.1%"
     assert labels["hit rate: requests"] == "91.7%"
-    assert at.success[0].value.startswith("**Clean: 1 idle leak check balanced (the last at step 49)")
+    assert at.success[0].value.startswith("**clean: 1 idle leak check balanced")
 
 
 def test_leaks_page_names_the_injected_culprits(monkeypatch: pytest.MonkeyPatch) -> None:
     at = open_app(ROOT / "sample_runs" / "leaky.db", monkeypatch)
     at.switch_page(page_path("leaks")).run()
-    assert {m.label: m.value for m in at.metric}["verdict"] == "LEAKS"
+    assert {m.label: m.value for m in at.metric}["verdict"] == "leak"
     culprits = at.dataframe[0].value
     assert {"orphaned", "double-free", "lock-never-released"} <= set(culprits["kind"])
     assert culprits["request"].notna().any()

@@ -14,6 +14,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from kvscope.dashboard import gpu
+from kvscope.debug import build_report, verdict
 from kvscope.telemetry import EventKind, EvictReason, PoolName, PoolTerms, UsageSample
 from kvscope.telemetry.recorder import SQLRecorder
 from tests.dashboard.conftest import ROOT
@@ -22,6 +23,11 @@ from tests.dashboard.test_pages import open_app, page_path
 LEAKY = ROOT / "sample_runs" / "leaky.db"
 CLEAN = ROOT / "sample_runs" / "shared-prefix.db"
 SWA = ROOT / "sample_runs" / "hybrid-swa.db"
+
+
+def check_reason(path: Path) -> str:
+    """`kvscope check`'s line on the capture's last run (what it prints after the path)."""
+    return verdict(build_report(path)).reason
 
 
 def metrics(at: AppTest) -> dict[str, str]:
@@ -40,7 +46,8 @@ def test_a_failed_leak_check_is_shown_whole_in_red(monkeypatch: pytest.MonkeyPat
     at = open_app(LEAKY, monkeypatch)
     assert not at.exception and not at.success and len(at.error) == 1
     verdict = at.error[0].value
-    assert "Leak check FAILED at step 38" in verdict
+    assert verdict.startswith(f"**{check_reason(LEAKY)}**")
+    assert "idle leak check failed at step 38" in verdict
     # the check's own message, whole: every term and the gap
     assert ("[full] total=2048, available=244, evictable=988, protected=760, held=0, uncached=0: 56 tokens missing"
             in verdict)
@@ -63,7 +70,8 @@ def test_every_pool_shows_its_total(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_clean_finished_run_is_green(monkeypatch: pytest.MonkeyPatch) -> None:
     at = open_app(CLEAN, monkeypatch)
     assert not at.error and not at.warning
-    assert "Clean: 1 idle leak check balanced" in at.success[0].value
+    assert at.success[0].value == f"**{check_reason(CLEAN)}**"
+    assert check_reason(CLEAN).startswith("clean: 1 idle leak check balanced")
 
 
 @pytest.mark.parametrize(("status", "error", "reason"), [
@@ -75,9 +83,11 @@ def test_a_clean_finished_run_is_green(monkeypatch: pytest.MonkeyPatch) -> None:
 ])
 def test_a_run_that_did_not_finish_is_inconclusive_not_clean(tmp_path: Path, status: str, error: str | None,
                                                              reason: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    at = open_app(copy_with_status(tmp_path, status, error), monkeypatch)
+    path = copy_with_status(tmp_path, status, error)
+    at = open_app(path, monkeypatch)
     assert not at.exception and not at.success and not at.error
-    assert at.warning[0].value.startswith(f"**Inconclusive: {reason}; 1 idle leak check balanced so far")
+    assert at.warning[0].value.startswith(f"**inconclusive: {reason}")
+    assert at.warning[0].value == f"**{check_reason(path)}**"
 
 
 def test_a_leak_in_a_run_that_did_not_finish_is_still_a_failure(tmp_path: Path,
@@ -87,7 +97,8 @@ def test_a_leak_in_a_run_that_did_not_finish_is_still_a_failure(tmp_path: Path,
     with sqlite3.connect(path) as conn:
         conn.execute("UPDATE runs SET status = 'crashed', error = 'RuntimeError: boom'")
     at = open_app(path, monkeypatch)
-    assert "Leak check FAILED at step 38" in at.error[0].value and not at.warning
+    assert "idle leak check failed at step 38" in at.error[0].value and not at.warning
+    assert at.error[0].value.startswith(f"**{check_reason(path)}**")
 
 
 def test_a_finished_run_counts_evictions_over_its_whole_length(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,6 +185,7 @@ def test_a_running_run_shows_a_labelled_recent_rate_and_no_verdict_yet(tmp_path:
         labels = [m.label for m in at.metric]
         assert any(label.startswith("evictions / s (last ") for label in labels), labels
         assert "evictions (whole run)" not in labels
-        assert at.warning[0].value.startswith("**Inconclusive: the run is still running; 0 idle leak checks")
+        assert at.warning[0].value.startswith("**inconclusive: the run is still running at step 2; 0 idle leak "
+                                              "checks balanced so far")
     finally:
         recorder.close()

@@ -10,7 +10,8 @@ import streamlit as st
 
 from kvscope.dashboard import attached, attached_pages, charts, data, leak_views, reads, url_state
 from kvscope.dashboard.frame import PAGES_DIR, Selection, selection
-from kvscope.debug import Leak, LeakReport, render_text
+from kvscope.dashboard.verdict import leak_verdict, show_verdict
+from kvscope.debug import Leak, LeakReport, render_text, verdict
 
 MAX_ROWS = 1000  # culprits shipped to the browser
 MAX_TEXT_LEAKS = 100
@@ -164,8 +165,10 @@ if chosen.running:
 report = data.leak_report(chosen.path, chosen.run_id, chosen.stamp)
 report_caption(report)
 
+shown = leak_verdict(report, data.leak_checks(chosen.path, chosen.run_id, chosen.stamp))
+show_verdict(shown._replace(lines=[]))  # NOTE: the failing checks' messages follow below
 cols = st.columns(4)
-cols[0].metric("verdict", "clean" if report.clean else "LEAKS")
+cols[0].metric("verdict", verdict(report).verdict, help="as `kvscope check` says it")
 cols[1].metric("idle leak checks", f"{report.checks_run}")
 cols[2].metric("first failed check", "–" if report.first_failure_step is None else f"step {report.first_failure_step}")
 cols[3].metric("onset", "–" if report.onset_step is None else f"step {report.onset_step}",

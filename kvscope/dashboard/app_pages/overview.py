@@ -9,28 +9,18 @@ import streamlit as st
 
 from kvscope.dashboard import attached, attached_pages, charts, data
 from kvscope.dashboard.frame import Selection, selection
-from kvscope.dashboard.verdict import Verdict, leak_verdict, run_seconds
+from kvscope.dashboard.verdict import leak_verdict, run_seconds, show_verdict
 
 LIVE_EVERY_S = 1.0
-VERDICT_BOXES = {"clean": st.success, "failed": st.error, "inconclusive": st.warning, "not known": st.info}
 
 
 def _pct(value: float | None) -> str:
     return "–" if value is None else f"{value:.1%}"
 
 
-def show_verdict(verdict: Verdict) -> None:
-    """The verdict whole, in its colour: the failing checks' own messages on lines of their own."""
-    body = "\n\n".join([f"**{verdict.title}**", *(f"`{line}`" for line in verdict.lines)])
-    VERDICT_BOXES[verdict.level](body)
-
-
-def verdict_panel(chosen: Selection, run: Any) -> None:
+def verdict_panel(chosen: Selection) -> None:
     checks = data.leak_checks(chosen.path, chosen.run_id, chosen.stamp)
-    status = str(run["display_status"])
-    report = None if status == "running" else data.stored_leak_report(chosen.path, chosen.run_id, chosen.stamp)
-    error = run["error"] if isinstance(run.get("error"), str) and run["error"] else None
-    show_verdict(leak_verdict(checks, status, error, report))
+    show_verdict(leak_verdict(data.verdict_report(chosen.path, chosen.run_id, chosen.stamp), checks))
 
 
 def pool_metrics(last: pd.Series) -> None:
@@ -124,7 +114,7 @@ def live_panel() -> None:
     rows = data.latest_usage(chosen.path, chosen.run_id, chosen.stamp)
     st.caption(f"run {chosen.run_id} · **{run['display_status']}**" + (" · refreshing every second"
                                                                         if chosen.live else ""))
-    verdict_panel(chosen, run)
+    verdict_panel(chosen)
     if rows.empty:
         st.info("No usage samples yet: the run has not finished its first step.")
         return

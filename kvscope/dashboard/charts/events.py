@@ -86,6 +86,8 @@ def _trace_values(fig: go.Figure, axis: str) -> list[float]:
 def request_timeline_figure(requests: pd.DataFrame, allocs: pd.DataFrame) -> go.Figure:
     """One row per request: waiting, prefill, decode bars; prefill chunks as dots, retractions as crosses."""
     rows = requests.reset_index(drop=True)
+    steps = [c for _, *moments in PHASES for c in moments] + ["retract_step"]
+    rows = rows.assign(**{c: pd.to_numeric(rows[c], errors="coerce").astype(float) for c in steps if c in rows})
     fig = go.Figure()
     for name, start, end in PHASES:
         lo, hi = rows[start].astype(float), rows[end].astype(float)
@@ -95,7 +97,8 @@ def request_timeline_figure(requests: pd.DataFrame, allocs: pd.DataFrame) -> go.
     if not allocs.empty:
         admitted = rows.set_index("rid")[["admit_step", "first_token_step"]]
         chunks = allocs.join(admitted, on="rid")
-        chunks = chunks[(chunks["step"] >= chunks["admit_step"]) & (chunks["step"] <= chunks["first_token_step"])]
+        prefill = chunks["first_token_step"].isna() | (chunks["step"] <= chunks["first_token_step"])  # NOTE: NaN: in
+        chunks = chunks[(chunks["step"] >= chunks["admit_step"]) & prefill]  # prefill when the run stopped
         fig.add_trace(go.Scatter(y=chunks["rid"], x=chunks["step"], mode="markers", name="prefill chunk",
                                  marker={"color": color("prefill chunk"), "size": 6}, text=chunks["tokens"],
                                  hovertemplate="%{y}: chunk of %{text} tokens at step %{x}<extra></extra>"))
@@ -103,7 +106,7 @@ def request_timeline_figure(requests: pd.DataFrame, allocs: pd.DataFrame) -> go.
     fig.add_trace(go.Scatter(y=retracted["rid"], x=retracted["retract_step"], mode="markers", name="retracted",
                              marker={"symbol": "x", "size": 10, "color": color("retracted")}))
     fig.update_layout(barmode="overlay", height=max(320, 18 * len(rows) + 100), margin={"b": BOTTOM_MARGIN},
-                      xaxis=step_axis(rows[[c for _, *moments in PHASES for c in moments]].to_numpy().ravel()),
+                      xaxis=step_axis(rows[steps[:-1]].to_numpy().ravel()),
                       yaxis={"autorange": "reversed", "type": "category"})
     return legend_above(fig)
 
