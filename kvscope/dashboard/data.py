@@ -249,15 +249,20 @@ def gpus() -> pd.DataFrame:
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner="Replaying the request stream for the hit-rate curve…")
-def capacity_curve(path: str, run_id: int, stamp: float, page_size: int) -> tuple[pd.DataFrame, int]:
-    """The one-pass hit-rate curve of the run's request stream (regenerated from its config),
-    and its prompt tokens. Raises ValueError when the stream cannot be rebuilt."""
+def capacity_curves(path: str, run_id: int, stamp: float, page_size: int,
+                    sharing: tuple[str, ...] = ("global",)) -> tuple[dict[str, pd.DataFrame], int]:
+    """The one-pass hit-rate curves of the run's request stream (regenerated from its config),
+    by sharing rule ("global"; "isolated": keys per user), in the order of `sharing`; and the
+    stream's prompt tokens. Raises ValueError when the stream cannot be rebuilt."""
     from kvscope.dashboard.charts import curve_frame
     from kvscope.planning import load_requests, one_pass_curve
 
-    curve = one_pass_curve(load_requests(path, run_id), page_size)
-    capacities, hits = curve.breakpoints()
-    return curve_frame(capacities, hits, curve.num_prompt_tokens), curve.num_prompt_tokens
+    requests = load_requests(path, run_id)
+    frames = {}
+    for rule in sharing:
+        curve = one_pass_curve(requests, page_size, isolated=rule == "isolated")
+        frames[rule] = curve_frame(*curve.breakpoints(), curve.num_prompt_tokens)
+    return frames, int(sum(r.prompt_len for r in requests))
 
 
 def page_waste(lengths: pd.DataFrame, page_size: int) -> pd.DataFrame:

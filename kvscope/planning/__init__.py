@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvscope.planning.curve import EXACTNESS, HitRateCurve, one_pass_curve
+from kvscope.planning.curve import EXACTNESS, SHARING_NAMES, CacheCurves, HitRateCurve, cache_curves, one_pass_curve
 from kvscope.planning.gpu import GpuInfo, probe_gpus
 from kvscope.planning.memory_math import (
     GIB,
@@ -81,6 +81,8 @@ __all__ = [
     "HF_IDS",
     "KV_DTYPES",
     "PRESETS",
+    "SHARING_NAMES",
+    "CacheCurves",
     "GpuInfo",
     "HitRateCurve",
     "MemoryPlan",
@@ -95,6 +97,7 @@ __all__ = [
     "TokenBytes",
     "VLLMSizing",
     "bytes_per_token",
+    "cache_curves",
     "ceil_pages",
     "format_plan",
     "format_replay",

@@ -23,9 +23,9 @@ Pure: numpy only (no torch), so the dashboard can import it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import overload
+from typing import Any, Literal, NamedTuple, overload
 
 import numpy as np
 
@@ -150,3 +150,65 @@ def one_pass_curve(requests: Sequence[ReplayRequest], page_size: int = 1, *, iso
     ramps = stack_distance_ramps(((r.prompt_len, r.all_ids) for r in requests), page_size, namespaces)
     prompt_lens = np.fromiter((r.prompt_len for r in requests), dtype=np.int64, count=len(requests))
     return HitRateCurve(page_size, prompt_lens, ramps)
+
+
+# -- which curve describes a run's cache -----------------------------------------------------------
+
+Sharing = Literal["global", "isolated"]
+SHARING_NAMES: dict[str, str] = {"global": "global sharing", "isolated": "per-principal isolation"}
+
+
+class CacheCurves(NamedTuple):
+    """The one-pass curves drawn for a captured run's cache, and one line saying what they assume."""
+
+    sharing: tuple[Sharing, ...]  # `isolated`: one_pass_curve(..., isolated=True); the first is read for a target
+    assumption: str
+
+
+def cache_curves(config: Mapping[str, Any]) -> CacheCurves:
+    """From a run's config fingerprint (keys engine.cache, model.sliding_window): the curves that
+    describe its cache's sharing rule, or, where no one-pass curve does, global sharing with the
+    rule named. NOTE: the isolated curve is exact only for k = inf with no pinned prefixes and
+    dedup off (docs/capacity-planning.md §11); a finite k is not a stack algorithm."""
+    cache = _mapping(_mapping(config).get("engine")).get("cache")
+    cache = _mapping(cache)
+    kind = str(cache.get("kind", "radix"))
+    if kind == "scoped-radix":
+        return _scoped_curves(cache)
+    if kind == "swa-radix":
+        window = _mapping(_mapping(config).get("model")).get("sliding_window")
+        last = f"the last {window} tokens" if isinstance(window, int) else "the sliding window"
+        return CacheCurves(("global",), "The curve models the full-attention pool alone, with global sharing; this "
+                           f"run's SWA radix cache also needs {last} of a matched prefix in its smaller SWA pool, "
+                           "which evicts on its own (a tombstone keeps only the full KV), so the run can hit less "
+                           "at the same capacity.")
+    if kind == "hiradix":
+        return CacheCurves(("global",), "The curve models one tier with global sharing; this run's hiradix cache "
+                           "also serves hits from its host tier (copies loaded back), which the curve does not model.")
+    if kind in ("chunk", "none"):
+        return CacheCurves(("global",), f"This run's {kind} cache keeps no prefix across requests (its hit rate is "
+                           "0 at any capacity); the curve is what a radix cache with global sharing would hit.")
+    return CacheCurves(("global",), "Global sharing, as this run's radix cache: any request reuses any cached "
+                       "prefix, all in one pool.")
+
+
+def _scoped_curves(cache: Mapping[str, Any]) -> CacheCurves:
+    promote_k, epoch_s = cache.get("promote_k", 3), cache.get("epoch_s", 60.0)
+    pinned, dedup = len(cache.get("pinned") or ()), bool(cache.get("dedup"))
+    if promote_k is None and not pinned and not dedup:
+        return CacheCurves(("isolated",), "Per-principal isolation, as this run's scoped cache (never promotes, no "
+                           "pinned prefixes, dedup off): a prefix is reused only by the user who computed it.")
+    rule = ("never shares a prefix across users" if promote_k is None
+            else f"shares a prefix across users once {promote_k} of them computed it within the promotion window "
+                 f"(epochs of {epoch_s:g} s)")
+    extras = [f"{pinned} pinned prefix(es) shared from the start"] if pinned else []
+    extras += ["dedup on"] if dedup else []
+    k = "inf" if promote_k is None else str(promote_k)
+    return CacheCurves(("global", "isolated"), f"This run's scoped cache {rule}{', with ' if extras else ''}"
+                       f"{' and '.join(extras)}: no one-pass curve follows that rule; the two drawn are global sharing "
+                       "(every prefix shared) and per-principal isolation (none shared). `kvscope replay CAPTURE "
+                       f"--cache scoped-radix --promote-k {k} --epoch-s {epoch_s:g}` replays the rule itself.")
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}

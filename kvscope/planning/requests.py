@@ -5,14 +5,15 @@ output). Where a request has no forced `output_ids` (the engine sampled them), t
 is `output_len` copies of the placeholder id -(i+1), i = the request's index: it occupies
 cache like a real output but never matches another request's tokens.
 
-A capture's `requests` table holds only lengths, so a capture is replayed by rebuilding its
-request stream from the run's config fingerprint (`runs.config`, key "workload"; its page size
+A capture's `requests` table holds only lengths (no token ids), so a capture is replayed by
+rebuilding its request stream from the run's config fingerprint (`runs.config`, key "workload"; its page size
 from key "engine"): the trace
 file it named (read again, relative to the current directory) or the generated workload
 (`generate(name, num_requests, seed, vocab_size=model.vocab_size, **options)`), which is
 deterministic for the same arguments. The engine itself inserts prompt + output[:-1] and
 runs requests concurrently; a replay serves them one at a time and inserts prompt + output
-(the protocol of benchmarks/bench_radix.py).
+(the protocol of benchmarks/bench_radix.py). A `kvscope serve` or `kvscope attach` capture names
+no workload (its traffic came from clients), so it has no stream to rebuild.
 """
 
 from __future__ import annotations
@@ -154,4 +155,17 @@ def workload_of_config(config: dict[str, Any], where: str) -> list[TraceRequest]
     if workload.get("name"):
         return generate(workload["name"], num_requests=int(workload["num_requests"]), seed=int(workload["seed"]),
                         vocab_size=vocab_size, **(workload.get("options") or {}))
-    raise ValueError(f"{where}: its config names neither a workload nor a trace")
+    raise ValueError(f"{where}: {_no_stream_reason(config)}")
+
+
+def _no_stream_reason(config: dict[str, Any]) -> str:
+    """Why a run's request stream cannot be rebuilt, in a line that names what would be needed."""
+    if "serve" in config:
+        return ("a `kvscope serve` capture stores each request's lengths, not its token ids, and a hit-rate curve "
+                "needs the tokens to tell which prompts share a prefix: replay the traffic's own trace "
+                "(`kvscope replay TRACE.jsonl`) or a `kvscope run` capture of the same workload")
+    source = config.get("source")
+    if isinstance(source, dict) and source.get("kind") == "attach":
+        return ("an attached engine's capture holds its KV events and metrics, not its requests' token ids, "
+                "which a hit-rate curve needs: replay the traffic's own trace (`kvscope replay TRACE.jsonl`)")
+    return "its config names neither a workload nor a trace"

@@ -551,11 +551,47 @@ def decode_json(raw: bytes) -> Any:
     try:
         body = json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=BadNumber)
     except RecursionError:
-        raise ApiError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
+        raise too_deep(deep_field(raw)) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ApiError(400, f"the body is not valid JSON: {err}", code="invalid_json") from None
     check_json(body)
     return body
+
+
+def too_deep(field: str | None) -> ApiError:
+    where = f" (in '{field}')" if field else ""
+    return ApiError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels{where}", param=field, code="invalid_json")
+
+
+def deep_field(raw: bytes) -> str | None:
+    """The top-level key of a JSON object whose value nests deeper than MAX_JSON_DEPTH (a body
+    too deep for the parser to read), found by scanning its bytes; None when there is none."""
+    depth, in_string, escaped, start, key = 0, False, False, 0, None
+    for i, byte in enumerate(raw):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # the closing quote
+                in_string = False
+                if depth == 1:
+                    key = raw[start : i + 1]
+        elif byte == 0x22:
+            in_string, start = True, i
+        elif byte in b"[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                break
+        elif byte in b"]}":
+            depth -= 1
+    else:
+        return None
+    try:
+        name = json.loads(key) if key is not None and raw.lstrip()[:1] == b"{" else None
+    except ValueError:
+        return None
+    return name if isinstance(name, str) and _is_text(name) else None
 
 
 def check_json(body: Any) -> None:
@@ -569,9 +605,7 @@ def check_json(body: Any) -> None:
     while stack:
         value, path, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
-            field = path.split("[", 1)[0].split(".", 1)[0] or None  # NOTE: the top-level field it is in
-            raise ApiError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels"
-                           + (f" (in '{field}')" if field else ""), param=field, code="invalid_json")
+            raise too_deep(path.split("[", 1)[0].split(".", 1)[0] or None)  # NOTE: the top-level field
         pairs = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in pairs:
             if isinstance(key, str) and not _is_text(key):

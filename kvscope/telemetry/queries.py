@@ -106,7 +106,8 @@ class Capture:
         """Usage per step, at most `max_points` of the run's own rows: the steps are cut into
         buckets and each bucket keeps, for each pool the run has (full, swa, host), the row where
         that pool has the most tokens in use (total - available; the full pool's `full_used` where
-        available is NULL), the latest such row on a tie; the run's last row is always kept.
+        available is NULL), the latest such row on a tie; the run's last row is always kept
+        (`max_points` below the number of pools + 1 still gives one bucket).
         NOTE: whole rows, never per-column maxima: a row's pool terms sum to its total, and terms
         taken from different steps do not (their difference can go negative)."""
         u = schema.usage.c
@@ -125,7 +126,8 @@ class Capture:
         bucket = (u.step - lo) // width
         ranks = [func.row_number().over(partition_by=bucket, order_by=(func.coalesce(peak, -1).desc(), u.step.desc()))
                  .label(f"peak_rank_{i}") for i, peak in enumerate(peaks)]
-        ranked = select(u.step, *ranks).where(u.run_id == run_id).subquery()  # NOTE: narrow: the sort carries 2-4 ints
+        # NOTE: narrow: the sort carries 2-4 ints; steps past `hi` (a live run went on) wait for the next read
+        ranked = select(u.step, *ranks).where(u.run_id == run_id, u.step <= hi).subquery()
         kept = select(ranked.c.step).where(or_(ranked.c.step == hi, *(ranked.c[rank.name] == 1 for rank in ranks)))
         columns = [_used_of_older().label(c.name) if c.name == "full_used" and version < 5 else c
                    for c in schema.columns_as_of(schema.usage, version) if c.name != "run_id"]

@@ -189,6 +189,7 @@ def test_stream_options_must_be_an_object_with_a_boolean(front: Front, options: 
     (b'{"top_p": 1e999}', "top_p"),
     (b'{"stream_options": ' + b"[" * 100 + b"]" * 100 + b"}", "stream_options"),
     (b"[" * 100_000, None),
+    (b'{"prompt": "a\\"[", "messages": ' + b"[" * 100_000, "messages"),
 ])
 def test_a_body_no_handler_can_trust_is_a_400_naming_its_field(raw: bytes, param: str | None) -> None:
     with pytest.raises(ApiError) as err:

@@ -104,7 +104,7 @@ def nesting() -> Iterator[Case]:
                             (COMPLETIONS, "user")):
             body = dumps(base(path)).rstrip(b"}") + b', "' + field.encode() + b'_x": 0}'
             body = body.replace(b'"' + field.encode() + b'_x": 0', b'"' + field.encode() + b'": ' + lists)
-            yield Case(f"{field} nested {depth} deep", path, body, param=field if depth < 999 else "?")
+            yield Case(f"{field} nested {depth} deep", path, body, param=field)
 
 
 def numbers() -> Iterator[Case]:

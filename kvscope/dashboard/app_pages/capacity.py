@@ -11,9 +11,11 @@ from kvscope.planning import (
     GIB,
     KV_DTYPES,
     PRESETS,
+    SHARING_NAMES,
     MemoryPlan,
     PlanInputs,
     bytes_per_token,
+    cache_curves,
     plan_memory,
     resolve_model,
 )
@@ -25,6 +27,13 @@ def kv_bytes_per_token(model_name: str, kv_dtype: str, tp: int) -> float | None:
         return bytes_per_token(resolve_model(model_name), kv_dtype, tp).cell_bytes()
     except ValueError:
         return None
+
+
+def curve_names(sharing: tuple[str, ...]) -> dict[str, str]:
+    """Each curve's series name: the plain "token hit rate" for global sharing alone."""
+    if sharing == ("global",):
+        return {"global": "token hit rate"}
+    return {rule: f"token hit rate, {SHARING_NAMES[rule]}" for rule in sharing}
 
 
 def plan_metrics(plan: MemoryPlan, context: int, page_size: int) -> None:
@@ -72,23 +81,30 @@ st.subheader("Hit rate vs cache capacity for this run's traffic")
 if source is not None:
     attached_pages.capacity_note(source)
     st.stop()
+rule = cache_curves(data.run_config(chosen.run))
 try:
-    curve, prompt_tokens = data.capacity_curve(chosen.path, chosen.run_id, chosen.stamp, page_size)
+    curves, prompt_tokens = data.capacity_curves(chosen.path, chosen.run_id, chosen.stamp, page_size, rule.sharing)
 except ValueError as err:
-    st.info(f"This run's request stream cannot be rebuilt: {err}")
+    st.info(f"No hit-rate curve for this run: {str(err).removeprefix(f'{chosen.path} run {chosen.run_id}: ')}")
     st.stop()
+names = curve_names(rule.sharing)
+curve = curves[rule.sharing[0]]
 target = st.slider("target token hit rate", 0.0, 1.0, min(0.5, float(curve["hit_rate"].max())), 0.01,
                    key="capacity.target")
 needed = charts.capacity_for(curve, target)
 gpu_tokens = None if plan is None else plan.sglang.max_total_num_tokens
-st.plotly_chart(charts.capacity_figure(curve, target, needed, gpu_tokens), key="capacity.curve")
+others = {names[r]: curves[r] for r in rule.sharing[1:]}
+st.plotly_chart(charts.capacity_figure(curve, target, needed, gpu_tokens, name=names[rule.sharing[0]], others=others),
+                key="capacity.curve")
+st.caption(f"**What the curve assumes.** {rule.assumption}")
 st.caption(f"One pass over {prompt_tokens:,} prompt tokens (stack-distance method): {EXACTNESS}. The axis spans this "
            f"traffic's working set ({charts.working_set_tokens(curve):,} tokens: beyond it the hit rate grows no more)."
            + ("" if plan is not None else " No GPU line: the plan above failed."))
 if needed is None:
     st.warning(f"No capacity reaches {target:.0%}: this traffic tops out at {curve['hit_rate'].max():.1%}.")
 else:
-    st.metric(f"capacity for {target:.0%}", f"{needed:,} tokens",
+    read_on = f" ({SHARING_NAMES[rule.sharing[0]]})" if others else ""
+    st.metric(f"capacity for {target:.0%}{read_on}", f"{needed:,} tokens",
               help="the smallest cache that reaches the target hit rate on this request stream")
     token_bytes = kv_bytes_per_token(model_name, kv_dtype, tp)
     weights = "" if plan is None else f", beside {plan.inputs.weights_per_gpu_bytes / GIB:,.2f} GiB of weights"

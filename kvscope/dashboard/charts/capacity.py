@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -28,14 +30,20 @@ def working_set_tokens(curve: pd.DataFrame) -> int:
 
 
 def capacity_figure(curve: pd.DataFrame, target_rate: float, needed_tokens: int | None,
-                    gpu_tokens: int | None = None) -> go.Figure:
-    """The curve on an axis scaled to the run's working set (a GPU's capacity is usually far
-    beyond it: then it is named at the right edge rather than stretching the axis to it)."""
-    working_set = working_set_tokens(curve)
+                    gpu_tokens: int | None = None, *, name: str = "token hit rate",
+                    others: Mapping[str, pd.DataFrame] | None = None) -> go.Figure:
+    """The curve (the target is read on it), and any `others` by name, dotted, on an axis scaled to
+    the widest working set (a GPU's capacity is usually far beyond it: then it is named at the
+    right edge rather than stretching the axis to it)."""
+    others = others or {}
+    working_set = max(working_set_tokens(c) for c in (curve, *others.values()))
     x_max = max(working_set, needed_tokens or 0, 1) * 1.1
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=curve["capacity_tokens"], y=curve["hit_rate"], mode="lines", line_shape="hv",
-                             name="token hit rate", line={"color": color("token hit rate")}))
+                             name=name, line={"color": color(name)}))
+    for other_name, other in others.items():
+        fig.add_trace(go.Scatter(x=other["capacity_tokens"], y=other["hit_rate"], mode="lines", line_shape="hv",
+                                 name=other_name, line={"color": color(other_name), "dash": "dot"}))
     fig.add_hline(y=target_rate, line_dash="dot", line_color=color("target"),
                   annotation_text=f"target {target_rate:.0%}")
     if needed_tokens is not None:

@@ -76,6 +76,8 @@ COLORS: dict[str, str] = {
     "evicted": "#d62728",
     # capacity
     "token hit rate": "#1f77b4",
+    "token hit rate, global sharing": "#1f77b4",
+    "token hit rate, per-principal isolation": "#9467bd",
     "target": "#7f7f7f",
     "needed": "#ff7f0e",
     "fits on the GPU": "#2ca02c",
