@@ -4,9 +4,11 @@
     client <--SSE--- Front <--TokenOut/StatsOut----- scheduler process (ZMQ PULL)
 
 One background task (`route`) reads the scheduler's socket: a TokenOut goes to its request's
-asyncio queue, a StatsOut to the metrics. Each handler sends its GenerateReq, then reads its
-queue until the TokenOut that finishes it. A client that goes away (a closed stream, or a
-disconnect while a plain response is pending) makes the handler send AbortReq.
+asyncio queue, a StatsOut to the metrics. Each handler sends one GenerateReq per choice (n per
+prompt; parameters checked by openai_params.py, sampled by the scheduler), then reads their
+queues until the TokenOuts that finish them (choice.py turns them into text and logprobs). A
+client that goes away (a closed stream, or a disconnect while a plain response is pending)
+makes the handler send AbortReq for each choice still running.
 
 NOTE: principals (docs/serve.md)
     no --api-keys   principal = the request's `user` (or None)

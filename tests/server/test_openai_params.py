@@ -26,10 +26,12 @@ ALWAYS_X = {str(X_ID): 100}  # every token is "x" (greedy, or any draw: the bias
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with serving(None, "--max-context-len", str(CONTEXT_LEN)) as started:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    capture = tmp_path_factory.mktemp("openai") / "serve.db"
+    with serving(capture, "--max-context-len", str(CONTEXT_LEN), "--level", "summary") as started:
         yield started
-        started.stop()
+        code, printed = started.stop()
+        assert code == 0, printed
 
 
 def post(server: Server, chat: bool, body: dict[str, Any]) -> httpx.Response:
