@@ -12,10 +12,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+from kvscope.engine.sampling_params import GREEDY, SamplingParams
+
+
+class TokenLogprob(NamedTuple):
+    """One output token's log-probability under the raw logits, and the top ones (best first)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 class ReqState(StrEnum):
@@ -32,8 +42,7 @@ class Req:
     max_new_tokens: int
     user: str | None = None
     forced_output_ids: np.ndarray | None = None  # a trace's outputs, emitted instead of sampling
-    ignore_eos: bool = True
-    eos_id: int | None = None
+    sampling: SamplingParams = GREEDY
     arrival_step: int = 0
 
     state: ReqState = ReqState.WAITING
@@ -52,6 +61,11 @@ class Req:
     num_retractions: int = 0
     cached_tokens: int = 0  # prefix hit at first admission
     admitted: bool = False
+    finish_reason: str | None = None  # "length" | "stop" once finish_check said done
+    stop_token: int | None = None  # the stop_token_ids entry it stopped on
+    stop_sequence: int | None = None  # the index of the stop sequence it stopped on
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when sampling.num_logprobs is set
+    generator: torch.Generator | None = None  # the request's own draws (sampling.py)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -84,9 +98,22 @@ class Req:
         return int(forced[len(self.output_ids)]) if forced is not None else sampled
 
     def is_done(self) -> bool:
-        if len(self.output_ids) >= self.max_new_tokens:
-            return True
-        return not self.ignore_eos and bool(self.output_ids) and self.output_ids[-1] == self.eos_id
+        """Whether the last output ends the request (sampling_params.py's NOTE); sets finish_reason."""
+        params, num_outputs = self.sampling, len(self.output_ids)
+        if num_outputs >= self.max_new_tokens:
+            self.finish_reason = "length"
+        if num_outputs < params.min_tokens or not num_outputs:
+            return self.finish_reason is not None
+        last = self.output_ids[-1]
+        if self.finish_reason is None and not params.ignore_eos and last == params.eos_id:
+            self.finish_reason = "stop"
+        elif self.finish_reason is None and last in params.stop_token_ids:
+            self.finish_reason, self.stop_token = "stop", last
+        for index, seq in enumerate(params.stop_sequences):
+            if num_outputs >= len(seq) and tuple(self.output_ids[-len(seq):]) == seq:
+                self.finish_reason, self.stop_token, self.stop_sequence = "stop", None, index
+                break
+        return self.finish_reason is not None
 
     def reset_for_retract(self, root: Any) -> None:
         """Back to waiting with outputs kept (docs/memory-semantics.md §9.3): the tree forgets it, its KV is gone."""

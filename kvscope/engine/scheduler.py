@@ -37,6 +37,7 @@ from kvscope.engine.memory import MemorySystem, WindowHook
 from kvscope.engine.model import ForwardBatch, TinyTransformer
 from kvscope.engine.read_check import ReadChecker
 from kvscope.engine.request import Req, ReqState
+from kvscope.engine.sampling import choose_tokens
 from kvscope.engine.stats import EngineStats, LeakDetected
 from kvscope.telemetry import Recorder
 
@@ -240,9 +241,11 @@ class Scheduler:
             self.hicache.controller.wait_loads_on_current_stream()  # NOTE: the loaded rows are read now
         logits = self.model.forward(forward, rows, memory.kv_pool)
         memory.allocator.free_group_begin()
-        sampled = logits.argmax(-1).tolist()  # NOTE: one device sync per step, not one per request
-        for req, row, token in zip(batch, logits, sampled, strict=True):
-            self._after_prefill(req, row, token)
+        # NOTE: a chunk's row samples nothing (its generator draws only for real outputs)
+        done = [i for i, r in enumerate(batch) if not r.is_chunked]
+        chosen = dict(zip(done, choose_tokens([batch[i] for i in done], logits[done]), strict=True)) if done else {}
+        for i, (req, row) in enumerate(zip(batch, logits, strict=True)):
+            self._after_prefill(req, row, chosen.get(i))
         memory.allocator.free_group_end()
 
     def _alloc_extend(self, batch: list[Req], prefix_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
@@ -263,7 +266,7 @@ class Scheduler:
                                f"after eviction (the admission budget should have prevented this)")
         return slots
 
-    def _after_prefill(self, req: Req, logits_row: torch.Tensor, sampled: int) -> None:
+    def _after_prefill(self, req: Req, logits_row: torch.Tensor, token: int | None) -> None:
         req.kv_committed_len += req.extend_len
         req.fill_ids = req.all_ids()[: req.kv_committed_len]
         if self.on_logits is not None:
@@ -274,7 +277,8 @@ class Scheduler:
             return
         if self.chunked_req is req:
             self.chunked_req = None
-        req.append_output(req.next_token(sampled))
+        assert token is not None  # NOTE: chosen for every request whose prompt is done
+        req.append_output(token)
         self.stats.first_token(req, self.step)
         if req.is_done():
             self._finish(req)
@@ -321,13 +325,13 @@ class Scheduler:
         logits = self.model.forward(forward, rows, memory.kv_pool)
         memory.allocator.free_group_begin()
         still_running = []
-        sampled = logits.argmax(-1).tolist()  # NOTE: one device sync per step, not one per request
-        for req, row, token in zip(batch, logits, sampled, strict=True):
+        chosen = choose_tokens(batch, logits)
+        for req, row, token in zip(batch, logits, chosen, strict=True):
             req.kv_committed_len += 1
             req.decode_steps += 1
             if self.on_logits is not None:
                 self.on_logits(req, req.kv_committed_len - 1, row)
-            req.append_output(req.next_token(token))
+            req.append_output(token)
             if req.is_done():
                 self._finish(req)
             else:

@@ -4,9 +4,11 @@
     client <--SSE--- Front <--TokenOut/StatsOut----- scheduler process (ZMQ PULL)
 
 One background task (`route`) reads the scheduler's socket: a TokenOut goes to its request's
-asyncio queue, a StatsOut to the metrics. Each handler sends its GenerateReq, then reads its
-queue until the TokenOut that finishes it. A client that goes away (a closed stream, or a
-disconnect while a plain response is pending) makes the handler send AbortReq.
+asyncio queue, a StatsOut to the metrics. Each handler sends one GenerateReq per choice (n per
+prompt; parameters checked by openai_params.py, sampled by the scheduler), then reads their
+queues until the TokenOuts that finish them (choice.py turns them into text and logprobs). A
+client that goes away (a closed stream, or a disconnect while a plain response is pending)
+makes the handler send AbortReq for each choice still running.
 
 NOTE: principals (docs/serve.md)
     no --api-keys   principal = the request's `user` (or None)
@@ -31,7 +33,6 @@ NOTE: bad input never reaches a handler as a Python surprise
 from __future__ import annotations
 
 import asyncio
-import codecs
 import json
 import math
 import sys
@@ -39,7 +40,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
@@ -52,10 +53,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+import kvscope
 from kvscope.engine import EngineConfig, ModelConfig
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.server.api_keys import Principal
 from kvscope.server.chat import ChatError, render_chat
+from kvscope.server.choice import Choice, Entry, Piece, render_logprobs
 from kvscope.server.metrics import ServerMetrics
+from kvscope.server.openai_params import MAX_CHOICES, ParamError, RequestParams, parse_params
 from kvscope.server.protocol import (
     AbortReq,
     GenerateReq,
@@ -65,9 +70,8 @@ from kvscope.server.protocol import (
     decode_to_front,
     encode,
 )
-from kvscope.workloads.tokenizer import NUM_SPECIAL, ByteTokenizer
+from kvscope.workloads.tokenizer import ByteTokenizer
 
-DEFAULT_MAX_TOKENS = 16
 DISCONNECT_POLL_S = 0.2
 MAX_JSON_DEPTH = 64  # NOTE: OpenAI bodies nest a few levels (a tool's JSON schema a dozen or so)
 MAX_INT_DIGITS = 4300  # NOTE: Python's own limit for int(str); past it a number is refused by name
@@ -111,19 +115,6 @@ def resolve_principal(keys: dict[str, Principal] | None, authorization: str | No
                    param="user", code="permission_denied")
 
 
-class Detokenizer:
-    """Incremental byte-tokenizer decoding: text is released once its UTF-8 bytes are complete,
-    and the whole text equals ByteTokenizer.decode of all the ids."""
-
-    def __init__(self) -> None:
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def feed(self, ids: list[int], final: bool = False) -> str:
-        end = NUM_SPECIAL + 256  # ids past the bytes (a larger vocabulary) are one invalid byte each
-        data = bytes(i - NUM_SPECIAL if i < end else 0xFF for i in ids if i >= NUM_SPECIAL)
-        return self.decoder.decode(data, final)
-
-
 @dataclass
 class FrontState:
     """What the front knows about the engine, for checks and /server_info."""
@@ -151,24 +142,71 @@ class Outcome:
     completion_tokens: int = 0
     error: str | None = None
 
-    def usage(self) -> dict[str, Any]:
-        completion = self.completion_tokens or len(self.ids)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
 
 @dataclass
 class GenRequest:
-    """A validated completions or chat request."""
+    """A validated completions or chat request: one or more prompts, `params.n` choices each."""
 
     chat: bool
-    input_ids: list[int]
-    max_tokens: int
+    prompts: list[list[int]]
+    max_tokens: list[int]  # per prompt
     stream: bool
     include_usage: bool
     principal: str | None
     arrival_wall_s: float
+    params: RequestParams
+
+    def children(self, rid: str) -> list[Child]:
+        """One scheduler request per choice: choice index = prompt index * n + i. Choice i of a
+        seeded request draws from seed + i (vLLM's rule), so n > 1 gives n different samples."""
+        n, sampling = self.params.n, self.params.sampling
+        echo_logprobs = self.params.num_logprobs if self.params.echo else None
+        out = []
+        for p, (prompt, max_tokens) in enumerate(zip(self.prompts, self.max_tokens, strict=True)):
+            for i in range(n):
+                index = p * n + i
+                seed = None if sampling.seed is None else sampling.seed + i
+                own = sampling if seed == sampling.seed else replace(sampling, seed=seed)
+                child_rid = rid if len(self.prompts) * n == 1 else f"{rid}-{index}"
+                out.append(Child(child_rid, index, prompt, max_tokens, own, echo_logprobs))
+        return out
+
+
+@dataclass
+class Child:
+    """One choice's scheduler request."""
+
+    rid: str
+    index: int
+    input_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    num_prompt_logprobs: int | None
+
+
+@dataclass
+class Run:
+    """A choice in progress: what the client has been sent and the usage so far."""
+
+    child: Child
+    choice: Choice
+    echo: bool
+    outcome: Outcome = field(default_factory=Outcome)
+    text: str = ""
+    entries: list[Entry] = field(default_factory=list)
+
+    def take(self, out: TokenOut) -> Piece:
+        """`out`'s text and logprob entries (the prompt first, for echo, with the first message)."""
+        absorb(self.outcome, out)
+        piece = self.choice.feed(out) if not self.echo else self.with_echo(out)
+        self.text += piece.text
+        self.entries += piece.entries
+        return piece
+
+    def with_echo(self, out: TokenOut) -> Piece:
+        self.echo = False
+        head, tail = self.choice.echo(out.prompt_logprobs), self.choice.feed(out)
+        return Piece(head.text + tail.text, head.entries + tail.entries)
 
 
 class Front:
@@ -237,27 +275,41 @@ class Front:
 
     # --- requests
 
-    def check_request(self, input_ids: list[int], max_tokens: int) -> None:
+    def default_max_tokens(self, input_ids: list[int], param: str) -> int:
+        """The rest of the context (as vLLM), and no more than the KV pool can hold beside the prompt."""
+        pool = self.state.engine.pool
+        page_size = pool.page_size
+        by_pool = (pool.full_size_tokens // page_size - 1) * page_size  # check_request's `need` fits
+        room = min(pool.max_context_len, by_pool) - len(input_ids)
+        if room < 1:
+            raise ApiError(400, f"this model's maximum context length is {min(pool.max_context_len, by_pool)} "
+                           f"tokens; the prompt has {len(input_ids)}, which leaves no room for output",
+                           param=param, code="context_length_exceeded")
+        return room
+
+    def check_request(self, input_ids: list[int], max_tokens: int, param: str = "max_tokens") -> None:
         """A request that can never run is a 400 before the scheduler sees it (as Engine.check_request)."""
         pool = self.state.engine.pool
         total = len(input_ids) + max_tokens
         if total > pool.max_context_len:
             raise ApiError(400, f"this model's maximum context length is {pool.max_context_len} tokens; the "
-                           f"request has {len(input_ids)} prompt tokens and max_tokens {max_tokens}",
-                           param="max_tokens", code="context_length_exceeded")
+                           f"request has {len(input_ids)} prompt tokens and {param} {max_tokens}",
+                           param=param, code="context_length_exceeded")
         need = -(-total // pool.page_size) * pool.page_size + pool.page_size
         if need > pool.full_size_tokens:
             raise ApiError(400, f"the request needs {need} KV tokens; the pool holds {pool.full_size_tokens}",
-                           param="max_tokens", code="context_length_exceeded")
+                           param=param, code="context_length_exceeded")
 
-    async def generate(self, rid: str, req: GenRequest, request: Request) -> AsyncGenerator[TokenOut, None]:
-        """The scheduler's TokenOuts for `req`; aborts it when the caller stops early."""
+    async def generate(self, child: Child, req: GenRequest, request: Request) -> AsyncGenerator[TokenOut, None]:
+        """The scheduler's TokenOuts for one choice of `req`; aborts it when the caller stops early."""
+        rid = child.rid
         pending = Pending(asyncio.Queue(), time.monotonic())
         self.pending[rid] = pending
         finished = False
         first_token_s = last_token_s = None
         try:
-            await self.send(GenerateReq(rid, req.input_ids, req.max_tokens, req.principal, req.arrival_wall_s))
+            await self.send(GenerateReq(rid, child.input_ids, child.max_tokens, req.principal, req.arrival_wall_s,
+                                        child.sampling, child.num_prompt_logprobs))
             next_poll = time.monotonic() + DISCONNECT_POLL_S
             while not finished:
                 try:
@@ -295,6 +347,41 @@ class Front:
                 self.aborts.add(task)
                 task.add_done_callback(self.aborts.discard)
 
+    async def outputs(self, children: list[Child], req: GenRequest,
+                      request: Request) -> AsyncGenerator[tuple[int, TokenOut], None]:
+        """(position in `children`, TokenOut) of every choice as they come; one choice is read
+        directly, several through one queue fed by a task each (closing this aborts them all)."""
+        if len(children) == 1:
+            outs = self.generate(children[0], req, request)
+            try:
+                async for out in outs:
+                    yield 0, out
+            finally:
+                await outs.aclose()
+            return
+        queue: asyncio.Queue[tuple[int, TokenOut | None]] = asyncio.Queue()
+
+        async def pump(k: int, child: Child) -> None:
+            outs = self.generate(child, req, request)
+            try:
+                async for out in outs:
+                    queue.put_nowait((k, out))
+            finally:  # NOTE: no await: a cancelled pump still reports its end
+                queue.put_nowait((k, None))
+
+        tasks = [asyncio.get_running_loop().create_task(pump(k, c)) for k, c in enumerate(children)]
+        try:
+            num_open = len(tasks)
+            while num_open:
+                k, maybe = await queue.get()
+                if maybe is None:
+                    num_open -= 1
+                    continue
+                yield k, maybe
+        finally:
+            for task in tasks:
+                task.cancel()
+
     # --- HTTP
 
     def app(self) -> Starlette:
@@ -302,6 +389,11 @@ class Front:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/get_model_info", self.model_info, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/server_info", self.server_info, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
@@ -315,8 +407,64 @@ class Front:
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.state.model_id, "object": "model", "created": 0, "owned_by": "kvscope"}]})
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.state.model_id, "object": "model", "created": 0, "owned_by": "kvscope",
+                "root": self.state.model_id, "parent": None, "max_model_len": self.state.engine.pool.max_context_len}
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id != self.state.model_id:
+            return error_response(404, f"the model {model_id!r} does not exist; this server serves "
+                                  f"{self.state.model_id!r}", param="model", code="model_not_found")
+        return JSONResponse(self.model_card())
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": kvscope.__version__})
+
+    async def model_info(self, request: Request) -> Response:
+        """SGLang's /get_model_info."""
+        return JSONResponse({"model_path": self.state.model_id, "tokenizer_path": None, "is_generation": True,
+                             "preferred_sampling_params": None, "weight_version": "default",
+                             "has_image_understanding": False, "has_audio_understanding": False,
+                             "model_type": "kvscope-tiny-transformer", "architectures": ["TinyTransformer"]})
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's and SGLang's /tokenize: {"prompt": text} or {"messages": [...]} -> the token ids."""
+        try:
+            body = await read_json(request)
+            if not isinstance(body, dict):
+                raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+            if "messages" in body:
+                try:
+                    text = render_chat(body.get("messages"))
+                except ChatError as err:
+                    raise ApiError(400, str(err), param=err.param, code="invalid_value") from None
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise ApiError(400, "'prompt' must be a string", param="prompt", code="invalid_type")
+                text = prompt
+        except ApiError as err:
+            return err.response()
+        ids = self.tokenizer.encode(text).tolist()
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.state.engine.pool.max_context_len})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = await read_json(request)
+            ids = body.get("tokens") if isinstance(body, dict) else None
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise ApiError(400, "'tokens' must be a list of token ids", param="tokens", code="invalid_type")
+            vocab = self.state.model.vocab_size
+            bad = next((i for i in ids if not 0 <= i < vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens",
+                               code="invalid_value")
+        except ApiError as err:
+            return err.response()
+        return JSONResponse({"prompt": self.tokenizer.decode(ids)})
 
     async def server_info(self, request: Request) -> Response:
         eng, model = self.state.engine, self.state.model
@@ -362,40 +510,54 @@ class Front:
             return err.response()
         created = int(arrival)
         rid = uuid.uuid4().hex  # the scheduler's and the capture's; the response id is "cmpl-RID"
+        runs = self.runs(req, rid)
         if req.stream:
-            return StreamingResponse(self.stream(req, request, rid, created), media_type="text/event-stream")
-        outcome = Outcome()
-        detok = Detokenizer()
-        outs = self.generate(rid, req, request)
+            return StreamingResponse(self.stream(req, runs, request, rid, created), media_type="text/event-stream")
+        outs = self.outputs([run.child for run in runs], req, request)
         try:
-            async for out in outs:
-                absorb(outcome, out)
+            async for k, out in outs:
+                if out.finish_reason == "error":
+                    status, type_, code = self.refusal()
+                    return error_response(status, out.error or "the scheduler refused the request", type_=type_,
+                                          code=code)
+                runs[k].take(out)
         finally:
             await outs.aclose()
-        if not outcome.finish_reason:  # the client went away
+        if any(not run.outcome.finish_reason for run in runs):  # the client went away
             return error_response(499, "client closed the request", code="client_closed")
-        if outcome.finish_reason == "error":
-            status, type_, code = self.refusal()
-            return error_response(status, outcome.error or "the scheduler refused the request", type_=type_,
-                                  code=code)
-        text = detok.feed(outcome.ids, final=True)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": outcome.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+        choices = [self.choice_json(run, chat) for run in runs]
         return JSONResponse({"id": response_id(rid, chat), "object": "chat.completion" if chat else "text_completion",
-                             "created": created, "model": self.state.model_id, "choices": [choice],
-                             "usage": outcome.usage()})
+                             "created": created, "model": self.state.model_id, "choices": choices,
+                             "usage": usage(runs)})
 
-    async def stream(self, req: GenRequest, request: Request, rid: str, created: int) -> AsyncIterator[str]:
+    def runs(self, req: GenRequest, rid: str) -> list[Run]:
+        echo = req.params.echo
+        return [Run(child, Choice(child.index, req.chat, req.params, child.input_ids), echo)
+                for child in req.children(rid)]
+
+    def choice_json(self, run: Run, chat: bool) -> dict[str, Any]:
+        choice = run.choice
+        logprobs = render_logprobs(run.entries, chat) if choice.params.num_logprobs is not None else None
+        out: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason,
+                               "stop_reason": choice.stop_reason, "logprobs": logprobs}
+        if chat:
+            out["message"] = {"role": "assistant", "content": run.text}
+        else:
+            out["text"] = run.text
+        return out
+
+    async def stream(self, req: GenRequest, runs: list[Run], request: Request, rid: str,
+                     created: int) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if req.chat else "text_completion"
-        rid, gen_rid = response_id(rid, req.chat), rid
-        detok = Detokenizer()
-        outcome = Outcome()
+        rid = response_id(rid, req.chat)
+        wants_logprobs = req.params.num_logprobs is not None
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        def chunk(index: int, text: str | None, piece: Piece | None = None, finish: str | None = None,
+                  stop_reason: str | int | None = None, role: bool = False) -> str:
+            logprobs = render_logprobs(piece.entries, req.chat) if wants_logprobs and piece is not None else None
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
+            if finish is not None:
+                choice["stop_reason"] = stop_reason
             if req.chat:
                 delta: dict[str, Any] = {"role": "assistant"} if role else {}
                 if text is not None:
@@ -407,31 +569,34 @@ class Front:
                         "choices": [choice]})
 
         if req.chat:
-            yield chunk("", None, role=True)
-        outs = self.generate(gen_rid, req, request)
+            for run in runs:
+                yield chunk(run.choice.index, "", role=True)
+        failed = False
+        outs = self.outputs([run.child for run in runs], req, request)
         try:
-            async for out in outs:
-                absorb(outcome, out)
+            async for k, out in outs:
                 if out.finish_reason == "error":
                     _, type_, code = self.refusal()
                     yield sse({"error": {"message": out.error or "the scheduler refused the request",
                                          "type": type_, "param": None, "code": code}})
                     break
-                text = detok.feed(out.new_token_ids, final=out.finished)
-                if text:
-                    yield chunk(text, None)
+                run = runs[k]
+                piece = run.take(out)
+                if piece.text or (wants_logprobs and piece.entries):
+                    yield chunk(run.choice.index, piece.text, piece)
                 if out.finished:
-                    yield chunk(None if req.chat else "", out.finish_reason)
+                    yield chunk(run.choice.index, None if req.chat else "", finish=run.choice.finish_reason,
+                                stop_reason=run.choice.stop_reason)
         except Exception as err:  # NOTE: a bug mid-stream: the stream ends with an error event, not cut
             report_internal_error(request.scope, err)
             yield sse({"error": {"message": f"internal error: {type(err).__name__}", "type": "server_error",
                                  "param": None, "code": "internal_error"}})
-            outcome.finish_reason = None
+            failed = True
         finally:
             await outs.aclose()
-        if outcome.finish_reason and req.include_usage:
+        if req.include_usage and not failed and all(run.outcome.finish_reason for run in runs):
             yield sse({"id": rid, "object": kind, "created": created, "model": self.state.model_id, "choices": [],
-                       "usage": outcome.usage()})
+                       "usage": usage(runs)})
         yield "data: [DONE]\n\n"
 
     def parse(self, body: Any, chat: bool, authorization: str | None, arrival: float) -> GenRequest:
@@ -450,22 +615,19 @@ class Front:
                            param="model", code="model_not_found")
         if chat:
             try:
-                input_ids = self.tokenizer.encode(render_chat(body.get("messages"))).tolist()
+                prompts = [self.tokenizer.encode(render_chat(body.get("messages"))).tolist()]
             except ChatError as err:
                 raise ApiError(400, str(err), param=err.param, code="invalid_value") from None
         else:
-            input_ids = self.prompt_ids(body.get("prompt"))
-        max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-        max_tokens = body.get(max_key)
-        if max_tokens is None:
-            max_tokens = DEFAULT_MAX_TOKENS
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
-            raise ApiError(400, f"'{max_key}' must be an integer", param=max_key, code="invalid_type")
-        if max_tokens <= 0:
-            raise ApiError(400, f"'{max_key}' must be >= 1, got {max_tokens}", param=max_key, code="invalid_value")
-        n = body.get("n", 1)
-        if n != 1 or isinstance(n, bool):
-            raise ApiError(400, "only n = 1 is supported", param="n", code="invalid_value")
+            prompts = self.prompt_ids(body.get("prompt"))
+        try:
+            params = parse_params(body, chat, self.state.model.vocab_size, self.tokenizer.eos_id,
+                                  lambda text: self.tokenizer.encode(text).tolist())
+        except ParamError as err:
+            raise ApiError(400, str(err), param=err.param, code=err.code) from None
+        if len(prompts) * params.n > MAX_CHOICES:
+            raise ApiError(400, f"{len(prompts)} prompts x n = {params.n} choices; at most {MAX_CHOICES} per request",
+                           param="n", code="invalid_value")
         stream = body.get("stream", False)
         if stream is None:
             stream = False
@@ -478,12 +640,25 @@ class Front:
         if not isinstance(options.get("include_usage", False), bool | None):
             raise ApiError(400, "'stream_options.include_usage' must be a boolean",
                            param="stream_options.include_usage", code="invalid_type")
-        self.check_request(input_ids, max_tokens)
-        return GenRequest(chat, input_ids, max_tokens, stream, bool(options.get("include_usage")), principal, arrival)
+        prompt_key = "messages" if chat else "prompt"
+        max_tokens = [params.max_tokens or self.default_max_tokens(ids, prompt_key) for ids in prompts]
+        for ids, limit in zip(prompts, max_tokens, strict=True):
+            self.check_request(ids, limit, params.max_key)
+            if params.sampling.min_tokens > limit:
+                raise ApiError(400, f"'min_tokens' ({params.sampling.min_tokens}) is more than the {limit} tokens "
+                               f"this prompt leaves", param="min_tokens", code="invalid_value")
+        return GenRequest(chat, prompts, max_tokens, stream, bool(options.get("include_usage")), principal, arrival,
+                          params)
 
-    def prompt_ids(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
+    def prompt_ids(self, prompt: Any) -> list[list[int]]:
+        """The prompts of completions' `prompt`: a string, token ids, or a batch (a list) of either."""
+        if prompt is None:
+            raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            return [self.one_prompt(p) for p in prompt]
+        return [self.one_prompt(prompt)]
+
+    def one_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "'prompt' is empty", param="prompt", code="invalid_value")
@@ -496,10 +671,18 @@ class Front:
                 raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt",
                                code="invalid_value")
             return list(prompt)
-        if prompt is None:
-            raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
-        raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids (batches of more than one "
-                       "are not supported)", param="prompt", code="invalid_type")
+        raise ApiError(400, "'prompt' must be a string, a non-empty list of token ids, or a list of either",
+                       param="prompt", code="invalid_type")
+
+
+def usage(runs: list[Run]) -> dict[str, Any]:
+    """OpenAI's usage of a whole reply: each prompt counted once (its first choice's), every choice's output."""
+    firsts = [run.outcome for run in runs if run.child.index % run.choice.params.n == 0]
+    prompt = sum(o.prompt_tokens for o in firsts)
+    cached = sum(o.cached_tokens for o in firsts)
+    completion = sum(run.outcome.completion_tokens or len(run.outcome.ids) for run in runs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def absorb(outcome: Outcome, out: TokenOut) -> None:

@@ -373,10 +373,12 @@ class _Driver:
             extra: dict[str, Any] = {"user": user} if user is not None else {}
             # NOTE: the prompt travels in extra_body: the client's typed-parameter transform walks
             # a token-id list element by element (~12 ms of CPU for 300 ids); extra_body replaces
-            # the body's "prompt" verbatim
+            # the body's "prompt" verbatim; ignore_eos: the output is as long as the workload asks (as
+            # vLLM's and SGLang's benchmark clients send it)
             async with client.completions.with_streaming_response.create(
                     model=model, prompt=[], max_tokens=request.max_tokens, stream=True,
-                    stream_options={"include_usage": True}, extra_body={"prompt": request.prompt_ids},
+                    stream_options={"include_usage": True},
+                    extra_body={"prompt": request.prompt_ids, "ignore_eos": True},
                     **extra) as response:
                 async for line in response.iter_lines():
                     if not line.startswith("data:"):

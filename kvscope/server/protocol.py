@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvscope.engine.sampling_params import GREEDY, SamplingParams
+
 
 class GenerateReq(msgspec.Struct, tag="generate"):
     rid: str
@@ -21,6 +23,8 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     max_new_tokens: int
     principal: str | None = None
     arrival_wall_s: float = 0.0  # the front's time.time() when the HTTP request arrived
+    sampling: SamplingParams = GREEDY
+    num_prompt_logprobs: int | None = None  # the prompt's logprobs too (completions' echo + logprobs)
 
 
 class AbortReq(msgspec.Struct, tag="abort"):
@@ -33,16 +37,29 @@ class ShutdownReq(msgspec.Struct, tag="shutdown"):
     abort_in_flight: bool = False
 
 
+class Logprob(msgspec.Struct, array_like=True):
+    """A token's logprob under the raw logits and the top ones, best first."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 class TokenOut(msgspec.Struct, tag="tokens"):
     rid: str
     new_token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # "length" | "abort" | "error"
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
     prompt_tokens: int = 0
     cached_tokens: int = 0  # the prefix the radix cache matched at first admission
     completion_tokens: int = 0
     error: str | None = None  # a request the scheduler refused (finish_reason "error")
     queue_s: float | None = None  # arrival to first admission, set once admitted
+    stop_token: int | None = None  # "stop" on a stop_token_ids entry
+    stop_sequence: int | None = None  # "stop" on the stop sequence of this index
+    logprobs: list[Logprob] | None = None  # one per new token, when the request asked
+    prompt_logprobs: list[Logprob | None] | None = None  # once, with the first message, when asked
 
 
 class PoolStats(msgspec.Struct):

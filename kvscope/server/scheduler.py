@@ -47,6 +47,7 @@ from kvscope.server.kv_events import AllBlocksCleared, CachedPages, KVEventPubli
 from kvscope.server.protocol import (
     AbortReq,
     GenerateReq,
+    Logprob,
     PoolStats,
     ShutdownReq,
     StatsOut,
@@ -144,6 +145,7 @@ class Flight:
     arrival_wall_s: float
     num_sent: int = 0
     queue_sent: bool = False
+    prompt_logprobs: list[Logprob | None] | None = None  # sent with the first TokenOut
 
 
 class ServeLoop:
@@ -263,13 +265,29 @@ class ServeLoop:
             return self.refuse(msg.rid, f"request {msg.rid}: {len(msg.input_ids) + msg.max_new_tokens} tokens "
                                         f"(prompt + output) exceed the context length {max_context_len}")
         try:
-            req = Req(msg.rid, np.asarray(msg.input_ids, dtype=np.int32), msg.max_new_tokens, user=msg.principal)
+            req = Req(msg.rid, np.asarray(msg.input_ids, dtype=np.int32), msg.max_new_tokens, user=msg.principal,
+                      sampling=msg.sampling)
             if min(msg.input_ids) < 0:
                 raise ValueError(f"request {msg.rid}: negative token id {min(msg.input_ids)}")
+            self.engine.validate(req)
+            flight = Flight(req, msg.arrival_wall_s or time.time())
+            if msg.num_prompt_logprobs is not None:
+                flight.prompt_logprobs = self.prompt_logprobs(msg.input_ids, msg.num_prompt_logprobs)
             self.engine.submit(req)
         except (ValueError, OverflowError) as err:
             return self.refuse(msg.rid, (str(err).splitlines() or ["invalid request"])[0])
-        self.flights[msg.rid] = Flight(req, msg.arrival_wall_s or time.time())
+        self.flights[msg.rid] = flight
+
+    def prompt_logprobs(self, input_ids: list[int], num_top: int) -> list[Logprob | None]:
+        """The prompt's logprobs from one dense forward (the reference the paged path matches; a
+        prefix the cache holds has no logits left to read)."""
+        import torch
+
+        from kvscope.engine.sampling import prompt_logprobs
+
+        logits = self.engine.model.dense_forward(torch.as_tensor(input_ids, dtype=torch.int64))
+        return [None if lp is None else Logprob(token, lp.logprob, lp.top_ids, lp.top_logprobs)
+                for token, lp in zip(input_ids, prompt_logprobs(logits, input_ids, num_top), strict=True)]
 
     def refuse(self, rid: str, error: str) -> None:
         self.send(TokenOut(rid, [], finished=True, finish_reason="error", error=error))
@@ -295,8 +313,14 @@ class ServeLoop:
         flight = self.flights.get(req.rid)
         if flight is None:
             return
-        out = TokenOut(req.rid, req.output_ids[flight.num_sent :], prompt_tokens=req.prompt_len,
+        new_ids = req.output_ids[flight.num_sent :]
+        out = TokenOut(req.rid, new_ids, prompt_tokens=req.prompt_len,
                        cached_tokens=req.cached_tokens, completion_tokens=len(req.output_ids))
+        if req.sampling.num_logprobs is not None:
+            out.logprobs = [Logprob(token, *lp) for token, lp in
+                            zip(new_ids, req.output_logprobs[flight.num_sent :], strict=True)]
+        if flight.prompt_logprobs is not None:
+            out.prompt_logprobs, flight.prompt_logprobs = flight.prompt_logprobs, None
         flight.num_sent = len(req.output_ids)
         if req.admitted and not flight.queue_sent:
             out.queue_s = max(0.0, time.time() - flight.arrival_wall_s)
@@ -304,7 +328,8 @@ class ServeLoop:
         if req.state in (ReqState.FINISHED, ReqState.ABORTED):
             out.finished = True
             if req.state == ReqState.FINISHED:
-                out.finish_reason = "length"
+                out.finish_reason = req.finish_reason or "length"
+                out.stop_token, out.stop_sequence = req.stop_token, req.stop_sequence
             elif req.rid in self.client_aborts:
                 out.finish_reason = "abort"
             else:

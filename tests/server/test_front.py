@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvscope.engine import EngineConfig, PoolConfig, model_config
 from kvscope.server.api_keys import Principal, load_api_keys
 from kvscope.server.chat import ChatError, render_chat
+from kvscope.server.choice import Detokenizer
 from kvscope.server.front import (
     ApiError,
-    Detokenizer,
     Front,
     FrontState,
     decode_json,
@@ -124,12 +124,15 @@ def front() -> Iterator[Front]:
     ({"prompt": "hi"}, 401, None),
     ({"prompt": "hi", "model": "other", "auth": True}, 404, "model"),
     ({"prompt": "", "auth": True}, 400, "prompt"),
-    ({"prompt": [[1], [2]], "auth": True}, 400, "prompt"),
+    ({"prompt": [[1], []], "auth": True}, 400, "prompt"),
     ({"prompt": [True], "auth": True}, 400, "prompt"),
     ({"prompt": "x" * 120, "max_tokens": 9, "auth": True}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": True, "auth": True}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": -1, "auth": True}, 400, "max_tokens"),
-    ({"prompt": "hi", "n": 2, "auth": True}, 400, "n"),
+    ({"prompt": "hi", "n": 0, "auth": True}, 400, "n"),
+    ({"prompt": "hi", "temperature": -0.5, "auth": True}, 400, "temperature"),
+    ({"prompt": "hi", "tools": [{"type": "function"}], "auth": True}, 400, "tools"),
+    ({"prompt": "hi", "no_such_option": 1, "auth": True}, 400, "no_such_option"),
     ({"prompt": "hi", "stream_options": 1, "auth": True}, 400, "stream_options"),
 ])
 def test_parse_rejects_with_the_field(front: Front, body: object, status: int, param: str | None) -> None:
@@ -145,11 +148,11 @@ def test_parse_rejects_with_the_field(front: Front, body: object, status: int, p
 def test_parse_a_good_request(front: Front) -> None:
     req = front.parse({"prompt": ["hi"], "max_tokens": 3, "user": "sub", "stream": True,
                        "stream_options": {"include_usage": True}}, False, "Bearer k1", 1.5)
-    assert req.input_ids == ByteTokenizer().encode("hi").tolist()
-    assert (req.max_tokens, req.stream, req.include_usage, req.principal) == (3, True, True, "acme/alice/sub")
+    assert req.prompts == [ByteTokenizer().encode("hi").tolist()]
+    assert (req.max_tokens, req.stream, req.include_usage, req.principal) == ([3], True, True, "acme/alice/sub")
     chat = front.parse({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2}, True,
                        "Bearer k1", 0.0)
-    assert chat.max_tokens == 2 and chat.chat
+    assert chat.max_tokens == [2] and chat.chat
 
 
 def test_metrics_render_every_documented_name() -> None:

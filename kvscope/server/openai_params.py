@@ -1,0 +1,266 @@
+"""The OpenAI request parameters `kvscope serve` takes, checked as vLLM checks them, and those it refuses.
+
+    params = parse_params(body, chat=False, vocab_size=512, eos_id=2)   # ParamError naming the field
+
+NOTE: every top-level field of a request body is, for its endpoint, in exactly one of
+    supported_names(chat)   it does what OpenAI (or vLLM, for its extensions) says, or the
+                            request is a 400
+    refused_names(chat)     400 naming it, unless it has its neutral value (the one that asks
+                            for nothing: null, [], false, ...)
+    anything else           400 "unrecognized request argument" naming it
+docs/serve.md's parameter table lists the same names; tests/server/test_openai_params.py keeps
+the two equal.
+NOTE: a stop string is matched on the generated token ids (the byte tokenizer's ids of its UTF-8
+bytes), in the scheduler, so the request ends at the step that completes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvscope.engine.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_CHOICES = 128  # n x prompts in one request
+LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps a bias to [-100, 100]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+SHARED = ("model", "user", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+          "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output", "logit_bias",
+          "presence_penalty", "frequency_penalty", "repetition_penalty")
+COMPLETIONS_ONLY = ("prompt", "echo", "logprobs", "best_of")
+CHAT_ONLY = ("messages", "max_completion_tokens", "logprobs", "top_logprobs")
+# name -> the neutral values a client may send without asking for the feature
+REFUSED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "store": (None, False),
+    "metadata": (None,),
+    "service_tier": (None, "auto", "default"),
+    "prompt_logprobs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "skip_special_tokens": (None, True),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None,),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+}
+COMPLETIONS_REFUSED: dict[str, tuple[Any, ...]] = {"suffix": (None, "")}
+CHAT_REFUSED: dict[str, tuple[Any, ...]] = {"echo": (None, False)}  # vLLM's chat echo repeats the last message
+
+
+class ParamError(ValueError):
+    """A parameter the server cannot honour: the message, the parameter and OpenAI's error code."""
+
+    def __init__(self, message: str, param: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """What one completions or chat request asks for, beyond its prompt."""
+
+    n: int
+    max_tokens: int | None  # None: the rest of the context
+    max_key: str  # the field max_tokens came from, for errors
+    echo: bool
+    num_logprobs: int | None  # None: no logprobs
+    stop: tuple[str, ...]
+    include_stop_str_in_output: bool
+    sampling: SamplingParams
+
+
+def parse_params(body: dict[str, Any], chat: bool, vocab_size: int, eos_id: int,
+                 encode: Callable[[str], list[int]]) -> RequestParams:
+    """The request's parameters, or ParamError naming the first bad one (`encode`: a stop string's ids).
+    The prompt or messages, `model`, `user`, `stream` and `stream_options` are the front's."""
+    check_names(body, chat)
+    n = integer(body, "n", 1, low=1)
+    max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = integer(body, max_key, None, low=1)
+    if not chat:
+        best_of = integer(body, "best_of", None, low=1)
+        if best_of is not None and best_of != n:
+            raise ParamError(f"'best_of' must equal 'n' ({n}); choosing the best of more is not supported",
+                             "best_of")
+    stop = stop_strings(body.get("stop"))
+    min_tokens = integer(body, "min_tokens", 0, low=0)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise ParamError(f"'min_tokens' ({min_tokens}) must be <= '{max_key}' ({max_tokens})", "min_tokens")
+    num_logprobs = logprobs_of(body, chat)
+    sampling = SamplingParams(
+        temperature=number(body, "temperature", 0.0, low=0.0),
+        top_p=top_p(body),
+        top_k=top_k(body, vocab_size),
+        min_p=number(body, "min_p", 0.0, low=0.0, high=1.0),
+        presence_penalty=number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
+        frequency_penalty=number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
+        repetition_penalty=positive(body, "repetition_penalty", 1.0),
+        seed=integer(body, "seed", None, low=INT64_MIN, high=INT64_MAX),
+        logit_bias=logit_bias(body.get("logit_bias"), vocab_size),
+        min_tokens=min_tokens,
+        eos_id=eos_id,
+        ignore_eos=boolean(body, "ignore_eos", False),
+        stop_token_ids=token_ids(body.get("stop_token_ids"), vocab_size),
+        stop_sequences=tuple(tuple(encode(s)) for s in stop),
+        num_logprobs=num_logprobs)
+    return RequestParams(n, max_tokens, max_key, False if chat else boolean(body, "echo", False), num_logprobs, stop,
+                         boolean(body, "include_stop_str_in_output", False), sampling)
+
+
+def supported_names(chat: bool) -> tuple[str, ...]:
+    return SHARED + (CHAT_ONLY if chat else COMPLETIONS_ONLY)
+
+
+def refused_names(chat: bool) -> dict[str, tuple[Any, ...]]:
+    return {**REFUSED, **(CHAT_REFUSED if chat else COMPLETIONS_REFUSED)}
+
+
+def check_names(body: dict[str, Any], chat: bool) -> None:
+    supported, refused = supported_names(chat), refused_names(chat)
+    for name, value in body.items():
+        if name in supported:
+            continue
+        if name not in refused:
+            raise ParamError(f"unrecognized request argument supplied: {name!r}", name, "unknown_parameter")
+        if not any(is_neutral(value, neutral) for neutral in refused[name]):
+            raise ParamError(f"'{name}' is not supported by this server (kvscope serve); leave it out", name,
+                             "unsupported_parameter")
+
+
+def is_neutral(value: Any, neutral: Any) -> bool:
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def integer(body: dict[str, Any], name: str, default: int | None, *, low: int | None = None,
+            high: int | None = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not is_int(value):
+        raise ParamError(f"'{name}' must be an integer", name, "invalid_type")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ParamError(f"'{name}' must be {bounds}, got {value}", name)
+    return value
+
+
+def number(body: dict[str, Any], name: str, default: float, *, low: float, high: float | None = None) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ParamError(f"'{name}' must be a number", name, "invalid_type")
+    value = float(value)
+    if not math.isfinite(value) or value < low or (high is not None and value > high):
+        bounds = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
+        raise ParamError(f"'{name}' must be {bounds}, got {value:g}", name)
+    return value
+
+
+def positive(body: dict[str, Any], name: str, default: float) -> float:
+    value = number(body, name, default, low=0.0)
+    if value <= 0:
+        raise ParamError(f"'{name}' must be > 0, got {value:g}", name)
+    return value
+
+
+def boolean(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ParamError(f"'{name}' must be a boolean", name, "invalid_type")
+    return value
+
+
+def top_p(body: dict[str, Any]) -> float:
+    value = number(body, "top_p", 1.0, low=0.0, high=1.0)
+    if value <= 0:
+        raise ParamError(f"'top_p' must be in (0, 1], got {value:g}", "top_p")
+    return value
+
+
+def top_k(body: dict[str, Any], vocab_size: int) -> int:
+    value: int = integer(body, "top_k", -1, low=-1)
+    if value > vocab_size:
+        raise ParamError(f"'top_k' must be -1 or 0 (every token), or in [1, {vocab_size}], got {value}", "top_k")
+    return value
+
+
+def stop_strings(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ParamError("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    if any(not s for s in items):
+        raise ParamError("'stop' cannot contain an empty string", "stop")
+    return tuple(items)
+
+
+def token_ids(value: Any, vocab_size: int) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(is_int(i) for i in value):
+        raise ParamError("'stop_token_ids' must be a list of token ids", "stop_token_ids", "invalid_type")
+    bad = next((i for i in value if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise ParamError(f"'stop_token_ids' has {bad}, outside the vocabulary [0, {vocab_size})", "stop_token_ids")
+    return tuple(value)
+
+
+def logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
+    """{token id (a string of digits, as JSON keys are): bias}, each bias clamped to [-100, 100] as vLLM does."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ParamError("'logit_bias' must be an object of token id -> bias", "logit_bias", "invalid_type")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise ParamError(f"'logit_bias' key {key!r} is not a token id", "logit_bias") from None
+        if not 0 <= token_id < vocab_size:
+            raise ParamError(f"'logit_bias' has token id {token_id}, outside the vocabulary [0, {vocab_size})",
+                             "logit_bias")
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias):
+            raise ParamError(f"'logit_bias' value for {key!r} must be a number", "logit_bias", "invalid_type")
+        out[token_id] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(bias)))
+    return out
+
+
+def logprobs_of(body: dict[str, Any], chat: bool) -> int | None:
+    """How many top logprobs per token (0: only the chosen token's), or None for no logprobs."""
+    if not chat:
+        value: int | None = integer(body, "logprobs", None, low=0, high=MAX_LOGPROBS)
+        return value
+    wanted = boolean(body, "logprobs", False)
+    top: int | None = integer(body, "top_logprobs", None, low=0, high=MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise ParamError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
