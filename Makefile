@@ -84,16 +84,18 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_isolation.py
 	$(BIN)/python benchmarks/bench_hicache.py
 
-# Small captures anyone can open without an engine; deterministic for their seeds.
-# The leaking run exits 1 (its leak check fails, as intended).
+# Small captures anyone can open without an engine; deterministic for their seeds (tests/app/test_samples.py
+# checks the committed ones are what this writes now: after a change to what captures hold, run `make samples`).
+# The leaking run exits 1 (its leak check fails, as intended). SAMPLES_DIR=DIR writes them elsewhere.
+SAMPLES_DIR ?= sample_runs
 samples: $(STAMP)
-	rm -f sample_runs/*.db sample_runs/*.db-wal sample_runs/*.db-shm
-	$(BIN)/kvscope run --workload shared-prefix --num-requests 48 --capture sample_runs/shared-prefix.db
+	rm -f $(SAMPLES_DIR)/*.db $(SAMPLES_DIR)/*.db-wal $(SAMPLES_DIR)/*.db-shm
+	$(BIN)/kvscope run --workload shared-prefix --num-requests 48 --capture $(SAMPLES_DIR)/shared-prefix.db
 	$(BIN)/kvscope run --workload multi-turn --num-requests 32 --model tiny-swa --kv-tokens 2048 \
-		--capture sample_runs/hybrid-swa.db
+		--capture $(SAMPLES_DIR)/hybrid-swa.db
 	$(BIN)/kvscope run --workload multi-turn --num-requests 32 --page-size 4 --kv-tokens 2048 \
 		--inject leak-tail:0.3 --inject lock-leak:0.2 --inject double-free:0.3 --inject-seed 7 \
-		--capture sample_runs/leaky.db || [ $$? -eq 1 ]
+		--capture $(SAMPLES_DIR)/leaky.db || [ $$? -eq 1 ]
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
