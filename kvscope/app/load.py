@@ -16,7 +16,7 @@ Ctrl-C, 143 on SIGTERM (after printing what it gathered).
      "tokens": {"prompt", "cached", "completion", "cache_hit_rate" (cached / prompt, or null)},
      "ttft_s" | "itl_s" | "e2e_s": {"mean", "p50", "p90", "p99", "max"} (seconds, null without data)}
 
-"planned": the workload's or trace's requests (with --duration: those sent); "sent": dispatched,
+"planned": the workload's or trace's requests (with --duration-s: those sent); "sent": dispatched,
 counting requests a stop signal cancelled in flight; latencies and tokens are over the
 completed requests; `itl_s` pools the gaps between streamed chunks of every request.
 """

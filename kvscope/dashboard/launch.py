@@ -9,8 +9,11 @@ Starts `kvscope serve` on loopback recording `runs/<time>-live.db`, waits until 
 openai client), then `streamlit run app.py -- --db <capture>` bound to 127.0.0.1 (unless
 --host says otherwise), headless, with Streamlit's usage statistics off and its Deploy
 button hidden. Ctrl-C (or SIGTERM, or the server or the dashboard ending) stops all three,
-waits for them, and exits 0 after Ctrl-C so `make` prints no error line. Torch-free: the
-engine runs in the server's scheduler process.
+waits for them, folds the capture's log into it (one file: a dashboard still reading when
+the server closed it kept it in WAL mode) and exits 0 after Ctrl-C so `make` prints no error
+line. Streamlit's file watcher is off: it would watch the whole tree, .venv included, and
+flood the terminal with "Inotify queue overflowed". Torch-free: the engine runs in the
+server's scheduler process.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import urllib.request
 from pathlib import Path
 from types import FrameType
 
+from kvscope.telemetry.sqlite_files import settle_file
+
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_FOR_CAPTURE_S = 60.0
 GRACE_S = 3.0  # a Ctrl-C at the terminal reaches every process of the group: give them time to close
@@ -36,6 +41,7 @@ STREAMLIT_SETTINGS = {
     "server.headless": "true",  # no browser launch and no first-run e-mail prompt on stdin
     "browser.gatherUsageStats": "false",
     "client.toolbarMode": "minimal",  # hides the Deploy button and the developer menu
+    "server.fileWatcherType": "none",  # nothing to reload: the app's code does not change while it runs
 }
 
 
@@ -144,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         for process in (load, dashboard, server):
             if process is not None:
                 _stop(process)
+        if capture.exists():
+            settle_file(capture)
         say(f"stopped; the capture is {_shown(capture)}")
 
 

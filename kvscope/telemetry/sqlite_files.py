@@ -23,6 +23,7 @@ from urllib.parse import quote
 
 BUSY_TIMEOUT_MS = 10_000
 BUSY_RETRY_S = 0.01
+SETTLE_WAIT_MS = 3_000  # how long a closing writer waits for readers mid-read before it folds the log
 _BUSY_CODES = {5, 6}  # SQLITE_BUSY, SQLITE_LOCKED
 
 
@@ -93,3 +94,30 @@ def _close_unshared() -> None:
         if key not in open_files:
             del _PARKED[key]
             os.close(fd)
+
+
+def settle_file(path: Path) -> bool:
+    """After a writer's last write: make the capture one file a copy of which reads whole.
+
+    With no other connection on the file, it goes back to rollback mode: the log is folded in
+    and the -wal and -shm are deleted. While another process holds it open (a dashboard reading
+    it, another run writing), SQLite keeps WAL mode; the log is then folded in and truncated
+    to 0 bytes (checkpoint TRUNCATE, waiting up to SETTLE_WAIT_MS for readers mid-read): the
+    file alone holds every committed row, and an empty -wal and the -shm stay until a writer
+    is the last to close it. False when neither could be done (a reader mid-read for the
+    whole wait, a full disk): the log then stays, and every committed row with it."""
+    try:
+        conn = sqlite3.connect(file_uri(path, mode="rw"), uri=True, timeout=0, isolation_level=None)
+    except sqlite3.Error:
+        return False
+    try:
+        with contextlib.suppress(sqlite3.OperationalError):  # NOTE: "database is locked": not the only one
+            if str(conn.execute("PRAGMA journal_mode = DELETE").fetchone()[0]).lower() == "delete":
+                return True
+        conn.execute(f"PRAGMA busy_timeout = {SETTLE_WAIT_MS}")
+        busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        return bool(busy == 0)
+    except sqlite3.Error:
+        return False
+    finally:
+        conn.close()

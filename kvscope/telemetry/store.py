@@ -45,7 +45,14 @@ from sqlalchemy.pool import QueuePool, SingletonThreadPool
 from sqlalchemy.schema import CreateColumn
 
 from kvscope.telemetry import schema
-from kvscope.telemetry.sqlite_files import BUSY_TIMEOUT_MS, execute_when_free, file_uri, first_line, read_head
+from kvscope.telemetry.sqlite_files import (
+    BUSY_TIMEOUT_MS,
+    execute_when_free,
+    file_uri,
+    first_line,
+    read_head,
+    settle_file,
+)
 from kvscope.telemetry.writer import Statement
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -421,24 +428,14 @@ def _upgrade(conn: Connection, version: int) -> None:
 
 
 def settle(engine: Engine) -> bool:
-    """After the last write: fold a SQLite file's log into it and put it back in rollback mode,
-    so readers find one file and leave nothing beside it. Does nothing (False) while another
-    connection holds the file (a reader, another run writing) or when the fold cannot be
-    written (a full disk): the log then stays, and every committed row with it."""
+    """After the last write: fold a SQLite file's log into it and leave one file (see
+    sqlite_files.settle_file). Disposes the engine's connections first. False when the fold
+    could not be done (a reader mid-read for the whole wait, a full disk): the log then stays,
+    and every committed row with it."""
     if engine.dialect.name != "sqlite" or not engine.url.database:
         return False
     engine.dispose()
-    try:
-        conn = sqlite3.connect(file_uri(Path(engine.url.database), mode="rw"), uri=True, timeout=0,
-                               isolation_level=None)
-    except sqlite3.Error:
-        return False
-    try:
-        return str(conn.execute("PRAGMA journal_mode = DELETE").fetchone()[0]).lower() == "delete"
-    except sqlite3.Error:
-        return False
-    finally:
-        conn.close()
+    return settle_file(Path(engine.url.database))
 
 
 def save_report(target: str | Path, run_id: int, kind: str, through_seq: int, producer: str, body: str) -> None:

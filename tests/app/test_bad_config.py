@@ -49,10 +49,10 @@ def files_in(path: Path) -> list[str]:
         (["--max-running-requests", "1000000000"], r"req_to_token 7\.46 TiB.* but (cpu|cuda) has [\d.,]+ [GT]iB avail"),
         (["--device", "bogus"], "unknown device 'bogus'; use auto, cpu, cuda or cuda:N"),
         (["--eviction-policy", "bogus"], "unknown eviction policy 'bogus'"),
-        (["--pace", "nan"], "argument --pace: must be a finite number > 0, got 'nan'"),
-        (["--pace", "inf"], "must be a finite number > 0, got 'inf'"),
-        (["--pace", "0"], "must be a finite number > 0, got '0'"),
-        (["--pace", "-2"], "must be a finite number > 0, got '-2'"),
+        (["--rate", "nan"], "argument --rate: must be a finite number > 0, got 'nan'"),
+        (["--rate", "inf"], "must be a finite number > 0, got 'inf'"),
+        (["--rate", "0"], "must be a finite number > 0, got '0'"),
+        (["--rate", "-2"], "must be a finite number > 0, got '-2'"),
         (["--kv-tokens", "12x"], "argument --kv-tokens: '12x' is not a whole token count"),
     ],
 )
@@ -150,7 +150,7 @@ def test_plan_on_a_config_json_with_bad_sizes_is_one_line(
 
 def test_the_real_cli_prints_one_line_and_writes_nothing(tmp_path: Path) -> None:
     """The console entry point end to end, for the two cases that used to hang or crash the allocator."""
-    for flags in (["--pace", "nan"], ["--kv-tokens", HUGE]):
+    for flags in (["--rate", "nan"], ["--kv-tokens", HUGE]):
         out = subprocess.run([sys.executable, "-m", "kvscope", *RUN, "--capture", "c.db", *flags],
                              capture_output=True, text=True, cwd=tmp_path, timeout=300, check=False)
         assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr

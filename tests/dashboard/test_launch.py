@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shlex
 import shutil
 import signal
 import socket
@@ -12,10 +15,14 @@ import sys
 import time
 import tomllib
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from streamlit.proto.BackMsg_pb2 import BackMsg
+from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+from websockets.sync.client import connect
+from websockets.typing import Subprotocol
 
 from kvscope.dashboard import launch
 
@@ -40,10 +47,18 @@ def test_the_dashboard_listens_on_loopback_without_usage_statistics_or_deploy_bu
                                                                                strict=False))
     assert settings["--server.address"] == "127.0.0.1"
     assert settings["--browser.gatherUsageStats"] == "false" and settings["--client.toolbarMode"] == "minimal"
-    assert settings["--server.headless"] == "true"
+    assert settings["--server.headless"] == "true" and settings["--server.fileWatcherType"] == "none"
     config = tomllib.loads((launch.ROOT / ".streamlit" / "config.toml").read_text())
     assert config["server"]["address"] == "127.0.0.1" and config["browser"]["gatherUsageStats"] is False
-    assert config["client"]["toolbarMode"] == "minimal"
+    assert config["client"]["toolbarMode"] == "minimal" and config["server"]["fileWatcherType"] == "none"
+
+
+def test_the_makefiles_example_arguments_are_ones_the_launcher_takes() -> None:
+    """`make run ARGS="..."` as the Makefile's comment shows it: the launcher parses every example."""
+    examples = re.findall(r'ARGS="([^"]*)"', (launch.ROOT / "Makefile").read_text())
+    assert examples
+    for example in examples:
+        launch.build_parser().parse_args(shlex.split(example))
 
 
 def _free_port() -> int:
@@ -117,8 +132,11 @@ def test_make_run_serves_on_loopback_and_stops_cleanly_on_ctrl_c(tmp_path: Path)
         assert _wait_until(lambda: _healthy(port), 90.0), "the dashboard never answered"
         assert _listening_addresses(port) == {"127.0.0.1"} and _listening_addresses(serve_port) == {"127.0.0.1"}
         assert _wait_until(lambda: _served_tokens(serve_port) > 0, 60.0), "the load never reached the server"
-        os.killpg(make.pid, signal.SIGINT)  # what Ctrl-C at the terminal does: the whole group
-        output = make.communicate(timeout=60)[0].decode()
+        with _browser_session(port):  # the dashboard opens the capture and reads it, as for a browser tab
+            (streamlit,) = [pid for pid in _session_processes(make.pid) if b"streamlit" in _cmdline(pid)]
+            assert _inotify_watches(streamlit) == 0  # its file watcher would watch the whole tree, .venv included
+            os.killpg(make.pid, signal.SIGINT)  # what Ctrl-C at the terminal does: the whole group
+            output = make.communicate(timeout=60)[0].decode()
     finally:
         if make.poll() is None:
             os.killpg(make.pid, signal.SIGKILL)
@@ -133,24 +151,85 @@ def test_make_run_serves_on_loopback_and_stops_cleanly_on_ctrl_c(tmp_path: Path)
     conn.close()
     assert status == "finished"  # the server drains what is in flight and closes its capture
     assert len(principals - {None}) > 1  # the multi-tenant workload's users, as the served requests' principals
+    assert sorted(p.name for p in runs_dir.iterdir()) == [capture.name]  # one file: no -wal or -shm beside it
+    alone = tmp_path / "copy" / capture.name
+    alone.parent.mkdir()
+    shutil.copyfile(capture, alone)
+    copied, original = (subprocess.run([sys.executable, "-m", "kvscope", "check", str(path)], capture_output=True,
+                                       text=True, check=False) for path in (alone, capture))
+    assert copied.returncode == original.returncode == 0, copied.stdout + copied.stderr
+    assert copied.stdout.replace(str(alone), str(capture)) == original.stdout  # every check of the run
 
 
-def _make_variable(name: str) -> str:
-    """A variable of the Makefile as make itself expands it (`make -pn` prints its database)."""
-    database = subprocess.run(["make", "-pn", "--no-print-directory", "lint"], cwd=launch.ROOT, capture_output=True,
-                              text=True, check=False).stdout
-    (line,) = [line for line in database.splitlines() if line.startswith(f"{name} := ")]
-    return line.split(" := ", 1)[1]
+@contextlib.contextmanager
+def _browser_session(port: int) -> Iterator[None]:
+    """What a browser tab does: a session on the dashboard's websocket that runs the app once (to
+    its script_finished message) and stays open."""
+    rerun = BackMsg()
+    rerun.rerun_script.query_string = ""
+    with connect(f"ws://127.0.0.1:{port}/_stcore/stream", subprotocols=[Subprotocol("streamlit")],
+                 open_timeout=30) as session:
+        session.send(rerun.SerializeToString())
+        reply = ForwardMsg()
+        while reply.WhichOneof("type") != "script_finished":
+            reply.ParseFromString(session.recv(timeout=60))
+        yield
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _inotify_watches(pid: int) -> int:
+    """Inotify watches the process holds (the `inotify wd:` lines of its descriptors' fdinfo)."""
+    found = 0
+    for fdinfo in Path(f"/proc/{pid}/fdinfo").iterdir():
+        with contextlib.suppress(OSError):
+            found += sum(line.startswith("inotify wd:") for line in fdinfo.read_text().splitlines())
+    return found
+
+
+PROGRESS = launch.ROOT / "scripts" / "show_progress.py"
+# a pip-like install: what it fetches, a long silence, what it installed
+FAKE_PIP = """
+import sys, time
+print("Requirement already satisfied: numpy", flush=True)
+print("Collecting streamlit>=1.37", flush=True)
+print("  Downloading streamlit-1.67.0-py3-none-any.whl (10.1 MB)", flush=True)
+print("Installing collected packages: " + ", ".join(f"package-number-{i}" for i in range(40)), flush=True)
+time.sleep(2.6)
+print("Successfully installed streamlit-1.67.0", flush=True)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_the_install_printer_shows_what_pip_does_and_ticks_while_it_is_silent(code: int) -> None:
+    done = subprocess.run([sys.executable, str(PROGRESS), "--tick-s", "1", "--", sys.executable, "-c", FAKE_PIP,
+                           str(code)], capture_output=True, text=True, check=False, timeout=60)
+    lines = done.stdout.splitlines()
+    assert done.returncode == code, done
+    assert lines[0] == "    Collecting streamlit>=1.37" and lines[-1] == "    Successfully installed streamlit-1.67.0"
+    assert lines[1].strip().startswith("Downloading streamlit") and lines[2].startswith("    Installing collected")
+    assert len(lines[2]) <= 120  # one package list, cut to a line
+    ticks = [line for line in lines if "still working" in line]
+    assert len(ticks) >= 2 and ticks[0] == "    … still working, 1 s so far", lines
+    assert not any("Requirement already satisfied" in line for line in lines)
+
+
+def _make_recipes() -> str:
+    """The Makefile as make itself expands it (`make -pn` prints its database)."""
+    return subprocess.run(["make", "-pn", "--no-print-directory", "lint"], cwd=launch.ROOT, capture_output=True,
+                          text=True, check=False).stdout
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
-@pytest.mark.parametrize(("pip_output", "shown"), [
-    ("Collecting streamlit>=1.37\nDownloading x.whl\nSuccessfully installed streamlit-1.67.0\n",
-     "    Collecting streamlit>=1.37\n    Successfully installed streamlit-1.67.0\n"),
-    ("Requirement already satisfied: torch==2.13.0\n", ""),  # a second install: nothing to show, not a failure
-])
-def test_the_install_progress_filter_shows_what_pip_fetches_and_never_fails(pip_output: str, shown: str) -> None:
-    show = _make_variable("SHOW")
-    done = subprocess.run(["bash", "-o", "pipefail", "-c", f"printf %s \"$PIP_OUTPUT\" | {show}"],
-                          env={**os.environ, "PIP_OUTPUT": pip_output}, capture_output=True, text=True, check=False)
-    assert done.returncode == 0 and done.stdout == shown, done
+def test_every_install_step_runs_under_the_progress_printer() -> None:
+    database = _make_recipes()
+    (show,) = [line.split(" := ", 1)[1] for line in database.splitlines() if line.startswith("SHOW := ")]
+    assert show.endswith("scripts/show_progress.py --")
+    installs = [line for line in (launch.ROOT / "Makefile").read_text().splitlines() if "PIP) " in line]
+    assert len(installs) == 4 and all(line.strip().startswith("@$(SHOW) $(") for line in installs), installs

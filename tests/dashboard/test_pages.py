@@ -15,6 +15,7 @@ from streamlit.testing.v1 import AppTest
 
 from kvscope.dashboard.frame import find_captures, requested_capture
 from tests.dashboard.conftest import PAGES, ROOT
+from tests.telemetry.oracle_reads import unpack_to_rows
 
 TIMEOUT_S = 60
 
@@ -177,6 +178,7 @@ def test_a_damaged_page_met_by_a_page_read_is_one_message(tmp_path: Path, monkey
 
     path = tmp_path / "damaged.db"
     shutil.copy(ROOT / "sample_runs" / "leaky.db", path)
+    unpack_to_rows(path)  # NOTE: the row layout; damaged packed chunks are another case
     with sqlite3.connect(path) as conn:
         page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
         leaves = [p for (p,) in conn.execute("SELECT pageno FROM dbstat WHERE name = 'events' AND pagetype = 'leaf'")]

@@ -119,17 +119,17 @@ def test_requests_page_shows_latency_percentiles_and_wall_clock_times(tmp_path: 
 
 
 def test_an_older_capture_without_the_anchor_shows_times_from_its_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    db = ROOT / "sample_runs" / "leaky.db"
+    db = ROOT / "tests" / "telemetry" / "data" / "schema_v2.db"  # a sample as schema version 2 wrote it
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
         (started_at, config) = conn.execute("SELECT started_at, config FROM runs WHERE id = 1").fetchone()
         (first_t,) = conn.execute("SELECT t_mono FROM events WHERE run_id = 1 ORDER BY seq LIMIT 1").fetchone()
-        (arrive_t,) = conn.execute("SELECT arrive_t FROM requests WHERE rid = 'mt-c0005-t3'").fetchone()
+        (arrive_t,) = conn.execute("SELECT arrive_t FROM requests WHERE rid = 'sp-00005'").fetchone()
     assert "clock" not in json.loads(config)
     at = open_page(db, "requests", monkeypatch)
     assert not at.exception
     rows = at.dataframe[-1].value.set_index("rid")
     # started_at is the wall time of the run's first event
-    assert rows.loc["mt-c0005-t3", "arrive"].timestamp() == pytest.approx(started_at + arrive_t - first_t, abs=1e-3)
+    assert rows.loc["sp-00005", "arrive"].timestamp() == pytest.approx(started_at + arrive_t - first_t, abs=1e-3)
 
 
 def test_the_latency_boxes_of_many_requests_are_computed_here() -> None:

@@ -12,13 +12,16 @@ import pytest
 
 from kvscope.debug.replay import Replay
 from kvscope.debug.report import ReportState, build_report
+from tests.telemetry.oracle_reads import unpack_to_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("sample", ["leaky", "hybrid-swa"])
 def test_a_resumed_report_equals_a_fresh_one_as_the_capture_grows(tmp_path: Path, sample: str) -> None:
-    full = ROOT / "sample_runs" / f"{sample}.db"
+    full = tmp_path / "full.db"
+    shutil.copy(ROOT / "sample_runs" / f"{sample}.db", full)
+    unpack_to_rows(full)  # NOTE: the capture grows by `events` rows, copied over in SQL
     growing = tmp_path / "growing.db"
     shutil.copy(full, growing)
     with sqlite3.connect(growing) as conn:

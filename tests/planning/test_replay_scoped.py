@@ -166,7 +166,8 @@ def replay_cli(*argv: str) -> str:
 def test_replay_cli_prints_both_curves_and_the_scoped_cost(tmp_path: Path) -> None:
     trace = tmp_path / "mten.jsonl"
     write_trace(trace, generate("multi-tenant", num_requests=40, seed=0))
-    common = [str(trace), "--capacities", "1k,4k", "--convention", "tree", "--eviction", "page", "--workers", "2"]
+    common = [str(trace), "--capacities", "1k,4k", "--convention", "tree", "--eviction-granularity", "page",
+              "--workers", "2"]
     text = replay_cli(*common, "--cache", "scoped-radix", "--promote-k", "inf")
     assert "isolated      one pass with keys per principal" in text
     assert "one-pass isolated" in text and "scoped hit" in text and "k=inf, epoch 60 s" in text

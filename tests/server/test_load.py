@@ -148,7 +148,7 @@ def test_a_duration_repeats_the_workload_and_sigterm_prints_what_was_gathered() 
     with serving(None, "--level", "off") as server:
         try:
             url = server.url
-            # --duration repeats the workload in rounds (seed + r, ids prefixed r{r}-) until the time is up
+            # --duration-s repeats the workload in rounds (seed + r, ids prefixed r{r}-) until the time is up
             small = LoadConfig(url=url, concurrency=4, duration_s=3.0)
             report = run_load(lambda r: generate("multi-turn", num_requests=8, seed=r, output_len=2), small,
                               progress=None)

@@ -228,6 +228,45 @@ def test_reading_a_closed_capture_leaves_nothing_beside_it(tmp_path: Path) -> No
     assert side_files(path) == []
 
 
+# a dashboard's reading process: opens the capture, says so, holds it open until told to read it again
+HOLDING_READER = """
+import sys
+from kvscope.telemetry.queries import Capture
+capture = Capture(sys.argv[1])
+print(list(capture.runs().status), flush=True)
+sys.stdin.readline()
+print(list(capture.runs().status), len(capture.events(1, limit=None)), flush=True)
+"""
+
+
+def test_a_run_closed_while_another_process_reads_it_leaves_the_file_whole(tmp_path: Path) -> None:
+    """A run that closes while a dashboard holds its capture open cannot take the file out of
+    WAL mode, but its log is folded in and emptied: the .db copied alone is the finished run,
+    every row and check of it."""
+    path = tmp_path / "closed.db"
+    with SQLRecorder(path, label="read-while-closing", flush_interval_s=60) as recorder:
+        record_step(recorder, 0)
+        recorder.flush()
+        reader = subprocess.Popen([sys.executable, "-c", HOLDING_READER, str(path)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert reader.stdout is not None and reader.stdout.readline() == "['running']\n"
+        for step in range(1, 3):
+            record_step(recorder, step)
+    wal = Path(f"{path}-wal")
+    assert not wal.exists() or wal.stat().st_size == 0, "the log must be folded into the file at close"
+    alone = tmp_path / "copy" / "closed.db"
+    alone.parent.mkdir()
+    shutil.copyfile(path, alone)
+    copied, original = cli("check", str(alone)), cli("check", str(path))
+    assert copied.returncode == original.returncode == 1, copied.stdout + copied.stderr  # its allocations leak
+    assert copied.stdout.replace(str(alone), str(path)) == original.stdout
+    capture = Capture(alone)
+    assert list(capture.runs().status) == ["finished"] and len(capture.events(1, limit=None)) == 3 * EVENTS_PER_STEP
+    out, _ = reader.communicate("\n", timeout=60)
+    assert out == f"['finished'] {3 * EVENTS_PER_STEP}\n"
+
+
 @pytest.mark.parametrize(("dir_writable", "wal_mode", "wal_bytes", "has_shm", "mode"), [
     (True, True, 4096, True, "ro"),  # SQLite creates what it needs
     (True, False, 0, False, "ro"),

@@ -31,7 +31,7 @@ from kvscope.telemetry import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-V2_CAPTURE = ROOT / "sample_runs" / "shared-prefix.db"  # written by kvscope at schema version 2
+V2_CAPTURE = ROOT / "tests" / "telemetry" / "data" / "schema_v2.db"  # sample_runs/shared-prefix.db as schema 2 wrote it
 NAME = st.text(st.characters(blacklist_characters="/-", blacklist_categories=("Cs",)), min_size=1, max_size=8)
 
 
