@@ -98,16 +98,22 @@ def node_details(chosen: Selection, clock: Clock | None, step: int, nodes: pd.Da
 def lock_holders(chosen: Selection, step: int, node_id: int, nodes: pd.DataFrame, lock_ref: int) -> None:
     if lock_ref <= 0:
         return
-    if nodes.loc[nodes["node_id"] == node_id, "parent_id"].isna().all():  # NOTE: the root (or an unknown node)
-        st.caption(f"The root is on the path of every lock: its {lock_ref} lock(s) are every lock held at step "
-                   f"{step} (its own is permanent). Pick a node to see who holds its locks.")
-        return
+    is_root = nodes.loc[nodes["node_id"] == node_id, "parent_id"].isna().all()  # NOTE: or an unknown node
     locks = reads.lock_events(chosen.path, chosen.run_id, chosen.stamp)
     if locks.empty:
-        st.caption(f"Node {node_id} has {lock_ref} lock(s); who holds them needs a capture recorded at level full.")
+        st.caption(f"Node {node_id} has {lock_ref} lock(s)" + (" (its own, permanent: a lock below does not add to "
+                                                               "it)" if is_root else "")
+                   + "; who holds locks needs a capture recorded at level full.")
         return
     held = leak_views.held_locks(locks, step, reads.rid_names(chosen.path, chosen.run_id))
     holders = leak_views.holders_of(node_id, held, nodes)
+    if is_root:
+        st.caption(f"The root's own lock is permanent, and its lock count does not include the locks below it. Every "
+                   f"lock holds the path up to the root: {len(holders):,} lock(s) held at step {step}"
+                   + (", by these holders:" if len(holders) else "."))
+        if len(holders):
+            st.dataframe(holders, hide_index=True)
+        return
     if holders.empty:
         st.caption(f"Node {node_id} has {lock_ref} lock(s) (the root's is permanent).")
         return
