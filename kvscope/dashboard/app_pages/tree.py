@@ -62,7 +62,9 @@ def step_caption(chosen: Selection, clock: Clock | None, step: int, nodes: pd.Da
     row = data.usage_at(chosen.path, chosen.run_id, chosen.stamp, step)
     moment = None if clock is None or row.empty else clock.stamp(float(row["t_mono"].iloc[0]))
     when = "" if moment is None else f" (recorded {moment} {zone_name()})"
-    st.caption(f"Step {step}: {len(nodes):,} nodes, {int(nodes['num_tokens'].sum()):,} cached tokens{when}. Width = "
+    below_root = int(nodes["parent_id"].notna().sum())
+    st.caption(f"Step {step}: {below_root:,} nodes below the root, {int(nodes['num_tokens'].sum()):,} cached tokens"
+               f"{when}. Width = "
                "tokens in the subtree. " + (f"Drawing the {len(drawn):,} largest subtrees and their ancestors; the "
                                             "rest is blank." if len(drawn) < len(nodes) else "")
                + " Nodes born after the last snapshot have approximate hit counts and access times.")
