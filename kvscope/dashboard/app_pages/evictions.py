@@ -2,12 +2,42 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import attached, attached_pages, charts, data
-from kvscope.dashboard.frame import selection
+from kvscope.dashboard import attached, attached_pages, charts, data, reads, timing
+from kvscope.dashboard.frame import Selection, selection
 
 PAGE_ROWS = 200
+# NOTE: about 800 px in all, so the log fits beside the sidebar (it was cut off at the right edge);
+# the event's seq and monotonic t_mono are not shown: `time` is the wall clock
+LOG_COLUMNS = {
+    "step": st.column_config.NumberColumn("step", width=50),
+    "time": st.column_config.TextColumn("time", width=95),
+    "pool": st.column_config.TextColumn("pool", width=40),
+    "node_id": st.column_config.NumberColumn("node", width=50),
+    "parent_id": st.column_config.NumberColumn("parent", width=50),
+    "evicted_tokens": st.column_config.NumberColumn("tokens", width=55, help="tokens evicted"),
+    "reason": st.column_config.TextColumn("reason", width=70),
+    "age_steps": st.column_config.NumberColumn("age", width=45, help="node age at eviction, in steps"),
+    "age_s": st.column_config.NumberColumn("age (s)", width=55, format="%.3f"),
+    "idle_steps": st.column_config.NumberColumn("idle", width=45, help="idle before eviction, in steps"),
+    "idle_s": st.column_config.NumberColumn("idle (s)", width=55, format="%.3f"),
+    "needed_again_step": st.column_config.NumberColumn("needed again", width=60, help="the step of the later match"),
+    "needed_again_by": st.column_config.TextColumn("by", width=75, help="the request whose match needed it again"),
+    "regret_tokens": st.column_config.NumberColumn("regret", width=50, help="regret tokens"),
+}
+
+
+def log_table(chosen: Selection, log: pd.DataFrame) -> pd.DataFrame:
+    """The log with `time`: the eviction's wall-clock time of day to the millisecond (seconds since
+    the run's first event when the capture has no clock), in place of its monotonic t_mono."""
+    clock = reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run)
+    t_mono = pd.to_numeric(log["t_mono"], errors="coerce").astype(float)
+    if clock is not None:
+        return log.assign(time=clock.times_of_day(t_mono))
+    first = reads.first_t_mono(chosen.path, chosen.run_id, chosen.stamp) or 0.0
+    return log.assign(time=(t_mono - first).map(lambda s: f"+{s:.3f} s"))
 
 chosen = selection()
 st.header("Evictions")
@@ -55,4 +85,7 @@ with st.expander("How age, idle and regret are computed", expanded=False):
         "match's miss): tokens a later request probably had to recompute. A request that branched off at the same "
         "parent for other reasons counts too, so this is an upper bound.")
 st.plotly_chart(charts.eviction_idle_figure(log), key="evictions.idle")
-st.dataframe(log, hide_index=True)
+zone = timing.zone_name() if reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run) else None
+st.caption("Times are wall-clock " + (f"times of day ({zone})" if zone else "seconds since the run's first event")
+           + ", to the millisecond.")
+st.dataframe(log_table(chosen, log), hide_index=True, column_config=LOG_COLUMNS, column_order=list(LOG_COLUMNS))

@@ -15,6 +15,15 @@ PICK_FROM_MAX = 2_000  # NOTE: more requests: the picker is a box to type an id 
 ALL = "(all requests)"
 RID_KEY = "requests.rid"
 RID_TEXT_KEY = "requests.rid_text"
+# NOTE: fixed widths (about 600 px) so the table fits beside the sidebar, not cut off at the right edge
+LATENCY_COLUMNS = {
+    "latency": st.column_config.TextColumn("latency", width=150),
+    "requests": st.column_config.NumberColumn("requests", width=80),
+    **{f"{name} (ms)": st.column_config.NumberColumn(f"{name} (ms)", format="%.1f", width=90)
+       for name in ("p50", "p90", "p99", "max")},
+}
+TIME_COLUMNS = {name: st.column_config.DatetimeColumn(name, format=timing.DATETIME_COLUMN_FORMAT)
+                for name in ("arrive", "admit", "first token", "finish", "retract")}
 
 
 def latency_section(latency_ms: pd.DataFrame) -> None:
@@ -23,8 +32,7 @@ def latency_section(latency_ms: pd.DataFrame) -> None:
                "finish − arrive, over the requests that reached that stage (aborted, unfinished or in-flight requests "
                "count only for the stages they reached). Percentiles interpolate between requests.")
     table = timing.latency_percentiles(latency_ms)
-    st.dataframe(table, hide_index=True, column_config={c: st.column_config.NumberColumn(format="%.1f")
-                                                        for c in table.columns if c.endswith("(ms)")})
+    st.dataframe(table, hide_index=True, column_config=LATENCY_COLUMNS)
     st.plotly_chart(latency.latency_figure(latency_ms), key="requests.latency")
 
 
@@ -132,4 +140,5 @@ st.plotly_chart(charts.request_timeline_figure(window, allocs), key="requests.ti
 st.plotly_chart(charts.cached_tokens_figure(window), key="requests.cached")
 st.caption("Times are wall-clock " + (timing.zone_name() if clock is not None else "seconds since the first arrival")
            + "; latencies in milliseconds.")
-st.dataframe(latency.request_table(window, timing.latencies(window), clock), hide_index=True)
+st.dataframe(latency.request_table(window, timing.latencies(window), clock), hide_index=True,
+             column_config=TIME_COLUMNS if clock is not None else None)

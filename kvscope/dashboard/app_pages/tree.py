@@ -8,7 +8,7 @@ import streamlit as st
 
 from kvscope.dashboard import attached, attached_pages, charts, data, leak_views, reads, tenants, url_state
 from kvscope.dashboard.frame import Selection, selection
-from kvscope.dashboard.timing import Clock, zone_name
+from kvscope.dashboard.timing import COUNTER_CLOCK_CACHES, DATETIME_COLUMN_FORMAT, Clock, zone_name
 
 STEP_KEY = "tree.step"
 FOLLOW_KEY = "tree.follow"
@@ -91,9 +91,16 @@ def node_details(chosen: Selection, clock: Clock | None, step: int, nodes: pd.Da
     st.subheader("Node details")
     node_id = pick_node(drawn, nodes)
     detail = nodes[nodes["node_id"] == node_id].drop(columns=[] if show_preview else ["token_preview"])
-    if clock is not None and "last_access_time" in detail:
+    columns = {}
+    if data.cache_kind(chosen.run) in COUNTER_CLOCK_CACHES:
+        columns["last_access_time"] = st.column_config.NumberColumn(
+            "last access (order)", format="%d", help="this cache stamps accesses with a counter, not a clock: a "
+            "larger number is a later access (a node born after the last snapshot: approximate)")
+    elif clock is not None and "last_access_time" in detail:
         detail = detail.assign(last_access_time=clock.datetimes(detail["last_access_time"]))
-    st.dataframe(detail, hide_index=True)
+        columns["last_access_time"] = st.column_config.DatetimeColumn(
+            "last access", format=DATETIME_COLUMN_FORMAT, help=f"wall-clock time, {zone_name()}")
+    st.dataframe(detail, hide_index=True, column_config=columns)
     lock_holders(chosen, step, node_id, nodes, int(detail["lock_ref"].fillna(0).iloc[0]) if len(detail) else 0)
 
 
