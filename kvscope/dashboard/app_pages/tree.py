@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import attached, attached_pages, charts, data, leak_views, reads, tenants, url_state
+from kvscope.dashboard import attached, attached_pages, charts, data, leak_views, live, reads, tenants, url_state
 from kvscope.dashboard.frame import Selection, selection
 from kvscope.dashboard.timing import COUNTER_CLOCK_CACHES, DATETIME_COLUMN_FORMAT, Clock, zone_name
 
@@ -149,46 +149,56 @@ def diff_section(chosen: Selection, lo: int, hi: int, step: int) -> None:
     st.dataframe(diff, hide_index=True)
 
 
+def panel(chosen: Selection) -> None:
+    """The step picker and the tree at that step (refreshed while the run is running: with 'follow
+    newest' on, the step follows the run's newest)."""
+    notes = st.container()
+    bounds = data.step_range(chosen.path, chosen.run_id, chosen.stamp).iloc[0]
+    if pd.isna(bounds["lo"]):
+        url_state.show_notes()
+        st.info("No steps recorded in this run yet.")
+        return
+    lo, hi = int(bounds["lo"]), int(bounds["hi"])
+    clock = reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run)
+
+    cols = st.columns([3, 1, 1, 1])
+    with cols[0]:
+        step = pick_step(chosen, lo, hi)
+    color_by = cols[1].selectbox("colour by", charts.COLOR_FIELDS, key="tree.color",
+                                 help="owner: the principal that inserted the node; visibility: private (its owner "
+                                      "only), public, pinned (scoped radix; other caches share every node: public); "
+                                      "tier: device, device+host (a host copy too) or host only (hiradix; other caches "
+                                      "keep every node on the device)")
+    max_nodes = int(cols[2].number_input("max nodes drawn", 100, 20_000, charts.tree.DEFAULT_MAX_NODES, step=100,
+                                         key="tree.max_nodes"))
+    show_preview = cols[3].toggle("token previews", value=False, key="tree.preview",
+                                  help="Prompts can be private: previews stay hidden until you turn them on.")
+    tree_section(chosen, clock, step, color_by, max_nodes, show_preview)
+    with notes:
+        url_state.show_notes()
+    diff_section(chosen, lo, hi, step)
+
+
+def tree_section(chosen: Selection, clock: Clock | None, step: int, color_by: str, max_nodes: int,
+                 show_preview: bool) -> None:
+    nodes = charts.subtree_values(data.tree_at(chosen.path, chosen.run_id, step, chosen.stamp))
+    drawn = charts.cap_nodes(nodes, max_nodes)
+    step_caption(chosen, clock, step, nodes, drawn)
+    if nodes.empty:
+        st.info("The tree is empty at this step.")
+    else:
+        st.plotly_chart(charts.tree_figure(drawn, color_by, show_preview), key="tree.icicle")
+        listed = drawn if chosen.tenant is None else tenants.of_tenant(drawn, chosen.tenant, column="owner")
+        if chosen.tenant is not None:
+            st.caption(f"The tree is drawn whole; node details list the {len(listed):,} drawn nodes owned by tenant "
+                       f"**{chosen.tenant}**" + (" (none at this step)." if listed.empty else "."))
+        if not listed.empty:
+            node_details(chosen, clock, step, nodes, listed, show_preview)
+
+
 chosen = selection()
 st.header("Radix tree")
 if (source := attached.source_of(chosen.run)) is not None:  # a real engine watched by `kvscope attach`
     attached_pages.tree(chosen, source)
     st.stop()
-notes = st.container()
-bounds = data.step_range(chosen.path, chosen.run_id, chosen.stamp).iloc[0]
-if pd.isna(bounds["lo"]):
-    url_state.show_notes()
-    st.info("No steps recorded in this run yet.")
-    st.stop()
-lo, hi = int(bounds["lo"]), int(bounds["hi"])
-clock = reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run)
-
-cols = st.columns([3, 1, 1, 1])
-with cols[0]:
-    step = pick_step(chosen, lo, hi)
-color_by = cols[1].selectbox("colour by", charts.COLOR_FIELDS, key="tree.color",
-                             help="owner: the principal that inserted the node; visibility: private (its owner "
-                                  "only), public, pinned (scoped radix; other caches share every node: public); "
-                                  "tier: device, device+host (a host copy too) or host only (hiradix; other caches "
-                                  "keep every node on the device)")
-max_nodes = int(cols[2].number_input("max nodes drawn", 100, 20_000, charts.tree.DEFAULT_MAX_NODES, step=100,
-                                     key="tree.max_nodes"))
-show_preview = cols[3].toggle("token previews", value=False, key="tree.preview",
-                              help="Prompts can be private: previews stay hidden until you turn them on.")
-
-nodes = charts.subtree_values(data.tree_at(chosen.path, chosen.run_id, step, chosen.stamp))
-drawn = charts.cap_nodes(nodes, max_nodes)
-step_caption(chosen, clock, step, nodes, drawn)
-if nodes.empty:
-    st.info("The tree is empty at this step.")
-else:
-    st.plotly_chart(charts.tree_figure(drawn, color_by, show_preview), key="tree.icicle")
-    listed = drawn if chosen.tenant is None else tenants.of_tenant(drawn, chosen.tenant, column="owner")
-    if chosen.tenant is not None:
-        st.caption(f"The tree is drawn whole; node details list the {len(listed):,} drawn nodes owned by tenant "
-                   f"**{chosen.tenant}**" + (" (none at this step)." if listed.empty else "."))
-    if not listed.empty:
-        node_details(chosen, clock, step, nodes, listed, show_preview)
-with notes:
-    url_state.show_notes()
-diff_section(chosen, lo, hi, step)
+live.follow(panel, "tree")
