@@ -13,6 +13,7 @@ import streamlit as st
 
 from kvscope.dashboard import data
 from kvscope.dashboard.frame import Selection, selection
+from kvscope.telemetry import CaptureError
 
 LIVE_EVERY_S = 1.0
 
@@ -40,7 +41,11 @@ def follow(panel: Callable[[Selection], None], name: str) -> None:
 
     def live_panel() -> None:
         now = refreshed(selection())
-        panel(now)
+        try:
+            panel(now)
+        except CaptureError as err:  # NOTE: as app.py shows it: a fragment's exception never reaches app.py
+            st.error(str(err))
+            return
         if now.live:
             st.caption(f"run {now.run_id} · **{now.status}** · this page refreshes every second")
 
