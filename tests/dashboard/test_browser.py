@@ -215,6 +215,27 @@ def test_the_run_picker_and_the_status_line_agree_when_a_run_ends(tmp_path: Path
         recorder.close()
 
 
+def test_live_pages_follow_a_growing_run_without_a_reload(tmp_path: Path, page: Page) -> None:
+    """The Radix tree (follow newest) and Evictions pages rerun by themselves while the run records."""
+    from tests.dashboard.test_live import grow
+
+    recorder = SQLRecorder(tmp_path / "live.db", level="full", label="live")
+    try:
+        grow(recorder, range(3))
+        with streamlit_server(tmp_path / "live.db") as url:
+            page.goto(f"{url}/evictions")
+            evictions = page.locator('[data-testid="stMetric"]').filter(has_text="evictions").first
+            evictions.filter(has_text="3").wait_for(timeout=RENDER_TIMEOUT_MS)
+            grow(recorder, range(3, 6))
+            evictions.filter(has_text="6").wait_for(timeout=RENDER_TIMEOUT_MS)  # no reload: the page reran itself
+            page.goto(f"{url}/tree")
+            page.get_by_text("Step 5:").first.wait_for(timeout=RENDER_TIMEOUT_MS)
+            grow(recorder, range(6, 9))
+            page.get_by_text("Step 8:").first.wait_for(timeout=RENDER_TIMEOUT_MS)
+    finally:
+        recorder.close()
+
+
 def test_the_tiers_page_draws_both_tiers_in_a_browser(tmp_path: Path, page: Page) -> None:
     from tests.dashboard.test_tiers import record_hiradix
 
