@@ -74,6 +74,20 @@ class Source:
         return f"{self.engine}{version}" + (f" at {self.url}" if self.url else "")
 
 
+COUNTER_ENGINES = ("sglang", "kvscope")  # NOTE: export sglang:evicted_tokens_total; vLLM exports no such counter
+
+
+def evicted_label(source: Source) -> tuple[str, str]:
+    """The evicted-tokens metric's label and help, named by where the number comes from: the
+    engine's own counter, or (vLLM) the pages its KV event stream removed from the device."""
+    if source.engine in COUNTER_ENGINES:
+        return "evicted tokens (engine counter)", "sglang:evicted_tokens_total, the engine's own count"
+    if source.gives("pages"):
+        return ("evicted tokens (from KV events)", f"{source.engine} exports no eviction counter: the tokens of the "
+                "pages its KV event stream removed from the device since kvscope attached")
+    return "evicted tokens", f"{source.engine} exports no eviction counter, and its KV events were not subscribed"
+
+
 def run_config(run: Any) -> dict[str, Any]:
     try:
         config = json.loads(run.config or "{}")

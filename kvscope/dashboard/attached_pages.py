@@ -157,7 +157,8 @@ def traffic_panel(chosen: Selection, source: Source, last: pd.Series) -> None:
     running, waiting = attached.value(last, "num_running"), attached.value(last, "num_waiting")
     cols[0].metric("running / waiting", NOT_PROVIDED_VALUE if running is None or waiting is None
                    else f"{running} / {waiting}")
-    cols[1].metric("evicted tokens (engine counter)", _tokens(attached.value(last, "cum_evicted_tokens")))
+    label, origin = attached.evicted_label(source)
+    cols[1].metric(label, _tokens(attached.value(last, "cum_evicted_tokens")), help=origin)
     cols[2].metric("preemptions", _tokens(attached.value(last, "cum_retractions")))
     bounds = data.step_range(chosen.path, chosen.run_id, chosen.stamp).iloc[0]
     first = data.usage_at(chosen.path, chosen.run_id, chosen.stamp, int(bounds["lo"]))

@@ -27,6 +27,9 @@ LATENCIES = {"queue": ("admit_t", "arrive_t"), "time to first token": ("first_to
              "end to end": ("finish_t", "arrive_t")}
 PERCENTILES = (50, 90, 99)
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+DATETIME_COLUMN_FORMAT = "YYYY-MM-DD HH:mm:ss.SSS"  # NOTE: st.column_config.DatetimeColumn's (moment.js) to the ms
+# NOTE: the caches whose last_access_time is a logical counter (an access order), not monotonic seconds
+COUNTER_CLOCK_CACHES = ("swa-radix", "scoped-radix")
 
 
 class Clock(NamedTuple):
@@ -47,6 +50,11 @@ class Clock(NamedTuple):
         moment = datetime.fromtimestamp(float(self.wall(float(t_mono)))).astimezone()
         text = moment.strftime(TIME_FORMAT if with_date else "%H:%M:%S")
         return f"{text}.{moment.microsecond // 1000:03d}"
+
+    def times_of_day(self, t_mono: pd.Series) -> pd.Series:
+        """Local times of day of a t_mono column as text, to the millisecond ('' where missing)."""
+        shown = self.datetimes(t_mono)
+        return shown.dt.strftime("%H:%M:%S.%f").str[:-3].fillna("")
 
     def datetimes(self, t_mono: pd.Series) -> pd.Series:
         """Local wall-clock datetimes of a t_mono column (NaT where it is missing)."""

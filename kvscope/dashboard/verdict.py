@@ -54,6 +54,24 @@ def show_verdict(shown: Verdict) -> None:
     BOXES[shown.level](body)
 
 
+def protected_help(pool: str, step: int, num_running: int, checks: pd.DataFrame, report: LeakReport) -> str:
+    """What the protected tokens of `pool` at `step` are locked by. "Never released" only where
+    the leak report names such a lock: with no request running, a hiradix copy still in flight
+    holds its nodes locked until the idle check waits for it."""
+    if num_running:
+        return "cached in the tree and locked: by a running request (or a host-tier copy in flight)"
+    never = sum(1 for leak in report.leaks if leak.kind == "lock-never-released" and leak.pool == pool)
+    if never:
+        return (f"cached in the tree and locked with no request running: the leak report names {never} lock(s) "
+                "that were never released (see Leaks)")
+    at = checks[(checks["step"] == step) & (checks["pool"] == pool)] if not checks.empty else checks
+    if not at.empty and int(at["protected"].iloc[0]) == 0:
+        return (f"cached in the tree and locked when this sample was taken, with no request running: by host-tier "
+                f"copies still in flight. The idle leak check of step {step}, once they were done, found none locked")
+    return ("cached in the tree and locked with no request running: by a host-tier copy in flight, or a lock not "
+            "released (no leak report names one; see Leaks)")
+
+
 def attached_verdict() -> Verdict:
     """An attached engine's verdict: never clean, kvscope cannot balance another engine's pool."""
     return Verdict("not known", VERDICT_TITLE, [VERDICT_LINE])

@@ -210,7 +210,9 @@ class Scheduler:
         if not isinstance(match, HiMatchResult) or match.host_hit_length <= 0:
             return match, lock_id
         quota = adder.load_quota(req, match.prefix_len + match.host_hit_length)
+        evicted_before = cache.num_load_evicted_tokens
         loaded, node = cache.init_load_back(match.last_host_node, match.host_hit_length, quota)
+        self.stats.evicted(cache.num_load_evicted_tokens - evicted_before)  # NOTE: a load makes its own room
         if not len(loaded):
             return match, lock_id
         new_lock = cache.inc_lock_ref(node, rid=req.rid)

@@ -244,12 +244,37 @@ def test_a_source_without_counters_says_not_provided(captures: dict[str, Path],
     shown = metrics(at)
     assert shown["capacity (tokens)"] == "512"
     for label in ("used (tokens)", "cached tokens", "hit rate: tokens", "hit rate while attached",
-                  "running / waiting", "evicted tokens (engine counter)", "preemptions"):
+                  "running / waiting", "evicted tokens", "preemptions"):
         assert shown[label] == "not provided", label
     assert rows(captures["bare"], "SELECT count(*) AS n FROM tree_snapshots")[0]["n"] >= 1  # the root only
     for page in ("memory", "requests", "tree", "evictions"):
         at = open_page(captures["bare"], monkeypatch, page)
         assert not at.get("plotly_chart"), page  # nothing to draw: captions, never an empty chart
+
+
+def test_evicted_tokens_are_labelled_by_where_the_number_comes_from(captures: dict[str, Path],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM exports no eviction counter: its number is the KV events' device removals."""
+    vllm = metrics(open_page(captures["vllm"], monkeypatch))
+    assert "evicted tokens (engine counter)" not in vllm
+    assert vllm["evicted tokens (from KV events)"] == f"{last_usage(captures['vllm'])['cum_evicted_tokens']:,}"
+    sglang = metrics(open_page(captures["sglang"], monkeypatch))
+    assert sglang["evicted tokens (engine counter)"] == f"{last_usage(captures['sglang'])['cum_evicted_tokens']:,}"
+
+
+def legend_counts(at: AppTest) -> int:
+    """The nodes the icicle's legend counts, over its entries ("device (3 nodes)")."""
+    spec = next(json.loads(c.proto.spec) for c in at.get("plotly_chart")
+                if json.loads(c.proto.spec)["data"][0]["type"] == "icicle")
+    names = [t["name"] for t in spec["data"][1:]]
+    return sum(int(n.rsplit("(", 1)[1].split()[0].replace(",", "")) for n in names)
+
+
+def test_the_tree_legend_counts_the_pages_the_caption_names(captures: dict[str, Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_page(captures["sglang"], monkeypatch, "tree")
+    caption = next(c.value for c in at.caption if c.value.startswith("Snapshot at step "))
+    assert legend_counts(at) == int(caption.split(": ", 1)[1].split(" pages")[0].replace(",", ""))
 
 
 def test_the_evictions_page_counts_the_evict_events_by_reason(captures: dict[str, Path],

@@ -135,23 +135,33 @@ def test_overview_and_leaks_state_the_leaking_samples_numbers(server_url: str, p
     causes and 2 consequences; the lock on node 31 is 44 slots when locked and 20 in the report."""
     rendered(page, f"{server_url}/", "Overview")
     overview = main_text(page)
-    assert "FAILED" in overview and "step 38" in overview
+    assert "leak check failed at step 38" in overview
     assert "56 tokens missing" in overview
     rendered(page, f"{server_url}/leaks", "Leaks")
     leaks = main_text(page)
-    assert "LEAKS" in leaks and "step 16" in leaks  # the verdict and the bisected onset
+    assert "leak" in leaks and "step 16" in leaks  # the verdict and the bisected onset
     assert "22 root causes, 2 consequences" in leaks
     assert "Node 31: the injection record says 44 slots" in leaks and "The report says 20" in leaks
 
 
-def test_the_culprit_table_fits_without_scrolling_sideways(server_url: str, page: Page) -> None:
-    rendered(page, f"{server_url}/leaks", "Leaks")
-    table = page.locator('[data-testid="stDataFrame"]').first
+def sideways_overflow(page: Page, which: int) -> int:
+    """How far the page's `which`-th table (-1: the last) scrolls sideways, in px."""
+    tables = page.locator('[data-testid="stDataFrame"]')
+    table = tables.nth(which if which >= 0 else tables.count() + which)
     table.scroll_into_view_if_needed()
     scroller = table.locator(".dvn-scroller").first
     scroller.wait_for(timeout=RENDER_TIMEOUT_MS)
-    overflow = scroller.evaluate("e => e.scrollWidth - e.clientWidth")
-    assert overflow <= 1, f"the culprit table scrolls sideways by {overflow} px"
+    return int(scroller.evaluate("e => e.scrollWidth - e.clientWidth"))
+
+
+@pytest.mark.parametrize(("path", "title", "which", "name"), [("leaks", "Leaks", 0, "culprit table"),
+                                                              ("requests", "Requests", 0, "latency table"),
+                                                              ("evictions", "Evictions", -1, "eviction log")])
+def test_the_tables_fit_without_scrolling_sideways(server_url: str, page: Page, path: str, title: str, which: int,
+                                                   name: str) -> None:
+    rendered(page, f"{server_url}/{path}", title)
+    overflow = sideways_overflow(page, which)
+    assert overflow <= 1, f"the {name} scrolls sideways by {overflow} px"
 
 
 def test_a_copied_url_reopens_the_same_step(server_url: str, page: Page) -> None:
@@ -201,6 +211,27 @@ def test_the_run_picker_and_the_status_line_agree_when_a_run_ends(tmp_path: Path
             status.filter(has_text="finished").wait_for(timeout=RENDER_TIMEOUT_MS)  # the live panel reruns the app
             page.wait_for_timeout(1000)
             assert run_picker_label(page) == "run 1 · live · finished"
+    finally:
+        recorder.close()
+
+
+def test_live_pages_follow_a_growing_run_without_a_reload(tmp_path: Path, page: Page) -> None:
+    """The Radix tree (follow newest) and Evictions pages rerun by themselves while the run records."""
+    from tests.dashboard.test_live import grow
+
+    recorder = SQLRecorder(tmp_path / "live.db", level="full", label="live")
+    try:
+        grow(recorder, range(3))
+        with streamlit_server(tmp_path / "live.db") as url:
+            page.goto(f"{url}/evictions")
+            evictions = page.locator('[data-testid="stMetric"]').filter(has_text="evictions").first
+            evictions.filter(has_text="3").wait_for(timeout=RENDER_TIMEOUT_MS)
+            grow(recorder, range(3, 6))
+            evictions.filter(has_text="6").wait_for(timeout=RENDER_TIMEOUT_MS)  # no reload: the page reran itself
+            page.goto(f"{url}/tree")
+            page.get_by_text("Step 5:").first.wait_for(timeout=RENDER_TIMEOUT_MS)
+            grow(recorder, range(6, 9))
+            page.get_by_text("Step 8:").first.wait_for(timeout=RENDER_TIMEOUT_MS)
     finally:
         recorder.close()
 

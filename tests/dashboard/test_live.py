@@ -10,8 +10,18 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from kvscope.dashboard import data
-from kvscope.telemetry import EventKind, EvictReason, PoolName, PoolTerms, UsageSample, derived
+from kvscope.dashboard import data, live
+from kvscope.dashboard.frame import Selection
+from kvscope.telemetry import (
+    EventKind,
+    EvictReason,
+    PoolName,
+    PoolTerms,
+    RequestRecord,
+    RequestStatus,
+    UsageSample,
+    derived,
+)
 from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.recorder import SQLRecorder
 from tests.dashboard.conftest import ROOT
@@ -73,3 +83,74 @@ def test_eviction_log_measures_age_idle_and_regret(tmp_path: Path) -> None:
     row = log.iloc[0]
     assert (row.age_steps, row.idle_steps, row.parent_id) == (4, 3, 1)
     assert (row.needed_again_step, row.needed_again_by, row.regret_tokens) == (7, "d", 4)
+
+
+def grow(recorder: SQLRecorder, steps: range) -> None:
+    """Steps of a running run: a usage sample, an eviction and a finished request each."""
+    for step in steps:
+        recorder.step = step
+        recorder.usage(sample(step))
+        recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=step + 1, num_tokens=4,
+                        reason=EvictReason.CAPACITY)
+        record = RequestRecord(f"r{step}", "u0", 8, status=RequestStatus.FINISHED)
+        for moment in ("arrive", "admit", "first_token", "finish"):
+            record.mark(moment, step, 1.0 + step)
+        recorder.request(record)
+    recorder.flush()
+
+
+@pytest.mark.parametrize(("page", "label"), [("evictions", "evictions"), ("requests", "requests")])
+def test_a_live_page_refreshes_and_its_rows_follow_the_run(tmp_path: Path, page: str, label: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    recorder = SQLRecorder(tmp_path / "live.db", level="full", label="live")
+    try:
+        grow(recorder, range(3))
+        monkeypatch.setenv("KVSCOPE_DB", str(tmp_path / "live.db"))
+        monkeypatch.chdir(ROOT)
+        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60).run()
+        at.switch_page(f"kvscope/dashboard/app_pages/{page}.py").run()
+        assert not at.exception, [e.value for e in at.exception]
+        assert {m.label: m.value for m in at.metric}[label] == "3"
+        assert any("this page refreshes every second" in c.value for c in at.main.caption)
+        grow(recorder, range(3, 5))
+        time.sleep(data.LIVE_TTL_S + 0.1)
+        at.run()
+        assert {m.label: m.value for m in at.metric}[label] == "5"
+    finally:
+        recorder.close()
+    time.sleep(data.LIVE_TTL_S + 0.1)
+    at.run()
+    assert not any("refreshes every second" in c.value for c in at.caption)
+
+
+def test_the_tree_says_it_refreshes_while_the_run_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    recorder = SQLRecorder(tmp_path / "live.db", level="full", label="live")
+    try:
+        grow(recorder, range(3))
+        monkeypatch.setenv("KVSCOPE_DB", str(tmp_path / "live.db"))
+        monkeypatch.chdir(ROOT)
+        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60).run()
+        at.switch_page("kvscope/dashboard/app_pages/tree.py").run()
+        assert not at.exception, [e.value for e in at.exception]
+        assert any("this page refreshes every second" in c.value for c in at.main.caption)
+    finally:
+        recorder.close()
+
+
+def test_a_fragment_rerun_reads_the_runs_newest_stamp(tmp_path: Path) -> None:
+    """A live fragment reruns without app.py's frame: its selection's stamp (the key of every read)
+    must still move as the run flushes, or its page would stay at the step it opened on."""
+    recorder = SQLRecorder(tmp_path / "live.db", level="full", label="live")
+    try:
+        grow(recorder, range(3))
+        runs = data.runs(str(tmp_path / "live.db"))
+        run = runs.iloc[0]
+        opened = Selection(str(tmp_path / "live.db"), int(run["id"]), run, 0.0, True, "running", None)
+        time.sleep(1.2)  # NOTE: the heartbeat (the stamp) is stored in whole milliseconds or coarser
+        grow(recorder, range(3, 5))
+        time.sleep(data.LIVE_TTL_S + 0.1)
+        now = live.refreshed(opened)
+        assert now.stamp > float(run["heartbeat_at"]) and now.status == "running"
+        assert int(data.step_range(now.path, now.run_id, now.stamp).iloc[0]["hi"]) == 4
+    finally:
+        recorder.close()

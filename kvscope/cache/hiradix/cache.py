@@ -134,6 +134,7 @@ class HiRadixCache(RadixCache):
         self._in_flight: dict[int, InFlight] = {}
         self.num_dropped_tokens = 0  # NOTE: write_back: device tokens the host could not take (host_pressure)
         self.num_load_back_tokens = 0
+        self.num_load_evicted_tokens = 0  # NOTE: device tokens load_back evicted to make room (no evict_for saw them)
         self.num_write_tokens = 0
         self._host_size = 0  # NOTE: host slots the tree holds (Σ len(host_value)), kept as nodes change
 
@@ -482,7 +483,8 @@ class HiRadixCache(RadixCache):
         op_id = next(self._op_ids)
         device_slots = self.controller.load(host_slots, op_id)
         if device_slots is None and self._evictable_size > 0:
-            self.evict(EvictParams(min(len(host_slots), self._evictable_size)))
+            freed = self.evict(EvictParams(min(len(host_slots), self._evictable_size)))
+            self.num_load_evicted_tokens += freed.num_tokens_evicted
             device_slots = self.controller.load(host_slots, op_id)
         self.dec_lock_ref(ancestor)
         if device_slots is None:

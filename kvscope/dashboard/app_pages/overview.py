@@ -9,7 +9,8 @@ import streamlit as st
 
 from kvscope.dashboard import attached, attached_pages, charts, data
 from kvscope.dashboard.frame import Selection, selection
-from kvscope.dashboard.verdict import leak_verdict, run_seconds, show_verdict
+from kvscope.dashboard.verdict import leak_verdict, protected_help, run_seconds, show_verdict
+from kvscope.debug import LeakReport
 
 LIVE_EVERY_S = 1.0
 
@@ -23,7 +24,7 @@ def verdict_panel(chosen: Selection) -> None:
     show_verdict(leak_verdict(data.verdict_report(chosen.path, chosen.run_id, chosen.stamp), checks))
 
 
-def pool_metrics(last: pd.Series) -> None:
+def pool_metrics(last: pd.Series, checks: pd.DataFrame, report: LeakReport) -> None:
     """Each pool's total and its terms; with no request running, what is outside the free list
     and the tree is missing (leaked), not held."""
     usage = last.to_frame().T
@@ -37,8 +38,7 @@ def pool_metrics(last: pd.Series) -> None:
                        "- evictable (SGLang's kv_used_tokens), the protected slots plus those held outside the tree")
         cols[2].metric(f"{pool}: evictable", f"{int(terms['evictable']):,}", help="cached in the tree, unlocked")
         cols[3].metric(f"{pool}: protected", f"{int(terms['protected']):,}",
-                       help="cached in the tree and locked: " + ("no request is running, so a lock that was never "
-                                                                  "released" if idle else "by a running request"))
+                       help=protected_help(pool, int(last["step"]), int(last["num_running"]), checks, report))
         if idle:
             cols[4].metric(f"{pool}: missing", f"{int(terms['requests']):,}",
                            help="no request is running, so every slot should be free or cached: these are neither "
@@ -118,7 +118,8 @@ def live_panel() -> None:
     if rows.empty:
         st.info("No usage samples yet: the run has not finished its first step.")
         return
-    pool_metrics(rows.iloc[-1])
+    pool_metrics(rows.iloc[-1], data.leak_checks(chosen.path, chosen.run_id, chosen.stamp),
+                 data.verdict_report(chosen.path, chosen.run_id, chosen.stamp))
     traffic_metrics(chosen, run, rows)
     usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
     st.plotly_chart(charts.live_usage_figure(usage), key="overview.usage")

@@ -4,10 +4,12 @@ in the URL (?rid=)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import attached, attached_pages, charts, data, latency, reads, timing, url_state
+from kvscope.dashboard import attached, attached_pages, charts, data, latency, live, reads, timing, url_state
 from kvscope.dashboard.frame import Selection, selection
 
 PAGE_ROWS = 60
@@ -15,6 +17,15 @@ PICK_FROM_MAX = 2_000  # NOTE: more requests: the picker is a box to type an id 
 ALL = "(all requests)"
 RID_KEY = "requests.rid"
 RID_TEXT_KEY = "requests.rid_text"
+# NOTE: fixed widths (about 600 px) so the table fits beside the sidebar, not cut off at the right edge
+LATENCY_COLUMNS = {
+    "latency": st.column_config.TextColumn("latency", width=150),
+    "requests": st.column_config.NumberColumn("requests", width=80),
+    **{f"{name} (ms)": st.column_config.NumberColumn(f"{name} (ms)", format="%.1f", width=90)
+       for name in ("p50", "p90", "p99", "max")},
+}
+TIME_COLUMNS = {name: st.column_config.DatetimeColumn(name, format=timing.DATETIME_COLUMN_FORMAT)
+                for name in ("arrive", "admit", "first token", "finish", "retract")}
 
 
 def latency_section(latency_ms: pd.DataFrame) -> None:
@@ -23,8 +34,7 @@ def latency_section(latency_ms: pd.DataFrame) -> None:
                "finish − arrive, over the requests that reached that stage (aborted, unfinished or in-flight requests "
                "count only for the stages they reached). Percentiles interpolate between requests.")
     table = timing.latency_percentiles(latency_ms)
-    st.dataframe(table, hide_index=True, column_config={c: st.column_config.NumberColumn(format="%.1f")
-                                                        for c in table.columns if c.endswith("(ms)")})
+    st.dataframe(table, hide_index=True, column_config=LATENCY_COLUMNS)
     st.plotly_chart(latency.latency_figure(latency_ms), key="requests.latency")
 
 
@@ -81,55 +91,65 @@ def request_filter(chosen: Selection, totals: pd.DataFrame) -> tuple[str | None,
     return None, (None if set(picked) == set(statuses) else tuple(picked)), sum(counts[s] for s in picked)
 
 
+def panel(chosen: Selection) -> None:
+    """Totals, latency, throughput and the table of requests (refreshed while the run is running)."""
+    notes = st.container()
+    totals = data.request_totals(chosen.path, chosen.run_id, chosen.stamp, None)
+    if chosen.running:
+        st.caption("A request's record is written when it ends: running requests appear once they finish.")
+    if totals.empty:
+        with notes:
+            url_state.show_notes()
+        st.info("No finished requests recorded in this run yet.")
+        return
+    if chosen.tenant is not None:
+        totals = data.request_totals(chosen.path, chosen.run_id, chosen.stamp, chosen.tenant)
+        num_of_tenant = int(totals["num_requests"].sum()) if not totals.empty else 0
+        st.caption(f"Only the requests of tenant **{chosen.tenant}** ({num_of_tenant:,}): pick all tenants in the "
+                   "sidebar to see every request.")
+        if totals.empty:
+            with notes:
+                url_state.show_notes()
+            st.info(f"No finished request of tenant {chosen.tenant} in this run.")
+            return
+    clock = reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run)
+    latency_ms = timing.latencies(data.request_times(chosen.path, chosen.run_id, chosen.stamp, chosen.tenant))
+
+    cols = st.columns(4)
+    cols[0].metric("requests", f"{int(totals['num_requests'].sum()):,}")
+    cols[1].metric("prompt tokens", f"{int(totals['prompt_tokens'].sum()):,}")
+    cols[2].metric("cached tokens", f"{int(totals['cached_tokens'].sum()):,}")
+    cols[3].metric("retractions", f"{int(totals['retractions'].sum()):,}")
+    latency_section(latency_ms)
+    throughput_section(chosen, clock)
+    table_section(chosen, totals, notes, clock)
+
+
+def table_section(chosen: Selection, totals: pd.DataFrame, notes: Any, clock: timing.Clock | None) -> None:
+    st.subheader("Requests")
+    rid, statuses, num_shown = request_filter(chosen, totals)
+    with notes:
+        url_state.show_notes()
+    num_pages = max(1, -(-num_shown // PAGE_ROWS))
+    page = int(st.number_input(f"page (of {num_pages}, {PAGE_ROWS} requests each, by arrival)", 1, num_pages, 1,
+                               key="requests.page"))
+    window = data.request_page(chosen.path, chosen.run_id, chosen.stamp, chosen.tenant, statuses, rid, PAGE_ROWS,
+                               (page - 1) * PAGE_ROWS)
+    allocs = data.allocs_of_requests(chosen.path, chosen.run_id, chosen.stamp, tuple(window["rid"]))
+    st.caption("Steps on the x axis: waiting (arrive → admit), prefill (admit → first token; dots are the steps that "
+               "allocated prefill chunks), decode (first token → finish); a cross marks a retraction.")
+    st.plotly_chart(charts.request_timeline_figure(window, allocs), key="requests.timeline")
+    st.plotly_chart(charts.cached_tokens_figure(window), key="requests.cached")
+    st.caption("Times are wall-clock " + (timing.zone_name() if clock is not None else "seconds since the first "
+                                                                                         "arrival")
+               + "; latencies in milliseconds.")
+    st.dataframe(latency.request_table(window, timing.latencies(window), clock), hide_index=True,
+                 column_config=TIME_COLUMNS if clock is not None else None)
+
+
 chosen = selection()
 st.header("Requests")
 if (source := attached.source_of(chosen.run)) is not None:  # a real engine watched by `kvscope attach`
     attached_pages.requests(chosen, source)
     st.stop()
-notes = st.container()
-totals = data.request_totals(chosen.path, chosen.run_id, chosen.stamp, None)
-if chosen.running:
-    st.caption("A request's record is written when it ends: running requests appear once they finish.")
-if totals.empty:
-    with notes:
-        url_state.show_notes()
-    st.info("No finished requests recorded in this run yet.")
-    st.stop()
-if chosen.tenant is not None:
-    totals = data.request_totals(chosen.path, chosen.run_id, chosen.stamp, chosen.tenant)
-    num_of_tenant = int(totals["num_requests"].sum()) if not totals.empty else 0
-    st.caption(f"Only the requests of tenant **{chosen.tenant}** ({num_of_tenant:,}): pick all tenants in the "
-               "sidebar to see every request.")
-    if totals.empty:
-        with notes:
-            url_state.show_notes()
-        st.info(f"No finished request of tenant {chosen.tenant} in this run.")
-        st.stop()
-clock = reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run)
-latency_ms = timing.latencies(data.request_times(chosen.path, chosen.run_id, chosen.stamp, chosen.tenant))
-
-cols = st.columns(4)
-cols[0].metric("requests", f"{int(totals['num_requests'].sum()):,}")
-cols[1].metric("prompt tokens", f"{int(totals['prompt_tokens'].sum()):,}")
-cols[2].metric("cached tokens", f"{int(totals['cached_tokens'].sum()):,}")
-cols[3].metric("retractions", f"{int(totals['retractions'].sum()):,}")
-latency_section(latency_ms)
-throughput_section(chosen, clock)
-
-st.subheader("Requests")
-rid, statuses, num_shown = request_filter(chosen, totals)
-with notes:
-    url_state.show_notes()
-num_pages = max(1, -(-num_shown // PAGE_ROWS))
-page = int(st.number_input(f"page (of {num_pages}, {PAGE_ROWS} requests each, by arrival)", 1, num_pages, 1,
-                           key="requests.page"))
-window = data.request_page(chosen.path, chosen.run_id, chosen.stamp, chosen.tenant, statuses, rid, PAGE_ROWS,
-                           (page - 1) * PAGE_ROWS)
-allocs = data.allocs_of_requests(chosen.path, chosen.run_id, chosen.stamp, tuple(window["rid"]))
-st.caption("Steps on the x axis: waiting (arrive → admit), prefill (admit → first token; dots are the steps that "
-           "allocated prefill chunks), decode (first token → finish); a cross marks a retraction.")
-st.plotly_chart(charts.request_timeline_figure(window, allocs), key="requests.timeline")
-st.plotly_chart(charts.cached_tokens_figure(window), key="requests.cached")
-st.caption("Times are wall-clock " + (timing.zone_name() if clock is not None else "seconds since the first arrival")
-           + "; latencies in milliseconds.")
-st.dataframe(latency.request_table(window, timing.latencies(window), clock), hide_index=True)
+live.follow(panel, "requests")

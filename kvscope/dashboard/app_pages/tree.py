@@ -6,9 +6,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import attached, attached_pages, charts, data, leak_views, reads, tenants, url_state
+from kvscope.dashboard import attached, attached_pages, charts, data, leak_views, live, reads, tenants, url_state
 from kvscope.dashboard.frame import Selection, selection
-from kvscope.dashboard.timing import Clock, zone_name
+from kvscope.dashboard.timing import COUNTER_CLOCK_CACHES, DATETIME_COLUMN_FORMAT, Clock, zone_name
 
 STEP_KEY = "tree.step"
 FOLLOW_KEY = "tree.follow"
@@ -62,7 +62,9 @@ def step_caption(chosen: Selection, clock: Clock | None, step: int, nodes: pd.Da
     row = data.usage_at(chosen.path, chosen.run_id, chosen.stamp, step)
     moment = None if clock is None or row.empty else clock.stamp(float(row["t_mono"].iloc[0]))
     when = "" if moment is None else f" (recorded {moment} {zone_name()})"
-    st.caption(f"Step {step}: {len(nodes):,} nodes, {int(nodes['num_tokens'].sum()):,} cached tokens{when}. Width = "
+    below_root = int(nodes["parent_id"].notna().sum())
+    st.caption(f"Step {step}: {below_root:,} nodes below the root, {int(nodes['num_tokens'].sum()):,} cached tokens"
+               f"{when}. Width = "
                "tokens in the subtree. " + (f"Drawing the {len(drawn):,} largest subtrees and their ancestors; the "
                                             "rest is blank." if len(drawn) < len(nodes) else "")
                + " Nodes born after the last snapshot have approximate hit counts and access times.")
@@ -89,25 +91,38 @@ def node_details(chosen: Selection, clock: Clock | None, step: int, nodes: pd.Da
     st.subheader("Node details")
     node_id = pick_node(drawn, nodes)
     detail = nodes[nodes["node_id"] == node_id].drop(columns=[] if show_preview else ["token_preview"])
-    if clock is not None and "last_access_time" in detail:
+    columns = {}
+    if data.cache_kind(chosen.run) in COUNTER_CLOCK_CACHES:
+        columns["last_access_time"] = st.column_config.NumberColumn(
+            "last access (order)", format="%d", help="this cache stamps accesses with a counter, not a clock: a "
+            "larger number is a later access (a node born after the last snapshot: approximate)")
+    elif clock is not None and "last_access_time" in detail:
         detail = detail.assign(last_access_time=clock.datetimes(detail["last_access_time"]))
-    st.dataframe(detail, hide_index=True)
+        columns["last_access_time"] = st.column_config.DatetimeColumn(
+            "last access", format=DATETIME_COLUMN_FORMAT, help=f"wall-clock time, {zone_name()}")
+    st.dataframe(detail, hide_index=True, column_config=columns)
     lock_holders(chosen, step, node_id, nodes, int(detail["lock_ref"].fillna(0).iloc[0]) if len(detail) else 0)
 
 
 def lock_holders(chosen: Selection, step: int, node_id: int, nodes: pd.DataFrame, lock_ref: int) -> None:
     if lock_ref <= 0:
         return
-    if nodes.loc[nodes["node_id"] == node_id, "parent_id"].isna().all():  # NOTE: the root (or an unknown node)
-        st.caption(f"The root is on the path of every lock: its {lock_ref} lock(s) are every lock held at step "
-                   f"{step} (its own is permanent). Pick a node to see who holds its locks.")
-        return
+    is_root = nodes.loc[nodes["node_id"] == node_id, "parent_id"].isna().all()  # NOTE: or an unknown node
     locks = reads.lock_events(chosen.path, chosen.run_id, chosen.stamp)
     if locks.empty:
-        st.caption(f"Node {node_id} has {lock_ref} lock(s); who holds them needs a capture recorded at level full.")
+        st.caption(f"Node {node_id} has {lock_ref} lock(s)" + (" (its own, permanent: a lock below does not add to "
+                                                               "it)" if is_root else "")
+                   + "; who holds locks needs a capture recorded at level full.")
         return
     held = leak_views.held_locks(locks, step, reads.rid_names(chosen.path, chosen.run_id))
     holders = leak_views.holders_of(node_id, held, nodes)
+    if is_root:
+        st.caption(f"The root's own lock is permanent, and its lock count does not include the locks below it. Every "
+                   f"lock holds the path up to the root: {len(holders):,} lock(s) held at step {step}"
+                   + (", by these holders:" if len(holders) else "."))
+        if len(holders):
+            st.dataframe(holders, hide_index=True)
+        return
     if holders.empty:
         st.caption(f"Node {node_id} has {lock_ref} lock(s) (the root's is permanent).")
         return
@@ -134,46 +149,56 @@ def diff_section(chosen: Selection, lo: int, hi: int, step: int) -> None:
     st.dataframe(diff, hide_index=True)
 
 
+def panel(chosen: Selection) -> None:
+    """The step picker and the tree at that step (refreshed while the run is running: with 'follow
+    newest' on, the step follows the run's newest)."""
+    notes = st.container()
+    bounds = data.step_range(chosen.path, chosen.run_id, chosen.stamp).iloc[0]
+    if pd.isna(bounds["lo"]):
+        url_state.show_notes()
+        st.info("No steps recorded in this run yet.")
+        return
+    lo, hi = int(bounds["lo"]), int(bounds["hi"])
+    clock = reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run)
+
+    cols = st.columns([3, 1, 1, 1])
+    with cols[0]:
+        step = pick_step(chosen, lo, hi)
+    color_by = cols[1].selectbox("colour by", charts.COLOR_FIELDS, key="tree.color",
+                                 help="owner: the principal that inserted the node; visibility: private (its owner "
+                                      "only), public, pinned (scoped radix; other caches share every node: public); "
+                                      "tier: device, device+host (a host copy too) or host only (hiradix; other caches "
+                                      "keep every node on the device)")
+    max_nodes = int(cols[2].number_input("max nodes drawn", 100, 20_000, charts.tree.DEFAULT_MAX_NODES, step=100,
+                                         key="tree.max_nodes"))
+    show_preview = cols[3].toggle("token previews", value=False, key="tree.preview",
+                                  help="Prompts can be private: previews stay hidden until you turn them on.")
+    tree_section(chosen, clock, step, color_by, max_nodes, show_preview)
+    with notes:
+        url_state.show_notes()
+    diff_section(chosen, lo, hi, step)
+
+
+def tree_section(chosen: Selection, clock: Clock | None, step: int, color_by: str, max_nodes: int,
+                 show_preview: bool) -> None:
+    nodes = charts.subtree_values(data.tree_at(chosen.path, chosen.run_id, step, chosen.stamp))
+    drawn = charts.cap_nodes(nodes, max_nodes)
+    step_caption(chosen, clock, step, nodes, drawn)
+    if nodes.empty:
+        st.info("The tree is empty at this step.")
+    else:
+        st.plotly_chart(charts.tree_figure(drawn, color_by, show_preview), key="tree.icicle")
+        listed = drawn if chosen.tenant is None else tenants.of_tenant(drawn, chosen.tenant, column="owner")
+        if chosen.tenant is not None:
+            st.caption(f"The tree is drawn whole; node details list the {len(listed):,} drawn nodes owned by tenant "
+                       f"**{chosen.tenant}**" + (" (none at this step)." if listed.empty else "."))
+        if not listed.empty:
+            node_details(chosen, clock, step, nodes, listed, show_preview)
+
+
 chosen = selection()
 st.header("Radix tree")
 if (source := attached.source_of(chosen.run)) is not None:  # a real engine watched by `kvscope attach`
     attached_pages.tree(chosen, source)
     st.stop()
-notes = st.container()
-bounds = data.step_range(chosen.path, chosen.run_id, chosen.stamp).iloc[0]
-if pd.isna(bounds["lo"]):
-    url_state.show_notes()
-    st.info("No steps recorded in this run yet.")
-    st.stop()
-lo, hi = int(bounds["lo"]), int(bounds["hi"])
-clock = reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run)
-
-cols = st.columns([3, 1, 1, 1])
-with cols[0]:
-    step = pick_step(chosen, lo, hi)
-color_by = cols[1].selectbox("colour by", charts.COLOR_FIELDS, key="tree.color",
-                             help="owner: the principal that inserted the node; visibility: private (its owner "
-                                  "only), public, pinned (scoped radix; other caches share every node: public); "
-                                  "tier: device, device+host (a host copy too) or host only (hiradix; other caches "
-                                  "keep every node on the device)")
-max_nodes = int(cols[2].number_input("max nodes drawn", 100, 20_000, charts.tree.DEFAULT_MAX_NODES, step=100,
-                                     key="tree.max_nodes"))
-show_preview = cols[3].toggle("token previews", value=False, key="tree.preview",
-                              help="Prompts can be private: previews stay hidden until you turn them on.")
-
-nodes = charts.subtree_values(data.tree_at(chosen.path, chosen.run_id, step, chosen.stamp))
-drawn = charts.cap_nodes(nodes, max_nodes)
-step_caption(chosen, clock, step, nodes, drawn)
-if nodes.empty:
-    st.info("The tree is empty at this step.")
-else:
-    st.plotly_chart(charts.tree_figure(drawn, color_by, show_preview), key="tree.icicle")
-    listed = drawn if chosen.tenant is None else tenants.of_tenant(drawn, chosen.tenant, column="owner")
-    if chosen.tenant is not None:
-        st.caption(f"The tree is drawn whole; node details list the {len(listed):,} drawn nodes owned by tenant "
-                   f"**{chosen.tenant}**" + (" (none at this step)." if listed.empty else "."))
-    if not listed.empty:
-        node_details(chosen, clock, step, nodes, listed, show_preview)
-with notes:
-    url_state.show_notes()
-diff_section(chosen, lo, hi, step)
+live.follow(panel, "tree")

@@ -133,8 +133,9 @@ def _marker(nodes: pd.DataFrame, color_by: str) -> dict[str, Any]:
 
 
 def _category_legend(fig: go.Figure, nodes: pd.DataFrame, color_by: str) -> None:
-    """One legend entry per category (an icicle has no legend of its own), on hidden axes."""
-    names = pd.Series(_category_names(nodes, color_by)).value_counts()
+    """One legend entry per category (an icicle has no legend of its own), on hidden axes; the
+    counts leave out the root (no page, no cached tokens), as the pages' captions do."""
+    names = pd.Series(_category_names(nodes[~_is_root(nodes)], color_by)).value_counts()
     shown = names.index[:MAX_LEGEND_CATEGORIES]
     for name in shown:
         label = name if color_by != "owner" or name == "no owner" else f"owner {name}"
