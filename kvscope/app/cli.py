@@ -441,8 +441,8 @@ def add_attach_parser(verbs: SubParsers) -> None:
         description="Discover the server at --url (SGLang, vLLM or kvscope serve), subscribe to its KV-event "
         "stream (--kv-events, or the endpoint SGLang and kvscope advertise) and scrape its /metrics every "
         "--scrape-s: the cached pages per tier, evictions and usage go into a capture the dashboard opens "
-        "(docs/attach.md). Ends at --duration-s or on SIGINT/SIGTERM (exit 0, capture closed); exit 1 when the "
-        "server stopped answering, 2 on bad input (an unreachable URL, a bad endpoint, a capture older than "
+        "(docs/attach.md). Ends at --duration-s or on SIGINT/SIGTERM/SIGHUP (exit 0, capture closed 'finished'); "
+        "exit 1 when the server stopped answering or attach itself failed (capture 'crashed'), 2 on bad input (an unreachable URL, a bad endpoint, a capture older than "
         "schema 5).",
         formatter_class=DEFAULTS,
     )
