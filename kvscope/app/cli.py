@@ -272,8 +272,8 @@ def add_debugger_parsers(verbs: SubParsers) -> None:
         "checks, SWA and mamba pools, the request pool, use-after-free) in a server log, and explain each in the "
         "words of `report leaks`: per pool, the invariant's terms and how many tokens are missing or counted "
         "twice, the line and time, the release family, and what the message cannot tell (no culprit) with the "
-        "kvscope command that would. Exit 1 when a leak message was found, 0 when none, 2 when the file cannot "
-        "be read as a text log. See docs/cli.md.")
+        "kvscope command that would. Exit 0 once the log is read, leak messages or not (the JSON's verdict says "
+        "which), 2 when the file cannot be read as a text log. See docs/cli.md.")
     engine_log.add_argument("log", metavar="FILE", help="the server's log (any size; read line by line)")
     engine_log.add_argument("--json", action="store_true", help="print the messages as JSON (the exit code is "
                             "the same)")
