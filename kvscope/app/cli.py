@@ -442,8 +442,8 @@ def add_attach_parser(verbs: SubParsers) -> None:
         "stream (--kv-events, or the endpoint SGLang and kvscope advertise) and scrape its /metrics every "
         "--scrape-s: the cached pages per tier, evictions and usage go into a capture the dashboard opens "
         "(docs/attach.md). Ends at --duration-s or on SIGINT/SIGTERM/SIGHUP (exit 0, capture closed 'finished'); "
-        "exit 1 when the server stopped answering or attach itself failed (capture 'crashed'), 2 on bad input (an unreachable URL, a bad endpoint, a capture older than "
-        "schema 5).",
+        "exit 1 when the server stopped answering or attach itself failed (capture 'crashed'), 2 on bad input "
+        "(an unreachable URL, a bad endpoint, a capture older than schema 5).",
         formatter_class=DEFAULTS,
     )
     attach.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")

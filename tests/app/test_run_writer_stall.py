@@ -62,7 +62,7 @@ def test_ctrl_c_ends_a_run_whose_writer_is_stopped(tmp_path: Path) -> None:
         os.kill(writer, signal.SIGSTOP)
         time.sleep(1.0)  # the run goes on handing batches over that nobody takes
         process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=STOP_TIMEOUT_S)
+        _, err = process.communicate(timeout=STOP_TIMEOUT_S)
     finally:
         process.kill()
         if writer is not None and Path(f"/proc/{writer}").exists():
