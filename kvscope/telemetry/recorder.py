@@ -35,6 +35,9 @@ NOTE: what survives
                    (finished / interrupted / crashed / incomplete) and folds the log into the file
                    (store.settle); it never raises, and on the main thread a second
                    SIGINT/SIGTERM/SIGHUP while it runs is swallowed: the capture always ends closed
+    process exit   without close() (an error ended the owner first): the exit-time close marks
+                   the run 'crashed' ("the process exited without closing its run"), never
+                   'finished'
 """
 
 from __future__ import annotations
@@ -152,7 +155,7 @@ class SQLRecorder(Recorder):
             raise CaptureError(f"{self.name}: cannot start a run ({first_line(err)})") from err
         self._channel, self._process = _start_writer(self._writer_settings(target))
         self._channel.send_timeout_s = WRITER_PATIENCE_S
-        atexit.register(self.close)
+        atexit.register(self._close_at_exit)
 
     def _start_run(self, label: str, config: dict[str, Any]) -> int:
         now = time.time()
@@ -432,7 +435,12 @@ class SQLRecorder(Recorder):
             self._mark_ended(status, error)
             settle(self.engine)
             self.engine.dispose()
-            atexit.unregister(self.close)
+            atexit.unregister(self._close_at_exit)
+
+    def _close_at_exit(self) -> None:
+        """The process exits and its owner never closed the run (an error ended it before): the
+        run did not finish."""
+        self.close(RunStatus.CRASHED, "the process exited without closing its run")
 
     def _mark_ended(self, status: str, error: str | None) -> None:
         """NOTE: a write that failed for room (a full disk, a file-size limit) may leave the log too
