@@ -10,10 +10,11 @@ NOTE: the order of things
        only), catching up from the replay socket when there is one
     3. loop: the delivered batches go into the page forest and the capture as events; every
        --scrape-s one scrape of /metrics is one step (a usage row); a progress line on a terminal
-    4. the end: --duration-s reached (capture 'finished'), or SIGINT / SIGTERM / SIGHUP (capture
-       'interrupted'): a summary, exit 0. The server stops answering: a warning line per failed
-       scrape, and after MAX_FAILED_SCRAPES in a row one line, capture 'interrupted' with that
-       line as its error, exit 1.
+    4. the end: --duration-s reached, or SIGINT / SIGTERM / SIGHUP (the normal stop): capture
+       'finished', a summary, exit 0. The server
+       stops answering: a warning line per failed scrape, and after MAX_FAILED_SCRAPES in a row
+       one line, capture 'interrupted' with that line as its error, exit 1. Attach itself fails
+       (an error of its own): the capture closed 'crashed' with the error, one line, exit 1.
 vLLM's stream does not begin with a clear, so a publisher restart (the subscriber's `restarts`
 grows) clears the forest here (its pages are recorded as evicted, reason reset).
 """
@@ -41,6 +42,9 @@ from kvscope.telemetry import RunStatus
 MAX_FAILED_SCRAPES = 5
 POLL_MS = 50
 EXIT_SERVER_GONE = 1
+EXIT_CRASHED = 1
+# NOTE: a stop signal is the normal way to end attach (docs/attach.md), as for serve: the run is 'finished'
+NORMAL_STOPS = ("SIGINT", "SIGTERM", "SIGHUP")
 
 
 @dataclass
@@ -105,8 +109,10 @@ def attach(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         try:
             outcome = watch(args, info, subscriber, recorder)
         except (KeyboardInterrupt, SystemExit) as stop:
-            outcome = Outcome(RunStatus.INTERRUPTED, f"{stop_name(stop)} at scrape {recorder.ticks}",
-                              f"stopped by {stop_name(stop)}")
+            outcome = stopped(stop_name(stop), recorder.ticks)
+        except Exception as err:  # NOTE: attach's own failure: the run is 'crashed', never left to exit-time close
+            error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": ")
+            outcome = Outcome(RunStatus.CRASHED, f"{error} at scrape {recorder.ticks}", f"crashed ({error})")
     finally:
         if subscriber is not None:
             counters = stream_counters(subscriber)
@@ -117,9 +123,22 @@ def attach(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         out.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     else:
         out.write(summary_text(summary))
+    if outcome.status == RunStatus.CRASHED:
+        print(f"kvscope attach: error: attach {outcome.reason}; capture {capture} closed as crashed", file=sys.stderr,
+              flush=True)
+        return EXIT_CRASHED
     if recorder.sql.failure:
         return 4
     return EXIT_SERVER_GONE if outcome.reason.startswith("the server") else 0
+
+
+def stopped(signal_name: str, ticks: int) -> Outcome:
+    """The outcome of a stop signal: SIGINT, SIGTERM and SIGHUP are attach's normal stop (a
+    'finished' run); any other leaves it 'interrupted'."""
+    reason = f"stopped by {signal_name}"
+    if signal_name in NORMAL_STOPS:
+        return Outcome(RunStatus.FINISHED, None, reason)
+    return Outcome(RunStatus.INTERRUPTED, f"{signal_name} at scrape {ticks}", reason)
 
 
 def subscribe(stream: dict[str, Any]) -> EventSubscriber:

@@ -293,8 +293,8 @@ def add_debugger_parsers(verbs: SubParsers) -> None:
         "checks, SWA and mamba pools, the request pool, use-after-free) in a server log, and explain each in the "
         "words of `report leaks`: per pool, the invariant's terms and how many tokens are missing or counted "
         "twice, the line and time, the release family, and what the message cannot tell (no culprit) with the "
-        "kvscope command that would. Exit 1 when a leak message was found, 0 when none, 2 when the file cannot "
-        "be read as a text log. See docs/cli.md.")
+        "kvscope command that would. Exit 0 once the log is read, leak messages or not (the JSON's verdict says "
+        "which), 2 when the file cannot be read as a text log. See docs/cli.md.")
     engine_log.add_argument("log", metavar="FILE", help="the server's log (any size; read line by line)")
     engine_log.add_argument("--json", action="store_true", help="print the messages as JSON (the exit code is "
                             "the same)")
@@ -464,9 +464,9 @@ def add_attach_parser(verbs: SubParsers) -> None:
         description="Discover the server at --url (SGLang, vLLM or kvscope serve), subscribe to its KV-event "
         "stream (--kv-events, or the endpoint SGLang and kvscope advertise) and scrape its /metrics every "
         "--scrape-s: the cached pages per tier, evictions and usage go into a capture the dashboard opens "
-        "(docs/attach.md). Ends at --duration-s or on SIGINT/SIGTERM (exit 0, capture closed); exit 1 when the "
-        "server stopped answering, 2 on bad input (an unreachable URL, a bad endpoint, a capture older than "
-        "schema 5).",
+        "(docs/attach.md). Ends at --duration-s or on SIGINT/SIGTERM/SIGHUP (exit 0, capture closed 'finished'); "
+        "exit 1 when the server stopped answering or attach itself failed (capture 'crashed'), 2 on bad input "
+        "(an unreachable URL, a bad endpoint, a capture older than schema 5).",
         formatter_class=DEFAULTS,
     )
     attach.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")

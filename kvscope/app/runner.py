@@ -9,8 +9,11 @@ NOTE: how a run ends, in its capture and in `kvscope run`'s exit code
     interrupted  Ctrl-C, SIGTERM or SIGHUP (kvscope.__main__ turns   130, 143, 129
                  them into KeyboardInterrupt); requests still admitted or waiting get in_flight rows
     crashed      an exception; runs.error holds its line; in_flight rows too    (the exception propagates)
-    incomplete   the recorder stopped on a write failure (its `failure` line)   4 (RecordingStopped)
-Closing happens with these signals held, so a second Ctrl-C cannot leave the run 'running'.
+    incomplete   the recorder stopped (a failed write, its writer process died   4 (RecordingStopped)
+                 or stalled: its `failure` line); the run stops at its next step, as nothing more
+                 could be recorded, and the summary says it was cut short
+Closing happens with these signals held, so a second Ctrl-C cannot leave the run 'running'; a
+writer that stalls cannot hold the close up for more than a few seconds either (recorder.py).
 """
 
 from __future__ import annotations
@@ -341,8 +344,9 @@ def print_summary(stats: EngineStats, wall_s: float, capture: str | Path | None,
     verdict = (f"{stats.leak_checks_failed} FAILED" if stats.leak_checks_failed
                else "all passed" if checks else "none ran: no idle point")
     where = f" (incomplete: {failure})" if failure else ""
+    cut = " (cut short: the run stopped when recording stopped)" if failure else ""
     lines = [
-        f"requests          {stats.num_finished} finished, {stats.num_aborted} aborted of {stats.num_requests}",
+        f"requests          {stats.num_finished} finished, {stats.num_aborted} aborted of {stats.num_requests}{cut}",
         f"prompt tokens     {stats.prompt_tokens}",
         f"cached tokens     {stats.cached_tokens}",
         f"generated tokens  {stats.generated_tokens}",

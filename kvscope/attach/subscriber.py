@@ -24,9 +24,9 @@ last one looks like a gap: no seq rule can tell them apart.
 A malformed message (a WireError) is counted in `bad_messages`, `last_error` keeps its text, and the
 loop goes on; its seq, if it was one, shows up as a gap later. So is a batch whose seq jumps further
 ahead than a publisher can send in the time since the last batch heard (MAX_BATCHES_PER_S, with one
-second's slack): a forged or corrupted seq (2**63, say) is not counted as that many lost batches. A replay socket that does not answer
-within `replay_timeout_ms` is dropped and made anew (late answers to the old one are discarded);
-what it did not deliver is lost.
+second's slack): a forged or corrupted seq (2**63, say) is not counted as that many lost batches.
+A replay socket that does not answer within `replay_timeout_ms` is dropped and made anew (late
+answers to the old one are discarded); what it did not deliver is lost.
 Reconnects are ZMQ's: both sockets retry every RECONNECT_IVL_MS, backing off to RECONNECT_IVL_MAX_MS,
 so a publisher that stops and binds its endpoint again is picked up. `bind=True` binds the SUB
 socket, for publishers that connect (SGLang <= 0.5.21 with a concrete tcp host); `endpoint` then

@@ -157,10 +157,6 @@ class EngineLogReport:
     crash_lines: list[tuple[int, str]] = field(default_factory=list)  # (line, text), the first MAX_CRASH_LINES
     page_size: int | None = None  # from the server's `server_args=ServerArgs(…)` line, when the log has it
 
-    @property
-    def exit_code(self) -> int:
-        return 1 if self.leaks else 0
-
     def to_dict(self) -> dict[str, Any]:
         messages = []
         for index, leak in enumerate(self.leaks, 1):
@@ -171,7 +167,7 @@ class EngineLogReport:
                              "next_step": next_step(leak, self.page_size)})
         return {"log": self.log, "lines_read": self.lines_read, "page_size": self.page_size, "messages": messages,
                 "crash_lines": [{"line": line, "text": text} for line, text in self.crash_lines],
-                "verdict": "leak" if self.leaks else "none", "exit_code": self.exit_code}
+                "verdict": "leak" if self.leaks else "none"}
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -608,5 +604,5 @@ def render_text(report: EngineLogReport) -> str:
             if again:
                 lines.append(f"     the same message again on line{'s' if len(again) > 1 else ''} {', '.join(again)}")
     verdict = "leak" if report.leaks else "none"
-    lines.append(f"verdict: {verdict} (exit {report.exit_code})")
+    lines.append(f"verdict: {verdict}")
     return "\n".join(lines)

@@ -60,8 +60,9 @@ class Message:
 
 class Channel:
     """One end of the channel. `send` blocks only while the socket buffer is full (headers
-    are small and large bodies go by file, so rarely); `receive` waits for one message,
-    `poll` returns the messages already there."""
+    are small and large bodies go by file, so rarely), for at most `send_timeout_s` (None:
+    for as long as it takes): an end that takes nothing that long is treated as gone;
+    `receive` waits for one message, `poll` returns the messages already there."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -70,6 +71,7 @@ class Channel:
         self._want: tuple[int, int] | None = None  # (header length, body length) of the frame being read
         self._fd: int | None = None  # the body file of the frame being read
         self._closed = False
+        self.send_timeout_s: float | None = None
 
     @classmethod
     def pair(cls) -> tuple[Channel, socket.socket]:
@@ -93,8 +95,11 @@ class Channel:
     # -- sending -------------------------------------------------------------------------------
 
     def send(self, header: tuple[Any, ...], body: bytes | None = None) -> None:
-        """Raises ChannelClosed when the other end is gone."""
+        """Raises ChannelClosed when the other end is gone, or took nothing for `send_timeout_s`
+        (the frame may then be cut: the channel is of no further use)."""
         head = marshal.dumps(header)
+        if self.send_timeout_s is not None:
+            self.sock.settimeout(self.send_timeout_s)
         try:
             if body is None or len(body) < INLINE_MAX_BYTES:
                 inline = b"" if body is None else body
@@ -110,6 +115,11 @@ class Channel:
                 os.close(fd)
         except (BrokenPipeError, ConnectionResetError) as err:
             raise ChannelClosed(str(err)) from err
+        except TimeoutError as err:
+            raise ChannelClosed(f"the other end took nothing for {self.send_timeout_s:g} s") from err
+        finally:
+            if self.send_timeout_s is not None:
+                self.sock.settimeout(None)
 
     # -- receiving -----------------------------------------------------------------------------
 

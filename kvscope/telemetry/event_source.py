@@ -264,7 +264,10 @@ class PackedEvents:
             s = schema.event_strings.c
             stmt = select(s.code, s.text).where(s.run_id == run_id, s.code >= found.size).order_by(s.code)
             for rows in driver_rows(self.engine, stmt, self.name):
-                found.extend(rows)
+                try:
+                    found.extend(rows)
+                except CaptureError as err:  # NOTE: _Dictionary does not know the capture's name
+                    raise CaptureError(f"{self.name}: {err}") from err
         return found
 
     def strings(self, run_id: int, codes: np.ndarray) -> np.ndarray:

@@ -168,7 +168,7 @@ def narrow(name: str, values: np.ndarray) -> tuple[str, bytes]:
     raise ValueError(f"column {name} holds values beyond int64")  # NOTE: unreachable from int64 arrays
 
 
-_STORED_INTS = frozenset(t.str for t in _NARROW_INTS)
+_STORED_INTS = frozenset({*(t.str for t in _NARROW_INTS), "<i1"})  # NOTE: "<i1": an empty column (narrow)
 
 
 def writes_dtype(name: str, stored_dtype: str) -> bool:

@@ -18,6 +18,10 @@ NOTE: the two processes
                        Its CPU time and its interpreter are its own.
 With more than 4 x flush_max_events handed over and not yet written, a hand-off waits for the
 writer (back-pressure). flush() waits until everything recorded so far is on disk.
+NOTE: a stalled writer (stopped, hung) never blocks the recording process for good: a wait for
+it, or a send it does not take, gives up after WRITER_PATIENCE_S without a word from it (after a
+stop signal, INTERRUPTED_PATIENCE_S: Ctrl-C ends a run within seconds); the writer is then ended
+(SIGKILL: it is our child, and what it committed stays) and recording stops as below.
 
 NOTE: what survives
     SIGKILL        of the recording process: everything handed to the writer (which writes it,
@@ -27,11 +31,14 @@ NOTE: what survives
                    close() marks the run 'incomplete' with that line (folding the log into the
                    file first when the log has no room left for it; if even that fails, it
                    leaves it 'running'); everything committed before stays readable. The
-                   writer process ending unexpectedly stops recording the same way.
+                   writer process ending unexpectedly, or stalling, stops recording the same way.
     close()        hands over the rest, waits for the writer to write it and exit, marks the run
                    (finished / interrupted / crashed / incomplete) and folds the log into the file
                    (store.settle); it never raises, and on the main thread a second
                    SIGINT/SIGTERM/SIGHUP while it runs is swallowed: the capture always ends closed
+    process exit   without close() (an error ended the owner first): the exit-time close marks
+                   the run 'crashed' ("the process exited without closing its run"), never
+                   'finished'
 """
 
 from __future__ import annotations
@@ -81,6 +88,9 @@ SLOTS_AT = ITEM_FIELDS.index("slots")
 # which costs the writer about 60 ms of CPU at every start
 WRITER_THREADS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 BACKLOG_FLUSHES = 4  # NOTE: flush_max_events x this, handed over and not yet written, makes a hand-off wait
+WRITER_PATIENCE_S = 60.0  # NOTE: a writer that says nothing this long while we wait is stalled
+INTERRUPTED_PATIENCE_S = 5.0  # the same while a run stopped by a signal closes
+WRITER_EXIT_S = 5.0  # NOTE: a writer whose end of the channel closed has this long to exit
 _NDARRAY = np.ndarray
 _INT64 = np.dtype(np.int64)
 _monotonic = time.monotonic
@@ -123,6 +133,7 @@ class SQLRecorder(Recorder):
         self._complete_step = -1  # NOTE: every row of steps <= this is committed (the writer says)
         self._snapshot_step: int | None = None
         self.closed = False
+        self._announce = True  # NOTE: off while a run stopped by a signal closes: its one line is the verb's
         self._pid = os.getpid()
         # NOTE: the buffer: flat items (packed.ITEM_FIELDS), rows as (table, row); slots to convert
         # before a hand-off as (position in _items, slots)
@@ -146,7 +157,8 @@ class SQLRecorder(Recorder):
             self.engine.dispose()
             raise CaptureError(f"{self.name}: cannot start a run ({first_line(err)})") from err
         self._channel, self._process = _start_writer(self._writer_settings(target))
-        atexit.register(self.close)
+        self._channel.send_timeout_s = WRITER_PATIENCE_S
+        atexit.register(self._close_at_exit)
 
     def _start_run(self, label: str, config: dict[str, Any]) -> int:
         now = time.time()
@@ -280,7 +292,7 @@ class SQLRecorder(Recorder):
         while self._num_acked < self._num_sent and not self._writer_closed:
             self._wait_for_writer()
 
-    def _hand_off(self, *, closing: bool = False) -> None:
+    def _hand_off(self, *, closing: bool = False, patience_s: float = WRITER_PATIENCE_S) -> None:
         """Send the buffer to the writer as one batch. NOTE: the buffer is forgotten only after
         the send: a signal in between sends it again, and the writer skips what it has."""
         self._due_s = _monotonic() + self._interval_s
@@ -312,7 +324,7 @@ class SQLRecorder(Recorder):
         rows.clear()
         self._has_batches = False
         while self._items_sent - self._items_done > self._backlog_events and not self._writer_closed:
-            self._wait_for_writer()  # back-pressure
+            self._wait_for_writer(patience_s)  # back-pressure
 
     def _body(self) -> bytes:
         """marshal of (items, rows), their slots int64 arrays (raw bytes on the wire)."""
@@ -341,13 +353,16 @@ class SQLRecorder(Recorder):
         for answer in answers:
             self._take(answer)
 
-    def _wait_for_writer(self) -> None:
+    def _wait_for_writer(self, patience_s: float = WRITER_PATIENCE_S) -> None:
+        """Take the writer's next answer; a writer silent for `patience_s` is stalled."""
         try:
-            answer = self._channel.receive()
+            answer = self._channel.receive(patience_s)
         except ChannelClosed:
             self._writer_gone()
             return
-        if answer is not None:
+        if answer is None:
+            self._writer_stalled(patience_s)
+        else:
             self._take(answer)
 
     def _take(self, answer: Message) -> None:
@@ -363,13 +378,30 @@ class SQLRecorder(Recorder):
             self._writer_ready = True
 
     def _writer_gone(self) -> None:
-        """The writer's end of the channel closed before it said "closed": it died."""
+        """The writer's end of the channel closed before it said "closed": it died (or a send
+        it did not take timed out: it stalled)."""
         self._writer_closed = True
         self._num_acked = self._num_sent
         if self.failure is None:
-            code = self._process.wait()
+            try:
+                code = self._process.wait(WRITER_EXIT_S)
+            except subprocess.TimeoutExpired:
+                self._writer_stalled(self._channel.send_timeout_s or WRITER_EXIT_S)
+                return
             how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
             self._stop_recording(f"the recorder's writer process ended ({how})")
+
+    def _writer_stalled(self, silent_s: float) -> None:
+        """The writer said nothing for `silent_s` while we waited (stopped, hung): end it (what
+        it committed stays) and stop recording."""
+        self._writer_closed = True
+        self._num_acked = self._num_sent
+        if self._process.poll() is None:
+            self._process.kill()  # NOTE: SIGKILL ends a stopped process too
+            self._process.wait()
+        if self.failure is None:
+            self._stop_recording(f"the recorder's writer process answered nothing for {silent_s:g} s "
+                                 "(stopped or hung) and was ended")
 
     def _stop_recording(self, reason: str) -> None:
         """Recording stops: one line on stderr and in `failure`, through which step the capture
@@ -377,7 +409,8 @@ class SQLRecorder(Recorder):
         done = self._complete_step
         self.failure = (f"capture complete through step {done}: {reason}" if done >= 0
                         else f"capture holds no complete step: {reason}")
-        print(f"kvscope recorder: recording stopped, {self.failure}", file=sys.stderr, flush=True)
+        if self._announce:
+            print(f"kvscope recorder: recording stopped, {self.failure}", file=sys.stderr, flush=True)
 
     # -- closing ---------------------------------------------------------------------------
 
@@ -388,21 +421,30 @@ class SQLRecorder(Recorder):
         if self.closed or os.getpid() != self._pid:
             return
         self.closed = True
+        interrupted = status == RunStatus.INTERRUPTED
+        patience_s = INTERRUPTED_PATIENCE_S if interrupted else WRITER_PATIENCE_S
+        self._announce = not interrupted  # NOTE: a failure still marks the run, in runs.error
         with _signals_deferred():
-            self._hand_off(closing=True)
+            self._channel.send_timeout_s = patience_s
+            self._hand_off(closing=True, patience_s=patience_s)
             if not self._writer_closed:
                 try:
                     self._channel.send(("close",))
                 except ChannelClosed:
                     self._writer_gone()
                 while not self._writer_closed:
-                    self._wait_for_writer()
+                    self._wait_for_writer(patience_s)
             self._process.wait()
             self._channel.close()
             self._mark_ended(status, error)
             settle(self.engine)
             self.engine.dispose()
-            atexit.unregister(self.close)
+            atexit.unregister(self._close_at_exit)
+
+    def _close_at_exit(self) -> None:
+        """The process exits and its owner never closed the run (an error ended it before): the
+        run did not finish."""
+        self.close(RunStatus.CRASHED, "the process exited without closing its run")
 
     def _mark_ended(self, status: str, error: str | None) -> None:
         """NOTE: a write that failed for room (a full disk, a file-size limit) may leave the log too

@@ -33,6 +33,18 @@ def test_check_gives_the_right_exit_code_on_every_sample(name: str, code: int) -
     assert out.stdout.count("\n") == 1
 
 
+def test_reading_verbs_exit_0_on_what_they_find_and_only_check_gates() -> None:
+    """docs/cli.md's one rule: `report leaks`, `report engine-log` and `diff` exit 0 once they have read and
+    reported (a leak included; the finding is in what they print); `check` alone exits 1 on a leak."""
+    leaky_log = ROOT / "tests" / "debug" / "data" / "engine_logs" / "sglang-0.5.3-issue11970.log"
+    reads = {"report leaks": kvscope("report", "leaks", "sample_runs/leaky.db"),
+             "report engine-log": kvscope("report", "engine-log", str(leaky_log)),
+             "diff": kvscope("diff", "sample_runs/shared-prefix.db", "sample_runs/leaky.db")}
+    assert {verb: out.returncode for verb, out in reads.items()} == dict.fromkeys(reads, 0), reads
+    assert "verdict: leak" in reads["report leaks"].stdout and "verdict: leak" in reads["report engine-log"].stdout
+    assert kvscope("check", "sample_runs/leaky.db").returncode == 1
+
+
 def test_the_leaking_sample_report_names_the_injected_culprits() -> None:
     out = kvscope("report", "leaks", "sample_runs/leaky.db", "--json")
     assert out.returncode == 0, out.stderr

@@ -42,6 +42,8 @@ def test_a_capture_that_stops_recording_exits_4(tmp_path: Path) -> None:
     assert len(stopped) == 1, done.stderr  # one line, said when it stopped
     assert stopped[0].startswith("kvscope recorder: recording stopped, capture complete through step "), done.stderr
     assert "leak report" not in done.stdout
+    requests = next(line for line in done.stdout.splitlines() if line.startswith("requests "))
+    assert requests.endswith("of 200 (cut short: the run stopped when recording stopped)"), done.stdout
     conn = sqlite3.connect(f"file:{tmp_path / 'c.db'}?mode=ro", uri=True)
     try:
         status, error = conn.execute("SELECT status, error FROM runs").fetchone()

@@ -208,7 +208,7 @@ def test_attach_records_what_serve_caches(served: tuple[Server, Path]) -> None:
     # the run: an attached source, level summary, its config says what it is
     (label, level, status, config), = rows(capture, "SELECT label, level, status, config FROM runs")
     source = json.loads(config)["source"]
-    assert label == "attach kvscope" and level == "summary" and status == "interrupted"
+    assert label == "attach kvscope" and level == "summary" and status == "finished"  # SIGTERM: the normal stop
     assert source["kind"] == "attach" and source["engine"] == "kvscope" and source["block_size"] == PAGE_SIZE
     assert source["capacity_tokens"] == KV_TOKENS and source["kv_events"]["topic"] == "kv"
     assert {"pages", "evictions", "usage.split", "hit_rate"} <= set(source["provides"])

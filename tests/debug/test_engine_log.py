@@ -40,7 +40,7 @@ def first(report: EngineLogReport, pool: str) -> str:
 ])
 def test_each_release_family_gives_its_pools_deficit(name: str, family: str, pool: str, words: str) -> None:
     report = read_engine_log(DATA / name)
-    assert report.leaks and report.exit_code == 1
+    assert report.leaks
     assert report.leaks[0].version_family == family
     assert first(report, pool) == words
 
@@ -123,9 +123,9 @@ def test_a_source_line_quoting_the_text_is_not_a_message() -> None:
     assert [(leak.line, leak.pools[0].words()) for leak in report.leaks] == [(3, "10 tokens missing")]
 
 
-def test_a_log_without_leak_messages_says_so_and_exits_0() -> None:
+def test_a_log_without_leak_messages_says_so() -> None:
     report = read_engine_log(DATA / "no-leak.log")
-    assert report.leaks == [] and report.exit_code == 0 and report.lines_read == 8
+    assert report.leaks == [] and report.lines_read == 8
     assert "leak messages: none" in render_text(report)
 
 
@@ -180,15 +180,17 @@ def test_unreadable_input_is_one_line_and_exit_2(tmp_path: Path, kind: str, why:
 
 
 def test_cli_exit_codes_and_json_shape() -> None:
+    """A reading verb exits 0 once it has read and reported, a leak found or not (docs/cli.md: only
+    `check` gates); the finding is the JSON's verdict."""
     clean = cli(str(DATA / "no-leak.log"), "--json")
     assert clean.returncode == 0
     assert json.loads(clean.stdout) == {"log": str(DATA / "no-leak.log"), "lines_read": 8, "page_size": 16,
                                         "messages": [],
-                                        "crash_lines": [], "verdict": "none", "exit_code": 0}
+                                        "crash_lines": [], "verdict": "none"}
     leaky = cli(str(DATA / "sglang-0.5.3-issue11970.log"), "--json")
-    assert leaky.returncode == 1
+    assert leaky.returncode == 0, leaky.stderr
     document = json.loads(leaky.stdout)
-    assert document["verdict"] == "leak" and document["exit_code"] == 1
+    assert document["verdict"] == "leak"
     message = document["messages"][0]
     assert {"index", "line", "end_line", "timestamp", "timestamp_line", "rank", "kind", "check", "version_family",
             "raised_as", "anchor", "pools", "pages", "notes", "text", "repeat_of", "cannot_tell",
@@ -202,8 +204,8 @@ def test_cli_exit_codes_and_json_shape() -> None:
                     "protected_size": "0"},
         "words": "59 tokens missing"}]
     text = cli(str(DATA / "sglang-0.5.3-issue11970.log"))
-    assert text.returncode == 1 and "[full] total=270331, available=644, evictable=269628, protected=0: 59 tokens " \
-        "missing" in text.stdout
+    assert text.returncode == 0 and "[full] total=270331, available=644, evictable=269628, protected=0: 59 tokens " \
+        "missing" in text.stdout and text.stdout.rstrip().endswith("verdict: leak")
 
 
 def test_the_verb_never_loads_torch() -> None:
@@ -211,7 +213,7 @@ def test_the_verb_never_loads_torch() -> None:
             f"code = main(['report', 'engine-log', {str(DATA / 'sglang-0.5.10-swa.log')!r}]); "
             "print('torch loaded' if 'torch' in sys.modules else 'no torch', code)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.stdout.splitlines()[-1] == "no torch 1"
+    assert done.stdout.splitlines()[-1] == "no torch 0"
 
 
 def test_a_json_log_with_escaped_newlines_and_colour_codes_keeps_the_pools_apart() -> None:

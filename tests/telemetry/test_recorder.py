@@ -319,3 +319,22 @@ def test_a_writer_process_that_dies_stops_recording_with_one_line(tmp_path: Path
     run = capture.runs().iloc[0]
     assert (run.status, run.error) == ("incomplete", expected)
     assert list(capture.events(1).rid) == ["r0", "r1", "r2"]
+
+
+def test_a_run_its_process_never_closed_is_crashed_not_finished(tmp_path: Path) -> None:
+    """The exit-time close is for a process an error ended before its owner closed the run (kvscope attach
+    dying of a RecursionError was left 'finished'): it marks the run 'crashed'."""
+    path = tmp_path / "left.db"
+    code = ("import sys; from kvscope.telemetry import EventKind; from kvscope.telemetry.recorder import SQLRecorder; "
+            f"recorder = SQLRecorder({str(path)!r}, level='full'); "
+            "recorder.record(EventKind.MATCH, rid='r1', num_tokens=3); sys.exit(0)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    capture = Capture(path)
+    try:
+        run = capture.runs().iloc[0]
+        assert (run.status, run.error) == ("crashed", "the process exited without closing its run")
+        assert len(capture.events(int(run.id))) == 1  # what it recorded was still handed over and written
+    finally:
+        capture.close()
