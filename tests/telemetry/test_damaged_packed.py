@@ -26,7 +26,7 @@ DAMAGE = {
 }
 # NOTE: damage only a read of the events can see (the slots' counts, the codes in use): the verbs that replay
 READ_DAMAGE = {
-    "slots-short": "UPDATE event_columns SET data = substr(data, 1, 100) WHERE name = 'slots'",
+    "slots-short": "UPDATE event_columns SET data = substr(data, 1, 100) WHERE name = 'slots' AND length(data) > 100",
     "strings-gone": "DELETE FROM event_strings WHERE code > 3",
 }
 
