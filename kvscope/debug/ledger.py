@@ -8,7 +8,8 @@ NOTE: what each event does to the ledger
     alloc   pool's slots -> the request (a SWA alloc right after the same request's full
             alloc of as many slots pairs them: that is how the SWA half is followed; a host
             alloc has rid None and its write follows at once)
-    free    slots -> free; a slot that was already free is a double free (any pool)
+    free    slots -> free; a slot that was already free is a double free (any pool); a SWA
+            slot freed (out of the window, tombstoned, evicted) is no full slot's peer any more
     insert  full slots (and their SWA peers) -> the new node
     split   the first num_tokens slots of node `aux` -> the new upper node, on both tiers: its
             device slots (none for a host-only node) and its host copy
@@ -140,7 +141,8 @@ class Ledger:
     gone: dict[tuple[int, int], int] = field(default_factory=dict)  # (TREE | HOST_COPY, node) -> step it left
     in_flight: dict[int, CopyOp] = field(default_factory=dict)  # op id -> the copy
     stuck_ops: list[StuckOp] = field(default_factory=list)
-    full_to_swa: dict[int, int] = field(default_factory=dict)
+    full_to_swa: dict[int, int] = field(default_factory=dict)  # full slot -> its SWA peer (see _pair)
+    swa_to_full: dict[int, int] = field(default_factory=dict)  # the inverse: one full slot per SWA slot
     locks: list[HeldLock] = field(default_factory=list)
     double_frees: list[DoubleFree] = field(default_factory=list)
     bad_reads: list[BadRead] = field(default_factory=list)
@@ -205,12 +207,14 @@ class Ledger:
             return
         for i, (full_rid, full) in enumerate(self._pending_full):
             if full_rid == rid and len(full) == len(slots):
-                self.full_to_swa.update(zip(full.tolist(), slots.tolist(), strict=True))
+                self._pair(full, slots)
                 del self._pending_full[i]
                 return
 
     def _on_free(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
                  slots: np.ndarray) -> None:
+        if pool == "swa":
+            self._unpair(slots.tolist())
         ledger = self.pools[pool]
         ledger._fit(slots)
         first_step, first_seq = ledger.step[slots].copy(), ledger.seq[slots].copy()
@@ -252,7 +256,7 @@ class Ledger:
             return
         full = self.node_slots.get(int(node_id))
         if full is not None and len(full) == len(slots):
-            self.full_to_swa.update(zip(full.tolist(), slots.tolist(), strict=True))
+            self._pair(full, slots)
         self.pools["swa"].assign(slots[slots > 0], TREE, int(node_id), step, seq)
 
     def _on_split(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
@@ -272,6 +276,23 @@ class Ledger:
         ledger = self.pools[pool]
         ledger._fit(moved)
         ledger.rename(moved[(ledger.kind[moved] == kind) & (ledger.ref[moved] == old)], kind, new)
+
+    def _pair(self, full: np.ndarray, swa: np.ndarray) -> None:
+        """These SWA slots are now behind these full slots (0: none behind it). NOTE: as in the
+        allocator's mapping, a SWA slot is behind one full slot at a time and a freed one behind
+        none: a stale peer would hand an insert of its old full slot the SWA slot of whoever
+        holds it now, and two full slots of one event could reach it twice."""
+        for full_slot, swa_slot in zip(full.tolist(), swa.tolist(), strict=True):
+            self._unpair([self.full_to_swa.get(full_slot, 0), swa_slot])
+            if swa_slot > 0:
+                self.full_to_swa[full_slot], self.swa_to_full[swa_slot] = swa_slot, full_slot
+
+    def _unpair(self, swa_slots: list[int]) -> None:
+        """These SWA slots are behind no full slot any more (freed, or behind another one now)."""
+        for swa_slot in swa_slots:
+            full_slot = self.swa_to_full.pop(swa_slot, None)
+            if full_slot is not None:
+                del self.full_to_swa[full_slot]
 
     def _swa_of(self, full_slots: np.ndarray) -> np.ndarray:
         return np.array([self.full_to_swa[s] for s in full_slots.tolist() if s in self.full_to_swa], dtype=np.int64)
@@ -407,13 +428,16 @@ class Ledger:
         return self.owners.orphaned_owners(self.alive())
 
     def check_integrity(self) -> None:
-        """The per-owner held counts equal a recount of every pool."""
+        """The per-owner held counts equal a recount of every pool; each SWA slot is the peer of
+        one full slot at most."""
         recount: dict[int, defaultdict[int, int]] = {kind: defaultdict(int) for kind in self.owners.held}
         for ledger in self.pools.values():
             for kind, table in recount.items():
                 refs, counts = np.unique(ledger.ref[ledger.kind == kind], return_counts=True)
                 for ref, count in zip(refs.tolist(), counts.tolist(), strict=True):
                     table[ref] += count
+        if {swa: full for full, swa in self.full_to_swa.items()} != self.swa_to_full:
+            raise AssertionError(f"SWA peers not one to one: {self.full_to_swa} vs {self.swa_to_full}")
         names = {REQUEST: "request", TREE: "node", HOST_COPY: "host copy"}
         for kind, table in recount.items():
             kept = {ref: n for ref, n in self.owners.held[kind].items() if n}

@@ -22,6 +22,15 @@ OWNER_KINDS = (REQUEST, TREE, HOST_COPY)
 SMALL_MOVE = 16  # slots counted one by one below this; np.unique above
 
 
+def distinct(slots: np.ndarray) -> np.ndarray:
+    """Each slot once. NOTE: an event may list a slot twice (a buggy engine's allocation, or the
+    SWA peers of two full slots that both pointed to one SWA slot); the pool writes such a slot
+    once, so `Owners.move` must count it once."""
+    if len(slots) > SMALL_MOVE:
+        return np.unique(slots)
+    return slots if len(set(slots.tolist())) == len(slots) else np.unique(slots)
+
+
 class Owners:
     """Slots held per owner, across pools: requests by index, nodes (device slots) and host copies
     by node id. `touched` collects the
@@ -34,7 +43,8 @@ class Owners:
         self.orphaned: set[tuple[int, int]] = set()
 
     def move(self, old_kind: np.ndarray, old_ref: np.ndarray, kind: int, ref: int) -> None:
-        """Slots that were (old_kind, old_ref) now belong to (kind, ref)."""
+        """Slots that were (old_kind, old_ref) now belong to (kind, ref); one entry per slot (the
+        callers pass each slot once: see `distinct`)."""
         if len(old_kind) <= SMALL_MOVE:
             for k, r in zip(old_kind.tolist(), old_ref.tolist(), strict=True):
                 if k != FREE:
@@ -91,6 +101,7 @@ class PoolLedger:
                 setattr(self, name, new)
 
     def assign(self, slots: np.ndarray, kind: int, ref: int, step: int, seq: int) -> None:
+        slots = distinct(slots)
         self._fit(slots)
         self.owners.move(self.kind[slots], self.ref[slots], kind, ref)
         self.kind[slots], self.ref[slots], self.step[slots], self.seq[slots] = kind, ref, step, seq
@@ -107,5 +118,6 @@ class PoolLedger:
     def rename(self, slots: np.ndarray, kind: int, ref: int) -> None:
         """Slots of owner kind `kind` (TREE or HOST_COPY) move to node `ref` (a split), keeping
         their since step and event."""
+        slots = distinct(slots)
         self.owners.move(self.kind[slots], self.ref[slots], kind, ref)
         self.ref[slots] = ref

@@ -172,3 +172,60 @@ def test_a_copy_lock_after_its_ack_and_an_op_in_flight_at_an_idle_point_are_defe
     assert [(s.op, s.copy.kind, s.idle_step) for s in ledger.stuck_ops] == [(9, "write", 5)]
     assert ledger.is_broken()
     ledger.check_integrity()
+
+
+def test_a_slot_listed_twice_in_one_move_is_counted_once() -> None:
+    """The shrunk hypothesis example: swa slot 3 was behind full 8 (node 0), then behind full 9
+    (node 2). The ledger remembered both peers, so one insert of [8, 9] reached swa 3 twice and
+    the per-owner counts moved it twice while the pool moved it once. Now 8 loses its peer when
+    9 takes it (and a slot reached twice would be counted once)."""
+    ledger = Ledger()
+    ledger.apply(EventKind.INSERT, 0, 0, "full", None, 0, 1, 0, np.array([8]))
+    ledger.apply(EventKind.REVIVE, 0, 1, "full", None, 2, 1, 0, np.array([9]))
+    ledger.apply(EventKind.REVIVE, 0, 2, "swa", None, 0, 1, 0, np.array([3]))
+    ledger.apply(EventKind.REVIVE, 0, 3, "swa", None, 2, 1, 0, np.array([3]))
+    ledger.apply(EventKind.INSERT, 1, 4, "full", None, 0, 2, 0, np.array([8, 9]))
+    ledger.check_integrity()
+    assert ledger.full_to_swa == {9: 3}
+    swa = ledger.pools["swa"]
+    assert (swa.kind[3], swa.ref[3]) == (TREE, 0)
+
+
+def test_an_event_that_lists_a_slot_twice_keeps_the_counts_honest() -> None:
+    """A buggy engine may hand out one slot twice in one allocation: the slot has one owner."""
+    ledger = Ledger()
+    ledger.apply(EventKind.REQUEST_ADMIT, 0, 0, None, "r", None, 0, 0, None)
+    ledger.apply(EventKind.ALLOC, 0, 1, "full", "r", None, 2, 0, np.array([5, 5]))
+    ledger.check_integrity()
+    ledger.apply(EventKind.INSERT, 1, 2, "full", None, 4, 2, 0, np.array([5, 5]))
+    ledger.check_integrity()
+    ledger.apply(EventKind.SPLIT, 2, 3, None, None, 6, 1, 4, None)
+    ledger.check_integrity()
+    assert not ledger.is_broken()
+
+
+def sliding_window_ledger() -> Ledger:
+    """Request r's token at full slot 8 had SWA slot 3; it left the window (SWA half freed) and
+    the allocator gave SWA slot 3 to r's next token, at full slot 9."""
+    ledger = Ledger()
+    ledger.apply(EventKind.REQUEST_ADMIT, 0, 0, None, "r", None, 0, 0, None)
+    ledger.apply(EventKind.ALLOC, 0, 1, "full", "r", None, 1, 0, np.array([8]))
+    ledger.apply(EventKind.ALLOC, 0, 2, "swa", "r", None, 1, 0, np.array([3]))
+    ledger.apply(EventKind.FREE, 1, 3, "swa", "r", None, 1, 0, np.array([3]))
+    ledger.apply(EventKind.ALLOC, 1, 4, "full", "r", None, 1, 0, np.array([9]))
+    ledger.apply(EventKind.ALLOC, 1, 5, "swa", "r", None, 1, 0, np.array([3]))
+    return ledger
+
+
+def test_a_swa_slot_freed_out_of_the_window_is_no_longer_the_peer_of_its_old_full_slot() -> None:
+    ledger = sliding_window_ledger()
+    ledger.apply(EventKind.REQUEST_FINISH, 2, 6, None, "r", None, 0, 0, None)
+    ledger.apply(EventKind.INSERT, 2, 7, "full", "r", 1, 1, 0, np.array([8]))  # the tombstoned part
+    swa = ledger.pools["swa"]
+    assert (swa.kind[3], swa.ref[3]) == (REQUEST, ledger.rid_index["r"]), "swa 3 is behind full 9, r's"
+    ledger.apply(EventKind.INSERT, 2, 8, "full", "r", 2, 1, 0, np.array([9]))
+    assert (swa.kind[3], swa.ref[3]) == (TREE, 2)
+    ledger.apply(EventKind.EVICT, 3, 9, "full", None, 1, 1, 0, np.array([8]))
+    ledger.apply(EventKind.FREE, 3, 10, "full", None, None, 1, 0, np.array([8]))
+    assert not ledger.is_broken() and ledger.full_to_swa == {9: 3}
+    ledger.check_integrity()
