@@ -116,8 +116,8 @@ def test_a_dead_scheduler_is_a_503_server_error_to_the_requests_in_flight(tmp_pa
         assert started.wait(60)
         plain: list[httpx.Response] = []
         posting = threading.Thread(target=lambda: plain.append(httpx.post(
-            f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "wait", "max_tokens": 1500, "ignore_eos": True},
-            timeout=60)), daemon=True)
+            f"{server.url}/v1/completions",
+            json={"model": MODEL, "prompt": "wait", "max_tokens": 1500, "ignore_eos": True}, timeout=60)), daemon=True)
         posting.start()
         time.sleep(0.5)  # NOTE: the plain request is in flight (its stream neighbour runs for seconds)
         os.kill(scheduler_pid, signal.SIGKILL)
