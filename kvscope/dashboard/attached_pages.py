@@ -209,7 +209,7 @@ def tiers(chosen: Selection, source: Source) -> None:
     host_used = None if host_total is None or host_available is None else host_total - host_available
     hits, host_hits = attached.value(last, "cum_hit_tokens"), attached.value(last, "cum_host_hit_tokens")
     cols = st.columns(3)
-    cols[0].metric("host tokens used", NOT_PROVIDED_VALUE if host_used is None or host_total is None
+    cols[0].metric("host tokens allocated", NOT_PROVIDED_VALUE if host_used is None or host_total is None
                    else f"{host_used:,} of {host_total:,}", help="the engine's host pool at the latest scrape")
     cached = attached.cached_tokens(nodes) if step is not None and source.gives("pages") else None
     cols[1].metric("host-tier pages' tokens", NOT_PROVIDED_VALUE if cached is None else f"{cached['host']:,}",

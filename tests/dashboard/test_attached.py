@@ -301,7 +301,7 @@ def test_the_tiers_page_shows_the_host_tier_only_when_provided(captures: dict[st
     at = open_page(db, monkeypatch, "tiers")
     last, shown = last_usage(db), metrics(at)
     host_used = last["host_total"] - last["host_available"]
-    assert shown["host tokens used"] == f"{host_used:,} of {last['host_total']:,}"
+    assert shown["host tokens allocated"] == f"{host_used:,} of {last['host_total']:,}"
     assert shown["host-tier share of hits"] == f"{last['cum_host_hit_tokens'] / last['cum_hit_tokens']:.1%}"
     counts = pd.Series([r["kind"] for r in event_rows(db, ["kind"])]).value_counts().to_dict()
     assert shown["backed up to the host"] == str(counts["write"])

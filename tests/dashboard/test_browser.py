@@ -247,4 +247,4 @@ def test_the_tiers_page_draws_both_tiers_in_a_browser(tmp_path: Path, page: Page
         for i in range(3):  # plotly drew each one: its lines are paths in the figure's svg
             assert charts.nth(i).locator(".scatterlayer .trace path.js-line").count() >= 1, i
         text = main_text(page)
-        assert "device tokens used" in text and "host tokens used" in text and "one tier" not in text
+        assert "device tokens allocated" in text and "host tokens allocated" in text and "one tier" not in text

@@ -124,8 +124,9 @@ def test_the_tiers_page_shows_both_tiers_with_the_captures_numbers(hiradix_db: P
     assert last["cum_loaded_tokens"] > 0 and last["cum_host_hit_tokens"] > 0  # both directions happened
     at = open_page(hiradix_db, monkeypatch)
     shown = metrics(at)
-    assert shown["device tokens used"] == f"{last['full_total'] - last['full_available']:,} of {last['full_total']:,}"
-    assert shown["host tokens used"] == f"{last['host_total'] - last['host_available']:,} of {last['host_total']:,}"
+    device_allocated, host_allocated = last["full_total"] - last["full_available"], last["host_total"] - last["host_available"]
+    assert shown["device tokens allocated"] == f"{device_allocated:,} of {last['full_total']:,}"
+    assert shown["host tokens allocated"] == f"{host_allocated:,} of {last['host_total']:,}"
     assert shown["host-tier share of hits"] == f"{last['cum_host_hit_tokens'] / last['cum_hit_tokens']:.1%}"
     assert shown["tokens written to host"] == f"{last['cum_written_tokens']:,}"
     assert shown["tokens loaded from host"] == f"{last['cum_loaded_tokens']:,}"
@@ -135,9 +136,9 @@ def test_the_tiers_page_shows_both_tiers_with_the_captures_numbers(hiradix_db: P
     assert (shown["host evictions"], shown["device evictions kept on host"]) == (f"{host_evictions:,}", f"{to_host:,}")
 
     specs = figures(at)
-    tokens = specs["device used"]
-    assert values(tokens, "host used") == [float(r["host_total"] - r["host_available"]) for r in rows]
-    assert values(tokens, "device used") == [float(r["full_total"] - r["full_available"]) for r in rows]
+    tokens = specs["device allocated"]
+    assert values(tokens, "host allocated") == [float(r["host_total"] - r["host_available"]) for r in rows]
+    assert values(tokens, "device allocated") == [float(r["full_total"] - r["full_available"]) for r in rows]
     assert set(values(tokens, "host total")) == {float(HOST_TOKENS + 1)}  # + the host pool's reserved slot
     seconds = np.diff([r["t_mono"] for r in rows])
     loaded = np.diff([r["cum_loaded_tokens"] for r in rows]) / seconds
@@ -272,7 +273,7 @@ def test_a_running_capture_refreshes_the_tiers_page(live_capture: tuple[Path, SQ
     recorder.flush()
     at = open_page(db, monkeypatch)
     assert any(c.value.startswith("run 1 · **running** · refreshing every second") for c in at.caption)
-    assert metrics(at)["host tokens used"] == "30 of 200"
+    assert metrics(at)["host tokens allocated"] == "30 of 200"
     assert metrics(at)["host-tier share of hits"] == "25.0%"
     recorder.step = 4
     recorder.usage(host_sample(4)._replace(host=PoolTerms(200, 120, 80, 0), cum_host_hit_tokens=40))
@@ -280,9 +281,9 @@ def test_a_running_capture_refreshes_the_tiers_page(live_capture: tuple[Path, SQ
     time.sleep(data.LIVE_TTL_S + 0.1)  # the run list (and so the read stamp) is cached for LIVE_TTL_S
     at.run()
     assert not at.exception
-    assert metrics(at)["host tokens used"] == "80 of 200"
+    assert metrics(at)["host tokens allocated"] == "80 of 200"
     assert metrics(at)["host-tier share of hits"] == "50.0%"
-    assert values(figures(at)["device used"], "host used") == [10.0, 20.0, 30.0, 80.0]
+    assert values(figures(at)["device allocated"], "host allocated") == [10.0, 20.0, 30.0, 80.0]
 
 
 def test_copy_locks_are_held_by_their_copy_and_released_at_its_ack(hiradix_db: Path) -> None:

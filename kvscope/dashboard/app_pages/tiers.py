@@ -52,10 +52,10 @@ def tier_metrics(usage: pd.DataFrame) -> None:
     device_used, host_used = device_total - int(last["full_available"]), host_total - int(last["host_available"])
     hits, host_hits = int(last["cum_hit_tokens"]), int(last["cum_host_hit_tokens"])
     cols = st.columns(3)
-    cols[0].metric("device tokens used", f"{device_used:,} of {device_total:,}",
+    cols[0].metric("device tokens allocated", f"{device_used:,} of {device_total:,}",
                    help="the device (full) pool: total - free, at the latest step shown")
-    cols[1].metric("host tokens used", f"{host_used:,} of {host_total:,}",
-                   help="the host pool: total - free; every used host slot is a copy a tree node holds")
+    cols[1].metric("host tokens allocated", f"{host_used:,} of {host_total:,}",
+                   help="the host pool: total - free; every allocated host slot is a copy a tree node holds")
     cols[2].metric("host-tier share of hits", _pct(host_hits / hits if hits else float("nan")),
                    help=f"{host_hits:,} of {hits:,} hit tokens were loaded back from the host at admission")
 
@@ -167,7 +167,8 @@ def tiers_view(chosen: Selection) -> None:
         return
     tier_metrics(usage)
     st.subheader("Tokens per tier")
-    st.caption("Used (total - free) against each tier's total. On the host, every used slot is a node's copy; on "
+    st.caption("Allocated (total - free; SGLang's \"used\" also leaves out what the tree could evict) against "
+               "each tier's total. On the host, every allocated slot is a node's copy; on "
                f"the device, running requests' slots count too. Downsampled to at most {data.MAX_POINTS} "
                "recorded rows (each bucket of steps keeps each tier's peak row).")
     st.plotly_chart(charts.tier_tokens_figure(usage), key="tiers.tokens")

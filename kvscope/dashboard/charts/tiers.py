@@ -7,8 +7,9 @@ NOTE: the usage columns these read (schema version 4; NULL when the run had no h
     cum_host_hit_tokens             of those, tokens loaded back from the host at admission
     cum_written_tokens              device -> host copies started (write-back / write-through)
     cum_loaded_tokens               host -> device copies started (load-back)
-"Used" is total - available: what the tier's allocator has handed out (cached nodes, and on the
-device, running requests too). A rate is a cumulative column's change over t_mono's change
+"Allocated" (the charts' word; SGLang's "used" also leaves out evictable tokens) is total -
+available: what the tier's allocator has handed out (cached nodes, and on the device, running
+requests too). A rate is a cumulative column's change over t_mono's change
 between consecutive rows, so it stays right over downsampled buckets of uneven width.
 """
 
@@ -92,7 +93,7 @@ def tier_tokens_figure(usage: pd.DataFrame) -> go.Figure:
     tokens = tier_tokens(usage)
     fig = go.Figure()
     for tier, pool in (("device", "full"), ("host", "host")):
-        fig.add_trace(go.Scatter(x=tokens["step"], y=tokens[f"{tier}_used"], name=f"{tier} used", mode="lines",
+        fig.add_trace(go.Scatter(x=tokens["step"], y=tokens[f"{tier}_used"], name=f"{tier} allocated", mode="lines",
                                  line={"color": color(pool)}))
         fig.add_trace(go.Scatter(x=tokens["step"], y=tokens[f"{tier}_total"], name=f"{tier} total", mode="lines",
                                  line={"color": color(pool), "dash": "dot"}))
