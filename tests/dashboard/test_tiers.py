@@ -124,7 +124,8 @@ def test_the_tiers_page_shows_both_tiers_with_the_captures_numbers(hiradix_db: P
     assert last["cum_loaded_tokens"] > 0 and last["cum_host_hit_tokens"] > 0  # both directions happened
     at = open_page(hiradix_db, monkeypatch)
     shown = metrics(at)
-    device_allocated, host_allocated = last["full_total"] - last["full_available"], last["host_total"] - last["host_available"]
+    device_allocated = last["full_total"] - last["full_available"]
+    host_allocated = last["host_total"] - last["host_available"]
     assert shown["device tokens allocated"] == f"{device_allocated:,} of {last['full_total']:,}"
     assert shown["host tokens allocated"] == f"{host_allocated:,} of {last['host_total']:,}"
     assert shown["host-tier share of hits"] == f"{last['cum_host_hit_tokens'] / last['cum_hit_tokens']:.1%}"
