@@ -424,11 +424,15 @@ class SWARadixCache(SWAPrefixCache):
     # as in phase 1. Phase-1 leaves count toward the SWA target when they were live.
 
     def evict(self, params: EvictParams) -> EvictResult:
-        """Free >= num_tokens full and >= swa_num_tokens SWA tokens.
+        """Free >= num_tokens full and >= swa_num_tokens SWA tokens."""
+        return EvictResult(*self._evict_both(params.num_tokens, params.swa_num_tokens))
 
-        NOTE: the full count includes the tombstone parents a phase-2 deletion takes with it;
-        SGLang 0.5.18 leaves those out (docs/memory-semantics.md §14.1)."""
-        num_tokens, swa_num_tokens = params.num_tokens, params.swa_num_tokens
+    def evict_tokens(self, num_tokens: int, swa_num_tokens: int = 0) -> int:
+        return self._evict_both(num_tokens, swa_num_tokens)[0]
+
+    def _evict_both(self, num_tokens: int, swa_num_tokens: int) -> tuple[int, int]:
+        """(full, SWA) tokens freed. NOTE: the full count includes the tombstone parents a phase-2
+        deletion takes with it; SGLang 0.5.18 leaves those out (docs/memory-semantics.md §14.1)."""
         if num_tokens > self._evictable_size or swa_num_tokens > self._swa_evictable_size:
             raise CacheMisuseError(
                 f"evict({num_tokens}, swa {swa_num_tokens}) beyond the evictable sizes: full "
@@ -439,7 +443,7 @@ class SWARadixCache(SWAPrefixCache):
         if swa_len < swa_num_tokens:
             more_full_len, more_swa_len = self._evict_swa(swa_num_tokens - swa_len)
             full_len, swa_len = full_len + more_full_len, swa_len + more_swa_len
-        return EvictResult(full_len, swa_len)
+        return full_len, swa_len
 
     def _evict_full(self, num_tokens: int) -> tuple[int, int]:
         heap = [(n.last_access_time, n.id, n) for n, _, _ in walk(self.root) if self._is_free_leaf(n)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvscope.cache import RadixCache
+from kvscope.cache import EvictParams, RadixCache
 from kvscope.mem import ReqToTokenPool, make_token_allocator
 from tests.cache.helpers import Req
 
@@ -28,3 +28,20 @@ def test_a_radix_requests_duplicates_are_freed_as_a_segment() -> None:
     allocator.free_group_end()
     assert allocator.free_pages.tolist()[:4] == [5, 6, 1, 2]
     cache.check_integrity()
+
+
+def test_evict_tokens_frees_what_evict_frees() -> None:
+    twins = []
+    for _ in range(2):
+        allocator = make_token_allocator(64, 1, strict=True)
+        cache = RadixCache(allocator, 1, strict=True)
+        for tokens in ([1, 2, 3, 4], [1, 2, 9], [7, 8]):
+            slots = allocator.alloc(len(tokens))
+            assert slots is not None
+            prefix_len = cache.insert(np.array(tokens, dtype=np.int32), slots)
+            allocator.free(slots[:prefix_len])  # the duplicates
+        twins.append((cache, allocator))
+    assert twins[0][0].evict(EvictParams(3)).num_tokens_evicted == twins[1][0].evict_tokens(3) == 3
+    assert twins[0][1].free_pages.tolist() == twins[1][1].free_pages.tolist()
+    for cache, _ in twins:
+        cache.check_integrity()

@@ -97,3 +97,15 @@ def test_phase_two_counts_the_tombstone_parents_it_deletes() -> None:
     assert allocator.full_available_size() - full_before == 12
     cache.check_integrity()
 
+
+def test_evict_tokens_frees_what_evict_frees_and_returns_the_full_count() -> None:
+    twins = [make_cache(window_len=4)[0] for _ in range(2)]
+    for cache in twins:
+        insert_fresh(cache, ids(*range(1, 9)))
+        insert_fresh(cache, ids(*range(1, 13)))
+        insert_fresh(cache, ids(20, 21, 22))
+    assert twins[0].evict(EvictParams(3, swa_num_tokens=9)) == EvictResult(12, 12)
+    assert twins[1].evict_tokens(3, 9) == 12
+    assert keys(twins[0]) == keys(twins[1]) == [[20, 21, 22]]
+    for cache in twins:
+        cache.check_integrity()
