@@ -9,7 +9,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvscope-installed
 
-.PHONY: run demo test test-engines lint typecheck unit bench samples clean install
+.PHONY: run demo test test-engines sglang-518-src lint typecheck unit bench samples clean install
 
 install: $(STAMP)
 
@@ -72,8 +72,23 @@ $(VLLM_STAMP):
 		>/dev/null
 	@touch $(VLLM_STAMP)
 
-test-engines: $(STAMP) $(VLLM_STAMP)
-	KVSCOPE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/pytest -m engines
+# SGLang 0.5.18's source, unpacked and not installed: tests/engines/test_swa_differential.py runs its
+# SWARadixCache and allocators beside kvscope's (tests/engines/sglang518.py stands in for the GPU-only imports).
+SGLANG_518_SRC   ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvscope/sglang-0.5.18
+SGLANG_518_STAMP := $(SGLANG_518_SRC)/.kvscope-unpacked
+
+sglang-518-src: $(SGLANG_518_STAMP)
+
+$(SGLANG_518_STAMP): $(STAMP)
+	@echo "kvscope: unpacking SGLang 0.5.18's source in $(SGLANG_518_SRC) (no install, about 25 MB)"
+	@mkdir -p $(SGLANG_518_SRC)/wheel
+	@$(BIN)/python -m pip download --disable-pip-version-check --no-deps sglang==0.5.18 -d $(SGLANG_518_SRC)/wheel \
+		| $(SHOW)
+	@cd $(SGLANG_518_SRC) && $(abspath $(BIN))/python -m zipfile -e wheel/sglang-0.5.18-*.whl .
+	@touch $(SGLANG_518_STAMP)
+
+test-engines: $(STAMP) $(VLLM_STAMP) $(SGLANG_518_STAMP)
+	KVSCOPE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVSCOPE_SGLANG_518_SRC=$(SGLANG_518_SRC) $(BIN)/pytest -m engines
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/gen_traces.py

@@ -73,7 +73,7 @@ import numpy as np
 import torch
 from _results import command_line, machine_lines, write_section
 
-from kvscope.cache import EvictParams, RadixCache
+from kvscope.cache import RadixCache
 from kvscope.mem import make_token_allocator
 
 ns = time.perf_counter_ns
@@ -128,7 +128,7 @@ class KvscopeSide:
         return self.cache.insert(self.trace.all_ids[i], slots, self.trace.users[i])
 
     def evict(self, num_tokens: int) -> int:
-        return self.cache.evict(EvictParams(num_tokens)).num_tokens_evicted
+        return self.cache.evict_tokens(num_tokens)
 
     def lock(self, node: Any) -> None:
         self.cache.inc_lock_ref(node)

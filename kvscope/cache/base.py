@@ -32,6 +32,8 @@ Contract:
   `swa_num_tokens` SWA-pool tokens (SWA caches; others have none to free), and returns an
   EvictResult with the tokens freed from each pool. Asking for more than
   `evictable_size()` (or `swa_evictable_size()`) is an error stating the numbers.
+  `evict_tokens(num_tokens, swa_num_tokens)` does the same and returns only the full-pool
+  tokens freed, as an int (no EvictParams / EvictResult: the engine's path).
 - `evictable_size()` / `protected_size()`: tokens in unlocked / locked tree nodes.
 - `check_integrity()` raises IntegrityError with the numbers if any tree invariant breaks.
 - `pretty_print()` returns the tree as text; `export_nodes()` the flat node table.
@@ -165,6 +167,11 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def evict(self, params: EvictParams) -> EvictResult: ...
+
+    def evict_tokens(self, num_tokens: int, swa_num_tokens: int = 0) -> int:
+        """`evict` for callers holding ints: same effect, returns the full-pool tokens freed.
+        Caches on the hot path override it so that it builds no parameter or result object."""
+        return self.evict(EvictParams(num_tokens, swa_num_tokens)).num_tokens_evicted
 
     @abstractmethod
     def evictable_size(self) -> int: ...

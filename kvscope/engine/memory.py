@@ -23,7 +23,6 @@ from typing import NamedTuple
 from kvscope.cache import (
     BasePrefixCache,
     ChunkCache,
-    EvictParams,
     RadixCache,
     SWAChunkCache,
     SWAPrefixCache,
@@ -115,7 +114,7 @@ class MemorySystem:
         """Evict so that `num_tokens` more fit in every pool, clamped to what the tree can give;
         returns the full-pool tokens freed."""
         full = min(max(num_tokens - self.full_available(), 0), self.cache.evictable_size())
-        return self.cache.evict(EvictParams(full)).num_tokens_evicted if full else 0
+        return self.cache.evict_tokens(full) if full else 0
 
     # -- the sliding window --------------------------------------------------------------------
 
@@ -170,7 +169,7 @@ class SWAMemorySystem(MemorySystem):
         cache = self.cache
         full = min(max(num_tokens - self.full_available(), 0), cache.evictable_size())
         swa = min(max(num_tokens - self.swa_available(), 0), cache.swa_evictable_size())
-        return cache.evict(EvictParams(full, swa)).num_tokens_evicted if full or swa else 0
+        return cache.evict_tokens(full, swa) if full or swa else 0
 
     # -- the sliding window --------------------------------------------------------------------
 

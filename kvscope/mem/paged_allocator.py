@@ -123,11 +123,13 @@ class PagedTokenToKVPoolAllocator(BaseTokenAllocator):
         """Free contiguous pieces (slots, start position) of one request's row.
 
         One representative slot per page (a piece's first slot and each slot at a page
-        start), pages returned in position order without sorting; where a piece starts on
-        the page the previous one ended on, that page is freed once.
+        start), each piece's pages unsorted in position order; where a piece starts on the
+        page the previous one ended on, that page is freed once. As SGLang's one
+        `free_segment` per piece: outside a group each piece's pages go in front in turn (the
+        last piece first); in a group they wait apart from `free`'s pages (free_group_end).
         """
         ps = self.page_size
-        reps: list[torch.Tensor] = []
+        reps: list[torch.Tensor] = []  # one slot per page, per piece
         last_page = -1
         for slots, start_pos in segments:
             if slots.numel() == 0:
@@ -135,7 +137,7 @@ class PagedTokenToKVPoolAllocator(BaseTokenAllocator):
             positions = start_pos + torch.arange(len(slots), device=slots.device)
             representative = positions % ps == 0
             representative[0] = int(slots[0]) // ps != last_page
-            reps.append(slots[representative])
+            reps.append(slots[representative].to(INDEX_DTYPE))
             last_page = int(slots[-1]) // ps
         if not reps or not (rep := torch.cat(reps)).numel():
             return
@@ -144,9 +146,11 @@ class PagedTokenToKVPoolAllocator(BaseTokenAllocator):
         if self.recorder.enabled:
             self.record_free(torch.cat([slots for slots, _ in segments if slots.numel()]))
         if self._free_group is not None:
-            self._free_group.append(rep)
+            self._segment_group.append(rep // ps)
             return
-        self._return_pages(rep.to(INDEX_DTYPE) // ps)
+        for piece in reps:
+            if piece.numel():
+                self._return_pages(piece // ps)
 
     # -- strict checks -----------------------------------------------------------------------
 

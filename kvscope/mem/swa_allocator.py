@@ -148,8 +148,9 @@ class SWATokenToKVPoolAllocator:
         pages_needed = int(counts.sum())
         if not self._both_have(pages_needed):
             return None
-        full_pages, swa_pages = self._take_both(pages_needed)
         ps = self.page_size
+        self._merge_if_short(extend_num_tokens // ps + len(seq_t) + 1)
+        full_pages, swa_pages = self._take_both(pages_needed)
         full = extend_slots(prefix_t, seq_t, last_t, full_pages, counts, extend_num_tokens, ps)
         swa_last = self.translate_loc(last_t)
         swa = extend_slots(prefix_t, seq_t, swa_last, swa_pages, counts, extend_num_tokens, ps)
@@ -161,6 +162,7 @@ class SWATokenToKVPoolAllocator:
         pages_needed = int((seq_t % self.page_size == 1).sum())
         if not self._both_have(pages_needed):
             return None
+        self._merge_if_short(len(seq_t))
         full_pages, swa_pages = self._take_both(pages_needed)
         full = decode_slots(seq_t, last_t, full_pages, self.page_size)
         swa = decode_slots(seq_t, self.translate_loc(last_t), swa_pages, self.page_size)
@@ -171,12 +173,17 @@ class SWATokenToKVPoolAllocator:
             raise PoolMisuseError("swa", f"{what} needs page_size > 1; use alloc() at page size 1")
 
     def _both_have(self, num_pages: int) -> bool:
-        ok = True
+        """Both pools hold `num_pages`, release lists counted; checked before any merge, so a
+        failed allocation merges nothing (SGLang 0.5.18's SWA allocator)."""
+        num_tokens = num_pages * self.page_size
+        return num_tokens <= self.full_available_size() and num_tokens <= self.swa_available_size()
+
+    def _merge_if_short(self, min_free_pages: int) -> None:
+        """need_sort: a pool whose free list is shorter than `min_free_pages` merges its release
+        list first (the paged allocator's own rule for extend and decode, §2.5)."""
         for allocator in (self.full_attn_allocator, self.swa_attn_allocator):
-            if allocator.need_sort and num_pages > len(allocator.free_pages):
+            if allocator.need_sort and min_free_pages > len(allocator.free_pages):
                 allocator.merge_and_sort_free()
-            ok = ok and num_pages <= len(allocator.free_pages)
-        return ok
 
     def _take_both(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         full = self.full_attn_allocator._take_pages(num_pages)

@@ -74,6 +74,7 @@ class BaseTokenAllocator:
         self.free_pages = torch.arange(1, self.num_pages + 1, dtype=INDEX_DTYPE, device=self.device)
         self.release_pages = torch.empty(0, dtype=INDEX_DTYPE, device=self.device)
         self._free_group: list[torch.Tensor] | None = None
+        self._segment_group: list[torch.Tensor] = []  # page ids from segment frees, paged only
         if self._strict:
             self._page_state = self._fresh_page_state()
 
@@ -227,7 +228,10 @@ class BaseTokenAllocator:
         if self.recorder.enabled:
             self.record_free(slots)
         if self._free_group is not None:
-            self._free_group.append(slots)
+            if ps == 1:
+                self._free_group.append(slots)
+            else:  # NOTE: segment frees, pages in chunk order (SGLang evicts with free_segment)
+                self._segment_group.append(torch.from_numpy(joined[::ps] // ps).to(self.device))
             return
         if ps == 1 or self.need_sort or len(chunks) == 1:
             pages = joined[::ps] // ps
@@ -248,13 +252,19 @@ class BaseTokenAllocator:
         if self._free_group is not None:
             raise PoolMisuseError(self.name, "free_group_begin inside an open free group")
         self._free_group = []
+        self._segment_group = []
 
     def free_group_end(self) -> None:
+        """Return the group's `free` pages (sorted, unique when paged), then, paged, the pages
+        of its segment frees in call order in front of them (SGLang 0.5.18 and 0.5.23)."""
         if self._free_group is None:
             raise PoolMisuseError(self.name, "free_group_end without free_group_begin")
         group, self._free_group = self._free_group, None
+        segments, self._segment_group = self._segment_group, []
         if group:
             self._return_pages(self.slots_to_pages(torch.cat(group)))
+        if segments:
+            self._return_pages(torch.cat(segments))
 
     @property
     def in_free_group(self) -> bool:
@@ -307,10 +317,11 @@ class BaseTokenAllocator:
         return torch.cat((self.free_pages, self.release_pages)).cpu().numpy().astype(np.int64)
 
     def _pending_pages_np(self) -> np.ndarray:
-        if not self._free_group:
+        pending = [g.cpu().numpy().astype(np.int64) // self.page_size for g in self._free_group or ()]
+        pending += [g.cpu().numpy().astype(np.int64) for g in self._segment_group]
+        if not pending:
             return np.empty(0, dtype=np.int64)
-        pending = torch.cat(self._free_group).cpu().numpy().astype(np.int64)
-        return np.unique(pending // self.page_size)
+        return np.unique(np.concatenate(pending))
 
     def check_integrity(self, owned_slots: Any = None) -> None:
         """Raise IntegrityError, printing the numbers, if any conservation rule is broken.

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvscope.cache import BasePrefixCache, EvictParams, RadixCache
+from kvscope.cache import BasePrefixCache, RadixCache
 from kvscope.mem import BaseTokenAllocator, make_token_allocator
 from kvscope.planning.replays import ReplayConfig, ReplayResult, ceil_pages
 from kvscope.planning.requests import ReplayRequest, trace_times_s
@@ -123,7 +123,7 @@ class _Server:
         cache.inc_lock_ref(node)
         shortfall = ceil_pages(seq_len, ps) - prefix_len - allocator.available_size()
         if shortfall > 0 and cache.evictable_size() > 0:
-            self.num_evicted += cache.evict(EvictParams(min(shortfall, cache.evictable_size()))).num_tokens_evicted
+            self.num_evicted += cache.evict_tokens(min(shortfall, cache.evictable_size()))
         if ps == 1:
             new_slots = allocator.alloc(seq_len - prefix_len)
         else:
@@ -149,4 +149,4 @@ class _Server:
         total = cache.evictable_size() + cache.protected_size()
         if total > capacity and cache.evictable_size() > 0:
             excess = min(total - capacity, cache.evictable_size())
-            self.num_evicted += cache.evict(EvictParams(excess)).num_tokens_evicted
+            self.num_evicted += cache.evict_tokens(excess)

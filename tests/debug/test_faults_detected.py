@@ -75,6 +75,14 @@ def test_the_report_names_exactly_the_injected_culprits(tmp_path: Path, fault: s
         assert {leak.rid for leak in found} == {rid for rid, _ in injected}
         for leak in found:
             assert set(leak.slots) <= {s for rid, slots in injected if rid == leak.rid for s in slots}
+    elif fault == "double-free":
+        # NOTE: a page freed twice inside a free group (a segment free, then a plain free) is listed
+        # twice, as SGLang lists it (docs/memory-semantics.md §2.5), so it is handed out twice, and
+        # a later injection may land on it: the report then names that culprit as a consequence.
+        named = {(leak.rid, tuple(sorted(leak.slots))) for leak in report.leaks if leak.kind == "double-free"}
+        culprits = {(rid, tuple(sorted(slots))) for rid, slots in injected}
+        assert {(leak.rid, tuple(sorted(leak.slots))) for leak in found} <= culprits
+        assert culprits <= named
     else:
         assert {(leak.rid, tuple(sorted(leak.slots))) for leak in found} == \
             {(rid, tuple(sorted(slots))) for rid, slots in injected}

@@ -18,6 +18,7 @@ class RefFreeList:
         self.free = list(range(1, num_pages + 1))
         self.release: list[int] = []
         self.group: list[int] | None = None
+        self.segment_group: list[int] = []  # pages of segment frees inside a group, call order
 
     def available(self) -> int:
         return (len(self.free) + len(self.release)) * self.page_size
@@ -60,16 +61,24 @@ class RefFreeList:
         ps = self.page_size
         pages = [s // ps for i, s in enumerate(slots) if i == 0 or s % ps == 0]
         if self.group is not None:
-            self.group.extend(p * ps for p in pages)
+            self.segment_group.extend(pages)
         elif self.need_sort:
             self.release += pages
         else:
             self.free = pages + self.free
 
     def group_end(self) -> None:
+        """SGLang's paged free_group_end: the group's free() pages, sorted and unique, go in
+        front; then its segment pages, unsorted in call order, in front of those."""
         group, self.group = self.group, None
+        segments, self.segment_group = self.segment_group, []
         if group:
             self._return(group)
+        if segments:
+            if self.need_sort:
+                self.release += segments
+            else:
+                self.free = segments + self.free
 
 
 def ref_extend(

@@ -35,8 +35,6 @@ import torch
 
 from kvscope.cache.base import (
     CacheMisuseError,
-    EvictParams,
-    EvictResult,
     MatchResult,
     NodeRow,
     as_token_ids,
@@ -351,18 +349,17 @@ class HiRadixCache(RadixCache):
 
     # -- device eviction -------------------------------------------------------------------
 
-    def evict(self, params: EvictParams) -> EvictResult:
+    def evict_tokens(self, num_tokens: int, swa_num_tokens: int = 0) -> int:
         """Free at least num_tokens device tokens: backed-up leaves are demoted to host-only,
         others deleted (write_back: written to the host first, or dropped with their subtree
-        when the host cannot take them)."""
-        num_tokens = params.num_tokens
-        if num_tokens > self._evictable_size or params.swa_num_tokens > 0:
+        when the host cannot take them). `evict` (RadixCache's) wraps this."""
+        if num_tokens > self._evictable_size or swa_num_tokens > 0:
             raise CacheMisuseError(
-                f"evict({num_tokens}, swa {params.swa_num_tokens}) beyond the evictable size "
+                f"evict({num_tokens}, swa {swa_num_tokens}) beyond the evictable size "
                 f"{self._evictable_size} (protected {self._protected_size}; a radix cache holds no SWA KV)"
             )
         if num_tokens <= 0:
-            return EvictResult()
+            return 0
         self.heap.start(self.evictable_leaves)
         freed: list[np.ndarray] = []
         evicted, wrote_back = 0, False
@@ -387,7 +384,7 @@ class HiRadixCache(RadixCache):
             self.controller.wait_all()  # NOTE: the written rows must be copied before their device slots are reused
             self.writing_check()
         self.allocator.free_many(freed)
-        return EvictResult(evicted)
+        return evicted
 
     def _demote(self, leaf: HiTreeNode) -> np.ndarray:
         """A backed-up device leaf becomes host-only; returns its device slots (the caller frees)."""
@@ -483,8 +480,7 @@ class HiRadixCache(RadixCache):
         op_id = next(self._op_ids)
         device_slots = self.controller.load(host_slots, op_id)
         if device_slots is None and self._evictable_size > 0:
-            freed = self.evict(EvictParams(min(len(host_slots), self._evictable_size)))
-            self.num_load_evicted_tokens += freed.num_tokens_evicted
+            self.num_load_evicted_tokens += self.evict_tokens(min(len(host_slots), self._evictable_size))
             device_slots = self.controller.load(host_slots, op_id)
         self.dec_lock_ref(ancestor)
         if device_slots is None:

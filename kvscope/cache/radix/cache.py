@@ -295,14 +295,16 @@ class RadixCache(BasePrefixCache):
         self.heap.rebuild(self.evictable_leaves)
 
     def evict(self, params: EvictParams) -> EvictResult:
-        num_tokens = params.num_tokens
-        if num_tokens > self._evictable_size or params.swa_num_tokens > 0:
+        return EvictResult(self.evict_tokens(params.num_tokens, params.swa_num_tokens))
+
+    def evict_tokens(self, num_tokens: int, swa_num_tokens: int = 0) -> int:
+        if num_tokens > self._evictable_size or swa_num_tokens > 0:
             raise CacheMisuseError(
-                f"evict({num_tokens}, swa {params.swa_num_tokens}) beyond the evictable size "
+                f"evict({num_tokens}, swa {swa_num_tokens}) beyond the evictable size "
                 f"{self._evictable_size} (protected {self._protected_size}; a radix cache holds no SWA KV)"
             )
         if num_tokens <= 0:
-            return EvictResult()
+            return 0
         self.heap.start(self.evictable_leaves)
         freed: list[np.ndarray] = []
         evicted = 0
@@ -319,7 +321,7 @@ class RadixCache(BasePrefixCache):
                 self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=leaf.id,
                                      num_tokens=len(chunk), slots=chunk, reason=EvictReason.CAPACITY)
         self.allocator.free_many(freed)
-        return EvictResult(evicted)
+        return evicted
 
     def _delete_leaf(self, leaf: TreeNode) -> np.ndarray:
         parent = leaf.parent

@@ -38,8 +38,6 @@ from kvscope.cache.base import (
     TOKEN_DTYPE,
     CacheableRequest,
     CacheMisuseError,
-    EvictParams,
-    EvictResult,
     MatchResult,
     NodeRow,
     as_token_ids,
@@ -562,9 +560,9 @@ class ScopedRadixCache(RadixCache):
 
     # -- eviction --------------------------------------------------------------------------
 
-    def evict(self, params: EvictParams) -> EvictResult:
+    def evict_tokens(self, num_tokens: int, swa_num_tokens: int = 0) -> int:
         self.advance()
-        return super().evict(params)
+        return super().evict_tokens(num_tokens, swa_num_tokens)
 
     def _detach(self, leaf: TreeNode, parent: TreeNode) -> None:
         first = leaf.key[: self.page_bytes]

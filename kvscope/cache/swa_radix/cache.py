@@ -7,8 +7,12 @@ Accounting, exact after every call (root excluded):
     full evictable/protected = Σ len(value) over nodes with lock_ref == 0 / > 0
     swa  evictable/protected = Σ len(value) over live nodes with swa_lock_ref == 0 / > 0
 LRU: one global counter stamps `last_access_time`; the full LRU is every node by stamp,
-the SWA LRU the live nodes by stamp. Touching a path stamps it root first, so each parent
-sits just behind its child on that path (SWA eviction tombstones from the root side).
+the SWA LRU the live nodes by stamp (SGLang 0.5.18 keeps two linked lists in that order).
+What stamps, in SGLang's order (docs/memory-semantics.md §5):
+    match     the path root -> the node at the window cut (not nodes walked past the cut)
+    insert    each node as the walk enters it, then a split's upper and lower piece, then
+              each new node as it is added (no path stamp at the end)
+    split     upper piece, then lower piece
 A window lock (docs/memory-semantics.md §5.2) SWA-locks the deepest nodes up to `window_len` tokens; the node where
 the count reaches the window carries `swa_lock_id`, the id that `dec_lock_ref` stops at.
 """
@@ -156,7 +160,7 @@ class SWARadixCache(SWAPrefixCache):
             node = child
         if since_ts >= self.window_len:
             best_len, best_node = len(values), node
-        self._stamp_path(node)
+        self._stamp_path(best_node)
         return values[:best_len], best_node
 
     def _t(self, slots: np.ndarray) -> torch.Tensor:
@@ -178,7 +182,9 @@ class SWARadixCache(SWAPrefixCache):
     # tombstone with e <= a -> revive it with the caller's SWA KV; a < e < b -> split at e,
     # the upper part stays a tombstone, the lower part is revived; e >= b -> free the copy.
     # New tail [t, key_len): e >= key_len -> freed, no node; t < e -> tombstone [t, e) then a
-    # live leaf [e, key_len); else one live leaf. Unlike RadixCache the insert frees duplicates.
+    # live leaf [e, key_len); else one live leaf. Unlike RadixCache the insert frees duplicates,
+    # each with its own `free` at the node where SGLang frees it (the paged free list's order
+    # depends on how frees are grouped, docs/memory-semantics.md §2.4).
 
     def insert(
         self,
@@ -199,25 +205,20 @@ class SWARadixCache(SWAPrefixCache):
         key = ids[:key_len].tobytes()
         value = slots[:key_len].cpu().numpy().astype(np.int64, copy=True)
         evicted_len = -(-swa_evicted_len // ps) * ps
-        to_free: list[np.ndarray] = []
-        node, pos = self._walk_insert(key, value, chunked, priority, prev_prefix_len, evicted_len, to_free)
-        prefix_len = pos
+        node, pos = self._walk_insert(key, value, chunked, priority, prev_prefix_len, evicted_len)
         if pos < key_len:
-            node = self._add_tail(node, key, value, pos, evicted_len, to_free, (user, chunked, priority, rid))
-        self._stamp_path(node)
-        if to_free:
-            self.allocator.free(self._t(np.concatenate(to_free)))
-        return prefix_len
+            self._add_tail(node, key, value, pos, evicted_len, (user, chunked, priority, rid))
+        return pos
 
     def _walk_insert(
-        self, key: bytes, value: np.ndarray, chunked: bool, priority: int, prev_prefix_len: int,
-        evicted_len: int, to_free: list[np.ndarray],
+        self, key: bytes, value: np.ndarray, chunked: bool, priority: int, prev_prefix_len: int, evicted_len: int,
     ) -> tuple[TreeNode, int]:
         node, pos, key_len = self.root, 0, len(value)
         while pos < key_len:
             child = node.children.get(key[pos * TOKEN_BYTES : pos * TOKEN_BYTES + self.page_bytes])
             if child is None:
                 break
+            self._stamp(child)  # NOTE: as the walk enters it, before any split (SGLang's _insert_helper)
             if priority > child.priority:
                 child.priority = priority
             if not key.startswith(child.key, pos * TOKEN_BYTES):
@@ -226,24 +227,27 @@ class SWARadixCache(SWAPrefixCache):
                 child.hit_count += 1
             end = pos + len(child.value)
             if end > prev_prefix_len:
-                child = self._overlap(child, value, pos, end, prev_prefix_len, evicted_len, to_free)
-            pos += len(child.value)
+                child = self._overlap(child, value, pos, end, prev_prefix_len, evicted_len)
+            pos = end
             node = child
         return node, pos
 
-    def _overlap(
-        self, node: TreeNode, value: np.ndarray, a: int, b: int, p: int, e: int, to_free: list[np.ndarray]
-    ) -> TreeNode:
-        """Settle the caller's copy of node [a, b); return the node the walk continues from."""
+    def _overlap(self, node: TreeNode, value: np.ndarray, a: int, b: int, p: int, e: int) -> TreeNode:
+        """Settle the caller's copy of node [a, b); return the node that now ends at b."""
         if not node.tombstone or a < p or e >= b:
-            to_free.append(value[max(a, p) : b])
+            self._free(value[max(a, p) : b])
             return node
-        if e > a:
-            upper = self._split(node, e - a)
-            to_free.append(value[a:e])
-            return upper
+        if e > a:  # NOTE: upper [a, e) stays a tombstone; node is now the lower piece [e, b)
+            self._split(node, e - a)
+            self._revive(node, value[e:b])
+            self._free(value[a:e])
+            return node
         self._revive(node, value[a:b])
         return node
+
+    def _free(self, slots: np.ndarray) -> None:
+        if len(slots):
+            self.allocator.free(self._t(slots))
 
     def _revive(self, node: TreeNode, req_slots: np.ndarray) -> None:
         """Give a tombstone the caller's SWA KV; keep its full slots if another holder locks them."""
@@ -269,12 +273,12 @@ class SWARadixCache(SWAPrefixCache):
                                  slots=self.allocator.translate_loc(self._t(node.value)))
 
     def _add_tail(
-        self, node: TreeNode, key: bytes, value: np.ndarray, t: int, e: int, to_free: list[np.ndarray],
+        self, node: TreeNode, key: bytes, value: np.ndarray, t: int, e: int,
         meta: tuple[str | None, bool, int, str | None],
     ) -> TreeNode:
         key_len = len(value)
         if e >= key_len:
-            to_free.append(value[t:])
+            self._free(value[t:])
             return node
         if e > t:
             self.allocator.free_swa(self._t(value[t:e]))
@@ -290,6 +294,7 @@ class SWARadixCache(SWAPrefixCache):
         if self.strict:
             claim_slots(self._tree_slot, value)
         node = TreeNode(key, value.copy(), 0.0)
+        self._stamp(node)
         node.parent, node.owner, node.priority, node.tombstone = parent, user, priority, tombstone
         node.hit_count = 0 if chunked else 1
         parent.children[key[: self.page_bytes]] = node
@@ -420,7 +425,14 @@ class SWARadixCache(SWAPrefixCache):
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Free >= num_tokens full and >= swa_num_tokens SWA tokens."""
-        num_tokens, swa_num_tokens = params.num_tokens, params.swa_num_tokens
+        return EvictResult(*self._evict_both(params.num_tokens, params.swa_num_tokens))
+
+    def evict_tokens(self, num_tokens: int, swa_num_tokens: int = 0) -> int:
+        return self._evict_both(num_tokens, swa_num_tokens)[0]
+
+    def _evict_both(self, num_tokens: int, swa_num_tokens: int) -> tuple[int, int]:
+        """(full, SWA) tokens freed. NOTE: the full count includes the tombstone parents a phase-2
+        deletion takes with it; SGLang 0.5.18 leaves those out (docs/memory-semantics.md §14.1)."""
         if num_tokens > self._evictable_size or swa_num_tokens > self._swa_evictable_size:
             raise CacheMisuseError(
                 f"evict({num_tokens}, swa {swa_num_tokens}) beyond the evictable sizes: full "
@@ -431,7 +443,7 @@ class SWARadixCache(SWAPrefixCache):
         if swa_len < swa_num_tokens:
             more_full_len, more_swa_len = self._evict_swa(swa_num_tokens - swa_len)
             full_len, swa_len = full_len + more_full_len, swa_len + more_swa_len
-        return EvictResult(full_len, swa_len)
+        return full_len, swa_len
 
     def _evict_full(self, num_tokens: int) -> tuple[int, int]:
         heap = [(n.last_access_time, n.id, n) for n, _, _ in walk(self.root) if self._is_free_leaf(n)]
@@ -476,18 +488,24 @@ class SWARadixCache(SWAPrefixCache):
                                  num_tokens=len(node.value), slots=node.value, reason=EvictReason.TOMBSTONE)
 
     def _delete_cascade(self, leaf: TreeNode) -> tuple[TreeNode, int]:
-        """Delete an unlocked leaf and the tombstone parents it leaves childless and unlocked."""
+        """Delete an unlocked leaf and the tombstone parents it leaves childless and unlocked.
+
+        NOTE: one `free` per node, leaf first, as SGLang frees them (at page size > 1 the
+        free list's order depends on it)."""
         parent = leaf.parent
         assert parent is not None
-        freed = [self._delete_leaf(leaf)]
+        freed_len = self._free_deleted(leaf)
         while parent is not self.root and parent.tombstone and not parent.children and parent.lock_ref == 0:
             up = parent.parent
             assert up is not None
-            freed.append(self._delete_leaf(parent))
+            freed_len += self._free_deleted(parent)
             parent = up
-        values = np.concatenate(freed)
+        return parent, freed_len
+
+    def _free_deleted(self, node: TreeNode) -> int:
+        values = self._delete_leaf(node)
         self.allocator.free(self._t(values))
-        return parent, len(values)
+        return len(values)
 
     def _delete_leaf(self, leaf: TreeNode) -> np.ndarray:
         parent = leaf.parent

@@ -56,7 +56,7 @@ def cache_unfinished_req(tree: RequestTree, req: CacheableRequest, chunked: bool
     key_len = len(ids) // tree.page_size * tree.page_size
     duplicates_end = tree.insert_unfinished(req, ids, kv, chunked)
     protected = req.cache_protected_len
-    tree.allocator.free(kv[protected:duplicates_end])
+    tree.allocator.free_segments([(kv[protected:duplicates_end], protected)])  # SGLang: free_segment
     values, new_last = tree.walk_match(np.ascontiguousarray(ids[:key_len], dtype=np.int32).tobytes(), req.user)
     new_slots = slots_tensor(values, tree.device)
     if len(new_slots) != key_len:

@@ -1,0 +1,174 @@
+"""Loads SGLang 0.5.18's own SWARadixCache and token allocators on the CPU, for differential tests.
+
+The SGLang source is an unpacked wheel (`make sglang-518-src` puts one in
+~/.cache/kvscope/sglang-0.5.18; `KVSCOPE_SGLANG_518_SRC` names another). Only these files run
+as SGLang wrote them: mem_cache/allocator/{base,token,paged,swa}.py, base_prefix_cache.py,
+cache_init_params.py, radix_cache.py (for RadixKey) and swa_radix_cache.py. Everything else
+their imports reach (GPU kernels, metrics, KV events, environment flags, the memory pools)
+is a small stand-in written here; none of it decides a slot.
+
+NOTE: stand-ins
+    environ.envs                    every flag reads False (SGLang's defaults for the SWA options)
+    kernels...alloc_extend_kernel   runs paged.py's own alloc_extend_naive (the Triton kernel's reference)
+    utils.get_num_new_pages         ceil(seq / ps) - ceil(prefix / ps), summed (its definition)
+    base_swa_memory_pool.BaseSWAKVPool  holds the mapping the allocator registers; translates by it
+    events.KVCacheEventMixin        records nothing
+The modules are loaded with the `sglang` names and then taken out of sys.modules again, so
+nothing else in the test process sees a partial `sglang` package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SRC_ENV = "KVSCOPE_SGLANG_518_SRC"
+MARKER = "sglang/srt/mem_cache/swa_radix_cache.py"
+
+
+def sglang_518_source() -> Path | None:
+    """The unpacked SGLang 0.5.18 wheel, or None when it is not on this machine."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvscope" / "sglang-0.5.18"
+    path = Path(os.environ.get(SRC_ENV, cache))
+    return path if (path / MARKER).is_file() else None
+
+
+class _Flag:
+    def get(self) -> bool:
+        return False
+
+
+class _Envs:
+    def __getattr__(self, name: str) -> _Flag:
+        return _Flag()
+
+
+def _num_new_pages(seq_lens: torch.Tensor, page_size: int, prefix_lens: torch.Tensor | None = None,
+                   decode: bool = False) -> int:
+    if prefix_lens is None or decode:
+        return int((seq_lens % page_size == 1).sum())
+    after = (seq_lens + page_size - 1) // page_size
+    before = (prefix_lens + page_size - 1) // page_size
+    return int((after - before).sum())
+
+
+class _ExtendKernel:
+    """`alloc_extend_kernel[grid](...)` runs paged.py's alloc_extend_naive, its CPU reference."""
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
+                   free_pages: torch.Tensor, out_indices: torch.Tensor, _bs_pow2: int, page_size: int) -> None:
+            paged = sys.modules.get("sglang.srt.mem_cache.allocator.paged") or _loaded["paged"]
+            paged.alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size,
+                                     out_indices.device)
+        return launch
+
+
+class _NoKernel:
+    def __getitem__(self, grid: Any) -> Any:
+        raise NotImplementedError("alloc_decode is not driven by these tests")
+
+
+class _BaseSWAKVPool:
+    full_kv_pool = None
+    swa_kv_pool = None
+
+    def __init__(self) -> None:
+        self.full_to_swa_index_mapping: torch.Tensor | None = None
+
+    def register_mapping(self, mapping: torch.Tensor) -> None:
+        self.full_to_swa_index_mapping = mapping
+
+    def translate_loc_from_full_to_swa(self, kv_indices: torch.Tensor) -> torch.Tensor:
+        assert self.full_to_swa_index_mapping is not None
+        return self.full_to_swa_index_mapping[kv_indices]
+
+
+class _NoEvents:
+    def _record_store_event(self, node: Any, medium: Any = None) -> None: ...
+    def _record_remove_event(self, node: Any, medium: Any = None) -> None: ...
+    def _record_all_cleared_event(self) -> None: ...
+    def take_events(self) -> list[Any]:
+        return []
+
+
+_loaded: dict[str, Any] = {}
+
+
+def _module(name: str, **attrs: Any) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__dict__.update(attrs)
+    return mod
+
+
+def _package(name: str, path: Path) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__path__ = [str(path)]
+    return mod
+
+
+def _stand_ins(src: Path) -> dict[str, types.ModuleType]:
+    srt = src / "sglang" / "srt"
+    next_pow2 = lambda n: 1 << max(int(n) - 1, 0).bit_length()  # noqa: E731
+    no = lambda *args, **kwargs: False  # noqa: E731
+    return {
+        "sglang": _package("sglang", src / "sglang"),
+        "sglang.srt": _package("sglang.srt", srt),
+        "sglang.srt.mem_cache": _package("sglang.srt.mem_cache", srt / "mem_cache"),
+        "sglang.srt.environ": _module("sglang.srt.environ", envs=_Envs()),
+        "sglang.srt.utils": _module("sglang.srt.utils", is_npu=no, is_hip=no, get_bool_env_var=no,
+                                    next_power_of_2=next_pow2, get_num_new_pages=_num_new_pages),
+        "sglang.srt.utils.common": _module("sglang.srt.utils.common", get_num_new_pages=_num_new_pages),
+        "sglang.kernels": _module("sglang.kernels"),
+        "sglang.kernels.ops": _module("sglang.kernels.ops"),
+        "sglang.kernels.ops.memory": _module("sglang.kernels.ops.memory"),
+        "sglang.kernels.ops.memory.allocator": _module(
+            "sglang.kernels.ops.memory.allocator", alloc_extend_kernel=_ExtendKernel(), alloc_decode_kernel=_NoKernel()
+        ),
+        "sglang.srt.mem_cache.memory_pool": _module("sglang.srt.mem_cache.memory_pool", KVCache=object,
+                                                    ReqToTokenPool=object),
+        "sglang.srt.mem_cache.base_swa_memory_pool": _module("sglang.srt.mem_cache.base_swa_memory_pool",
+                                                             BaseSWAKVPool=_BaseSWAKVPool),
+        "sglang.srt.observability": _module("sglang.srt.observability"),
+        "sglang.srt.observability.metrics_collector": _module(
+            "sglang.srt.observability.metrics_collector", STAT_LOGGER_ROLE_RADIX_CACHE="radix_cache",
+            RadixCacheMetricsCollector=object, resolve_collector_class=lambda *a, **k: object,
+        ),
+        "sglang.srt.runtime_context": _module("sglang.srt.runtime_context", get_observability=lambda: None),
+        "sglang.srt.mem_cache.events": _module("sglang.srt.mem_cache.events", KVCacheEventMixin=_NoEvents),
+        "sglang.srt.mem_cache.utils": _module(
+            "sglang.srt.mem_cache.utils", get_eviction_strategy=lambda *a, **k: None, get_hash_str=lambda *a, **k: "",
+            split_node_hash_value=lambda value, split_len, page_size: (None, None),
+        ),
+    }
+
+
+def load_sglang_518(src: Path) -> types.SimpleNamespace:
+    """SGLang 0.5.18's classes: SWARadixCache, SWATokenToKVPoolAllocator, the parameter classes."""
+    before = set(sys.modules)
+    try:
+        sys.modules.update(_stand_ins(src))
+        importlib.import_module("sglang.srt.mem_cache.allocator")  # its __init__ only imports its files
+        paged = importlib.import_module("sglang.srt.mem_cache.allocator.paged")
+        _loaded["paged"] = paged
+        swa_alloc = importlib.import_module("sglang.srt.mem_cache.allocator.swa")
+        base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
+        params = importlib.import_module("sglang.srt.mem_cache.cache_init_params")
+        radix = importlib.import_module("sglang.srt.mem_cache.radix_cache")
+        swa_radix = importlib.import_module("sglang.srt.mem_cache.swa_radix_cache")
+    finally:
+        for name in set(sys.modules) - before:
+            if name == "sglang" or name.startswith("sglang."):
+                del sys.modules[name]
+    return types.SimpleNamespace(
+        SWARadixCache=swa_radix.SWARadixCache, SWATokenToKVPoolAllocator=swa_alloc.SWATokenToKVPoolAllocator,
+        KVPool=_BaseSWAKVPool, CacheInitParams=params.CacheInitParams, RadixKey=radix.RadixKey,
+        MatchPrefixParams=base.MatchPrefixParams, InsertParams=base.InsertParams, EvictParams=base.EvictParams,
+        DecLockRefParams=base.DecLockRefParams,
+    )
