@@ -82,8 +82,8 @@ sglang-518-src: $(SGLANG_518_STAMP)
 $(SGLANG_518_STAMP): $(STAMP)
 	@echo "kvscope: unpacking SGLang 0.5.18's source in $(SGLANG_518_SRC) (no install, about 25 MB)"
 	@mkdir -p $(SGLANG_518_SRC)/wheel
-	@$(BIN)/python -m pip download --disable-pip-version-check --no-deps sglang==0.5.18 -d $(SGLANG_518_SRC)/wheel \
-		| $(SHOW)
+	@$(SHOW) $(BIN)/python -m pip download --disable-pip-version-check --no-deps sglang==0.5.18 \
+		-d $(SGLANG_518_SRC)/wheel
 	@cd $(SGLANG_518_SRC) && $(abspath $(BIN))/python -m zipfile -e wheel/sglang-0.5.18-*.whl .
 	@touch $(SGLANG_518_STAMP)
 
