@@ -401,7 +401,9 @@ def _leaks_line(report: LeakReport) -> str:
         roots = len(report.root_leaks)
         cut = "" if report.finished else (" (found where the run stopped: one that is not "
                                           f"{' or '.join(DEFINITE_KINDS)} may be a free still pending in that step)")
-        return f"leaks: {roots} root cause{'s' if roots != 1 else ''}, {len(report.leaks) - roots} consequences{cut}"
+        consequences = len(report.leaks) - roots
+        return (f"leaks: {roots} root cause{'s' if roots != 1 else ''}, {consequences} "
+                f"consequence{'s' if consequences != 1 else ''}{cut}")
     if report.first_failure_step is not None:
         if report.level != "full":
             return (f"leaks: the leak check failed at step {report.first_failure_step} "

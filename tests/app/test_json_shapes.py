@@ -120,7 +120,7 @@ def test_diff_text_and_the_run_selector(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     rows = {line.split("  ")[0].strip(): line for line in out.stdout.splitlines()}
     assert rows["hit rate (token-weighted)"].rstrip().endswith("pp")
-    assert "/56 of 2048" in rows["last check [full]"] and rows["last check [full]"].endswith("+56 missing")
+    assert "/40 of 2048" in rows["last check [full]"] and rows["last check [full]"].endswith("+40 missing")
     assert "engine.pool.kv_size_tokens  4096 -> 2048" in out.stdout
     path = str(two_runs(tmp_path))
     same = as_json("diff", path, path, "--run", "1", "--run", "2")

@@ -131,16 +131,16 @@ def test_every_page_renders_in_a_browser(server_url: str, page: Page, path: str,
 
 
 def test_overview_and_leaks_state_the_leaking_samples_numbers(server_url: str, page: Page) -> None:
-    """leaky.db: the idle check at step 38 finds 56 full-pool tokens missing; the ledger names 22 root
-    causes and 2 consequences; the lock on node 31 is 44 slots when locked and 20 in the report."""
+    """leaky.db: the idle check at step 38 finds 40 full-pool tokens missing; the ledger names 23 root
+    causes and 1 consequence; the lock on node 31 is 44 slots when locked and 20 in the report."""
     rendered(page, f"{server_url}/", "Overview")
     overview = main_text(page)
     assert "leak check failed at step 38" in overview
-    assert "56 tokens missing" in overview
+    assert "40 tokens missing" in overview
     rendered(page, f"{server_url}/leaks", "Leaks")
     leaks = main_text(page)
     assert "leak" in leaks and "step 16" in leaks  # the verdict and the bisected onset
-    assert "22 root causes, 2 consequences" in leaks
+    assert "23 root causes, 1 consequence " in leaks
     assert "Node 31: the injection record says 44 slots" in leaks and "The report says 20" in leaks
 
 

@@ -40,8 +40,8 @@ def test_one_idle_check_shows_its_terms_as_bars(monkeypatch: pytest.MonkeyPatch)
     spec = json.loads(at.get("plotly_chart")[0].proto.spec)
     full = spec["data"][0]
     assert full["type"] == "bar"
-    assert dict(zip(full["x"], full["y"], strict=True)) == {"available": 244, "evictable": 988, "protected": 760,
-                                                           "held": 0, "uncached": 0, "missing": 56}
+    assert dict(zip(full["x"], full["y"], strict=True)) == {"available": 260, "evictable": 988, "protected": 760,
+                                                           "held": 0, "uncached": 0, "missing": 40}
 
 
 def test_the_culprit_table_is_short_and_names_request_and_node(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -52,7 +52,7 @@ def test_the_culprit_table_is_short_and_names_request_and_node(monkeypatch: pyte
     lock = table[table["node"] == "31"].iloc[0]
     assert (lock["kind"], lock["slots"], lock["request"]) == ("lock-never-released", "20: 1300–1319", "mt-c0005-t3")
     assert table["note"].str.len().max() < 90  # wraps in its column, no event numbers or repeated names
-    assert table.loc[table["#"] == 24, "note"].iloc[0].startswith("a consequence of #20")
+    assert table.loc[table["#"] == 14, "note"].iloc[0].startswith("a consequence of #10")
 
 
 def test_a_culprit_links_to_its_request_and_a_locked_node_to_the_tree(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,7 @@ def test_the_overview_says_used_as_sglang_and_diff_do(monkeypatch: pytest.Monkey
     finally:
         capture.close()
     used = int(last.full_total - last.full_available - last.full_evictable)
-    assert used == int(last.full_used) == 816  # 2,048 - 244 free - 988 evictable: 760 protected + 56 missing
+    assert used == int(last.full_used) == 800  # 2,048 - 260 free - 988 evictable: 760 protected + 40 missing
     assert shown["full: used"] == f"{used:,}"
 
 

@@ -49,7 +49,7 @@ def test_a_failed_leak_check_is_shown_whole_in_red(monkeypatch: pytest.MonkeyPat
     assert verdict.startswith(f"**{check_reason(LEAKY)}**")
     assert "idle leak check failed at step 38" in verdict
     # the check's own message, whole: every term and the gap
-    assert ("[full] total=2048, available=244, evictable=988, protected=760, held=0, uncached=0: 56 tokens missing"
+    assert ("[full] total=2048, available=260, evictable=988, protected=760, held=0, uncached=0: 40 tokens missing"
             in verdict)
     assert "760 tokens still locked at an idle point" in verdict
 
@@ -57,7 +57,7 @@ def test_a_failed_leak_check_is_shown_whole_in_red(monkeypatch: pytest.MonkeyPat
 def test_leaked_tokens_are_missing_not_held_when_no_request_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     shown = metrics(open_app(LEAKY, monkeypatch))
     assert shown["running / waiting"] == "0 / 0"
-    assert shown["full: missing"] == "56"
+    assert shown["full: missing"] == "40"
     assert "full: held by requests" not in shown
     assert shown["full: total"] == "2,048"
 

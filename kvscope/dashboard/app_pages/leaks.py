@@ -77,8 +77,10 @@ def culprits_section(chosen: Selection, report: LeakReport) -> None:
         st.success("No orphaned slots, double frees, held locks or reads of freed slots.")
         return
     roots = len(report.root_leaks)
-    st.caption(f"{roots:,} root causes, {len(report.leaks) - roots:,} consequences (a later leak touching the same "
-               "slots as an earlier one). Select a row to open its request or node.")
+    consequences = len(report.leaks) - roots
+    st.caption(f"{roots:,} root cause{'s' if roots != 1 else ''}, {consequences:,} "
+               f"consequence{'s' if consequences != 1 else ''} (a later leak touching the same slots as an "
+               "earlier one). Select a row to open its request or node.")
     if len(report.leaks) > MAX_ROWS:
         st.caption(f"The first {MAX_ROWS:,} of {len(report.leaks):,}, by the event that exposes them "
                    "(`kvscope report leaks --json` has all).")
