@@ -71,7 +71,10 @@ $(VLLM_STAMP):
 		>/dev/null
 	@touch $(VLLM_STAMP)
 
+# NOTE: kvscope goes into the vLLM venv with --no-deps (its probe is a vllm.general_plugins entry point; none
+# of vLLM's packages change: tests/engines/test_vllm_probe.py checks) and without build isolation (offline)
 test-engines: $(STAMP) $(VLLM_STAMP)
+	@$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	KVSCOPE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/pytest -m engines
 
 bench: $(STAMP)

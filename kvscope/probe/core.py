@@ -19,7 +19,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -112,10 +112,8 @@ class ProbeState:
         self.active = False
         self.reason = reason
         say(f"recording stopped: {reason}")
-        try:
-            self.recorder.close("incomplete" if hasattr(self.recorder, "failure") else "finished", reason)
-        except Exception:  # NOTE: never into the engine
-            pass
+        with suppress(Exception):  # NOTE: never into the engine
+            self.recorder.close("incomplete", reason)
 
 
 def say(line: str) -> None:

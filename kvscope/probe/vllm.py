@@ -262,8 +262,8 @@ def _cache_full_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
                     ids = [b.block_id for b in blocks[num_cached_blocks:num_full_blocks]
                            if not b.is_null and b.block_hash is not None]
                     if ids:
-                        rec.record(EventKind.INSERT, pool=FULL, rid=request.request_id, num_tokens=len(ids) * block_size,
-                                   slots=ids, aux=kv_cache_group_id)
+                        rec.record(EventKind.INSERT, pool=FULL, rid=request.request_id,
+                                   num_tokens=len(ids) * block_size, slots=ids, aux=kv_cache_group_id)
         return result
     return cache_full_blocks
 

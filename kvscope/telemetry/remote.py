@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -238,10 +239,8 @@ def _host(channel: Channel) -> None:
                 break
     finally:
         recorder.close(*status)
-    try:
+    with suppress(ChannelClosed):
         channel.send(("closed",))
-    except ChannelClosed:
-        pass
 
 
 def _take(recorder: Any, items: list[Any], rows: list[tuple[str, tuple[Any, ...]]], pool_terms: Any) -> None:
@@ -249,8 +248,10 @@ def _take(recorder: Any, items: list[Any], rows: list[tuple[str, tuple[Any, ...]
     for table, row in rows:
         if table == "usage":
             full, swa, host = row[1], row[2], row[13]
-            recorder.usage(UsageSample(row[0], pool_terms(*full), swa and pool_terms(*swa), *row[3:13],
-                                       host and pool_terms(*host), *row[14:]))
+            counts = dict(zip(UsageSample._fields[3:13], row[3:13], strict=True))
+            later = dict(zip(UsageSample._fields[14:], row[14:], strict=True))
+            recorder.usage(UsageSample(row[0], pool_terms(*full), swa and pool_terms(*swa),
+                                       host=host and pool_terms(*host), **counts, **later))
         elif table == "leak_checks":
             recorder.leak_check(LeakCheck(*row))
         elif table == "requests":

@@ -14,12 +14,12 @@ import json
 import sys
 
 import torch
+from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request, RequestStatus
-from vllm.sampling_params import SamplingParams
 
 from kvscope.probe import vllm as probe
 
@@ -79,7 +79,7 @@ def main(scenario: str) -> None:
         said = probe._register()
     kv, live, censuses, injected = manager(), {}, [], []
     shared = list(range(1000, 1000 + 2 * BLOCK))
-    for step, (rid, tail) in enumerate([("req-a", 1), ("req-b", 2), ("req-c", 3)], 1):
+    for rid, tail in [("req-a", 1), ("req-b", 2), ("req-c", 3)]:
         probe.PROBE.step_begins()
         req = serve(kv, live, rid, shared + [tail] * (BLOCK + 3))
         table = kv.coordinator.single_type_managers[0].req_to_blocks
