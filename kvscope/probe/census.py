@@ -13,8 +13,10 @@ NOTE: the terms (each a leak check, pool = the term's name, at most 8 characters
     qcount    the free queue's counter differs from the length of its list
     orphans   a block table for a request the scheduler no longer has
 A term holds when its list is empty (qcount: when the difference is 0). Every check row carries
-the pool's counts: total blocks (the null block excluded), available = uncached free-queue blocks,
-evictable = cached (hashed) free-queue blocks, held = blocks with ref > 0.
+the pool's counts, each block in exactly one: total blocks (the null block excluded) = available
+(in the free queue, unhashed) + evictable (in the free queue, hashed) + held (ref > 0, not queued)
++ uncached (ref 0, not queued: the unqueued term's blocks); protected is 0. The row's verdict is
+its term's alone.
 """
 
 from __future__ import annotations
@@ -88,8 +90,9 @@ def take_census(view: BlockView, tables: Iterable[Mapping[str, list[Any]]], defe
 
 def census_checks(step: int, result: CensusResult) -> list[LeakCheck]:
     """One leak check per term, its violation naming the blocks (and, for a leak, who took them)."""
-    counts = (result.num_blocks, result.num_free - result.num_cached_free, result.num_cached_free, 0,
-              result.num_held, 0)
+    held = result.num_held - len(result.qheld)
+    counts = (result.num_blocks, result.num_free - result.num_cached_free, result.num_cached_free, 0, held,
+              len(result.unqueued))
     return [LeakCheck(step, term, *counts, idle=True, violation=_violation(term, result)) for term in TERMS]
 
 

@@ -1,0 +1,89 @@
+"""RemoteRecorder: a recording process without SQLAlchemy (a real engine's venv) hands its buffer to
+a host process that owns the run; what it records reads back as SQLRecorder's would, and a dead
+host or a bad target stops recording in one line without raising into the recording process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvscope.probe import census_checks, take_census
+from kvscope.probe.census import BlockView
+from kvscope.telemetry import Capture, EventKind, LeakCheck, PoolName, PoolTerms, RequestRecord, UsageSample
+from kvscope.telemetry.remote import RecorderStartError, RemoteRecorder
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_what_it_records_reads_back(tmp_path: Path) -> None:
+    target = tmp_path / "remote.db"
+    rec = RemoteRecorder(target, level="full", label="remote", config={"source": {"kind": "probe"}})
+    rec.step = 1
+    rec.record(EventKind.ALLOC, pool=PoolName.FULL, rid="r1", num_tokens=2, slots=[4, 5], aux=0)
+    rec.record(EventKind.FREE, pool=PoolName.FULL, rid="r1", num_tokens=2, slots=[5, 4], aux=0)
+    rec.usage(UsageSample(1, PoolTerms(352, 320, 0, 0), None, 0, 0, 1, 0, 100, 64, 1, 1, 0, 0, full_used=32))
+    rec.leak_check(LeakCheck(1, "leaked", 11, 10, 0, 0, 1, 0, violation="1 block leaked: block 4"))
+    done = RequestRecord("r1", None, 100, "finished", 64, 1)
+    done.mark("finish", 1, 2.5)
+    rec.request(done)
+    rec.close()
+    capture = Capture(target)
+    try:
+        run = capture.runs().iloc[-1]
+        assert run.status == "finished" and '"kind": "probe"' in run.config
+        events = capture.events(int(run.id), limit=100)
+        assert list(events.kind) == ["alloc", "free"] and list(events.rid) == ["r1", "r1"]
+        checks = capture.leak_checks(int(run.id))
+        assert list(checks.message) == ["[leaked] total=11, available=10, evictable=0, protected=0, held=1, "
+                                        "uncached=0: 1 block leaked: block 4"]
+        assert list(capture.requests(int(run.id)).cached_tokens) == [64]
+        assert capture.usage(int(run.id)).cum_hit_tokens.tolist() == [64]
+    finally:
+        capture.close()
+
+
+def test_a_bad_target_is_one_line_at_start(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.db"
+    bad.write_text("not a database")
+    with pytest.raises(RecorderStartError, match=r"^.*bad\.db: not a kvscope capture \(not a SQLite database\)$"):
+        RemoteRecorder(bad)
+    with pytest.raises(RecorderStartError, match="cannot start the recorder's host process with /nonexistent/py"):
+        RemoteRecorder(tmp_path / "x.db", python="/nonexistent/py")
+
+
+def test_a_dead_host_stops_recording_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rec = RemoteRecorder(tmp_path / "dead.db")
+    os.kill(rec._process.pid, signal.SIGKILL)
+    rec._process.wait()
+    for step in range(3):
+        rec.record(EventKind.ALLOC, pool=PoolName.FULL, rid="r", num_tokens=1, slots=[1])
+        rec.idle()
+        rec.step = step
+    rec.close()
+    assert rec.failure == "the recorder's host process ended"
+    assert capsys.readouterr().err.count("kvscope recorder: recording stopped") == 1
+
+
+def test_kvscope_check_judges_a_probe_run_by_its_census(tmp_path: Path) -> None:
+    """A probe run (source kind probe) is judged by its census checks, not by the slot ledger."""
+    target = tmp_path / "census.db"
+    rec = RemoteRecorder(target, config={"source": {"kind": "probe", "engine": "vllm", "version": "0.32.0"}})
+    view = BlockView({1: 1, 2: 0}, set(), [2], 1)
+    for step, tables in ((1, [{"r1": []}]), (2, [{}])):
+        rec.step = step
+        rec.record(EventKind.ALLOC, pool=PoolName.FULL, rid="r1", num_tokens=1, slots=[1])
+        result = take_census(view if step == 2 else BlockView({1: 0, 2: 0}, set(), [1, 2], 2), tables, [], set(),
+                             {1: ("r1", 2, "alloc")})
+        for check in census_checks(step, result):
+            rec.leak_check(check)
+    rec.close()
+    out = subprocess.run([sys.executable, "-m", "kvscope", "check", str(target)], capture_output=True, text=True,
+                         cwd=ROOT, check=False)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stdout.strip().endswith("1 block leaked: block 1 ref 1, accounted 0; last taken by request r1 "
+                                       "(alloc at step 2)")
