@@ -32,7 +32,8 @@ def test_it_execs_the_command_with_the_probes_environment(tmp_path: Path) -> Non
 
 
 def test_the_commands_exit_code_is_its_own(tmp_path: Path) -> None:
-    assert kvscope("--capture", str(tmp_path / "c.db"), "--", sys.executable, "-c", "raise SystemExit(7)").returncode == 7
+    out = kvscope("--capture", str(tmp_path / "c.db"), "--", sys.executable, "-c", "raise SystemExit(7)")
+    assert out.returncode == 7
 
 
 @pytest.mark.parametrize(("args", "env", "line"), [

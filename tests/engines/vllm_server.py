@@ -70,8 +70,9 @@ def vllm_server(wrap: Sequence[str] = ()) -> Iterator[VllmServer]:
     log_path = tmp / "vllm.log"
     log = log_path.open("w")
     process = subprocess.Popen(
-        [*wrap, VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--load-format", "dummy",
-         "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "256", "--block-size", str(BLOCK),
+        [*wrap, VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "256",
+         "--block-size", str(BLOCK),
          "--num-gpu-blocks-override", str(NUM_BLOCKS), "--host", "127.0.0.1", "--port", str(port),
          "--kv-events-config", json.dumps(events)],
         stdout=log, stderr=subprocess.STDOUT, cwd=tmp,

@@ -98,7 +98,8 @@ def test_every_target_is_patched_or_none_is(engine_module: types.ModuleType) -> 
     calls: list[str] = []
     name = engine_module.__name__
     targets = [Target(name, "Pool", "take", _counting(calls)), Target(name, "Pool", "give", _counting(calls)),
-               Target(name, "Pool", "gone", _counting(calls)), Target("no_such_engine_module", "X", "y", _counting(calls))]
+               Target(name, "Pool", "gone", _counting(calls)),
+               Target("no_such_engine_module", "X", "y", _counting(calls))]
     result = patch_all(targets)
     assert result.patched == [] and result.missing == [f"{name}.Pool.gone", "no_such_engine_module.X.y"]
     pool = engine_module.Pool()
