@@ -24,6 +24,7 @@ are dropped, the engine goes on. Nothing here raises into the recording process 
 
 from __future__ import annotations
 
+import atexit
 import json
 import marshal
 import os
@@ -67,6 +68,7 @@ class RemoteRecorder(Recorder):
         self._due_s = _monotonic() + flush_interval_s
         self._channel, self._process = _start_host(python or sys.executable)
         self.run_id = self._open(str(target), level, label, config or {})
+        atexit.register(self.close)  # NOTE: an engine that exits normally closes its run as finished
 
     def _open(self, target: str, level: str, label: str, config: dict[str, Any]) -> int:
         try:
@@ -123,6 +125,7 @@ class RemoteRecorder(Recorder):
         self._hand_off()
         self._ask(("close", status, error), "closed")
         self._end_host()
+        atexit.unregister(self.close)
 
     def _hand_off(self) -> None:
         self._due_s = _monotonic() + self._interval_s
