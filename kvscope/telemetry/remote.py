@@ -11,7 +11,9 @@ NOTE: the three processes
                        past `flush_interval_s`, at idle points and on flush() the buffer goes to
                        the host as one marshal body. Imports: the standard library, channel.py.
     host process       SQLRecorder(target): starts the run, takes each batch into its buffer
-                       (extend_items, usage, leak_check, request) and hands it on.
+                       (extend_items, usage, leak_check, request) and hands it on. It detaches
+                       (a second fork, a session of its own) so that an engine killing its own
+                       process tree at shutdown (vLLM does) leaves it to close the run.
     writer process     SQLRecorder's own: packs and writes.
 NOTE: messages (channel.py frames)
     recorder -> host   ("open", target, level, label, config JSON), then ("batch", step) with body
@@ -27,6 +29,7 @@ from __future__ import annotations
 import atexit
 import json
 import marshal
+import multiprocessing.util
 import os
 import subprocess
 import sys
@@ -68,7 +71,10 @@ class RemoteRecorder(Recorder):
         self._due_s = _monotonic() + flush_interval_s
         self._channel, self._process = _start_host(python or sys.executable)
         self.run_id = self._open(str(target), level, label, config or {})
-        atexit.register(self.close)  # NOTE: an engine that exits normally closes its run as finished
+        # NOTE: an engine process that exits normally closes its run as finished; a multiprocessing
+        # child (vLLM's EngineCore) skips atexit and runs multiprocessing's finalizers instead
+        atexit.register(self.close)
+        self._finalizer = multiprocessing.util.Finalize(None, self.close, exitpriority=100)
 
     def _open(self, target: str, level: str, label: str, config: dict[str, Any]) -> int:
         try:
@@ -81,6 +87,8 @@ class RemoteRecorder(Recorder):
                 "the recorder's host process did not start the run"
             self._end_host()
             raise RecorderStartError(reason)
+        self.host_pid = int(answer.header[2])
+        self._process.wait()  # NOTE: the first process, which forked the host off, has exited
         return int(answer.header[1])
 
     @property
@@ -126,6 +134,7 @@ class RemoteRecorder(Recorder):
         self._ask(("close", status, error), "closed")
         self._end_host()
         atexit.unregister(self.close)
+        self._finalizer.cancel()
 
     def _hand_off(self) -> None:
         self._due_s = _monotonic() + self._interval_s
@@ -188,6 +197,7 @@ def _plain_tuple(record: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _start_host(python: str) -> tuple[Channel, subprocess.Popen[bytes]]:
+    """The host, through a first process that forks it off and exits (_detach)."""
     channel, theirs = Channel.pair()
     package_root = str(Path(kvscope.__file__).resolve().parent.parent)
     path = os.environ.get("PYTHONPATH")
@@ -217,7 +227,7 @@ def _host(channel: Channel) -> None:
     except Exception as err:
         channel.send(("failed", str(err).splitlines()[0] if str(err) else type(err).__name__))
         return
-    channel.send(("opened", recorder.run_id))
+    channel.send(("opened", recorder.run_id, os.getpid()))
     status: tuple[str, str | None] = ("interrupted", "the recording process ended without closing the run")
     try:
         while True:
@@ -263,7 +273,16 @@ def _take(recorder: Any, items: list[Any], rows: list[tuple[str, tuple[Any, ...]
                                            times, steps))
 
 
+def _detach() -> None:
+    """Leave the recording process's tree: the first child exits at once (RemoteRecorder reaps it),
+    the second, in a session of its own, is the host."""
+    if os.fork() != 0:
+        os._exit(0)
+    os.setsid()
+
+
 def main(argv: list[str]) -> int:
+    _detach()
     channel = Channel.from_fd(int(argv[0]))
     try:
         _host(channel)

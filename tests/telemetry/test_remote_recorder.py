@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,8 +59,8 @@ def test_a_bad_target_is_one_line_at_start(tmp_path: Path) -> None:
 
 def test_a_dead_host_stops_recording_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rec = RemoteRecorder(tmp_path / "dead.db")
-    os.kill(rec._process.pid, signal.SIGKILL)
-    rec._process.wait()
+    os.kill(rec.host_pid, signal.SIGKILL)
+    time.sleep(0.2)
     for step in range(3):
         rec.record(EventKind.ALLOC, pool=PoolName.FULL, rid="r", num_tokens=1, slots=[1])
         rec.idle()
@@ -67,6 +68,53 @@ def test_a_dead_host_stops_recording_in_one_line(tmp_path: Path, capsys: pytest.
     rec.close()
     assert rec.failure == "the recorder's host process ended"
     assert capsys.readouterr().err.count("kvscope recorder: recording stopped") == 1
+
+
+def test_the_host_outlives_the_recording_processs_tree(tmp_path: Path) -> None:
+    """An engine that SIGKILLs its own process tree at shutdown (vLLM does) does not reach the host:
+    it closes the run when its channel closes."""
+    code = ("import os, signal, sys\n"
+            "from kvscope.telemetry.remote import RemoteRecorder\n"
+            f"rec = RemoteRecorder({str(tmp_path / 'tree.db')!r})\n"
+            "print(rec.host_pid, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == -signal.SIGKILL
+    host = int(out.stdout)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        capture = Capture(tmp_path / "tree.db")
+        try:
+            status = capture.runs().iloc[-1].status
+        finally:
+            capture.close()
+        if status != "running":
+            break
+        time.sleep(0.2)
+    assert status == "interrupted", f"the host (pid {host}) did not close the run"
+
+
+def test_a_multiprocessing_child_that_exits_closes_its_run_as_finished(tmp_path: Path) -> None:
+    """vLLM's EngineCore is a multiprocessing child: it never runs atexit, its finalizers close the run."""
+    code = ("import multiprocessing as mp, sys\n"
+            "from kvscope.telemetry.remote import RemoteRecorder\n"
+            "def engine(path):\n"
+            "    rec = RemoteRecorder(path)\n"
+            "    raise SystemExit(0)\n"
+            "if __name__ == '__main__':\n"
+            f"    p = mp.get_context('fork').Process(target=engine, args=({str(tmp_path / 'mp.db')!r},))\n"
+            "    p.start(); p.join(); print(p.exitcode)\n")
+    script = tmp_path / "engine.py"
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, check=False,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert out.stdout.strip() == "0", out.stderr
+    capture = Capture(tmp_path / "mp.db")
+    try:
+        assert capture.runs().iloc[-1].status == "finished"
+    finally:
+        capture.close()
 
 
 def test_kvscope_check_judges_a_probe_run_by_its_census(tmp_path: Path) -> None:
