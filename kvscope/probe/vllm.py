@@ -9,14 +9,17 @@ opened only in a process whose block pool is used (the EngineCore), at its first
 NOTE: what each vLLM action records (pool full; slots = block ids; aux = the KV-cache group, -1
 when the call did not come through a group's manager; rid = the request the call is made for)
     alloc    BlockPool.get_new_blocks: the new blocks (ref 0 -> 1); the taker of each block
-    evict    BlockPool._maybe_evict_cached_block returned True: the block lost its hash (lazy eviction
+    evict    BlockPool._maybe_evict_cached_block returned True: the block (node_id) lost its hash (lazy eviction
              inside get_new_blocks; reason capacity); reset_prefix_cache: reason reset, no slots
     lock     BlockPool.touch: ref + 1 on prefix-hit blocks; revive: those taken back from the free queue
-    insert   BlockPool.cache_full_blocks: the newly hashed blocks (aux = kv_cache_group_id)
+    insert   BlockPool.cache_full_blocks: one per newly hashed block: node_id = the block, aux = its
+             parent (the block before it in the request's chain; 0 = the root), num_tokens = block size
     free     BlockPool.free_blocks: blocks that reached ref 0; unlock: blocks still referenced after
     match    KVCacheManager.get_computed_blocks: num_tokens = hit tokens, aux = query tokens - hit
              tokens (queries = the request's num_tokens, as vLLM's prefix_cache_queries counts them)
     retract  Scheduler._preempt_request
+EngineCore.shutdown closes the run as finished (a multiprocessing child never runs atexit; vLLM
+then kills the process tree).
 Per engine step a usage sample (tokens = blocks x block size: free-queue blocks as available,
 the rest as used); per finished request its record; per idle edge the census terms as leak checks.
 """
@@ -133,6 +136,12 @@ class VllmProbe:
         manager = scheduler.kv_cache_manager
         return self.census(manager, set(scheduler.requests), [b for _, b in scheduler.deferred_frees])
 
+    def close_run(self) -> None:
+        """The engine shuts down: the run ends finished (this process records nothing more)."""
+        if self.pid == os.getpid():
+            self.state.active = False
+            self.state.recorder.close("finished")
+
     def census(self, manager: Any, live_rids: set[str], deferred: list[list[Any]]) -> CensusResult | None:
         """The census now (on the engine's thread, between steps), stored as leak checks."""
         rec = self.recorder()
@@ -195,10 +204,11 @@ def _maybe_evict(original: Callable[..., Any]) -> Callable[..., Any]:
             with guarded(PROBE.state):
                 rec = PROBE.recorder()
                 if rec is not None:
-                    PROBE.cum["evicted"] += PROBE.block_size
+                    block_size = PROBE.block_size or int(self.hash_block_size)
+                    PROBE.cum["evicted"] += block_size
                     if rec.enabled:
                         rec.record(EventKind.EVICT, pool=FULL, rid=PROBE.ctx.rid, node_id=block.block_id,
-                                   num_tokens=PROBE.block_size, slots=[block.block_id],
+                                   num_tokens=block_size, slots=[block.block_id],
                                    reason=EvictReason.CAPACITY, aux=PROBE.ctx.group)
         return evicted
     return _maybe_evict_cached_block
@@ -258,14 +268,23 @@ def _cache_full_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
         if PROBE.state.active:
             with guarded(PROBE.state):
                 rec = PROBE.recorder()
+                PROBE.block_size = PROBE.block_size or int(block_size)
                 if rec is not None and rec.enabled:
-                    ids = [b.block_id for b in blocks[num_cached_blocks:num_full_blocks]
-                           if not b.is_null and b.block_hash is not None]
-                    if ids:
-                        rec.record(EventKind.INSERT, pool=FULL, rid=request.request_id,
-                                   num_tokens=len(ids) * block_size, slots=ids, aux=kv_cache_group_id)
+                    _record_cached(rec, request.request_id, blocks, num_cached_blocks, num_full_blocks, block_size)
         return result
     return cache_full_blocks
+
+
+def _record_cached(rec: Any, rid: str, blocks: Any, first: int, end: int, block_size: int) -> None:
+    """One insert per newly hashed block: node = the block, parent = the block before it in the
+    request's chain (0, the root, for its first block), so the capture's tree is vLLM's hash chains."""
+    for i in range(first, end):
+        block = blocks[i]
+        if block.is_null or block.block_hash is None:
+            continue
+        parent = blocks[i - 1].block_id if i > 0 and not blocks[i - 1].is_null else 0
+        rec.record(EventKind.INSERT, pool=FULL, rid=rid, node_id=block.block_id, num_tokens=int(block_size),
+                   slots=[block.block_id], aux=parent)
 
 
 def _reset_prefix_cache(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -391,6 +410,15 @@ def _idle_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
     return _notify_idle_state_callbacks
 
 
+def _engine_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
+    def shutdown(self: Any) -> Any:
+        if PROBE.state.active:
+            with guarded(PROBE.state):
+                PROBE.close_run()
+        return original(self)
+    return shutdown
+
+
 def targets() -> list[Target]:
     """What the probe wraps in vLLM 0.32 (file:line in docs/probe.md)."""
     return [
@@ -411,6 +439,7 @@ def targets() -> list[Target]:
         Target(SCHEDULER, "Scheduler", "_free_request_blocks", _free_request_blocks),
         Target(CORE, "EngineCoreProc", "_process_engine_step", _engine_step),
         Target(CORE, "EngineCoreProc", "_notify_idle_state_callbacks", _idle_callbacks),
+        Target(CORE, "EngineCore", "shutdown", _engine_shutdown),
     ]
 
 

@@ -242,6 +242,7 @@ def _host(channel: Channel) -> None:
                 message.release()
                 _take(recorder, items, rows, PoolTerms)
                 recorder.step = max(recorder.step, int(message.header[1]))
+                recorder.idle()  # NOTE: a batch arrives at most every flush interval, or at an idle point
                 if recorder.failure is not None:
                     channel.send(("failed", recorder.failure))
             elif message.kind == "flush":

@@ -52,7 +52,7 @@ def drive(scenario: str, capture: Path) -> dict[str, Any]:
 def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_path: Path) -> None:
     capture = tmp_path / "clean.db"
     result = drive("clean", capture)
-    assert result["said"] == "patched 17 methods of vLLM 0.32.0" and result["served"]
+    assert result["said"] == "patched 18 methods of vLLM 0.32.0" and result["served"]
     assert [c["ok"] for c in result["censuses"]] == [True, True, True]
     db = Capture(capture)
     try:
@@ -65,6 +65,8 @@ def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_pa
         assert set(events[events.kind == "alloc"].rid) >= {"req-a", "req-b", "req-c"}
         hits = events[events.kind == EventKind.MATCH.value]
         assert list(hits.num_tokens) == [0, 32, 32, 0]  # the shared 2-block prefix after the first; "after" misses
+        inserts = events[events.kind == "insert"]  # vLLM's hash chains: each parent is the root or a cached block
+        assert len(inserts) > 0 and set(inserts.aux) - set(inserts.node_id) == {0}
         checks = db.leak_checks(int(run.id))
         assert set(checks.pool) == {"leaked", "lostref", "unqueued", "qheld", "qcount", "orphans"}
         assert checks.ok.astype(bool).all()

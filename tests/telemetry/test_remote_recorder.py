@@ -48,6 +48,25 @@ def test_what_it_records_reads_back(tmp_path: Path) -> None:
         capture.close()
 
 
+def test_an_idle_point_reaches_the_capture_while_the_run_is_open(tmp_path: Path) -> None:
+    """A live reader sees the census of the last idle point, not only what a later batch pushes out."""
+    target = tmp_path / "live.db"
+    rec = RemoteRecorder(target)
+    rec.step = 3
+    rec.leak_check(LeakCheck(3, "leaked", 11, 11, 0, 0, 0, 0))
+    rec.idle()
+    deadline, seen = time.monotonic() + 20, 0
+    while time.monotonic() < deadline and not seen:
+        capture = Capture(target)
+        try:
+            seen = len(capture.leak_checks(rec.run_id))
+        finally:
+            capture.close()
+        time.sleep(0.2)
+    rec.close()
+    assert seen == 1
+
+
 def test_a_bad_target_is_one_line_at_start(tmp_path: Path) -> None:
     bad = tmp_path / "bad.db"
     bad.write_text("not a database")
