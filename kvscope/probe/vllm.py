@@ -51,6 +51,9 @@ SINGLE = "vllm.v1.core.single_type_kv_cache_manager"
 SCHEDULER = "vllm.v1.core.sched.scheduler"
 CORE = "vllm.v1.engine.core"
 FULL = PoolName.FULL
+ALLOC, LOCK, REVIVE, FREE_KIND, UNLOCK = (EventKind.ALLOC, EventKind.LOCK, EventKind.REVIVE, EventKind.FREE,
+                                          EventKind.UNLOCK)
+_getpid = os.getpid
 
 
 class Context:
@@ -97,14 +100,6 @@ class VllmProbe:
         return {"source": {"kind": "probe", "engine": ENGINE, "version": self.version, "patched": patched,
                            "reason": reason, "pid": os.getpid(), "provides": ["blocks", "ownership", "refs",
                                                                             "leak_checks", "requests"]}}
-
-    def took(self, blocks: list[int], rid: str | None, step: int, event: str) -> None:
-        for block in blocks:
-            self.last_taker[block] = (rid, step, event)
-
-    def released(self, blocks: list[int], rid: str | None, step: int) -> None:
-        for block in blocks:
-            self.last_release[block] = (rid, step, "free")
 
     # -- the engine loop ----------------------------------------------------------------------
 
@@ -177,22 +172,36 @@ def _block_view(pool: Any) -> BlockView:
 PROBE = VllmProbe(None, "")
 
 
-def _ids(blocks: Any) -> list[int]:
-    return [b.block_id for b in blocks if not b.is_null]
+def _failed(err: Exception) -> None:
+    """kvscope's part of a hot wrapper raised: recording stops (one line); the engine never sees it."""
+    PROBE.state.stop(f"{type(err).__name__}: {err}".splitlines()[0])
+
+
+def _live_recorder() -> Any:
+    """The recorder when recording (fast path: already open in this process)."""
+    return PROBE.state.recorder if PROBE.pid == _getpid() else PROBE.recorder()
+
+
+# NOTE: the block-pool wrappers are hot (several calls per request per step): plain try/except
+# instead of `guarded`, no work at level summary beyond the taker/releaser maps the census names
 
 
 def _get_new_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
     def get_new_blocks(self: Any, num_blocks: int) -> Any:
         blocks = original(self, num_blocks)
         if PROBE.state.active:
-            with guarded(PROBE.state):
-                rec, ctx = PROBE.recorder(), PROBE.ctx
+            try:
+                rec, ctx = _live_recorder(), PROBE.ctx
                 if rec is not None:
-                    ids = _ids(blocks)
-                    PROBE.took(ids, ctx.rid, rec.step, "alloc")
+                    rid, taken = ctx.rid, (ctx.rid, rec.step, "alloc")
+                    ids = [b.block_id for b in blocks]
+                    takers = PROBE.last_taker
+                    for block in ids:
+                        takers[block] = taken
                     if rec.enabled:
-                        rec.record(EventKind.ALLOC, pool=FULL, rid=ctx.rid, num_tokens=len(ids), slots=ids,
-                                   aux=ctx.group)
+                        rec.record(ALLOC, pool=FULL, rid=rid, num_tokens=len(ids), slots=ids, aux=ctx.group)
+            except Exception as err:
+                _failed(err)
         return blocks
     return get_new_blocks
 
@@ -219,19 +228,25 @@ def _touch(original: Callable[..., Any]) -> Callable[..., Any]:
         if not PROBE.state.active:
             return original(self, blocks)
         revived: list[int] = []
-        with guarded(PROBE.state):
-            revived = [b.block_id for b in blocks if b.ref_cnt == 0 and not b.is_null]
+        try:
+            revived = [b.block_id for b in blocks if not b.ref_cnt and not b.is_null]
+        except Exception as err:
+            _failed(err)
         result = original(self, blocks)
-        with guarded(PROBE.state):
-            rec, ctx = PROBE.recorder(), PROBE.ctx
+        try:
+            rec, ctx = _live_recorder(), PROBE.ctx
             if rec is not None:
-                ids = _ids(blocks)
-                PROBE.took(ids, ctx.rid, rec.step, "touch")
+                rid, taken = ctx.rid, (ctx.rid, rec.step, "touch")
+                ids = [b.block_id for b in blocks if not b.is_null]
+                takers = PROBE.last_taker
+                for block in ids:
+                    takers[block] = taken
                 if rec.enabled:
-                    rec.record(EventKind.LOCK, pool=FULL, rid=ctx.rid, num_tokens=len(ids), slots=ids, aux=ctx.group)
+                    rec.record(LOCK, pool=FULL, rid=rid, num_tokens=len(ids), slots=ids, aux=ctx.group)
                     if revived:
-                        rec.record(EventKind.REVIVE, pool=FULL, rid=ctx.rid, num_tokens=len(revived), slots=revived,
-                                   aux=ctx.group)
+                        rec.record(REVIVE, pool=FULL, rid=rid, num_tokens=len(revived), slots=revived, aux=ctx.group)
+        except Exception as err:
+            _failed(err)
         return result
     return touch
 
@@ -242,20 +257,23 @@ def _free_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, ordered_blocks)
         blocks = list(ordered_blocks)  # NOTE: an iterator (reversed(...)) is read once: keep it for after
         result = original(self, blocks)
-        with guarded(PROBE.state):
-            rec, ctx = PROBE.recorder(), PROBE.ctx
+        try:
+            rec, ctx = _live_recorder(), PROBE.ctx
             if rec is not None:
-                mine = [b.block_id for b in blocks if not b.is_null and (b.pool is None or b.pool is self)]
-                PROBE.released(mine, ctx.rid, rec.step)
-            if rec is not None and rec.enabled:
-                refs = self.blocks
-                zero = [b for b in mine if refs[b].ref_cnt == 0]
-                still = [b for b in mine if refs[b].ref_cnt > 0]
-                if zero:
-                    rec.record(EventKind.FREE, pool=FULL, rid=ctx.rid, num_tokens=len(zero), slots=zero, aux=ctx.group)
-                if still:
-                    rec.record(EventKind.UNLOCK, pool=FULL, rid=ctx.rid, num_tokens=len(still), slots=still,
-                               aux=ctx.group)
+                rid, released = ctx.rid, (ctx.rid, rec.step, "free")
+                mine = [b for b in blocks if not b.is_null and (b.pool is None or b.pool is self)]
+                releasers = PROBE.last_release
+                for b in mine:
+                    releasers[b.block_id] = released
+                if rec.enabled:
+                    zero = [b.block_id for b in mine if not b.ref_cnt]
+                    if zero:
+                        rec.record(FREE_KIND, pool=FULL, rid=rid, num_tokens=len(zero), slots=zero, aux=ctx.group)
+                    if len(zero) < len(mine):
+                        still = [b.block_id for b in mine if b.ref_cnt]
+                        rec.record(UNLOCK, pool=FULL, rid=rid, num_tokens=len(still), slots=still, aux=ctx.group)
+        except Exception as err:
+            _failed(err)
         return result
     return free_blocks
 
