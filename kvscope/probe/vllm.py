@@ -453,6 +453,7 @@ def targets() -> list[Target]:
         Target(SINGLE, "SingleTypeKVCacheManager", "allocate_new_blocks", _for_group),
         Target(SINGLE, "SingleTypeKVCacheManager", "add_local_computed_blocks", _for_group),
         Target(SINGLE, "SingleTypeKVCacheManager", "free", _for_group),
+        Target(SINGLE, "SingleTypeKVCacheManager", "_remove_blocks_in_range", _for_group),
         Target(SCHEDULER, "Scheduler", "_preempt_request", _preempt_request),
         Target(SCHEDULER, "Scheduler", "_free_request_blocks", _free_request_blocks),
         Target(CORE, "EngineCoreProc", "_process_engine_step", _engine_step),

@@ -52,7 +52,7 @@ def drive(scenario: str, capture: Path) -> dict[str, Any]:
 def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_path: Path) -> None:
     capture = tmp_path / "clean.db"
     result = drive("clean", capture)
-    assert result["said"] == "patched 18 methods of vLLM 0.32.0" and result["served"]
+    assert result["said"] == "patched 19 methods of vLLM 0.32.0" and result["served"]
     assert [c["ok"] for c in result["censuses"]] == [True, True, True]
     db = Capture(capture)
     try:
