@@ -96,6 +96,19 @@ def census_checks(step: int, result: CensusResult) -> list[LeakCheck]:
     return [LeakCheck(step, term, *counts, idle=True, violation=_violation(term, result)) for term in TERMS]
 
 
+def census_json(result: CensusResult, pid: int, dp_rank: int) -> dict[str, Any]:
+    """The census as plain JSON values (GET /kvscope/census): counts, each term, the culprits."""
+    return {
+        "pid": pid, "dp_rank": dp_rank, "ok": result.ok, "blocks": result.num_blocks, "free": result.num_free,
+        "cached_free": result.num_cached_free, "held": result.num_held,
+        "leaked": sorted(result.leaked), "lostref": sorted(result.lostref), "unqueued": result.unqueued,
+        "qheld": result.qheld, "qcount": result.qcount, "orphans": result.orphans,
+        "culprits": {str(b): {"rid": c[0], "step": c[1], "event": c[2]} for b, c in result.culprits.items()},
+        "releasers": {str(b): {"rid": c[0], "step": c[1], "event": c[2]} for b, c in result.releasers.items()},
+        "violations": [v for v in (_violation(t, result) for t in TERMS) if v is not None],
+    }
+
+
 def _violation(term: str, result: CensusResult) -> str | None:
     if term == "leaked" and result.leaked:
         return f"{_blocks(len(result.leaked))} leaked: " + "; ".join(

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvscope.probe.census import BlockView, CensusResult, census_checks, take_census
+from kvscope.probe.census import BlockView, CensusResult, census_checks, census_json, take_census
 from kvscope.probe.core import (
     ProbeState,
     Settings,
@@ -504,7 +504,30 @@ def _register(version: str | None = None, table: dict[str, Callable[[], list[Tar
     if result.missing:
         return _refuse(f"vLLM {version}: {', '.join(result.missing)} not found; nothing patched")
     PROBE.state.active = True
+    _add_census_utility()
     return f"patched {len(result.patched)} methods of vLLM {version}"
+
+
+def _add_census_utility() -> None:
+    """EngineCore.kvscope_census: the census now, as JSON for GET /kvscope/census (vllm_endpoint.py).
+    vLLM runs utility calls on the engine's thread between steps; nothing is stored."""
+    import importlib
+
+    core = importlib.import_module(CORE).EngineCore
+    if not hasattr(core, "kvscope_census"):
+        core.kvscope_census = _census_utility
+
+
+def _census_utility(self: Any) -> dict[str, Any]:
+    try:
+        scheduler = self.scheduler
+        manager = scheduler.kv_cache_manager
+        tables = [m.req_to_blocks for m in manager.coordinator.single_type_managers]
+        result = take_census(_block_view(manager.block_pool), tables, [b for _, b in scheduler.deferred_frees],
+                             set(scheduler.requests), PROBE.last_taker, PROBE.last_release)
+        return census_json(result, os.getpid(), int(getattr(self.vllm_config.parallel_config, "data_parallel_rank", 0)))
+    except Exception as err:  # NOTE: an answer, never an engine error
+        return {"pid": os.getpid(), "error": f"{type(err).__name__}: {err}".splitlines()[0]}
 
 
 def _refuse(reason: str) -> str:

@@ -86,6 +86,8 @@ def test_an_extra_reference_is_a_leak_named_with_its_block_and_request(tmp_path:
     check = kvscope("check", str(capture))
     assert check.returncode == 1, check.stdout + check.stderr
     assert f"block {block} ref 1, accounted 0; last taken by request req-b (touch at step 2)" in check.stdout
+    live = result["live"]  # what GET /kvscope/census answers
+    assert not live["ok"] and live["leaked"] == [block] and live["culprits"][str(block)]["rid"] == "req-b"
     report = kvscope("report", "leaks", str(capture))
     assert "first failure at step 2" in report.stdout and "verdict: leak (kvscope check exits 1)" in report.stdout
     assert f"block {block} ref 1" in report.stdout and "suspect requests" in report.stdout

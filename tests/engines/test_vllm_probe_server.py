@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvscope.telemetry import Capture, EventKind
@@ -42,18 +43,26 @@ def wait_for_checks(capture: Path, count: int, timeout_s: float = 30.0) -> None:
     raise AssertionError(f"fewer than {count} census points in {timeout_s} s")
 
 
-def test_an_instrumented_server_checks_clean_and_counts_what_vllm_counts(tmp_path: Path) -> None:
+def test_an_instrumented_server_checks_clean_and_counts_what_vllm_counts(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     capture = tmp_path / "vllm-probe.db"
     sharing, distinct = prompts()
+    monkeypatch.setenv("VLLM_PLUGINS", "kvscope")  # NOTE: vLLM loads endpoint plugins only when named
     with vllm_server(wrap=(sys.executable, "-m", "kvscope", "instrument", "--capture", str(capture), "--")) as server:
         for prompt in [*sharing, *distinct]:
             complete(server.url, prompt)  # one at a time: each request's end is an idle edge
         metrics = counters(server.url)
         wait_for_checks(capture, len(sharing) + len(distinct))
+        live = httpx.get(f"{server.url}/kvscope/census", timeout=30)
+    assert live.status_code == 200, live.text
+    [engine] = live.json()  # one EngineCore
+    assert engine["ok"] and engine["blocks"] == 11 and engine["held"] == 0 and engine["violations"] == []
     db = Capture(capture)
     try:
         run = db.runs().iloc[-1]
+        assert int(run.pid) != engine["pid"]  # NOTE: the run's pid is the recorder's host; the config names the engine
         source = json.loads(run.config)["source"]
+        assert source["pid"] == engine["pid"]
         assert source["kind"] == "probe" and source["version"] == "0.32.0"
         run_id = int(run.id)
         matches = db.events(run_id, kinds=[EventKind.MATCH], limit=None)

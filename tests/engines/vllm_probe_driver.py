@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import sys
+from types import SimpleNamespace
 
 import torch
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.engine.core import EngineCore
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request, RequestStatus
 
@@ -96,6 +98,11 @@ def main(scenario: str) -> None:
                 kv.block_pool.free_blocks([victim])
             injected.append({"kind": "double-free", "block": victim.block_id, "rid": "req-hold"})
         censuses.append(idle(kv, live))
+    # what GET /kvscope/census answers for this engine (the utility method the probe adds to EngineCore)
+    engine = SimpleNamespace(scheduler=SimpleNamespace(kv_cache_manager=kv, deferred_frees=[], requests=live),
+                             vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_rank=0)))
+    utility = getattr(EngineCore, "kvscope_census", None)
+    live_census = utility(engine) if utility is not None else None
     # vLLM still works after whatever the probe did: a fresh request is served
     served = serve(kv, live, "after", [7] * (2 * BLOCK)).request_id in live
     rec = probe.PROBE.state.recorder
@@ -103,7 +110,7 @@ def main(scenario: str) -> None:
         rec.close()
     print(json.dumps({"said": said, "active": probe.PROBE.state.active, "patched":
                       hasattr(type(kv.block_pool).touch, "__wrapped__"), "censuses": censuses,
-                      "injected": injected, "served": served}))
+                      "injected": injected, "served": served, "live": live_census}))
 
 
 class probe_context:
