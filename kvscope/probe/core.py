@@ -21,9 +21,12 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvscope.telemetry import NULL_RECORDER, Recorder
+
+if TYPE_CHECKING:
+    from kvscope.telemetry.remote import RemoteRecorder
 
 LEVELS = ("summary", "full")
 
@@ -129,7 +132,7 @@ def guarded(state: ProbeState) -> Iterator[None]:
         state.stop(f"{type(err).__name__}: {err}".splitlines()[0])
 
 
-def open_recorder(settings: Settings, *, label: str, config: dict[str, Any]) -> Recorder:
+def open_recorder(settings: Settings, *, label: str, config: dict[str, Any]) -> RemoteRecorder:
     """kvscope's recorder for this process (RemoteRecorder: nothing here imports SQLAlchemy)."""
     from kvscope.telemetry.remote import RemoteRecorder
 

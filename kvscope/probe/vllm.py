@@ -54,6 +54,12 @@ FULL = PoolName.FULL
 ALLOC, LOCK, REVIVE, FREE_KIND, UNLOCK = (EventKind.ALLOC, EventKind.LOCK, EventKind.REVIVE, EventKind.FREE,
                                           EventKind.UNLOCK)
 _getpid = os.getpid
+_monotonic = time.monotonic
+# NOTE: the hot wrappers hand the recorder the flat ITEM_FIELDS tuple themselves (RemoteRecorder.item_sink):
+# (step, t_mono, kind, pool, rid, node_id, num_tokens, aux, reason, principal, slots), kind/pool as values
+ALLOC_V, LOCK_V, REVIVE_V, FREE_V, UNLOCK_V, EVICT_V = (k._value_ for k in (ALLOC, LOCK, REVIVE, FREE_KIND, UNLOCK,
+                                                                            EventKind.EVICT))
+FULL_V, CAPACITY_V = FULL._value_, EvictReason.CAPACITY._value_
 
 
 class Context:
@@ -72,6 +78,9 @@ class VllmProbe:
         self.state = ProbeState(engine=ENGINE)
         self.ctx = Context()
         self.pid = -1  # NOTE: the process whose recorder is open (a forked child opens its own)
+        self.hot = False  # NOTE: the recorder is open in this process (reset in a forked child)
+        self.step = 0  # NOTE: the recorder's step, mirrored for the hot wrappers
+        self.emit: Callable[[tuple[Any, ...]], None] | None = None  # the recorder's item sink; None below full
         self.busy = False
         self.block_size = 0
         self.last_taker: dict[int, tuple[str | None, int, str]] = {}  # block id -> (rid, step, event)
@@ -89,12 +98,20 @@ class VllmProbe:
         if self.pid != os.getpid():
             self.pid = os.getpid()
             assert self.settings is not None
+            self.hot, self.emit = False, None
             with guarded(self.state):
-                self.state.recorder = open_recorder(self.settings, label=f"vllm {self.version} probe pid {self.pid}",
-                                                    config=self.config(patched=True))
+                rec = self.state.recorder = open_recorder(self.settings, label=f"vllm {self.version} probe pid "
+                                                          f"{self.pid}", config=self.config(patched=True))
+                self.step = rec.step
+                self.emit = rec.item_sink() if rec.enabled else None
+                self.hot = True
             if not self.state.active:
                 return None
         return self.state.recorder
+
+    def forked(self) -> None:
+        """In a forked child: the parent's recorder is not this process's (it opens its own)."""
+        self.hot, self.emit = False, None
 
     def config(self, *, patched: bool, reason: str | None = None) -> dict[str, Any]:
         return {"source": {"kind": "probe", "engine": ENGINE, "version": self.version, "patched": patched,
@@ -109,6 +126,7 @@ class VllmProbe:
             return
         self.busy = True
         rec.step = rec.step + 1
+        self.step = rec.step
 
     def step_ends(self, scheduler: Any) -> None:
         rec = self.recorder()
@@ -170,6 +188,7 @@ def _block_view(pool: Any) -> BlockView:
 # active and under `guarded`. Around-wrappers that set the context restore it in `finally`.
 
 PROBE = VllmProbe(None, "")
+os.register_at_fork(after_in_child=lambda: PROBE.forked())
 
 
 def _failed(err: Exception) -> None:
@@ -177,13 +196,15 @@ def _failed(err: Exception) -> None:
     PROBE.state.stop(f"{type(err).__name__}: {err}".splitlines()[0])
 
 
-def _live_recorder() -> Any:
-    """The recorder when recording (fast path: already open in this process)."""
-    return PROBE.state.recorder if PROBE.pid == _getpid() else PROBE.recorder()
-
-
 # NOTE: the block-pool wrappers are hot (several calls per request per step): plain try/except
-# instead of `guarded`, no work at level summary beyond the taker/releaser maps the census names
+# instead of `guarded`; at level summary one pass over the blocks for the taker/releaser maps the
+# census names (one shared entry tuple per call); at full also one flat tuple per event into the
+# recorder's bound list.extend (no keyword call, no per-event object, kind and pool as precomputed
+# values); the recorder is known open in this process by a flag (`hot`, reset at fork) instead of
+# an os.getpid() per call. Plain loops: for a handful of blocks they beat dict.update(zip(...)) here.
+# Slots go as tuples of ints, which the garbage collector stops tracking at its first young pass:
+# lists waiting in the buffer were tracked, promoted, and made full collections (which scan all of
+# vLLM's and torch's objects) frequent: that, not the wrappers' own work, was most of full's cost
 
 
 def _get_new_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -191,15 +212,19 @@ def _get_new_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
         blocks = original(self, num_blocks)
         if PROBE.state.active:
             try:
-                rec, ctx = _live_recorder(), PROBE.ctx
-                if rec is not None:
-                    rid, taken = ctx.rid, (ctx.rid, rec.step, "alloc")
-                    ids = [b.block_id for b in blocks]
-                    takers = PROBE.last_taker
-                    for block in ids:
-                        takers[block] = taken
-                    if rec.enabled:
-                        rec.record(ALLOC, pool=FULL, rid=rid, num_tokens=len(ids), slots=ids, aux=ctx.group)
+                probe = PROBE
+                if probe.hot or probe.recorder() is not None:
+                    ctx, step, takers = probe.ctx, probe.step, probe.last_taker
+                    taken = (ctx.rid, step, "alloc")
+                    if probe.emit is None:
+                        for block in blocks:
+                            takers[block.block_id] = taken
+                    else:
+                        ids = [block.block_id for block in blocks]
+                        for block_id in ids:
+                            takers[block_id] = taken
+                        probe.emit((step, _monotonic(), ALLOC_V, FULL_V, ctx.rid, None, len(ids), ctx.group, None,
+                                    None, tuple(ids)))
             except Exception as err:
                 _failed(err)
         return blocks
@@ -210,41 +235,51 @@ def _maybe_evict(original: Callable[..., Any]) -> Callable[..., Any]:
     def _maybe_evict_cached_block(self: Any, block: Any) -> Any:
         evicted = original(self, block)
         if evicted and PROBE.state.active:
-            with guarded(PROBE.state):
-                rec = PROBE.recorder()
-                if rec is not None:
-                    block_size = PROBE.block_size or int(self.hash_block_size)
-                    PROBE.cum["evicted"] += block_size
-                    if rec.enabled:
-                        rec.record(EventKind.EVICT, pool=FULL, rid=PROBE.ctx.rid, node_id=block.block_id,
-                                   num_tokens=block_size, slots=[block.block_id],
-                                   reason=EvictReason.CAPACITY, aux=PROBE.ctx.group)
+            try:
+                probe = PROBE
+                if probe.hot or probe.recorder() is not None:
+                    block_size = probe.block_size or int(self.hash_block_size)
+                    probe.cum["evicted"] += block_size
+                    if probe.emit is not None:
+                        ctx, node = probe.ctx, block.block_id
+                        probe.emit((probe.step, _monotonic(), EVICT_V, FULL_V, ctx.rid, node, block_size, ctx.group,
+                                    CAPACITY_V, None, (node,)))
+            except Exception as err:
+                _failed(err)
         return evicted
     return _maybe_evict_cached_block
 
 
 def _touch(original: Callable[..., Any]) -> Callable[..., Any]:
     def touch(self: Any, blocks: Any) -> Any:
-        if not PROBE.state.active:
+        probe = PROBE
+        if not (probe.state.active and (probe.hot or probe.recorder() is not None)):
             return original(self, blocks)
+        emit = probe.emit
         revived: list[int] = []
-        try:
-            revived = [b.block_id for b in blocks if not b.ref_cnt and not b.is_null]
-        except Exception as err:
-            _failed(err)
+        if emit is not None:  # NOTE: only `full` records the revived blocks: read before the call
+            try:
+                revived = [b.block_id for b in blocks if not b.ref_cnt and not b.is_null]
+            except Exception as err:
+                _failed(err)
         result = original(self, blocks)
         try:
-            rec, ctx = _live_recorder(), PROBE.ctx
-            if rec is not None:
-                rid, taken = ctx.rid, (ctx.rid, rec.step, "touch")
-                ids = [b.block_id for b in blocks if not b.is_null]
-                takers = PROBE.last_taker
-                for block in ids:
-                    takers[block] = taken
-                if rec.enabled:
-                    rec.record(LOCK, pool=FULL, rid=rid, num_tokens=len(ids), slots=ids, aux=ctx.group)
+            if probe.state.active:
+                ctx, step, takers = probe.ctx, probe.step, probe.last_taker
+                taken = (ctx.rid, step, "touch")
+                if emit is None:
+                    for b in blocks:
+                        if not b.is_null:
+                            takers[b.block_id] = taken
+                else:
+                    ids = [b.block_id for b in blocks if not b.is_null]
+                    for block_id in ids:
+                        takers[block_id] = taken
+                    rid, group = ctx.rid, ctx.group
+                    emit((step, _monotonic(), LOCK_V, FULL_V, rid, None, len(ids), group, None, None, tuple(ids)))
                     if revived:
-                        rec.record(REVIVE, pool=FULL, rid=rid, num_tokens=len(revived), slots=revived, aux=ctx.group)
+                        emit((step, _monotonic(), REVIVE_V, FULL_V, rid, None, len(revived), group, None, None,
+                              tuple(revived)))
         except Exception as err:
             _failed(err)
         return result
@@ -255,27 +290,44 @@ def _free_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
     def free_blocks(self: Any, ordered_blocks: Any) -> Any:
         if not PROBE.state.active:
             return original(self, ordered_blocks)
-        blocks = list(ordered_blocks)  # NOTE: an iterator (reversed(...)) is read once: keep it for after
+        # NOTE: an iterator (reversed(...)) is read once: keep it for after
+        blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
         result = original(self, blocks)
         try:
-            rec, ctx = _live_recorder(), PROBE.ctx
-            if rec is not None:
-                rid, released = ctx.rid, (ctx.rid, rec.step, "free")
-                mine = [b for b in blocks if not b.is_null and (b.pool is None or b.pool is self)]
-                releasers = PROBE.last_release
-                for b in mine:
-                    releasers[b.block_id] = released
-                if rec.enabled:
-                    zero = [b.block_id for b in mine if not b.ref_cnt]
-                    if zero:
-                        rec.record(FREE_KIND, pool=FULL, rid=rid, num_tokens=len(zero), slots=zero, aux=ctx.group)
-                    if len(zero) < len(mine):
-                        still = [b.block_id for b in mine if b.ref_cnt]
-                        rec.record(UNLOCK, pool=FULL, rid=rid, num_tokens=len(still), slots=still, aux=ctx.group)
+            probe = PROBE
+            if probe.hot or probe.recorder() is not None:
+                ctx, releasers = probe.ctx, probe.last_release
+                released = (ctx.rid, probe.step, "free")
+                emit = probe.emit
+                if emit is None:
+                    for b in blocks:  # NOTE: this pool's blocks only (vLLM frees others' into their own pool)
+                        if not b.is_null and (b.pool is None or b.pool is self):
+                            releasers[b.block_id] = released
+                else:
+                    _record_free(emit, self, blocks, releasers, released, ctx.group)
         except Exception as err:
             _failed(err)
         return result
     return free_blocks
+
+
+def _record_free(emit: Callable[[tuple[Any, ...]], None], pool: Any, blocks: list[Any],
+                 releasers: dict[int, tuple[str | None, int, str]], released: tuple[str | None, int, str],
+                 group: int) -> None:
+    """free_blocks at full: the blocks that reached ref 0 (free) and those still referenced (unlock)."""
+    zero: list[int] = []
+    still: list[int] = []
+    for b in blocks:
+        if b.is_null or (b.pool is not None and b.pool is not pool):
+            continue
+        block_id = b.block_id
+        releasers[block_id] = released
+        (still if b.ref_cnt else zero).append(block_id)
+    rid, step = released[0], released[1]
+    if zero:
+        emit((step, _monotonic(), FREE_V, FULL_V, rid, None, len(zero), group, None, None, tuple(zero)))
+    if still:
+        emit((step, _monotonic(), UNLOCK_V, FULL_V, rid, None, len(still), group, None, None, tuple(still)))
 
 
 def _cache_full_blocks(original: Callable[..., Any]) -> Callable[..., Any]:

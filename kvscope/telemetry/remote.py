@@ -7,7 +7,8 @@ SQLRecorder and its writer process).
 
 NOTE: the three processes
     recording process  (the engine) RemoteRecorder: record() extends a flat list (packed.ITEM_FIELDS,
-                       slots as lists of ints), the other records append plain rows; at a step
+                       slots as lists or tuples of ints; item_sink() hands a hot caller that list's
+                       extend), the other records append plain rows; at a step
                        past `flush_interval_s`, at idle points and on flush() the buffer goes to
                        the host as one marshal body. Imports: the standard library, channel.py.
     host process       SQLRecorder(target): starts the run, takes each batch into its buffer
@@ -106,6 +107,12 @@ class RemoteRecorder(Recorder):
                aux: int = 0, principal: str | None = None) -> None:
         self._items.extend((self._step, _monotonic(), kind._value_, pool and pool._value_, rid, node_id, num_tokens,
                             aux, reason and reason._value_, principal, slots))
+
+    def item_sink(self) -> Any:
+        """The bound `extend` of the event buffer, for a caller on a hot path (the vLLM probe's
+        wrappers) that builds the flat ITEM_FIELDS tuple itself, as record() would. The buffer is
+        cleared in place at each hand-off, never replaced, so the bound method stays valid."""
+        return self._items.extend
 
     def usage(self, sample: UsageSample) -> None:
         self._rows.append(("usage", _plain_tuple(sample)))
