@@ -303,31 +303,26 @@ def _free_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
                     for b in blocks:  # NOTE: this pool's blocks only (vLLM frees others' into their own pool)
                         if not b.is_null and (b.pool is None or b.pool is self):
                             releasers[b.block_id] = released
-                else:
-                    _record_free(emit, self, blocks, releasers, released, ctx.group)
+                else:  # NOTE: inline (a helper call per free_blocks costs as much as a block's work)
+                    zero: list[int] = []
+                    still: list[int] = []
+                    for b in blocks:
+                        if b.is_null or (b.pool is not None and b.pool is not self):
+                            continue
+                        block_id = b.block_id
+                        releasers[block_id] = released
+                        (still if b.ref_cnt else zero).append(block_id)
+                    rid, step, group = ctx.rid, released[1], ctx.group
+                    if zero:
+                        emit((step, _monotonic(), FREE_V, FULL_V, rid, None, len(zero), group, None, None,
+                              tuple(zero)))
+                    if still:
+                        emit((step, _monotonic(), UNLOCK_V, FULL_V, rid, None, len(still), group, None, None,
+                              tuple(still)))
         except Exception as err:
             _failed(err)
         return result
     return free_blocks
-
-
-def _record_free(emit: Callable[[tuple[Any, ...]], None], pool: Any, blocks: list[Any],
-                 releasers: dict[int, tuple[str | None, int, str]], released: tuple[str | None, int, str],
-                 group: int) -> None:
-    """free_blocks at full: the blocks that reached ref 0 (free) and those still referenced (unlock)."""
-    zero: list[int] = []
-    still: list[int] = []
-    for b in blocks:
-        if b.is_null or (b.pool is not None and b.pool is not pool):
-            continue
-        block_id = b.block_id
-        releasers[block_id] = released
-        (still if b.ref_cnt else zero).append(block_id)
-    rid, step = released[0], released[1]
-    if zero:
-        emit((step, _monotonic(), FREE_V, FULL_V, rid, None, len(zero), group, None, None, tuple(zero)))
-    if still:
-        emit((step, _monotonic(), UNLOCK_V, FULL_V, rid, None, len(still), group, None, None, tuple(still)))
 
 
 def _cache_full_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
