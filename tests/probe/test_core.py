@@ -3,6 +3,7 @@ all-or-nothing patcher, the guard that keeps kvscope's exceptions out of the eng
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -127,3 +128,22 @@ def test_the_probe_is_inert_without_a_capture() -> None:
     assert settings_from_env({"KVSCOPE_CAPTURE": "  "}) is None
     settings = settings_from_env({"KVSCOPE_CAPTURE": "/tmp/x.db", "KVSCOPE_PYTHON": "/usr/bin/python3"})
     assert settings is not None and settings.level == "full" and settings.python == "/usr/bin/python3"
+
+
+def test_a_forked_child_does_not_write_into_its_parents_recorder() -> None:
+    """The vLLM probe's hot wrappers trust a flag instead of os.getpid() per call: a fork resets it,
+    so the child opens a recorder of its own instead of extending its parent's buffer."""
+    from kvscope.probe import vllm as probe
+
+    buffer: list[object] = []
+    saved = probe.PROBE.hot, probe.PROBE.emit
+    probe.PROBE.hot, probe.PROBE.emit = True, buffer.extend
+    try:
+        pid = os.fork()
+        if pid == 0:  # NOTE: the child reports through its exit status only
+            os._exit(0 if (probe.PROBE.hot, probe.PROBE.emit) == (False, None) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert probe.PROBE.hot and probe.PROBE.emit == buffer.extend  # NOTE: the parent keeps its own
+    finally:
+        probe.PROBE.hot, probe.PROBE.emit = saved

@@ -11,11 +11,21 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvscope.probe import census_checks, take_census
 from kvscope.probe.census import BlockView
-from kvscope.telemetry import Capture, EventKind, LeakCheck, PoolName, PoolTerms, RequestRecord, UsageSample
+from kvscope.telemetry import (
+    Capture,
+    EventKind,
+    EvictReason,
+    LeakCheck,
+    PoolName,
+    PoolTerms,
+    RequestRecord,
+    UsageSample,
+)
 from kvscope.telemetry.remote import RecorderStartError, RemoteRecorder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,3 +164,27 @@ def test_kvscope_check_judges_a_probe_run_by_its_census(tmp_path: Path) -> None:
     assert out.returncode == 1, out.stdout + out.stderr
     assert out.stdout.strip().endswith("1 block leaked: block 1 ref 1, accounted 0; last taken by request r1 "
                                        "(alloc at step 2)")
+
+
+def test_the_item_sink_reads_back_as_record_does(tmp_path: Path) -> None:
+    """The probe's hot wrappers hand flat ITEM_FIELDS tuples (slots as tuples of ints) to item_sink();
+    each event reads back exactly as the same event given to record() with list slots."""
+    target = tmp_path / "sink.db"
+    rec = RemoteRecorder(target, level="full")
+    rec.step = 2
+    rec.record(EventKind.ALLOC, pool=PoolName.FULL, rid="r1", num_tokens=2, slots=[4, 5], aux=1)
+    rec.record(EventKind.EVICT, pool=PoolName.FULL, rid="r1", node_id=6, num_tokens=16, slots=[6],
+               reason=EvictReason.CAPACITY, aux=1)
+    sink = rec.item_sink()
+    sink((2, time.monotonic(), EventKind.ALLOC._value_, PoolName.FULL._value_, "r1", None, 2, 1, None, None, (4, 5)))
+    sink((2, time.monotonic(), EventKind.EVICT._value_, PoolName.FULL._value_, "r1", 6, 16, 1,
+          EvictReason.CAPACITY._value_, None, (6,)))
+    rec.close()
+    capture = Capture(target)
+    try:
+        events = capture.events(int(capture.runs().iloc[-1].id), limit=100).drop(columns=["seq", "t_mono"])
+        rows = [repr(row) for row in events.itertuples(index=False)]
+        assert len(rows) == 4 and rows[:2] == rows[2:]
+        assert events.slots.iloc[2] == np.array([4, 5], "<i4").tobytes() and events.reason.iloc[3] == "capacity"
+    finally:
+        capture.close()
