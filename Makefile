@@ -87,7 +87,10 @@ $(SGLANG_518_STAMP): $(STAMP)
 	@cd $(SGLANG_518_SRC) && $(abspath $(BIN))/python -m zipfile -e wheel/sglang-0.5.18-*.whl .
 	@touch $(SGLANG_518_STAMP)
 
+# NOTE: kvscope goes into the vLLM venv with --no-deps (its probe is a vllm.general_plugins entry point; none
+# of vLLM's packages change: tests/engines/test_vllm_probe.py checks) and without build isolation (offline)
 test-engines: $(STAMP) $(VLLM_STAMP) $(SGLANG_518_STAMP)
+	@$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	KVSCOPE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVSCOPE_SGLANG_518_SRC=$(SGLANG_518_SRC) $(BIN)/pytest -m engines
 
 bench: $(STAMP)

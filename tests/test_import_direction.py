@@ -22,10 +22,11 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"engine", "cache", "mem", "telemetry", "workloads"},
     "server": {"server", "engine", "cache", "mem", "telemetry", "workloads"},
     "attach": {"attach", "engine", "cache", "mem", "telemetry", "workloads"},
+    "probe": {"probe", "telemetry"},  # runs inside a real engine's venv: stdlib, numpy and telemetry only
     "debug": {"debug", "telemetry", "mem"},  # mem: the KV pool types whose freed rows the monitor poisons
     "planning": {"planning", "cache", "mem", "workloads", "telemetry"},
     "dashboard": {"dashboard", "telemetry", "debug", "planning"},
-    "app": {"app", "server", "attach", "engine", "cache", "mem", "telemetry", "workloads", "debug", "planning",
+    "app": {"app", "server", "attach", "probe", "engine", "cache", "mem", "telemetry", "workloads", "debug", "planning",
             "dashboard"},
     "__init__": set(),  # kvscope/__init__.py holds the version and imports nothing
     "__main__": {"app"},  # `python -m kvscope`
@@ -34,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
 # face, and from the face only the producer side (the names events.py and records.py define:
 # event kinds, the Recorder interface, records), never the SQL recorder, store or queries.
 PRODUCER_ONLY = {"engine": ("telemetry", ("events.py", "records.py"))}
-NO_TORCH = {"dashboard", "attach"}
+NO_TORCH = {"dashboard", "attach", "probe"}
 ENGINE_NEVER_LOADS = ("kvscope.debug", "kvscope.telemetry.store", "kvscope.telemetry.recorder",
                       "kvscope.telemetry.queries")
 
@@ -119,6 +120,20 @@ def test_the_engine_loads_neither_the_debugger_nor_the_store() -> None:
         "import sys, kvscope.engine as engine\n"
         "for name in engine.__all__: getattr(engine, name)\n"
         f"print([m for m in sys.modules if m.startswith({ENGINE_NEVER_LOADS!r})])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_the_probe_loads_nothing_an_engine_venv_lacks() -> None:
+    """The probe, its vLLM module and its recorder load in a fresh interpreter without SQLAlchemy,
+    pandas, torch or any other kvscope layer: they run in vLLM's venv, which has only numpy."""
+    code = (
+        "import sys, kvscope.probe, kvscope.probe.vllm, kvscope.telemetry.remote\n"
+        "heavy = ('sqlalchemy', 'pandas', 'torch', 'streamlit', 'vllm', 'kvscope.engine', 'kvscope.debug',\n"
+        "         'kvscope.telemetry.store', 'kvscope.telemetry.recorder', 'kvscope.telemetry.queries')\n"
+        "print(sorted({m for m in sys.modules if m.startswith(heavy)}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
     assert out.returncode == 0, out.stderr

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from kvscope import __version__
+from kvscope.app.instrument import add_instrument_parser
 from kvscope.app.plan import plan_verb, replay_verb
 from kvscope.app.report import check_verb, diff_verb, engine_log_verb, report_verb, runs_verb
 from kvscope.app.units import (
@@ -510,6 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_parser(verbs)
     add_load_parser(verbs)
     add_attach_parser(verbs)
+    add_instrument_parser(verbs, DEFAULTS)
     return parser
 
 

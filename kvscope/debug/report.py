@@ -32,6 +32,9 @@ from kvscope.telemetry import save_report as _store_report
 REPORT_KIND = "leaks"
 PRODUCER = f"kvscope {__version__} / leak report 1"  # a stored report from another producer is rebuilt
 
+PROBE_NOTE = ("recorded inside the engine by kvscope's probe: its idle census checks every block's ref count "
+              "against the scheduler's block tables and names the request that last took a leaked block; the "
+              "engine's ref-counted blocks are not replayed through kvscope's slot ledger")
 SUMMARY_NOTE = ("recorded at level summary: the capture holds no slot indices, so this report works from the "
                 "leak checks and the requests table only (record with --level full for slots and culprits)")
 # NOTE: a leak the ledger finds in a run that stopped mid-step may be a free still pending in
@@ -91,6 +94,7 @@ class LeakReport:
     error: str | None = None  # the run's one-line error (crashed, interrupted, incomplete)
     last_step: int | None = None  # the run's last step with a usage sample
     attached: str | None = None  # an attached engine's run ("vllm 0.32.0"): its leaks are not kvscope's to see
+    probe: str | None = None  # a probe's run inside a real engine ("vllm 0.32.0"): its verdict is its census
 
     @property
     def clean(self) -> bool:
@@ -136,13 +140,14 @@ def run_row(capture: Capture, run_id: int | None) -> Any:
     return chosen.iloc[0]
 
 
-def attached_source(run: Any) -> str | None:
-    """"<engine> <version>" when the run is a `kvscope attach` recording of a real engine, else None."""
+def attached_source(run: Any, kind: str = "attach") -> str | None:
+    """"<engine> <version>" when the run is a `kvscope attach` recording of a real engine (kind
+    "attach") or a recording of the probe inside one (kind "probe"), else None."""
     try:
         source = json.loads(run.config or "{}").get("source")
     except (TypeError, ValueError, AttributeError):
         return None
-    if not isinstance(source, dict) or source.get("kind") != "attach":
+    if not isinstance(source, dict) or source.get("kind") != kind:
         return None
     return " ".join(str(part) for part in (source.get("engine") or "engine", source.get("version")) if part)
 
@@ -167,13 +172,13 @@ def build_report(target: str | Path, run_id: int | None = None, *, on_progress: 
     try:
         run = run_row(capture, run_id)
         report = LeakReport(str(target), int(run.id), str(run.level), str(run.display_status), error=_text(run.error),
-                            attached=attached_source(run))
+                            attached=attached_source(run), probe=attached_source(run, "probe"))
         _from_checks(report, capture.leak_checks(report.run_id))
         last_step = capture.step_range(report.run_id).hi.iloc[0]
         report.last_step = None if pd.isna(last_step) else int(last_step)
         requests = capture.requests(report.run_id)
-        if report.level != "full":
-            report.note = SUMMARY_NOTE
+        if report.level != "full" or report.probe is not None:
+            report.note = SUMMARY_NOTE if report.probe is None else PROBE_NOTE
             report.onset_step = report.first_failure_step
             report.suspects = _suspects(requests, report)
             return report
@@ -405,6 +410,9 @@ def _leaks_line(report: LeakReport) -> str:
         return (f"leaks: {roots} root cause{'s' if roots != 1 else ''}, {consequences} "
                 f"consequence{'s' if consequences != 1 else ''}{cut}")
     if report.first_failure_step is not None:
+        if report.probe is not None:
+            return (f"leaks: the census of the {report.probe} probe failed at step {report.first_failure_step}; "
+                    "the check above names the blocks and the request that last took each")
         if report.level != "full":
             return (f"leaks: the leak check failed at step {report.first_failure_step} "
                     f"({_gap(report.first_failure)}), but this capture is at level {report.level}, so it has no "
@@ -414,6 +422,8 @@ def _leaks_line(report: LeakReport) -> str:
     if not report.finished:
         return (f"leaks: not known: {_STOPPED.get(report.status, f'the run is {report.status!r}')}"
                 f"{_at_step(report)}; whether its memory would have balanced at the end is not in the capture")
+    if report.probe is not None:
+        return f"leaks: none seen by the {report.probe} probe's census"
     if report.level != "full":
         return f"leaks: none seen by the leak checks (level {report.level}: no slot ledger to look further)"
     if report.checks_run == 0:
@@ -470,6 +480,9 @@ def verdict(report: LeakReport) -> Verdict:
     if report.checks_run == 0:
         return Verdict("inconclusive", CHECK_EXIT_CODES["inconclusive"],
                        "inconclusive: the run finished without reaching an idle point, so no leak check ran")
+    if report.probe is not None:
+        return Verdict("clean", CHECK_EXIT_CODES["clean"], f"clean: {_checks(report.checks_run)} of the "
+                       f"{report.probe} probe's block census held (every block's references accounted for)")
     if report.level != "full":
         return Verdict("clean", CHECK_EXIT_CODES["clean"], f"clean: {_checks(report.checks_run)} balanced "
                        f"(level {report.level}: no slot ledger to look further)")

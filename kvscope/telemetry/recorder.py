@@ -243,6 +243,15 @@ class SQLRecorder(Recorder):
         self._extend((self._step, _monotonic(), kind._value_, pool and pool._value_, rid, node_id, num_tokens, aux,
                       reason and reason._value_, principal, slots))
 
+    def extend_items(self, items: list[Any]) -> None:
+        """Events another process buffered in the same flat layout (packed.ITEM_FIELDS, plain
+        values, slots as lists or int64 arrays): kvscope.telemetry.remote's host hands them on."""
+        start = len(self._items)
+        for i in range(SLOTS_AT, len(items), ITEM_WIDTH):
+            if items[i] is not None:
+                self._deferred.append((start + i, items[i]))
+        self._extend(items)
+
     def record_batch(self, kind: EventKind, *, pool: PoolName | None, rids: Any, num_tokens: Any,
                      slots: Any) -> None:
         if slots is not None and (slots.__class__ is not _NDARRAY or slots.dtype is not _INT64):

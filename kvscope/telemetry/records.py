@@ -91,6 +91,10 @@ class LeakCheck(NamedTuple):
 
     At an idle point (`idle`), nothing may stay locked either: protected must be 0. SGLang's
     equation alone counts a lock that is never released as balanced.
+
+    `violation`: a check that is not this equation (a census term of the vLLM probe: the terms
+    above are the block pool's counts, the violation says what failed and names the culprits);
+    None when the term holds.
     """
 
     step: int
@@ -102,6 +106,7 @@ class LeakCheck(NamedTuple):
     held: int
     uncached: int
     idle: bool = True
+    violation: str | None = None
 
     @property
     def balanced(self) -> bool:
@@ -109,11 +114,13 @@ class LeakCheck(NamedTuple):
 
     @property
     def ok(self) -> bool:
-        return self.balanced and not (self.idle and self.protected)
+        return self.balanced and not (self.idle and self.protected) and self.violation is None
 
     def message(self) -> str:
         terms = (f"[{self.pool}] total={self.total}, available={self.available}, evictable={self.evictable}, "
                  f"protected={self.protected}, held={self.held}, uncached={self.uncached}")
+        if self.violation is not None:
+            return f"{terms}: {self.violation}"
         if not self.balanced:
             gap = self.total - (self.available + self.evictable + self.protected + self.held + self.uncached)
             return f"{terms}: {abs(gap)} tokens {'missing' if gap > 0 else 'counted twice'}"

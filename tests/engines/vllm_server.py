@@ -14,7 +14,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +56,8 @@ def free_port() -> int:
 
 
 @contextmanager
-def vllm_server() -> Iterator[VllmServer]:
+def vllm_server(wrap: Sequence[str] = ()) -> Iterator[VllmServer]:
+    """`wrap`: a command the server's command is appended to (`kvscope instrument ... --`)."""
     assert Path(VLLM_PYTHON).exists(), f"no vLLM venv at {VLLM_PYTHON}: `make test-engines` makes it"
     tmp = Path(tempfile.mkdtemp(prefix="kvs-vllm-", dir="/tmp"))  # NOTE: ipc:// paths must stay short
     model = tmp / "model"
@@ -69,8 +70,9 @@ def vllm_server() -> Iterator[VllmServer]:
     log_path = tmp / "vllm.log"
     log = log_path.open("w")
     process = subprocess.Popen(
-        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--load-format", "dummy",
-         "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "256", "--block-size", str(BLOCK),
+        [*wrap, VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "256",
+         "--block-size", str(BLOCK),
          "--num-gpu-blocks-override", str(NUM_BLOCKS), "--host", "127.0.0.1", "--port", str(port),
          "--kv-events-config", json.dumps(events)],
         stdout=log, stderr=subprocess.STDOUT, cwd=tmp,

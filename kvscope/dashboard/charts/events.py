@@ -95,7 +95,7 @@ def request_timeline_figure(requests: pd.DataFrame, allocs: pd.DataFrame) -> go.
                              marker_color=color(name),
                              hovertemplate=f"%{{y}} {name}: step %{{base}}–%{{x}}<extra></extra>"))
     if not allocs.empty:
-        admitted = rows.set_index("rid")[["admit_step", "first_token_step"]]
+        admitted = rows.set_index("rid")[["admit_step", "first_token_step"]].astype(float)  # NOTE: unknown: NaN
         chunks = allocs.join(admitted, on="rid")
         prefill = chunks["first_token_step"].isna() | (chunks["step"] <= chunks["first_token_step"])  # NOTE: NaN: in
         chunks = chunks[(chunks["step"] >= chunks["admit_step"]) & prefill]  # prefill when the run stopped

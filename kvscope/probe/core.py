@@ -1,0 +1,142 @@
+"""The engine-neutral core of the probe: activation from the environment, the patcher, the guard
+every wrapper runs its recording under, and the hand-off to kvscope's recorder.
+
+NOTE: activation (the tracers' convention: entry points inert unless the environment says so)
+    KVSCOPE_CAPTURE   a capture file or database URL; unset: the probe patches nothing
+    KVSCOPE_LEVEL     summary (census, usage, requests) or full (and every block event); default full
+    KVSCOPE_PYTHON    the interpreter of the recorder's host process (one with kvscope's dependencies;
+                      `kvscope instrument` passes its own), default this one
+NOTE: never into the engine
+    A patch is all or nothing: every target is resolved before the first is replaced; one that is
+    missing (or an engine version the table does not name) patches nothing, prints one line and
+    records why in the capture. A wrapper calls the engine's method exactly as before; only
+    kvscope's part runs under `guarded`, and its first exception stops recording (one line).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from kvscope.telemetry import NULL_RECORDER, Recorder
+
+if TYPE_CHECKING:
+    from kvscope.telemetry.remote import RemoteRecorder
+
+LEVELS = ("summary", "full")
+
+
+class Settings(NamedTuple):
+    capture: str
+    level: str
+    python: str | None
+
+
+def settings_from_env(environ: dict[str, str] | None = None) -> Settings | None:
+    """The probe's settings, or None when KVSCOPE_CAPTURE is unset (the probe stays inert)."""
+    env = os.environ if environ is None else environ
+    capture = env.get("KVSCOPE_CAPTURE", "").strip()
+    if not capture:
+        return None
+    level = env.get("KVSCOPE_LEVEL", "full").strip() or "full"
+    return Settings(capture, level, env.get("KVSCOPE_PYTHON") or None)
+
+
+class Target(NamedTuple):
+    """One method to wrap: `module`.`cls`.`method`, by a wrapper factory taking the original."""
+
+    module: str
+    cls: str
+    method: str
+    factory: Callable[[Callable[..., Any]], Callable[..., Any]]
+
+    @property
+    def name(self) -> str:
+        return f"{self.cls}.{self.method}"
+
+
+class PatchResult(NamedTuple):
+    patched: list[str]
+    missing: list[str]  # empty when every target was patched; else nothing was
+
+
+def patch_all(targets: list[Target]) -> PatchResult:
+    """Replace every target's method by its wrapper, or none when any target is missing."""
+    resolved, missing = [], []
+    for target in targets:
+        try:
+            cls = getattr(importlib.import_module(target.module), target.cls)
+            original = cls.__dict__[target.method]
+        except (ImportError, AttributeError, KeyError):
+            missing.append(f"{target.module}.{target.name}")
+            continue
+        if not callable(original):
+            missing.append(f"{target.module}.{target.name}")
+            continue
+        resolved.append((cls, target, original))
+    if missing:
+        return PatchResult([], missing)
+    for cls, target, original in resolved:
+        wrapper = target.factory(original)
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        wrapper.__name__ = original.__name__
+        setattr(cls, target.method, wrapper)
+    return PatchResult([t.name for _, t, _ in resolved], [])
+
+
+def unpatch_all(targets: list[Target]) -> None:
+    """Put the originals back (tests; a probe never unpatches a running engine)."""
+    for target in targets:
+        cls = getattr(importlib.import_module(target.module), target.cls)
+        wrapper = cls.__dict__.get(target.method)
+        if wrapper is not None and hasattr(wrapper, "__wrapped__"):
+            setattr(cls, target.method, wrapper.__wrapped__)
+
+
+@dataclass
+class ProbeState:
+    """The probe's recorder and whether it still records. One per process."""
+
+    recorder: Recorder = NULL_RECORDER
+    active: bool = False
+    reason: str | None = None  # why recording stopped (or never started)
+    engine: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def stop(self, reason: str) -> None:
+        """Recording stops for good: one line; the engine goes on untouched."""
+        if not self.active and self.reason is not None:
+            return
+        self.active = False
+        self.reason = reason
+        say(f"recording stopped: {reason}")
+        with suppress(Exception):  # NOTE: never into the engine
+            self.recorder.close("incomplete", reason)
+
+
+def say(line: str) -> None:
+    print(f"kvscope probe: {line}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def guarded(state: ProbeState) -> Iterator[None]:
+    """kvscope's part of a wrapper: its first exception stops recording, never reaches the engine."""
+    try:
+        yield
+    except Exception as err:
+        state.stop(f"{type(err).__name__}: {err}".splitlines()[0])
+
+
+def open_recorder(settings: Settings, *, label: str, config: dict[str, Any]) -> RemoteRecorder:
+    """kvscope's recorder for this process (RemoteRecorder: nothing here imports SQLAlchemy)."""
+    from kvscope.telemetry.remote import RemoteRecorder
+
+    if settings.level not in LEVELS:
+        raise ValueError(f"KVSCOPE_LEVEL must be summary or full, got {settings.level!r}")
+    return RemoteRecorder(settings.capture, level=settings.level, label=label, config=config,
+                          python=settings.python)

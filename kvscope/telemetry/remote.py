@@ -1,0 +1,307 @@
+"""A recorder for a process that cannot import SQLAlchemy (a real engine's venv, where the vLLM
+probe runs): RemoteRecorder buffers exactly as SQLRecorder does and hands its batches to a host
+process, started with an interpreter that has kvscope's dependencies, which owns the run (an
+SQLRecorder and its writer process).
+
+    python -m kvscope.telemetry.remote FD      (started by RemoteRecorder; FD: its end of the channel)
+
+NOTE: the three processes
+    recording process  (the engine) RemoteRecorder: record() extends a flat list (packed.ITEM_FIELDS,
+                       slots as lists or tuples of ints; item_sink() hands a hot caller that list's
+                       extend), the other records append plain rows; at a step
+                       past `flush_interval_s`, at idle points and on flush() the buffer goes to
+                       the host as one marshal body. Imports: the standard library, channel.py.
+    host process       SQLRecorder(target): starts the run, takes each batch into its buffer
+                       (extend_items, usage, leak_check, request) and hands it on. It detaches
+                       (a second fork, a session of its own) so that an engine killing its own
+                       process tree at shutdown (vLLM does) leaves it to close the run.
+    writer process     SQLRecorder's own: packs and writes.
+NOTE: messages (channel.py frames)
+    recorder -> host   ("open", target, level, label, config JSON), then ("batch", step) with body
+                       marshal of (items, rows), ("flush",), ("close", status, error)
+    host -> recorder   ("opened", run_id) or ("failed", one line); ("flushed",) / ("closed",) /
+                       ("failed", one line) later
+A host that dies, a full disk or a bad target stop recording: one line on stderr, later records
+are dropped, the engine goes on. Nothing here raises into the recording process after __init__.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import marshal
+import multiprocessing.util
+import os
+import subprocess
+import sys
+import time
+from contextlib import suppress
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import kvscope
+from kvscope.telemetry.channel import Channel, ChannelClosed
+from kvscope.telemetry.events import EventKind, PoolName, Recorder
+from kvscope.telemetry.records import LeakCheck, RequestRecord, UsageSample
+
+OPEN_TIMEOUT_S = 60.0  # NOTE: the host imports SQLAlchemy and creates the run (a second or two; more on a busy CPU)
+_monotonic = time.monotonic
+
+
+class RecorderStartError(Exception):
+    """The host could not start the run (a bad target, a missing interpreter): one line."""
+
+
+class RemoteRecorder(Recorder):
+    def __init__(self, target: str | Path, *, level: str = "full", label: str = "",
+                 config: dict[str, Any] | None = None, python: str | None = None,
+                 flush_interval_s: float = 0.2) -> None:
+        if level not in ("summary", "full"):
+            raise RecorderStartError(f"recording level must be 'summary' or 'full', got {level!r}")
+        self.level = level
+        self.enabled = level == "full"
+        self.summary_enabled = True
+        self.failure: str | None = None
+        self.closed = False
+        self._pid = os.getpid()
+        self._step = 0
+        self._items: list[Any] = []
+        self._rows: list[tuple[str, tuple[Any, ...]]] = []
+        self._interval_s = flush_interval_s
+        self._due_s = _monotonic() + flush_interval_s
+        self._channel, self._process = _start_host(python or sys.executable)
+        self.run_id = self._open(str(target), level, label, config or {})
+        # NOTE: an engine process that exits normally closes its run as finished; a multiprocessing
+        # child (vLLM's EngineCore) skips atexit and runs multiprocessing's finalizers instead
+        atexit.register(self.close)
+        self._finalizer = multiprocessing.util.Finalize(None, self.close, exitpriority=100)
+
+    def _open(self, target: str, level: str, label: str, config: dict[str, Any]) -> int:
+        try:
+            self._channel.send(("open", target, level, label, json.dumps(config, default=str, sort_keys=True)))
+            answer = self._channel.receive(OPEN_TIMEOUT_S)
+        except ChannelClosed:
+            answer = None
+        if answer is None or answer.kind != "opened":
+            reason = str(answer.header[1]) if answer is not None and answer.kind == "failed" else \
+                "the recorder's host process did not start the run"
+            self._end_host()
+            raise RecorderStartError(reason)
+        self.host_pid = int(answer.header[2])
+        self._process.wait()  # NOTE: the first process, which forked the host off, has exited
+        return int(answer.header[1])
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = value
+        if _monotonic() >= self._due_s:
+            self._hand_off()
+
+    def record(self, kind: EventKind, *, pool: PoolName | None = None, rid: str | None = None,
+               node_id: int | None = None, num_tokens: int = 0, slots: Any = None, reason: StrEnum | None = None,
+               aux: int = 0, principal: str | None = None) -> None:
+        self._items.extend((self._step, _monotonic(), kind._value_, pool and pool._value_, rid, node_id, num_tokens,
+                            aux, reason and reason._value_, principal, slots))
+
+    def item_sink(self) -> Any:
+        """The bound `extend` of the event buffer, for a caller on a hot path (the vLLM probe's
+        wrappers) that builds the flat ITEM_FIELDS tuple itself, as record() would. The buffer is
+        cleared in place at each hand-off, never replaced, so the bound method stays valid."""
+        return self._items.extend
+
+    def usage(self, sample: UsageSample) -> None:
+        self._rows.append(("usage", _plain_tuple(sample)))
+
+    def leak_check(self, check: LeakCheck) -> None:
+        self._rows.append(("leak_checks", _plain_tuple(check)))
+
+    def request(self, rec: RequestRecord) -> None:
+        self._rows.append(("requests", (rec.rid, rec.principal, str(rec.status), rec.prompt_len, rec.cached_tokens,
+                                        rec.output_len, rec.num_retractions, dict(rec.times), dict(rec.steps))))
+
+    def idle(self) -> None:
+        if self._items or self._rows:
+            self._hand_off()
+
+    def flush(self) -> None:
+        """Block until everything recorded so far is handed on by the host (its writer writes it)."""
+        self._hand_off()
+        self._ask(("flush",), "flushed")
+
+    def close(self, status: str = "finished", error: str | None = None) -> None:
+        if self.closed or os.getpid() != self._pid:
+            return
+        self.closed = True
+        self._hand_off()
+        self._ask(("close", status, error), "closed")
+        self._end_host()
+        atexit.unregister(self.close)
+        self._finalizer.cancel()
+
+    def _hand_off(self) -> None:
+        self._due_s = _monotonic() + self._interval_s
+        items, rows = self._items, self._rows
+        if self.failure is not None or (not items and not rows):
+            items.clear()
+            rows.clear()
+            return
+        try:
+            body = marshal.dumps((items, rows))
+            self._channel.send(("batch", self._step), body)
+        except (ValueError, TypeError) as err:
+            self._stop(f"a record could not be handed on ({err})")
+        except (ChannelClosed, OSError):
+            self._stop("the recorder's host process ended")
+        items.clear()
+        rows.clear()
+        self._read_answers()
+
+    def _read_answers(self) -> None:
+        try:
+            answers = self._channel.poll()
+        except (ChannelClosed, OSError):
+            self._stop("the recorder's host process ended")
+            return
+        for answer in answers:
+            if answer.kind == "failed":
+                self._stop(str(answer.header[1]))
+
+    def _ask(self, question: tuple[Any, ...], expected: str) -> None:
+        if self.failure is not None:
+            return
+        try:
+            self._channel.send(question)
+            while True:
+                answer = self._channel.receive()
+                if answer is None or answer.kind == expected:
+                    return
+                if answer.kind == "failed":
+                    self._stop(str(answer.header[1]))
+        except (ChannelClosed, OSError):
+            self._stop("the recorder's host process ended")
+
+    def _stop(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            print(f"kvscope recorder: recording stopped: {reason}", file=sys.stderr, flush=True)
+
+    def _end_host(self) -> None:
+        self._channel.close()
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+
+
+def _plain_tuple(record: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A NamedTuple (nested ones too) as plain tuples: marshal carries only exact tuples."""
+    return tuple(_plain_tuple(v) if isinstance(v, tuple) else v for v in record)
+
+
+def _start_host(python: str) -> tuple[Channel, subprocess.Popen[bytes]]:
+    """The host, through a first process that forks it off and exits (_detach)."""
+    channel, theirs = Channel.pair()
+    package_root = str(Path(kvscope.__file__).resolve().parent.parent)
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": package_root if not path else f"{package_root}{os.pathsep}{path}"}
+    try:
+        process = subprocess.Popen([python, "-m", "kvscope.telemetry.remote", str(theirs.fileno())],
+                                   pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env, process_group=0)
+    except OSError as err:
+        channel.close()
+        raise RecorderStartError(f"cannot start the recorder's host process with {python}: {err}") from err
+    finally:
+        theirs.close()
+    return channel, process
+
+
+# -- the host process (kvscope's own interpreter: SQLAlchemy is imported here only) ----------------
+
+def _host(channel: Channel) -> None:
+    from kvscope.telemetry.recorder import SQLRecorder
+    from kvscope.telemetry.records import PoolTerms
+
+    first = channel.receive()
+    assert first is not None and first.kind == "open", "the recorder speaks first"
+    _, target, level, label, config = first.header
+    try:
+        recorder = SQLRecorder(target, level=level, label=label, config=json.loads(config))
+    except Exception as err:
+        channel.send(("failed", str(err).splitlines()[0] if str(err) else type(err).__name__))
+        return
+    channel.send(("opened", recorder.run_id, os.getpid()))
+    status: tuple[str, str | None] = ("interrupted", "the recording process ended without closing the run")
+    try:
+        while True:
+            try:
+                message = channel.receive()
+            except ChannelClosed:
+                break
+            if message is None:
+                continue
+            if message.kind == "batch":
+                items, rows = marshal.loads(message.body)
+                message.release()
+                _take(recorder, items, rows, PoolTerms)
+                recorder.step = max(recorder.step, int(message.header[1]))
+                recorder.idle()  # NOTE: a batch arrives at most every flush interval, or at an idle point
+                if recorder.failure is not None:
+                    channel.send(("failed", recorder.failure))
+            elif message.kind == "flush":
+                recorder.flush()
+                channel.send(("flushed",))
+            elif message.kind == "close":
+                status = (str(message.header[1]), message.header[2])
+                break
+    finally:
+        recorder.close(*status)
+    with suppress(ChannelClosed):
+        channel.send(("closed",))
+
+
+def _take(recorder: Any, items: list[Any], rows: list[tuple[str, tuple[Any, ...]]], pool_terms: Any) -> None:
+    recorder.extend_items(items)
+    for table, row in rows:
+        if table == "usage":
+            full, swa, host = row[1], row[2], row[13]
+            counts = dict(zip(UsageSample._fields[3:13], row[3:13], strict=True))
+            later = dict(zip(UsageSample._fields[14:], row[14:], strict=True))
+            recorder.usage(UsageSample(row[0], pool_terms(*full), swa and pool_terms(*swa),
+                                       host=host and pool_terms(*host), **counts, **later))
+        elif table == "leak_checks":
+            recorder.leak_check(LeakCheck(*row))
+        elif table == "requests":
+            rid, principal, status, prompt_len, cached, output_len, retractions, times, steps = row
+            recorder.request(RequestRecord(rid, principal, prompt_len, status, cached, output_len, retractions,
+                                           times, steps))
+
+
+def _detach() -> None:
+    """Leave the recording process's tree: the first child exits at once (RemoteRecorder reaps it),
+    the second, in a session of its own, is the host."""
+    if os.fork() != 0:
+        os._exit(0)
+    os.setsid()
+
+
+def main(argv: list[str]) -> int:
+    _detach()
+    channel = Channel.from_fd(int(argv[0]))
+    try:
+        _host(channel)
+    except Exception as err:
+        print(f"kvscope recorder: the host process stopped: {type(err).__name__}: {err}", file=sys.stderr,
+              flush=True)
+        return 1
+    finally:
+        channel.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

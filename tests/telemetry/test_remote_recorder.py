@@ -1,0 +1,190 @@
+"""RemoteRecorder: a recording process without SQLAlchemy (a real engine's venv) hands its buffer to
+a host process that owns the run; what it records reads back as SQLRecorder's would, and a dead
+host or a bad target stops recording in one line without raising into the recording process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvscope.probe import census_checks, take_census
+from kvscope.probe.census import BlockView
+from kvscope.telemetry import (
+    Capture,
+    EventKind,
+    EvictReason,
+    LeakCheck,
+    PoolName,
+    PoolTerms,
+    RequestRecord,
+    UsageSample,
+)
+from kvscope.telemetry.remote import RecorderStartError, RemoteRecorder
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_what_it_records_reads_back(tmp_path: Path) -> None:
+    target = tmp_path / "remote.db"
+    rec = RemoteRecorder(target, level="full", label="remote", config={"source": {"kind": "probe"}})
+    rec.step = 1
+    rec.record(EventKind.ALLOC, pool=PoolName.FULL, rid="r1", num_tokens=2, slots=[4, 5], aux=0)
+    rec.record(EventKind.FREE, pool=PoolName.FULL, rid="r1", num_tokens=2, slots=[5, 4], aux=0)
+    rec.usage(UsageSample(1, PoolTerms(352, 320, 0, 0), None, 0, 0, 1, 0, 100, 64, 1, 1, 0, 0, full_used=32))
+    rec.leak_check(LeakCheck(1, "leaked", 11, 10, 0, 0, 1, 0, violation="1 block leaked: block 4"))
+    done = RequestRecord("r1", None, 100, "finished", 64, 1)
+    done.mark("finish", 1, 2.5)
+    rec.request(done)
+    rec.close()
+    capture = Capture(target)
+    try:
+        run = capture.runs().iloc[-1]
+        assert run.status == "finished" and '"kind": "probe"' in run.config
+        events = capture.events(int(run.id), limit=100)
+        assert list(events.kind) == ["alloc", "free"] and list(events.rid) == ["r1", "r1"]
+        checks = capture.leak_checks(int(run.id))
+        assert list(checks.message) == ["[leaked] total=11, available=10, evictable=0, protected=0, held=1, "
+                                        "uncached=0: 1 block leaked: block 4"]
+        assert list(capture.requests(int(run.id)).cached_tokens) == [64]
+        assert capture.usage(int(run.id)).cum_hit_tokens.tolist() == [64]
+    finally:
+        capture.close()
+
+
+def test_an_idle_point_reaches_the_capture_while_the_run_is_open(tmp_path: Path) -> None:
+    """A live reader sees the census of the last idle point, not only what a later batch pushes out."""
+    target = tmp_path / "live.db"
+    rec = RemoteRecorder(target)
+    rec.step = 3
+    rec.leak_check(LeakCheck(3, "leaked", 11, 11, 0, 0, 0, 0))
+    rec.idle()
+    deadline, seen = time.monotonic() + 20, 0
+    while time.monotonic() < deadline and not seen:
+        capture = Capture(target)
+        try:
+            seen = len(capture.leak_checks(rec.run_id))
+        finally:
+            capture.close()
+        time.sleep(0.2)
+    rec.close()
+    assert seen == 1
+
+
+def test_a_bad_target_is_one_line_at_start(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.db"
+    bad.write_text("not a database")
+    with pytest.raises(RecorderStartError, match=r"^.*bad\.db: not a kvscope capture \(not a SQLite database\)$"):
+        RemoteRecorder(bad)
+    with pytest.raises(RecorderStartError, match="cannot start the recorder's host process with /nonexistent/py"):
+        RemoteRecorder(tmp_path / "x.db", python="/nonexistent/py")
+
+
+def test_a_dead_host_stops_recording_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rec = RemoteRecorder(tmp_path / "dead.db")
+    os.kill(rec.host_pid, signal.SIGKILL)
+    time.sleep(0.2)
+    for step in range(3):
+        rec.record(EventKind.ALLOC, pool=PoolName.FULL, rid="r", num_tokens=1, slots=[1])
+        rec.idle()
+        rec.step = step
+    rec.close()
+    assert rec.failure == "the recorder's host process ended"
+    assert capsys.readouterr().err.count("kvscope recorder: recording stopped") == 1
+
+
+def test_the_host_outlives_the_recording_processs_tree(tmp_path: Path) -> None:
+    """An engine that SIGKILLs its own process tree at shutdown (vLLM does) does not reach the host:
+    it closes the run when its channel closes."""
+    code = ("import os, signal, sys\n"
+            "from kvscope.telemetry.remote import RemoteRecorder\n"
+            f"rec = RemoteRecorder({str(tmp_path / 'tree.db')!r})\n"
+            "print(rec.host_pid, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == -signal.SIGKILL
+    host = int(out.stdout)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        capture = Capture(tmp_path / "tree.db")
+        try:
+            status = capture.runs().iloc[-1].status
+        finally:
+            capture.close()
+        if status != "running":
+            break
+        time.sleep(0.2)
+    assert status == "interrupted", f"the host (pid {host}) did not close the run"
+
+
+def test_a_multiprocessing_child_that_exits_closes_its_run_as_finished(tmp_path: Path) -> None:
+    """vLLM's EngineCore is a multiprocessing child: it never runs atexit, its finalizers close the run."""
+    code = ("import multiprocessing as mp, sys\n"
+            "from kvscope.telemetry.remote import RemoteRecorder\n"
+            "def engine(path):\n"
+            "    rec = RemoteRecorder(path)\n"
+            "    raise SystemExit(0)\n"
+            "if __name__ == '__main__':\n"
+            f"    p = mp.get_context('fork').Process(target=engine, args=({str(tmp_path / 'mp.db')!r},))\n"
+            "    p.start(); p.join(); print(p.exitcode)\n")
+    script = tmp_path / "engine.py"
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, check=False,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert out.stdout.strip() == "0", out.stderr
+    capture = Capture(tmp_path / "mp.db")
+    try:
+        assert capture.runs().iloc[-1].status == "finished"
+    finally:
+        capture.close()
+
+
+def test_kvscope_check_judges_a_probe_run_by_its_census(tmp_path: Path) -> None:
+    """A probe run (source kind probe) is judged by its census checks, not by the slot ledger."""
+    target = tmp_path / "census.db"
+    rec = RemoteRecorder(target, config={"source": {"kind": "probe", "engine": "vllm", "version": "0.32.0"}})
+    view = BlockView({1: 1, 2: 0}, set(), [2], 1)
+    for step, tables in ((1, [{"r1": []}]), (2, [{}])):
+        rec.step = step
+        rec.record(EventKind.ALLOC, pool=PoolName.FULL, rid="r1", num_tokens=1, slots=[1])
+        result = take_census(view if step == 2 else BlockView({1: 0, 2: 0}, set(), [1, 2], 2), tables, [], set(),
+                             {1: ("r1", 2, "alloc")})
+        for check in census_checks(step, result):
+            rec.leak_check(check)
+    rec.close()
+    out = subprocess.run([sys.executable, "-m", "kvscope", "check", str(target)], capture_output=True, text=True,
+                         cwd=ROOT, check=False)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stdout.strip().endswith("1 block leaked: block 1 ref 1, accounted 0; last taken by request r1 "
+                                       "(alloc at step 2)")
+
+
+def test_the_item_sink_reads_back_as_record_does(tmp_path: Path) -> None:
+    """The probe's hot wrappers hand flat ITEM_FIELDS tuples (slots as tuples of ints) to item_sink();
+    each event reads back exactly as the same event given to record() with list slots."""
+    target = tmp_path / "sink.db"
+    rec = RemoteRecorder(target, level="full")
+    rec.step = 2
+    rec.record(EventKind.ALLOC, pool=PoolName.FULL, rid="r1", num_tokens=2, slots=[4, 5], aux=1)
+    rec.record(EventKind.EVICT, pool=PoolName.FULL, rid="r1", node_id=6, num_tokens=16, slots=[6],
+               reason=EvictReason.CAPACITY, aux=1)
+    sink = rec.item_sink()
+    sink((2, time.monotonic(), EventKind.ALLOC._value_, PoolName.FULL._value_, "r1", None, 2, 1, None, None, (4, 5)))
+    sink((2, time.monotonic(), EventKind.EVICT._value_, PoolName.FULL._value_, "r1", 6, 16, 1,
+          EvictReason.CAPACITY._value_, None, (6,)))
+    rec.close()
+    capture = Capture(target)
+    try:
+        events = capture.events(int(capture.runs().iloc[-1].id), limit=100).drop(columns=["seq", "t_mono"])
+        rows = [repr(row) for row in events.itertuples(index=False)]
+        assert len(rows) == 4 and rows[:2] == rows[2:]
+        assert events.slots.iloc[2] == np.array([4, 5], "<i4").tobytes() and events.reason.iloc[3] == "capacity"
+    finally:
+        capture.close()
