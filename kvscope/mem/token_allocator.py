@@ -202,6 +202,20 @@ class BaseTokenAllocator:
             return
         self._return_pages(self.slots_to_pages(slots))
 
+    def free_now(self, slots: torch.Tensor) -> None:
+        """`free`, but straight to the free list even inside an open free group.
+
+        SGLang 0.5.18's SWA allocator holds its free group itself, not in its two pools, so a
+        free made on its full pool directly (the tombstone revive under a full lock) is not
+        deferred (docs/memory-semantics.md §2.6)."""
+        if slots.numel() == 0:
+            return
+        if self._strict:
+            self._check_free(slots)
+        if self.recorder.enabled:
+            self.record_free(slots)
+        self._return_pages(self.slots_to_pages(slots))
+
     def free_segments(self, segments: list[tuple[torch.Tensor, int]]) -> None:
         """Free contiguous pieces (slots, start position) of one request's row."""
         pieces = [slots for slots, _ in segments if slots.numel()]

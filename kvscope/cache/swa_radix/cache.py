@@ -257,7 +257,7 @@ class SWARadixCache(SWAPrefixCache):
             mapping = self.allocator.full_to_swa_index_mapping
             mapping[node_t] = mapping[req_t]
             mapping[req_t] = 0
-            self.allocator.full_attn_allocator.free(req_t)
+            self.allocator.full_attn_allocator.free_now(req_t)  # NOTE: not deferred by a free group (§2.6)
         else:
             self.allocator.free(node_t)
             if self.strict:

@@ -409,3 +409,23 @@ TestSWARadixMachine = SWARadixMachine.TestCase
 TestSWARadixMachine.settings = MACHINE_SETTINGS
 TestSWARadixMachinePaged = SWARadixMachinePaged.TestCase
 TestSWARadixMachinePaged.settings = MACHINE_SETTINGS
+
+
+def test_a_full_locked_revive_frees_the_callers_full_pages_at_once_inside_a_free_group() -> None:
+    """SGLang 0.5.18's free group sits in the SWA allocator, not in its pools: the revive's free
+    on the full pool is not deferred (docs/memory-semantics.md §5.3; found by the differential
+    test, tests/engines/test_swa_differential.py, page_size=2, seed=33070)."""
+    cache, allocator, x, y = two_level_tree(window_len=4)
+    lock_id = cache.inc_lock_ref(y)
+    new = alloc_extend(allocator, 0, 8, -1)
+    assert new is not None
+    free_before = allocator.full_available_size()
+    allocator.free_group_begin()
+    cache.insert(ids(*range(1, 9)), new)
+    assert not x.tombstone
+    assert allocator.full_available_size() == free_before + 8
+    assert set(new.tolist()) <= set(allocator.full_attn_allocator.free_pages.tolist())
+    allocator.free_group_end()
+    cache.dec_lock_ref(y, lock_id)
+    allocator.check_integrity(torch.from_numpy(cache.tree_slots()))
+    cache.check_integrity()
