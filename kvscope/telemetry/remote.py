@@ -32,10 +32,13 @@ import json
 import marshal
 import multiprocessing.util
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -152,7 +155,8 @@ class RemoteRecorder(Recorder):
             return
         try:
             body = marshal.dumps((items, rows))
-            self._channel.send(("batch", self._step), body)
+            with _signals_held():
+                self._channel.send(("batch", self._step), body)
         except (ValueError, TypeError) as err:
             self._stop(f"a record could not be handed on ({err})")
         except (ChannelClosed, OSError):
@@ -175,7 +179,8 @@ class RemoteRecorder(Recorder):
         if self.failure is not None:
             return
         try:
-            self._channel.send(question)
+            with _signals_held():
+                self._channel.send(question)
             while True:
                 answer = self._channel.receive()
                 if answer is None or answer.kind == expected:
@@ -221,6 +226,27 @@ def _start_host(python: str) -> tuple[Channel, subprocess.Popen[bytes]]:
 
 
 # -- the host process (kvscope's own interpreter: SQLAlchemy is imported here only) ----------------
+
+_HELD_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM/SIGHUP while one message goes out.
+
+    NOTE: an engine's handler may raise on a signal (vLLM's EngineCore raises SystemExit on SIGTERM);
+    raised in the middle of a send, it would cut a message in two, the host would read the rest as
+    garbage, and the close that follows would never reach it (the run would end 'interrupted').
+    Held, the signal is delivered as the send returns. Only the main thread can hold them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
 
 def _host(channel: Channel) -> None:
     from kvscope.telemetry.recorder import SQLRecorder

@@ -188,3 +188,23 @@ def test_the_item_sink_reads_back_as_record_does(tmp_path: Path) -> None:
         assert events.slots.iloc[2] == np.array([4, 5], "<i4").tobytes() and events.reason.iloc[3] == "capacity"
     finally:
         capture.close()
+
+
+def test_a_signal_during_a_send_is_delivered_after_it_not_inside_it() -> None:
+    """vLLM's EngineCore raises SystemExit from its SIGTERM handler; raised inside a send it would
+    cut a message in two. Held, the handler runs once the message is out."""
+    import os
+    import signal
+
+    from kvscope.telemetry.remote import _signals_held
+
+    order: list[str] = []
+    before = signal.signal(signal.SIGTERM, lambda *_: order.append("handler"))
+    try:
+        with _signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            order.append("send finished")
+        order.append("after")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert order == ["send finished", "handler", "after"]
