@@ -191,16 +191,7 @@ class BaseTokenAllocator:
     # -- freeing ---------------------------------------------------------------------------
 
     def free(self, slots: torch.Tensor) -> None:
-        if slots.numel() == 0:
-            return
-        if self._strict:
-            self._check_free(slots)
-        if self.recorder.enabled:
-            self.record_free(slots)
-        if self._free_group is not None:
-            self._free_group.append(slots)
-            return
-        self._return_pages(self.slots_to_pages(slots))
+        self._free(slots, self._free_group)
 
     def free_now(self, slots: torch.Tensor) -> None:
         """`free`, but straight to the free list even inside an open free group.
@@ -208,12 +199,19 @@ class BaseTokenAllocator:
         SGLang 0.5.18's SWA allocator holds its free group itself, not in its two pools, so a
         free made on its full pool directly (the tombstone revive under a full lock) is not
         deferred (docs/memory-semantics.md §2.6)."""
+        self._free(slots, None)
+
+    def _free(self, slots: torch.Tensor, group: list[torch.Tensor] | None) -> None:
+        """Check, record, then return the pages now, or hold them in `group` until it ends."""
         if slots.numel() == 0:
             return
         if self._strict:
             self._check_free(slots)
         if self.recorder.enabled:
             self.record_free(slots)
+        if group is not None:
+            group.append(slots)
+            return
         self._return_pages(self.slots_to_pages(slots))
 
     def free_segments(self, segments: list[tuple[torch.Tensor, int]]) -> None:

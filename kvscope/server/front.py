@@ -19,7 +19,7 @@ NOTE: principals (docs/serve.md)
 Every request error is OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
 
 NOTE: bad input never reaches a handler as a Python surprise
-    the body     read_json: not JSON, not UTF-8, NaN / Infinity / 1e999, an integer longer than
+    the body     read_json (body.py): not JSON, not UTF-8, NaN / Infinity / 1e999, an integer longer than
                  MAX_INT_DIGITS, nesting deeper than MAX_JSON_DEPTH, a lone UTF-16 surrogate
                  ("\\ud800", which no text encoding carries) in any string or key: 400 naming
                  the field's path (e.g. "messages[0].content")
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import sys
 import time
 import uuid
@@ -57,8 +56,10 @@ import kvscope
 from kvscope.engine import EngineConfig, ModelConfig
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.server.api_keys import Principal
+from kvscope.server.body import read_json
 from kvscope.server.chat import ChatError, render_chat
 from kvscope.server.choice import Choice, Entry, Piece, render_logprobs
+from kvscope.server.errors import ApiError, error_response
 from kvscope.server.metrics import ServerMetrics
 from kvscope.server.openai_params import MAX_CHOICES, ParamError, RequestParams, parse_params
 from kvscope.server.protocol import (
@@ -73,26 +74,6 @@ from kvscope.server.protocol import (
 from kvscope.workloads.tokenizer import ByteTokenizer
 
 DISCONNECT_POLL_S = 0.2
-MAX_JSON_DEPTH = 64  # NOTE: OpenAI bodies nest a few levels (a tool's JSON schema a dozen or so)
-MAX_INT_DIGITS = 4300  # NOTE: Python's own limit for int(str); past it a number is refused by name
-
-
-class ApiError(Exception):
-    """A request error, answered as OpenAI's error JSON with `status`."""
-
-    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, type_=self.type, param=self.param, code=self.code)
-
-
-def error_response(status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
 
 
 def resolve_principal(keys: dict[str, Principal] | None, authorization: str | None, user: str | None) -> str | None:
@@ -701,125 +682,6 @@ def response_id(rid: str, chat: bool) -> str:
 
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-async def read_json(request: Request) -> Any:
-    """The body as JSON values a handler can trust (see the module NOTE), or ApiError 400."""
-    return decode_json(await request.body())
-
-
-class BadNumber:
-    """A JSON number no handler should see (NaN, an infinity, an integer of too many digits):
-    decode_json's placeholder until check_json names its field."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def why(self) -> str:
-        if self.text.lstrip("-").isdigit():
-            return f"is an integer of {len(self.text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})"
-        return f"is {self.text[:20]}, not a finite number"
-
-
-def _int(text: str) -> int | BadNumber:
-    return int(text) if len(text) <= MAX_INT_DIGITS else BadNumber(text)
-
-
-def _float(text: str) -> float | BadNumber:
-    value = float(text)
-    return value if math.isfinite(value) else BadNumber(text)
-
-
-def decode_json(raw: bytes) -> Any:
-    try:
-        body = json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=BadNumber)
-    except RecursionError:
-        raise too_deep(deep_field(raw)) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ApiError(400, f"the body is not valid JSON: {err}", code="invalid_json") from None
-    check_json(body)
-    return body
-
-
-def too_deep(field: str | None) -> ApiError:
-    where = f" (in '{field}')" if field else ""
-    return ApiError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels{where}", param=field, code="invalid_json")
-
-
-def deep_field(raw: bytes) -> str | None:
-    """The top-level key of a JSON object whose value nests deeper than MAX_JSON_DEPTH (a body
-    too deep for the parser to read), found by scanning its bytes; None when there is none."""
-    depth, in_string, escaped, start, key = 0, False, False, 0, None
-    for i, byte in enumerate(raw):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:  # the closing quote
-                in_string = False
-                if depth == 1:
-                    key = raw[start : i + 1]
-        elif byte == 0x22:
-            in_string, start = True, i
-        elif byte in b"[{":
-            depth += 1
-            if depth > MAX_JSON_DEPTH:
-                break
-        elif byte in b"]}":
-            depth -= 1
-    else:
-        return None
-    try:
-        name = json.loads(key) if key is not None and raw.lstrip()[:1] == b"{" else None
-    except ValueError:
-        return None
-    return name if isinstance(name, str) and _is_text(name) else None
-
-
-def check_json(body: Any) -> None:
-    """ApiError 400 naming the first field that nests too deep, is a BadNumber or holds a lone
-    surrogate (in its value or its key). Iterative: a deep body cannot exhaust the stack."""
-    if isinstance(body, BadNumber):
-        raise ApiError(400, f"the body {body.why()}", code="invalid_json")
-    if isinstance(body, str) and not _is_text(body):
-        raise ApiError(400, "the body holds a lone UTF-16 surrogate, which is not text", code="invalid_json")
-    stack: list[tuple[Any, str, int]] = [(body, "", 1)] if isinstance(body, dict | list) else []
-    while stack:
-        value, path, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise too_deep(path.split("[", 1)[0].split(".", 1)[0] or None)  # NOTE: the top-level field
-        pairs = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in pairs:
-            if isinstance(key, str) and not _is_text(key):
-                raise ApiError(400, f"a key in {path or 'the body'} holds a lone UTF-16 surrogate, which is not "
-                               "text", param=path or None, code="invalid_value")
-            if isinstance(item, str):
-                if not _is_text(item):
-                    where = _path(path, key)
-                    raise ApiError(400, f"'{where}' holds a lone UTF-16 surrogate, which is not text",
-                                   param=where, code="invalid_value")
-            elif isinstance(item, BadNumber):
-                where = _path(path, key)
-                raise ApiError(400, f"'{where}' {item.why()}", param=where, code="invalid_value")
-            elif isinstance(item, dict | list):
-                stack.append((item, _path(path, key), depth + 1))
-
-
-def _is_text(value: str) -> bool:
-    if value.isascii():
-        return True
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _path(path: str, key: str | int) -> str:
-    if isinstance(key, int):
-        return f"{path}[{key}]"
-    return f"{path}.{key}" if path else key
 
 
 class ErrorBoundary:
