@@ -237,15 +237,31 @@ def _signals_held() -> Iterator[None]:
     NOTE: an engine's handler may raise on a signal (vLLM's EngineCore raises SystemExit on SIGTERM);
     raised in the middle of a send, it would cut a message in two, the host would read the rest as
     garbage, and the close that follows would never reach it (the run would end 'interrupted').
-    Held, the signal is delivered as the send returns. Only the main thread can hold them."""
+    Python runs signal handlers in the main thread only, so a send from another thread is never cut;
+    in the main thread the engine's handlers are set aside for the send and whatever arrived meanwhile
+    is handed to them once it returns. (A thread signal mask does not do this: the engine has other
+    threads, and the kernel hands a process-wide signal to any thread that does not block it.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    pending: list[tuple[int, Any]] = []
+    set_aside: dict[int, Any] = {}
     try:
+        for signum in _HELD_SIGNALS:
+            handler = signal.getsignal(signum)
+            if handler is None or handler == signal.SIG_IGN:
+                continue  # installed outside Python (cannot be put back) or ignored: left alone
+            set_aside[signum] = signal.signal(signum, lambda n, frame: pending.append((n, frame)))
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for signum, handler in set_aside.items():
+            signal.signal(signum, handler)
+        for signum, frame in pending:
+            handler = set_aside[signum]
+            if callable(handler):
+                handler(signum, frame)
+            else:  # SIG_DFL: the default action, now that the message is out
+                signal.raise_signal(signum)
 
 
 def _host(channel: Channel) -> None:

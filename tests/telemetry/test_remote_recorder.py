@@ -190,21 +190,34 @@ def test_the_item_sink_reads_back_as_record_does(tmp_path: Path) -> None:
         capture.close()
 
 
-def test_a_signal_during_a_send_is_delivered_after_it_not_inside_it() -> None:
+@pytest.mark.parametrize("other_thread", [False, True], ids=["main-thread-only", "with-another-thread"])
+def test_a_signal_during_a_send_is_delivered_after_it_not_inside_it(other_thread: bool) -> None:
     """vLLM's EngineCore raises SystemExit from its SIGTERM handler; raised inside a send it would
-    cut a message in two. Held, the handler runs once the message is out."""
+    cut a message in two. Held, the handler runs once the message is out, also while other threads
+    run (the engine has some; a thread signal mask let the kernel hand the signal to one of them)."""
     import os
     import signal
+    import threading
 
     from kvscope.telemetry.remote import _signals_held
 
+    stop = threading.Event()
+    helper = threading.Thread(target=stop.wait, daemon=True)
+    if other_thread:
+        helper.start()
     order: list[str] = []
-    before = signal.signal(signal.SIGTERM, lambda *_: order.append("handler"))
+    engine_handler = lambda *_: order.append("handler")  # noqa: E731
+    before = signal.signal(signal.SIGTERM, engine_handler)
     try:
         with _signals_held():
             os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # bytecodes: the point where Python runs a pending handler
+                pass
             order.append("send finished")
         order.append("after")
+        handler_after = signal.getsignal(signal.SIGTERM)
     finally:
         signal.signal(signal.SIGTERM, before)
+        stop.set()
     assert order == ["send finished", "handler", "after"]
+    assert handler_after is engine_handler, "the engine's own handler is back after the send"
