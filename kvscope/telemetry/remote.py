@@ -254,14 +254,14 @@ def _signals_held() -> Iterator[None]:
             set_aside[signum] = signal.signal(signum, lambda n, frame: pending.append((n, frame)))
         yield
     finally:
-        for signum, handler in set_aside.items():
-            signal.signal(signum, handler)
-        for signum, frame in pending:
-            handler = set_aside[signum]
+        for held, handler in set_aside.items():
+            signal.signal(held, handler)
+        for arrived, frame in pending:
+            handler = set_aside[arrived]
             if callable(handler):
-                handler(signum, frame)
+                handler(arrived, frame)
             else:  # SIG_DFL: the default action, now that the message is out
-                signal.raise_signal(signum)
+                signal.raise_signal(arrived)
 
 
 def _host(channel: Channel) -> None:
