@@ -16,12 +16,18 @@ when the call did not come through a group's manager; rid = the request the call
              parent (the block before it in the request's chain; 0 = the root), num_tokens = block size
     free     BlockPool.free_blocks: blocks that reached ref 0; unlock: blocks still referenced after
     match    KVCacheManager.get_computed_blocks: num_tokens = hit tokens, aux = query tokens - hit
-             tokens (queries = the request's num_tokens, as vLLM's prefix_cache_queries counts them)
+             tokens (queries = the request's num_tokens, as vLLM's prefix_cache_queries counts them),
+             reason = why the lookup stopped there (LookupStop, from the request's length alone)
+    no_room  KVCacheManager.allocate_slots returned None (no room: the scheduler preempts or waits):
+             num_tokens = the new tokens asked for, aux = the free blocks then
     retract  Scheduler._preempt_request
+    finish   the request's end: reason = vLLM's finish reason (stop, length, abort, ...)
 EngineCore.shutdown closes the run as finished (a multiprocessing child never runs atexit; vLLM
 then kills the process tree).
-Per engine step a usage sample (tokens = blocks x block size: free-queue blocks as available,
-the rest as used); per finished request its record; per idle edge the census terms as leak checks.
+Per engine step a usage sample (tokens = blocks x block size: unhashed free-queue blocks as
+available, cached-free ones as evictable, the rest as used); per finished request its record; per
+idle edge the census terms as leak checks and a tree snapshot (and one every SNAPSHOT_EVERY_STEPS
+steps while busy).
 """
 
 from __future__ import annotations
@@ -42,7 +48,17 @@ from kvscope.probe.core import (
     say,
     settings_from_env,
 )
-from kvscope.telemetry import EventKind, EvictReason, PoolName, PoolTerms, RequestRecord, UsageSample
+from kvscope.telemetry import (
+    EventKind,
+    EvictReason,
+    LookupStop,
+    NodeRow,
+    PoolName,
+    PoolTerms,
+    RequestRecord,
+    RequestStatus,
+    UsageSample,
+)
 
 ENGINE = "vllm"
 BLOCK_POOL = "vllm.v1.core.block_pool"
@@ -50,6 +66,8 @@ MANAGER = "vllm.v1.core.kv_cache_manager"
 SINGLE = "vllm.v1.core.single_type_kv_cache_manager"
 SCHEDULER = "vllm.v1.core.sched.scheduler"
 CORE = "vllm.v1.engine.core"
+UTILS = "vllm.v1.core.kv_cache_utils"
+SNAPSHOT_EVERY_STEPS = 256  # NOTE: while busy; a snapshot walks every block (as the idle census does)
 FULL = PoolName.FULL
 ALLOC, LOCK, REVIVE, FREE_KIND, UNLOCK = (EventKind.ALLOC, EventKind.LOCK, EventKind.REVIVE, EventKind.FREE,
                                           EventKind.UNLOCK)
@@ -60,6 +78,8 @@ _monotonic = time.monotonic
 ALLOC_V, LOCK_V, REVIVE_V, FREE_V, UNLOCK_V, EVICT_V = (k._value_ for k in (ALLOC, LOCK, REVIVE, FREE_KIND, UNLOCK,
                                                                             EventKind.EVICT))
 FULL_V, CAPACITY_V = FULL._value_, EvictReason.CAPACITY._value_
+FINISH_V, NO_ROOM_V = EventKind.REQUEST_FINISH._value_, EventKind.NO_ROOM._value_
+ROOT = NodeRow(0, None, 0, "", 0, 0.0, 0, None, False, 0)
 
 
 class Context:
@@ -87,6 +107,13 @@ class VllmProbe:
         self.last_release: dict[int, tuple[str | None, int, str]] = {}  # block id -> (rid, step, "free")
         self.recorded_rids: set[str] = set()
         self.lookups: dict[str, tuple[int, int]] = {}  # rid -> (prompt tokens, hit tokens) of its last lookup
+        self.seen: dict[str, tuple[int, float]] = {}  # rid -> (step, t_mono) of its first lookup
+        self.admitted: dict[str, tuple[int, float]] = {}  # rid -> (step, t_mono) of its first allocate_slots
+        self.retracted: dict[str, tuple[int, float]] = {}  # rid -> (step, t_mono) of its latest preemption
+        self.cached_free = 0  # NOTE: hashed blocks in the free queue (recounted exactly at each census)
+        self.cached_calls: list[tuple[Any, int, int]] = []  # cache_full_blocks' (blocks, first, end) this step
+        self.parents: dict[int, tuple[int, Any]] = {}  # cached block -> (the block before it in its chain, its hash)
+        self.dp_rank: int | None = None
         self.cum = {"prompt": 0, "hit": 0, "requests": 0, "hit_requests": 0, "evicted": 0, "retractions": 0}
 
     # -- the recorder ------------------------------------------------------------------------
@@ -100,8 +127,9 @@ class VllmProbe:
             assert self.settings is not None
             self.hot, self.emit = False, None
             with guarded(self.state):
-                rec = self.state.recorder = open_recorder(self.settings, label=f"vllm {self.version} probe pid "
-                                                          f"{self.pid}", config=self.config(patched=True))
+                rank = "" if self.dp_rank is None else f"dp {self.dp_rank} "
+                rec = self.state.recorder = open_recorder(self.settings, label=f"vllm {self.version} probe {rank}"
+                                                          f"pid {self.pid}", config=self.config(patched=True))
                 self.step = rec.step
                 self.emit = rec.item_sink() if rec.enabled else None
                 self.hot = True
@@ -115,8 +143,13 @@ class VllmProbe:
 
     def config(self, *, patched: bool, reason: str | None = None) -> dict[str, Any]:
         return {"source": {"kind": "probe", "engine": ENGINE, "version": self.version, "patched": patched,
-                           "reason": reason, "pid": os.getpid(), "provides": ["blocks", "ownership", "refs",
-                                                                            "leak_checks", "requests"]}}
+                           "reason": reason, "pid": os.getpid(), "dp_rank": self.dp_rank,
+                           "provides": ["blocks", "ownership", "refs", "leak_checks", "requests", "tree"]}}
+
+    def engine_seen(self, engine: Any) -> None:
+        """The EngineCore this process runs: its data-parallel rank names the run (before it opens)."""
+        if self.dp_rank is None:
+            self.dp_rank = dp_rank(engine)
 
     # -- the engine loop ----------------------------------------------------------------------
 
@@ -132,14 +165,30 @@ class VllmProbe:
         rec = self.recorder()
         if rec is None:
             return
-        pool = scheduler.kv_cache_manager.block_pool
-        self.block_size = self.block_size or _block_size(scheduler.kv_cache_manager)
+        manager = scheduler.kv_cache_manager
+        pool = manager.block_pool
+        self.block_size = size = self.block_size or _block_size(manager)
         num_blocks, num_free = pool.num_gpu_blocks - 1, pool.get_num_free_blocks()
-        terms = PoolTerms(num_blocks * self.block_size, num_free * self.block_size, 0, 0)
+        cached = min(self.cached_free, num_free)
+        terms = PoolTerms(num_blocks * size, (num_free - cached) * size, cached * size, 0)
         c = self.cum
         rec.usage(UsageSample(rec.step, terms, None, 0, 0, len(scheduler.running), len(scheduler.waiting),
                               c["prompt"], c["hit"], c["requests"], c["hit_requests"], c["evicted"],
-                              c["retractions"], full_used=(num_blocks - num_free) * self.block_size))
+                              c["retractions"], full_used=(num_blocks - num_free) * size))
+        if self.cached_calls:
+            self.note_parents()
+        if rec.step % SNAPSHOT_EVERY_STEPS == 0:
+            rec.tree_snapshot(rec.step, tree_rows(manager, self.parents, size))
+
+    def note_parents(self) -> None:
+        """Each block cached this step: the block before it in its request's chain, and that block's
+        hash then (a parent later evicted or re-cached no longer matches it: the child is an orphan)."""
+        for blocks, first, end in self.cached_calls:
+            for i in range(max(first, 1), end):
+                parent = blocks[i - 1]
+                if not parent.is_null:
+                    self.parents[blocks[i].block_id] = (parent.block_id, parent.block_hash)
+        self.cached_calls.clear()
 
     def idle_edge(self, scheduler: Any) -> CensusResult | None:
         """At a busy -> idle edge: the census of the scheduler's pool, stored as leak checks."""
@@ -156,21 +205,76 @@ class VllmProbe:
             self.state.recorder.close("finished")
 
     def census(self, manager: Any, live_rids: set[str], deferred: list[list[Any]]) -> CensusResult | None:
-        """The census now (on the engine's thread, between steps), stored as leak checks."""
+        """The census now (on the engine's thread, between steps), stored as leak checks, and a
+        tree snapshot."""
         rec = self.recorder()
         if rec is None:
             return None
         tables = [m.req_to_blocks for m in manager.coordinator.single_type_managers]
-        result = take_census(_block_view(manager.block_pool), tables, deferred, live_rids, self.last_taker,
-                             self.last_release)
+        view = _block_view(manager.block_pool)
+        result = take_census(view, tables, deferred, live_rids, self.last_taker, self.last_release)
+        self.cached_free = len(view.hashed.intersection(view.queued))  # NOTE: the running count, recounted
         for check in census_checks(rec.step, result):
             rec.leak_check(check)
+        self.note_parents()
+        rec.tree_snapshot(rec.step, tree_rows(manager, self.parents, self.block_size or _block_size(manager)))
         rec.idle()
         return result
 
 
 def _block_size(manager: Any) -> int:
     return int(manager.coordinator.single_type_managers[0].block_size)
+
+
+def dp_rank(engine: Any) -> int:
+    """The engine's data-parallel rank. vLLM 0.32 keeps it in parallel_config.data_parallel_index:
+    a dense model's DP engines are independent EngineCoreProcs whose data_parallel_rank is reset to
+    0 (ParallelConfig.reconfigure_for_independent_dp_rank); an MoE model's DPEngineCoreProc has both."""
+    config = engine.vllm_config.parallel_config
+    index = getattr(config, "data_parallel_index", None)
+    return int(config.data_parallel_rank if index is None else index)
+
+
+def tree_rows(manager: Any, parents: dict[int, tuple[int, Any]], block_size: int) -> list[NodeRow]:
+    """vLLM's prefix cache as a tree snapshot, in the rows kvscope's own caches write: the root (0),
+    then every cached (hashed) block, parents first. node = the block id, parent = the block before it
+    in its hash chain (the root for a chain's first block, and for an orphan whose parent was evicted
+    or re-cached since), num_tokens = the block size, lock_ref = its ref count, owner = the requests
+    whose block tables hold it (joined by ",", cut to 64 characters), depth_tokens = its position's
+    end in the chain. vLLM keeps no tokens, access times or hit counts per block: "", 0.0 and 0."""
+    pool = manager.block_pool
+    blocks = pool.blocks
+    holders: dict[int, list[str]] = {}
+    for single in manager.coordinator.single_type_managers:
+        for rid, table in single.req_to_blocks.items():
+            for block in table:
+                if not block.is_null:
+                    holders.setdefault(block.block_id, []).append(rid)
+    cached = {b.block_id: b for b in blocks if b.block_hash is not None and not b.is_null}
+    parent_of: dict[int, int] = {}
+    for block_id in cached:
+        entry = parents.get(block_id)
+        alive = entry is not None and entry[0] in cached and blocks[entry[0]].block_hash is entry[1]
+        parent_of[block_id] = entry[0] if alive and entry is not None else 0
+    depth: dict[int, int] = {0: 0}
+
+    def depth_of(block_id: int) -> int:
+        """Chained hashes make the links acyclic: a block's chain holds only blocks cached before it."""
+        chain = []
+        while block_id not in depth:
+            chain.append(block_id)
+            block_id = parent_of[block_id]
+        for node in reversed(chain):
+            depth[node] = depth[parent_of[node]] + 1
+        return depth[chain[0]] if chain else depth[block_id]
+
+    rows = [ROOT]
+    for block_id in sorted(cached, key=depth_of):
+        block = cached[block_id]
+        owner = ",".join(sorted(set(holders.get(block_id, ()))))[:64] or None
+        rows.append(NodeRow(block_id, parent_of[block_id], block_size, "", int(block.ref_cnt), 0.0, 0, owner, False,
+                            depth[block_id] * block_size))
+    return rows
 
 
 def _block_view(pool: Any) -> BlockView:
@@ -240,6 +344,7 @@ def _maybe_evict(original: Callable[..., Any]) -> Callable[..., Any]:
                 if probe.hot or probe.recorder() is not None:
                     block_size = probe.block_size or int(self.hash_block_size)
                     probe.cum["evicted"] += block_size
+                    probe.cached_free -= 1
                     if probe.emit is not None:
                         ctx, node = probe.ctx, block.block_id
                         probe.emit((probe.step, _monotonic(), EVICT_V, FULL_V, ctx.rid, node, block_size, ctx.group,
@@ -257,6 +362,8 @@ def _touch(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, blocks)
         emit = probe.emit
         revived: list[int] = []
+        queue = self.free_block_queue
+        queued = queue.num_free_blocks
         if emit is not None:  # NOTE: only `full` records the revived blocks: read before the call
             try:
                 revived = [b.block_id for b in blocks if not b.ref_cnt and not b.is_null]
@@ -265,6 +372,7 @@ def _touch(original: Callable[..., Any]) -> Callable[..., Any]:
         result = original(self, blocks)
         try:
             if probe.state.active:
+                probe.cached_free -= queued - queue.num_free_blocks  # NOTE: revived blocks are cached ones
                 ctx, step, takers = probe.ctx, probe.step, probe.last_taker
                 taken = (ctx.rid, step, "touch")
                 if emit is None:
@@ -325,6 +433,20 @@ def _free_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
     return free_blocks
 
 
+def _append_n(original: Callable[..., Any]) -> Callable[..., Any]:
+    """FreeKVCacheBlockQueue.append_n: BlockPool.free_blocks appends the blocks that reached ref 0
+    with a hash (unhashed ones are prepended): the cached-free count grows by their number."""
+    def append_n(self: Any, blocks: Any) -> Any:
+        result = original(self, blocks)
+        if PROBE.state.active:
+            try:
+                PROBE.cached_free += len(blocks)
+            except Exception as err:
+                _failed(err)
+        return result
+    return append_n
+
+
 def _cache_full_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
     def cache_full_blocks(self: Any, request: Any, blocks: Any, num_cached_blocks: int, num_full_blocks: int,
                           block_size: int, kv_cache_group_id: int, *args: Any, **kwargs: Any) -> Any:
@@ -334,6 +456,7 @@ def _cache_full_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
             with guarded(PROBE.state):
                 rec = PROBE.recorder()
                 PROBE.block_size = PROBE.block_size or int(block_size)
+                PROBE.cached_calls.append((blocks, num_cached_blocks, num_full_blocks))  # parents at the step's end
                 if rec is not None and rec.enabled:
                     _record_cached(rec, request.request_id, blocks, num_cached_blocks, num_full_blocks, block_size)
         return result
@@ -357,6 +480,8 @@ def _reset_prefix_cache(original: Callable[..., Any]) -> Callable[..., Any]:
         done = original(self)
         if done and PROBE.state.active:
             with guarded(PROBE.state):
+                PROBE.cached_free = 0
+                PROBE.parents.clear()
                 rec = PROBE.recorder()
                 if rec is not None and rec.enabled:
                     rec.record(EventKind.EVICT, pool=FULL, reason=EvictReason.RESET)
@@ -402,6 +527,8 @@ def _get_computed_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
         if PROBE.state.active:
             with guarded(PROBE.state):
                 rec = PROBE.recorder()
+                if rec is not None:
+                    PROBE.seen.setdefault(request.request_id, (rec.step, _monotonic()))
                 if rec is not None and self.prefix_cache_lookup_enabled(request):
                     hit, query = int(result[1]), int(request.num_tokens)
                     PROBE.lookups[request.request_id] = (int(request.num_prompt_tokens), hit)
@@ -412,9 +539,53 @@ def _get_computed_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
                     c["hit_requests"] += hit > 0
                     if rec.enabled:
                         rec.record(EventKind.MATCH, pool=FULL, rid=request.request_id, num_tokens=hit,
-                                   aux=query - hit, node_id=len(result[0].blocks[0]) if result[0].blocks else 0)
+                                   aux=query - hit, node_id=len(result[0].blocks[0]) if result[0].blocks else 0,
+                                   reason=lookup_stop(self, query, hit))
         return result
     return get_computed_blocks
+
+
+def lookup_stop(manager: Any, query_tokens: int, hit_tokens: int) -> LookupStop:
+    """Why vLLM 0.32's lookup (KVCacheManager.get_computed_blocks -> FullAttentionManager.
+    find_longest_cache_hit) stopped at `hit_tokens`, from the lengths alone: it looks up at most
+    (query - 1) // block_size full blocks (the last token is always recomputed) and stops at the
+    first whose hash is not cached. Other layouts answer OTHER rather than guess."""
+    singles = manager.coordinator.single_type_managers
+    single = singles[0] if len(singles) == 1 else None
+    if (single is None or type(single).__name__ != "FullAttentionManager" or manager.use_eagle
+            or single.block_size != manager.block_pool.hash_block_size or hit_tokens % single.block_size):
+        return LookupStop.OTHER
+    block_size = int(single.block_size)
+    looked_up, hit_blocks = (query_tokens - 1) // block_size, hit_tokens // block_size
+    if looked_up <= 0:
+        return LookupStop.SHORT
+    if hit_blocks == 0:
+        return LookupStop.MISS
+    if hit_blocks < looked_up:
+        return LookupStop.DIVERGED
+    return LookupStop.CAPPED if query_tokens % block_size == 0 else LookupStop.PARTIAL
+
+
+def _allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
+    """KVCacheManager.allocate_slots: the request's context; its first success is its admission;
+    None (no room: the scheduler preempts a running request or leaves this one waiting) an event."""
+    wrapped = _for_request(original)
+
+    def allocate_slots(self: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        result = wrapped(self, request, num_new_tokens, *args, **kwargs)
+        if PROBE.state.active:
+            with guarded(PROBE.state):
+                rec = PROBE.recorder()
+                if rec is not None:
+                    rid = request.request_id
+                    if result is None:
+                        if PROBE.emit is not None:
+                            PROBE.emit((rec.step, _monotonic(), NO_ROOM_V, FULL_V, rid, None, int(num_new_tokens),
+                                        int(self.block_pool.get_num_free_blocks()), None, None, None))
+                    elif rid not in PROBE.admitted:
+                        PROBE.admitted[rid] = (rec.step, _monotonic())
+        return result
+    return allocate_slots
 
 
 def _preempt_request(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -424,6 +595,7 @@ def _preempt_request(original: Callable[..., Any]) -> Callable[..., Any]:
                 rec = PROBE.recorder()
                 if rec is not None:
                     PROBE.cum["retractions"] += 1
+                    PROBE.retracted[request.request_id] = (rec.step, _monotonic())
                     if rec.enabled:
                         rec.record(EventKind.REQUEST_RETRACT, rid=request.request_id)
         return original(self, request, *args, **kwargs)
@@ -447,16 +619,30 @@ def _record_request(request: Any) -> None:
         return
     PROBE.recorded_rids.add(rid)
     prompt_len, hit = PROBE.lookups.pop(rid, (int(request.num_prompt_tokens), 0))
-    record = RequestRecord(rid, None, prompt_len, "finished", hit, int(request.num_output_tokens),
+    status = str(request.status)
+    record = RequestRecord(rid, None, prompt_len, RequestStatus.ABORTED if status == "FINISHED_ABORTED" else
+                           RequestStatus.FINISHED, hit, int(request.num_output_tokens),
                            int(getattr(request, "num_preemptions", 0)))
-    record.mark("finish", rec.step, time.monotonic())
+    now = _monotonic()
+    seen = PROBE.seen.pop(rid, None)
+    if seen is not None:  # NOTE: vLLM's arrival is wall-clock; the step is the one of its first lookup
+        record.mark("arrive", seen[0], min(seen[1], float(request.arrival_time) - time.time() + now))
+    for moment, mark in (("admit", PROBE.admitted.pop(rid, None)), ("retract", PROBE.retracted.pop(rid, None))):
+        if mark is not None:
+            record.mark(moment, *mark)
+    record.mark("finish", rec.step, now)
     rec.request(record)
+    if PROBE.emit is not None:
+        reason = request.get_finished_reason()
+        PROBE.emit((rec.step, now, FINISH_V, None, rid, None, int(request.num_output_tokens), prompt_len,
+                    status.removeprefix("FINISHED_").lower() if reason is None else str(reason), None, None))
 
 
 def _engine_step(original: Callable[..., Any]) -> Callable[..., Any]:
     def _process_engine_step(self: Any) -> Any:
         if PROBE.state.active:
             with guarded(PROBE.state):
+                PROBE.engine_seen(self)
                 PROBE.step_begins()
         result = original(self)
         if PROBE.state.active:
@@ -493,8 +679,9 @@ def targets() -> list[Target]:
         Target(BLOCK_POOL, "BlockPool", "free_blocks", _free_blocks),
         Target(BLOCK_POOL, "BlockPool", "cache_full_blocks", _cache_full_blocks),
         Target(BLOCK_POOL, "BlockPool", "reset_prefix_cache", _reset_prefix_cache),
+        Target(UTILS, "FreeKVCacheBlockQueue", "append_n", _append_n),
         Target(MANAGER, "KVCacheManager", "get_computed_blocks", _get_computed_blocks),
-        Target(MANAGER, "KVCacheManager", "allocate_slots", _for_request),
+        Target(MANAGER, "KVCacheManager", "allocate_slots", _allocate_slots),
         Target(MANAGER, "KVCacheManager", "cache_blocks", _for_request),
         Target(MANAGER, "KVCacheManager", "free", _for_request),
         Target(SINGLE, "SingleTypeKVCacheManager", "allocate_new_blocks", _for_group),
@@ -572,7 +759,7 @@ def _census_utility(self: Any) -> dict[str, Any]:
         tables = [m.req_to_blocks for m in manager.coordinator.single_type_managers]
         result = take_census(_block_view(manager.block_pool), tables, [b for _, b in scheduler.deferred_frees],
                              set(scheduler.requests), PROBE.last_taker, PROBE.last_release)
-        return census_json(result, os.getpid(), int(getattr(self.vllm_config.parallel_config, "data_parallel_rank", 0)))
+        return census_json(result, os.getpid(), dp_rank(self))
     except Exception as err:  # NOTE: an answer, never an engine error
         return {"pid": os.getpid(), "error": f"{type(err).__name__}: {err}".splitlines()[0]}
 

@@ -72,6 +72,7 @@ class EventKind(StrEnum):
     LOAD = "load"  # hiradix: host-only nodes are being copied host -> device
     ACK = "ack"  # hiradix: the controller acknowledged a write or a load
     HOST_EVICT = "host_evict"  # hiradix: a host copy left the tree
+    NO_ROOM = "no_room"  # vLLM probe: allocate_slots found no room (num_tokens = tokens asked, aux = free blocks)
 
 
 class EvictReason(StrEnum):
@@ -82,6 +83,17 @@ class EvictReason(StrEnum):
     TO_HOST = "to-host"  # hiradix: a backed-up device leaf became host-only
     DROP = "drop"  # hiradix write_back: deleted, the host could not take it
     RESET = "reset"  # an attached engine's cache was cleared (its AllBlocksCleared; schema version 5)
+
+
+class LookupStop(StrEnum):
+    """Why a prefix lookup stopped where it did: a match event's reason (the vLLM probe; docs/probe.md)."""
+
+    SHORT = "short"  # no full block before the prompt's last token: nothing to look up
+    MISS = "miss"  # the first block's hash is not cached
+    DIVERGED = "diverged"  # a later block's hash is not cached (chained hashes: nothing after it can hit)
+    PARTIAL = "partial"  # every full block hit; the rest is a partial block, which is never cached
+    CAPPED = "capped"  # every full block hit but the last, which the last-token rule leaves to recompute
+    OTHER = "other"  # a layout the probe does not model (several groups, sliding window, EAGLE, sub-block hashes)
 
 
 class CopyKind(StrEnum):

@@ -12,7 +12,7 @@ NOTE: the three processes
                        past `flush_interval_s`, at idle points and on flush() the buffer goes to
                        the host as one marshal body. Imports: the standard library, channel.py.
     host process       SQLRecorder(target): starts the run, takes each batch into its buffer
-                       (extend_items, usage, leak_check, request) and hands it on. It detaches
+                       (extend_items, usage, leak_check, request, tree_snapshot) and hands it on. It detaches
                        (a second fork, a session of its own) so that an engine killing its own
                        process tree at shutdown (vLLM does) leaves it to close the run.
     writer process     SQLRecorder's own: packs and writes.
@@ -126,6 +126,9 @@ class RemoteRecorder(Recorder):
     def request(self, rec: RequestRecord) -> None:
         self._rows.append(("requests", (rec.rid, rec.principal, str(rec.status), rec.prompt_len, rec.cached_tokens,
                                         rec.output_len, rec.num_retractions, dict(rec.times), dict(rec.steps))))
+
+    def tree_snapshot(self, step: int, rows: list[Any]) -> None:
+        self._rows.append(("tree_snapshots", (step, [tuple(row) for row in rows])))
 
     def idle(self) -> None:
         if self._items or self._rows:
@@ -317,6 +320,8 @@ def _take(recorder: Any, items: list[Any], rows: list[tuple[str, tuple[Any, ...]
                                        host=host and pool_terms(*host), **counts, **later))
         elif table == "leak_checks":
             recorder.leak_check(LeakCheck(*row))
+        elif table == "tree_snapshots":
+            recorder.tree_snapshot(row[0], row[1])
         elif table == "requests":
             rid, principal, status, prompt_len, cached, output_len, retractions, times, steps = row
             recorder.request(RequestRecord(rid, principal, prompt_len, status, cached, output_len, retractions,

@@ -52,7 +52,7 @@ def drive(scenario: str, capture: Path) -> dict[str, Any]:
 def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_path: Path) -> None:
     capture = tmp_path / "clean.db"
     result = drive("clean", capture)
-    assert result["said"] == "patched 19 methods of vLLM 0.32.0" and result["served"]
+    assert result["said"] == "patched 20 methods of vLLM 0.32.0" and result["served"]
     assert [c["ok"] for c in result["censuses"]] == [True, True, True]
     db = Capture(capture)
     try:
@@ -65,6 +65,7 @@ def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_pa
         assert set(events[events.kind == "alloc"].rid) >= {"req-a", "req-b", "req-c"}
         hits = events[events.kind == EventKind.MATCH.value]
         assert list(hits.num_tokens) == [0, 32, 32, 0]  # the shared 2-block prefix after the first; "after" misses
+        assert list(hits.reason) == ["miss", "diverged", "diverged", "miss"]
         inserts = events[events.kind == "insert"]  # vLLM's hash chains: each parent is the root or a cached block
         assert len(inserts) > 0 and set(inserts.aux) - set(inserts.node_id) == {0}
         checks = db.leak_checks(int(run.id))
@@ -73,6 +74,7 @@ def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_pa
         assert set(db.requests(int(run.id)).rid) == {"req-a", "req-b", "req-c"}
     finally:
         db.close()
+    assert len(_sql(capture, "SELECT DISTINCT step FROM tree_snapshots")) == 3  # one per idle edge
     check = kvscope("check", str(capture))
     assert check.returncode == 0, check.stdout + check.stderr
     assert "clean: 3 idle leak checks of the vllm 0.32.0 probe's block census held" in check.stdout
@@ -140,7 +142,7 @@ def test_installing_kvscope_beside_vllm_changes_none_of_its_packages() -> None:
     def state() -> tuple[list[str], list[str]]:
         freeze = subprocess.run([*pip, "freeze"], capture_output=True, text=True, check=True).stdout
         check = subprocess.run([*pip, "check"], capture_output=True, text=True, check=False).stdout
-        return ([line for line in freeze.splitlines() if "kvscope" not in line],
+        return ([line for line in freeze.splitlines() if "kvscope" not in line and not line.startswith("-e ")],
                 [line for line in check.splitlines() if not line.startswith("kvscope ")])
 
     before = state()
@@ -153,3 +155,88 @@ def test_installing_kvscope_beside_vllm_changes_none_of_its_packages() -> None:
     out = subprocess.run([VLLM_PYTHON, "-c", code], capture_output=True, text=True, cwd="/", timeout=300,
                          check=False)
     assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
+
+
+# -- what the probe records beyond block events (the `life` scenario, driven once) ---------------------
+
+
+@pytest.fixture(scope="module")
+def life(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    capture = tmp_path_factory.mktemp("life") / "life.db"
+    return drive("life", capture), capture
+
+
+def _sql(capture: Path, query: str) -> list[tuple[Any, ...]]:
+    import sqlite3
+
+    with sqlite3.connect(capture) as db:
+        return db.execute(query).fetchall()
+
+
+def _events(capture: Path, kind: str) -> list[tuple[Any, ...]]:
+    """(rid, num_tokens, aux, reason) of the run's events of `kind`, in order."""
+    db = Capture(capture)
+    try:
+        events = db.events(int(db.runs().iloc[-1].id), limit=10_000)
+    finally:
+        db.close()
+    rows = events[events.kind == kind]
+    return [(r.rid, int(r.num_tokens), int(r.aux), None if r.reason is None or r.reason != r.reason else r.reason)
+            for r in rows.itertuples()]
+
+
+def test_each_prefix_lookup_says_why_it_stopped(life: tuple[dict[str, Any], Path]) -> None:
+    """vLLM looks up at most (tokens - 1) // 16 full blocks and stops at the first uncached hash."""
+    _, capture = life
+    rows = [(rid, hit, reason) for rid, hit, _, reason in _events(capture, "match")]
+    assert rows == [("short", 0, "short"), ("p40", 0, "miss"), ("again40", 32, "partial"), ("p32", 0, "miss"),
+                    ("again32", 16, "capped"), ("fork48", 16, "diverged"), ("held", 32, "capped"),
+                    ("big", 0, "miss")]
+
+
+def test_tree_snapshots_are_vllms_hash_chains_with_the_requests_holding_them(
+        life: tuple[dict[str, Any], Path]) -> None:
+    result, capture = life
+    rows = _sql(capture, "SELECT node_id, parent_id, num_tokens, lock_ref, owner, depth_tokens FROM tree_snapshots")
+    nodes = {row[0]: row[1:] for row in rows}
+    assert nodes[0] == (None, 0, 0, None, 0)  # the root, as kvscope's own caches write it
+    first, second, third = result["held"]  # the live request's chain: p32's two cached blocks and its own
+    assert [nodes[first], nodes[second], nodes[third]] == [(0, 16, 1, "held", 16), (first, 16, 1, "held", 32),
+                                                          (second, 16, 1, "held", 48)]
+    free = {node: row for node, row in nodes.items() if node and node not in result["held"]}
+    assert free and all(row[2] == 0 and row[3] is None for row in free.values())  # cached-free: ref 0, no holder
+    assert all(row[0] == 0 or row[0] in nodes for row in nodes.values() if row[0] is not None)
+
+
+def test_requests_have_their_arrival_admission_finish_and_status(life: tuple[dict[str, Any], Path]) -> None:
+    _, capture = life
+    rows = {r[0]: r[1:] for r in _sql(capture, "SELECT rid, status, prompt_len, cached_tokens, arrive_t, admit_t, "
+                                               "finish_t, admit_step FROM requests")}
+    assert set(rows) == {"short", "p40", "again40", "p32", "again32", "fork48"}  # held and big never finished
+    assert rows["short"][:3] == ("aborted", 10, 0) and rows["again40"][:3] == ("finished", 40, 32)
+    assert all(r[3] <= r[4] <= r[5] and r[6] is not None for r in rows.values()), rows
+    assert [f[3] for f in _events(capture, "finish")] == ["abort"] + ["length"] * 5  # vLLM's own finish reasons
+
+
+def test_usage_splits_free_blocks_into_unhashed_and_cached_each_step(life: tuple[dict[str, Any], Path]) -> None:
+    """Cached-free blocks are counted per call (no walk of the pool): equal to a walk at every step."""
+    result, capture = life
+    rows = _sql(capture, "SELECT full_total, full_available, full_evictable, full_used, num_running FROM usage "
+                         "ORDER BY step")
+    assert [r[2] for r in rows] == [n * 16 for n in result["cached_free"]] and max(result["cached_free"]) > 0
+    assert all(total == available + evictable + used for total, available, evictable, used, _ in rows)
+    assert rows[-1][3] == 3 * 16 and rows[-1][4] == 1  # "held" holds three blocks
+
+
+def test_an_allocation_with_no_room_is_recorded(life: tuple[dict[str, Any], Path]) -> None:
+    result, capture = life
+    assert result["no_room"]
+    rows = [row[:3] for row in _events(capture, "no_room")]
+    assert rows == [("big", 160, result["free_blocks"])]
+
+
+def test_the_run_is_named_by_the_engines_data_parallel_rank(life: tuple[dict[str, Any], Path]) -> None:
+    """Rank 1 of a dense model: vLLM reset its data_parallel_rank to 0; data_parallel_index keeps 1."""
+    _, capture = life
+    [(label, config)] = _sql(capture, "SELECT label, config FROM runs")
+    assert label.startswith("vllm 0.32.0 probe dp 1 pid ") and json.loads(config)["source"]["dp_rank"] == 1

@@ -2,7 +2,7 @@
 Run with the vLLM venv's python, kvscope on PYTHONPATH:
 
     python vllm_probe_driver.py SCENARIO      (clean, extra-ref, double-free, unknown-version,
-                                               missing-target, inert)
+                                               missing-target, inert, life)
 
 The environment names the capture (KVSCOPE_CAPTURE, KVSCOPE_PYTHON). Prints one JSON line: what the
 probe said, the census results, the injected ground truth, and that vLLM's own calls still worked.
@@ -15,6 +15,7 @@ import sys
 from types import SimpleNamespace
 
 import torch
+from vllm.config import ParallelConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -53,8 +54,9 @@ def serve(kv: KVCacheManager, live: dict[str, Request], rid: str, tokens: list[i
     return req
 
 
-def finish(kv: KVCacheManager, live: dict[str, Request], req: Request) -> None:
-    req.status = RequestStatus.FINISHED_STOPPED
+def finish(kv: KVCacheManager, live: dict[str, Request], req: Request,
+           status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
+    req.status = status
     probe._record_request(req)
     kv.free(req)
     del live[req.request_id]
@@ -68,6 +70,46 @@ def idle(kv: KVCacheManager, live: dict[str, Request]) -> dict:
                                                                           result.culprits.items()}}
 
 
+def step_ends(kv: KVCacheManager, live: dict[str, Request]) -> int:
+    """The usage sample of a step, as EngineCoreProc's wrapper takes it; returns the cached-free
+    blocks counted the slow way (hashed, ref 0, in the free queue) for the test to compare."""
+    probe.PROBE.step_ends(SimpleNamespace(kv_cache_manager=kv, running=list(live.values()), waiting=[]))
+    queued = {b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()}
+    return sum(1 for b in kv.block_pool.blocks if b.block_hash is not None and b.block_id in queued)
+
+
+def life() -> dict:
+    """One of each: every lookup stop reason, an allocation with no room, an aborted request, a
+    snapshot with a live holder; the engine is DP rank 1 of a dense model (vLLM resets its
+    data_parallel_rank to 0 and keeps the rank in data_parallel_index)."""
+    parallel = ParallelConfig()
+    parallel.data_parallel_index = 1
+    parallel.reconfigure_for_independent_dp_rank()
+    probe.PROBE.engine_seen(SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel)))
+    kv, live, cached_free = manager(), {}, []
+    p32, other = list(range(2000, 2000 + 2 * BLOCK)), list(range(3000, 3000 + 3 * BLOCK))
+    prompts = [("short", [5] * 10), ("p40", other[:40]), ("again40", other[:40]), ("p32", p32),
+               ("again32", p32), ("fork48", p32[:BLOCK] + [6] * (2 * BLOCK))]
+    for rid, tokens in prompts:  # miss, short, partial, capped, diverged (p40 and p32 miss)
+        probe.PROBE.step_begins()
+        req = serve(kv, live, rid, tokens)
+        finish(kv, live, req, RequestStatus.FINISHED_ABORTED if rid == "short" else
+               RequestStatus.FINISHED_LENGTH_CAPPED)
+        cached_free.append(step_ends(kv, live))
+    probe.PROBE.step_begins()
+    held = serve(kv, live, "held", p32 + [8] * BLOCK)  # holds p32's two cached blocks and a third
+    big = request("big", [9] * (10 * BLOCK))  # 10 blocks: only 8 left
+    live["big"] = big
+    blocks, num_hit, _ = kv.get_computed_blocks(big)
+    no_room = kv.allocate_slots(big, 10 * BLOCK - num_hit, num_hit, blocks) is None
+    del live["big"]
+    cached_free.append(step_ends(kv, live))
+    census = idle(kv, live)
+    chain = [b.block_id for b in kv.coordinator.single_type_managers[0].req_to_blocks["held"]]
+    return {"census": census, "cached_free": cached_free, "no_room": no_room, "held": chain,
+            "free_blocks": kv.block_pool.get_num_free_blocks(), "held_rid": held.request_id}
+
+
 def main(scenario: str) -> None:
     init_none_hash(sha256)
     said = ""
@@ -79,6 +121,11 @@ def main(scenario: str) -> None:
         said = probe._register(version="0.32.0", table=table)
     else:
         said = probe._register()
+    if scenario == "life":
+        result = life()
+        probe.PROBE.state.recorder.close()
+        print(json.dumps({"said": said, **result}))
+        return
     kv, live, censuses, injected = manager(), {}, [], []
     shared = list(range(1000, 1000 + 2 * BLOCK))
     for rid, tail in [("req-a", 1), ("req-b", 2), ("req-c", 3)]:
