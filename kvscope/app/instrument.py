@@ -2,14 +2,27 @@
 way `opentelemetry-instrument` and `ddtrace-run` do: set the environment, then exec the command.
 
 The probe itself is loaded by the engine (vLLM's `vllm.general_plugins` entry point, which needs
-kvscope installed in the engine's venv: docs/probe.md); this verb only says where it records.
+kvscope installed in the engine's venv: docs/probe.md); this verb says where it records and makes
+VLLM_PLUGINS name kvscope, since vLLM loads the `GET /kvscope/census` route (an endpoint plugin) only
+when that allowlist names it (vllm/plugins/__init__.py, load_endpoint_plugins).
+
+NOTE: VLLM_PLUGINS (vLLM splits it on "," and loads a plugin of any group only if its name is listed)
+    set, without kvscope   kvscope is appended: the user's plugins stay, the probe and its route load
+    unset                  every general plugin loads, endpoint plugins none: the verb lists the
+                           engine's own plugins (entry points of every vllm.* group but endpoints, read
+                           by the command's interpreter: a python, or a script's #! python) and sets
+                           VLLM_PLUGINS to them plus kvscope, so nothing vLLM loaded before is dropped.
+                           A command whose interpreter it cannot tell (a binary, `env python`, docker)
+                           keeps it unset: the probe records, the route is off (the line says so).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,6 +31,15 @@ from typing import Any
 from kvscope.telemetry import open_writer
 
 PLUGIN_NAME = "kvscope"  # NOTE: the entry-point name in pyproject.toml's vllm.general_plugins
+LIST_PLUGINS_TIMEOUT_S = 60.0
+# NOTE: run by the engine's interpreter: its vllm.* plugins that load while VLLM_PLUGINS is unset, and
+# whether kvscope's general plugin is installed there
+LIST_PLUGINS = (
+    "import importlib.metadata as m, json\n"
+    "points = [(e.group, e.name) for d in m.distributions() for e in d.entry_points]\n"
+    "names = sorted({n for g, n in points if g.startswith('vllm.') and g != 'vllm.endpoint_plugins'})\n"
+    "print(json.dumps({'names': names, 'kvscope': ('vllm.general_plugins', 'kvscope') in points}))\n"
+)
 
 
 def default_capture(now_s: float | None = None) -> str:
@@ -29,10 +51,56 @@ def instrument_env(capture: str, level: str, environ: dict[str, str], python: st
     """The command's environment: the capture, the level, and the interpreter of the recorder's host."""
     if "://" not in capture:
         capture = str(Path(capture).resolve())
-    plugins = environ.get("VLLM_PLUGINS")
-    if plugins is not None and PLUGIN_NAME not in [p.strip() for p in plugins.split(",")]:
-        raise ValueError(f"VLLM_PLUGINS={plugins!r} would keep vLLM from loading the probe: add {PLUGIN_NAME} to it")
     return {**environ, "KVSCOPE_CAPTURE": capture, "KVSCOPE_LEVEL": level, "KVSCOPE_PYTHON": python}
+
+
+def with_plugins(plugins: str | None, engine_plugins: list[str] | None) -> str | None:
+    """VLLM_PLUGINS for the command: the user's list with kvscope appended; when unset, the engine's
+    own plugins (`engine_plugins`, None: not known) and kvscope; None keeps it unset."""
+    if plugins is not None:
+        names = plugins.split(",")  # NOTE: exactly as vLLM's envs.py splits it (no strip)
+        if PLUGIN_NAME in names:
+            return plugins
+        return PLUGIN_NAME if plugins == "" else f"{plugins},{PLUGIN_NAME}"
+    if engine_plugins is None:
+        return None
+    return ",".join(sorted({*engine_plugins, PLUGIN_NAME}))
+
+
+def engine_python(command: list[str]) -> str | None:
+    """The interpreter the command runs in: the command itself when it is a python, else the python
+    of a script's #! line; None when it cannot tell."""
+    path = shutil.which(command[0])
+    if path is None:
+        return None
+    if Path(path).name.startswith("python"):
+        return path
+    try:
+        with open(path, "rb") as script:
+            first = script.readline(512)
+    except OSError:
+        return None
+    parts = first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
+    if len(parts) == 1 and Path(parts[0]).name.startswith("python") and Path(parts[0]).is_absolute():
+        return parts[0]
+    return None
+
+
+def engine_plugins(python: str, environ: dict[str, str]) -> list[str] | None:
+    """The vllm.* plugins `python`'s environment loads while VLLM_PLUGINS is unset; None when it
+    cannot be asked. Raises ValueError when kvscope's plugin is not installed there."""
+    try:
+        out = subprocess.run([python, "-c", LIST_PLUGINS], capture_output=True, text=True, env=environ,
+                             timeout=LIST_PLUGINS_TIMEOUT_S, check=False)
+        found = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        found = None
+    if found is None:
+        return None
+    if not found["kvscope"]:
+        raise ValueError(f"kvscope is not installed beside the engine ({python}): vLLM would not load the probe; "
+                         f"install it there with pip install --no-deps (docs/probe.md)")
+    return [str(name) for name in found["names"]]
 
 
 def instrument_verb(args: argparse.Namespace) -> int:
@@ -43,9 +111,16 @@ def instrument_verb(args: argparse.Namespace) -> int:
         raise ValueError(f"{command[0]}: command not found")
     capture = args.capture or default_capture()
     env = instrument_env(capture, args.level, dict(os.environ), sys.executable)
+    python = None if "VLLM_PLUGINS" in env else engine_python(command)
+    plugins = with_plugins(env.get("VLLM_PLUGINS"), None if python is None else engine_plugins(python, env))
     writer = open_writer(env["KVSCOPE_CAPTURE"])  # NOTE: a bad path fails here, in one line, not in the engine
     writer.dispose()
-    print(f"kvscope instrument: recording into {env['KVSCOPE_CAPTURE']} (level {args.level}); "
+    if plugins is None:
+        route = "VLLM_PLUGINS unset: GET /kvscope/census is off (set VLLM_PLUGINS to your plugins and kvscope)"
+    else:
+        env["VLLM_PLUGINS"] = plugins
+        route = f"VLLM_PLUGINS={plugins}"
+    print(f"kvscope instrument: recording into {env['KVSCOPE_CAPTURE']} (level {args.level}; {route}); "
           f"then kvscope check {env['KVSCOPE_CAPTURE']}", file=sys.stderr, flush=True)
     os.execvpe(command[0], command, env)
     return 0  # pragma: no cover (exec does not return)
@@ -61,7 +136,9 @@ def add_instrument_parser(verbs: Any, formatter: type[argparse.HelpFormatter]) -
         "every block alloc, touch, cache, free and eviction with its request, and at each busy -> idle edge a "
         "census of every block's references, stored as leak checks: `kvscope check CAPTURE` exits 0 (clean), 1 "
         "(a leak, with the block and the request that last took it) or 3. Supported: vLLM 0.32.0; another "
-        "version is refused in one line and vLLM runs unrecorded. Exit 2 on bad input (no command, a bad capture).",
+        "version is refused in one line and vLLM runs unrecorded. VLLM_PLUGINS gets kvscope (appended to a list you "
+        "set; unset: the engine's own plugins and kvscope) so that GET /kvscope/census loads. Exit 2 on bad input (no "
+        "command, a bad capture, kvscope not installed beside the engine).",
         formatter_class=formatter,
     )
     instrument.add_argument("--capture", metavar="PATH|URL",

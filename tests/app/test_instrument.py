@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOW_ENV = "import json, os; print(json.dumps({k: v for k, v in os.environ.items() if k.startswith('KVSCOPE_')}))"
+SHOW_PLUGINS = "import os; print(os.environ.get('VLLM_PLUGINS', '<unset>'))"
 
 
 def kvscope(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -27,7 +28,8 @@ def test_it_execs_the_command_with_the_probes_environment(tmp_path: Path) -> Non
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {"KVSCOPE_CAPTURE": str(capture), "KVSCOPE_LEVEL": "summary",
                                       "KVSCOPE_PYTHON": sys.executable}
-    assert out.stderr == f"kvscope instrument: recording into {capture} (level summary); then kvscope check {capture}\n"
+    assert out.stderr == (f"kvscope instrument: recording into {capture} (level summary; VLLM_PLUGINS=kvscope); "
+                          f"then kvscope check {capture}\n")
     assert capture.exists()  # made before the engine starts: a bad path fails here, not inside the engine
 
 
@@ -40,9 +42,6 @@ def test_the_commands_exit_code_is_its_own(tmp_path: Path) -> None:
     ((), None, "kvscope instrument: error: name the engine's command after --, e.g. kvscope instrument -- vllm serve "
                "MODEL"),
     (("--", "no-such-engine-cmd"), None, "kvscope instrument: error: no-such-engine-cmd: command not found"),
-    (("--", "true"), {"VLLM_PLUGINS": "lora_filesystem_resolver"},
-     "kvscope instrument: error: VLLM_PLUGINS='lora_filesystem_resolver' would keep vLLM from loading the probe: "
-     "add kvscope to it"),
     (("--level", "debug", "--", "true"), None, "kvscope instrument: error: argument --level: invalid choice: 'debug' "
                                                "(choose from 'summary', 'full')"),
 ])
@@ -58,3 +57,59 @@ def test_a_capture_it_cannot_write_is_one_line(tmp_path: Path) -> None:
     out = kvscope("--capture", str(bad), "--", "true")
     assert (out.returncode, out.stderr) == (2, f"kvscope instrument: error: {bad}: not a kvscope capture "
                                                "(not a SQLite database)\n")
+
+
+def fake_plugins(root: Path) -> Path:
+    """A site directory holding one installed distribution with vLLM plugins of three groups."""
+    info = root / "fake_plugins-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-plugins\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nmy_general = fake:register\n\n"
+                                           "[vllm.platform_plugins]\nmy_platform = fake:platform\n\n"
+                                           "[vllm.endpoint_plugins]\nmy_route = fake:Route\n")
+    return root
+
+
+@pytest.mark.parametrize(("plugins", "seen"), [
+    ("lora_filesystem_resolver", "lora_filesystem_resolver,kvscope"),  # the user's list stays, kvscope joins it
+    ("kvscope,lora_hf_hub_resolver", "kvscope,lora_hf_hub_resolver"),
+    ("", "kvscope"),  # vLLM reads "" as a list naming nothing
+])
+def test_a_plugin_allowlist_gets_kvscope_appended(tmp_path: Path, plugins: str, seen: str) -> None:
+    out = kvscope("--capture", str(tmp_path / "c.db"), "--", sys.executable, "-c", SHOW_PLUGINS,
+                  env={"VLLM_PLUGINS": plugins})
+    assert (out.returncode, out.stdout) == (0, seen + "\n"), out.stderr
+    assert f"VLLM_PLUGINS={seen})" in out.stderr
+
+
+def test_without_an_allowlist_it_names_the_engines_own_plugins_and_kvscope(tmp_path: Path) -> None:
+    """Unset, vLLM loads every general plugin but no endpoint plugin: the verb lists what the engine's
+    interpreter has (not its endpoint plugins, which were off) so the census route loads and nothing
+    vLLM loaded before is dropped. The command here is a script whose #! names that interpreter."""
+    site = fake_plugins(tmp_path / "site")
+    script = tmp_path / "engine"
+    script.write_text(f"#!{sys.executable}\n{SHOW_PLUGINS}\n")
+    script.chmod(0o755)
+    out = kvscope("--capture", str(tmp_path / "c.db"), "--", str(script),
+                  env={"PYTHONPATH": f"{site}{os.pathsep}{ROOT}"})
+    assert (out.returncode, out.stdout) == (0, "kvscope,my_general,my_platform\n"), out.stderr
+
+
+def test_an_engine_without_kvscope_installed_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    out = subprocess.run([sys.executable, "-m", "kvscope", "instrument", "--capture", str(tmp_path / "c.db"), "--",
+                          str(python), "-c", "print('served')"], capture_output=True, text=True, cwd=ROOT,
+                         env={k: v for k, v in os.environ.items() if not k.startswith(("KVSCOPE_", "VLLM_PLUGINS",
+                                                                                      "PYTHONPATH"))}
+                         | {"PYTHONPATH": str(ROOT)}, timeout=120, check=False)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == (f"kvscope instrument: error: kvscope is not installed beside the engine ({python}): vLLM "
+                          "would not load the probe; install it there with pip install --no-deps (docs/probe.md)\n")
+
+
+def test_a_command_whose_python_it_cannot_tell_keeps_the_allowlist_unset_and_says_so(tmp_path: Path) -> None:
+    out = kvscope("--capture", str(tmp_path / "c.db"), "--", "sh", "-c", "echo ${VLLM_PLUGINS-unset}")
+    assert (out.returncode, out.stdout) == (0, "unset\n")
+    assert "VLLM_PLUGINS unset: GET /kvscope/census is off (set VLLM_PLUGINS to your plugins and kvscope)" in out.stderr
