@@ -148,7 +148,7 @@ class VllmProbe:
 
     def engine_seen(self, engine: Any) -> None:
         """The EngineCore this process runs: its data-parallel rank names the run (before it opens)."""
-        if self.dp_rank is None:
+        if self.dp_rank is None and not self.hot:
             self.dp_rank = dp_rank(engine)
 
     # -- the engine loop ----------------------------------------------------------------------
@@ -226,13 +226,16 @@ def _block_size(manager: Any) -> int:
     return int(manager.coordinator.single_type_managers[0].block_size)
 
 
-def dp_rank(engine: Any) -> int:
-    """The engine's data-parallel rank. vLLM 0.32 keeps it in parallel_config.data_parallel_index:
-    a dense model's DP engines are independent EngineCoreProcs whose data_parallel_rank is reset to
-    0 (ParallelConfig.reconfigure_for_independent_dp_rank); an MoE model's DPEngineCoreProc has both."""
-    config = engine.vllm_config.parallel_config
-    index = getattr(config, "data_parallel_index", None)
-    return int(config.data_parallel_rank if index is None else index)
+def dp_rank(engine: Any) -> int | None:
+    """The engine's data-parallel rank (None: it has no parallel config). vLLM 0.32 keeps it in
+    parallel_config.data_parallel_index: a dense model's DP engines are independent EngineCoreProcs
+    whose data_parallel_rank is reset to 0 (ParallelConfig.reconfigure_for_independent_dp_rank); an
+    MoE model's DPEngineCoreProc has both."""
+    config = getattr(getattr(engine, "vllm_config", None), "parallel_config", None)
+    rank = getattr(config, "data_parallel_index", None)
+    if rank is None:
+        rank = getattr(config, "data_parallel_rank", None)
+    return None if rank is None else int(rank)
 
 
 def tree_rows(manager: Any, parents: dict[int, tuple[int, Any]], block_size: int) -> list[NodeRow]:
@@ -264,6 +267,8 @@ def tree_rows(manager: Any, parents: dict[int, tuple[int, Any]], block_size: int
         while block_id not in depth:
             chain.append(block_id)
             block_id = parent_of[block_id]
+            if len(chain) > len(parent_of):  # NOTE: never loop on the engine's thread (guarded: recording stops)
+                raise RuntimeError("the cached blocks' parent links form a cycle")
         for node in reversed(chain):
             depth[node] = depth[parent_of[node]] + 1
         return depth[chain[0]] if chain else depth[block_id]
@@ -759,7 +764,7 @@ def _census_utility(self: Any) -> dict[str, Any]:
         tables = [m.req_to_blocks for m in manager.coordinator.single_type_managers]
         result = take_census(_block_view(manager.block_pool), tables, [b for _, b in scheduler.deferred_frees],
                              set(scheduler.requests), PROBE.last_taker, PROBE.last_release)
-        return census_json(result, os.getpid(), dp_rank(self))
+        return census_json(result, os.getpid(), dp_rank(self) or 0)
     except Exception as err:  # NOTE: an answer, never an engine error
         return {"pid": os.getpid(), "error": f"{type(err).__name__}: {err}".splitlines()[0]}
 

@@ -240,3 +240,10 @@ def test_the_run_is_named_by_the_engines_data_parallel_rank(life: tuple[dict[str
     _, capture = life
     [(label, config)] = _sql(capture, "SELECT label, config FROM runs")
     assert label.startswith("vllm 0.32.0 probe dp 1 pid ") and json.loads(config)["source"]["dp_rank"] == 1
+
+
+def test_instrument_names_vllms_own_plugins_and_kvscope(life: tuple[dict[str, Any], Path]) -> None:
+    """VLLM_PLUGINS was unset: `kvscope instrument` asked the vLLM venv's python for its plugins, so the
+    census route loads and vLLM's own LoRA resolvers still do."""
+    result, _ = life
+    assert result["plugins"] == "kvscope,lora_filesystem_resolver,lora_hf_hub_resolver"

@@ -11,6 +11,7 @@ probe said, the census results, the injected ground truth, and that vLLM's own c
 from __future__ import annotations
 
 import json
+import os
 import sys
 from types import SimpleNamespace
 
@@ -124,7 +125,7 @@ def main(scenario: str) -> None:
     if scenario == "life":
         result = life()
         probe.PROBE.state.recorder.close()
-        print(json.dumps({"said": said, **result}))
+        print(json.dumps({"said": said, "plugins": os.environ.get("VLLM_PLUGINS"), **result}))
         return
     kv, live, censuses, injected = manager(), {}, [], []
     shared = list(range(1000, 1000 + 2 * BLOCK))
