@@ -58,6 +58,7 @@ IGNORED_KINDS = frozenset({
     EventKind.PROMOTE,  # scoped radix: who may see a node changes, not who holds its slots
     EventKind.DEMOTE,  # scoped radix: the TOMBSTONE, EVICT and FREE events that follow move the slots
     EventKind.CROSS_HIT,  # scoped radix: part of a match, read only
+    EventKind.NO_ROOM,  # the vLLM probe: an allocation that found no room; nothing was taken
 })
 LOCK_KINDS = frozenset({EventKind.LOCK, EventKind.UNLOCK})
 COPY_KINDS = frozenset(k.value for k in CopyKind)  # a lock event's reason when a copy op holds it
