@@ -40,9 +40,9 @@ def _env() -> dict[str, str]:
     return {**env, "PYTHONPATH": str(ROOT)}
 
 
-def drive(scenario: str, capture: Path) -> dict[str, Any]:
+def drive(scenario: str, capture: Path, level: str = "full") -> dict[str, Any]:
     """The driver under `kvscope instrument`; its JSON line (and stderr, for the probe's lines)."""
-    out = kvscope("instrument", "--capture", str(capture), "--", VLLM_PYTHON, str(DRIVER), scenario)
+    out = kvscope("instrument", "--capture", str(capture), "--level", level, "--", VLLM_PYTHON, str(DRIVER), scenario)
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     result["stderr"] = out.stderr
@@ -191,7 +191,7 @@ def test_each_prefix_lookup_says_why_it_stopped(life: tuple[dict[str, Any], Path
     rows = [(rid, hit, reason) for rid, hit, _, reason in _events(capture, "match")]
     assert rows == [("short", 0, "short"), ("p40", 0, "miss"), ("again40", 32, "partial"), ("p32", 0, "miss"),
                     ("again32", 16, "capped"), ("fork48", 16, "diverged"), ("held", 32, "capped"),
-                    ("big", 0, "miss")]
+                    ("big", 0, "miss"), ("eagle", 0, "other")]
 
 
 def test_tree_snapshots_are_vllms_hash_chains_with_the_requests_holding_them(
@@ -247,3 +247,16 @@ def test_instrument_names_vllms_own_plugins_and_kvscope(life: tuple[dict[str, An
     census route loads and vLLM's own LoRA resolvers still do."""
     result, _ = life
     assert result["plugins"] == "kvscope,lora_filesystem_resolver,lora_hf_hub_resolver"
+
+
+def test_level_summary_keeps_snapshots_usage_and_requests_without_block_events(
+        life: tuple[dict[str, Any], Path], tmp_path: Path) -> None:
+    """What docs/probe.md says summary records: the same tree, usage and requests as full, no events."""
+    summary = tmp_path / "summary.db"
+    result = drive("life", summary, level="summary")
+    _, full = life
+    for query in ("SELECT node_id, parent_id, lock_ref, owner, depth_tokens FROM tree_snapshots ORDER BY node_id",
+                  "SELECT step, full_available, full_evictable, full_used FROM usage ORDER BY step",
+                  "SELECT rid, status, prompt_len, cached_tokens, admit_step FROM requests ORDER BY rid"):
+        assert _sql(summary, query) == _sql(full, query), query
+    assert result["census"]["ok"] and _events(summary, "match") == [] and _events(summary, "alloc") == []

@@ -31,12 +31,12 @@ BLOCK = 16
 NUM_BLOCKS = 12
 
 
-def manager() -> KVCacheManager:
+def manager(use_eagle: bool = False) -> KVCacheManager:
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
     config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
     return KVCacheManager(config, max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK,
-                          enable_caching=True, log_stats=True)
+                          enable_caching=True, log_stats=True, use_eagle=use_eagle)
 
 
 def request(rid: str, tokens: list[int]) -> Request:
@@ -104,6 +104,7 @@ def life() -> dict:
     blocks, num_hit, _ = kv.get_computed_blocks(big)
     no_room = kv.allocate_slots(big, 10 * BLOCK - num_hit, num_hit, blocks) is None
     del live["big"]
+    manager(use_eagle=True).get_computed_blocks(request("eagle", p32 + [4] * 3))  # a layout the reasons do not model
     cached_free.append(step_ends(kv, live))
     census = idle(kv, live)
     chain = [b.block_id for b in kv.coordinator.single_type_managers[0].req_to_blocks["held"]]
