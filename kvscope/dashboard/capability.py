@@ -17,14 +17,22 @@ from kvscope.telemetry.capabilities import Capabilities, capabilities_of_json
 
 def of(chosen: Selection) -> Capabilities:
     """The run's capabilities: its config's, then what its data shows (tree snapshots; request
-    times and a host tier, which a newer probe or an attached engine may record)."""
+    times, a host tier and cached-free blocks per step, which a newer probe or an attached
+    engine may record)."""
     caps = capabilities_of_json(getattr(chosen.run, "config", None))
     present = {"tree_snapshots": bool(data.snapshot_steps(chosen.path, chosen.run_id, chosen.stamp))}
     if caps.kind != "engine":
         present["latencies"] = _has_arrivals(chosen)
         if caps.has("tiers") or _has_host_tier(chosen):
             present["tiers"] = True
+    if caps.has("blocks") and caps.lacks("usage.split") and _has_evictable(chosen):
+        present["usage.split"] = True  # NOTE: a probe that records cached-free blocks per step splits its pool
     return caps.with_data(present)
+
+
+def _has_evictable(chosen: Selection) -> bool:
+    usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
+    return "full_evictable" in usage and bool(pd.to_numeric(usage["full_evictable"], errors="coerce").gt(0).any())
 
 
 def _has_arrivals(chosen: Selection) -> bool:

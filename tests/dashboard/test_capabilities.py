@@ -11,6 +11,7 @@ hash chain, lock_ref = the block's ref count), requests with and without arrival
 from __future__ import annotations
 
 import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -96,9 +97,12 @@ def census_rows(rec: SQLRecorder, step: int, refs: dict[int, int], hashed: set[i
         rec.leak_check(check)
 
 
-def usage(step: int, free_blocks: int, running: int) -> UsageSample:
+def usage(step: int, free_blocks: int, running: int, cached_free: int = 0) -> UsageSample:
+    """A probe's usage row; `cached_free` blocks (hashed, in the free queue) as evictable, as a
+    probe that records them per step writes them."""
     total = NUM_BLOCKS * BLOCK
-    return UsageSample(step, PoolTerms(total, free_blocks * BLOCK, 0, 0), None, 0, 0, running, 0, 100 * step,
+    terms = PoolTerms(total, (free_blocks - cached_free) * BLOCK, cached_free * BLOCK, 0)
+    return UsageSample(step, terms, None, 0, 0, running, 0, 100 * step,
                        16 * (step - 1), step, step - 1, 16 * (step // 3), 0, full_used=total - free_blocks * BLOCK)
 
 
@@ -106,17 +110,24 @@ def node(node_id: int, parent: int | None, refs: int, depth: int) -> NodeRow:
     return NodeRow(node_id, parent, 0 if parent is None else BLOCK, "", refs, 0.0, 0, None, False, depth)
 
 
+class Stop(StrEnum):  # NOTE: why a prefix lookup stopped, as a probe may name it on the match event's reason
+    PARTIAL = "partial-block"
+
+
 def probe_life(rec: SQLRecorder, *, leak: bool, arrivals: bool) -> None:
     """Two requests sharing the prefix block 1: r1 allocates blocks 1 and 2 and caches them
     (the hash chain 1 -> 2); r2 hits block 1 (a touch), allocates block 3, and with `leak`
-    never releases block 3. Snapshots at steps 2 and 3; the census at the idle step 3."""
+    never releases block 3. Snapshots at steps 2 and 3; the census at the idle step 3. Without
+    `leak` (a newer probe) the requests have arrival times, the usage rows count cached-free
+    blocks, and the lookup names why it stopped."""
     rec.step = 1
     rec.record(EventKind.ALLOC, pool=FULL, rid="r1", num_tokens=2, slots=[1, 2], aux=0)
     rec.record(EventKind.INSERT, pool=FULL, rid="r1", node_id=1, num_tokens=BLOCK, slots=[1], aux=0)
     rec.record(EventKind.INSERT, pool=FULL, rid="r1", node_id=2, num_tokens=BLOCK, slots=[2], aux=1)
     rec.usage(usage(1, NUM_BLOCKS - 2, 1))
     rec.step = 2
-    rec.record(EventKind.MATCH, pool=FULL, rid="r2", node_id=1, num_tokens=BLOCK, aux=20)
+    rec.record(EventKind.MATCH, pool=FULL, rid="r2", node_id=1, num_tokens=BLOCK, aux=20,
+               reason=None if leak else Stop.PARTIAL)
     rec.record(EventKind.LOCK, pool=FULL, rid="r2", num_tokens=1, slots=[1], aux=0)
     rec.record(EventKind.ALLOC, pool=FULL, rid="r2", num_tokens=1, slots=[3], aux=0)
     rec.record(EventKind.FREE, pool=FULL, rid="r1", num_tokens=1, slots=[2], aux=0)
@@ -128,7 +139,7 @@ def probe_life(rec: SQLRecorder, *, leak: bool, arrivals: bool) -> None:
     rec.record(EventKind.EVICT, pool=FULL, rid="r3", node_id=2, num_tokens=BLOCK, slots=[2],
                reason=EvictReason.CAPACITY)
     rec.tree_snapshot(3, [node(0, None, 1, 0), node(1, 0, 0, BLOCK)])
-    rec.usage(usage(3, NUM_BLOCKS - (1 if leak else 0), 0))
+    rec.usage(usage(3, NUM_BLOCKS - (1 if leak else 0), 0, 0 if leak else 1))
     for step, rid in ((2, "r1"), (3, "r2")):
         done = RequestRecord(rid, None, 40, "finished", BLOCK * (step - 1), 4)
         if arrivals:
@@ -252,6 +263,10 @@ def test_the_probe_overview_shows_the_census_verdict_and_the_leaked_blocks_as_mi
     clean = open_page(captures["probe-clean"], monkeypatch)
     assert len(clean.success) == 1 and "probe's block census held" in clean.success[0].value
     assert metrics(clean)["full: missing"] == "0"
+    # a probe that records cached-free blocks per step: its pool is split, and no line says it is not
+    assert metrics(clean)["full: evictable"] == f"{BLOCK:,}" and "full: evictable" not in shown
+    split = Capabilities("probe", "vllm", None, frozenset()).cannot_show("usage.split")
+    assert split in texts(at) and split not in texts(clean)
 
 
 def test_the_probe_leaks_page_names_the_culprit_from_the_census(captures: dict[str, Path],
@@ -286,8 +301,12 @@ def test_the_probe_requests_page_shows_latencies_only_when_arrivals_are_recorded
         captures: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     at = open_page(captures["probe"], monkeypatch, "requests")
     assert metrics(at)["requests"] == "2" and not any(s.value == "Latency" for s in at.subheader)
+    assert not any(s.value == "Why prefix lookups stopped" for s in at.subheader)  # no lookup names a reason
     at = open_page(captures["probe-clean"], monkeypatch, "requests")
     assert any(s.value == "Latency" for s in at.subheader)
+    stops = next(f for f in frames(at) if "why the lookup stopped" in f.columns)
+    assert stops.to_dict("records") == [{"why the lookup stopped": "partial-block", "lookups": 1,
+                                         "hit tokens": BLOCK, "missed tokens": 20}]
     assert not any(Capabilities("probe", "vllm", None, frozenset()).cannot_show("latencies") == c.value
                    for c in at.caption)
 

@@ -52,6 +52,17 @@ def throughput_section(chosen: Selection, clock: timing.Clock | None) -> None:
     st.plotly_chart(latency.throughput_figure(series, clock is not None), key="requests.throughput")
 
 
+def lookups_section(chosen: Selection) -> None:
+    """Why prefix lookups stopped, where the source records it (the probe names a reason per lookup)."""
+    stops = reads.lookup_stops(chosen.path, chosen.run_id, chosen.stamp)
+    if stops.empty:
+        return
+    st.subheader("Why prefix lookups stopped")
+    st.caption("Each prefix lookup of the run, by the reason its source recorded for where the hit ended; hit and "
+               "missed tokens are summed over those lookups.")
+    st.dataframe(stops, hide_index=True)
+
+
 def pick_request(path: str, run_id: int, stamp: float, tenant: str | None, num_requests: int) -> str:
     """ALL, or the rid of one request: a list to pick from, or a box to type an id in when the
     run has more than PICK_FROM_MAX requests (a list of 300k ids is no use in a browser)."""
@@ -127,6 +138,7 @@ def panel(chosen: Selection) -> None:
     else:
         capability.cannot(caps, "latencies")
     throughput_section(chosen, clock)
+    lookups_section(chosen)
     table_section(chosen, totals, notes, clock)
 
 
