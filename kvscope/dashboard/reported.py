@@ -1,6 +1,6 @@
 """The page sections that read an engine's own figures rather than kvscope's records: its
 /metrics scrapes (usage rows with NULL where the engine exports nothing) and the page forest its
-KV events rebuild (capability "pages"). A page calls one of these where the run lacks the
+KV events rebuild (capability "forest"). A page calls one of these where the run lacks the
 capability its own section needs (ownership, slots or blocks); the attach loop's counters are
 the one section only `kvscope attach` writes. What a source cannot show is one caption
 (capability.cannot), never an empty or invented chart.
@@ -85,7 +85,7 @@ def pool_panel(chosen: Selection, caps: Capabilities, last: pd.Series) -> None:
     share = f"{used / total:.0%} of the capacity" if used is not None and total else "the engine exports no usage"
     cols[1].metric("used (tokens)", _tokens(used), help=f"as the engine reports it at the latest scrape: {share}; "
                    f"{USED_MEANS.get(caps.engine, USED_MEANS['sglang'])}")
-    if step is None or caps.lacks("pages"):
+    if step is None or caps.lacks("forest"):
         cols[2].metric("cached tokens", NOT_PROVIDED_VALUE,
                        help="no snapshot of the page forest: the engine's KV events were not subscribed")
     else:
@@ -111,7 +111,7 @@ def traffic_panel(chosen: Selection, caps: Capabilities, last: pd.Series) -> Non
     running, waiting = attached.value(last, "num_running"), attached.value(last, "num_waiting")
     cols[0].metric("running / waiting", NOT_PROVIDED_VALUE if running is None or waiting is None
                    else f"{running} / {waiting}")
-    label, origin = attached.evicted_label(caps.engine, caps.has("pages"))
+    label, origin = attached.evicted_label(caps.engine, caps.has("forest"))
     cols[1].metric(label, _tokens(attached.value(last, "cum_evicted_tokens")), help=origin)
     cols[2].metric("preemptions", _tokens(attached.value(last, "cum_retractions")))
     bounds = data.step_range(chosen.path, chosen.run_id, chosen.stamp).iloc[0]
@@ -150,7 +150,7 @@ def tiers(chosen: Selection, caps: Capabilities) -> None:
     cols = st.columns(3)
     cols[0].metric("host tokens allocated", NOT_PROVIDED_VALUE if host_used is None or host_total is None
                    else f"{host_used:,} of {host_total:,}", help="the engine's host pool at the latest scrape")
-    cached = attached.cached_tokens(nodes) if step is not None and caps.has("pages") else None
+    cached = attached.cached_tokens(nodes) if step is not None and caps.has("forest") else None
     cols[1].metric("host-tier pages' tokens", NOT_PROVIDED_VALUE if cached is None else f"{cached['host']:,}",
                    help="pages the page forest holds on the host tier (host only, or backed up from the device) "
                         f"in its latest snapshot (step {step})")
@@ -185,7 +185,7 @@ def copies_panel(chosen: Selection) -> None:
 def forest(chosen: Selection, caps: Capabilities) -> None:
     """The Radix tree page where the tree is the page forest of the engine's KV events: only its
     snapshot steps, one node per page, coloured by tier."""
-    steps = data.snapshot_steps(chosen.path, chosen.run_id, chosen.stamp) if caps.has("pages") else []
+    steps = data.snapshot_steps(chosen.path, chosen.run_id, chosen.stamp) if caps.has("forest") else []
     if not steps:
         st.info("No snapshot of the page forest in this run yet (the engine's KV events were not subscribed, or "
                 "no snapshot was taken).")

@@ -9,9 +9,10 @@ NOTE: three kinds of source, told apart by the config's "source" key:
              "engine", "version", "provides": [...]}. What it gives is its `provides` list
              (ATTACH_PROVIDES maps those names to the capabilities here).
     probe    kvscope's probe inside a real engine (`kvscope instrument`): "source": {"kind":
-             "probe", "engine": "vllm" | "sglang", "version", "provides": [...]}. Ref-counted
-             blocks with the request that took each, the idle block census as its leak checks,
-             finished requests; its `provides` adds what a newer probe records.
+             "probe", "engine": "vllm" | "sglang", "version", "provides": [...]}. Its pool with
+             the request that took each part, its idle leak checks, its requests (PROBE_PROVIDES);
+             per engine (PROBE_ENGINES) vLLM's ref-counted blocks and block census; its `provides`
+             adds what a newer probe records (an SGLang probe's "locks", say).
 A capability a config cannot promise (tree snapshots, request arrival times, a host tier in the
 usage rows) is added from the data by the reader (`Capabilities.with_data`).
 """
@@ -26,7 +27,7 @@ from typing import Any
 CAPABILITIES = {
     "slots": "the pool's token slots, each owned by one holder (kvscope's slot ledger)",
     "blocks": "the engine's ref-counted blocks, with the request that took or released each",
-    "pages": "the engine's cached pages, rebuilt from its KV events (no owner, no lock)",
+    "forest": "the engine's cached pages as a forest rebuilt from its KV events (no owner, no lock)",
     "usage.used": "the tokens in use, per step or scrape",
     "usage.split": "free and evictable (cached, unused) tokens apart, per step or scrape",
     "ownership": "which request holds which slot or block",
@@ -49,6 +50,7 @@ CAPABILITIES = {
     "tenants": "the principal behind each request",
     "request_stream": "the prompts' tokens (the hit-rate vs capacity curve)",
     "gpu": "the GPU of the machine that recorded the run (this machine)",
+    "attach_loop": "the attach loop's counters (event batches delivered and lost, gaps, restarts ...)",
 }
 
 ENGINE_PROVIDES = frozenset({
@@ -56,25 +58,28 @@ ENGINE_PROVIDES = frozenset({
     "request_counts", "hit_rate", "tree", "evictions", "regret", "waste", "tenants", "request_stream", "gpu",
     "swa", "tiers",  # NOTE: the engine records them wherever its cache has them (the pages say when it has not)
 })
-PROBE_PROVIDES = frozenset({
-    "blocks", "usage.used", "ownership", "refs", "leak_checks", "census", "requests", "request_counts", "hit_rate",
-    "tree", "evictions",
+PROBE_PROVIDES = frozenset({  # NOTE: every probe; its unit is pages unless it says blocks (or slots)
+    "usage.used", "ownership", "leak_checks", "requests", "request_counts", "hit_rate", "tree", "evictions",
 })
+PROBE_ENGINES = {  # NOTE: what a probe of one engine provides beyond the common set
+    "vllm": frozenset({"blocks", "refs", "census"}),  # ref-counted blocks; the block census as its leak checks
+}
 ATTACH_PROVIDES = {  # NOTE: `kvscope attach`'s names (attached.PROVIDED) -> capabilities
-    "pages": ("pages", "evictions"), "usage.split": ("usage.split",), "usage.used": ("usage.used",),
+    "pages": ("forest", "evictions"), "usage.split": ("usage.split",), "usage.used": ("usage.used",),
     "hit_rate": ("hit_rate",), "evictions": ("evictions",), "host_tier": ("tiers",),
     "requests.counts": ("request_counts",),
 }
-PROBE_EXTRA = frozenset(CAPABILITIES)  # a probe's `provides` may name any capability (a newer probe records more)
+PROBE_EXTRA = frozenset(CAPABILITIES) - {"forest", "attach_loop"}  # a probe's `provides` may name more (a newer one)
 
-# NOTE: one line per capability a source lacks; {engine} is the source's engine. A line per kind of
+# NOTE: one line per capability a source lacks; {engine} is the source's engine, {unit} what its pool is
+# made of (slots, blocks, pages). A line per kind of
 # source where the reason differs; "*" otherwise.
 CANNOT_SHOW: dict[str, dict[str, str]] = {
     "slots": {
         "attach": "Per-slot ownership: not provided. An attached engine's KV events name cached pages, not the token "
                   "slots of its pool, so kvscope cannot say which slot belongs to what.",
-        "*": "Per-slot ownership: not provided. {engine} allocates whole ref-counted blocks, so kvscope follows "
-             "blocks (and the requests that took them), not token slots.",
+        "*": "Per-slot ownership: not provided. This capture follows {engine}'s {unit} and the requests that take "
+             "them, not single token slots.",
     },
     "locks": {
         "attach": "Lock refs: not provided. The events say which pages are cached, not which running request pins "
@@ -89,15 +94,15 @@ CANNOT_SHOW: dict[str, dict[str, str]] = {
     "swa": {
         "attach": "SWA-window occupancy: not provided. Only the engine's main attention group is followed (a "
                   "sliding-window group's pages are not its prefixes).",
-        "*": "SWA-window occupancy: not provided. This capture follows {engine}'s blocks as one pool.",
+        "*": "SWA-window occupancy: not provided. This capture follows {engine}'s {unit} as one pool.",
     },
     "leak_checks": {
         "*": "Leak checks: not provided. An attached engine runs its own leak check, which kvscope cannot see; "
              "`kvscope report engine-log FILE` explains the leak messages in its server log.",
     },
     "ledger": {
-        "*": "Slot-ledger culprits: not replayed. {engine}'s blocks are ref-counted and shared, not owned by one "
-             "holder, so the culprits are the census's own: the request that last took each leaked block.",
+        "*": "Slot-ledger culprits: not replayed. {engine}'s {unit} are not replayed through kvscope's slot ledger: "
+             "the culprits are the ones its own leak checks name (the request that last took each leaked one).",
     },
     "waste": {
         "attach": "Page waste: not provided. It needs each running request's length, which the source does not "
@@ -161,7 +166,7 @@ class Capabilities:
         """The one line this source shows in place of `name`'s section."""
         lines = CANNOT_SHOW.get(name, {})
         line = lines.get(self.kind) or lines.get("*") or f"{CAPABILITIES.get(name, name)}: not provided by this source."
-        return line.format(engine=self.engine)
+        return line.format(engine=self.engine, unit=self.unit)
 
     def with_data(self, present: Mapping[str, bool]) -> Capabilities:
         """Add (True) or remove (False) the capabilities the data shows, e.g. {"tree_snapshots": True}."""
@@ -190,11 +195,12 @@ def capabilities(config: Mapping[str, Any]) -> Capabilities:
     named = _names(source.get("provides"))
     block_size = _positive(source.get("block_size"))
     if kind == "attach":
-        provided = {cap for name in named for cap in ATTACH_PROVIDES.get(name, ())}
+        provided = {"attach_loop", *(cap for name in named for cap in ATTACH_PROVIDES.get(name, ()))}
         return Capabilities("attach", engine, version, frozenset(provided), block_size)
     if kind == "probe":
         extra = {name for name in named if name in PROBE_EXTRA}
-        return Capabilities("probe", engine, version, PROBE_PROVIDES | extra, block_size)
+        return Capabilities("probe", engine, version, PROBE_PROVIDES | PROBE_ENGINES.get(engine, frozenset()) | extra,
+                            block_size)
     return Capabilities(kind or "unknown", engine, version, frozenset(), block_size)
 
 

@@ -45,6 +45,8 @@ ATTACH_SOURCE = {"kind": "attach", "engine": "vllm", "version": "0.32.0", "url":
                  "model": "tiny", "block_size": 16, "capacity_tokens": 176, "kv_events": None, "warnings": [],
                  "provides": ["evictions", "hit_rate", "pages", "requests.counts", "usage.used"]}
 OWN_ENGINE = ROOT / "sample_runs" / "shared-prefix.db"
+PROBE = capabilities({"source": PROBE_SOURCE})
+ATTACH = capabilities({"source": ATTACH_SOURCE})
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -54,19 +56,24 @@ def test_each_kind_of_source_provides_its_own_capabilities() -> None:
     own = capabilities({"engine": {"cache": {"kind": "radix"}}})
     assert (own.kind, own.engine, own.unit) == ("engine", "kvscope", "slots")
     assert own.has("ledger", "locks", "latencies", "tenants", "waste", "regret", "request_stream")
-    assert own.lacks("census") and own.lacks("pages")
+    assert own.lacks("census") and own.lacks("forest")
     attach = capabilities({"source": ATTACH_SOURCE})
     assert (attach.kind, attach.unit) == ("attach", "pages")
-    assert attach.provides == {"evictions", "hit_rate", "pages", "request_counts", "usage.used"}
+    assert attach.provides == {"attach_loop", "evictions", "forest", "hit_rate", "request_counts", "usage.used"}
     probe = capabilities({"source": PROBE_SOURCE})
     assert (probe.kind, probe.engine, probe.title, probe.unit) == ("probe", "vllm", "vllm 0.32.0", "blocks")
     assert probe.has("ownership", "refs", "leak_checks", "census", "requests", "tree")
     for lacking in ("locks", "ledger", "slots", "latencies", "tenants", "waste", "regret", "request_stream", "gpu"):
         assert probe.lacks(lacking), lacking
-    # an SGLang probe with the same config shape, and a newer probe that says it records more
-    sglang = capabilities({"source": {**PROBE_SOURCE, "engine": "sglang", "provides": ["swa", "tiers", "bogus"]}})
-    assert sglang.has("census", "swa", "tiers") and sglang.lacks("bogus")
-    assert "sglang" in sglang.cannot_show("locks")
+    # an SGLang probe (the same config shape; its pool is pages with tree locks, its leak checks per
+    # pool, not vLLM's block census), and a newer probe that says it records more
+    sglang = capabilities({"source": {**PROBE_SOURCE, "engine": "sglang",
+                                      "provides": ["pages", "ownership", "locks", "leak_checks", "requests", "swa",
+                                                   "bogus"]}})
+    assert sglang.unit == "pages" and sglang.has("locks", "leak_checks", "swa", "tree")
+    for lacking in ("census", "blocks", "refs", "forest", "bogus", "ledger"):
+        assert sglang.lacks(lacking), lacking
+    assert "sglang" in sglang.cannot_show("ledger")
 
 
 def test_data_adds_what_a_config_cannot_promise() -> None:
@@ -82,6 +89,14 @@ def test_every_cannot_show_line_is_one_line_naming_the_engine_where_it_says_so()
         line = probe.cannot_show(name)
         assert "\n" not in line and "{" not in line, name
         assert ("vllm" in line) == ("{engine}" in lines.get("probe", lines.get("*", ""))), name
+
+
+def test_no_page_asks_which_kind_of_source_a_run_came_from() -> None:
+    """Pages ask for capabilities; only capability.py (the source's header) reads the kind."""
+    for page in (ROOT / "kvscope" / "dashboard" / "app_pages").glob("*.py"):
+        text = page.read_text()
+        for fork in ("caps.kind", "source_of(", '"attach"', '"probe"', "attached_pages"):
+            assert fork not in text, (page.name, fork)
 
 
 # -- captures ------------------------------------------------------------------------------------
@@ -237,9 +252,7 @@ def test_each_page_says_what_its_source_cannot_show_and_nothing_else(captures: d
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     at = open_page(captures[source], monkeypatch, page)
     shown = texts(at)
-    every = {(kind, name): Capabilities(kind, engine, None, frozenset()).cannot_show(name)
-             for kind, engine in (("attach", "vllm"), ("probe", "vllm"))
-             for name in CANNOT_SHOW}
+    every = {(caps.kind, name): caps.cannot_show(name) for caps in (ATTACH, PROBE) for name in CANNOT_SHOW}
     found = {name for (kind, name), line in every.items() if line in shown}
     assert found == expected_lines(source, page), (source, page)
     for line in shown:  # no line is shown twice
@@ -265,7 +278,7 @@ def test_the_probe_overview_shows_the_census_verdict_and_the_leaked_blocks_as_mi
     assert metrics(clean)["full: missing"] == "0"
     # a probe that records cached-free blocks per step: its pool is split, and no line says it is not
     assert metrics(clean)["full: evictable"] == f"{BLOCK:,}" and "full: evictable" not in shown
-    split = Capabilities("probe", "vllm", None, frozenset()).cannot_show("usage.split")
+    split = PROBE.cannot_show("usage.split")
     assert split in texts(at) and split not in texts(clean)
 
 
@@ -307,8 +320,7 @@ def test_the_probe_requests_page_shows_latencies_only_when_arrivals_are_recorded
     stops = next(f for f in frames(at) if "why the lookup stopped" in f.columns)
     assert stops.to_dict("records") == [{"why the lookup stopped": "partial-block", "lookups": 1,
                                          "hit tokens": BLOCK, "missed tokens": 20}]
-    assert not any(Capabilities("probe", "vllm", None, frozenset()).cannot_show("latencies") == c.value
-                   for c in at.caption)
+    assert not any(PROBE.cannot_show("latencies") == c.value for c in at.caption)
 
 
 def test_the_probe_evictions_and_memory_pages_draw_the_blocks(captures: dict[str, Path],
@@ -339,8 +351,8 @@ def test_a_running_probe_capture_is_followed_live(tmp_path: Path, monkeypatch: p
         time.sleep(data.LIVE_TTL_S + 0.1)  # the run list (and so the read stamp) is cached for LIVE_TTL_S
         at.run()
         assert metrics(at)["full: held by requests"] == f"{3 * BLOCK:,}"
-        tree = open_page(db, monkeypatch, "leaks")
-        assert any("still running" in c.value for c in tree.caption)
+        leaks = open_page(db, monkeypatch, "leaks")
+        assert any("still running" in c.value for c in leaks.caption)
     finally:
         rec.close()
     time.sleep(data.LIVE_TTL_S + 0.1)

@@ -44,7 +44,7 @@ def log_table(chosen: Selection, log: pd.DataFrame) -> pd.DataFrame:
 
 
 def no_evictions(chosen: Selection, caps: Capabilities) -> None:
-    if caps.has("pages") or caps.lacks("ownership"):  # NOTE: the engine's KV events; its own counter beside
+    if caps.has("forest") or caps.lacks("ownership"):  # NOTE: the engine's KV events; its own counter beside
         usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
         counter = attached.value(usage.iloc[-1], "cum_evicted_tokens") if not usage.empty else None
         extra = "" if counter is None else f" The engine's own counter says {counter:,} tokens evicted."
@@ -71,7 +71,7 @@ def panel(chosen: Selection) -> None:
     cols[0].metric("evictions" if caps.has("slots") else f"evictions ({caps.unit})", f"{total:,}")
     cols[1].metric("evicted tokens", f"{int(summary['evicted_tokens'].sum()):,}")
     cols[2].metric("reasons", ", ".join(sorted(set(summary["reason"]))))
-    if caps.has("pages"):
+    if caps.has("forest"):
         st.caption("From the engine's KV events, a page at a time: "
                    + "; ".join(f"**{reason}**: {reported.EVICT_REASONS[reason]}"
                                for reason in sorted(set(summary["reason"])) if reason in reported.EVICT_REASONS)

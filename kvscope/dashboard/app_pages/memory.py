@@ -122,7 +122,7 @@ def page(chosen: Selection, caps: Capabilities) -> None:
     capability.source_header(chosen, caps)
     usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
     if usage.empty:
-        st.info("No usage samples in this run yet." if caps.kind != "attach" else
+        st.info("No usage samples in this run yet." if caps.has("ownership") else
                 "No scrape of the engine's /metrics recorded yet.")
         return
     if caps.has("ownership"):

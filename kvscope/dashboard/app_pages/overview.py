@@ -126,11 +126,11 @@ def live_panel() -> None:
     st.caption(f"run {chosen.run_id} · **{chosen.status}**" + (" · refreshing every second" if chosen.live else ""))
     capability.source_header(chosen, caps)
     verdict_panel(chosen, caps)
-    if caps.kind == "attach":  # NOTE: the attach loop's own counters: a section only `kvscope attach` writes
+    if caps.has("attach_loop"):
         reported.counters_panel(chosen)
     rows = data.latest_usage(chosen.path, chosen.run_id, chosen.stamp)
     if rows.empty:
-        st.info("No usage samples yet: the run has not finished its first step." if caps.kind != "attach" else
+        st.info("No usage samples yet: the run has not finished its first step." if caps.has("ownership") else
                 "No scrape of the engine's /metrics recorded yet.")
         return
     if caps.has("ownership"):
