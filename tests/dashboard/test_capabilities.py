@@ -291,6 +291,7 @@ def test_the_probe_leaks_page_names_the_culprit_from_the_census(captures: dict[s
     census = frames(at)[0]
     assert census.loc[0, "leaked"] == "FAILED" and census.loc[0, "orphans"] == "ok"
     assert metrics(at)["verdict"] == "leak"
+    assert not any("events replayed" in c.value or "Replayed from" in c.value for c in at.caption)  # no ledger
     assert not at.success  # never "no orphaned slots" for a source the slot ledger does not replay
     assert any("request r2 on Requests" in str(link.proto) for link in at.get("page_link"))
     clean = open_page(captures["probe-clean"], monkeypatch, "leaks")
@@ -301,6 +302,8 @@ def test_the_probe_tree_shows_ref_counts_and_the_requests_holding_a_block(captur
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     at = open_page(captures["probe"], monkeypatch, "tree")
     at.slider(key="tree.step").set_value(2).run()
+    at.selectbox(key="tree.node").set_value(0).run()
+    assert any(c.value.startswith("The root stands for the empty prefix") for c in at.caption)
     at.selectbox(key="tree.node").set_value(1).run()
     assert not at.exception
     detail, holders = frames(at)[0], frames(at)[1]

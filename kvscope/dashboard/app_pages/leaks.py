@@ -212,7 +212,8 @@ url_state.show_notes()
 if chosen.running:
     st.caption("The run is still running: the report covers what has been flushed so far.")
 report = data.leak_report(chosen.path, chosen.run_id, chosen.stamp)
-report_caption(report)
+if caps.has("ledger"):  # NOTE: which report: stored at close, or the slot ledger replayed now
+    report_caption(report)
 
 shown = leak_verdict(report, data.leak_checks(chosen.path, chosen.run_id, chosen.stamp))
 show_verdict(shown._replace(lines=[]))  # NOTE: the failing checks' messages follow below

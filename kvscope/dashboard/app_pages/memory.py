@@ -69,8 +69,16 @@ def sharing_section(chosen: Selection) -> None:
     visibility_changes_section(chosen, kind)
 
 
-def pools_section(usage: pd.DataFrame) -> None:
+def pools_section(usage: pd.DataFrame, caps: Capabilities) -> None:
     st.subheader("Pools over time")
+    if caps.lacks("locks"):
+        st.caption(f"Stacked per pool, in tokens ({caps.unit} x their size): **free**"
+                   + (", **evictable** (cached, unused)" if caps.has("usage.split") else "")
+                   + f" and **held by requests** (the rest: {caps.unit} running requests hold; with no request "
+                   "running, anything left here is missing, a leak). Downsampled in SQL to at most "
+                   f"{data.MAX_POINTS} recorded rows (each bucket of steps keeps its peak row).")
+        st.plotly_chart(charts.memory_timeline_figure(usage), key="memory.timeline")
+        return
     st.caption("Stacked per pool: **free** (the allocator's free list), **evictable** (cached, unlocked), "
                "**protected** (cached, locked by a running request) and **held by requests** (the rest: slots "
                "running requests hold outside the tree; with no request running, anything left here is missing, a "
@@ -126,7 +134,7 @@ def page(chosen: Selection, caps: Capabilities) -> None:
                 "No scrape of the engine's /metrics recorded yet.")
         return
     if caps.has("ownership"):
-        pools_section(usage)
+        pools_section(usage, caps)
     else:
         reported.used_timeline(chosen, caps, usage)
     if caps.has("tenants"):

@@ -112,7 +112,11 @@ def node_details(chosen: Selection, clock: Clock | None, step: int, nodes: pd.Da
     if caps.has("locks"):
         lock_holders(chosen, step, node_id, nodes, refs)
     elif caps.has("refs", "ownership"):
-        block_holders(chosen, step, node_id, refs)
+        is_root = nodes.loc[nodes["node_id"] == node_id, "parent_id"].isna().all()
+        if is_root:
+            st.caption("The root stands for the empty prefix: it is no block. Pick a block below it for its holders.")
+        else:
+            block_holders(chosen, step, node_id, refs)
 
 
 def lock_holders(chosen: Selection, step: int, node_id: int, nodes: pd.DataFrame, lock_ref: int) -> None:
