@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from kvscope.attach.recorder import AttachRecorder
+from kvscope.attach.recorder import AttachRecorder, provides
 from kvscope.attach.scrape import EngineSample
 from kvscope.attach.wire import Batch, Removed, Stored
-from kvscope.dashboard import data
+from kvscope.dashboard import attached, data
 from kvscope.probe import BlockView, census_checks, take_census
 from kvscope.telemetry import (
     EventKind,
@@ -33,7 +33,13 @@ from kvscope.telemetry import (
     SQLRecorder,
     UsageSample,
 )
-from kvscope.telemetry.capabilities import CANNOT_SHOW, Capabilities, capabilities, capabilities_of_json
+from kvscope.telemetry.capabilities import (
+    ATTACH_PROVIDES,
+    CANNOT_SHOW,
+    Capabilities,
+    capabilities,
+    capabilities_of_json,
+)
 from tests.dashboard.conftest import PAGES, ROOT
 
 FULL = PoolName.FULL
@@ -74,6 +80,14 @@ def test_each_kind_of_source_provides_its_own_capabilities() -> None:
     for lacking in ("census", "blocks", "refs", "forest", "bogus", "ledger"):
         assert sglang.lacks(lacking), lacking
     assert "sglang" in sglang.cannot_show("ledger")
+
+
+def test_every_name_kvscope_attach_writes_maps_to_a_capability() -> None:
+    sample = EngineSample(0.0, 64, *([0] * 12))  # every figure exported, a host tier included
+    for engine in ("sglang", "vllm", "kvscope"):
+        for subscribed in (True, False):
+            written = set(provides(engine, subscribed, sample))
+            assert written <= set(attached.PROVIDED) == set(ATTACH_PROVIDES), (engine, written)
 
 
 def test_data_adds_what_a_config_cannot_promise() -> None:
