@@ -1,5 +1,7 @@
-"""What an attached capture holds (`kvscope attach`: a real engine watched from outside), and the
-plain lines the pages show for what such a source cannot give. Pure functions: no Streamlit.
+"""What an attached capture holds (`kvscope attach`: a real engine watched from outside): its
+source's details, the attach loop's counters, and reads of the engine's own figures (NULL where
+it exports nothing). What a source cannot show is kvscope.telemetry.capabilities'. Pure
+functions: no Streamlit.
 
 NOTE: an attached run's config carries "source": {"kind": "attach", "engine", "version", "url",
 "model", "block_size", "capacity_tokens", "kv_events", "warnings", "provides"}; an engine run has
@@ -33,20 +35,6 @@ COUNTER_HELP = {
     "resets": "times the engine cleared its whole cache (an AllBlocksCleared event)",
 }
 
-# NOTE: one plain line per thing an attached source cannot give; each page shows its own instead of a chart
-NOT_PROVIDED = {
-    "slots": "Per-slot ownership: not provided. An attached engine's KV events name cached pages, not the token "
-             "slots of its pool, so kvscope cannot say which slot belongs to what.",
-    "locks": "Lock refs: not provided. The events say which pages are cached, not which running request pins "
-             "them, so protected (locked) tokens and lock_ref colouring are unavailable.",
-    "requests": "Which request holds what: not provided. The events name no request, and the engine's own "
-                "request records stay inside it.",
-    "swa": "SWA-window occupancy: not provided. Only the engine's main attention group is followed (a sliding-window "
-           "group's pages are not its prefixes).",
-    "leaks": "Leak checks: not provided. An attached engine runs its own leak check, which kvscope cannot see; "
-             "`kvscope report engine-log FILE` explains the leak messages in its server log.",
-    "waste": "Page waste: not provided. It needs each running request's length, which the source does not report.",
-}
 VERDICT_TITLE = "Not known: an attached engine runs its own leak check"
 VERDICT_LINE = ("kvscope watched this engine from outside (its KV events and /metrics), so it cannot balance the "
                 "engine's pool. `kvscope report engine-log FILE` finds and explains the leak messages in its "
@@ -77,15 +65,15 @@ class Source:
 COUNTER_ENGINES = ("sglang", "kvscope")  # NOTE: export sglang:evicted_tokens_total; vLLM exports no such counter
 
 
-def evicted_label(source: Source) -> tuple[str, str]:
+def evicted_label(engine: str, has_pages: bool) -> tuple[str, str]:
     """The evicted-tokens metric's label and help, named by where the number comes from: the
     engine's own counter, or (vLLM) the pages its KV event stream removed from the device."""
-    if source.engine in COUNTER_ENGINES:
+    if engine in COUNTER_ENGINES:
         return "evicted tokens (engine counter)", "sglang:evicted_tokens_total, the engine's own count"
-    if source.gives("pages"):
-        return ("evicted tokens (from KV events)", f"{source.engine} exports no eviction counter: the tokens of the "
+    if has_pages:
+        return ("evicted tokens (from KV events)", f"{engine} exports no eviction counter: the tokens of the "
                 "pages its KV event stream removed from the device since kvscope attached")
-    return "evicted tokens", f"{source.engine} exports no eviction counter, and its KV events were not subscribed"
+    return "evicted tokens", f"{engine} exports no eviction counter, and its KV events were not subscribed"
 
 
 def run_config(run: Any) -> dict[str, Any]:

@@ -209,3 +209,74 @@ def holders_of(node_id: int, held: pd.DataFrame, tree: pd.DataFrame) -> pd.DataF
         if node == node_id:
             rows.append({"request": lock.rid, "locked node": int(lock.node_id), "since step": int(lock.since_step)})
     return pd.DataFrame(rows, columns=["request", "locked node", "since step"])
+
+
+TAKES = ("alloc", "lock")  # NOTE: a ref-counted block source (the probe): alloc and touch take a reference,
+RELEASES = ("free", "unlock")  # free (to ref 0) and unlock (still referenced) release one
+
+
+def block_holders(events: pd.DataFrame, step: int, block: int) -> pd.DataFrame:
+    """The requests holding a reference on `block` after `step`, from a block source's events
+    (seq, step, kind, rid, blocks: a list of block ids per event): per request, its takes minus
+    its releases of the block, never below 0. Columns: request, references, since step, by
+    (the event of the latest take)."""
+    rows = events[(events["step"] <= step) & events["kind"].isin(TAKES + RELEASES)].sort_values("seq", kind="stable")
+    held: dict[str, list[Any]] = {}
+    for event in rows.itertuples():
+        if block not in event.blocks:
+            continue
+        rid = str(event.rid) if isinstance(event.rid, str) else "(no request)"
+        count, since, by = held.get(rid, [0, None, None])
+        if event.kind in TAKES:
+            held[rid] = [count + 1, int(event.step), str(event.kind)]
+        else:
+            held[rid] = [max(count - 1, 0), since, by]
+    found = [{"request": rid, "references": n, "since step": since, "by": "touch (prefix hit)" if by == "lock" else by}
+             for rid, (n, since, by) in held.items() if n > 0]
+    return pd.DataFrame(found, columns=["request", "references", "since step", "by"])
+
+
+# NOTE: a census term's message names its blocks as kvscope.probe.census writes them: "block B ref R,
+# accounted A; last taken by request X (EVENT at step S)" (leaked) or "... last released for request X
+# (...)" (lostref); at most census.MAX_NAMED blocks per term, the rest counted
+_BLOCK_TEXT = re.compile(r"block (\d+) ref (\d+), accounted (\d+)(?:; last (taken by|released for) request (\S+) "
+                         r"\((\S+) at step (\d+)\))?")
+CENSUS_COLUMNS = ["term", "block", "ref count", "accounted", "request", "event", "at step"]
+
+
+def census_culprits(checks: pd.DataFrame, step: int) -> pd.DataFrame:
+    """The blocks the failing census terms at `step` name, one row each: the term, the block, its
+    ref count and accounted references, and the request that last took it (leaked) or that it was
+    last released for (lostref), with the event and its step. Terms that name no block by ref
+    (unqueued, qheld, qcount, orphans) are one row with their message's list in `request`."""
+    failed = checks[(checks["step"] == step) & ~checks["ok"].astype(bool)] if not checks.empty else checks
+    rows = []
+    for check in failed.itertuples():
+        text = census_violation(str(check.message or ""))
+        found = list(_BLOCK_TEXT.finditer(text))
+        for match in found:
+            block, ref, accounted, _, rid, event, at = match.groups()
+            rows.append({"term": str(check.pool), "block": int(block), "ref count": int(ref),
+                         "accounted": int(accounted), "request": None if rid in (None, "None") else rid,
+                         "event": event, "at step": None if at is None else int(at)})
+        if not found:
+            rows.append({"term": str(check.pool), "block": None, "ref count": None, "accounted": None,
+                         "request": text, "event": None, "at step": None})
+    return pd.DataFrame(rows, columns=CENSUS_COLUMNS)
+
+
+def census_violation(message: str) -> str:
+    """A census check's message without its counts ("[term] total=..., uncached=N: <this>")."""
+    head, _, rest = message.partition("]")
+    return rest.split(": ", 1)[1] if head.startswith("[") and ": " in rest else message
+
+
+def census_table(checks: pd.DataFrame) -> pd.DataFrame:
+    """One row per idle census (step): each term's outcome (ok / FAILED) and the pool's counts."""
+    if checks.empty:
+        return pd.DataFrame(columns=["step"])
+    outcome = checks.assign(outcome=checks["ok"].astype(bool).map({True: "ok", False: "FAILED"}))
+    table = outcome.pivot_table(index="step", columns="pool", values="outcome", aggfunc="first")
+    counts = checks.groupby("step")[["total", "available", "evictable", "held", "uncached"]].first()
+    counts.columns = ["blocks", "free", "cached free", "held", "ref 0, not queued"]
+    return table.join(counts).reset_index()

@@ -13,7 +13,7 @@ import streamlit as st
 
 from kvscope.dashboard import data
 from kvscope.dashboard.timing import Clock, clock_of
-from kvscope.telemetry import EventKind
+from kvscope.telemetry import EventKind, decode_slots
 from kvscope.telemetry.event_source import decode_strings
 
 ALL_ROWS = 10_000_000
@@ -66,3 +66,31 @@ def split_events(path: str, run_id: int, stamp: float) -> pd.DataFrame:
     num_tokens the tokens that moved up."""
     events = data.open_capture(path).events(run_id, kinds=[EventKind.SPLIT], limit=None, columns=EVENT_COLUMNS)
     return events.reindex(columns=EVENT_COLUMNS)
+
+
+BLOCK_COLUMNS = ["seq", "step", "kind", "rid", "slots"]
+
+
+@st.cache_data(ttl=data.CACHE_TTL_S, show_spinner=False)
+def block_events(path: str, run_id: int, stamp: float) -> pd.DataFrame:
+    """Every take (alloc, touch) and release (free, unlock) of a block source's blocks, in event
+    order, with `blocks` (the block ids of each event) in place of its slots blob."""
+    kinds = [EventKind.ALLOC, EventKind.LOCK, EventKind.FREE, EventKind.UNLOCK]
+    events = data.open_capture(path).events(run_id, kinds=kinds, limit=None, columns=BLOCK_COLUMNS)
+    events = events.reindex(columns=BLOCK_COLUMNS)
+    return events.assign(blocks=[set(decode_slots(blob)) for blob in events["slots"]]).drop(columns=["slots"])
+
+
+@st.cache_data(ttl=data.CACHE_TTL_S, show_spinner=False)
+def lookup_stops(path: str, run_id: int, stamp: float) -> pd.DataFrame:
+    """Prefix lookups by why they stopped (the match events' reason, which a probe records):
+    reason, lookups, hit tokens, missed tokens; empty when no match event names a reason."""
+    events = data.open_capture(path).events(run_id, kinds=[EventKind.MATCH], limit=None,
+                                            columns=["reason", "num_tokens", "aux"])
+    named = events[events["reason"].notna()] if "reason" in events else events.iloc[0:0]
+    if named.empty:
+        return pd.DataFrame(columns=["why the lookup stopped", "lookups", "hit tokens", "missed tokens"])
+    table = named.groupby("reason").agg(lookups=("reason", "size"), hit=("num_tokens", "sum"), missed=("aux", "sum"))
+    table = table.sort_values("lookups", ascending=False).reset_index()
+    table.columns = ["why the lookup stopped", "lookups", "hit tokens", "missed tokens"]
+    return table

@@ -30,18 +30,20 @@ from kvscope.attach.wire import Batch, Cleared, Removed, Stored, WireEvent
 from kvscope.dashboard import attached, charts
 from kvscope.dashboard.verdict import attached_verdict
 from kvscope.telemetry import Capture, EventKind
+from kvscope.telemetry.capabilities import Capabilities
 from tests.dashboard.conftest import PAGES, ROOT
 
 URL = "http://127.0.0.1:30000"
+ATTACHED = Capabilities("attach", "vllm", None, frozenset())  # NOTE: the lines name no engine
 T0 = 1_700_000_000.0
 
-# what each page says it cannot show, on every attached capture (attached.NOT_PROVIDED's keys)
+# what each page says it cannot show, on every attached capture (capabilities a `kvscope attach` source lacks)
 CAPTIONS = {
     "overview": ("locks",),
-    "memory": ("locks", "slots", "requests", "swa", "waste"),
-    "tree": ("locks", "requests"),
-    "leaks": ("leaks", "slots", "locks"),
-    "requests": ("requests",),
+    "memory": ("locks", "slots", "ownership", "swa", "waste"),
+    "tree": ("locks", "ownership"),
+    "leaks": ("leak_checks", "slots", "locks"),
+    "requests": ("ownership",),
     "tiers": (),
     "evictions": (),
     "capacity": (),
@@ -197,7 +199,7 @@ def test_every_page_renders_on_an_attached_capture_with_its_captions(captures: d
     assert at.header[0].value.lower().startswith(page[:4] if page != "tree" else "radix")
     shown = texts(at)
     for thing in CAPTIONS[page]:
-        assert shown.count(attached.NOT_PROVIDED[thing]) == 1, (page, thing)
+        assert shown.count(ATTACHED.cannot_show(thing)) == 1, (page, thing)
     assert not at.success  # nothing is ever called clean
     assert any(f"Attached to {name if name != 'bare' else 'vllm'}" in t for t in shown)
 

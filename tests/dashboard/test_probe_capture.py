@@ -1,6 +1,6 @@
 """Every dashboard page opens a capture shaped like the vLLM probe's (block events with ref-count
 kinds, census leak checks, requests with only their finish) without an exception. What each page
-can show of it is issue 26's "dashboard by capability", not done yet (docs/probe.md)."""
+shows of it, and says it cannot show, is tests/dashboard/test_capabilities.py's."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvscope.dashboard import attached, attached_pages, charts, data, gpu
+from kvscope.dashboard import capability, charts, data, gpu, reported
 from kvscope.dashboard.frame import selection
 from kvscope.planning import (
     EXACTNESS,
@@ -52,11 +52,9 @@ chosen = selection()
 st.header("Capacity")
 pool = data.pool_config(chosen.run)
 page_size = int(pool.get("page_size", 1))
-source = attached.source_of(chosen.run)  # a real engine watched by `kvscope attach`: its page size
-if source is not None:
-    attached_pages.source_header(source)
-    attached_pages.capacity_source(source)
-    page_size = attached_pages.page_size(source, page_size)
+caps = capability.of(chosen)
+capability.source_header(chosen, caps)
+page_size = reported.capacity_source(chosen) or caps.block_size or page_size  # the engine's own page size
 
 st.subheader("How many tokens fit")
 probed_gib = gpu.total_gib(data.gpus())
@@ -78,8 +76,8 @@ else:
     plan_metrics(plan, context, page_size)
 
 st.subheader("Hit rate vs cache capacity for this run's traffic")
-if source is not None:
-    attached_pages.capacity_note(source)
+if caps.lacks("request_stream"):
+    capability.cannot(caps, "request_stream")
     st.stop()
 rule = cache_curves(data.run_config(chosen.run))
 try:

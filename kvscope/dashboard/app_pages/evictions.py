@@ -1,12 +1,15 @@
-"""Evictions: the log with reason, node age, idle time and 'evicted, then needed again' (regret)."""
+"""Evictions: the log with reason, node age, idle time and 'evicted, then needed again' (regret).
+The summary and the evictions per step render for any source with evict events; the log needs
+prefix matches that name their node (capability "regret")."""
 
 from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import attached, attached_pages, charts, data, live, reads, timing
+from kvscope.dashboard import attached, capability, charts, data, live, reads, reported, timing
 from kvscope.dashboard.frame import Selection, selection
+from kvscope.telemetry.capabilities import Capabilities, capabilities_of_json
 
 PAGE_ROWS = 200
 # NOTE: about 800 px in all, so the log fits beside the sidebar (it was cut off at the right edge);
@@ -40,12 +43,24 @@ def log_table(chosen: Selection, log: pd.DataFrame) -> pd.DataFrame:
     return log.assign(time=(t_mono - first).map(lambda s: f"+{s:.3f} s"))
 
 
+def no_evictions(chosen: Selection, caps: Capabilities) -> None:
+    if caps.has("forest") or caps.lacks("ownership"):  # NOTE: the engine's KV events; its own counter beside
+        usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
+        counter = attached.value(usage.iloc[-1], "cum_evicted_tokens") if not usage.empty else None
+        extra = "" if counter is None else f" The engine's own counter says {counter:,} tokens evicted."
+        st.info("No evict events in this run (the engine evicted no page while kvscope was attached, or its KV "
+                f"events were not subscribed).{extra}")
+        return
+    level = "" if chosen.run.level == "full" else " (the run was recorded at level summary: no events)"
+    st.info(f"No evictions in this run{level}.")
+
+
 def panel(chosen: Selection) -> None:
     """The summary, the evictions per step, and the log (refreshed while the run is running)."""
+    caps = capabilities_of_json(getattr(chosen.run, "config", None))
     summary = data.eviction_summary(chosen.path, chosen.run_id, chosen.stamp)
     if summary.empty:
-        level = "" if chosen.run.level == "full" else " (the run was recorded at level summary: no events)"
-        st.info(f"No evictions in this run{level}.")
+        no_evictions(chosen, caps)
         return
 
     if chosen.tenant is not None:
@@ -53,16 +68,24 @@ def panel(chosen: Selection) -> None:
                    "applies to the Requests page, the Radix tree's node details and the Memory page's sharing views).")
     total = int(summary["num_evictions"].sum())
     cols = st.columns(3)
-    cols[0].metric("evictions", f"{total:,}")
+    cols[0].metric("evictions" if caps.has("slots") else f"evictions ({caps.unit})", f"{total:,}")
     cols[1].metric("evicted tokens", f"{int(summary['evicted_tokens'].sum()):,}")
     cols[2].metric("reasons", ", ".join(sorted(set(summary["reason"]))))
+    if caps.has("forest"):
+        st.caption("From the engine's KV events, a page at a time: "
+                   + "; ".join(f"**{reason}**: {reported.EVICT_REASONS[reason]}"
+                               for reason in sorted(set(summary["reason"])) if reason in reported.EVICT_REASONS)
+                   + ".")
     st.dataframe(summary, hide_index=True)
     over_steps = data.evictions_over_steps(chosen.path, chosen.run_id, chosen.stamp)
     if int(over_steps["steps"].max()) > 1:
         st.caption(f"Summed in SQL over buckets of {int(over_steps['steps'].max())} steps (at most {data.MAX_POINTS} "
                    "points).")
     st.plotly_chart(charts.evictions_figure(over_steps), key="evictions.per_step")
-    log_section(chosen, total)
+    if caps.has("regret"):
+        log_section(chosen, total)
+    else:
+        capability.cannot(caps, "regret")
 
 
 def log_section(chosen: Selection, total: int) -> None:
@@ -94,7 +117,5 @@ def log_section(chosen: Selection, total: int) -> None:
 
 chosen = selection()
 st.header("Evictions")
-if (source := attached.source_of(chosen.run)) is not None:  # a real engine watched by `kvscope attach`
-    attached_pages.evictions(chosen, source)
-    st.stop()
+capability.source_header(chosen, capability.of(chosen))
 live.follow(panel, "evictions")

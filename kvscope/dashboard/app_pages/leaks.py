@@ -1,5 +1,7 @@
 """Leaks: the memory debugger's report — the invariant terms with the onset, culprits and their slots,
-each culprit linked to its request and node; the locks that were never released and what they hold."""
+each culprit linked to its request and node; the locks that were never released and what they hold.
+A block source (the probe) has its idle census instead: each term per check and the request that
+last took each leaked block. A source with no leak checks says so in one line."""
 
 from __future__ import annotations
 
@@ -8,10 +10,11 @@ from datetime import datetime
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import attached, attached_pages, charts, data, leak_views, reads, url_state
+from kvscope.dashboard import capability, charts, data, leak_views, reads, url_state
 from kvscope.dashboard.frame import PAGES_DIR, Selection, selection
-from kvscope.dashboard.verdict import leak_verdict, show_verdict
+from kvscope.dashboard.verdict import attached_verdict, leak_verdict, show_verdict
 from kvscope.debug import Leak, LeakReport, render_text, verdict
+from kvscope.telemetry.capabilities import Capabilities
 
 MAX_ROWS = 1000  # culprits shipped to the browser
 MAX_TEXT_LEAKS = 100
@@ -64,6 +67,46 @@ def terms_section(chosen: Selection, report: LeakReport) -> None:
     usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
     st.plotly_chart(charts.leak_terms_figure(checks, usage, report.onset_step, report.first_failure_step),
                     key="leaks.terms")
+
+
+def census_section(chosen: Selection) -> None:
+    """The idle census of a block source: each term at each check, and the pool's counts."""
+    checks = data.leak_checks(chosen.path, chosen.run_id, chosen.stamp)
+    st.subheader("The block census at each idle point")
+    st.caption("At each busy → idle edge every block's ref count is compared with the references the scheduler "
+               "can account for, and the free queue with the ref counts: **leaked** (a reference nobody will drop), "
+               "**lostref** (released too often), **unqueued** (ref 0, not in the free queue), **qheld** (queued "
+               "while referenced), **qcount** (the queue's counter against its list), **orphans** (a block table of "
+               "a request that no longer exists). Counts are in blocks.")
+    if checks.empty:
+        st.info("No census yet: the engine has not gone idle since recording started.")
+        return
+    st.dataframe(leak_views.census_table(checks), hide_index=True)
+
+
+def census_culprits_section(chosen: Selection, report: LeakReport) -> None:
+    """The blocks the failing census terms name, with the request that last took each."""
+    st.subheader("Culprits")
+    if report.first_failure_step is None:
+        st.success("Every census term held: no leaked, over-released or lost block.")
+        return
+    checks = data.leak_checks(chosen.path, chosen.run_id, chosen.stamp)
+    failing = sorted(set(checks.loc[~checks["ok"].astype(bool), "step"].astype(int)))
+    step = failing[0] if len(failing) == 1 else int(st.selectbox("failing census (step)", failing,
+                                                                key="leaks.census_step"))
+    table = leak_views.census_culprits(checks, step)
+    st.caption(f"The blocks the census of step {step} names (up to 8 per term; the message counts the rest): "
+               "for a leaked block the request that last took it (alloc, or a touch on a prefix hit) and when; for "
+               "a block released too often the request it was last released for.")
+    st.dataframe(table, hide_index=True)
+    named = [rid for rid in dict.fromkeys(table["request"].dropna()) if rid in set(reads_rids(chosen))]
+    for col, rid in zip(st.columns(max(min(len(named), MAX_NODE_LINKS), 1)), named[:MAX_NODE_LINKS], strict=False):
+        col.page_link(str(PAGES_DIR / "requests.py"), label=f"request {rid} on Requests", icon=":material/person:",
+                      query_params={"capture": chosen.path, "run": str(chosen.run_id), "rid": rid})
+
+
+def reads_rids(chosen: Selection) -> list[str]:
+    return data.request_ids(chosen.path, chosen.run_id, chosen.stamp, None)
 
 
 def last_step(chosen: Selection) -> int | None:
@@ -158,14 +201,19 @@ def injection_differences(report: LeakReport, paths: pd.DataFrame) -> list[str]:
 
 chosen = selection()
 st.header("Leaks")
-if (source := attached.source_of(chosen.run)) is not None:  # a real engine watched by `kvscope attach`
-    attached_pages.leaks(chosen, source)
+caps: Capabilities = capability.of(chosen)
+capability.source_header(chosen, caps)
+if caps.lacks("leak_checks"):  # NOTE: kvscope cannot balance this source's pool: never "clean"
+    shown_verdict = attached_verdict()
+    st.info("\n\n".join([f"**{shown_verdict.title}**", *shown_verdict.lines]))
+    capability.cannot(caps, "leak_checks", "slots", "locks")
     st.stop()
 url_state.show_notes()
 if chosen.running:
     st.caption("The run is still running: the report covers what has been flushed so far.")
 report = data.leak_report(chosen.path, chosen.run_id, chosen.stamp)
-report_caption(report)
+if caps.has("ledger"):  # NOTE: which report: stored at close, or the slot ledger replayed now
+    report_caption(report)
 
 shown = leak_verdict(report, data.leak_checks(chosen.path, chosen.run_id, chosen.stamp))
 show_verdict(shown._replace(lines=[]))  # NOTE: the failing checks' messages follow below
@@ -180,9 +228,16 @@ if report.note:
 for message in report.first_failure:
     st.error(message)
 
-terms_section(chosen, report)
-culprits_section(chosen, report)
-locks_section(chosen, report)
+if caps.has("census"):
+    census_section(chosen)
+    census_culprits_section(chosen, report)
+else:
+    terms_section(chosen, report)
+if caps.has("ledger"):
+    culprits_section(chosen, report)
+    locks_section(chosen, report)
+else:
+    capability.cannot(caps, "ledger")
 if report.suspects:
     st.caption("Suspect requests (ended between the last clean and the first failing check): "
                + ", ".join(report.suspects[:50]))

@@ -1,4 +1,6 @@
-"""Overview: the leak verdict, the pools now, hit rates, requests, evictions, the GPU. Live."""
+"""Overview: the leak verdict, the pools now, hit rates, requests, evictions, the GPU. Live.
+Each section renders what the run's source provides (capability.of) and says in one line what it
+cannot show."""
 
 from __future__ import annotations
 
@@ -7,10 +9,11 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import attached, attached_pages, charts, data
+from kvscope.dashboard import capability, charts, data, live, reported
 from kvscope.dashboard.frame import Selection, selection
-from kvscope.dashboard.verdict import leak_verdict, protected_help, run_seconds, show_verdict
+from kvscope.dashboard.verdict import attached_verdict, leak_verdict, protected_help, run_seconds, show_verdict
 from kvscope.debug import LeakReport
+from kvscope.telemetry.capabilities import Capabilities
 
 LIVE_EVERY_S = 1.0
 
@@ -19,36 +22,46 @@ def _pct(value: float | None) -> str:
     return "–" if value is None else f"{value:.1%}"
 
 
-def verdict_panel(chosen: Selection) -> None:
+def verdict_panel(chosen: Selection, caps: Capabilities) -> None:
+    if caps.lacks("leak_checks"):  # NOTE: kvscope cannot balance this source's pool: never "clean"
+        verdict = attached_verdict()
+        st.info("\n\n".join([f"**{verdict.title}**", *verdict.lines]))
+        return
     checks = data.leak_checks(chosen.path, chosen.run_id, chosen.stamp)
     show_verdict(leak_verdict(data.verdict_report(chosen.path, chosen.run_id, chosen.stamp), checks))
 
 
-def pool_metrics(last: pd.Series, checks: pd.DataFrame, report: LeakReport) -> None:
+def pool_metrics(last: pd.Series, checks: pd.DataFrame, report: LeakReport, caps: Capabilities) -> None:
     """Each pool's total and its terms; with no request running, what is outside the free list
-    and the tree is missing (leaked), not held."""
+    and the tree is missing (leaked), not held. Evictable and protected only where the source
+    splits them out."""
     usage = last.to_frame().T
     idle = int(last["num_running"]) == 0
+    unit = "token slots" if caps.has("slots") else f"tokens ({caps.unit} x their size)"
     for pool in charts.pools_of(usage):
         terms = charts.pool_terms(usage, pool).iloc[0]
         total, used = int(terms["total"]), int(terms["total"] - terms["free"] - terms["evictable"])
-        cols = st.columns(6)
-        cols[0].metric(f"{pool}: total", f"{total:,}", help="the pool's size in token slots")
-        cols[1].metric(f"{pool}: used", f"{used:,}", help=f"{used / (total or 1):.0%} of {total:,} slots: total - free "
-                       "- evictable (SGLang's kv_used_tokens), the protected slots plus those held outside the tree")
-        cols[2].metric(f"{pool}: evictable", f"{int(terms['evictable']):,}", help="cached in the tree, unlocked")
-        cols[3].metric(f"{pool}: protected", f"{int(terms['protected']):,}",
-                       help=protected_help(pool, int(last["step"]), int(last["num_running"]), checks, report))
+        cols = iter(st.columns(6))
+        next(cols).metric(f"{pool}: total", f"{total:,}", help=f"the pool's size in {unit}")
+        next(cols).metric(f"{pool}: used", f"{used:,}", help=f"{used / (total or 1):.0%} of {total:,}: total - free "
+                          "- evictable (SGLang's kv_used_tokens), the protected ones plus those held outside the tree")
+        if caps.has("usage.split"):
+            next(cols).metric(f"{pool}: evictable", f"{int(terms['evictable']):,}", help="cached, unused")
+        if caps.has("locks"):
+            next(cols).metric(f"{pool}: protected", f"{int(terms['protected']):,}",
+                              help=protected_help(pool, int(last["step"]), int(last["num_running"]), checks, report))
         if idle:
-            cols[4].metric(f"{pool}: missing", f"{int(terms['requests']):,}",
-                           help="no request is running, so every slot should be free or cached: these are neither "
-                                "(the leak check's imbalance)")
+            next(cols).metric(f"{pool}: missing", f"{int(terms['requests']):,}",
+                              help=f"no request is running, so all {caps.unit} should be free or cached: these are "
+                                   "neither (held by nobody: what the leak check reports)")
         else:
-            cols[4].metric(f"{pool}: held by requests", f"{int(terms['requests']):,}",
-                           help="slots running requests hold outside the tree (plus any leaked ones)")
-        cols[5].metric(f"{pool}: free", f"{int(terms['free']):,}")
-    st.caption(f"Request pool: {int(last['req_total'] - last['req_available']):,} of {int(last['req_total']):,} "
-               "rows in use.")
+            next(cols).metric(f"{pool}: held by requests", f"{int(terms['requests']):,}",
+                              help=f"{caps.unit} running requests hold outside the cache (plus any leaked ones)")
+        next(cols).metric(f"{pool}: free", f"{int(terms['free']):,}")
+    if caps.has("slots"):
+        st.caption(f"Request pool: {int(last['req_total'] - last['req_available']):,} of {int(last['req_total']):,} "
+                   "rows in use.")
+    capability.cannot(caps, "usage.split", "locks")
 
 
 def recent_eviction_metric(column: Any, chosen: Selection, rows: pd.DataFrame) -> None:
@@ -91,7 +104,10 @@ def traffic_metrics(chosen: Selection, run: Any, rows: pd.DataFrame) -> None:
     cols[4].metric("retractions", f"{int(last['cum_retractions']):,}")
 
 
-def gpu_panel() -> None:
+def gpu_panel(caps: Capabilities) -> None:
+    if caps.lacks("gpu"):
+        capability.cannot(caps, "gpu")
+        return
     gpus = data.gpus()
     if gpus.empty:
         st.caption("No GPU visible to pynvml on this machine: GPU memory and utilization are not shown.")
@@ -104,31 +120,31 @@ def gpu_panel() -> None:
 
 
 def live_panel() -> None:
-    chosen = selection()
-    fresh = data.runs(chosen.path)
-    run = fresh[fresh["id"] == chosen.run_id].iloc[0]
-    if chosen.live and run["display_status"] != "running":
-        st.rerun()  # the run ended: rerun the page once, which stops the refreshing
-    stamp = float(run["heartbeat_at"] or 0.0) + float(run["ended_at"] or 0.0)
-    chosen = chosen._replace(stamp=stamp)
+    """The Overview's sections (a fragment: it refreshes while the run is running)."""
+    chosen = live.refreshed(selection())
+    caps = capability.of(chosen)
+    st.caption(f"run {chosen.run_id} · **{chosen.status}**" + (" · refreshing every second" if chosen.live else ""))
+    capability.source_header(chosen, caps)
+    verdict_panel(chosen, caps)
+    if caps.has("attach_loop"):
+        reported.counters_panel(chosen)
     rows = data.latest_usage(chosen.path, chosen.run_id, chosen.stamp)
-    st.caption(f"run {chosen.run_id} · **{run['display_status']}**" + (" · refreshing every second"
-                                                                        if chosen.live else ""))
-    verdict_panel(chosen)
     if rows.empty:
-        st.info("No usage samples yet: the run has not finished its first step.")
+        st.info("No usage samples yet: the run has not finished its first step." if caps.has("ownership") else
+                "No scrape of the engine's /metrics recorded yet.")
         return
-    pool_metrics(rows.iloc[-1], data.leak_checks(chosen.path, chosen.run_id, chosen.stamp),
-                 data.verdict_report(chosen.path, chosen.run_id, chosen.stamp))
-    traffic_metrics(chosen, run, rows)
-    usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
-    st.plotly_chart(charts.live_usage_figure(usage), key="overview.usage")
-    gpu_panel()
+    if caps.has("ownership"):
+        pool_metrics(rows.iloc[-1], data.leak_checks(chosen.path, chosen.run_id, chosen.stamp),
+                     data.verdict_report(chosen.path, chosen.run_id, chosen.stamp), caps)
+        traffic_metrics(chosen, chosen.run, rows)
+        usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
+        st.plotly_chart(charts.live_usage_figure(usage), key="overview.usage")
+    else:  # NOTE: an engine's own figures (its /metrics): NULL where it exports nothing
+        reported.pool_panel(chosen, caps, rows.iloc[-1])
+        reported.traffic_panel(chosen, caps, rows.iloc[-1])
+    gpu_panel(caps)
 
 
 chosen = selection()
 st.header("Overview")
-if attached.source_of(chosen.run) is not None:  # a real engine watched by `kvscope attach`
-    st.fragment(attached_pages.overview_panel, run_every=LIVE_EVERY_S if chosen.live else None)()
-    st.stop()
 st.fragment(live_panel, run_every=LIVE_EVERY_S if chosen.live else None)()

@@ -1,6 +1,7 @@
 """Requests: latency percentiles (queue, time to first token, end to end), hit rate and tokens/s over
 time, a per-request timeline (arrive, admit, prefill chunks, decode, finish or retract). A request is
-in the URL (?rid=)."""
+in the URL (?rid=). A source with no request records shows the running and waiting counts it reports;
+one without arrival times says so in place of the latencies."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import attached, attached_pages, charts, data, latency, live, reads, timing, url_state
+from kvscope.dashboard import capability, charts, data, latency, live, reads, reported, timing, url_state
 from kvscope.dashboard.frame import Selection, selection
 
 PAGE_ROWS = 60
@@ -49,6 +50,17 @@ def throughput_section(chosen: Selection, clock: timing.Clock | None) -> None:
                   "since its first sample."))
     series = timing.throughput(usage, clock)
     st.plotly_chart(latency.throughput_figure(series, clock is not None), key="requests.throughput")
+
+
+def lookups_section(chosen: Selection) -> None:
+    """Why prefix lookups stopped, where the source records it (the probe names a reason per lookup)."""
+    stops = reads.lookup_stops(chosen.path, chosen.run_id, chosen.stamp)
+    if stops.empty:
+        return
+    st.subheader("Why prefix lookups stopped")
+    st.caption("Each prefix lookup of the run, by the reason its source recorded for where the hit ended; hit and "
+               "missed tokens are summed over those lookups.")
+    st.dataframe(stops, hide_index=True)
 
 
 def pick_request(path: str, run_id: int, stamp: float, tenant: str | None, num_requests: int) -> str:
@@ -120,8 +132,13 @@ def panel(chosen: Selection) -> None:
     cols[1].metric("prompt tokens", f"{int(totals['prompt_tokens'].sum()):,}")
     cols[2].metric("cached tokens", f"{int(totals['cached_tokens'].sum()):,}")
     cols[3].metric("retractions", f"{int(totals['retractions'].sum()):,}")
-    latency_section(latency_ms)
+    caps = capability.of(chosen)
+    if caps.has("latencies"):
+        latency_section(latency_ms)
+    else:
+        capability.cannot(caps, "latencies")
     throughput_section(chosen, clock)
+    lookups_section(chosen)
     table_section(chosen, totals, notes, clock)
 
 
@@ -149,7 +166,10 @@ def table_section(chosen: Selection, totals: pd.DataFrame, notes: Any, clock: ti
 
 chosen = selection()
 st.header("Requests")
-if (source := attached.source_of(chosen.run)) is not None:  # a real engine watched by `kvscope attach`
-    attached_pages.requests(chosen, source)
-    st.stop()
-live.follow(panel, "requests")
+caps = capability.of(chosen)
+capability.source_header(chosen, caps)
+if caps.has("requests"):
+    live.follow(panel, "requests")
+else:  # NOTE: the counts the engine reports, per scrape
+    capability.cannot(caps, "ownership")
+    reported.request_counts(chosen)

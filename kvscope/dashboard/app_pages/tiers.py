@@ -1,6 +1,7 @@
 """Tiers: the device and host tiers of a hiradix run over time, the copies between them (write-back
 and load-back, in tokens and bytes), and the share of hits the host tier served. Live.
-A run with one tier (every other cache) gets one line saying so."""
+A run with one tier (every other cache) gets one line saying so, as does a source with no host tier;
+an attached engine's tiers come from its /metrics and its page forest."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import attached, attached_pages, charts, data
+from kvscope.dashboard import capability, charts, data, live, reported
 from kvscope.dashboard.frame import PAGES_DIR, Selection, selection
 from kvscope.telemetry import CaptureError
 
@@ -35,15 +36,6 @@ def _bytes(num_bytes: float) -> str:
 
 def _pct(value: float) -> str:
     return "–" if pd.isna(value) else f"{value:.1%}"
-
-
-def fresh(chosen: Selection) -> Selection:
-    """The selection with this rerun's stamp: the fragment reruns alone, so it reads the run again."""
-    runs = data.runs(chosen.path)
-    run = runs[runs["id"] == chosen.run_id].iloc[0]
-    if chosen.live and run["display_status"] != "running":
-        st.rerun()  # the run ended: rerun the page once, which stops the refreshing
-    return chosen._replace(stamp=float(run["heartbeat_at"] or 0.0) + float(run["ended_at"] or 0.0))
 
 
 def tier_metrics(usage: pd.DataFrame) -> None:
@@ -150,7 +142,7 @@ def tree_section(chosen: Selection) -> None:
 def live_panel() -> None:
     """NOTE: a fragment's own reruns happen outside app.py's handler: a damaged page is one line here too."""
     try:
-        tiers_view(fresh(selection()))
+        tiers_view(live.refreshed(selection()))
     except CaptureError as err:
         st.error(str(err))
 
@@ -182,10 +174,16 @@ def tiers_view(chosen: Selection) -> None:
 
 chosen = selection()
 st.header("Tiers")
-if (source := attached.source_of(chosen.run)) is not None:  # a real engine watched by `kvscope attach`
-    attached_pages.tiers(chosen, source)
+caps = capability.of(chosen)
+capability.source_header(chosen, caps)
+if caps.lacks("tiers"):
+    capability.cannot(caps, "tiers")
+    st.stop()
+if caps.lacks("ownership"):  # NOTE: the engine's own figures (its /metrics) and the page forest of its KV events
+    reported.tiers(chosen, caps)
     st.stop()
 st.fragment(live_panel, run_every=LIVE_EVERY_S if chosen.live else None)()
-if st.button("Open the Radix tree coloured by tier", key="tiers.to_tree", icon=":material/account_tree:"):
+if caps.has("tree") and st.button("Open the Radix tree coloured by tier", key="tiers.to_tree",
+                                  icon=":material/account_tree:"):
     st.session_state[TREE_COLOR_KEY] = "tier"
     st.switch_page(str(PAGES_DIR / "tree.py"))

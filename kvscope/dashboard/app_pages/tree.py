@@ -1,14 +1,17 @@
 """Radix tree: the tree at any step (time travel), coloured by a field; a diff of two steps; node details
-with the requests holding its locks. The step and the node are in the URL (?step=, ?node=)."""
+with the requests holding its locks (or, on a ref-counted block source, its references). The step and
+the node are in the URL (?step=, ?node=). A source whose tree is the page forest of its KV events
+gets that forest at its snapshot steps."""
 
 from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import attached, attached_pages, charts, data, leak_views, live, reads, tenants, url_state
+from kvscope.dashboard import capability, charts, data, leak_views, live, reads, reported, tenants, url_state
 from kvscope.dashboard.frame import Selection, selection
 from kvscope.dashboard.timing import COUNTER_CLOCK_CACHES, DATETIME_COLUMN_FORMAT, Clock, zone_name
+from kvscope.telemetry.capabilities import Capabilities, capabilities_of_json
 
 STEP_KEY = "tree.step"
 FOLLOW_KEY = "tree.follow"
@@ -100,8 +103,20 @@ def node_details(chosen: Selection, clock: Clock | None, step: int, nodes: pd.Da
         detail = detail.assign(last_access_time=clock.datetimes(detail["last_access_time"]))
         columns["last_access_time"] = st.column_config.DatetimeColumn(
             "last access", format=DATETIME_COLUMN_FORMAT, help=f"wall-clock time, {zone_name()}")
+    caps = capabilities_of_json(getattr(chosen.run, "config", None))
+    if caps.has("refs"):
+        columns["lock_ref"] = st.column_config.NumberColumn("ref count", help="the block's ref count: the requests "
+                                                            "that hold it (a prefix hit shares a block)")
     st.dataframe(detail, hide_index=True, column_config=columns)
-    lock_holders(chosen, step, node_id, nodes, int(detail["lock_ref"].fillna(0).iloc[0]) if len(detail) else 0)
+    refs = int(detail["lock_ref"].fillna(0).iloc[0]) if len(detail) else 0
+    if caps.has("locks"):
+        lock_holders(chosen, step, node_id, nodes, refs)
+    elif caps.has("refs", "ownership"):
+        is_root = nodes.loc[nodes["node_id"] == node_id, "parent_id"].isna().all()
+        if is_root:
+            st.caption("The root stands for the empty prefix: it is no block. Pick a block below it for its holders.")
+        else:
+            block_holders(chosen, step, node_id, refs)
 
 
 def lock_holders(chosen: Selection, step: int, node_id: int, nodes: pd.DataFrame, lock_ref: int) -> None:
@@ -128,6 +143,18 @@ def lock_holders(chosen: Selection, step: int, node_id: int, nodes: pd.DataFrame
         return
     st.caption(f"Node {node_id} is locked {lock_ref} time(s) at step {step}, held by these requests (a lock on a node "
                "below it holds it too):")
+    st.dataframe(holders, hide_index=True)
+
+
+def block_holders(chosen: Selection, step: int, block: int, refs: int) -> None:
+    """The requests holding references on a block at `step`, from the takes and releases."""
+    holders = leak_views.block_holders(reads.block_events(chosen.path, chosen.run_id, chosen.stamp), step, block)
+    if holders.empty:
+        st.caption(f"Block {block} has no holder at step {step}" + (f" (its ref count says {refs}: a reference no "
+                                                                    "recorded request took)" if refs else "") + ".")
+        return
+    st.caption(f"Block {block} is held by these requests after step {step} (their takes minus their releases; "
+               f"its ref count: {refs}):")
     st.dataframe(holders, hide_index=True)
 
 
@@ -196,9 +223,22 @@ def tree_section(chosen: Selection, clock: Clock | None, step: int, color_by: st
             node_details(chosen, clock, step, nodes, listed, show_preview)
 
 
+def page(chosen: Selection, caps: Capabilities) -> None:
+    capability.source_header(chosen, caps)
+    if caps.lacks("tree"):  # NOTE: the engine's page forest from its KV events, at its snapshot steps
+        reported.forest(chosen, caps)
+        return
+    if caps.has("refs"):
+        st.caption(f"One node per cached block of {caps.engine}, under the block before it in its hash chain; "
+                   "**lock_ref** is the block's ref count (colour by it), and a block's details list the requests "
+                   "that hold it. " + ("Between snapshots the tree follows the insert and evict events, which carry "
+                                       "no ref counts: a block's count is the one of the latest snapshot."
+                                       if caps.has("tree_snapshots") else "No snapshot is stored: the tree is "
+                                       "rebuilt from the insert and evict events alone, so every ref count reads 0 "
+                                       "(the holders below come from the takes and releases)."))
+    live.follow(panel, "tree")
+
+
 chosen = selection()
 st.header("Radix tree")
-if (source := attached.source_of(chosen.run)) is not None:  # a real engine watched by `kvscope attach`
-    attached_pages.tree(chosen, source)
-    st.stop()
-live.follow(panel, "tree")
+page(chosen, capability.of(chosen))

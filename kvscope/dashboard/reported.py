@@ -1,7 +1,9 @@
-"""Each page's view of an attached capture (`kvscope attach`): what the source provides, and one
-plain caption (attached.NOT_PROVIDED) for each thing it does not, instead of an empty or invented
-chart. A page calls its function here right after its header when the run has a source, then
-stops; engine runs never come here.
+"""The page sections that read an engine's own figures rather than kvscope's records: its
+/metrics scrapes (usage rows with NULL where the engine exports nothing) and the page forest its
+KV events rebuild (capability "forest"). A page calls one of these where the run lacks the
+capability its own section needs (ownership, slots or blocks); the attach loop's counters are
+the one section only `kvscope attach` writes. What a source cannot show is one caption
+(capability.cannot), never an empty or invented chart.
 
 NOTE: the numbers are the capture's own: the engine's /metrics scrapes (usage rows, NULL where the
 engine exports nothing), the page forest's snapshots (cached pages per tier) and its events
@@ -10,17 +12,14 @@ engine exports nothing), the page forest's snapshots (cached pages per tier) and
 
 from __future__ import annotations
 
-from typing import Any
-
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import attached, charts, data
-from kvscope.dashboard.attached import NOT_PROVIDED, Source
+from kvscope.dashboard import attached, capability, charts, data
 from kvscope.dashboard.charts import attached as attached_charts
-from kvscope.dashboard.frame import Selection, selection
-from kvscope.dashboard.verdict import attached_verdict
+from kvscope.dashboard.frame import Selection
 from kvscope.telemetry import CaptureError
+from kvscope.telemetry.capabilities import Capabilities
 
 NOT_PROVIDED_VALUE = "not provided"
 SNAPSHOT_KEY = "attached.tree.step"
@@ -31,39 +30,12 @@ EVICT_REASONS = {
 }
 
 
-def fresh(chosen: Selection) -> Selection:
-    """The selection with this rerun's stamp (a live fragment reruns alone and reads the run again)."""
-    runs = data.runs(chosen.path)
-    run = runs[runs["id"] == chosen.run_id].iloc[0]
-    if chosen.live and run["display_status"] != "running":
-        st.rerun()
-    return chosen._replace(run=run, status=str(run["display_status"]),
-                           stamp=float(run["heartbeat_at"] or 0.0) + float(run["ended_at"] or 0.0))
-
-
 def _tokens(number: int | None) -> str:
     return NOT_PROVIDED_VALUE if number is None else f"{number:,}"
 
 
 def _pct(rate: float | None) -> str:
     return NOT_PROVIDED_VALUE if rate is None else f"{rate:.1%}"
-
-
-def not_provided(*things: str) -> None:
-    for thing in things:
-        st.caption(NOT_PROVIDED[thing])
-
-
-def source_header(source: Source) -> None:
-    details = [f"model {source.model}" if source.model else None,
-               f"pages of {source.block_size} tokens" if source.block_size else None]
-    st.markdown(f"**Attached to {source.title}**" + "".join(f" · {d}" for d in details if d))
-    given = ", ".join(sorted(source.provides)) or "nothing beyond its capacity"
-    st.caption(f"Recorded by `kvscope attach` from the engine's KV events and /metrics. This source provides: "
-               f"{given}.")
-    if source.warnings:
-        st.warning("**Known-bad event stream for this engine version**\n\n"
-                   + "\n\n".join(f"- {line}" for line in source.warnings))
 
 
 def latest_nodes(chosen: Selection) -> tuple[int | None, pd.DataFrame]:
@@ -75,24 +47,6 @@ def latest_nodes(chosen: Selection) -> tuple[int | None, pd.DataFrame]:
 
 
 # -- Overview ------------------------------------------------------------------------------
-
-
-def overview_panel() -> None:
-    """The Overview of an attached run (a fragment: it refreshes while the attach is running)."""
-    chosen = fresh(selection())
-    source = attached.source_of(chosen.run)
-    assert source is not None
-    st.caption(f"run {chosen.run_id} · **{chosen.status}**" + (" · refreshing every second" if chosen.live else ""))
-    source_header(source)
-    verdict = attached_verdict()
-    st.info("\n\n".join([f"**{verdict.title}**", *verdict.lines]))
-    counters_panel(chosen)
-    rows = data.latest_usage(chosen.path, chosen.run_id, chosen.stamp)
-    if rows.empty:
-        st.info("No scrape of the engine's /metrics recorded yet.")
-        return
-    pool_panel(chosen, source, rows.iloc[-1])
-    traffic_panel(chosen, source, rows.iloc[-1])
 
 
 def counters_panel(chosen: Selection) -> None:
@@ -119,16 +73,19 @@ USED_MEANS = {  # NOTE: "used" is SGLang's word; what each engine's figure count
 }
 
 
-def pool_panel(chosen: Selection, source: Source, last: pd.Series) -> None:
-    total = attached.value(last, "full_total") or source.capacity_tokens  # NOTE: 0 is written when unknown
+def pool_panel(chosen: Selection, caps: Capabilities, last: pd.Series) -> None:
+    """The pool as the engine reports it (its /metrics): capacity, used, cached and the hit rate."""
+    source = attached.source_of(chosen.run)
+    capacity = source.capacity_tokens if source is not None else None
+    total = attached.value(last, "full_total") or capacity  # NOTE: 0 is written when unknown
     used = attached.used_tokens(last)
     step, nodes = latest_nodes(chosen)
     cols = st.columns(4)
     cols[0].metric("capacity (tokens)", _tokens(total), help="the engine's KV pool on the device, in tokens")
     share = f"{used / total:.0%} of the capacity" if used is not None and total else "the engine exports no usage"
     cols[1].metric("used (tokens)", _tokens(used), help=f"as the engine reports it at the latest scrape: {share}; "
-                   f"{USED_MEANS.get(source.engine, USED_MEANS['sglang'])}")
-    if step is None or not source.gives("pages"):
+                   f"{USED_MEANS.get(caps.engine, USED_MEANS['sglang'])}")
+    if step is None or caps.lacks("forest"):
         cols[2].metric("cached tokens", NOT_PROVIDED_VALUE,
                        help="no snapshot of the page forest: the engine's KV events were not subscribed")
     else:
@@ -141,23 +98,20 @@ def pool_panel(chosen: Selection, source: Source, last: pd.Series) -> None:
                    help="the engine exports no prefix-cache counters" if rate is None else
                    f"cached / prompt tokens of the engine's counters since it started (a ratio of sums): "
                    f"{rate.hit_tokens:,} of {rate.prompt_tokens:,}")
-    if source.gives("usage.split"):
+    if caps.has("usage.split"):
         cols = st.columns(4)
         cols[0].metric("available (tokens)", _tokens(attached.value(last, "full_available")), help="free slots")
         cols[1].metric("evictable (tokens)", _tokens(attached.value(last, "full_evictable")),
                        help="cached and unlocked: the engine can reclaim them")
-    else:
-        st.caption("Free and evictable tokens: not provided. This source does not split its pool (vLLM, for one, "
-                   "counts cached but unused blocks as free), so only the used tokens are shown.")
-    not_provided("locks")
+    capability.cannot(caps, "usage.split", "locks")
 
 
-def traffic_panel(chosen: Selection, source: Source, last: pd.Series) -> None:
+def traffic_panel(chosen: Selection, caps: Capabilities, last: pd.Series) -> None:
     cols = st.columns(4)
     running, waiting = attached.value(last, "num_running"), attached.value(last, "num_waiting")
     cols[0].metric("running / waiting", NOT_PROVIDED_VALUE if running is None or waiting is None
                    else f"{running} / {waiting}")
-    label, origin = attached.evicted_label(source)
+    label, origin = attached.evicted_label(caps.engine, caps.has("forest"))
     cols[1].metric(label, _tokens(attached.value(last, "cum_evicted_tokens")), help=origin)
     cols[2].metric("preemptions", _tokens(attached.value(last, "cum_retractions")))
     bounds = data.step_range(chosen.path, chosen.run_id, chosen.stamp).iloc[0]
@@ -169,40 +123,25 @@ def traffic_panel(chosen: Selection, source: Source, last: pd.Series) -> None:
                    f"{rate.prompt_tokens:,} prompt tokens")
 
 
-# -- Memory --------------------------------------------------------------------------------
-
-
-def memory(chosen: Selection, source: Source) -> None:
-    source_header(source)
-    usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
-    if usage.empty:
-        st.info("No scrape of the engine's /metrics recorded yet.")
-        return
+def used_timeline(chosen: Selection, caps: Capabilities, usage: pd.DataFrame) -> None:
+    """Memory's chart where the source gives its used tokens (not who holds them)."""
     used = attached.used_series(usage)
     st.subheader("Device tokens over time")
     if used.notna().any():
         st.caption("One step per scrape of the engine's /metrics: **used** as the engine reports it"
-                   + (", **available** (free) and **evictable** (cached, unlocked)" if source.gives("usage.split")
+                   + (", **available** (free) and **evictable** (cached, unlocked)" if caps.has("usage.split")
                       else "")
                    + f", against the capacity (dotted). Downsampled to at most {data.MAX_POINTS} points (each bucket "
                    "of scrapes keeps its peak row).")
         st.plotly_chart(attached_charts.device_tokens_figure(usage, used), key="attached.memory.tokens")
     else:
         st.caption("Used tokens: not provided by this source's /metrics.")
-    not_provided("locks", "slots", "requests", "swa", "waste")
 
 
-# -- Tiers ---------------------------------------------------------------------------------
-
-
-def tiers(chosen: Selection, source: Source) -> None:
-    source_header(source)
+def tiers(chosen: Selection, caps: Capabilities) -> None:
+    """The host tier as the engine reports it and as its page forest holds it."""
     usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
     step, nodes = latest_nodes(chosen)
-    if not (source.gives("host_tier") or charts.has_host_tier(usage)):
-        st.caption(f"This source provides no host tier ({source.engine} reports one tier, the device): only "
-                   "device pages are followed.")
-        return
     last = usage.iloc[-1] if not usage.empty else pd.Series(dtype=object)
     host_total = attached.value(last, "host_total")
     host_available = attached.value(last, "host_available")
@@ -211,7 +150,7 @@ def tiers(chosen: Selection, source: Source) -> None:
     cols = st.columns(3)
     cols[0].metric("host tokens allocated", NOT_PROVIDED_VALUE if host_used is None or host_total is None
                    else f"{host_used:,} of {host_total:,}", help="the engine's host pool at the latest scrape")
-    cached = attached.cached_tokens(nodes) if step is not None and source.gives("pages") else None
+    cached = attached.cached_tokens(nodes) if step is not None and caps.has("forest") else None
     cols[1].metric("host-tier pages' tokens", NOT_PROVIDED_VALUE if cached is None else f"{cached['host']:,}",
                    help="pages the page forest holds on the host tier (host only, or backed up from the device) "
                         f"in its latest snapshot (step {step})")
@@ -243,16 +182,14 @@ def copies_panel(chosen: Selection) -> None:
                "copied are not provided: the source does not report the KV bytes of a token.")
 
 
-# -- Radix tree ----------------------------------------------------------------------------
-
-
-def tree(chosen: Selection, source: Source) -> None:
-    source_header(source)
-    steps = data.snapshot_steps(chosen.path, chosen.run_id, chosen.stamp) if source.gives("pages") else []
+def forest(chosen: Selection, caps: Capabilities) -> None:
+    """The Radix tree page where the tree is the page forest of the engine's KV events: only its
+    snapshot steps, one node per page, coloured by tier."""
+    steps = data.snapshot_steps(chosen.path, chosen.run_id, chosen.stamp) if caps.has("forest") else []
     if not steps:
         st.info("No snapshot of the page forest in this run yet (the engine's KV events were not subscribed, or "
                 "no snapshot was taken).")
-        not_provided("locks", "requests")
+        capability.cannot(caps, "locks", "ownership")
         return
     step = steps[-1] if len(steps) == 1 else int(st.select_slider("snapshot step", steps, value=steps[-1],
                                                                   key=SNAPSHOT_KEY))
@@ -264,10 +201,10 @@ def tree(chosen: Selection, source: Source) -> None:
                "device, device+host (backed up to the host) or host only (a disk or external store counts as the host "
                "side; the table names every tier). Only snapshot steps are shown: they are the page forest exactly "
                "as `kvscope attach` held it.")
-    not_provided("locks")
+    capability.cannot(caps, "locks")
     if pages.empty:
         st.info("The page forest is empty at this step.")
-        not_provided("requests")
+        capability.cannot(caps, "ownership")
         return
     coloured = nodes.assign(tier=[attached.tier_category(t) for t in nodes["tier"]])
     shown = charts.cap_nodes(charts.subtree_values(coloured), charts.tree.DEFAULT_MAX_NODES)
@@ -276,50 +213,11 @@ def tree(chosen: Selection, source: Source) -> None:
     st.plotly_chart(charts.tree_figure(shown, "tier", preview), key="attached.tree.icicle")
     columns = ["node_id", "parent_id", "num_tokens", "depth_tokens", "tier", *(["token_preview"] if preview else [])]
     st.dataframe(pages.reindex(columns=columns), hide_index=True)
-    not_provided("requests")
+    capability.cannot(caps, "ownership")
 
 
-# -- Evictions -----------------------------------------------------------------------------
-
-
-def evictions(chosen: Selection, source: Source) -> None:
-    source_header(source)
-    summary = data.eviction_summary(chosen.path, chosen.run_id, chosen.stamp)
-    if summary.empty:
-        usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
-        counter = attached.value(usage.iloc[-1], "cum_evicted_tokens") if not usage.empty else None
-        extra = "" if counter is None else f" The engine's own counter says {counter:,} tokens evicted."
-        st.info("No evict events in this run (the engine evicted no page while kvscope was attached, or its KV "
-                f"events were not subscribed).{extra}")
-        return
-    total = int(summary["num_evictions"].sum())
-    cols = st.columns(3)
-    cols[0].metric("evictions (pages)", f"{total:,}")
-    cols[1].metric("evicted tokens", f"{int(summary['evicted_tokens'].sum()):,}")
-    cols[2].metric("reasons", ", ".join(sorted(set(summary["reason"]))))
-    st.caption("From the engine's KV events, a page at a time: "
-               + "; ".join(f"**{reason}**: {EVICT_REASONS[reason]}" for reason in sorted(set(summary["reason"]))
-                           if reason in EVICT_REASONS) + ".")
-    st.dataframe(summary, hide_index=True)
-    over_steps = data.evictions_over_steps(chosen.path, chosen.run_id, chosen.stamp)
-    st.plotly_chart(charts.evictions_figure(over_steps), key="attached.evictions.per_step")
-    st.caption("Age, idle time and 'evicted, then needed again' are not provided: the engine's events record no "
-               "prefix match, so kvscope cannot tell when a page was last used or needed again.")
-
-
-# -- Leaks, Requests -----------------------------------------------------------------------
-
-
-def leaks(chosen: Selection, source: Source) -> None:
-    source_header(source)
-    verdict = attached_verdict()
-    st.info("\n\n".join([f"**{verdict.title}**", *verdict.lines]))
-    not_provided("leaks", "slots", "locks")
-
-
-def requests(chosen: Selection, source: Source) -> None:
-    source_header(source)
-    not_provided("requests")
+def request_counts(chosen: Selection) -> None:
+    """Running and waiting requests and the token hit rate, as the engine reports them per scrape."""
     usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
     if usage.empty:
         st.info("No scrape of the engine's /metrics recorded yet.")
@@ -342,20 +240,14 @@ def _known(usage: pd.DataFrame, column: str) -> bool:
     return column in usage and bool(pd.to_numeric(usage[column], errors="coerce").notna().any())
 
 
-def capacity_source(source: Source) -> None:
-    """The attached engine's own pool, above the planner (which plans for any model and GPU)."""
+def capacity_source(chosen: Selection) -> int | None:
+    """The attached engine's own pool, above the planner (which plans for any model and GPU); its
+    page size, when the source names one."""
+    source = attached.source_of(chosen.run)
+    if source is None:
+        return None
     if source.capacity_tokens and source.block_size:
         st.caption(f"The attached engine's pool: {source.capacity_tokens:,} tokens in "
                    f"{source.capacity_tokens // source.block_size:,} pages of {source.block_size}. The planner below "
                    "is for the model and GPU you pick, not read from the engine.")
-
-
-def capacity_note(source: Source) -> None:
-    """The Capacity page's curve needs the request stream, which an attached source does not give."""
-    st.caption("Hit rate vs cache capacity for this engine's traffic: not provided. The curve replays the run's "
-               f"request stream, and {source.engine}'s events carry no requests (`kvscope plan` takes a request "
-               "trace instead).")
-
-
-def page_size(source: Source, fallback: Any) -> int:
-    return int(source.block_size or fallback or 1)
+    return source.block_size
