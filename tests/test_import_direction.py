@@ -1,4 +1,4 @@
-"""Layers import downward only (DESIGN.md), with no exceptions: app -> server / attach ->
+"""Layers import downward only (docs/architecture.md), with no exceptions: app -> server / attach ->
 engine -> cache -> mem -> telemetry, workloads at the bottom beside telemetry. The engine
 imports neither the debugger nor the SQL store; the dashboard and app.py never touch torch
 or the engine layers, so a capture opens on a laptop without them."""
