@@ -43,6 +43,7 @@ from kvscope.mem import (
     SWAKVPool,
     SWATokenToKVPoolAllocator,
     TokenAllocator,
+    charged_to,
     host_pool_tokens,
     make_token_allocator,
     resolve_device,
@@ -196,9 +197,8 @@ class SWAMemorySystem(MemorySystem):
         start_len, end_len = self.cache.window_range(req, pre_len)
         if hook is not None and hook(self, req, start_len, end_len):
             return
-        self.allocator.active_rid = req.rid
-        self.cache.free_window(req, start_len, end_len)
-        self.allocator.active_rid = None
+        with charged_to(self.allocator, req.rid):
+            self.cache.free_window(req, start_len, end_len)
 
     # -- the leak check ----------------------------------------------------------------------
 
