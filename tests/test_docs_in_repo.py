@@ -1,5 +1,5 @@
-"""The docs live in the repository: no tracked file points outside it (a clone has no
-`../shared`), and the README's layout and docs/architecture.md name every package and doc."""
+"""The docs live in the repository: no tracked file points outside it (a clone has no notes
+folder beside it), and the README's layout and docs/architecture.md name every package and doc."""
 
 from __future__ import annotations
 
