@@ -1,4 +1,4 @@
-"""Layers import downward only (DESIGN.md), with no exceptions: app -> server / attach ->
+"""Layers import downward only (docs/architecture.md), with no exceptions: app -> server / attach ->
 engine -> cache -> mem -> telemetry, workloads at the bottom beside telemetry. The engine
 imports neither the debugger nor the SQL store; the dashboard and app.py never touch torch
 or the engine layers, so a capture opens on a laptop without them."""
@@ -9,6 +9,8 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvscope"
@@ -21,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "cache": {"cache", "mem", "telemetry"},
     "engine": {"engine", "cache", "mem", "telemetry", "workloads"},
     "server": {"server", "engine", "cache", "mem", "telemetry", "workloads"},
-    "attach": {"attach", "engine", "cache", "mem", "telemetry", "workloads"},
+    "attach": {"attach", "telemetry"},  # beside a real engine on a box without torch (kvscope/attach/__init__.py)
     "probe": {"probe", "telemetry"},  # runs inside a real engine's venv: stdlib, numpy and telemetry only
     "debug": {"debug", "telemetry", "mem"},  # mem: the KV pool types whose freed rows the monitor poisons
     "planning": {"planning", "cache", "mem", "workloads", "telemetry"},
@@ -140,6 +142,18 @@ def test_the_probe_loads_nothing_an_engine_venv_lacks() -> None:
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 
 
+@pytest.mark.parametrize("package", sorted(NO_TORCH - {"dashboard"}))  # the dashboard: tests/dashboard/test_pages.py
+def test_a_package_that_runs_without_torch_never_loads_it(package: str) -> None:
+    """Every module of the package, imported in a fresh interpreter, leaves torch unloaded
+    (the static check above misses torch pulled in through another layer)."""
+    modules = sorted(f"kvscope.{package}" + (f".{p.stem}" if p.stem != "__init__" else "")
+                     for p in (PACKAGE / package).glob("*.py"))
+    code = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint('torch' in sys.modules)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False", f"importing kvscope.{package} loaded torch"
+
+
 def test_app_imports_only_the_dashboard_side() -> None:
     allowed = ALLOWED["dashboard"]
     bad = [
@@ -183,4 +197,6 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
         "5: a relative import (write kvscope.<package>)", "7: kvscope.app",
         f"8: kvscope.telemetry import SQLRecorder {producer}"]
     assert "2: torch" in violations("dashboard", imports)
+    assert violations("attach", [(1, "kvscope.cache", "RadixCache"), (2, "kvscope.mem", None)]) == [
+        "1: kvscope.cache", "2: kvscope.mem"]
     assert violations("app", [(1, "kvscope.debug.report", "build_report"), (2, "kvscope.telemetry", "Capture")]) == []

@@ -44,7 +44,8 @@ from kvscope.app.units import (
     token_counts,
 )
 from kvscope.app.upgrade import upgrade_verb
-from kvscope.engine import CACHE_KINDS
+from kvscope.engine import AUTO, CACHE_KINDS
+from kvscope.engine import cli_help as cache_help
 from kvscope.engine.config import SCHEDULE_POLICIES, WRITE_POLICIES
 from kvscope.planning import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -151,8 +152,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """The engine's options, the same for `run` and `serve` (runner.engine_from_args reads them)."""
     parser.add_argument("--model", default="tiny",
                         help="tiny, tiny-swa, or a shape like 'layers=4,hidden=64,window=32'")
-    parser.add_argument("--cache", default="auto", choices=["auto", *CACHE_KINDS],
-                        help="prefix cache; auto = radix, or swa-radix for a sliding-window model")
+    parser.add_argument("--cache", default=AUTO, choices=[AUTO, *CACHE_KINDS], help=cache_help())
     parser.add_argument("--eviction-policy", default="lru", help=POLICY_HELP)
     parser.add_argument("--eviction-granularity", default="leaf", choices=["leaf", "page"],
                         help="leaf: SGLang's whole-leaf eviction; page: only the pages needed")

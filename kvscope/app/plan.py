@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from kvscope.app.progress import Progress, bar
 from kvscope.app.units import gib_text, scoped_cache_options
+from kvscope.engine import cache_kind
 from kvscope.planning import (
     CONVENTION_MEANINGS,
     EXACTNESS,
@@ -140,7 +141,7 @@ def _check_replay_args(args: argparse.Namespace) -> ScopedOptions | None:
         _check_page_size(args.page_size)
     if args.curve_only and args.policy != "lru":
         raise ValueError(f"the one-pass curve models lru eviction only, not {args.policy!r}")
-    return ScopedOptions(**options) if cache == "scoped-radix" else None
+    return ScopedOptions(**options) if cache_kind(cache).scoped else None
 
 
 def _check_page_size(page_size: int) -> None:

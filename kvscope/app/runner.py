@@ -36,6 +36,7 @@ from kvscope.app.report import store_leak_report
 from kvscope.app.units import scoped_cache_options
 from kvscope.debug import DebugMonitor
 from kvscope.engine import (
+    AUTO,
     CacheConfig,
     CacheKind,
     Engine,
@@ -49,8 +50,12 @@ from kvscope.engine import (
     ProgressHook,
     Req,
     SchedulerConfig,
+    auto_cache_kind,
+    cache_kind,
     check_faults,
     check_request,
+    either,
+    kinds_with,
     model_config,
 )
 from kvscope.engine.model import kv_pool_shape
@@ -104,7 +109,7 @@ def engine_from_args(args: argparse.Namespace, leak_check_raise: bool = False,
     HTTP front when the engine runs on the CPU (torch's default takes them all, and its threads
     then fight the front and its clients for the cores: half the throughput on two cores)."""
     model = model_config(args.model)
-    cache: CacheKind = args.cache if args.cache != "auto" else ("swa-radix" if model.is_hybrid else "radix")
+    cache: CacheKind = args.cache if args.cache != AUTO else auto_cache_kind(model.is_hybrid)
     engine = EngineConfig(
         pool=PoolConfig(kv_size_tokens=args.kv_tokens, page_size=args.page_size, swa_full_tokens_ratio=args.swa_ratio,
                         max_running_requests=args.max_running_requests, max_context_len=args.max_context_len),
@@ -123,14 +128,14 @@ def engine_from_args(args: argparse.Namespace, leak_check_raise: bool = False,
 HOST_OPTIONS = {"write_policy": "--write-policy", "host_ratio": "--host-ratio", "host_tokens": "--host-tokens"}
 
 
-def host_cache_options(args: argparse.Namespace, cache_kind: str) -> dict[str, Any]:
+def host_cache_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     """The hiradix cache's settings given in `args` (cli.add_host_options); ValueError naming
     the flags when any is given for another cache kind."""
     given = {name: getattr(args, name) for name in HOST_OPTIONS if getattr(args, name, None) is not None}
-    if given and cache_kind != "hiradix":
+    if given and not cache_kind(kind).has_host:
         flags = ", ".join(HOST_OPTIONS[name] for name in given)
-        raise ValueError(f"{flags} {'applies' if len(given) == 1 else 'apply'} to --cache hiradix only, "
-                         f"not {cache_kind}")
+        raise ValueError(f"{flags} {'applies' if len(given) == 1 else 'apply'} to --cache "
+                         f"{either(kinds_with(lambda spec: spec.has_host))} only, not {kind}")
     return given
 
 

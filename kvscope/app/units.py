@@ -22,6 +22,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from kvscope.engine import cache_kind, either, kinds_with
 from kvscope.workloads import ByteTokenizer
 
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
@@ -120,14 +121,14 @@ SCOPED_DEFAULTS: dict[str, Any] = {"promote_k": 3, "epoch_s": 60.0, "pinned": ()
                                    "merge_chains": False}
 
 
-def scoped_cache_options(args: argparse.Namespace, cache_kind: str) -> dict[str, Any]:
+def scoped_cache_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     """The scoped cache's settings from `args` (cli.add_scoped_options), defaults filled in;
     ValueError naming the flags when any is given for another cache kind."""
     given = {name: getattr(args, name) for name in SCOPED_OPTIONS if getattr(args, name, None) is not None}
-    if given and cache_kind != "scoped-radix":
+    if given and not cache_kind(kind).scoped:
         flags = ", ".join(SCOPED_OPTIONS[name] for name in given)
         verb = "applies" if len(given) == 1 else "apply"
-        raise ValueError(f"{flags} {verb} to --cache scoped-radix only, not {cache_kind}")
+        raise ValueError(f"{flags} {verb} to --cache {either(kinds_with(lambda spec: spec.scoped))} only, not {kind}")
     options = {**SCOPED_DEFAULTS, **given}
     if options["promote_k"] == math.inf:
         options["promote_k"] = None  # NOTE: the caches' spelling of "never promote"

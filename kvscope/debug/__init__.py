@@ -16,6 +16,7 @@ from kvscope.debug.ledger import APPLY_COLUMNS, IGNORED_KINDS, Ledger
 from kvscope.debug.replay import ProgressHook, Replay, StepHook, replay
 from kvscope.debug.report import (
     Leak,
+    LeakKind,
     LeakReport,
     ReportState,
     Verdict,
@@ -45,6 +46,7 @@ __all__ = [
     "IGNORED_KINDS",
     "DebugMonitor",
     "Leak",
+    "LeakKind",
     "LeakReport",
     "Ledger",
     "ProgressHook",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import json
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -37,9 +38,21 @@ PROBE_NOTE = ("recorded inside the engine by kvscope's probe: its idle census ch
               "engine's ref-counted blocks are not replayed through kvscope's slot ledger")
 SUMMARY_NOTE = ("recorded at level summary: the capture holds no slot indices, so this report works from the "
                 "leak checks and the requests table only (record with --level full for slots and culprits)")
+
+
+class LeakKind(StrEnum):
+    """What the ledger found wrong; the value is what reports and `--json` print."""
+
+    ORPHANED = "orphaned"  # slots nobody holds and nobody freed
+    DOUBLE_FREE = "double-free"
+    LOCK_NEVER_RELEASED = "lock-never-released"  # a node lock whose request ended
+    COPY_NEVER_ACKNOWLEDGED = "copy-never-acknowledged"  # a host-tier copy still in flight at an idle point
+    USE_AFTER_FREE = "use-after-free"
+
+
 # NOTE: a leak the ledger finds in a run that stopped mid-step may be a free still pending in
 # that step (frees are grouped per step); these kinds are single events, certain wherever they are
-DEFINITE_KINDS = ("double-free", "use-after-free")
+DEFINITE_KINDS = (LeakKind.DOUBLE_FREE, LeakKind.USE_AFTER_FREE)
 CHECK_EXIT_CODES = {"clean": 0, "leak": 1, "inconclusive": 3}  # kvscope check's (2: unreadable, from the CLI)
 _STOPPED = {
     RunStatus.RUNNING.value: "the run is still running",
@@ -60,7 +73,7 @@ class Verdict(NamedTuple):
 
 @dataclass
 class Leak:
-    kind: str  # orphaned, double-free, lock-never-released, use-after-free, copy-never-acknowledged
+    kind: LeakKind  # a plain string (a stored report's) becomes its LeakKind; an unknown one is a ValueError
     pool: str
     slots: list[int]
     rid: str | None = None
@@ -72,6 +85,9 @@ class Leak:
     detail: str = ""
     event: int = -1  # the event that exposes it: leaks are listed in this order
     consequence_of: int | None = None  # 1-based index of an earlier leak touching the same slots
+
+    def __post_init__(self) -> None:
+        self.kind = LeakKind(self.kind)
 
 
 @dataclass
@@ -328,10 +344,10 @@ def _leaks(ledger: Ledger, people: dict[str, Any]) -> list[Leak]:
     leaks = []
     for hold in ledger.orphans():
         due = _ended_step(ledger, hold.rid) if hold.owner == REQUEST else hold.gone_step
-        leaks.append(Leak("orphaned", hold.pool, hold.slots, hold.rid, people.get(hold.rid or ""), hold.step,
+        leaks.append(Leak(LeakKind.ORPHANED, hold.pool, hold.slots, hold.rid, people.get(hold.rid or ""), hold.step,
                           hold.seq, due, hold.node_id, _orphan_detail(ledger, hold), event=hold.seq))
     for twice in ledger.double_frees:
-        leaks.append(Leak("double-free", twice.pool, twice.slots, twice.rid, people.get(twice.rid or ""),
+        leaks.append(Leak(LeakKind.DOUBLE_FREE, twice.pool, twice.slots, twice.rid, people.get(twice.rid or ""),
                           detail=f"freed again at step {twice.step} (event #{twice.seq}); first freed at step "
                           f"{twice.first_step} (event #{twice.first_seq})", event=twice.seq))
     for held in ledger.locks_of_ended_requests():
@@ -342,21 +358,21 @@ def _leaks(ledger: Ledger, people: dict[str, Any]) -> list[Leak]:
         else:
             detail = (f"node {held.node_id} locked at step {held.step} (event #{held.seq}) "
                       "and never unlocked: its tokens stay protected")
-        leaks.append(Leak("lock-never-released", "full", [] if slots is None else slots.tolist(), held.rid,
+        leaks.append(Leak(LeakKind.LOCK_NEVER_RELEASED, "full", [] if slots is None else slots.tolist(), held.rid,
                           people.get(held.rid or ""), held.step, held.seq, _ended_step(ledger, held.rid),
                           held.node_id, detail, event=held.seq))
     for stuck in ledger.stuck_ops:
         copy, node = stuck.copy, stuck.copy.node_id
         pool, copies = ("host", ledger.host_copies) if copy.kind == "write" else ("full", ledger.node_slots)
         slots = copies.get(node) if node is not None else None
-        leaks.append(Leak("copy-never-acknowledged", pool, [] if slots is None else slots.tolist(), None, None,
+        leaks.append(Leak(LeakKind.COPY_NEVER_ACKNOWLEDGED, pool, [] if slots is None else slots.tolist(), None, None,
                           copy.step, copy.seq, stuck.idle_step, node,
                           f"{copy.kind} op {stuck.op} of node {node} ({copy.num_tokens} tokens) was still in "
                           f"flight at the idle point of step {stuck.idle_step} (event #{stuck.idle_seq}), where "
                           "every copy is acknowledged", event=stuck.idle_seq))
     for read in ledger.bad_reads:  # the culprit is whoever freed the slots while they were still in use
         reader = "it" if read.reader == read.freer else f"request {read.reader}"
-        leaks.append(Leak("use-after-free", "full", read.slots, read.freer, people.get(read.freer or ""),
+        leaks.append(Leak(LeakKind.USE_AFTER_FREE, "full", read.slots, read.freer, people.get(read.freer or ""),
                           detail=f"freed at step {read.free_step} (event #{read.free_seq}) while still in use; "
                           f"{reader} read it at step {read.step} (event #{read.seq}), position {read.position}",
                           event=read.free_seq))
@@ -447,12 +463,12 @@ def _leak_lines(index: int, leak: Leak) -> list[str]:
     after = f" — a consequence of #{leak.consequence_of}" if leak.consequence_of else ""
     lines = [f"  {index}. {leak.kind}, pool {leak.pool}: {count} {_slots_text(leak.slots)}{after}",
              f"     culprit: {who}; {leak.detail}"]
-    if leak.kind == "lock-never-released" and leak.free_due_step is not None:
+    if leak.kind is LeakKind.LOCK_NEVER_RELEASED and leak.free_due_step is not None:
         lines.append(f"     the unlock was due at step {leak.free_due_step}, when the request finished")
     elif leak.allocated_step is not None:
         due = f"; the free was due at step {leak.free_due_step} and never came" if leak.free_due_step else ""
         what = "allocated"
-        if leak.kind == "copy-never-acknowledged":
+        if leak.kind is LeakKind.COPY_NEVER_ACKNOWLEDGED:
             what, due = "started", f"; the ack was due by step {leak.free_due_step}"
         elif leak.pool == "host" and leak.node_id is not None:
             what = "written to the host"

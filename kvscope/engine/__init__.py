@@ -14,7 +14,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvscope.engine.config import CACHE_KINDS, CacheConfig, CacheKind, EngineConfig, PoolConfig, SchedulerConfig
+from kvscope.engine.cache_kinds import (
+    AUTO,
+    CACHE_KINDS,
+    CacheKind,
+    CacheKindSpec,
+    auto_cache_kind,
+    cache_kind,
+    cli_help,
+    either,
+    kinds_with,
+)
+from kvscope.engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
 
 if TYPE_CHECKING:
     from kvscope.engine.engine import Engine, ProgressHook, check_faults, check_request
@@ -52,10 +63,12 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AUTO",
     "CACHE_KINDS",
     "MODEL_PRESETS",
     "CacheConfig",
     "CacheKind",
+    "CacheKindSpec",
     "Engine",
     "EngineConfig",
     "EngineStalled",
@@ -69,7 +82,12 @@ __all__ = [
     "ReadChecker",
     "Req",
     "SchedulerConfig",
+    "auto_cache_kind",
+    "cache_kind",
     "check_faults",
     "check_request",
+    "cli_help",
+    "either",
+    "kinds_with",
     "model_config",
 ]

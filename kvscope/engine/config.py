@@ -17,8 +17,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
-CacheKind = Literal["radix", "chunk", "swa-radix", "scoped-radix", "hiradix", "none"]
-CACHE_KINDS: tuple[str, ...] = ("radix", "chunk", "swa-radix", "scoped-radix", "hiradix", "none")
+from kvscope.engine.cache_kinds import CacheKind, cache_kind, check_fits_model
+
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_through_selective", "write_back")
 HOST_SETTINGS = ("write_policy", "host_ratio", "host_tokens")  # the hiradix cache's (CacheConfig)
@@ -130,8 +130,7 @@ class CacheConfig:
     host_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in CACHE_KINDS:
-            raise ValueError(f"cache kind must be one of {', '.join(CACHE_KINDS)}; got {self.kind!r}")
+        cache_kind(self.kind)  # ValueError naming the kinds
         if self.promote_k is not None and (type(self.promote_k) is not int or self.promote_k < 1):
             raise ValueError(f"promote_k must be an int >= 1, or None for never; got {self.promote_k!r}")
         if isinstance(self.epoch_s, bool) or not isinstance(self.epoch_s, int | float) \
@@ -223,14 +222,7 @@ class EngineConfig:
             raise ValueError(
                 f"sliding window {sliding_window} is not smaller than the context length {self.pool.max_context_len}"
             )
-        if self.cache.kind == "swa-radix" and not is_hybrid:
-            raise ValueError("the swa-radix cache needs a hybrid sliding-window model (e.g. --model tiny-swa)")
-        if is_hybrid and self.cache.kind == "hiradix":
-            raise ValueError("the hiradix cache is for full-attention models; a hybrid sliding-window model needs "
-                             "--cache swa-radix, chunk or none")
-        if is_hybrid and self.cache.kind in ("radix", "scoped-radix"):
-            raise ValueError(f"a hybrid sliding-window model needs --cache swa-radix, chunk or none, not "
-                             f"{self.cache.kind} (the scoped cache is for full-attention models)")
+        check_fits_model(self.cache.kind, is_hybrid)
         window_and_page = (sliding_window or 0) + self.pool.page_size
         if is_hybrid and window_and_page >= self.pool.swa_size_tokens:
             raise ValueError(
@@ -241,7 +233,7 @@ class EngineConfig:
     def fingerprint(self) -> dict[str, Any]:
         """The config as a dict; the host tier's settings only where the cache has one."""
         config = asdict(self)
-        if self.cache.kind != "hiradix":
+        if not cache_kind(self.cache.kind).has_host:
             for name in HOST_SETTINGS:
                 del config["cache"][name]
         return config

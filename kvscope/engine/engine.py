@@ -19,6 +19,7 @@ from functools import partial
 import numpy as np
 
 from kvscope.engine import fault_hooks
+from kvscope.engine.cache_kinds import cache_kind
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.faults import FaultInjector, FaultSpec, check_applicable
 from kvscope.engine.memory import HiMemorySystem, MemorySystem, build_memory
@@ -40,9 +41,8 @@ def check_faults(config: EngineConfig, model_config: ModelConfig, faults: list[F
         return
     if config.strict:
         raise ValueError("fault injection needs strict mode off (strict mode stops each fault where it happens)")
-    kind = config.cache.kind
-    check_applicable(faults, has_tree=kind in ("radix", "swa-radix", "scoped-radix", "hiradix"),
-                     is_swa=model_config.is_hybrid, has_host=kind == "hiradix")
+    spec = cache_kind(config.cache.kind)
+    check_applicable(faults, has_tree=spec.has_tree, is_swa=model_config.is_hybrid, has_host=spec.has_host)
 
 
 def check_request(config: EngineConfig, model_config: ModelConfig, req: Req) -> None:

@@ -12,6 +12,7 @@ from kvscope.cache.hiradix import HiTreeNode
 from kvscope.engine.faults import FaultInjector, node_target, observe_frees
 from kvscope.engine.memory import MemorySystem, SWAMemorySystem
 from kvscope.engine.request import Req
+from kvscope.mem import charged_to
 from kvscope.telemetry import FaultKind
 
 
@@ -46,9 +47,8 @@ def double_free_window(faults: FaultInjector, memory: MemorySystem, req: Req) ->
     if not faults.wants(FaultKind.DOUBLE_FREE, req.rid):
         return
     faults.injected(FaultKind.DOUBLE_FREE, req.rid, again.tolist())
-    memory.allocator.active_rid = req.rid
-    memory.allocator.free(torch.from_numpy(again).to(memory.allocator.device))
-    memory.allocator.active_rid = None
+    with charged_to(memory.allocator, req.rid):
+        memory.allocator.free(torch.from_numpy(again).to(memory.allocator.device))
 
 
 def maybe_lock_leak(faults: FaultInjector, memory: MemorySystem, req: Req) -> None:
@@ -69,9 +69,8 @@ def maybe_use_after_free(faults: FaultInjector, memory: MemorySystem, req: Req) 
         return
     slots = _own_slots(memory, req, start, end)
     faults.injected(FaultKind.USE_AFTER_FREE, req.rid, slots.tolist())
-    memory.allocator.active_rid = req.rid
-    memory.allocator.free(slots)
-    memory.allocator.active_rid = None
+    with charged_to(memory.allocator, req.rid):
+        memory.allocator.free(slots)
 
 
 def maybe_swa_window_leak(faults: FaultInjector, memory: SWAMemorySystem, req: Req, start_len: int,

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvscope.engine.cache_kinds import either, kinds_with
 from kvscope.mem import TokenAllocator
 from kvscope.telemetry import EventKind, FaultKind, Recorder
 
@@ -85,10 +86,11 @@ def node_target(node_id: int) -> str:
 def check_applicable(specs: list[FaultSpec], has_tree: bool, is_swa: bool, has_host: bool = False) -> None:
     for spec in specs:
         if spec.kind in TREE_ONLY and not has_tree:
-            raise ValueError(f"fault {spec.kind} needs a cache with a tree (radix, scoped-radix, swa-radix or "
-                             "hiradix)")
+            raise ValueError(f"fault {spec.kind} needs a cache with a tree "
+                             f"({either(kinds_with(lambda kind: kind.has_tree))})")
         if spec.kind in HOST_ONLY and not has_host:
-            raise ValueError(f"fault {spec.kind} needs a host tier (--cache hiradix)")
+            raise ValueError(f"fault {spec.kind} needs a host tier "
+                             f"(--cache {either(kinds_with(lambda kind: kind.has_host))})")
         if spec.kind in SWA_ONLY and not is_swa:
             raise ValueError(f"fault {spec.kind} needs a sliding-window model (e.g. --model tiny-swa)")
 

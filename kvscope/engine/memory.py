@@ -20,22 +20,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from kvscope.cache import (
-    BasePrefixCache,
-    ChunkCache,
-    RadixCache,
-    SWAChunkCache,
-    SWAPrefixCache,
-    SWARadixCache,
-)
+from kvscope.cache import BasePrefixCache, SWAPrefixCache
 from kvscope.cache.hiradix import HiRadixCache
+from kvscope.engine.cache_kinds import CacheParts, cache_kind, check_fits_model
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.model import KVPoolShape
 from kvscope.engine.request import Req
 from kvscope.mem import (
-    BaseTokenAllocator,
     CacheController,
-    HostKVPool,
     HostTokenAllocator,
     KVPool,
     MHATokenToKVPool,
@@ -43,7 +35,7 @@ from kvscope.mem import (
     SWAKVPool,
     SWATokenToKVPoolAllocator,
     TokenAllocator,
-    host_pool_tokens,
+    charged_to,
     make_token_allocator,
     resolve_device,
 )
@@ -196,9 +188,8 @@ class SWAMemorySystem(MemorySystem):
         start_len, end_len = self.cache.window_range(req, pre_len)
         if hook is not None and hook(self, req, start_len, end_len):
             return
-        self.allocator.active_rid = req.rid
-        self.cache.free_window(req, start_len, end_len)
-        self.allocator.active_rid = None
+        with charged_to(self.allocator, req.rid):
+            self.cache.free_window(req, start_len, end_len)
 
     # -- the leak check ----------------------------------------------------------------------
 
@@ -244,12 +235,15 @@ class HiMemorySystem(MemorySystem):
 
 
 def build_memory(config: EngineConfig, shape: KVPoolShape, window_len: int | None, recorder: Recorder) -> MemorySystem:
+    """The pools for the model's shape and the cache its kind builds (cache_kinds.py)."""
+    spec = cache_kind(config.cache.kind)
+    check_fits_model(spec.name, shape.is_hybrid)
     pool_cfg = config.pool
     device = resolve_device(config.device)
     ps = pool_cfg.page_size
     rows = ReqToTokenPool(pool_cfg.max_running_requests, pool_cfg.max_context_len, device, strict=config.strict)
     if shape.is_hybrid:
-        assert window_len is not None
+        assert window_len is not None and spec.build_hybrid is not None
         swa_allocator = SWATokenToKVPoolAllocator(pool_cfg.full_size_tokens, pool_cfg.swa_size_tokens, ps, device,
                                                   strict=config.strict)
         full = MHATokenToKVPool(pool_cfg.full_size_tokens, ps, shape.dtype, shape.num_kv_heads, shape.head_dim,
@@ -258,69 +252,14 @@ def build_memory(config: EngineConfig, shape: KVPoolShape, window_len: int | Non
                                shape.num_swa_layers, device, name="swa")
         swa_kv_pool = SWAKVPool(full, swa, list(shape.swa_layer_ids), swa_allocator.full_to_swa_index_mapping)
         swa_allocator.recorder = recorder
-        swa_cache = build_swa_cache(config, swa_allocator, rows, window_len, recorder)
+        swa_cache = spec.build_hybrid(CacheParts(config, swa_allocator, rows, None, window_len, recorder))
         return SWAMemorySystem(config, rows, swa_allocator, swa_kv_pool, swa_cache, window_len)
     allocator = make_token_allocator(pool_cfg.full_size_tokens, ps, device, strict=config.strict)
     kv_pool = MHATokenToKVPool(pool_cfg.full_size_tokens, ps, shape.dtype, shape.num_kv_heads, shape.head_dim,
                                shape.num_full_layers, device)
     allocator.recorder = recorder
-    if config.cache.kind == "hiradix":
-        return HiMemorySystem(config, rows, allocator, kv_pool, build_hi_cache(config, allocator, kv_pool, rows,
-                                                                                recorder))
-    return MemorySystem(config, rows, allocator, kv_pool, build_cache(config, allocator, rows, recorder))
-
-
-def build_cache(config: EngineConfig, allocator: BaseTokenAllocator, rows: ReqToTokenPool,
-                recorder: Recorder) -> BasePrefixCache:
-    """radix keeps a tree; scoped-radix a tree whose nodes are private to their principals until
-    promoted; chunk and none keep nothing (SGLang frees the same way)."""
-    kind, ps = config.cache.kind, config.pool.page_size
-    if kind == "swa-radix":
-        raise ValueError("the swa-radix cache needs a hybrid sliding-window model (e.g. --model tiny-swa)")
-    if kind == "hiradix":
-        raise ValueError("the hiradix cache is built with its host pool (build_memory)")
-    if kind == "radix":
-        return RadixCache(allocator, ps, req_to_token_pool=rows, eviction_policy=config.cache.eviction_policy,
-                          eviction_granularity=config.cache.eviction_granularity, recorder=recorder,
-                          strict=config.strict)
-    if kind == "scoped-radix":
-        return build_scoped_cache(config, allocator, rows, recorder)
-    return ChunkCache(allocator, ps, req_to_token_pool=rows, recorder=recorder)
-
-
-def build_hi_cache(config: EngineConfig, allocator: BaseTokenAllocator, kv_pool: MHATokenToKVPool,
-                   rows: ReqToTokenPool, recorder: Recorder) -> HiRadixCache:
-    """The two-tier cache: a host pool like the device one, host_tokens or host_ratio x its size
-    (page-aligned, one page more: §2.8), and the controller that copies between them."""
-    cache, ps = config.cache, config.pool.page_size
-    size = host_pool_tokens(config.pool.full_size_tokens, ps, ratio=cache.host_ratio, tokens=cache.host_tokens)
-    host_allocator = HostTokenAllocator(size, ps, strict=config.strict)
-    host_allocator.recorder = recorder
-    controller = CacheController(allocator, kv_pool, host_allocator, HostKVPool.like(kv_pool, size))
-    return HiRadixCache(allocator, ps, controller, write_policy=cache.write_policy, req_to_token_pool=rows,
-                        eviction_policy=cache.eviction_policy, recorder=recorder, strict=config.strict)
-
-
-def build_scoped_cache(config: EngineConfig, allocator: BaseTokenAllocator, rows: ReqToTokenPool,
-                       recorder: Recorder) -> BasePrefixCache:
-    """The scoped radix cache; its epochs run on the default clock (monotonic time)."""
-    from kvscope.cache.scoped import ScopedRadixCache  # NOTE: imported where it is built
-
-    cache = config.cache
-    return ScopedRadixCache(allocator, config.pool.page_size, req_to_token_pool=rows,
-                            eviction_policy=cache.eviction_policy, eviction_granularity=cache.eviction_granularity,
-                            recorder=recorder, strict=config.strict, promote_k=cache.promote_k,
-                            epoch_s=cache.epoch_s, pinned=cache.pinned, dedup=cache.dedup,
-                            merge_chains=cache.merge_chains)
-
-
-def build_swa_cache(config: EngineConfig, allocator: SWATokenToKVPoolAllocator, rows: ReqToTokenPool,
-                    window_len: int, recorder: Recorder) -> SWAPrefixCache:
-    """swa-radix keeps a tree; chunk and none keep nothing."""
-    kind, ps = config.cache.kind, config.pool.page_size
-    if kind in ("radix", "scoped-radix", "hiradix"):
-        raise ValueError(f"a hybrid sliding-window model needs --cache swa-radix, chunk or none, not {kind}")
-    if kind == "swa-radix":
-        return SWARadixCache(allocator, ps, window_len=window_len, req_to_token_pool=rows, recorder=recorder,
-                             strict=config.strict)
-    return SWAChunkCache(allocator, ps, req_to_token_pool=rows, window_len=window_len, recorder=recorder)
+    parts = CacheParts(config, allocator, rows, kv_pool, None, recorder)
+    if spec.build_host is not None:
+        return HiMemorySystem(config, rows, allocator, kv_pool, spec.build_host(parts))
+    assert spec.build_full is not None
+    return MemorySystem(config, rows, allocator, kv_pool, spec.build_full(parts))

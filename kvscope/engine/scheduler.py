@@ -39,6 +39,7 @@ from kvscope.engine.read_check import ReadChecker
 from kvscope.engine.request import Req, ReqState
 from kvscope.engine.sampling import choose_tokens
 from kvscope.engine.stats import EngineStats, LeakDetected
+from kvscope.mem import charged_to, charged_to_batch
 from kvscope.telemetry import Recorder
 
 LogitsHook = Callable[[Req, int, torch.Tensor], None]  # (request, position, logits row)
@@ -255,14 +256,13 @@ class Scheduler:
         need = sum(extend_lens) + (len(batch) * ps if ps > 1 else 0)
         self.stats.evicted(memory.evict_for(need))
         allocator = memory.allocator
-        allocator.active_batch = [(r.rid, e) for r, e in zip(batch, extend_lens, strict=True)]
-        if ps == 1:
-            slots = allocator.alloc(sum(extend_lens))
-        else:
-            last = [int(r.prefix_indices[p - 1]) if p else -1 for r, p in zip(batch, prefix_lens, strict=True)]
-            seq = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-            slots = allocator.alloc_extend(prefix_lens, seq, last, sum(extend_lens))
-        allocator.active_batch = None
+        with charged_to_batch(allocator, batch, extend_lens):
+            if ps == 1:
+                slots = allocator.alloc(sum(extend_lens))
+            else:
+                last = [int(r.prefix_indices[p - 1]) if p else -1 for r, p in zip(batch, prefix_lens, strict=True)]
+                seq = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+                slots = allocator.alloc_extend(prefix_lens, seq, last, sum(extend_lens))
         if slots is None:
             raise RuntimeError(f"Prefill out of memory: {need} tokens needed, {memory.full_available()} available "
                                f"after eviction (the admission budget should have prevented this)")
@@ -343,13 +343,12 @@ class Scheduler:
 
     def _alloc_decode(self, batch: list[Req], row_ids: list[int], positions: list[int]) -> torch.Tensor:
         allocator = self.memory.allocator
-        allocator.active_batch = [(r.rid, 1) for r in batch]
-        if self.memory.page_size == 1:
-            slots = allocator.alloc(len(batch))
-        else:
-            last = self.memory.req_to_token_pool.read_tokens(row_ids, [p - 1 for p in positions])
-            slots = allocator.alloc_decode([p + 1 for p in positions], last)
-        allocator.active_batch = None
+        with charged_to_batch(allocator, batch, 1):
+            if self.memory.page_size == 1:
+                slots = allocator.alloc(len(batch))
+            else:
+                last = self.memory.req_to_token_pool.read_tokens(row_ids, [p - 1 for p in positions])
+                slots = allocator.alloc_decode([p + 1 for p in positions], last)
         if slots is None:
             raise RuntimeError("Decode out of memory after the memory check (this is a kvscope bug)")
         return slots
@@ -393,11 +392,10 @@ class Scheduler:
     def _release(self, req: Req, is_insert: bool) -> None:
         """release_kv_cache (docs/memory-semantics.md §3.6): the cache takes or frees the KV, then the row goes."""
         memory = self.memory
-        memory.allocator.active_rid = req.rid
-        req.fill_ids = req.all_ids()
-        memory.cache.cache_finished_req(req, is_insert=is_insert)
-        memory.req_to_token_pool.free(req)
-        memory.allocator.active_rid = None
+        with charged_to(memory.allocator, req.rid):
+            req.fill_ids = req.all_ids()
+            memory.cache.cache_finished_req(req, is_insert=is_insert)
+            memory.req_to_token_pool.free(req)
 
     def _finish(self, req: Req) -> None:
         faults = self.faults

@@ -6,7 +6,16 @@ the request-to-token pool, KV buffers (plain and SWA hybrid), window freeing, th
 and the errors. The contract is in base.py.
 """
 
-from kvscope.mem.base import AllocatorState, IntsLike, PoolUsage, TokenAllocator
+from kvscope.mem.base import (
+    AllocatorState,
+    BatchCharge,
+    IntsLike,
+    Owner,
+    PoolUsage,
+    TokenAllocator,
+    charged_to,
+    charged_to_batch,
+)
 from kvscope.mem.cache_controller import CacheController
 from kvscope.mem.device import available_memory_bytes, cuda_available, resolve_device
 from kvscope.mem.errors import IntegrityError, PoolMisuseError
@@ -21,6 +30,7 @@ from kvscope.mem.token_allocator import BaseTokenAllocator, PageState, TokenToKV
 __all__ = [
     "AllocatorState",
     "BaseTokenAllocator",
+    "BatchCharge",
     "CacheController",
     "HostKVPool",
     "HostTokenAllocator",
@@ -28,6 +38,7 @@ __all__ = [
     "IntsLike",
     "KVPool",
     "MHATokenToKVPool",
+    "Owner",
     "PageState",
     "PagedTokenToKVPoolAllocator",
     "PoolMisuseError",
@@ -39,6 +50,8 @@ __all__ = [
     "TokenAllocator",
     "TokenToKVPoolAllocator",
     "available_memory_bytes",
+    "charged_to",
+    "charged_to_batch",
     "cuda_available",
     "free_swa_out_of_window",
     "free_swa_range",

@@ -46,14 +46,18 @@ the padding slot, freeing a slot never allocated, page-misaligned paged allocati
 Off, the hot path pays one flag check.
 
 Telemetry: with a recorder attached (`allocator.recorder = ...`), every allocation and
-every free is recorded as an ALLOC / FREE event with the pool, the slots, and
-`active_rid`, the request the caller says it is working for (None: the tree's own frees);
-a batched allocation for many requests is split per request by `active_batch`.
+every free is recorded as an ALLOC / FREE event with the pool, the slots, and the request
+the caller says it is working for (None: the tree's own frees). The caller says so with
+`charged_to(allocator, rid)` around the calls, or `charged_to_batch(allocator, owners,
+num_tokens)` around one allocation for many requests (split per request, in order). Both
+restore the previous owner in `finally`, and with recording off they set nothing (one
+flag check). `active_rid` / `active_batch` are the state they scope; callers do not set it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
@@ -86,6 +90,25 @@ class AllocatorState(NamedTuple):
     page_state: np.ndarray | None
 
 
+class Owner(Protocol):
+    """Whoever an allocation is charged to (a request)."""
+
+    @property
+    def rid(self) -> str: ...
+
+
+class BatchCharge(NamedTuple):
+    """One allocation for many requests: owner i gets the next num_tokens[i] slots (an int:
+    the same count for each)."""
+
+    owners: Sequence[Owner]
+    num_tokens: Sequence[int] | int
+
+    def rids_and_counts(self) -> tuple[list[str], Sequence[int]]:
+        counts = [self.num_tokens] * len(self.owners) if isinstance(self.num_tokens, int) else self.num_tokens
+        return [owner.rid for owner in self.owners], counts
+
+
 class TokenAllocator(Protocol):
     """What callers of any token allocator may use (the contract above)."""
 
@@ -93,7 +116,7 @@ class TokenAllocator(Protocol):
     device: torch.device
     recorder: Recorder
     active_rid: str | None
-    active_batch: list[tuple[str, int]] | None
+    active_batch: BatchCharge | None
 
     @property
     def total_size(self) -> int: ...
@@ -124,3 +147,32 @@ class TokenAllocator(Protocol):
     def set_strict(self, strict: bool) -> None: ...
 
     def check_integrity(self, owned_slots: Any = None) -> None: ...
+
+
+@contextmanager
+def charged_to(allocator: TokenAllocator, rid: str | None) -> Iterator[None]:
+    """Every allocation and free inside is recorded as `rid`'s; the previous owner is back
+    afterwards, whatever was raised. Recording off: sets nothing."""
+    if not allocator.recorder.enabled:
+        yield
+        return
+    before, allocator.active_rid = allocator.active_rid, rid
+    try:
+        yield
+    finally:
+        allocator.active_rid = before
+
+
+@contextmanager
+def charged_to_batch(allocator: TokenAllocator, owners: Sequence[Owner], num_tokens: Sequence[int] | int
+                     ) -> Iterator[None]:
+    """The one allocation inside is split per owner (see BatchCharge); nothing is read from
+    `owners` until an event is recorded, so recording off builds nothing. Restored in `finally`."""
+    if not allocator.recorder.enabled:
+        yield
+        return
+    before, allocator.active_batch = allocator.active_batch, BatchCharge(owners, num_tokens)
+    try:
+        yield
+    finally:
+        allocator.active_batch = before

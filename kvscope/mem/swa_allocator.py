@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kvscope.mem.base import INDEX_DTYPE, AllocatorState, IntsLike, PoolUsage
+from kvscope.mem.base import INDEX_DTYPE, AllocatorState, BatchCharge, IntsLike, PoolUsage
 from kvscope.mem.device import resolve_device
 from kvscope.mem.errors import IntegrityError, PoolMisuseError
 from kvscope.mem.page_math import decode_slots, extend_page_counts, extend_slots
@@ -91,11 +91,11 @@ class SWATokenToKVPoolAllocator:
         self.full_attn_allocator.active_rid = self.swa_attn_allocator.active_rid = rid
 
     @property
-    def active_batch(self) -> list[tuple[str, int]] | None:
+    def active_batch(self) -> BatchCharge | None:
         return self.full_attn_allocator.active_batch
 
     @active_batch.setter
-    def active_batch(self, batch: list[tuple[str, int]] | None) -> None:
+    def active_batch(self, batch: BatchCharge | None) -> None:
         self.full_attn_allocator.active_batch = self.swa_attn_allocator.active_batch = batch
 
     def _paired(self, full: torch.Tensor, swa: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from kvscope.mem.base import INDEX_DTYPE, AllocatorState, IntsLike, PoolUsage
+from kvscope.mem.base import INDEX_DTYPE, AllocatorState, BatchCharge, IntsLike, PoolUsage
 from kvscope.mem.device import resolve_device
 from kvscope.mem.errors import IntegrityError, PoolMisuseError
 from kvscope.telemetry.events import NULL_RECORDER, EventKind, PoolName, Recorder
@@ -64,7 +64,7 @@ class BaseTokenAllocator:
         self._page_state: np.ndarray | None = None
         self.recorder: Recorder = NULL_RECORDER
         self.active_rid: str | None = None
-        self.active_batch: list[tuple[str, int]] | None = None  # (rid, tokens) per request of a batched alloc
+        self.active_batch: BatchCharge | None = None  # who shares a batched alloc (base.charged_to_batch)
         self.pool_name = PoolName(name) if name in PoolName._value2member_map_ else None
         self.clear()
 
@@ -152,12 +152,12 @@ class BaseTokenAllocator:
         raise PoolMisuseError(self.name, "alloc_decode needs page_size > 1; use alloc() at page size 1")
 
     def record_alloc(self, slots: Any) -> None:
-        """One ALLOC event, or one per request when the caller set `active_batch`."""
+        """One ALLOC event, or one per request inside `charged_to_batch`."""
         if self.active_batch is None:
             self.recorder.record(EventKind.ALLOC, pool=self.pool_name, rid=self.active_rid, num_tokens=len(slots),
                                  slots=slots)
             return
-        rids, counts = zip(*self.active_batch, strict=True) if self.active_batch else ((), ())
+        rids, counts = self.active_batch.rids_and_counts()
         host = slots.cpu().numpy() if isinstance(slots, torch.Tensor) else slots  # numpy slices are cheaper
         self.recorder.record_batch(EventKind.ALLOC, pool=self.pool_name, rids=rids, num_tokens=counts, slots=host)
 

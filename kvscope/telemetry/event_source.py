@@ -7,8 +7,8 @@ NOTE: what a read returns
     a NULL is among the rows, as pandas reads a NULL integer column), t_mono as float64,
     strings as pandas reads a text column (a NULL is NaN there; a column of NULLs only is
     objects, None), slots as bytes (int32 little-endian) or None.
-    Filters: kinds, a step range, events after a seq, a rid (or any of rids), a node id, then
-    offset/limit.
+    Filters (one EventFilter): kinds, a step range, events after a seq, any of some rids, a
+    node id, some seqs; then offset/limit.
 NOTE: cost. A packed chunk is immutable once written, so its decoded columns are cached per
 (run, chunk, column) up to CACHE_BYTES; a read by kind or step range skips the chunks whose
 metadata rules them out, and a live run's new chunks are read as they appear. The filters
@@ -25,7 +25,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -47,6 +48,48 @@ from kvscope.telemetry.store import CaptureError, driver_rows
 CACHE_BYTES = 1 << 30
 FEW_STRINGS = 256  # NOTE: up to this many codes or texts are looked up by SQL, not by the whole dictionary
 EVENT_COLUMNS = tuple(c for c in schema.EVENT_COLUMNS if c != "run_id")
+
+
+@dataclass(frozen=True)
+class EventFilter:
+    """Which of a run's events a read keeps (None: any), then which page of them: `offset`
+    events skipped, at most `limit` kept (None: all). Build one with `EventFilter.of`, which
+    takes kinds as EventKinds or strings, folds one `rid` into `rids`, and sorts `seqs`."""
+
+    kinds: tuple[str, ...] | None = None
+    step_range: tuple[int, int] | None = None  # inclusive
+    after_seq: int | None = None
+    rids: tuple[str, ...] | None = None
+    node_id: int | None = None
+    seqs: tuple[int, ...] | None = None  # sorted, unique
+    limit: int | None = None
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or (self.limit is not None and self.limit < 0):
+            raise ValueError(f"an event read's offset and limit are counts: offset {self.offset}, limit {self.limit}")
+
+    @classmethod
+    def of(cls, *, kinds: Sequence[Any] | None = None, step_range: tuple[int, int] | None = None,
+           after_seq: int | None = None, rid: str | None = None, rids: Sequence[str] | None = None,
+           node_id: int | None = None, seqs: Sequence[int] | None = None, limit: int | None = None,
+           offset: int = 0) -> EventFilter:
+        """`rid`, when given, replaces `rids`."""
+        chosen = [rid] if rid is not None else rids
+        return cls(None if kinds is None else tuple(str(k) for k in kinds), step_range, after_seq,
+                   None if chosen is None else tuple(chosen), node_id,
+                   None if seqs is None else tuple(sorted({int(q) for q in seqs})), limit, offset)
+
+
+ALL_EVENTS = EventFilter()
+
+
+class _Codes(NamedTuple):
+    """A filter's strings as a packed run's codes, resolved once per read."""
+
+    kinds: np.ndarray | None
+    rids: np.ndarray | None
+    seqs: np.ndarray | None
 
 
 class _Dictionary:
@@ -333,22 +376,8 @@ class PackedEvents:
         return {str(name): count for name, count in zip(names, total.values(), strict=True)}
 
 
-def read_events(
-    capture: Any,
-    run_id: int,
-    columns: Sequence[str] = EVENT_COLUMNS,
-    *,
-    kinds: Sequence[str] | None = None,
-    step_range: tuple[int, int] | None = None,
-    after_seq: int | None = None,
-    rid: str | None = None,
-    node_id: int | None = None,
-    limit: int | None = None,
-    offset: int = 0,
-    rids: Sequence[str] | None = None,
-    coded: Sequence[str] = (),
-    seqs: Sequence[int] | None = None,
-) -> pd.DataFrame:
+def read_events(capture: Any, run_id: int, columns: Sequence[str] = EVENT_COLUMNS,
+                where: EventFilter = ALL_EVENTS, *, coded: Sequence[str] = ()) -> pd.DataFrame:
     """`capture`: a queries.Capture. See the module note. `coded`: string columns of a packed run
     that stay int codes (NO_CODE for NULL), for reads that group or join on them and decode only
     what they return (decode_strings); a run of the row layout has its strings either way."""
@@ -359,26 +388,26 @@ def read_events(
     packed: PackedEvents = capture.packed
     chunks = packed.chunks(run_id)
     if chunks.empty:
-        return _rows(capture, run_id, names, kinds, step_range, after_seq, rids if rid is None else [rid], node_id,
-                     limit, offset, seqs)
-    kinds = None if kinds is None else [str(k) for k in kinds]
-    if kinds is not None:
-        wanted = set(kinds)
+        return _rows(capture, run_id, names, where)
+    out = packed_arrays(packed, _chunks_that_may_pass(chunks, where), run_id, names, where)
+    return _frame(packed, run_id, out, names, coded)
+
+
+def _chunks_that_may_pass(chunks: pd.DataFrame, where: EventFilter) -> pd.DataFrame:
+    """The chunks whose metadata (kinds, steps, seqs) does not rule out every event `where` keeps."""
+    if where.kinds is not None:
+        wanted = set(where.kinds)
         chunks = chunks[[bool(wanted & set(k.split(","))) for k in chunks.kinds]]
-    if step_range is not None:
-        chunks = chunks[(chunks.last_step >= step_range[0]) & (chunks.first_step <= step_range[1])]
-    if after_seq is not None:
-        chunks = chunks[chunks.first_seq + chunks.num_events - 1 > after_seq]
-    wanted_seqs = None
-    if seqs is not None:
-        wanted_seqs = np.unique(np.asarray(list(seqs), np.int64))
+    if where.step_range is not None:
+        chunks = chunks[(chunks.last_step >= where.step_range[0]) & (chunks.first_step <= where.step_range[1])]
+    if where.after_seq is not None:
+        chunks = chunks[chunks.first_seq + chunks.num_events - 1 > where.after_seq]
+    if where.seqs is not None:
+        wanted_seqs = np.asarray(where.seqs, np.int64)
         ends = (chunks.first_seq + chunks.num_events).to_numpy()
         hit = np.searchsorted(wanted_seqs, chunks.first_seq.to_numpy()) < np.searchsorted(wanted_seqs, ends)
         chunks = chunks[hit]
-    out = packed_arrays(packed, chunks, run_id, names, kinds=kinds, step_range=step_range, after_seq=after_seq,
-                        rids=rids if rid is None else [rid], node_id=node_id, limit=limit, offset=offset,
-                        seqs=wanted_seqs)
-    return _frame(packed, run_id, out, names, coded)
+    return chunks
 
 
 def decode_strings(capture: Any, run_id: int, values: Any) -> np.ndarray:
@@ -395,32 +424,31 @@ def present(values: pd.Series) -> pd.Series:
     return values != NO_CODE if values.dtype.kind in "iu" else values.notna()
 
 
-def packed_arrays(packed: PackedEvents, chunks: pd.DataFrame, run_id: int, names: list[str], *,
-                  kinds: list[str] | None = None, step_range: tuple[int, int] | None = None,
-                  after_seq: int | None = None, rids: Sequence[str] | None = None, node_id: int | None = None,
-                  limit: int | None = None, offset: int = 0, seqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def packed_arrays(packed: PackedEvents, chunks: pd.DataFrame, run_id: int, names: list[str],
+                  where: EventFilter = ALL_EVENTS) -> dict[str, np.ndarray]:
     """The stored arrays of `names` (strings as codes, node_id with NULL_INT) of the events of
-    `chunks` that pass the filters; chunks are read one at a time and only until `limit` rows
-    past `offset` are found."""
-    end = None if limit is None else offset + limit
+    `chunks` that pass `where`; chunks are read one at a time and only until `limit` rows past
+    `offset` are found."""
+    end = None if where.limit is None else where.offset + where.limit
     parts: list[dict[str, np.ndarray]] = []
     found = 0
     # NOTE: codes resolved once (the chunks were listed first, and a chunk's strings land with it)
-    kind_codes = None if kinds is None else np.asarray(packed.codes_of(run_id, kinds), np.int32)
-    rid_codes = None if rids is None else np.asarray(packed.codes_of(run_id, list(rids)), np.int32)
+    codes = _Codes(None if where.kinds is None else np.asarray(packed.codes_of(run_id, list(where.kinds)), np.int32),
+                   None if where.rids is None else np.asarray(packed.codes_of(run_id, list(where.rids)), np.int32),
+                   None if where.seqs is None else np.asarray(where.seqs, np.int64))
     if end is None:  # NOTE: every chunk is read: its filter columns and `names` in one read
-        filters = [n for n, wanted in (("kind", kinds), ("step", step_range), ("rid", rids), ("node_id", node_id))
-                   if wanted is not None]
+        filters = [n for n, wanted in (("kind", where.kinds), ("step", where.step_range), ("rid", where.rids),
+                                       ("node_id", where.node_id)) if wanted is not None]
         packed.prefetch(run_id, chunks.chunk.tolist(), [*filters, *_stored(names)])
     for row in chunks.itertuples(index=False):
-        part = _chunk_frame(packed, run_id, row, names, kind_codes, step_range, after_seq, rid_codes, node_id, seqs)
+        part = _chunk_frame(packed, run_id, row, names, where, codes)
         if len(part["seq"]):
             parts.append(part)
             found += len(part["seq"])
         if end is not None and found >= end:
             break
     out = {name: np.concatenate([p[name] for p in parts]) if parts else _empty(name) for name in names}
-    return {name: values[offset:end] for name, values in out.items()}
+    return {name: values[where.offset:end] for name, values in out.items()}
 
 
 def _stored(names: Sequence[str]) -> list[str]:
@@ -439,16 +467,16 @@ def python_values(packed: PackedEvents, run_id: int, name: str, values: np.ndarr
     return list(values.tolist())
 
 
-def _chunk_frame(packed: PackedEvents, run_id: int, row: Any, names: list[str], kind_codes: np.ndarray | None,
-                 step_range: tuple[int, int] | None, after_seq: int | None, rid_codes: np.ndarray | None,
-                 node_id: int | None, seqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def _chunk_frame(packed: PackedEvents, run_id: int, row: Any, names: list[str], where: EventFilter,
+                 codes: _Codes) -> dict[str, np.ndarray]:
     def col(name: str) -> np.ndarray:  # NOTE: as stored (narrow): filtered first, widened when kept
         return packed.event_values(run_id, row, name)
 
     n = int(row.num_events)
     mask = np.ones(n, bool)
-    if kind_codes is not None:
-        mask &= np.isin(col("kind"), kind_codes)
+    step_range, after_seq, seqs = where.step_range, where.after_seq, codes.seqs
+    if codes.kinds is not None:
+        mask &= np.isin(col("kind"), codes.kinds)
     if step_range is not None and not (step_range[0] <= row.first_step and row.last_step <= step_range[1]):
         step = col("step")
         mask &= (step >= step_range[0]) & (step <= step_range[1])
@@ -460,10 +488,10 @@ def _chunk_frame(packed: PackedEvents, run_id: int, row: Any, names: list[str], 
         picked = np.zeros(n, bool)
         picked[inside] = True
         mask &= picked
-    if rid_codes is not None:
-        mask &= np.isin(col("rid"), rid_codes)
-    if node_id is not None:
-        mask &= widen_array("node_id", col("node_id")) == node_id
+    if codes.rids is not None:
+        mask &= np.isin(col("rid"), codes.rids)
+    if where.node_id is not None:
+        mask &= widen_array("node_id", col("node_id")) == where.node_id
     out: dict[str, np.ndarray] = {}
     for name in names:
         if name == "seq":
@@ -513,31 +541,28 @@ def _frame(packed: PackedEvents, run_id: int, out: dict[str, np.ndarray], names:
     return pd.DataFrame(data, columns=names)
 
 
-def _rows(capture: Any, run_id: int, names: list[str], kinds: Sequence[str] | None,
-          step_range: tuple[int, int] | None, after_seq: int | None, rids: Sequence[str] | None,
-          node_id: int | None,
-          limit: int | None, offset: int, seqs: Sequence[int] | None = None) -> pd.DataFrame:
+def _rows(capture: Any, run_id: int, names: list[str], where: EventFilter) -> pd.DataFrame:
     """A run of the row layout (written before version 6), through SQL."""
     e = schema.events.c
     available = {c.name: c for c in schema.columns_as_of(schema.events, capture.schema_version)}
     stmt = select(*(available[name] for name in names)).where(e.run_id == run_id)
-    if kinds is not None:
-        stmt = stmt.where(e.kind.in_([str(k) for k in kinds]))
-    if step_range is not None:
-        stmt = stmt.where(e.step.between(*step_range))
-    if after_seq is not None:
-        stmt = stmt.where(e.seq > after_seq)
-    if rids is not None:
-        stmt = stmt.where(e.rid.in_(list(rids)))
-    if node_id is not None:
-        stmt = stmt.where(e.node_id == node_id)
-    if seqs is not None:
-        stmt = stmt.where(e.seq.in_(sorted({int(q) for q in seqs})))
+    if where.kinds is not None:
+        stmt = stmt.where(e.kind.in_(list(where.kinds)))
+    if where.step_range is not None:
+        stmt = stmt.where(e.step.between(*where.step_range))
+    if where.after_seq is not None:
+        stmt = stmt.where(e.seq > where.after_seq)
+    if where.rids is not None:
+        stmt = stmt.where(e.rid.in_(list(where.rids)))
+    if where.node_id is not None:
+        stmt = stmt.where(e.node_id == where.node_id)
+    if where.seqs is not None:
+        stmt = stmt.where(e.seq.in_(list(where.seqs)))
     stmt = stmt.order_by(e.seq)
-    if limit is not None:
-        stmt = stmt.limit(limit)
-    if offset:
-        stmt = stmt.offset(offset)
+    if where.limit is not None:
+        stmt = stmt.limit(where.limit)
+    if where.offset:
+        stmt = stmt.offset(where.offset)
     frame = capture.read_frame(stmt)
     for name in names:
         if name in ("seq", "step", "num_tokens", "aux") and frame[name].dtype == object and frame[name].notna().all():
@@ -551,9 +576,9 @@ def distinct_strings(capture: Any, run_id: int, column: str, kinds: Sequence[str
     packed: PackedEvents = capture.packed
     chunks = packed.chunks(run_id)
     if chunks.empty:
-        frame = read_events(capture, run_id, [column], kinds=kinds)
+        frame = read_events(capture, run_id, [column], EventFilter.of(kinds=kinds))
         return sorted({str(v) for v in frame[column].dropna().unique()})
-    codes = packed_arrays(packed, chunks, run_id, ["seq", column], kinds=[str(k) for k in kinds])[column]
+    codes = packed_arrays(packed, chunks, run_id, ["seq", column], EventFilter.of(kinds=kinds))[column]
     unique = np.unique(codes)
     return sorted(str(v) for v in packed.strings(run_id, unique[unique != NO_CODE]))
 

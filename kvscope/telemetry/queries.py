@@ -24,6 +24,7 @@ from sqlalchemy import Engine, Select, func, literal, or_, select
 from kvscope.telemetry import schema, store
 from kvscope.telemetry.event_source import (
     EVENT_COLUMNS,
+    EventFilter,
     PackedEvents,
     last_seq,
     packed_arrays,
@@ -152,9 +153,9 @@ class Capture:
         either layout (event_source.py); `limit` None: all of them; `rids`: any of these requests;
         `coded`: these string columns as codes where the run has them (event_source.read_events);
         `seqs`: only the events of these sequence numbers."""
-        return read_events(self, run_id, columns, kinds=None if kinds is None else [str(k) for k in kinds],
-                           rid=rid, rids=rids, node_id=node_id, step_range=step_range, limit=limit, offset=offset,
-                           coded=coded, seqs=seqs)
+        where = EventFilter.of(kinds=kinds, rid=rid, rids=rids, node_id=node_id, step_range=step_range,
+                               limit=limit, offset=offset, seqs=seqs)
+        return read_events(self, run_id, columns, where, coded=coded)
 
     def event_stream(self, run_id: int, columns: Sequence[str], *, after_seq: int = -1,
                      batch_rows: int = 20_000) -> Iterator[list[tuple]]:
@@ -167,7 +168,7 @@ class Capture:
             return
         names = ["seq", *(c for c in columns if c != "seq")]
         for chunk in chunks[chunks.first_seq + chunks.num_events - 1 > after_seq].itertuples(index=False):
-            arrays = packed_arrays(self.packed, pd.DataFrame([chunk]), run_id, names, after_seq=after_seq)
+            arrays = packed_arrays(self.packed, pd.DataFrame([chunk]), run_id, names, EventFilter(after_seq=after_seq))
             values = [python_values(self.packed, run_id, c, arrays[c]) for c in columns]
             rows = list(zip(*values, strict=True))
             for start in range(0, len(rows), batch_rows):

@@ -77,7 +77,9 @@ def test_usage_is_downsampled_in_sql(tmp_path: Path) -> None:
     frame = Capture(path).usage(1, max_points=50)
     assert len(frame) <= 50
     assert frame.step.max() == 999 and frame.cum_prompt_tokens.max() == 999
-    assert frame.full_available.min() == 10 + 0 or frame.full_available.max() == 54
+    # the one spike (60 of 64 in use, 4 available) survives the cut into buckets
+    assert 537 in set(frame.step) and frame.full_available.min() == 64 - 60
+    assert frame.full_available.max() == 64 - 10
 
 
 def test_a_crashing_block_marks_the_run_crashed(tmp_path: Path) -> None:

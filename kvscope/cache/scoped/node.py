@@ -1,6 +1,6 @@
 """Nodes of the scoped radix tree: SGLang's tree node plus who may see it.
 
-NOTE: a node's state on top of TreeNode (../shared/research/isolation-and-capacity.md §1.5.2)
+NOTE: a node's state on top of TreeNode (docs/isolation.md)
     visibility   "private" (only `holders` see it), "public" (promoted), "pinned" (an operator's
                  declared prefix: public from birth)
     holders      principals that may see a private node: its owner, and with dedup on every

@@ -1,5 +1,5 @@
-"""A prompt-stealing attacker against a prefix cache, in process (../shared/research/
-isolation-and-capacity.md §1.6-§1.7, T2 and T4).
+"""A prompt-stealing attacker against a prefix cache, in process (docs/isolation.md, "Security
+property, and its honest limit": the hit oracle and the sybil bound).
 
 The victim sends a public prefix P plus secret digits, one token each. The attacker reads
 only what an API returns, `cached_tokens`, and walks the secret token by token: for position

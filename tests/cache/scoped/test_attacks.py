@@ -1,5 +1,5 @@
-"""Prompt-stealing attacks on the scoped cache, in process (../shared/research/isolation-and-
-capacity.md §1.7: T2 the hit oracle, T3 the lpm order oracle, T4 the sybil bound; the harness
+"""Prompt-stealing attacks on the scoped cache, in process (docs/isolation.md, "Security property,
+and its honest limit": T2 the hit oracle, T3 the lpm order oracle, T4 the sybil bound; the harness
 is attack_harness.py). Every attack that must fail is paired with one that must succeed: the same
 attack code against global sharing, the victim's own repeat, the public prefix for everyone,
 or a promotion that an outsider can see."""
