@@ -43,7 +43,7 @@ from kvscope.telemetry.packed import (
     widen_array,
     writes_dtype,
 )
-from kvscope.telemetry.store import CaptureError, driver_rows
+from kvscope.telemetry.store import CaptureError, consistent_reads, driver_rows
 
 CACHE_BYTES = 1 << 30
 FEW_STRINGS = 256  # NOTE: up to this many codes or texts are looked up by SQL, not by the whole dictionary
@@ -160,7 +160,7 @@ class PackedEvents:
         if not self.has_tables():
             return
         c, k, s = schema.event_chunks.c, schema.event_columns.c, schema.event_strings.c
-        with self.engine.connect() as conn:
+        with consistent_reads(self.engine) as conn:  # NOTE: a live writer commits chunks meanwhile
             chunks = pd.DataFrame(conn.execute(select(c.run_id, c.chunk, c.first_seq, c.num_events)
                                                .order_by(c.run_id, c.first_seq)).fetchall(),
                                   columns=["run_id", "chunk", "first_seq", "num_events"])

@@ -34,7 +34,7 @@ import sqlite3
 import struct
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Literal
 
@@ -289,6 +289,23 @@ def open_reader(target: str | Path) -> Engine:
         engine.dispose()
         raise
     return engine
+
+
+@contextmanager
+def consistent_reads(engine: Engine) -> Iterator[Connection]:
+    """A connection whose reads all see one committed state of the capture.
+
+    NOTE: a live capture's writer commits between any two statements; SQLite's driver starts no
+    transaction for a SELECT, so each statement would see a newer file (a chunk row read first and its
+    columns read after would disagree, and a live capture would read as damaged). An explicit BEGIN
+    (SQLite) or REPEATABLE READ (a server database) holds one snapshot until the connection ends."""
+    if engine.dialect.name == "sqlite":
+        with engine.connect() as conn:
+            conn.exec_driver_sql("BEGIN")
+            yield conn
+    else:
+        with engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
+            yield conn
 
 
 def _sqlite_reader_engine(path: Path, name: str, mode: ReadMode) -> Engine:
