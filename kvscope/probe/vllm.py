@@ -144,12 +144,14 @@ class VllmProbe:
     def config(self, *, patched: bool, reason: str | None = None) -> dict[str, Any]:
         return {"source": {"kind": "probe", "engine": ENGINE, "version": self.version, "patched": patched,
                            "reason": reason, "pid": os.getpid(), "dp_rank": self.dp_rank,
+                           "block_size": self.block_size or None,  # NOTE: the Capacity page plans with it
                            "provides": ["blocks", "ownership", "refs", "leak_checks", "requests", "tree"]}}
 
     def engine_seen(self, engine: Any) -> None:
         """The EngineCore this process runs: its data-parallel rank names the run (before it opens)."""
         if self.dp_rank is None and not self.hot:
             self.dp_rank = dp_rank(engine)
+            self.block_size = self.block_size or config_block_size(engine)
 
     # -- the engine loop ----------------------------------------------------------------------
 
@@ -236,6 +238,12 @@ def dp_rank(engine: Any) -> int | None:
     if rank is None:
         rank = getattr(config, "data_parallel_rank", None)
     return None if rank is None else int(rank)
+
+
+def config_block_size(engine: Any) -> int:
+    """The engine's KV block size in tokens (cache_config.block_size; 0: not known yet)."""
+    size = getattr(getattr(getattr(engine, "vllm_config", None), "cache_config", None), "block_size", None)
+    return int(size) if isinstance(size, int) and size > 0 else 0
 
 
 def tree_rows(manager: Any, parents: dict[int, tuple[int, Any]], block_size: int) -> list[NodeRow]:

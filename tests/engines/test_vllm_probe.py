@@ -240,6 +240,7 @@ def test_the_run_is_named_by_the_engines_data_parallel_rank(life: tuple[dict[str
     _, capture = life
     [(label, config)] = _sql(capture, "SELECT label, config FROM runs")
     assert label.startswith("vllm 0.32.0 probe dp 1 pid ") and json.loads(config)["source"]["dp_rank"] == 1
+    assert json.loads(config)["source"]["block_size"] == 16  # the Capacity page plans with the engine's block size
 
 
 def test_instrument_names_vllms_own_plugins_and_kvscope(life: tuple[dict[str, Any], Path]) -> None:

@@ -16,7 +16,7 @@ import sys
 from types import SimpleNamespace
 
 import torch
-from vllm.config import ParallelConfig
+from vllm.config import CacheConfig, ParallelConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -86,7 +86,8 @@ def life() -> dict:
     parallel = ParallelConfig()
     parallel.data_parallel_index = 1
     parallel.reconfigure_for_independent_dp_rank()
-    probe.PROBE.engine_seen(SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel)))
+    probe.PROBE.engine_seen(SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel,
+                                                                           cache_config=CacheConfig(block_size=BLOCK))))
     kv, live, cached_free = manager(), {}, []
     p32, other = list(range(2000, 2000 + 2 * BLOCK)), list(range(3000, 3000 + 3 * BLOCK))
     prompts = [("short", [5] * 10), ("p40", other[:40]), ("again40", other[:40]), ("p32", p32),
