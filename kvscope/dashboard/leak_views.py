@@ -24,7 +24,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvscope.dashboard.charts.style import color, count_axis
-from kvscope.debug import Leak
+from kvscope.debug import Leak, LeakKind
 from kvscope.telemetry.event_source import present
 
 CHECK_TERMS = ("available", "evictable", "protected", "held", "uncached", "missing")
@@ -74,9 +74,9 @@ def slot_ranges(slots: Sequence[int], limit: int = MAX_RANGES) -> str:
 
 def _note(leak: Leak) -> str:
     """One line: when it happened, without what the other columns say (request, slots)."""
-    if leak.kind == "lock-never-released":
+    if leak.kind == LeakKind.LOCK_NEVER_RELEASED:
         detail = f"locked at step {leak.allocated_step}, never unlocked"
-    elif leak.kind == "orphaned" and leak.rid is not None:
+    elif leak.kind == LeakKind.ORPHANED and leak.rid is not None:
         due = "" if leak.free_due_step is None else f"; the free was due at step {leak.free_due_step}"
         detail = f"allocated at step {leak.allocated_step}{due}"
     else:
@@ -96,7 +96,7 @@ def culprit_table(leaks: Sequence[Leak]) -> pd.DataFrame:
             "slots": f"{len(leak.slots):,}: {slot_ranges(leak.slots)}" if leak.slots else "0",
             "request": leak.rid,
             "user": leak.principal,
-            "node": str(leak.node_id) if leak.kind == "lock-never-released" and leak.node_id is not None else "",
+            "node": str(leak.node_id) if leak.kind == LeakKind.LOCK_NEVER_RELEASED and leak.node_id is not None else "",
             "note": _note(leak),
         })
     return pd.DataFrame(rows, columns=["#", "kind", "slots", "request", "user", "node", "note"])
@@ -122,7 +122,7 @@ def lock_paths(leaks: Sequence[Leak], tree: pd.DataFrame, splits: pd.DataFrame) 
     depth = dict(zip(tree["node_id"].astype(int), tree["depth_tokens"].astype(int), strict=True))
     rows = []
     for leak in leaks:
-        if leak.kind != "lock-never-released" or leak.node_id is None:
+        if leak.kind != LeakKind.LOCK_NEVER_RELEASED or leak.node_id is None:
             continue
         node = int(leak.node_id)
         split = split_off_since(node, leak.allocated_event if leak.allocated_event is not None else -1, splits)

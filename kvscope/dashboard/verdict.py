@@ -17,7 +17,7 @@ import pandas as pd
 import streamlit as st
 
 from kvscope.dashboard.attached import VERDICT_LINE, VERDICT_TITLE
-from kvscope.debug import LeakReport, verdict
+from kvscope.debug import LeakKind, LeakReport, verdict
 from kvscope.telemetry import LeakCheck
 
 Level = Literal["clean", "failed", "inconclusive", "not known"]
@@ -60,7 +60,7 @@ def protected_help(pool: str, step: int, num_running: int, checks: pd.DataFrame,
     holds its nodes locked until the idle check waits for it."""
     if num_running:
         return "cached in the tree and locked: by a running request (or a host-tier copy in flight)"
-    never = sum(1 for leak in report.leaks if leak.kind == "lock-never-released" and leak.pool == pool)
+    never = sum(1 for leak in report.leaks if leak.kind == LeakKind.LOCK_NEVER_RELEASED and leak.pool == pool)
     if never:
         return (f"cached in the tree and locked with no request running: the leak report names {never} lock(s) "
                 "that were never released (see Leaks)")

@@ -13,7 +13,7 @@ import streamlit as st
 from kvscope.dashboard import capability, charts, data, leak_views, reads, url_state
 from kvscope.dashboard.frame import PAGES_DIR, Selection, selection
 from kvscope.dashboard.verdict import attached_verdict, leak_verdict, show_verdict
-from kvscope.debug import Leak, LeakReport, render_text, verdict
+from kvscope.debug import Leak, LeakKind, LeakReport, render_text, verdict
 from kvscope.telemetry.capabilities import Capabilities
 
 MAX_ROWS = 1000  # culprits shipped to the browser
@@ -146,14 +146,14 @@ def open_culprit(chosen: Selection, leaks: list[Leak], index: int) -> None:
         cols[1].page_link(str(PAGES_DIR / "requests.py"), label=f"request {leak.rid} on Requests",
                           icon=":material/person:", query_params={**common, "rid": leak.rid})
     hi = last_step(chosen)
-    if leak.kind == "lock-never-released" and leak.node_id is not None and hi is not None:
+    if leak.kind == LeakKind.LOCK_NEVER_RELEASED and leak.node_id is not None and hi is not None:
         cols[2].page_link(str(PAGES_DIR / "tree.py"), label=f"node {leak.node_id} on Radix tree (step {hi})",
                           icon=":material/account_tree:",
                           query_params={**common, "step": str(hi), "node": str(leak.node_id)})
 
 
 def locks_section(chosen: Selection, report: LeakReport) -> None:
-    locks = [leak for leak in report.leaks if leak.kind == "lock-never-released"]
+    locks = [leak for leak in report.leaks if leak.kind == LeakKind.LOCK_NEVER_RELEASED]
     hi = last_step(chosen)
     if not locks or hi is None:
         return
