@@ -1,6 +1,6 @@
 """RadixCache: SGLang's page-aware radix prefix cache (docs/memory-semantics.md §4), slot for slot.
 
-NOTE: tree accounting, kept exact after every call:
+NOTE: tree accounting, kept exact after every call by the LockedTree it holds (tree/core.py):
     evictable_size = Σ len(value) over nodes with lock_ref == 0 (root excluded)
     protected_size = Σ len(value) over nodes with lock_ref  > 0 (root excluded)
     evictable leaves = nodes with lock_ref == 0 and no children
