@@ -3,24 +3,29 @@
     python scripts/compare_captures.py A.db B.db [--run-id N] [--strict-columns]
 
 A restructuring must leave behaviour identical: `make samples` run on the new code has to
-record the same event stream as the committed sample captures. This script checks that,
-with the standard library only (read-only `sqlite3`), so it runs on any checkout.
+record the same event stream as the committed sample captures. This script checks that.
+The tables are read with read-only `sqlite3`; the events through kvscope.telemetry's reads
+(event_source.read_events), because a capture of schema 6 on keeps them packed in chunks and
+its row-layout `events` table is empty: a plain SELECT of it would compare nothing.
 
 NOTE: what is compared, table by table (rows paired by key, in key order)
     events          every column, by (run_id, seq)              except t_mono
+                    (read_events: packed chunks or rows, whichever the run has; every run of
+                    either side, or --run-id's)
     usage           every column, by (run_id, step)             except t_mono
     leak_checks     every column, by (run_id, step, pool)       except t_mono
     requests        every column, by (run_id, rid)              except arrive_t .. retract_t
     tree_snapshots  every column, by (run_id, step, node_id)    last_access_time as its rank
     reports         kind, through_seq, producer, body (JSON)    except built_at; body less "capture"
-    runs            label, status, level, error, config (JSON)  config less "environment"
+    runs            label, status, level, error, config (JSON)  config less "environment", "clock"
 NOTE: why those are left out
     - t_mono and the requests' *_t columns read time.monotonic(): they differ on every run.
     - last_access_time is time.monotonic() in the radix cache (a logical counter in the SWA
       cache). Only its order matters to the cache (LRU eviction compares it), so it is compared
       as its dense rank among the nodes of the same snapshot (run_id, step).
     - runs: the started/ended/heartbeat times, host and pid describe the process; the config's
-      "environment" holds the host, platform and package versions. kvscope_meta (the schema
+      "environment" holds the host, platform and package versions; its "clock" the monotonic and
+      wall clock readings at the start. kvscope_meta (the schema
       version) is not compared: it names the format, not what was recorded.
     - reports: built_at is the wall clock; the body's "capture" is the path the file was written to.
     - Everything else is compared as stored: steps, seq, node ids (numbered in creation order
@@ -41,6 +46,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from kvscope.telemetry.event_source import EVENT_COLUMNS, read_events
+from kvscope.telemetry.queries import Capture as EventCapture
+from kvscope.telemetry.store import CaptureError
+
 REQUEST_MOMENTS = ("arrive", "admit", "first_token", "finish", "retract")
 REQUIRED_TABLES = ("kvscope_meta", "runs", "events", "usage", "tree_snapshots", "leak_checks", "requests")
 MAX_SHOWN_CHARS = 160
@@ -54,13 +63,14 @@ class TableSpec(NamedTuple):
     rank_columns: tuple[str, ...] = ()  # clock readings compared by their rank among rows sharing key[:-1]
     json_columns: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (JSON text column, top-level keys dropped)
     skip_columns: tuple[str, ...] = ()  # identify the process, not the behaviour
+    through_reads: bool = False  # rows from kvscope.telemetry's reads (packed events), not a SELECT
 
     def dropped_keys(self, column: str) -> tuple[str, ...]:
         return dict(self.json_columns)[column]
 
 
 TABLES = (
-    TableSpec("events", "run_id", ("run_id", "seq"), time_columns=("t_mono",)),
+    TableSpec("events", "run_id", ("run_id", "seq"), time_columns=("t_mono",), through_reads=True),
     TableSpec("usage", "run_id", ("run_id", "step"), time_columns=("t_mono",)),
     TableSpec("leak_checks", "run_id", ("run_id", "step", "pool"), time_columns=("t_mono",)),
     TableSpec("requests", "run_id", ("run_id", "rid"), time_columns=tuple(f"{m}_t" for m in REQUEST_MOMENTS)),
@@ -68,7 +78,7 @@ TABLES = (
     TableSpec("reports", "run_id", ("run_id", "kind"), time_columns=("built_at",),
               json_columns=(("body", ("capture",)),)),
     TableSpec("runs", "id", ("id",), time_columns=("started_at", "ended_at", "heartbeat_at"),
-              json_columns=(("config", ("environment",)),), skip_columns=("host", "pid")),
+              json_columns=(("config", ("environment", "clock")),), skip_columns=("host", "pid")),
 )
 
 
@@ -83,6 +93,8 @@ class Capture(NamedTuple):
     tables: frozenset[str]
 
     def columns(self, table: str) -> list[str]:
+        if table == "events":
+            return ["run_id", *EVENT_COLUMNS]  # NOTE: what read_events returns from either layout
         return [row[1] for row in self.conn.execute(f'PRAGMA table_info("{table}")')]
 
 
@@ -133,9 +145,37 @@ def select_sql(spec: TableSpec, columns: list[str], run_id: int | None) -> tuple
     return f'SELECT {", ".join(selected)} FROM "{spec.name}"{where} ORDER BY {order}', params
 
 
+def plain(value: Any) -> Any:
+    """A value read through pandas as the sqlite3 module returns it: None for NULL (NaN), ints
+    and floats as Python numbers."""
+    if value is None or (isinstance(value, float) and value != value):  # NOTE: NaN != NaN
+        return None
+    return value.item() if hasattr(value, "item") and not isinstance(value, bytes) else value
+
+
+def read_event_rows(side: Capture, columns: list[str], run_id: int | None) -> Iterator[tuple[Any, ...]]:
+    """Every event of the run (or of each run, in id order) as a row of `columns` (run_id first)."""
+    every_run = [row[0] for row in side.conn.execute("SELECT id FROM runs ORDER BY id")]
+    run_ids = every_run if run_id is None else [run_id]
+    wanted = [c for c in columns if c != "run_id"]
+    capture = EventCapture(side.path)
+    try:
+        for rid in run_ids:
+            frame = read_events(capture, rid, wanted)
+            for values in zip(*(frame[c].tolist() for c in wanted), strict=True):
+                row = dict(zip(wanted, values, strict=True))
+                yield tuple(rid if c == "run_id" else plain(row[c]) for c in columns)
+    finally:
+        capture.close()
+
+
 def keyed_rows(side: Capture, spec: TableSpec, columns: list[str],
                run_id: int | None) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]]:
     num_keys = len(spec.key_columns)
+    if spec.through_reads:
+        for event in read_event_rows(side, columns, run_id):
+            yield tuple(event[:num_keys]), event
+        return
     json_at = {i: c for i, c in enumerate(columns) if c in dict(spec.json_columns)}
     for row in side.conn.execute(*select_sql(spec, columns, run_id)):
         values = list(row)
@@ -273,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as error:
         print(f"compare_captures: {error}", file=sys.stderr)
         return 2
-    except sqlite3.Error as error:
+    except (sqlite3.Error, CaptureError) as error:
         print(f"compare_captures: cannot read the captures: {error}", file=sys.stderr)
         return 2
     for result in results:

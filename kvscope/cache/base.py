@@ -37,6 +37,8 @@ Contract:
 - `evictable_size()` / `protected_size()`: tokens in unlocked / locked tree nodes.
 - `check_integrity()` raises IntegrityError with the numbers if any tree invariant breaks.
 - `pretty_print()` returns the tree as text; `export_nodes()` the flat node table.
+- `root`: the tree's root node (None for a cache with no tree): a request that matched
+  nothing holds it as its last node.
 
 Caches over a full pool and a sliding-window pool (SWATokenToKVPoolAllocator) implement
 `SWAPrefixCache`, which adds:
@@ -190,6 +192,12 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]: ...
+
+    @property
+    def root(self) -> Any:
+        """The tree's root node: a match of nothing ends there, and locking it changes nothing.
+        None for a cache with no tree (the chunk caches)."""
+        return None
 
     @property
     def disabled(self) -> bool:

@@ -54,7 +54,7 @@ def double_free_window(faults: FaultInjector, memory: MemorySystem, req: Req) ->
 def maybe_lock_leak(faults: FaultInjector, memory: MemorySystem, req: Req) -> None:
     """Lock the request's last node again after its release: protected never returns."""
     node = req.last_node
-    if node is None or node is getattr(memory.cache, "root", None) or not faults.wants(FaultKind.LOCK_LEAK, req.rid):
+    if node is None or node is memory.cache.root or not faults.wants(FaultKind.LOCK_LEAK, req.rid):
         return
     memory.cache.inc_lock_ref(node, rid=req.rid)
     faults.injected(FaultKind.LOCK_LEAK, req.rid, node.value.tolist(), node_id=node.id)

@@ -86,7 +86,7 @@ class Scheduler:
 
     def add_request(self, req: Req) -> None:
         req.arrival_step = self.step
-        req.last_node = getattr(self.memory.cache, "root", None)
+        req.last_node = self.memory.cache.root
         self.waiting.append(req)
         self.stats.arrived(req, self.step)
 
@@ -411,7 +411,7 @@ class Scheduler:
 
     def _retract(self, req: Req) -> None:
         self._release(req, is_insert=False)
-        req.reset_for_retract(getattr(self.memory.cache, "root", None))
+        req.reset_for_retract(self.memory.cache.root)
         self.stats.retracted(req, self.step)
 
     def abort_request(self, rid: str) -> bool:

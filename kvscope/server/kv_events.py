@@ -191,7 +191,7 @@ def cached_pages(cache: Any, page_size: int, memo: NodeMemo | None = None) -> di
 
     NOTE: a node's key is its token ids as int32 bytes and starts on a page boundary; a
     trailing partial page (none in a page-aligned tree) is not published, nor its subtree."""
-    root = getattr(cache, "root", None)
+    root = cache.root  # NOTE: BasePrefixCache.root: None for a cache with no tree
     pages: dict[int, Page] = {}
     if root is None:
         return pages

@@ -1,5 +1,6 @@
 """HiRadixCache: SGLang's two-tier radix cache (docs/memory-semantics.md §7), a device tier
-over a host tier, on the radix cache of §4.
+over a host tier, beside the radix cache of §4: it holds the same LockedTree (tree/core.py)
+over its device nodes.
 
 NOTE: node tiers (node.py): device-only, device+host (backed up), host-only (evicted).
 Invariants, exact after every call (check_integrity):
@@ -34,22 +35,28 @@ import numpy as np
 import torch
 
 from kvscope.cache.base import (
+    BasePrefixCache,
+    CacheableRequest,
     CacheMisuseError,
+    EvictParams,
+    EvictResult,
     MatchResult,
     NodeRow,
     as_token_ids,
     page_key,
 )
-from kvscope.cache.hiradix.node import HiTreeNode, hi_walk, split_hi_node
-from kvscope.cache.radix.cache import RadixCache
+from kvscope.cache.hiradix.node import HiTreeNode, hi_walk, is_device_leaf, split_hi_node
 from kvscope.cache.tree import (
     TOKEN_BYTES,
-    TreeNode,
+    LockedTree,
+    cache_finished_req,
+    cache_unfinished_req,
     check_node_shape,
     check_sizes,
-    check_tree_slots,
-    claim_slots,
+    check_tree_options,
     common_page_len,
+    detach_child,
+    get_policy,
     preview,
     render,
 )
@@ -92,9 +99,7 @@ class InFlight:
     num_tokens: int = 0
 
 
-class HiRadixCache(RadixCache):
-    node_type = HiTreeNode
-
+class HiRadixCache(BasePrefixCache):
     def __init__(
         self,
         allocator: BaseTokenAllocator,
@@ -107,6 +112,7 @@ class HiRadixCache(RadixCache):
         recorder: Recorder = NULL_RECORDER,
         strict: bool = False,
     ) -> None:
+        check_tree_options(allocator, page_size, "leaf")
         if write_policy not in ("write_through", "write_through_selective", "write_back"):
             raise CacheMisuseError(f"unknown write policy {write_policy!r}")
         if controller.device_allocator is not allocator:
@@ -119,22 +125,44 @@ class HiRadixCache(RadixCache):
         self.write_through_threshold = WRITE_THROUGH_THRESHOLD.get(write_policy, 0)
         self._op_ids = itertools.count(1)
         self.on_host_free: HostFreeHook | None = None
-        super().__init__(allocator, page_size, req_to_token_pool=req_to_token_pool, eviction_policy=eviction_policy,
-                         eviction_granularity="leaf", recorder=recorder, strict=strict)
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.page_size = page_size
+        self.page_bytes = page_size * TOKEN_BYTES
+        self.device = allocator.device
+        self._on_cpu = self.device.type == "cpu"
+        self._no_slots = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.policy = get_policy(eviction_policy)
+        self.eviction_granularity = "leaf"  # NOTE: a leaf moves to the host whole
+        self.recorder = recorder
+        self.strict = strict
+        self.reset()
 
     def reset(self) -> None:
         """Forget both tiers (the caller clears both allocators, and has drained the controller)."""
-        super().reset()
-        self.root: HiTreeNode = HiTreeNode(now=time.monotonic(), value=np.empty(0, dtype=np.int64),
-                                           host_value=EMPTY_HOST)
-        self.root.lock_ref = 1
-        self.root.priority = -(2**62)
+        root = HiTreeNode(now=time.monotonic(), value=np.empty(0, dtype=np.int64), host_value=EMPTY_HOST)
+        self.tree = LockedTree(root, self.allocator, self.policy, deeper_first=False, strict=self.strict,
+                               detach=self._detach, is_leaf=is_device_leaf)
         self._in_flight: dict[int, InFlight] = {}
         self.num_dropped_tokens = 0  # NOTE: write_back: device tokens the host could not take (host_pressure)
         self.num_load_back_tokens = 0
         self.num_load_evicted_tokens = 0  # NOTE: device tokens load_back evicted to make room (no evict_for saw them)
         self.num_write_tokens = 0
         self._host_size = 0  # NOTE: host slots the tree holds (Σ len(host_value)), kept as nodes change
+
+    @property
+    def root(self) -> HiTreeNode:
+        return self.tree.root
+
+    def evictable_size(self) -> int:
+        """Device tokens in unlocked device nodes."""
+        return self.tree.evictable_len
+
+    def protected_size(self) -> int:
+        return self.tree.protected_len
+
+    def total_size(self) -> int:
+        return self.tree.evictable_len + self.tree.protected_len
 
     @property
     def through(self) -> bool:
@@ -153,32 +181,28 @@ class HiRadixCache(RadixCache):
         while node.value is None:
             assert node.host_value is not None and node.parent is not None
             host_hit_length += len(node.host_value)
-            node = node.parent  # type: ignore[assignment]
-        while last_host.host_value is None:
-            last_host = last_host.parent  # type: ignore[assignment]
+            node = node.parent
         slots = self._slots(values)
         if self.recorder.enabled:
             self.recorder.record(EventKind.MATCH, pool=PoolName.FULL, rid=rid, node_id=node.id,
                                  num_tokens=len(slots), aux=len(ids) - len(slots), principal=user)
-        return HiMatchResult(slots, node, host_hit_length, last_host)
+        return HiMatchResult(slots, node, host_hit_length, last_host.backed_up_node())
 
-    def walk_match(self, key: bytes, user: str | None = None) -> tuple[list[np.ndarray], TreeNode]:
+    def walk_match(self, key: bytes, user: str | None = None) -> tuple[list[np.ndarray], HiTreeNode]:
         """Device values along the match of `key` and the last device node (request caching's re-match)."""
         values, node = self._walk(key)
-        while node.value is None:
-            node = node.parent  # type: ignore[assignment]
-        return values, node
+        return values, node.device_node()
 
     def _walk(self, key: bytes) -> tuple[list[np.ndarray], HiTreeNode]:
         """The device values along the longest page-aligned match of `key` and its terminal node
         (device or host-only; split where the match ends inside a node); refreshes access times."""
         now = time.monotonic()
-        node = self.root
+        node = self.tree.root
         node.last_access_time = now
         values: list[np.ndarray] = []
         pos, end = 0, len(key)
         while pos < end:
-            child: HiTreeNode | None = node.children.get(key[pos : pos + self.page_bytes])  # type: ignore[assignment]
+            child = node.children.get(key[pos : pos + self.page_bytes])
             if child is None:
                 break
             child.last_access_time = now
@@ -225,10 +249,10 @@ class HiRadixCache(RadixCache):
         key = page_key(ids, self.page_size)
         host = (slots.numpy() if self._on_cpu else slots.cpu().numpy())[: len(key) // TOKEN_BYTES]
         now = time.monotonic()
-        node, pos, prefix_len = self.root, 0, 0
+        node, pos, prefix_len = self.tree.root, 0, 0
         node.last_access_time = now
         while pos < len(key):
-            child: HiTreeNode | None = node.children.get(key[pos : pos + self.page_bytes])  # type: ignore[assignment]
+            child = node.children.get(key[pos : pos + self.page_bytes])
             if child is None:
                 break
             child.last_access_time = now
@@ -245,9 +269,41 @@ class HiRadixCache(RadixCache):
             node = child
         if pos < len(key):
             value = np.array(host[pos // TOKEN_BYTES :], dtype=np.int64)
-            leaf = self._add_leaf(node, key[pos:], value, user, 0, priority, rid)
-            self._hit(leaf, chunked)  # type: ignore[arg-type]
+            leaf = self._add_leaf(node, key[pos:], value, user, priority, rid)
+            self._hit(leaf, chunked)
         return prefix_len
+
+    def _add_leaf(self, parent: HiTreeNode, key: bytes, value: np.ndarray, user: str | None, priority: int,
+                  rid: str | None) -> HiTreeNode:
+        """A new device-only leaf (no hit yet: the caller counts it)."""
+        self.tree.claim(value)
+        leaf = HiTreeNode(key, value, time.monotonic())
+        leaf.parent, leaf.owner, leaf.priority = parent, user, priority
+        parent.children[key[: self.page_bytes]] = leaf
+        self.tree.count_new(parent, leaf, value)
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=leaf.id,
+                                 num_tokens=len(value), slots=value, aux=parent.id, principal=user)
+        return leaf
+
+    def _detach(self, leaf: HiTreeNode) -> None:
+        detach_child(leaf, self.page_bytes)
+
+    # -- requests (the shared bookkeeping in tree/requests.py) ------------------------------
+
+    def cache_unfinished_req(self, req: CacheableRequest, chunked: bool = False) -> None:
+        cache_unfinished_req(self, req, chunked)
+
+    def cache_finished_req(self, req: CacheableRequest, is_insert: bool = True) -> None:
+        cache_finished_req(self, req, is_insert)
+
+    def insert_unfinished(self, req: CacheableRequest, token_ids: np.ndarray, slots: torch.Tensor,
+                          chunked: bool) -> int:
+        """The caller frees its duplicates: they end at the device prefix the tree already had."""
+        return self.insert(token_ids, slots, user=req.user, chunked=chunked, rid=req.rid)
+
+    def insert_finished(self, req: CacheableRequest, token_ids: np.ndarray, slots: torch.Tensor) -> int:
+        return self.insert(token_ids, slots, user=req.user, rid=req.rid)
 
     def _hit(self, node: HiTreeNode, chunked: bool) -> None:
         """SGLang's inc_hit_count: count a reuse and back the node up once it reaches the
@@ -261,31 +317,39 @@ class HiRadixCache(RadixCache):
         parent = node.parent
         assert parent is not None
         if (self.through and node.host_value is None and node.hit_count >= self.write_through_threshold
-                and parent.host_value is not None):  # type: ignore[attr-defined]
+                and parent.host_value is not None):
             self.write_backup(node)
 
     def _adopt(self, node: HiTreeNode, value: np.ndarray) -> None:
         """A host-only node takes device slots (insert's recompute case, or a load)."""
-        if self.strict:
-            claim_slots(self._tree_slot, value)
+        self.tree.claim(value)
         node.value = value
-        if node.lock_ref == 0:
-            self._evictable_size += len(value)
-        else:
-            self._protected_size += len(value)
         assert node.parent is not None
-        self.evictable_leaves.discard(node.parent)
-        self._mark_leaf(node)
+        self.tree.count_new(node.parent, node, value)
         if self.recorder.enabled:  # NOTE: the slots are the node's now (the ledger moves them to the tree)
             self.recorder.record(EventKind.REVIVE, pool=PoolName.FULL, node_id=node.id, num_tokens=len(value),
                                  slots=value)
 
-    def _mark_leaf(self, node: TreeNode) -> None:
-        """Put `node` in the evictable leaves if it is an unlocked device node with no device child."""
-        if (node.lock_ref == 0 and node.value is not None and node is not self.root
-                and not any(c.value is not None for c in node.children.values())):
-            self.evictable_leaves.add(node)
-            self.heap.push(node)
+    # -- locks (a request's, or a copy op's until its ack) ---------------------------------
+
+    def inc_lock_ref(self, node: HiTreeNode, rid: str | None = None) -> int | None:
+        self._lock(node, rid, None, 0)
+        return None
+
+    def dec_lock_ref(self, node: HiTreeNode, lock_id: int | None = None, rid: str | None = None) -> None:
+        self._unlock(node, rid, None, 0)
+
+    def _lock(self, node: HiTreeNode, rid: str | None, copy: CopyKind | None, op_id: int) -> None:
+        """+1 lock_ref node -> root, for request `rid` or for copy op `op_id` of kind `copy`."""
+        moved = self.tree.lock(node)
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.LOCK, rid=rid, node_id=node.id, num_tokens=moved, reason=copy, aux=op_id)
+
+    def _unlock(self, node: HiTreeNode, rid: str | None, copy: CopyKind | None, op_id: int) -> None:
+        moved = self.tree.unlock(node)
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.UNLOCK, rid=rid, node_id=node.id, num_tokens=moved, reason=copy,
+                                 aux=op_id)
 
     # -- writes (device -> host) -----------------------------------------------------------
 
@@ -312,7 +376,7 @@ class HiRadixCache(RadixCache):
             self.recorder.record(EventKind.WRITE, pool=PoolName.HOST, node_id=node.id, num_tokens=len(host_slots),
                                  slots=host_slots, aux=op_id)
         if lock:
-            self._lock_path(node, None, CopyKind.WRITE, op_id)
+            self._lock(node, None, CopyKind.WRITE, op_id)
         return len(host_slots)
 
     def writing_check(self) -> list[int]:
@@ -342,61 +406,61 @@ class HiRadixCache(RadixCache):
             self.recorder.record(EventKind.ACK, pool=PoolName.HOST if copy is CopyKind.WRITE else PoolName.FULL,
                                  node_id=op.nodes[0].id, num_tokens=op.num_tokens, reason=copy, aux=op_id)
         if op.lock_node is not None:
-            self._unlock_path(op.lock_node, None, copy, op_id)
+            self._unlock(op.lock_node, None, copy, op_id)
 
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
     # -- device eviction -------------------------------------------------------------------
 
+    def refresh_eviction_order(self) -> None:
+        """Re-key every evictable leaf (after editing node fields by hand; see RadixCache)."""
+        self.tree.heap.rebuild(self.tree.evictable_leaves)
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        return EvictResult(self.evict_tokens(params.num_tokens, params.swa_num_tokens))
+
     def evict_tokens(self, num_tokens: int, swa_num_tokens: int = 0) -> int:
         """Free at least num_tokens device tokens: backed-up leaves are demoted to host-only,
         others deleted (write_back: written to the host first, or dropped with their subtree
-        when the host cannot take them). `evict` (RadixCache's) wraps this."""
-        if num_tokens > self._evictable_size or swa_num_tokens > 0:
-            raise CacheMisuseError(
-                f"evict({num_tokens}, swa {swa_num_tokens}) beyond the evictable size "
-                f"{self._evictable_size} (protected {self._protected_size}; a radix cache holds no SWA KV)"
-            )
+        when the host cannot take them)."""
+        self.tree.check_evictable(num_tokens, swa_num_tokens)
         if num_tokens <= 0:
             return 0
-        self.heap.start(self.evictable_leaves)
-        freed: list[np.ndarray] = []
-        evicted, wrote_back = 0, False
-        while evicted < num_tokens:
-            leaf: HiTreeNode | None = self.heap.pop(self.evictable_leaves.__contains__)  # type: ignore[assignment]
-            if leaf is None:
-                break
-            if leaf.host_value is None and not self.through:
-                wrote_back |= self.write_backup(leaf, lock=False) > 0
-                if leaf.host_value is None and any(n.host_ref_counter for n, _, _ in hi_walk(leaf)):
-                    continue  # NOTE: a load reads a host copy below: neither written nor droppable now
-            backed_up = leaf.host_value is not None
-            if self.recorder.enabled:
-                reason = EvictReason.TO_HOST if backed_up else EvictReason.DROP if not self.through \
-                    else EvictReason.CAPACITY
-                self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=leaf.id,
-                                     num_tokens=leaf.key_len, slots=leaf.value, reason=reason)
-            chunk = self._demote(leaf) if backed_up else self._drop(leaf)
-            freed.append(chunk)
-            evicted += len(chunk)
-        if wrote_back:
+        self._wrote_back = False
+        freed = self.tree.evict_leaves(num_tokens, self._evict_leaf)
+        if self._wrote_back:
             self.controller.wait_all()  # NOTE: the written rows must be copied before their device slots are reused
             self.writing_check()
         self.allocator.free_many(freed)
-        return evicted
+        return sum(len(chunk) for chunk in freed)
+
+    def _evict_leaf(self, leaf: HiTreeNode, want: int) -> np.ndarray | None:
+        """Demote a backed-up leaf, or drop one the host has no copy of (write_back writes it
+        first); None when a load still reads a host copy below it."""
+        del want  # NOTE: whole leaves only
+        if leaf.host_value is None and not self.through:
+            self._wrote_back |= self.write_backup(leaf, lock=False) > 0
+            if leaf.host_value is None and any(n.host_ref_counter for n, _, _ in hi_walk(leaf)):
+                return None  # NOTE: a load reads a host copy below: neither written nor droppable now
+        backed_up = leaf.host_value is not None
+        if self.recorder.enabled:
+            reason = EvictReason.TO_HOST if backed_up else EvictReason.DROP if not self.through \
+                else EvictReason.CAPACITY
+            self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=leaf.id,
+                                 num_tokens=leaf.key_len, slots=leaf.value, reason=reason)
+        return self._demote(leaf) if backed_up else self._drop(leaf)
 
     def _demote(self, leaf: HiTreeNode) -> np.ndarray:
         """A backed-up device leaf becomes host-only; returns its device slots (the caller frees)."""
         value = leaf.value
         assert value is not None and leaf.lock_ref == 0
         leaf.value = None
-        self.evictable_leaves.discard(leaf)
-        self._evictable_size -= len(value)
-        if self.strict:
-            self._tree_slot[value] = False
+        self.tree.evictable_leaves.discard(leaf)
+        self.tree.evictable_len -= len(value)
+        self.tree.release(value)
         assert leaf.parent is not None
-        self._mark_leaf(leaf.parent)
+        self.tree.mark_leaf(leaf.parent)
         return value
 
     def _drop(self, leaf: HiTreeNode) -> np.ndarray:
@@ -410,7 +474,7 @@ class HiRadixCache(RadixCache):
         if not self.through:
             self.num_dropped_tokens += leaf.key_len
         leaf.children = {}
-        return self._delete_leaf(leaf)
+        return self.tree.delete_leaf(leaf)
 
     # -- host eviction ---------------------------------------------------------------------
 
@@ -434,7 +498,7 @@ class HiRadixCache(RadixCache):
             assert node.host_value is not None and node.parent is not None
             evicted += len(node.host_value)
             self._free_host_copy(node, EvictReason.CAPACITY)
-            parent: HiTreeNode = node.parent  # type: ignore[assignment]
+            parent = node.parent
             del parent.children[node.key[: self.page_bytes]]
             node.parent = None
             if self._host_evictable(parent):
@@ -465,12 +529,13 @@ class HiRadixCache(RadixCache):
         ancestor = node
         while ancestor.value is None:
             chain.append(ancestor)
-            ancestor = ancestor.parent  # type: ignore[assignment]
+            assert ancestor.parent is not None
+            ancestor = ancestor.parent
         chain.reverse()
         host_slots = np.concatenate([n.host_value for n in chain]) if chain else EMPTY_HOST
-        before = self._evictable_size
+        before = self.tree.evictable_len
         self.inc_lock_ref(ancestor)
-        quota_delta = self._evictable_size - before
+        quota_delta = self.tree.evictable_len - before
         over_quota = mem_quota is not None and len(host_slots) > mem_quota + quota_delta
         if len(host_slots) < LOAD_BACK_MIN_TOKENS or over_quota:
             self.dec_lock_ref(ancestor)
@@ -479,8 +544,8 @@ class HiRadixCache(RadixCache):
             n.host_ref_counter += 1  # NOTE: pinned: an eviction below (write_back) may evict host leaves
         op_id = next(self._op_ids)
         device_slots = self.controller.load(host_slots, op_id)
-        if device_slots is None and self._evictable_size > 0:
-            self.num_load_evicted_tokens += self.evict_tokens(min(len(host_slots), self._evictable_size))
+        if device_slots is None and self.tree.evictable_len > 0:
+            self.num_load_evicted_tokens += self.evict_tokens(min(len(host_slots), self.tree.evictable_len))
             device_slots = self.controller.load(host_slots, op_id)
         self.dec_lock_ref(ancestor)
         if device_slots is None:
@@ -502,7 +567,7 @@ class HiRadixCache(RadixCache):
             node.load_op = op_id
         self._in_flight[op_id] = InFlight("load", chain[-1], list(chain), offset)
         self.num_load_back_tokens += offset
-        self._lock_path(chain[-1], None, CopyKind.LOAD, op_id)
+        self._lock(chain[-1], None, CopyKind.LOAD, op_id)
 
     def init_load_back(self, last_host_node: HiTreeNode, host_hit_length: int,
                        mem_quota: int | None = None) -> tuple[torch.Tensor, HiTreeNode]:
@@ -515,9 +580,7 @@ class HiRadixCache(RadixCache):
             loaded = self.load_back(node, mem_quota)
             if loaded is not None:
                 return loaded, node
-            while node.value is None:
-                node = node.parent  # type: ignore[assignment]
-        return self._no_slots, node
+        return self._no_slots, node.device_node()
 
     # -- views -----------------------------------------------------------------------------
 
@@ -537,27 +600,22 @@ class HiRadixCache(RadixCache):
             check_node_shape(node, start, self.page_size)
         for node, _ in nodes:
             self._check_tiers(node)
-        evictable = sum(n.key_len for n, _ in device if n.lock_ref == 0)
-        protected = sum(n.key_len for n, _ in device if n.lock_ref > 0)
-        check_sizes("evictable, protected", (evictable, protected), (self._evictable_size, self._protected_size))
-        leaves = {n for n, _ in device if n.lock_ref == 0 and not n.device_children()}
-        if leaves != self.evictable_leaves:
-            raise IntegrityError(f"evictable leaves: tree has {sorted(n.id for n in leaves)}, "
-                                 f"the set has {sorted(n.id for n in self.evictable_leaves)}")
-        check_tree_slots([n.value for n, _ in device], self.allocator,  # type: ignore[misc]
-                         self._tree_slot if self.strict else None)
+        self.tree.check([n for n, _ in device])  # NOTE: counts, evictable leaves, device slots
         host_slots = self.tree_host_slots()
         check_sizes("host", (len(host_slots),), (self._host_size,))
         self.host_allocator.check_integrity(held=host_slots)
         self._check_in_flight()
 
     def _check_tiers(self, node: HiTreeNode) -> None:
-        parent: HiTreeNode = node.parent  # type: ignore[assignment]
+        parent = node.parent
+        busy = node.host_value is None or node.lock_ref or node.load_op is not None or node.write_op is not None
+        if node.value is None and busy:
+            raise IntegrityError(f"host-only node {node.id}: host_value {node.host_value is not None}, "
+                                 f"lock_ref {node.lock_ref}, ops {node.write_op}/{node.load_op}")
+        if parent is None:
+            raise IntegrityError(f"node {node.id} is walked in the tree but has no parent")
         if node.value is None:
-            if node.host_value is None or node.lock_ref or node.load_op is not None or node.write_op is not None:
-                raise IntegrityError(f"host-only node {node.id}: host_value {node.host_value is not None}, "
-                                     f"lock_ref {node.lock_ref}, ops {node.write_op}/{node.load_op}")
-            if parent is None or parent.children.get(node.key[: self.page_bytes]) is not node:
+            if parent.children.get(node.key[: self.page_bytes]) is not node:
                 raise IntegrityError(f"host-only node {node.id} is not its parent's child under its first page")
         elif parent.value is None:
             raise IntegrityError(f"device node {node.id} under host-only node {parent.id}")
@@ -590,6 +648,6 @@ class HiRadixCache(RadixCache):
                     num_tokens=node.key_len, token_preview=preview(node, preview_tokens),
                     lock_ref=node.lock_ref, last_access_time=node.last_access_time, hit_count=node.hit_count,
                     owner=node.owner, tombstone=False, depth_tokens=start + node.key_len,
-                    visibility=node.visibility, tier=node.tier)
+                    visibility="public", tier=node.tier)
             for node, _, start in hi_walk(self.root)
         ]

@@ -17,20 +17,20 @@ from typing import Literal
 
 import numpy as np
 
-from kvscope.cache.tree import TOKEN_BYTES, TreeNode, walk
+from kvscope.cache.tree import TOKEN_BYTES, NodeBase, walk
 from kvscope.telemetry import EventKind, Recorder
 
 Tier = Literal["device", "device+host", "host"]
 
 
-class HiTreeNode(TreeNode):
-    __slots__ = ("host_ref_counter", "host_value", "load_op", "write_op")
-
-    value: np.ndarray | None  # type: ignore[assignment]
+class HiTreeNode(NodeBase):
+    __slots__ = ("children", "host_ref_counter", "host_value", "load_op", "value", "write_op")
 
     def __init__(self, key: bytes = b"", value: np.ndarray | None = None, now: float = 0.0,
                  host_value: np.ndarray | None = None) -> None:
-        super().__init__(key, value, now)  # type: ignore[arg-type]
+        super().__init__(key, now)
+        self.children: dict[bytes, HiTreeNode] = {}
+        self.value = value
         self.host_value = host_value
         self.host_ref_counter = 0
         self.write_op: int | None = None
@@ -51,7 +51,23 @@ class HiTreeNode(TreeNode):
         return "device" if self.host_value is None else "device+host"
 
     def device_children(self) -> list[HiTreeNode]:
-        return [c for c in self.children.values() if c.value is not None]  # type: ignore[misc]
+        return [c for c in self.children.values() if c.value is not None]
+
+    def device_node(self) -> HiTreeNode:
+        """This node, or its nearest ancestor on the device tier (the root at the latest)."""
+        node = self
+        while node.value is None:
+            assert node.parent is not None
+            node = node.parent
+        return node
+
+    def backed_up_node(self) -> HiTreeNode:
+        """This node, or its nearest backed-up ancestor (the root at the latest)."""
+        node = self
+        while node.host_value is None:
+            assert node.parent is not None
+            node = node.parent
+        return node
 
     def __repr__(self) -> str:
         return f"HiTreeNode(id={self.id}, tokens={self.key_len}, tier={self.tier}, lock_ref={self.lock_ref})"
@@ -60,8 +76,8 @@ class HiTreeNode(TreeNode):
 def split_hi_node(child: HiTreeNode, split_len: int, page_bytes: int, recorder: Recorder) -> HiTreeNode:
     """Cut `child` after split_len tokens on both tiers; the new upper node takes its place.
 
-    NOTE: as tree.split_node: both halves keep lock_ref, hit_count, priority, owner,
-    visibility and creation time; the upper half takes last_access_time. Here both halves
+    NOTE: as tree.split_node: both halves keep lock_ref, hit_count, priority, owner and
+    creation time; the upper half takes last_access_time. Here both halves
     also keep host_ref_counter and the in-flight op ids (the caller adds the upper half to
     those ops).
     """
@@ -72,7 +88,7 @@ def split_hi_node(child: HiTreeNode, split_len: int, page_bytes: int, recorder: 
     upper_host = None if child.host_value is None else child.host_value[:split_len]
     upper = HiTreeNode(child.key[:cut], upper_value, child.last_access_time, upper_host)
     upper.parent, upper.lock_ref, upper.hit_count = parent, child.lock_ref, child.hit_count
-    upper.priority, upper.owner, upper.visibility = child.priority, child.owner, child.visibility
+    upper.priority, upper.owner = child.priority, child.owner
     upper.creation_time, upper.host_ref_counter = child.creation_time, child.host_ref_counter
     upper.write_op, upper.load_op = child.write_op, child.load_op
     child.key, child.parent = child.key[cut:], upper
@@ -89,4 +105,9 @@ def split_hi_node(child: HiTreeNode, split_len: int, page_bytes: int, recorder: 
 
 def hi_walk(root: HiTreeNode) -> list[tuple[HiTreeNode, int, int]]:
     """tree.walk over a two-tier tree (lengths come from the keys, so host-only nodes count)."""
-    return walk(root)  # type: ignore[return-value]
+    return walk(root)
+
+
+def is_device_leaf(node: HiTreeNode) -> bool:
+    """An unlocked node is an evictable leaf when it holds device slots and no child does."""
+    return node.value is not None and not any(c.value is not None for c in node.children.values())

@@ -1,6 +1,6 @@
 """RadixCache: SGLang's page-aware radix prefix cache (docs/memory-semantics.md §4), slot for slot.
 
-NOTE: tree accounting, kept exact after every call:
+NOTE: tree accounting, kept exact after every call by the LockedTree it holds (tree/core.py):
     evictable_size = Σ len(value) over nodes with lock_ref == 0 (root excluded)
     protected_size = Σ len(value) over nodes with lock_ref  > 0 (root excluded)
     evictable leaves = nodes with lock_ref == 0 and no children
@@ -35,15 +35,14 @@ from kvscope.cache.base import (
 )
 from kvscope.cache.tree import (
     TOKEN_BYTES,
-    LeafHeap,
+    LockedTree,
     TreeNode,
     cache_finished_req,
     cache_unfinished_req,
     check_node_shape,
-    check_sizes,
-    check_tree_slots,
-    claim_slots,
+    check_tree_options,
     common_page_len,
+    detach_child,
     export_rows,
     get_policy,
     node_values,
@@ -52,13 +51,15 @@ from kvscope.cache.tree import (
     walk,
 )
 from kvscope.cache.tree.node import foreign_tokens
-from kvscope.mem import BaseTokenAllocator, IntegrityError, ReqToTokenPool
-from kvscope.telemetry import NULL_RECORDER, CopyKind, EventKind, EvictReason, PoolName, Recorder
+from kvscope.mem import BaseTokenAllocator, ReqToTokenPool
+from kvscope.telemetry import NULL_RECORDER, EventKind, EvictReason, PoolName, Recorder
+
+
+def childless(node: TreeNode) -> bool:
+    return not node.children
 
 
 class RadixCache(BasePrefixCache):
-    node_type: type[TreeNode] = TreeNode  # NOTE: a subclass's own node class (more state per node)
-
     def __init__(
         self,
         allocator: BaseTokenAllocator,
@@ -70,10 +71,7 @@ class RadixCache(BasePrefixCache):
         recorder: Recorder = NULL_RECORDER,
         strict: bool = False,
     ) -> None:
-        if page_size != allocator.page_size:
-            raise CacheMisuseError(f"page_size {page_size} != the allocator's {allocator.page_size}")
-        if eviction_granularity not in ("leaf", "page"):
-            raise CacheMisuseError(f"eviction_granularity must be 'leaf' or 'page', got {eviction_granularity!r}")
+        check_tree_options(allocator, page_size, eviction_granularity)
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
         self.page_size = page_size
@@ -92,23 +90,22 @@ class RadixCache(BasePrefixCache):
 
     def reset(self) -> None:
         """Forget the tree (the caller clears the allocator too, as flush_cache does)."""
-        self.root = self.node_type(now=time.monotonic())
-        self.root.lock_ref = 1
-        self.root.priority = -(2**62)
-        self._evictable_size = 0
-        self._protected_size = 0
-        self.evictable_leaves: set[TreeNode] = set()
-        self.heap = LeafHeap(self.policy, deeper_first=self.eviction_granularity == "page")
-        self._tree_slot = np.zeros(self.allocator.total_size + 2 * self.page_size, dtype=bool)
+        self.tree = LockedTree(TreeNode(now=time.monotonic()), self.allocator, self.policy,
+                               deeper_first=self._page_granular, strict=self.strict, detach=self._detach,
+                               is_leaf=childless)
+
+    @property
+    def root(self) -> TreeNode:
+        return self.tree.root
 
     def evictable_size(self) -> int:
-        return self._evictable_size
+        return self.tree.evictable_len
 
     def protected_size(self) -> int:
-        return self._protected_size
+        return self.tree.protected_len
 
     def total_size(self) -> int:
-        return self._evictable_size + self._protected_size
+        return self.tree.evictable_len + self.tree.protected_len
 
     # -- match -----------------------------------------------------------------------------
 
@@ -139,7 +136,7 @@ class RadixCache(BasePrefixCache):
         there when the match ends inside a node); refreshes last-access times on the path.
         `user` is not read: this tree is shared by everyone (the scoped cache reads it)."""
         now = time.monotonic()
-        node = self.root
+        node = self.tree.root
         node.last_access_time = now
         values: list[np.ndarray] = []
         pos, end, page_bytes = 0, len(key), self.page_bytes
@@ -203,7 +200,7 @@ class RadixCache(BasePrefixCache):
 
     def _walk_insert(self, key: bytes, chunked: bool, priority: int) -> tuple[TreeNode, int]:
         now = time.monotonic()
-        node = self.root
+        node = self.tree.root
         node.last_access_time = now
         pos, end, page_bytes = 0, len(key), self.page_bytes
         while pos < end:
@@ -228,147 +225,70 @@ class RadixCache(BasePrefixCache):
         self, parent: TreeNode, key: bytes, value: np.ndarray, user: str | None, hits: int, priority: int,
         rid: str | None,
     ) -> TreeNode:
-        if self.strict:
-            claim_slots(self._tree_slot, value)
-        leaf = self.node_type(key, value, time.monotonic())
+        self.tree.claim(value)
+        leaf = TreeNode(key, value, time.monotonic())
         leaf.parent, leaf.owner, leaf.hit_count, leaf.priority = parent, user, hits, priority
         parent.children[key[: self.page_bytes]] = leaf
-        self._evictable_size += len(value)
-        self.evictable_leaves.discard(parent)
-        self._mark_leaf(leaf)
+        self.tree.count_new(parent, leaf, value)
         if self.recorder.enabled:
             self.recorder.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=leaf.id,
                                  num_tokens=len(value), slots=value, aux=parent.id, principal=user)
         return leaf
 
-    def _mark_leaf(self, node: TreeNode) -> None:
-        """Put `node` in the evictable leaves if it now qualifies."""
-        if node.lock_ref == 0 and not node.children and node is not self.root:
-            self.evictable_leaves.add(node)
-            self.heap.push(node)
+    def _detach(self, leaf: TreeNode) -> None:
+        detach_child(leaf, self.page_bytes)
 
     # -- locks -----------------------------------------------------------------------------
 
     def inc_lock_ref(self, node: TreeNode, rid: str | None = None) -> int | None:
-        self._lock_path(node, rid)
+        moved = self.tree.lock(node)
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.LOCK, rid=rid, node_id=node.id, num_tokens=moved)
         return None
 
     def dec_lock_ref(self, node: TreeNode, lock_id: int | None = None, rid: str | None = None) -> None:
-        self._unlock_path(node, rid)
-
-    def _lock_path(self, node: TreeNode, rid: str | None, copy: CopyKind | None = None, op: int = 0) -> None:
-        """+1 lock_ref from `node` up to the root, for request `rid`, or (hiradix) for copy op
-        `op` of kind `copy`."""
-        start, moved = node, 0
-        while node is not self.root:
-            if node.lock_ref == 0:
-                moved += len(node.value)
-                self.evictable_leaves.discard(node)
-            node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
-        self._evictable_size -= moved
-        self._protected_size += moved
+        moved = self.tree.unlock(node)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.LOCK, rid=rid, node_id=start.id, num_tokens=moved, reason=copy, aux=op)
-
-    def _unlock_path(self, node: TreeNode, rid: str | None, copy: CopyKind | None = None, op: int = 0) -> None:
-        if node is not self.root and node.lock_ref <= 0:
-            raise CacheMisuseError(f"dec_lock_ref on node {node.id}, which is not locked (lock_ref {node.lock_ref})")
-        start, moved = node, 0
-        while node is not self.root:
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                moved += len(node.value)
-                self._mark_leaf(node)
-            node = node.parent  # type: ignore[assignment]
-        self._evictable_size += moved
-        self._protected_size -= moved
-        if self.recorder.enabled:
-            self.recorder.record(EventKind.UNLOCK, rid=rid, node_id=start.id, num_tokens=moved, reason=copy,
-                                 aux=op)
+            self.recorder.record(EventKind.UNLOCK, rid=rid, node_id=node.id, num_tokens=moved)
 
     # -- eviction --------------------------------------------------------------------------
 
     def refresh_eviction_order(self) -> None:
         """Re-key every evictable leaf. Needed only after editing node fields by hand in a way
         that lowers a policy key; normal operation only ever raises keys."""
-        self.heap.rebuild(self.evictable_leaves)
+        self.tree.heap.rebuild(self.tree.evictable_leaves)
 
     def evict(self, params: EvictParams) -> EvictResult:
         return EvictResult(self.evict_tokens(params.num_tokens, params.swa_num_tokens))
 
     def evict_tokens(self, num_tokens: int, swa_num_tokens: int = 0) -> int:
-        if num_tokens > self._evictable_size or swa_num_tokens > 0:
-            raise CacheMisuseError(
-                f"evict({num_tokens}, swa {swa_num_tokens}) beyond the evictable size "
-                f"{self._evictable_size} (protected {self._protected_size}; a radix cache holds no SWA KV)"
-            )
+        self.tree.check_evictable(num_tokens, swa_num_tokens)
         if num_tokens <= 0:
             return 0
-        self.heap.start(self.evictable_leaves)
-        freed: list[np.ndarray] = []
-        evicted = 0
-        by_page = self.eviction_granularity == "page"
-        while evicted < num_tokens:
-            leaf = self.heap.pop(self.evictable_leaves.__contains__)
-            if leaf is None:
-                break
-            want = -(-(num_tokens - evicted) // self.page_size) * self.page_size
-            chunk = self._trim_leaf(leaf, want) if by_page and len(leaf.value) > want else self._delete_leaf(leaf)
-            freed.append(chunk)
-            evicted += len(chunk)
-            if self.recorder.enabled:
-                self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=leaf.id,
-                                     num_tokens=len(chunk), slots=chunk, reason=EvictReason.CAPACITY)
+        freed = self.tree.evict_leaves(num_tokens, self._evict_leaf)
         self.allocator.free_many(freed)
-        return evicted
+        return sum(len(chunk) for chunk in freed)
 
-    def _delete_leaf(self, leaf: TreeNode) -> np.ndarray:
-        parent = leaf.parent
-        assert parent is not None
-        self._detach(leaf, parent)
-        leaf.parent = None
-        self.evictable_leaves.discard(leaf)
-        self._evictable_size -= len(leaf.value)
-        if self.strict:
-            self._tree_slot[leaf.value] = False
-        self._mark_leaf(parent)
-        return leaf.value
-
-    def _detach(self, leaf: TreeNode, parent: TreeNode) -> None:
-        """Take `leaf` out of its parent's children (a subclass may file children otherwise)."""
-        del parent.children[leaf.key[: self.page_bytes]]
-
-    def _trim_leaf(self, leaf: TreeNode, num_tokens: int) -> np.ndarray:
-        chunk = leaf.value[-num_tokens:]
-        leaf.value = leaf.value[:-num_tokens]
-        leaf.key = leaf.key[: -num_tokens * TOKEN_BYTES]
-        self._evictable_size -= num_tokens
-        if self.strict:
-            self._tree_slot[chunk] = False
-        self.heap.push(leaf)
+    def _evict_leaf(self, leaf: TreeNode, want: int) -> np.ndarray:
+        """Page mode: only `want` tokens from the leaf's tail when it holds more; else the whole leaf."""
+        tree = self.tree
+        chunk = tree.trim_leaf(leaf, want) if self._page_granular and len(leaf.value) > want else tree.delete_leaf(leaf)
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=leaf.id,
+                                 num_tokens=len(chunk), slots=chunk, reason=EvictReason.CAPACITY)
         return chunk
 
     # -- views -----------------------------------------------------------------------------
 
     def tree_slots(self) -> np.ndarray:
-        return node_values(self.root)
+        return node_values([n for n, _, _ in walk(self.root) if n is not self.root])
 
     def check_integrity(self) -> None:
         """Every shared tree invariant (tree/integrity.py), and the evictable-leaf set is exact."""
         nodes = [(n, start) for n, _, start in walk(self.root) if n is not self.root]
         for node, start in nodes:
             check_node_shape(node, start, self.page_size)
-        evictable = sum(len(n.value) for n, _ in nodes if n.lock_ref == 0)
-        protected = sum(len(n.value) for n, _ in nodes if n.lock_ref > 0)
-        check_sizes("evictable, protected", (evictable, protected), (self._evictable_size, self._protected_size))
-        leaves = {n for n, _ in nodes if n.lock_ref == 0 and not n.children}
-        if leaves != self.evictable_leaves:
-            raise IntegrityError(
-                f"evictable leaves: tree has {sorted(n.id for n in leaves)}, "
-                f"the set has {sorted(n.id for n in self.evictable_leaves)}"
-            )
-        check_tree_slots([n.value for n, _ in nodes], self.allocator, self._tree_slot if self.strict else None)
+        self.tree.check([n for n, _ in nodes])
 
     def pretty_print(self) -> str:
         return render(self.root)

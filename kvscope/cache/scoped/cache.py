@@ -19,8 +19,9 @@ Named options: promote_k (None: never, per-principal isolation), epoch_s, pinned
 principal whose tokens equal another's private copy joins its holders and frees its own pages;
 off: it keeps its own copy), merge_chains (unary private chains merge into one node at epoch
 boundaries), monitor. LRU stamps come from a counter, not a clock, so equal runs evict equally.
-Locks, the evictable accounting and the eviction loop are RadixCache's; this class changes what
-a principal sees, where children are filed (copies per first page) and what a tombstone frees.
+Locks, the evictable accounting and the eviction loop are the shared LockedTree's (tree/core.py),
+as RadixCache holds them; this class decides what a principal sees, files children as copies per
+first page, and what a tombstone frees.
 """
 
 from __future__ import annotations
@@ -36,26 +37,38 @@ import torch
 
 from kvscope.cache.base import (
     TOKEN_DTYPE,
+    BasePrefixCache,
     CacheableRequest,
     CacheMisuseError,
+    EvictParams,
+    EvictResult,
     MatchResult,
     NodeRow,
     as_token_ids,
     page_key,
     request_row,
 )
-from kvscope.cache.radix import RadixCache
 from kvscope.cache.scoped.creators import ROOT_HASH, CreatorLedger, chain_hashes
 from kvscope.cache.scoped.monitor import MonitorConfig
-from kvscope.cache.scoped.node import PINNED, PRIVATE, PUBLIC, ScopedNode, path_values, principal_key, walk_scoped
+from kvscope.cache.scoped.node import (
+    PINNED,
+    PRIVATE,
+    PUBLIC,
+    ScopedNode,
+    detach_copy,
+    is_scoped_leaf,
+    path_values,
+    principal_key,
+    walk_scoped,
+)
 from kvscope.cache.tree import (
     TOKEN_BYTES,
-    TreeNode,
-    check_sizes,
-    check_tree_slots,
-    claim_slots,
+    LockedTree,
+    check_tree_options,
     common_page_len,
+    get_policy,
     slots_tensor,
+    up_path,
 )
 from kvscope.cache.tree.node import preview
 from kvscope.mem import BaseTokenAllocator, IntegrityError, ReqToTokenPool
@@ -86,10 +99,7 @@ class ScopedStats:
     tokens_by_owner: dict[tuple[str | None, str], int] = field(default_factory=dict)  # filled by stats()
 
 
-class ScopedRadixCache(RadixCache):
-    node_type = ScopedNode
-    root: ScopedNode
-
+class ScopedRadixCache(BasePrefixCache):
     def __init__(
         self,
         allocator: BaseTokenAllocator,
@@ -108,6 +118,7 @@ class ScopedRadixCache(RadixCache):
         monitor: MonitorConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        check_tree_options(allocator, page_size, eviction_granularity)
         if promote_k is not None and promote_k < 1:
             raise CacheMisuseError(f"promote_k must be >= 1 or None (never), got {promote_k}")
         if not epoch_s > 0 or epoch_s == float("inf"):
@@ -119,8 +130,19 @@ class ScopedRadixCache(RadixCache):
         self.monitor = monitor
         self.clock = clock
         self.stats_counters = ScopedStats()
-        super().__init__(allocator, page_size, req_to_token_pool=req_to_token_pool, eviction_policy=eviction_policy,
-                         eviction_granularity=eviction_granularity, recorder=recorder, strict=strict)
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.page_size = page_size
+        self.page_bytes = page_size * TOKEN_BYTES
+        self.device = allocator.device
+        self._on_cpu = self.device.type == "cpu"
+        self._no_slots = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.policy = get_policy(eviction_policy)
+        self.eviction_granularity = eviction_granularity
+        self._page_granular = eviction_granularity == "page"
+        self.recorder = recorder
+        self.strict = strict
+        self.reset()
         self.pinned_hashes: set[bytes] = set()
         for prefix in pinned:
             self.pinned_hashes.update(chain_hashes(ROOT_HASH, page_key(as_token_ids(prefix), page_size),
@@ -128,12 +150,27 @@ class ScopedRadixCache(RadixCache):
 
     def reset(self) -> None:
         """Forget the tree and the creator ledger (the caller clears the allocator too)."""
-        super().reset()
+        self.tree = LockedTree(ScopedNode(now=time.monotonic()), self.allocator, self.policy,
+                               deeper_first=self._page_granular, strict=self.strict, detach=self._detach,
+                               is_leaf=is_scoped_leaf)
         self._ticks = itertools.count(1)
         self._num_tombstoned = 0  # nodes tombstoned and still in the tree (locked): unlocks look for them
         self.ledger = CreatorLedger()
         self._start_s = self.clock()
         self._epoch = 0
+
+    @property
+    def root(self) -> ScopedNode:
+        return self.tree.root
+
+    def evictable_size(self) -> int:
+        return self.tree.evictable_len
+
+    def protected_size(self) -> int:
+        return self.tree.protected_len
+
+    def total_size(self) -> int:
+        return self.tree.evictable_len + self.tree.protected_len
 
     def set_clock(self, clock: Callable[[], float]) -> None:
         """Epochs from now on read `clock` (trace time in replays); the current epoch restarts at 0."""
@@ -216,8 +253,8 @@ class ScopedRadixCache(RadixCache):
                 node.last_access_time = max(node.last_access_time, child.last_access_time)
                 node.hit_count = max(node.hit_count, child.hit_count)
                 child.parent, child.children = None, {}
-                self.evictable_leaves.discard(child)
-                self._mark_leaf(node)
+                self.tree.evictable_leaves.discard(child)
+                self.tree.mark_leaf(node)
                 merged += 1
         self.stats_counters.merges += merged
         return merged
@@ -285,7 +322,7 @@ class ScopedRadixCache(RadixCache):
                     child.last_access_time = previous
                     break
                 lower, child = child, self._split(child, shared)
-                if self.eviction_granularity == "page":
+                if self._page_granular:
                     lower.last_access_time = previous  # NOTE: as RadixCache: the unmatched lower piece was not accessed
                 path.append(child)
                 break
@@ -403,17 +440,14 @@ class ScopedRadixCache(RadixCache):
 
     def _add_scoped_leaf(self, parent: ScopedNode, key: bytes, value: np.ndarray, principal: str,
                          visibility: Visibility, hits: int, priority: int, rid: str | None) -> ScopedNode:
-        if self.strict:
-            claim_slots(self._tree_slot, value)
+        self.tree.claim(value)
         leaf = ScopedNode(key, value, next(self._ticks))
         leaf.parent, leaf.owner, leaf.hit_count, leaf.priority = parent, principal, hits, priority
         leaf.visibility = visibility
         leaf.holders = frozenset({principal}) if visibility == PRIVATE else frozenset()
         leaf.path_hash = chain_hashes(parent.path_hash, key, self.page_bytes)[-1]
         parent.children.setdefault(key[: self.page_bytes], []).append(leaf)
-        self._evictable_size += len(value)
-        self.evictable_leaves.discard(parent)
-        self._mark_leaf(leaf)
+        self.tree.count_new(parent, leaf, value)
         if self.recorder.enabled:
             self.recorder.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=leaf.id, num_tokens=len(value),
                                  slots=value, aux=parent.id, principal=principal, reason=visibility)
@@ -487,23 +521,26 @@ class ScopedRadixCache(RadixCache):
         self.dec_lock_ref(last, rid=req.rid)
         req.swa_lock_id = None
 
-    # -- locks (RadixCache's; a tombstoned node is never an evictable leaf, and is freed at its last unlock)
+    # -- locks (a tombstoned node is never an evictable leaf, and is freed at its last unlock) --
 
-    def _mark_leaf(self, node: TreeNode) -> None:
-        if not node.tombstone:
-            super()._mark_leaf(node)
+    def inc_lock_ref(self, node: ScopedNode, rid: str | None = None) -> int | None:
+        moved = self.tree.lock(node)
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.LOCK, rid=rid, node_id=node.id, num_tokens=moved)
+        return None
 
-    def dec_lock_ref(self, node: TreeNode, lock_id: int | None = None, rid: str | None = None) -> None:
-        super().dec_lock_ref(node, lock_id, rid)
+    def dec_lock_ref(self, node: ScopedNode, lock_id: int | None = None, rid: str | None = None) -> None:
+        moved = self.tree.unlock(node)
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.UNLOCK, rid=rid, node_id=node.id, num_tokens=moved)
         if not self._num_tombstoned:
             return
         top = None  # the highest tombstoned node on the path this unlock left unlocked
-        while node is not self.root and node is not None:
-            if node.tombstone and node.lock_ref == 0:
-                top = node
-            node = node.parent  # type: ignore[assignment]
+        for above in up_path(node):
+            if above.tombstone and above.lock_ref == 0:
+                top = above
         if top is not None:
-            self._free_subtree(cast(ScopedNode, top))
+            self._free_subtree(top)
 
     # -- demotion --------------------------------------------------------------------------
 
@@ -517,7 +554,7 @@ class ScopedRadixCache(RadixCache):
             self._num_tombstoned += 1
             n.visibility = PRIVATE
             n.holders = frozenset()
-            self.evictable_leaves.discard(n)
+            self.tree.evictable_leaves.discard(n)
             if self.recorder.enabled:
                 self.recorder.record(EventKind.TOMBSTONE, pool=PoolName.FULL, node_id=n.id, num_tokens=len(n.value))
         self.stats_counters.demotions += 1
@@ -546,37 +583,50 @@ class ScopedRadixCache(RadixCache):
         freed = []
         self._num_tombstoned -= len(nodes)
         for n in nodes:
-            self._evictable_size -= len(n.value)
-            self.evictable_leaves.discard(n)
-            if self.strict:
-                self._tree_slot[n.value] = False
+            self.tree.evictable_len -= len(n.value)
+            self.tree.evictable_leaves.discard(n)
+            self.tree.release(n.value)
             n.parent = None
             freed.append(n.value)
             if self.recorder.enabled:
                 self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=n.id, num_tokens=len(n.value),
                                      slots=n.value, reason=EvictReason.TOMBSTONE)
         self.allocator.free_many(freed)
-        self._mark_leaf(parent)
+        self.tree.mark_leaf(parent)
 
     # -- eviction --------------------------------------------------------------------------
 
+    def refresh_eviction_order(self) -> None:
+        """Re-key every evictable leaf (after editing node fields by hand; see RadixCache)."""
+        self.tree.heap.rebuild(self.tree.evictable_leaves)
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        return EvictResult(self.evict_tokens(params.num_tokens, params.swa_num_tokens))
+
     def evict_tokens(self, num_tokens: int, swa_num_tokens: int = 0) -> int:
         self.advance()
-        return super().evict_tokens(num_tokens, swa_num_tokens)
+        self.tree.check_evictable(num_tokens, swa_num_tokens)
+        if num_tokens <= 0:
+            return 0
+        freed = self.tree.evict_leaves(num_tokens, self._evict_leaf)
+        self.allocator.free_many(freed)
+        return sum(len(chunk) for chunk in freed)
 
-    def _detach(self, leaf: TreeNode, parent: TreeNode) -> None:
-        first = leaf.key[: self.page_bytes]
-        copies = cast(ScopedNode, parent).children[first]
-        copies.remove(cast(ScopedNode, leaf))
-        if not copies:
-            del cast(ScopedNode, parent).children[first]
-
-    def _trim_leaf(self, leaf: TreeNode, num_tokens: int) -> np.ndarray:
-        chunk = super()._trim_leaf(leaf, num_tokens)
-        node = cast(ScopedNode, leaf)
-        assert node.parent is not None
-        node.path_hash = chain_hashes(node.parent.path_hash, node.key, self.page_bytes)[-1]
+    def _evict_leaf(self, leaf: ScopedNode, want: int) -> np.ndarray:
+        """As RadixCache: page mode trims only `want` tokens off a longer leaf (its path hash follows)."""
+        if self._page_granular and len(leaf.value) > want:
+            chunk = self.tree.trim_leaf(leaf, want)
+            assert leaf.parent is not None
+            leaf.path_hash = chain_hashes(leaf.parent.path_hash, leaf.key, self.page_bytes)[-1]
+        else:
+            chunk = self.tree.delete_leaf(leaf)
+        if self.recorder.enabled:
+            self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=leaf.id,
+                                 num_tokens=len(chunk), slots=chunk, reason=EvictReason.CAPACITY)
         return chunk
+
+    def _detach(self, leaf: ScopedNode) -> None:
+        detach_copy(leaf, self.page_bytes)
 
     # -- views -----------------------------------------------------------------------------
 
@@ -619,14 +669,7 @@ class ScopedRadixCache(RadixCache):
                     raise IntegrityError(f"node {parent.id}: {len(public)} public copies under one first page")
                 if not copies or any(c.key[:pb] != first for c in copies):
                     raise IntegrityError(f"node {parent.id}: a copy list is empty or misfiled")
-        evictable = sum(len(n.value) for n, _ in nodes if n.lock_ref == 0)
-        protected = sum(len(n.value) for n, _ in nodes if n.lock_ref > 0)
-        check_sizes("evictable, protected", (evictable, protected), (self._evictable_size, self._protected_size))
-        leaves = {n for n, _ in nodes if n.lock_ref == 0 and not n.children and not n.tombstone}
-        if leaves != self.evictable_leaves:
-            raise IntegrityError(f"evictable leaves: tree has {sorted(n.id for n in leaves)}, "
-                                 f"the set has {sorted(n.id for n in self.evictable_leaves)}")
-        check_tree_slots([n.value for n, _ in nodes], self.allocator, self._tree_slot if self.strict else None)
+        self.tree.check([n for n, _ in nodes])
 
     def _check_scope(self, node: ScopedNode, parent: ScopedNode) -> None:
         if node.tombstone and node.lock_ref == 0:

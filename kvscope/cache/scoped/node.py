@@ -1,12 +1,13 @@
 """Nodes of the scoped radix tree: SGLang's tree node plus who may see it.
 
-NOTE: a node's state on top of TreeNode (docs/isolation.md)
+NOTE: a node's state on top of NodeBase (docs/isolation.md)
     visibility   "private" (only `holders` see it), "public" (promoted), "pinned" (an operator's
                  declared prefix: public from birth)
     holders      principals that may see a private node: its owner, and with dedup on every
                  principal that computed the same tokens and shares its pages
     hits         hits in the epoch window by principal (the anomaly monitor reads them)
     path_hash    the creator ledger's chain hash of the whole path from the root to the node's end
+    tombstone    demoted: invisible to everyone; freed when its last lock drops
 Children are *copies*: `children[first page]` is a list, at most one public or pinned copy and
 any number of private ones, each in its holders' namespace. A principal sees the copies
 visible to it; no other copy is touched, counted or split on its behalf.
@@ -20,21 +21,22 @@ import numpy as np
 
 from kvscope.cache.scoped.creators import ROOT_HASH
 from kvscope.cache.scoped.window import Window
-from kvscope.cache.tree import EMPTY_SLOTS, TreeNode
+from kvscope.cache.tree import EMPTY_SLOTS, NodeBase
 from kvscope.telemetry import Visibility
 
 PRIVATE, PUBLIC, PINNED = Visibility.PRIVATE, Visibility.PUBLIC, Visibility.PINNED
 VISIBILITIES = tuple(Visibility)
 
 
-class ScopedNode(TreeNode):
-    __slots__ = ("hits", "holders", "path_hash")
-    parent: ScopedNode | None
-    children: dict[bytes, list[ScopedNode]]  # type: ignore[assignment]  # NOTE: copies, not one child
+class ScopedNode(NodeBase):
+    __slots__ = ("children", "hits", "holders", "path_hash", "tombstone", "value", "visibility")
 
     def __init__(self, key: bytes = b"", value: np.ndarray = EMPTY_SLOTS, now: float = 0.0) -> None:
-        super().__init__(key, value, now)
-        self.children = {}
+        super().__init__(key, now)
+        self.children: dict[bytes, list[ScopedNode]] = {}  # NOTE: copies, not one child
+        self.value = value
+        self.visibility: Visibility = PUBLIC  # NOTE: the root's; a new node gets PRIVATE or PINNED
+        self.tombstone = False
         self.holders: frozenset[str] = frozenset()
         self.hits = Window()
         self.path_hash = ROOT_HASH
@@ -53,6 +55,22 @@ class ScopedNode(TreeNode):
     def __repr__(self) -> str:
         return (f"ScopedNode(id={self.id}, tokens={len(self.value)}, {self.visibility}, owner={self.owner!r}, "
                 f"lock_ref={self.lock_ref})")
+
+
+def detach_copy(leaf: ScopedNode, page_bytes: int) -> None:
+    """Take `leaf` out of its parent's copies under its first page."""
+    parent = leaf.parent
+    assert parent is not None
+    first = leaf.key[:page_bytes]
+    copies = parent.children[first]
+    copies.remove(leaf)
+    if not copies:
+        del parent.children[first]
+
+
+def is_scoped_leaf(node: ScopedNode) -> bool:
+    """An unlocked node is an evictable leaf when it has no copies below and is no tombstone."""
+    return not node.children and not node.tombstone
 
 
 def principal_key(user: str | None) -> str:

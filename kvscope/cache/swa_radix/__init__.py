@@ -2,5 +2,6 @@
 two-phase eviction (SGLang's SWARadixCache)."""
 
 from kvscope.cache.swa_radix.cache import SWARadixCache
+from kvscope.cache.swa_radix.node import SWANode
 
-__all__ = ["SWARadixCache"]
+__all__ = ["SWANode", "SWARadixCache"]

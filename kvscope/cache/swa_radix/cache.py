@@ -36,9 +36,10 @@ from kvscope.cache.base import (
     as_token_ids,
 )
 from kvscope.cache.swa_radix.integrity import check_swa_radix_integrity
+from kvscope.cache.swa_radix.node import SWANode, is_tombstone, split_swa_node
 from kvscope.cache.tree import (
+    ROOT_PRIORITY,
     TOKEN_BYTES,
-    TreeNode,
     cache_finished_req,
     cache_unfinished_req,
     claim_slots,
@@ -47,7 +48,7 @@ from kvscope.cache.tree import (
     node_values,
     render,
     slots_tensor,
-    split_node,
+    up_path,
     walk,
 )
 from kvscope.cache.tree.node import foreign_tokens
@@ -86,12 +87,16 @@ class SWARadixCache(SWAPrefixCache):
         """Forget the tree (the caller clears the allocator too, as flush_cache does)."""
         self._clock = itertools.count(1)
         self._lock_ids = itertools.count(1)
-        self.root = TreeNode(now=0.0)
-        self.root.lock_ref = self.root.swa_lock_ref = 1
-        self.root.priority = -(2**62)
+        self._root = SWANode(now=0.0)
+        self._root.lock_ref = self._root.swa_lock_ref = 1
+        self._root.priority = ROOT_PRIORITY
         self._evictable_size = self._protected_size = 0
         self._swa_evictable_size = self._swa_protected_size = 0
         self._tree_slot = np.zeros(self.allocator.full_attn_allocator.total_size + 2 * self.page_size, bool)
+
+    @property
+    def root(self) -> SWANode:
+        return self._root
 
     def evictable_size(self) -> int:
         return self._evictable_size
@@ -105,16 +110,12 @@ class SWARadixCache(SWAPrefixCache):
     def swa_protected_size(self) -> int:
         return self._swa_protected_size
 
-    def _stamp(self, node: TreeNode) -> None:
+    def _stamp(self, node: SWANode) -> None:
         node.last_access_time = float(next(self._clock))
 
-    def _stamp_path(self, node: TreeNode) -> None:
+    def _stamp_path(self, node: SWANode) -> None:
         """Move node and its ancestors to MRU, each parent just behind its child."""
-        path = []
-        while node is not self.root:
-            path.append(node)
-            node = node.parent  # type: ignore[assignment]
-        for n in reversed(path):
+        for n in reversed(list(up_path(node))):
             self._stamp(n)
 
     # -- match -----------------------------------------------------------------------------
@@ -135,7 +136,7 @@ class SWARadixCache(SWAPrefixCache):
                                      num_tokens=cross, principal=user)
         return MatchResult(slots, node)
 
-    def walk_match(self, key: bytes, user: str | None = None) -> tuple[list[np.ndarray], TreeNode]:
+    def walk_match(self, key: bytes, user: str | None = None) -> tuple[list[np.ndarray], SWANode]:
         """docs/memory-semantics.md §5.1: the deepest cut whose last >= window tokens all have live SWA KV."""
         node = self.root
         values: list[np.ndarray] = []
@@ -166,9 +167,9 @@ class SWARadixCache(SWAPrefixCache):
     def _t(self, slots: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(slots).to(self.device)
 
-    def _split(self, child: TreeNode, split_len: int) -> TreeNode:
-        """split_node, then both halves are stamped, upper first (it sits just behind child)."""
-        upper = split_node(child, split_len, self.page_bytes, self.recorder)
+    def _split(self, child: SWANode, split_len: int) -> SWANode:
+        """split_swa_node, then both halves are stamped, upper first (it sits just behind child)."""
+        upper = split_swa_node(child, split_len, self.page_bytes, self.recorder)
         self._stamp(upper)
         self._stamp(child)
         return upper
@@ -212,7 +213,7 @@ class SWARadixCache(SWAPrefixCache):
 
     def _walk_insert(
         self, key: bytes, value: np.ndarray, chunked: bool, priority: int, prev_prefix_len: int, evicted_len: int,
-    ) -> tuple[TreeNode, int]:
+    ) -> tuple[SWANode, int]:
         node, pos, key_len = self.root, 0, len(value)
         while pos < key_len:
             child = node.children.get(key[pos * TOKEN_BYTES : pos * TOKEN_BYTES + self.page_bytes])
@@ -232,7 +233,7 @@ class SWARadixCache(SWAPrefixCache):
             node = child
         return node, pos
 
-    def _overlap(self, node: TreeNode, value: np.ndarray, a: int, b: int, p: int, e: int) -> TreeNode:
+    def _overlap(self, node: SWANode, value: np.ndarray, a: int, b: int, p: int, e: int) -> SWANode:
         """Settle the caller's copy of node [a, b); return the node that now ends at b."""
         if not node.tombstone or a < p or e >= b:
             self._free(value[max(a, p) : b])
@@ -249,7 +250,7 @@ class SWARadixCache(SWAPrefixCache):
         if len(slots):
             self.allocator.free(self._t(slots))
 
-    def _revive(self, node: TreeNode, req_slots: np.ndarray) -> None:
+    def _revive(self, node: SWANode, req_slots: np.ndarray) -> None:
         """Give a tombstone the caller's SWA KV; keep its full slots if another holder locks them."""
         assert node.swa_lock_ref == 0, f"tombstone {node.id} has swa_lock_ref {node.swa_lock_ref}"
         req_t, node_t = self._t(req_slots), self._t(node.value)
@@ -273,9 +274,9 @@ class SWARadixCache(SWAPrefixCache):
                                  slots=self.allocator.translate_loc(self._t(node.value)))
 
     def _add_tail(
-        self, node: TreeNode, key: bytes, value: np.ndarray, t: int, e: int,
+        self, node: SWANode, key: bytes, value: np.ndarray, t: int, e: int,
         meta: tuple[str | None, bool, int, str | None],
-    ) -> TreeNode:
+    ) -> SWANode:
         key_len = len(value)
         if e >= key_len:
             self._free(value[t:])
@@ -287,13 +288,13 @@ class SWARadixCache(SWAPrefixCache):
         return self._add_node(node, key[t * TOKEN_BYTES :], value[t:], False, meta)
 
     def _add_node(
-        self, parent: TreeNode, key: bytes, value: np.ndarray, tombstone: bool,
+        self, parent: SWANode, key: bytes, value: np.ndarray, tombstone: bool,
         meta: tuple[str | None, bool, int, str | None],
-    ) -> TreeNode:
+    ) -> SWANode:
         user, chunked, priority, rid = meta
         if self.strict:
             claim_slots(self._tree_slot, value)
-        node = TreeNode(key, value.copy(), 0.0)
+        node = SWANode(key, value.copy(), 0.0)
         self._stamp(node)
         node.parent, node.owner, node.priority, node.tombstone = parent, user, priority, tombstone
         node.hit_count = 0 if chunked else 1
@@ -350,12 +351,12 @@ class SWARadixCache(SWAPrefixCache):
 
     # -- locks -----------------------------------------------------------------------------
 
-    def inc_lock_ref(self, node: TreeNode, rid: str | None = None) -> int | None:
+    def inc_lock_ref(self, node: SWANode, rid: str | None = None) -> int | None:
         """docs/memory-semantics.md §5.2: full-lock node -> root; SWA-lock the deepest `window_len` tokens of it."""
         self._check_window_live(node)
         start, moved, swa_moved, swa_len = node, 0, 0, 0
         lock_id: int | None = None
-        while node is not self.root:
+        for node in up_path(start):
             if node.lock_ref == 0:
                 moved += len(node.value)
             node.lock_ref += 1
@@ -368,29 +369,29 @@ class SWARadixCache(SWAPrefixCache):
                     if node.swa_lock_id is None:
                         node.swa_lock_id = next(self._lock_ids)
                     lock_id = node.swa_lock_id
-            node = node.parent  # type: ignore[assignment]
         self._move_sizes(-moved, -swa_moved)
         if self.recorder.enabled:
             self.recorder.record(EventKind.LOCK, rid=rid, node_id=start.id, num_tokens=moved, aux=swa_moved)
         return lock_id
 
-    def _check_window_live(self, node: TreeNode) -> None:
+    def _check_window_live(self, last: SWANode) -> None:
         swa_len = 0
-        while node is not self.root and swa_len < self.window_len:
+        for node in up_path(last):
+            if swa_len >= self.window_len:
+                break
             if node.tombstone:
                 raise CacheMisuseError(
                     f"inc_lock_ref: tombstone node {node.id} inside the window ({swa_len} of "
                     f"{self.window_len} live tokens below it)"
                 )
             swa_len += len(node.value)
-            node = node.parent  # type: ignore[assignment]
 
-    def dec_lock_ref(self, node: TreeNode, lock_id: int | None = None, rid: str | None = None,
+    def dec_lock_ref(self, node: SWANode, lock_id: int | None = None, rid: str | None = None,
                      skip_swa: bool = False) -> None:
         if node is not self.root and node.lock_ref <= 0:
             raise CacheMisuseError(f"dec_lock_ref on node {node.id}, which is not locked (lock_ref {node.lock_ref})")
         start, moved, swa_moved, dec_swa = node, 0, 0, not skip_swa
-        while node is not self.root:
+        for node in up_path(start):
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 moved += len(node.value)
@@ -405,7 +406,6 @@ class SWARadixCache(SWAPrefixCache):
                     swa_moved += len(node.value)
                 if lock_id is not None and node.swa_lock_id == lock_id:
                     dec_swa = False
-            node = node.parent  # type: ignore[assignment]
         self._move_sizes(moved, swa_moved)
         if self.recorder.enabled:
             self.recorder.record(EventKind.UNLOCK, rid=rid, node_id=start.id, num_tokens=moved, aux=swa_moved)
@@ -458,7 +458,7 @@ class SWARadixCache(SWAPrefixCache):
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
         return full_len, swa_len
 
-    def _is_free_leaf(self, node: TreeNode) -> bool:
+    def _is_free_leaf(self, node: SWANode) -> bool:
         return node is not self.root and node.lock_ref == 0 and not node.children
 
     def _evict_swa(self, swa_num_tokens: int) -> tuple[int, int]:
@@ -479,7 +479,7 @@ class SWARadixCache(SWAPrefixCache):
                 full_len += self._delete_cascade(node)[1]
         return full_len, swa_len
 
-    def _tombstone(self, node: TreeNode) -> None:
+    def _tombstone(self, node: SWANode) -> None:
         self.allocator.free_swa(self._t(node.value))
         node.tombstone = True
         self._swa_evictable_size -= len(node.value)
@@ -487,7 +487,7 @@ class SWARadixCache(SWAPrefixCache):
             self.recorder.record(EventKind.TOMBSTONE, pool=PoolName.SWA, node_id=node.id,
                                  num_tokens=len(node.value), slots=node.value, reason=EvictReason.TOMBSTONE)
 
-    def _delete_cascade(self, leaf: TreeNode) -> tuple[TreeNode, int]:
+    def _delete_cascade(self, leaf: SWANode) -> tuple[SWANode, int]:
         """Delete an unlocked leaf and the tombstone parents it leaves childless and unlocked.
 
         NOTE: one `free` per node, leaf first, as SGLang frees them (at page size > 1 the
@@ -502,12 +502,12 @@ class SWARadixCache(SWAPrefixCache):
             parent = up
         return parent, freed_len
 
-    def _free_deleted(self, node: TreeNode) -> int:
+    def _free_deleted(self, node: SWANode) -> int:
         values = self._delete_leaf(node)
         self.allocator.free(self._t(values))
         return len(values)
 
-    def _delete_leaf(self, leaf: TreeNode) -> np.ndarray:
+    def _delete_leaf(self, leaf: SWANode) -> np.ndarray:
         parent = leaf.parent
         assert parent is not None and not leaf.children and leaf.lock_ref == 0
         del parent.children[leaf.key[: self.page_bytes]]
@@ -525,17 +525,18 @@ class SWARadixCache(SWAPrefixCache):
     # -- views -----------------------------------------------------------------------------
 
     def tree_slots(self) -> np.ndarray:
-        return node_values(self.root)
+        return node_values([n for n, _, _ in walk(self.root) if n is not self.root])
 
     def live_tree_slots(self) -> np.ndarray:
         """Slots of non-tombstone nodes: the full slots whose SWA half the tree owns."""
-        return node_values(self.root, live_only=True)
+        return node_values([n for n, _, _ in walk(self.root) if n is not self.root and not n.tombstone])
 
     def check_integrity(self) -> None:
         check_swa_radix_integrity(self, self._tree_slot if self.strict else None)
 
     def pretty_print(self) -> str:
-        return render(self.root, extra=lambda n: f"swa_lock={n.swa_lock_ref} t={n.last_access_time:g}")
+        return render(self.root, extra=lambda n: f"swa_lock={n.swa_lock_ref} t={n.last_access_time:g}",
+                      tombstone=is_tombstone)
 
     def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]:
-        return export_rows(self.root, preview_tokens)
+        return export_rows(self.root, preview_tokens, tombstone=is_tombstone)

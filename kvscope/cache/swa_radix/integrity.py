@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvscope.cache.tree import TreeNode, check_node_shape, check_sizes, check_tree_slots, walk
+from kvscope.cache.swa_radix.node import SWANode
+from kvscope.cache.tree import check_node_shape, check_sizes, check_tree_slots, walk
 from kvscope.mem import IntegrityError
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ def check_swa_radix_integrity(cache: SWARadixCache, tree_slot: np.ndarray | None
     check_tree_slots([n.value for n, _ in nodes], cache.allocator.full_attn_allocator, tree_slot)
 
 
-def check_swa_node(node: TreeNode, mapping: np.ndarray) -> None:
+def check_swa_node(node: SWANode, mapping: np.ndarray) -> None:
     if node.tombstone and not node.children:
         raise IntegrityError(f"tombstone leaf: node {node.id} ({len(node.value)} tokens)")
     if not node.lock_ref >= node.swa_lock_ref >= 0:
@@ -50,7 +51,7 @@ def check_swa_node(node: TreeNode, mapping: np.ndarray) -> None:
         raise IntegrityError(f"live node {node.id}: {int((swa <= 0).sum())} of {len(swa)} slots lack SWA KV")
 
 
-def check_swa_sizes(cache: SWARadixCache, nodes: list[TreeNode]) -> None:
+def check_swa_sizes(cache: SWARadixCache, nodes: list[SWANode]) -> None:
     live = [n for n in nodes if not n.tombstone]
     found = (
         sum(len(n.value) for n in nodes if n.lock_ref == 0),
@@ -62,7 +63,7 @@ def check_swa_sizes(cache: SWARadixCache, nodes: list[TreeNode]) -> None:
     check_sizes("full evictable, full protected, swa evictable, swa protected", found, said)
 
 
-def check_lru(cache: SWARadixCache, nodes: list[TreeNode]) -> None:
+def check_lru(cache: SWARadixCache, nodes: list[SWANode]) -> None:
     stamps = [n.last_access_time for n in nodes]
     if len(set(stamps)) != len(stamps):
         raise IntegrityError(f"LRU stamps not distinct: {len(stamps)} nodes, {len(set(stamps))} stamps")

@@ -15,16 +15,18 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from kvscope.cache.base import CacheMisuseError
-from kvscope.cache.tree.node import TreeNode
+from kvscope.cache.tree.node import SlotNode
+
+N = TypeVar("N", bound=SlotNode)
 
 
 @dataclass(frozen=True)
 class EvictionPolicy:
     name: str
-    key: Callable[[TreeNode], Any]
+    key: Callable[[SlotNode], Any]
     monotone: bool
 
 
@@ -48,7 +50,7 @@ def get_policy(name: str) -> EvictionPolicy:
     return POLICIES[name]
 
 
-def depth_tokens(node: TreeNode) -> int:
+def depth_tokens(node: SlotNode) -> int:
     depth = 0
     while node.parent is not None:
         depth += len(node.value)
@@ -56,32 +58,32 @@ def depth_tokens(node: TreeNode) -> int:
     return depth
 
 
-class LeafHeap:
+class LeafHeap(Generic[N]):
     """Min-heap over evictable leaves with lazy refresh of stale keys."""
 
     def __init__(self, policy: EvictionPolicy, deeper_first: bool) -> None:
         self.policy = policy
         self.deeper_first = deeper_first
-        self.entries: list[tuple[Any, int, int, TreeNode]] = []
+        self.entries: list[tuple[Any, int, int, N]] = []
 
-    def entry(self, node: TreeNode) -> tuple[Any, int, int, TreeNode]:
+    def entry(self, node: N) -> tuple[Any, int, int, N]:
         tie = -depth_tokens(node) if self.deeper_first else 0
         return (self.policy.key(node), tie, node.id, node)
 
-    def push(self, node: TreeNode) -> None:
+    def push(self, node: N) -> None:
         """A node just became an evictable leaf (also mid-evict: a parent whose last child went)."""
         heapq.heappush(self.entries, self.entry(node))
 
-    def start(self, leaves: Collection[TreeNode]) -> None:
+    def start(self, leaves: Collection[N]) -> None:
         """Called at the start of each evict: rebuild when keys are not monotone or the heap bloated."""
         if not self.policy.monotone or len(self.entries) > 4 * len(leaves) + 64:
             self.rebuild(leaves)
 
-    def rebuild(self, leaves: Iterable[TreeNode]) -> None:
+    def rebuild(self, leaves: Iterable[N]) -> None:
         self.entries = [self.entry(n) for n in leaves]
         heapq.heapify(self.entries)
 
-    def pop(self, is_evictable_leaf: Callable[[TreeNode], bool]) -> TreeNode | None:
+    def pop(self, is_evictable_leaf: Callable[[N], bool]) -> N | None:
         """The leaf with the smallest current key, or None when none is left."""
         while self.entries:
             entry = heapq.heappop(self.entries)

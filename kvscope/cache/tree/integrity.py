@@ -13,14 +13,32 @@ NOTE: what is checked (IntegrityError with the numbers on the first failure):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, Protocol, Self
 
 import numpy as np
 
-from kvscope.cache.tree.node import TOKEN_BYTES, TreeNode
+from kvscope.cache.tree.node import TOKEN_BYTES
 from kvscope.mem import BaseTokenAllocator, IntegrityError
 
 
-def check_node_shape(node: TreeNode, start: int, page_size: int) -> None:
+class ShapedNode(Protocol):
+    """A node filed one per first page that holds device slots (the shape check reads these)."""
+
+    id: int
+    key: bytes
+    lock_ref: int
+
+    @property
+    def parent(self) -> Self | None: ...
+
+    @property
+    def children(self) -> dict[bytes, Self]: ...
+
+    @property
+    def value(self) -> Any: ...
+
+
+def check_node_shape(node: ShapedNode, start: int, page_size: int) -> None:
     ps = page_size
     parent = node.parent
     if parent is None or parent.children.get(node.key[: ps * TOKEN_BYTES]) is not node:

@@ -1,5 +1,6 @@
-"""Radix tree nodes, the node operations both radix families share (page-keyed compare,
-split, slots as a tensor, walk), and the views of a tree: text print and the flat node table.
+"""Radix tree nodes (NodeBase, what every family's node carries; TreeNode, the radix tree's),
+the node operations the families share (page-keyed compare, split, slots as a tensor, walk),
+and the views of a tree: text print and the flat node table.
 
 NOTE: `key` holds the node's token ids as int32 bytes (4 bytes a token), so a child is
 found by the bytes of its first page and a whole node is compared with one memcmp.
@@ -10,7 +11,8 @@ A node whose `parent` is None and is not the root has been deleted from the tree
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, Self, TypeVar
 
 import numpy as np
 import torch
@@ -20,60 +22,86 @@ from kvscope.telemetry import EventKind, Recorder
 
 TOKEN_BYTES = 4
 EMPTY_SLOTS = np.empty(0, dtype=np.int64)
-_node_ids = itertools.count()
+_node_ids = itertools.count()  # NOTE: one count for every family: ids in creation order, as captures store them
 
 
-class TreeNode:
-    __slots__ = (
-        "children",
-        "creation_time",
-        "hit_count",
-        "id",
-        "key",
-        "last_access_time",
-        "lock_ref",
-        "owner",
-        "parent",
-        "priority",
-        "swa_lock_id",
-        "swa_lock_ref",
-        "tombstone",
-        "value",
-        "visibility",
-    )
+class NodeBase:
+    """What every family's node carries: its identity, key, lock count and the fields the
+    eviction policies read. A family's node class adds its children, value and own state.
 
-    def __init__(self, key: bytes = b"", value: np.ndarray = EMPTY_SLOTS, now: float = 0.0) -> None:
+    NOTE: `parent` is None for the root and for a node deleted from the tree."""
+
+    __slots__ = ("creation_time", "hit_count", "id", "key", "last_access_time", "lock_ref", "owner", "parent",
+                 "priority")
+
+    def __init__(self, key: bytes = b"", now: float = 0.0) -> None:
         self.id = next(_node_ids)
-        self.parent: TreeNode | None = None
-        self.children: dict[bytes, TreeNode] = {}
+        self.parent: Self | None = None
         self.key = key
-        self.value = value
         self.lock_ref = 0
         self.last_access_time = now
         self.creation_time = now
         self.hit_count = 0
         self.priority = 0
         self.owner: str | None = None
-        self.visibility = "public"  # private / public / pinned: only the scoped radix cache sets another
-        # SWA radix only (kept here so one node type serves both trees)
-        self.swa_lock_ref = 0
-        self.swa_lock_id: int | None = None
-        self.tombstone = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.value)
 
     @property
     def key_len(self) -> int:
-        """Tokens in the key (equal to num_tokens wherever the node holds device slots)."""
+        """Tokens in the key (equal to the device slots wherever the node holds them)."""
         return len(self.key) // TOKEN_BYTES
 
     def token_ids(self) -> np.ndarray:
         return np.frombuffer(self.key, dtype=np.int32)
 
+
+class TreeNode(NodeBase):
+    """A node of the radix tree: one child per first page, one slot per key token."""
+
+    __slots__ = ("children", "value")
+
+    def __init__(self, key: bytes = b"", value: np.ndarray = EMPTY_SLOTS, now: float = 0.0) -> None:
+        super().__init__(key, now)
+        self.children: dict[bytes, Self] = {}
+        self.value = value
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.value)
+
     def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, tokens={len(self.value)}, lock_ref={self.lock_ref})"
+        return f"{type(self).__name__}(id={self.id}, tokens={len(self.value)}, lock_ref={self.lock_ref})"
+
+
+class SlotNode(Protocol):
+    """A node the shared machinery (core.py) reads: device slots in `value` (an int64 array on
+    every node it locks, evicts or counts)."""
+
+    id: int
+    key: bytes
+    lock_ref: int
+    last_access_time: float
+    creation_time: float
+    hit_count: int
+    priority: int
+    parent: Self | None
+    value: Any
+
+
+class FiledNode(Protocol):
+    """A node whose children are filed one per first page (every family but the scoped one)."""
+
+    id: int
+    key: bytes
+    lock_ref: int
+    hit_count: int
+
+    @property
+    def children(self) -> dict[bytes, Self]: ...
+
+
+T = TypeVar("T", bound=TreeNode)
+P = TypeVar("P", bound=SlotNode)
+F = TypeVar("F", bound=FiledNode)
 
 
 def common_page_len(node_key: bytes, key: bytes, pos: int, page_size: int) -> int:
@@ -86,28 +114,33 @@ def common_page_len(node_key: bytes, key: bytes, pos: int, page_size: int) -> in
     return shared // page_size * page_size
 
 
-def split_node(child: TreeNode, split_len: int, page_bytes: int, recorder: Recorder) -> TreeNode:
-    """Cut `child` after split_len tokens; the new upper node takes its place under the parent.
+def split_node(child: T, split_len: int, page_bytes: int, recorder: Recorder) -> T:
+    """Cut `child` after split_len tokens; the new upper node (of child's class) takes its place
+    under the parent.
 
-    NOTE: both halves keep the lock refs, the tombstone flag, the hit count, priority, owner,
-    visibility and creation time; the upper half takes the swa_lock_id (a window lock that ended at
-    child now ends at its upper half) and child's last_access_time.
+    NOTE: both halves keep the lock ref, the hit count, priority, owner and creation time; the
+    upper half takes child's last_access_time. A family with more state per node copies it after.
     """
     parent = child.parent
     assert parent is not None
     cut = split_len * TOKEN_BYTES
-    upper = TreeNode(child.key[:cut], child.value[:split_len], child.last_access_time)
-    upper.parent, upper.lock_ref, upper.swa_lock_ref = parent, child.lock_ref, child.swa_lock_ref
+    upper = type(child)(child.key[:cut], child.value[:split_len], child.last_access_time)
+    upper.parent, upper.lock_ref = parent, child.lock_ref
     upper.hit_count, upper.priority, upper.owner = child.hit_count, child.priority, child.owner
-    upper.creation_time, upper.tombstone = child.creation_time, child.tombstone
-    upper.visibility = child.visibility
-    upper.swa_lock_id, child.swa_lock_id = child.swa_lock_id, None
+    upper.creation_time = child.creation_time
     child.key, child.value, child.parent = child.key[cut:], child.value[split_len:], upper
     upper.children[child.key[:page_bytes]] = child
     parent.children[upper.key[:page_bytes]] = upper
     if recorder.enabled:
         recorder.record(EventKind.SPLIT, node_id=upper.id, num_tokens=split_len, aux=child.id)
     return upper
+
+
+def up_path(node: P) -> Iterator[P]:
+    """`node` and its ancestors up to the root, the root excluded (it has no parent)."""
+    while (parent := node.parent) is not None:
+        yield node
+        node = parent
 
 
 def foreign_tokens(node: TreeNode, user: str | None) -> int:
@@ -119,6 +152,22 @@ def foreign_tokens(node: TreeNode, user: str | None) -> int:
             num_tokens += len(node.value)
         node = node.parent
     return num_tokens
+
+
+class Filed(Protocol):
+    key: bytes
+
+    @property
+    def parent(self) -> Self | None: ...
+
+    @property
+    def children(self) -> dict[bytes, Self]: ...
+
+
+def detach_child(leaf: Filed, page_bytes: int) -> None:
+    """Take `leaf` out of its parent's children (one child per first page)."""
+    assert leaf.parent is not None
+    del leaf.parent.children[leaf.key[:page_bytes]]
 
 
 def slots_tensor(values: list[np.ndarray], device: torch.device) -> torch.Tensor:
@@ -136,50 +185,55 @@ def claim_slots(in_tree: np.ndarray, value: np.ndarray) -> None:
     in_tree[value] = True
 
 
-def node_values(root: TreeNode, live_only: bool = False) -> np.ndarray:
-    """The slots of every node but the root (live_only: of non-tombstone nodes), concatenated."""
-    values = [n.value for n, _, _ in walk(root) if n is not root and not (live_only and n.tombstone)]
-    return np.concatenate(values) if values else EMPTY_SLOTS
+def node_values(nodes: list[TreeNode]) -> np.ndarray:
+    """The slots of `nodes`, concatenated."""
+    return np.concatenate([n.value for n in nodes]) if nodes else EMPTY_SLOTS
 
 
-def walk(root: TreeNode) -> list[tuple[TreeNode, int, int]]:
+def walk(root: F) -> list[tuple[F, int, int]]:
     """(node, depth in nodes, depth in tokens at the node's start), depth-first, root first."""
-    out: list[tuple[TreeNode, int, int]] = []
-    stack: list[tuple[TreeNode, int, int]] = [(root, 0, 0)]
+    out: list[tuple[F, int, int]] = []
+    stack: list[tuple[F, int, int]] = [(root, 0, 0)]
     while stack:
         node, depth, start = stack.pop()
         out.append((node, depth, start))
-        end = start + node.key_len  # NOTE: from the key: a hiradix host-only node holds no device slots
+        end = start + len(node.key) // TOKEN_BYTES  # NOTE: from the key: a hiradix host-only node holds no device slots
         stack += [(c, depth + 1, end) for c in reversed(list(node.children.values()))]
     return out
 
 
-def preview(node: TreeNode, num_tokens: int) -> str:
+class Keyed(Protocol):
+    key: bytes
+
+
+def preview(node: Keyed, num_tokens: int) -> str:
     key = node.key
     ids = memoryview(key[: num_tokens * TOKEN_BYTES]).cast("i").tolist()  # NOTE: int32 tokens, as token_ids()
     return " ".join(map(str, ids)) + (" …" if len(key) > num_tokens * TOKEN_BYTES else "")
 
 
-def export_rows(root: TreeNode, preview_tokens: int = 8) -> list[NodeRow]:
-    """NOTE: positional NodeRow fields (a tree snapshot exports every node: it is on the engine's time)."""
+def export_rows(root: T, preview_tokens: int = 8, tombstone: Callable[[T], bool] | None = None) -> list[NodeRow]:
+    """NOTE: positional NodeRow fields (a tree snapshot exports every node: it is on the engine's time).
+    `tombstone`: the family's flag (a radix tree has none); visibility is public (no scopes)."""
     return [
         NodeRow(node.id, None if node.parent is None else node.parent.id, len(node.value),
                 preview(node, preview_tokens), node.lock_ref, node.last_access_time, node.hit_count, node.owner,
-                node.tombstone, start + len(node.value), node.visibility)
+                tombstone is not None and tombstone(node), start + len(node.value), "public")
         for node, _, start in walk(root)
     ]
 
 
-def render(root: TreeNode, preview_tokens: int = 6, extra: Any = None) -> str:
+def render(root: F, preview_tokens: int = 6, extra: Callable[[F], str] | None = None,
+           tombstone: Callable[[F], bool] | None = None) -> str:
     lines = []
     for node, depth, _ in walk(root):
         if node is root:
             lines.append(f"root [{node.id}]")
             continue
-        flags = " tombstone" if node.tombstone else ""
+        flags = " tombstone" if tombstone is not None and tombstone(node) else ""
         more = f" {extra(node)}" if extra else ""
         lines.append(
-            f"{'  ' * depth}[{node.id}] {node.key_len} tok lock={node.lock_ref} "
+            f"{'  ' * depth}[{node.id}] {len(node.key) // TOKEN_BYTES} tok lock={node.lock_ref} "
             f"hits={node.hit_count}{flags}{more}: {preview(node, preview_tokens)}"
         )
     return "\n".join(lines)

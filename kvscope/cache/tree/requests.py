@@ -1,5 +1,5 @@
 """Caching a request's KV in a radix tree (docs/memory-semantics.md §4.6-4.7, §5.4), SGLang's
-bookkeeping, shared by both radix families.
+bookkeeping, shared by the radix, SWA radix and two-tier families.
 
 NOTE: slot ranges of a request's row while it runs (p = cache_protected_len, e =
 swa_evicted_len, the SWA window frontier, meaningful for SWA trees only):
@@ -16,17 +16,19 @@ free_segments call.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 
 from kvscope.cache.base import CacheableRequest, CacheMisuseError, request_row
-from kvscope.cache.tree.node import TreeNode, slots_tensor
+from kvscope.cache.tree.node import slots_tensor
 from kvscope.mem import ReqToTokenPool, TokenAllocator
 
+NodeT = TypeVar("NodeT")
 
-class RequestTree(Protocol):
+
+class RequestTree(Protocol[NodeT]):
     """What request caching needs from a radix family."""
 
     page_size: int
@@ -41,14 +43,14 @@ class RequestTree(Protocol):
 
     def insert_finished(self, req: CacheableRequest, token_ids: np.ndarray, slots: torch.Tensor) -> int: ...
 
-    def walk_match(self, key: bytes, user: str | None = None) -> tuple[list[np.ndarray], TreeNode]: ...
+    def walk_match(self, key: bytes, user: str | None = None) -> tuple[list[np.ndarray], NodeT]: ...
 
-    def inc_lock_ref(self, node: TreeNode, rid: str | None = None) -> int | None: ...
+    def inc_lock_ref(self, node: NodeT, rid: str | None = None) -> int | None: ...
 
-    def dec_lock_ref(self, node: TreeNode, lock_id: int | None = None, rid: str | None = None) -> None: ...
+    def dec_lock_ref(self, node: NodeT, lock_id: int | None = None, rid: str | None = None) -> None: ...
 
 
-def cache_unfinished_req(tree: RequestTree, req: CacheableRequest, chunked: bool) -> None:
+def cache_unfinished_req(tree: RequestTree[Any], req: CacheableRequest, chunked: bool) -> None:
     """Insert the computed tokens, free the duplicates, repoint the row at the tree's slots,
     move the lock to the new last node."""
     ids = req.fill_ids
@@ -70,7 +72,7 @@ def cache_unfinished_req(tree: RequestTree, req: CacheableRequest, chunked: bool
     req.prefix_indices = torch.cat((new_slots, kv[key_len:]))
 
 
-def cache_finished_req(tree: RequestTree, req: CacheableRequest, is_insert: bool) -> None:
+def cache_finished_req(tree: RequestTree[Any], req: CacheableRequest, is_insert: bool) -> None:
     """Insert up to kv_committed_len (or not: retract, abort), free the duplicates and the
     sub-page tail (or everything beyond cache_protected_len), release the lock."""
     kv_len = req.kv_committed_len
