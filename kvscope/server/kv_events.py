@@ -197,7 +197,7 @@ def cached_pages(cache: Any, page_size: int, memo: NodeMemo | None = None) -> di
         return pages
     old_memo, new_memo = memo or {}, {}
     page_bytes = page_size * 4
-    stack: list[tuple[Any, bytes | None]] = [(child, None) for child in reversed(list(root.children.values()))]
+    stack: list[tuple[Any, bytes | None]] = [(child, None) for child in reversed(child_nodes(root))]
     while stack:
         node, parent_digest = stack.pop()
         key = node.key if isinstance(node.key, bytes) else bytes(node.key)
@@ -206,11 +206,23 @@ def cached_pages(cache: Any, page_size: int, memo: NodeMemo | None = None) -> di
         pages.update(node_pages)
         if len(key) % page_bytes or not node_pages:
             continue
-        stack += [(child, node_pages[-1][1].digest) for child in reversed(list(node.children.values()))]
+        stack += [(child, node_pages[-1][1].digest) for child in reversed(child_nodes(node))]
     if memo is not None:  # NOTE: only the nodes still in the tree stay
         memo.clear()
         memo.update(new_memo)
     return pages
+
+
+def child_nodes(node: Any) -> list[Any]:
+    """A node's children. NOTE: the scoped tree files a list of copies (one per principal set) under
+    each first page; copies of one page share its block hash, which stays stored while any copy holds it."""
+    out: list[Any] = []
+    for child in node.children.values():
+        if isinstance(child, list):
+            out.extend(child)
+        else:
+            out.append(child)
+    return out
 
 
 def node_page_list(key: bytes, page_bytes: int, parent_digest: bytes | None) -> NodePages:

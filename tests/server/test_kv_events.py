@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 
-from kvscope.engine import Engine, EngineConfig, PoolConfig, Req
+from kvscope.engine import CacheConfig, Engine, EngineConfig, PoolConfig, Req
 from kvscope.server.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -153,6 +153,21 @@ def test_block_hashes_are_sglangs_on_the_same_tokens(name: str) -> None:
     first = node_page_list(token_bytes(tokens[:8]), PAGE_SIZE * 4, None)
     rest = node_page_list(token_bytes(tokens[8:]), PAGE_SIZE * 4, first[-1][1].digest)
     assert first + rest == whole
+
+
+def test_the_scoped_trees_copies_are_published_by_their_shared_hashes() -> None:
+    """The scoped tree files a list of copies under a first page (one per principal set); walking it
+    as one child per page crashed the scheduler of `serve --cache scoped-radix --kv-events-config`."""
+    config = EngineConfig(pool=ENGINE.pool, cache=CacheConfig(kind="scoped-radix", promote_k=None), device="cpu",
+                          strict=True)
+    engine = Engine(config, MODEL)
+    prompt = np.array(SGLANG_VECTORS["trunk"][0], dtype=np.int32)
+    engine.run([Req("alice", prompt, 2, user="alice"), Req("bob", prompt, 2, user="bob")])
+    copies = [child for child in engine.memory.cache.root.children.values() if isinstance(child, list)]
+    assert copies and max(len(c) for c in copies) == 2, "each user holds a private copy of the prompt"
+    pages = expected_pages(engine)
+    hashes = SGLANG_VECTORS["trunk"][1]
+    assert set(hashes) <= set(pages) and [pages[h][0] for h in hashes] == [None, *hashes[:-1]]
 
 
 def test_a_subscriber_rebuilds_the_cache_pages_and_replay_fills_what_it_missed(short_dir: Path) -> None:  # noqa: F811
