@@ -1,8 +1,9 @@
 """`kvscope instrument -- CMD...`: run a real engine with kvscope's probe recording inside it, the
 way `opentelemetry-instrument` and `ddtrace-run` do: set the environment, then exec the command.
 
-The probe itself is loaded by the engine (vLLM's `vllm.general_plugins` entry point, which needs
-kvscope installed in the engine's venv: docs/probe.md); this verb only says where it records.
+The probe itself is loaded by the engine (vLLM's `vllm.general_plugins` entry point, SGLang's
+`sglang.srt.plugins` one; each needs kvscope installed in the engine's venv: docs/probe.md); this verb
+only says where it records.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ def instrument_env(capture: str, level: str, environ: dict[str, str], python: st
     plugins = environ.get("VLLM_PLUGINS")
     if plugins is not None and PLUGIN_NAME not in [p.strip() for p in plugins.split(",")]:
         raise ValueError(f"VLLM_PLUGINS={plugins!r} would keep vLLM from loading the probe: add {PLUGIN_NAME} to it")
+    sglang_plugins = environ.get("SGLANG_PLUGINS")  # NOTE: SGLang's allowlist; unset or empty loads every plugin
+    if sglang_plugins and PLUGIN_NAME not in [p.strip() for p in sglang_plugins.split(",")]:
+        raise ValueError(f"SGLANG_PLUGINS={sglang_plugins!r} would keep SGLang from loading the probe: add "
+                         f"{PLUGIN_NAME} to it")
     return {**environ, "KVSCOPE_CAPTURE": capture, "KVSCOPE_LEVEL": level, "KVSCOPE_PYTHON": python}
 
 
