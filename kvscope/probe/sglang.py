@@ -14,8 +14,7 @@ ids, num_tokens = pages x page size; rid = the request the probe's context names
     free     _release_page_ids (the one sink every paged free passes through, groups included), the
              token allocator's free outside a free group: the pages back in the free list
     bind     ScheduleBatch.prepare_for_extend / prepare_for_decode: each request's row pages are its
-             own (the ledger's taker becomes that request; an event `lock` with reason none is not
-             written: binding is ledger-only)
+             own (the ledger's taker becomes that request; no event: the alloc was recorded already)
     match    match_prefix: num_tokens = hit tokens, aux = missed tokens
     insert   insert: num_tokens = the tokens the request added to the tree
     lock / unlock  inc_lock_ref / dec_lock_ref: node_id = the node (the lock ledger's holder)
@@ -88,6 +87,7 @@ class SglangProbe:
         self.censuses = 0
         self.census_step = -1
         self.roots: dict[int, Any] = {}  # id(tree) -> its root handle
+        self.pending: list[tuple[bool, Any, str | None, int, str, Any]] = []  # allocator calls not yet drained
 
     # -- the recorder ---------------------------------------------------------------------------
 
@@ -118,6 +118,7 @@ class SglangProbe:
     def next_step(self) -> None:
         rec = self.recorder()
         if rec is not None:
+            self.drain()
             rec.step = rec.step + 1
             self.step = rec.step
 
@@ -126,30 +127,41 @@ class SglangProbe:
 
     # -- the ledger -----------------------------------------------------------------------------
 
-    def took(self, allocator: Any, pages: list[int], event: str, rid: str | None) -> None:
+    def took(self, allocator: Any, pages: list[int], event: str, rid: str | None, step: int | None = None) -> None:
         pool = self.pool_of(allocator)
-        taken = (rid, self.step, event)
+        taken = (rid, self.step if step is None else step, event)
         takers = self.takers[pool]
         for page in pages:
             takers[page] = taken
         self.busy = True
         if self.emit is not None and event != "bind":
-            self.emit((self.step, _monotonic(), ALLOC_V, pool, rid, None, len(pages) * allocator.page_size, 0, None,
+            self.emit((taken[1], _monotonic(), ALLOC_V, pool, rid, None, len(pages) * allocator.page_size, 0, None,
                        None, tuple(pages)))
 
-    def released(self, allocator: Any, pages: list[int]) -> None:
+    def released(self, allocator: Any, pages: list[int], entry: tuple[str | None, int, str]) -> None:
         pool = self.pool_of(allocator)
-        entry = (self.rid, self.step, self.event)
         releasers = self.releasers[pool]
         for page in pages:
             releasers[page] = entry
         self.busy = True
         if self.emit is not None:
-            self.emit((self.step, _monotonic(), FREE_V, pool, self.rid, None, len(pages) * allocator.page_size, 0,
+            self.emit((entry[1], _monotonic(), FREE_V, pool, entry[0], None, len(pages) * allocator.page_size, 0,
                        None, None, tuple(pages)))
+
+    def drain(self) -> None:
+        """The allocator calls recorded since the last drain, in order, into the ledger and events."""
+        pending, self.pending = self.pending, []
+        for is_alloc, allocator, rid, step, event, tensor in pending:
+            values = tensor.tolist()
+            if is_alloc:
+                ps = allocator.page_size
+                self.took(allocator, values if ps == 1 else sorted({v // ps for v in values}), event, rid, step)
+            else:
+                self.released(allocator, values, (rid, step, event))
 
     def bind_requests(self, reqs: Any, rows: Any, page_size: int, allocator: Any, event: str) -> None:
         """Each request's row pages are its own (after prepare_for_extend / prepare_for_decode)."""
+        self.drain()
         table = rows.req_to_token
         for req in reqs:
             kv = req.kv
@@ -184,6 +196,7 @@ class SglangProbe:
         rec = self.recorder()
         if rec is None:
             return None
+        self.drain()
         self.busy = False
         self.censuses += 1
         if rec.step == self.census_step:  # NOTE: one census per step (a second idle point without a step between)
@@ -253,36 +266,34 @@ def _ready() -> bool:
     return probe.state.active and (probe.hot or probe.recorder() is not None)
 
 
+# NOTE: the allocator hooks are hot (every alloc and free of every step): they only append the call's
+# fresh index tensor (SGLang builds a new one per alloc and per release, never writes it again) with
+# who and when to PROBE.pending; `drain` turns them into ledger entries and events at the next step,
+# bind or census, in one pass. Reading a tensor's values costs more than the whole hook otherwise.
+
+
 def _h_alloc(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
     out = original(self, *args, **kwargs)
-    if out is not None and PROBE.state.active:
-        try:
-            if _ready():
-                ps = self.page_size
-                slots = out.tolist()
-                pages = slots if ps == 1 else sorted({s // ps for s in slots})
-                PROBE.took(self, pages, "alloc", PROBE.rid)
-        except Exception as err:
-            _failed(err)
+    probe = PROBE
+    if out is not None and probe.state.active and (probe.hot or _ready()):
+        probe.pending.append((True, self, probe.rid, probe.step, "alloc", out))
     return out
 
 
 def _h_release_pages(original: Callable[..., Any], self: Any, *page_ids: Any) -> Any:
-    if PROBE.state.active:
-        try:
-            if _ready():
-                pages = [p for ids in page_ids for p in ids.tolist()]
-                PROBE.released(self, pages)
-        except Exception as err:
-            _failed(err)
+    probe = PROBE
+    if probe.state.active and (probe.hot or _ready()):
+        for ids in page_ids:
+            probe.pending.append((False, self, probe.rid, probe.step, probe.event, ids))
     return original(self, *page_ids)
 
 
 def _h_token_free(original: Callable[..., Any], self: Any, free_index: Any) -> Any:
     if self.free_group is None and PROBE.state.active:  # NOTE: in a group, free_group_end calls free again
         try:
-            if _ready() and free_index.numel():
-                PROBE.released(self, free_index.tolist())
+            if _ready() and free_index.numel():  # NOTE: eager: a page-size-1 free may pass a view of a row
+                PROBE.drain()
+                PROBE.released(self, free_index.tolist(), (PROBE.rid, PROBE.step, PROBE.event))
         except Exception as err:
             _failed(err)
     return original(self, free_index)
@@ -335,21 +346,28 @@ def _in_context(rid: str | None, event: str, call: Callable[[], Any]) -> Any:
 def _h_match(original: Callable[..., Any], self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
     if not PROBE.state.active:
         return original(self, params, *args, **kwargs)
-    req = getattr(params, "req", None)
-    rid = req.rid if req is not None else PROBE.rid
-    result = _in_context(rid, "match", lambda: original(self, params, *args, **kwargs))
+    probe = PROBE
+    req = params.req
+    rid = req.rid if req is not None else probe.rid
+    saved = probe.rid, probe.event
+    probe.rid, probe.event = rid, "match"
     try:
-        if _ready():
+        result = original(self, params, *args, **kwargs)
+    finally:
+        probe.rid, probe.event = saved
+    if req is None:  # NOTE: a tree's own re-match (checkpoint) is no request's query
+        return result
+    try:
+        if probe.hot or _ready():
             hit, asked = int(result.device_prefix_len), len(params.key)
-            PROBE.rid = rid if req is not None else PROBE.rid  # NOTE: the matched request's allocs follow
-            if req is not None:
-                c = PROBE.cum
-                c["prompt"] += asked
-                c["hit"] += hit
-                c["requests"] += 1
-                c["hit_requests"] += hit > 0
-            if PROBE.emit is not None and req is not None:  # NOTE: a tree's own re-match (checkpoint) is no query
-                PROBE.emit((PROBE.step, _monotonic(), MATCH_V, "full", rid, None, hit, max(asked - hit, 0), None,
+            probe.rid = rid  # NOTE: sticky: the matched request's allocations follow (bind corrects a batch's)
+            c = probe.cum
+            c["prompt"] += asked
+            c["hit"] += hit
+            c["requests"] += 1
+            c["hit_requests"] += hit > 0
+            if probe.emit is not None:
+                probe.emit((probe.step, _monotonic(), MATCH_V, "full", rid, None, hit, max(asked - hit, 0), None,
                             None, None))
     except Exception as err:
         _failed(err)
@@ -387,14 +405,21 @@ def _h_evict(original: Callable[..., Any], self: Any, params: Any, *args: Any, *
 
 def _h_inc_lock(original: Callable[..., Any], self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
     result = original(self, node, *args, **kwargs)
-    if PROBE.state.active:
+    probe = PROBE
+    if probe.state.active:
         try:
-            if _ready() and not _is_root(self, node):
-                key = _node(node)
-                PROBE.lock(key, PROBE.rid)
-                if PROBE.emit is not None:
-                    PROBE.emit((PROBE.step, _monotonic(), LOCK_V, "full", PROBE.rid, key, _delta(result), 0, None,
-                                None, None))
+            if probe.hot or _ready():
+                key = node if type(node) is int else node.id  # NOTE: a NodeId (unified) or a TreeNode (classic)
+                if key != probe.roots.get(id(self)) and not _is_root(self, node):
+                    rid = probe.rid
+                    held = probe.locks.get(key)
+                    if held is None:
+                        probe.locks[key] = [(rid, probe.step)]
+                    else:
+                        held.append((rid, probe.step))
+                    if probe.emit is not None:
+                        moved = -(getattr(result, "delta", 0) or 0)
+                        probe.emit((probe.step, _monotonic(), LOCK_V, "full", rid, key, moved, 0, None, None, None))
         except Exception as err:
             _failed(err)
     return result
@@ -402,14 +427,17 @@ def _h_inc_lock(original: Callable[..., Any], self: Any, node: Any, *args: Any, 
 
 def _h_dec_lock(original: Callable[..., Any], self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
     result = original(self, node, *args, **kwargs)
-    if PROBE.state.active:
+    probe = PROBE
+    if probe.state.active:
         try:
-            if _ready() and not _is_root(self, node):
-                key = _node(node)
-                PROBE.unlock(key, PROBE.rid)
-                if PROBE.emit is not None:
-                    PROBE.emit((PROBE.step, _monotonic(), UNLOCK_V, "full", PROBE.rid, key, _delta(result), 0, None,
-                                None, None))
+            if probe.hot or _ready():
+                key = node if type(node) is int else node.id
+                if key != probe.roots.get(id(self)) and not _is_root(self, node):
+                    probe.unlock(key, probe.rid)
+                    if probe.emit is not None:
+                        moved = getattr(result, "delta", 0) or 0
+                        probe.emit((probe.step, _monotonic(), UNLOCK_V, "full", probe.rid, key, moved, 0, None, None,
+                                    None))
         except Exception as err:
             _failed(err)
     return result
@@ -475,7 +503,7 @@ def _record_request(req: Any) -> None:
 
 def _h_on_idle(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
     result = original(self, *args, **kwargs)  # NOTE: SGLang's own check first (it may raise: _report_leak)
-    if PROBE.state.active and PROBE.busy:
+    if PROBE.state.active and (PROBE.busy or PROBE.pending):
         with guarded(PROBE.state):
             checker = self.invariant_checker
             PROBE.census(self.tree_cache, self.req_to_token_pool, checker._requests_owning_rows(), why="idle")
@@ -496,16 +524,13 @@ def _is_root(tree: Any, node: Any) -> bool:
     roots = PROBE.roots
     root = roots.get(id(tree))
     if root is None:
-        root = roots[id(tree)] = tree.root_node_handle()
-    return node is root or (isinstance(node, int) and node == root)
+        handle = tree.root_node_handle()
+        root = roots[id(tree)] = handle if isinstance(handle, int) else handle.id
+    return (node if isinstance(node, int) else node.id) == root
 
 
 def _node(node: Any) -> Any:
     return node if isinstance(node, int) else getattr(node, "id", None)
-
-
-def _delta(result: Any) -> int:
-    return abs(int(getattr(result, "delta", 0) or 0))
 
 
 def _tokens(result: Any) -> int:

@@ -157,8 +157,10 @@ class Engine:
         if leak:
             try:
                 self.checker._report_leak("pool", line)
-            except ValueError as err:
+            except ValueError as err:  # NOTE: into the log as a scheduler's traceback ends (report engine-log reads it)
                 raised = str(err).splitlines()[0]
+                print(f"Scheduler hit an exception: Traceback (most recent call last):\nValueError: {err}",
+                      file=sys.stderr, flush=True)
         census = None
         if not leak:
             probe.PROBE.busy = True

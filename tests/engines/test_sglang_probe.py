@@ -98,6 +98,12 @@ def test_a_forgotten_tail_page_is_named_with_its_request_before_sglang_raises(tm
     report = kvscope("report", "leaks", str(capture))
     assert "first failure at step 10" in report.stdout and "verdict: leak (kvscope check exits 1)" in report.stdout
     assert "suspect requests" in report.stdout and "req-C" in report.stdout
+    log = tmp_path / "server.log"  # the process's stderr: the probe's line, then SGLang's own message
+    log.write_text(result["stderr"])
+    explained = kvscope("report", "engine-log", str(log))
+    assert "pool memory leak detected!" in explained.stdout and "cannot tell" not in explained.stdout
+    assert f"culprits: kvscope report leaks {capture} --run 1" in explained.stdout
+    assert "last taken by request req-C (decode at step 9)" in explained.stdout
 
 
 def test_a_leaked_lock_sglangs_identity_passes_is_named(tmp_path: Path) -> None:
