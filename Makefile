@@ -9,7 +9,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvscope-installed
 
-.PHONY: run demo test test-engines sglang-518-src lint typecheck unit bench samples clean install
+.PHONY: run demo test test-engines sglang-518-src sglang-venv lint typecheck unit bench samples clean install
 
 install: $(STAMP)
 
@@ -87,11 +87,37 @@ $(SGLANG_518_STAMP): $(STAMP)
 	@cd $(SGLANG_518_SRC) && $(abspath $(BIN))/python -m zipfile -e wheel/sglang-0.5.18-*.whl .
 	@touch $(SGLANG_518_STAMP)
 
+# SGLang 0.5.23 in a venv of its own outside the repository, for the probe's tests on SGLang's real memory
+# classes (tests/engines/test_sglang_probe.py). No GPU closure: sglang with --no-deps, then only the packages its
+# memory, plugin and scheduler modules import (about 3 minutes and 1.5 GB the first time). Its GPU-only imports
+# (triton, tvm_ffi, torchvision, ...) are import-only stand-ins in tests/engines/sglang_standins/, put on the
+# path by the tests, never installed here.
+SGLANG_VENV  ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvscope/sglang-venv
+SGLANG_STAMP := $(SGLANG_VENV)/.kvscope-sglang-installed
+SGLANG_PIP   := $(SGLANG_VENV)/bin/python -m pip install --disable-pip-version-check --progress-bar off
+SGLANG_DEPS  := numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm \
+	transformers==5.19.0 openai dill sentencepiece gguf setproctitle einops uvicorn fastapi opentelemetry-api \
+	interegular partial_json_parser
+
+sglang-venv: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP):
+	@echo "kvscope: setting up SGLang 0.5.23 in $(SGLANG_VENV) (first time only, a few minutes)"
+	@test -x $(SGLANG_VENV)/bin/python || { echo "  [1/3] creating the virtual environment"; \
+		$(PYTHON) -m venv $(SGLANG_VENV); }
+	@echo "  [2/3] installing torch==2.13.0 (CPU wheel) and the packages SGLang's memory modules import"
+	@$(SHOW) $(SGLANG_PIP) torch==2.13.0 $(SGLANG_DEPS)
+	@echo "  [3/3] installing sglang==0.5.23 without its dependencies"
+	@$(SHOW) $(SGLANG_PIP) --no-deps sglang==0.5.23
+	@touch $(SGLANG_STAMP)
+
 # NOTE: kvscope goes into the vLLM venv with --no-deps (its probe is a vllm.general_plugins entry point; none
 # of vLLM's packages change: tests/engines/test_vllm_probe.py checks) and without build isolation (offline)
-test-engines: $(STAMP) $(VLLM_STAMP) $(SGLANG_518_STAMP)
+test-engines: $(STAMP) $(VLLM_STAMP) $(SGLANG_518_STAMP) $(SGLANG_STAMP)
 	@$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
-	KVSCOPE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVSCOPE_SGLANG_518_SRC=$(SGLANG_518_SRC) $(BIN)/pytest -m engines
+	@$(SGLANG_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+	KVSCOPE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVSCOPE_SGLANG_518_SRC=$(SGLANG_518_SRC) \
+		KVSCOPE_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python $(BIN)/pytest -m engines
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/gen_traces.py

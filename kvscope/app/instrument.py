@@ -1,10 +1,10 @@
 """`kvscope instrument -- CMD...`: run a real engine with kvscope's probe recording inside it, the
 way `opentelemetry-instrument` and `ddtrace-run` do: set the environment, then exec the command.
 
-The probe itself is loaded by the engine (vLLM's `vllm.general_plugins` entry point, which needs
-kvscope installed in the engine's venv: docs/probe.md); this verb says where it records and makes
-VLLM_PLUGINS name kvscope, since vLLM loads the `GET /kvscope/census` route (an endpoint plugin) only
-when that allowlist names it (vllm/plugins/__init__.py, load_endpoint_plugins).
+The probe itself is loaded by the engine (vLLM's `vllm.general_plugins` entry point, SGLang's
+`sglang.srt.plugins` one; each needs kvscope installed in the engine's venv: docs/probe.md); this verb
+says where it records and makes VLLM_PLUGINS name kvscope, since vLLM loads the `GET /kvscope/census`
+route (an endpoint plugin) only when that allowlist names it (vllm/plugins/__init__.py, load_endpoint_plugins).
 
 NOTE: VLLM_PLUGINS (vLLM splits it on "," and loads a plugin of any group only if its name is listed)
     set, without kvscope   kvscope is appended: the user's plugins stay, the probe and its route load
@@ -14,6 +14,8 @@ NOTE: VLLM_PLUGINS (vLLM splits it on "," and loads a plugin of any group only i
                            VLLM_PLUGINS to them plus kvscope, so nothing vLLM loaded before is dropped.
                            A command whose interpreter it cannot tell (a binary, `env python`, docker)
                            keeps it unset: the probe records, the route is off (the line says so).
+NOTE: SGLANG_PLUGINS (SGLang strips the names; unset or empty loads every plugin): a list without kvscope
+    gets kvscope appended, as VLLM_PLUGINS does.
 """
 
 from __future__ import annotations
@@ -51,7 +53,11 @@ def instrument_env(capture: str, level: str, environ: dict[str, str], python: st
     """The command's environment: the capture, the level, and the interpreter of the recorder's host."""
     if "://" not in capture:
         capture = str(Path(capture).resolve())
-    return {**environ, "KVSCOPE_CAPTURE": capture, "KVSCOPE_LEVEL": level, "KVSCOPE_PYTHON": python}
+    env = {**environ, "KVSCOPE_CAPTURE": capture, "KVSCOPE_LEVEL": level, "KVSCOPE_PYTHON": python}
+    sglang_plugins = environ.get("SGLANG_PLUGINS")  # NOTE: SGLang's allowlist; unset or empty loads every plugin
+    if sglang_plugins and PLUGIN_NAME not in [p.strip() for p in sglang_plugins.split(",")]:
+        env["SGLANG_PLUGINS"] = f"{sglang_plugins},{PLUGIN_NAME}"  # as VLLM_PLUGINS: the user's plugins stay
+    return env
 
 
 def with_plugins(plugins: str | None, engine_plugins: list[str] | None) -> str | None:

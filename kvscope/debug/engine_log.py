@@ -67,6 +67,9 @@ _UAF = re.compile(r"(\d+) owner page refs .*?sample pages=(\[[^\]]*\])")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _PAGE_SIZE = re.compile(r"\bpage_size=(\d+)")
 _DFREE = re.compile(r"sub-pool (\d+) has (\d+) duplicate pages")
+# NOTE: the line kvscope's SGLang probe prints into the same log when its page census fails (probe/sglang_census.py)
+_PROBE_CENSUS = re.compile(r"kvscope probe: page census \((?P<why>[^)]*)\) at step (?P<step>\d+), "
+                           r"capture (?P<capture>.+?)(?: run (?P<run>\d+))?: (?P<text>\[[\w-]+\] .*)$")
 # NOTE: full names whose meaning their last part does not carry (0.4.6's split of available_size)
 _SPECIAL_ROLES = {"self.token_to_kv_pool_allocator.available_size()": ("full", "free_detail"),
                   "self.tree_cache.evictable_size()": ("full", "evictable_detail")}
@@ -150,12 +153,30 @@ class EngineLeak:
 
 
 @dataclass
+class ProbeCensus:
+    """A failed page census kvscope's probe printed into the log: the capture that holds it, and its
+    violation (the pages, the requests that held them, when)."""
+
+    line: int
+    step: int
+    capture: str
+    run_id: int | None
+    text: str
+    capture_exists: bool
+
+    def command(self) -> str:
+        run = f" --run {self.run_id}" if self.run_id is not None else ""
+        return f"kvscope report leaks {self.capture}{run}"
+
+
+@dataclass
 class EngineLogReport:
     log: str
     lines_read: int = 0
     leaks: list[EngineLeak] = field(default_factory=list)
     crash_lines: list[tuple[int, str]] = field(default_factory=list)  # (line, text), the first MAX_CRASH_LINES
     page_size: int | None = None  # from the server's `server_args=ServerArgs(…)` line, when the log has it
+    probe: list[ProbeCensus] = field(default_factory=list)  # the probe's failed censuses, when it ran
 
     def to_dict(self) -> dict[str, Any]:
         messages = []
@@ -165,9 +186,12 @@ class EngineLogReport:
                                "words": pool.words() or "balanced"} for pool in leak.pools]
             messages.append({"index": index, **entry, "cannot_tell": cannot_tell(leak),
                              "next_step": next_step(leak, self.page_size)})
-        return {"log": self.log, "lines_read": self.lines_read, "page_size": self.page_size, "messages": messages,
-                "crash_lines": [{"line": line, "text": text} for line, text in self.crash_lines],
-                "verdict": "leak" if self.leaks else "none"}
+        shape = {"log": self.log, "lines_read": self.lines_read, "page_size": self.page_size, "messages": messages,
+                 "crash_lines": [{"line": line, "text": text} for line, text in self.crash_lines],
+                 "verdict": "leak" if self.leaks or self.probe else "none"}
+        if self.probe:  # NOTE: only a log kvscope's probe wrote into has the key
+            shape["probe"] = [{**asdict(found), "command": found.command()} for found in self.probe]
+        return shape
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -259,6 +283,8 @@ def scan(lines: Iterable[str], log: str = "-") -> EngineLogReport:
         if "server_args=" in raw and report.page_size is None:
             found = _PAGE_SIZE.search(raw)
             report.page_size = int(found.group(1)) if found else None
+        if "kvscope probe: page census" in raw:
+            _probe_line(report, raw, number)
         current = _open(raw, number, stamped, previous) if "etected!" in raw or "KV " in raw else None
         if current is None and len(report.crash_lines) < MAX_CRASH_LINES and _crash(raw):
             report.crash_lines.append((number, split_prefix(raw.rstrip("\r\n")).body.strip()))
@@ -267,6 +293,17 @@ def scan(lines: Iterable[str], log: str = "-") -> EngineLogReport:
     if current is not None:
         _close(report, current)
     return report
+
+
+def _probe_line(report: EngineLogReport, raw: str, number: int) -> None:
+    found = _PROBE_CENSUS.search(split_prefix(raw.rstrip("\r\n")).body)
+    if found is None:
+        return
+    capture = found.group("capture")
+    exists = "://" in capture or Path(capture).is_file()
+    report.probe.append(ProbeCensus(number, int(found.group("step")), capture,
+                                    int(found.group("run")) if found.group("run") else None, found.group("text"),
+                                    exists))
 
 
 def _crash(raw: str) -> bool:
@@ -561,7 +598,8 @@ def _raised(leak: EngineLeak) -> str:
             "log": "logged: strict mode was off, so the server went on"}[leak.raised_as]
 
 
-def leak_lines(index: int, leak: EngineLeak, page_size: int | None = None) -> list[str]:
+def leak_lines(index: int, leak: EngineLeak, page_size: int | None = None,
+               probe: list[ProbeCensus] | None = None) -> list[str]:
     lines = [f"  {index}. line {leak.line}, {_when(leak)}: {leak.anchor} — SGLang {leak.version_family} text, "
              f"{leak.check} check; {_raised(leak)}"]
     lines += [f"       {pool.line()}" for pool in leak.pools]
@@ -570,9 +608,21 @@ def leak_lines(index: int, leak: EngineLeak, page_size: int | None = None) -> li
     if leak.pages:
         lines.append("     " + ", ".join(f"{name}={value}" for name, value in leak.pages.items()))
     lines += [f"     note: {note}" for note in leak.notes]
-    lines.append(f"     cannot tell: {cannot_tell(leak)}")
-    lines.append(f"     to find out: {next_step(leak, page_size)}")
+    named = _probe_for(leak, probe or [])
+    if named is None:
+        lines.append(f"     cannot tell: {cannot_tell(leak)}")
+        lines.append(f"     to find out: {next_step(leak, page_size)}")
+        return lines
+    lines.append(f"     kvscope's probe (line {named.line}, step {named.step}): {named.text}")
+    where = named.command() if named.capture_exists else f"{named.command()} (the capture is not on this machine)"
+    lines.append(f"     culprits: {where}")
     return lines
+
+
+def _probe_for(leak: EngineLeak, probe: list[ProbeCensus]) -> ProbeCensus | None:
+    """The probe's census printed closest before the message (the probe writes it first), else after."""
+    before = [found for found in probe if found.line <= leak.line]
+    return before[-1] if before else probe[0] if probe else None
 
 
 def _why(pool: PoolTerms) -> str:
@@ -599,10 +649,15 @@ def render_text(report: EngineLogReport) -> str:
     lines += [f"crash: line {line}: {text[:160]}" for line, text in report.crash_lines[:3]]
     for index, leak in enumerate(report.leaks, 1):
         if leak.repeat_of is None:
-            lines += leak_lines(index, leak, report.page_size)
+            lines += leak_lines(index, leak, report.page_size, report.probe)
             again = [str(other.line) for other in report.leaks if other.repeat_of == index]
             if again:
                 lines.append(f"     the same message again on line{'s' if len(again) > 1 else ''} {', '.join(again)}")
-    verdict = "leak" if report.leaks else "none"
+    if report.probe and not report.leaks:
+        lines.append(f"kvscope's probe: {len(report.probe)} failed page census(es) SGLang's own check did not report "
+                     "(its count identity passed)")
+        lines += [f"  line {found.line}, step {found.step}: {found.text}; culprits: {found.command()}"
+                  for found in report.probe[:3]]
+    verdict = "leak" if report.leaks or report.probe else "none"
     lines.append(f"verdict: {verdict}")
     return "\n".join(lines)

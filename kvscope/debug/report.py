@@ -36,6 +36,9 @@ PRODUCER = f"kvscope {__version__} / leak report 1"  # a stored report from anot
 PROBE_NOTE = ("recorded inside the engine by kvscope's probe: its idle census checks every block's ref count "
               "against the scheduler's block tables and names the request that last took a leaked block; the "
               "engine's ref-counted blocks are not replayed through kvscope's slot ledger")
+PAGE_PROBE_NOTE = ("recorded inside the engine by kvscope's probe: its idle page census checks that every page is "
+                   "exactly one of free, in the tree, or in a live request's row, and names the request that last "
+                   "took a leaked page; the engine's pages are not replayed through kvscope's slot ledger")
 SUMMARY_NOTE = ("recorded at level summary: the capture holds no slot indices, so this report works from the "
                 "leak checks and the requests table only (record with --level full for slots and culprits)")
 
@@ -194,7 +197,7 @@ def build_report(target: str | Path, run_id: int | None = None, *, on_progress: 
         report.last_step = None if pd.isna(last_step) else int(last_step)
         requests = capture.requests(report.run_id)
         if report.level != "full" or report.probe is not None:
-            report.note = SUMMARY_NOTE if report.probe is None else PROBE_NOTE
+            report.note = SUMMARY_NOTE if report.probe is None else PAGE_PROBE_NOTE if _pages(report) else PROBE_NOTE
             report.onset_step = report.first_failure_step
             report.suspects = _suspects(requests, report)
             return report
@@ -428,7 +431,8 @@ def _leaks_line(report: LeakReport) -> str:
     if report.first_failure_step is not None:
         if report.probe is not None:
             return (f"leaks: the census of the {report.probe} probe failed at step {report.first_failure_step}; "
-                    "the check above names the blocks and the request that last took each")
+                    f"the check above names the {'pages' if _pages(report) else 'blocks'} and the request that last "
+                    "took each")
         if report.level != "full":
             return (f"leaks: the leak check failed at step {report.first_failure_step} "
                     f"({_gap(report.first_failure)}), but this capture is at level {report.level}, so it has no "
@@ -498,12 +502,23 @@ def verdict(report: LeakReport) -> Verdict:
                        "inconclusive: the run finished without reaching an idle point, so no leak check ran")
     if report.probe is not None:
         return Verdict("clean", CHECK_EXIT_CODES["clean"], f"clean: {_checks(report.checks_run)} of the "
-                       f"{report.probe} probe's block census held (every block's references accounted for)")
+                       f"{report.probe} probe's {_census_words(report)})")
     if report.level != "full":
         return Verdict("clean", CHECK_EXIT_CODES["clean"], f"clean: {_checks(report.checks_run)} balanced "
                        f"(level {report.level}: no slot ledger to look further)")
     return Verdict("clean", CHECK_EXIT_CODES["clean"], f"clean: {_checks(report.checks_run)} balanced, "
                    "no orphaned slots, double frees or held locks")
+
+
+def _pages(report: LeakReport) -> bool:
+    """The probe's census counts pages (SGLang's), not ref-counted blocks (vLLM's)."""
+    return bool(report.probe and report.probe.startswith("sglang"))
+
+
+def _census_words(report: LeakReport) -> str:
+    if _pages(report):
+        return "page census held (every page free, in the tree or in a live request's row, exactly once"
+    return "block census held (every block's references accounted for"
 
 
 def _checks(count: int) -> str:

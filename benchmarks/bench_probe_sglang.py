@@ -1,0 +1,143 @@
+"""The SGLang probe's cost on SGLang 0.5.23's real classes: µs per allocator and per tree operation,
+plain vs hooked at level summary and full, recording into a real capture.
+
+    KVSCOPE_PYTHON=.venv/bin/python PYTHONPATH=. ~/.cache/kvscope/sglang-venv/bin/python -W ignore \\
+        benchmarks/bench_probe_sglang.py
+
+NOTE: two rounds, timed apart.
+    allocator  PagedTokenToKVPoolAllocator (page size 4, 4096 pages): alloc(16 tokens) then free of
+               them (free -> _release_page_ids): 2 hooked calls per round, then the probe's drain (the
+               per-step work that reads the recorded index tensors: here once per round, the worst case)
+    tree       UnifiedRadixCache (Python tree core) holding one 64-token sequence: match_prefix (a
+               request's, 48 of 64 tokens hit), lock (inc_lock_ref), unlock (dec_lock_ref): 3 hooked
+               calls per round
+The hooks are SGLang's own HookRegistry AROUND wrappers (installed by the probe's register()); plain
+puts SGLang's originals back on the classes (each wrapper's __wrapped__), so plain is SGLang's code.
+Summary = the probe's ledger only (no event tuples); full = ledger + one event tuple per call. Modes
+alternate over REPEATS repetitions; the table shows the median µs per call (wall and this thread's CPU
+time) and what the hooks add.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from array import array
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.engines.sglang_standins import install
+
+install()
+
+import torch  # noqa: E402
+from sglang.srt.managers.schedule_batch import Req  # noqa: E402
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
+from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+from kvscope.probe import sglang as probe  # noqa: E402
+
+ROUNDS = 3_000
+REPEATS = 7
+PS = 4
+
+
+def build() -> tuple[Any, Any]:
+    alloc = PagedTokenToKVPoolAllocator(4096 * PS, PS, torch.int64, "cpu", None, False)
+    rows = ReqToTokenPool(8, 128, "cpu", False)
+    tree = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=alloc,
+                                             page_size=PS, tree_components=(ComponentType.FULL,),
+                                             tree_core_backend="python"))
+    value = alloc.alloc(64)
+    tree.insert(InsertParams(key=RadixKey(array("q", range(1000, 1064))), value=value))
+    return alloc, tree
+
+
+def allocator_round(alloc: Any, drain: Any) -> None:
+    for _ in range(ROUNDS):
+        out = alloc.alloc(16)
+        alloc.free(out)
+        drain()  # NOTE: as at every step (its cost counts), here after every 2 calls: the worst case
+
+
+def tree_round(tree: Any, params: Any) -> None:
+    for _ in range(ROUNDS):
+        node = tree.match_prefix(params).last_device_node
+        tree.unlock(tree.lock(node))
+
+
+def timed(run: Any, calls: int) -> tuple[float, float]:
+    start, start_cpu = time.perf_counter(), time.thread_time()
+    run()
+    return (time.perf_counter() - start) / calls * 1e6, (time.thread_time() - start_cpu) / calls * 1e6
+
+
+def main() -> int:
+    capture = Path(tempfile.mkdtemp(prefix="kvscope-bench-sgl-")) / "bench.db"
+    os.environ["KVSCOPE_CAPTURE"] = str(capture)
+    os.environ.setdefault("KVSCOPE_PYTHON", sys.executable)
+    said = probe._register()
+    HookRegistry.apply_hooks()
+    hooked = {t.target: _attr(t.target) for t in probe.hooks()}
+    plain = {target: attr.__wrapped__ for target, attr in hooked.items()}
+    alloc, tree = build()
+    req = Req("bench", "", array("q", [*range(1000, 1048), *range(5000, 5016)]), SamplingParams(max_new_tokens=1))
+    params = MatchPrefixParams(key=RadixKey(array("q", [*range(1000, 1048), *range(5000, 5016)])), req=req)
+    assert probe.PROBE.recorder() is not None, "the probe did not open its recorder"
+    emit = probe.PROBE.emit
+    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for _ in range(REPEATS):
+        for mode in ("plain", "summary", "full"):
+            _install(plain if mode == "plain" else hooked)
+            probe.PROBE.emit = emit if mode == "full" else None
+            drain = (lambda: None) if mode == "plain" else probe.PROBE.drain
+            results.setdefault(("allocator", mode), []).append(timed(lambda d=drain: allocator_round(alloc, d),
+                                                                     2 * ROUNDS))
+            results.setdefault(("tree", mode), []).append(timed(lambda: tree_round(tree, params), 3 * ROUNDS))
+            probe.PROBE.state.recorder.idle()
+    probe.PROBE.state.recorder.close()
+    print(f"{said}; machine: {platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
+          f"torch {torch.__version__}; {ROUNDS} rounds x {REPEATS} repeats")
+    header = ("operation", "mode", "wall µs/call", "cpu µs/call", "added wall", "added cpu")
+    print(f"{header[0]:<10} {header[1]:<8} {header[2]:>12} {header[3]:>12} {header[4]:>11} {header[5]:>10}")
+    for group in ("allocator", "tree"):
+        base_wall, base_cpu = (statistics.median(x[i] for x in results[(group, "plain")]) for i in (0, 1))
+        for mode in ("plain", "summary", "full"):
+            wall, cpu = (statistics.median(x[i] for x in results[(group, mode)]) for i in (0, 1))
+            added = "" if mode == "plain" else f"{wall - base_wall:+11.2f} {cpu - base_cpu:+10.2f}"
+            print(f"{group:<10} {mode:<8} {wall:12.2f} {cpu:12.2f} {added}")
+    return 0
+
+
+def _attr(target: str) -> Any:
+    import pkgutil
+
+    owner, _, name = target.rpartition(".")
+    obj = pkgutil.resolve_name(owner)
+    return obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)
+
+
+def _install(attrs: dict[str, Any]) -> None:
+    import pkgutil
+
+    for target, attr in attrs.items():
+        owner, _, name = target.rpartition(".")
+        obj = pkgutil.resolve_name(owner)
+        if isinstance(obj, type):
+            setattr(obj, name, attr)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

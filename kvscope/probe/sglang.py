@@ -1,0 +1,640 @@
+"""The probe inside SGLang's scheduler process: hooks on the allocators, the request-row pool and the
+radix trees of the versions in SUPPORTED, registered through SGLang's own plugin framework
+(HookRegistry, AROUND hooks), and the page census (sglang_census.py) at each idle point.
+
+Loaded by SGLang's `sglang.srt.plugins` entry point (`register`): `load_plugins()` runs it first
+thing in every SGLang process (the scheduler, spawned, included); inert unless KVSCOPE_CAPTURE is
+set. All or nothing: every target is resolved before the first hook is registered; a version the
+table does not name, or a target that is gone, registers nothing and says so in one line.
+
+NOTE: what each action records (pool = full, or swa for an SWA allocator's sub-pool; slots = page
+ids, num_tokens = pages x page size; rid = the request the probe's context names, None outside one)
+    alloc    the paged allocator's alloc / alloc_extend / alloc_decode, the token allocator's alloc:
+             the new pages; each page's taker in the ledger
+    free     _release_page_ids (the one sink every paged free passes through, groups included), the
+             token allocator's free outside a free group: the pages back in the free list
+    bind     ScheduleBatch.prepare_for_extend / prepare_for_decode: each request's row pages are its
+             own (the ledger's taker becomes that request; no event: the alloc was recorded already)
+    match    match_prefix: num_tokens = hit tokens, aux = missed tokens
+    insert   insert: num_tokens = the tokens the request added to the tree
+    lock / unlock  inc_lock_ref / dec_lock_ref: node_id = the node (the lock ledger's holder)
+    evict    evict / evict_for_alloc: num_tokens = tokens evicted, reason capacity
+    host_evict / load / write  the HiCache component's evict_host / load_back / backup_kv_cache
+The census (Scheduler.on_idle after SGLang's own check; SchedulerInvariantChecker._report_leak
+before SGLang raises) writes one leak check per pool; usage per census; a request record per
+release_kv_cache.
+"""
+
+from __future__ import annotations
+
+import os
+import pkgutil
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from kvscope.probe.core import ProbeState, Settings, guarded, open_recorder, say, settings_from_env
+from kvscope.probe.sglang_census import PageView, census_checks, census_line, take_page_census
+from kvscope.telemetry import EventKind, EvictReason, PoolTerms, RequestRecord, UsageSample
+
+ENGINE = "sglang"
+MEM = "sglang.srt.mem_cache"
+PAGED = f"{MEM}.allocator.paged.PagedTokenToKVPoolAllocator"
+TOKEN = f"{MEM}.allocator.token.TokenToKVPoolAllocator"
+SWA = f"{MEM}.allocator.swa.SWATokenToKVPoolAllocator"
+ROWS = f"{MEM}.memory_pool.ReqToTokenPool"
+RADIX = f"{MEM}.radix_cache.RadixCache"
+UNIFIED = f"{MEM}.unified_radix_cache.UnifiedRadixCache"
+BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
+RELEASE = f"{MEM}.common.release_kv_cache"
+ALLOC_V, FREE_V, MATCH_V, INSERT_V, LOCK_V, UNLOCK_V, EVICT_V = (
+    k._value_ for k in (EventKind.ALLOC, EventKind.FREE, EventKind.MATCH, EventKind.INSERT, EventKind.LOCK,
+                        EventKind.UNLOCK, EventKind.EVICT))
+HOST_EVICT_V, LOAD_V, WRITE_V = (k._value_ for k in (EventKind.HOST_EVICT, EventKind.LOAD, EventKind.WRITE))
+CAPACITY_V = EvictReason.CAPACITY._value_
+_monotonic = time.monotonic
+
+
+class Hook(NamedTuple):
+    """One SGLang target (a dotted path HookRegistry resolves) and its AROUND hook."""
+
+    target: str
+    hook: Callable[..., Any]
+
+
+class SglangProbe:
+    """The probe's state in one process: the recorder, whom the pools work for, the ledgers."""
+
+    def __init__(self, settings: Settings | None, version: str) -> None:
+        self.settings = settings
+        self.version = version
+        self.state = ProbeState(engine=ENGINE)
+        self.pid = -1
+        self.hot = False
+        self.step = 0
+        self.emit: Callable[[tuple[Any, ...]], None] | None = None
+        self.rid: str | None = None  # NOTE: the request the pools work for now
+        self.event = "alloc"
+        self.busy = False  # NOTE: something moved since the last census
+        self.pools: dict[int, str] = {}  # id(sub-allocator) -> "swa" (anything else is full)
+        self.takers: dict[str, dict[int, tuple[str | None, int, str]]] = {"full": {}, "swa": {}, "req": {}}
+        self.releasers: dict[str, dict[int, tuple[str | None, int, str]]] = {"full": {}, "swa": {}, "req": {}}
+        self.locks: dict[Any, list[tuple[str | None, int]]] = {}  # node -> [(rid, step) of each open lock]
+        self.recorded: set[str] = set()
+        self.cum = {"prompt": 0, "hit": 0, "requests": 0, "hit_requests": 0, "evicted": 0}
+        self.censuses = 0
+        self.census_step = -1
+        self.roots: dict[int, Any] = {}  # id(tree) -> its root handle
+        self.pending: list[tuple[bool, Any, str | None, int, str, Any]] = []  # allocator calls not yet drained
+
+    # -- the recorder ---------------------------------------------------------------------------
+
+    def recorder(self) -> Any:
+        """This process's recorder, opened at its first event; None once recording stopped."""
+        if not self.state.active:
+            return None
+        if self.pid != os.getpid():
+            self.pid = os.getpid()
+            assert self.settings is not None
+            self.hot, self.emit = False, None
+            with guarded(self.state):
+                rec = self.state.recorder = open_recorder(
+                    self.settings, label=f"sglang {self.version} probe pid {self.pid}",
+                    config=self.config(patched=True))
+                self.step = rec.step
+                self.emit = rec.item_sink() if rec.enabled else None
+                self.hot = True
+            if not self.state.active:
+                return None
+        return self.state.recorder
+
+    def config(self, *, patched: bool, reason: str | None = None) -> dict[str, Any]:
+        return {"source": {"kind": "probe", "engine": ENGINE, "version": self.version, "patched": patched,
+                           "reason": reason, "pid": os.getpid(), "census": "pages",
+                           "provides": ["pages", "ownership", "locks", "leak_checks", "requests"]}}
+
+    def next_step(self) -> None:
+        rec = self.recorder()
+        if rec is not None:
+            self.drain()
+            rec.step = rec.step + 1
+            self.step = rec.step
+
+    def pool_of(self, allocator: Any) -> str:
+        return self.pools.get(id(allocator), "full")
+
+    # -- the ledger -----------------------------------------------------------------------------
+
+    def took(self, allocator: Any, pages: list[int], event: str, rid: str | None, step: int | None = None) -> None:
+        pool = self.pool_of(allocator)
+        taken = (rid, self.step if step is None else step, event)
+        takers = self.takers[pool]
+        for page in pages:
+            takers[page] = taken
+        self.busy = True
+        if self.emit is not None and event != "bind":
+            self.emit((taken[1], _monotonic(), ALLOC_V, pool, rid, None, len(pages) * allocator.page_size, 0, None,
+                       None, tuple(pages)))
+
+    def released(self, allocator: Any, pages: list[int], entry: tuple[str | None, int, str]) -> None:
+        pool = self.pool_of(allocator)
+        releasers = self.releasers[pool]
+        for page in pages:
+            releasers[page] = entry
+        self.busy = True
+        if self.emit is not None:
+            self.emit((entry[1], _monotonic(), FREE_V, pool, entry[0], None, len(pages) * allocator.page_size, 0,
+                       None, None, tuple(pages)))
+
+    def drain(self) -> None:
+        """The allocator calls recorded since the last drain, in order, into the ledger and events."""
+        pending, self.pending = self.pending, []
+        for is_alloc, allocator, rid, step, event, tensor in pending:
+            values = tensor.tolist()
+            if is_alloc:
+                ps = allocator.page_size
+                self.took(allocator, values if ps == 1 else sorted({v // ps for v in values}), event, rid, step)
+            else:
+                self.released(allocator, values, (rid, step, event))
+
+    def bind_requests(self, reqs: Any, rows: Any, page_size: int, allocator: Any, event: str) -> None:
+        """Each request's row pages are its own (after prepare_for_extend / prepare_for_decode)."""
+        self.drain()
+        table = rows.req_to_token
+        for req in reqs:
+            kv = req.kv
+            if kv.req_pool_idx is None:
+                continue
+            start, end = int(kv.cache_protected_len), int(kv.kv_allocated_len)
+            if end > start:
+                slots = table[kv.req_pool_idx, start:end]
+                self.took(allocator, sorted({int(s) // page_size for s in slots.tolist()}), event, req.rid)
+
+    def lock(self, node: Any, rid: str | None) -> None:
+        self.locks.setdefault(node, []).append((rid, self.step))
+
+    def unlock(self, node: Any, rid: str | None) -> None:
+        held = self.locks.get(node)
+        if not held:
+            return
+        for i, (holder, _) in enumerate(held):
+            if holder == rid:
+                del held[i]
+                break
+        else:
+            held.pop(0)
+        if not held:
+            del self.locks[node]
+
+    # -- the census -----------------------------------------------------------------------------
+
+    def census(self, tree: Any, rows: Any, owners: list[Any], *, why: str) -> Any:
+        """Every page of each pool is exactly one of free / in the tree / in a live request's row;
+        stored as leak checks (one per pool), with a usage sample, before anything else happens."""
+        rec = self.recorder()
+        if rec is None:
+            return None
+        self.drain()
+        self.busy = False
+        self.censuses += 1
+        if rec.step == self.census_step:  # NOTE: one census per step (a second idle point without a step between)
+            self.next_step()
+        self.census_step = rec.step
+        allocator = tree.token_to_kv_pool_allocator
+        full = getattr(allocator, "full_attn_allocator", allocator)
+        live = {req.rid for req in owners}
+        open_locks = {node: [h for h in held if h[0] not in live] for node, held in self.locks.items()}
+        view = _page_view(full, tree, rows, owners)
+        result = take_page_census("full", view, self.takers["full"], self.releasers["full"],
+                                  {n: h for n, h in open_locks.items() if h})
+        row_result = take_page_census("req", _row_view(rows, owners), self.takers["req"], self.releasers["req"], {})
+        for check in census_checks(rec.step, [result, row_result]):
+            rec.leak_check(check)
+        ps = view.page_size
+        used = (view.num_pages - len(result.free)) * ps
+        terms = PoolTerms(view.num_pages * ps, len(result.free) * ps, len(result.tree - result.live) * ps, 0)
+        c = self.cum
+        rec.usage(UsageSample(rec.step, terms, None, 0, 0, len(owners), 0, c["prompt"], c["hit"], c["requests"],
+                              c["hit_requests"], c["evicted"], 0, full_used=used))
+        for failed in (r for r in (result, row_result) if not r.ok):
+            say(census_line(failed, why=why, capture=self.settings.capture if self.settings else "",
+                            run_id=getattr(rec, "run_id", None), step=rec.step))
+        rec.flush() if hasattr(rec, "flush") else rec.idle()
+        return result, row_result
+
+
+def _row_view(rows: Any, owners: list[Any]) -> PageView:
+    live = {int(req.kv.req_pool_idx): req.rid for req in owners if req.kv.req_pool_idx is not None}
+    return PageView(1, int(rows.size), [int(r) for r in rows.free_slots], set(), live)
+
+
+def _page_view(allocator: Any, tree: Any, rows: Any, owners: list[Any]) -> PageView:
+    ps = int(allocator.page_size)
+    num_pages = int(getattr(allocator, "num_pages", 0) or allocator.size // ps)
+    free = allocator.get_all_free_pages()
+    free_pages = [] if free is None else [int(p) for p in free.tolist()]
+    if ps == 1:
+        free_pages = free_pages  # NOTE: page ids are slots at page size 1
+    values = tree.all_values_flatten() if tree.evictable_size() + tree.protected_size() > 0 else None
+    tree_pages = set() if values is None or values.numel() == 0 else {int(s) // ps for s in values.tolist()}
+    live: dict[int, str] = {}
+    table = rows.req_to_token
+    for req in owners:
+        kv = req.kv
+        if kv.req_pool_idx is None:
+            continue
+        for slot in table[kv.req_pool_idx, :int(kv.kv_allocated_len)].tolist():
+            live.setdefault(int(slot) // ps, req.rid)
+    return PageView(ps, num_pages, free_pages, tree_pages, live)
+
+
+# -- the hooks (SGLang's AROUND form: hook(original, *args, **kwargs)) --------------------------------
+# NOTE: each calls the original exactly as SGLang did; kvscope's part runs only while recording and
+# its first exception stops recording (one line) without reaching SGLang.
+
+PROBE = SglangProbe(None, "")
+
+
+def _failed(err: Exception) -> None:
+    PROBE.state.stop(f"{type(err).__name__}: {err}".splitlines()[0])
+
+
+def _ready() -> bool:
+    probe = PROBE
+    return probe.state.active and (probe.hot or probe.recorder() is not None)
+
+
+# NOTE: the allocator hooks are hot (every alloc and free of every step): they only append the call's
+# fresh index tensor (SGLang builds a new one per alloc and per release, never writes it again) with
+# who and when to PROBE.pending; `drain` turns them into ledger entries and events at the next step,
+# bind or census, in one pass. Reading a tensor's values costs more than the whole hook otherwise.
+
+
+def _h_alloc(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    out = original(self, *args, **kwargs)
+    probe = PROBE
+    if out is not None and probe.state.active and (probe.hot or _ready()):
+        probe.pending.append((True, self, probe.rid, probe.step, "alloc", out))
+    return out
+
+
+def _h_release_pages(original: Callable[..., Any], self: Any, *page_ids: Any) -> Any:
+    probe = PROBE
+    if probe.state.active and (probe.hot or _ready()):
+        for ids in page_ids:
+            probe.pending.append((False, self, probe.rid, probe.step, probe.event, ids))
+    return original(self, *page_ids)
+
+
+def _h_token_free(original: Callable[..., Any], self: Any, free_index: Any) -> Any:
+    if self.free_group is None and PROBE.state.active:  # NOTE: in a group, free_group_end calls free again
+        try:
+            if _ready() and free_index.numel():  # NOTE: eager: a page-size-1 free may pass a view of a row
+                PROBE.drain()
+                PROBE.released(self, free_index.tolist(), (PROBE.rid, PROBE.step, PROBE.event))
+        except Exception as err:
+            _failed(err)
+    return original(self, free_index)
+
+
+def _h_rows_alloc(original: Callable[..., Any], self: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:
+    result = original(self, reqs, *args, **kwargs)
+    if result is not None and PROBE.state.active:
+        try:
+            if _ready():
+                takers, step = PROBE.takers["req"], PROBE.step
+                for req in reqs:
+                    takers[int(req.kv.req_pool_idx)] = (req.rid, step, "alloc")
+        except Exception as err:
+            _failed(err)
+    return result
+
+
+def _h_rows_free(original: Callable[..., Any], self: Any, indices: Any, *args: Any, **kwargs: Any) -> Any:
+    if PROBE.state.active:
+        try:
+            if _ready():
+                releasers, entry = PROBE.releasers["req"], (PROBE.rid, PROBE.step, PROBE.event)
+                for row in indices:
+                    releasers[int(row)] = entry
+        except Exception as err:
+            _failed(err)
+    return original(self, indices, *args, **kwargs)
+
+
+def _h_swa_init(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    result = original(self, *args, **kwargs)
+    try:  # NOTE: the sub-allocators are paged / token allocators: their hooks record them, as pool swa
+        PROBE.pools[id(self.swa_attn_allocator)] = "swa"
+    except Exception as err:
+        _failed(err)
+    return result
+
+
+def _in_context(rid: str | None, event: str, call: Callable[[], Any]) -> Any:
+    probe = PROBE
+    saved = probe.rid, probe.event
+    probe.rid, probe.event = rid, event
+    try:
+        return call()
+    finally:
+        probe.rid, probe.event = saved
+
+
+def _h_match(original: Callable[..., Any], self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+    if not PROBE.state.active:
+        return original(self, params, *args, **kwargs)
+    probe = PROBE
+    req = params.req
+    rid = req.rid if req is not None else probe.rid
+    saved = probe.rid, probe.event
+    probe.rid, probe.event = rid, "match"
+    try:
+        result = original(self, params, *args, **kwargs)
+    finally:
+        probe.rid, probe.event = saved
+    if req is None:  # NOTE: a tree's own re-match (checkpoint) is no request's query
+        return result
+    try:
+        if probe.hot or _ready():
+            hit, asked = int(result.device_prefix_len), len(params.key)
+            probe.rid = rid  # NOTE: sticky: the matched request's allocations follow (bind corrects a batch's)
+            c = probe.cum
+            c["prompt"] += asked
+            c["hit"] += hit
+            c["requests"] += 1
+            c["hit_requests"] += hit > 0
+            if probe.emit is not None:
+                probe.emit((probe.step, _monotonic(), MATCH_V, "full", rid, None, hit, max(asked - hit, 0), None,
+                            None, None))
+    except Exception as err:
+        _failed(err)
+    return result
+
+
+def _h_insert(original: Callable[..., Any], self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+    result = original(self, params, *args, **kwargs)
+    if PROBE.state.active:
+        try:
+            if _ready() and PROBE.emit is not None:
+                added = max(len(params.key) - int(result.prefix_len), 0)
+                PROBE.emit((PROBE.step, _monotonic(), INSERT_V, "full", PROBE.rid, _node(result.last_device_node),
+                            added, 0, None, None, None))
+        except Exception as err:
+            _failed(err)
+    return result
+
+
+def _h_evict(original: Callable[..., Any], self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+    if not PROBE.state.active:
+        return original(self, params, *args, **kwargs)
+    result = _in_context(PROBE.rid, "evict", lambda: original(self, params, *args, **kwargs))
+    try:
+        if _ready():
+            evicted = int(result.num_tokens_evicted)
+            PROBE.cum["evicted"] += evicted
+            if PROBE.emit is not None and evicted:
+                PROBE.emit((PROBE.step, _monotonic(), EVICT_V, "full", PROBE.rid, None, evicted,
+                            int(getattr(result, "swa_num_tokens_evicted", 0)), CAPACITY_V, None, None))
+    except Exception as err:
+        _failed(err)
+    return result
+
+
+def _h_inc_lock(original: Callable[..., Any], self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+    result = original(self, node, *args, **kwargs)
+    probe = PROBE
+    if probe.state.active:
+        try:
+            if probe.hot or _ready():
+                key = node if type(node) is int else node.id  # NOTE: a NodeId (unified) or a TreeNode (classic)
+                if key != probe.roots.get(id(self)) and not _is_root(self, node):
+                    rid = probe.rid
+                    held = probe.locks.get(key)
+                    if held is None:
+                        probe.locks[key] = [(rid, probe.step)]
+                    else:
+                        held.append((rid, probe.step))
+                    if probe.emit is not None:
+                        moved = -(getattr(result, "delta", 0) or 0)
+                        probe.emit((probe.step, _monotonic(), LOCK_V, "full", rid, key, moved, 0, None, None, None))
+        except Exception as err:
+            _failed(err)
+    return result
+
+
+def _h_dec_lock(original: Callable[..., Any], self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+    result = original(self, node, *args, **kwargs)
+    probe = PROBE
+    if probe.state.active:
+        try:
+            if probe.hot or _ready():
+                key = node if type(node) is int else node.id
+                if key != probe.roots.get(id(self)) and not _is_root(self, node):
+                    probe.unlock(key, probe.rid)
+                    if probe.emit is not None:
+                        moved = getattr(result, "delta", 0) or 0
+                        probe.emit((probe.step, _monotonic(), UNLOCK_V, "full", probe.rid, key, moved, 0, None, None,
+                                    None))
+        except Exception as err:
+            _failed(err)
+    return result
+
+
+def _host_hook(kind: str) -> Callable[..., Any]:
+    """HiCache component: host eviction, load back, backup (counted as events on pool host)."""
+    def hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if PROBE.state.active:
+            try:
+                if _ready() and PROBE.emit is not None:
+                    PROBE.emit((PROBE.step, _monotonic(), kind, "host", PROBE.rid, None, _tokens(result), 0, None,
+                                None, None))
+            except Exception as err:
+                _failed(err)
+        return result
+    return hook
+
+
+def _h_prepare(event: str) -> Callable[..., Any]:
+    def hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not PROBE.state.active:
+            return original(self, *args, **kwargs)
+        try:
+            PROBE.next_step()
+        except Exception as err:
+            _failed(err)
+        result = _in_context(None, event, lambda: original(self, *args, **kwargs))
+        try:
+            if _ready():
+                allocator = self.token_to_kv_pool_allocator
+                full = getattr(allocator, "full_attn_allocator", allocator)
+                PROBE.bind_requests(self.reqs, self.req_to_token_pool, int(full.page_size), full, event)
+        except Exception as err:
+            _failed(err)
+        return result
+    return hook
+
+
+def _h_release(original: Callable[..., Any], req: Any, tree_cache: Any, *args: Any, **kwargs: Any) -> Any:
+    if not PROBE.state.active:
+        return original(req, tree_cache, *args, **kwargs)
+    try:
+        if _ready():
+            _record_request(req)
+    except Exception as err:
+        _failed(err)
+    return _in_context(req.rid, "release", lambda: original(req, tree_cache, *args, **kwargs))
+
+
+def _record_request(req: Any) -> None:
+    rec = PROBE.recorder()
+    if rec is None or req.rid in PROBE.recorded:
+        return
+    PROBE.recorded.add(req.rid)
+    prompt = len(req.origin_input_ids)
+    record = RequestRecord(req.rid, None, prompt, "finished" if req.finished() else "released",
+                           int(getattr(req, "prefix_len", 0) or 0), len(req.output_ids), 0)
+    record.mark("finish", rec.step, _monotonic())
+    rec.request(record)
+
+
+def _h_on_idle(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    result = original(self, *args, **kwargs)  # NOTE: SGLang's own check first (it may raise: _report_leak)
+    if PROBE.state.active and (PROBE.busy or PROBE.pending):
+        with guarded(PROBE.state):
+            checker = self.invariant_checker
+            PROBE.census(self.tree_cache, self.req_to_token_pool, checker._requests_owning_rows(), why="idle")
+    return result
+
+
+def _h_report_leak(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    if PROBE.state.active:  # NOTE: before SGLang raises "memory leak detected!": the census and its culprits
+        with guarded(PROBE.state):
+            PROBE.census(self.tree_cache, self.req_to_token_pool, self._requests_owning_rows(),
+                         why="SGLang's leak check failed")
+    return original(self, *args, **kwargs)
+
+
+def _is_root(tree: Any, node: Any) -> bool:
+    """A lock on the root locks nothing (SGLang's walk stops there). The root handle: the node
+    (RadixCache) or its id (UnifiedRadixCache, either tree core), kept per tree."""
+    roots = PROBE.roots
+    root = roots.get(id(tree))
+    if root is None:
+        handle = tree.root_node_handle()
+        root = roots[id(tree)] = handle if isinstance(handle, int) else handle.id
+    return (node if isinstance(node, int) else node.id) == root
+
+
+def _node(node: Any) -> Any:
+    return node if isinstance(node, int) else getattr(node, "id", None)
+
+
+def _tokens(result: Any) -> int:
+    return result if isinstance(result, int) else 0
+
+
+def hooks() -> list[Hook]:
+    """What the probe hooks in SGLang 0.5.23 (file:line in docs/probe.md)."""
+    return [
+        Hook(f"{PAGED}.alloc", _h_alloc),
+        Hook(f"{PAGED}.alloc_extend", _h_alloc),
+        Hook(f"{PAGED}.alloc_decode", _h_alloc),
+        Hook(f"{PAGED}._release_page_ids", _h_release_pages),
+        Hook(f"{TOKEN}.alloc", _h_alloc),
+        Hook(f"{TOKEN}.free", _h_token_free),
+        Hook(f"{SWA}.__init__", _h_swa_init),
+        Hook(f"{ROWS}.alloc", _h_rows_alloc),
+        Hook(f"{ROWS}.free_rows", _h_rows_free),
+        Hook(f"{RADIX}.match_prefix", _h_match),
+        Hook(f"{RADIX}.insert", _h_insert),
+        Hook(f"{RADIX}.evict", _h_evict),
+        Hook(f"{RADIX}.inc_lock_ref", _h_inc_lock),
+        Hook(f"{RADIX}.dec_lock_ref", _h_dec_lock),
+        Hook(f"{UNIFIED}.match_prefix", _h_match),
+        Hook(f"{UNIFIED}.insert", _h_insert),
+        Hook(f"{UNIFIED}.evict", _h_evict),
+        Hook(f"{UNIFIED}.evict_for_alloc", _h_evict),
+        Hook(f"{UNIFIED}.inc_lock_ref", _h_inc_lock),
+        Hook(f"{UNIFIED}.dec_lock_ref", _h_dec_lock),
+        Hook(f"{UNIFIED}.evict_host", _host_hook(HOST_EVICT_V)),
+        Hook(f"{UNIFIED}.load_back", _host_hook(LOAD_V)),
+        Hook(f"{UNIFIED}.backup_kv_cache", _host_hook(WRITE_V)),
+        Hook(f"{BATCH}.prepare_for_extend", _h_prepare("extend")),
+        Hook(f"{BATCH}.prepare_for_decode", _h_prepare("decode")),
+        Hook(RELEASE, _h_release),
+        Hook(f"{SCHEDULER}.on_idle", _h_on_idle),
+        Hook(f"{CHECKER}._report_leak", _h_report_leak),
+    ]
+
+
+SUPPORTED: dict[str, Callable[[], list[Hook]]] = {"0.5.23": hooks}
+
+
+def sglang_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def register() -> None:
+    """SGLang's general-plugin hook (`load_plugins()`, every SGLang process): register or refuse."""
+    try:
+        _register()
+    except Exception as err:  # NOTE: never into the engine
+        say(f"not recording: {type(err).__name__}: {err}".splitlines()[0])
+
+
+def _register(version: str | None = None, table: dict[str, Callable[[], list[Hook]]] | None = None) -> str:
+    """Register every hook of this SGLang version with HookRegistry, or none; one line says what."""
+    settings = settings_from_env()
+    if settings is None:
+        return "inert: KVSCOPE_CAPTURE is unset"
+    if PROBE.state.active:
+        return "already registered in this process"
+    version = version or sglang_version()
+    table = SUPPORTED if table is None else table
+    PROBE.__init__(settings, version)  # type: ignore[misc]
+    make = table.get(version)
+    if make is None:
+        return _refuse(f"SGLang {version} is not supported (the probe knows {', '.join(sorted(table))}); "
+                       "nothing patched")
+    wanted = make()
+    missing = [h.target for h in wanted if not _resolves(h.target)]
+    if missing:
+        return _refuse(f"SGLang {version}: {', '.join(missing)} not found; nothing patched")
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for h in wanted:
+        HookRegistry.register(h.target, h.hook, HookType.AROUND)
+    PROBE.state.active = True
+    return f"registered {len(wanted)} hooks on SGLang {version}"
+
+
+def _resolves(target: str) -> bool:
+    owner, _, name = target.rpartition(".")
+    try:
+        obj = pkgutil.resolve_name(owner)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    found = obj.__dict__.get(name) if isinstance(obj, type) else getattr(obj, name, None)
+    return callable(found) or isinstance(found, (classmethod, staticmethod))
+
+
+def _refuse(reason: str) -> str:
+    """One line, and the refusal recorded in the capture once per server (the first process)."""
+    say(reason)
+    PROBE.state.reason = reason
+    if os.environ.get("KVSCOPE_PROBE_REFUSED") is None and PROBE.settings is not None:
+        os.environ["KVSCOPE_PROBE_REFUSED"] = "1"  # NOTE: inherited by SGLang's spawned processes
+        with guarded(PROBE.state):
+            rec = open_recorder(PROBE.settings, label=f"sglang {PROBE.version} probe (refused)",
+                                config=PROBE.config(patched=False, reason=reason))
+            rec.close("crashed", f"probe refused: {reason}")
+    return reason

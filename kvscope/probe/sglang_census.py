@@ -1,0 +1,156 @@
+"""The page census of an SGLang pool at an idle point: every page is exactly one of free (in the
+allocator's free list), in the tree (a radix node's value), or in a live request's row. Engine-neutral
+values in, leak checks out (the SGLang module reads the pools into a PageView).
+
+NOTE: the terms (one leak check per pool, pool = its name: full, or req for ReqToTokenPool's rows,
+    where a row is a "page" of size 1 and the tree holds none)
+    leaked       a page in none of the three: nobody will ever free it. Culprit: the page's last
+                 taker in the ledger (the request whose alloc or row took it, the step, the event)
+    doubleref    a page both free and in use (in the tree or a live row), or twice in the free list:
+                 a double free; the next alloc hands out a page still in use. Named with its last
+                 releaser (the request the free was made for)
+    lockheld     a tree node still locked at the idle point by a request that is no longer live
+                 (a lock never released: its pages cannot be evicted)
+The check row's counts are tokens and balance by construction (each page counted once: in use
+first, then free, then leaked): total = available (free) + evictable (in the tree, no live row) +
+held (in a live row) + uncached (leaked); protected = tokens under a leaked lock. SGLang's own
+identity (available + evictable + protected + session_held + uncached == total) counts pages and
+passes when a leak and a double free cancel; the census names both.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from kvscope.telemetry import LeakCheck
+
+MAX_NAMED = 8
+Entry = tuple[str | None, int, str]  # (rid, step, event)
+
+
+class PageView(NamedTuple):
+    """A pool at one moment: its page size, page count (ids 1..num_pages; 0 is SGLang's padding
+    page), the free list as listed (duplicates kept), the tree's pages, and live row pages -> rid."""
+
+    page_size: int
+    num_pages: int
+    free_list: list[int]
+    tree: set[int]
+    live: dict[int, str]
+
+
+@dataclass
+class PageCensus:
+    pool: str
+    page_size: int
+    num_pages: int
+    free: set[int]
+    tree: set[int]
+    live: set[int]
+    leaked: list[int]
+    doubleref: list[int]
+    culprits: dict[int, Entry] = field(default_factory=dict)
+    releasers: dict[int, Entry] = field(default_factory=dict)
+    locks: dict[Any, list[tuple[str | None, int]]] = field(default_factory=dict)  # node -> stale holders
+    live_owner: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def unit(self) -> str:
+        return "row" if self.pool == "req" else "page"
+
+    @property
+    def ok(self) -> bool:
+        return not (self.leaked or self.doubleref or self.locks)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"pool": self.pool, "ok": self.ok, "pages": self.num_pages, "free": len(self.free),
+                "tree": len(self.tree), "live": len(self.live), "leaked": self.leaked, "doubleref": self.doubleref,
+                "culprits": {str(p): e[0] for p, e in self.culprits.items()},
+                "releasers": {str(p): e[0] for p, e in self.releasers.items()},
+                "locks": {str(n): [h[0] for h in held] for n, held in self.locks.items()}}
+
+
+def take_page_census(pool: str, view: PageView, takers: Mapping[int, Entry], releasers: Mapping[int, Entry],
+                     stale_locks: Mapping[Any, list[tuple[str | None, int]]]) -> PageCensus:
+    """The census of one pool; `stale_locks`: open locks whose holder is no longer live."""
+    counts = Counter(view.free_list)
+    free = set(counts)
+    in_use = view.tree | set(view.live)
+    pages = set(range(1, view.num_pages + 1))
+    leaked = sorted(pages - free - in_use)
+    doubleref = sorted((free & in_use) | {p for p, n in counts.items() if n > 1})
+    return PageCensus(
+        pool=pool, page_size=view.page_size, num_pages=view.num_pages, free=free, tree=set(view.tree),
+        live=set(view.live), leaked=leaked, doubleref=doubleref,
+        culprits={p: takers[p] for p in leaked if p in takers},
+        releasers={p: releasers[p] for p in doubleref if p in releasers},
+        locks=dict(stale_locks), live_owner=dict(view.live))
+
+
+def census_checks(step: int, results: list[PageCensus]) -> list[LeakCheck]:
+    """One leak check per pool: the page counts in tokens, the violation naming pages and requests."""
+    checks = []
+    for r in results:
+        ps = r.page_size
+        in_use = r.tree | r.live
+        available = len(r.free - in_use) * ps
+        evictable = len(r.tree - r.live) * ps
+        held = len(r.live) * ps
+        uncached = len(r.leaked) * ps
+        total = available + evictable + held + uncached
+        checks.append(LeakCheck(step, r.pool, total, available, evictable, 0, held, uncached, idle=True,
+                                violation=violation(r)))
+    return checks
+
+
+def violation(r: PageCensus) -> str | None:
+    """What failed, in one line (None when the pool's census holds)."""
+    parts = []
+    if r.leaked:
+        parts.append(f"{_pages(len(r.leaked), r.unit)} leaked (in no free list, tree or live row): " + "; ".join(
+            _leak_text(p, r) for p in r.leaked[:MAX_NAMED]) + _more(len(r.leaked)))
+    if r.doubleref:
+        parts.append(f"{_pages(len(r.doubleref), r.unit)} freed while in use (a double free): " + "; ".join(
+            _double_text(p, r) for p in r.doubleref[:MAX_NAMED]) + _more(len(r.doubleref)))
+    if r.locks:
+        parts.append(f"{len(r.locks)} tree node{'s' if len(r.locks) != 1 else ''} still locked by finished "
+                     "requests: " + "; ".join(_lock_text(n, held) for n, held in list(r.locks.items())[:MAX_NAMED]))
+    return " | ".join(parts) if parts else None
+
+
+def census_line(r: PageCensus, *, why: str, capture: str, run_id: int | None, step: int) -> str:
+    """The line the probe prints into SGLang's log (stderr) when a census fails; `kvscope report
+    engine-log` finds it beside SGLang's own message and points to the capture."""
+    where = f"capture {capture}" + (f" run {run_id}" if run_id is not None else "")
+    return f"page census ({why}) at step {step}, {where}: [{r.pool}] {violation(r)}"
+
+
+def _leak_text(page: int, r: PageCensus) -> str:
+    taker = r.culprits.get(page)
+    who = f"last taken by request {taker[0]} ({taker[2]} at step {taker[1]})" if taker else "taker not recorded"
+    if r.pool == "req":
+        return f"row {page} {who}"
+    return f"page {page} (slots {page * r.page_size}-{page * r.page_size + r.page_size - 1}) {who}"
+
+
+def _double_text(page: int, r: PageCensus) -> str:
+    where = f"free and in a live row of request {r.live_owner[page]}" if page in r.live_owner else \
+        "free and in the tree" if page in r.tree else "twice in the free list"
+    last = r.releasers.get(page)
+    who = f"; last released for request {last[0]} ({last[2]} at step {last[1]})" if last else ""
+    return f"{r.unit} {page} {where}{who}"
+
+
+def _lock_text(node: Any, held: list[tuple[str | None, int]]) -> str:
+    return f"node {node} locked by " + ", ".join(f"request {rid} at step {step}" for rid, step in held)
+
+
+def _pages(count: int, unit: str = "page") -> str:
+    return f"{count} {unit}{'s' if count != 1 else ''}"
+
+
+def _more(count: int) -> str:
+    return f" (+{count - MAX_NAMED} more)" if count > MAX_NAMED else ""

@@ -1,0 +1,251 @@
+"""Drives the probe against SGLang 0.5.23's real memory classes in one process (no server: SGLang
+has no CPU build of its kernels). Run with the SGLang venv's python, the repository on PYTHONPATH:
+
+    python sglang_probe_driver.py SCENARIO [TREE]
+
+TREE: unified (UnifiedRadixCache, Python tree core), rust (the same, Rust tree core), classic
+(RadixCache). SCENARIO: clean, leak-tail, lock-leak, double-free, leak-and-double-free,
+unknown-version, missing-target. The environment names the capture (KVSCOPE_CAPTURE,
+KVSCOPE_PYTHON; `kvscope instrument` sets both). SGLang's own load_plugins() installs the probe.
+
+The request life is the scheduler's, on SGLang's real objects: Req.init_next_round_input (match
+through match_kv_cache) -> tree.lock -> ReqToTokenPool.alloc -> (evict under pressure) ->
+PagedTokenToKVPoolAllocator.alloc_extend (chunked prefill: two chunks into one row) -> row write ->
+alloc_decode page by page -> release_kv_cache (checkpoint into the tree, free the row's tail, unlock,
+free the row). What the probe's prepare_for_extend / prepare_for_decode hooks do after SGLang's
+own (bind a request's row pages to it) is called here directly: ScheduleBatch needs a model runner.
+The idle point runs SGLang's own SchedulerInvariantChecker count identity, then its _report_leak
+(strict: it raises ValueError, as in a server) when the identity fails, then the probe's census.
+Prints one JSON line: what the probe said, SGLang's identity per idle point, the censuses, the
+injected ground truth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from array import array
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.engines.sglang_standins import install
+
+install()
+os.environ.setdefault("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", "1")
+
+import torch  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
+from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker  # noqa: E402
+from sglang.srt.mem_cache import common  # noqa: E402
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
+from sglang.srt.plugins import load_plugins  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+from kvscope.probe import sglang as probe  # noqa: E402
+
+PS = 4  # tokens per page
+PAGES = 16
+ROWS = 8
+CONTEXT = 64
+
+
+class Engine:
+    """SGLang's pools and tree, and the requests the scheduler would hold."""
+
+    def __init__(self, tree_kind: str) -> None:
+        self.alloc = PagedTokenToKVPoolAllocator(PAGES * PS, PS, torch.int64, "cpu", None, False)
+        self.rows = ReqToTokenPool(ROWS, CONTEXT, "cpu", False)
+        if tree_kind == "classic":
+            params = CacheInitParams(disable=False, req_to_token_pool=self.rows,
+                                     token_to_kv_pool_allocator=self.alloc, page_size=PS)
+            self.tree: Any = RadixCache(params)
+        else:
+            params = CacheInitParams(disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
+                                     page_size=PS, tree_components=(ComponentType.FULL,),
+                                     tree_core_backend="rust" if tree_kind == "rust" else "python")
+            self.tree = UnifiedRadixCache(params)
+        self.live: dict[str, Req] = {}
+        self.checker = SchedulerInvariantChecker(
+            is_hybrid_swa=False, is_hybrid_ssm=False, disaggregation_mode=None, page_size=PS,
+            full_tokens_per_layer=None, swa_tokens_per_layer=None, max_total_num_tokens=PAGES * PS,
+            tree_cache=self.tree, token_to_kv_pool_allocator=self.alloc, req_to_token_pool=self.rows,
+            pool_stats_observer=None, get_last_batch=lambda: SimpleNamespace(reqs=list(self.live.values())),
+            get_running_batch=lambda: None, scheduler_stage_metrics=None)
+
+    def core(self) -> str:
+        return type(getattr(self.tree, "tree_core", self.tree)).__name__
+
+    # -- the scheduler's request life -----------------------------------------------------------
+
+    def admit(self, rid: str, tokens: list[int], *, chunk: int | None = None) -> Req:
+        """Prefill: match, lock, row, (evict), alloc_extend per chunk, row write, bind."""
+        req = Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=16))
+        req.init_next_round_input(self.tree)
+        req.lock = self.tree.lock(req.last_node)
+        self.rows.alloc([req])
+        self.live[rid] = req
+        prefix = req.prefix_len
+        ends = [min(len(tokens), prefix + chunk), len(tokens)] if chunk else [len(tokens)]
+        for end in dict.fromkeys(ends):
+            self.extend(req, end)
+            prefix = end
+        return req
+
+    def extend(self, req: Req, end: int) -> None:
+        kv = req.kv
+        start = kv.kv_allocated_len or req.prefix_len
+        row = self.rows.req_to_token[kv.req_pool_idx]
+        if kv.kv_allocated_len:
+            prefix_slots = row[:start].to(torch.int64)
+        elif req.prefix_len:
+            prefix_slots = self.tree.prefix_device_indices(req).to(torch.int64)
+        else:
+            prefix_slots = torch.empty((0,), dtype=torch.int64)
+        self.make_room(end - start + PS)
+        last = prefix_slots[-1:] if len(prefix_slots) else torch.full((1,), -1, dtype=torch.int64)
+        prefix_lens, seq_lens = torch.tensor([start]), torch.tensor([end])
+        out = self.alloc.alloc_extend(prefix_lens, prefix_lens, seq_lens, seq_lens, last, end - start)
+        assert out is not None, f"{req.rid}: no room for {end - start} tokens"
+        self.rows.write((kv.req_pool_idx, slice(0, end)), torch.cat((prefix_slots, out)).to(torch.int32))
+        kv.kv_allocated_len = kv.kv_committed_len = end
+        probe.PROBE.next_step()  # NOTE: what the prepare_for_extend hook does around SGLang's own
+        probe.PROBE.bind_requests([req], self.rows, PS, self.alloc, "extend")
+
+    def decode(self, req: Req, steps: int) -> None:
+        """One token per step; a new page whenever the last one is full."""
+        kv = req.kv
+        for i in range(steps):
+            seq = kv.kv_allocated_len + 1
+            self.make_room(PS)
+            last = self.rows.req_to_token[kv.req_pool_idx, seq - 2:seq - 1].to(torch.int64)
+            out = self.alloc.alloc_decode(torch.tensor([seq]), torch.tensor([seq]), last)
+            self.rows.write((kv.req_pool_idx, slice(seq - 1, seq)), out.to(torch.int32))
+            req.output_ids.append(7000 + i)
+            kv.kv_allocated_len = kv.kv_committed_len = seq
+            probe.PROBE.next_step()
+            probe.PROBE.bind_requests([req], self.rows, PS, self.alloc, "decode")
+
+    def make_room(self, tokens: int) -> None:
+        if self.alloc.available_size() < tokens:
+            self.tree.evict(EvictParams(num_tokens=tokens - self.alloc.available_size()))
+
+    def release(self, req: Req) -> None:
+        if req.rid != "req-D":  # NOTE: finished by length, as the scheduler marks it (req-D is released unfinished)
+            req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+        common.release_kv_cache(req, self.tree, checkpoint=True)  # NOTE: the hooked module global
+        del self.live[req.rid]
+
+    # -- the idle point -------------------------------------------------------------------------
+
+    def idle(self) -> dict[str, Any]:
+        """SGLang's count identity (raise on a leak, strict), then the probe's census."""
+        owners = self.checker._requests_owning_rows()
+        uncached = self.checker._get_total_uncached_sizes()[0]  # NOTE: SGLang's own (its busy check's) count
+        leak, line = SchedulerInvariantChecker._check_pool_invariant(
+            "full", self.alloc.available_size(), self.tree.evictable_size(), self.tree.protected_size(), 0,
+            PAGES * PS, uncached)
+        raised = None
+        if leak:
+            try:
+                self.checker._report_leak("pool", line)
+            except ValueError as err:  # NOTE: into the log as a scheduler's traceback ends (report engine-log reads it)
+                raised = str(err).splitlines()[0]
+                print(f"Scheduler hit an exception: Traceback (most recent call last):\nValueError: {err}",
+                      file=sys.stderr, flush=True)
+        census = None
+        if not leak:
+            probe.PROBE.busy = True
+            census = probe.PROBE.census(self.tree, self.rows, owners, why="idle")
+        return {"sglang": {"leak": leak, "line": line, "raised": raised},
+                "census": None if census is None else [c.as_json() for c in census],
+                "reported": probe.PROBE.censuses}
+
+
+def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    system = list(range(100, 112))  # 12 tokens: three pages every request shares
+    injected: list[dict[str, Any]] = []
+    points = []
+    a = engine.admit("req-A", [*system, 1, 2, 3])
+    engine.decode(a, 3)
+    engine.release(a)
+    points.append(engine.idle())
+    b = engine.admit("req-B", [*system, 4, 5, 6, 7, 8], chunk=8)  # chunked prefill, prefix hit on the tree
+    lock_node = b.last_node
+    if scenario == "lock-leak":  # the prefix lock is dropped without its unlock
+        b.lock = None
+        injected.append({"kind": "lock-leak", "rid": "req-B", "node": probe._node(lock_node)})
+    engine.decode(b, 2)
+    engine.release(b)
+    c = engine.admit("req-C", [*system, 9, 9, 9, 9, 9, 9])
+    engine.decode(c, 1)
+    if scenario in ("leak-tail", "leak-and-double-free"):  # the unaligned tail page is never given back
+        kv = c.kv
+        aligned = kv.kv_allocated_len // PS * PS
+        tail = int(engine.rows.req_to_token[kv.req_pool_idx, aligned]) // PS
+        kv.kv_allocated_len = kv.kv_committed_len = aligned
+        injected.append({"kind": "leak-tail", "rid": "req-C", "page": tail})
+    engine.release(c)
+    d = engine.admit("req-D", [50 + i for i in range(10)])  # stays running across the idle point
+    if scenario in ("double-free", "leak-and-double-free"):  # a page still in the tree is freed again
+        page = min(int(s) // PS for s in engine.tree.all_values_flatten().tolist())
+        probe._in_context("bad-free", "free", lambda: engine.alloc.free_page_ids(torch.tensor([page])))
+        injected.append({"kind": "double-free", "rid": "bad-free", "page": page})
+    points.append(engine.idle())
+    e = engine.admit("req-E", [300 + i for i in range(32)])  # pressure: evicts the tree's leaves
+    engine.release(e)
+    engine.release(d)
+    points.append(engine.idle())
+    return points, injected
+
+
+def publish_config() -> None:
+    """SGLang reads its process-wide config (runtime_context) on the release path: publish one for a
+    tiny local model config (no weights: nothing loads a model), as a scheduler process does."""
+    import tempfile
+
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
+
+    model = Path(tempfile.mkdtemp(prefix="kvscope-sgl-model-"))
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 32000,
+        "max_position_embeddings": 256, "torch_dtype": "float32"}))
+    runtime_context.publish(ServerArgs(model_path=str(model), device="cpu", page_size=PS), role="scheduler")
+
+
+def main(scenario: str, tree_kind: str) -> None:
+    if scenario == "unknown-version":
+        probe.SUPPORTED.clear()
+        probe.SUPPORTED["0.5.22"] = probe.hooks
+    elif scenario == "missing-target":
+        probe.SUPPORTED["0.5.23"] = lambda: [*probe.hooks(), probe.Hook(f"{probe.UNIFIED}.gone_in_0_5_24",
+                                                                        probe._h_match)]
+    load_plugins()  # NOTE: SGLang's own: discovers the sglang.srt.plugins entry point, applies the hooks
+    said = probe.PROBE.state.reason or ("registered" if probe.PROBE.state.active else "inert")
+    publish_config()
+    engine = Engine(tree_kind)
+    served, points, injected, error = True, [], [], None
+    try:
+        points, injected = workload(engine, scenario)
+    except Exception as err:  # NOTE: the engine's own objects failed: the test reports it
+        served, error = False, f"{type(err).__name__}: {err}"
+    rec = probe.PROBE.state.recorder
+    if hasattr(rec, "close"):
+        rec.close()
+    patched = hasattr(PagedTokenToKVPoolAllocator._release_page_ids, "__wrapped__")
+    print(json.dumps({"said": said, "active": probe.PROBE.state.active, "patched": patched, "core": engine.core(),
+                      "points": points, "injected": injected, "served": served, "error": error}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "unified")

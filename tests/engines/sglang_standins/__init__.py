@@ -1,0 +1,47 @@
+"""Import-only stand-ins for the GPU-only modules SGLang 0.5.23's memory, plugin and scheduler
+modules import at the top (tests only; never shipped, never installed in the SGLang venv).
+
+`install()` puts a finder at the head of sys.meta_path that answers for the top-level names in
+STANDINS (and every submodule under them) with a module whose every attribute is an Anything
+(_anything.py): a decorator that returns what it decorates, a base class, a callable. On the CPU
+none of them runs: the paged allocator takes its torch path (alloc_extend_naive) because the
+platform reports no Triton support, and the trees and pools are plain torch and Python.
+
+NOTE: why each is here (what imports it; none has a CPU wheel that imports without a GPU stack)
+    triton, triton.language        allocator kernels, memory_pool, layers (decorators and tl types only)
+    tvm_ffi                         sgl-kernel's JIT bindings, imported by srt.utils
+    torchvision                     multimodal utilities reached from schedule_batch
+    compressed_tensors              quantization configs reached from model_config
+    aiohttp, IPython                utilities reached from srt.utils
+    sgl_kernel                      the CUDA kernels package (its import is guarded in most places)
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+from typing import Any
+
+from tests.engines.sglang_standins._anything import standin
+
+STANDINS = ("triton", "tvm_ffi", "torchvision", "compressed_tensors", "aiohttp", "IPython", "sgl_kernel")
+
+
+class _StandinFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname.split(".")[0] not in STANDINS:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec: Any) -> ModuleType:
+        return standin(spec.name, __version__="0.0.0")
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass
+
+
+def install() -> None:
+    if not any(isinstance(f, _StandinFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _StandinFinder())

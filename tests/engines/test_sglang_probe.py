@@ -1,0 +1,160 @@
+"""The probe against SGLang 0.5.23's real memory classes (PagedTokenToKVPoolAllocator, ReqToTokenPool,
+UnifiedRadixCache with the Python and the Rust tree core, classic RadixCache, release_kv_cache, the
+SchedulerInvariantChecker), installed by SGLang's own load_plugins() and driven through the scheduler's
+request life by sglang_probe_driver.py, started under `kvscope instrument` the way an operator starts
+SGLang. The capture's leak checks are the probe's page census; `kvscope check` and `report leaks`
+judge it. About 40 s per run, mostly SGLang's imports.
+
+Run by `make test-engines` (`pytest -m engines`; KVSCOPE_SGLANG_PYTHON names the venv's python).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvscope.telemetry import Capture
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("sglang_probe_driver.py")
+SGLANG_PYTHON = os.environ.get("KVSCOPE_SGLANG_PYTHON", str(
+    Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvscope" / "sglang-venv" / "bin" / "python"))
+pytestmark = [
+    pytest.mark.engines,
+    pytest.mark.skipif(not Path(SGLANG_PYTHON).exists(),
+                       reason=f"no SGLang venv at {SGLANG_PYTHON}: `make test-engines` makes it"),
+]
+
+
+def kvscope(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCOPE_", "SGLANG_"))}
+    return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**env, "PYTHONPATH": str(ROOT)}, timeout=600, check=False)
+
+
+def drive(scenario: str, tree: str, capture: Path) -> dict[str, Any]:
+    """The driver under `kvscope instrument`; its JSON line, and stderr for the probe's lines."""
+    out = kvscope("instrument", "--capture", str(capture), "--", SGLANG_PYTHON, "-W", "ignore", str(DRIVER),
+                  scenario, tree)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    result["stderr"] = out.stderr
+    assert result["served"], result["error"]
+    return result
+
+
+def full_census(point: dict[str, Any]) -> dict[str, Any]:
+    assert point["census"] is not None
+    return next(c for c in point["census"] if c["pool"] == "full")
+
+
+@pytest.mark.parametrize(("tree", "core"), [("unified", "UnifiedTreeCore"), ("rust", "RustUnifiedTreeCore"),
+                                            ("classic", "RadixCache")])
+def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: str, core: str) -> None:
+    capture = tmp_path / f"clean-{tree}.db"
+    result = drive("clean", tree, capture)
+    assert result["said"] == "registered" and result["patched"] and result["core"] == core
+    assert [p["sglang"]["leak"] for p in result["points"]] == [False, False, False]
+    assert all(c["ok"] for p in result["points"] for c in p["census"])
+    assert full_census(result["points"][1])["live"] == 3  # req-D's three pages, running across the idle point
+    db = Capture(capture)
+    try:
+        run = db.runs().iloc[-1]
+        assert json.loads(run.config)["source"]["engine"] == "sglang"
+        events = db.events(int(run.id), limit=10_000)
+        assert {"alloc", "free", "match", "insert", "lock", "unlock", "evict"} <= set(events.kind), set(events.kind)
+        assert {"req-A", "req-B", "req-C", "req-D", "req-E"} <= set(events[events.kind == "alloc"].rid)
+        hits = events[(events.kind == "match") & (events.rid == "req-B")]
+        assert list(hits.num_tokens) == [12]  # the shared 12-token system prompt, three pages
+        checks = db.leak_checks(int(run.id))
+        assert set(checks.pool) == {"full", "req"} and checks.ok.astype(bool).all()
+        assert set(db.requests(int(run.id)).rid) == {"req-A", "req-B", "req-C", "req-D", "req-E"}
+    finally:
+        db.close()
+    check = kvscope("check", str(capture))
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "clean: 3 idle leak checks of the sglang 0.5.23 probe's page census held" in check.stdout
+
+
+def test_a_forgotten_tail_page_is_named_with_its_request_before_sglang_raises(tmp_path: Path) -> None:
+    capture = tmp_path / "tail.db"
+    result = drive("leak-tail", "rust", capture)
+    page = result["injected"][0]["page"]
+    point = result["points"][1]
+    assert point["sglang"]["raised"].startswith("pool memory leak detected!")  # SGLang's own check: totals only
+    line = (f"page census (SGLang's leak check failed) at step 10, capture {capture} run 1: [full] 1 page leaked "
+            f"(in no free list, tree or live row): page {page} (slots {page * 4}-{page * 4 + 3}) last taken by "
+            "request req-C (decode at step 9)")
+    assert f"kvscope probe: {line}" in result["stderr"]  # written before the ValueError, into SGLang's log
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert f"page {page} (slots {page * 4}-{page * 4 + 3}) last taken by request req-C" in check.stdout
+    report = kvscope("report", "leaks", str(capture))
+    assert "first failure at step 10" in report.stdout and "verdict: leak (kvscope check exits 1)" in report.stdout
+    assert "suspect requests" in report.stdout and "req-C" in report.stdout
+    log = tmp_path / "server.log"  # the process's stderr: the probe's line, then SGLang's own message
+    log.write_text(result["stderr"])
+    explained = kvscope("report", "engine-log", str(log))
+    assert "pool memory leak detected!" in explained.stdout and "cannot tell" not in explained.stdout
+    assert f"culprits: kvscope report leaks {capture} --run 1" in explained.stdout
+    assert "last taken by request req-C (decode at step 9)" in explained.stdout
+
+
+def test_a_leaked_lock_sglangs_identity_passes_is_named(tmp_path: Path) -> None:
+    capture = tmp_path / "lock.db"
+    result = drive("lock-leak", "unified", capture)
+    node = result["injected"][0]["node"]
+    assert [p["sglang"]["leak"] for p in result["points"]] == [False, False, False]  # protected counts as balanced
+    assert full_census(result["points"][1])["locks"] == {str(node): ["req-B"]}
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert f"1 tree node still locked by finished requests: node {node} locked by request req-B at step 4" \
+        in check.stdout
+
+
+def test_a_double_free_is_named_with_the_request_it_was_made_for(tmp_path: Path) -> None:
+    capture = tmp_path / "double.db"
+    result = drive("double-free", "classic", capture)
+    page = result["injected"][0]["page"]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert (f"1 page freed while in use (a double free): page {page} free and in the tree; last released for "
+            "request bad-free") in check.stdout
+
+
+def test_a_leak_and_a_double_free_that_cancel_pass_sglangs_identity_and_not_the_census(tmp_path: Path) -> None:
+    capture = tmp_path / "pair.db"
+    result = drive("leak-and-double-free", "unified", capture)
+    leaked, freed = (i["page"] for i in result["injected"])
+    point = result["points"][1]
+    assert point["sglang"]["leak"] is False and point["sglang"]["raised"] is None  # the two errors cancel
+    census = full_census(point)
+    assert (census["leaked"], census["doubleref"]) == ([leaked], [freed])
+    assert (census["culprits"], census["releasers"]) == ({str(leaked): "req-C"}, {str(freed): "bad-free"})
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert f"page {leaked} (slots" in check.stdout and f"page {freed} free and in the tree" in check.stdout
+    report = kvscope("report", "leaks", str(capture), "--json")
+    assert json.loads(report.stdout)["verdict"] == "leak"
+
+
+@pytest.mark.parametrize(("scenario", "line"), [
+    ("unknown-version", "kvscope probe: SGLang 0.5.23 is not supported (the probe knows 0.5.22); nothing patched"),
+    ("missing-target", "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache."
+                       "gone_in_0_5_24 not found; nothing patched"),
+])
+def test_a_version_or_target_it_does_not_know_patches_nothing(tmp_path: Path, scenario: str, line: str) -> None:
+    """One line; no hook registered (not even on the targets that exist); SGLang serves on."""
+    capture = tmp_path / f"{scenario}.db"
+    result = drive(scenario, "unified", capture)
+    assert result["stderr"].count("kvscope probe:") == 1 and line in result["stderr"]
+    assert not result["patched"] and not result["active"]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 3, check.stdout + check.stderr
+    assert "probe refused" in check.stdout
