@@ -8,14 +8,16 @@ The tests that share it run in phases, in this order (pytest_collection_modifyit
 test_vllm_attach first (its counts assume a fresh pool and fresh /metrics counters), then the
 modules of SHARED_ORDER in turn, each in its own file order: the probe's clean workloads, the
 replay and the dashboard on the capture, the faults last (a double free leaves blocks at ref -1
-in the free queue: vLLM's next allocation of one would fail its own assert, so nothing follows).
+in the free queue: vLLM's next allocation of one would fail its own assert, so nothing follows but
+stopping the server, which that phase does to check the finished run).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +35,8 @@ class InstrumentedVllm:
     server: VllmServer
     capture: Path  # the probe's capture, written by `kvscope instrument`'s recorder host
     faults_log: Path  # what the fault plugin injected, one JSON object a line
-    log: Path  # the server's stdout and stderr
+    log: Path  # the server's stdout and stderr (kept after it stops)
+    stop: Callable[[], None]  # stops the server now (SIGTERM: the probe closes its run); the last phase's
 
 
 @pytest.fixture(scope="session")
@@ -45,8 +48,9 @@ def instrumented_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Inst
     env = {"PYTHONPATH": path, "VLLM_PLUGINS": "kvscope,kvscope_test_faults",
            "KVSCOPE_TEST_FAULTS_LOG": str(faults_log)}
     wrap = (sys.executable, "-m", "kvscope", "instrument", "--capture", str(capture), "--")
-    with vllm_server(wrap=wrap, env=env) as server:
-        yield InstrumentedVllm(server, capture, faults_log, server.sockets / "vllm.log")
+    with ExitStack() as stack:
+        server = stack.enter_context(vllm_server(wrap=wrap, env=env, log_path=tmp / "vllm.log"))
+        yield InstrumentedVllm(server, capture, faults_log, tmp / "vllm.log", stack.close)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -10,8 +10,8 @@ that run in this file's order after the attach test:
   3. every dashboard page renders the capture (Streamlit AppTest);
   4. faults (the test-only plugin in tests/engines/faults): a reference kept on a finished request's
      block, a request's blocks freed twice: `kvscope check` exits 1 and `report leaks` names exactly
-     the blocks and requests the plugin says it touched. Last: after a double free vLLM's next use of
-     those blocks would fail its own assert.
+     the blocks and requests the plugin says it touched; the server stops and the run closes finished,
+     still a leak. Last: after a double free vLLM's next use of those blocks would fail its own assert.
 
 Run by `make test-engines`; the server start takes minutes here, so it starts once per test run.
 """
@@ -216,3 +216,13 @@ def test_injected_faults_are_named_exactly(instrumented_vllm: InstrumentedVllm) 
         db.close()
     assert all(p.agrees for p in points), [(p.step, p.differences()) for p in points if not p.agrees]
     assert points[-1].replayed_terms["lostref"].num_blocks == len(double["blocks"])
+
+    instrumented_vllm.stop()  # NOTE: the server's last phase: the run closes as finished, its verdict stays a leak
+    db = Capture(capture)
+    try:
+        status = db.runs().iloc[-1].display_status
+    finally:
+        db.close()
+    assert status == "finished", instrumented_vllm.log.read_text()[-4000:]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1 and "leak check failed" in check.stdout, check.stdout + check.stderr

@@ -57,9 +57,10 @@ def free_port() -> int:
 
 @contextmanager
 def vllm_server(wrap: Sequence[str] = (), env: Mapping[str, str] | None = None, kv_events: bool = True,
-                num_blocks: int = NUM_BLOCKS) -> Iterator[VllmServer]:
+                num_blocks: int = NUM_BLOCKS, log_path: Path | None = None) -> Iterator[VllmServer]:
     """`wrap`: a command the server's command is appended to (`kvscope instrument ... --`); `env`:
-    variables added to the server's environment; `kv_events`: publish KV events (attach reads them)."""
+    variables added to the server's environment; `kv_events`: publish KV events (attach reads them);
+    `log_path`: where its output goes (default a file in its temp dir, removed with it)."""
     assert Path(VLLM_PYTHON).exists(), f"no vLLM venv at {VLLM_PYTHON}: `make test-engines` makes it"
     tmp = Path(tempfile.mkdtemp(prefix="kvs-vllm-", dir="/tmp"))  # NOTE: ipc:// paths must stay short
     model = tmp / "model"
@@ -69,7 +70,7 @@ def vllm_server(wrap: Sequence[str] = (), env: Mapping[str, str] | None = None, 
     server = VllmServer(f"http://127.0.0.1:{port}", str(model), tmp)
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": server.kv_events,
               "replay_endpoint": server.replay, "topic": "kv"}
-    log_path = tmp / "vllm.log"
+    log_path = log_path or tmp / "vllm.log"
     log = log_path.open("w")
     process = subprocess.Popen(
         [*wrap, VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
