@@ -49,7 +49,10 @@ def instrumented_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Inst
            "KVSCOPE_TEST_FAULTS_LOG": str(faults_log)}
     wrap = (sys.executable, "-m", "kvscope", "instrument", "--capture", str(capture), "--")
     with ExitStack() as stack:
-        server = stack.enter_context(vllm_server(wrap=wrap, env=env, log_path=tmp / "vllm.log"))
+        # NOTE: vLLM's default --shutdown-timeout 0 SIGKILLs the EngineCore as soon as the API server
+        # takes SIGTERM, racing the probe's close of its run (seen here: the run ended 'interrupted')
+        server = stack.enter_context(vllm_server(wrap=wrap, env=env, log_path=tmp / "vllm.log",
+                                                 args=("--shutdown-timeout", "10")))
         yield InstrumentedVllm(server, capture, faults_log, tmp / "vllm.log", stack.close)
 
 

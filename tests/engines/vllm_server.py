@@ -57,10 +57,12 @@ def free_port() -> int:
 
 @contextmanager
 def vllm_server(wrap: Sequence[str] = (), env: Mapping[str, str] | None = None, kv_events: bool = True,
-                num_blocks: int = NUM_BLOCKS, log_path: Path | None = None) -> Iterator[VllmServer]:
+                num_blocks: int = NUM_BLOCKS, log_path: Path | None = None,
+                args: Sequence[str] = ()) -> Iterator[VllmServer]:
     """`wrap`: a command the server's command is appended to (`kvscope instrument ... --`); `env`:
     variables added to the server's environment; `kv_events`: publish KV events (attach reads them);
-    `log_path`: where its output goes (default a file in its temp dir, removed with it)."""
+    `log_path`: where its output goes (default a file in its temp dir, removed with it); `args`: more
+    of vLLM's arguments."""
     assert Path(VLLM_PYTHON).exists(), f"no vLLM venv at {VLLM_PYTHON}: `make test-engines` makes it"
     tmp = Path(tempfile.mkdtemp(prefix="kvs-vllm-", dir="/tmp"))  # NOTE: ipc:// paths must stay short
     model = tmp / "model"
@@ -77,7 +79,7 @@ def vllm_server(wrap: Sequence[str] = (), env: Mapping[str, str] | None = None, 
          "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "256",
          "--block-size", str(BLOCK),
          "--num-gpu-blocks-override", str(num_blocks), "--host", "127.0.0.1", "--port", str(port),
-         *(["--kv-events-config", json.dumps(events)] if kv_events else [])],
+         *(["--kv-events-config", json.dumps(events)] if kv_events else []), *args],
         stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(env or {})},
         start_new_session=True)
