@@ -6,6 +6,7 @@ short temp dir. Started as a subprocess in its own session, stopped with SIGTERM
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -39,6 +40,7 @@ class VllmServer:
     url: str
     model: str  # the served model's id (its directory)
     sockets: Path  # the temp dir holding kv.sock and replay.sock
+    pid: int = -1  # the server's process (its session leader); -1 before it starts
 
     @property
     def kv_events(self) -> str:
@@ -94,7 +96,7 @@ def vllm_server(wrap: Sequence[str] = (), env: Mapping[str, str] | None = None, 
             except httpx.HTTPError:
                 pass
             time.sleep(1.0)
-        yield server
+        yield dataclasses.replace(server, pid=process.pid)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
