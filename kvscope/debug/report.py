@@ -102,6 +102,8 @@ class LeakReport:
     checks_run: int = 0
     first_failure_step: int | None = None
     first_failure: list[str] = field(default_factory=list)
+    last_failure_step: int | None = None  # the last failing idle point (a probe's census names what is wrong now)
+    last_failure: list[str] = field(default_factory=list)
     last_clean_step: int | None = None
     onset_step: int | None = None
     leaks: list[Leak] = field(default_factory=list)
@@ -268,6 +270,8 @@ def _from_checks(report: LeakReport, checks: pd.DataFrame) -> None:
         step = int(failed.step.min())
         report.first_failure_step = step
         report.first_failure = [str(m) for m in failed[failed.step == step].message]
+        report.last_failure_step = last = int(failed.step.max())
+        report.last_failure = [str(m) for m in failed[failed.step == last].message]
         before = checks[checks.step < step]
         report.last_clean_step = int(before.step.max()) if not before.empty else None
     elif not checks.empty:
@@ -412,8 +416,12 @@ def render_text(report: LeakReport, max_leaks: int | None = None) -> str:
 
 def _checks_lines(report: LeakReport) -> list[str]:
     if report.first_failure_step is not None:
-        return [f"leak checks: {report.checks_run} idle points; first failure at step {report.first_failure_step}:",
-                *(f"    {m}" for m in report.first_failure)]
+        lines = [f"leak checks: {report.checks_run} idle points; first failure at step {report.first_failure_step}:",
+                 *(f"    {m}" for m in report.first_failure)]
+        if report.probe is not None and report.last_failure_step not in (None, report.first_failure_step):
+            lines += [f"  last failure at step {report.last_failure_step} (what the census finds wrong there):",
+                      *(f"    {m}" for m in report.last_failure)]
+        return lines
     if report.checks_run == 0:
         return ["leak checks: the run reached no idle point, so no leak check ran"]
     return [f"leak checks: {report.checks_run} idle points, all balanced"]

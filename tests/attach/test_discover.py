@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from kvscope.attach.discover import EngineInfo, discover
@@ -27,7 +26,6 @@ from tests.attach.loopback_http import (
     text_route,
     url_of,
 )
-from tests.engines.vllm_server import vllm_server
 
 METRICS = Path(__file__).parent / "data" / "metrics"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -239,26 +237,3 @@ def wait_for(take: Any, done: Any, timeout_s: float = 30.0) -> Any:
         if done(value) or time.monotonic() > deadline:
             return value
         time.sleep(0.1)
-
-
-# -- a real vLLM server (make test-engines) --------------------------------------------------------
-
-
-@pytest.mark.engines
-def test_a_real_vllm_server_is_found_and_scraped() -> None:
-    with vllm_server() as server:
-        url = server.url
-        info = discover(url)
-        assert info == EngineInfo("vllm", "0.32.0", server.model, 32, 384, None, ())
-        before = scrape(url, info)
-        assert (before.capacity_tokens, before.used_tokens, before.prompt_tokens_total, before.cached_tokens_total,
-                before.num_running, before.preemptions_total) == (384, 0, 0, 0, 0, 0)
-        first = list(range(3, 103))
-        second = first[:64] + list(range(200, 236))  # shares two full 32-token blocks with the first
-        for prompt in (first, second):
-            answer = httpx.post(f"{url}/v1/completions", json={"model": server.model, "prompt": prompt,
-                                                               "max_tokens": 1}, timeout=120)
-            assert answer.status_code == 200, answer.text
-        after = wait_for(lambda: scrape(url, info), lambda s: s.prompt_tokens_total == 200)
-        assert (after.prompt_tokens_total, after.cached_tokens_total) == (200, 64)
-        assert (after.available_tokens, after.evictable_tokens, after.evicted_tokens_total) == (None, None, None)

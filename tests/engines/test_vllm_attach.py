@@ -7,7 +7,9 @@ evicted (one evict event each), and vLLM's own
 prefix-cache counters (queries = prompt tokens, hits = the shared prefixes) as usage.
 
 Run by `make test-engines` (`pytest -m engines`; it makes the vLLM venv once, outside the repository,
-and names its python in KVSCOPE_VLLM_PYTHON); `make test` skips it.
+and names its python in KVSCOPE_VLLM_PYTHON); `make test` skips it. The server is the session's one
+instrumented server (tests/engines/conftest.py): this test runs first on it, while its pool and
+counters are fresh (checked), and the probe inside it changes nothing vLLM does.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +29,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.telemetry import Capture, EventKind
-from tests.engines.vllm_server import BLOCK, NUM_BLOCKS, VllmServer, vllm_server
+from tests.engines.conftest import InstrumentedVllm
+from tests.engines.vllm_server import BLOCK, NUM_BLOCKS
 
 pytestmark = pytest.mark.engines  # NOTE: skipped unless `-m engines` selects it (tests/conftest.py)
 
 USABLE_BLOCKS = NUM_BLOCKS - 1
 PROMPT_LEN = 100  # 3 full blocks; with its 1 output token the request holds 4 blocks (the 4th partial)
-
-
-@pytest.fixture(scope="module")
-def vllm() -> Iterator[VllmServer]:
-    with vllm_server() as server:
-        yield server
 
 
 def complete(url: str, prompt: list[int]) -> None:
@@ -123,8 +119,10 @@ def event_rows(db: Path, kind: str, columns: list[str]) -> list[tuple[Any, ...]]
     return [tuple(row) for row in frame[columns].itertuples(index=False)]
 
 
-def test_attach_rebuilds_vllms_blocks_and_evictions(vllm: VllmServer, tmp_path: Path) -> None:
+def test_attach_rebuilds_vllms_blocks_and_evictions(instrumented_vllm: InstrumentedVllm, tmp_path: Path) -> None:
+    vllm = instrumented_vllm.server
     url = vllm.url
+    assert counters(url).get("vllm:prefix_cache_queries_total", 0.0) == 0, "the attach phase needs a fresh server"
     capture = tmp_path / "vllm.db"
     attach = subprocess.Popen(
         [sys.executable, "-m", "kvscope", "attach", "--url", url, "--kv-events", vllm.kv_events,

@@ -1,25 +1,43 @@
-"""A real vLLM 0.32 CPU server started under `kvscope instrument` (the probe loaded by vLLM's own
-plugin loader in the EngineCore process): a shared-prefix workload in a pool small enough to evict
-checks clean, the probe's lookups agree with vLLM's own /metrics prefix-cache counters, and the run
-closes when the server stops.
+"""A real vLLM 0.32 CPU server under `kvscope instrument` (the probe loaded by vLLM's own plugin
+loader in the EngineCore process), the session's one server (tests/engines/conftest.py), in phases
+that run in this file's order after the attach test:
+  1. clean workloads (shared prefix, distinct prompts, concurrent bursts, long prompts) in a pool of
+     11 blocks, small enough that vLLM preempts: every census checks clean, the probe's lookups agree
+     with vLLM's own /metrics counters, `kvscope check` finds every idle check balanced so far (the
+     run still goes on, so its verdict is inconclusive, never clean);
+  2. the capture's block events, replayed (kvscope/debug/census_replay.py), reproduce the stored
+     census at each idle point;
+  3. every dashboard page renders the capture (Streamlit AppTest);
+  4. faults (the test-only plugin in tests/engines/faults): a reference kept on a finished request's
+     block, a request's blocks freed twice: `kvscope check` exits 1 and `report leaks` names exactly
+     the blocks and requests the plugin says it touched; the server stops and the run closes finished,
+     still a leak. Last: after a double free vLLM's next use of those blocks would fail its own assert.
 
-Run by `make test-engines`; the server start takes minutes here, so the test starts it once.
+Run by `make test-engines`; the server start takes minutes here, so it starts once per test run.
 """
 
 from __future__ import annotations
 
 import json
+import random
+import re
+import sqlite3
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from streamlit.testing.v1 import AppTest
 
+from kvscope.debug.census_replay import replay_census
 from kvscope.telemetry import Capture, EventKind
-from tests.engines.test_vllm_attach import complete, counters, prompts
-from tests.engines.test_vllm_probe import kvscope
-from tests.engines.vllm_server import VLLM_PYTHON, vllm_server
+from tests.engines.conftest import ROOT, InstrumentedVllm
+from tests.engines.test_vllm_attach import counters, prompts
+from tests.engines.vllm_server import VLLM_PYTHON
 
 pytestmark = [
     pytest.mark.engines,
@@ -27,52 +45,184 @@ pytestmark = [
                        reason=f"no vLLM venv at {VLLM_PYTHON}: `make test-engines` makes it"),
 ]
 
+PAGES = {"overview": "Overview", "memory": "Memory", "tiers": "Tiers", "tree": "Radix tree",
+         "evictions": "Evictions", "leaks": "Leaks", "requests": "Requests", "capacity": "Capacity"}
 
-def wait_for_checks(capture: Path, count: int, timeout_s: float = 30.0) -> None:
-    """Until the capture holds `count` census points (the engine's idle edge follows the last output)."""
+
+def kvscope(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, check=False)
+
+
+def complete(url: str, prompt: list[int], max_tokens: int = 1, request_id: str | None = None) -> None:
+    """One completion of exactly `max_tokens` tokens (EOS ignored: random weights may pick it)."""
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    response = httpx.post(f"{url}/v1/completions", headers={"X-Request-Id": request_id} if request_id else {},
+                          json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                "ignore_eos": True}, timeout=300)
+    assert response.status_code == 200, response.text
+
+
+def burst(url: str, batch: list[list[int]], max_tokens: int) -> None:
+    """The prompts sent at once (a request each), waiting for all."""
+    with ThreadPoolExecutor(len(batch)) as pool:
+        list(pool.map(lambda p: complete(url, p, max_tokens), batch))
+
+
+def tokens(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(3, 512) for _ in range(count)]
+
+
+def last_steps(capture: Path) -> tuple[int, int]:
+    """The last run's last usage step and last census step (the census follows the last step at idle)."""
+    conn = sqlite3.connect(capture)
+    try:
+        (run,), = conn.execute("SELECT max(id) FROM runs").fetchall()
+        (usage,), = conn.execute("SELECT max(step) FROM usage WHERE run_id = ?", (run,)).fetchall()
+        (census,), = conn.execute("SELECT max(step) FROM leak_checks WHERE run_id = ?", (run,)).fetchall()
+    finally:
+        conn.close()
+    return usage or 0, census or 0
+
+
+def settle(capture: Path, timeout_s: float = 60.0) -> None:
+    """Until the capture holds the census of the idle edge after the engine's last step."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        db = Capture(capture)
-        try:
-            runs = db.runs()
-            if not runs.empty and db.leak_checks(int(runs.iloc[-1].id)).step.nunique() >= count:
-                return
-        finally:
-            db.close()
+        usage, census = last_steps(capture)
+        if usage and census >= usage:
+            return
         time.sleep(0.5)
-    raise AssertionError(f"fewer than {count} census points in {timeout_s} s")
+    raise AssertionError(f"no census after the last step within {timeout_s} s: {last_steps(capture)}")
 
 
-def test_an_instrumented_server_checks_clean_and_counts_what_vllm_counts(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    capture = tmp_path / "vllm-probe.db"
+def run_id(db: Capture) -> int:
+    return int(db.runs().iloc[-1].id)
+
+
+def test_clean_workloads_with_preemption_check_clean(instrumented_vllm: InstrumentedVllm) -> None:
+    url, capture = instrumented_vllm.server.url, instrumented_vllm.capture
+    rng = random.Random(29)
     sharing, distinct = prompts()
-    monkeypatch.setenv("VLLM_PLUGINS", "kvscope")  # NOTE: vLLM loads endpoint plugins only when named
-    with vllm_server(wrap=(sys.executable, "-m", "kvscope", "instrument", "--capture", str(capture), "--")) as server:
-        for prompt in [*sharing, *distinct]:
-            complete(server.url, prompt)  # one at a time: each request's end is an idle edge
-        metrics = counters(server.url)
-        wait_for_checks(capture, len(sharing) + len(distinct))
-        live = httpx.get(f"{server.url}/kvscope/census", timeout=30)
+    for prompt in [*sharing, *distinct]:
+        complete(url, prompt)  # shared prefix and distinct prompts, one at a time: each end is an idle edge
+    prefix = tokens(rng, 64)
+    burst(url, [prefix + tokens(rng, 40) for _ in range(4)], max_tokens=24)  # a shared prefix, concurrently
+    for _ in range(2):
+        burst(url, [tokens(rng, 80) for _ in range(6)], max_tokens=48)  # 6 x 4 blocks at the end: 24 > 11
+    burst(url, [tokens(rng, 200) for _ in range(2)], max_tokens=40)  # long prompts: 2 x 8 blocks > 11
+    settle(capture)
+    metrics = counters(url)
+    live = httpx.get(f"{url}/kvscope/census", timeout=30)
     assert live.status_code == 200, live.text
     [engine] = live.json()  # one EngineCore
     assert engine["ok"] and engine["blocks"] == 11 and engine["held"] == 0 and engine["violations"] == []
+
     db = Capture(capture)
     try:
         run = db.runs().iloc[-1]
-        assert int(run.pid) != engine["pid"]  # NOTE: the run's pid is the recorder's host; the config names the engine
         source = json.loads(run.config)["source"]
-        assert source["pid"] == engine["pid"]
-        assert source["kind"] == "probe" and source["version"] == "0.32.0"
-        run_id = int(run.id)
-        matches = db.events(run_id, kinds=[EventKind.MATCH], limit=None)
-        assert int(matches.num_tokens.sum()) == metrics["vllm:prefix_cache_hits_total"] == 128
-        assert int((matches.num_tokens + matches.aux).sum()) == metrics["vllm:prefix_cache_queries_total"] == 900
-        assert len(db.events(run_id, kinds=[EventKind.EVICT], limit=None)) > 0, "the 12-block pool must evict"
-        assert db.leak_checks(run_id).ok.astype(bool).all()
-        assert len(db.requests(run_id)) == 9
+        assert source["kind"] == "probe" and source["version"] == "0.32.0" and source["pid"] == engine["pid"]
+        rid = run_id(db)
+        assert len(db.events(rid, kinds=[EventKind.REQUEST_RETRACT], limit=None)) > 0, "the 11-block pool must preempt"
+        assert len(db.events(rid, kinds=[EventKind.EVICT], limit=None)) > 0, "the 11-block pool must evict"
+        checks = db.leak_checks(rid)
+        assert checks.step.nunique() >= 4 and checks.ok.astype(bool).all(), checks[~checks.ok.astype(bool)]
+        # vLLM counts a request's first lookup only (those after a preemption go to its preempted_* stats)
+        matches = db.events(rid, kinds=[EventKind.MATCH], limit=None, columns=["rid", "num_tokens", "aux"])
+        first = matches.drop_duplicates("rid")
+        assert len(first) < len(matches)  # the preempted requests looked up again
+        assert int(first.num_tokens.sum()) == metrics["vllm:prefix_cache_hits_total"] > 0
+        assert int((first.num_tokens + first.aux).sum()) == metrics["vllm:prefix_cache_queries_total"]
+        assert len(db.requests(rid)) == metrics["vllm:request_success_total"]
     finally:
         db.close()
+    check = kvscope("check", str(capture))  # NOTE: the server still runs: `check` says clean only of a finished run
+    assert check.returncode == 3, check.stdout + check.stderr
+    assert re.search(r"inconclusive: the run is still running at step \d+; \d+ idle leak checks balanced so far",
+                     check.stdout), check.stdout
+
+
+def test_the_block_events_replay_to_the_census_at_each_idle_point(instrumented_vllm: InstrumentedVllm) -> None:
+    db = Capture(instrumented_vllm.capture)
+    try:
+        points = replay_census(db, run_id(db))
+    finally:
+        db.close()
+    assert len(points) >= 4
+    assert all(p.agrees for p in points), [(p.step, p.differences()) for p in points if not p.agrees]
+    assert any(p.replayed.evictable for p in points)  # cached blocks in the free queue: the replay kept hashes
+
+
+@pytest.mark.parametrize("page", list(PAGES))
+def test_every_dashboard_page_renders_the_capture(instrumented_vllm: InstrumentedVllm, page: str, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    snapshot = tmp_path / "probe.db"  # NOTE: a consistent copy: the server's recorder still writes the capture
+    source, target = sqlite3.connect(instrumented_vllm.capture), sqlite3.connect(snapshot)
+    try:
+        source.backup(target)
+    finally:
+        source.close()
+        target.close()
+    monkeypatch.setenv("KVSCOPE_DB", str(snapshot))
+    monkeypatch.chdir(ROOT)
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120).run()
+    if page != "overview":
+        at.switch_page(f"kvscope/dashboard/app_pages/{page}.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any(PAGES[page] in h.value for h in at.header), [h.value for h in at.header]
+
+
+def injected(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_injected_faults_are_named_exactly(instrumented_vllm: InstrumentedVllm) -> None:
+    url, capture = instrumented_vllm.server.url, instrumented_vllm.capture
+    rng = random.Random(31)
+    for name in ("kvsfault-leak-a", "kvsfault-leak-b"):
+        complete(url, tokens(rng, 100), request_id=name)  # 4 blocks each; one of them kept
+    settle(capture)
+    leaks = injected(instrumented_vllm.faults_log)
+    assert [f["fault"] for f in leaks] == ["leak", "leak"] and all(len(f["blocks"]) == 1 for f in leaks)
+    report = kvscope("report", "leaks", str(capture))
+    leaked = {(int(b), rid) for b, rid in re.findall(r"block (\d+) ref 1, accounted 0; last taken by request (\S+) ",
+                                                      report.stdout)}
+    assert leaked == {(f["blocks"][0], f["rid"]) for f in leaks}, report.stdout
+
+    complete(url, tokens(rng, 100), request_id="kvsfault-dfree-a")
+    settle(capture)
+    [double] = [f for f in injected(instrumented_vllm.faults_log) if f["fault"] == "double-free"]
+    live = httpx.get(f"{url}/kvscope/census", timeout=30).json()[0]
+    assert sorted(live["leaked"]) == sorted(f["blocks"][0] for f in leaks) and live["lostref"] == double["blocks"]
+
     check = kvscope("check", str(capture))
-    assert check.returncode == 0, check.stdout + check.stderr
-    assert "clean: 9 idle leak checks of the vllm 0.32.0 probe's block census held" in check.stdout
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "Traceback" not in check.stdout + check.stderr
+    report = kvscope("report", "leaks", str(capture))
+    assert report.returncode == 0, report.stderr
+    assert "verdict: leak (kvscope check exits 1)" in report.stdout
+    last = report.stdout.split("last failure at step")[1].split("\nonset")[0]
+    leaked = set(re.findall(r"block (\d+) ref 1, accounted 0; last taken by request (\S+) ", last))
+    assert {(int(b), rid) for b, rid in leaked} == {(f["blocks"][0], f["rid"]) for f in leaks}, report.stdout
+    released = set(re.findall(r"block (\d+) ref -1, accounted 0; last released for request (\S+) ", last))
+    assert {(int(b), rid) for b, rid in released} == {(b, double["rid"]) for b in double["blocks"]}, report.stdout
+    assert len(re.findall(r"block \d+ ref", last)) == len(leaks) + len(double["blocks"])  # nothing else named
+
+    db = Capture(capture)
+    try:
+        points = replay_census(db, run_id(db))
+    finally:
+        db.close()
+    assert all(p.agrees for p in points), [(p.step, p.differences()) for p in points if not p.agrees]
+    assert points[-1].replayed_terms["lostref"].num_blocks == len(double["blocks"])
+
+    instrumented_vllm.stop()  # NOTE: the server's last phase: the run closes as finished, its verdict stays a leak
+    db = Capture(capture)
+    try:
+        status = db.runs().iloc[-1].display_status
+    finally:
+        db.close()
+    assert status == "finished", instrumented_vllm.log.read_text()[-4000:]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1 and "leak check failed" in check.stdout, check.stdout + check.stderr

@@ -6,6 +6,7 @@ short temp dir. Started as a subprocess in its own session, stopped with SIGTERM
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -14,7 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 VLLM_PYTHON = os.environ.get("KVSCOPE_VLLM_PYTHON") or str(CACHE / "kvscope" / "vllm-venv" / "bin" / "python")
 BLOCK = 32
 NUM_BLOCKS = 12  # --num-gpu-blocks-override; vLLM keeps one as its null block
-READY_TIMEOUT_S = 240.0
+READY_TIMEOUT_S = 600.0  # NOTE: 2-5 minutes alone; far more on a machine busy with other builds
 MODEL_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512,
@@ -39,6 +40,7 @@ class VllmServer:
     url: str
     model: str  # the served model's id (its directory)
     sockets: Path  # the temp dir holding kv.sock and replay.sock
+    pid: int = -1  # the server's process (its session leader); -1 before it starts
 
     @property
     def kv_events(self) -> str:
@@ -56,8 +58,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def vllm_server(wrap: Sequence[str] = ()) -> Iterator[VllmServer]:
-    """`wrap`: a command the server's command is appended to (`kvscope instrument ... --`)."""
+def vllm_server(wrap: Sequence[str] = (), env: Mapping[str, str] | None = None, kv_events: bool = True,
+                num_blocks: int = NUM_BLOCKS, log_path: Path | None = None,
+                args: Sequence[str] = ()) -> Iterator[VllmServer]:
+    """`wrap`: a command the server's command is appended to (`kvscope instrument ... --`); `env`:
+    variables added to the server's environment; `kv_events`: publish KV events (attach reads them);
+    `log_path`: where its output goes (default a file in its temp dir, removed with it); `args`: more
+    of vLLM's arguments."""
     assert Path(VLLM_PYTHON).exists(), f"no vLLM venv at {VLLM_PYTHON}: `make test-engines` makes it"
     tmp = Path(tempfile.mkdtemp(prefix="kvs-vllm-", dir="/tmp"))  # NOTE: ipc:// paths must stay short
     model = tmp / "model"
@@ -67,16 +74,16 @@ def vllm_server(wrap: Sequence[str] = ()) -> Iterator[VllmServer]:
     server = VllmServer(f"http://127.0.0.1:{port}", str(model), tmp)
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": server.kv_events,
               "replay_endpoint": server.replay, "topic": "kv"}
-    log_path = tmp / "vllm.log"
+    log_path = log_path or tmp / "vllm.log"
     log = log_path.open("w")
     process = subprocess.Popen(
         [*wrap, VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
          "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "256",
          "--block-size", str(BLOCK),
-         "--num-gpu-blocks-override", str(NUM_BLOCKS), "--host", "127.0.0.1", "--port", str(port),
-         "--kv-events-config", json.dumps(events)],
+         "--num-gpu-blocks-override", str(num_blocks), "--host", "127.0.0.1", "--port", str(port),
+         *(["--kv-events-config", json.dumps(events)] if kv_events else []), *args],
         stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(env or {})},
         start_new_session=True)
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -89,7 +96,7 @@ def vllm_server(wrap: Sequence[str] = ()) -> Iterator[VllmServer]:
             except httpx.HTTPError:
                 pass
             time.sleep(1.0)
-        yield server
+        yield dataclasses.replace(server, pid=process.pid)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
