@@ -21,8 +21,10 @@ ids, num_tokens = pages x page size; rid = the request the probe's context names
     evict    evict / evict_for_alloc: num_tokens = tokens evicted, reason capacity
     host_evict / load / write  the HiCache component's evict_host / load_back / backup_kv_cache
 The census (Scheduler.on_idle after SGLang's own check; SchedulerInvariantChecker._report_leak
-before SGLang raises) writes one leak check per pool; usage per census; a request record per
-release_kv_cache.
+before SGLang raises) writes one leak check per pool and a tree snapshot (tree_rows); a request record
+per release_kv_cache. Per step a usage sample from the allocator's and the tree's own counters
+(available, evictable, protected; written when the next step begins, or by the census), and a tree
+snapshot every SNAPSHOT_EVERY_STEPS steps while busy.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any, NamedTuple
 
 from kvscope.probe.core import ProbeState, Settings, guarded, open_recorder, say, settings_from_env
 from kvscope.probe.sglang_census import PageView, census_checks, census_line, take_page_census
-from kvscope.telemetry import EventKind, EvictReason, PoolTerms, RequestRecord, UsageSample
+from kvscope.telemetry import EventKind, EvictReason, NodeRow, PoolTerms, RequestRecord, UsageSample
 
 ENGINE = "sglang"
 MEM = "sglang.srt.mem_cache"
@@ -54,6 +56,8 @@ ALLOC_V, FREE_V, MATCH_V, INSERT_V, LOCK_V, UNLOCK_V, EVICT_V = (
                         EventKind.UNLOCK, EventKind.EVICT))
 HOST_EVICT_V, LOAD_V, WRITE_V = (k._value_ for k in (EventKind.HOST_EVICT, EventKind.LOAD, EventKind.WRITE))
 CAPACITY_V = EvictReason.CAPACITY._value_
+SNAPSHOT_EVERY_STEPS = 256  # NOTE: while busy; a snapshot walks every node (as the idle census does)
+PREVIEW_TOKENS = 8
 _monotonic = time.monotonic
 
 
@@ -88,6 +92,8 @@ class SglangProbe:
         self.census_step = -1
         self.roots: dict[int, Any] = {}  # id(tree) -> its root handle
         self.pending: list[tuple[bool, Any, str | None, int, str, Any]] = []  # allocator calls not yet drained
+        self.sources: tuple[Any, Any, int] | None = None  # (tree, full allocator, batch size) of the last prepare
+        self.usage_step = -1
 
     # -- the recorder ---------------------------------------------------------------------------
 
@@ -113,12 +119,14 @@ class SglangProbe:
     def config(self, *, patched: bool, reason: str | None = None) -> dict[str, Any]:
         return {"source": {"kind": "probe", "engine": ENGINE, "version": self.version, "patched": patched,
                            "reason": reason, "pid": os.getpid(), "census": "pages",
-                           "provides": ["pages", "ownership", "locks", "leak_checks", "requests"]}}
+                           "provides": ["pages", "ownership", "locks", "leak_checks", "requests", "usage.split"]}}
 
     def next_step(self) -> None:
         rec = self.recorder()
         if rec is not None:
             self.drain()
+            if self.sources is not None and self.usage_step != rec.step:
+                self.step_usage(rec, *self.sources)
             rec.step = rec.step + 1
             self.step = rec.step
 
@@ -158,6 +166,29 @@ class SglangProbe:
                 self.took(allocator, values if ps == 1 else sorted({v // ps for v in values}), event, rid, step)
             else:
                 self.released(allocator, values, (rid, step, event))
+
+    def prepared(self, reqs: Any, rows: Any, tree: Any, event: str) -> None:
+        """After SGLang's prepare_for_extend / prepare_for_decode: the batch's row pages bound to its
+        requests; the pool's counters kept by reference for this step's usage sample (written when the
+        next step begins); a tree snapshot every SNAPSHOT_EVERY_STEPS steps."""
+        allocator = tree.token_to_kv_pool_allocator
+        full = getattr(allocator, "full_attn_allocator", allocator)
+        page_size = int(full.page_size)
+        self.bind_requests(reqs, rows, page_size, full, event)
+        self.sources = (tree, full, len(reqs))
+        rec = self.recorder()
+        if rec is not None and rec.step % SNAPSHOT_EVERY_STEPS == 0:
+            rec.tree_snapshot(rec.step, tree_rows(tree, _live_pages(rows, reqs, page_size), page_size))
+
+    def step_usage(self, rec: Any, tree: Any, full: Any, running: int) -> None:
+        """One usage sample from the allocator's and the tree's own counters (no page is walked)."""
+        total = int(full.size)
+        available = int(full.available_size())
+        terms = PoolTerms(total, available, int(tree.evictable_size()), int(tree.protected_size()))
+        c = self.cum
+        rec.usage(UsageSample(rec.step, terms, None, 0, 0, running, 0, c["prompt"], c["hit"], c["requests"],
+                              c["hit_requests"], c["evicted"], 0, full_used=total - available))
+        self.usage_step = rec.step
 
     def bind_requests(self, reqs: Any, rows: Any, page_size: int, allocator: Any, event: str) -> None:
         """Each request's row pages are its own (after prepare_for_extend / prepare_for_decode)."""
@@ -216,8 +247,11 @@ class SglangProbe:
         used = (view.num_pages - len(result.free)) * ps
         terms = PoolTerms(view.num_pages * ps, len(result.free) * ps, len(result.tree - result.live) * ps, 0)
         c = self.cum
-        rec.usage(UsageSample(rec.step, terms, None, 0, 0, len(owners), 0, c["prompt"], c["hit"], c["requests"],
-                              c["hit_requests"], c["evicted"], 0, full_used=used))
+        if self.usage_step != rec.step:
+            rec.usage(UsageSample(rec.step, terms, None, 0, 0, len(owners), 0, c["prompt"], c["hit"], c["requests"],
+                                  c["hit_requests"], c["evicted"], 0, full_used=used))
+            self.usage_step = rec.step
+        rec.tree_snapshot(rec.step, tree_rows(tree, view.live, ps))
         for failed in (r for r in (result, row_result) if not r.ok):
             say(census_line(failed, why=why, capture=self.settings.capture if self.settings else "",
                             run_id=getattr(rec, "run_id", None), step=rec.step))
@@ -239,6 +273,11 @@ def _page_view(allocator: Any, tree: Any, rows: Any, owners: list[Any]) -> PageV
         free_pages = free_pages  # NOTE: page ids are slots at page size 1
     values = tree.all_values_flatten() if tree.evictable_size() + tree.protected_size() > 0 else None
     tree_pages = set() if values is None or values.numel() == 0 else {int(s) // ps for s in values.tolist()}
+    return PageView(ps, num_pages, free_pages, tree_pages, _live_pages(rows, owners, ps))
+
+
+def _live_pages(rows: Any, owners: Any, page_size: int) -> dict[int, str]:
+    """The pages in the live requests' rows -> the first request holding each."""
     live: dict[int, str] = {}
     table = rows.req_to_token
     for req in owners:
@@ -246,8 +285,74 @@ def _page_view(allocator: Any, tree: Any, rows: Any, owners: list[Any]) -> PageV
         if kv.req_pool_idx is None:
             continue
         for slot in table[kv.req_pool_idx, :int(kv.kv_allocated_len)].tolist():
-            live.setdefault(int(slot) // ps, req.rid)
-    return PageView(ps, num_pages, free_pages, tree_pages, live)
+            live.setdefault(int(slot) // page_size, req.rid)
+    return live
+
+
+def tree_rows(tree: Any, live: dict[int, str], page_size: int) -> list[NodeRow]:
+    """SGLang's radix tree as a tree snapshot, in the rows kvscope's own caches write (NodeRow): the
+    root, then every node, parents first. node = SGLang's node id, num_tokens = its key's length,
+    token_preview = its first token ids, lock_ref = its (full component's) lock count, owner = the live
+    requests whose rows hold its device pages (joined by ",", cut to 64 characters), tombstone = no
+    device value (evicted; tier host when a host copy remains). RadixCache's and the Python tree
+    core's nodes are walked; the Rust tree core exposes no nodes (page_rows)."""
+    core = getattr(tree, "tree_core", None)
+    if core is None:
+        return _node_rows(tree.root_node, None, live, page_size)
+    try:
+        root = core.root_node
+    except NotImplementedError:  # NOTE: the Rust core: no node handles outside Rust
+        return page_rows(core, live, page_size)
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    return _node_rows(root, int(ComponentType.FULL), live, page_size)
+
+
+def _node_rows(root: Any, full: int | None, live: dict[int, str], page_size: int) -> list[NodeRow]:
+    rows = []
+    stack: list[tuple[Any, int]] = [(root, 0)]
+    while stack:
+        node, start = stack.pop()
+        data = node if full is None else node.component_data[full]
+        value, key = data.value, node.key
+        tokens = 0 if node is root or key is None else len(key)
+        host = full is not None and getattr(data, "host_value", None) is not None
+        evicted = node is not root and value is None
+        owners = sorted({live[p] for p in _pages_of(value, page_size) if p in live}) if not evicted else []
+        preview = "" if node is root else " ".join(map(str, key.token_ids[:PREVIEW_TOKENS])) + (
+            " …" if tokens > PREVIEW_TOKENS else "")
+        rows.append(NodeRow(int(node.id), None if node is root else int(node.parent.id), tokens, preview,
+                            int(data.lock_ref), float(node.last_access_time), int(node.hit_count),
+                            ",".join(owners)[:64] or None, evicted, start + tokens, "public",
+                            ("host" if evicted else "device+host") if host else "device"))
+        stack.extend((child, start + tokens) for child in reversed(list(node.children.values())))
+    return rows
+
+
+def _pages_of(value: Any, page_size: int) -> set[int]:
+    if value is None or len(value) == 0:
+        return set()
+    return {int(s) // page_size for s in value.tolist()}
+
+
+def page_rows(core: Any, live: dict[int, str], page_size: int) -> list[NodeRow]:
+    """The Rust tree core keeps its nodes in Rust: the tree as pages, from its KV-canary walk (every
+    device slot with its position and the slot before it): node = page id, parent = the page of the
+    slot before its first slot (the root, id 0, at position 0), lock_ref 1 when the walk of unlocked
+    slots leaves the page out. No tokens, access times or hit counts: "", 0.0 and 0."""
+    walk = core.walk_for_kv_canary(False, False)
+    unlocked = core.walk_for_kv_canary(True, False)
+    free_of_locks = {int(s) // page_size for s in unlocked.slot_indices.tolist()}
+    rows = [NodeRow(0, None, 0, "", 0, 0.0, 0, None, False, 0)]
+    firsts = [(int(pos), int(slot) // page_size, int(prev))
+              for slot, pos, prev in zip(walk.slot_indices.tolist(), walk.positions.tolist(),
+                                         walk.prev_slot_indices.tolist(), strict=True) if int(pos) % page_size == 0]
+    pages = {page for _, page, _ in firsts}
+    for pos, page, prev in sorted(firsts):
+        parent = prev // page_size if prev >= 0 and prev // page_size in pages else 0  # NOTE: or an orphan's
+        rows.append(NodeRow(page, parent, page_size, "",
+                            0 if page in free_of_locks else 1, 0.0, 0, live.get(page), False, pos + page_size))
+    return rows
 
 
 # -- the hooks (SGLang's AROUND form: hook(original, *args, **kwargs)) --------------------------------
@@ -469,9 +574,7 @@ def _h_prepare(event: str) -> Callable[..., Any]:
         result = _in_context(None, event, lambda: original(self, *args, **kwargs))
         try:
             if _ready():
-                allocator = self.token_to_kv_pool_allocator
-                full = getattr(allocator, "full_attn_allocator", allocator)
-                PROBE.bind_requests(self.reqs, self.req_to_token_pool, int(full.page_size), full, event)
+                PROBE.prepared(self.reqs, self.req_to_token_pool, self.tree_cache, event)
         except Exception as err:
             _failed(err)
         return result

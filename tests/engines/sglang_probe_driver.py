@@ -118,7 +118,7 @@ class Engine:
         self.rows.write((kv.req_pool_idx, slice(0, end)), torch.cat((prefix_slots, out)).to(torch.int32))
         kv.kv_allocated_len = kv.kv_committed_len = end
         probe.PROBE.next_step()  # NOTE: what the prepare_for_extend hook does around SGLang's own
-        probe.PROBE.bind_requests([req], self.rows, PS, self.alloc, "extend")
+        probe.PROBE.prepared([req], self.rows, self.tree, "extend")
 
     def decode(self, req: Req, steps: int) -> None:
         """One token per step; a new page whenever the last one is full."""
@@ -132,7 +132,7 @@ class Engine:
             req.output_ids.append(7000 + i)
             kv.kv_allocated_len = kv.kv_committed_len = seq
             probe.PROBE.next_step()
-            probe.PROBE.bind_requests([req], self.rows, PS, self.alloc, "decode")
+            probe.PROBE.prepared([req], self.rows, self.tree, "decode")
 
     def make_room(self, tokens: int) -> None:
         if self.alloc.available_size() < tokens:

@@ -75,6 +75,21 @@ def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: st
         checks = db.leak_checks(int(run.id))
         assert set(checks.pool) == {"full", "req"} and checks.ok.astype(bool).all()
         assert set(db.requests(int(run.id)).rid) == {"req-A", "req-B", "req-C", "req-D", "req-E"}
+        steps = db.snapshot_steps(int(run.id))
+        assert steps == sorted(set(checks.step)), steps  # a tree snapshot at each idle census
+        nodes = db.tree_at(int(run.id), steps[1])
+        assert nodes.parent_id.isna().sum() == 1  # one root; every other node hangs below it
+        body = nodes[nodes.parent_id.notna()]
+        assert set(body.parent_id.astype(int)) <= set(nodes.node_id.astype(int))
+        resident = body[~body.tombstone.astype(bool)]
+        assert resident.num_tokens.sum() == full_census(result["points"][1])["tree"] * 4  # the tree's pages
+        if tree != "rust":  # the Rust core keeps its nodes (and their tokens) in Rust: pages, no preview
+            assert any(p.startswith("100 101 102 103") for p in body.token_preview), list(body.token_preview)
+        usage = db.usage(int(run.id))
+        assert list(usage.step) == list(range(1, int(usage.step.max()) + 1))  # a usage sample per step
+        assert (usage.full_total == 64).all() and usage.full_available.between(0, 64).all()
+        at_idle = usage.set_index("step").loc[steps]
+        assert list(at_idle.full_available) == [c["free"] * 4 for c in map(full_census, result["points"])]
     finally:
         db.close()
     check = kvscope("check", str(capture))
@@ -112,6 +127,13 @@ def test_a_leaked_lock_sglangs_identity_passes_is_named(tmp_path: Path) -> None:
     node = result["injected"][0]["node"]
     assert [p["sglang"]["leak"] for p in result["points"]] == [False, False, False]  # protected counts as balanced
     assert full_census(result["points"][1])["locks"] == {str(node): ["req-B"]}
+    db = Capture(capture)
+    try:
+        run_id = int(db.runs().iloc[-1].id)
+        nodes = db.tree_at(run_id, db.snapshot_steps(run_id)[1])
+        assert nodes.set_index("node_id").loc[node].lock_ref == 1  # the snapshot shows the stale lock
+    finally:
+        db.close()
     check = kvscope("check", str(capture))
     assert check.returncode == 1, check.stdout + check.stderr
     assert f"1 tree node still locked by finished requests: node {node} locked by request req-B at step 4" \
