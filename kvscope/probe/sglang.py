@@ -515,7 +515,8 @@ def _h_inc_lock(original: Callable[..., Any], self: Any, node: Any, *args: Any, 
         try:
             if probe.hot or _ready():
                 key = node if type(node) is int else node.id  # NOTE: a NodeId (unified) or a TreeNode (classic)
-                if key != probe.roots.get(id(self)) and not _is_root(self, node):
+                root = probe.roots.get(id(self))
+                if key != (_root_of(self) if root is None else root):  # NOTE: the root's id may be 0
                     rid = probe.rid
                     held = probe.locks.get(key)
                     if held is None:
@@ -537,7 +538,8 @@ def _h_dec_lock(original: Callable[..., Any], self: Any, node: Any, *args: Any, 
         try:
             if probe.hot or _ready():
                 key = node if type(node) is int else node.id
-                if key != probe.roots.get(id(self)) and not _is_root(self, node):
+                root = probe.roots.get(id(self))
+                if key != (_root_of(self) if root is None else root):  # NOTE: the root's id may be 0
                     probe.unlock(key, probe.rid)
                     if probe.emit is not None:
                         moved = getattr(result, "delta", 0) or 0
@@ -621,15 +623,12 @@ def _h_report_leak(original: Callable[..., Any], self: Any, *args: Any, **kwargs
     return original(self, *args, **kwargs)
 
 
-def _is_root(tree: Any, node: Any) -> bool:
-    """A lock on the root locks nothing (SGLang's walk stops there). The root handle: the node
-    (RadixCache) or its id (UnifiedRadixCache, either tree core), kept per tree."""
-    roots = PROBE.roots
-    root = roots.get(id(tree))
-    if root is None:
-        handle = tree.root_node_handle()
-        root = roots[id(tree)] = handle if isinstance(handle, int) else handle.id
-    return (node if isinstance(node, int) else node.id) == root
+def _root_of(tree: Any) -> Any:
+    """The tree's root handle, kept per tree (the lock hooks compare a node with it): the node
+    (RadixCache) or its id (UnifiedRadixCache, either tree core)."""
+    handle = tree.root_node_handle()
+    root = PROBE.roots[id(tree)] = handle if isinstance(handle, int) else handle.id
+    return root
 
 
 def _node(node: Any) -> Any:
