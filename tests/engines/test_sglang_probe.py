@@ -180,3 +180,21 @@ def test_a_version_or_target_it_does_not_know_patches_nothing(tmp_path: Path, sc
     check = kvscope("check", str(capture))
     assert check.returncode == 3, check.stdout + check.stderr
     assert "probe refused" in check.stdout
+
+
+@pytest.mark.parametrize(("tree", "below_root"), [("unified", "4 nodes"), ("rust", "14 nodes")])
+def test_the_radix_tree_page_draws_sglangs_tree(tmp_path: Path, tree: str, below_root: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dashboard's Radix tree page on the probe's capture: the last idle census's snapshot (the
+    Python core's nodes; the Rust core's pages, 4 tokens each), 56 tokens in the tree either way."""
+    from streamlit.testing.v1 import AppTest
+
+    capture = tmp_path / f"tree-{tree}.db"
+    drive("clean", tree, capture)
+    monkeypatch.setenv("KVSCOPE_DB", str(capture))
+    monkeypatch.chdir(ROOT)
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=90).run()
+    at.switch_page("kvscope/dashboard/app_pages/tree.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    captions = [c.value for c in at.caption]
+    assert any(c.startswith(f"Step 11: {below_root} below the root, 56 cached tokens") for c in captions), captions
