@@ -1,9 +1,9 @@
 """Orchestration: the only layer that wires the others (tests/test_import_direction.py).
 
-The `kvscope` command (cli.py) and its verbs: `run` (runner.py: RunSpec, the recorder, the
-debugger's monitor, the engine, the leak report stored at close, the summary), the capture
-readers (report.py), the planner (plan.py) and the pool demo (demo.py); one progress line
-for all of them (progress.py).
+The `kvscope` command (cli.py, a router over commands/, which holds each verb's options) and the
+verbs' bodies: `run` (runner.py: RunSpec, the recorder, the debugger's monitor, the engine, the
+leak report stored at close, the summary), the capture readers (report.py), the planner (plan.py)
+and the pool demo (demo.py); one progress line for all of them (progress.py).
 
     kvscope.app.main(["run", "--workload", "shared-prefix", "--capture", "run.db"])
     stats = run(RunSpec(engine=EngineConfig(), model=model_config("tiny"), workload="multi-turn"))

@@ -28,7 +28,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from kvscope.telemetry import open_writer
 
@@ -130,27 +129,3 @@ def instrument_verb(args: argparse.Namespace) -> int:
           f"then kvscope check {env['KVSCOPE_CAPTURE']}", file=sys.stderr, flush=True)
     os.execvpe(command[0], command, env)
     return 0  # pragma: no cover (exec does not return)
-
-
-def add_instrument_parser(verbs: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    instrument = verbs.add_parser(
-        "instrument",
-        help="run vLLM with kvscope's probe recording its block pool inside the engine",
-        description="Set KVSCOPE_CAPTURE, KVSCOPE_LEVEL and KVSCOPE_PYTHON, then exec CMD (as opentelemetry-instrument "
-        "does). kvscope must be installed in the engine's venv (pip install --no-deps, docs/probe.md): vLLM then "
-        "loads the probe through its vllm.general_plugins entry point in every process; the EngineCore records "
-        "every block alloc, touch, cache, free and eviction with its request, and at each busy -> idle edge a "
-        "census of every block's references, stored as leak checks: `kvscope check CAPTURE` exits 0 (clean), 1 "
-        "(a leak, with the block and the request that last took it) or 3. Supported: vLLM 0.32.0; another "
-        "version is refused in one line and vLLM runs unrecorded. VLLM_PLUGINS gets kvscope (appended to a list you "
-        "set; unset: the engine's own plugins and kvscope) so that GET /kvscope/census loads. Exit 2 on bad input (no "
-        "command, a bad capture, kvscope not installed beside the engine).",
-        formatter_class=formatter,
-    )
-    instrument.add_argument("--capture", metavar="PATH|URL",
-                            help="capture file or database URL (default runs/<time>-instrument.db)")
-    instrument.add_argument("--level", choices=["summary", "full"], default="full",
-                            help="summary: census, usage and requests; full: and every block event")
-    instrument.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...",
-                            help="the engine's command, e.g. -- vllm serve MODEL")
-    instrument.set_defaults(func=instrument_verb)

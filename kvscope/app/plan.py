@@ -44,7 +44,7 @@ CURVE_CONVENTION = "tree"  # the one-pass curve's capacity convention (exact the
 
 
 def plan_verb(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    """--gpu-mem, --weights-gib and --vllm-activation-gib arrive in bytes (cli.py parses the units)."""
+    """--gpu-mem, --weights-gib and --vllm-activation-gib arrive in bytes (commands/plan.py parses the units)."""
     model = resolve_model(args.model, args.weights_gib)
     free, total, gpu_lines, gpus = _gpu_memory(args.gpu_mem, args.tp)
     inputs = PlanInputs(

@@ -104,7 +104,7 @@ class RunSpec:
 
 def engine_from_args(args: argparse.Namespace, leak_check_raise: bool = False,
                      serving: bool = False) -> tuple[EngineConfig, ModelConfig]:
-    """The engine and model of the engine options `run` and `serve` share (cli.add_engine_options);
+    """The engine and model of the engine options `run` and `serve` share (commands/engine_options.py);
     ValueError on an impossible config. `serving`: --torch-threads auto leaves a core to the
     HTTP front when the engine runs on the CPU (torch's default takes them all, and its threads
     then fight the front and its clients for the cores: half the throughput on two cores)."""
@@ -140,7 +140,7 @@ def host_cache_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:
 
 
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
-    """The RunSpec of `kvscope run`'s arguments (see cli.py); ValueError on an impossible config."""
+    """The RunSpec of `kvscope run`'s arguments (see commands/run.py); ValueError on an impossible config."""
     engine, model = engine_from_args(args, leak_check_raise=args.leak_check == "raise")
     faults = [FaultSpec.parse(text) for text in args.inject]
     debug = args.debug or any(f.kind == FaultKind.USE_AFTER_FREE for f in faults)

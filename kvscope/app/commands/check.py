@@ -1,0 +1,26 @@
+"""`kvscope check`: its options; the body is kvscope/app/report.py."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class CheckCommand:
+    name = "check"
+    help = "CI gate: exit 0 clean, 1 leak, 2 unreadable, 3 inconclusive"
+    description = (
+        "Print one line and exit with the verdict: 0 clean (the run finished and passed at least one idle "
+        "leak check, with nothing failing); 1 a leak or a broken invariant; 2 the capture cannot be read (or "
+        "bad input); 3 inconclusive: the run was interrupted, crashed, is incomplete (recording stopped), is "
+        "still running or ended without closing, or never reached an idle leak check. See docs/cli.md."
+    )
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("capture", help="a capture file or a SQLAlchemy URL")
+        parser.add_argument("--run", type=int, help="run id (default: the latest run)")
+        parser.add_argument("--json", action="store_true", help="print the verdict as JSON (the exit code is the same)")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from kvscope.app.report import check_verb
+
+        return check_verb(args)

@@ -1,0 +1,35 @@
+"""`kvscope instrument -- CMD ...`: its options; the body is kvscope/app/instrument.py."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class InstrumentCommand:
+    name = "instrument"
+    help = "run vLLM with kvscope's probe recording its block pool inside the engine"
+    description = (
+        "Set KVSCOPE_CAPTURE, KVSCOPE_LEVEL and KVSCOPE_PYTHON, then exec CMD (as opentelemetry-instrument "
+        "does). kvscope must be installed in the engine's venv (pip install --no-deps, docs/probe.md): vLLM "
+        "then loads the probe through its vllm.general_plugins entry point in every process; the EngineCore "
+        "records every block alloc, touch, cache, free and eviction with its request, and at each busy -> "
+        "idle edge a census of every block's references, stored as leak checks: `kvscope check CAPTURE` exits "
+        "0 (clean), 1 (a leak, with the block and the request that last took it) or 3. Supported: vLLM "
+        "0.32.0; another version is refused in one line and vLLM runs unrecorded. VLLM_PLUGINS gets kvscope "
+        "(appended to a list you set; unset: the engine's own plugins and kvscope) so that GET "
+        "/kvscope/census loads. Exit 2 on bad input (no command, a bad capture, kvscope not installed beside "
+        "the engine)."
+    )
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--capture", metavar="PATH|URL",
+                            help="capture file or database URL (default runs/<time>-instrument.db)")
+        parser.add_argument("--level", choices=["summary", "full"], default="full",
+                            help="summary: census, usage and requests; full: and every block event")
+        parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...",
+                            help="the engine's command, e.g. -- vllm serve MODEL")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from kvscope.app.instrument import instrument_verb
+
+        return instrument_verb(args)
