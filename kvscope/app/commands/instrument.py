@@ -7,18 +7,19 @@ import argparse
 
 class InstrumentCommand:
     name = "instrument"
-    help = "run vLLM with kvscope's probe recording its block pool inside the engine"
+    help = "run vLLM or SGLang with kvscope's probe recording its KV memory inside the engine"
     description = (
         "Set KVSCOPE_CAPTURE, KVSCOPE_LEVEL and KVSCOPE_PYTHON, then exec CMD (as opentelemetry-instrument "
-        "does). kvscope must be installed in the engine's venv (pip install --no-deps, docs/probe.md): vLLM "
-        "then loads the probe through its vllm.general_plugins entry point in every process; the EngineCore "
-        "records every block alloc, touch, cache, free and eviction with its request, and at each busy -> "
-        "idle edge a census of every block's references, stored as leak checks: `kvscope check CAPTURE` exits "
-        "0 (clean), 1 (a leak, with the block and the request that last took it) or 3. Supported: vLLM "
-        "0.32.0; another version is refused in one line and vLLM runs unrecorded. VLLM_PLUGINS gets kvscope "
-        "(appended to a list you set; unset: the engine's own plugins and kvscope) so that GET "
-        "/kvscope/census loads. Exit 2 on bad input (no command, a bad capture, kvscope not installed beside "
-        "the engine)."
+        "does). kvscope must be installed in the engine's venv (pip install --no-deps, docs/probe.md): the "
+        "engine then loads the probe through its plugin entry point (vLLM: vllm.general_plugins, in every "
+        "process; SGLang: sglang.srt.plugins, in the scheduler); the engine records every block or page "
+        "alloc, touch, cache, free and eviction with its request, and at each busy -> idle edge a census of "
+        "every block's references (vLLM) or every page's place (SGLang), stored as leak checks: `kvscope "
+        "check CAPTURE` exits 0 (clean), 1 (a leak, with the block and the request that last took it) or 3. "
+        "Supported: vLLM 0.32.0 and SGLang 0.5.23; another version is refused in one line and the engine runs "
+        "unrecorded. VLLM_PLUGINS gets kvscope (appended to a list you set; unset: the engine's own plugins "
+        "and kvscope) so that GET /kvscope/census loads; a SGLANG_PLUGINS list you set gets kvscope appended. "
+        "Exit 2 on bad input (no command, a bad capture, kvscope not installed beside a vLLM engine)."
     )
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
