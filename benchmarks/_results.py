@@ -75,8 +75,7 @@ def machine_lines(device_type: str) -> list[str]:
     lines = [
         f"- CPU: {cpu_model()}, {os.cpu_count()} logical cores ({num_usable_cores} usable), "
         f"torch threads {torch.get_num_threads()}",
-        f"- Python {platform.python_version()}, torch {torch.__version__}, "
-        f"{platform.system()} {platform.release()}",
+        f"- Python {platform.python_version()}, torch {torch.__version__}, {platform.system()} {platform.release()}",
         f"- device: {device_type}",
     ]
     if device_type == "cuda":

@@ -60,8 +60,11 @@ class Case:
 
 
 CASES = [
-    *(Case(p, k, ps) for p in ("decode", "prefill")
-      for k, ps in (("token", 1), ("paged", 16), ("paged", 64), ("swa", 16))),
+    *(
+        Case(p, k, ps)
+        for p in ("decode", "prefill")
+        for k, ps in (("token", 1), ("paged", 16), ("paged", 64), ("swa", 16))
+    ),
     Case("decode", "paged", 16, strict=True),
     Case("prefill", "paged", 16, strict=True),
 ]
@@ -104,9 +107,7 @@ class Figures(NamedTuple):
 
 def make_allocator(case: Case, total_size: int, device: torch.device) -> Allocator:
     if case.kind == "swa":
-        return SWATokenToKVPoolAllocator(
-            total_size, total_size, case.page_size, device, strict=case.strict
-        )
+        return SWATokenToKVPoolAllocator(total_size, total_size, case.page_size, device, strict=case.strict)
     return make_token_allocator(total_size, case.page_size, device, strict=case.strict)
 
 
@@ -120,8 +121,9 @@ class Workload:
         self.rng = np.random.default_rng(seed)
         self.counts = Counts()
 
-    def extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
-               num_tokens: int) -> torch.Tensor:
+    def extend(
+        self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor, num_tokens: int
+    ) -> torch.Tensor:
         if self.page_size == 1:
             slots = self.allocator.alloc(num_tokens)
         else:
@@ -151,8 +153,7 @@ class Workload:
         self.counts.num_freed_tokens += sum(len(p) for p in pieces)
 
 
-def scatter_rows(table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
-                 slots: torch.Tensor) -> None:
+def scatter_rows(table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> None:
     """table[rows[i], 0:lens[i]] = the i-th piece of `slots`, in one indexed write."""
     starts = torch.cumsum(lens, 0) - lens
     row_of_token = torch.repeat_interleave(rows, lens, output_size=len(slots))
@@ -169,9 +170,7 @@ class DecodeWorkload(Workload):
         super().__init__(case, total_size, device, seed)
         num_rows = DECODE_BATCH_SIZE
         self.rows_t = torch.arange(num_rows, device=device)
-        self.slot_table = torch.zeros(
-            (num_rows, DECODE_MAX_CONTEXT_LEN), dtype=INDEX, device=device
-        )
+        self.slot_table = torch.zeros((num_rows, DECODE_MAX_CONTEXT_LEN), dtype=INDEX, device=device)
         self.seq_lens = np.zeros(num_rows, dtype=np.int64)
         self.target_lens = np.zeros(num_rows, dtype=np.int64)
         self.seq_lens_t = torch.zeros(num_rows, dtype=INDEX, device=device)
@@ -227,9 +226,7 @@ class PrefillWorkload(Workload):
         lens[::8] = 0
         self.prefix_lens = lens
         self.prefix_lens_t = torch.as_tensor(lens, device=device)
-        self.prefix_slot_table = torch.zeros(
-            (NUM_PREFIXES, MAX_PREFIX_LEN), dtype=INDEX, device=device
-        )
+        self.prefix_slot_table = torch.zeros((NUM_PREFIXES, MAX_PREFIX_LEN), dtype=INDEX, device=device)
         rows_t = torch.arange(NUM_PREFIXES, device=device)
         zeros = torch.zeros_like(self.prefix_lens_t)
         slots = self.extend(zeros, self.prefix_lens_t, zeros - 1, int(lens.sum()))
@@ -243,13 +240,17 @@ class PrefillWorkload(Workload):
         picked_t = torch.as_tensor(picked, device=self.device)
         prefix_lens_t = self.prefix_lens_t[picked_t]
         slots = self.extend(
-            prefix_lens_t, prefix_lens_t + PREFILL_EXTEND_LEN, self.prefix_last_loc_t[picked_t],
+            prefix_lens_t,
+            prefix_lens_t + PREFILL_EXTEND_LEN,
+            self.prefix_last_loc_t[picked_t],
             PREFILL_BATCH_SIZE * PREFILL_EXTEND_LEN,
         )
         ps = self.page_size
         kept_lens = -(-self.prefix_lens[picked] // ps) * ps - self.prefix_lens[picked]
-        pieces = [slots[i * PREFILL_EXTEND_LEN + kept : (i + 1) * PREFILL_EXTEND_LEN]
-                  for i, kept in enumerate(kept_lens.tolist())]
+        pieces = [
+            slots[i * PREFILL_EXTEND_LEN + kept : (i + 1) * PREFILL_EXTEND_LEN]
+            for i, kept in enumerate(kept_lens.tolist())
+        ]
         self.free_group(pieces)
         self.counts.num_steps += 1
 
@@ -309,20 +310,28 @@ def results_table(results: list[tuple[Case, Figures]]) -> str:
         "|---|---|--:|---|--:|--:|--:|--:|--:|--:|",
     ]
     for case, fig in results:
-        rates = (fig.steps_per_s, fig.alloc_calls_per_s, fig.alloc_tokens_per_s,
-                 fig.free_calls_per_s, fig.freed_tokens_per_s)
+        rates = (
+            fig.steps_per_s,
+            fig.alloc_calls_per_s,
+            fig.alloc_tokens_per_s,
+            fig.free_calls_per_s,
+            fig.freed_tokens_per_s,
+        )
         strict = "on" if case.strict else "off"
         lines.append(
             f"| {case.pattern} | {case.label} | {case.page_size} | {strict} | "
-            + " | ".join(fmt(rate) for rate in rates) + f" | {fig.spread:.0%} |"
+            + " | ".join(fmt(rate) for rate in rates)
+            + f" | {fig.spread:.0%} |"
         )
     return "\n".join(lines)
 
 
 def strict_table(results: list[tuple[Case, Figures]]) -> str:
     by_case = dict(results)
-    lines = ["| pattern | allocator | page size | steps/s strict off | steps/s strict on | cost |",
-             "|---|---|--:|--:|--:|--:|"]
+    lines = [
+        "| pattern | allocator | page size | steps/s strict off | steps/s strict on | cost |",
+        "|---|---|--:|--:|--:|--:|",
+    ]
     for case, on in results:
         off = by_case.get(Case(case.pattern, case.kind, case.page_size)) if case.strict else None
         if off is not None:
@@ -333,10 +342,13 @@ def strict_table(results: list[tuple[Case, Figures]]) -> str:
     return "\n".join(lines)
 
 
-def section_body(results: list[tuple[Case, Figures]], scale_name: str, scale: Scale,
-                 device: torch.device, total_s: float) -> str:
-    steps = ", ".join(f"{p} {scale.num_warmup_steps[p]} warm-up + {scale.num_repeats} x "
-                      f"{scale.num_timed_steps[p]} timed steps" for p in WORKLOADS)
+def section_body(
+    results: list[tuple[Case, Figures]], scale_name: str, scale: Scale, device: torch.device, total_s: float
+) -> str:
+    steps = ", ".join(
+        f"{p} {scale.num_warmup_steps[p]} warm-up + {scale.num_repeats} x {scale.num_timed_steps[p]} timed steps"
+        for p in WORKLOADS
+    )
     parts = [
         f"- date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- command: `{command_line()}`",
@@ -370,8 +382,11 @@ def section_body(results: list[tuple[Case, Figures]], scale_name: str, scale: Sc
         "~8 ms (a step is ~60 µs), so figures swung by up to 100x between runs.",
     ]
     if device.type != "cuda":
-        parts += ["", "CUDA figures are not recorded yet: no GPU was lent to the task that "
-                  "recorded this section. Rerun with `--device cuda` on a GPU machine."]
+        parts += [
+            "",
+            "CUDA figures are not recorded yet: no GPU was lent to the task that "
+            "recorded this section. Rerun with `--device cuda` on a GPU machine.",
+        ]
     return "\n".join(parts)
 
 
@@ -379,11 +394,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--quick", action="store_true", help="fewer steps: about 10 s on 2 cores")
-    parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
-                        help="replace the bench_alloc section of benchmarks/RESULTS.md")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (default 1: the allocator's tensors are "
-                        "small, and on few-core VMs waking a second thread stalls for ms)")
+    parser.add_argument(
+        "--write",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replace the bench_alloc section of benchmarks/RESULTS.md",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: the allocator's tensors are "
+        "small, and on few-core VMs waking a second thread stalls for ms)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 

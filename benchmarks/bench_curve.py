@@ -62,8 +62,9 @@ def ensure_traces(paths: list[Path]) -> None:
     subprocess.run([sys.executable, str(script)], check=True)
 
 
-def speed_rows(name: str, requests: list[ReplayRequest], page_size: int, capacity: int,
-               repeats: int) -> tuple[list[str], HitRateCurve]:
+def speed_rows(
+    name: str, requests: list[ReplayRequest], page_size: int, capacity: int, repeats: int
+) -> tuple[list[str], HitRateCurve]:
     configs = [ReplayConfig(capacity, page_size, granularity, convention) for granularity, convention in REPLAYS]
     jobs = [lambda: one_pass_curve(requests, page_size)] + [lambda c=c: replay(requests, c) for c in configs]
     seconds, results = timed_interleaved(jobs, repeats)
@@ -71,11 +72,16 @@ def speed_rows(name: str, requests: list[ReplayRequest], page_size: int, capacit
     rows = []
     for config, replay_s, result in zip(configs, seconds[1:], results[1:], strict=True):
         ratio = curve_s / replay_s
-        print(f"{name} ps={page_size} {config.eviction_granularity}/{config.convention}: replay {replay_s:.3f} s, "
-              f"one-pass {curve_s:.3f} s", file=sys.stderr)
-        rows.append(f"| {name} | {page_size} | {capacity:,} | {config.eviction_granularity} / {config.convention} "
-                    f"| {replay_s:.3f} | {result.hit_rate:.2%} | {curve_s:.3f} | {curve.hit_rate(capacity):.2%} "
-                    f"| {ratio:.2f}x | {'met' if ratio <= TARGET_RATIO else 'NOT met'} |")
+        print(
+            f"{name} ps={page_size} {config.eviction_granularity}/{config.convention}: replay {replay_s:.3f} s, "
+            f"one-pass {curve_s:.3f} s",
+            file=sys.stderr,
+        )
+        rows.append(
+            f"| {name} | {page_size} | {capacity:,} | {config.eviction_granularity} / {config.convention} "
+            f"| {replay_s:.3f} | {result.hit_rate:.2%} | {curve_s:.3f} | {curve.hit_rate(capacity):.2%} "
+            f"| {ratio:.2f}x | {'met' if ratio <= TARGET_RATIO else 'NOT met'} |"
+        )
     return rows, curve
 
 
@@ -93,8 +99,10 @@ def check_rows(name: str, requests: list[ReplayRequest], curve: HitRateCurve, nu
         within += bool(np.all(low <= slots) and np.all(slots <= high))
         gaps.append(abs(replay(requests, ReplayConfig(k, ps, "leaf", "tree")).hit_rate - curve.hit_rate(k)))
         print(f"{name} ps={ps} capacity {k}: checked", file=sys.stderr)
-    return [f"| {name} | {ps} | {grid[0]:,} .. {grid[-1]:,} ({len(grid)}) | {equal} / {len(grid)} "
-            f"| {within} / {len(grid)} | {np.mean(gaps):.4f} | {max(gaps):.4f} |"]
+    return [
+        f"| {name} | {ps} | {grid[0]:,} .. {grid[-1]:,} ({len(grid)}) | {equal} / {len(grid)} "
+        f"| {within} / {len(grid)} | {np.mean(gaps):.4f} | {max(gaps):.4f} |"
+    ]
 
 
 def split_refreshes_unmatched_piece() -> bool:
@@ -114,43 +122,57 @@ def split_refreshes_unmatched_piece() -> bool:
     return bool(lower.last_access_time != before)
 
 
-def report(args: argparse.Namespace, traces: list[str], speed: list[str], checks: list[str], run_s: float,
-           load: float) -> str:
+def report(
+    args: argparse.Namespace, traces: list[str], speed: list[str], checks: list[str], run_s: float, load: float
+) -> str:
     quirk = split_refreshes_unmatched_piece()
     now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    return "\n".join([
-        f"- date: {now}",
-        f"- command: `{command_line()}`",
-        *machine_lines("cpu"),
-        f"- load average (1 min) at the start: {load:.2f}",
-        f"- RadixCache (page granularity) marks the unmatched half of a split node as accessed: "
-        f"{'yes, so replays may depart from the curve where a match splits a node' if quirk else 'no'}",
-        f"- traces: {'; '.join(traces)} (written by `benchmarks/gen_traces.py`, default seed 0); each time is the "
-        f"median of {args.repeats} runs, the one-pass curve and the replays in turn, with the trace already loaded; "
-        f"whole run {run_s:.0f} s",
-        "",
-        f"Speed: one-pass curve (every capacity) vs one replay at one capacity; target: at most {TARGET_RATIO:g}x.",
-        "",
-        "| trace | page size | capacity | replay (eviction / convention) | replay s | replay hit rate "
-        "| one-pass s | curve hit rate at capacity | one-pass / replay | target |",
-        "|---|--:|--:|---|--:|--:|--:|--:|--:|---|",
-        *speed,
-        *(["", f"Exactness on {args.grid} log-spaced capacities (1% to 100% of the working set):", "",
-            "| trace | page size | capacities | tree convention, page eviction: equal per request "
-            "| slot convention within [curve(C - L), curve(C)] | whole-leaf gap, mean | whole-leaf gap, worst |",
-            "|---|--:|---|--:|--:|--:|--:|", *checks] if checks else []),
-        "",
-        "Reading the tables: the one-pass curve (`kvscope.planning.one_pass_curve`) is exact for page-granular "
-        "LRU tail eviction under the tree convention (the tree holds at most C tokens between requests; the "
-        "request in flight does not count). `slots` is bench_radix's protocol: a pool of C slots shared with the "
-        "request in flight, so a replay's hits lie between the curve at C - L and at C (L: the longest request, "
-        "whole pages). `leaf` is SGLang's whole-leaf eviction; the gap is the absolute difference in token hit "
-        "rate from the curve under the tree convention. The `leaf / slots` rows are bench_radix's configuration "
-        "(its figures at 200,000 slots: 86.32% on multi_turn, 78.42% on shared_prefix). Where the cache marks "
-        "the unmatched half of a split node as accessed (the line above), replays depart from the curve "
-        "wherever a match splits a node: shared_prefix's system prompts do, multi_turn's growing contexts do "
-        "not. Protocol: `kvscope/planning/brute_force.py`.",
-    ])
+    return "\n".join(
+        [
+            f"- date: {now}",
+            f"- command: `{command_line()}`",
+            *machine_lines("cpu"),
+            f"- load average (1 min) at the start: {load:.2f}",
+            f"- RadixCache (page granularity) marks the unmatched half of a split node as accessed: "
+            f"{'yes, so replays may depart from the curve where a match splits a node' if quirk else 'no'}",
+            f"- traces: {'; '.join(traces)} (written by `benchmarks/gen_traces.py`, default seed 0); each time is the "
+            f"median of {args.repeats} runs, the one-pass curve and the replays in turn, "
+            f"with the trace already loaded; "
+            f"whole run {run_s:.0f} s",
+            "",
+            f"Speed: one-pass curve (every capacity) vs one replay at one capacity; target: at most {TARGET_RATIO:g}x.",
+            "",
+            "| trace | page size | capacity | replay (eviction / convention) | replay s | replay hit rate "
+            "| one-pass s | curve hit rate at capacity | one-pass / replay | target |",
+            "|---|--:|--:|---|--:|--:|--:|--:|--:|---|",
+            *speed,
+            *(
+                [
+                    "",
+                    f"Exactness on {args.grid} log-spaced capacities (1% to 100% of the working set):",
+                    "",
+                    "| trace | page size | capacities | tree convention, page eviction: equal per request "
+                    "| slot convention within [curve(C - L), curve(C)] "
+                    "| whole-leaf gap, mean | whole-leaf gap, worst |",
+                    "|---|--:|---|--:|--:|--:|--:|",
+                    *checks,
+                ]
+                if checks
+                else []
+            ),
+            "",
+            "Reading the tables: the one-pass curve (`kvscope.planning.one_pass_curve`) is exact for page-granular "
+            "LRU tail eviction under the tree convention (the tree holds at most C tokens between requests; the "
+            "request in flight does not count). `slots` is bench_radix's protocol: a pool of C slots shared with the "
+            "request in flight, so a replay's hits lie between the curve at C - L and at C (L: the longest request, "
+            "whole pages). `leaf` is SGLang's whole-leaf eviction; the gap is the absolute difference in token hit "
+            "rate from the curve under the tree convention. The `leaf / slots` rows are bench_radix's configuration "
+            "(its figures at 200,000 slots: 86.32% on multi_turn, 78.42% on shared_prefix). Where the cache marks "
+            "the unmatched half of a split node as accessed (the line above), replays depart from the curve "
+            "wherever a match splits a node: shared_prefix's system prompts do, multi_turn's growing contexts do "
+            "not. Protocol: `kvscope/planning/brute_force.py`.",
+        ]
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -160,8 +182,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--capacity", type=int, default=200_000, help="the replay's capacity in tokens")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--grid", type=int, default=12, help="capacities for the exactness check (0: skip it)")
-    parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
-                        help="write the bench_curve section of benchmarks/RESULTS.md")
+    parser.add_argument(
+        "--write",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write the bench_curve section of benchmarks/RESULTS.md",
+    )
     return parser.parse_args()
 
 

@@ -64,10 +64,31 @@ PROGRESS_EVERY = 500_000
 
 def build_engine_capture(path: Path, num_events: int) -> None:
     num_requests = int(num_events / EVENTS_PER_ENGINE_REQUEST * 1.02) + 1  # a margin: at least num_events
-    subprocess.run([sys.executable, "-m", "kvscope", "run", "--workload", "multi-turn", "--num-requests",
-                    str(num_requests), "--seed", "1", "--page-size", "4", "--kv-tokens", "16384",
-                    "--inject", "leak-tail:0.0005", "--capture", str(path)],
-                   check=False, cwd=ROOT, stdout=subprocess.DEVNULL)  # exit 1: the injected leaks fail the check
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvscope",
+            "run",
+            "--workload",
+            "multi-turn",
+            "--num-requests",
+            str(num_requests),
+            "--seed",
+            "1",
+            "--page-size",
+            "4",
+            "--kv-tokens",
+            "16384",
+            "--inject",
+            "leak-tail:0.0005",
+            "--capture",
+            str(path),
+        ],
+        check=False,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+    )  # exit 1: the injected leaks fail the check
     if not path.exists():
         raise SystemExit(f"kvscope run wrote no capture at {path}")
 
@@ -79,8 +100,7 @@ class _CountingRecorder(SQLRecorder):
         self.num_events += 1
         super().record(kind, **fields)
 
-    def record_batch(self, kind: EventKind, *, pool: PoolName | None, rids: Any, num_tokens: Any,
-                     slots: Any) -> None:
+    def record_batch(self, kind: EventKind, *, pool: PoolName | None, rids: Any, num_tokens: Any, slots: Any) -> None:
         self.num_events += len(rids)
         super().record_batch(kind, pool=pool, rids=rids, num_tokens=num_tokens, slots=slots)
 
@@ -150,8 +170,9 @@ class _SyntheticTree:
         self.recent.append(node)
         if len(self.recent) > 4096:
             del self.recent[:2048]
-        self.rec.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=node, num_tokens=len(slots),
-                        aux=parent, slots=slots)
+        self.rec.record(
+            EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=node, num_tokens=len(slots), aux=parent, slots=slots
+        )
         return node
 
     def lock(self, node: int, rid: str) -> None:
@@ -178,19 +199,32 @@ class _SyntheticTree:
             self.children[parent] -= 1
             if parent and not self.children[parent] and not self.locks[parent]:
                 self.evictable[parent] = None
-            self.rec.record(EventKind.EVICT, pool=PoolName.FULL, node_id=node, num_tokens=len(slots),
-                            reason=EvictReason.CAPACITY, slots=slots)
+            self.rec.record(
+                EventKind.EVICT,
+                pool=PoolName.FULL,
+                node_id=node,
+                num_tokens=len(slots),
+                reason=EvictReason.CAPACITY,
+                slots=slots,
+            )
             freed.append(slots)
             self.cum_evicted += len(slots)
         if freed:
-            self.rec.record_batch(EventKind.FREE, pool=PoolName.FULL, rids=[None] * len(freed),
-                                  num_tokens=[len(s) for s in freed], slots=np.concatenate(freed))
+            self.rec.record_batch(
+                EventKind.FREE,
+                pool=PoolName.FULL,
+                rids=[None] * len(freed),
+                num_tokens=[len(s) for s in freed],
+                slots=np.concatenate(freed),
+            )
             for slots in freed:
                 self.release(slots)
 
     def snapshot(self, step: int) -> None:
-        rows = [(n, None if p < 0 else p, len(self.slots[n]), "", self.locks[n], float(n), 1, None, False,
-                 self.depth[n]) for n, p in self.parent.items()]
+        rows = [
+            (n, None if p < 0 else p, len(self.slots[n]), "", self.locks[n], float(n), 1, None, False, self.depth[n])
+            for n, p in self.parent.items()
+        ]
         self.rec.tree_snapshot(step, rows)
 
 
@@ -220,12 +254,22 @@ def build_synthetic_capture(path: Path, num_events: int, seed: int = 0) -> tuple
             if len(tree.parent) > TREE_BUDGET_NODES or tree.num_free < POOL_TOKENS // 8:
                 tree.evict(EVICT_PER_STEP)
             prefill = [r.slots[0] for r in admitted]
-            rec.record_batch(EventKind.ALLOC, pool=PoolName.FULL, rids=[r.rid for r in admitted],
-                             num_tokens=[len(s) for s in prefill], slots=np.concatenate(prefill))
+            rec.record_batch(
+                EventKind.ALLOC,
+                pool=PoolName.FULL,
+                rids=[r.rid for r in admitted],
+                num_tokens=[len(s) for s in prefill],
+                slots=np.concatenate(prefill),
+            )
             running.extend(admitted)
             decode = tree.alloc(len(running))
-            rec.record_batch(EventKind.ALLOC, pool=PoolName.FULL, rids=[r.rid for r in running],
-                             num_tokens=[1] * len(running), slots=decode)
+            rec.record_batch(
+                EventKind.ALLOC,
+                pool=PoolName.FULL,
+                rids=[r.rid for r in running],
+                num_tokens=[1] * len(running),
+                slots=decode,
+            )
             for r, slot in zip(running, decode, strict=True):
                 r.slots.append(slot[None])
             still = []
@@ -236,15 +280,40 @@ def build_synthetic_capture(path: Path, num_events: int, seed: int = 0) -> tuple
                 tree.insert(r.node, np.concatenate(r.slots), r.rid)
                 tree.unlock(r.node, r.rid)
                 rec.record(EventKind.REQUEST_FINISH, rid=r.rid, num_tokens=len(r.slots) - 1)
-                rec.request(RequestRecord(r.rid, f"u{hash(r.rid) % 8}", r.prompt_len, "finished", r.hit_len,
-                                          len(r.slots) - 1, 0, {"arrive": r.arrive_t, "finish": time.monotonic()},
-                                          {"arrive": r.finish_step - len(r.slots) + 1, "admit": r.finish_step
-                                           - len(r.slots) + 1, "first_token": r.finish_step - len(r.slots) + 2,
-                                           "finish": step}))
+                rec.request(
+                    RequestRecord(
+                        r.rid,
+                        f"u{hash(r.rid) % 8}",
+                        r.prompt_len,
+                        "finished",
+                        r.hit_len,
+                        len(r.slots) - 1,
+                        0,
+                        {"arrive": r.arrive_t, "finish": time.monotonic()},
+                        {
+                            "arrive": r.finish_step - len(r.slots) + 1,
+                            "admit": r.finish_step - len(r.slots) + 1,
+                            "first_token": r.finish_step - len(r.slots) + 2,
+                            "finish": step,
+                        },
+                    )
+                )
             running = still
             cached = tree.cached_tokens
-            rec.usage(UsageSample(step, PoolTerms(POOL_TOKENS, tree.num_free, cached, 0), None, 256,
-                                  256 - len(running), len(running), 0, *cum, tree.cum_evicted, 0))
+            rec.usage(
+                UsageSample(
+                    step,
+                    PoolTerms(POOL_TOKENS, tree.num_free, cached, 0),
+                    None,
+                    256,
+                    256 - len(running),
+                    len(running),
+                    0,
+                    *cum,
+                    tree.cum_evicted,
+                    0,
+                )
+            )
             if step % SNAPSHOT_EVERY == 0:
                 tree.snapshot(step)
             if step % LEAK_CHECK_EVERY == 0:
@@ -252,19 +321,26 @@ def build_synthetic_capture(path: Path, num_events: int, seed: int = 0) -> tuple
             events = rec.num_events
             if events >= next_report:
                 rate = events / (time.perf_counter() - start)
-                print(f"  {events:,} events, step {step:,}, {len(tree.parent):,} nodes ({rate:,.0f} events/s)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  {events:,} events, step {step:,}, {len(tree.parent):,} nodes ({rate:,.0f} events/s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 next_report += PROGRESS_EVERY
             step += 1
         tree.snapshot(step - 1)
-    print(f"  recorded {events:,} events in {time.perf_counter() - start:.0f} s; storing the leak report…",
-          file=sys.stderr, flush=True)
+    print(
+        f"  recorded {events:,} events in {time.perf_counter() - start:.0f} s; storing the leak report…",
+        file=sys.stderr,
+        flush=True,
+    )
     save_report(path, build_report(path))
     return events, step
 
 
-def _arrive(tree: _SyntheticTree, rec: SQLRecorder, rng: random.Random, rid: str, step: int,
-            cum: list[int]) -> _Running:
+def _arrive(
+    tree: _SyntheticTree, rec: SQLRecorder, rng: random.Random, rid: str, step: int, cum: list[int]
+) -> _Running:
     """arrive, (split), match, lock, admit; the prompt's miss tokens are allocated by the caller."""
     parent = tree.pick_parent()
     miss = rng.randint(16, 256)
@@ -272,13 +348,19 @@ def _arrive(tree: _SyntheticTree, rec: SQLRecorder, rng: random.Random, rid: str
     if parent and rng.random() < SPLIT_SHARE and len(tree.slots[parent]) > 1:
         parent = tree.split(parent, rng.randrange(1, len(tree.slots[parent])))
     hit = tree.depth[parent]
-    rec.record(EventKind.MATCH, pool=PoolName.FULL, rid=rid, node_id=parent, num_tokens=hit, aux=miss,
-               principal=f"u{hash(rid) % 8}")
+    rec.record(
+        EventKind.MATCH,
+        pool=PoolName.FULL,
+        rid=rid,
+        node_id=parent,
+        num_tokens=hit,
+        aux=miss,
+        principal=f"u{hash(rid) % 8}",
+    )
     tree.lock(parent, rid)
     rec.record(EventKind.REQUEST_ADMIT, rid=rid, num_tokens=hit + miss)
     cum[0], cum[1], cum[2], cum[3] = cum[0] + hit + miss, cum[1] + hit, cum[2] + 1, cum[3] + (hit > 0)
-    return _Running(rid, parent, hit + miss, hit, [tree.alloc(miss)], step + rng.randint(4, 32),
-                    time.monotonic())
+    return _Running(rid, parent, hit + miss, hit, [tree.alloc(miss)], step + rng.randint(4, 32), time.monotonic())
 
 
 def open_page(page: str) -> AppTest:
@@ -333,35 +415,56 @@ def _replay_line(path: Path) -> str:
     report = build_report(path)
     replay_s = time.perf_counter() - start
     replayed = report.through_seq + 1
-    return ("The Leaks page reads the report stored at close. Without one (`--no-report`, or a run still running) it "
-            f"replays the ledger: {replay_s:.1f} s for this capture's {replayed:,} events "
-            f"({replay_s / max(replayed, 1) * 1e6:.1f} µs per event, {len(report.leaks):,} leaks found), once; a "
-            "running run then replays only its new events.")
+    return (
+        "The Leaks page reads the report stored at close. Without one (`--no-report`, or a run still running) it "
+        f"replays the ledger: {replay_s:.1f} s for this capture's {replayed:,} events "
+        f"({replay_s / max(replayed, 1) * 1e6:.1f} µs per event, {len(report.leaks):,} leaks found), once; a "
+        "running run then replays only its new events."
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=10_000_000, help="events of the synthetic capture")
-    parser.add_argument("--engine-events", type=int, default=1_000_000,
-                        help="events of the engine capture (0: skip it; ~30k events/s to record)")
+    parser.add_argument(
+        "--engine-events",
+        type=int,
+        default=1_000_000,
+        help="events of the engine capture (0: skip it; ~30k events/s to record)",
+    )
     parser.add_argument("--quick", action="store_true", help="100,000 events each")
     parser.add_argument("--no-write", action="store_true", help="print, do not write RESULTS.md")
     parser.add_argument("--keep", type=Path, help="build the captures in this folder and keep them (reused if there)")
     parser.add_argument("--only", choices=["engine", "synthetic"], help="one capture only")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="cold and warm renders of each page, rounds alternating the page order; medians (3)")
-    parser.add_argument("--skip-replay", action="store_true",
-                        help="skip timing the ledger replay without a stored report (~7 min on 10M events)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="cold and warm renders of each page, rounds alternating the page order; medians (3)",
+    )
+    parser.add_argument(
+        "--skip-replay",
+        action="store_true",
+        help="skip timing the ledger replay without a stored report (~7 min on 10M events)",
+    )
     args = parser.parse_args()
-    sizes = {"synthetic": 100_000 if args.quick else args.events,
-             "engine": 100_000 if args.quick else args.engine_events}
-    lines = [f"Run {datetime.now(UTC):%Y-%m-%d} with `{command_line()}`.", "", *machine_lines("cpu"), "",
-             "Each page is the real app through AppTest, opened directly (as from its link), including the app "
-             "frame and the run picker, after one untimed render of every page (the dashboard's modules "
-             "imported, as in a running dashboard); cold = "
-             "Streamlit's caches (data and resources) cleared first, warm = rendered again from the caches; "
-             "medians over rounds that alternate the page order. The synthetic run has one tier (a radix "
-             "cache), so its Tiers page is the line saying so. Target: every page ≤ 2 s.", ""]
+    sizes = {
+        "synthetic": 100_000 if args.quick else args.events,
+        "engine": 100_000 if args.quick else args.engine_events,
+    }
+    lines = [
+        f"Run {datetime.now(UTC):%Y-%m-%d} with `{command_line()}`.",
+        "",
+        *machine_lines("cpu"),
+        "",
+        "Each page is the real app through AppTest, opened directly (as from its link), including the app "
+        "frame and the run picker, after one untimed render of every page (the dashboard's modules "
+        "imported, as in a running dashboard); cold = "
+        "Streamlit's caches (data and resources) cleared first, warm = rendered again from the caches; "
+        "medians over rounds that alternate the page order. The synthetic run has one tier (a radix "
+        "cache), so its Tiers page is the line saying so. Target: every page ≤ 2 s.",
+        "",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
@@ -384,12 +487,19 @@ def main() -> None:
             events, steps, nodes, run_s = _counts(path)
             built = f"built in {build_s:.0f} s" if build_s > 1 else f"reused (its run took {run_s:.0f} s to record)"
             size_mib = path.stat().st_size / 2**20
-            print(f"{source} capture {path}: {events:,} events, {steps:,} steps, largest tree {nodes:,} nodes, "
-                  f"{built}", file=sys.stderr, flush=True)
+            print(
+                f"{source} capture {path}: {events:,} events, {steps:,} steps, largest tree {nodes:,} nodes, {built}",
+                file=sys.stderr,
+                flush=True,
+            )
             timings = time_pages(path, args.rounds)
-            lines += [f"**{source}**: {events:,} events over {steps:,} steps, largest tree snapshot {nodes:,} nodes, "
-                      f"{size_mib:,.0f} MiB, {built}.", "",
-                      "| page | cold (s) | warm (s) |", "|---|---:|---:|"]
+            lines += [
+                f"**{source}**: {events:,} events over {steps:,} steps, largest tree snapshot {nodes:,} nodes, "
+                f"{size_mib:,.0f} MiB, {built}.",
+                "",
+                "| page | cold (s) | warm (s) |",
+                "|---|---:|---:|",
+            ]
             lines += [f"| {page} | {cold:.2f} | {warm:.2f} |" for page, cold, warm in timings]
             if not args.skip_replay:
                 lines += ["", _replay_line(path)]

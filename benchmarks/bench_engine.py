@@ -163,8 +163,9 @@ class TimeSplit:
             for name in ("record", "usage", "leak_check", "request", "tree_snapshot", "flush"):
                 setattr(recorder, name, self.shim("recorder", getattr(recorder, name)))
 
-    def shim(self, category: str, fn: Callable[..., Any], after: Callable[[], None] | None = None
-             ) -> Callable[..., Any]:
+    def shim(
+        self, category: str, fn: Callable[..., Any], after: Callable[[], None] | None = None
+    ) -> Callable[..., Any]:
         seconds, calls, stack, since, thread = self.seconds, self.calls, self._stack, self._since, self._thread
         nested, clock, get_ident = self.num_nested_calls, time.perf_counter, threading.get_ident
 
@@ -266,8 +267,9 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_once(case: Case, trace: list[TraceRequest], device: torch.device, level: str,
-             split: TimeSplit | None = None) -> Outcome:
+def run_once(
+    case: Case, trace: list[TraceRequest], device: torch.device, level: str, split: TimeSplit | None = None
+) -> Outcome:
     sync = synchronizer(device)
     gc.collect()
     with tempfile.TemporaryDirectory(prefix="bench_engine-") as tmp:
@@ -299,8 +301,10 @@ def run_once(case: Case, trace: list[TraceRequest], device: torch.device, level:
 
 def check_stats(case: Case, stats: EngineStats, num_requests: int) -> None:
     if stats.num_finished != num_requests or stats.leak_checks_failed or not stats.leak_checks_passed:
-        raise AssertionError(f"{case.name}: {stats.num_finished}/{num_requests} finished, leak checks "
-                             f"{stats.leak_checks_passed} passed, {stats.leak_checks_failed} failed")
+        raise AssertionError(
+            f"{case.name}: {stats.num_finished}/{num_requests} finished, leak checks "
+            f"{stats.leak_checks_passed} passed, {stats.leak_checks_failed} failed"
+        )
 
 
 def check_capture(db_path: Path, num_steps: int) -> int:
@@ -313,8 +317,9 @@ def check_capture(db_path: Path, num_steps: int) -> int:
     finally:
         conn.close()
     if status != "finished" or num_usage != num_steps:
-        raise AssertionError(f"{db_path}: run status {status!r} (want 'finished'), {num_usage} usage rows for "
-                             f"{num_steps} steps")
+        raise AssertionError(
+            f"{db_path}: run status {status!r} (want 'finished'), {num_usage} usage rows for {num_steps} steps"
+        )
     return int(num_events)
 
 
@@ -353,8 +358,7 @@ class CaseResult(NamedTuple):
 
 
 def load_trace(case: Case) -> list[TraceRequest]:
-    return generate(case.workload, num_requests=case.num_requests, seed=0, vocab_size=MODEL.vocab_size,
-                    **case.options)
+    return generate(case.workload, num_requests=case.num_requests, seed=0, vocab_size=MODEL.vocab_size, **case.options)
 
 
 def run_malloc_phase(case: Case, device: torch.device) -> list[Timing]:
@@ -363,8 +367,9 @@ def run_malloc_phase(case: Case, device: torch.device) -> list[Timing]:
     return [run_once(case, trace, device, "off").timing for _ in range(MALLOC_RUNS)]
 
 
-def run_case(case: Case, device: torch.device, num_repeats: int, malloc_runs: list[Timing],
-             progress: Callable[[str], None]) -> CaseResult:
+def run_case(
+    case: Case, device: torch.device, num_repeats: int, malloc_runs: list[Timing], progress: Callable[[str], None]
+) -> CaseResult:
     trace = load_trace(case)
     run_once(case, trace, device, "off")
     rounds: list[dict[str, Timing]] = []
@@ -410,50 +415,63 @@ def pct(x: float) -> str:
 
 
 def throughput_table(results: list[CaseResult]) -> str:
-    lines = ["| device | case | requests | steps | prompt tokens | generated tokens | token hit rate | evicted tokens "
-             "| run s (off) | requests/s | prompt tokens/s | generated tokens/s | requests/s (full, with close) |",
-             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    lines = [
+        "| device | case | requests | steps | prompt tokens | generated tokens | token hit rate | evicted tokens "
+        "| run s (off) | requests/s | prompt tokens/s | generated tokens/s | requests/s (full, with close) |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
     for r in results:
         s, run_s = r.outcome.stats, r.median("off", "run_s")
         lines.append(
             f"| {r.device_type} | {r.case.name} | {s.num_finished} | {r.outcome.num_steps} | {s.prompt_tokens:,} | "
             f"{s.generated_tokens:,} | {s.token_hit_rate:.1%} | {s.evicted_tokens:,} | {run_s:.2f} | "
             f"{fmt_rate(s.num_finished / run_s)} | {fmt_rate(s.prompt_tokens / run_s)} | "
-            f"{fmt_rate(s.generated_tokens / run_s)} | {fmt_rate(s.num_finished / r.median('full'))} |")
+            f"{fmt_rate(s.generated_tokens / run_s)} | {fmt_rate(s.num_finished / r.median('full'))} |"
+        )
     return "\n".join(lines)
 
 
 def malloc_table(results: list[CaseResult], kept: bool) -> str:
     after = "mallopt as above" if kept else "glibc defaults (--no-keep-freed-memory)"
-    lines = [f"| device | case | run s, glibc defaults | page faults/run | run s, {after} | page faults/run "
-             "| speed-up |", "|---|---|--:|--:|--:|--:|--:|"]
+    lines = [
+        f"| device | case | run s, glibc defaults | page faults/run | run s, {after} | page faults/run | speed-up |",
+        "|---|---|--:|--:|--:|--:|--:|",
+    ]
     for r in results:
         before_s = statistics.median(t.run_s for t in r.malloc_runs)
         before_faults = statistics.median(t.num_page_faults for t in r.malloc_runs)
         after_s, after_faults = r.median("off", "run_s"), r.median("off", "num_page_faults")
-        lines.append(f"| {r.device_type} | {r.case.name} | {before_s:.2f} | {before_faults:,.0f} | {after_s:.2f} | "
-                     f"{after_faults:,.0f} | {before_s / after_s:.2f}x |")
+        lines.append(
+            f"| {r.device_type} | {r.case.name} | {before_s:.2f} | {before_faults:,.0f} | {after_s:.2f} | "
+            f"{after_faults:,.0f} | {before_s / after_s:.2f}x |"
+        )
     return "\n".join(lines)
 
 
 def split_table(results: list[CaseResult], shim_costs: tuple[float, float]) -> str:
-    lines = ["| device | case | level | run s (shimmed) | model | memory | recorder | rest "
-             "| shimmed calls (model / memory / recorder) | shim cost (est.) |",
-             "|---|---|---|--:|--:|--:|--:|--:|--:|--:|"]
+    lines = [
+        "| device | case | level | run s (shimmed) | model | memory | recorder | rest "
+        "| shimmed calls (model / memory / recorder) | shim cost (est.) |",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|",
+    ]
     for r in results:
         for f in r.splits:
             shares = " | ".join(f"{f.seconds[c] / f.run_s:.1%} ({f.seconds[c]:.3f} s)" for c in CATEGORIES)
             calls = " / ".join(f"{f.calls[c]:,}" for c in CATEGORIES[:3])
             shim_s = sum(f.calls.values()) * shim_costs[0] + f.num_nested_calls * shim_costs[1]
-            lines.append(f"| {r.device_type} | {r.case.name} | {f.level} | {f.run_s:.2f} | {shares} | {calls} | "
-                         f"{shim_s / f.run_s:.1%} |")
+            lines.append(
+                f"| {r.device_type} | {r.case.name} | {f.level} | {f.run_s:.2f} | {shares} | {calls} | "
+                f"{shim_s / f.run_s:.1%} |"
+            )
     return "\n".join(lines)
 
 
 def overhead_table(results: list[CaseResult]) -> str:
-    lines = ["| device | case | off s | summary s | full s | summary (wall / CPU) | full (wall / CPU) "
-             "| full, range in a round | full, run only | CPU s (off → full) |",
-             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    lines = [
+        "| device | case | off s | summary s | full s | summary (wall / CPU) | full (wall / CPU) "
+        "| full, range in a round | full, run only | CPU s (off → full) |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
     for r in results:
         paired = r.paired_overheads("full")
         lines.append(
@@ -461,14 +479,18 @@ def overhead_table(results: list[CaseResult]) -> str:
             f"{r.median('full'):.3f} | {pct(r.overhead('summary'))} / {pct(r.overhead('summary', 'cpu_s'))} | "
             f"**{pct(r.overhead('full'))}** / {pct(r.overhead('full', 'cpu_s'))} | {pct(min(paired))} .. "
             f"{pct(max(paired))} | {pct(r.overhead('full', 'run_s'))} | {r.median('off', 'cpu_s'):.2f} → "
-            f"{r.median('full', 'cpu_s'):.2f} |")
+            f"{r.median('full', 'cpu_s'):.2f} |"
+        )
     return "\n".join(lines)
 
 
 def recording_parts(f: SplitFigure) -> dict[str, float]:
     """Seconds of recording work measured inside one full run (the shimmed one)."""
-    return {"in recorder methods": f.seconds["recorder"], "writer process CPU": f.timing.writer_cpu_s,
-            "close": f.timing.close_s}
+    return {
+        "in recorder methods": f.seconds["recorder"],
+        "writer process CPU": f.timing.writer_cpu_s,
+        "close": f.timing.close_s,
+    }
 
 
 def same_run_overhead(f: SplitFigure) -> float:
@@ -480,17 +502,21 @@ def same_run_overhead(f: SplitFigure) -> float:
 
 
 def where_table(results: list[CaseResult]) -> str:
-    lines = ["| device | case | events | events/s | in recorder methods | writer process CPU | close "
-             "| µs/event (sum) | same-run estimate | full - off, medians |",
-             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    lines = [
+        "| device | case | events | events/s | in recorder methods | writer process CPU | close "
+        "| µs/event (sum) | same-run estimate | full - off, medians |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
     for r in results:
         f = r.splits[1]
         parts = recording_parts(f)
         cells = [f"{s * 1e3:.0f} ms" for s in parts.values()]
-        lines.append(f"| {r.device_type} | {r.case.name} | {r.num_events:,} | "
-                     f"{fmt_rate(r.num_events / r.median('off', 'run_s'))} | {' | '.join(cells)} | "
-                     f"{sum(parts.values()) / max(r.num_events, 1) * 1e6:.1f} | {pct(same_run_overhead(f))} | "
-                     f"{(r.median('full') - r.median('off')) * 1e3:.0f} ms ({pct(r.overhead('full'))}) |")
+        lines.append(
+            f"| {r.device_type} | {r.case.name} | {r.num_events:,} | "
+            f"{fmt_rate(r.num_events / r.median('off', 'run_s'))} | {' | '.join(cells)} | "
+            f"{sum(parts.values()) / max(r.num_events, 1) * 1e6:.1f} | {pct(same_run_overhead(f))} | "
+            f"{(r.median('full') - r.median('off')) * 1e3:.0f} ms ({pct(r.overhead('full'))}) |"
+        )
     return "\n".join(lines)
 
 
@@ -509,17 +535,25 @@ def verdict_lines(results: list[CaseResult]) -> list[str]:
         shares = {c: off_split.seconds[c] / off_split.run_s for c in CATEGORIES}
         parts = sorted(recording_parts(full_split).items(), key=lambda item: -item[1])
         largest = ", ".join(f"{name} {s * 1e3:.0f} ms" for name, s in parts[:2])
-        lines.append(f"- {r.device_type} {r.case.name}: full vs off {pct(wall)} in wall time with close "
-                     f"({pct(r.overhead('full', 'run_s'))} without), {pct(cpu)} in CPU time, "
-                     f"{pct(same_run_overhead(full_split))} estimated within one run: "
-                     f"**≤ {TARGET_OVERHEAD:.0%} {target_verdict(wall, cpu)}**; largest: {largest}. At off the "
-                     f"model takes {shares['model']:.0%} of the run, memory management {shares['memory']:.0%}, "
-                     f"the rest {shares['rest']:.0%}.")
+        lines.append(
+            f"- {r.device_type} {r.case.name}: full vs off {pct(wall)} in wall time with close "
+            f"({pct(r.overhead('full', 'run_s'))} without), {pct(cpu)} in CPU time, "
+            f"{pct(same_run_overhead(full_split))} estimated within one run: "
+            f"**≤ {TARGET_OVERHEAD:.0%} {target_verdict(wall, cpu)}**; largest: {largest}. At off the "
+            f"model takes {shares['model']:.0%} of the run, memory management {shares['memory']:.0%}, "
+            f"the rest {shares['rest']:.0%}."
+        )
     return lines
 
 
-def context_lines(results: list[CaseResult], device_types: list[str], args: argparse.Namespace, kept: bool,
-                  total_s: float, load: tuple[float, float]) -> list[str]:
+def context_lines(
+    results: list[CaseResult],
+    device_types: list[str],
+    args: argparse.Namespace,
+    kept: bool,
+    total_s: float,
+    load: tuple[float, float],
+) -> list[str]:
     machine = machine_lines("cuda" if "cuda" in device_types else "cpu")
     if len(device_types) > 1:
         machine[-1] = machine[-1].replace("- device: cuda", "- devices: cpu, then cuda")
@@ -533,13 +567,17 @@ def context_lines(results: list[CaseResult], device_types: list[str], args: argp
         f"start, {load[1]:.2f} at the end; whole run {total_s:.0f} s",
     ]
     if max(load) > BUSY_LOAD_AVERAGE:
-        lines.append(f"- **the machine was busy**: load average above {BUSY_LOAD_AVERAGE} while this ran, so other "
-                     "processes took CPU from the runs and the figures compared across runs carry their noise; "
-                     "the within-run columns of `where it goes` are the steadier ones")
+        lines.append(
+            f"- **the machine was busy**: load average above {BUSY_LOAD_AVERAGE} while this ran, so other "
+            "processes took CPU from the runs and the figures compared across runs carry their noise; "
+            "the within-run columns of `where it goes` are the steadier ones"
+        )
     for r in results:
         pool = r.case.pool
-        lines.append(f"- {r.device_type} {r.case.name}: {r.case.describe()}; KV {pool.kv_size_tokens:,} tokens, "
-                     f"{pool.max_running_requests} request rows; retractions {r.outcome.stats.num_retractions}")
+        lines.append(
+            f"- {r.device_type} {r.case.name}: {r.case.describe()}; KV {pool.kv_size_tokens:,} tokens, "
+            f"{pool.max_running_requests} request rows; retractions {r.outcome.stats.num_retractions}"
+        )
     return lines
 
 
@@ -580,8 +618,9 @@ READING = [
 ]
 
 
-def section_body(results: list[CaseResult], device_types: list[str], context: list[str],
-                 shim_costs: tuple[float, float], kept: bool) -> str:
+def section_body(
+    results: list[CaseResult], device_types: list[str], context: list[str], shim_costs: tuple[float, float], kept: bool
+) -> str:
     parts = [
         *context,
         "",
@@ -614,9 +653,12 @@ def section_body(results: list[CaseResult], device_types: list[str], context: li
         *READING,
     ]
     if "cuda" not in device_types:
-        parts += ["", "CUDA figures are not recorded yet: no GPU was lent to the task that recorded this section. "
-                  "Rerun with `--device both` (the default where a GPU is present) on a GPU machine; there the "
-                  "decode-256 case decodes ~256 tokens per request (64 on CPU)."]
+        parts += [
+            "",
+            "CUDA figures are not recorded yet: no GPU was lent to the task that recorded this section. "
+            "Rerun with `--device both` (the default where a GPU is present) on a GPU machine; there the "
+            "decode-256 case decodes ~256 tokens per request (64 on CPU).",
+        ]
     return "\n".join(parts)
 
 
@@ -625,16 +667,32 @@ def section_body(results: list[CaseResult], device_types: list[str], context: li
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda", "both"], default="auto",
-                        help="auto: both where a GPU is present, else cpu")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"half the requests and outputs, {QUICK_REPEATS} rounds: about a minute on 2 cores")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help=f"rounds of off/summary/full per case (default {DEFAULT_REPEATS})")
-    parser.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
-                        help=f"after phase 1, {MALLOPT_TEXT} (glibc)")
-    parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
-                        help="replace the bench_engine section of benchmarks/RESULTS.md")
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda", "both"],
+        default="auto",
+        help="auto: both where a GPU is present, else cpu",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"half the requests and outputs, {QUICK_REPEATS} rounds: about a minute on 2 cores",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help=f"rounds of off/summary/full per case (default {DEFAULT_REPEATS})"
+    )
+    parser.add_argument(
+        "--keep-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"after phase 1, {MALLOPT_TEXT} (glibc)",
+    )
+    parser.add_argument(
+        "--write",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replace the bench_engine section of benchmarks/RESULTS.md",
+    )
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
     if args.device == "auto":
@@ -659,11 +717,14 @@ def main(argv: list[str] | None = None) -> None:
         malloc_runs.append(run_malloc_phase(case, device))
         progress(f"{device.type} {case.name} phase 1 (glibc defaults)")
     kept = args.keep_freed_memory and keep_freed_memory()
-    results = [run_case(case, device, args.repeats, before, progress)
-               for (device, case), before in zip(planned, malloc_runs, strict=True)]
+    results = [
+        run_case(case, device, args.repeats, before, progress)
+        for (device, case), before in zip(planned, malloc_runs, strict=True)
+    ]
     shim_costs = shim_costs_s()
-    context = context_lines(results, device_types, args, kept, time.perf_counter() - start_s,
-                            (load_start, os.getloadavg()[0]))
+    context = context_lines(
+        results, device_types, args, kept, time.perf_counter() - start_s, (load_start, os.getloadavg()[0])
+    )
     body = section_body(results, device_types, context, shim_costs, kept)
     print(body)
     if args.write:

@@ -89,8 +89,13 @@ class Shape(NamedTuple):
 
 
 SHAPES = (
-    Shape("tiny (4 layers x 2 heads x 16, float32)", MODEL.num_layers, MODEL.num_kv_heads, MODEL.head_dim,
-          MODEL.torch_dtype),
+    Shape(
+        "tiny (4 layers x 2 heads x 16, float32)",
+        MODEL.num_layers,
+        MODEL.num_kv_heads,
+        MODEL.head_dim,
+        MODEL.torch_dtype,
+    ),
     Shape("large (4 layers x 32 heads x 128, bfloat16)", 4, 32, 128, torch.bfloat16),
 )
 
@@ -113,8 +118,12 @@ def configs(ratios: tuple[float, ...]) -> list[Config]:
     out = [Config("radix", CacheConfig(kind="radix"))]
     for ratio in ratios:
         for policy in WRITE_POLICIES:
-            out.append(Config(f"hiradix {policy}, host x{ratio:g}",
-                              CacheConfig(kind="hiradix", write_policy=policy, host_ratio=ratio)))  # type: ignore[arg-type]
+            out.append(
+                Config(
+                    f"hiradix {policy}, host x{ratio:g}",
+                    CacheConfig(kind="hiradix", write_policy=policy, host_ratio=ratio),
+                )
+            )  # type: ignore[arg-type]
     return out
 
 
@@ -151,18 +160,23 @@ def run_once(kv_tokens: int, config: Config, trace: list[TraceRequest]) -> tuple
     wall_s = time.perf_counter() - start_s
     stats = engine.stats
     if stats.num_finished != len(reqs) or stats.leak_checks_failed or not stats.leak_checks_passed:
-        raise AssertionError(f"{config.label}: {stats.num_finished}/{len(reqs)} finished, leak checks "
-                             f"{stats.leak_checks_passed} passed, {stats.leak_checks_failed} failed")
+        raise AssertionError(
+            f"{config.label}: {stats.num_finished}/{len(reqs)} finished, leak checks "
+            f"{stats.leak_checks_passed} passed, {stats.leak_checks_failed} failed"
+        )
     cache = engine.memory.cache
-    loaded, written = (cache.num_load_back_tokens, cache.num_write_tokens) if isinstance(cache, HiRadixCache) \
-        else (0, 0)
-    figures = Figures(stats.prompt_tokens, stats.cached_tokens, loaded, written, stats.evicted_tokens,
-                      stats.num_retractions)
+    loaded, written = (
+        (cache.num_load_back_tokens, cache.num_write_tokens) if isinstance(cache, HiRadixCache) else (0, 0)
+    )
+    figures = Figures(
+        stats.prompt_tokens, stats.cached_tokens, loaded, written, stats.evicted_tokens, stats.num_retractions
+    )
     return figures, wall_s
 
 
-def run_engines(kv_tokens: int, cfgs: list[Config], trace: list[TraceRequest], num_rounds: int,
-                progress: Callable[[str], None]) -> tuple[dict[str, Figures], dict[str, list[float]]]:
+def run_engines(
+    kv_tokens: int, cfgs: list[Config], trace: list[TraceRequest], num_rounds: int, progress: Callable[[str], None]
+) -> tuple[dict[str, Figures], dict[str, list[float]]]:
     figures: dict[str, Figures] = {}
     times: dict[str, list[float]] = {c.label: [] for c in cfgs}
     run_once(kv_tokens, cfgs[-1], trace)  # warm-up, untimed
@@ -193,8 +207,9 @@ def controller(shape: Shape, size: int) -> CacheController:
     return CacheController(device_alloc, device_kv, host_alloc, host_kv)
 
 
-def bandwidth(shape: Shape, batches: tuple[int, ...], num_rounds: int, seed: int = 0
-              ) -> dict[tuple[int, str], list[float]]:
+def bandwidth(
+    shape: Shape, batches: tuple[int, ...], num_rounds: int, seed: int = 0
+) -> dict[tuple[int, str], list[float]]:
     """Seconds per operation, per (batch, "write" | "load")."""
     size = 2 * max(batches)
     ctl = controller(shape, size)
@@ -253,31 +268,39 @@ def engine_table(cfgs: list[Config], figures: dict[str, Figures], times: dict[st
     base = figures["radix"]
     base_rate = base.cached_tokens / base.prompt_tokens
     base_wall = statistics.median(times["radix"])
-    lines = ["| cache | hit rate | gain vs radix | prefill tokens | loaded back | written to host | evicted "
-             "| retractions | wall (median) | wall vs radix | walls (s) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| cache | hit rate | gain vs radix | prefill tokens | loaded back | written to host | evicted "
+        "| retractions | wall (median) | wall vs radix | walls (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for c in cfgs:
         f = figures[c.label]
         rate = f.cached_tokens / f.prompt_tokens
         wall = statistics.median(times[c.label])
         walls = ", ".join(f"{t:.2f}" for t in times[c.label])
-        lines.append(f"| {c.label} | {rate:.1%} | {(rate - base_rate) * 100:+.1f} pp | "
-                     f"{f.prompt_tokens - f.cached_tokens:,} | {f.loaded_back:,} | {f.written:,} | {f.evicted:,} | "
-                     f"{f.retractions} | {wall:.2f} s | {wall / base_wall - 1:+.0%} | {walls} |")
+        lines.append(
+            f"| {c.label} | {rate:.1%} | {(rate - base_rate) * 100:+.1f} pp | "
+            f"{f.prompt_tokens - f.cached_tokens:,} | {f.loaded_back:,} | {f.written:,} | {f.evicted:,} | "
+            f"{f.retractions} | {wall:.2f} s | {wall / base_wall - 1:+.0%} | {walls} |"
+        )
     return lines
 
 
 def bandwidth_table(shape: Shape, seconds: dict[tuple[int, str], list[float]]) -> list[str]:
-    lines = [f"{shape.name}: {shape.bytes_per_token:,} bytes per token (every layer, K and V)", "",
-             "| batch (tokens) | bytes per op | write (device -> host) | load (host -> device) "
-             "| write µs/op | load µs/op |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"{shape.name}: {shape.bytes_per_token:,} bytes per token (every layer, K and V)",
+        "",
+        "| batch (tokens) | bytes per op | write (device -> host) | load (host -> device) | write µs/op | load µs/op |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     batches = sorted({b for b, _ in seconds})
     for b in batches:
         num_bytes = b * shape.bytes_per_token
         w, ld = statistics.median(seconds[(b, "write")]), statistics.median(seconds[(b, "load")])
-        lines.append(f"| {b:,} | {num_bytes / (1 << 20):,.2f} MiB | {fmt_bytes_per_s(num_bytes / w)} | "
-                     f"{fmt_bytes_per_s(num_bytes / ld)} | {w * 1e6:,.0f} | {ld * 1e6:,.0f} |")
+        lines.append(
+            f"| {b:,} | {num_bytes / (1 << 20):,.2f} MiB | {fmt_bytes_per_s(num_bytes / w)} | "
+            f"{fmt_bytes_per_s(num_bytes / ld)} | {w * 1e6:,.0f} | {ld * 1e6:,.0f} |"
+        )
     return lines
 
 
@@ -286,13 +309,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds (development)")
     parser.add_argument("--num-requests", type=int, default=400)
     parser.add_argument("--open-conversations", type=int, default=16, help="max_open_conversations of the trace")
-    parser.add_argument("--kv-tokens", type=int, default=None,
-                        help="device pool (default: a quarter of the working set)")
+    parser.add_argument(
+        "--kv-tokens", type=int, default=None, help="device pool (default: a quarter of the working set)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds of the engine runs")
     parser.add_argument("--bandwidth-repeats", type=int, default=9)
     parser.add_argument("--host-ratios", type=float, nargs="+", default=list(HOST_RATIOS))
-    parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
-                        help="replace the bench_hicache section of RESULTS.md (default: on)")
+    parser.add_argument(
+        "--write",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replace the bench_hicache section of RESULTS.md (default: on)",
+    )
     return parser.parse_args()
 
 
@@ -307,8 +335,13 @@ def main() -> None:
     def progress(msg: str) -> None:
         print(f"[{time.perf_counter() - start:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
-    trace = generate("multi-turn", num_requests=num_requests, seed=0, vocab_size=MODEL.vocab_size,
-                     max_open_conversations=args.open_conversations)
+    trace = generate(
+        "multi-turn",
+        num_requests=num_requests,
+        seed=0,
+        vocab_size=MODEL.vocab_size,
+        max_open_conversations=args.open_conversations,
+    )
     num_prompt = sum(len(t.prompt_ids) for t in trace)
     peak = working_set(trace)
     longest = max(len(t.prompt_ids) + t.output_len for t in trace)
@@ -322,35 +355,40 @@ def main() -> None:
     now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     rates = {c.label: figures[c.label].cached_tokens / figures[c.label].prompt_tokens for c in cfgs}
     sizing = "given" if args.kv_tokens else "a quarter of the working set"
-    body = "\n".join([
-        f"- date: {now}",
-        f"- command: `{command_line()}`",
-        *machine_lines("cpu"),
-        f"- load average (1 min) at the start: {load_avg:.2f}; whole run {time.perf_counter() - start:.0f} s",
-        f"- workload: multi-turn, {len(trace):,} requests, seed 0, max_open_conversations {args.open_conversations} "
-        f"(other options default), {num_prompt:,} prompt tokens, longest request {longest} tokens; working set "
-        f"(peak of the open conversations' contexts) {peak:,} tokens",
-        f"- engine: model tiny, cpu, recording off, device pool {kv_tokens:,} tokens ({sizing}), page size 1, "
-        f"{MAX_RUNNING} request rows, prefill chunks of {CHUNK}, LRU; the trace in waves of {WAVE} requests, "
-        "each run to its idle point; host pool = host ratio x device pool",
-        "",
-        "### Hit rate at the same device capacity, per write policy",
-        "",
-        *engine_table(cfgs, figures, times),
-        "",
-        f"Hit rates and token counters are deterministic: identical in each of the {num_rounds} "
-        "rounds (the script checks). Wall: median of the rounds, configurations in an order rotated by "
-        f"one each round. Best gain over radix: {(max(rates.values()) - rates['radix']) * 100:+.1f} pp "
-        f"({max(rates, key=rates.__getitem__)}).",
-        "",
-        "### CacheController copy bandwidth (CPU, synchronous)",
-        "",
-    ])
+    body = "\n".join(
+        [
+            f"- date: {now}",
+            f"- command: `{command_line()}`",
+            *machine_lines("cpu"),
+            f"- load average (1 min) at the start: {load_avg:.2f}; whole run {time.perf_counter() - start:.0f} s",
+            f"- workload: multi-turn, {len(trace):,} requests, seed 0, "
+            f"max_open_conversations {args.open_conversations} "
+            f"(other options default), {num_prompt:,} prompt tokens, longest request {longest} tokens; working set "
+            f"(peak of the open conversations' contexts) {peak:,} tokens",
+            f"- engine: model tiny, cpu, recording off, device pool {kv_tokens:,} tokens ({sizing}), page size 1, "
+            f"{MAX_RUNNING} request rows, prefill chunks of {CHUNK}, LRU; the trace in waves of {WAVE} requests, "
+            "each run to its idle point; host pool = host ratio x device pool",
+            "",
+            "### Hit rate at the same device capacity, per write policy",
+            "",
+            *engine_table(cfgs, figures, times),
+            "",
+            f"Hit rates and token counters are deterministic: identical in each of the {num_rounds} "
+            "rounds (the script checks). Wall: median of the rounds, configurations in an order rotated by "
+            f"one each round. Best gain over radix: {(max(rates.values()) - rates['radix']) * 100:+.1f} pp "
+            f"({max(rates, key=rates.__getitem__)}).",
+            "",
+            "### CacheController copy bandwidth (CPU, synchronous)",
+            "",
+        ]
+    )
     for shape, seconds in bw:
         body += "\n" + "\n".join(bandwidth_table(shape, seconds)) + "\n"
-    body += ("\n" + f"Median of {bw_rounds} rounds, write and load alternating (order flipped each round), "
-             "scattered slots. No GPU here: the CUDA path (pinned host pool, copies over PCIe on the controller's "
-             "stream) is not measured.\n")
+    body += (
+        "\n" + f"Median of {bw_rounds} rounds, write and load alternating (order flipped each round), "
+        "scattered slots. No GPU here: the CUDA path (pinned host pool, copies over PCIe on the controller's "
+        "stream) is not measured.\n"
+    )
     print(body)
     if args.write:
         write_section("bench_hicache", body)

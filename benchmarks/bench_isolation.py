@@ -61,9 +61,16 @@ HASH_BASE, HASH_MOD = 1_000_003, (1 << 61) - 1
 
 
 def workload(num_requests: int, rate_per_s: float, seed: int) -> list[ReplayRequest]:
-    trace = generate("multi-tenant", num_requests=num_requests, seed=seed, rate_per_s=rate_per_s,
-                     num_tenants=4, users_per_tenant=4, common_prompt_len=COMMON_PROMPT_LEN,
-                     tenant_prompt_len=TENANT_PROMPT_LEN)
+    trace = generate(
+        "multi-tenant",
+        num_requests=num_requests,
+        seed=seed,
+        rate_per_s=rate_per_s,
+        num_tenants=4,
+        users_per_tenant=4,
+        common_prompt_len=COMMON_PROMPT_LEN,
+        tenant_prompt_len=TENANT_PROMPT_LEN,
+    )
     return replay_requests(trace)
 
 
@@ -87,8 +94,12 @@ def policies(pinned: tuple[tuple[int, ...], ...]) -> list[tuple[str, ScopedOptio
     for k in KS:
         for epoch_s in EPOCHS_S:
             for dedup in (False, True):
-                rows.append((f"k = {k}, epoch {epoch_s:g} s, dedup {'on' if dedup else 'off'}",
-                             ScopedOptions(promote_k=k, epoch_s=epoch_s, dedup=dedup)))
+                rows.append(
+                    (
+                        f"k = {k}, epoch {epoch_s:g} s, dedup {'on' if dedup else 'off'}",
+                        ScopedOptions(promote_k=k, epoch_s=epoch_s, dedup=dedup),
+                    )
+                )
     return rows
 
 
@@ -118,8 +129,9 @@ def shared_prefixes(requests: Sequence[ReplayRequest], result: ReplayResult) -> 
     return shared
 
 
-def loss_split(requests: Sequence[ReplayRequest], glob: ReplayResult, on: ReplayResult,
-               off: ReplayResult | None) -> dict[str, int]:
+def loss_split(
+    requests: Sequence[ReplayRequest], glob: ReplayResult, on: ReplayResult, off: ReplayResult | None
+) -> dict[str, int]:
     """The terms of the module note, in tokens; `off` None for a dedup-on row."""
     assert glob.request_cross_hit_tokens is not None
     shared = shared_prefixes(requests, on)
@@ -147,9 +159,11 @@ def policy_table(requests: Sequence[ReplayRequest], labels: list[str], results: 
     num_prompt = results[0].num_prompt_tokens
     glob = results[0]
     by_label = dict(zip(labels, results, strict=True))
-    lines = ["| policy | token hit rate | prefill tokens | cross-principal hit tokens | promotions "
-             "| loss (pp) | never re-enabled | waiting for k-th creator | duplicate copies | residual |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    lines = [
+        "| policy | token hit rate | prefill tokens | cross-principal hit tokens | promotions "
+        "| loss (pp) | never re-enabled | waiting for k-th creator | duplicate copies | residual |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
     for label, result in zip(labels, results, strict=True):
         prefill = num_prompt - result.num_hit_tokens
         stats = result.cache_stats or {}
@@ -161,25 +175,40 @@ def policy_table(requests: Sequence[ReplayRequest], labels: list[str], results: 
         on = by_label.get(label.replace("dedup off", "dedup on"), result)
         split = loss_split(requests, glob, on, result if "dedup off" in label else None)
         loss = glob.num_hit_tokens - result.num_hit_tokens
-        lines.append("| " + " | ".join([*cells, pp(loss, num_prompt), *(pp(split[k], num_prompt) for k in
-                                                                        ("never", "waiting", "duplicates",
-                                                                         "residual"))]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    *cells,
+                    pp(loss, num_prompt),
+                    *(pp(split[k], num_prompt) for k in ("never", "waiting", "duplicates", "residual")),
+                ]
+            )
+            + " |"
+        )
     return lines
 
 
 def curve_table(requests: Sequence[ReplayRequest], capacity: int, inf_result: ReplayResult) -> list[str]:
     glob, isolated = one_pass_curve(requests), one_pass_curve(requests, isolated=True)
     grid = sorted({*(int(c) for c in glob.log_grid(8)), capacity})
-    lines = ["| capacity (tokens) | global one-pass | isolated one-pass (k = inf) | isolation cost (pp) |",
-             "|--:|--:|--:|--:|"]
+    lines = [
+        "| capacity (tokens) | global one-pass | isolated one-pass (k = inf) | isolation cost (pp) |",
+        "|--:|--:|--:|--:|",
+    ]
     for c in grid:
         mark = " (the replays' capacity)" if c == capacity else ""
-        lines.append(f"| {c:,}{mark} | {glob.hit_rate(c):.2%} | {isolated.hit_rate(c):.2%} "
-                     f"| {100 * (glob.hit_rate(c) - isolated.hit_rate(c)):.2f} |")
+        lines.append(
+            f"| {c:,}{mark} | {glob.hit_rate(c):.2%} | {isolated.hit_rate(c):.2%} "
+            f"| {100 * (glob.hit_rate(c) - isolated.hit_rate(c)):.2f} |"
+        )
     same = int(np.sum(isolated.request_hit_tokens(capacity) == inf_result.request_hit_tokens))
-    lines += ["", f"Working sets: global {glob.working_set_tokens:,} tokens, isolated {isolated.working_set_tokens:,}. "
-              f"At {capacity:,} tokens the k = inf replay hits {inf_result.hit_rate:.2%} and the isolated curve "
-              f"{isolated.hit_rate(capacity):.2%}; {same:,} of {len(requests):,} requests agree token for token."]
+    lines += [
+        "",
+        f"Working sets: global {glob.working_set_tokens:,} tokens, isolated {isolated.working_set_tokens:,}. "
+        f"At {capacity:,} tokens the k = inf replay hits {inf_result.hit_rate:.2%} and the isolated curve "
+        f"{isolated.hit_rate(capacity):.2%}; {same:,} of {len(requests):,} requests agree token for token.",
+    ]
     return lines
 
 
@@ -189,12 +218,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=2000)
     parser.add_argument("--rate", type=float, default=1.0, help="arrivals per second (trace time)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--capacity", type=int,
-                        help="the replays' capacity in tokens (default: the smallest where the global one-pass "
-                        f"curve reaches {SIZING_SHARE:.0%} of its unbounded hit rate)")
+    parser.add_argument(
+        "--capacity",
+        type=int,
+        help="the replays' capacity in tokens (default: the smallest where the global one-pass "
+        f"curve reaches {SIZING_SHARE:.0%} of its unbounded hit rate)",
+    )
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
-                        help="write the bench_isolation section of benchmarks/RESULTS.md")
+    parser.add_argument(
+        "--write",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write the bench_isolation section of benchmarks/RESULTS.md",
+    )
     return parser.parse_args()
 
 
@@ -212,34 +248,37 @@ def main() -> None:
     span_s = (requests[-1].arrival_s or 0.0) - (requests[0].arrival_s or 0.0)
     now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     sizing = "given" if args.capacity else f"where the global one-pass curve reaches {SIZING_SHARE:.0%} of its best"
-    body = "\n".join([
-        f"- date: {now}",
-        f"- command: `{command_line()}`",
-        *machine_lines("cpu"),
-        f"- load average (1 min) at the start: {load:.2f}; whole run {time.perf_counter() - start:.0f} s",
-        f"- workload: multi-tenant, {len(requests):,} requests, seed {args.seed}, 4 tenants x 4 users, common prompt "
-        f"{COMMON_PROMPT_LEN} + tenant prompt {TENANT_PROMPT_LEN} tokens, Poisson arrivals at {args.rate:g}/s "
-        f"({span_s:,.0f} s of trace time), {num_prompt:,} prompt tokens",
-        f"- replays: {capacity:,} tokens ({sizing}), tree convention, "
-        "page-granular LRU, page size 1; principal = the request's user; clock = trace time (arrival_s); the cache "
-        "driven directly (`kvscope.planning.replay`), no model",
-        "",
-        "### Hit rate and the loss split, per policy",
-        "",
-        *policy_table(requests, labels, results),
-        "",
-        "Loss columns are percentage points of all prompt tokens: loss = H_global - H_policy, split as the "
-        "module note of `benchmarks/bench_isolation.py` defines: never re-enabled (baseline cross-principal "
-        "hits on prefixes the policy never shared across principals), waiting (on prefixes it shared at some "
-        "time), duplicate copies (dedup on minus dedup off at the same k and epoch), and the residual the split "
-        "does not attribute; the pinned row, which has no dedup twin, splits its own replay. Cross-principal hit "
-        "tokens: hits in public or pinned nodes another principal created (a private node a principal joined "
-        "through dedup is its own computation and does not count).",
-        "",
-        "### The isolated one-pass curve beside the global one",
-        "",
-        *curve_table(requests, capacity, results[labels.index("k = inf, dedup off")]),
-    ])
+    body = "\n".join(
+        [
+            f"- date: {now}",
+            f"- command: `{command_line()}`",
+            *machine_lines("cpu"),
+            f"- load average (1 min) at the start: {load:.2f}; whole run {time.perf_counter() - start:.0f} s",
+            f"- workload: multi-tenant, {len(requests):,} requests, seed {args.seed}, "
+            f"4 tenants x 4 users, common prompt "
+            f"{COMMON_PROMPT_LEN} + tenant prompt {TENANT_PROMPT_LEN} tokens, Poisson arrivals at {args.rate:g}/s "
+            f"({span_s:,.0f} s of trace time), {num_prompt:,} prompt tokens",
+            f"- replays: {capacity:,} tokens ({sizing}), tree convention, "
+            "page-granular LRU, page size 1; principal = the request's user; clock = trace time (arrival_s); the cache "
+            "driven directly (`kvscope.planning.replay`), no model",
+            "",
+            "### Hit rate and the loss split, per policy",
+            "",
+            *policy_table(requests, labels, results),
+            "",
+            "Loss columns are percentage points of all prompt tokens: loss = H_global - H_policy, split as the "
+            "module note of `benchmarks/bench_isolation.py` defines: never re-enabled (baseline cross-principal "
+            "hits on prefixes the policy never shared across principals), waiting (on prefixes it shared at some "
+            "time), duplicate copies (dedup on minus dedup off at the same k and epoch), and the residual the split "
+            "does not attribute; the pinned row, which has no dedup twin, splits its own replay. Cross-principal hit "
+            "tokens: hits in public or pinned nodes another principal created (a private node a principal joined "
+            "through dedup is its own computation and does not count).",
+            "",
+            "### The isolated one-pass curve beside the global one",
+            "",
+            *curve_table(requests, capacity, results[labels.index("k = inf, dedup off")]),
+        ]
+    )
     print(body)
     if args.write:
         write_section("bench_isolation", body)

@@ -51,8 +51,9 @@ def one_mode(pool: BlockPool) -> tuple[float, float]:
 
 def module_at(rev: str) -> ModuleType:
     """kvscope/probe/vllm.py as of git `rev`, loaded beside today's (its own PROBE)."""
-    source = subprocess.run(["git", "show", f"{rev}:kvscope/probe/vllm.py"], check=True, capture_output=True,
-                            text=True).stdout
+    source = subprocess.run(
+        ["git", "show", f"{rev}:kvscope/probe/vllm.py"], check=True, capture_output=True, text=True
+    ).stdout
     spec = importlib.util.spec_from_loader(f"kvscope.probe.vllm_at_{rev}", loader=None)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
@@ -77,8 +78,14 @@ def main(argv: list[str] | None = None) -> int:
             if module is not None:
                 targets = module.targets()
                 level = mode.split("@")[0]
-                module.PROBE.__init__(Settings(str(tmp / f"{level}-{len(times[mode])}-{id(module)}.db"), level,
-                                               os.environ.get("KVSCOPE_PYTHON")), "0.32.0")
+                module.PROBE.__init__(
+                    Settings(
+                        str(tmp / f"{level}-{len(times[mode])}-{id(module)}.db"),
+                        level,
+                        os.environ.get("KVSCOPE_PYTHON"),
+                    ),
+                    "0.32.0",
+                )
                 patch_all(targets)
                 module.PROBE.state.active = True
                 module.PROBE.ctx.rid, module.PROBE.ctx.group = "req-bench", 0
@@ -91,14 +98,17 @@ def main(argv: list[str] | None = None) -> int:
                 module.PROBE.state.active = False
                 unpatch_all(targets)
     print(f"vLLM BlockPool, {ROUNDS} rounds x {REPEATS} alternating repetitions, python {sys.version.split()[0]}")
-    print("| mode | wall µs per call (median) | added | ratio | engine-thread CPU µs per call (median) | added "
-          "| ratio |")
+    print(
+        "| mode | wall µs per call (median) | added | ratio | engine-thread CPU µs per call (median) | added | ratio |"
+    )
     print("|---|---|---|---|---|---|---|")
     plain, plain_cpu = statistics.median(times["plain"]), statistics.median(cpu_times["plain"])
     for mode in modules:
         wall, cpu = statistics.median(times[mode]), statistics.median(cpu_times[mode])
-        print(f"| {mode} | {wall:.2f} | {wall - plain:+.2f} | {wall / plain:.2f}x | {cpu:.2f} | {cpu - plain_cpu:+.2f} "
-              f"| {cpu / plain_cpu:.2f}x |")
+        print(
+            f"| {mode} | {wall:.2f} | {wall - plain:+.2f} | {wall / plain:.2f}x | {cpu:.2f} | {cpu - plain_cpu:+.2f} "
+            f"| {cpu / plain_cpu:.2f}x |"
+        )
     return 0
 
 

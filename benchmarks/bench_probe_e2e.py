@@ -81,10 +81,13 @@ def server_pids(server: VllmServer, capture: Path | None = None) -> set[int]:
 
 def one_round(server: VllmServer, model: str, prompts: list[list[int]], pids: set[int]) -> tuple[float, float]:
     """Requests per second for `prompts` at CONCURRENCY, and the server's CPU ms per request."""
+
     def send(prompt: list[int]) -> None:
-        response = client.post(f"{server.url}/v1/completions", json={
-            "model": model, "prompt": prompt, "max_tokens": OUTPUT, "temperature": 0, "ignore_eos": True},
-            timeout=300)
+        response = client.post(
+            f"{server.url}/v1/completions",
+            json={"model": model, "prompt": prompt, "max_tokens": OUTPUT, "temperature": 0, "ignore_eos": True},
+            timeout=300,
+        )
         response.raise_for_status()
 
     with httpx.Client() as client, ThreadPoolExecutor(CONCURRENCY) as pool:
@@ -109,8 +112,9 @@ def main() -> None:
         print("starting the on server (kvscope instrument) ...", flush=True)
         capture = Path(tmp) / "e2e.db"
         wrap = (sys.executable, "-m", "kvscope", "instrument", "--capture", str(capture), "--level", args.level, "--")
-        on = stack.enter_context(vllm_server(wrap=wrap, env={"VLLM_PLUGINS": "kvscope"}, kv_events=False,
-                                             num_blocks=NUM_BLOCKS))
+        on = stack.enter_context(
+            vllm_server(wrap=wrap, env={"VLLM_PLUGINS": "kvscope"}, kv_events=False, num_blocks=NUM_BLOCKS)
+        )
         model = {s.url: httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"] for s in (off, on)}
         rates: dict[str, list[float]] = {"off": [], "on": []}
         cpu: dict[str, list[float]] = {"off": [], "on": []}
@@ -122,8 +126,11 @@ def main() -> None:
                 if pair:  # NOTE: pair 0 warms both servers up
                     rates[name].append(rate)
                     cpu[name].append(ms)
-                print(f"pair {pair}{' (warm-up)' if not pair else ''}: {name} {rate:.2f} requests/s, "
-                      f"{ms:.0f} CPU ms per request ({len(pids)} processes)", flush=True)
+                print(
+                    f"pair {pair}{' (warm-up)' if not pair else ''}: {name} {rate:.2f} requests/s, "
+                    f"{ms:.0f} CPU ms per request ({len(pids)} processes)",
+                    flush=True,
+                )
     load_after = os.getloadavg()
     ratios = [b / a for a, b in zip(rates["off"], rates["on"], strict=True)]
     median = statistics.median(ratios)
@@ -142,8 +149,11 @@ def main() -> None:
         "",
         "| probe | requests/s (median) | per round | server CPU ms per request (median) | per round |",
         "|---|--:|---|--:|---|",
-        *(f"| {name} | {statistics.median(rates[name]):.2f} | {', '.join(f'{x:.2f}' for x in rates[name])} | "
-          f"{statistics.median(cpu[name]):.0f} | {', '.join(f'{x:.0f}' for x in cpu[name])} |" for name in rates),
+        *(
+            f"| {name} | {statistics.median(rates[name]):.2f} | {', '.join(f'{x:.2f}' for x in rates[name])} | "
+            f"{statistics.median(cpu[name]):.0f} | {', '.join(f'{x:.0f}' for x in cpu[name])} |"
+            for name in rates
+        ),
         "",
         f"- requests/s on/off: median {median:.3f} (cost {100 * (1 - median):+.1f}%), spread {min(ratios):.3f} to "
         f"{max(ratios):.3f} over {len(ratios)} pairs",

@@ -57,9 +57,16 @@ PS = 4
 def build() -> tuple[Any, Any]:
     alloc = PagedTokenToKVPoolAllocator(4096 * PS, PS, torch.int64, "cpu", None, False)
     rows = ReqToTokenPool(8, 128, "cpu", False)
-    tree = UnifiedRadixCache(CacheInitParams(disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=alloc,
-                                             page_size=PS, tree_components=(ComponentType.FULL,),
-                                             tree_core_backend="python"))
+    tree = UnifiedRadixCache(
+        CacheInitParams(
+            disable=False,
+            req_to_token_pool=rows,
+            token_to_kv_pool_allocator=alloc,
+            page_size=PS,
+            tree_components=(ComponentType.FULL,),
+            tree_core_backend="python",
+        )
+    )
     value = alloc.alloc(64)
     tree.insert(InsertParams(key=RadixKey(array("q", range(1000, 1064))), value=value))
     return alloc, tree
@@ -103,13 +110,16 @@ def main() -> int:
             _install(plain if mode == "plain" else hooked)
             probe.PROBE.emit = emit if mode == "full" else None
             drain = (lambda: None) if mode == "plain" else probe.PROBE.drain
-            results.setdefault(("allocator", mode), []).append(timed(lambda d=drain: allocator_round(alloc, d),
-                                                                     2 * ROUNDS))
+            results.setdefault(("allocator", mode), []).append(
+                timed(lambda d=drain: allocator_round(alloc, d), 2 * ROUNDS)
+            )
             results.setdefault(("tree", mode), []).append(timed(lambda: tree_round(tree, params), 3 * ROUNDS))
             probe.PROBE.state.recorder.idle()
     probe.PROBE.state.recorder.close()
-    print(f"{said}; machine: {platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
-          f"torch {torch.__version__}; {ROUNDS} rounds x {REPEATS} repeats")
+    print(
+        f"{said}; machine: {platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
+        f"torch {torch.__version__}; {ROUNDS} rounds x {REPEATS} repeats"
+    )
     header = ("operation", "mode", "wall µs/call", "cpu µs/call", "added wall", "added cpu")
     print(f"{header[0]:<10} {header[1]:<8} {header[2]:>12} {header[3]:>12} {header[4]:>11} {header[5]:>10}")
     for group in ("allocator", "tree"):

@@ -117,8 +117,7 @@ class KvscopeSide:
         self.trace = trace
         self.page_size = page_size
         self.allocator = make_token_allocator(capacity, page_size, "cpu")
-        self.cache = RadixCache(self.allocator, page_size=page_size, eviction_policy=policy,
-                                req_to_token_pool=None)
+        self.cache = RadixCache(self.allocator, page_size=page_size, eviction_policy=policy, req_to_token_pool=None)
 
     def match(self, i: int) -> tuple[torch.Tensor, Any]:
         m = self.cache.match_prefix(self.trace.prompts[i], self.trace.users[i])
@@ -161,17 +160,19 @@ class KvscopeSide:
 class SglangSide:
     label = "SGLang"
 
-    def __init__(self, sgl: SimpleNamespace, keys: SglangKeys, capacity: int, page_size: int,
-                 policy: str) -> None:
+    def __init__(self, sgl: SimpleNamespace, keys: SglangKeys, capacity: int, page_size: int, policy: str) -> None:
         self.sgl, self.keys, self.page_size = sgl, keys, page_size
         if page_size == 1:
             self.allocator = sgl.TokenToKVPoolAllocator(capacity, torch.int64, "cpu", None, False)
         else:
-            self.allocator = sgl.PagedTokenToKVPoolAllocator(capacity, page_size, torch.int64, "cpu",
-                                                             None, False)
-        params = sgl.CacheInitParams(disable=False, req_to_token_pool=None,
-                                     token_to_kv_pool_allocator=self.allocator, page_size=page_size,
-                                     eviction_policy=policy)
+            self.allocator = sgl.PagedTokenToKVPoolAllocator(capacity, page_size, torch.int64, "cpu", None, False)
+        params = sgl.CacheInitParams(
+            disable=False,
+            req_to_token_pool=None,
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=page_size,
+            eviction_policy=policy,
+        )
         self.cache = sgl.RadixCache(params)
 
     def match(self, i: int) -> tuple[torch.Tensor, Any]:
@@ -260,9 +261,14 @@ def import_sglang() -> tuple[SimpleNamespace | None, str]:
     except ImportError as e:
         return None, f"installed but not importable: {e}"
     sgl = SimpleNamespace(
-        RadixCache=radix_cache.RadixCache, RadixKey=radix_cache.RadixKey, CacheInitParams=CacheInitParams,
-        MatchPrefixParams=MatchPrefixParams, InsertParams=InsertParams, EvictParams=EvictParams,
-        TokenToKVPoolAllocator=TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator=PagedTokenToKVPoolAllocator,
+        RadixCache=radix_cache.RadixCache,
+        RadixKey=radix_cache.RadixKey,
+        CacheInitParams=CacheInitParams,
+        MatchPrefixParams=MatchPrefixParams,
+        InsertParams=InsertParams,
+        EvictParams=EvictParams,
+        TokenToKVPoolAllocator=TokenToKVPoolAllocator,
+        PagedTokenToKVPoolAllocator=PagedTokenToKVPoolAllocator,
     )
     return sgl, __version__
 
@@ -377,9 +383,22 @@ def replay(side: Any, trace: Trace, page_size: int) -> ReplayResult:
         prefix_lens[i] = prefix_len
     wall_ns = ns() - wall_start
     num_prompt_tokens = sum(len(p) for p in trace.prompts)
-    return ReplayResult(side.label, trace.name, page_size, prefix_lens, num_prompt_tokens, match_ns,
-                        insert_ns, evict_ns, alloc_ns, free_ns, num_inserts, num_evict_calls,
-                        num_evicted_tokens, wall_ns)
+    return ReplayResult(
+        side.label,
+        trace.name,
+        page_size,
+        prefix_lens,
+        num_prompt_tokens,
+        match_ns,
+        insert_ns,
+        evict_ns,
+        alloc_ns,
+        free_ns,
+        num_inserts,
+        num_evict_calls,
+        num_evicted_tokens,
+        wall_ns,
+    )
 
 
 def check_conservation(side: Any, capacity: int) -> None:
@@ -394,8 +413,11 @@ def replay_once(make_side: Any, trace: Trace, page_size: int, capacity: int) -> 
     side = make_side()
     result = replay(side, trace, page_size)
     check_conservation(side, capacity)
-    print(f"{trace.name} ps={page_size} {result.label}: {result.requests_per_s:.0f} req/s, "
-          f"hit rate {result.hit_rate:.2%}", file=sys.stderr)
+    print(
+        f"{trace.name} ps={page_size} {result.label}: {result.requests_per_s:.0f} req/s, "
+        f"hit rate {result.hit_rate:.2%}",
+        file=sys.stderr,
+    )
     return result
 
 
@@ -444,8 +466,7 @@ def hits_verdict(ours: ReplayResult, theirs: ReplayResult) -> str:
         return "identical"
     differ = np.flatnonzero(ours.prefix_lens != theirs.prefix_lens)
     i = int(differ[0])
-    return (f"differ on {len(differ)} requests (first: #{i}, "
-            f"{ours.prefix_lens[i]} vs {theirs.prefix_lens[i]} tokens)")
+    return f"differ on {len(differ)} requests (first: #{i}, {ours.prefix_lens[i]} vs {theirs.prefix_lens[i]} tokens)"
 
 
 def ratio_table(pairs: list[tuple[ReplayResult, ReplayResult]]) -> str:
@@ -464,9 +485,14 @@ def ratio_table(pairs: list[tuple[ReplayResult, ReplayResult]]) -> str:
     return "\n".join(lines)
 
 
-def report(args: argparse.Namespace, results: list[ReplayResult],
-           pairs: list[tuple[ReplayResult, ReplayResult]], sglang_status: str, run_s: float,
-           load_at_start: float) -> str:
+def report(
+    args: argparse.Namespace,
+    results: list[ReplayResult],
+    pairs: list[tuple[ReplayResult, ReplayResult]],
+    sglang_status: str,
+    run_s: float,
+    load_at_start: float,
+) -> str:
     now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     traces = ", ".join(f"`{p}`" for p in args.traces)
     parts = [
@@ -513,11 +539,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--page-size", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--capacity", type=int, default=200_000, help="KV pool size in tokens")
     parser.add_argument("--policy", default="lru")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (default 1, as bench_alloc: the tensors are small)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1, as bench_alloc: the tensors are small)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="replays per case; the median is reported")
-    parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
-                        help="write the bench_radix section of benchmarks/RESULTS.md")
+    parser.add_argument(
+        "--write",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write the bench_radix section of benchmarks/RESULTS.md",
+    )
     parser.add_argument("--no-sglang", action="store_true", help="skip the SGLang side even if present")
     return parser.parse_args()
 

@@ -64,8 +64,14 @@ PROFILE_NUM_EVENTS = 500_000
 NUM_CHUNKS = 10
 EVENTS_PER_STEP = 100
 NUM_TEMPLATE_STEPS = 200
-KIND_SHARES = {EventKind.ALLOC: 0.2, EventKind.FREE: 0.2, EventKind.MATCH: 0.15, EventKind.INSERT: 0.15,
-               EventKind.LOCK: 0.15, EventKind.UNLOCK: 0.15}
+KIND_SHARES = {
+    EventKind.ALLOC: 0.2,
+    EventKind.FREE: 0.2,
+    EventKind.MATCH: 0.15,
+    EventKind.INSERT: 0.15,
+    EventKind.LOCK: 0.15,
+    EventKind.UNLOCK: 0.15,
+}
 SLOTTED_KINDS = (EventKind.ALLOC, EventKind.FREE)
 MAX_SLOTS = 32
 NUM_RIDS = 1000
@@ -73,8 +79,11 @@ NUM_NODES = 20_000
 PAUSED = {"flush_interval_s": 3600.0, "flush_max_events": 1 << 62}
 TARGET_EVENTS_PER_S = 1_000_000
 TARGET_CALLER_NS = 500
-RAW_KINDS = {"a": "row layout (before schema 6): events table, its live indexes (step, kind)",
-             "b": "row layout, no secondary index (PK index kept)", "c": "row layout as a rowid table, no index at all"}
+RAW_KINDS = {
+    "a": "row layout (before schema 6): events table, its live indexes (step, kind)",
+    "b": "row layout, no secondary index (PK index kept)",
+    "c": "row layout as a rowid table, no index at all",
+}
 
 
 class Args(NamedTuple):
@@ -120,8 +129,10 @@ class Throughput(NamedTuple):
 def median_throughput(rounds: list[Throughput]) -> Throughput:
     """Field by field, the median over rounds (events/s is then the median round's figure)."""
     best = sorted(rounds, key=lambda r: r.events_per_s)[len(rounds) // 2]
-    return best._replace(record_cpu_s=statistics.median(r.record_cpu_s for r in rounds),
-                         writer_cpu_s=statistics.median(r.writer_cpu_s for r in rounds))
+    return best._replace(
+        record_cpu_s=statistics.median(r.record_cpu_s for r in rounds),
+        writer_cpu_s=statistics.median(r.writer_cpu_s for r in rounds),
+    )
 
 
 def writer_started_cpu_s(recorder: SQLRecorder) -> float:
@@ -160,8 +171,7 @@ def template_event(kind: EventKind, rng: np.random.Generator) -> Args:
 
 
 def expected_of(steps: list[list[Args]], num_steps: int) -> Expected:
-    per_step = [(sum(4 * len(a.slots) for a in s if a.slots is not None), sum(a.num_tokens for a in s))
-                for s in steps]
+    per_step = [(sum(4 * len(a.slots) for a in s if a.slots is not None), sum(a.num_tokens for a in s)) for s in steps]
     picked = [per_step[i % len(steps)] for i in range(num_steps)]
     return Expected(num_steps * EVENTS_PER_STEP, sum(p[0] for p in picked), sum(p[1] for p in picked))
 
@@ -195,8 +205,23 @@ def loop_alone_s(steps: list[list[Args]], num_steps: int) -> float:
 
 def raw_rows(steps: list[list[Args]], num_steps: int) -> list[tuple[Any, ...]]:
     """The rows the writer binds for the same events (run_id 1, seq = position)."""
-    bound = [[(a.kind.value, a.pool and a.pool.value, a.rid, a.node_id, a.num_tokens, a.aux, None, None,
-               slots_blob(a.slots)) for a in s] for s in steps]
+    bound = [
+        [
+            (
+                a.kind.value,
+                a.pool and a.pool.value,
+                a.rid,
+                a.node_id,
+                a.num_tokens,
+                a.aux,
+                None,
+                None,
+                slots_blob(a.slots),
+            )
+            for a in s
+        ]
+        for s in steps
+    ]
     t0 = time.monotonic()
     flat = ((step, row) for step in range(num_steps) for row in bound[step % len(steps)])
     return [(1, seq, step, t0 + seq * 1e-6, *row) for seq, (step, row) in enumerate(flat)]
@@ -214,8 +239,9 @@ def check_rows(db_path: Path, expected: Expected) -> None:
         if "event_chunks" in tables:
             events = conn.execute("SELECT coalesce(sum(num_events), 0) FROM event_chunks").fetchone()[0]
             slot_bytes = tokens = 0
-            for name, dtype, data in conn.execute("SELECT name, dtype, data FROM event_columns WHERE name IN "
-                                                  "('slot_counts', 'num_tokens')"):
+            for name, dtype, data in conn.execute(
+                "SELECT name, dtype, data FROM event_columns WHERE name IN ('slot_counts', 'num_tokens')"
+            ):
                 values = widen(name, dtype, data)
                 if name == "slot_counts":
                     slot_bytes += 4 * int(np.maximum(values, 0).sum())
@@ -223,13 +249,17 @@ def check_rows(db_path: Path, expected: Expected) -> None:
                     tokens += int(values.sum())
             found: tuple[int, ...] = (events, slot_bytes, tokens)
         else:
-            found = tuple(conn.execute("SELECT count(*), coalesce(sum(length(slots)), 0), "
-                                       "coalesce(sum(num_tokens), 0) FROM events").fetchone())
+            found = tuple(
+                conn.execute(
+                    "SELECT count(*), coalesce(sum(length(slots)), 0), coalesce(sum(num_tokens), 0) FROM events"
+                ).fetchone()
+            )
     finally:
         conn.close()
     if tuple(found) != tuple(expected):
-        raise AssertionError(f"{db_path.name}: the capture has (events, slot bytes, tokens) = {tuple(found)}, "
-                             f"expected {tuple(expected)}")
+        raise AssertionError(
+            f"{db_path.name}: the capture has (events, slot bytes, tokens) = {tuple(found)}, expected {tuple(expected)}"
+        )
 
 
 @contextmanager
@@ -292,8 +322,9 @@ def run_caller_case(case: CallerCase, num_events: int) -> CallerFigure:
 
 def caller_figure(case: CallerCase, num_events: int, chunks_s: list[float]) -> CallerFigure:
     chunks_ns = [chunk_s / (num_events // NUM_CHUNKS) * 1e9 for chunk_s in chunks_s]
-    return CallerFigure(case.key, case.label, num_events, sum(chunks_s) / num_events * 1e9,
-                        statistics.median(chunks_ns), max(chunks_ns))
+    return CallerFigure(
+        case.key, case.label, num_events, sum(chunks_s) / num_events * 1e9, statistics.median(chunks_ns), max(chunks_ns)
+    )
 
 
 # -- throughput --------------------------------------------------------------------------
@@ -312,8 +343,14 @@ def run_sustained(steps: list[list[Args]], num_steps: int, expected: Expected) -
         closed_s = time.perf_counter()
         writer_cpu_s = children_cpu_s() - children_before
         check_rows(db_path, expected)
-    return Throughput("recorder, sustained (defaults): record loop + close()", expected.num_events,
-                      recorded_s - start_s, closed_s - recorded_s, recorded_cpu_s - start_cpu_s, writer_cpu_s)
+    return Throughput(
+        "recorder, sustained (defaults): record loop + close()",
+        expected.num_events,
+        recorded_s - start_s,
+        closed_s - recorded_s,
+        recorded_cpu_s - start_cpu_s,
+        writer_cpu_s,
+    )
 
 
 def run_writer_only(steps: list[list[Args]], num_steps: int, expected: Expected) -> Throughput:
@@ -331,8 +368,14 @@ def run_writer_only(steps: list[list[Args]], num_steps: int, expected: Expected)
         recorder.close()
         writer_cpu_s = children_cpu_s() - children_before
         check_rows(db_path, expected)
-    return Throughput("recorder, writer only: one flush() of the buffered events", expected.num_events,
-                      recorded_s - start_s, flushed_s - recorded_s, recorded_cpu_s - start_cpu_s, writer_cpu_s)
+    return Throughput(
+        "recorder, writer only: one flush() of the buffered events",
+        expected.num_events,
+        recorded_s - start_s,
+        flushed_s - recorded_s,
+        recorded_cpu_s - start_cpu_s,
+        writer_cpu_s,
+    )
 
 
 def profile_writer(steps: list[list[Args]], num_steps: int) -> None:
@@ -392,8 +435,10 @@ def fmt_rate(rate: float) -> str:
 
 
 def caller_table(figures: list[CallerFigure]) -> str:
-    lines = ["| record() call | calls | ns/event | median chunk ns/event | slowest chunk ns/event |",
-             "|---|--:|--:|--:|--:|"]
+    lines = [
+        "| record() call | calls | ns/event | median chunk ns/event | slowest chunk ns/event |",
+        "|---|--:|--:|--:|--:|",
+    ]
     for f in figures:
         chunks = [f"{ns:.0f}" if ns is not None else "-" for ns in (f.median_chunk_ns, f.max_chunk_ns)]
         lines.append(f"| {f.label} | {f.num_events:,} | {f.ns_per_event:.0f} | {' | '.join(chunks)} |")
@@ -401,19 +446,24 @@ def caller_table(figures: list[CallerFigure]) -> str:
 
 
 def throughput_table(results: list[Throughput], raw_a: Throughput, raw_b: Throughput) -> str:
-    lines = ["| case | events | record loop s | write s | events/s | vs raw (a) | vs raw (b) | "
-             "caller CPU ns/event | writer process CPU ns/event |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    lines = [
+        "| case | events | record loop s | write s | events/s | vs raw (a) | vs raw (b) | "
+        "caller CPU ns/event | writer process CPU ns/event |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
     for r in results:
         cpu = [f"{s / r.num_events * 1e9:.0f}" if s else "-" for s in (r.record_cpu_s, r.writer_cpu_s)]
-        lines.append(f"| {r.label} | {r.num_events:,} | {r.record_s:.2f} | {r.write_s:.2f} | "
-                     f"{fmt_rate(r.events_per_s)} | {r.events_per_s / raw_a.events_per_s:.2f}x | "
-                     f"{r.events_per_s / raw_b.events_per_s:.2f}x | {' | '.join(cpu)} |")
+        lines.append(
+            f"| {r.label} | {r.num_events:,} | {r.record_s:.2f} | {r.write_s:.2f} | "
+            f"{fmt_rate(r.events_per_s)} | {r.events_per_s / raw_a.events_per_s:.2f}x | "
+            f"{r.events_per_s / raw_b.events_per_s:.2f}x | {' | '.join(cpu)} |"
+        )
     return "\n".join(lines)
 
 
-def verdict_lines(callers: list[CallerFigure], sustained: Throughput, writer: Throughput,
-                  raw: dict[str, Throughput]) -> list[str]:
+def verdict_lines(
+    callers: list[CallerFigure], sustained: Throughput, writer: Throughput, raw: dict[str, Throughput]
+) -> list[str]:
     ns = {f.key: f.ns_per_event for f in callers}
     best_raw = max(r.events_per_s for r in raw.values())
     rate_ok = sustained.events_per_s >= TARGET_EVENTS_PER_S
@@ -442,60 +492,67 @@ def verdict_lines(callers: list[CallerFigure], sustained: Throughput, writer: Th
     ]
 
 
-def section_body(callers: list[CallerFigure], throughputs: list[Throughput], raw: dict[str, Throughput],
-                 total_s: float, num_rounds: int) -> str:
+def section_body(
+    callers: list[CallerFigure],
+    throughputs: list[Throughput],
+    raw: dict[str, Throughput],
+    total_s: float,
+    num_rounds: int,
+) -> str:
     sustained, writer = throughputs[0], throughputs[1]
     num_events = sustained.num_events
     shares = ", ".join(f"{kind.value} {share:.0%}" for kind, share in KIND_SHARES.items())
-    return "\n".join([
-        f"- date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- command: `{command_line()}`",
-        *machine_lines("cpu"),
-        f"- SQLite {sqlite3.sqlite_version} (Python sqlite3), SQLAlchemy {sqlalchemy.__version__}; "
-        f"{num_events:,} mixed events per throughput case, {num_rounds} alternating rounds of the recorder "
-        f"cases (medians); whole run {total_s:.0f} s",
-        "",
-        "### Cost of record() on the caller's thread",
-        "",
-        caller_table(callers),
-        "",
-        "### Throughput into SQLite (level full)",
-        "",
-        throughput_table([*throughputs, *raw.values()], raw["a"], raw["b"]),
-        "",
-        "### Targets",
-        "",
-        *verdict_lines(callers, sustained, writer, raw),
-        "",
-        "Reading the tables:",
-        "",
-        "- The recorder buffers on the caller's thread (record() extends one flat list; no object per event) "
-        "and hands the buffer to its writer process (marshal, sent through a socket pair, large batches in "
-        "an anonymous in-memory file) when the step advances with the flush interval passed or "
-        "`flush_max_events` buffered; the writer process unmarshals, packs the columns and writes them. The "
-        "two share no interpreter lock; on this 2-core machine each can have a core.",
-        "- Every case writes a fresh SQLite file (WAL, synchronous=NORMAL) in a temporary directory; "
-        "after timing, its packed chunks (the raw cases: its events table) are checked for the event count, "
-        "total slot bytes and total `num_tokens` of what was recorded.",
-        "- `ns/event` is the total time over all calls, pauses of the garbage collector included; the "
-        f"single-event rows also show the median and the slowest of {NUM_CHUNKS} equal chunks of the calls "
-        "(a full collection lands in one chunk). Writer paused: `flush_interval_s` and `flush_max_events` "
-        "too large to fire before `close()`, so the buffer only grows. The mixed rows are the record "
-        "loops of the two throughput cases below: paused (writer only), and running with the defaults "
-        "(0.2 s, 200,000 events), hand-offs and back-pressure waits included.",
-        f"- Mixed events: {shares}; alloc/free carry 1-{MAX_SLOTS} slots (int64 numpy arrays), the rest "
-        f"none; `recorder.step` advances every {EVENTS_PER_STEP} events.",
-        "- `events/s` = events / (record loop + write): sustained counts from the first `record()` to "
-        "`close()` returning with everything on disk; writer only times one `flush()` of events "
-        "already buffered (the hand-off included); raw times `executemany` + commit of the rows the old "
-        "writer would bind (slots already int32 bytes), so it has no Python-side conversion at all.",
-        "- `caller CPU` is this process's CPU time in the record loop (hand-offs included, waits not); "
-        "`writer process CPU` is the writer process's CPU time after its start (its imports, about 0.1 s, are "
-        "left out as the recorder's construction is).",
-        "- `vs raw` divides by the raw rate of the same events in the row layout that schema 6 replaced: "
-        "(a) its schema as it was, (b) without its secondary indexes. Above 1.00x the packed recorder, "
-        "Python conversion included, writes faster than SQLite alone could insert one row per event.",
-    ])
+    return "\n".join(
+        [
+            f"- date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+            f"- command: `{command_line()}`",
+            *machine_lines("cpu"),
+            f"- SQLite {sqlite3.sqlite_version} (Python sqlite3), SQLAlchemy {sqlalchemy.__version__}; "
+            f"{num_events:,} mixed events per throughput case, {num_rounds} alternating rounds of the recorder "
+            f"cases (medians); whole run {total_s:.0f} s",
+            "",
+            "### Cost of record() on the caller's thread",
+            "",
+            caller_table(callers),
+            "",
+            "### Throughput into SQLite (level full)",
+            "",
+            throughput_table([*throughputs, *raw.values()], raw["a"], raw["b"]),
+            "",
+            "### Targets",
+            "",
+            *verdict_lines(callers, sustained, writer, raw),
+            "",
+            "Reading the tables:",
+            "",
+            "- The recorder buffers on the caller's thread (record() extends one flat list; no object per event) "
+            "and hands the buffer to its writer process (marshal, sent through a socket pair, large batches in "
+            "an anonymous in-memory file) when the step advances with the flush interval passed or "
+            "`flush_max_events` buffered; the writer process unmarshals, packs the columns and writes them. The "
+            "two share no interpreter lock; on this 2-core machine each can have a core.",
+            "- Every case writes a fresh SQLite file (WAL, synchronous=NORMAL) in a temporary directory; "
+            "after timing, its packed chunks (the raw cases: its events table) are checked for the event count, "
+            "total slot bytes and total `num_tokens` of what was recorded.",
+            "- `ns/event` is the total time over all calls, pauses of the garbage collector included; the "
+            f"single-event rows also show the median and the slowest of {NUM_CHUNKS} equal chunks of the calls "
+            "(a full collection lands in one chunk). Writer paused: `flush_interval_s` and `flush_max_events` "
+            "too large to fire before `close()`, so the buffer only grows. The mixed rows are the record "
+            "loops of the two throughput cases below: paused (writer only), and running with the defaults "
+            "(0.2 s, 200,000 events), hand-offs and back-pressure waits included.",
+            f"- Mixed events: {shares}; alloc/free carry 1-{MAX_SLOTS} slots (int64 numpy arrays), the rest "
+            f"none; `recorder.step` advances every {EVENTS_PER_STEP} events.",
+            "- `events/s` = events / (record loop + write): sustained counts from the first `record()` to "
+            "`close()` returning with everything on disk; writer only times one `flush()` of events "
+            "already buffered (the hand-off included); raw times `executemany` + commit of the rows the old "
+            "writer would bind (slots already int32 bytes), so it has no Python-side conversion at all.",
+            "- `caller CPU` is this process's CPU time in the record loop (hand-offs included, waits not); "
+            "`writer process CPU` is the writer process's CPU time after its start (its imports, about 0.1 s, are "
+            "left out as the recorder's construction is).",
+            "- `vs raw` divides by the raw rate of the same events in the row layout that schema 6 replaced: "
+            "(a) its schema as it was, (b) without its secondary indexes. Above 1.00x the packed recorder, "
+            "Python conversion included, writes faster than SQLite alone could insert one row per event.",
+        ]
+    )
 
 
 # -- main --------------------------------------------------------------------------------
@@ -503,16 +560,31 @@ def section_body(callers: list[CallerFigure], throughputs: list[Throughput], raw
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--events", type=int, default=None,
-                        help=f"events per throughput case (default {DEFAULT_NUM_EVENTS:,}; "
-                        f"--quick {QUICK_NUM_EVENTS:,}); caller cases use a tenth")
+    parser.add_argument(
+        "--events",
+        type=int,
+        default=None,
+        help=f"events per throughput case (default {DEFAULT_NUM_EVENTS:,}; "
+        f"--quick {QUICK_NUM_EVENTS:,}); caller cases use a tenth",
+    )
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_NUM_EVENTS:,} events: about 25 s")
-    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
-                        help=f"alternating rounds of the sustained and writer-only cases (default {DEFAULT_ROUNDS})")
-    parser.add_argument("--profile", action="store_true",
-                        help="then cProfile the writer's packing of one buffer, in this process (stderr)")
-    parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
-                        help="replace the bench_recorder section of benchmarks/RESULTS.md")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=DEFAULT_ROUNDS,
+        help=f"alternating rounds of the sustained and writer-only cases (default {DEFAULT_ROUNDS})",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="then cProfile the writer's packing of one buffer, in this process (stderr)",
+    )
+    parser.add_argument(
+        "--write",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replace the bench_recorder section of benchmarks/RESULTS.md",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.events = args.events or (QUICK_NUM_EVENTS if args.quick else DEFAULT_NUM_EVENTS)
@@ -547,11 +619,13 @@ def main(argv: list[str] | None = None) -> None:
     for key, label, record_s in (
         ("mixed-paused", "mixed events, writer paused (record loop of the writer-only case)", writer.record_s),
         ("mixed-running", "mixed events, writer running (record loop of the sustained case)", sustained.record_s),
-        ("loop-alone", "the mixed loop's own work: no recorder, no call (CPU, best of 3)",
-         loop_alone_s(steps, num_steps)),
+        (
+            "loop-alone",
+            "the mixed loop's own work: no recorder, no call (CPU, best of 3)",
+            loop_alone_s(steps, num_steps),
+        ),
     ):
-        callers.append(CallerFigure(key, label, expected.num_events, record_s / expected.num_events * 1e9,
-                                    None, None))
+        callers.append(CallerFigure(key, label, expected.num_events, record_s / expected.num_events * 1e9, None, None))
     rows = raw_rows(steps, num_steps)
     raw = {}
     for variant in RAW_KINDS:

@@ -67,9 +67,23 @@ READY_TIMEOUT_S = 180.0
 
 
 def start_server(device: str, level: str = "off", capture: Path | None = None) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "kvscope", "serve", "--port", "0", "--level", level, "--device", device,
-           "--max-running-requests", str(SERVER_ROWS), "--torch-threads", str(TORCH_THREADS),
-           *(["--capture", str(capture)] if capture is not None else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvscope",
+        "serve",
+        "--port",
+        "0",
+        "--level",
+        level,
+        "--device",
+        device,
+        "--max-running-requests",
+        str(SERVER_ROWS),
+        "--torch-threads",
+        str(TORCH_THREADS),
+        *(["--capture", str(capture)] if capture is not None else []),
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
 
@@ -136,8 +150,7 @@ def tree_cpu_s(pid: int, only: str | None = None) -> float:
     return sum(spent.get(p, 0.0) for p in tree)
 
 
-def serve_point(url: str, trace: list[TraceRequest], concurrency: int, server_pid: int | None = None
-                ) -> dict[str, Any]:
+def serve_point(url: str, trace: list[TraceRequest], concurrency: int, server_pid: int | None = None) -> dict[str, Any]:
     before, server_before = cpu_s(), tree_cpu_s(server_pid) if server_pid else 0.0
     writer_before = tree_cpu_s(server_pid, WRITER_COMMAND) if server_pid else 0.0
     report = run_load(lambda _r: trace, LoadConfig(url=url, concurrency=concurrency), progress=None)
@@ -191,8 +204,11 @@ def closed_loop_point(trace: list[TraceRequest], device: str, concurrency: int) 
                 if pending:
                     submit()
     wall = time.perf_counter() - start
-    return {"per_request_s": wall / len(trace), "e2e_mean_s": statistics.fmean(e2e_s),
-            "e2e_p50_s": statistics.median(e2e_s)}
+    return {
+        "per_request_s": wall / len(trace),
+        "e2e_mean_s": statistics.fmean(e2e_s),
+        "e2e_p50_s": statistics.median(e2e_s),
+    }
 
 
 def ms(seconds: float | None) -> str:
@@ -206,12 +222,19 @@ def main() -> None:
     parser.add_argument("--workload", default="shared-prefix")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="32 requests, 1 round")
-    parser.add_argument("--recording", action="store_true",
-                        help="instead: what recording costs while serving, a server at --level full (capture in a "
-                        f"temporary directory) beside one at --level off, concurrency {COMPARED}, alternating; "
-                        "writes the bench_serve_recording section")
-    parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
-                        help="write the section of benchmarks/RESULTS.md")
+    parser.add_argument(
+        "--recording",
+        action="store_true",
+        help="instead: what recording costs while serving, a server at --level full (capture in a "
+        f"temporary directory) beside one at --level off, concurrency {COMPARED}, alternating; "
+        "writes the bench_serve_recording section",
+    )
+    parser.add_argument(
+        "--write",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write the section of benchmarks/RESULTS.md",
+    )
     args = parser.parse_args()
     if args.quick:
         args.num_requests, args.rounds = 32, 1
@@ -270,7 +293,8 @@ def main() -> None:
             f"{per * 1000:.2f} | {ms(med([p['ttft_s']['p50'] for p in runs]))} | "
             f"{ms(med([p['ttft_s']['p99'] for p in runs]))} | {ms(med([p['e2e_s']['p50'] for p in runs]))} | "
             f"{ms(med([p['e2e_s']['p99'] for p in runs]))} | "
-            f"{ms(med([p['client_cpu_per_request_s'] for p in runs]))} |")
+            f"{ms(med([p['client_cpu_per_request_s'] for p in runs]))} |"
+        )
     serve_per = med([p["per_request_s"] for p in points[COMPARED]])
     ratios = [p["per_request_s"] / c["per_request_s"] for p, c in zip(points[COMPARED], closed, strict=True)]
     ratio = serve_per / loop_per
@@ -284,11 +308,17 @@ def main() -> None:
         f"{serve_per / base:.3f} (that batch admits many prompts per prefill step, which a closed loop of "
         f"{COMPARED} cannot).",
     ]
-    report(args, "bench_serve", lines, [
-        "- the server runs in its own processes (front, scheduler) on the same machine as the load generator; "
-        "client CPU is this process's CPU time during a point",
-        f"- 1-minute load average before / after: {load_before:.2f} / {load_after:.2f} (other processes on the "
-        "machine slow every point)"])
+    report(
+        args,
+        "bench_serve",
+        lines,
+        [
+            "- the server runs in its own processes (front, scheduler) on the same machine as the load generator; "
+            "client CPU is this process's CPU time during a point",
+            f"- 1-minute load average before / after: {load_before:.2f} / {load_after:.2f} (other processes on the "
+            "machine slow every point)",
+        ],
+    )
 
 
 def report(args: argparse.Namespace, section: str, lines: list[str], notes: list[str]) -> None:
@@ -306,8 +336,10 @@ def recording_cost(args: argparse.Namespace, trace: list[TraceRequest]) -> None:
     """Serve at level off and at level full side by side; rounds alternate which goes first."""
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench_serve-") as tmp:
-        servers = {level: start_server(args.device, level, Path(tmp) / "capture.db" if level == "full" else None)
-                   for level in ("off", "full")}
+        servers = {
+            level: start_server(args.device, level, Path(tmp) / "capture.db" if level == "full" else None)
+            for level in ("off", "full")
+        }
         points: dict[str, list[dict[str, Any]]] = {"off": [], "full": []}
         try:
             for _proc, url in servers.values():
@@ -338,10 +370,12 @@ def recording_cost(args: argparse.Namespace, trace: list[TraceRequest]) -> None:
         "|---|---:|---:|---:|---:|",
     ]
     for level, runs in points.items():
-        lines.append(f"| {level} | {statistics.median(p['throughput']['requests_per_s'] for p in runs):.1f} | "
-                     f"{statistics.median(per[level]) * 1000:.2f} | "
-                     f"{ms(statistics.median(p['e2e_s']['p50'] for p in runs))} | "
-                     f"{statistics.median(cpu[level]) * 1000:.2f} |")
+        lines.append(
+            f"| {level} | {statistics.median(p['throughput']['requests_per_s'] for p in runs):.1f} | "
+            f"{statistics.median(per[level]) * 1000:.2f} | "
+            f"{ms(statistics.median(p['e2e_s']['p50'] for p in runs))} | "
+            f"{statistics.median(cpu[level]) * 1000:.2f} |"
+        )
     wall = statistics.median(per["full"]) / statistics.median(per["off"]) - 1
     cpu_cost = statistics.median(cpu["full"]) / statistics.median(cpu["off"]) - 1
     writer = statistics.median(p["writer_cpu_per_request_s"] for p in points["full"])
@@ -358,9 +392,15 @@ def recording_cost(args: argparse.Namespace, trace: list[TraceRequest]) -> None:
         f"the server's CPU per request; {events_per_request:.0f} events per request). The rest of recording, "
         "record() and the hand-offs on the scheduler's thread, is measured per event by bench_recorder.",
     ]
-    report(args, "bench_serve_recording", lines, [
-        "- both servers and the load generator share the machine",
-        f"- 1-minute load average before / after: {load_before:.2f} / {load_after:.2f}"])
+    report(
+        args,
+        "bench_serve_recording",
+        lines,
+        [
+            "- both servers and the load generator share the machine",
+            f"- 1-minute load average before / after: {load_before:.2f} / {load_after:.2f}",
+        ],
+    )
 
 
 def captured_events(path: Path) -> int:

@@ -75,10 +75,17 @@ TABLES = (
     TableSpec("leak_checks", "run_id", ("run_id", "step", "pool"), time_columns=("t_mono",)),
     TableSpec("requests", "run_id", ("run_id", "rid"), time_columns=tuple(f"{m}_t" for m in REQUEST_MOMENTS)),
     TableSpec("tree_snapshots", "run_id", ("run_id", "step", "node_id"), rank_columns=("last_access_time",)),
-    TableSpec("reports", "run_id", ("run_id", "kind"), time_columns=("built_at",),
-              json_columns=(("body", ("capture",)),)),
-    TableSpec("runs", "id", ("id",), time_columns=("started_at", "ended_at", "heartbeat_at"),
-              json_columns=(("config", ("environment", "clock")),), skip_columns=("host", "pid")),
+    TableSpec(
+        "reports", "run_id", ("run_id", "kind"), time_columns=("built_at",), json_columns=(("body", ("capture",)),)
+    ),
+    TableSpec(
+        "runs",
+        "id",
+        ("id",),
+        time_columns=("started_at", "ended_at", "heartbeat_at"),
+        json_columns=(("config", ("environment", "clock")),),
+        skip_columns=("host", "pid"),
+    ),
 )
 
 
@@ -169,8 +176,9 @@ def read_event_rows(side: Capture, columns: list[str], run_id: int | None) -> It
         capture.close()
 
 
-def keyed_rows(side: Capture, spec: TableSpec, columns: list[str],
-               run_id: int | None) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]]:
+def keyed_rows(
+    side: Capture, spec: TableSpec, columns: list[str], run_id: int | None
+) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]]:
     num_keys = len(spec.key_columns)
     if spec.through_reads:
         for event in read_event_rows(side, columns, run_id):
@@ -211,9 +219,10 @@ class RowPair(NamedTuple):
                 yield from ((column, "B", k) for k in b_value.keys() - a_value.keys())
 
 
-def merged(a_rows: Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]],
-           b_rows: Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]],
-           ) -> Iterator[RowPair]:
+def merged(
+    a_rows: Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]],
+    b_rows: Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]],
+) -> Iterator[RowPair]:
     """Pairs of rows with the same key; None on the side that lacks the key. Both inputs are in key order."""
     a_next, b_next = next(a_rows, None), next(b_rows, None)
     while a_next is not None or b_next is not None:
@@ -301,8 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("a", type=Path, help="the reference capture (A)")
     parser.add_argument("b", type=Path, help="the capture to check (B)")
     parser.add_argument("--run-id", type=int, default=None, help="compare this run only (default: every run)")
-    parser.add_argument("--strict-columns", action="store_true",
-                        help="count a column or JSON key that only one side has as a difference")
+    parser.add_argument(
+        "--strict-columns",
+        action="store_true",
+        help="count a column or JSON key that only one side has as a difference",
+    )
     args = parser.parse_args(argv)
     try:
         a, b = open_capture("A", args.a), open_capture("B", args.b)

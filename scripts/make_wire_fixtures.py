@@ -67,8 +67,15 @@ VERSIONS = (
 TOPIC = "kv"
 REPLAY_FROM_SEQ = 1
 TS0 = 1_763_900_000.25
-TIER = {None: "device", "GPU": "device", "CPU_PINNED": "host", "CPU": "host", "DISK": "disk",
-        "STORAGE": "disk", "EXTERNAL": "external"}
+TIER = {
+    None: "device",
+    "GPU": "device",
+    "CPU_PINNED": "host",
+    "CPU": "host",
+    "DISK": "disk",
+    "STORAGE": "disk",
+    "EXTERNAL": "external",
+}
 
 
 # -- outer: the temp venv, the wheels, the modules -------------------------------------------------
@@ -93,8 +100,10 @@ def main() -> None:
         for wheel, (package, version, member, *_) in zip(wheels, VERSIONS, strict=True):
             with zipfile.ZipFile(wheel) as archive:
                 (modules / f"{package}-{version}.py").write_bytes(archive.read(member))
-        sources = {f"{package}-{version}": {"wheel": wheel.name, "sha256": sha256(wheel)}
-                   for wheel, (package, version, *_) in zip(wheels, VERSIONS, strict=True)}
+        sources = {
+            f"{package}-{version}": {"wheel": wheel.name, "sha256": sha256(wheel)}
+            for wheel, (package, version, *_) in zip(wheels, VERSIONS, strict=True)
+        }
         (modules / "sources.json").write_text(json.dumps(sources))
         subprocess.run([str(python), __file__, "--emit", str(modules), "--out", str(args.out)], check=True)
         print(f"wrote {args.out} in {time.monotonic() - started:.0f} s")
@@ -115,8 +124,22 @@ def make_venv(path: Path) -> Path:
 def download(package: str, version: str, into: Path) -> Path:
     before = set(into.glob("*.whl")) if into.exists() else set()
     print(f"pip download --no-deps {package}=={version}", flush=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
-                    "-d", str(into), f"{package}=={version}"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "-d",
+            str(into),
+            f"{package}=={version}",
+        ],
+        check=True,
+    )
     name = package.replace("-", "_")
     found = [w for w in set(into.glob("*.whl")) - before if w.name.startswith(f"{name}-{version}-")]
     if len(found) != 1:
@@ -153,8 +176,12 @@ def stub_modules() -> dict[str, dict[str, Any]]:
         "sglang.srt.utils.network": {"NetworkAddress": NetworkAddress},
         "vllm.config.kv_events": {"KVEventsConfig": VllmKVEventsConfig},
         "vllm.logger": {"init_logger": logging.getLogger},
-        "vllm.utils.network_utils": {"get_ip": unused, "get_tcp_uri": unused,
-                                     "is_valid_ipv6_address": unused, "split_zmq_path": unused},
+        "vllm.utils.network_utils": {
+            "get_ip": unused,
+            "get_tcp_uri": unused,
+            "is_valid_ipv6_address": unused,
+            "split_zmq_path": unused,
+        },
         "vllm.v1.core.kv_cache_utils": {"ExternalBlockHash": bytes | int},
     }
 
@@ -216,12 +243,16 @@ def sglang_node_scenario() -> list[tuple]:
     root = sglang_hash(None, root_tokens)
     child, twig = sglang_hash(root, child_tokens), sglang_hash(root, twig_tokens)
     return [
-        ("a reset, a node and two children (per-node block sizes 8, 4, 3)", None, [
-            ("clear",),
-            ("store", [root], None, root_tokens, 8, {}),
-            ("store", [child], root, child_tokens, 4, {}),
-            ("store", [twig], root, twig_tokens, 3, {}),
-        ]),
+        (
+            "a reset, a node and two children (per-node block sizes 8, 4, 3)",
+            None,
+            [
+                ("clear",),
+                ("store", [root], None, root_tokens, 8, {}),
+                ("store", [child], root, child_tokens, 4, {}),
+                ("store", [twig], root, twig_tokens, 3, {}),
+            ],
+        ),
         ("a leaf evicted, then a reset", None, [("remove", [twig], {}), ("clear",)]),
     ]
 
@@ -238,18 +269,26 @@ def sglang_page_scenario(version: str) -> list[tuple]:
     salt = {"cache_salt": "tenant-a"} | ({"session_id": "session-7"} if release(version) >= (0, 5, 20) else {})
     return [
         ("the initial reset", None, [("clear",)]),
-        ("a chain of 3 pages, a branch off page 2, a short last page", 0, [
-            ("store", pages, None, prompt, 4, {"medium": "GPU"}),
-            ("store", [branch], pages[1], branch_tokens, 4, {"medium": "GPU"}),
-            ("store", [short], pages[2], short_tokens, 2, {"medium": "GPU"}),
-        ]),
-        ("HiCache: pages 1-2 backed up to host, the branch and the tail evicted from the GPU, a salted store", 1, [
-            ("store", pages[:2], None, prompt[:8], 4, {"medium": "CPU_PINNED"}),
-            ("remove", [branch], {"medium": "GPU"}),
-            ("remove", [pages[2], short], {"medium": "GPU"}),
-            ("store", [salted], None, salted_tokens, 4, {"medium": "GPU", **salt}),
-            ("remove", pages[:2], {"medium": "CPU_PINNED"}),
-        ]),
+        (
+            "a chain of 3 pages, a branch off page 2, a short last page",
+            0,
+            [
+                ("store", pages, None, prompt, 4, {"medium": "GPU"}),
+                ("store", [branch], pages[1], branch_tokens, 4, {"medium": "GPU"}),
+                ("store", [short], pages[2], short_tokens, 2, {"medium": "GPU"}),
+            ],
+        ),
+        (
+            "HiCache: pages 1-2 backed up to host, the branch and the tail evicted from the GPU, a salted store",
+            1,
+            [
+                ("store", pages[:2], None, prompt[:8], 4, {"medium": "CPU_PINNED"}),
+                ("remove", [branch], {"medium": "GPU"}),
+                ("remove", [pages[2], short], {"medium": "GPU"}),
+                ("store", [salted], None, salted_tokens, 4, {"medium": "GPU", **salt}),
+                ("remove", pages[:2], {"medium": "CPU_PINNED"}),
+            ],
+        ),
         ("flush_cache", 0, [("clear",)]),
     ]
 
@@ -268,20 +307,39 @@ def vllm_scenario(version: str) -> list[tuple]:
     full = {"medium": "GPU", "lora_name": None, "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
     session = {"session_id": "chat-42"} if release(version) >= (0, 32) else {}
     return [
-        ("a 2-block chain (group 0), its sliding-window twin (group 1), a branch, a partial block", None, [
-            ("store", pages, None, prompt, 16, {**full, "extra_keys": [None, None], **session}),
-            ("store", [swa], None, prompt[:16], 16, {**full, "group_idx": 1, "kv_cache_spec_kind": "sliding_window",
-                                                     "kv_cache_spec_sliding_window": 128}),
-            ("store", [branch], pages[0], branch_tokens, 16, full),
-            ("store", [partial], pages[1], partial_tokens, 5, full),
-        ]),
-        ("removes one per block (group 0, group 1), a bytes-hash store, a CPU offload store", 0, [
-            ("remove", [branch], {"medium": "GPU", "group_idx": 0}),
-            ("remove", [swa], {"medium": "GPU", "group_idx": 1}),
-            ("store", [raw_hash], None, raw_tokens, 16, {"medium": "GPU", "lora_name": None}),
-            ("store", pages, None, prompt, 16, {"medium": "CPU", "lora_name": None}),
-            ("remove", [partial], {"medium": None}),
-        ]),
+        (
+            "a 2-block chain (group 0), its sliding-window twin (group 1), a branch, a partial block",
+            None,
+            [
+                ("store", pages, None, prompt, 16, {**full, "extra_keys": [None, None], **session}),
+                (
+                    "store",
+                    [swa],
+                    None,
+                    prompt[:16],
+                    16,
+                    {
+                        **full,
+                        "group_idx": 1,
+                        "kv_cache_spec_kind": "sliding_window",
+                        "kv_cache_spec_sliding_window": 128,
+                    },
+                ),
+                ("store", [branch], pages[0], branch_tokens, 16, full),
+                ("store", [partial], pages[1], partial_tokens, 5, full),
+            ],
+        ),
+        (
+            "removes one per block (group 0, group 1), a bytes-hash store, a CPU offload store",
+            0,
+            [
+                ("remove", [branch], {"medium": "GPU", "group_idx": 0}),
+                ("remove", [swa], {"medium": "GPU", "group_idx": 1}),
+                ("store", [raw_hash], None, raw_tokens, 16, {"medium": "GPU", "lora_name": None}),
+                ("store", pages, None, prompt, 16, {"medium": "CPU", "lora_name": None}),
+                ("remove", [partial], {"medium": None}),
+            ],
+        ),
         ("reset_prefix_cache", 1, [("clear",)]),
     ]
 
@@ -316,12 +374,19 @@ def make_event(module: types.ModuleType, event: tuple) -> Any:
         _, hashes, extra = event
         return module.BlockRemoved(block_hashes=list(hashes), **known(module.BlockRemoved, extra))
     _, hashes, parent, tokens, block_size, extra = event
-    fields = {"block_hashes": list(hashes), "parent_block_hash": parent, "token_ids": list(tokens),
-              "block_size": block_size, "lora_id": None, **extra}
+    fields = {
+        "block_hashes": list(hashes),
+        "parent_block_hash": parent,
+        "token_ids": list(tokens),
+        "block_size": block_size,
+        "lora_id": None,
+        **extra,
+    }
     salt = fields.pop("cache_salt", None) if hasattr(module, "BlockStoredWithMetadata") else None
     if salt is not None:  # SGLang 0.5.18: a salted store carries a trailing metadata map
-        return module.BlockStoredWithMetadata(**known(module.BlockStored, fields),
-                                              metadata=module.BlockStoredMetadata(cache_salt=salt))
+        return module.BlockStoredWithMetadata(
+            **known(module.BlockStored, fields), metadata=module.BlockStoredMetadata(cache_salt=salt)
+        )
     return module.BlockStored(**known(module.BlockStored, fields))
 
 
@@ -354,16 +419,31 @@ def expected_event(event: tuple) -> dict[str, Any]:
         return {"kind": "Cleared"}
     if event[0] == "remove":
         _, hashes, extra = event
-        return {"kind": "Removed", "block_hashes": [key(h) for h in hashes], "tier": TIER[extra.get("medium")],
-                "group": extra.get("group_idx") or 0}
+        return {
+            "kind": "Removed",
+            "block_hashes": [key(h) for h in hashes],
+            "tier": TIER[extra.get("medium")],
+            "group": extra.get("group_idx") or 0,
+        }
     _, hashes, parent, tokens, block_size, extra = event
     keys = [key(h) for h in hashes]
     parents = [key(parent), *keys[:-1]]
-    pages = [[h, p, tokens[i * block_size : (i + 1) * block_size]]
-             for i, (h, p) in enumerate(zip(keys, parents, strict=True))]
-    return {"kind": "Stored", "block_hashes": keys, "parent": key(parent), "token_ids": tokens,
-            "block_size": block_size, "tier": TIER[extra.get("medium")], "group": extra.get("group_idx") or 0,
-            "spec_kind": extra.get("kv_cache_spec_kind"), "session_id": extra.get("session_id"), "pages": pages}
+    pages = [
+        [h, p, tokens[i * block_size : (i + 1) * block_size]]
+        for i, (h, p) in enumerate(zip(keys, parents, strict=True))
+    ]
+    return {
+        "kind": "Stored",
+        "block_hashes": keys,
+        "parent": key(parent),
+        "token_ids": tokens,
+        "block_size": block_size,
+        "tier": TIER[extra.get("medium")],
+        "group": extra.get("group_idx") or 0,
+        "spec_kind": extra.get("kv_cache_spec_kind"),
+        "session_id": extra.get("session_id"),
+        "pages": pages,
+    }
 
 
 def expected_batch(index: int, dp_rank: int | None, events: list[tuple]) -> dict[str, Any]:
@@ -373,12 +453,16 @@ def expected_batch(index: int, dp_rank: int | None, events: list[tuple]) -> dict
 # -- the engine's own publisher ---------------------------------------------------------------------
 
 
-def record_publisher(module: types.ModuleType, package: str, version: str, scenario: list[tuple],
-                     sockets: Path) -> tuple[list[list[bytes]], list[list[bytes]], int | None]:
+def record_publisher(
+    module: types.ModuleType, package: str, version: str, scenario: list[tuple], sockets: Path
+) -> tuple[list[list[bytes]], list[list[bytes]], int | None]:
     """(PUB messages, replay answers from REPLAY_FROM_SEQ with the envelope stripped, the rank it stamps)."""
     import zmq
 
-    endpoint, replay_endpoint = f"ipc://{sockets}/{package}-{version}-pub", f"ipc://{sockets}/{package}-{version}-replay"
+    endpoint, replay_endpoint = (
+        f"ipc://{sockets}/{package}-{version}-pub",
+        f"ipc://{sockets}/{package}-{version}-replay",
+    )
     options = {"endpoint": endpoint, "replay_endpoint": replay_endpoint, "topic": TOPIC}
     if package == "sglang" and release(version) >= (0, 5):
         options["attn_dp_rank"] = 0
@@ -417,19 +501,23 @@ def receive(socket: Any) -> list[bytes]:
     return socket.recv_multipart()
 
 
-def expected_frames(pub: list[list[bytes]], replay: list[list[bytes]], scenario: list[tuple],
-                    stamped: int | None, replay_topic: bool) -> dict[str, Any]:
+def expected_frames(
+    pub: list[list[bytes]], replay: list[list[bytes]], scenario: list[tuple], stamped: int | None, replay_topic: bool
+) -> dict[str, Any]:
     def entry(seq: int, topic: str) -> dict[str, Any]:
         dp_rank = scenario[seq][1]
         return {"topic": topic, "seq": seq, "batch": seq, "dp_rank": stamped if dp_rank is None else dp_rank}
 
     replay_width = 3 if replay_topic else 2
     assert all(len(frames) == replay_width for frames in replay), (
-        f"replay answers have {sorted({len(f) for f in replay})} frames; the research note says {replay_width}")
+        f"replay answers have {sorted({len(f) for f in replay})} frames; the research note says {replay_width}"
+    )
     assert len(pub) == len(scenario) and all(len(frames) == 3 for frames in pub)
     seqs = range(REPLAY_FROM_SEQ, len(scenario))
-    return {"pub": [entry(seq, TOPIC) for seq in range(len(scenario))],
-            "replay": [entry(seq, TOPIC if replay_topic else "") for seq in seqs] + [None]}
+    return {
+        "pub": [entry(seq, TOPIC) for seq in range(len(scenario))],
+        "replay": [entry(seq, TOPIC if replay_topic else "") for seq in seqs] + [None],
+    }
 
 
 # -- inner main -------------------------------------------------------------------------------------
@@ -453,8 +541,14 @@ def emit(modules: Path, out: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
             scenario = scenario_of(package, version)
-            source = {"package": package, "version": version, "module": member, "events": encoding,
-                      "replay_has_topic": replay_topic, **sources[name]}
+            source = {
+                "package": package,
+                "version": version,
+                "module": member,
+                "events": encoding,
+                "replay_has_topic": replay_topic,
+                **sources[name],
+            }
             for index, (note, dp_rank, events) in enumerate(scenario):
                 payload = encoder.encode(make_batch(module, index, dp_rank, events))
                 (folder / f"batch-{index}.msgpack").write_bytes(payload)
@@ -462,11 +556,21 @@ def emit(modules: Path, out: Path) -> None:
                 write_json(folder / f"batch-{index}.json", expected)
             pub, replay, stamped = record_publisher(module, package, version, scenario, Path(sockets))
             (folder / "frames.msgpack").write_bytes(encoder.encode({"pub": pub, "replay": replay}))
-            write_json(folder / "frames.json", {"source": source, "replay_from_seq": REPLAY_FROM_SEQ,
-                                                **expected_frames(pub, replay, scenario, stamped, replay_topic)})
+            write_json(
+                folder / "frames.json",
+                {
+                    "source": source,
+                    "replay_from_seq": REPLAY_FROM_SEQ,
+                    **expected_frames(pub, replay, scenario, stamped, replay_topic),
+                },
+            )
             print(f"{name}: {len(scenario)} batches, {len(pub)} PUB messages, {len(replay)} replay answers")
-    tools = {"python": sys.version.split()[0], "msgspec": msgspec.__version__, "pyzmq": zmq.__version__,
-             "pydantic": pydantic.VERSION}
+    tools = {
+        "python": sys.version.split()[0],
+        "msgspec": msgspec.__version__,
+        "pyzmq": zmq.__version__,
+        "pydantic": pydantic.VERSION,
+    }
     write_readme(out, sources, tools)
 
 
@@ -475,9 +579,11 @@ def write_json(path: Path, value: Any) -> None:
 
 
 def write_readme(out: Path, sources: dict[str, Any], tools: dict[str, str]) -> None:
-    rows = "\n".join(f"| {name} | {encoding} | {'yes' if topic else 'no'} | `{sources[name]['wheel']}` | "
-                     f"`{sources[name]['sha256'][:16]}…` |"
-                     for name, encoding, topic in ((f"{p}-{v}", e, t) for p, v, _, e, t in VERSIONS))
+    rows = "\n".join(
+        f"| {name} | {encoding} | {'yes' if topic else 'no'} | `{sources[name]['wheel']}` | "
+        f"`{sources[name]['sha256'][:16]}…` |"
+        for name, encoding, topic in ((f"{p}-{v}", e, t) for p, v, _, e, t in VERSIONS)
+    )
     (out / "README.md").write_text(f"""# KV-event wire fixtures
 
 Made by `scripts/make_wire_fixtures.py` (read its docstring) with each engine's own released

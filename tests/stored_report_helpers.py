@@ -14,9 +14,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def record(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "kvscope", "run", "--workload", "shared-prefix",
-                           "--num-requests", "24", "--kv-tokens", "1024", "--capture", str(path), *extra],
-                          capture_output=True, text=True, cwd=ROOT, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvscope",
+            "run",
+            "--workload",
+            "shared-prefix",
+            "--num-requests",
+            "24",
+            "--kv-tokens",
+            "1024",
+            "--capture",
+            str(path),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
     assert done.returncode in (0, 1), done.stderr
     return done
 

@@ -23,14 +23,23 @@ def write_capture(path: Path, changed_seq: int | None = None) -> None:
         for seq in range(NUM_EVENTS):
             recorder.step = seq // 4
             num_tokens = seq % 7 + 1 + (seq == changed_seq)
-            recorder.record(EventKind.EVICT, pool=PoolName.FULL, rid=f"r{seq % 3}", node_id=seq,
-                            num_tokens=num_tokens, slots=np.arange(seq, seq + num_tokens),
-                            reason=EvictReason.CAPACITY, aux=seq % 2, principal="alice" if seq % 2 else None)
+            recorder.record(
+                EventKind.EVICT,
+                pool=PoolName.FULL,
+                rid=f"r{seq % 3}",
+                node_id=seq,
+                num_tokens=num_tokens,
+                slots=np.arange(seq, seq + num_tokens),
+                reason=EvictReason.CAPACITY,
+                aux=seq % 2,
+                principal="alice" if seq % 2 else None,
+            )
 
 
 def compare(a: Path, b: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), str(a), str(b)], capture_output=True, text=True,
-                          check=False, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(a), str(b)], capture_output=True, text=True, check=False, cwd=ROOT
+    )
 
 
 def events_line(result: subprocess.CompletedProcess[str]) -> str:

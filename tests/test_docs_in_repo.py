@@ -27,8 +27,11 @@ def outside_pointers(path: Path, root: Path = ROOT) -> list[str]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
         return []
-    return [f"{path.relative_to(root)}:{number}: {line.strip()}" for number, line in enumerate(lines, 1)
-            if any(pointer in line for pointer in OUTSIDE_POINTERS)]
+    return [
+        f"{path.relative_to(root)}:{number}: {line.strip()}"
+        for number, line in enumerate(lines, 1)
+        if any(pointer in line for pointer in OUTSIDE_POINTERS)
+    ]
 
 
 def packages() -> list[str]:

@@ -28,8 +28,20 @@ ALLOWED: dict[str, set[str]] = {
     "debug": {"debug", "telemetry", "mem"},  # mem: the KV pool types whose freed rows the monitor poisons
     "planning": {"planning", "cache", "mem", "workloads", "telemetry"},
     "dashboard": {"dashboard", "telemetry", "debug", "planning"},
-    "app": {"app", "server", "attach", "probe", "engine", "cache", "mem", "telemetry", "workloads", "debug", "planning",
-            "dashboard"},
+    "app": {
+        "app",
+        "server",
+        "attach",
+        "probe",
+        "engine",
+        "cache",
+        "mem",
+        "telemetry",
+        "workloads",
+        "debug",
+        "planning",
+        "dashboard",
+    },
     "__init__": set(),  # kvscope/__init__.py holds the version and imports nothing
     "__main__": {"app"},  # `python -m kvscope`
 }
@@ -38,8 +50,12 @@ ALLOWED: dict[str, set[str]] = {
 # event kinds, the Recorder interface, records), never the SQL recorder, store or queries.
 PRODUCER_ONLY = {"engine": ("telemetry", ("events.py", "records.py"))}
 NO_TORCH = {"dashboard", "attach", "probe"}
-ENGINE_NEVER_LOADS = ("kvscope.debug", "kvscope.telemetry.store", "kvscope.telemetry.recorder",
-                      "kvscope.telemetry.queries")
+ENGINE_NEVER_LOADS = (
+    "kvscope.debug",
+    "kvscope.telemetry.store",
+    "kvscope.telemetry.recorder",
+    "kvscope.telemetry.queries",
+)
 
 
 def _module_of_from(node: ast.ImportFrom, alias: ast.alias) -> str:
@@ -62,9 +78,14 @@ def kvscope_imports(path: Path) -> list[tuple[int, str, str | None]]:
                 found.append((node.lineno, ".", None))
             else:
                 found += [(node.lineno, _module_of_from(node, alias), alias.name) for alias in node.names]
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute | ast.Name)
-              and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute | ast.Name)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             found.append((node.lineno, node.args[0].value, None))
     return sorted(found, key=lambda item: item[0])
 
@@ -97,10 +118,16 @@ def violations(package: str, imports: list[tuple[int, str, str | None]]) -> list
             bad.append(f"{line}: a relative import (write kvscope.<package>)")
         elif parts[0] == "kvscope" and len(parts) > 1 and parts[1] not in ALLOWED[package]:
             bad.append(f"{line}: {module}")
-        elif parts[0] == "kvscope" and len(parts) > 1 and parts[1] == only_from and (
-                len(parts) > 2 or name not in producer_names):
-            bad.append(f"{line}: {module}{f' import {name}' if len(parts) == 2 else ''} (only the producer side "
-                       f"of the package face kvscope.{only_from})")
+        elif (
+            parts[0] == "kvscope"
+            and len(parts) > 1
+            and parts[1] == only_from
+            and (len(parts) > 2 or name not in producer_names)
+        ):
+            bad.append(
+                f"{line}: {module}{f' import {name}' if len(parts) == 2 else ''} (only the producer side "
+                f"of the package face kvscope.{only_from})"
+            )
         elif package in NO_TORCH and parts[0] == "torch":
             bad.append(f"{line}: torch")
     return bad
@@ -146,8 +173,9 @@ def test_the_probe_loads_nothing_an_engine_venv_lacks() -> None:
 def test_a_package_that_runs_without_torch_never_loads_it(package: str) -> None:
     """Every module of the package, imported in a fresh interpreter, leaves torch unloaded
     (the static check above misses torch pulled in through another layer)."""
-    modules = sorted(f"kvscope.{package}" + (f".{p.stem}" if p.stem != "__init__" else "")
-                     for p in (PACKAGE / package).glob("*.py"))
+    modules = sorted(
+        f"kvscope.{package}" + (f".{p.stem}" if p.stem != "__init__" else "") for p in (PACKAGE / package).glob("*.py")
+    )
     code = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint('torch' in sys.modules)\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
     assert out.returncode == 0, out.stderr
@@ -159,8 +187,7 @@ def test_app_imports_only_the_dashboard_side() -> None:
     bad = [
         f"app.py:{line} imports {module}"
         for line, module, _ in kvscope_imports(ROOT / "app.py")
-        if module.split(".")[0] == "torch"
-        or (module.startswith("kvscope.") and module.split(".")[1] not in allowed)
+        if module.split(".")[0] == "torch" or (module.startswith("kvscope.") and module.split(".")[1] not in allowed)
     ]
     assert not bad, "\n".join(bad)
 
@@ -182,21 +209,41 @@ def test_app_runs_without_loading_torch() -> None:
 def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     """Guard against a checker that cannot fail: each kind of wrong import is reported."""
     bad = tmp_path / "mod.py"
-    bad.write_text("from kvscope.engine import scheduler\nimport torch\nfrom kvscope import debug\n"
-                   "from kvscope.telemetry.store import CaptureError\nfrom . import sibling\n"
-                   "import importlib\nimportlib.import_module('kvscope.app')\n"
-                   "from kvscope.telemetry import EventKind, SQLRecorder\n")
+    bad.write_text(
+        "from kvscope.engine import scheduler\nimport torch\nfrom kvscope import debug\n"
+        "from kvscope.telemetry.store import CaptureError\nfrom . import sibling\n"
+        "import importlib\nimportlib.import_module('kvscope.app')\n"
+        "from kvscope.telemetry import EventKind, SQLRecorder\n"
+    )
     imports = kvscope_imports(bad)
-    assert [m for _, m, _ in imports] == ["kvscope.engine", "torch", "kvscope.debug", "kvscope.telemetry.store",
-                                          ".", "importlib", "kvscope.app", "kvscope.telemetry", "kvscope.telemetry"]
-    assert violations("mem", imports) == ["1: kvscope.engine", "3: kvscope.debug", "5: a relative import "
-                                          "(write kvscope.<package>)", "7: kvscope.app"]
+    assert [m for _, m, _ in imports] == [
+        "kvscope.engine",
+        "torch",
+        "kvscope.debug",
+        "kvscope.telemetry.store",
+        ".",
+        "importlib",
+        "kvscope.app",
+        "kvscope.telemetry",
+        "kvscope.telemetry",
+    ]
+    assert violations("mem", imports) == [
+        "1: kvscope.engine",
+        "3: kvscope.debug",
+        "5: a relative import (write kvscope.<package>)",
+        "7: kvscope.app",
+    ]
     producer = "(only the producer side of the package face kvscope.telemetry)"
     assert violations("engine", imports) == [
-        "3: kvscope.debug", f"4: kvscope.telemetry.store {producer}",
-        "5: a relative import (write kvscope.<package>)", "7: kvscope.app",
-        f"8: kvscope.telemetry import SQLRecorder {producer}"]
+        "3: kvscope.debug",
+        f"4: kvscope.telemetry.store {producer}",
+        "5: a relative import (write kvscope.<package>)",
+        "7: kvscope.app",
+        f"8: kvscope.telemetry import SQLRecorder {producer}",
+    ]
     assert "2: torch" in violations("dashboard", imports)
     assert violations("attach", [(1, "kvscope.cache", "RadixCache"), (2, "kvscope.mem", None)]) == [
-        "1: kvscope.cache", "2: kvscope.mem"]
+        "1: kvscope.cache",
+        "2: kvscope.mem",
+    ]
     assert violations("app", [(1, "kvscope.debug.report", "build_report"), (2, "kvscope.telemetry", "Capture")]) == []

@@ -85,10 +85,16 @@ def events_endpoint(args: argparse.Namespace, info: EngineInfo) -> dict[str, Any
 
 def found_line(info: EngineInfo, url: str, stream: dict[str, Any] | None, capture: str) -> str:
     what = f"{info.engine} {info.version}" if info.version else info.engine
-    parts = [f"model {info.model or '?'}", f"block {info.block_size or '?'} tokens",
-             f"capacity {info.capacity_tokens if info.capacity_tokens is not None else '?'} tokens"]
-    events = (f"events {stream['endpoint']}" + (f" (topic {stream['topic']!r})" if stream.get("topic") else "")
-              if stream else "no KV events (metrics only: give --kv-events to see pages)")
+    parts = [
+        f"model {info.model or '?'}",
+        f"block {info.block_size or '?'} tokens",
+        f"capacity {info.capacity_tokens if info.capacity_tokens is not None else '?'} tokens",
+    ]
+    events = (
+        f"events {stream['endpoint']}" + (f" (topic {stream['topic']!r})" if stream.get("topic") else "")
+        if stream
+        else "no KV events (metrics only: give --kv-events to see pages)"
+    )
     return f"kvscope attach: {what} at {url}: {', '.join(parts)}; {events}; capture {capture}"
 
 
@@ -124,8 +130,11 @@ def attach(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     else:
         out.write(summary_text(summary))
     if outcome.status == RunStatus.CRASHED:
-        print(f"kvscope attach: error: attach {outcome.reason}; capture {capture} closed as crashed", file=sys.stderr,
-              flush=True)
+        print(
+            f"kvscope attach: error: attach {outcome.reason}; capture {capture} closed as crashed",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_CRASHED
     if recorder.sql.failure:
         return 4
@@ -144,11 +153,16 @@ def stopped(signal_name: str, ticks: int) -> Outcome:
 def subscribe(stream: dict[str, Any]) -> EventSubscriber:
     """The subscriber on `stream`; AttachError (one line) for an endpoint ZMQ refuses."""
     try:
-        subscriber = EventSubscriber(stream["endpoint"], replay_endpoint=stream.get("replay_endpoint"),
-                                     topic=stream.get("topic") or "", bind=bool(stream.get("bind")))
+        subscriber = EventSubscriber(
+            stream["endpoint"],
+            replay_endpoint=stream.get("replay_endpoint"),
+            topic=stream.get("topic") or "",
+            bind=bool(stream.get("bind")),
+        )
     except zmq.ZMQError as err:
-        raise AttachError(f"cannot {'bind' if stream.get('bind') else 'subscribe to'} KV events at "
-                          f"{stream['endpoint']!r}: {err}") from err
+        raise AttachError(
+            f"cannot {'bind' if stream.get('bind') else 'subscribe to'} KV events at {stream['endpoint']!r}: {err}"
+        ) from err
     stream["endpoint"] = subscriber.endpoint  # NOTE: a bound wildcard port, resolved
     return subscriber
 
@@ -165,8 +179,9 @@ def stop_name(stop: BaseException) -> str:
         return f"signal {signum}"
 
 
-def watch(args: argparse.Namespace, info: EngineInfo, subscriber: EventSubscriber | None,
-          recorder: AttachRecorder) -> Outcome:
+def watch(
+    args: argparse.Namespace, info: EngineInfo, subscriber: EventSubscriber | None, recorder: AttachRecorder
+) -> Outcome:
     """The loop; returns when --duration-s is reached or the server is gone (signals raise)."""
     progress = Progress(interval_s=0.5)
     start = time.monotonic()
@@ -204,8 +219,11 @@ def watch(args: argparse.Namespace, info: EngineInfo, subscriber: EventSubscribe
                 failed += 1
                 progress.close()
                 progress.drawn = False
-                print(f"kvscope attach: warning: scrape {failed} of {MAX_FAILED_SCRAPES} failed: {err}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"kvscope attach: warning: scrape {failed} of {MAX_FAILED_SCRAPES} failed: {err}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if failed >= MAX_FAILED_SCRAPES:
                     line = f"the server stopped answering ({failed} scrapes in a row failed; the last: {err})"
                     recorder.tick(None)
@@ -240,17 +258,25 @@ def hit_rate(sample: EngineSample | None) -> float | None:
 def progress_line(recorder: AttachRecorder, subscriber: EventSubscriber | None, elapsed_s: float) -> str:
     device = recorder.forest.tiers["device"]
     rate = hit_rate(recorder.last_sample)
-    stream = (f", {subscriber.delivered} batches, {subscriber.lost_batches} lost" if subscriber is not None else "")
-    return (f"attached {elapsed_s:.0f} s: {device.num_pages} pages ({device.num_tokens} tokens) cached, "
-            f"{recorder.evictions} evicted, hit {'?' if rate is None else f'{rate:.0%}'}{stream}  ")
+    stream = f", {subscriber.delivered} batches, {subscriber.lost_batches} lost" if subscriber is not None else ""
+    return (
+        f"attached {elapsed_s:.0f} s: {device.num_pages} pages ({device.num_tokens} tokens) cached, "
+        f"{recorder.evictions} evicted, hit {'?' if rate is None else f'{rate:.0%}'}{stream}  "
+    )
 
 
 def stream_counters(subscriber: EventSubscriber) -> dict[str, Any]:
-    return {"delivered": subscriber.delivered, "replayed": subscriber.replayed,
-            "lost_batches": subscriber.lost_batches, "gaps": [list(gap) for gap in subscriber.gaps],
-            "duplicates": subscriber.duplicates, "restarts": subscriber.restarts,
-            "bad_messages": subscriber.bad_messages, "last_error": subscriber.last_error,
-            "replay_timeouts": subscriber.replay_timeouts}
+    return {
+        "delivered": subscriber.delivered,
+        "replayed": subscriber.replayed,
+        "lost_batches": subscriber.lost_batches,
+        "gaps": [list(gap) for gap in subscriber.gaps],
+        "duplicates": subscriber.duplicates,
+        "restarts": subscriber.restarts,
+        "bad_messages": subscriber.bad_messages,
+        "last_error": subscriber.last_error,
+        "replay_timeouts": subscriber.replay_timeouts,
+    }
 
 
 def summarize(recorder: AttachRecorder, counters: dict[str, Any], capture: str, outcome: Outcome) -> dict[str, Any]:
@@ -258,12 +284,23 @@ def summarize(recorder: AttachRecorder, counters: dict[str, Any], capture: str, 
     host = recorder.forest.tiers["host"]
     sample = recorder.last_sample
     return {
-        "source": recorder.source, "capture": capture, "run_id": recorder.run_id, "status": outcome.status,
-        "ended": outcome.reason, "error": outcome.error, "ticks": recorder.ticks,
-        "pages": {"device": device.num_pages, "device_tokens": device.num_tokens, "host": host.num_pages,
-                  "host_tokens": host.num_tokens},
-        "evictions": recorder.evictions, "evicted_tokens": device.num_removed_tokens,
-        "resets": recorder.forest.resets, "stream": counters,
+        "source": recorder.source,
+        "capture": capture,
+        "run_id": recorder.run_id,
+        "status": outcome.status,
+        "ended": outcome.reason,
+        "error": outcome.error,
+        "ticks": recorder.ticks,
+        "pages": {
+            "device": device.num_pages,
+            "device_tokens": device.num_tokens,
+            "host": host.num_pages,
+            "host_tokens": host.num_tokens,
+        },
+        "evictions": recorder.evictions,
+        "evicted_tokens": device.num_removed_tokens,
+        "resets": recorder.forest.resets,
+        "stream": counters,
         "hit_rate": hit_rate(sample),
         "prompt_tokens_total": sample.prompt_tokens_total if sample else None,
         "cached_tokens_total": sample.cached_tokens_total if sample else None,
@@ -281,10 +318,15 @@ def summary_text(summary: dict[str, Any]) -> str:
         f"{summary['resets']} resets",
         f"hit rate          {'not known' if rate is None else f'{rate:.1%}'} "
         f"({summary['cached_tokens_total']} of {summary['prompt_tokens_total']} prompt tokens)",
-        *([f"stream            {stream['delivered']} batches, {stream['lost_batches']} lost, "
-           f"{stream['restarts']} restarts, {stream['bad_messages']} bad messages"] if stream else []),
+        *(
+            [
+                f"stream            {stream['delivered']} batches, {stream['lost_batches']} lost, "
+                f"{stream['restarts']} restarts, {stream['bad_messages']} bad messages"
+            ]
+            if stream
+            else []
+        ),
         f"scrapes           {summary['ticks']}",
         f"capture           {summary['capture']} (run {summary['run_id']}, {summary['status']})",
     ]
     return "\n".join(lines) + "\n"
-

@@ -41,8 +41,9 @@ class PoolDemo:
     def slot_map(self) -> str:
         owner = {s // self.page_size: r.label for r in self.requests for s in r.slots}
         free = set(self.allocator.free_pages.tolist())
-        cells = ["#" if p == 0 else "." if p in free else owner.get(p, "?")
-                 for p in range(self.allocator.num_pages + 1)]
+        cells = [
+            "#" if p == 0 else "." if p in free else owner.get(p, "?") for p in range(self.allocator.num_pages + 1)
+        ]
         return "".join(cells)
 
     def show(self, what: str) -> None:
@@ -124,15 +125,18 @@ def demo_verb(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_demo(device_name: str | None = None, page_size: int = 4, delay_s: float = 0.3,
-             out: Callable[[str], None] = print) -> None:
+def run_demo(
+    device_name: str | None = None, page_size: int = 4, delay_s: float = 0.3, out: Callable[[str], None] = print
+) -> None:
     device = resolve_device(device_name)
     demo = PoolDemo(device, page_size, out)
     out(f"kvscope pool demo on {device} (page size {page_size}; '#' padding page, '.' free, letter = owner)")
     steps: list[Callable[[], None]] = [
         lambda: demo.show("start"),
         lambda: demo.prefill([DemoRequest("A", 9), DemoRequest("B", 5)]),
-        demo.decode, demo.decode, demo.decode,
+        demo.decode,
+        demo.decode,
+        demo.decode,
         lambda: demo.prefill([DemoRequest("C", 13)]),
         lambda: demo.finish(demo.requests[0]),
         demo.misuse,

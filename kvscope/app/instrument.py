@@ -95,16 +95,24 @@ def engine_plugins(python: str, environ: dict[str, str]) -> list[str] | None:
     """The vllm.* plugins `python`'s environment loads while VLLM_PLUGINS is unset; None when it
     cannot be asked. Raises ValueError when kvscope's plugin is not installed there."""
     try:
-        out = subprocess.run([python, "-c", LIST_PLUGINS], capture_output=True, text=True, env=environ,
-                             timeout=LIST_PLUGINS_TIMEOUT_S, check=False)
+        out = subprocess.run(
+            [python, "-c", LIST_PLUGINS],
+            capture_output=True,
+            text=True,
+            env=environ,
+            timeout=LIST_PLUGINS_TIMEOUT_S,
+            check=False,
+        )
         found = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         found = None
     if found is None:
         return None
     if not found["kvscope"]:
-        raise ValueError(f"kvscope is not installed beside the engine ({python}): vLLM would not load the probe; "
-                         f"install it there with pip install --no-deps (docs/probe.md)")
+        raise ValueError(
+            f"kvscope is not installed beside the engine ({python}): vLLM would not load the probe; "
+            f"install it there with pip install --no-deps (docs/probe.md)"
+        )
     return [str(name) for name in found["names"]]
 
 
@@ -125,7 +133,11 @@ def instrument_verb(args: argparse.Namespace) -> int:
     else:
         env["VLLM_PLUGINS"] = plugins
         route = f"VLLM_PLUGINS={plugins}"
-    print(f"kvscope instrument: recording into {env['KVSCOPE_CAPTURE']} (level {args.level}; {route}); "
-          f"then kvscope check {env['KVSCOPE_CAPTURE']}", file=sys.stderr, flush=True)
+    print(
+        f"kvscope instrument: recording into {env['KVSCOPE_CAPTURE']} (level {args.level}; {route}); "
+        f"then kvscope check {env['KVSCOPE_CAPTURE']}",
+        file=sys.stderr,
+        flush=True,
+    )
     os.execvpe(command[0], command, env)
     return 0  # pragma: no cover (exec does not return)

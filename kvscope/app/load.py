@@ -47,8 +47,11 @@ def rounds_of(args: argparse.Namespace) -> tuple[int, Callable[[int], list[Trace
     first = generate(args.workload, num_requests=num, seed=args.seed, vocab_size=args.vocab_size)
 
     def round_requests(r: int) -> list[TraceRequest]:
-        return first if r == 0 else generate(args.workload, num_requests=num, seed=args.seed + r,
-                                             vocab_size=args.vocab_size)
+        return (
+            first
+            if r == 0
+            else generate(args.workload, num_requests=num, seed=args.seed + r, vocab_size=args.vocab_size)
+        )
 
     return num, round_requests
 

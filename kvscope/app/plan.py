@@ -48,10 +48,18 @@ def plan_verb(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     model = resolve_model(args.model, args.weights_gib)
     free, total, gpu_lines, gpus = _gpu_memory(args.gpu_mem, args.tp)
     inputs = PlanInputs(
-        model, free, total, tp_size=args.tp, kv_dtype=args.kv_dtype, page_size=args.page_size,
-        mem_fraction_static=args.mem_fraction_static, swa_full_tokens_ratio=args.swa_full_tokens_ratio,
-        context_len=args.context_len, gpu_memory_utilization=args.gpu_memory_utilization,
-        block_size=args.block_size, vllm_activation_bytes=args.vllm_activation_gib,
+        model,
+        free,
+        total,
+        tp_size=args.tp,
+        kv_dtype=args.kv_dtype,
+        page_size=args.page_size,
+        mem_fraction_static=args.mem_fraction_static,
+        swa_full_tokens_ratio=args.swa_full_tokens_ratio,
+        context_len=args.context_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size,
+        vllm_activation_bytes=args.vllm_activation_gib,
     )
     plan = plan_memory(inputs)
     if args.json:
@@ -72,8 +80,10 @@ def _gpu_memory(gpu_mem_bytes: int | None, tp_size: int) -> tuple[int, int, list
         raise ValueError("no GPU visible to NVML; give the memory per GPU with --gpu-mem SIZE (80GiB)")
     ranks = gpus[:tp_size]
     lines = [gpu_line(g) for g in gpus]
-    lines.append(f"planning with the smallest free / total of GPUs {', '.join(str(g.gpu_index) for g in ranks)}"
-                 + (f" ({len(gpus)} visible for TP {tp_size})" if len(gpus) < tp_size else ""))
+    lines.append(
+        f"planning with the smallest free / total of GPUs {', '.join(str(g.gpu_index) for g in ranks)}"
+        + (f" ({len(gpus)} visible for TP {tp_size})" if len(gpus) < tp_size else "")
+    )
     free, total = min(g.free_bytes for g in ranks), min(g.total_bytes for g in ranks)
     return free, total, lines, [g._asdict() for g in gpus]
 
@@ -98,12 +108,14 @@ def replay_verb(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO 
             row.update(_result_fields(result))
             if scoped is not None:
                 row["cross_hit_tokens"] = result.num_cross_hit_tokens
-        for row, result in zip(rows, results[len(capacities):], strict=False):  # NOTE: none without scoped
+        for row, result in zip(rows, results[len(capacities) :], strict=False):  # NOTE: none without scoped
             row.update(_scoped_fields(row, result))
     header = _replay_header(args, source.label, curve, longest, page_size, _page_size_origin(args, source.page_size))
     if scoped is not None:
-        header["scoped"] = (f"scoped-radix, {scoped.describe()}; principal = each request's user; clock = "
-                            f"{_clock_text(requests)}; beside global sharing (radix) at the same settings")
+        header["scoped"] = (
+            f"scoped-radix, {scoped.describe()}; principal = each request's user; clock = "
+            f"{_clock_text(requests)}; beside global sharing (radix) at the same settings"
+        )
     lru = args.policy == "lru"
     if args.json:
         report = _replay_json(args, source, header, rows, curve, page_size)
@@ -124,11 +136,16 @@ def _clock_text(requests: list[ReplayRequest]) -> str:
 
 def _scoped_fields(row: dict[str, Any], result: ReplayResult) -> dict[str, Any]:
     """The scoped replay's columns beside a row that holds the global replay's."""
-    return {"scoped_hit_rate": result.hit_rate, "scoped_hit_tokens": result.num_hit_tokens,
-            "scoped_cost_hit_rate": row["hit_rate"] - result.hit_rate,
-            "scoped_evicted_tokens": result.num_evicted_tokens,
-            "scoped_peak_usage_tokens": result.peak_usage_tokens, "scoped_num_skipped": result.num_skipped,
-            "scoped_wall_s": result.wall_s, "scoped_stats": result.cache_stats}
+    return {
+        "scoped_hit_rate": result.hit_rate,
+        "scoped_hit_tokens": result.num_hit_tokens,
+        "scoped_cost_hit_rate": row["hit_rate"] - result.hit_rate,
+        "scoped_evicted_tokens": result.num_evicted_tokens,
+        "scoped_peak_usage_tokens": result.peak_usage_tokens,
+        "scoped_num_skipped": result.num_skipped,
+        "scoped_wall_s": result.wall_s,
+        "scoped_stats": result.cache_stats,
+    }
 
 
 def _check_replay_args(args: argparse.Namespace) -> ScopedOptions | None:
@@ -164,8 +181,10 @@ def _capacities(args: argparse.Namespace, curve: HitRateCurve, longest: int, pag
         return capacities
     small = [c for c in capacities if c < longest]
     if small and given:
-        raise ValueError(f"capacity {small[0]:,} is below the longest request ({longest:,} tokens in whole pages), "
-                         "which a pool of that many slots cannot serve; give capacities >= that, or --convention tree")
+        raise ValueError(
+            f"capacity {small[0]:,} is below the longest request ({longest:,} tokens in whole pages), "
+            "which a pool of that many slots cannot serve; give capacities >= that, or --convention tree"
+        )
     return [c for c in capacities if c >= longest] or [longest]
 
 
@@ -181,8 +200,14 @@ def _curve_row(curve: HitRateCurve, capacity: int, policy: str, isolated: HitRat
     return row
 
 
-def _replays(requests: list[ReplayRequest], capacities: list[int], page_size: int, args: argparse.Namespace,
-             err: TextIO, scoped: ScopedOptions | None = None) -> list[ReplayResult]:
+def _replays(
+    requests: list[ReplayRequest],
+    capacities: list[int],
+    page_size: int,
+    args: argparse.Namespace,
+    err: TextIO,
+    scoped: ScopedOptions | None = None,
+) -> list[ReplayResult]:
     """One replay per capacity (global sharing), then one scoped replay per capacity when `scoped`."""
     configs = [ReplayConfig(c, page_size, args.eviction, args.convention, args.policy) for c in capacities]
     if scoped is not None:
@@ -199,17 +224,20 @@ def _replays(requests: list[ReplayRequest], capacities: list[int], page_size: in
         progress.close()
 
 
-def _replay_header(args: argparse.Namespace, label: str, curve: HitRateCurve, longest: int, page_size: int,
-                   page_size_origin: str) -> dict[str, str]:
+def _replay_header(
+    args: argparse.Namespace, label: str, curve: HitRateCurve, longest: int, page_size: int, page_size_origin: str
+) -> dict[str, str]:
     """The lines above the table: the source, the replay settings and each column's convention."""
     header = {
         "source": f"{label}: {curve.num_requests:,} requests, {curve.num_prompt_tokens:,} prompt tokens, "
-                  f"longest {longest:,} tokens (whole pages)",
-        "replay": "none (--curve-only)" if args.curve_only else
-        f"page size {page_size} ({page_size_origin}), {args.policy} eviction by {args.eviction}",
+        f"longest {longest:,} tokens (whole pages)",
+        "replay": "none (--curve-only)"
+        if args.curve_only
+        else f"page size {page_size} ({page_size_origin}), {args.policy} eviction by {args.eviction}",
     }
-    conventions = [] if args.curve_only else [f"replays: {args.convention} convention, "
-                                               f"{CONVENTION_MEANINGS[args.convention]}"]
+    conventions = (
+        [] if args.curve_only else [f"replays: {args.convention} convention, {CONVENTION_MEANINGS[args.convention]}"]
+    )
     if args.policy == "lru":
         conventions.append(f"one-pass: {CURVE_CONVENTION} convention, {CONVENTION_MEANINGS[CURVE_CONVENTION]}")
     header["conventions"] = "; ".join(conventions)
@@ -224,33 +252,57 @@ def _replay_notes(longest: int, args: argparse.Namespace) -> dict[str, str]:
         return {"note": "the one-pass curve models lru only"}
     notes = {}
     if args.convention == "slots":
-        notes["bounds"] = (f"a replay's hits lie between the curve at C - {longest:,} and at C (C: its capacity; "
-                           f"{longest:,}: the longest request, whole pages)")
+        notes["bounds"] = (
+            f"a replay's hits lie between the curve at C - {longest:,} and at C (C: its capacity; "
+            f"{longest:,}: the longest request, whole pages)"
+        )
     if args.eviction == "leaf":
         notes["note"] = "whole-leaf eviction may evict more than needed; the curve does not model it"
     return notes
 
 
 def _result_fields(result: ReplayResult) -> dict[str, Any]:
-    return {"hit_rate": result.hit_rate, "hit_tokens": result.num_hit_tokens,
-            "evicted_tokens": result.num_evicted_tokens, "peak_usage_tokens": result.peak_usage_tokens,
-            "num_skipped": result.num_skipped, "wall_s": result.wall_s}
+    return {
+        "hit_rate": result.hit_rate,
+        "hit_tokens": result.num_hit_tokens,
+        "evicted_tokens": result.num_evicted_tokens,
+        "peak_usage_tokens": result.peak_usage_tokens,
+        "num_skipped": result.num_skipped,
+        "wall_s": result.wall_s,
+    }
 
 
-def _replay_json(args: argparse.Namespace, source: ReplaySource, header: dict[str, str], rows: list[dict[str, Any]],
-                 curve: HitRateCurve, page_size: int) -> dict[str, Any]:
+def _replay_json(
+    args: argparse.Namespace,
+    source: ReplaySource,
+    header: dict[str, str],
+    rows: list[dict[str, Any]],
+    curve: HitRateCurve,
+    page_size: int,
+) -> dict[str, Any]:
     """The shape is documented in docs/cli.md (replay --json)."""
     return {
-        "source": args.source, "run": source.run_id, "num_requests": curve.num_requests,
+        "source": args.source,
+        "run": source.run_id,
+        "num_requests": curve.num_requests,
         "num_prompt_tokens": curve.num_prompt_tokens,
         "longest_request_tokens": max(ceil_pages(r.seq_len, page_size) for r in source.requests),
-        "page_size": page_size, "eviction": args.eviction, "convention": args.convention,
-        "policy": args.policy, "replayed": not args.curve_only,
+        "page_size": page_size,
+        "eviction": args.eviction,
+        "convention": args.convention,
+        "policy": args.policy,
+        "replayed": not args.curve_only,
         "conventions": {
-            "replays": None if args.curve_only else
-            {"name": args.convention, "meaning": CONVENTION_MEANINGS[args.convention]},
-            "curve": {"name": CURVE_CONVENTION, "meaning": CONVENTION_MEANINGS[CURVE_CONVENTION],
-                      "exactness": EXACTNESS} if args.policy == "lru" else None,
+            "replays": None
+            if args.curve_only
+            else {"name": args.convention, "meaning": CONVENTION_MEANINGS[args.convention]},
+            "curve": {
+                "name": CURVE_CONVENTION,
+                "meaning": CONVENTION_MEANINGS[CURVE_CONVENTION],
+                "exactness": EXACTNESS,
+            }
+            if args.policy == "lru"
+            else None,
         },
         "notes": header,
         "curve": _curve_json(curve),
@@ -259,6 +311,10 @@ def _replay_json(args: argparse.Namespace, source: ReplaySource, header: dict[st
 
 
 def _curve_json(curve: HitRateCurve) -> dict[str, Any]:
-    return {"exactness": EXACTNESS, "working_set_tokens": curve.working_set_tokens,
-            "max_hit_tokens": curve.max_hit_tokens, "max_hit_rate": curve.max_hit_rate,
-            "saturation_tokens": curve.saturation_tokens}
+    return {
+        "exactness": EXACTNESS,
+        "working_set_tokens": curve.working_set_tokens,
+        "max_hit_tokens": curve.max_hit_tokens,
+        "max_hit_rate": curve.max_hit_rate,
+        "saturation_tokens": curve.saturation_tokens,
+    }

@@ -126,8 +126,10 @@ def runs_table(entries: list[dict[str, Any]]) -> list[str]:
     for run in entries:
         started = "-" if run["started_at"] is None else run["started_at"].replace("T", " ").rstrip("Z")
         seconds = "-" if run["seconds"] is None else f"{run['seconds']:.1f}"
-        lines.append(f"{run['id']:>4}  {run['status'] or '-':<22} {run['level'] or '-':<8} {started:<20} "
-                     f"{seconds:>8}  {run['label'] or '-'}")
+        lines.append(
+            f"{run['id']:>4}  {run['status'] or '-':<22} {run['level'] or '-':<8} {started:<20} "
+            f"{seconds:>8}  {run['label'] or '-'}"
+        )
         if run["error"]:
             lines.append(f"{'':>6}error: {run['error']}")
     return lines
@@ -140,8 +142,7 @@ def report_verb(args: argparse.Namespace) -> int:
     report = replay_report(args.capture, args.run)
     if args.json:
         check = verdict(report)
-        print(json.dumps({**json.loads(report.to_json()), "verdict": check.verdict, "reason": check.reason},
-                         indent=2))
+        print(json.dumps({**json.loads(report.to_json()), "verdict": check.verdict, "reason": check.reason}, indent=2))
     else:
         print(render_text(report))
     return 0
@@ -152,8 +153,19 @@ def check_verb(args: argparse.Namespace) -> int:
     report = replay_report(args.capture, args.run)
     check = verdict(report)
     if args.json:
-        print(json.dumps({"capture": args.capture, "run": report.run_id, "status": report.status,
-                          "verdict": check.verdict, "exit_code": check.exit_code, "reason": check.reason}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "capture": args.capture,
+                    "run": report.run_id,
+                    "status": report.status,
+                    "verdict": check.verdict,
+                    "exit_code": check.exit_code,
+                    "reason": check.reason,
+                },
+                indent=2,
+            )
+        )
     else:
         print(f"{args.capture}: {check.reason}")
     return check.exit_code

@@ -102,8 +102,9 @@ class RunSpec:
         return self.workload or (self.trace.stem if self.trace else "run")
 
 
-def engine_from_args(args: argparse.Namespace, leak_check_raise: bool = False,
-                     serving: bool = False) -> tuple[EngineConfig, ModelConfig]:
+def engine_from_args(
+    args: argparse.Namespace, leak_check_raise: bool = False, serving: bool = False
+) -> tuple[EngineConfig, ModelConfig]:
     """The engine and model of the engine options `run` and `serve` share (commands/engine_options.py);
     ValueError on an impossible config. `serving`: --torch-threads auto leaves a core to the
     HTTP front when the engine runs on the CPU (torch's default takes them all, and its threads
@@ -111,14 +112,28 @@ def engine_from_args(args: argparse.Namespace, leak_check_raise: bool = False,
     model = model_config(args.model)
     cache: CacheKind = args.cache if args.cache != AUTO else auto_cache_kind(model.is_hybrid)
     engine = EngineConfig(
-        pool=PoolConfig(kv_size_tokens=args.kv_tokens, page_size=args.page_size, swa_full_tokens_ratio=args.swa_ratio,
-                        max_running_requests=args.max_running_requests, max_context_len=args.max_context_len),
-        cache=CacheConfig(kind=cache, eviction_policy=args.eviction_policy,
-                          eviction_granularity=args.eviction_granularity, **scoped_cache_options(args, cache),
-                          **host_cache_options(args, cache)),
-        scheduler=SchedulerConfig(chunked_prefill_size=args.chunked_prefill_size or None,
-                                  leak_check_raise=leak_check_raise, schedule_policy=args.schedule_policy),
-        device=args.device, strict=args.strict, torch_threads=args.torch_threads,
+        pool=PoolConfig(
+            kv_size_tokens=args.kv_tokens,
+            page_size=args.page_size,
+            swa_full_tokens_ratio=args.swa_ratio,
+            max_running_requests=args.max_running_requests,
+            max_context_len=args.max_context_len,
+        ),
+        cache=CacheConfig(
+            kind=cache,
+            eviction_policy=args.eviction_policy,
+            eviction_granularity=args.eviction_granularity,
+            **scoped_cache_options(args, cache),
+            **host_cache_options(args, cache),
+        ),
+        scheduler=SchedulerConfig(
+            chunked_prefill_size=args.chunked_prefill_size or None,
+            leak_check_raise=leak_check_raise,
+            schedule_policy=args.schedule_policy,
+        ),
+        device=args.device,
+        strict=args.strict,
+        torch_threads=args.torch_threads,
     )
     if serving and engine.torch_threads is None and resolve_device(engine.device).type == "cpu":
         engine = replace(engine, torch_threads=max(1, len(os.sched_getaffinity(0)) - 1))
@@ -134,8 +149,10 @@ def host_cache_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     given = {name: getattr(args, name) for name in HOST_OPTIONS if getattr(args, name, None) is not None}
     if given and not cache_kind(kind).has_host:
         flags = ", ".join(HOST_OPTIONS[name] for name in given)
-        raise ValueError(f"{flags} {'applies' if len(given) == 1 else 'apply'} to --cache "
-                         f"{either(kinds_with(lambda spec: spec.has_host))} only, not {kind}")
+        raise ValueError(
+            f"{flags} {'applies' if len(given) == 1 else 'apply'} to --cache "
+            f"{either(kinds_with(lambda spec: spec.has_host))} only, not {kind}"
+        )
     return given
 
 
@@ -144,10 +161,21 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     engine, model = engine_from_args(args, leak_check_raise=args.leak_check == "raise")
     faults = [FaultSpec.parse(text) for text in args.inject]
     debug = args.debug or any(f.kind == FaultKind.USE_AFTER_FREE for f in faults)
-    return RunSpec(engine=engine, model=model, workload=args.workload, trace=Path(args.trace) if args.trace else None,
-                   num_requests=args.num_requests, seed=args.seed, level=args.level,
-                   capture=args.capture, pace_per_s=args.pace, debug=debug,
-                   faults=tuple(faults), fault_seed=args.inject_seed, store_report=not args.no_report)
+    return RunSpec(
+        engine=engine,
+        model=model,
+        workload=args.workload,
+        trace=Path(args.trace) if args.trace else None,
+        num_requests=args.num_requests,
+        seed=args.seed,
+        level=args.level,
+        capture=args.capture,
+        pace_per_s=args.pace,
+        debug=debug,
+        faults=tuple(faults),
+        fault_seed=args.inject_seed,
+        store_report=not args.no_report,
+    )
 
 
 def run_verb(args: argparse.Namespace) -> int:
@@ -173,8 +201,9 @@ def load_requests(spec: RunSpec) -> list[TraceRequest]:
     if spec.trace is not None:
         return read_trace(spec.trace, vocab_size=vocab, max_seq_len=spec.engine.pool.max_context_len)
     assert spec.workload is not None
-    return generate(spec.workload, num_requests=spec.num_requests, seed=spec.seed, vocab_size=vocab,
-                    **spec.workload_options)
+    return generate(
+        spec.workload, num_requests=spec.num_requests, seed=spec.seed, vocab_size=vocab, **spec.workload_options
+    )
 
 
 def to_engine_requests(trace: list[TraceRequest]) -> list[Req]:
@@ -186,11 +215,19 @@ def fingerprint(spec: RunSpec, device: str) -> dict[str, Any]:
         "engine": spec.engine.fingerprint(),
         "model": asdict(spec.model),
         "kv": kv_fingerprint(spec.model),
-        "workload": {"name": spec.workload, "trace": str(spec.trace) if spec.trace else None,
-                     "num_requests": spec.num_requests, "seed": spec.seed, "options": spec.workload_options,
-                     "pace_per_s": spec.pace_per_s},
-        "debug": {"enabled": spec.debug, "faults": [f"{f.kind}:{f.rate}" for f in spec.faults],
-                  "fault_seed": spec.fault_seed},
+        "workload": {
+            "name": spec.workload,
+            "trace": str(spec.trace) if spec.trace else None,
+            "num_requests": spec.num_requests,
+            "seed": spec.seed,
+            "options": spec.workload_options,
+            "pace_per_s": spec.pace_per_s,
+        },
+        "debug": {
+            "enabled": spec.debug,
+            "faults": [f"{f.kind}:{f.rate}" for f in spec.faults],
+            "fault_seed": spec.fault_seed,
+        },
         "environment": environment_fingerprint(device),
     }
 
@@ -213,8 +250,10 @@ def engine_progress(progress: Progress, num_requests: int) -> ProgressHook:
     def on_step(stats: EngineStats, num_submitted: int) -> None:
         if progress.due():
             done = stats.num_finished + stats.num_aborted
-            progress.draw(f"{bar(done, num_requests)} {done}/{num_requests} done, {num_submitted} arrived, "
-                          f"hit {stats.token_hit_rate:.0%}, retracted {stats.num_retractions}  ")
+            progress.draw(
+                f"{bar(done, num_requests)} {done}/{num_requests} done, {num_submitted} arrived, "
+                f"hit {stats.token_hit_rate:.0%}, retracted {stats.num_retractions}  "
+            )
 
     return on_step
 
@@ -264,11 +303,18 @@ def record_run(spec: RunSpec, path: str | Path | None, requests: list[Req]) -> t
     try:
         if path is not None:
             with signals_held():  # a capture is never left half made: a Ctrl-C here comes once it exists
-                capture = recorder = SQLRecorder(path, level=spec.level, label=spec.label,
-                                                 config=fingerprint(spec, spec.engine.device))
+                capture = recorder = SQLRecorder(
+                    path, level=spec.level, label=spec.label, config=fingerprint(spec, spec.engine.device)
+                )
         monitor = DebugMonitor(recorder) if spec.debug else None
-        engine = Engine(spec.engine, spec.model, recorder if monitor is None else monitor, read_checker=monitor,
-                        faults=list(spec.faults), fault_seed=spec.fault_seed)
+        engine = Engine(
+            spec.engine,
+            spec.model,
+            recorder if monitor is None else monitor,
+            read_checker=monitor,
+            faults=list(spec.faults),
+            fault_seed=spec.fault_seed,
+        )
         hook = stop_when_recording_stops(engine_progress(progress, len(requests)), capture)
         stats = engine.run(requests, pace_per_s=spec.pace_per_s, progress=hook)
     except RecordingStopped:  # nothing more can be recorded: the run ends here, its capture incomplete
@@ -339,15 +385,28 @@ def host_tier_line(stats: EngineStats) -> str:
     host = stats.host_tier
     assert host is not None
     share = f" ({stats.host_hit_tokens / stats.cached_tokens:.1%} of cached tokens)" if stats.cached_tokens else ""
-    return (f"host tier         {host.host_tokens} tokens: {host.written} written, {host.loaded} loaded back, "
-            f"{stats.host_hit_tokens} cached tokens came from the host{share}, {host.dropped} dropped")
+    return (
+        f"host tier         {host.host_tokens} tokens: {host.written} written, {host.loaded} loaded back, "
+        f"{stats.host_hit_tokens} cached tokens came from the host{share}, {host.dropped} dropped"
+    )
 
 
-def print_summary(stats: EngineStats, wall_s: float, capture: str | Path | None, out: TextIO,
-                  leak_report: str | None = None, failure: str | None = None) -> None:
+def print_summary(
+    stats: EngineStats,
+    wall_s: float,
+    capture: str | Path | None,
+    out: TextIO,
+    leak_report: str | None = None,
+    failure: str | None = None,
+) -> None:
     checks = stats.leak_checks_passed + stats.leak_checks_failed
-    verdict = (f"{stats.leak_checks_failed} FAILED" if stats.leak_checks_failed
-               else "all passed" if checks else "none ran: no idle point")
+    verdict = (
+        f"{stats.leak_checks_failed} FAILED"
+        if stats.leak_checks_failed
+        else "all passed"
+        if checks
+        else "none ran: no idle point"
+    )
     where = f" (incomplete: {failure})" if failure else ""
     cut = " (cut short: the run stopped when recording stopped)" if failure else ""
     lines = [

@@ -46,6 +46,7 @@ GRACEFUL_S = 30
 DRAIN_S = 25  # requests in flight may finish this long; then they are aborted, before uvicorn's own limit
 JOIN_TIMEOUT_S = 60.0
 
+
 @dataclass
 class ServeOptions:
     engine: EngineConfig
@@ -84,14 +85,28 @@ def serve_verb(args: argparse.Namespace) -> int:
     from kvscope.telemetry.fingerprint import environment_fingerprint
 
     kv_events = options.kv_events if options.kv_events is not None and options.kv_events.enabled else None
-    config = {"serve": {"host": options.host, "port": listener.getsockname()[1], "model_id": options.model_id,
-                        "api_keys": options.api_keys is not None,
-                        "kv_events": asdict(options.kv_events) if options.kv_events else None},
-              "engine": options.engine.fingerprint(), "model": asdict(options.model),
-              "kv": kv_fingerprint(options.model),
-              "environment": environment_fingerprint(str(resolve_device(options.engine.device)))}
-    spec = ServeSpec(engine=options.engine, model=options.model, capture=options.capture, level=options.level,
-                     label="serve", config=config, kv_events=kv_events)
+    config = {
+        "serve": {
+            "host": options.host,
+            "port": listener.getsockname()[1],
+            "model_id": options.model_id,
+            "api_keys": options.api_keys is not None,
+            "kv_events": asdict(options.kv_events) if options.kv_events else None,
+        },
+        "engine": options.engine.fingerprint(),
+        "model": asdict(options.model),
+        "kv": kv_fingerprint(options.model),
+        "environment": environment_fingerprint(str(resolve_device(options.engine.device))),
+    }
+    spec = ServeSpec(
+        engine=options.engine,
+        model=options.model,
+        capture=options.capture,
+        level=options.level,
+        label="serve",
+        config=config,
+        kv_events=kv_events,
+    )
 
     def start(to_scheduler: str, to_front: str) -> multiprocessing.process.BaseProcess:
         return start_scheduler(spec, to_scheduler, to_front)
@@ -140,9 +155,14 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
         def capture_signals(self) -> Generator[None, None, None]:  # the front handles the signals
             yield
 
-    state = FrontState(engine=options.engine, model=options.model, model_id=options.model_id,
-                       api_keys=options.api_keys, kv_events=asdict(options.kv_events) if options.kv_events else None,
-                       extra_info={"capture": options.capture, "level": options.level})
+    state = FrontState(
+        engine=options.engine,
+        model=options.model,
+        model_id=options.model_id,
+        api_keys=options.api_keys,
+        kv_events=asdict(options.kv_events) if options.kv_events else None,
+        extra_info={"capture": options.capture, "level": options.level},
+    )
     front = Front(state, f"ipc://{ipc_dir}/to_scheduler", f"ipc://{ipc_dir}/to_front")
     front.start_router()
     loop = asyncio.get_running_loop()
@@ -171,8 +191,9 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(front.ready.wait(), 0.2)
         if not stop.is_set():
-            config = uvicorn.Config(front.app(), log_level="warning", lifespan="off", access_log=False,
-                                    timeout_graceful_shutdown=GRACEFUL_S)
+            config = uvicorn.Config(
+                front.app(), log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=GRACEFUL_S
+            )
             server = Server(config)
             serving = loop.create_task(server.serve(sockets=[listener]))
             while not server.started and not serving.done() and not stop.is_set():

@@ -28,7 +28,8 @@ from kvscope.workloads import ByteTokenizer
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
 COUNT_SCALES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 BYTE_SCALES = {
-    "": 2**30, "b": 1,
+    "": 2**30,
+    "b": 1,
     **{p: 2 ** (10 * (k + 1)) for k, p in enumerate("kmgt")},
     **{f"{p}i": 2 ** (10 * (k + 1)) for k, p in enumerate("kmgt")},
     **{f"{p}ib": 2 ** (10 * (k + 1)) for k, p in enumerate("kmgt")},
@@ -86,7 +87,8 @@ def byte_size(text: str) -> int:
     value = _scaled(text, BYTE_SCALES, whole=False)
     if value is None:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a memory size (write 80 for GiB, 80G, 80GiB, 512MiB or 80GB for 10^9 bytes)")
+            f"{text!r} is not a memory size (write 80 for GiB, 80G, 80GiB, 512MiB or 80GB for 10^9 bytes)"
+        )
     return value
 
 
@@ -115,10 +117,14 @@ def finite_float(low: float, high: float = math.inf, *, low_open: bool = True) -
     return parse
 
 
-SCOPED_OPTIONS = {"promote_k": "--promote-k", "epoch_s": "--epoch-s", "pinned": "--pinned", "dedup": "--dedup",
-                  "merge_chains": "--merge-chains"}
-SCOPED_DEFAULTS: dict[str, Any] = {"promote_k": 3, "epoch_s": 60.0, "pinned": (), "dedup": False,
-                                   "merge_chains": False}
+SCOPED_OPTIONS = {
+    "promote_k": "--promote-k",
+    "epoch_s": "--epoch-s",
+    "pinned": "--pinned",
+    "dedup": "--dedup",
+    "merge_chains": "--merge-chains",
+}
+SCOPED_DEFAULTS: dict[str, Any] = {"promote_k": 3, "epoch_s": 60.0, "pinned": (), "dedup": False, "merge_chains": False}
 
 
 def scoped_cache_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:

@@ -28,8 +28,15 @@ def upgrade_verb(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     if args.json:
-        print(json.dumps({"capture": args.capture, "runs": [
-            {"run": r.run_id, "events": r.events, "chunks": r.chunks} for r in packed]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "capture": args.capture,
+                    "runs": [{"run": r.run_id, "events": r.events, "chunks": r.chunks} for r in packed],
+                },
+                indent=2,
+            )
+        )
     elif not packed:
         print(f"{args.capture}: nothing to upgrade (every run is packed already)")
     else:

@@ -105,8 +105,9 @@ def shape_of(doc: dict[str, Any] | None) -> str | None:
         return None
     if "model_shape" in doc and "pools" in doc:
         return "kvscope"
-    if isinstance(doc.get("version"), str) and any(key in doc for key in ("page_size", "max_total_num_tokens",
-                                                                           "internal_states", "model_path")):
+    if isinstance(doc.get("version"), str) and any(
+        key in doc for key in ("page_size", "max_total_num_tokens", "internal_states", "model_path")
+    ):
         return "sglang"
     return None
 
@@ -139,19 +140,26 @@ def sglang_info(client: httpx.Client, root: str, doc: dict[str, Any]) -> EngineI
     config = parse_config(doc.get("kv_events_config"))
     events = sglang_events(descriptor, httpx.URL(root).host, version, config) if descriptor else None
     parsed = version_tuple(version)
-    warnings = [f"SGLang {version}: {text}" for first_fine, text in SGLANG_GATES
-                if parsed is not None and parsed < first_fine and not (text == NO_DISCOVERY and descriptor)]
+    warnings = [
+        f"SGLang {version}: {text}"
+        for first_fine, text in SGLANG_GATES
+        if parsed is not None and parsed < first_fine and not (text == NO_DISCOVERY and descriptor)
+    ]
     dp_size = as_int(descriptor.get("dp_size")) if descriptor else None
     if events is not None and dp_size is not None and dp_size > 1:
-        warnings.append(f"SGLang runs {dp_size} data-parallel ranks, each publishing on its own port from "
-                        f"{events['endpoint']}: only that first rank's stream is watched")
+        warnings.append(
+            f"SGLang runs {dp_size} data-parallel ranks, each publishing on its own port from "
+            f"{events['endpoint']}: only that first rank's stream is watched"
+        )
     model = model_id(client, root) or text_or_none(doc.get("served_model_name")) or text_or_none(doc.get("model_path"))
-    return EngineInfo("sglang", version, model, block_size, as_int(doc.get("max_total_num_tokens")), events,
-                      tuple(warnings))
+    return EngineInfo(
+        "sglang", version, model, block_size, as_int(doc.get("max_total_num_tokens")), events, tuple(warnings)
+    )
 
 
-def sglang_events(descriptor: dict[str, Any], url_host: str, version: str,
-                  config: dict[str, Any]) -> dict[str, Any] | None:
+def sglang_events(
+    descriptor: dict[str, Any], url_host: str, version: str, config: dict[str, Any]
+) -> dict[str, Any] | None:
     host, port = str(descriptor.get("endpoint_host", "")), as_int(descriptor.get("endpoint_port_base"))
     if port is None:
         return None
@@ -175,13 +183,16 @@ def kvscope_info(client: httpx.Client, root: str, doc: dict[str, Any]) -> Engine
         url_host = httpx.URL(root).host
         endpoint = str(config.get("endpoint"))
         replay = config.get("replay_endpoint")
-        events = {"endpoint": reachable_address(endpoint, url_host),
-                  "replay_endpoint": reachable_address(str(replay), url_host) if replay else None,
-                  "topic": str(config.get("topic") or ""),
-                  "bind": not publisher_binds_address(endpoint, config.get("bind"))}
+        events = {
+            "endpoint": reachable_address(endpoint, url_host),
+            "replay_endpoint": reachable_address(str(replay), url_host) if replay else None,
+            "topic": str(config.get("topic") or ""),
+            "bind": not publisher_binds_address(endpoint, config.get("bind")),
+        }
     model = model_id(client, root) or text_or_none(doc.get("model"))
-    return EngineInfo("kvscope", None, model, as_int(doc.get("page_size")), as_int(doc.get("max_total_num_tokens")),
-                      events, ())
+    return EngineInfo(
+        "kvscope", None, model, as_int(doc.get("page_size")), as_int(doc.get("max_total_num_tokens")), events, ()
+    )
 
 
 def vllm_info(client: httpx.Client, root: str, version: str) -> EngineInfo:

@@ -175,8 +175,17 @@ class PageForest:
 
     def counts(self) -> dict[str, TierCounts]:
         """A copy of every tier's counters now (sample it after each batch for a timeline)."""
-        return {tier: TierCounts(c.num_pages, c.num_tokens, c.num_stored_pages, c.num_stored_tokens,
-                                 c.num_removed_pages, c.num_removed_tokens) for tier, c in self.tiers.items()}
+        return {
+            tier: TierCounts(
+                c.num_pages,
+                c.num_tokens,
+                c.num_stored_pages,
+                c.num_stored_tokens,
+                c.num_removed_pages,
+                c.num_removed_tokens,
+            )
+            for tier, c in self.tiers.items()
+        }
 
     @property
     def demoted(self) -> int:
@@ -211,8 +220,18 @@ class PageForest:
             page = self.pages[page_hash]
             depth = above + page.num_tokens
             orphan = page.parent_hash is not None and page.parent_hash not in self.pages
-            rows.append(PageRow(page_hash, page.parent_hash, _ordered(page.tiers), page.num_tokens, depth,
-                                page.token_ids[:preview_tokens], page.stored_at, orphan))
+            rows.append(
+                PageRow(
+                    page_hash,
+                    page.parent_hash,
+                    _ordered(page.tiers),
+                    page.num_tokens,
+                    depth,
+                    page.token_ids[:preview_tokens],
+                    page.stored_at,
+                    orphan,
+                )
+            )
             stack += [(child, depth) for child in sorted(self.children.get(page_hash, ()), reverse=True)]
         return rows
 
@@ -229,8 +248,10 @@ class PageForest:
         for tier, (num_pages, num_tokens) in recount.items():
             counts = self.tiers[tier]
             if (counts.num_pages, counts.num_tokens) != (num_pages, num_tokens):
-                raise ForestIntegrityError(f"{tier}: counted {counts.num_pages} pages / {counts.num_tokens} tokens, "
-                                           f"recount {num_pages} / {num_tokens}")
+                raise ForestIntegrityError(
+                    f"{tier}: counted {counts.num_pages} pages / {counts.num_tokens} tokens, "
+                    f"recount {num_pages} / {num_tokens}"
+                )
         indexed = {(parent, child) for parent, kids in self.children.items() for child in kids}
         expected = {(page.parent_hash, h) for h, page in self.pages.items()}
         if indexed != expected or any(not kids for kids in self.children.values()):

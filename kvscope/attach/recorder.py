@@ -100,24 +100,38 @@ def source_config(info: Any, url: str, kv_events: dict[str, Any] | None) -> dict
     """runs.config["source"] of an attached run; `info` is discover's EngineInfo, `kv_events` the
     stream subscribed ({"endpoint", "replay_endpoint", "topic", "bind"}) or None."""
     return {
-        "kind": "attach", "engine": info.engine, "version": info.version, "url": url, "model": info.model,
-        "block_size": info.block_size, "capacity_tokens": info.capacity_tokens, "kv_events": kv_events,
-        "warnings": list(info.warnings), "provides": provides(info.engine, kv_events is not None),
+        "kind": "attach",
+        "engine": info.engine,
+        "version": info.version,
+        "url": url,
+        "model": info.model,
+        "block_size": info.block_size,
+        "capacity_tokens": info.capacity_tokens,
+        "kv_events": kv_events,
+        "warnings": list(info.warnings),
+        "provides": provides(info.engine, kv_events is not None),
     }
 
 
 class AttachRecorder:
     """Writes an attached engine's forest changes and scrapes through SQLRecorder."""
 
-    def __init__(self, target: str | Path, source: dict[str, Any], *, snapshot_every: int = SNAPSHOT_EVERY,
-                 flush_interval_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        target: str | Path,
+        source: dict[str, Any],
+        *,
+        snapshot_every: int = SNAPSHOT_EVERY,
+        flush_interval_s: float = 0.2,
+    ) -> None:
         attach_ready(target)
         self.target = target
         self.source = source
         self.snapshot_every = snapshot_every
         label = " ".join(["attach", str(source.get("engine")), *([source["version"]] if source.get("version") else [])])
-        self.sql = SQLRecorder(target, level="full", label=label, config={"source": source},
-                               flush_interval_s=flush_interval_s)
+        self.sql = SQLRecorder(
+            target, level="full", label=label, config={"source": source}, flush_interval_s=flush_interval_s
+        )
         with self.sql.engine.begin() as conn:  # NOTE: no slots are ever recorded: readers take it as summary
             conn.execute(update(schema.runs).where(schema.runs.c.id == self.sql.run_id).values(level="summary"))
         self.run_id = self.sql.run_id
@@ -158,8 +172,9 @@ class AttachRecorder:
         else:
             assert isinstance(event, Removed)
             hashes = list(event.block_hashes)
-        before = {h: (set(forest.pages[h].tiers), forest.pages[h].num_tokens) if h in forest.pages else None
-                  for h in hashes}
+        before = {
+            h: (set(forest.pages[h].tiers), forest.pages[h].num_tokens) if h in forest.pages else None for h in hashes
+        }
         forest.apply(one)
         for page_hash in dict.fromkeys(hashes):
             self._changes(page_hash, before[page_hash])
@@ -171,8 +186,13 @@ class AttachRecorder:
         if page is not None and before is None:
             tier = min(after, key=("device", "host", "disk", "external").index)
             parent = page.parent_hash
-            self._record(EventKind.INSERT, POOL_OF_TIER.get(tier), page_hash, page.num_tokens,
-                         aux=self._page_id(parent) if parent is not None and parent in self.forest.pages else 0)
+            self._record(
+                EventKind.INSERT,
+                POOL_OF_TIER.get(tier),
+                page_hash,
+                page.num_tokens,
+                aux=self._page_id(parent) if parent is not None and parent in self.forest.pages else 0,
+            )
             was = {tier}
         num_tokens = page.num_tokens if page is not None else before[1] if before is not None else 0
         for tier in after - was:
@@ -193,10 +213,18 @@ class AttachRecorder:
             found = self.page_ids[page_hash] = len(self.page_ids) + 1
         return found
 
-    def _record(self, kind: EventKind, pool: PoolName | None, page_hash: int, num_tokens: int,
-                reason: EvictReason | None = None, aux: int = 0) -> None:
-        self.sql.record(kind, pool=pool, node_id=self._page_id(page_hash), num_tokens=num_tokens, reason=reason,
-                        aux=aux)
+    def _record(
+        self,
+        kind: EventKind,
+        pool: PoolName | None,
+        page_hash: int,
+        num_tokens: int,
+        reason: EvictReason | None = None,
+        aux: int = 0,
+    ) -> None:
+        self.sql.record(
+            kind, pool=pool, node_id=self._page_id(page_hash), num_tokens=num_tokens, reason=reason, aux=aux
+        )
         self.num_events += 1
         if kind is EventKind.EVICT:
             self.evictions += 1
@@ -229,12 +257,22 @@ class AttachRecorder:
         return UsageSample(
             step=step,
             full=PoolTerms(self.capacity_tokens or 0, _n(s.available_tokens), _n(s.evictable_tokens), nothing),
-            swa=None, req_total=nothing, req_available=nothing, num_running=_n(s.num_running),
-            num_waiting=_n(s.num_waiting), cum_prompt_tokens=_n(s.prompt_tokens_total),
-            cum_hit_tokens=_n(s.cached_tokens_total), cum_requests=nothing, cum_hit_requests=nothing,
-            cum_evicted_tokens=_n(evicted), cum_retractions=_n(s.preemptions_total), host=host,
-            cum_host_hit_tokens=_n(s.host_cached_tokens_total), cum_written_tokens=nothing,
-            cum_loaded_tokens=nothing, full_used=s.used_tokens,
+            swa=None,
+            req_total=nothing,
+            req_available=nothing,
+            num_running=_n(s.num_running),
+            num_waiting=_n(s.num_waiting),
+            cum_prompt_tokens=_n(s.prompt_tokens_total),
+            cum_hit_tokens=_n(s.cached_tokens_total),
+            cum_requests=nothing,
+            cum_hit_requests=nothing,
+            cum_evicted_tokens=_n(evicted),
+            cum_retractions=_n(s.preemptions_total),
+            host=host,
+            cum_host_hit_tokens=_n(s.host_cached_tokens_total),
+            cum_written_tokens=nothing,
+            cum_loaded_tokens=nothing,
+            full_used=s.used_tokens,
         )
 
     def tree_rows(self) -> list[NodeRow]:
@@ -244,9 +282,22 @@ class AttachRecorder:
         for page in self.forest.snapshot(PREVIEW_TOKENS):
             parent = self._page_id(page.parent_hash) if page.parent_hash is not None and not page.orphan else 0
             preview = " ".join(map(str, page.token_preview)) + (" …" if page.num_tokens > PREVIEW_TOKENS else "")
-            rows.append(NodeRow(self._page_id(page.page_hash), parent, page.num_tokens, preview, 0,
-                                page.stored_at + offset, 0, None, False, page.depth_tokens, "public",
-                                "+".join(page.tiers)))
+            rows.append(
+                NodeRow(
+                    self._page_id(page.page_hash),
+                    parent,
+                    page.num_tokens,
+                    preview,
+                    0,
+                    page.stored_at + offset,
+                    0,
+                    None,
+                    False,
+                    page.depth_tokens,
+                    "public",
+                    "+".join(page.tiers),
+                )
+            )
         return rows
 
     # -- closing ----------------------------------------------------------------------------------
@@ -259,13 +310,25 @@ class AttachRecorder:
         self.closed = True
         self.sql.tree_snapshot(self.sql.step, self.tree_rows())
         self.sql.close(status, error)
-        body = {**counters, "unknown_removes": self.forest.unknown_removes, "orphans": self.forest.num_orphans,
-                "resets": self.forest.resets, "ignored_events": self.forest.ignored_events,
-                "evictions": self.evictions, "ticks": self.ticks}
+        body = {
+            **counters,
+            "unknown_removes": self.forest.unknown_removes,
+            "orphans": self.forest.num_orphans,
+            "resets": self.forest.resets,
+            "ignored_events": self.forest.ignored_events,
+            "evictions": self.evictions,
+            "ticks": self.ticks,
+        }
         if self.sql.failure is None:
             try:
-                save_report(self.target, self.run_id, REPORT_KIND, self.num_events - 1, f"kvscope {__version__}",
-                            json.dumps(body, sort_keys=True))
+                save_report(
+                    self.target,
+                    self.run_id,
+                    REPORT_KIND,
+                    self.num_events - 1,
+                    f"kvscope {__version__}",
+                    json.dumps(body, sort_keys=True),
+                )
             except CaptureError as err:
                 print(f"kvscope attach: {err}", file=sys.stderr)
 

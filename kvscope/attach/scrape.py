@@ -111,14 +111,20 @@ def read_samples(text: str) -> Samples:
 
 def own_ranks(rows: Iterable[tuple[Labels, float]]) -> list[tuple[Labels, float]]:
     """The label sets of distinct pools: replicas of rank 0's view (tp/pp/ep rank > 0) dropped."""
-    return [(labels, value) for labels, value in rows
-            if all(labels.get(name, "0") == "0" for name in REPLICA_LABELS) and not math.isnan(value)]
+    return [
+        (labels, value)
+        for labels, value in rows
+        if all(labels.get(name, "0") == "0" for name in REPLICA_LABELS) and not math.isnan(value)
+    ]
 
 
 def total(samples: Samples, name: str, **match: str) -> int | None:
     """The sum of `name` over its label sets (those with every `match` label); None when it has none."""
-    rows = [value for labels, value in own_ranks(samples.get(name, ()))
-            if all(labels.get(key) == want for key, want in match.items())]
+    rows = [
+        value
+        for labels, value in own_ranks(samples.get(name, ()))
+        if all(labels.get(key) == want for key, want in match.items())
+    ]
     return round(sum(rows)) if rows else None
 
 

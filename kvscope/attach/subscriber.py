@@ -164,8 +164,12 @@ class EventSubscriber:
         jump = seq - self.next_seq
         if jump <= MAX_BATCHES_PER_S * (time.monotonic() - self._heard_s + 1.0):
             return False
-        self._bad(WireError(f"seq {seq} is {jump:,} batches past the next one due ({self.next_seq}), more than a "
-                            "publisher sends in the time since the last batch: skipped"))
+        self._bad(
+            WireError(
+                f"seq {seq} is {jump:,} batches past the next one due ({self.next_seq}), more than a "
+                "publisher sends in the time since the last batch: skipped"
+            )
+        )
         return True
 
     def _went_back(self, seq: int) -> bool:

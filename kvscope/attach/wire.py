@@ -36,9 +36,12 @@ import msgspec
 
 TIERS = ("device", "host", "disk", "external")
 MEDIUM_TIERS: dict[str | None, str] = {
-    None: "device", "GPU": "device",
-    "CPU_PINNED": "host", "CPU": "host",
-    "DISK": "disk", "STORAGE": "disk",
+    None: "device",
+    "GPU": "device",
+    "CPU_PINNED": "host",
+    "CPU": "host",
+    "DISK": "disk",
+    "STORAGE": "disk",
     "EXTERNAL": "external",
 }
 HASH_MASK = 2**64 - 1
@@ -46,12 +49,25 @@ END_OF_REPLAY = -1
 
 # NOTE: array-era field names by position after the tag. Position 6 is SGLang 0.5.18's `metadata`
 # map or vLLM's `lora_name`; kvscope reads neither, so one table serves both engines.
-STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                 "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind")
+STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+)
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 EVENT_FIELDS = {"BlockStored": STORED_FIELDS, "BlockRemoved": REMOVED_FIELDS, "AllBlocksCleared": ()}
-REQUIRED_FIELDS = {"BlockStored": ("block_hashes", "token_ids", "block_size"), "BlockRemoved": ("block_hashes",),
-                   "AllBlocksCleared": ()}
+REQUIRED_FIELDS = {
+    "BlockStored": ("block_hashes", "token_ids", "block_size"),
+    "BlockRemoved": ("block_hashes",),
+    "AllBlocksCleared": (),
+}
 
 
 class WireError(ValueError):
@@ -217,8 +233,7 @@ def _tagged_fields(raw: Any, index: int) -> tuple[str, dict[str, Any]]:
     else:
         raise WireError(f"event {index} must be a tagged array or a map with a type, got {_show(raw)}")
     if not isinstance(tag, str) or tag not in EVENT_FIELDS:
-        raise WireError(f"event {index} has an unknown event type {_show(tag)} "
-                        f"(known: {', '.join(EVENT_FIELDS)})")
+        raise WireError(f"event {index} has an unknown event type {_show(tag)} (known: {', '.join(EVENT_FIELDS)})")
     if values is None:
         return tag, raw
     return tag, dict(zip(EVENT_FIELDS[tag], values, strict=False))
@@ -235,10 +250,20 @@ def _stored(fields: dict[str, Any], name: str, block_hashes: tuple[int, ...], ti
         raise WireError(f"{name} block_size must be a positive int, got {_show(block_size)}")
     num_blocks = -(-len(token_ids) // block_size)  # NOTE: every block full but the last, which holds >= 1
     if num_blocks != len(block_hashes):
-        raise WireError(f"{name} has {len(token_ids)} token_ids, which do not fill {len(block_hashes)} "
-                        f"block(s) of block_size {block_size}")
-    return Stored(block_hashes, parent, tuple(token_ids), block_size, tier, group,
-                  _optional(fields, "kv_cache_spec_kind", str, name), _optional(fields, "session_id", str, name))
+        raise WireError(
+            f"{name} has {len(token_ids)} token_ids, which do not fill {len(block_hashes)} "
+            f"block(s) of block_size {block_size}"
+        )
+    return Stored(
+        block_hashes,
+        parent,
+        tuple(token_ids),
+        block_size,
+        tier,
+        group,
+        _optional(fields, "kv_cache_spec_kind", str, name),
+        _optional(fields, "session_id", str, name),
+    )
 
 
 def _hashes(value: Any, what: str) -> tuple[int, ...]:

@@ -151,8 +151,13 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def insert(
-        self, token_ids: np.ndarray, slots: torch.Tensor, user: str | None = None, chunked: bool = False,
-        priority: int = 0, rid: str | None = None,
+        self,
+        token_ids: np.ndarray,
+        slots: torch.Tensor,
+        user: str | None = None,
+        chunked: bool = False,
+        priority: int = 0,
+        rid: str | None = None,
     ) -> int: ...
 
     @abstractmethod

@@ -52,8 +52,15 @@ class ChunkCache(BasePrefixCache):
     def match_prefix(self, token_ids: np.ndarray, user: str | None = None, rid: str | None = None) -> MatchResult:
         return MatchResult(torch.empty(0, dtype=torch.int64, device=self.device), None)
 
-    def insert(self, token_ids: np.ndarray, slots: torch.Tensor, user: str | None = None,
-               chunked: bool = False, priority: int = 0, rid: str | None = None) -> int:
+    def insert(
+        self,
+        token_ids: np.ndarray,
+        slots: torch.Tensor,
+        user: str | None = None,
+        chunked: bool = False,
+        priority: int = 0,
+        rid: str | None = None,
+    ) -> int:
         return 0
 
     def _row(self, req: CacheableRequest, end: int) -> torch.Tensor:

@@ -36,9 +36,11 @@ COUNTER_HELP = {
 }
 
 VERDICT_TITLE = "Not known: an attached engine runs its own leak check"
-VERDICT_LINE = ("kvscope watched this engine from outside (its KV events and /metrics), so it cannot balance the "
-                "engine's pool. `kvscope report engine-log FILE` finds and explains the leak messages in its "
-                "server log.")
+VERDICT_LINE = (
+    "kvscope watched this engine from outside (its KV events and /metrics), so it cannot balance the "
+    "engine's pool. `kvscope report engine-log FILE` finds and explains the leak messages in its "
+    "server log."
+)
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,11 @@ def evicted_label(engine: str, has_pages: bool) -> tuple[str, str]:
     if engine in COUNTER_ENGINES:
         return "evicted tokens (engine counter)", "sglang:evicted_tokens_total, the engine's own count"
     if has_pages:
-        return ("evicted tokens (from KV events)", f"{engine} exports no eviction counter: the tokens of the "
-                "pages its KV event stream removed from the device since kvscope attached")
+        return (
+            "evicted tokens (from KV events)",
+            f"{engine} exports no eviction counter: the tokens of the "
+            "pages its KV event stream removed from the device since kvscope attached",
+        )
     return "evicted tokens", f"{engine} exports no eviction counter, and its KV events were not subscribed"
 
 
@@ -92,8 +97,11 @@ def source_of(run: Any) -> Source | None:
     warnings = raw.get("warnings") or []
     provides = raw.get("provides") or []
     return Source(
-        engine=str(raw.get("engine") or "unknown engine"), version=_text(raw.get("version")),
-        url=_text(raw.get("url")), model=_text(raw.get("model")), block_size=_int(raw.get("block_size")),
+        engine=str(raw.get("engine") or "unknown engine"),
+        version=_text(raw.get("version")),
+        url=_text(raw.get("url")),
+        model=_text(raw.get("model")),
+        block_size=_int(raw.get("block_size")),
         capacity_tokens=_int(raw.get("capacity_tokens")),
         warnings=tuple(str(w) for w in warnings) if isinstance(warnings, list) else (),
         provides=frozenset(str(p) for p in provides) if isinstance(provides, list) else frozenset(),
@@ -133,8 +141,11 @@ def used_tokens(row: pd.Series | dict[str, Any]) -> int | None:
 
 def used_series(usage: pd.DataFrame) -> pd.Series:
     """used_tokens per usage row (NaN where unknown)."""
-    return pd.Series([float("nan") if (u := used_tokens(r)) is None else float(u) for _, r in usage.iterrows()],
-                     index=usage.index, dtype=float)
+    return pd.Series(
+        [float("nan") if (u := used_tokens(r)) is None else float(u) for _, r in usage.iterrows()],
+        index=usage.index,
+        dtype=float,
+    )
 
 
 @dataclass(frozen=True)

@@ -64,17 +64,22 @@ def source_header(chosen: Selection, caps: Capabilities) -> None:
         return
     size = f" · blocks of {caps.block_size} tokens" if caps.block_size else ""
     st.markdown(f"**Recorded inside {caps.title} by kvscope's probe**{size}")
-    st.caption(f"From inside the engine's process: its {caps.unit}, the requests that take and release them, and "
-               f"its idle census. This source provides: {', '.join(sorted(caps.provides))}.")
+    st.caption(
+        f"From inside the engine's process: its {caps.unit}, the requests that take and release them, and "
+        f"its idle census. This source provides: {', '.join(sorted(caps.provides))}."
+    )
 
 
 def attached_header(source: attached.Source) -> None:
-    details = [f"model {source.model}" if source.model else None,
-               f"pages of {source.block_size} tokens" if source.block_size else None]
+    details = [
+        f"model {source.model}" if source.model else None,
+        f"pages of {source.block_size} tokens" if source.block_size else None,
+    ]
     st.markdown(f"**Attached to {source.title}**" + "".join(f" · {d}" for d in details if d))
     given = ", ".join(sorted(source.provides)) or "nothing beyond its capacity"
-    st.caption(f"Recorded by `kvscope attach` from the engine's KV events and /metrics. This source provides: "
-               f"{given}.")
+    st.caption(f"Recorded by `kvscope attach` from the engine's KV events and /metrics. This source provides: {given}.")
     if source.warnings:
-        st.warning("**Known-bad event stream for this engine version**\n\n"
-                   + "\n\n".join(f"- {line}" for line in source.warnings))
+        st.warning(
+            "**Known-bad event stream for this engine version**\n\n"
+            + "\n\n".join(f"- {line}" for line in source.warnings)
+        )

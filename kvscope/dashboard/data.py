@@ -114,6 +114,7 @@ def eviction_log(path: str, run_id: int, stamp: float, limit: int, offset: int) 
 # NOTE: the Requests page reads a run's requests by page and by aggregate, never all rows at once
 # (a long serve session records hundreds of thousands); `tenant` None: every tenant
 
+
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def request_principals(path: str, run_id: int, stamp: float) -> list[str]:
     return open_capture(path).request_principals(run_id)
@@ -133,23 +134,41 @@ def request_totals(path: str, run_id: int, stamp: float, tenant: str | None) -> 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def request_times(path: str, run_id: int, stamp: float, tenant: str | None) -> pd.DataFrame:
     """The monotonic times of every request (arrive, admit, first token, finish): the latencies."""
-    return open_capture(path).request_rows(run_id, principals=_principals_of(path, run_id, stamp, tenant),
-                                           columns=["arrive_t", "admit_t", "first_token_t", "finish_t"],
-                                           ordered=False)
+    return open_capture(path).request_rows(
+        run_id,
+        principals=_principals_of(path, run_id, stamp, tenant),
+        columns=["arrive_t", "admit_t", "first_token_t", "finish_t"],
+        ordered=False,
+    )
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def request_ids(path: str, run_id: int, stamp: float, tenant: str | None) -> list[str]:
-    frame = open_capture(path).request_rows(run_id, principals=_principals_of(path, run_id, stamp, tenant),
-                                            columns=["rid"])
+    frame = open_capture(path).request_rows(
+        run_id, principals=_principals_of(path, run_id, stamp, tenant), columns=["rid"]
+    )
     return [str(r) for r in frame["rid"]]
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def request_page(path: str, run_id: int, stamp: float, tenant: str | None, statuses: tuple[str, ...] | None,
-                 rid: str | None, limit: int, offset: int) -> pd.DataFrame:
-    return open_capture(path).request_rows(run_id, principals=_principals_of(path, run_id, stamp, tenant),
-                                           statuses=statuses, rid=rid, limit=limit, offset=offset)
+def request_page(
+    path: str,
+    run_id: int,
+    stamp: float,
+    tenant: str | None,
+    statuses: tuple[str, ...] | None,
+    rid: str | None,
+    limit: int,
+    offset: int,
+) -> pd.DataFrame:
+    return open_capture(path).request_rows(
+        run_id,
+        principals=_principals_of(path, run_id, stamp, tenant),
+        statuses=statuses,
+        rid=rid,
+        limit=limit,
+        offset=offset,
+    )
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
@@ -199,8 +218,7 @@ def _report_state(path: str, run_id: int, started_at: float) -> ReportState:
     return ReportState(Replay(run_id))
 
 
-@st.cache_resource(ttl=CACHE_TTL_S, max_entries=16, show_spinner="Replaying the slot ledger (about 7 µs per "
-                   "event)…")
+@st.cache_resource(ttl=CACHE_TTL_S, max_entries=16, show_spinner="Replaying the slot ledger (about 7 µs per event)…")
 def leak_report(path: str, run_id: int, stamp: float) -> LeakReport:
     """The debugger's report (a dataclass, not a frame: it is the debugger's own record): the
     one stored at close when it still describes the run, else a replay that resumes where the
@@ -249,8 +267,9 @@ def gpus() -> pd.DataFrame:
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner="Replaying the request stream for the hit-rate curve…")
-def capacity_curves(path: str, run_id: int, stamp: float, page_size: int,
-                    sharing: tuple[str, ...] = ("global",)) -> tuple[dict[str, pd.DataFrame], int]:
+def capacity_curves(
+    path: str, run_id: int, stamp: float, page_size: int, sharing: tuple[str, ...] = ("global",)
+) -> tuple[dict[str, pd.DataFrame], int]:
     """The one-pass hit-rate curves of the run's request stream (regenerated from its config),
     by sharing rule ("global"; "isolated": keys per user), in the order of `sharing`; and the
     stream's prompt tokens. Raises ValueError when the stream cannot be rebuilt."""

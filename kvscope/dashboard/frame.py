@@ -74,8 +74,9 @@ def requested_capture(argv: list[str] | None = None) -> str | None:
 
 def run_labels(runs: pd.DataFrame) -> dict[int, str]:
     """The picker's label of each run, from the one status column read this rerun."""
-    return {int(row.id): f"run {row.id} · {row.label or 'unlabelled'} · {row.display_status}"
-            for row in runs.itertuples()}
+    return {
+        int(row.id): f"run {row.id} · {row.label or 'unlabelled'} · {row.display_status}" for row in runs.itertuples()
+    }
 
 
 def capture_options(requested: str | None, found: list[Path]) -> list[str]:
@@ -121,8 +122,9 @@ def _pick_run(path: str, runs: pd.DataFrame) -> Any:
     ids = list(labels)
     linked = url_state.pending("run")
     if linked is not None and linked not in labels:
-        url_state.note(f"The link's run {linked} is not in this capture (runs: {', '.join(map(str, ids))}): "
-                       f"showing run {ids[-1]}.")
+        url_state.note(
+            f"The link's run {linked} is not in this capture (runs: {', '.join(map(str, ids))}): showing run {ids[-1]}."
+        )
     chosen = linked if linked in labels else st.session_state.get(RUN_KEY)
     if chosen not in labels:
         chosen = ids[-1]
@@ -147,8 +149,10 @@ def render_frame() -> Selection | None:
     requested = requested_capture()
     options = capture_options(requested, find_captures())
     if not options:
-        st.info("No captures under `runs/` or `sample_runs/`. Record one with `kvscope run --workload "
-                "shared-prefix`, or open a file with `streamlit run app.py -- --db PATH`.")
+        st.info(
+            "No captures under `runs/` or `sample_runs/`. Record one with `kvscope run --workload "
+            "shared-prefix`, or open a file with `streamlit run app.py -- --db PATH`."
+        )
         return None
     path = _pick_capture(options)
     try:
@@ -160,8 +164,12 @@ def render_frame() -> Selection | None:
         st.info(f"{path}: the capture holds no runs yet.")
         return None
     run = _pick_run(path, runs)
-    refresh = st.sidebar.toggle("Live refresh", value=True, key="kvscope.refresh",
-                                help="While the run is running, the live panels refresh about every second.")
+    refresh = st.sidebar.toggle(
+        "Live refresh",
+        value=True,
+        key="kvscope.refresh",
+        help="While the run is running, the live panels refresh about every second.",
+    )
     status = str(run.display_status)
     _status_line(run, status)
     stamp = _stamp(run)
@@ -193,4 +201,3 @@ def selection() -> Selection:
         st.info("Open the app through `streamlit run app.py`.")
         st.stop()
     return chosen
-

@@ -31,8 +31,15 @@ def probe() -> pd.DataFrame:
             name = pynvml.nvmlDeviceGetName(handle)
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
             util = pynvml.nvmlDeviceGetUtilizationRates(handle)
-            rows.append([index, name.decode() if isinstance(name, bytes) else str(name), int(memory.used) >> 20,
-                         int(memory.total) >> 20, int(util.gpu)])
+            rows.append(
+                [
+                    index,
+                    name.decode() if isinstance(name, bytes) else str(name),
+                    int(memory.used) >> 20,
+                    int(memory.total) >> 20,
+                    int(util.gpu),
+                ]
+            )
         return pd.DataFrame(rows, columns=COLUMNS)
     except pynvml.NVMLError:
         return pd.DataFrame(columns=COLUMNS)

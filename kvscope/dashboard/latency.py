@@ -23,8 +23,13 @@ COLORS = {
     "prompt tokens/s": "#8c564b",
     "cached tokens/s": "#2ca02c",
 }
-TIME_COLUMNS = {"arrive_t": "arrive", "admit_t": "admit", "first_token_t": "first token", "finish_t": "finish",
-                "retract_t": "retract"}
+TIME_COLUMNS = {
+    "arrive_t": "arrive",
+    "admit_t": "admit",
+    "first_token_t": "first token",
+    "finish_t": "finish",
+    "retract_t": "retract",
+}
 
 
 BOX_POINTS_MAX = 20_000  # NOTE: more requests: the box is computed here, drawn without its points
@@ -41,10 +46,20 @@ def latency_figure(latency_ms: pd.DataFrame) -> go.Figure:
         if len(values) > BOX_POINTS_MAX:
             fig.add_trace(_box_of_many(values.to_numpy(dtype=float), name))
             continue
-        fig.add_trace(go.Box(x=values, name=name, orientation="h", marker_color=COLORS[name], boxpoints="outliers",
-                             hovertemplate="%{x:,.1f} ms<extra>" + name + "</extra>", showlegend=False))
-    fig.update_layout(height=260, margin={"t": 10, "b": 10}, xaxis={"title": {"text": "milliseconds"},
-                                                                    "rangemode": "tozero"})
+        fig.add_trace(
+            go.Box(
+                x=values,
+                name=name,
+                orientation="h",
+                marker_color=COLORS[name],
+                boxpoints="outliers",
+                hovertemplate="%{x:,.1f} ms<extra>" + name + "</extra>",
+                showlegend=False,
+            )
+        )
+    fig.update_layout(
+        height=260, margin={"t": 10, "b": 10}, xaxis={"title": {"text": "milliseconds"}, "rangemode": "tozero"}
+    )
     return fig
 
 
@@ -53,8 +68,19 @@ def _box_of_many(values: np.ndarray, name: str) -> go.Box:
     reach = 1.5 * (q3 - q1)
     low = values[values >= q1 - reach].min()
     high = values[values <= q3 + reach].max()
-    return go.Box(q1=[q1], median=[median], q3=[q3], lowerfence=[low], upperfence=[high], y=[name], name=name,
-                  orientation="h", marker_color=COLORS[name], boxpoints=False, showlegend=False)
+    return go.Box(
+        q1=[q1],
+        median=[median],
+        q3=[q3],
+        lowerfence=[low],
+        upperfence=[high],
+        y=[name],
+        name=name,
+        orientation="h",
+        marker_color=COLORS[name],
+        boxpoints=False,
+        showlegend=False,
+    )
 
 
 def throughput_figure(series: pd.DataFrame, with_clock: bool) -> go.Figure:
@@ -62,14 +88,33 @@ def throughput_figure(series: pd.DataFrame, with_clock: bool) -> go.Figure:
     second, on one time axis (timing.throughput's frame)."""
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08)
     for name in ("hit rate so far", "hit rate (window)"):
-        fig.add_trace(go.Scatter(x=series["time"], y=series[name], name=name, mode="lines",
-                                 line={"color": COLORS[name], "dash": "solid" if name.endswith("far") else "dot"},
-                                 customdata=series["step"], hovertemplate="step %{customdata}: %{y:.1%}"),
-                      row=1, col=1)
+        fig.add_trace(
+            go.Scatter(
+                x=series["time"],
+                y=series[name],
+                name=name,
+                mode="lines",
+                line={"color": COLORS[name], "dash": "solid" if name.endswith("far") else "dot"},
+                customdata=series["step"],
+                hovertemplate="step %{customdata}: %{y:.1%}",
+            ),
+            row=1,
+            col=1,
+        )
     for name in ("prompt tokens/s", "cached tokens/s"):
-        fig.add_trace(go.Scatter(x=series["time"], y=series[name], name=name, mode="lines",
-                                 line={"color": COLORS[name]}, customdata=series["step"],
-                                 hovertemplate="step %{customdata}: %{y:,.0f} tokens/s"), row=2, col=1)
+        fig.add_trace(
+            go.Scatter(
+                x=series["time"],
+                y=series[name],
+                name=name,
+                mode="lines",
+                line={"color": COLORS[name]},
+                customdata=series["step"],
+                hovertemplate="step %{customdata}: %{y:,.0f} tokens/s",
+            ),
+            row=2,
+            col=1,
+        )
     fig.update_yaxes(title_text="token hit rate", tickformat=".0%", range=[0, 1.05], row=1, col=1)
     fig.update_yaxes(title_text="tokens / s", rangemode="tozero", tickformat=",d", row=2, col=1)
     fig.update_xaxes(title_text="wall-clock time" if with_clock else "seconds since the first sample", row=2, col=1)

@@ -46,20 +46,55 @@ STREAMLIT_SETTINGS = {
 
 
 def serve_command(capture: Path, port: int) -> list[str]:
-    return [sys.executable, "-m", "kvscope", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--capture", str(capture)]
+    return [
+        sys.executable,
+        "-m",
+        "kvscope",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--capture",
+        str(capture),
+    ]
 
 
 def load_command(port: int, workload: str, num_requests: int, rate: float) -> list[str]:
-    return [sys.executable, "-m", "kvscope", "load", "--url", f"http://127.0.0.1:{port}", "--workload", workload,
-            "--num-requests", str(num_requests), "--rate", str(rate), "--quiet"]
+    return [
+        sys.executable,
+        "-m",
+        "kvscope",
+        "load",
+        "--url",
+        f"http://127.0.0.1:{port}",
+        "--workload",
+        workload,
+        "--num-requests",
+        str(num_requests),
+        "--rate",
+        str(rate),
+        "--quiet",
+    ]
 
 
 def dashboard_command(capture: Path, port: int | None = None, host: str = DEFAULT_HOST) -> list[str]:
     server = [] if port is None else ["--server.port", str(port)]
     settings = [arg for key, value in STREAMLIT_SETTINGS.items() for arg in (f"--{key}", value)]
-    return [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.address", host, *server,
-            *settings, "--", "--db", str(capture)]
+    return [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(ROOT / "app.py"),
+        "--server.address",
+        host,
+        *server,
+        *settings,
+        "--",
+        "--db",
+        str(capture),
+    ]
 
 
 def live_capture_path(runs_dir: Path, now: float | None = None) -> Path:
@@ -112,8 +147,9 @@ def _terminate(signum: int, _frame: FrameType | None) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--workload", default="multi-tenant", help="the generated workload the load sends")
     parser.add_argument("--num-requests", type=int, default=400, help="requests in the workload")
     parser.add_argument("--rate", type=float, default=4.0, help="requests per second the load sends")

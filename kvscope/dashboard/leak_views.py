@@ -45,16 +45,32 @@ def check_terms_figure(at_check: pd.DataFrame) -> go.Figure:
     """One idle check: a bar per term, a panel per pool, each bar labelled with its count and the
     panel with the pool's total (the terms must add up to it)."""
     rows = check_terms(at_check).sort_values("pool")
-    titles = [f"{POOL_TITLES.get(str(r.pool), str(r.pool))}: total {int(r.total):,}"
-              + ("" if bool(r.ok) else " · FAILED") for r in rows.itertuples()]
+    titles = [
+        f"{POOL_TITLES.get(str(r.pool), str(r.pool))}: total {int(r.total):,}" + ("" if bool(r.ok) else " · FAILED")
+        for r in rows.itertuples()
+    ]
     fig = make_subplots(rows=1, cols=len(rows), subplot_titles=titles)
     for col, row in enumerate(rows.itertuples(), 1):
         values = [int(getattr(row, term)) for term in CHECK_TERMS]
-        fig.add_trace(go.Bar(x=list(CHECK_TERMS), y=values, text=[f"{v:,}" for v in values], textposition="outside",
-                             marker_color=[color(term) for term in CHECK_TERMS], showlegend=False,
-                             hovertemplate="%{x}: %{y:,} slots<extra></extra>"), row=1, col=col)
-        fig.update_yaxes(count_axis([0, *values, int(row.total)], "slots" if col == 1 else None),
-                         range=[0, max(*values, 1) * 1.2], row=1, col=col)
+        fig.add_trace(
+            go.Bar(
+                x=list(CHECK_TERMS),
+                y=values,
+                text=[f"{v:,}" for v in values],
+                textposition="outside",
+                marker_color=[color(term) for term in CHECK_TERMS],
+                showlegend=False,
+                hovertemplate="%{x}: %{y:,} slots<extra></extra>",
+            ),
+            row=1,
+            col=col,
+        )
+        fig.update_yaxes(
+            count_axis([0, *values, int(row.total)], "slots" if col == 1 else None),
+            range=[0, max(*values, 1) * 1.2],
+            row=1,
+            col=col,
+        )
     fig.update_layout(height=320, margin={"t": 50, "b": 10})
     return fig
 
@@ -90,15 +106,19 @@ def culprit_table(leaks: Sequence[Leak]) -> pd.DataFrame:
     request, its user, the locked node and a one-line note."""
     rows = []
     for i, leak in enumerate(leaks, 1):
-        rows.append({
-            "#": i,
-            "kind": leak.kind if leak.pool == "full" else f"{leak.kind} ({leak.pool})",
-            "slots": f"{len(leak.slots):,}: {slot_ranges(leak.slots)}" if leak.slots else "0",
-            "request": leak.rid,
-            "user": leak.principal,
-            "node": str(leak.node_id) if leak.kind == LeakKind.LOCK_NEVER_RELEASED and leak.node_id is not None else "",
-            "note": _note(leak),
-        })
+        rows.append(
+            {
+                "#": i,
+                "kind": leak.kind if leak.pool == "full" else f"{leak.kind} ({leak.pool})",
+                "slots": f"{len(leak.slots):,}: {slot_ranges(leak.slots)}" if leak.slots else "0",
+                "request": leak.rid,
+                "user": leak.principal,
+                "node": str(leak.node_id)
+                if leak.kind == LeakKind.LOCK_NEVER_RELEASED and leak.node_id is not None
+                else "",
+                "note": _note(leak),
+            }
+        )
     return pd.DataFrame(rows, columns=["#", "kind", "slots", "request", "user", "node", "note"])
 
 
@@ -126,15 +146,30 @@ def lock_paths(leaks: Sequence[Leak], tree: pd.DataFrame, splits: pd.DataFrame) 
             continue
         node = int(leak.node_id)
         split = split_off_since(node, leak.allocated_event if leak.allocated_event is not None else -1, splits)
-        rows.append({
-            "node": node, "request": leak.rid, "locked at step": leak.allocated_step,
-            "slots in the report": len(leak.slots),
-            "slots when locked": tokens.get(node, len(leak.slots)) + sum(tokens.get(n, 0) for n, _ in split),
-            "split off since": ", ".join(f"node {n} at step {s} ({tokens.get(n, 0)} slots)" for n, s in split) or "–",
-            "slots on the path to the root": depth.get(node),
-        })
-    return pd.DataFrame(rows, columns=["node", "request", "locked at step", "slots in the report", "slots when locked",
-                                       "split off since", "slots on the path to the root"])
+        rows.append(
+            {
+                "node": node,
+                "request": leak.rid,
+                "locked at step": leak.allocated_step,
+                "slots in the report": len(leak.slots),
+                "slots when locked": tokens.get(node, len(leak.slots)) + sum(tokens.get(n, 0) for n, _ in split),
+                "split off since": ", ".join(f"node {n} at step {s} ({tokens.get(n, 0)} slots)" for n, s in split)
+                or "–",
+                "slots on the path to the root": depth.get(node),
+            }
+        )
+    return pd.DataFrame(
+        rows,
+        columns=[
+            "node",
+            "request",
+            "locked at step",
+            "slots in the report",
+            "slots when locked",
+            "split off since",
+            "slots on the path to the root",
+        ],
+    )
 
 
 def lock_holder(row: Any) -> Any:
@@ -157,8 +192,9 @@ def lock_holders_of(locks: pd.DataFrame) -> pd.Series:
     return holder
 
 
-def held_locks(locks: pd.DataFrame, step: int, decode: Callable[[np.ndarray], np.ndarray] | None = None
-               ) -> pd.DataFrame:
+def held_locks(
+    locks: pd.DataFrame, step: int, decode: Callable[[np.ndarray], np.ndarray] | None = None
+) -> pd.DataFrame:
     """The locks held after `step`: node_id, rid (the holder: a request, or a host-tier copy) and
     the step it was taken (an unlock releases the latest lock of the same holder on the same
     node, as the slot ledger does; an unlock with none held releases nothing). `locks` may hold
@@ -174,8 +210,12 @@ def held_locks(locks: pd.DataFrame, step: int, decode: Callable[[np.ndarray], np
         return pd.DataFrame(columns=["node_id", "rid", "since_step"])
     holder = lock_holders_of(rows)
     nodes = rows["node_id"].astype("int64").to_numpy()
-    group = pd.DataFrame({"node": nodes, "holder": holder.where(holder.notna(), _NO_HOLDER).to_numpy()}) \
-        .groupby(["node", "holder"], sort=False).ngroup().to_numpy()
+    group = (
+        pd.DataFrame({"node": nodes, "holder": holder.where(holder.notna(), _NO_HOLDER).to_numpy()})
+        .groupby(["node", "holder"], sort=False)
+        .ngroup()
+        .to_numpy()
+    )
     is_lock = (rows["kind"] == "lock").to_numpy()
     summed = pd.Series(np.where(is_lock, 1, -1)).groupby(group).cumsum()
     height = (summed - np.minimum(summed.groupby(group).cummin(), 0)).to_numpy()
@@ -184,8 +224,9 @@ def held_locks(locks: pd.DataFrame, step: int, decode: Callable[[np.ndarray], np
     holders = holder.to_numpy()[held]
     if decode is not None:
         holders = _decoded(holders, decode)
-    return pd.DataFrame({"node_id": nodes[held], "rid": holders,
-                         "since_step": rows["step"].astype("int64").to_numpy()[held]})
+    return pd.DataFrame(
+        {"node_id": nodes[held], "rid": holders, "since_step": rows["step"].astype("int64").to_numpy()[held]}
+    )
 
 
 def _decoded(holders: np.ndarray, decode: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
@@ -231,16 +272,21 @@ def block_holders(events: pd.DataFrame, step: int, block: int) -> pd.DataFrame:
             held[rid] = [count + 1, int(event.step), str(event.kind)]
         else:
             held[rid] = [max(count - 1, 0), since, by]
-    found = [{"request": rid, "references": n, "since step": since, "by": "touch (prefix hit)" if by == "lock" else by}
-             for rid, (n, since, by) in held.items() if n > 0]
+    found = [
+        {"request": rid, "references": n, "since step": since, "by": "touch (prefix hit)" if by == "lock" else by}
+        for rid, (n, since, by) in held.items()
+        if n > 0
+    ]
     return pd.DataFrame(found, columns=["request", "references", "since step", "by"])
 
 
 # NOTE: a census term's message names its blocks as kvscope.probe.census writes them: "block B ref R,
 # accounted A; last taken by request X (EVENT at step S)" (leaked) or "... last released for request X
 # (...)" (lostref); at most census.MAX_NAMED blocks per term, the rest counted
-_BLOCK_TEXT = re.compile(r"block (\d+) ref (\d+), accounted (\d+)(?:; last (taken by|released for) request (\S+) "
-                         r"\((\S+) at step (\d+)\))?")
+_BLOCK_TEXT = re.compile(
+    r"block (\d+) ref (\d+), accounted (\d+)(?:; last (taken by|released for) request (\S+) "
+    r"\((\S+) at step (\d+)\))?"
+)
 CENSUS_COLUMNS = ["term", "block", "ref count", "accounted", "request", "event", "at step"]
 
 
@@ -256,12 +302,29 @@ def census_culprits(checks: pd.DataFrame, step: int) -> pd.DataFrame:
         found = list(_BLOCK_TEXT.finditer(text))
         for match in found:
             block, ref, accounted, _, rid, event, at = match.groups()
-            rows.append({"term": str(check.pool), "block": int(block), "ref count": int(ref),
-                         "accounted": int(accounted), "request": None if rid in (None, "None") else rid,
-                         "event": event, "at step": None if at is None else int(at)})
+            rows.append(
+                {
+                    "term": str(check.pool),
+                    "block": int(block),
+                    "ref count": int(ref),
+                    "accounted": int(accounted),
+                    "request": None if rid in (None, "None") else rid,
+                    "event": event,
+                    "at step": None if at is None else int(at),
+                }
+            )
         if not found:
-            rows.append({"term": str(check.pool), "block": None, "ref count": None, "accounted": None,
-                         "request": text, "event": None, "at step": None})
+            rows.append(
+                {
+                    "term": str(check.pool),
+                    "block": None,
+                    "ref count": None,
+                    "accounted": None,
+                    "request": text,
+                    "event": None,
+                    "at step": None,
+                }
+            )
     return pd.DataFrame(rows, columns=CENSUS_COLUMNS)
 
 

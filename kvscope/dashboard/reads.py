@@ -49,8 +49,9 @@ def run_clock(path: str, run_id: int, stamp: float, run: Any) -> Clock | None:
 def lock_events(path: str, run_id: int, stamp: float) -> pd.DataFrame:
     """Every lock and unlock of tree nodes, in event order (empty for a summary capture); rids
     as codes where the run has them (a 10M-event run has ~700k locks): see rid_names."""
-    events = data.open_capture(path).events(run_id, kinds=[EventKind.LOCK, EventKind.UNLOCK], limit=None,
-                                            columns=LOCK_COLUMNS, coded=("rid",))
+    events = data.open_capture(path).events(
+        run_id, kinds=[EventKind.LOCK, EventKind.UNLOCK], limit=None, columns=LOCK_COLUMNS, coded=("rid",)
+    )
     return events.reindex(columns=LOCK_COLUMNS)
 
 
@@ -85,8 +86,9 @@ def block_events(path: str, run_id: int, stamp: float) -> pd.DataFrame:
 def lookup_stops(path: str, run_id: int, stamp: float) -> pd.DataFrame:
     """Prefix lookups by why they stopped (the match events' reason, which a probe records):
     reason, lookups, hit tokens, missed tokens; empty when no match event names a reason."""
-    events = data.open_capture(path).events(run_id, kinds=[EventKind.MATCH], limit=None,
-                                            columns=["reason", "num_tokens", "aux"])
+    events = data.open_capture(path).events(
+        run_id, kinds=[EventKind.MATCH], limit=None, columns=["reason", "num_tokens", "aux"]
+    )
     named = events[events["reason"].notna()] if "reason" in events else events.iloc[0:0]
     if named.empty:
         return pd.DataFrame(columns=["why the lookup stopped", "lookups", "hit tokens", "missed tokens"])

@@ -38,9 +38,15 @@ def pick_tenant(principals: Iterable[str | None]) -> str | None:
             url_state.note(f"The link's tenant {linked!r} has no requests in this run: showing all tenants.")
     if st.session_state.get(TENANT_KEY) not in (ALL_TENANTS, *choices):
         st.session_state[TENANT_KEY] = ALL_TENANTS
-    picked = str(st.sidebar.selectbox("Tenant", [ALL_TENANTS, *choices], key=TENANT_KEY,
-                                      help="Tenant = the part of a principal before '/' (an API key's "
-                                           "tenant/user), else before '-' (a workload user 't1-u2')."))
+    picked = str(
+        st.sidebar.selectbox(
+            "Tenant",
+            [ALL_TENANTS, *choices],
+            key=TENANT_KEY,
+            help="Tenant = the part of a principal before '/' (an API key's "
+            "tenant/user), else before '-' (a workload user 't1-u2').",
+        )
+    )
     return None if picked == ALL_TENANTS else picked
 
 
@@ -59,11 +65,19 @@ def cache_by_tenant(nodes: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=["tenant", "visibility", "num_tokens", "num_nodes"])
     owners = [tenant_of(o) if isinstance(o, str) and o else NO_OWNER for o in body["owner"]]
     seen = body.reindex(columns=["visibility"])["visibility"]
-    table = pd.DataFrame({"tenant": owners, "visibility": seen.where(seen.notna(), "visibility not recorded"),
-                          "num_tokens": body["num_tokens"].astype(int)})
-    return (table.groupby(["tenant", "visibility"], as_index=False)
-            .agg(num_tokens=("num_tokens", "sum"), num_nodes=("num_tokens", "size"))
-            .sort_values(["tenant", "visibility"]).reset_index(drop=True))
+    table = pd.DataFrame(
+        {
+            "tenant": owners,
+            "visibility": seen.where(seen.notna(), "visibility not recorded"),
+            "num_tokens": body["num_tokens"].astype(int),
+        }
+    )
+    return (
+        table.groupby(["tenant", "visibility"], as_index=False)
+        .agg(num_tokens=("num_tokens", "sum"), num_nodes=("num_tokens", "size"))
+        .sort_values(["tenant", "visibility"])
+        .reset_index(drop=True)
+    )
 
 
 class ReuseShare(NamedTuple):

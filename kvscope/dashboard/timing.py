@@ -23,8 +23,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
-LATENCIES = {"queue": ("admit_t", "arrive_t"), "time to first token": ("first_token_t", "arrive_t"),
-             "end to end": ("finish_t", "arrive_t")}
+LATENCIES = {
+    "queue": ("admit_t", "arrive_t"),
+    "time to first token": ("first_token_t", "arrive_t"),
+    "end to end": ("finish_t", "arrive_t"),
+}
 PERCENTILES = (50, 90, 99)
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 DATETIME_COLUMN_FORMAT = "YYYY-MM-DD HH:mm:ss.SSS"  # NOTE: st.column_config.DatetimeColumn's (moment.js) to the ms
@@ -128,11 +131,13 @@ def throughput(usage: pd.DataFrame, clock: Clock | None, window_rows: int = 5) -
     lag = min(window_rows, max(len(rows) - 1, 1))
     dt, d_prompt, d_hit = t - t.shift(lag), prompt - prompt.shift(lag), hit - hit.shift(lag)
     seconds = dt.where(dt > 0)
-    return pd.DataFrame({
-        "step": rows["step"].to_numpy(),
-        "time": clock.datetimes(t) if clock is not None else t - t.iloc[0] if len(t) else t,
-        "hit rate so far": (hit / prompt.where(prompt > 0)),
-        "hit rate (window)": d_hit / d_prompt.where(d_prompt > 0),
-        "prompt tokens/s": d_prompt / seconds,
-        "cached tokens/s": d_hit / seconds,
-    })
+    return pd.DataFrame(
+        {
+            "step": rows["step"].to_numpy(),
+            "time": clock.datetimes(t) if clock is not None else t - t.iloc[0] if len(t) else t,
+            "hit rate so far": (hit / prompt.where(prompt > 0)),
+            "hit rate (window)": d_hit / d_prompt.where(d_prompt > 0),
+            "prompt tokens/s": d_prompt / seconds,
+            "cached tokens/s": d_hit / seconds,
+        }
+    )

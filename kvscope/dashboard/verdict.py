@@ -62,14 +62,20 @@ def protected_help(pool: str, step: int, num_running: int, checks: pd.DataFrame,
         return "cached in the tree and locked: by a running request (or a host-tier copy in flight)"
     never = sum(1 for leak in report.leaks if leak.kind == LeakKind.LOCK_NEVER_RELEASED and leak.pool == pool)
     if never:
-        return (f"cached in the tree and locked with no request running: the leak report names {never} lock(s) "
-                "that were never released (see Leaks)")
+        return (
+            f"cached in the tree and locked with no request running: the leak report names {never} lock(s) "
+            "that were never released (see Leaks)"
+        )
     at = checks[(checks["step"] == step) & (checks["pool"] == pool)] if not checks.empty else checks
     if not at.empty and int(at["protected"].iloc[0]) == 0:
-        return (f"cached in the tree and locked when this sample was taken, with no request running: by host-tier "
-                f"copies still in flight. The idle leak check of step {step}, once they were done, found none locked")
-    return ("cached in the tree and locked with no request running: by a host-tier copy in flight, or a lock not "
-            "released (no leak report names one; see Leaks)")
+        return (
+            f"cached in the tree and locked when this sample was taken, with no request running: by host-tier "
+            f"copies still in flight. The idle leak check of step {step}, once they were done, found none locked"
+        )
+    return (
+        "cached in the tree and locked with no request running: by a host-tier copy in flight, or a lock not "
+        "released (no leak report names one; see Leaks)"
+    )
 
 
 def attached_verdict() -> Verdict:

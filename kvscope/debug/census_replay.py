@@ -63,8 +63,11 @@ class CensusPoint(NamedTuple):
 
     def differences(self) -> list[str]:
         out = [] if self.stored == self.replayed else [f"counts: stored {self.stored}, replayed {self.replayed}"]
-        return out + [f"{t}: stored {self.stored_terms[t]}, replayed {self.replayed_terms[t]}" for t in COMPARED
-                      if self.stored_terms[t] != self.replayed_terms[t]]
+        return out + [
+            f"{t}: stored {self.stored_terms[t]}, replayed {self.replayed_terms[t]}"
+            for t in COMPARED
+            if self.stored_terms[t] != self.replayed_terms[t]
+        ]
 
 
 @dataclass
@@ -109,8 +112,13 @@ class PoolReplay:
 
     def counts(self) -> Counts:
         queued, outside = self.queued, [r for b, r in self.ref.items() if b not in self.queued]
-        return Counts(self.total, len(queued - self.hashed), len(queued & self.hashed),
-                      sum(1 for r in outside if r > 0), sum(1 for r in outside if r == 0))
+        return Counts(
+            self.total,
+            len(queued - self.hashed),
+            len(queued & self.hashed),
+            sum(1 for r in outside if r > 0),
+            sum(1 for r in outside if r == 0),
+        )
 
     def terms(self) -> dict[str, Term]:
         """The idle census's terms (nothing accounted: no request is left at an idle point)."""
@@ -167,8 +175,7 @@ def replay_census(capture: Capture, run_id: int) -> list[CensusPoint]:
 
 def _point(pool: PoolReplay, step: int, rows: Any) -> CensusPoint:
     first = rows.iloc[0]
-    stored = Counts(int(first.total), int(first.available), int(first.evictable), int(first.held),
-                    int(first.uncached))
+    stored = Counts(int(first.total), int(first.available), int(first.evictable), int(first.held), int(first.uncached))
     messages = {str(r.pool): r.message for r in rows.itertuples(index=False)}
     terms = {t: stored_term(t, messages.get(t)) for t in COMPARED}
     return CensusPoint(step, stored, pool.counts(), terms, pool.terms())

@@ -30,15 +30,20 @@ IGNORED_CONFIG = ("clock",)  # differs between any two runs
 ALL_ROWS = 10_000_000  # usage rows read for the run's figures: every one
 
 
-def summarize(target: str | Path, run_id: int | None = None, *,
-              on_progress: ProgressHook | None = None) -> dict[str, Any]:
+def summarize(
+    target: str | Path, run_id: int | None = None, *, on_progress: ProgressHook | None = None
+) -> dict[str, Any]:
     """One side of a diff: the run (default: the latest) of a capture, by name."""
     capture = Capture(target)
     try:
         run = run_row(capture, run_id)
         number = int(run.id)
-        side: dict[str, Any] = {"capture": str(target), "run": number, "status": str(run.display_status),
-                                "level": str(run.level)}
+        side: dict[str, Any] = {
+            "capture": str(target),
+            "run": number,
+            "status": str(run.display_status),
+            "level": str(run.level),
+        }
         side["metrics"] = _metrics(capture, number)
         side["last_check"] = _last_check(capture.leak_checks(number))
         side["events"] = {str(row.kind): int(row.count) for row in capture.event_counts(number).itertuples()}
@@ -92,8 +97,12 @@ def _last_check(checks: pd.DataFrame) -> dict[str, dict[str, int]]:
     out = {}
     for row in last.itertuples():
         terms = {name: int(getattr(row, name)) for name in TERMS}
-        out[str(row.pool)] = {"step": int(row.step), "total": int(row.total), **terms,
-                              "missing": int(row.total) - sum(terms.values())}
+        out[str(row.pool)] = {
+            "step": int(row.step),
+            "total": int(row.total),
+            **terms,
+            "missing": int(row.total) - sum(terms.values()),
+        }
     return out
 
 
@@ -116,8 +125,14 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def diff(a: str | Path, b: str | Path, run_a: int | None = None, run_b: int | None = None, *,
-         on_progress: ProgressHook | None = None) -> dict[str, Any]:
+def diff(
+    a: str | Path,
+    b: str | Path,
+    run_a: int | None = None,
+    run_b: int | None = None,
+    *,
+    on_progress: ProgressHook | None = None,
+) -> dict[str, Any]:
     """Both sides, the deltas B - A of what both have, and the config settings that differ."""
     left = summarize(a, run_a, on_progress=on_progress)
     right = summarize(b, run_b, on_progress=on_progress)
@@ -125,10 +140,16 @@ def diff(a: str | Path, b: str | Path, run_a: int | None = None, run_b: int | No
 
 
 def _deltas(left: dict[str, Any], right: dict[str, Any]) -> dict[str, dict[str, int | float]]:
-    metrics = {name: _minus(right["metrics"][name], value) for name, value in left["metrics"].items()
-               if name in right["metrics"]}
-    missing = {pool: right["last_check"][pool]["missing"] - terms["missing"]
-               for pool, terms in left["last_check"].items() if pool in right["last_check"]}
+    metrics = {
+        name: _minus(right["metrics"][name], value)
+        for name, value in left["metrics"].items()
+        if name in right["metrics"]
+    }
+    missing = {
+        pool: right["last_check"][pool]["missing"] - terms["missing"]
+        for pool, terms in left["last_check"].items()
+        if pool in right["last_check"]
+    }
     events: dict[str, int | float] = {}
     if left["level"] == right["level"] == "full":  # below full, no events: absent is not zero
         kinds = dict.fromkeys([*left["events"], *right["events"]])
@@ -142,8 +163,11 @@ def _minus(b: int | float, a: int | float) -> int | float:
 
 def _config_diff(left: dict[str, Any], right: dict[str, Any]) -> dict[str, dict[str, Any]]:
     keys = dict.fromkeys([*left["config"], *right["config"]])
-    return {key: {"a": left["config"].get(key), "b": right["config"].get(key)} for key in keys
-            if left["config"].get(key) != right["config"].get(key)}
+    return {
+        key: {"a": left["config"].get(key), "b": right["config"].get(key)}
+        for key in keys
+        if left["config"].get(key) != right["config"].get(key)
+    }
 
 
 def render_diff(result: dict[str, Any]) -> str:
@@ -157,20 +181,51 @@ def render_diff(result: dict[str, Any]) -> str:
     ]
     for name in dict.fromkeys([*left["metrics"], *right["metrics"]]):
         delta = deltas["metrics"].get(name)
-        rows.append((name, _value(name, left["metrics"].get(name)), _value(name, right["metrics"].get(name)),
-                     "" if delta is None else _delta(name, delta)))
+        rows.append(
+            (
+                name,
+                _value(name, left["metrics"].get(name)),
+                _value(name, right["metrics"].get(name)),
+                "" if delta is None else _delta(name, delta),
+            )
+        )
     for pool in dict.fromkeys([*left["last_check"], *right["last_check"]]):
         delta = deltas["missing"].get(pool)
-        rows.append((f"last check [{pool}]", _terms(left, pool),
-                     _terms(right, pool), "" if delta is None else f"{delta:+d} missing"))
+        rows.append(
+            (
+                f"last check [{pool}]",
+                _terms(left, pool),
+                _terms(right, pool),
+                "" if delta is None else f"{delta:+d} missing",
+            )
+        )
     for kind in dict.fromkeys([*left["events"], *right["events"]]):
         delta = deltas["events"].get(kind)
-        rows.append((f"events: {kind}", str(left["events"].get(kind, "-")), str(right["events"].get(kind, "-")),
-                     "" if delta is None else f"{delta:+d}"))
-    legend = ["(last check: available/evictable/protected/held/uncached/missing of total, at the run's last idle "
-              "leak check)"] if left["last_check"] or right["last_check"] else []
-    return "\n".join([*_table(rows), *legend, *_config_lines(result["config_differences"]),
-                      f"verdict A: {left['reason']}", f"verdict B: {right['reason']}"])
+        rows.append(
+            (
+                f"events: {kind}",
+                str(left["events"].get(kind, "-")),
+                str(right["events"].get(kind, "-")),
+                "" if delta is None else f"{delta:+d}",
+            )
+        )
+    legend = (
+        [
+            "(last check: available/evictable/protected/held/uncached/missing of total, at the run's last idle "
+            "leak check)"
+        ]
+        if left["last_check"] or right["last_check"]
+        else []
+    )
+    return "\n".join(
+        [
+            *_table(rows),
+            *legend,
+            *_config_lines(result["config_differences"]),
+            f"verdict A: {left['reason']}",
+            f"verdict B: {right['reason']}",
+        ]
+    )
 
 
 def _value(name: str, value: int | float | None) -> str:
@@ -196,7 +251,7 @@ def _table(rows: list[tuple[str, str, str, str]]) -> list[str]:
     lines = [f"{'':<{name_w}}  {'A':>{value_w}}  {'B':>{value_w}}  {'B - A':>12}"]
     for i, (name, x, y, delta) in enumerate(rows):
         if i == 0:  # the captures' names, cut to the column from the left
-            x, y = (v if len(v) <= value_w else f"…{v[1 - value_w:]}" for v in (x, y))
+            x, y = (v if len(v) <= value_w else f"…{v[1 - value_w :]}" for v in (x, y))
         lines.append(f"{name:<{name_w}}  {x:>{value_w}}  {y:>{value_w}}  {delta:>12}".rstrip())
     return lines
 

@@ -54,31 +54,53 @@ _ANCHOR = re.compile(
     r"(?P<pool>token_to_kv_pool_allocator|req_to_token_pool|pool-bytes|pool) memory leak detected!"
     r"|(?P<busy>Full Pool |SWA Pool )?Mem Leak Detected!"
     r"|(?P<uaf>KV page use-after-free:)|(?P<dfree>KV double free:)"
-    r"|(?P<old>KV cache pool leak detected!)")  # 0.1: the terms are on the line before
+    r"|(?P<old>KV cache pool leak detected!)"
+)  # 0.1: the terms are on the line before
 _TERM = re.compile(r"([A-Za-z_][\w.]*(?:\(\))?)=(-?\d+|None|True|False|\{[^}]*\}|\[[^\]]*\]|set\(\))")
 _TAG = re.compile(r"^\s*\[([\w.\-]+)\]\s*")
 _LEFTOVER = re.compile(r"^[\s,.]*$")
 _SGLANG_PREFIX = re.compile(r"^\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})(?:\s+([^\]]*))?\]\s?")
 _ISO_PREFIX = re.compile(r"^(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?)\s+")
-_RAISED: tuple[tuple[str, Raised], ...] = (("ValueError:", "ValueError"), ("AssertionError:", "AssertionError"),
-                                           ("UserWarning:", "UserWarning"))
+_RAISED: tuple[tuple[str, Raised], ...] = (
+    ("ValueError:", "ValueError"),
+    ("AssertionError:", "AssertionError"),
+    ("UserWarning:", "UserWarning"),
+)
 _CRASH = ("Scheduler hit an exception", "SIGQUIT received", "Received sigquit from a child process")
 _UAF = re.compile(r"(\d+) owner page refs .*?sample pages=(\[[^\]]*\])")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _PAGE_SIZE = re.compile(r"\bpage_size=(\d+)")
 _DFREE = re.compile(r"sub-pool (\d+) has (\d+) duplicate pages")
 # NOTE: the line kvscope's SGLang probe prints into the same log when its page census fails (probe/sglang_census.py)
-_PROBE_CENSUS = re.compile(r"kvscope probe: page census \((?P<why>[^)]*)\) at step (?P<step>\d+), "
-                           r"capture (?P<capture>.+?)(?: run (?P<run>\d+))?: (?P<text>\[[\w-]+\] .*)$")
+_PROBE_CENSUS = re.compile(
+    r"kvscope probe: page census \((?P<why>[^)]*)\) at step (?P<step>\d+), "
+    r"capture (?P<capture>.+?)(?: run (?P<run>\d+))?: (?P<text>\[[\w-]+\] .*)$"
+)
 # NOTE: full names whose meaning their last part does not carry (0.4.6's split of available_size)
-_SPECIAL_ROLES = {"self.token_to_kv_pool_allocator.available_size()": ("full", "free_detail"),
-                  "self.tree_cache.evictable_size()": ("full", "evictable_detail")}
-_ROLES = {"max_total_num_tokens": "total", "tokens_per_layer": "total", "size": "total", "total_size": "total",
-          "total": "total", "available_size": "available", "available": "available",
-          "evictable_size": "evictable", "evictable": "evictable", "protected_size": "protected",
-          "protected": "protected", "session_held": "held", "held": "held", "uncached_size": "uncached",
-          "uncached": "uncached", "leaked": "engine_missing", "total_tokens": "sum",
-          "max_total_num_token": "total"}
+_SPECIAL_ROLES = {
+    "self.token_to_kv_pool_allocator.available_size()": ("full", "free_detail"),
+    "self.tree_cache.evictable_size()": ("full", "evictable_detail"),
+}
+_ROLES = {
+    "max_total_num_tokens": "total",
+    "tokens_per_layer": "total",
+    "size": "total",
+    "total_size": "total",
+    "total": "total",
+    "available_size": "available",
+    "available": "available",
+    "evictable_size": "evictable",
+    "evictable": "evictable",
+    "protected_size": "protected",
+    "protected": "protected",
+    "session_held": "held",
+    "held": "held",
+    "uncached_size": "uncached",
+    "uncached": "uncached",
+    "leaked": "engine_missing",
+    "total_tokens": "sum",
+    "max_total_num_token": "total",
+}
 
 
 @dataclass
@@ -148,8 +170,12 @@ class EngineLeak:
         return [pool for pool in self.pools if pool.words()]
 
     def key(self) -> tuple[Any, ...]:
-        return (self.anchor, self.version_family, tuple((p.pool, p.total, tuple(p.terms.items())) for p in self.pools),
-                tuple(sorted(self.pages.items())))
+        return (
+            self.anchor,
+            self.version_family,
+            tuple((p.pool, p.total, tuple(p.terms.items())) for p in self.pools),
+            tuple(sorted(self.pages.items())),
+        )
 
 
 @dataclass
@@ -182,13 +208,26 @@ class EngineLogReport:
         messages = []
         for index, leak in enumerate(self.leaks, 1):
             entry = asdict(leak)
-            entry["pools"] = [{**asdict(pool), "missing": pool.missing, "locked": pool.locked,
-                               "words": pool.words() or "balanced"} for pool in leak.pools]
-            messages.append({"index": index, **entry, "cannot_tell": cannot_tell(leak),
-                             "next_step": next_step(leak, self.page_size)})
-        shape = {"log": self.log, "lines_read": self.lines_read, "page_size": self.page_size, "messages": messages,
-                 "crash_lines": [{"line": line, "text": text} for line, text in self.crash_lines],
-                 "verdict": "leak" if self.leaks or self.probe else "none"}
+            entry["pools"] = [
+                {**asdict(pool), "missing": pool.missing, "locked": pool.locked, "words": pool.words() or "balanced"}
+                for pool in leak.pools
+            ]
+            messages.append(
+                {
+                    "index": index,
+                    **entry,
+                    "cannot_tell": cannot_tell(leak),
+                    "next_step": next_step(leak, self.page_size),
+                }
+            )
+        shape = {
+            "log": self.log,
+            "lines_read": self.lines_read,
+            "page_size": self.page_size,
+            "messages": messages,
+            "crash_lines": [{"line": line, "text": text} for line, text in self.crash_lines],
+            "verdict": "leak" if self.leaks or self.probe else "none",
+        }
         if self.probe:  # NOTE: only a log kvscope's probe wrote into has the key
             shape["probe"] = [{**asdict(found), "command": found.command()} for found in self.probe]
         return shape
@@ -239,17 +278,17 @@ def split_prefix(line: str) -> _Prefix:
     timestamp = rank = None
     iso = _ISO_PREFIX.match(line)
     if iso:
-        timestamp, line = iso.group(1), line[iso.end():]
+        timestamp, line = iso.group(1), line[iso.end() :]
     own = _SGLANG_PREFIX.match(line)
     if own:
-        timestamp, rank, line = own.group(1), (own.group(2) or None), line[own.end():]
+        timestamp, rank, line = own.group(1), (own.group(2) or None), line[own.end() :]
     return _Prefix(timestamp, rank, line)
 
 
 def term_line(body: str) -> tuple[str | None, list[tuple[str, str]]] | None:
     """A continuation line of a message: `[pool] ` and/or only `name=value` terms; else None."""
     tag = _TAG.match(body)
-    rest = body[tag.end():] if tag else body
+    rest = body[tag.end() :] if tag else body
     terms = _TERM.findall(rest)
     if not terms or not _LEFTOVER.match(_TERM.sub("", rest)):
         return None
@@ -301,9 +340,16 @@ def _probe_line(report: EngineLogReport, raw: str, number: int) -> None:
         return
     capture = found.group("capture")
     exists = "://" in capture or Path(capture).is_file()
-    report.probe.append(ProbeCensus(number, int(found.group("step")), capture,
-                                    int(found.group("run")) if found.group("run") else None, found.group("text"),
-                                    exists))
+    report.probe.append(
+        ProbeCensus(
+            number,
+            int(found.group("step")),
+            capture,
+            int(found.group("run")) if found.group("run") else None,
+            found.group("text"),
+            exists,
+        )
+    )
 
 
 def _crash(raw: str) -> bool:
@@ -339,18 +385,35 @@ def _open(raw: str, number: int, stamped: tuple[int, str] | None, previous: str 
     when_line = stamped[0] if stamped and when.timestamp else None
     if found.group("old"):
         return _open_01(body, number, previous, when, when_line)
-    raised: Raised = next((name for marker, name in _RAISED if marker in body[:found.start()]), "log")
+    raised: Raised = next((name for marker, name in _RAISED if marker in body[: found.start()]), "log")
     busy = found.group("busy") is not None or (found.group("pool") is None and "Mem Leak" in found.group(0))
-    kind: Kind = ("use-after-free" if found.group("uaf") else "double-free" if found.group("dfree") else
-                  "req-pool-leak" if found.group("pool") == "req_to_token_pool" else "pool-leak")
-    leak = EngineLeak(number, number, found.group(0), kind, "busy" if busy else "idle", "", raised,
-                      timestamp=when.timestamp, rank=when.rank,
-                      timestamp_line=when_line, text=[body[found.start():]])
-    head = body[found.end():]
+    kind: Kind = (
+        "use-after-free"
+        if found.group("uaf")
+        else "double-free"
+        if found.group("dfree")
+        else "req-pool-leak"
+        if found.group("pool") == "req_to_token_pool"
+        else "pool-leak"
+    )
+    leak = EngineLeak(
+        number,
+        number,
+        found.group(0),
+        kind,
+        "busy" if busy else "idle",
+        "",
+        raised,
+        timestamp=when.timestamp,
+        rank=when.rank,
+        timestamp_line=when_line,
+        text=[body[found.start() :]],
+    )
+    head = body[found.end() :]
     opened = _Open(leak, head)
     for segment in head.split("\\n"):  # a JSON log keeps the message's newlines as the two characters \n
         tag = _TAG.match(segment)  # words besides terms (`… vs …`) may sit on this line: take every term
-        terms = _TERM.findall(segment[tag.end():] if tag else segment)
+        terms = _TERM.findall(segment[tag.end() :] if tag else segment)
         if terms:
             opened.lines.append((tag.group(1) if tag else None, terms))
     return opened
@@ -364,8 +427,19 @@ def _open_01(body: str, number: int, previous: str, when: _Prefix, when_line: in
     if not terms:
         return None
     raised: Raised = "UserWarning" if "UserWarning:" in head else "log"
-    leak = EngineLeak(number - 1, number, "KV cache pool leak detected!", "pool-leak", "idle", F01, raised,
-                      timestamp=when.timestamp, rank=when.rank, timestamp_line=when_line, text=[head, body])
+    leak = EngineLeak(
+        number - 1,
+        number,
+        "KV cache pool leak detected!",
+        "pool-leak",
+        "idle",
+        F01,
+        raised,
+        timestamp=when.timestamp,
+        rank=when.rank,
+        timestamp_line=when_line,
+        text=[head, body],
+    )
     leak.notes.append("[full]: available is free + evictable here (0.1 prints them as one term)")
     return _Open(leak, head, [(None, terms)])
 
@@ -418,8 +492,9 @@ def _req_pool(leak: EngineLeak, lines: list[tuple[str | None, list[tuple[str, st
             pool.terms[role] = _int(printed[name]) or 0
     leak.pools = [pool]
     if "session_held" in printed:
-        leak.notes.append("under PD disaggregation (decode) SGLang also counts pre-allocated rows, which the "
-                          "message does not print")
+        leak.notes.append(
+            "under PD disaggregation (decode) SGLang also counts pre-allocated rows, which the message does not print"
+        )
 
 
 def _role(name: str) -> tuple[str | None, str]:
@@ -437,8 +512,9 @@ def _role(name: str) -> tuple[str | None, str]:
     return pool, _ROLES.get(base, base)
 
 
-def _file_terms(terms: list[tuple[str, str]], default_pool: str, pools: dict[str, PoolTerms], idle: bool,
-                unit: str = "") -> None:
+def _file_terms(
+    terms: list[tuple[str, str]], default_pool: str, pools: dict[str, PoolTerms], idle: bool, unit: str = ""
+) -> None:
     """File each printed term under its pool (a term may name another pool, e.g. the full pool's
     leaked pages on the mamba line) and role."""
     for name, value in terms:
@@ -494,8 +570,9 @@ def _untagged(leak: EngineLeak, lines: list[tuple[str | None, list[tuple[str, st
     else:
         leak.version_family = F0410
     if "mamba" in pools and "full" in pools and "held" not in pools["full"].terms:
-        leak.notes.append("[full]: SGLang also subtracts session-held tokens, which this text does not print "
-                          "(taken as 0)")
+        leak.notes.append(
+            "[full]: SGLang also subtracts session-held tokens, which this text does not print (taken as 0)"
+        )
     for pool in pools.values():
         _ordered(pool)
     leak.pools = [pools[name] for name in sorted(pools, key=_pool_order)]
@@ -540,9 +617,11 @@ def _busy_untagged(leak: EngineLeak, opened: _Open) -> None:
     _ordered(pool)
     leak.pools = [pool]
     if list(pool.terms) == ["sum"]:
-        leak.notes.append("the busy check prints only the sum of the terms; with "
-                          "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=2 the `[Mem Check (BUSY)]` lines before it "
-                          "hold each term")
+        leak.notes.append(
+            "the busy check prints only the sum of the terms; with "
+            "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=2 the `[Mem Check (BUSY)]` lines before it "
+            "hold each term"
+        )
 
 
 def _int(value: str | None) -> int | None:
@@ -561,26 +640,39 @@ def cannot_tell(leak: EngineLeak) -> str:
     """What the message cannot say, in one sentence."""
     pages = [f"{name}={value}" for pool in leak.pools for name, value in pool.leaked_pages.items() if value != "None"]
     if leak.kind == "use-after-free":
-        return ("which owner still reads the freed pages, which request freed them, and when: SGLang checks the "
-                "free list against the owners at an idle point only")
+        return (
+            "which owner still reads the freed pages, which request freed them, and when: SGLang checks the "
+            "free list against the owners at an idle point only"
+        )
     if pages:
-        return (f"it names the leaked pages ({', '.join(pages)}) but not the request that held them or the free "
-                "that never came")
+        return (
+            f"it names the leaked pages ({', '.join(pages)}) but not the request that held them or the free "
+            "that never came"
+        )
     what = "request rows" if leak.kind == "req-pool-leak" else "slots"
-    return (f"which request leaked, which {what}, and when the leak began: SGLang's check prints totals only, "
-            f"at the first {'busy step' if leak.check == 'busy' else 'idle point'} after the leak")
+    return (
+        f"which request leaked, which {what}, and when the leak began: SGLang's check prints totals only, "
+        f"at the first {'busy step' if leak.check == 'busy' else 'idle point'} after the leak"
+    )
 
 
 def next_step(leak: EngineLeak, page_size: int | None = None) -> str:
     """The kvscope command that would name the culprit (the server's page size when known)."""
     model = " --model tiny-swa" if any(p.pool == "swa" for p in leak.pools) else ""
-    command = (f"kvscope run --trace TRACE.jsonl{model} --page-size {page_size or 'PAGE_SIZE'} --debug "
-               "--capture leak.db; "
-               "kvscope report leaks leak.db")
-    mamba = " (kvscope has no mamba pool: the full pool's leaks only)" if any(
-        p.pool.startswith("mamba") for p in leak.pools) else ""
-    return (f"replay the same requests through kvscope's engine with the slot ledger on{mamba}: {command} "
-            "(it names the pool, slots, request and the free that never came)")
+    command = (
+        f"kvscope run --trace TRACE.jsonl{model} --page-size {page_size or 'PAGE_SIZE'} --debug "
+        "--capture leak.db; "
+        "kvscope report leaks leak.db"
+    )
+    mamba = (
+        " (kvscope has no mamba pool: the full pool's leaks only)"
+        if any(p.pool.startswith("mamba") for p in leak.pools)
+        else ""
+    )
+    return (
+        f"replay the same requests through kvscope's engine with the slot ledger on{mamba}: {command} "
+        "(it names the pool, slots, request and the free that never came)"
+    )
 
 
 def _when(leak: EngineLeak) -> str:
@@ -592,16 +684,21 @@ def _when(leak: EngineLeak) -> str:
 
 
 def _raised(leak: EngineLeak) -> str:
-    return {"ValueError": "raised as ValueError: the scheduler died",
-            "AssertionError": "raised as AssertionError by the busy check: the scheduler died",
-            "UserWarning": "a warning: the server went on",
-            "log": "logged: strict mode was off, so the server went on"}[leak.raised_as]
+    return {
+        "ValueError": "raised as ValueError: the scheduler died",
+        "AssertionError": "raised as AssertionError by the busy check: the scheduler died",
+        "UserWarning": "a warning: the server went on",
+        "log": "logged: strict mode was off, so the server went on",
+    }[leak.raised_as]
 
 
-def leak_lines(index: int, leak: EngineLeak, page_size: int | None = None,
-               probe: list[ProbeCensus] | None = None) -> list[str]:
-    lines = [f"  {index}. line {leak.line}, {_when(leak)}: {leak.anchor} — SGLang {leak.version_family} text, "
-             f"{leak.check} check; {_raised(leak)}"]
+def leak_lines(
+    index: int, leak: EngineLeak, page_size: int | None = None, probe: list[ProbeCensus] | None = None
+) -> list[str]:
+    lines = [
+        f"  {index}. line {leak.line}, {_when(leak)}: {leak.anchor} — SGLang {leak.version_family} text, "
+        f"{leak.check} check; {_raised(leak)}"
+    ]
     lines += [f"       {pool.line()}" for pool in leak.pools]
     for pool in leak.short_pools:
         lines.append(f"     short: pool {pool.pool}: {pool.words()}{_why(pool)}")
@@ -654,10 +751,14 @@ def render_text(report: EngineLogReport) -> str:
             if again:
                 lines.append(f"     the same message again on line{'s' if len(again) > 1 else ''} {', '.join(again)}")
     if report.probe and not report.leaks:
-        lines.append(f"kvscope's probe: {len(report.probe)} failed page census(es) SGLang's own check did not report "
-                     "(its count identity passed)")
-        lines += [f"  line {found.line}, step {found.step}: {found.text}; culprits: {found.command()}"
-                  for found in report.probe[:3]]
+        lines.append(
+            f"kvscope's probe: {len(report.probe)} failed page census(es) SGLang's own check did not report "
+            "(its count identity passed)"
+        )
+        lines += [
+            f"  line {found.line}, step {found.step}: {found.text}; culprits: {found.command()}"
+            for found in report.probe[:3]
+        ]
     verdict = "leak" if report.leaks or report.probe else "none"
     lines.append(f"verdict: {verdict}")
     return "\n".join(lines)

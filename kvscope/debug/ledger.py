@@ -50,16 +50,18 @@ from kvscope.debug.slot_table import FREE, HOST_COPY, REQUEST, TREE, Owners, Poo
 from kvscope.telemetry import CopyKind, EventKind
 
 POOLS = ("full", "swa", "host")
-IGNORED_KINDS = frozenset({
-    EventKind.REQUEST_ARRIVE,  # a request holds nothing and is not live before its admit
-    EventKind.MATCH,  # a read of the tree: no slot changes hands
-    EventKind.TOMBSTONE,  # the SWA free events that follow move the slots
-    EventKind.INJECT,  # the ground truth of an injected fault, for tests; its effects come as events
-    EventKind.PROMOTE,  # scoped radix: who may see a node changes, not who holds its slots
-    EventKind.DEMOTE,  # scoped radix: the TOMBSTONE, EVICT and FREE events that follow move the slots
-    EventKind.CROSS_HIT,  # scoped radix: part of a match, read only
-    EventKind.NO_ROOM,  # the vLLM probe: an allocation that found no room; nothing was taken
-})
+IGNORED_KINDS = frozenset(
+    {
+        EventKind.REQUEST_ARRIVE,  # a request holds nothing and is not live before its admit
+        EventKind.MATCH,  # a read of the tree: no slot changes hands
+        EventKind.TOMBSTONE,  # the SWA free events that follow move the slots
+        EventKind.INJECT,  # the ground truth of an injected fault, for tests; its effects come as events
+        EventKind.PROMOTE,  # scoped radix: who may see a node changes, not who holds its slots
+        EventKind.DEMOTE,  # scoped radix: the TOMBSTONE, EVICT and FREE events that follow move the slots
+        EventKind.CROSS_HIT,  # scoped radix: part of a match, read only
+        EventKind.NO_ROOM,  # the vLLM probe: an allocation that found no room; nothing was taken
+    }
+)
 LOCK_KINDS = frozenset({EventKind.LOCK, EventKind.UNLOCK})
 COPY_KINDS = frozenset(k.value for k in CopyKind)  # a lock event's reason when a copy op holds it
 Handler = Callable[[int, int, str, str | None, Any, int, int, np.ndarray], None]
@@ -183,8 +185,19 @@ class Ledger:
 
     # -- events ------------------------------------------------------------------------------
 
-    def apply(self, kind: EventKind, step: int, seq: int, pool: str | None, rid: str | None, node_id: int | None,
-              num_tokens: int, aux: int, slots: np.ndarray | None, reason: str | None = None) -> None:
+    def apply(
+        self,
+        kind: EventKind,
+        step: int,
+        seq: int,
+        pool: str | None,
+        rid: str | None,
+        node_id: int | None,
+        num_tokens: int,
+        aux: int,
+        slots: np.ndarray | None,
+        reason: str | None = None,
+    ) -> None:
         """One event. NOTE: the parameters after `kind` are named after schema.events columns
         (APPLY_COLUMNS): a replay selects exactly those, in this order."""
         self.last_seq = seq
@@ -194,11 +207,20 @@ class Ledger:
             self._pending_full.clear()
         handler = self._handlers.get(kind)
         if handler is not None:
-            handler(step, seq, pool or "full", rid, node_id, num_tokens, aux,
-                    np.empty(0, dtype=np.int64) if slots is None else np.asarray(slots, dtype=np.int64))
+            handler(
+                step,
+                seq,
+                pool or "full",
+                rid,
+                node_id,
+                num_tokens,
+                aux,
+                np.empty(0, dtype=np.int64) if slots is None else np.asarray(slots, dtype=np.int64),
+            )
 
-    def _on_alloc(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
-                  slots: np.ndarray) -> None:
+    def _on_alloc(
+        self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int, slots: np.ndarray
+    ) -> None:
         ref = self.request_index(rid) if rid is not None else -1
         self.pools[pool].assign(slots, REQUEST, ref, step, seq)
         if pool == "full":
@@ -212,8 +234,9 @@ class Ledger:
                 del self._pending_full[i]
                 return
 
-    def _on_free(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
-                 slots: np.ndarray) -> None:
+    def _on_free(
+        self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int, slots: np.ndarray
+    ) -> None:
         if pool == "swa":
             self._unpair(slots.tolist())
         ledger = self.pools[pool]
@@ -222,8 +245,9 @@ class Ledger:
         twice = ledger.free(slots, step, seq, self.request_index(rid) if rid is not None else -1)
         if len(twice):
             where = np.isin(slots, twice)
-            self.double_frees.append(DoubleFree(pool, twice.tolist(), rid, step, seq, int(first_step[where][0]),
-                                                int(first_seq[where][0])))
+            self.double_frees.append(
+                DoubleFree(pool, twice.tolist(), rid, step, seq, int(first_step[where][0]), int(first_seq[where][0]))
+            )
 
     def _tree(self, slots: np.ndarray, node_id: int, step: int, seq: int) -> None:
         self.pools["full"].assign(slots, TREE, node_id, step, seq)
@@ -243,13 +267,15 @@ class Ledger:
         self.gone.pop((HOST_COPY, node_id), None)
         self.owners.touched.add((HOST_COPY, node_id))
 
-    def _on_insert(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
-                   slots: np.ndarray) -> None:
+    def _on_insert(
+        self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int, slots: np.ndarray
+    ) -> None:
         self._node_alive(int(node_id), slots)
         self._tree(slots, int(node_id), step, seq)
 
-    def _on_revive(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
-                   slots: np.ndarray) -> None:
+    def _on_revive(
+        self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int, slots: np.ndarray
+    ) -> None:
         """pool full: the node's (maybe adopted) full slots; pool swa: the SWA slots now behind them."""
         if pool == "full":
             self._node_alive(int(node_id), slots)
@@ -260,8 +286,9 @@ class Ledger:
             self._pair(full, slots)
         self.pools["swa"].assign(slots[slots > 0], TREE, int(node_id), step, seq)
 
-    def _on_split(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
-                  slots: np.ndarray) -> None:
+    def _on_split(
+        self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int, slots: np.ndarray
+    ) -> None:
         child, host = self.node_slots.get(aux), self.host_copies.get(aux)
         if child is not None:
             upper, self.node_slots[aux] = child[:n], child[n:]
@@ -298,8 +325,9 @@ class Ledger:
     def _swa_of(self, full_slots: np.ndarray) -> np.ndarray:
         return np.array([self.full_to_swa[s] for s in full_slots.tolist() if s in self.full_to_swa], dtype=np.int64)
 
-    def _on_evict(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
-                  slots: np.ndarray) -> None:
+    def _on_evict(
+        self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int, slots: np.ndarray
+    ) -> None:
         held = self.node_slots.get(int(node_id))
         if held is None:
             return
@@ -311,24 +339,28 @@ class Ledger:
             self.gone[(TREE, int(node_id))] = step
             self.owners.touched.add((TREE, int(node_id)))
 
-    def _on_write(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
-                  slots: np.ndarray) -> None:
+    def _on_write(
+        self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int, slots: np.ndarray
+    ) -> None:
         if node_id is None:
             return
         self._host_alive(int(node_id), slots)
         self.pools["host"].assign(slots, HOST_COPY, int(node_id), step, seq)
         self.in_flight[aux] = CopyOp("write", int(node_id), step, seq, n)
 
-    def _on_load(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
-                 slots: np.ndarray) -> None:
+    def _on_load(
+        self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int, slots: np.ndarray
+    ) -> None:
         self.in_flight[aux] = CopyOp("load", None if node_id is None else int(node_id), step, seq, n)
 
-    def _on_ack(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
-                slots: np.ndarray) -> None:
+    def _on_ack(
+        self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int, slots: np.ndarray
+    ) -> None:
         self.in_flight.pop(aux, None)
 
-    def _on_host_evict(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
-                       slots: np.ndarray) -> None:
+    def _on_host_evict(
+        self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int, slots: np.ndarray
+    ) -> None:
         if node_id is not None and self.host_copies.pop(int(node_id), None) is not None:
             self.gone[(HOST_COPY, int(node_id))] = step
             self.owners.touched.add((HOST_COPY, int(node_id)))
@@ -338,22 +370,35 @@ class Ledger:
         stuck = {s.op for s in self.stuck_ops}
         self.stuck_ops += [StuckOp(op, copy, step, seq) for op, copy in self.in_flight.items() if op not in stuck]
 
-    def _on_violation(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
-                      slots: np.ndarray) -> None:
+    def _on_violation(
+        self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int, slots: np.ndarray
+    ) -> None:
         ledger = self.pools["full"]
         ledger._fit(slots)
         last = slots[np.argmax(ledger.freed_seq[slots])] if len(slots) else 0
         by = int(ledger.freed_by[last])
-        self.bad_reads.append(BadRead(rid, slots.tolist(), step, seq, aux, self.rids[by] if by >= 0 else None,
-                                      int(ledger.freed_step[last]), int(ledger.freed_seq[last])))
+        self.bad_reads.append(
+            BadRead(
+                rid,
+                slots.tolist(),
+                step,
+                seq,
+                aux,
+                self.rids[by] if by >= 0 else None,
+                int(ledger.freed_step[last]),
+                int(ledger.freed_seq[last]),
+            )
+        )
 
-    def _on_lock(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
-                 slots: np.ndarray) -> None:
+    def _on_lock(
+        self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int, slots: np.ndarray
+    ) -> None:
         if node_id is not None:
             self.locks.append(HeldLock(int(node_id), rid, step, seq, aux))
 
-    def _on_unlock(self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int,
-                   slots: np.ndarray) -> None:
+    def _on_unlock(
+        self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int, slots: np.ndarray
+    ) -> None:
         for i in range(len(self.locks) - 1, -1, -1):
             held = self.locks[i]
             if held.node_id == node_id and held.rid == rid and held.op == aux:
@@ -407,14 +452,25 @@ class Ledger:
         first = group[np.argmin(ledger.seq[group])]
         is_request = owner == REQUEST
         rid = self.rids[ref] if is_request and ref >= 0 else None
-        return Holding(pool, group.tolist(), rid, None if is_request else ref, int(ledger.step[first]),
-                       int(ledger.seq[first]), owner, None if is_request else self.gone.get((owner, ref)))
+        return Holding(
+            pool,
+            group.tolist(),
+            rid,
+            None if is_request else ref,
+            int(ledger.step[first]),
+            int(ledger.seq[first]),
+            owner,
+            None if is_request else self.gone.get((owner, ref)),
+        )
 
     def locks_of_ended_requests(self) -> list[HeldLock]:
         """Locks nobody may hold now: a request's (op 0) once it ended, a copy op's once that op
         is no longer in flight."""
-        return [h for h in self.locks if (h.op not in self.in_flight if h.op else
-                                          h.rid is None or self.rid_index.get(h.rid, -1) not in self.live)]
+        return [
+            h
+            for h in self.locks
+            if (h.op not in self.in_flight if h.op else h.rid is None or self.rid_index.get(h.rid, -1) not in self.live)
+        ]
 
     def is_broken(self) -> bool:
         """Any double free, lock nobody may hold, copy op stuck at an idle point, or orphaned slot
@@ -443,8 +499,7 @@ class Ledger:
         for kind, table in recount.items():
             kept = {ref: n for ref, n in self.owners.held[kind].items() if n}
             if kept != dict(table):
-                raise AssertionError(f"ledger held counts ({names[kind]}) drifted: kept {kept}, "
-                                     f"recount {dict(table)}")
+                raise AssertionError(f"ledger held counts ({names[kind]}) drifted: kept {kept}, recount {dict(table)}")
 
     def read_violations(self, rid: str, slots: np.ndarray) -> np.ndarray:
         """Slots a request is about to read that it may not: free, or another live request's."""

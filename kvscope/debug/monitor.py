@@ -53,18 +53,36 @@ class DebugMonitor(Recorder):
     def idle(self) -> None:
         self.inner.idle()
 
-    def record(self, kind: EventKind, *, pool: PoolName | None = None, rid: str | None = None,
-               node_id: int | None = None, num_tokens: int = 0, slots: Any = None, reason: StrEnum | None = None,
-               aux: int = 0, principal: str | None = None) -> None:
+    def record(
+        self,
+        kind: EventKind,
+        *,
+        pool: PoolName | None = None,
+        rid: str | None = None,
+        node_id: int | None = None,
+        num_tokens: int = 0,
+        slots: Any = None,
+        reason: StrEnum | None = None,
+        aux: int = 0,
+        principal: str | None = None,
+    ) -> None:
         host = _as_slots(slots)
-        self.ledger.apply(kind, self._step, self._seq, pool and pool.value, rid, node_id, num_tokens, aux, host,
-                          reason)
+        self.ledger.apply(kind, self._step, self._seq, pool and pool.value, rid, node_id, num_tokens, aux, host, reason)
         self._seq += 1
         if kind is EventKind.FREE and host is not None and len(host):
             self._poison(pool, host)
         if self.inner.enabled:
-            self.inner.record(kind, pool=pool, rid=rid, node_id=node_id, num_tokens=num_tokens, slots=slots,
-                              reason=reason, aux=aux, principal=principal)
+            self.inner.record(
+                kind,
+                pool=pool,
+                rid=rid,
+                node_id=node_id,
+                num_tokens=num_tokens,
+                slots=slots,
+                reason=reason,
+                aux=aux,
+                principal=principal,
+            )
 
     def _poison(self, pool: PoolName | None, slots: np.ndarray) -> None:
         kv = self.kv_pool
@@ -92,8 +110,9 @@ class DebugMonitor(Recorder):
             return
         position = int(np.flatnonzero(np.isin(host, bad))[0])
         self.violations.append((rid, bad.tolist(), self._step))
-        self.record(EventKind.VIOLATION, rid=rid, slots=bad, reason=FaultKind.USE_AFTER_FREE, aux=position,
-                    num_tokens=len(bad))
+        self.record(
+            EventKind.VIOLATION, rid=rid, slots=bad, reason=FaultKind.USE_AFTER_FREE, aux=position, num_tokens=len(bad)
+        )
 
     # -- the rest goes to the run's recorder -------------------------------------------------
 

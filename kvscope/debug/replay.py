@@ -27,8 +27,9 @@ class Replay:
     current: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def advance(self, capture: Capture, on_step_end: StepHook | None = None, *,
-                on_progress: ProgressHook | None = None) -> int:
+    def advance(
+        self, capture: Capture, on_step_end: StepHook | None = None, *, on_progress: ProgressHook | None = None
+    ) -> int:
         """Apply the events after the last one applied; `on_step_end` sees every step completed
         on the way. Returns the number of events applied."""
         ledger, done = self.ledger, 0
@@ -47,8 +48,9 @@ class Replay:
         return done
 
 
-def replay(capture: Capture, run_id: int, on_step_end: StepHook | None = None, *,
-           on_progress: ProgressHook | None = None) -> Ledger:
+def replay(
+    capture: Capture, run_id: int, on_step_end: StepHook | None = None, *, on_progress: ProgressHook | None = None
+) -> Ledger:
     """Apply every event of the run in sequence order; `on_step_end(step, ledger)` sees the
     ledger after each step's last event, `on_progress(events)` is called after each batch."""
     state = Replay(run_id)

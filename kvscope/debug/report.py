@@ -33,14 +33,20 @@ from kvscope.telemetry import save_report as _store_report
 REPORT_KIND = "leaks"
 PRODUCER = f"kvscope {__version__} / leak report 1"  # a stored report from another producer is rebuilt
 
-PROBE_NOTE = ("recorded inside the engine by kvscope's probe: its idle census checks every block's ref count "
-              "against the scheduler's block tables and names the request that last took a leaked block; the "
-              "engine's ref-counted blocks are not replayed through kvscope's slot ledger")
-PAGE_PROBE_NOTE = ("recorded inside the engine by kvscope's probe: its idle page census checks that every page is "
-                   "exactly one of free, in the tree, or in a live request's row, and names the request that last "
-                   "took a leaked page; the engine's pages are not replayed through kvscope's slot ledger")
-SUMMARY_NOTE = ("recorded at level summary: the capture holds no slot indices, so this report works from the "
-                "leak checks and the requests table only (record with --level full for slots and culprits)")
+PROBE_NOTE = (
+    "recorded inside the engine by kvscope's probe: its idle census checks every block's ref count "
+    "against the scheduler's block tables and names the request that last took a leaked block; the "
+    "engine's ref-counted blocks are not replayed through kvscope's slot ledger"
+)
+PAGE_PROBE_NOTE = (
+    "recorded inside the engine by kvscope's probe: its idle page census checks that every page is "
+    "exactly one of free, in the tree, or in a live request's row, and names the request that last "
+    "took a leaked page; the engine's pages are not replayed through kvscope's slot ledger"
+)
+SUMMARY_NOTE = (
+    "recorded at level summary: the capture holds no slot indices, so this report works from the "
+    "leak checks and the requests table only (record with --level full for slots and culprits)"
+)
 
 
 class LeakKind(StrEnum):
@@ -162,7 +168,7 @@ def run_row(capture: Capture, run_id: int | None) -> Any:
 
 
 def attached_source(run: Any, kind: str = "attach") -> str | None:
-    """"<engine> <version>" when the run is a `kvscope attach` recording of a real engine (kind
+    """ "<engine> <version>" when the run is a `kvscope attach` recording of a real engine (kind
     "attach") or a recording of the probe inside one (kind "probe"), else None."""
     try:
         source = json.loads(run.config or "{}").get("source")
@@ -185,15 +191,27 @@ class ReportState:
         self.series.append((step, bool(self.series and self.series[-1][1]) or ledger.is_broken()))
 
 
-def build_report(target: str | Path, run_id: int | None = None, *, on_progress: ProgressHook | None = None,
-                 state: ReportState | None = None) -> LeakReport:
+def build_report(
+    target: str | Path,
+    run_id: int | None = None,
+    *,
+    on_progress: ProgressHook | None = None,
+    state: ReportState | None = None,
+) -> LeakReport:
     """`on_progress(events)` follows the ledger replay of a full capture, batch by batch. With
     `state` (kept by the caller, for one run), only the events after its last one are replayed."""
     capture = Capture(target)
     try:
         run = run_row(capture, run_id)
-        report = LeakReport(str(target), int(run.id), str(run.level), str(run.display_status), error=_text(run.error),
-                            attached=attached_source(run), probe=attached_source(run, "probe"))
+        report = LeakReport(
+            str(target),
+            int(run.id),
+            str(run.level),
+            str(run.display_status),
+            error=_text(run.error),
+            attached=attached_source(run),
+            probe=attached_source(run, "probe"),
+        )
         _from_checks(report, capture.leak_checks(report.run_id))
         last_step = capture.step_range(report.run_id).hi.iloc[0]
         report.last_step = None if pd.isna(last_step) else int(last_step)
@@ -220,8 +238,14 @@ def checks_report(target: str | Path, run_id: int | None = None) -> LeakReport:
         run = run_row(capture, run_id)
         if str(run.display_status) == RunStatus.FINISHED and str(run.level) == "full":
             return build_report(target, int(run.id))
-        report = LeakReport(str(target), int(run.id), str(run.level), str(run.display_status), error=_text(run.error),
-                            attached=attached_source(run))
+        report = LeakReport(
+            str(target),
+            int(run.id),
+            str(run.level),
+            str(run.display_status),
+            error=_text(run.error),
+            attached=attached_source(run),
+        )
         _from_checks(report, capture.leak_checks(report.run_id))
         last_step = capture.step_range(report.run_id).hi.iloc[0]
         report.last_step = None if pd.isna(last_step) else int(last_step)
@@ -287,8 +311,9 @@ def _suspects(requests: pd.DataFrame, report: LeakReport) -> list[str]:
     return [str(r) for r in ended.rid]
 
 
-def _from_ledger(report: LeakReport, capture: Capture, requests: pd.DataFrame, on_progress: ProgressHook | None,
-                 state: ReportState) -> None:
+def _from_ledger(
+    report: LeakReport, capture: Capture, requests: pd.DataFrame, on_progress: ProgressHook | None, state: ReportState
+) -> None:
     people = dict(zip(requests.rid, requests.principal, strict=True)) if not requests.empty else {}
     with state.replay.lock:
         state.replay.advance(capture, state.after_step, on_progress=on_progress)
@@ -300,8 +325,16 @@ def _from_ledger(report: LeakReport, capture: Capture, requests: pd.DataFrame, o
         report.through_seq = ledger.last_seq
         report.leaks = _link_consequences(_leaks(ledger, people))
     injected = capture.events(report.run_id, kinds=[EventKind.INJECT], limit=100_000)
-    report.injected = [{"kind": r.reason, "rid": _text(r.rid), "step": int(r.step), "slots": decode_slots(r.slots),
-                        "node_id": None if r.node_id != r.node_id else r.node_id} for r in injected.itertuples()]
+    report.injected = [
+        {
+            "kind": r.reason,
+            "rid": _text(r.rid),
+            "step": int(r.step),
+            "slots": decode_slots(r.slots),
+            "node_id": None if r.node_id != r.node_id else r.node_id,
+        }
+        for r in injected.itertuples()
+    ]
 
 
 def _bisect_onset(series: list[tuple[int, bool]]) -> int | None:
@@ -343,46 +376,107 @@ def _orphan_detail(ledger: Ledger, hold: Holding) -> str:
     when = "" if hold.gone_step is None else f" at step {hold.gone_step}"
     if hold.owner == HOST_COPY:
         return f"held by node {hold.node_id}'s host copy, which left the tree{when} without being freed"
-    return f"held by node {hold.node_id}, which is no longer in the tree (it left{when})" if when else \
-        f"held by node {hold.node_id}, which is no longer in the tree"
+    return (
+        f"held by node {hold.node_id}, which is no longer in the tree (it left{when})"
+        if when
+        else f"held by node {hold.node_id}, which is no longer in the tree"
+    )
 
 
 def _leaks(ledger: Ledger, people: dict[str, Any]) -> list[Leak]:
     leaks = []
     for hold in ledger.orphans():
         due = _ended_step(ledger, hold.rid) if hold.owner == REQUEST else hold.gone_step
-        leaks.append(Leak(LeakKind.ORPHANED, hold.pool, hold.slots, hold.rid, people.get(hold.rid or ""), hold.step,
-                          hold.seq, due, hold.node_id, _orphan_detail(ledger, hold), event=hold.seq))
+        leaks.append(
+            Leak(
+                LeakKind.ORPHANED,
+                hold.pool,
+                hold.slots,
+                hold.rid,
+                people.get(hold.rid or ""),
+                hold.step,
+                hold.seq,
+                due,
+                hold.node_id,
+                _orphan_detail(ledger, hold),
+                event=hold.seq,
+            )
+        )
     for twice in ledger.double_frees:
-        leaks.append(Leak(LeakKind.DOUBLE_FREE, twice.pool, twice.slots, twice.rid, people.get(twice.rid or ""),
-                          detail=f"freed again at step {twice.step} (event #{twice.seq}); first freed at step "
-                          f"{twice.first_step} (event #{twice.first_seq})", event=twice.seq))
+        leaks.append(
+            Leak(
+                LeakKind.DOUBLE_FREE,
+                twice.pool,
+                twice.slots,
+                twice.rid,
+                people.get(twice.rid or ""),
+                detail=f"freed again at step {twice.step} (event #{twice.seq}); first freed at step "
+                f"{twice.first_step} (event #{twice.first_seq})",
+                event=twice.seq,
+            )
+        )
     for held in ledger.locks_of_ended_requests():
         slots = ledger.node_slots.get(held.node_id)
         if held.op:
-            detail = (f"node {held.node_id} locked by copy op {held.op} at step {held.step} (event #{held.seq}) "
-                      "and never unlocked, though the op is no longer in flight: its tokens stay protected")
+            detail = (
+                f"node {held.node_id} locked by copy op {held.op} at step {held.step} (event #{held.seq}) "
+                "and never unlocked, though the op is no longer in flight: its tokens stay protected"
+            )
         else:
-            detail = (f"node {held.node_id} locked at step {held.step} (event #{held.seq}) "
-                      "and never unlocked: its tokens stay protected")
-        leaks.append(Leak(LeakKind.LOCK_NEVER_RELEASED, "full", [] if slots is None else slots.tolist(), held.rid,
-                          people.get(held.rid or ""), held.step, held.seq, _ended_step(ledger, held.rid),
-                          held.node_id, detail, event=held.seq))
+            detail = (
+                f"node {held.node_id} locked at step {held.step} (event #{held.seq}) "
+                "and never unlocked: its tokens stay protected"
+            )
+        leaks.append(
+            Leak(
+                LeakKind.LOCK_NEVER_RELEASED,
+                "full",
+                [] if slots is None else slots.tolist(),
+                held.rid,
+                people.get(held.rid or ""),
+                held.step,
+                held.seq,
+                _ended_step(ledger, held.rid),
+                held.node_id,
+                detail,
+                event=held.seq,
+            )
+        )
     for stuck in ledger.stuck_ops:
         copy, node = stuck.copy, stuck.copy.node_id
         pool, copies = ("host", ledger.host_copies) if copy.kind == "write" else ("full", ledger.node_slots)
         slots = copies.get(node) if node is not None else None
-        leaks.append(Leak(LeakKind.COPY_NEVER_ACKNOWLEDGED, pool, [] if slots is None else slots.tolist(), None, None,
-                          copy.step, copy.seq, stuck.idle_step, node,
-                          f"{copy.kind} op {stuck.op} of node {node} ({copy.num_tokens} tokens) was still in "
-                          f"flight at the idle point of step {stuck.idle_step} (event #{stuck.idle_seq}), where "
-                          "every copy is acknowledged", event=stuck.idle_seq))
+        leaks.append(
+            Leak(
+                LeakKind.COPY_NEVER_ACKNOWLEDGED,
+                pool,
+                [] if slots is None else slots.tolist(),
+                None,
+                None,
+                copy.step,
+                copy.seq,
+                stuck.idle_step,
+                node,
+                f"{copy.kind} op {stuck.op} of node {node} ({copy.num_tokens} tokens) was still in "
+                f"flight at the idle point of step {stuck.idle_step} (event #{stuck.idle_seq}), where "
+                "every copy is acknowledged",
+                event=stuck.idle_seq,
+            )
+        )
     for read in ledger.bad_reads:  # the culprit is whoever freed the slots while they were still in use
         reader = "it" if read.reader == read.freer else f"request {read.reader}"
-        leaks.append(Leak(LeakKind.USE_AFTER_FREE, "full", read.slots, read.freer, people.get(read.freer or ""),
-                          detail=f"freed at step {read.free_step} (event #{read.free_seq}) while still in use; "
-                          f"{reader} read it at step {read.step} (event #{read.seq}), position {read.position}",
-                          event=read.free_seq))
+        leaks.append(
+            Leak(
+                LeakKind.USE_AFTER_FREE,
+                "full",
+                read.slots,
+                read.freer,
+                people.get(read.freer or ""),
+                detail=f"freed at step {read.free_step} (event #{read.free_seq}) while still in use; "
+                f"{reader} read it at step {read.step} (event #{read.seq}), position {read.position}",
+                event=read.free_seq,
+            )
+        )
     return leaks
 
 
@@ -398,8 +492,10 @@ def render_text(report: LeakReport, max_leaks: int | None = None) -> str:
         clean = f"; last clean check at step {report.last_clean_step}" if report.last_clean_step is not None else ""
         lines.append(f"onset: step {report.onset_step} (bisected over the invariant series{clean})")
     if report.suspects:
-        lines.append(f"suspect requests (ended between the last clean and the first failing check): "
-                     f"{', '.join(report.suspects[:20])}")
+        lines.append(
+            f"suspect requests (ended between the last clean and the first failing check): "
+            f"{', '.join(report.suspects[:20])}"
+        )
     lines.append(_leaks_line(report))
     shown = report.leaks if max_leaks is None else report.leaks[:max_leaks]
     for i, leak in enumerate(shown, 1):
@@ -416,11 +512,15 @@ def render_text(report: LeakReport, max_leaks: int | None = None) -> str:
 
 def _checks_lines(report: LeakReport) -> list[str]:
     if report.first_failure_step is not None:
-        lines = [f"leak checks: {report.checks_run} idle points; first failure at step {report.first_failure_step}:",
-                 *(f"    {m}" for m in report.first_failure)]
+        lines = [
+            f"leak checks: {report.checks_run} idle points; first failure at step {report.first_failure_step}:",
+            *(f"    {m}" for m in report.first_failure),
+        ]
         if report.probe is not None and report.last_failure_step not in (None, report.first_failure_step):
-            lines += [f"  last failure at step {report.last_failure_step} (what the census finds wrong there):",
-                      *(f"    {m}" for m in report.last_failure)]
+            lines += [
+                f"  last failure at step {report.last_failure_step} (what the census finds wrong there):",
+                *(f"    {m}" for m in report.last_failure),
+            ]
         return lines
     if report.checks_run == 0:
         return ["leak checks: the run reached no idle point, so no leak check ran"]
@@ -431,25 +531,38 @@ def _leaks_line(report: LeakReport) -> str:
     """What the capture can and cannot say about leaks: 'none' only when it can know."""
     if report.leaks:
         roots = len(report.root_leaks)
-        cut = "" if report.finished else (" (found where the run stopped: one that is not "
-                                          f"{' or '.join(DEFINITE_KINDS)} may be a free still pending in that step)")
+        cut = (
+            ""
+            if report.finished
+            else (
+                " (found where the run stopped: one that is not "
+                f"{' or '.join(DEFINITE_KINDS)} may be a free still pending in that step)"
+            )
+        )
         consequences = len(report.leaks) - roots
-        return (f"leaks: {roots} root cause{'s' if roots != 1 else ''}, {consequences} "
-                f"consequence{'s' if consequences != 1 else ''}{cut}")
+        return (
+            f"leaks: {roots} root cause{'s' if roots != 1 else ''}, {consequences} "
+            f"consequence{'s' if consequences != 1 else ''}{cut}"
+        )
     if report.first_failure_step is not None:
         if report.probe is not None:
-            return (f"leaks: the census of the {report.probe} probe failed at step {report.first_failure_step}; "
-                    f"the check above names the {'pages' if _pages(report) else 'blocks'} and the request that last "
-                    "took each")
+            return (
+                f"leaks: the census of the {report.probe} probe failed at step {report.first_failure_step}; "
+                f"the check above names the {'pages' if _pages(report) else 'blocks'} and the request that last "
+                "took each"
+            )
         if report.level != "full":
-            return (f"leaks: the leak check failed at step {report.first_failure_step} "
-                    f"({_gap(report.first_failure)}), but this capture is at level {report.level}, so it has no "
-                    "slot indices to name the culprits: re-record at --level full")
-        return (f"leaks: the slot ledger names no culprit for the check that failed at step "
-                f"{report.first_failure_step}")
+            return (
+                f"leaks: the leak check failed at step {report.first_failure_step} "
+                f"({_gap(report.first_failure)}), but this capture is at level {report.level}, so it has no "
+                "slot indices to name the culprits: re-record at --level full"
+            )
+        return f"leaks: the slot ledger names no culprit for the check that failed at step {report.first_failure_step}"
     if not report.finished:
-        return (f"leaks: not known: {_STOPPED.get(report.status, f'the run is {report.status!r}')}"
-                f"{_at_step(report)}; whether its memory would have balanced at the end is not in the capture")
+        return (
+            f"leaks: not known: {_STOPPED.get(report.status, f'the run is {report.status!r}')}"
+            f"{_at_step(report)}; whether its memory would have balanced at the end is not in the capture"
+        )
     if report.probe is not None:
         return f"leaks: none seen by the {report.probe} probe's census"
     if report.level != "full":
@@ -469,12 +582,19 @@ def _at_step(report: LeakReport) -> str:
 
 
 def _leak_lines(index: int, leak: Leak) -> list[str]:
-    who = f"request {leak.rid}" + (f" (user {leak.principal})" if leak.principal else "") if leak.rid else \
-        f"node {leak.node_id}" if leak.node_id is not None else "-"
+    who = (
+        f"request {leak.rid}" + (f" (user {leak.principal})" if leak.principal else "")
+        if leak.rid
+        else f"node {leak.node_id}"
+        if leak.node_id is not None
+        else "-"
+    )
     count = f"{len(leak.slots)} slot{'s' if len(leak.slots) != 1 else ''}"
     after = f" — a consequence of #{leak.consequence_of}" if leak.consequence_of else ""
-    lines = [f"  {index}. {leak.kind}, pool {leak.pool}: {count} {_slots_text(leak.slots)}{after}",
-             f"     culprit: {who}; {leak.detail}"]
+    lines = [
+        f"  {index}. {leak.kind}, pool {leak.pool}: {count} {_slots_text(leak.slots)}{after}",
+        f"     culprit: {who}; {leak.detail}",
+    ]
     if leak.kind is LeakKind.LOCK_NEVER_RELEASED and leak.free_due_step is not None:
         lines.append(f"     the unlock was due at step {leak.free_due_step}, when the request finished")
     elif leak.allocated_step is not None:
@@ -493,9 +613,12 @@ def verdict(report: LeakReport) -> Verdict:
     leak: a leak check failed, or the ledger found a leak (in a run cut short, only the
     DEFINITE_KINDS count). inconclusive: the run did not finish, or no idle check ran."""
     if report.attached is not None:
-        return Verdict("inconclusive", CHECK_EXIT_CODES["inconclusive"],
-                       f"inconclusive: an attached engine ({report.attached}) runs its own leak check; kvscope sees "
-                       "its cached pages, not its slots (`kvscope report engine-log LOG` explains its leak messages)")
+        return Verdict(
+            "inconclusive",
+            CHECK_EXIT_CODES["inconclusive"],
+            f"inconclusive: an attached engine ({report.attached}) runs its own leak check; kvscope sees "
+            "its cached pages, not its slots (`kvscope report engine-log LOG` explains its leak messages)",
+        )
     leaks = [leak for leak in report.root_leaks if report.finished or leak.kind in DEFINITE_KINDS]
     if leaks or report.first_failure_step is not None:
         return Verdict("leak", CHECK_EXIT_CODES["leak"], _leak_reason(report, leaks))
@@ -506,16 +629,28 @@ def verdict(report: LeakReport) -> Verdict:
         balanced = f"{_checks(report.checks_run)} balanced {when}"
         return Verdict("inconclusive", CHECK_EXIT_CODES["inconclusive"], f"inconclusive: {stopped}{why}; {balanced}")
     if report.checks_run == 0:
-        return Verdict("inconclusive", CHECK_EXIT_CODES["inconclusive"],
-                       "inconclusive: the run finished without reaching an idle point, so no leak check ran")
+        return Verdict(
+            "inconclusive",
+            CHECK_EXIT_CODES["inconclusive"],
+            "inconclusive: the run finished without reaching an idle point, so no leak check ran",
+        )
     if report.probe is not None:
-        return Verdict("clean", CHECK_EXIT_CODES["clean"], f"clean: {_checks(report.checks_run)} of the "
-                       f"{report.probe} probe's {_census_words(report)})")
+        return Verdict(
+            "clean",
+            CHECK_EXIT_CODES["clean"],
+            f"clean: {_checks(report.checks_run)} of the {report.probe} probe's {_census_words(report)})",
+        )
     if report.level != "full":
-        return Verdict("clean", CHECK_EXIT_CODES["clean"], f"clean: {_checks(report.checks_run)} balanced "
-                       f"(level {report.level}: no slot ledger to look further)")
-    return Verdict("clean", CHECK_EXIT_CODES["clean"], f"clean: {_checks(report.checks_run)} balanced, "
-                   "no orphaned slots, double frees or held locks")
+        return Verdict(
+            "clean",
+            CHECK_EXIT_CODES["clean"],
+            f"clean: {_checks(report.checks_run)} balanced (level {report.level}: no slot ledger to look further)",
+        )
+    return Verdict(
+        "clean",
+        CHECK_EXIT_CODES["clean"],
+        f"clean: {_checks(report.checks_run)} balanced, no orphaned slots, double frees or held locks",
+    )
 
 
 def _pages(report: LeakReport) -> bool:

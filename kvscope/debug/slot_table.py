@@ -78,8 +78,15 @@ class PoolLedger:
     """Owner kind, owner reference (request index or node id), since step, since event seq;
     and per slot the last free: by which request, at which step and event."""
 
-    FIELDS = (("kind", 0), ("ref", -1), ("step", 0), ("seq", -1), ("freed_by", -1), ("freed_step", -1),
-              ("freed_seq", -1))
+    FIELDS = (
+        ("kind", 0),
+        ("ref", -1),
+        ("step", 0),
+        ("seq", -1),
+        ("freed_by", -1),
+        ("freed_step", -1),
+        ("freed_seq", -1),
+    )
 
     def __init__(self, owners: Owners, num_slots: int = 1024) -> None:
         self.owners = owners

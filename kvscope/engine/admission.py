@@ -26,8 +26,15 @@ class Admission:
 
 
 class PrefillAdder:
-    def __init__(self, memory: MemorySystem, running: Sequence[Req], new_token_ratio: float, clip: int,
-                 max_prefill_tokens: int, chunked_prefill_size: int | None) -> None:
+    def __init__(
+        self,
+        memory: MemorySystem,
+        running: Sequence[Req],
+        new_token_ratio: float,
+        clip: int,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int | None,
+    ) -> None:
         self.memory = memory
         self.page_size = memory.page_size
         self.clip = clip

@@ -68,10 +68,15 @@ def _radix(parts: CacheParts) -> BasePrefixCache:
     from kvscope.cache import RadixCache
 
     config = parts.config
-    return RadixCache(parts.allocator, config.pool.page_size, req_to_token_pool=parts.rows,
-                      eviction_policy=config.cache.eviction_policy,
-                      eviction_granularity=config.cache.eviction_granularity, recorder=parts.recorder,
-                      strict=config.strict)
+    return RadixCache(
+        parts.allocator,
+        config.pool.page_size,
+        req_to_token_pool=parts.rows,
+        eviction_policy=config.cache.eviction_policy,
+        eviction_granularity=config.cache.eviction_granularity,
+        recorder=parts.recorder,
+        strict=config.strict,
+    )
 
 
 def _scoped(parts: CacheParts) -> BasePrefixCache:
@@ -79,11 +84,20 @@ def _scoped(parts: CacheParts) -> BasePrefixCache:
     from kvscope.cache.scoped import ScopedRadixCache
 
     config, cache = parts.config, parts.config.cache
-    return ScopedRadixCache(parts.allocator, config.pool.page_size, req_to_token_pool=parts.rows,
-                            eviction_policy=cache.eviction_policy, eviction_granularity=cache.eviction_granularity,
-                            recorder=parts.recorder, strict=config.strict, promote_k=cache.promote_k,
-                            epoch_s=cache.epoch_s, pinned=cache.pinned, dedup=cache.dedup,
-                            merge_chains=cache.merge_chains)
+    return ScopedRadixCache(
+        parts.allocator,
+        config.pool.page_size,
+        req_to_token_pool=parts.rows,
+        eviction_policy=cache.eviction_policy,
+        eviction_granularity=cache.eviction_granularity,
+        recorder=parts.recorder,
+        strict=config.strict,
+        promote_k=cache.promote_k,
+        epoch_s=cache.epoch_s,
+        pinned=cache.pinned,
+        dedup=cache.dedup,
+        merge_chains=cache.merge_chains,
+    )
 
 
 def _hiradix(parts: CacheParts) -> HiRadixCache:
@@ -97,43 +111,71 @@ def _hiradix(parts: CacheParts) -> HiRadixCache:
     host_allocator = HostTokenAllocator(size, ps, strict=config.strict)
     host_allocator.recorder = parts.recorder
     controller = CacheController(parts.allocator, parts.kv_pool, host_allocator, HostKVPool.like(parts.kv_pool, size))
-    return HiRadixCache(parts.allocator, ps, controller, write_policy=cache.write_policy, req_to_token_pool=parts.rows,
-                        eviction_policy=cache.eviction_policy, recorder=parts.recorder, strict=config.strict)
+    return HiRadixCache(
+        parts.allocator,
+        ps,
+        controller,
+        write_policy=cache.write_policy,
+        req_to_token_pool=parts.rows,
+        eviction_policy=cache.eviction_policy,
+        recorder=parts.recorder,
+        strict=config.strict,
+    )
 
 
 def _chunk(parts: CacheParts) -> BasePrefixCache:
     from kvscope.cache import ChunkCache
 
-    return ChunkCache(parts.allocator, parts.config.pool.page_size, req_to_token_pool=parts.rows,
-                      recorder=parts.recorder)
+    return ChunkCache(
+        parts.allocator, parts.config.pool.page_size, req_to_token_pool=parts.rows, recorder=parts.recorder
+    )
 
 
 def _swa_radix(parts: CacheParts) -> SWAPrefixCache:
     from kvscope.cache import SWARadixCache
 
     assert parts.window_len is not None
-    return SWARadixCache(parts.allocator, parts.config.pool.page_size, window_len=parts.window_len,
-                         req_to_token_pool=parts.rows, recorder=parts.recorder, strict=parts.config.strict)
+    return SWARadixCache(
+        parts.allocator,
+        parts.config.pool.page_size,
+        window_len=parts.window_len,
+        req_to_token_pool=parts.rows,
+        recorder=parts.recorder,
+        strict=parts.config.strict,
+    )
 
 
 def _swa_chunk(parts: CacheParts) -> SWAPrefixCache:
     from kvscope.cache import SWAChunkCache
 
     assert parts.window_len is not None
-    return SWAChunkCache(parts.allocator, parts.config.pool.page_size, req_to_token_pool=parts.rows,
-                         window_len=parts.window_len, recorder=parts.recorder)
+    return SWAChunkCache(
+        parts.allocator,
+        parts.config.pool.page_size,
+        req_to_token_pool=parts.rows,
+        window_len=parts.window_len,
+        recorder=parts.recorder,
+    )
 
 
 CACHE_KINDS: dict[str, CacheKindSpec] = {
     spec.name: spec
     for spec in (
         CacheKindSpec("radix", "SGLang's radix tree", build_full=_radix, has_tree=True),
-        CacheKindSpec("chunk", "no reuse: a finished request frees all its KV", build_full=_chunk,
-                      build_hybrid=_swa_chunk),
-        CacheKindSpec("swa-radix", "the radix tree of hybrid sliding-window models", build_hybrid=_swa_radix,
-                      has_tree=True),
-        CacheKindSpec("scoped-radix", "tenant isolation: nodes private to their principals until promoted",
-                      build_full=_scoped, has_tree=True, scoped=True, label="scoped"),
+        CacheKindSpec(
+            "chunk", "no reuse: a finished request frees all its KV", build_full=_chunk, build_hybrid=_swa_chunk
+        ),
+        CacheKindSpec(
+            "swa-radix", "the radix tree of hybrid sliding-window models", build_hybrid=_swa_radix, has_tree=True
+        ),
+        CacheKindSpec(
+            "scoped-radix",
+            "tenant isolation: nodes private to their principals until promoted",
+            build_full=_scoped,
+            has_tree=True,
+            scoped=True,
+            label="scoped",
+        ),
         CacheKindSpec("hiradix", "the radix tree over a host tier", build_host=_hiradix, has_tree=True),
         CacheKindSpec("none", "the same as chunk", build_full=_chunk, build_hybrid=_swa_chunk),
     )
@@ -164,8 +206,10 @@ def check_fits_model(name: str, is_hybrid: bool) -> None:
     """ValueError when the kind cannot serve this model's attention."""
     spec = cache_kind(name)
     if is_hybrid and not spec.fits_hybrid:
-        raise ValueError(f"a hybrid sliding-window model needs --cache {either(kinds_with(lambda s: s.fits_hybrid))}, "
-                         f"not {name} (the {spec.label or name} cache is for full-attention models)")
+        raise ValueError(
+            f"a hybrid sliding-window model needs --cache {either(kinds_with(lambda s: s.fits_hybrid))}, "
+            f"not {name} (the {spec.label or name} cache is for full-attention models)"
+        )
     if not is_hybrid and not spec.fits_full:
         raise ValueError(f"the {spec.label or name} cache needs a hybrid sliding-window model (e.g. --model tiny-swa)")
 
@@ -173,5 +217,7 @@ def check_fits_model(name: str, is_hybrid: bool) -> None:
 def cli_help() -> str:
     """`--cache`'s help: auto and every kind, from the registry."""
     kinds = "; ".join(f"{name}: {spec.help}" for name, spec in CACHE_KINDS.items())
-    return (f"prefix cache; {AUTO} = {auto_cache_kind(False)}, or {auto_cache_kind(True)} for a sliding-window model; "
-            f"{kinds}")
+    return (
+        f"prefix cache; {AUTO} = {auto_cache_kind(False)}, or {auto_cache_kind(True)} for a sliding-window model; "
+        f"{kinds}"
+    )

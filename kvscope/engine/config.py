@@ -133,15 +133,23 @@ class CacheConfig:
         cache_kind(self.kind)  # ValueError naming the kinds
         if self.promote_k is not None and (type(self.promote_k) is not int or self.promote_k < 1):
             raise ValueError(f"promote_k must be an int >= 1, or None for never; got {self.promote_k!r}")
-        if isinstance(self.epoch_s, bool) or not isinstance(self.epoch_s, int | float) \
-                or not math.isfinite(self.epoch_s) or self.epoch_s <= 0:
+        if (
+            isinstance(self.epoch_s, bool)
+            or not isinstance(self.epoch_s, int | float)
+            or not math.isfinite(self.epoch_s)
+            or self.epoch_s <= 0
+        ):
             raise ValueError(f"epoch_s must be a finite number of seconds > 0, got {self.epoch_s!r}")
         if any(not prefix for prefix in self.pinned):
             raise ValueError("a pinned prefix must hold at least one token")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write policy must be one of {', '.join(WRITE_POLICIES)}; got {self.write_policy!r}")
-        if isinstance(self.host_ratio, bool) or not isinstance(self.host_ratio, int | float) \
-                or not math.isfinite(self.host_ratio) or self.host_ratio <= 0:
+        if (
+            isinstance(self.host_ratio, bool)
+            or not isinstance(self.host_ratio, int | float)
+            or not math.isfinite(self.host_ratio)
+            or self.host_ratio <= 0
+        ):
             raise ValueError(f"host ratio must be a finite number > 0, got {self.host_ratio!r}")
         if self.host_tokens is not None and (type(self.host_tokens) is not int or self.host_tokens < 1):
             raise ValueError(f"host tokens must be an int >= 1, or None for the ratio; got {self.host_tokens!r}")
@@ -165,8 +173,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule policy must be one of {', '.join(SCHEDULE_POLICIES)}; "
-                             f"got {self.schedule_policy!r}")
+            raise ValueError(
+                f"schedule policy must be one of {', '.join(SCHEDULE_POLICIES)}; got {self.schedule_policy!r}"
+            )
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise ValueError(f"chunked prefill size must be >= 1 (or None to disable), got {self.chunked_prefill_size}")
         if self.max_prefill_tokens < 1 or self.schedule_conservativeness <= 0:
@@ -226,8 +235,7 @@ class EngineConfig:
         window_and_page = (sliding_window or 0) + self.pool.page_size
         if is_hybrid and window_and_page >= self.pool.swa_size_tokens:
             raise ValueError(
-                f"the SWA pool ({self.pool.swa_size_tokens} tokens) must exceed window + page size "
-                f"({window_and_page})"
+                f"the SWA pool ({self.pool.swa_size_tokens} tokens) must exceed window + page size ({window_and_page})"
             )
 
     def fingerprint(self) -> dict[str, Any]:

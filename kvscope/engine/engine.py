@@ -50,21 +50,33 @@ def check_request(config: EngineConfig, model_config: ModelConfig, req: Req) -> 
     pool = config.pool
     total = req.prompt_len + req.max_new_tokens
     if total > pool.max_context_len:
-        raise ValueError(f"request {req.rid}: {total} tokens (prompt + output) exceed the context length "
-                         f"{pool.max_context_len}")
+        raise ValueError(
+            f"request {req.rid}: {total} tokens (prompt + output) exceed the context length {pool.max_context_len}"
+        )
     need = -(-total // pool.page_size) * pool.page_size + pool.page_size
     if need > pool.full_size_tokens:
-        raise ValueError(f"KV capacity {pool.full_size_tokens} tokens is smaller than one request "
-                         f"({req.rid} needs {need})")
+        raise ValueError(
+            f"KV capacity {pool.full_size_tokens} tokens is smaller than one request ({req.rid} needs {need})"
+        )
     if int(np.max(req.prompt_ids)) >= model_config.vocab_size:
-        raise ValueError(f"request {req.rid}: token id {int(np.max(req.prompt_ids))} outside the model's "
-                         f"vocabulary of {model_config.vocab_size}")
+        raise ValueError(
+            f"request {req.rid}: token id {int(np.max(req.prompt_ids))} outside the model's "
+            f"vocabulary of {model_config.vocab_size}"
+        )
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, recorder: Recorder = NULL_RECORDER,
-                 on_logits: LogitsHook | None = None, *, read_checker: ReadChecker | None = None,
-                 faults: list[FaultSpec] | None = None, fault_seed: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        recorder: Recorder = NULL_RECORDER,
+        on_logits: LogitsHook | None = None,
+        *,
+        read_checker: ReadChecker | None = None,
+        faults: list[FaultSpec] | None = None,
+        fault_seed: int = 0,
+    ) -> None:
         """`read_checker`: sees the KV pool once built, then every slot a request is about to read
         (the debugger's monitor catches a use-after-free at the read; it is usually the recorder
         too). `faults`: inject these faults (needs strict mode off)."""
@@ -80,16 +92,18 @@ class Engine:
         self.recorder = recorder
         self.read_checker = read_checker
         self.model = TinyTransformer(model_config, self.device)
-        self.memory: MemorySystem = build_memory(config, kv_pool_shape(model_config), model_config.sliding_window,
-                                                 recorder)
+        self.memory: MemorySystem = build_memory(
+            config, kv_pool_shape(model_config), model_config.sliding_window, recorder
+        )
         if read_checker is not None:
             read_checker.attach_kv_pool(self.memory.kv_pool)
         self.faults = FaultInjector(faults, fault_seed, recorder) if faults else None
         if self.faults is not None and FaultKind.HOST_LEAK in self.faults.rates:
             assert isinstance(self.memory, HiMemorySystem)  # check_faults: host-leak needs hiradix
             self.memory.cache.on_host_free = partial(fault_hooks.maybe_host_leak, self.faults)
-        self.scheduler = Scheduler(config, self.model, self.memory, recorder, on_logits, read_checker=read_checker,
-                                   faults=self.faults)
+        self.scheduler = Scheduler(
+            config, self.model, self.memory, recorder, on_logits, read_checker=read_checker, faults=self.faults
+        )
         self._last_check_step = -1  # the step of the last idle check
 
     @property
@@ -135,8 +149,13 @@ class Engine:
         self.recorder.idle()
         return True
 
-    def run(self, requests: Sequence[Req], pace_per_s: float | None = None,
-            progress: ProgressHook | None = None, max_steps: int | None = None) -> EngineStats:
+    def run(
+        self,
+        requests: Sequence[Req],
+        pace_per_s: float | None = None,
+        progress: ProgressHook | None = None,
+        max_steps: int | None = None,
+    ) -> EngineStats:
         """Run until every request has finished (or aborted); the leak check runs at idle points."""
         for req in requests:
             self.validate(req)
@@ -171,9 +190,11 @@ class Engine:
         head = scheduler.waiting[0] if scheduler.waiting else None
         full = memory.full_terms()
         need = f"the next ({head.rid}) needs {head.all_len} tokens; " if head is not None else ""
-        return (f"stalled at step {scheduler.step}: {len(scheduler.waiting)} requests wait and none can start, none "
-                f"runs: {need}the pool has {full.available} free and {full.evictable} evictable of {full.total}, and "
-                f"{full.protected} stay locked with no request running (a lock that is never released?)")
+        return (
+            f"stalled at step {scheduler.step}: {len(scheduler.waiting)} requests wait and none can start, none "
+            f"runs: {need}the pool has {full.available} free and {full.evictable} evictable of {full.total}, and "
+            f"{full.protected} stay locked with no request running (a lock that is never released?)"
+        )
 
     def finish_run(self) -> None:
         """The end of a run: the tree's last snapshot; requests still open get 'unfinished' rows."""
@@ -190,7 +211,10 @@ class Engine:
         owned = [memory.cache.tree_slots()]
         for req in holders:
             assert req.req_pool_idx is not None
-            owned.append(memory.req_to_token_pool.read(req.req_pool_idx, req.cache_protected_len,
-                                                       req.kv_committed_len).cpu().numpy())
+            owned.append(
+                memory.req_to_token_pool.read(req.req_pool_idx, req.cache_protected_len, req.kv_committed_len)
+                .cpu()
+                .numpy()
+            )
         memory.allocator.check_integrity(np.concatenate(owned))
         memory.req_to_token_pool.check_integrity([r.req_pool_idx for r in holders if r.req_pool_idx])

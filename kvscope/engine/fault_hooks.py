@@ -73,8 +73,9 @@ def maybe_use_after_free(faults: FaultInjector, memory: MemorySystem, req: Req) 
         memory.allocator.free(slots)
 
 
-def maybe_swa_window_leak(faults: FaultInjector, memory: SWAMemorySystem, req: Req, start_len: int,
-                          end_len: int) -> bool:
+def maybe_swa_window_leak(
+    faults: FaultInjector, memory: SWAMemorySystem, req: Req, start_len: int, end_len: int
+) -> bool:
     """Drop the SWA slots of positions [start_len, end_len), which left the window, from the
     mapping without freeing them. A WindowHook: True when it took the window move over."""
     if end_len <= start_len or not faults.wants(FaultKind.SWA_WINDOW_LEAK, req.rid):
@@ -98,5 +99,11 @@ def maybe_host_leak(faults: FaultInjector, node: HiTreeNode, host_slots: np.ndar
     return True
 
 
-__all__ = ["double_free_window", "maybe_host_leak", "maybe_leak_tail", "maybe_lock_leak", "maybe_swa_window_leak",
-           "maybe_use_after_free"]
+__all__ = [
+    "double_free_window",
+    "maybe_host_leak",
+    "maybe_leak_tail",
+    "maybe_lock_leak",
+    "maybe_swa_window_leak",
+    "maybe_use_after_free",
+]

@@ -74,8 +74,14 @@ class FaultInjector:
         kept = [] if slots is None else [int(s) for s in slots]
         self.log.append((kind, rid, kept, node_id))
         if self.recorder.enabled:
-            self.recorder.record(EventKind.INJECT, rid=rid, node_id=node_id, num_tokens=len(kept),
-                                 slots=None if slots is None else np.asarray(kept, dtype=np.int64), reason=kind)
+            self.recorder.record(
+                EventKind.INJECT,
+                rid=rid,
+                node_id=node_id,
+                num_tokens=len(kept),
+                slots=None if slots is None else np.asarray(kept, dtype=np.int64),
+                reason=kind,
+            )
 
 
 def node_target(node_id: int) -> str:
@@ -86,11 +92,13 @@ def node_target(node_id: int) -> str:
 def check_applicable(specs: list[FaultSpec], has_tree: bool, is_swa: bool, has_host: bool = False) -> None:
     for spec in specs:
         if spec.kind in TREE_ONLY and not has_tree:
-            raise ValueError(f"fault {spec.kind} needs a cache with a tree "
-                             f"({either(kinds_with(lambda kind: kind.has_tree))})")
+            raise ValueError(
+                f"fault {spec.kind} needs a cache with a tree ({either(kinds_with(lambda kind: kind.has_tree))})"
+            )
         if spec.kind in HOST_ONLY and not has_host:
-            raise ValueError(f"fault {spec.kind} needs a host tier "
-                             f"(--cache {either(kinds_with(lambda kind: kind.has_host))})")
+            raise ValueError(
+                f"fault {spec.kind} needs a host tier (--cache {either(kinds_with(lambda kind: kind.has_host))})"
+            )
         if spec.kind in SWA_ONLY and not is_swa:
             raise ValueError(f"fault {spec.kind} needs a sliding-window model (e.g. --model tiny-swa)")
 
@@ -110,6 +118,7 @@ def observe_frees(allocator: TokenAllocator) -> Iterator[list[torch.Tensor]]:
             pieces = [s for s, _ in arg] if name == "free_segments" else [arg]
             seen.extend(p.clone() for p in pieces if p.numel())
             original(arg, *rest)
+
         return call
 
     for name in methods:

@@ -58,8 +58,14 @@ WindowHook = Callable[["SWAMemorySystem", Req, int, int], bool]
 class MemorySystem:
     """Full attention: one token pool; nothing leaves a window."""
 
-    def __init__(self, config: EngineConfig, req_to_token_pool: ReqToTokenPool, allocator: TokenAllocator,
-                 kv_pool: KVPool, cache: BasePrefixCache) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: TokenAllocator,
+        kv_pool: KVPool,
+        cache: BasePrefixCache,
+    ) -> None:
         self.config = config
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
@@ -138,9 +144,15 @@ class SWAMemorySystem(MemorySystem):
     allocator: SWATokenToKVPoolAllocator
     cache: SWAPrefixCache
 
-    def __init__(self, config: EngineConfig, req_to_token_pool: ReqToTokenPool,
-                 allocator: SWATokenToKVPoolAllocator, kv_pool: SWAKVPool, cache: SWAPrefixCache,
-                 window_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: SWATokenToKVPoolAllocator,
+        kv_pool: SWAKVPool,
+        cache: SWAPrefixCache,
+        window_len: int,
+    ) -> None:
         super().__init__(config, req_to_token_pool, allocator, kv_pool, cache)
         self.window_len = window_len
 
@@ -154,8 +166,12 @@ class SWAMemorySystem(MemorySystem):
         return min(super().reclaimable_size(), self.swa_available() + self.cache.swa_evictable_size())
 
     def swa_terms(self) -> PoolTerms:
-        return PoolTerms(self.config.pool.swa_size_tokens, self.swa_available(), self.cache.swa_evictable_size(),
-                         self.cache.swa_protected_size())
+        return PoolTerms(
+            self.config.pool.swa_size_tokens,
+            self.swa_available(),
+            self.cache.swa_evictable_size(),
+            self.cache.swa_protected_size(),
+        )
 
     def evict_for(self, num_tokens: int) -> int:
         cache = self.cache
@@ -196,8 +212,9 @@ class SWAMemorySystem(MemorySystem):
     def pool_checks(self, step: int, holders: Sequence[Req]) -> list[LeakCheck]:
         ps = self.page_size
         swa = self.swa_terms()
-        swa_uncached = sum(-(-r.kv_committed_len // ps) * ps - max(r.cache_protected_len, r.swa_evicted_len)
-                           for r in holders)
+        swa_uncached = sum(
+            -(-r.kv_committed_len // ps) * ps - max(r.cache_protected_len, r.swa_evicted_len) for r in holders
+        )
         swa_check = LeakCheck(step, "swa", swa.total, swa.available, swa.evictable, swa.protected, 0, swa_uncached)
         return [*super().pool_checks(step, holders), swa_check]
 
@@ -208,8 +225,14 @@ class HiMemorySystem(MemorySystem):
 
     cache: HiRadixCache
 
-    def __init__(self, config: EngineConfig, req_to_token_pool: ReqToTokenPool, allocator: TokenAllocator,
-                 kv_pool: MHATokenToKVPool, cache: HiRadixCache) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: TokenAllocator,
+        kv_pool: MHATokenToKVPool,
+        cache: HiRadixCache,
+    ) -> None:
         super().__init__(config, req_to_token_pool, allocator, kv_pool, cache)
         self.controller: CacheController = cache.controller
         self.host_allocator: HostTokenAllocator = cache.host_allocator
@@ -225,8 +248,9 @@ class HiMemorySystem(MemorySystem):
 
     def host_totals(self) -> HostTierTotals:
         cache = self.cache
-        return HostTierTotals(self.host_allocator.total_size, cache.num_write_tokens, cache.num_load_back_tokens,
-                              cache.num_dropped_tokens)
+        return HostTierTotals(
+            self.host_allocator.total_size, cache.num_write_tokens, cache.num_load_back_tokens, cache.num_dropped_tokens
+        )
 
     def pool_checks(self, step: int, holders: Sequence[Req]) -> list[LeakCheck]:
         host = self.host_terms()
@@ -244,19 +268,37 @@ def build_memory(config: EngineConfig, shape: KVPoolShape, window_len: int | Non
     rows = ReqToTokenPool(pool_cfg.max_running_requests, pool_cfg.max_context_len, device, strict=config.strict)
     if shape.is_hybrid:
         assert window_len is not None and spec.build_hybrid is not None
-        swa_allocator = SWATokenToKVPoolAllocator(pool_cfg.full_size_tokens, pool_cfg.swa_size_tokens, ps, device,
-                                                  strict=config.strict)
-        full = MHATokenToKVPool(pool_cfg.full_size_tokens, ps, shape.dtype, shape.num_kv_heads, shape.head_dim,
-                                shape.num_full_layers, device, name="full")
-        swa = MHATokenToKVPool(pool_cfg.swa_size_tokens, ps, shape.dtype, shape.num_kv_heads, shape.head_dim,
-                               shape.num_swa_layers, device, name="swa")
+        swa_allocator = SWATokenToKVPoolAllocator(
+            pool_cfg.full_size_tokens, pool_cfg.swa_size_tokens, ps, device, strict=config.strict
+        )
+        full = MHATokenToKVPool(
+            pool_cfg.full_size_tokens,
+            ps,
+            shape.dtype,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.num_full_layers,
+            device,
+            name="full",
+        )
+        swa = MHATokenToKVPool(
+            pool_cfg.swa_size_tokens,
+            ps,
+            shape.dtype,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.num_swa_layers,
+            device,
+            name="swa",
+        )
         swa_kv_pool = SWAKVPool(full, swa, list(shape.swa_layer_ids), swa_allocator.full_to_swa_index_mapping)
         swa_allocator.recorder = recorder
         swa_cache = spec.build_hybrid(CacheParts(config, swa_allocator, rows, None, window_len, recorder))
         return SWAMemorySystem(config, rows, swa_allocator, swa_kv_pool, swa_cache, window_len)
     allocator = make_token_allocator(pool_cfg.full_size_tokens, ps, device, strict=config.strict)
-    kv_pool = MHATokenToKVPool(pool_cfg.full_size_tokens, ps, shape.dtype, shape.num_kv_heads, shape.head_dim,
-                               shape.num_full_layers, device)
+    kv_pool = MHATokenToKVPool(
+        pool_cfg.full_size_tokens, ps, shape.dtype, shape.num_kv_heads, shape.head_dim, shape.num_full_layers, device
+    )
     allocator.recorder = recorder
     parts = CacheParts(config, allocator, rows, kv_pool, None, recorder)
     if spec.build_host is not None:

@@ -110,7 +110,7 @@ class Req:
         elif self.finish_reason is None and last in params.stop_token_ids:
             self.finish_reason, self.stop_token = "stop", last
         for index, seq in enumerate(params.stop_sequences):
-            if num_outputs >= len(seq) and tuple(self.output_ids[-len(seq):]) == seq:
+            if num_outputs >= len(seq) and tuple(self.output_ids[-len(seq) :]) == seq:
                 self.finish_reason, self.stop_token, self.stop_sequence = "stop", None, index
                 break
         return self.finish_reason is not None

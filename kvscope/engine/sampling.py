@@ -69,7 +69,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
     sorted_probs = probs[order]
     keep = torch.ones_like(sorted_probs, dtype=torch.bool)
     if params.top_k > 0:
-        keep[params.top_k:] = False
+        keep[params.top_k :] = False
     if params.top_p < 1.0:
         before = torch.cumsum(sorted_probs, 0) - sorted_probs  # NOTE: the token that crosses top_p stays
         keep &= before < params.top_p

@@ -46,11 +46,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < -1 or not 0 <= self.min_p <= 1:
-            raise ValueError(f"sampling parameters out of range: temperature {self.temperature}, top_p "
-                             f"{self.top_p}, top_k {self.top_k}, min_p {self.min_p}")
+            raise ValueError(
+                f"sampling parameters out of range: temperature {self.temperature}, top_p "
+                f"{self.top_p}, top_k {self.top_k}, min_p {self.min_p}"
+            )
         if self.repetition_penalty <= 0 or self.min_tokens < 0 or (self.num_logprobs or 0) < 0:
-            raise ValueError(f"sampling parameters out of range: repetition_penalty {self.repetition_penalty}, "
-                             f"min_tokens {self.min_tokens}, num_logprobs {self.num_logprobs}")
+            raise ValueError(
+                f"sampling parameters out of range: repetition_penalty {self.repetition_penalty}, "
+                f"min_tokens {self.min_tokens}, num_logprobs {self.num_logprobs}"
+            )
         if any(not seq for seq in self.stop_sequences):
             raise ValueError("a stop sequence is empty")
 
@@ -61,8 +65,13 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         """Whether anything changes the raw logits before the choice."""
-        return bool(self.logit_bias) or self.min_tokens > 0 or self.repetition_penalty != 1.0 \
-            or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (
+            bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @property
     def plain_greedy(self) -> bool:

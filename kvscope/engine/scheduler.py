@@ -55,9 +55,16 @@ def held_rows(batch: list[Req]) -> list[int]:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, model: TinyTransformer, memory: MemorySystem, recorder: Recorder,
-                 on_logits: LogitsHook | None = None, read_checker: ReadChecker | None = None,
-                 faults: FaultInjector | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: TinyTransformer,
+        memory: MemorySystem,
+        recorder: Recorder,
+        on_logits: LogitsHook | None = None,
+        read_checker: ReadChecker | None = None,
+        faults: FaultInjector | None = None,
+    ) -> None:
         self.config = config
         self.sched = config.scheduler
         self.model = model
@@ -142,12 +149,21 @@ class Scheduler:
         if not self.waiting and self.chunked_req is None:
             return []
         pool = self.config.pool
-        adder = PrefillAdder(self.memory, self.running, self.new_token_ratio, self.sched.clip_max_new_tokens,
-                             self.sched.max_prefill_tokens, self.sched.chunked_prefill_size)
+        adder = PrefillAdder(
+            self.memory,
+            self.running,
+            self.new_token_ratio,
+            self.sched.clip_max_new_tokens,
+            self.sched.max_prefill_tokens,
+            self.sched.chunked_prefill_size,
+        )
         if self.chunked_req is not None:
             adder.add_chunked(self.chunked_req)
-        if self.sorts_by_prefix and len(self.waiting) <= LPM_MAX_WAITING \
-                and len(self.running) + len(adder.admitted) < pool.max_running_requests:
+        if (
+            self.sorts_by_prefix
+            and len(self.waiting) <= LPM_MAX_WAITING
+            and len(self.running) + len(adder.admitted) < pool.max_running_requests
+        ):
             self._sort_by_prefix()
         while self.waiting:
             if adder.admitted and adder.admitted[-1].req.is_chunked:
@@ -202,8 +218,9 @@ class Scheduler:
         self.stats.admitted(req, self.step, prefix_len, host_hit_tokens=prefix_len - device_len)
         return True
 
-    def _load_back(self, cache: HiRadixCache, req: Req, match: MatchResult, lock_id: int | None,
-                   adder: PrefillAdder) -> tuple[MatchResult, int | None]:
+    def _load_back(
+        self, cache: HiRadixCache, req: Req, match: MatchResult, lock_id: int | None, adder: PrefillAdder
+    ) -> tuple[MatchResult, int | None]:
         """init_load_back as SGLang's PrefillAdder runs it (§9.2 step 5): with the matched device
         prefix locked, load the host hit behind it within what the budget leaves; on success the
         request's lock moves down to the loaded node and its prefix grows by the loaded slots.
@@ -235,10 +252,12 @@ class Scheduler:
             rows.write(req.req_pool_idx, 0, req.prefix_indices)
             rows.write(req.req_pool_idx, prefix, slots[cursor : cursor + extend])
             cursor += extend
-        input_ids = np.concatenate([r.all_ids()[p : p + e] for r, p, e in zip(batch, prefix_lens, extend_lens,
-                                                                               strict=True)])
-        forward = ForwardBatch.build("extend", torch.from_numpy(input_ids.astype(np.int64)), held_rows(batch),
-                                     prefix_lens, slots, extend_lens)
+        input_ids = np.concatenate(
+            [r.all_ids()[p : p + e] for r, p, e in zip(batch, prefix_lens, extend_lens, strict=True)]
+        )
+        forward = ForwardBatch.build(
+            "extend", torch.from_numpy(input_ids.astype(np.int64)), held_rows(batch), prefix_lens, slots, extend_lens
+        )
         self._check_reads(batch, prefix_lens)
         if self.hicache is not None:
             self.hicache.controller.wait_loads_on_current_stream()  # NOTE: the loaded rows are read now
@@ -264,8 +283,10 @@ class Scheduler:
                 seq = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
                 slots = allocator.alloc_extend(prefix_lens, seq, last, sum(extend_lens))
         if slots is None:
-            raise RuntimeError(f"Prefill out of memory: {need} tokens needed, {memory.full_available()} available "
-                               f"after eviction (the admission budget should have prevented this)")
+            raise RuntimeError(
+                f"Prefill out of memory: {need} tokens needed, {memory.full_available()} available "
+                f"after eviction (the admission budget should have prevented this)"
+            )
         return slots
 
     def _after_prefill(self, req: Req, logits_row: torch.Tensor, token: int | None) -> None:
@@ -365,8 +386,9 @@ class Scheduler:
 
     def _ensure_decode_memory(self) -> None:
         if self._decode_fits(self.running):
-            self.new_token_ratio = max(self.new_token_ratio - self.sched.new_token_ratio_decay,
-                                       self.sched.min_new_token_ratio)
+            self.new_token_ratio = max(
+                self.new_token_ratio - self.sched.new_token_ratio_decay, self.sched.min_new_token_ratio
+            )
             return
         keep = sorted(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len), reverse=True)
         retracted: list[Req] = []
@@ -440,5 +462,7 @@ class Scheduler:
         self.stats.aborted(req, self.step, reason)
 
     def __repr__(self) -> str:
-        return (f"Scheduler(step={self.step}, waiting={len(self.waiting)}, running={len(self.running)}, "
-                f"t={time.monotonic():.1f})")
+        return (
+            f"Scheduler(step={self.step}, waiting={len(self.waiting)}, running={len(self.running)}, "
+            f"t={time.monotonic():.1f})"
+        )

@@ -121,11 +121,27 @@ class EngineStats:
             return
         rows = memory.req_to_token_pool
         written, loaded = memory.copied_tokens()
-        self.recorder.usage(UsageSample(
-            step, memory.full_terms(), memory.swa_terms(), rows.num_rows, rows.available_size(), num_running,
-            num_waiting, self.prompt_tokens, self.cached_tokens, self.num_admitted, self.num_hit_requests,
-            self.evicted_tokens, self.num_retractions, memory.host_terms(), self.host_hit_tokens, written, loaded,
-        ))
+        self.recorder.usage(
+            UsageSample(
+                step,
+                memory.full_terms(),
+                memory.swa_terms(),
+                rows.num_rows,
+                rows.available_size(),
+                num_running,
+                num_waiting,
+                self.prompt_tokens,
+                self.cached_tokens,
+                self.num_admitted,
+                self.num_hit_requests,
+                self.evicted_tokens,
+                self.num_retractions,
+                memory.host_terms(),
+                self.host_hit_tokens,
+                written,
+                loaded,
+            )
+        )
 
     def close_unfinished(self) -> None:
         """At the end of a run, store the records of requests that never finished."""

@@ -164,8 +164,9 @@ def charged_to(allocator: TokenAllocator, rid: str | None) -> Iterator[None]:
 
 
 @contextmanager
-def charged_to_batch(allocator: TokenAllocator, owners: Sequence[Owner], num_tokens: Sequence[int] | int
-                     ) -> Iterator[None]:
+def charged_to_batch(
+    allocator: TokenAllocator, owners: Sequence[Owner], num_tokens: Sequence[int] | int
+) -> Iterator[None]:
     """The one allocation inside is split per owner (see BatchCharge); nothing is read from
     `owners` until an event is recorded, so recording off builds nothing. Restored in `finally`."""
     if not allocator.recorder.enabled:

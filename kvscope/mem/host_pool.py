@@ -273,8 +273,15 @@ class HostKVPool:
     @classmethod
     def like(cls, device_kv: MHATokenToKVPool, size_tokens: int, *, pin_memory: bool | None = None) -> HostKVPool:
         """A host pool with `device_kv`'s layers, heads, dims and dtype."""
-        return cls(device_kv.num_layers, device_kv.num_kv_heads, device_kv.head_dim, device_kv.dtype, size_tokens,
-                   pin_memory=pin_memory, v_head_dim=device_kv.v_head_dim)
+        return cls(
+            device_kv.num_layers,
+            device_kv.num_kv_heads,
+            device_kv.head_dim,
+            device_kv.dtype,
+            size_tokens,
+            pin_memory=pin_memory,
+            v_head_dim=device_kv.v_head_dim,
+        )
 
     def _buffer(self, dim: int) -> torch.Tensor:
         shape = (self.total_size, self.num_kv_heads, dim)
@@ -300,8 +307,13 @@ class HostKVPool:
     def check_matches(self, device_kv: MHATokenToKVPool) -> None:
         """Raise ValueError unless rows of `device_kv` and of this pool have the same shape and dtype."""
         mine = (self.num_layers, self.num_kv_heads, self.head_dim, self.v_head_dim, self.store_dtype)
-        theirs = (device_kv.num_layers, device_kv.num_kv_heads, device_kv.head_dim, device_kv.v_head_dim,
-                  device_kv.store_dtype)
+        theirs = (
+            device_kv.num_layers,
+            device_kv.num_kv_heads,
+            device_kv.head_dim,
+            device_kv.v_head_dim,
+            device_kv.store_dtype,
+        )
         if mine != theirs:
             raise ValueError(
                 f"[{self.name}] host pool (layers, heads, head_dim, v_head_dim, dtype) {mine} != device pool {theirs}"

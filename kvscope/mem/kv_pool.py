@@ -172,9 +172,7 @@ class SWAKVPool:
         pool, index, _ = self._route(layer_id)
         return pool.get_kv_buffer(index)
 
-    def set_kv_buffer(
-        self, layer_id: int, full_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
+    def set_kv_buffer(self, layer_id: int, full_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         pool, index, is_swa = self._route(layer_id)
         slots = self.translate_loc(full_slots) if is_swa else full_slots
         pool.set_kv_buffer(index, slots, k, v)

@@ -75,8 +75,9 @@ def extend_slots_np(
     offsets = np.arange(page_size, dtype=np.int64)
     pieces = []
     first_page = 0
-    for p, s, last, count in zip(prefix_lens.tolist(), seq_lens.tolist(), last_loc.tolist(),
-                                 page_counts.tolist(), strict=True):
+    for p, s, last, count in zip(
+        prefix_lens.tolist(), seq_lens.tolist(), last_loc.tolist(), page_counts.tolist(), strict=True
+    ):
         partial_end = min(s, -(-p // page_size) * page_size)
         if partial_end > p:
             pieces.append(np.arange(last + 1, last + 1 + partial_end - p, dtype=np.int64))

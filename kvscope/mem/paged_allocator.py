@@ -183,6 +183,4 @@ class PagedTokenToKVPoolAllocator(BaseTokenAllocator):
         pages = (last_t // self.page_size).cpu().numpy()
         dead = self._page_state[pages] != PageState.IN_USE
         if dead.any():
-            raise PoolMisuseError(
-                self.name, f"{what} continues a page that is not allocated", last_t[dead].tolist()
-            )
+            raise PoolMisuseError(self.name, f"{what} continues a page that is not allocated", last_t[dead].tolist())

@@ -40,9 +40,7 @@ class ReqToTokenPool:
         if dtype not in (torch.int32, torch.int64):
             raise ValueError(f"[req] the slot table holds int32 or int64 slot indices, not {dtype}")
         if num_rows < 1 or max_context_len < 1:
-            raise ValueError(
-                f"[req] num_rows and max_context_len must be >= 1, got {num_rows}, {max_context_len}"
-            )
+            raise ValueError(f"[req] num_rows and max_context_len must be >= 1, got {num_rows}, {max_context_len}")
         self.num_rows = num_rows
         self.max_context_len = max_context_len
         self.device = resolve_device(device)

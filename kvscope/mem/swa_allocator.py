@@ -37,9 +37,7 @@ def make_token_allocator(
     """The plain allocator at page size 1, the paged one above."""
     if page_size == 1:
         return TokenToKVPoolAllocator(total_size, device, need_sort=need_sort, strict=strict, name=name)
-    return PagedTokenToKVPoolAllocator(
-        total_size, page_size, device, need_sort=need_sort, strict=strict, name=name
-    )
+    return PagedTokenToKVPoolAllocator(total_size, page_size, device, need_sort=need_sort, strict=strict, name=name)
 
 
 class SWAState(NamedTuple):
@@ -212,9 +210,7 @@ class SWATokenToKVPoolAllocator:
         if full_slots.numel() == 0:
             return
         if self.page_size > 1:
-            full_slots = self.full_attn_allocator.pages_to_slots(
-                self.full_attn_allocator.slots_to_pages(full_slots)
-            )
+            full_slots = self.full_attn_allocator.pages_to_slots(self.full_attn_allocator.slots_to_pages(full_slots))
         swa = self.full_to_swa_index_mapping[full_slots]
         live = swa > 0
         self.swa_attn_allocator.free(swa[live])
@@ -257,8 +253,7 @@ class SWATokenToKVPoolAllocator:
         mapping = self.full_to_swa_index_mapping
         if int(mapping[-1]) != -1 or int(mapping[0]) != 0:
             raise IntegrityError(
-                "[swa] mapping sentinels broken: "
-                f"mapping[0]={int(mapping[0])}, mapping[-1]={int(mapping[-1])}"
+                f"[swa] mapping sentinels broken: mapping[0]={int(mapping[0])}, mapping[-1]={int(mapping[-1])}"
             )
         self.full_attn_allocator.check_integrity(owned_full_slots)
         mapped_full = torch.nonzero(mapping[:-1] > 0).flatten()

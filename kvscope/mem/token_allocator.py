@@ -50,8 +50,7 @@ class BaseTokenAllocator:
             raise ValueError(f"[{name}] page_size must be >= 1, got {page_size}")
         if total_size < page_size or total_size % page_size:
             raise ValueError(
-                f"[{name}] total_size must be a positive multiple of page_size "
-                f"({page_size}), got {total_size}"
+                f"[{name}] total_size must be a positive multiple of page_size ({page_size}), got {total_size}"
             )
         self.name = name
         self.page_size = page_size
@@ -154,16 +153,18 @@ class BaseTokenAllocator:
     def record_alloc(self, slots: Any) -> None:
         """One ALLOC event, or one per request inside `charged_to_batch`."""
         if self.active_batch is None:
-            self.recorder.record(EventKind.ALLOC, pool=self.pool_name, rid=self.active_rid, num_tokens=len(slots),
-                                 slots=slots)
+            self.recorder.record(
+                EventKind.ALLOC, pool=self.pool_name, rid=self.active_rid, num_tokens=len(slots), slots=slots
+            )
             return
         rids, counts = self.active_batch.rids_and_counts()
         host = slots.cpu().numpy() if isinstance(slots, torch.Tensor) else slots  # numpy slices are cheaper
         self.recorder.record_batch(EventKind.ALLOC, pool=self.pool_name, rids=rids, num_tokens=counts, slots=host)
 
     def record_free(self, slots: Any) -> None:
-        self.recorder.record(EventKind.FREE, pool=self.pool_name, rid=self.active_rid, num_tokens=len(slots),
-                             slots=slots)
+        self.recorder.record(
+            EventKind.FREE, pool=self.pool_name, rid=self.active_rid, num_tokens=len(slots), slots=slots
+        )
 
     def _take_pages(self, num_pages: int) -> torch.Tensor | None:
         if self.need_sort and num_pages > len(self.free_pages):
@@ -347,9 +348,7 @@ class BaseTokenAllocator:
             raise IntegrityError(f"[{self.name}] pages free twice: {uniq[counts > 1][:16].tolist()}")
         bad = free[(free < 1) | (free > self.num_pages)]
         if len(bad):
-            raise IntegrityError(
-                f"[{self.name}] free pages out of range [1, {self.num_pages}]: {bad[:16].tolist()}"
-            )
+            raise IntegrityError(f"[{self.name}] free pages out of range [1, {self.num_pages}]: {bad[:16].tolist()}")
         pending = self._pending_pages_np()
         if self._page_state is not None:
             self._check_page_state(free, pending)

@@ -50,23 +50,35 @@ def replay(requests: Sequence[ReplayRequest], config: ReplayConfig, *, check_int
             server.cache.check_integrity()
     wall_s = time.perf_counter() - start
     num_prompt_tokens = sum(r.prompt_len for r in requests)
-    return ReplayResult(config, hits, num_prompt_tokens, server.num_evicted, server.peak_usage, wall_s, cross,
-                        server.cache_stats())
+    return ReplayResult(
+        config, hits, num_prompt_tokens, server.num_evicted, server.peak_usage, wall_s, cross, server.cache_stats()
+    )
 
 
-def build_replay_cache(config: ReplayConfig, allocator: BaseTokenAllocator,
-                       clock: Any) -> BasePrefixCache:
+def build_replay_cache(config: ReplayConfig, allocator: BaseTokenAllocator, clock: Any) -> BasePrefixCache:
     """The radix cache (global sharing), or the scoped one on `clock` when config.scoped is set."""
     if config.scoped is None:
-        return RadixCache(allocator, page_size=config.page_size, eviction_policy=config.eviction_policy,
-                          eviction_granularity=config.eviction_granularity)
+        return RadixCache(
+            allocator,
+            page_size=config.page_size,
+            eviction_policy=config.eviction_policy,
+            eviction_granularity=config.eviction_granularity,
+        )
     from kvscope.cache.scoped import ScopedRadixCache  # NOTE: loaded by the replays that use it
 
     scoped = config.scoped
-    return ScopedRadixCache(allocator, config.page_size, eviction_policy=config.eviction_policy,
-                            eviction_granularity=config.eviction_granularity, promote_k=scoped.promote_k,
-                            epoch_s=scoped.epoch_s, pinned=scoped.pinned, dedup=scoped.dedup,
-                            merge_chains=scoped.merge_chains, clock=clock)
+    return ScopedRadixCache(
+        allocator,
+        config.page_size,
+        eviction_policy=config.eviction_policy,
+        eviction_granularity=config.eviction_granularity,
+        promote_k=scoped.promote_k,
+        epoch_s=scoped.epoch_s,
+        pinned=scoped.pinned,
+        dedup=scoped.dedup,
+        merge_chains=scoped.merge_chains,
+        clock=clock,
+    )
 
 
 def foreign_tokens(node: Any, user: str | None) -> int:

@@ -178,36 +178,55 @@ def cache_curves(config: Mapping[str, Any]) -> CacheCurves:
     if kind == "swa-radix":
         window = _mapping(_mapping(config).get("model")).get("sliding_window")
         last = f"the last {window} tokens" if isinstance(window, int) else "the sliding window"
-        return CacheCurves(("global",), "The curve models the full-attention pool alone, with global sharing; this "
-                           f"run's SWA radix cache also needs {last} of a matched prefix in its smaller SWA pool, "
-                           "which evicts on its own (a tombstone keeps only the full KV), so the run can hit less "
-                           "at the same capacity.")
+        return CacheCurves(
+            ("global",),
+            "The curve models the full-attention pool alone, with global sharing; this "
+            f"run's SWA radix cache also needs {last} of a matched prefix in its smaller SWA pool, "
+            "which evicts on its own (a tombstone keeps only the full KV), so the run can hit less "
+            "at the same capacity.",
+        )
     if kind == "hiradix":
-        return CacheCurves(("global",), "The curve models one tier with global sharing; this run's hiradix cache "
-                           "also serves hits from its host tier (copies loaded back), which the curve does not model.")
+        return CacheCurves(
+            ("global",),
+            "The curve models one tier with global sharing; this run's hiradix cache "
+            "also serves hits from its host tier (copies loaded back), which the curve does not model.",
+        )
     if kind in ("chunk", "none"):
-        return CacheCurves(("global",), f"This run's {kind} cache keeps no prefix across requests (its hit rate is "
-                           "0 at any capacity); the curve is what a radix cache with global sharing would hit.")
-    return CacheCurves(("global",), "Global sharing, as this run's radix cache: any request reuses any cached "
-                       "prefix, all in one pool.")
+        return CacheCurves(
+            ("global",),
+            f"This run's {kind} cache keeps no prefix across requests (its hit rate is "
+            "0 at any capacity); the curve is what a radix cache with global sharing would hit.",
+        )
+    return CacheCurves(
+        ("global",), "Global sharing, as this run's radix cache: any request reuses any cached prefix, all in one pool."
+    )
 
 
 def _scoped_curves(cache: Mapping[str, Any]) -> CacheCurves:
     promote_k, epoch_s = cache.get("promote_k", 3), cache.get("epoch_s", 60.0)
     pinned, dedup = len(cache.get("pinned") or ()), bool(cache.get("dedup"))
     if promote_k is None and not pinned and not dedup:
-        return CacheCurves(("isolated",), "Per-principal isolation, as this run's scoped cache (never promotes, no "
-                           "pinned prefixes, dedup off): a prefix is reused only by the user who computed it.")
-    rule = ("never shares a prefix across users" if promote_k is None
-            else f"shares a prefix across users once {promote_k} of them computed it within the promotion window "
-                 f"(epochs of {epoch_s:g} s)")
+        return CacheCurves(
+            ("isolated",),
+            "Per-principal isolation, as this run's scoped cache (never promotes, no "
+            "pinned prefixes, dedup off): a prefix is reused only by the user who computed it.",
+        )
+    rule = (
+        "never shares a prefix across users"
+        if promote_k is None
+        else f"shares a prefix across users once {promote_k} of them computed it within the promotion window "
+        f"(epochs of {epoch_s:g} s)"
+    )
     extras = [f"{pinned} pinned prefix(es) shared from the start"] if pinned else []
     extras += ["dedup on"] if dedup else []
     k = "inf" if promote_k is None else str(promote_k)
-    return CacheCurves(("global", "isolated"), f"This run's scoped cache {rule}{', with ' if extras else ''}"
-                       f"{' and '.join(extras)}: no one-pass curve follows that rule; the two drawn are global sharing "
-                       "(every prefix shared) and per-principal isolation (none shared). `kvscope replay CAPTURE "
-                       f"--cache scoped-radix --promote-k {k} --epoch-s {epoch_s:g}` replays the rule itself.")
+    return CacheCurves(
+        ("global", "isolated"),
+        f"This run's scoped cache {rule}{', with ' if extras else ''}"
+        f"{' and '.join(extras)}: no one-pass curve follows that rule; the two drawn are global sharing "
+        "(every prefix shared) and per-principal isolation (none shared). `kvscope replay CAPTURE "
+        f"--cache scoped-radix --promote-k {k} --epoch-s {epoch_s:g}` replays the rule itself.",
+    )
 
 
 def _mapping(value: Any) -> Mapping[str, Any]:

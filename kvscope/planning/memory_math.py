@@ -111,15 +111,23 @@ class SGLangSizing(NamedTuple):
         return self.max_total_num_tokens // self.page_size
 
 
-def sglang_sizing(token_bytes: TokenBytes, free_bytes: int, weights_per_gpu_bytes: int, mem_fraction_static: float,
-                  page_size: int = 1, swa_full_tokens_ratio: float = 0.8) -> SGLangSizing:
+def sglang_sizing(
+    token_bytes: TokenBytes,
+    free_bytes: int,
+    weights_per_gpu_bytes: int,
+    mem_fraction_static: float,
+    page_size: int = 1,
+    swa_full_tokens_ratio: float = 0.8,
+) -> SGLangSizing:
     """SGLang's pool size from the memory free at start (M0) and the weights on one GPU."""
     rest = int(free_bytes * mem_fraction_static) - weights_per_gpu_bytes
     if rest <= 0:
         share = weights_per_gpu_bytes / free_bytes
-        raise ValueError(f"mem_fraction_static {mem_fraction_static} leaves no KV memory: the weights take "
-                         f"{weights_per_gpu_bytes / GIB:.2f} GiB per GPU, {share:.3f} of the {free_bytes / GIB:.2f} "
-                         f"GiB free; SGLang needs mem_fraction_static above {share:.3f}")
+        raise ValueError(
+            f"mem_fraction_static {mem_fraction_static} leaves no KV memory: the weights take "
+            f"{weights_per_gpu_bytes / GIB:.2f} GiB per GPU, {share:.3f} of the {free_bytes / GIB:.2f} "
+            f"GiB free; SGLang needs mem_fraction_static above {share:.3f}"
+        )
     cell = token_bytes.cell_bytes(swa_full_tokens_ratio)
     full_tokens = page_floor(int(rest // cell), page_size)
     swa_tokens = page_floor(int(full_tokens * swa_full_tokens_ratio), page_size) if token_bytes.num_swa_layers else 0
@@ -137,8 +145,14 @@ class VLLMSizing(NamedTuple):
         return self.num_gpu_blocks * self.block_size
 
 
-def vllm_sizing(token_bytes: TokenBytes, total_bytes: int, weights_per_gpu_bytes: int, gpu_memory_utilization: float,
-                block_size: int = 16, activation_bytes: int = 0) -> VLLMSizing | None:
+def vllm_sizing(
+    token_bytes: TokenBytes,
+    total_bytes: int,
+    weights_per_gpu_bytes: int,
+    gpu_memory_utilization: float,
+    block_size: int = 16,
+    activation_bytes: int = 0,
+) -> VLLMSizing | None:
     """vLLM V1's KV cache size on one GPU; None for hybrid SWA models (its layer groups are not modelled)."""
     if token_bytes.num_swa_layers:
         return None

@@ -35,14 +35,20 @@ class ModelShape:
     source: str = ""
 
     def __post_init__(self) -> None:
-        counts = {"num_layers": self.num_layers, "num_attention_heads": self.num_attention_heads,
-                  "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+        counts = {
+            "num_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+        }
         bad = {k: v for k, v in counts.items() if not isinstance(v, int) or v < 1}
         if bad:
             raise ValueError(f"model {self.name}: sizes must be ints >= 1, got {bad}")
         if self.kv_lora_rank is None and self.num_attention_heads % self.num_kv_heads:
-            raise ValueError(f"model {self.name}: {self.num_attention_heads} attention heads are not a multiple of "
-                             f"the {self.num_kv_heads} KV heads")
+            raise ValueError(
+                f"model {self.name}: {self.num_attention_heads} attention heads are not a multiple of "
+                f"the {self.num_kv_heads} KV heads"
+            )
         if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
             raise ValueError(f"model {self.name}: MLA needs both kv_lora_rank and qk_rope_head_dim")
         if not 0 <= self.num_swa_layers <= self.num_layers:
@@ -111,13 +117,19 @@ def shape_from_hf_config(config: dict[str, Any], name: str, weights_bytes: int |
     mla = cfg.get("kv_lora_rank") is not None
     window, num_swa = _sliding_layers(cfg, num_layers, name)
     return ModelShape(
-        name=str(cfg.get("_name_or_path") or name), num_layers=num_layers, num_attention_heads=heads,
-        num_kv_heads=_size(cfg, "num_key_value_heads", name, heads), head_dim=head_dim,
+        name=str(cfg.get("_name_or_path") or name),
+        num_layers=num_layers,
+        num_attention_heads=heads,
+        num_kv_heads=_size(cfg, "num_key_value_heads", name, heads),
+        head_dim=head_dim,
         v_head_dim=None if mla else _size(cfg, "v_head_dim", name, None),
         kv_lora_rank=_size(cfg, "kv_lora_rank", name) if mla else None,
         qk_rope_head_dim=_size(cfg, "qk_rope_head_dim", name) if mla else None,
-        sliding_window=window, num_swa_layers=num_swa, weights_bytes=weights_bytes,
-        dtype=HF_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), "bf16"), source=name,
+        sliding_window=window,
+        num_swa_layers=num_swa,
+        weights_bytes=weights_bytes,
+        dtype=HF_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), "bf16"),
+        source=name,
     )
 
 
@@ -139,8 +151,9 @@ def _size(cfg: dict[str, Any], key: str, name: str, default: Any = _REQUIRED) ->
 def _head_dim_of_hidden(cfg: dict[str, Any], heads: int, name: str) -> int:
     hidden = _size(cfg, "hidden_size", name)
     if hidden % heads:
-        raise ValueError(f"{name}: hidden_size {hidden} is not a multiple of the {heads} attention heads; "
-                         "give head_dim")
+        raise ValueError(
+            f"{name}: hidden_size {hidden} is not a multiple of the {heads} attention heads; give head_dim"
+        )
     return int(hidden // heads)
 
 

@@ -55,12 +55,18 @@ class PlanInputs:
             (self.tp_size >= 1, f"TP size must be >= 1, got {self.tp_size}"),
             (_power_of_two(self.page_size), f"page size must be a power of two, got {self.page_size}"),
             (_power_of_two(self.block_size), f"block size must be a power of two, got {self.block_size}"),
-            (0 < self.mem_fraction_static < 1,
-             f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"),
-            (0 < self.gpu_memory_utilization <= 1,
-             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
-            (0 < self.swa_full_tokens_ratio < math.inf,
-             f"swa_full_tokens_ratio must be a finite number > 0, got {self.swa_full_tokens_ratio}"),
+            (
+                0 < self.mem_fraction_static < 1,
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}",
+            ),
+            (
+                0 < self.gpu_memory_utilization <= 1,
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+            ),
+            (
+                0 < self.swa_full_tokens_ratio < math.inf,
+                f"swa_full_tokens_ratio must be a finite number > 0, got {self.swa_full_tokens_ratio}",
+            ),
             (self.context_len >= 1, f"context length must be >= 1, got {self.context_len}"),
             (self.vllm_activation_bytes >= 0, "vLLM activation memory must be >= 0"),
         ]
@@ -108,16 +114,26 @@ class MemoryPlan:
         return {
             "model": {"name": m.name, "shape": m.describe(), "source": m.source, "weights_bytes": m.weights_bytes},
             "gpu": {"free_bytes": i.gpu_free_bytes, "total_bytes": i.gpu_total_bytes},
-            "tp_size": i.tp_size, "kv_dtype": self.kv_dtype, "page_size": i.page_size,
-            "context_len": i.context_len, "weights_per_gpu_bytes": i.weights_per_gpu_bytes,
+            "tp_size": i.tp_size,
+            "kv_dtype": self.kv_dtype,
+            "page_size": i.page_size,
+            "context_len": i.context_len,
+            "weights_per_gpu_bytes": i.weights_per_gpu_bytes,
             "bytes_per_token": {**self.token_bytes._asdict(), "all_layers": self.token_bytes.all_layers_bytes},
-            "sglang": {**self.sglang._asdict(), "num_pages": self.sglang.num_pages,
-                       "requests_at_context": self.sglang_requests_at_context,
-                       "swa_full_tokens_ratio": i.swa_full_tokens_ratio if self.token_bytes.num_swa_layers else None},
-            "vllm": None if self.vllm is None else {
-                **self.vllm._asdict(), "num_tokens": self.vllm.num_tokens,
+            "sglang": {
+                **self.sglang._asdict(),
+                "num_pages": self.sglang.num_pages,
+                "requests_at_context": self.sglang_requests_at_context,
+                "swa_full_tokens_ratio": i.swa_full_tokens_ratio if self.token_bytes.num_swa_layers else None,
+            },
+            "vllm": None
+            if self.vllm is None
+            else {
+                **self.vllm._asdict(),
+                "num_tokens": self.vllm.num_tokens,
                 "requests_at_context": self.vllm_requests_at_context,
-                "activation_bytes": i.vllm_activation_bytes},
+                "activation_bytes": i.vllm_activation_bytes,
+            },
         }
 
 
@@ -131,14 +147,30 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
     token_bytes = bytes_per_token(inputs.model, kv_dtype, inputs.tp_size)
     weights = inputs.weights_per_gpu_bytes
     if weights >= inputs.gpu_free_bytes:
-        raise ValueError(f"the weights of {inputs.model.name} ({weights / GIB:.2f} GiB per GPU at TP {inputs.tp_size}) "
-                         f"do not fit in the {inputs.gpu_free_bytes / GIB:.2f} GiB free on the GPU")
-    sglang = sglang_sizing(token_bytes, inputs.gpu_free_bytes, weights, inputs.mem_fraction_static,
-                           inputs.page_size, inputs.swa_full_tokens_ratio)
+        raise ValueError(
+            f"the weights of {inputs.model.name} ({weights / GIB:.2f} GiB per GPU at TP {inputs.tp_size}) "
+            f"do not fit in the {inputs.gpu_free_bytes / GIB:.2f} GiB free on the GPU"
+        )
+    sglang = sglang_sizing(
+        token_bytes,
+        inputs.gpu_free_bytes,
+        weights,
+        inputs.mem_fraction_static,
+        inputs.page_size,
+        inputs.swa_full_tokens_ratio,
+    )
     window = inputs.model.sliding_window
     if token_bytes.num_swa_layers and window and sglang.swa_tokens <= window + inputs.page_size:
-        raise ValueError(f"the SWA pool ({sglang.swa_tokens} tokens) must exceed the window + one page "
-                         f"({window + inputs.page_size}); SGLang would not start")
-    vllm = vllm_sizing(token_bytes, inputs.gpu_total_bytes, weights, inputs.gpu_memory_utilization,
-                       inputs.block_size, inputs.vllm_activation_bytes)
+        raise ValueError(
+            f"the SWA pool ({sglang.swa_tokens} tokens) must exceed the window + one page "
+            f"({window + inputs.page_size}); SGLang would not start"
+        )
+    vllm = vllm_sizing(
+        token_bytes,
+        inputs.gpu_total_bytes,
+        weights,
+        inputs.gpu_memory_utilization,
+        inputs.block_size,
+        inputs.vllm_activation_bytes,
+    )
     return MemoryPlan(inputs, kv_dtype, token_bytes, sglang, vllm)

@@ -41,7 +41,7 @@ CONVENTIONS: tuple[Convention, ...] = ("slots", "tree")
 GRANULARITIES: tuple[Granularity, ...] = ("page", "leaf")
 CONVENTION_MEANINGS: dict[str, str] = {
     "slots": "the pool holds CAPACITY slots, shared by the tree and the request in flight (bench_radix's "
-             "protocol; SGLang's max_total_num_tokens at concurrency 1)",
+    "protocol; SGLang's max_total_num_tokens at concurrency 1)",
     "tree": "the tree holds up to CAPACITY tokens between requests; the request in flight has its own headroom",
 }
 PROGRESS_TICK_S = 0.5
@@ -72,8 +72,9 @@ class ScopedOptions:
     def describe(self) -> str:
         """k=3, epoch 60 s, 2 pinned, dedup off"""
         k = "inf" if self.promote_k is None else str(self.promote_k)
-        return (f"k={k}, epoch {self.epoch_s:g} s, {len(self.pinned)} pinned, dedup {'on' if self.dedup else 'off'}"
-                + (", merged chains" if self.merge_chains else ""))
+        return f"k={k}, epoch {self.epoch_s:g} s, {len(self.pinned)} pinned, dedup {'on' if self.dedup else 'off'}" + (
+            ", merged chains" if self.merge_chains else ""
+        )
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,9 @@ def _init_worker(sequences: list[tuple[int, np.ndarray, str | None, float | None
     import torch
 
     torch.set_num_threads(1)
-    _worker_requests[:] = [ReplayRequest(str(i), ids[:n], ids, user, arrival_s)
-                           for i, (n, ids, user, arrival_s) in enumerate(sequences)]
+    _worker_requests[:] = [
+        ReplayRequest(str(i), ids[:n], ids, user, arrival_s) for i, (n, ids, user, arrival_s) in enumerate(sequences)
+    ]
 
 
 def _replay_in_worker(config: ReplayConfig) -> ReplayResult:
@@ -178,8 +180,9 @@ def _stop_signals_deferred() -> Iterator[None]:
         yield
         return
     received: list[int] = []
-    handlers = {signum: signal.signal(signum, lambda signum, _frame: received.append(signum))
-                for signum in STOP_SIGNALS}
+    handlers = {
+        signum: signal.signal(signum, lambda signum, _frame: received.append(signum)) for signum in STOP_SIGNALS
+    }
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
@@ -214,8 +217,9 @@ def replay_many(
     # NOTE: spawn, not fork: the parent may have torch loaded, and a forked child of a process
     # with OpenMP threads can hang; the request stream goes to each worker once
     context = multiprocessing.get_context("spawn")
-    pool = cf.ProcessPoolExecutor(max(num_workers, 1), mp_context=context, initializer=_init_worker,
-                                  initargs=(sequences,))
+    pool = cf.ProcessPoolExecutor(
+        max(num_workers, 1), mp_context=context, initializer=_init_worker, initargs=(sequences,)
+    )
     try:
         with _stop_signals_deferred():
             futures = {pool.submit(_replay_in_worker, config): k for k, config in enumerate(configs)}
@@ -234,8 +238,9 @@ def replay_many(
     return [r for r in results if r is not None]
 
 
-def _replay_here(requests: Sequence[ReplayRequest], configs: Sequence[ReplayConfig],
-                 on_done: Callable[[int, int], None] | None) -> list[ReplayResult]:
+def _replay_here(
+    requests: Sequence[ReplayRequest], configs: Sequence[ReplayConfig], on_done: Callable[[int, int], None] | None
+) -> list[ReplayResult]:
     from kvscope.planning.brute_force import replay
 
     results = []

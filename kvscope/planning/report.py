@@ -50,14 +50,23 @@ def format_plan(plan: MemoryPlan, gpu_lines: Sequence[str]) -> str:
     ctx = f"requests @ {i.context_len:,}"
     rows = [
         ("", "SGLang", "vLLM"),
-        ("memory knob", f"mem_fraction_static {sg.mem_fraction_static}",
-         "n/a" if vl is None else f"gpu_memory_utilization {vl.gpu_memory_utilization}"),
+        (
+            "memory knob",
+            f"mem_fraction_static {sg.mem_fraction_static}",
+            "n/a" if vl is None else f"gpu_memory_utilization {vl.gpu_memory_utilization}",
+        ),
         ("of", f"{gib(i.gpu_free_bytes)} free at start", f"{gib(i.gpu_total_bytes)} total"),
         ("KV memory", gib(sg.kv_pool_bytes), "n/a" if vl is None else gib(max(vl.kv_cache_bytes, 0))),
-        ("max KV tokens", count(sg.max_total_num_tokens) + (f" + SWA {sg.swa_tokens:,}" if sg.swa_tokens else ""),
-         "n/a" if vl is None else count(vl.num_tokens)),
-        ("pages / blocks", f"{sg.num_pages:,} of {sg.page_size}", "n/a" if vl is None else
-         f"{vl.num_gpu_blocks:,} of {vl.block_size}"),
+        (
+            "max KV tokens",
+            count(sg.max_total_num_tokens) + (f" + SWA {sg.swa_tokens:,}" if sg.swa_tokens else ""),
+            "n/a" if vl is None else count(vl.num_tokens),
+        ),
+        (
+            "pages / blocks",
+            f"{sg.num_pages:,} of {sg.page_size}",
+            "n/a" if vl is None else f"{vl.num_gpu_blocks:,} of {vl.block_size}",
+        ),
         (ctx, count(plan.sglang_requests_at_context), count(plan.vllm_requests_at_context)),
     ]
     width = max(len(r[1]) for r in rows) + 2
@@ -70,8 +79,10 @@ def bytes_per_token_text(plan: MemoryPlan) -> str:
     if not tb.num_swa_layers:
         return f"{tb.all_layers_bytes:,} ({tb.all_layers_bytes / 1024:,.1f} KiB)"
     ratio = plan.inputs.swa_full_tokens_ratio
-    return (f"{tb.full_bytes:,} in {tb.num_full_layers} full layers + {tb.swa_bytes:,} in {tb.num_swa_layers} "
-            f"SWA layers; SGLang cell {plan.sglang.cell_bytes:,.0f} (SWA pool at {ratio} of the full pool)")
+    return (
+        f"{tb.full_bytes:,} in {tb.num_full_layers} full layers + {tb.swa_bytes:,} in {tb.num_swa_layers} "
+        f"SWA layers; SGLang cell {plan.sglang.cell_bytes:,.0f} (SWA pool at {ratio} of the full pool)"
+    )
 
 
 def plan_notes(plan: MemoryPlan) -> list[str]:
@@ -88,8 +99,12 @@ def plan_notes(plan: MemoryPlan) -> list[str]:
 # -- replay --------------------------------------------------------------------------------------
 
 
-def format_replay(header: dict[str, Any], rows: Sequence[dict[str, Any]], curve: HitRateCurve | None,
-                  isolated: HitRateCurve | None = None) -> str:
+def format_replay(
+    header: dict[str, Any],
+    rows: Sequence[dict[str, Any]],
+    curve: HitRateCurve | None,
+    isolated: HitRateCurve | None = None,
+) -> str:
     """The replay's text; with `isolated` (a scoped replay) the table compares global sharing
     with the scoped cache, and the isolated one-pass curve with the global one."""
     lines = [f"{k:<13} {v}" for k, v in header.items()]
@@ -103,15 +118,35 @@ def format_replay(header: dict[str, Any], rows: Sequence[dict[str, Any]], curve:
         lines.append(
             f"{'isolated':<13} one pass with keys per principal (k = inf, no pinned, dedup off): working set "
             f"{short_tokens(isolated.working_set_tokens)} tokens; unbounded cache: hit rate "
-            f"{isolated.max_hit_rate:.2%}, reached at {short_tokens(isolated.saturation_tokens)} tokens")
+            f"{isolated.max_hit_rate:.2%}, reached at {short_tokens(isolated.saturation_tokens)} tokens"
+        )
     lines += ["", _replay_table(rows, SCOPED_COLUMNS if isolated is not None else COLUMNS)]
     return "\n".join(lines)
 
 
-COLUMNS = ("capacity", "hit rate", "hit tokens", "evicted", "peak usage", "skipped", "replay s", "one-pass",
-           "replay - one-pass")
-SCOPED_COLUMNS = ("capacity", "global hit", "cross-principal", "scoped hit", "cost", "scoped evicted",
-                  "scoped skipped", "one-pass global", "one-pass isolated", "isolation cost")
+COLUMNS = (
+    "capacity",
+    "hit rate",
+    "hit tokens",
+    "evicted",
+    "peak usage",
+    "skipped",
+    "replay s",
+    "one-pass",
+    "replay - one-pass",
+)
+SCOPED_COLUMNS = (
+    "capacity",
+    "global hit",
+    "cross-principal",
+    "scoped hit",
+    "cost",
+    "scoped evicted",
+    "scoped skipped",
+    "one-pass global",
+    "one-pass isolated",
+    "isolation cost",
+)
 
 
 def _replay_table(rows: Sequence[dict[str, Any]], names: Sequence[str] = COLUMNS) -> str:
@@ -136,8 +171,9 @@ def _cell(row: dict[str, Any], name: str) -> str:
         "skipped": f"{row['num_skipped']:,}" if replayed else "-",
         "replay s": f"{row['wall_s']:.2f}" if replayed else "-",
         "one-pass": f"{curve_rate:.2%}" if curve_rate is not None else "-",
-        "replay - one-pass": (f"{row['hit_tokens'] - row['curve_hit_tokens']:+,} tok"
-                              if replayed and curve_rate is not None else "-"),
+        "replay - one-pass": (
+            f"{row['hit_tokens'] - row['curve_hit_tokens']:+,} tok" if replayed and curve_rate is not None else "-"
+        ),
     }
     return value[name]
 

@@ -68,8 +68,9 @@ def replay_requests(trace: Sequence[TraceRequest]) -> list[ReplayRequest]:
             output = np.asarray(request.output_ids, dtype=TOKEN_DTYPE)
         else:
             output = np.full(request.output_len, -(i + 1), dtype=TOKEN_DTYPE)
-        out.append(ReplayRequest(request.rid, prompt, np.concatenate((prompt, output)), request.user,
-                                 request.arrival_s))
+        out.append(
+            ReplayRequest(request.rid, prompt, np.concatenate((prompt, output)), request.user, request.arrival_s)
+        )
     return out
 
 
@@ -153,19 +154,28 @@ def workload_of_config(config: dict[str, Any], where: str) -> list[TraceRequest]
             raise ValueError(f"{where}: its trace {path} is not found (paths are relative to where it ran)")
         return read_trace(path, vocab_size=vocab_size)
     if workload.get("name"):
-        return generate(workload["name"], num_requests=int(workload["num_requests"]), seed=int(workload["seed"]),
-                        vocab_size=vocab_size, **(workload.get("options") or {}))
+        return generate(
+            workload["name"],
+            num_requests=int(workload["num_requests"]),
+            seed=int(workload["seed"]),
+            vocab_size=vocab_size,
+            **(workload.get("options") or {}),
+        )
     raise ValueError(f"{where}: {_no_stream_reason(config)}")
 
 
 def _no_stream_reason(config: dict[str, Any]) -> str:
     """Why a run's request stream cannot be rebuilt, in a line that names what would be needed."""
     if "serve" in config:
-        return ("a `kvscope serve` capture stores each request's lengths, not its token ids, and a hit-rate curve "
-                "needs the tokens to tell which prompts share a prefix: replay the traffic's own trace "
-                "(`kvscope replay TRACE.jsonl`) or a `kvscope run` capture of the same workload")
+        return (
+            "a `kvscope serve` capture stores each request's lengths, not its token ids, and a hit-rate curve "
+            "needs the tokens to tell which prompts share a prefix: replay the traffic's own trace "
+            "(`kvscope replay TRACE.jsonl`) or a `kvscope run` capture of the same workload"
+        )
     source = config.get("source")
     if isinstance(source, dict) and source.get("kind") == "attach":
-        return ("an attached engine's capture holds its KV events and metrics, not its requests' token ids, "
-                "which a hit-rate curve needs: replay the traffic's own trace (`kvscope replay TRACE.jsonl`)")
+        return (
+            "an attached engine's capture holds its KV events and metrics, not its requests' token ids, "
+            "which a hit-rate curve needs: replay the traffic's own trace (`kvscope replay TRACE.jsonl`)"
+        )
     return "its config names neither a workload nor a trace"

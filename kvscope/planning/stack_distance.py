@@ -108,8 +108,9 @@ def common_len(node_key: bytes, key: bytes, pos: int, page_size: int) -> int:
     return shared // page_size * page_size
 
 
-def stack_distance_ramps(sequences: Iterable[tuple[int, np.ndarray]], page_size: int,
-                         namespaces: Iterable[Hashable] | None = None) -> Ramps:
+def stack_distance_ramps(
+    sequences: Iterable[tuple[int, np.ndarray]], page_size: int, namespaces: Iterable[Hashable] | None = None
+) -> Ramps:
     """The ramps of every request. `sequences` yields (prompt_len, prompt + output as int32);
     `namespaces`, when given, yields each request's namespace (see the note on namespaces)."""
     trie = _StampedTrie(page_size)

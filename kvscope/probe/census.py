@@ -60,9 +60,14 @@ class CensusResult(NamedTuple):
         return not (self.leaked or self.lostref or self.unqueued or self.qheld or self.qcount or self.orphans)
 
 
-def take_census(view: BlockView, tables: Iterable[Mapping[str, list[Any]]], deferred: Iterable[list[Any]],
-                live_rids: set[str], last_taker: Mapping[int, tuple[str | None, int, str]],
-                last_release: Mapping[int, tuple[str | None, int, str]] | None = None) -> CensusResult:
+def take_census(
+    view: BlockView,
+    tables: Iterable[Mapping[str, list[Any]]],
+    deferred: Iterable[list[Any]],
+    live_rids: set[str],
+    last_taker: Mapping[int, tuple[str | None, int, str]],
+    last_release: Mapping[int, tuple[str | None, int, str]] | None = None,
+) -> CensusResult:
     """`tables`: each group's rid -> blocks (objects with block_id and is_null); `deferred`: block
     lists freed later by the scheduler; `live_rids`: the requests the scheduler still has."""
     accounted: Counter[int] = Counter()
@@ -79,11 +84,17 @@ def take_census(view: BlockView, tables: Iterable[Mapping[str, list[Any]]], defe
     leaked = {b: (r, accounted[b]) for b, r in refs.items() if r > accounted[b]}
     lostref = {b: (r, accounted[b]) for b, r in refs.items() if r < accounted[b]}
     return CensusResult(
-        num_blocks=len(refs), num_free=len(view.queued), num_cached_free=len(queued & view.hashed),
-        num_held=sum(1 for r in refs.values() if r > 0), leaked=leaked, lostref=lostref,
+        num_blocks=len(refs),
+        num_free=len(view.queued),
+        num_cached_free=len(queued & view.hashed),
+        num_held=sum(1 for r in refs.values() if r > 0),
+        leaked=leaked,
+        lostref=lostref,
         unqueued=sorted(b for b, r in refs.items() if r == 0 and b not in queued),
-        qheld=sorted(b for b in queued if refs.get(b, 0) > 0), qcount=view.queue_counter - len(view.queued),
-        orphans=sorted(set(orphans)), culprits={b: last_taker[b] for b in leaked if b in last_taker},
+        qheld=sorted(b for b in queued if refs.get(b, 0) > 0),
+        qcount=view.queue_counter - len(view.queued),
+        orphans=sorted(set(orphans)),
+        culprits={b: last_taker[b] for b in leaked if b in last_taker},
         releasers={b: last_release[b] for b in lostref if last_release and b in last_release},
     )
 
@@ -91,18 +102,33 @@ def take_census(view: BlockView, tables: Iterable[Mapping[str, list[Any]]], defe
 def census_checks(step: int, result: CensusResult) -> list[LeakCheck]:
     """One leak check per term, its violation naming the blocks (and, for a leak, who took them)."""
     held = result.num_held - len(result.qheld)
-    counts = (result.num_blocks, result.num_free - result.num_cached_free, result.num_cached_free, 0, held,
-              len(result.unqueued))
+    counts = (
+        result.num_blocks,
+        result.num_free - result.num_cached_free,
+        result.num_cached_free,
+        0,
+        held,
+        len(result.unqueued),
+    )
     return [LeakCheck(step, term, *counts, idle=True, violation=_violation(term, result)) for term in TERMS]
 
 
 def census_json(result: CensusResult, pid: int, dp_rank: int) -> dict[str, Any]:
     """The census as plain JSON values (GET /kvscope/census): counts, each term, the culprits."""
     return {
-        "pid": pid, "dp_rank": dp_rank, "ok": result.ok, "blocks": result.num_blocks, "free": result.num_free,
-        "cached_free": result.num_cached_free, "held": result.num_held,
-        "leaked": sorted(result.leaked), "lostref": sorted(result.lostref), "unqueued": result.unqueued,
-        "qheld": result.qheld, "qcount": result.qcount, "orphans": result.orphans,
+        "pid": pid,
+        "dp_rank": dp_rank,
+        "ok": result.ok,
+        "blocks": result.num_blocks,
+        "free": result.num_free,
+        "cached_free": result.num_cached_free,
+        "held": result.num_held,
+        "leaked": sorted(result.leaked),
+        "lostref": sorted(result.lostref),
+        "unqueued": result.unqueued,
+        "qheld": result.qheld,
+        "qcount": result.qcount,
+        "orphans": result.orphans,
         "culprits": {str(b): {"rid": c[0], "step": c[1], "event": c[2]} for b, c in result.culprits.items()},
         "releasers": {str(b): {"rid": c[0], "step": c[1], "event": c[2]} for b, c in result.releasers.items()},
         "violations": [v for v in (_violation(t, result) for t in TERMS) if v is not None],
@@ -111,11 +137,17 @@ def census_json(result: CensusResult, pid: int, dp_rank: int) -> dict[str, Any]:
 
 def _violation(term: str, result: CensusResult) -> str | None:
     if term == "leaked" and result.leaked:
-        return f"{_blocks(len(result.leaked))} leaked: " + "; ".join(
-            _leak_text(b, result) for b in sorted(result.leaked)[:MAX_NAMED]) + _more(len(result.leaked))
+        return (
+            f"{_blocks(len(result.leaked))} leaked: "
+            + "; ".join(_leak_text(b, result) for b in sorted(result.leaked)[:MAX_NAMED])
+            + _more(len(result.leaked))
+        )
     if term == "lostref" and result.lostref:
-        return f"{_blocks(len(result.lostref))} released too often (a double free): " + "; ".join(
-            _lost_text(b, result) for b in sorted(result.lostref)[:MAX_NAMED]) + _more(len(result.lostref))
+        return (
+            f"{_blocks(len(result.lostref))} released too often (a double free): "
+            + "; ".join(_lost_text(b, result) for b in sorted(result.lostref)[:MAX_NAMED])
+            + _more(len(result.lostref))
+        )
     if term == "unqueued" and result.unqueued:
         return f"{_blocks(len(result.unqueued))} with ref 0 missing from the free queue: {_named(result.unqueued)}"
     if term == "qheld" and result.qheld:
@@ -123,8 +155,11 @@ def _violation(term: str, result: CensusResult) -> str | None:
     if term == "qcount" and result.qcount:
         return f"the free queue's counter is {result.qcount:+d} off its list's length"
     if term == "orphans" and result.orphans:
-        return f"{len(result.orphans)} block tables of requests that no longer exist: " + ", ".join(
-            result.orphans[:MAX_NAMED]) + _more(len(result.orphans))
+        return (
+            f"{len(result.orphans)} block tables of requests that no longer exist: "
+            + ", ".join(result.orphans[:MAX_NAMED])
+            + _more(len(result.orphans))
+        )
     return None
 
 

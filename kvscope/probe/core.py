@@ -138,5 +138,4 @@ def open_recorder(settings: Settings, *, label: str, config: dict[str, Any]) -> 
 
     if settings.level not in LEVELS:
         raise ValueError(f"KVSCOPE_LEVEL must be summary or full, got {settings.level!r}")
-    return RemoteRecorder(settings.capture, level=settings.level, label=label, config=config,
-                          python=settings.python)
+    return RemoteRecorder(settings.capture, level=settings.level, label=label, config=config, python=settings.python)

@@ -52,8 +52,17 @@ SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
 RELEASE = f"{MEM}.common.release_kv_cache"
 ALLOC_V, FREE_V, MATCH_V, INSERT_V, LOCK_V, UNLOCK_V, EVICT_V = (
-    k._value_ for k in (EventKind.ALLOC, EventKind.FREE, EventKind.MATCH, EventKind.INSERT, EventKind.LOCK,
-                        EventKind.UNLOCK, EventKind.EVICT))
+    k._value_
+    for k in (
+        EventKind.ALLOC,
+        EventKind.FREE,
+        EventKind.MATCH,
+        EventKind.INSERT,
+        EventKind.LOCK,
+        EventKind.UNLOCK,
+        EventKind.EVICT,
+    )
+)
 HOST_EVICT_V, LOAD_V, WRITE_V = (k._value_ for k in (EventKind.HOST_EVICT, EventKind.LOAD, EventKind.WRITE))
 CAPACITY_V = EvictReason.CAPACITY._value_
 SNAPSHOT_EVERY_STEPS = 256  # NOTE: while busy; a snapshot walks every node (as the idle census does)
@@ -107,8 +116,8 @@ class SglangProbe:
             self.hot, self.emit = False, None
             with guarded(self.state):
                 rec = self.state.recorder = open_recorder(
-                    self.settings, label=f"sglang {self.version} probe pid {self.pid}",
-                    config=self.config(patched=True))
+                    self.settings, label=f"sglang {self.version} probe pid {self.pid}", config=self.config(patched=True)
+                )
                 self.step = rec.step
                 self.emit = rec.item_sink() if rec.enabled else None
                 self.hot = True
@@ -117,9 +126,18 @@ class SglangProbe:
         return self.state.recorder
 
     def config(self, *, patched: bool, reason: str | None = None) -> dict[str, Any]:
-        return {"source": {"kind": "probe", "engine": ENGINE, "version": self.version, "patched": patched,
-                           "reason": reason, "pid": os.getpid(), "census": "pages",
-                           "provides": ["pages", "ownership", "locks", "leak_checks", "requests", "usage.split"]}}
+        return {
+            "source": {
+                "kind": "probe",
+                "engine": ENGINE,
+                "version": self.version,
+                "patched": patched,
+                "reason": reason,
+                "pid": os.getpid(),
+                "census": "pages",
+                "provides": ["pages", "ownership", "locks", "leak_checks", "requests", "usage.split"],
+            }
+        }
 
     def next_step(self) -> None:
         rec = self.recorder()
@@ -143,8 +161,21 @@ class SglangProbe:
             takers[page] = taken
         self.busy = True
         if self.emit is not None and event != "bind":
-            self.emit((taken[1], _monotonic(), ALLOC_V, pool, rid, None, len(pages) * allocator.page_size, 0, None,
-                       None, tuple(pages)))
+            self.emit(
+                (
+                    taken[1],
+                    _monotonic(),
+                    ALLOC_V,
+                    pool,
+                    rid,
+                    None,
+                    len(pages) * allocator.page_size,
+                    0,
+                    None,
+                    None,
+                    tuple(pages),
+                )
+            )
 
     def released(self, allocator: Any, pages: list[int], entry: tuple[str | None, int, str]) -> None:
         pool = self.pool_of(allocator)
@@ -153,8 +184,21 @@ class SglangProbe:
             releasers[page] = entry
         self.busy = True
         if self.emit is not None:
-            self.emit((entry[1], _monotonic(), FREE_V, pool, entry[0], None, len(pages) * allocator.page_size, 0,
-                       None, None, tuple(pages)))
+            self.emit(
+                (
+                    entry[1],
+                    _monotonic(),
+                    FREE_V,
+                    pool,
+                    entry[0],
+                    None,
+                    len(pages) * allocator.page_size,
+                    0,
+                    None,
+                    None,
+                    tuple(pages),
+                )
+            )
 
     def drain(self) -> None:
         """The allocator calls recorded since the last drain, in order, into the ledger and events."""
@@ -186,8 +230,24 @@ class SglangProbe:
         available = int(full.available_size())
         terms = PoolTerms(total, available, int(tree.evictable_size()), int(tree.protected_size()))
         c = self.cum
-        rec.usage(UsageSample(rec.step, terms, None, 0, 0, running, 0, c["prompt"], c["hit"], c["requests"],
-                              c["hit_requests"], c["evicted"], 0, full_used=total - available))
+        rec.usage(
+            UsageSample(
+                rec.step,
+                terms,
+                None,
+                0,
+                0,
+                running,
+                0,
+                c["prompt"],
+                c["hit"],
+                c["requests"],
+                c["hit_requests"],
+                c["evicted"],
+                0,
+                full_used=total - available,
+            )
+        )
         self.usage_step = rec.step
 
     def bind_requests(self, reqs: Any, rows: Any, page_size: int, allocator: Any, event: str) -> None:
@@ -238,8 +298,9 @@ class SglangProbe:
         live = {req.rid for req in owners}
         open_locks = {node: [h for h in held if h[0] not in live] for node, held in self.locks.items()}
         view = _page_view(full, tree, rows, owners)
-        result = take_page_census("full", view, self.takers["full"], self.releasers["full"],
-                                  {n: h for n, h in open_locks.items() if h})
+        result = take_page_census(
+            "full", view, self.takers["full"], self.releasers["full"], {n: h for n, h in open_locks.items() if h}
+        )
         row_result = take_page_census("req", _row_view(rows, owners), self.takers["req"], self.releasers["req"], {})
         for check in census_checks(rec.step, [result, row_result]):
             rec.leak_check(check)
@@ -248,13 +309,36 @@ class SglangProbe:
         terms = PoolTerms(view.num_pages * ps, len(result.free) * ps, len(result.tree - result.live) * ps, 0)
         c = self.cum
         if self.usage_step != rec.step:
-            rec.usage(UsageSample(rec.step, terms, None, 0, 0, len(owners), 0, c["prompt"], c["hit"], c["requests"],
-                                  c["hit_requests"], c["evicted"], 0, full_used=used))
+            rec.usage(
+                UsageSample(
+                    rec.step,
+                    terms,
+                    None,
+                    0,
+                    0,
+                    len(owners),
+                    0,
+                    c["prompt"],
+                    c["hit"],
+                    c["requests"],
+                    c["hit_requests"],
+                    c["evicted"],
+                    0,
+                    full_used=used,
+                )
+            )
             self.usage_step = rec.step
         rec.tree_snapshot(rec.step, tree_rows(tree, view.live, ps))
         for failed in (r for r in (result, row_result) if not r.ok):
-            say(census_line(failed, why=why, capture=self.settings.capture if self.settings else "",
-                            run_id=getattr(rec, "run_id", None), step=rec.step))
+            say(
+                census_line(
+                    failed,
+                    why=why,
+                    capture=self.settings.capture if self.settings else "",
+                    run_id=getattr(rec, "run_id", None),
+                    step=rec.step,
+                )
+            )
         rec.flush() if hasattr(rec, "flush") else rec.idle()
         return result, row_result
 
@@ -284,7 +368,7 @@ def _live_pages(rows: Any, owners: Any, page_size: int) -> dict[int, str]:
         kv = req.kv
         if kv.req_pool_idx is None:
             continue
-        for slot in table[kv.req_pool_idx, :int(kv.kv_allocated_len)].tolist():
+        for slot in table[kv.req_pool_idx, : int(kv.kv_allocated_len)].tolist():
             live.setdefault(int(slot) // page_size, req.rid)
     return live
 
@@ -319,12 +403,27 @@ def _node_rows(root: Any, full: int | None, live: dict[int, str], page_size: int
         host = full is not None and getattr(data, "host_value", None) is not None
         evicted = node is not root and value is None
         owners = sorted({live[p] for p in _pages_of(value, page_size) if p in live}) if not evicted else []
-        preview = "" if node is root else " ".join(map(str, key.token_ids[:PREVIEW_TOKENS])) + (
-            " …" if tokens > PREVIEW_TOKENS else "")
-        rows.append(NodeRow(int(node.id), None if node is root else int(node.parent.id), tokens, preview,
-                            int(data.lock_ref), float(node.last_access_time), int(node.hit_count),
-                            ",".join(owners)[:64] or None, evicted, start + tokens, "public",
-                            ("host" if evicted else "device+host") if host else "device"))
+        preview = (
+            ""
+            if node is root
+            else " ".join(map(str, key.token_ids[:PREVIEW_TOKENS])) + (" …" if tokens > PREVIEW_TOKENS else "")
+        )
+        rows.append(
+            NodeRow(
+                int(node.id),
+                None if node is root else int(node.parent.id),
+                tokens,
+                preview,
+                int(data.lock_ref),
+                float(node.last_access_time),
+                int(node.hit_count),
+                ",".join(owners)[:64] or None,
+                evicted,
+                start + tokens,
+                "public",
+                ("host" if evicted else "device+host") if host else "device",
+            )
+        )
         stack.extend((child, start + tokens) for child in reversed(list(node.children.values())))
     return rows
 
@@ -344,14 +443,30 @@ def page_rows(core: Any, live: dict[int, str], page_size: int) -> list[NodeRow]:
     unlocked = core.walk_for_kv_canary(True, False)
     free_of_locks = {int(s) // page_size for s in unlocked.slot_indices.tolist()}
     rows = [NodeRow(0, None, 0, "", 0, 0.0, 0, None, False, 0)]
-    firsts = [(int(pos), int(slot) // page_size, int(prev))
-              for slot, pos, prev in zip(walk.slot_indices.tolist(), walk.positions.tolist(),
-                                         walk.prev_slot_indices.tolist(), strict=True) if int(pos) % page_size == 0]
+    firsts = [
+        (int(pos), int(slot) // page_size, int(prev))
+        for slot, pos, prev in zip(
+            walk.slot_indices.tolist(), walk.positions.tolist(), walk.prev_slot_indices.tolist(), strict=True
+        )
+        if int(pos) % page_size == 0
+    ]
     pages = {page for _, page, _ in firsts}
     for pos, page, prev in sorted(firsts):
         parent = prev // page_size if prev >= 0 and prev // page_size in pages else 0  # NOTE: or an orphan's
-        rows.append(NodeRow(page, parent, page_size, "",
-                            0 if page in free_of_locks else 1, 0.0, 0, live.get(page), False, pos + page_size))
+        rows.append(
+            NodeRow(
+                page,
+                parent,
+                page_size,
+                "",
+                0 if page in free_of_locks else 1,
+                0.0,
+                0,
+                live.get(page),
+                False,
+                pos + page_size,
+            )
+        )
     return rows
 
 
@@ -472,8 +587,9 @@ def _h_match(original: Callable[..., Any], self: Any, params: Any, *args: Any, *
             c["requests"] += 1
             c["hit_requests"] += hit > 0
             if probe.emit is not None:
-                probe.emit((probe.step, _monotonic(), MATCH_V, "full", rid, None, hit, max(asked - hit, 0), None,
-                            None, None))
+                probe.emit(
+                    (probe.step, _monotonic(), MATCH_V, "full", rid, None, hit, max(asked - hit, 0), None, None, None)
+                )
     except Exception as err:
         _failed(err)
     return result
@@ -485,8 +601,21 @@ def _h_insert(original: Callable[..., Any], self: Any, params: Any, *args: Any, 
         try:
             if _ready() and PROBE.emit is not None:
                 added = max(len(params.key) - int(result.prefix_len), 0)
-                PROBE.emit((PROBE.step, _monotonic(), INSERT_V, "full", PROBE.rid, _node(result.last_device_node),
-                            added, 0, None, None, None))
+                PROBE.emit(
+                    (
+                        PROBE.step,
+                        _monotonic(),
+                        INSERT_V,
+                        "full",
+                        PROBE.rid,
+                        _node(result.last_device_node),
+                        added,
+                        0,
+                        None,
+                        None,
+                        None,
+                    )
+                )
         except Exception as err:
             _failed(err)
     return result
@@ -501,8 +630,21 @@ def _h_evict(original: Callable[..., Any], self: Any, params: Any, *args: Any, *
             evicted = int(result.num_tokens_evicted)
             PROBE.cum["evicted"] += evicted
             if PROBE.emit is not None and evicted:
-                PROBE.emit((PROBE.step, _monotonic(), EVICT_V, "full", PROBE.rid, None, evicted,
-                            int(getattr(result, "swa_num_tokens_evicted", 0)), CAPACITY_V, None, None))
+                PROBE.emit(
+                    (
+                        PROBE.step,
+                        _monotonic(),
+                        EVICT_V,
+                        "full",
+                        PROBE.rid,
+                        None,
+                        evicted,
+                        int(getattr(result, "swa_num_tokens_evicted", 0)),
+                        CAPACITY_V,
+                        None,
+                        None,
+                    )
+                )
     except Exception as err:
         _failed(err)
     return result
@@ -543,8 +685,9 @@ def _h_dec_lock(original: Callable[..., Any], self: Any, node: Any, *args: Any, 
                     probe.unlock(key, probe.rid)
                     if probe.emit is not None:
                         moved = getattr(result, "delta", 0) or 0
-                        probe.emit((probe.step, _monotonic(), UNLOCK_V, "full", probe.rid, key, moved, 0, None, None,
-                                    None))
+                        probe.emit(
+                            (probe.step, _monotonic(), UNLOCK_V, "full", probe.rid, key, moved, 0, None, None, None)
+                        )
         except Exception as err:
             _failed(err)
     return result
@@ -552,16 +695,19 @@ def _h_dec_lock(original: Callable[..., Any], self: Any, node: Any, *args: Any, 
 
 def _host_hook(kind: str) -> Callable[..., Any]:
     """HiCache component: host eviction, load back, backup (counted as events on pool host)."""
+
     def hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         if PROBE.state.active:
             try:
                 if _ready() and PROBE.emit is not None:
-                    PROBE.emit((PROBE.step, _monotonic(), kind, "host", PROBE.rid, None, _tokens(result), 0, None,
-                                None, None))
+                    PROBE.emit(
+                        (PROBE.step, _monotonic(), kind, "host", PROBE.rid, None, _tokens(result), 0, None, None, None)
+                    )
             except Exception as err:
                 _failed(err)
         return result
+
     return hook
 
 
@@ -580,6 +726,7 @@ def _h_prepare(event: str) -> Callable[..., Any]:
         except Exception as err:
             _failed(err)
         return result
+
     return hook
 
 
@@ -600,8 +747,15 @@ def _record_request(req: Any) -> None:
         return
     PROBE.recorded.add(req.rid)
     prompt = len(req.origin_input_ids)
-    record = RequestRecord(req.rid, None, prompt, "finished" if req.finished() else "released",
-                           int(getattr(req, "prefix_len", 0) or 0), len(req.output_ids), 0)
+    record = RequestRecord(
+        req.rid,
+        None,
+        prompt,
+        "finished" if req.finished() else "released",
+        int(getattr(req, "prefix_len", 0) or 0),
+        len(req.output_ids),
+        0,
+    )
     record.mark("finish", rec.step, _monotonic())
     rec.request(record)
 
@@ -618,8 +772,9 @@ def _h_on_idle(original: Callable[..., Any], self: Any, *args: Any, **kwargs: An
 def _h_report_leak(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
     if PROBE.state.active:  # NOTE: before SGLang raises "memory leak detected!": the census and its culprits
         with guarded(PROBE.state):
-            PROBE.census(self.tree_cache, self.req_to_token_pool, self._requests_owning_rows(),
-                         why="SGLang's leak check failed")
+            PROBE.census(
+                self.tree_cache, self.req_to_token_pool, self._requests_owning_rows(), why="SGLang's leak check failed"
+            )
     return original(self, *args, **kwargs)
 
 
@@ -705,8 +860,9 @@ def _register(version: str | None = None, table: dict[str, Callable[[], list[Hoo
     PROBE.__init__(settings, version)  # type: ignore[misc]
     make = table.get(version)
     if make is None:
-        return _refuse(f"SGLang {version} is not supported (the probe knows {', '.join(sorted(table))}); "
-                       "nothing patched")
+        return _refuse(
+            f"SGLang {version} is not supported (the probe knows {', '.join(sorted(table))}); nothing patched"
+        )
     wanted = make()
     missing = [h.target for h in wanted if not _resolves(h.target)]
     if missing:
@@ -736,7 +892,10 @@ def _refuse(reason: str) -> str:
     if os.environ.get("KVSCOPE_PROBE_REFUSED") is None and PROBE.settings is not None:
         os.environ["KVSCOPE_PROBE_REFUSED"] = "1"  # NOTE: inherited by SGLang's spawned processes
         with guarded(PROBE.state):
-            rec = open_recorder(PROBE.settings, label=f"sglang {PROBE.version} probe (refused)",
-                                config=PROBE.config(patched=False, reason=reason))
+            rec = open_recorder(
+                PROBE.settings,
+                label=f"sglang {PROBE.version} probe (refused)",
+                config=PROBE.config(patched=False, reason=reason),
+            )
             rec.close("crashed", f"probe refused: {reason}")
     return reason

@@ -66,15 +66,28 @@ class PageCensus:
         return not (self.leaked or self.doubleref or self.locks)
 
     def as_json(self) -> dict[str, Any]:
-        return {"pool": self.pool, "ok": self.ok, "pages": self.num_pages, "free": len(self.free),
-                "tree": len(self.tree), "live": len(self.live), "leaked": self.leaked, "doubleref": self.doubleref,
-                "culprits": {str(p): e[0] for p, e in self.culprits.items()},
-                "releasers": {str(p): e[0] for p, e in self.releasers.items()},
-                "locks": {str(n): [h[0] for h in held] for n, held in self.locks.items()}}
+        return {
+            "pool": self.pool,
+            "ok": self.ok,
+            "pages": self.num_pages,
+            "free": len(self.free),
+            "tree": len(self.tree),
+            "live": len(self.live),
+            "leaked": self.leaked,
+            "doubleref": self.doubleref,
+            "culprits": {str(p): e[0] for p, e in self.culprits.items()},
+            "releasers": {str(p): e[0] for p, e in self.releasers.items()},
+            "locks": {str(n): [h[0] for h in held] for n, held in self.locks.items()},
+        }
 
 
-def take_page_census(pool: str, view: PageView, takers: Mapping[int, Entry], releasers: Mapping[int, Entry],
-                     stale_locks: Mapping[Any, list[tuple[str | None, int]]]) -> PageCensus:
+def take_page_census(
+    pool: str,
+    view: PageView,
+    takers: Mapping[int, Entry],
+    releasers: Mapping[int, Entry],
+    stale_locks: Mapping[Any, list[tuple[str | None, int]]],
+) -> PageCensus:
     """The census of one pool; `stale_locks`: open locks whose holder is no longer live."""
     counts = Counter(view.free_list)
     free = set(counts)
@@ -83,11 +96,19 @@ def take_page_census(pool: str, view: PageView, takers: Mapping[int, Entry], rel
     leaked = sorted(pages - free - in_use)
     doubleref = sorted((free & in_use) | {p for p, n in counts.items() if n > 1})
     return PageCensus(
-        pool=pool, page_size=view.page_size, num_pages=view.num_pages, free=free, tree=set(view.tree),
-        live=set(view.live), leaked=leaked, doubleref=doubleref,
+        pool=pool,
+        page_size=view.page_size,
+        num_pages=view.num_pages,
+        free=free,
+        tree=set(view.tree),
+        live=set(view.live),
+        leaked=leaked,
+        doubleref=doubleref,
         culprits={p: takers[p] for p in leaked if p in takers},
         releasers={p: releasers[p] for p in doubleref if p in releasers},
-        locks=dict(stale_locks), live_owner=dict(view.live))
+        locks=dict(stale_locks),
+        live_owner=dict(view.live),
+    )
 
 
 def census_checks(step: int, results: list[PageCensus]) -> list[LeakCheck]:
@@ -101,8 +122,9 @@ def census_checks(step: int, results: list[PageCensus]) -> list[LeakCheck]:
         held = len(r.live) * ps
         uncached = len(r.leaked) * ps
         total = available + evictable + held + uncached
-        checks.append(LeakCheck(step, r.pool, total, available, evictable, 0, held, uncached, idle=True,
-                                violation=violation(r)))
+        checks.append(
+            LeakCheck(step, r.pool, total, available, evictable, 0, held, uncached, idle=True, violation=violation(r))
+        )
     return checks
 
 
@@ -110,14 +132,22 @@ def violation(r: PageCensus) -> str | None:
     """What failed, in one line (None when the pool's census holds)."""
     parts = []
     if r.leaked:
-        parts.append(f"{_pages(len(r.leaked), r.unit)} leaked (in no free list, tree or live row): " + "; ".join(
-            _leak_text(p, r) for p in r.leaked[:MAX_NAMED]) + _more(len(r.leaked)))
+        parts.append(
+            f"{_pages(len(r.leaked), r.unit)} leaked (in no free list, tree or live row): "
+            + "; ".join(_leak_text(p, r) for p in r.leaked[:MAX_NAMED])
+            + _more(len(r.leaked))
+        )
     if r.doubleref:
-        parts.append(f"{_pages(len(r.doubleref), r.unit)} freed while in use (a double free): " + "; ".join(
-            _double_text(p, r) for p in r.doubleref[:MAX_NAMED]) + _more(len(r.doubleref)))
+        parts.append(
+            f"{_pages(len(r.doubleref), r.unit)} freed while in use (a double free): "
+            + "; ".join(_double_text(p, r) for p in r.doubleref[:MAX_NAMED])
+            + _more(len(r.doubleref))
+        )
     if r.locks:
-        parts.append(f"{len(r.locks)} tree node{'s' if len(r.locks) != 1 else ''} still locked by finished "
-                     "requests: " + "; ".join(_lock_text(n, held) for n, held in list(r.locks.items())[:MAX_NAMED]))
+        parts.append(
+            f"{len(r.locks)} tree node{'s' if len(r.locks) != 1 else ''} still locked by finished "
+            "requests: " + "; ".join(_lock_text(n, held) for n, held in list(r.locks.items())[:MAX_NAMED])
+        )
     return " | ".join(parts) if parts else None
 
 
@@ -137,8 +167,13 @@ def _leak_text(page: int, r: PageCensus) -> str:
 
 
 def _double_text(page: int, r: PageCensus) -> str:
-    where = f"free and in a live row of request {r.live_owner[page]}" if page in r.live_owner else \
-        "free and in the tree" if page in r.tree else "twice in the free list"
+    where = (
+        f"free and in a live row of request {r.live_owner[page]}"
+        if page in r.live_owner
+        else "free and in the tree"
+        if page in r.tree
+        else "twice in the free list"
+    )
     last = r.releasers.get(page)
     who = f"; last released for request {last[0]} ({last[2]} at step {last[1]})" if last else ""
     return f"{r.unit} {page} {where}{who}"

@@ -69,14 +69,20 @@ CORE = "vllm.v1.engine.core"
 UTILS = "vllm.v1.core.kv_cache_utils"
 SNAPSHOT_EVERY_STEPS = 256  # NOTE: while busy; a snapshot walks every block (as the idle census does)
 FULL = PoolName.FULL
-ALLOC, LOCK, REVIVE, FREE_KIND, UNLOCK = (EventKind.ALLOC, EventKind.LOCK, EventKind.REVIVE, EventKind.FREE,
-                                          EventKind.UNLOCK)
+ALLOC, LOCK, REVIVE, FREE_KIND, UNLOCK = (
+    EventKind.ALLOC,
+    EventKind.LOCK,
+    EventKind.REVIVE,
+    EventKind.FREE,
+    EventKind.UNLOCK,
+)
 _getpid = os.getpid
 _monotonic = time.monotonic
 # NOTE: the hot wrappers hand the recorder the flat ITEM_FIELDS tuple themselves (RemoteRecorder.item_sink):
 # (step, t_mono, kind, pool, rid, node_id, num_tokens, aux, reason, principal, slots), kind/pool as values
-ALLOC_V, LOCK_V, REVIVE_V, FREE_V, UNLOCK_V, EVICT_V = (k._value_ for k in (ALLOC, LOCK, REVIVE, FREE_KIND, UNLOCK,
-                                                                            EventKind.EVICT))
+ALLOC_V, LOCK_V, REVIVE_V, FREE_V, UNLOCK_V, EVICT_V = (
+    k._value_ for k in (ALLOC, LOCK, REVIVE, FREE_KIND, UNLOCK, EventKind.EVICT)
+)
 FULL_V, CAPACITY_V = FULL._value_, EvictReason.CAPACITY._value_
 FINISH_V, NO_ROOM_V = EventKind.REQUEST_FINISH._value_, EventKind.NO_ROOM._value_
 ROOT = NodeRow(0, None, 0, "", 0, 0.0, 0, None, False, 0)
@@ -128,8 +134,11 @@ class VllmProbe:
             self.hot, self.emit = False, None
             with guarded(self.state):
                 rank = "" if self.dp_rank is None else f"dp {self.dp_rank} "
-                rec = self.state.recorder = open_recorder(self.settings, label=f"vllm {self.version} probe {rank}"
-                                                          f"pid {self.pid}", config=self.config(patched=True))
+                rec = self.state.recorder = open_recorder(
+                    self.settings,
+                    label=f"vllm {self.version} probe {rank}pid {self.pid}",
+                    config=self.config(patched=True),
+                )
                 self.step = rec.step
                 self.emit = rec.item_sink() if rec.enabled else None
                 self.hot = True
@@ -142,10 +151,19 @@ class VllmProbe:
         self.hot, self.emit = False, None
 
     def config(self, *, patched: bool, reason: str | None = None) -> dict[str, Any]:
-        return {"source": {"kind": "probe", "engine": ENGINE, "version": self.version, "patched": patched,
-                           "reason": reason, "pid": os.getpid(), "dp_rank": self.dp_rank,
-                           "block_size": self.block_size or None,  # NOTE: the Capacity page plans with it
-                           "provides": ["blocks", "ownership", "refs", "leak_checks", "requests", "tree"]}}
+        return {
+            "source": {
+                "kind": "probe",
+                "engine": ENGINE,
+                "version": self.version,
+                "patched": patched,
+                "reason": reason,
+                "pid": os.getpid(),
+                "dp_rank": self.dp_rank,
+                "block_size": self.block_size or None,  # NOTE: the Capacity page plans with it
+                "provides": ["blocks", "ownership", "refs", "leak_checks", "requests", "tree"],
+            }
+        }
 
     def engine_seen(self, engine: Any) -> None:
         """The EngineCore this process runs: its data-parallel rank names the run (before it opens)."""
@@ -174,9 +192,24 @@ class VllmProbe:
         cached = min(self.cached_free, num_free)
         terms = PoolTerms(num_blocks * size, (num_free - cached) * size, cached * size, 0)
         c = self.cum
-        rec.usage(UsageSample(rec.step, terms, None, 0, 0, len(scheduler.running), len(scheduler.waiting),
-                              c["prompt"], c["hit"], c["requests"], c["hit_requests"], c["evicted"],
-                              c["retractions"], full_used=(num_blocks - num_free) * size))
+        rec.usage(
+            UsageSample(
+                rec.step,
+                terms,
+                None,
+                0,
+                0,
+                len(scheduler.running),
+                len(scheduler.waiting),
+                c["prompt"],
+                c["hit"],
+                c["requests"],
+                c["hit_requests"],
+                c["evicted"],
+                c["retractions"],
+                full_used=(num_blocks - num_free) * size,
+            )
+        )
         if self.cached_calls:
             self.note_parents()
         if rec.step % SNAPSHOT_EVERY_STEPS == 0:
@@ -285,8 +318,20 @@ def tree_rows(manager: Any, parents: dict[int, tuple[int, Any]], block_size: int
     for block_id in sorted(cached, key=depth_of):
         block = cached[block_id]
         owner = ",".join(sorted(set(holders.get(block_id, ()))))[:64] or None
-        rows.append(NodeRow(block_id, parent_of[block_id], block_size, "", int(block.ref_cnt), 0.0, 0, owner, False,
-                            depth[block_id] * block_size))
+        rows.append(
+            NodeRow(
+                block_id,
+                parent_of[block_id],
+                block_size,
+                "",
+                int(block.ref_cnt),
+                0.0,
+                0,
+                owner,
+                False,
+                depth[block_id] * block_size,
+            )
+        )
     return rows
 
 
@@ -340,11 +385,25 @@ def _get_new_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
                         ids = [block.block_id for block in blocks]
                         for block_id in ids:
                             takers[block_id] = taken
-                        probe.emit((step, _monotonic(), ALLOC_V, FULL_V, ctx.rid, None, len(ids), ctx.group, None,
-                                    None, tuple(ids)))
+                        probe.emit(
+                            (
+                                step,
+                                _monotonic(),
+                                ALLOC_V,
+                                FULL_V,
+                                ctx.rid,
+                                None,
+                                len(ids),
+                                ctx.group,
+                                None,
+                                None,
+                                tuple(ids),
+                            )
+                        )
             except Exception as err:
                 _failed(err)
         return blocks
+
     return get_new_blocks
 
 
@@ -360,11 +419,25 @@ def _maybe_evict(original: Callable[..., Any]) -> Callable[..., Any]:
                     probe.cached_free -= 1
                     if probe.emit is not None:
                         ctx, node = probe.ctx, block.block_id
-                        probe.emit((probe.step, _monotonic(), EVICT_V, FULL_V, ctx.rid, node, block_size, ctx.group,
-                                    CAPACITY_V, None, (node,)))
+                        probe.emit(
+                            (
+                                probe.step,
+                                _monotonic(),
+                                EVICT_V,
+                                FULL_V,
+                                ctx.rid,
+                                node,
+                                block_size,
+                                ctx.group,
+                                CAPACITY_V,
+                                None,
+                                (node,),
+                            )
+                        )
             except Exception as err:
                 _failed(err)
         return evicted
+
     return _maybe_evict_cached_block
 
 
@@ -399,11 +472,25 @@ def _touch(original: Callable[..., Any]) -> Callable[..., Any]:
                     rid, group = ctx.rid, ctx.group
                     emit((step, _monotonic(), LOCK_V, FULL_V, rid, None, len(ids), group, None, None, tuple(ids)))
                     if revived:
-                        emit((step, _monotonic(), REVIVE_V, FULL_V, rid, None, len(revived), group, None, None,
-                              tuple(revived)))
+                        emit(
+                            (
+                                step,
+                                _monotonic(),
+                                REVIVE_V,
+                                FULL_V,
+                                rid,
+                                None,
+                                len(revived),
+                                group,
+                                None,
+                                None,
+                                tuple(revived),
+                            )
+                        )
         except Exception as err:
             _failed(err)
         return result
+
     return touch
 
 
@@ -435,20 +522,34 @@ def _free_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
                         (still if b.ref_cnt else zero).append(block_id)
                     rid, step, group = ctx.rid, released[1], ctx.group
                     if zero:
-                        emit((step, _monotonic(), FREE_V, FULL_V, rid, None, len(zero), group, None, None,
-                              tuple(zero)))
+                        emit((step, _monotonic(), FREE_V, FULL_V, rid, None, len(zero), group, None, None, tuple(zero)))
                     if still:
-                        emit((step, _monotonic(), UNLOCK_V, FULL_V, rid, None, len(still), group, None, None,
-                              tuple(still)))
+                        emit(
+                            (
+                                step,
+                                _monotonic(),
+                                UNLOCK_V,
+                                FULL_V,
+                                rid,
+                                None,
+                                len(still),
+                                group,
+                                None,
+                                None,
+                                tuple(still),
+                            )
+                        )
         except Exception as err:
             _failed(err)
         return result
+
     return free_blocks
 
 
 def _append_n(original: Callable[..., Any]) -> Callable[..., Any]:
     """FreeKVCacheBlockQueue.append_n: BlockPool.free_blocks appends the blocks that reached ref 0
     with a hash (unhashed ones are prepended): the cached-free count grows by their number."""
+
     def append_n(self: Any, blocks: Any) -> Any:
         result = original(self, blocks)
         if PROBE.state.active:
@@ -457,14 +558,25 @@ def _append_n(original: Callable[..., Any]) -> Callable[..., Any]:
             except Exception as err:
                 _failed(err)
         return result
+
     return append_n
 
 
 def _cache_full_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
-    def cache_full_blocks(self: Any, request: Any, blocks: Any, num_cached_blocks: int, num_full_blocks: int,
-                          block_size: int, kv_cache_group_id: int, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id,
-                          *args, **kwargs)
+    def cache_full_blocks(
+        self: Any,
+        request: Any,
+        blocks: Any,
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        result = original(
+            self, request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, *args, **kwargs
+        )
         if PROBE.state.active:
             with guarded(PROBE.state):
                 rec = PROBE.recorder()
@@ -473,6 +585,7 @@ def _cache_full_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
                 if rec is not None and rec.enabled:
                     _record_cached(rec, request.request_id, blocks, num_cached_blocks, num_full_blocks, block_size)
         return result
+
     return cache_full_blocks
 
 
@@ -484,8 +597,15 @@ def _record_cached(rec: Any, rid: str, blocks: Any, first: int, end: int, block_
         if block.is_null or block.block_hash is None:
             continue
         parent = blocks[i - 1].block_id if i > 0 and not blocks[i - 1].is_null else 0
-        rec.record(EventKind.INSERT, pool=FULL, rid=rid, node_id=block.block_id, num_tokens=int(block_size),
-                   slots=[block.block_id], aux=parent)
+        rec.record(
+            EventKind.INSERT,
+            pool=FULL,
+            rid=rid,
+            node_id=block.block_id,
+            num_tokens=int(block_size),
+            slots=[block.block_id],
+            aux=parent,
+        )
 
 
 def _reset_prefix_cache(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -499,11 +619,13 @@ def _reset_prefix_cache(original: Callable[..., Any]) -> Callable[..., Any]:
                 if rec is not None and rec.enabled:
                     rec.record(EventKind.EVICT, pool=FULL, reason=EvictReason.RESET)
         return done
+
     return reset_prefix_cache
 
 
 def _for_request(original: Callable[..., Any]) -> Callable[..., Any]:
     """KVCacheManager methods taking the Request first: the block pool works for its id meanwhile."""
+
     def for_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         if not PROBE.state.active:
             return original(self, request, *args, **kwargs)
@@ -514,11 +636,13 @@ def _for_request(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, request, *args, **kwargs)
         finally:
             ctx.rid = saved
+
     return for_request
 
 
 def _for_group(original: Callable[..., Any]) -> Callable[..., Any]:
     """SingleTypeKVCacheManager methods taking the request id first: the pool works for it and this group."""
+
     def for_group(self: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
         if not PROBE.state.active:
             return original(self, request_id, *args, **kwargs)
@@ -529,6 +653,7 @@ def _for_group(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, request_id, *args, **kwargs)
         finally:
             ctx.rid, ctx.group = saved
+
     return for_group
 
 
@@ -551,10 +676,17 @@ def _get_computed_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
                     c["requests"] += 1
                     c["hit_requests"] += hit > 0
                     if rec.enabled:
-                        rec.record(EventKind.MATCH, pool=FULL, rid=request.request_id, num_tokens=hit,
-                                   aux=query - hit, node_id=len(result[0].blocks[0]) if result[0].blocks else 0,
-                                   reason=lookup_stop(self, query, hit))
+                        rec.record(
+                            EventKind.MATCH,
+                            pool=FULL,
+                            rid=request.request_id,
+                            num_tokens=hit,
+                            aux=query - hit,
+                            node_id=len(result[0].blocks[0]) if result[0].blocks else 0,
+                            reason=lookup_stop(self, query, hit),
+                        )
         return result
+
     return get_computed_blocks
 
 
@@ -565,8 +697,13 @@ def lookup_stop(manager: Any, query_tokens: int, hit_tokens: int) -> LookupStop:
     first whose hash is not cached. Other layouts answer OTHER rather than guess."""
     singles = manager.coordinator.single_type_managers
     single = singles[0] if len(singles) == 1 else None
-    if (single is None or type(single).__name__ != "FullAttentionManager" or manager.use_eagle
-            or single.block_size != manager.block_pool.hash_block_size or hit_tokens % single.block_size):
+    if (
+        single is None
+        or type(single).__name__ != "FullAttentionManager"
+        or manager.use_eagle
+        or single.block_size != manager.block_pool.hash_block_size
+        or hit_tokens % single.block_size
+    ):
         return LookupStop.OTHER
     block_size = int(single.block_size)
     looked_up, hit_blocks = (query_tokens - 1) // block_size, hit_tokens // block_size
@@ -593,11 +730,25 @@ def _allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
                     rid = request.request_id
                     if result is None:
                         if PROBE.emit is not None:
-                            PROBE.emit((rec.step, _monotonic(), NO_ROOM_V, FULL_V, rid, None, int(num_new_tokens),
-                                        int(self.block_pool.get_num_free_blocks()), None, None, None))
+                            PROBE.emit(
+                                (
+                                    rec.step,
+                                    _monotonic(),
+                                    NO_ROOM_V,
+                                    FULL_V,
+                                    rid,
+                                    None,
+                                    int(num_new_tokens),
+                                    int(self.block_pool.get_num_free_blocks()),
+                                    None,
+                                    None,
+                                    None,
+                                )
+                            )
                     elif rid not in PROBE.admitted:
                         PROBE.admitted[rid] = (rec.step, _monotonic())
         return result
+
     return allocate_slots
 
 
@@ -612,6 +763,7 @@ def _preempt_request(original: Callable[..., Any]) -> Callable[..., Any]:
                     if rec.enabled:
                         rec.record(EventKind.REQUEST_RETRACT, rid=request.request_id)
         return original(self, request, *args, **kwargs)
+
     _preempt.__name__ = "_preempt_request"
     return _preempt
 
@@ -622,6 +774,7 @@ def _free_request_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
             with guarded(PROBE.state):
                 _record_request(request)
         return original(self, request, *args, **kwargs)
+
     return _free_request
 
 
@@ -633,9 +786,15 @@ def _record_request(request: Any) -> None:
     PROBE.recorded_rids.add(rid)
     prompt_len, hit = PROBE.lookups.pop(rid, (int(request.num_prompt_tokens), 0))
     status = str(request.status)
-    record = RequestRecord(rid, None, prompt_len, RequestStatus.ABORTED if status == "FINISHED_ABORTED" else
-                           RequestStatus.FINISHED, hit, int(request.num_output_tokens),
-                           int(getattr(request, "num_preemptions", 0)))
+    record = RequestRecord(
+        rid,
+        None,
+        prompt_len,
+        RequestStatus.ABORTED if status == "FINISHED_ABORTED" else RequestStatus.FINISHED,
+        hit,
+        int(request.num_output_tokens),
+        int(getattr(request, "num_preemptions", 0)),
+    )
     now = _monotonic()
     seen = PROBE.seen.pop(rid, None)
     if seen is not None:  # NOTE: vLLM's arrival is wall-clock; the step is the one of its first lookup
@@ -647,8 +806,21 @@ def _record_request(request: Any) -> None:
     rec.request(record)
     if PROBE.emit is not None:
         reason = request.get_finished_reason()
-        PROBE.emit((rec.step, now, FINISH_V, None, rid, None, int(request.num_output_tokens), prompt_len,
-                    status.removeprefix("FINISHED_").lower() if reason is None else str(reason), None, None))
+        PROBE.emit(
+            (
+                rec.step,
+                now,
+                FINISH_V,
+                None,
+                rid,
+                None,
+                int(request.num_output_tokens),
+                prompt_len,
+                status.removeprefix("FINISHED_").lower() if reason is None else str(reason),
+                None,
+                None,
+            )
+        )
 
 
 def _engine_step(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -662,6 +834,7 @@ def _engine_step(original: Callable[..., Any]) -> Callable[..., Any]:
             with guarded(PROBE.state):
                 PROBE.step_ends(self.scheduler)
         return result
+
     return _process_engine_step
 
 
@@ -671,6 +844,7 @@ def _idle_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
             with guarded(PROBE.state):
                 PROBE.idle_edge(self.scheduler)
         return original(self)
+
     return _notify_idle_state_callbacks
 
 
@@ -680,6 +854,7 @@ def _engine_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
             with guarded(PROBE.state):
                 PROBE.close_run()
         return original(self)
+
     return shutdown
 
 
@@ -745,8 +920,7 @@ def _register(version: str | None = None, table: dict[str, Callable[[], list[Tar
     PROBE.__init__(settings, version)  # type: ignore[misc]
     make = table.get(version)
     if make is None:
-        return _refuse(f"vLLM {version} is not supported (the probe knows {', '.join(sorted(table))}); "
-                       "nothing patched")
+        return _refuse(f"vLLM {version} is not supported (the probe knows {', '.join(sorted(table))}); nothing patched")
     result = patch_all(make())
     if result.missing:
         return _refuse(f"vLLM {version}: {', '.join(result.missing)} not found; nothing patched")
@@ -770,8 +944,14 @@ def _census_utility(self: Any) -> dict[str, Any]:
         scheduler = self.scheduler
         manager = scheduler.kv_cache_manager
         tables = [m.req_to_blocks for m in manager.coordinator.single_type_managers]
-        result = take_census(_block_view(manager.block_pool), tables, [b for _, b in scheduler.deferred_frees],
-                             set(scheduler.requests), PROBE.last_taker, PROBE.last_release)
+        result = take_census(
+            _block_view(manager.block_pool),
+            tables,
+            [b for _, b in scheduler.deferred_frees],
+            set(scheduler.requests),
+            PROBE.last_taker,
+            PROBE.last_release,
+        )
         return census_json(result, os.getpid(), dp_rank(self) or 0)
     except Exception as err:  # NOTE: an answer, never an engine error
         return {"pid": os.getpid(), "error": f"{type(err).__name__}: {err}".splitlines()[0]}
@@ -784,7 +964,10 @@ def _refuse(reason: str) -> str:
     if os.environ.get("KVSCOPE_PROBE_REFUSED") is None and PROBE.settings is not None:
         os.environ["KVSCOPE_PROBE_REFUSED"] = "1"  # NOTE: inherited by vLLM's later processes
         with guarded(PROBE.state):
-            rec = open_recorder(PROBE.settings, label=f"vllm {PROBE.version} probe (refused)",
-                                config=PROBE.config(patched=False, reason=reason))
+            rec = open_recorder(
+                PROBE.settings,
+                label=f"vllm {PROBE.version} probe (refused)",
+                config=PROBE.config(patched=False, reason=reason),
+            )
             rec.close("crashed", f"probe refused: {reason}")
     return reason

@@ -24,13 +24,23 @@ class KvscopeEndpoint:
         async def census(request: Request) -> JSONResponse:
             client = getattr(request.app.state, "kvscope_engine_client", None)
             if client is None:
-                return JSONResponse({"error": {"message": "no engine behind this server", "type": "unavailable",
-                                               "code": 503}}, status_code=503)
+                return JSONResponse(
+                    {"error": {"message": "no engine behind this server", "type": "unavailable", "code": 503}},
+                    status_code=503,
+                )
             try:
                 answers = await client.engine_core.call_utility_all_async("kvscope_census")
             except Exception as err:
-                return JSONResponse({"error": {"message": f"kvscope census: {type(err).__name__}: {err}",
-                                               "type": "unavailable", "code": 503}}, status_code=503)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": f"kvscope census: {type(err).__name__}: {err}",
+                            "type": "unavailable",
+                            "code": 503,
+                        }
+                    },
+                    status_code=503,
+                )
             return JSONResponse(answers)
 
         app.add_api_route("/kvscope/census", census, methods=["GET"])

@@ -1,11 +1,11 @@
 """`kvscope serve`: an OpenAI-compatible HTTP front and a scheduler process, as SGLang lays them out.
 
-    protocol.py     the msgspec messages between the two processes (ZMQ)
-    scheduler.py    the scheduler process: the engine's one scheduler code path, fed over ZMQ
-    kv_events.py    SGLang's KV-event stream (BlockStored / BlockRemoved / AllBlocksCleared)
-    front.py        the HTTP front: OpenAI endpoints, auth and principals, tokenizer manager
-    api_keys.py     the --api-keys file both serve and load read
-    chat.py         the deterministic chat template (messages to text)
-    metrics.py      /metrics in Prometheus text format, with SGLang's metric names
-    load.py         `kvscope load`: a traffic generator on the official openai client
+protocol.py     the msgspec messages between the two processes (ZMQ)
+scheduler.py    the scheduler process: the engine's one scheduler code path, fed over ZMQ
+kv_events.py    SGLang's KV-event stream (BlockStored / BlockRemoved / AllBlocksCleared)
+front.py        the HTTP front: OpenAI endpoints, auth and principals, tokenizer manager
+api_keys.py     the --api-keys file both serve and load read
+chat.py         the deterministic chat template (messages to text)
+metrics.py      /metrics in Prometheus text format, with SGLang's metric names
+load.py         `kvscope load`: a traffic generator on the official openai client
 """

@@ -28,7 +28,7 @@ def load_api_keys(path: str | Path) -> dict[str, Principal]:
     keys = {}
     for key, who in raw.items():
         if not key or not isinstance(who, dict):
-            raise ValueError(f"--api-keys {path}: key {key!r} must map to {{\"tenant\": ..., \"user\": ...}}")
+            raise ValueError(f'--api-keys {path}: key {key!r} must map to {{"tenant": ..., "user": ...}}')
         tenant, user = who.get("tenant"), who.get("user")
         for name, value in (("tenant", tenant), ("user", user)):
             if not isinstance(value, str) or not value or "/" in value:

@@ -105,13 +105,21 @@ def check_json(body: Any) -> None:
         pairs = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in pairs:
             if isinstance(key, str) and not _is_text(key):
-                raise ApiError(400, f"a key in {path or 'the body'} holds a lone UTF-16 surrogate, which is not "
-                               "text", param=path or None, code="invalid_value")
+                raise ApiError(
+                    400,
+                    f"a key in {path or 'the body'} holds a lone UTF-16 surrogate, which is not text",
+                    param=path or None,
+                    code="invalid_value",
+                )
             if isinstance(item, str):
                 if not _is_text(item):
                     where = _path(path, key)
-                    raise ApiError(400, f"'{where}' holds a lone UTF-16 surrogate, which is not text",
-                                   param=where, code="invalid_value")
+                    raise ApiError(
+                        400,
+                        f"'{where}' holds a lone UTF-16 surrogate, which is not text",
+                        param=where,
+                        code="invalid_value",
+                    )
             elif isinstance(item, BadNumber):
                 where = _path(path, key)
                 raise ApiError(400, f"'{where}' {item.why()}", param=where, code="invalid_value")

@@ -30,8 +30,9 @@ def message_text(content: Any, where: str) -> str:
         parts = []
         for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ChatError(f"{where}.content[{i}] must be a text part {{'type': 'text', 'text': ...}}",
-                                f"{where}.content")
+                raise ChatError(
+                    f"{where}.content[{i}] must be a text part {{'type': 'text', 'text': ...}}", f"{where}.content"
+                )
             parts.append(part["text"])
         return "".join(parts)
     if content is None:

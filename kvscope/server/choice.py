@@ -89,8 +89,9 @@ class Choice:
     def echo(self, prompt_logprobs: list[Logprob | None] | None) -> Piece:
         """The prompt, as completions' echo sends it before the output."""
         text = ByteTokenizer().decode(self.prompt_ids)
-        lps: list[Logprob | None] = list(prompt_logprobs) if prompt_logprobs is not None else \
-            [None] * len(self.prompt_ids)
+        lps: list[Logprob | None] = (
+            list(prompt_logprobs) if prompt_logprobs is not None else [None] * len(self.prompt_ids)
+        )
         return Piece(text, self.entries(self.prompt_ids, lps))
 
     def feed(self, out: TokenOut) -> Piece:
@@ -116,7 +117,7 @@ class Choice:
 
     def release(self, end: int, final: bool) -> str:
         end = max(end, self.num_released)
-        text = self.text.feed(self.ids[self.num_released:end], final)
+        text = self.text.feed(self.ids[self.num_released : end], final)
         self.num_released = end
         return text
 
@@ -136,16 +137,22 @@ def render_logprobs(entries: list[Entry], chat: bool) -> dict[str, Any]:
     """OpenAI's logprobs object: chat's {"content": [...]} or completions' parallel lists."""
     if chat:
         return {"content": [chat_entry(e) for e in entries], "refusal": None}
-    return {"tokens": [token_text(e.token_id) for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [completion_top(e) for e in entries],
-            "text_offset": [e.text_offset for e in entries]}
+    return {
+        "tokens": [token_text(e.token_id) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [completion_top(e) for e in entries],
+        "text_offset": [e.text_offset for e in entries],
+    }
 
 
 def chat_entry(entry: Entry) -> dict[str, Any]:
     top = [{"token": token_text(i), "logprob": lp, "bytes": token_bytes(i)} for i, lp in entry.top or []]
-    return {"token": token_text(entry.token_id), "logprob": entry.logprob, "bytes": token_bytes(entry.token_id),
-            "top_logprobs": top}
+    return {
+        "token": token_text(entry.token_id),
+        "logprob": entry.logprob,
+        "bytes": token_bytes(entry.token_id),
+        "top_logprobs": top,
+    }
 
 
 def completion_top(entry: Entry) -> dict[str, float] | None:

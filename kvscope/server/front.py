@@ -92,8 +92,13 @@ def resolve_principal(keys: dict[str, Principal] | None, authorization: str | No
         return f"{base}/{user}"
     if user.startswith(base + "/") and user != base + "/":
         return user
-    raise ApiError(403, f"user {user!r} is outside this key's principal {base!r}", type_="permission_error",
-                   param="user", code="permission_denied")
+    raise ApiError(
+        403,
+        f"user {user!r} is outside this key's principal {base!r}",
+        type_="permission_error",
+        param="user",
+        code="permission_denied",
+    )
 
 
 @dataclass
@@ -263,9 +268,13 @@ class Front:
         by_pool = (pool.full_size_tokens // page_size - 1) * page_size  # check_request's `need` fits
         room = min(pool.max_context_len, by_pool) - len(input_ids)
         if room < 1:
-            raise ApiError(400, f"this model's maximum context length is {min(pool.max_context_len, by_pool)} "
-                           f"tokens; the prompt has {len(input_ids)}, which leaves no room for output",
-                           param=param, code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {min(pool.max_context_len, by_pool)} "
+                f"tokens; the prompt has {len(input_ids)}, which leaves no room for output",
+                param=param,
+                code="context_length_exceeded",
+            )
         return room
 
     def check_request(self, input_ids: list[int], max_tokens: int, param: str = "max_tokens") -> None:
@@ -273,13 +282,21 @@ class Front:
         pool = self.state.engine.pool
         total = len(input_ids) + max_tokens
         if total > pool.max_context_len:
-            raise ApiError(400, f"this model's maximum context length is {pool.max_context_len} tokens; the "
-                           f"request has {len(input_ids)} prompt tokens and {param} {max_tokens}",
-                           param=param, code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {pool.max_context_len} tokens; the "
+                f"request has {len(input_ids)} prompt tokens and {param} {max_tokens}",
+                param=param,
+                code="context_length_exceeded",
+            )
         need = -(-total // pool.page_size) * pool.page_size + pool.page_size
         if need > pool.full_size_tokens:
-            raise ApiError(400, f"the request needs {need} KV tokens; the pool holds {pool.full_size_tokens}",
-                           param=param, code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the request needs {need} KV tokens; the pool holds {pool.full_size_tokens}",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     async def generate(self, child: Child, req: GenRequest, request: Request) -> AsyncGenerator[TokenOut, None]:
         """The scheduler's TokenOuts for one choice of `req`; aborts it when the caller stops early."""
@@ -289,8 +306,17 @@ class Front:
         finished = False
         first_token_s = last_token_s = None
         try:
-            await self.send(GenerateReq(rid, child.input_ids, child.max_tokens, req.principal, req.arrival_wall_s,
-                                        child.sampling, child.num_prompt_logprobs))
+            await self.send(
+                GenerateReq(
+                    rid,
+                    child.input_ids,
+                    child.max_tokens,
+                    req.principal,
+                    req.arrival_wall_s,
+                    child.sampling,
+                    child.num_prompt_logprobs,
+                )
+            )
             next_poll = time.monotonic() + DISCONNECT_POLL_S
             while not finished:
                 try:
@@ -328,8 +354,9 @@ class Front:
                 self.aborts.add(task)
                 task.add_done_callback(self.aborts.discard)
 
-    async def outputs(self, children: list[Child], req: GenRequest,
-                      request: Request) -> AsyncGenerator[tuple[int, TokenOut], None]:
+    async def outputs(
+        self, children: list[Child], req: GenRequest, request: Request
+    ) -> AsyncGenerator[tuple[int, TokenOut], None]:
         """(position in `children`, TokenOut) of every choice as they come; one choice is read
         directly, several through one queue fed by a task each (closing this aborts them all)."""
         if len(children) == 1:
@@ -379,8 +406,9 @@ class Front:
             Route("/server_info", self.server_info, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
         ]
-        return Starlette(routes=routes, middleware=[Middleware(ErrorBoundary)],
-                         exception_handlers={HTTPException: http_error})
+        return Starlette(
+            routes=routes, middleware=[Middleware(ErrorBoundary)], exception_handlers={HTTPException: http_error}
+        )
 
     async def health(self, request: Request) -> Response:
         if not self.accepting:
@@ -391,14 +419,25 @@ class Front:
         return JSONResponse({"object": "list", "data": [self.model_card()]})
 
     def model_card(self) -> dict[str, Any]:
-        return {"id": self.state.model_id, "object": "model", "created": 0, "owned_by": "kvscope",
-                "root": self.state.model_id, "parent": None, "max_model_len": self.state.engine.pool.max_context_len}
+        return {
+            "id": self.state.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvscope",
+            "root": self.state.model_id,
+            "parent": None,
+            "max_model_len": self.state.engine.pool.max_context_len,
+        }
 
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
         if model_id != self.state.model_id:
-            return error_response(404, f"the model {model_id!r} does not exist; this server serves "
-                                  f"{self.state.model_id!r}", param="model", code="model_not_found")
+            return error_response(
+                404,
+                f"the model {model_id!r} does not exist; this server serves {self.state.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
         return JSONResponse(self.model_card())
 
     async def version(self, request: Request) -> Response:
@@ -406,10 +445,19 @@ class Front:
 
     async def model_info(self, request: Request) -> Response:
         """SGLang's /get_model_info."""
-        return JSONResponse({"model_path": self.state.model_id, "tokenizer_path": None, "is_generation": True,
-                             "preferred_sampling_params": None, "weight_version": "default",
-                             "has_image_understanding": False, "has_audio_understanding": False,
-                             "model_type": "kvscope-tiny-transformer", "architectures": ["TinyTransformer"]})
+        return JSONResponse(
+            {
+                "model_path": self.state.model_id,
+                "tokenizer_path": None,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "kvscope-tiny-transformer",
+                "architectures": ["TinyTransformer"],
+            }
+        )
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's and SGLang's /tokenize: {"prompt": text} or {"messages": [...]} -> the token ids."""
@@ -441,35 +489,52 @@ class Front:
             vocab = self.state.model.vocab_size
             bad = next((i for i in ids if not 0 <= i < vocab), None)
             if bad is not None:
-                raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens",
-                               code="invalid_value")
+                raise ApiError(
+                    400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens", code="invalid_value"
+                )
         except ApiError as err:
             return err.response()
         return JSONResponse({"prompt": self.tokenizer.decode(ids)})
 
     async def server_info(self, request: Request) -> Response:
         eng, model = self.state.engine, self.state.model
-        pools = {name: {"total": p.total, "used": p.used, "available": p.available, "evictable": p.evictable,
-                        "protected": p.protected} for name, p in (self.stats.pools if self.stats else {}).items()}
-        return JSONResponse({
-            "model": self.state.model_id,
-            "model_shape": {"vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
-                            "num_layers": model.num_layers, "num_heads": model.num_heads,
-                            "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
-                            "sliding_window": model.sliding_window, "swa_layer_ids": list(model.swa_layer_ids),
-                            "dtype": model.dtype},
-            "page_size": eng.pool.page_size,
-            "max_total_num_tokens": eng.pool.full_size_tokens,
-            "max_running_requests": eng.pool.max_running_requests,
-            "max_context_len": eng.pool.max_context_len,
-            "cache": eng.cache.kind,
-            "eviction_policy": eng.cache.eviction_policy,
-            "chunked_prefill_size": eng.scheduler.chunked_prefill_size,
-            "pools": pools,
-            "kv_events": self.state.kv_events,
-            "auth": self.state.api_keys is not None,
-            **self.state.extra_info,
-        })
+        pools = {
+            name: {
+                "total": p.total,
+                "used": p.used,
+                "available": p.available,
+                "evictable": p.evictable,
+                "protected": p.protected,
+            }
+            for name, p in (self.stats.pools if self.stats else {}).items()
+        }
+        return JSONResponse(
+            {
+                "model": self.state.model_id,
+                "model_shape": {
+                    "vocab_size": model.vocab_size,
+                    "hidden_size": model.hidden_size,
+                    "num_layers": model.num_layers,
+                    "num_heads": model.num_heads,
+                    "num_kv_heads": model.num_kv_heads,
+                    "head_dim": model.head_dim,
+                    "sliding_window": model.sliding_window,
+                    "swa_layer_ids": list(model.swa_layer_ids),
+                    "dtype": model.dtype,
+                },
+                "page_size": eng.pool.page_size,
+                "max_total_num_tokens": eng.pool.full_size_tokens,
+                "max_running_requests": eng.pool.max_running_requests,
+                "max_context_len": eng.pool.max_context_len,
+                "cache": eng.cache.kind,
+                "eviction_policy": eng.cache.eviction_policy,
+                "chunked_prefill_size": eng.scheduler.chunked_prefill_size,
+                "pools": pools,
+                "kv_events": self.state.kv_events,
+                "auth": self.state.api_keys is not None,
+                **self.state.extra_info,
+            }
+        )
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -499,42 +564,62 @@ class Front:
             async for k, out in outs:
                 if out.finish_reason == "error":
                     status, type_, code = self.refusal()
-                    return error_response(status, out.error or "the scheduler refused the request", type_=type_,
-                                          code=code)
+                    return error_response(
+                        status, out.error or "the scheduler refused the request", type_=type_, code=code
+                    )
                 runs[k].take(out)
         finally:
             await outs.aclose()
         if any(not run.outcome.finish_reason for run in runs):  # the client went away
             return error_response(499, "client closed the request", code="client_closed")
         choices = [self.choice_json(run, chat) for run in runs]
-        return JSONResponse({"id": response_id(rid, chat), "object": "chat.completion" if chat else "text_completion",
-                             "created": created, "model": self.state.model_id, "choices": choices,
-                             "usage": usage(runs)})
+        return JSONResponse(
+            {
+                "id": response_id(rid, chat),
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": self.state.model_id,
+                "choices": choices,
+                "usage": usage(runs),
+            }
+        )
 
     def runs(self, req: GenRequest, rid: str) -> list[Run]:
         echo = req.params.echo
-        return [Run(child, Choice(child.index, req.chat, req.params, child.input_ids), echo)
-                for child in req.children(rid)]
+        return [
+            Run(child, Choice(child.index, req.chat, req.params, child.input_ids), echo) for child in req.children(rid)
+        ]
 
     def choice_json(self, run: Run, chat: bool) -> dict[str, Any]:
         choice = run.choice
         logprobs = render_logprobs(run.entries, chat) if choice.params.num_logprobs is not None else None
-        out: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason,
-                               "stop_reason": choice.stop_reason, "logprobs": logprobs}
+        out: dict[str, Any] = {
+            "index": choice.index,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+            "logprobs": logprobs,
+        }
         if chat:
             out["message"] = {"role": "assistant", "content": run.text}
         else:
             out["text"] = run.text
         return out
 
-    async def stream(self, req: GenRequest, runs: list[Run], request: Request, rid: str,
-                     created: int) -> AsyncIterator[str]:
+    async def stream(
+        self, req: GenRequest, runs: list[Run], request: Request, rid: str, created: int
+    ) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if req.chat else "text_completion"
         rid = response_id(rid, req.chat)
         wants_logprobs = req.params.num_logprobs is not None
 
-        def chunk(index: int, text: str | None, piece: Piece | None = None, finish: str | None = None,
-                  stop_reason: str | int | None = None, role: bool = False) -> str:
+        def chunk(
+            index: int,
+            text: str | None,
+            piece: Piece | None = None,
+            finish: str | None = None,
+            stop_reason: str | int | None = None,
+            role: bool = False,
+        ) -> str:
             logprobs = render_logprobs(piece.entries, req.chat) if wants_logprobs and piece is not None else None
             choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
             if finish is not None:
@@ -546,8 +631,9 @@ class Front:
                 choice["delta"] = delta
             else:
                 choice["text"] = text or ""
-            return sse({"id": rid, "object": kind, "created": created, "model": self.state.model_id,
-                        "choices": [choice]})
+            return sse(
+                {"id": rid, "object": kind, "created": created, "model": self.state.model_id, "choices": [choice]}
+            )
 
         if req.chat:
             for run in runs:
@@ -558,26 +644,54 @@ class Front:
             async for k, out in outs:
                 if out.finish_reason == "error":
                     _, type_, code = self.refusal()
-                    yield sse({"error": {"message": out.error or "the scheduler refused the request",
-                                         "type": type_, "param": None, "code": code}})
+                    yield sse(
+                        {
+                            "error": {
+                                "message": out.error or "the scheduler refused the request",
+                                "type": type_,
+                                "param": None,
+                                "code": code,
+                            }
+                        }
+                    )
                     break
                 run = runs[k]
                 piece = run.take(out)
                 if piece.text or (wants_logprobs and piece.entries):
                     yield chunk(run.choice.index, piece.text, piece)
                 if out.finished:
-                    yield chunk(run.choice.index, None if req.chat else "", finish=run.choice.finish_reason,
-                                stop_reason=run.choice.stop_reason)
+                    yield chunk(
+                        run.choice.index,
+                        None if req.chat else "",
+                        finish=run.choice.finish_reason,
+                        stop_reason=run.choice.stop_reason,
+                    )
         except Exception as err:  # NOTE: a bug mid-stream: the stream ends with an error event, not cut
             report_internal_error(request.scope, err)
-            yield sse({"error": {"message": f"internal error: {type(err).__name__}", "type": "server_error",
-                                 "param": None, "code": "internal_error"}})
+            yield sse(
+                {
+                    "error": {
+                        "message": f"internal error: {type(err).__name__}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "internal_error",
+                    }
+                }
+            )
             failed = True
         finally:
             await outs.aclose()
         if req.include_usage and not failed and all(run.outcome.finish_reason for run in runs):
-            yield sse({"id": rid, "object": kind, "created": created, "model": self.state.model_id, "choices": [],
-                       "usage": usage(runs)})
+            yield sse(
+                {
+                    "id": rid,
+                    "object": kind,
+                    "created": created,
+                    "model": self.state.model_id,
+                    "choices": [],
+                    "usage": usage(runs),
+                }
+            )
         yield "data: [DONE]\n\n"
 
     def parse(self, body: Any, chat: bool, authorization: str | None, arrival: float) -> GenRequest:
@@ -592,8 +706,12 @@ class Front:
         if not isinstance(model, str):
             raise ApiError(400, "'model' must be a string", param="model", code="invalid_type")
         if model != self.state.model_id:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.state.model_id!r}",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.state.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
         if chat:
             try:
                 prompts = [self.tokenizer.encode(render_chat(body.get("messages"))).tolist()]
@@ -602,13 +720,22 @@ class Front:
         else:
             prompts = self.prompt_ids(body.get("prompt"))
         try:
-            params = parse_params(body, chat, self.state.model.vocab_size, self.tokenizer.eos_id,
-                                  lambda text: self.tokenizer.encode(text).tolist())
+            params = parse_params(
+                body,
+                chat,
+                self.state.model.vocab_size,
+                self.tokenizer.eos_id,
+                lambda text: self.tokenizer.encode(text).tolist(),
+            )
         except ParamError as err:
             raise ApiError(400, str(err), param=err.param, code=err.code) from None
         if len(prompts) * params.n > MAX_CHOICES:
-            raise ApiError(400, f"{len(prompts)} prompts x n = {params.n} choices; at most {MAX_CHOICES} per request",
-                           param="n", code="invalid_value")
+            raise ApiError(
+                400,
+                f"{len(prompts)} prompts x n = {params.n} choices; at most {MAX_CHOICES} per request",
+                param="n",
+                code="invalid_value",
+            )
         stream = body.get("stream", False)
         if stream is None:
             stream = False
@@ -619,17 +746,26 @@ class Front:
         if not isinstance(options, dict):
             raise ApiError(400, "'stream_options' must be an object", param="stream_options", code="invalid_type")
         if not isinstance(options.get("include_usage", False), bool | None):
-            raise ApiError(400, "'stream_options.include_usage' must be a boolean",
-                           param="stream_options.include_usage", code="invalid_type")
+            raise ApiError(
+                400,
+                "'stream_options.include_usage' must be a boolean",
+                param="stream_options.include_usage",
+                code="invalid_type",
+            )
         prompt_key = "messages" if chat else "prompt"
         max_tokens = [params.max_tokens or self.default_max_tokens(ids, prompt_key) for ids in prompts]
         for ids, limit in zip(prompts, max_tokens, strict=True):
             self.check_request(ids, limit, params.max_key)
             if params.sampling.min_tokens > limit:
-                raise ApiError(400, f"'min_tokens' ({params.sampling.min_tokens}) is more than the {limit} tokens "
-                               f"this prompt leaves", param="min_tokens", code="invalid_value")
-        return GenRequest(chat, prompts, max_tokens, stream, bool(options.get("include_usage")), principal, arrival,
-                          params)
+                raise ApiError(
+                    400,
+                    f"'min_tokens' ({params.sampling.min_tokens}) is more than the {limit} tokens this prompt leaves",
+                    param="min_tokens",
+                    code="invalid_value",
+                )
+        return GenRequest(
+            chat, prompts, max_tokens, stream, bool(options.get("include_usage")), principal, arrival, params
+        )
 
     def prompt_ids(self, prompt: Any) -> list[list[int]]:
         """The prompts of completions' `prompt`: a string, token ids, or a batch (a list) of either."""
@@ -649,11 +785,16 @@ class Front:
             vocab = self.state.model.vocab_size
             bad = next((i for i in prompt if not 0 <= i < vocab), None)
             if bad is not None:
-                raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt",
-                               code="invalid_value")
+                raise ApiError(
+                    400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt", code="invalid_value"
+                )
             return list(prompt)
-        raise ApiError(400, "'prompt' must be a string, a non-empty list of token ids, or a list of either",
-                       param="prompt", code="invalid_type")
+        raise ApiError(
+            400,
+            "'prompt' must be a string, a non-empty list of token ids, or a list of either",
+            param="prompt",
+            code="invalid_type",
+        )
 
 
 def usage(runs: list[Run]) -> dict[str, Any]:
@@ -662,8 +803,12 @@ def usage(runs: list[Run]) -> dict[str, Any]:
     prompt = sum(o.prompt_tokens for o in firsts)
     cached = sum(o.cached_tokens for o in firsts)
     completion = sum(run.outcome.completion_tokens or len(run.outcome.ids) for run in runs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def absorb(outcome: Outcome, out: TokenOut) -> None:
@@ -712,8 +857,9 @@ class ErrorBoundary:
         except Exception as err:
             report_internal_error(scope, err)
             if not started:
-                await error_response(500, f"internal error: {type(err).__name__}", type_="server_error",
-                                     code="internal_error")(scope, receive, send)
+                await error_response(
+                    500, f"internal error: {type(err).__name__}", type_="server_error", code="internal_error"
+                )(scope, receive, send)
             else:
                 with suppress(Exception):
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -722,12 +868,15 @@ class ErrorBoundary:
 def report_internal_error(scope: Scope, err: BaseException) -> None:
     """One line on stderr for a bug a request ran into (never a traceback)."""
     line = (str(err).splitlines() or [""])[0][:200]
-    print(f"kvscope serve: internal error on {scope.get('method', '')} {scope.get('path', '')}: "
-          f"{type(err).__name__}: {line!r}", file=sys.stderr, flush=True)
+    print(
+        f"kvscope serve: internal error on {scope.get('method', '')} {scope.get('path', '')}: "
+        f"{type(err).__name__}: {line!r}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     detail = exc.detail if isinstance(exc, HTTPException) else str(exc)
     return error_response(status, str(detail), code="not_found" if status == 404 else None)
-

@@ -140,8 +140,9 @@ class KVEventsConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown kv events config key(s): {', '.join(unknown)} "
-                             f"(known: {', '.join(sorted(known))})")
+            raise ValueError(
+                f"unknown kv events config key(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+            )
         return cls(**data)
 
     @property
@@ -269,8 +270,11 @@ class CachedPages:
                 last.block_hashes.append(page_hash)
                 last.token_ids += token_list(page.token_bytes)
             else:
-                events.append(BlockStored([page_hash], page.parent_hash, token_list(page.token_bytes),
-                                          self.page_size, None, MEDIUM))
+                events.append(
+                    BlockStored(
+                        [page_hash], page.parent_hash, token_list(page.token_bytes), self.page_size, None, MEDIUM
+                    )
+                )
         return events
 
 

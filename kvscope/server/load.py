@@ -132,8 +132,9 @@ def base_url(url: str) -> str:
     return url if url.endswith("/v1") else f"{url}/v1"
 
 
-def plan_requests(requests: Sequence[TraceRequest], first_index: int = 0, rid_prefix: str = "",
-                  max_tokens: int | None = None) -> list[PlannedRequest]:
+def plan_requests(
+    requests: Sequence[TraceRequest], first_index: int = 0, rid_prefix: str = "", max_tokens: int | None = None
+) -> list[PlannedRequest]:
     """The requests as a plan: token-id prompts, output lengths, and each next turn's previous turn
     (the latest earlier request of the same user whose prompt + forced output its prompt extends)."""
     plan: list[PlannedRequest] = []
@@ -146,8 +147,11 @@ def plan_requests(requests: Sequence[TraceRequest], first_index: int = 0, rid_pr
             if context.size < prompt.size and np.array_equal(prompt[: context.size], context):
                 after = earlier
                 break
-        plan.append(PlannedRequest(index, rid_prefix + request.rid, request.user, prompt.tolist(),
-                                   max_tokens or request.output_len, after))
+        plan.append(
+            PlannedRequest(
+                index, rid_prefix + request.rid, request.user, prompt.tolist(), max_tokens or request.output_len, after
+            )
+        )
         if request.output_ids is not None:
             own = contexts.setdefault(request.user, [])
             own.append((np.concatenate((prompt, request.output_ids)), index))
@@ -201,13 +205,24 @@ def summarize(report: LoadReport) -> dict[str, Any]:
         "rate": report.rate,
         "interrupted": report.interrupted,
         "wall_s": report.wall_s,
-        "requests": {"planned": report.planned, "sent": max(report.sent, len(report.results)), "completed": len(done),
-                     "failed": len(failed)},
+        "requests": {
+            "planned": report.planned,
+            "sent": max(report.sent, len(report.results)),
+            "completed": len(done),
+            "failed": len(failed),
+        },
         "first_error": next((r.error for r in failed), None),
-        "throughput": {"requests_per_s": len(done) / wall, "output_tokens_per_s": completion / wall,
-                       "prompt_tokens_per_s": prompt / wall},
-        "tokens": {"prompt": prompt, "cached": cached, "completion": completion,
-                   "cache_hit_rate": cached / prompt if prompt else None},
+        "throughput": {
+            "requests_per_s": len(done) / wall,
+            "output_tokens_per_s": completion / wall,
+            "prompt_tokens_per_s": prompt / wall,
+        },
+        "tokens": {
+            "prompt": prompt,
+            "cached": cached,
+            "completion": completion,
+            "cache_hit_rate": cached / prompt if prompt else None,
+        },
         "ttft_s": distribution([r.ttft_s for r in done if r.ttft_s is not None]),
         "itl_s": distribution([gap for r in done for gap in r.itl_s]),
         "e2e_s": distribution([r.e2e_s for r in done if r.e2e_s is not None]),
@@ -229,8 +244,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{thr['prompt_tokens_per_s']:.1f} prompt tok/s",
     ]
     if tok["cache_hit_rate"] is not None:
-        lines.append(f"tokens       prompt {tok['prompt']}   cached {tok['cached']} "
-                     f"({tok['cache_hit_rate']:.1%})   completion {tok['completion']}")
+        lines.append(
+            f"tokens       prompt {tok['prompt']}   cached {tok['cached']} "
+            f"({tok['cache_hit_rate']:.1%})   completion {tok['completion']}"
+        )
     lines.append("latency (ms)     mean      p50      p90      p99      max")
     for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("e2e", "e2e_s")):
         d = summary[key]
@@ -253,8 +270,9 @@ def error_line(err: BaseException) -> str:
 class _Driver:
     """One load run: the plan (grown by rounds), the ready heap, the workers and the results."""
 
-    def __init__(self, config: LoadConfig, rounds: Callable[[int], list[TraceRequest]],
-                 progress: TextIO | None) -> None:
+    def __init__(
+        self, config: LoadConfig, rounds: Callable[[int], list[TraceRequest]], progress: TextIO | None
+    ) -> None:
         self.config = config
         self.rounds = rounds
         self.progress = progress
@@ -376,10 +394,14 @@ class _Driver:
             # the body's "prompt" verbatim; ignore_eos: the output is as long as the workload asks (as
             # vLLM's and SGLang's benchmark clients send it)
             async with client.completions.with_streaming_response.create(
-                    model=model, prompt=[], max_tokens=request.max_tokens, stream=True,
-                    stream_options={"include_usage": True},
-                    extra_body={"prompt": request.prompt_ids, "ignore_eos": True},
-                    **extra) as response:
+                model=model,
+                prompt=[],
+                max_tokens=request.max_tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"prompt": request.prompt_ids, "ignore_eos": True},
+                **extra,
+            ) as response:
                 async for line in response.iter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -433,8 +455,10 @@ class _Driver:
             ok = sum(r.ok for r in self.results)
             failed = len(self.results) - ok
             elapsed = self.now()
-            line = (f"kvscope load: {elapsed:6.1f} s  {ok} done  {failed} failed  {self.in_flight} in flight  "
-                    f"{ok / max(elapsed, 1e-9):.2f} req/s")
+            line = (
+                f"kvscope load: {elapsed:6.1f} s  {ok} done  {failed} failed  {self.in_flight} in flight  "
+                f"{ok / max(elapsed, 1e-9):.2f} req/s"
+            )
             out.write(f"\r{line}  " if tty else f"{line}\n")
             out.flush()
 
@@ -446,8 +470,16 @@ def make_clients(config: LoadConfig) -> list[Any]:
     keys = [k.key for k in config.keys] or ["kvscope-load"]
     limits = httpx2.Limits(max_connections=config.concurrency + 4, max_keepalive_connections=config.concurrency + 4)
     timeout = httpx2.Timeout(config.timeout_s, connect=config.connect_timeout_s)
-    return [AsyncOpenAI(base_url=base_url(config.url), api_key=key, max_retries=0, timeout=timeout,
-                        http_client=DefaultAsyncHttpxClient(limits=limits, timeout=timeout)) for key in keys]
+    return [
+        AsyncOpenAI(
+            base_url=base_url(config.url),
+            api_key=key,
+            max_retries=0,
+            timeout=timeout,
+            http_client=DefaultAsyncHttpxClient(limits=limits, timeout=timeout),
+        )
+        for key in keys
+    ]
 
 
 async def first_model(client: Any, url: str) -> str:
@@ -500,8 +532,12 @@ def release_stop_signals(held: list[tuple[int, Any]]) -> None:
         signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
 
 
-async def run_load_async(rounds: Callable[[int], list[TraceRequest]], config: LoadConfig,
-                         progress: TextIO | None = None, holder: list[LoadReport] | None = None) -> LoadReport:
+async def run_load_async(
+    rounds: Callable[[int], list[TraceRequest]],
+    config: LoadConfig,
+    progress: TextIO | None = None,
+    holder: list[LoadReport] | None = None,
+) -> LoadReport:
     """Drive the plan (round 0, and more rounds while a duration lasts) against the server.
 
     `holder` receives the report before any request is sent, so an interrupted caller still
@@ -536,8 +572,9 @@ async def run_load_async(rounds: Callable[[int], list[TraceRequest]], config: Lo
         await asyncio.gather(*(client.close() for client in clients), return_exceptions=True)
 
 
-def run_load(rounds: Callable[[int], list[TraceRequest]], config: LoadConfig,
-             progress: TextIO | None = sys.stderr) -> LoadReport:
+def run_load(
+    rounds: Callable[[int], list[TraceRequest]], config: LoadConfig, progress: TextIO | None = sys.stderr
+) -> LoadReport:
     """`run_load_async` on a new event loop. Ctrl-C (KeyboardInterrupt) returns what was gathered,
     marked interrupted (re-raised when it came before the first request)."""
     holder: list[LoadReport] = []

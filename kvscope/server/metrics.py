@@ -30,19 +30,37 @@ ENGINE_TYPE = "unified"  # SGLang's engine_type of a server that is neither a pr
 GEN_THROUGHPUT_STALE_S = 30.0  # SGLang reads gen_throughput as 0 once no report came for 30 s
 
 GAUGES = (
-    "sglang:kv_used_tokens", "sglang:kv_available_tokens", "sglang:kv_evictable_tokens",
-    "sglang:swa_used_tokens", "sglang:swa_available_tokens", "sglang:swa_evictable_tokens",
-    "sglang:max_total_num_tokens", "sglang:max_total_num_tokens_swa", "sglang:page_size",
-    "sglang:token_usage", "sglang:gen_throughput", "sglang:cache_hit_rate",
-    "sglang:num_running_reqs", "sglang:num_queue_reqs", "kvscope_protected_tokens", "kvscope_scheduler_step",
+    "sglang:kv_used_tokens",
+    "sglang:kv_available_tokens",
+    "sglang:kv_evictable_tokens",
+    "sglang:swa_used_tokens",
+    "sglang:swa_available_tokens",
+    "sglang:swa_evictable_tokens",
+    "sglang:max_total_num_tokens",
+    "sglang:max_total_num_tokens_swa",
+    "sglang:page_size",
+    "sglang:token_usage",
+    "sglang:gen_throughput",
+    "sglang:cache_hit_rate",
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    "kvscope_protected_tokens",
+    "kvscope_scheduler_step",
 )
 COUNTERS = (
-    "sglang:prompt_tokens_total", "sglang:cached_tokens_total", "sglang:generation_tokens_total",
-    "sglang:evicted_tokens_total", "kvscope_retractions_total", "kvscope_leak_checks_passed_total",
-    "kvscope_leak_checks_failed_total", "kvscope_requests_total",
+    "sglang:prompt_tokens_total",
+    "sglang:cached_tokens_total",
+    "sglang:generation_tokens_total",
+    "sglang:evicted_tokens_total",
+    "kvscope_retractions_total",
+    "kvscope_leak_checks_passed_total",
+    "kvscope_leak_checks_failed_total",
+    "kvscope_requests_total",
 )
 HISTOGRAMS = (
-    "sglang:queue_time_seconds", "sglang:time_to_first_token_seconds", "sglang:inter_token_latency_seconds",
+    "sglang:queue_time_seconds",
+    "sglang:time_to_first_token_seconds",
+    "sglang:inter_token_latency_seconds",
     "sglang:e2e_request_latency_seconds",
 )
 
@@ -107,10 +125,16 @@ class SchedulerCollector(Collector):
             return
         yield from self._pools(stats)
         yield self._gauge("sglang:token_usage", "the fullest pool's used / total tokens", token_usage(stats.pools))
-        yield self._gauge("sglang:gen_throughput", "tokens generated per second since the previous report",
-                          self.rates.throughput(time.monotonic()))
-        yield self._gauge("sglang:cache_hit_rate", "cached / prompt tokens of the requests admitted since the "
-                          "previous report that admitted any", self.rates.cache_hit_rate)
+        yield self._gauge(
+            "sglang:gen_throughput",
+            "tokens generated per second since the previous report",
+            self.rates.throughput(time.monotonic()),
+        )
+        yield self._gauge(
+            "sglang:cache_hit_rate",
+            "cached / prompt tokens of the requests admitted since the previous report that admitted any",
+            self.rates.cache_hit_rate,
+        )
         yield self._gauge("sglang:num_running_reqs", "requests running", stats.num_running)
         yield self._gauge("sglang:num_queue_reqs", "requests waiting", stats.num_waiting)
         yield GaugeMetricFamily("kvscope_scheduler_step", "the scheduler's step counter", value=stats.step)
@@ -119,9 +143,10 @@ class SchedulerCollector(Collector):
         yield self._counter("sglang:generation_tokens", "tokens generated", stats.generated_tokens)
         yield self._counter("sglang:evicted_tokens", "tokens evicted from the prefix cache", stats.evicted_tokens)
         for name, doc, value in (
-                ("kvscope_retractions", "requests retracted (preempted) for memory", stats.num_retractions),
-                ("kvscope_leak_checks_passed", "idle leak checks passed", stats.leak_checks_passed),
-                ("kvscope_leak_checks_failed", "idle leak checks failed", stats.leak_checks_failed)):
+            ("kvscope_retractions", "requests retracted (preempted) for memory", stats.num_retractions),
+            ("kvscope_leak_checks_passed", "idle leak checks passed", stats.leak_checks_passed),
+            ("kvscope_leak_checks_failed", "idle leak checks failed", stats.leak_checks_failed),
+        ):
             yield CounterMetricFamily(name, doc, value=value)
 
     def _pools(self, stats: StatsOut) -> Iterator[Metric]:
@@ -129,23 +154,31 @@ class SchedulerCollector(Collector):
             prefix = POOL_PREFIX.get(pool)
             if prefix is None:
                 continue
-            yield self._gauge(f"{prefix}_used_tokens", f"{pool} pool: total - available - evictable tokens "
-                              "(held by requests)", each.used)
+            yield self._gauge(
+                f"{prefix}_used_tokens",
+                f"{pool} pool: total - available - evictable tokens (held by requests)",
+                each.used,
+            )
             yield self._gauge(f"{prefix}_available_tokens", f"{pool} pool: free tokens", each.available)
-            yield self._gauge(f"{prefix}_evictable_tokens", f"{pool} pool: cached tokens no request locks",
-                              each.evictable)
+            yield self._gauge(
+                f"{prefix}_evictable_tokens", f"{pool} pool: cached tokens no request locks", each.evictable
+            )
             total_name = "sglang:max_total_num_tokens" + ("" if pool == "full" else f"_{pool}")
             yield self._gauge(total_name, f"{pool} pool: capacity in tokens", each.total)
-        protected = GaugeMetricFamily("kvscope_protected_tokens", "cached tokens locked by running requests",
-                                      labels=["pool"])
+        protected = GaugeMetricFamily(
+            "kvscope_protected_tokens", "cached tokens locked by running requests", labels=["pool"]
+        )
         for pool, each in stats.pools.items():
             protected.add_metric([pool], each.protected)
         yield protected
 
     def _cached_tokens(self, stats: StatsOut) -> CounterMetricFamily:
         """SGLang's cache_source values: device hits, and host hits (loaded back) when there is a host tier."""
-        cached = CounterMetricFamily("sglang:cached_tokens", "prompt tokens the prefix cache matched, by source",
-                                     labels=[*IDENTITY_LABELS, "cache_source"])
+        cached = CounterMetricFamily(
+            "sglang:cached_tokens",
+            "prompt tokens the prefix cache matched, by source",
+            labels=[*IDENTITY_LABELS, "cache_source"],
+        )
         host = stats.host_hit_tokens
         cached.add_metric([*self.identity, "device"], stats.cached_tokens - (host or 0))
         if host is not None:

@@ -28,9 +28,28 @@ MAX_CHOICES = 128  # n x prompts in one request
 LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps a bias to [-100, 100]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-SHARED = ("model", "user", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-          "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output", "logit_bias",
-          "presence_penalty", "frequency_penalty", "repetition_penalty")
+SHARED = (
+    "model",
+    "user",
+    "stream",
+    "stream_options",
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "include_stop_str_in_output",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 COMPLETIONS_ONLY = ("prompt", "echo", "logprobs", "best_of")
 CHAT_ONLY = ("messages", "max_completion_tokens", "logprobs", "top_logprobs")
 # name -> the neutral values a client may send without asking for the feature
@@ -89,8 +108,9 @@ class RequestParams:
     sampling: SamplingParams
 
 
-def parse_params(body: dict[str, Any], chat: bool, vocab_size: int, eos_id: int,
-                 encode: Callable[[str], list[int]]) -> RequestParams:
+def parse_params(
+    body: dict[str, Any], chat: bool, vocab_size: int, eos_id: int, encode: Callable[[str], list[int]]
+) -> RequestParams:
     """The request's parameters, or ParamError naming the first bad one (`encode`: a stop string's ids).
     The prompt or messages, `model`, `user`, `stream` and `stream_options` are the front's."""
     check_names(body, chat)
@@ -100,8 +120,7 @@ def parse_params(body: dict[str, Any], chat: bool, vocab_size: int, eos_id: int,
     if not chat:
         best_of = integer(body, "best_of", None, low=1)
         if best_of is not None and best_of != n:
-            raise ParamError(f"'best_of' must equal 'n' ({n}); choosing the best of more is not supported",
-                             "best_of")
+            raise ParamError(f"'best_of' must equal 'n' ({n}); choosing the best of more is not supported", "best_of")
     stop = stop_strings(body.get("stop"))
     min_tokens = integer(body, "min_tokens", 0, low=0)
     if max_tokens is not None and min_tokens > max_tokens:
@@ -122,9 +141,18 @@ def parse_params(body: dict[str, Any], chat: bool, vocab_size: int, eos_id: int,
         ignore_eos=boolean(body, "ignore_eos", False),
         stop_token_ids=token_ids(body.get("stop_token_ids"), vocab_size),
         stop_sequences=tuple(tuple(encode(s)) for s in stop),
-        num_logprobs=num_logprobs)
-    return RequestParams(n, max_tokens, max_key, False if chat else boolean(body, "echo", False), num_logprobs, stop,
-                         boolean(body, "include_stop_str_in_output", False), sampling)
+        num_logprobs=num_logprobs,
+    )
+    return RequestParams(
+        n,
+        max_tokens,
+        max_key,
+        False if chat else boolean(body, "echo", False),
+        num_logprobs,
+        stop,
+        boolean(body, "include_stop_str_in_output", False),
+        sampling,
+    )
 
 
 def supported_names(chat: bool) -> tuple[str, ...]:
@@ -143,8 +171,9 @@ def check_names(body: dict[str, Any], chat: bool) -> None:
         if name not in refused:
             raise ParamError(f"unrecognized request argument supplied: {name!r}", name, "unknown_parameter")
         if not any(is_neutral(value, neutral) for neutral in refused[name]):
-            raise ParamError(f"'{name}' is not supported by this server (kvscope serve); leave it out", name,
-                             "unsupported_parameter")
+            raise ParamError(
+                f"'{name}' is not supported by this server (kvscope serve); leave it out", name, "unsupported_parameter"
+            )
 
 
 def is_neutral(value: Any, neutral: Any) -> bool:
@@ -155,8 +184,9 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def integer(body: dict[str, Any], name: str, default: int | None, *, low: int | None = None,
-            high: int | None = None) -> Any:
+def integer(
+    body: dict[str, Any], name: str, default: int | None, *, low: int | None = None, high: int | None = None
+) -> Any:
     value = body.get(name)
     if value is None:
         return default
@@ -246,8 +276,9 @@ def logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
         except ValueError:
             raise ParamError(f"'logit_bias' key {key!r} is not a token id", "logit_bias") from None
         if not 0 <= token_id < vocab_size:
-            raise ParamError(f"'logit_bias' has token id {token_id}, outside the vocabulary [0, {vocab_size})",
-                             "logit_bias")
+            raise ParamError(
+                f"'logit_bias' has token id {token_id}, outside the vocabulary [0, {vocab_size})", "logit_bias"
+            )
         if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias):
             raise ParamError(f"'logit_bias' value for {key!r} must be a number", "logit_bias", "invalid_type")
         out[token_id] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(bias)))

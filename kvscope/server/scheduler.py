@@ -84,7 +84,8 @@ def start_scheduler(spec: ServeSpec, to_scheduler: str, to_front: str) -> BasePr
     ValueError here, before any process or capture exists."""
     spec.engine.check_model(spec.model.sliding_window, spec.model.is_hybrid, spec.model)
     process = multiprocessing.get_context("spawn").Process(
-        target=_child, args=(spec, to_scheduler, to_front), name="kvscope-scheduler", daemon=True)
+        target=_child, args=(spec, to_scheduler, to_front), name="kvscope-scheduler", daemon=True
+    )
     process.start()
     return process
 
@@ -149,8 +150,7 @@ class Flight:
 
 
 class ServeLoop:
-    def __init__(self, spec: ServeSpec, recorder: Recorder, stop: StopFlag, to_scheduler: str,
-                 to_front: str) -> None:
+    def __init__(self, spec: ServeSpec, recorder: Recorder, stop: StopFlag, to_scheduler: str, to_front: str) -> None:
         from kvscope.engine import Engine
 
         self.spec = spec
@@ -262,11 +262,19 @@ class ServeLoop:
         if msg.rid in self.flights:
             return self.refuse(msg.rid, f"request id {msg.rid!r} is already in flight")
         if len(msg.input_ids) + msg.max_new_tokens > max_context_len:  # NOTE: before Req sizes its buffer
-            return self.refuse(msg.rid, f"request {msg.rid}: {len(msg.input_ids) + msg.max_new_tokens} tokens "
-                                        f"(prompt + output) exceed the context length {max_context_len}")
+            return self.refuse(
+                msg.rid,
+                f"request {msg.rid}: {len(msg.input_ids) + msg.max_new_tokens} tokens "
+                f"(prompt + output) exceed the context length {max_context_len}",
+            )
         try:
-            req = Req(msg.rid, np.asarray(msg.input_ids, dtype=np.int32), msg.max_new_tokens, user=msg.principal,
-                      sampling=msg.sampling)
+            req = Req(
+                msg.rid,
+                np.asarray(msg.input_ids, dtype=np.int32),
+                msg.max_new_tokens,
+                user=msg.principal,
+                sampling=msg.sampling,
+            )
             if min(msg.input_ids) < 0:
                 raise ValueError(f"request {msg.rid}: negative token id {min(msg.input_ids)}")
             self.engine.validate(req)
@@ -286,8 +294,10 @@ class ServeLoop:
         from kvscope.engine.sampling import prompt_logprobs
 
         logits = self.engine.model.dense_forward(torch.as_tensor(input_ids, dtype=torch.int64))
-        return [None if lp is None else Logprob(token, lp.logprob, lp.top_ids, lp.top_logprobs)
-                for token, lp in zip(input_ids, prompt_logprobs(logits, input_ids, num_top), strict=True)]
+        return [
+            None if lp is None else Logprob(token, lp.logprob, lp.top_ids, lp.top_logprobs)
+            for token, lp in zip(input_ids, prompt_logprobs(logits, input_ids, num_top), strict=True)
+        ]
 
     def refuse(self, rid: str, error: str) -> None:
         self.send(TokenOut(rid, [], finished=True, finish_reason="error", error=error))
@@ -314,11 +324,17 @@ class ServeLoop:
         if flight is None:
             return
         new_ids = req.output_ids[flight.num_sent :]
-        out = TokenOut(req.rid, new_ids, prompt_tokens=req.prompt_len,
-                       cached_tokens=req.cached_tokens, completion_tokens=len(req.output_ids))
+        out = TokenOut(
+            req.rid,
+            new_ids,
+            prompt_tokens=req.prompt_len,
+            cached_tokens=req.cached_tokens,
+            completion_tokens=len(req.output_ids),
+        )
         if req.sampling.num_logprobs is not None:
-            out.logprobs = [Logprob(token, *lp) for token, lp in
-                            zip(new_ids, req.output_logprobs[flight.num_sent :], strict=True)]
+            out.logprobs = [
+                Logprob(token, *lp) for token, lp in zip(new_ids, req.output_logprobs[flight.num_sent :], strict=True)
+            ]
         if flight.prompt_logprobs is not None:
             out.prompt_logprobs, flight.prompt_logprobs = flight.prompt_logprobs, None
         flight.num_sent = len(req.output_ids)
@@ -347,10 +363,22 @@ class ServeLoop:
             pools["swa"] = pool_stats(swa)
         self.last_stats_s = time.monotonic()
         num_running = len(scheduler.running) + (scheduler.chunked_req is not None)
-        self.send(StatsOut(scheduler.step, pools, num_running, len(scheduler.waiting), stats.prompt_tokens,
-                           stats.cached_tokens, stats.generated_tokens, stats.evicted_tokens, stats.num_retractions,
-                           stats.leak_checks_passed, stats.leak_checks_failed,
-                           None if memory.host_terms() is None else stats.host_hit_tokens))
+        self.send(
+            StatsOut(
+                scheduler.step,
+                pools,
+                num_running,
+                len(scheduler.waiting),
+                stats.prompt_tokens,
+                stats.cached_tokens,
+                stats.generated_tokens,
+                stats.evicted_tokens,
+                stats.num_retractions,
+                stats.leak_checks_passed,
+                stats.leak_checks_failed,
+                None if memory.host_terms() is None else stats.host_hit_tokens,
+            )
+        )
 
     def send(self, msg: TokenOut | StatsOut) -> None:
         frame = encode(msg)

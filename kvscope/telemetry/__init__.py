@@ -58,8 +58,15 @@ if TYPE_CHECKING:
     from kvscope.telemetry.tree_replay import STRUCTURAL_KINDS, replay_tree
 
 _LAZY = {
-    "kvscope.telemetry.derived": ("EVICTION_LOG_COLUMNS", "allocs_of_requests", "eviction_log", "eviction_summary",
-                                  "evictions_over_steps", "recent_evictions", "running_lengths"),
+    "kvscope.telemetry.derived": (
+        "EVICTION_LOG_COLUMNS",
+        "allocs_of_requests",
+        "eviction_log",
+        "eviction_summary",
+        "evictions_over_steps",
+        "recent_evictions",
+        "running_lengths",
+    ),
     "kvscope.telemetry.fingerprint": ("environment_fingerprint",),
     "kvscope.telemetry.queries": ("ENDED_WITHOUT_CLOSING", "Capture", "display_status"),
     "kvscope.telemetry.recorder": ("SQLRecorder", "decode_slots", "install_signal_handlers", "slots_blob"),

@@ -53,20 +53,52 @@ CAPABILITIES = {
     "attach_loop": "the attach loop's counters (event batches delivered and lost, gaps, restarts ...)",
 }
 
-ENGINE_PROVIDES = frozenset({
-    "slots", "usage.used", "usage.split", "ownership", "locks", "leak_checks", "ledger", "requests", "latencies",
-    "request_counts", "hit_rate", "tree", "evictions", "regret", "waste", "tenants", "request_stream", "gpu",
-    "swa", "tiers",  # NOTE: the engine records them wherever its cache has them (the pages say when it has not)
-})
-PROBE_PROVIDES = frozenset({  # NOTE: every probe; its unit is pages unless it says blocks (or slots)
-    "usage.used", "ownership", "leak_checks", "requests", "request_counts", "hit_rate", "tree", "evictions",
-})
+ENGINE_PROVIDES = frozenset(
+    {
+        "slots",
+        "usage.used",
+        "usage.split",
+        "ownership",
+        "locks",
+        "leak_checks",
+        "ledger",
+        "requests",
+        "latencies",
+        "request_counts",
+        "hit_rate",
+        "tree",
+        "evictions",
+        "regret",
+        "waste",
+        "tenants",
+        "request_stream",
+        "gpu",
+        "swa",
+        "tiers",  # NOTE: the engine records them wherever its cache has them (the pages say when it has not)
+    }
+)
+PROBE_PROVIDES = frozenset(
+    {  # NOTE: every probe; its unit is pages unless it says blocks (or slots)
+        "usage.used",
+        "ownership",
+        "leak_checks",
+        "requests",
+        "request_counts",
+        "hit_rate",
+        "tree",
+        "evictions",
+    }
+)
 PROBE_ENGINES = {  # NOTE: what a probe of one engine provides beyond the common set
     "vllm": frozenset({"blocks", "refs", "census"}),  # ref-counted blocks; the block census as its leak checks
 }
 ATTACH_PROVIDES = {  # NOTE: `kvscope attach`'s names (attached.PROVIDED) -> capabilities
-    "pages": ("forest", "evictions"), "usage.split": ("usage.split",), "usage.used": ("usage.used",),
-    "hit_rate": ("hit_rate",), "evictions": ("evictions",), "host_tier": ("tiers",),
+    "pages": ("forest", "evictions"),
+    "usage.split": ("usage.split",),
+    "usage.used": ("usage.used",),
+    "hit_rate": ("hit_rate",),
+    "evictions": ("evictions",),
+    "host_tier": ("tiers",),
     "requests.counts": ("request_counts",),
 }
 PROBE_EXTRA = frozenset(CAPABILITIES) - {"forest", "attach_loop"}  # a probe's `provides` may name more (a newer one)
@@ -77,71 +109,69 @@ PROBE_EXTRA = frozenset(CAPABILITIES) - {"forest", "attach_loop"}  # a probe's `
 CANNOT_SHOW: dict[str, dict[str, str]] = {
     "slots": {
         "attach": "Per-slot ownership: not provided. An attached engine's KV events name cached pages, not the token "
-                  "slots of its pool, so kvscope cannot say which slot belongs to what.",
+        "slots of its pool, so kvscope cannot say which slot belongs to what.",
         "*": "Per-slot ownership: not provided. This capture follows {engine}'s {unit} and the requests that take "
-             "them, not single token slots.",
+        "them, not single token slots.",
     },
     "locks": {
         "attach": "Lock refs: not provided. The events say which pages are cached, not which running request pins "
-                  "them, so protected (locked) tokens and lock_ref colouring are unavailable.",
+        "them, so protected (locked) tokens and lock_ref colouring are unavailable.",
         "*": "Lock refs: not provided. {engine}'s blocks carry ref counts, not tree locks, so protected tokens are "
-             "not split out (the Radix tree page shows each block's ref count and holders).",
+        "not split out (the Radix tree page shows each block's ref count and holders).",
     },
     "ownership": {
         "*": "Which request holds what: not provided. The events name no request, and the engine's own request "
-             "records stay inside it.",
+        "records stay inside it.",
     },
     "swa": {
         "attach": "SWA-window occupancy: not provided. Only the engine's main attention group is followed (a "
-                  "sliding-window group's pages are not its prefixes).",
+        "sliding-window group's pages are not its prefixes).",
         "*": "SWA-window occupancy: not provided. This capture follows {engine}'s {unit} as one pool.",
     },
     "leak_checks": {
         "*": "Leak checks: not provided. An attached engine runs its own leak check, which kvscope cannot see; "
-             "`kvscope report engine-log FILE` explains the leak messages in its server log.",
+        "`kvscope report engine-log FILE` explains the leak messages in its server log.",
     },
     "ledger": {
         "*": "Slot-ledger culprits: not replayed. {engine}'s {unit} are not replayed through kvscope's slot ledger: "
-             "the culprits are the ones its own leak checks name (the request that last took each leaked one).",
+        "the culprits are the ones its own leak checks name (the request that last took each leaked one).",
     },
     "waste": {
-        "attach": "Page waste: not provided. It needs each running request's length, which the source does not "
-                  "report.",
+        "attach": "Page waste: not provided. It needs each running request's length, which the source does not report.",
         "*": "Page waste: not provided. It needs each running request's length at a step, which this capture does "
-             "not record.",
+        "not record.",
     },
     "latencies": {
         "*": "Latencies: not provided. This capture stores each request when it finishes, without its arrival and "
-             "admission times.",
+        "admission times.",
     },
     "tenants": {
         "*": "Sharing between tenants: not provided. {engine}'s requests carry no principal (user or tenant).",
     },
     "regret": {
         "attach": "Age, idle time and 'evicted, then needed again' are not provided: the engine's events record no "
-                  "prefix match, so kvscope cannot tell when a page was last used or needed again.",
+        "prefix match, so kvscope cannot tell when a page was last used or needed again.",
         "*": "Age, idle time and 'evicted, then needed again' are not provided: {engine}'s prefix lookups record "
-             "how many blocks hit, not the block each one stopped at.",
+        "how many blocks hit, not the block each one stopped at.",
     },
     "tiers": {
-        "*": "This source provides no host tier ({engine} reports one tier, the device): only the device is "
-             "followed.",
+        "*": "This source provides no host tier ({engine} reports one tier, the device): only the device is followed.",
     },
     "request_stream": {
         "*": "Hit rate vs cache capacity for this engine's traffic: not provided. The curve replays the run's "
-             "request stream, and {engine}'s capture holds no prompt tokens (`kvscope plan` takes a request trace "
-             "instead).",
+        "request stream, and {engine}'s capture holds no prompt tokens (`kvscope plan` takes a request trace "
+        "instead).",
     },
     "usage.split": {
         "*": "Free and evictable tokens: not provided. This source does not split its pool (vLLM, for one, counts "
-             "cached but unused blocks as free), so only the used tokens are shown.",
+        "cached but unused blocks as free), so only the used tokens are shown.",
     },
     "tree": {
         "*": "The cache tree: not provided. This source records no tree events or snapshots.",
     },
     "gpu": {
         "*": "GPU memory and utilization: not shown. The run was recorded inside {engine}, possibly on another "
-             "machine, and this page would show this machine's GPU.",
+        "machine, and this page would show this machine's GPU.",
     },
 }
 
@@ -199,8 +229,9 @@ def capabilities(config: Mapping[str, Any]) -> Capabilities:
         return Capabilities("attach", engine, version, frozenset(provided), block_size)
     if kind == "probe":
         extra = {name for name in named if name in PROBE_EXTRA}
-        return Capabilities("probe", engine, version, PROBE_PROVIDES | PROBE_ENGINES.get(engine, frozenset()) | extra,
-                            block_size)
+        return Capabilities(
+            "probe", engine, version, PROBE_PROVIDES | PROBE_ENGINES.get(engine, frozenset()) | extra, block_size
+        )
     return Capabilities(kind or "unknown", engine, version, frozenset(), block_size)
 
 

@@ -206,7 +206,7 @@ def _body_file(body: bytes) -> int:
     try:
         view = memoryview(body)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     except BaseException:
         os.close(fd)
         raise
@@ -219,4 +219,3 @@ def _read_body_file(fd: int) -> Any:
         return mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b""
     finally:
         os.close(fd)
-

@@ -43,9 +43,23 @@ from kvscope.telemetry.event_source import decode_strings, present
 from kvscope.telemetry.events import EventKind, PoolName
 from kvscope.telemetry.queries import Capture
 
-EVICTION_LOG_COLUMNS = ("seq", "step", "t_mono", "pool", "node_id", "parent_id", "evicted_tokens", "reason",
-                        "age_steps", "age_s", "idle_steps", "idle_s", "needed_again_step", "needed_again_by",
-                        "regret_tokens")
+EVICTION_LOG_COLUMNS = (
+    "seq",
+    "step",
+    "t_mono",
+    "pool",
+    "node_id",
+    "parent_id",
+    "evicted_tokens",
+    "reason",
+    "age_steps",
+    "age_s",
+    "idle_steps",
+    "idle_s",
+    "needed_again_step",
+    "needed_again_by",
+    "regret_tokens",
+)
 MAX_PARENT_HOPS = 64  # a chain of splits of splits, followed back to an inserted node
 EVICT = EventKind.EVICT
 ENDS = (EventKind.REQUEST_FINISH, EventKind.REQUEST_ABORT, EventKind.REQUEST_RETRACT)
@@ -57,8 +71,14 @@ Touch = tuple[int, str, int]  # (seq, kind, aux)
 Match = tuple[int, int]  # (seq, miss tokens)
 
 
-def _all(capture: Capture, run_id: int, kinds: Sequence[EventKind], columns: Sequence[str],
-         step_range: tuple[int, int] | None = None, coded: Sequence[str] = ()) -> pd.DataFrame:
+def _all(
+    capture: Capture,
+    run_id: int,
+    kinds: Sequence[EventKind],
+    columns: Sequence[str],
+    step_range: tuple[int, int] | None = None,
+    coded: Sequence[str] = (),
+) -> pd.DataFrame:
     """Every event of `kinds` (in `step_range`), as `columns` plus seq, in seq order (`coded`:
     string columns left as codes, see Capture.events)."""
     return capture.events(run_id, kinds=kinds, step_range=step_range, limit=None, columns=columns, coded=coded)
@@ -82,14 +102,20 @@ def _isin(values: pd.Series, wanted: Iterable[int]) -> np.ndarray:
 
 # -- eviction log ----------------------------------------------------------------------------
 
+
 def eviction_log(capture: Capture, run_id: int, limit: int, offset: int) -> pd.DataFrame:
     """One page of the log (evictions in event order), with age, idle, parent and regret.
 
     NOTE: two reads. The run's touches (every insert, split, match and lock) are read as kind,
     node and aux alone, enough to follow each evicted node's births, splits and later matches;
     the step, time and request of the few touches the page names are then read by seq."""
-    ev = capture.events(run_id, kinds=[EVICT], limit=limit, offset=offset,
-                        columns=["seq", "step", "t_mono", "pool", "node_id", "num_tokens", "reason"])
+    ev = capture.events(
+        run_id,
+        kinds=[EVICT],
+        limit=limit,
+        offset=offset,
+        columns=["seq", "step", "t_mono", "pool", "node_id", "num_tokens", "reason"],
+    )
     ev = ev.rename(columns={"num_tokens": "evicted_tokens"})
     if ev.empty:
         return pd.DataFrame(columns=list(EVICTION_LOG_COLUMNS))
@@ -101,24 +127,42 @@ def eviction_log(capture: Capture, run_id: int, limit: int, offset: int) -> pd.D
     later = _later_matches(touches, set(nodes) | {p for p in parents if p is not None}, int(ev.seq.min()))
     found = []
     for row, parent in zip(ev.itertuples(index=False), parents, strict=True):
-        again = min((m for m in (later.first_after(row.node_id, row.seq), later.first_after(parent, row.seq))
-                     if m is not None), default=None, key=lambda m: m[0])
+        again = min(
+            (m for m in (later.first_after(row.node_id, row.seq), later.first_after(parent, row.seq)) if m is not None),
+            default=None,
+            key=lambda m: m[0],
+        )
         found.append((history.born(row.node_id, row.seq), history.last_touch(row.node_id, row.seq), again))
     named = {r[0] for trio in found for r in trio if r is not None}
-    details = capture.events(run_id, kinds=NODE_TOUCHES, limit=None, columns=["step", "t_mono", "rid"],
-                             seqs=sorted(named))
-    at = {int(d.seq): (int(d.step), float(d.t_mono), None if pd.isna(d.rid) else d.rid)
-          for d in details.itertuples(index=False)}
+    details = capture.events(
+        run_id, kinds=NODE_TOUCHES, limit=None, columns=["step", "t_mono", "rid"], seqs=sorted(named)
+    )
+    at = {
+        int(d.seq): (int(d.step), float(d.t_mono), None if pd.isna(d.rid) else d.rid)
+        for d in details.itertuples(index=False)
+    }
     rows = []
     for row, parent, (born, touch, again) in zip(ev.itertuples(index=False), parents, found, strict=True):
         b, t, a = (None if r is None else at[r[0]] for r in (born, touch, again))
-        rows.append((
-            row.seq, row.step, row.t_mono, row.pool, row.node_id, parent, row.evicted_tokens, row.reason,
-            None if b is None else row.step - b[0], None if b is None else row.t_mono - b[1],
-            None if t is None else row.step - t[0], None if t is None else row.t_mono - t[1],
-            None if a is None else a[0], None if a is None else a[2],
-            0 if again is None else min(int(row.evicted_tokens), int(again[1])),
-        ))
+        rows.append(
+            (
+                row.seq,
+                row.step,
+                row.t_mono,
+                row.pool,
+                row.node_id,
+                parent,
+                row.evicted_tokens,
+                row.reason,
+                None if b is None else row.step - b[0],
+                None if b is None else row.t_mono - b[1],
+                None if t is None else row.step - t[0],
+                None if t is None else row.t_mono - t[1],
+                None if a is None else a[0],
+                None if a is None else a[2],
+                0 if again is None else min(int(row.evicted_tokens), int(again[1])),
+            )
+        )
     return pd.DataFrame(rows, columns=list(EVICTION_LOG_COLUMNS))
 
 
@@ -199,12 +243,17 @@ class _LaterMatches:
 def _later_matches(touches: pd.DataFrame, nodes: set[int], after_seq: int) -> _LaterMatches:
     """Matches that stopped at one of `nodes` after `after_seq` and missed tokens."""
     t = touches
-    found = (t["kind"] == EventKind.MATCH.value).to_numpy() & (t["aux"] > 0).to_numpy() \
-        & (t["seq"] > after_seq).to_numpy() & _isin(t["node_id"], nodes)
+    found = (
+        (t["kind"] == EventKind.MATCH.value).to_numpy()
+        & (t["aux"] > 0).to_numpy()
+        & (t["seq"] > after_seq).to_numpy()
+        & _isin(t["node_id"], nodes)
+    )
     return _LaterMatches(t.loc[found, ["seq", "node_id", "aux"]])
 
 
 # -- running requests ------------------------------------------------------------------------
+
 
 def running_lengths(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
     """rid, seq_len of every request running at `step`: matched by then and not finished,
@@ -214,14 +263,16 @@ def running_lengths(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
     matches = _all(capture, run_id, [EventKind.MATCH], ["step", "rid", "num_tokens"], (FIRST_STEP, step), coded)
     latest = _last_per_rid(matches).rename(columns={"seq": "mseq", "step": "mstep", "num_tokens": "hit"})
     ends = _last_per_rid(_all(capture, run_id, ENDS, ["rid"], (FIRST_STEP, step), coded)).rename(
-        columns={"seq": "eseq"})
+        columns={"seq": "eseq"}
+    )
     live = latest[["rid", "mseq"]].merge(ends, on="rid", how="left")
     live = live[live.eseq.isna() | (live.eseq < live.mseq)]
     if live.empty:
         return pd.DataFrame({"rid": pd.Series(dtype=object), "seq_len": pd.Series(dtype="int64")})
     live = live.merge(latest[["mseq", "mstep", "hit"]], on="mseq")
-    allocs = _all(capture, run_id, [EventKind.ALLOC], ["rid", "pool", "num_tokens"], (int(live.mstep.min()), step),
-                  coded)
+    allocs = _all(
+        capture, run_id, [EventKind.ALLOC], ["rid", "pool", "num_tokens"], (int(live.mstep.min()), step), coded
+    )
     allocs = allocs[(allocs["pool"] == PoolName.FULL.value) & allocs["rid"].isin(list(live.rid))]
     since = allocs[["rid", "seq", "num_tokens"]].merge(live[["rid", "mseq"]], on="rid")
     grown = since[since.seq > since.mseq].groupby("rid")["num_tokens"].sum()
@@ -240,8 +291,9 @@ def allocs_of_requests(capture: Capture, run_id: int, rids: Sequence[str]) -> pd
     """rid, step, tokens: each request's full-pool allocations per step."""
     if not rids:
         return pd.DataFrame(columns=["rid", "step", "tokens"])
-    allocs = capture.events(run_id, kinds=[EventKind.ALLOC], rids=list(rids), limit=None,
-                            columns=["step", "rid", "pool", "num_tokens"])
+    allocs = capture.events(
+        run_id, kinds=[EventKind.ALLOC], rids=list(rids), limit=None, columns=["step", "rid", "pool", "num_tokens"]
+    )
     allocs = allocs[allocs["pool"] == PoolName.FULL.value]
     if allocs.empty:
         return pd.DataFrame(columns=["rid", "step", "tokens"])
@@ -251,6 +303,7 @@ def allocs_of_requests(capture: Capture, run_id: int, rids: Sequence[str]) -> pd
 
 # -- evictions over time ---------------------------------------------------------------------
 
+
 def eviction_summary(capture: Capture, run_id: int) -> pd.DataFrame:
     """reason ('?' when none), pool, num_evictions, evicted_tokens, first_step, last_step per
     reason and pool, most evictions first (ties: by reason, then pool, NULL first)."""
@@ -259,10 +312,15 @@ def eviction_summary(capture: Capture, run_id: int) -> pd.DataFrame:
     if ev.empty:
         return pd.DataFrame(columns=columns)
     groups = ev.groupby(["reason", "pool"], dropna=False, sort=False).agg(
-        num_evictions=("seq", "size"), evicted_tokens=("num_tokens", "sum"), first_step=("step", "min"),
-        last_step=("step", "max"))
-    rows: list[tuple[Any, ...]] = [(_text(reason), _text(pool), *(int(v) for v in values))
-            for (reason, pool), values in zip(groups.index, groups.itertuples(index=False), strict=True)]
+        num_evictions=("seq", "size"),
+        evicted_tokens=("num_tokens", "sum"),
+        first_step=("step", "min"),
+        last_step=("step", "max"),
+    )
+    rows: list[tuple[Any, ...]] = [
+        (_text(reason), _text(pool), *(int(v) for v in values))
+        for (reason, pool), values in zip(groups.index, groups.itertuples(index=False), strict=True)
+    ]
     rows.sort(key=lambda r: (_null_first(r[0]), _null_first(r[1])))
     rows.sort(key=lambda r: -r[2])  # NOTE: stable: ties keep the (reason, pool) order, as SQL's GROUP BY gave it
     return pd.DataFrame([("?" if r[0] is None else r[0], *r[1:]) for r in rows], columns=columns)
@@ -285,8 +343,11 @@ def evictions_over_steps(capture: Capture, run_id: int, max_points: int) -> pd.D
     lo = int(ev.step.min())
     width = max(1, -(-(int(ev.step.max()) - lo + 1) // max_points))
     out = ev.groupby(((ev.step - lo) // width).to_numpy()).agg(
-        step=("step", "max"), num_evictions=("seq", "size"), evicted_tokens=("num_tokens", "sum"),
-        t_mono=("t_mono", "min"))
+        step=("step", "max"),
+        num_evictions=("seq", "size"),
+        evicted_tokens=("num_tokens", "sum"),
+        t_mono=("t_mono", "min"),
+    )
     out = out.sort_values("step").reset_index(drop=True)
     out["steps"] = width
     return out
@@ -299,10 +360,12 @@ def recent_evictions(capture: Capture, run_id: int, since_step: int) -> pd.DataF
 
 # -- usage -----------------------------------------------------------------------------------
 
+
 def usage_at(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
     """The usage row of the last sampled step at or before `step`, exact (not downsampled);
     empty when there is none."""
     u = schema.usage.c
     columns = schema.columns_as_of(schema.usage, capture.schema_version)
-    return capture.read_frame(select(*columns).where(u.run_id == run_id, u.step <= step)
-                              .order_by(desc(u.step)).limit(1))
+    return capture.read_frame(
+        select(*columns).where(u.run_id == run_id, u.step <= step).order_by(desc(u.step)).limit(1)
+    )

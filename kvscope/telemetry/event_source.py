@@ -70,15 +70,31 @@ class EventFilter:
             raise ValueError(f"an event read's offset and limit are counts: offset {self.offset}, limit {self.limit}")
 
     @classmethod
-    def of(cls, *, kinds: Sequence[Any] | None = None, step_range: tuple[int, int] | None = None,
-           after_seq: int | None = None, rid: str | None = None, rids: Sequence[str] | None = None,
-           node_id: int | None = None, seqs: Sequence[int] | None = None, limit: int | None = None,
-           offset: int = 0) -> EventFilter:
+    def of(
+        cls,
+        *,
+        kinds: Sequence[Any] | None = None,
+        step_range: tuple[int, int] | None = None,
+        after_seq: int | None = None,
+        rid: str | None = None,
+        rids: Sequence[str] | None = None,
+        node_id: int | None = None,
+        seqs: Sequence[int] | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> EventFilter:
         """`rid`, when given, replaces `rids`."""
         chosen = [rid] if rid is not None else rids
-        return cls(None if kinds is None else tuple(str(k) for k in kinds), step_range, after_seq,
-                   None if chosen is None else tuple(chosen), node_id,
-                   None if seqs is None else tuple(sorted({int(q) for q in seqs})), limit, offset)
+        return cls(
+            None if kinds is None else tuple(str(k) for k in kinds),
+            step_range,
+            after_seq,
+            None if chosen is None else tuple(chosen),
+            node_id,
+            None if seqs is None else tuple(sorted({int(q) for q in seqs})),
+            limit,
+            offset,
+        )
 
 
 ALL_EVENTS = EventFilter()
@@ -109,8 +125,9 @@ class _Dictionary:
             return
         texts = [str(text) for _code, text in rows]
         if int(rows[0][0]) != self.size or int(rows[-1][0]) != self.size + len(rows) - 1:
-            raise CaptureError(f"damaged capture (the run's string codes skip from {self.size - 1} to "
-                               f"{int(rows[0][0])})")
+            raise CaptureError(
+                f"damaged capture (the run's string codes skip from {self.size - 1} to {int(rows[0][0])})"
+            )
         self.inverse.update((text, self.size + i) for i, text in enumerate(texts))
         self.lookup = np.concatenate([self.lookup, np.asarray(texts, dtype=object)])
 
@@ -142,10 +159,14 @@ class PackedEvents:
         if not self.has_tables():
             return pd.DataFrame(columns=["chunk", "first_seq", "num_events", "first_step", "last_step", "kinds"])
         with self.engine.connect() as conn:
-            rows = conn.execute(select(c.chunk, c.first_seq, c.num_events, c.first_step, c.last_step, c.kinds)
-                                .where(c.run_id == run_id).order_by(c.first_seq)).fetchall()
-        frame = pd.DataFrame([tuple(r) for r in rows],
-                             columns=["chunk", "first_seq", "num_events", "first_step", "last_step", "kinds"])
+            rows = conn.execute(
+                select(c.chunk, c.first_seq, c.num_events, c.first_step, c.last_step, c.kinds)
+                .where(c.run_id == run_id)
+                .order_by(c.first_seq)
+            ).fetchall()
+        frame = pd.DataFrame(
+            [tuple(r) for r in rows], columns=["chunk", "first_seq", "num_events", "first_step", "last_step", "kinds"]
+        )
         if frame.empty:
             self._check_no_parts(run_id)
         else:
@@ -161,50 +182,62 @@ class PackedEvents:
             return
         c, k, s = schema.event_chunks.c, schema.event_columns.c, schema.event_strings.c
         with consistent_reads(self.engine) as conn:  # NOTE: a live writer commits chunks meanwhile
-            chunks = pd.DataFrame(conn.execute(select(c.run_id, c.chunk, c.first_seq, c.num_events)
-                                               .order_by(c.run_id, c.first_seq)).fetchall(),
-                                  columns=["run_id", "chunk", "first_seq", "num_events"])
-            keys = conn.execute(select(k.run_id, k.chunk, func.count()).where(k.name.in_(STORED_COLUMNS))
-                                .group_by(k.run_id, k.chunk)).fetchall()
+            chunks = pd.DataFrame(
+                conn.execute(
+                    select(c.run_id, c.chunk, c.first_seq, c.num_events).order_by(c.run_id, c.first_seq)
+                ).fetchall(),
+                columns=["run_id", "chunk", "first_seq", "num_events"],
+            )
+            keys = conn.execute(
+                select(k.run_id, k.chunk, func.count()).where(k.name.in_(STORED_COLUMNS)).group_by(k.run_id, k.chunk)
+            ).fetchall()
             string_runs = {int(r) for (r,) in conn.execute(select(s.run_id).distinct())}
-            columns = (conn.execute(select(k.run_id, k.chunk, k.name, k.dtype, func.length(k.data))).fetchall()
-                       if with_columns else [])
+            columns = (
+                conn.execute(select(k.run_id, k.chunk, k.name, k.dtype, func.length(k.data))).fetchall()
+                if with_columns
+                else []
+            )
         for run_id, frame in chunks.groupby("run_id"):
             self._check_contiguous(int(run_id), frame)
-        counts = {(int(r), int(ch)): int(n) for r, ch, n in zip(chunks.run_id, chunks.chunk, chunks.num_events,
-                                                                  strict=True)}
+        counts = {
+            (int(r), int(ch)): int(n) for r, ch, n in zip(chunks.run_id, chunks.chunk, chunks.num_events, strict=True)
+        }
         self._check_keys(counts, {(int(r), int(ch)): int(n) for r, ch, n in keys}, string_runs)
         for run_id, chunk, name, stored, num_bytes in columns:
-            self._check_column(int(run_id), int(chunk), str(name), str(stored), int(num_bytes or 0),
-                               counts[(int(run_id), int(chunk))])
+            self._check_column(
+                int(run_id), int(chunk), str(name), str(stored), int(num_bytes or 0), counts[(int(run_id), int(chunk))]
+            )
 
-    def _check_keys(self, counts: dict[tuple[int, int], int], num_columns: dict[tuple[int, int], int],
-                    string_runs: set[int]) -> None:
+    def _check_keys(
+        self, counts: dict[tuple[int, int], int], num_columns: dict[tuple[int, int], int], string_runs: set[int]
+    ) -> None:
         """Each chunk has all its columns, each column a chunk, each run's strings a chunk."""
         orphan = min(set(num_columns) - set(counts), default=None)
         if orphan is not None:
-            raise self.damaged(orphan[0], f"event chunk {orphan[1]} has columns but no event_chunks row: "
-                                          "events are missing")
+            raise self.damaged(
+                orphan[0], f"event chunk {orphan[1]} has columns but no event_chunks row: events are missing"
+            )
         short = min((key for key in counts if num_columns.get(key, 0) != len(STORED_COLUMNS)), default=None)
         if short is not None:
-            raise self.damaged(short[0], f"event chunk {short[1]} has {num_columns.get(short, 0)} of its "
-                                         f"{len(STORED_COLUMNS)} columns")
+            raise self.damaged(
+                short[0], f"event chunk {short[1]} has {num_columns.get(short, 0)} of its {len(STORED_COLUMNS)} columns"
+            )
         orphans = string_runs - {r for r, _ in counts}
         if orphans:
-            raise self.damaged(min(orphans), "its event strings are there but no event_chunks row: "
-                                             "events are missing")
+            raise self.damaged(min(orphans), "its event strings are there but no event_chunks row: events are missing")
 
-    def _check_column(self, run_id: int, chunk: int, name: str, stored: str, num_bytes: int,
-                      num_events: int) -> None:
+    def _check_column(self, run_id: int, chunk: int, name: str, stored: str, num_bytes: int, num_events: int) -> None:
         if name not in COLUMN_DTYPES:
             return  # NOTE: a column this kvscope does not read
         if not writes_dtype(name, stored):
-            raise self.damaged(run_id, f"event chunk {chunk}'s {name} column has type {stored!r}, "
-                                       "which kvscope never writes")
+            raise self.damaged(
+                run_id, f"event chunk {chunk}'s {name} column has type {stored!r}, which kvscope never writes"
+            )
         size = np.dtype(stored).itemsize
         if num_bytes % size or (name != "slots" and num_bytes // size != num_events):
-            raise self.damaged(run_id, f"event chunk {chunk} holds {num_bytes} bytes of {stored} {name} values "
-                                       f"for {num_events} events")
+            raise self.damaged(
+                run_id, f"event chunk {chunk} holds {num_bytes} bytes of {stored} {name} values for {num_events} events"
+            )
 
     def damaged(self, run_id: int, what: str) -> CaptureError:
         return CaptureError(f"{self.name}: damaged capture (run {run_id}: {what})")
@@ -216,17 +249,21 @@ class PackedEvents:
         wrong = np.flatnonzero((first != expected) | (counts < 0))
         if len(wrong):
             i = int(wrong[0])
-            raise self.damaged(run_id, f"event chunk {int(frame.chunk.iloc[i])} starts at seq {int(first[i])} "
-                                       f"with {int(counts[i])} events, where seq {int(expected[i])} was due: "
-                                       "events are missing")
+            raise self.damaged(
+                run_id,
+                f"event chunk {int(frame.chunk.iloc[i])} starts at seq {int(first[i])} "
+                f"with {int(counts[i])} events, where seq {int(expected[i])} was due: "
+                "events are missing",
+            )
 
     def _check_no_parts(self, run_id: int) -> None:
         """A run without chunks has no packed columns or strings (else its chunk rows are lost)."""
         with self.engine.connect() as conn:
             for table in (schema.event_columns, schema.event_strings):
                 if conn.execute(select(table.c.run_id).where(table.c.run_id == run_id).limit(1)).first():
-                    raise self.damaged(run_id, f"its events' {table.name} rows are there but no event_chunks "
-                                               "row: events are missing")
+                    raise self.damaged(
+                        run_id, f"its events' {table.name} rows are there but no event_chunks row: events are missing"
+                    )
 
     def event_values(self, run_id: int, chunk: Any, name: str) -> np.ndarray:
         """Column `name` of a chunk (a row of `chunks`) as stored, checked to hold one value per
@@ -236,8 +273,9 @@ class PackedEvents:
         if name == "slots":
             expected = int(np.maximum(self.event_values(run_id, chunk, "slot_counts"), 0).sum())
         if len(values) != expected:
-            raise self.damaged(run_id, f"event chunk {int(chunk.chunk)} holds {len(values)} {name} values "
-                                       f"where {expected} are due")
+            raise self.damaged(
+                run_id, f"event chunk {int(chunk.chunk)} holds {len(values)} {name} values where {expected} are due"
+            )
         return values
 
     def column(self, run_id: int, chunk: int, name: str) -> np.ndarray:
@@ -264,27 +302,30 @@ class PackedEvents:
         """Read the columns `names` of `chunks` that are not cached yet, in one read (a page of a
         10M-event run needs a few columns of each of its ~150 chunks)."""
         with self._lock:
-            missing = sorted({int(chunk) for chunk in chunks for name in names
-                              if (run_id, int(chunk), name) not in self._columns})
+            missing = sorted(
+                {int(chunk) for chunk in chunks for name in names if (run_id, int(chunk), name) not in self._columns}
+            )
         if not missing:
             return
         c = schema.event_columns.c
         stmt = select(c.chunk, c.name, c.dtype, c.data).where(
-            c.run_id == run_id, c.chunk.between(missing[0], missing[-1]), c.name.in_(list(names)))
+            c.run_id == run_id, c.chunk.between(missing[0], missing[-1]), c.name.in_(list(names))
+        )
         wanted = set(missing)
         for rows in driver_rows(self.engine, stmt, self.name, batch_rows=64):
             for chunk, name, stored, data in rows:
                 if chunk in wanted:
-                    self._keep((run_id, int(chunk), str(name)), self._decoded(run_id, chunk, str(name), str(stored),
-                                                                             data))
+                    self._keep(
+                        (run_id, int(chunk), str(name)), self._decoded(run_id, chunk, str(name), str(stored), data)
+                    )
 
     def _decoded(self, run_id: int, chunk: int, name: str, stored: str, data: bytes) -> np.ndarray:
         if not writes_dtype(name, stored):
-            raise self.damaged(run_id, f"event chunk {chunk}'s {name} column has type {stored!r}, "
-                                       "which kvscope never writes")
+            raise self.damaged(
+                run_id, f"event chunk {chunk}'s {name} column has type {stored!r}, which kvscope never writes"
+            )
         if not isinstance(data, bytes) or len(data) % np.dtype(stored).itemsize:
-            raise self.damaged(run_id, f"event chunk {chunk}'s {name} column is not a whole number of {stored} "
-                                       "values")
+            raise self.damaged(run_id, f"event chunk {chunk}'s {name} column is not a whole number of {stored} values")
         return np.frombuffer(data, stored)
 
     def _keep(self, key: tuple[int, int, str], values: np.ndarray) -> None:
@@ -359,8 +400,9 @@ class PackedEvents:
         if missing:  # NOTE: a text the run does not have yet is asked again next time (a live run adds some)
             s = schema.event_strings.c
             with self.engine.connect() as conn:
-                known.update(conn.execute(select(s.text, s.code).where(s.run_id == run_id, s.text.in_(missing)))
-                             .fetchall())
+                known.update(
+                    conn.execute(select(s.text, s.code).where(s.run_id == run_id, s.text.in_(missing))).fetchall()
+                )
         return [int(known[t]) for t in texts if t in known]
 
     def kind_counts(self, run_id: int) -> dict[str, int]:
@@ -376,8 +418,14 @@ class PackedEvents:
         return {str(name): count for name, count in zip(names, total.values(), strict=True)}
 
 
-def read_events(capture: Any, run_id: int, columns: Sequence[str] = EVENT_COLUMNS,
-                where: EventFilter = ALL_EVENTS, *, coded: Sequence[str] = ()) -> pd.DataFrame:
+def read_events(
+    capture: Any,
+    run_id: int,
+    columns: Sequence[str] = EVENT_COLUMNS,
+    where: EventFilter = ALL_EVENTS,
+    *,
+    coded: Sequence[str] = (),
+) -> pd.DataFrame:
     """`capture`: a queries.Capture. See the module note. `coded`: string columns of a packed run
     that stay int codes (NO_CODE for NULL), for reads that group or join on them and decode only
     what they return (decode_strings); a run of the row layout has its strings either way."""
@@ -424,8 +472,9 @@ def present(values: pd.Series) -> pd.Series:
     return values != NO_CODE if values.dtype.kind in "iu" else values.notna()
 
 
-def packed_arrays(packed: PackedEvents, chunks: pd.DataFrame, run_id: int, names: list[str],
-                  where: EventFilter = ALL_EVENTS) -> dict[str, np.ndarray]:
+def packed_arrays(
+    packed: PackedEvents, chunks: pd.DataFrame, run_id: int, names: list[str], where: EventFilter = ALL_EVENTS
+) -> dict[str, np.ndarray]:
     """The stored arrays of `names` (strings as codes, node_id with NULL_INT) of the events of
     `chunks` that pass `where`; chunks are read one at a time and only until `limit` rows past
     `offset` are found."""
@@ -433,12 +482,22 @@ def packed_arrays(packed: PackedEvents, chunks: pd.DataFrame, run_id: int, names
     parts: list[dict[str, np.ndarray]] = []
     found = 0
     # NOTE: codes resolved once (the chunks were listed first, and a chunk's strings land with it)
-    codes = _Codes(None if where.kinds is None else np.asarray(packed.codes_of(run_id, list(where.kinds)), np.int32),
-                   None if where.rids is None else np.asarray(packed.codes_of(run_id, list(where.rids)), np.int32),
-                   None if where.seqs is None else np.asarray(where.seqs, np.int64))
+    codes = _Codes(
+        None if where.kinds is None else np.asarray(packed.codes_of(run_id, list(where.kinds)), np.int32),
+        None if where.rids is None else np.asarray(packed.codes_of(run_id, list(where.rids)), np.int32),
+        None if where.seqs is None else np.asarray(where.seqs, np.int64),
+    )
     if end is None:  # NOTE: every chunk is read: its filter columns and `names` in one read
-        filters = [n for n, wanted in (("kind", where.kinds), ("step", where.step_range), ("rid", where.rids),
-                                       ("node_id", where.node_id)) if wanted is not None]
+        filters = [
+            n
+            for n, wanted in (
+                ("kind", where.kinds),
+                ("step", where.step_range),
+                ("rid", where.rids),
+                ("node_id", where.node_id),
+            )
+            if wanted is not None
+        ]
         packed.prefetch(run_id, chunks.chunk.tolist(), [*filters, *_stored(names)])
     for row in chunks.itertuples(index=False):
         part = _chunk_frame(packed, run_id, row, names, where, codes)
@@ -448,7 +507,7 @@ def packed_arrays(packed: PackedEvents, chunks: pd.DataFrame, run_id: int, names
         if end is not None and found >= end:
             break
     out = {name: np.concatenate([p[name] for p in parts]) if parts else _empty(name) for name in names}
-    return {name: values[where.offset:end] for name, values in out.items()}
+    return {name: values[where.offset : end] for name, values in out.items()}
 
 
 def _stored(names: Sequence[str]) -> list[str]:
@@ -467,8 +526,9 @@ def python_values(packed: PackedEvents, run_id: int, name: str, values: np.ndarr
     return list(values.tolist())
 
 
-def _chunk_frame(packed: PackedEvents, run_id: int, row: Any, names: list[str], where: EventFilter,
-                 codes: _Codes) -> dict[str, np.ndarray]:
+def _chunk_frame(
+    packed: PackedEvents, run_id: int, row: Any, names: list[str], where: EventFilter, codes: _Codes
+) -> dict[str, np.ndarray]:
     def col(name: str) -> np.ndarray:  # NOTE: as stored (narrow): filtered first, widened when kept
         return packed.event_values(run_id, row, name)
 
@@ -497,8 +557,9 @@ def _chunk_frame(packed: PackedEvents, run_id: int, row: Any, names: list[str], 
         if name == "seq":
             out[name] = np.arange(int(row.first_seq), int(row.first_seq) + n, dtype=np.int64)[mask]
         elif name == "slots":
-            out[name] = _slot_blobs(widen_array("slot_counts", col("slot_counts")),
-                                    widen_array("slots", col("slots")), mask)
+            out[name] = _slot_blobs(
+                widen_array("slot_counts", col("slot_counts")), widen_array("slots", col("slots")), mask
+            )
         else:
             out[name] = widen_array(name, col(name)[mask])
     return out
@@ -522,8 +583,9 @@ def _empty(name: str) -> np.ndarray:
     return np.zeros(0, COLUMN_DTYPES[name])
 
 
-def _frame(packed: PackedEvents, run_id: int, out: dict[str, np.ndarray], names: list[str],
-           coded: Sequence[str] = ()) -> pd.DataFrame:
+def _frame(
+    packed: PackedEvents, run_id: int, out: dict[str, np.ndarray], names: list[str], coded: Sequence[str] = ()
+) -> pd.DataFrame:
     data: dict[str, Any] = {}
     for name in names:
         values = out[name]
@@ -532,8 +594,13 @@ def _frame(packed: PackedEvents, run_id: int, out: dict[str, np.ndarray], names:
         elif name == "node_id":
             nulls = values == NULL_INT
             # NOTE: as pandas reads a NULL integer column: all NULL is objects, some NULL floats
-            data[name] = (np.full(len(values), None, object) if len(values) and nulls.all()
-                          else np.where(nulls, np.nan, values) if nulls.any() else values.astype(np.int64))
+            data[name] = (
+                np.full(len(values), None, object)
+                if len(values) and nulls.all()
+                else np.where(nulls, np.nan, values)
+                if nulls.any()
+                else values.astype(np.int64)
+            )
         elif values.dtype.kind in "iu":
             data[name] = values.astype(np.int64)
         else:

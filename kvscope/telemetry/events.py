@@ -187,8 +187,15 @@ class Recorder:
         `reason` is an EvictReason, or a FaultKind for inject / violation events; `principal`
         is the owner of the node an insert event creates, or the requester of a match (see above)."""
 
-    def record_batch(self, kind: EventKind, *, pool: PoolName | None, rids: Sequence[str | None],
-                     num_tokens: Sequence[int], slots: Any) -> None:
+    def record_batch(
+        self,
+        kind: EventKind,
+        *,
+        pool: PoolName | None,
+        rids: Sequence[str | None],
+        num_tokens: Sequence[int],
+        slots: Any,
+    ) -> None:
         """One event per request of a batch, in order: request i gets the next num_tokens[i] of
         `slots` (which holds sum(num_tokens) slots). The same events as that many record()
         calls; a recorder may keep the batch as one item until it writes."""

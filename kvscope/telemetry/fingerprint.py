@@ -33,11 +33,13 @@ def gpu_inventory() -> list[dict[str, Any]]:
         for index in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             name = pynvml.nvmlDeviceGetName(handle)
-            gpus.append({
-                "index": index,
-                "name": name.decode() if isinstance(name, bytes) else str(name),
-                "total_memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
-            })
+            gpus.append(
+                {
+                    "index": index,
+                    "name": name.decode() if isinstance(name, bytes) else str(name),
+                    "total_memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+                }
+            )
         return gpus
     finally:
         pynvml.nvmlShutdown()

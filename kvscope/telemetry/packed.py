@@ -37,14 +37,23 @@ from typing import Any
 
 import numpy as np
 
-ITEM_FIELDS = ("step", "t_mono", "kind", "pool", "rid", "node_id", "num_tokens", "aux", "reason", "principal",
-               "slots")
+ITEM_FIELDS = ("step", "t_mono", "kind", "pool", "rid", "node_id", "num_tokens", "aux", "reason", "principal", "slots")
 ITEM_WIDTH = len(ITEM_FIELDS)
 SLOT_WIRE_DTYPE = "=i8"  # NOTE: slots as the recorder hands them over: int64 arrays' raw bytes
 STRING_COLUMNS = ("kind", "pool", "rid", "reason", "principal")
 COLUMN_DTYPES = {
-    "step": "<i8", "t_mono": "<f8", "kind": "<i4", "pool": "<i4", "rid": "<i4", "node_id": "<i8",
-    "num_tokens": "<i8", "aux": "<i8", "reason": "<i4", "principal": "<i4", "slot_counts": "<i4", "slots": "<i4",
+    "step": "<i8",
+    "t_mono": "<f8",
+    "kind": "<i4",
+    "pool": "<i4",
+    "rid": "<i4",
+    "node_id": "<i8",
+    "num_tokens": "<i8",
+    "aux": "<i8",
+    "reason": "<i4",
+    "principal": "<i4",
+    "slot_counts": "<i4",
+    "slots": "<i4",
 }
 STORED_COLUMNS = tuple(COLUMN_DTYPES)
 NO_CODE = -1
@@ -93,8 +102,9 @@ class Chunk:
         the run's chunk `number`."""
         return {
             "event_strings": [(run_id, code, text) for code, text in self.new_strings],
-            "event_chunks": [(run_id, number, self.first_seq, self.num_events, self.first_step, self.last_step,
-                              self.kinds)],
+            "event_chunks": [
+                (run_id, number, self.first_seq, self.num_events, self.first_step, self.last_step, self.kinds)
+            ],
             "event_columns": [(run_id, number, name, dtype, data) for name, (dtype, data) in self.columns.items()],
         }
 
@@ -112,7 +122,8 @@ class Packer:
         whether any item is a batch item."""
         w = ITEM_WIDTH
         step, t_mono, kind, pool, rid, node_id, num_tokens, aux, reason, principal, slots = (
-            items[i::w] for i in range(w))
+            items[i::w] for i in range(w)
+        )
         repeat = batches = None
         if has_batches:
             repeat, is_batch, rid, num_tokens, node_id = _expand_batches(node_id, rid, num_tokens)
@@ -133,7 +144,9 @@ class Packer:
         self.next_seq += n
         new, codes.new = codes.new, []
         return Chunk(
-            first_seq=first, num_events=n, first_step=int(columns["step"].min()) if n else 0,
+            first_seq=first,
+            num_events=n,
+            first_step=int(columns["step"].min()) if n else 0,
             last_step=int(columns["step"].max()) if n else 0,
             kinds=",".join(sorted(set(kind))),
             columns={name: narrow(name, columns[name]) for name in STORED_COLUMNS},
@@ -210,8 +223,9 @@ def _repeated(values: np.ndarray, repeat: np.ndarray | None) -> np.ndarray:
     return values if repeat is None else np.repeat(values, repeat)
 
 
-def _expand_batches(node_id: list[Any], rid: list[Any], num_tokens: list[Any]
-                    ) -> tuple[np.ndarray, np.ndarray, list[Any], list[Any], list[Any]]:
+def _expand_batches(
+    node_id: list[Any], rid: list[Any], num_tokens: list[Any]
+) -> tuple[np.ndarray, np.ndarray, list[Any], list[Any], list[Any]]:
     """Per buffered item, how many events it unpacks into and whether it is a batch item; the
     per-event rid, num_tokens and node_id columns. NOTE: Python work per batch item only; the
     plain items between two batch items are copied as list slices."""
@@ -238,8 +252,9 @@ def _expand_batches(node_id: list[Any], rid: list[Any], num_tokens: list[Any]
     return repeat, is_batch, rids, tokens, nodes
 
 
-def _slots(slots: list[Any], dtype: np.dtype, batches: tuple[np.ndarray, np.ndarray] | None,
-           num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _slots(
+    slots: list[Any], dtype: np.dtype, batches: tuple[np.ndarray, np.ndarray] | None, num_tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """(per-event slot counts, every slot concatenated in event order). A batch item's slots
     split by its requests' token counts."""
     present = np.fromiter(map(is_not, slots, forever(None)), bool, len(slots))

@@ -88,8 +88,9 @@ class Capture:
     def step_range(self, run_id: int) -> pd.DataFrame:
         """One row: the run's first and last step with a usage sample (lo, hi; NULL when none)."""
         u = schema.usage.c
-        return self.read_frame(select(func.min(u.step).label("lo"), func.max(u.step).label("hi"))
-                               .where(u.run_id == run_id))
+        return self.read_frame(
+            select(func.min(u.step).label("lo"), func.max(u.step).label("hi")).where(u.run_id == run_id)
+        )
 
     def latest_usage(self, run_id: int, window_s: float = RATE_WINDOW_S) -> pd.DataFrame:
         """The last usage row and the first one at most `window_s` seconds before it (for rates),
@@ -98,10 +99,15 @@ class Capture:
         last_step = select(func.max(u.step)).where(u.run_id == run_id).scalar_subquery()
         last_t = select(func.max(u.t_mono)).where(u.run_id == run_id).scalar_subquery()
         window_start = select(func.min(u.step)).where(u.run_id == run_id, u.t_mono >= last_t - window_s)
-        columns = [_used_of_older().label(c.name) if c.name == "full_used" and self.schema_version < 5 else c
-                   for c in schema.columns_as_of(schema.usage, self.schema_version)]
-        return self.read_frame(select(*columns).where(
-            u.run_id == run_id, u.step.in_([last_step, window_start.scalar_subquery()])).order_by(u.step))
+        columns = [
+            _used_of_older().label(c.name) if c.name == "full_used" and self.schema_version < 5 else c
+            for c in schema.columns_as_of(schema.usage, self.schema_version)
+        ]
+        return self.read_frame(
+            select(*columns)
+            .where(u.run_id == run_id, u.step.in_([last_step, window_start.scalar_subquery()]))
+            .order_by(u.step)
+        )
 
     def usage(self, run_id: int, max_points: int = 500) -> pd.DataFrame:
         """Usage per step, at most `max_points` of the run's own rows: the steps are cut into
@@ -115,23 +121,38 @@ class Capture:
         version = self.schema_version
         has_host = version >= schema.since_version(u.host_total)
         with self.engine.connect() as conn:
-            lo, hi, num_swa, num_host = conn.execute(select(
-                func.min(u.step), func.max(u.step), func.count(u.swa_total),
-                func.count(u.host_total) if has_host else literal(0)).where(u.run_id == run_id)).one()
+            lo, hi, num_swa, num_host = conn.execute(
+                select(
+                    func.min(u.step),
+                    func.max(u.step),
+                    func.count(u.swa_total),
+                    func.count(u.host_total) if has_host else literal(0),
+                ).where(u.run_id == run_id)
+            ).one()
         if lo is None:
             return pd.DataFrame(columns=[c.name for c in schema.usage.columns])
-        peaks = [_in_use_full(version), *([u.swa_total - u.swa_available] if num_swa else []),
-                 *([u.host_total - u.host_available] if num_host else [])]
+        peaks = [
+            _in_use_full(version),
+            *([u.swa_total - u.swa_available] if num_swa else []),
+            *([u.host_total - u.host_available] if num_host else []),
+        ]
         num_buckets = max(1, (max_points - 1) // len(peaks))
         width = max(1, -(-(hi - lo + 1) // num_buckets))
         bucket = (u.step - lo) // width
-        ranks = [func.row_number().over(partition_by=bucket, order_by=(func.coalesce(peak, -1).desc(), u.step.desc()))
-                 .label(f"peak_rank_{i}") for i, peak in enumerate(peaks)]
+        ranks = [
+            func.row_number()
+            .over(partition_by=bucket, order_by=(func.coalesce(peak, -1).desc(), u.step.desc()))
+            .label(f"peak_rank_{i}")
+            for i, peak in enumerate(peaks)
+        ]
         # NOTE: narrow: the sort carries 2-4 ints; steps past `hi` (a live run went on) wait for the next read
         ranked = select(u.step, *ranks).where(u.run_id == run_id, u.step <= hi).subquery()
         kept = select(ranked.c.step).where(or_(ranked.c.step == hi, *(ranked.c[rank.name] == 1 for rank in ranks)))
-        columns = [_used_of_older().label(c.name) if c.name == "full_used" and version < 5 else c
-                   for c in schema.columns_as_of(schema.usage, version) if c.name != "run_id"]
+        columns = [
+            _used_of_older().label(c.name) if c.name == "full_used" and version < 5 else c
+            for c in schema.columns_as_of(schema.usage, version)
+            if c.name != "run_id"
+        ]
         return self.read_frame(select(*columns).where(u.run_id == run_id, u.step.in_(kept)).order_by(u.step))
 
     def events(
@@ -153,12 +174,21 @@ class Capture:
         either layout (event_source.py); `limit` None: all of them; `rids`: any of these requests;
         `coded`: these string columns as codes where the run has them (event_source.read_events);
         `seqs`: only the events of these sequence numbers."""
-        where = EventFilter.of(kinds=kinds, rid=rid, rids=rids, node_id=node_id, step_range=step_range,
-                               limit=limit, offset=offset, seqs=seqs)
+        where = EventFilter.of(
+            kinds=kinds,
+            rid=rid,
+            rids=rids,
+            node_id=node_id,
+            step_range=step_range,
+            limit=limit,
+            offset=offset,
+            seqs=seqs,
+        )
         return read_events(self, run_id, columns, where, coded=coded)
 
-    def event_stream(self, run_id: int, columns: Sequence[str], *, after_seq: int = -1,
-                     batch_rows: int = 20_000) -> Iterator[list[tuple]]:
+    def event_stream(
+        self, run_id: int, columns: Sequence[str], *, after_seq: int = -1, batch_rows: int = 20_000
+    ) -> Iterator[list[tuple]]:
         """The run's events after `after_seq` in sequence order, as plain tuples of `columns`
         (names of schema.events), a batch at a time: the ledger replay's path (a DataFrame or
         Row per event costs more than the replay itself)."""
@@ -174,11 +204,11 @@ class Capture:
             for start in range(0, len(rows), batch_rows):
                 yield rows[start : start + batch_rows]
 
-    def _row_stream(self, run_id: int, columns: Sequence[str], after_seq: int,
-                    batch_rows: int) -> Iterator[list[tuple]]:
+    def _row_stream(
+        self, run_id: int, columns: Sequence[str], after_seq: int, batch_rows: int
+    ) -> Iterator[list[tuple]]:
         e = schema.events.c
-        stmt = (select(*(e[name] for name in columns))
-                .where(e.run_id == run_id, e.seq > after_seq).order_by(e.seq))
+        stmt = select(*(e[name] for name in columns)).where(e.run_id == run_id, e.seq > after_seq).order_by(e.seq)
         yield from driver_rows(self.engine, stmt, self.target, batch_rows)
 
     def last_event_seq(self, run_id: int) -> int:
@@ -192,8 +222,9 @@ class Capture:
         with self.engine.connect() as conn:
             if not self.engine.dialect.has_table(conn, schema.reports.name):
                 return None
-            return conn.execute(select(r.through_seq, r.built_at, r.producer, r.body)
-                                .where(r.run_id == run_id, r.kind == kind)).first()
+            return conn.execute(
+                select(r.through_seq, r.built_at, r.producer, r.body).where(r.run_id == run_id, r.kind == kind)
+            ).first()
 
     def event_counts(self, run_id: int) -> pd.DataFrame:
         """kind, count: the run's events per kind, by kind."""
@@ -212,10 +243,18 @@ class Capture:
         c = schema.requests.c
         return self.read_frame(select(schema.requests).where(c.run_id == run_id).order_by(c.arrive_step, c.rid))
 
-    def request_rows(self, run_id: int, *, principals: Sequence[str] | None = None,
-                     statuses: Sequence[str] | None = None, rid: str | None = None,
-                     columns: Sequence[str] | None = None, limit: int | None = None, offset: int = 0,
-                     ordered: bool = True) -> pd.DataFrame:
+    def request_rows(
+        self,
+        run_id: int,
+        *,
+        principals: Sequence[str] | None = None,
+        statuses: Sequence[str] | None = None,
+        rid: str | None = None,
+        columns: Sequence[str] | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+        ordered: bool = True,
+    ) -> pd.DataFrame:
         """Requests rows (ordered as requests(): by arrival step, then rid; in no order unless
         `ordered`), of `principals`, `statuses` or one `rid` when given, as `columns` (every column
         by default), a page of `limit` rows past `offset`: a page of a run of 300k requests
@@ -239,9 +278,13 @@ class Capture:
         cached tokens and retractions (status, num_requests, prompt_tokens, cached_tokens,
         retractions), by status."""
         c = schema.requests.c
-        stmt = select(c.status, func.count().label("num_requests"), func.sum(c.prompt_len).label("prompt_tokens"),
-                      func.sum(c.cached_tokens).label("cached_tokens"),
-                      func.sum(c.num_retractions).label("retractions")).where(c.run_id == run_id)
+        stmt = select(
+            c.status,
+            func.count().label("num_requests"),
+            func.sum(c.prompt_len).label("prompt_tokens"),
+            func.sum(c.cached_tokens).label("cached_tokens"),
+            func.sum(c.num_retractions).label("retractions"),
+        ).where(c.run_id == run_id)
         if principals is not None:
             stmt = stmt.where(c.principal.in_(list(principals)))
         return self.read_frame(stmt.group_by(c.status).order_by(c.status))
@@ -277,8 +320,9 @@ class Capture:
         if base_step is not None:
             nodes = self._snapshot(run_id, int(base_step))
         start = -1 if base_step is None else base_step
-        events = self.events(run_id, kinds=STRUCTURAL_KINDS, step_range=(start + 1, step), limit=None,
-                             columns=REPLAY_COLUMNS)
+        events = self.events(
+            run_id, kinds=STRUCTURAL_KINDS, step_range=(start + 1, step), limit=None, columns=REPLAY_COLUMNS
+        )
         return replay_tree(nodes.drop(columns=["run_id", "step"], errors="ignore"), events)
 
     def _snapshot(self, run_id: int, step: int) -> pd.DataFrame:

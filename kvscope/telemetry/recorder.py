@@ -165,10 +165,18 @@ class SQLRecorder(Recorder):
         # NOTE: the clock anchor: a t_mono of this run is wall time wall_s + (t_mono - mono_s)
         config = {**config, "clock": {"wall_s": now, "mono_s": time.monotonic()}}
         with self.engine.begin() as conn:
-            result = conn.execute(schema.runs.insert().values(
-                label=label, status=RunStatus.RUNNING, started_at=now, heartbeat_at=now, host=socket.gethostname(),
-                pid=os.getpid(), level=self.level, config=json.dumps(config, default=str, sort_keys=True),
-            ))
+            result = conn.execute(
+                schema.runs.insert().values(
+                    label=label,
+                    status=RunStatus.RUNNING,
+                    started_at=now,
+                    heartbeat_at=now,
+                    host=socket.gethostname(),
+                    pid=os.getpid(),
+                    level=self.level,
+                    config=json.dumps(config, default=str, sort_keys=True),
+                )
+            )
             assert result.inserted_primary_key is not None
             return int(result.inserted_primary_key[0])
 
@@ -183,10 +191,15 @@ class SQLRecorder(Recorder):
             "usage": (schema.usage, schema.USAGE_COLUMNS),
             "requests": (schema.requests, schema.REQUEST_COLUMNS),
         }
-        heartbeat = update(schema.runs).where(schema.runs.c.id == bindparam("run_id")).values(
-            heartbeat_at=bindparam("heartbeat_at"))
+        heartbeat = (
+            update(schema.runs)
+            .where(schema.runs.c.id == bindparam("run_id"))
+            .values(heartbeat_at=bindparam("heartbeat_at"))
+        )
         return WriterSettings(
-            file=None if path is None else str(path), url=None if path is not None else str(target), run_id=self.run_id,
+            file=None if path is None else str(path),
+            url=None if path is not None else str(target),
+            run_id=self.run_id,
             inserts={name: insert_statement(engine, table, columns) for name, (table, columns) in tables.items()},
             heartbeat=compiled_statement(engine, heartbeat, ("heartbeat_at", "run_id")),
             heartbeat_interval_s=self._heartbeat_interval_s,
@@ -240,8 +253,21 @@ class SQLRecorder(Recorder):
         # than int64 arrays are converted at the hand-off, all at once (one copy off a GPU)
         if slots is not None and (slots.__class__ is not _NDARRAY or slots.dtype is not _INT64):
             self._deferred.append((len(self._items) + SLOTS_AT, slots))
-        self._extend((self._step, _monotonic(), kind._value_, pool and pool._value_, rid, node_id, num_tokens, aux,
-                      reason and reason._value_, principal, slots))
+        self._extend(
+            (
+                self._step,
+                _monotonic(),
+                kind._value_,
+                pool and pool._value_,
+                rid,
+                node_id,
+                num_tokens,
+                aux,
+                reason and reason._value_,
+                principal,
+                slots,
+            )
+        )
 
     def extend_items(self, items: list[Any]) -> None:
         """Events another process buffered in the same flat layout (packed.ITEM_FIELDS, plain
@@ -252,35 +278,76 @@ class SQLRecorder(Recorder):
                 self._deferred.append((start + i, items[i]))
         self._extend(items)
 
-    def record_batch(self, kind: EventKind, *, pool: PoolName | None, rids: Any, num_tokens: Any,
-                     slots: Any) -> None:
+    def record_batch(self, kind: EventKind, *, pool: PoolName | None, rids: Any, num_tokens: Any, slots: Any) -> None:
         if slots is not None and (slots.__class__ is not _NDARRAY or slots.dtype is not _INT64):
             self._deferred.append((len(self._items) + SLOTS_AT, slots))
         self._has_batches = True
-        self._extend((self._step, _monotonic(), kind._value_, pool and pool._value_, tuple(rids), BATCH,
-                      tuple(num_tokens), 0, None, None, slots))
+        self._extend(
+            (
+                self._step,
+                _monotonic(),
+                kind._value_,
+                pool and pool._value_,
+                tuple(rids),
+                BATCH,
+                tuple(num_tokens),
+                0,
+                None,
+                None,
+                slots,
+            )
+        )
 
     def usage(self, sample: UsageSample) -> None:
         swa = sample.swa or (None, None, None, None)
-        host = (*sample.host, sample.cum_host_hit_tokens, sample.cum_written_tokens, sample.cum_loaded_tokens) \
-            if sample.host is not None else (None,) * 7
+        host = (
+            (*sample.host, sample.cum_host_hit_tokens, sample.cum_written_tokens, sample.cum_loaded_tokens)
+            if sample.host is not None
+            else (None,) * 7
+        )
         used = sample.full_used
         if used is None and sample.full.available is not None and sample.full.evictable is not None:
             used = sample.full.used
-        self._rows.append(("usage", (self.run_id, sample.step, time.monotonic(), *sample.full, *swa,
-                                     *sample[3:13], *host, used)))
+        self._rows.append(
+            ("usage", (self.run_id, sample.step, time.monotonic(), *sample.full, *swa, *sample[3:13], *host, used))
+        )
 
     def leak_check(self, check: LeakCheck) -> None:
-        self._rows.append(("leak_checks", (self.run_id, check.step, check.pool, time.monotonic(), *check[2:8],
-                                           check.ok, None if check.ok else check.message())))
+        self._rows.append(
+            (
+                "leak_checks",
+                (
+                    self.run_id,
+                    check.step,
+                    check.pool,
+                    time.monotonic(),
+                    *check[2:8],
+                    check.ok,
+                    None if check.ok else check.message(),
+                ),
+            )
+        )
 
     def request(self, rec: RequestRecord) -> None:
         """Store a request's final record (call once, when it ends or when the run closes)."""
         moments = schema.REQUEST_MOMENTS
-        self._rows.append(("requests", (
-            self.run_id, rec.rid, rec.principal, str(rec.status), rec.prompt_len, rec.cached_tokens, rec.output_len,
-            rec.num_retractions, *(rec.times.get(m) for m in moments), *(rec.steps.get(m) for m in moments),
-        )))
+        self._rows.append(
+            (
+                "requests",
+                (
+                    self.run_id,
+                    rec.rid,
+                    rec.principal,
+                    str(rec.status),
+                    rec.prompt_len,
+                    rec.cached_tokens,
+                    rec.output_len,
+                    rec.num_retractions,
+                    *(rec.times.get(m) for m in moments),
+                    *(rec.steps.get(m) for m in moments),
+                ),
+            )
+        )
 
     def tree_snapshot(self, step: int, rows: list[Any]) -> None:
         """`rows`: the cache's export_nodes() (NodeRow tuples; a plain tuple without the fields
@@ -290,8 +357,9 @@ class SQLRecorder(Recorder):
             return
         self._snapshot_step = step
         run_id, width = self.run_id, len(NodeRow._fields)
-        self._rows.extend([("tree_snapshots", (run_id, step, *(row if len(row) == width else NodeRow(*row))))
-                           for row in rows])
+        self._rows.extend(
+            [("tree_snapshots", (run_id, step, *(row if len(row) == width else NodeRow(*row)))) for row in rows]
+        )
 
     # -- handing over ----------------------------------------------------------------------
 
@@ -409,15 +477,19 @@ class SQLRecorder(Recorder):
             self._process.kill()  # NOTE: SIGKILL ends a stopped process too
             self._process.wait()
         if self.failure is None:
-            self._stop_recording(f"the recorder's writer process answered nothing for {silent_s:g} s "
-                                 "(stopped or hung) and was ended")
+            self._stop_recording(
+                f"the recorder's writer process answered nothing for {silent_s:g} s (stopped or hung) and was ended"
+            )
 
     def _stop_recording(self, reason: str) -> None:
         """Recording stops: one line on stderr and in `failure`, through which step the capture
         is complete."""
         done = self._complete_step
-        self.failure = (f"capture complete through step {done}: {reason}" if done >= 0
-                        else f"capture holds no complete step: {reason}")
+        self.failure = (
+            f"capture complete through step {done}: {reason}"
+            if done >= 0
+            else f"capture holds no complete step: {reason}"
+        )
         if self._announce:
             print(f"kvscope recorder: recording stopped, {self.failure}", file=sys.stderr, flush=True)
 
@@ -461,8 +533,11 @@ class SQLRecorder(Recorder):
         holds are kept, the log file goes) and the end written once more."""
         if self.failure is not None:
             status, error = RunStatus.INCOMPLETE, self.failure if error is None else f"{self.failure}; {error}"
-        mark = update(schema.runs).where(schema.runs.c.id == self.run_id).values(
-            status=status, ended_at=time.time(), heartbeat_at=time.time(), error=error)
+        mark = (
+            update(schema.runs)
+            .where(schema.runs.c.id == self.run_id)
+            .values(status=status, ended_at=time.time(), heartbeat_at=time.time(), error=error)
+        )
         for last_try in (False, True):
             try:
                 with self.engine.begin() as conn:
@@ -478,8 +553,9 @@ class SQLRecorder(Recorder):
     def __enter__(self) -> SQLRecorder:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close(RunStatus.FINISHED)
         elif issubclass(exc_type, KeyboardInterrupt | SystemExit):
@@ -494,11 +570,19 @@ def _start_writer(settings: WriterSettings) -> tuple[Channel, subprocess.Popen[b
     channel, theirs = Channel.pair()
     package_root = str(Path(kvscope.__file__).resolve().parent.parent)
     path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": package_root if not path else f"{package_root}{os.pathsep}{path}",
-           **WRITER_THREADS}
+    env = {
+        **os.environ,
+        "PYTHONPATH": package_root if not path else f"{package_root}{os.pathsep}{path}",
+        **WRITER_THREADS,
+    }
     try:
-        process = subprocess.Popen([sys.executable, "-m", "kvscope.telemetry.writer", str(theirs.fileno())],
-                                   pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env, process_group=0)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvscope.telemetry.writer", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+            env=env,
+            process_group=0,
+        )
     finally:
         theirs.close()
     channel.send(("start", settings.to_plain()))

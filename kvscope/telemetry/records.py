@@ -117,8 +117,10 @@ class LeakCheck(NamedTuple):
         return self.balanced and not (self.idle and self.protected) and self.violation is None
 
     def message(self) -> str:
-        terms = (f"[{self.pool}] total={self.total}, available={self.available}, evictable={self.evictable}, "
-                 f"protected={self.protected}, held={self.held}, uncached={self.uncached}")
+        terms = (
+            f"[{self.pool}] total={self.total}, available={self.available}, evictable={self.evictable}, "
+            f"protected={self.protected}, held={self.held}, uncached={self.uncached}"
+        )
         if self.violation is not None:
             return f"{terms}: {self.violation}"
         if not self.balanced:

@@ -57,9 +57,16 @@ class RecorderStartError(Exception):
 
 
 class RemoteRecorder(Recorder):
-    def __init__(self, target: str | Path, *, level: str = "full", label: str = "",
-                 config: dict[str, Any] | None = None, python: str | None = None,
-                 flush_interval_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        target: str | Path,
+        *,
+        level: str = "full",
+        label: str = "",
+        config: dict[str, Any] | None = None,
+        python: str | None = None,
+        flush_interval_s: float = 0.2,
+    ) -> None:
         if level not in ("summary", "full"):
             raise RecorderStartError(f"recording level must be 'summary' or 'full', got {level!r}")
         self.level = level
@@ -87,8 +94,11 @@ class RemoteRecorder(Recorder):
         except ChannelClosed:
             answer = None
         if answer is None or answer.kind != "opened":
-            reason = str(answer.header[1]) if answer is not None and answer.kind == "failed" else \
-                "the recorder's host process did not start the run"
+            reason = (
+                str(answer.header[1])
+                if answer is not None and answer.kind == "failed"
+                else "the recorder's host process did not start the run"
+            )
             self._end_host()
             raise RecorderStartError(reason)
         self.host_pid = int(answer.header[2])
@@ -105,11 +115,34 @@ class RemoteRecorder(Recorder):
         if _monotonic() >= self._due_s:
             self._hand_off()
 
-    def record(self, kind: EventKind, *, pool: PoolName | None = None, rid: str | None = None,
-               node_id: int | None = None, num_tokens: int = 0, slots: Any = None, reason: StrEnum | None = None,
-               aux: int = 0, principal: str | None = None) -> None:
-        self._items.extend((self._step, _monotonic(), kind._value_, pool and pool._value_, rid, node_id, num_tokens,
-                            aux, reason and reason._value_, principal, slots))
+    def record(
+        self,
+        kind: EventKind,
+        *,
+        pool: PoolName | None = None,
+        rid: str | None = None,
+        node_id: int | None = None,
+        num_tokens: int = 0,
+        slots: Any = None,
+        reason: StrEnum | None = None,
+        aux: int = 0,
+        principal: str | None = None,
+    ) -> None:
+        self._items.extend(
+            (
+                self._step,
+                _monotonic(),
+                kind._value_,
+                pool and pool._value_,
+                rid,
+                node_id,
+                num_tokens,
+                aux,
+                reason and reason._value_,
+                principal,
+                slots,
+            )
+        )
 
     def item_sink(self) -> Any:
         """The bound `extend` of the event buffer, for a caller on a hot path (the vLLM probe's
@@ -124,8 +157,22 @@ class RemoteRecorder(Recorder):
         self._rows.append(("leak_checks", _plain_tuple(check)))
 
     def request(self, rec: RequestRecord) -> None:
-        self._rows.append(("requests", (rec.rid, rec.principal, str(rec.status), rec.prompt_len, rec.cached_tokens,
-                                        rec.output_len, rec.num_retractions, dict(rec.times), dict(rec.steps))))
+        self._rows.append(
+            (
+                "requests",
+                (
+                    rec.rid,
+                    rec.principal,
+                    str(rec.status),
+                    rec.prompt_len,
+                    rec.cached_tokens,
+                    rec.output_len,
+                    rec.num_retractions,
+                    dict(rec.times),
+                    dict(rec.steps),
+                ),
+            )
+        )
 
     def tree_snapshot(self, step: int, rows: list[Any]) -> None:
         self._rows.append(("tree_snapshots", (step, [tuple(row) for row in rows])))
@@ -218,8 +265,13 @@ def _start_host(python: str) -> tuple[Channel, subprocess.Popen[bytes]]:
     path = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": package_root if not path else f"{package_root}{os.pathsep}{path}"}
     try:
-        process = subprocess.Popen([python, "-m", "kvscope.telemetry.remote", str(theirs.fileno())],
-                                   pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env, process_group=0)
+        process = subprocess.Popen(
+            [python, "-m", "kvscope.telemetry.remote", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+            env=env,
+            process_group=0,
+        )
     except OSError as err:
         channel.close()
         raise RecorderStartError(f"cannot start the recorder's host process with {python}: {err}") from err
@@ -316,16 +368,25 @@ def _take(recorder: Any, items: list[Any], rows: list[tuple[str, tuple[Any, ...]
             full, swa, host = row[1], row[2], row[13]
             counts = dict(zip(UsageSample._fields[3:13], row[3:13], strict=True))
             later = dict(zip(UsageSample._fields[14:], row[14:], strict=True))
-            recorder.usage(UsageSample(row[0], pool_terms(*full), swa and pool_terms(*swa),
-                                       host=host and pool_terms(*host), **counts, **later))
+            recorder.usage(
+                UsageSample(
+                    row[0],
+                    pool_terms(*full),
+                    swa and pool_terms(*swa),
+                    host=host and pool_terms(*host),
+                    **counts,
+                    **later,
+                )
+            )
         elif table == "leak_checks":
             recorder.leak_check(LeakCheck(*row))
         elif table == "tree_snapshots":
             recorder.tree_snapshot(row[0], row[1])
         elif table == "requests":
             rid, principal, status, prompt_len, cached, output_len, retractions, times, steps = row
-            recorder.request(RequestRecord(rid, principal, prompt_len, status, cached, output_len, retractions,
-                                           times, steps))
+            recorder.request(
+                RequestRecord(rid, principal, prompt_len, status, cached, output_len, retractions, times, steps)
+            )
 
 
 def _detach() -> None:
@@ -342,8 +403,7 @@ def main(argv: list[str]) -> int:
     try:
         _host(channel)
     except Exception as err:
-        print(f"kvscope recorder: the host process stopped: {type(err).__name__}: {err}", file=sys.stderr,
-              flush=True)
+        print(f"kvscope recorder: the host process stopped: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         return 1
     finally:
         channel.close()

@@ -158,9 +158,21 @@ usage = Table(
     Column("full_used", Integer, info={"since": 5}),  # device tokens in use (engine runs: total - avail. - evictable)
 )
 # NOTE: usage columns NOT NULL in files created before version 5; an attached run needs them nullable
-ATTACH_NULLABLE_USAGE = ("full_available", "full_evictable", "full_protected", "req_total", "req_available",
-                         "num_running", "num_waiting", "cum_prompt_tokens", "cum_hit_tokens", "cum_requests",
-                         "cum_hit_requests", "cum_evicted_tokens", "cum_retractions")
+ATTACH_NULLABLE_USAGE = (
+    "full_available",
+    "full_evictable",
+    "full_protected",
+    "req_total",
+    "req_available",
+    "num_running",
+    "num_waiting",
+    "cum_prompt_tokens",
+    "cum_hit_tokens",
+    "cum_requests",
+    "cum_hit_requests",
+    "cum_evicted_tokens",
+    "cum_retractions",
+)
 
 tree_snapshots = Table(
     "tree_snapshots",

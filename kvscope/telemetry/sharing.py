@@ -30,8 +30,9 @@ VISIBILITY_COLUMNS = ("step", "kind", "num_events", "num_tokens")
 def run_principals(capture: Capture, run_id: int) -> list[str]:
     """The distinct principals of the run's requests and match events, sorted."""
     r = schema.requests.c
-    of_requests = capture.read_frame(select(r.principal).where(r.run_id == run_id, r.principal.is_not(None))
-                                     .distinct()).iloc[:, 0]
+    of_requests = capture.read_frame(
+        select(r.principal).where(r.run_id == run_id, r.principal.is_not(None)).distinct()
+    ).iloc[:, 0]
     found = {str(p) for p in of_requests}
     if capture.schema_version >= schema.since_version(schema.events.c.principal):
         found.update(distinct_strings(capture, run_id, "principal", [EventKind.MATCH.value]))
@@ -43,8 +44,7 @@ def visibility_changes(capture: Capture, run_id: int) -> pd.DataFrame:
     changes = capture.events(run_id, kinds=VISIBILITY_KINDS, limit=None, columns=["step", "kind", "num_tokens"])
     if changes.empty:
         return pd.DataFrame(columns=list(VISIBILITY_COLUMNS))
-    out = changes.groupby(["step", "kind"], sort=True).agg(num_events=("seq", "size"),
-                                                           num_tokens=("num_tokens", "sum"))
+    out = changes.groupby(["step", "kind"], sort=True).agg(num_events=("seq", "size"), num_tokens=("num_tokens", "sum"))
     return out.reset_index()[list(VISIBILITY_COLUMNS)]
 
 
@@ -53,8 +53,9 @@ def reuse_by_principal(capture: Capture, run_id: int) -> pd.DataFrame:
     them in nodes another principal owns. Empty before schema version 3."""
     if capture.schema_version < 3:
         return pd.DataFrame(columns=list(REUSE_COLUMNS))
-    reuse = capture.events(run_id, kinds=REUSE_KINDS, limit=None, columns=["kind", "principal", "num_tokens"],
-                           coded=("principal",))
+    reuse = capture.events(
+        run_id, kinds=REUSE_KINDS, limit=None, columns=["kind", "principal", "num_tokens"], coded=("principal",)
+    )
     if reuse.empty:
         return pd.DataFrame(columns=list(REUSE_COLUMNS))
     if reuse["principal"].dtype.kind in "iu":  # NOTE: summed by code first; the few principals then decoded
@@ -63,8 +64,9 @@ def reuse_by_principal(capture: Capture, run_id: int) -> pd.DataFrame:
     sums = reuse.groupby(["principal", "kind"], dropna=False, sort=True)["num_tokens"].sum().reset_index()
     # NOTE: a NULL principal is a group of its own, named None (as SQL's GROUP BY gives it), not NaN
     sums["principal"] = sums["principal"].astype(object).where(sums["principal"].notna(), None)
-    table = sums.pivot_table(index="principal", columns="kind", values="num_tokens", aggfunc="sum",
-                             fill_value=0, dropna=False)
+    table = sums.pivot_table(
+        index="principal", columns="kind", values="num_tokens", aggfunc="sum", fill_value=0, dropna=False
+    )
     table = table.reindex(columns=[k.value for k in REUSE_KINDS], fill_value=0).astype(int)
     table = table.rename_axis(columns=None).reset_index()
     return table.rename(columns={"match": "matched_tokens", "cross_hit": "cross_tokens"})[list(REUSE_COLUMNS)]

@@ -148,9 +148,12 @@ def read_mode(dir_writable: bool, wal_mode: bool, wal_bytes: int, has_shm: bool)
 def _read_mode_of(path: Path) -> ReadMode:
     header = read_head(path, 20)
     wal = Path(f"{path}-wal")
-    return read_mode(dir_writable=os.access(path.parent, os.W_OK),
-                     wal_mode=header[18:20] == b"\x02\x02", wal_bytes=wal.stat().st_size if wal.exists() else 0,
-                     has_shm=Path(f"{path}-shm").exists())
+    return read_mode(
+        dir_writable=os.access(path.parent, os.W_OK),
+        wal_mode=header[18:20] == b"\x02\x02",
+        wal_bytes=wal.stat().st_size if wal.exists() else 0,
+        has_shm=Path(f"{path}-shm").exists(),
+    )
 
 
 def _damage_detail(path: Path, reason: str) -> str:
@@ -202,8 +205,7 @@ def driver_rows(engine: Engine, stmt: Any, capture_name: str, batch_rows: int = 
     SQLAlchemy's row objects (several times faster on large reads); a damaged or unreadable
     file raises the one-line CaptureError, as reads through SQLAlchemy do."""
     compiled = stmt.compile(dialect=engine.dialect, compile_kwargs={"render_postcompile": True})
-    params = ([compiled.params[k] for k in compiled.positiontup or []] if compiled.positional
-              else compiled.params)
+    params = [compiled.params[k] for k in compiled.positiontup or []] if compiled.positional else compiled.params
     with engine.connect() as conn:
         cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
         try:
@@ -310,11 +312,16 @@ def consistent_reads(engine: Engine) -> Iterator[Connection]:
 
 def _sqlite_reader_engine(path: Path, name: str, mode: ReadMode) -> Engine:
     if mode == "wal-unreadable":
-        raise CaptureError(f"{name}: unreadable here: its log {path}-wal holds committed data that SQLite cannot read "
-                           "in a directory it cannot write; copy both files to a writable directory")
+        raise CaptureError(
+            f"{name}: unreadable here: its log {path}-wal holds committed data that SQLite cannot read "
+            "in a directory it cannot write; copy both files to a writable directory"
+        )
     uri = file_uri(path, mode="ro", **({"immutable": "1"} if mode == "immutable" else {}))
-    engine = create_engine(URL.create("sqlite", database=str(path)), poolclass=SingletonThreadPool,
-                           creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False))
+    engine = create_engine(
+        URL.create("sqlite", database=str(path)),
+        poolclass=SingletonThreadPool,
+        creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False),
+    )
     _on_connect(engine, f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
     _report_damage(engine, name, path)
     return engine
@@ -391,11 +398,19 @@ def _validate_existing(path: Path) -> None:
 
 def _sqlite_writer_engine(path: Path) -> Engine:
     uri = file_uri(path, mode="rwc")
-    engine = create_engine(URL.create("sqlite", database=str(path)), poolclass=QueuePool,
-                           creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False))
-    _on_connect(engine, f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}", "PRAGMA journal_mode = WAL",
-                "PRAGMA synchronous = NORMAL", "PRAGMA cache_size = -65536",  # 64 MiB page cache for bulk inserts
-                autocommit=True)
+    engine = create_engine(
+        URL.create("sqlite", database=str(path)),
+        poolclass=QueuePool,
+        creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False),
+    )
+    _on_connect(
+        engine,
+        f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}",
+        "PRAGMA journal_mode = WAL",
+        "PRAGMA synchronous = NORMAL",
+        "PRAGMA cache_size = -65536",  # 64 MiB page cache for bulk inserts
+        autocommit=True,
+    )
 
     @event.listens_for(engine, "begin")
     def _begin_immediate(conn: Connection) -> None:
@@ -440,8 +455,9 @@ def _upgrade(conn: Connection, version: int) -> None:
     for column in schema.added_after(version):
         ddl = CreateColumn(column).compile(dialect=conn.dialect)
         conn.execute(text(f"ALTER TABLE {preparer.format_table(column.table)} ADD COLUMN {ddl}"))
-    conn.execute(update(schema.meta).where(schema.meta.c.key == "schema_version")
-                 .values(value=str(schema.SCHEMA_VERSION)))
+    conn.execute(
+        update(schema.meta).where(schema.meta.c.key == "schema_version").values(value=str(schema.SCHEMA_VERSION))
+    )
 
 
 def settle(engine: Engine) -> bool:
@@ -462,8 +478,19 @@ def save_report(target: str | Path, run_id: int, kind: str, through_seq: int, pr
         table = schema.reports
         with engine.begin() as conn:
             conn.execute(table.delete().where(table.c.run_id == run_id, table.c.kind == kind))
-            conn.execute(table.insert(), [{"run_id": run_id, "kind": kind, "through_seq": through_seq,
-                                           "built_at": time.time(), "producer": producer, "body": body}])
+            conn.execute(
+                table.insert(),
+                [
+                    {
+                        "run_id": run_id,
+                        "kind": kind,
+                        "through_seq": through_seq,
+                        "built_at": time.time(),
+                        "producer": producer,
+                        "body": body,
+                    }
+                ],
+            )
     except SQLAlchemyError as err:
         raise CaptureError(f"{display_name(target)}: cannot store the {kind} report ({first_line(err)})") from err
     finally:

@@ -31,8 +31,15 @@ from kvscope.telemetry.events import EventKind, EvictReason
 from kvscope.telemetry.schema import TREE_NODE_COLUMNS
 
 # an inserted node before its event's fields
-NEW_NODE: dict[str, Any] = {**dict.fromkeys(TREE_NODE_COLUMNS), "token_preview": "", "lock_ref": 0, "hit_count": 1,
-                            "tombstone": False, "depth_tokens": 0, "tier": "device"}
+NEW_NODE: dict[str, Any] = {
+    **dict.fromkeys(TREE_NODE_COLUMNS),
+    "token_preview": "",
+    "lock_ref": 0,
+    "hit_count": 1,
+    "tombstone": False,
+    "depth_tokens": 0,
+    "tier": "device",
+}
 Nodes = dict[int, dict[str, Any]]
 VISIBILITIES = ("private", "public", "pinned")
 
@@ -41,8 +48,16 @@ def _insert(nodes: Nodes, ev: Any) -> None:
     reason = getattr(ev, "reason", None)  # NOTE: global-sharing trees record none; an events frame may omit it
     visibility = reason if reason in VISIBILITIES else "public"
     tier = "host" if getattr(ev, "pool", None) == "host" else "device"
-    nodes[ev.node_id] = {**NEW_NODE, "node_id": ev.node_id, "parent_id": ev.aux, "num_tokens": ev.num_tokens,
-                         "last_access_time": ev.t_mono, "owner": ev.principal, "visibility": visibility, "tier": tier}
+    nodes[ev.node_id] = {
+        **NEW_NODE,
+        "node_id": ev.node_id,
+        "parent_id": ev.aux,
+        "num_tokens": ev.num_tokens,
+        "last_access_time": ev.t_mono,
+        "owner": ev.principal,
+        "visibility": visibility,
+        "tier": tier,
+    }
 
 
 def _split(nodes: Nodes, ev: Any) -> None:

@@ -35,8 +35,7 @@ class UpgradedRun:
     chunks: int
 
 
-def upgrade(target: str | Path, *, progress: Callable[[int, int, int], None] | None = None
-            ) -> list[UpgradedRun]:
+def upgrade(target: str | Path, *, progress: Callable[[int, int, int], None] | None = None) -> list[UpgradedRun]:
     """Pack every row-layout run of the capture; returns what was packed. `progress(run_id,
     events done, events in the run)` is called after each chunk."""
     name = display_name(target)
@@ -72,17 +71,16 @@ def _check_upgradable(target: str | Path, name: str) -> None:
         raise CaptureError(f"{name}: run {live[0]} is still being recorded; upgrade it once it has ended")
 
 
-def _pack_run(engine: Engine, run_id: int, total: int, progress: Callable[[int, int, int], None] | None
-              ) -> UpgradedRun:
+def _pack_run(engine: Engine, run_id: int, total: int, progress: Callable[[int, int, int], None] | None) -> UpgradedRun:
     e = schema.events.c
-    inserts = {t.name: insert_statement(engine, t, [c.name for c in t.columns])
-               for t in schema.PACKED_TABLES}
+    inserts = {t.name: insert_statement(engine, t, [c.name for c in t.columns]) for t in schema.PACKED_TABLES}
     packer = Packer()
     chunk_no = 0
     done = 0
     with engine.begin() as conn:
-        existing = conn.execute(select(func.count()).select_from(schema.event_chunks)
-                                .where(schema.event_chunks.c.run_id == run_id)).scalar_one()
+        existing = conn.execute(
+            select(func.count()).select_from(schema.event_chunks).where(schema.event_chunks.c.run_id == run_id)
+        ).scalar_one()
         if existing:
             raise CaptureError(f"run {run_id} has both event rows and packed chunks; not touching it")
         cursor = conn.execute(select(*(e[n] for n in ROW_FIELDS)).where(e.run_id == run_id).order_by(e.seq))
@@ -107,8 +105,15 @@ def _pack_run(engine: Engine, run_id: int, total: int, progress: Callable[[int, 
     return UpgradedRun(run_id, total, chunk_no)
 
 
-def _write_chunk(conn: Connection, inserts: dict[str, Statement], packer: Packer, run_id: int, number: int,
-                 first_seq: int, buffered: list[Any]) -> int:
+def _write_chunk(
+    conn: Connection,
+    inserts: dict[str, Statement],
+    packer: Packer,
+    run_id: int,
+    number: int,
+    first_seq: int,
+    buffered: list[Any],
+) -> int:
     packer.next_seq = first_seq
     chunk = packer.pack(buffered, slot_dtype="<i4")
     for table, values in chunk.table_rows(run_id, number).items():

@@ -84,14 +84,21 @@ class WriterSettings(NamedTuple):
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
 
     def to_plain(self) -> tuple[Any, ...]:
-        return (self.file, self.url, self.run_id, {name: tuple(s) for name, s in self.inserts.items()},
-                tuple(self.heartbeat), self.heartbeat_interval_s)
+        return (
+            self.file,
+            self.url,
+            self.run_id,
+            {name: tuple(s) for name, s in self.inserts.items()},
+            tuple(self.heartbeat),
+            self.heartbeat_interval_s,
+        )
 
     @classmethod
     def from_plain(cls, plain: tuple[Any, ...]) -> WriterSettings:
         file, url, run_id, inserts, heartbeat, interval_s = plain
-        return cls(file, url, run_id, {name: Statement(*s) for name, s in inserts.items()}, Statement(*heartbeat),
-                   interval_s)
+        return cls(
+            file, url, run_id, {name: Statement(*s) for name, s in inserts.items()}, Statement(*heartbeat), interval_s
+        )
 
 
 class SQLiteSink:
@@ -102,8 +109,11 @@ class SQLiteSink:
         cursor = self.conn.cursor()
         # NOTE: no journal mode: the store put the file in WAL mode, and a file another run's close
         # put back in rollback mode meanwhile is written as it is
-        for pragma in (f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}", "PRAGMA synchronous = NORMAL",
-                       "PRAGMA cache_size = -65536"):
+        for pragma in (
+            f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}",
+            "PRAGMA synchronous = NORMAL",
+            "PRAGMA cache_size = -65536",
+        ):
             execute_when_free(cursor, pragma)
         cursor.close()
 
@@ -200,14 +210,16 @@ class Writer:
             self.sink = SQLiteSink(file) if file is not None else DatabaseSink(str(url))
         return self.sink
 
-    def _work(self, items: list[Any], rows: list[tuple[str, tuple[Any, ...]]], has_batches: bool
-              ) -> list[tuple[Statement, list[Any]]]:
+    def _work(
+        self, items: list[Any], rows: list[tuple[str, tuple[Any, ...]]], has_batches: bool
+    ) -> list[tuple[Statement, list[Any]]]:
         inserts, run_id = self.settings.inserts, self.settings.run_id
         tables: dict[str, list[Any]] = {name: [] for name in inserts}
         step = CHUNK_ITEMS * ITEM_WIDTH
         for start in range(0, len(items), step):
-            chunk = self.packer.pack(items[start : start + step] if len(items) > step else items,
-                                     has_batches=has_batches)
+            chunk = self.packer.pack(
+                items[start : start + step] if len(items) > step else items, has_batches=has_batches
+            )
             number, self.num_chunks = self.num_chunks, self.num_chunks + 1
             for table, values in chunk.table_rows(run_id, number).items():
                 tables[table] += values
@@ -269,8 +281,11 @@ def main(argv: list[str]) -> int:
     try:
         serve(channel)
     except Exception as err:  # NOTE: one line, never a traceback; the recorder reports the end
-        print(f"kvscope recorder: the writer process stopped: {type(err).__name__}: {first_line(err)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"kvscope recorder: the writer process stopped: {type(err).__name__}: {first_line(err)}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     finally:
         channel.close()

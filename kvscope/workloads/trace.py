@@ -39,8 +39,9 @@ class TraceError(ValueError):
         return (type(self), (self.path, self.problem, self.line, self.field))
 
 
-def read_trace(path: PathLike, vocab_size: int, tokenizer: ByteTokenizer | None = None,
-               max_seq_len: int = MAX_SEQ_LEN) -> list[TraceRequest]:
+def read_trace(
+    path: PathLike, vocab_size: int, tokenizer: ByteTokenizer | None = None, max_seq_len: int = MAX_SEQ_LEN
+) -> list[TraceRequest]:
     """All requests of a JSONL trace (at least one), in file order. Token ids must lie in
     [0, vocab_size); prompt + output fit `max_seq_len` tokens (a run's context length; by
     default a bound beyond any model's); text prompts are encoded by `tokenizer` (a

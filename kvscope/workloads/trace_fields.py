@@ -47,8 +47,9 @@ def json_type(value: object) -> str:
     return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
-def parse_record(record: dict[str, Any], vocab_size: int, tokenizer: ByteTokenizer,
-                 max_seq_len: int = MAX_SEQ_LEN) -> TraceRequest:
+def parse_record(
+    record: dict[str, Any], vocab_size: int, tokenizer: ByteTokenizer, max_seq_len: int = MAX_SEQ_LEN
+) -> TraceRequest:
     """Fields are checked in the order of the note above; the first bad one is reported."""
     rid, user = parse_id(record), parse_user(record)
     prompt_ids = parse_prompt(record, vocab_size, tokenizer)

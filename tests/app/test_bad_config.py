@@ -44,8 +44,11 @@ def files_in(path: Path) -> list[str]:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--kv-tokens", HUGE], r"the pools need 916\.60 PiB \(KV buffers 909\.49 PiB, .*free lists 7\.11 PiB\) "
-                                 r"but (cpu|cuda) has [\d.,]+ [GT]iB available"),
+        (
+            ["--kv-tokens", HUGE],
+            r"the pools need 916\.60 PiB \(KV buffers 909\.49 PiB, .*free lists 7\.11 PiB\) "
+            r"but (cpu|cuda) has [\d.,]+ [GT]iB available",
+        ),
         (["--max-running-requests", "1000000000"], r"req_to_token 7\.46 TiB.* but (cpu|cuda) has [\d.,]+ [GT]iB avail"),
         (["--device", "bogus"], "unknown device 'bogus'; use auto, cpu, cuda or cuda:N"),
         (["--eviction-policy", "bogus"], "unknown eviction policy 'bogus'"),
@@ -102,18 +105,26 @@ def write_lines(path: Path, *records: object) -> Path:
 @pytest.mark.parametrize(
     ("records", "message"),
     [
-        ([{"id": 1, "prompt": [1, 2, 3], "output_len": 10**12}],
-         "t.jsonl:1: field 'output_len': prompt 3 + output 1,000,000,000,000 = 1,000,000,000,003 tokens, "
-         "more than the context length (2,048)"),
-        ([{"id": 1, "prompt": [1], "output_len": 1}, {"id": 2, "prompt": [1, 2], "output_len": 2_047}],
-         "t.jsonl:2: field 'output_len': prompt 2 + output 2,047 = 2,049 tokens, more than the context length (2,048)"),
+        (
+            [{"id": 1, "prompt": [1, 2, 3], "output_len": 10**12}],
+            "t.jsonl:1: field 'output_len': prompt 3 + output 1,000,000,000,000 = 1,000,000,000,003 tokens, "
+            "more than the context length (2,048)",
+        ),
+        (
+            [{"id": 1, "prompt": [1], "output_len": 1}, {"id": 2, "prompt": [1, 2], "output_len": 2_047}],
+            "t.jsonl:2: field 'output_len': prompt 2 + output 2,047 = 2,049 tokens, "
+            "more than the context length (2,048)",
+        ),
         ([], "t.jsonl: no requests (the file is empty)"),
         (["\n", "  \n"], "t.jsonl: no requests (the file has only blank lines)"),
     ],
 )
 def test_a_trace_that_cannot_run_names_its_file_line_and_field(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], records: list[object],
-    message: str
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    records: list[object],
+    message: str,
 ) -> None:
     monkeypatch.chdir(tmp_path)
     write_lines(tmp_path / "t.jsonl", *records)
@@ -151,7 +162,13 @@ def test_plan_on_a_config_json_with_bad_sizes_is_one_line(
 def test_the_real_cli_prints_one_line_and_writes_nothing(tmp_path: Path) -> None:
     """The console entry point end to end, for the two cases that used to hang or crash the allocator."""
     for flags in (["--rate", "nan"], ["--kv-tokens", HUGE]):
-        out = subprocess.run([sys.executable, "-m", "kvscope", *RUN, "--capture", "c.db", *flags],
-                             capture_output=True, text=True, cwd=tmp_path, timeout=300, check=False)
+        out = subprocess.run(
+            [sys.executable, "-m", "kvscope", *RUN, "--capture", "c.db", *flags],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=300,
+            check=False,
+        )
         assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
         assert out.stderr.startswith("kvscope run: error: ") and files_in(tmp_path) == []

@@ -29,8 +29,9 @@ SAMPLES = ROOT / "sample_runs"
 
 
 def kvscope(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, cwd=ROOT,
-                          check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, cwd=ROOT, check=False
+    )
 
 
 def variant(tmp_path: Path, sample: str, sql: str, *params: Any) -> Path:
@@ -48,16 +49,41 @@ STATUS = "UPDATE runs SET status = ?, error = ?"
 CASES = {
     "finished-clean": ("shared-prefix.db", "UPDATE runs SET error = NULL", (), 0, "clean: 1 idle leak check balanced"),
     "finished-leak": ("leaky.db", "UPDATE runs SET error = NULL", (), 1, "orphaned: "),
-    "interrupted": ("shared-prefix.db", STATUS, ("interrupted", "SIGINT at step 20"), 3,
-                    "inconclusive: the run was interrupted (SIGINT at step 20)"),
-    "crashed": ("shared-prefix.db", STATUS, ("crashed", "RuntimeError: boom"), 3,
-                "inconclusive: the run crashed (RuntimeError: boom)"),
-    "incomplete": ("shared-prefix.db", STATUS, ("incomplete", "capture complete through step 30: disk full"), 3,
-                   "inconclusive: the capture is incomplete (capture complete through step 30: disk full)"),
-    "ended-without-closing": ("shared-prefix.db", "UPDATE runs SET status = 'running', ended_at = NULL, "
-                              "host = 'another-host'", (), 3, "inconclusive: the run ended without closing"),
-    "no-idle-check": ("shared-prefix.db", "DELETE FROM leak_checks", (), 3,
-                      "inconclusive: the run finished without reaching an idle point"),
+    "interrupted": (
+        "shared-prefix.db",
+        STATUS,
+        ("interrupted", "SIGINT at step 20"),
+        3,
+        "inconclusive: the run was interrupted (SIGINT at step 20)",
+    ),
+    "crashed": (
+        "shared-prefix.db",
+        STATUS,
+        ("crashed", "RuntimeError: boom"),
+        3,
+        "inconclusive: the run crashed (RuntimeError: boom)",
+    ),
+    "incomplete": (
+        "shared-prefix.db",
+        STATUS,
+        ("incomplete", "capture complete through step 30: disk full"),
+        3,
+        "inconclusive: the capture is incomplete (capture complete through step 30: disk full)",
+    ),
+    "ended-without-closing": (
+        "shared-prefix.db",
+        "UPDATE runs SET status = 'running', ended_at = NULL, host = 'another-host'",
+        (),
+        3,
+        "inconclusive: the run ended without closing",
+    ),
+    "no-idle-check": (
+        "shared-prefix.db",
+        "DELETE FROM leak_checks",
+        (),
+        3,
+        "inconclusive: the run finished without reaching an idle point",
+    ),
     # a double free is one event, certain wherever the run stopped (an orphan at the cut may not be)
     "interrupted-after-a-leak": ("leaky.db", STATUS, ("interrupted", "SIGTERM at step 30"), 1, "double-free: "),
 }
@@ -73,13 +99,25 @@ def test_check_exit_code_and_reason(tmp_path: Path, case: str) -> None:
     assert reason in out.stdout, out.stdout
     as_json = json.loads(kvscope("check", str(path), "--json").stdout)
     verdict = {0: "clean", 1: "leak", 3: "inconclusive"}[code]
-    assert as_json == {"capture": str(path), "run": 1, "status": as_json["status"], "verdict": verdict,
-                       "exit_code": code, "reason": out.stdout.split(": ", 1)[1].strip()}
+    assert as_json == {
+        "capture": str(path),
+        "run": 1,
+        "status": as_json["status"],
+        "verdict": verdict,
+        "exit_code": code,
+        "reason": out.stdout.split(": ", 1)[1].strip(),
+    }
 
 
 def test_a_run_still_running_is_inconclusive(tmp_path: Path) -> None:
-    path = variant(tmp_path, "shared-prefix.db", "UPDATE runs SET status = 'running', ended_at = NULL, host = ?, "
-                   "pid = ?, heartbeat_at = ?", socket.gethostname(), os.getpid(), time.time())
+    path = variant(
+        tmp_path,
+        "shared-prefix.db",
+        "UPDATE runs SET status = 'running', ended_at = NULL, host = ?, pid = ?, heartbeat_at = ?",
+        socket.gethostname(),
+        os.getpid(),
+        time.time(),
+    )
     out = kvscope("check", str(path))
     assert out.returncode == 3 and "inconclusive: the run is still running" in out.stdout, out.stdout
 
@@ -102,15 +140,26 @@ def test_report_never_says_none_or_clean_when_it_cannot_know(tmp_path: Path, cas
 
 
 def test_a_summary_capture_with_a_failed_check_says_what_it_cannot_show(tmp_path: Path) -> None:
-    spec = RunSpec(engine=EngineConfig(pool=PoolConfig(page_size=4)), model=MODEL_PRESETS["tiny"],
-                   workload="multi-turn", num_requests=16, level="summary", capture=str(tmp_path / "s.db"),
-                   faults=(FaultSpec.parse("leak-tail:0.5"),), fault_seed=3)
+    spec = RunSpec(
+        engine=EngineConfig(pool=PoolConfig(page_size=4)),
+        model=MODEL_PRESETS["tiny"],
+        workload="multi-turn",
+        num_requests=16,
+        level="summary",
+        capture=str(tmp_path / "s.db"),
+        faults=(FaultSpec.parse("leak-tail:0.5"),),
+        fault_seed=3,
+    )
     with open(tmp_path / "out.txt", "w") as out:
         run(spec, out=out)
     text = kvscope("report", "leaks", str(tmp_path / "s.db")).stdout
     assert "leaks: none" not in text, text
-    assert "leaks: the leak check failed at step " in text and " tokens missing), but this capture is at level " \
-        "summary, so it has no slot indices to name the culprits: re-record at --level full" in text, text
+    assert (
+        "leaks: the leak check failed at step " in text
+        and " tokens missing), but this capture is at level "
+        "summary, so it has no slot indices to name the culprits: re-record at --level full"
+        in text
+    ), text
     assert "verdict: leak (kvscope check exits 1)" in text
     report = json.loads(kvscope("report", "leaks", str(tmp_path / "s.db"), "--json").stdout)
     assert report["verdict"] == "leak" and report["reason"].startswith("leak check failed at step ")

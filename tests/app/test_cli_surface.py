@@ -30,8 +30,14 @@ GIB = 2**30
 
 
 def cli(*argv: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvscope", *argv], capture_output=True, text=True, cwd=cwd or ROOT,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", *argv],
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_version_prints_the_installed_version() -> None:
@@ -41,8 +47,17 @@ def test_version_prints_the_installed_version() -> None:
 
 @pytest.mark.parametrize(
     ("text", "tokens"),
-    [("4096", 4096), ("64k", 64_000), ("64K", 64_000), ("1.5M", 1_500_000), ("2G", 2 * 10**9), ("128Ki", 131_072),
-     ("4Mi", 4 * 2**20), ("1.1k", 1100), (" 200 ", 200)],
+    [
+        ("4096", 4096),
+        ("64k", 64_000),
+        ("64K", 64_000),
+        ("1.5M", 1_500_000),
+        ("2G", 2 * 10**9),
+        ("128Ki", 131_072),
+        ("4Mi", 4 * 2**20),
+        ("1.1k", 1100),
+        (" 200 ", 200),
+    ],
 )
 def test_token_counts_take_decimal_and_binary_suffixes(text: str, tokens: int) -> None:
     assert token_count(text) == tokens
@@ -56,9 +71,20 @@ def test_a_token_count_that_is_not_whole_is_rejected(text: str) -> None:
 
 @pytest.mark.parametrize(
     ("text", "num_bytes"),
-    [("80", 80 * GIB), ("80G", 80 * GIB), ("80GiB", 80 * GIB), ("80gi", 80 * GIB), ("79.6", int(79.6 * GIB)),
-     ("512MiB", 512 * 2**20), ("512M", 512 * 2**20), ("80GB", 80 * 10**9), ("1TB", 10**12), ("1T", 2**40),
-     ("4096B", 4096), ("0", 0)],
+    [
+        ("80", 80 * GIB),
+        ("80G", 80 * GIB),
+        ("80GiB", 80 * GIB),
+        ("80gi", 80 * GIB),
+        ("79.6", int(79.6 * GIB)),
+        ("512MiB", 512 * 2**20),
+        ("512M", 512 * 2**20),
+        ("80GB", 80 * 10**9),
+        ("1TB", 10**12),
+        ("1T", 2**40),
+        ("4096B", 4096),
+        ("0", 0),
+    ],
 )
 def test_memory_sizes_take_units_and_a_bare_number_is_gib(text: str, num_bytes: int) -> None:
     assert byte_size(text) == num_bytes
@@ -72,14 +98,48 @@ def test_a_bad_memory_size_is_rejected(text: str) -> None:
 
 def test_size_flags_parse_their_units() -> None:
     parser = build_parser()
-    run = parser.parse_args(["run", "--workload", "random", "--kv-tokens", "64k", "--max-context-len", "8Ki",
-                             "--chunked-prefill-size", "1k", "--max-running-requests", "1k"])
-    assert (run.kv_tokens, run.max_context_len, run.chunked_prefill_size, run.max_running_requests) == \
-        (64_000, 8192, 1000, 1000)
-    plan = parser.parse_args(["plan", "--model", "llama-3.1-8b", "--gpu-mem", "80G", "--weights-gib", "16GB",
-                              "--context-len", "128Ki", "--vllm-activation-gib", "512MiB"])
-    assert (plan.gpu_mem, plan.weights_gib, plan.context_len, plan.vllm_activation_gib) == \
-        (80 * GIB, 16 * 10**9, 131_072, 512 * 2**20)
+    run = parser.parse_args(
+        [
+            "run",
+            "--workload",
+            "random",
+            "--kv-tokens",
+            "64k",
+            "--max-context-len",
+            "8Ki",
+            "--chunked-prefill-size",
+            "1k",
+            "--max-running-requests",
+            "1k",
+        ]
+    )
+    assert (run.kv_tokens, run.max_context_len, run.chunked_prefill_size, run.max_running_requests) == (
+        64_000,
+        8192,
+        1000,
+        1000,
+    )
+    plan = parser.parse_args(
+        [
+            "plan",
+            "--model",
+            "llama-3.1-8b",
+            "--gpu-mem",
+            "80G",
+            "--weights-gib",
+            "16GB",
+            "--context-len",
+            "128Ki",
+            "--vllm-activation-gib",
+            "512MiB",
+        ]
+    )
+    assert (plan.gpu_mem, plan.weights_gib, plan.context_len, plan.vllm_activation_gib) == (
+        80 * GIB,
+        16 * 10**9,
+        131_072,
+        512 * 2**20,
+    )
 
 
 def test_plan_gives_the_same_numbers_for_every_spelling_of_a_size() -> None:
@@ -147,12 +207,14 @@ def test_every_verb_names_one_concept_with_one_flag() -> None:
         assert not visible_flags(parser) & hidden, parser.prog
 
 
-@pytest.mark.parametrize(("argv", "old", "new", "value"), OLD_SPELLINGS,
-                         ids=[f"{argv[0]}{old}" for argv, old, _, _ in OLD_SPELLINGS])
+@pytest.mark.parametrize(
+    ("argv", "old", "new", "value"), OLD_SPELLINGS, ids=[f"{argv[0]}{old}" for argv, old, _, _ in OLD_SPELLINGS]
+)
 def test_an_old_flag_spelling_still_works_and_means_the_same(argv: list[str], old: str, new: str, value: str) -> None:
     parser = build_parser()
-    with_old, with_new, with_neither = (vars(parser.parse_args([*argv, *flags]))
-                                        for flags in ([old, value], [new, value], []))
+    with_old, with_new, with_neither = (
+        vars(parser.parse_args([*argv, *flags])) for flags in ([old, value], [new, value], [])
+    )
     assert with_old == with_new != with_neither
     verb = next(p for p in parsers(parser) if p.prog == f"kvscope {argv[0]}")
     shown = set(re.findall(r"(?<![\w-])--[\w-]+", verb.format_help()))
@@ -165,8 +227,9 @@ def test_an_old_flag_spelling_still_works_and_means_the_same(argv: list[str], ol
 def test_an_argparse_error_is_one_line() -> None:
     out = cli("replay", "t.jsonl", "--capacities", "10x")
     assert out.returncode == 2
-    assert out.stderr.splitlines() == ["kvscope replay: error: argument --capacities: '10x' is not a whole token "
-                                       "count (write 4096, 4k, 1.5M or 128Ki)"]
+    assert out.stderr.splitlines() == [
+        "kvscope replay: error: argument --capacities: '10x' is not a whole token count (write 4096, 4k, 1.5M or 128Ki)"
+    ]
 
 
 # -- replay ---------------------------------------------------------------------------------------
@@ -197,19 +260,24 @@ def test_the_default_capacities_start_at_the_longest_request_under_the_slots_con
     assert rows and all(r["capacity"] >= longest and r["num_skipped"] == 0 for r in rows)  # type: ignore[union-attr]
 
 
-def test_a_given_capacity_below_the_longest_request_is_one_line(tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_given_capacity_below_the_longest_request_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["replay", str(trace_file(tmp_path)), "--capacities", "100,1k"]) == 2
     assert capsys.readouterr().err.strip() == (
         "kvscope replay: error: capacity 100 is below the longest request (199 tokens in whole pages), which a pool "
-        "of that many slots cannot serve; give capacities >= that, or --convention tree")
+        "of that many slots cannot serve; give capacities >= that, or --convention tree"
+    )
 
 
 def capture_of_trace(tmp_path: Path, page_size: int) -> Path:
     """A capture whose one run recorded the trace and page size (what `kvscope run` writes)."""
     db = tmp_path / "run.db"
-    config = {"workload": {"name": None, "trace": str(trace_file(tmp_path))}, "model": {"vocab_size": 512},
-              "engine": {"pool": {"page_size": page_size}}}
+    config = {
+        "workload": {"name": None, "trace": str(trace_file(tmp_path))},
+        "model": {"vocab_size": 512},
+        "engine": {"pool": {"page_size": page_size}},
+    }
     SQLRecorder(db, level="summary", config=config).close()
     return db
 
@@ -247,8 +315,17 @@ def test_replay_labels_its_conventions_in_text_and_json(tmp_path: Path) -> None:
         "curve": {"name": "tree", "meaning": CONVENTION_MEANINGS["tree"], "exactness": EXACTNESS},
     }
     (row,) = data["rows"]  # type: ignore[misc]
-    assert set(row) == {"capacity", "curve_hit_rate", "curve_hit_tokens", "hit_rate", "hit_tokens", "evicted_tokens",
-                        "peak_usage_tokens", "num_skipped", "wall_s"}
+    assert set(row) == {
+        "capacity",
+        "curve_hit_rate",
+        "curve_hit_tokens",
+        "hit_rate",
+        "hit_tokens",
+        "evicted_tokens",
+        "peak_usage_tokens",
+        "num_skipped",
+        "wall_s",
+    }
 
 
 def test_plan_and_replay_never_load_torch(tmp_path: Path) -> None:
@@ -260,8 +337,9 @@ def test_plan_and_replay_never_load_torch(tmp_path: Path) -> None:
         "assert main(['plan', '--model', 'meta-llama/Llama-3.1-8B-Instruct', '--gpu-mem', '80GiB']) == 0\n"
         "print('torch' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                         check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False", "plan or replay pulled torch in"
 
@@ -285,9 +363,14 @@ def test_ctrl_c_while_replay_workers_start_is_one_line(tmp_path: Path) -> None:
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) once a worker is
     loading torch: the workers print nothing, the verb prints one line and exits 130."""
     trace = trace_file(tmp_path, num_requests=200)
-    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "replay", str(trace), "--capacities", "1k,2k,3k",
-                             "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=tmp_path, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvscope", "replay", str(trace), "--capacities", "1k,2k,3k", "--workers", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while proc.poll() is None and not any(loads_torch(c) for c in children(proc.pid)):

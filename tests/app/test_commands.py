@@ -29,11 +29,19 @@ def test_verbs_without_an_engine_never_load_torch(tmp_path: Path) -> None:
     engine (which imports its body) leave torch unloaded."""
     verbs = [command.name for command in COMMANDS]
     missing = str(tmp_path / "missing.db")
-    runs = [["runs", missing], ["report", "leaks", missing], ["report", "engine-log", missing], ["check", missing],
-            ["diff", missing, missing], ["upgrade", missing], ["instrument"],
-            ["plan", "--model", "no-such-model"], ["replay", missing],
-            ["load", "--url", "http://127.0.0.1:9", "--workload", "random", "--num-requests", "1", "--quiet"],
-            ["attach", "--url", "http://127.0.0.1:9", "--timeout-s", "1", "--capture", missing]]
+    runs = [
+        ["runs", missing],
+        ["report", "leaks", missing],
+        ["report", "engine-log", missing],
+        ["check", missing],
+        ["diff", missing, missing],
+        ["upgrade", missing],
+        ["instrument"],
+        ["plan", "--model", "no-such-model"],
+        ["replay", missing],
+        ["load", "--url", "http://127.0.0.1:9", "--workload", "random", "--num-requests", "1", "--quiet"],
+        ["attach", "--url", "http://127.0.0.1:9", "--timeout-s", "1", "--capture", missing],
+    ]
     assert {argv[0] for argv in runs} | ENGINE_VERBS == set(verbs)
     code = (
         "import contextlib, io, sys\n"
@@ -44,7 +52,8 @@ def test_verbs_without_an_engine_never_load_torch(tmp_path: Path) -> None:
         f"codes = [main(argv) for argv in {runs!r}]\n"
         "print(codes, 'torch' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                         check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == f"{[2] * len(runs)} False", out.stdout + out.stderr

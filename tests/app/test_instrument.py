@@ -18,18 +18,30 @@ SHOW_PLUGINS = "import os; print(os.environ.get('VLLM_PLUGINS', '<unset>'))"
 
 def kvscope(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCOPE_", "VLLM_PLUGINS"))}
-    return subprocess.run([sys.executable, "-m", "kvscope", "instrument", *args], capture_output=True, text=True,
-                          cwd=ROOT, env={**base, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", "instrument", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**base, "PYTHONPATH": str(ROOT), **(env or {})},
+        timeout=120,
+        check=False,
+    )
 
 
 def test_it_execs_the_command_with_the_probes_environment(tmp_path: Path) -> None:
     capture = tmp_path / "probe.db"
     out = kvscope("--capture", str(capture), "--level", "summary", "--", sys.executable, "-c", SHOW_ENV)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == {"KVSCOPE_CAPTURE": str(capture), "KVSCOPE_LEVEL": "summary",
-                                      "KVSCOPE_PYTHON": sys.executable}
-    assert out.stderr == (f"kvscope instrument: recording into {capture} (level summary; VLLM_PLUGINS=kvscope); "
-                          f"then kvscope check {capture}\n")
+    assert json.loads(out.stdout) == {
+        "KVSCOPE_CAPTURE": str(capture),
+        "KVSCOPE_LEVEL": "summary",
+        "KVSCOPE_PYTHON": sys.executable,
+    }
+    assert out.stderr == (
+        f"kvscope instrument: recording into {capture} (level summary; VLLM_PLUGINS=kvscope); "
+        f"then kvscope check {capture}\n"
+    )
     assert capture.exists()  # made before the engine starts: a bad path fails here, not inside the engine
 
 
@@ -38,15 +50,26 @@ def test_the_commands_exit_code_is_its_own(tmp_path: Path) -> None:
     assert out.returncode == 7
 
 
-@pytest.mark.parametrize(("args", "env", "line"), [
-    ((), None, "kvscope instrument: error: name the engine's command after --, e.g. kvscope instrument -- vllm serve "
-               "MODEL"),
-    (("--", "no-such-engine-cmd"), None, "kvscope instrument: error: no-such-engine-cmd: command not found"),
-    (("--level", "debug", "--", "true"), None, "kvscope instrument: error: argument --level: invalid choice: 'debug' "
-                                               "(choose from 'summary', 'full')"),
-])
-def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...], env: dict[str, str] | None,
-                                          line: str) -> None:
+@pytest.mark.parametrize(
+    ("args", "env", "line"),
+    [
+        (
+            (),
+            None,
+            "kvscope instrument: error: name the engine's command after --, e.g. kvscope instrument -- vllm serve "
+            "MODEL",
+        ),
+        (("--", "no-such-engine-cmd"), None, "kvscope instrument: error: no-such-engine-cmd: command not found"),
+        (
+            ("--level", "debug", "--", "true"),
+            None,
+            "kvscope instrument: error: argument --level: invalid choice: 'debug' (choose from 'summary', 'full')",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    tmp_path: Path, args: tuple[str, ...], env: dict[str, str] | None, line: str
+) -> None:
     out = kvscope("--capture", str(tmp_path / "c.db"), *args, env=env)
     assert (out.returncode, out.stderr, out.stdout) == (2, line + "\n", "")
 
@@ -55,8 +78,10 @@ def test_a_capture_it_cannot_write_is_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.db"
     bad.write_text("not a database")
     out = kvscope("--capture", str(bad), "--", "true")
-    assert (out.returncode, out.stderr) == (2, f"kvscope instrument: error: {bad}: not a kvscope capture "
-                                               "(not a SQLite database)\n")
+    assert (out.returncode, out.stderr) == (
+        2,
+        f"kvscope instrument: error: {bad}: not a kvscope capture (not a SQLite database)\n",
+    )
 
 
 def fake_plugins(root: Path) -> Path:
@@ -64,20 +89,26 @@ def fake_plugins(root: Path) -> Path:
     info = root / "fake_plugins-1.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-plugins\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nmy_general = fake:register\n\n"
-                                           "[vllm.platform_plugins]\nmy_platform = fake:platform\n\n"
-                                           "[vllm.endpoint_plugins]\nmy_route = fake:Route\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nmy_general = fake:register\n\n"
+        "[vllm.platform_plugins]\nmy_platform = fake:platform\n\n"
+        "[vllm.endpoint_plugins]\nmy_route = fake:Route\n"
+    )
     return root
 
 
-@pytest.mark.parametrize(("plugins", "seen"), [
-    ("lora_filesystem_resolver", "lora_filesystem_resolver,kvscope"),  # the user's list stays, kvscope joins it
-    ("kvscope,lora_hf_hub_resolver", "kvscope,lora_hf_hub_resolver"),
-    ("", "kvscope"),  # vLLM reads "" as a list naming nothing
-])
+@pytest.mark.parametrize(
+    ("plugins", "seen"),
+    [
+        ("lora_filesystem_resolver", "lora_filesystem_resolver,kvscope"),  # the user's list stays, kvscope joins it
+        ("kvscope,lora_hf_hub_resolver", "kvscope,lora_hf_hub_resolver"),
+        ("", "kvscope"),  # vLLM reads "" as a list naming nothing
+    ],
+)
 def test_a_plugin_allowlist_gets_kvscope_appended(tmp_path: Path, plugins: str, seen: str) -> None:
-    out = kvscope("--capture", str(tmp_path / "c.db"), "--", sys.executable, "-c", SHOW_PLUGINS,
-                  env={"VLLM_PLUGINS": plugins})
+    out = kvscope(
+        "--capture", str(tmp_path / "c.db"), "--", sys.executable, "-c", SHOW_PLUGINS, env={"VLLM_PLUGINS": plugins}
+    )
     assert (out.returncode, out.stdout) == (0, seen + "\n"), out.stderr
     assert f"VLLM_PLUGINS={seen})" in out.stderr
 
@@ -90,8 +121,9 @@ def test_without_an_allowlist_it_names_the_engines_own_plugins_and_kvscope(tmp_p
     script = tmp_path / "engine"
     script.write_text(f"#!{sys.executable}\n{SHOW_PLUGINS}\n")
     script.chmod(0o755)
-    out = kvscope("--capture", str(tmp_path / "c.db"), "--", str(script),
-                  env={"PYTHONPATH": f"{site}{os.pathsep}{ROOT}"})
+    out = kvscope(
+        "--capture", str(tmp_path / "c.db"), "--", str(script), env={"PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}
+    )
     assert (out.returncode, out.stdout) == (0, "kvscope,my_general,my_platform\n"), out.stderr
 
 
@@ -99,16 +131,33 @@ def test_an_engine_without_kvscope_installed_is_one_line_and_exit_2(tmp_path: Pa
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    out = subprocess.run([sys.executable, "-m", "kvscope", "instrument", "--capture", str(tmp_path / "c.db"), "--",
-                          str(python), "-c", "print('served')"], capture_output=True, text=True, cwd=tmp_path,
-                         env={k: v for k, v in os.environ.items() if not k.startswith(("KVSCOPE_", "VLLM_PLUGINS",
-                                                                                      "PYTHONPATH"))},
-                         timeout=120, check=False)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvscope",
+            "instrument",
+            "--capture",
+            str(tmp_path / "c.db"),
+            "--",
+            str(python),
+            "-c",
+            "print('served')",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if not k.startswith(("KVSCOPE_", "VLLM_PLUGINS", "PYTHONPATH"))},
+        timeout=120,
+        check=False,
+    )
     # NOTE: no PYTHONPATH and not in the checkout (kvscope's own venv has it installed): with the checkout on the
     # engine's path (`-c` puts the cwd first), the kvscope.egg-info an editable install leaves there shows it the probe
     assert (out.returncode, out.stdout) == (2, ""), out.stderr
-    assert out.stderr == (f"kvscope instrument: error: kvscope is not installed beside the engine ({python}): vLLM "
-                          "would not load the probe; install it there with pip install --no-deps (docs/probe.md)\n")
+    assert out.stderr == (
+        f"kvscope instrument: error: kvscope is not installed beside the engine ({python}): vLLM "
+        "would not load the probe; install it there with pip install --no-deps (docs/probe.md)\n"
+    )
 
 
 def test_a_command_whose_python_it_cannot_tell_keeps_the_allowlist_unset_and_says_so(tmp_path: Path) -> None:

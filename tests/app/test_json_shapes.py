@@ -18,13 +18,16 @@ ROOT = Path(__file__).resolve().parents[2]
 CLEAN = "sample_runs/shared-prefix.db"
 LEAKY = "sample_runs/leaky.db"
 # runs a verb through the console script's entry point, then says whether torch got loaded
-NO_TORCH = ("import sys\nfrom kvscope.__main__ import main\ncode = main(sys.argv[1:])\nsys.stdout.flush()\n"
-            "print('torch loaded:', 'torch' in sys.modules, file=sys.stderr)\nsys.exit(code)\n")
+NO_TORCH = (
+    "import sys\nfrom kvscope.__main__ import main\ncode = main(sys.argv[1:])\nsys.stdout.flush()\n"
+    "print('torch loaded:', 'torch' in sys.modules, file=sys.stderr)\nsys.exit(code)\n"
+)
 
 
 def kvscope(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, cwd=ROOT,
-                          check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, cwd=ROOT, check=False
+    )
 
 
 def as_json(*args: str) -> Any:
@@ -44,8 +47,10 @@ def two_runs(tmp_path: Path) -> Path:
             names = ", ".join(columns)
             picked = ", ".join("2" if c in ("id", "run_id") else c for c in columns)
             conn.execute(f"INSERT INTO {table} ({names}) SELECT {picked} FROM {table}")
-        conn.execute("UPDATE leak_checks SET ok = 0, available = available - 5, message = 'x: 5 tokens missing' "
-                     "WHERE run_id = 2 AND pool = 'full'")
+        conn.execute(
+            "UPDATE leak_checks SET ok = 0, available = available - 5, message = 'x: 5 tokens missing' "
+            "WHERE run_id = 2 AND pool = 'full'"
+        )
     conn.close()
     return path
 
@@ -67,8 +72,10 @@ def test_runs_on_a_row_with_empty_fields(tmp_path: Path) -> None:
     shutil.copy(ROOT / CLEAN, path)
     conn = sqlite3.connect(path)
     with conn:
-        conn.execute("UPDATE runs SET started_at = '', ended_at = NULL, heartbeat_at = NULL, level = '', label = '', "
-                     "host = NULL, pid = NULL")
+        conn.execute(
+            "UPDATE runs SET started_at = '', ended_at = NULL, heartbeat_at = NULL, level = '', label = '', "
+            "host = NULL, pid = NULL"
+        )
     conn.close()
     out = kvscope("runs", str(path))
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
@@ -100,16 +107,27 @@ def test_diff_json_fills_every_delta_and_compares_configs() -> None:
     result = as_json("diff", CLEAN, LEAKY)
     assert list(result) == ["a", "b", "deltas", "config_differences"]
     for side, verdict in ((result["a"], "clean"), (result["b"], "leak")):
-        assert {"capture", "run", "status", "level", "verdict", "reason", "metrics", "last_check", "events",
-                "config"} <= set(side)
+        assert {
+            "capture",
+            "run",
+            "status",
+            "level",
+            "verdict",
+            "reason",
+            "metrics",
+            "last_check",
+            "events",
+            "config",
+        } <= set(side)
         assert side["verdict"] == verdict
     a, b, deltas = result["a"], result["b"], result["deltas"]
     rate = "hit rate (token-weighted)"
     assert deltas["metrics"][rate] == pytest.approx(b["metrics"][rate] - a["metrics"][rate])
     assert deltas["metrics"][rate] != 0
     full = b["last_check"]["full"]
-    assert full["missing"] == full["total"] - sum(full[t] for t in ("available", "evictable", "protected", "held",
-                                                                     "uncached"))
+    assert full["missing"] == full["total"] - sum(
+        full[t] for t in ("available", "evictable", "protected", "held", "uncached")
+    )
     assert full["missing"] > 0 and deltas["missing"]["full"] == full["missing"] - a["last_check"]["full"]["missing"]
     assert result["config_differences"]["engine.pool.kv_size_tokens"] == {"a": 4096, "b": 2048}
     assert "clock.wall_s" not in result["config_differences"]
@@ -130,11 +148,13 @@ def test_diff_text_and_the_run_selector(tmp_path: Path) -> None:
     assert kvscope("diff", path, path, "--run", "1", "--run", "2", "--run", "3").returncode == 2
 
 
-@pytest.mark.parametrize("args", [("runs", CLEAN), ("check", LEAKY), ("report", "leaks", LEAKY),
-                                  ("diff", CLEAN, LEAKY), ("check", CLEAN, "--json")], ids=lambda a: "-".join(a[:2]))
+@pytest.mark.parametrize(
+    "args",
+    [("runs", CLEAN), ("check", LEAKY), ("report", "leaks", LEAKY), ("diff", CLEAN, LEAKY), ("check", CLEAN, "--json")],
+    ids=lambda a: "-".join(a[:2]),
+)
 def test_reading_verbs_never_load_torch(args: tuple[str, ...]) -> None:
-    out = subprocess.run([sys.executable, "-c", NO_TORCH, *args], capture_output=True, text=True, cwd=ROOT,
-                         check=False)
+    out = subprocess.run([sys.executable, "-c", NO_TORCH, *args], capture_output=True, text=True, cwd=ROOT, check=False)
     assert out.returncode in (0, 1), out.stderr
     assert out.stderr.splitlines()[-1] == "torch loaded: False"
 

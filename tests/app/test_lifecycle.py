@@ -45,13 +45,19 @@ LONG_RUN = ("run", "--workload", "multi-turn", "--num-requests", "2000", "--pace
 
 
 def stalled(module: str, *args: str, cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", STALLED, module, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=cwd)
+    return subprocess.Popen(
+        [sys.executable, "-c", STALLED, module, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+    )
 
 
 def kvscope(*args: str, cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "kvscope", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=cwd)
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvscope", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd
+    )
 
 
 def finish(proc: subprocess.Popen[str], before: str = "") -> tuple[int, str]:
@@ -72,8 +78,9 @@ VERBS = [
 
 
 @pytest.mark.parametrize(("args", "module", "signum"), VERBS, ids=[f"{v[0][0]}-{v[1]}-{v[2].name}" for v in VERBS])
-def test_a_signal_while_heavy_modules_load_is_one_line(tmp_path: Path, args: tuple[str, ...], module: str,
-                                                       signum: signal.Signals) -> None:
+def test_a_signal_while_heavy_modules_load_is_one_line(
+    tmp_path: Path, args: tuple[str, ...], module: str, signum: signal.Signals
+) -> None:
     proc = stalled(module, *args, cwd=tmp_path)
     assert proc.stderr is not None
     marker = proc.stderr.readline()
@@ -121,10 +128,12 @@ STOPS = [
 ]
 
 
-@pytest.mark.parametrize(("signals", "pause_s"), STOPS,
-                         ids=["+".join(s.name for s in x[0]) + f"-{x[1]}" for x in STOPS])
-def test_a_run_stopped_midway_is_closed_as_interrupted(tmp_path: Path, signals: tuple[signal.Signals, ...],
-                                                       pause_s: float) -> None:
+@pytest.mark.parametrize(
+    ("signals", "pause_s"), STOPS, ids=["+".join(s.name for s in x[0]) + f"-{x[1]}" for x in STOPS]
+)
+def test_a_run_stopped_midway_is_closed_as_interrupted(
+    tmp_path: Path, signals: tuple[signal.Signals, ...], pause_s: float
+) -> None:
     proc = kvscope(*LONG_RUN, cwd=tmp_path)
     wait_for_usage(tmp_path / "c.db", proc, num_rows=20)
     for signum in signals:
@@ -137,8 +146,9 @@ def test_a_run_stopped_midway_is_closed_as_interrupted(tmp_path: Path, signals: 
     assert status == "interrupted" and error is not None and error.startswith(f"{signals[0].name} at step ")
     assert requests.get(RequestStatus.IN_FLIGHT, 0) > 0, requests
     assert not (tmp_path / "c.db-wal").exists(), "the capture's WAL should be folded in when it closes"
-    check = subprocess.run([sys.executable, "-m", "kvscope", "check", "c.db"], capture_output=True, text=True,
-                           cwd=tmp_path, check=False)
+    check = subprocess.run(
+        [sys.executable, "-m", "kvscope", "check", "c.db"], capture_output=True, text=True, cwd=tmp_path, check=False
+    )
     assert check.returncode == 3 and "interrupted" in check.stdout, check.stdout + check.stderr
 
 
@@ -154,9 +164,28 @@ def test_a_signal_right_after_the_capture_appears_still_closes_it(tmp_path: Path
 
 
 def test_a_run_stopped_on_a_leak_is_closed_as_crashed(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "kvscope", "run", "--workload", "multi-turn", "--num-requests", "16",
-                           "--inject", "leak-tail", "--leak-check", "raise", "--capture", "c.db"],
-                          capture_output=True, text=True, cwd=tmp_path, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvscope",
+            "run",
+            "--workload",
+            "multi-turn",
+            "--num-requests",
+            "16",
+            "--inject",
+            "leak-tail",
+            "--leak-check",
+            "raise",
+            "--capture",
+            "c.db",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=False,
+    )
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     status, error, _ = run_status(tmp_path / "c.db")
     assert status == "crashed" and error is not None and error.startswith("LeakDetected: ")
@@ -177,6 +206,11 @@ def test_requests_in_flight_get_their_rows() -> None:
 
 def test_the_entry_point_imports_nothing_heavy() -> None:
     code = "import sys, kvscope.__main__; print(sorted(m for m in ('pandas', 'numpy', 'torch') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, env={
-        **os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -34,8 +34,9 @@ def test_plan_prints_a_table_with_both_engines() -> None:
 
 
 def test_plan_json_carries_the_same_numbers_as_the_api() -> None:
-    data = json.loads(call("plan", "--model", "deepseek-v3", "--tp", "8", "--gpu-mem", "141", "--kv-dtype", "fp8",
-                           "--json"))
+    data = json.loads(
+        call("plan", "--model", "deepseek-v3", "--tp", "8", "--gpu-mem", "141", "--kv-dtype", "fp8", "--json")
+    )
     gpu = int(141 * GIB)
     plan = plan_memory(PlanInputs(PRESETS["deepseek-v3"], gpu, gpu, tp_size=8, kv_dtype="fp8"))
     assert data["bytes_per_token"]["all_layers"] == 35_136
@@ -46,8 +47,9 @@ def test_plan_json_carries_the_same_numbers_as_the_api() -> None:
 
 def test_plan_reads_a_config_json_with_given_weights(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                  "hidden_size": 256}))
+    config.write_text(
+        json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256})
+    )
     data = json.loads(call("plan", "--model", str(config), "--weights-gib", "1", "--gpu-mem", "2", "--json"))
     assert data["bytes_per_token"]["all_layers"] == 2 * (64 + 64) * 2 * 2
     with pytest.raises(ValueError, match=r"weights of .* are unknown"):
@@ -56,9 +58,11 @@ def test_plan_reads_a_config_json_with_given_weights(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["--model", "llama-3.1-8b", "--tp", "3", "--gpu-mem", "80"], "TP 3 does not divide"),
-     (["--model", "llama-3-70b", "--gpu-mem", "80"], "do not fit"),
-     (["--model", "llama-3.1-8b", "--gpu-mem", "0"], "--gpu-mem must be > 0")],
+    [
+        (["--model", "llama-3.1-8b", "--tp", "3", "--gpu-mem", "80"], "TP 3 does not divide"),
+        (["--model", "llama-3-70b", "--gpu-mem", "80"], "do not fit"),
+        (["--model", "llama-3.1-8b", "--gpu-mem", "0"], "--gpu-mem must be > 0"),
+    ],
 )
 def test_plan_errors_are_value_errors(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -80,13 +84,12 @@ def trace_file(tmp_path: Path) -> Path:
 
 
 def test_replay_prints_replays_beside_the_one_pass_curve(tmp_path: Path) -> None:
-    text = call("replay", str(trace_file(tmp_path)), "--capacities", "512,4k", "--convention", "tree",
-                "--workers", "1")
+    text = call("replay", str(trace_file(tmp_path)), "--capacities", "512,4k", "--convention", "tree", "--workers", "1")
     lines = text.splitlines()
     assert lines[0].startswith("source") and "60 requests" in lines[0]
     assert any("exact for page-granular LRU tail eviction" in line for line in lines)
     header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("capacity"))
-    assert [line.split()[0] for line in lines[header + 1:]] == ["512", "4,000"]
+    assert [line.split()[0] for line in lines[header + 1 :]] == ["512", "4,000"]
 
 
 def test_replay_json_rows_and_curve_only(tmp_path: Path) -> None:

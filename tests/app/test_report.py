@@ -22,8 +22,9 @@ SAMPLES = {"shared-prefix.db": 0, "hybrid-swa.db": 0, "leaky.db": 1}
 
 
 def kvscope(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, cwd=ROOT,
-                          check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, cwd=ROOT, check=False
+    )
 
 
 @pytest.mark.parametrize(("name", "code"), sorted(SAMPLES.items()))
@@ -37,9 +38,11 @@ def test_reading_verbs_exit_0_on_what_they_find_and_only_check_gates() -> None:
     """docs/cli.md's one rule: `report leaks`, `report engine-log` and `diff` exit 0 once they have read and
     reported (a leak included; the finding is in what they print); `check` alone exits 1 on a leak."""
     leaky_log = ROOT / "tests" / "debug" / "data" / "engine_logs" / "sglang-0.5.3-issue11970.log"
-    reads = {"report leaks": kvscope("report", "leaks", "sample_runs/leaky.db"),
-             "report engine-log": kvscope("report", "engine-log", str(leaky_log)),
-             "diff": kvscope("diff", "sample_runs/shared-prefix.db", "sample_runs/leaky.db")}
+    reads = {
+        "report leaks": kvscope("report", "leaks", "sample_runs/leaky.db"),
+        "report engine-log": kvscope("report", "engine-log", str(leaky_log)),
+        "diff": kvscope("diff", "sample_runs/shared-prefix.db", "sample_runs/leaky.db"),
+    }
     assert {verb: out.returncode for verb, out in reads.items()} == dict.fromkeys(reads, 0), reads
     assert "verdict: leak" in reads["report leaks"].stdout and "verdict: leak" in reads["report engine-log"].stdout
     assert kvscope("check", "sample_runs/leaky.db").returncode == 1
@@ -63,9 +66,16 @@ def test_the_leaking_sample_report_names_the_injected_culprits() -> None:
 
 
 def test_a_summary_capture_is_reported_from_what_it_has(tmp_path: Path) -> None:
-    spec = RunSpec(engine=EngineConfig(pool=PoolConfig(page_size=4)), model=MODEL_PRESETS["tiny"],
-                   workload="multi-turn", num_requests=16, level="summary", capture=tmp_path / "s.db",
-                   faults=(FaultSpec.parse("leak-tail:0.5"),), fault_seed=3)
+    spec = RunSpec(
+        engine=EngineConfig(pool=PoolConfig(page_size=4)),
+        model=MODEL_PRESETS["tiny"],
+        workload="multi-turn",
+        num_requests=16,
+        level="summary",
+        capture=tmp_path / "s.db",
+        faults=(FaultSpec.parse("leak-tail:0.5"),),
+        fault_seed=3,
+    )
     with open(tmp_path / "out.txt", "w") as out:
         run(spec, out=out)
     report = build_report(tmp_path / "s.db")
@@ -86,7 +96,12 @@ def test_report_on_bad_input(tmp_path: Path) -> None:
 def test_diff_puts_two_captures_side_by_side() -> None:
     out = kvscope("diff", "sample_runs/shared-prefix.db", "sample_runs/leaky.db")
     assert out.returncode == 0, out.stderr
-    for row in ("peak used tokens (full)", "hit rate (token-weighted)", "evicted tokens", "retractions",
-                "leak checks failed", "events: alloc"):
+    for row in (
+        "peak used tokens (full)",
+        "hit rate (token-weighted)",
+        "evicted tokens",
+        "retractions",
+        "leak checks failed",
+        "events: alloc",
+    ):
         assert row in out.stdout
-

@@ -21,10 +21,14 @@ ALWAYS = {"arrive", "admit", "match", "alloc", "lock", "unlock", "finish", "leak
 
 
 def record(tmp_path: Path, workload: str, **kwargs: object) -> Capture:
-    spec = RunSpec(engine=EngineConfig(**kwargs.pop("engine", {})),  # type: ignore[arg-type]
-                   model=MODEL_PRESETS[str(kwargs.pop("model", "tiny"))], workload=workload,
-                   num_requests=int(kwargs.pop("num_requests", 24)),  # type: ignore[call-overload]
-                   capture=tmp_path / f"{workload}.db", **kwargs)  # type: ignore[arg-type]
+    spec = RunSpec(
+        engine=EngineConfig(**kwargs.pop("engine", {})),  # type: ignore[arg-type]
+        model=MODEL_PRESETS[str(kwargs.pop("model", "tiny"))],
+        workload=workload,
+        num_requests=int(kwargs.pop("num_requests", 24)),  # type: ignore[call-overload]
+        capture=tmp_path / f"{workload}.db",
+        **kwargs,
+    )  # type: ignore[arg-type]
     with open(tmp_path / "summary.txt", "w") as out:
         run(spec, out=out)
     return Capture(tmp_path / f"{workload}.db")
@@ -51,16 +55,26 @@ def test_each_workload_records_a_clean_capture(tmp_path: Path, workload: str) ->
 def test_paced_arrivals_leak_check_every_idle_point(tmp_path: Path) -> None:
     # Gaps of 250 ms between short requests (4 output tokens) on one torch thread: the engine goes
     # idle between arrivals even on a loaded machine (at 25/s with two threads CI saw only the last).
-    capture = record(tmp_path, "multi-turn", pace_per_s=4.0, num_requests=8,
-                     engine={"torch_threads": 1}, workload_options={"output_len": 4})
+    capture = record(
+        tmp_path,
+        "multi-turn",
+        pace_per_s=4.0,
+        num_requests=8,
+        engine={"torch_threads": 1},
+        workload_options={"output_len": 4},
+    )
     checks = capture.leak_checks(1)
     assert checks.step.nunique() >= 3, "pacing should leave the engine idle several times"
     assert checks.ok.all()
 
 
 def test_hybrid_swa_model_records_both_pools(tmp_path: Path) -> None:
-    capture = record(tmp_path, "multi-tenant", model="tiny-swa",
-                     engine={"pool": PoolConfig(kv_size_tokens=600), "cache": CacheConfig(kind="swa-radix")})
+    capture = record(
+        tmp_path,
+        "multi-tenant",
+        model="tiny-swa",
+        engine={"pool": PoolConfig(kv_size_tokens=600), "cache": CacheConfig(kind="swa-radix")},
+    )
     checks = capture.leak_checks(1)
     assert set(checks.pool) == {"full", "swa", "req"} and checks.ok.all()
     events = capture.events(1, kinds=["alloc"], limit=100_000)
@@ -68,8 +82,10 @@ def test_hybrid_swa_model_records_both_pools(tmp_path: Path) -> None:
 
 
 def test_a_tiny_pool_forces_retraction_and_eviction_and_ends_clean(tmp_path: Path) -> None:
-    engine = {"pool": PoolConfig(kv_size_tokens=200, max_running_requests=16),
-              "scheduler": SchedulerConfig(chunked_prefill_size=32)}
+    engine = {
+        "pool": PoolConfig(kv_size_tokens=200, max_running_requests=16),
+        "scheduler": SchedulerConfig(chunked_prefill_size=32),
+    }
     capture = record(tmp_path, "shared-prefix", engine=engine)
     kinds = set(capture.event_counts(1).kind)
     assert {"retract", "evict", "free"} <= kinds
@@ -78,8 +94,9 @@ def test_a_tiny_pool_forces_retraction_and_eviction_and_ends_clean(tmp_path: Pat
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvscope", "run", *args], capture_output=True, text=True,
-                          cwd=cwd, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", "run", *args], capture_output=True, text=True, cwd=cwd, check=False
+    )
 
 
 BAD = [
@@ -88,16 +105,19 @@ BAD = [
     (["--trace", "notjson.jsonl"], "notjson.jsonl:1: not valid JSON"),
     (["--workload", "random", "--kv-tokens", "16"], "smaller than one request"),
     (["--workload", "random", "--page-size", "3"], "page size must be a power of two, got 3"),
-    (["--workload", "random", "--model", "tiny-swa", "--max-context-len", "32"],
-     "sliding window 32 is not smaller than the context length 32"),
+    (
+        ["--workload", "random", "--model", "tiny-swa", "--max-context-len", "32"],
+        "sliding window 32 is not smaller than the context length 32",
+    ),
     (["--workload", "random", "--cache", "swa-radix"], "needs a hybrid sliding-window model"),
 ]
 
 
 @pytest.mark.parametrize(("args", "message"), BAD, ids=[b[1][:30] for b in BAD])
 def test_bad_input_is_one_clear_line_and_no_capture(tmp_path: Path, args: list[str], message: str) -> None:
-    (tmp_path / "bad.jsonl").write_text('{"id": 1, "prompt": [5, 6, 7], "output_len": 2}\n'
-                                        '{"id": 2, "prompt": [5, 99999], "output_len": 2}\n')
+    (tmp_path / "bad.jsonl").write_text(
+        '{"id": 1, "prompt": [5, 6, 7], "output_len": 2}\n{"id": 2, "prompt": [5, 99999], "output_len": 2}\n'
+    )
     (tmp_path / "notjson.jsonl").write_text("{oops\n")
     out = cli(*args, "--capture", "c.db", cwd=tmp_path)
     assert out.returncode == 2, out.stderr

@@ -21,8 +21,14 @@ def run(*args: str, cwd: Path, file_limit_bytes: int | None = None) -> subproces
         assert file_limit_bytes is not None
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit_bytes, file_limit_bytes))
 
-    return subprocess.run([sys.executable, "-m", "kvscope", "run", *args], capture_output=True, text=True, cwd=cwd,
-                          check=False, preexec_fn=None if file_limit_bytes is None else limit_files)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", "run", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        check=False,
+        preexec_fn=None if file_limit_bytes is None else limit_files,
+    )
 
 
 def test_a_sqlite_url_capture_lands_at_its_absolute_path(tmp_path: Path) -> None:
@@ -34,8 +40,16 @@ def test_a_sqlite_url_capture_lands_at_its_absolute_path(tmp_path: Path) -> None
 
 
 def test_a_capture_that_stops_recording_exits_4(tmp_path: Path) -> None:
-    done = run("--workload", "shared-prefix", "--num-requests", "200", "--capture", "c.db", cwd=tmp_path,
-               file_limit_bytes=FILE_LIMIT_BYTES)
+    done = run(
+        "--workload",
+        "shared-prefix",
+        "--num-requests",
+        "200",
+        "--capture",
+        "c.db",
+        cwd=tmp_path,
+        file_limit_bytes=FILE_LIMIT_BYTES,
+    )
     assert done.returncode == 4, done.stderr
     assert "Traceback" not in done.stderr
     stopped = [line for line in done.stderr.splitlines() if "recording stopped" in line]
@@ -53,18 +67,36 @@ def test_a_capture_that_stops_recording_exits_4(tmp_path: Path) -> None:
         conn.close()
     assert status == "incomplete" and error.startswith("capture complete through step ")
     assert stored == 0
-    check = subprocess.run([sys.executable, "-m", "kvscope", "check", "c.db"], capture_output=True, text=True,
-                           cwd=tmp_path, check=False)
+    check = subprocess.run(
+        [sys.executable, "-m", "kvscope", "check", "c.db"], capture_output=True, text=True, cwd=tmp_path, check=False
+    )
     assert check.returncode == 3 and "incomplete" in check.stdout, check.stdout + check.stderr
 
 
-STALLING = ("--workload", "multi-turn", "--num-requests", "16", "--seed", "1", "--kv-tokens", "400",
-            "--chunked-prefill-size", "64", "--inject-seed", "5")
+STALLING = (
+    "--workload",
+    "multi-turn",
+    "--num-requests",
+    "16",
+    "--seed",
+    "1",
+    "--kv-tokens",
+    "400",
+    "--chunked-prefill-size",
+    "64",
+    "--inject-seed",
+    "5",
+)
 
 
 def test_a_run_whose_pool_is_starved_by_leaked_locks_stops_with_one_line(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "kvscope", "run", *STALLING, "--inject", "lock-leak:0.4",
-                           "--capture", "c.db"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvscope", "run", *STALLING, "--inject", "lock-leak:0.4", "--capture", "c.db"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert done.returncode == 1, done.stderr
     line = done.stderr.strip()
     assert "\n" not in line and "Traceback" not in line
@@ -72,9 +104,19 @@ def test_a_run_whose_pool_is_starved_by_leaked_locks_stops_with_one_line(tmp_pat
     with sqlite3.connect(tmp_path / "c.db") as conn:
         status, error = conn.execute("SELECT status, error FROM runs").fetchone()
     assert status == "crashed" and "stalled at step" in error
-    report = subprocess.run([sys.executable, "-m", "kvscope", "report", "leaks", "c.db"], capture_output=True,
-                            text=True, cwd=tmp_path, timeout=120)
+    report = subprocess.run(
+        [sys.executable, "-m", "kvscope", "report", "leaks", "c.db"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert "lock-never-released" in report.stdout  # the debugger names the locks that starved it
-    control = subprocess.run([sys.executable, "-m", "kvscope", "run", *STALLING, "--level", "off"],
-                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    control = subprocess.run(
+        [sys.executable, "-m", "kvscope", "run", *STALLING, "--level", "off"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert control.returncode == 0, control.stderr  # the same run without the leak finishes

@@ -53,9 +53,26 @@ def committed_steps(capture: Path) -> int:
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the writer through /proc")
 def test_ctrl_c_ends_a_run_whose_writer_is_stopped(tmp_path: Path) -> None:
     capture = tmp_path / "c.db"
-    process = subprocess.Popen([sys.executable, "-m", "kvscope", "run", "--workload", "shared-prefix",
-                                "--num-requests", "400", "--pace", "10", "--capture", str(capture)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvscope",
+            "run",
+            "--workload",
+            "shared-prefix",
+            "--num-requests",
+            "400",
+            "--pace",
+            "10",
+            "--capture",
+            str(capture),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
     writer = None
     try:
         writer = wait_for_writer(process, capture)

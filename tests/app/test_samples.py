@@ -28,8 +28,9 @@ STALE = "sample_runs/ is stale: run `make samples` and commit the captures"
 
 
 def kvscope(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, check=False,
-                          cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, check=False, cwd=ROOT
+    )
 
 
 def makefile_samples() -> list[str]:
@@ -70,9 +71,22 @@ def test_make_samples_records_what_the_committed_sample_holds(tmp_path: Path) ->
     if shutil.which("make") is None:
         pytest.skip("needs make")
     venv = Path(sys.executable).parents[1]
-    recipe = subprocess.run(["make", "-n", "--no-print-directory", "-o", f"{venv}/.kvscope-installed", "samples",
-                             f"VENV={venv}", f"SAMPLES_DIR={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout
+    recipe = subprocess.run(
+        [
+            "make",
+            "-n",
+            "--no-print-directory",
+            "-o",
+            f"{venv}/.kvscope-installed",
+            "samples",
+            f"VENV={venv}",
+            f"SAMPLES_DIR={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     (command,) = [line for line in recipe.splitlines() if "shared-prefix.db" in line and " run " in line]
     subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, check=True)
     fresh = tmp_path / "shared-prefix.db"

@@ -42,13 +42,16 @@ def test_pinned_file_reads_all_three_line_forms(tmp_path: Path) -> None:
     assert prefixes == ((5, 6, 7), (8, 9), tuple(int(i) for i in ByteTokenizer().encode("hi")))
 
 
-@pytest.mark.parametrize(("line", "message"), [
-    ('{"prompt": [1, "x"]}', "token ids must be a list of ints"),
-    ("[]", "the prefix is empty"),
-    ('{"text": 3}', "expected a list of token ids"),
-    ("[1, 2", "not JSON"),
-    ("[-1]", "token ids must be a list of ints"),
-])
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"prompt": [1, "x"]}', "token ids must be a list of ints"),
+        ("[]", "the prefix is empty"),
+        ('{"text": 3}', "expected a list of token ids"),
+        ("[1, 2", "not JSON"),
+        ("[-1]", "token ids must be a list of ints"),
+    ],
+)
 def test_a_bad_pinned_line_names_the_file_and_line(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "pinned.jsonl"
     path.write_text(f"[1, 2]\n{line}\n")
@@ -67,23 +70,33 @@ def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["run", "--workload", "multi-tenant", "--promote-k", "0"], "argument --promote-k: '0' is not a promotion"),
-    (["run", "--workload", "multi-tenant", "--cache", "scoped-radix", "--epoch-s", "0"], "argument --epoch-s"),
-    (["run", "--workload", "multi-tenant", "--cache", "scoped-radix", "--epoch-s", "inf"], "argument --epoch-s"),
-    (["serve", "--cache", "scoped-radix", "--dedup", "maybe"], "argument --dedup: 'maybe' is not on or off"),
-    (["run", "--workload", "multi-tenant", "--cache", "scoped-radix", "--pinned", "/nonexistent/p.jsonl"],
-     "argument --pinned: /nonexistent/p.jsonl: No such file"),
-    (["run", "--workload", "multi-tenant", "--promote-k", "3"], "--promote-k applies to --cache scoped-radix only"),
-    (["run", "--workload", "multi-tenant", "--cache", "radix", "--dedup", "off", "--merge-chains"],
-     "--dedup, --merge-chains apply to --cache scoped-radix only, not radix"),
-    (["serve", "--epoch-s", "10"], "--epoch-s applies to --cache scoped-radix only, not radix"),
-    (["replay", "trace.jsonl", "--promote-k", "inf"], "--promote-k applies to --cache scoped-radix only"),
-    (["run", "--workload", "multi-tenant", "--model", "tiny-swa", "--cache", "scoped-radix"],
-     "not scoped-radix (the scoped cache is for full-attention models)"),
-])
-def test_bad_scoped_input_is_one_line_and_exit_2(argv: list[str], message: str,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "--workload", "multi-tenant", "--promote-k", "0"], "argument --promote-k: '0' is not a promotion"),
+        (["run", "--workload", "multi-tenant", "--cache", "scoped-radix", "--epoch-s", "0"], "argument --epoch-s"),
+        (["run", "--workload", "multi-tenant", "--cache", "scoped-radix", "--epoch-s", "inf"], "argument --epoch-s"),
+        (["serve", "--cache", "scoped-radix", "--dedup", "maybe"], "argument --dedup: 'maybe' is not on or off"),
+        (
+            ["run", "--workload", "multi-tenant", "--cache", "scoped-radix", "--pinned", "/nonexistent/p.jsonl"],
+            "argument --pinned: /nonexistent/p.jsonl: No such file",
+        ),
+        (["run", "--workload", "multi-tenant", "--promote-k", "3"], "--promote-k applies to --cache scoped-radix only"),
+        (
+            ["run", "--workload", "multi-tenant", "--cache", "radix", "--dedup", "off", "--merge-chains"],
+            "--dedup, --merge-chains apply to --cache scoped-radix only, not radix",
+        ),
+        (["serve", "--epoch-s", "10"], "--epoch-s applies to --cache scoped-radix only, not radix"),
+        (["replay", "trace.jsonl", "--promote-k", "inf"], "--promote-k applies to --cache scoped-radix only"),
+        (
+            ["run", "--workload", "multi-tenant", "--model", "tiny-swa", "--cache", "scoped-radix"],
+            "not scoped-radix (the scoped cache is for full-attention models)",
+        ),
+    ],
+)
+def test_bad_scoped_input_is_one_line_and_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, err = run_main(argv, capsys)
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and message in err, err
@@ -93,38 +106,94 @@ def test_bad_scoped_input_is_one_line_and_exit_2(argv: list[str], message: str,
 def test_a_bad_pinned_file_through_the_cli_is_one_line(tmp_path: Path) -> None:
     path = tmp_path / "pinned.jsonl"
     path.write_text('[1]\n{"prompt": "abc"}\n')
-    done = subprocess.run([sys.executable, "-m", "kvscope", "run", "--workload", "multi-tenant", "--cache",
-                           "scoped-radix", "--pinned", str(path)], capture_output=True, text=True, cwd=tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvscope",
+            "run",
+            "--workload",
+            "multi-tenant",
+            "--cache",
+            "scoped-radix",
+            "--pinned",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert done.returncode == 2
-    assert done.stderr.strip() == f"kvscope run: error: argument --pinned: {path} line 2: token ids must be a " \
-                                  "list of ints in [0, 2^31)"
+    assert (
+        done.stderr.strip() == f"kvscope run: error: argument --pinned: {path} line 2: token ids must be a "
+        "list of ints in [0, 2^31)"
+    )
 
 
 def test_engine_options_reach_the_cache_config(tmp_path: Path) -> None:
     path = tmp_path / "pinned.jsonl"
     path.write_text('{"text": "system"}\n')
-    args = build_parser().parse_args(["run", "--workload", "multi-tenant", "--cache", "scoped-radix", "--promote-k",
-                                      "inf", "--epoch-s", "10", "--pinned", str(path), "--dedup", "on",
-                                      "--merge-chains"])
+    args = build_parser().parse_args(
+        [
+            "run",
+            "--workload",
+            "multi-tenant",
+            "--cache",
+            "scoped-radix",
+            "--promote-k",
+            "inf",
+            "--epoch-s",
+            "10",
+            "--pinned",
+            str(path),
+            "--dedup",
+            "on",
+            "--merge-chains",
+        ]
+    )
     cache = engine_from_args(args)[0].cache
-    assert (cache.kind, cache.promote_k, cache.epoch_s, cache.dedup, cache.merge_chains) == \
-        ("scoped-radix", None, 10.0, True, True)
+    assert (cache.kind, cache.promote_k, cache.epoch_s, cache.dedup, cache.merge_chains) == (
+        "scoped-radix",
+        None,
+        10.0,
+        True,
+        True,
+    )
     assert cache.pinned == (tuple(int(i) for i in ByteTokenizer().encode("system")),)
     scoped_args = build_parser().parse_args(["run", "--workload", "random", "--cache", "scoped-radix"])
     defaults = engine_from_args(scoped_args)[0]
-    assert (defaults.cache.promote_k, defaults.cache.epoch_s, defaults.cache.pinned, defaults.cache.dedup) == \
-        (3, 60.0, (), False)
+    assert (defaults.cache.promote_k, defaults.cache.epoch_s, defaults.cache.pinned, defaults.cache.dedup) == (
+        3,
+        60.0,
+        (),
+        False,
+    )
     plain = engine_from_args(build_parser().parse_args(["run", "--workload", "random"]))[0]
     assert plain.cache == CacheConfig(kind="radix")
 
 
 def test_scoped_options_without_args_are_the_defaults() -> None:
-    assert scoped_cache_options(argparse.Namespace(), "radix") == \
-        {"promote_k": 3, "epoch_s": 60.0, "pinned": (), "dedup": False, "merge_chains": False}
+    assert scoped_cache_options(argparse.Namespace(), "radix") == {
+        "promote_k": 3,
+        "epoch_s": 60.0,
+        "pinned": (),
+        "dedup": False,
+        "merge_chains": False,
+    }
 
 
-@pytest.mark.parametrize("fields", [{"promote_k": 0}, {"promote_k": 2.0}, {"epoch_s": 0.0}, {"epoch_s": math.inf},
-                                    {"epoch_s": math.nan}, {"epoch_s": True}, {"pinned": ((),)}])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"promote_k": 0},
+        {"promote_k": 2.0},
+        {"epoch_s": 0.0},
+        {"epoch_s": math.inf},
+        {"epoch_s": math.nan},
+        {"epoch_s": True},
+        {"pinned": ((),)},
+    ],
+)
 def test_cache_config_refuses_impossible_scoped_settings(fields: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         CacheConfig(kind="scoped-radix", **fields)  # type: ignore[arg-type]
@@ -141,8 +210,21 @@ def test_the_scoped_cache_needs_a_full_attention_model() -> None:
 def run_capture(tmp_path: Path, name: str, *cache_args: str) -> tuple[dict[str, object], float]:
     """The cache config recorded in a real run's capture, and the run's token hit rate."""
     capture = tmp_path / f"{name}.db"
-    code = main(["run", "--workload", "multi-tenant", "--num-requests", "40", "--level", "summary",
-                 "--capture", str(capture), "--no-report", *cache_args])
+    code = main(
+        [
+            "run",
+            "--workload",
+            "multi-tenant",
+            "--num-requests",
+            "40",
+            "--level",
+            "summary",
+            "--capture",
+            str(capture),
+            "--no-report",
+            *cache_args,
+        ]
+    )
     assert code == 0  # NOTE: 0 also says every idle leak check passed
     with sqlite3.connect(capture) as db:
         config = json.loads(db.execute("SELECT config FROM runs").fetchone()[0])
@@ -151,10 +233,19 @@ def run_capture(tmp_path: Path, name: str, *cache_args: str) -> tuple[dict[str, 
 
 
 def test_run_on_the_scoped_cache_records_its_options_and_isolates(tmp_path: Path) -> None:
-    scoped, scoped_hit = run_capture(tmp_path, "scoped", "--cache", "scoped-radix", "--promote-k", "inf",
-                                     "--epoch-s", "30", "--dedup", "off")
-    assert scoped == {"kind": "scoped-radix", "eviction_policy": "lru", "eviction_granularity": "leaf",
-                      "promote_k": None, "epoch_s": 30.0, "pinned": [], "dedup": False, "merge_chains": False}
+    scoped, scoped_hit = run_capture(
+        tmp_path, "scoped", "--cache", "scoped-radix", "--promote-k", "inf", "--epoch-s", "30", "--dedup", "off"
+    )
+    assert scoped == {
+        "kind": "scoped-radix",
+        "eviction_policy": "lru",
+        "eviction_granularity": "leaf",
+        "promote_k": None,
+        "epoch_s": 30.0,
+        "pinned": [],
+        "dedup": False,
+        "merge_chains": False,
+    }
     glob, global_hit = run_capture(tmp_path, "global", "--cache", "radix")
     assert glob["kind"] == "radix"
     # NOTE: multi-tenant prompts share a common and a tenant prompt across users: global sharing

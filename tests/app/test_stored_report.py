@@ -12,8 +12,9 @@ from kvscope.telemetry.queries import Capture
 from tests.stored_report_helpers import record, same
 
 
-@pytest.mark.parametrize("inject", [[], ["--inject", "leak-tail:0.3", "--inject", "lock-leak:0.2"]],
-                         ids=["clean", "leaky"])
+@pytest.mark.parametrize(
+    "inject", [[], ["--inject", "leak-tail:0.3", "--inject", "lock-leak:0.2"]], ids=["clean", "leaky"]
+)
 def test_a_full_run_stores_the_report_a_replay_gives(tmp_path: Path, inject: list[str]) -> None:
     path = tmp_path / "run.db"
     done = record(path, *inject)

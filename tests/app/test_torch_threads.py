@@ -46,17 +46,22 @@ def test_a_bad_count_is_one_line_and_exit_2(bad: str, capsys: pytest.CaptureFixt
         main(["run", "--workload", "random", "--torch-threads", bad])
     assert exited.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"kvscope run: error: argument --torch-threads: {bad!r} is not a thread count " \
-                      "(a whole number >= 1, or auto)"
+    assert (
+        err[-1] == f"kvscope run: error: argument --torch-threads: {bad!r} is not a thread count "
+        "(a whole number >= 1, or auto)"
+    )
 
 
 def test_the_engine_sets_torchs_threads_in_its_process(restore_threads: None) -> None:
     target = 2 if torch.get_num_threads() == 1 else 1
-    engine = Engine(EngineConfig(pool=PoolConfig(kv_size_tokens=256, max_running_requests=2), device="cpu",
-                                 torch_threads=target), model_config("tiny"))
+    engine = Engine(
+        EngineConfig(pool=PoolConfig(kv_size_tokens=256, max_running_requests=2), device="cpu", torch_threads=target),
+        model_config("tiny"),
+    )
     assert torch.get_num_threads() == target
     engine.check_integrity()
     untouched = torch.get_num_threads()
-    Engine(EngineConfig(pool=PoolConfig(kv_size_tokens=256, max_running_requests=2), device="cpu"),
-           model_config("tiny"))
+    Engine(
+        EngineConfig(pool=PoolConfig(kv_size_tokens=256, max_running_requests=2), device="cpu"), model_config("tiny")
+    )
     assert torch.get_num_threads() == untouched  # None leaves the process as it was

@@ -26,15 +26,24 @@ from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.records import PoolTerms, UsageSample
 from tests.telemetry.test_schema import V1_CAPTURE
 
-SOURCE = {"kind": "attach", "engine": "vllm", "version": "0.32.0", "url": "http://127.0.0.1:1", "model": "m",
-          "block_size": 2, "capacity_tokens": 24, "kv_events": {"endpoint": "ipc:///x", "replay_endpoint": None,
-                                                                "topic": "", "bind": False},
-          "warnings": [], "provides": ["evictions", "hit_rate", "pages", "requests.counts", "usage.used"]}
+SOURCE = {
+    "kind": "attach",
+    "engine": "vllm",
+    "version": "0.32.0",
+    "url": "http://127.0.0.1:1",
+    "model": "m",
+    "block_size": 2,
+    "capacity_tokens": 24,
+    "kv_events": {"endpoint": "ipc:///x", "replay_endpoint": None, "topic": "", "bind": False},
+    "warnings": [],
+    "provides": ["evictions", "hit_rate", "pages", "requests.counts", "usage.used"],
+}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvscope", "attach", *args], capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", "attach", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def kvscope(*args: str) -> subprocess.CompletedProcess[str]:
@@ -50,10 +59,22 @@ def rows(db: Path, sql: str) -> list[tuple[Any, ...]]:
 
 
 def vllm_sample(used: int) -> EngineSample:
-    return EngineSample(t_wall=0.0, capacity_tokens=24, available_tokens=None, evictable_tokens=None,
-                        used_tokens=used, host_used_tokens=None, host_total_tokens=None, num_running=0, num_waiting=0,
-                        prompt_tokens_total=10, cached_tokens_total=4, host_cached_tokens_total=None,
-                        evicted_tokens_total=None, preemptions_total=0)
+    return EngineSample(
+        t_wall=0.0,
+        capacity_tokens=24,
+        available_tokens=None,
+        evictable_tokens=None,
+        used_tokens=used,
+        host_used_tokens=None,
+        host_total_tokens=None,
+        num_running=0,
+        num_waiting=0,
+        prompt_tokens_total=10,
+        cached_tokens_total=4,
+        host_cached_tokens_total=None,
+        evicted_tokens_total=None,
+        preemptions_total=0,
+    )
 
 
 def stored(hashes: list[int], parent: int | None, tokens: list[int], tier: str = "device") -> Stored:
@@ -65,12 +86,20 @@ def test_the_forest_changes_become_events_and_usage_keeps_nulls(tmp_path: Path) 
     recorder = AttachRecorder(db, SOURCE, snapshot_every=2)
     recorder.apply(Batch(1.0, (stored([11, 12], None, [5, 6, 7, 8]), stored([13], 11, [9, 9])), None))
     recorder.tick(vllm_sample(used=6))
-    recorder.apply(Batch(2.0, (stored([12], 11, [7, 8], tier="host"),  # a backup: write
-                               Removed(block_hashes=(12,), tier="device"),  # demoted: evict to-host
-                               stored([12], 11, [7, 8]),  # loaded back: revive
-                               Removed(block_hashes=(12,), tier="host"),  # host_evict
-                               Removed(block_hashes=(13,), tier="device"),  # evict capacity
-                               Removed(block_hashes=(99,), tier="device")), None))  # unknown: no event
+    recorder.apply(
+        Batch(
+            2.0,
+            (
+                stored([12], 11, [7, 8], tier="host"),  # a backup: write
+                Removed(block_hashes=(12,), tier="device"),  # demoted: evict to-host
+                stored([12], 11, [7, 8]),  # loaded back: revive
+                Removed(block_hashes=(12,), tier="host"),  # host_evict
+                Removed(block_hashes=(13,), tier="device"),  # evict capacity
+                Removed(block_hashes=(99,), tier="device"),
+            ),
+            None,
+        )
+    )  # unknown: no event
     recorder.tick(vllm_sample(used=4))
     recorder.apply(Batch(3.0, (Cleared(),), None))
     recorder.close({"delivered": 3, "lost_batches": 0})
@@ -79,24 +108,36 @@ def test_the_forest_changes_become_events_and_usage_keeps_nulls(tmp_path: Path) 
     frame = Capture(db).events(1, limit=None, columns=names)[names]
     events = [tuple(None if pd.isna(v) else v for v in row) for row in frame.itertuples(index=False, name=None)]
     assert events == [
-        (1, "insert", "full", 1, 2, 0, None), (1, "insert", "full", 2, 2, 1, None),
+        (1, "insert", "full", 1, 2, 0, None),
+        (1, "insert", "full", 2, 2, 1, None),
         (1, "insert", "full", 3, 2, 1, None),
-        (2, "write", "host", 2, 2, 0, None), (2, "evict", "full", 2, 2, 0, "to-host"),
-        (2, "revive", "full", 2, 2, 0, None), (2, "host_evict", "host", 2, 2, 0, "capacity"),
+        (2, "write", "host", 2, 2, 0, None),
+        (2, "evict", "full", 2, 2, 0, "to-host"),
+        (2, "revive", "full", 2, 2, 0, None),
+        (2, "host_evict", "host", 2, 2, 0, "capacity"),
         (2, "evict", "full", 3, 2, 0, "capacity"),
-        (3, "evict", "full", 1, 2, 0, "reset"), (3, "evict", "full", 2, 2, 0, "reset"),
+        (3, "evict", "full", 1, 2, 0, "reset"),
+        (3, "evict", "full", 2, 2, 0, "reset"),
     ]
-    usage = rows(db, "SELECT step, full_total, full_available, full_evictable, full_used, req_total, "
-                     "cum_prompt_tokens, cum_hit_tokens, cum_evicted_tokens, cum_requests FROM usage ORDER BY step")
+    usage = rows(
+        db,
+        "SELECT step, full_total, full_available, full_evictable, full_used, req_total, "
+        "cum_prompt_tokens, cum_hit_tokens, cum_evicted_tokens, cum_requests FROM usage ORDER BY step",
+    )
     assert usage == [(1, 24, None, None, 6, None, 10, 4, 0, None), (2, 24, None, None, 4, None, 10, 4, 4, None)]
-    snapshots = rows(db, "SELECT step, node_id, parent_id, num_tokens, token_preview, tier FROM tree_snapshots "
-                         "ORDER BY step, node_id")
-    assert [row for row in snapshots if row[0] == 2] == [(2, 0, None, 0, "", "device"), (2, 1, 0, 2, "5 6", "device"),
-                                                         (2, 2, 1, 2, "7 8", "device")]
+    snapshots = rows(
+        db,
+        "SELECT step, node_id, parent_id, num_tokens, token_preview, tier FROM tree_snapshots ORDER BY step, node_id",
+    )
+    assert [row for row in snapshots if row[0] == 2] == [
+        (2, 0, None, 0, "", "device"),
+        (2, 1, 0, 2, "5 6", "device"),
+        (2, 2, 1, 2, "7 8", "device"),
+    ]
     assert [row for row in snapshots if row[0] == 3] == [(3, 0, None, 0, "", "device")]  # the clear emptied it
-    (level, label), = rows(db, "SELECT level, label FROM runs")
+    ((level, label),) = rows(db, "SELECT level, label FROM runs")
     assert (level, label) == ("summary", "attach vllm 0.32.0")
-    (body,), = rows(db, "SELECT body FROM reports WHERE kind = 'attach'")
+    ((body,),) = rows(db, "SELECT body FROM reports WHERE kind = 'attach'")
     report = json.loads(body)
     assert report["unknown_removes"] == 1 and report["resets"] == 1 and report["evictions"] == 4
     assert report["delivered"] == 3

@@ -40,10 +40,23 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, P
     tmp = tmp_path_factory.mktemp("attach-serve")
     ipc = Path(os.path.realpath("/tmp")) / f"kvs-attach-{os.getpid()}"  # NOTE: ipc:// paths stay short
     ipc.mkdir(exist_ok=True)
-    config = {"publisher": "zmq", "endpoint": f"ipc://{ipc}/kv.sock", "replay_endpoint": f"ipc://{ipc}/replay.sock",
-              "topic": "kv"}
-    with serving(tmp / "serve.db", "--page-size", str(PAGE_SIZE), "--kv-tokens", str(KV_TOKENS), "--level", "full",
-                 "--kv-events-config", json.dumps(config)) as server:
+    config = {
+        "publisher": "zmq",
+        "endpoint": f"ipc://{ipc}/kv.sock",
+        "replay_endpoint": f"ipc://{ipc}/replay.sock",
+        "topic": "kv",
+    }
+    with serving(
+        tmp / "serve.db",
+        "--page-size",
+        str(PAGE_SIZE),
+        "--kv-tokens",
+        str(KV_TOKENS),
+        "--level",
+        "full",
+        "--kv-events-config",
+        json.dumps(config),
+    ) as server:
         yield server, tmp
     for leftover in ipc.iterdir():
         leftover.unlink()
@@ -54,8 +67,13 @@ class Attached:
     """`python -m kvscope attach` running; its stderr lines gathered."""
 
     def __init__(self, *args: str) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "kvscope", "attach", *args], stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvscope", "attach", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.err: list[str] = []
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
@@ -82,8 +100,11 @@ class Attached:
 
 
 def complete(url: str, prompt: list[int]) -> None:
-    response = httpx.post(f"{url}/v1/completions", json={"model": "kvscope-tiny", "prompt": prompt, "max_tokens": 1,
-                                                         "temperature": 0}, timeout=60)
+    response = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "kvscope-tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0},
+        timeout=60,
+    )
     assert response.status_code == 200, response.text
 
 
@@ -115,9 +136,13 @@ def rows(db: Path, sql: str, *params: Any) -> list[tuple[Any, ...]]:
 
 
 def last_snapshot(db: Path, run_id: int) -> list[tuple[Any, ...]]:
-    (step,), = rows(db, "SELECT max(step) FROM tree_snapshots WHERE run_id = ?", run_id)
-    return rows(db, "SELECT node_id, parent_id, num_tokens, token_preview, tier FROM tree_snapshots "
-                    "WHERE run_id = ? AND step = ?", run_id, step)
+    ((step,),) = rows(db, "SELECT max(step) FROM tree_snapshots WHERE run_id = ?", run_id)
+    return rows(
+        db,
+        "SELECT node_id, parent_id, num_tokens, token_preview, tier FROM tree_snapshots WHERE run_id = ? AND step = ?",
+        run_id,
+        step,
+    )
 
 
 def page_chains(snapshot: list[tuple[Any, ...]]) -> set[tuple[int, ...]]:
@@ -143,26 +168,59 @@ def page_chains(snapshot: list[tuple[Any, ...]]) -> set[tuple[int, ...]]:
 def test_a_bad_event_endpoint_is_one_line(served: tuple[Server, Path]) -> None:
     server, tmp = served
     capture = tmp / "bad.db"
-    done = subprocess.run([sys.executable, "-m", "kvscope", "attach", "--url", server.url, "--kv-events",
-                           "nonsense://where", "--capture", str(capture)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvscope",
+            "attach",
+            "--url",
+            server.url,
+            "--kv-events",
+            "nonsense://where",
+            "--capture",
+            str(capture),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and lines[-1].startswith("kvscope attach: error: cannot subscribe to KV events at "
-                                                         "'nonsense://where'"), done.stderr
+    assert done.returncode == 2 and lines[-1].startswith(
+        "kvscope attach: error: cannot subscribe to KV events at 'nonsense://where'"
+    ), done.stderr
     assert "Traceback" not in done.stderr and not capture.exists()
 
 
 def test_duration_ends_a_finished_run_with_a_json_summary(served: tuple[Server, Path]) -> None:
     server, tmp = served
     capture = tmp / "short.db"
-    done = subprocess.run([sys.executable, "-m", "kvscope", "attach", "--url", server.url, "--capture", str(capture),
-                           "--scrape-s", "0.2", "--duration-s", "1.5", "--json"], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvscope",
+            "attach",
+            "--url",
+            server.url,
+            "--capture",
+            str(capture),
+            "--scrape-s",
+            "0.2",
+            "--duration-s",
+            "1.5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert summary["status"] == "finished" and summary["ended"] == "--duration-s 1.5 reached"
     assert summary["source"]["engine"] == "kvscope" and summary["stream"]["bad_messages"] == 0
-    (status, error), = rows(capture, "SELECT status, error FROM runs")
-    (ticks,), = rows(capture, "SELECT count(*) FROM usage")
+    ((status, error),) = rows(capture, "SELECT status, error FROM runs")
+    ((ticks,),) = rows(capture, "SELECT count(*) FROM usage")
     assert (status, error) == ("finished", None) and ticks == summary["ticks"] >= 5
 
 
@@ -200,13 +258,13 @@ def test_attach_records_what_serve_caches(served: tuple[Server, Path]) -> None:
     assert serve_code == 0
     assert gone.process.returncode == 1, gone.err
     assert sum("warning: scrape" in line for line in gone.err) == 5 and "Traceback" not in "".join(gone.err)
-    (gone_status, gone_error), = rows(tmp / "gone.db", "SELECT status, error FROM runs")
+    ((gone_status, gone_error),) = rows(tmp / "gone.db", "SELECT status, error FROM runs")
     assert gone_status == "interrupted" and gone_error.startswith("the server stopped answering (5 scrapes")
     serve_db = server.capture
     assert serve_db is not None
 
     # the run: an attached source, level summary, its config says what it is
-    (label, level, status, config), = rows(capture, "SELECT label, level, status, config FROM runs")
+    ((label, level, status, config),) = rows(capture, "SELECT label, level, status, config FROM runs")
     source = json.loads(config)["source"]
     assert label == "attach kvscope" and level == "summary" and status == "finished"  # SIGTERM: the normal stop
     assert source["kind"] == "attach" and source["engine"] == "kvscope" and source["block_size"] == PAGE_SIZE
@@ -215,36 +273,43 @@ def test_attach_records_what_serve_caches(served: tuple[Server, Path]) -> None:
 
     # the pages at the quiet end == serve's radix cache at its close (serve's own capture)
     snapshot = last_snapshot(capture, 1)
-    (serve_run,), = rows(serve_db, "SELECT max(id) FROM runs")
+    ((serve_run,),) = rows(serve_db, "SELECT max(id) FROM runs")
     serve_nodes = last_snapshot(serve_db, serve_run)
     serve_tokens = sum(row[2] for row in serve_nodes if row[0] != 0)
     assert serve_tokens % PAGE_SIZE == 0 and serve_tokens > 0
     assert len(snapshot) - 1 == serve_tokens // PAGE_SIZE
     assert all(row[4] == "device" for row in snapshot if row[0] != 0)
     for chain in page_chains(snapshot):  # every page spells a prefix of a prompt that was sent
-        assert any(tuple(prompt[:len(chain)]) == chain for prompt in sent), chain
+        assert any(tuple(prompt[: len(chain)]) == chain for prompt in sent), chain
 
     # the evictions: one evict event per page serve evicted
     evicted_tokens = int(Capture(serve_db).events(serve_run, kinds=[EventKind.EVICT], limit=None).num_tokens.sum())
-    evicts = list(Capture(capture).events(1, kinds=[EventKind.EVICT], limit=None,
-                                          columns=["num_tokens", "reason", "pool"])
-                  [["num_tokens", "reason", "pool"]].itertuples(index=False, name=None))
+    evicts = list(
+        Capture(capture)
+        .events(1, kinds=[EventKind.EVICT], limit=None, columns=["num_tokens", "reason", "pool"])[
+            ["num_tokens", "reason", "pool"]
+        ]
+        .itertuples(index=False, name=None)
+    )
     assert evicted_tokens and len(evicts) == evicted_tokens // PAGE_SIZE
     assert {(n, reason, pool) for n, reason, pool in evicts} == {(PAGE_SIZE, "capacity", "full")}
     inserts = len(Capture(capture).events(1, kinds=[EventKind.INSERT], limit=None, columns=["seq"]))
     assert inserts == len(snapshot) - 1 + len(evicts)
 
     # usage: serve's own counters, the split known
-    last = rows(capture, "SELECT full_total, full_available, full_evictable, full_used, cum_prompt_tokens, "
-                         "cum_hit_tokens, cum_evicted_tokens, req_total FROM usage WHERE run_id = 1 "
-                         "ORDER BY step DESC LIMIT 1")[0]
+    last = rows(
+        capture,
+        "SELECT full_total, full_available, full_evictable, full_used, cum_prompt_tokens, "
+        "cum_hit_tokens, cum_evicted_tokens, req_total FROM usage WHERE run_id = 1 "
+        "ORDER BY step DESC LIMIT 1",
+    )[0]
     total, available, evictable, used, prompt_tokens, hit_tokens, evicted, req_total = last
     assert total == KV_TOKENS and evictable == serve_tokens and used == total - available - evictable
     assert metric_total(read_samples(metrics), "sglang:prompt_tokens_total") == prompt_tokens
     assert hit_tokens > 0 and evicted == evicted_tokens and req_total is None
 
     # the stream's counters, stored for the dashboard
-    (body,), = rows(capture, "SELECT body FROM reports WHERE run_id = 1 AND kind = 'attach'")
+    ((body,),) = rows(capture, "SELECT body FROM reports WHERE run_id = 1 AND kind = 'attach'")
     report = json.loads(body)
     assert report["lost_batches"] == 0 and report["bad_messages"] == 0 and report["delivered"] > 0
     assert report["unknown_removes"] == 0 and report["evictions"] == len(evicts)

@@ -54,9 +54,30 @@ def send(xpub: zmq.Socket[Any], seq: int, body: bytes) -> None:
 
 
 def start_attach(url: str, endpoint: str, capture: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "kvscope", "attach", "--url", url, "--engine", "vllm",
-                             "--kv-events", endpoint, "--topic", TOPIC, "--capture", str(capture), "--scrape-s",
-                             "0.2", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvscope",
+            "attach",
+            "--url",
+            url,
+            "--engine",
+            "vllm",
+            "--kv-events",
+            endpoint,
+            "--topic",
+            TOPIC,
+            "--capture",
+            str(capture),
+            "--scrape-s",
+            "0.2",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_subscribed(xpub: zmq.Socket[Any], attach: subprocess.Popen[str]) -> None:
@@ -73,8 +94,9 @@ def stored_run(capture: Path) -> tuple[str, str | None]:
         conn.close()
 
 
-def test_bad_messages_are_counted_and_sigterm_ends_the_run_finished(stream: tuple[zmq.Socket[Any], str],
-                                                                    tmp_path: Path) -> None:
+def test_bad_messages_are_counted_and_sigterm_ends_the_run_finished(
+    stream: tuple[zmq.Socket[Any], str], tmp_path: Path
+) -> None:
     xpub, endpoint = stream
     capture = tmp_path / "a.db"
     with http_server(vllm_routes()) as server:

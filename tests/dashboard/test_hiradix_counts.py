@@ -18,15 +18,31 @@ from tests.dashboard.conftest import ROOT
 from tests.dashboard.test_pages import open_app, page_path
 
 # NOTE: load-back evicts device leaves to make room for what it loads: these are evictions too
-HIRADIX = ("run", "--workload", "shared-prefix", "--num-requests", "24", "--cache", "hiradix", "--kv-tokens", "1024",
-           "--host-ratio", "2")
+HIRADIX = (
+    "run",
+    "--workload",
+    "shared-prefix",
+    "--num-requests",
+    "24",
+    "--cache",
+    "hiradix",
+    "--kv-tokens",
+    "1024",
+    "--host-ratio",
+    "2",
+)
 
 
 @pytest.fixture(scope="module")
 def hiradix(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     path = tmp_path_factory.mktemp("hiradix") / "hi.db"
-    done = subprocess.run([sys.executable, "-m", "kvscope", *HIRADIX, "--capture", str(path)], capture_output=True,
-                          text=True, cwd=ROOT, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvscope", *HIRADIX, "--capture", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    )
     return path, done.stdout
 
 
@@ -35,7 +51,8 @@ def metrics(at: object) -> dict[str, object]:
 
 
 def test_evicted_tokens_agree_in_the_summary_the_samples_and_the_evictions_page(
-        hiradix: tuple[Path, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    hiradix: tuple[Path, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     path, summary = hiradix
     printed = int(re.search(r"evicted tokens\s+(\d+)", summary).group(1))  # type: ignore[union-attr]
     with sqlite3.connect(path) as conn:
@@ -50,11 +67,13 @@ def test_evicted_tokens_agree_in_the_summary_the_samples_and_the_evictions_page(
 
 
 def test_protected_tokens_are_not_called_a_leak_when_the_leak_check_finds_none(
-        hiradix: tuple[Path, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    hiradix: tuple[Path, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     path, _ = hiradix
     with sqlite3.connect(path) as conn:
         step, protected, running = conn.execute(
-            "SELECT step, full_protected, num_running FROM usage ORDER BY step DESC LIMIT 1").fetchone()
+            "SELECT step, full_protected, num_running FROM usage ORDER BY step DESC LIMIT 1"
+        ).fetchone()
         checked = conn.execute("SELECT protected FROM leak_checks WHERE pool = 'full' AND step = ?", (step,)).fetchone()
     assert running == 0 and protected > 0 and checked == (0,), "the capture no longer shows copies in flight"
     at = open_app(path, monkeypatch)

@@ -18,8 +18,9 @@ from tests.dashboard.test_pages import open_app, page_path
 
 
 def sample(step: int, num_running: int) -> UsageSample:
-    return UsageSample(step, PoolTerms(100, 60, 30, 10), None, 4, 2, num_running, 1, 10 * step, 5 * step, step, step,
-                       0, 0)
+    return UsageSample(
+        step, PoolTerms(100, 60, 30, 10), None, 4, 2, num_running, 1, 10 * step, 5 * step, step, step, 0, 0
+    )
 
 
 def interrupted_capture(path: Path) -> Path:
@@ -42,8 +43,13 @@ def interrupted_capture(path: Path) -> Path:
             recorder.request(records["a"])
         if step >= 2:
             records["b"].mark("admit", 2, 1.3) if step == 2 else None
-            recorder.record(EventKind.ALLOC, pool=PoolName.FULL, rid="b", num_tokens=8,
-                            slots=np.arange(8 * step, 8 * step + 8, dtype=np.int64))
+            recorder.record(
+                EventKind.ALLOC,
+                pool=PoolName.FULL,
+                rid="b",
+                num_tokens=8,
+                slots=np.arange(8 * step, 8 * step + 8, dtype=np.int64),
+            )
         recorder.usage(sample(step, 1 if step >= 2 else 0))
     for rid in ("b", "c"):
         records[rid].status = RequestStatus.IN_FLIGHT
@@ -68,8 +74,9 @@ def test_the_requests_page_draws_a_request_still_in_prefill(stopped: Path, monke
 
 
 def check_line(path: Path) -> tuple[int, str]:
-    done = subprocess.run([sys.executable, "-m", "kvscope", "check", str(path)], capture_output=True, text=True,
-                          cwd=ROOT, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvscope", "check", str(path)], capture_output=True, text=True, cwd=ROOT, check=False
+    )
     return done.returncode, done.stdout.split(": ", 1)[1].strip()
 
 
@@ -84,7 +91,8 @@ def verdicts_shown(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, st
 
 
 def test_an_interrupted_run_without_an_idle_check_is_inconclusive_on_every_page(
-        stopped: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stopped: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     code, line = check_line(stopped)
     assert code == 3 and line.startswith("inconclusive: the run was interrupted (SIGINT at step 4)"), line
     assert verdicts_shown(stopped, monkeypatch) == (f"**{line}**", f"**{line}**", "inconclusive")

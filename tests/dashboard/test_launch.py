@@ -43,8 +43,9 @@ def test_the_dashboard_opens_the_capture_the_engine_writes(tmp_path: Path) -> No
 
 def test_the_dashboard_listens_on_loopback_without_usage_statistics_or_deploy_button(tmp_path: Path) -> None:
     command = launch.dashboard_command(tmp_path / "x.db")
-    settings = dict(zip(command[::2], command[1::2], strict=False)) | dict(zip(command[1::2], command[2::2],
-                                                                               strict=False))
+    settings = dict(zip(command[::2], command[1::2], strict=False)) | dict(
+        zip(command[1::2], command[2::2], strict=False)
+    )
     assert settings["--server.address"] == "127.0.0.1"
     assert settings["--browser.gatherUsageStats"] == "false" and settings["--client.toolbarMode"] == "minimal"
     assert settings["--server.headless"] == "true" and settings["--server.fileWatcherType"] == "none"
@@ -123,9 +124,19 @@ def test_make_run_serves_on_loopback_and_stops_cleanly_on_ctrl_c(tmp_path: Path)
     runs_dir = tmp_path / "runs"
     venv = Path(sys.executable).parents[1]
     make = subprocess.Popen(  # -o: this venv is the one under test, even when pyproject.toml is newer
-        ["make", "--no-print-directory", "-o", f"{venv}/.kvscope-installed", "run", f"PORT={port}",
-         f"ARGS=--runs-dir {runs_dir} --num-requests 400 --rate 20 --serve-port {serve_port}"],
-        cwd=launch.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            "make",
+            "--no-print-directory",
+            "-o",
+            f"{venv}/.kvscope-installed",
+            "run",
+            f"PORT={port}",
+            f"ARGS=--runs-dir {runs_dir} --num-requests 400 --rate 20 --serve-port {serve_port}",
+        ],
+        cwd=launch.ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
         env={**os.environ, "VENV": str(venv)},
     )
     try:
@@ -155,8 +166,12 @@ def test_make_run_serves_on_loopback_and_stops_cleanly_on_ctrl_c(tmp_path: Path)
     alone = tmp_path / "copy" / capture.name
     alone.parent.mkdir()
     shutil.copyfile(capture, alone)
-    copied, original = (subprocess.run([sys.executable, "-m", "kvscope", "check", str(path)], capture_output=True,
-                                       text=True, check=False) for path in (alone, capture))
+    copied, original = (
+        subprocess.run(
+            [sys.executable, "-m", "kvscope", "check", str(path)], capture_output=True, text=True, check=False
+        )
+        for path in (alone, capture)
+    )
     assert copied.returncode == original.returncode == 0, copied.stdout + copied.stderr
     assert copied.stdout.replace(str(alone), str(capture)) == original.stdout  # every check of the run
 
@@ -167,8 +182,9 @@ def _browser_session(port: int) -> Iterator[None]:
     its script_finished message) and stays open."""
     rerun = BackMsg()
     rerun.rerun_script.query_string = ""
-    with connect(f"ws://127.0.0.1:{port}/_stcore/stream", subprotocols=[Subprotocol("streamlit")],
-                 open_timeout=30) as session:
+    with connect(
+        f"ws://127.0.0.1:{port}/_stcore/stream", subprotocols=[Subprotocol("streamlit")], open_timeout=30
+    ) as session:
         session.send(rerun.SerializeToString())
         reply = ForwardMsg()
         while reply.WhichOneof("type") != "script_finished":
@@ -208,8 +224,13 @@ sys.exit(int(sys.argv[1]))
 
 @pytest.mark.parametrize("code", [0, 3])
 def test_the_install_printer_shows_what_pip_does_and_ticks_while_it_is_silent(code: int) -> None:
-    done = subprocess.run([sys.executable, str(PROGRESS), "--tick-s", "1", "--", sys.executable, "-c", FAKE_PIP,
-                           str(code)], capture_output=True, text=True, check=False, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(PROGRESS), "--tick-s", "1", "--", sys.executable, "-c", FAKE_PIP, str(code)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     lines = done.stdout.splitlines()
     assert done.returncode == code, done
     assert lines[0] == "    Collecting streamlit>=1.37" and lines[-1] == "    Successfully installed streamlit-1.67.0"
@@ -222,8 +243,9 @@ def test_the_install_printer_shows_what_pip_does_and_ticks_while_it_is_silent(co
 
 def _make_recipes() -> str:
     """The Makefile as make itself expands it (`make -pn` prints its database)."""
-    return subprocess.run(["make", "-pn", "--no-print-directory", "lint"], cwd=launch.ROOT, capture_output=True,
-                          text=True, check=False).stdout
+    return subprocess.run(
+        ["make", "-pn", "--no-print-directory", "lint"], cwd=launch.ROOT, capture_output=True, text=True, check=False
+    ).stdout
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")

@@ -40,8 +40,14 @@ def test_one_idle_check_shows_its_terms_as_bars(monkeypatch: pytest.MonkeyPatch)
     spec = json.loads(at.get("plotly_chart")[0].proto.spec)
     full = spec["data"][0]
     assert full["type"] == "bar"
-    assert dict(zip(full["x"], full["y"], strict=True)) == {"available": 260, "evictable": 988, "protected": 760,
-                                                           "held": 0, "uncached": 0, "missing": 40}
+    assert dict(zip(full["x"], full["y"], strict=True)) == {
+        "available": 260,
+        "evictable": 988,
+        "protected": 760,
+        "held": 0,
+        "uncached": 0,
+        "missing": 40,
+    }
 
 
 def test_the_culprit_table_is_short_and_names_request_and_node(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,10 +94,19 @@ def lock(node: int, rid: str, step: int, seq: int, kind: str = "lock") -> dict[s
 
 
 def test_held_locks_pair_each_unlock_with_the_same_request_and_node() -> None:
-    events = pd.DataFrame([lock(5, "a", 1, 1), lock(5, "b", 2, 2), lock(5, "a", 3, 3, "unlock"),
-                           lock(6, "c", 4, 4), lock(6, "c", 9, 5, "unlock")])
-    assert held_locks(events, 4).to_dict("records") == [{"node_id": 5, "rid": "b", "since_step": 2},
-                                                        {"node_id": 6, "rid": "c", "since_step": 4}]
+    events = pd.DataFrame(
+        [
+            lock(5, "a", 1, 1),
+            lock(5, "b", 2, 2),
+            lock(5, "a", 3, 3, "unlock"),
+            lock(6, "c", 4, 4),
+            lock(6, "c", 9, 5, "unlock"),
+        ]
+    )
+    assert held_locks(events, 4).to_dict("records") == [
+        {"node_id": 5, "rid": "b", "since_step": 2},
+        {"node_id": 6, "rid": "c", "since_step": 4},
+    ]
     assert held_locks(events, 9)["rid"].tolist() == ["b"]
     tree = pd.DataFrame({"node_id": [0, 5, 6], "parent_id": [None, 0, 5]})
     assert holders_of(5, held_locks(events, 4), tree)["request"].tolist() == ["b", "c"]  # c locked the child
@@ -99,9 +114,13 @@ def test_held_locks_pair_each_unlock_with_the_same_request_and_node() -> None:
 
 
 def test_splits_after_a_lock_are_put_back_together() -> None:
-    splits = pd.DataFrame([{"seq": 5, "step": 2, "node_id": 70, "aux": 31}, {"seq": 9, "step": 4, "node_id": 80,
-                                                                             "aux": 70},
-                           {"seq": 12, "step": 5, "node_id": 90, "aux": 12}])
+    splits = pd.DataFrame(
+        [
+            {"seq": 5, "step": 2, "node_id": 70, "aux": 31},
+            {"seq": 9, "step": 4, "node_id": 80, "aux": 70},
+            {"seq": 12, "step": 5, "node_id": 90, "aux": 12},
+        ]
+    )
     assert split_off_since(31, 1, splits) == [(70, 2), (80, 4)]
     assert split_off_since(31, 6, splits) == []  # splits before the lock do not count
     tree = pd.DataFrame({"node_id": [31, 70, 80], "num_tokens": [20, 14, 10], "depth_tokens": [200, 180, 166]})

@@ -90,8 +90,9 @@ def grow(recorder: SQLRecorder, steps: range) -> None:
     for step in steps:
         recorder.step = step
         recorder.usage(sample(step))
-        recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=step + 1, num_tokens=4,
-                        reason=EvictReason.CAPACITY)
+        recorder.record(
+            EventKind.EVICT, pool=PoolName.FULL, node_id=step + 1, num_tokens=4, reason=EvictReason.CAPACITY
+        )
         record = RequestRecord(f"r{step}", "u0", 8, status=RequestStatus.FINISHED)
         for moment in ("arrive", "admit", "first_token", "finish"):
             record.mark(moment, step, 1.0 + step)
@@ -100,8 +101,9 @@ def grow(recorder: SQLRecorder, steps: range) -> None:
 
 
 @pytest.mark.parametrize(("page", "label"), [("evictions", "evictions"), ("requests", "requests")])
-def test_a_live_page_refreshes_and_its_rows_follow_the_run(tmp_path: Path, page: str, label: str,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_live_page_refreshes_and_its_rows_follow_the_run(
+    tmp_path: Path, page: str, label: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     recorder = SQLRecorder(tmp_path / "live.db", level="full", label="live")
     try:
         grow(recorder, range(3))

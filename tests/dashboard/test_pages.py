@@ -57,8 +57,9 @@ def test_leaks_page_names_the_injected_culprits(monkeypatch: pytest.MonkeyPatch)
     assert culprits["request"].notna().any()
 
 
-def test_leaks_page_uses_the_stored_report_and_replays_when_there_is_none(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_leaks_page_uses_the_stored_report_and_replays_when_there_is_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_app(ROOT / "sample_runs" / "leaky.db", monkeypatch)
     at.switch_page(page_path("leaks")).run()
     assert any("stored with the capture" in c.value for c in at.caption)
@@ -98,8 +99,9 @@ def test_token_previews_are_off_until_turned_on(monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.mark.parametrize("content", [b"", b"hello, not a database" * 10, b"SQLite format 3\x00" + b"\x00" * 200])
-def test_a_bad_file_shows_one_line_not_a_traceback(tmp_path: Path, content: bytes,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bad_file_shows_one_line_not_a_traceback(
+    tmp_path: Path, content: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     bad = tmp_path / "bad.db"
     bad.write_bytes(content)
     at = open_app(bad, monkeypatch)
@@ -200,18 +202,25 @@ def test_a_damaged_page_met_by_a_page_read_is_one_message(tmp_path: Path, monkey
     assert 0 < damaged_pages < len(PAGES)  # the pages that read events say so; Overview still renders
 
 
-@pytest.mark.parametrize("damage", ["DROP TABLE event_chunks; DROP TABLE event_columns; DROP TABLE event_strings",
-                                    "UPDATE event_chunks SET num_events = 1000",
-                                    "UPDATE event_columns SET dtype = '<c9' WHERE name = 'kind'"],
-                         ids=["tables-gone", "count-disagrees", "unknown-dtype"])
-def test_every_page_shows_one_message_on_damaged_packed_events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                               damage: str) -> None:
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "DROP TABLE event_chunks; DROP TABLE event_columns; DROP TABLE event_strings",
+        "UPDATE event_chunks SET num_events = 1000",
+        "UPDATE event_columns SET dtype = '<c9' WHERE name = 'kind'",
+    ],
+    ids=["tables-gone", "count-disagrees", "unknown-dtype"],
+)
+def test_every_page_shows_one_message_on_damaged_packed_events(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
     """A schema-6 capture whose packed events are missing or inconsistent: every page says it is damaged
     (in one line), none raises, none shows a verdict read from what is left."""
     path = tmp_path / "packed.db"
     shutil.copy(ROOT / "sample_runs" / "shared-prefix.db", path)
-    upgraded = subprocess.run([sys.executable, "-m", "kvscope", "upgrade", str(path)], capture_output=True,
-                              cwd=ROOT, check=False)
+    upgraded = subprocess.run(
+        [sys.executable, "-m", "kvscope", "upgrade", str(path)], capture_output=True, cwd=ROOT, check=False
+    )
     assert upgraded.returncode == 0, upgraded.stderr
     with sqlite3.connect(path) as conn:
         conn.executescript(damage)

@@ -29,17 +29,35 @@ def probe_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 rec.record(EventKind.LOCK, pool=FULL, rid=rid, num_tokens=1, slots=[1], aux=0)
                 rec.record(EventKind.REVIVE, pool=FULL, rid=rid, num_tokens=1, slots=[1], aux=0)
             rec.record(EventKind.ALLOC, pool=FULL, rid=rid, num_tokens=2, slots=[2 * step, 2 * step + 1], aux=0)
-            rec.record(EventKind.EVICT, pool=FULL, rid=rid, node_id=2, num_tokens=32, slots=[2],
-                       reason=EvictReason.CAPACITY)
+            rec.record(
+                EventKind.EVICT, pool=FULL, rid=rid, node_id=2, num_tokens=32, slots=[2], reason=EvictReason.CAPACITY
+            )
             rec.record(EventKind.INSERT, pool=FULL, rid=rid, node_id=2 * step, num_tokens=32, slots=[2 * step], aux=1)
             rec.record(EventKind.FREE, pool=FULL, rid=rid, num_tokens=2, slots=[2 * step + 1, 1], aux=0)
-            rec.usage(UsageSample(step, PoolTerms(352, 352, 0, 0), None, 0, 0, 0, 0, 100 * step, 32 * (step - 1),
-                                  step, step - 1, 0, 0, full_used=0))
+            rec.usage(
+                UsageSample(
+                    step,
+                    PoolTerms(352, 352, 0, 0),
+                    None,
+                    0,
+                    0,
+                    0,
+                    0,
+                    100 * step,
+                    32 * (step - 1),
+                    step,
+                    step - 1,
+                    0,
+                    0,
+                    full_used=0,
+                )
+            )
             done = RequestRecord(rid, None, 100, "finished", 32 * (step - 1), 1)
             done.mark("finish", step, float(step))
             rec.request(done)
-            result = take_census(BlockView({b: 0 for b in range(1, 12)}, {1}, list(range(1, 12)), 11), [], [], set(),
-                                 {})
+            result = take_census(
+                BlockView({b: 0 for b in range(1, 12)}, {1}, list(range(1, 12)), 11), [], [], set(), {}
+            )
             for check in census_checks(step, result):
                 rec.leak_check(check)
     return target

@@ -21,9 +21,27 @@ TIMEOUT_S = 60
 @pytest.fixture(scope="module")
 def capture_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tenants") / "multi-tenant.db"
-    done = subprocess.run([sys.executable, "-m", "kvscope", "run", "--workload", "multi-tenant", "--num-requests",
-                           "24", "--cache", "radix", "--capture", str(path), "--no-report"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvscope",
+            "run",
+            "--workload",
+            "multi-tenant",
+            "--num-requests",
+            "24",
+            "--cache",
+            "radix",
+            "--capture",
+            str(path),
+            "--no-report",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return path
 
@@ -43,8 +61,9 @@ def request_count(at: AppTest) -> int:
     return int({m.label: m.value for m in at.metric}["requests"].replace(",", ""))
 
 
-def test_the_sidebar_lists_the_runs_tenants_and_defaults_to_all(capture_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_sidebar_lists_the_runs_tenants_and_defaults_to_all(
+    capture_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(capture_path, "requests", monkeypatch)
     picker = at.selectbox(key=tenants.TENANT_KEY)
     requests = Capture(capture_path).requests(1)
@@ -53,8 +72,9 @@ def test_the_sidebar_lists_the_runs_tenants_and_defaults_to_all(capture_path: Pa
     assert request_count(at) == len(requests) == 24  # the control: all tenants, every request
 
 
-def test_picking_a_tenant_filters_the_requests_and_goes_in_the_url(capture_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_picking_a_tenant_filters_the_requests_and_goes_in_the_url(
+    capture_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(capture_path, "requests", monkeypatch)
     at.selectbox(key=tenants.TENANT_KEY).set_value("t1").run()
     assert not at.exception
@@ -67,8 +87,9 @@ def test_picking_a_tenant_filters_the_requests_and_goes_in_the_url(capture_path:
     assert request_count(at) == len(requests) and "tenant" not in at.query_params
 
 
-def test_a_link_opens_with_its_tenant_and_a_bad_one_is_a_note(capture_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_link_opens_with_its_tenant_and_a_bad_one_is_a_note(
+    capture_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(capture_path, "requests", monkeypatch, {"tenant": "t2"})
     assert at.selectbox(key=tenants.TENANT_KEY).value == "t2"
     assert not any("tenant" in i.value for i in at.info)
@@ -78,7 +99,8 @@ def test_a_link_opens_with_its_tenant_and_a_bad_one_is_a_note(capture_path: Path
 
 
 def test_memory_page_shows_reuse_share_tokens_per_tenant_and_why_there_are_no_promotions(
-        capture_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    capture_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(capture_path, "memory", monkeypatch)
     reuse = reuse_by_principal(Capture(capture_path), 1)
     share = reuse["cross_tokens"].sum() / reuse["matched_tokens"].sum()
@@ -89,8 +111,9 @@ def test_memory_page_shows_reuse_share_tokens_per_tenant_and_why_there_are_no_pr
     assert "From the latest tree snapshot" in captions
     at.selectbox(key=tenants.TENANT_KEY).set_value("t2").run()
     of_t2 = tenants.reuse_share(reuse, "t2")
-    assert {m.label: m.value for m in at.metric}["cross-principal reuse share (requests of tenant t2)"] == \
-        f"{of_t2.share:.1%}"
+    assert {m.label: m.value for m in at.metric}[
+        "cross-principal reuse share (requests of tenant t2)"
+    ] == f"{of_t2.share:.1%}"
 
 
 def test_tree_page_colours_by_visibility_and_by_owner(capture_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,9 +128,15 @@ def test_tree_page_colours_by_visibility_and_by_owner(capture_path: Path, monkey
 
 
 def test_cache_by_tenant_sums_tokens_by_owner_tenant_and_visibility() -> None:
-    nodes = pd.DataFrame({"node_id": [0, 1, 2, 3, 4], "parent_id": [None, 0, 1, 0, 0],
-                          "num_tokens": [0, 8, 4, 5, 2], "owner": [None, "t1-a", "t1-b", "acme/x", None],
-                          "visibility": [None, "public", "private", "private", None]})
+    nodes = pd.DataFrame(
+        {
+            "node_id": [0, 1, 2, 3, 4],
+            "parent_id": [None, 0, 1, 0, 0],
+            "num_tokens": [0, 8, 4, 5, 2],
+            "owner": [None, "t1-a", "t1-b", "acme/x", None],
+            "visibility": [None, "public", "private", "private", None],
+        }
+    )
     table = tenants.cache_by_tenant(nodes)
     assert table.to_dict("records") == [
         {"tenant": "acme", "visibility": "private", "num_tokens": 5, "num_nodes": 1},
@@ -120,8 +149,7 @@ def test_cache_by_tenant_sums_tokens_by_owner_tenant_and_visibility() -> None:
 
 
 def test_visibility_changes_chart_puts_demotions_below_zero() -> None:
-    changes = pd.DataFrame({"step": [2, 3], "kind": ["promote", "demote"], "num_events": [2, 1],
-                            "num_tokens": [7, 6]})
+    changes = pd.DataFrame({"step": [2, 3], "kind": ["promote", "demote"], "num_events": [2, 1], "num_tokens": [7, 6]})
     figure = charts.visibility_changes_figure(changes)
     assert {t.name: list(t.y) for t in figure.data} == {"promoted tokens": [7], "demoted tokens": [-6]}
 

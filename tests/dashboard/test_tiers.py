@@ -39,10 +39,15 @@ BYTES_PER_TOKEN = kv_fingerprint(model_config("tiny"))["full_bytes_per_token"]
 def record(path: Path, cache: CacheConfig, num_requests: int) -> Path:
     """A real engine run recorded at level full, with the run config `kvscope run` writes."""
     model = model_config("tiny")
-    config = EngineConfig(pool=PoolConfig(kv_size_tokens=622, max_running_requests=16, max_context_len=2048),
-                          cache=cache, scheduler=SchedulerConfig(chunked_prefill_size=64), device="cpu")
-    recorder = SQLRecorder(path, level="full", label=cache.kind,
-                           config={"engine": config.fingerprint(), "kv": kv_fingerprint(model)})
+    config = EngineConfig(
+        pool=PoolConfig(kv_size_tokens=622, max_running_requests=16, max_context_len=2048),
+        cache=cache,
+        scheduler=SchedulerConfig(chunked_prefill_size=64),
+        device="cpu",
+    )
+    recorder = SQLRecorder(
+        path, level="full", label=cache.kind, config={"engine": config.fingerprint(), "kv": kv_fingerprint(model)}
+    )
     engine = Engine(config, model, recorder)
     engine.run(to_engine_requests(generate("multi-turn", num_requests=num_requests, seed=0)))
     recorder.close()
@@ -116,8 +121,9 @@ def metrics(at: AppTest) -> dict[str, str]:
     return {m.label: m.value for m in at.metric}
 
 
-def test_the_tiers_page_shows_both_tiers_with_the_captures_numbers(hiradix_db: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_tiers_page_shows_both_tiers_with_the_captures_numbers(
+    hiradix_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rows = usage_rows(hiradix_db)
     assert len(rows) < data.MAX_POINTS  # not downsampled: every row is a point
     last = rows[-1]
@@ -149,8 +155,9 @@ def test_the_tiers_page_shows_both_tiers_with_the_captures_numbers(hiradix_db: P
     assert share[-1] == pytest.approx(last["cum_host_hit_tokens"] / last["cum_hit_tokens"])
 
 
-def test_rates_in_bytes_are_tokens_times_the_kv_bytes_of_a_token(hiradix_db: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rates_in_bytes_are_tokens_times_the_kv_bytes_of_a_token(
+    hiradix_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(hiradix_db, monkeypatch)
     in_tokens = values(figures(at)[charts.tiers.WRITTEN], charts.tiers.WRITTEN)
     at.radio(key="tiers.unit").set_value("bytes").run()
@@ -161,8 +168,9 @@ def test_rates_in_bytes_are_tokens_times_the_kv_bytes_of_a_token(hiradix_db: Pat
     assert max(in_bytes) > 0
 
 
-def test_a_capture_without_the_kv_size_shows_tokens_and_says_why(hiradix_db: Path, tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_capture_without_the_kv_size_shows_tokens_and_says_why(
+    hiradix_db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     older = tmp_path / "no-kv.db"
     older.write_bytes(hiradix_db.read_bytes())
     with sqlite3.connect(older) as conn:
@@ -180,7 +188,8 @@ def test_a_single_tier_run_gets_one_caption(radix_db: Path, monkeypatch: pytest.
     at = open_page(radix_db, monkeypatch)
     assert [c.value for c in at.caption if "one tier" in c.value] == [
         "This run used the radix cache: one tier (the device). A host tier needs `--cache hiradix` (and a capture "
-        "of schema version 4 or later)."]
+        "of schema version 4 or later)."
+    ]
     assert not at.get("plotly_chart") and not at.metric and not at.error
 
 
@@ -191,8 +200,9 @@ def test_older_and_single_tier_samples_open_the_tiers_page(sample: Path, monkeyp
     assert any("one tier (the device)" in c.value for c in at.caption)
 
 
-def test_damaged_events_are_one_line_and_the_usage_charts_stay(hiradix_db: Path, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_damaged_events_are_one_line_and_the_usage_charts_stay(
+    hiradix_db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kvscope.telemetry import store
 
     path = tmp_path / "damaged.db"
@@ -200,8 +210,12 @@ def test_damaged_events_are_one_line_and_the_usage_charts_stay(hiradix_db: Path,
     with sqlite3.connect(path) as conn:
         page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
         # NOTE: every page of the packed event columns (leaves and the blobs' overflow pages)
-        leaves = [p for (p,) in conn.execute("SELECT pageno FROM dbstat WHERE name = 'event_columns' "
-                                             "AND pagetype IN ('leaf', 'overflow')")]
+        leaves = [
+            p
+            for (p,) in conn.execute(
+                "SELECT pageno FROM dbstat WHERE name = 'event_columns' AND pagetype IN ('leaf', 'overflow')"
+            )
+        ]
     conn.close()
     with path.open("r+b") as fh:
         for page in leaves:  # the events only: runs and usage stay readable
@@ -214,8 +228,11 @@ def test_damaged_events_are_one_line_and_the_usage_charts_stay(hiradix_db: Path,
 
 
 def tier_legend(at: AppTest) -> list[str]:
-    icicle = next(spec for spec in map(json.loads, (c.proto.spec for c in at.get("plotly_chart")))
-                  if spec["data"][0]["type"] == "icicle")
+    icicle = next(
+        spec
+        for spec in map(json.loads, (c.proto.spec for c in at.get("plotly_chart")))
+        if spec["data"][0]["type"] == "icicle"
+    )
     return sorted(t["name"] for t in icicle["data"] if t["type"] == "scatter")
 
 
@@ -242,8 +259,14 @@ def test_a_table_without_tiers_is_all_device() -> None:
 
 
 def test_copy_rates_divide_by_the_time_between_rows() -> None:
-    usage = pd.DataFrame({"step": [0, 4, 9], "t_mono": [0.0, 2.0, 2.0],
-                                            "cum_written_tokens": [0, 100, 150], "cum_loaded_tokens": [0, 0, 30]})
+    usage = pd.DataFrame(
+        {
+            "step": [0, 4, 9],
+            "t_mono": [0.0, 2.0, 2.0],
+            "cum_written_tokens": [0, 100, 150],
+            "cum_loaded_tokens": [0, 0, 30],
+        }
+    )
     rates = charts.copy_rates(usage, bytes_per_token=8)
     assert rates["written_tokens_per_s"].iloc[0] == 50 and rates["written_bytes_per_s"].iloc[0] == 400
     assert rates["loaded_tokens_per_s"].isna().iloc[1]  # no time passed: no rate, never infinity
@@ -260,13 +283,30 @@ def live_capture(tmp_path: Path) -> Iterator[tuple[Path, SQLRecorder]]:
 
 def host_sample(step: int) -> UsageSample:
     """Step s: the host holds 10 s tokens of 200, 5 s of the 20 s hit tokens came from it."""
-    return UsageSample(step, PoolTerms(100, 60, 30, 10), None, 4, 2, 2, 0, 40 * step, 20 * step, step, step, 0, 0,
-                       host=PoolTerms(200, 200 - 10 * step, 10 * step, 0), cum_host_hit_tokens=5 * step,
-                       cum_written_tokens=10 * step, cum_loaded_tokens=5 * step)
+    return UsageSample(
+        step,
+        PoolTerms(100, 60, 30, 10),
+        None,
+        4,
+        2,
+        2,
+        0,
+        40 * step,
+        20 * step,
+        step,
+        step,
+        0,
+        0,
+        host=PoolTerms(200, 200 - 10 * step, 10 * step, 0),
+        cum_host_hit_tokens=5 * step,
+        cum_written_tokens=10 * step,
+        cum_loaded_tokens=5 * step,
+    )
 
 
-def test_a_running_capture_refreshes_the_tiers_page(live_capture: tuple[Path, SQLRecorder],
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_running_capture_refreshes_the_tiers_page(
+    live_capture: tuple[Path, SQLRecorder], monkeypatch: pytest.MonkeyPatch
+) -> None:
     db, recorder = live_capture
     for step in range(1, 4):
         recorder.step = step

@@ -28,8 +28,9 @@ def test_the_config_anchor_wins_and_older_captures_fall_back_to_started_at() -> 
     assert anchored == Clock(1_700_000_000.0, 500.0, True)
     assert anchored.wall(512.5) == 1_700_000_012.5
     assert clock_of({}, 1_700_000_000.0, 40.0) == Clock(1_700_000_000.0, 40.0, False)
-    assert clock_of({"clock": {"wall_s": "x", "mono_s": None}}, 1_700_000_000.0, 40.0) == Clock(1_700_000_000.0,
-                                                                                               40.0, False)
+    assert clock_of({"clock": {"wall_s": "x", "mono_s": None}}, 1_700_000_000.0, 40.0) == Clock(
+        1_700_000_000.0, 40.0, False
+    )
     assert clock_of({}, None, 40.0) is None and clock_of({}, 1.0, float("nan")) is None
 
 
@@ -44,11 +45,16 @@ def test_a_time_is_shown_as_local_wall_time_to_the_millisecond() -> None:
 
 def requests_frame() -> pd.DataFrame:
     """Four requests (seconds): queue 1, 2, 3 and one never admitted; one never finished."""
-    return pd.DataFrame({
-        "rid": ["a", "b", "c", "d"], "status": ["finished", "finished", "in_flight", "unfinished"],
-        "arrive_t": [10.0, 10.0, 10.0, 10.0], "admit_t": [11.0, 12.0, 13.0, None],
-        "first_token_t": [11.5, 12.5, 13.5, None], "finish_t": [14.0, 16.0, None, None],
-    })
+    return pd.DataFrame(
+        {
+            "rid": ["a", "b", "c", "d"],
+            "status": ["finished", "finished", "in_flight", "unfinished"],
+            "arrive_t": [10.0, 10.0, 10.0, 10.0],
+            "admit_t": [11.0, 12.0, 13.0, None],
+            "first_token_t": [11.5, 12.5, 13.5, None],
+            "finish_t": [14.0, 16.0, None, None],
+        }
+    )
 
 
 def test_latencies_leave_out_the_stages_a_request_never_reached() -> None:
@@ -64,8 +70,14 @@ def test_latencies_leave_out_the_stages_a_request_never_reached() -> None:
 
 
 def test_hit_rate_and_tokens_per_second_come_from_the_running_totals() -> None:
-    usage = pd.DataFrame({"step": [0, 1, 2, 3], "t_mono": [100.0, 101.0, 102.0, 104.0],
-                          "cum_prompt_tokens": [0, 100, 300, 300], "cum_hit_tokens": [0, 50, 200, 200]})
+    usage = pd.DataFrame(
+        {
+            "step": [0, 1, 2, 3],
+            "t_mono": [100.0, 101.0, 102.0, 104.0],
+            "cum_prompt_tokens": [0, 100, 300, 300],
+            "cum_hit_tokens": [0, 50, 200, 200],
+        }
+    )
     series = throughput(usage, Clock(1_700_000_000.0, 100.0, True), window_rows=1)
     assert series["hit rate so far"].tolist()[1:] == [0.5, 200 / 300, 200 / 300]
     assert series["hit rate (window)"].iloc[2] == 0.75  # 150 of the 200 prompt tokens in (101, 102]
@@ -88,12 +100,17 @@ def record_requests(db: Path) -> dict[str, float]:
     with SQLRecorder(db, level="summary", label="timing") as rec:
         for step in range(3):
             rec.step = step
-            rec.usage(UsageSample(step, PoolTerms(100, 80, 10, 0), None, 4, 4, 0, 0, 50 * step, 20 * step, step,
-                                  step, 0, 0))
+            rec.usage(
+                UsageSample(step, PoolTerms(100, 80, 10, 0), None, 4, 4, 0, 0, 50 * step, 20 * step, step, step, 0, 0)
+            )
         for rid, queue_s in (("r1", 0.010), ("r2", 0.030)):
             record = RequestRecord(rid, "u", 50, status="finished", output_len=4)
-            for moment, offset in (("arrive", 0.0), ("admit", queue_s), ("first_token", queue_s + 0.005),
-                                   ("finish", queue_s + 0.100)):
+            for moment, offset in (
+                ("arrive", 0.0),
+                ("admit", queue_s),
+                ("first_token", queue_s + 0.005),
+                ("finish", queue_s + 0.100),
+            ):
                 record.mark(moment, 0, 1000.0 + offset)
             rec.request(record)
     with sqlite3.connect(db) as conn:
@@ -101,8 +118,9 @@ def record_requests(db: Path) -> dict[str, float]:
     return dict(json.loads(config)["clock"])
 
 
-def test_requests_page_shows_latency_percentiles_and_wall_clock_times(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_requests_page_shows_latency_percentiles_and_wall_clock_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     db = tmp_path / "timing.db"
     anchor = record_requests(db)
     at = open_page(db, "requests", monkeypatch)

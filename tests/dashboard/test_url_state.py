@@ -39,8 +39,9 @@ def test_parse_keeps_good_values_and_notes_bad_ones() -> None:
 
 
 def test_a_link_opens_the_tree_at_its_step_and_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    at = open_link(LEAKY, "tree", {"capture": "sample_runs/leaky.db", "run": "1", "step": "20", "node": "31"},
-                   monkeypatch)
+    at = open_link(
+        LEAKY, "tree", {"capture": "sample_runs/leaky.db", "run": "1", "step": "20", "node": "31"}, monkeypatch
+    )
     assert not at.exception, [e.value for e in at.exception]
     assert at.caption[0].value.startswith("Step 20:")
     assert at.slider(key="tree.step").value == 20 and at.selectbox(key="tree.node").value == 31
@@ -62,13 +63,16 @@ def _param(at: AppTest, key: str) -> str | None:
     return value[0] if isinstance(value, list) else value
 
 
-@pytest.mark.parametrize("params, note", [
-    ({"step": "abc"}, "step 'abc' is not a whole number"),
-    ({"step": "999"}, "step 999 is outside this run's steps 1–38"),
-    ({"run": "7"}, "run 7 is not in this capture"),
-    ({"capture": "/etc/passwd"}, "capture '/etc/passwd' is not one this dashboard lists"),
-    ({"node": "4242", "step": "20"}, "node 4242 is not in the tree at this step"),
-])
+@pytest.mark.parametrize(
+    "params, note",
+    [
+        ({"step": "abc"}, "step 'abc' is not a whole number"),
+        ({"step": "999"}, "step 999 is outside this run's steps 1–38"),
+        ({"run": "7"}, "run 7 is not in this capture"),
+        ({"capture": "/etc/passwd"}, "capture '/etc/passwd' is not one this dashboard lists"),
+        ({"node": "4242", "step": "20"}, "node 4242 is not in the tree at this step"),
+    ],
+)
 def test_a_bad_link_falls_back_with_a_note(params: dict[str, str], note: str, monkeypatch: pytest.MonkeyPatch) -> None:
     at = open_link(LEAKY, "tree", params, monkeypatch)
     assert not at.exception, [e.value for e in at.exception]
@@ -120,17 +124,24 @@ def test_the_chosen_step_stays_while_a_live_run_grows(tmp_path: Path, monkeypatc
         recorder.close()
 
 
-def test_every_status_reads_the_same_in_the_picker_and_the_status_line(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_status_reads_the_same_in_the_picker_and_the_status_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     db = tmp_path / "ends.db"
-    for status, error in (("finished", None), ("interrupted", None), ("crashed", "ValueError: boom"),
-                          ("incomplete", "capture complete through step 2: database or disk is full")):
+    for status, error in (
+        ("finished", None),
+        ("interrupted", None),
+        ("crashed", "ValueError: boom"),
+        ("incomplete", "capture complete through step 2: database or disk is full"),
+    ):
         recorder = SQLRecorder(db, level="summary", label=status)
         grow(recorder, range(3))
         recorder.close(status, error)
-    for run_id, status, error in ((3, "crashed", "ValueError: boom"),
-                                  (4, "incomplete", "capture complete through step 2: database or disk is full"),
-                                  (2, "interrupted", None)):
+    for run_id, status, error in (
+        (3, "crashed", "ValueError: boom"),
+        (4, "incomplete", "capture complete through step 2: database or disk is full"),
+        (2, "interrupted", None),
+    ):
         at = open_link(db, "overview", {"run": str(run_id)}, monkeypatch)
         assert not at.exception, [e.value for e in at.exception]
         picker = at.sidebar.selectbox(key="kvscope.run")

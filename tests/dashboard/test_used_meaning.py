@@ -26,9 +26,17 @@ def test_the_overview_says_used_as_sglang_and_diff_do(monkeypatch: pytest.Monkey
 
 
 def test_the_live_chart_calls_total_minus_free_allocated() -> None:
-    usage = pd.DataFrame({"step": [1, 2], "full_total": [100, 100], "full_available": [60, 40],
-                          "full_evictable": [10, 30], "full_protected": [5, 5], "num_running": [1, 1],
-                          "num_waiting": [0, 0]})
+    usage = pd.DataFrame(
+        {
+            "step": [1, 2],
+            "full_total": [100, 100],
+            "full_available": [60, 40],
+            "full_evictable": [10, 30],
+            "full_protected": [5, 5],
+            "num_running": [1, 1],
+            "num_waiting": [0, 0],
+        }
+    )
     figure = charts.live_usage_figure(usage)
     names = [trace.name for trace in figure.data]
     assert "full allocated" in names and "full used" not in names

@@ -49,8 +49,10 @@ def test_a_failed_leak_check_is_shown_whole_in_red(monkeypatch: pytest.MonkeyPat
     assert verdict.startswith(f"**{check_reason(LEAKY)}**")
     assert "idle leak check failed at step 38" in verdict
     # the check's own message, whole: every term and the gap
-    assert ("[full] total=2048, available=260, evictable=988, protected=760, held=0, uncached=0: 40 tokens missing"
-            in verdict)
+    assert (
+        "[full] total=2048, available=260, evictable=988, protected=760, held=0, uncached=0: 40 tokens missing"
+        in verdict
+    )
     assert "760 tokens still locked at an idle point" in verdict
 
 
@@ -74,15 +76,22 @@ def test_a_clean_finished_run_is_green(monkeypatch: pytest.MonkeyPatch) -> None:
     assert check_reason(CLEAN).startswith("clean: 1 idle leak check balanced")
 
 
-@pytest.mark.parametrize(("status", "error", "reason"), [
-    ("interrupted", None, "the run was interrupted"),
-    ("crashed", "RuntimeError: boom", "the run crashed (RuntimeError: boom)"),
-    ("incomplete", "capture complete through step 30: database or disk is full",
-     "the capture is incomplete (capture complete through step 30: database or disk is full)"),
-    ("running", None, "the run ended without closing"),  # its heartbeat is long stale
-])
-def test_a_run_that_did_not_finish_is_inconclusive_not_clean(tmp_path: Path, status: str, error: str | None,
-                                                             reason: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("status", "error", "reason"),
+    [
+        ("interrupted", None, "the run was interrupted"),
+        ("crashed", "RuntimeError: boom", "the run crashed (RuntimeError: boom)"),
+        (
+            "incomplete",
+            "capture complete through step 30: database or disk is full",
+            "the capture is incomplete (capture complete through step 30: database or disk is full)",
+        ),
+        ("running", None, "the run ended without closing"),  # its heartbeat is long stale
+    ],
+)
+def test_a_run_that_did_not_finish_is_inconclusive_not_clean(
+    tmp_path: Path, status: str, error: str | None, reason: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = copy_with_status(tmp_path, status, error)
     at = open_app(path, monkeypatch)
     assert not at.exception and not at.success and not at.error
@@ -90,8 +99,9 @@ def test_a_run_that_did_not_finish_is_inconclusive_not_clean(tmp_path: Path, sta
     assert at.warning[0].value == f"**{check_reason(path)}**"
 
 
-def test_a_leak_in_a_run_that_did_not_finish_is_still_a_failure(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_leak_in_a_run_that_did_not_finish_is_still_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "leaky-crashed.db"
     shutil.copyfile(LEAKY, path)
     with sqlite3.connect(path) as conn:
@@ -110,7 +120,8 @@ def test_a_finished_run_counts_evictions_over_its_whole_length(monkeypatch: pyte
     with sqlite3.connect(SWA) as conn:
         started, ended = conn.execute("SELECT started_at, ended_at FROM runs").fetchone()
     assert f"{10 / (ended - started):.1f} per second on average over its {ended - started:.1f} s" in (
-        shown["evictions (whole run)"].help)
+        shown["evictions (whole run)"].help
+    )
 
 
 def test_running_requests_slots_count_a_shared_prefix_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,7 +132,8 @@ def test_running_requests_slots_count_a_shared_prefix_once(monkeypatch: pytest.M
     step = at.slider(key="memory.step").value
     with sqlite3.connect(LEAKY) as conn:
         total, available, evictable = conn.execute(
-            "SELECT full_total, full_available, full_evictable FROM usage WHERE step = ?", (step,)).fetchone()
+            "SELECT full_total, full_available, full_evictable FROM usage WHERE step = ?", (step,)
+        ).fetchone()
     held, of = metrics(at)["running requests' slots"].split(" of ")
     assert int(of.replace(",", "")) == total == 2048
     assert int(held.replace(",", "")) == total - available - evictable <= total
@@ -169,23 +181,26 @@ def test_capacity_page_defaults_to_this_machines_gpu(monkeypatch: pytest.MonkeyP
     assert at.number_input(key="capacity.gpu").value == round(float(probed["memory_total_mib"].iloc[0]) / 1024, 1)
 
 
-def test_a_running_run_shows_a_labelled_recent_rate_and_no_verdict_yet(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_running_run_shows_a_labelled_recent_rate_and_no_verdict_yet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     db = tmp_path / "live.db"
     recorder = SQLRecorder(db, level="full", label="live")
     try:
         for step in range(3):
             recorder.step = step
             recorder.usage(UsageSample(step, PoolTerms(100, 60, 30, 10), None, 4, 2, 2, 0, 0, 0, 0, 0, 0, 0))
-            recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=step, num_tokens=4,
-                            reason=EvictReason.CAPACITY)
+            recorder.record(
+                EventKind.EVICT, pool=PoolName.FULL, node_id=step, num_tokens=4, reason=EvictReason.CAPACITY
+            )
         recorder.flush()
         at = open_app(db, monkeypatch)
         assert not at.exception
         labels = [m.label for m in at.metric]
         assert any(label.startswith("evictions / s (last ") for label in labels), labels
         assert "evictions (whole run)" not in labels
-        assert at.warning[0].value.startswith("**inconclusive: the run is still running at step 2; 0 idle leak "
-                                              "checks balanced so far")
+        assert at.warning[0].value.startswith(
+            "**inconclusive: the run is still running at step 2; 0 idle leak checks balanced so far"
+        )
     finally:
         recorder.close()

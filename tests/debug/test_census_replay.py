@@ -27,6 +27,7 @@ TAKERS = {4: ("r2", 2, "alloc"), 5: ("r3", 3, "alloc"), 2: ("r3", 3, "alloc")}
 def write(target: Path, *, drop: EventKind | None = None) -> Path:
     """The probe's capture of three requests (an event of kind `drop` left out)."""
     with SQLRecorder(target, config={"source": {"kind": "probe", "engine": "vllm", "version": "0.32.0"}}) as rec:
+
         def event(kind: EventKind, rid: str, slots: list[int], **extra: object) -> None:
             if kind != drop:
                 rec.record(kind, pool=FULL, rid=rid, num_tokens=len(slots), slots=slots, aux=0, **extra)  # type: ignore[arg-type]
@@ -88,9 +89,13 @@ def test_a_missing_event_does_not_replay_to_the_census(tmp_path: Path, drop: Eve
 
 def test_stored_terms_are_read_from_the_census_text() -> None:
     assert stored_term("leaked", None) == Term(0, ())
-    assert stored_term("leaked", "2 blocks leaked: block 4 ref 1, accounted 0; last taken by request r-7 (alloc at "
-                                 "step 2); block 9 ref 2, accounted 0; taker not recorded") == Term(2, ((4, 1), (9, 2)))
-    assert stored_term("unqueued", "10 blocks with ref 0 missing from the free queue: 1, 2, 3, 4, 5, 6, 7, 8 (+2 more)"
-                       ) == Term(10, tuple((b, None) for b in range(1, 9)))
+    assert stored_term(
+        "leaked",
+        "2 blocks leaked: block 4 ref 1, accounted 0; last taken by request r-7 (alloc at "
+        "step 2); block 9 ref 2, accounted 0; taker not recorded",
+    ) == Term(2, ((4, 1), (9, 2)))
+    assert stored_term(
+        "unqueued", "10 blocks with ref 0 missing from the free queue: 1, 2, 3, 4, 5, 6, 7, 8 (+2 more)"
+    ) == Term(10, tuple((b, None) for b in range(1, 9)))
     with pytest.raises(ValueError, match="cannot read"):
         stored_term("qheld", "something else")

@@ -27,17 +27,20 @@ def first(report: EngineLogReport, pool: str) -> str:
     return next(p for p in report.leaks[0].pools if p.pool == pool).words()
 
 
-@pytest.mark.parametrize(("name", "family", "pool", "words"), [
-    ("sglang-0.4.6-issue6888.log", "0.4.6", "full", "4224 tokens counted twice"),
-    ("sglang-0.4.6-warnings.log", "0.4.6", "full", "7 tokens missing"),
-    ("sglang-0.5.3-issue11970.log", "0.4.10", "full", "59 tokens missing"),
-    ("sglang-0.5.10-session.log", "0.5.6–0.5.10", "full", "488 tokens missing"),
-    ("sglang-0.5.10-swa.log", "0.5.6–0.5.10", "swa", "21 tokens missing"),
-    ("sglang-0.5.8-mamba-pr16067.log", "0.5.6–0.5.10", "mamba", "1 slots missing"),
-    ("sglang-0.5.9-busy-issue19081.log", "0.5.6–0.5.10", "full", "64 tokens missing"),
-    ("sglang-0.5.18-swa-crash.log", "0.5.14–0.5.23", "full", "288 tokens missing"),
-    ("sglang-0.5.23-strict-off.log", "0.5.14–0.5.23", "full", "496 tokens missing"),
-])
+@pytest.mark.parametrize(
+    ("name", "family", "pool", "words"),
+    [
+        ("sglang-0.4.6-issue6888.log", "0.4.6", "full", "4224 tokens counted twice"),
+        ("sglang-0.4.6-warnings.log", "0.4.6", "full", "7 tokens missing"),
+        ("sglang-0.5.3-issue11970.log", "0.4.10", "full", "59 tokens missing"),
+        ("sglang-0.5.10-session.log", "0.5.6–0.5.10", "full", "488 tokens missing"),
+        ("sglang-0.5.10-swa.log", "0.5.6–0.5.10", "swa", "21 tokens missing"),
+        ("sglang-0.5.8-mamba-pr16067.log", "0.5.6–0.5.10", "mamba", "1 slots missing"),
+        ("sglang-0.5.9-busy-issue19081.log", "0.5.6–0.5.10", "full", "64 tokens missing"),
+        ("sglang-0.5.18-swa-crash.log", "0.5.14–0.5.23", "full", "288 tokens missing"),
+        ("sglang-0.5.23-strict-off.log", "0.5.14–0.5.23", "full", "496 tokens missing"),
+    ],
+)
 def test_each_release_family_gives_its_pools_deficit(name: str, family: str, pool: str, words: str) -> None:
     report = read_engine_log(DATA / name)
     assert report.leaks
@@ -61,9 +64,11 @@ def test_pool_lines_read_exactly_like_kvscopes_own_leak_check() -> None:
 
 
 def test_idle_lock_is_named_in_kvscopes_words_when_the_pool_balances() -> None:
-    log = ["ValueError: pool memory leak detected! [full] total=100, available=60, evictable=30, protected=10, "
-           "session_held=0, uncached=0", "[swa] total=50, available=40, evictable=9, protected=0, session_held=0, "
-           "uncached=0"]
+    log = [
+        "ValueError: pool memory leak detected! [full] total=100, available=60, evictable=30, protected=10, "
+        "session_held=0, uncached=0",
+        "[swa] total=50, available=40, evictable=9, protected=0, session_held=0, uncached=0",
+    ]
     pools = scan(log).leaks[0].pools
     assert pools[0].line() == LeakCheck(0, "full", 100, 60, 30, 10, 0, 0).message()
     assert pools[0].words() == "10 tokens still locked at an idle point"
@@ -91,10 +96,13 @@ def test_swa_two_pool_message_keeps_each_pools_terms() -> None:
 
 
 def test_old_hybrid_swa_lines_fall_in_the_0410_family() -> None:
-    log = ["[2025-08-01 12:00:00 TP0] Scheduler hit an exception: Traceback (most recent call last):",
-           "ValueError: token_to_kv_pool_allocator memory leak detected! self.full_tokens_per_layer=1000, "
-           "full_available_size=600, full_evictable_size=390, full_protected_size=0",
-           "self.swa_tokens_per_layer=500, swa_available_size=400, swa_evictable_size=100, swa_protected_size=0", ""]
+    log = [
+        "[2025-08-01 12:00:00 TP0] Scheduler hit an exception: Traceback (most recent call last):",
+        "ValueError: token_to_kv_pool_allocator memory leak detected! self.full_tokens_per_layer=1000, "
+        "full_available_size=600, full_evictable_size=390, full_protected_size=0",
+        "self.swa_tokens_per_layer=500, swa_available_size=400, swa_evictable_size=100, swa_protected_size=0",
+        "",
+    ]
     leak = scan(log).leaks[0]
     assert leak.version_family == "0.4.10"
     assert [(p.pool, p.words()) for p in leak.pools] == [("full", "10 tokens missing"), ("swa", "")]
@@ -103,8 +111,13 @@ def test_old_hybrid_swa_lines_fall_in_the_0410_family() -> None:
 def test_prefixes_on_every_line_and_each_kind_of_message() -> None:
     report = read_engine_log(DATA / "sglang-0.5.23-strict-off.log")
     kinds = [(leak.line, leak.kind, leak.raised_as) for leak in report.leaks]
-    assert kinds == [(2, "pool-leak", "log"), (4, "req-pool-leak", "log"), (5, "use-after-free", "log"),
-                     (7, "pool-leak", "log"), (9, "pool-leak", "log")]
+    assert kinds == [
+        (2, "pool-leak", "log"),
+        (4, "req-pool-leak", "log"),
+        (5, "use-after-free", "log"),
+        (7, "pool-leak", "log"),
+        (9, "pool-leak", "log"),
+    ]
     pool_leak, req, uaf, again, pool_bytes = report.leaks
     assert [p.pool for p in pool_leak.pools] == ["full", "mamba"] and pool_leak.end_line == 3
     assert pool_leak.pools[1].leaked_pages == {"leaked_mamba_pages": "{33, 34}"}
@@ -116,9 +129,11 @@ def test_prefixes_on_every_line_and_each_kind_of_message() -> None:
 
 
 def test_a_source_line_quoting_the_text_is_not_a_message() -> None:
-    log = ["[2026-02-27 23:50:14 TP1] Scheduler hit an exception: Traceback (most recent call last):",
-           '    ), f"Mem Leak Detected! {total_tokens=} vs {self.max_total_num_tokens=}"',
-           "AssertionError: Mem Leak Detected! total_tokens=90 vs self.max_total_num_tokens=100"]
+    log = [
+        "[2026-02-27 23:50:14 TP1] Scheduler hit an exception: Traceback (most recent call last):",
+        '    ), f"Mem Leak Detected! {total_tokens=} vs {self.max_total_num_tokens=}"',
+        "AssertionError: Mem Leak Detected! total_tokens=90 vs self.max_total_num_tokens=100",
+    ]
     report = scan(log)
     assert [(leak.line, leak.pools[0].words()) for leak in report.leaks] == [(3, "10 tokens missing")]
 
@@ -131,22 +146,28 @@ def test_a_log_without_leak_messages_says_so() -> None:
 
 def test_bad_utf8_around_a_message_is_tolerated(tmp_path: Path) -> None:
     log = tmp_path / "mixed.log"
-    log.write_bytes(b"[2026-01-01 00:00:00 TP0] caf\xe9 \xff\xfe request text\n"
-                    b"ValueError: pool memory leak detected! [full] total=10, available=5, evictable=0, protected=0, "
-                    b"session_held=0, uncached=0\n\xc3\x28 more\n")
+    log.write_bytes(
+        b"[2026-01-01 00:00:00 TP0] caf\xe9 \xff\xfe request text\n"
+        b"ValueError: pool memory leak detected! [full] total=10, available=5, evictable=0, protected=0, "
+        b"session_held=0, uncached=0\n\xc3\x28 more\n"
+    )
     report = read_engine_log(log)
     assert [(leak.line, leak.pools[0].missing) for leak in report.leaks] == [(2, 5)]
 
 
 def test_a_huge_log_is_streamed_not_read_whole(tmp_path: Path) -> None:
     log = tmp_path / "huge.log"
-    filler = "[2026-01-01 00:00:00 TP0] Decode batch, #running-req: 12, #token: 4096, token usage: 0.42, " \
-             "cuda graph: True, gen throughput (token/s): 1000.00, #queue-req: 0\n"
+    filler = (
+        "[2026-01-01 00:00:00 TP0] Decode batch, #running-req: 12, #token: 4096, token usage: 0.42, "
+        "cuda graph: True, gen throughput (token/s): 1000.00, #queue-req: 0\n"
+    )
     with log.open("w") as out:
         for _ in range(100_000):
             out.write(filler)
-        out.write("ValueError: pool memory leak detected! [full] total=100, available=90, evictable=0, "
-                  "protected=0, session_held=0, uncached=0\n")
+        out.write(
+            "ValueError: pool memory leak detected! [full] total=100, available=90, evictable=0, "
+            "protected=0, session_held=0, uncached=0\n"
+        )
         for _ in range(100_000):
             out.write(filler)
     tracemalloc.start()
@@ -161,12 +182,18 @@ def test_a_huge_log_is_streamed_not_read_whole(tmp_path: Path) -> None:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvscope", "report", "engine-log", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", "report", "engine-log", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize(("kind", "why"), [("missing", "no such file"), ("directory", "is a directory"),
-                                           ("binary", "not a text log")])
+@pytest.mark.parametrize(
+    ("kind", "why"), [("missing", "no such file"), ("directory", "is a directory"), ("binary", "not a text log")]
+)
 def test_unreadable_input_is_one_line_and_exit_2(tmp_path: Path, kind: str, why: str) -> None:
     target = tmp_path / "server.log"
     if kind == "directory":
@@ -184,53 +211,96 @@ def test_cli_exit_codes_and_json_shape() -> None:
     `check` gates); the finding is the JSON's verdict."""
     clean = cli(str(DATA / "no-leak.log"), "--json")
     assert clean.returncode == 0
-    assert json.loads(clean.stdout) == {"log": str(DATA / "no-leak.log"), "lines_read": 8, "page_size": 16,
-                                        "messages": [],
-                                        "crash_lines": [], "verdict": "none"}
+    assert json.loads(clean.stdout) == {
+        "log": str(DATA / "no-leak.log"),
+        "lines_read": 8,
+        "page_size": 16,
+        "messages": [],
+        "crash_lines": [],
+        "verdict": "none",
+    }
     leaky = cli(str(DATA / "sglang-0.5.3-issue11970.log"), "--json")
     assert leaky.returncode == 0, leaky.stderr
     document = json.loads(leaky.stdout)
     assert document["verdict"] == "leak"
     message = document["messages"][0]
-    assert {"index", "line", "end_line", "timestamp", "timestamp_line", "rank", "kind", "check", "version_family",
-            "raised_as", "anchor", "pools", "pages", "notes", "text", "repeat_of", "cannot_tell",
-            "next_step"} == set(message)
-    assert (message["line"], message["timestamp"], message["version_family"]) == (14, "2025-10-22 09:15:11",
-                                                                                  "0.4.10")
-    assert message["pools"] == [{
-        "pool": "full", "total": 270331, "unit": "tokens", "idle": True, "missing": 59, "locked": 0,
-        "terms": {"available": 644, "evictable": 269628, "protected": 0}, "leaked_pages": {},
-        "printed": {"self.max_total_num_tokens": "270331", "available_size": "644", "evictable_size": "269628",
-                    "protected_size": "0"},
-        "words": "59 tokens missing"}]
+    assert {
+        "index",
+        "line",
+        "end_line",
+        "timestamp",
+        "timestamp_line",
+        "rank",
+        "kind",
+        "check",
+        "version_family",
+        "raised_as",
+        "anchor",
+        "pools",
+        "pages",
+        "notes",
+        "text",
+        "repeat_of",
+        "cannot_tell",
+        "next_step",
+    } == set(message)
+    assert (message["line"], message["timestamp"], message["version_family"]) == (14, "2025-10-22 09:15:11", "0.4.10")
+    assert message["pools"] == [
+        {
+            "pool": "full",
+            "total": 270331,
+            "unit": "tokens",
+            "idle": True,
+            "missing": 59,
+            "locked": 0,
+            "terms": {"available": 644, "evictable": 269628, "protected": 0},
+            "leaked_pages": {},
+            "printed": {
+                "self.max_total_num_tokens": "270331",
+                "available_size": "644",
+                "evictable_size": "269628",
+                "protected_size": "0",
+            },
+            "words": "59 tokens missing",
+        }
+    ]
     text = cli(str(DATA / "sglang-0.5.3-issue11970.log"))
-    assert text.returncode == 0 and "[full] total=270331, available=644, evictable=269628, protected=0: 59 tokens " \
-        "missing" in text.stdout and text.stdout.rstrip().endswith("verdict: leak")
+    assert (
+        text.returncode == 0
+        and "[full] total=270331, available=644, evictable=269628, protected=0: 59 tokens missing" in text.stdout
+        and text.stdout.rstrip().endswith("verdict: leak")
+    )
 
 
 def test_the_verb_never_loads_torch() -> None:
-    code = ("import sys; from kvscope.app.cli import main; "
-            f"code = main(['report', 'engine-log', {str(DATA / 'sglang-0.5.10-swa.log')!r}]); "
-            "print('torch loaded' if 'torch' in sys.modules else 'no torch', code)")
+    code = (
+        "import sys; from kvscope.app.cli import main; "
+        f"code = main(['report', 'engine-log', {str(DATA / 'sglang-0.5.10-swa.log')!r}]); "
+        "print('torch loaded' if 'torch' in sys.modules else 'no torch', code)"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.stdout.splitlines()[-1] == "no torch 0"
 
 
 def test_a_json_log_with_escaped_newlines_and_colour_codes_keeps_the_pools_apart() -> None:
-    log = ['{"time": "2026-05-01T10:00:00Z", "level": "ERROR", "msg": "pool memory leak detected! [full] total=100, '
-           'available=50, evictable=40, protected=0, session_held=0, uncached=0\\n[swa] total=30, available=20, '
-           'evictable=10, protected=0, session_held=0, uncached=0"}',
-           "\x1b[31m[2026-05-01 10:00:01 TP0] Full Pool Mem Leak Detected! [full] total=100, available=90, "
-           "evictable=0, protected=0, session_held=0, uncached=8\x1b[0m"]
+    log = [
+        '{"time": "2026-05-01T10:00:00Z", "level": "ERROR", "msg": "pool memory leak detected! [full] total=100, '
+        "available=50, evictable=40, protected=0, session_held=0, uncached=0\\n[swa] total=30, available=20, "
+        'evictable=10, protected=0, session_held=0, uncached=0"}',
+        "\x1b[31m[2026-05-01 10:00:01 TP0] Full Pool Mem Leak Detected! [full] total=100, available=90, "
+        "evictable=0, protected=0, session_held=0, uncached=8\x1b[0m",
+    ]
     first_leak, busy = scan(log).leaks
     assert [(p.pool, p.missing) for p in first_leak.pools] == [("full", 10), ("swa", 0)]
     assert (busy.check, busy.timestamp, busy.pools[0].words()) == ("busy", "2026-05-01 10:00:01", "2 tokens missing")
 
 
 def test_an_extra_term_of_a_modified_build_is_a_part_and_double_frees_are_found() -> None:
-    log = ["ValueError: pool memory leak detected! [full] total=500000, available=419745, evictable=90, "
-           "protected=0, session_held=0, uncached=0, withheld=80165",
-           "[2026-06-01 09:00:00 TP2] KV double free: sub-pool 1 has 4 duplicate pages."]
+    log = [
+        "ValueError: pool memory leak detected! [full] total=500000, available=419745, evictable=90, "
+        "protected=0, session_held=0, uncached=0, withheld=80165",
+        "[2026-06-01 09:00:00 TP2] KV double free: sub-pool 1 has 4 duplicate pages.",
+    ]
     pool_leak, double = scan(log).leaks
     assert pool_leak.pools[0].terms["withheld"] == 80165 and pool_leak.pools[0].missing == 0
     assert (double.kind, double.pages, double.rank) == ("double-free", {"sub_pool": 1, "duplicate_pages": 4}, "TP2")
@@ -238,8 +308,12 @@ def test_an_extra_term_of_a_modified_build_is_a_part_and_double_frees_are_found(
 
 def test_the_01_warning_with_its_terms_on_the_line_before() -> None:
     # sglang #105: `UserWarning: Warning: available_size=35244, max_total_num_token=42308` + `KV cache pool leak…`
-    log = ["[2024-01-26 15:23:01] /sglang/srt/managers/router/model_rpc.py:205: UserWarning: Warning: "
-           "available_size=35244, max_total_num_token=42308", "KV cache pool leak detected!", "  warnings.warn("]
+    log = [
+        "[2024-01-26 15:23:01] /sglang/srt/managers/router/model_rpc.py:205: UserWarning: Warning: "
+        "available_size=35244, max_total_num_token=42308",
+        "KV cache pool leak detected!",
+        "  warnings.warn(",
+    ]
     leak = scan(log).leaks[0]
     assert (leak.line, leak.version_family, leak.raised_as, leak.timestamp_line) == (1, "0.1", "UserWarning", 1)
     assert leak.pools[0].line() == "[full] total=42308, available=35244: 7064 tokens missing"

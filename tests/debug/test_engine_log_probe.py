@@ -8,12 +8,16 @@ from pathlib import Path
 
 from kvscope.debug.engine_log import render_text, scan
 
-PROBE_LINE = ("kvscope probe: page census (SGLang's leak check failed) at step 10, capture {capture} run 1: [full] "
-              "1 page leaked (in no free list, tree or live row): page 7 (slots 28-31) last taken by request req-C "
-              "(decode at step 9)")
-SGLANG = ["[2026-11-26 10:00:00 TP0] Scheduler hit an exception: Traceback (most recent call last):",
-          "ValueError: pool memory leak detected! [full] total=64, available=24, evictable=24, protected=0, "
-          "session_held=0, uncached=12"]
+PROBE_LINE = (
+    "kvscope probe: page census (SGLang's leak check failed) at step 10, capture {capture} run 1: [full] "
+    "1 page leaked (in no free list, tree or live row): page 7 (slots 28-31) last taken by request req-C "
+    "(decode at step 9)"
+)
+SGLANG = [
+    "[2026-11-26 10:00:00 TP0] Scheduler hit an exception: Traceback (most recent call last):",
+    "ValueError: pool memory leak detected! [full] total=64, available=24, evictable=24, protected=0, "
+    "session_held=0, uncached=12",
+]
 
 
 def test_a_leak_message_points_to_the_probes_capture_and_its_culprits(tmp_path: Path) -> None:
@@ -22,8 +26,10 @@ def test_a_leak_message_points_to_the_probes_capture_and_its_culprits(tmp_path: 
     report = scan([PROBE_LINE.format(capture=capture), *SGLANG])
     assert [(p.line, p.step, p.capture, p.run_id) for p in report.probe] == [(1, 10, str(capture), 1)]
     text = render_text(report)
-    assert ("kvscope's probe (line 1, step 10): [full] 1 page leaked (in no free list, tree or live row): page 7 "
-            "(slots 28-31) last taken by request req-C (decode at step 9)") in text
+    assert (
+        "kvscope's probe (line 1, step 10): [full] 1 page leaked (in no free list, tree or live row): page 7 "
+        "(slots 28-31) last taken by request req-C (decode at step 9)"
+    ) in text
     assert f"culprits: kvscope report leaks {capture} --run 1" in text
     assert "cannot tell" not in text and "to find out" not in text
     assert report.to_dict()["probe"][0]["command"] == f"kvscope report leaks {capture} --run 1"

@@ -14,22 +14,38 @@ from kvscope.engine.config import CacheConfig, EngineConfig, PoolConfig, Schedul
 from kvscope.engine.faults import FaultSpec
 from kvscope.engine.model import model_config
 
-KIND_OF_LEAK = {"leak-tail": "orphaned", "swa-window-leak": "orphaned", "lock-leak": "lock-never-released",
-                "double-free": "double-free", "use-after-free": "use-after-free", "host-leak": "orphaned"}
+KIND_OF_LEAK = {
+    "leak-tail": "orphaned",
+    "swa-window-leak": "orphaned",
+    "lock-leak": "lock-never-released",
+    "double-free": "double-free",
+    "use-after-free": "use-after-free",
+    "host-leak": "orphaned",
+}
 CASES = [  # (fault, model, cache, page size)
-    ("leak-tail", "tiny", "radix", 1), ("leak-tail", "tiny", "radix", 4), ("leak-tail", "tiny", "chunk", 1),
+    ("leak-tail", "tiny", "radix", 1),
+    ("leak-tail", "tiny", "radix", 4),
+    ("leak-tail", "tiny", "chunk", 1),
     ("leak-tail", "tiny-swa,window=8", "swa-radix", 1),
-    ("lock-leak", "tiny", "radix", 1), ("lock-leak", "tiny", "radix", 4),
+    ("lock-leak", "tiny", "radix", 1),
+    ("lock-leak", "tiny", "radix", 4),
     ("lock-leak", "tiny-swa,window=8", "swa-radix", 1),
-    ("double-free", "tiny", "radix", 4), ("double-free", "tiny", "chunk", 1),
+    ("double-free", "tiny", "radix", 4),
+    ("double-free", "tiny", "chunk", 1),
     ("double-free", "tiny-swa,window=8", "swa-radix", 4),
-    ("use-after-free", "tiny", "radix", 1), ("use-after-free", "tiny", "chunk", 4),
+    ("use-after-free", "tiny", "radix", 1),
+    ("use-after-free", "tiny", "chunk", 4),
     ("use-after-free", "tiny-swa,window=8", "swa-radix", 1),
-    ("swa-window-leak", "tiny-swa,window=8", "swa-radix", 1), ("swa-window-leak", "tiny-swa,window=8", "chunk", 1),
-    ("leak-tail", "tiny", "scoped-radix", 1), ("leak-tail", "tiny", "scoped-radix", 4),
-    ("lock-leak", "tiny", "scoped-radix", 4), ("double-free", "tiny", "scoped-radix", 4),
+    ("swa-window-leak", "tiny-swa,window=8", "swa-radix", 1),
+    ("swa-window-leak", "tiny-swa,window=8", "chunk", 1),
+    ("leak-tail", "tiny", "scoped-radix", 1),
+    ("leak-tail", "tiny", "scoped-radix", 4),
+    ("lock-leak", "tiny", "scoped-radix", 4),
+    ("double-free", "tiny", "scoped-radix", 4),
     ("use-after-free", "tiny", "scoped-radix", 1),
-    ("host-leak", "tiny", "hiradix", 1), ("host-leak", "tiny", "hiradix", 4), ("lock-leak", "tiny", "hiradix", 1),
+    ("host-leak", "tiny", "hiradix", 1),
+    ("host-leak", "tiny", "hiradix", 4),
+    ("lock-leak", "tiny", "hiradix", 1),
     ("leak-tail", "tiny", "hiradix", 4),
 ]
 # NOTE: host-leak runs on tight pools (device leaves go to the host, host copies leave it); the other
@@ -39,22 +55,32 @@ TIGHT_HOST = {"kv_size_tokens": 400, "host_tokens": 300}
 
 def record(tmp_path: Path, fault: str, model: str, cache: str, page_size: int) -> Path:
     tight = fault == "host-leak"
-    engine = EngineConfig(pool=PoolConfig(kv_size_tokens=TIGHT_HOST["kv_size_tokens"] if tight else 3000,
-                                          page_size=page_size),
-                          cache=CacheConfig(kind=cache, host_tokens=TIGHT_HOST["host_tokens"] if tight else None),  # type: ignore[arg-type]
-                          scheduler=SchedulerConfig(chunked_prefill_size=64, swa_eviction_interval=4))
+    engine = EngineConfig(
+        pool=PoolConfig(kv_size_tokens=TIGHT_HOST["kv_size_tokens"] if tight else 3000, page_size=page_size),
+        cache=CacheConfig(kind=cache, host_tokens=TIGHT_HOST["host_tokens"] if tight else None),  # type: ignore[arg-type]
+        scheduler=SchedulerConfig(chunked_prefill_size=64, swa_eviction_interval=4),
+    )
     path = tmp_path / "c.db"
-    spec = RunSpec(engine=engine, model=model_config(model), workload="multi-turn", num_requests=16, seed=1,
-                   capture=path, faults=(FaultSpec.parse(f"{fault}:0.4"),), fault_seed=5,
-                   debug=fault == "use-after-free")
+    spec = RunSpec(
+        engine=engine,
+        model=model_config(model),
+        workload="multi-turn",
+        num_requests=16,
+        seed=1,
+        capture=path,
+        faults=(FaultSpec.parse(f"{fault}:0.4"),),
+        fault_seed=5,
+        debug=fault == "use-after-free",
+    )
     with open(tmp_path / "out.txt", "w") as out:
         run(spec, out=out)
     return path
 
 
 @pytest.mark.parametrize(("fault", "model", "cache", "page_size"), CASES)
-def test_the_report_names_exactly_the_injected_culprits(tmp_path: Path, fault: str, model: str, cache: str,
-                                                        page_size: int) -> None:
+def test_the_report_names_exactly_the_injected_culprits(
+    tmp_path: Path, fault: str, model: str, cache: str, page_size: int
+) -> None:
     report = build_report(record(tmp_path, fault, model, cache, page_size))
     injected = {(i["rid"], tuple(i["slots"])) for i in report.injected}
     assert injected, "the injector never fired; the test would prove little"
@@ -63,8 +89,9 @@ def test_the_report_names_exactly_the_injected_culprits(tmp_path: Path, fault: s
     assert {leak.kind for leak in report.root_leaks} == {KIND_OF_LEAK[fault]}, "a root cause of another kind"
     assert not report.clean
     if fault == "host-leak":  # no request owns a host copy: (node, host slots) is the ground truth
-        assert {(leak.rid, leak.node_id, leak.pool, tuple(leak.slots)) for leak in found} == \
-            {(None, i["node_id"], "host", tuple(sorted(i["slots"]))) for i in report.injected}
+        assert {(leak.rid, leak.node_id, leak.pool, tuple(leak.slots)) for leak in found} == {
+            (None, i["node_id"], "host", tuple(sorted(i["slots"]))) for i in report.injected
+        }
         left = {i["node_id"]: i["step"] for i in report.injected}
         assert all(leak.free_due_step == left[leak.node_id] for leak in found), "the step the copy left the tree"
         assert report.onset_step == min(left.values())
@@ -84,8 +111,9 @@ def test_the_report_names_exactly_the_injected_culprits(tmp_path: Path, fault: s
         assert {(leak.rid, tuple(sorted(leak.slots))) for leak in found} <= culprits
         assert culprits <= named
     else:
-        assert {(leak.rid, tuple(sorted(leak.slots))) for leak in found} == \
-            {(rid, tuple(sorted(slots))) for rid, slots in injected}
+        assert {(leak.rid, tuple(sorted(leak.slots))) for leak in found} == {
+            (rid, tuple(sorted(slots))) for rid, slots in injected
+        }
     assert all(leak.principal for leak in found if leak.rid), "culprits should carry their principal"
     if fault in ("leak-tail", "swa-window-leak"):
         assert report.first_failure_step is not None and report.onset_step is not None

@@ -19,8 +19,9 @@ TIGHT = ["--cache", "hiradix", "--kv-tokens", "400", "--host-tokens", "300"]  # 
 
 
 def kvscope(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, check=False,
-                          cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, check=False, cwd=cwd
+    )
 
 
 def test_a_host_leak_run_fails_the_check_naming_the_host_pool_and_the_node(tmp_path: Path) -> None:
@@ -41,8 +42,9 @@ def test_a_host_leak_run_fails_the_check_naming_the_host_pool_and_the_node(tmp_p
     assert any(line.strip().startswith("[host]") and line.endswith(" tokens missing") for line in text.splitlines())
 
 
-def test_host_leak_without_a_host_tier_is_one_error_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_host_leak_without_a_host_tier_is_one_error_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.chdir(tmp_path)
     code = main([*RUN, "--cache", "radix", "--inject", "host-leak", "--capture", "c.db"])
     err = capsys.readouterr().err

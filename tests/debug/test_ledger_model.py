@@ -11,16 +11,38 @@ from hypothesis import strategies as st
 from kvscope.debug.ledger import APPLY_COLUMNS, FREE, HOST_COPY, IGNORED_KINDS, REQUEST, TREE, Ledger
 from kvscope.telemetry import EventKind, schema
 
-KINDS = (EventKind.ALLOC, EventKind.FREE, EventKind.INSERT, EventKind.SPLIT, EventKind.EVICT, EventKind.REVIVE,
-         EventKind.REQUEST_ADMIT, EventKind.REQUEST_FINISH, EventKind.REQUEST_RETRACT, EventKind.REQUEST_ABORT,
-         EventKind.LOCK, EventKind.UNLOCK, EventKind.WRITE, EventKind.LOAD, EventKind.ACK, EventKind.HOST_EVICT,
-         EventKind.LEAK_CHECK)
+KINDS = (
+    EventKind.ALLOC,
+    EventKind.FREE,
+    EventKind.INSERT,
+    EventKind.SPLIT,
+    EventKind.EVICT,
+    EventKind.REVIVE,
+    EventKind.REQUEST_ADMIT,
+    EventKind.REQUEST_FINISH,
+    EventKind.REQUEST_RETRACT,
+    EventKind.REQUEST_ABORT,
+    EventKind.LOCK,
+    EventKind.UNLOCK,
+    EventKind.WRITE,
+    EventKind.LOAD,
+    EventKind.ACK,
+    EventKind.HOST_EVICT,
+    EventKind.LEAK_CHECK,
+)
 UNIVERSE = 16  # slots 0..15: small, so events collide often
 
 slot_sets = st.lists(st.integers(0, UNIVERSE - 1), min_size=0, max_size=8, unique=True)
-events = st.tuples(st.sampled_from(KINDS), st.sampled_from(("full", "swa", "host")),
-                   st.sampled_from(("a", "b", "c", None)), st.integers(0, 2), st.integers(0, 4), st.integers(0, 2),
-                   slot_sets, st.sampled_from((None, "write", "load")))  # a lock's reason: a copy op's or not
+events = st.tuples(
+    st.sampled_from(KINDS),
+    st.sampled_from(("full", "swa", "host")),
+    st.sampled_from(("a", "b", "c", None)),
+    st.integers(0, 2),
+    st.integers(0, 4),
+    st.integers(0, 2),
+    slot_sets,
+    st.sampled_from((None, "write", "load")),
+)  # a lock's reason: a copy op's or not
 
 
 def brute_broken(ledger: Ledger) -> bool:
@@ -106,8 +128,7 @@ def test_every_event_kind_is_handled_or_deliberately_ignored() -> None:
 
 
 def test_apply_takes_event_columns_in_its_parameter_order() -> None:
-    assert APPLY_COLUMNS == ("kind", "step", "seq", "pool", "rid", "node_id", "num_tokens", "aux", "slots",
-                             "reason")
+    assert APPLY_COLUMNS == ("kind", "step", "seq", "pool", "rid", "node_id", "num_tokens", "aux", "slots", "reason")
     assert set(APPLY_COLUMNS) <= set(schema.EVENT_COLUMNS)
 
 
@@ -133,8 +154,14 @@ def test_a_host_copy_outlives_its_device_slots_and_orphans_its_slots_when_it_lea
     ledger.apply(EventKind.HOST_EVICT, 3, 8, "host", None, 3, 2, 0, np.array([10, 11]))
     assert ledger.is_broken()
     [hold] = ledger.orphans()
-    assert (hold.pool, hold.slots, hold.node_id, hold.owner, hold.step, hold.gone_step) == \
-        ("host", [10, 11], 3, HOST_COPY, 0, 3)
+    assert (hold.pool, hold.slots, hold.node_id, hold.owner, hold.step, hold.gone_step) == (
+        "host",
+        [10, 11],
+        3,
+        HOST_COPY,
+        0,
+        3,
+    )
     ledger.apply(EventKind.FREE, 3, 9, "host", None, None, 2, 0, np.array([10, 11]))
     assert not ledger.is_broken()
     ledger.apply(EventKind.FREE, 4, 10, "host", None, None, 2, 0, np.array([10, 11]))

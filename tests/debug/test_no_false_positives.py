@@ -36,8 +36,11 @@ SETUPS = {  # name: (model, cache, page size, KV tokens, chunk)
     "hiradix-write-back": ("tiny", "hiradix", 1, 400, 32),
 }
 HOST_TOKENS = 300
-WRITE_POLICY = {"hiradix-write-through": "write_through", "hiradix-write-through-selective-paged":
-                "write_through_selective", "hiradix-write-back": "write_back"}
+WRITE_POLICY = {
+    "hiradix-write-through": "write_through",
+    "hiradix-write-through-selective-paged": "write_through_selective",
+    "hiradix-write-back": "write_back",
+}
 # NOTE: scoped setups promote quickly (k = 2, an epoch every 2 engine steps: the cache's clock is the
 # step counter, so runs are deterministic), so public nodes, private copies and, with the monitor,
 # tombstones under locks all occur within a short run
@@ -50,9 +53,11 @@ def run_clean(tmp_path: Path, workload: str, setup: str, abort_every: int | None
     extra: dict[str, object] = dict(SCOPED) if cache == "scoped-radix" else {}
     if cache == "hiradix":
         extra = {"write_policy": WRITE_POLICY[setup], "host_tokens": HOST_TOKENS}
-    config = EngineConfig(pool=PoolConfig(kv_size_tokens=kv_tokens, page_size=page_size, max_running_requests=16),
-                          cache=CacheConfig(kind=cache, **extra),  # type: ignore[arg-type]
-                          scheduler=SchedulerConfig(chunked_prefill_size=chunk, swa_eviction_interval=4))
+    config = EngineConfig(
+        pool=PoolConfig(kv_size_tokens=kv_tokens, page_size=page_size, max_running_requests=16),
+        cache=CacheConfig(kind=cache, **extra),  # type: ignore[arg-type]
+        scheduler=SchedulerConfig(chunked_prefill_size=chunk, swa_eviction_interval=4),
+    )
     path = tmp_path / f"{workload}-{setup}.db"
     recorder = SQLRecorder(path, level="full")
     monitor = DebugMonitor(recorder)
@@ -110,8 +115,9 @@ def event_counts(path: Path) -> dict[str, int]:
         capture.close()
 
 
-@pytest.mark.parametrize("setup", ["radix", "radix-paged-tight", "swa-radix", "chunk", "scoped-radix-demoting",
-                                   "hiradix-write-back"])
+@pytest.mark.parametrize(
+    "setup", ["radix", "radix-paged-tight", "swa-radix", "chunk", "scoped-radix-demoting", "hiradix-write-back"]
+)
 def test_aborts_leave_a_clean_capture(tmp_path: Path, setup: str) -> None:
     path, _ = run_clean(tmp_path, "multi-turn", setup, abort_every=5)
     report = build_report(path)
@@ -120,11 +126,13 @@ def test_aborts_leave_a_clean_capture(tmp_path: Path, setup: str) -> None:
 
 def test_check_exit_codes(tmp_path: Path) -> None:
     path, _ = run_clean(tmp_path, "shared-prefix", "radix")
-    ok = subprocess.run([sys.executable, "-m", "kvscope", "check", str(path)], capture_output=True, text=True,
-                        check=False)
+    ok = subprocess.run(
+        [sys.executable, "-m", "kvscope", "check", str(path)], capture_output=True, text=True, check=False
+    )
     assert ok.returncode == 0 and "clean" in ok.stdout, ok.stderr
     bad = tmp_path / "junk.db"
     bad.write_text("junk\n" * 50)
-    broken = subprocess.run([sys.executable, "-m", "kvscope", "check", str(bad)], capture_output=True,
-                            text=True, check=False)
+    broken = subprocess.run(
+        [sys.executable, "-m", "kvscope", "check", str(bad)], capture_output=True, text=True, check=False
+    )
     assert broken.returncode == 2 and "not a kvscope capture" in broken.stderr

@@ -15,8 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_report_names_the_last_failing_census_too(tmp_path: Path) -> None:
     capture = write(tmp_path / "probe.db")  # step 2: block 4 leaked; step 3: that, and block 5 freed twice
-    report = subprocess.run([sys.executable, "-m", "kvscope", "report", "leaks", str(capture)], capture_output=True,
-                            text=True, cwd=ROOT, timeout=120, check=False)
+    report = subprocess.run(
+        [sys.executable, "-m", "kvscope", "report", "leaks", str(capture)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
     assert report.returncode == 0, report.stderr
     first, last = report.stdout.split("first failure at step 2:")[1].split("last failure at step 3")
     assert "block 4 ref 1" in first and "block 5" not in first

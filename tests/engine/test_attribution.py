@@ -20,9 +20,11 @@ from kvscope.telemetry import NULL_RECORDER, EventKind, ListRecorder, Recorder
 
 
 def make_engine(recorder: Recorder, faults: list[FaultSpec] | None = None, cache: str = "radix") -> Engine:
-    config = EngineConfig(pool=PoolConfig(kv_size_tokens=512, page_size=1, max_running_requests=4,
-                                          max_context_len=96),
-                          cache=CacheConfig(kind=cache), device="cpu")  # type: ignore[arg-type]
+    config = EngineConfig(
+        pool=PoolConfig(kv_size_tokens=512, page_size=1, max_running_requests=4, max_context_len=96),
+        cache=CacheConfig(kind=cache),
+        device="cpu",
+    )  # type: ignore[arg-type]
     return Engine(config, MODEL_PRESETS["tiny"], recorder, faults=faults)
 
 
@@ -74,7 +76,10 @@ def test_a_batched_allocation_is_split_per_request() -> None:
         slots = allocator.alloc(6)
     assert slots is not None
     assert [(e.rid, e.slots) for e in recorder.events] == [
-        ("r0", slots[:2].tolist()), ("r1", slots[2:3].tolist()), ("r2", slots[3:].tolist())]
+        ("r0", slots[:2].tolist()),
+        ("r1", slots[2:3].tolist()),
+        ("r2", slots[3:].tolist()),
+    ]
 
 
 def test_recording_off_the_scheduler_builds_no_owner_list() -> None:

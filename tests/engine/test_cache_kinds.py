@@ -19,8 +19,10 @@ from kvscope.engine.memory import HiMemorySystem, MemorySystem, SWAMemorySystem
 from kvscope.engine.model import MODEL_PRESETS
 
 BUILT = {  # (kind, model) -> (memory system, cache); a pair not here is refused
-    ("radix", "tiny"): (MemorySystem, RadixCache), ("chunk", "tiny"): (MemorySystem, ChunkCache),
-    ("none", "tiny"): (MemorySystem, ChunkCache), ("scoped-radix", "tiny"): (MemorySystem, ScopedRadixCache),
+    ("radix", "tiny"): (MemorySystem, RadixCache),
+    ("chunk", "tiny"): (MemorySystem, ChunkCache),
+    ("none", "tiny"): (MemorySystem, ChunkCache),
+    ("scoped-radix", "tiny"): (MemorySystem, ScopedRadixCache),
     ("hiradix", "tiny"): (HiMemorySystem, HiRadixCache),
     ("swa-radix", "tiny-swa"): (SWAMemorySystem, SWARadixCache),
     ("chunk", "tiny-swa"): (SWAMemorySystem, SWAChunkCache),
@@ -29,8 +31,11 @@ BUILT = {  # (kind, model) -> (memory system, cache); a pair not here is refused
 
 
 def config(kind: str) -> EngineConfig:
-    return EngineConfig(pool=PoolConfig(kv_size_tokens=256, max_running_requests=2, max_context_len=64),
-                        cache=CacheConfig(kind=kind), device="cpu")  # type: ignore[arg-type]
+    return EngineConfig(
+        pool=PoolConfig(kv_size_tokens=256, max_running_requests=2, max_context_len=64),
+        cache=CacheConfig(kind=kind),
+        device="cpu",
+    )  # type: ignore[arg-type]
 
 
 def test_the_registry_names_the_kinds_the_config_type_allows() -> None:

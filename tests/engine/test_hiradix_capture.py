@@ -30,7 +30,9 @@ def record_run(path: Path, kind: str, policy: str = "write_through") -> Engine:
     config = EngineConfig(
         pool=PoolConfig(kv_size_tokens=622, page_size=1, max_running_requests=8, max_context_len=2048),
         cache=CacheConfig(kind=kind, write_policy=policy, host_tokens=HOST_TOKENS if kind == "hiradix" else None),  # type: ignore[arg-type]
-        scheduler=SchedulerConfig(chunked_prefill_size=64, snapshot_interval_steps=10), device="cpu", strict=True,
+        scheduler=SchedulerConfig(chunked_prefill_size=64, snapshot_interval_steps=10),
+        device="cpu",
+        strict=True,
     )
     trace = generate("multi-turn", num_requests=40, seed=0, vocab_size=MODEL.vocab_size)
     with SQLRecorder(path, level="full") as recorder:
@@ -87,9 +89,11 @@ def test_snapshots_name_each_nodes_tier_and_events_replay_between_them(hiradix_r
         events = capture.events(1, step_range=(before + 1, after), limit=10_000_000)
         got = replay_tree(start, events)
         expected = end[list(TREE_NODE_COLUMNS)]
-        pd.testing.assert_frame_equal(got[COMPARED].sort_values("node_id").reset_index(drop=True),
-                                      expected[COMPARED].sort_values("node_id").reset_index(drop=True),
-                                      check_dtype=False)
+        pd.testing.assert_frame_equal(
+            got[COMPARED].sort_values("node_id").reset_index(drop=True),
+            expected[COMPARED].sort_values("node_id").reset_index(drop=True),
+            check_dtype=False,
+        )
         replayed_pairs += 1
     assert replayed_pairs >= 5
     assert tiers_seen >= {"device", "device+host", "host"}

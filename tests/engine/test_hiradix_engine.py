@@ -30,8 +30,13 @@ MODEL = MODEL_PRESETS["tiny"]
 WAVE = 8  # requests per engine.run: later waves find earlier conversations demoted to the host
 
 
-def make_engine(kind: str, kv_tokens: int, policy: str = "write_through", page_size: int = 1,
-                seen: dict[Key, torch.Tensor] | None = None) -> Engine:
+def make_engine(
+    kind: str,
+    kv_tokens: int,
+    policy: str = "write_through",
+    page_size: int = 1,
+    seen: dict[Key, torch.Tensor] | None = None,
+) -> Engine:
     def keep(req: Req, position: int, logits: torch.Tensor) -> None:
         if seen is not None:
             seen[(req.rid, position)] = logits.detach().clone()
@@ -39,7 +44,9 @@ def make_engine(kind: str, kv_tokens: int, policy: str = "write_through", page_s
     config = EngineConfig(
         pool=PoolConfig(kv_size_tokens=kv_tokens, page_size=page_size, max_running_requests=8, max_context_len=2048),
         cache=CacheConfig(kind=kind, write_policy=policy),  # type: ignore[arg-type]
-        scheduler=SchedulerConfig(chunked_prefill_size=64), device="cpu", strict=True,
+        scheduler=SchedulerConfig(chunked_prefill_size=64),
+        device="cpu",
+        strict=True,
     )
     return Engine(config, MODEL, on_logits=keep)
 
@@ -110,23 +117,43 @@ def test_the_other_caches_report_no_host_pool() -> None:
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvscope", "run", *args], capture_output=True, text=True,
-                          cwd=cwd, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", "run", *args], capture_output=True, text=True, cwd=cwd, check=False
+    )
 
 
 def test_kvscope_run_with_hiradix_exits_clean(tmp_path: Path) -> None:
-    out = cli("--workload", "multi-turn", "--cache", "hiradix", "--num-requests", "48", "--kv-tokens", "622",
-              "--write-policy", "write_back", "--host-ratio", "1.5", "--capture", "c.db", cwd=tmp_path)
+    out = cli(
+        "--workload",
+        "multi-turn",
+        "--cache",
+        "hiradix",
+        "--num-requests",
+        "48",
+        "--kv-tokens",
+        "622",
+        "--write-policy",
+        "write_back",
+        "--host-ratio",
+        "1.5",
+        "--capture",
+        "c.db",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     assert "leak checks       1 (all passed)" in out.stdout and "leak report       clean" in out.stdout
-    host = re.search(r"host tier +(\d+) tokens: (\d+) written, (\d+) loaded back, (\d+) cached tokens came from the "
-                     r"host \(([\d.]+)% of cached tokens\), (\d+) dropped", out.stdout)
+    host = re.search(
+        r"host tier +(\d+) tokens: (\d+) written, (\d+) loaded back, (\d+) cached tokens came from the "
+        r"host \(([\d.]+)% of cached tokens\), (\d+) dropped",
+        out.stdout,
+    )
     assert host is not None, out.stdout
     size, written, loaded, from_host, _, _ = (float(g) for g in host.groups())
     assert size == 934 and written > 0 and 0 < from_host <= loaded  # 622 x 1.5 = 933, whole pages plus one
     with sqlite3.connect(tmp_path / "c.db") as conn:  # the summary's totals are the capture's last usage row
-        row = conn.execute("SELECT cum_written_tokens, cum_loaded_tokens, cum_host_hit_tokens FROM usage "
-                           "ORDER BY step DESC LIMIT 1").fetchone()
+        row = conn.execute(
+            "SELECT cum_written_tokens, cum_loaded_tokens, cum_host_hit_tokens FROM usage ORDER BY step DESC LIMIT 1"
+        ).fetchone()
     assert row == (written, loaded, from_host)
 
 
@@ -138,8 +165,10 @@ def test_a_single_tier_run_prints_no_host_line(tmp_path: Path) -> None:
 
 BAD = [
     (["--write-policy", "write_back"], "--write-policy applies to --cache hiradix only, not radix"),
-    (["--cache", "chunk", "--host-ratio", "3", "--host-tokens", "512"],
-     "--host-ratio, --host-tokens apply to --cache hiradix only, not chunk"),
+    (
+        ["--cache", "chunk", "--host-ratio", "3", "--host-tokens", "512"],
+        "--host-ratio, --host-tokens apply to --cache hiradix only, not chunk",
+    ),
     (["--cache", "hiradix", "--model", "tiny-swa"], "the hiradix cache is for full-attention models"),
 ]
 

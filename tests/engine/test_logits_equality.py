@@ -29,19 +29,26 @@ def make_requests(seed: int, num: int = 10, out_range: tuple[int, int] = (1, 24)
     return reqs
 
 
-def run(model: str, cache: str, page_size: int, kv_tokens: int, chunk: int | None, seed: int,
-        out_range: tuple[int, int] = (1, 24)) -> tuple[dict[Key, torch.Tensor], Engine]:
+def run(
+    model: str,
+    cache: str,
+    page_size: int,
+    kv_tokens: int,
+    chunk: int | None,
+    seed: int,
+    out_range: tuple[int, int] = (1, 24),
+) -> tuple[dict[Key, torch.Tensor], Engine]:
     seen: dict[Key, torch.Tensor] = {}
 
     def keep(req: Req, position: int, logits: torch.Tensor) -> None:
         seen[(req.rid, position)] = logits.detach().clone()
 
     config = EngineConfig(
-        pool=PoolConfig(kv_size_tokens=kv_tokens, page_size=page_size, max_running_requests=8,
-                        max_context_len=160),
+        pool=PoolConfig(kv_size_tokens=kv_tokens, page_size=page_size, max_running_requests=8, max_context_len=160),
         cache=CacheConfig(kind=cache),  # type: ignore[arg-type]
         scheduler=SchedulerConfig(chunked_prefill_size=chunk, swa_eviction_interval=4),
-        device="cpu", strict=True,
+        device="cpu",
+        strict=True,
     )
     engine = Engine(config, MODEL_PRESETS[model], on_logits=keep)
     stats = engine.run(make_requests(seed, out_range=out_range))
@@ -80,8 +87,9 @@ CASES = [
 
 
 @pytest.mark.parametrize(("model", "cache", "page_size", "kv_tokens", "chunk"), CASES)
-def test_cached_logits_equal_dense_and_uncached(model: str, cache: str, page_size: int, kv_tokens: int,
-                                                chunk: int | None) -> None:
+def test_cached_logits_equal_dense_and_uncached(
+    model: str, cache: str, page_size: int, kv_tokens: int, chunk: int | None
+) -> None:
     seed = 7
     cached, engine = run(model, cache, page_size, kv_tokens, chunk, seed)
     uncached, _ = run(model, "none" if model == "tiny" else "chunk", page_size, 4096, chunk, seed)
@@ -102,8 +110,9 @@ PRESSURE = [  # (model, cache, page size, chunk, whether this pool must retract)
 
 
 @pytest.mark.parametrize(("model", "cache", "page_size", "chunk", "retracts"), PRESSURE)
-def test_under_pressure_every_logits_row_still_matches_dense(model: str, cache: str, page_size: int,
-                                                             chunk: int | None, retracts: bool) -> None:
+def test_under_pressure_every_logits_row_still_matches_dense(
+    model: str, cache: str, page_size: int, chunk: int | None, retracts: bool
+) -> None:
     """Long outputs in a small pool: freed duplicates are reused at once, the tree evicts, and
     decode runs out of memory and retracts; every logits row must still be the dense one."""
     cached, engine = run(model, cache, page_size, 256 if model == "tiny" else 300, chunk, 7, out_range=(24, 48))

@@ -21,7 +21,8 @@ def engine(model: str, cache: str, chunk: int | None = None, page_size: int = 1)
         pool=PoolConfig(kv_size_tokens=1024, page_size=page_size, max_running_requests=4, max_context_len=160),
         cache=CacheConfig(kind=cache),  # type: ignore[arg-type]
         scheduler=SchedulerConfig(chunked_prefill_size=chunk, swa_eviction_interval=1),
-        device="cpu", strict=True,
+        device="cpu",
+        strict=True,
     )
     return Engine(config, MODEL_PRESETS[model])
 
@@ -30,20 +31,27 @@ def requests(seed: int, num: int = 6) -> list[Req]:
     rng = np.random.default_rng(seed)
     stem = rng.integers(3, 500, 64).astype(np.int32)
     return [
-        Req(f"r{i}", np.concatenate((stem[: rng.integers(8, 64)], rng.integers(3, 500, 20))).astype(np.int32),
-            int(rng.integers(4, 30)))
+        Req(
+            f"r{i}",
+            np.concatenate((stem[: rng.integers(8, 64)], rng.integers(3, 500, 20))).astype(np.int32),
+            int(rng.integers(4, 30)),
+        )
         for i in range(num)
     ]
 
 
-@pytest.mark.parametrize(("model", "cache", "variant", "cache_type", "pools"), [
-    ("tiny", "radix", MemorySystem, RadixCache, ["full", "req"]),
-    ("tiny", "chunk", MemorySystem, ChunkCache, ["full", "req"]),
-    ("tiny-swa", "swa-radix", SWAMemorySystem, SWARadixCache, ["full", "swa", "req"]),
-    ("tiny-swa", "chunk", SWAMemorySystem, SWAChunkCache, ["full", "swa", "req"]),
-])
-def test_the_model_shape_picks_the_variant_and_its_pools(model: str, cache: str, variant: type, cache_type: type,
-                                                         pools: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("model", "cache", "variant", "cache_type", "pools"),
+    [
+        ("tiny", "radix", MemorySystem, RadixCache, ["full", "req"]),
+        ("tiny", "chunk", MemorySystem, ChunkCache, ["full", "req"]),
+        ("tiny-swa", "swa-radix", SWAMemorySystem, SWARadixCache, ["full", "swa", "req"]),
+        ("tiny-swa", "chunk", SWAMemorySystem, SWAChunkCache, ["full", "swa", "req"]),
+    ],
+)
+def test_the_model_shape_picks_the_variant_and_its_pools(
+    model: str, cache: str, variant: type, cache_type: type, pools: list[str]
+) -> None:
     memory = engine(model, cache).memory
     assert type(memory) is variant and type(memory.cache) is cache_type
     checks = memory.leak_checks(0, [])

@@ -19,8 +19,12 @@ SEEDED = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=1234, num_lo
 
 
 def engine(chunk_tokens: int | None = None) -> Engine:
-    config = EngineConfig(pool=PoolConfig(kv_size_tokens=4096, max_running_requests=8, max_context_len=256),
-                          scheduler=SchedulerConfig(chunked_prefill_size=chunk_tokens), device="cpu", strict=True)
+    config = EngineConfig(
+        pool=PoolConfig(kv_size_tokens=4096, max_running_requests=8, max_context_len=256),
+        scheduler=SchedulerConfig(chunked_prefill_size=chunk_tokens),
+        device="cpu",
+        strict=True,
+    )
     return Engine(config, MODEL_PRESETS["tiny"])
 
 
@@ -32,8 +36,10 @@ def run(eng: Engine, *reqs: Req) -> None:
 def test_a_seeded_request_draws_the_same_tokens_alone_crowded_and_chunked() -> None:
     alone = Req("a", PROMPT, 24, sampling=SEEDED)
     run(engine(), alone)
-    crowd = [Req(f"o{i}", RNG.integers(3, 259, 30).astype(np.int32), 20,
-                 sampling=SamplingParams(temperature=0.8, seed=i)) for i in range(4)]
+    crowd = [
+        Req(f"o{i}", RNG.integers(3, 259, 30).astype(np.int32), 20, sampling=SamplingParams(temperature=0.8, seed=i))
+        for i in range(4)
+    ]
     crowded = Req("a", PROMPT, 24, sampling=SEEDED)
     run(engine(chunk_tokens=16), *crowd[:2], crowded, *crowd[2:])  # NOTE: its prompt is prefilled in 3 chunks
     assert crowded.output_ids == alone.output_ids
@@ -48,7 +54,7 @@ def test_greedy_is_the_dense_models_argmax_and_logprobs_are_the_raw_ones() -> No
     req = Req("g", PROMPT, 6, sampling=SamplingParams(num_logprobs=3))
     run(eng, req)
     sequence = torch.as_tensor(np.concatenate((PROMPT, req.output_ids[:-1])), dtype=torch.int64)
-    logits = eng.model.dense_forward(sequence)[len(PROMPT) - 1:]
+    logits = eng.model.dense_forward(sequence)[len(PROMPT) - 1 :]
     assert req.output_ids == logits.argmax(-1).tolist()
     expected = torch.log_softmax(logits, -1)
     for position, (token, lp) in enumerate(zip(req.output_ids, req.output_logprobs, strict=True)):
@@ -60,8 +66,9 @@ def test_stop_rules_in_vllms_order() -> None:
     eng = engine()
     x = 3 + ord("x")
     always_x = {x: 100.0}
-    stop_seq = Req("s", PROMPT, 10, sampling=SamplingParams(logit_bias=always_x, stop_sequences=((x, x),),
-                                                            min_tokens=3))
+    stop_seq = Req(
+        "s", PROMPT, 10, sampling=SamplingParams(logit_bias=always_x, stop_sequences=((x, x),), min_tokens=3)
+    )
     stop_id = Req("t", PROMPT, 10, sampling=SamplingParams(logit_bias=always_x, stop_token_ids=(x,)))
     eos = Req("e", PROMPT, 10, sampling=SamplingParams(logit_bias=always_x, eos_id=x))
     ignored = Req("i", PROMPT, 10, sampling=SamplingParams(logit_bias=always_x, eos_id=x, ignore_eos=True))

@@ -30,7 +30,8 @@ def engine(policy: str, cache: str = "radix", max_running: int = 1) -> Engine:
         pool=PoolConfig(kv_size_tokens=4096, max_running_requests=max_running, max_context_len=128),
         cache=CacheConfig(kind=cache),  # type: ignore[arg-type]
         scheduler=SchedulerConfig(chunked_prefill_size=None, schedule_policy=policy),  # type: ignore[arg-type]
-        device="cpu", strict=True,
+        device="cpu",
+        strict=True,
     )
     return Engine(config, MODEL_PRESETS["tiny"])
 
@@ -83,10 +84,13 @@ def test_lpm_admits_the_longest_cached_prefix_first_and_ties_in_arrival_order() 
     assert reqs[3].cached_tokens >= 48 and reqs[1].cached_tokens >= 16
 
 
-@pytest.mark.parametrize(("num_cold", "hot_rank"), [
-    (LPM_MAX_WAITING - 1, 0),  # 128 waiting: lpm sorts, the hot request goes first
-    (LPM_MAX_WAITING, 1),  # 129 waiting: arrival order for one step, then 128 wait and lpm sorts
-])
+@pytest.mark.parametrize(
+    ("num_cold", "hot_rank"),
+    [
+        (LPM_MAX_WAITING - 1, 0),  # 128 waiting: lpm sorts, the hot request goes first
+        (LPM_MAX_WAITING, 1),  # 129 waiting: arrival order for one step, then 128 wait and lpm sorts
+    ],
+)
 def test_lpm_keeps_arrival_order_above_128_waiting(num_cold: int, hot_rank: int) -> None:
     reqs = [cold(f"c{i}", 100 + i) for i in range(num_cold)] + [hot("hot", 48)]
     order = admission_order("lpm", reqs)

@@ -45,21 +45,27 @@ def instrumented_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Inst
     capture, faults_log = tmp / "vllm-probe.db", tmp / "faults.jsonl"
     path = os.pathsep.join(p for p in (str(FAULTS_DIR), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     # NOTE: vLLM loads endpoint plugins only when VLLM_PLUGINS names them
-    env = {"PYTHONPATH": path, "VLLM_PLUGINS": "kvscope,kvscope_test_faults",
-           "KVSCOPE_TEST_FAULTS_LOG": str(faults_log)}
+    env = {
+        "PYTHONPATH": path,
+        "VLLM_PLUGINS": "kvscope,kvscope_test_faults",
+        "KVSCOPE_TEST_FAULTS_LOG": str(faults_log),
+    }
     wrap = (sys.executable, "-m", "kvscope", "instrument", "--capture", str(capture), "--")
     with ExitStack() as stack:
         # NOTE: vLLM's default --shutdown-timeout 0 SIGKILLs the EngineCore as soon as the API server
         # takes SIGTERM, racing the probe's close of its run (seen here: the run ended 'interrupted')
-        server = stack.enter_context(vllm_server(wrap=wrap, env=env, log_path=tmp / "vllm.log",
-                                                 args=("--shutdown-timeout", "10")))
+        server = stack.enter_context(
+            vllm_server(wrap=wrap, env=env, log_path=tmp / "vllm.log", args=("--shutdown-timeout", "10"))
+        )
         yield InstrumentedVllm(server, capture, faults_log, tmp / "vllm.log", stack.close)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The shared server's phases in SHARED_ORDER; every other test keeps its place before them."""
+
     def rank(item: pytest.Item) -> int:
         module = item.path.stem if item.path.parent == Path(__file__).parent else ""
         uses = "instrumented_vllm" in getattr(item, "fixturenames", ())
         return 1 + SHARED_ORDER.index(module) if uses and module in SHARED_ORDER else 0
+
     items.sort(key=rank)  # NOTE: stable: file order within each phase

@@ -49,8 +49,9 @@ class _Envs:
         return _Flag()
 
 
-def _num_new_pages(seq_lens: torch.Tensor, page_size: int, prefix_lens: torch.Tensor | None = None,
-                   decode: bool = False) -> int:
+def _num_new_pages(
+    seq_lens: torch.Tensor, page_size: int, prefix_lens: torch.Tensor | None = None, decode: bool = False
+) -> int:
     if prefix_lens is None or decode:
         return int((seq_lens % page_size == 1).sum())
     after = (seq_lens + page_size - 1) // page_size
@@ -62,11 +63,20 @@ class _ExtendKernel:
     """`alloc_extend_kernel[grid](...)` runs paged.py's alloc_extend_naive, its CPU reference."""
 
     def __getitem__(self, grid: Any) -> Any:
-        def launch(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
-                   free_pages: torch.Tensor, out_indices: torch.Tensor, _bs_pow2: int, page_size: int) -> None:
+        def launch(
+            prefix_lens: torch.Tensor,
+            seq_lens: torch.Tensor,
+            last_loc: torch.Tensor,
+            free_pages: torch.Tensor,
+            out_indices: torch.Tensor,
+            _bs_pow2: int,
+            page_size: int,
+        ) -> None:
             paged = sys.modules.get("sglang.srt.mem_cache.allocator.paged") or _loaded["paged"]
-            paged.alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size,
-                                     out_indices.device)
+            paged.alloc_extend_naive(
+                prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size, out_indices.device
+            )
+
         return launch
 
 
@@ -122,8 +132,14 @@ def _stand_ins(src: Path) -> dict[str, types.ModuleType]:
         "sglang.srt": _package("sglang.srt", srt),
         "sglang.srt.mem_cache": _package("sglang.srt.mem_cache", srt / "mem_cache"),
         "sglang.srt.environ": _module("sglang.srt.environ", envs=_Envs()),
-        "sglang.srt.utils": _module("sglang.srt.utils", is_npu=no, is_hip=no, get_bool_env_var=no,
-                                    next_power_of_2=next_pow2, get_num_new_pages=_num_new_pages),
+        "sglang.srt.utils": _module(
+            "sglang.srt.utils",
+            is_npu=no,
+            is_hip=no,
+            get_bool_env_var=no,
+            next_power_of_2=next_pow2,
+            get_num_new_pages=_num_new_pages,
+        ),
         "sglang.srt.utils.common": _module("sglang.srt.utils.common", get_num_new_pages=_num_new_pages),
         "sglang.kernels": _module("sglang.kernels"),
         "sglang.kernels.ops": _module("sglang.kernels.ops"),
@@ -131,19 +147,25 @@ def _stand_ins(src: Path) -> dict[str, types.ModuleType]:
         "sglang.kernels.ops.memory.allocator": _module(
             "sglang.kernels.ops.memory.allocator", alloc_extend_kernel=_ExtendKernel(), alloc_decode_kernel=_NoKernel()
         ),
-        "sglang.srt.mem_cache.memory_pool": _module("sglang.srt.mem_cache.memory_pool", KVCache=object,
-                                                    ReqToTokenPool=object),
-        "sglang.srt.mem_cache.base_swa_memory_pool": _module("sglang.srt.mem_cache.base_swa_memory_pool",
-                                                             BaseSWAKVPool=_BaseSWAKVPool),
+        "sglang.srt.mem_cache.memory_pool": _module(
+            "sglang.srt.mem_cache.memory_pool", KVCache=object, ReqToTokenPool=object
+        ),
+        "sglang.srt.mem_cache.base_swa_memory_pool": _module(
+            "sglang.srt.mem_cache.base_swa_memory_pool", BaseSWAKVPool=_BaseSWAKVPool
+        ),
         "sglang.srt.observability": _module("sglang.srt.observability"),
         "sglang.srt.observability.metrics_collector": _module(
-            "sglang.srt.observability.metrics_collector", STAT_LOGGER_ROLE_RADIX_CACHE="radix_cache",
-            RadixCacheMetricsCollector=object, resolve_collector_class=lambda *a, **k: object,
+            "sglang.srt.observability.metrics_collector",
+            STAT_LOGGER_ROLE_RADIX_CACHE="radix_cache",
+            RadixCacheMetricsCollector=object,
+            resolve_collector_class=lambda *a, **k: object,
         ),
         "sglang.srt.runtime_context": _module("sglang.srt.runtime_context", get_observability=lambda: None),
         "sglang.srt.mem_cache.events": _module("sglang.srt.mem_cache.events", KVCacheEventMixin=_NoEvents),
         "sglang.srt.mem_cache.utils": _module(
-            "sglang.srt.mem_cache.utils", get_eviction_strategy=lambda *a, **k: None, get_hash_str=lambda *a, **k: "",
+            "sglang.srt.mem_cache.utils",
+            get_eviction_strategy=lambda *a, **k: None,
+            get_hash_str=lambda *a, **k: "",
             split_node_hash_value=lambda value, split_len, page_size: (None, None),
         ),
     }
@@ -167,8 +189,13 @@ def load_sglang_518(src: Path) -> types.SimpleNamespace:
             if name == "sglang" or name.startswith("sglang."):
                 del sys.modules[name]
     return types.SimpleNamespace(
-        SWARadixCache=swa_radix.SWARadixCache, SWATokenToKVPoolAllocator=swa_alloc.SWATokenToKVPoolAllocator,
-        KVPool=_BaseSWAKVPool, CacheInitParams=params.CacheInitParams, RadixKey=radix.RadixKey,
-        MatchPrefixParams=base.MatchPrefixParams, InsertParams=base.InsertParams, EvictParams=base.EvictParams,
+        SWARadixCache=swa_radix.SWARadixCache,
+        SWATokenToKVPoolAllocator=swa_alloc.SWATokenToKVPoolAllocator,
+        KVPool=_BaseSWAKVPool,
+        CacheInitParams=params.CacheInitParams,
+        RadixKey=radix.RadixKey,
+        MatchPrefixParams=base.MatchPrefixParams,
+        InsertParams=base.InsertParams,
+        EvictParams=base.EvictParams,
         DecLockRefParams=base.DecLockRefParams,
     )

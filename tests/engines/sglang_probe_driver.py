@@ -65,21 +65,37 @@ class Engine:
         self.alloc = PagedTokenToKVPoolAllocator(PAGES * PS, PS, torch.int64, "cpu", None, False)
         self.rows = ReqToTokenPool(ROWS, CONTEXT, "cpu", False)
         if tree_kind == "classic":
-            params = CacheInitParams(disable=False, req_to_token_pool=self.rows,
-                                     token_to_kv_pool_allocator=self.alloc, page_size=PS)
+            params = CacheInitParams(
+                disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc, page_size=PS
+            )
             self.tree: Any = RadixCache(params)
         else:
-            params = CacheInitParams(disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
-                                     page_size=PS, tree_components=(ComponentType.FULL,),
-                                     tree_core_backend="rust" if tree_kind == "rust" else "python")
+            params = CacheInitParams(
+                disable=False,
+                req_to_token_pool=self.rows,
+                token_to_kv_pool_allocator=self.alloc,
+                page_size=PS,
+                tree_components=(ComponentType.FULL,),
+                tree_core_backend="rust" if tree_kind == "rust" else "python",
+            )
             self.tree = UnifiedRadixCache(params)
         self.live: dict[str, Req] = {}
         self.checker = SchedulerInvariantChecker(
-            is_hybrid_swa=False, is_hybrid_ssm=False, disaggregation_mode=None, page_size=PS,
-            full_tokens_per_layer=None, swa_tokens_per_layer=None, max_total_num_tokens=PAGES * PS,
-            tree_cache=self.tree, token_to_kv_pool_allocator=self.alloc, req_to_token_pool=self.rows,
-            pool_stats_observer=None, get_last_batch=lambda: SimpleNamespace(reqs=list(self.live.values())),
-            get_running_batch=lambda: None, scheduler_stage_metrics=None)
+            is_hybrid_swa=False,
+            is_hybrid_ssm=False,
+            disaggregation_mode=None,
+            page_size=PS,
+            full_tokens_per_layer=None,
+            swa_tokens_per_layer=None,
+            max_total_num_tokens=PAGES * PS,
+            tree_cache=self.tree,
+            token_to_kv_pool_allocator=self.alloc,
+            req_to_token_pool=self.rows,
+            pool_stats_observer=None,
+            get_last_batch=lambda: SimpleNamespace(reqs=list(self.live.values())),
+            get_running_batch=lambda: None,
+            scheduler_stage_metrics=None,
+        )
 
     def core(self) -> str:
         return type(getattr(self.tree, "tree_core", self.tree)).__name__
@@ -126,7 +142,7 @@ class Engine:
         for i in range(steps):
             seq = kv.kv_allocated_len + 1
             self.make_room(PS)
-            last = self.rows.req_to_token[kv.req_pool_idx, seq - 2:seq - 1].to(torch.int64)
+            last = self.rows.req_to_token[kv.req_pool_idx, seq - 2 : seq - 1].to(torch.int64)
             out = self.alloc.alloc_decode(torch.tensor([seq]), torch.tensor([seq]), last)
             self.rows.write((kv.req_pool_idx, slice(seq - 1, seq)), out.to(torch.int32))
             req.output_ids.append(7000 + i)
@@ -151,23 +167,34 @@ class Engine:
         owners = self.checker._requests_owning_rows()
         uncached = self.checker._get_total_uncached_sizes()[0]  # NOTE: SGLang's own (its busy check's) count
         leak, line = SchedulerInvariantChecker._check_pool_invariant(
-            "full", self.alloc.available_size(), self.tree.evictable_size(), self.tree.protected_size(), 0,
-            PAGES * PS, uncached)
+            "full",
+            self.alloc.available_size(),
+            self.tree.evictable_size(),
+            self.tree.protected_size(),
+            0,
+            PAGES * PS,
+            uncached,
+        )
         raised = None
         if leak:
             try:
                 self.checker._report_leak("pool", line)
             except ValueError as err:  # NOTE: into the log as a scheduler's traceback ends (report engine-log reads it)
                 raised = str(err).splitlines()[0]
-                print(f"Scheduler hit an exception: Traceback (most recent call last):\nValueError: {err}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"Scheduler hit an exception: Traceback (most recent call last):\nValueError: {err}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         census = None
         if not leak:
             probe.PROBE.busy = True
             census = probe.PROBE.census(self.tree, self.rows, owners, why="idle")
-        return {"sglang": {"leak": leak, "line": line, "raised": raised},
-                "census": None if census is None else [c.as_json() for c in census],
-                "reported": probe.PROBE.censuses}
+        return {
+            "sglang": {"leak": leak, "line": line, "raised": raised},
+            "census": None if census is None else [c.as_json() for c in census],
+            "reported": probe.PROBE.censuses,
+        }
 
 
 def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -216,10 +243,22 @@ def publish_config() -> None:
     from sglang.srt.server_args import ServerArgs
 
     model = Path(tempfile.mkdtemp(prefix="kvscope-sgl-model-"))
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 32000,
-        "max_position_embeddings": 256, "torch_dtype": "float32"}))
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "num_hidden_layers": 2,
+                "vocab_size": 32000,
+                "max_position_embeddings": 256,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     runtime_context.publish(ServerArgs(model_path=str(model), device="cpu", page_size=PS), role="scheduler")
 
 
@@ -228,8 +267,10 @@ def main(scenario: str, tree_kind: str) -> None:
         probe.SUPPORTED.clear()
         probe.SUPPORTED["0.5.22"] = probe.hooks
     elif scenario == "missing-target":
-        probe.SUPPORTED["0.5.23"] = lambda: [*probe.hooks(), probe.Hook(f"{probe.UNIFIED}.gone_in_0_5_24",
-                                                                        probe._h_match)]
+        probe.SUPPORTED["0.5.23"] = lambda: [
+            *probe.hooks(),
+            probe.Hook(f"{probe.UNIFIED}.gone_in_0_5_24", probe._h_match),
+        ]
     load_plugins()  # NOTE: SGLang's own: discovers the sglang.srt.plugins entry point, applies the hooks
     said = probe.PROBE.state.reason or ("registered" if probe.PROBE.state.active else "inert")
     publish_config()
@@ -243,8 +284,20 @@ def main(scenario: str, tree_kind: str) -> None:
     if hasattr(rec, "close"):
         rec.close()
     patched = hasattr(PagedTokenToKVPoolAllocator._release_page_ids, "__wrapped__")
-    print(json.dumps({"said": said, "active": probe.PROBE.state.active, "patched": patched, "core": engine.core(),
-                      "points": points, "injected": injected, "served": served, "error": error}))
+    print(
+        json.dumps(
+            {
+                "said": said,
+                "active": probe.PROBE.state.active,
+                "patched": patched,
+                "core": engine.core(),
+                "points": points,
+                "injected": injected,
+                "served": served,
+                "error": error,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -23,25 +23,36 @@ from kvscope.telemetry import Capture
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("sglang_probe_driver.py")
-SGLANG_PYTHON = os.environ.get("KVSCOPE_SGLANG_PYTHON", str(
-    Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvscope" / "sglang-venv" / "bin" / "python"))
+SGLANG_PYTHON = os.environ.get(
+    "KVSCOPE_SGLANG_PYTHON",
+    str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvscope" / "sglang-venv" / "bin" / "python"),
+)
 pytestmark = [
     pytest.mark.engines,
-    pytest.mark.skipif(not Path(SGLANG_PYTHON).exists(),
-                       reason=f"no SGLang venv at {SGLANG_PYTHON}: `make test-engines` makes it"),
+    pytest.mark.skipif(
+        not Path(SGLANG_PYTHON).exists(), reason=f"no SGLang venv at {SGLANG_PYTHON}: `make test-engines` makes it"
+    ),
 ]
 
 
 def kvscope(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCOPE_", "SGLANG_"))}
-    return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**env, "PYTHONPATH": str(ROOT)}, timeout=600, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        timeout=600,
+        check=False,
+    )
 
 
 def drive(scenario: str, tree: str, capture: Path) -> dict[str, Any]:
     """The driver under `kvscope instrument`; its JSON line, and stderr for the probe's lines."""
-    out = kvscope("instrument", "--capture", str(capture), "--", SGLANG_PYTHON, "-W", "ignore", str(DRIVER),
-                  scenario, tree)
+    out = kvscope(
+        "instrument", "--capture", str(capture), "--", SGLANG_PYTHON, "-W", "ignore", str(DRIVER), scenario, tree
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     result["stderr"] = out.stderr
@@ -54,8 +65,9 @@ def full_census(point: dict[str, Any]) -> dict[str, Any]:
     return next(c for c in point["census"] if c["pool"] == "full")
 
 
-@pytest.mark.parametrize(("tree", "core"), [("unified", "UnifiedTreeCore"), ("rust", "RustUnifiedTreeCore"),
-                                            ("classic", "RadixCache")])
+@pytest.mark.parametrize(
+    ("tree", "core"), [("unified", "UnifiedTreeCore"), ("rust", "RustUnifiedTreeCore"), ("classic", "RadixCache")]
+)
 def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: str, core: str) -> None:
     capture = tmp_path / f"clean-{tree}.db"
     result = drive("clean", tree, capture)
@@ -103,9 +115,11 @@ def test_a_forgotten_tail_page_is_named_with_its_request_before_sglang_raises(tm
     page = result["injected"][0]["page"]
     point = result["points"][1]
     assert point["sglang"]["raised"].startswith("pool memory leak detected!")  # SGLang's own check: totals only
-    line = (f"page census (SGLang's leak check failed) at step 10, capture {capture} run 1: [full] 1 page leaked "
-            f"(in no free list, tree or live row): page {page} (slots {page * 4}-{page * 4 + 3}) last taken by "
-            "request req-C (decode at step 9)")
+    line = (
+        f"page census (SGLang's leak check failed) at step 10, capture {capture} run 1: [full] 1 page leaked "
+        f"(in no free list, tree or live row): page {page} (slots {page * 4}-{page * 4 + 3}) last taken by "
+        "request req-C (decode at step 9)"
+    )
     assert f"kvscope probe: {line}" in result["stderr"]  # written before the ValueError, into SGLang's log
     check = kvscope("check", str(capture))
     assert check.returncode == 1, check.stdout + check.stderr
@@ -136,8 +150,9 @@ def test_a_leaked_lock_sglangs_identity_passes_is_named(tmp_path: Path) -> None:
         db.close()
     check = kvscope("check", str(capture))
     assert check.returncode == 1, check.stdout + check.stderr
-    assert f"1 tree node still locked by finished requests: node {node} locked by request req-B at step 4" \
-        in check.stdout
+    assert (
+        f"1 tree node still locked by finished requests: node {node} locked by request req-B at step 4" in check.stdout
+    )
 
 
 def test_a_double_free_is_named_with_the_request_it_was_made_for(tmp_path: Path) -> None:
@@ -146,8 +161,10 @@ def test_a_double_free_is_named_with_the_request_it_was_made_for(tmp_path: Path)
     page = result["injected"][0]["page"]
     check = kvscope("check", str(capture))
     assert check.returncode == 1, check.stdout + check.stderr
-    assert (f"1 page freed while in use (a double free): page {page} free and in the tree; last released for "
-            "request bad-free") in check.stdout
+    assert (
+        f"1 page freed while in use (a double free): page {page} free and in the tree; last released for "
+        "request bad-free"
+    ) in check.stdout
 
 
 def test_a_leak_and_a_double_free_that_cancel_pass_sglangs_identity_and_not_the_census(tmp_path: Path) -> None:
@@ -166,11 +183,17 @@ def test_a_leak_and_a_double_free_that_cancel_pass_sglangs_identity_and_not_the_
     assert json.loads(report.stdout)["verdict"] == "leak"
 
 
-@pytest.mark.parametrize(("scenario", "line"), [
-    ("unknown-version", "kvscope probe: SGLang 0.5.23 is not supported (the probe knows 0.5.22); nothing patched"),
-    ("missing-target", "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache."
-                       "gone_in_0_5_24 not found; nothing patched"),
-])
+@pytest.mark.parametrize(
+    ("scenario", "line"),
+    [
+        ("unknown-version", "kvscope probe: SGLang 0.5.23 is not supported (the probe knows 0.5.22); nothing patched"),
+        (
+            "missing-target",
+            "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache."
+            "gone_in_0_5_24 not found; nothing patched",
+        ),
+    ],
+)
 def test_a_version_or_target_it_does_not_know_patches_nothing(tmp_path: Path, scenario: str, line: str) -> None:
     """One line; no hook registered (not even on the targets that exist); SGLang serves on."""
     capture = tmp_path / f"{scenario}.db"
@@ -183,8 +206,9 @@ def test_a_version_or_target_it_does_not_know_patches_nothing(tmp_path: Path, sc
 
 
 @pytest.mark.parametrize(("tree", "below_root"), [("unified", "4 nodes"), ("rust", "14 nodes")])
-def test_the_radix_tree_page_draws_sglangs_tree(tmp_path: Path, tree: str, below_root: str,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_radix_tree_page_draws_sglangs_tree(
+    tmp_path: Path, tree: str, below_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The dashboard's Radix tree page on the probe's capture: the last idle census's snapshot (the
     Python core's nodes; the Rust core's pages, 4 tokens each), 56 tokens in the tree either way."""
     from streamlit.testing.v1 import AppTest

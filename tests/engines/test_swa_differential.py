@@ -34,8 +34,11 @@ from tests.engines.sglang518 import SRC_ENV, load_sglang_518, sglang_518_source
 SRC = sglang_518_source()
 pytestmark = [
     pytest.mark.engines,
-    pytest.mark.skipif(SRC is None, reason=f"SGLang 0.5.18 source not unpacked: run `make sglang-518-src` "
-                                           f"or set {SRC_ENV} to an unpacked sglang-0.5.18 wheel"),
+    pytest.mark.skipif(
+        SRC is None,
+        reason=f"SGLang 0.5.18 source not unpacked: run `make sglang-518-src` "
+        f"or set {SRC_ENV} to an unpacked sglang-0.5.18 wheel",
+    ),
 ]
 
 
@@ -46,12 +49,19 @@ class Pair:
         self.sgl, self.ps, self.window_len = sgl, page_size, window_len
         self.kv_alloc = SWATokenToKVPoolAllocator(full_size, swa_size, page_size, "cpu", strict=True)
         self.kv = SWARadixCache(self.kv_alloc, page_size, window_len=window_len, strict=True)
-        self.sg_alloc = sgl.SWATokenToKVPoolAllocator(full_size, swa_size, page_size, torch.int64, "cpu",
-                                                      sgl.KVPool(), False)
+        self.sg_alloc = sgl.SWATokenToKVPoolAllocator(
+            full_size, swa_size, page_size, torch.int64, "cpu", sgl.KVPool(), False
+        )
         self.held: list[tuple[object, int | None, object, int | None]] = []
-        self.sg = sgl.SWARadixCache(sgl.CacheInitParams(disable=False, req_to_token_pool=None,
-                                                        token_to_kv_pool_allocator=self.sg_alloc,
-                                                        page_size=page_size, sliding_window_size=window_len))
+        self.sg = sgl.SWARadixCache(
+            sgl.CacheInitParams(
+                disable=False,
+                req_to_token_pool=None,
+                token_to_kv_pool_allocator=self.sg_alloc,
+                page_size=page_size,
+                sliding_window_size=window_len,
+            )
+        )
 
     def key(self, tokens: np.ndarray) -> object:
         return self.sgl.RadixKey([int(t) for t in tokens])
@@ -62,7 +72,9 @@ class Pair:
         assert kv.swa_attn_allocator.free_pages.tolist() == sg.swa_attn_allocator.free_pages.tolist(), where
         assert torch.equal(kv.full_to_swa_index_mapping, sg.full_to_swa_index_mapping), where
         assert (self.kv.evictable_size(), self.kv.swa_evictable_size()) == (
-            self.sg.full_evictable_size(), self.sg.swa_evictable_size()), where
+            self.sg.full_evictable_size(),
+            self.sg.swa_evictable_size(),
+        ), where
         self.kv.check_integrity()
 
     def evict(self, full: int, swa: int, where: str) -> None:
@@ -80,8 +92,9 @@ class Pair:
         theirs = self.sg_alloc.alloc_extend(cpu(p), cpu(p), cpu(s), cpu(s), cpu(last), s - p)
         return mine, theirs
 
-    def serve(self, prompt: np.ndarray, all_ids: np.ndarray, slide: bool, grouped: bool, hold: bool,
-              where: str) -> None:
+    def serve(
+        self, prompt: np.ndarray, all_ids: np.ndarray, slide: bool, grouped: bool, hold: bool, where: str
+    ) -> None:
         ps = self.ps
         kv_hit = self.kv.match_prefix(prompt)
         sg_hit = self.sg.match_prefix(self.sgl.MatchPrefixParams(key=self.key(prompt)))
@@ -110,8 +123,7 @@ class Pair:
         self.kv.dec_lock_ref(kv_node, kv_lock)
         self.sg.dec_lock_ref(sg_node, self.sgl.DecLockRefParams(swa_uuid_for_lock=sg_lock))
 
-    def insert(self, all_ids: np.ndarray, slots: torch.Tensor, p: int, slide: bool, grouped: bool,
-               where: str) -> None:
+    def insert(self, all_ids: np.ndarray, slots: torch.Tensor, p: int, slide: bool, grouped: bool, where: str) -> None:
         ps, s = self.ps, len(all_ids)
         key_len = s // ps * ps
         e = (s - max(self.window_len, ps)) // ps * ps if slide else 0
@@ -123,8 +135,11 @@ class Pair:
             if grouped:
                 alloc.free_group_begin()
         got = self.kv.insert(all_ids, slots, prev_prefix_len=p, swa_evicted_len=evicted)
-        want = self.sg.insert(self.sgl.InsertParams(key=self.key(all_ids), value=slots[:key_len].clone(),
-                                                    prev_prefix_len=p, swa_evicted_seqlen=evicted))
+        want = self.sg.insert(
+            self.sgl.InsertParams(
+                key=self.key(all_ids), value=slots[:key_len].clone(), prev_prefix_len=p, swa_evicted_seqlen=evicted
+            )
+        )
         assert got == want.prefix_len, where
         self.kv_alloc.free(slots[key_len:])
         self.sg_alloc.free(slots[key_len:].clone())
@@ -145,10 +160,15 @@ def tokens(rng: np.random.Generator, earlier: list[np.ndarray]) -> np.ndarray:
 
 @settings(max_examples=40, deadline=None)
 @example(page_size=2, window_len=1, seed=33070, grouped=True)
-@given(page_size=st.sampled_from([1, 2, 4]), window_len=st.integers(1, 9), seed=st.integers(0, 2**16),
-       grouped=st.booleans())
-def test_swa_radix_cache_matches_sglang_0_5_18_slot_for_slot(page_size: int, window_len: int, seed: int,
-                                                              grouped: bool) -> None:
+@given(
+    page_size=st.sampled_from([1, 2, 4]),
+    window_len=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+    grouped=st.booleans(),
+)
+def test_swa_radix_cache_matches_sglang_0_5_18_slot_for_slot(
+    page_size: int, window_len: int, seed: int, grouped: bool
+) -> None:
     assert SRC is not None
     pair = Pair(load_sglang_518(SRC), page_size, window_len, 96 * page_size, 48 * page_size)
     rng = np.random.default_rng(seed)
@@ -157,8 +177,14 @@ def test_swa_radix_cache_matches_sglang_0_5_18_slot_for_slot(page_size: int, win
         all_ids = tokens(rng, seen)
         seen.append(all_ids)
         prompt = all_ids[: max(1, len(all_ids) - int(rng.integers(0, 8)))]
-        pair.serve(prompt, all_ids, slide=bool(rng.random() < 0.5), grouped=grouped and bool(rng.random() < 0.5),
-                   hold=len(pair.held) < 3 and bool(rng.random() < 0.3), where=f"request {i}")
+        pair.serve(
+            prompt,
+            all_ids,
+            slide=bool(rng.random() < 0.5),
+            grouped=grouped and bool(rng.random() < 0.5),
+            hold=len(pair.held) < 3 and bool(rng.random() < 0.3),
+            where=f"request {i}",
+        )
         if pair.held and rng.random() < 0.3:
             pair.release(int(rng.integers(len(pair.held))))
         if rng.random() < 0.2 and pair.kv.swa_evictable_size():

@@ -39,9 +39,16 @@ PROMPT_LEN = 100  # 3 full blocks; with its 1 output token the request holds 4 b
 
 
 def complete(url: str, prompt: list[int]) -> None:
-    response = httpx.post(f"{url}/v1/completions", json={"model": httpx.get(f"{url}/v1/models").json()["data"][0]["id"],
-                                                         "prompt": prompt, "max_tokens": 1, "temperature": 0},
-                          timeout=120)
+    response = httpx.post(
+        f"{url}/v1/completions",
+        json={
+            "model": httpx.get(f"{url}/v1/models").json()["data"][0]["id"],
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0,
+        },
+        timeout=120,
+    )
     assert response.status_code == 200, response.text
 
 
@@ -125,9 +132,29 @@ def test_attach_rebuilds_vllms_blocks_and_evictions(instrumented_vllm: Instrumen
     assert counters(url).get("vllm:prefix_cache_queries_total", 0.0) == 0, "the attach phase needs a fresh server"
     capture = tmp_path / "vllm.db"
     attach = subprocess.Popen(
-        [sys.executable, "-m", "kvscope", "attach", "--url", url, "--kv-events", vllm.kv_events,
-         "--replay", vllm.replay, "--topic", "kv", "--capture", str(capture), "--scrape-s", "0.5",
-         "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "kvscope",
+            "attach",
+            "--url",
+            url,
+            "--kv-events",
+            vllm.kv_events,
+            "--replay",
+            vllm.replay,
+            "--topic",
+            "kv",
+            "--capture",
+            str(capture),
+            "--scrape-s",
+            "0.5",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(3.0)  # discovery, the capture made, the SUB socket connected (the replay fills in anyway)
         assert attach.poll() is None, attach.communicate()
@@ -154,17 +181,24 @@ def test_attach_rebuilds_vllms_blocks_and_evictions(instrumented_vllm: Instrumen
     assert len(inserts) == len(expected) and {(n, pool) for _, n, pool in inserts} == {(BLOCK, "full")}
 
     # the pages left at the end: each a full block of a prompt, chained on its prefix
-    (step,), = rows(capture, "SELECT max(step) FROM tree_snapshots")
-    snapshot = rows(capture, f"SELECT node_id, parent_id, num_tokens, depth_tokens, tier, token_preview "
-                             f"FROM tree_snapshots WHERE step = {step} AND node_id != 0")
+    ((step,),) = rows(capture, "SELECT max(step) FROM tree_snapshots")
+    snapshot = rows(
+        capture,
+        f"SELECT node_id, parent_id, num_tokens, depth_tokens, tier, token_preview "
+        f"FROM tree_snapshots WHERE step = {step} AND node_id != 0",
+    )
     assert 0 < len(snapshot) <= USABLE_BLOCKS and summary["pages"]["device"] == len(snapshot)
     assert {(n, depth % BLOCK, tier) for _, _, n, depth, tier, _ in snapshot} == {(BLOCK, 0, "device")}
     depth_of = {node: depth for node, _, _, depth, _, _ in snapshot}
-    assert all((parent == 0 and depth == BLOCK) or depth_of.get(parent) == depth - BLOCK
-               for _, parent, _, depth, _, _ in snapshot if parent in depth_of or parent == 0)
+    assert all(
+        (parent == 0 and depth == BLOCK) or depth_of.get(parent) == depth - BLOCK
+        for _, parent, _, depth, _, _ in snapshot
+        if parent in depth_of or parent == 0
+    )
     num_evicted, left = vllm_block_pool(sent)
     assert {(depth, preview) for _, _, _, depth, _, preview in snapshot} == {
-        (len(prefix), " ".join(map(str, prefix[-BLOCK:][:8])) + " …") for prefix in left}
+        (len(prefix), " ".join(map(str, prefix[-BLOCK:][:8])) + " …") for prefix in left
+    }
 
     # evictions: every stored page not left at the end, one evict event each, as vLLM's LRU evicts them
     evicts = event_rows(capture, "evict", ["num_tokens", "reason", "pool"])
@@ -174,9 +208,12 @@ def test_attach_rebuilds_vllms_blocks_and_evictions(instrumented_vllm: Instrumen
     # vLLM's own counters: prompt tokens queried, the shared prefix hit twice (two full blocks each)
     assert metrics["vllm:prefix_cache_hits_total"] == 2 * 64
     assert metrics["vllm:prefix_cache_queries_total"] == sum(len(p) for p in sent)
-    last = rows(capture, "SELECT full_total, full_available, full_evictable, full_used, cum_prompt_tokens, "
-                         "cum_hit_tokens, cum_evicted_tokens FROM usage ORDER BY step DESC LIMIT 1")[0]
+    last = rows(
+        capture,
+        "SELECT full_total, full_available, full_evictable, full_used, cum_prompt_tokens, "
+        "cum_hit_tokens, cum_evicted_tokens FROM usage ORDER BY step DESC LIMIT 1",
+    )[0]
     assert last == (NUM_BLOCKS * BLOCK, None, None, 0, sum(len(p) for p in sent), 2 * 64, len(evicts) * BLOCK)
-    (config,), = rows(capture, "SELECT config FROM runs")
+    ((config,),) = rows(capture, "SELECT config FROM runs")
     source = json.loads(config)["source"]
     assert source["engine"] == "vllm" and source["block_size"] == BLOCK and "usage.split" not in source["provides"]

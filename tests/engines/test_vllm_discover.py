@@ -21,16 +21,21 @@ def test_a_real_vllm_server_is_found_and_scraped(instrumented_vllm: Instrumented
     info = discover(url)
     assert info == EngineInfo("vllm", "0.32.0", server.model, 32, 384, None, ())
     before = scrape(url, info)
-    prompt0, cached0, preempted0 = (int(v or 0) for v in (before.prompt_tokens_total, before.cached_tokens_total,
-                                                          before.preemptions_total))
+    prompt0, cached0, preempted0 = (
+        int(v or 0) for v in (before.prompt_tokens_total, before.cached_tokens_total, before.preemptions_total)
+    )
     assert (before.capacity_tokens, before.used_tokens, before.num_running) == (384, 0, 0)
     first = list(range(3, 103))  # NOTE: no other phase sends these tokens
     second = first[:64] + list(range(200, 236))  # shares two full 32-token blocks with the first
     for prompt in (first, second):
-        answer = httpx.post(f"{url}/v1/completions", json={"model": server.model, "prompt": prompt,
-                                                           "max_tokens": 1}, timeout=120)
+        answer = httpx.post(
+            f"{url}/v1/completions", json={"model": server.model, "prompt": prompt, "max_tokens": 1}, timeout=120
+        )
         assert answer.status_code == 200, answer.text
     after = wait_for(lambda: scrape(url, info), lambda s: s.prompt_tokens_total == prompt0 + 200)
     assert (after.prompt_tokens_total, after.cached_tokens_total, after.preemptions_total) == (
-        prompt0 + 200, cached0 + 64, preempted0)
+        prompt0 + 200,
+        cached0 + 64,
+        preempted0,
+    )
     assert (after.available_tokens, after.evictable_tokens, after.evicted_tokens_total) == (None, None, None)

@@ -23,14 +23,22 @@ ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("vllm_probe_driver.py")
 pytestmark = [
     pytest.mark.engines,
-    pytest.mark.skipif(not Path(VLLM_PYTHON).exists(),
-                       reason=f"no vLLM venv at {VLLM_PYTHON}: `make test-engines` makes it"),
+    pytest.mark.skipif(
+        not Path(VLLM_PYTHON).exists(), reason=f"no vLLM venv at {VLLM_PYTHON}: `make test-engines` makes it"
+    ),
 ]
 
 
 def kvscope(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**_env(), **(env or {})}, timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**_env(), **(env or {})},
+        timeout=300,
+        check=False,
+    )
 
 
 def _env() -> dict[str, str]:
@@ -102,14 +110,19 @@ def test_a_double_free_is_named_with_the_request_it_was_released_for(tmp_path: P
     check = kvscope("check", str(capture))
     assert check.returncode == 1, check.stdout + check.stderr
     assert "[lostref]" in check.stdout
-    assert (f"block {block} ref 0, accounted 1; last released for request req-hold" in check.stdout), check.stdout
+    assert f"block {block} ref 0, accounted 1; last released for request req-hold" in check.stdout, check.stdout
 
 
-@pytest.mark.parametrize(("scenario", "line"), [
-    ("unknown-version", "kvscope probe: vLLM 0.31.9 is not supported (the probe knows 0.32.0); nothing patched"),
-    ("missing-target", "kvscope probe: vLLM 0.32.0: vllm.v1.core.block_pool.BlockPool.gone_in_0_33 not found; "
-                       "nothing patched"),
-])
+@pytest.mark.parametrize(
+    ("scenario", "line"),
+    [
+        ("unknown-version", "kvscope probe: vLLM 0.31.9 is not supported (the probe knows 0.32.0); nothing patched"),
+        (
+            "missing-target",
+            "kvscope probe: vLLM 0.32.0: vllm.v1.core.block_pool.BlockPool.gone_in_0_33 not found; nothing patched",
+        ),
+    ],
+)
 def test_a_version_or_target_it_does_not_know_patches_nothing(tmp_path: Path, scenario: str, line: str) -> None:
     """One line; no method wrapped (not even the targets that exist); vLLM serves on; the capture says why."""
     capture = tmp_path / f"{scenario}.db"
@@ -125,13 +138,15 @@ def test_a_capture_it_cannot_write_stops_recording_in_one_line_and_vllm_serves_o
     bad = tmp_path / "not-a-capture.db"
     bad.write_text("not sqlite")
     env = {**_env(), "KVSCOPE_CAPTURE": str(bad), "KVSCOPE_PYTHON": sys.executable}
-    out = subprocess.run([VLLM_PYTHON, str(DRIVER), "clean"], capture_output=True, text=True, cwd=ROOT, env=env,
-                         timeout=300, check=False)
+    out = subprocess.run(
+        [VLLM_PYTHON, str(DRIVER), "clean"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300, check=False
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["served"] and not result["active"]
     assert [line for line in out.stderr.splitlines() if line.startswith("kvscope")] == [
-        f"kvscope probe: recording stopped: RecorderStartError: {bad}: not a kvscope capture (not a SQLite database)"]
+        f"kvscope probe: recording stopped: RecorderStartError: {bad}: not a kvscope capture (not a SQLite database)"
+    ]
 
 
 def test_installing_kvscope_beside_vllm_changes_none_of_its_packages() -> None:
@@ -142,18 +157,25 @@ def test_installing_kvscope_beside_vllm_changes_none_of_its_packages() -> None:
     def state() -> tuple[list[str], list[str]]:
         freeze = subprocess.run([*pip, "freeze"], capture_output=True, text=True, check=True).stdout
         check = subprocess.run([*pip, "check"], capture_output=True, text=True, check=False).stdout
-        return ([line for line in freeze.splitlines() if "kvscope" not in line and not line.startswith("-e ")],
-                [line for line in check.splitlines() if not line.startswith("kvscope ")])
+        return (
+            [line for line in freeze.splitlines() if "kvscope" not in line and not line.startswith("-e ")],
+            [line for line in check.splitlines() if not line.startswith("kvscope ")],
+        )
 
     before = state()
-    subprocess.run([*pip, "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)], check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [*pip, "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert state() == before
-    code = ("import os; os.environ['KVSCOPE_CAPTURE'] = '/nonexistent-unused.db'\n"
-            "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
-            "from vllm.v1.core.block_pool import BlockPool; print(hasattr(BlockPool.touch, '__wrapped__'))\n")
-    out = subprocess.run([VLLM_PYTHON, "-c", code], capture_output=True, text=True, cwd="/", timeout=300,
-                         check=False)
+    code = (
+        "import os; os.environ['KVSCOPE_CAPTURE'] = '/nonexistent-unused.db'\n"
+        "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
+        "from vllm.v1.core.block_pool import BlockPool; print(hasattr(BlockPool.touch, '__wrapped__'))\n"
+    )
+    out = subprocess.run([VLLM_PYTHON, "-c", code], capture_output=True, text=True, cwd="/", timeout=300, check=False)
     assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
 
 
@@ -181,28 +203,40 @@ def _events(capture: Path, kind: str) -> list[tuple[Any, ...]]:
     finally:
         db.close()
     rows = events[events.kind == kind]
-    return [(r.rid, int(r.num_tokens), int(r.aux), None if r.reason is None or r.reason != r.reason else r.reason)
-            for r in rows.itertuples()]
+    return [
+        (r.rid, int(r.num_tokens), int(r.aux), None if r.reason is None or r.reason != r.reason else r.reason)
+        for r in rows.itertuples()
+    ]
 
 
 def test_each_prefix_lookup_says_why_it_stopped(life: tuple[dict[str, Any], Path]) -> None:
     """vLLM looks up at most (tokens - 1) // 16 full blocks and stops at the first uncached hash."""
     _, capture = life
     rows = [(rid, hit, reason) for rid, hit, _, reason in _events(capture, "match")]
-    assert rows == [("short", 0, "short"), ("p40", 0, "miss"), ("again40", 32, "partial"), ("p32", 0, "miss"),
-                    ("again32", 16, "capped"), ("fork48", 16, "diverged"), ("held", 32, "capped"),
-                    ("big", 0, "miss"), ("eagle", 0, "other")]
+    assert rows == [
+        ("short", 0, "short"),
+        ("p40", 0, "miss"),
+        ("again40", 32, "partial"),
+        ("p32", 0, "miss"),
+        ("again32", 16, "capped"),
+        ("fork48", 16, "diverged"),
+        ("held", 32, "capped"),
+        ("big", 0, "miss"),
+        ("eagle", 0, "other"),
+    ]
 
 
-def test_tree_snapshots_are_vllms_hash_chains_with_the_requests_holding_them(
-        life: tuple[dict[str, Any], Path]) -> None:
+def test_tree_snapshots_are_vllms_hash_chains_with_the_requests_holding_them(life: tuple[dict[str, Any], Path]) -> None:
     result, capture = life
     rows = _sql(capture, "SELECT node_id, parent_id, num_tokens, lock_ref, owner, depth_tokens FROM tree_snapshots")
     nodes = {row[0]: row[1:] for row in rows}
     assert nodes[0] == (None, 0, 0, None, 0)  # the root, as kvscope's own caches write it
     first, second, third = result["held"]  # the live request's chain: p32's two cached blocks and its own
-    assert [nodes[first], nodes[second], nodes[third]] == [(0, 16, 1, "held", 16), (first, 16, 1, "held", 32),
-                                                          (second, 16, 1, "held", 48)]
+    assert [nodes[first], nodes[second], nodes[third]] == [
+        (0, 16, 1, "held", 16),
+        (first, 16, 1, "held", 32),
+        (second, 16, 1, "held", 48),
+    ]
     free = {node: row for node, row in nodes.items() if node and node not in result["held"]}
     assert free and all(row[2] == 0 and row[3] is None for row in free.values())  # cached-free: ref 0, no holder
     assert all(row[0] == 0 or row[0] in nodes for row in nodes.values() if row[0] is not None)
@@ -210,8 +244,13 @@ def test_tree_snapshots_are_vllms_hash_chains_with_the_requests_holding_them(
 
 def test_requests_have_their_arrival_admission_finish_and_status(life: tuple[dict[str, Any], Path]) -> None:
     _, capture = life
-    rows = {r[0]: r[1:] for r in _sql(capture, "SELECT rid, status, prompt_len, cached_tokens, arrive_t, admit_t, "
-                                               "finish_t, admit_step FROM requests")}
+    rows = {
+        r[0]: r[1:]
+        for r in _sql(
+            capture,
+            "SELECT rid, status, prompt_len, cached_tokens, arrive_t, admit_t, finish_t, admit_step FROM requests",
+        )
+    }
     assert set(rows) == {"short", "p40", "again40", "p32", "again32", "fork48"}  # held and big never finished
     assert rows["short"][:3] == ("aborted", 10, 0) and rows["again40"][:3] == ("finished", 40, 32)
     assert all(r[3] <= r[4] <= r[5] and r[6] is not None for r in rows.values()), rows
@@ -221,8 +260,9 @@ def test_requests_have_their_arrival_admission_finish_and_status(life: tuple[dic
 def test_usage_splits_free_blocks_into_unhashed_and_cached_each_step(life: tuple[dict[str, Any], Path]) -> None:
     """Cached-free blocks are counted per call (no walk of the pool): equal to a walk at every step."""
     result, capture = life
-    rows = _sql(capture, "SELECT full_total, full_available, full_evictable, full_used, num_running FROM usage "
-                         "ORDER BY step")
+    rows = _sql(
+        capture, "SELECT full_total, full_available, full_evictable, full_used, num_running FROM usage ORDER BY step"
+    )
     assert [r[2] for r in rows] == [n * 16 for n in result["cached_free"]] and max(result["cached_free"]) > 0
     assert all(total == available + evictable + used for total, available, evictable, used, _ in rows)
     assert rows[-1][3] == 3 * 16 and rows[-1][4] == 1  # "held" holds three blocks
@@ -251,13 +291,16 @@ def test_instrument_names_vllms_own_plugins_and_kvscope(life: tuple[dict[str, An
 
 
 def test_level_summary_keeps_snapshots_usage_and_requests_without_block_events(
-        life: tuple[dict[str, Any], Path], tmp_path: Path) -> None:
+    life: tuple[dict[str, Any], Path], tmp_path: Path
+) -> None:
     """What docs/probe.md says summary records: the same tree, usage and requests as full, no events."""
     summary = tmp_path / "summary.db"
     result = drive("life", summary, level="summary")
     _, full = life
-    for query in ("SELECT node_id, parent_id, lock_ref, owner, depth_tokens FROM tree_snapshots ORDER BY node_id",
-                  "SELECT step, full_available, full_evictable, full_used FROM usage ORDER BY step",
-                  "SELECT rid, status, prompt_len, cached_tokens, admit_step FROM requests ORDER BY rid"):
+    for query in (
+        "SELECT node_id, parent_id, lock_ref, owner, depth_tokens FROM tree_snapshots ORDER BY node_id",
+        "SELECT step, full_available, full_evictable, full_used FROM usage ORDER BY step",
+        "SELECT rid, status, prompt_len, cached_tokens, admit_step FROM requests ORDER BY rid",
+    ):
         assert _sql(summary, query) == _sql(full, query), query
     assert result["census"]["ok"] and _events(summary, "match") == [] and _events(summary, "alloc") == []

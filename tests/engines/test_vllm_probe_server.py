@@ -41,25 +41,38 @@ from tests.engines.vllm_server import VLLM_PYTHON
 
 pytestmark = [
     pytest.mark.engines,
-    pytest.mark.skipif(not Path(VLLM_PYTHON).exists(),
-                       reason=f"no vLLM venv at {VLLM_PYTHON}: `make test-engines` makes it"),
+    pytest.mark.skipif(
+        not Path(VLLM_PYTHON).exists(), reason=f"no vLLM venv at {VLLM_PYTHON}: `make test-engines` makes it"
+    ),
 ]
 
-PAGES = {"overview": "Overview", "memory": "Memory", "tiers": "Tiers", "tree": "Radix tree",
-         "evictions": "Evictions", "leaks": "Leaks", "requests": "Requests", "capacity": "Capacity"}
+PAGES = {
+    "overview": "Overview",
+    "memory": "Memory",
+    "tiers": "Tiers",
+    "tree": "Radix tree",
+    "evictions": "Evictions",
+    "leaks": "Leaks",
+    "requests": "Requests",
+    "capacity": "Capacity",
+}
 
 
 def kvscope(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, cwd=ROOT, timeout=300, check=False
+    )
 
 
 def complete(url: str, prompt: list[int], max_tokens: int = 1, request_id: str | None = None) -> None:
     """One completion of exactly `max_tokens` tokens (EOS ignored: random weights may pick it)."""
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    response = httpx.post(f"{url}/v1/completions", headers={"X-Request-Id": request_id} if request_id else {},
-                          json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                "ignore_eos": True}, timeout=300)
+    response = httpx.post(
+        f"{url}/v1/completions",
+        headers={"X-Request-Id": request_id} if request_id else {},
+        json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        timeout=300,
+    )
     assert response.status_code == 200, response.text
 
 
@@ -77,9 +90,9 @@ def last_steps(capture: Path) -> tuple[int, int]:
     """The last run's last usage step and last census step (the census follows the last step at idle)."""
     conn = sqlite3.connect(capture)
     try:
-        (run,), = conn.execute("SELECT max(id) FROM runs").fetchall()
-        (usage,), = conn.execute("SELECT max(step) FROM usage WHERE run_id = ?", (run,)).fetchall()
-        (census,), = conn.execute("SELECT max(step) FROM leak_checks WHERE run_id = ?", (run,)).fetchall()
+        ((run,),) = conn.execute("SELECT max(id) FROM runs").fetchall()
+        ((usage,),) = conn.execute("SELECT max(step) FROM usage WHERE run_id = ?", (run,)).fetchall()
+        ((census,),) = conn.execute("SELECT max(step) FROM leak_checks WHERE run_id = ?", (run,)).fetchall()
     finally:
         conn.close()
     return usage or 0, census or 0
@@ -139,8 +152,9 @@ def test_clean_workloads_with_preemption_check_clean(instrumented_vllm: Instrume
         db.close()
     check = kvscope("check", str(capture))  # NOTE: the server still runs: `check` says clean only of a finished run
     assert check.returncode == 3, check.stdout + check.stderr
-    assert re.search(r"inconclusive: the run is still running at step \d+; \d+ idle leak checks balanced so far",
-                     check.stdout), check.stdout
+    assert re.search(
+        r"inconclusive: the run is still running at step \d+; \d+ idle leak checks balanced so far", check.stdout
+    ), check.stdout
 
 
 def test_the_block_events_replay_to_the_census_at_each_idle_point(instrumented_vllm: InstrumentedVllm) -> None:
@@ -155,8 +169,9 @@ def test_the_block_events_replay_to_the_census_at_each_idle_point(instrumented_v
 
 
 @pytest.mark.parametrize("page", list(PAGES))
-def test_every_dashboard_page_renders_the_capture(instrumented_vllm: InstrumentedVllm, page: str, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_dashboard_page_renders_the_capture(
+    instrumented_vllm: InstrumentedVllm, page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     snapshot = tmp_path / "probe.db"  # NOTE: a consistent copy: the server's recorder still writes the capture
     source, target = sqlite3.connect(instrumented_vllm.capture), sqlite3.connect(snapshot)
     try:
@@ -186,8 +201,10 @@ def test_injected_faults_are_named_exactly(instrumented_vllm: InstrumentedVllm) 
     leaks = injected(instrumented_vllm.faults_log)
     assert [f["fault"] for f in leaks] == ["leak", "leak"] and all(len(f["blocks"]) == 1 for f in leaks)
     report = kvscope("report", "leaks", str(capture))
-    leaked = {(int(b), rid) for b, rid in re.findall(r"block (\d+) ref 1, accounted 0; last taken by request (\S+) ",
-                                                      report.stdout)}
+    leaked = {
+        (int(b), rid)
+        for b, rid in re.findall(r"block (\d+) ref 1, accounted 0; last taken by request (\S+) ", report.stdout)
+    }
     assert leaked == {(f["blocks"][0], f["rid"]) for f in leaks}, report.stdout
 
     complete(url, tokens(rng, 100), request_id="kvsfault-dfree-a")

@@ -33,15 +33,24 @@ NUM_BLOCKS = 12
 
 def manager(use_eagle: bool = False) -> KVCacheManager:
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
-    return KVCacheManager(config, max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK,
-                          enable_caching=True, log_stats=True, use_eagle=use_eagle)
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
+    )
+    return KVCacheManager(
+        config,
+        max_model_len=256,
+        scheduler_block_size=BLOCK,
+        hash_block_size=BLOCK,
+        enable_caching=True,
+        log_stats=True,
+        use_eagle=use_eagle,
+    )
 
 
 def request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, tokens, SamplingParams(max_tokens=1), None,
-                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+    return Request(
+        rid, tokens, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(BLOCK, sha256)
+    )
 
 
 def serve(kv: KVCacheManager, live: dict[str, Request], rid: str, tokens: list[int]) -> Request:
@@ -55,8 +64,9 @@ def serve(kv: KVCacheManager, live: dict[str, Request], rid: str, tokens: list[i
     return req
 
 
-def finish(kv: KVCacheManager, live: dict[str, Request], req: Request,
-           status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
+def finish(
+    kv: KVCacheManager, live: dict[str, Request], req: Request, status: RequestStatus = RequestStatus.FINISHED_STOPPED
+) -> None:
     req.status = status
     probe._record_request(req)
     kv.free(req)
@@ -66,9 +76,16 @@ def finish(kv: KVCacheManager, live: dict[str, Request], req: Request,
 def idle(kv: KVCacheManager, live: dict[str, Request]) -> dict:
     probe.PROBE.busy = True
     result = probe.PROBE.census(kv, set(live), [])
-    return {} if result is None else {"ok": result.ok, "leaked": sorted(result.leaked), "lostref":
-                                      sorted(result.lostref), "culprits": {str(b): c[0] for b, c in
-                                                                          result.culprits.items()}}
+    return (
+        {}
+        if result is None
+        else {
+            "ok": result.ok,
+            "leaked": sorted(result.leaked),
+            "lostref": sorted(result.lostref),
+            "culprits": {str(b): c[0] for b, c in result.culprits.items()},
+        }
+    )
 
 
 def step_ends(kv: KVCacheManager, live: dict[str, Request]) -> int:
@@ -86,17 +103,27 @@ def life() -> dict:
     parallel = ParallelConfig()
     parallel.data_parallel_index = 1
     parallel.reconfigure_for_independent_dp_rank()
-    probe.PROBE.engine_seen(SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel,
-                                                                           cache_config=CacheConfig(block_size=BLOCK))))
+    probe.PROBE.engine_seen(
+        SimpleNamespace(
+            vllm_config=SimpleNamespace(parallel_config=parallel, cache_config=CacheConfig(block_size=BLOCK))
+        )
+    )
     kv, live, cached_free = manager(), {}, []
     p32, other = list(range(2000, 2000 + 2 * BLOCK)), list(range(3000, 3000 + 3 * BLOCK))
-    prompts = [("short", [5] * 10), ("p40", other[:40]), ("again40", other[:40]), ("p32", p32),
-               ("again32", p32), ("fork48", p32[:BLOCK] + [6] * (2 * BLOCK))]
+    prompts = [
+        ("short", [5] * 10),
+        ("p40", other[:40]),
+        ("again40", other[:40]),
+        ("p32", p32),
+        ("again32", p32),
+        ("fork48", p32[:BLOCK] + [6] * (2 * BLOCK)),
+    ]
     for rid, tokens in prompts:  # miss, short, partial, capped, diverged (p40 and p32 miss)
         probe.PROBE.step_begins()
         req = serve(kv, live, rid, tokens)
-        finish(kv, live, req, RequestStatus.FINISHED_ABORTED if rid == "short" else
-               RequestStatus.FINISHED_LENGTH_CAPPED)
+        finish(
+            kv, live, req, RequestStatus.FINISHED_ABORTED if rid == "short" else RequestStatus.FINISHED_LENGTH_CAPPED
+        )
         cached_free.append(step_ends(kv, live))
     probe.PROBE.step_begins()
     held = serve(kv, live, "held", p32 + [8] * BLOCK)  # holds p32's two cached blocks and a third
@@ -109,8 +136,14 @@ def life() -> dict:
     cached_free.append(step_ends(kv, live))
     census = idle(kv, live)
     chain = [b.block_id for b in kv.coordinator.single_type_managers[0].req_to_blocks["held"]]
-    return {"census": census, "cached_free": cached_free, "no_room": no_room, "held": chain,
-            "free_blocks": kv.block_pool.get_num_free_blocks(), "held_rid": held.request_id}
+    return {
+        "census": census,
+        "cached_free": cached_free,
+        "no_room": no_room,
+        "held": chain,
+        "free_blocks": kv.block_pool.get_num_free_blocks(),
+        "held_rid": held.request_id,
+    }
 
 
 def main(scenario: str) -> None:
@@ -119,8 +152,12 @@ def main(scenario: str) -> None:
     if scenario == "unknown-version":
         said = probe._register(version="0.31.9")
     elif scenario == "missing-target":
-        table = {"0.32.0": lambda: [*probe.targets(), probe.Target(probe.BLOCK_POOL, "BlockPool", "gone_in_0_33",
-                                                                   probe._touch)]}
+        table = {
+            "0.32.0": lambda: [
+                *probe.targets(),
+                probe.Target(probe.BLOCK_POOL, "BlockPool", "gone_in_0_33", probe._touch),
+            ]
+        }
         said = probe._register(version="0.32.0", table=table)
     else:
         said = probe._register()
@@ -149,8 +186,10 @@ def main(scenario: str) -> None:
             injected.append({"kind": "double-free", "block": victim.block_id, "rid": "req-hold"})
         censuses.append(idle(kv, live))
     # what GET /kvscope/census answers for this engine (the utility method the probe adds to EngineCore)
-    engine = SimpleNamespace(scheduler=SimpleNamespace(kv_cache_manager=kv, deferred_frees=[], requests=live),
-                             vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_rank=0)))
+    engine = SimpleNamespace(
+        scheduler=SimpleNamespace(kv_cache_manager=kv, deferred_frees=[], requests=live),
+        vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_rank=0)),
+    )
     utility = getattr(EngineCore, "kvscope_census", None)
     live_census = utility(engine) if utility is not None else None
     # vLLM still works after whatever the probe did: a fresh request is served
@@ -158,9 +197,19 @@ def main(scenario: str) -> None:
     rec = probe.PROBE.state.recorder
     if hasattr(rec, "close"):
         rec.close()
-    print(json.dumps({"said": said, "active": probe.PROBE.state.active, "patched":
-                      hasattr(type(kv.block_pool).touch, "__wrapped__"), "censuses": censuses,
-                      "injected": injected, "served": served, "live": live_census}))
+    print(
+        json.dumps(
+            {
+                "said": said,
+                "active": probe.PROBE.state.active,
+                "patched": hasattr(type(kv.block_pool).touch, "__wrapped__"),
+                "censuses": censuses,
+                "injected": injected,
+                "served": served,
+                "live": live_census,
+            }
+        )
+    )
 
 
 class probe_context:

@@ -28,10 +28,21 @@ BLOCK = 32
 NUM_BLOCKS = 12  # --num-gpu-blocks-override; vLLM keeps one as its null block
 READY_TIMEOUT_S = 600.0  # NOTE: 2-5 minutes alone; far more on a machine busy with other builds
 MODEL_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512,
-    "max_position_embeddings": 512, "torch_dtype": "float32", "rms_norm_eps": 1e-5, "bos_token_id": 1,
-    "eos_token_id": 2, "tie_word_embeddings": False,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+    "torch_dtype": "float32",
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
 }
 
 
@@ -58,9 +69,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def vllm_server(wrap: Sequence[str] = (), env: Mapping[str, str] | None = None, kv_events: bool = True,
-                num_blocks: int = NUM_BLOCKS, log_path: Path | None = None,
-                args: Sequence[str] = ()) -> Iterator[VllmServer]:
+def vllm_server(
+    wrap: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    kv_events: bool = True,
+    num_blocks: int = NUM_BLOCKS,
+    log_path: Path | None = None,
+    args: Sequence[str] = (),
+) -> Iterator[VllmServer]:
     """`wrap`: a command the server's command is appended to (`kvscope instrument ... --`); `env`:
     variables added to the server's environment; `kv_events`: publish KV events (attach reads them);
     `log_path`: where its output goes (default a file in its temp dir, removed with it); `args`: more
@@ -72,19 +88,47 @@ def vllm_server(wrap: Sequence[str] = (), env: Mapping[str, str] | None = None, 
     (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
     port = free_port()
     server = VllmServer(f"http://127.0.0.1:{port}", str(model), tmp)
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": server.kv_events,
-              "replay_endpoint": server.replay, "topic": "kv"}
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": server.kv_events,
+        "replay_endpoint": server.replay,
+        "topic": "kv",
+    }
     log_path = log_path or tmp / "vllm.log"
     log = log_path.open("w")
     process = subprocess.Popen(
-        [*wrap, VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-         "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "256",
-         "--block-size", str(BLOCK),
-         "--num-gpu-blocks-override", str(num_blocks), "--host", "127.0.0.1", "--port", str(port),
-         *(["--kv-events-config", json.dumps(events)] if kv_events else []), *args],
-        stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
+        [
+            *wrap,
+            VLLM_PYTHON,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--load-format",
+            "dummy",
+            "--skip-tokenizer-init",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "256",
+            "--block-size",
+            str(BLOCK),
+            "--num-gpu-blocks-override",
+            str(num_blocks),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *(["--kv-events-config", json.dumps(events)] if kv_events else []),
+            *args,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=tmp,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(env or {})},
-        start_new_session=True)
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:

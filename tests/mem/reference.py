@@ -82,7 +82,10 @@ class RefFreeList:
 
 
 def ref_extend(
-    free_list: RefFreeList, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int],
+    free_list: RefFreeList,
+    prefix_lens: list[int],
+    seq_lens: list[int],
+    last_locs: list[int],
     pages: list[int],
 ) -> list[int]:
     """Slots by the paged rules: finish the partial page from last_loc+1, then fresh pages."""

@@ -28,9 +28,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         ps = self.page_size
-        self.alloc = make_token_allocator(
-            NUM_PAGES * ps, ps, self.device, need_sort=self.need_sort, strict=self.strict
-        )
+        self.alloc = make_token_allocator(NUM_PAGES * ps, ps, self.device, need_sort=self.need_sort, strict=self.strict)
         self.model = RefFreeList(NUM_PAGES, ps, self.need_sort)
         self.requests: dict[int, list[int]] = {}
         self.next_rid = 0
@@ -44,8 +42,10 @@ class AllocatorMachine(RuleBasedStateMachine):
     def extend(self, data: st.DataObject) -> None:
         num_new = data.draw(st.integers(0 if self.requests else 1, 3), "num_new")
         num_new = min(num_new, MAX_REQUESTS - len(self.requests))
-        existing = data.draw(st.lists(st.sampled_from(sorted(self.requests)), unique=True, max_size=2)
-                             if self.requests else st.just([]), "existing")
+        existing = data.draw(
+            st.lists(st.sampled_from(sorted(self.requests)), unique=True, max_size=2) if self.requests else st.just([]),
+            "existing",
+        )
         if num_new == 0 and not existing:
             return
         rids = existing + list(range(self.next_rid, self.next_rid + num_new))
@@ -68,9 +68,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.requests.setdefault(r, []).extend(expected[cursor : cursor + s - p])
             cursor += s - p
 
-    def model_extend(
-        self, prefix: list[int], seq: list[int], last: list[int], total: int
-    ) -> list[int] | None:
+    def model_extend(self, prefix: list[int], seq: list[int], last: list[int], total: int) -> list[int] | None:
         ps, m = self.page_size, self.model
         if ps == 1:
             pages = m.take(total)
@@ -96,8 +94,10 @@ class AllocatorMachine(RuleBasedStateMachine):
             expected = None
             if pages is not None:
                 fresh = iter(pages)
-                expected = [next(fresh) * ps if s % ps == 1 else self.requests[r][-1] + 1
-                            for r, s in zip(rids, seq, strict=True)]
+                expected = [
+                    next(fresh) * ps if s % ps == 1 else self.requests[r][-1] + 1
+                    for r, s in zip(rids, seq, strict=True)
+                ]
             last = [self.requests[r][-1] for r in rids]
             got = self.alloc.alloc_decode(seq, last)  # type: ignore[attr-defined]
         if expected is None:
@@ -168,7 +168,11 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 CASES = [
-    (1, False, False), (1, True, True), (4, False, True), (4, True, False), (16, False, False),
+    (1, False, False),
+    (1, True, True),
+    (4, False, True),
+    (4, True, False),
+    (16, False, False),
     (16, True, True),
 ]
 

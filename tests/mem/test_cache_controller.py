@@ -39,15 +39,17 @@ class Tiers:
         self.host_alloc.check_integrity(host)
 
 
-def make_tiers(page_size: int, device_tokens: int, host_tokens: int, device: str = "cpu",
-               dtype: torch.dtype = torch.float32) -> Tiers:
+def make_tiers(
+    page_size: int, device_tokens: int, host_tokens: int, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> Tiers:
     device_alloc = make_token_allocator(device_tokens, page_size, device, strict=True)
     assert isinstance(device_alloc, BaseTokenAllocator)
     device_kv = MHATokenToKVPool(device_tokens, page_size, dtype, NUM_HEADS, HEAD_DIM, NUM_LAYERS, device)
     host_alloc = HostTokenAllocator(host_tokens, page_size, strict=True)
     host_kv = HostKVPool.like(device_kv, host_tokens)
-    return Tiers(device_alloc, device_kv, host_alloc, host_kv,
-                 CacheController(device_alloc, device_kv, host_alloc, host_kv))
+    return Tiers(
+        device_alloc, device_kv, host_alloc, host_kv, CacheController(device_alloc, device_kv, host_alloc, host_kv)
+    )
 
 
 def fill_random(tiers: Tiers, slots: torch.Tensor, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -214,8 +216,9 @@ class ControllerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.tiers = make_tiers(self.page_size, device_tokens=8 * self.page_size, host_tokens=6 * self.page_size,
-                                device=self.device)
+        self.tiers = make_tiers(
+            self.page_size, device_tokens=8 * self.page_size, host_tokens=6 * self.page_size, device=self.device
+        )
         self.device_chunks: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         self.host_chunks: list[tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         self.unacked_writes: list[int] = []

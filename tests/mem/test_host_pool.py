@@ -143,8 +143,9 @@ class HostAllocatorMachine(RuleBasedStateMachine):
 
 
 for _ps, _strict in ((1, False), (1, True), (4, False), (4, True)):
-    _case = type(f"HostAlloc_ps{_ps}_strict{_strict}", (HostAllocatorMachine,),
-                 {"page_size": _ps, "strict": _strict}).TestCase
+    _case = type(
+        f"HostAlloc_ps{_ps}_strict{_strict}", (HostAllocatorMachine,), {"page_size": _ps, "strict": _strict}
+    ).TestCase
     _case.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
     globals()[f"Test{_case.__qualname__.split('.')[0]}"] = _case
 del _case

@@ -70,4 +70,3 @@ def test_a_swa_group_returns_each_pools_pages_once() -> None:
     allocator.free_group_end()
     assert allocator.full_available_size() == allocator.swa_available_size() == 32
     allocator.check_integrity(torch.empty(0, dtype=torch.int64))
-

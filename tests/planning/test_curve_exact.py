@@ -19,10 +19,12 @@ PAGE_SIZES = [1, 16]
 def test_a_split_does_not_refresh_the_unmatched_piece_in_page_mode() -> None:
     """Page-granular eviction keeps the unmatched lower piece of a split node at its old access
     time (SGLang's leaf mode stamps it): [3 4] is not younger than [5 6], so [3 4] goes first."""
-    requests = [ReplayRequest("a", np.array([1, 2], dtype=np.int32), np.array([1, 2, 3, 4], dtype=np.int32)),
-                ReplayRequest("b", np.array([5], dtype=np.int32), np.array([5, 6], dtype=np.int32)),
-                ReplayRequest("c", np.array([1, 2, 9], dtype=np.int32), np.array([1, 2, 9, 8], dtype=np.int32)),
-                ReplayRequest("d", np.array([5, 6, 7], dtype=np.int32), np.array([5, 6, 7, 7], dtype=np.int32))]
+    requests = [
+        ReplayRequest("a", np.array([1, 2], dtype=np.int32), np.array([1, 2, 3, 4], dtype=np.int32)),
+        ReplayRequest("b", np.array([5], dtype=np.int32), np.array([5, 6], dtype=np.int32)),
+        ReplayRequest("c", np.array([1, 2, 9], dtype=np.int32), np.array([1, 2, 9, 8], dtype=np.int32)),
+        ReplayRequest("d", np.array([5, 6, 7], dtype=np.int32), np.array([5, 6, 7, 7], dtype=np.int32)),
+    ]
     hits = replay(requests, ReplayConfig(6, 1, "page", "tree")).request_hit_tokens.tolist()
     assert hits == [0, 0, 2, 2]
     assert one_pass_curve(requests).request_hit_tokens(6).tolist() == [0, 0, 2, 2]
@@ -84,8 +86,10 @@ def test_whole_leaf_eviction_departs_from_the_curve(page_size: int) -> None:
             gap = abs(leaf.hit_rate - curve.hit_rate(k))
             errors.append(gap)
             worst = max(worst, gap)
-    print(f"\nwhole-leaf eviction vs one-pass curve, page size {page_size}: mean absolute hit-rate gap "
-          f"{np.mean(errors):.4f}, worst {worst:.4f}, over {len(errors)} (trace, capacity) cases")
+    print(
+        f"\nwhole-leaf eviction vs one-pass curve, page size {page_size}: mean absolute hit-rate gap "
+        f"{np.mean(errors):.4f}, worst {worst:.4f}, over {len(errors)} (trace, capacity) cases"
+    )
     assert worst > 0, "whole-leaf eviction never differed: the traces do not exercise eviction"
 
 

@@ -107,8 +107,13 @@ def test_impossible_inputs_are_one_line_errors(name: str, tp: int, gpu_gib: floa
 def test_bad_knobs_and_names_are_rejected() -> None:
     gpu = 80 * GIB
     model = PRESETS["llama-3.1-8b"]
-    for kwargs in ({"page_size": 3}, {"mem_fraction_static": 1.2}, {"gpu_memory_utilization": 0},
-                   {"context_len": 0}, {"tp_size": 0}):
+    for kwargs in (
+        {"page_size": 3},
+        {"mem_fraction_static": 1.2},
+        {"gpu_memory_utilization": 0},
+        {"context_len": 0},
+        {"tp_size": 0},
+    ):
         with pytest.raises(ValueError):
             PlanInputs(model, gpu, gpu, **kwargs)
     with pytest.raises(ValueError, match="weights of x are unknown"):
@@ -123,23 +128,63 @@ def test_bad_knobs_and_names_are_rejected() -> None:
 
 # NOTE: the published config.json fields of each preset (only those the reader looks at)
 HF_CONFIGS = {
-    "llama-3.1-8b": {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                     "hidden_size": 4096, "torch_dtype": "bfloat16"},
-    "llama-3-70b": {"num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-                    "hidden_size": 8192, "torch_dtype": "bfloat16"},
-    "qwen2.5-7b": {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-                   "hidden_size": 3584, "sliding_window": 131072, "use_sliding_window": False,
-                   "torch_dtype": "bfloat16"},
-    "gemma-3-12b": {"architectures": ["Gemma3ForConditionalGeneration"], "torch_dtype": "bfloat16",
-                    "text_config": {"num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8,
-                                    "head_dim": 256, "hidden_size": 3840, "sliding_window": 1024,
-                                    "sliding_window_pattern": 6}},
-    "gpt-oss-20b": {"num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-                    "hidden_size": 2880, "sliding_window": 128, "torch_dtype": "bfloat16",
-                    "layer_types": ["sliding_attention", "full_attention"] * 12},
-    "deepseek-v3": {"num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
-                    "hidden_size": 7168, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "v_head_dim": 128,
-                    "qk_nope_head_dim": 128, "torch_dtype": "bfloat16"},
+    "llama-3.1-8b": {
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "hidden_size": 4096,
+        "torch_dtype": "bfloat16",
+    },
+    "llama-3-70b": {
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "hidden_size": 8192,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen2.5-7b": {
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "hidden_size": 3584,
+        "sliding_window": 131072,
+        "use_sliding_window": False,
+        "torch_dtype": "bfloat16",
+    },
+    "gemma-3-12b": {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "torch_dtype": "bfloat16",
+        "text_config": {
+            "num_hidden_layers": 48,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 256,
+            "hidden_size": 3840,
+            "sliding_window": 1024,
+            "sliding_window_pattern": 6,
+        },
+    },
+    "gpt-oss-20b": {
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "hidden_size": 2880,
+        "sliding_window": 128,
+        "torch_dtype": "bfloat16",
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+    },
+    "deepseek-v3": {
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "hidden_size": 7168,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "torch_dtype": "bfloat16",
+    },
 }
 
 
@@ -158,8 +203,11 @@ def test_config_json_gives_the_presets_kv_bytes(tmp_path: Path, name: str) -> No
 def test_bad_config_files_are_one_line_errors(tmp_path: Path) -> None:
     (tmp_path / "broken.json").write_text("{not json")
     (tmp_path / "partial.json").write_text('{"num_attention_heads": 8}')
-    for name, message in (("missing.json", "No such file"), ("broken.json", "not valid JSON"),
-                          ("partial.json", "config has no 'num_hidden_layers'")):
+    for name, message in (
+        ("missing.json", "No such file"),
+        ("broken.json", "not valid JSON"),
+        ("partial.json", "config has no 'num_hidden_layers'"),
+    ):
         with pytest.raises(ValueError, match=message):
             load_hf_config(tmp_path / name)
 

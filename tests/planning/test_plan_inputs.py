@@ -31,25 +31,31 @@ def test_a_given_weight_size_overrides_the_presets_under_its_hf_id() -> None:
 
 
 def test_an_unknown_id_says_what_is_accepted() -> None:
-    with pytest.raises(ValueError, match=r"unknown model 'meta-llama/Llama-9-1T': a preset \(llama-3.1-8b.*\), a "
-                                         r"preset's Hugging Face id .* or a config.json file \(nothing is "
-                                         r"downloaded\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown model 'meta-llama/Llama-9-1T': a preset \(llama-3.1-8b.*\), a "
+        r"preset's Hugging Face id .* or a config.json file \(nothing is "
+        r"downloaded\)",
+    ):
         resolve_model("meta-llama/Llama-9-1T")
 
 
 def test_a_folder_holding_a_config_json_is_read(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
-                                                      "num_key_value_heads": 2, "hidden_size": 256}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256})
+    )
     shape = resolve_model(str(tmp_path), GIB)
     assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (2, 2, 64)
 
 
 @pytest.mark.parametrize(
     ("field", "value", "message"),
-    [("swa_full_tokens_ratio", math.inf, "swa_full_tokens_ratio must be a finite number > 0, got inf"),
-     ("swa_full_tokens_ratio", math.nan, "swa_full_tokens_ratio must be a finite number > 0, got nan"),
-     ("mem_fraction_static", math.nan, "mem_fraction_static must be in"),
-     ("gpu_memory_utilization", math.inf, "gpu_memory_utilization must be in")],
+    [
+        ("swa_full_tokens_ratio", math.inf, "swa_full_tokens_ratio must be a finite number > 0, got inf"),
+        ("swa_full_tokens_ratio", math.nan, "swa_full_tokens_ratio must be a finite number > 0, got nan"),
+        ("mem_fraction_static", math.nan, "mem_fraction_static must be in"),
+        ("gpu_memory_utilization", math.inf, "gpu_memory_utilization must be in"),
+    ],
 )
 def test_plan_inputs_are_finite(field: str, value: float, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -37,8 +37,11 @@ def test_a_repeated_prompt_hits_whole_pages_only() -> None:
 
 
 def test_slot_convention_skips_a_request_larger_than_the_pool() -> None:
-    requests = [request("a", list(range(10)), [1]), request("big", list(range(50)), [1]),
-                request("c", list(range(10)), [2])]
+    requests = [
+        request("a", list(range(10)), [1]),
+        request("big", list(range(50)), [1]),
+        request("c", list(range(10)), [2]),
+    ]
     result = replay(requests, ReplayConfig(32, 1, convention="slots"))
     assert result.request_hit_tokens.tolist() == [0, -1, 10] and result.num_skipped == 1
     assert result.peak_usage_tokens <= 32
@@ -71,8 +74,12 @@ def test_parallel_workers_agree_with_serial_replays() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"capacity": 100, "page_size": 16}, "multiple of the page size"), ({"capacity": 0}, "holds no page"),
-     ({"capacity": 64, "page_size": 3}, "power of two"), ({"capacity": 64, "convention": "pool"}, "convention")],
+    [
+        ({"capacity": 100, "page_size": 16}, "multiple of the page size"),
+        ({"capacity": 0}, "holds no page"),
+        ({"capacity": 64, "page_size": 3}, "power of two"),
+        ({"capacity": 64, "convention": "pool"}, "convention"),
+    ],
 )
 def test_bad_replay_configs_are_rejected(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -109,16 +116,27 @@ def test_a_trace_file_and_bad_sources(tmp_path: Path) -> None:
 def test_a_capture_replays_the_request_stream_it_recorded(tmp_path: Path) -> None:
     """A real `kvscope run` capture: its run config regenerates the same requests."""
     model = MODEL_PRESETS["tiny"]
-    spec = RunSpec(engine=EngineConfig(), model=model, workload="multi-turn", num_requests=10, seed=3,
-                   level="summary", capture=tmp_path / "run.db", workload_options={"num_turns": 3})
+    spec = RunSpec(
+        engine=EngineConfig(),
+        model=model,
+        workload="multi-turn",
+        num_requests=10,
+        seed=3,
+        level="summary",
+        capture=tmp_path / "run.db",
+        workload_options={"num_turns": 3},
+    )
     with open(tmp_path / "summary.txt", "w") as out:
         run(spec, out=out)
-    expected = replay_requests(generate("multi-turn", num_requests=10, seed=3, vocab_size=model.vocab_size,
-                                        num_turns=3))
+    expected = replay_requests(
+        generate("multi-turn", num_requests=10, seed=3, vocab_size=model.vocab_size, num_turns=3)
+    )
     loaded = load_requests(tmp_path / "run.db")
     assert [r.rid for r in loaded] == [r.rid for r in expected]
-    assert all(np.array_equal(a.all_ids, b.all_ids) and np.array_equal(a.prompt_ids, b.prompt_ids)
-               for a, b in zip(loaded, expected, strict=True))
+    assert all(
+        np.array_equal(a.all_ids, b.all_ids) and np.array_equal(a.prompt_ids, b.prompt_ids)
+        for a, b in zip(loaded, expected, strict=True)
+    )
     assert len(load_requests(tmp_path / "run.db", run_id=1)) == 10
 
 

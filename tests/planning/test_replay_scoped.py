@@ -77,10 +77,15 @@ def test_the_isolated_curve_is_a_scoped_replay_with_k_inf_and_room(seed: int, pa
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 10_000), page_size=st.sampled_from([1, 4]), num_users=st.integers(2, 3),
-       share=st.sampled_from([0.25, 0.5, 0.8]))
+@given(
+    seed=st.integers(0, 10_000),
+    page_size=st.sampled_from([1, 4]),
+    num_users=st.integers(2, 3),
+    share=st.sampled_from([0.25, 0.5, 0.8]),
+)
 def test_under_eviction_pressure_the_k_inf_replay_still_equals_the_isolated_curve(
-        seed: int, page_size: int, num_users: int, share: float) -> None:
+    seed: int, page_size: int, num_users: int, share: float
+) -> None:
     """Page-granular eviction keeps one recency order over the forest of namespaces (the unmatched
     lower piece of a split keeps its own stamp, as in RadixCache), so the curve is exact below the
     working set too."""
@@ -95,8 +100,11 @@ def test_a_non_owner_never_hits_a_private_token_it_did_not_compute() -> None:
     """u1's private [0, 0, 2] and u0's later [0, 2, 0, 0] share only their first token, which u0
     never computed; u0 must match 0 there and its copy must not hang below u1's node. (The test
     above flagged this once, against a deliberately broken visibility check.)"""
-    requests = [request("r0", "u0", [1, 0, 2, 0, 2], [0, 0]), request("r1", "u1", [0, 0], [2]),
-                request("r2", "u0", [0, 2, 0], [0])]
+    requests = [
+        request("r0", "u0", [1, 0, 2, 0, 2], [0, 0]),
+        request("r1", "u1", [0, 0], [2]),
+        request("r2", "u0", [0, 2, 0], [0]),
+    ]
     scoped = replay(requests, ReplayConfig(64, 1, "page", "tree", scoped=INF), check_integrity=True)
     assert scoped.request_hit_tokens.tolist() == [0, 0, 0]
     # NOTE: the positive control: global sharing serves r2's first token from r1's node
@@ -166,8 +174,17 @@ def replay_cli(*argv: str) -> str:
 def test_replay_cli_prints_both_curves_and_the_scoped_cost(tmp_path: Path) -> None:
     trace = tmp_path / "mten.jsonl"
     write_trace(trace, generate("multi-tenant", num_requests=40, seed=0))
-    common = [str(trace), "--capacities", "1k,4k", "--convention", "tree", "--eviction-granularity", "page",
-              "--workers", "2"]
+    common = [
+        str(trace),
+        "--capacities",
+        "1k,4k",
+        "--convention",
+        "tree",
+        "--eviction-granularity",
+        "page",
+        "--workers",
+        "2",
+    ]
     text = replay_cli(*common, "--cache", "scoped-radix", "--promote-k", "inf")
     assert "isolated      one pass with keys per principal" in text
     assert "one-pass isolated" in text and "scoped hit" in text and "k=inf, epoch 60 s" in text

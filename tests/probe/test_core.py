@@ -32,12 +32,21 @@ class Block(NamedTuple):
     is_null: bool = False
 
 
-def census(refs: dict[int, int], queued: list[int], tables: dict[str, list[int]], live: set[str],
-           counter: int | None = None, deferred: list[list[int]] | None = None) -> Any:
+def census(
+    refs: dict[int, int],
+    queued: list[int],
+    tables: dict[str, list[int]],
+    live: set[str],
+    counter: int | None = None,
+    deferred: list[list[int]] | None = None,
+) -> Any:
     return take_census(
         BlockView(refs, {1, 2}, queued, len(queued) if counter is None else counter),
         [{rid: [Block(b) for b in blocks] for rid, blocks in tables.items()}],
-        [[Block(b) for b in blocks] for blocks in deferred or []], live, {3: ("req-x", 7, "alloc")})
+        [[Block(b) for b in blocks] for blocks in deferred or []],
+        live,
+        {3: ("req-x", 7, "alloc")},
+    )
 
 
 def test_a_consistent_pool_holds_every_term() -> None:
@@ -51,18 +60,42 @@ def test_deferred_frees_count_as_references() -> None:
     assert census({1: 1, 2: 0}, [2], {}, set(), deferred=[[1]]).ok
 
 
-@pytest.mark.parametrize(("refs", "queued", "tables", "live", "counter", "term", "text"), [
-    ({1: 1, 3: 1}, [], {"a": [1]}, {"a"}, None, "leaked",
-     "1 block leaked: block 3 ref 1, accounted 0; last taken by request req-x (alloc at step 7)"),
-    ({1: 0, 3: 0}, [1, 3], {"a": [1]}, {"a"}, None, "lostref", "1 block released too often (a double free): "
-     "block 1 ref 0, accounted 1"),
-    ({1: 0, 3: 0}, [1], {}, set(), None, "unqueued", "1 block with ref 0 missing from the free queue: 3"),
-    ({1: 1, 3: 0}, [1, 3], {"a": [1]}, {"a"}, None, "qheld", "1 block referenced and in the free queue: 1"),
-    ({1: 0}, [1], {}, set(), 2, "qcount", "the free queue's counter is +1 off its list's length"),
-    ({1: 1}, [], {"gone": [1]}, set(), None, "orphans", "1 block tables of requests that no longer exist: gone"),
-])
-def test_each_term_names_what_breaks_it(refs: dict[int, int], queued: list[int], tables: dict[str, list[int]],
-                                         live: set[str], counter: int | None, term: str, text: str) -> None:
+@pytest.mark.parametrize(
+    ("refs", "queued", "tables", "live", "counter", "term", "text"),
+    [
+        (
+            {1: 1, 3: 1},
+            [],
+            {"a": [1]},
+            {"a"},
+            None,
+            "leaked",
+            "1 block leaked: block 3 ref 1, accounted 0; last taken by request req-x (alloc at step 7)",
+        ),
+        (
+            {1: 0, 3: 0},
+            [1, 3],
+            {"a": [1]},
+            {"a"},
+            None,
+            "lostref",
+            "1 block released too often (a double free): block 1 ref 0, accounted 1",
+        ),
+        ({1: 0, 3: 0}, [1], {}, set(), None, "unqueued", "1 block with ref 0 missing from the free queue: 3"),
+        ({1: 1, 3: 0}, [1, 3], {"a": [1]}, {"a"}, None, "qheld", "1 block referenced and in the free queue: 1"),
+        ({1: 0}, [1], {}, set(), 2, "qcount", "the free queue's counter is +1 off its list's length"),
+        ({1: 1}, [], {"gone": [1]}, set(), None, "orphans", "1 block tables of requests that no longer exist: gone"),
+    ],
+)
+def test_each_term_names_what_breaks_it(
+    refs: dict[int, int],
+    queued: list[int],
+    tables: dict[str, list[int]],
+    live: set[str],
+    counter: int | None,
+    term: str,
+    text: str,
+) -> None:
     checks = {c.pool: c for c in census_checks(9, census(refs, queued, tables, live, counter))}
     assert not checks[term].ok and checks[term].message().endswith(text), checks[term].message()
     assert [t for t, c in checks.items() if not c.ok] == [term]
@@ -91,16 +124,21 @@ def _counting(calls: list[str]) -> Callable[[Callable[..., Any]], Callable[..., 
         def wrapper(self: Any, *args: Any) -> Any:
             calls.append(original.__name__)
             return original(self, *args)
+
         return wrapper
+
     return factory
 
 
 def test_every_target_is_patched_or_none_is(engine_module: types.ModuleType) -> None:
     calls: list[str] = []
     name = engine_module.__name__
-    targets = [Target(name, "Pool", "take", _counting(calls)), Target(name, "Pool", "give", _counting(calls)),
-               Target(name, "Pool", "gone", _counting(calls)),
-               Target("no_such_engine_module", "X", "y", _counting(calls))]
+    targets = [
+        Target(name, "Pool", "take", _counting(calls)),
+        Target(name, "Pool", "give", _counting(calls)),
+        Target(name, "Pool", "gone", _counting(calls)),
+        Target("no_such_engine_module", "X", "y", _counting(calls)),
+    ]
     result = patch_all(targets)
     assert result.patched == [] and result.missing == [f"{name}.Pool.gone", "no_such_engine_module.X.y"]
     pool = engine_module.Pool()
@@ -113,7 +151,8 @@ def test_every_target_is_patched_or_none_is(engine_module: types.ModuleType) -> 
 
 
 def test_an_exception_in_kvscopes_part_stops_recording_and_never_reaches_the_engine(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     state = ProbeState(active=True)
     with guarded(state):
         raise OSError("No space left on device")

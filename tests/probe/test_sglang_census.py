@@ -29,7 +29,8 @@ def test_a_leak_and_a_double_free_that_cancel_in_the_counts_are_both_named() -> 
     assert check.violation == (
         "1 page leaked (in no free list, tree or live row): page 7 (slots 28-31) last taken by request req-C "
         "(decode at step 9) | 1 page freed while in use (a double free): page 1 free and in the tree; last "
-        "released for request bad-free (free at step 10)")
+        "released for request bad-free (free at step 10)"
+    )
 
 
 def test_a_page_twice_in_the_free_list_and_a_lock_left_by_a_finished_request() -> None:
@@ -38,11 +39,13 @@ def test_a_page_twice_in_the_free_list_and_a_lock_left_by_a_finished_request() -
     assert result.doubleref == [4] and not result.leaked
     assert census_checks(5, [result])[0].violation == (
         "1 page freed while in use (a double free): page 4 twice in the free list | 1 tree node still locked by "
-        "finished requests: node 11 locked by request req-B at step 4")
+        "finished requests: node 11 locked by request req-B at step 4"
+    )
 
 
 def test_request_rows_are_censused_as_pages_of_one() -> None:
     view = PageView(1, 4, [1, 2], set(), {3: "req-D"})
     result = take_page_census("req", view, {4: ("req-X", 2, "alloc")}, {}, {})
     assert census_checks(6, [result])[0].violation == (
-        "1 row leaked (in no free list, tree or live row): row 4 last taken by request req-X (alloc at step 2)")
+        "1 row leaked (in no free list, tree or live row): row 4 last taken by request req-X (alloc at step 2)"
+    )

@@ -50,10 +50,21 @@ class Server:
 
 def start_server(capture: Path | None, *extra: str) -> Server:
     """`kvscope serve` recording into `capture` (None: no --capture), with `extra` options."""
-    cmd = [sys.executable, "-m", "kvscope", "serve", "--port", "0", "--device", "cpu",
-           *(["--capture", str(capture)] if capture is not None else []), *extra]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvscope",
+        "serve",
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        *(["--capture", str(capture)] if capture is not None else []),
+        *extra,
+    ]
+    process = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     lines: queue.Queue[str] = queue.Queue()
 
     def pump() -> None:

@@ -31,10 +31,16 @@ def test_principal_without_keys_is_the_user() -> None:
     assert resolve_principal(None, "Bearer whatever", None) is None
 
 
-@pytest.mark.parametrize(("user", "principal"), [
-    (None, "acme/alice"), ("acme/alice", "acme/alice"), ("sub", "acme/alice/sub"),
-    ("acme/alice/sub", "acme/alice/sub"), ("acme/alice/a/b", "acme/alice/a/b"),
-])
+@pytest.mark.parametrize(
+    ("user", "principal"),
+    [
+        (None, "acme/alice"),
+        ("acme/alice", "acme/alice"),
+        ("sub", "acme/alice/sub"),
+        ("acme/alice/sub", "acme/alice/sub"),
+        ("acme/alice/a/b", "acme/alice/a/b"),
+    ],
+)
 def test_a_user_only_narrows_the_keys_principal(user: str | None, principal: str) -> None:
     assert resolve_principal(KEYS, "Bearer k1", user) == principal
 
@@ -81,13 +87,20 @@ def test_principals_are_a_canonical_encoding_no_two_keys_collide(tmp_path: Path)
 
 def test_chat_template_is_deterministic_and_prefix_stable() -> None:
     one = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    two = [*one, {"role": "assistant", "content": "hello"}, {"role": "user", "content": [{"type": "text",
-                                                                                          "text": "more"}]}]
+    two = [
+        *one,
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": [{"type": "text", "text": "more"}]},
+    ]
     assert render_chat(one) == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
     assert render_chat(one) == render_chat(json.loads(json.dumps(one)))
     assert render_chat(two).startswith(render_chat(one)[: -len("<|assistant|>\n")])
-    for bad, param in ((None, "messages"), ([], "messages"), ([{"role": "x"}], "messages[0].role"),
-                       ([{"role": "user", "content": 3}], "messages[0].content")):
+    for bad, param in (
+        (None, "messages"),
+        ([], "messages"),
+        ([{"role": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": 3}], "messages[0].content"),
+    ):
         with pytest.raises(ChatError) as err:
             render_chat(bad)
         assert err.value.param == param
@@ -115,22 +128,25 @@ def front() -> Iterator[Front]:
         made.context.term()
 
 
-@pytest.mark.parametrize(("body", "status", "param"), [
-    ([], 400, None),
-    ({"prompt": "hi"}, 401, None),
-    ({"prompt": "hi", "model": "other", "auth": True}, 404, "model"),
-    ({"prompt": "", "auth": True}, 400, "prompt"),
-    ({"prompt": [[1], []], "auth": True}, 400, "prompt"),
-    ({"prompt": [True], "auth": True}, 400, "prompt"),
-    ({"prompt": "x" * 120, "max_tokens": 9, "auth": True}, 400, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": True, "auth": True}, 400, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": -1, "auth": True}, 400, "max_tokens"),
-    ({"prompt": "hi", "n": 0, "auth": True}, 400, "n"),
-    ({"prompt": "hi", "temperature": -0.5, "auth": True}, 400, "temperature"),
-    ({"prompt": "hi", "tools": [{"type": "function"}], "auth": True}, 400, "tools"),
-    ({"prompt": "hi", "no_such_option": 1, "auth": True}, 400, "no_such_option"),
-    ({"prompt": "hi", "stream_options": 1, "auth": True}, 400, "stream_options"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ([], 400, None),
+        ({"prompt": "hi"}, 401, None),
+        ({"prompt": "hi", "model": "other", "auth": True}, 404, "model"),
+        ({"prompt": "", "auth": True}, 400, "prompt"),
+        ({"prompt": [[1], []], "auth": True}, 400, "prompt"),
+        ({"prompt": [True], "auth": True}, 400, "prompt"),
+        ({"prompt": "x" * 120, "max_tokens": 9, "auth": True}, 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": True, "auth": True}, 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": -1, "auth": True}, 400, "max_tokens"),
+        ({"prompt": "hi", "n": 0, "auth": True}, 400, "n"),
+        ({"prompt": "hi", "temperature": -0.5, "auth": True}, 400, "temperature"),
+        ({"prompt": "hi", "tools": [{"type": "function"}], "auth": True}, 400, "tools"),
+        ({"prompt": "hi", "no_such_option": 1, "auth": True}, 400, "no_such_option"),
+        ({"prompt": "hi", "stream_options": 1, "auth": True}, 400, "stream_options"),
+    ],
+)
 def test_parse_rejects_with_the_field(front: Front, body: object, status: int, param: str | None) -> None:
     if isinstance(body, dict):
         body = dict(body)  # the parameter is shared between runs
@@ -142,21 +158,38 @@ def test_parse_rejects_with_the_field(front: Front, body: object, status: int, p
 
 
 def test_parse_a_good_request(front: Front) -> None:
-    req = front.parse({"prompt": ["hi"], "max_tokens": 3, "user": "sub", "stream": True,
-                       "stream_options": {"include_usage": True}}, False, "Bearer k1", 1.5)
+    req = front.parse(
+        {"prompt": ["hi"], "max_tokens": 3, "user": "sub", "stream": True, "stream_options": {"include_usage": True}},
+        False,
+        "Bearer k1",
+        1.5,
+    )
     assert req.prompts == [ByteTokenizer().encode("hi").tolist()]
     assert (req.max_tokens, req.stream, req.include_usage, req.principal) == ([3], True, True, "acme/alice/sub")
-    chat = front.parse({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2}, True,
-                       "Bearer k1", 0.0)
+    chat = front.parse(
+        {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2}, True, "Bearer k1", 0.0
+    )
     assert chat.max_tokens == [2] and chat.chat
 
 
 def test_metrics_render_every_documented_name() -> None:
     metrics = ServerMetrics(page_size=4, model_name="m")
     pool = PoolStats(total=100, used=10, available=80, evictable=10, protected=5)
-    metrics.update(StatsOut(step=3, pools={"full": pool, "swa": pool}, num_running=1, num_waiting=2,
-                            prompt_tokens=50, cached_tokens=20, generated_tokens=7, evicted_tokens=4,
-                            num_retractions=1, leak_checks_passed=2, leak_checks_failed=0))
+    metrics.update(
+        StatsOut(
+            step=3,
+            pools={"full": pool, "swa": pool},
+            num_running=1,
+            num_waiting=2,
+            prompt_tokens=50,
+            cached_tokens=20,
+            generated_tokens=7,
+            evicted_tokens=4,
+            num_retractions=1,
+            leak_checks_passed=2,
+            leak_checks_failed=0,
+        )
+    )
     metrics.request_finished("length")
     metrics.ttft.observe(0.01)
     families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
@@ -171,25 +204,32 @@ def test_metrics_render_every_documented_name() -> None:
     assert samples["sglang:max_total_num_tokens_swa"] == 100
 
 
-@pytest.mark.parametrize(("options", "param"), [([], "stream_options"), ("", "stream_options"),
-                                                ({"include_usage": "yes"}, "stream_options.include_usage")])
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [([], "stream_options"), ("", "stream_options"), ({"include_usage": "yes"}, "stream_options.include_usage")],
+)
 def test_stream_options_must_be_an_object_with_a_boolean(front: Front, options: object, param: str) -> None:
     with pytest.raises(ApiError) as err:
         front.parse({"prompt": "hi", "stream": True, "stream_options": options}, False, "Bearer k1", 0.0)
     assert (err.value.status, err.value.param) == (400, param)
 
 
-@pytest.mark.parametrize(("raw", "param"), [
-    (b'{"prompt": "\\ud800"}', "prompt"),
-    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}',
-     "messages[0].content[0].text"),
-    (b'{"max_tokens": ' + b"9" * 4301 + b"}", "max_tokens"),
-    (b'{"temperature": NaN}', "temperature"),
-    (b'{"top_p": 1e999}', "top_p"),
-    (b'{"stream_options": ' + b"[" * 100 + b"]" * 100 + b"}", "stream_options"),
-    (b"[" * 100_000, None),
-    (b'{"prompt": "a\\"[", "messages": ' + b"[" * 100_000, "messages"),
-])
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"prompt": "\\ud800"}', "prompt"),
+        (
+            b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}',
+            "messages[0].content[0].text",
+        ),
+        (b'{"max_tokens": ' + b"9" * 4301 + b"}", "max_tokens"),
+        (b'{"temperature": NaN}', "temperature"),
+        (b'{"top_p": 1e999}', "top_p"),
+        (b'{"stream_options": ' + b"[" * 100 + b"]" * 100 + b"}", "stream_options"),
+        (b"[" * 100_000, None),
+        (b'{"prompt": "a\\"[", "messages": ' + b"[" * 100_000, "messages"),
+    ],
+)
 def test_a_body_no_handler_can_trust_is_a_400_naming_its_field(raw: bytes, param: str | None) -> None:
     with pytest.raises(ApiError) as err:
         decode_json(raw)

@@ -23,8 +23,24 @@ from tests.server.serving import Server, serving
 MODEL = "kvscope-tiny"
 SEED = 25
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-WRONG_VALUES: list[Any] = [None, True, False, 0, -1, 1.5, "x", "", [], {}, [1], ["a", "b"], {"a": 1}, [[1]], [None],
-                           10**30]
+WRONG_VALUES: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1.5,
+    "x",
+    "",
+    [],
+    {},
+    [1],
+    ["a", "b"],
+    {"a": 1},
+    [[1]],
+    [None],
+    10**30,
+]
 SURROGATES = ["\ud800", "\udfff", "a\ud83d", "\udc00b"]
 
 
@@ -61,27 +77,61 @@ def dumps(body: Any) -> bytes:
 
 
 def wrong_types() -> Iterator[Case]:
-    fields = {COMPLETIONS: ["model", "prompt", "max_tokens", "stream", "stream_options", "user", "n",
-                            "stream_options.include_usage"],
-              CHAT: ["model", "messages", "messages.0", "messages.0.role", "messages.0.content", "max_tokens",
-                     "max_completion_tokens", "stream", "stream_options", "user"]}
+    fields = {
+        COMPLETIONS: [
+            "model",
+            "prompt",
+            "max_tokens",
+            "stream",
+            "stream_options",
+            "user",
+            "n",
+            "stream_options.include_usage",
+        ],
+        CHAT: [
+            "model",
+            "messages",
+            "messages.0",
+            "messages.0.role",
+            "messages.0.content",
+            "max_tokens",
+            "max_completion_tokens",
+            "stream",
+            "stream_options",
+            "user",
+        ],
+    }
     for path, names in fields.items():
         for name in names:
             for value in WRONG_VALUES:
                 yield Case(f"{path} {name}={value!r}", path, dumps(put(base(path), name, value)), bad=False)
         content = base(CHAT)
         for part in [{"type": "image_url"}, {"type": "text"}, {"type": "text", "text": 5}, "text", None, []]:
-            yield Case(f"content part {part!r}", CHAT, dumps(put(content, "messages.0.content", [part])),
-                       param="messages[0].content")
-    yield Case("stream_options []", COMPLETIONS, dumps({**base(COMPLETIONS), "stream": True, "stream_options": []}),
-               param="stream_options")
+            yield Case(
+                f"content part {part!r}",
+                CHAT,
+                dumps(put(content, "messages.0.content", [part])),
+                param="messages[0].content",
+            )
+    yield Case(
+        "stream_options []",
+        COMPLETIONS,
+        dumps({**base(COMPLETIONS), "stream": True, "stream_options": []}),
+        param="stream_options",
+    )
 
 
 def surrogates() -> Iterator[Case]:
-    spots = [(COMPLETIONS, "prompt", "prompt"), (COMPLETIONS, "user", "user"), (COMPLETIONS, "model", "model"),
-             (COMPLETIONS, "extra", "extra"), (COMPLETIONS, "stream_options.x", "stream_options.x"),
-             (CHAT, "messages.0.content", "messages[0].content"), (CHAT, "messages.0.role", "messages[0].role"),
-             (CHAT, "user", "user")]
+    spots = [
+        (COMPLETIONS, "prompt", "prompt"),
+        (COMPLETIONS, "user", "user"),
+        (COMPLETIONS, "model", "model"),
+        (COMPLETIONS, "extra", "extra"),
+        (COMPLETIONS, "stream_options.x", "stream_options.x"),
+        (CHAT, "messages.0.content", "messages[0].content"),
+        (CHAT, "messages.0.role", "messages[0].role"),
+        (CHAT, "user", "user"),
+    ]
     for path, where, param in spots:
         for text in SURROGATES:
             for stream in (False, True):
@@ -89,8 +139,12 @@ def surrogates() -> Iterator[Case]:
                 yield Case(f"surrogate {text!r} in {where}", path, dumps({**body, "stream": stream}), param=param)
     for text in SURROGATES:
         parts = [{"type": "text", "text": "ok"}, {"type": "text", "text": text}]
-        yield Case("surrogate in a text part", CHAT, dumps(put(base(CHAT), "messages.0.content", parts)),
-                   param="messages[0].content[1].text")
+        yield Case(
+            "surrogate in a text part",
+            CHAT,
+            dumps(put(base(CHAT), "messages.0.content", parts)),
+            param="messages[0].content[1].text",
+        )
         yield Case("surrogate in a key", COMPLETIONS, dumps({**base(COMPLETIONS), text: 1}), param=None)
         yield Case("a bare surrogate string", COMPLETIONS, dumps(text), param=None)
 
@@ -100,8 +154,12 @@ def nesting() -> Iterator[Case]:
         lists, dicts = b"[" * depth + b"]" * depth, b'{"a":' * depth + b"1" + b"}" * depth
         yield Case(f"a body nested {depth} deep", COMPLETIONS, lists, param=None)
         yield Case(f"objects nested {depth} deep", CHAT, dicts)
-        for path, field in ((COMPLETIONS, "prompt"), (CHAT, "messages"), (COMPLETIONS, "stream_options"),
-                            (COMPLETIONS, "user")):
+        for path, field in (
+            (COMPLETIONS, "prompt"),
+            (CHAT, "messages"),
+            (COMPLETIONS, "stream_options"),
+            (COMPLETIONS, "user"),
+        ):
             body = dumps(base(path)).rstrip(b"}") + b', "' + field.encode() + b'_x": 0}'
             body = body.replace(b'"' + field.encode() + b'_x": 0', b'"' + field.encode() + b'": ' + lists)
             yield Case(f"{field} nested {depth} deep", path, body, param=field)
@@ -110,8 +168,13 @@ def nesting() -> Iterator[Case]:
 def numbers() -> Iterator[Case]:
     for digits in (4301, 5000, 50_000):
         huge = b"9" * digits
-        for path, field in ((COMPLETIONS, "max_tokens"), (COMPLETIONS, "n"), (COMPLETIONS, "user"),
-                            (CHAT, "max_completion_tokens"), (COMPLETIONS, "stream_options.include_usage")):
+        for path, field in (
+            (COMPLETIONS, "max_tokens"),
+            (COMPLETIONS, "n"),
+            (COMPLETIONS, "user"),
+            (CHAT, "max_completion_tokens"),
+            (COMPLETIONS, "stream_options.include_usage"),
+        ):
             body = dumps(put(base(path), field, 7)).replace(b": 7", b": -" + huge if digits == 5000 else b": " + huge)
             yield Case(f"{field} of {digits} digits", path, body, param=field)
         body = dumps(base(COMPLETIONS)).replace(b'"hi"', b"[1, 2, " + huge + b"]")
@@ -120,10 +183,18 @@ def numbers() -> Iterator[Case]:
     for constant in (b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1e400"):
         body = dumps(put(base(COMPLETIONS), "max_tokens", 7)).replace(b": 7", b": " + constant)
         yield Case(f"max_tokens {constant!r}", COMPLETIONS, body, param="max_tokens")
-        yield Case(f"a temperature of {constant!r}", CHAT,
-                   dumps(put(base(CHAT), "temperature", 7)).replace(b": 7", b": " + constant), param="temperature")
-    yield Case("4300 digits is an integer, out of range", COMPLETIONS,
-               dumps(put(base(COMPLETIONS), "max_tokens", 7)).replace(b": 7", b": " + b"9" * 4300), param="max_tokens")
+        yield Case(
+            f"a temperature of {constant!r}",
+            CHAT,
+            dumps(put(base(CHAT), "temperature", 7)).replace(b": 7", b": " + constant),
+            param="temperature",
+        )
+    yield Case(
+        "4300 digits is an integer, out of range",
+        COMPLETIONS,
+        dumps(put(base(COMPLETIONS), "max_tokens", 7)).replace(b": 7", b": " + b"9" * 4300),
+        param="max_tokens",
+    )
 
 
 def malformed(rng: random.Random) -> Iterator[Case]:
@@ -138,9 +209,22 @@ def malformed(rng: random.Random) -> Iterator[Case]:
         for _ in range(rng.randrange(1, 4)):
             body[rng.randrange(len(body))] = rng.randrange(256)
         yield Case("flipped bytes", COMPLETIONS, bytes(body), bad=False)
-    for raw in (b"", b"null", b"[]", b"1", b'"text"', b"true", b"\xef\xbb\xbf{}", b'{"prompt": "hi",}',
-                b"{'prompt': 'hi'}", b'{"prompt": "a\x01b"}', b'{"prompt": "\xff\xfe"}', b'{"prompt": "hi"} x',
-                b'{"prompt": "\\x41"}', b'{"prompt": "\\ud800\\u"}'):
+    for raw in (
+        b"",
+        b"null",
+        b"[]",
+        b"1",
+        b'"text"',
+        b"true",
+        b"\xef\xbb\xbf{}",
+        b'{"prompt": "hi",}',
+        b"{'prompt': 'hi'}",
+        b'{"prompt": "a\x01b"}',
+        b'{"prompt": "\xff\xfe"}',
+        b'{"prompt": "hi"} x',
+        b'{"prompt": "\\x41"}',
+        b'{"prompt": "\\ud800\\u"}',
+    ):
         yield Case(f"malformed {raw[:30]!r}", rng.choice([COMPLETIONS, CHAT]), raw)
 
 
@@ -174,8 +258,10 @@ def disconnect_mid_body(url: str, rng: random.Random) -> None:
     with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
         chunked = rng.random() < 0.3
         framing = b"Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body) + 100}".encode()
-        sock.sendall(b"POST " + rng.choice([COMPLETIONS, CHAT]).encode() + b" HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/json\r\n" + framing + b"\r\n\r\n")
+        sock.sendall(
+            b"POST " + rng.choice([COMPLETIONS, CHAT]).encode() + b" HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\n" + framing + b"\r\n\r\n"
+        )
         sent = body[: rng.randrange(0, len(body))]
         sock.sendall(f"{len(body):x}\r\n".encode() + sent if chunked else sent)
         time.sleep(0.01)
@@ -203,4 +289,3 @@ def test_no_bad_request_is_a_500_or_a_traceback_and_the_server_survives(server: 
 
 def test_the_corpus_is_fixed() -> None:
     assert [c.body for c in corpus()] == [c.body for c in corpus()]
-

@@ -44,8 +44,17 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def scoped(files: Path) -> Iterator[Server]:
-    with serving(None, "--cache", "scoped-radix", "--promote-k", "inf", "--pinned", str(files / "pinned.jsonl"),
-                 "--api-keys", str(files / "keys.json")) as srv:
+    with serving(
+        None,
+        "--cache",
+        "scoped-radix",
+        "--promote-k",
+        "inf",
+        "--pinned",
+        str(files / "pinned.jsonl"),
+        "--api-keys",
+        str(files / "keys.json"),
+    ) as srv:
         yield srv
 
 

@@ -31,8 +31,11 @@ from kvscope.server.kv_events import (
 from tests.server.test_scheduler_process import MODEL, prompts, serve, short_dir  # noqa: F401 - fixture
 
 PAGE_SIZE = 4
-ENGINE = EngineConfig(pool=PoolConfig(kv_size_tokens=192, page_size=PAGE_SIZE, max_running_requests=4,
-                                      max_context_len=128), device="cpu", strict=True)
+ENGINE = EngineConfig(
+    pool=PoolConfig(kv_size_tokens=192, page_size=PAGE_SIZE, max_running_requests=4, max_context_len=128),
+    device="cpu",
+    strict=True,
+)
 TIMEOUT_S = 30.0
 Pages = dict[int, tuple[int | None, list[int]]]
 
@@ -42,12 +45,27 @@ Pages = dict[int, tuple[int | None, list[int]]]
 TRUNK = [(i * 37 + 11) % 500 + 3 for i in range(40)]
 BRANCH = TRUNK[:8] + [(i * 53 + 7) % 500 + 3 for i in range(8)]
 SGLANG_VECTORS = {
-    "trunk": (TRUNK, [3815746184421846117, -5921859961963763885, 4997794459189861004, -5476093876805891296,
-                      -7569460905722751660, 4760520530061387283, 7659227183944990754, 6897603871589100525,
-                      -2908309191659037156, -928214672411263626],
-              "f31e51ac5f9efd7685fd2a2e1498d22a3d5991456163db828eeb78864eb6bb7d"),
-    "branch": (BRANCH, [3815746184421846117, -5921859961963763885, 1855182388418527155, -5959878918115434848],
-               "ad4a41b36563dea09a51cb152f884d7b7e2eda2c9603afa231de1fbd3d1eccf7"),
+    "trunk": (
+        TRUNK,
+        [
+            3815746184421846117,
+            -5921859961963763885,
+            4997794459189861004,
+            -5476093876805891296,
+            -7569460905722751660,
+            4760520530061387283,
+            7659227183944990754,
+            6897603871589100525,
+            -2908309191659037156,
+            -928214672411263626,
+        ],
+        "f31e51ac5f9efd7685fd2a2e1498d22a3d5991456163db828eeb78864eb6bb7d",
+    ),
+    "branch": (
+        BRANCH,
+        [3815746184421846117, -5921859961963763885, 1855182388418527155, -5959878918115434848],
+        "ad4a41b36563dea09a51cb152f884d7b7e2eda2c9603afa231de1fbd3d1eccf7",
+    ),
 }
 
 
@@ -124,8 +142,10 @@ def rebuild(batches: list[KVEventBatch]) -> Pages:
 
 
 def expected_pages(engine: Engine) -> Pages:
-    return {h: (p.parent_hash, np.frombuffer(p.token_bytes, dtype=np.int32).tolist())
-            for h, p in cached_pages(engine.memory.cache, PAGE_SIZE).items()}
+    return {
+        h: (p.parent_hash, np.frombuffer(p.token_bytes, dtype=np.int32).tolist())
+        for h, p in cached_pages(engine.memory.cache, PAGE_SIZE).items()
+    }
 
 
 def prefix_of(pages: Pages, block: int) -> list[int]:
@@ -158,8 +178,9 @@ def test_block_hashes_are_sglangs_on_the_same_tokens(name: str) -> None:
 def test_the_scoped_trees_copies_are_published_by_their_shared_hashes() -> None:
     """The scoped tree files a list of copies under a first page (one per principal set); walking it
     as one child per page crashed the scheduler of `serve --cache scoped-radix --kv-events-config`."""
-    config = EngineConfig(pool=ENGINE.pool, cache=CacheConfig(kind="scoped-radix", promote_k=None), device="cpu",
-                          strict=True)
+    config = EngineConfig(
+        pool=ENGINE.pool, cache=CacheConfig(kind="scoped-radix", promote_k=None), device="cpu", strict=True
+    )
     engine = Engine(config, MODEL)
     prompt = np.array(SGLANG_VECTORS["trunk"][0], dtype=np.int32)
     engine.run([Req("alice", prompt, 2, user="alice"), Req("bob", prompt, 2, user="bob")])
@@ -171,8 +192,9 @@ def test_the_scoped_trees_copies_are_published_by_their_shared_hashes() -> None:
 
 
 def test_a_subscriber_rebuilds_the_cache_pages_and_replay_fills_what_it_missed(short_dir: Path) -> None:  # noqa: F811
-    config = KVEventsConfig(publisher="zmq", endpoint=f"ipc://{short_dir}/kv", replay_endpoint=f"ipc://{short_dir}/rp",
-                            topic="kv")
+    config = KVEventsConfig(
+        publisher="zmq", endpoint=f"ipc://{short_dir}/kv", replay_endpoint=f"ipc://{short_dir}/rp", topic="kv"
+    )
     local = Engine(ENGINE, MODEL)
     trunk = np.array(SGLANG_VECTORS["trunk"][0], dtype=np.int32)  # first, so its pages are there to see
     requests = [("trunk", trunk, 2), *[(f"r{i}", p, 8 + i) for i, p in enumerate(prompts(7, 8))]]
@@ -195,8 +217,10 @@ def test_a_subscriber_rebuilds_the_cache_pages_and_replay_fills_what_it_missed(s
                 assert sub.wait_for(expected) == expected, f"after {rid}"
                 if rid == "trunk":  # the stream's ids are SGLang's for the same tokens
                     hashes = SGLANG_VECTORS["trunk"][1]
-                    assert [expected[h] for h in hashes] == [(parent, TRUNK[i * PAGE_SIZE : (i + 1) * PAGE_SIZE])
-                                                             for i, parent in enumerate([None, *hashes[:-1]])]
+                    assert [expected[h] for h in hashes] == [
+                        (parent, TRUNK[i * PAGE_SIZE : (i + 1) * PAGE_SIZE])
+                        for i, parent in enumerate([None, *hashes[:-1]])
+                    ]
                 for block in expected:
                     path = prefix_of(expected, block)
                     assert any(seq[: len(path)] == path for seq in sequences), "a page chain no request spelled"
@@ -215,8 +239,17 @@ def test_a_subscriber_rebuilds_the_cache_pages_and_replay_fills_what_it_missed(s
 
 
 def test_the_config_takes_sglang_keys() -> None:
-    text = json.dumps({"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
-                       "buffer_steps": 100, "hwm": 1000, "max_queue_size": 10, "topic": "kv"})
+    text = json.dumps(
+        {
+            "publisher": "zmq",
+            "endpoint": "tcp://*:5557",
+            "replay_endpoint": "tcp://*:5558",
+            "buffer_steps": 100,
+            "hwm": 1000,
+            "max_queue_size": 10,
+            "topic": "kv",
+        }
+    )
     config = KVEventsConfig.from_json(text)
     assert config.enabled and config.binds() and config.buffer_steps == 100 and config.topic == "kv"
     assert not KVEventsConfig.from_json("{}").enabled
@@ -226,29 +259,35 @@ def test_the_config_takes_sglang_keys() -> None:
     assert KVEventsConfig.from_json('{"publisher": "zmq", "format": "dynamo"}').enabled
 
 
-@pytest.mark.parametrize(("text", "enabled"), [
-    ('{"enable_kv_cache_events": true}', True),  # vLLM: no publisher given means zmq
-    ('{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}', True),
-    ('{"enable_kv_cache_events": false, "publisher": "zmq"}', False),  # vLLM publishes nothing then
-    ('{"enable_kv_cache_events": true, "publisher": "null"}', False),
-    ('{"enable_kv_cache_events": false}', False),
-])
+@pytest.mark.parametrize(
+    ("text", "enabled"),
+    [
+        ('{"enable_kv_cache_events": true}', True),  # vLLM: no publisher given means zmq
+        ('{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}', True),
+        ('{"enable_kv_cache_events": false, "publisher": "zmq"}', False),  # vLLM publishes nothing then
+        ('{"enable_kv_cache_events": true, "publisher": "null"}', False),
+        ('{"enable_kv_cache_events": false}', False),
+    ],
+)
 def test_the_config_takes_vllms_switch(text: str, enabled: bool) -> None:
     assert KVEventsConfig.from_json(text).enabled is enabled
 
 
-@pytest.mark.parametrize(("text", "says"), [
-    ('{"publisher": "zmq", "endpont": "tcp://*:1"}', "unknown kv events config key(s): endpont"),
-    ('{"publisher": "kafka"}', "publisher must be one of null, zmq"),
-    ('{"buffer_steps": 0}', "buffer_steps must be an integer >= 1"),
-    ('{"buffer_steps": "10"}', "buffer_steps must be an integer >= 1"),
-    ('{"endpoint": "localhost:5557"}', "endpoint must be a ZMQ address"),
-    ('{"bind": "yes"}', "bind must be true or false"),
-    ('{"format": "vllm"}', "format must be one of default, dynamo, got 'vllm'"),
-    ('{"enable_kv_cache_events": 1}', "enable_kv_cache_events must be true or false"),
-    ('[1, 2]', "must be a JSON object"),
-    ('{"publisher": ', "kv events config is not JSON"),
-])
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('{"publisher": "zmq", "endpont": "tcp://*:1"}', "unknown kv events config key(s): endpont"),
+        ('{"publisher": "kafka"}', "publisher must be one of null, zmq"),
+        ('{"buffer_steps": 0}', "buffer_steps must be an integer >= 1"),
+        ('{"buffer_steps": "10"}', "buffer_steps must be an integer >= 1"),
+        ('{"endpoint": "localhost:5557"}', "endpoint must be a ZMQ address"),
+        ('{"bind": "yes"}', "bind must be true or false"),
+        ('{"format": "vllm"}', "format must be one of default, dynamo, got 'vllm'"),
+        ('{"enable_kv_cache_events": 1}', "enable_kv_cache_events must be true or false"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"publisher": ', "kv events config is not JSON"),
+    ],
+)
 def test_a_bad_config_is_one_line(text: str, says: str) -> None:
     with pytest.raises(ValueError) as err:
         KVEventsConfig.from_json(text)

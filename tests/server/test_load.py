@@ -70,8 +70,9 @@ def test_branches_follow_their_parent_and_independent_requests_follow_nothing() 
 
 
 def test_plan_indices_rid_prefix_and_max_tokens_override() -> None:
-    plan = plan_requests(generate("multi-tenant", num_requests=10, seed=0), first_index=7, rid_prefix="r2-",
-                         max_tokens=3)
+    plan = plan_requests(
+        generate("multi-tenant", num_requests=10, seed=0), first_index=7, rid_prefix="r2-", max_tokens=3
+    )
     assert [p.index for p in plan] == list(range(7, 17))
     assert all(p.rid.startswith("r2-mten-") and p.max_tokens == 3 for p in plan)
     assert all(p.after is None or 7 <= p.after < p.index for p in plan)
@@ -94,12 +95,26 @@ def test_arrivals_are_even_or_poisson_at_the_rate() -> None:
 
 
 def test_the_summary_has_the_documented_shape() -> None:
-    ok = RequestResult("a", "u0", True, ttft_s=0.1, e2e_s=0.5, itl_s=[0.1, 0.2], prompt_tokens=10,
-                       cached_tokens=4, completion_tokens=3)
+    ok = RequestResult(
+        "a", "u0", True, ttft_s=0.1, e2e_s=0.5, itl_s=[0.1, 0.2], prompt_tokens=10, cached_tokens=4, completion_tokens=3
+    )
     failed = RequestResult("b", "u1", False, error="APIStatusError: 400 bad")
     summary = summarize(LoadReport("http://x", "tiny", 4, None, 3, 2.0, [ok, failed]))
-    assert set(summary) == {"url", "model", "concurrency", "rate", "interrupted", "wall_s", "requests",
-                            "first_error", "throughput", "tokens", "ttft_s", "itl_s", "e2e_s"}
+    assert set(summary) == {
+        "url",
+        "model",
+        "concurrency",
+        "rate",
+        "interrupted",
+        "wall_s",
+        "requests",
+        "first_error",
+        "throughput",
+        "tokens",
+        "ttft_s",
+        "itl_s",
+        "e2e_s",
+    }
     assert summary["requests"] == {"planned": 3, "sent": 2, "completed": 1, "failed": 1}
     assert summary["first_error"] == "APIStatusError: 400 bad"
     assert summary["throughput"] == {"requests_per_s": 0.5, "output_tokens_per_s": 1.5, "prompt_tokens_per_s": 5.0}
@@ -128,8 +143,13 @@ def test_users_take_the_keys_round_robin_in_order_of_first_appearance(tmp_path: 
 
 def test_no_server_at_the_url_is_one_line_and_exit_2() -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    proc = subprocess.run([sys.executable, "-m", "kvscope", "load", "--url", url, "--workload", "multi-turn",
-                           "--num-requests", "4"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvscope", "load", "--url", url, "--workload", "multi-turn", "--num-requests", "4"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
@@ -150,14 +170,34 @@ def test_a_duration_repeats_the_workload_and_sigterm_prints_what_was_gathered() 
             url = server.url
             # --duration-s repeats the workload in rounds (seed + r, ids prefixed r{r}-) until the time is up
             small = LoadConfig(url=url, concurrency=4, duration_s=3.0)
-            report = run_load(lambda r: generate("multi-turn", num_requests=8, seed=r, output_len=2), small,
-                              progress=None)
+            report = run_load(
+                lambda r: generate("multi-turn", num_requests=8, seed=r, output_len=2), small, progress=None
+            )
             assert all(r.ok for r in report.results) and len(report.results) > 8
             assert report.planned == len(report.results) and report.wall_s < 3.0 + 30
             assert {r.rid.split("-", 1)[0] for r in report.results} >= {"r0", "r1"}
-            load = subprocess.Popen([sys.executable, "-m", "kvscope", "load", "--url", url, "--workload",
-                                     "multi-turn", "--num-requests", "2000", "--concurrency", "2", "--json", "--quiet"],
-                                    cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            load = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvscope",
+                    "load",
+                    "--url",
+                    url,
+                    "--workload",
+                    "multi-turn",
+                    "--num-requests",
+                    "2000",
+                    "--concurrency",
+                    "2",
+                    "--json",
+                    "--quiet",
+                ],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             time.sleep(6)
             load.send_signal(signal.SIGTERM)
             out, err = load.communicate(timeout=60)
@@ -172,8 +212,7 @@ def test_a_duration_repeats_the_workload_and_sigterm_prints_what_was_gathered() 
                 load.wait(timeout=10)
 
 
-def test_load_replays_a_workload_against_kvscope_serve_and_the_capture_holds_every_request(
-        served: Server) -> None:
+def test_load_replays_a_workload_against_kvscope_serve_and_the_capture_holds_every_request(served: Server) -> None:
     url, capture = served.url, served.capture
     # in-process: a session's next turn starts only after its previous turn finished
     trace = generate("multi-turn", num_requests=12, seed=5, output_len=4)
@@ -186,9 +225,30 @@ def test_load_replays_a_workload_against_kvscope_serve_and_the_capture_holds_eve
             assert previous.e2e_s is not None
             assert by_rid[planned.rid].start_s >= previous.start_s + previous.e2e_s
     # the verb: every request succeeds, the summary is the documented JSON
-    cli = subprocess.run([sys.executable, "-m", "kvscope", "load", "--url", url, "--workload", "multi-tenant",
-                          "--num-requests", "16", "--concurrency", "4", "--max-tokens", "4", "--json", "--quiet"],
-                         cwd=REPO, capture_output=True, text=True, timeout=180)
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvscope",
+            "load",
+            "--url",
+            url,
+            "--workload",
+            "multi-tenant",
+            "--num-requests",
+            "16",
+            "--concurrency",
+            "4",
+            "--max-tokens",
+            "4",
+            "--json",
+            "--quiet",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert cli.returncode == 0, cli.stdout + cli.stderr
     summary = json.loads(cli.stdout)
     assert summary["requests"] == {"planned": 16, "sent": 16, "completed": 16, "failed": 0}
@@ -208,18 +268,34 @@ def test_load_replays_a_workload_against_kvscope_serve_and_the_capture_holds_eve
 
 def test_with_api_keys_each_tenant_of_the_workload_sends_under_its_key(tmp_path: Path) -> None:
     keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"key-a": {"tenant": "acme", "user": "ann"},
-                                "key-b": {"tenant": "beta", "user": "bob"}}))
+    keys.write_text(
+        json.dumps({"key-a": {"tenant": "acme", "user": "ann"}, "key-b": {"tenant": "beta", "user": "bob"}})
+    )
     capture = tmp_path / "keyed.db"
     with serving(capture, "--api-keys", str(keys), "--level", "summary") as server:
         url = server.url
-        args = [sys.executable, "-m", "kvscope", "load", "--url", url, "--workload", "multi-tenant",
-                "--num-requests", "12", "--concurrency", "4", "--max-tokens", "2", "--json", "--quiet"]
+        args = [
+            sys.executable,
+            "-m",
+            "kvscope",
+            "load",
+            "--url",
+            url,
+            "--workload",
+            "multi-tenant",
+            "--num-requests",
+            "12",
+            "--concurrency",
+            "4",
+            "--max-tokens",
+            "2",
+            "--json",
+            "--quiet",
+        ]
         keyless = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert keyless.returncode == 1
         assert json.loads(keyless.stdout)["first_error"].startswith("AuthenticationError")
-        keyed = subprocess.run([*args, "--api-keys", str(keys)], cwd=REPO, capture_output=True, text=True,
-                               timeout=120)
+        keyed = subprocess.run([*args, "--api-keys", str(keys)], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert keyed.returncode == 0, keyed.stdout + keyed.stderr
         assert server.stop()[0] == 0
     trace = generate("multi-tenant", num_requests=12, seed=0)

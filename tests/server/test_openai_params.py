@@ -44,6 +44,7 @@ def post(server: Server, chat: bool, body: dict[str, Any]) -> httpx.Response:
 
 # -- the doc's table -----------------------------------------------------------------------------
 
+
 def doc_table() -> dict[str, dict[str, str]]:
     """name -> {"completions": "yes" | "refused" | "—", "chat": ...} from docs/serve.md."""
     lines = DOC.read_text().split("<!-- params-table")[1].splitlines()[1:]
@@ -76,17 +77,31 @@ def test_the_doc_table_is_the_servers_list() -> None:
 
 # a request that uses each supported parameter (fields added to a small base request)
 EXAMPLES: dict[str, dict[str, Any]] = {
-    "model": {"model": MODEL}, "prompt": {"prompt": ["ab", [70, 71]]}, "user": {"user": "someone"},
+    "model": {"model": MODEL},
+    "prompt": {"prompt": ["ab", [70, 71]]},
+    "user": {"user": "someone"},
     "messages": {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]},
-    "stream": {"stream": True}, "stream_options": {"stream": True, "stream_options": {"include_usage": True}},
-    "max_tokens": {"max_tokens": 3}, "max_completion_tokens": {"max_completion_tokens": 3}, "n": {"n": 2},
-    "best_of": {"n": 2, "best_of": 2}, "temperature": {"temperature": 0.7}, "top_p": {"top_p": 0.9},
-    "top_k": {"top_k": 5}, "min_p": {"min_p": 0.1}, "seed": {"seed": 5, "temperature": 1.0},
-    "presence_penalty": {"presence_penalty": 1.5}, "frequency_penalty": {"frequency_penalty": -1.0},
-    "repetition_penalty": {"repetition_penalty": 1.3}, "logit_bias": {"logit_bias": {"60": 5}},
-    "stop": {"stop": ["zz", "q"]}, "stop_token_ids": {"stop_token_ids": [7]},
-    "include_stop_str_in_output": {"include_stop_str_in_output": True}, "ignore_eos": {"ignore_eos": True},
-    "min_tokens": {"min_tokens": 1}, "top_logprobs": {"logprobs": True, "top_logprobs": 2},
+    "stream": {"stream": True},
+    "stream_options": {"stream": True, "stream_options": {"include_usage": True}},
+    "max_tokens": {"max_tokens": 3},
+    "max_completion_tokens": {"max_completion_tokens": 3},
+    "n": {"n": 2},
+    "best_of": {"n": 2, "best_of": 2},
+    "temperature": {"temperature": 0.7},
+    "top_p": {"top_p": 0.9},
+    "top_k": {"top_k": 5},
+    "min_p": {"min_p": 0.1},
+    "seed": {"seed": 5, "temperature": 1.0},
+    "presence_penalty": {"presence_penalty": 1.5},
+    "frequency_penalty": {"frequency_penalty": -1.0},
+    "repetition_penalty": {"repetition_penalty": 1.3},
+    "logit_bias": {"logit_bias": {"60": 5}},
+    "stop": {"stop": ["zz", "q"]},
+    "stop_token_ids": {"stop_token_ids": [7]},
+    "include_stop_str_in_output": {"include_stop_str_in_output": True},
+    "ignore_eos": {"ignore_eos": True},
+    "min_tokens": {"min_tokens": 1},
+    "top_logprobs": {"logprobs": True, "top_logprobs": 2},
     "echo": {"echo": True},
 }
 
@@ -110,47 +125,54 @@ def test_every_supported_parameter_is_accepted_and_every_refused_one_is_a_400_na
                 assert error["code"] == "unsupported_parameter"
     unknown = post(server, False, {"frobnicate": 1})
     assert (unknown.status_code, unknown.json()["error"]["param"]) == (400, "frobnicate")
-    neutral = post(server, True, {"tools": [], "tool_choice": "none", "response_format": {"type": "text"},
-                                  "store": False, "echo": False})
+    neutral = post(
+        server,
+        True,
+        {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "store": False, "echo": False},
+    )
     assert neutral.status_code == 200, neutral.text
 
 
-@pytest.mark.parametrize(("chat", "body", "param"), [
-    (False, {"temperature": -0.1}, "temperature"),
-    (False, {"temperature": "hot"}, "temperature"),
-    (False, {"top_p": 0}, "top_p"),
-    (False, {"top_p": 1.01}, "top_p"),
-    (False, {"top_k": -2}, "top_k"),
-    (False, {"top_k": 100000}, "top_k"),
-    (False, {"min_p": 1.5}, "min_p"),
-    (False, {"n": 0}, "n"),
-    (False, {"n": 200}, "n"),
-    (False, {"best_of": 3}, "best_of"),
-    (False, {"max_tokens": 0}, "max_tokens"),
-    (False, {"min_tokens": 3}, "min_tokens"),  # more than max_tokens (2)
-    (False, {"presence_penalty": 2.5}, "presence_penalty"),
-    (False, {"frequency_penalty": -2.5}, "frequency_penalty"),
-    (False, {"repetition_penalty": 0}, "repetition_penalty"),
-    (False, {"seed": 2**64}, "seed"),
-    (False, {"seed": 1.5}, "seed"),
-    (False, {"logprobs": 21}, "logprobs"),
-    (False, {"logprobs": True}, "logprobs"),
-    (False, {"stop": [""]}, "stop"),
-    (False, {"stop": 5}, "stop"),
-    (False, {"stop_token_ids": [-1]}, "stop_token_ids"),
-    (False, {"logit_bias": {"100000": 1}}, "logit_bias"),
-    (False, {"logit_bias": {"abc": 1}}, "logit_bias"),
-    (False, {"ignore_eos": "yes"}, "ignore_eos"),
-    (False, {"echo": 1}, "echo"),
-    (False, {"top_logprobs": 2}, "top_logprobs"),  # a chat parameter
-    (True, {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
-    (True, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    (True, {"echo": True}, "echo"),
-    (True, {"max_completion_tokens": 0}, "max_completion_tokens"),
-    (True, {"max_tokens": None, "messages": [{"role": "user", "content": "y" * CONTEXT_LEN}]}, "messages"),
-])
-def test_out_of_range_is_a_400_naming_the_parameter(server: Server, chat: bool, body: dict[str, Any],
-                                                    param: str) -> None:
+@pytest.mark.parametrize(
+    ("chat", "body", "param"),
+    [
+        (False, {"temperature": -0.1}, "temperature"),
+        (False, {"temperature": "hot"}, "temperature"),
+        (False, {"top_p": 0}, "top_p"),
+        (False, {"top_p": 1.01}, "top_p"),
+        (False, {"top_k": -2}, "top_k"),
+        (False, {"top_k": 100000}, "top_k"),
+        (False, {"min_p": 1.5}, "min_p"),
+        (False, {"n": 0}, "n"),
+        (False, {"n": 200}, "n"),
+        (False, {"best_of": 3}, "best_of"),
+        (False, {"max_tokens": 0}, "max_tokens"),
+        (False, {"min_tokens": 3}, "min_tokens"),  # more than max_tokens (2)
+        (False, {"presence_penalty": 2.5}, "presence_penalty"),
+        (False, {"frequency_penalty": -2.5}, "frequency_penalty"),
+        (False, {"repetition_penalty": 0}, "repetition_penalty"),
+        (False, {"seed": 2**64}, "seed"),
+        (False, {"seed": 1.5}, "seed"),
+        (False, {"logprobs": 21}, "logprobs"),
+        (False, {"logprobs": True}, "logprobs"),
+        (False, {"stop": [""]}, "stop"),
+        (False, {"stop": 5}, "stop"),
+        (False, {"stop_token_ids": [-1]}, "stop_token_ids"),
+        (False, {"logit_bias": {"100000": 1}}, "logit_bias"),
+        (False, {"logit_bias": {"abc": 1}}, "logit_bias"),
+        (False, {"ignore_eos": "yes"}, "ignore_eos"),
+        (False, {"echo": 1}, "echo"),
+        (False, {"top_logprobs": 2}, "top_logprobs"),  # a chat parameter
+        (True, {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        (True, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (True, {"echo": True}, "echo"),
+        (True, {"max_completion_tokens": 0}, "max_completion_tokens"),
+        (True, {"max_tokens": None, "messages": [{"role": "user", "content": "y" * CONTEXT_LEN}]}, "messages"),
+    ],
+)
+def test_out_of_range_is_a_400_naming_the_parameter(
+    server: Server, chat: bool, body: dict[str, Any], param: str
+) -> None:
     reply = post(server, chat, body)
     assert reply.status_code == 400, reply.text
     assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
@@ -158,6 +180,7 @@ def test_out_of_range_is_a_400_naming_the_parameter(server: Server, chat: bool, 
 
 
 # -- what the accepted parameters do -------------------------------------------------------------
+
 
 def test_sampling_is_reproducible_per_seed_and_default_is_greedy(server: Server) -> None:
     client = server.client()
@@ -182,12 +205,14 @@ def test_eos_stops_unless_ignore_eos_and_min_tokens_holds_it_off(server: Server)
     stopped = client.completions.create(model=MODEL, prompt="hi", max_tokens=8, logit_bias=eos)
     assert (stopped.choices[0].finish_reason, stopped.choices[0].text) == ("stop", "")
     assert stopped.usage is not None and stopped.usage.completion_tokens == 1
-    ignored = client.completions.create(model=MODEL, prompt="hi", max_tokens=8, logit_bias=eos,
-                                        extra_body={"ignore_eos": True})
+    ignored = client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=8, logit_bias=eos, extra_body={"ignore_eos": True}
+    )
     assert ignored.choices[0].finish_reason == "length"
     assert ignored.usage is not None and ignored.usage.completion_tokens == 8
-    held = client.completions.create(model=MODEL, prompt="hi", max_tokens=8, logit_bias=eos,
-                                     extra_body={"min_tokens": 3})
+    held = client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=8, logit_bias=eos, extra_body={"min_tokens": 3}
+    )
     assert held.choices[0].finish_reason == "stop"
     assert held.usage is not None and held.usage.completion_tokens == 4
 
@@ -205,11 +230,18 @@ def test_stop_strings_and_stop_token_ids(server: Server) -> None:
     choice = reply.model_dump()["choices"][0]
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("x", "stop", "xx")
     assert reply.usage is not None and reply.usage.completion_tokens == 3
-    kept = client.completions.create(model=MODEL, prompt="hi", stop=["q", "xxx"],
-                                     extra_body={"include_stop_str_in_output": True}, **xs)
+    kept = client.completions.create(
+        model=MODEL, prompt="hi", stop=["q", "xxx"], extra_body={"include_stop_str_in_output": True}, **xs
+    )
     assert (kept.choices[0].text, kept.choices[0].finish_reason) == ("xxx", "stop")
-    streamed = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "s"}], stop="xxxx",
-                                              extra_body={"min_tokens": 5}, stream=True, **xs)
+    streamed = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "s"}],
+        stop="xxxx",
+        extra_body={"min_tokens": 5},
+        stream=True,
+        **xs,
+    )
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "x"  # the stop string never shows
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -241,8 +273,9 @@ def test_logprobs_and_echo(server: Server) -> None:
     assert as_output is not None and as_output.token_logprobs is not None and as_output.tokens == ["x"]
     assert as_prompt is not None and as_prompt.token_logprobs is not None
     assert as_prompt.token_logprobs[len(prompt)] == pytest.approx(as_output.token_logprobs[0], abs=1e-4)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "q"}], max_tokens=3,
-                                          logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "q"}], max_tokens=3, logprobs=True, top_logprobs=2
+    )
     content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
     assert content is not None and len(content) == 3
     assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in content)
@@ -250,14 +283,23 @@ def test_logprobs_and_echo(server: Server) -> None:
 
 def test_n_and_batched_prompts_streamed_and_not(server: Server) -> None:
     client = server.client()
-    reply = client.completions.create(model=MODEL, prompt=["ab", "cde"], n=2, max_tokens=3, temperature=1.0, seed=1,
-                                      extra_body={"ignore_eos": True})
+    reply = client.completions.create(
+        model=MODEL, prompt=["ab", "cde"], n=2, max_tokens=3, temperature=1.0, seed=1, extra_body={"ignore_eos": True}
+    )
     assert sorted(c.index for c in reply.choices) == [0, 1, 2, 3]
     assert reply.usage is not None
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (2 + 3, 4 * 3)
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "s"}], n=3,
-                                            max_tokens=4, temperature=1.0, seed=2, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "s"}],
+        n=3,
+        max_tokens=4,
+        temperature=1.0,
+        seed=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     texts: dict[int, str] = {}
     ends: dict[int, str] = {}
     usage = None
@@ -269,8 +311,15 @@ def test_n_and_batched_prompts_streamed_and_not(server: Server) -> None:
                 ends[choice.index] = choice.finish_reason
     assert ends == {0: "length", 1: "length", 2: "length"}
     assert usage is not None and usage.completion_tokens == 12
-    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "s"}], n=3,
-                                           max_tokens=4, temperature=1.0, seed=2, extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "s"}],
+        n=3,
+        max_tokens=4,
+        temperature=1.0,
+        seed=2,
+        extra_body={"ignore_eos": True},
+    )
     assert {c.index: c.message.content for c in plain.choices} == texts  # same seeds, same samples
 
 

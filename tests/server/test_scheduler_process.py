@@ -38,8 +38,9 @@ from kvscope.telemetry import Capture
 
 START_TIMEOUT_S = 120.0  # a spawned child imports torch and builds the model
 TIMEOUT_S = 60.0
-ENGINE = EngineConfig(pool=PoolConfig(kv_size_tokens=2048, max_running_requests=8, max_context_len=256),
-                      device="cpu", strict=True)
+ENGINE = EngineConfig(
+    pool=PoolConfig(kv_size_tokens=2048, max_running_requests=8, max_context_len=256), device="cpu", strict=True
+)
 MODEL = model_config("tiny")
 
 
@@ -60,8 +61,10 @@ class Front:
 
     def receive(self, timeout_s: float = TIMEOUT_S) -> TokenOut | StatsOut:
         if not self.pull.poll(int(timeout_s * 1000)):
-            raise AssertionError(f"no message from the scheduler in {timeout_s}s "
-                                 f"(process alive: {self.process.is_alive()}, exit {self.process.exitcode})")
+            raise AssertionError(
+                f"no message from the scheduler in {timeout_s}s "
+                f"(process alive: {self.process.is_alive()}, exit {self.process.exitcode})"
+            )
         msg = decode_to_front(self.pull.recv())
         if isinstance(msg, StatsOut):
             self.stats.append(msg)
@@ -107,10 +110,17 @@ def short_dir() -> Iterator[Path]:
 
 
 @contextmanager
-def serve(short_dir: Path, capture: Path | None = None, kv_events: KVEventsConfig | None = None,
-          engine: EngineConfig = ENGINE) -> Iterator[Front]:
-    spec = ServeSpec(engine=engine, model=MODEL, capture=None if capture is None else str(capture),
-                     config={"test": True}, kv_events=kv_events, stats_interval_s=0.2)
+def serve(
+    short_dir: Path, capture: Path | None = None, kv_events: KVEventsConfig | None = None, engine: EngineConfig = ENGINE
+) -> Iterator[Front]:
+    spec = ServeSpec(
+        engine=engine,
+        model=MODEL,
+        capture=None if capture is None else str(capture),
+        config={"test": True},
+        kv_events=kv_events,
+        stats_interval_s=0.2,
+    )
     to_scheduler, to_front = f"ipc://{short_dir}/in", f"ipc://{short_dir}/out"
     process = start_scheduler(spec, to_scheduler, to_front)
     context: zmq.Context[Any] = zmq.Context()
@@ -134,8 +144,10 @@ def prompts(seed: int, num: int, vocab: int = 500) -> list[np.ndarray]:
     """Prompts sharing a stem, so later requests hit the cache."""
     rng = np.random.default_rng(seed)
     stem = rng.integers(3, vocab, 24).astype(np.int32)
-    return [np.concatenate((stem[: rng.integers(4, 24)], rng.integers(3, vocab, rng.integers(2, 20)))).astype(np.int32)
-            for _ in range(num)]
+    return [
+        np.concatenate((stem[: rng.integers(4, 24)], rng.integers(3, vocab, rng.integers(2, 20)))).astype(np.int32)
+        for _ in range(num)
+    ]
 
 
 def engine_outputs(requests: list[tuple[str, np.ndarray, int]]) -> dict[str, list[int]]:

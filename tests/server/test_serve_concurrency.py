@@ -34,8 +34,14 @@ async def stream_all(url: str, texts: list[str]) -> list[tuple[str, str | None, 
 
     async def one(i: int, prompt: str) -> tuple[str, str | None, int]:
         parts, finish, usage = [], None, 0
-        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, stream=True,
-                                                 user=f"user-{i % 4}", stream_options={"include_usage": True})
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            user=f"user-{i % 4}",
+            stream_options={"include_usage": True},
+        )
         async for chunk in stream:
             for choice in chunk.choices:
                 parts.append(choice.text)

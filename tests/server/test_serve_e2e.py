@@ -47,8 +47,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("keyed")
     (tmp / "keys.json").write_text(json.dumps(KEYS))
-    with serving(tmp / "serve.db", "--api-keys", str(tmp / "keys.json"), "--level", "full",
-                 "--cache", "scoped-radix", "--promote-k", "inf") as srv:
+    with serving(
+        tmp / "serve.db",
+        "--api-keys",
+        str(tmp / "keys.json"),
+        "--level",
+        "full",
+        "--cache",
+        "scoped-radix",
+        "--promote-k",
+        "inf",
+    ) as srv:
         yield srv
 
 
@@ -97,8 +106,11 @@ def test_completions_text_and_ids(server: Server) -> None:
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4)
     assert by_ids.usage is not None and by_ids.usage.prompt_tokens == len(ids)
     assert by_ids.usage.completion_tokens == 4
-    chunks = list(client.completions.create(model=MODEL, prompt="The pools fill up", max_tokens=8, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="The pools fill up", max_tokens=8, stream=True, stream_options={"include_usage": True}
+        )
+    )
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert streamed == text.choices[0].text  # the tiny model is deterministic (greedy)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
@@ -177,18 +189,24 @@ def test_models_health_server_info(server: Server) -> None:
 
 
 def test_client_closing_mid_stream_aborts(server: Server) -> None:
-    with httpx.Client(timeout=30) as http, http.stream(
-            "POST", f"{server.url}/v1/completions",
-            json={"model": MODEL, "prompt": "go on and on", "max_tokens": 1500, "stream": True}) as reply:
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream(
+            "POST",
+            f"{server.url}/v1/completions",
+            json={"model": MODEL, "prompt": "go on and on", "max_tokens": 1500, "stream": True},
+        ) as reply,
+    ):
         lines = reply.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
-        rid = rid_of(json.loads(first[len("data: "):])["id"])
+        rid = rid_of(json.loads(first[len("data: ") :])["id"])
     server.seen["aborted"] = rid
     values = wait_idle(server.url)
     assert values["kvscope_requests_total{reason=abort}"] == 1
     with pytest.raises(httpx.TimeoutException):  # a plain (not streamed) request whose client gives up
-        httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "wait", "max_tokens": 1500},
-                   timeout=1.0)
+        httpx.post(
+            f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "wait", "max_tokens": 1500}, timeout=1.0
+        )
     values = wait_idle(server.url)
     assert values["kvscope_requests_total{reason=abort}"] == 2
     assert values["sglang:kv_used_tokens"] == 0 and values["kvscope_protected_tokens{pool=full}"] == 0
@@ -209,8 +227,10 @@ def matches(labels: dict[str, str], matcher: tuple[str, str, str], variables: di
 
 
 def selected(selector: Selector, series: Series, variables: dict[str, list[str]]) -> bool:
-    return any(name == selector.metric and all(matches(labels, m, variables) for m in selector.matchers)
-               for name, labels in series)
+    return any(
+        name == selector.metric and all(matches(labels, m, variables) for m in selector.matchers)
+        for name, labels in series
+    )
 
 
 def test_sglang_grafana_dashboard_finds_every_series(server: Server) -> None:
@@ -219,17 +239,25 @@ def test_sglang_grafana_dashboard_finds_every_series(server: Server) -> None:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     series = [(s.name, dict(s.labels)) for f in text_string_to_metric_families(text) for s in f.samples]
     # NOTE: instance is the scrape target's label, which Prometheus adds to every series; no exporter does
-    variables = {label: sorted({labels[label] for _, labels in series if label in labels})
-                 for label in template_labels(dashboard) if label != "instance"}
+    variables = {
+        label: sorted({labels[label] for _, labels in series if label in labels})
+        for label in template_labels(dashboard)
+        if label != "instance"
+    }
     assert variables == {"model_name": [MODEL]}
     queries = exprs(dashboard)
     assert len(queries) == 14
-    missing = [f"{selector.metric}{list(selector.matchers)} in {expr.strip()!r}" for expr in queries
-               for selector in selectors(expr) if not selected(selector, series, variables)]
+    missing = [
+        f"{selector.metric}{list(selector.matchers)} in {expr.strip()!r}"
+        for expr in queries
+        for selector in selectors(expr)
+        if not selected(selector, series, variables)
+    ]
     assert missing == []
     values = metrics(server.url)  # SGLang's definitions
-    assert values["sglang:token_usage"] == round(values["sglang:kv_used_tokens"]
-                                                 / values["sglang:max_total_num_tokens"], 2)
+    assert values["sglang:token_usage"] == round(
+        values["sglang:kv_used_tokens"] / values["sglang:max_total_num_tokens"], 2
+    )
     assert 0 <= values["sglang:cache_hit_rate"] <= 1 and values["sglang:gen_throughput"] >= 0
 
 
@@ -238,8 +266,9 @@ def test_sigterm_finishes_the_capture_and_metrics_agree(server: Server) -> None:
     started, streamed = threading.Event(), queue.Queue[tuple[str, str | None, int]]()
 
     def in_flight() -> None:  # a stream that is running when SIGTERM arrives: it is finished, not cut
-        chunks = server.client().completions.create(model=MODEL, prompt="drain me", max_tokens=24, stream=True,
-                                                    stream_options={"include_usage": True})
+        chunks = server.client().completions.create(
+            model=MODEL, prompt="drain me", max_tokens=24, stream=True, stream_options={"include_usage": True}
+        )
         rid, reason, completion = "", None, 0
         for chunk in chunks:
             started.set()
@@ -264,11 +293,16 @@ def test_sigterm_finishes_the_capture_and_metrics_agree(server: Server) -> None:
     assert stored["engine"]["torch_threads"] == max(1, len(os.sched_getaffinity(0)) - 1)  # auto on the CPU
     assert stored["model"]["vocab_size"] == 512 and stored["environment"]["device"] == "cpu"
     with sqlite3.connect(server.capture) as db:
-        rows = {rid: (st, prompt, cached, out) for rid, st, prompt, cached, out in db.execute(
-            "select rid, status, prompt_len, cached_tokens, output_len from requests")}
+        rows = {
+            rid: (st, prompt, cached, out)
+            for rid, st, prompt, cached, out in db.execute(
+                "select rid, status, prompt_len, cached_tokens, output_len from requests"
+            )
+        }
         last_check = db.execute("select ok, step from leak_checks order by step desc limit 1").fetchone()
-        aborted_step = db.execute("select finish_step from requests where rid = ?",
-                                  (server.seen["aborted"],)).fetchone()
+        aborted_step = db.execute(
+            "select finish_step from requests where rid = ?", (server.seen["aborted"],)
+        ).fetchone()
     assert last_check[0] == 1 and last_check[1] >= aborted_step[0]
     for rid in server.seen["rids"]:  # type: ignore[attr-defined]
         assert rows[rid][0] == "finished"
@@ -302,7 +336,8 @@ def test_api_keys_401_403_and_narrowing(keyed: Server) -> None:
     prompt = "tenant acme's own shared prefix, long enough to stay in the tree " * 2
     narrowed = alice.completions.create(model=MODEL, prompt=prompt, max_tokens=2, user="sub1")
     plain = keyed.client("k-beta-bob").chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "bob's question"}], max_tokens=2)
+        model=MODEL, messages=[{"role": "user", "content": "bob's question"}], max_tokens=2
+    )
     keyed.seen["principals"] = {rid_of(narrowed.id): "acme/alice/sub1", rid_of(plain.id): "beta/bob"}
     # T7: the principal scopes the cache. The same prompt again hits for its principal (control);
     # for bob, or for alice without the narrowing suffix, it is another principal's: no hit
@@ -310,8 +345,10 @@ def test_api_keys_401_403_and_narrowing(keyed: Server) -> None:
     bob = keyed.client("k-beta-bob").completions.create(model=MODEL, prompt=prompt, max_tokens=1)
     wide = alice.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
     assert again.usage is not None and bob.usage is not None and wide.usage is not None
-    cached = [u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
-              for u in (again.usage, bob.usage, wide.usage)]
+    cached = [
+        u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+        for u in (again.usage, bob.usage, wide.usage)
+    ]
     assert cached[0] >= len(prompt) - 1 and cached[1:] == [0, 0], cached
     keyed.seen["matched"] = {rid_of(again.id): "acme/alice/sub1", rid_of(bob.id): "beta/bob"}
 
@@ -367,12 +404,23 @@ def test_bad_config_is_one_line_exit_2(tmp_path: Path) -> None:
     port = taken.getsockname()[1]
     (tmp_path / "bad.json").write_text("[1]")
     try:
-        for args in (["--model", "nope"], ["--page-size", "3"], ["--api-keys", str(tmp_path / "bad.json")],
-                     ["--kv-events-config", "{bad"], ["--port", str(port)], ["--port", "70000"],
-                     ["--api-keys", str(tmp_path / "missing.json")], ["--api-keys", str(tmp_path)],
-                     ["--torch-threads", "0"]):
-            done = subprocess.run([sys.executable, "-m", "kvscope", "serve", "--device", "cpu", "--level", "off",
-                                   *args], capture_output=True, text=True, timeout=120)
+        for args in (
+            ["--model", "nope"],
+            ["--page-size", "3"],
+            ["--api-keys", str(tmp_path / "bad.json")],
+            ["--kv-events-config", "{bad"],
+            ["--port", str(port)],
+            ["--port", "70000"],
+            ["--api-keys", str(tmp_path / "missing.json")],
+            ["--api-keys", str(tmp_path)],
+            ["--torch-threads", "0"],
+        ):
+            done = subprocess.run(
+                [sys.executable, "-m", "kvscope", "serve", "--device", "cpu", "--level", "off", *args],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert done.returncode == 2, (args, done.stderr)
             assert done.stderr.startswith("kvscope serve: error: ") and done.stderr.count("\n") == 1, done.stderr
             assert "ready" not in done.stdout

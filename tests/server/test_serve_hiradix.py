@@ -39,8 +39,9 @@ def idle_sample(url: str, timeout_s: float = 30.0) -> EngineSample:
 
 def test_a_conversation_evicted_to_host_comes_back_equal(tmp_path: Path) -> None:
     capture = tmp_path / "serve.db"
-    with serving(capture, "--cache", "hiradix", "--kv-tokens", str(KV_TOKENS), "--host-ratio", "4",
-                 "--level", "full") as server:
+    with serving(
+        capture, "--cache", "hiradix", "--kv-tokens", str(KV_TOKENS), "--host-ratio", "4", "--level", "full"
+    ) as server:
         client = server.client()
         first = client.completions.create(model=MODEL, prompt=conversation(0), max_tokens=6, temperature=0)
         for i in range(1, 8):  # the others push conversation 0 off the device (its copy stays on the host)
@@ -55,14 +56,15 @@ def test_a_conversation_evicted_to_host_comes_back_equal(tmp_path: Path) -> None
     assert cached is not None and cached > again.usage.prompt_tokens // 2
     with sqlite3.connect(capture) as conn:
         loaded, hits, host_hits, host_total = conn.execute(
-            "SELECT MAX(cum_loaded_tokens), MAX(cum_hit_tokens), MAX(cum_host_hit_tokens), MAX(host_total) "
-            "FROM usage").fetchone()
+            "SELECT MAX(cum_loaded_tokens), MAX(cum_hit_tokens), MAX(cum_host_hit_tokens), MAX(host_total) FROM usage"
+        ).fetchone()
     evicts = Capture(capture).events(1, kinds=[EventKind.EVICT], limit=None, columns=["reason"])
     evicted_to_host = int((evicts.reason == "to-host").sum())
     assert evicted_to_host > 0 and loaded >= host_hits
     assert cached // 2 < host_hits <= cached  # most of the revisited conversation came back from the host
     assert host_total >= 4 * KV_TOKENS
     assert (sample.cached_tokens_total, sample.host_cached_tokens_total) == (hits, host_hits)
-    check = subprocess.run([sys.executable, "-m", "kvscope", "check", str(capture)], capture_output=True, text=True,
-                           timeout=120)
+    check = subprocess.run(
+        [sys.executable, "-m", "kvscope", "check", str(capture)], capture_output=True, text=True, timeout=120
+    )
     assert check.returncode == 0, check.stdout + check.stderr

@@ -60,8 +60,12 @@ def stream_until_first_token(url: str, started: threading.Event) -> None:
 def test_a_killed_serve_is_crashed_not_finished_and_check_is_inconclusive(tmp_path: Path, when: str) -> None:
     capture = tmp_path / "serve.db"
     with serving(capture) as server:
-        assert httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
-                          timeout=60).status_code == 200
+        assert (
+            httpx.post(
+                f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=60
+            ).status_code
+            == 200
+        )
         with sqlite3.connect(capture) as db:
             (scheduler_pid,) = db.execute("select pid from runs").fetchone()
         writers = children(scheduler_pid)
@@ -88,8 +92,9 @@ def test_a_killed_serve_is_crashed_not_finished_and_check_is_inconclusive(tmp_pa
         in_flight = db.execute("select count(*) from requests where status = 'in_flight'").fetchone()[0]
     assert status == "crashed" and "the HTTP front died" in error
     assert in_flight == (1 if when == "mid-load" else 0)
-    check = subprocess.run([sys.executable, "-m", "kvscope", "check", str(capture), "--json"],
-                           capture_output=True, text=True, timeout=120)
+    check = subprocess.run(
+        [sys.executable, "-m", "kvscope", "check", str(capture), "--json"], capture_output=True, text=True, timeout=120
+    )
     assert check.returncode == 3, check.stdout + check.stderr
     assert json.loads(check.stdout)["verdict"] == "inconclusive"
 
@@ -104,20 +109,29 @@ def test_a_dead_scheduler_is_a_503_server_error_to_the_requests_in_flight(tmp_pa
 
         def stream() -> None:
             body = {"model": MODEL, "prompt": "keep going", "max_tokens": 1500, "stream": True, "ignore_eos": True}
-            with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/v1/completions",
-                                                               json=body) as reply:
+            with (
+                httpx.Client(timeout=60) as http,
+                http.stream("POST", f"{server.url}/v1/completions", json=body) as reply,
+            ):
                 for line in reply.iter_lines():
                     if line.startswith("data: "):
-                        events.append(line[len("data: "):])
+                        events.append(line[len("data: ") :])
                         started.set()
 
         streaming = threading.Thread(target=stream, daemon=True)
         streaming.start()
         assert started.wait(60)
         plain: list[httpx.Response] = []
-        posting = threading.Thread(target=lambda: plain.append(httpx.post(
-            f"{server.url}/v1/completions",
-            json={"model": MODEL, "prompt": "wait", "max_tokens": 1500, "ignore_eos": True}, timeout=60)), daemon=True)
+        posting = threading.Thread(
+            target=lambda: plain.append(
+                httpx.post(
+                    f"{server.url}/v1/completions",
+                    json={"model": MODEL, "prompt": "wait", "max_tokens": 1500, "ignore_eos": True},
+                    timeout=60,
+                )
+            ),
+            daemon=True,
+        )
         posting.start()
         time.sleep(0.5)  # NOTE: the plain request is in flight (its stream neighbour runs for seconds)
         os.kill(scheduler_pid, signal.SIGKILL)

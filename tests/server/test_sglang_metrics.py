@@ -14,12 +14,24 @@ from kvscope.server.metrics import ReportRates, ServerMetrics, token_usage
 from kvscope.server.protocol import PoolStats, StatsOut
 
 
-def stats(prompt: int, cached: int, generated: int, host_hits: int | None = None,
-          pools: dict[str, PoolStats] | None = None) -> StatsOut:
+def stats(
+    prompt: int, cached: int, generated: int, host_hits: int | None = None, pools: dict[str, PoolStats] | None = None
+) -> StatsOut:
     pools = pools or {"full": PoolStats(total=100, used=10, available=80, evictable=10, protected=5)}
-    return StatsOut(step=1, pools=pools, num_running=0, num_waiting=0, prompt_tokens=prompt, cached_tokens=cached,
-                    generated_tokens=generated, evicted_tokens=0, num_retractions=0, leak_checks_passed=0,
-                    leak_checks_failed=0, host_hit_tokens=host_hits)
+    return StatsOut(
+        step=1,
+        pools=pools,
+        num_running=0,
+        num_waiting=0,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        generated_tokens=generated,
+        evicted_tokens=0,
+        num_retractions=0,
+        leak_checks_passed=0,
+        leak_checks_failed=0,
+        host_hit_tokens=host_hits,
+    )
 
 
 def test_token_usage_is_the_fullest_pools_used_share() -> None:
@@ -47,8 +59,12 @@ def test_cached_tokens_are_labelled_by_cache_source() -> None:
         metrics = ServerMetrics(page_size=4, model_name="m")
         metrics.update(stats(prompt=1000, cached=1000, generated=0, host_hits=host_hits))
         families = text_string_to_metric_families(metrics.render().decode())
-        return {s.labels["cache_source"]: s.value for f in families for s in f.samples
-                if s.name == "sglang:cached_tokens_total"}
+        return {
+            s.labels["cache_source"]: s.value
+            for f in families
+            for s in f.samples
+            if s.name == "sglang:cached_tokens_total"
+        }
 
     assert cached(host_hits=300) == {"device": 700.0, "host": 300.0}
     assert cached(host_hits=None) == {"device": 1000.0}  # no host tier

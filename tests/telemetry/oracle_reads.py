@@ -30,6 +30,7 @@ from kvscope.telemetry.queries import Capture
 
 # -- dialect.py (dd8591d) --------------------------------------------------------------------
 
+
 class IndexedTable(TableClause):
     """`table`'s columns, read through `index_name` where the dialect takes a hint (SQLite)."""
 
@@ -69,9 +70,23 @@ def read_through(engine: Engine, index: Index) -> TableClause:
 
 # -- derived.py (dd8591d) -------------------------------------------------------------------
 
-EVICTION_LOG_COLUMNS = ("seq", "step", "t_mono", "pool", "node_id", "parent_id", "evicted_tokens", "reason",
-                        "age_steps", "age_s", "idle_steps", "idle_s", "needed_again_step", "needed_again_by",
-                        "regret_tokens")
+EVICTION_LOG_COLUMNS = (
+    "seq",
+    "step",
+    "t_mono",
+    "pool",
+    "node_id",
+    "parent_id",
+    "evicted_tokens",
+    "reason",
+    "age_steps",
+    "age_s",
+    "idle_steps",
+    "idle_s",
+    "needed_again_step",
+    "needed_again_by",
+    "regret_tokens",
+)
 MAX_PARENT_HOPS = 64  # a chain of splits of splits, followed back to an inserted node
 EVICT = EventKind.EVICT.value
 ENDS = [EventKind.REQUEST_FINISH.value, EventKind.REQUEST_ABORT.value, EventKind.REQUEST_RETRACT.value]
@@ -85,12 +100,17 @@ def _events_of_run(source: TableClause, run_id: int, *columns: ColumnElement[Any
 
 # -- eviction log ----------------------------------------------------------------------------
 
+
 def eviction_log(capture: Capture, run_id: int, limit: int, offset: int) -> pd.DataFrame:
     """One page of the log (evictions in event order), with age, idle, parent and regret."""
     e = schema.events.c
     ev = capture.read_frame(
         select(e.seq, e.step, e.t_mono, e.pool, e.node_id, e.num_tokens.label("evicted_tokens"), e.reason)
-        .where(e.run_id == run_id, e.kind == EVICT).order_by(e.seq).limit(limit).offset(offset))
+        .where(e.run_id == run_id, e.kind == EVICT)
+        .order_by(e.seq)
+        .limit(limit)
+        .offset(offset)
+    )
     if ev.empty:
         return pd.DataFrame(columns=list(EVICTION_LOG_COLUMNS))
     by_node = read_through(capture.engine, schema.ix_events_node)
@@ -98,20 +118,36 @@ def eviction_log(capture: Capture, run_id: int, limit: int, offset: int) -> pd.D
     history = _NodeHistory(capture, run_id, by_node)
     history.load(nodes)
     parents = [history.parent_at(int(n), int(s)) for n, s in zip(ev.node_id, ev.seq, strict=True)]
-    later = _later_matches(capture, run_id, by_node, sorted(set(nodes) | {p for p in parents if p is not None}),
-                           int(ev.seq.min()))
+    later = _later_matches(
+        capture, run_id, by_node, sorted(set(nodes) | {p for p in parents if p is not None}), int(ev.seq.min())
+    )
     rows = []
     for row, parent in zip(ev.itertuples(index=False), parents, strict=True):
         born, touch = history.born(row.node_id, row.seq), history.last_touch(row.node_id, row.seq)
-        again = min((m for m in (later.first_after(row.node_id, row.seq), later.first_after(parent, row.seq))
-                     if m is not None), default=None, key=lambda m: m[0])
-        rows.append((
-            row.seq, row.step, row.t_mono, row.pool, row.node_id, parent, row.evicted_tokens, row.reason,
-            None if born is None else row.step - born[1], None if born is None else row.t_mono - born[2],
-            None if touch is None else row.step - touch[1], None if touch is None else row.t_mono - touch[2],
-            None if again is None else again[1], None if again is None else again[2],
-            0 if again is None else min(int(row.evicted_tokens), int(again[3])),
-        ))
+        again = min(
+            (m for m in (later.first_after(row.node_id, row.seq), later.first_after(parent, row.seq)) if m is not None),
+            default=None,
+            key=lambda m: m[0],
+        )
+        rows.append(
+            (
+                row.seq,
+                row.step,
+                row.t_mono,
+                row.pool,
+                row.node_id,
+                parent,
+                row.evicted_tokens,
+                row.reason,
+                None if born is None else row.step - born[1],
+                None if born is None else row.t_mono - born[2],
+                None if touch is None else row.step - touch[1],
+                None if touch is None else row.t_mono - touch[2],
+                None if again is None else again[1],
+                None if again is None else again[2],
+                0 if again is None else min(int(row.evicted_tokens), int(again[3])),
+            )
+        )
     return pd.DataFrame(rows, columns=list(EVICTION_LOG_COLUMNS))
 
 
@@ -133,13 +169,17 @@ class _NodeHistory:
         n = self.by_node.c
         own = self.capture.read_frame(
             _events_of_run(self.by_node, self.run_id, n.seq, n.step, n.t_mono, n.kind, n.node_id, n.aux)
-            .where(n.node_id.in_(todo), n.kind.in_(NODE_TOUCHES)).order_by(n.seq))
+            .where(n.node_id.in_(todo), n.kind.in_(NODE_TOUCHES))
+            .order_by(n.seq)
+        )
         for r in own.itertuples(index=False):
             self.rows[int(r.node_id)].append((int(r.seq), int(r.step), float(r.t_mono), str(r.kind), int(r.aux)))
         k = self.by_kind.c
         splits = self.capture.read_frame(
             _events_of_run(self.by_kind, self.run_id, k.seq, k.node_id, k.aux)
-            .where(k.kind == EventKind.SPLIT.value, k.aux.in_(todo)).order_by(k.seq))
+            .where(k.kind == EventKind.SPLIT.value, k.aux.in_(todo))
+            .order_by(k.seq)
+        )
         for r in splits.itertuples(index=False):
             self.splits_of[int(r.aux)].append((int(r.seq), int(r.node_id)))
 
@@ -181,17 +221,22 @@ class _LaterMatches:
         return matches[index] if index < len(matches) else None
 
 
-def _later_matches(capture: Capture, run_id: int, by_node: TableClause, nodes: list[int],
-                   after_seq: int) -> _LaterMatches:
+def _later_matches(
+    capture: Capture, run_id: int, by_node: TableClause, nodes: list[int], after_seq: int
+) -> _LaterMatches:
     """Matches that stopped at one of `nodes` after `after_seq` and missed tokens."""
     n = by_node.c
-    return _LaterMatches(capture.read_frame(
-        _events_of_run(by_node, run_id, n.seq, n.step, n.rid, n.node_id, n.aux)
-        .where(n.node_id.in_(nodes), n.kind == EventKind.MATCH.value, n.aux > 0, n.seq > after_seq)
-        .order_by(n.seq)))
+    return _LaterMatches(
+        capture.read_frame(
+            _events_of_run(by_node, run_id, n.seq, n.step, n.rid, n.node_id, n.aux)
+            .where(n.node_id.in_(nodes), n.kind == EventKind.MATCH.value, n.aux > 0, n.seq > after_seq)
+            .order_by(n.seq)
+        )
+    )
 
 
 # -- running requests ------------------------------------------------------------------------
+
 
 def running_lengths(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
     """rid, seq_len of every request running at `step`: matched by then and not finished,
@@ -200,23 +245,33 @@ def running_lengths(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
     k = by_kind.c
     latest = capture.read_frame(
         _events_of_run(by_kind, run_id, k.rid, func.max(k.seq).label("mseq"))
-        .where(k.kind == EventKind.MATCH.value, k.step <= step, k.rid.is_not(None)).group_by(k.rid))
+        .where(k.kind == EventKind.MATCH.value, k.step <= step, k.rid.is_not(None))
+        .group_by(k.rid)
+    )
     ends = capture.read_frame(
         _events_of_run(by_kind, run_id, k.rid, func.max(k.seq).label("eseq"))
-        .where(k.kind.in_(ENDS), k.step <= step, k.rid.is_not(None)).group_by(k.rid))
+        .where(k.kind.in_(ENDS), k.step <= step, k.rid.is_not(None))
+        .group_by(k.rid)
+    )
     live = latest.merge(ends, on="rid", how="left")
     live = live[live.eseq.isna() | (live.eseq < live.mseq)]
     if live.empty:
         return pd.DataFrame({"rid": pd.Series(dtype=object), "seq_len": pd.Series(dtype="int64")})
     e = schema.events.c
     hits = capture.read_frame(
-        select(e.seq.label("mseq"), e.step.label("mstep"), e.num_tokens.label("hit"))
-        .where(e.run_id == run_id, e.seq.in_([int(s) for s in live.mseq])))
+        select(e.seq.label("mseq"), e.step.label("mstep"), e.num_tokens.label("hit")).where(
+            e.run_id == run_id, e.seq.in_([int(s) for s in live.mseq])
+        )
+    )
     live = live.merge(hits, on="mseq")
     allocs = capture.read_frame(
-        _events_of_run(by_kind, run_id, k.rid, k.seq, k.num_tokens)
-        .where(k.kind == EventKind.ALLOC.value, k.step.between(int(live.mstep.min()), step),
-               k.pool == PoolName.FULL.value, k.rid.in_(list(live.rid))))
+        _events_of_run(by_kind, run_id, k.rid, k.seq, k.num_tokens).where(
+            k.kind == EventKind.ALLOC.value,
+            k.step.between(int(live.mstep.min()), step),
+            k.pool == PoolName.FULL.value,
+            k.rid.in_(list(live.rid)),
+        )
+    )
     since = allocs.merge(live[["rid", "mseq"]], on="rid")
     grown = since[since.seq > since.mseq].groupby("rid")["num_tokens"].sum()
     live["seq_len"] = live["hit"] + live["rid"].map(grown).fillna(0).astype("int64")
@@ -232,18 +287,29 @@ def allocs_of_requests(capture: Capture, run_id: int, rids: Sequence[str]) -> pd
     return capture.read_frame(
         _events_of_run(by_rid, run_id, r.rid, r.step, func.sum(r.num_tokens).label("tokens"))
         .where(r.rid.in_(list(rids)), r.kind == EventKind.ALLOC.value, r.pool == PoolName.FULL.value)
-        .group_by(r.rid, r.step).order_by(r.rid, r.step))
+        .group_by(r.rid, r.step)
+        .order_by(r.rid, r.step)
+    )
 
 
 # -- evictions over time ---------------------------------------------------------------------
 
+
 def eviction_summary(capture: Capture, run_id: int) -> pd.DataFrame:
     e = schema.events.c
     return capture.read_frame(
-        select(func.coalesce(e.reason, "?").label("reason"), e.pool, func.count().label("num_evictions"),
-               func.sum(e.num_tokens).label("evicted_tokens"), func.min(e.step).label("first_step"),
-               func.max(e.step).label("last_step"))
-        .where(e.run_id == run_id, e.kind == EVICT).group_by(e.reason, e.pool).order_by(desc("num_evictions")))
+        select(
+            func.coalesce(e.reason, "?").label("reason"),
+            e.pool,
+            func.count().label("num_evictions"),
+            func.sum(e.num_tokens).label("evicted_tokens"),
+            func.min(e.step).label("first_step"),
+            func.max(e.step).label("last_step"),
+        )
+        .where(e.run_id == run_id, e.kind == EVICT)
+        .group_by(e.reason, e.pool)
+        .order_by(desc("num_evictions"))
+    )
 
 
 def evictions_over_steps(capture: Capture, run_id: int, max_points: int) -> pd.DataFrame:
@@ -252,17 +318,26 @@ def evictions_over_steps(capture: Capture, run_id: int, max_points: int) -> pd.D
     by_kind = read_through(capture.engine, schema.ix_events_kind)
     k = by_kind.c
     bounds = capture.read_frame(
-        _events_of_run(by_kind, run_id, func.min(k.step).label("lo"), func.max(k.step).label("hi"))
-        .where(k.kind == EVICT)).iloc[0]
+        _events_of_run(by_kind, run_id, func.min(k.step).label("lo"), func.max(k.step).label("hi")).where(
+            k.kind == EVICT
+        )
+    ).iloc[0]
     if pd.isna(bounds.lo):
         return pd.DataFrame(columns=["step", "num_evictions", "evicted_tokens", "t_mono", "steps"])
     lo = int(bounds.lo)
     width = max(1, -(-(int(bounds.hi) - lo + 1) // max_points))
     e = schema.events.c
     out = capture.read_frame(
-        select(func.max(e.step).label("step"), func.count().label("num_evictions"),
-               func.sum(e.num_tokens).label("evicted_tokens"), func.min(e.t_mono).label("t_mono"))
-        .where(e.run_id == run_id, e.kind == EVICT).group_by((e.step - lo) // width).order_by(func.max(e.step)))
+        select(
+            func.max(e.step).label("step"),
+            func.count().label("num_evictions"),
+            func.sum(e.num_tokens).label("evicted_tokens"),
+            func.min(e.t_mono).label("t_mono"),
+        )
+        .where(e.run_id == run_id, e.kind == EVICT)
+        .group_by((e.step - lo) // width)
+        .order_by(func.max(e.step))
+    )
     out["steps"] = width
     return out
 
@@ -270,19 +345,23 @@ def evictions_over_steps(capture: Capture, run_id: int, max_points: int) -> pd.D
 def recent_evictions(capture: Capture, run_id: int, since_step: int) -> pd.DataFrame:
     e = schema.events.c
     return capture.read_frame(
-        select(func.count().label("num_evictions"), func.coalesce(func.sum(e.num_tokens), 0).label("evicted_tokens"))
-        .where(e.run_id == run_id, e.kind == EVICT, e.step >= since_step))
+        select(
+            func.count().label("num_evictions"), func.coalesce(func.sum(e.num_tokens), 0).label("evicted_tokens")
+        ).where(e.run_id == run_id, e.kind == EVICT, e.step >= since_step)
+    )
 
 
 # -- usage -----------------------------------------------------------------------------------
+
 
 def usage_at(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
     """The usage row of the last sampled step at or before `step`, exact (not downsampled);
     empty when there is none."""
     u = schema.usage.c
     columns = schema.columns_as_of(schema.usage, capture.schema_version)
-    return capture.read_frame(select(*columns).where(u.run_id == run_id, u.step <= step)
-                              .order_by(desc(u.step)).limit(1))
+    return capture.read_frame(
+        select(*columns).where(u.run_id == run_id, u.step <= step).order_by(desc(u.step)).limit(1)
+    )
 
 
 # -- sharing.py (dd8591d) -------------------------------------------------------------------
@@ -298,16 +377,21 @@ def run_principals(capture: Capture, run_id: int) -> list[str]:
     of_requests = select(r.principal).where(r.run_id == run_id, r.principal.is_not(None)).distinct()
     if capture.schema_version < schema.since_version(e.principal):
         return sorted(str(p) for p in capture.read_frame(of_requests).iloc[:, 0])
-    of_matches = select(e.principal).where(e.run_id == run_id, e.kind == EventKind.MATCH.value,
-                                           e.principal.is_not(None))
+    of_matches = select(e.principal).where(
+        e.run_id == run_id, e.kind == EventKind.MATCH.value, e.principal.is_not(None)
+    )
     return sorted(str(p) for p in capture.read_frame(union(of_requests, of_matches)).iloc[:, 0])
 
 
 def visibility_changes(capture: Capture, run_id: int) -> pd.DataFrame:
     """Promotions and demotions per step: step, kind, num_events, num_tokens."""
     e = schema.events.c
-    stmt = (select(e.step, e.kind, func.count().label("num_events"), func.sum(e.num_tokens).label("num_tokens"))
-            .where(e.run_id == run_id, e.kind.in_(VISIBILITY_KINDS)).group_by(e.step, e.kind).order_by(e.step))
+    stmt = (
+        select(e.step, e.kind, func.count().label("num_events"), func.sum(e.num_tokens).label("num_tokens"))
+        .where(e.run_id == run_id, e.kind.in_(VISIBILITY_KINDS))
+        .group_by(e.step, e.kind)
+        .order_by(e.step)
+    )
     return capture.read_frame(stmt)
 
 
@@ -317,18 +401,23 @@ def reuse_by_principal(capture: Capture, run_id: int) -> pd.DataFrame:
     if capture.schema_version < 3:
         return pd.DataFrame(columns=list(REUSE_COLUMNS))
     e = schema.events.c
-    stmt = (select(e.principal, e.kind, func.sum(e.num_tokens).label("num_tokens"))
-            .where(e.run_id == run_id, e.kind.in_(REUSE_KINDS)).group_by(e.principal, e.kind))
+    stmt = (
+        select(e.principal, e.kind, func.sum(e.num_tokens).label("num_tokens"))
+        .where(e.run_id == run_id, e.kind.in_(REUSE_KINDS))
+        .group_by(e.principal, e.kind)
+    )
     sums = capture.read_frame(stmt)
     if sums.empty:
         return pd.DataFrame(columns=list(REUSE_COLUMNS))
-    table = sums.pivot_table(index="principal", columns="kind", values="num_tokens", aggfunc="sum",
-                             fill_value=0, dropna=False)
+    table = sums.pivot_table(
+        index="principal", columns="kind", values="num_tokens", aggfunc="sum", fill_value=0, dropna=False
+    )
     table = table.reindex(columns=list(REUSE_KINDS), fill_value=0).astype(int).rename_axis(columns=None).reset_index()
     return table.rename(columns={"match": "matched_tokens", "cross_hit": "cross_tokens"})[list(REUSE_COLUMNS)]
 
 
 # -- the reverse of upgrade ------------------------------------------------------------------
+
 
 def unpack_to_rows(path: str | Path) -> int:
     """Write every packed event of the file back as one `events` row (same seq, step, time and
@@ -336,8 +425,11 @@ def unpack_to_rows(path: str | Path) -> int:
     the file then reads as runs written before schema version 6. Returns the events written."""
     capture = Capture(path)
     try:
-        frames = {int(run_id): capture.events(int(run_id), limit=None) for run_id in capture.runs().id
-                  if not capture.packed.chunks(int(run_id)).empty}
+        frames = {
+            int(run_id): capture.events(int(run_id), limit=None)
+            for run_id in capture.runs().id
+            if not capture.packed.chunks(int(run_id)).empty
+        }
     finally:
         capture.close()
     names = ["run_id", *schema.EVENT_COLUMNS[1:]]

@@ -15,8 +15,10 @@ def main(paths: list[str]) -> None:
         try:
             capture = Capture(path)
             runs = capture.runs()
-            out = {"statuses": list(runs.status),
-                   "events": [len(capture.events(int(run_id), limit=10_000_000)) for run_id in runs.id]}
+            out = {
+                "statuses": list(runs.status),
+                "events": [len(capture.events(int(run_id), limit=10_000_000)) for run_id in runs.id],
+            }
             capture.close()
         except CaptureError as err:
             out = {"error": str(err)}

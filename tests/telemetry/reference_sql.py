@@ -22,6 +22,7 @@ def frame(engine: Engine, sql: str, **params: Any) -> pd.DataFrame:
         result = conn.execute(text(sql), params)
         return pd.DataFrame([tuple(row) for row in result.fetchall()], columns=list(result.keys()))
 
+
 EVICTION_LOG = """
 WITH ev AS (
     SELECT seq, step, t_mono, pool, node_id, num_tokens, reason FROM events
@@ -74,7 +75,6 @@ SELECT live.rid,
         AND a.kind = 'alloc' AND a.pool = 'full' AND +a.seq > live.mseq AND a.step <= :step), 0) AS seq_len
 FROM live
 """
-
 
 
 def eviction_log(engine: Engine, run_id: int, limit: int, offset: int) -> pd.DataFrame:

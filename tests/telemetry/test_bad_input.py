@@ -73,8 +73,9 @@ def test_bad_capture_gives_one_clear_line_and_changes_nothing(tmp_path: Path, ca
     with pytest.raises(CaptureError, match=re.escape(message)) as err:
         Capture(path)
     assert str(path) in str(err.value) and "\n" not in str(err.value)
-    out = subprocess.run([sys.executable, "-m", "kvscope", "runs", str(path)], capture_output=True, text=True,
-                         check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvscope", "runs", str(path)], capture_output=True, text=True, check=False
+    )
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and message.split("(")[0].strip() in out.stderr
     assert "Traceback" not in out.stderr

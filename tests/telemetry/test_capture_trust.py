@@ -64,15 +64,22 @@ WRITE_REFUSED = ("database or disk is full", "disk I/O error")
 
 
 def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, check=False,
-                          cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 # -- 1. a write that fails ------------------------------------------------------------------
 
 
 def test_a_full_disk_stops_recording_with_one_line_and_keeps_what_was_committed(
-        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     path = finished_capture(tmp_path / "full.db")
     recorder = SQLRecorder(path, label="full", flush_interval_s=60)
     limit_writes(recorder, path, extra_bytes=160_000)
@@ -154,8 +161,14 @@ def test_a_second_ctrl_c_while_closing_still_closes_the_capture(tmp_path: Path) 
 
 
 def start_child(path: Path, *flags: str) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.telemetry.create_proc", str(path), *flags], cwd=ROOT,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.telemetry.create_proc", str(path), *flags],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
     return proc
 
@@ -168,7 +181,8 @@ def go(proc: subprocess.Popen[str]) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_a_writer_killed_while_creating_leaves_an_absent_empty_or_complete_capture(
-        tmp_path: Path, sig: signal.Signals) -> None:
+    tmp_path: Path, sig: signal.Signals
+) -> None:
     rng = random.Random(13)
     outcomes = []
     for attempt in range(16):
@@ -247,9 +261,14 @@ def test_a_run_closed_while_another_process_reads_it_leaves_the_file_whole(tmp_p
     with SQLRecorder(path, label="read-while-closing", flush_interval_s=60) as recorder:
         record_step(recorder, 0)
         recorder.flush()
-        reader = subprocess.Popen([sys.executable, "-c", HOLDING_READER, str(path)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        reader = subprocess.Popen(
+            [sys.executable, "-c", HOLDING_READER, str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         assert reader.stdout is not None and reader.stdout.readline() == "['running']\n"
         for step in range(1, 3):
             record_step(recorder, step)
@@ -267,15 +286,18 @@ def test_a_run_closed_while_another_process_reads_it_leaves_the_file_whole(tmp_p
     assert out == f"['finished'] {3 * EVENTS_PER_STEP}\n"
 
 
-@pytest.mark.parametrize(("dir_writable", "wal_mode", "wal_bytes", "has_shm", "mode"), [
-    (True, True, 4096, True, "ro"),  # SQLite creates what it needs
-    (True, False, 0, False, "ro"),
-    (False, False, 0, False, "ro"),  # rollback mode needs nothing beside the file
-    (False, True, 0, False, "immutable"),  # a WAL-mode file whose log is gone or empty
-    (False, True, 0, True, "immutable"),
-    (False, True, 4096, True, "ro"),  # SQLite reads an existing log read-only
-    (False, True, 4096, False, "wal-unreadable"),
-])
+@pytest.mark.parametrize(
+    ("dir_writable", "wal_mode", "wal_bytes", "has_shm", "mode"),
+    [
+        (True, True, 4096, True, "ro"),  # SQLite creates what it needs
+        (True, False, 0, False, "ro"),
+        (False, False, 0, False, "ro"),  # rollback mode needs nothing beside the file
+        (False, True, 0, False, "immutable"),  # a WAL-mode file whose log is gone or empty
+        (False, True, 0, True, "immutable"),
+        (False, True, 4096, True, "ro"),  # SQLite reads an existing log read-only
+        (False, True, 4096, False, "wal-unreadable"),
+    ],
+)
 def test_read_mode_decision(dir_writable: bool, wal_mode: bool, wal_bytes: int, has_shm: bool, mode: str) -> None:
     assert read_mode(dir_writable, wal_mode, wal_bytes, has_shm) == mode
 
@@ -290,10 +312,18 @@ def read_only_view(directory: Path, argv: list[str]) -> subprocess.CompletedProc
         probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, check=False)
         if probe.returncode != 0:
             pytest.skip("root without mount namespaces: no way to make a directory read-only here")
-        script = ('mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && touch "$0/probe" 2>/dev/null '
-                  '&& echo "still writable" && exit 97; exec "$@"')
-        return subprocess.run(["unshare", "--mount", "sh", "-c", script, str(directory), *argv], capture_output=True,
-                              text=True, check=False, cwd=ROOT, env=env)
+        script = (
+            'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && touch "$0/probe" 2>/dev/null '
+            '&& echo "still writable" && exit 97; exec "$@"'
+        )
+        return subprocess.run(
+            ["unshare", "--mount", "sh", "-c", script, str(directory), *argv],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=ROOT,
+            env=env,
+        )
     directory.chmod(0o555)
     try:
         return subprocess.run(argv, capture_output=True, text=True, check=False, cwd=ROOT, env=env)
@@ -325,8 +355,9 @@ def test_a_capture_on_read_only_media_opens_and_gains_no_files(tmp_path: Path) -
     (media / "killed-src.db").unlink()
     before = sorted(p.name for p in media.iterdir())
     assert "killed.db-wal" in before and "old-style.db-wal" not in before
-    out = read_only_view(media, [sys.executable, "-m", "tests.telemetry.read_proc",
-                                 str(closed), str(old_style), str(killed)])
+    out = read_only_view(
+        media, [sys.executable, "-m", "tests.telemetry.read_proc", str(closed), str(old_style), str(killed)]
+    )
     assert out.returncode == 0, out.stderr
     results = [json.loads(line) for line in out.stdout.splitlines()]
     assert results == [{"statuses": ["finished"], "events": [3 * EVENTS_PER_STEP]}] * 3
@@ -362,8 +393,9 @@ def test_a_sqlite_url_names_its_file_for_writers_and_readers(tmp_path: Path, mon
     assert not (tmp_path / "missing.db").exists()
 
 
-@pytest.mark.parametrize("url", ["mysql://kvscope@127.0.0.1:1/captures", "postgresql://u:secret@127.0.0.1:1/c",
-                                 "bogus://host/db"])
+@pytest.mark.parametrize(
+    "url", ["mysql://kvscope@127.0.0.1:1/captures", "postgresql://u:secret@127.0.0.1:1/c", "bogus://host/db"]
+)
 def test_a_server_url_is_never_a_local_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str) -> None:
     monkeypatch.chdir(tmp_path)
     for open_it in (SQLRecorder, Capture):
@@ -374,10 +406,13 @@ def test_a_server_url_is_never_a_local_file(tmp_path: Path, monkeypatch: pytest.
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize(("target", "message"), [("/dev/null", "/dev/null: not a regular file"),
-                                               ("a-directory", "a-directory: is a directory")])
-def test_a_device_or_directory_is_refused_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      target: str, message: str) -> None:
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [("/dev/null", "/dev/null: not a regular file"), ("a-directory", "a-directory: is a directory")],
+)
+def test_a_device_or_directory_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str, message: str
+) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a-directory").mkdir()
     for open_it in (SQLRecorder, Capture):
@@ -465,8 +500,9 @@ def test_writers_opening_one_new_file_at_the_same_instant_all_open(tmp_path: Pat
         path = tmp_path / f"instant-{attempt}.db"
         path.touch()  # an empty file, as a creation that was stopped leaves it: every writer reuses it
         barrier = context.Barrier(writers)
-        procs = [context.Process(target=open_writer_at_barrier, args=(str(path), barrier, outcomes))
-                 for _ in range(writers)]
+        procs = [
+            context.Process(target=open_writer_at_barrier, args=(str(path), barrier, outcomes)) for _ in range(writers)
+        ]
         for proc in procs:
             proc.start()
         for proc in procs:
@@ -495,8 +531,9 @@ def test_a_hot_journal_left_by_a_killed_writer_still_reads(tmp_path: Path) -> No
     assert list(Capture(hot).runs().label) == ["before", "after"] and side_files(hot) == []
 
 
-def test_a_second_snapshot_at_the_same_step_does_not_stop_recording(tmp_path: Path,
-                                                                     capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_second_snapshot_at_the_same_step_does_not_stop_recording(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """The engine snapshots the tree at the end of a run, which can be a step that already has
     one: that must not read as a failed write (the run would end 'incomplete')."""
     path = tmp_path / "snap.db"
@@ -550,8 +587,9 @@ def test_a_run_whose_log_is_too_full_for_its_end_folds_the_log_and_ends(tmp_path
     committed frame), close folds the log into the file and writes the end there: the run is
     marked as it ended, not left 'running'."""
     path = tmp_path / "tight.db"
-    done = subprocess.run([sys.executable, "-c", END_WITHOUT_ROOM, str(path)], cwd=ROOT, capture_output=True,
-                          text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", END_WITHOUT_ROOM, str(path)], cwd=ROOT, capture_output=True, text=True, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert "recording stopped" not in done.stderr and "Traceback" not in done.stderr, done.stderr
     capture = Capture(path)

@@ -32,8 +32,9 @@ READ_DAMAGE = {
 
 
 def kvscope(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, cwd=ROOT,
-                          check=False, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, cwd=ROOT, check=False, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +63,12 @@ def test_the_packed_copy_reads_clean(packed: Path) -> None:
 @pytest.mark.parametrize("case", sorted(DAMAGE))
 def test_a_damaged_packed_capture_is_one_line_and_exit_2(packed: Path, tmp_path: Path, case: str) -> None:
     path = damaged_copy(packed, tmp_path, case)
-    for verb in (["check", str(path)], ["report", "leaks", str(path)], ["diff", str(packed), str(path)],
-                 ["runs", str(path)]):
+    for verb in (
+        ["check", str(path)],
+        ["report", "leaks", str(path)],
+        ["diff", str(packed), str(path)],
+        ["runs", str(path)],
+    ):
         assert_one_damage_line(kvscope(*verb), path)
 
 

@@ -29,10 +29,22 @@ ROOT = Path(__file__).resolve().parents[2]
 def tight_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A paged radix run on a pool small enough to evict and retract often."""
     path = tmp_path_factory.mktemp("derived") / "tight.db"
-    engine = EngineConfig(pool=PoolConfig(kv_size_tokens=700, page_size=4, max_running_requests=16),
-                          cache=CacheConfig(kind="radix"), scheduler=SchedulerConfig(chunked_prefill_size=32))
-    run(RunSpec(engine=engine, model=model_config("tiny"), workload="multi-turn", num_requests=60, seed=3,
-                capture=path, store_report=False))
+    engine = EngineConfig(
+        pool=PoolConfig(kv_size_tokens=700, page_size=4, max_running_requests=16),
+        cache=CacheConfig(kind="radix"),
+        scheduler=SchedulerConfig(chunked_prefill_size=32),
+    )
+    run(
+        RunSpec(
+            engine=engine,
+            model=model_config("tiny"),
+            workload="multi-turn",
+            num_requests=60,
+            seed=3,
+            capture=path,
+            store_report=False,
+        )
+    )
     oracle_reads.unpack_to_rows(path)  # NOTE: the references are SQL over `events` rows
     return path
 
@@ -41,8 +53,11 @@ def tight_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def retracting_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Long outputs in a small pool: decode runs out of memory, retracts, and re-matches."""
     path = tmp_path_factory.mktemp("derived") / "retracting.db"
-    config = EngineConfig(pool=PoolConfig(kv_size_tokens=256, max_running_requests=8, max_context_len=160),
-                          cache=CacheConfig(kind="radix"), scheduler=SchedulerConfig(chunked_prefill_size=16))
+    config = EngineConfig(
+        pool=PoolConfig(kv_size_tokens=256, max_running_requests=8, max_context_len=160),
+        cache=CacheConfig(kind="radix"),
+        scheduler=SchedulerConfig(chunked_prefill_size=16),
+    )
     with SQLRecorder(path, level="full") as rec:
         stats = Engine(config, MODEL_PRESETS["tiny"], rec).run(make_requests(7, out_range=(24, 48)))
     assert stats.num_retractions > 0
@@ -65,8 +80,11 @@ def split_born(path: Path) -> set[int]:
 
 @pytest.mark.parametrize("source", ["tight", "retracting", "shared-prefix", "hybrid-swa", "leaky"])
 def test_eviction_log_equals_the_reference(source: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    path = request.getfixturevalue(f"{source}_capture") if source in ("tight", "retracting") \
+    path = (
+        request.getfixturevalue(f"{source}_capture")
+        if source in ("tight", "retracting")
         else sample_as_rows(source, tmp_path)
+    )
     capture = Capture(path)
     try:
         total = int(derived.eviction_summary(capture, 1)["num_evictions"].sum())
@@ -77,8 +95,9 @@ def test_eviction_log_equals_the_reference(source: str, request: pytest.FixtureR
             slow = reference_sql.eviction_log(capture.engine, 1, 50, offset)
             assert len(fast) == len(slow) == min(50, total - offset)
             same_parent = ~fast["node_id"].isin(split_born(path)).to_numpy()
-            pd.testing.assert_frame_equal(fast[same_parent].reset_index(drop=True),
-                                          slow[same_parent].reset_index(drop=True), check_dtype=False)
+            pd.testing.assert_frame_equal(
+                fast[same_parent].reset_index(drop=True), slow[same_parent].reset_index(drop=True), check_dtype=False
+            )
             cols = ["seq", "step", "node_id", "evicted_tokens", "age_steps", "idle_steps"]
             pd.testing.assert_frame_equal(fast[cols], slow[cols], check_dtype=False)
     finally:

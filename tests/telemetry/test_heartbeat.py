@@ -54,8 +54,9 @@ def test_an_idle_run_reads_as_running_past_the_threshold(tmp_path: Path, monkeyp
 def test_a_killed_idle_recorder_stops_beating(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(queries, "STALE_HEARTBEAT_S", STALE_S)
     path = tmp_path / "killed.db"
-    proc = subprocess.Popen([sys.executable, "-c", IDLE_RECORDER, str(path)], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", IDLE_RECORDER, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         time.sleep(2 * STALE_S)

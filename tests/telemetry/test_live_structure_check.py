@@ -24,8 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("live") / "shared-prefix-v6.db"
     shutil.copy(ROOT / "sample_runs" / "shared-prefix.db", path)
-    upgrade = subprocess.run([sys.executable, "-m", "kvscope", "upgrade", str(path)], capture_output=True,
-                             text=True, cwd=ROOT, check=False, timeout=120)
+    upgrade = subprocess.run(
+        [sys.executable, "-m", "kvscope", "upgrade", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        timeout=120,
+    )
     assert upgrade.returncode == 0, upgrade.stderr
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA journal_mode = WAL").fetchone()[0] == "wal"  # as a live writer keeps it
@@ -39,16 +45,25 @@ def commit_another_chunk(path: Path) -> None:
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("BEGIN IMMEDIATE")
     run_id, chunk, first_seq, num_events = conn.execute(
-        "SELECT run_id, chunk, first_seq, num_events FROM event_chunks ORDER BY first_seq DESC LIMIT 1").fetchone()
+        "SELECT run_id, chunk, first_seq, num_events FROM event_chunks ORDER BY first_seq DESC LIMIT 1"
+    ).fetchone()
     names = [r[1] for r in conn.execute("PRAGMA table_info(event_chunks)")]
-    row = dict(zip(names, conn.execute("SELECT * FROM event_chunks WHERE run_id = ? AND chunk = ?",
-                                       (run_id, chunk)).fetchone(), strict=True))
+    row = dict(
+        zip(
+            names,
+            conn.execute("SELECT * FROM event_chunks WHERE run_id = ? AND chunk = ?", (run_id, chunk)).fetchone(),
+            strict=True,
+        )
+    )
     row.update(chunk=chunk + 1, first_seq=first_seq + num_events)
-    conn.execute(f"INSERT INTO event_chunks ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
-                 list(row.values()))
-    conn.execute("INSERT INTO event_columns (run_id, chunk, name, dtype, data) "
-                 "SELECT run_id, chunk + 1, name, dtype, data FROM event_columns WHERE run_id = ? AND chunk = ?",
-                 (run_id, chunk))
+    conn.execute(
+        f"INSERT INTO event_chunks ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", list(row.values())
+    )
+    conn.execute(
+        "INSERT INTO event_columns (run_id, chunk, name, dtype, data) "
+        "SELECT run_id, chunk + 1, name, dtype, data FROM event_columns WHERE run_id = ? AND chunk = ?",
+        (run_id, chunk),
+    )
     conn.execute("COMMIT")
     conn.close()
 

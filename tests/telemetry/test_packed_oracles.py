@@ -93,25 +93,45 @@ def record_random_events(path: Path, seed: int, num_steps: int = 120) -> None:
                     rids.append(f"r{len(rids):03d}")
                     rec.record(EventKind.REQUEST_ARRIVE, rid=rids[-1])
                 elif kind in (EventKind.INSERT, EventKind.SPLIT):
-                    rec.record(kind, pool=PoolName.FULL, node_id=next_node, aux=node, num_tokens=tokens,
-                               principal=who)
+                    rec.record(kind, pool=PoolName.FULL, node_id=next_node, aux=node, num_tokens=tokens, principal=who)
                     nodes.append(next_node)
                     next_node += 1
                 elif kind is EventKind.MATCH:
-                    rec.record(kind, rid=rid, node_id=rng.choice((node, node, None)), num_tokens=tokens,
-                               aux=rng.choice((0, rng.randint(1, 30))), principal=who)
+                    rec.record(
+                        kind,
+                        rid=rid,
+                        node_id=rng.choice((node, node, None)),
+                        num_tokens=tokens,
+                        aux=rng.choice((0, rng.randint(1, 30))),
+                        principal=who,
+                    )
                 elif kind is EventKind.ALLOC and rng.random() < 0.3:
                     chosen = rng.sample(rids, min(len(rids), 3))
                     counts = [rng.randint(1, 4) for _ in chosen]
-                    rec.record_batch(kind, pool=PoolName.FULL, rids=chosen, num_tokens=counts,
-                                     slots=np.arange(sum(counts), dtype=np.int32))
+                    rec.record_batch(
+                        kind,
+                        pool=PoolName.FULL,
+                        rids=chosen,
+                        num_tokens=counts,
+                        slots=np.arange(sum(counts), dtype=np.int32),
+                    )
                 elif kind is EventKind.ALLOC:
-                    rec.record(kind, pool=rng.choice((PoolName.FULL, PoolName.SWA)), rid=rid, num_tokens=tokens,
-                               slots=np.arange(tokens, dtype=np.int32))
+                    rec.record(
+                        kind,
+                        pool=rng.choice((PoolName.FULL, PoolName.SWA)),
+                        rid=rid,
+                        num_tokens=tokens,
+                        slots=np.arange(tokens, dtype=np.int32),
+                    )
                 elif kind is EventKind.EVICT:
-                    rec.record(kind, pool=rng.choice((PoolName.FULL, PoolName.SWA, None)), node_id=node,
-                               num_tokens=tokens, reason=rng.choice((*EvictReason, None)),
-                               slots=np.arange(tokens, dtype=np.int32))
+                    rec.record(
+                        kind,
+                        pool=rng.choice((PoolName.FULL, PoolName.SWA, None)),
+                        node_id=node,
+                        num_tokens=tokens,
+                        reason=rng.choice((*EvictReason, None)),
+                        slots=np.arange(tokens, dtype=np.int32),
+                    )
                 elif kind in (EventKind.LOCK, EventKind.PROMOTE, EventKind.DEMOTE, EventKind.CROSS_HIT):
                     rec.record(kind, rid=rid, node_id=node, num_tokens=tokens, principal=who)
                 else:  # the ends of a request
@@ -120,17 +140,35 @@ def record_random_events(path: Path, seed: int, num_steps: int = 120) -> None:
                 rec.flush()
 
 
-RANDOM_KINDS = (EventKind.REQUEST_ARRIVE, EventKind.INSERT, EventKind.INSERT, EventKind.SPLIT, EventKind.MATCH,
-                EventKind.MATCH, EventKind.MATCH, EventKind.ALLOC, EventKind.ALLOC, EventKind.ALLOC,
-                EventKind.EVICT, EventKind.EVICT, EventKind.LOCK, EventKind.PROMOTE, EventKind.DEMOTE,
-                EventKind.CROSS_HIT, EventKind.REQUEST_FINISH, EventKind.REQUEST_ABORT, EventKind.REQUEST_RETRACT)
+RANDOM_KINDS = (
+    EventKind.REQUEST_ARRIVE,
+    EventKind.INSERT,
+    EventKind.INSERT,
+    EventKind.SPLIT,
+    EventKind.MATCH,
+    EventKind.MATCH,
+    EventKind.MATCH,
+    EventKind.ALLOC,
+    EventKind.ALLOC,
+    EventKind.ALLOC,
+    EventKind.EVICT,
+    EventKind.EVICT,
+    EventKind.LOCK,
+    EventKind.PROMOTE,
+    EventKind.DEMOTE,
+    EventKind.CROSS_HIT,
+    EventKind.REQUEST_FINISH,
+    EventKind.REQUEST_ABORT,
+    EventKind.REQUEST_RETRACT,
+)
 
 
 @pytest.fixture(scope="module", params=[*V5, *SEEDS], ids=[*(p.stem for p in V5), *(f"random-{s}" for s in SEEDS)])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     folder = tmp_path_factory.mktemp("oracles")
-    made = Pair.of_v5(folder, request.param) if isinstance(request.param, Path) \
-        else Pair.of_random(folder, request.param)
+    made = (
+        Pair.of_v5(folder, request.param) if isinstance(request.param, Path) else Pair.of_random(folder, request.param)
+    )
     yield made
     made.close()
 
@@ -159,9 +197,10 @@ def test_the_two_copies_hold_the_same_events_in_the_two_layouts(pair: Pair) -> N
     counts = {}
     for layout, path in pair.paths.items():
         with sqlite3.connect(path) as conn:
-            counts[layout] = (conn.execute("SELECT count(*) FROM events").fetchone()[0],
-                              conn.execute("SELECT count(*) FROM event_chunks").fetchone()[0]
-                              if layout == "packed" else 0)
+            counts[layout] = (
+                conn.execute("SELECT count(*) FROM events").fetchone()[0],
+                conn.execute("SELECT count(*) FROM event_chunks").fetchone()[0] if layout == "packed" else 0,
+            )
         conn.close()
     assert counts["rows"][0] > 500 and counts["rows"][1] == 0
     assert counts["packed"] == (0, counts["packed"][1]) and counts["packed"][1] >= 1
@@ -240,7 +279,8 @@ def test_unpacking_a_packed_copy_gives_back_the_rows(v5_pair: Pair, tmp_path: Pa
     try:
         assert capture.packed.chunks(1).empty
         pd.testing.assert_frame_equal(capture.events(1, limit=None), pair.oracle.events(1, limit=None))
-        pd.testing.assert_frame_equal(oracle_reads.eviction_log(capture, 1, 100, 0),
-                                      oracle_reads.eviction_log(pair.oracle, 1, 100, 0))
+        pd.testing.assert_frame_equal(
+            oracle_reads.eviction_log(capture, 1, 100, 0), oracle_reads.eviction_log(pair.oracle, 1, 100, 0)
+        )
     finally:
         capture.close()

@@ -51,10 +51,18 @@ def snapshot_rows(path: Path) -> list[tuple]:
         conn.close()
 
 
-@pytest.mark.parametrize(("principal", "tenant"), [
-    ("acme/alice", "acme"), ("acme/al-ice", "acme"), ("t1-u2", "t1"), ("t1-u2-x", "t1"), ("alice", "alice"),
-    ("/alice", ""), (None, None),
-])
+@pytest.mark.parametrize(
+    ("principal", "tenant"),
+    [
+        ("acme/alice", "acme"),
+        ("acme/al-ice", "acme"),
+        ("t1-u2", "t1"),
+        ("t1-u2-x", "t1"),
+        ("alice", "alice"),
+        ("/alice", ""),
+        (None, None),
+    ],
+)
 def test_tenant_of_cuts_at_the_first_slash_else_the_first_dash(principal: str | None, tenant: str | None) -> None:
     assert tenant_of(principal) == tenant
 
@@ -85,8 +93,13 @@ def test_a_version_2_capture_reads_as_public_and_upgrades_keeping_every_row(tmp_
     before_rows = snapshot_rows(path)
     capture.close()
     with SQLRecorder(path, level="summary") as recorder:  # a writer brings the file up to the current version
-        recorder.tree_snapshot(1, [NodeRow(0, None, 0, "", 1, 0.0, 0, None, False, 0),
-                                   NodeRow(1, 0, 4, "", 0, 0.0, 1, "t1-a", False, 4, "private")])
+        recorder.tree_snapshot(
+            1,
+            [
+                NodeRow(0, None, 0, "", 1, 0.0, 0, None, False, 0),
+                NodeRow(1, 0, 4, "", 0, 0.0, 1, "t1-a", False, 4, "private"),
+            ],
+        )
     assert stored_version(path) == str(schema.SCHEMA_VERSION)
     after = snapshot_rows(path)
     added = len(after[0]) - len(before_rows[0])  # the snapshot columns of versions 3 and up
@@ -106,14 +119,34 @@ def test_promote_and_demote_replay_onto_the_tree(tmp_path: Path) -> None:
     global-sharing tree), is public."""
     path = tmp_path / "vis.db"
     with SQLRecorder(path, level="full") as recorder:
-        recorder.tree_snapshot(0, [NodeRow(0, None, 0, "", 1, 0.0, 0, None, False, 0),
-                                   NodeRow(1, 0, 4, "", 0, 0.0, 1, "alice", False, 4, "private"),
-                                   NodeRow(2, 1, 2, "", 0, 0.0, 1, "alice", False, 6, "private")])
+        recorder.tree_snapshot(
+            0,
+            [
+                NodeRow(0, None, 0, "", 1, 0.0, 0, None, False, 0),
+                NodeRow(1, 0, 4, "", 0, 0.0, 1, "alice", False, 4, "private"),
+                NodeRow(2, 1, 2, "", 0, 0.0, 1, "alice", False, 6, "private"),
+            ],
+        )
         recorder.step = 1
-        recorder.record(EventKind.INSERT, pool=PoolName.FULL, node_id=3, num_tokens=3, slots=np.arange(3), aux=0,
-                        principal="bob", reason=Visibility.PRIVATE)
-        recorder.record(EventKind.INSERT, pool=PoolName.FULL, node_id=4, num_tokens=1, slots=np.arange(3, 4), aux=0,
-                        principal="carol")
+        recorder.record(
+            EventKind.INSERT,
+            pool=PoolName.FULL,
+            node_id=3,
+            num_tokens=3,
+            slots=np.arange(3),
+            aux=0,
+            principal="bob",
+            reason=Visibility.PRIVATE,
+        )
+        recorder.record(
+            EventKind.INSERT,
+            pool=PoolName.FULL,
+            node_id=4,
+            num_tokens=1,
+            slots=np.arange(3, 4),
+            aux=0,
+            principal="carol",
+        )
         recorder.step = 2
         recorder.record(EventKind.PROMOTE, node_id=1, num_tokens=4, aux=2, principal="alice")
         recorder.record(EventKind.PROMOTE, node_id=3, num_tokens=3, aux=2, principal="bob")
@@ -134,9 +167,27 @@ def test_promote_and_demote_replay_onto_the_tree(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def multi_tenant(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("mt") / "mt.db"
-    done = subprocess.run([sys.executable, "-m", "kvscope", "run", "--workload", "multi-tenant", "--num-requests",
-                           "24", "--cache", "radix", "--capture", str(path), "--no-report"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvscope",
+            "run",
+            "--workload",
+            "multi-tenant",
+            "--num-requests",
+            "24",
+            "--cache",
+            "radix",
+            "--capture",
+            str(path),
+            "--no-report",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return path
 

@@ -28,9 +28,17 @@ def test_every_event_kind_round_trips_with_its_fields(tmp_path: Path) -> None:
     with SQLRecorder(path, level="full", label="kinds", config={"cache": "radix"}) as recorder:
         for i, kind in enumerate(EventKind):
             recorder.step = i
-            recorder.record(kind, pool=PoolName.SWA if i % 2 else PoolName.FULL, rid=f"r{i}", node_id=i * 10,
-                            num_tokens=i + 1, slots=np.array([i, i + 1, 70000]), reason=EvictReason.TOMBSTONE,
-                            aux=-i, principal=f"u{i}" if i % 3 else None)
+            recorder.record(
+                kind,
+                pool=PoolName.SWA if i % 2 else PoolName.FULL,
+                rid=f"r{i}",
+                node_id=i * 10,
+                num_tokens=i + 1,
+                slots=np.array([i, i + 1, 70000]),
+                reason=EvictReason.TOMBSTONE,
+                aux=-i,
+                principal=f"u{i}" if i % 3 else None,
+            )
     capture = Capture(path)
     frame = capture.events(1)
     assert list(frame.kind) == [k.value for k in EventKind]
@@ -103,8 +111,12 @@ def test_readers_cannot_write(tmp_path: Path) -> None:
 def kill_writer_after(path: Path, num_events: int) -> int:
     """Run tests.telemetry.writer_proc into `path`, SIGKILL it once it reports at least
     `num_events` flushed; returns the count it last reported."""
-    proc = subprocess.Popen([sys.executable, "-m", "tests.telemetry.writer_proc", str(path), "100000"],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.telemetry.writer_proc", str(path), "100000"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     flushed = 0
     for line in proc.stdout:
@@ -129,8 +141,12 @@ def test_sigkill_leaves_everything_up_to_the_last_flush(tmp_path: Path) -> None:
 
 def test_reader_reads_while_a_writer_process_writes_and_sigterm_finishes(tmp_path: Path) -> None:
     path = tmp_path / "w.db"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.telemetry.writer_proc", str(path), "100000"],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.telemetry.writer_proc", str(path), "100000"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     proc.stdout.readline()
     capture = Capture(path)
@@ -206,20 +222,36 @@ def recorded_events(recorder: SQLRecorder) -> list[tuple]:
         recorder.step = step
         # NOTE: a string first seen in a later chunk (rid, principal) must still read back
         rid, who = f"req-{step // 3}", None if step % 2 else f"user-{step}"
-        recorder.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=step, num_tokens=step + 1,
-                        slots=torch.arange(step, step + 3, dtype=torch.int64), aux=-step, principal=who)
+        recorder.record(
+            EventKind.INSERT,
+            pool=PoolName.FULL,
+            rid=rid,
+            node_id=step,
+            num_tokens=step + 1,
+            slots=torch.arange(step, step + 3, dtype=torch.int64),
+            aux=-step,
+            principal=who,
+        )
         expected.append((step, "insert", "full", rid, step, step + 1, -step, None, who, [step, step + 1, step + 2]))
         recorder.record(EventKind.LOCK, node_id=None if step % 3 else 7)
         expected.append((step, "lock", None, None, None if step % 3 else 7, 0, 0, None, None, None))
-        recorder.record(EventKind.EVICT, pool=PoolName.SWA, rid=None, num_tokens=2, slots=[],
-                        reason=EvictReason.TOMBSTONE)
+        recorder.record(
+            EventKind.EVICT, pool=PoolName.SWA, rid=None, num_tokens=2, slots=[], reason=EvictReason.TOMBSTONE
+        )
         expected.append((step, "evict", "swa", None, None, 2, 0, "tombstone", None, []))
         rids, counts = (f"b{step}-0", None, f"b{step}-2"), (2, 0, 3)
-        recorder.record_batch(EventKind.ALLOC, pool=PoolName.FULL, rids=rids, num_tokens=counts,
-                              slots=np.arange(100 * step, 100 * step + 5, dtype=np.int32))
+        recorder.record_batch(
+            EventKind.ALLOC,
+            pool=PoolName.FULL,
+            rids=rids,
+            num_tokens=counts,
+            slots=np.arange(100 * step, 100 * step + 5, dtype=np.int32),
+        )
         starts = (0, 2, 2)
-        expected += [(step, "alloc", "full", r, None, c, 0, None, None, list(range(100 * step + s, 100 * step + s + c)))
-                     for r, c, s in zip(rids, counts, starts, strict=True)]
+        expected += [
+            (step, "alloc", "full", r, None, c, 0, None, None, list(range(100 * step + s, 100 * step + s + c)))
+            for r, c, s in zip(rids, counts, starts, strict=True)
+        ]
         recorder.record_batch(EventKind.FREE, pool=PoolName.FULL, rids=(), num_tokens=(), slots=np.zeros(0, np.int64))
         recorder.flush()
     return expected
@@ -236,10 +268,23 @@ def test_record_and_record_batch_round_trip_exactly_through_many_chunks(tmp_path
     got = []
     for row in frame.itertuples():
         node = None if row.node_id is None or pd.isna(row.node_id) else int(row.node_id)
-        rid, pool, reason, principal = (None if pd.isna(v) else v for v in (row.rid, row.pool, row.reason,
-                                                                              row.principal))
-        got.append((row.step, row.kind, pool, rid, node, row.num_tokens, row.aux, reason, principal,
-                    None if row.slots is None else decode_slots(row.slots)))
+        rid, pool, reason, principal = (
+            None if pd.isna(v) else v for v in (row.rid, row.pool, row.reason, row.principal)
+        )
+        got.append(
+            (
+                row.step,
+                row.kind,
+                pool,
+                rid,
+                node,
+                row.num_tokens,
+                row.aux,
+                reason,
+                principal,
+                None if row.slots is None else decode_slots(row.slots),
+            )
+        )
     assert got == expected
     assert capture.last_event_seq(1) == len(expected) - 1
     counts = dict(capture.event_counts(1).itertuples(index=False))
@@ -298,8 +343,9 @@ def test_the_writer_process_ends_with_the_capture_and_ignores_ctrl_c(tmp_path: P
     assert list(Capture(path).events(1).rid) == ["r1"]
 
 
-def test_a_writer_process_that_dies_stops_recording_with_one_line(tmp_path: Path,
-                                                                   capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_writer_process_that_dies_stops_recording_with_one_line(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "dead.db"
     recorder = SQLRecorder(path, flush_interval_s=60)
     for step in range(3):
@@ -327,11 +373,19 @@ def test_a_run_its_process_never_closed_is_crashed_not_finished(tmp_path: Path) 
     """The exit-time close is for a process an error ended before its owner closed the run (kvscope attach
     dying of a RecursionError was left 'finished'): it marks the run 'crashed'."""
     path = tmp_path / "left.db"
-    code = ("import sys; from kvscope.telemetry import EventKind; from kvscope.telemetry.recorder import SQLRecorder; "
-            f"recorder = SQLRecorder({str(path)!r}, level='full'); "
-            "recorder.record(EventKind.MATCH, rid='r1', num_tokens=3); sys.exit(0)")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        "import sys; from kvscope.telemetry import EventKind; from kvscope.telemetry.recorder import SQLRecorder; "
+        f"recorder = SQLRecorder({str(path)!r}, level='full'); "
+        "recorder.record(EventKind.MATCH, rid='r1', num_tokens=3); sys.exit(0)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, done.stderr
     capture = Capture(path)
     try:

@@ -50,8 +50,9 @@ def test_what_it_records_reads_back(tmp_path: Path) -> None:
         events = capture.events(int(run.id), limit=100)
         assert list(events.kind) == ["alloc", "free"] and list(events.rid) == ["r1", "r1"]
         checks = capture.leak_checks(int(run.id))
-        assert list(checks.message) == ["[leaked] total=11, available=10, evictable=0, protected=0, held=1, "
-                                        "uncached=0: 1 block leaked: block 4"]
+        assert list(checks.message) == [
+            "[leaked] total=11, available=10, evictable=0, protected=0, held=1, uncached=0: 1 block leaked: block 4"
+        ]
         assert list(capture.requests(int(run.id)).cached_tokens) == [64]
         assert capture.usage(int(run.id)).cum_hit_tokens.tolist() == [64]
     finally:
@@ -102,13 +103,21 @@ def test_a_dead_host_stops_recording_in_one_line(tmp_path: Path, capsys: pytest.
 def test_the_host_outlives_the_recording_processs_tree(tmp_path: Path) -> None:
     """An engine that SIGKILLs its own process tree at shutdown (vLLM does) does not reach the host:
     it closes the run when its channel closes."""
-    code = ("import os, signal, sys\n"
-            "from kvscope.telemetry.remote import RemoteRecorder\n"
-            f"rec = RemoteRecorder({str(tmp_path / 'tree.db')!r})\n"
-            "print(rec.host_pid, flush=True)\n"
-            "os.kill(os.getpid(), signal.SIGKILL)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        "import os, signal, sys\n"
+        "from kvscope.telemetry.remote import RemoteRecorder\n"
+        f"rec = RemoteRecorder({str(tmp_path / 'tree.db')!r})\n"
+        "print(rec.host_pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == -signal.SIGKILL
     host = int(out.stdout)
     deadline = time.monotonic() + 30
@@ -126,18 +135,27 @@ def test_the_host_outlives_the_recording_processs_tree(tmp_path: Path) -> None:
 
 def test_a_multiprocessing_child_that_exits_closes_its_run_as_finished(tmp_path: Path) -> None:
     """vLLM's EngineCore is a multiprocessing child: it never runs atexit, its finalizers close the run."""
-    code = ("import multiprocessing as mp, sys\n"
-            "from kvscope.telemetry.remote import RemoteRecorder\n"
-            "def engine(path):\n"
-            "    rec = RemoteRecorder(path)\n"
-            "    raise SystemExit(0)\n"
-            "if __name__ == '__main__':\n"
-            f"    p = mp.get_context('fork').Process(target=engine, args=({str(tmp_path / 'mp.db')!r},))\n"
-            "    p.start(); p.join(); print(p.exitcode)\n")
+    code = (
+        "import multiprocessing as mp, sys\n"
+        "from kvscope.telemetry.remote import RemoteRecorder\n"
+        "def engine(path):\n"
+        "    rec = RemoteRecorder(path)\n"
+        "    raise SystemExit(0)\n"
+        "if __name__ == '__main__':\n"
+        f"    p = mp.get_context('fork').Process(target=engine, args=({str(tmp_path / 'mp.db')!r},))\n"
+        "    p.start(); p.join(); print(p.exitcode)\n"
+    )
     script = tmp_path / "engine.py"
     script.write_text(code)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, check=False,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
     assert out.stdout.strip() == "0", out.stderr
     capture = Capture(tmp_path / "mp.db")
     try:
@@ -154,16 +172,19 @@ def test_kvscope_check_judges_a_probe_run_by_its_census(tmp_path: Path) -> None:
     for step, tables in ((1, [{"r1": []}]), (2, [{}])):
         rec.step = step
         rec.record(EventKind.ALLOC, pool=PoolName.FULL, rid="r1", num_tokens=1, slots=[1])
-        result = take_census(view if step == 2 else BlockView({1: 0, 2: 0}, set(), [1, 2], 2), tables, [], set(),
-                             {1: ("r1", 2, "alloc")})
+        result = take_census(
+            view if step == 2 else BlockView({1: 0, 2: 0}, set(), [1, 2], 2), tables, [], set(), {1: ("r1", 2, "alloc")}
+        )
         for check in census_checks(step, result):
             rec.leak_check(check)
     rec.close()
-    out = subprocess.run([sys.executable, "-m", "kvscope", "check", str(target)], capture_output=True, text=True,
-                         cwd=ROOT, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvscope", "check", str(target)], capture_output=True, text=True, cwd=ROOT, check=False
+    )
     assert out.returncode == 1, out.stdout + out.stderr
-    assert out.stdout.strip().endswith("1 block leaked: block 1 ref 1, accounted 0; last taken by request r1 "
-                                       "(alloc at step 2)")
+    assert out.stdout.strip().endswith(
+        "1 block leaked: block 1 ref 1, accounted 0; last taken by request r1 (alloc at step 2)"
+    )
 
 
 def test_the_item_sink_reads_back_as_record_does(tmp_path: Path) -> None:
@@ -173,12 +194,33 @@ def test_the_item_sink_reads_back_as_record_does(tmp_path: Path) -> None:
     rec = RemoteRecorder(target, level="full")
     rec.step = 2
     rec.record(EventKind.ALLOC, pool=PoolName.FULL, rid="r1", num_tokens=2, slots=[4, 5], aux=1)
-    rec.record(EventKind.EVICT, pool=PoolName.FULL, rid="r1", node_id=6, num_tokens=16, slots=[6],
-               reason=EvictReason.CAPACITY, aux=1)
+    rec.record(
+        EventKind.EVICT,
+        pool=PoolName.FULL,
+        rid="r1",
+        node_id=6,
+        num_tokens=16,
+        slots=[6],
+        reason=EvictReason.CAPACITY,
+        aux=1,
+    )
     sink = rec.item_sink()
     sink((2, time.monotonic(), EventKind.ALLOC._value_, PoolName.FULL._value_, "r1", None, 2, 1, None, None, (4, 5)))
-    sink((2, time.monotonic(), EventKind.EVICT._value_, PoolName.FULL._value_, "r1", 6, 16, 1,
-          EvictReason.CAPACITY._value_, None, (6,)))
+    sink(
+        (
+            2,
+            time.monotonic(),
+            EventKind.EVICT._value_,
+            PoolName.FULL._value_,
+            "r1",
+            6,
+            16,
+            1,
+            EvictReason.CAPACITY._value_,
+            None,
+            (6,),
+        )
+    )
     rec.close()
     capture = Capture(target)
     try:

@@ -25,10 +25,19 @@ def capture(tmp_path_factory: pytest.TempPathFactory) -> Capture:
         for i in range(300):
             arrive_step = rng.randrange(50)
             arrive_t = 100.0 + arrive_step * 0.01 + rng.random() * 0.001
-            rec.request(RequestRecord(
-                f"r{rng.randrange(10_000):05d}-{i}", rng.choice(PRINCIPALS), rng.randint(1, 500),
-                rng.choice(STATUSES), rng.randint(0, 100), rng.randint(0, 50), rng.randint(0, 2),
-                {"arrive": arrive_t, "finish": arrive_t + rng.random()}, {"arrive": arrive_step}))
+            rec.request(
+                RequestRecord(
+                    f"r{rng.randrange(10_000):05d}-{i}",
+                    rng.choice(PRINCIPALS),
+                    rng.randint(1, 500),
+                    rng.choice(STATUSES),
+                    rng.randint(0, 100),
+                    rng.randint(0, 50),
+                    rng.randint(0, 2),
+                    {"arrive": arrive_t, "finish": arrive_t + rng.random()},
+                    {"arrive": arrive_step},
+                )
+            )
     return Capture(path)
 
 
@@ -59,9 +68,16 @@ def test_totals_principals_and_first_arrival_equal_every_row(capture: Capture) -
     every = capture.requests(1)
     for principals in (None, ["t1:alice", "dave"]):
         rows = every if principals is None else every[every["principal"].isin(principals)]
-        expected = rows.groupby("status", sort=True).agg(
-            num_requests=("rid", "size"), prompt_tokens=("prompt_len", "sum"),
-            cached_tokens=("cached_tokens", "sum"), retractions=("num_retractions", "sum")).reset_index()
+        expected = (
+            rows.groupby("status", sort=True)
+            .agg(
+                num_requests=("rid", "size"),
+                prompt_tokens=("prompt_len", "sum"),
+                cached_tokens=("cached_tokens", "sum"),
+                retractions=("num_retractions", "sum"),
+            )
+            .reset_index()
+        )
         totals = capture.request_totals(1, principals)
         assert totals["status"].tolist() == expected["status"].tolist()
         for column in ("num_requests", "prompt_tokens", "cached_tokens", "retractions"):

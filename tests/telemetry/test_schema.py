@@ -71,10 +71,16 @@ def test_column_lists_are_the_tables_columns() -> None:
 
 
 def test_only_later_columns_read_as_null_from_an_older_file() -> None:
-    tier_columns = [*(f"host_{c}" for c in schema.POOL_COLUMNS), "cum_host_hit_tokens", "cum_written_tokens",
-                    "cum_loaded_tokens", "tier"]
-    assert sorted(c.name for c in schema.added_after(1)) == sorted(["principal", "visibility", *tier_columns,
-                                                                    "full_used"])
+    tier_columns = [
+        *(f"host_{c}" for c in schema.POOL_COLUMNS),
+        "cum_host_hit_tokens",
+        "cum_written_tokens",
+        "cum_loaded_tokens",
+        "tier",
+    ]
+    assert sorted(c.name for c in schema.added_after(1)) == sorted(
+        ["principal", "visibility", *tier_columns, "full_used"]
+    )
     assert sorted(c.name for c in schema.added_after(2)) == sorted(["visibility", *tier_columns, "full_used"])
     assert sorted(c.name for c in schema.added_after(3)) == sorted([*tier_columns, "full_used"])
     assert [c.name for c in schema.added_after(4)] == ["full_used"]
@@ -126,8 +132,15 @@ def test_a_version_1_capture_opens_in_every_reader(v1_copy: Path) -> None:
 def test_a_writer_upgrades_a_version_1_capture_and_keeps_its_runs(v1_copy: Path) -> None:
     old_events = Capture(v1_copy).events(1, limit=100_000)
     with SQLRecorder(v1_copy, level="full") as recorder:
-        recorder.record(EventKind.INSERT, pool=PoolName.FULL, node_id=1, num_tokens=2, slots=np.array([3, 4]),
-                        aux=0, principal="carol")
+        recorder.record(
+            EventKind.INSERT,
+            pool=PoolName.FULL,
+            node_id=1,
+            num_tokens=2,
+            slots=np.array([3, 4]),
+            aux=0,
+            principal="carol",
+        )
     assert stored_version(v1_copy) == str(schema.SCHEMA_VERSION)
     assert "principal" in event_columns(v1_copy)
     capture = Capture(v1_copy)
@@ -150,11 +163,20 @@ def test_nodes_born_after_the_last_snapshot_show_their_owners(tmp_path: Path) ->
     node 3 above node 2: rebuilt later, every node names its owner (the upper piece keeps bob)."""
     path = tmp_path / "owners.db"
     with SQLRecorder(path, level="full") as recorder:
-        recorder.tree_snapshot(0, [NodeRow(0, None, 0, "", 1, 0.0, 0, None, False, 0),
-                                   NodeRow(1, 0, 4, "", 0, 0.0, 1, "alice", False, 4)])
+        recorder.tree_snapshot(
+            0, [NodeRow(0, None, 0, "", 1, 0.0, 0, None, False, 0), NodeRow(1, 0, 4, "", 0, 0.0, 1, "alice", False, 4)]
+        )
         recorder.step = 1
-        recorder.record(EventKind.INSERT, pool=PoolName.FULL, rid="r2", node_id=2, num_tokens=6,
-                        slots=np.arange(6), aux=1, principal="bob")
+        recorder.record(
+            EventKind.INSERT,
+            pool=PoolName.FULL,
+            rid="r2",
+            node_id=2,
+            num_tokens=6,
+            slots=np.arange(6),
+            aux=1,
+            principal="bob",
+        )
         recorder.step = 2
         recorder.record(EventKind.SPLIT, node_id=3, num_tokens=2, aux=2)
     tree = Capture(path).tree_at(1, 2).set_index("node_id")

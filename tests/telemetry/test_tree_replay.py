@@ -87,8 +87,9 @@ def test_snapshot_plus_events_rebuilds_the_live_tree(kind: str, seed: int) -> No
         cache: Any = SWARadixCache(allocator, ps, window_len=2, recorder=recorder)
     else:
         allocator = make_token_allocator(400, ps)
-        cache = RadixCache(allocator, ps, recorder=recorder,
-                           eviction_granularity="page" if kind == "radix-page" else "leaf")
+        cache = RadixCache(
+            allocator, ps, recorder=recorder, eviction_granularity="page" if kind == "radix-page" else "leaf"
+        )
     snapshot = pd.DataFrame(cache.export_nodes(), columns=cache.export_nodes()[0]._fields)
     checkpoints_with_tombstones = 0
     locks: list[Any] = []

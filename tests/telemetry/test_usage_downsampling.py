@@ -31,8 +31,11 @@ def record(path: Path, steps: list[int], rng: np.random.Generator, with_swa: boo
         for step in steps:
             rec.step = step
             swa = random_terms(rng, 256) if with_swa else None
-            rec.usage(UsageSample(step, random_terms(rng, 1024), swa, 8, 8, int(rng.integers(0, 8)), 0,
-                                  step, 0, step, 0, 0, 0))
+            rec.usage(
+                UsageSample(
+                    step, random_terms(rng, 1024), swa, 8, 8, int(rng.integers(0, 8)), 0, step, 0, step, 0, 0, 0
+                )
+            )
 
 
 def in_use(frame: pd.DataFrame, pool: str) -> pd.Series:
@@ -40,10 +43,16 @@ def in_use(frame: pd.DataFrame, pool: str) -> pd.Series:
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), num_steps=st.integers(1, 300), max_gap=st.integers(1, 3),
-       max_points=st.integers(4, 60), with_swa=st.booleans())
-def test_downsampled_rows_are_whole_rows_whose_terms_stack_to_the_total(seed: int, num_steps: int, max_gap: int,
-                                                                        max_points: int, with_swa: bool) -> None:
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_steps=st.integers(1, 300),
+    max_gap=st.integers(1, 3),
+    max_points=st.integers(4, 60),
+    with_swa=st.booleans(),
+)
+def test_downsampled_rows_are_whole_rows_whose_terms_stack_to_the_total(
+    seed: int, num_steps: int, max_gap: int, max_points: int, with_swa: bool
+) -> None:
     rng = np.random.default_rng(seed)
     steps = np.cumsum(rng.integers(1, max_gap + 1, size=num_steps)).tolist()
     with tempfile.TemporaryDirectory() as tmp:

@@ -60,8 +60,11 @@ def trace_requests(draw: st.DrawFn, rid: str) -> TraceRequest:
 
 
 @settings(max_examples=40, deadline=None)  # NOTE: at least one request: an empty trace is an error
-@given(st.lists(st.integers(0, 4), min_size=1, max_size=5).flatmap(
-    lambda ks: st.tuples(*(trace_requests(f"r{k}") for k in ks))))
+@given(
+    st.lists(st.integers(0, 4), min_size=1, max_size=5).flatmap(
+        lambda ks: st.tuples(*(trace_requests(f"r{k}") for k in ks))
+    )
+)
 def test_any_requests_round_trip(tmp_path_factory: pytest.TempPathFactory, requests: tuple[TraceRequest, ...]) -> None:
     unique = list({r.rid: r for r in requests}.values())
     path = tmp_path_factory.mktemp("trace") / "t.jsonl"

@@ -30,10 +30,13 @@ def error_of(path: Path, **kwargs: int) -> str:
 
 def test_an_output_beyond_any_context_is_refused_before_it_is_allocated(tmp_path: Path) -> None:
     """10^12 output tokens would be a 3.6 TiB array; the reader refuses it by its length."""
-    path = trace(tmp_path, {"id": "a", "prompt": [1, 2], "output_len": 1}, {"id": "b", "prompt": [1, 2, 3],
-                                                                              "output_len": 10**12})
-    assert error_of(path) == (f"{path}:2: field 'output_len': prompt 3 + output 1,000,000,000,000 = "
-                              "1,000,000,000,003 tokens, beyond any model's context (limit 16,777,216)")
+    path = trace(
+        tmp_path, {"id": "a", "prompt": [1, 2], "output_len": 1}, {"id": "b", "prompt": [1, 2, 3], "output_len": 10**12}
+    )
+    assert error_of(path) == (
+        f"{path}:2: field 'output_len': prompt 3 + output 1,000,000,000,000 = "
+        "1,000,000,000,003 tokens, beyond any model's context (limit 16,777,216)"
+    )
 
 
 def test_the_bound_itself_is_accepted(tmp_path: Path) -> None:
@@ -43,10 +46,12 @@ def test_the_bound_itself_is_accepted(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("record", "field", "what"),
-    [({"prompt": [1] * 3, "output_len": 30}, "output_len", "prompt 3 + output 30 = 33 tokens"),
-     ({"prompt": [1] * 3, "output": [2] * 30}, "output", "prompt 3 + output 30 = 33 tokens"),
-     ({"prompt": [1] * 30, "output_len": 3}, "prompt", "prompt 30 + output 3 = 33 tokens"),
-     ({"prompt": "x" * 30, "output_len": 3}, "prompt", "prompt 30 + output 3 = 33 tokens")],
+    [
+        ({"prompt": [1] * 3, "output_len": 30}, "output_len", "prompt 3 + output 30 = 33 tokens"),
+        ({"prompt": [1] * 3, "output": [2] * 30}, "output", "prompt 3 + output 30 = 33 tokens"),
+        ({"prompt": [1] * 30, "output_len": 3}, "prompt", "prompt 30 + output 3 = 33 tokens"),
+        ({"prompt": "x" * 30, "output_len": 3}, "prompt", "prompt 30 + output 3 = 33 tokens"),
+    ],
 )
 def test_a_request_longer_than_the_runs_context_names_the_longer_part(
     tmp_path: Path, record: dict[str, object], field: str, what: str

@@ -65,7 +65,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def add_command(verbs: SubParsers, command: Command) -> argparse.ArgumentParser:
     """The command's subparser under `verbs`, its options declared, `args.func` its run."""
     parser: argparse.ArgumentParser = verbs.add_parser(
-        command.name, help=command.help, description=command.description, formatter_class=HelpFormatter)
+        command.name, help=command.help, description=command.description, formatter_class=HelpFormatter
+    )
     command.add_arguments(parser)
     parser.set_defaults(func=command.run)
     return parser
@@ -75,6 +76,7 @@ def add_old_spelling(parser: argparse.ArgumentParser, new: argparse.Action) -> N
     """The older spelling of `new` (OLD_SPELLINGS): the same value into the same attribute,
     hidden from --help; the default is `new`'s."""
     (old,) = [old for old, name in OLD_SPELLINGS.items() if name in new.option_strings]
-    alias = parser.add_argument(old, dest=new.dest, choices=new.choices, metavar=new.metavar,
-                                default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    alias = parser.add_argument(
+        old, dest=new.dest, choices=new.choices, metavar=new.metavar, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     alias.type = new.type

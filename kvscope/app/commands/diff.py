@@ -17,9 +17,13 @@ class DiffCommand:
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("a", help="first capture")
         parser.add_argument("b", help="second capture")
-        parser.add_argument("--run", type=int, action="append", metavar="ID",
-                            help="run id of both captures; given twice, of A then B (default: each capture's "
-                                 "latest run)")
+        parser.add_argument(
+            "--run",
+            type=int,
+            action="append",
+            metavar="ID",
+            help="run id of both captures; given twice, of A then B (default: each capture's latest run)",
+        )
         parser.add_argument("--json", action="store_true", help="print both sides, the deltas and the verdicts as JSON")
 
     def run(self, args: argparse.Namespace) -> int:

@@ -23,12 +23,21 @@ class InstrumentCommand:
     )
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--capture", metavar="PATH|URL",
-                            help="capture file or database URL (default runs/<time>-instrument.db)")
-        parser.add_argument("--level", choices=["summary", "full"], default="full",
-                            help="summary: census, usage and requests; full: and every block event")
-        parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...",
-                            help="the engine's command, e.g. -- vllm serve MODEL")
+        parser.add_argument(
+            "--capture", metavar="PATH|URL", help="capture file or database URL (default runs/<time>-instrument.db)"
+        )
+        parser.add_argument(
+            "--level",
+            choices=["summary", "full"],
+            default="full",
+            help="summary: census, usage and requests; full: and every block event",
+        )
+        parser.add_argument(
+            "command",
+            nargs=argparse.REMAINDER,
+            metavar="-- CMD ...",
+            help="the engine's command, e.g. -- vllm serve MODEL",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.app.instrument import instrument_verb

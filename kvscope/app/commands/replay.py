@@ -24,27 +24,52 @@ class ReplayCommand:
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("source", help="a JSONL trace, or a capture (SQLite file or SQLAlchemy URL)")
-        parser.add_argument("--capacities", type=token_counts, metavar="LIST",
-                            help="comma-separated capacities in tokens (200000, 200k, 1.5M, 128Ki), floored to pages; "
-                            "default: 12 log-spaced from 1%% to 100%% of the working set, none below the longest "
-                            "request under the slots convention")
-        parser.add_argument("--page-size", type=int,
-                            help="tokens per KV page (a power of two); default: a capture's own, else 1")
-        add_old_spelling(parser, parser.add_argument(
-            "--eviction-granularity", dest="eviction", default="page", choices=["page", "leaf"],
-            help="page: only the pages needed, the curve's model; leaf: SGLang's whole leaves"))
-        parser.add_argument("--convention", default="slots", choices=["slots", "tree"],
-                            help="slots: the pool holds CAPACITY slots shared with the request in flight "
-                            "(bench_radix); tree: the tree holds CAPACITY tokens between requests (the curve's)")
-        add_old_spelling(parser, parser.add_argument("--eviction-policy", dest="policy", default="lru",
-                                                     help=f"{POLICY_HELP} (the one-pass curve is lru's)"))
-        parser.add_argument("--cache", default="radix", choices=["radix", "scoped-radix"],
-                            help="radix: global sharing; scoped-radix: each request's user is its principal, replayed "
-                            "beside global sharing, with the isolated one-pass curve (keys per principal) beside "
-                            "the global one")
+        parser.add_argument(
+            "--capacities",
+            type=token_counts,
+            metavar="LIST",
+            help="comma-separated capacities in tokens (200000, 200k, 1.5M, 128Ki), floored to pages; "
+            "default: 12 log-spaced from 1%% to 100%% of the working set, none below the longest "
+            "request under the slots convention",
+        )
+        parser.add_argument(
+            "--page-size", type=int, help="tokens per KV page (a power of two); default: a capture's own, else 1"
+        )
+        add_old_spelling(
+            parser,
+            parser.add_argument(
+                "--eviction-granularity",
+                dest="eviction",
+                default="page",
+                choices=["page", "leaf"],
+                help="page: only the pages needed, the curve's model; leaf: SGLang's whole leaves",
+            ),
+        )
+        parser.add_argument(
+            "--convention",
+            default="slots",
+            choices=["slots", "tree"],
+            help="slots: the pool holds CAPACITY slots shared with the request in flight "
+            "(bench_radix); tree: the tree holds CAPACITY tokens between requests (the curve's)",
+        )
+        add_old_spelling(
+            parser,
+            parser.add_argument(
+                "--eviction-policy", dest="policy", default="lru", help=f"{POLICY_HELP} (the one-pass curve is lru's)"
+            ),
+        )
+        parser.add_argument(
+            "--cache",
+            default="radix",
+            choices=["radix", "scoped-radix"],
+            help="radix: global sharing; scoped-radix: each request's user is its principal, replayed "
+            "beside global sharing, with the isolated one-pass curve (keys per principal) beside "
+            "the global one",
+        )
         add_scoped_options(parser, "trace time (a request's arrival_s; a trace without arrival times: its index x 1 s)")
-        parser.add_argument("--workers", type=int,
-                            help="worker processes (default: one per capacity, at most the CPUs)")
+        parser.add_argument(
+            "--workers", type=int, help="worker processes (default: one per capacity, at most the CPUs)"
+        )
         parser.add_argument("--run", type=int, help="the run of a capture to replay (default: the latest)")
         parser.add_argument("--run-id", type=int, dest="run", help=argparse.SUPPRESS)  # NOTE: the old name
         parser.add_argument("--curve-only", action="store_true", help="only the one-pass curve, no replays")

@@ -43,8 +43,9 @@ class EngineLogTopic:
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("log", metavar="FILE", help="the server's log (any size; read line by line)")
-        parser.add_argument("--json", action="store_true", help="print the messages as JSON (the exit code is "
-                            "the same)")
+        parser.add_argument(
+            "--json", action="store_true", help="print the messages as JSON (the exit code is the same)"
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.app.report import engine_log_verb

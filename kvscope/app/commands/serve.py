@@ -22,14 +22,23 @@ class ServeCommand:
         parser.add_argument("--port", type=port_number, default=30000, help="port to listen on (0: any free port)")
         add_engine_options(parser)
         parser.add_argument("--capture", metavar="PATH", help="capture file (default runs/<time>-serve.db)")
-        parser.add_argument("--level", default="full", choices=["off", "summary", "full"],
-                            help="off: no capture; summary: usage, requests, leak checks, tree snapshots; full: plus "
-                            "every memory event")
-        parser.add_argument("--api-keys", metavar="FILE",
-                            help='JSON {key: {"tenant": T, "user": U}}: requests need "Authorization: Bearer KEY"')
-        parser.add_argument("--kv-events-config", metavar="JSON",
-                            help='SGLang\'s KV-event publisher config, e.g. \'{"publisher": "zmq", "endpoint": '
-                            '"tcp://*:5557"}\'')
+        parser.add_argument(
+            "--level",
+            default="full",
+            choices=["off", "summary", "full"],
+            help="off: no capture; summary: usage, requests, leak checks, tree snapshots; full: plus "
+            "every memory event",
+        )
+        parser.add_argument(
+            "--api-keys",
+            metavar="FILE",
+            help='JSON {key: {"tenant": T, "user": U}}: requests need "Authorization: Bearer KEY"',
+        )
+        parser.add_argument(
+            "--kv-events-config",
+            metavar="JSON",
+            help='SGLang\'s KV-event publisher config, e.g. \'{"publisher": "zmq", "endpoint": "tcp://*:5557"}\'',
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.app.serve import serve_verb

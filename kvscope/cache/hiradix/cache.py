@@ -80,8 +80,9 @@ class HiMatchResult(MatchResult):
     host_hit_length: int
     last_host_node: Any
 
-    def __new__(cls, device_indices: torch.Tensor, last_node: Any, host_hit_length: int = 0,
-                last_host_node: Any = None) -> HiMatchResult:
+    def __new__(
+        cls, device_indices: torch.Tensor, last_node: Any, host_hit_length: int = 0, last_host_node: Any = None
+    ) -> HiMatchResult:
         self = super().__new__(cls, device_indices, last_node)
         self.host_hit_length = host_hit_length
         self.last_host_node = last_node if last_host_node is None else last_host_node
@@ -141,8 +142,15 @@ class HiRadixCache(BasePrefixCache):
     def reset(self) -> None:
         """Forget both tiers (the caller clears both allocators, and has drained the controller)."""
         root = HiTreeNode(now=time.monotonic(), value=np.empty(0, dtype=np.int64), host_value=EMPTY_HOST)
-        self.tree = LockedTree(root, self.allocator, self.policy, deeper_first=False, strict=self.strict,
-                               detach=self._detach, is_leaf=is_device_leaf)
+        self.tree = LockedTree(
+            root,
+            self.allocator,
+            self.policy,
+            deeper_first=False,
+            strict=self.strict,
+            detach=self._detach,
+            is_leaf=is_device_leaf,
+        )
         self._in_flight: dict[int, InFlight] = {}
         self.num_dropped_tokens = 0  # NOTE: write_back: device tokens the host could not take (host_pressure)
         self.num_load_back_tokens = 0
@@ -184,8 +192,15 @@ class HiRadixCache(BasePrefixCache):
             node = node.parent
         slots = self._slots(values)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.MATCH, pool=PoolName.FULL, rid=rid, node_id=node.id,
-                                 num_tokens=len(slots), aux=len(ids) - len(slots), principal=user)
+            self.recorder.record(
+                EventKind.MATCH,
+                pool=PoolName.FULL,
+                rid=rid,
+                node_id=node.id,
+                num_tokens=len(slots),
+                aux=len(ids) - len(slots),
+                principal=user,
+            )
         return HiMatchResult(slots, node, host_hit_length, last_host.backed_up_node())
 
     def walk_match(self, key: bytes, user: str | None = None) -> tuple[list[np.ndarray], HiTreeNode]:
@@ -273,8 +288,9 @@ class HiRadixCache(BasePrefixCache):
             self._hit(leaf, chunked)
         return prefix_len
 
-    def _add_leaf(self, parent: HiTreeNode, key: bytes, value: np.ndarray, user: str | None, priority: int,
-                  rid: str | None) -> HiTreeNode:
+    def _add_leaf(
+        self, parent: HiTreeNode, key: bytes, value: np.ndarray, user: str | None, priority: int, rid: str | None
+    ) -> HiTreeNode:
         """A new device-only leaf (no hit yet: the caller counts it)."""
         self.tree.claim(value)
         leaf = HiTreeNode(key, value, time.monotonic())
@@ -282,8 +298,16 @@ class HiRadixCache(BasePrefixCache):
         parent.children[key[: self.page_bytes]] = leaf
         self.tree.count_new(parent, leaf, value)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=leaf.id,
-                                 num_tokens=len(value), slots=value, aux=parent.id, principal=user)
+            self.recorder.record(
+                EventKind.INSERT,
+                pool=PoolName.FULL,
+                rid=rid,
+                node_id=leaf.id,
+                num_tokens=len(value),
+                slots=value,
+                aux=parent.id,
+                principal=user,
+            )
         return leaf
 
     def _detach(self, leaf: HiTreeNode) -> None:
@@ -297,8 +321,9 @@ class HiRadixCache(BasePrefixCache):
     def cache_finished_req(self, req: CacheableRequest, is_insert: bool = True) -> None:
         cache_finished_req(self, req, is_insert)
 
-    def insert_unfinished(self, req: CacheableRequest, token_ids: np.ndarray, slots: torch.Tensor,
-                          chunked: bool) -> int:
+    def insert_unfinished(
+        self, req: CacheableRequest, token_ids: np.ndarray, slots: torch.Tensor, chunked: bool
+    ) -> int:
         """The caller frees its duplicates: they end at the device prefix the tree already had."""
         return self.insert(token_ids, slots, user=req.user, chunked=chunked, rid=req.rid)
 
@@ -316,8 +341,12 @@ class HiRadixCache(BasePrefixCache):
     def _maybe_write_through(self, node: HiTreeNode) -> None:
         parent = node.parent
         assert parent is not None
-        if (self.through and node.host_value is None and node.hit_count >= self.write_through_threshold
-                and parent.host_value is not None):
+        if (
+            self.through
+            and node.host_value is None
+            and node.hit_count >= self.write_through_threshold
+            and parent.host_value is not None
+        ):
             self.write_backup(node)
 
     def _adopt(self, node: HiTreeNode, value: np.ndarray) -> None:
@@ -327,8 +356,9 @@ class HiRadixCache(BasePrefixCache):
         assert node.parent is not None
         self.tree.count_new(node.parent, node, value)
         if self.recorder.enabled:  # NOTE: the slots are the node's now (the ledger moves them to the tree)
-            self.recorder.record(EventKind.REVIVE, pool=PoolName.FULL, node_id=node.id, num_tokens=len(value),
-                                 slots=value)
+            self.recorder.record(
+                EventKind.REVIVE, pool=PoolName.FULL, node_id=node.id, num_tokens=len(value), slots=value
+            )
 
     # -- locks (a request's, or a copy op's until its ack) ---------------------------------
 
@@ -348,8 +378,7 @@ class HiRadixCache(BasePrefixCache):
     def _unlock(self, node: HiTreeNode, rid: str | None, copy: CopyKind | None, op_id: int) -> None:
         moved = self.tree.unlock(node)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.UNLOCK, rid=rid, node_id=node.id, num_tokens=moved, reason=copy,
-                                 aux=op_id)
+            self.recorder.record(EventKind.UNLOCK, rid=rid, node_id=node.id, num_tokens=moved, reason=copy, aux=op_id)
 
     # -- writes (device -> host) -----------------------------------------------------------
 
@@ -373,8 +402,14 @@ class HiRadixCache(BasePrefixCache):
         self._in_flight[op_id] = InFlight("write", node if lock else None, [node], len(host_slots))
         self.num_write_tokens += len(host_slots)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.WRITE, pool=PoolName.HOST, node_id=node.id, num_tokens=len(host_slots),
-                                 slots=host_slots, aux=op_id)
+            self.recorder.record(
+                EventKind.WRITE,
+                pool=PoolName.HOST,
+                node_id=node.id,
+                num_tokens=len(host_slots),
+                slots=host_slots,
+                aux=op_id,
+            )
         if lock:
             self._lock(node, None, CopyKind.WRITE, op_id)
         return len(host_slots)
@@ -403,8 +438,14 @@ class HiRadixCache(BasePrefixCache):
                 node.host_ref_counter -= 1
         copy = CopyKind(op.kind)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.ACK, pool=PoolName.HOST if copy is CopyKind.WRITE else PoolName.FULL,
-                                 node_id=op.nodes[0].id, num_tokens=op.num_tokens, reason=copy, aux=op_id)
+            self.recorder.record(
+                EventKind.ACK,
+                pool=PoolName.HOST if copy is CopyKind.WRITE else PoolName.FULL,
+                node_id=op.nodes[0].id,
+                num_tokens=op.num_tokens,
+                reason=copy,
+                aux=op_id,
+            )
         if op.lock_node is not None:
             self._unlock(op.lock_node, None, copy, op_id)
 
@@ -445,10 +486,17 @@ class HiRadixCache(BasePrefixCache):
                 return None  # NOTE: a load reads a host copy below: neither written nor droppable now
         backed_up = leaf.host_value is not None
         if self.recorder.enabled:
-            reason = EvictReason.TO_HOST if backed_up else EvictReason.DROP if not self.through \
-                else EvictReason.CAPACITY
-            self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=leaf.id,
-                                 num_tokens=leaf.key_len, slots=leaf.value, reason=reason)
+            reason = (
+                EvictReason.TO_HOST if backed_up else EvictReason.DROP if not self.through else EvictReason.CAPACITY
+            )
+            self.recorder.record(
+                EventKind.EVICT,
+                pool=PoolName.FULL,
+                node_id=leaf.id,
+                num_tokens=leaf.key_len,
+                slots=leaf.value,
+                reason=reason,
+            )
         return self._demote(leaf) if backed_up else self._drop(leaf)
 
     def _demote(self, leaf: HiTreeNode) -> np.ndarray:
@@ -484,8 +532,13 @@ class HiRadixCache(BasePrefixCache):
         return [n for n, _, _ in hi_walk(self.root) if self._host_evictable(n)]
 
     def _host_evictable(self, node: HiTreeNode) -> bool:
-        return (node.value is None and node is not self.root and node.lock_ref == 0 and not node.children
-                and node.host_ref_counter == 0)
+        return (
+            node.value is None
+            and node is not self.root
+            and node.lock_ref == 0
+            and not node.children
+            and node.host_ref_counter == 0
+        )
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least num_tokens host tokens (whole leaves; fewer when nothing else is
@@ -512,8 +565,14 @@ class HiRadixCache(BasePrefixCache):
         assert host_value is not None
         self._host_size -= len(host_value)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.HOST_EVICT, pool=PoolName.HOST, node_id=node.id,
-                                 num_tokens=len(host_value), slots=host_value, reason=reason)
+            self.recorder.record(
+                EventKind.HOST_EVICT,
+                pool=PoolName.HOST,
+                node_id=node.id,
+                num_tokens=len(host_value),
+                slots=host_value,
+                reason=reason,
+            )
         if self.on_host_free is None or not self.on_host_free(node, host_value):
             self.host_allocator.free(host_value)
 
@@ -559,8 +618,14 @@ class HiRadixCache(BasePrefixCache):
         values = device_slots.cpu().numpy().astype(np.int64, copy=False)
         offset = 0
         if self.recorder.enabled:
-            self.recorder.record(EventKind.LOAD, pool=PoolName.FULL, node_id=chain[-1].id, num_tokens=len(values),
-                                 slots=values, aux=op_id)
+            self.recorder.record(
+                EventKind.LOAD,
+                pool=PoolName.FULL,
+                node_id=chain[-1].id,
+                num_tokens=len(values),
+                slots=values,
+                aux=op_id,
+            )
         for node in chain:
             self._adopt(node, values[offset : offset + node.key_len].copy())
             offset += node.key_len
@@ -569,8 +634,9 @@ class HiRadixCache(BasePrefixCache):
         self.num_load_back_tokens += offset
         self._lock(chain[-1], None, CopyKind.LOAD, op_id)
 
-    def init_load_back(self, last_host_node: HiTreeNode, host_hit_length: int,
-                       mem_quota: int | None = None) -> tuple[torch.Tensor, HiTreeNode]:
+    def init_load_back(
+        self, last_host_node: HiTreeNode, host_hit_length: int, mem_quota: int | None = None
+    ) -> tuple[torch.Tensor, HiTreeNode]:
         """As the PrefillAdder calls it after a match: (the loaded device slots, to append to the
         request's prefix, and the request's new last node). Nothing loaded: (empty, the last
         device node)."""
@@ -610,8 +676,10 @@ class HiRadixCache(BasePrefixCache):
         parent = node.parent
         busy = node.host_value is None or node.lock_ref or node.load_op is not None or node.write_op is not None
         if node.value is None and busy:
-            raise IntegrityError(f"host-only node {node.id}: host_value {node.host_value is not None}, "
-                                 f"lock_ref {node.lock_ref}, ops {node.write_op}/{node.load_op}")
+            raise IntegrityError(
+                f"host-only node {node.id}: host_value {node.host_value is not None}, "
+                f"lock_ref {node.lock_ref}, ops {node.write_op}/{node.load_op}"
+            )
         if parent is None:
             raise IntegrityError(f"node {node.id} is walked in the tree but has no parent")
         if node.value is None:
@@ -636,18 +704,28 @@ class HiRadixCache(BasePrefixCache):
 
     def pretty_print(self) -> str:
         def tier_and_copies(node: HiTreeNode) -> str:
-            return node.tier + "".join(f" {k}={v}" for k, v in (("writing", node.write_op), ("loading", node.load_op))
-                                       if v)
+            return node.tier + "".join(
+                f" {k}={v}" for k, v in (("writing", node.write_op), ("loading", node.load_op)) if v
+            )
 
         return render(self.root, extra=tier_and_copies)
 
     def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]:
         """The flat node table; num_tokens counts a node's key on whichever tier holds it."""
         return [
-            NodeRow(node_id=node.id, parent_id=None if node.parent is None else node.parent.id,
-                    num_tokens=node.key_len, token_preview=preview(node, preview_tokens),
-                    lock_ref=node.lock_ref, last_access_time=node.last_access_time, hit_count=node.hit_count,
-                    owner=node.owner, tombstone=False, depth_tokens=start + node.key_len,
-                    visibility="public", tier=node.tier)
+            NodeRow(
+                node_id=node.id,
+                parent_id=None if node.parent is None else node.parent.id,
+                num_tokens=node.key_len,
+                token_preview=preview(node, preview_tokens),
+                lock_ref=node.lock_ref,
+                last_access_time=node.last_access_time,
+                hit_count=node.hit_count,
+                owner=node.owner,
+                tombstone=False,
+                depth_tokens=start + node.key_len,
+                visibility="public",
+                tier=node.tier,
+            )
             for node, _, start in hi_walk(self.root)
         ]

@@ -26,8 +26,9 @@ Tier = Literal["device", "device+host", "host"]
 class HiTreeNode(NodeBase):
     __slots__ = ("children", "host_ref_counter", "host_value", "load_op", "value", "write_op")
 
-    def __init__(self, key: bytes = b"", value: np.ndarray | None = None, now: float = 0.0,
-                 host_value: np.ndarray | None = None) -> None:
+    def __init__(
+        self, key: bytes = b"", value: np.ndarray | None = None, now: float = 0.0, host_value: np.ndarray | None = None
+    ) -> None:
         super().__init__(key, now)
         self.children: dict[bytes, HiTreeNode] = {}
         self.value = value

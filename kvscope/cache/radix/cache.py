@@ -90,9 +90,15 @@ class RadixCache(BasePrefixCache):
 
     def reset(self) -> None:
         """Forget the tree (the caller clears the allocator too, as flush_cache does)."""
-        self.tree = LockedTree(TreeNode(now=time.monotonic()), self.allocator, self.policy,
-                               deeper_first=self._page_granular, strict=self.strict, detach=self._detach,
-                               is_leaf=childless)
+        self.tree = LockedTree(
+            TreeNode(now=time.monotonic()),
+            self.allocator,
+            self.policy,
+            deeper_first=self._page_granular,
+            strict=self.strict,
+            detach=self._detach,
+            is_leaf=childless,
+        )
 
     @property
     def root(self) -> TreeNode:
@@ -109,9 +115,7 @@ class RadixCache(BasePrefixCache):
 
     # -- match -----------------------------------------------------------------------------
 
-    def match_prefix(
-        self, token_ids: np.ndarray, user: str | None = None, rid: str | None = None
-    ) -> MatchResult:
+    def match_prefix(self, token_ids: np.ndarray, user: str | None = None, rid: str | None = None) -> MatchResult:
         # NOTE: the hot path: helpers are inlined here (as_token_ids, page_key, slots_tensor)
         ids = token_ids if type(token_ids) is np.ndarray and token_ids.dtype == TOKEN_DTYPE else as_token_ids(token_ids)
         key_len = len(ids) - len(ids) % self.page_size
@@ -123,12 +127,20 @@ class RadixCache(BasePrefixCache):
             if not self._on_cpu:
                 slots = slots.to(self.device)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.MATCH, pool=PoolName.FULL, rid=rid, node_id=node.id,
-                                 num_tokens=len(slots), aux=len(ids) - len(slots), principal=user)
+            self.recorder.record(
+                EventKind.MATCH,
+                pool=PoolName.FULL,
+                rid=rid,
+                node_id=node.id,
+                num_tokens=len(slots),
+                aux=len(ids) - len(slots),
+                principal=user,
+            )
             cross = foreign_tokens(node, user)
             if cross:
-                self.recorder.record(EventKind.CROSS_HIT, pool=PoolName.FULL, rid=rid, node_id=node.id,
-                                     num_tokens=cross, principal=user)
+                self.recorder.record(
+                    EventKind.CROSS_HIT, pool=PoolName.FULL, rid=rid, node_id=node.id, num_tokens=cross, principal=user
+                )
         return MatchResult(slots, node)
 
     def walk_match(self, key: bytes, user: str | None = None) -> tuple[list[np.ndarray], TreeNode]:
@@ -150,8 +162,9 @@ class RadixCache(BasePrefixCache):
                 pos += len(child.key)
                 node = child
                 continue
-            node = split_node(child, common_page_len(child.key, key, pos, self.page_size), self.page_bytes,
-                              self.recorder)
+            node = split_node(
+                child, common_page_len(child.key, key, pos, self.page_size), self.page_bytes, self.recorder
+            )
             if self._page_granular:
                 child.last_access_time = last_access_time  # NOTE: the unmatched lower piece was not accessed
             values.append(node.value)
@@ -190,8 +203,9 @@ class RadixCache(BasePrefixCache):
     def cache_finished_req(self, req: CacheableRequest, is_insert: bool = True) -> None:
         cache_finished_req(self, req, is_insert)
 
-    def insert_unfinished(self, req: CacheableRequest, token_ids: np.ndarray, slots: torch.Tensor,
-                          chunked: bool) -> int:
+    def insert_unfinished(
+        self, req: CacheableRequest, token_ids: np.ndarray, slots: torch.Tensor, chunked: bool
+    ) -> int:
         """The caller frees its duplicates: they end at the prefix the tree already had."""
         return self.insert(token_ids, slots, user=req.user, chunked=chunked, rid=req.rid)
 
@@ -211,8 +225,12 @@ class RadixCache(BasePrefixCache):
             if priority > child.priority:
                 child.priority = priority
             if not key.startswith(child.key, pos):
-                lower, child = child, split_node(child, common_page_len(child.key, key, pos, self.page_size),
-                                                 self.page_bytes, self.recorder)
+                lower, child = (
+                    child,
+                    split_node(
+                        child, common_page_len(child.key, key, pos, self.page_size), self.page_bytes, self.recorder
+                    ),
+                )
                 if self._page_granular:
                     lower.last_access_time = last_access_time  # NOTE: the lower piece was not accessed
             if not chunked:
@@ -222,7 +240,13 @@ class RadixCache(BasePrefixCache):
         return node, pos
 
     def _add_leaf(
-        self, parent: TreeNode, key: bytes, value: np.ndarray, user: str | None, hits: int, priority: int,
+        self,
+        parent: TreeNode,
+        key: bytes,
+        value: np.ndarray,
+        user: str | None,
+        hits: int,
+        priority: int,
         rid: str | None,
     ) -> TreeNode:
         self.tree.claim(value)
@@ -231,8 +255,16 @@ class RadixCache(BasePrefixCache):
         parent.children[key[: self.page_bytes]] = leaf
         self.tree.count_new(parent, leaf, value)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=leaf.id,
-                                 num_tokens=len(value), slots=value, aux=parent.id, principal=user)
+            self.recorder.record(
+                EventKind.INSERT,
+                pool=PoolName.FULL,
+                rid=rid,
+                node_id=leaf.id,
+                num_tokens=len(value),
+                slots=value,
+                aux=parent.id,
+                principal=user,
+            )
         return leaf
 
     def _detach(self, leaf: TreeNode) -> None:
@@ -274,8 +306,14 @@ class RadixCache(BasePrefixCache):
         tree = self.tree
         chunk = tree.trim_leaf(leaf, want) if self._page_granular and len(leaf.value) > want else tree.delete_leaf(leaf)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=leaf.id,
-                                 num_tokens=len(chunk), slots=chunk, reason=EvictReason.CAPACITY)
+            self.recorder.record(
+                EventKind.EVICT,
+                pool=PoolName.FULL,
+                node_id=leaf.id,
+                num_tokens=len(chunk),
+                slots=chunk,
+                reason=EvictReason.CAPACITY,
+            )
         return chunk
 
     # -- views -----------------------------------------------------------------------------

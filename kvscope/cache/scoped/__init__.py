@@ -12,5 +12,13 @@ from kvscope.cache.scoped.cache import ScopedRadixCache, ScopedStats
 from kvscope.cache.scoped.monitor import MonitorConfig
 from kvscope.cache.scoped.node import PINNED, PRIVATE, PUBLIC, VISIBILITIES, ScopedNode
 
-__all__ = ["PINNED", "PRIVATE", "PUBLIC", "VISIBILITIES", "MonitorConfig", "ScopedNode", "ScopedRadixCache",
-           "ScopedStats"]
+__all__ = [
+    "PINNED",
+    "PRIVATE",
+    "PUBLIC",
+    "VISIBILITIES",
+    "MonitorConfig",
+    "ScopedNode",
+    "ScopedRadixCache",
+    "ScopedStats",
+]

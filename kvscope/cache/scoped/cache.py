@@ -145,14 +145,21 @@ class ScopedRadixCache(BasePrefixCache):
         self.reset()
         self.pinned_hashes: set[bytes] = set()
         for prefix in pinned:
-            self.pinned_hashes.update(chain_hashes(ROOT_HASH, page_key(as_token_ids(prefix), page_size),
-                                                   self.page_bytes))
+            self.pinned_hashes.update(
+                chain_hashes(ROOT_HASH, page_key(as_token_ids(prefix), page_size), self.page_bytes)
+            )
 
     def reset(self) -> None:
         """Forget the tree and the creator ledger (the caller clears the allocator too)."""
-        self.tree = LockedTree(ScopedNode(now=time.monotonic()), self.allocator, self.policy,
-                               deeper_first=self._page_granular, strict=self.strict, detach=self._detach,
-                               is_leaf=is_scoped_leaf)
+        self.tree = LockedTree(
+            ScopedNode(now=time.monotonic()),
+            self.allocator,
+            self.policy,
+            deeper_first=self._page_granular,
+            strict=self.strict,
+            detach=self._detach,
+            is_leaf=is_scoped_leaf,
+        )
         self._ticks = itertools.count(1)
         self._num_tombstoned = 0  # nodes tombstoned and still in the tree (locked): unlocks look for them
         self.ledger = CreatorLedger()
@@ -231,8 +238,14 @@ class ScopedRadixCache(BasePrefixCache):
         self.stats_counters.promotions += 1
         self.stats_counters.promoted_tokens += len(upper.value)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.PROMOTE, pool=PoolName.FULL, node_id=upper.id,
-                                 num_tokens=len(upper.value), aux=len(creators), principal=joined(creators))
+            self.recorder.record(
+                EventKind.PROMOTE,
+                pool=PoolName.FULL,
+                node_id=upper.id,
+                num_tokens=len(upper.value),
+                aux=len(creators),
+                principal=joined(creators),
+            )
         return upper
 
     def merge_private_chains(self) -> int:
@@ -264,8 +277,13 @@ class ScopedRadixCache(BasePrefixCache):
         if node.visibility != PRIVATE or node.lock_ref or node.tombstone or node.num_children() != 1:
             return False
         (child,) = node.copies()
-        return (child.visibility == PRIVATE and not child.lock_ref and not child.tombstone
-                and child.owner == node.owner and child.holders == node.holders)
+        return (
+            child.visibility == PRIVATE
+            and not child.lock_ref
+            and not child.tombstone
+            and child.owner == node.owner
+            and child.holders == node.holders
+        )
 
     # -- match -----------------------------------------------------------------------------
 
@@ -289,11 +307,19 @@ class ScopedRadixCache(BasePrefixCache):
         self.stats_counters.matched_tokens += len(slots)
         self.stats_counters.cross_hit_tokens += cross
         if self.recorder.enabled:
-            self.recorder.record(EventKind.MATCH, pool=PoolName.FULL, rid=rid, node_id=node.id,
-                                 num_tokens=len(slots), aux=len(ids) - len(slots), principal=user)
+            self.recorder.record(
+                EventKind.MATCH,
+                pool=PoolName.FULL,
+                rid=rid,
+                node_id=node.id,
+                num_tokens=len(slots),
+                aux=len(ids) - len(slots),
+                principal=user,
+            )
             if cross:
-                self.recorder.record(EventKind.CROSS_HIT, pool=PoolName.FULL, rid=rid, node_id=node.id,
-                                     num_tokens=cross, principal=user)
+                self.recorder.record(
+                    EventKind.CROSS_HIT, pool=PoolName.FULL, rid=rid, node_id=node.id, num_tokens=cross, principal=user
+                )
         return MatchResult(slots, node)
 
     def walk_match(self, key: bytes, user: str | None = None) -> tuple[list[np.ndarray], ScopedNode]:
@@ -302,8 +328,9 @@ class ScopedRadixCache(BasePrefixCache):
         path = self._visible_path(key, principal_key(user), split=True)
         return [n.value for n in path], (path[-1] if path else self.root)
 
-    def _visible_path(self, key: bytes, principal: str, split: bool,
-                      start: ScopedNode | None = None) -> list[ScopedNode]:
+    def _visible_path(
+        self, key: bytes, principal: str, split: bool, start: ScopedNode | None = None
+    ) -> list[ScopedNode]:
         """The nodes of the visible match of `key` below `start` (the root), choosing at each level
         the copy that shares the most tokens, splitting the last one where the match ends inside
         it (when `split`); touches only what `principal` may see."""
@@ -331,8 +358,9 @@ class ScopedRadixCache(BasePrefixCache):
             node = child
         return path
 
-    def _best_copy(self, node: ScopedNode, key: bytes, pos: int, principal: str,
-                   visible: bool = True) -> tuple[ScopedNode | None, int]:
+    def _best_copy(
+        self, node: ScopedNode, key: bytes, pos: int, principal: str, visible: bool = True
+    ) -> tuple[ScopedNode | None, int]:
         """Among the copies under `node` starting with key[pos]'s page that `principal` sees (or,
         visible=False, does not see), the one sharing the most tokens with key[pos:]; a public or
         pinned copy wins ties."""
@@ -344,8 +372,9 @@ class ScopedRadixCache(BasePrefixCache):
             if copy.tombstone or copy.sees(principal) != visible:
                 continue
             shared = common_page_len(copy.key, key, pos, self.page_size)
-            if shared > best_len or (shared == best_len and best is not None and best.visibility == PRIVATE
-                                     and copy.visibility != PRIVATE):
+            if shared > best_len or (
+                shared == best_len and best is not None and best.visibility == PRIVATE and copy.visibility != PRIVATE
+            ):
                 best, best_len = copy, shared
         return (best, best_len) if best_len else (None, 0)
 
@@ -367,8 +396,15 @@ class ScopedRadixCache(BasePrefixCache):
 
     # -- insert ----------------------------------------------------------------------------
 
-    def insert(self, token_ids: np.ndarray, slots: torch.Tensor, user: str | None = None, chunked: bool = False,
-               priority: int = 0, rid: str | None = None) -> int:
+    def insert(
+        self,
+        token_ids: np.ndarray,
+        slots: torch.Tensor,
+        user: str | None = None,
+        chunked: bool = False,
+        priority: int = 0,
+        rid: str | None = None,
+    ) -> int:
         """Insert for a caller that holds no path (a replay, a test): from the root, along the
         principal's visible match."""
         self.advance()
@@ -378,8 +414,17 @@ class ScopedRadixCache(BasePrefixCache):
         key = page_key(ids, self.page_size)
         return self._insert_from(self.root, 0, key, slots, principal_key(user), chunked, priority, rid)[1]
 
-    def _insert_from(self, start: ScopedNode, start_tokens: int, key: bytes, slots: torch.Tensor, principal: str,
-                     chunked: bool, priority: int, rid: str | None) -> tuple[ScopedNode, int]:
+    def _insert_from(
+        self,
+        start: ScopedNode,
+        start_tokens: int,
+        key: bytes,
+        slots: torch.Tensor,
+        principal: str,
+        chunked: bool,
+        priority: int,
+        rid: str | None,
+    ) -> tuple[ScopedNode, int]:
         """Insert key[start_tokens:] below `start` (a node the principal holds, ending at
         start_tokens): on along the visible copies, then (dedup) the copies it has just
         recomputed, then new leaves. Returns the node where the key ends and the tokens the tree
@@ -419,8 +464,16 @@ class ScopedRadixCache(BasePrefixCache):
             node = copy
         return node, pos
 
-    def _add_leaves(self, parent: ScopedNode, key: bytes, value: np.ndarray, principal: str, hits: int,
-                    priority: int, rid: str | None) -> ScopedNode:
+    def _add_leaves(
+        self,
+        parent: ScopedNode,
+        key: bytes,
+        value: np.ndarray,
+        principal: str,
+        hits: int,
+        priority: int,
+        rid: str | None,
+    ) -> ScopedNode:
         """New pages: pinned while they lie on a declared prefix under a public/pinned parent,
         private to `principal` after that."""
         pinned_pages = 0
@@ -431,15 +484,26 @@ class ScopedRadixCache(BasePrefixCache):
                 pinned_pages += 1
         cut = pinned_pages * self.page_size
         if cut:
-            parent = self._add_scoped_leaf(parent, key[: cut * TOKEN_BYTES], value[:cut], principal, PINNED, hits,
-                                    priority, rid)
+            parent = self._add_scoped_leaf(
+                parent, key[: cut * TOKEN_BYTES], value[:cut], principal, PINNED, hits, priority, rid
+            )
         if cut < len(value):
-            parent = self._add_scoped_leaf(parent, key[cut * TOKEN_BYTES :], value[cut:], principal, PRIVATE, hits,
-                                    priority, rid)
+            parent = self._add_scoped_leaf(
+                parent, key[cut * TOKEN_BYTES :], value[cut:], principal, PRIVATE, hits, priority, rid
+            )
         return parent
 
-    def _add_scoped_leaf(self, parent: ScopedNode, key: bytes, value: np.ndarray, principal: str,
-                         visibility: Visibility, hits: int, priority: int, rid: str | None) -> ScopedNode:
+    def _add_scoped_leaf(
+        self,
+        parent: ScopedNode,
+        key: bytes,
+        value: np.ndarray,
+        principal: str,
+        visibility: Visibility,
+        hits: int,
+        priority: int,
+        rid: str | None,
+    ) -> ScopedNode:
         self.tree.claim(value)
         leaf = ScopedNode(key, value, next(self._ticks))
         leaf.parent, leaf.owner, leaf.hit_count, leaf.priority = parent, principal, hits, priority
@@ -449,8 +513,17 @@ class ScopedRadixCache(BasePrefixCache):
         parent.children.setdefault(key[: self.page_bytes], []).append(leaf)
         self.tree.count_new(parent, leaf, value)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=leaf.id, num_tokens=len(value),
-                                 slots=value, aux=parent.id, principal=principal, reason=visibility)
+            self.recorder.record(
+                EventKind.INSERT,
+                pool=PoolName.FULL,
+                rid=rid,
+                node_id=leaf.id,
+                num_tokens=len(value),
+                slots=value,
+                aux=parent.id,
+                principal=principal,
+                reason=visibility,
+            )
         return leaf
 
     def _split(self, child: ScopedNode, split_len: int) -> ScopedNode:
@@ -491,8 +564,9 @@ class ScopedRadixCache(BasePrefixCache):
         kv = request_row(self.req_to_token_pool, req, len(ids))
         key_len = len(ids) // self.page_size * self.page_size
         protected = req.cache_protected_len
-        new_last, duplicates_end = self._insert_from(last, protected, page_key(ids, self.page_size), kv,
-                                                     principal_key(req.user), chunked, 0, req.rid)
+        new_last, duplicates_end = self._insert_from(
+            last, protected, page_key(ids, self.page_size), kv, principal_key(req.user), chunked, 0, req.rid
+        )
         self.allocator.free(kv[protected:duplicates_end])
         new_slots = slots_tensor(path_values(new_last), self.device)
         if len(new_slots) != key_len:
@@ -515,8 +589,9 @@ class ScopedRadixCache(BasePrefixCache):
         if is_insert and not last.tombstone:
             self.advance()
             ids = req.fill_ids[:kv_len]
-            duplicates_end = self._insert_from(last, protected, page_key(ids, self.page_size), kv,
-                                               principal_key(req.user), False, 0, req.rid)[1]
+            duplicates_end = self._insert_from(
+                last, protected, page_key(ids, self.page_size), kv, principal_key(req.user), False, 0, req.rid
+            )[1]
         self.allocator.free_segments([(kv[protected:duplicates_end], protected), (kv[key_len:], key_len)])
         self.dec_lock_ref(last, rid=req.rid)
         req.swa_lock_id = None
@@ -560,8 +635,14 @@ class ScopedRadixCache(BasePrefixCache):
         self.stats_counters.demotions += 1
         self.stats_counters.tombstoned_tokens += tokens
         if self.recorder.enabled:
-            self.recorder.record(EventKind.DEMOTE, pool=PoolName.FULL, node_id=node.id, num_tokens=tokens,
-                                 aux=len(principals), principal=joined(principals))
+            self.recorder.record(
+                EventKind.DEMOTE,
+                pool=PoolName.FULL,
+                node_id=node.id,
+                num_tokens=tokens,
+                aux=len(principals),
+                principal=joined(principals),
+            )
         if node.lock_ref == 0:
             self._free_subtree(node)
         else:
@@ -589,8 +670,14 @@ class ScopedRadixCache(BasePrefixCache):
             n.parent = None
             freed.append(n.value)
             if self.recorder.enabled:
-                self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=n.id, num_tokens=len(n.value),
-                                     slots=n.value, reason=EvictReason.TOMBSTONE)
+                self.recorder.record(
+                    EventKind.EVICT,
+                    pool=PoolName.FULL,
+                    node_id=n.id,
+                    num_tokens=len(n.value),
+                    slots=n.value,
+                    reason=EvictReason.TOMBSTONE,
+                )
         self.allocator.free_many(freed)
         self.tree.mark_leaf(parent)
 
@@ -621,8 +708,14 @@ class ScopedRadixCache(BasePrefixCache):
         else:
             chunk = self.tree.delete_leaf(leaf)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=leaf.id,
-                                 num_tokens=len(chunk), slots=chunk, reason=EvictReason.CAPACITY)
+            self.recorder.record(
+                EventKind.EVICT,
+                pool=PoolName.FULL,
+                node_id=leaf.id,
+                num_tokens=len(chunk),
+                slots=chunk,
+                reason=EvictReason.CAPACITY,
+            )
         return chunk
 
     def _detach(self, leaf: ScopedNode) -> None:
@@ -653,8 +746,10 @@ class ScopedRadixCache(BasePrefixCache):
             if parent is None or node not in parent.children.get(node.key[:pb], []):
                 raise IntegrityError(f"node {node.id} is not among its parent's copies under its first page")
             if len(node.key) != TOKEN_BYTES * len(node.value) or not len(node.value) or len(node.value) % ps:
-                raise IntegrityError(f"node {node.id}: {len(node.key) // TOKEN_BYTES} key tokens, "
-                                     f"{len(node.value)} slots, page_size {ps}")
+                raise IntegrityError(
+                    f"node {node.id}: {len(node.key) // TOKEN_BYTES} key tokens, "
+                    f"{len(node.value)} slots, page_size {ps}"
+                )
             if node.lock_ref < 0 or node.lock_ref < sum(c.lock_ref for c in node.copies()):
                 raise IntegrityError(f"node {node.id}: lock_ref {node.lock_ref} below 0 or its children's sum")
             if ps > 1 and (node.value % ps != np.arange(start, start + len(node.value)) % ps).any():
@@ -680,11 +775,14 @@ class ScopedRadixCache(BasePrefixCache):
             return
         if node.visibility == PRIVATE:
             if not node.holders or node.owner is None or (node.owner not in node.holders and not self.dedup):
-                raise IntegrityError(f"node {node.id}: private with holders {sorted(node.holders)}, "
-                                     f"owner {node.owner!r}")
+                raise IntegrityError(
+                    f"node {node.id}: private with holders {sorted(node.holders)}, owner {node.owner!r}"
+                )
             if parent.visibility == PRIVATE and parent is not self.root and not node.holders <= parent.holders:
-                raise IntegrityError(f"node {node.id}: sees wider than its parent {parent.id} "
-                                     f"({sorted(node.holders)} vs {sorted(parent.holders)})")
+                raise IntegrityError(
+                    f"node {node.id}: sees wider than its parent {parent.id} "
+                    f"({sorted(node.holders)} vs {sorted(parent.holders)})"
+                )
         elif parent is not self.root and parent.visibility == PRIVATE:
             raise IntegrityError(f"node {node.id}: {node.visibility} under the private node {parent.id}")
         if node.visibility == PUBLIC and self.promote_k is None:
@@ -697,16 +795,26 @@ class ScopedRadixCache(BasePrefixCache):
                 lines.append(f"root [{node.id}]")
                 continue
             flags = " tombstone" if node.tombstone else ""
-            lines.append(f"{'  ' * depth}[{node.id}] {len(node.value)} tok {node.visibility} owner={node.owner} "
-                         f"lock={node.lock_ref} hits={node.hit_count}{flags}: {preview(node, 6)}")
+            lines.append(
+                f"{'  ' * depth}[{node.id}] {len(node.value)} tok {node.visibility} owner={node.owner} "
+                f"lock={node.lock_ref} hits={node.hit_count}{flags}: {preview(node, 6)}"
+            )
         return "\n".join(lines)
 
     def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]:
         return [
-            NodeRow(node_id=node.id, parent_id=None if node.parent is None else node.parent.id,
-                    num_tokens=len(node.value), token_preview=preview(node, preview_tokens), lock_ref=node.lock_ref,
-                    last_access_time=float(node.last_access_time), hit_count=node.hit_count, owner=node.owner,
-                    tombstone=node.tombstone, depth_tokens=start + len(node.value),
-                    visibility=node.visibility if node is not self.root else PUBLIC)
+            NodeRow(
+                node_id=node.id,
+                parent_id=None if node.parent is None else node.parent.id,
+                num_tokens=len(node.value),
+                token_preview=preview(node, preview_tokens),
+                lock_ref=node.lock_ref,
+                last_access_time=float(node.last_access_time),
+                hit_count=node.hit_count,
+                owner=node.owner,
+                tombstone=node.tombstone,
+                depth_tokens=start + len(node.value),
+                visibility=node.visibility if node is not self.root else PUBLIC,
+            )
             for node, _, start in walk_scoped(self.root)
         ]

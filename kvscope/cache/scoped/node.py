@@ -53,8 +53,10 @@ class ScopedNode(NodeBase):
         return not self.tombstone and (self.visibility != PRIVATE or principal in self.holders)
 
     def __repr__(self) -> str:
-        return (f"ScopedNode(id={self.id}, tokens={len(self.value)}, {self.visibility}, owner={self.owner!r}, "
-                f"lock_ref={self.lock_ref})")
+        return (
+            f"ScopedNode(id={self.id}, tokens={len(self.value)}, {self.visibility}, owner={self.owner!r}, "
+            f"lock_ref={self.lock_ref})"
+        )
 
 
 def detach_copy(leaf: ScopedNode, page_bytes: int) -> None:

@@ -120,20 +120,26 @@ class SWARadixCache(SWAPrefixCache):
 
     # -- match -----------------------------------------------------------------------------
 
-    def match_prefix(
-        self, token_ids: np.ndarray, user: str | None = None, rid: str | None = None
-    ) -> MatchResult:
+    def match_prefix(self, token_ids: np.ndarray, user: str | None = None, rid: str | None = None) -> MatchResult:
         ids = as_token_ids(token_ids)
         key = ids[: len(ids) // self.page_size * self.page_size].tobytes()
         values, node = self.walk_match(key)
         slots = slots_tensor(values, self.device)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.MATCH, pool=PoolName.FULL, rid=rid, node_id=node.id,
-                                 num_tokens=len(slots), aux=len(ids) - len(slots), principal=user)
+            self.recorder.record(
+                EventKind.MATCH,
+                pool=PoolName.FULL,
+                rid=rid,
+                node_id=node.id,
+                num_tokens=len(slots),
+                aux=len(ids) - len(slots),
+                principal=user,
+            )
             cross = foreign_tokens(node, user)
             if cross:
-                self.recorder.record(EventKind.CROSS_HIT, pool=PoolName.FULL, rid=rid, node_id=node.id,
-                                     num_tokens=cross, principal=user)
+                self.recorder.record(
+                    EventKind.CROSS_HIT, pool=PoolName.FULL, rid=rid, node_id=node.id, num_tokens=cross, principal=user
+                )
         return MatchResult(slots, node)
 
     def walk_match(self, key: bytes, user: str | None = None) -> tuple[list[np.ndarray], SWANode]:
@@ -212,7 +218,13 @@ class SWARadixCache(SWAPrefixCache):
         return pos
 
     def _walk_insert(
-        self, key: bytes, value: np.ndarray, chunked: bool, priority: int, prev_prefix_len: int, evicted_len: int,
+        self,
+        key: bytes,
+        value: np.ndarray,
+        chunked: bool,
+        priority: int,
+        prev_prefix_len: int,
+        evicted_len: int,
     ) -> tuple[SWANode, int]:
         node, pos, key_len = self.root, 0, len(value)
         while pos < key_len:
@@ -268,13 +280,24 @@ class SWARadixCache(SWAPrefixCache):
         node.tombstone = False
         self._swa_evictable_size += len(node.value)
         if self.recorder.enabled:  # both halves: the node's full slots, then the SWA slots now behind them
-            self.recorder.record(EventKind.REVIVE, pool=PoolName.FULL, node_id=node.id,
-                                 num_tokens=len(node.value), slots=node.value)
-            self.recorder.record(EventKind.REVIVE, pool=PoolName.SWA, node_id=node.id, num_tokens=len(node.value),
-                                 slots=self.allocator.translate_loc(self._t(node.value)))
+            self.recorder.record(
+                EventKind.REVIVE, pool=PoolName.FULL, node_id=node.id, num_tokens=len(node.value), slots=node.value
+            )
+            self.recorder.record(
+                EventKind.REVIVE,
+                pool=PoolName.SWA,
+                node_id=node.id,
+                num_tokens=len(node.value),
+                slots=self.allocator.translate_loc(self._t(node.value)),
+            )
 
     def _add_tail(
-        self, node: SWANode, key: bytes, value: np.ndarray, t: int, e: int,
+        self,
+        node: SWANode,
+        key: bytes,
+        value: np.ndarray,
+        t: int,
+        e: int,
         meta: tuple[str | None, bool, int, str | None],
     ) -> SWANode:
         key_len = len(value)
@@ -288,7 +311,11 @@ class SWARadixCache(SWAPrefixCache):
         return self._add_node(node, key[t * TOKEN_BYTES :], value[t:], False, meta)
 
     def _add_node(
-        self, parent: SWANode, key: bytes, value: np.ndarray, tombstone: bool,
+        self,
+        parent: SWANode,
+        key: bytes,
+        value: np.ndarray,
+        tombstone: bool,
         meta: tuple[str | None, bool, int, str | None],
     ) -> SWANode:
         user, chunked, priority, rid = meta
@@ -303,11 +330,26 @@ class SWARadixCache(SWAPrefixCache):
         if not tombstone:
             self._swa_evictable_size += len(value)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.INSERT, pool=PoolName.FULL, rid=rid, node_id=node.id,
-                                 num_tokens=len(value), slots=value, aux=parent.id, principal=user)
+            self.recorder.record(
+                EventKind.INSERT,
+                pool=PoolName.FULL,
+                rid=rid,
+                node_id=node.id,
+                num_tokens=len(value),
+                slots=value,
+                aux=parent.id,
+                principal=user,
+            )
             if tombstone:
-                self.recorder.record(EventKind.TOMBSTONE, pool=PoolName.SWA, rid=rid, node_id=node.id,
-                                     num_tokens=len(value), slots=value, reason=EvictReason.TOMBSTONE)
+                self.recorder.record(
+                    EventKind.TOMBSTONE,
+                    pool=PoolName.SWA,
+                    rid=rid,
+                    node_id=node.id,
+                    num_tokens=len(value),
+                    slots=value,
+                    reason=EvictReason.TOMBSTONE,
+                )
         return node
 
     # -- requests (shared bookkeeping in tree/requests.py; docs/memory-semantics.md §5.4) ------
@@ -318,8 +360,9 @@ class SWARadixCache(SWAPrefixCache):
     def cache_finished_req(self, req: CacheableRequest, is_insert: bool = True) -> None:
         cache_finished_req(self, req, is_insert)
 
-    def insert_unfinished(self, req: CacheableRequest, token_ids: np.ndarray, slots: torch.Tensor,
-                          chunked: bool) -> int:
+    def insert_unfinished(
+        self, req: CacheableRequest, token_ids: np.ndarray, slots: torch.Tensor, chunked: bool
+    ) -> int:
         """The insert frees the duplicates; the frontier joins the tree's new range.
 
         NOTE: while a request prefills, its frontier stays within the tree's range
@@ -338,8 +381,9 @@ class SWARadixCache(SWAPrefixCache):
     def insert_finished(self, req: CacheableRequest, token_ids: np.ndarray, slots: torch.Tensor) -> int:
         """The insert frees the duplicates; [p, e) goes in with its full KV only."""
         protected = req.cache_protected_len
-        self.insert(token_ids, slots, user=req.user, rid=req.rid, prev_prefix_len=protected,
-                    swa_evicted_len=req.swa_evicted_len)
+        self.insert(
+            token_ids, slots, user=req.user, rid=req.rid, prev_prefix_len=protected, swa_evicted_len=req.swa_evicted_len
+        )
         return protected
 
     def window_range(self, req: CacheableRequest, pre_len: int) -> tuple[int, int]:
@@ -386,8 +430,9 @@ class SWARadixCache(SWAPrefixCache):
                 )
             swa_len += len(node.value)
 
-    def dec_lock_ref(self, node: SWANode, lock_id: int | None = None, rid: str | None = None,
-                     skip_swa: bool = False) -> None:
+    def dec_lock_ref(
+        self, node: SWANode, lock_id: int | None = None, rid: str | None = None, skip_swa: bool = False
+    ) -> None:
         if node is not self.root and node.lock_ref <= 0:
             raise CacheMisuseError(f"dec_lock_ref on node {node.id}, which is not locked (lock_ref {node.lock_ref})")
         start, moved, swa_moved, dec_swa = node, 0, 0, not skip_swa
@@ -484,8 +529,14 @@ class SWARadixCache(SWAPrefixCache):
         node.tombstone = True
         self._swa_evictable_size -= len(node.value)
         if self.recorder.enabled:
-            self.recorder.record(EventKind.TOMBSTONE, pool=PoolName.SWA, node_id=node.id,
-                                 num_tokens=len(node.value), slots=node.value, reason=EvictReason.TOMBSTONE)
+            self.recorder.record(
+                EventKind.TOMBSTONE,
+                pool=PoolName.SWA,
+                node_id=node.id,
+                num_tokens=len(node.value),
+                slots=node.value,
+                reason=EvictReason.TOMBSTONE,
+            )
 
     def _delete_cascade(self, leaf: SWANode) -> tuple[SWANode, int]:
         """Delete an unlocked leaf and the tombstone parents it leaves childless and unlocked.
@@ -518,8 +569,15 @@ class SWARadixCache(SWAPrefixCache):
         if self.strict:
             self._tree_slot[leaf.value] = False
         if self.recorder.enabled:
-            self.recorder.record(EventKind.EVICT, pool=PoolName.FULL, node_id=leaf.id, num_tokens=len(leaf.value),
-                                 slots=leaf.value, reason=EvictReason.CAPACITY, aux=int(leaf.tombstone))
+            self.recorder.record(
+                EventKind.EVICT,
+                pool=PoolName.FULL,
+                node_id=leaf.id,
+                num_tokens=len(leaf.value),
+                slots=leaf.value,
+                reason=EvictReason.CAPACITY,
+                aux=int(leaf.tombstone),
+            )
         return leaf.value
 
     # -- views -----------------------------------------------------------------------------
@@ -535,8 +593,9 @@ class SWARadixCache(SWAPrefixCache):
         check_swa_radix_integrity(self, self._tree_slot if self.strict else None)
 
     def pretty_print(self) -> str:
-        return render(self.root, extra=lambda n: f"swa_lock={n.swa_lock_ref} t={n.last_access_time:g}",
-                      tombstone=is_tombstone)
+        return render(
+            self.root, extra=lambda n: f"swa_lock={n.swa_lock_ref} t={n.last_access_time:g}", tombstone=is_tombstone
+        )
 
     def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]:
         return export_rows(self.root, preview_tokens, tombstone=is_tombstone)

@@ -39,8 +39,17 @@ def check_tree_options(allocator: BaseTokenAllocator, page_size: int, eviction_g
 
 
 class LockedTree(Generic[N]):
-    def __init__(self, root: N, allocator: BaseTokenAllocator, policy: EvictionPolicy, *, deeper_first: bool,
-                 strict: bool, detach: Callable[[N], None], is_leaf: Callable[[N], bool]) -> None:
+    def __init__(
+        self,
+        root: N,
+        allocator: BaseTokenAllocator,
+        policy: EvictionPolicy,
+        *,
+        deeper_first: bool,
+        strict: bool,
+        detach: Callable[[N], None],
+        is_leaf: Callable[[N], bool],
+    ) -> None:
         root.lock_ref = 1
         root.priority = ROOT_PRIORITY
         self.root = root

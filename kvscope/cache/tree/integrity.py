@@ -63,9 +63,7 @@ def check_sizes(what: str, found: Sequence[int], said: Sequence[int]) -> None:
         raise IntegrityError(f"sizes ({what}): tree has {tuple(found)}, counters say {tuple(said)}")
 
 
-def check_tree_slots(
-    values: list[np.ndarray], allocator: BaseTokenAllocator, tree_slot: np.ndarray | None
-) -> None:
+def check_tree_slots(values: list[np.ndarray], allocator: BaseTokenAllocator, tree_slot: np.ndarray | None) -> None:
     """No slot in two nodes, no padding slot, no tree slot on a page `allocator` holds free,
     and (strict, `tree_slot` given) the tree-slot bitmap agrees."""
     slots = np.concatenate(values) if values else np.empty(0, dtype=np.int64)

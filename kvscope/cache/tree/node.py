@@ -31,8 +31,17 @@ class NodeBase:
 
     NOTE: `parent` is None for the root and for a node deleted from the tree."""
 
-    __slots__ = ("creation_time", "hit_count", "id", "key", "last_access_time", "lock_ref", "owner", "parent",
-                 "priority")
+    __slots__ = (
+        "creation_time",
+        "hit_count",
+        "id",
+        "key",
+        "last_access_time",
+        "lock_ref",
+        "owner",
+        "parent",
+        "priority",
+    )
 
     def __init__(self, key: bytes = b"", now: float = 0.0) -> None:
         self.id = next(_node_ids)
@@ -216,15 +225,29 @@ def export_rows(root: T, preview_tokens: int = 8, tombstone: Callable[[T], bool]
     """NOTE: positional NodeRow fields (a tree snapshot exports every node: it is on the engine's time).
     `tombstone`: the family's flag (a radix tree has none); visibility is public (no scopes)."""
     return [
-        NodeRow(node.id, None if node.parent is None else node.parent.id, len(node.value),
-                preview(node, preview_tokens), node.lock_ref, node.last_access_time, node.hit_count, node.owner,
-                tombstone is not None and tombstone(node), start + len(node.value), "public")
+        NodeRow(
+            node.id,
+            None if node.parent is None else node.parent.id,
+            len(node.value),
+            preview(node, preview_tokens),
+            node.lock_ref,
+            node.last_access_time,
+            node.hit_count,
+            node.owner,
+            tombstone is not None and tombstone(node),
+            start + len(node.value),
+            "public",
+        )
         for node, _, start in walk(root)
     ]
 
 
-def render(root: F, preview_tokens: int = 6, extra: Callable[[F], str] | None = None,
-           tombstone: Callable[[F], bool] | None = None) -> str:
+def render(
+    root: F,
+    preview_tokens: int = 6,
+    extra: Callable[[F], str] | None = None,
+    tombstone: Callable[[F], bool] | None = None,
+) -> str:
     lines = []
     for node, depth, _ in walk(root):
         if node is root:

@@ -48,8 +48,10 @@ def no_evictions(chosen: Selection, caps: Capabilities) -> None:
         usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
         counter = attached.value(usage.iloc[-1], "cum_evicted_tokens") if not usage.empty else None
         extra = "" if counter is None else f" The engine's own counter says {counter:,} tokens evicted."
-        st.info("No evict events in this run (the engine evicted no page while kvscope was attached, or its KV "
-                f"events were not subscribed).{extra}")
+        st.info(
+            "No evict events in this run (the engine evicted no page while kvscope was attached, or its KV "
+            f"events were not subscribed).{extra}"
+        )
         return
     level = "" if chosen.run.level == "full" else " (the run was recorded at level summary: no events)"
     st.info(f"No evictions in this run{level}.")
@@ -64,23 +66,31 @@ def panel(chosen: Selection) -> None:
         return
 
     if chosen.tenant is not None:
-        st.caption(f"Evictions are of the whole cache, every tenant's nodes (the tenant filter, {chosen.tenant}, "
-                   "applies to the Requests page, the Radix tree's node details and the Memory page's sharing views).")
+        st.caption(
+            f"Evictions are of the whole cache, every tenant's nodes (the tenant filter, {chosen.tenant}, "
+            "applies to the Requests page, the Radix tree's node details and the Memory page's sharing views)."
+        )
     total = int(summary["num_evictions"].sum())
     cols = st.columns(3)
     cols[0].metric("evictions" if caps.has("slots") else f"evictions ({caps.unit})", f"{total:,}")
     cols[1].metric("evicted tokens", f"{int(summary['evicted_tokens'].sum()):,}")
     cols[2].metric("reasons", ", ".join(sorted(set(summary["reason"]))))
     if caps.has("forest"):
-        st.caption("From the engine's KV events, a page at a time: "
-                   + "; ".join(f"**{reason}**: {reported.EVICT_REASONS[reason]}"
-                               for reason in sorted(set(summary["reason"])) if reason in reported.EVICT_REASONS)
-                   + ".")
+        st.caption(
+            "From the engine's KV events, a page at a time: "
+            + "; ".join(
+                f"**{reason}**: {reported.EVICT_REASONS[reason]}"
+                for reason in sorted(set(summary["reason"]))
+                if reason in reported.EVICT_REASONS
+            )
+            + "."
+        )
     st.dataframe(summary, hide_index=True)
     over_steps = data.evictions_over_steps(chosen.path, chosen.run_id, chosen.stamp)
     if int(over_steps["steps"].max()) > 1:
-        st.caption(f"Summed in SQL over buckets of {int(over_steps['steps'].max())} steps (at most {data.MAX_POINTS} "
-                   "points).")
+        st.caption(
+            f"Summed in SQL over buckets of {int(over_steps['steps'].max())} steps (at most {data.MAX_POINTS} points)."
+        )
     st.plotly_chart(charts.evictions_figure(over_steps), key="evictions.per_step")
     if caps.has("regret"):
         log_section(chosen, total)
@@ -91,8 +101,9 @@ def panel(chosen: Selection) -> None:
 def log_section(chosen: Selection, total: int) -> None:
     st.subheader("Eviction log")
     num_pages = max(1, -(-total // PAGE_ROWS))
-    page = int(st.number_input(f"page (of {num_pages}, {PAGE_ROWS} evictions each)", 1, num_pages, 1,
-                               key="evictions.page"))
+    page = int(
+        st.number_input(f"page (of {num_pages}, {PAGE_ROWS} evictions each)", 1, num_pages, 1, key="evictions.page")
+    )
     log = data.eviction_log(chosen.path, chosen.run_id, chosen.stamp, PAGE_ROWS, (page - 1) * PAGE_ROWS)
     regret = log[log["regret_tokens"] > 0]
     cols = st.columns(3)
@@ -107,11 +118,15 @@ def log_section(chosen: Selection, total: int) -> None:
             "- **evicted, then needed again**: a later prefix match stopped at the evicted node (if partly evicted) "
             "or at its parent at eviction time, and then missed tokens. **regret tokens** = min(evicted tokens, that "
             "first match's miss): tokens a later request probably had to recompute. A request that branched off at "
-            "the same parent for other reasons counts too, so this is an upper bound.")
+            "the same parent for other reasons counts too, so this is an upper bound."
+        )
     st.plotly_chart(charts.eviction_idle_figure(log), key="evictions.idle")
     zone = timing.zone_name() if reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run) else None
-    st.caption("Times are wall-clock " + (f"times of day ({zone})" if zone else "seconds since the run's first event")
-               + ", to the millisecond.")
+    st.caption(
+        "Times are wall-clock "
+        + (f"times of day ({zone})" if zone else "seconds since the run's first event")
+        + ", to the millisecond."
+    )
     st.dataframe(log_table(chosen, log), hide_index=True, column_config=LOG_COLUMNS, column_order=list(LOG_COLUMNS))
 
 

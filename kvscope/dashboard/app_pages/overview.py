@@ -43,24 +43,39 @@ def pool_metrics(last: pd.Series, checks: pd.DataFrame, report: LeakReport, caps
         total, used = int(terms["total"]), int(terms["total"] - terms["free"] - terms["evictable"])
         cols = iter(st.columns(6))
         next(cols).metric(f"{pool}: total", f"{total:,}", help=f"the pool's size in {unit}")
-        next(cols).metric(f"{pool}: used", f"{used:,}", help=f"{used / (total or 1):.0%} of {total:,}: total - free "
-                          "- evictable (SGLang's kv_used_tokens), the protected ones plus those held outside the tree")
+        next(cols).metric(
+            f"{pool}: used",
+            f"{used:,}",
+            help=f"{used / (total or 1):.0%} of {total:,}: total - free "
+            "- evictable (SGLang's kv_used_tokens), the protected ones plus those held outside the tree",
+        )
         if caps.has("usage.split"):
             next(cols).metric(f"{pool}: evictable", f"{int(terms['evictable']):,}", help="cached, unused")
         if caps.has("locks"):
-            next(cols).metric(f"{pool}: protected", f"{int(terms['protected']):,}",
-                              help=protected_help(pool, int(last["step"]), int(last["num_running"]), checks, report))
+            next(cols).metric(
+                f"{pool}: protected",
+                f"{int(terms['protected']):,}",
+                help=protected_help(pool, int(last["step"]), int(last["num_running"]), checks, report),
+            )
         if idle:
-            next(cols).metric(f"{pool}: missing", f"{int(terms['requests']):,}",
-                              help=f"no request is running, so all {caps.unit} should be free or cached: these are "
-                                   "neither (held by nobody: what the leak check reports)")
+            next(cols).metric(
+                f"{pool}: missing",
+                f"{int(terms['requests']):,}",
+                help=f"no request is running, so all {caps.unit} should be free or cached: these are "
+                "neither (held by nobody: what the leak check reports)",
+            )
         else:
-            next(cols).metric(f"{pool}: held by requests", f"{int(terms['requests']):,}",
-                              help=f"{caps.unit} running requests hold outside the cache (plus any leaked ones)")
+            next(cols).metric(
+                f"{pool}: held by requests",
+                f"{int(terms['requests']):,}",
+                help=f"{caps.unit} running requests hold outside the cache (plus any leaked ones)",
+            )
         next(cols).metric(f"{pool}: free", f"{int(terms['free']):,}")
     if caps.has("slots"):
-        st.caption(f"Request pool: {int(last['req_total'] - last['req_available']):,} of {int(last['req_total']):,} "
-                   "rows in use.")
+        st.caption(
+            f"Request pool: {int(last['req_total'] - last['req_available']):,} of {int(last['req_total']):,} "
+            "rows in use."
+        )
     capability.cannot(caps, "usage.split", "locks")
 
 
@@ -70,9 +85,12 @@ def recent_eviction_metric(column: Any, chosen: Selection, rows: pd.DataFrame) -
     window_s = float(last["t_mono"]) - float(first["t_mono"])
     recent = data.recent_evictions(chosen.path, chosen.run_id, chosen.stamp, int(first["step"])).iloc[0]
     rate = "–" if window_s <= 0 else f"{int(recent['num_evictions']) / window_s:.1f}"
-    column.metric(f"evictions / s (last {window_s:.0f} s)", rate,
-                  help=f"{int(recent['num_evictions']):,} evictions ({int(recent['evicted_tokens']):,} tokens) in "
-                       f"the last {window_s:.1f} s; {int(last['cum_evicted_tokens']):,} tokens in all")
+    column.metric(
+        f"evictions / s (last {window_s:.0f} s)",
+        rate,
+        help=f"{int(recent['num_evictions']):,} evictions ({int(recent['evicted_tokens']):,} tokens) in "
+        f"the last {window_s:.1f} s; {int(last['cum_evicted_tokens']):,} tokens in all",
+    )
 
 
 def whole_run_eviction_metric(column: Any, chosen: Selection, run: Any, last: pd.Series) -> None:
@@ -92,10 +110,16 @@ def traffic_metrics(chosen: Selection, run: Any, rows: pd.DataFrame) -> None:
     last = rows.iloc[-1]
     rates = charts.hit_rates(last)
     cols = st.columns(5)
-    cols[0].metric("hit rate: tokens", _pct(rates.token_weighted),
-                   help="token-weighted: cached prompt tokens / prompt tokens (the ratio of sums)")
-    cols[1].metric("hit rate: requests", _pct(rates.request_weighted),
-                   help="request-weighted: requests that hit any cached prefix / requests")
+    cols[0].metric(
+        "hit rate: tokens",
+        _pct(rates.token_weighted),
+        help="token-weighted: cached prompt tokens / prompt tokens (the ratio of sums)",
+    )
+    cols[1].metric(
+        "hit rate: requests",
+        _pct(rates.request_weighted),
+        help="request-weighted: requests that hit any cached prefix / requests",
+    )
     cols[2].metric("running / waiting", f"{int(last['num_running'])} / {int(last['num_waiting'])}")
     if str(run["display_status"]) == "running":
         recent_eviction_metric(cols[3], chosen, rows)
@@ -130,12 +154,19 @@ def live_panel() -> None:
         reported.counters_panel(chosen)
     rows = data.latest_usage(chosen.path, chosen.run_id, chosen.stamp)
     if rows.empty:
-        st.info("No usage samples yet: the run has not finished its first step." if caps.has("ownership") else
-                "No scrape of the engine's /metrics recorded yet.")
+        st.info(
+            "No usage samples yet: the run has not finished its first step."
+            if caps.has("ownership")
+            else "No scrape of the engine's /metrics recorded yet."
+        )
         return
     if caps.has("ownership"):
-        pool_metrics(rows.iloc[-1], data.leak_checks(chosen.path, chosen.run_id, chosen.stamp),
-                     data.verdict_report(chosen.path, chosen.run_id, chosen.stamp), caps)
+        pool_metrics(
+            rows.iloc[-1],
+            data.leak_checks(chosen.path, chosen.run_id, chosen.stamp),
+            data.verdict_report(chosen.path, chosen.run_id, chosen.stamp),
+            caps,
+        )
         traffic_metrics(chosen, chosen.run, rows)
         usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
         st.plotly_chart(charts.live_usage_figure(usage), key="overview.usage")

@@ -22,18 +22,24 @@ RID_TEXT_KEY = "requests.rid_text"
 LATENCY_COLUMNS = {
     "latency": st.column_config.TextColumn("latency", width=150),
     "requests": st.column_config.NumberColumn("requests", width=80),
-    **{f"{name} (ms)": st.column_config.NumberColumn(f"{name} (ms)", format="%.1f", width=90)
-       for name in ("p50", "p90", "p99", "max")},
+    **{
+        f"{name} (ms)": st.column_config.NumberColumn(f"{name} (ms)", format="%.1f", width=90)
+        for name in ("p50", "p90", "p99", "max")
+    },
 }
-TIME_COLUMNS = {name: st.column_config.DatetimeColumn(name, format=timing.DATETIME_COLUMN_FORMAT)
-                for name in ("arrive", "admit", "first token", "finish", "retract")}
+TIME_COLUMNS = {
+    name: st.column_config.DatetimeColumn(name, format=timing.DATETIME_COLUMN_FORMAT)
+    for name in ("arrive", "admit", "first token", "finish", "retract")
+}
 
 
 def latency_section(latency_ms: pd.DataFrame) -> None:
     st.subheader("Latency")
-    st.caption("**queue** = admit − arrive, **time to first token** = first token − arrive, **end to end** = "
-               "finish − arrive, over the requests that reached that stage (aborted, unfinished or in-flight requests "
-               "count only for the stages they reached). Percentiles interpolate between requests.")
+    st.caption(
+        "**queue** = admit − arrive, **time to first token** = first token − arrive, **end to end** = "
+        "finish − arrive, over the requests that reached that stage (aborted, unfinished or in-flight requests "
+        "count only for the stages they reached). Percentiles interpolate between requests."
+    )
     table = timing.latency_percentiles(latency_ms)
     st.dataframe(table, hide_index=True, column_config=LATENCY_COLUMNS)
     st.plotly_chart(latency.latency_figure(latency_ms), key="requests.latency")
@@ -44,10 +50,15 @@ def throughput_section(chosen: Selection, clock: timing.Clock | None) -> None:
     if len(usage) < 2:
         return
     st.subheader("Hit rate and tokens per second over time")
-    st.caption("From the usage samples' running totals: the token hit rate so far and over the last five samples, "
-               "and prompt tokens (cached or computed) and cached tokens admitted per second over the same window. "
-               + (f"Times are {timing.zone_name()}." if clock is not None else "This capture has no clock: seconds "
-                  "since its first sample."))
+    st.caption(
+        "From the usage samples' running totals: the token hit rate so far and over the last five samples, "
+        "and prompt tokens (cached or computed) and cached tokens admitted per second over the same window. "
+        + (
+            f"Times are {timing.zone_name()}."
+            if clock is not None
+            else "This capture has no clock: seconds since its first sample."
+        )
+    )
     series = timing.throughput(usage, clock)
     st.plotly_chart(latency.throughput_figure(series, clock is not None), key="requests.throughput")
 
@@ -58,8 +69,10 @@ def lookups_section(chosen: Selection) -> None:
     if stops.empty:
         return
     st.subheader("Why prefix lookups stopped")
-    st.caption("Each prefix lookup of the run, by the reason its source recorded for where the hit ended; hit and "
-               "missed tokens are summed over those lookups.")
+    st.caption(
+        "Each prefix lookup of the run, by the reason its source recorded for where the hit ended; hit and "
+        "missed tokens are summed over those lookups."
+    )
     st.dataframe(stops, hide_index=True)
 
 
@@ -70,8 +83,9 @@ def pick_request(path: str, run_id: int, stamp: float, tenant: str | None, num_r
     if num_requests > PICK_FROM_MAX:
         if linked is not None:
             st.session_state[RID_TEXT_KEY] = linked
-        typed = st.text_input(f"request (one of {num_requests:,}: type its id)", key=RID_TEXT_KEY,
-                              help="empty: every request").strip()
+        typed = st.text_input(
+            f"request (one of {num_requests:,}: type its id)", key=RID_TEXT_KEY, help="empty: every request"
+        ).strip()
         if typed and data.request_page(path, run_id, stamp, tenant, None, typed, 1, 0).empty:
             url_state.note(f"The request {typed!r} is not in this run: showing all requests.")
             typed = ""
@@ -117,8 +131,10 @@ def panel(chosen: Selection) -> None:
     if chosen.tenant is not None:
         totals = data.request_totals(chosen.path, chosen.run_id, chosen.stamp, chosen.tenant)
         num_of_tenant = int(totals["num_requests"].sum()) if not totals.empty else 0
-        st.caption(f"Only the requests of tenant **{chosen.tenant}** ({num_of_tenant:,}): pick all tenants in the "
-                   "sidebar to see every request.")
+        st.caption(
+            f"Only the requests of tenant **{chosen.tenant}** ({num_of_tenant:,}): pick all tenants in the "
+            "sidebar to see every request."
+        )
         if totals.empty:
             with notes:
                 url_state.show_notes()
@@ -148,20 +164,31 @@ def table_section(chosen: Selection, totals: pd.DataFrame, notes: Any, clock: ti
     with notes:
         url_state.show_notes()
     num_pages = max(1, -(-num_shown // PAGE_ROWS))
-    page = int(st.number_input(f"page (of {num_pages}, {PAGE_ROWS} requests each, by arrival)", 1, num_pages, 1,
-                               key="requests.page"))
-    window = data.request_page(chosen.path, chosen.run_id, chosen.stamp, chosen.tenant, statuses, rid, PAGE_ROWS,
-                               (page - 1) * PAGE_ROWS)
+    page = int(
+        st.number_input(
+            f"page (of {num_pages}, {PAGE_ROWS} requests each, by arrival)", 1, num_pages, 1, key="requests.page"
+        )
+    )
+    window = data.request_page(
+        chosen.path, chosen.run_id, chosen.stamp, chosen.tenant, statuses, rid, PAGE_ROWS, (page - 1) * PAGE_ROWS
+    )
     allocs = data.allocs_of_requests(chosen.path, chosen.run_id, chosen.stamp, tuple(window["rid"]))
-    st.caption("Steps on the x axis: waiting (arrive → admit), prefill (admit → first token; dots are the steps that "
-               "allocated prefill chunks), decode (first token → finish); a cross marks a retraction.")
+    st.caption(
+        "Steps on the x axis: waiting (arrive → admit), prefill (admit → first token; dots are the steps that "
+        "allocated prefill chunks), decode (first token → finish); a cross marks a retraction."
+    )
     st.plotly_chart(charts.request_timeline_figure(window, allocs), key="requests.timeline")
     st.plotly_chart(charts.cached_tokens_figure(window), key="requests.cached")
-    st.caption("Times are wall-clock " + (timing.zone_name() if clock is not None else "seconds since the first "
-                                                                                         "arrival")
-               + "; latencies in milliseconds.")
-    st.dataframe(latency.request_table(window, timing.latencies(window), clock), hide_index=True,
-                 column_config=TIME_COLUMNS if clock is not None else None)
+    st.caption(
+        "Times are wall-clock "
+        + (timing.zone_name() if clock is not None else "seconds since the first arrival")
+        + "; latencies in milliseconds."
+    )
+    st.dataframe(
+        latency.request_table(window, timing.latencies(window), clock),
+        hide_index=True,
+        column_config=TIME_COLUMNS if clock is not None else None,
+    )
 
 
 chosen = selection()

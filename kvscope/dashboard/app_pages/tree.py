@@ -47,14 +47,19 @@ def pick_step(chosen: Selection, lo: int, hi: int) -> int:
     'follow newest' is on, else the step last chosen (clamped to the range)."""
     _apply_link_step(chosen, lo, hi)
     st.session_state.setdefault(FOLLOW_KEY, True)
-    follow = chosen.running and st.toggle("follow newest", key=FOLLOW_KEY,
-                                          help="Show each new step as the run records it. Moving the slider turns "
-                                               "this off.")
+    follow = chosen.running and st.toggle(
+        "follow newest",
+        key=FOLLOW_KEY,
+        help="Show each new step as the run records it. Moving the slider turns this off.",
+    )
     remembered = _chosen_step(chosen)
     wanted = hi if follow or remembered is None else min(max(remembered, lo), hi)
     st.session_state[STEP_KEY] = wanted
-    step = int(st.slider("step (time travel)", lo, max(hi, lo + 1), key=STEP_KEY, on_change=_moved,
-                         args=(chosen.path, chosen.run_id)))
+    step = int(
+        st.slider(
+            "step (time travel)", lo, max(hi, lo + 1), key=STEP_KEY, on_change=_moved, args=(chosen.path, chosen.run_id)
+        )
+    )
     if remembered is not None:
         st.session_state[CHOSEN_KEY] = (chosen.path, chosen.run_id, step)
     url_state.publish(step=step)
@@ -66,11 +71,17 @@ def step_caption(chosen: Selection, clock: Clock | None, step: int, nodes: pd.Da
     moment = None if clock is None or row.empty else clock.stamp(float(row["t_mono"].iloc[0]))
     when = "" if moment is None else f" (recorded {moment} {zone_name()})"
     below_root = int(nodes["parent_id"].notna().sum())
-    st.caption(f"Step {step}: {below_root:,} nodes below the root, {int(nodes['num_tokens'].sum()):,} cached tokens"
-               f"{when}. Width = "
-               "tokens in the subtree. " + (f"Drawing the {len(drawn):,} largest subtrees and their ancestors; the "
-                                            "rest is blank." if len(drawn) < len(nodes) else "")
-               + " Nodes born after the last snapshot have approximate hit counts and access times.")
+    st.caption(
+        f"Step {step}: {below_root:,} nodes below the root, {int(nodes['num_tokens'].sum()):,} cached tokens"
+        f"{when}. Width = "
+        "tokens in the subtree. "
+        + (
+            f"Drawing the {len(drawn):,} largest subtrees and their ancestors; the rest is blank."
+            if len(drawn) < len(nodes)
+            else ""
+        )
+        + " Nodes born after the last snapshot have approximate hit counts and access times."
+    )
 
 
 def pick_node(drawn: pd.DataFrame, nodes: pd.DataFrame) -> int:
@@ -89,24 +100,30 @@ def pick_node(drawn: pd.DataFrame, nodes: pd.DataFrame) -> int:
     return node_id
 
 
-def node_details(chosen: Selection, clock: Clock | None, step: int, nodes: pd.DataFrame, drawn: pd.DataFrame,
-                 show_preview: bool) -> None:
+def node_details(
+    chosen: Selection, clock: Clock | None, step: int, nodes: pd.DataFrame, drawn: pd.DataFrame, show_preview: bool
+) -> None:
     st.subheader("Node details")
     node_id = pick_node(drawn, nodes)
     detail = nodes[nodes["node_id"] == node_id].drop(columns=[] if show_preview else ["token_preview"])
     columns = {}
     if data.cache_kind(chosen.run) in COUNTER_CLOCK_CACHES:
         columns["last_access_time"] = st.column_config.NumberColumn(
-            "last access (order)", format="%d", help="this cache stamps accesses with a counter, not a clock: a "
-            "larger number is a later access (a node born after the last snapshot: approximate)")
+            "last access (order)",
+            format="%d",
+            help="this cache stamps accesses with a counter, not a clock: a "
+            "larger number is a later access (a node born after the last snapshot: approximate)",
+        )
     elif clock is not None and "last_access_time" in detail:
         detail = detail.assign(last_access_time=clock.datetimes(detail["last_access_time"]))
         columns["last_access_time"] = st.column_config.DatetimeColumn(
-            "last access", format=DATETIME_COLUMN_FORMAT, help=f"wall-clock time, {zone_name()}")
+            "last access", format=DATETIME_COLUMN_FORMAT, help=f"wall-clock time, {zone_name()}"
+        )
     caps = capabilities_of_json(getattr(chosen.run, "config", None))
     if caps.has("refs"):
-        columns["lock_ref"] = st.column_config.NumberColumn("ref count", help="the block's ref count: the requests "
-                                                            "that hold it (a prefix hit shares a block)")
+        columns["lock_ref"] = st.column_config.NumberColumn(
+            "ref count", help="the block's ref count: the requests that hold it (a prefix hit shares a block)"
+        )
     st.dataframe(detail, hide_index=True, column_config=columns)
     refs = int(detail["lock_ref"].fillna(0).iloc[0]) if len(detail) else 0
     if caps.has("locks"):
@@ -125,24 +142,30 @@ def lock_holders(chosen: Selection, step: int, node_id: int, nodes: pd.DataFrame
     is_root = nodes.loc[nodes["node_id"] == node_id, "parent_id"].isna().all()  # NOTE: or an unknown node
     locks = reads.lock_events(chosen.path, chosen.run_id, chosen.stamp)
     if locks.empty:
-        st.caption(f"Node {node_id} has {lock_ref} lock(s)" + (" (its own, permanent: a lock below does not add to "
-                                                               "it)" if is_root else "")
-                   + "; who holds locks needs a capture recorded at level full.")
+        st.caption(
+            f"Node {node_id} has {lock_ref} lock(s)"
+            + (" (its own, permanent: a lock below does not add to it)" if is_root else "")
+            + "; who holds locks needs a capture recorded at level full."
+        )
         return
     held = leak_views.held_locks(locks, step, reads.rid_names(chosen.path, chosen.run_id))
     holders = leak_views.holders_of(node_id, held, nodes)
     if is_root:
-        st.caption(f"The root's own lock is permanent, and its lock count does not include the locks below it. Every "
-                   f"lock holds the path up to the root: {len(holders):,} lock(s) held at step {step}"
-                   + (", by these holders:" if len(holders) else "."))
+        st.caption(
+            f"The root's own lock is permanent, and its lock count does not include the locks below it. Every "
+            f"lock holds the path up to the root: {len(holders):,} lock(s) held at step {step}"
+            + (", by these holders:" if len(holders) else ".")
+        )
         if len(holders):
             st.dataframe(holders, hide_index=True)
         return
     if holders.empty:
         st.caption(f"Node {node_id} has {lock_ref} lock(s) (the root's is permanent).")
         return
-    st.caption(f"Node {node_id} is locked {lock_ref} time(s) at step {step}, held by these requests (a lock on a node "
-               "below it holds it too):")
+    st.caption(
+        f"Node {node_id} is locked {lock_ref} time(s) at step {step}, held by these requests (a lock on a node "
+        "below it holds it too):"
+    )
     st.dataframe(holders, hide_index=True)
 
 
@@ -150,11 +173,16 @@ def block_holders(chosen: Selection, step: int, block: int, refs: int) -> None:
     """The requests holding references on a block at `step`, from the takes and releases."""
     holders = leak_views.block_holders(reads.block_events(chosen.path, chosen.run_id, chosen.stamp), step, block)
     if holders.empty:
-        st.caption(f"Block {block} has no holder at step {step}" + (f" (its ref count says {refs}: a reference no "
-                                                                    "recorded request took)" if refs else "") + ".")
+        st.caption(
+            f"Block {block} has no holder at step {step}"
+            + (f" (its ref count says {refs}: a reference no recorded request took)" if refs else "")
+            + "."
+        )
         return
-    st.caption(f"Block {block} is held by these requests after step {step} (their takes minus their releases; "
-               f"its ref count: {refs}):")
+    st.caption(
+        f"Block {block} is held by these requests after step {step} (their takes minus their releases; "
+        f"its ref count: {refs}):"
+    )
     st.dataframe(holders, hide_index=True)
 
 
@@ -163,15 +191,19 @@ def diff_section(chosen: Selection, lo: int, hi: int, step: int) -> None:
     diff_cols = st.columns(2)
     before_step = diff_cols[0].number_input("from step", lo, hi, max(lo, step - 10), key="tree.diff_from")
     after_step = diff_cols[1].number_input("to step", lo, hi, step, key="tree.diff_to")
-    diff = charts.tree_diff(data.tree_at(chosen.path, chosen.run_id, int(before_step), chosen.stamp),
-                            data.tree_at(chosen.path, chosen.run_id, int(after_step), chosen.stamp))
+    diff = charts.tree_diff(
+        data.tree_at(chosen.path, chosen.run_id, int(before_step), chosen.stamp),
+        data.tree_at(chosen.path, chosen.run_id, int(after_step), chosen.stamp),
+    )
     if diff.empty:
         st.caption("No node changed size between these steps.")
         return
     grew = int(diff.loc[diff["delta"] > 0, "delta"].sum())
     lost = int(-diff.loc[diff["delta"] < 0, "delta"].sum())
-    st.caption(f"{grew:,} tokens grew (new nodes and extended ones), {lost:,} tokens went (evicted, or moved into "
-               "a new upper node by a split).")
+    st.caption(
+        f"{grew:,} tokens grew (new nodes and extended ones), {lost:,} tokens went (evicted, or moved into "
+        "a new upper node by a split)."
+    )
     st.plotly_chart(charts.tree_diff_figure(diff), key="tree.diff")
     st.dataframe(diff, hide_index=True)
 
@@ -191,23 +223,35 @@ def panel(chosen: Selection) -> None:
     cols = st.columns([3, 1, 1, 1])
     with cols[0]:
         step = pick_step(chosen, lo, hi)
-    color_by = cols[1].selectbox("colour by", charts.COLOR_FIELDS, key="tree.color",
-                                 help="owner: the principal that inserted the node; visibility: private (its owner "
-                                      "only), public, pinned (scoped radix; other caches share every node: public); "
-                                      "tier: device, device+host (a host copy too) or host only (hiradix; other caches "
-                                      "keep every node on the device)")
-    max_nodes = int(cols[2].number_input("max nodes drawn", 100, 20_000, charts.tree.DEFAULT_MAX_NODES, step=100,
-                                         key="tree.max_nodes"))
-    show_preview = cols[3].toggle("token previews", value=False, key="tree.preview",
-                                  help="Prompts can be private: previews stay hidden until you turn them on.")
+    color_by = cols[1].selectbox(
+        "colour by",
+        charts.COLOR_FIELDS,
+        key="tree.color",
+        help="owner: the principal that inserted the node; visibility: private (its owner "
+        "only), public, pinned (scoped radix; other caches share every node: public); "
+        "tier: device, device+host (a host copy too) or host only (hiradix; other caches "
+        "keep every node on the device)",
+    )
+    max_nodes = int(
+        cols[2].number_input(
+            "max nodes drawn", 100, 20_000, charts.tree.DEFAULT_MAX_NODES, step=100, key="tree.max_nodes"
+        )
+    )
+    show_preview = cols[3].toggle(
+        "token previews",
+        value=False,
+        key="tree.preview",
+        help="Prompts can be private: previews stay hidden until you turn them on.",
+    )
     tree_section(chosen, clock, step, color_by, max_nodes, show_preview)
     with notes:
         url_state.show_notes()
     diff_section(chosen, lo, hi, step)
 
 
-def tree_section(chosen: Selection, clock: Clock | None, step: int, color_by: str, max_nodes: int,
-                 show_preview: bool) -> None:
+def tree_section(
+    chosen: Selection, clock: Clock | None, step: int, color_by: str, max_nodes: int, show_preview: bool
+) -> None:
     nodes = charts.subtree_values(data.tree_at(chosen.path, chosen.run_id, step, chosen.stamp))
     drawn = charts.cap_nodes(nodes, max_nodes)
     step_caption(chosen, clock, step, nodes, drawn)
@@ -217,8 +261,10 @@ def tree_section(chosen: Selection, clock: Clock | None, step: int, color_by: st
         st.plotly_chart(charts.tree_figure(drawn, color_by, show_preview), key="tree.icicle")
         listed = drawn if chosen.tenant is None else tenants.of_tenant(drawn, chosen.tenant, column="owner")
         if chosen.tenant is not None:
-            st.caption(f"The tree is drawn whole; node details list the {len(listed):,} drawn nodes owned by tenant "
-                       f"**{chosen.tenant}**" + (" (none at this step)." if listed.empty else "."))
+            st.caption(
+                f"The tree is drawn whole; node details list the {len(listed):,} drawn nodes owned by tenant "
+                f"**{chosen.tenant}**" + (" (none at this step)." if listed.empty else ".")
+            )
         if not listed.empty:
             node_details(chosen, clock, step, nodes, listed, show_preview)
 
@@ -229,13 +275,19 @@ def page(chosen: Selection, caps: Capabilities) -> None:
         reported.forest(chosen, caps)
         return
     if caps.has("refs"):
-        st.caption(f"One node per cached block of {caps.engine}, under the block before it in its hash chain; "
-                   "**lock_ref** is the block's ref count (colour by it), and a block's details list the requests "
-                   "that hold it. " + ("Between snapshots the tree follows the insert and evict events, which carry "
-                                       "no ref counts: a block's count is the one of the latest snapshot."
-                                       if caps.has("tree_snapshots") else "No snapshot is stored: the tree is "
-                                       "rebuilt from the insert and evict events alone, so every ref count reads 0 "
-                                       "(the holders below come from the takes and releases)."))
+        st.caption(
+            f"One node per cached block of {caps.engine}, under the block before it in its hash chain; "
+            "**lock_ref** is the block's ref count (colour by it), and a block's details list the requests "
+            "that hold it. "
+            + (
+                "Between snapshots the tree follows the insert and evict events, which carry "
+                "no ref counts: a block's count is the one of the latest snapshot."
+                if caps.has("tree_snapshots")
+                else "No snapshot is stored: the tree is "
+                "rebuilt from the insert and evict events alone, so every ref count reads 0 "
+                "(the holders below come from the takes and releases)."
+            )
+        )
     live.follow(panel, "tree")
 
 

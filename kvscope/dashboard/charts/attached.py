@@ -26,11 +26,17 @@ def device_tokens_figure(usage: pd.DataFrame, used: pd.Series) -> go.Figure:
     series.append(("capacity", capacity.where(capacity > 0), color("full"), "dot"))  # NOTE: 0 = not known
     for name, values, line_color, dash in series:
         if _known(values):
-            fig.add_trace(go.Scatter(x=steps, y=values, name=name, mode="lines",
-                                     line={"color": line_color, "dash": dash}))
+            fig.add_trace(
+                go.Scatter(x=steps, y=values, name=name, mode="lines", line={"color": line_color, "dash": dash})
+            )
     values = pd.concat([s for _, s, _, _ in series])
-    fig.update_layout(height=340, hovermode="x unified", margin={"b": BOTTOM_MARGIN},
-                      yaxis=count_axis(values, "tokens"), xaxis=step_axis(steps))
+    fig.update_layout(
+        height=340,
+        hovermode="x unified",
+        margin={"b": BOTTOM_MARGIN},
+        yaxis=count_axis(values, "tokens"),
+        xaxis=step_axis(steps),
+    )
     return legend_above(fig)
 
 
@@ -41,16 +47,23 @@ def host_tokens_figure(usage: pd.DataFrame, device_used: pd.Series) -> go.Figure
     host_used = host_total - pd.to_numeric(usage["host_available"], errors="coerce")
     device_total = pd.to_numeric(usage["full_total"], errors="coerce")
     fig = go.Figure()
-    for name, values, pool, dash in (("device used", device_used, "full", "solid"),
-                                     ("device total", device_total, "full", "dot"),
-                                     ("host used", host_used, "host", "solid"),
-                                     ("host total", host_total, "host", "dot")):
+    for name, values, pool, dash in (
+        ("device used", device_used, "full", "solid"),
+        ("device total", device_total, "full", "dot"),
+        ("host used", host_used, "host", "solid"),
+        ("host total", host_total, "host", "dot"),
+    ):
         if _known(values):
-            fig.add_trace(go.Scatter(x=steps, y=values, name=name, mode="lines",
-                                     line={"color": color(pool), "dash": dash}))
-    fig.update_layout(height=340, hovermode="x unified", margin={"b": BOTTOM_MARGIN},
-                      yaxis=count_axis(pd.concat([device_used, device_total, host_used, host_total]), "tokens"),
-                      xaxis=step_axis(steps))
+            fig.add_trace(
+                go.Scatter(x=steps, y=values, name=name, mode="lines", line={"color": color(pool), "dash": dash})
+            )
+    fig.update_layout(
+        height=340,
+        hovermode="x unified",
+        margin={"b": BOTTOM_MARGIN},
+        yaxis=count_axis(pd.concat([device_used, device_total, host_used, host_total]), "tokens"),
+        xaxis=step_axis(steps),
+    )
     return legend_above(fig)
 
 
@@ -60,11 +73,23 @@ def request_counts_figure(usage: pd.DataFrame) -> go.Figure:
     fig = go.Figure()
     for column in ("num_running", "num_waiting"):
         name = column.removeprefix("num_")
-        fig.add_trace(go.Scatter(x=steps, y=pd.to_numeric(usage[column], errors="coerce"), name=name,
-                                 mode="lines", line={"color": color(name), "shape": "hv"}))
+        fig.add_trace(
+            go.Scatter(
+                x=steps,
+                y=pd.to_numeric(usage[column], errors="coerce"),
+                name=name,
+                mode="lines",
+                line={"color": color(name), "shape": "hv"},
+            )
+        )
     counts = pd.concat([usage["num_running"], usage["num_waiting"]])
-    fig.update_layout(height=300, hovermode="x unified", margin={"b": BOTTOM_MARGIN},
-                      yaxis=count_axis(counts, "requests"), xaxis=step_axis(steps))
+    fig.update_layout(
+        height=300,
+        hovermode="x unified",
+        margin={"b": BOTTOM_MARGIN},
+        yaxis=count_axis(counts, "requests"),
+        xaxis=step_axis(steps),
+    )
     return legend_above(fig)
 
 
@@ -73,9 +98,14 @@ def hit_rate_figure(usage: pd.DataFrame) -> go.Figure:
     steps = usage["step"].astype(int)
     prompts = pd.to_numeric(usage["cum_prompt_tokens"], errors="coerce")
     rate = pd.to_numeric(usage["cum_hit_tokens"], errors="coerce") / prompts.where(prompts > 0)
-    fig = go.Figure(go.Scatter(x=steps, y=rate, name="token hit rate", mode="lines",
-                               line={"color": color("token hit rate")}))
-    fig.update_layout(height=280, margin={"t": 20, "b": BOTTOM_MARGIN}, showlegend=False,
-                      yaxis={"title": {"text": "token hit rate"}, "tickformat": ".0%", "range": [0, 1.05]},
-                      xaxis=step_axis(steps))
+    fig = go.Figure(
+        go.Scatter(x=steps, y=rate, name="token hit rate", mode="lines", line={"color": color("token hit rate")})
+    )
+    fig.update_layout(
+        height=280,
+        margin={"t": 20, "b": BOTTOM_MARGIN},
+        showlegend=False,
+        yaxis={"title": {"text": "token hit rate"}, "tickformat": ".0%", "range": [0, 1.05]},
+        xaxis=step_axis(steps),
+    )
     return fig

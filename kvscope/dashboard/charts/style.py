@@ -88,8 +88,24 @@ COLORS: dict[str, str] = {
 }
 POOL_DASHES = {"full": "solid", "swa": "dash", "req": "dot", "host": "dashdot"}  # a pool's lines, where colour
 POOL_SYMBOLS = {"full": "x", "swa": "cross", "req": "star", "host": "diamond"}  # is the term's
-OWNER_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
-                 "#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
+OWNER_PALETTE = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#bcbd22",
+    "#17becf",
+    "#aec7e8",
+    "#ffbb78",
+    "#98df8a",
+    "#c5b0d5",
+    "#c49c94",
+    "#f7b6d2",
+    "#dbdb8d",
+    "#9edae5",
+)
 SMALL_COUNT_SPAN = 10  # a count axis spanning at most this gets a tick at every integer
 BOTTOM_MARGIN = 50  # room for the tick labels and the x axis title
 LEGEND_ABOVE = {"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "left", "x": 0.0}

@@ -21,12 +21,17 @@ def cache_by_tenant_figure(table: pd.DataFrame) -> go.Figure:
         rows = table[table["visibility"] == visibility].set_index("tenant")["num_tokens"]
         if rows.empty:
             continue
-        fig.add_trace(go.Bar(x=tenants, y=[int(rows.get(t, 0)) for t in tenants], name=visibility,
-                             marker_color=color(visibility)))
+        fig.add_trace(
+            go.Bar(x=tenants, y=[int(rows.get(t, 0)) for t in tenants], name=visibility, marker_color=color(visibility))
+        )
     totals = table.groupby("tenant")["num_tokens"].sum()
-    fig.update_layout(barmode="stack", height=300, margin={"b": BOTTOM_MARGIN},
-                      xaxis={"title": {"text": "tenant (of the node's owner)"}, "type": "category"},
-                      yaxis=count_axis(totals, "tokens in the cache"))
+    fig.update_layout(
+        barmode="stack",
+        height=300,
+        margin={"b": BOTTOM_MARGIN},
+        xaxis={"title": {"text": "tenant (of the node's owner)"}, "type": "category"},
+        yaxis=count_axis(totals, "tokens in the cache"),
+    )
     return legend_above(fig)
 
 
@@ -36,11 +41,22 @@ def visibility_changes_figure(changes: pd.DataFrame) -> go.Figure:
     for kind in CHANGE_KINDS:
         rows = changes[changes["kind"] == kind]
         sign = 1 if kind == "promote" else -1
-        fig.add_trace(go.Bar(x=rows["step"], y=sign * rows["num_tokens"].astype(int), name=f"{kind}d tokens",
-                             marker_color=color(kind),
-                             customdata=rows["num_events"], hovertemplate="step %{x}: %{y} tokens in "
-                                                                          "%{customdata} node(s)<extra></extra>"))
+        fig.add_trace(
+            go.Bar(
+                x=rows["step"],
+                y=sign * rows["num_tokens"].astype(int),
+                name=f"{kind}d tokens",
+                marker_color=color(kind),
+                customdata=rows["num_events"],
+                hovertemplate="step %{x}: %{y} tokens in %{customdata} node(s)<extra></extra>",
+            )
+        )
     signed = changes["num_tokens"].astype(int).where(changes["kind"] == "promote", -changes["num_tokens"].astype(int))
-    fig.update_layout(barmode="relative", height=280, margin={"b": BOTTOM_MARGIN}, xaxis=step_axis(changes["step"]),
-                      yaxis=count_axis(signed, "tokens (demoted below 0)", from_zero=True))
+    fig.update_layout(
+        barmode="relative",
+        height=280,
+        margin={"b": BOTTOM_MARGIN},
+        xaxis=step_axis(changes["step"]),
+        yaxis=count_axis(signed, "tokens (demoted below 0)", from_zero=True),
+    )
     return legend_above(fig)

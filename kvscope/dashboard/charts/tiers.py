@@ -38,13 +38,16 @@ def has_host_tier(usage: pd.DataFrame) -> bool:
 
 def tier_tokens(usage: pd.DataFrame) -> pd.DataFrame:
     """step, t_mono, and per tier its total and used tokens (total - available)."""
-    return pd.DataFrame({
-        "step": usage["step"].astype(int), "t_mono": usage["t_mono"].astype(float),
-        "device_total": usage["full_total"].astype(float),
-        "device_used": (usage["full_total"] - usage["full_available"]).astype(float),
-        "host_total": usage["host_total"].astype(float),
-        "host_used": (usage["host_total"] - usage["host_available"]).astype(float),
-    })
+    return pd.DataFrame(
+        {
+            "step": usage["step"].astype(int),
+            "t_mono": usage["t_mono"].astype(float),
+            "device_total": usage["full_total"].astype(float),
+            "device_used": (usage["full_total"] - usage["full_available"]).astype(float),
+            "host_total": usage["host_total"].astype(float),
+            "host_used": (usage["host_total"] - usage["host_available"]).astype(float),
+        }
+    )
 
 
 def copy_rates(usage: pd.DataFrame, bytes_per_token: int | None = None) -> pd.DataFrame:
@@ -52,9 +55,13 @@ def copy_rates(usage: pd.DataFrame, bytes_per_token: int | None = None) -> pd.Da
     row before (plus bytes/s when bytes_per_token is known). A row with no time passed has NaN."""
     seconds = usage["t_mono"].astype(float).diff()
     seconds = seconds.where(seconds > 0)
-    out = pd.DataFrame({"step": usage["step"].astype(int),
-                        "written_tokens_per_s": usage["cum_written_tokens"].astype(float).diff() / seconds,
-                        "loaded_tokens_per_s": usage["cum_loaded_tokens"].astype(float).diff() / seconds})
+    out = pd.DataFrame(
+        {
+            "step": usage["step"].astype(int),
+            "written_tokens_per_s": usage["cum_written_tokens"].astype(float).diff() / seconds,
+            "loaded_tokens_per_s": usage["cum_loaded_tokens"].astype(float).diff() / seconds,
+        }
+    )
     if bytes_per_token is not None:
         out["written_bytes_per_s"] = out["written_tokens_per_s"] * bytes_per_token
         out["loaded_bytes_per_s"] = out["loaded_tokens_per_s"] * bytes_per_token
@@ -78,8 +85,11 @@ def copy_totals(rows: pd.DataFrame, since_start: bool = True) -> CopyTotals:
     first, last = rows.iloc[0], rows.iloc[-1]
     base_written = 0 if since_start else int(first["cum_written_tokens"])
     base_loaded = 0 if since_start else int(first["cum_loaded_tokens"])
-    return CopyTotals(int(last["cum_written_tokens"]) - base_written, int(last["cum_loaded_tokens"]) - base_loaded,
-                      float(last["t_mono"]) - float(first["t_mono"]))
+    return CopyTotals(
+        int(last["cum_written_tokens"]) - base_written,
+        int(last["cum_loaded_tokens"]) - base_loaded,
+        float(last["t_mono"]) - float(first["t_mono"]),
+    )
 
 
 def host_hit_share(usage: pd.DataFrame) -> pd.Series:
@@ -93,13 +103,32 @@ def tier_tokens_figure(usage: pd.DataFrame) -> go.Figure:
     tokens = tier_tokens(usage)
     fig = go.Figure()
     for tier, pool in (("device", "full"), ("host", "host")):
-        fig.add_trace(go.Scatter(x=tokens["step"], y=tokens[f"{tier}_used"], name=f"{tier} allocated", mode="lines",
-                                 line={"color": color(pool)}))
-        fig.add_trace(go.Scatter(x=tokens["step"], y=tokens[f"{tier}_total"], name=f"{tier} total", mode="lines",
-                                 line={"color": color(pool), "dash": "dot"}))
+        fig.add_trace(
+            go.Scatter(
+                x=tokens["step"],
+                y=tokens[f"{tier}_used"],
+                name=f"{tier} allocated",
+                mode="lines",
+                line={"color": color(pool)},
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=tokens["step"],
+                y=tokens[f"{tier}_total"],
+                name=f"{tier} total",
+                mode="lines",
+                line={"color": color(pool), "dash": "dot"},
+            )
+        )
     values = pd.concat([tokens["device_total"], tokens["host_total"], tokens["device_used"], tokens["host_used"]])
-    fig.update_layout(height=340, hovermode="x unified", margin={"b": BOTTOM_MARGIN},
-                      yaxis=count_axis(values, "tokens"), xaxis=step_axis(tokens["step"]))
+    fig.update_layout(
+        height=340,
+        hovermode="x unified",
+        margin={"b": BOTTOM_MARGIN},
+        yaxis=count_axis(values, "tokens"),
+        xaxis=step_axis(tokens["step"]),
+    )
     return legend_above(fig)
 
 
@@ -107,20 +136,42 @@ def copy_rates_figure(rates: pd.DataFrame, unit: str = "tokens") -> go.Figure:
     """Write-back and load-back rates over steps, in `unit` ("tokens" or "bytes") per second."""
     fig = go.Figure()
     for name, column in ((WRITTEN, f"written_{unit}_per_s"), (LOADED, f"loaded_{unit}_per_s")):
-        fig.add_trace(go.Scatter(x=rates["step"], y=rates[column], name=name, mode="lines",
-                                 line={"color": COPY_COLORS[name], "shape": "hv"}))
-    fig.update_layout(height=300, hovermode="x unified", margin={"b": BOTTOM_MARGIN},
-                      yaxis={"title": {"text": f"{unit} / s"}, "tickformat": "~s", "rangemode": "tozero"},
-                      xaxis=step_axis(rates["step"]))
+        fig.add_trace(
+            go.Scatter(
+                x=rates["step"],
+                y=rates[column],
+                name=name,
+                mode="lines",
+                line={"color": COPY_COLORS[name], "shape": "hv"},
+            )
+        )
+    fig.update_layout(
+        height=300,
+        hovermode="x unified",
+        margin={"b": BOTTOM_MARGIN},
+        yaxis={"title": {"text": f"{unit} / s"}, "tickformat": "~s", "rangemode": "tozero"},
+        xaxis=step_axis(rates["step"]),
+    )
     return legend_above(fig)
 
 
 def host_hit_share_figure(usage: pd.DataFrame) -> go.Figure:
     """Of the tokens hit so far, the share loaded back from the host, over steps."""
     share = host_hit_share(usage)
-    fig = go.Figure(go.Scatter(x=usage["step"].astype(int), y=share, name="host-tier share of hit tokens",
-                               mode="lines", line={"color": color("host")}))
-    fig.update_layout(height=260, margin={"t": 20, "b": BOTTOM_MARGIN}, yaxis={"title": {"text": "share of hit tokens"},
-                                                                     "tickformat": ".0%", "range": [0, 1.05]},
-                      xaxis=step_axis(usage["step"]), showlegend=False)
+    fig = go.Figure(
+        go.Scatter(
+            x=usage["step"].astype(int),
+            y=share,
+            name="host-tier share of hit tokens",
+            mode="lines",
+            line={"color": color("host")},
+        )
+    )
+    fig.update_layout(
+        height=260,
+        margin={"t": 20, "b": BOTTOM_MARGIN},
+        yaxis={"title": {"text": "share of hit tokens"}, "tickformat": ".0%", "range": [0, 1.05]},
+        xaxis=step_axis(usage["step"]),
+        showlegend=False,
+    )
     return fig

@@ -70,17 +70,18 @@ def cap_nodes(nodes: pd.DataFrame, max_nodes: int = DEFAULT_MAX_NODES) -> pd.Dat
 
 
 def _labels(nodes: pd.DataFrame) -> list[str]:
-    return [("root" if pd.isna(p) else f"#{int(i)}") for i, p in zip(nodes["node_id"], nodes["parent_id"],
-                                                                       strict=True)]
+    return [("root" if pd.isna(p) else f"#{int(i)}") for i, p in zip(nodes["node_id"], nodes["parent_id"], strict=True)]
 
 
 def _hover(nodes: pd.DataFrame, show_preview: bool) -> list[str]:
     rows = []
     for r in nodes.itertuples():
-        text = (f"node {int(r.node_id)}<br>tokens {int(r.num_tokens)} (subtree {int(r.value)})<br>"
-                f"lock_ref {int(r.lock_ref)} · hits {int(r.hit_count)} · idle {float(r.idle):.3g}<br>"
-                f"owner {r.owner if isinstance(r.owner, str) else '-'} · {_visibility(r)} · "
-                f"tombstone {bool(r.tombstone)} · tier {_tier(r)}")
+        text = (
+            f"node {int(r.node_id)}<br>tokens {int(r.num_tokens)} (subtree {int(r.value)})<br>"
+            f"lock_ref {int(r.lock_ref)} · hits {int(r.hit_count)} · idle {float(r.idle):.3g}<br>"
+            f"owner {r.owner if isinstance(r.owner, str) else '-'} · {_visibility(r)} · "
+            f"tombstone {bool(r.tombstone)} · tier {_tier(r)}"
+        )
         if show_preview and r.token_preview:
             text += f"<br>tokens: {r.token_preview}"
         rows.append(text)
@@ -128,8 +129,14 @@ def _marker(nodes: pd.DataFrame, color_by: str) -> dict[str, Any]:
     ranged = values[~roots] if (~roots).any() else values
     cmin = float(ranged.min()) if len(ranged) else 0.0
     cmax = max(float(ranged.max()) if len(ranged) else 0.0, cmin + 1.0)
-    return {"colors": values.where(~roots, cmin).tolist(), "colorscale": "Viridis", "cmin": cmin, "cmax": cmax,
-            "showscale": True, "colorbar": {"title": {"text": f"{color_by}<br>(root not coloured)"}}}
+    return {
+        "colors": values.where(~roots, cmin).tolist(),
+        "colorscale": "Viridis",
+        "cmin": cmin,
+        "cmax": cmax,
+        "showscale": True,
+        "colorbar": {"title": {"text": f"{color_by}<br>(root not coloured)"}},
+    }
 
 
 def _category_legend(fig: go.Figure, nodes: pd.DataFrame, color_by: str) -> None:
@@ -140,14 +147,27 @@ def _category_legend(fig: go.Figure, nodes: pd.DataFrame, color_by: str) -> None
     for name in shown:
         label = name if color_by != "owner" or name == "no owner" else f"owner {name}"
         count = int(names[name])
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers",
-                                 name=f"{label} ({count:,} node{'' if count == 1 else 's'})",
-                                 marker={"color": _category_color(str(name), color_by), "size": 12,
-                                         "symbol": "square"},
-                                 hoverinfo="skip"))
+        fig.add_trace(
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="markers",
+                name=f"{label} ({count:,} node{'' if count == 1 else 's'})",
+                marker={"color": _category_color(str(name), color_by), "size": 12, "symbol": "square"},
+                hoverinfo="skip",
+            )
+        )
     if len(names) > len(shown):
-        fig.add_annotation(text=f"+{len(names) - len(shown):,} more owners", showarrow=False, xref="paper",
-                           yref="paper", x=1.0, y=1.02, xanchor="right", yanchor="bottom")
+        fig.add_annotation(
+            text=f"+{len(names) - len(shown):,} more owners",
+            showarrow=False,
+            xref="paper",
+            yref="paper",
+            x=1.0,
+            y=1.02,
+            xanchor="right",
+            yanchor="bottom",
+        )
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)
     fig.update_layout(plot_bgcolor="rgba(0,0,0,0)", showlegend=True)
@@ -159,12 +179,20 @@ def tree_figure(nodes: pd.DataFrame, color_by: str = "lock_ref", show_preview: b
         raise ValueError(f"colour by one of {COLOR_FIELDS}, not {color_by!r}")
     kept = set(nodes["node_id"].astype(int))
     parents = ["" if pd.isna(p) or int(p) not in kept else str(int(p)) for p in nodes["parent_id"]]
-    fig = go.Figure(go.Icicle(
-        ids=nodes["node_id"].astype(int).astype(str), parents=parents, values=nodes["value"],
-        labels=_labels(nodes), branchvalues="total", marker=_marker(nodes, color_by),
-        hovertext=_hover(nodes, show_preview), hoverinfo="text", tiling={"orientation": "v"},
-        maxdepth=12,
-    ))
+    fig = go.Figure(
+        go.Icicle(
+            ids=nodes["node_id"].astype(int).astype(str),
+            parents=parents,
+            values=nodes["value"],
+            labels=_labels(nodes),
+            branchvalues="total",
+            marker=_marker(nodes, color_by),
+            hovertext=_hover(nodes, show_preview),
+            hoverinfo="text",
+            tiling={"orientation": "v"},
+            maxdepth=12,
+        )
+    )
     fig.update_layout(height=540, margin={"l": 10, "r": 10, "b": 10})
     if color_by in CATEGORICAL:
         _category_legend(fig, nodes, color_by)
@@ -192,7 +220,14 @@ def tree_diff_figure(diff: pd.DataFrame) -> go.Figure:
     order = ["new", "grew", "shrank", "evicted"]
     sums = diff.groupby("change")["delta"].sum().reindex(order, fill_value=0)
     counts = diff.groupby("change").size().reindex(order, fill_value=0)
-    fig = go.Figure(go.Bar(x=order, y=sums, marker_color=[color(c) for c in order], name="token change",
-                           text=[f"{c} nodes" for c in counts]))
+    fig = go.Figure(
+        go.Bar(
+            x=order,
+            y=sums,
+            marker_color=[color(c) for c in order],
+            name="token change",
+            text=[f"{c} nodes" for c in counts],
+        )
+    )
     fig.update_layout(height=280, margin={"t": 10, "b": BOTTOM_MARGIN}, yaxis=count_axis(sums, "token change"))
     return fig

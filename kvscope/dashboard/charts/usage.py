@@ -35,8 +35,16 @@ def pool_terms(usage: pd.DataFrame, pool: str) -> pd.DataFrame:
     free = usage[f"{pool}_available"].astype(float)
     evictable = usage[f"{pool}_evictable"].astype(float)
     protected = usage[f"{pool}_protected"].astype(float)
-    return pd.DataFrame({"step": usage["step"], "total": total, "free": free, "evictable": evictable,
-                         "protected": protected, "requests": total - free - evictable - protected})
+    return pd.DataFrame(
+        {
+            "step": usage["step"],
+            "total": total,
+            "free": free,
+            "evictable": evictable,
+            "protected": protected,
+            "requests": total - free - evictable - protected,
+        }
+    )
 
 
 def memory_timeline_figure(usage: pd.DataFrame) -> go.Figure:
@@ -46,9 +54,21 @@ def memory_timeline_figure(usage: pd.DataFrame) -> go.Figure:
     for col, pool in enumerate(pools, 1):
         terms = pool_terms(usage, pool)
         for term in TERMS:
-            fig.add_trace(go.Scatter(x=terms["step"], y=terms[term], name=TERM_NAMES[term], stackgroup=pool,
-                                     mode="lines", line={"width": 0.5, "color": color(term)},
-                                     fillcolor=color(term), legendgroup=term, showlegend=col == 1), row=1, col=col)
+            fig.add_trace(
+                go.Scatter(
+                    x=terms["step"],
+                    y=terms[term],
+                    name=TERM_NAMES[term],
+                    stackgroup=pool,
+                    mode="lines",
+                    line={"width": 0.5, "color": color(term)},
+                    fillcolor=color(term),
+                    legendgroup=term,
+                    showlegend=col == 1,
+                ),
+                row=1,
+                col=col,
+            )
         fig.update_yaxes(count_axis(terms["total"], "tokens"), row=1, col=col)
         fig.update_xaxes(step_axis(terms["step"]), row=1, col=col)
     fig.update_layout(height=400, hovermode="x unified")
@@ -62,12 +82,19 @@ def live_usage_figure(usage: pd.DataFrame) -> go.Figure:
     for pool in pools_of(usage):
         terms = pool_terms(usage, pool)
         allocated = (terms["total"] - terms["free"]) / terms["total"].where(terms["total"] > 0)
-        fig.add_trace(go.Scatter(x=terms["step"], y=allocated, name=f"{pool} allocated", mode="lines",
-                                 line={"color": color(pool)}))
+        fig.add_trace(
+            go.Scatter(
+                x=terms["step"], y=allocated, name=f"{pool} allocated", mode="lines", line={"color": color(pool)}
+            )
+        )
     for column in ("num_running", "num_waiting"):
         name = column.removeprefix("num_")
-        fig.add_trace(go.Scatter(x=usage["step"], y=usage[column], name=name, mode="lines",
-                                 line={"dash": "dot", "color": color(name)}), secondary_y=True)
+        fig.add_trace(
+            go.Scatter(
+                x=usage["step"], y=usage[column], name=name, mode="lines", line={"dash": "dot", "color": color(name)}
+            ),
+            secondary_y=True,
+        )
     counts = pd.concat([usage["num_running"], usage["num_waiting"]])
     fig.update_yaxes(title_text="allocated (total - free)", tickformat=".0%", range=[0, 1.05], secondary_y=False)
     fig.update_yaxes(count_axis(counts, "requests"), rangemode="tozero", showgrid=False, secondary_y=True)
@@ -83,19 +110,31 @@ class HitRates(NamedTuple):
 
 def hit_rates(row: Any) -> HitRates:
     prompt, requests = float(row["cum_prompt_tokens"]), float(row["cum_requests"])
-    return HitRates(float(row["cum_hit_tokens"]) / prompt if prompt else None,
-                    float(row["cum_hit_requests"]) / requests if requests else None)
+    return HitRates(
+        float(row["cum_hit_tokens"]) / prompt if prompt else None,
+        float(row["cum_hit_requests"]) / requests if requests else None,
+    )
 
 
 def page_waste_figure(waste: pd.DataFrame) -> go.Figure:
     """Tokens vs slots held per running request (whole pages); the gap is wasted slots."""
     waste = waste.sort_values("slots_held", ascending=False)
-    fig = go.Figure([
-        go.Bar(x=waste["rid"], y=waste["seq_len"], name="tokens", marker_color=color("tokens")),
-        go.Bar(x=waste["rid"], y=waste["wasted_slots"], name="wasted slots (last page)",
-               marker_color=color("wasted slots")),
-    ])
-    fig.update_layout(barmode="stack", height=320, margin={"b": BOTTOM_MARGIN},
-                      yaxis=count_axis(waste["slots_held"], "slots"),
-                      xaxis={"title": {"text": "running request"}, "type": "category"})
+    fig = go.Figure(
+        [
+            go.Bar(x=waste["rid"], y=waste["seq_len"], name="tokens", marker_color=color("tokens")),
+            go.Bar(
+                x=waste["rid"],
+                y=waste["wasted_slots"],
+                name="wasted slots (last page)",
+                marker_color=color("wasted slots"),
+            ),
+        ]
+    )
+    fig.update_layout(
+        barmode="stack",
+        height=320,
+        margin={"b": BOTTOM_MARGIN},
+        yaxis=count_axis(waste["slots_held"], "slots"),
+        xaxis={"title": {"text": "running request"}, "type": "category"},
+    )
     return legend_above(fig)

@@ -101,8 +101,7 @@ class Attention(nn.Module):
 
         Query head h reads KV head h // (heads / kv_heads).
         """
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                              enable_gqa=self.num_heads != self.num_kv_heads)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """[tokens, heads, D] -> [tokens, hidden]."""

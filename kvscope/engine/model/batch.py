@@ -40,8 +40,9 @@ class ForwardBatch:
                 f"{len(self.extend_lens)} extend_lens"
             )
         if min(self.extend_lens) < 1 or min(self.prefix_lens) < 0:
-            raise ValueError(f"extend_lens must be >= 1 and prefix_lens >= 0, got {self.extend_lens}, "
-                             f"{self.prefix_lens}")
+            raise ValueError(
+                f"extend_lens must be >= 1 and prefix_lens >= 0, got {self.extend_lens}, {self.prefix_lens}"
+            )
         if self.mode == "decode" and max(self.extend_lens) != 1:
             raise ValueError(f"decode extends every request by one token, got extend_lens {self.extend_lens}")
         num_tokens = sum(self.extend_lens)

@@ -38,8 +38,14 @@ class Tiers:
         return self.cache.page_size
 
 
-def make_tiers(policy: WritePolicy = "write_through", page_size: int = 1, device_tokens: int = 64,
-               host_tokens: int = 128, device: str = "cpu", rows: ReqToTokenPool | None = None) -> Tiers:
+def make_tiers(
+    policy: WritePolicy = "write_through",
+    page_size: int = 1,
+    device_tokens: int = 64,
+    host_tokens: int = 128,
+    device: str = "cpu",
+    rows: ReqToTokenPool | None = None,
+) -> Tiers:
     allocator = make_token_allocator(device_tokens, page_size, device, strict=True)
     assert isinstance(allocator, BaseTokenAllocator)
     device_kv = MHATokenToKVPool(device_tokens, page_size, torch.float32, NUM_HEADS, HEAD_DIM, NUM_LAYERS, device)
@@ -77,8 +83,9 @@ def write_random(t: Tiers, slots: torch.Tensor, seed: int) -> list[tuple[torch.T
 
 
 def read_device(t: Tiers, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(k[slots].cpu().clone(), v[slots].cpu().clone()) for k, v in map(t.device_kv.get_kv_buffer,
-                                                                              range(NUM_LAYERS))]
+    return [
+        (k[slots].cpu().clone(), v[slots].cpu().clone()) for k, v in map(t.device_kv.get_kv_buffer, range(NUM_LAYERS))
+    ]
 
 
 def alloc_seq(t: Tiers, num_tokens: int) -> torch.Tensor | None:
@@ -119,8 +126,9 @@ def check_all(t: Tiers, held_device: list[torch.Tensor] | None = None) -> None:
     root = t.cache.root
     device_tokens = sum(n.key_len for n, _, _ in hi_walk(root) if n.value is not None and n is not root)
     assert device_tokens == t.cache.evictable_size() + t.cache.protected_size()
-    assert (t.allocator.available_size() + device_tokens + sum(len(h) for h in held_device or [])
-            == t.allocator.total_size), (t.allocator.available_size(), device_tokens, t.allocator.total_size)
+    assert (
+        t.allocator.available_size() + device_tokens + sum(len(h) for h in held_device or []) == t.allocator.total_size
+    ), (t.allocator.available_size(), device_tokens, t.allocator.total_size)
     assert t.host_allocator.available_size() + len(t.cache.tree_host_slots()) == t.host_allocator.total_size
 
 

@@ -49,8 +49,11 @@ def node_table(rows: list[NodeRow]) -> pd.DataFrame:
 
 
 def kinds(recorder: ListRecorder) -> list[tuple[str, str | None, Any]]:
-    return [(e.kind.value, e.pool and e.pool.value, e.reason and e.reason.value) for e in recorder.events
-            if e.kind not in (EventKind.MATCH, EventKind.SPLIT)]
+    return [
+        (e.kind.value, e.pool and e.pool.value, e.reason and e.reason.value)
+        for e in recorder.events
+        if e.kind not in (EventKind.MATCH, EventKind.SPLIT)
+    ]
 
 
 def test_write_through_records_alloc_write_and_a_copy_lock_until_the_ack() -> None:
@@ -67,8 +70,13 @@ def test_write_through_records_alloc_write_and_a_copy_lock_until_the_ack() -> No
     assert (lock.rid, lock.node_id, lock.reason, lock.aux) == (None, node.id, CopyKind.WRITE, write.aux)  # the op's
     t.cache.writing_check()
     ack, unlock = recorder.of_kind(EventKind.ACK)[0], recorder.of_kind(EventKind.UNLOCK)[-1]
-    assert (ack.pool, ack.reason, ack.node_id, ack.num_tokens, ack.aux) == (PoolName.HOST, CopyKind.WRITE, node.id,
-                                                                             16, write.aux)
+    assert (ack.pool, ack.reason, ack.node_id, ack.num_tokens, ack.aux) == (
+        PoolName.HOST,
+        CopyKind.WRITE,
+        node.id,
+        16,
+        write.aux,
+    )
     assert (unlock.node_id, unlock.reason, unlock.aux) == (node.id, CopyKind.WRITE, write.aux)
     assert recorder.events.index(ack) < recorder.events.index(unlock)
     check_all(t)
@@ -83,8 +91,12 @@ def test_eviction_to_host_load_back_and_host_eviction_are_recorded_with_their_ti
     device_slots = node.value.tolist()
     t.cache.evict(EvictParams(16))
     evict = recorder.of_kind(EventKind.EVICT)[-1]
-    assert (evict.pool, evict.reason, evict.node_id, evict.slots) == (PoolName.FULL, EvictReason.TO_HOST, node.id,
-                                                                      device_slots)
+    assert (evict.pool, evict.reason, evict.node_id, evict.slots) == (
+        PoolName.FULL,
+        EvictReason.TO_HOST,
+        node.id,
+        device_slots,
+    )
     assert t.cache.export_nodes()[-1].tier == "host"
     match = t.cache.match_prefix(SEQ)
     loaded = t.cache.load_back(match.last_host_node)
@@ -103,7 +115,11 @@ def test_eviction_to_host_load_back_and_host_eviction_are_recorded_with_their_ti
     assert t.cache.evict_host(16) == 16
     host_evict = recorder.of_kind(EventKind.HOST_EVICT)[-1]
     assert (host_evict.pool, host_evict.reason, host_evict.node_id, host_evict.slots) == (
-        PoolName.HOST, EvictReason.CAPACITY, node.id, host_slots)
+        PoolName.HOST,
+        EvictReason.CAPACITY,
+        node.id,
+        host_slots,
+    )
     free = recorder.events[recorder.events.index(host_evict) + 1]
     assert (free.kind, free.pool, free.slots) == (EventKind.FREE, PoolName.HOST, host_slots)
     check_all(t)
@@ -117,7 +133,10 @@ def test_write_back_drop_is_an_evict_with_reason_drop_and_host_evicts_below() ->
     insert_seq(t, longer)
     t.cache.evict(EvictParams(4))  # the tail is written back, synchronously, and demoted
     assert [k for k in kinds(recorder) if k[0] in ("write", "ack", "evict")] == [
-        ("write", "host", None), ("evict", "full", "to-host"), ("ack", "host", "write")]
+        ("write", "host", None),
+        ("evict", "full", "to-host"),
+        ("ack", "host", "write"),
+    ]
     tail = recorder.of_kind(EventKind.WRITE)[-1].node_id
     recorder.events.clear()
     t.cache.evict(EvictParams(16))  # the host makes room by evicting the tail, still too little: SEQ is dropped

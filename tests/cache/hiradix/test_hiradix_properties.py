@@ -37,8 +37,13 @@ TierMap = dict[Prefix, str]
 EVICT_MOVES = {("device+host", "host"), ("device", None)}
 # NOTE: write_back's writes may evict host leaves, also ones demoted earlier in the same call
 WRITE_BACK_EVICT_MOVES = EVICT_MOVES | {("device", "host"), ("host", None), ("device+host", None)}
-INSERT_MOVES = {(None, "device"), (None, "device+host"), ("device", "device+host"), ("host", "device+host"),
-                ("host", None)}
+INSERT_MOVES = {
+    (None, "device"),
+    (None, "device+host"),
+    ("device", "device+host"),
+    ("host", "device+host"),
+    ("host", None),
+}
 LOAD_MOVES = {("host", "device+host")}
 HOST_EVICT_MOVES = {("host", None)}
 
@@ -126,11 +131,17 @@ class HiRadixMachine(RuleBasedStateMachine):
         result = self.cache.match_prefix(ids[:cut])
         now = self.moved(set())
         aligned = cut // self.page_size * self.page_size
-        on_device = [e for e in range(self.page_size, aligned + 1, self.page_size)
-                     if now.get(tuple(ids[:e].tolist())) in ("device", "device+host")]
+        on_device = [
+            e
+            for e in range(self.page_size, aligned + 1, self.page_size)
+            if now.get(tuple(ids[:e].tolist())) in ("device", "device+host")
+        ]
         assert result.prefix_len == (on_device[-1] if on_device else 0)
-        on_host = [e for e in range(result.prefix_len + self.page_size, aligned + 1, self.page_size)
-                   if now.get(tuple(ids[:e].tolist())) == "host"]
+        on_host = [
+            e
+            for e in range(result.prefix_len + self.page_size, aligned + 1, self.page_size)
+            if now.get(tuple(ids[:e].tolist())) == "host"
+        ]
         assert result.host_hit_length == len(on_host) * self.page_size
 
     @rule(frac=st.floats(0, 1))

@@ -29,7 +29,7 @@ def admit(t: Tiers, rows: ReqToTokenPool, rid: str, load: bool) -> Req:
     rows.write(req.req_pool_idx, 0, prefix)
     rest = t.allocator.alloc(len(PROMPT) - len(prefix))
     assert rest is not None
-    write_encoded(t, PROMPT[len(prefix):], rest, start=len(prefix))
+    write_encoded(t, PROMPT[len(prefix) :], rest, start=len(prefix))
     rows.write(req.req_pool_idx, len(prefix), rest)
     req.last_node, req.cache_protected_len, req.prefix_indices = last, len(prefix), prefix
     req.kv_committed_len = len(PROMPT)

@@ -33,8 +33,9 @@ class RadixMachine(RuleBasedStateMachine):
         ps = self.page_size
         self.allocator = make_token_allocator(48 * ps, ps, self.device, strict=True)
         self.rows = ReqToTokenPool(6, 256, self.device, strict=True)
-        self.cache = RadixCache(self.allocator, ps, req_to_token_pool=self.rows, strict=True,
-                                eviction_granularity=self.granularity)  # type: ignore[arg-type]
+        self.cache = RadixCache(
+            self.allocator, ps, req_to_token_pool=self.rows, strict=True, eviction_granularity=self.granularity
+        )  # type: ignore[arg-type]
         self.running: list[Req] = []
         self.held_locks: list[object] = []
         self.kv = np.full((self.allocator.total_size + ps, 2), -1, dtype=np.int64)
@@ -78,8 +79,13 @@ class RadixMachine(RuleBasedStateMachine):
         match = self.cache.match_prefix(ids[: len(ids) - 1])
         self.check_match(ids, match.device_indices)
         self.cache.inc_lock_ref(match.last_node)
-        req = Req(f"r{self.next_rid}", ids[: match.prefix_len], last_node=match.last_node,
-                  cache_protected_len=match.prefix_len, kv_committed_len=match.prefix_len)
+        req = Req(
+            f"r{self.next_rid}",
+            ids[: match.prefix_len],
+            last_node=match.last_node,
+            cache_protected_len=match.prefix_len,
+            kv_committed_len=match.prefix_len,
+        )
         self.next_rid += 1
         assert self.rows.alloc([req]) is not None
         assert req.req_pool_idx is not None
@@ -87,7 +93,7 @@ class RadixMachine(RuleBasedStateMachine):
         end = min(len(ids), match.prefix_len + chunk)
         if not self.grow(req, prompt[match.prefix_len : end]):
             self.cache.dec_lock_ref(match.last_node)
-            self.allocator.free(match.device_indices[: 0])
+            self.allocator.free(match.device_indices[:0])
             self.rows.free(req)
             return
         self.running.append(req)
@@ -155,8 +161,11 @@ class RadixMachine(RuleBasedStateMachine):
 
 for _ps, _gran in ((1, "leaf"), (4, "leaf"), (16, "leaf"), (1, "page"), (4, "page")):
     for _device in ("cpu", "cuda"):
-        _cls = type(f"Radix_ps{_ps}_{_gran}_{_device}", (RadixMachine,),
-                    {"page_size": _ps, "granularity": _gran, "device": _device})
+        _cls = type(
+            f"Radix_ps{_ps}_{_gran}_{_device}",
+            (RadixMachine,),
+            {"page_size": _ps, "granularity": _gran, "device": _device},
+        )
         _case = _cls.TestCase
         _case.settings = settings(max_examples=30, stateful_step_count=35, deadline=None)
         if _device == "cuda":

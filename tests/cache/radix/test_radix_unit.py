@@ -142,8 +142,15 @@ def test_every_operation_reports_to_the_recorder() -> None:
     cache.dec_lock_ref(match.last_node)
     cache.evict(EvictParams(2))
     kinds = [e.kind for e in recorder.events]
-    assert kinds == [EventKind.INSERT, EventKind.SPLIT, EventKind.MATCH, EventKind.CROSS_HIT, EventKind.LOCK,
-                     EventKind.UNLOCK, EventKind.EVICT]  # cross_hit: no requester named, alice's tokens reused
+    assert kinds == [
+        EventKind.INSERT,
+        EventKind.SPLIT,
+        EventKind.MATCH,
+        EventKind.CROSS_HIT,
+        EventKind.LOCK,
+        EventKind.UNLOCK,
+        EventKind.EVICT,
+    ]  # cross_hit: no requester named, alice's tokens reused
     insert, split, found, cross, lock, _, evict = recorder.events
     assert (cross.num_tokens, cross.node_id, cross.principal) == (2, split.node_id, None)
     assert (insert.rid, insert.num_tokens, insert.slots) == ("r1", 4, first.tolist())  # type: ignore[union-attr]

@@ -102,9 +102,18 @@ def global_cache() -> Server:
 
 def scoped_cache(promote_k: int | None, dedup: bool = False) -> Server:
     """The scoped cache with P pinned (public for everyone), on a fake clock."""
-    return Server(lambda allocator, clock: ScopedRadixCache(
-        allocator, 1, promote_k=promote_k, epoch_s=EPOCH_S, pinned=[PUBLIC_PREFIX], dedup=dedup, clock=clock,
-        strict=True))
+    return Server(
+        lambda allocator, clock: ScopedRadixCache(
+            allocator,
+            1,
+            promote_k=promote_k,
+            epoch_s=EPOCH_S,
+            pinned=[PUBLIC_PREFIX],
+            dedup=dedup,
+            clock=clock,
+            strict=True,
+        )
+    )
 
 
 @dataclass
@@ -149,8 +158,9 @@ def try_digit(attacker: Attacker, prefix: Sequence[int], digit: int) -> bool:
     return own < through <= cached
 
 
-def search_position(attacker: Attacker, prefix: Sequence[int],
-                    between: Callable[[], None] = lambda: None) -> int | None:
+def search_position(
+    attacker: Attacker, prefix: Sequence[int], between: Callable[[], None] = lambda: None
+) -> int | None:
     """Try every digit after `prefix` (calling `between` after each probe); the first that hit."""
     for digit in DIGITS:
         hit = try_digit(attacker, prefix, digit)

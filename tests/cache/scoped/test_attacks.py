@@ -140,7 +140,8 @@ def lpm_engine(kind: str, promote_k: int | None = None) -> Engine:
         pool=PoolConfig(kv_size_tokens=4096, max_running_requests=1, max_context_len=128),
         cache=CacheConfig(kind=kind, promote_k=promote_k, pinned=(PUBLIC_PREFIX,)),  # type: ignore[arg-type]
         scheduler=SchedulerConfig(chunked_prefill_size=None, schedule_policy="lpm"),
-        device="cpu", strict=True,
+        device="cpu",
+        strict=True,
     )
     return Engine(config, MODEL_PRESETS["tiny"])
 
@@ -158,8 +159,9 @@ def request(rid: str, prompt: tuple[int, ...], user: str) -> Req:
     return Req(rid, np.array(prompt, dtype=np.int32), 1, user=user)
 
 
-def order_oracle(kind: str, secret: tuple[int, ...] | None, promote_k: int | None = None
-                 ) -> tuple[list[str], dict[str, int]]:
+def order_oracle(
+    kind: str, secret: tuple[int, ...] | None, promote_k: int | None = None
+) -> tuple[list[str], dict[str, int]]:
     """A third principal warms P; the victim (if any) sends P + secret and finishes; then the
     attacker submits at once a dummy, the 10 guesses P + [d, FILLER], another dummy. The
     attacker's transcript: its requests in admission order (= completion order), and the
@@ -230,8 +232,14 @@ def compute_guesses(creators: list[Attacker], prefix: tuple[int, ...]) -> None:
             attacker.send(probe(prefix, digit))
 
 
-def sybil_attack(server: Server, creators: list[Attacker], observer: Attacker, *, victim_recomputes: bool,
-                 evict_guesses: bool = False) -> tuple[int, ...]:
+def sybil_attack(
+    server: Server,
+    creators: list[Attacker],
+    observer: Attacker,
+    *,
+    victim_recomputes: bool,
+    evict_guesses: bool = False,
+) -> tuple[int, ...]:
     """One epoch per position: [memory pressure evicts everything; the victim recomputes its
     prompt;] every creator computes all 10 guesses; [evict_guesses: pressure again, the creators
     know their copies are gone, the victim recomputes;] the clock crosses a boundary (promotion);

@@ -106,8 +106,9 @@ class ScopedMachine(RuleBasedStateMachine):
 
 
 TestScopedAgainstReference = ScopedMachine.TestCase
-TestScopedAgainstReference.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
-                                               suppress_health_check=[HealthCheck.too_slow])
+TestScopedAgainstReference.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 # -- T5: two worlds ----------------------------------------------------------------------------
@@ -117,8 +118,9 @@ PUBLIC_PREFIX = [40, 41, 42, 43, 44, 45]
 VICTIM = "victim/v"
 
 
-def world(cache_kind: str, secret: list[int] | None, script: list[tuple[str, Any]], promote_k: int | None,
-          dedup: bool) -> list[int]:
+def world(
+    cache_kind: str, secret: list[int] | None, script: list[tuple[str, Any]], promote_k: int | None, dedup: bool
+) -> list[int]:
     """Run `script` with the victim sending PUBLIC_PREFIX + secret first (None: no secret); the
     attacker's transcript."""
     if cache_kind == "radix":
@@ -159,20 +161,28 @@ def world(cache_kind: str, secret: list[int] | None, script: list[tuple[str, Any
     return transcript
 
 
-background = st.tuples(st.sampled_from(["t1/a", "t1/b", "t2/a"]),
-                       st.lists(st.integers(1, 12), min_size=1, max_size=12).map(lambda p: PUBLIC_PREFIX[:3] + p))
+background = st.tuples(
+    st.sampled_from(["t1/a", "t1/b", "t2/a"]),
+    st.lists(st.integers(1, 12), min_size=1, max_size=12).map(lambda p: PUBLIC_PREFIX[:3] + p),
+)
 attack = st.lists(st.sampled_from(SECRET_ALPHABET), min_size=1, max_size=4).map(lambda g: PUBLIC_PREFIX + g)
-scripts = st.lists(st.one_of(st.tuples(st.just("tick"), st.none()), st.tuples(st.just("background"), background),
-                             st.tuples(st.just("attack"), attack)), min_size=1, max_size=25)
+scripts = st.lists(
+    st.one_of(
+        st.tuples(st.just("tick"), st.none()),
+        st.tuples(st.just("background"), background),
+        st.tuples(st.just("attack"), attack),
+    ),
+    min_size=1,
+    max_size=25,
+)
 secrets = st.lists(st.sampled_from(SECRET_ALPHABET), min_size=2, max_size=4)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(script=scripts, secret_a=secrets, secret_b=secrets, promote_k=st.sampled_from([3, None]),
-       dedup=st.booleans())
+@given(script=scripts, secret_a=secrets, secret_b=secrets, promote_k=st.sampled_from([3, None]), dedup=st.booleans())
 def test_t5_the_attackers_transcript_is_the_same_whatever_the_victim_sent(
-        script: list[tuple[str, Any]], secret_a: list[int], secret_b: list[int], promote_k: int | None,
-        dedup: bool) -> None:
+    script: list[tuple[str, Any]], secret_a: list[int], secret_b: list[int], promote_k: int | None, dedup: bool
+) -> None:
     a = world("scoped", secret_a, script, promote_k, dedup)
     b = world("scoped", secret_b, script, promote_k, dedup)
     nothing = world("scoped", None, script, promote_k, dedup)
@@ -190,12 +200,19 @@ def test_t5_control_under_global_sharing_the_worlds_differ() -> None:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(st.tuples(st.sampled_from(["t1/a", "t2/b"]), st.lists(st.integers(1, 6), min_size=1,
-                                                                           max_size=16), st.booleans()),
-                    min_size=1, max_size=20),
-       probes=st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=16), min_size=1, max_size=10))
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["t1/a", "t2/b"]), st.lists(st.integers(1, 6), min_size=1, max_size=16), st.booleans()
+        ),
+        min_size=1,
+        max_size=20,
+    ),
+    probes=st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=16), min_size=1, max_size=10),
+)
 def test_merged_and_unmerged_trees_answer_every_principal_identically(
-        ops: list[tuple[str, list[int], bool]], probes: list[list[int]]) -> None:
+    ops: list[tuple[str, list[int], bool]], probes: list[list[int]]
+) -> None:
     merged, plain = Scoped(promote_k=2, merge_chains=True), Scoped(promote_k=2)
     for user, prompt, tick in ops:
         for s in (merged, plain):

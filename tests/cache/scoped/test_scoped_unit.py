@@ -23,10 +23,26 @@ SECRET = [7, 3, 9, 1, 4, 8]
 
 def node_state(cache: Scoped) -> list[tuple[object, ...]]:
     """Everything about every node a probe could disturb."""
-    return [(n.id, n.key, n.value.tobytes(), n.lock_ref, n.last_access_time, n.hit_count, n.visibility,
-             tuple(sorted(n.holders)), n.owner, n.hits.epoch, dict(n.hits.current), dict(n.hits.previous),
-             None if n.parent is None else n.parent.id, n.tombstone)
-            for n, _, _ in walk_scoped(cache.cache.root) if n is not cache.cache.root]
+    return [
+        (
+            n.id,
+            n.key,
+            n.value.tobytes(),
+            n.lock_ref,
+            n.last_access_time,
+            n.hit_count,
+            n.visibility,
+            tuple(sorted(n.holders)),
+            n.owner,
+            n.hits.epoch,
+            dict(n.hits.current),
+            dict(n.hits.previous),
+            None if n.parent is None else n.parent.id,
+            n.tombstone,
+        )
+        for n, _, _ in walk_scoped(cache.cache.root)
+        if n is not cache.cache.root
+    ]
 
 
 # -- T1: a non-owner's probes --------------------------------------------------------------------
@@ -278,8 +294,9 @@ def test_merging_a_private_multi_turn_chain_keeps_every_answer() -> None:
 # -- bad arguments -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("options", [{"promote_k": 0}, {"epoch_s": 0}, {"epoch_s": float("inf")},
-                                     {"eviction_granularity": "node"}])
+@pytest.mark.parametrize(
+    "options", [{"promote_k": 0}, {"epoch_s": 0}, {"epoch_s": float("inf")}, {"eviction_granularity": "node"}]
+)
 def test_impossible_options_are_one_clear_error(options: dict[str, object]) -> None:
     with pytest.raises(CacheMisuseError):
         Scoped(**options)

@@ -16,7 +16,8 @@ from tests.cache.swa_radix.test_swa_radix import insert_fresh, make_cache
 def keys(cache: SWARadixCache) -> list[list[int]]:
     """Every node's tokens, depth first."""
     return sorted(
-        [int(t) for t in torch.frombuffer(bytearray(n.key), dtype=torch.int32)] for n, _, _ in walk(cache.root)
+        [int(t) for t in torch.frombuffer(bytearray(n.key), dtype=torch.int32)]
+        for n, _, _ in walk(cache.root)
         if n is not cache.root
     )
 

@@ -253,9 +253,16 @@ class SWARadixMachine(RuleBasedStateMachine):
             self.cache.dec_lock_ref(hit.last_node, lock_id)
             return None
         self.num_reqs += 1
-        req = Req(f"r{self.num_reqs}", tokens, kv_committed_len=len(tokens), cache_protected_len=p,
-                  prefix_indices=hit.device_indices, last_node=hit.last_node, swa_lock_id=lock_id,
-                  swa_evicted_len=p)
+        req = Req(
+            f"r{self.num_reqs}",
+            tokens,
+            kv_committed_len=len(tokens),
+            cache_protected_len=p,
+            prefix_indices=hit.device_indices,
+            last_node=hit.last_node,
+            swa_lock_id=lock_id,
+            swa_evicted_len=p,
+        )
         assert self.rows is not None and self.rows.alloc([req]) is not None
         assert req.req_pool_idx is not None
         self.rows.write(req.req_pool_idx, 0, torch.cat((hit.device_indices, slots)))
@@ -293,7 +300,11 @@ class SWARadixMachine(RuleBasedStateMachine):
     def slide(self, req: Req) -> None:
         assert req.req_pool_idx is not None and self.rows is not None
         req.swa_evicted_len = free_swa_out_of_window(
-            self.allocator, self.rows, req.req_pool_idx, req.swa_evicted_len, req.kv_committed_len,
+            self.allocator,
+            self.rows,
+            req.req_pool_idx,
+            req.swa_evicted_len,
+            req.kv_committed_len,
             max(self.window_len, self.page_size),
         )
 

@@ -109,8 +109,12 @@ class PoolHarness:
             input_ids += seq.token_ids[seq.kv_len : seq.kv_len + ext]
             start += ext
         batch = ForwardBatch.build(
-            mode, input_ids, [s.req_pool_idx for s in seqs if s.req_pool_idx is not None],
-            [s.kv_len for s in seqs], slots, extend_lens,
+            mode,
+            input_ids,
+            [s.req_pool_idx for s in seqs if s.req_pool_idx is not None],
+            [s.kv_len for s in seqs],
+            slots,
+            extend_lens,
         )
         logits = self.model(batch, self.rows, self.kv_pool, all_logits=all_logits)
         for seq, ext in zip(seqs, extend_lens, strict=True):

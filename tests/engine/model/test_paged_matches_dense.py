@@ -129,8 +129,9 @@ def test_requests_sharing_prefix_slots_get_their_own_dense_logits(preset: str, p
     parent = Seq(random_tokens(rng, 44, model.config.vocab_size))
     harness.extend([parent], [40])
     shared_len = 36
-    child = harness.fork(parent, parent.token_ids[:shared_len] + random_tokens(rng, 30, model.config.vocab_size),
-                         shared_len)
+    child = harness.fork(
+        parent, parent.token_ids[:shared_len] + random_tokens(rng, 30, model.config.vocab_size), shared_len
+    )
     logits = harness.extend([parent, child], [4, 30], all_logits=True)
     parent_part, child_part = logits.split([4, 30])
     assert_matches_dense(model, parent, parent_part, 40)
@@ -154,8 +155,9 @@ def test_hybrid_model_on_a_plain_pool_keeps_its_window_in_the_mask(device: str) 
         slots = allocator.alloc(ext)
         assert slots is not None
         rows.write(seq.req_pool_idx, start, slots)
-        batch = ForwardBatch.build("extend", seq.token_ids[start : start + ext], [seq.req_pool_idx], [start], slots,
-                                   [ext])
+        batch = ForwardBatch.build(
+            "extend", seq.token_ids[start : start + ext], [seq.req_pool_idx], [start], slots, [ext]
+        )
         assert_matches_dense(model, seq, model(batch, rows, kv_pool, all_logits=True), start)
 
 

@@ -63,7 +63,10 @@ def _faulty_free(original: Any, log: str) -> Any:
             group.req_to_blocks[request.request_id] = blocks
             original(self, request)  # NOTE: through the same method: the probe sees whom it is for
         with open(log, "a") as out:
-            out.write(json.dumps({"fault": fault, "rid": request.request_id,
-                                  "blocks": sorted(b.block_id for b in injected)}) + "\n")
+            out.write(
+                json.dumps({"fault": fault, "rid": request.request_id, "blocks": sorted(b.block_id for b in injected)})
+                + "\n"
+            )
         return None
+
     return free

@@ -40,8 +40,7 @@ def sglang_functions() -> tuple[Any, Any]:
     wanted = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in FUNCTIONS]
     names: dict[str, Any] = {name: getattr(typing, name) for name in ("Any", "List", "Optional")}  # as its source
     names.update(hashlib=hashlib, get_native_hash=native_hash.get_native_hash)
-    exec(compile(ast.fix_missing_locations(ast.Module(body=wanted, type_ignores=[])), f"{SRC}/utils.py", "exec"),
-         names)
+    exec(compile(ast.fix_missing_locations(ast.Module(body=wanted, type_ignores=[])), f"{SRC}/utils.py", "exec"), names)
     return names["get_hash_str"], names["hash_str_to_int64"]
 
 
