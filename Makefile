@@ -9,7 +9,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvscope-installed
 
-.PHONY: run demo test test-engines sglang-518-src sglang-venv lint typecheck unit bench samples clean install
+.PHONY: run demo test test-engines sglang-518-src sglang-venv lint format typecheck unit bench samples clean install
 
 install: $(STAMP)
 
@@ -40,8 +40,15 @@ run: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvscope demo
 
+# NOTE: lint checks the format too; `make format` applies it (ruff is pinned in pyproject's dev extras, so
+# every machine formats alike)
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
