@@ -121,8 +121,11 @@ def test_clean_workloads_with_preemption_check_clean(instrumented_vllm: Instrume
         complete(url, prompt)  # shared prefix and distinct prompts, one at a time: each end is an idle edge
     prefix = tokens(rng, 64)
     burst(url, [prefix + tokens(rng, 40) for _ in range(4)], max_tokens=24)  # a shared prefix, concurrently
-    for _ in range(2):
-        burst(url, [tokens(rng, 80) for _ in range(6)], max_tokens=48)  # 6 x 4 blocks at the end: 24 > 11
+    burst(url, [tokens(rng, 80) for _ in range(6)], max_tokens=48)  # 6 x 4 blocks at the end: 24 > 11
+    # NOTE: preemption for sure: vLLM admits a request only with room for its prompt, so the burst above preempts
+    # only if three overlap (a loaded machine can serialize them, and one run here saw none); these grow from 2
+    # blocks to 7 each over 180 decode steps, so any two that overlap at all need 14 > 11 blocks
+    burst(url, [tokens(rng, 40) for _ in range(4)], max_tokens=180)
     burst(url, [tokens(rng, 200) for _ in range(2)], max_tokens=40)  # long prompts: 2 x 8 blocks > 11
     settle(capture)
     metrics = counters(url)
