@@ -139,3 +139,33 @@ def open_recorder(settings: Settings, *, label: str, config: dict[str, Any]) -> 
     if settings.level not in LEVELS:
         raise ValueError(f"KVSCOPE_LEVEL must be summary or full, got {settings.level!r}")
     return RemoteRecorder(settings.capture, level=settings.level, label=label, config=config, python=settings.python)
+
+
+def installed_version(*dists: str) -> str:
+    """The version of the first of these distributions installed here ("unknown": none is)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in dists:
+        with suppress(PackageNotFoundError):
+            return version(name)
+    return "unknown"
+
+
+def register_never_raising(register: Callable[[], str]) -> None:
+    """An engine's plugin hook: `register` patches or refuses; whatever it raises is one line here."""
+    try:
+        register()
+    except Exception as err:  # NOTE: never into the engine
+        say(f"not recording: {type(err).__name__}: {err}".splitlines()[0])
+
+
+def refuse(state: ProbeState, settings: Settings | None, reason: str, *, label: str, config: dict[str, Any]) -> str:
+    """One line, and the refusal recorded in the capture once per server: by its first process
+    (KVSCOPE_PROBE_REFUSED is inherited by the engine's later processes, forked or spawned)."""
+    say(reason)
+    state.reason = reason
+    if os.environ.get("KVSCOPE_PROBE_REFUSED") is None and settings is not None:
+        os.environ["KVSCOPE_PROBE_REFUSED"] = "1"
+        with guarded(state):
+            open_recorder(settings, label=label, config=config).close("crashed", f"probe refused: {reason}")
+    return reason

@@ -35,7 +35,17 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from kvscope.probe.core import ProbeState, Settings, guarded, open_recorder, say, settings_from_env
+from kvscope.probe.core import (
+    ProbeState,
+    Settings,
+    guarded,
+    installed_version,
+    open_recorder,
+    refuse,
+    register_never_raising,
+    say,
+    settings_from_env,
+)
 from kvscope.probe.sglang_census import PageView, census_checks, census_line, take_page_census
 from kvscope.telemetry import EventKind, EvictReason, NodeRow, PoolTerms, RequestRecord, UsageSample
 
@@ -832,20 +842,12 @@ SUPPORTED: dict[str, Callable[[], list[Hook]]] = {"0.5.23": hooks}
 
 
 def sglang_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sglang")
-    except PackageNotFoundError:
-        return "unknown"
+    return installed_version("sglang")
 
 
 def register() -> None:
     """SGLang's general-plugin hook (`load_plugins()`, every SGLang process): register or refuse."""
-    try:
-        _register()
-    except Exception as err:  # NOTE: never into the engine
-        say(f"not recording: {type(err).__name__}: {err}".splitlines()[0])
+    register_never_raising(_register)
 
 
 def _register(version: str | None = None, table: dict[str, Callable[[], list[Hook]]] | None = None) -> str:
@@ -886,16 +888,5 @@ def _resolves(target: str) -> bool:
 
 
 def _refuse(reason: str) -> str:
-    """One line, and the refusal recorded in the capture once per server (the first process)."""
-    say(reason)
-    PROBE.state.reason = reason
-    if os.environ.get("KVSCOPE_PROBE_REFUSED") is None and PROBE.settings is not None:
-        os.environ["KVSCOPE_PROBE_REFUSED"] = "1"  # NOTE: inherited by SGLang's spawned processes
-        with guarded(PROBE.state):
-            rec = open_recorder(
-                PROBE.settings,
-                label=f"sglang {PROBE.version} probe (refused)",
-                config=PROBE.config(patched=False, reason=reason),
-            )
-            rec.close("crashed", f"probe refused: {reason}")
-    return reason
+    config = PROBE.config(patched=False, reason=reason)
+    return refuse(PROBE.state, PROBE.settings, reason, label=f"sglang {PROBE.version} probe (refused)", config=config)

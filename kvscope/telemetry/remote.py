@@ -190,8 +190,9 @@ class RemoteRecorder(Recorder):
         if self.closed or os.getpid() != self._pid:
             return
         self.closed = True
-        self._hand_off()
-        self._ask(("close", status, error), "closed")
+        with _signals_held():  # NOTE: a SIGTERM after the last batch must not cut the close off (vLLM sends two)
+            self._hand_off()
+            self._ask(("close", status, error), "closed")
         self._end_host()
         atexit.unregister(self.close)
         self._finalizer.cancel()

@@ -64,13 +64,15 @@ def kvscope(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def complete(url: str, prompt: list[int], max_tokens: int = 1, request_id: str | None = None) -> None:
-    """One completion of exactly `max_tokens` tokens (EOS ignored: random weights may pick it)."""
+def complete(url: str, prompt: list[int], max_tokens: int = 1, request_id: str | None = None, n: int = 1) -> None:
+    """One completion of exactly `max_tokens` tokens (EOS ignored: random weights may pick it); `n` > 1:
+    vLLM's parallel sampling, `n` requests the API server hands to the engine together."""
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    sampling = {"temperature": 0} if n == 1 else {"temperature": 1.0, "seed": 0, "n": n}
     response = httpx.post(
         f"{url}/v1/completions",
         headers={"X-Request-Id": request_id} if request_id else {},
-        json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **sampling},
         timeout=300,
     )
     assert response.status_code == 200, response.text
@@ -122,10 +124,11 @@ def test_clean_workloads_with_preemption_check_clean(instrumented_vllm: Instrume
     prefix = tokens(rng, 64)
     burst(url, [prefix + tokens(rng, 40) for _ in range(4)], max_tokens=24)  # a shared prefix, concurrently
     burst(url, [tokens(rng, 80) for _ in range(6)], max_tokens=48)  # 6 x 4 blocks at the end: 24 > 11
-    # NOTE: preemption for sure: vLLM admits a request only with room for its prompt, so the burst above preempts
-    # only if three overlap (a loaded machine can serialize them, and one run here saw none); these grow from 2
-    # blocks to 7 each over 180 decode steps, so any two that overlap at all need 14 > 11 blocks
-    burst(url, [tokens(rng, 40) for _ in range(4)], max_tokens=180)
+    # NOTE: preemption for sure. The bursts above preempt only if their requests overlap in the engine, and this
+    # tiny model finishes a request in less time than the API server takes to hand it the next one (two runs here
+    # saw them arrive one by one). Parallel sampling hands the engine 4 requests at once; each grows from 2
+    # blocks to 7 over 180 decode steps: 28 > 11
+    complete(url, tokens(rng, 40), max_tokens=180, n=4)
     burst(url, [tokens(rng, 200) for _ in range(2)], max_tokens=40)  # long prompts: 2 x 8 blocks > 11
     settle(capture)
     metrics = counters(url)

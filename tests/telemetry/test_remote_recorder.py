@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -263,3 +264,40 @@ def test_a_signal_during_a_send_is_delivered_after_it_not_inside_it(other_thread
         stop.set()
     assert order == ["send finished", "handler", "after"]
     assert handler_after is engine_handler, "the engine's own handler is back after the send"
+
+
+def test_a_sigterm_during_the_close_is_delivered_after_the_run_is_closed(tmp_path: Path) -> None:
+    """vLLM's EngineCore takes SIGTERM twice at shutdown (its own, then its manager's) and raises
+    SystemExit from the handler. Arriving while the close hands on its last batch, it was delivered
+    right after that send and the close message never went out: the run read 'interrupted'."""
+    import os
+    import signal
+
+    target = tmp_path / "close.db"
+    rec = RemoteRecorder(target)
+    rec.step = 1
+    rec.usage(UsageSample(1, PoolTerms(352, 320, 0, 0), None, 0, 0, 1, 0, 100, 64, 1, 1, 0, 0, full_used=32))
+    channel, real_send = rec._channel, rec._channel.send
+
+    def send_under_sigterm(*args: Any) -> None:
+        if args[0][0] == "batch":
+            os.kill(os.getpid(), signal.SIGTERM)  # the engine's manager, during the last hand-off
+        real_send(*args)
+
+    def engine_handler(*_: Any) -> None:
+        raise SystemExit(0)
+
+    channel.send = send_under_sigterm  # type: ignore[method-assign]
+    before = signal.signal(signal.SIGTERM, engine_handler)
+    try:
+        with pytest.raises(SystemExit):
+            rec.close()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        channel.close()
+        rec._process.wait(timeout=30)
+    capture = Capture(target)
+    try:
+        assert capture.runs().iloc[-1].status == "finished"
+    finally:
+        capture.close()
