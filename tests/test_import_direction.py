@@ -19,17 +19,19 @@ PACKAGE = ROOT / "kvscope"
 ALLOWED: dict[str, set[str]] = {
     "telemetry": {"telemetry"},
     "workloads": {"workloads"},
+    "fleet": {"fleet", "telemetry"},  # dispatch methods and fleet figures: pure logic over telemetry reads
     "mem": {"mem", "telemetry"},
     "cache": {"cache", "mem", "telemetry"},
     "engine": {"engine", "cache", "mem", "telemetry", "workloads"},
-    "server": {"server", "engine", "cache", "mem", "telemetry", "workloads"},
+    "server": {"server", "fleet", "engine", "cache", "mem", "telemetry", "workloads"},
     "attach": {"attach", "telemetry"},  # beside a real engine on a box without torch (kvscope/attach/__init__.py)
     "probe": {"probe", "telemetry"},  # runs inside a real engine's venv: stdlib, numpy and telemetry only
-    "debug": {"debug", "telemetry", "mem"},  # mem: the KV pool types whose freed rows the monitor poisons
-    "planning": {"planning", "cache", "mem", "workloads", "telemetry"},
-    "dashboard": {"dashboard", "telemetry", "debug", "planning"},
+    "debug": {"debug", "fleet", "telemetry", "mem"},  # mem: the KV pool types whose freed rows the monitor poisons
+    "planning": {"planning", "fleet", "cache", "mem", "workloads", "telemetry"},
+    "dashboard": {"dashboard", "fleet", "telemetry", "debug", "planning"},
     "app": {
         "app",
+        "fleet",
         "server",
         "attach",
         "probe",

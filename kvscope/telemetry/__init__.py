@@ -36,6 +36,7 @@ from kvscope.telemetry.records import (
     PoolTerms,
     RequestRecord,
     RequestStatus,
+    Routing,
     RunStatus,
     UsageSample,
 )
@@ -109,6 +110,7 @@ __all__ = [
     "Recorder",
     "RequestRecord",
     "RequestStatus",
+    "Routing",
     "RunStatus",
     "SQLRecorder",
     "UsageSample",

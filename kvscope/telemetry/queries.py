@@ -241,7 +241,8 @@ class Capture:
 
     def requests(self, run_id: int) -> pd.DataFrame:
         c = schema.requests.c
-        return self.read_frame(select(schema.requests).where(c.run_id == run_id).order_by(c.arrive_step, c.rid))
+        stmt = select(*schema.columns_as_of(schema.requests, self.schema_version))
+        return self.read_frame(stmt.where(c.run_id == run_id).order_by(c.arrive_step, c.rid))
 
     def request_rows(
         self,
@@ -260,7 +261,8 @@ class Capture:
         by default), a page of `limit` rows past `offset`: a page of a run of 300k requests
         without reading them all."""
         c = schema.requests.c
-        picked = [c[name] for name in columns] if columns is not None else list(schema.requests.c)
+        as_of = {col.name: col for col in schema.columns_as_of(schema.requests, self.schema_version)}
+        picked = [as_of[name] for name in columns] if columns is not None else list(as_of.values())
         stmt = select(*picked).where(c.run_id == run_id)
         if principals is not None:
             stmt = stmt.where(c.principal.in_(list(principals)))

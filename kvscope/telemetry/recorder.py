@@ -69,7 +69,7 @@ from kvscope.telemetry import schema
 from kvscope.telemetry.channel import Channel, ChannelClosed, Message
 from kvscope.telemetry.events import EventKind, PoolName, Recorder
 from kvscope.telemetry.packed import BATCH, ITEM_FIELDS, ITEM_WIDTH
-from kvscope.telemetry.records import LEVELS, LeakCheck, NodeRow, RequestRecord, RunStatus, UsageSample
+from kvscope.telemetry.records import LEVELS, LeakCheck, NodeRow, RequestRecord, Routing, RunStatus, UsageSample
 from kvscope.telemetry.store import (
     CaptureError,
     compiled_statement,
@@ -345,6 +345,7 @@ class SQLRecorder(Recorder):
                     rec.num_retractions,
                     *(rec.times.get(m) for m in moments),
                     *(rec.steps.get(m) for m in moments),
+                    *_routing_fields(rec.routing),
                 ),
             )
         )
@@ -605,6 +606,13 @@ def _convert_slots(items: list[Any], deferred: list[tuple[int, Any]]) -> None:
         ends = np.cumsum([t.numel() for _, t in group])
         for (position, _), piece in zip(group, np.split(joined, ends[:-1]), strict=True):
             items[position] = piece
+
+
+def _routing_fields(routing: Routing | None) -> tuple[str | None, int | None, int | None]:
+    """The requests row's dispatch, routed_cached_tokens and elsewhere_cached_tokens."""
+    if routing is None:
+        return (None, None, None)
+    return (routing.dispatch, routing.routed_cached_tokens, routing.elsewhere_cached_tokens)
 
 
 def _plain(value: Any) -> Any:

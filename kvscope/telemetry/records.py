@@ -131,6 +131,21 @@ class LeakCheck(NamedTuple):
         return terms
 
 
+@dataclass(frozen=True)
+class Routing:
+    """What a fleet's router saw when it sent a request to this replica: the dispatch method and,
+    in prompt tokens, how much of the prompt was cached here and the most cached on any other
+    replica. Their difference (when positive) is the request's routing loss."""
+
+    dispatch: str
+    routed_cached_tokens: int
+    elsewhere_cached_tokens: int
+
+    @property
+    def loss_tokens(self) -> int:
+        return max(0, self.elsewhere_cached_tokens - self.routed_cached_tokens)
+
+
 @dataclass
 class RequestRecord:
     """A request's life as the requests table stores it; times are monotonic seconds."""
@@ -144,6 +159,7 @@ class RequestRecord:
     num_retractions: int = 0
     times: dict[str, float] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=dict)
+    routing: Routing | None = None  # how a fleet's router chose this replica (None: not routed)
 
     def mark(self, moment: str, step: int, t_mono: float) -> None:
         """Record a moment (arrive, admit, first_token, finish, retract); retract keeps the latest."""

@@ -46,7 +46,7 @@ from typing import Any
 import kvscope
 from kvscope.telemetry.channel import Channel, ChannelClosed
 from kvscope.telemetry.events import EventKind, PoolName, Recorder
-from kvscope.telemetry.records import LeakCheck, RequestRecord, UsageSample
+from kvscope.telemetry.records import LeakCheck, RequestRecord, Routing, UsageSample
 
 OPEN_TIMEOUT_S = 60.0  # NOTE: the host imports SQLAlchemy and creates the run (a second or two; more on a busy CPU)
 _monotonic = time.monotonic
@@ -170,6 +170,7 @@ class RemoteRecorder(Recorder):
                     rec.num_retractions,
                     dict(rec.times),
                     dict(rec.steps),
+                    None if rec.routing is None else tuple(vars(rec.routing).values()),
                 ),
             )
         )
@@ -384,9 +385,20 @@ def _take(recorder: Any, items: list[Any], rows: list[tuple[str, tuple[Any, ...]
         elif table == "tree_snapshots":
             recorder.tree_snapshot(row[0], row[1])
         elif table == "requests":
-            rid, principal, status, prompt_len, cached, output_len, retractions, times, steps = row
+            rid, principal, status, prompt_len, cached, output_len, retractions, times, steps, routing = row
             recorder.request(
-                RequestRecord(rid, principal, prompt_len, status, cached, output_len, retractions, times, steps)
+                RequestRecord(
+                    rid,
+                    principal,
+                    prompt_len,
+                    status,
+                    cached,
+                    output_len,
+                    retractions,
+                    times,
+                    steps,
+                    None if routing is None else Routing(*routing),
+                )
             )
 
 

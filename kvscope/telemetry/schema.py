@@ -48,6 +48,11 @@ the new version): every older row stays valid, with NULL in the added columns.
        written before version 6 keeps its rows, and readers read either (EventSource); a file
        upgraded to 6 can hold runs of both layouts. `kvscope upgrade` packs an older file's rows.
        A file of version 6 without the packed tables has lost its events: readers refuse it.
+    7  a fleet's routing (`kvscope serve --dp-size N`): requests.dispatch (the dispatch method
+       that chose this replica), requests.routed_cached_tokens (prompt tokens the router saw cached
+       on the chosen replica when the request arrived) and requests.elsewhere_cached_tokens (the
+       most prompt tokens cached on any other replica then). NULL: the request was not routed
+       among replicas (one engine, or a file written before version 7).
 `reports` came after version 1 without a bump: it is an additive table (older readers never
 look at it), a reader treats it as optional, and a writer adds it to an older file. A column
 got a bump because a version-1 reader cannot see it and would show an owner as missing.
@@ -74,7 +79,7 @@ from sqlalchemy import (
     null,
 )
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 OLDEST_READABLE_VERSION = 1
 metadata = MetaData()
 
@@ -227,6 +232,9 @@ requests = Table(
     Column("num_retractions", Integer, nullable=False),
     *(Column(f"{m}_t", Float) for m in REQUEST_MOMENTS),
     *(Column(f"{m}_step", Integer) for m in REQUEST_MOMENTS),
+    Column("dispatch", String(24), info={"since": 7}),  # the fleet's dispatch method; NULL: not routed
+    Column("routed_cached_tokens", Integer, info={"since": 7}),  # cached on the chosen replica at arrival
+    Column("elsewhere_cached_tokens", Integer, info={"since": 7}),  # most cached on any other replica then
 )
 Index("ix_tree_step", tree_snapshots.c.run_id, tree_snapshots.c.step)
 # NOTE: version 6: the Requests page reads a page of a run's requests in arrival order (files made

@@ -78,12 +78,14 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "cum_loaded_tokens",
         "tier",
     ]
+    routing = ["dispatch", "routed_cached_tokens", "elsewhere_cached_tokens"]
     assert sorted(c.name for c in schema.added_after(1)) == sorted(
-        ["principal", "visibility", *tier_columns, "full_used"]
+        ["principal", "visibility", *tier_columns, "full_used", *routing]
     )
-    assert sorted(c.name for c in schema.added_after(2)) == sorted(["visibility", *tier_columns, "full_used"])
-    assert sorted(c.name for c in schema.added_after(3)) == sorted([*tier_columns, "full_used"])
-    assert [c.name for c in schema.added_after(4)] == ["full_used"]
+    assert sorted(c.name for c in schema.added_after(2)) == sorted(["visibility", *tier_columns, "full_used", *routing])
+    assert sorted(c.name for c in schema.added_after(3)) == sorted([*tier_columns, "full_used", *routing])
+    assert sorted(c.name for c in schema.added_after(4)) == sorted(["full_used", *routing])
+    assert sorted(c.name for c in schema.added_after(6)) == sorted(routing)
     assert schema.added_after(schema.SCHEMA_VERSION) == []
     as_v1 = schema.columns_as_of(schema.events, 1)
     assert [c.name for c in as_v1] == list(schema.EVENT_COLUMNS)
