@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from kvscope.probe.core import (
     ProbeState,
     Settings,
@@ -106,13 +108,15 @@ class SglangProbe:
         self.releasers: dict[str, dict[int, tuple[str | None, int, str]]] = {"full": {}, "swa": {}, "req": {}}
         self.locks: dict[Any, list[tuple[str | None, int]]] = {}  # node -> [(rid, step) of each open lock]
         self.recorded: set[str] = set()
-        self.cum = {"prompt": 0, "hit": 0, "requests": 0, "hit_requests": 0, "evicted": 0}
+        self.cum = [0, 0, 0, 0, 0]  # NOTE: prompt tokens, hit tokens, requests, requests with a hit, evicted tokens
         self.censuses = 0
         self.census_step = -1
         self.roots: dict[int, Any] = {}  # id(tree) -> its root handle
         self.pending: list[tuple[bool, Any, str | None, int, str, Any]] = []  # allocator calls not yet drained
         self.sources: tuple[Any, Any, int] | None = None  # (tree, full allocator, batch size) of the last prepare
         self.usage_step = -1
+        self.now = _monotonic()  # NOTE: read once per step (next_step) and per drain, not per event
+        self.bound: dict[int, int] = {}  # NOTE: row -> the length whose pages bind gave its request (row hooks reset)
 
     # -- the recorder ---------------------------------------------------------------------------
 
@@ -157,69 +161,51 @@ class SglangProbe:
                 self.step_usage(rec, *self.sources)
             rec.step = rec.step + 1
             self.step = rec.step
+            self.now = _monotonic()  # NOTE: the one clock read per step; this step's tree events carry it
 
     def pool_of(self, allocator: Any) -> str:
         return self.pools.get(id(allocator), "full")
 
     # -- the ledger -----------------------------------------------------------------------------
 
-    def took(self, allocator: Any, pages: list[int], event: str, rid: str | None, step: int | None = None) -> None:
+    def took(
+        self,
+        allocator: Any,
+        pages: list[int],
+        event: str,
+        rid: str | None,
+        step: int | None = None,
+        *,
+        bound: bool = False,
+    ) -> None:
+        """The pages' taker in the ledger; an alloc event unless `bound` (a bind: its alloc was recorded)."""
         pool = self.pool_of(allocator)
         taken = (rid, self.step if step is None else step, event)
-        takers = self.takers[pool]
-        for page in pages:
-            takers[page] = taken
+        self.takers[pool].update(dict.fromkeys(pages, taken))
         self.busy = True
-        if self.emit is not None and event != "bind":
-            self.emit(
-                (
-                    taken[1],
-                    _monotonic(),
-                    ALLOC_V,
-                    pool,
-                    rid,
-                    None,
-                    len(pages) * allocator.page_size,
-                    0,
-                    None,
-                    None,
-                    tuple(pages),
-                )
-            )
+        if self.emit is not None and not bound:
+            size = len(pages) * allocator.page_size
+            self.emit((taken[1], self.now, ALLOC_V, pool, rid, None, size, 0, None, None, tuple(pages)))
 
     def released(self, allocator: Any, pages: list[int], entry: tuple[str | None, int, str]) -> None:
         pool = self.pool_of(allocator)
-        releasers = self.releasers[pool]
-        for page in pages:
-            releasers[page] = entry
+        self.releasers[pool].update(dict.fromkeys(pages, entry))
         self.busy = True
         if self.emit is not None:
-            self.emit(
-                (
-                    entry[1],
-                    _monotonic(),
-                    FREE_V,
-                    pool,
-                    entry[0],
-                    None,
-                    len(pages) * allocator.page_size,
-                    0,
-                    None,
-                    None,
-                    tuple(pages),
-                )
-            )
+            size = len(pages) * allocator.page_size
+            self.emit((entry[1], self.now, FREE_V, pool, entry[0], None, size, 0, None, None, tuple(pages)))
 
     def drain(self) -> None:
         """The allocator calls recorded since the last drain, in order, into the ledger and events."""
+        if not self.pending:
+            return
         pending, self.pending = self.pending, []
+        self.now = _monotonic()
         for is_alloc, allocator, rid, step, event, tensor in pending:
-            values = tensor.tolist()
             if is_alloc:
-                ps = allocator.page_size
-                self.took(allocator, values if ps == 1 else sorted({v // ps for v in values}), event, rid, step)
+                self.took(allocator, _pages(tensor, allocator.page_size), event, rid, step)
             else:
-                self.released(allocator, values, (rid, step, event))
+                self.released(allocator, tensor.tolist(), (rid, step, event))
 
     def prepared(self, reqs: Any, rows: Any, tree: Any, event: str) -> None:
         """After SGLang's prepare_for_extend / prepare_for_decode: the batch's row pages bound to its
@@ -228,7 +214,9 @@ class SglangProbe:
         allocator = tree.token_to_kv_pool_allocator
         full = getattr(allocator, "full_attn_allocator", allocator)
         page_size = int(full.page_size)
-        self.bind_requests(reqs, rows, page_size, full, event)
+        swa = _swa_pool(allocator)
+        peers = None if swa is None else (allocator.full_to_swa_index_mapping, swa)
+        self.bind_requests(reqs, rows, page_size, full, event, peers)
         self.sources = (tree, full, len(reqs))
         rec = self.recorder()
         if rec is not None and rec.step % SNAPSHOT_EVERY_STEPS == 0:
@@ -249,45 +237,42 @@ class SglangProbe:
                 0,
                 running,
                 0,
-                c["prompt"],
-                c["hit"],
-                c["requests"],
-                c["hit_requests"],
-                c["evicted"],
+                c[0],
+                c[1],
+                c[2],
+                c[3],
+                c[4],
                 0,
                 full_used=total - available,
             )
         )
         self.usage_step = rec.step
 
-    def bind_requests(self, reqs: Any, rows: Any, page_size: int, allocator: Any, event: str) -> None:
-        """Each request's row pages are its own (after prepare_for_extend / prepare_for_decode)."""
+    def bind_requests(
+        self, reqs: Any, rows: Any, page_size: int, allocator: Any, event: str, peers: tuple[Any, Any] | None = None
+    ) -> None:
+        """Each request's row pages are its own (after prepare_for_extend / prepare_for_decode): the
+        slots its row gained since its last bind (a decode step: one per request), not the whole row;
+        `peers` = (SGLang's full -> SWA slot mapping, the SWA sub-allocator): their SWA pages too."""
         self.drain()
         table = rows.req_to_token
+        bound = self.bound
         for req in reqs:
             kv = req.kv
             if kv.req_pool_idx is None:
                 continue
-            start, end = int(kv.cache_protected_len), int(kv.kv_allocated_len)
+            row, end = kv.req_pool_idx, kv.kv_allocated_len
+            start = max(kv.cache_protected_len, bound.get(row, 0))
+            if start > end:  # NOTE: the row shrank: bind it again from the protected length
+                start = kv.cache_protected_len
             if end > start:
-                slots = table[kv.req_pool_idx, start:end]
-                self.took(allocator, sorted({int(s) // page_size for s in slots.tolist()}), event, req.rid)
-
-    def lock(self, node: Any, rid: str | None) -> None:
-        self.locks.setdefault(node, []).append((rid, self.step))
-
-    def unlock(self, node: Any, rid: str | None) -> None:
-        held = self.locks.get(node)
-        if not held:
-            return
-        for i, (holder, _) in enumerate(held):
-            if holder == rid:
-                del held[i]
-                break
-        else:
-            held.pop(0)
-        if not held:
-            del self.locks[node]
+                slots = table[row, start:end]
+                self.took(allocator, _pages(slots, page_size), event, req.rid, bound=True)
+                if peers is not None:
+                    mapping, swa = peers
+                    mapped = mapping[slots.to(mapping.dtype)]
+                    self.took(swa, _pages(mapped[mapped > 0], swa.page_size), event, req.rid, bound=True)
+            bound[row] = end
 
     # -- the census -----------------------------------------------------------------------------
 
@@ -307,12 +292,19 @@ class SglangProbe:
         full = getattr(allocator, "full_attn_allocator", allocator)
         live = {req.rid for req in owners}
         open_locks = {node: [h for h in held if h[0] not in live] for node, held in self.locks.items()}
-        view = _page_view(full, tree, rows, owners)
+        tree_slots = _tree_slots(tree)
+        view = _page_view(full, tree_slots, rows, owners)
         result = take_page_census(
             "full", view, self.takers["full"], self.releasers["full"], {n: h for n, h in open_locks.items() if h}
         )
+        results = [result]
+        swa = _swa_pool(allocator)
+        if swa is not None:
+            swa_view = _swa_view(allocator, swa, tree_slots, rows, owners)
+            results.append(take_page_census("swa", swa_view, self.takers["swa"], self.releasers["swa"], {}))
         row_result = take_page_census("req", _row_view(rows, owners), self.takers["req"], self.releasers["req"], {})
-        for check in census_checks(rec.step, [result, row_result]):
+        results.append(row_result)
+        for check in census_checks(rec.step, results):
             rec.leak_check(check)
         ps = view.page_size
         used = (view.num_pages - len(result.free)) * ps
@@ -328,18 +320,18 @@ class SglangProbe:
                     0,
                     len(owners),
                     0,
-                    c["prompt"],
-                    c["hit"],
-                    c["requests"],
-                    c["hit_requests"],
-                    c["evicted"],
+                    c[0],
+                    c[1],
+                    c[2],
+                    c[3],
+                    c[4],
                     0,
                     full_used=used,
                 )
             )
             self.usage_step = rec.step
         rec.tree_snapshot(rec.step, tree_rows(tree, view.live, ps))
-        for failed in (r for r in (result, row_result) if not r.ok):
+        for failed in (r for r in results if not r.ok):
             say(
                 census_line(
                     failed,
@@ -350,7 +342,19 @@ class SglangProbe:
                 )
             )
         rec.flush() if hasattr(rec, "flush") else rec.idle()
-        return result, row_result
+        return tuple(results)
+
+
+VECTOR_MIN_SLOTS = 256  # NOTE: below it, Python's set of a tolist() is cheaper than numpy's unique
+
+
+def _pages(slots: Any, page_size: int) -> list[int]:
+    """The pages of an index tensor (token slots; page ids themselves at page size 1), ascending."""
+    if page_size == 1:
+        return slots.tolist()
+    if slots.numel() < VECTOR_MIN_SLOTS:
+        return sorted({v // page_size for v in slots.tolist()})
+    return np.unique(slots.cpu().numpy() // page_size).tolist()
 
 
 def _row_view(rows: Any, owners: list[Any]) -> PageView:
@@ -358,16 +362,66 @@ def _row_view(rows: Any, owners: list[Any]) -> PageView:
     return PageView(1, int(rows.size), [int(r) for r in rows.free_slots], set(), live)
 
 
-def _page_view(allocator: Any, tree: Any, rows: Any, owners: list[Any]) -> PageView:
+def _page_view(allocator: Any, tree_slots: list[int], rows: Any, owners: list[Any]) -> PageView:
     ps = int(allocator.page_size)
-    num_pages = int(getattr(allocator, "num_pages", 0) or allocator.size // ps)
+    tree_pages = {s // ps for s in tree_slots}
+    return PageView(ps, _num_pages(allocator), _free_list(allocator), tree_pages, _live_pages(rows, owners, ps))
+
+
+def _num_pages(allocator: Any) -> int:
+    return int(getattr(allocator, "num_pages", 0) or allocator.size // allocator.page_size)
+
+
+def _free_list(allocator: Any) -> list[int]:
     free = allocator.get_all_free_pages()
-    free_pages = [] if free is None else [int(p) for p in free.tolist()]
-    if ps == 1:
-        free_pages = free_pages  # NOTE: page ids are slots at page size 1
-    values = tree.all_values_flatten() if tree.evictable_size() + tree.protected_size() > 0 else None
-    tree_pages = set() if values is None or values.numel() == 0 else {int(s) // ps for s in values.tolist()}
-    return PageView(ps, num_pages, free_pages, tree_pages, _live_pages(rows, owners, ps))
+    return [] if free is None else free.tolist()
+
+
+def _tree_slots(tree: Any) -> list[int]:
+    """The full pool's token slots the tree holds (every tree core)."""
+    if tree.evictable_size() + tree.protected_size() == 0:
+        return []
+    return tree.all_values_flatten().tolist()
+
+
+def _swa_pool(allocator: Any) -> Any:
+    """The SWA sub-allocator of SGLang's SWATokenToKVPoolAllocator, None where there is no separate
+    paged SWA pool: no SWA allocator, the all-SWA variant (one pool: the full census covers it), or
+    the per-request SWA ring (its SWA memory is a row's, counted by the req census)."""
+    swa = getattr(allocator, "swa_attn_allocator", None)
+    if (
+        swa is None
+        or swa is getattr(allocator, "full_attn_allocator", None)
+        or getattr(allocator, "swa_req_ring", False)
+    ):
+        return None
+    return swa
+
+
+def _swa_view(allocator: Any, swa: Any, tree_slots: list[int], rows: Any, owners: list[Any]) -> PageView:
+    """The SWA pool through SGLang's full -> SWA slot mapping (0: no SWA peer; free_swa clears an
+    entry when it frees the peer): the tree's SWA pages are the peers of its full slots, a live
+    request's the peers of its row's slots."""
+    ps = int(swa.page_size)
+    mapping = allocator.full_to_swa_index_mapping
+    peers = mapping[_index(tree_slots, mapping)].tolist() if tree_slots else []
+    tree_pages = {p // ps for p in peers if p > 0}
+    live: dict[int, str] = {}
+    table = rows.req_to_token
+    for req in owners:
+        kv = req.kv
+        if kv.req_pool_idx is None:
+            continue
+        row = table[kv.req_pool_idx, : kv.kv_allocated_len].to(mapping.dtype)
+        for peer in mapping[row].tolist():
+            if peer > 0:
+                live.setdefault(peer // ps, req.rid)
+    return PageView(ps, _num_pages(swa), _free_list(swa), tree_pages, live)
+
+
+def _index(slots: list[int], like: Any) -> Any:
+    """A list of slots as an index tensor on `like`'s device (SGLang's tensors; no torch import here)."""
+    return like.new_tensor(slots)
 
 
 def _live_pages(rows: Any, owners: Any, page_size: int) -> dict[int, str]:
@@ -534,9 +588,11 @@ def _h_rows_alloc(original: Callable[..., Any], self: Any, reqs: Any, *args: Any
     if result is not None and PROBE.state.active:
         try:
             if _ready():
-                takers, step = PROBE.takers["req"], PROBE.step
+                takers, bound, step = PROBE.takers["req"], PROBE.bound, PROBE.step
                 for req in reqs:
-                    takers[int(req.kv.req_pool_idx)] = (req.rid, step, "alloc")
+                    row = int(req.kv.req_pool_idx)
+                    takers[row] = (req.rid, step, "alloc")
+                    bound.pop(row, None)
         except Exception as err:
             _failed(err)
     return result
@@ -546,9 +602,10 @@ def _h_rows_free(original: Callable[..., Any], self: Any, indices: Any, *args: A
     if PROBE.state.active:
         try:
             if _ready():
-                releasers, entry = PROBE.releasers["req"], (PROBE.rid, PROBE.step, PROBE.event)
+                releasers, bound, entry = PROBE.releasers["req"], PROBE.bound, (PROBE.rid, PROBE.step, PROBE.event)
                 for row in indices:
                     releasers[int(row)] = entry
+                    bound.pop(int(row), None)
         except Exception as err:
             _failed(err)
     return original(self, indices, *args, **kwargs)
@@ -574,32 +631,22 @@ def _in_context(rid: str | None, event: str, call: Callable[[], Any]) -> Any:
 
 
 def _h_match(original: Callable[..., Any], self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-    if not PROBE.state.active:
-        return original(self, params, *args, **kwargs)
     probe = PROBE
     req = params.req
-    rid = req.rid if req is not None else probe.rid
-    saved = probe.rid, probe.event
-    probe.rid, probe.event = rid, "match"
-    try:
-        result = original(self, params, *args, **kwargs)
-    finally:
-        probe.rid, probe.event = saved
-    if req is None:  # NOTE: a tree's own re-match (checkpoint) is no request's query
-        return result
+    if req is None or not probe.state.active:  # NOTE: a tree's own re-match (checkpoint) is no request's query
+        return original(self, params, *args, **kwargs)
+    rid = probe.rid = req.rid  # NOTE: sticky: the matched request's allocations follow (bind corrects a batch's)
+    result = original(self, params, *args, **kwargs)
     try:
         if probe.hot or _ready():
-            hit, asked = int(result.device_prefix_len), len(params.key)
-            probe.rid = rid  # NOTE: sticky: the matched request's allocations follow (bind corrects a batch's)
+            hit, asked = result.device_prefix_len, len(params.key)
             c = probe.cum
-            c["prompt"] += asked
-            c["hit"] += hit
-            c["requests"] += 1
-            c["hit_requests"] += hit > 0
+            c[0] += asked
+            c[1] += hit
+            c[2] += 1
+            c[3] += hit > 0
             if probe.emit is not None:
-                probe.emit(
-                    (probe.step, _monotonic(), MATCH_V, "full", rid, None, hit, max(asked - hit, 0), None, None, None)
-                )
+                probe.emit((probe.step, probe.now, MATCH_V, "full", rid, None, hit, asked - hit, None, None, None))
     except Exception as err:
         _failed(err)
     return result
@@ -614,7 +661,7 @@ def _h_insert(original: Callable[..., Any], self: Any, params: Any, *args: Any, 
                 PROBE.emit(
                     (
                         PROBE.step,
-                        _monotonic(),
+                        PROBE.now,
                         INSERT_V,
                         "full",
                         PROBE.rid,
@@ -638,12 +685,12 @@ def _h_evict(original: Callable[..., Any], self: Any, params: Any, *args: Any, *
     try:
         if _ready():
             evicted = int(result.num_tokens_evicted)
-            PROBE.cum["evicted"] += evicted
+            PROBE.cum[4] += evicted
             if PROBE.emit is not None and evicted:
                 PROBE.emit(
                     (
                         PROBE.step,
-                        _monotonic(),
+                        PROBE.now,
                         EVICT_V,
                         "full",
                         PROBE.rid,
@@ -665,19 +712,18 @@ def _h_inc_lock(original: Callable[..., Any], self: Any, node: Any, *args: Any, 
     probe = PROBE
     if probe.state.active:
         try:
-            if probe.hot or _ready():
-                key = node if type(node) is int else node.id  # NOTE: a NodeId (unified) or a TreeNode (classic)
-                root = probe.roots.get(id(self))
-                if key != (_root_of(self) if root is None else root):  # NOTE: the root's id may be 0
-                    rid = probe.rid
-                    held = probe.locks.get(key)
-                    if held is None:
-                        probe.locks[key] = [(rid, probe.step)]
-                    else:
-                        held.append((rid, probe.step))
-                    if probe.emit is not None:
-                        moved = -(getattr(result, "delta", 0) or 0)
-                        probe.emit((probe.step, _monotonic(), LOCK_V, "full", rid, key, moved, 0, None, None, None))
+            key = node if type(node) is int else node.id  # NOTE: a NodeId (unified) or a TreeNode (classic)
+            root = probe.roots.get(id(self))
+            if key != (_root_of(self) if root is None else root) and (probe.hot or _ready()):  # NOTE: root id may be 0
+                rid, step = probe.rid, probe.step
+                held = probe.locks.get(key)
+                if held is None:
+                    probe.locks[key] = [(rid, step)]
+                else:
+                    held.append((rid, step))
+                if probe.emit is not None:
+                    moved = -(getattr(result, "delta", 0) or 0)
+                    probe.emit((step, probe.now, LOCK_V, "full", rid, key, moved, 0, None, None, None))
         except Exception as err:
             _failed(err)
     return result
@@ -688,19 +734,30 @@ def _h_dec_lock(original: Callable[..., Any], self: Any, node: Any, *args: Any, 
     probe = PROBE
     if probe.state.active:
         try:
-            if probe.hot or _ready():
-                key = node if type(node) is int else node.id
-                root = probe.roots.get(id(self))
-                if key != (_root_of(self) if root is None else root):  # NOTE: the root's id may be 0
-                    probe.unlock(key, probe.rid)
-                    if probe.emit is not None:
-                        moved = getattr(result, "delta", 0) or 0
-                        probe.emit(
-                            (probe.step, _monotonic(), UNLOCK_V, "full", probe.rid, key, moved, 0, None, None, None)
-                        )
+            key = node if type(node) is int else node.id
+            root = probe.roots.get(id(self))
+            if key != (_root_of(self) if root is None else root) and (probe.hot or _ready()):  # NOTE: root id may be 0
+                rid = probe.rid
+                held = probe.locks.get(key)
+                if held:
+                    _drop_holder(held, rid)
+                    if not held:
+                        del probe.locks[key]
+                if probe.emit is not None:
+                    moved = getattr(result, "delta", 0) or 0
+                    probe.emit((probe.step, probe.now, UNLOCK_V, "full", rid, key, moved, 0, None, None, None))
         except Exception as err:
             _failed(err)
     return result
+
+
+def _drop_holder(held: list[tuple[str | None, int]], rid: str | None) -> None:
+    """An unlock ends the open lock of the same request, else the oldest (the ledger's holders)."""
+    for i, (holder, _) in enumerate(held):
+        if holder == rid:
+            del held[i]
+            return
+    del held[0]
 
 
 def _host_hook(kind: str) -> Callable[..., Any]:
@@ -712,7 +769,7 @@ def _host_hook(kind: str) -> Callable[..., Any]:
             try:
                 if _ready() and PROBE.emit is not None:
                     PROBE.emit(
-                        (PROBE.step, _monotonic(), kind, "host", PROBE.rid, None, _tokens(result), 0, None, None, None)
+                        (PROBE.step, PROBE.now, kind, "host", PROBE.rid, None, _tokens(result), 0, None, None, None)
                     )
             except Exception as err:
                 _failed(err)

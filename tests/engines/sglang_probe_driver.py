@@ -4,8 +4,9 @@ has no CPU build of its kernels). Run with the SGLang venv's python, the reposit
     python sglang_probe_driver.py SCENARIO [TREE]
 
 TREE: unified (UnifiedRadixCache, Python tree core), rust (the same, Rust tree core), classic
-(RadixCache). SCENARIO: clean, leak-tail, lock-leak, double-free, leak-and-double-free,
-unknown-version, missing-target. The environment names the capture (KVSCOPE_CAPTURE,
+(RadixCache), swa (UnifiedRadixCache with its SWA component, Python tree core, over SGLang's
+SWATokenToKVPoolAllocator and SWAKVPool: a full and an swa pool). SCENARIO: clean, leak-tail,
+lock-leak, double-free, leak-and-double-free, swa-leak (swa only), unknown-version, missing-target. The environment names the capture (KVSCOPE_CAPTURE,
 KVSCOPE_PYTHON; `kvscope instrument` sets both). SGLang's own load_plugins() installs the probe.
 
 The request life is the scheduler's, on SGLang's real objects: Req.init_next_round_input (match
@@ -41,10 +42,12 @@ from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker  # noqa: E402
 from sglang.srt.mem_cache import common  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 from sglang.srt.plugins import load_plugins  # noqa: E402
@@ -56,13 +59,19 @@ PS = 4  # tokens per page
 PAGES = 16
 ROWS = 8
 CONTEXT = 64
+WINDOW = 8  # tokens: the SWA component's sliding window (tree swa)
 
 
 class Engine:
     """SGLang's pools and tree, and the requests the scheduler would hold."""
 
     def __init__(self, tree_kind: str) -> None:
-        self.alloc = PagedTokenToKVPoolAllocator(PAGES * PS, PS, torch.int64, "cpu", None, False)
+        self.swa = tree_kind == "swa"
+        if self.swa:  # NOTE: SGLang's SWA KV pool on the CPU (tiny buffers: one full and one SWA layer)
+            kv = SWAKVPool(PAGES * PS, PAGES * PS, PS, torch.float32, 1, 4, [0], [1], "cpu")
+            self.alloc: Any = SWATokenToKVPoolAllocator(PAGES * PS, PAGES * PS, PS, torch.int64, "cpu", kv, False)
+        else:
+            self.alloc = PagedTokenToKVPoolAllocator(PAGES * PS, PS, torch.int64, "cpu", None, False)
         self.rows = ReqToTokenPool(ROWS, CONTEXT, "cpu", False)
         if tree_kind == "classic":
             params = CacheInitParams(
@@ -75,18 +84,19 @@ class Engine:
                 req_to_token_pool=self.rows,
                 token_to_kv_pool_allocator=self.alloc,
                 page_size=PS,
-                tree_components=(ComponentType.FULL,),
+                tree_components=(ComponentType.FULL, ComponentType.SWA) if self.swa else (ComponentType.FULL,),
+                sliding_window_size=WINDOW if self.swa else None,
                 tree_core_backend="rust" if tree_kind == "rust" else "python",
             )
             self.tree = UnifiedRadixCache(params)
         self.live: dict[str, Req] = {}
         self.checker = SchedulerInvariantChecker(
-            is_hybrid_swa=False,
+            is_hybrid_swa=self.swa,
             is_hybrid_ssm=False,
             disaggregation_mode=None,
             page_size=PS,
             full_tokens_per_layer=None,
-            swa_tokens_per_layer=None,
+            swa_tokens_per_layer=PAGES * PS if self.swa else None,
             max_total_num_tokens=PAGES * PS,
             tree_cache=self.tree,
             token_to_kv_pool_allocator=self.alloc,
@@ -153,6 +163,8 @@ class Engine:
     def make_room(self, tokens: int) -> None:
         if self.alloc.available_size() < tokens:
             self.tree.evict(EvictParams(num_tokens=tokens - self.alloc.available_size()))
+        if self.swa and self.alloc.swa_available_size() < tokens:
+            self.tree.evict(EvictParams(swa_num_tokens=tokens - self.alloc.swa_available_size()))
 
     def release(self, req: Req) -> None:
         if req.rid != "req-D":  # NOTE: finished by length, as the scheduler marks it (req-D is released unfinished)
@@ -165,20 +177,22 @@ class Engine:
     def idle(self) -> dict[str, Any]:
         """SGLang's count identity (raise on a leak, strict), then the probe's census."""
         owners = self.checker._requests_owning_rows()
-        uncached = self.checker._get_total_uncached_sizes()[0]  # NOTE: SGLang's own (its busy check's) count
+        uncached, swa_uncached = self.checker._get_total_uncached_sizes()  # NOTE: SGLang's own (its busy check's)
+        full = self.alloc.full_available_size() if self.swa else self.alloc.available_size()
         leak, line = SchedulerInvariantChecker._check_pool_invariant(
-            "full",
-            self.alloc.available_size(),
-            self.tree.evictable_size(),
-            self.tree.protected_size(),
-            0,
-            PAGES * PS,
-            uncached,
+            "full", full, self.tree.evictable_size(), self.tree.protected_size(), 0, PAGES * PS, uncached
         )
+        pool = "pool"
+        if self.swa and not leak:
+            swa_args = (self.tree.swa_evictable_size(), self.tree.swa_protected_size(), 0, PAGES * PS, swa_uncached)
+            leak, line = SchedulerInvariantChecker._check_pool_invariant(
+                "swa", self.alloc.swa_available_size(), *swa_args
+            )
+            pool = "swa pool"
         raised = None
         if leak:
             try:
-                self.checker._report_leak("pool", line)
+                self.checker._report_leak(pool, line)
             except ValueError as err:  # NOTE: into the log as a scheduler's traceback ends (report engine-log reads it)
                 raised = str(err).splitlines()[0]
                 print(
@@ -220,6 +234,14 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
         tail = int(engine.rows.req_to_token[kv.req_pool_idx, aligned]) // PS
         kv.kv_allocated_len = kv.kv_committed_len = aligned
         injected.append({"kind": "leak-tail", "rid": "req-C", "page": tail})
+    if scenario == "swa-leak":  # the tail page is freed through the full sub-allocator only: its SWA peer strands
+        kv = c.kv
+        aligned = kv.kv_allocated_len // PS * PS
+        tail_slots = engine.rows.req_to_token[kv.req_pool_idx, aligned : kv.kv_allocated_len].to(torch.int64)
+        peer = int(engine.alloc.full_to_swa_index_mapping[tail_slots[0]]) // PS
+        engine.alloc.full_attn_allocator.free(tail_slots)
+        kv.kv_allocated_len = kv.kv_committed_len = aligned
+        injected.append({"kind": "swa-leak", "rid": "req-C", "page": peer})
     engine.release(c)
     d = engine.admit("req-D", [50 + i for i in range(10)])  # stays running across the idle point
     if scenario in ("double-free", "leak-and-double-free"):  # a page still in the tree is freed again

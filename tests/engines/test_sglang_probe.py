@@ -183,6 +183,44 @@ def test_a_leak_and_a_double_free_that_cancel_pass_sglangs_identity_and_not_the_
     assert json.loads(report.stdout)["verdict"] == "leak"
 
 
+def test_an_swa_pool_checks_clean_beside_the_full_pool(tmp_path: Path) -> None:
+    """SGLang's SWATokenToKVPoolAllocator (a full and an SWA sub-pool) under UnifiedRadixCache with its
+    SWA component: the census covers the swa pool (through SGLang's full -> SWA slot mapping)."""
+    capture = tmp_path / "swa-clean.db"
+    result = drive("clean", "swa", capture)
+    assert [p["sglang"]["leak"] for p in result["points"]] == [False, False, False]
+    swa = [next(c for c in p["census"] if c["pool"] == "swa") for p in result["points"]]
+    assert all(c["ok"] for c in swa) and swa[1]["live"] == 3  # req-D's SWA peers, running across the idle point
+    db = Capture(capture)
+    try:
+        checks = db.leak_checks(int(db.runs().iloc[-1].id))
+        assert list(checks.pool).count("swa") == 3 and checks.ok.astype(bool).all()
+    finally:
+        db.close()
+    check = kvscope("check", str(capture))
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_an_swa_page_stranded_by_a_full_only_free_is_named_with_its_request(tmp_path: Path) -> None:
+    """The tail page freed through the full sub-allocator alone: the full pool balances, its SWA peer
+    is in no free list, tree or live row; the census names it and req-C before SGLang raises."""
+    capture = tmp_path / "swa-leak.db"
+    result = drive("swa-leak", "swa", capture)
+    page = result["injected"][0]["page"]
+    point = result["points"][1]
+    assert point["sglang"]["raised"].startswith("swa pool memory leak detected!")  # SGLang's own: totals only
+    named = (
+        f"1 page leaked (in no free list, tree or live row): page {page} (slots {page * 4}-{page * 4 + 3}) "
+        "last taken by request req-C (decode at step 9)"
+    )
+    assert f"[swa] {named}" in result["stderr"]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "leak check failed at step 10: [swa] total=" in check.stdout and named in check.stdout
+    report = kvscope("report", "leaks", str(capture))
+    assert "verdict: leak (kvscope check exits 1)" in report.stdout and "req-C" in report.stdout
+
+
 @pytest.mark.parametrize(
     ("scenario", "line"),
     [
