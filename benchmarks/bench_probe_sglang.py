@@ -16,6 +16,15 @@ puts SGLang's originals back on the classes (each wrapper's __wrapped__), so pla
 Summary = the probe's ledger only (no event tuples); full = ledger + one event tuple per call. Modes
 alternate over REPEATS repetitions; the table shows the median µs per call (wall and this thread's CPU
 time) and what the hooks add.
+
+NOTE: the second table, the hooks' own work: each hook function called with a stub for SGLang's
+    original (it returns the result a real call returned), against the stub called alone, in
+    alternating rounds; median and min CPU ns added per call. SGLang's work is then out of the timing,
+    so a sub-µs cost is not lost in its spread on a shared machine. `around` is HookRegistry's own
+    AROUND wrapper with a no-op hook (what any plugin's hook costs); `alloc+drain/N` is the alloc
+    hook plus the drain of its recorded tensor, drained once per N calls (2: the first table's
+    worst case; 32: about one scheduler step's allocator calls). `bind/step x32` is not per call: the
+    prepare_for_decode hook's bind for one decode step of 32 running requests (rows of 512+ tokens).
 """
 
 from __future__ import annotations
@@ -52,6 +61,8 @@ from kvscope.probe import sglang as probe  # noqa: E402
 ROUNDS = 3_000
 REPEATS = 7
 PS = 4
+BATCH = 32  # requests in the bind measurement's decode batch
+BIND_STEPS = 200
 
 
 def build() -> tuple[Any, Any]:
@@ -85,6 +96,80 @@ def tree_round(tree: Any, params: Any) -> None:
         tree.unlock(tree.lock(node))
 
 
+def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float], list[float]]]:
+    """CPU ns per call: (name, stub alone per round, hook around the stub per round)."""
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    matched = tree.match_prefix(params)
+    node = matched.last_device_node
+    locked = tree.inc_lock_ref(node)
+    tree.dec_lock_ref(node, locked.to_dec_params())
+    out = alloc.alloc(16)
+    alloc.free(out)
+
+    def stub(_self: Any, *_args: Any) -> Any:
+        return stub.result  # type: ignore[attr-defined]
+
+    def noop(original: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    around = _wrap_fn(stub, noop, HookType.AROUND)
+    cases: list[tuple[str, Any, Any, Any, int]] = [
+        ("around", matched, lambda: around(tree, params), None, 0),
+        ("match", matched, lambda: probe._h_match(stub, tree, params), None, 0),
+        ("lock", locked, lambda: probe._h_inc_lock(stub, tree, node), None, 0),
+        ("unlock", None, lambda: probe._h_dec_lock(stub, tree, node), None, 0),
+        ("alloc+drain/2", out, lambda: probe._h_alloc(stub, alloc, 16), probe.PROBE.drain, 2),
+        ("alloc+drain/32", out, lambda: probe._h_alloc(stub, alloc, 16), probe.PROBE.drain, 32),
+    ]
+    rows = [bind_step()]
+    for name, result, hooked, drain, every in cases:
+        stub.result = result  # type: ignore[attr-defined]
+        plain_ns, hooked_ns = [], []
+        for _ in range(REPEATS * 3):
+            plain_ns.append(_cpu_ns(lambda: stub(tree, params)))
+            hooked_ns.append(_cpu_ns(hooked, drain, every))
+        rows.append((name, plain_ns, hooked_ns))
+        probe.PROBE.locks.clear()
+    return rows
+
+
+def bind_step() -> tuple[str, list[float], list[float]]:
+    """The prepare_for_decode hook's bind, per decode step of BATCH requests whose rows hold 512
+    tokens and grow by one each step (rows filled with real pages; the stub is no work: 0)."""
+    rows = ReqToTokenPool(BATCH, 1024, "cpu", False)
+    alloc = PagedTokenToKVPoolAllocator(BATCH * 1024, PS, torch.int64, "cpu", None, False)
+    reqs = []
+    for i in range(BATCH):
+        req = Req(f"bind-{i}", "", array("q", range(512)), SamplingParams(max_new_tokens=1))
+        rows.alloc([req])
+        slots = alloc.alloc(1024)
+        rows.write((req.kv.req_pool_idx, slice(0, 1024)), slots.to(torch.int32))
+        req.kv.kv_allocated_len = 512
+        reqs.append(req)
+    bind = probe.PROBE.bind_requests
+    per_step = []
+    for _ in range(REPEATS * 3):
+        start = time.thread_time_ns()
+        for _ in range(BIND_STEPS):
+            for req in reqs:
+                req.kv.kv_allocated_len += 1
+            bind(reqs, rows, PS, alloc, "decode")
+        per_step.append((time.thread_time_ns() - start) / BIND_STEPS)
+        for req in reqs:
+            req.kv.kv_allocated_len = 512
+    return f"bind/step x{BATCH}", [0.0] * len(per_step), per_step
+
+
+def _cpu_ns(call: Any, drain: Any = None, every: int = 0) -> float:
+    start = time.thread_time_ns()
+    for i in range(ROUNDS):
+        call()
+        if drain is not None and i % every == every - 1:
+            drain()
+    return (time.thread_time_ns() - start) / ROUNDS
+
+
 def timed(run: Any, calls: int) -> tuple[float, float]:
     start, start_cpu = time.perf_counter(), time.thread_time()
     run()
@@ -115,6 +200,9 @@ def main() -> int:
             )
             results.setdefault(("tree", mode), []).append(timed(lambda: tree_round(tree, params), 3 * ROUNDS))
             probe.PROBE.state.recorder.idle()
+    _install(hooked)
+    probe.PROBE.emit = emit
+    own = own_work(alloc, tree, params)
     probe.PROBE.state.recorder.close()
     print(
         f"{said}; machine: {platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
@@ -128,6 +216,11 @@ def main() -> int:
             wall, cpu = (statistics.median(x[i] for x in results[(group, mode)]) for i in (0, 1))
             added = "" if mode == "plain" else f"{wall - base_wall:+11.2f} {cpu - base_cpu:+10.2f}"
             print(f"{group:<10} {mode:<8} {wall:12.2f} {cpu:12.2f} {added}")
+    print("\nthe hooks' own work (level full), CPU ns per call: stub alone, added by the hook (median, min-min)")
+    for name, plain_ns, hooked_ns in own:
+        base = statistics.median(plain_ns)
+        added, least = statistics.median(hooked_ns) - base, min(hooked_ns) - min(plain_ns)
+        print(f"{name:<15} {base:8.0f} {added:+9.0f} {least:+9.0f}")
     return 0
 
 

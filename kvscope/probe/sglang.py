@@ -13,15 +13,17 @@ ids, num_tokens = pages x page size; rid = the request the probe's context names
              the new pages; each page's taker in the ledger
     free     _release_page_ids (the one sink every paged free passes through, groups included), the
              token allocator's free outside a free group: the pages back in the free list
-    bind     ScheduleBatch.prepare_for_extend / prepare_for_decode: each request's row pages are its
-             own (the ledger's taker becomes that request; no event: the alloc was recorded already)
+    bind     ScheduleBatch.prepare_for_extend / prepare_for_decode: the pages of the slots each request's
+             row gained since its last bind are its own, and their SWA peers (the ledger's taker becomes
+             that request; no event: the alloc was recorded already)
     match    match_prefix: num_tokens = hit tokens, aux = missed tokens
     insert   insert: num_tokens = the tokens the request added to the tree
     lock / unlock  inc_lock_ref / dec_lock_ref: node_id = the node (the lock ledger's holder)
     evict    evict / evict_for_alloc: num_tokens = tokens evicted, reason capacity
     host_evict / load / write  the HiCache component's evict_host / load_back / backup_kv_cache
 The census (Scheduler.on_idle after SGLang's own check; SchedulerInvariantChecker._report_leak
-before SGLang raises) writes one leak check per pool and a tree snapshot (tree_rows); a request record
+before SGLang raises) writes one leak check per pool (full; swa under an SWA allocator, read through
+SGLang's full -> SWA slot mapping; req) and a tree snapshot (tree_rows); a request record
 per release_kv_cache. Per step a usage sample from the allocator's and the tree's own counters
 (available, evictable, protected; written when the next step begins, or by the census), and a tree
 snapshot every SNAPSHOT_EVERY_STEPS steps while busy.
@@ -181,7 +183,9 @@ class SglangProbe:
         """The pages' taker in the ledger; an alloc event unless `bound` (a bind: its alloc was recorded)."""
         pool = self.pool_of(allocator)
         taken = (rid, self.step if step is None else step, event)
-        self.takers[pool].update(dict.fromkeys(pages, taken))
+        takers = self.takers[pool]
+        for page in pages:  # NOTE: a loop: cheaper than dict.update(dict.fromkeys(...)) at a call's few pages
+            takers[page] = taken
         self.busy = True
         if self.emit is not None and not bound:
             size = len(pages) * allocator.page_size
@@ -189,7 +193,9 @@ class SglangProbe:
 
     def released(self, allocator: Any, pages: list[int], entry: tuple[str | None, int, str]) -> None:
         pool = self.pool_of(allocator)
-        self.releasers[pool].update(dict.fromkeys(pages, entry))
+        releasers = self.releasers[pool]
+        for page in pages:
+            releasers[page] = entry
         self.busy = True
         if self.emit is not None:
             size = len(pages) * allocator.page_size

@@ -2,8 +2,8 @@
 allocator's free list), in the tree (a radix node's value), or in a live request's row. Engine-neutral
 values in, leak checks out (the SGLang module reads the pools into a PageView).
 
-NOTE: the terms (one leak check per pool, pool = its name: full, or req for ReqToTokenPool's rows,
-    where a row is a "page" of size 1 and the tree holds none)
+NOTE: the terms (one leak check per pool, pool = its name: full, swa (an SWA allocator's SWA
+    sub-pool), or req for ReqToTokenPool's rows, where a row is a "page" of size 1 and the tree holds none)
     leaked       a page in none of the three: nobody will ever free it. Culprit: the page's last
                  taker in the ledger (the request whose alloc or row took it, the step, the event)
     doubleref    a page both free and in use (in the tree or a live row), or twice in the free list:

@@ -6,8 +6,9 @@ has no CPU build of its kernels). Run with the SGLang venv's python, the reposit
 TREE: unified (UnifiedRadixCache, Python tree core), rust (the same, Rust tree core), classic
 (RadixCache), swa (UnifiedRadixCache with its SWA component, Python tree core, over SGLang's
 SWATokenToKVPoolAllocator and SWAKVPool: a full and an swa pool). SCENARIO: clean, leak-tail,
-lock-leak, double-free, leak-and-double-free, swa-leak (swa only), unknown-version, missing-target. The environment names the capture (KVSCOPE_CAPTURE,
-KVSCOPE_PYTHON; `kvscope instrument` sets both). SGLang's own load_plugins() installs the probe.
+lock-leak, double-free, leak-and-double-free, swa-leak (swa only), unknown-version, missing-target.
+The environment names the capture (KVSCOPE_CAPTURE, KVSCOPE_PYTHON; `kvscope instrument` sets both).
+SGLang's own load_plugins() installs the probe.
 
 The request life is the scheduler's, on SGLang's real objects: Req.init_next_round_input (match
 through match_kv_cache) -> tree.lock -> ReqToTokenPool.alloc -> (evict under pressure) ->

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,10 @@ def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: st
         events = db.events(int(run.id), limit=10_000)
         assert {"alloc", "free", "match", "insert", "lock", "unlock", "evict"} <= set(events.kind), set(events.kind)
         assert {"req-A", "req-B", "req-C", "req-D", "req-E"} <= set(events[events.kind == "alloc"].rid)
+        allocs = events[events.kind == "alloc"]
+        rows = zip(allocs.step, allocs.pool, allocs.slots, strict=True)
+        taken = [(step, pool, page) for step, pool, pages in rows for page in array("i", pages)]
+        assert len(taken) == len(set(taken))  # one alloc event per page and step: bind names takers silently
         hits = events[(events.kind == "match") & (events.rid == "req-B")]
         assert list(hits.num_tokens) == [12]  # the shared 12-token system prompt, three pages
         checks = db.leak_checks(int(run.id))
