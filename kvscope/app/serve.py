@@ -274,7 +274,6 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
                 await asyncio.wait_for(stop.wait(), 0.5)
     finally:
         front.accepting = False
-        watch_ranks(front, processes, options)
         if any(p.is_alive() for p in processes):
             with contextlib.suppress(Exception):
                 await front.send(ShutdownReq(abort_in_flight=False))

@@ -89,6 +89,7 @@ from kvscope.server.protocol import (
 from kvscope.workloads.tokenizer import ByteTokenizer
 
 DISCONNECT_POLL_S = 0.2
+BROADCAST_WAIT_S = 2.0
 
 
 def resolve_principal(keys: dict[str, Principal] | None, authorization: str | None, user: str | None) -> str | None:
@@ -297,11 +298,16 @@ class Front:
             self.ready.set()
 
     async def send(self, msg: ToScheduler, rank: int | None = None) -> None:
-        """To the scheduler of `rank`; None: to every live one."""
-        ranks = range(len(self.replicas)) if rank is None else [rank]
-        for each in ranks:
-            if self.replicas[each].live:
-                await self.replicas[each].push.send(encode(msg))
+        """To the scheduler of `rank`; None: to every live one, waiting at most BROADCAST_WAIT_S
+        on each (a rank that already stopped takes nothing)."""
+        if rank is not None:
+            if self.replicas[rank].live:
+                await self.replicas[rank].push.send(encode(msg))
+            return
+        for replica in self.replicas:
+            if replica.live:
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(replica.push.send(encode(msg)), BROADCAST_WAIT_S)
 
     def scheduler_exited(self, error: str) -> None:
         """Every scheduler process is gone: no new request is taken, and those in flight end with
