@@ -187,6 +187,9 @@ def main() -> int:
             f"- server: `python {example}`; load: `python {loads}`",
             "- routing loss: Σ max(0, elsewhere − routed cached tokens) / Σ prompt tokens of the routed "
             "requests, from the capture's requests rows; hit rate per rank: Σ cached / Σ prompt tokens",
+            "- one run per method, the two ranks and the load client sharing the machine's cores: "
+            "requests/s is noisy; the routing loss and hit rates depend on the workload, not the timing, "
+            "except through which requests overlap",
         ]
         header = [f"Run {stamp}: `{command_line()}`", "", *machine_lines("cpu"), *notes, ""]
         write_section("bench_dp_dispatch", "\n".join(header) + "\n" + body)
