@@ -5,17 +5,23 @@
     a child process  the scheduler (kvscope.server.scheduler): the engine, its memory and the capture
     between them     two ZMQ PUSH/PULL pairs on ipc:// sockets in a private temp dir (the scheduler binds)
 
+NOTE: --dp-size N (SGLang's data-parallel layout): N scheduler processes, each its own engine,
+memory and run in the one capture (its config's "fleet": {id, rank, size, dispatch}, one id per
+start; label "serve dp R"); the front dispatches each request by --load-balance-method and sends
+its Routing along. Rank r publishes KV events on the tcp:// port + r. A rank that dies is
+dropped (its requests in flight fail 503) while another lives; when none is left, as below.
+
 NOTE: the order of things
     1. the arguments, the keys file, the KV-events config, the engine config against the model
-       and the machine, and the listening socket: any error is one line, exit 2, and nothing
-       has started (no scheduler, no capture)
-    2. the scheduler starts; its first StatsOut means ready (Ctrl-C reaches the whole process
-       group: the scheduler drains on it, as on the ShutdownReq that follows)
+       and the machine (N ranks' pools), and the listening socket: any error is one line, exit
+       2, and nothing has started (no scheduler, no capture)
+    2. the schedulers start; the first StatsOut of each means ready (Ctrl-C reaches the whole
+       process group: the schedulers drain on it, as on the ShutdownReq that follows)
     3. uvicorn serves on the socket bound in 1; then "kvscope serve: ready on http://HOST:PORT"
     4. SIGINT, SIGTERM or SIGHUP: /health and new requests answer 503, the scheduler gets
        ShutdownReq (it finishes the requests in flight, flushes and closes the capture), uvicorn
        waits for the open responses, the scheduler is joined; one line, exit 0. A scheduler
-       that dies on its own fails the requests in flight and exits 1.
+       that dies on its own fails its requests in flight; the last one to die exits 1.
 """
 
 from __future__ import annotations
@@ -31,14 +37,16 @@ import socket
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Generator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvscope.engine import EngineConfig, ModelConfig
     from kvscope.server.api_keys import Principal
     from kvscope.server.front import Front
+    from kvscope.server.scheduler import ServeSpec
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # as kvscope.__main__'s
 READY_TIMEOUT_S = 300.0
@@ -58,6 +66,8 @@ class ServeOptions:
     level: str
     api_keys: dict[str, Principal] | None
     kv_events: Any  # KVEventsConfig | None
+    dp_size: int = 1
+    load_balance_method: str = "round_robin"
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
@@ -66,14 +76,40 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     from kvscope.server.api_keys import load_api_keys
     from kvscope.server.kv_events import KVEventsConfig
 
+    dp_size = getattr(args, "dp_size", 1)
+    if dp_size < 1:
+        raise ValueError(f"--dp-size must be at least 1, got {dp_size}")
     engine, model = engine_from_args(args, serving=True)
+    if dp_size > 1 and engine.torch_threads is not None and args.torch_threads is None:
+        engine = replace(engine, torch_threads=max(1, engine.torch_threads // dp_size))  # the ranks share the cores
     engine.check_model(model.sliding_window, model.is_hybrid, model)
+    check_ranks_fit(engine, model, dp_size)
     keys = load_api_keys(args.api_keys) if args.api_keys else None
     kv_events = KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None
+    if kv_events is not None:
+        kv_events.check_ranks(dp_size)
     capture = None if args.level == "off" else (args.capture or default_capture_path("serve"))
     name = args.model.strip()
     model_id = f"kvscope-{name}" if re.fullmatch(r"[A-Za-z0-9._-]+", name) else "kvscope-custom"
-    return ServeOptions(engine, model, model_id, args.host, args.port, capture, args.level, keys, kv_events)
+    method = getattr(args, "load_balance_method", "round_robin")
+    return ServeOptions(
+        engine, model, model_id, args.host, args.port, capture, args.level, keys, kv_events, dp_size, method
+    )
+
+
+def check_ranks_fit(engine: EngineConfig, model: ModelConfig, dp_size: int) -> None:
+    """ValueError naming both numbers when dp_size ranks' pools need more than the device has free."""
+    from kvscope.engine.config import format_bytes
+    from kvscope.mem import available_memory_bytes, resolve_device
+
+    device = resolve_device(engine.device)
+    available = available_memory_bytes(device)
+    need_bytes = dp_size * engine.pool.pool_bytes(model.is_hybrid, model).total_bytes
+    if dp_size > 1 and available is not None and need_bytes > available:
+        raise ValueError(
+            f"--dp-size {dp_size}: the ranks' pools need {format_bytes(need_bytes)} but {device} has "
+            f"{format_bytes(available)} available; lower --dp-size or --kv-tokens"
+        )
 
 
 def serve_verb(args: argparse.Namespace) -> int:
@@ -85,7 +121,7 @@ def serve_verb(args: argparse.Namespace) -> int:
     from kvscope.telemetry.fingerprint import environment_fingerprint
 
     kv_events = options.kv_events if options.kv_events is not None and options.kv_events.enabled else None
-    config = {
+    config: dict[str, Any] = {
         "serve": {
             "host": options.host,
             "port": listener.getsockname()[1],
@@ -107,11 +143,28 @@ def serve_verb(args: argparse.Namespace) -> int:
         config=config,
         kv_events=kv_events,
     )
+    fleet_id = uuid.uuid4().hex
 
-    def start(to_scheduler: str, to_front: str) -> multiprocessing.process.BaseProcess:
-        return start_scheduler(spec, to_scheduler, to_front)
+    def start(rank: int, to_scheduler: str, to_front: str) -> multiprocessing.process.BaseProcess:
+        return start_scheduler(rank_spec(spec, options, fleet_id, rank), to_scheduler, to_front)
 
     return serve(options, listener, start)
+
+
+def rank_spec(spec: ServeSpec, options: ServeOptions, fleet_id: str, rank: int) -> ServeSpec:
+    """Data-parallel rank `rank`'s spec: its run's fleet keys and label, its KV-event endpoints
+    (one rank: `spec` itself, as before --dp-size)."""
+    if options.dp_size == 1:
+        return spec
+    fleet = {"id": fleet_id, "rank": rank, "size": options.dp_size, "dispatch": options.load_balance_method}
+    return replace(
+        spec,
+        label=f"{spec.label} dp {rank}",
+        config={**spec.config, "fleet": fleet},
+        kv_events=None if spec.kv_events is None else spec.kv_events.for_rank(rank),
+        dp_rank=rank,
+        report_pages=True,
+    )
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -132,7 +185,7 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return listener
 
 
-StartScheduler = Callable[[str, str], multiprocessing.process.BaseProcess]
+StartScheduler = Callable[[int, str, str], multiprocessing.process.BaseProcess]  # (rank, to_scheduler, to_front)
 
 
 def serve(options: ServeOptions, listener: socket.socket, start: StartScheduler) -> int:
@@ -162,8 +215,12 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
         api_keys=options.api_keys,
         kv_events=asdict(options.kv_events) if options.kv_events else None,
         extra_info={"capture": options.capture, "level": options.level},
+        load_balance_method=options.load_balance_method,
     )
-    front = Front(state, f"ipc://{ipc_dir}/to_scheduler", f"ipc://{ipc_dir}/to_front")
+    ranks = range(options.dp_size)
+    to_schedulers = [f"ipc://{ipc_dir}/to_scheduler{'' if r == 0 else r}" for r in ranks]
+    to_fronts = [f"ipc://{ipc_dir}/to_front{'' if r == 0 else r}" for r in ranks]
+    front = Front(state, to_schedulers, to_fronts)
     front.start_router()
     loop = asyncio.get_running_loop()
     stopped: list[str] = []
@@ -174,7 +231,9 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
             stopped.append(signal.Signals(signum).name)
         stop.set()
 
-    process = start(f"ipc://{ipc_dir}/to_scheduler", f"ipc://{ipc_dir}/to_front")
+    processes = [start(r, to_schedulers[r], to_fronts[r]) for r in ranks]
+    for replica, process in zip(front.replicas, processes, strict=True):
+        replica.pid = process.pid
     for each in STOP_SIGNALS:
         loop.add_signal_handler(each, on_signal, each)
     host, port = listener.getsockname()[:2]
@@ -184,9 +243,10 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not front.ready.is_set() and not stop.is_set():
-            if not process.is_alive() or time.monotonic() > deadline:
-                why = "exited" if not process.is_alive() else f"was not ready in {READY_TIMEOUT_S:.0f} s"
-                print(f"kvscope serve: error: the scheduler process {why}", file=sys.stderr)
+            exited = [r for r, process in enumerate(processes) if not process.is_alive()]
+            if exited or time.monotonic() > deadline:
+                why = "exited" if exited else f"was not ready in {READY_TIMEOUT_S:.0f} s"
+                print(f"kvscope serve: error: the scheduler process{rank_name(exited, options)} {why}", file=sys.stderr)
                 return 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(front.ready.wait(), 0.2)
@@ -204,9 +264,7 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
             shown = f"[{host}]" if ":" in host else host
             print(f"kvscope serve: ready on http://{shown}:{port}", flush=True)
         while not stop.is_set():
-            if not process.is_alive():
-                print("kvscope serve: error: the scheduler process exited", file=sys.stderr)
-                front.scheduler_exited("the scheduler process exited")
+            if not watch_ranks(front, processes, options):
                 code = 1
                 break
             if serving is not None and serving.done():
@@ -216,22 +274,41 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
                 await asyncio.wait_for(stop.wait(), 0.5)
     finally:
         front.accepting = False
-        if process.is_alive():
+        if any(p.is_alive() for p in processes):
             with contextlib.suppress(Exception):
                 await front.send(ShutdownReq(abort_in_flight=False))
         if server is not None and serving is not None:
             server.should_exit = True
-            await drain(front, serving, process.is_alive())
-        await loop.run_in_executor(None, process.join, JOIN_TIMEOUT_S)
-        if process.is_alive():
-            process.terminate()
-            await loop.run_in_executor(None, process.join, 5.0)
-            code = code or 1
+            await drain(front, serving, any(p.is_alive() for p in processes))
+        for process in processes:
+            await loop.run_in_executor(None, process.join, JOIN_TIMEOUT_S)
+            if process.is_alive():
+                process.terminate()
+                await loop.run_in_executor(None, process.join, 5.0)
+                code = code or 1
         await front.close()
     why = f" ({stopped[0]})" if stopped else ""
     where = f"; capture {options.capture}" if options.capture else ""
     print(f"kvscope serve: stopped{why}{where}", flush=True)
     return code
+
+
+def rank_name(ranks: list[int], options: ServeOptions) -> str:
+    """' of dp rank R' for a server with several ranks; '' with one."""
+    return "" if options.dp_size == 1 else f" of dp rank {', '.join(map(str, ranks))}"
+
+
+def watch_ranks(front: Front, processes: list[multiprocessing.process.BaseProcess], options: ServeOptions) -> bool:
+    """Drop every rank whose scheduler process died since the last look (one line each); False
+    when none is left."""
+    for rank, (replica, process) in enumerate(zip(front.replicas, processes, strict=True)):
+        if replica.live and not process.is_alive():
+            where = rank_name([rank], options)
+            live = sum(r.live for r in front.replicas) - 1
+            rest = f"; serving on {live} of {options.dp_size} ranks" if live else ""
+            print(f"kvscope serve: error: the scheduler process{where} exited{rest}", file=sys.stderr, flush=True)
+            front.rank_exited(rank, f"the scheduler process{where} exited")
+    return any(replica.live for replica in front.replicas)
 
 
 async def drain(front: Front, serving: asyncio.Task[None], scheduler_alive: bool) -> None:

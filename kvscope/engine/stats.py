@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from kvscope.engine.memory import HostTierTotals, MemorySystem
 from kvscope.engine.request import Req
-from kvscope.telemetry import EventKind, LeakCheck, Recorder, RequestRecord, RequestStatus, UsageSample
+from kvscope.telemetry import EventKind, LeakCheck, Recorder, RequestRecord, RequestStatus, Routing, UsageSample
 
 
 class LeakDetected(RuntimeError):
@@ -58,6 +58,10 @@ class EngineStats:
         self.records[req.rid] = RequestRecord(req.rid, req.user, req.prompt_len)
         self._mark(req, "arrive", step)
         self._event(EventKind.REQUEST_ARRIVE, req, req.prompt_len)
+
+    def routed(self, req: Req, routing: Routing) -> None:
+        """How a fleet's router chose this replica for an arrived request (its requests row keeps it)."""
+        self.records[req.rid].routing = routing
 
     def admitted(self, req: Req, step: int, prefix_len: int, host_hit_tokens: int = 0) -> None:
         """`host_hit_tokens`: of prefix_len, the tokens loaded back from the host tier."""

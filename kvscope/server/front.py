@@ -3,12 +3,13 @@
     client --HTTP--> Front --GenerateReq/AbortReq--> scheduler process (ZMQ PUSH)
     client <--SSE--- Front <--TokenOut/StatsOut----- scheduler process (ZMQ PULL)
 
-One background task (`route`) reads the scheduler's socket: a TokenOut goes to its request's
-asyncio queue, a StatsOut to the metrics. Each handler sends one GenerateReq per choice (n per
-prompt; parameters checked by openai_params.py, sampled by the scheduler), then reads their
-queues until the TokenOuts that finish them (choice.py turns them into text and logprobs). A
-client that goes away (a closed stream, or a disconnect while a plain response is pending)
-makes the handler send AbortReq for each choice still running.
+One background task per scheduler (`route`) reads its socket: a TokenOut goes to its request's
+asyncio queue, a StatsOut to the metrics and the dispatcher, a PagesOut to that rank's page
+index. Each handler sends one GenerateReq per choice (n per prompt; parameters checked by
+openai_params.py, sampled by the scheduler), then reads their queues until the TokenOuts that
+finish them (choice.py turns them into text and logprobs). A client that goes away (a closed
+stream, or a disconnect while a plain response is pending) makes the handler send AbortReq
+for each choice still running.
 
 NOTE: principals (docs/serve.md)
     no --api-keys   principal = the request's `user` (or None)
@@ -28,6 +29,15 @@ NOTE: bad input never reaches a handler as a Python surprise
                  stderr and a 500 (a bug, never a traceback); a stream already started ends
     the scheduler dead: its requests in flight end 503 server_error (a server fault, not the
                  request's)
+
+NOTE: data-parallel ranks (`serve --dp-size N`, docs/serve.md)
+    N scheduler processes, a socket pair each; the front's Dispatcher (kvscope.fleet) picks the
+    rank of each choice. With N > 1 each rank sends its cache's page deltas (PagesOut) and the
+    front keeps the set of block hashes each holds: a prompt's cached tokens on rank r = the
+    longest run of its page hashes, from the first, in r's set x page size. Every routed
+    request carries Routing(method, cached on the chosen rank, most cached on another) to its
+    requests row. A rank whose process died: its requests in flight end 503, dispatch skips it,
+    /health reads "degraded" (200) while another rank lives; with none left, as one scheduler dead.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 from starlette.applications import Starlette
@@ -55,16 +66,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import kvscope
 from kvscope.engine import EngineConfig, ModelConfig
 from kvscope.engine.sampling_params import SamplingParams
+from kvscope.fleet.dispatch import Dispatcher, DispatchError
 from kvscope.server.api_keys import Principal
 from kvscope.server.body import read_json
 from kvscope.server.chat import ChatError, render_chat
 from kvscope.server.choice import Choice, Entry, Piece, render_logprobs
 from kvscope.server.errors import ApiError, error_response
+from kvscope.server.kv_events import prompt_page_hashes
 from kvscope.server.metrics import ServerMetrics
 from kvscope.server.openai_params import MAX_CHOICES, ParamError, RequestParams, parse_params
 from kvscope.server.protocol import (
     AbortReq,
     GenerateReq,
+    PagesOut,
+    RouteInfo,
     StatsOut,
     TokenOut,
     ToScheduler,
@@ -74,6 +89,7 @@ from kvscope.server.protocol import (
 from kvscope.workloads.tokenizer import ByteTokenizer
 
 DISCONNECT_POLL_S = 0.2
+BROADCAST_WAIT_S = 2.0
 
 
 def resolve_principal(keys: dict[str, Principal] | None, authorization: str | None, user: str | None) -> str | None:
@@ -111,12 +127,35 @@ class FrontState:
     api_keys: dict[str, Principal] | None = None
     kv_events: dict[str, Any] | None = None
     extra_info: dict[str, Any] = field(default_factory=dict)
+    load_balance_method: str = "round_robin"  # kvscope.fleet.DISPATCH_METHODS; with one rank, moot
 
 
 @dataclass
 class Pending:
     queue: asyncio.Queue[TokenOut]
     arrival_s: float
+    rank: int = 0
+
+
+@dataclass
+class Replica:
+    """One scheduler process (a data-parallel rank): its sockets and what the front knows of it."""
+
+    push: zmq.asyncio.Socket
+    pull: zmq.asyncio.Socket
+    stats: StatsOut | None = None
+    pages: set[int] = field(default_factory=set)  # block hashes of the full pages its cache holds (N > 1)
+    live: bool = True
+    pid: int | None = None
+
+    def cached_tokens(self, page_hashes: list[int], page_size: int) -> int:
+        """The prompt's longest prefix this replica holds, in tokens."""
+        num_pages = 0
+        for page_hash in page_hashes:
+            if page_hash not in self.pages:
+                break
+            num_pages += 1
+        return num_pages * page_size
 
 
 @dataclass
@@ -198,65 +237,127 @@ class Run:
 class Front:
     """The sockets to the scheduler, the per-request queues and the HTTP app."""
 
-    def __init__(self, state: FrontState, to_scheduler: str, to_front: str) -> None:
+    def __init__(self, state: FrontState, to_scheduler: str | list[str], to_front: str | list[str]) -> None:
+        """`to_scheduler`, `to_front`: one address each per data-parallel rank (a str: one rank)."""
+        to_schedulers = [to_scheduler] if isinstance(to_scheduler, str) else to_scheduler
+        to_fronts = [to_front] if isinstance(to_front, str) else to_front
         self.state = state
         self.tokenizer = ByteTokenizer()
-        self.metrics = ServerMetrics(state.engine.pool.page_size, state.model_id)
+        self.metrics = ServerMetrics(state.engine.pool.page_size, state.model_id, len(to_schedulers))
         self.context = zmq.asyncio.Context()
-        self.push = self.context.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 2000)
-        self.push.connect(to_scheduler)
-        self.pull = self.context.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.connect(to_front)
+        self.replicas = [self.connect(a, b) for a, b in zip(to_schedulers, to_fronts, strict=True)]
+        self.dispatcher = Dispatcher(state.load_balance_method, len(self.replicas))
         self.pending: dict[str, Pending] = {}
         self.accepting = True
         self.ready = asyncio.Event()
-        self.stats: StatsOut | None = None
-        self.router: asyncio.Task[None] | None = None
+        self.routers: list[asyncio.Task[None]] = []
         self.aborts: set[asyncio.Task[None]] = set()
-        self.scheduler_error: str | None = None  # set once the scheduler process is gone
+        self.scheduler_error: str | None = None  # set once every scheduler process is gone
+        self.lost: set[str] = set()  # requests ended by their rank's death, until their handler answers
+
+    def connect(self, to_scheduler: str, to_front: str) -> Replica:
+        push = self.context.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 2000)
+        push.connect(to_scheduler)
+        pull = self.context.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.connect(to_front)
+        return Replica(push, pull)
+
+    @property
+    def stats(self) -> StatsOut | None:
+        """Rank 0's latest counters."""
+        return self.replicas[0].stats
 
     # --- the scheduler side
 
     def start_router(self) -> None:
-        self.router = asyncio.get_running_loop().create_task(self.route())
+        loop = asyncio.get_running_loop()
+        self.routers = [loop.create_task(self.route(rank)) for rank in range(len(self.replicas))]
 
-    async def route(self) -> None:
+    async def route(self, rank: int) -> None:
+        replica = self.replicas[rank]
         while True:
-            frame = await self.pull.recv()
+            frame = await replica.pull.recv()
             msg = decode_to_front(frame)
             if isinstance(msg, StatsOut):
-                self.stats = msg
-                self.metrics.update(msg)
-                self.ready.set()
-                continue
-            pending = self.pending.get(msg.rid)
-            if pending is not None:
-                pending.queue.put_nowait(msg)
+                self.took_stats(rank, msg)
+            elif isinstance(msg, PagesOut):
+                replica.pages.difference_update(msg.removed)
+                replica.pages.update(msg.stored)
+            else:
+                pending = self.pending.get(msg.rid)
+                if pending is not None:
+                    pending.queue.put_nowait(msg)
 
-    async def send(self, msg: ToScheduler) -> None:
-        await self.push.send(encode(msg))
+    def took_stats(self, rank: int, stats: StatsOut) -> None:
+        self.replicas[rank].stats = stats
+        self.metrics.update(stats, rank)
+        self.dispatcher.loads(rank, stats.num_running + stats.num_waiting, stats.pools["full"].used)
+        if all(replica.stats is not None for replica in self.replicas):
+            self.ready.set()
+
+    async def send(self, msg: ToScheduler, rank: int | None = None) -> None:
+        """To the scheduler of `rank`; None: to every live one, waiting at most BROADCAST_WAIT_S
+        on each (a rank that already stopped takes nothing)."""
+        if rank is not None:
+            if self.replicas[rank].live:
+                await self.replicas[rank].push.send(encode(msg))
+            return
+        for replica in self.replicas:
+            if replica.live:
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(replica.push.send(encode(msg)), BROADCAST_WAIT_S)
 
     def scheduler_exited(self, error: str) -> None:
-        """The scheduler process is gone: no new request is taken, and those in flight end with
+        """Every scheduler process is gone: no new request is taken, and those in flight end with
         `error` (a 503: the server's fault, not the request's)."""
         self.scheduler_error = error
         self.accepting = False
-        for rid, pending in list(self.pending.items()):
-            pending.queue.put_nowait(TokenOut(rid, [], finished=True, finish_reason="error", error=error))
+        for rank in range(len(self.replicas)):
+            self.rank_exited(rank, error)
 
-    def refusal(self) -> tuple[int, str, str]:
-        """A request that ended in error: (status, type, code); 503 once the scheduler is gone."""
-        if self.scheduler_error is not None:
+    def rank_exited(self, rank: int, error: str) -> None:
+        """The scheduler of `rank` is gone: dispatch skips it and its requests in flight end with
+        `error` (503); the last one gone is scheduler_exited."""
+        self.replicas[rank].live = False
+        self.metrics.rank_died(rank)
+        for rid, pending in list(self.pending.items()):
+            if pending.rank == rank:
+                self.lost.add(rid)
+                pending.queue.put_nowait(TokenOut(rid, [], finished=True, finish_reason="error", error=error))
+        if self.scheduler_error is None and not any(replica.live for replica in self.replicas):
+            self.scheduler_exited(error)
+
+    def refusal(self, rid: str) -> tuple[int, str, str]:
+        """A request that ended in error: (status, type, code); 503 when its scheduler is gone."""
+        if self.scheduler_error is not None or rid in self.lost:
+            self.lost.discard(rid)
             return 503, "server_error", "scheduler_unavailable"
         return 400, "invalid_request_error", "rejected"
 
+    def dispatch(self, input_ids: list[int]) -> tuple[int, RouteInfo | None]:
+        """The rank for a prompt and what the router saw (None with one rank); ApiError 503 when
+        no rank lives."""
+        if len(self.replicas) == 1:
+            return 0, None
+        page_size = self.state.engine.pool.page_size
+        hashes = prompt_page_hashes(input_ids, page_size)
+        cached = [replica.cached_tokens(hashes, page_size) for replica in self.replicas]
+        live = [replica.live for replica in self.replicas]
+        try:
+            rank = self.dispatcher.choose(len(input_ids), cached, live)
+        except DispatchError as err:
+            raise ApiError(503, str(err), type_="server_error", code="scheduler_unavailable") from None
+        elsewhere = max((n for r, n in enumerate(cached) if r != rank), default=0)
+        return rank, RouteInfo(self.dispatcher.method, cached[rank], elsewhere)
+
     async def close(self) -> None:
-        if self.router is not None:
-            self.router.cancel()
-        self.push.close()
-        self.pull.close()
+        for router in self.routers:
+            router.cancel()
+        for replica in self.replicas:
+            replica.push.close()
+            replica.pull.close()
         self.context.term()
 
     # --- requests
@@ -301,7 +402,9 @@ class Front:
     async def generate(self, child: Child, req: GenRequest, request: Request) -> AsyncGenerator[TokenOut, None]:
         """The scheduler's TokenOuts for one choice of `req`; aborts it when the caller stops early."""
         rid = child.rid
-        pending = Pending(asyncio.Queue(), time.monotonic())
+        rank, routing = self.dispatch(child.input_ids)
+        pending = Pending(asyncio.Queue(), time.monotonic(), rank)
+        latency = self.metrics.latency(rank)
         self.pending[rid] = pending
         finished = False
         first_token_s = last_token_s = None
@@ -315,7 +418,9 @@ class Front:
                     req.arrival_wall_s,
                     child.sampling,
                     child.num_prompt_logprobs,
-                )
+                    routing,
+                ),
+                rank,
             )
             next_poll = time.monotonic() + DISCONNECT_POLL_S
             while not finished:
@@ -331,26 +436,27 @@ class Front:
                 if out is None:
                     continue
                 if out.queue_s is not None and first_token_s is None:
-                    self.metrics.queue_time.observe(out.queue_s)
+                    latency.queue_time.observe(out.queue_s)
                 if out.new_token_ids:
                     if first_token_s is None:
                         first_token_s = now
-                        self.metrics.ttft.observe(now - pending.arrival_s)
+                        latency.ttft.observe(now - pending.arrival_s)
                     elif last_token_s is not None:
                         gap = (now - last_token_s) / len(out.new_token_ids)
                         for _ in out.new_token_ids:
-                            self.metrics.itl.observe(gap)
+                            latency.itl.observe(gap)
                     last_token_s = now
                 finished = out.finished
                 if finished:
-                    self.metrics.e2e.observe(now - pending.arrival_s)
-                    self.metrics.request_finished(out.finish_reason or "unknown")
+                    latency.e2e.observe(now - pending.arrival_s)
+                    self.metrics.request_finished(out.finish_reason or "unknown", rank)
                 yield out
         finally:  # NOTE: no await here, so a cancelled stream still runs it to the end
             self.pending.pop(rid, None)
+            self.dispatcher.finished(rank, len(child.input_ids))
             if not finished:
-                self.metrics.request_finished("abort")
-                task = asyncio.get_running_loop().create_task(self.send(AbortReq(rid)))
+                self.metrics.request_finished("abort", rank)
+                task = asyncio.get_running_loop().create_task(self.send(AbortReq(rid), rank))
                 self.aborts.add(task)
                 task.add_done_callback(self.aborts.discard)
 
@@ -413,7 +519,11 @@ class Front:
     async def health(self, request: Request) -> Response:
         if not self.accepting:
             return error_response(503, "the server is shutting down", type_="server_error", code="shutting_down")
-        return JSONResponse({"status": "ok"})
+        dead = [rank for rank, replica in enumerate(self.replicas) if not replica.live]
+        if not dead:
+            return JSONResponse({"status": "ok"})
+        live = [rank for rank, replica in enumerate(self.replicas) if replica.live]
+        return JSONResponse({"status": "degraded", "live_dp_ranks": live, "dead_dp_ranks": dead})
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self.model_card()]})
@@ -498,16 +608,7 @@ class Front:
 
     async def server_info(self, request: Request) -> Response:
         eng, model = self.state.engine, self.state.model
-        pools = {
-            name: {
-                "total": p.total,
-                "used": p.used,
-                "available": p.available,
-                "evictable": p.evictable,
-                "protected": p.protected,
-            }
-            for name, p in (self.stats.pools if self.stats else {}).items()
-        }
+        pools = pools_json(self.stats)
         return JSONResponse(
             {
                 "model": self.state.model_id,
@@ -532,6 +633,12 @@ class Front:
                 "pools": pools,
                 "kv_events": self.state.kv_events,
                 "auth": self.state.api_keys is not None,
+                "dp_size": len(self.replicas),
+                "load_balance_method": self.state.load_balance_method,
+                "dp_ranks": [
+                    {"dp_rank": rank, "live": r.live, "pid": r.pid, "pools": pools_json(r.stats)}
+                    for rank, r in enumerate(self.replicas)
+                ],
                 **self.state.extra_info,
             }
         )
@@ -563,7 +670,7 @@ class Front:
         try:
             async for k, out in outs:
                 if out.finish_reason == "error":
-                    status, type_, code = self.refusal()
+                    status, type_, code = self.refusal(out.rid)
                     return error_response(
                         status, out.error or "the scheduler refused the request", type_=type_, code=code
                     )
@@ -643,7 +750,7 @@ class Front:
         try:
             async for k, out in outs:
                 if out.finish_reason == "error":
-                    _, type_, code = self.refusal()
+                    _, type_, code = self.refusal(out.rid)
                     yield sse(
                         {
                             "error": {
@@ -809,6 +916,11 @@ def usage(runs: list[Run]) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def pools_json(stats: StatsOut | None) -> dict[str, dict[str, int]]:
+    pools = stats.pools if stats is not None else {}
+    return {name: msgspec.structs.asdict(each) for name, each in pools.items()}
 
 
 def absorb(outcome: Outcome, out: TokenOut) -> None:

@@ -6,7 +6,7 @@
 
 NOTE: the wire format is SGLang's (>= 0.5.22, map-encoded events; research note §1):
     PUB frames      topic | seq (8 bytes, big-endian, from 0) | msgpack KVEventBatch
-    KVEventBatch    [ts, [event, ...], attn_dp_rank]   (a positional array; the rank is 0, one rank)
+    KVEventBatch    [ts, [event, ...], attn_dp_rank]   (a positional array; the replica's rank, 0 for one)
     event           {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
                      "block_size", "lora_id", "medium"}
                     {"type": "BlockRemoved", "block_hashes", "medium"} | {"type": "AllBlocksCleared"}
@@ -22,6 +22,9 @@ so a consumer that recomputes SGLang's hashes from token ids (a HiCache storage 
 digest's hex, a Dynamo-style indexer the block hash) finds kvscope's. One BlockStored covers a
 run of new pages that chain one on the next (its token_ids are block_size per hash). The stream
 starts with AllBlocksCleared (seq 0).
+With `serve --dp-size N`, rank r publishes on the endpoint's tcp:// port + r (and its replay
+endpoint's), as SGLang 0.5.23's publisher offsets them (`offset_endpoint_port`); an inproc://
+name gets "_dp{r}"; an ipc:// endpoint cannot be shared by several ranks and is refused.
 Only the full-attention pages are published: SWA window frees (tombstones) are silent, as in SGLang.
 """
 
@@ -31,10 +34,12 @@ import hashlib
 import json
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple
 
 import msgspec
+import numpy as np
 import zmq
 
 MEDIUM = "GPU"
@@ -145,6 +150,32 @@ class KVEventsConfig:
             )
         return cls(**data)
 
+    def for_rank(self, rank: int) -> KVEventsConfig:
+        """The config of data-parallel rank `rank`: its endpoints offset as SGLang offsets them."""
+        if rank == 0:
+            return self
+        return replace(
+            self,
+            endpoint=rank_endpoint(self.endpoint, rank),
+            replay_endpoint=None if self.replay_endpoint is None else rank_endpoint(self.replay_endpoint, rank),
+        )
+
+    def check_ranks(self, dp_size: int) -> None:
+        """ValueError (one line) when the endpoints cannot be offset for dp_size ranks."""
+        if dp_size == 1 or not self.enabled:
+            return
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "inproc://")):
+                raise ValueError(
+                    f"kv events {name} {value!r} cannot be shared by --dp-size {dp_size} ranks: "
+                    "use a tcp:// endpoint (rank r publishes on its port + r)"
+                )
+            if value is not None and value.startswith("tcp://"):
+                port = value.rpartition(":")[2]
+                if not port.isdigit() or int(port) + dp_size - 1 > 65535:
+                    raise ValueError(f"kv events {name} {value!r} has no port to offset for {dp_size} ranks")
+
     @property
     def enabled(self) -> bool:
         publisher = self.publisher or ("zmq" if self.enable_kv_cache_events else "null")
@@ -156,6 +187,16 @@ class KVEventsConfig:
             return self.bind
         endpoint = self.endpoint
         return any(mark in endpoint for mark in ("*", "::", "0.0.0.0")) or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """SGLang's per-rank endpoint: a tcp:// port + rank, an inproc:// name + "_dp{rank}"."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    base, _, port = endpoint.rpartition(":")
+    return f"{base}:{int(port) + rank}"
 
 
 # -- the cache's pages ------------------------------------------------------------------------------
@@ -237,6 +278,25 @@ def node_page_list(key: bytes, page_bytes: int, parent_digest: bytes | None) -> 
     return out
 
 
+def prompt_page_hashes(input_ids: Sequence[int], page_size: int) -> list[int]:
+    """The block hashes of a prompt's full pages, first page first (what a cache holding the
+    prompt as a prefix publishes for it)."""
+    key = np.asarray(input_ids, dtype=np.int32).tobytes()
+    return [page_hash for page_hash, _ in node_page_list(key, page_size * 4, None)]
+
+
+def page_deltas(events: list[KVEvent]) -> tuple[list[int], list[int]]:
+    """(stored, removed) block hashes of a diff's events."""
+    stored: list[int] = []
+    removed: list[int] = []
+    for event in events:
+        if isinstance(event, BlockStored):
+            stored += event.block_hashes
+        elif isinstance(event, BlockRemoved):
+            removed += event.block_hashes
+    return stored, removed
+
+
 def token_list(token_bytes: bytes) -> list[int]:
     return list(memoryview(token_bytes).cast("i"))
 
@@ -286,8 +346,9 @@ class KVEventPublisher:
     never blocks (past the high-water mark ZMQ drops, and the subscriber sees a gap in seq);
     `serve_replay` answers the replay requests waiting on the ROUTER."""
 
-    def __init__(self, config: KVEventsConfig, context: zmq.Context[Any]) -> None:
+    def __init__(self, config: KVEventsConfig, context: zmq.Context[Any], dp_rank: int = ATTN_DP_RANK) -> None:
         self.config = config
+        self.dp_rank = dp_rank
         self.topic = config.topic.encode()
         self.seq = 0
         self.kept: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
@@ -305,7 +366,7 @@ class KVEventPublisher:
     def publish(self, events: list[KVEvent]) -> None:
         if not events:
             return
-        payload = encode_batch(KVEventBatch(time.time(), events, ATTN_DP_RANK))
+        payload = encode_batch(KVEventBatch(time.time(), events, self.dp_rank))
         seq = self.seq.to_bytes(8, "big")
         self.pub.send_multipart((self.topic, seq, payload))
         self.kept.append((self.seq, payload))

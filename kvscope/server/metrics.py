@@ -9,12 +9,16 @@ tests/server/test_grafana_dashboard.py checks SGLang's published Grafana dashboa
 totals, exposed as counters through a collector (a Counter cannot be set), so hit rate over a
 window is a ratio of sums:
     sum(rate(sglang:cached_tokens_total[1m])) / sum(rate(sglang:prompt_tokens_total[1m]))
+With `serve --dp-size N` (N > 1) every series carries a dp_rank label ("0" .. "N-1", as SGLang
+labels a data-parallel rank's), one per replica, and kvscope_scheduler_up{dp_rank} is 1 while the
+rank's scheduler process lives, 0 once it died; with one rank the series are exactly as before.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -26,6 +30,7 @@ from kvscope.server.protocol import PoolStats, StatsOut
 POOL_PREFIX = {"full": "sglang:kv", "swa": "sglang:swa"}
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 IDENTITY_LABELS = ("model_name", "engine_type")  # on every sglang:* series, as SGLang labels its own
+RANK_LABEL = "dp_rank"  # on every series of a server with several data-parallel ranks
 ENGINE_TYPE = "unified"  # SGLang's engine_type of a server that is neither a prefill nor a decode node
 GEN_THROUGHPUT_STALE_S = 30.0  # SGLang reads gen_throughput as 0 once no report came for 30 s
 
@@ -101,11 +106,16 @@ def token_usage(pools: dict[str, PoolStats]) -> float:
 
 
 class SchedulerCollector(Collector):
-    """Gauges and counters from the latest StatsOut; nothing before the first one arrives."""
+    """Gauges and counters from the latest StatsOut of one scheduler (`dp_rank`: its label, None
+    for a server with one rank); nothing before the first one arrives."""
 
-    def __init__(self, page_size: int, model_name: str) -> None:
+    def __init__(self, page_size: int, model_name: str, dp_rank: int | None = None) -> None:
         self.page_size = page_size
-        self.identity = [model_name, ENGINE_TYPE]
+        self.rank_names = [] if dp_rank is None else [RANK_LABEL]
+        self.rank_values = [] if dp_rank is None else [str(dp_rank)]
+        self.labels = [*IDENTITY_LABELS, *self.rank_names]
+        self.identity = [model_name, ENGINE_TYPE, *self.rank_values]
+        self.up = True
         self.stats: StatsOut | None = None
         self.rates = ReportRates(time.monotonic())
         self.finished: dict[str, int] = {}  # finish_reason -> requests, counted by the front
@@ -117,10 +127,14 @@ class SchedulerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self.stats
         yield self._gauge("sglang:page_size", "tokens per KV page", self.page_size)
-        requests = CounterMetricFamily("kvscope_requests", "requests finished, by finish reason", labels=["reason"])
+        requests = CounterMetricFamily(
+            "kvscope_requests", "requests finished, by finish reason", labels=[*self.rank_names, "reason"]
+        )
         for reason, count in sorted(self.finished.items()):
-            requests.add_metric([reason], count)
+            requests.add_metric([*self.rank_values, reason], count)
         yield requests
+        if self.rank_names:
+            yield self._plain(GaugeMetricFamily, "kvscope_scheduler_up", "1: the scheduler lives; 0: it died", self.up)
         if stats is None:
             return
         yield from self._pools(stats)
@@ -137,7 +151,7 @@ class SchedulerCollector(Collector):
         )
         yield self._gauge("sglang:num_running_reqs", "requests running", stats.num_running)
         yield self._gauge("sglang:num_queue_reqs", "requests waiting", stats.num_waiting)
-        yield GaugeMetricFamily("kvscope_scheduler_step", "the scheduler's step counter", value=stats.step)
+        yield self._plain(GaugeMetricFamily, "kvscope_scheduler_step", "the scheduler's step counter", stats.step)
         yield self._counter("sglang:prompt_tokens", "prompt tokens admitted", stats.prompt_tokens)
         yield self._cached_tokens(stats)
         yield self._counter("sglang:generation_tokens", "tokens generated", stats.generated_tokens)
@@ -147,7 +161,7 @@ class SchedulerCollector(Collector):
             ("kvscope_leak_checks_passed", "idle leak checks passed", stats.leak_checks_passed),
             ("kvscope_leak_checks_failed", "idle leak checks failed", stats.leak_checks_failed),
         ):
-            yield CounterMetricFamily(name, doc, value=value)
+            yield self._plain(CounterMetricFamily, name, doc, value)
 
     def _pools(self, stats: StatsOut) -> Iterator[Metric]:
         for pool, each in stats.pools.items():
@@ -166,10 +180,10 @@ class SchedulerCollector(Collector):
             total_name = "sglang:max_total_num_tokens" + ("" if pool == "full" else f"_{pool}")
             yield self._gauge(total_name, f"{pool} pool: capacity in tokens", each.total)
         protected = GaugeMetricFamily(
-            "kvscope_protected_tokens", "cached tokens locked by running requests", labels=["pool"]
+            "kvscope_protected_tokens", "cached tokens locked by running requests", labels=[*self.rank_names, "pool"]
         )
         for pool, each in stats.pools.items():
-            protected.add_metric([pool], each.protected)
+            protected.add_metric([*self.rank_values, pool], each.protected)
         yield protected
 
     def _cached_tokens(self, stats: StatsOut) -> CounterMetricFamily:
@@ -177,7 +191,7 @@ class SchedulerCollector(Collector):
         cached = CounterMetricFamily(
             "sglang:cached_tokens",
             "prompt tokens the prefix cache matched, by source",
-            labels=[*IDENTITY_LABELS, "cache_source"],
+            labels=[*self.labels, "cache_source"],
         )
         host = stats.host_hit_tokens
         cached.add_metric([*self.identity, "device"], stats.cached_tokens - (host or 0))
@@ -185,39 +199,87 @@ class SchedulerCollector(Collector):
             cached.add_metric([*self.identity, "host"], host)
         return cached
 
+    def _plain(
+        self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str, value: float
+    ) -> Metric:
+        """A kvscope_* series: no identity labels, the rank's label when there are several."""
+        family = kind(name, doc, labels=self.rank_names)
+        family.add_metric(self.rank_values, value)
+        return family
+
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(name, doc, labels=IDENTITY_LABELS)
+        family = GaugeMetricFamily(name, doc, labels=self.labels)
         family.add_metric(self.identity, value)
         return family
 
     def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        family = CounterMetricFamily(name, doc, labels=IDENTITY_LABELS)
+        family = CounterMetricFamily(name, doc, labels=self.labels)
         family.add_metric(self.identity, value)
         return family
 
 
-class ServerMetrics:
-    """The server's registry: the scheduler collector and the front's histograms."""
+class RanksCollector(Collector):
+    """Every rank's series, one family per name (a registry refuses a name collected twice)."""
 
-    def __init__(self, page_size: int, model_name: str) -> None:
+    def __init__(self, ranks: list[SchedulerCollector]) -> None:
+        self.ranks = ranks
+
+    def collect(self) -> Iterator[Metric]:
+        return merge_families(metric for rank in self.ranks for metric in rank.collect())
+
+
+def merge_families(metrics: Iterable[Metric]) -> Iterator[Metric]:
+    by_name: dict[str, Metric] = {}
+    for metric in metrics:
+        if metric.name in by_name:
+            by_name[metric.name].samples += metric.samples
+        else:
+            by_name[metric.name] = metric
+    return iter(by_name.values())
+
+
+@dataclass(frozen=True)
+class Latencies:
+    """The front's latency histograms of one rank."""
+
+    queue_time: Histogram
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+
+
+class ServerMetrics:
+    """The server's registry: a scheduler collector per rank and the front's histograms."""
+
+    def __init__(self, page_size: int, model_name: str, dp_size: int = 1) -> None:
         self.registry = CollectorRegistry()
-        self.scheduler = SchedulerCollector(page_size, model_name)
-        self.registry.register(self.scheduler)
+        self.ranks = [SchedulerCollector(page_size, model_name, None if dp_size == 1 else r) for r in range(dp_size)]
+        self.registry.register(RanksCollector(self.ranks))
+        labels = IDENTITY_LABELS if dp_size == 1 else (*IDENTITY_LABELS, RANK_LABEL)
 
         def histogram(name: str, doc: str) -> Histogram:
-            family = Histogram(name, doc, IDENTITY_LABELS, buckets=LATENCY_BUCKETS, registry=self.registry)
-            return family.labels(model_name, ENGINE_TYPE)
+            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
 
-        self.queue_time = histogram("sglang:queue_time_seconds", "arrival to first admission")
-        self.ttft = histogram("sglang:time_to_first_token_seconds", "arrival to the first generated token")
-        self.itl = histogram("sglang:inter_token_latency_seconds", "between successive generated tokens")
-        self.e2e = histogram("sglang:e2e_request_latency_seconds", "arrival to the last token")
+        families = (
+            histogram("sglang:queue_time_seconds", "arrival to first admission"),
+            histogram("sglang:time_to_first_token_seconds", "arrival to the first generated token"),
+            histogram("sglang:inter_token_latency_seconds", "between successive generated tokens"),
+            histogram("sglang:e2e_request_latency_seconds", "arrival to the last token"),
+        )
+        self.latencies = [Latencies(*(family.labels(*rank.identity) for family in families)) for rank in self.ranks]
 
-    def update(self, stats: StatsOut) -> None:
-        self.scheduler.update(stats)
+    def latency(self, rank: int = 0) -> Latencies:
+        return self.latencies[rank]
 
-    def request_finished(self, reason: str) -> None:
-        self.scheduler.finished[reason] = self.scheduler.finished.get(reason, 0) + 1
+    def update(self, stats: StatsOut, rank: int = 0) -> None:
+        self.ranks[rank].update(stats)
+
+    def request_finished(self, reason: str, rank: int = 0) -> None:
+        finished = self.ranks[rank].finished
+        finished[reason] = finished.get(reason, 0) + 1
+
+    def rank_died(self, rank: int) -> None:
+        self.ranks[rank].up = False
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,7 +1,8 @@
 """The messages between the HTTP front and the scheduler process (msgspec structs over ZMQ).
 
     front --PUSH--> scheduler   GenerateReq, AbortReq, ShutdownReq
-    front <--PUSH-- scheduler   TokenOut (per request, per step it produced tokens), StatsOut
+    front <--PUSH-- scheduler   TokenOut (per request, per step it produced tokens), StatsOut,
+                                PagesOut (with --dp-size > 1: the step's cache deltas, for the router)
 
 NOTE: the front tokenizes and detokenizes; the scheduler sees token ids only. A request's
 principal is resolved by the front (API key and `user`) and travels as `principal`
@@ -17,6 +18,14 @@ import msgspec
 from kvscope.engine.sampling_params import GREEDY, SamplingParams
 
 
+class RouteInfo(msgspec.Struct, array_like=True):
+    """How the front's router chose this replica (kvscope.telemetry.Routing's fields)."""
+
+    dispatch: str
+    routed_cached_tokens: int
+    elsewhere_cached_tokens: int
+
+
 class GenerateReq(msgspec.Struct, tag="generate"):
     rid: str
     input_ids: list[int]
@@ -25,6 +34,7 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     arrival_wall_s: float = 0.0  # the front's time.time() when the HTTP request arrived
     sampling: SamplingParams = GREEDY
     num_prompt_logprobs: int | None = None  # the prompt's logprobs too (completions' echo + logprobs)
+    routing: RouteInfo | None = None  # set by a front routing among several replicas
 
 
 class AbortReq(msgspec.Struct, tag="abort"):
@@ -87,8 +97,16 @@ class StatsOut(msgspec.Struct, tag="stats"):
     host_hit_tokens: int | None = None  # of cached_tokens, loaded back from the host tier; None: no host tier
 
 
+class PagesOut(msgspec.Struct, tag="pages"):
+    """The full pages the replica's prefix cache gained and lost in a step, by KV-event block hash
+    (kv_events.py's); the front starts from none."""
+
+    stored: list[int]
+    removed: list[int]
+
+
 ToScheduler = GenerateReq | AbortReq | ShutdownReq
-ToFront = TokenOut | StatsOut
+ToFront = TokenOut | StatsOut | PagesOut
 
 _encoder = msgspec.msgpack.Encoder()
 _to_scheduler = msgspec.msgpack.Decoder(ToScheduler)

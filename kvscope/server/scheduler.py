@@ -16,7 +16,8 @@ NOTE: the loop
     idle    the idle leak check (once per idle point) and a StatsOut, then block on the
             sockets for at most IDLE_POLL_S
     after each step: a TokenOut per request whose output grew or that ended, the step's
-    KV events, and a StatsOut when stats_interval_s has passed
+    KV events, the step's PagesOut (a replica of `serve --dp-size N`: the pages its cache
+    gained and lost, for the front's router), and a StatsOut when stats_interval_s has passed
     stop    ShutdownReq, SIGTERM or SIGINT: new requests are refused, those in flight finish
             (ShutdownReq(abort_in_flight=True) or a second signal aborts them), the idle
             check runs, the capture closes ('finished'), exit 0. An exception: the capture
@@ -43,11 +44,12 @@ import numpy as np
 import zmq
 
 from kvscope.engine.config import EngineConfig
-from kvscope.server.kv_events import AllBlocksCleared, CachedPages, KVEventPublisher, KVEventsConfig
+from kvscope.server.kv_events import AllBlocksCleared, CachedPages, KVEventPublisher, KVEventsConfig, page_deltas
 from kvscope.server.protocol import (
     AbortReq,
     GenerateReq,
     Logprob,
+    PagesOut,
     PoolStats,
     ShutdownReq,
     StatsOut,
@@ -55,7 +57,7 @@ from kvscope.server.protocol import (
     decode_to_scheduler,
     encode,
 )
-from kvscope.telemetry import NULL_RECORDER, PoolTerms, Recorder, RunStatus
+from kvscope.telemetry import NULL_RECORDER, PoolTerms, Recorder, Routing, RunStatus
 
 if TYPE_CHECKING:
     from kvscope.engine import ModelConfig, Req
@@ -75,8 +77,10 @@ class ServeSpec:
     level: str = "full"
     label: str = "serve"
     config: dict[str, Any] = field(default_factory=dict)  # the run fingerprint stored in the capture
-    kv_events: KVEventsConfig | None = None
+    kv_events: KVEventsConfig | None = None  # already this rank's (KVEventsConfig.for_rank)
     stats_interval_s: float = 0.5
+    dp_rank: int = 0  # this replica's rank in `serve --dp-size N`
+    report_pages: bool = False  # send the front a PagesOut per step that changed the cache (N > 1)
 
 
 def start_scheduler(spec: ServeSpec, to_scheduler: str, to_front: str) -> BaseProcess:
@@ -168,10 +172,11 @@ class ServeLoop:
         self.publisher: KVEventPublisher | None = None
         self.pages: CachedPages | None = None
         if spec.kv_events is not None and spec.kv_events.enabled:
-            self.publisher = KVEventPublisher(spec.kv_events, self.context)
-            self.pages = CachedPages(self.engine.memory.cache, spec.engine.pool.page_size)
+            self.publisher = KVEventPublisher(spec.kv_events, self.context, spec.dp_rank)
             if self.publisher.replay is not None:
                 self.poller.register(self.publisher.replay, zmq.POLLIN)
+        if self.publisher is not None or spec.report_pages:
+            self.pages = CachedPages(self.engine.memory.cache, spec.engine.pool.page_size)
         self.flights: dict[str, Flight] = {}
         self.client_aborts: set[str] = set()
         self.draining = False
@@ -282,6 +287,8 @@ class ServeLoop:
             if msg.num_prompt_logprobs is not None:
                 flight.prompt_logprobs = self.prompt_logprobs(msg.input_ids, msg.num_prompt_logprobs)
             self.engine.submit(req)
+            if msg.routing is not None:
+                self.engine.stats.routed(req, Routing(*msgspec.structs.astuple(msg.routing)))
         except (ValueError, OverflowError) as err:
             return self.refuse(msg.rid, (str(err).splitlines() or ["invalid request"])[0])
         self.flights[msg.rid] = flight
@@ -380,7 +387,7 @@ class ServeLoop:
             )
         )
 
-    def send(self, msg: TokenOut | StatsOut) -> None:
+    def send(self, msg: TokenOut | StatsOut | PagesOut) -> None:
         frame = encode(msg)
         waited_s = 0.0
         while not self.front_died:
@@ -394,8 +401,14 @@ class ServeLoop:
                     return  # NOTE: stopping and no front reads: the message has no one to go to
 
     def publish_kv_events(self) -> None:
-        if self.publisher is not None and self.pages is not None:
-            self.publisher.publish(self.pages.diff())
+        """The step's cache changes: KV events when configured, a PagesOut for a replica's router."""
+        if self.pages is None:
+            return
+        events = self.pages.diff()
+        if self.publisher is not None:
+            self.publisher.publish(events)
+        if self.spec.report_pages and events:
+            self.send(PagesOut(*page_deltas(events)))
 
     def close(self) -> None:
         if self.publisher is not None:

@@ -123,8 +123,9 @@ def front() -> Iterator[Front]:
     try:
         yield made
     finally:
-        made.push.close()
-        made.pull.close()
+        for replica in made.replicas:
+            replica.push.close()
+            replica.pull.close()
         made.context.term()
 
 
@@ -191,7 +192,7 @@ def test_metrics_render_every_documented_name() -> None:
         )
     )
     metrics.request_finished("length")
-    metrics.ttft.observe(0.01)
+    metrics.latency(0).ttft.observe(0.01)
     families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
     names = {f.name for f in families.values()}
     for name in (*GAUGES, *HISTOGRAMS):

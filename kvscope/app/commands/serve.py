@@ -6,6 +6,7 @@ import argparse
 
 from kvscope.app.commands.engine_options import add_engine_options
 from kvscope.app.units import port_number
+from kvscope.fleet.dispatch import DISPATCH_METHODS
 
 
 class ServeCommand:
@@ -33,6 +34,20 @@ class ServeCommand:
             "--api-keys",
             metavar="FILE",
             help='JSON {key: {"tenant": T, "user": U}}: requests need "Authorization: Bearer KEY"',
+        )
+        parser.add_argument(
+            "--dp-size",
+            type=int,
+            default=1,
+            metavar="N",
+            help="data-parallel ranks: N scheduler processes, each its own engine, memory and run in the capture",
+        )
+        parser.add_argument(
+            "--load-balance-method",
+            default="round_robin",
+            choices=DISPATCH_METHODS,
+            help="how the front picks a rank for each request (with --dp-size > 1); prefix_affinity: the rank "
+            "holding the longest prefix of the prompt",
         )
         parser.add_argument(
             "--kv-events-config",

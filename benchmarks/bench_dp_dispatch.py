@@ -1,0 +1,200 @@
+"""`kvscope serve --dp-size 2` under `kvscope load` on the multi-tenant workload, once per dispatch
+method: requests answered, each rank's requests and hit rate, and the routing loss.
+
+    .venv/bin/python benchmarks/bench_dp_dispatch.py [--num-requests N] [--concurrency C]
+                                                     [--methods M ...] [--write | --no-write]
+
+Prints a Markdown table; with --write (the default) also replaces the `## bench_dp_dispatch`
+section of benchmarks/RESULTS.md.
+
+NOTE: what runs, per method: `python -m kvscope serve --port 0 --device cpu --dp-size 2
+--load-balance-method M --level summary --capture TMP/M.db` (the tiny model, serve's default
+engine otherwise), then `python -m kvscope load --workload multi-tenant --num-requests N
+--concurrency C --max-tokens 4 --json --quiet` against it, then SIGTERM. The figures come from
+the capture's rows (one run per rank, told apart by the run config's fleet.rank):
+    hit rate      Σ cached_tokens / Σ prompt_len of the rank's requests
+    routing loss  Σ max(0, elsewhere_cached_tokens − routed_cached_tokens) / Σ prompt_len over
+                  every routed request (the tokens cached on another rank at arrival but not on
+                  the chosen one; issue 30's definition, computed here until kvscope.fleet has it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from _results import command_line, machine_lines, write_section
+
+REPO = Path(__file__).resolve().parents[1]
+METHODS = ("round_robin", "total_requests", "total_tokens", "prefix_affinity")
+READY_TIMEOUT_S = 180.0
+
+
+@dataclass
+class Outcome:
+    method: str
+    completed: int
+    failed: int
+    requests_per_s: float
+    rank_requests: list[int]
+    rank_hit_rates: list[float]
+    routing_loss: float
+
+
+def serve_args(method: str, capture: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "kvscope",
+        "serve",
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--dp-size",
+        "2",
+        "--load-balance-method",
+        method,
+        "--level",
+        "summary",
+        "--capture",
+        str(capture),
+    ]
+
+
+def load_args(url: str, num_requests: int, concurrency: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "kvscope",
+        "load",
+        "--url",
+        url,
+        "--workload",
+        "multi-tenant",
+        "--num-requests",
+        str(num_requests),
+        "--concurrency",
+        str(concurrency),
+        "--max-tokens",
+        "4",
+        "--json",
+        "--quiet",
+    ]
+
+
+def start_server(method: str, capture: Path) -> tuple[subprocess.Popen[str], str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    server = subprocess.Popen(serve_args(method, capture), cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
+    assert server.stdout is not None
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = server.stdout.readline()
+        if "ready on http://" in line:
+            return server, line.strip().rsplit(" ", 1)[1]
+        if not line and server.poll() is not None:
+            break
+    server.kill()
+    raise SystemExit(f"bench_dp_dispatch: the server ({method}) did not get ready")
+
+
+def run_method(method: str, num_requests: int, concurrency: int, tmp: Path) -> Outcome:
+    capture = tmp / f"{method}.db"
+    server, url = start_server(method, capture)
+    try:
+        load = subprocess.run(load_args(url, num_requests, concurrency), cwd=REPO, capture_output=True, text=True)
+        if load.returncode not in (0, 1):
+            raise SystemExit(f"bench_dp_dispatch: kvscope load failed: {load.stderr.strip()}")
+        summary = json.loads(load.stdout)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(120)
+    requests = summary["requests"]
+    rank_requests, rank_hit_rates = per_rank(capture)
+    return Outcome(
+        method,
+        requests["completed"],
+        requests["failed"],
+        summary["throughput"]["requests_per_s"],
+        rank_requests,
+        rank_hit_rates,
+        routing_loss(capture),
+    )
+
+
+def per_rank(capture: Path) -> tuple[list[int], list[float]]:
+    """Each rank's (requests, hit rate), rank order."""
+    with contextlib.closing(sqlite3.connect(capture)) as db:
+        rows = db.execute(
+            "SELECT json_extract(runs.config, '$.fleet.rank') AS rank, COUNT(*), SUM(cached_tokens), SUM(prompt_len) "
+            "FROM requests JOIN runs ON runs.id = requests.run_id GROUP BY rank ORDER BY rank"
+        ).fetchall()
+    return [n for _, n, _, _ in rows], [cached / prompt if prompt else 0.0 for _, _, cached, prompt in rows]
+
+
+def routing_loss(capture: Path) -> float:
+    """Σ max(0, elsewhere − routed) / Σ prompt tokens over the routed requests (the module NOTE)."""
+    with contextlib.closing(sqlite3.connect(capture)) as db:
+        lost, prompt = db.execute(
+            "SELECT SUM(MAX(0, elsewhere_cached_tokens - routed_cached_tokens)), SUM(prompt_len) "
+            "FROM requests WHERE dispatch IS NOT NULL"
+        ).fetchone()
+    return float(lost or 0) / float(prompt) if prompt else 0.0
+
+
+def table(outcomes: list[Outcome], num_requests: int) -> str:
+    rows = [
+        "| method | answered | failed | requests/s | requests per rank | hit rate per rank | routing loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for o in outcomes:
+        per_rank_requests = " / ".join(str(n) for n in o.rank_requests)
+        hit_rates = " / ".join(f"{rate:.1%}" for rate in o.rank_hit_rates)
+        rows.append(
+            f"| {o.method} | {o.completed}/{num_requests} | {o.failed} | {o.requests_per_s:.2f} | "
+            f"{per_rank_requests} | {hit_rates} | {o.routing_loss:.1%} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kvscope-bench-dp-") as tmp:
+        outcomes = [run_method(m, args.num_requests, args.concurrency, Path(tmp)) for m in args.methods]
+    body = table(outcomes, args.num_requests)
+    print(body)
+    if args.write:
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        example = " ".join(serve_args("METHOD", Path("TMP/METHOD.db"))[1:])
+        loads = " ".join(load_args("URL", args.num_requests, args.concurrency)[1:])
+        notes = [
+            "",
+            f"- server: `python {example}`; load: `python {loads}`",
+            "- routing loss: Σ max(0, elsewhere − routed cached tokens) / Σ prompt tokens of the routed "
+            "requests, from the capture's requests rows; hit rate per rank: Σ cached / Σ prompt tokens",
+            "- one run per method, the two ranks and the load client sharing the machine's cores: "
+            "requests/s is noisy; the routing loss and hit rates depend on the workload, not the timing, "
+            "except through which requests overlap",
+        ]
+        header = [f"Run {stamp}: `{command_line()}`", "", *machine_lines("cpu"), *notes, ""]
+        write_section("bench_dp_dispatch", "\n".join(header) + "\n" + body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
