@@ -22,6 +22,8 @@ when the call did not come through a group's manager; rid = the request the call
              num_tokens = the new tokens asked for, aux = the free blocks then
     retract  Scheduler._preempt_request
     finish   the request's end: reason = vLLM's finish reason (stop, length, abort, ...)
+Block events (alloc, evict, lock, revive, free, unlock) carry the engine step's clock, read once as
+the step begins (between steps, their own): a step's events share one t_mono; seq orders them.
 EngineCore.shutdown closes the run as finished (a multiprocessing child never runs atexit; vLLM
 then kills the process tree).
 Per engine step a usage sample (tokens = blocks x block size: unhashed free-queue blocks as
