@@ -390,7 +390,8 @@ def _get_new_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
         if probe.state.active:
             try:
                 if probe.hot or probe.recorder() is not None:
-                    ctx, step, takers, emit = probe.ctx, probe.step, probe.last_taker, probe.emit
+                    ctx, step = probe.ctx, probe.step  # NOTE: unpacking more than three names builds a tuple
+                    takers, emit = probe.last_taker, probe.emit
                     taken = (ctx.rid, step, "alloc")
                     if emit is None:
                         for block in blocks:
@@ -470,7 +471,8 @@ def _touch(original: Callable[..., Any]) -> Callable[..., Any]:
             if probe.state.active:
                 revived = queued - queue.num_free_blocks  # NOTE: cached blocks taken back out of the free queue
                 probe.cached_free -= revived
-                ctx, step, takers, emit = probe.ctx, probe.step, probe.last_taker, probe.emit
+                ctx, step = probe.ctx, probe.step
+                takers, emit = probe.last_taker, probe.emit
                 taken = (ctx.rid, step, "touch")
                 if emit is None:
                     for b in blocks:
@@ -538,7 +540,8 @@ def _free_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
                         block_id = b.block_id
                         releasers[block_id] = released
                         (still if b.ref_cnt else zero).append(block_id)
-                    rid, step, group, now = released[0], released[1], ctx.group, probe.now or _monotonic()
+                    rid, step = released[0], released[1]
+                    group, now = ctx.group, probe.now or _monotonic()
                     if zero:
                         emit((step, now, FREE_V, FULL_V, rid, None, len(zero), group, None, None, tuple(zero)))
                     if still:
