@@ -9,8 +9,8 @@ pool with caching on (8 block-pool operations; the research's micro round), insi
 as the KVCacheManager wrappers set it. Each mode runs ROUNDS rounds per repetition; REPEATS repetitions
 alternate the modes; the table shows the median µs per operation and its ratio to plain. Patching
 is undone between modes (core.unpatch_all), so plain is vLLM's own code.
-NOTE: a round is one engine step for the probe: it reads the step's clock as the step wrapper does
-(PROBE.now, where the probe has one), inside the timed loop. The hand-off column is the engine
+NOTE: a round is one engine step for the probe: at full it reads the step's clock as the step wrapper
+does (PROBE.now, where the probe has one), inside the timed loop. The hand-off column is the engine
 thread's CPU to hand the repetition's buffered records to the recorder's host (marshal and send;
 the engine does it at step boundaries every 0.2 s), per block-pool call: a cost of recording that
 is not in the wrappers themselves.
@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                 module.PROBE.state.active = True
                 module.PROBE.ctx.rid, module.PROBE.ctx.group = "req-bench", 0
                 module.PROBE.recorder()
-            clocked = module.PROBE if module is not None and hasattr(module.PROBE, "now") else None
+            clocked = module.PROBE if module is not None and getattr(module.PROBE, "emit", None) is not None else None
+            clocked = clocked if hasattr(clocked, "now") else None  # NOTE: the step clock, where events read it
             wall_us, cpu_us = one_mode(pool, clocked)
             times[mode].append(wall_us)
             cpu_times[mode].append(cpu_us)

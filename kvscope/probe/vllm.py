@@ -110,7 +110,7 @@ class VllmProbe:
         self.pid = -1  # NOTE: the process whose recorder is open (a forked child opens its own)
         self.hot = False  # NOTE: the recorder is open in this process (reset in a forked child)
         self.step = 0  # NOTE: the recorder's step, mirrored for the hot wrappers
-        self.now: float | None = None  # NOTE: the step's clock (read once as it begins); None between steps
+        self.now: float | None = None  # NOTE: the step's clock (read once as it begins, at full); None between steps
         self.emit: Callable[[tuple[Any, ...]], None] | None = None  # the recorder's item sink; None below full
         self.busy = False
         self.block_size = 0
@@ -185,7 +185,7 @@ class VllmProbe:
         self.busy = True
         rec.step = rec.step + 1
         self.step = rec.step
-        self.now = _monotonic()
+        self.now = None if self.emit is None else _monotonic()  # NOTE: only events carry it
 
     def step_ends(self, scheduler: Any) -> None:
         self.now = None
