@@ -9,6 +9,11 @@ pool with caching on (8 block-pool operations; the research's micro round), insi
 as the KVCacheManager wrappers set it. Each mode runs ROUNDS rounds per repetition; REPEATS repetitions
 alternate the modes; the table shows the median µs per operation and its ratio to plain. Patching
 is undone between modes (core.unpatch_all), so plain is vLLM's own code.
+NOTE: a round is one engine step for the probe: at full it reads the step's clock as the step wrapper
+does (PROBE.now, where the probe has one), inside the timed loop. The hand-off column is the engine
+thread's CPU to hand the repetition's buffered records to the recorder's host (marshal and send;
+the engine does it at step boundaries every 0.2 s), per block-pool call: a cost of recording that
+is not in the wrappers themselves.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
 
@@ -35,12 +41,15 @@ OPS_PER_ROUND = 4 + 1 + 1 + 1 + 1  # NOTE: get_new_blocks 1 call + its evict che
 CALLS_PER_ROUND = 4
 
 
-def one_mode(pool: BlockPool) -> tuple[float, float]:
+def one_mode(pool: BlockPool, probe_state: Any) -> tuple[float, float]:
     """µs per block-pool call over ROUNDS rounds: wall-clock, and the CPU time of this thread (the
     engine thread's own cost, without the recorder's host and writer processes or other jobs on a
-    shared CPU)."""
+    shared CPU). `probe_state`: the probe whose step clock each round sets (None: none)."""
+    clock = time.monotonic
     start, start_cpu = time.perf_counter(), time.thread_time()
     for _ in range(ROUNDS):
+        if probe_state is not None:
+            probe_state.now = clock()
         blocks = pool.get_new_blocks(4)
         pool.touch(blocks[:2])
         pool.free_blocks(blocks[:2])
@@ -71,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         modules |= {f"summary@{args.against}": old, f"full@{args.against}": old}
     times: dict[str, list[float]] = {mode: [] for mode in modules}
     cpu_times: dict[str, list[float]] = {mode: [] for mode in modules}
+    hand_offs: dict[str, list[float]] = {mode: [] for mode in modules}
     tmp = Path(tempfile.mkdtemp(prefix="bench-probe-"))
     for _ in range(REPEATS):
         for mode, module in modules.items():
@@ -90,24 +100,32 @@ def main(argv: list[str] | None = None) -> int:
                 module.PROBE.state.active = True
                 module.PROBE.ctx.rid, module.PROBE.ctx.group = "req-bench", 0
                 module.PROBE.recorder()
-            wall_us, cpu_us = one_mode(pool)
+            clocked = module.PROBE if module is not None and getattr(module.PROBE, "emit", None) is not None else None
+            clocked = clocked if hasattr(clocked, "now") else None  # NOTE: the step clock, where events read it
+            wall_us, cpu_us = one_mode(pool, clocked)
             times[mode].append(wall_us)
             cpu_times[mode].append(cpu_us)
             if module is not None:
+                start_cpu = time.thread_time()
+                module.PROBE.state.recorder.idle()  # NOTE: the hand-off of what the rounds recorded
+                hand_offs[mode].append((time.thread_time() - start_cpu) / (ROUNDS * CALLS_PER_ROUND) * 1e6)
                 module.PROBE.state.recorder.close()
                 module.PROBE.state.active = False
                 unpatch_all(targets)
     print(f"vLLM BlockPool, {ROUNDS} rounds x {REPEATS} alternating repetitions, python {sys.version.split()[0]}")
     print(
-        "| mode | wall µs per call (median) | added | ratio | engine-thread CPU µs per call (median) | added | ratio |"
+        "| mode | wall µs per call (median) | added | ratio | engine-thread CPU µs per call (median) | added | ratio "
+        "| CPU added, spread over repetitions | hand-off CPU µs per call (median) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     plain, plain_cpu = statistics.median(times["plain"]), statistics.median(cpu_times["plain"])
     for mode in modules:
         wall, cpu = statistics.median(times[mode]), statistics.median(cpu_times[mode])
+        low, high = min(cpu_times[mode]) - plain_cpu, max(cpu_times[mode]) - plain_cpu
+        hand_off = f"{statistics.median(hand_offs[mode]):.2f}" if hand_offs[mode] else "-"
         print(
             f"| {mode} | {wall:.2f} | {wall - plain:+.2f} | {wall / plain:.2f}x | {cpu:.2f} | {cpu - plain_cpu:+.2f} "
-            f"| {cpu / plain_cpu:.2f}x |"
+            f"| {cpu / plain_cpu:.2f}x | {low:+.2f} to {high:+.2f} | {hand_off} |"
         )
     return 0
 

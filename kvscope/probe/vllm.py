@@ -22,6 +22,8 @@ when the call did not come through a group's manager; rid = the request the call
              num_tokens = the new tokens asked for, aux = the free blocks then
     retract  Scheduler._preempt_request
     finish   the request's end: reason = vLLM's finish reason (stop, length, abort, ...)
+Block events (alloc, evict, lock, revive, free, unlock) carry the engine step's clock, read once as
+the step begins (between steps, their own): a step's events share one t_mono; seq orders them.
 EngineCore.shutdown closes the run as finished (a multiprocessing child never runs atexit; vLLM
 then kills the process tree).
 Per engine step a usage sample (tokens = blocks x block size: unhashed free-queue blocks as
@@ -108,6 +110,7 @@ class VllmProbe:
         self.pid = -1  # NOTE: the process whose recorder is open (a forked child opens its own)
         self.hot = False  # NOTE: the recorder is open in this process (reset in a forked child)
         self.step = 0  # NOTE: the recorder's step, mirrored for the hot wrappers
+        self.now: float | None = None  # NOTE: the step's clock (read once as it begins, at full); None between steps
         self.emit: Callable[[tuple[Any, ...]], None] | None = None  # the recorder's item sink; None below full
         self.busy = False
         self.block_size = 0
@@ -150,7 +153,7 @@ class VllmProbe:
 
     def forked(self) -> None:
         """In a forked child: the parent's recorder is not this process's (it opens its own)."""
-        self.hot, self.emit = False, None
+        self.hot, self.emit, self.now = False, None, None
 
     def config(self, *, patched: bool, reason: str | None = None) -> dict[str, Any]:
         return {
@@ -182,8 +185,10 @@ class VllmProbe:
         self.busy = True
         rec.step = rec.step + 1
         self.step = rec.step
+        self.now = None if self.emit is None else _monotonic()  # NOTE: only events carry it
 
     def step_ends(self, scheduler: Any) -> None:
+        self.now = None
         rec = self.recorder()
         if rec is None:
             return
@@ -360,37 +365,48 @@ def _failed(err: Exception) -> None:
     PROBE.state.stop(f"{type(err).__name__}: {err}".splitlines()[0])
 
 
-# NOTE: the block-pool wrappers are hot (several calls per request per step): plain try/except
-# instead of `guarded`; at level summary one pass over the blocks for the taker/releaser maps the
-# census names (one shared entry tuple per call); at full also one flat tuple per event into the
-# recorder's bound list.extend (no keyword call, no per-event object, kind and pool as precomputed
-# values); the recorder is known open in this process by a flag (`hot`, reset at fork) instead of
-# an os.getpid() per call. Plain loops: for a handful of blocks they beat dict.update(zip(...)) here.
-# Slots go as tuples of ints, which the garbage collector stops tracking at its first young pass:
-# lists waiting in the buffer were tracked, promoted, and made full collections (which scan all of
-# vLLM's and torch's objects) frequent: that, not the wrappers' own work, was most of full's cost
+# NOTE: the block-pool wrappers are hot (several calls per request per step). What keeps them cheap
+# (the measurements are in benchmarks/RESULTS.md):
+# - plain try/except instead of `guarded`; the recorder known open in this process by a flag (`hot`,
+#   reset at fork) instead of an os.getpid() per call;
+# - one pass over the blocks, filling the taker/releaser maps the census names (one shared entry
+#   tuple per call) and, at full, the event's block ids; plain loops: for a handful of blocks they
+#   beat dict.update(dict.fromkeys(...)) and dict.update(zip(...)) here;
+# - at full, one flat tuple per event into the recorder's bound list.extend (no keyword call, no
+#   per-event object, kind and pool as precomputed values), stamped with the step's clock (read once
+#   as the engine step begins; an event between steps reads its own);
+# - the free queue's counter read before and after vLLM's call: free_blocks needs no test per block
+#   when the queue grew by all of them (all this pool's, none the null block, all at ref 0), and
+#   touch looks for revived blocks only when the queue shrank;
+# - slots as tuples of ints, which the garbage collector stops tracking at its first young pass:
+#   lists waiting in the buffer were tracked, promoted, and made full collections (which scan all
+#   of vLLM's and torch's objects) frequent.
 
 
 def _get_new_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
     def get_new_blocks(self: Any, num_blocks: int) -> Any:
         blocks = original(self, num_blocks)
-        if PROBE.state.active:
+        probe = PROBE
+        if probe.state.active:
             try:
-                probe = PROBE
                 if probe.hot or probe.recorder() is not None:
-                    ctx, step, takers = probe.ctx, probe.step, probe.last_taker
+                    ctx, step = probe.ctx, probe.step  # NOTE: unpacking more than three names builds a tuple
+                    takers, emit = probe.last_taker, probe.emit
                     taken = (ctx.rid, step, "alloc")
-                    if probe.emit is None:
+                    if emit is None:
                         for block in blocks:
                             takers[block.block_id] = taken
                     else:
-                        ids = [block.block_id for block in blocks]
-                        for block_id in ids:
+                        ids: list[int] = []
+                        add = ids.append
+                        for block in blocks:
+                            block_id = block.block_id
                             takers[block_id] = taken
-                        probe.emit(
+                            add(block_id)
+                        emit(
                             (
                                 step,
-                                _monotonic(),
+                                probe.now or _monotonic(),
                                 ALLOC_V,
                                 FULL_V,
                                 ctx.rid,
@@ -424,7 +440,7 @@ def _maybe_evict(original: Callable[..., Any]) -> Callable[..., Any]:
                         probe.emit(
                             (
                                 probe.step,
-                                _monotonic(),
+                                probe.now or _monotonic(),
                                 EVICT_V,
                                 FULL_V,
                                 ctx.rid,
@@ -448,47 +464,33 @@ def _touch(original: Callable[..., Any]) -> Callable[..., Any]:
         probe = PROBE
         if not (probe.state.active and (probe.hot or probe.recorder() is not None)):
             return original(self, blocks)
-        emit = probe.emit
-        revived: list[int] = []
         queue = self.free_block_queue
         queued = queue.num_free_blocks
-        if emit is not None:  # NOTE: only `full` records the revived blocks: read before the call
-            try:
-                revived = [b.block_id for b in blocks if not b.ref_cnt and not b.is_null]
-            except Exception as err:
-                _failed(err)
         result = original(self, blocks)
         try:
             if probe.state.active:
-                probe.cached_free -= queued - queue.num_free_blocks  # NOTE: revived blocks are cached ones
-                ctx, step, takers = probe.ctx, probe.step, probe.last_taker
+                revived = queued - queue.num_free_blocks  # NOTE: cached blocks taken back out of the free queue
+                probe.cached_free -= revived
+                ctx, step = probe.ctx, probe.step
+                takers, emit = probe.last_taker, probe.emit
                 taken = (ctx.rid, step, "touch")
                 if emit is None:
                     for b in blocks:
                         if not b.is_null:
                             takers[b.block_id] = taken
                 else:
-                    ids = [b.block_id for b in blocks if not b.is_null]
-                    for block_id in ids:
-                        takers[block_id] = taken
-                    rid, group = ctx.rid, ctx.group
-                    emit((step, _monotonic(), LOCK_V, FULL_V, rid, None, len(ids), group, None, None, tuple(ids)))
-                    if revived:
-                        emit(
-                            (
-                                step,
-                                _monotonic(),
-                                REVIVE_V,
-                                FULL_V,
-                                rid,
-                                None,
-                                len(revived),
-                                group,
-                                None,
-                                None,
-                                tuple(revived),
-                            )
-                        )
+                    ids: list[int] = []
+                    add = ids.append
+                    for b in blocks:
+                        if not b.is_null:
+                            block_id = b.block_id
+                            takers[block_id] = taken
+                            add(block_id)
+                    rid, group, now = ctx.rid, ctx.group, probe.now or _monotonic()
+                    emit((step, now, LOCK_V, FULL_V, rid, None, len(ids), group, None, None, tuple(ids)))
+                    if revived:  # NOTE: a revived block went from ref 0 to 1
+                        back = tuple([b.block_id for b in blocks if b.ref_cnt == 1 and not b.is_null])
+                        emit((step, now, REVIVE_V, FULL_V, rid, None, len(back), group, None, None, back))
         except Exception as err:
             _failed(err)
         return result
@@ -498,49 +500,52 @@ def _touch(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _free_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
     def free_blocks(self: Any, ordered_blocks: Any) -> Any:
-        if not PROBE.state.active:
+        probe = PROBE
+        if not probe.state.active:
             return original(self, ordered_blocks)
         # NOTE: an iterator (reversed(...)) is read once: keep it for after
-        blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
+        blocks = ordered_blocks if type(ordered_blocks) is list else [*ordered_blocks]
+        queue = self.free_block_queue
+        queued = queue.num_free_blocks
         result = original(self, blocks)
         try:
-            probe = PROBE
-            if probe.hot or probe.recorder() is not None:
-                ctx, releasers = probe.ctx, probe.last_release
+            if blocks and (probe.hot or probe.recorder() is not None):
+                ctx, releasers, emit = probe.ctx, probe.last_release, probe.emit
                 released = (ctx.rid, probe.step, "free")
-                emit = probe.emit
-                if emit is None:
+                if queue.num_free_blocks - queued == len(blocks):  # NOTE: all this pool's, none null, all at ref 0
+                    if emit is None:
+                        for b in blocks:
+                            releasers[b.block_id] = released
+                    else:
+                        ids: list[int] = []
+                        add = ids.append
+                        for b in blocks:
+                            block_id = b.block_id
+                            releasers[block_id] = released
+                            add(block_id)
+                        rid, step, now = released[0], released[1], probe.now or _monotonic()
+                        emit((step, now, FREE_V, FULL_V, rid, None, len(ids), ctx.group, None, None, tuple(ids)))
+                elif emit is None:
                     for b in blocks:  # NOTE: this pool's blocks only (vLLM frees others' into their own pool)
-                        if not b.is_null and (b.pool is None or b.pool is self):
+                        pool = b.pool
+                        if (pool is self or pool is None) and not b.is_null:
                             releasers[b.block_id] = released
                 else:  # NOTE: inline (a helper call per free_blocks costs as much as a block's work)
                     zero: list[int] = []
                     still: list[int] = []
                     for b in blocks:
-                        if b.is_null or (b.pool is not None and b.pool is not self):
+                        pool = b.pool
+                        if (pool is not self and pool is not None) or b.is_null:
                             continue
                         block_id = b.block_id
                         releasers[block_id] = released
                         (still if b.ref_cnt else zero).append(block_id)
-                    rid, step, group = ctx.rid, released[1], ctx.group
+                    rid, step = released[0], released[1]
+                    group, now = ctx.group, probe.now or _monotonic()
                     if zero:
-                        emit((step, _monotonic(), FREE_V, FULL_V, rid, None, len(zero), group, None, None, tuple(zero)))
+                        emit((step, now, FREE_V, FULL_V, rid, None, len(zero), group, None, None, tuple(zero)))
                     if still:
-                        emit(
-                            (
-                                step,
-                                _monotonic(),
-                                UNLOCK_V,
-                                FULL_V,
-                                rid,
-                                None,
-                                len(still),
-                                group,
-                                None,
-                                None,
-                                tuple(still),
-                            )
-                        )
+                        emit((step, now, UNLOCK_V, FULL_V, rid, None, len(still), group, None, None, tuple(still)))
         except Exception as err:
             _failed(err)
         return result
@@ -550,11 +555,12 @@ def _free_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _append_n(original: Callable[..., Any]) -> Callable[..., Any]:
     """FreeKVCacheBlockQueue.append_n: BlockPool.free_blocks appends the blocks that reached ref 0
-    with a hash (unhashed ones are prepended): the cached-free count grows by their number."""
+    with a hash (unhashed ones are prepended): the cached-free count grows by their number. (Counted
+    while recording or not: a counter, and free_blocks calls this every time, mostly with none.)"""
 
     def append_n(self: Any, blocks: Any) -> Any:
         result = original(self, blocks)
-        if PROBE.state.active:
+        if blocks:
             try:
                 PROBE.cached_free += len(blocks)
             except Exception as err:

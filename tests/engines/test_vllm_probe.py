@@ -304,3 +304,54 @@ def test_level_summary_keeps_snapshots_usage_and_requests_without_block_events(
     ):
         assert _sql(summary, query) == _sql(full, query), query
     assert result["census"]["ok"] and _events(summary, "match") == [] and _events(summary, "alloc") == []
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    capture = tmp_path_factory.mktemp("refs") / "refs.db"
+    return drive("refs", capture), capture
+
+
+def _block_events(capture: Path) -> list[tuple[str, int, float, list[int]]]:
+    """(kind, step, t_mono, slots) of the run's block events, in order."""
+    from kvscope.telemetry.recorder import decode_slots
+
+    db = Capture(capture)
+    try:
+        events = db.events(int(db.runs().iloc[-1].id), limit=None, columns=["seq", "kind", "step", "t_mono", "slots"])
+    finally:
+        db.close()
+    kinds = {"alloc", "lock", "revive", "free", "unlock", "evict"}
+    return [
+        (r.kind, int(r.step), float(r.t_mono), decode_slots(r.slots)) for r in events.itertuples() if r.kind in kinds
+    ]
+
+
+def test_block_events_replayed_give_vllms_own_ref_counts(refs: tuple[dict[str, Any], Path]) -> None:
+    """alloc and lock add one per block, free and unlock take one: replayed, the capture's events end
+    at vLLM's ref counts; a free that leaves shared blocks held records both kinds, a free whose
+    blocks all reach ref 0 only free, blocks taken back from the free queue a revive."""
+    result, capture = refs
+    events = _block_events(capture)
+    refs_now: dict[int, int] = {}
+    for kind, _, _, slots in events:
+        for block in slots:
+            refs_now[block] = refs_now.get(block, 0) + {"alloc": 1, "lock": 1, "free": -1, "unlock": -1}.get(kind, 0)
+    assert {str(b): n for b, n in refs_now.items() if n} == {b: n for b, n in result["refs"].items() if n}
+    assert [kind for kind, *_ in events] == [
+        *("alloc", "lock", "alloc", "free", "unlock"),  # step 1: r1, r2 touching r1's three, r1 freed
+        *("free", "lock", "revive", "alloc", "evict", "evict", "alloc"),  # step 2: r2 freed, r3, r4
+    ]
+    r1_freed, r1_unlocked, revived = (events[i][3] for i in (3, 4, 7))
+    assert len(r1_freed) == 1 and sorted(r1_unlocked) == sorted(revived) and len(revived) == 3
+    assert result["free_blocks"] == 0
+
+
+def test_a_steps_block_events_carry_the_steps_clock(refs: tuple[dict[str, Any], Path]) -> None:
+    """One clock read per engine step (as it begins) stamps its block events, not one per event."""
+    result, capture = refs
+    events = _block_events(capture)
+    times = {step: {t for kind, s, t, _ in events if s == step} for step in result["steps"]}
+    assert all(len(events_of) == 1 for events_of in times.values()), times
+    first, second = (times[step].pop() for step in result["steps"])
+    assert first < second

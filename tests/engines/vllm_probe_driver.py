@@ -2,7 +2,7 @@
 Run with the vLLM venv's python, kvscope on PYTHONPATH:
 
     python vllm_probe_driver.py SCENARIO      (clean, extra-ref, double-free, unknown-version,
-                                               missing-target, inert, life)
+                                               missing-target, inert, life, refs)
 
 The environment names the capture (KVSCOPE_CAPTURE, KVSCOPE_PYTHON). Prints one JSON line: what the
 probe said, the census results, the injected ground truth, and that vLLM's own calls still worked.
@@ -146,6 +146,32 @@ def life() -> dict:
     }
 
 
+def refs() -> dict:
+    """Every way a block-pool call changes ref counts, over two steps: a free that leaves shared
+    blocks held (unlock) beside blocks at ref 0 (free), a free of all-ref-0 blocks, cached blocks
+    revived from the free queue, an allocation that evicts cached-free ones; then vLLM's own ref
+    counts, for the test to replay the capture's events against."""
+    kv, live, steps = manager(), {}, []
+    shared = list(range(4000, 4000 + 3 * BLOCK))
+    probe.PROBE.step_begins()
+    first = serve(kv, live, "r1", shared + [1] * BLOCK)  # 4 full blocks, all cached
+    second = serve(kv, live, "r2", shared + [2] * BLOCK)  # touches r1's first 3, allocates 1
+    finish(kv, live, first)  # 3 still held by r2 (unlock), 1 at ref 0 (free)
+    step_ends(kv, live)
+    steps.append(probe.PROBE.step)
+    probe.PROBE.step_begins()
+    finish(kv, live, second)  # all 4 at ref 0
+    serve(kv, live, "r3", shared + [3] * 5)  # revives the 3 shared blocks from the free queue
+    serve(kv, live, "r4", [7] * (6 * BLOCK + 5))  # 7 blocks of the 7 free: evicts the 2 cached-free ones
+    step_ends(kv, live)
+    steps.append(probe.PROBE.step)
+    return {
+        "refs": {str(b.block_id): b.ref_cnt for b in kv.block_pool.blocks if not b.is_null},
+        "steps": steps,
+        "free_blocks": kv.block_pool.get_num_free_blocks(),
+    }
+
+
 def main(scenario: str) -> None:
     init_none_hash(sha256)
     said = ""
@@ -161,8 +187,8 @@ def main(scenario: str) -> None:
         said = probe._register(version="0.32.0", table=table)
     else:
         said = probe._register()
-    if scenario == "life":
-        result = life()
+    if scenario in ("life", "refs"):
+        result = life() if scenario == "life" else refs()
         probe.PROBE.state.recorder.close()
         print(json.dumps({"said": said, "plugins": os.environ.get("VLLM_PLUGINS"), **result}))
         return
