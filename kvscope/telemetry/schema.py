@@ -64,6 +64,8 @@ below (EVENT_COLUMNS, TREE_NODE_COLUMNS, ...), never from a list of their own.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     Boolean,
     Column,
@@ -78,6 +80,15 @@ from sqlalchemy import (
     Text,
     null,
 )
+from sqlalchemy.ext.compiler import compiles
+
+
+@compiles(Integer, "postgresql")
+def _bigint_on_postgresql(_type: Integer, _compiler: Any, **_kw: Any) -> str:
+    """NOTE: every integer column is 64-bit on PostgreSQL, as SQLite's are: seqs, steps and token counters
+    of a long run pass 2**31 (the primary key runs.id stays SERIAL); a SQLite file is unchanged."""
+    return "BIGINT"
+
 
 SCHEMA_VERSION = 7
 OLDEST_READABLE_VERSION = 1
