@@ -3,11 +3,15 @@ away (against a real server: `make test-postgres`; the fault tests stop and star
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -100,9 +104,9 @@ def test_a_refused_connection_a_wrong_password_and_a_missing_database_are_one_li
             assert str(bad.password) not in line  # a URL is printed without its password
 
 
-def committed_chunks(url: str) -> int:
+def committed_rows(url: str, table: str, run_id: int = 1) -> int:
     with psycopg.connect(make_url(url).render_as_string(hide_password=False), connect_timeout=5) as conn:
-        found = conn.execute("SELECT count(*) FROM event_chunks WHERE run_id = 2").fetchone()
+        found = conn.execute(f"SELECT count(*) FROM {table} WHERE run_id = %s", (run_id,)).fetchone()
     return int(found[0]) if found else 0
 
 
@@ -139,7 +143,7 @@ def test_the_server_stopped_mid_run_stops_recording_with_one_line_and_keeps_what
     )
     try:
         deadline = time.monotonic() + 120
-        while committed_chunks(postgres_url) < 2:
+        while committed_rows(postgres_url, "event_chunks", run_id=2) < 2:
             assert run.poll() is None and time.monotonic() < deadline, "the run never committed a chunk"
             time.sleep(0.2)
         stop(cluster, "immediate")
@@ -167,3 +171,61 @@ def test_the_server_stopped_mid_run_stops_recording_with_one_line_and_keeps_what
     verdict = kvscope("check", postgres_url, "--run", "2")
     assert verdict.returncode == 3, verdict.stdout  # inconclusive: never clean
     assert "clean" not in verdict.stdout.split(":", 2)[-1].split()[0]
+
+
+def complete(port: int) -> dict[str, Any]:
+    body = json.dumps({"prompt": "hello there fleet", "max_tokens": 4}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", body, {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return dict(json.loads(reply.read()))
+
+
+def test_serve_keeps_serving_when_the_server_goes_away_and_marks_its_run_once_it_is_back(postgres_url: str) -> None:
+    cluster = Cluster.from_env(dict(os.environ))
+    port = free_port()
+    serve = subprocess.Popen(
+        [PYTHON, "-m", "kvscope", "serve", "--port", str(port), "--capture", postgres_url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env(),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert serve.poll() is None and time.monotonic() < deadline, "kvscope serve did not start"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        assert complete(port)["choices"]
+        while committed_rows(postgres_url, "requests") == 0:  # NOTE: the first request's rows are committed
+            assert time.monotonic() < deadline, "the first request was never written"
+            time.sleep(0.5)
+        stop(cluster, "immediate")
+        try:
+            for _ in range(3):
+                assert complete(port)["choices"]  # served with the database gone
+                time.sleep(1.0)  # NOTE: the recorder hands its rows over at idle points: their write fails
+        finally:
+            start(cluster)
+        assert complete(port)["choices"]
+        serve.send_signal(signal.SIGINT)
+        out, _ = serve.communicate(timeout=120)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    assert serve.returncode == 0, out
+    assert "Traceback" not in out
+    assert len([line for line in out.splitlines() if "recording stopped" in line]) == 1, out
+    capture = Capture(postgres_url)
+    try:
+        runs = capture.runs()
+        assert list(runs.display_status) == ["incomplete"]  # marked once the server was back
+        assert "capture complete through step" in str(runs.error.iloc[0])
+        assert len(capture.requests(1)) >= 1  # the first request, committed before the stop
+    finally:
+        capture.close()
