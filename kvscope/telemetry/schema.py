@@ -53,6 +53,8 @@ the new version): every older row stays valid, with NULL in the added columns.
        on the chosen replica when the request arrived) and requests.elsewhere_cached_tokens (the
        most prompt tokens cached on any other replica then). NULL: the request was not routed
        among replicas (one engine, or a file written before version 7).
+On PostgreSQL every integer column is BIGINT (SQLite's integers are 64-bit already); a server
+database is versioned and upgraded as a file is, under an advisory lock (store._ensure_schema).
 `reports` came after version 1 without a bump: it is an additive table (older readers never
 look at it), a reader treats it as optional, and a writer adds it to an older file. A column
 got a bump because a version-1 reader cannot see it and would show an owner as missing.

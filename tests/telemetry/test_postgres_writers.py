@@ -229,3 +229,26 @@ def test_serve_keeps_serving_when_the_server_goes_away_and_marks_its_run_once_it
         assert len(capture.requests(1)) >= 1  # the first request, committed before the stop
     finally:
         capture.close()
+
+
+def test_the_verbs_work_on_a_url_and_never_print_its_password(postgres_url: str) -> None:
+    password = str(make_url(postgres_url).password)
+    recorded = kvscope("run", "--workload", "shared-prefix", "--num-requests", "8", "--capture", postgres_url)
+    assert recorded.returncode == 0, recorded.stderr
+    outputs = {"run": recorded}
+    for verb in (
+        ("runs", postgres_url),
+        ("runs", "--json", postgres_url),
+        ("check", postgres_url),
+        ("check", "--json", postgres_url),
+        ("report", "leaks", postgres_url),
+        ("diff", postgres_url, postgres_url),
+        ("upgrade", postgres_url),
+    ):
+        outputs[" ".join(verb[:2])] = done = kvscope(*verb)
+        assert done.returncode == 0, (verb, done.stderr)
+    assert "clean" in outputs["check " + postgres_url].stdout
+    assert "nothing to upgrade" in outputs["upgrade " + postgres_url].stdout
+    for name, done in outputs.items():
+        assert password not in done.stdout + done.stderr, name
+        assert "Traceback" not in done.stderr, name
