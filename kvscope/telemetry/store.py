@@ -9,6 +9,9 @@ SQLite files are opened through percent-encoded `file:` URIs, so no character of
 read as URI syntax. Only the pragmas are SQLite-specific: WAL while a writer writes (readers
 read beside it), a busy timeout, synchronous=NORMAL, and every write transaction BEGIN
 IMMEDIATE (two writers queue on the busy timeout instead of failing on a lock upgrade).
+A `postgresql://` URL opens through psycopg 3 (DEFAULT_DRIVERS); there every writer creates or
+upgrades the schema under a transaction-scoped advisory lock (SCHEMA_LOCK_KEY), so writers starting
+together queue instead of racing on the catalog.
 
 NOTE: what a reader guarantees
     - it never writes, and never creates a file (a sqlite URL to a missing file is refused)
