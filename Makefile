@@ -9,7 +9,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvscope-installed
 
-.PHONY: run demo test test-engines sglang-518-src sglang-venv lint format typecheck unit bench samples clean install
+.PHONY: run demo test test-engines test-postgres sglang-518-src sglang-venv lint format typecheck unit bench samples clean install
 
 install: $(STAMP)
 
@@ -125,6 +125,14 @@ test-engines: $(STAMP) $(VLLM_STAMP) $(SGLANG_518_STAMP) $(SGLANG_STAMP)
 	@$(SGLANG_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	KVSCOPE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVSCOPE_SGLANG_518_SRC=$(SGLANG_518_SRC) \
 		KVSCOPE_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python $(BIN)/pytest -m engines
+
+# The PostgreSQL-marked tests (tests/telemetry/test_postgres_*.py; `make test` skips them, saying why) against
+# a throwaway cluster: tests/postgres_cluster.py installs Debian's postgresql when no server is found (root),
+# runs initdb and pg_ctl (under the `postgres` user when root: the server refuses root) in a temporary
+# directory, on 127.0.0.1 at a free port with a password-authenticated role and database, runs pytest with
+# KVSCOPE_TEST_POSTGRES_URL set, then stops the server and removes the directory (also on failure).
+test-postgres: $(STAMP)
+	$(BIN)/python -m tests.postgres_cluster -- $(BIN)/pytest -m postgres
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/gen_traces.py

@@ -37,7 +37,7 @@ from kvscope.attach.errors import AttachError
 from kvscope.attach.recorder import AttachRecorder, attach_ready, source_config
 from kvscope.attach.scrape import EngineSample, scrape
 from kvscope.attach.subscriber import EventSubscriber
-from kvscope.telemetry import RunStatus
+from kvscope.telemetry import RunStatus, display_name
 
 MAX_FAILED_SCRAPES = 5
 POLL_MS = 50
@@ -105,7 +105,7 @@ def attach(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     info = discover(args.url, engine=args.engine, timeout_s=args.timeout_s)
     stream = events_endpoint(args, info)
     capture = capture or default_capture_path(info.engine)
-    print(found_line(info, args.url, stream, capture), file=sys.stderr, flush=True)
+    print(found_line(info, args.url, stream, display_name(capture)), file=sys.stderr, flush=True)
     for warning in info.warnings:
         print(f"kvscope attach: warning: {warning}", file=sys.stderr, flush=True)
     subscriber = subscribe(stream) if stream is not None else None
@@ -124,14 +124,14 @@ def attach(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             counters = stream_counters(subscriber)
             subscriber.close()
     recorder.close(counters, outcome.status, outcome.error)
-    summary = summarize(recorder, counters, capture, outcome)
+    summary = summarize(recorder, counters, display_name(capture), outcome)
     if args.json:
         out.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     else:
         out.write(summary_text(summary))
     if outcome.status == RunStatus.CRASHED:
         print(
-            f"kvscope attach: error: attach {outcome.reason}; capture {capture} closed as crashed",
+            f"kvscope attach: error: attach {outcome.reason}; capture {display_name(capture)} closed as crashed",
             file=sys.stderr,
             flush=True,
         )

@@ -109,13 +109,13 @@ def runs_verb(args: argparse.Namespace) -> int:
         capture.close()
     if args.run is not None:
         if args.run not in set(frame.id):
-            raise ValueError(f"{args.capture}: no run {args.run} (runs: {', '.join(map(str, frame.id)) or 'none'})")
+            raise ValueError(f"{capture.name}: no run {args.run} (runs: {', '.join(map(str, frame.id)) or 'none'})")
         frame = frame[frame.id == args.run]
     entries = [run_entry(row) for row in frame.itertuples()]
     if args.json:
-        print(json.dumps({"capture": args.capture, "runs": entries}, indent=2))
+        print(json.dumps({"capture": capture.name, "runs": entries}, indent=2))
     elif not entries:
-        print(f"{args.capture}: no runs recorded")
+        print(f"{capture.name}: no runs recorded")
     else:
         print("\n".join(runs_table(entries)))
     return 0
@@ -156,7 +156,7 @@ def check_verb(args: argparse.Namespace) -> int:
         print(
             json.dumps(
                 {
-                    "capture": args.capture,
+                    "capture": report.capture,
                     "run": report.run_id,
                     "status": report.status,
                     "verdict": check.verdict,
@@ -167,7 +167,7 @@ def check_verb(args: argparse.Namespace) -> int:
             )
         )
     else:
-        print(f"{args.capture}: {check.reason}")
+        print(f"{report.capture}: {check.reason}")
     return check.exit_code
 
 

@@ -66,6 +66,7 @@ from kvscope.telemetry import (
     Recorder,
     RunStatus,
     SQLRecorder,
+    display_name,
     environment_fingerprint,
 )
 from kvscope.workloads import TraceRequest, generate, read_trace
@@ -421,6 +422,6 @@ def print_summary(
         f"leak checks       {checks} ({verdict})",
         *([f"leak report       {leak_report}"] if leak_report else []),
         f"wall time         {wall_s:.2f} s",
-        f"capture           {capture if capture else '(recording off)'}{where}",
+        f"capture           {display_name(capture) if capture else '(recording off)'}{where}",
     ]
     out.write("\n".join(lines) + "\n")

@@ -288,7 +288,9 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
                 code = code or 1
         await front.close()
     why = f" ({stopped[0]})" if stopped else ""
-    where = f"; capture {options.capture}" if options.capture else ""
+    from kvscope.telemetry.store import display_name
+
+    where = f"; capture {display_name(options.capture)}" if options.capture else ""
     print(f"kvscope serve: stopped{why}{where}", flush=True)
     return code
 

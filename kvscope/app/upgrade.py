@@ -11,6 +11,7 @@ import json
 import sys
 
 from kvscope.app.progress import Progress, bar
+from kvscope.telemetry.store import display_name
 from kvscope.telemetry.upgrade import upgrade
 
 PROGRESS_DELAY_S = 1.0
@@ -27,20 +28,21 @@ def upgrade_verb(args: argparse.Namespace) -> int:
         packed = upgrade(args.capture, progress=on_progress)
     finally:
         progress.close()
+    name = display_name(args.capture)
     if args.json:
         print(
             json.dumps(
                 {
-                    "capture": args.capture,
+                    "capture": name,
                     "runs": [{"run": r.run_id, "events": r.events, "chunks": r.chunks} for r in packed],
                 },
                 indent=2,
             )
         )
     elif not packed:
-        print(f"{args.capture}: nothing to upgrade (every run is packed already)")
+        print(f"{name}: nothing to upgrade (every run is packed already)")
     else:
         for r in packed:
             chunks = "1 chunk" if r.chunks == 1 else f"{r.chunks:,} chunks"
-            print(f"{args.capture}: run {r.run_id}: {r.events:,} events packed into {chunks}")
+            print(f"{name}: run {r.run_id}: {r.events:,} events packed into {chunks}")
     return 0

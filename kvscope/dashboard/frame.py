@@ -19,7 +19,7 @@ import pandas as pd
 import streamlit as st
 
 from kvscope.dashboard import data, tenants, url_state
-from kvscope.telemetry import CaptureError
+from kvscope.telemetry import CaptureError, display_name
 
 CAPTURE_DIRS = (Path("runs"), Path("sample_runs"))
 PAGES_DIR = Path(__file__).parent / "app_pages"
@@ -108,7 +108,7 @@ def _pick_capture(options: list[str]) -> str:
             url_state.note(f"The link's capture {linked!r} is not one this dashboard lists: showing {options[0]!r}.")
     if st.session_state.get(CAPTURE_KEY) not in options:
         st.session_state[CAPTURE_KEY] = options[0]
-    return str(st.sidebar.selectbox("Capture", options, key=CAPTURE_KEY))
+    return str(st.sidebar.selectbox("Capture", options, key=CAPTURE_KEY, format_func=display_name))
 
 
 def _pick_run(path: str, runs: pd.DataFrame) -> Any:

@@ -2,9 +2,10 @@
 
     python -m kvscope.dashboard.launch [--workload multi-tenant] [--num-requests N] [--rate R]
                                        [--host 127.0.0.1] [--port 8501] [--serve-port 30000]
-                                       [--runs-dir DIR]
+                                       [--runs-dir DIR | --capture URL]
 
-Starts `kvscope serve` on loopback recording `runs/<time>-live.db`, waits until it answers
+Starts `kvscope serve` on loopback recording `runs/<time>-live.db` (or the database `--capture`
+names, e.g. a postgresql:// URL that other engines write into too), waits until it answers
 /health, starts `kvscope load` against it (the multi-tenant workload through the official
 openai client), then `streamlit run app.py -- --db <capture>` bound to 127.0.0.1 (unless
 --host says otherwise), headless, with Streamlit's usage statistics off and its Deploy
@@ -28,6 +29,7 @@ from pathlib import Path
 from types import FrameType
 
 from kvscope.telemetry.sqlite_files import settle_file
+from kvscope.telemetry.store import display_name, file_of, is_url
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_FOR_CAPTURE_S = 60.0
@@ -45,7 +47,7 @@ STREAMLIT_SETTINGS = {
 }
 
 
-def serve_command(capture: Path, port: int) -> list[str]:
+def serve_command(capture: Path | str, port: int) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -78,7 +80,7 @@ def load_command(port: int, workload: str, num_requests: int, rate: float) -> li
     ]
 
 
-def dashboard_command(capture: Path, port: int | None = None, host: str = DEFAULT_HOST) -> list[str]:
+def dashboard_command(capture: Path | str, port: int | None = None, host: str = DEFAULT_HOST) -> list[str]:
     server = [] if port is None else ["--server.port", str(port)]
     settings = [arg for key, value in STREAMLIT_SETTINGS.items() for arg in (f"--{key}", value)]
     return [
@@ -101,8 +103,11 @@ def live_capture_path(runs_dir: Path, now: float | None = None) -> Path:
     return runs_dir / time.strftime("%Y%m%d-%H%M%S-live.db", time.localtime(now))
 
 
-def _shown(path: Path) -> str:
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+def _shown(capture: Path | str) -> str:
+    """A file relative to the repository; a URL without its password."""
+    if isinstance(capture, str):
+        return display_name(capture)
+    return str(capture.relative_to(ROOT)) if capture.is_relative_to(ROOT) else str(capture)
 
 
 def say(line: str) -> None:
@@ -117,11 +122,13 @@ def _serving(port: int) -> bool:
         return False
 
 
-def _wait_for(capture: Path, port: int, server: subprocess.Popen[bytes]) -> bool:
-    """Until the server answers /health and its capture exists; False if it ended first."""
+def _wait_for(capture: Path | str, port: int, server: subprocess.Popen[bytes]) -> bool:
+    """Until the server answers /health and its capture file exists (a database URL: the server
+    made its run before it answers); False if it ended first."""
+    path = file_of(capture)
     deadline = time.monotonic() + WAIT_FOR_CAPTURE_S
     while time.monotonic() < deadline:
-        if capture.exists() and capture.stat().st_size > 0 and _serving(port):
+        if (path is None or (path.exists() and path.stat().st_size > 0)) and _serving(port):
             return True
         if server.poll() is not None:
             return False
@@ -157,14 +164,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default=DEFAULT_HOST, help="address the dashboard listens on (0.0.0.0: every one)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port the dashboard listens on")
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs", help="folder of the new capture")
+    parser.add_argument(
+        "--capture",
+        metavar="URL",
+        help="record into this capture (a database URL such as postgresql://..., or a file) instead of a new file",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
-    capture = live_capture_path(args.runs_dir.resolve())
-    capture.parent.mkdir(parents=True, exist_ok=True)
+    capture: Path | str = live_capture_path(args.runs_dir.resolve()) if not args.capture else args.capture
+    if isinstance(capture, str) and not is_url(capture):
+        capture = Path(capture).resolve()
+    if isinstance(capture, Path):
+        capture.parent.mkdir(parents=True, exist_ok=True)
     say(f"starting kvscope serve on http://127.0.0.1:{args.serve_port}, recording {_shown(capture)}")
     server = subprocess.Popen(serve_command(capture, args.serve_port), cwd=ROOT)
     load: subprocess.Popen[bytes] | None = None
@@ -186,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         for process in (load, dashboard, server):
             if process is not None:
                 _stop(process)
-        if capture.exists():
+        if isinstance(capture, Path) and capture.exists():
             settle_file(capture)
         say(f"stopped; the capture is {_shown(capture)}")
 

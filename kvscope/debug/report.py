@@ -158,12 +158,12 @@ def run_row(capture: Capture, run_id: int | None) -> Any:
     """The run's row of `capture.runs()` (default: the latest); ValueError naming the runs there are."""
     runs = capture.runs()
     if runs.empty:
-        raise ValueError(f"{capture.target}: the capture holds no runs")
+        raise ValueError(f"{capture.name}: the capture holds no runs")
     if run_id is None:
         return runs.iloc[-1]
     chosen = runs[runs.id == run_id]
     if chosen.empty:
-        raise ValueError(f"{capture.target}: no run {run_id} (runs: {', '.join(map(str, runs.id))})")
+        raise ValueError(f"{capture.name}: no run {run_id} (runs: {', '.join(map(str, runs.id))})")
     return chosen.iloc[0]
 
 
@@ -204,7 +204,7 @@ def build_report(
     try:
         run = run_row(capture, run_id)
         report = LeakReport(
-            str(target),
+            capture.name,
             int(run.id),
             str(run.level),
             str(run.display_status),
@@ -239,7 +239,7 @@ def checks_report(target: str | Path, run_id: int | None = None) -> LeakReport:
         if str(run.display_status) == RunStatus.FINISHED and str(run.level) == "full":
             return build_report(target, int(run.id))
         report = LeakReport(
-            str(target),
+            capture.name,
             int(run.id),
             str(run.level),
             str(run.display_status),

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from kvscope.telemetry.queries import ENDED_WITHOUT_CLOSING, Capture, display_status
     from kvscope.telemetry.recorder import SQLRecorder, decode_slots, install_signal_handlers, slots_blob
     from kvscope.telemetry.sharing import reuse_by_principal, run_principals, visibility_changes
-    from kvscope.telemetry.store import CaptureError, open_reader, open_writer, save_report
+    from kvscope.telemetry.store import CaptureError, display_name, open_reader, open_writer, save_report
     from kvscope.telemetry.tree_replay import STRUCTURAL_KINDS, replay_tree
 
 _LAZY = {
@@ -72,7 +72,7 @@ _LAZY = {
     "kvscope.telemetry.queries": ("ENDED_WITHOUT_CLOSING", "Capture", "display_status"),
     "kvscope.telemetry.recorder": ("SQLRecorder", "decode_slots", "install_signal_handlers", "slots_blob"),
     "kvscope.telemetry.sharing": ("reuse_by_principal", "run_principals", "visibility_changes"),
-    "kvscope.telemetry.store": ("CaptureError", "open_reader", "open_writer", "save_report"),
+    "kvscope.telemetry.store": ("CaptureError", "display_name", "open_reader", "open_writer", "save_report"),
     "kvscope.telemetry.tree_replay": ("STRUCTURAL_KINDS", "replay_tree"),
 }
 _MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
@@ -117,6 +117,7 @@ __all__ = [
     "Visibility",
     "allocs_of_requests",
     "decode_slots",
+    "display_name",
     "display_status",
     "environment_fingerprint",
     "eviction_log",

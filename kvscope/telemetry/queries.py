@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, Select, func, literal, or_, select
+from sqlalchemy import Boolean, ColumnElement, Engine, Integer, Select, cast, func, literal, or_, select
 
 from kvscope.telemetry import schema, store
 from kvscope.telemetry.event_source import (
@@ -32,7 +32,7 @@ from kvscope.telemetry.event_source import (
     read_events,
 )
 from kvscope.telemetry.events import EventKind
-from kvscope.telemetry.store import driver_rows, open_reader, stored_version
+from kvscope.telemetry.store import display_name, driver_rows, open_reader, stored_version
 from kvscope.telemetry.tree_replay import REPLAY_COLUMNS, STRUCTURAL_KINDS, replay_tree
 
 STALE_HEARTBEAT_S = 30.0
@@ -46,6 +46,7 @@ class Capture:
 
     def __init__(self, target: str | Path) -> None:
         self.target = str(target)
+        self.name = display_name(target)  # NOTE: what messages print: a URL without its password
         self.engine: Engine = open_reader(target)
         self.packed = PackedEvents(self.engine, self.target)
         try:
@@ -69,7 +70,11 @@ class Capture:
         """A Core SELECT's rows as a DataFrame, one column per selected name. NOTE: read through
         the driver: plain tuples, not SQLAlchemy rows (about 4x faster on 100k-row tables)."""
         rows = [row for batch in driver_rows(self.engine, stmt, self.target) for row in batch]
-        return pd.DataFrame(rows, columns=[c.name for c in stmt.selected_columns])
+        frame = pd.DataFrame(rows, columns=[c.name for c in stmt.selected_columns])
+        for c in stmt.selected_columns:
+            if isinstance(c.type, Boolean) and frame[c.name].dtype == bool:
+                frame[c.name] = frame[c.name].astype("int64")  # NOTE: PostgreSQL's booleans read as SQLite's 0/1
+        return frame
 
     # -- runs ------------------------------------------------------------------------------
 
@@ -283,9 +288,9 @@ class Capture:
         stmt = select(
             c.status,
             func.count().label("num_requests"),
-            func.sum(c.prompt_len).label("prompt_tokens"),
-            func.sum(c.cached_tokens).label("cached_tokens"),
-            func.sum(c.num_retractions).label("retractions"),
+            _int_sum(c.prompt_len).label("prompt_tokens"),
+            _int_sum(c.cached_tokens).label("cached_tokens"),
+            _int_sum(c.num_retractions).label("retractions"),
         ).where(c.run_id == run_id)
         if principals is not None:
             stmt = stmt.where(c.principal.in_(list(principals)))
@@ -337,7 +342,9 @@ class Capture:
                 return self._snapshots[key]
         t = schema.tree_snapshots.c
         columns = schema.columns_as_of(schema.tree_snapshots, self.schema_version)
-        nodes = self.read_frame(select(*columns).where(t.run_id == run_id, t.step == step))
+        # NOTE: in node order on every database (without ORDER BY, SQLite reads them in insertion order and
+        # PostgreSQL in whatever order its pages hold)
+        nodes = self.read_frame(select(*columns).where(t.run_id == run_id, t.step == step).order_by(t.node_id))
         # NOTE: NULL only in rows written before schema version 3, when every cache shared globally
         nodes["visibility"] = nodes["visibility"].astype(object).where(nodes["visibility"].notna(), "public")
         # NOTE: NULL only in rows written before schema version 4, when every cache had one tier
@@ -400,3 +407,8 @@ def _used_of_older() -> Any:
     their used tokens are total - available - evictable."""
     u = schema.usage.c
     return u.full_total - u.full_available - u.full_evictable
+
+
+def _int_sum(column: ColumnElement[Any]) -> ColumnElement[Any]:
+    """sum() as an integer on every database (PostgreSQL sums a bigint column as numeric)."""
+    return cast(func.sum(column), Integer)

@@ -78,6 +78,7 @@ from kvscope.telemetry.store import (
     first_line,
     insert_statement,
     open_writer,
+    server_url,
     settle,
 )
 from kvscope.telemetry.writer import HEARTBEAT_INTERVAL_S, WriterSettings
@@ -198,7 +199,7 @@ class SQLRecorder(Recorder):
         )
         return WriterSettings(
             file=None if path is None else str(path),
-            url=None if path is not None else str(target),
+            url=None if path is not None else server_url(str(target)).render_as_string(hide_password=False),
             run_id=self.run_id,
             inserts={name: insert_statement(engine, table, columns) for name, (table, columns) in tables.items()},
             heartbeat=compiled_statement(engine, heartbeat, ("heartbeat_at", "run_id")),

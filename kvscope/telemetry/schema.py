@@ -53,6 +53,8 @@ the new version): every older row stays valid, with NULL in the added columns.
        on the chosen replica when the request arrived) and requests.elsewhere_cached_tokens (the
        most prompt tokens cached on any other replica then). NULL: the request was not routed
        among replicas (one engine, or a file written before version 7).
+On PostgreSQL every integer column is BIGINT (SQLite's integers are 64-bit already); a server
+database is versioned and upgraded as a file is, under an advisory lock (store._ensure_schema).
 `reports` came after version 1 without a bump: it is an additive table (older readers never
 look at it), a reader treats it as optional, and a writer adds it to an older file. A column
 got a bump because a version-1 reader cannot see it and would show an owner as missing.
@@ -63,6 +65,8 @@ below (EVENT_COLUMNS, TREE_NODE_COLUMNS, ...), never from a list of their own.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from sqlalchemy import (
     Boolean,
@@ -78,6 +82,15 @@ from sqlalchemy import (
     Text,
     null,
 )
+from sqlalchemy.ext.compiler import compiles
+
+
+@compiles(Integer, "postgresql")
+def _bigint_on_postgresql(_type: Integer, _compiler: Any, **_kw: Any) -> str:
+    """NOTE: every integer column is 64-bit on PostgreSQL, as SQLite's are: seqs, steps and token counters
+    of a long run pass 2**31 (the primary key runs.id stays SERIAL); a SQLite file is unchanged."""
+    return "BIGINT"
+
 
 SCHEMA_VERSION = 7
 OLDEST_READABLE_VERSION = 1

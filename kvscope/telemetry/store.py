@@ -9,6 +9,9 @@ SQLite files are opened through percent-encoded `file:` URIs, so no character of
 read as URI syntax. Only the pragmas are SQLite-specific: WAL while a writer writes (readers
 read beside it), a busy timeout, synchronous=NORMAL, and every write transaction BEGIN
 IMMEDIATE (two writers queue on the busy timeout instead of failing on a lock upgrade).
+A `postgresql://` URL opens through psycopg 3 (DEFAULT_DRIVERS); there every writer creates or
+upgrades the schema under a transaction-scoped advisory lock (SCHEMA_LOCK_KEY), so writers starting
+together queue instead of racing on the catalog.
 
 NOTE: what a reader guarantees
     - it never writes, and never creates a file (a sqlite URL to a missing file is refused)
@@ -58,6 +61,11 @@ from kvscope.telemetry.writer import Statement
 SQLITE_MAGIC = b"SQLite format 3\x00"
 QUICK_CHECK_MAX_BYTES = 64 << 20  # ~0.3 s of quick_check; larger files are checked by the reads themselves
 SCHEMA_ATTEMPTS = 3  # a server database: creating the schema again after a concurrent creator won
+# NOTE: a URL scheme without a driver names the maintained one: PostgreSQL through psycopg 3
+DEFAULT_DRIVERS = {"postgresql": "postgresql+psycopg", "postgres": "postgresql+psycopg"}
+# NOTE: the PostgreSQL advisory lock (transaction-scoped) every writer holds while it creates or upgrades the
+# schema: concurrent writers on one new database queue on it, the first creates, the others find the tables
+SCHEMA_LOCK_KEY = 0x6B7673636F7065  # "kvscope"
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 # NOTE: SQLite primary result codes (extended code & 0xff) a reader reports as one line
 _DAMAGED_CODES = {11, 26}  # SQLITE_CORRUPT, SQLITE_NOTADB
@@ -98,6 +106,12 @@ def file_of(target: str | Path) -> Path | None:
 def display_name(target: str | Path) -> str:
     """The target as messages name it (a URL without its password)."""
     return _parse_url(str(target)).render_as_string(hide_password=True) if is_url(target) else str(target)
+
+
+def server_url(target: str) -> URL:
+    """A database URL as kvscope opens it: `postgresql://` (and `postgres://`) through psycopg 3."""
+    url = _parse_url(target)
+    return url.set(drivername=DEFAULT_DRIVERS.get(url.drivername, url.drivername))
 
 
 def _parse_url(target: str) -> URL:
@@ -343,7 +357,8 @@ def _server_engine(url: str, name: str) -> Engine:
     """An engine on a server database (or a sqlite URL with options), connected once so that a
     missing driver or a refused connection is one line here."""
     try:
-        engine = create_engine(url)
+        # NOTE: pre-ping: a connection the server dropped (a restart) is replaced, not handed to a read
+        engine = create_engine(server_url(url), pool_pre_ping=True)
         with engine.connect():
             pass
     except (SQLAlchemyError, ImportError) as err:
@@ -426,6 +441,8 @@ def _ensure_schema(engine: Engine, name: str) -> None:
     for attempt in range(SCHEMA_ATTEMPTS):
         try:
             with engine.begin() as conn:
+                if conn.dialect.name == "postgresql":
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
                 _create_or_upgrade(conn, name)
             return
         except CaptureError:

@@ -137,8 +137,13 @@ class DatabaseSink:
     """Transactions on a server database through SQLAlchemy (imported only here)."""
 
     def __init__(self, url: str) -> None:
+        import logging
+
         from sqlalchemy import create_engine
 
+        # NOTE: a driver's own warnings (psycopg's about a pipeline on a lost connection) would be a second
+        # line beside the recorder's one about the failed write
+        logging.getLogger("psycopg").addHandler(logging.NullHandler())
         self.engine = create_engine(url)
 
     def write(self, work: list[tuple[Statement, list[Any]]]) -> None:
