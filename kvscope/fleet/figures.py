@@ -50,6 +50,14 @@ REPLICA_COLUMNS = (
     "idle_floor_tokens",
 )
 ROUTING_COLUMNS = ("dispatch", "num_requests", "prompt_tokens", "loss_tokens", "loss_share")
+DUPLICATION_UNKNOWN = (
+    "duplication: not known (no tree snapshot with page hashes: a source that does not hash pages, "
+    "or a file written before schema version 7)"
+)
+DUPLICATION_UNKNOWN = (
+    "duplication: not known (no tree snapshot with page hashes: a source that does not hash pages, "
+    "or a file written before schema version 7)"
+)
 DUPLICATION_COLUMNS = ("t_s", "held_tokens", "unique_tokens", "duplicated_tokens", "unknown_tokens")
 
 
@@ -164,9 +172,7 @@ def fleet_figures(capture: Capture, fleet: Fleet) -> FleetFigures:
         notes.append("routing loss: no request of this fleet was routed among replicas")
     duplication = duplication_series(capture, fleet)
     if duplication.empty:
-        notes.append(
-            "duplication: not known (no tree snapshot with page hashes: a source that does not hash them, or a file written before schema version 7)"
-        )
+        notes.append(DUPLICATION_UNKNOWN)
     if floors.empty:
         notes.append("idle floor: no leak check recorded")
     t0 = _fleet_t0(floors, duplication)
