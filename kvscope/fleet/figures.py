@@ -262,7 +262,7 @@ def snapshot_pages(nodes: pd.DataFrame) -> tuple[dict[bytes, int], int]:
     for num_tokens, tier, blob in zip(nodes["num_tokens"], nodes["tier"], nodes["page_hashes"], strict=True):
         if not num_tokens or tier == "host":
             continue
-        hashes = split_page_hashes(blob) if isinstance(blob, bytes | bytearray | memoryview) else []
+        hashes = split_page_hashes(bytes(blob)) if isinstance(blob, bytes | bytearray | memoryview) else []
         if not hashes or num_tokens % len(hashes):
             unknown += int(num_tokens)
             continue

@@ -59,7 +59,7 @@ def test_a_fleet_without_page_hashes_says_so_in_one_line(fleet_db: Path, monkeyp
 
 def test_a_capture_without_a_fleet_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     at = open_fleet_page(ROOT / "sample_runs" / "leaky.db", monkeypatch)
-    assert [i.value for i in at.info][0].startswith("No fleet in this capture")
+    assert at.info[0].value.startswith("No fleet in this capture")
 
 
 def test_chart_builders_draw_the_figures() -> None:
