@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvscope.fleet.figures import duplication, fleet_figures, fleets, loose_runs, pick_fleet
-from kvscope.telemetry import Capture
+from kvscope.telemetry import Capture, SQLRecorder
 from tests.fleet.fleet_capture import write_fleet
 
 
@@ -79,3 +81,20 @@ def test_unique_plus_duplicated_is_the_replicas_held_sum(replicas: list[dict[byt
 @given(st.lists(pages, min_size=1, max_size=1))
 def test_one_replica_duplicates_nothing(replicas: list[dict[bytes, int]]) -> None:
     assert duplication(replicas).duplicated_tokens == 0
+
+
+def test_vllm_data_parallel_ranks_group_by_host_each_rank_once(tmp_path: Path) -> None:
+    """Instrumented vLLM EngineCores carry their DP rank; a rank seen again opens the next fleet."""
+    path = tmp_path / "vllm.db"
+    for rank in (0, 1, 0):
+        with SQLRecorder(path, config={"source": {"kind": "probe", "engine": "vllm", "dp_rank": rank}}):
+            pass
+    with SQLRecorder(path, config={"source": {"kind": "probe", "engine": "vllm", "dp_rank": None}}):
+        pass
+    capture = Capture(path)
+    found = fleets(capture)
+    assert [(f.source, [(r.rank, r.run_id) for r in f.replicas]) for f in found] == [
+        ("vllm", [(0, 1), (1, 2)]),
+        ("vllm", [(0, 3)]),
+    ]
+    assert loose_runs(capture, found) == [4]
