@@ -92,6 +92,8 @@ def _gpu_memory(gpu_mem_bytes: int | None, tp_size: int) -> tuple[int, int, list
 
 
 def replay_verb(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    if getattr(args, "dp_size", None) is not None or getattr(args, "dispatch", None) is not None:
+        return fleet_replay_verb(args, out)
     scoped = _check_replay_args(args)
     source = load_source(args.source, args.run)
     page_size = args.page_size or source.page_size or 1
@@ -318,3 +320,45 @@ def _curve_json(curve: HitRateCurve) -> dict[str, Any]:
         "max_hit_rate": curve.max_hit_rate,
         "saturation_tokens": curve.saturation_tokens,
     }
+
+
+def fleet_replay_verb(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """`kvscope replay --dp-size N [--dispatch METHOD|all]`: the trace routed among N radix caches
+    (planning/fleet_replay.py), one row per dispatch method."""
+    from kvscope.planning.fleet_replay import dispatch_methods, fleet_json, format_fleet, replay_fleet
+
+    methods = dispatch_methods(_check_fleet_args(args))
+    source = load_source(args.source, args.run)
+    page_size = args.page_size or source.page_size or 1
+    _check_page_size(page_size)
+    capacity = args.capacities[0] // page_size * page_size
+    config = ReplayConfig(capacity, page_size, args.eviction, args.convention, args.policy)
+    results = [replay_fleet(source.requests, config, args.dp_size, method) for method in methods]
+    header = (
+        f"{source.label}: {len(source.requests):,} requests routed among {args.dp_size} radix caches of "
+        f"{capacity:,} tokens each (page size {page_size}, {args.policy} eviction by {args.eviction}, "
+        f"{args.convention} convention)"
+    )
+    if args.json:
+        report = {"source": source.label, "dp_size": args.dp_size, "capacity_per_replica": capacity}
+        report["page_size"] = page_size
+        report["methods"] = [fleet_json(r) for r in results]
+        out.write(json.dumps(report, indent=2) + "\n")
+    else:
+        out.write(format_fleet(header, results) + "\n")
+    return 0
+
+
+def _check_fleet_args(args: argparse.Namespace) -> str:
+    """The dispatch method (or "all"); ValueError with one line for a combination that makes no sense."""
+    if args.dp_size is None:
+        raise ValueError("--dispatch routes among replicas: give --dp-size N too")
+    if args.dp_size < 1:
+        raise ValueError(f"--dp-size must be >= 1, got {args.dp_size}")
+    if args.curve_only:
+        raise ValueError("--dp-size replays the fleet; the one-pass curve (--curve-only) has no replicas")
+    if getattr(args, "cache", "radix") != "radix":
+        raise ValueError("--dp-size replays the radix cache; --cache scoped-radix is not supported with it")
+    if not args.capacities or len(args.capacities) != 1:
+        raise ValueError("--dp-size needs one capacity per replica: --capacities TOKENS (a single value)")
+    return args.dispatch or "all"

@@ -278,7 +278,7 @@ class AttachRecorder:
     def tree_rows(self) -> list[NodeRow]:
         """The forest now as snapshot rows: the root (0), then every live page, parents first."""
         offset = time.monotonic() - time.time()  # NOTE: batch times are wall seconds; rows keep monotonic ones
-        rows = [NodeRow(0, None, 0, "", 0, 0.0, 0, None, False, 0)]
+        rows = [NodeRow(0, None, 0, "", 0, 0.0, 0, None, False, 0, page_hashes=b"")]
         for page in self.forest.snapshot(PREVIEW_TOKENS):
             parent = self._page_id(page.parent_hash) if page.parent_hash is not None and not page.orphan else 0
             preview = " ".join(map(str, page.token_preview)) + (" …" if page.num_tokens > PREVIEW_TOKENS else "")
@@ -296,6 +296,7 @@ class AttachRecorder:
                     page.depth_tokens,
                     "public",
                     "+".join(page.tiers),
+                    page_hash_bytes(page.page_hash),
                 )
             )
         return rows
@@ -336,3 +337,9 @@ class AttachRecorder:
 def _n(value: int | None) -> Any:
     """A count the source may not give: None is stored as NULL (schema version 5)."""
     return value
+
+
+def page_hash_bytes(page_hash: int) -> bytes:
+    """The engine's block hash as a snapshot's page_hashes (its low 64 bits, big-endian: SGLang's
+    signed int64 block hash gives back its digest's first 8 bytes, as kvscope's own caches store)."""
+    return (page_hash & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "big")

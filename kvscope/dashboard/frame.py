@@ -32,6 +32,7 @@ PAGE_FILES = {
     "Leaks": "leaks.py",
     "Requests": "requests.py",
     "Capacity": "capacity.py",
+    "Fleet": "fleet.py",
 }
 STATE_KEY = "kvscope.selection"
 CAPTURE_KEY = "kvscope.capture"

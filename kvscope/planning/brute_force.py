@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kvscope.cache import BasePrefixCache, RadixCache
+from kvscope.cache.tree import TOKEN_BYTES, common_page_len
 from kvscope.mem import BaseTokenAllocator, make_token_allocator
 from kvscope.planning.replays import ReplayConfig, ReplayResult, ceil_pages
 from kvscope.planning.requests import ReplayRequest, trace_times_s
@@ -107,6 +108,11 @@ def jsonable_stats(stats: Any) -> dict[str, Any] | None:
     return out
 
 
+def fleet_servers(config: ReplayConfig, num_slots: int, dp_size: int) -> list[_Server]:
+    """One server per replica of a fleet replay (fleet_replay.py)."""
+    return [_Server(config, num_slots) for _ in range(dp_size)]
+
+
 class _Server:
     """A radix cache and its allocator, serving one request at a time (the protocol above)."""
 
@@ -122,6 +128,22 @@ class _Server:
         """The scoped cache's stats as a dict; None for the radix cache."""
         stats = getattr(self.cache, "stats", None)
         return None if stats is None else jsonable_stats(stats())
+
+    def peek(self, request: ReplayRequest) -> int:
+        """The prompt's page-aligned match length in this cache, without touching it (no access
+        times, no split): what a replica reports holding for prefix_affinity."""
+        key = request.prompt_ids[: request.prompt_len // self.page_size * self.page_size].tobytes()
+        node, pos = self.cache.root, 0
+        page_bytes = self.page_size * TOKEN_BYTES
+        while pos < len(key):
+            child = node.children.get(key[pos : pos + page_bytes])
+            if child is None:
+                break
+            if not key.startswith(child.key, pos):
+                return pos // TOKEN_BYTES + common_page_len(child.key, key, pos, self.page_size)
+            pos += len(child.key)
+            node = child
+        return pos // TOKEN_BYTES
 
     def serve(self, request: ReplayRequest) -> tuple[int, int]:
         """(hit tokens, of which cross-principal), or (-1, -1) when the request does not fit in

@@ -63,6 +63,7 @@ from kvscope.telemetry import (
     RequestStatus,
     UsageSample,
 )
+from kvscope.telemetry.page_hash import PAGE_HASH_BYTES
 
 ENGINE = "vllm"
 BLOCK_POOL = "vllm.v1.core.block_pool"
@@ -89,7 +90,7 @@ ALLOC_V, LOCK_V, REVIVE_V, FREE_V, UNLOCK_V, EVICT_V = (
 )
 FULL_V, CAPACITY_V = FULL._value_, EvictReason.CAPACITY._value_
 FINISH_V, NO_ROOM_V = EventKind.REQUEST_FINISH._value_, EventKind.NO_ROOM._value_
-ROOT = NodeRow(0, None, 0, "", 0, 0.0, 0, None, False, 0)
+ROOT = NodeRow(0, None, 0, "", 0, 0.0, 0, None, False, 0, page_hashes=b"")
 
 
 class Context:
@@ -337,6 +338,7 @@ def tree_rows(manager: Any, parents: dict[int, tuple[int, Any]], block_size: int
                 owner,
                 False,
                 depth[block_id] * block_size,
+                page_hashes=bytes(block.block_hash)[:PAGE_HASH_BYTES],  # NOTE: vLLM's chained hash (+ group id)
             )
         )
     return rows

@@ -46,6 +46,7 @@ class NodeRow(NamedTuple):
     depth_tokens: int
     visibility: str = "public"  # private / public / pinned (scoped radix); global-sharing trees: public
     tier: str = "device"  # device / device+host / host (hiradix); single-tier caches: device
+    page_hashes: bytes | None = None  # the node's full pages' chained hashes (page_hash.py); None: not known
 
 
 class PoolTerms(NamedTuple):

@@ -52,7 +52,11 @@ the new version): every older row stays valid, with NULL in the added columns.
        that chose this replica), requests.routed_cached_tokens (prompt tokens the router saw cached
        on the chosen replica when the request arrived) and requests.elsewhere_cached_tokens (the
        most prompt tokens cached on any other replica then). NULL: the request was not routed
-       among replicas (one engine, or a file written before version 7).
+       among replicas (one engine, or a file written before version 7). tree_snapshots.page_hashes:
+       the node's full pages' chained hashes, 8 bytes each (telemetry/page_hash.py; a vLLM block:
+       its own block hash's first 8 bytes), so a fleet's replicas can be compared page by page
+       (duplicated prefixes). NULL: not known (a source that does not hash, a node whose parent
+       chain breaks, or a file written before version 7).
 On PostgreSQL every integer column is BIGINT (SQLite's integers are 64-bit already); a server
 database is versioned and upgraded as a file is, under an advisory lock (store._ensure_schema).
 `reports` came after version 1 without a bump: it is an additive table (older readers never
@@ -209,6 +213,7 @@ tree_snapshots = Table(
     Column("depth_tokens", Integer, nullable=False),
     Column("visibility", String(8), info={"since": 3}),  # private / public / pinned
     Column("tier", String(12), info={"since": 4}),  # device / device+host / host
+    Column("page_hashes", LargeBinary, info={"since": 7}),  # 8 bytes per full page, chained from the root
 )
 TREE_SNAPSHOT_COLUMNS = tuple(c.name for c in tree_snapshots.columns)
 TREE_NODE_COLUMNS = TREE_SNAPSHOT_COLUMNS[2:]  # a node's fields: a snapshot row after run_id, step

@@ -39,6 +39,7 @@ def test_verbs_without_an_engine_never_load_torch(tmp_path: Path) -> None:
         ["instrument"],
         ["plan", "--model", "no-such-model"],
         ["replay", missing],
+        ["fleet", missing],
         ["load", "--url", "http://127.0.0.1:9", "--workload", "random", "--num-requests", "1", "--quiet"],
         ["attach", "--url", "http://127.0.0.1:9", "--timeout-s", "1", "--capture", missing],
     ]

@@ -47,6 +47,7 @@ CAPTIONS = {
     "tiers": (),
     "evictions": (),
     "capacity": (),
+    "fleet": (),
 }
 
 

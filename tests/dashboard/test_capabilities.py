@@ -295,6 +295,7 @@ PAGE_LINES = {
     "leaks": ("leak_checks", "slots", "locks", "ledger"),
     "requests": ("ownership", "latencies"),
     "capacity": ("request_stream",),
+    "fleet": (),
 }
 SOURCES = {"own": "engine", "attach": "attach", "probe": "probe"}
 

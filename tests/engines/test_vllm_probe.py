@@ -242,6 +242,17 @@ def test_tree_snapshots_are_vllms_hash_chains_with_the_requests_holding_them(lif
     assert all(row[0] == 0 or row[0] in nodes for row in nodes.values() if row[0] is not None)
 
 
+def test_tree_snapshots_carry_vllms_block_hashes_for_fleet_duplication(life: tuple[dict[str, Any], Path]) -> None:
+    """Each block row's page_hashes: its own block hash's first 8 bytes (schema 7); the root's empty.
+    NOTE: vLLM may cache one content in two blocks (same hash): the fleet figures count it once."""
+    result, capture = life
+    rows = _sql(capture, "SELECT node_id, page_hashes FROM tree_snapshots")
+    assert all(h == b"" for node, h in rows if node == 0)
+    blocks = dict((node, h) for node, h in rows if node != 0)
+    assert blocks and all(isinstance(h, bytes) and len(h) == 8 for h in blocks.values())
+    assert len({blocks[node] for node in result["held"]}) == 3  # one chain: three different blocks
+
+
 def test_requests_have_their_arrival_admission_finish_and_status(life: tuple[dict[str, Any], Path]) -> None:
     _, capture = life
     rows = {

@@ -78,7 +78,7 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "cum_loaded_tokens",
         "tier",
     ]
-    routing = ["dispatch", "routed_cached_tokens", "elsewhere_cached_tokens"]
+    routing = ["dispatch", "routed_cached_tokens", "elsewhere_cached_tokens", "page_hashes"]  # version 7
     assert sorted(c.name for c in schema.added_after(1)) == sorted(
         ["principal", "visibility", *tier_columns, "full_used", *routing]
     )

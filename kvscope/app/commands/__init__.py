@@ -8,6 +8,7 @@
     check, diff     check.py, diff.py   a capture's verdict, two runs side by side (app/report.py)
     upgrade         upgrade.py     pack an older capture's events (app/upgrade.py)
     plan, replay    plan.py, replay.py  capacity on a GPU, hit rate vs cache capacity (app/plan.py)
+    fleet           fleet.py       a fleet's replicas, routing loss and duplication (app/fleet.py)
     load            load.py        traffic for a server, through the official openai client (app/load.py)
     attach          attach.py      a running server's KV cache into a capture (app/attach.py)
     instrument      instrument.py  a real engine with kvscope's probe inside it (app/instrument.py)
@@ -23,6 +24,7 @@ from kvscope.app.commands.check import CheckCommand
 from kvscope.app.commands.demo import DemoCommand
 from kvscope.app.commands.diff import DiffCommand
 from kvscope.app.commands.engine_options import POLICY_HELP
+from kvscope.app.commands.fleet import FleetCommand
 from kvscope.app.commands.instrument import InstrumentCommand
 from kvscope.app.commands.load import LoadCommand
 from kvscope.app.commands.plan import PlanCommand
@@ -44,6 +46,7 @@ COMMANDS: tuple[Command, ...] = (
     UpgradeCommand(),
     PlanCommand(),
     ReplayCommand(),
+    FleetCommand(),
     LoadCommand(),
     AttachCommand(),
     InstrumentCommand(),

@@ -73,6 +73,17 @@ class ReplayCommand:
         parser.add_argument("--run", type=int, help="the run of a capture to replay (default: the latest)")
         parser.add_argument("--run-id", type=int, dest="run", help=argparse.SUPPRESS)  # NOTE: the old name
         parser.add_argument("--curve-only", action="store_true", help="only the one-pass curve, no replays")
+        parser.add_argument(
+            "--dp-size",
+            type=int,
+            help="route the trace among this many radix caches of --capacities tokens each (one value) and print "
+            "per replica hit rate, routing loss and duplicated tokens (docs/fleet.md)",
+        )
+        parser.add_argument(
+            "--dispatch",
+            metavar="METHOD",
+            help="with --dp-size: round_robin, total_requests, total_tokens, prefix_affinity or all (default: all)",
+        )
         parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
     def run(self, args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:

@@ -57,6 +57,7 @@ from kvscope.cache.tree import (
     common_page_len,
     detach_child,
     get_policy,
+    page_hashes,
     preview,
     render,
 )
@@ -712,6 +713,8 @@ class HiRadixCache(BasePrefixCache):
 
     def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]:
         """The flat node table; num_tokens counts a node's key on whichever tier holds it."""
+        walked = hi_walk(self.root)
+        hashes = page_hashes(walked, self.page_size)
         return [
             NodeRow(
                 node_id=node.id,
@@ -726,6 +729,7 @@ class HiRadixCache(BasePrefixCache):
                 depth_tokens=start + node.key_len,
                 visibility="public",
                 tier=node.tier,
+                page_hashes=hashes[node.id],
             )
-            for node, _, start in hi_walk(self.root)
+            for node, _, start in walked
         ]

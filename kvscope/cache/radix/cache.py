@@ -332,4 +332,4 @@ class RadixCache(BasePrefixCache):
         return render(self.root)
 
     def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]:
-        return export_rows(self.root, preview_tokens)
+        return export_rows(self.root, preview_tokens, page_size=self.page_size)

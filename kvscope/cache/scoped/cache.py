@@ -67,6 +67,7 @@ from kvscope.cache.tree import (
     check_tree_options,
     common_page_len,
     get_policy,
+    page_hashes,
     slots_tensor,
     up_path,
 )
@@ -802,6 +803,8 @@ class ScopedRadixCache(BasePrefixCache):
         return "\n".join(lines)
 
     def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]:
+        walked = walk_scoped(self.root)
+        hashes = page_hashes(walked, self.page_size)
         return [
             NodeRow(
                 node_id=node.id,
@@ -815,6 +818,7 @@ class ScopedRadixCache(BasePrefixCache):
                 tombstone=node.tombstone,
                 depth_tokens=start + len(node.value),
                 visibility=node.visibility if node is not self.root else PUBLIC,
+                page_hashes=hashes[node.id],
             )
-            for node, _, start in walk_scoped(self.root)
+            for node, _, start in walked
         ]

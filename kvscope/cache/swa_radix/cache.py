@@ -598,4 +598,4 @@ class SWARadixCache(SWAPrefixCache):
         )
 
     def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]:
-        return export_rows(self.root, preview_tokens, tombstone=is_tombstone)
+        return export_rows(self.root, preview_tokens, tombstone=is_tombstone, page_size=self.page_size)

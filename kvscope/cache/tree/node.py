@@ -19,6 +19,7 @@ import torch
 
 from kvscope.cache.base import CacheMisuseError, NodeRow
 from kvscope.telemetry import EventKind, Recorder
+from kvscope.telemetry.page_hash import PAGE_HASH_BYTES, chained_digests
 
 TOKEN_BYTES = 4
 EMPTY_SLOTS = np.empty(0, dtype=np.int64)
@@ -221,9 +222,33 @@ def preview(node: Keyed, num_tokens: int) -> str:
     return " ".join(map(str, ids)) + (" …" if len(key) > num_tokens * TOKEN_BYTES else "")
 
 
-def export_rows(root: T, preview_tokens: int = 8, tombstone: Callable[[T], bool] | None = None) -> list[NodeRow]:
+def page_hashes(walked: list[tuple[Any, int, int]], page_size: int) -> dict[int, bytes | None]:
+    """Each node's NodeRow.page_hashes by node id, for a walk that lists parents first (root: b"").
+    None for a node whose key is not whole pages, and for its subtree (its chain breaks)."""
+    page_bytes = page_size * TOKEN_BYTES
+    chain: dict[int, bytes | None] = {}  # NOTE: node id -> the digest its children chain on (None: the root's)
+    out: dict[int, bytes | None] = {}
+    for node, depth, _ in walked:
+        if depth == 0:
+            chain[node.id], out[node.id] = None, b""
+            continue
+        parent = node.parent
+        if parent is None or parent.id not in chain or len(node.key) % page_bytes:
+            out[node.id] = None
+            continue
+        digests = chained_digests(node.key, page_bytes, chain[parent.id])
+        out[node.id] = b"".join(d[:PAGE_HASH_BYTES] for d in digests)
+        chain[node.id] = digests[-1] if digests else chain[parent.id]
+    return out
+
+
+def export_rows(
+    root: T, preview_tokens: int = 8, tombstone: Callable[[T], bool] | None = None, page_size: int = 1
+) -> list[NodeRow]:
     """NOTE: positional NodeRow fields (a tree snapshot exports every node: it is on the engine's time).
     `tombstone`: the family's flag (a radix tree has none); visibility is public (no scopes)."""
+    walked = walk(root)
+    hashes = page_hashes(walked, page_size)
     return [
         NodeRow(
             node.id,
@@ -237,8 +262,10 @@ def export_rows(root: T, preview_tokens: int = 8, tombstone: Callable[[T], bool]
             tombstone is not None and tombstone(node),
             start + len(node.value),
             "public",
+            "device",
+            hashes[node.id],
         )
-        for node, _, start in walk(root)
+        for node, _, start in walked
     ]
 
 

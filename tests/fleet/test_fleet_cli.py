@@ -1,0 +1,65 @@
+"""`kvscope fleet`: the table, --json, a capture with no fleet, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvscope.app import main
+from tests.fleet.fleet_capture import write_fleet
+
+
+@pytest.fixture(scope="module")
+def fleet_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("fleet") / "fleet.db"
+    write_fleet(path)
+    return path
+
+
+def test_fleet_json_carries_the_figures(fleet_db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fleet", str(fleet_db), "--fleet", "f1", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["fleet"] == {"id": "f1", "source": "kvscope", "size": 2, "replicas": 2}
+    assert [r["idle_floor_tokens"] for r in found["replicas"]] == [4, 10]
+    assert {r["dispatch"]: r["loss_tokens"] for r in found["routing"]} == {"prefix_affinity": 0, "round_robin": 8}
+    dup = found["duplication"]
+    assert (dup["held_tokens"], dup["unique_tokens"], dup["duplicated_tokens"]) == (12, 8, 4)
+    assert found["other_fleets"] == ["old"] and found["notes"] == []
+
+
+def test_fleet_table_names_the_fleet_and_its_notes(fleet_db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fleet", str(fleet_db)]) == 0  # the latest fleet: "old", with no page hashes
+    out = capsys.readouterr().out
+    assert out.startswith("fleet old (kvscope): 1 replicas of 1")
+    assert "duplication: not known" in out and "other fleets in this capture: f1" in out
+
+
+def test_a_capture_without_a_fleet_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvscope.telemetry import SQLRecorder
+
+    path = tmp_path / "one.db"
+    with SQLRecorder(path):
+        pass
+    assert main(["fleet", str(path)]) == 1
+    assert (
+        capsys.readouterr().out.strip()
+        == f"{path}: no fleet (no run carries fleet keys or a vLLM data-parallel rank); runs: 1"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["missing.db"], "no such file"),
+        (["FLEET", "--fleet", "nope"], "no fleet 'nope' in this capture"),
+    ],
+)
+def test_bad_input_is_one_line(
+    fleet_db: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = [str(fleet_db) if a == "FLEET" else str(tmp_path / a) if a.endswith(".db") else a for a in argv]
+    assert main(["fleet", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvscope fleet: error: ") and message in err
