@@ -30,7 +30,6 @@ Only the full-attention pages are published: SWA window frees (tombstones) are s
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections import deque
@@ -41,6 +40,8 @@ from typing import Any, NamedTuple
 import msgspec
 import numpy as np
 import zmq
+
+from kvscope.telemetry.page_hash import block_hash, page_digest
 
 MEDIUM = "GPU"
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
@@ -206,20 +207,6 @@ class Page(NamedTuple):
     parent_hash: int | None
     token_bytes: bytes  # the page's token ids, int32 little-endian (= uint32: ids are >= 0)
     digest: bytes  # SGLang's page digest: its hex is the page's HiCache storage key
-
-
-def page_digest(parent_digest: bytes | None, token_bytes: bytes) -> bytes:
-    """sha256(the parent page's 32-byte digest, absent under the root | the page's token bytes)."""
-    digest = hashlib.sha256()
-    if parent_digest is not None:
-        digest.update(parent_digest)
-    digest.update(token_bytes)
-    return digest.digest()
-
-
-def block_hash(digest: bytes) -> int:
-    """The event's block hash of a page digest: its first 8 bytes, signed big-endian."""
-    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 NodePages = list[tuple[int, Page]]
