@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 from _results import command_line, machine_lines, write_section
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,13 +144,19 @@ def per_rank(capture: Path) -> tuple[list[int], list[float]]:
 
 
 def routing_loss(capture: Path) -> float:
-    """Σ max(0, elsewhere − routed) / Σ prompt tokens over the routed requests (the module NOTE)."""
-    with contextlib.closing(sqlite3.connect(capture)) as db:
-        lost, prompt = db.execute(
-            "SELECT SUM(MAX(0, elsewhere_cached_tokens - routed_cached_tokens)), SUM(prompt_len) "
-            "FROM requests WHERE dispatch IS NOT NULL"
-        ).fetchone()
-    return float(lost or 0) / float(prompt) if prompt else 0.0
+    """Σ max(0, elsewhere − routed) / Σ prompt tokens over the routed requests, as kvscope.fleet.figures
+    reads it (the Fleet page and `kvscope fleet` show the same figure)."""
+    from kvscope.fleet.figures import routing_loss as loss_per_method
+    from kvscope.telemetry import Capture
+
+    capture_reader = Capture(capture)
+    try:
+        rows = pd.concat([capture_reader.requests(run_id) for run_id in capture_reader.runs()["id"]])
+    finally:
+        capture_reader.close()
+    table = loss_per_method(rows)
+    lost, prompt = int(table["loss_tokens"].sum()), int(table["prompt_tokens"].sum())
+    return lost / prompt if prompt else 0.0
 
 
 def table(outcomes: list[Outcome], num_requests: int) -> str:

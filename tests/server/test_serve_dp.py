@@ -47,13 +47,14 @@ def run_load(url: str, num_requests: int = NUM_REQUESTS) -> dict[str, Any]:
 
 
 def routing_loss(capture: Path) -> float:
-    """Σ max(0, elsewhere − routed) / Σ prompt tokens over the capture's routed requests."""
-    with contextlib.closing(sqlite3.connect(capture)) as db:
-        lost, prompt = db.execute(
-            "SELECT SUM(MAX(0, elsewhere_cached_tokens - routed_cached_tokens)), SUM(prompt_len) "
-            "FROM requests WHERE dispatch IS NOT NULL"
-        ).fetchone()
-    return float(lost) / float(prompt)
+    """The fleet's routing loss as `kvscope fleet --json` reads it: Σ max(0, elsewhere − routed) / Σ
+    prompt tokens over the capture's routed requests (one dispatch method per capture here)."""
+    cli = subprocess.run(
+        [sys.executable, "-m", "kvscope", "fleet", str(capture), "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert cli.returncode == 0, cli.stderr
+    (routing,) = json.loads(cli.stdout)["routing"]
+    return float(routing["loss_share"])
 
 
 LOADED: dict[str, tuple[Path, dict[str, Any], str, str]] = {}
