@@ -17,9 +17,10 @@ NOTE: what it does
     check      per run, from the server: the chunks' event counts add up to --events with no gap or overlap
                in their seqs; the events read back (seq, kind, rid, num_tokens) are exactly those recorded,
                once each; the run reads 'finished'
-    reads      the dashboard's Overview and Memory pages (the real app through AppTest, the capture picked by
-               KVSCOPE_DB = the URL, the newest run shown), cold (Streamlit's caches cleared) and warm, medians of
-               --rounds; target ≤ 2 s each
+    reads      the dashboard's Overview, Memory and Fleet pages (the real app through AppTest, the capture picked
+               by KVSCOPE_DB = the URL, the newest run shown; the writers' runs are one fleet's ranks, with routed
+               requests and a tree snapshot of shared and own page hashes every SNAPSHOT_EVERY_STEPS steps), cold
+               (Streamlit's caches cleared) and warm, medians of --rounds; target ≤ 2 s each
 Writes the `## bench_postgres` section of benchmarks/RESULTS.md unless --no-write.
 """
 
@@ -45,19 +46,36 @@ sys.path.insert(0, str(ROOT))  # NOTE: tests.postgres_cluster (the throwaway clu
 from _results import command_line, machine_lines, write_section  # noqa: E402
 
 EVENTS_PER_STEP = 1_000
-PAGES = ("overview", "memory")
+PAGES = ("overview", "memory", "fleet")
+SNAPSHOT_EVERY_STEPS = 100  # NOTE: a tree snapshot of SNAPSHOT_NODES nodes, 4 pages each, every so many steps
+SNAPSHOT_NODES = 64
 SLOTS = [np.arange(k, dtype=np.int64) for k in range(1, 9)]
 
 
-def record_run(url: str, index: int, num_events: int, start_at: float, done: Any) -> None:
-    """One writer process: its run's events through SQLRecorder, then the times it started and ended."""
-    from kvscope.telemetry import EventKind, PoolName, PoolTerms, RequestRecord, UsageSample
+def snapshot_rows(index: int, step: int) -> list[Any]:
+    """A replica's tree at a step: SNAPSHOT_NODES chains of 4 pages; half the chains are shared by every
+    replica (the same page hashes), half are this replica's own, so the Fleet page has duplication to count."""
+    from kvscope.telemetry import NodeRow
+
+    rows = []
+    for node in range(SNAPSHOT_NODES):
+        owner = 0 if node % 2 == 0 else index + 1
+        hashes = b"".join((owner * 1_000_003 + node * 7 + page).to_bytes(8, "little") for page in range(4))
+        rows.append(NodeRow(node + 1, 0, 64, "", 0, float(step), 1, None, False, 64, page_hashes=hashes))
+    return rows
+
+
+def record_run(url: str, index: int, num_events: int, start_at: float, writers: int, fleet_id: str, done: Any) -> None:
+    """One writer process: its run's events through SQLRecorder, then the times it started and ended. Its run
+    is rank `index` of a fleet of `writers` (the keys `kvscope serve --dp-size` writes), its requests routed."""
+    from kvscope.telemetry import EventKind, PoolName, PoolTerms, RequestRecord, Routing, UsageSample
     from kvscope.telemetry.recorder import SQLRecorder
 
     time.sleep(max(0.0, start_at - time.time()))
     began = time.time()
     kinds = (EventKind.ALLOC, EventKind.MATCH, EventKind.FREE, EventKind.MATCH)
-    recorder = SQLRecorder(url, level="full", label=f"writer-{index}")
+    fleet = {"id": fleet_id, "rank": index, "size": writers, "dispatch": "round_robin"}
+    recorder = SQLRecorder(url, level="full", label=f"writer-{index}", config={"fleet": fleet})
     for first in range(0, num_events, EVENTS_PER_STEP):
         step = first // EVENTS_PER_STEP
         recorder.step = step
@@ -69,9 +87,12 @@ def record_run(url: str, index: int, num_events: int, start_at: float, done: Any
             )  # NOTE: freed as allocated
             recorder.record(kind, pool=PoolName.FULL, rid=rid, node_id=i & 1023, num_tokens=i & 7, slots=slots)
         recorder.usage(UsageSample(step, PoolTerms(4096, 1024, 2048, 1024), None, 64, 32, 8, 4, step, 0, step, 0, 0, 0))
+        routing = Routing("round_robin", step & 31, step & 63)
         recorder.request(
-            RequestRecord(rid, None, 64, "finished", 0, 8, 0, {"arrive": time.monotonic()}, {"arrive": step})
+            RequestRecord(rid, None, 64, "finished", 0, 8, 0, {"arrive": time.monotonic()}, {"arrive": step}, routing)
         )
+        if step % SNAPSHOT_EVERY_STEPS == 0:
+            recorder.tree_snapshot(step, snapshot_rows(index, step))
     recorder.close()
     done.put((index, recorder.run_id, began, time.time(), recorder.failure))
 
@@ -80,7 +101,11 @@ def write_all(url: str, writers: int, num_events: int) -> tuple[float, list[tupl
     context = multiprocessing.get_context("spawn")
     done = context.Queue()
     start_at = time.time() + 5.0  # NOTE: every process imports first, then they start together
-    processes = [context.Process(target=record_run, args=(url, i, num_events, start_at, done)) for i in range(writers)]
+    fleet_id = secrets.token_hex(8)
+    processes = [
+        context.Process(target=record_run, args=(url, i, num_events, start_at, writers, fleet_id, done))
+        for i in range(writers)
+    ]
     for process in processes:
         process.start()
     results = [done.get() for _ in processes]
@@ -159,6 +184,8 @@ def time_pages(url: str, rounds: int) -> dict[str, tuple[float, float]]:
                 at = open_page(page)
                 times[page][kind].append(time.perf_counter() - start)
                 assert not at.exception, [e.value for e in at.exception]
+                if page == "fleet":  # NOTE: the page found the writers' fleet (not "No fleet in this capture")
+                    assert any("replicas" in c.value for c in at.caption), [c.value for c in at.caption]
     return {page: (statistics.median(t["cold"]), statistics.median(t["warm"])) for page, t in times.items()}
 
 

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from kvscope.fleet.figures import FleetFigures, figures_json, fleet_figures, fleets, loose_runs, pick_fleet
-from kvscope.telemetry import Capture
+from kvscope.telemetry import Capture, display_name
 
 REPLICA_HEADER = (
     f"{'rank':>4} {'run':>4}  {'status':<12} {'usage':>6} {'hit':>6} {'run/wait':>9} {'evicted':>8} {'floor':>7}"
@@ -27,17 +27,23 @@ def fleet_verb(args: argparse.Namespace) -> int:
     finally:
         capture.close()
     if args.json:
-        print(json.dumps({"capture": args.capture, **figures_json(figures), "other_fleets": others}, indent=2))
+        print(
+            json.dumps(
+                {"capture": display_name(args.capture), **figures_json(figures), "other_fleets": others}, indent=2
+            )
+        )
     else:
         print("\n".join(fleet_lines(figures, others)))
     return 0
 
 
 def _no_fleet(args: argparse.Namespace, runs: list[int]) -> int:
-    line = f"{args.capture}: no fleet (no run carries fleet keys or a vLLM data-parallel rank); runs: "
+    line = f"{display_name(args.capture)}: no fleet (no run carries fleet keys or a vLLM data-parallel rank); runs: "
     line += ", ".join(map(str, runs)) or "none"
     if args.json:
-        print(json.dumps({"capture": args.capture, "fleet": None, "runs": runs, "notes": [line]}, indent=2))
+        print(
+            json.dumps({"capture": display_name(args.capture), "fleet": None, "runs": runs, "notes": [line]}, indent=2)
+        )
     else:
         print(line)
     return 1

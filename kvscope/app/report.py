@@ -29,7 +29,7 @@ from kvscope.debug.diff import diff, render_diff
 from kvscope.debug.engine_log import read_engine_log
 from kvscope.debug.engine_log import render_text as render_engine_log
 from kvscope.debug.report import verdict
-from kvscope.telemetry import Capture, CaptureError
+from kvscope.telemetry import Capture, CaptureError, display_name
 
 PROGRESS_DELAY_S = 1.0  # a replay shorter than this shows no progress
 
@@ -150,6 +150,8 @@ def report_verb(args: argparse.Namespace) -> int:
 
 def check_verb(args: argparse.Namespace) -> int:
     """Exit 0 clean, 1 leak, 3 inconclusive (2, unreadable, comes from cli.main)."""
+    if getattr(args, "fleet", None) is not None:
+        return check_fleet(args)
     report = replay_report(args.capture, args.run)
     check = verdict(report)
     if args.json:
@@ -169,6 +171,61 @@ def check_verb(args: argparse.Namespace) -> int:
     else:
         print(f"{report.capture}: {check.reason}")
     return check.exit_code
+
+
+# NOTE: a fleet's verdict is its worst replica's: a leak anywhere (1) before an inconclusive one (3) before clean
+FLEET_VERDICT_ORDER = (1, 3, 0)
+
+
+def check_fleet(args: argparse.Namespace) -> int:
+    """`check --fleet [ID]`: every replica's verdict, one line each, and the worst as the exit code."""
+    from kvscope.fleet.figures import fleets, pick_fleet
+
+    if args.run is not None:
+        raise CaptureError("check: --run and --fleet cannot be used together (--fleet checks every replica's run)")
+    capture = Capture(args.capture)
+    try:
+        try:
+            fleet = pick_fleet(fleets(capture), args.fleet or None)
+        except ValueError as err:
+            raise CaptureError(f"{capture.name}: {err}") from None
+    finally:
+        capture.close()
+    checked = []
+    for replica in fleet.replicas:
+        report = replay_report(args.capture, replica.run_id)
+        checked.append((replica, report, verdict(report)))
+    worst = min((c for _, _, c in checked), key=lambda c: FLEET_VERDICT_ORDER.index(c.exit_code))
+    name = display_name(args.capture)
+    if args.json:
+        replicas = [
+            {
+                "rank": r.rank,
+                "run": report.run_id,
+                "status": report.status,
+                "verdict": c.verdict,
+                "exit_code": c.exit_code,
+                "reason": c.reason,
+            }
+            for r, report, c in checked
+        ]
+        print(
+            json.dumps(
+                {
+                    "capture": name,
+                    "fleet": fleet.id,
+                    "verdict": worst.verdict,
+                    "exit_code": worst.exit_code,
+                    "replicas": replicas,
+                },
+                indent=2,
+            )
+        )
+    else:
+        for replica, report, check in checked:
+            print(f"{name} fleet {fleet.id} rank {replica.rank} (run {report.run_id}): {check.reason}")
+        print(f"{name} fleet {fleet.id}: {worst.verdict} ({len(checked)} replicas)")
+    return worst.exit_code
 
 
 def diff_verb(args: argparse.Namespace) -> int:

@@ -63,3 +63,45 @@ def test_bad_input_is_one_line(
     assert main(["fleet", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("kvscope fleet: error: ") and message in err
+
+
+def run_verdict(fleet_db: Path, run_id: int, capsys: pytest.CaptureFixture[str]) -> int:
+    code = main(["check", str(fleet_db), "--run", str(run_id)])
+    capsys.readouterr()
+    return code
+
+
+def test_check_fleet_gives_each_replicas_verdict_and_the_worst_as_exit(
+    fleet_db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """f1: rank 0's idle check is balanced, rank 1 holds 2 tokens at idle (a leak): the fleet exits 1
+    whatever order the ranks come in, and each rank's line is its own `check --run` verdict."""
+    own = {run_id: run_verdict(fleet_db, run_id, capsys) for run_id in (1, 2)}
+    assert own[2] == 1 and own[1] != 1
+    assert main(["check", str(fleet_db), "--fleet", "f1", "--json"]) == 1
+    found = json.loads(capsys.readouterr().out)
+    assert (found["fleet"], found["verdict"], found["exit_code"]) == ("f1", "leak", 1)
+    assert [(r["rank"], r["run"], r["exit_code"]) for r in found["replicas"]] == [(0, 1, own[1]), (1, 2, 1)]
+    assert main(["check", str(fleet_db), "--fleet", "f1"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(": ", 1)[0] for line in lines] == [
+        f"{fleet_db} fleet f1 rank 0 (run 1)",
+        f"{fleet_db} fleet f1 rank 1 (run 2)",
+        f"{fleet_db} fleet f1",
+    ]
+    assert lines[-1].endswith("leak (2 replicas)")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--fleet", "nope"], "no fleet 'nope' in this capture: it has f1, old"),
+        (["--fleet", "--run", "1"], "--run and --fleet cannot be used together"),
+    ],
+)
+def test_check_fleet_bad_input_is_one_line(
+    fleet_db: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["check", str(fleet_db), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

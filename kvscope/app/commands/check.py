@@ -18,6 +18,14 @@ class CheckCommand:
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("capture", help="a capture file or a SQLAlchemy URL")
         parser.add_argument("--run", type=int, help="run id (default: the latest run)")
+        parser.add_argument(
+            "--fleet",
+            nargs="?",
+            const="",
+            metavar="ID",
+            help="check every replica of a fleet (kvscope serve --dp-size, an instrumented engine's DP ranks; "
+            "default: the capture's latest fleet): one line per replica, and the worst verdict is the exit code",
+        )
         parser.add_argument("--json", action="store_true", help="print the verdict as JSON (the exit code is the same)")
 
     def run(self, args: argparse.Namespace) -> int:
