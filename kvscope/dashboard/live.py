@@ -34,10 +34,14 @@ def refreshed(chosen: Selection) -> Selection:
     return chosen._replace(run=run, stamp=stamp, status=status)
 
 
-def follow(panel: Callable[[Selection], None], name: str) -> None:
+def follow(panel: Callable[[Selection], None], name: str, live_with: Callable[[Selection], bool] | None = None) -> None:
     """Run `panel` with the freshest selection: once, or (a live run) again about every second.
-    `name` tells the page's fragments apart."""
+    `name` tells the page's fragments apart. `live_with(chosen)`: the page also follows other runs
+    (the Fleet page: any replica of the selected run's fleet still running), with the refresh on."""
     chosen = selection()
+    live = chosen.live or (
+        live_with is not None and bool(st.session_state.get("kvscope.refresh", True)) and live_with(chosen)
+    )
 
     def live_panel() -> None:
         now = refreshed(selection())
@@ -48,6 +52,8 @@ def follow(panel: Callable[[Selection], None], name: str) -> None:
             return
         if now.live:
             st.caption(f"run {now.run_id} · **{now.status}** · this page refreshes every second")
+        elif live:
+            st.caption("runs of this page still running · this page refreshes every second")
 
     live_panel.__qualname__ = f"{__name__}.{name}"
-    st.fragment(live_panel, run_every=LIVE_EVERY_S if chosen.live else None)()
+    st.fragment(live_panel, run_every=LIVE_EVERY_S if live else None)()

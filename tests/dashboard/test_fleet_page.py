@@ -3,6 +3,7 @@ hand-computed fleet (tests/fleet/fleet_capture.py); one line where the capture c
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -10,6 +11,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from kvscope.dashboard.charts.fleet import duplication_figure, routing_figure
+from kvscope.dashboard.data import LIVE_TTL_S
 from tests.dashboard.conftest import ROOT
 from tests.fleet.fleet_capture import write_fleet
 
@@ -68,3 +70,24 @@ def test_chart_builders_draw_the_figures() -> None:
     assert [t.name for t in fig.data] == ["unique", "duplicated"] and list(fig.data[1].y) == [4, 2]
     routing = pd.DataFrame({"dispatch": ["round_robin"], "loss_share": [0.4]})
     assert list(routing_figure(routing).data[0].y) == [0.4]
+
+
+def test_the_page_follows_the_fleet_while_another_replica_still_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's run has finished and is the one selected; rank 1's is still recording: the page keeps
+    refreshing (it follows the fleet, not only the selected run)."""
+    from kvscope.telemetry import SQLRecorder
+
+    path = tmp_path / "live.db"
+    fleet = {"id": "lv", "size": 2, "dispatch": "round_robin"}
+    with SQLRecorder(path, config={"fleet": {**fleet, "rank": 0}}):
+        pass
+    with SQLRecorder(path, config={"fleet": {**fleet, "rank": 1}}) as running:
+        running.flush()
+        at = open_fleet_page(path, monkeypatch)
+        captions = [c.value for c in at.caption]
+        assert "runs of this page still running · this page refreshes every second" in captions, captions
+    time.sleep(LIVE_TTL_S + 0.2)  # NOTE: the run list is cached this long; a live page reads it again then
+    at = open_fleet_page(path, monkeypatch)  # both finished: nothing to follow
+    assert not any("refreshes every second" in c.value for c in at.caption), [c.value for c in at.caption]

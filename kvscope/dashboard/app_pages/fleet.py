@@ -85,7 +85,19 @@ def routing_section(routing: pd.DataFrame) -> None:
     st.plotly_chart(routing_figure(routing), key="fleet.routing")
 
 
+def fleet_running(chosen: Selection) -> bool:
+    """Whether a replica of the selected run's fleet (the latest fleet when the run is in none) still runs:
+    the page follows the whole fleet, not only the selected run."""
+    found = fleets.fleets_of(chosen.path)
+    if not found:
+        return False
+    mine = next((f for f in found if any(r.run_id == chosen.run_id for r in f.replicas)), found[-1])
+    runs = data.runs(chosen.path)
+    ids = {r.run_id for r in mine.replicas}
+    return bool((runs[runs["id"].isin(ids)]["display_status"] == "running").any())
+
+
 st.header("Fleet")
 chosen_run = selection()
 capability.source_header(chosen_run, capability.of(chosen_run))
-live.follow(panel, "fleet_panel")
+live.follow(panel, "fleet_panel", live_with=fleet_running)
