@@ -87,7 +87,7 @@ def allocator_round(alloc: Any, drain: Any) -> None:
     for _ in range(ROUNDS):
         out = alloc.alloc(16)
         alloc.free(out)
-        drain()  # NOTE: as at every step (its cost counts), here after every 2 calls: the worst case
+        drain()  # NOTE: the per-step ledger work (its cost counts) as if every 2 calls were a step
 
 
 def tree_round(tree: Any, params: Any) -> None:
@@ -100,12 +100,14 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
     """CPU ns per call: (name, stub alone per round, hook around the stub per round)."""
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 
+    probe.PROBE.drain()  # NOTE: nothing of the first table left to fold
     matched = tree.match_prefix(params)
     node = matched.last_device_node
     locked = tree.inc_lock_ref(node)
     tree.dec_lock_ref(node, locked.to_dec_params())
     out = alloc.alloc(16)
     alloc.free(out)
+    freed = (out[::PS] // PS).clone()  # NOTE: the page ids a free of `out` releases
 
     def stub(_self: Any, *_args: Any) -> Any:
         return stub.result  # type: ignore[attr-defined]
@@ -119,8 +121,14 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
         ("match", matched, lambda: probe._h_match(stub, tree, params), None, 0),
         ("lock", locked, lambda: probe._h_inc_lock(stub, tree, node), None, 0),
         ("unlock", None, lambda: probe._h_dec_lock(stub, tree, node), None, 0),
-        ("alloc+drain/2", out, lambda: probe._h_alloc(stub, alloc, 16), probe.PROBE.drain, 2),
-        ("alloc+drain/32", out, lambda: probe._h_alloc(stub, alloc, 16), probe.PROBE.drain, 32),
+        *(
+            (f"alloc+drain/{n}", out, lambda: probe._h_alloc(stub, alloc, 16), probe.PROBE.drain, n)
+            for n in (2, 32, 256)
+        ),
+        *(
+            (f"free+drain/{n}", None, lambda: probe._h_release_pages(stub, alloc, freed), probe.PROBE.drain, n)
+            for n in (2, 32, 256)
+        ),
     ]
     rows = [bind_step()]
     for name, result, hooked, drain, every in cases:
@@ -155,6 +163,7 @@ def bind_step() -> tuple[str, list[float], list[float]]:
             for req in reqs:
                 req.kv.kv_allocated_len += 1
             bind(reqs, rows, PS, alloc, "decode")
+            probe.PROBE.drain()  # NOTE: its fold (where bind queues its pages), as if every step folded
         per_step.append((time.thread_time_ns() - start) / BIND_STEPS)
         for req in reqs:
             req.kv.kv_allocated_len = 512
@@ -189,12 +198,14 @@ def main() -> int:
     params = MatchPrefixParams(key=RadixKey(array("q", [*range(1000, 1048), *range(5000, 5016)])), req=req)
     assert probe.PROBE.recorder() is not None, "the probe did not open its recorder"
     emit = probe.PROBE.emit
+    fold_if_due = getattr(probe.PROBE, "fold_if_due", None)  # NOTE: absent before the bulk ledger: drain per step
+    per_step = probe.PROBE.drain if fold_if_due is None else lambda: fold_if_due(time.monotonic())
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for _ in range(REPEATS):
         for mode in ("plain", "summary", "full"):
             _install(plain if mode == "plain" else hooked)
             probe.PROBE.emit = emit if mode == "full" else None
-            drain = (lambda: None) if mode == "plain" else probe.PROBE.drain
+            drain = (lambda: None) if mode == "plain" else per_step
             results.setdefault(("allocator", mode), []).append(
                 timed(lambda d=drain: allocator_round(alloc, d), 2 * ROUNDS)
             )
