@@ -329,7 +329,7 @@ class SglangProbe:
             mask = np.array(is_call, bool)
             lo, hi, where = lo[mask], hi[mask], where[np.array([p is None for p in calls.parts], bool)]
         listed = pages.tolist()
-        pieces = map(tuple, map(listed.__getitem__, map(slice, lo.tolist(), hi.tolist())))
+        pieces = map(listed.__getitem__, map(slice, lo.tolist(), hi.tolist()))  # NOTE: lists: marshal carries them
         described.pools[where] = pool
         described.sizes[where] = (hi - lo) * page_size
         described.slots[where] = np.fromiter(pieces, object, len(lo))
@@ -517,12 +517,16 @@ def fold_pages(values: np.ndarray, counts: np.ndarray, page_size: int, *, dedup:
     if page_size == 1 or not len(values):
         return values, segs
     pages = values // page_size
-    stride = int(pages.max()) + 1
-    keys = np.sort(segs * stride + pages, kind="stable")  # NOTE: near-sorted already; np.unique is slower
-    first = np.ones(len(keys), bool)
-    np.not_equal(keys[1:], keys[:-1], out=first[1:])
-    keys = keys[first]
-    return keys % stride, keys // stride
+    first = np.empty(len(pages), bool)  # NOTE: a call's slots come page by page: drop the repeats in a run
+    first[0] = True
+    np.not_equal(pages[1:], pages[:-1], out=first[1:])
+    first[1:] |= segs[1:] != segs[:-1]
+    pages, segs = pages[first], segs[first]
+    if ((pages[1:] <= pages[:-1]) & (segs[1:] == segs[:-1])).any():  # NOTE: a call not in ascending pages
+        stride = int(pages.max()) + 1
+        keys = np.unique(segs * stride + pages)
+        return keys % stride, keys // stride
+    return pages, segs
 
 
 def _to_numpy(tensors: tuple[Any, ...]) -> np.ndarray:

@@ -36,6 +36,9 @@ def test_a_fold_gives_each_calls_distinct_pages_and_drops_the_padding_slot() -> 
     values = np.array([21, 20, 22, 23, 8, 9, 0, 0, 13, 12], np.int64)  # call 0: page 5; call 1: pages 2, (0), 3
     pages, segs = fold_pages(values, np.array([4, 6]), PAGE_SIZE, dedup=True)
     assert (pages.tolist(), segs.tolist()) == ([5, 2, 3], [0, 1, 1])
+    values = np.array([12, 13, 8, 9, 12, 4], np.int64)  # call 0: pages 3, 2, 3 (not in order); call 1: page 1
+    pages, segs = fold_pages(values, np.array([5, 1]), PAGE_SIZE, dedup=True)
+    assert (pages.tolist(), segs.tolist()) == ([2, 3, 1], [0, 0, 1])
     freed, segs = fold_pages(np.array([7, 3, 7]), np.array([2, 1]), PAGE_SIZE, dedup=False)
     assert (freed.tolist(), segs.tolist()) == ([7, 3, 7], [0, 0, 1])  # NOTE: page ids as freed, repeats kept
 
