@@ -6,8 +6,9 @@ plain vs hooked at level summary and full, recording into a real capture.
 
 NOTE: two rounds, timed apart.
     allocator  PagedTokenToKVPoolAllocator (page size 4, 4096 pages): alloc(16 tokens) then free of
-               them (free -> _release_page_ids): 2 hooked calls per round, then the probe's drain (the
-               per-step work that reads the recorded index tensors: here once per round, the worst case)
+               them (free -> _release_page_ids): 2 hooked calls per round, then the probe's per-step
+               ledger work, as if each round were a step (fold_if_due: a fold of the queued calls
+               every 0.2 s or 256 entries; a tree without it, before the bulk ledger: its drain)
     tree       UnifiedRadixCache (Python tree core) holding one 64-token sequence: match_prefix (a
                request's, 48 of 64 tokens hit), lock (inc_lock_ref), unlock (dec_lock_ref): 3 hooked
                calls per round
@@ -21,10 +22,12 @@ NOTE: the second table, the hooks' own work: each hook function called with a st
     original (it returns the result a real call returned), against the stub called alone, in
     alternating rounds; median and min CPU ns added per call. SGLang's work is then out of the timing,
     so a sub-µs cost is not lost in its spread on a shared machine. `around` is HookRegistry's own
-    AROUND wrapper with a no-op hook (what any plugin's hook costs); `alloc+drain/N` is the alloc
-    hook plus the drain of its recorded tensor, drained once per N calls (2: the first table's
-    worst case; 32: about one scheduler step's allocator calls). `bind/step x32` is not per call: the
-    prepare_for_decode hook's bind for one decode step of 32 running requests (rows of 512+ tokens).
+    AROUND wrapper with a no-op hook (what any plugin's hook costs); `alloc+drain/N` and
+    `free+drain/N` are the alloc / release hook plus the fold (drain) of what it queued, forced once
+    per N calls (2: about one scheduler step's allocator calls folded every step; 256: the bulk
+    ledger's fold at FOLD_CALLS; ` s`: level summary, the same without events). `bind/step x32` is
+    not per call: the prepare_for_decode hook's bind for one decode step of 32 running requests
+    (rows of 512+ tokens), with a fold after every step.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def allocator_round(alloc: Any, drain: Any) -> None:
     for _ in range(ROUNDS):
         out = alloc.alloc(16)
         alloc.free(out)
-        drain()  # NOTE: as at every step (its cost counts), here after every 2 calls: the worst case
+        drain()  # NOTE: the per-step ledger work (its cost counts) as if every 2 calls were a step
 
 
 def tree_round(tree: Any, params: Any) -> None:
@@ -100,12 +103,14 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
     """CPU ns per call: (name, stub alone per round, hook around the stub per round)."""
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 
+    probe.PROBE.drain()  # NOTE: nothing of the first table left to fold
     matched = tree.match_prefix(params)
     node = matched.last_device_node
     locked = tree.inc_lock_ref(node)
     tree.dec_lock_ref(node, locked.to_dec_params())
     out = alloc.alloc(16)
     alloc.free(out)
+    freed = (out[::PS] // PS).clone()  # NOTE: the page ids a free of `out` releases
 
     def stub(_self: Any, *_args: Any) -> Any:
         return stub.result  # type: ignore[attr-defined]
@@ -113,14 +118,27 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
     def noop(original: Any, *args: Any, **kwargs: Any) -> Any:
         return original(*args, **kwargs)
 
+    def summary_drain() -> None:  # NOTE: level summary: the ledger without events
+        emit, probe.PROBE.emit = probe.PROBE.emit, None
+        probe.PROBE.drain()
+        probe.PROBE.emit = emit
+
     around = _wrap_fn(stub, noop, HookType.AROUND)
     cases: list[tuple[str, Any, Any, Any, int]] = [
         ("around", matched, lambda: around(tree, params), None, 0),
         ("match", matched, lambda: probe._h_match(stub, tree, params), None, 0),
         ("lock", locked, lambda: probe._h_inc_lock(stub, tree, node), None, 0),
         ("unlock", None, lambda: probe._h_dec_lock(stub, tree, node), None, 0),
-        ("alloc+drain/2", out, lambda: probe._h_alloc(stub, alloc, 16), probe.PROBE.drain, 2),
-        ("alloc+drain/32", out, lambda: probe._h_alloc(stub, alloc, 16), probe.PROBE.drain, 32),
+        *(
+            (f"alloc+drain/{n}", out, lambda: probe._h_alloc(stub, alloc, 16), probe.PROBE.drain, n)
+            for n in (2, 32, 256)
+        ),
+        *(
+            (f"free+drain/{n}", None, lambda: probe._h_release_pages(stub, alloc, freed), probe.PROBE.drain, n)
+            for n in (2, 32, 256)
+        ),
+        ("alloc+drain/256 s", out, lambda: probe._h_alloc(stub, alloc, 16), summary_drain, 256),
+        ("free+drain/256 s", None, lambda: probe._h_release_pages(stub, alloc, freed), summary_drain, 256),
     ]
     rows = [bind_step()]
     for name, result, hooked, drain, every in cases:
@@ -155,6 +173,7 @@ def bind_step() -> tuple[str, list[float], list[float]]:
             for req in reqs:
                 req.kv.kv_allocated_len += 1
             bind(reqs, rows, PS, alloc, "decode")
+            probe.PROBE.drain()  # NOTE: its fold (where bind queues its pages), as if every step folded
         per_step.append((time.thread_time_ns() - start) / BIND_STEPS)
         for req in reqs:
             req.kv.kv_allocated_len = 512
@@ -189,12 +208,14 @@ def main() -> int:
     params = MatchPrefixParams(key=RadixKey(array("q", [*range(1000, 1048), *range(5000, 5016)])), req=req)
     assert probe.PROBE.recorder() is not None, "the probe did not open its recorder"
     emit = probe.PROBE.emit
+    fold_if_due = getattr(probe.PROBE, "fold_if_due", None)  # NOTE: absent before the bulk ledger: drain per step
+    per_step = probe.PROBE.drain if fold_if_due is None else lambda: fold_if_due(time.monotonic())
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for _ in range(REPEATS):
         for mode in ("plain", "summary", "full"):
             _install(plain if mode == "plain" else hooked)
             probe.PROBE.emit = emit if mode == "full" else None
-            drain = (lambda: None) if mode == "plain" else probe.PROBE.drain
+            drain = (lambda: None) if mode == "plain" else per_step
             results.setdefault(("allocator", mode), []).append(
                 timed(lambda d=drain: allocator_round(alloc, d), 2 * ROUNDS)
             )
@@ -220,7 +241,7 @@ def main() -> int:
     for name, plain_ns, hooked_ns in own:
         base = statistics.median(plain_ns)
         added, least = statistics.median(hooked_ns) - base, min(hooked_ns) - min(plain_ns)
-        print(f"{name:<15} {base:8.0f} {added:+9.0f} {least:+9.0f}")
+        print(f"{name:<18} {base:8.0f} {added:+9.0f} {least:+9.0f}")
     return 0
 
 

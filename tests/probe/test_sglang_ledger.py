@@ -1,0 +1,61 @@
+"""The SGLang probe's ledger, folded in bulk: allocator calls and binds are queued as they happen
+(index tensors, no read per call) and folded later, many at once; the census's culprits must come
+out as if each call had been applied in order. Real torch tensors stand for SGLang's index
+tensors (the engine test runs the same code on SGLang's real allocators)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from kvscope.probe.sglang import ALLOC, BIND, FREE, Ledger, SglangProbe, fold_pages
+
+PAGE_SIZE = 4
+
+
+def slots_of(*pages: int) -> torch.Tensor:
+    """The token slots of whole pages, as SGLang's paged alloc returns them."""
+    return torch.tensor([p * PAGE_SIZE + i for p in pages for i in range(PAGE_SIZE)], dtype=torch.int64)
+
+
+def test_the_ledger_keeps_each_pages_last_writer_in_call_order() -> None:
+    ledger = Ledger()
+    entries = [("req-A", 1, "alloc"), ("req-B", 2, "alloc"), ("req-C", 3, "decode")]
+    ledger.write(np.array([5, 6, 5, 9, 6]), np.array([0, 0, 1, 1, 2]), entries)
+    assert (ledger[5], ledger[6], ledger[9]) == (entries[1], entries[2], entries[1])
+    assert 7 not in ledger and 500 not in ledger and sorted(ledger) == [5, 6, 9]
+    ledger.write(np.array([9]), np.array([0]), [("req-D", 4, "alloc")])
+    ledger.compact()  # NOTE: the entries no page names any more are dropped; the answers stay
+    assert (ledger[5], ledger[6], ledger[9]) == (entries[1], entries[2], ("req-D", 4, "alloc"))
+    assert len(ledger.entries) == 3
+
+
+def test_a_fold_gives_each_calls_distinct_pages_and_drops_the_padding_slot() -> None:
+    values = np.array([21, 20, 22, 23, 8, 9, 0, 0, 13, 12], np.int64)  # call 0: page 5; call 1: pages 2, (0), 3
+    pages, segs = fold_pages(values, np.array([4, 6]), PAGE_SIZE, dedup=True)
+    assert (pages.tolist(), segs.tolist()) == ([5, 2, 3], [0, 1, 1])
+    values = np.array([12, 13, 8, 9, 12, 4], np.int64)  # call 0: pages 3, 2, 3 (not in order); call 1: page 1
+    pages, segs = fold_pages(values, np.array([5, 1]), PAGE_SIZE, dedup=True)
+    assert (pages.tolist(), segs.tolist()) == ([2, 3, 1], [0, 0, 1])
+    freed, segs = fold_pages(np.array([7, 3, 7]), np.array([2, 1]), PAGE_SIZE, dedup=False)
+    assert (freed.tolist(), segs.tolist()) == ([7, 3, 7], [0, 0, 1])  # NOTE: page ids as freed, repeats kept
+
+
+def test_calls_and_binds_folded_together_name_the_last_taker_and_releaser() -> None:
+    """Page 3 is taken by a batch alloc (no request), bound to req-B's row, freed by req-B's release,
+    then taken again by req-C: one fold of all four must name req-C, as four folds would."""
+    probe = SglangProbe(None, "test")
+    allocator = SimpleNamespace(page_size=PAGE_SIZE)
+    probe.pending += [
+        (ALLOC, allocator, None, 1, "alloc", slots_of(3, 4), None),
+        (BIND, allocator, ["req-B", "req-E"], 1, "extend", slots_of(3, 4), [4, 4]),
+        (FREE, allocator, "req-B", 2, "release", torch.tensor([3]), None),
+        (ALLOC, allocator, "req-C", 3, "alloc", slots_of(3), None),
+    ]
+    probe.drain()
+    takers, releasers = probe.takers["full"], probe.releasers["full"]
+    assert (takers[3], takers[4]) == (("req-C", 3, "alloc"), ("req-E", 1, "extend"))
+    assert dict(releasers) == {3: ("req-B", 2, "release")}
+    assert not probe.pending
