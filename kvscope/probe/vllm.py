@@ -64,7 +64,7 @@ from kvscope.telemetry import (
     UsageSample,
 )
 from kvscope.telemetry.page_hash import PAGE_HASH_BYTES
-from kvscope.telemetry.remote import EventStream
+from kvscope.telemetry.remote import CLOCK, EventStream
 
 ENGINE = "vllm"
 BLOCK_POOL = "vllm.v1.core.block_pool"
@@ -196,10 +196,12 @@ class VllmProbe:
             self.read_step_clock()
 
     def read_step_clock(self) -> None:
-        """The step's clock, read once as it begins: its events' time (a clock record before them)."""
-        assert self.stream is not None
+        """The step's clock, read once as it begins: its events' time (a clock record before them;
+        EventStream.tick() inlined)."""
+        assert self.stream is not None and self.emit is not None
         self.now_ns = now_ns = _monotonic_ns()
-        self.stream.tick(self.step, now_ns)
+        self.stream.clock = clock = (CLOCK, self.step, now_ns)
+        self.emit(clock)
 
     def tick(self) -> None:
         """An event between steps: its own clock (the next one reads its own too)."""

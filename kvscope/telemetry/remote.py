@@ -19,7 +19,7 @@ NOTE: the three processes
     writer process     SQLRecorder's own: packs and writes.
 NOTE: messages (channel.py frames)
     recorder -> host   ("open", target, level, label, config JSON), then ("batch", step) with body
-                       marshal of (items, rows, stream: EventStream.take() or None; the host
+                       marshal of (items, rows, stream: EventStream.pending() or None; the host
                        appends its events after the items), ("flush",), ("close", status, error)
     host -> recorder   ("opened", run_id) or ("failed", one line); ("flushed",) / ("closed",) /
                        ("failed", one line) later
@@ -81,11 +81,11 @@ class EventStream:
     def __init__(self) -> None:
         self.records: list[Any] = []
         self.slots: list[int] = []
-        self._clock: tuple[int, int, int] = (CLOCK, 0, 0)
+        self.clock: tuple[int, int, int] = (CLOCK, 0, 0)  # NOTE: the latest clock record
 
     def tick(self, step: int, t_ns: int) -> None:
         """The step and time of the records that follow."""
-        self._clock = clock = (CLOCK, step, t_ns)
+        self.clock = clock = (CLOCK, step, t_ns)
         self.records.extend(clock)
 
     def event(
@@ -114,19 +114,19 @@ class EventStream:
         records = self.records
         return len(records) > 3 or (bool(records) and records[0] != CLOCK)
 
-    def take(self) -> tuple[list[Any], list[int]] | None:
-        """The buffered (records, slots), cleared; None: no event. The step's clock opens the next batch."""
-        if not self.has_events():
-            return None
-        taken = (self.records[:], self.slots[:])
+    def pending(self) -> tuple[list[Any], list[int]] | None:
+        """The buffered (records, slots) themselves (no copy: marshal them, then clear()); None: no event."""
+        return (self.records, self.slots) if self.has_events() else None
+
+    def clear(self) -> None:
+        """Empty, in place; the step's clock opens the next batch."""
         self.records.clear()
         self.slots.clear()
-        self.records.extend(self._clock)
-        return taken
+        self.records.extend(self.clock)
 
 
 def stream_as_items(records: list[Any], slots: list[int]) -> list[Any]:
-    """EventStream.take()'s batch as the flat ITEM_FIELDS items SQLRecorder.extend_items takes
+    """EventStream.pending()'s batch as the flat ITEM_FIELDS items SQLRecorder.extend_items takes
     (slots as int64 arrays, t_mono in seconds). Slots past the last event's are a hot caller's that
     failed before its record (recording stopped there): dropped."""
     import numpy as np  # NOTE: the host's interpreter (the engine side imports the standard library only)
@@ -342,10 +342,12 @@ class RemoteRecorder(Recorder):
     def _hand_off(self) -> None:
         self._due_s = _monotonic() + self._interval_s
         items, rows = self._items, self._rows
-        stream = None if self._stream is None else self._stream.take()  # NOTE: cleared here, sent or not
+        stream = None if self._stream is None else self._stream.pending()
         if self.failure is not None or (not items and not rows and stream is None):
             items.clear()
             rows.clear()
+            if self._stream is not None:
+                self._stream.clear()
             return
         try:
             body = marshal.dumps((items, rows, stream))
@@ -357,6 +359,8 @@ class RemoteRecorder(Recorder):
             self._stop("the recorder's host process ended")
         items.clear()
         rows.clear()
+        if self._stream is not None:
+            self._stream.clear()
         self._read_answers()
 
     def _read_answers(self) -> None:
