@@ -10,7 +10,7 @@ as the KVCacheManager wrappers set it. Each mode runs ROUNDS rounds per repetiti
 alternate the modes; the table shows the median µs per operation and its ratio to plain. Patching
 is undone between modes (core.unpatch_all), so plain is vLLM's own code.
 NOTE: a round is one engine step for the probe: at full it reads the step's clock as the step wrapper
-does (PROBE.now, where the probe has one), inside the timed loop. The hand-off column is the engine
+does (PROBE.read_step_clock(); PROBE.now in older probes), inside the timed loop. The hand-off column is the engine
 thread's CPU to hand the repetition's buffered records to the recorder's host (marshal and send;
 the engine does it at step boundaries every 0.2 s), per block-pool call: a cost of recording that
 is not in the wrappers themselves.
@@ -45,10 +45,13 @@ def one_mode(pool: BlockPool, probe_state: Any) -> tuple[float, float]:
     """µs per block-pool call over ROUNDS rounds: wall-clock, and the CPU time of this thread (the
     engine thread's own cost, without the recorder's host and writer processes or other jobs on a
     shared CPU). `probe_state`: the probe whose step clock each round sets (None: none)."""
+    read_step_clock = getattr(probe_state, "read_step_clock", None)  # NOTE: a probe with event columns
     clock = time.monotonic
     start, start_cpu = time.perf_counter(), time.thread_time()
     for _ in range(ROUNDS):
-        if probe_state is not None:
+        if read_step_clock is not None:
+            read_step_clock()
+        elif probe_state is not None:
             probe_state.now = clock()
         blocks = pool.get_new_blocks(4)
         pool.touch(blocks[:2])
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 module.PROBE.ctx.rid, module.PROBE.ctx.group = "req-bench", 0
                 module.PROBE.recorder()
             clocked = module.PROBE if module is not None and getattr(module.PROBE, "emit", None) is not None else None
-            clocked = clocked if hasattr(clocked, "now") else None  # NOTE: the step clock, where events read it
+            clocked = clocked if hasattr(clocked, "now") or hasattr(clocked, "read_step_clock") else None
             wall_us, cpu_us = one_mode(pool, clocked)
             times[mode].append(wall_us)
             cpu_times[mode].append(cpu_us)

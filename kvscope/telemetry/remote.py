@@ -8,7 +8,8 @@ SQLRecorder and its writer process).
 NOTE: the three processes
     recording process  (the engine) RemoteRecorder: record() extends a flat list (packed.ITEM_FIELDS,
                        slots as lists or tuples of ints; item_sink() hands a hot caller that list's
-                       extend), the other records append plain rows; at a step
+                       extend; event_stream() gives one the EventStream below instead: flat
+                       values, no per-event tuple to marshal), the other records append plain rows; at a step
                        past `flush_interval_s`, at idle points and on flush() the buffer goes to
                        the host as one marshal body. Imports: the standard library, channel.py.
     host process       SQLRecorder(target): starts the run, takes each batch into its buffer
@@ -18,7 +19,8 @@ NOTE: the three processes
     writer process     SQLRecorder's own: packs and writes.
 NOTE: messages (channel.py frames)
     recorder -> host   ("open", target, level, label, config JSON), then ("batch", step) with body
-                       marshal of (items, rows), ("flush",), ("close", status, error)
+                       marshal of (items, rows, stream: EventStream.pending() or None; the host
+                       appends its events after the items), ("flush",), ("close", status, error)
     host -> recorder   ("opened", run_id) or ("failed", one line); ("flushed",) / ("closed",) /
                        ("failed", one line) later
 A host that dies, a full disk or a bad target stop recording: one line on stderr, later records
@@ -45,11 +47,126 @@ from typing import Any
 
 import kvscope
 from kvscope.telemetry.channel import Channel, ChannelClosed
-from kvscope.telemetry.events import EventKind, PoolName, Recorder
+from kvscope.telemetry.events import EventKind, EvictReason, PoolName, Recorder
 from kvscope.telemetry.records import LeakCheck, RequestRecord, Routing, UsageSample
 
 OPEN_TIMEOUT_S = 60.0  # NOTE: the host imports SQLAlchemy and creates the run (a second or two; more on a busy CPU)
 _monotonic = time.monotonic
+_monotonic_ns = time.monotonic_ns
+
+
+# NOTE: EventStream, the hot callers' event buffer (RemoteRecorder.event_stream()): events as plain
+# values (ints, str and None) laid end to end in one list and their slots in another, handed on as
+# they are (marshal writes a small int or a repeated str in about 12 ns; a tuple per event with a
+# tuple of slots cost about 230 ns to marshal). Records, by their first value:
+#   CLOCK, step, t_ns                    the step and time.monotonic_ns() of the events after it
+#   kind, rid, aux, num_slots            an event of that step (kind: alloc, lock, revive, free, unlock):
+#                                        pool full, num_tokens = num_slots, node_id and reason None
+#   "evict", rid, aux, num_tokens        an eviction (one slot, the block: node_id), reason capacity
+#   EVENT, step, t_ns, kind, pool, rid, node_id, num_tokens, aux, reason, principal, num_slots
+#                                        any event (event(), record()); num_slots -1: slots None
+#   slots  every event's slots, end to end, in the records' order
+CLOCK, EVENT = -2, -3
+HOT_KINDS = frozenset(
+    k._value_ for k in (EventKind.ALLOC, EventKind.LOCK, EventKind.REVIVE, EventKind.FREE, EventKind.UNLOCK)
+)
+_EVICT, _FULL, _CAPACITY = EventKind.EVICT._value_, PoolName.FULL._value_, EvictReason.CAPACITY._value_
+
+
+class EventStream:
+    """Events as flat records (see the NOTE above) for a hot caller: tick() as a step begins, then
+    per event `records.extend` of one record and `slots.append` per block. The lists are cleared in
+    place, never replaced, so the caller's bound methods stay valid."""
+
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+        self.slots: list[int] = []
+        self.clock: tuple[int, int, int] = (CLOCK, 0, 0)  # NOTE: the latest clock record
+
+    def tick(self, step: int, t_ns: int) -> None:
+        """The step and time of the records that follow."""
+        self.clock = clock = (CLOCK, step, t_ns)
+        self.records.extend(clock)
+
+    def event(
+        self,
+        step: int,
+        t_ns: int,
+        kind: str,
+        pool: str | None,
+        rid: str | None,
+        node_id: int | None,
+        num_tokens: int,
+        aux: int,
+        reason: str | None,
+        principal: str | None,
+        slots: Any,
+    ) -> None:
+        """Any event from plain values (kind, pool, reason as their string values; slots ints or None)."""
+        num_slots = -1 if slots is None else len(slots)
+        if slots is not None:
+            self.slots.extend(slots)
+        self.records.extend(
+            (EVENT, step, t_ns, kind, pool, rid, node_id, num_tokens, aux, reason, principal, num_slots)
+        )
+
+    def has_events(self) -> bool:
+        records = self.records
+        return len(records) > 3 or (bool(records) and records[0] != CLOCK)
+
+    def pending(self) -> tuple[list[Any], list[int]] | None:
+        """The buffered (records, slots) themselves (no copy: marshal them, then clear()); None: no event."""
+        return (self.records, self.slots) if self.has_events() else None
+
+    def clear(self) -> None:
+        """Empty, in place; the step's clock opens the next batch."""
+        self.records.clear()
+        self.slots.clear()
+        self.records.extend(self.clock)
+
+
+def stream_as_items(records: list[Any], slots: list[int]) -> list[Any]:
+    """EventStream.pending()'s batch as the flat ITEM_FIELDS items SQLRecorder.extend_items takes
+    (slots as int64 arrays, t_mono in seconds). Slots past the last event's are a hot caller's that
+    failed before its record (recording stopped there): dropped."""
+    import numpy as np  # NOTE: the host's interpreter (the engine side imports the standard library only)
+
+    slot_values = np.asarray(slots, np.int64)  # NOTE: each event's slots a view of it
+    items: list[Any] = []
+    add = items.extend
+    step, t_mono, at, r = 0, 0.0, 0, 0
+    while r < len(records):
+        head = records[r]
+        if head == CLOCK:
+            step, t_mono = records[r + 1], records[r + 2] / 1e9
+            r += 3
+        elif head == EVENT:
+            step_of, t_ns, kind, pool, rid, node, num_tokens, aux, reason, principal, num_slots = records[
+                r + 1 : r + 12
+            ]
+            r += 12
+            taken = None if num_slots < 0 else _slots_at(slot_values, at, num_slots)
+            at += max(num_slots, 0)
+            add((step_of, t_ns / 1e9, kind, pool, rid, node, num_tokens, aux, reason, principal, taken))
+        elif head == _EVICT:
+            rid, aux, num_tokens = records[r + 1 : r + 4]
+            r += 4
+            taken, at = _slots_at(slot_values, at, 1), at + 1
+            add((step, t_mono, _EVICT, _FULL, rid, int(taken[0]), num_tokens, aux, _CAPACITY, None, taken))
+        elif head in HOT_KINDS:
+            rid, aux, num_slots = records[r + 1 : r + 4]
+            r += 4
+            taken, at = _slots_at(slot_values, at, num_slots), at + num_slots
+            add((step, t_mono, head, _FULL, rid, None, num_slots, aux, None, None, taken))
+        else:
+            raise ValueError(f"an event stream record starts with {head!r}")
+    return items
+
+
+def _slots_at(slot_values: Any, at: int, num_slots: int) -> Any:
+    if at + num_slots > len(slot_values):
+        raise ValueError("an event stream has fewer slots than its events")
+    return slot_values[at : at + num_slots]
 
 
 class RecorderStartError(Exception):
@@ -77,6 +194,7 @@ class RemoteRecorder(Recorder):
         self._pid = os.getpid()
         self._step = 0
         self._items: list[Any] = []
+        self._stream: EventStream | None = None  # NOTE: once event_stream() is asked for, record() writes there
         self._rows: list[tuple[str, tuple[Any, ...]]] = []
         self._interval_s = flush_interval_s
         self._due_s = _monotonic() + flush_interval_s
@@ -128,6 +246,21 @@ class RemoteRecorder(Recorder):
         aux: int = 0,
         principal: str | None = None,
     ) -> None:
+        if self._stream is not None:
+            self._stream.event(
+                self._step,
+                _monotonic_ns(),
+                kind._value_,
+                pool and pool._value_,
+                rid,
+                node_id,
+                num_tokens,
+                aux,
+                reason and reason._value_,
+                principal,
+                slots,
+            )
+            return
         self._items.extend(
             (
                 self._step,
@@ -149,6 +282,14 @@ class RemoteRecorder(Recorder):
         wrappers) that builds the flat ITEM_FIELDS tuple itself, as record() would. The buffer is
         cleared in place at each hand-off, never replaced, so the bound method stays valid."""
         return self._items.extend
+
+    def event_stream(self) -> EventStream:
+        """The event buffer as an EventStream, for a hot caller that appends its events there
+        itself; from then on record() writes there too (one stream: seq keeps the order). A caller
+        uses this or item_sink(), not both."""
+        if self._stream is None:
+            self._stream = EventStream()
+        return self._stream
 
     def usage(self, sample: UsageSample) -> None:
         self._rows.append(("usage", _plain_tuple(sample)))
@@ -179,7 +320,7 @@ class RemoteRecorder(Recorder):
         self._rows.append(("tree_snapshots", (step, [tuple(row) for row in rows])))
 
     def idle(self) -> None:
-        if self._items or self._rows:
+        if self._items or self._rows or (self._stream is not None and self._stream.has_events()):
             self._hand_off()
 
     def flush(self) -> None:
@@ -201,12 +342,15 @@ class RemoteRecorder(Recorder):
     def _hand_off(self) -> None:
         self._due_s = _monotonic() + self._interval_s
         items, rows = self._items, self._rows
-        if self.failure is not None or (not items and not rows):
+        stream = None if self._stream is None else self._stream.pending()
+        if self.failure is not None or (not items and not rows and stream is None):
             items.clear()
             rows.clear()
+            if self._stream is not None:
+                self._stream.clear()
             return
         try:
-            body = marshal.dumps((items, rows))
+            body = marshal.dumps((items, rows, stream))
             with _signals_held():
                 self._channel.send(("batch", self._step), body)
         except (ValueError, TypeError) as err:
@@ -215,6 +359,8 @@ class RemoteRecorder(Recorder):
             self._stop("the recorder's host process ended")
         items.clear()
         rows.clear()
+        if self._stream is not None:
+            self._stream.clear()
         self._read_answers()
 
     def _read_answers(self) -> None:
@@ -344,8 +490,13 @@ def _host(channel: Channel) -> None:
             if message is None:
                 continue
             if message.kind == "batch":
-                items, rows = marshal.loads(message.body)
+                items, rows, stream = marshal.loads(message.body)
                 message.release()
+                if stream is not None:
+                    try:
+                        items.extend(stream_as_items(*stream))
+                    except ValueError as err:  # NOTE: the batch's other records are still taken
+                        channel.send(("failed", f"a batch of events could not be read: {err}"))
                 _take(recorder, items, rows, PoolTerms)
                 recorder.step = max(recorder.step, int(message.header[1]))
                 recorder.idle()  # NOTE: a batch arrives at most every flush interval, or at an idle point

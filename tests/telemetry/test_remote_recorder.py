@@ -233,6 +233,64 @@ def test_the_item_sink_reads_back_as_record_does(tmp_path: Path) -> None:
         capture.close()
 
 
+def test_the_event_stream_reads_back_as_record_does(tmp_path: Path) -> None:
+    """The vLLM probe's hot wrappers append flat records to event_stream() (a clock record per step,
+    then (kind, rid, group, num_slots) or an eviction's (evict, rid, group, num_tokens), the block
+    ids in a list beside); what reads back is exactly what record() gives for the same events, at
+    the step and time of their clock record."""
+    plain, streamed = tmp_path / "plain.db", tmp_path / "stream.db"
+    rec = RemoteRecorder(plain, level="full")
+    rec.step = 3
+    rec.record(EventKind.ALLOC, pool=PoolName.FULL, rid="r1", num_tokens=2, slots=[4, 5], aux=1)
+    rec.record(
+        EventKind.EVICT, pool=PoolName.FULL, rid="r1", node_id=6, num_tokens=16, slots=[6], reason=EvictReason.CAPACITY
+    )
+    rec.record(EventKind.MATCH, pool=PoolName.FULL, rid="r2", num_tokens=16, aux=3, node_id=1)
+    rec.record(EventKind.UNLOCK, pool=PoolName.FULL, rid=None, num_tokens=1, slots=[4], aux=-1)
+    rec.close()
+    rec = RemoteRecorder(streamed, level="full")
+    stream = rec.event_stream()
+    rec.step = 3
+    stream.tick(3, time.monotonic_ns())
+    stream.slots.extend([4, 5])
+    stream.records.extend(("alloc", "r1", 1, 2))
+    stream.slots.append(6)
+    stream.records.extend(("evict", "r1", 0, 16))
+    rec.record(EventKind.MATCH, pool=PoolName.FULL, rid="r2", num_tokens=16, aux=3, node_id=1)
+    rec.idle()  # NOTE: a hand-off between two events of one step: the next batch opens with its clock
+    stream.slots.append(4)
+    stream.records.extend(("unlock", None, -1, 1))
+    rec.close()
+    read = []
+    for path in (plain, streamed):
+        capture = Capture(path)
+        try:
+            events = capture.events(int(capture.runs().iloc[-1].id), limit=100)
+            read.append([repr(row) for row in events.drop(columns=["t_mono"]).itertuples(index=False)])
+        finally:
+            capture.close()
+    assert len(read[1]) == 4 and read[0] == read[1]
+
+
+def test_slots_left_by_a_failed_hot_caller_are_dropped(tmp_path: Path) -> None:
+    """A hot wrapper that fails between its block ids and its record leaves ids with no event
+    (recording stops there): the events before it read back whole, the stray ids are dropped."""
+    target = tmp_path / "stray.db"
+    rec = RemoteRecorder(target, level="full")
+    stream = rec.event_stream()
+    stream.tick(1, time.monotonic_ns())
+    stream.slots.extend([7, 8])
+    stream.records.extend(("free", "r1", 0, 2))
+    stream.slots.append(9)  # NOTE: the failed call's id
+    rec.close()
+    capture = Capture(target)
+    try:
+        events = capture.events(int(capture.runs().iloc[-1].id), limit=100)
+        assert list(events.kind) == ["free"] and events.slots.iloc[0] == np.array([7, 8], "<i4").tobytes()
+    finally:
+        capture.close()
+
+
 @pytest.mark.parametrize("other_thread", [False, True], ids=["main-thread-only", "with-another-thread"])
 def test_a_signal_during_a_send_is_delivered_after_it_not_inside_it(other_thread: bool) -> None:
     """vLLM's EngineCore raises SystemExit from its SIGTERM handler; raised inside a send it would
