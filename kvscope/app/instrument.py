@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvscope.telemetry import open_writer
+from kvscope.telemetry import display_name, open_writer
 
 PLUGIN_NAME = "kvscope"  # NOTE: the entry-point name in pyproject.toml's vllm.general_plugins
 LIST_PLUGINS_TIMEOUT_S = 60.0
@@ -133,9 +133,9 @@ def instrument_verb(args: argparse.Namespace) -> int:
     else:
         env["VLLM_PLUGINS"] = plugins
         route = f"VLLM_PLUGINS={plugins}"
+    shown = display_name(env["KVSCOPE_CAPTURE"])  # NOTE: a URL without its password
     print(
-        f"kvscope instrument: recording into {env['KVSCOPE_CAPTURE']} (level {args.level}; {route}); "
-        f"then kvscope check {env['KVSCOPE_CAPTURE']}",
+        f"kvscope instrument: recording into {shown} (level {args.level}; {route}); then kvscope check {shown}",
         file=sys.stderr,
         flush=True,
     )
