@@ -256,7 +256,9 @@ def main() -> None:
             f"Dashboard pages on the newest of those runs (the real app through AppTest, KVSCOPE_DB = the URL; "
             f"medians of {args.rounds} rounds; target ≤ 2 s), with the run's leak report stored as `kvscope run` "
             f"stores it when its run closes (built from the server and stored there in {report_s:.1f} s; without it "
-            "the Overview replays the whole ledger of the run for its verdict):",
+            "the Overview replays the whole ledger of the run for its verdict). The writers' runs are the ranks of "
+            f"one fleet (routed requests, a tree snapshot of {SNAPSHOT_NODES} page-hashed nodes every "
+            f"{SNAPSHOT_EVERY_STEPS} steps), so the Fleet page reads all {args.writers} of them:",
             "",
             "| page | cold (s) | warm (s) |",
             "|---|---:|---:|",
