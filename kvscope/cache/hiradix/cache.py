@@ -61,6 +61,7 @@ from kvscope.cache.tree import (
     preview,
     render,
 )
+from kvscope.cache.tree.node import PageHashMemo
 from kvscope.mem import BaseTokenAllocator, CacheController, HostTokenAllocator, IntegrityError, ReqToTokenPool
 from kvscope.telemetry import NULL_RECORDER, CopyKind, EventKind, EvictReason, PoolName, Recorder
 
@@ -130,6 +131,7 @@ class HiRadixCache(BasePrefixCache):
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
         self.page_size = page_size
+        self._page_hash_memo: PageHashMemo = {}  # NOTE: snapshots hash only new or split nodes
         self.page_bytes = page_size * TOKEN_BYTES
         self.device = allocator.device
         self._on_cpu = self.device.type == "cpu"
@@ -714,7 +716,7 @@ class HiRadixCache(BasePrefixCache):
     def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]:
         """The flat node table; num_tokens counts a node's key on whichever tier holds it."""
         walked = hi_walk(self.root)
-        hashes = page_hashes(walked, self.page_size)
+        hashes = page_hashes(walked, self.page_size, self._page_hash_memo)
         return [
             NodeRow(
                 node_id=node.id,

@@ -50,7 +50,7 @@ from kvscope.cache.tree import (
     split_node,
     walk,
 )
-from kvscope.cache.tree.node import foreign_tokens
+from kvscope.cache.tree.node import PageHashMemo, foreign_tokens
 from kvscope.mem import BaseTokenAllocator, ReqToTokenPool
 from kvscope.telemetry import NULL_RECORDER, EventKind, EvictReason, PoolName, Recorder
 
@@ -75,6 +75,7 @@ class RadixCache(BasePrefixCache):
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
         self.page_size = page_size
+        self._page_hash_memo: PageHashMemo = {}  # NOTE: snapshots hash only new or split nodes
         self.page_bytes = page_size * TOKEN_BYTES
         self.device = allocator.device
         self._on_cpu = self.device.type == "cpu"
@@ -332,4 +333,4 @@ class RadixCache(BasePrefixCache):
         return render(self.root)
 
     def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]:
-        return export_rows(self.root, preview_tokens, page_size=self.page_size)
+        return export_rows(self.root, preview_tokens, page_size=self.page_size, memo=self._page_hash_memo)

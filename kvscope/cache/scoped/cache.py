@@ -71,7 +71,7 @@ from kvscope.cache.tree import (
     slots_tensor,
     up_path,
 )
-from kvscope.cache.tree.node import preview
+from kvscope.cache.tree.node import PageHashMemo, preview
 from kvscope.mem import BaseTokenAllocator, IntegrityError, ReqToTokenPool
 from kvscope.telemetry import NULL_RECORDER, EventKind, EvictReason, PoolName, Recorder, Visibility
 
@@ -134,6 +134,7 @@ class ScopedRadixCache(BasePrefixCache):
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
         self.page_size = page_size
+        self._page_hash_memo: PageHashMemo = {}  # NOTE: snapshots hash only new or split nodes
         self.page_bytes = page_size * TOKEN_BYTES
         self.device = allocator.device
         self._on_cpu = self.device.type == "cpu"
@@ -804,7 +805,7 @@ class ScopedRadixCache(BasePrefixCache):
 
     def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]:
         walked = walk_scoped(self.root)
-        hashes = page_hashes(walked, self.page_size)
+        hashes = page_hashes(walked, self.page_size, self._page_hash_memo)
         return [
             NodeRow(
                 node_id=node.id,

@@ -51,7 +51,7 @@ from kvscope.cache.tree import (
     up_path,
     walk,
 )
-from kvscope.cache.tree.node import foreign_tokens
+from kvscope.cache.tree.node import PageHashMemo, foreign_tokens
 from kvscope.mem import ReqToTokenPool, SWATokenToKVPoolAllocator, swa_window_frontier
 from kvscope.telemetry import NULL_RECORDER, EventKind, EvictReason, PoolName, Recorder
 
@@ -76,6 +76,7 @@ class SWARadixCache(SWAPrefixCache):
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
         self.page_size = page_size
+        self._page_hash_memo: PageHashMemo = {}  # NOTE: snapshots hash only new or split nodes
         self.page_bytes = page_size * TOKEN_BYTES
         self.window_len = window_len
         self.device = allocator.device
@@ -598,4 +599,6 @@ class SWARadixCache(SWAPrefixCache):
         )
 
     def export_nodes(self, preview_tokens: int = 8) -> list[NodeRow]:
-        return export_rows(self.root, preview_tokens, tombstone=is_tombstone, page_size=self.page_size)
+        return export_rows(
+            self.root, preview_tokens, tombstone=is_tombstone, page_size=self.page_size, memo=self._page_hash_memo
+        )
