@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -37,8 +35,12 @@ import pandas as pd
 from _results import command_line, machine_lines, write_section
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # NOTE: tests.server.serving starts the server as the server tests do
+
+from tests.server.serving import start_server  # noqa: E402
+
+SERVE_OPTIONS = ("--dp-size", "2", "--level", "summary")  # NOTE: beside serving.py's --port 0 --device cpu
 METHODS = ("round_robin", "total_requests", "total_tokens", "prefix_affinity")
-READY_TIMEOUT_S = 180.0
 
 
 @dataclass
@@ -50,27 +52,6 @@ class Outcome:
     rank_requests: list[int]
     rank_hit_rates: list[float]
     routing_loss: float
-
-
-def serve_args(method: str, capture: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "kvscope",
-        "serve",
-        "--port",
-        "0",
-        "--device",
-        "cpu",
-        "--dp-size",
-        "2",
-        "--load-balance-method",
-        method,
-        "--level",
-        "summary",
-        "--capture",
-        str(capture),
-    ]
 
 
 def load_args(url: str, num_requests: int, concurrency: int) -> list[str]:
@@ -94,32 +75,18 @@ def load_args(url: str, num_requests: int, concurrency: int) -> list[str]:
     ]
 
 
-def start_server(method: str, capture: Path) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    server = subprocess.Popen(serve_args(method, capture), cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
-    assert server.stdout is not None
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        line = server.stdout.readline()
-        if "ready on http://" in line:
-            return server, line.strip().rsplit(" ", 1)[1]
-        if not line and server.poll() is not None:
-            break
-    server.kill()
-    raise SystemExit(f"bench_dp_dispatch: the server ({method}) did not get ready")
-
-
 def run_method(method: str, num_requests: int, concurrency: int, tmp: Path) -> Outcome:
     capture = tmp / f"{method}.db"
-    server, url = start_server(method, capture)
+    server = start_server(capture, *SERVE_OPTIONS, "--load-balance-method", method)
     try:
-        load = subprocess.run(load_args(url, num_requests, concurrency), cwd=REPO, capture_output=True, text=True)
+        load = subprocess.run(
+            load_args(server.url, num_requests, concurrency), cwd=REPO, capture_output=True, text=True
+        )
         if load.returncode not in (0, 1):
             raise SystemExit(f"bench_dp_dispatch: kvscope load failed: {load.stderr.strip()}")
         summary = json.loads(load.stdout)
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(120)
+        server.stop()
     requests = summary["requests"]
     rank_requests, rank_hit_rates = per_rank(capture)
     return Outcome(
@@ -187,7 +154,13 @@ def main() -> int:
     print(body)
     if args.write:
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        example = " ".join(serve_args("METHOD", Path("TMP/METHOD.db"))[1:])
+        example = " ".join(
+            [
+                "-m kvscope serve --port 0 --device cpu --capture TMP/METHOD.db",
+                *SERVE_OPTIONS,
+                "--load-balance-method METHOD",
+            ]
+        )
         loads = " ".join(load_args("URL", args.num_requests, args.concurrency)[1:])
         notes = [
             "",
