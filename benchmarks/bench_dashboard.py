@@ -28,9 +28,7 @@ building and Streamlit's own work), warm = the same page again (cached). Writes 
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,9 +38,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-import streamlit as st
+from _pages import time_pages as time_app_pages
 from _results import command_line, machine_lines, write_section
-from streamlit.testing.v1 import AppTest
 
 from kvscope.debug.report import build_report, save_report
 from kvscope.telemetry import EventKind, EvictReason, LeakCheck, PoolName, PoolTerms, RequestRecord, UsageSample
@@ -363,33 +360,9 @@ def _arrive(
     return _Running(rid, parent, hit + miss, hit, [tree.alloc(miss)], step + rng.randint(4, 32), time.monotonic())
 
 
-def open_page(page: str) -> AppTest:
-    """The page opened directly (as from its link), the app frame included."""
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=600)
-    if page == "overview":
-        return at.run()
-    return at.switch_page(f"kvscope/dashboard/app_pages/{page}.py").run()
-
-
 def time_pages(path: Path, rounds: int) -> list[tuple[str, float, float]]:
-    os.environ["KVSCOPE_DB"] = str(path)
-    os.chdir(ROOT)
-    for page in PAGES:  # NOTE: untimed: the first render of each page imports its modules
-        open_page(page)
-    times: dict[str, dict[str, list[float]]] = {page: {"cold": [], "warm": []} for page in PAGES}
-    for round_no in range(rounds):
-        for page in PAGES if round_no % 2 == 0 else PAGES[::-1]:
-            for kind in ("cold", "warm"):
-                if kind == "cold":
-                    st.cache_data.clear()
-                    st.cache_resource.clear()  # the store and the leak report too
-                start = time.perf_counter()
-                at = open_page(page)
-                times[page][kind].append(time.perf_counter() - start)
-                assert not at.exception, [e.value for e in at.exception]
     out = []
-    for page in PAGES:
-        cold, warm = statistics.median(times[page]["cold"]), statistics.median(times[page]["warm"])
+    for page, (cold, warm) in time_app_pages(str(path), PAGES, rounds).items():
         out.append((page, cold, warm))
         print(f"{page}: cold {cold:.2f} s, warm {warm:.2f} s (medians of {rounds})", file=sys.stderr, flush=True)
     return out

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
 import secrets
-import statistics
 import sys
 import time
 from contextlib import ExitStack, contextmanager
@@ -43,6 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # NOTE: tests.postgres_cluster (the throwaway cluster)
 
+from _pages import time_pages  # noqa: E402
 from _results import command_line, machine_lines, write_section  # noqa: E402
 
 EVENTS_PER_STEP = 1_000
@@ -160,33 +159,10 @@ def store_leak_report(url: str, run_id: int) -> float:
     return time.perf_counter() - start
 
 
-def time_pages(url: str, rounds: int) -> dict[str, tuple[float, float]]:
-    import streamlit as st
-    from streamlit.testing.v1 import AppTest
-
-    os.environ["KVSCOPE_DB"] = url
-    os.chdir(ROOT)
-
-    def open_page(page: str) -> AppTest:
-        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=600)
-        return at.run() if page == "overview" else at.switch_page(f"kvscope/dashboard/app_pages/{page}.py").run()
-
-    for page in PAGES:  # NOTE: untimed: the first render imports the page's modules
-        open_page(page)
-    times: dict[str, dict[str, list[float]]] = {page: {"cold": [], "warm": []} for page in PAGES}
-    for round_no in range(rounds):
-        for page in PAGES if round_no % 2 == 0 else PAGES[::-1]:
-            for kind in ("cold", "warm"):
-                if kind == "cold":
-                    st.cache_data.clear()
-                    st.cache_resource.clear()
-                start = time.perf_counter()
-                at = open_page(page)
-                times[page][kind].append(time.perf_counter() - start)
-                assert not at.exception, [e.value for e in at.exception]
-                if page == "fleet":  # NOTE: the page found the writers' fleet (not "No fleet in this capture")
-                    assert any("replicas" in c.value for c in at.caption), [c.value for c in at.caption]
-    return {page: (statistics.median(t["cold"]), statistics.median(t["warm"])) for page, t in times.items()}
+def found_the_fleet(page: str, at: Any) -> None:
+    """The Fleet page found the writers' fleet (not "No fleet in this capture")."""
+    if page == "fleet":
+        assert any("replicas" in c.value for c in at.caption), [c.value for c in at.caption]
 
 
 @contextmanager
@@ -230,7 +206,7 @@ def main() -> None:
         print("checked: " + checked[0], file=sys.stderr, flush=True)
         report_s = store_leak_report(url, max(r[1] for r in results))
         print(f"leak report of the newest run built and stored in {report_s:.1f} s", file=sys.stderr, flush=True)
-        pages = time_pages(url, args.rounds)
+        pages = time_pages(url, PAGES, args.rounds, check=found_the_fleet)
         for page, (cold, warm) in pages.items():
             print(f"{page}: cold {cold:.2f} s, warm {warm:.2f} s", file=sys.stderr, flush=True)
     import psycopg
