@@ -221,7 +221,7 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
     to_schedulers = [f"ipc://{ipc_dir}/to_scheduler{'' if r == 0 else r}" for r in ranks]
     to_fronts = [f"ipc://{ipc_dir}/to_front{'' if r == 0 else r}" for r in ranks]
     front = Front(state, to_schedulers, to_fronts)
-    front.start_router()
+    front.start_readers()
     loop = asyncio.get_running_loop()
     stopped: list[str] = []
     stop = asyncio.Event()
@@ -232,7 +232,7 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
         stop.set()
 
     processes = [start(r, to_schedulers[r], to_fronts[r]) for r in ranks]
-    for replica, process in zip(front.replicas, processes, strict=True):
+    for replica, process in zip(front.router.replicas, processes, strict=True):
         replica.pid = process.pid
     for each in STOP_SIGNALS:
         loop.add_signal_handler(each, on_signal, each)
@@ -303,14 +303,14 @@ def rank_name(ranks: list[int], options: ServeOptions) -> str:
 def watch_ranks(front: Front, processes: list[multiprocessing.process.BaseProcess], options: ServeOptions) -> bool:
     """Drop every rank whose scheduler process died since the last look (one line each); False
     when none is left."""
-    for rank, (replica, process) in enumerate(zip(front.replicas, processes, strict=True)):
+    for rank, (replica, process) in enumerate(zip(front.router.replicas, processes, strict=True)):
         if replica.live and not process.is_alive():
             where = rank_name([rank], options)
-            live = sum(r.live for r in front.replicas) - 1
+            live = len(front.router.live_ranks()) - 1
             rest = f"; serving on {live} of {options.dp_size} ranks" if live else ""
             print(f"kvscope serve: error: the scheduler process{where} exited{rest}", file=sys.stderr, flush=True)
             front.rank_exited(rank, f"the scheduler process{where} exited")
-    return any(replica.live for replica in front.replicas)
+    return bool(front.router.live_ranks())
 
 
 async def drain(front: Front, serving: asyncio.Task[None], scheduler_alive: bool) -> None:

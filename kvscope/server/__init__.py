@@ -4,6 +4,7 @@ protocol.py     the msgspec messages between the two processes (ZMQ)
 scheduler.py    the scheduler process: the engine's one scheduler code path, fed over ZMQ
 kv_events.py    SGLang's KV-event stream (BlockStored / BlockRemoved / AllBlocksCleared)
 front.py        the HTTP front: OpenAI endpoints, auth and principals, tokenizer manager
+router.py       the data-parallel router (--dp-size N): each rank's loads and held pages, the rank per choice
 api_keys.py     the --api-keys file both serve and load read
 chat.py         the deterministic chat template (messages to text)
 metrics.py      /metrics in Prometheus text format, with SGLang's metric names

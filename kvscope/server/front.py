@@ -3,13 +3,13 @@
     client --HTTP--> Front --GenerateReq/AbortReq--> scheduler process (ZMQ PUSH)
     client <--SSE--- Front <--TokenOut/StatsOut----- scheduler process (ZMQ PULL)
 
-One background task per scheduler (`route`) reads its socket: a TokenOut goes to its request's
-asyncio queue, a StatsOut to the metrics and the dispatcher, a PagesOut to that rank's page
-index. Each handler sends one GenerateReq per choice (n per prompt; parameters checked by
-openai_params.py, sampled by the scheduler), then reads their queues until the TokenOuts that
-finish them (choice.py turns them into text and logprobs). A client that goes away (a closed
-stream, or a disconnect while a plain response is pending) makes the handler send AbortReq
-for each choice still running.
+One background task per scheduler (`read_rank`) reads its socket: a TokenOut goes to its
+request's asyncio queue, a StatsOut to the metrics and the router, a PagesOut to the router's
+page index of that rank. Each handler sends one GenerateReq per choice (n per prompt;
+parameters checked by openai_params.py, sampled by the scheduler), then reads their queues
+until the TokenOuts that finish them (choice.py turns them into text and logprobs). A client
+that goes away (a closed stream, or a disconnect while a plain response is pending) makes the
+handler send AbortReq for each choice still running.
 
 NOTE: principals (docs/serve.md)
     no --api-keys   principal = the request's `user` (or None)
@@ -31,10 +31,8 @@ NOTE: bad input never reaches a handler as a Python surprise
                  request's)
 
 NOTE: data-parallel ranks (`serve --dp-size N`, docs/serve.md)
-    N scheduler processes, a socket pair each; the front's Dispatcher (kvscope.fleet) picks the
-    rank of each choice. With N > 1 each rank sends its cache's page deltas (PagesOut) and the
-    front keeps the set of block hashes each holds: a prompt's cached tokens on rank r = the
-    longest run of its page hashes, from the first, in r's set x page size. Every routed
+    N scheduler processes, a socket pair each; the front's Router (router.py: the loads, the
+    pages each rank holds, the Dispatcher) picks the rank of each choice, and every routed
     request carries Routing(method, cached on the chosen rank, most cached on another) to its
     requests row. A rank whose process died: its requests in flight end 503, dispatch skips it,
     /health reads "degraded" (200) while another rank lives; with none left, as one scheduler dead.
@@ -66,13 +64,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import kvscope
 from kvscope.engine import EngineConfig, ModelConfig
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.fleet.dispatch import Dispatcher, DispatchError
+from kvscope.fleet.dispatch import DispatchError
 from kvscope.server.api_keys import Principal
 from kvscope.server.body import read_json
 from kvscope.server.chat import ChatError, render_chat
 from kvscope.server.choice import Choice, Entry, Piece, render_logprobs
 from kvscope.server.errors import ApiError, error_response
-from kvscope.server.kv_events import prompt_page_hashes
 from kvscope.server.metrics import ServerMetrics
 from kvscope.server.openai_params import MAX_CHOICES, ParamError, RequestParams, parse_params
 from kvscope.server.protocol import (
@@ -86,6 +83,7 @@ from kvscope.server.protocol import (
     decode_to_front,
     encode,
 )
+from kvscope.server.router import Router
 from kvscope.workloads.tokenizer import ByteTokenizer
 
 DISCONNECT_POLL_S = 0.2
@@ -138,24 +136,11 @@ class Pending:
 
 
 @dataclass
-class Replica:
-    """One scheduler process (a data-parallel rank): its sockets and what the front knows of it."""
+class Link:
+    """The socket pair to one scheduler process (a data-parallel rank)."""
 
     push: zmq.asyncio.Socket
     pull: zmq.asyncio.Socket
-    stats: StatsOut | None = None
-    pages: set[int] = field(default_factory=set)  # block hashes of the full pages its cache holds (N > 1)
-    live: bool = True
-    pid: int | None = None
-
-    def cached_tokens(self, page_hashes: list[int], page_size: int) -> int:
-        """The prompt's longest prefix this replica holds, in tokens."""
-        num_pages = 0
-        for page_hash in page_hashes:
-            if page_hash not in self.pages:
-                break
-            num_pages += 1
-        return num_pages * page_size
 
 
 @dataclass
@@ -245,88 +230,86 @@ class Front:
         self.tokenizer = ByteTokenizer()
         self.metrics = ServerMetrics(state.engine.pool.page_size, state.model_id, len(to_schedulers))
         self.context = zmq.asyncio.Context()
-        self.replicas = [self.connect(a, b) for a, b in zip(to_schedulers, to_fronts, strict=True)]
-        self.dispatcher = Dispatcher(state.load_balance_method, len(self.replicas))
+        self.links = [self.connect(a, b) for a, b in zip(to_schedulers, to_fronts, strict=True)]
+        self.router = Router(state.load_balance_method, len(self.links), state.engine.pool.page_size)
         self.pending: dict[str, Pending] = {}
         self.accepting = True
         self.ready = asyncio.Event()
-        self.routers: list[asyncio.Task[None]] = []
+        self.readers: list[asyncio.Task[None]] = []
         self.aborts: set[asyncio.Task[None]] = set()
         self.scheduler_error: str | None = None  # set once every scheduler process is gone
         self.lost: set[str] = set()  # requests ended by their rank's death, until their handler answers
 
-    def connect(self, to_scheduler: str, to_front: str) -> Replica:
+    def connect(self, to_scheduler: str, to_front: str) -> Link:
         push = self.context.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 2000)
         push.connect(to_scheduler)
         pull = self.context.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         pull.connect(to_front)
-        return Replica(push, pull)
+        return Link(push, pull)
 
     @property
     def stats(self) -> StatsOut | None:
         """Rank 0's latest counters."""
-        return self.replicas[0].stats
+        return self.router.replicas[0].stats
 
     # --- the scheduler side
 
-    def start_router(self) -> None:
+    def start_readers(self) -> None:
         loop = asyncio.get_running_loop()
-        self.routers = [loop.create_task(self.route(rank)) for rank in range(len(self.replicas))]
+        self.readers = [loop.create_task(self.read_rank(rank)) for rank in range(len(self.links))]
 
-    async def route(self, rank: int) -> None:
-        replica = self.replicas[rank]
+    async def read_rank(self, rank: int) -> None:
+        link = self.links[rank]
         while True:
-            frame = await replica.pull.recv()
+            frame = await link.pull.recv()
             msg = decode_to_front(frame)
             if isinstance(msg, StatsOut):
                 self.took_stats(rank, msg)
             elif isinstance(msg, PagesOut):
-                replica.pages.difference_update(msg.removed)
-                replica.pages.update(msg.stored)
+                self.router.took_pages(rank, msg)
             else:
                 pending = self.pending.get(msg.rid)
                 if pending is not None:
                     pending.queue.put_nowait(msg)
 
     def took_stats(self, rank: int, stats: StatsOut) -> None:
-        self.replicas[rank].stats = stats
+        self.router.took_stats(rank, stats)
         self.metrics.update(stats, rank)
-        self.dispatcher.loads(rank, stats.num_running + stats.num_waiting, stats.pools["full"].used)
-        if all(replica.stats is not None for replica in self.replicas):
+        if self.router.all_reported:
             self.ready.set()
 
     async def send(self, msg: ToScheduler, rank: int | None = None) -> None:
         """To the scheduler of `rank`; None: to every live one, waiting at most BROADCAST_WAIT_S
         on each (a rank that already stopped takes nothing)."""
         if rank is not None:
-            if self.replicas[rank].live:
-                await self.replicas[rank].push.send(encode(msg))
+            if self.router.replicas[rank].live:
+                await self.links[rank].push.send(encode(msg))
             return
-        for replica in self.replicas:
+        for link, replica in zip(self.links, self.router.replicas, strict=True):
             if replica.live:
                 with suppress(TimeoutError):
-                    await asyncio.wait_for(replica.push.send(encode(msg)), BROADCAST_WAIT_S)
+                    await asyncio.wait_for(link.push.send(encode(msg)), BROADCAST_WAIT_S)
 
     def scheduler_exited(self, error: str) -> None:
         """Every scheduler process is gone: no new request is taken, and those in flight end with
         `error` (a 503: the server's fault, not the request's)."""
         self.scheduler_error = error
         self.accepting = False
-        for rank in range(len(self.replicas)):
+        for rank in range(len(self.links)):
             self.rank_exited(rank, error)
 
     def rank_exited(self, rank: int, error: str) -> None:
         """The scheduler of `rank` is gone: dispatch skips it and its requests in flight end with
         `error` (503); the last one gone is scheduler_exited."""
-        self.replicas[rank].live = False
+        self.router.rank_exited(rank)
         self.metrics.rank_died(rank)
         for rid, pending in list(self.pending.items()):
             if pending.rank == rank:
                 self.lost.add(rid)
                 pending.queue.put_nowait(TokenOut(rid, [], finished=True, finish_reason="error", error=error))
-        if self.scheduler_error is None and not any(replica.live for replica in self.replicas):
+        if self.scheduler_error is None and not self.router.live_ranks():
             self.scheduler_exited(error)
 
     def refusal(self, rid: str) -> tuple[int, str, str]:
@@ -339,25 +322,17 @@ class Front:
     def dispatch(self, input_ids: list[int]) -> tuple[int, RouteInfo | None]:
         """The rank for a prompt and what the router saw (None with one rank); ApiError 503 when
         no rank lives."""
-        if len(self.replicas) == 1:
-            return 0, None
-        page_size = self.state.engine.pool.page_size
-        hashes = prompt_page_hashes(input_ids, page_size)
-        cached = [replica.cached_tokens(hashes, page_size) for replica in self.replicas]
-        live = [replica.live for replica in self.replicas]
         try:
-            rank = self.dispatcher.choose(len(input_ids), cached, live)
+            return self.router.choose(input_ids)
         except DispatchError as err:
             raise ApiError(503, str(err), type_="server_error", code="scheduler_unavailable") from None
-        elsewhere = max((n for r, n in enumerate(cached) if r != rank), default=0)
-        return rank, RouteInfo(self.dispatcher.method, cached[rank], elsewhere)
 
     async def close(self) -> None:
-        for router in self.routers:
-            router.cancel()
-        for replica in self.replicas:
-            replica.push.close()
-            replica.pull.close()
+        for reader in self.readers:
+            reader.cancel()
+        for link in self.links:
+            link.push.close()
+            link.pull.close()
         self.context.term()
 
     # --- requests
@@ -453,7 +428,7 @@ class Front:
                 yield out
         finally:  # NOTE: no await here, so a cancelled stream still runs it to the end
             self.pending.pop(rid, None)
-            self.dispatcher.finished(rank, len(child.input_ids))
+            self.router.finished(rank, len(child.input_ids))
             if not finished:
                 self.metrics.request_finished("abort", rank)
                 task = asyncio.get_running_loop().create_task(self.send(AbortReq(rid), rank))
@@ -519,11 +494,10 @@ class Front:
     async def health(self, request: Request) -> Response:
         if not self.accepting:
             return error_response(503, "the server is shutting down", type_="server_error", code="shutting_down")
-        dead = [rank for rank, replica in enumerate(self.replicas) if not replica.live]
+        dead = self.router.dead_ranks()
         if not dead:
             return JSONResponse({"status": "ok"})
-        live = [rank for rank, replica in enumerate(self.replicas) if replica.live]
-        return JSONResponse({"status": "degraded", "live_dp_ranks": live, "dead_dp_ranks": dead})
+        return JSONResponse({"status": "degraded", "live_dp_ranks": self.router.live_ranks(), "dead_dp_ranks": dead})
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self.model_card()]})
@@ -633,11 +607,11 @@ class Front:
                 "pools": pools,
                 "kv_events": self.state.kv_events,
                 "auth": self.state.api_keys is not None,
-                "dp_size": len(self.replicas),
+                "dp_size": len(self.router.replicas),
                 "load_balance_method": self.state.load_balance_method,
                 "dp_ranks": [
                     {"dp_rank": rank, "live": r.live, "pid": r.pid, "pools": pools_json(r.stats)}
-                    for rank, r in enumerate(self.replicas)
+                    for rank, r in enumerate(self.router.replicas)
                 ],
                 **self.state.extra_info,
             }

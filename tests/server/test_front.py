@@ -123,9 +123,9 @@ def front() -> Iterator[Front]:
     try:
         yield made
     finally:
-        for replica in made.replicas:
-            replica.push.close()
-            replica.pull.close()
+        for link in made.links:
+            link.push.close()
+            link.pull.close()
         made.context.term()
 
 
