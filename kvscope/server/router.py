@@ -13,8 +13,8 @@ NOTE: what the router knows of each rank (docs/serve.md, "Data-parallel ranks")
                  updated by each PagesOut (removed first, then stored; only with N > 1)
     cached       a prompt's cached tokens on rank r = the longest run of its page hashes, from
                  the first, in r's set x page size
-    live         False once the rank's process died: choose skips it; with none live, choose
-                 raises DispatchError
+    live         False once the rank's process died: choose skips it and its held pages are
+                 dropped (its cache died with it); with none live, choose raises DispatchError
 Every choice with N > 1 carries RouteInfo(method, cached on the chosen rank, most cached on
 another); with one rank, choose is rank 0 and None (no routing to record).
 The router holds no sockets and no tasks: the front reads each rank's socket and calls it, from
@@ -77,8 +77,11 @@ class Router:
         held.update(pages.stored)
 
     def rank_exited(self, rank: int) -> None:
-        """The rank's process is gone: choose skips it from now on."""
-        self.replicas[rank].live = False
+        """The rank's process is gone, and its cache with it: choose skips it from now on, and no
+        later choice counts its pages as cached elsewhere (a routing loss no rank could avoid)."""
+        replica = self.replicas[rank]
+        replica.live = False
+        replica.pages.clear()
 
     def live_ranks(self) -> list[int]:
         return [rank for rank, replica in enumerate(self.replicas) if replica.live]

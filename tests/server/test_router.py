@@ -77,7 +77,10 @@ def test_a_dead_rank_is_never_chosen_and_none_live_is_a_dispatch_error() -> None
     prompt = list(range(8))
     affinity.took_pages(0, PagesOut(stored=prompt_page_hashes(prompt, PAGE_SIZE), removed=[]))
     affinity.rank_exited(0)
-    assert affinity.choose(prompt)[0] == 1  # rank 0 holds the whole prompt, but it is gone
+    rank, route = affinity.choose(prompt)
+    assert rank == 1  # rank 0 holds the whole prompt, but it is gone
+    assert route is not None and route.elsewhere_cached_tokens == 0  # and so is its cache: no routing loss
+    assert affinity.cached_tokens(prompt) == [0, 0]
     affinity.rank_exited(1)
     with pytest.raises(DispatchError):
         affinity.choose(prompt)
