@@ -19,10 +19,12 @@ NOTE: the three processes
     writer process     SQLRecorder's own: packs and writes.
 NOTE: messages (channel.py frames)
     recorder -> host   ("open", target, level, label, config JSON), then ("batch", step) with body
-                       marshal of (items, rows, stream: EventStream.pending() or None; the host
-                       appends its events after the items), ("flush",), ("close", status, error)
+                       _batch_body (items, rows and the stream's records, its slots apart; the host
+                       appends the stream's events after the items and notes its hot records in
+                       a StreamLedger), ("ledger",) with body marshal of slots (who last took and
+                       released them), ("flush",), ("close", status, error)
     host -> recorder   ("opened", run_id) or ("failed", one line); ("flushed",) / ("closed",) /
-                       ("failed", one line) later
+                       ("ledger",) with body marshal of (takers, releasers) / ("failed", one line) later
 A host that dies, a full disk or a bad target stop recording: one line on stderr, later records
 are dropped, the engine goes on. Nothing here raises into the recording process after __init__.
 """
@@ -39,9 +41,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from enum import StrEnum
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +74,7 @@ HOT_KINDS = frozenset(
     k._value_ for k in (EventKind.ALLOC, EventKind.LOCK, EventKind.REVIVE, EventKind.FREE, EventKind.UNLOCK)
 )
 _EVICT, _FULL, _CAPACITY = EventKind.EVICT._value_, PoolName.FULL._value_, EvictReason.CAPACITY._value_
+_RELEASES = frozenset(k._value_ for k in (EventKind.FREE, EventKind.UNLOCK))
 
 
 class EventStream:
@@ -78,10 +82,11 @@ class EventStream:
     per event `records.extend` of one record and `slots.append` per block. The lists are cleared in
     place, never replaced, so the caller's bound methods stay valid."""
 
-    def __init__(self) -> None:
+    def __init__(self, slot_key: Callable[[Any], int] | None = None) -> None:
         self.records: list[Any] = []
-        self.slots: list[int] = []
+        self.slots: list[Any] = []
         self.clock: tuple[int, int, int] = (CLOCK, 0, 0)  # NOTE: the latest clock record
+        self.slot_key = slot_key  # NOTE: slots are objects this maps to their ints, once per hand-off
 
     def tick(self, step: int, t_ns: int) -> None:
         """The step and time of the records that follow."""
@@ -115,8 +120,17 @@ class EventStream:
         return len(records) > 3 or (bool(records) and records[0] != CLOCK)
 
     def pending(self) -> tuple[list[Any], list[int]] | None:
-        """The buffered (records, slots) themselves (no copy: marshal them, then clear()); None: no event."""
-        return (self.records, self.slots) if self.has_events() else None
+        """The buffered (records, slots) themselves (no copy: marshal them, then clear()), slot
+        objects mapped to their ints in place; None: no event."""
+        if not self.has_events():
+            return None
+        key = self.slot_key
+        if key is not None:
+            try:
+                self.slots[:] = map(key, self.slots)
+            except AttributeError:  # NOTE: ints beside the objects (record()'s slots): left as they are
+                self.slots[:] = [slot if type(slot) is int else key(slot) for slot in self.slots]
+        return (self.records, self.slots)
 
     def clear(self) -> None:
         """Empty, in place; the step's clock opens the next batch."""
@@ -125,10 +139,33 @@ class EventStream:
         self.records.extend(self.clock)
 
 
-def stream_as_items(records: list[Any], slots: list[int]) -> list[Any]:
+class StreamLedger:
+    """The host's ledger of an event stream's slots: the last (rid, step, kind) that took each slot
+    (alloc, lock, revive) and that released it (free, unlock), from the hot records, so that a hot
+    caller keeps none on its own thread and asks for the few slots its census names
+    (RemoteRecorder.stream_ledger)."""
+
+    def __init__(self) -> None:
+        self.takers: dict[int, tuple[str | None, int, str]] = {}
+        self.releasers: dict[int, tuple[str | None, int, str]] = {}
+
+    def note(self, kind: str, rid: str | None, step: int, slots: list[int]) -> None:
+        book = self.releasers if kind in _RELEASES else self.takers
+        book.update(zip(slots, repeat((rid, step, kind))))
+
+    def answer(self, slots: list[int]) -> tuple[dict[int, Any], dict[int, Any]]:
+        takers, releasers = self.takers, self.releasers
+        return (
+            {s: takers[s] for s in slots if s in takers},
+            {s: releasers[s] for s in slots if s in releasers},
+        )
+
+
+def stream_as_items(records: list[Any], slots: list[int], ledger: StreamLedger | None = None) -> list[Any]:
     """EventStream.pending()'s batch as the flat ITEM_FIELDS items SQLRecorder.extend_items takes
-    (slots as int64 arrays, t_mono in seconds). Slots past the last event's are a hot caller's that
-    failed before its record (recording stopped there): dropped."""
+    (slots as int64 arrays, t_mono in seconds); `ledger`: its hot records noted there too. Slots
+    past the last event's are a hot caller's that failed before its record (recording stopped
+    there): dropped."""
     import numpy as np  # NOTE: the host's interpreter (the engine side imports the standard library only)
 
     slot_values = np.asarray(slots, np.int64)  # NOTE: each event's slots a view of it
@@ -156,7 +193,10 @@ def stream_as_items(records: list[Any], slots: list[int]) -> list[Any]:
         elif head in HOT_KINDS:
             rid, aux, num_slots = records[r + 1 : r + 4]
             r += 4
-            taken, at = _slots_at(slot_values, at, num_slots), at + num_slots
+            taken = _slots_at(slot_values, at, num_slots)
+            if ledger is not None:
+                ledger.note(head, rid, step, slots[at : at + num_slots])
+            at += num_slots
             add((step, t_mono, head, _FULL, rid, None, num_slots, aux, None, None, taken))
         else:
             raise ValueError(f"an event stream record starts with {head!r}")
@@ -342,7 +382,7 @@ class RemoteRecorder(Recorder):
     def _hand_off(self) -> None:
         self._due_s = _monotonic() + self._interval_s
         items, rows = self._items, self._rows
-        stream = None if self._stream is None else self._stream.pending()
+        stream = None if self.failure is not None or self._stream is None else self._stream.pending()
         if self.failure is not None or (not items and not rows and stream is None):
             items.clear()
             rows.clear()
@@ -350,7 +390,7 @@ class RemoteRecorder(Recorder):
                 self._stream.clear()
             return
         try:
-            body = marshal.dumps((items, rows, stream))
+            body = _batch_body(items, rows, stream)
             with _signals_held():
                 self._channel.send(("batch", self._step), body)
         except (ValueError, TypeError) as err:
@@ -362,6 +402,33 @@ class RemoteRecorder(Recorder):
         if self._stream is not None:
             self._stream.clear()
         self._read_answers()
+
+    def stream_ledger(self, slots: list[int]) -> tuple[dict[int, Any], dict[int, Any]] | None:
+        """Who last took and released each of `slots`, from the host's ledger of the event stream
+        (everything recorded so far is handed on first): ({slot: (rid, step, kind)} of takers, of
+        releasers); None when recording has stopped (nobody can say)."""
+        if self.closed:
+            return None
+        self._hand_off()
+        if self.failure is not None:
+            return None
+        try:
+            with _signals_held():
+                self._channel.send(("ledger",), marshal.dumps(list(slots)))
+            while True:
+                answer = self._channel.receive()
+                if answer is None:
+                    continue
+                if answer.kind == "ledger":
+                    takers, releasers = marshal.loads(answer.body)
+                    answer.release()
+                    return takers, releasers
+                if answer.kind == "failed":
+                    self._stop(str(answer.header[1]))
+                    return None
+        except (ChannelClosed, OSError):
+            self._stop("the recorder's host process ended")
+        return None
 
     def _read_answers(self) -> None:
         try:
@@ -399,6 +466,22 @@ class RemoteRecorder(Recorder):
             self._process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._process.kill()
+
+
+def _batch_body(items: list[Any], rows: list[Any], stream: tuple[list[Any], list[int]] | None) -> bytes:
+    """A batch: the length of the first part (8 bytes), marshal of (items, rows, the stream's records
+    or None), then its slots apart in marshal version 2 (no reference table: an int costs about a
+    third of version 4's here, and slots are all ints)."""
+    records, slots = (None, []) if stream is None else stream
+    head = marshal.dumps((items, rows, records))
+    return len(head).to_bytes(8, "little") + head + marshal.dumps(slots, 2)
+
+
+def _read_batch(body: Any) -> tuple[list[Any], list[Any], tuple[list[Any], list[int]] | None]:
+    size = int.from_bytes(body[:8], "little")
+    items, rows, records = marshal.loads(body[8 : 8 + size])
+    slots = marshal.loads(body[8 + size :])
+    return items, rows, None if records is None else (records, slots)
 
 
 def _plain_tuple(record: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -481,6 +564,7 @@ def _host(channel: Channel) -> None:
         return
     channel.send(("opened", recorder.run_id, os.getpid()))
     status: tuple[str, str | None] = ("interrupted", "the recording process ended without closing the run")
+    ledger = StreamLedger()
     try:
         while True:
             try:
@@ -490,11 +574,11 @@ def _host(channel: Channel) -> None:
             if message is None:
                 continue
             if message.kind == "batch":
-                items, rows, stream = marshal.loads(message.body)
+                items, rows, stream = _read_batch(message.body)
                 message.release()
                 if stream is not None:
                     try:
-                        items.extend(stream_as_items(*stream))
+                        items.extend(stream_as_items(*stream, ledger))
                     except ValueError as err:  # NOTE: the batch's other records are still taken
                         channel.send(("failed", f"a batch of events could not be read: {err}"))
                 _take(recorder, items, rows, PoolTerms)
@@ -505,6 +589,10 @@ def _host(channel: Channel) -> None:
             elif message.kind == "flush":
                 recorder.flush()
                 channel.send(("flushed",))
+            elif message.kind == "ledger":
+                asked = marshal.loads(message.body)
+                message.release()
+                channel.send(("ledger",), marshal.dumps(ledger.answer(asked)))
             elif message.kind == "close":
                 status = (str(message.header[1]), message.header[2])
                 break
