@@ -37,7 +37,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
-from operator import attrgetter
 from typing import Any
 
 from kvscope.probe.census import BlockView, CensusResult, census_checks, census_json, named, take_census
@@ -86,7 +85,14 @@ ALLOC, LOCK, REVIVE, FREE_KIND, UNLOCK = (
 _getpid = os.getpid
 _monotonic = time.monotonic
 _monotonic_ns = time.monotonic_ns
-_BLOCK_ID = attrgetter("block_id")
+
+
+def _block_ids(blocks: list[Any]) -> list[int]:
+    """The event stream's blocks as their ids, at its hand-off (a list comprehension reads a slots
+    class's field in about 12 ns here; operator.attrgetter took 40-60)."""
+    return [block.block_id for block in blocks]
+
+
 # NOTE: the hot wrappers append their events to the recorder's event stream themselves
 # (RemoteRecorder.event_stream(), remote.EventStream): one (kind, rid, group, num_slots) record per
 # event after the step's clock record, its block ids to the slot list, kind as its value
@@ -154,7 +160,7 @@ class VllmProbe:
                 self.step = rec.step
                 if rec.enabled:
                     self.stream = stream = rec.event_stream()
-                    stream.slot_key = _BLOCK_ID  # NOTE: the wrappers append the blocks themselves
+                    stream.slot_ids = _block_ids  # NOTE: the wrappers append the blocks themselves
                     self.emit, self.slot_buf = stream.records.extend, stream.slots
                 self.hot = True
             if not self.state.active:
@@ -633,7 +639,7 @@ def _record_cached(rec: Any, rid: str, blocks: Any, first: int, end: int, block_
             rid=rid,
             node_id=block.block_id,
             num_tokens=int(block_size),
-            slots=[block],  # NOTE: the event stream maps it to its id (slot_key), as the wrappers' blocks
+            slots=[block],  # NOTE: the event stream gives its id (slot_ids), as the wrappers' blocks
             aux=parent,
         )
 

@@ -19,9 +19,9 @@ NOTE: the three processes
     writer process     SQLRecorder's own: packs and writes.
 NOTE: messages (channel.py frames)
     recorder -> host   ("open", target, level, label, config JSON), then ("batch", step) with body
-                       _batch_body (items, rows and the stream's records, its slots apart; the host
-                       appends the stream's events after the items and notes its hot records in
-                       a StreamLedger), ("ledger",) with body marshal of slots (who last took and
+                       marshal of (items, rows, stream: EventStream.pending() or None; the host
+                       appends its events after the items and notes the stream's hot records in a
+                       StreamLedger), ("ledger",) with body marshal of slots (who last took and
                        released them), ("flush",), ("close", status, error)
     host -> recorder   ("opened", run_id) or ("failed", one line); ("flushed",) / ("closed",) /
                        ("ledger",) with body marshal of (takers, releasers) / ("failed", one line) later
@@ -82,11 +82,11 @@ class EventStream:
     per event `records.extend` of one record and `slots.append` per block. The lists are cleared in
     place, never replaced, so the caller's bound methods stay valid."""
 
-    def __init__(self, slot_key: Callable[[Any], int] | None = None) -> None:
+    def __init__(self, slot_ids: Callable[[list[Any]], list[int]] | None = None) -> None:
         self.records: list[Any] = []
         self.slots: list[Any] = []
         self.clock: tuple[int, int, int] = (CLOCK, 0, 0)  # NOTE: the latest clock record
-        self.slot_key = slot_key  # NOTE: slots are objects this maps to their ints, once per hand-off
+        self.slot_ids = slot_ids  # NOTE: slots are objects: this gives their ints, once per hand-off
 
     def tick(self, step: int, t_ns: int) -> None:
         """The step and time of the records that follow."""
@@ -124,12 +124,8 @@ class EventStream:
         objects mapped to their ints in place; None: no event."""
         if not self.has_events():
             return None
-        key = self.slot_key
-        if key is not None:
-            try:
-                self.slots[:] = map(key, self.slots)
-            except AttributeError:  # NOTE: ints beside the objects (record()'s slots): left as they are
-                self.slots[:] = [slot if type(slot) is int else key(slot) for slot in self.slots]
+        if self.slot_ids is not None:
+            self.slots[:] = self.slot_ids(self.slots)
         return (self.records, self.slots)
 
     def clear(self) -> None:
@@ -390,7 +386,7 @@ class RemoteRecorder(Recorder):
                 self._stream.clear()
             return
         try:
-            body = _batch_body(items, rows, stream)
+            body = marshal.dumps((items, rows, stream))
             with _signals_held():
                 self._channel.send(("batch", self._step), body)
         except (ValueError, TypeError) as err:
@@ -466,22 +462,6 @@ class RemoteRecorder(Recorder):
             self._process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._process.kill()
-
-
-def _batch_body(items: list[Any], rows: list[Any], stream: tuple[list[Any], list[int]] | None) -> bytes:
-    """A batch: the length of the first part (8 bytes), marshal of (items, rows, the stream's records
-    or None), then its slots apart in marshal version 2 (no reference table: an int costs about a
-    third of version 4's here, and slots are all ints)."""
-    records, slots = (None, []) if stream is None else stream
-    head = marshal.dumps((items, rows, records))
-    return len(head).to_bytes(8, "little") + head + marshal.dumps(slots, 2)
-
-
-def _read_batch(body: Any) -> tuple[list[Any], list[Any], tuple[list[Any], list[int]] | None]:
-    size = int.from_bytes(body[:8], "little")
-    items, rows, records = marshal.loads(body[8 : 8 + size])
-    slots = marshal.loads(body[8 + size :])
-    return items, rows, None if records is None else (records, slots)
 
 
 def _plain_tuple(record: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -574,7 +554,7 @@ def _host(channel: Channel) -> None:
             if message is None:
                 continue
             if message.kind == "batch":
-                items, rows, stream = _read_batch(message.body)
+                items, rows, stream = marshal.loads(message.body)
                 message.release()
                 if stream is not None:
                     try:

@@ -4,7 +4,6 @@ host or a bad target stops recording in one line without raising into the record
 
 from __future__ import annotations
 
-import operator
 import os
 import signal
 import subprocess
@@ -281,13 +280,13 @@ class Block:
 
 
 def test_slot_objects_are_mapped_to_their_ids_and_the_host_names_who_took_and_released_them(tmp_path: Path) -> None:
-    """A hot caller appends its slot objects (the stream's slot_key maps them to ints once per
-    hand-off; record()'s int slots beside them stay as they are), and keeps no ledger of its own:
+    """A hot caller appends its slot objects (the stream's slot_ids gives their ints once per
+    hand-off, record()'s int slots among them), and keeps no ledger of its own:
     the host's, from the stream's hot records, says who last took and released each slot."""
     target = tmp_path / "objects.db"
     rec = RemoteRecorder(target, level="full")
     stream = rec.event_stream()
-    stream.slot_key = operator.attrgetter("block_id")
+    stream.slot_ids = lambda slots: [s if type(s) is int else s.block_id for s in slots]
     stream.tick(1, time.monotonic_ns())
     stream.slots.extend([Block(4), Block(5)])
     stream.records.extend(("alloc", "r1", 0, 2))
