@@ -89,8 +89,12 @@ _monotonic_ns = time.monotonic_ns
 
 def _block_ids(blocks: list[Any]) -> list[int]:
     """The event stream's blocks as their ids, at its hand-off (a list comprehension reads a slots
-    class's field in about 12 ns here; operator.attrgetter took 40-60)."""
-    return [block.block_id for block in blocks]
+    class's field in about 12 ns here; operator.attrgetter took 40-60). An int among them (an event
+    recorded with ids) stays as it is."""
+    try:
+        return [block.block_id for block in blocks]
+    except AttributeError:
+        return [b if type(b) is int else b.block_id for b in blocks]
 
 
 # NOTE: the hot wrappers append their events to the recorder's event stream themselves
@@ -422,10 +426,12 @@ def _failed(err: Exception) -> None:
 # (the measurements are in benchmarks/RESULTS.md):
 # - plain try/except instead of `guarded`; the recorder known open in this process by a flag (`hot`,
 #   reset at fork) instead of an os.getpid() per call;
-# - one pass over the blocks, filling the taker/releaser maps the census names (one shared entry
-#   tuple per call) and, at full, the event's block ids, appended straight to the event stream's
-#   slot list; plain loops: for a handful of blocks they beat dict.update(dict.fromkeys(...)) and
-#   dict.update(zip(...)) here;
+# - at summary, one pass over the blocks, filling the taker/releaser maps the census names (one
+#   shared entry tuple per call; plain loops: for a handful of blocks they beat
+#   dict.update(dict.fromkeys(...)) and dict.update(zip(...)) here);
+# - at full, no per-block work: the call's blocks go onto the event stream's slot list as they are
+#   (one C-level list extend; _block_ids makes them ids once per hand-off) and the recorder's host
+#   keeps the taker/releaser ledger from the stream (VllmProbe.named asks it at a failing census);
 # - at full, one 4-value record per event into the event stream's bound list.extend (no keyword
 #   call, no per-event tuple kept, kind as its value); the step and time come from the clock record
 #   the step wrapper appends as the step begins (an event between steps appends its own). The
