@@ -64,7 +64,7 @@ from kvscope.telemetry import (
     UsageSample,
 )
 from kvscope.telemetry.page_hash import PAGE_HASH_BYTES
-from kvscope.telemetry.remote import CLOCK, EventStream
+from kvscope.telemetry.remote import CLOCK, EventStream, RemoteRecorder
 
 ENGINE = "vllm"
 BLOCK_POOL = "vllm.v1.core.block_pool"
@@ -287,7 +287,8 @@ class VllmProbe:
         if self.stream is None:
             return named(result, self.last_taker, self.last_release)
         wanted = sorted({*result.leaked, *result.lostref})
-        answer = self.state.recorder.stream_ledger(wanted) if wanted else None
+        rec = self.state.recorder
+        answer = rec.stream_ledger(wanted) if wanted and isinstance(rec, RemoteRecorder) else None
         if answer is None:  # NOTE: nothing named, or recording stopped: the culprits are not known
             return result
         takers, releasers = answer

@@ -558,7 +558,8 @@ def _host(channel: Channel) -> None:
                 message.release()
                 if stream is not None:
                     try:
-                        items.extend(stream_as_items(*stream, ledger))
+                        records, slots = stream
+                        items.extend(stream_as_items(records, slots, ledger))
                     except ValueError as err:  # NOTE: the batch's other records are still taken
                         channel.send(("failed", f"a batch of events could not be read: {err}"))
                 _take(recorder, items, rows, PoolTerms)
