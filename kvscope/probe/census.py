@@ -83,7 +83,7 @@ def take_census(
     refs = view.ref_counts
     leaked = {b: (r, accounted[b]) for b, r in refs.items() if r > accounted[b]}
     lostref = {b: (r, accounted[b]) for b, r in refs.items() if r < accounted[b]}
-    return CensusResult(
+    result = CensusResult(
         num_blocks=len(refs),
         num_free=len(view.queued),
         num_cached_free=len(queued & view.hashed),
@@ -94,8 +94,22 @@ def take_census(
         qheld=sorted(b for b in queued if refs.get(b, 0) > 0),
         qcount=view.queue_counter - len(view.queued),
         orphans=sorted(set(orphans)),
-        culprits={b: last_taker[b] for b in leaked if b in last_taker},
-        releasers={b: last_release[b] for b in lostref if last_release and b in last_release},
+        culprits={},
+        releasers={},
+    )
+    return named(result, last_taker, last_release)
+
+
+def named(
+    result: CensusResult,
+    last_taker: Mapping[int, tuple[str | None, int, str]],
+    last_release: Mapping[int, tuple[str | None, int, str]] | None,
+) -> CensusResult:
+    """The census with its culprits named: each leaked block's last taker, each lost reference's
+    last release (from whichever ledger the probe keeps)."""
+    return result._replace(
+        culprits={b: last_taker[b] for b in result.leaked if b in last_taker},
+        releasers={b: last_release[b] for b in result.lostref if last_release and b in last_release},
     )
 
 

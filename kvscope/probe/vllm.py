@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvscope.probe.census import BlockView, CensusResult, census_checks, census_json, take_census
+from kvscope.probe.census import BlockView, CensusResult, census_checks, census_json, named, take_census
 from kvscope.probe.core import (
     ProbeState,
     Settings,
@@ -64,7 +64,7 @@ from kvscope.telemetry import (
     UsageSample,
 )
 from kvscope.telemetry.page_hash import PAGE_HASH_BYTES
-from kvscope.telemetry.remote import CLOCK, EventStream
+from kvscope.telemetry.remote import CLOCK, EventStream, RemoteRecorder
 
 ENGINE = "vllm"
 BLOCK_POOL = "vllm.v1.core.block_pool"
@@ -85,6 +85,18 @@ ALLOC, LOCK, REVIVE, FREE_KIND, UNLOCK = (
 _getpid = os.getpid
 _monotonic = time.monotonic
 _monotonic_ns = time.monotonic_ns
+
+
+def _block_ids(blocks: list[Any]) -> list[int]:
+    """The event stream's blocks as their ids, at its hand-off (a list comprehension reads a slots
+    class's field in about 12 ns here; operator.attrgetter took 40-60). An int among them (an event
+    recorded with ids) stays as it is."""
+    try:
+        return [block.block_id for block in blocks]
+    except AttributeError:
+        return [b if type(b) is int else b.block_id for b in blocks]
+
+
 # NOTE: the hot wrappers append their events to the recorder's event stream themselves
 # (RemoteRecorder.event_stream(), remote.EventStream): one (kind, rid, group, num_slots) record per
 # event after the step's clock record, its block ids to the slot list, kind as its value
@@ -152,6 +164,7 @@ class VllmProbe:
                 self.step = rec.step
                 if rec.enabled:
                     self.stream = stream = rec.event_stream()
+                    stream.slot_ids = _block_ids  # NOTE: the wrappers append the blocks themselves
                     self.emit, self.slot_buf = stream.records.extend, stream.slots
                 self.hot = True
             if not self.state.active:
@@ -267,6 +280,20 @@ class VllmProbe:
             self.state.active = False
             self.state.recorder.close("finished")
 
+    def named(self, result: CensusResult) -> CensusResult:
+        """The census's culprits from the ledger: at full the recorder's host keeps it from the event
+        stream (the wrappers keep none: asked for the blocks the census names, when it names any);
+        at summary, the wrappers' own maps."""
+        if self.stream is None:
+            return named(result, self.last_taker, self.last_release)
+        wanted = sorted({*result.leaked, *result.lostref})
+        rec = self.state.recorder
+        answer = rec.stream_ledger(wanted) if wanted and isinstance(rec, RemoteRecorder) else None
+        if answer is None:  # NOTE: nothing named, or recording stopped: the culprits are not known
+            return result
+        takers, releasers = answer
+        return named(result, _as_ledger(takers), _as_ledger(releasers))
+
     def census(self, manager: Any, live_rids: set[str], deferred: list[list[Any]]) -> CensusResult | None:
         """The census now (on the engine's thread, between steps), stored as leak checks, and a
         tree snapshot."""
@@ -275,7 +302,7 @@ class VllmProbe:
             return None
         tables = [m.req_to_blocks for m in manager.coordinator.single_type_managers]
         view = _block_view(manager.block_pool)
-        result = take_census(view, tables, deferred, live_rids, self.last_taker, self.last_release)
+        result = self.named(take_census(view, tables, deferred, live_rids, {}, {}))
         self.cached_free = len(view.hashed.intersection(view.queued))  # NOTE: the running count, recounted
         for check in census_checks(rec.step, result):
             rec.leak_check(check)
@@ -283,6 +310,15 @@ class VllmProbe:
         rec.tree_snapshot(rec.step, tree_rows(manager, self.parents, self.block_size or _block_size(manager)))
         rec.idle()
         return result
+
+
+# NOTE: the ledger's event names as the wrappers name them at summary: touch takes (lock, revive), free
+# releases (free, unlock)
+_LEDGER_NAMES = {LOCK_V: "touch", REVIVE_V: "touch", UNLOCK_V: "free"}
+
+
+def _as_ledger(entries: Mapping[int, tuple[str | None, int, str]]) -> dict[int, tuple[str | None, int, str]]:
+    return {b: (rid, step, _LEDGER_NAMES.get(kind, kind)) for b, (rid, step, kind) in entries.items()}
 
 
 def _block_size(manager: Any) -> int:
@@ -391,10 +427,12 @@ def _failed(err: Exception) -> None:
 # (the measurements are in benchmarks/RESULTS.md):
 # - plain try/except instead of `guarded`; the recorder known open in this process by a flag (`hot`,
 #   reset at fork) instead of an os.getpid() per call;
-# - one pass over the blocks, filling the taker/releaser maps the census names (one shared entry
-#   tuple per call) and, at full, the event's block ids, appended straight to the event stream's
-#   slot list; plain loops: for a handful of blocks they beat dict.update(dict.fromkeys(...)) and
-#   dict.update(zip(...)) here;
+# - at summary, one pass over the blocks, filling the taker/releaser maps the census names (one
+#   shared entry tuple per call; plain loops: for a handful of blocks they beat
+#   dict.update(dict.fromkeys(...)) and dict.update(zip(...)) here);
+# - at full, no per-block work: the call's blocks go onto the event stream's slot list as they are
+#   (one C-level list extend; _block_ids makes them ids once per hand-off) and the recorder's host
+#   keeps the taker/releaser ledger from the stream (VllmProbe.named asks it at a failing census);
 # - at full, one 4-value record per event into the event stream's bound list.extend (no keyword
 #   call, no per-event tuple kept, kind as its value); the step and time come from the clock record
 #   the step wrapper appends as the step begins (an event between steps appends its own). The
@@ -415,22 +453,17 @@ def _get_new_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
         if probe.state.active:
             try:
                 if probe.hot or probe.recorder() is not None:
-                    ctx, step = probe.ctx, probe.step  # NOTE: unpacking more than three names builds a tuple
-                    takers, emit = probe.last_taker, probe.emit
-                    taken = (ctx.rid, step, "alloc")
+                    ctx, emit = probe.ctx, probe.emit
                     if emit is None:
+                        takers, taken = probe.last_taker, (ctx.rid, probe.step, "alloc")
                         for block in blocks:
                             takers[block.block_id] = taken
                     else:
                         slots = probe.slot_buf
-                        add, start = slots.append, len(slots)
-                        for block in blocks:
-                            block_id = block.block_id
-                            takers[block_id] = taken
-                            add(block_id)
+                        slots += blocks
                         if not probe.now_ns:
                             probe.tick()
-                        emit((ALLOC_V, ctx.rid, ctx.group, len(slots) - start))
+                        emit((ALLOC_V, ctx.rid, ctx.group, len(blocks)))
             except Exception as err:
                 _failed(err)
         return blocks
@@ -450,10 +483,10 @@ def _maybe_evict(original: Callable[..., Any]) -> Callable[..., Any]:
                     probe.cached_free -= 1
                     emit = probe.emit
                     if emit is not None:
-                        ctx, node = probe.ctx, block.block_id
+                        ctx = probe.ctx
                         if not probe.now_ns:
                             probe.tick()
-                        probe.slot_buf.append(node)
+                        probe.slot_buf.append(block)
                         emit((EVICT_V, ctx.rid, ctx.group, block_size))
             except Exception as err:
                 _failed(err)
@@ -474,28 +507,26 @@ def _touch(original: Callable[..., Any]) -> Callable[..., Any]:
             if probe.state.active:
                 revived = queued - queue.num_free_blocks  # NOTE: cached blocks taken back out of the free queue
                 probe.cached_free -= revived
-                ctx, step = probe.ctx, probe.step
-                takers, emit = probe.last_taker, probe.emit
-                taken = (ctx.rid, step, "touch")
+                ctx, emit = probe.ctx, probe.emit
                 if emit is None:
+                    takers, taken = probe.last_taker, (ctx.rid, probe.step, "touch")
                     for b in blocks:
                         if not b.is_null:
                             takers[b.block_id] = taken
-                else:
+                elif blocks:
                     slots = probe.slot_buf
-                    add, start = slots.append, len(slots)
-                    for b in blocks:
-                        if not b.is_null:
-                            block_id = b.block_id
-                            takers[block_id] = taken
-                            add(block_id)
+                    start = len(slots)
+                    if blocks[0].is_null or blocks[-1].is_null:  # NOTE: a sliding window's null blocks lead
+                        slots += [b for b in blocks if not b.is_null]
+                    else:
+                        slots += blocks
                     if not probe.now_ns:
                         probe.tick()
                     rid, group = ctx.rid, ctx.group
                     emit((LOCK_V, rid, group, len(slots) - start))
                     if revived:  # NOTE: a revived block went from ref 0 to 1
                         start = len(slots)
-                        slots.extend([b.block_id for b in blocks if b.ref_cnt == 1 and not b.is_null])
+                        slots += [b for b in blocks if b.ref_cnt == 1 and not b.is_null]
                         emit((REVIVE_V, rid, group, len(slots) - start))
         except Exception as err:
             _failed(err)
@@ -516,40 +547,34 @@ def _free_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
         result = original(self, blocks)
         try:
             if blocks and (probe.hot or probe.recorder() is not None):
-                ctx, releasers, emit = probe.ctx, probe.last_release, probe.emit
-                released = (ctx.rid, probe.step, "free")
-                if queue.num_free_blocks - queued == len(blocks):  # NOTE: all this pool's, none null, all at ref 0
-                    if emit is None:
+                ctx, emit = probe.ctx, probe.emit
+                if emit is None:
+                    releasers, released = probe.last_release, (ctx.rid, probe.step, "free")
+                    if queue.num_free_blocks - queued == len(blocks):  # NOTE: all this pool's, none null, all at ref 0
                         for b in blocks:
                             releasers[b.block_id] = released
                     else:
-                        slots = probe.slot_buf
-                        add = slots.append
-                        for b in blocks:
-                            block_id = b.block_id
-                            releasers[block_id] = released
-                            add(block_id)
-                        if not probe.now_ns:
-                            probe.tick()
-                        emit((FREE_V, released[0], ctx.group, len(blocks)))
-                elif emit is None:
-                    for b in blocks:  # NOTE: this pool's blocks only (vLLM frees others' into their own pool)
-                        pool = b.pool
-                        if (pool is self or pool is None) and not b.is_null:
-                            releasers[b.block_id] = released
+                        for b in blocks:  # NOTE: this pool's blocks only (vLLM frees others' into their own pool)
+                            pool = b.pool
+                            if (pool is self or pool is None) and not b.is_null:
+                                releasers[b.block_id] = released
+                elif queue.num_free_blocks - queued == len(blocks):
+                    slots = probe.slot_buf
+                    slots += blocks
+                    if not probe.now_ns:
+                        probe.tick()
+                    emit((FREE_V, ctx.rid, ctx.group, len(blocks)))
                 else:  # NOTE: inline (a helper call per free_blocks costs as much as a block's work)
-                    zero: list[int] = []
-                    still: list[int] = []
+                    zero: list[Any] = []
+                    still: list[Any] = []
                     for b in blocks:
                         pool = b.pool
                         if (pool is not self and pool is not None) or b.is_null:
                             continue
-                        block_id = b.block_id
-                        releasers[block_id] = released
-                        (still if b.ref_cnt else zero).append(block_id)
+                        (still if b.ref_cnt else zero).append(b)
                     if not probe.now_ns:
                         probe.tick()
-                    slots, rid, group = probe.slot_buf, released[0], ctx.group
+                    slots, rid, group = probe.slot_buf, ctx.rid, ctx.group
                     if zero:
                         slots.extend(zero)
                         emit((FREE_V, rid, group, len(zero)))
@@ -621,7 +646,7 @@ def _record_cached(rec: Any, rid: str, blocks: Any, first: int, end: int, block_
             rid=rid,
             node_id=block.block_id,
             num_tokens=int(block_size),
-            slots=[block.block_id],
+            slots=[block],  # NOTE: the event stream gives its id (slot_ids), as the wrappers' blocks
             aux=parent,
         )
 
@@ -946,13 +971,15 @@ def _census_utility(self: Any) -> dict[str, Any]:
         scheduler = self.scheduler
         manager = scheduler.kv_cache_manager
         tables = [m.req_to_blocks for m in manager.coordinator.single_type_managers]
-        result = take_census(
-            _block_view(manager.block_pool),
-            tables,
-            [b for _, b in scheduler.deferred_frees],
-            set(scheduler.requests),
-            PROBE.last_taker,
-            PROBE.last_release,
+        result = PROBE.named(
+            take_census(
+                _block_view(manager.block_pool),
+                tables,
+                [b for _, b in scheduler.deferred_frees],
+                set(scheduler.requests),
+                {},
+                {},
+            )
         )
         return census_json(result, os.getpid(), dp_rank(self) or 0)
     except Exception as err:  # NOTE: an answer, never an engine error

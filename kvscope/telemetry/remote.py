@@ -20,9 +20,11 @@ NOTE: the three processes
 NOTE: messages (channel.py frames)
     recorder -> host   ("open", target, level, label, config JSON), then ("batch", step) with body
                        marshal of (items, rows, stream: EventStream.pending() or None; the host
-                       appends its events after the items), ("flush",), ("close", status, error)
+                       appends its events after the items and notes the stream's hot records in a
+                       StreamLedger), ("ledger",) with body marshal of slots (who last took and
+                       released them), ("flush",), ("close", status, error)
     host -> recorder   ("opened", run_id) or ("failed", one line); ("flushed",) / ("closed",) /
-                       ("failed", one line) later
+                       ("ledger",) with body marshal of (takers, releasers) / ("failed", one line) later
 A host that dies, a full disk or a bad target stop recording: one line on stderr, later records
 are dropped, the engine goes on. Nothing here raises into the recording process after __init__.
 """
@@ -39,9 +41,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from enum import StrEnum
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +74,7 @@ HOT_KINDS = frozenset(
     k._value_ for k in (EventKind.ALLOC, EventKind.LOCK, EventKind.REVIVE, EventKind.FREE, EventKind.UNLOCK)
 )
 _EVICT, _FULL, _CAPACITY = EventKind.EVICT._value_, PoolName.FULL._value_, EvictReason.CAPACITY._value_
+_RELEASES = frozenset(k._value_ for k in (EventKind.FREE, EventKind.UNLOCK))
 
 
 class EventStream:
@@ -78,10 +82,11 @@ class EventStream:
     per event `records.extend` of one record and `slots.append` per block. The lists are cleared in
     place, never replaced, so the caller's bound methods stay valid."""
 
-    def __init__(self) -> None:
+    def __init__(self, slot_ids: Callable[[list[Any]], list[int]] | None = None) -> None:
         self.records: list[Any] = []
-        self.slots: list[int] = []
+        self.slots: list[Any] = []
         self.clock: tuple[int, int, int] = (CLOCK, 0, 0)  # NOTE: the latest clock record
+        self.slot_ids = slot_ids  # NOTE: slots are objects: this gives their ints, once per hand-off
 
     def tick(self, step: int, t_ns: int) -> None:
         """The step and time of the records that follow."""
@@ -115,8 +120,13 @@ class EventStream:
         return len(records) > 3 or (bool(records) and records[0] != CLOCK)
 
     def pending(self) -> tuple[list[Any], list[int]] | None:
-        """The buffered (records, slots) themselves (no copy: marshal them, then clear()); None: no event."""
-        return (self.records, self.slots) if self.has_events() else None
+        """The buffered (records, slots) themselves (no copy: marshal them, then clear()), slot
+        objects mapped to their ints in place; None: no event."""
+        if not self.has_events():
+            return None
+        if self.slot_ids is not None:
+            self.slots[:] = self.slot_ids(self.slots)
+        return (self.records, self.slots)
 
     def clear(self) -> None:
         """Empty, in place; the step's clock opens the next batch."""
@@ -125,10 +135,33 @@ class EventStream:
         self.records.extend(self.clock)
 
 
-def stream_as_items(records: list[Any], slots: list[int]) -> list[Any]:
+class StreamLedger:
+    """The host's ledger of an event stream's slots: the last (rid, step, kind) that took each slot
+    (alloc, lock, revive) and that released it (free, unlock), from the hot records, so that a hot
+    caller keeps none on its own thread and asks for the few slots its census names
+    (RemoteRecorder.stream_ledger)."""
+
+    def __init__(self) -> None:
+        self.takers: dict[int, tuple[str | None, int, str]] = {}
+        self.releasers: dict[int, tuple[str | None, int, str]] = {}
+
+    def note(self, kind: str, rid: str | None, step: int, slots: list[int]) -> None:
+        book = self.releasers if kind in _RELEASES else self.takers
+        book.update(zip(slots, repeat((rid, step, kind))))
+
+    def answer(self, slots: list[int]) -> tuple[dict[int, Any], dict[int, Any]]:
+        takers, releasers = self.takers, self.releasers
+        return (
+            {s: takers[s] for s in slots if s in takers},
+            {s: releasers[s] for s in slots if s in releasers},
+        )
+
+
+def stream_as_items(records: list[Any], slots: list[int], ledger: StreamLedger | None = None) -> list[Any]:
     """EventStream.pending()'s batch as the flat ITEM_FIELDS items SQLRecorder.extend_items takes
-    (slots as int64 arrays, t_mono in seconds). Slots past the last event's are a hot caller's that
-    failed before its record (recording stopped there): dropped."""
+    (slots as int64 arrays, t_mono in seconds); `ledger`: its hot records noted there too. Slots
+    past the last event's are a hot caller's that failed before its record (recording stopped
+    there): dropped."""
     import numpy as np  # NOTE: the host's interpreter (the engine side imports the standard library only)
 
     slot_values = np.asarray(slots, np.int64)  # NOTE: each event's slots a view of it
@@ -156,7 +189,10 @@ def stream_as_items(records: list[Any], slots: list[int]) -> list[Any]:
         elif head in HOT_KINDS:
             rid, aux, num_slots = records[r + 1 : r + 4]
             r += 4
-            taken, at = _slots_at(slot_values, at, num_slots), at + num_slots
+            taken = _slots_at(slot_values, at, num_slots)
+            if ledger is not None:
+                ledger.note(head, rid, step, slots[at : at + num_slots])
+            at += num_slots
             add((step, t_mono, head, _FULL, rid, None, num_slots, aux, None, None, taken))
         else:
             raise ValueError(f"an event stream record starts with {head!r}")
@@ -342,7 +378,7 @@ class RemoteRecorder(Recorder):
     def _hand_off(self) -> None:
         self._due_s = _monotonic() + self._interval_s
         items, rows = self._items, self._rows
-        stream = None if self._stream is None else self._stream.pending()
+        stream = None if self.failure is not None or self._stream is None else self._stream.pending()
         if self.failure is not None or (not items and not rows and stream is None):
             items.clear()
             rows.clear()
@@ -362,6 +398,33 @@ class RemoteRecorder(Recorder):
         if self._stream is not None:
             self._stream.clear()
         self._read_answers()
+
+    def stream_ledger(self, slots: list[int]) -> tuple[dict[int, Any], dict[int, Any]] | None:
+        """Who last took and released each of `slots`, from the host's ledger of the event stream
+        (everything recorded so far is handed on first): ({slot: (rid, step, kind)} of takers, of
+        releasers); None when recording has stopped (nobody can say)."""
+        if self.closed:
+            return None
+        self._hand_off()
+        if self.failure is not None:
+            return None
+        try:
+            with _signals_held():
+                self._channel.send(("ledger",), marshal.dumps(list(slots)))
+            while True:
+                answer = self._channel.receive()
+                if answer is None:
+                    continue
+                if answer.kind == "ledger":
+                    takers, releasers = marshal.loads(answer.body)
+                    answer.release()
+                    return takers, releasers
+                if answer.kind == "failed":
+                    self._stop(str(answer.header[1]))
+                    return None
+        except (ChannelClosed, OSError):
+            self._stop("the recorder's host process ended")
+        return None
 
     def _read_answers(self) -> None:
         try:
@@ -481,6 +544,7 @@ def _host(channel: Channel) -> None:
         return
     channel.send(("opened", recorder.run_id, os.getpid()))
     status: tuple[str, str | None] = ("interrupted", "the recording process ended without closing the run")
+    ledger = StreamLedger()
     try:
         while True:
             try:
@@ -494,7 +558,8 @@ def _host(channel: Channel) -> None:
                 message.release()
                 if stream is not None:
                     try:
-                        items.extend(stream_as_items(*stream))
+                        records, slots = stream
+                        items.extend(stream_as_items(records, slots, ledger))
                     except ValueError as err:  # NOTE: the batch's other records are still taken
                         channel.send(("failed", f"a batch of events could not be read: {err}"))
                 _take(recorder, items, rows, PoolTerms)
@@ -505,6 +570,10 @@ def _host(channel: Channel) -> None:
             elif message.kind == "flush":
                 recorder.flush()
                 channel.send(("flushed",))
+            elif message.kind == "ledger":
+                asked = marshal.loads(message.body)
+                message.release()
+                channel.send(("ledger",), marshal.dumps(ledger.answer(asked)))
             elif message.kind == "close":
                 status = (str(message.header[1]), message.header[2])
                 break

@@ -272,6 +272,47 @@ def test_the_event_stream_reads_back_as_record_does(tmp_path: Path) -> None:
     assert len(read[1]) == 4 and read[0] == read[1]
 
 
+class Block:
+    """A slot object as a hot caller appends it (vLLM's KVCacheBlock has its id as block_id)."""
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+
+
+def test_slot_objects_are_mapped_to_their_ids_and_the_host_names_who_took_and_released_them(tmp_path: Path) -> None:
+    """A hot caller appends its slot objects (the stream's slot_ids gives their ints once per
+    hand-off, record()'s int slots among them), and keeps no ledger of its own:
+    the host's, from the stream's hot records, says who last took and released each slot."""
+    target = tmp_path / "objects.db"
+    rec = RemoteRecorder(target, level="full")
+    stream = rec.event_stream()
+    stream.slot_ids = lambda slots: [s if type(s) is int else s.block_id for s in slots]
+    stream.tick(1, time.monotonic_ns())
+    stream.slots.extend([Block(4), Block(5)])
+    stream.records.extend(("alloc", "r1", 0, 2))
+    rec.idle()
+    stream.tick(2, time.monotonic_ns())
+    stream.slots.append(Block(5))
+    stream.records.extend(("lock", "r2", 0, 1))
+    rec.record(EventKind.INSERT, pool=PoolName.FULL, rid="r2", node_id=5, num_tokens=16, slots=[5])
+    stream.slots.extend([Block(4), Block(5)])
+    stream.records.extend(("free", "r1", 0, 1, "unlock", "r1", 0, 1))
+    assert rec.stream_ledger([4, 5, 6]) == (
+        {4: ("r1", 1, "alloc"), 5: ("r2", 2, "lock")},
+        {4: ("r1", 2, "free"), 5: ("r1", 2, "unlock")},
+    )
+    rec.close()
+    assert rec.stream_ledger([4]) is None  # NOTE: recording over: nobody can say
+    capture = Capture(target)
+    try:
+        events = capture.events(int(capture.runs().iloc[-1].id), limit=100)
+        slots = [np.frombuffer(s, "<i4").tolist() for s in events.slots]
+        assert list(events.kind) == ["alloc", "lock", "insert", "free", "unlock"]
+        assert slots == [[4, 5], [5], [5], [4], [5]]
+    finally:
+        capture.close()
+
+
 def test_slots_left_by_a_failed_hot_caller_are_dropped(tmp_path: Path) -> None:
     """A hot wrapper that fails between its block ids and its record leaves ids with no event
     (recording stops there): the events before it read back whole, the stray ids are dropped."""
