@@ -8,9 +8,11 @@ TREE: unified (UnifiedRadixCache, Python tree core), rust (the same, Rust tree c
 SWATokenToKVPoolAllocator and SWAKVPool: a full and an swa pool), mamba (UnifiedRadixCache with its
 Mamba component, Python tree core, over SGLang's HybridReqToTokenPool with a MambaPool of MAMBA_SLOTS
 slots from a tiny Mamba2 state shape, and a TokenToKVPoolAllocator: page size 1, as the Mamba
-component requires without the extra buffer). SCENARIO: clean, leak-tail, lock-leak, double-free,
-leak-and-double-free, swa-leak (swa only), mamba-leak, mamba-double-free (mamba only),
-unknown-version, missing-target.
+component requires without the extra buffer), mamba-buffer (the same with SGLang's Mamba extra buffer:
+ping-pong track slots, page size 4 on the paged allocator; its state tracking is not driven).
+SCENARIO: clean, leak-tail, lock-leak, double-free, leak-and-double-free, swa-leak (swa only),
+mamba-leak, mamba-double-free (mamba only; clean runs on mamba-buffer too), unknown-version,
+missing-target.
 The environment names the capture (KVSCOPE_CAPTURE, KVSCOPE_PYTHON; `kvscope instrument` sets both).
 SGLang's own load_plugins() installs the probe.
 
@@ -67,14 +69,16 @@ PAGES = 16
 ROWS = 8
 CONTEXT = 64
 WINDOW = 8  # tokens: the SWA component's sliding window (tree swa)
-MAMBA_SLOTS = 4  # Mamba state slots (tree mamba: page size 1 and PAGES tokens, set by configure)
+MAMBA_SLOTS = 4  # Mamba state slots (tree mamba: page size 1 and PAGES tokens; mamba-buffer: 8; set by configure)
 
 
 def configure(tree_kind: str) -> None:
     """Page size 1 for the Mamba component (64 pages of one token), 4 otherwise (16 pages)."""
-    global PS, PAGES
+    global PS, PAGES, MAMBA_SLOTS
     if tree_kind == "mamba":
         PS, PAGES = 1, 64
+    elif tree_kind == "mamba-buffer":  # NOTE: 3 slots per request: its state and two ping-pong track slots
+        MAMBA_SLOTS = 8
 
 
 class Engine:
@@ -82,15 +86,16 @@ class Engine:
 
     def __init__(self, tree_kind: str) -> None:
         self.swa = tree_kind == "swa"
-        self.mamba = tree_kind == "mamba"
+        self.mamba = tree_kind.startswith("mamba")
+        self.buffer = tree_kind == "mamba-buffer"
         if self.swa:  # NOTE: SGLang's SWA KV pool on the CPU (tiny buffers: one full and one SWA layer)
             kv = SWAKVPool(PAGES * PS, PAGES * PS, PS, torch.float32, 1, 4, [0], [1], "cpu")
             self.alloc: Any = SWATokenToKVPoolAllocator(PAGES * PS, PAGES * PS, PS, torch.int64, "cpu", kv, False)
-        elif self.mamba:  # NOTE: page size 1: SGLang's token allocator
+        elif PS == 1:  # NOTE: SGLang's token allocator
             self.alloc = TokenToKVPoolAllocator(PAGES * PS, torch.int64, "cpu", None, False)
         else:
             self.alloc = PagedTokenToKVPoolAllocator(PAGES * PS, PS, torch.int64, "cpu", None, False)
-        self.rows: Any = mamba_rows() if self.mamba else ReqToTokenPool(ROWS, CONTEXT, "cpu", False)
+        self.rows: Any = mamba_rows(self.buffer) if self.mamba else ReqToTokenPool(ROWS, CONTEXT, "cpu", False)
         if tree_kind == "classic":
             params = CacheInitParams(
                 disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc, page_size=PS
@@ -106,6 +111,7 @@ class Engine:
                 tree_components=(ComponentType.FULL,) if extra is None else (ComponentType.FULL, extra),
                 sliding_window_size=WINDOW if self.swa else None,
                 tree_core_backend="rust" if tree_kind == "rust" else "python",
+                enable_mamba_extra_buffer=self.buffer,
             )
             self.tree = UnifiedRadixCache(params)
         self.live: dict[str, Req] = {}
@@ -219,7 +225,8 @@ class Engine:
             pool = "swa pool"
         if self.mamba and not leak:  # NOTE: SGLang checks it fully idle only: live requests' slots count as uncached
             slots = self.rows.mamba_allocator
-            terms = (self.tree.mamba_evictable_size(), self.tree.mamba_protected_size(), 0, slots.size, len(owners))
+            held = len(owners) * (1 + self.rows.mamba_initial_tracking_slots)  # NOTE: a state and its track slots
+            terms = (self.tree.mamba_evictable_size(), self.tree.mamba_protected_size(), 0, slots.size, held)
             leak, line = SchedulerInvariantChecker._check_pool_invariant("mamba", slots.available_size(), *terms)
         raised = None
         if leak:
@@ -327,7 +334,7 @@ def mamba_workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]],
     return points, injected
 
 
-def mamba_rows() -> HybridReqToTokenPool:
+def mamba_rows(extra_buffer: bool) -> HybridReqToTokenPool:
     """SGLang's HybridReqToTokenPool with its MambaPool and MambaSlotAllocator (MAMBA_SLOTS slots), from a
     tiny Mamba2 state (one layer): what a hybrid Mamba model's scheduler builds, without the extra buffer."""
     shape = Mamba2StateShape.create(
@@ -342,7 +349,7 @@ def mamba_rows() -> HybridReqToTokenPool:
         enable_memory_saver=False,
         cache_params=Mamba2CacheParams(shape=shape, layers=[0]),
         mamba_layer_ids=[0],
-        enable_mamba_extra_buffer=False,
+        enable_mamba_extra_buffer=extra_buffer,
     )
 
 

@@ -258,6 +258,30 @@ def test_a_mamba_pool_checks_clean_beside_the_full_pool(tmp_path: Path) -> None:
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+def test_a_mamba_pool_with_sglangs_extra_buffer_checks_clean(tmp_path: Path) -> None:
+    """With SGLang's Mamba extra buffer a request holds its state and two ping-pong track slots (8 slots,
+    page size 4; the scheduler's tracking is not driven, so the tree keeps no state): the census counts
+    all three as the live request's, and each release frees the slots it took, the track slots read from
+    the row's mapping, which the next request's row rewrites (the hook copies that view)."""
+    capture = tmp_path / "mamba-buffer.db"
+    result = drive("clean", "mamba-buffer", capture)
+    assert [p["sglang"]["leak"] for p in result["points"]] == [False, False, False]
+    mamba = [mamba_census(p) for p in result["points"]]
+    assert all(c["ok"] for c in mamba) and [c["live"] for c in mamba] == [0, 3, 0]  # req-D's three slots at 2
+    db = Capture(capture)
+    try:
+        events = db.events(int(db.runs().iloc[-1].id), limit=10_000)
+        slots = events[events.pool == "mamba"]
+        taken = sorted(s for pages in slots[slots.kind == "alloc"].slots for s in array("i", pages))
+        freed = sorted(s for pages in slots[slots.kind == "free"].slots for s in array("i", pages))
+        assert len(taken) == 15 and freed == taken  # five requests, three slots each, each given back once
+        assert list(slots[slots.kind == "free"].rid.drop_duplicates()) == ["req-A", "req-B", "req-C", "req-E", "req-D"]
+    finally:
+        db.close()
+    check = kvscope("check", str(capture))
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
 def test_a_mamba_slot_a_finished_request_never_freed_is_named_with_the_request(tmp_path: Path) -> None:
     """req-C finishes uncached and its release drops its Mamba slot without freeing it: SGLang's own
     check raises with totals; the census names the slot and req-C (the bind's taker) first."""
