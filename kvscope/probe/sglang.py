@@ -473,22 +473,28 @@ class SglangProbe:
         calls, self.mamba_calls = self.mamba_calls, []
         if not calls:
             return
-        values = _to_numpy(tuple(call[6] for call in calls)).tolist()
+        tensors = tuple(call[6] for call in calls)
+        try:
+            values = _to_numpy(tensors).tolist()
+        except RuntimeError:  # NOTE: a 0-d or 2-d index among them: cat wants one number of dimensions
+            values = _to_numpy(tuple(t.reshape(-1) for t in tensors)).tolist()
+        takers, releasers = self.takers["mamba"], self.releasers["mamba"]
         events: list[Any] = []
         at = 0
-        for kind, allocator, rid, step, event, now, tensor, width in calls:
-            slots = values[at : at + tensor.numel()]
-            at += len(slots)
+        for (kind, allocator, rid, step, event, now, _, width), count in zip(calls, map(_numel, tensors), strict=True):
+            end = at + count
+            slots, at = values[at:end], end
             if kind == BIND:
-                ledger = self.takers["mamba"].setdefault(id(allocator), {})
+                ledger = takers.setdefault(id(allocator), {})
                 for i, holder in enumerate(rid):
                     ledger.update((s, (holder, step, event)) for s in slots[i * width : (i + 1) * width] if s > 0)
                 continue
-            taken = kind == ALLOC
-            (self.takers if taken else self.releasers)["mamba"].setdefault(id(allocator), {}).update(
-                (s, (rid, step, event)) for s in slots
-            )
-            events += (step, now, ALLOC_V if taken else FREE_V, "mamba", rid, None, len(slots), 0, None, None, slots)
+            ledger = (takers if kind == ALLOC else releasers).setdefault(id(allocator), {})
+            entry = (rid, step, event)
+            for s in slots:
+                ledger[s] = entry
+            value = ALLOC_V if kind == ALLOC else FREE_V
+            events += (step, now, value, "mamba", rid, None, len(slots), 0, None, None, slots)
         self.busy = True
         if self.emit is not None and events:
             self.emit(events)
@@ -601,6 +607,10 @@ def _to_numpy(tensors: tuple[Any, ...]) -> np.ndarray:
     never imports it)."""
     joined = tensors[0] if len(tensors) == 1 else sys.modules["torch"].cat(tensors)
     return joined.cpu().numpy().reshape(-1).astype(np.int64, copy=False)
+
+
+def _numel(tensor: Any) -> int:
+    return int(tensor.numel())  # NOTE: a tensor's len() costs about 7 times as much
 
 
 def _gather(table: Any, starts: list[int], parts: list[int]) -> Any:
@@ -930,8 +940,7 @@ def _h_mamba_free(original: Callable[..., Any], self: Any, free_index: Any, *arg
             if (probe.hot or _ready()) and free_index.numel():  # NOTE: a view (a request's slot, a row of the
                 # ping-pong mapping, rewritten once the row is reused) is copied
                 kept = free_index if free_index._base is None else free_index.clone()
-                call = (FREE, self, probe.rid, probe.step, probe.event, probe.now, kept.reshape(-1), 1)
-                probe.mamba_calls.append(call)
+                probe.mamba_calls.append((FREE, self, probe.rid, probe.step, probe.event, probe.now, kept, 1))
                 if len(probe.mamba_calls) >= FOLD_CALLS:
                     probe.fold_mamba()
         except Exception as err:
