@@ -21,12 +21,15 @@ ids, num_tokens = pages x page size; rid = the request the probe's context names
     lock / unlock  inc_lock_ref / dec_lock_ref: node_id = the node (the lock ledger's holder)
     evict    evict / evict_for_alloc: num_tokens = tokens evicted, reason capacity
     host_evict / load / write  the HiCache component's evict_host / load_back / backup_kv_cache
+    alloc / free (pool mamba)  MambaSlotAllocator.alloc / free: slots = Mamba state slot ids, num_tokens =
+             slots; each slot's taker / releaser in the mamba ledger, and prepare_for_extend binds each
+             request's row slots to it (folded by fold_mamba, not drain)
 The census (Scheduler.on_idle after SGLang's own check; SchedulerInvariantChecker._report_leak
 before SGLang raises) writes one leak check per pool (full; swa under an SWA allocator, read through
-SGLang's full -> SWA slot mapping; req) and a tree snapshot (tree_rows); a request record
-per release_kv_cache. Per step a usage sample from the allocator's and the tree's own counters
-(available, evictable, protected; written when the next step begins, or by the census), and a tree
-snapshot every SNAPSHOT_EVERY_STEPS steps while busy.
+SGLang's full -> SWA slot mapping; req; mamba under a HybridReqToTokenPool's MambaSlotAllocator) and
+a tree snapshot (tree_rows); a request record per release_kv_cache. Per step a usage sample from
+the allocator's and the tree's own counters (available, evictable, protected; written when the next
+step begins, or by the census), and a tree snapshot every SNAPSHOT_EVERY_STEPS steps while busy.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ PAGED = f"{MEM}.allocator.paged.PagedTokenToKVPoolAllocator"
 TOKEN = f"{MEM}.allocator.token.TokenToKVPoolAllocator"
 SWA = f"{MEM}.allocator.swa.SWATokenToKVPoolAllocator"
 ROWS = f"{MEM}.memory_pool.ReqToTokenPool"
+MAMBA_SLOTS = f"{MEM}.allocator.mamba.MambaSlotAllocator"
 RADIX = f"{MEM}.radix_cache.RadixCache"
 UNIFIED = f"{MEM}.unified_radix_cache.UnifiedRadixCache"
 BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
@@ -94,6 +98,8 @@ _monotonic = time.monotonic
 Entry = tuple[str | None, int, str]  # NOTE: (rid, step, event), as sglang_census
 Pending = tuple[int, Any, Any, int, str, Any, Any]  # NOTE: (ALLOC/FREE/BIND, allocator, rid or a bind's rids,
 # step, event, index tensor, None or a bind's slots per request)
+MambaCall = tuple[int, Any, Any, int, str, float, Any, int]  # NOTE: (ALLOC/FREE/BIND, MambaSlotAllocator, rid or a
+# bind's rids, step, event, the step's clock read, slot tensor, a bind's slots per request)
 
 
 class Hook(NamedTuple):
@@ -193,8 +199,10 @@ class SglangProbe:
         self.event = "alloc"
         self.busy = False  # NOTE: something moved since the last census
         self.pools: dict[int, str] = {}  # id(sub-allocator) -> "swa" (anything else is full)
-        self.takers: dict[str, Any] = {"full": Ledger(), "swa": Ledger(), "req": {}}  # NOTE: req rows: a dict
-        self.releasers: dict[str, Any] = {"full": Ledger(), "swa": Ledger(), "req": {}}
+        self.takers: dict[str, Any] = {"full": Ledger(), "swa": Ledger(), "req": {}, "mamba": {}}  # NOTE: req rows: a
+        # dict; mamba: id(MambaSlotAllocator) -> {slot: entry} (an int8 checkpoint pool or a draft head has its own)
+        self.releasers: dict[str, Any] = {"full": Ledger(), "swa": Ledger(), "req": {}, "mamba": {}}
+        self.mamba_calls: list[MambaCall] = []  # NOTE: Mamba slot calls and binds not yet folded (fold_mamba)
         self.locks: dict[Any, list[tuple[str | None, int]]] = {}  # node -> [(rid, step) of each open lock]
         self.recorded: set[str] = set()
         self.cum = [0, 0, 0, 0, 0]  # NOTE: prompt tokens, hit tokens, requests, requests with a hit, evicted tokens
@@ -234,9 +242,10 @@ class SglangProbe:
 
     def drain_at_exit(self) -> None:
         """The calls since the last fold, into the capture before the recorder closes."""
-        if self.state.active and self.pending:
+        if self.state.active and (self.pending or self.mamba_calls):
             with guarded(self.state):
                 self.drain()
+                self.fold_mamba()
 
     def config(self, *, patched: bool, reason: str | None = None) -> dict[str, Any]:
         return {
@@ -366,6 +375,8 @@ class SglangProbe:
         swa = _swa_pool(allocator)
         peers = None if swa is None else (allocator.full_to_swa_index_mapping, swa)
         self.bind_requests(reqs, rows, page_size, full, event, peers)
+        if event == "extend" and getattr(rows, "req_index_to_mamba_index_mapping", None) is not None:
+            self.bind_mamba(reqs, rows)
         self.sources = (tree, full, len(reqs))
         rec = self.recorder()
         if rec is not None and rec.step % SNAPSHOT_EVERY_STEPS == 0:
@@ -432,6 +443,62 @@ class SglangProbe:
             mapping, swa = peers
             self.pending.append((BIND, swa, rids, self.step, event, mapping[slots], parts))
 
+    def bind_mamba(self, reqs: Any, rows: Any) -> None:
+        """After prepare_for_extend: each request's Mamba slots (its row's mamba index, and its
+        ping-pong track slots with SGLang's extra buffer) are its own. HybridReqToTokenPool.alloc takes
+        them in the batch's prepare, where no request is the context: one gather from the row
+        mappings, queued for fold_mamba (no tensor read here)."""
+        rids, picked = [], []
+        for req in reqs:
+            row = req.kv.req_pool_idx
+            if row is not None:
+                rids.append(req.rid)
+                picked.append(int(row))
+        if not rids:
+            return
+        mapping = rows.req_index_to_mamba_index_mapping
+        index = mapping.new_tensor(picked).long()
+        slots, width = mapping[index].long(), 1
+        if getattr(rows, "enable_mamba_extra_buffer", False):  # NOTE: [rows, track slots], -1 where empty
+            track = rows.req_index_to_mamba_ping_pong_track_buffer_mapping[index]
+            width = 1 + track.shape[1]
+            slots = sys.modules["torch"].cat((slots.unsqueeze(1), track.long()), 1).reshape(-1)
+        self.mamba_calls.append((BIND, rows.mamba_allocator, rids, self.step, "extend", self.now, slots, width))
+
+    def fold_mamba(self) -> None:
+        """The Mamba slot calls and binds since the last fold into the mamba ledgers (per
+        MambaSlotAllocator), and (level full) one alloc / free event per call, pool mamba: one
+        concatenation and one transfer off the device. Mamba calls are per request, not per token:
+        folded at each census, every FOLD_CALLS calls, and at exit."""
+        calls, self.mamba_calls = self.mamba_calls, []
+        if not calls:
+            return
+        tensors = tuple(call[6] for call in calls)
+        try:
+            values = _to_numpy(tensors).tolist()
+        except RuntimeError:  # NOTE: a 0-d or 2-d index among them: cat wants one number of dimensions
+            values = _to_numpy(tuple(t.reshape(-1) for t in tensors)).tolist()
+        takers, releasers = self.takers["mamba"], self.releasers["mamba"]
+        events: list[Any] = []
+        at = 0
+        for (kind, allocator, rid, step, event, now, _, width), count in zip(calls, map(_numel, tensors), strict=True):
+            end = at + count
+            slots, at = values[at:end], end
+            if kind == BIND:
+                ledger = takers.setdefault(id(allocator), {})
+                for i, holder in enumerate(rid):
+                    ledger.update((s, (holder, step, event)) for s in slots[i * width : (i + 1) * width] if s > 0)
+                continue
+            ledger = (takers if kind == ALLOC else releasers).setdefault(id(allocator), {})
+            entry = (rid, step, event)
+            for s in slots:
+                ledger[s] = entry
+            value = ALLOC_V if kind == ALLOC else FREE_V
+            events += (step, now, value, "mamba", rid, None, len(slots), 0, None, None, slots)
+        self.busy = True
+        if self.emit is not None and events:
+            self.emit(events)
+
     # -- the census -----------------------------------------------------------------------------
 
     def census(self, tree: Any, rows: Any, owners: list[Any], *, why: str) -> Any:
@@ -441,6 +508,7 @@ class SglangProbe:
         if rec is None:
             return None
         self.drain()
+        self.fold_mamba()
         self.busy = False
         self.censuses += 1
         if rec.step == self.census_step:  # NOTE: one census per step (a second idle point without a step between)
@@ -462,6 +530,10 @@ class SglangProbe:
             results.append(take_page_census("swa", swa_view, self.takers["swa"], self.releasers["swa"], {}))
         row_result = take_page_census("req", _row_view(rows, owners), self.takers["req"], self.releasers["req"], {})
         results.append(row_result)
+        slots = _mamba_allocator(rows)
+        if slots is not None:
+            takers, releasers = self.takers["mamba"].get(id(slots), {}), self.releasers["mamba"].get(id(slots), {})
+            results.append(take_page_census("mamba", _mamba_view(tree, rows, slots, owners), takers, releasers, {}))
         for check in census_checks(rec.step, results):
             rec.leak_check(check)
         ps = view.page_size
@@ -537,6 +609,10 @@ def _to_numpy(tensors: tuple[Any, ...]) -> np.ndarray:
     return joined.cpu().numpy().reshape(-1).astype(np.int64, copy=False)
 
 
+def _numel(tensor: Any) -> int:
+    return int(tensor.numel())  # NOTE: a tensor's len() costs about 7 times as much
+
+
 def _gather(table: Any, starts: list[int], parts: list[int]) -> Any:
     """The slots [starts[i], starts[i] + parts[i]) of the flattened table, run after run, copied
     into one new int64 tensor on the table's device (one index transfer, one gather)."""
@@ -607,6 +683,41 @@ def _swa_view(allocator: Any, swa: Any, tree_slots: list[int], rows: Any, owners
             if peer > 0:
                 live.setdefault(peer // ps, req.rid)
     return PageView(ps, _num_pages(swa), _free_list(swa), tree_pages, live)
+
+
+def _mamba_allocator(rows: Any) -> Any:
+    """The Mamba slot allocator of SGLang's HybridReqToTokenPool, None where there is none or where it
+    is not a MambaSlotAllocator (the unified memory pool's UnifiedMambaSlotAllocator hands out virtual
+    ids and lists no free slots: not censused)."""
+    allocator = getattr(rows, "mamba_allocator", None)
+    if allocator is None:
+        return None
+    from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+
+    return allocator if isinstance(allocator, MambaSlotAllocator) else None
+
+
+def _mamba_view(tree: Any, rows: Any, allocator: Any, owners: list[Any]) -> PageView:
+    """The Mamba pool's slots (a "page" of size 1; slot 0 is SGLang's dummy): free = the allocator's
+    free list, in the tree = the unified tree's Mamba values (none under an int8 checkpoint pool, where
+    the tree's states live in that pool's own slots), a live request's = its row's mamba index and its
+    ping-pong track slots (SGLang's extra buffer; -1 where empty)."""
+    in_tree = getattr(tree, "supports_mamba", lambda: False)() and getattr(rows, "mamba_ckpt_pool", None) is None
+    tree_slots = set(tree.all_mamba_values_flatten().tolist()) if in_tree else set()
+    held = [req for req in owners if req.kv.req_pool_idx is not None]
+    live: dict[int, str] = {}
+    if held:
+        mapping = rows.req_index_to_mamba_index_mapping
+        index = mapping.new_tensor([int(req.kv.req_pool_idx) for req in held]).long()
+        columns = [mapping[index].long().unsqueeze(1)]
+        if getattr(rows, "enable_mamba_extra_buffer", False):
+            columns.append(rows.req_index_to_mamba_ping_pong_track_buffer_mapping[index].long())
+        table = sys.modules["torch"].cat(columns, 1).tolist()
+        for req, slots in zip(held, table, strict=True):
+            for slot in slots:
+                if slot > 0:
+                    live.setdefault(slot, req.rid)
+    return PageView(1, int(allocator.size), allocator.free_slots.tolist(), tree_slots, live)
 
 
 def _index(slots: list[int], like: Any) -> Any:
@@ -806,6 +917,35 @@ def _h_rows_free(original: Callable[..., Any], self: Any, indices: Any, *args: A
         except Exception as err:
             _failed(err)
     return original(self, indices, *args, **kwargs)
+
+
+def _h_mamba_alloc(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    out = original(self, *args, **kwargs)
+    probe = PROBE
+    if out is not None and probe.state.active:
+        try:
+            if (probe.hot or _ready()) and out.numel():  # NOTE: a slice of free_slots (only replaced) or of a group's
+                probe.mamba_calls.append((ALLOC, self, probe.rid, probe.step, "alloc", probe.now, out, 1))
+                if len(probe.mamba_calls) >= FOLD_CALLS:
+                    probe.fold_mamba()
+        except Exception as err:
+            _failed(err)
+    return out
+
+
+def _h_mamba_free(original: Callable[..., Any], self: Any, free_index: Any, *args: Any, **kwargs: Any) -> Any:
+    probe = PROBE
+    if probe.state.active:
+        try:
+            if (probe.hot or _ready()) and free_index.numel():  # NOTE: a view (a request's slot, a row of the
+                # ping-pong mapping, rewritten once the row is reused) is copied
+                kept = free_index if free_index._base is None else free_index.clone()
+                probe.mamba_calls.append((FREE, self, probe.rid, probe.step, probe.event, probe.now, kept, 1))
+                if len(probe.mamba_calls) >= FOLD_CALLS:
+                    probe.fold_mamba()
+        except Exception as err:
+            _failed(err)
+    return original(self, free_index, *args, **kwargs)
 
 
 def _h_swa_init(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1026,7 +1166,7 @@ def _record_request(req: Any) -> None:
 
 def _h_on_idle(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
     result = original(self, *args, **kwargs)  # NOTE: SGLang's own check first (it may raise: _report_leak)
-    if PROBE.state.active and (PROBE.busy or PROBE.pending):
+    if PROBE.state.active and (PROBE.busy or PROBE.pending or PROBE.mamba_calls):
         with guarded(PROBE.state):
             checker = self.invariant_checker
             PROBE.census(self.tree_cache, self.req_to_token_pool, checker._requests_owning_rows(), why="idle")
@@ -1070,6 +1210,8 @@ def hooks() -> list[Hook]:
         Hook(f"{SWA}.__init__", _h_swa_init),
         Hook(f"{ROWS}.alloc", _h_rows_alloc),
         Hook(f"{ROWS}.free_rows", _h_rows_free),
+        Hook(f"{MAMBA_SLOTS}.alloc", _h_mamba_alloc),
+        Hook(f"{MAMBA_SLOTS}.free", _h_mamba_free),
         Hook(f"{RADIX}.match_prefix", _h_match),
         Hook(f"{RADIX}.insert", _h_insert),
         Hook(f"{RADIX}.evict", _h_evict),

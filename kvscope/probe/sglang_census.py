@@ -3,7 +3,8 @@ allocator's free list), in the tree (a radix node's value), or in a live request
 values in, leak checks out (the SGLang module reads the pools into a PageView).
 
 NOTE: the terms (one leak check per pool, pool = its name: full, swa (an SWA allocator's SWA
-    sub-pool), or req for ReqToTokenPool's rows, where a row is a "page" of size 1 and the tree holds none)
+    sub-pool), req for ReqToTokenPool's rows, where a row is a "page" of size 1 and the tree holds none,
+    or mamba for the Mamba state pool's slots, a "page" of size 1 each, held by a live row or a tree node)
     leaked       a page in none of the three: nobody will ever free it. Culprit: the page's last
                  taker in the ledger (the request whose alloc or row took it, the step, the event)
     doubleref    a page both free and in use (in the tree or a live row), or twice in the free list:
@@ -59,7 +60,7 @@ class PageCensus:
 
     @property
     def unit(self) -> str:
-        return "row" if self.pool == "req" else "page"
+        return "row" if self.pool == "req" else "slot" if self.pool == "mamba" else "page"
 
     @property
     def ok(self) -> bool:
@@ -161,8 +162,8 @@ def census_line(r: PageCensus, *, why: str, capture: str, run_id: int | None, st
 def _leak_text(page: int, r: PageCensus) -> str:
     taker = r.culprits.get(page)
     who = f"last taken by request {taker[0]} ({taker[2]} at step {taker[1]})" if taker else "taker not recorded"
-    if r.pool == "req":
-        return f"row {page} {who}"
+    if r.pool in ("req", "mamba"):
+        return f"{r.unit} {page} {who}"
     return f"page {page} (slots {page * r.page_size}-{page * r.page_size + r.page_size - 1}) {who}"
 
 

@@ -5,8 +5,14 @@ has no CPU build of its kernels). Run with the SGLang venv's python, the reposit
 
 TREE: unified (UnifiedRadixCache, Python tree core), rust (the same, Rust tree core), classic
 (RadixCache), swa (UnifiedRadixCache with its SWA component, Python tree core, over SGLang's
-SWATokenToKVPoolAllocator and SWAKVPool: a full and an swa pool). SCENARIO: clean, leak-tail,
-lock-leak, double-free, leak-and-double-free, swa-leak (swa only), unknown-version, missing-target.
+SWATokenToKVPoolAllocator and SWAKVPool: a full and an swa pool), mamba (UnifiedRadixCache with its
+Mamba component, Python tree core, over SGLang's HybridReqToTokenPool with a MambaPool of MAMBA_SLOTS
+slots from a tiny Mamba2 state shape, and a TokenToKVPoolAllocator: page size 1, as the Mamba
+component requires without the extra buffer), mamba-buffer (the same with SGLang's Mamba extra buffer:
+ping-pong track slots, page size 4 on the paged allocator; its state tracking is not driven).
+SCENARIO: clean, leak-tail, lock-leak, double-free, leak-and-double-free, swa-leak (swa only),
+mamba-leak, mamba-double-free (mamba only; clean runs on mamba-buffer too), unknown-version,
+missing-target.
 The environment names the capture (KVSCOPE_CAPTURE, KVSCOPE_PYTHON; `kvscope instrument` sets both).
 SGLang's own load_plugins() installs the probe.
 
@@ -39,14 +45,16 @@ install()
 os.environ.setdefault("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", "1")
 
 import torch  # noqa: E402
+from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker  # noqa: E402
 from sglang.srt.mem_cache import common  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, ReqToTokenPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
@@ -61,6 +69,16 @@ PAGES = 16
 ROWS = 8
 CONTEXT = 64
 WINDOW = 8  # tokens: the SWA component's sliding window (tree swa)
+MAMBA_SLOTS = 4  # Mamba state slots (tree mamba: page size 1 and PAGES tokens; mamba-buffer: 8; set by configure)
+
+
+def configure(tree_kind: str) -> None:
+    """Page size 1 for the Mamba component (64 pages of one token), 4 otherwise (16 pages)."""
+    global PS, PAGES, MAMBA_SLOTS
+    if tree_kind == "mamba":
+        PS, PAGES = 1, 64
+    elif tree_kind == "mamba-buffer":  # NOTE: 3 slots per request: its state and two ping-pong track slots
+        MAMBA_SLOTS = 8
 
 
 class Engine:
@@ -68,32 +86,38 @@ class Engine:
 
     def __init__(self, tree_kind: str) -> None:
         self.swa = tree_kind == "swa"
+        self.mamba = tree_kind.startswith("mamba")
+        self.buffer = tree_kind == "mamba-buffer"
         if self.swa:  # NOTE: SGLang's SWA KV pool on the CPU (tiny buffers: one full and one SWA layer)
             kv = SWAKVPool(PAGES * PS, PAGES * PS, PS, torch.float32, 1, 4, [0], [1], "cpu")
             self.alloc: Any = SWATokenToKVPoolAllocator(PAGES * PS, PAGES * PS, PS, torch.int64, "cpu", kv, False)
+        elif PS == 1:  # NOTE: SGLang's token allocator
+            self.alloc = TokenToKVPoolAllocator(PAGES * PS, torch.int64, "cpu", None, False)
         else:
             self.alloc = PagedTokenToKVPoolAllocator(PAGES * PS, PS, torch.int64, "cpu", None, False)
-        self.rows = ReqToTokenPool(ROWS, CONTEXT, "cpu", False)
+        self.rows: Any = mamba_rows(self.buffer) if self.mamba else ReqToTokenPool(ROWS, CONTEXT, "cpu", False)
         if tree_kind == "classic":
             params = CacheInitParams(
                 disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc, page_size=PS
             )
             self.tree: Any = RadixCache(params)
         else:
+            extra = ComponentType.SWA if self.swa else ComponentType.MAMBA if self.mamba else None
             params = CacheInitParams(
                 disable=False,
                 req_to_token_pool=self.rows,
                 token_to_kv_pool_allocator=self.alloc,
                 page_size=PS,
-                tree_components=(ComponentType.FULL, ComponentType.SWA) if self.swa else (ComponentType.FULL,),
+                tree_components=(ComponentType.FULL,) if extra is None else (ComponentType.FULL, extra),
                 sliding_window_size=WINDOW if self.swa else None,
                 tree_core_backend="rust" if tree_kind == "rust" else "python",
+                enable_mamba_extra_buffer=self.buffer,
             )
             self.tree = UnifiedRadixCache(params)
         self.live: dict[str, Req] = {}
         self.checker = SchedulerInvariantChecker(
             is_hybrid_swa=self.swa,
-            is_hybrid_ssm=False,
+            is_hybrid_ssm=self.mamba,
             disaggregation_mode=None,
             page_size=PS,
             full_tokens_per_layer=None,
@@ -118,7 +142,9 @@ class Engine:
         req = Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=16))
         req.init_next_round_input(self.tree)
         req.lock = self.tree.lock(req.last_node)
-        self.rows.alloc([req])
+        if self.mamba and not req.kv.holds_mamba and self.rows.mamba_allocator.available_size() < 1:
+            self.tree.evict(EvictParams(num_tokens=0, mamba_num=1))  # NOTE: what the scheduler's admission does
+        probe._in_context(None, "extend", lambda: self.rows.alloc([req]))  # NOTE: in prepare_for_extend: no request
         self.live[rid] = req
         prefix = req.prefix_len
         ends = [min(len(tokens), prefix + chunk), len(tokens)] if chunk else [len(tokens)]
@@ -140,7 +166,10 @@ class Engine:
         self.make_room(end - start + PS)
         last = prefix_slots[-1:] if len(prefix_slots) else torch.full((1,), -1, dtype=torch.int64)
         prefix_lens, seq_lens = torch.tensor([start]), torch.tensor([end])
-        out = self.alloc.alloc_extend(prefix_lens, prefix_lens, seq_lens, seq_lens, last, end - start)
+        if PS == 1:
+            out = self.alloc.alloc(end - start)
+        else:
+            out = self.alloc.alloc_extend(prefix_lens, prefix_lens, seq_lens, seq_lens, last, end - start)
         assert out is not None, f"{req.rid}: no room for {end - start} tokens"
         self.rows.write((kv.req_pool_idx, slice(0, end)), torch.cat((prefix_slots, out)).to(torch.int32))
         kv.kv_allocated_len = kv.kv_committed_len = end
@@ -154,7 +183,10 @@ class Engine:
             seq = kv.kv_allocated_len + 1
             self.make_room(PS)
             last = self.rows.req_to_token[kv.req_pool_idx, seq - 2 : seq - 1].to(torch.int64)
-            out = self.alloc.alloc_decode(torch.tensor([seq]), torch.tensor([seq]), last)
+            if PS == 1:
+                out = self.alloc.alloc(1)
+            else:
+                out = self.alloc.alloc_decode(torch.tensor([seq]), torch.tensor([seq]), last)
             self.rows.write((kv.req_pool_idx, slice(seq - 1, seq)), out.to(torch.int32))
             req.output_ids.append(7000 + i)
             kv.kv_allocated_len = kv.kv_committed_len = seq
@@ -168,7 +200,8 @@ class Engine:
             self.tree.evict(EvictParams(swa_num_tokens=tokens - self.alloc.swa_available_size()))
 
     def release(self, req: Req) -> None:
-        if req.rid != "req-D":  # NOTE: finished by length, as the scheduler marks it (req-D is released unfinished)
+        if req.rid != "req-D" or self.mamba:  # NOTE: finished by length, as the scheduler marks it (req-D is
+            # released unfinished, but a Mamba tree takes only finished requests' states)
             req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
         common.release_kv_cache(req, self.tree, checkpoint=True)  # NOTE: the hooked module global
         del self.live[req.rid]
@@ -190,6 +223,11 @@ class Engine:
                 "swa", self.alloc.swa_available_size(), *swa_args
             )
             pool = "swa pool"
+        if self.mamba and not leak:  # NOTE: SGLang checks it fully idle only: live requests' slots count as uncached
+            slots = self.rows.mamba_allocator
+            held = len(owners) * (1 + self.rows.mamba_initial_tracking_slots)  # NOTE: a state and its track slots
+            terms = (self.tree.mamba_evictable_size(), self.tree.mamba_protected_size(), 0, slots.size, held)
+            leak, line = SchedulerInvariantChecker._check_pool_invariant("mamba", slots.available_size(), *terms)
         raised = None
         if leak:
             try:
@@ -257,6 +295,64 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
     return points, injected
 
 
+def mamba_workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The same request life on the Mamba tree: each finished request's state goes into the tree (a
+    Mamba slot per node end); req-B continues req-A's sequence (a hit: SGLang copies the tree's state
+    into a new slot at the match); req-E needs a slot when all four are taken (the tree evicts one)."""
+    system = list(range(100, 112))
+    injected: list[dict[str, Any]] = []
+    points = []
+    a = engine.admit("req-A", [*system, 1, 2, 3])
+    engine.decode(a, 3)
+    engine.release(a)
+    points.append(engine.idle())
+    b = engine.admit("req-B", [*system, 1, 2, 3, 7000, 7001, 7002, 4, 5])
+    engine.decode(b, 2)
+    engine.release(b)
+    c = engine.admit("req-C", [*system, 9, 9, 9])
+    engine.decode(c, 1)
+    if scenario == "mamba-leak":  # released uncached, and the release path drops its slot without freeing it
+        slot = int(c.kv.mamba_pool_idx)
+        c.skip_radix_cache_insert = True
+        engine.rows.free_mamba_cache = lambda req, *args, **kwargs: setattr(req.kv, "mamba_pool_idx", None)
+        engine.release(c)
+        del engine.rows.free_mamba_cache
+        injected.append({"kind": "mamba-leak", "rid": "req-C", "slot": slot})
+    else:
+        engine.release(c)
+    d = engine.admit("req-D", [50 + i for i in range(10)])  # stays running across the idle point
+    if scenario == "mamba-double-free":  # a slot still in the tree is freed again
+        slot = min(int(s) for s in engine.tree.all_mamba_values_flatten().tolist())
+        probe._in_context("bad-free", "free", lambda: engine.rows.mamba_allocator.free(torch.tensor([slot])))
+        injected.append({"kind": "mamba-double-free", "rid": "bad-free", "slot": slot})
+    points.append(engine.idle())
+    e = engine.admit("req-E", [300 + i for i in range(8)])  # no free slot: the tree evicts a state
+    engine.decode(e, 1)
+    engine.release(e)
+    engine.release(d)
+    points.append(engine.idle())
+    return points, injected
+
+
+def mamba_rows(extra_buffer: bool) -> HybridReqToTokenPool:
+    """SGLang's HybridReqToTokenPool with its MambaPool and MambaSlotAllocator (MAMBA_SLOTS slots), from a
+    tiny Mamba2 state (one layer): what a hybrid Mamba model's scheduler builds, without the extra buffer."""
+    shape = Mamba2StateShape.create(
+        tp_world_size=1, intermediate_size=8, n_groups=1, num_heads=2, head_dim=4, state_size=4, conv_kernel=4
+    )
+    return HybridReqToTokenPool(
+        size=ROWS,
+        mamba_size=MAMBA_SLOTS,
+        mamba_spec_state_size=MAMBA_SLOTS,
+        max_context_len=CONTEXT,
+        device="cpu",
+        enable_memory_saver=False,
+        cache_params=Mamba2CacheParams(shape=shape, layers=[0]),
+        mamba_layer_ids=[0],
+        enable_mamba_extra_buffer=extra_buffer,
+    )
+
+
 def publish_config() -> None:
     """SGLang reads its process-wide config (runtime_context) on the release path: publish one for a
     tiny local model config (no weights: nothing loads a model), as a scheduler process does."""
@@ -282,7 +378,9 @@ def publish_config() -> None:
             }
         )
     )
-    runtime_context.publish(ServerArgs(model_path=str(model), device="cpu", page_size=PS), role="scheduler")
+    args = ServerArgs(model_path=str(model), device="cpu", page_size=PS)
+    args._mamba_cache_chunk_size = PS  # type: ignore[attr-defined]  # NOTE: as SGLang's fixtures seed it (no HF config)
+    runtime_context.publish(args, role="scheduler")
 
 
 def main(scenario: str, tree_kind: str) -> None:
@@ -296,11 +394,12 @@ def main(scenario: str, tree_kind: str) -> None:
         ]
     load_plugins()  # NOTE: SGLang's own: discovers the sglang.srt.plugins entry point, applies the hooks
     said = probe.PROBE.state.reason or ("registered" if probe.PROBE.state.active else "inert")
+    configure(tree_kind)
     publish_config()
     engine = Engine(tree_kind)
     served, points, injected, error = True, [], [], None
     try:
-        points, injected = workload(engine, scenario)
+        points, injected = (mamba_workload if engine.mamba else workload)(engine, scenario)
     except Exception as err:  # NOTE: the engine's own objects failed: the test reports it
         served, error = False, f"{type(err).__name__}: {err}"
     rec = probe.PROBE.state.recorder

@@ -1,7 +1,8 @@
 """The probe against SGLang 0.5.23's real memory classes (PagedTokenToKVPoolAllocator, ReqToTokenPool,
-UnifiedRadixCache with the Python and the Rust tree core, classic RadixCache, release_kv_cache, the
-SchedulerInvariantChecker), installed by SGLang's own load_plugins() and driven through the scheduler's
-request life by sglang_probe_driver.py, started under `kvscope instrument` the way an operator starts
+UnifiedRadixCache with the Python and the Rust tree core, classic RadixCache, the SWA and Mamba pools
+(HybridReqToTokenPool, MambaPool, MambaSlotAllocator), release_kv_cache, the SchedulerInvariantChecker),
+installed by SGLang's own load_plugins() and driven through the scheduler's request life by
+sglang_probe_driver.py, started under `kvscope instrument` the way an operator starts
 SGLang. The capture's leak checks are the probe's page census; `kvscope check` and `report leaks`
 judge it. About 40 s per run, mostly SGLang's imports.
 
@@ -224,6 +225,102 @@ def test_an_swa_page_stranded_by_a_full_only_free_is_named_with_its_request(tmp_
     assert "leak check failed at step 10: [swa] total=" in check.stdout and named in check.stdout
     report = kvscope("report", "leaks", str(capture))
     assert "verdict: leak (kvscope check exits 1)" in report.stdout and "req-C" in report.stdout
+
+
+def mamba_census(point: dict[str, Any]) -> dict[str, Any]:
+    assert point["census"] is not None
+    return next(c for c in point["census"] if c["pool"] == "mamba")
+
+
+def test_a_mamba_pool_checks_clean_beside_the_full_pool(tmp_path: Path) -> None:
+    """SGLang's HybridReqToTokenPool with its MambaPool (4 slots) under UnifiedRadixCache with its Mamba
+    component: every slot is free, a tree node's state, or a live request's; the hooks on
+    MambaSlotAllocator record pool mamba, and the bind names each slot's request."""
+    capture = tmp_path / "mamba-clean.db"
+    result = drive("clean", "mamba", capture)
+    assert [p["sglang"]["leak"] for p in result["points"]] == [False, False, False]
+    mamba = [mamba_census(p) for p in result["points"]]
+    assert all(c["ok"] for c in mamba) and all(c["ok"] for p in result["points"] for c in p["census"])
+    assert [(c["free"], c["tree"], c["live"]) for c in mamba] == [(3, 1, 0), (0, 3, 1), (0, 4, 0)]  # req-D runs at 2
+    db = Capture(capture)
+    try:
+        run_id = int(db.runs().iloc[-1].id)
+        checks = db.leak_checks(run_id)
+        assert list(checks.pool).count("mamba") == 3 and checks.ok.astype(bool).all()
+        events = db.events(run_id, limit=10_000)
+        slots = events[events.pool == "mamba"]
+        # A, B (a copy of A's state, taken at its match), C, D; then the tree evicts a state for req-E, which takes it
+        assert list(slots.kind) == ["alloc"] * 4 + ["free", "alloc"]
+        assert list(slots[slots.kind == "free"].rid) == ["req-E"] and list(slots.num_tokens) == [1] * 6
+    finally:
+        db.close()
+    check = kvscope("check", str(capture))
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_mamba_pool_with_sglangs_extra_buffer_checks_clean(tmp_path: Path) -> None:
+    """With SGLang's Mamba extra buffer a request holds its state and two ping-pong track slots (8 slots,
+    page size 4; the scheduler's tracking is not driven, so the tree keeps no state): the census counts
+    all three as the live request's, and each release frees the slots it took, the track slots read from
+    the row's mapping, which the next request's row rewrites (the hook copies that view)."""
+    capture = tmp_path / "mamba-buffer.db"
+    result = drive("clean", "mamba-buffer", capture)
+    assert [p["sglang"]["leak"] for p in result["points"]] == [False, False, False]
+    mamba = [mamba_census(p) for p in result["points"]]
+    assert all(c["ok"] for c in mamba) and [c["live"] for c in mamba] == [0, 3, 0]  # req-D's three slots at 2
+    db = Capture(capture)
+    try:
+        events = db.events(int(db.runs().iloc[-1].id), limit=10_000)
+        slots = events[events.pool == "mamba"]
+        taken = sorted(s for pages in slots[slots.kind == "alloc"].slots for s in array("i", pages))
+        freed = sorted(s for pages in slots[slots.kind == "free"].slots for s in array("i", pages))
+        assert len(taken) == 15 and freed == taken  # five requests, three slots each, each given back once
+        assert list(slots[slots.kind == "free"].rid.drop_duplicates()) == ["req-A", "req-B", "req-C", "req-E", "req-D"]
+    finally:
+        db.close()
+    check = kvscope("check", str(capture))
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_mamba_slot_a_finished_request_never_freed_is_named_with_the_request(tmp_path: Path) -> None:
+    """req-C finishes uncached and its release drops its Mamba slot without freeing it: SGLang's own
+    check raises with totals; the census names the slot and req-C (the bind's taker) first."""
+    capture = tmp_path / "mamba-leak.db"
+    result = drive("mamba-leak", "mamba", capture)
+    slot = result["injected"][0]["slot"]
+    point = result["points"][1]
+    assert point["sglang"]["raised"].startswith("pool memory leak detected! [mamba]")  # SGLang's own: totals only
+    named = (
+        f"1 slot leaked (in no free list, tree or live row): slot {slot} last taken by request req-C (extend at step 8)"
+    )
+    assert f"[mamba] {named}" in result["stderr"]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "leak check failed at step 10: [mamba] total=4" in check.stdout and named in check.stdout
+    report = kvscope("report", "leaks", str(capture))
+    assert "verdict: leak (kvscope check exits 1)" in report.stdout and f"slot {slot} last taken by request req-C" in (
+        report.stdout
+    )
+    log = tmp_path / "server.log"  # the process's stderr: the probe's line, then SGLang's own message
+    log.write_text(result["stderr"])
+    explained = kvscope("report", "engine-log", str(log))
+    assert f"kvscope's probe (line 3, step 10): [mamba] {named}" in explained.stdout
+    assert f"culprits: kvscope report leaks {capture} --run 1" in explained.stdout
+
+
+def test_a_mamba_double_free_is_named_with_the_request_it_was_made_for(tmp_path: Path) -> None:
+    capture = tmp_path / "mamba-double.db"
+    result = drive("mamba-double-free", "mamba", capture)
+    slot = result["injected"][0]["slot"]
+    assert result["points"][1]["sglang"]["raised"].startswith("pool memory leak detected! [mamba]")
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert (
+        f"[mamba] total=4, available=0, evictable=3, protected=0, held=1, uncached=0: 1 slot freed while in use "
+        f"(a double free): slot {slot} free and in the tree; last released for request bad-free (free at step 10)"
+    ) in check.stdout
+    report = kvscope("report", "leaks", str(capture), "--json")
+    assert json.loads(report.stdout)["verdict"] == "leak"
 
 
 @pytest.mark.parametrize(
