@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from kvscope.probe.sglang import ALLOC, BIND, FREE, Ledger, SglangProbe, fold_pages
+from kvscope.probe.sglang_ledger import ALLOC, BIND, FREE, Ledger, PageLedger, fold_pages
 
 PAGE_SIZE = 4
 
@@ -46,16 +46,16 @@ def test_a_fold_gives_each_calls_distinct_pages_and_drops_the_padding_slot() -> 
 def test_calls_and_binds_folded_together_name_the_last_taker_and_releaser() -> None:
     """Page 3 is taken by a batch alloc (no request), bound to req-B's row, freed by req-B's release,
     then taken again by req-C: one fold of all four must name req-C, as four folds would."""
-    probe = SglangProbe(None, "test")
+    ledger = PageLedger()
     allocator = SimpleNamespace(page_size=PAGE_SIZE)
-    probe.pending += [
+    ledger.pending += [
         (ALLOC, allocator, None, 1, "alloc", slots_of(3, 4), None),
         (BIND, allocator, ["req-B", "req-E"], 1, "extend", slots_of(3, 4), [4, 4]),
         (FREE, allocator, "req-B", 2, "release", torch.tensor([3]), None),
         (ALLOC, allocator, "req-C", 3, "alloc", slots_of(3), None),
     ]
-    probe.drain()
-    takers, releasers = probe.takers["full"], probe.releasers["full"]
+    ledger.drain(3, None)
+    takers, releasers = ledger.takers["full"], ledger.releasers["full"]
     assert (takers[3], takers[4]) == (("req-C", 3, "alloc"), ("req-E", 1, "extend"))
     assert dict(releasers) == {3: ("req-B", 2, "release")}
-    assert not probe.pending
+    assert not ledger.pending
