@@ -1,6 +1,7 @@
 """The probe inside SGLang's scheduler process: hooks on the allocators, the request-row pool and the
 radix trees of the versions in SUPPORTED, registered through SGLang's own plugin framework
-(HookRegistry, AROUND hooks), and the page census (sglang_census.py) at each idle point.
+(HookRegistry, AROUND hooks; the allocators' hot methods patched directly, see `_register`), and the
+page census (sglang_census.py) at each idle point; the page ledger in sglang_ledger.py.
 
 Loaded by SGLang's `sglang.srt.plugins` entry point (`register`): `load_plugins()` runs it first
 thing in every SGLang process (the scheduler, spawned, included); inert unless KVSCOPE_CAPTURE is
@@ -32,6 +33,8 @@ snapshot every SNAPSHOT_EVERY_STEPS steps while busy.
 from __future__ import annotations
 
 import atexit
+import functools
+import inspect
 import multiprocessing.util
 import os
 import pkgutil
@@ -77,10 +80,12 @@ _monotonic = time.monotonic
 
 
 class Hook(NamedTuple):
-    """One SGLang target (a dotted path HookRegistry resolves) and its AROUND hook."""
+    """One SGLang target (a dotted path HookRegistry resolves) and its AROUND hook; direct: `hook`
+    is a factory, original method -> the method the probe puts on the class itself (no HookRegistry)."""
 
     target: str
     hook: Callable[..., Any]
+    direct: bool = False
 
 
 class SglangProbe:
@@ -94,6 +99,7 @@ class SglangProbe:
         self.hot = False
         self.step = 0
         self.emit: Callable[[Iterable[Any]], None] | None = None
+        self.emit_block: Callable[[tuple[Any, ...]], None] | None = None  # NOTE: the fold's events, in bulk
         self.rid: str | None = None  # NOTE: the request the pools work for now
         self.event = "alloc"
         self.busy = False  # NOTE: something moved since the last census
@@ -120,13 +126,14 @@ class SglangProbe:
         if self.pid != os.getpid():
             self.pid = os.getpid()
             assert self.settings is not None
-            self.hot, self.emit = False, None
+            self.hot, self.emit, self.emit_block = False, None, None
             with guarded(self.state):
                 rec = self.state.recorder = open_recorder(
                     self.settings, label=f"sglang {self.version} probe pid {self.pid}", config=self.config(patched=True)
                 )
                 self.step = rec.step
                 self.emit = rec.item_sink() if rec.enabled else None
+                self.emit_block = rec.event_block if rec.enabled else None
                 self.hot = True
                 atexit.register(self.drain_at_exit)  # NOTE: after the recorder's own: runs before its close
                 multiprocessing.util.Finalize(None, self.drain_at_exit, exitpriority=101)  # NOTE: a spawned scheduler
@@ -173,7 +180,7 @@ class SglangProbe:
     def drain(self) -> None:
         """Fold the calls and binds queued since the last fold into the ledger (and, level full,
         their events): PageLedger.drain."""
-        now = self.ledger.drain(self.step, self.emit)
+        now = self.ledger.drain(self.step, self.emit_block if self.emit is not None else None)
         if now is not None:
             self.now = now
             self.busy = True
@@ -530,32 +537,88 @@ def _ready() -> bool:
 #                   the row is reused: copied when it is a view, else kept
 
 
-def _h_alloc(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    out = original(self, *args, **kwargs)
-    probe = PROBE
-    if out is not None and probe.state.active and (probe.hot or _ready()):
-        probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
-    return out
+# NOTE: patched directly (Hook.direct): each factory takes SGLang's method and returns the method
+# put on the class in its place, with the same parameters (checked at registration: `_direct`).
+# SGLang's HookRegistry AROUND layer (wrapper(*args, **kwargs) -> hook(original, *args, **kwargs))
+# forwards the arguments twice, about 0.35 µs a call; these methods run several times per step.
+# Why and what: docs/probe.md "Why the allocators are patched directly".
 
 
-def _h_release_pages(original: Callable[..., Any], self: Any, *page_ids: Any) -> Any:
-    probe = PROBE
-    if probe.state.active and (probe.hot or _ready()):
-        for ids in page_ids:
-            probe.pending.append((FREE, self, probe.rid, probe.step, probe.event, ids, None))
-    return original(self, *page_ids)
+def _d_alloc(original: Callable[..., Any]) -> Callable[..., Any]:
+    """alloc(need_size) of the paged and the token allocator."""
+
+    @functools.wraps(original)
+    def alloc(self: Any, need_size: int) -> Any:
+        out = original(self, need_size)
+        probe = PROBE
+        if out is not None and probe.state.active and (probe.hot or _ready()):
+            probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
+        return out
+
+    return alloc
 
 
-def _h_token_free(original: Callable[..., Any], self: Any, free_index: Any) -> Any:
-    probe = PROBE
-    if self.free_group is None and probe.state.active:  # NOTE: in a group, free_group_end calls free again
-        try:
-            if (probe.hot or _ready()) and free_index.numel():
-                kept = free_index if free_index._base is None else free_index.clone()
-                probe.pending.append((FREE, self, probe.rid, probe.step, probe.event, kept, None))
-        except Exception as err:
-            _failed(err)
-    return original(self, free_index)
+def _d_alloc_extend(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def alloc_extend(
+        self: Any,
+        prefix_lens: Any,
+        prefix_lens_cpu: Any,
+        seq_lens: Any,
+        seq_lens_cpu: Any,
+        last_loc: Any,
+        extend_num_tokens: int,
+        num_new_pages: int | None = None,
+    ) -> Any:
+        out = original(
+            self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, num_new_pages
+        )
+        probe = PROBE
+        if out is not None and probe.state.active and (probe.hot or _ready()):
+            probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
+        return out
+
+    return alloc_extend
+
+
+def _d_alloc_decode(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def alloc_decode(self: Any, seq_lens: Any, seq_lens_cpu: Any, last_loc: Any) -> Any:
+        out = original(self, seq_lens, seq_lens_cpu, last_loc)
+        probe = PROBE
+        if out is not None and probe.state.active and (probe.hot or _ready()):
+            probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
+        return out
+
+    return alloc_decode
+
+
+def _d_release_pages(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _release_page_ids(self: Any, *page_ids: Any) -> Any:
+        probe = PROBE
+        if probe.state.active and (probe.hot or _ready()):
+            for ids in page_ids:
+                probe.pending.append((FREE, self, probe.rid, probe.step, probe.event, ids, None))
+        return original(self, *page_ids)
+
+    return _release_page_ids
+
+
+def _d_token_free(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def free(self: Any, free_index: Any) -> Any:
+        probe = PROBE
+        if self.free_group is None and probe.state.active:  # NOTE: in a group, free_group_end calls free again
+            try:
+                if (probe.hot or _ready()) and free_index.numel():
+                    kept = free_index if free_index._base is None else free_index.clone()
+                    probe.pending.append((FREE, self, probe.rid, probe.step, probe.event, kept, None))
+            except Exception as err:
+                _failed(err)
+        return original(self, free_index)
+
+    return free
 
 
 def _h_rows_alloc(original: Callable[..., Any], self: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -839,12 +902,12 @@ def _tokens(result: Any) -> int:
 def hooks() -> list[Hook]:
     """What the probe hooks in SGLang 0.5.23 (file:line in docs/probe.md)."""
     return [
-        Hook(f"{PAGED}.alloc", _h_alloc),
-        Hook(f"{PAGED}.alloc_extend", _h_alloc),
-        Hook(f"{PAGED}.alloc_decode", _h_alloc),
-        Hook(f"{PAGED}._release_page_ids", _h_release_pages),
-        Hook(f"{TOKEN}.alloc", _h_alloc),
-        Hook(f"{TOKEN}.free", _h_token_free),
+        Hook(f"{PAGED}.alloc", _d_alloc, direct=True),
+        Hook(f"{PAGED}.alloc_extend", _d_alloc_extend, direct=True),
+        Hook(f"{PAGED}.alloc_decode", _d_alloc_decode, direct=True),
+        Hook(f"{PAGED}._release_page_ids", _d_release_pages, direct=True),
+        Hook(f"{TOKEN}.alloc", _d_alloc, direct=True),
+        Hook(f"{TOKEN}.free", _d_token_free, direct=True),
         Hook(f"{SWA}.__init__", _h_swa_init),
         Hook(f"{ROWS}.alloc", _h_rows_alloc),
         Hook(f"{ROWS}.free_rows", _h_rows_free),
@@ -898,15 +961,50 @@ def _register(version: str | None = None, table: dict[str, Callable[[], list[Hoo
             f"SGLang {version} is not supported (the probe knows {', '.join(sorted(table))}); nothing patched"
         )
     wanted = make()
-    missing = [h.target for h in wanted if not _resolves(h.target)]
+    missing = [h.target for h in wanted if not (_method_of(h.target) if h.direct else _resolves(h.target))]
     if missing:
         return _refuse(f"SGLang {version}: {', '.join(missing)} not found; nothing patched")
+    direct = [(h.target, *_direct(h)) for h in wanted if h.direct]  # NOTE: all made before any is put in place
+    changed = [target for target, _, _, _, made in direct if made is None]
+    if changed:
+        return _refuse(f"SGLang {version}: {', '.join(changed)} takes other parameters; nothing patched")
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     for h in wanted:
-        HookRegistry.register(h.target, h.hook, HookType.AROUND)
+        if not h.direct:
+            HookRegistry.register(h.target, h.hook, HookType.AROUND)
+    for _, owner, name, _, made in direct:
+        setattr(owner, name, made)
     PROBE.state.active = True
     return f"registered {len(wanted)} hooks on SGLang {version}"
+
+
+def _direct(h: Hook) -> tuple[type, str, Callable[..., Any], Callable[..., Any] | None]:
+    """(class, name, SGLang's method, the probe's method in its place: None where their parameters
+    differ) of a direct hook (its target resolved: _method_of)."""
+    found = _method_of(h.target)
+    assert found is not None
+    owner, name, original = found
+    made = h.hook(original)
+    theirs, ours = inspect.signature(original), inspect.signature(made, follow_wrapped=False)
+    same = [(p.name, p.kind, p.default) for p in theirs.parameters.values()] == [
+        (p.name, p.kind, p.default) for p in ours.parameters.values()
+    ]
+    return owner, name, original, made if same else None
+
+
+def _method_of(target: str) -> tuple[type, str, Callable[..., Any]] | None:
+    """(class, name, the function in the class's own __dict__) of a direct hook's target; None
+    where that is not a plain method (a direct hook patches only those)."""
+    owner_path, _, name = target.rpartition(".")
+    try:
+        owner = pkgutil.resolve_name(owner_path)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    found = owner.__dict__.get(name) if isinstance(owner, type) else None
+    if not callable(found) or isinstance(found, (type, classmethod, staticmethod)):
+        return None
+    return owner, name, found
 
 
 def _resolves(target: str) -> bool:

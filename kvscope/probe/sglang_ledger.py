@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from itertools import chain, repeat
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from itertools import compress
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -20,7 +20,7 @@ import numpy as np
 
 from kvscope.telemetry import EventKind
 
-ALLOC_V, FREE_V = EventKind.ALLOC._value_, EventKind.FREE._value_
+KIND_NAMES = (EventKind.ALLOC._value_, EventKind.FREE._value_)  # NOTE: an event block's kinds, by ALLOC / FREE
 ALLOC, FREE, BIND = 0, 1, 2  # NOTE: what a pending entry records
 FOLD_CALLS = 256  # NOTE: pending entries that fold at the next step (else every FOLD_INTERVAL_S, and at a census)
 FOLD_INTERVAL_S = 0.2  # NOTE: as the recorder's hand-off: a step's events wait at most this long
@@ -31,23 +31,15 @@ Pending = tuple[int, Any, Any, int, str, Any, Any]  # NOTE: (ALLOC/FREE/BIND, al
 
 
 class Calls(NamedTuple):
-    """One fold group's recorded calls, as columns (the Pending fields less the allocator)."""
+    """A fold's (or one fold group's) recorded calls, as columns (the Pending fields)."""
 
     kinds: tuple[int, ...]
+    allocators: tuple[Any, ...]
     rids: tuple[Any, ...]
     steps: tuple[int, ...]
     events: tuple[str, ...]
     tensors: tuple[Any, ...]
     parts: tuple[Any, ...]
-
-
-class Described:
-    """A fold's alloc / free events, per call in call order: pool, tokens and pages (object columns)."""
-
-    def __init__(self, num_calls: int) -> None:
-        self.pools = np.empty(num_calls, object)
-        self.sizes = np.zeros(num_calls, np.int64)
-        self.slots = np.empty(num_calls, object)
 
 
 def _picker(where: list[int]) -> Callable[[Any], tuple[Any, ...]]:
@@ -60,14 +52,18 @@ def _picker(where: list[int]) -> Callable[[Any], tuple[Any, ...]]:
 
 class Ledger(Mapping[int, Entry]):
     """page -> the last (rid, step, event) written for it: an entry id per page in a numpy array
-    (-1: none), the entries in a list (compacted when it outgrows the pages)."""
+    (-1: none), the entries as three columns (compacted when they outgrow the pages). Entry ids only
+    grow between compactions, so a page's last writer is its largest id."""
 
     def __init__(self) -> None:
         self.ids = np.full(0, -1, np.int64)
-        self.entries: list[Entry] = []
+        self.rids: list[str | None] = []
+        self.steps: list[int] = []
+        self.events: list[str] = []
 
-    def write(self, pages: np.ndarray, segs: np.ndarray, entries: list[Entry]) -> None:
-        """pages[j] was written by entries[segs[j]]; segs ascending (in call order): a later write wins."""
+    def write(self, pages: np.ndarray, segs: np.ndarray, rids: Any, steps: Any, events: Any) -> None:
+        """pages[j] was written by entry segs[j] = (rids[i], steps[i], events[i]); segs ascending
+        (in call order): a later write wins."""
         if not len(pages):
             return
         top = int(pages.max()) + 1
@@ -75,25 +71,26 @@ class Ledger(Mapping[int, Entry]):
             grown = np.full(max(top, 2 * len(self.ids)), -1, np.int64)
             grown[: len(self.ids)] = self.ids
             self.ids = grown
-        order = np.argsort(pages, kind="stable")
-        pages, segs = pages[order], segs[order]
-        last = np.ones(len(pages), bool)
-        np.not_equal(pages[1:], pages[:-1], out=last[:-1])
-        self.ids[pages[last]] = segs[last] + len(self.entries)
-        self.entries.extend(entries)
-        if len(self.entries) > 2 * len(self.ids) + 1024:
+        np.maximum.at(self.ids, pages, segs + len(self.rids))  # NOTE: above every id written before
+        self.rids.extend(rids)
+        self.steps.extend(steps)
+        self.events.extend(events)
+        if len(self.rids) > 2 * len(self.ids) + 1024:
             self.compact()
 
     def compact(self) -> None:
         held = self.ids >= 0
         kept, self.ids[held] = np.unique(self.ids[held], return_inverse=True)
-        self.entries = [self.entries[i] for i in kept.tolist()]
+        keep = kept.tolist()
+        self.rids = [self.rids[i] for i in keep]
+        self.steps = [self.steps[i] for i in keep]
+        self.events = [self.events[i] for i in keep]
 
     def __getitem__(self, page: int) -> Entry:
         i = int(self.ids[page]) if 0 <= page < len(self.ids) else -1
         if i < 0:
             raise KeyError(page)
-        return self.entries[i]
+        return self.rids[i], self.steps[i], self.events[i]
 
     def __contains__(self, page: object) -> bool:
         return isinstance(page, int) and 0 <= page < len(self.ids) and self.ids[page] >= 0
@@ -125,98 +122,147 @@ class PageLedger:
     def pool_of(self, allocator: Any) -> str:
         return self.pools.get(id(allocator), "full")
 
-    def drain(self, step: int, emit: Callable[[Iterable[Any]], None] | None) -> float | None:
+    def drain(self, step: int, emit: Callable[[tuple[Any, ...]], None] | None) -> float | None:
         """Fold the allocator calls and binds recorded since the last fold into the ledger, in
-        order, and (level full) their alloc / free events in call order: per allocator and ledger
-        one concatenation, one transfer off the device and a few numpy passes (fold_pages), no
-        tensor read per call; per call only C-level passes over the recorded columns. `step`: the
-        step now (its clock read stays); `emit`: the recorder's item sink, None at level summary.
-        The fold's clock read, None when nothing was pending."""
+        order, and (level full) their alloc / free events in call order as one event block (`emit`:
+        the recorder's event_block; None at level summary): per allocator and ledger one
+        concatenation, one transfer off the device and a few numpy passes; per call only C-level
+        passes over the recorded columns, no Python object per call. `step`: the step now (its
+        clock read stays). The fold's clock read, None when nothing was pending."""
         if not self.pending:
             return None
         pending = self.pending.copy()  # NOTE: emptied in place: the probe's hooks hold this list
         self.pending.clear()
         self.folded_at = now = _monotonic()
         n = len(pending)
-        kinds, allocators, rids, steps, events, tensors, parts = zip(*pending, strict=True)
-        kind = np.fromiter(kinds, np.int8, n)
-        takes = kind != FREE
-        single = allocators.count(allocators[0]) == n  # NOTE: identity first: no hash needed
-        groups = takes.view(np.int8) if single else np.fromiter(map(id, allocators), np.int64, n) * 2 + takes
+        columns = Calls(*zip(*pending, strict=True))
+        kinds, allocators = columns.kinds, columns.allocators
         binds = BIND in kinds
-        described = Described(n) if emit is not None else None
-        for group in np.unique(groups).tolist():
-            where = np.flatnonzero(groups == group)
-            if len(where) == n:
-                calls = Calls(kinds, rids, steps, events, tensors, parts)
-            else:
+        frees = FREE in kinds
+        folded: list[Folded] = []
+        if allocators.count(allocators[0]) == n and (not frees or kinds.count(FREE) == n):  # NOTE: one group
+            folded.append(self.fold_group(allocators[0], not frees, None, columns, binds))
+        else:
+            takes = np.frombuffer(bytes(kinds), np.int8) != FREE
+            groups = np.fromiter(map(id, allocators), np.int64, n) * 2 + takes
+            for group in np.unique(groups).tolist():
+                where = np.flatnonzero(groups == group)
                 pick = _picker(where.tolist())
-                calls = Calls(pick(kinds), pick(rids), pick(steps), pick(events), pick(tensors), pick(parts))
-            self.fold_group(allocators[where[0]], bool(takes[where[0]]), calls, binds, where, described)
-        if emit is not None and described is not None:
-            self.emit_events(emit, kind, rids, steps, described, now)
+                calls = Calls(*map(pick, columns))
+                folded.append(self.fold_group(calls.allocators[0], bool(takes[where[0]]), where, calls, binds))
+        if emit is not None:
+            block = event_block(kinds, columns.rids, columns.steps, folded, self.step_now, now, binds)
+            if block is not None:
+                emit(block)
         self.step_now = {step: self.step_now.get(step, now)}
         return now
 
-    def fold_group(
-        self, allocator: Any, takes: bool, calls: Calls, binds: bool, where: np.ndarray, described: Described | None
-    ) -> None:
-        """One allocator's takes (allocs and binds) or frees into its ledger; each alloc / free
-        call's pool, tokens and pages into `described` at its place in the fold (`where`)."""
+    def fold_group(self, allocator: Any, takes: bool, where: np.ndarray | None, calls: Calls, binds: bool) -> Folded:
+        """One allocator's takes (allocs and binds) or frees (the fold's calls at `where`, None: all)
+        into its ledger; its pages and the fold's call each came from (-1: a bind's: no event)."""
         page_size = int(allocator.page_size)
-        entries = list(zip(calls.rids, calls.steps, calls.events, strict=True))
-        counts = list(map(type(calls.tensors[0]).numel, calls.tensors))
-        is_call = None
+        tensors = calls.tensors
+        rids: Sequence[Any] = calls.rids
+        steps: Sequence[int] = calls.steps
+        events: Sequence[str] = calls.events
+        call_of: np.ndarray | None = None
         if binds and BIND in calls.kinds:  # NOTE: a bind: one entry per request, parts[i][j] slots each
-            is_call = [p is None for p in calls.parts for _ in (p or (None,))]
-            for i in reversed([i for i, kind in enumerate(calls.kinds) if kind == BIND]):
-                rid, step, event = entries[i]
-                entries[i : i + 1] = [(r, step, event) for r in rid]
-                counts[i : i + 1] = calls.parts[i]
-        pages, segs = fold_pages(_to_numpy(calls.tensors), np.asarray(counts, np.int64), page_size, dedup=takes)
+            rids, steps, events, counts, call_of = _expand_binds(calls)
+        else:
+            counts = np.fromiter(map(type(tensors[0]).numel, tensors), np.int64, len(tensors))
+        pages, segs = fold_pages(_to_numpy(tensors), counts, page_size, dedup=takes)
         pool = self.pool_of(allocator)
-        (self.takers if takes else self.releasers)[pool].write(pages, segs, entries)
-        if described is None:
-            return
-        bounds = np.searchsorted(segs, np.arange(len(entries) + 1))
-        lo, hi = bounds[:-1], bounds[1:]
-        if is_call is not None:  # NOTE: a bind's requests take no event
-            mask = np.array(is_call, bool)
-            lo, hi, where = lo[mask], hi[mask], where[np.array([p is None for p in calls.parts], bool)]
-        listed = pages.tolist()
-        pieces = map(listed.__getitem__, map(slice, lo.tolist(), hi.tolist()))  # NOTE: lists: marshal carries them
-        described.pools[where] = pool
-        described.sizes[where] = (hi - lo) * page_size
-        described.slots[where] = np.fromiter(pieces, object, len(lo))
+        (self.takers if takes else self.releasers)[pool].write(pages, segs, rids, steps, events)
+        at = segs if call_of is None else call_of[segs]
+        if where is not None:
+            at = where[at] if call_of is None else np.where(at >= 0, where[at], -1)
+        return Folded(pages, at, page_size, pool, where)
 
-    def emit_events(
-        self,
-        emit: Callable[[Iterable[Any]], None],
-        kind: np.ndarray,
-        rids: Any,
-        steps: Any,
-        described: Described,
-        now: float,
-    ) -> None:
-        """One alloc or free event per allocator call, in call order (binds have none), with its
-        step's clock read."""
-        values = np.full(len(kind), FREE_V, object)
-        values[kind == ALLOC] = ALLOC_V
-        pools, sizes, slots = described.pools, described.sizes, described.slots
-        if (kind == BIND).any():
-            kept = np.flatnonzero(kind != BIND)
-            if not len(kept):
-                return
-            pick = _picker(kept.tolist())
-            rids, steps = pick(rids), pick(steps)
-            values, pools, sizes, slots = values[kept], pools[kept], sizes[kept], slots[kept]
-        times = map(self.step_now.get, steps, repeat(now))
-        nones = repeat(None)
-        emit(
-            chain.from_iterable(
-                zip(steps, times, values, pools, rids, nones, sizes.tolist(), repeat(0), nones, nones, slots)
-            )
-        )
+
+class Folded(NamedTuple):
+    """One fold group's pages (in its calls' order) and, per page, the fold's call it came from
+    (-1: a bind's); its allocator's page size and pool; its calls (None: the whole fold)."""
+
+    pages: np.ndarray
+    calls: np.ndarray
+    page_size: int
+    pool: str
+    where: np.ndarray | None
+
+
+def _expand_binds(calls: Calls) -> tuple[list[Any], list[int], list[str], np.ndarray, np.ndarray]:
+    """A group's entries with each bind as one entry per request (`parts[i]` slots each): rids,
+    steps, events, slot counts, and each entry's call in the group (-1: a bind's request)."""
+    rids, steps, events = list(calls.rids), list(calls.steps), list(calls.events)
+    counts = [t.numel() for t in calls.tensors]
+    call_of = list(range(len(calls.kinds)))
+    for i in reversed([i for i, kind in enumerate(calls.kinds) if kind == BIND]):
+        many = len(rids[i])
+        rids[i : i + 1] = rids[i]
+        steps[i : i + 1] = [steps[i]] * many
+        events[i : i + 1] = [events[i]] * many
+        counts[i : i + 1] = calls.parts[i]
+        call_of[i : i + 1] = [-1] * many
+    return rids, steps, events, np.asarray(counts, np.int64), np.asarray(call_of, np.int64)
+
+
+def event_block(
+    kinds: tuple[int, ...],
+    rids: tuple[Any, ...],
+    steps: tuple[int, ...],
+    folded: list[Folded],
+    times: dict[int, float],
+    now: float,
+    binds: bool,
+) -> tuple[Any, ...] | None:
+    """The fold's alloc / free events, one per allocator call in call order (binds have none), as
+    an event block's columns (kvscope.telemetry.remote.RemoteRecorder.event_block): slots = the
+    call's pages, num_tokens = pages x page size, pool = its allocator's, t_mono = its step's clock
+    read (`times`, else `now`). None: no event."""
+    n = len(kinds)
+    names: tuple[str, ...]
+    if len(folded) == 1:
+        group = folded[0]
+        calls, pages, names = group.calls, group.pages, (group.pool,)
+        pools = bytes(n)
+        page_size: Any = group.page_size
+    else:
+        names = tuple(dict.fromkeys(g.pool for g in folded))
+        code = np.zeros(n, np.int8)
+        page_size = np.zeros(n, np.int64)
+        for g in folded:
+            code[g.where] = names.index(g.pool)
+            page_size[g.where] = g.page_size
+        calls = np.concatenate([g.calls for g in folded])
+        order = np.argsort(calls, kind="stable")  # NOTE: each group's pages in call order: merged
+        calls, pages = calls[order], np.concatenate([g.pages for g in folded])[order]
+        pools = code.tobytes()
+    if binds:
+        mine = calls >= 0
+        calls, pages = calls[mine], pages[mine]
+    counts = np.bincount(calls, minlength=n)
+    if binds:
+        keep = np.frombuffer(bytes(kinds), np.int8) != BIND
+        if not keep.any():
+            return None
+        counts, kinds = counts[keep], tuple(compress(kinds, keep))
+        rids, steps = tuple(compress(rids, keep)), tuple(compress(steps, keep))
+        pools = np.frombuffer(pools, np.int8)[keep].tobytes()
+        if not isinstance(page_size, int):
+            page_size = page_size[keep]
+    return (
+        times,
+        now,
+        steps,
+        bytes(kinds),
+        KIND_NAMES,
+        pools,
+        names,
+        rids,
+        (counts * page_size).tobytes(),
+        counts.tobytes(),
+        pages.astype(np.int64, copy=False).tobytes(),
+    )
 
 
 def fold_pages(values: np.ndarray, counts: np.ndarray, page_size: int, *, dedup: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -227,12 +273,13 @@ def fold_pages(values: np.ndarray, counts: np.ndarray, page_size: int, *, dedup:
     segs = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
     if not dedup:
         return values, segs
-    if not values.all():
+    if np.count_nonzero(values) != len(values):
         keep = values > 0
         values, segs = values[keep], segs[keep]
     if page_size == 1 or not len(values):
         return values, segs
-    pages = values // page_size
+    shift = page_size.bit_length() - 1
+    pages = values >> shift if page_size == 1 << shift else values // page_size
     first = np.empty(len(pages), bool)  # NOTE: a call's slots come page by page: drop the repeats in a run
     first[0] = True
     np.not_equal(pages[1:], pages[:-1], out=first[1:])

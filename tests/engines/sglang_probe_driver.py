@@ -6,7 +6,8 @@ has no CPU build of its kernels). Run with the SGLang venv's python, the reposit
 TREE: unified (UnifiedRadixCache, Python tree core), rust (the same, Rust tree core), classic
 (RadixCache), swa (UnifiedRadixCache with its SWA component, Python tree core, over SGLang's
 SWATokenToKVPoolAllocator and SWAKVPool: a full and an swa pool). SCENARIO: clean, leak-tail,
-lock-leak, double-free, leak-and-double-free, swa-leak (swa only), unknown-version, missing-target.
+lock-leak, double-free, leak-and-double-free, swa-leak (swa only), unknown-version, missing-target,
+changed-parameters.
 The environment names the capture (KVSCOPE_CAPTURE, KVSCOPE_PYTHON; `kvscope instrument` sets both).
 SGLang's own load_plugins() installs the probe.
 
@@ -293,6 +294,10 @@ def main(scenario: str, tree_kind: str) -> None:
         probe.SUPPORTED["0.5.23"] = lambda: [
             *probe.hooks(),
             probe.Hook(f"{probe.UNIFIED}.gone_in_0_5_24", probe._h_match),
+        ]
+    elif scenario == "changed-parameters":  # NOTE: a direct hook made for other parameters than SGLang's method has
+        probe.SUPPORTED["0.5.23"] = lambda: [
+            h._replace(hook=probe._d_alloc_decode) if h.target == f"{probe.PAGED}.alloc" else h for h in probe.hooks()
         ]
     load_plugins()  # NOTE: SGLang's own: discovers the sglang.srt.plugins entry point, applies the hooks
     said = probe.PROBE.state.reason or ("registered" if probe.PROBE.state.active else "inert")

@@ -235,6 +235,11 @@ def test_an_swa_page_stranded_by_a_full_only_free_is_named_with_its_request(tmp_
             "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache."
             "gone_in_0_5_24 not found; nothing patched",
         ),
+        (
+            "changed-parameters",
+            "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc "
+            "takes other parameters; nothing patched",
+        ),
     ],
 )
 def test_a_version_or_target_it_does_not_know_patches_nothing(tmp_path: Path, scenario: str, line: str) -> None:
