@@ -27,14 +27,16 @@ NOTE: the second table, the hooks' own work: each hook function called with a st
     around the stub (a direct patch: the probe's method; an AROUND hook: SGLang's wrapper and the
     hook, so the wrapper's cost is in the row) plus the fold (drain) of what they queued, forced
     once per N calls (2: about one scheduler step's allocator calls folded every step; 256: the
-    bulk ledger's fold at FOLD_CALLS; ` s`: level summary, the same without events); everything the
-    engine thread pays for the call (the hand-off to the recorder's buffer included; the host
-    process's work is not). `bind/step x32` is not per call: the prepare_for_decode hook's bind for
-    one decode step of 32 running requests (rows of 512+ tokens), with a fold after every step.
+    bulk ledger's fold at FOLD_CALLS; ` s`: level summary, the same without events), then the
+    marshal of the recorder's buffer its hand-off does (the socket write is left out, and with it the
+    host process's work, which on a 2-core machine runs beside the timed thread and slows it).
+    `bind/step x32` is not per call: the prepare_for_decode hook's bind for one decode step of 32
+    running requests (rows of 512+ tokens), with a fold after every step.
 """
 
 from __future__ import annotations
 
+import marshal
 import os
 import platform
 import statistics
@@ -121,9 +123,16 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
     def noop(original: Any, *args: Any, **kwargs: Any) -> Any:
         return original(*args, **kwargs)
 
+    items = probe.PROBE.state.recorder._items
+
+    def fold_and_hand_off() -> None:  # NOTE: the fold, then the hand-off's marshal of what it emitted
+        probe.PROBE.drain()
+        marshal.dumps((items, [], None))
+        items.clear()
+
     def summary_drain() -> None:  # NOTE: level summary: the ledger without events
         emit, probe.PROBE.emit = probe.PROBE.emit, None
-        probe.PROBE.drain()
+        fold_and_hand_off()
         probe.PROBE.emit = emit
 
     around = _wrap_fn(stub, noop, HookType.AROUND)
@@ -134,9 +143,9 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
         ("match", matched, lambda: probe._h_match(stub, tree, params), None, 0),
         ("lock", locked, lambda: probe._h_inc_lock(stub, tree, node), None, 0),
         ("unlock", None, lambda: probe._h_dec_lock(stub, tree, node), None, 0),
-        *((f"alloc+drain/{n}", out, lambda: alloc_as_installed(alloc, 16), probe.PROBE.drain, n) for n in (2, 32, 256)),
+        *((f"alloc+drain/{n}", out, lambda: alloc_as_installed(alloc, 16), fold_and_hand_off, n) for n in (2, 32, 256)),
         *(
-            (f"free+drain/{n}", None, lambda: free_as_installed(alloc, freed), probe.PROBE.drain, n)
+            (f"free+drain/{n}", None, lambda: free_as_installed(alloc, freed), fold_and_hand_off, n)
             for n in (2, 32, 256)
         ),
         ("alloc+drain/256 s", out, lambda: alloc_as_installed(alloc, 16), summary_drain, 256),
