@@ -23,15 +23,20 @@ NOTE: the second table, the hooks' own work: each hook function called with a st
     alternating rounds; median and min CPU ns added per call. SGLang's work is then out of the timing,
     so a sub-µs cost is not lost in its spread on a shared machine. `around` is HookRegistry's own
     AROUND wrapper with a no-op hook (what any plugin's hook costs); `alloc+drain/N` and
-    `free+drain/N` are the alloc / release hook plus the fold (drain) of what it queued, forced once
-    per N calls (2: about one scheduler step's allocator calls folded every step; 256: the bulk
-    ledger's fold at FOLD_CALLS; ` s`: level summary, the same without events). `bind/step x32` is
-    not per call: the prepare_for_decode hook's bind for one decode step of 32 running requests
-    (rows of 512+ tokens), with a fold after every step.
+    `free+drain/N` are the paged allocator's alloc / _release_page_ids as the probe installs them
+    around the stub (a direct patch: the probe's method; an AROUND hook: SGLang's wrapper and the
+    hook, so the wrapper's cost is in the row) plus the fold (drain) of what they queued, forced
+    once per N calls (2: about one scheduler step's allocator calls folded every step; 256: the
+    bulk ledger's fold at FOLD_CALLS; ` s`: level summary, the same without events), then the
+    marshal of the recorder's buffer its hand-off does (the socket write is left out, and with it the
+    host process's work, which on a 2-core machine runs beside the timed thread and slows it).
+    `bind/step x32` is not per call: the prepare_for_decode hook's bind for one decode step of 32
+    running requests (rows of 512+ tokens), with a fold after every step.
 """
 
 from __future__ import annotations
 
+import marshal
 import os
 import platform
 import statistics
@@ -118,27 +123,33 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
     def noop(original: Any, *args: Any, **kwargs: Any) -> Any:
         return original(*args, **kwargs)
 
+    items = probe.PROBE.state.recorder._items
+
+    def fold_and_hand_off() -> None:  # NOTE: the fold, then the hand-off's marshal of what it emitted
+        probe.PROBE.drain()
+        marshal.dumps((items, [], None))
+        items.clear()
+
     def summary_drain() -> None:  # NOTE: level summary: the ledger without events
         emit, probe.PROBE.emit = probe.PROBE.emit, None
-        probe.PROBE.drain()
+        fold_and_hand_off()
         probe.PROBE.emit = emit
 
     around = _wrap_fn(stub, noop, HookType.AROUND)
+    alloc_as_installed = _as_installed("PagedTokenToKVPoolAllocator.alloc", stub)
+    free_as_installed = _as_installed("PagedTokenToKVPoolAllocator._release_page_ids", stub)
     cases: list[tuple[str, Any, Any, Any, int]] = [
         ("around", matched, lambda: around(tree, params), None, 0),
         ("match", matched, lambda: probe._h_match(stub, tree, params), None, 0),
         ("lock", locked, lambda: probe._h_inc_lock(stub, tree, node), None, 0),
         ("unlock", None, lambda: probe._h_dec_lock(stub, tree, node), None, 0),
+        *((f"alloc+drain/{n}", out, lambda: alloc_as_installed(alloc, 16), fold_and_hand_off, n) for n in (2, 32, 256)),
         *(
-            (f"alloc+drain/{n}", out, lambda: probe._h_alloc(stub, alloc, 16), probe.PROBE.drain, n)
+            (f"free+drain/{n}", None, lambda: free_as_installed(alloc, freed), fold_and_hand_off, n)
             for n in (2, 32, 256)
         ),
-        *(
-            (f"free+drain/{n}", None, lambda: probe._h_release_pages(stub, alloc, freed), probe.PROBE.drain, n)
-            for n in (2, 32, 256)
-        ),
-        ("alloc+drain/256 s", out, lambda: probe._h_alloc(stub, alloc, 16), summary_drain, 256),
-        ("free+drain/256 s", None, lambda: probe._h_release_pages(stub, alloc, freed), summary_drain, 256),
+        ("alloc+drain/256 s", out, lambda: alloc_as_installed(alloc, 16), summary_drain, 256),
+        ("free+drain/256 s", None, lambda: free_as_installed(alloc, freed), summary_drain, 256),
     ]
     rows = [bind_step()]
     for name, result, hooked, drain, every in cases:
@@ -150,6 +161,17 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
         rows.append((name, plain_ns, hooked_ns))
         probe.PROBE.locks.clear()
     return rows
+
+
+def _as_installed(target_end: str, stub: Any) -> Any:
+    """The probe's hook on the target as it is put in place, around `stub` for SGLang's method: the
+    probe's own method (a direct hook) or SGLang's AROUND wrapper around the hook."""
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    hook = next(h for h in probe.hooks() if h.target.endswith(target_end))
+    if getattr(hook, "direct", False):
+        return hook.hook(stub)
+    return _wrap_fn(stub, hook.hook, HookType.AROUND)
 
 
 def bind_step() -> tuple[str, list[float], list[float]]:

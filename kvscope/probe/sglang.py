@@ -1,6 +1,7 @@
 """The probe inside SGLang's scheduler process: hooks on the allocators, the request-row pool and the
 radix trees of the versions in SUPPORTED, registered through SGLang's own plugin framework
-(HookRegistry, AROUND hooks), and the page census (sglang_census.py) at each idle point.
+(HookRegistry, AROUND hooks; the allocators' hot methods patched directly, see `_register`), and the
+page census (sglang_census.py) at each idle point; the page ledger in sglang_ledger.py.
 
 Loaded by SGLang's `sglang.srt.plugins` entry point (`register`): `load_plugins()` runs it first
 thing in every SGLang process (the scheduler, spawned, included); inert unless KVSCOPE_CAPTURE is
@@ -35,17 +36,15 @@ step begins, or by the census), and a tree snapshot every SNAPSHOT_EVERY_STEPS s
 from __future__ import annotations
 
 import atexit
+import functools
+import inspect
 import multiprocessing.util
 import os
 import pkgutil
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from itertools import chain, repeat
-from operator import itemgetter
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
-
-import numpy as np
 
 from kvscope.probe.core import (
     ProbeState,
@@ -59,6 +58,7 @@ from kvscope.probe.core import (
     settings_from_env,
 )
 from kvscope.probe.sglang_census import PageView, census_checks, census_line, take_page_census
+from kvscope.probe.sglang_ledger import ALLOC, BIND, FOLD_CALLS, FREE, PageLedger, _gather, _to_numpy
 from kvscope.telemetry import EventKind, EvictReason, NodeRow, PoolTerms, RequestRecord, UsageSample
 
 ENGINE = "sglang"
@@ -74,114 +74,26 @@ BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
 RELEASE = f"{MEM}.common.release_kv_cache"
-ALLOC_V, FREE_V, MATCH_V, INSERT_V, LOCK_V, UNLOCK_V, EVICT_V = (
-    k._value_
-    for k in (
-        EventKind.ALLOC,
-        EventKind.FREE,
-        EventKind.MATCH,
-        EventKind.INSERT,
-        EventKind.LOCK,
-        EventKind.UNLOCK,
-        EventKind.EVICT,
-    )
+MATCH_V, INSERT_V, LOCK_V, UNLOCK_V, EVICT_V = (
+    k._value_ for k in (EventKind.MATCH, EventKind.INSERT, EventKind.LOCK, EventKind.UNLOCK, EventKind.EVICT)
 )
 HOST_EVICT_V, LOAD_V, WRITE_V = (k._value_ for k in (EventKind.HOST_EVICT, EventKind.LOAD, EventKind.WRITE))
+ALLOC_V, FREE_V = EventKind.ALLOC._value_, EventKind.FREE._value_
 CAPACITY_V = EvictReason.CAPACITY._value_
-ALLOC, FREE, BIND = 0, 1, 2  # NOTE: what a pending entry records
-_EVENT_VALUES = {ALLOC: ALLOC_V, FREE: FREE_V}
-FOLD_CALLS = 256  # NOTE: pending entries that fold at the next step (else every FOLD_INTERVAL_S, and at a census)
-FOLD_INTERVAL_S = 0.2  # NOTE: as the recorder's hand-off: a step's events wait at most this long
 SNAPSHOT_EVERY_STEPS = 256  # NOTE: while busy; a snapshot walks every node (as the idle census does)
 PREVIEW_TOKENS = 8
 _monotonic = time.monotonic
-Entry = tuple[str | None, int, str]  # NOTE: (rid, step, event), as sglang_census
-Pending = tuple[int, Any, Any, int, str, Any, Any]  # NOTE: (ALLOC/FREE/BIND, allocator, rid or a bind's rids,
-# step, event, index tensor, None or a bind's slots per request)
 MambaCall = tuple[int, Any, Any, int, str, float, Any, int]  # NOTE: (ALLOC/FREE/BIND, MambaSlotAllocator, rid or a
 # bind's rids, step, event, the step's clock read, slot tensor, a bind's slots per request)
 
 
 class Hook(NamedTuple):
-    """One SGLang target (a dotted path HookRegistry resolves) and its AROUND hook."""
+    """One SGLang target (a dotted path HookRegistry resolves) and its AROUND hook; direct: `hook`
+    is a factory, original method -> the method the probe puts on the class itself (no HookRegistry)."""
 
     target: str
     hook: Callable[..., Any]
-
-
-class Calls(NamedTuple):
-    """One fold group's recorded calls, as columns (the Pending fields less the allocator)."""
-
-    kinds: tuple[int, ...]
-    rids: tuple[Any, ...]
-    steps: tuple[int, ...]
-    events: tuple[str, ...]
-    tensors: tuple[Any, ...]
-    parts: tuple[Any, ...]
-
-
-class Described:
-    """A fold's alloc / free events, per call in call order: pool, tokens and pages (object columns)."""
-
-    def __init__(self, num_calls: int) -> None:
-        self.pools = np.empty(num_calls, object)
-        self.sizes = np.zeros(num_calls, np.int64)
-        self.slots = np.empty(num_calls, object)
-
-
-def _picker(where: list[int]) -> Callable[[Any], tuple[Any, ...]]:
-    """The items at `where` of a column, as a tuple (itemgetter, which gives no tuple for one)."""
-    if len(where) == 1:
-        at = where[0]
-        return lambda column: (column[at],)
-    return itemgetter(*where)
-
-
-class Ledger(Mapping[int, Entry]):
-    """page -> the last (rid, step, event) written for it: an entry id per page in a numpy array
-    (-1: none), the entries in a list (compacted when it outgrows the pages)."""
-
-    def __init__(self) -> None:
-        self.ids = np.full(0, -1, np.int64)
-        self.entries: list[Entry] = []
-
-    def write(self, pages: np.ndarray, segs: np.ndarray, entries: list[Entry]) -> None:
-        """pages[j] was written by entries[segs[j]]; segs ascending (in call order): a later write wins."""
-        if not len(pages):
-            return
-        top = int(pages.max()) + 1
-        if top > len(self.ids):
-            grown = np.full(max(top, 2 * len(self.ids)), -1, np.int64)
-            grown[: len(self.ids)] = self.ids
-            self.ids = grown
-        order = np.argsort(pages, kind="stable")
-        pages, segs = pages[order], segs[order]
-        last = np.ones(len(pages), bool)
-        np.not_equal(pages[1:], pages[:-1], out=last[:-1])
-        self.ids[pages[last]] = segs[last] + len(self.entries)
-        self.entries.extend(entries)
-        if len(self.entries) > 2 * len(self.ids) + 1024:
-            self.compact()
-
-    def compact(self) -> None:
-        held = self.ids >= 0
-        kept, self.ids[held] = np.unique(self.ids[held], return_inverse=True)
-        self.entries = [self.entries[i] for i in kept.tolist()]
-
-    def __getitem__(self, page: int) -> Entry:
-        i = int(self.ids[page]) if 0 <= page < len(self.ids) else -1
-        if i < 0:
-            raise KeyError(page)
-        return self.entries[i]
-
-    def __contains__(self, page: object) -> bool:
-        return isinstance(page, int) and 0 <= page < len(self.ids) and self.ids[page] >= 0
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(np.flatnonzero(self.ids >= 0).tolist())
-
-    def __len__(self) -> int:
-        return int(np.count_nonzero(self.ids >= 0))
+    direct: bool = False
 
 
 class SglangProbe:
@@ -195,13 +107,15 @@ class SglangProbe:
         self.hot = False
         self.step = 0
         self.emit: Callable[[Iterable[Any]], None] | None = None
+        self.emit_block: Callable[[tuple[Any, ...]], None] | None = None  # NOTE: the fold's events, in bulk
         self.rid: str | None = None  # NOTE: the request the pools work for now
         self.event = "alloc"
         self.busy = False  # NOTE: something moved since the last census
-        self.pools: dict[int, str] = {}  # id(sub-allocator) -> "swa" (anything else is full)
-        self.takers: dict[str, Any] = {"full": Ledger(), "swa": Ledger(), "req": {}, "mamba": {}}  # NOTE: req rows: a
-        # dict; mamba: id(MambaSlotAllocator) -> {slot: entry} (an int8 checkpoint pool or a draft head has its own)
-        self.releasers: dict[str, Any] = {"full": Ledger(), "swa": Ledger(), "req": {}, "mamba": {}}
+        self.ledger = ledger = PageLedger()
+        self.pending = ledger.pending  # NOTE: the ledger's own queue and dicts (emptied in place, never replaced)
+        self.pools, self.takers, self.releasers = ledger.pools, ledger.takers, ledger.releasers
+        self.takers["mamba"], self.releasers["mamba"] = {}, {}  # NOTE: id(MambaSlotAllocator) -> {slot: entry}
+        # (an int8 checkpoint pool or a draft head has its own)
         self.mamba_calls: list[MambaCall] = []  # NOTE: Mamba slot calls and binds not yet folded (fold_mamba)
         self.locks: dict[Any, list[tuple[str | None, int]]] = {}  # node -> [(rid, step) of each open lock]
         self.recorded: set[str] = set()
@@ -209,9 +123,6 @@ class SglangProbe:
         self.censuses = 0
         self.census_step = -1
         self.roots: dict[int, Any] = {}  # id(tree) -> its root handle
-        self.pending: list[Pending] = []  # NOTE: allocator calls and binds not yet folded into the ledger, in order
-        self.folded_at = _monotonic()
-        self.step_now: dict[int, float] = {}  # NOTE: step -> its clock read (the t_mono of its folded events)
         self.sources: tuple[Any, Any, int] | None = None  # (tree, full allocator, batch size) of the last prepare
         self.usage_step = -1
         self.now = _monotonic()  # NOTE: read once per step (next_step) and per drain, not per event
@@ -226,13 +137,14 @@ class SglangProbe:
         if self.pid != os.getpid():
             self.pid = os.getpid()
             assert self.settings is not None
-            self.hot, self.emit = False, None
+            self.hot, self.emit, self.emit_block = False, None, None
             with guarded(self.state):
                 rec = self.state.recorder = open_recorder(
                     self.settings, label=f"sglang {self.version} probe pid {self.pid}", config=self.config(patched=True)
                 )
                 self.step = rec.step
                 self.emit = rec.item_sink() if rec.enabled else None
+                self.emit_block = rec.event_block if rec.enabled else None
                 self.hot = True
                 atexit.register(self.drain_at_exit)  # NOTE: after the recorder's own: runs before its close
                 multiprocessing.util.Finalize(None, self.drain_at_exit, exitpriority=101)  # NOTE: a spawned scheduler
@@ -270,100 +182,20 @@ class SglangProbe:
                 self.step_usage(rec, *self.sources)
             rec.step = rec.step + 1
             self.step = rec.step
-            self.now = self.step_now[self.step] = now
+            self.now = self.ledger.step_now[self.step] = now
 
     def fold_if_due(self, now: float) -> None:
         """The per-step part of the ledger's work: a fold every FOLD_CALLS entries or FOLD_INTERVAL_S."""
-        if len(self.pending) >= FOLD_CALLS or now - self.folded_at >= FOLD_INTERVAL_S:
+        if self.ledger.due(now):
             self.drain()
 
-    def pool_of(self, allocator: Any) -> str:
-        return self.pools.get(id(allocator), "full")
-
-    # -- the ledger -----------------------------------------------------------------------------
-
     def drain(self) -> None:
-        """Fold the allocator calls and binds recorded since the last fold into the ledger, in
-        order, and (level full) their alloc / free events in call order: per allocator and ledger
-        one concatenation, one transfer off the device and a few numpy passes (fold_pages), no
-        tensor read per call; per call only C-level passes over the recorded columns."""
-        if not self.pending:
-            return
-        pending, self.pending = self.pending, []
-        self.now = self.folded_at = now = _monotonic()
-        n = len(pending)
-        kinds, allocators, rids, steps, events, tensors, parts = zip(*pending, strict=True)
-        kind = np.fromiter(kinds, np.int8, n)
-        takes = kind != FREE
-        single = allocators.count(allocators[0]) == n  # NOTE: identity first: no hash needed
-        groups = takes.view(np.int8) if single else np.fromiter(map(id, allocators), np.int64, n) * 2 + takes
-        binds = BIND in kinds
-        described = Described(n) if self.emit is not None else None
-        for group in np.unique(groups).tolist():
-            where = np.flatnonzero(groups == group)
-            if len(where) == n:
-                calls = Calls(kinds, rids, steps, events, tensors, parts)
-            else:
-                pick = _picker(where.tolist())
-                calls = Calls(pick(kinds), pick(rids), pick(steps), pick(events), pick(tensors), pick(parts))
-            self.fold_group(allocators[where[0]], bool(takes[where[0]]), calls, binds, where, described)
-        self.busy = True
-        if described is not None:
-            self.emit_events(kind, rids, steps, described, now)
-        self.step_now = {self.step: self.step_now.get(self.step, now)}
-
-    def fold_group(
-        self, allocator: Any, takes: bool, calls: Calls, binds: bool, where: np.ndarray, described: Described | None
-    ) -> None:
-        """One allocator's takes (allocs and binds) or frees into its ledger; each alloc / free
-        call's pool, tokens and pages into `described` at its place in the fold (`where`)."""
-        page_size = int(allocator.page_size)
-        entries = list(zip(calls.rids, calls.steps, calls.events, strict=True))
-        counts = list(map(type(calls.tensors[0]).numel, calls.tensors))
-        is_call = None
-        if binds and BIND in calls.kinds:  # NOTE: a bind: one entry per request, parts[i][j] slots each
-            is_call = [p is None for p in calls.parts for _ in (p or (None,))]
-            for i in reversed([i for i, kind in enumerate(calls.kinds) if kind == BIND]):
-                rid, step, event = entries[i]
-                entries[i : i + 1] = [(r, step, event) for r in rid]
-                counts[i : i + 1] = calls.parts[i]
-        pages, segs = fold_pages(_to_numpy(calls.tensors), np.asarray(counts, np.int64), page_size, dedup=takes)
-        pool = self.pool_of(allocator)
-        (self.takers if takes else self.releasers)[pool].write(pages, segs, entries)
-        if described is None:
-            return
-        bounds = np.searchsorted(segs, np.arange(len(entries) + 1))
-        lo, hi = bounds[:-1], bounds[1:]
-        if is_call is not None:  # NOTE: a bind's requests take no event
-            mask = np.array(is_call, bool)
-            lo, hi, where = lo[mask], hi[mask], where[np.array([p is None for p in calls.parts], bool)]
-        listed = pages.tolist()
-        pieces = map(listed.__getitem__, map(slice, lo.tolist(), hi.tolist()))  # NOTE: lists: marshal carries them
-        described.pools[where] = pool
-        described.sizes[where] = (hi - lo) * page_size
-        described.slots[where] = np.fromiter(pieces, object, len(lo))
-
-    def emit_events(self, kind: np.ndarray, rids: Any, steps: Any, described: Described, now: float) -> None:
-        """One alloc or free event per allocator call, in call order (binds have none), with its
-        step's clock read."""
-        assert self.emit is not None
-        values = np.full(len(kind), FREE_V, object)
-        values[kind == ALLOC] = ALLOC_V
-        pools, sizes, slots = described.pools, described.sizes, described.slots
-        if (kind == BIND).any():
-            kept = np.flatnonzero(kind != BIND)
-            if not len(kept):
-                return
-            pick = _picker(kept.tolist())
-            rids, steps = pick(rids), pick(steps)
-            values, pools, sizes, slots = values[kept], pools[kept], sizes[kept], slots[kept]
-        times = map(self.step_now.get, steps, repeat(now))
-        nones = repeat(None)
-        self.emit(
-            chain.from_iterable(
-                zip(steps, times, values, pools, rids, nones, sizes.tolist(), repeat(0), nones, nones, slots)
-            )
-        )
+        """Fold the calls and binds queued since the last fold into the ledger (and, level full,
+        their events): PageLedger.drain."""
+        now = self.ledger.drain(self.step, self.emit_block if self.emit is not None else None)
+        if now is not None:
+            self.now = now
+            self.busy = True
 
     def prepared(self, reqs: Any, rows: Any, tree: Any, event: str) -> None:
         """After SGLang's prepare_for_extend / prepare_for_decode: the batch's row pages bound to its
@@ -575,52 +407,8 @@ class SglangProbe:
         return tuple(results)
 
 
-def fold_pages(values: np.ndarray, counts: np.ndarray, page_size: int, *, dedup: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(pages, segs) of recorded index tensors laid end to end (`counts[i]` values from call i):
-    segs[j] = the call pages[j] came from, ascending. `dedup` (allocs and binds: token slots): slot 0
-    (SGLang's padding slot; no SWA peer in a mapped bind) dropped, and each call's distinct pages,
-    ascending; else (frees: page ids) the values as given."""
-    segs = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    if not dedup:
-        return values, segs
-    if not values.all():
-        keep = values > 0
-        values, segs = values[keep], segs[keep]
-    if page_size == 1 or not len(values):
-        return values, segs
-    pages = values // page_size
-    first = np.empty(len(pages), bool)  # NOTE: a call's slots come page by page: drop the repeats in a run
-    first[0] = True
-    np.not_equal(pages[1:], pages[:-1], out=first[1:])
-    first[1:] |= segs[1:] != segs[:-1]
-    pages, segs = pages[first], segs[first]
-    if ((pages[1:] <= pages[:-1]) & (segs[1:] == segs[:-1])).any():  # NOTE: a call not in ascending pages
-        stride = int(pages.max()) + 1
-        keys = np.unique(segs * stride + pages)
-        return keys % stride, keys // stride
-    return pages, segs
-
-
-def _to_numpy(tensors: tuple[Any, ...]) -> np.ndarray:
-    """Index tensors laid end to end as one int64 array: one concatenation where they are, one
-    transfer off the device (torch is the engine's, loaded since it made these tensors; the probe
-    never imports it)."""
-    joined = tensors[0] if len(tensors) == 1 else sys.modules["torch"].cat(tensors)
-    return joined.cpu().numpy().reshape(-1).astype(np.int64, copy=False)
-
-
 def _numel(tensor: Any) -> int:
     return int(tensor.numel())  # NOTE: a tensor's len() costs about 7 times as much
-
-
-def _gather(table: Any, starts: list[int], parts: list[int]) -> Any:
-    """The slots [starts[i], starts[i] + parts[i]) of the flattened table, run after run, copied
-    into one new int64 tensor on the table's device (one index transfer, one gather)."""
-    counts = np.asarray(parts, np.int64)
-    offsets = np.repeat(np.asarray(starts, np.int64) - (np.cumsum(counts) - counts), counts)
-    offsets += np.arange(len(offsets), dtype=np.int64)
-    index = table.new_empty(0).long().new_tensor(offsets)
-    return table.reshape(-1)[index].long()
 
 
 def _row_view(rows: Any, owners: list[Any]) -> PageView:
@@ -863,32 +651,88 @@ def _ready() -> bool:
 #                   the row is reused: copied when it is a view, else kept
 
 
-def _h_alloc(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    out = original(self, *args, **kwargs)
-    probe = PROBE
-    if out is not None and probe.state.active and (probe.hot or _ready()):
-        probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
-    return out
+# NOTE: patched directly (Hook.direct): each factory takes SGLang's method and returns the method
+# put on the class in its place, with the same parameters (checked at registration: `_direct`).
+# SGLang's HookRegistry AROUND layer (wrapper(*args, **kwargs) -> hook(original, *args, **kwargs))
+# forwards the arguments twice, about 0.35 µs a call; these methods run several times per step.
+# Why and what: docs/probe.md "Why the allocators are patched directly".
 
 
-def _h_release_pages(original: Callable[..., Any], self: Any, *page_ids: Any) -> Any:
-    probe = PROBE
-    if probe.state.active and (probe.hot or _ready()):
-        for ids in page_ids:
-            probe.pending.append((FREE, self, probe.rid, probe.step, probe.event, ids, None))
-    return original(self, *page_ids)
+def _d_alloc(original: Callable[..., Any]) -> Callable[..., Any]:
+    """alloc(need_size) of the paged and the token allocator."""
+
+    @functools.wraps(original)
+    def alloc(self: Any, need_size: int) -> Any:
+        out = original(self, need_size)
+        probe = PROBE
+        if out is not None and probe.state.active and (probe.hot or _ready()):
+            probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
+        return out
+
+    return alloc
 
 
-def _h_token_free(original: Callable[..., Any], self: Any, free_index: Any) -> Any:
-    probe = PROBE
-    if self.free_group is None and probe.state.active:  # NOTE: in a group, free_group_end calls free again
-        try:
-            if (probe.hot or _ready()) and free_index.numel():
-                kept = free_index if free_index._base is None else free_index.clone()
-                probe.pending.append((FREE, self, probe.rid, probe.step, probe.event, kept, None))
-        except Exception as err:
-            _failed(err)
-    return original(self, free_index)
+def _d_alloc_extend(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def alloc_extend(
+        self: Any,
+        prefix_lens: Any,
+        prefix_lens_cpu: Any,
+        seq_lens: Any,
+        seq_lens_cpu: Any,
+        last_loc: Any,
+        extend_num_tokens: int,
+        num_new_pages: int | None = None,
+    ) -> Any:
+        out = original(
+            self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, num_new_pages
+        )
+        probe = PROBE
+        if out is not None and probe.state.active and (probe.hot or _ready()):
+            probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
+        return out
+
+    return alloc_extend
+
+
+def _d_alloc_decode(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def alloc_decode(self: Any, seq_lens: Any, seq_lens_cpu: Any, last_loc: Any) -> Any:
+        out = original(self, seq_lens, seq_lens_cpu, last_loc)
+        probe = PROBE
+        if out is not None and probe.state.active and (probe.hot or _ready()):
+            probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
+        return out
+
+    return alloc_decode
+
+
+def _d_release_pages(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _release_page_ids(self: Any, *page_ids: Any) -> Any:
+        probe = PROBE
+        if probe.state.active and (probe.hot or _ready()):
+            for ids in page_ids:
+                probe.pending.append((FREE, self, probe.rid, probe.step, probe.event, ids, None))
+        return original(self, *page_ids)
+
+    return _release_page_ids
+
+
+def _d_token_free(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def free(self: Any, free_index: Any) -> Any:
+        probe = PROBE
+        if self.free_group is None and probe.state.active:  # NOTE: in a group, free_group_end calls free again
+            try:
+                if (probe.hot or _ready()) and free_index.numel():
+                    kept = free_index if free_index._base is None else free_index.clone()
+                    probe.pending.append((FREE, self, probe.rid, probe.step, probe.event, kept, None))
+            except Exception as err:
+                _failed(err)
+        return original(self, free_index)
+
+    return free
 
 
 def _h_rows_alloc(original: Callable[..., Any], self: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1201,12 +1045,12 @@ def _tokens(result: Any) -> int:
 def hooks() -> list[Hook]:
     """What the probe hooks in SGLang 0.5.23 (file:line in docs/probe.md)."""
     return [
-        Hook(f"{PAGED}.alloc", _h_alloc),
-        Hook(f"{PAGED}.alloc_extend", _h_alloc),
-        Hook(f"{PAGED}.alloc_decode", _h_alloc),
-        Hook(f"{PAGED}._release_page_ids", _h_release_pages),
-        Hook(f"{TOKEN}.alloc", _h_alloc),
-        Hook(f"{TOKEN}.free", _h_token_free),
+        Hook(f"{PAGED}.alloc", _d_alloc, direct=True),
+        Hook(f"{PAGED}.alloc_extend", _d_alloc_extend, direct=True),
+        Hook(f"{PAGED}.alloc_decode", _d_alloc_decode, direct=True),
+        Hook(f"{PAGED}._release_page_ids", _d_release_pages, direct=True),
+        Hook(f"{TOKEN}.alloc", _d_alloc, direct=True),
+        Hook(f"{TOKEN}.free", _d_token_free, direct=True),
         Hook(f"{SWA}.__init__", _h_swa_init),
         Hook(f"{ROWS}.alloc", _h_rows_alloc),
         Hook(f"{ROWS}.free_rows", _h_rows_free),
@@ -1262,15 +1106,50 @@ def _register(version: str | None = None, table: dict[str, Callable[[], list[Hoo
             f"SGLang {version} is not supported (the probe knows {', '.join(sorted(table))}); nothing patched"
         )
     wanted = make()
-    missing = [h.target for h in wanted if not _resolves(h.target)]
+    missing = [h.target for h in wanted if not (_method_of(h.target) if h.direct else _resolves(h.target))]
     if missing:
         return _refuse(f"SGLang {version}: {', '.join(missing)} not found; nothing patched")
+    direct = [(h.target, *_direct(h)) for h in wanted if h.direct]  # NOTE: all made before any is put in place
+    changed = [target for target, _, _, _, made in direct if made is None]
+    if changed:
+        return _refuse(f"SGLang {version}: {', '.join(changed)} takes other parameters; nothing patched")
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     for h in wanted:
-        HookRegistry.register(h.target, h.hook, HookType.AROUND)
+        if not h.direct:
+            HookRegistry.register(h.target, h.hook, HookType.AROUND)
+    for _, owner, name, _, made in direct:
+        setattr(owner, name, made)
     PROBE.state.active = True
     return f"registered {len(wanted)} hooks on SGLang {version}"
+
+
+def _direct(h: Hook) -> tuple[type, str, Callable[..., Any], Callable[..., Any] | None]:
+    """(class, name, SGLang's method, the probe's method in its place: None where their parameters
+    differ) of a direct hook (its target resolved: _method_of)."""
+    found = _method_of(h.target)
+    assert found is not None
+    owner, name, original = found
+    made = h.hook(original)
+    theirs, ours = inspect.signature(original), inspect.signature(made, follow_wrapped=False)
+    same = [(p.name, p.kind, p.default) for p in theirs.parameters.values()] == [
+        (p.name, p.kind, p.default) for p in ours.parameters.values()
+    ]
+    return owner, name, original, made if same else None
+
+
+def _method_of(target: str) -> tuple[type, str, Callable[..., Any]] | None:
+    """(class, name, the function in the class's own __dict__) of a direct hook's target; None
+    where that is not a plain method (a direct hook patches only those)."""
+    owner_path, _, name = target.rpartition(".")
+    try:
+        owner = pkgutil.resolve_name(owner_path)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    found = owner.__dict__.get(name) if isinstance(owner, type) else None
+    if not callable(found) or isinstance(found, (type, classmethod, staticmethod)):
+        return None
+    return owner, name, found
 
 
 def _resolves(target: str) -> bool:

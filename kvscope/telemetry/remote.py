@@ -9,7 +9,8 @@ NOTE: the three processes
     recording process  (the engine) RemoteRecorder: record() extends a flat list (packed.ITEM_FIELDS,
                        slots as lists or tuples of ints; item_sink() hands a hot caller that list's
                        extend; event_stream() gives one the EventStream below instead: flat
-                       values, no per-event tuple to marshal), the other records append plain rows; at a step
+                       values, no per-event tuple to marshal); event_block() puts many events as columns
+                       in one item (EVENT_BLOCK below), the other records append plain rows; at a step
                        past `flush_interval_s`, at idle points and on flush() the buffer goes to
                        the host as one marshal body. Imports: the standard library, channel.py.
     host process       SQLRecorder(target): starts the run, takes each batch into its buffer
@@ -44,7 +45,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from enum import StrEnum
-from itertools import repeat
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +200,64 @@ def stream_as_items(records: list[Any], slots: list[int], ledger: StreamLedger |
     return items
 
 
+# NOTE: an event block (RemoteRecorder.event_block): many events as columns in one item of the flat
+# list, for a caller that has them in bulk (the SGLang probe's fold): no Python object per event on
+# the recording side. The item is EVENT_BLOCK then the block, then None to the item's width; the host
+# reads it back as the same events' items at its place (blocks_as_items). The block, a tuple:
+#   times, now              dict step -> t_mono (s); an event whose step it lacks gets `now`
+#   steps                   a sequence of ints, one per event
+#   kinds, kind_names       bytes, one int8 code per event, and the names they index
+#   pools, pool_names       the same for pool
+#   rids                    a sequence, one str or None per event
+#   num_tokens, num_slots   bytes, int64 per event
+#   slots                   bytes, int64: every event's slots end to end
+# node_id None, aux 0, reason None, principal None for every event of a block.
+EVENT_BLOCK: Any = ...  # NOTE: in an item's step field (a real item's step is an int)
+_ITEM_WIDTH = 11  # NOTE: packed.ITEM_WIDTH (packed imports numpy; this side the standard library only)
+
+
+def block_as_items(block: tuple[Any, ...]) -> list[Any]:
+    """An event block's events as flat ITEM_FIELDS items (slots as int64 arrays)."""
+    import numpy as np  # NOTE: the host's interpreter
+
+    times, now, steps, kinds, kind_names, pools, pool_names, rids, num_tokens, num_slots, slots = block
+    counts = np.frombuffer(num_slots, np.int64)
+    if len(steps) != len(kinds) or len(counts) != len(steps) or int(counts.sum()) * 8 != len(slots):
+        raise ValueError("an event block's columns disagree in length")
+    pieces = np.split(np.frombuffer(slots, np.int64), np.cumsum(counts)[:-1]) if len(counts) else []
+    return list(
+        chain.from_iterable(
+            zip(
+                steps,
+                map(times.get, steps, repeat(now)),
+                map(kind_names.__getitem__, kinds),
+                map(pool_names.__getitem__, pools),
+                rids,
+                repeat(None),
+                np.frombuffer(num_tokens, np.int64).tolist(),
+                repeat(0),
+                repeat(None),
+                repeat(None),
+                pieces,
+                strict=False,
+            )
+        )
+    )
+
+
+def blocks_as_items(items: list[Any]) -> list[Any]:
+    """The flat items with each event block read back as its events' items, in place."""
+    if EVENT_BLOCK not in items[::_ITEM_WIDTH]:
+        return items
+    out: list[Any] = []
+    for at in range(0, len(items), _ITEM_WIDTH):
+        if items[at] is EVENT_BLOCK:
+            out += block_as_items(items[at + 1])
+        else:
+            out += items[at : at + _ITEM_WIDTH]
+    return out
+
+
 def _slots_at(slot_values: Any, at: int, num_slots: int) -> Any:
     if at + num_slots > len(slot_values):
         raise ValueError("an event stream has fewer slots than its events")
@@ -318,6 +377,12 @@ class RemoteRecorder(Recorder):
         wrappers) that builds the flat ITEM_FIELDS tuple itself, as record() would. The buffer is
         cleared in place at each hand-off, never replaced, so the bound method stays valid."""
         return self._items.extend
+
+    def event_block(self, block: tuple[Any, ...]) -> None:
+        """Many events as columns (the EVENT_BLOCK layout above), at this point of the event
+        buffer; they read back as the same events given to item_sink() one by one. For an
+        item_sink() caller (not with event_stream())."""
+        self._items.extend((EVENT_BLOCK, block, None, None, None, None, None, None, None, None, None))
 
     def event_stream(self) -> EventStream:
         """The event buffer as an EventStream, for a hot caller that appends its events there
@@ -556,6 +621,11 @@ def _host(channel: Channel) -> None:
             if message.kind == "batch":
                 items, rows, stream = marshal.loads(message.body)
                 message.release()
+                try:
+                    items = blocks_as_items(items)
+                except ValueError as err:
+                    channel.send(("failed", f"a batch of events could not be read: {err}"))
+                    items = []
                 if stream is not None:
                     try:
                         records, slots = stream

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from kvscope.probe.sglang import ALLOC, BIND, FREE, Ledger, SglangProbe, fold_pages
+from kvscope.probe.sglang_ledger import ALLOC, BIND, FREE, Ledger, PageLedger, fold_pages
+from kvscope.telemetry.remote import block_as_items
 
 PAGE_SIZE = 4
 
@@ -23,13 +24,13 @@ def slots_of(*pages: int) -> torch.Tensor:
 def test_the_ledger_keeps_each_pages_last_writer_in_call_order() -> None:
     ledger = Ledger()
     entries = [("req-A", 1, "alloc"), ("req-B", 2, "alloc"), ("req-C", 3, "decode")]
-    ledger.write(np.array([5, 6, 5, 9, 6]), np.array([0, 0, 1, 1, 2]), entries)
+    ledger.write(np.array([5, 6, 5, 9, 6]), np.array([0, 0, 1, 1, 2]), *zip(*entries, strict=True))
     assert (ledger[5], ledger[6], ledger[9]) == (entries[1], entries[2], entries[1])
     assert 7 not in ledger and 500 not in ledger and sorted(ledger) == [5, 6, 9]
-    ledger.write(np.array([9]), np.array([0]), [("req-D", 4, "alloc")])
+    ledger.write(np.array([9]), np.array([0]), ["req-D"], [4], ["alloc"])
     ledger.compact()  # NOTE: the entries no page names any more are dropped; the answers stay
     assert (ledger[5], ledger[6], ledger[9]) == (entries[1], entries[2], ("req-D", 4, "alloc"))
-    assert len(ledger.entries) == 3
+    assert len(ledger.rids) == len(ledger.steps) == len(ledger.events) == 3
 
 
 def test_a_fold_gives_each_calls_distinct_pages_and_drops_the_padding_slot() -> None:
@@ -46,16 +47,52 @@ def test_a_fold_gives_each_calls_distinct_pages_and_drops_the_padding_slot() -> 
 def test_calls_and_binds_folded_together_name_the_last_taker_and_releaser() -> None:
     """Page 3 is taken by a batch alloc (no request), bound to req-B's row, freed by req-B's release,
     then taken again by req-C: one fold of all four must name req-C, as four folds would."""
-    probe = SglangProbe(None, "test")
+    ledger = PageLedger()
     allocator = SimpleNamespace(page_size=PAGE_SIZE)
-    probe.pending += [
+    ledger.pending += [
         (ALLOC, allocator, None, 1, "alloc", slots_of(3, 4), None),
         (BIND, allocator, ["req-B", "req-E"], 1, "extend", slots_of(3, 4), [4, 4]),
         (FREE, allocator, "req-B", 2, "release", torch.tensor([3]), None),
         (ALLOC, allocator, "req-C", 3, "alloc", slots_of(3), None),
     ]
-    probe.drain()
-    takers, releasers = probe.takers["full"], probe.releasers["full"]
+    ledger.drain(3, None)
+    takers, releasers = ledger.takers["full"], ledger.releasers["full"]
     assert (takers[3], takers[4]) == (("req-C", 3, "alloc"), ("req-E", 1, "extend"))
     assert dict(releasers) == {3: ("req-B", 2, "release")}
-    assert not probe.pending
+    assert not ledger.pending
+
+
+def test_a_folds_event_block_reads_back_as_one_event_per_allocator_call_in_call_order() -> None:
+    """Allocs and frees of two allocators (full, swa) interleaved with a bind: the fold's one event
+    block reads back (the recorder host's block_as_items) as the per-call events the probe emitted
+    one by one before the block: call order, the call's distinct pages, pages x page size tokens,
+    its step's clock read, and no event for the bind."""
+    ledger = PageLedger()
+    full, swa = SimpleNamespace(page_size=PAGE_SIZE), SimpleNamespace(page_size=2)
+    ledger.pools[id(swa)] = "swa"
+    ledger.step_now = {1: 10.5}
+    ledger.pending += [
+        (ALLOC, full, "req-A", 1, "alloc", slots_of(3, 4), None),
+        (ALLOC, swa, "req-A", 1, "alloc", torch.tensor([6, 7, 8, 9]), None),
+        (BIND, full, ["req-A"], 1, "extend", slots_of(3, 4), [8]),
+        (FREE, full, "req-B", 2, "release", torch.tensor([7, 2]), None),
+        (ALLOC, full, None, 2, "alloc", torch.tensor([0, 0, 21, 20]), None),  # NOTE: the padding slot dropped
+        (FREE, swa, "req-B", 2, "release", torch.tensor([4]), None),
+        (FREE, full, "req-C", 2, "release", torch.tensor([], dtype=torch.int64), None),
+    ]
+    blocks: list[tuple[object, ...]] = []
+    now = ledger.drain(2, blocks.append)
+    assert now is not None and len(blocks) == 1
+    items = block_as_items(blocks[0])
+    events = [items[i : i + 11] for i in range(0, len(items), 11)]
+    expected = [
+        (1, 10.5, "alloc", "full", "req-A", 8, [3, 4]),
+        (1, 10.5, "alloc", "swa", "req-A", 4, [3, 4]),
+        (2, now, "free", "full", "req-B", 8, [7, 2]),
+        (2, now, "alloc", "full", None, 4, [5]),
+        (2, now, "free", "swa", "req-B", 2, [4]),
+        (2, now, "free", "full", "req-C", 0, []),
+    ]
+    assert [(e[0], e[1], e[2], e[3], e[4], e[6], e[10].tolist()) for e in events] == expected
+    assert all(e[5] is None and e[7] == 0 and e[8] is None and e[9] is None for e in events)
+    assert ledger.takers["full"][3] == ("req-A", 1, "extend") and ledger.releasers["swa"][4] == ("req-B", 2, "release")

@@ -233,6 +233,54 @@ def test_the_item_sink_reads_back_as_record_does(tmp_path: Path) -> None:
         capture.close()
 
 
+def test_an_event_block_reads_back_as_the_same_events_given_to_the_item_sink(tmp_path: Path) -> None:
+    """The SGLang probe's fold hands its alloc / free events as one event block (columns); the
+    capture holds exactly what the same events give one by one through item_sink(), in place
+    between the events around the block (seq, t_mono and slots included)."""
+    one_by_one, blocked = tmp_path / "items.db", tmp_path / "block.db"
+    before = (4, 1.25, "match", "full", "r1", None, 12, 4, None, None, None)
+    events = [
+        (3, 1.0, "alloc", "full", "r1", None, 8, 0, None, None, [3, 4]),
+        (3, 1.0, "alloc", "swa", "r1", None, 4, 0, None, None, [3, 4]),
+        (4, 2.5, "free", "full", None, None, 4, 0, None, None, [7]),
+        (4, 2.5, "free", "full", "r2", None, 0, 0, None, None, []),
+    ]
+    after = (4, 2.5, "lock", "full", "r2", 9, 1, 0, None, None, None)
+    rec = RemoteRecorder(one_by_one, level="full")
+    sink = rec.item_sink()
+    for event in (before, *events, after):
+        sink(event)
+    rec.close()
+    rec = RemoteRecorder(blocked, level="full")
+    rec.item_sink()(before)
+    rec.event_block(
+        (
+            {3: 1.0},
+            2.5,
+            (3, 3, 4, 4),
+            bytes([0, 0, 1, 1]),
+            ("alloc", "free"),
+            bytes([0, 1, 0, 0]),
+            ("full", "swa"),
+            ("r1", "r1", None, "r2"),
+            np.array([8, 4, 4, 0], np.int64).tobytes(),
+            np.array([2, 2, 1, 0], np.int64).tobytes(),
+            np.array([3, 4, 3, 4, 7], np.int64).tobytes(),
+        )
+    )
+    rec.item_sink()(after)
+    rec.close()
+    read = []
+    for path in (one_by_one, blocked):
+        capture = Capture(path)
+        try:
+            frame = capture.events(int(capture.runs().iloc[-1].id), limit=100)
+            read.append([repr(row) for row in frame.itertuples(index=False)])
+        finally:
+            capture.close()
+    assert len(read[1]) == 6 and read[0] == read[1]
+
+
 def test_the_event_stream_reads_back_as_record_does(tmp_path: Path) -> None:
     """The vLLM probe's hot wrappers append flat records to event_stream() (a clock record per step,
     then (kind, rid, group, num_slots) or an eviction's (evict, rid, group, num_tokens), the block
