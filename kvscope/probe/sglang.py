@@ -870,7 +870,7 @@ def _inserted(probe: SglangProbe, params: Any, result: Any) -> None:
             return
         added = max(len(params.key) - int(result.prefix_len), 0)
         node = _node(result.last_device_node)
-        probe.emit((probe.step, probe.now, INSERT_V, "full", probe.rid, node, added, 0, None, None, None))  # type: ignore[misc]
+        probe.emit((probe.step, probe.now, INSERT_V, "full", probe.rid, node, added, 0, None, None, None))
     except Exception as err:
         _failed(err)
 
