@@ -22,7 +22,9 @@ NOTE: the second table, the hooks' own work: each hook function called with a st
     original (it returns the result a real call returned), against the stub called alone, in
     alternating rounds; median and min CPU ns added per call. SGLang's work is then out of the timing,
     so a sub-µs cost is not lost in its spread on a shared machine. `around` is HookRegistry's own
-    AROUND wrapper with a no-op hook (what any plugin's hook costs); `alloc+drain/N` and
+    AROUND wrapper with a no-op hook (what any plugin's hook costs); `match`, `lock`, `unlock`
+    are UnifiedRadixCache's match_prefix / inc_lock_ref / dec_lock_ref as the probe puts them in
+    place around the stub (as the allocator rows: the wrapper's cost is in the row); `alloc+drain/N` and
     `free+drain/N` are the paged allocator's alloc / _release_page_ids as the probe installs them
     around the stub (a direct patch: the probe's method; an AROUND hook: SGLang's wrapper and the
     hook, so the wrapper's cost is in the row) plus the fold (drain) of what they queued, forced
@@ -136,13 +138,17 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
         probe.PROBE.emit = emit
 
     around = _wrap_fn(stub, noop, HookType.AROUND)
+    match_as_installed = _as_installed("UnifiedRadixCache.match_prefix", stub)
+    lock_as_installed = _as_installed("UnifiedRadixCache.inc_lock_ref", stub)
+    unlock_as_installed = _as_installed("UnifiedRadixCache.dec_lock_ref", stub)
+    unlock_params = locked.to_dec_params()
     alloc_as_installed = _as_installed("PagedTokenToKVPoolAllocator.alloc", stub)
     free_as_installed = _as_installed("PagedTokenToKVPoolAllocator._release_page_ids", stub)
     cases: list[tuple[str, Any, Any, Any, int]] = [
         ("around", matched, lambda: around(tree, params), None, 0),
-        ("match", matched, lambda: probe._h_match(stub, tree, params), None, 0),
-        ("lock", locked, lambda: probe._h_inc_lock(stub, tree, node), None, 0),
-        ("unlock", None, lambda: probe._h_dec_lock(stub, tree, node), None, 0),
+        ("match", matched, lambda: match_as_installed(tree, params), None, 0),
+        ("lock", locked, lambda: lock_as_installed(tree, node), None, 0),
+        ("unlock", None, lambda: unlock_as_installed(tree, node, unlock_params), None, 0),
         *((f"alloc+drain/{n}", out, lambda: alloc_as_installed(alloc, 16), fold_and_hand_off, n) for n in (2, 32, 256)),
         *(
             (f"free+drain/{n}", None, lambda: free_as_installed(alloc, freed), fold_and_hand_off, n)

@@ -1,6 +1,6 @@
 """The probe inside SGLang's scheduler process: hooks on the allocators, the request-row pool and the
 radix trees of the versions in SUPPORTED, registered through SGLang's own plugin framework
-(HookRegistry, AROUND hooks; the allocators' hot methods patched directly, see `_register`), and the
+(HookRegistry, AROUND hooks; the allocators' and the trees' hot methods patched directly, see `_register`), and the
 page census (sglang_census.py) at each idle point; the page ledger in sglang_ledger.py.
 
 Loaded by SGLang's `sglang.srt.plugins` entry point (`register`): `load_plugins()` runs it first
@@ -811,125 +811,214 @@ def _in_context(rid: str | None, event: str, call: Callable[[], Any]) -> Any:
         probe.rid, probe.event = saved
 
 
-def _h_match(original: Callable[..., Any], self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-    probe = PROBE
-    req = params.req
-    if req is None or not probe.state.active:  # NOTE: a tree's own re-match (checkpoint) is no request's query
-        return original(self, params, *args, **kwargs)
-    rid = probe.rid = req.rid  # NOTE: sticky: the matched request's allocations follow (bind corrects a batch's)
-    result = original(self, params, *args, **kwargs)
+# NOTE: the tree's hot methods are patched directly too (Hook.direct, as the allocators): match,
+# insert, evict, lock and unlock run per request and per step, and HookRegistry's AROUND layer cost
+# about as much as the hooks' own work. Each factory's method has SGLang's exact parameters (the two
+# tree classes differ for lock / unlock and evict_for_alloc); the shared work after SGLang's call is
+# in _matched / _inserted / _evicted / _locked / _unlocked.
+
+
+def _d_match(original: Callable[..., Any]) -> Callable[..., Any]:
+    """match_prefix(params) of RadixCache and UnifiedRadixCache."""
+
+    @functools.wraps(original)
+    def match_prefix(self: Any, params: Any) -> Any:
+        probe = PROBE
+        req = params.req
+        if req is None or not probe.state.active:  # NOTE: a tree's own re-match (checkpoint) is no request's query
+            return original(self, params)
+        rid = probe.rid = req.rid  # NOTE: sticky: the matched request's allocations follow (bind corrects a batch's)
+        result = original(self, params)
+        _matched(probe, rid, params, result)
+        return result
+
+    return match_prefix
+
+
+def _matched(probe: SglangProbe, rid: Any, params: Any, result: Any) -> None:
     try:
-        if probe.hot or _ready():
-            hit, asked = result.device_prefix_len, len(params.key)
-            c = probe.cum
-            c[0] += asked
-            c[1] += hit
-            c[2] += 1
-            c[3] += hit > 0
-            if probe.emit is not None:
-                probe.emit((probe.step, probe.now, MATCH_V, "full", rid, None, hit, asked - hit, None, None, None))
+        if not (probe.hot or _ready()):
+            return
+        hit, asked = result.device_prefix_len, len(params.key)
+        c = probe.cum
+        c[0] += asked
+        c[1] += hit
+        c[2] += 1
+        c[3] += hit > 0
+        if probe.emit is not None:
+            probe.emit((probe.step, probe.now, MATCH_V, "full", rid, None, hit, asked - hit, None, None, None))
     except Exception as err:
         _failed(err)
-    return result
 
 
-def _h_insert(original: Callable[..., Any], self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-    result = original(self, params, *args, **kwargs)
-    if PROBE.state.active:
+def _d_insert(original: Callable[..., Any]) -> Callable[..., Any]:
+    """insert(params) of RadixCache and UnifiedRadixCache."""
+
+    @functools.wraps(original)
+    def insert(self: Any, params: Any) -> Any:
+        result = original(self, params)
+        if PROBE.state.active:
+            _inserted(PROBE, params, result)
+        return result
+
+    return insert
+
+
+def _inserted(probe: SglangProbe, params: Any, result: Any) -> None:
+    try:
+        if not ((probe.hot or _ready()) and probe.emit is not None):
+            return
+        added = max(len(params.key) - int(result.prefix_len), 0)
+        node = _node(result.last_device_node)
+        probe.emit((probe.step, probe.now, INSERT_V, "full", probe.rid, node, added, 0, None, None, None))
+    except Exception as err:
+        _failed(err)
+
+
+def _d_evict(original: Callable[..., Any]) -> Callable[..., Any]:
+    """evict(params) of RadixCache and UnifiedRadixCache: its frees are the evicting request's."""
+
+    @functools.wraps(original)
+    def evict(self: Any, params: Any) -> Any:
+        probe = PROBE
+        if not probe.state.active:
+            return original(self, params)
+        saved = probe.rid, probe.event
+        probe.event = "evict"
         try:
-            if _ready() and PROBE.emit is not None:
-                added = max(len(params.key) - int(result.prefix_len), 0)
-                PROBE.emit(
-                    (
-                        PROBE.step,
-                        PROBE.now,
-                        INSERT_V,
-                        "full",
-                        PROBE.rid,
-                        _node(result.last_device_node),
-                        added,
-                        0,
-                        None,
-                        None,
-                        None,
-                    )
-                )
-        except Exception as err:
-            _failed(err)
-    return result
+            result = original(self, params)
+        finally:
+            probe.rid, probe.event = saved
+        _evicted(probe, result)
+        return result
+
+    return evict
 
 
-def _h_evict(original: Callable[..., Any], self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-    if not PROBE.state.active:
-        return original(self, params, *args, **kwargs)
-    result = _in_context(PROBE.rid, "evict", lambda: original(self, params, *args, **kwargs))
+def _d_evict_for_alloc(original: Callable[..., Any]) -> Callable[..., Any]:
+    """UnifiedRadixCache.evict_for_alloc(params, *, allocation_reclaim_satisfied)."""
+
+    @functools.wraps(original)
+    def evict_for_alloc(self: Any, params: Any, *, allocation_reclaim_satisfied: Any = None) -> Any:
+        probe = PROBE
+        if not probe.state.active:
+            return original(self, params, allocation_reclaim_satisfied=allocation_reclaim_satisfied)
+        saved = probe.rid, probe.event
+        probe.event = "evict"
+        try:
+            result = original(self, params, allocation_reclaim_satisfied=allocation_reclaim_satisfied)
+        finally:
+            probe.rid, probe.event = saved
+        _evicted(probe, result)
+        return result
+
+    return evict_for_alloc
+
+
+def _evicted(probe: SglangProbe, result: Any) -> None:
     try:
         if _ready():
             evicted = int(result.num_tokens_evicted)
-            PROBE.cum[4] += evicted
-            if PROBE.emit is not None and evicted:
-                PROBE.emit(
-                    (
-                        PROBE.step,
-                        PROBE.now,
-                        EVICT_V,
-                        "full",
-                        PROBE.rid,
-                        None,
-                        evicted,
-                        int(getattr(result, "swa_num_tokens_evicted", 0)),
-                        CAPACITY_V,
-                        None,
-                        None,
-                    )
-                )
+            probe.cum[4] += evicted
+            if probe.emit is not None and evicted:
+                swa = int(getattr(result, "swa_num_tokens_evicted", 0))
+                event = (probe.step, probe.now, EVICT_V, "full", probe.rid, None, evicted, swa, CAPACITY_V, None, None)
+                probe.emit(event)
     except Exception as err:
         _failed(err)
-    return result
 
 
-def _h_inc_lock(original: Callable[..., Any], self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
-    result = original(self, node, *args, **kwargs)
+def _d_radix_inc_lock(original: Callable[..., Any]) -> Callable[..., Any]:
+    """RadixCache.inc_lock_ref(node): a TreeNode."""
+
+    @functools.wraps(original)
+    def inc_lock_ref(self: Any, node: Any) -> Any:
+        result = original(self, node)
+        if PROBE.state.active:
+            _locked(self, node, result)
+        return result
+
+    return inc_lock_ref
+
+
+def _d_radix_dec_lock(original: Callable[..., Any]) -> Callable[..., Any]:
+    """RadixCache.dec_lock_ref(node, params=None)."""
+
+    @functools.wraps(original)
+    def dec_lock_ref(self: Any, node: Any, params: Any = None) -> Any:
+        result = original(self, node, params)
+        if PROBE.state.active:
+            _unlocked(self, node, result)
+        return result
+
+    return dec_lock_ref
+
+
+def _d_unified_inc_lock(original: Callable[..., Any]) -> Callable[..., Any]:
+    """UnifiedRadixCache.inc_lock_ref(node_id, skip_lock_components=()): a NodeId (either core)."""
+
+    @functools.wraps(original)
+    def inc_lock_ref(self: Any, node_id: Any, skip_lock_components: Any = ()) -> Any:
+        result = original(self, node_id, skip_lock_components)
+        if PROBE.state.active:
+            _locked(self, node_id, result)
+        return result
+
+    return inc_lock_ref
+
+
+def _d_unified_dec_lock(original: Callable[..., Any]) -> Callable[..., Any]:
+    """UnifiedRadixCache.dec_lock_ref(node_id, params, skip_swa=False)."""
+
+    @functools.wraps(original)
+    def dec_lock_ref(self: Any, node_id: Any, params: Any, skip_swa: bool = False) -> Any:
+        result = original(self, node_id, params, skip_swa)
+        if PROBE.state.active:
+            _unlocked(self, node_id, result)
+        return result
+
+    return dec_lock_ref
+
+
+def _locked(tree: Any, node: Any, result: Any) -> None:
+    """A lock's ledger entry (node -> its open locks' (rid, step)) and its event; the root's are none."""
     probe = PROBE
-    if probe.state.active:
-        try:
-            key = node if type(node) is int else node.id  # NOTE: a NodeId (unified) or a TreeNode (classic)
-            root = probe.roots.get(id(self))
-            if key != (_root_of(self) if root is None else root) and (probe.hot or _ready()):  # NOTE: root id may be 0
-                rid, step = probe.rid, probe.step
-                held = probe.locks.get(key)
-                if held is None:
-                    probe.locks[key] = [(rid, step)]
+    try:
+        key = node if type(node) is int else node.id  # NOTE: a NodeId (unified) or a TreeNode (classic)
+        root = probe.roots.get(id(tree))
+        if key != (_root_of(tree) if root is None else root) and (probe.hot or _ready()):  # NOTE: root id may be 0
+            rid, step = probe.rid, probe.step
+            held = probe.locks.get(key)
+            if held is None:
+                probe.locks[key] = [(rid, step)]
+            else:
+                held.append((rid, step))
+            if probe.emit is not None:
+                moved = -(getattr(result, "delta", 0) or 0)
+                probe.emit((step, probe.now, LOCK_V, "full", rid, key, moved, 0, None, None, None))
+    except Exception as err:
+        _failed(err)
+
+
+def _unlocked(tree: Any, node: Any, result: Any) -> None:
+    """An unlock ends the open lock of the same request, else the oldest (_drop_holder)."""
+    probe = PROBE
+    try:
+        key = node if type(node) is int else node.id
+        root = probe.roots.get(id(tree))
+        if key != (_root_of(tree) if root is None else root) and (probe.hot or _ready()):  # NOTE: root id may be 0
+            rid = probe.rid
+            held = probe.locks.get(key)
+            if held:
+                if len(held) == 1:
+                    del probe.locks[key]
                 else:
-                    held.append((rid, step))
-                if probe.emit is not None:
-                    moved = -(getattr(result, "delta", 0) or 0)
-                    probe.emit((step, probe.now, LOCK_V, "full", rid, key, moved, 0, None, None, None))
-        except Exception as err:
-            _failed(err)
-    return result
-
-
-def _h_dec_lock(original: Callable[..., Any], self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
-    result = original(self, node, *args, **kwargs)
-    probe = PROBE
-    if probe.state.active:
-        try:
-            key = node if type(node) is int else node.id
-            root = probe.roots.get(id(self))
-            if key != (_root_of(self) if root is None else root) and (probe.hot or _ready()):  # NOTE: root id may be 0
-                rid = probe.rid
-                held = probe.locks.get(key)
-                if held:
                     _drop_holder(held, rid)
-                    if not held:
-                        del probe.locks[key]
-                if probe.emit is not None:
-                    moved = getattr(result, "delta", 0) or 0
-                    probe.emit((probe.step, probe.now, UNLOCK_V, "full", rid, key, moved, 0, None, None, None))
-        except Exception as err:
-            _failed(err)
-    return result
+            if probe.emit is not None:
+                moved = getattr(result, "delta", 0) or 0
+                probe.emit((probe.step, probe.now, UNLOCK_V, "full", rid, key, moved, 0, None, None, None))
+    except Exception as err:
+        _failed(err)
 
 
 def _drop_holder(held: list[tuple[str | None, int]], rid: str | None) -> None:
@@ -1056,17 +1145,17 @@ def hooks() -> list[Hook]:
         Hook(f"{ROWS}.free_rows", _h_rows_free),
         Hook(f"{MAMBA_SLOTS}.alloc", _h_mamba_alloc),
         Hook(f"{MAMBA_SLOTS}.free", _h_mamba_free),
-        Hook(f"{RADIX}.match_prefix", _h_match),
-        Hook(f"{RADIX}.insert", _h_insert),
-        Hook(f"{RADIX}.evict", _h_evict),
-        Hook(f"{RADIX}.inc_lock_ref", _h_inc_lock),
-        Hook(f"{RADIX}.dec_lock_ref", _h_dec_lock),
-        Hook(f"{UNIFIED}.match_prefix", _h_match),
-        Hook(f"{UNIFIED}.insert", _h_insert),
-        Hook(f"{UNIFIED}.evict", _h_evict),
-        Hook(f"{UNIFIED}.evict_for_alloc", _h_evict),
-        Hook(f"{UNIFIED}.inc_lock_ref", _h_inc_lock),
-        Hook(f"{UNIFIED}.dec_lock_ref", _h_dec_lock),
+        Hook(f"{RADIX}.match_prefix", _d_match, direct=True),
+        Hook(f"{RADIX}.insert", _d_insert, direct=True),
+        Hook(f"{RADIX}.evict", _d_evict, direct=True),
+        Hook(f"{RADIX}.inc_lock_ref", _d_radix_inc_lock, direct=True),
+        Hook(f"{RADIX}.dec_lock_ref", _d_radix_dec_lock, direct=True),
+        Hook(f"{UNIFIED}.match_prefix", _d_match, direct=True),
+        Hook(f"{UNIFIED}.insert", _d_insert, direct=True),
+        Hook(f"{UNIFIED}.evict", _d_evict, direct=True),
+        Hook(f"{UNIFIED}.evict_for_alloc", _d_evict_for_alloc, direct=True),
+        Hook(f"{UNIFIED}.inc_lock_ref", _d_unified_inc_lock, direct=True),
+        Hook(f"{UNIFIED}.dec_lock_ref", _d_unified_dec_lock, direct=True),
         Hook(f"{UNIFIED}.evict_host", _host_hook(HOST_EVICT_V)),
         Hook(f"{UNIFIED}.load_back", _host_hook(LOAD_V)),
         Hook(f"{UNIFIED}.backup_kv_cache", _host_hook(WRITE_V)),

@@ -12,7 +12,7 @@ component requires without the extra buffer), mamba-buffer (the same with SGLang
 ping-pong track slots, page size 4 on the paged allocator; its state tracking is not driven).
 SCENARIO: clean, leak-tail, lock-leak, double-free, leak-and-double-free, swa-leak (swa only),
 mamba-leak, mamba-double-free (mamba only; clean runs on mamba-buffer too), unknown-version,
-missing-target, changed-parameters.
+missing-target, changed-parameters, changed-tree-parameters.
 The environment names the capture (KVSCOPE_CAPTURE, KVSCOPE_PYTHON; `kvscope instrument` sets both).
 SGLang's own load_plugins() installs the probe.
 
@@ -390,11 +390,16 @@ def main(scenario: str, tree_kind: str) -> None:
     elif scenario == "missing-target":
         probe.SUPPORTED["0.5.23"] = lambda: [
             *probe.hooks(),
-            probe.Hook(f"{probe.UNIFIED}.gone_in_0_5_24", probe._h_match),
+            probe.Hook(f"{probe.UNIFIED}.gone_in_0_5_24", probe._h_on_idle),
         ]
     elif scenario == "changed-parameters":  # NOTE: a direct hook made for other parameters than SGLang's method has
         probe.SUPPORTED["0.5.23"] = lambda: [
             h._replace(hook=probe._d_alloc_decode) if h.target == f"{probe.PAGED}.alloc" else h for h in probe.hooks()
+        ]
+    elif scenario == "changed-tree-parameters":  # NOTE: the classic tree's unlock made for the unified tree's
+        probe.SUPPORTED["0.5.23"] = lambda: [
+            h._replace(hook=probe._d_radix_dec_lock) if h.target == f"{probe.UNIFIED}.dec_lock_ref" else h
+            for h in probe.hooks()
         ]
     load_plugins()  # NOTE: SGLang's own: discovers the sglang.srt.plugins entry point, applies the hooks
     said = probe.PROBE.state.reason or ("registered" if probe.PROBE.state.active else "inert")
@@ -409,13 +414,22 @@ def main(scenario: str, tree_kind: str) -> None:
     rec = probe.PROBE.state.recorder
     if hasattr(rec, "close"):
         rec.close()
-    patched = hasattr(PagedTokenToKVPoolAllocator._release_page_ids, "__wrapped__")
+    patched = hasattr(PagedTokenToKVPoolAllocator._release_page_ids, "__wrapped__") or any(
+        hasattr(tree.match_prefix, "__wrapped__") for tree in (RadixCache, UnifiedRadixCache)
+    )
+    tree_methods = ("match_prefix", "insert", "evict", "inc_lock_ref", "dec_lock_ref")
+    made_by = {  # NOTE: whose code each tree method now runs first: the probe's (direct) or HookRegistry's wrapper
+        f"{tree.__name__}.{name}": Path(getattr(tree, name).__code__.co_filename).name
+        for tree in (RadixCache, UnifiedRadixCache)
+        for name in (*tree_methods, *(("evict_for_alloc",) if tree is UnifiedRadixCache else ()))
+    }
     print(
         json.dumps(
             {
                 "said": said,
                 "active": probe.PROBE.state.active,
                 "patched": patched,
+                "made_by": made_by,
                 "core": engine.core(),
                 "points": points,
                 "injected": injected,

@@ -74,6 +74,7 @@ def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: st
     capture = tmp_path / f"clean-{tree}.db"
     result = drive("clean", tree, capture)
     assert result["said"] == "registered" and result["patched"] and result["core"] == core
+    assert set(result["made_by"].values()) == {"sglang.py"}, result["made_by"]  # patched directly, no AROUND layer
     assert [p["sglang"]["leak"] for p in result["points"]] == [False, False, False]
     assert all(c["ok"] for p in result["points"] for c in p["census"])
     assert full_census(result["points"][1])["live"] == 3  # req-D's three pages, running across the idle point
@@ -335,6 +336,11 @@ def test_a_mamba_double_free_is_named_with_the_request_it_was_made_for(tmp_path:
         (
             "changed-parameters",
             "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc "
+            "takes other parameters; nothing patched",
+        ),
+        (
+            "changed-tree-parameters",
+            "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.dec_lock_ref "
             "takes other parameters; nothing patched",
         ),
     ],
