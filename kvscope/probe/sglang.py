@@ -305,7 +305,7 @@ class SglangProbe:
         calls, self.mamba_calls = self.mamba_calls, []
         if not calls:
             return
-        tensors = tuple(call[6] for call in calls)
+        tensors = tuple(_freed(*t) if type(t) is tuple else t for t in (call[6] for call in calls))
         try:
             values = _to_numpy(tensors).tolist()
         except RuntimeError:  # NOTE: a 0-d or 2-d index among them: cat wants one number of dimensions
@@ -316,6 +316,8 @@ class SglangProbe:
         for (kind, allocator, rid, step, event, now, _, width), count in zip(calls, map(_numel, tensors), strict=True):
             end = at + count
             slots, at = values[at:end], end
+            if not count and kind != BIND:  # NOTE: an empty alloc or a free of nothing (not recorded)
+                continue
             if kind == BIND:
                 ledger = takers.setdefault(id(allocator), {})
                 for i, holder in enumerate(rid):
@@ -405,6 +407,11 @@ class SglangProbe:
             )
         rec.flush() if hasattr(rec, "flush") else rec.idle()
         return tuple(results)
+
+
+def _freed(before: Any, after: Any) -> Any:
+    """The slots a MambaSlotAllocator.free gave back: the tail its cat added to free_slots."""
+    return after[before.numel() :]
 
 
 def _numel(tensor: Any) -> int:
@@ -763,33 +770,51 @@ def _h_rows_free(original: Callable[..., Any], self: Any, indices: Any, *args: A
     return original(self, indices, *args, **kwargs)
 
 
-def _h_mamba_alloc(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    out = original(self, *args, **kwargs)
-    probe = PROBE
-    if out is not None and probe.state.active:
-        try:
-            if (probe.hot or _ready()) and out.numel():  # NOTE: a slice of free_slots (only replaced) or of a group's
-                probe.mamba_calls.append((ALLOC, self, probe.rid, probe.step, "alloc", probe.now, out, 1))
-                if len(probe.mamba_calls) >= FOLD_CALLS:
-                    probe.fold_mamba()
-        except Exception as err:
-            _failed(err)
-    return out
+def _d_mamba_alloc(original: Callable[..., Any]) -> Callable[..., Any]:
+    """MambaSlotAllocator.alloc(need_size): a slice of free_slots (only replaced) or of a group's
+    batch; an empty one is left to fold_mamba (no numel() here)."""
+
+    @functools.wraps(original)
+    def alloc(self: Any, need_size: int) -> Any:
+        out = original(self, need_size)
+        probe = PROBE
+        if out is not None and probe.state.active and (probe.hot or _ready()):
+            calls = probe.mamba_calls
+            calls.append((ALLOC, self, probe.rid, probe.step, "alloc", probe.now, out, 1))
+            if len(calls) >= FOLD_CALLS:
+                _fold_mamba(probe)
+        return out
+
+    return alloc
 
 
-def _h_mamba_free(original: Callable[..., Any], self: Any, free_index: Any, *args: Any, **kwargs: Any) -> Any:
-    probe = PROBE
-    if probe.state.active:
-        try:
-            if (probe.hot or _ready()) and free_index.numel():  # NOTE: a view (a request's slot, a row of the
-                # ping-pong mapping, rewritten once the row is reused) is copied
-                kept = free_index if free_index._base is None else free_index.clone()
-                probe.mamba_calls.append((FREE, self, probe.rid, probe.step, probe.event, probe.now, kept, 1))
-                if len(probe.mamba_calls) >= FOLD_CALLS:
-                    probe.fold_mamba()
-        except Exception as err:
-            _failed(err)
-    return original(self, free_index, *args, **kwargs)
+def _d_mamba_free(original: Callable[..., Any]) -> Callable[..., Any]:
+    """MambaSlotAllocator.free(free_index): the index is often a view SGLang rewrites later (a
+    request's slot, a row of the ping-pong mapping), so it is not kept; SGLang's free makes a new
+    free_slots (cat of the old and the index) that it only ever slices or replaces, so the freed
+    slots are its tail: the free_slots before and after are kept, fold_mamba slices the tail
+    (empty where SGLang freed nothing: the same tensor)."""
+
+    @functools.wraps(original)
+    def free(self: Any, free_index: Any) -> Any:
+        before = self.free_slots
+        out = original(self, free_index)
+        probe = PROBE
+        if probe.state.active and (probe.hot or _ready()):
+            calls = probe.mamba_calls
+            calls.append((FREE, self, probe.rid, probe.step, probe.event, probe.now, (before, self.free_slots), 1))
+            if len(calls) >= FOLD_CALLS:
+                _fold_mamba(probe)
+        return out
+
+    return free
+
+
+def _fold_mamba(probe: SglangProbe) -> None:
+    try:
+        probe.fold_mamba()
+    except Exception as err:
+        _failed(err)
 
 
 def _h_swa_init(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1054,8 +1079,8 @@ def hooks() -> list[Hook]:
         Hook(f"{SWA}.__init__", _h_swa_init),
         Hook(f"{ROWS}.alloc", _h_rows_alloc),
         Hook(f"{ROWS}.free_rows", _h_rows_free),
-        Hook(f"{MAMBA_SLOTS}.alloc", _h_mamba_alloc),
-        Hook(f"{MAMBA_SLOTS}.free", _h_mamba_free),
+        Hook(f"{MAMBA_SLOTS}.alloc", _d_mamba_alloc, direct=True),
+        Hook(f"{MAMBA_SLOTS}.free", _d_mamba_free, direct=True),
         Hook(f"{RADIX}.match_prefix", _h_match),
         Hook(f"{RADIX}.insert", _h_insert),
         Hook(f"{RADIX}.evict", _h_evict),
