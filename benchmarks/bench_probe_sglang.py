@@ -32,6 +32,12 @@ NOTE: the second table, the hooks' own work: each hook function called with a st
     bulk ledger's fold at FOLD_CALLS; ` s`: level summary, the same without events), then the
     marshal of the recorder's buffer its hand-off does (the socket write is left out, and with it the
     host process's work, which on a 2-core machine runs beside the timed thread and slows it).
+    `mamba alloc+fold/N` and `mamba free+fold/N` are MambaSlotAllocator.alloc(1) and the free of a
+    1-slot view (a row of a mapping, as SGLang frees a request's slot) as the probe puts them in
+    place, plus the fold_mamba of what they queued (forced once per N calls: Mamba calls come per
+    request, folded at each census and every FOLD_CALLS calls) and the hand-off's marshal; the free
+    runs around SGLang's own free (the probe reads the free_slots it makes) on a pool of 512 slots,
+    with an alloc's pop of free_slots before each call (in the timing of SGLang's free alone too).
     `bind/step x32` is not per call: the prepare_for_decode hook's bind for one decode step of 32
     running requests (rows of 512+ tokens), with a fold after every step.
 """
@@ -56,6 +62,7 @@ install()
 
 import torch  # noqa: E402
 from sglang.srt.managers.schedule_batch import Req  # noqa: E402
+from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
@@ -157,12 +164,39 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
         ("alloc+drain/256 s", out, lambda: alloc_as_installed(alloc, 16), summary_drain, 256),
         ("free+drain/256 s", None, lambda: free_as_installed(alloc, freed), summary_drain, 256),
     ]
+    slots = MambaSlotAllocator(512, "cpu")
+    view = torch.arange(8).reshape(8, 1)[3]  # NOTE: a 1-slot view, as a request's slot in its row's mapping
+    sglang_free = _attr(f"{probe.MAMBA_SLOTS}.free").__wrapped__  # NOTE: SGLang's own: the probe reads free_slots
+
+    def reset() -> None:  # NOTE: an alloc's pop, so that free_slots keeps its length
+        slots.free_slots = slots.free_slots[1:]
+
+    mamba_alloc = _as_installed("MambaSlotAllocator.alloc", stub)
+    mamba_free = _as_installed("MambaSlotAllocator.free", sglang_free)
+
+    def fold_mamba_and_hand_off() -> None:
+        probe.PROBE.fold_mamba()
+        marshal.dumps((items, [], None))
+        items.clear()
+
+    plain_of = {f"mamba free+fold/{n}": lambda: (reset(), sglang_free(slots, view)) for n in (32, 256)}
+    cases += [
+        *(
+            (f"mamba alloc+fold/{n}", slots.free_slots[:1], lambda: mamba_alloc(slots, 1), fold_mamba_and_hand_off, n)
+            for n in (32, 256)
+        ),
+        *(
+            (f"mamba free+fold/{n}", None, lambda: (reset(), mamba_free(slots, view)), fold_mamba_and_hand_off, n)
+            for n in (32, 256)
+        ),
+    ]
     rows = [bind_step()]
     for name, result, hooked, drain, every in cases:
         stub.result = result  # type: ignore[attr-defined]
+        plain = plain_of.get(name, lambda: stub(tree, params))
         plain_ns, hooked_ns = [], []
         for _ in range(REPEATS * 3):
-            plain_ns.append(_cpu_ns(lambda: stub(tree, params)))
+            plain_ns.append(_cpu_ns(plain))
             hooked_ns.append(_cpu_ns(hooked, drain, every))
         rows.append((name, plain_ns, hooked_ns))
         probe.PROBE.locks.clear()
@@ -269,7 +303,7 @@ def main() -> int:
     for name, plain_ns, hooked_ns in own:
         base = statistics.median(plain_ns)
         added, least = statistics.median(hooked_ns) - base, min(hooked_ns) - min(plain_ns)
-        print(f"{name:<18} {base:8.0f} {added:+9.0f} {least:+9.0f}")
+        print(f"{name:<20} {base:8.0f} {added:+9.0f} {least:+9.0f}")
     return 0
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
+import itertools
 import multiprocessing.util
 import os
 import pkgutil
@@ -305,17 +306,21 @@ class SglangProbe:
         calls, self.mamba_calls = self.mamba_calls, []
         if not calls:
             return
-        tensors = tuple(call[6] for call in calls)
+        tensors, spans = _mamba_parts(calls)
         try:
             values = _to_numpy(tensors).tolist()
         except RuntimeError:  # NOTE: a 0-d or 2-d index among them: cat wants one number of dimensions
             values = _to_numpy(tuple(t.reshape(-1) for t in tensors)).tolist()
+        starts = list(itertools.accumulate(map(_numel, tensors), initial=0))
         takers, releasers = self.takers["mamba"], self.releasers["mamba"]
         events: list[Any] = []
-        at = 0
-        for (kind, allocator, rid, step, event, now, _, width), count in zip(calls, map(_numel, tensors), strict=True):
-            end = at + count
-            slots, at = values[at:end], end
+        for (kind, allocator, rid, step, event, now, _, width), (part, offset, count) in zip(calls, spans, strict=True):
+            at = starts[part] + offset
+            if count < 0:  # NOTE: the whole part
+                count = starts[part + 1] - at
+            slots = values[at : at + count]
+            if not count and kind != BIND:  # NOTE: an empty alloc or a free of nothing (not recorded)
+                continue
             if kind == BIND:
                 ledger = takers.setdefault(id(allocator), {})
                 for i, holder in enumerate(rid):
@@ -405,6 +410,60 @@ class SglangProbe:
             )
         rec.flush() if hasattr(rec, "flush") else rec.idle()
         return tuple(results)
+
+
+def _mamba_parts(calls: list[MambaCall]) -> tuple[tuple[Any, ...], list[tuple[int, int, int]]]:
+    """The tensors fold_mamba concatenates, and each call's (part, offset, count) in them (count -1:
+    the whole part). An alloc or a bind is its own part. A free kept SGLang's free_slots before and
+    after it (_d_mamba_free): its slots are the tail the cat added. Frees of one allocator whose
+    free_slots chain (each one's before ends where the previous one's after ends, by address: that
+    after or a slice of it, allocs only drop its head; clear() starts a new tensor and a new chain)
+    keep their freed slots in the tails of the later afters: one slice per run of frees a later
+    after still holds (_chain_parts), not one per free (a tensor slice costs about as much as a
+    copy)."""
+    parts: list[Any] = []
+    spans: list[tuple[int, int, int]] = []
+    chains: dict[int, list[Any]] = {}  # NOTE: id(allocator) -> [the last after's end address, total,
+    # [(call, offset, count, after)], item size]
+    every: list[list[Any]] = []
+    for i, call in enumerate(calls):
+        kept = call[6]
+        if type(kept) is not tuple:
+            spans.append((len(parts), 0, -1))
+            parts.append(kept)
+            continue
+        spans.append((0, 0, 0))
+        before, after = kept
+        kept_before, kept_after = before.numel(), after.numel()
+        chain = chains.get(id(call[1]))
+        if chain is None or before.data_ptr() + kept_before * chain[3] != chain[0]:  # NOTE: not the last after's tail
+            chain = chains[id(call[1])] = [0, 0, [], after.element_size()]
+            every.append(chain)
+        count = kept_after - kept_before
+        chain[2].append((i, chain[1], count, after))
+        chain[0] = after.data_ptr() + kept_after * chain[3]  # NOTE: where the after ends (it is kept alive)
+        chain[1] += count
+    for _, _, members, _ in every:
+        _chain_parts(members, parts, spans)
+    return tuple(parts), spans
+
+
+def _chain_parts(members: list[tuple[int, int, int, Any]], parts: list[Any], spans: list[tuple[int, int, int]]) -> None:
+    """One slice per after that still holds a run of the chain's frees, latest first: an after
+    holds the chain's slots freed up to its own free, as far back as its length (allocs take
+    slots from the head, so the pool's allocs since a free eventually reach what it freed)."""
+    runs: list[list[Any]] = []  # NOTE: [after, end, first offset, [(call, offset, count)], the after's length]
+    for i, offset, count, after in reversed(members):
+        if not runs or offset < runs[-1][1] - runs[-1][4]:
+            runs.append([after, offset + count, offset, [], after.numel()])
+        run = runs[-1]
+        run[2] = offset
+        run[3].append((i, offset, count))
+    for after, end, first, held, size in runs:
+        part = len(parts)
+        parts.append(after[size - (end - first) :])
+        for i, offset, count in held:
+            spans[i] = (part, offset - first, count)
 
 
 def _numel(tensor: Any) -> int:
@@ -763,33 +822,51 @@ def _h_rows_free(original: Callable[..., Any], self: Any, indices: Any, *args: A
     return original(self, indices, *args, **kwargs)
 
 
-def _h_mamba_alloc(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    out = original(self, *args, **kwargs)
-    probe = PROBE
-    if out is not None and probe.state.active:
-        try:
-            if (probe.hot or _ready()) and out.numel():  # NOTE: a slice of free_slots (only replaced) or of a group's
-                probe.mamba_calls.append((ALLOC, self, probe.rid, probe.step, "alloc", probe.now, out, 1))
-                if len(probe.mamba_calls) >= FOLD_CALLS:
-                    probe.fold_mamba()
-        except Exception as err:
-            _failed(err)
-    return out
+def _d_mamba_alloc(original: Callable[..., Any]) -> Callable[..., Any]:
+    """MambaSlotAllocator.alloc(need_size): a slice of free_slots (only replaced) or of a group's
+    batch; an empty one is left to fold_mamba (no numel() here)."""
+
+    @functools.wraps(original)
+    def alloc(self: Any, need_size: int) -> Any:
+        out = original(self, need_size)
+        probe = PROBE
+        if out is not None and probe.state.active and (probe.hot or _ready()):
+            calls = probe.mamba_calls
+            calls.append((ALLOC, self, probe.rid, probe.step, "alloc", probe.now, out, 1))
+            if len(calls) >= FOLD_CALLS:
+                _fold_mamba(probe)
+        return out
+
+    return alloc
 
 
-def _h_mamba_free(original: Callable[..., Any], self: Any, free_index: Any, *args: Any, **kwargs: Any) -> Any:
-    probe = PROBE
-    if probe.state.active:
-        try:
-            if (probe.hot or _ready()) and free_index.numel():  # NOTE: a view (a request's slot, a row of the
-                # ping-pong mapping, rewritten once the row is reused) is copied
-                kept = free_index if free_index._base is None else free_index.clone()
-                probe.mamba_calls.append((FREE, self, probe.rid, probe.step, probe.event, probe.now, kept, 1))
-                if len(probe.mamba_calls) >= FOLD_CALLS:
-                    probe.fold_mamba()
-        except Exception as err:
-            _failed(err)
-    return original(self, free_index, *args, **kwargs)
+def _d_mamba_free(original: Callable[..., Any]) -> Callable[..., Any]:
+    """MambaSlotAllocator.free(free_index): the index is often a view SGLang rewrites later (a
+    request's slot, a row of the ping-pong mapping), so it is not kept; SGLang's free makes a new
+    free_slots (cat of the old and the index) that it only ever slices or replaces, so the freed
+    slots are its tail: the free_slots before and after are kept, fold_mamba slices the tail
+    (empty where SGLang freed nothing: the same tensor)."""
+
+    @functools.wraps(original)
+    def free(self: Any, free_index: Any) -> Any:
+        before = self.free_slots
+        out = original(self, free_index)
+        probe = PROBE
+        if probe.state.active and (probe.hot or _ready()):
+            calls = probe.mamba_calls
+            calls.append((FREE, self, probe.rid, probe.step, probe.event, probe.now, (before, self.free_slots), 1))
+            if len(calls) >= FOLD_CALLS:
+                _fold_mamba(probe)
+        return out
+
+    return free
+
+
+def _fold_mamba(probe: SglangProbe) -> None:
+    try:
+        probe.fold_mamba()
+    except Exception as err:
+        _failed(err)
 
 
 def _h_swa_init(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1143,8 +1220,8 @@ def hooks() -> list[Hook]:
         Hook(f"{SWA}.__init__", _h_swa_init),
         Hook(f"{ROWS}.alloc", _h_rows_alloc),
         Hook(f"{ROWS}.free_rows", _h_rows_free),
-        Hook(f"{MAMBA_SLOTS}.alloc", _h_mamba_alloc),
-        Hook(f"{MAMBA_SLOTS}.free", _h_mamba_free),
+        Hook(f"{MAMBA_SLOTS}.alloc", _d_mamba_alloc, direct=True),
+        Hook(f"{MAMBA_SLOTS}.free", _d_mamba_free, direct=True),
         Hook(f"{RADIX}.match_prefix", _d_match, direct=True),
         Hook(f"{RADIX}.insert", _d_insert, direct=True),
         Hook(f"{RADIX}.evict", _d_evict, direct=True),

@@ -12,7 +12,7 @@ component requires without the extra buffer), mamba-buffer (the same with SGLang
 ping-pong track slots, page size 4 on the paged allocator; its state tracking is not driven).
 SCENARIO: clean, leak-tail, lock-leak, double-free, leak-and-double-free, swa-leak (swa only),
 mamba-leak, mamba-double-free (mamba only; clean runs on mamba-buffer too), unknown-version,
-missing-target, changed-parameters, changed-tree-parameters.
+missing-target, changed-parameters, changed-tree-parameters, changed-mamba-parameters.
 The environment names the capture (KVSCOPE_CAPTURE, KVSCOPE_PYTHON; `kvscope instrument` sets both).
 SGLang's own load_plugins() installs the probe.
 
@@ -399,6 +399,11 @@ def main(scenario: str, tree_kind: str) -> None:
     elif scenario == "changed-tree-parameters":  # NOTE: the classic tree's unlock made for the unified tree's
         probe.SUPPORTED["0.5.23"] = lambda: [
             h._replace(hook=probe._d_radix_dec_lock) if h.target == f"{probe.UNIFIED}.dec_lock_ref" else h
+            for h in probe.hooks()
+        ]
+    elif scenario == "changed-mamba-parameters":  # NOTE: the Mamba slot hooks are direct too (refused as a whole)
+        probe.SUPPORTED["0.5.23"] = lambda: [
+            h._replace(hook=probe._d_alloc_decode) if h.target == f"{probe.MAMBA_SLOTS}.free" else h
             for h in probe.hooks()
         ]
     load_plugins()  # NOTE: SGLang's own: discovers the sglang.srt.plugins entry point, applies the hooks

@@ -343,6 +343,11 @@ def test_a_mamba_double_free_is_named_with_the_request_it_was_made_for(tmp_path:
             "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.dec_lock_ref "
             "takes other parameters; nothing patched",
         ),
+        (
+            "changed-mamba-parameters",
+            "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.allocator.mamba.MambaSlotAllocator.free "
+            "takes other parameters; nothing patched",
+        ),
     ],
 )
 def test_a_version_or_target_it_does_not_know_patches_nothing(tmp_path: Path, scenario: str, line: str) -> None:
