@@ -1,7 +1,8 @@
 """The probe inside SGLang's scheduler process: hooks on the allocators, the request-row pool and the
 radix trees of the versions in SUPPORTED, registered through SGLang's own plugin framework
 (HookRegistry, AROUND hooks; the allocators' and the trees' hot methods patched directly, see `_register`), and the
-page census (sglang_census.py) at each idle point; the page ledger in sglang_ledger.py.
+page census (sglang_census.py) at each idle point; the page ledger (and the Mamba slot calls' parts) in
+sglang_ledger.py; what a census and a snapshot read of SGLang's pools and trees in sglang_views.py.
 
 Loaded by SGLang's `sglang.srt.plugins` entry point (`register`): `load_plugins()` runs it first
 thing in every SGLang process (the scheduler, spawned, included); inert unless KVSCOPE_CAPTURE is
@@ -58,9 +59,31 @@ from kvscope.probe.core import (
     say,
     settings_from_env,
 )
-from kvscope.probe.sglang_census import PageView, census_checks, census_line, take_page_census
-from kvscope.probe.sglang_ledger import ALLOC, BIND, FOLD_CALLS, FREE, PageLedger, _gather, _to_numpy
-from kvscope.telemetry import EventKind, EvictReason, NodeRow, PoolTerms, RequestRecord, UsageSample
+from kvscope.probe.sglang_census import census_checks, census_line, take_page_census
+from kvscope.probe.sglang_ledger import (
+    ALLOC,
+    BIND,
+    FOLD_CALLS,
+    FREE,
+    MambaCall,
+    PageLedger,
+    _gather,
+    _to_numpy,
+    mamba_parts,
+    numel,
+)
+from kvscope.probe.sglang_views import (
+    live_pages,
+    mamba_allocator,
+    mamba_view,
+    page_view,
+    row_view,
+    swa_pool,
+    swa_view,
+    tree_rows,
+    tree_slots,
+)
+from kvscope.telemetry import EventKind, EvictReason, PoolTerms, RequestRecord, UsageSample
 
 ENGINE = "sglang"
 MEM = "sglang.srt.mem_cache"
@@ -82,10 +105,7 @@ HOST_EVICT_V, LOAD_V, WRITE_V = (k._value_ for k in (EventKind.HOST_EVICT, Event
 ALLOC_V, FREE_V = EventKind.ALLOC._value_, EventKind.FREE._value_
 CAPACITY_V = EvictReason.CAPACITY._value_
 SNAPSHOT_EVERY_STEPS = 256  # NOTE: while busy; a snapshot walks every node (as the idle census does)
-PREVIEW_TOKENS = 8
 _monotonic = time.monotonic
-MambaCall = tuple[int, Any, Any, int, str, float, Any, int]  # NOTE: (ALLOC/FREE/BIND, MambaSlotAllocator, rid or a
-# bind's rids, step, event, the step's clock read, slot tensor, a bind's slots per request)
 
 
 class Hook(NamedTuple):
@@ -205,7 +225,7 @@ class SglangProbe:
         allocator = tree.token_to_kv_pool_allocator
         full = getattr(allocator, "full_attn_allocator", allocator)
         page_size = int(full.page_size)
-        swa = _swa_pool(allocator)
+        swa = swa_pool(allocator)
         peers = None if swa is None else (allocator.full_to_swa_index_mapping, swa)
         self.bind_requests(reqs, rows, page_size, full, event, peers)
         if event == "extend" and getattr(rows, "req_index_to_mamba_index_mapping", None) is not None:
@@ -213,7 +233,7 @@ class SglangProbe:
         self.sources = (tree, full, len(reqs))
         rec = self.recorder()
         if rec is not None and rec.step % SNAPSHOT_EVERY_STEPS == 0:
-            rec.tree_snapshot(rec.step, tree_rows(tree, _live_pages(rows, reqs, page_size), page_size))
+            rec.tree_snapshot(rec.step, tree_rows(tree, live_pages(rows, reqs, page_size), page_size))
 
     def step_usage(self, rec: Any, tree: Any, full: Any, running: int) -> None:
         """One usage sample from the allocator's and the tree's own counters (no page is walked)."""
@@ -306,12 +326,12 @@ class SglangProbe:
         calls, self.mamba_calls = self.mamba_calls, []
         if not calls:
             return
-        tensors, spans = _mamba_parts(calls)
+        tensors, spans = mamba_parts(calls)
         try:
             values = _to_numpy(tensors).tolist()
         except RuntimeError:  # NOTE: a 0-d or 2-d index among them: cat wants one number of dimensions
             values = _to_numpy(tuple(t.reshape(-1) for t in tensors)).tolist()
-        starts = list(itertools.accumulate(map(_numel, tensors), initial=0))
+        starts = list(itertools.accumulate(map(numel, tensors), initial=0))
         takers, releasers = self.takers["mamba"], self.releasers["mamba"]
         events: list[Any] = []
         for (kind, allocator, rid, step, event, now, _, width), (part, offset, count) in zip(calls, spans, strict=True):
@@ -355,22 +375,22 @@ class SglangProbe:
         full = getattr(allocator, "full_attn_allocator", allocator)
         live = {req.rid for req in owners}
         open_locks = {node: [h for h in held if h[0] not in live] for node, held in self.locks.items()}
-        tree_slots = _tree_slots(tree)
-        view = _page_view(full, tree_slots, rows, owners)
+        in_tree = tree_slots(tree)
+        view = page_view(full, in_tree, rows, owners)
         result = take_page_census(
             "full", view, self.takers["full"], self.releasers["full"], {n: h for n, h in open_locks.items() if h}
         )
         results = [result]
-        swa = _swa_pool(allocator)
+        swa = swa_pool(allocator)
         if swa is not None:
-            swa_view = _swa_view(allocator, swa, tree_slots, rows, owners)
-            results.append(take_page_census("swa", swa_view, self.takers["swa"], self.releasers["swa"], {}))
-        row_result = take_page_census("req", _row_view(rows, owners), self.takers["req"], self.releasers["req"], {})
+            swa_pages = swa_view(allocator, swa, in_tree, rows, owners)
+            results.append(take_page_census("swa", swa_pages, self.takers["swa"], self.releasers["swa"], {}))
+        row_result = take_page_census("req", row_view(rows, owners), self.takers["req"], self.releasers["req"], {})
         results.append(row_result)
-        slots = _mamba_allocator(rows)
+        slots = mamba_allocator(rows)
         if slots is not None:
             takers, releasers = self.takers["mamba"].get(id(slots), {}), self.releasers["mamba"].get(id(slots), {})
-            results.append(take_page_census("mamba", _mamba_view(tree, rows, slots, owners), takers, releasers, {}))
+            results.append(take_page_census("mamba", mamba_view(tree, rows, slots, owners), takers, releasers, {}))
         for check in census_checks(rec.step, results):
             rec.leak_check(check)
         ps = view.page_size
@@ -410,276 +430,6 @@ class SglangProbe:
             )
         rec.flush() if hasattr(rec, "flush") else rec.idle()
         return tuple(results)
-
-
-def _mamba_parts(calls: list[MambaCall]) -> tuple[tuple[Any, ...], list[tuple[int, int, int]]]:
-    """The tensors fold_mamba concatenates, and each call's (part, offset, count) in them (count -1:
-    the whole part). An alloc or a bind is its own part. A free kept SGLang's free_slots before and
-    after it (_d_mamba_free): its slots are the tail the cat added. Frees of one allocator whose
-    free_slots chain (each one's before ends where the previous one's after ends, by address: that
-    after or a slice of it, allocs only drop its head; clear() starts a new tensor and a new chain)
-    keep their freed slots in the tails of the later afters: one slice per run of frees a later
-    after still holds (_chain_parts), not one per free (a tensor slice costs about as much as a
-    copy)."""
-    parts: list[Any] = []
-    spans: list[tuple[int, int, int]] = []
-    chains: dict[int, list[Any]] = {}  # NOTE: id(allocator) -> [the last after's end address, total,
-    # [(call, offset, count, after)], item size]
-    every: list[list[Any]] = []
-    for i, call in enumerate(calls):
-        kept = call[6]
-        if type(kept) is not tuple:
-            spans.append((len(parts), 0, -1))
-            parts.append(kept)
-            continue
-        spans.append((0, 0, 0))
-        before, after = kept
-        kept_before, kept_after = before.numel(), after.numel()
-        chain = chains.get(id(call[1]))
-        if chain is None or before.data_ptr() + kept_before * chain[3] != chain[0]:  # NOTE: not the last after's tail
-            chain = chains[id(call[1])] = [0, 0, [], after.element_size()]
-            every.append(chain)
-        count = kept_after - kept_before
-        chain[2].append((i, chain[1], count, after))
-        chain[0] = after.data_ptr() + kept_after * chain[3]  # NOTE: where the after ends (it is kept alive)
-        chain[1] += count
-    for _, _, members, _ in every:
-        _chain_parts(members, parts, spans)
-    return tuple(parts), spans
-
-
-def _chain_parts(members: list[tuple[int, int, int, Any]], parts: list[Any], spans: list[tuple[int, int, int]]) -> None:
-    """One slice per after that still holds a run of the chain's frees, latest first: an after
-    holds the chain's slots freed up to its own free, as far back as its length (allocs take
-    slots from the head, so the pool's allocs since a free eventually reach what it freed)."""
-    runs: list[list[Any]] = []  # NOTE: [after, end, first offset, [(call, offset, count)], the after's length]
-    for i, offset, count, after in reversed(members):
-        if not runs or offset < runs[-1][1] - runs[-1][4]:
-            runs.append([after, offset + count, offset, [], after.numel()])
-        run = runs[-1]
-        run[2] = offset
-        run[3].append((i, offset, count))
-    for after, end, first, held, size in runs:
-        part = len(parts)
-        parts.append(after[size - (end - first) :])
-        for i, offset, count in held:
-            spans[i] = (part, offset - first, count)
-
-
-def _numel(tensor: Any) -> int:
-    return int(tensor.numel())  # NOTE: a tensor's len() costs about 7 times as much
-
-
-def _row_view(rows: Any, owners: list[Any]) -> PageView:
-    live = {int(req.kv.req_pool_idx): req.rid for req in owners if req.kv.req_pool_idx is not None}
-    return PageView(1, int(rows.size), [int(r) for r in rows.free_slots], set(), live)
-
-
-def _page_view(allocator: Any, tree_slots: list[int], rows: Any, owners: list[Any]) -> PageView:
-    ps = int(allocator.page_size)
-    tree_pages = {s // ps for s in tree_slots}
-    return PageView(ps, _num_pages(allocator), _free_list(allocator), tree_pages, _live_pages(rows, owners, ps))
-
-
-def _num_pages(allocator: Any) -> int:
-    return int(getattr(allocator, "num_pages", 0) or allocator.size // allocator.page_size)
-
-
-def _free_list(allocator: Any) -> list[int]:
-    free = allocator.get_all_free_pages()
-    return [] if free is None else free.tolist()
-
-
-def _tree_slots(tree: Any) -> list[int]:
-    """The full pool's token slots the tree holds (every tree core)."""
-    if tree.evictable_size() + tree.protected_size() == 0:
-        return []
-    return tree.all_values_flatten().tolist()
-
-
-def _swa_pool(allocator: Any) -> Any:
-    """The SWA sub-allocator of SGLang's SWATokenToKVPoolAllocator, None where there is no separate
-    paged SWA pool: no SWA allocator, the all-SWA variant (one pool: the full census covers it), or
-    the per-request SWA ring (its SWA memory is a row's, counted by the req census)."""
-    swa = getattr(allocator, "swa_attn_allocator", None)
-    if (
-        swa is None
-        or swa is getattr(allocator, "full_attn_allocator", None)
-        or getattr(allocator, "swa_req_ring", False)
-    ):
-        return None
-    return swa
-
-
-def _swa_view(allocator: Any, swa: Any, tree_slots: list[int], rows: Any, owners: list[Any]) -> PageView:
-    """The SWA pool through SGLang's full -> SWA slot mapping (0: no SWA peer; free_swa clears an
-    entry when it frees the peer): the tree's SWA pages are the peers of its full slots, a live
-    request's the peers of its row's slots."""
-    ps = int(swa.page_size)
-    mapping = allocator.full_to_swa_index_mapping
-    peers = mapping[_index(tree_slots, mapping)].tolist() if tree_slots else []
-    tree_pages = {p // ps for p in peers if p > 0}
-    live: dict[int, str] = {}
-    table = rows.req_to_token
-    for req in owners:
-        kv = req.kv
-        if kv.req_pool_idx is None:
-            continue
-        row = table[kv.req_pool_idx, : kv.kv_allocated_len].to(mapping.dtype)
-        for peer in mapping[row].tolist():
-            if peer > 0:
-                live.setdefault(peer // ps, req.rid)
-    return PageView(ps, _num_pages(swa), _free_list(swa), tree_pages, live)
-
-
-def _mamba_allocator(rows: Any) -> Any:
-    """The Mamba slot allocator of SGLang's HybridReqToTokenPool, None where there is none or where it
-    is not a MambaSlotAllocator (the unified memory pool's UnifiedMambaSlotAllocator hands out virtual
-    ids and lists no free slots: not censused)."""
-    allocator = getattr(rows, "mamba_allocator", None)
-    if allocator is None:
-        return None
-    from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
-
-    return allocator if isinstance(allocator, MambaSlotAllocator) else None
-
-
-def _mamba_view(tree: Any, rows: Any, allocator: Any, owners: list[Any]) -> PageView:
-    """The Mamba pool's slots (a "page" of size 1; slot 0 is SGLang's dummy): free = the allocator's
-    free list, in the tree = the unified tree's Mamba values (none under an int8 checkpoint pool, where
-    the tree's states live in that pool's own slots), a live request's = its row's mamba index and its
-    ping-pong track slots (SGLang's extra buffer; -1 where empty)."""
-    in_tree = getattr(tree, "supports_mamba", lambda: False)() and getattr(rows, "mamba_ckpt_pool", None) is None
-    tree_slots = set(tree.all_mamba_values_flatten().tolist()) if in_tree else set()
-    held = [req for req in owners if req.kv.req_pool_idx is not None]
-    live: dict[int, str] = {}
-    if held:
-        mapping = rows.req_index_to_mamba_index_mapping
-        index = mapping.new_tensor([int(req.kv.req_pool_idx) for req in held]).long()
-        columns = [mapping[index].long().unsqueeze(1)]
-        if getattr(rows, "enable_mamba_extra_buffer", False):
-            columns.append(rows.req_index_to_mamba_ping_pong_track_buffer_mapping[index].long())
-        table = sys.modules["torch"].cat(columns, 1).tolist()
-        for req, slots in zip(held, table, strict=True):
-            for slot in slots:
-                if slot > 0:
-                    live.setdefault(slot, req.rid)
-    return PageView(1, int(allocator.size), allocator.free_slots.tolist(), tree_slots, live)
-
-
-def _index(slots: list[int], like: Any) -> Any:
-    """A list of slots as an index tensor on `like`'s device (SGLang's tensors; no torch import here)."""
-    return like.new_tensor(slots)
-
-
-def _live_pages(rows: Any, owners: Any, page_size: int) -> dict[int, str]:
-    """The pages in the live requests' rows -> the first request holding each."""
-    live: dict[int, str] = {}
-    table = rows.req_to_token
-    for req in owners:
-        kv = req.kv
-        if kv.req_pool_idx is None:
-            continue
-        for slot in table[kv.req_pool_idx, : int(kv.kv_allocated_len)].tolist():
-            live.setdefault(int(slot) // page_size, req.rid)
-    return live
-
-
-def tree_rows(tree: Any, live: dict[int, str], page_size: int) -> list[NodeRow]:
-    """SGLang's radix tree as a tree snapshot, in the rows kvscope's own caches write (NodeRow): the
-    root, then every node, parents first. node = SGLang's node id, num_tokens = its key's length,
-    token_preview = its first token ids, lock_ref = its (full component's) lock count, owner = the live
-    requests whose rows hold its device pages (joined by ",", cut to 64 characters), tombstone = no
-    device value (evicted; tier host when a host copy remains). RadixCache's and the Python tree
-    core's nodes are walked; the Rust tree core exposes no nodes (page_rows)."""
-    core = getattr(tree, "tree_core", None)
-    if core is None:
-        return _node_rows(tree.root_node, None, live, page_size)
-    try:
-        root = core.root_node
-    except NotImplementedError:  # NOTE: the Rust core: no node handles outside Rust
-        return page_rows(core, live, page_size)
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-
-    return _node_rows(root, int(ComponentType.FULL), live, page_size)
-
-
-def _node_rows(root: Any, full: int | None, live: dict[int, str], page_size: int) -> list[NodeRow]:
-    rows = []
-    stack: list[tuple[Any, int]] = [(root, 0)]
-    while stack:
-        node, start = stack.pop()
-        data = node if full is None else node.component_data[full]
-        value, key = data.value, node.key
-        tokens = 0 if node is root or key is None else len(key)
-        host = full is not None and getattr(data, "host_value", None) is not None
-        evicted = node is not root and value is None
-        owners = sorted({live[p] for p in _pages_of(value, page_size) if p in live}) if not evicted else []
-        preview = (
-            ""
-            if node is root
-            else " ".join(map(str, key.token_ids[:PREVIEW_TOKENS])) + (" …" if tokens > PREVIEW_TOKENS else "")
-        )
-        rows.append(
-            NodeRow(
-                int(node.id),
-                None if node is root else int(node.parent.id),
-                tokens,
-                preview,
-                int(data.lock_ref),
-                float(node.last_access_time),
-                int(node.hit_count),
-                ",".join(owners)[:64] or None,
-                evicted,
-                start + tokens,
-                "public",
-                ("host" if evicted else "device+host") if host else "device",
-            )
-        )
-        stack.extend((child, start + tokens) for child in reversed(list(node.children.values())))
-    return rows
-
-
-def _pages_of(value: Any, page_size: int) -> set[int]:
-    if value is None or len(value) == 0:
-        return set()
-    return {int(s) // page_size for s in value.tolist()}
-
-
-def page_rows(core: Any, live: dict[int, str], page_size: int) -> list[NodeRow]:
-    """The Rust tree core keeps its nodes in Rust: the tree as pages, from its KV-canary walk (every
-    device slot with its position and the slot before it): node = page id, parent = the page of the
-    slot before its first slot (the root, id 0, at position 0), lock_ref 1 when the walk of unlocked
-    slots leaves the page out. No tokens, access times or hit counts: "", 0.0 and 0."""
-    walk = core.walk_for_kv_canary(False, False)
-    unlocked = core.walk_for_kv_canary(True, False)
-    free_of_locks = {int(s) // page_size for s in unlocked.slot_indices.tolist()}
-    rows = [NodeRow(0, None, 0, "", 0, 0.0, 0, None, False, 0)]
-    firsts = [
-        (int(pos), int(slot) // page_size, int(prev))
-        for slot, pos, prev in zip(
-            walk.slot_indices.tolist(), walk.positions.tolist(), walk.prev_slot_indices.tolist(), strict=True
-        )
-        if int(pos) % page_size == 0
-    ]
-    pages = {page for _, page, _ in firsts}
-    for pos, page, prev in sorted(firsts):
-        parent = prev // page_size if prev >= 0 and prev // page_size in pages else 0  # NOTE: or an orphan's
-        rows.append(
-            NodeRow(
-                page,
-                parent,
-                page_size,
-                "",
-                0 if page in free_of_locks else 1,
-                0.0,
-                0,
-                live.get(page),
-                False,
-                pos + page_size,
-            )
-        )
-    return rows
 
 
 # -- the hooks (SGLang's AROUND form: hook(original, *args, **kwargs)) --------------------------------

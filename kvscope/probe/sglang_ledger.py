@@ -308,3 +308,65 @@ def _gather(table: Any, starts: list[int], parts: list[int]) -> Any:
     offsets += np.arange(len(offsets), dtype=np.int64)
     index = table.new_empty(0).long().new_tensor(offsets)
     return table.reshape(-1)[index].long()
+
+
+MambaCall = tuple[int, Any, Any, int, str, float, Any, int]  # NOTE: (ALLOC/FREE/BIND, MambaSlotAllocator, rid or a
+# bind's rids, step, event, the step's clock read, slot tensor, a bind's slots per request)
+
+
+def mamba_parts(calls: list[MambaCall]) -> tuple[tuple[Any, ...], list[tuple[int, int, int]]]:
+    """The tensors fold_mamba concatenates, and each call's (part, offset, count) in them (count -1:
+    the whole part). An alloc or a bind is its own part. A free kept SGLang's free_slots before and
+    after it (_d_mamba_free): its slots are the tail the cat added. Frees of one allocator whose
+    free_slots chain (each one's before ends where the previous one's after ends, by address: that
+    after or a slice of it, allocs only drop its head; clear() starts a new tensor and a new chain)
+    keep their freed slots in the tails of the later afters: one slice per run of frees a later
+    after still holds (_chain_parts), not one per free (a tensor slice costs about as much as a
+    copy)."""
+    parts: list[Any] = []
+    spans: list[tuple[int, int, int]] = []
+    chains: dict[int, list[Any]] = {}  # NOTE: id(allocator) -> [the last after's end address, total,
+    # [(call, offset, count, after)], item size]
+    every: list[list[Any]] = []
+    for i, call in enumerate(calls):
+        kept = call[6]
+        if type(kept) is not tuple:
+            spans.append((len(parts), 0, -1))
+            parts.append(kept)
+            continue
+        spans.append((0, 0, 0))
+        before, after = kept
+        kept_before, kept_after = before.numel(), after.numel()
+        chain = chains.get(id(call[1]))
+        if chain is None or before.data_ptr() + kept_before * chain[3] != chain[0]:  # NOTE: not the last after's tail
+            chain = chains[id(call[1])] = [0, 0, [], after.element_size()]
+            every.append(chain)
+        count = kept_after - kept_before
+        chain[2].append((i, chain[1], count, after))
+        chain[0] = after.data_ptr() + kept_after * chain[3]  # NOTE: where the after ends (it is kept alive)
+        chain[1] += count
+    for _, _, members, _ in every:
+        _chain_parts(members, parts, spans)
+    return tuple(parts), spans
+
+
+def _chain_parts(members: list[tuple[int, int, int, Any]], parts: list[Any], spans: list[tuple[int, int, int]]) -> None:
+    """One slice per after that still holds a run of the chain's frees, latest first: an after
+    holds the chain's slots freed up to its own free, as far back as its length (allocs take
+    slots from the head, so the pool's allocs since a free eventually reach what it freed)."""
+    runs: list[list[Any]] = []  # NOTE: [after, end, first offset, [(call, offset, count)], the after's length]
+    for i, offset, count, after in reversed(members):
+        if not runs or offset < runs[-1][1] - runs[-1][4]:
+            runs.append([after, offset + count, offset, [], after.numel()])
+        run = runs[-1]
+        run[2] = offset
+        run[3].append((i, offset, count))
+    for after, end, first, held, size in runs:
+        part = len(parts)
+        parts.append(after[size - (end - first) :])
+        for i, offset, count in held:
+            spans[i] = (part, offset - first, count)
+
+
+def numel(tensor: Any) -> int:
+    return int(tensor.numel())  # NOTE: a tensor's len() costs about 7 times as much

@@ -1,0 +1,227 @@
+"""What the SGLang probe reads of SGLang's objects, at a census or a snapshot (SGLang 0.5.23): each pool
+as a PageView for the page census (full, swa through SGLang's full -> SWA mapping, the request rows,
+mamba), the live requests' pages, and the tree as NodeRows (a node per tree node for the Python tree
+core, a node per page for the Rust core). Reads only; nothing here is on a hot path. Imports: stdlib,
+numpy, the probe's census and kvscope.telemetry (torch is the engine's, found in sys.modules)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from kvscope.probe.sglang_census import PageView
+from kvscope.telemetry import NodeRow
+
+PREVIEW_TOKENS = 8
+
+
+def row_view(rows: Any, owners: list[Any]) -> PageView:
+    live = {int(req.kv.req_pool_idx): req.rid for req in owners if req.kv.req_pool_idx is not None}
+    return PageView(1, int(rows.size), [int(r) for r in rows.free_slots], set(), live)
+
+
+def page_view(allocator: Any, in_tree: list[int], rows: Any, owners: list[Any]) -> PageView:
+    ps = int(allocator.page_size)
+    tree_pages = {s // ps for s in in_tree}
+    return PageView(ps, _num_pages(allocator), _free_list(allocator), tree_pages, live_pages(rows, owners, ps))
+
+
+def _num_pages(allocator: Any) -> int:
+    return int(getattr(allocator, "num_pages", 0) or allocator.size // allocator.page_size)
+
+
+def _free_list(allocator: Any) -> list[int]:
+    free = allocator.get_all_free_pages()
+    return [] if free is None else free.tolist()
+
+
+def tree_slots(tree: Any) -> list[int]:
+    """The full pool's token slots the tree holds (every tree core)."""
+    if tree.evictable_size() + tree.protected_size() == 0:
+        return []
+    return tree.all_values_flatten().tolist()
+
+
+def swa_pool(allocator: Any) -> Any:
+    """The SWA sub-allocator of SGLang's SWATokenToKVPoolAllocator, None where there is no separate
+    paged SWA pool: no SWA allocator, the all-SWA variant (one pool: the full census covers it), or
+    the per-request SWA ring (its SWA memory is a row's, counted by the req census)."""
+    swa = getattr(allocator, "swa_attn_allocator", None)
+    if (
+        swa is None
+        or swa is getattr(allocator, "full_attn_allocator", None)
+        or getattr(allocator, "swa_req_ring", False)
+    ):
+        return None
+    return swa
+
+
+def swa_view(allocator: Any, swa: Any, in_tree: list[int], rows: Any, owners: list[Any]) -> PageView:
+    """The SWA pool through SGLang's full -> SWA slot mapping (0: no SWA peer; free_swa clears an
+    entry when it frees the peer): the tree's SWA pages are the peers of its full slots, a live
+    request's the peers of its row's slots."""
+    ps = int(swa.page_size)
+    mapping = allocator.full_to_swa_index_mapping
+    peers = mapping[_index(in_tree, mapping)].tolist() if in_tree else []
+    tree_pages = {p // ps for p in peers if p > 0}
+    live: dict[int, str] = {}
+    table = rows.req_to_token
+    for req in owners:
+        kv = req.kv
+        if kv.req_pool_idx is None:
+            continue
+        row = table[kv.req_pool_idx, : kv.kv_allocated_len].to(mapping.dtype)
+        for peer in mapping[row].tolist():
+            if peer > 0:
+                live.setdefault(peer // ps, req.rid)
+    return PageView(ps, _num_pages(swa), _free_list(swa), tree_pages, live)
+
+
+def mamba_allocator(rows: Any) -> Any:
+    """The Mamba slot allocator of SGLang's HybridReqToTokenPool, None where there is none or where it
+    is not a MambaSlotAllocator (the unified memory pool's UnifiedMambaSlotAllocator hands out virtual
+    ids and lists no free slots: not censused)."""
+    allocator = getattr(rows, "mamba_allocator", None)
+    if allocator is None:
+        return None
+    from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+
+    return allocator if isinstance(allocator, MambaSlotAllocator) else None
+
+
+def mamba_view(tree: Any, rows: Any, allocator: Any, owners: list[Any]) -> PageView:
+    """The Mamba pool's slots (a "page" of size 1; slot 0 is SGLang's dummy): free = the allocator's
+    free list, in the tree = the unified tree's Mamba values (none under an int8 checkpoint pool, where
+    the tree's states live in that pool's own slots), a live request's = its row's mamba index and its
+    ping-pong track slots (SGLang's extra buffer; -1 where empty)."""
+    in_tree = getattr(tree, "supports_mamba", lambda: False)() and getattr(rows, "mamba_ckpt_pool", None) is None
+    held_by_tree = set(tree.all_mamba_values_flatten().tolist()) if in_tree else set()
+    held = [req for req in owners if req.kv.req_pool_idx is not None]
+    live: dict[int, str] = {}
+    if held:
+        mapping = rows.req_index_to_mamba_index_mapping
+        index = mapping.new_tensor([int(req.kv.req_pool_idx) for req in held]).long()
+        columns = [mapping[index].long().unsqueeze(1)]
+        if getattr(rows, "enable_mamba_extra_buffer", False):
+            columns.append(rows.req_index_to_mamba_ping_pong_track_buffer_mapping[index].long())
+        table = sys.modules["torch"].cat(columns, 1).tolist()
+        for req, slots in zip(held, table, strict=True):
+            for slot in slots:
+                if slot > 0:
+                    live.setdefault(slot, req.rid)
+    return PageView(1, int(allocator.size), allocator.free_slots.tolist(), held_by_tree, live)
+
+
+def _index(slots: list[int], like: Any) -> Any:
+    """A list of slots as an index tensor on `like`'s device (SGLang's tensors; no torch import here)."""
+    return like.new_tensor(slots)
+
+
+def live_pages(rows: Any, owners: Any, page_size: int) -> dict[int, str]:
+    """The pages in the live requests' rows -> the first request holding each."""
+    live: dict[int, str] = {}
+    table = rows.req_to_token
+    for req in owners:
+        kv = req.kv
+        if kv.req_pool_idx is None:
+            continue
+        for slot in table[kv.req_pool_idx, : int(kv.kv_allocated_len)].tolist():
+            live.setdefault(int(slot) // page_size, req.rid)
+    return live
+
+
+def tree_rows(tree: Any, live: dict[int, str], page_size: int) -> list[NodeRow]:
+    """SGLang's radix tree as a tree snapshot, in the rows kvscope's own caches write (NodeRow): the
+    root, then every node, parents first. node = SGLang's node id, num_tokens = its key's length,
+    token_preview = its first token ids, lock_ref = its (full component's) lock count, owner = the live
+    requests whose rows hold its device pages (joined by ",", cut to 64 characters), tombstone = no
+    device value (evicted; tier host when a host copy remains). RadixCache's and the Python tree
+    core's nodes are walked; the Rust tree core exposes no nodes (page_rows)."""
+    core = getattr(tree, "tree_core", None)
+    if core is None:
+        return _node_rows(tree.root_node, None, live, page_size)
+    try:
+        root = core.root_node
+    except NotImplementedError:  # NOTE: the Rust core: no node handles outside Rust
+        return page_rows(core, live, page_size)
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    return _node_rows(root, int(ComponentType.FULL), live, page_size)
+
+
+def _node_rows(root: Any, full: int | None, live: dict[int, str], page_size: int) -> list[NodeRow]:
+    rows = []
+    stack: list[tuple[Any, int]] = [(root, 0)]
+    while stack:
+        node, start = stack.pop()
+        data = node if full is None else node.component_data[full]
+        value, key = data.value, node.key
+        tokens = 0 if node is root or key is None else len(key)
+        host = full is not None and getattr(data, "host_value", None) is not None
+        evicted = node is not root and value is None
+        owners = sorted({live[p] for p in _pages_of(value, page_size) if p in live}) if not evicted else []
+        preview = (
+            ""
+            if node is root
+            else " ".join(map(str, key.token_ids[:PREVIEW_TOKENS])) + (" …" if tokens > PREVIEW_TOKENS else "")
+        )
+        rows.append(
+            NodeRow(
+                int(node.id),
+                None if node is root else int(node.parent.id),
+                tokens,
+                preview,
+                int(data.lock_ref),
+                float(node.last_access_time),
+                int(node.hit_count),
+                ",".join(owners)[:64] or None,
+                evicted,
+                start + tokens,
+                "public",
+                ("host" if evicted else "device+host") if host else "device",
+            )
+        )
+        stack.extend((child, start + tokens) for child in reversed(list(node.children.values())))
+    return rows
+
+
+def _pages_of(value: Any, page_size: int) -> set[int]:
+    if value is None or len(value) == 0:
+        return set()
+    return {int(s) // page_size for s in value.tolist()}
+
+
+def page_rows(core: Any, live: dict[int, str], page_size: int) -> list[NodeRow]:
+    """The Rust tree core keeps its nodes in Rust: the tree as pages, from its KV-canary walk (every
+    device slot with its position and the slot before it): node = page id, parent = the page of the
+    slot before its first slot (the root, id 0, at position 0), lock_ref 1 when the walk of unlocked
+    slots leaves the page out. No tokens, access times or hit counts: "", 0.0 and 0."""
+    walk = core.walk_for_kv_canary(False, False)
+    unlocked = core.walk_for_kv_canary(True, False)
+    free_of_locks = {int(s) // page_size for s in unlocked.slot_indices.tolist()}
+    rows = [NodeRow(0, None, 0, "", 0, 0.0, 0, None, False, 0)]
+    firsts = [
+        (int(pos), int(slot) // page_size, int(prev))
+        for slot, pos, prev in zip(
+            walk.slot_indices.tolist(), walk.positions.tolist(), walk.prev_slot_indices.tolist(), strict=True
+        )
+        if int(pos) % page_size == 0
+    ]
+    pages = {page for _, page, _ in firsts}
+    for pos, page, prev in sorted(firsts):
+        parent = prev // page_size if prev >= 0 and prev // page_size in pages else 0  # NOTE: or an orphan's
+        rows.append(
+            NodeRow(
+                page,
+                parent,
+                page_size,
+                "",
+                0 if page in free_of_locks else 1,
+                0.0,
+                0,
+                live.get(page),
+                False,
+                pos + page_size,
+            )
+        )
+    return rows
