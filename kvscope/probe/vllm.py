@@ -1,6 +1,7 @@
 """The probe inside vLLM's EngineCore process: wraps the block pool, the KV-cache manager and the
 scheduler of the versions in SUPPORTED, records block ownership through kvscope's recorder and
-runs the block census (census.py) at each busy -> idle edge of the engine loop.
+runs the block census (census.py) at each busy -> idle edge of the engine loop; what the census and
+the tree snapshots read of the pool is in vllm_views.py.
 
 Loaded by vLLM's `vllm.general_plugins` entry point (`register`) in every vLLM process; inert
 unless KVSCOPE_CAPTURE is set. The classes are patched in every process that loads it; a run is
@@ -39,7 +40,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvscope.probe.census import BlockView, CensusResult, census_checks, census_json, named, take_census
+from kvscope.probe.census import CensusResult, census_checks, census_json, named, take_census
 from kvscope.probe.core import (
     ProbeState,
     Settings,
@@ -52,18 +53,17 @@ from kvscope.probe.core import (
     register_never_raising,
     settings_from_env,
 )
+from kvscope.probe.vllm_views import block_view, tree_rows
 from kvscope.telemetry import (
     EventKind,
     EvictReason,
     LookupStop,
-    NodeRow,
     PoolName,
     PoolTerms,
     RequestRecord,
     RequestStatus,
     UsageSample,
 )
-from kvscope.telemetry.page_hash import PAGE_HASH_BYTES
 from kvscope.telemetry.remote import CLOCK, EventStream, RemoteRecorder
 
 ENGINE = "vllm"
@@ -104,7 +104,6 @@ ALLOC_V, LOCK_V, REVIVE_V, FREE_V, UNLOCK_V, EVICT_V = (
     k._value_ for k in (ALLOC, LOCK, REVIVE, FREE_KIND, UNLOCK, EventKind.EVICT)
 )
 FINISH_V, NO_ROOM_V, FULL_V = EventKind.REQUEST_FINISH._value_, EventKind.NO_ROOM._value_, FULL._value_
-ROOT = NodeRow(0, None, 0, "", 0, 0.0, 0, None, False, 0, page_hashes=b"")
 
 
 class Context:
@@ -301,7 +300,7 @@ class VllmProbe:
         if rec is None:
             return None
         tables = [m.req_to_blocks for m in manager.coordinator.single_type_managers]
-        view = _block_view(manager.block_pool)
+        view = block_view(manager.block_pool)
         result = self.named(take_census(view, tables, deferred, live_rids, {}, {}))
         self.cached_free = len(view.hashed.intersection(view.queued))  # NOTE: the running count, recounted
         for check in census_checks(rec.step, result):
@@ -341,73 +340,6 @@ def config_block_size(engine: Any) -> int:
     """The engine's KV block size in tokens (cache_config.block_size; 0: not known yet)."""
     size = getattr(getattr(getattr(engine, "vllm_config", None), "cache_config", None), "block_size", None)
     return int(size) if isinstance(size, int) and size > 0 else 0
-
-
-def tree_rows(manager: Any, parents: dict[int, tuple[int, Any]], block_size: int) -> list[NodeRow]:
-    """vLLM's prefix cache as a tree snapshot, in the rows kvscope's own caches write: the root (0),
-    then every cached (hashed) block, parents first. node = the block id, parent = the block before it
-    in its hash chain (the root for a chain's first block, and for an orphan whose parent was evicted
-    or re-cached since), num_tokens = the block size, lock_ref = its ref count, owner = the requests
-    whose block tables hold it (joined by ",", cut to 64 characters), depth_tokens = its position's
-    end in the chain. vLLM keeps no tokens, access times or hit counts per block: "", 0.0 and 0."""
-    pool = manager.block_pool
-    blocks = pool.blocks
-    holders: dict[int, list[str]] = {}
-    for single in manager.coordinator.single_type_managers:
-        for rid, table in single.req_to_blocks.items():
-            for block in table:
-                if not block.is_null:
-                    holders.setdefault(block.block_id, []).append(rid)
-    cached = {b.block_id: b for b in blocks if b.block_hash is not None and not b.is_null}
-    parent_of: dict[int, int] = {}
-    for block_id in cached:
-        entry = parents.get(block_id)
-        alive = entry is not None and entry[0] in cached and blocks[entry[0]].block_hash is entry[1]
-        parent_of[block_id] = entry[0] if alive and entry is not None else 0
-    depth: dict[int, int] = {0: 0}
-
-    def depth_of(block_id: int) -> int:
-        """Chained hashes make the links acyclic: a block's chain holds only blocks cached before it."""
-        chain = []
-        while block_id not in depth:
-            chain.append(block_id)
-            block_id = parent_of[block_id]
-            if len(chain) > len(parent_of):  # NOTE: never loop on the engine's thread (guarded: recording stops)
-                raise RuntimeError("the cached blocks' parent links form a cycle")
-        for node in reversed(chain):
-            depth[node] = depth[parent_of[node]] + 1
-        return depth[chain[0]] if chain else depth[block_id]
-
-    rows = [ROOT]
-    for block_id in sorted(cached, key=depth_of):
-        block = cached[block_id]
-        owner = ",".join(sorted(set(holders.get(block_id, ()))))[:64] or None
-        rows.append(
-            NodeRow(
-                block_id,
-                parent_of[block_id],
-                block_size,
-                "",
-                int(block.ref_cnt),
-                0.0,
-                0,
-                owner,
-                False,
-                depth[block_id] * block_size,
-                page_hashes=bytes(block.block_hash)[:PAGE_HASH_BYTES],  # NOTE: vLLM's chained hash (+ group id)
-            )
-        )
-    return rows
-
-
-def _block_view(pool: Any) -> BlockView:
-    free = pool.free_block_queue
-    return BlockView(
-        ref_counts={b.block_id: b.ref_cnt for b in pool.blocks if not b.is_null},
-        hashed={b.block_id for b in pool.blocks if b.block_hash is not None},
-        queued=[b.block_id for b in free.get_all_free_blocks()],
-        queue_counter=free.num_free_blocks,
-    )
 
 
 # -- the wrappers ---------------------------------------------------------------------------------
@@ -973,7 +905,7 @@ def _census_utility(self: Any) -> dict[str, Any]:
         tables = [m.req_to_blocks for m in manager.coordinator.single_type_managers]
         result = PROBE.named(
             take_census(
-                _block_view(manager.block_pool),
+                block_view(manager.block_pool),
                 tables,
                 [b for _, b in scheduler.deferred_frees],
                 set(scheduler.requests),
