@@ -25,6 +25,7 @@ from kvscope.telemetry import Capture
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("sglang_probe_driver.py")
+EXIT_DRIVER = Path(__file__).with_name("sglang_exit_driver.py")
 SGLANG_PYTHON = os.environ.get(
     "KVSCOPE_SGLANG_PYTHON",
     str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvscope" / "sglang-venv" / "bin" / "python"),
@@ -378,3 +379,26 @@ def test_the_radix_tree_page_draws_sglangs_tree(
     assert not at.exception, [e.value for e in at.exception]
     captions = [c.value for c in at.caption]
     assert any(c.startswith(f"Step 11: {below_root} below the root, 56 cached tokens") for c in captions), captions
+
+
+@pytest.mark.parametrize("mode", ["plain", "spawn"])
+def test_the_calls_since_the_last_fold_reach_the_capture_when_the_process_exits(tmp_path: Path, mode: str) -> None:
+    """The exit-time fold (drain_at_exit, registered with atexit and multiprocessing's Finalize so
+    that it runs before the recorder closes its run): a process that ends between two folds, without a
+    census, still leaves every allocator call since the last fold in the capture (sglang_exit_driver.py:
+    SGLang's real allocator, in the process itself or a spawned child, as SGLang's scheduler is)."""
+    capture = tmp_path / f"exit-{mode}.db"
+    out = kvscope("instrument", "--capture", str(capture), "--", SGLANG_PYTHON, "-W", "ignore", str(EXIT_DRIVER), mode)
+    assert out.returncode == 0, out.stderr[-3000:]
+    calls = json.loads(out.stdout.strip().splitlines()[-1])["calls"]
+    db = Capture(capture)
+    try:
+        run = db.runs().iloc[-1]
+        assert run.status == "finished", (run.status, out.stderr[-2000:])
+        events = db.events(int(run.id), limit=100)
+        recorded = [
+            (kind, sorted(array("i", slots).tolist())) for kind, slots in zip(events.kind, events.slots, strict=True)
+        ]
+    finally:
+        db.close()
+    assert recorded == [tuple(c) for c in calls], (recorded, calls)
