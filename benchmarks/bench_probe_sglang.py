@@ -32,12 +32,15 @@ NOTE: the second table, the hooks' own work: each hook function called with a st
     bulk ledger's fold at FOLD_CALLS; ` s`: level summary, the same without events), then the
     marshal of the recorder's buffer its hand-off does (the socket write is left out, and with it the
     host process's work, which on a 2-core machine runs beside the timed thread and slows it).
-    `mamba alloc+fold/N` and `mamba free+fold/N` are MambaSlotAllocator.alloc(1) and the free of a
-    1-slot view (a row of a mapping, as SGLang frees a request's slot) as the probe puts them in
-    place, plus the fold_mamba of what they queued (forced once per N calls: Mamba calls come per
-    request, folded at each census and every FOLD_CALLS calls) and the hand-off's marshal; the free
-    runs around SGLang's own free (the probe reads the free_slots it makes) on a pool of 512 slots,
-    with an alloc's pop of free_slots before each call (in the timing of SGLang's free alone too).
+    `mamba alloc+fold/N` is MambaSlotAllocator.alloc(1) as the probe puts it in place (around the
+    stub) plus the fold (drain) of what it queued (forced once per N calls: Mamba calls come per
+    request; they share the allocators' queue and fold) and the hand-off's marshal. `mamba
+    alloc+free/N` is a request's life on SGLang's own alloc and free, per call (a round's two calls
+    over 2): alloc(1) of a 512-slot pool, the slot written to a row of a mapping, the free of that
+    row's view (rewritten after the call, as SGLang does), plus the fold every N rounds and the
+    marshal; plain is the same on SGLang's methods alone. The probe keeps the alloc's slot (a view
+    of free_slots) until the fold, and with it the free_slots tensor it came from, which plain frees
+    at once here (a live SGLang request keeps its slot, and that tensor, itself).
     `bind/step x32` is not per call: the prepare_for_decode hook's bind for one decode step of 32
     running requests (rows of 512+ tokens), with a fold after every step.
 """
@@ -134,8 +137,11 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
 
     items = probe.PROBE.state.recorder._items
 
+    fold_mamba = getattr(probe.PROBE, "fold_mamba", lambda: None)  # NOTE: before the shared fold: its own
+
     def fold_and_hand_off() -> None:  # NOTE: the fold, then the hand-off's marshal of what it emitted
         probe.PROBE.drain()
+        fold_mamba()
         marshal.dumps((items, [], None))
         items.clear()
 
@@ -165,28 +171,26 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
         ("free+drain/256 s", None, lambda: free_as_installed(alloc, freed), summary_drain, 256),
     ]
     slots = MambaSlotAllocator(512, "cpu")
-    view = torch.arange(8).reshape(8, 1)[3]  # NOTE: a 1-slot view, as a request's slot in its row's mapping
-    sglang_free = _attr(f"{probe.MAMBA_SLOTS}.free").__wrapped__  # NOTE: SGLang's own: the probe reads free_slots
-
-    def reset() -> None:  # NOTE: an alloc's pop, so that free_slots keeps its length
-        slots.free_slots = slots.free_slots[1:]
-
+    sglang_alloc = _attr(f"{probe.MAMBA_SLOTS}.alloc").__wrapped__
+    sglang_free = _attr(f"{probe.MAMBA_SLOTS}.free").__wrapped__
     mamba_alloc = _as_installed("MambaSlotAllocator.alloc", stub)
-    mamba_free = _as_installed("MambaSlotAllocator.free", sglang_free)
+    pair_alloc = _as_installed("MambaSlotAllocator.alloc", sglang_alloc)
+    pair_free = _as_installed("MambaSlotAllocator.free", sglang_free)
+    row = torch.full((2,), -1, dtype=torch.int64)  # NOTE: a request's row of a mapping
 
-    def fold_mamba_and_hand_off() -> None:
-        probe.PROBE.fold_mamba()
-        marshal.dumps((items, [], None))
-        items.clear()
+    def pair(alloc_of: Any, free_of: Any) -> None:  # NOTE: a request takes a slot, then gives its row's view back
+        row[1] = alloc_of(slots, 1)[0]
+        free_of(slots, row[1:2])
+        row[1] = -1  # NOTE: SGLang rewrites the row after the free
 
-    plain_of = {f"mamba free+fold/{n}": lambda: (reset(), sglang_free(slots, view)) for n in (32, 256)}
+    plain_of = {f"mamba alloc+free/{n}": lambda: pair(sglang_alloc, sglang_free) for n in (32, 256)}
     cases += [
         *(
-            (f"mamba alloc+fold/{n}", slots.free_slots[:1], lambda: mamba_alloc(slots, 1), fold_mamba_and_hand_off, n)
+            (f"mamba alloc+fold/{n}", slots.free_slots[:1], lambda: mamba_alloc(slots, 1), fold_and_hand_off, n)
             for n in (32, 256)
         ),
         *(
-            (f"mamba free+fold/{n}", None, lambda: (reset(), mamba_free(slots, view)), fold_mamba_and_hand_off, n)
+            (f"mamba alloc+free/{n}", None, lambda: pair(pair_alloc, pair_free), fold_and_hand_off, n)
             for n in (32, 256)
         ),
     ]
@@ -198,6 +202,8 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
         for _ in range(REPEATS * 3):
             plain_ns.append(_cpu_ns(plain))
             hooked_ns.append(_cpu_ns(hooked, drain, every))
+        if name.startswith("mamba alloc+free"):  # NOTE: two hooked calls a round: per call
+            plain_ns, hooked_ns = [x / 2 for x in plain_ns], [x / 2 for x in hooked_ns]
         rows.append((name, plain_ns, hooked_ns))
         probe.PROBE.locks.clear()
     return rows

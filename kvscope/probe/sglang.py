@@ -1,7 +1,7 @@
 """The probe inside SGLang's scheduler process: hooks on the allocators, the request-row pool and the
 radix trees of the versions in SUPPORTED, registered through SGLang's own plugin framework
 (HookRegistry, AROUND hooks; the allocators' and the trees' hot methods patched directly, see `_register`), and the
-page census (sglang_census.py) at each idle point; the page ledger (and the Mamba slot calls' parts) in
+page census (sglang_census.py) at each idle point; the page ledger (Mamba slots included) in
 sglang_ledger.py; what a census and a snapshot read of SGLang's pools and trees in sglang_views.py.
 
 Loaded by SGLang's `sglang.srt.plugins` entry point (`register`): `load_plugins()` runs it first
@@ -24,8 +24,8 @@ ids, num_tokens = pages x page size; rid = the request the probe's context names
     evict    evict / evict_for_alloc: num_tokens = tokens evicted, reason capacity
     host_evict / load / write  the HiCache component's evict_host / load_back / backup_kv_cache
     alloc / free (pool mamba)  MambaSlotAllocator.alloc / free: slots = Mamba state slot ids, num_tokens =
-             slots; each slot's taker / releaser in the mamba ledger, and prepare_for_extend binds each
-             request's row slots to it (folded by fold_mamba, not drain)
+             slots; each slot's taker / releaser in the allocator's mamba ledger, and prepare_for_extend
+             binds each request's row slots to it (the same queue and fold as the pages)
 The census (Scheduler.on_idle after SGLang's own check; SchedulerInvariantChecker._report_leak
 before SGLang raises) writes one leak check per pool (full; swa under an SWA allocator, read through
 SGLang's full -> SWA slot mapping; req; mamba under a HybridReqToTokenPool's MambaSlotAllocator) and
@@ -39,7 +39,6 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
-import itertools
 import multiprocessing.util
 import os
 import pkgutil
@@ -63,14 +62,10 @@ from kvscope.probe.sglang_census import census_checks, census_line, take_page_ce
 from kvscope.probe.sglang_ledger import (
     ALLOC,
     BIND,
-    FOLD_CALLS,
     FREE,
-    MambaCall,
+    NO_RUN,
     PageLedger,
     _gather,
-    _to_numpy,
-    mamba_parts,
-    numel,
 )
 from kvscope.probe.sglang_views import (
     live_pages,
@@ -135,9 +130,6 @@ class SglangProbe:
         self.ledger = ledger = PageLedger()
         self.pending = ledger.pending  # NOTE: the ledger's own queue and dicts (emptied in place, never replaced)
         self.pools, self.takers, self.releasers = ledger.pools, ledger.takers, ledger.releasers
-        self.takers["mamba"], self.releasers["mamba"] = {}, {}  # NOTE: id(MambaSlotAllocator) -> {slot: entry}
-        # (an int8 checkpoint pool or a draft head has its own)
-        self.mamba_calls: list[MambaCall] = []  # NOTE: Mamba slot calls and binds not yet folded (fold_mamba)
         self.locks: dict[Any, list[tuple[str | None, int]]] = {}  # node -> [(rid, step) of each open lock]
         self.recorded: set[str] = set()
         self.cum = [0, 0, 0, 0, 0]  # NOTE: prompt tokens, hit tokens, requests, requests with a hit, evicted tokens
@@ -175,10 +167,9 @@ class SglangProbe:
 
     def drain_at_exit(self) -> None:
         """The calls since the last fold, into the capture before the recorder closes."""
-        if self.state.active and (self.pending or self.mamba_calls):
+        if self.state.active and self.pending:
             with guarded(self.state):
                 self.drain()
-                self.fold_mamba()
 
     def config(self, *, patched: bool, reason: str | None = None) -> dict[str, Any]:
         return {
@@ -298,9 +289,9 @@ class SglangProbe:
 
     def bind_mamba(self, reqs: Any, rows: Any) -> None:
         """After prepare_for_extend: each request's Mamba slots (its row's mamba index, and its
-        ping-pong track slots with SGLang's extra buffer) are its own. HybridReqToTokenPool.alloc takes
-        them in the batch's prepare, where no request is the context: one gather from the row
-        mappings, queued for fold_mamba (no tensor read here)."""
+        ping-pong track slots with SGLang's extra buffer: -1 where empty, dropped by the fold) are its
+        own. HybridReqToTokenPool.alloc takes them in the batch's prepare, where no request is the
+        context: one gather from the row mappings, queued as a bind (no tensor read here)."""
         rids, picked = [], []
         for req in reqs:
             row = req.kv.req_pool_idx
@@ -316,45 +307,7 @@ class SglangProbe:
             track = rows.req_index_to_mamba_ping_pong_track_buffer_mapping[index]
             width = 1 + track.shape[1]
             slots = sys.modules["torch"].cat((slots.unsqueeze(1), track.long()), 1).reshape(-1)
-        self.mamba_calls.append((BIND, rows.mamba_allocator, rids, self.step, "extend", self.now, slots, width))
-
-    def fold_mamba(self) -> None:
-        """The Mamba slot calls and binds since the last fold into the mamba ledgers (per
-        MambaSlotAllocator), and (level full) one alloc / free event per call, pool mamba: one
-        concatenation and one transfer off the device. Mamba calls are per request, not per token:
-        folded at each census, every FOLD_CALLS calls, and at exit."""
-        calls, self.mamba_calls = self.mamba_calls, []
-        if not calls:
-            return
-        tensors, spans = mamba_parts(calls)
-        try:
-            values = _to_numpy(tensors).tolist()
-        except RuntimeError:  # NOTE: a 0-d or 2-d index among them: cat wants one number of dimensions
-            values = _to_numpy(tuple(t.reshape(-1) for t in tensors)).tolist()
-        starts = list(itertools.accumulate(map(numel, tensors), initial=0))
-        takers, releasers = self.takers["mamba"], self.releasers["mamba"]
-        events: list[Any] = []
-        for (kind, allocator, rid, step, event, now, _, width), (part, offset, count) in zip(calls, spans, strict=True):
-            at = starts[part] + offset
-            if count < 0:  # NOTE: the whole part
-                count = starts[part + 1] - at
-            slots = values[at : at + count]
-            if not count and kind != BIND:  # NOTE: an empty alloc or a free of nothing (not recorded)
-                continue
-            if kind == BIND:
-                ledger = takers.setdefault(id(allocator), {})
-                for i, holder in enumerate(rid):
-                    ledger.update((s, (holder, step, event)) for s in slots[i * width : (i + 1) * width] if s > 0)
-                continue
-            ledger = (takers if kind == ALLOC else releasers).setdefault(id(allocator), {})
-            entry = (rid, step, event)
-            for s in slots:
-                ledger[s] = entry
-            value = ALLOC_V if kind == ALLOC else FREE_V
-            events += (step, now, value, "mamba", rid, None, len(slots), 0, None, None, slots)
-        self.busy = True
-        if self.emit is not None and events:
-            self.emit(events)
+        self.pending.append((BIND, rows.mamba_allocator, rids, self.step, "extend", slots, [width] * len(rids)))
 
     # -- the census -----------------------------------------------------------------------------
 
@@ -365,7 +318,6 @@ class SglangProbe:
         if rec is None:
             return None
         self.drain()
-        self.fold_mamba()
         self.busy = False
         self.censuses += 1
         if rec.step == self.census_step:  # NOTE: one census per step (a second idle point without a step between)
@@ -458,6 +410,9 @@ def _ready() -> bool:
 #                   need_sort SGLang keeps the same tensors in staged_pages itself
 #     token free    may be a view of a request's row in req_to_token (page size 1), rewritten once
 #                   the row is reused: copied when it is a view, else kept
+#     mamba alloc   a slice of free_slots (or of a group's batch, itself a slice), only ever replaced
+#     mamba free    often a view SGLang rewrites: its length is queued, its slots kept in the tail of
+#                   the free_slots SGLang makes (sglang_ledger.slot_run)
 
 
 # NOTE: patched directly (Hook.direct): each factory takes SGLang's method and returns the method
@@ -573,18 +528,25 @@ def _h_rows_free(original: Callable[..., Any], self: Any, indices: Any, *args: A
 
 
 def _d_mamba_alloc(original: Callable[..., Any]) -> Callable[..., Any]:
-    """MambaSlotAllocator.alloc(need_size): a slice of free_slots (only replaced) or of a group's
-    batch; an empty one is left to fold_mamba (no numel() here)."""
+    """MambaSlotAllocator.alloc(need_size): a slice of free_slots (never written, only replaced) or
+    of a group's batch, queued as it is. A pop from the head of the open slot run's free_slots (see
+    _d_mamba_free) moves the run on to the new free_slots while it still holds the run's slots; once
+    a pop reaches them the run ends, keeping the free_slots that holds them."""
 
     @functools.wraps(original)
     def alloc(self: Any, need_size: int) -> Any:
+        before = self.free_slots
         out = original(self, need_size)
         probe = PROBE
         if out is not None and probe.state.active and (probe.hot or _ready()):
-            calls = probe.mamba_calls
-            calls.append((ALLOC, self, probe.rid, probe.step, "alloc", probe.now, out, 1))
-            if len(calls) >= FOLD_CALLS:
-                _fold_mamba(probe)
+            probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
+            run = probe.ledger.slot_run
+            if before is run[1] and self.free_slots is not before:  # NOTE: SGLang's _do_alloc: need_size off the head
+                left = run[3] - need_size * run[4]
+                if run[2] <= left:
+                    run[1], run[3] = self.free_slots, left
+                else:
+                    probe.ledger.slot_run = NO_RUN
         return out
 
     return alloc
@@ -592,10 +554,16 @@ def _d_mamba_alloc(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _d_mamba_free(original: Callable[..., Any]) -> Callable[..., Any]:
     """MambaSlotAllocator.free(free_index): the index is often a view SGLang rewrites later (a
-    request's slot, a row of the ping-pong mapping), so it is not kept; SGLang's free makes a new
-    free_slots (cat of the old and the index) that it only ever slices or replaces, so the freed
-    slots are its tail: the free_slots before and after are kept, fold_mamba slices the tail
-    (empty where SGLang freed nothing: the same tensor)."""
+    request's slot, a row of the ping-pong buffer), so only what it added is queued (in bytes of
+    free_slots: the fold divides by its item size). SGLang's free makes a new free_slots (cat of
+    the old one and the index) that it only ever slices from the head (alloc) or replaces (clear):
+    the freed slots are its tail. Frees on one allocator whose free_slots chain keep their slots,
+    in order, in the tail of the latest free_slots: one run (PageLedger.slot_runs) keeps only that.
+    A free chains when its before is exactly the run's free_slots: the last free's after, or what
+    a pop the alloc hook saw left of it (a pop that reached the run's slots ended the run). Any
+    other before (clear(), alloc_group_begin's pop, another allocator's run) starts a new run; the
+    old one keeps its free_slots. Here only the new free_slots' size is read (a new run: the
+    before's too, and the item size)."""
 
     @functools.wraps(original)
     def free(self: Any, free_index: Any) -> Any:
@@ -603,20 +571,21 @@ def _d_mamba_free(original: Callable[..., Any]) -> Callable[..., Any]:
         out = original(self, free_index)
         probe = PROBE
         if probe.state.active and (probe.hot or _ready()):
-            calls = probe.mamba_calls
-            calls.append((FREE, self, probe.rid, probe.step, probe.event, probe.now, (before, self.free_slots), 1))
-            if len(calls) >= FOLD_CALLS:
-                _fold_mamba(probe)
+            after = self.free_slots
+            size = after.nbytes
+            run = probe.ledger.slot_run
+            if before is run[1]:  # NOTE: it holds the run's slots (kept so by the alloc hook): so does after
+                freed = size - run[3]
+                run[1], run[3] = after, size
+                run[2] += freed
+            else:
+                freed = size - before.nbytes
+                probe.ledger.slot_run = run = [self, after, freed, size, after.itemsize]
+                probe.ledger.slot_runs.append(run)
+            probe.pending.append((FREE, self, probe.rid, probe.step, probe.event, freed, None))
         return out
 
     return free
-
-
-def _fold_mamba(probe: SglangProbe) -> None:
-    try:
-        probe.fold_mamba()
-    except Exception as err:
-        _failed(err)
 
 
 def _h_swa_init(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -926,7 +895,7 @@ def _record_request(req: Any) -> None:
 
 def _h_on_idle(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
     result = original(self, *args, **kwargs)  # NOTE: SGLang's own check first (it may raise: _report_leak)
-    if PROBE.state.active and (PROBE.busy or PROBE.pending or PROBE.mamba_calls):
+    if PROBE.state.active and (PROBE.busy or PROBE.pending):
         with guarded(PROBE.state):
             checker = self.invariant_checker
             PROBE.census(self.tree_cache, self.req_to_token_pool, checker._requests_owning_rows(), why="idle")

@@ -24,6 +24,7 @@ KIND_NAMES = (EventKind.ALLOC._value_, EventKind.FREE._value_)  # NOTE: an event
 ALLOC, FREE, BIND = 0, 1, 2  # NOTE: what a pending entry records
 FOLD_CALLS = 256  # NOTE: pending entries that fold at the next step (else every FOLD_INTERVAL_S, and at a census)
 FOLD_INTERVAL_S = 0.2  # NOTE: as the recorder's hand-off: a step's events wait at most this long
+NO_RUN: list[Any] = [None, None, 0, 0, 0]  # NOTE: no open slot run (never written: a free starts a new list)
 _monotonic = time.monotonic
 Entry = tuple[str | None, int, str]  # NOTE: (rid, step, event), as sglang_census
 Pending = tuple[int, Any, Any, int, str, Any, Any]  # NOTE: (ALLOC/FREE/BIND, allocator, rid or a bind's rids,
@@ -109,9 +110,18 @@ class PageLedger:
 
     def __init__(self) -> None:
         self.pending: list[Pending] = []  # NOTE: allocator calls and binds not yet folded, in order
-        self.takers: dict[str, Any] = {"full": Ledger(), "swa": Ledger(), "req": {}}  # NOTE: req rows: a dict
-        self.releasers: dict[str, Any] = {"full": Ledger(), "swa": Ledger(), "req": {}}
+        # NOTE: req rows: a dict; mamba: id(MambaSlotAllocator) -> its Ledger (an int8 checkpoint pool or a
+        # draft head has its own allocator)
+        self.takers: dict[str, Any] = {"full": Ledger(), "swa": Ledger(), "req": {}, "mamba": {}}
+        self.releasers: dict[str, Any] = {"full": Ledger(), "swa": Ledger(), "req": {}, "mamba": {}}
         self.pools: dict[int, str] = {}  # id(sub-allocator) -> "swa" (anything else is full)
+        # NOTE: the slot allocators' frees since the last fold keep their slots in runs, in call order:
+        # [allocator, the run's latest free_slots, bytes of its tail freed in the run, its bytes, item
+        # size], the open one last
+        # (kvscope.probe.sglang's Mamba free hook: a run's frees are its free_slots' tail)
+        self.slot_runs: list[list[Any]] = []
+        self.slot_run: list[Any] = NO_RUN
+        self.runs: list[list[Any]] = []  # NOTE: the runs of the fold under way
         self.folded_at = _monotonic()
         self.step_now: dict[int, float] = {}  # NOTE: step -> its clock read (the t_mono of its folded events)
 
@@ -133,6 +143,7 @@ class PageLedger:
             return None
         pending = self.pending.copy()  # NOTE: emptied in place: the probe's hooks hold this list
         self.pending.clear()
+        self.runs, self.slot_runs, self.slot_run = self.slot_runs, [], NO_RUN
         self.folded_at = now = _monotonic()
         n = len(pending)
         columns = Calls(*zip(*pending, strict=True))
@@ -159,8 +170,11 @@ class PageLedger:
 
     def fold_group(self, allocator: Any, takes: bool, where: np.ndarray | None, calls: Calls, binds: bool) -> Folded:
         """One allocator's takes (allocs and binds) or frees (the fold's calls at `where`, None: all)
-        into its ledger; its pages and the fold's call each came from (-1: a bind's: no event)."""
-        page_size = int(allocator.page_size)
+        into its ledger; its pages and the fold's call each came from (-1: a bind's: no event). An
+        allocator without a page size is a slot allocator (MambaSlotAllocator, pool mamba): one slot a
+        page, a ledger of its own, and its frees recorded as counts, their slots in runs (slot_run)."""
+        size = getattr(allocator, "page_size", None)
+        page_size = 1 if size is None else int(size)
         tensors = calls.tensors
         rids: Sequence[Any] = calls.rids
         steps: Sequence[int] = calls.steps
@@ -168,11 +182,25 @@ class PageLedger:
         call_of: np.ndarray | None = None
         if binds and BIND in calls.kinds:  # NOTE: a bind: one entry per request, parts[i][j] slots each
             rids, steps, events, counts, call_of = _expand_binds(calls)
+            values = _to_numpy(tensors)
+        elif size is None and not takes:  # NOTE: a slot allocator's frees: bytes each added, slots in runs
+            runs = [run for run in self.runs if run[0] is allocator]
+            counts = np.fromiter(tensors, np.int64, len(tensors)) // runs[0][4]
+            values = run_slots(runs, int(counts.sum()))
         else:
             counts = np.fromiter(map(type(tensors[0]).numel, tensors), np.int64, len(tensors))
-        pages, segs = fold_pages(_to_numpy(tensors), counts, page_size, dedup=takes)
-        pool = self.pool_of(allocator)
-        (self.takers if takes else self.releasers)[pool].write(pages, segs, rids, steps, events)
+            values = _to_numpy(tensors)
+        pages, segs = fold_pages(values, counts, page_size, dedup=takes)
+        if size is None:
+            pool = "mamba"
+            ledgers = (self.takers if takes else self.releasers)[pool]
+            ledger = ledgers.get(id(allocator))
+            if ledger is None:
+                ledger = ledgers[id(allocator)] = Ledger()
+        else:
+            pool = self.pool_of(allocator)
+            ledger = (self.takers if takes else self.releasers)[pool]
+        ledger.write(pages, segs, rids, steps, events)
         at = segs if call_of is None else call_of[segs]
         if where is not None:
             at = where[at] if call_of is None else np.where(at >= 0, where[at], -1)
@@ -268,13 +296,13 @@ def event_block(
 def fold_pages(values: np.ndarray, counts: np.ndarray, page_size: int, *, dedup: bool) -> tuple[np.ndarray, np.ndarray]:
     """(pages, segs) of recorded index tensors laid end to end (`counts[i]` values from call i):
     segs[j] = the call pages[j] came from, ascending. `dedup` (allocs and binds: token slots): slot 0
-    (SGLang's padding slot; no SWA peer in a mapped bind) dropped, and each call's distinct pages,
-    ascending; else (frees: page ids) the values as given."""
+    (SGLang's padding slot; no SWA peer in a mapped bind) and negative ones (no slot) dropped, and
+    each call's distinct pages, ascending; else (frees: page ids) the values as given."""
     segs = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
     if not dedup:
         return values, segs
-    if np.count_nonzero(values) != len(values):
-        keep = values > 0
+    keep = values > 0
+    if not keep.all():  # NOTE: slot 0, and -1 (a Mamba bind's empty track slot)
         values, segs = values[keep], segs[keep]
     if page_size == 1 or not len(values):
         return values, segs
@@ -310,62 +338,15 @@ def _gather(table: Any, starts: list[int], parts: list[int]) -> Any:
     return table.reshape(-1)[index].long()
 
 
-MambaCall = tuple[int, Any, Any, int, str, float, Any, int]  # NOTE: (ALLOC/FREE/BIND, MambaSlotAllocator, rid or a
-# bind's rids, step, event, the step's clock read, slot tensor, a bind's slots per request)
-
-
-def mamba_parts(calls: list[MambaCall]) -> tuple[tuple[Any, ...], list[tuple[int, int, int]]]:
-    """The tensors fold_mamba concatenates, and each call's (part, offset, count) in them (count -1:
-    the whole part). An alloc or a bind is its own part. A free kept SGLang's free_slots before and
-    after it (_d_mamba_free): its slots are the tail the cat added. Frees of one allocator whose
-    free_slots chain (each one's before ends where the previous one's after ends, by address: that
-    after or a slice of it, allocs only drop its head; clear() starts a new tensor and a new chain)
-    keep their freed slots in the tails of the later afters: one slice per run of frees a later
-    after still holds (_chain_parts), not one per free (a tensor slice costs about as much as a
-    copy)."""
-    parts: list[Any] = []
-    spans: list[tuple[int, int, int]] = []
-    chains: dict[int, list[Any]] = {}  # NOTE: id(allocator) -> [the last after's end address, total,
-    # [(call, offset, count, after)], item size]
-    every: list[list[Any]] = []
-    for i, call in enumerate(calls):
-        kept = call[6]
-        if type(kept) is not tuple:
-            spans.append((len(parts), 0, -1))
-            parts.append(kept)
-            continue
-        spans.append((0, 0, 0))
-        before, after = kept
-        kept_before, kept_after = before.numel(), after.numel()
-        chain = chains.get(id(call[1]))
-        if chain is None or before.data_ptr() + kept_before * chain[3] != chain[0]:  # NOTE: not the last after's tail
-            chain = chains[id(call[1])] = [0, 0, [], after.element_size()]
-            every.append(chain)
-        count = kept_after - kept_before
-        chain[2].append((i, chain[1], count, after))
-        chain[0] = after.data_ptr() + kept_after * chain[3]  # NOTE: where the after ends (it is kept alive)
-        chain[1] += count
-    for _, _, members, _ in every:
-        _chain_parts(members, parts, spans)
-    return tuple(parts), spans
-
-
-def _chain_parts(members: list[tuple[int, int, int, Any]], parts: list[Any], spans: list[tuple[int, int, int]]) -> None:
-    """One slice per after that still holds a run of the chain's frees, latest first: an after
-    holds the chain's slots freed up to its own free, as far back as its length (allocs take
-    slots from the head, so the pool's allocs since a free eventually reach what it freed)."""
-    runs: list[list[Any]] = []  # NOTE: [after, end, first offset, [(call, offset, count)], the after's length]
-    for i, offset, count, after in reversed(members):
-        if not runs or offset < runs[-1][1] - runs[-1][4]:
-            runs.append([after, offset + count, offset, [], after.numel()])
-        run = runs[-1]
-        run[2] = offset
-        run[3].append((i, offset, count))
-    for after, end, first, held, size in runs:
-        part = len(parts)
-        parts.append(after[size - (end - first) :])
-        for i, offset, count in held:
-            spans[i] = (part, offset - first, count)
+def run_slots(runs: list[list[Any]], total: int) -> np.ndarray:
+    """One slot allocator's freed slots, laid end to end in call order, from its runs (PageLedger.
+    slot_runs): the tail of each run's free_slots, one slice a run. `total`: what its frees' counts
+    add up to (anything else would name wrong slots: the probe stops instead)."""
+    parts = tuple(kept[(size - held) // item :] for _, kept, held, size, item in runs if held)
+    values = _to_numpy(parts) if parts else np.zeros(0, np.int64)
+    if len(values) != total:  # NOTE: a free the runs missed: the ledger must not name wrong slots
+        raise RuntimeError(f"mamba frees gave back {total} slots, their runs hold {len(values)}")
+    return values
 
 
 def numel(tensor: Any) -> int:

@@ -8,8 +8,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvscope.probe import sglang
 from kvscope.probe.sglang_ledger import ALLOC, BIND, FREE, Ledger, PageLedger, fold_pages
 from kvscope.telemetry.remote import block_as_items
 
@@ -96,3 +100,105 @@ def test_a_folds_event_block_reads_back_as_one_event_per_allocator_call_in_call_
     assert [(e[0], e[1], e[2], e[3], e[4], e[6], e[10].tolist()) for e in events] == expected
     assert all(e[5] is None and e[7] == 0 and e[8] is None and e[9] is None for e in events)
     assert ledger.takers["full"][3] == ("req-A", 1, "extend") and ledger.releasers["swa"][4] == ("req-B", 2, "release")
+
+
+class SlotFreeList:
+    """SGLang 0.5.23's MambaSlotAllocator free list, as its mem_cache/allocator/mamba.py keeps it:
+    alloc slices the head of free_slots (or, in a group, hands out a pre-taken batch one slot at a
+    time), free makes a new free_slots (cat of the old one and the index), clear starts over. The
+    engine test runs the probe on SGLang's own class; this one lets hypothesis drive every order."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.batch: list[torch.Tensor] | None = None
+        self.clear()
+
+    def clear(self) -> None:
+        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64)
+
+    def take(self, need: int) -> torch.Tensor | None:
+        if need > len(self.free_slots):
+            return None
+        out = self.free_slots[:need]
+        self.free_slots = self.free_slots[need:]
+        return out
+
+    def alloc(self, need: int) -> torch.Tensor | None:
+        if self.batch and need == 1:
+            return self.batch.pop(0)
+        return self.take(need)
+
+    def free(self, index: torch.Tensor) -> None:
+        if index.numel():
+            self.free_slots = torch.cat((self.free_slots, index))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("aafffgcdx"), st.integers(0, 4)), max_size=60), st.integers(2, 12))
+def test_mamba_frees_folded_from_the_free_slots_they_made_match_the_slots_each_free_gave_back(
+    ops: list[tuple[str, int]], size: int
+) -> None:
+    """Random allocs, frees (of a view rewritten right after the call, as SGLang frees a request's
+    ping-pong slot; k = 0: a free of nothing), groups, clears and folds on a Mamba free list, through
+    the probe's own alloc and free hooks: each free's event names exactly the slots it gave back, in
+    call order, and the ledgers name each slot's last taker and releaser, as if every call had been
+    folded on its own. Breaking the hook's run logic (a run kept past what its free_slots holds, a
+    chain not ended at a clear) or run_slots fails it."""
+    probe = sglang.SglangProbe(None, "test")
+    probe.state.active, probe.hot = True, True
+    alloc, free = sglang._d_mamba_alloc(SlotFreeList.alloc), sglang._d_mamba_free(SlotFreeList.free)
+    pool = SlotFreeList(size)
+    ledger = probe.ledger
+    held: list[int] = []
+    expected: list[tuple[str, str | None, list[int]]] = []  # NOTE: (kind, rid, slots) per recorded call
+    takers: dict[int, str | None] = {}
+    releasers: dict[int, str | None] = {}
+    got: list[tuple[str, str | None, list[int]]] = []
+
+    def fold() -> None:
+        blocks: list[tuple[object, ...]] = []
+        ledger.drain(0, blocks.append)
+        for block in blocks:
+            items = block_as_items(block)
+            got.extend((items[i + 2], items[i + 4], items[i + 10].tolist()) for i in range(0, len(items), 11))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sglang, "PROBE", probe)
+        for n, (op, k) in enumerate(ops):
+            probe.rid = rid = f"req-{n}"
+            if op == "a":
+                out = alloc(pool, k or 1)
+                if out is not None:
+                    expected.append(("alloc", rid, out.tolist()))
+                    held += out.tolist()
+                    takers.update(dict.fromkeys(out.tolist(), rid))
+            elif op == "f":
+                give = held[:k]
+                del held[: len(give)]
+                buffer = torch.tensor([-1, *give], dtype=torch.int64)
+                free(pool, buffer[1:])
+                buffer.fill_(-1)  # NOTE: SGLang's set_mamba_ping_pong_slot(req, idx, -1) right after
+                expected.append(("free", rid, give))
+                releasers.update(dict.fromkeys(give, rid))
+            elif op == "g":
+                pool.batch = None
+                batch = pool.take(k)
+                pool.batch = None if batch is None else list(batch.split(1))
+            elif op == "c" and pool.batch:  # NOTE: SGLang's alloc_group_end: the unused slots back through free
+                rest = torch.cat(pool.batch)
+                pool.batch = None
+                probe.rid = None
+                free(pool, rest)
+                expected.append(("free", None, rest.tolist()))
+                releasers.update(dict.fromkeys(rest.tolist(), None))
+            elif op == "d":
+                fold()
+            elif op == "x":  # NOTE: clear(): a new free_slots, not the last one's slice (a chain ends)
+                pool.clear()
+                pool.batch, held = None, []
+        fold()
+    assert got == expected
+    mine_taken, mine_freed = ledger.takers["mamba"].get(id(pool), {}), ledger.releasers["mamba"].get(id(pool), {})
+    assert {s: e[0] for s, e in mine_taken.items()} == takers
+    assert {s: e[0] for s, e in mine_freed.items()} == releasers
+    assert not ledger.takers["full"] and not ledger.releasers["full"] and not ledger.slot_runs
