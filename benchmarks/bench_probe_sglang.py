@@ -183,7 +183,21 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
         free_of(slots, row[1:2])
         row[1] = -1  # NOTE: SGLang rewrites the row after the free
 
+    roots = [torch.arange(1, 513), torch.arange(1, 513)]  # NOTE: the stubs' free_slots, as SGLang's would be
+    heads, popped, turn = [r[:1] for r in roots], [r[1:] for r in roots], [0]
+
+    def alloc_stub(self: Any, need_size: int) -> Any:  # NOTE: SGLang's pop, its tensors made beforehand
+        self.free_slots = popped[turn[0]]
+        return heads[turn[0]]
+
+    def free_stub(self: Any, free_index: Any) -> None:  # NOTE: SGLang's new free_slots, made beforehand
+        turn[0] ^= 1
+        self.free_slots = roots[turn[0]]
+
+    stub_alloc = _as_installed("MambaSlotAllocator.alloc", alloc_stub)
+    stub_free = _as_installed("MambaSlotAllocator.free", free_stub)
     plain_of = {f"mamba alloc+free/{n}": lambda: pair(sglang_alloc, sglang_free) for n in (32, 256)}
+    plain_of["mamba alloc+free stub/256"] = lambda: free_stub(slots, alloc_stub(slots, 1))
     cases += [
         *(
             (f"mamba alloc+fold/{n}", slots.free_slots[:1], lambda: mamba_alloc(slots, 1), fold_and_hand_off, n)
@@ -193,6 +207,7 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
             (f"mamba alloc+free/{n}", None, lambda: pair(pair_alloc, pair_free), fold_and_hand_off, n)
             for n in (32, 256)
         ),
+        ("mamba alloc+free stub/256", None, lambda: stub_free(slots, stub_alloc(slots, 1)), fold_and_hand_off, 256),
     ]
     rows = [bind_step()]
     for name, result, hooked, drain, every in cases:

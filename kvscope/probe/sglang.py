@@ -63,7 +63,6 @@ from kvscope.probe.sglang_ledger import (
     ALLOC,
     BIND,
     FREE,
-    NO_RUN,
     PageLedger,
     _gather,
 )
@@ -528,10 +527,15 @@ def _h_rows_free(original: Callable[..., Any], self: Any, indices: Any, *args: A
 
 
 def _d_mamba_alloc(original: Callable[..., Any]) -> Callable[..., Any]:
-    """MambaSlotAllocator.alloc(need_size): a slice of free_slots (never written, only replaced) or
-    of a group's batch, queued as it is. A pop from the head of the open slot run's free_slots (see
-    _d_mamba_free) moves the run on to the new free_slots while it still holds the run's slots; once
-    a pop reaches them the run ends, keeping the free_slots that holds them."""
+    """MambaSlotAllocator.alloc(need_size). A pop off the head of the open slot run's free_slots (see
+    _d_mamba_free) is queued by its place in the run's chain: the free_slots the chain began with,
+    then the slots its frees gave back, in order (a FIFO: allocs take from the head), counted on the
+    ledger's one count of such pops (PageLedger.pops); no tensor is kept (a view would keep its whole
+    free_slots alive until the fold). The run moves on to the new free_slots while that still holds
+    the run's slots; once a pop reaches them the run ends, keeping the free_slots that holds them,
+    and the chain goes on in a new run. Any other alloc (a group's
+    slot, handed out from a batch alloc_group_begin took; a pop off a free_slots the probe did not
+    see made) queues its slice as it is (SGLang never writes it)."""
 
     @functools.wraps(original)
     def alloc(self: Any, need_size: int) -> Any:
@@ -539,14 +543,20 @@ def _d_mamba_alloc(original: Callable[..., Any]) -> Callable[..., Any]:
         out = original(self, need_size)
         probe = PROBE
         if out is not None and probe.state.active and (probe.hot or _ready()):
-            probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
-            run = probe.ledger.slot_run
+            ledger = probe.ledger
+            run = ledger.slot_run
             if before is run[1] and self.free_slots is not before:  # NOTE: SGLang's _do_alloc: need_size off the head
+                at = ledger.pops
+                ledger.pops = at + need_size
                 left = run[3] - need_size * run[4]
                 if run[2] <= left:
                     run[1], run[3] = self.free_slots, left
                 else:
-                    probe.ledger.slot_run = NO_RUN
+                    run = ledger.slot_run = [self, self.free_slots, 0, left, run[4], run[5]]
+                    ledger.slot_runs.append(run)
+                probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", at, need_size))
+            else:
+                probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
         return out
 
     return alloc
@@ -560,9 +570,10 @@ def _d_mamba_free(original: Callable[..., Any]) -> Callable[..., Any]:
     the freed slots are its tail. Frees on one allocator whose free_slots chain keep their slots,
     in order, in the tail of the latest free_slots: one run (PageLedger.slot_runs) keeps only that.
     A free chains when its before is exactly the run's free_slots: the last free's after, or what
-    a pop the alloc hook saw left of it (a pop that reached the run's slots ended the run). Any
-    other before (clear(), alloc_group_begin's pop, another allocator's run) starts a new run; the
-    old one keeps its free_slots. Here only the new free_slots' size is read (a new run: the
+    a pop the alloc hook saw left of it. Any other before (clear(), alloc_group_begin's pop,
+    another allocator's run) starts a new run and a new chain, which begins with that before; the
+    old run keeps its free_slots. A fold takes the runs and goes on with the open one as a new chain
+    (it begins with the free_slots of now). Here only the new free_slots' size is read (a new run: the
     before's too, and the item size)."""
 
     @functools.wraps(original)
@@ -579,8 +590,8 @@ def _d_mamba_free(original: Callable[..., Any]) -> Callable[..., Any]:
                 run[1], run[3] = after, size
                 run[2] += freed
             else:
-                freed = size - before.nbytes
-                probe.ledger.slot_run = run = [self, after, freed, size, after.itemsize]
+                freed = size - before.nbytes  # NOTE: a new chain: it began with before, at the pops so far
+                probe.ledger.slot_run = run = [self, after, freed, size, after.itemsize, (before, probe.ledger.pops)]
                 probe.ledger.slot_runs.append(run)
             probe.pending.append((FREE, self, probe.rid, probe.step, probe.event, freed, None))
         return out

@@ -9,10 +9,11 @@ is the engine's, found in sys.modules, never imported here).
 
 from __future__ import annotations
 
+import operator
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from itertools import compress
+from itertools import compress, repeat
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -24,7 +25,7 @@ KIND_NAMES = (EventKind.ALLOC._value_, EventKind.FREE._value_)  # NOTE: an event
 ALLOC, FREE, BIND = 0, 1, 2  # NOTE: what a pending entry records
 FOLD_CALLS = 256  # NOTE: pending entries that fold at the next step (else every FOLD_INTERVAL_S, and at a census)
 FOLD_INTERVAL_S = 0.2  # NOTE: as the recorder's hand-off: a step's events wait at most this long
-NO_RUN: list[Any] = [None, None, 0, 0, 0]  # NOTE: no open slot run (never written: a free starts a new list)
+NO_RUN: list[Any] = [None, None, 0, 0, 0, None]  # NOTE: no open slot run (never written: a free starts a new list)
 _monotonic = time.monotonic
 Entry = tuple[str | None, int, str]  # NOTE: (rid, step, event), as sglang_census
 Pending = tuple[int, Any, Any, int, str, Any, Any]  # NOTE: (ALLOC/FREE/BIND, allocator, rid or a bind's rids,
@@ -117,10 +118,12 @@ class PageLedger:
         self.pools: dict[int, str] = {}  # id(sub-allocator) -> "swa" (anything else is full)
         # NOTE: the slot allocators' frees since the last fold keep their slots in runs, in call order:
         # [allocator, the run's latest free_slots, bytes of its tail freed in the run, its bytes, item
-        # size], the open one last
-        # (kvscope.probe.sglang's Mamba free hook: a run's frees are its free_slots' tail)
+        # size, its chain], the open one last. A chain is (the free_slots it began with, `pops` then):
+        # its slots in FIFO order are that free_slots, then what its runs hold; the probe's Mamba
+        # alloc hook queues a pop off it by its place in `pops` (all slot allocators' pops, counted)
         self.slot_runs: list[list[Any]] = []
         self.slot_run: list[Any] = NO_RUN
+        self.pops = 0
         self.runs: list[list[Any]] = []  # NOTE: the runs of the fold under way
         self.folded_at = _monotonic()
         self.step_now: dict[int, float] = {}  # NOTE: step -> its clock read (the t_mono of its folded events)
@@ -143,7 +146,11 @@ class PageLedger:
             return None
         pending = self.pending.copy()  # NOTE: emptied in place: the probe's hooks hold this list
         self.pending.clear()
-        self.runs, self.slot_runs, self.slot_run = self.slot_runs, [], NO_RUN
+        self.runs, self.slot_runs = self.slot_runs, []
+        if self.slot_run is not NO_RUN:  # NOTE: the open run goes on as a new chain: it begins with what is free now
+            run = self.slot_run
+            self.slot_run = run = [run[0], run[1], 0, run[3], run[4], (run[1], self.pops)]
+            self.slot_runs.append(run)
         self.folded_at = now = _monotonic()
         n = len(pending)
         columns = Calls(*zip(*pending, strict=True))
@@ -180,7 +187,11 @@ class PageLedger:
         steps: Sequence[int] = calls.steps
         events: Sequence[str] = calls.events
         call_of: np.ndarray | None = None
-        if binds and BIND in calls.kinds:  # NOTE: a bind: one entry per request, parts[i][j] slots each
+        if size is None and takes and int in map(type, tensors):  # NOTE: pops queued by their place in a chain
+            values, counts = chain_takes(tensors, calls.parts, [run for run in self.runs if run[0] is allocator])
+            if binds and BIND in calls.kinds:
+                rids, steps, events, counts, call_of = _expand_binds(calls, counts)
+        elif binds and BIND in calls.kinds:  # NOTE: a bind: one entry per request, parts[i][j] slots each
             rids, steps, events, counts, call_of = _expand_binds(calls)
             values = _to_numpy(tensors)
         elif size is None and not takes:  # NOTE: a slot allocator's frees: bytes each added, slots in runs
@@ -218,11 +229,14 @@ class Folded(NamedTuple):
     where: np.ndarray | None
 
 
-def _expand_binds(calls: Calls) -> tuple[list[Any], list[int], list[str], np.ndarray, np.ndarray]:
+def _expand_binds(
+    calls: Calls, known: np.ndarray | None = None
+) -> tuple[list[Any], list[int], list[str], np.ndarray, np.ndarray]:
     """A group's entries with each bind as one entry per request (`parts[i]` slots each): rids,
-    steps, events, slot counts, and each entry's call in the group (-1: a bind's request)."""
+    steps, events, slot counts, and each entry's call in the group (-1: a bind's request). `known`:
+    each call's slot count, where not every call is a tensor."""
     rids, steps, events = list(calls.rids), list(calls.steps), list(calls.events)
-    counts = [t.numel() for t in calls.tensors]
+    counts = [t.numel() for t in calls.tensors] if known is None else known.tolist()
     call_of = list(range(len(calls.kinds)))
     for i in reversed([i for i, kind in enumerate(calls.kinds) if kind == BIND]):
         many = len(rids[i])
@@ -338,13 +352,46 @@ def _gather(table: Any, starts: list[int], parts: list[int]) -> Any:
     return table.reshape(-1)[index].long()
 
 
+def chain_takes(
+    tensors: tuple[Any, ...], parts: tuple[Any, ...], runs: list[list[Any]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """A slot allocator's takes, some queued as tensors (a slice, a bind's slots) and some by their
+    place in the ledger's count of pops (the place in tensors, the count in parts): their slots laid
+    end to end in call order, and each call's count. `runs`: this allocator's. A pop belongs to the
+    last chain that began at or before its place; a chain's slots in FIFO order are the
+    free_slots it began with, then what its runs hold (run_slots). Per call only C-level passes."""
+    n = len(tensors)
+    flags = list(map(operator.is_, map(type, tensors), repeat(int, n)))
+    placed = np.array(flags, bool)
+    at = np.fromiter(compress(tensors, flags), np.int64)
+    need = np.fromiter(compress(parts, flags), np.int64)
+    chains = list(dict.fromkeys(run[5] for run in runs))  # NOTE: in order; a run's chain is (first free_slots, pops)
+    fifo = [np.concatenate((_to_numpy((c[0],)), run_slots([r for r in runs if r[5] is c], -1))) for c in chains]
+    begins = np.fromiter((c[1] for c in chains), np.int64, len(chains))
+    offsets = np.cumsum([0, *map(len, fifo)])[:-1]
+    chain = np.searchsorted(begins, at, "right") - 1  # NOTE: the last chain that began at or before the pop
+    starts = np.cumsum(need) - need  # NOTE: where each pop's slots begin in the result
+    index = np.repeat(offsets[chain] + at - begins[chain] - starts, need) + np.arange(int(need.sum()))
+    by_place = np.concatenate(fifo)[index]
+    counts = np.empty(n, np.int64)
+    counts[placed] = need
+    if placed.all():
+        return by_place, counts
+    rest = tuple(compress(tensors, map(operator.not_, flags)))
+    counts[~placed] = np.fromiter(map(type(rest[0]).numel, rest), np.int64, len(rest))
+    values = np.empty(int(counts.sum()), np.int64)
+    mask = np.repeat(placed, counts)
+    values[mask], values[~mask] = by_place, _to_numpy(rest)
+    return values, counts
+
+
 def run_slots(runs: list[list[Any]], total: int) -> np.ndarray:
     """One slot allocator's freed slots, laid end to end in call order, from its runs (PageLedger.
     slot_runs): the tail of each run's free_slots, one slice a run. `total`: what its frees' counts
-    add up to (anything else would name wrong slots: the probe stops instead)."""
-    parts = tuple(kept[(size - held) // item :] for _, kept, held, size, item in runs if held)
+    add up to (anything else would name wrong slots: the probe stops instead; -1: not checked)."""
+    parts = tuple(kept[(size - held) // item :] for _, kept, held, size, item, _ in runs if held)
     values = _to_numpy(parts) if parts else np.zeros(0, np.int64)
-    if len(values) != total:  # NOTE: a free the runs missed: the ledger must not name wrong slots
+    if total >= 0 and len(values) != total:  # NOTE: a free the runs missed: the ledger must not name wrong slots
         raise RuntimeError(f"mamba frees gave back {total} slots, their runs hold {len(values)}")
     return values
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvscope.probe import sglang
@@ -133,26 +133,32 @@ class SlotFreeList:
             self.free_slots = torch.cat((self.free_slots, index))
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("aafffgcdx"), st.integers(0, 4)), max_size=60), st.integers(2, 12))
-def test_mamba_frees_folded_from_the_free_slots_they_made_match_the_slots_each_free_gave_back(
-    ops: list[tuple[str, int]], size: int
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from("aafffgcdx"), st.integers(0, 4), st.sampled_from((0, 0, 0, 1))), max_size=60),
+    st.integers(2, 12),
+)
+@example([("a", 1, 0), ("f", 1, 0), ("d", 0, 0), ("a", 1, 0), ("a", 1, 0)], 2)  # NOTE: a chain across a fold
+def test_mamba_calls_folded_in_bulk_name_the_slots_each_call_took_or_gave_back(
+    ops: list[tuple[str, int, int]], size: int
 ) -> None:
     """Random allocs, frees (of a view rewritten right after the call, as SGLang frees a request's
-    ping-pong slot; k = 0: a free of nothing), groups, clears and folds on a Mamba free list, through
-    the probe's own alloc and free hooks: each free's event names exactly the slots it gave back, in
-    call order, and the ledgers name each slot's last taker and releaser, as if every call had been
-    folded on its own. Breaking the hook's run logic (a run kept past what its free_slots holds, a
-    chain not ended at a clear) or run_slots fails it."""
+    ping-pong slot; k = 0: a free of nothing), groups, clears and folds on two Mamba free lists (an
+    active pool and, now and then, a second one: an int8 checkpoint pool's), through the probe's own
+    alloc and free hooks: each call's event names exactly the slots it took or gave back, in call
+    order, and each pool's ledgers name each slot's last taker and releaser, as if every call had been
+    folded on its own. Breaking the hooks' run logic (a run kept past what its free_slots holds, a
+    chain not ended at a clear, a pop's place), the fold's (run_slots, chain_takes) or a chain going
+    on across folds fails it."""
     probe = sglang.SglangProbe(None, "test")
     probe.state.active, probe.hot = True, True
     alloc, free = sglang._d_mamba_alloc(SlotFreeList.alloc), sglang._d_mamba_free(SlotFreeList.free)
-    pool = SlotFreeList(size)
+    pools = (SlotFreeList(size), SlotFreeList(3))
     ledger = probe.ledger
-    held: list[int] = []
+    held: tuple[list[int], list[int]] = ([], [])
     expected: list[tuple[str, str | None, list[int]]] = []  # NOTE: (kind, rid, slots) per recorded call
-    takers: dict[int, str | None] = {}
-    releasers: dict[int, str | None] = {}
+    takers: tuple[dict[int, str | None], ...] = ({}, {})
+    releasers: tuple[dict[int, str | None], ...] = ({}, {})
     got: list[tuple[str, str | None, list[int]]] = []
 
     def fold() -> None:
@@ -164,22 +170,23 @@ def test_mamba_frees_folded_from_the_free_slots_they_made_match_the_slots_each_f
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sglang, "PROBE", probe)
-        for n, (op, k) in enumerate(ops):
+        for n, (op, k, p) in enumerate(ops):
             probe.rid = rid = f"req-{n}"
+            pool = pools[p]
             if op == "a":
                 out = alloc(pool, k or 1)
                 if out is not None:
                     expected.append(("alloc", rid, out.tolist()))
-                    held += out.tolist()
-                    takers.update(dict.fromkeys(out.tolist(), rid))
+                    held[p].extend(out.tolist())
+                    takers[p].update(dict.fromkeys(out.tolist(), rid))
             elif op == "f":
-                give = held[:k]
-                del held[: len(give)]
+                give = held[p][:k]
+                del held[p][: len(give)]
                 buffer = torch.tensor([-1, *give], dtype=torch.int64)
                 free(pool, buffer[1:])
                 buffer.fill_(-1)  # NOTE: SGLang's set_mamba_ping_pong_slot(req, idx, -1) right after
                 expected.append(("free", rid, give))
-                releasers.update(dict.fromkeys(give, rid))
+                releasers[p].update(dict.fromkeys(give, rid))
             elif op == "g":
                 pool.batch = None
                 batch = pool.take(k)
@@ -190,15 +197,18 @@ def test_mamba_frees_folded_from_the_free_slots_they_made_match_the_slots_each_f
                 probe.rid = None
                 free(pool, rest)
                 expected.append(("free", None, rest.tolist()))
-                releasers.update(dict.fromkeys(rest.tolist(), None))
+                releasers[p].update(dict.fromkeys(rest.tolist(), None))
             elif op == "d":
                 fold()
             elif op == "x":  # NOTE: clear(): a new free_slots, not the last one's slice (a chain ends)
                 pool.clear()
-                pool.batch, held = None, []
+                pool.batch = None
+                held[p].clear()
         fold()
     assert got == expected
-    mine_taken, mine_freed = ledger.takers["mamba"].get(id(pool), {}), ledger.releasers["mamba"].get(id(pool), {})
-    assert {s: e[0] for s, e in mine_taken.items()} == takers
-    assert {s: e[0] for s, e in mine_freed.items()} == releasers
-    assert not ledger.takers["full"] and not ledger.releasers["full"] and not ledger.slot_runs
+    for p, pool in enumerate(pools):
+        mine_taken, mine_freed = ledger.takers["mamba"].get(id(pool), {}), ledger.releasers["mamba"].get(id(pool), {})
+        assert {s: e[0] for s, e in mine_taken.items()} == takers[p]
+        assert {s: e[0] for s, e in mine_freed.items()} == releasers[p]
+    assert not ledger.takers["full"] and not ledger.releasers["full"]
+    assert all(run[2] == 0 for run in ledger.slot_runs)  # NOTE: at most the open run, going on, nothing in it yet
