@@ -409,9 +409,10 @@ def _ready() -> bool:
 #                   need_sort SGLang keeps the same tensors in staged_pages itself
 #     token free    may be a view of a request's row in req_to_token (page size 1), rewritten once
 #                   the row is reused: copied when it is a view, else kept
-#     mamba alloc   a slice of free_slots (or of a group's batch, itself a slice), only ever replaced
-#     mamba free    often a view SGLang rewrites: its length is queued, its slots kept in the tail of
-#                   the free_slots SGLang makes (sglang_ledger.slot_run)
+#     mamba alloc   a pop the probe saw: no tensor, its place in the free list; else a slice of
+#                   free_slots or of a group's batch, which SGLang only ever replaces
+#     mamba free    often a view SGLang rewrites: not kept; the bytes it added are queued, its slots
+#                   kept in the tail of the free_slots SGLang makes (PageLedger.slot_runs)
 
 
 # NOTE: patched directly (Hook.direct): each factory takes SGLang's method and returns the method

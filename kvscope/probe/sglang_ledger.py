@@ -1,8 +1,9 @@
 """The SGLang probe's page ledger: whom each page was last taken by and released for, kept in bulk.
 
 The allocator hooks and the bind only queue their index tensors (`PageLedger.pending`, no read per
-call); a fold takes the queue in call order into the ledgers (a numpy array per pool, page -> entry
-id) and, at level full, emits one alloc / free event per allocator call. The probe folds every
+call; a Mamba slot call, most often, no tensor: see PageLedger.slot_runs); a fold takes the queue in
+call order into the ledgers (a numpy array per pool and per Mamba slot allocator, page -> entry id)
+and, at level full, emits one alloc / free event per allocator call. The probe folds every
 FOLD_INTERVAL_S or FOLD_CALLS entries, at each census and at exit. Imports: stdlib and numpy (torch
 is the engine's, found in sys.modules, never imported here).
 """
