@@ -366,7 +366,7 @@ def chain_takes(
     placed = np.array(flags, bool)
     at = np.fromiter(compress(tensors, flags), np.int64)
     need = np.fromiter(compress(parts, flags), np.int64)
-    chains = list(dict.fromkeys(run[5] for run in runs))  # NOTE: in order; a run's chain is (first free_slots, pops)
+    chains = list({id(run[5]): run[5] for run in runs}.values())  # NOTE: in order, by identity (two can be equal)
     fifo = [np.concatenate((_to_numpy((c[0],)), run_slots([r for r in runs if r[5] is c], -1))) for c in chains]
     begins = np.fromiter((c[1] for c in chains), np.int64, len(chains))
     offsets = np.cumsum([0, *map(len, fifo)])[:-1]

@@ -139,6 +139,7 @@ class SlotFreeList:
     st.integers(2, 12),
 )
 @example([("a", 1, 0), ("f", 1, 0), ("d", 0, 0), ("a", 1, 0), ("a", 1, 0)], 2)  # NOTE: a chain across a fold
+@example([("a", 0, 0), ("a", 0, 0), ("f", 0, 0), ("f", 0, 1), ("f", 1, 0), ("a", 0, 0)], 2)  # NOTE: equal chains
 def test_mamba_calls_folded_in_bulk_name_the_slots_each_call_took_or_gave_back(
     ops: list[tuple[str, int, int]], size: int
 ) -> None:
