@@ -15,8 +15,9 @@ NOTE: two rounds, timed apart.
 The hooks are SGLang's own HookRegistry AROUND wrappers (installed by the probe's register()); plain
 puts SGLang's originals back on the classes (each wrapper's __wrapped__), so plain is SGLang's code.
 Summary = the probe's ledger only (no event tuples); full = ledger + one event tuple per call. Modes
-alternate over REPEATS repetitions; the table shows the median µs per call (wall and this thread's CPU
-time) and what the hooks add.
+alternate in blocks of BLOCK_ROUNDS rounds, BLOCK_REPEATS blocks each; the table shows the median µs
+per call (wall and this thread's CPU time) and what the hooks add: the median of each block's
+difference to the plain block before it (the machine's speed drifts between blocks).
 
 NOTE: the second table, the hooks' own work: each hook function called with a stub for SGLang's
     original (it returns the result a real call returned), against the stub called alone, in
@@ -80,6 +81,8 @@ from kvscope.probe import sglang as probe  # noqa: E402
 
 ROUNDS = 3_000
 REPEATS = 7
+BLOCK_ROUNDS = 400  # the first table: rounds per timed block, modes alternating block by block
+BLOCK_REPEATS = 41
 PS = 4
 BATCH = 32  # requests in the bind measurement's decode batch
 BIND_STEPS = 200
@@ -103,15 +106,15 @@ def build() -> tuple[Any, Any]:
     return alloc, tree
 
 
-def allocator_round(alloc: Any, drain: Any) -> None:
-    for _ in range(ROUNDS):
+def allocator_round(alloc: Any, drain: Any, rounds: int = ROUNDS) -> None:
+    for _ in range(rounds):
         out = alloc.alloc(16)
         alloc.free(out)
         drain()  # NOTE: the per-step ledger work (its cost counts) as if every 2 calls were a step
 
 
-def tree_round(tree: Any, params: Any) -> None:
-    for _ in range(ROUNDS):
+def tree_round(tree: Any, params: Any, rounds: int = ROUNDS) -> None:
+    for _ in range(rounds):
         node = tree.match_prefix(params).last_device_node
         tree.unlock(tree.lock(node))
 
@@ -294,15 +297,17 @@ def main() -> int:
     fold_if_due = getattr(probe.PROBE, "fold_if_due", None)  # NOTE: absent before the bulk ledger: drain per step
     per_step = probe.PROBE.drain if fold_if_due is None else lambda: fold_if_due(time.monotonic())
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for _ in range(REPEATS):
+    for _ in range(BLOCK_REPEATS):  # NOTE: short blocks, the modes in turn: the machine's drift hits them alike
         for mode in ("plain", "summary", "full"):
             _install(plain if mode == "plain" else hooked)
             probe.PROBE.emit = emit if mode == "full" else None
             drain = (lambda: None) if mode == "plain" else per_step
             results.setdefault(("allocator", mode), []).append(
-                timed(lambda d=drain: allocator_round(alloc, d), 2 * ROUNDS)
+                timed(lambda d=drain: allocator_round(alloc, d, BLOCK_ROUNDS), 2 * BLOCK_ROUNDS)
             )
-            results.setdefault(("tree", mode), []).append(timed(lambda: tree_round(tree, params), 3 * ROUNDS))
+            results.setdefault(("tree", mode), []).append(
+                timed(lambda: tree_round(tree, params, BLOCK_ROUNDS), 3 * BLOCK_ROUNDS)
+            )
             probe.PROBE.state.recorder.idle()
     _install(hooked)
     probe.PROBE.emit = emit
@@ -310,15 +315,20 @@ def main() -> int:
     probe.PROBE.state.recorder.close()
     print(
         f"{said}; machine: {platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
-        f"torch {torch.__version__}; {ROUNDS} rounds x {REPEATS} repeats"
+        f"torch {torch.__version__}; first table {BLOCK_ROUNDS} rounds x {BLOCK_REPEATS} blocks a mode, "
+        f"second {ROUNDS} rounds x {REPEATS * 3}"
     )
     header = ("operation", "mode", "wall µs/call", "cpu µs/call", "added wall", "added cpu")
     print(f"{header[0]:<10} {header[1]:<8} {header[2]:>12} {header[3]:>12} {header[4]:>11} {header[5]:>10}")
     for group in ("allocator", "tree"):
-        base_wall, base_cpu = (statistics.median(x[i] for x in results[(group, "plain")]) for i in (0, 1))
+        base = results[(group, "plain")]
         for mode in ("plain", "summary", "full"):
-            wall, cpu = (statistics.median(x[i] for x in results[(group, mode)]) for i in (0, 1))
-            added = "" if mode == "plain" else f"{wall - base_wall:+11.2f} {cpu - base_cpu:+10.2f}"
+            mine = results[(group, mode)]
+            wall, cpu = (statistics.median(x[i] for x in mine) for i in (0, 1))
+            added_wall, added_cpu = (
+                statistics.median(m[i] - b[i] for m, b in zip(mine, base, strict=True)) for i in (0, 1)
+            )
+            added = "" if mode == "plain" else f"{added_wall:+11.2f} {added_cpu:+10.2f}"
             print(f"{group:<10} {mode:<8} {wall:12.2f} {cpu:12.2f} {added}")
     print("\nthe hooks' own work (level full), CPU ns per call: stub alone, added by the hook (median, min-min)")
     for name, plain_ns, hooked_ns in own:
