@@ -516,13 +516,17 @@ class Front:
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
         if model_id != self.state.model_id:
-            return error_response(
-                404,
-                f"the model {model_id!r} does not exist; this server serves {self.state.model_id!r}",
-                param="model",
-                code="model_not_found",
-            )
+            return self.no_such_model(model_id).response()
         return JSONResponse(self.model_card())
+
+    def no_such_model(self, model: str) -> ApiError:
+        """The 404 for a model this server does not serve (GET /v1/models/{id}, a request's 'model')."""
+        return ApiError(
+            404,
+            f"the model {model!r} does not exist; this server serves {self.state.model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": kvscope.__version__})
@@ -787,12 +791,7 @@ class Front:
         if not isinstance(model, str):
             raise ApiError(400, "'model' must be a string", param="model", code="invalid_type")
         if model != self.state.model_id:
-            raise ApiError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.state.model_id!r}",
-                param="model",
-                code="model_not_found",
-            )
+            raise self.no_such_model(model)
         if chat:
             try:
                 prompts = [self.tokenizer.encode(render_chat(body.get("messages"))).tolist()]
