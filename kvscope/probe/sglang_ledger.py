@@ -125,7 +125,6 @@ class PageLedger:
         self.slot_runs: list[list[Any]] = []
         self.slot_run: list[Any] = NO_RUN
         self.pops = 0
-        self.runs: list[list[Any]] = []  # NOTE: the runs of the fold under way
         self.folded_at = _monotonic()
         self.step_now: dict[int, float] = {}  # NOTE: step -> its clock read (the t_mono of its folded events)
 
@@ -147,7 +146,7 @@ class PageLedger:
             return None
         pending = self.pending.copy()  # NOTE: emptied in place: the probe's hooks hold this list
         self.pending.clear()
-        self.runs, self.slot_runs = self.slot_runs, []
+        runs, self.slot_runs = self.slot_runs, []
         if self.slot_run is not NO_RUN:  # NOTE: the open run goes on as a new chain: it begins with what is free now
             run = self.slot_run
             self.slot_run = run = [run[0], run[1], 0, run[3], run[4], (run[1], self.pops)]
@@ -158,9 +157,10 @@ class PageLedger:
         kinds, allocators = columns.kinds, columns.allocators
         binds = BIND in kinds
         frees = FREE in kinds
+        tails = run_tails(runs)
         folded: list[Folded] = []
         if allocators.count(allocators[0]) == n and (not frees or kinds.count(FREE) == n):  # NOTE: one group
-            folded.append(self.fold_group(allocators[0], not frees, None, columns, binds))
+            folded.append(self.fold_group(allocators[0], not frees, None, columns, binds, tails))
         else:
             takes = np.frombuffer(bytes(kinds), np.int8) != FREE
             groups = np.fromiter(map(id, allocators), np.int64, n) * 2 + takes
@@ -168,7 +168,7 @@ class PageLedger:
                 where = np.flatnonzero(groups == group)
                 pick = _picker(where.tolist())
                 calls = Calls(*map(pick, columns))
-                folded.append(self.fold_group(calls.allocators[0], bool(takes[where[0]]), where, calls, binds))
+                folded.append(self.fold_group(calls.allocators[0], bool(takes[where[0]]), where, calls, binds, tails))
         if emit is not None:
             block = event_block(kinds, columns.rids, columns.steps, folded, self.step_now, now, binds)
             if block is not None:
@@ -176,11 +176,20 @@ class PageLedger:
         self.step_now = {step: self.step_now.get(step, now)}
         return now
 
-    def fold_group(self, allocator: Any, takes: bool, where: np.ndarray | None, calls: Calls, binds: bool) -> Folded:
+    def fold_group(
+        self,
+        allocator: Any,
+        takes: bool,
+        where: np.ndarray | None,
+        calls: Calls,
+        binds: bool,
+        tails: list[tuple[list[Any], np.ndarray]],
+    ) -> Folded:
         """One allocator's takes (allocs and binds) or frees (the fold's calls at `where`, None: all)
         into its ledger; its pages and the fold's call each came from (-1: a bind's: no event). An
         allocator without a page size is a slot allocator (MambaSlotAllocator, pool mamba): one slot a
-        page, a ledger of its own, and its frees recorded as counts, their slots in runs (slot_run)."""
+        page, a ledger of its own, its frees recorded as counts and some pops as places, their slots
+        in the fold's runs (`tails`: run_tails)."""
         size = getattr(allocator, "page_size", None)
         page_size = 1 if size is None else int(size)
         tensors = calls.tensors
@@ -189,16 +198,18 @@ class PageLedger:
         events: Sequence[str] = calls.events
         call_of: np.ndarray | None = None
         if size is None and takes and int in map(type, tensors):  # NOTE: pops queued by their place in a chain
-            values, counts = chain_takes(tensors, calls.parts, [run for run in self.runs if run[0] is allocator])
+            values, counts = chain_takes(tensors, calls.parts, [t for t in tails if t[0][0] is allocator])
             if binds and BIND in calls.kinds:
                 rids, steps, events, counts, call_of = _expand_binds(calls, counts)
         elif binds and BIND in calls.kinds:  # NOTE: a bind: one entry per request, parts[i][j] slots each
             rids, steps, events, counts, call_of = _expand_binds(calls)
             values = _to_numpy(tensors)
         elif size is None and not takes:  # NOTE: a slot allocator's frees: bytes each added, slots in runs
-            runs = [run for run in self.runs if run[0] is allocator]
-            counts = np.fromiter(tensors, np.int64, len(tensors)) // runs[0][4]
-            values = run_slots(runs, int(counts.sum()))
+            mine = [t for t in tails if t[0][0] is allocator]
+            counts = np.fromiter(tensors, np.int64, len(tensors)) // mine[0][0][4]
+            values = np.concatenate([slots for _, slots in mine])
+            if len(values) != counts.sum():  # NOTE: a free the runs missed: the ledger must not name wrong slots
+                raise RuntimeError(f"mamba frees gave back {int(counts.sum())} slots, their runs hold {len(values)}")
         else:
             counts = np.fromiter(map(type(tensors[0]).numel, tensors), np.int64, len(tensors))
             values = _to_numpy(tensors)
@@ -354,20 +365,21 @@ def _gather(table: Any, starts: list[int], parts: list[int]) -> Any:
 
 
 def chain_takes(
-    tensors: tuple[Any, ...], parts: tuple[Any, ...], runs: list[list[Any]]
+    tensors: tuple[Any, ...], parts: tuple[Any, ...], tails: list[tuple[list[Any], np.ndarray]]
 ) -> tuple[np.ndarray, np.ndarray]:
     """A slot allocator's takes, some queued as tensors (a slice, a bind's slots) and some by their
     place in the ledger's count of pops (the place in tensors, the count in parts): their slots laid
-    end to end in call order, and each call's count. `runs`: this allocator's. A pop belongs to the
-    last chain that began at or before its place; a chain's slots in FIFO order are the
-    free_slots it began with, then what its runs hold (run_slots). Per call only C-level passes."""
+    end to end in call order, and each call's count. `tails`: this allocator's runs and their slots
+    (run_tails). A pop belongs to the last chain that began at or before its place; a chain's slots
+    in FIFO order are the free_slots it began with, then what its runs hold. Per call only C-level
+    passes."""
     n = len(tensors)
     flags = list(map(operator.is_, map(type, tensors), repeat(int, n)))
     placed = np.array(flags, bool)
     at = np.fromiter(compress(tensors, flags), np.int64)
     need = np.fromiter(compress(parts, flags), np.int64)
-    chains = list({id(run[5]): run[5] for run in runs}.values())  # NOTE: in order, by identity (two can be equal)
-    fifo = [np.concatenate((_to_numpy((c[0],)), run_slots([r for r in runs if r[5] is c], -1))) for c in chains]
+    chains = list({id(run[5]): run[5] for run, _ in tails}.values())  # NOTE: in order, by identity (two can be equal)
+    fifo = [np.concatenate((_to_numpy((c[0],)), *(slots for run, slots in tails if run[5] is c))) for c in chains]
     begins = np.fromiter((c[1] for c in chains), np.int64, len(chains))
     offsets = np.cumsum([0, *map(len, fifo)])[:-1]
     chain = np.searchsorted(begins, at, "right") - 1  # NOTE: the last chain that began at or before the pop
@@ -386,16 +398,13 @@ def chain_takes(
     return values, counts
 
 
-def run_slots(runs: list[list[Any]], total: int) -> np.ndarray:
-    """One slot allocator's freed slots, laid end to end in call order, from its runs (PageLedger.
-    slot_runs): the tail of each run's free_slots, one slice a run. `total`: what its frees' counts
-    add up to (anything else would name wrong slots: the probe stops instead; -1: not checked)."""
-    parts = tuple(kept[(size - held) // item :] for _, kept, held, size, item, _ in runs if held)
+def run_tails(runs: list[list[Any]]) -> list[tuple[list[Any], np.ndarray]]:
+    """Each slot run (PageLedger.slot_runs) with the slots its frees gave back, in call order: the
+    tail of its free_slots. One concatenation and one transfer for all runs of a fold; both a slot
+    allocator's frees and its pops' places (chain_takes) read them."""
+    if not runs:
+        return []
+    held = [run[2] // run[4] for run in runs]
+    parts = tuple(run[1][run[3] // run[4] - n :] for run, n in zip(runs, held, strict=True) if n)
     values = _to_numpy(parts) if parts else np.zeros(0, np.int64)
-    if total >= 0 and len(values) != total:  # NOTE: a free the runs missed: the ledger must not name wrong slots
-        raise RuntimeError(f"mamba frees gave back {total} slots, their runs hold {len(values)}")
-    return values
-
-
-def numel(tensor: Any) -> int:
-    return int(tensor.numel())  # NOTE: a tensor's len() costs about 7 times as much
+    return list(zip(runs, np.split(values, np.cumsum(held)[:-1]), strict=True))

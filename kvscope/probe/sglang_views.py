@@ -7,6 +7,7 @@ numpy, the probe's census and kvscope.telemetry (torch is the engine's, found in
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from kvscope.probe.sglang_census import PageView
@@ -65,15 +66,10 @@ def swa_view(allocator: Any, swa: Any, in_tree: list[int], rows: Any, owners: li
     peers = mapping[_index(in_tree, mapping)].tolist() if in_tree else []
     tree_pages = {p // ps for p in peers if p > 0}
     live: dict[int, str] = {}
-    table = rows.req_to_token
-    for req in owners:
-        kv = req.kv
-        if kv.req_pool_idx is None:
-            continue
-        row = table[kv.req_pool_idx, : kv.kv_allocated_len].to(mapping.dtype)
-        for peer in mapping[row].tolist():
+    for rid, row in _live_rows(rows, owners):
+        for peer in mapping[row.to(mapping.dtype)].tolist():
             if peer > 0:
-                live.setdefault(peer // ps, req.rid)
+                live.setdefault(peer // ps, rid)
     return PageView(ps, _num_pages(swa), _free_list(swa), tree_pages, live)
 
 
@@ -120,14 +116,19 @@ def _index(slots: list[int], like: Any) -> Any:
 def live_pages(rows: Any, owners: Any, page_size: int) -> dict[int, str]:
     """The pages in the live requests' rows -> the first request holding each."""
     live: dict[int, str] = {}
+    for rid, row in _live_rows(rows, owners):
+        for slot in row.tolist():
+            live.setdefault(int(slot) // page_size, rid)
+    return live
+
+
+def _live_rows(rows: Any, owners: Any) -> Iterator[tuple[str, Any]]:
+    """(rid, the allocated part of its row in req_to_token) of each live request holding a row."""
     table = rows.req_to_token
     for req in owners:
         kv = req.kv
-        if kv.req_pool_idx is None:
-            continue
-        for slot in table[kv.req_pool_idx, : int(kv.kv_allocated_len)].tolist():
-            live.setdefault(int(slot) // page_size, req.rid)
-    return live
+        if kv.req_pool_idx is not None:
+            yield req.rid, table[kv.req_pool_idx, : int(kv.kv_allocated_len)]
 
 
 def tree_rows(tree: Any, live: dict[int, str], page_size: int) -> list[NodeRow]:

@@ -149,7 +149,7 @@ def test_mamba_calls_folded_in_bulk_name_the_slots_each_call_took_or_gave_back(
     alloc and free hooks: each call's event names exactly the slots it took or gave back, in call
     order, and each pool's ledgers name each slot's last taker and releaser, as if every call had been
     folded on its own. Breaking the hooks' run logic (a run kept past what its free_slots holds, a
-    chain not ended at a clear, a pop's place), the fold's (run_slots, chain_takes) or a chain going
+    chain not ended at a clear, a pop's place), the fold's (run_tails, chain_takes) or a chain going
     on across folds fails it."""
     probe = sglang.SglangProbe(None, "test")
     probe.state.active, probe.hot = True, True
