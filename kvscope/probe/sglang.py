@@ -623,11 +623,12 @@ def _in_context(rid: str | None, event: str, call: Callable[[], Any]) -> Any:
 # insert, evict, lock and unlock run per request and per step, and HookRegistry's AROUND layer cost
 # about as much as the hooks' own work. Each factory's method has SGLang's exact parameters (the two
 # tree classes differ for lock / unlock and evict_for_alloc); the shared work after SGLang's call is
-# in _matched / _inserted / _evicted / _locked / _unlocked.
+# in _inserted / _evicted / _locked / _unlocked.
 
 
 def _d_match(original: Callable[..., Any]) -> Callable[..., Any]:
-    """match_prefix(params) of RadixCache and UnifiedRadixCache."""
+    """match_prefix(params) of RadixCache and UnifiedRadixCache: the request's hit and asked tokens
+    into the running totals (usage samples), and at level full a match event."""
 
     @functools.wraps(original)
     def match_prefix(self: Any, params: Any) -> Any:
@@ -637,26 +638,22 @@ def _d_match(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, params)
         rid = probe.rid = req.rid  # NOTE: sticky: the matched request's allocations follow (bind corrects a batch's)
         result = original(self, params)
-        _matched(probe, rid, params, result)
+        try:
+            if probe.hot or _ready():
+                hit, asked = result.device_prefix_len, len(params.key)
+                c = probe.cum
+                c[0] += asked
+                c[1] += hit
+                c[2] += 1
+                if hit:
+                    c[3] += 1
+                if probe.emit is not None:
+                    probe.emit((probe.step, probe.now, MATCH_V, "full", rid, None, hit, asked - hit, None, None, None))
+        except Exception as err:
+            _failed(err)
         return result
 
     return match_prefix
-
-
-def _matched(probe: SglangProbe, rid: Any, params: Any, result: Any) -> None:
-    try:
-        if not (probe.hot or _ready()):
-            return
-        hit, asked = result.device_prefix_len, len(params.key)
-        c = probe.cum
-        c[0] += asked
-        c[1] += hit
-        c[2] += 1
-        c[3] += hit > 0
-        if probe.emit is not None:
-            probe.emit((probe.step, probe.now, MATCH_V, "full", rid, None, hit, asked - hit, None, None, None))
-    except Exception as err:
-        _failed(err)
 
 
 def _d_insert(original: Callable[..., Any]) -> Callable[..., Any]:

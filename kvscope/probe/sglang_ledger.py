@@ -24,7 +24,7 @@ from kvscope.telemetry import EventKind
 
 KIND_NAMES = (EventKind.ALLOC._value_, EventKind.FREE._value_)  # NOTE: an event block's kinds, by ALLOC / FREE
 ALLOC, FREE, BIND = 0, 1, 2  # NOTE: what a pending entry records
-FOLD_CALLS = 256  # NOTE: pending entries that fold at the next step (else every FOLD_INTERVAL_S, and at a census)
+FOLD_CALLS = 512  # NOTE: pending entries that fold at the next step (else every FOLD_INTERVAL_S, and at a census)
 FOLD_INTERVAL_S = 0.2  # NOTE: as the recorder's hand-off: a step's events wait at most this long
 NO_RUN: list[Any] = [None, None, 0, 0, 0, None]  # NOTE: no open slot run (never written: a free starts a new list)
 _monotonic = time.monotonic
@@ -159,8 +159,26 @@ class PageLedger:
         frees = FREE in kinds
         tails = run_tails(runs)
         folded: list[Folded] = []
-        if allocators.count(allocators[0]) == n and (not frees or kinds.count(FREE) == n):  # NOTE: one group
-            folded.append(self.fold_group(allocators[0], not frees, None, columns, binds, tails))
+        first = allocators[0]
+        if allocators.count(first) == n:  # NOTE: one allocator (the common case): its takes, its frees
+            if not frees or kinds.count(FREE) == n:
+                folded.append(self.fold_group(first, not frees, None, columns, binds, tails))
+            else:
+                takes = np.frombuffer(bytes(kinds), np.int8) != FREE
+                slots = binds or getattr(first, "page_size", None) is None  # NOTE: kinds and parts are read
+                for side in (takes, ~takes):
+                    where = np.flatnonzero(side)
+                    pick = _picker(where.tolist())
+                    calls = Calls(
+                        pick(kinds) if slots else (),
+                        (first,),
+                        pick(columns.rids),
+                        pick(columns.steps),
+                        pick(columns.events),
+                        pick(columns.tensors),
+                        pick(columns.parts) if slots else (),
+                    )
+                    folded.append(self.fold_group(first, side is takes, where, calls, binds, tails))
         else:
             takes = np.frombuffer(bytes(kinds), np.int8) != FREE
             groups = np.fromiter(map(id, allocators), np.int64, n) * 2 + takes
