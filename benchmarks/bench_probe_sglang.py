@@ -4,20 +4,28 @@ plain vs hooked at level summary and full, recording into a real capture.
     KVSCOPE_PYTHON=.venv/bin/python PYTHONPATH=. ~/.cache/kvscope/sglang-venv/bin/python -W ignore \\
         benchmarks/bench_probe_sglang.py
 
-NOTE: two rounds, timed apart.
+NOTE: the first table, two rounds on SGLang's real calls, timed apart.
     allocator  PagedTokenToKVPoolAllocator (page size 4, 4096 pages): alloc(16 tokens) then free of
                them (free -> _release_page_ids): 2 hooked calls per round, then the probe's per-step
                ledger work, as if each round were a step (fold_if_due: a fold of the queued calls
-               every 0.2 s or 256 entries; a tree without it, before the bulk ledger: its drain)
+               every 0.2 s or FOLD_CALLS (512) entries; a tree without it, before the bulk ledger: its drain)
     tree       UnifiedRadixCache (Python tree core) holding one 64-token sequence: match_prefix (a
                request's, 48 of 64 tokens hit), lock (inc_lock_ref), unlock (dec_lock_ref): 3 hooked
                calls per round
-The hooks are SGLang's own HookRegistry AROUND wrappers (installed by the probe's register()); plain
-puts SGLang's originals back on the classes (each wrapper's __wrapped__), so plain is SGLang's code.
-Summary = the probe's ledger only (no event tuples); full = ledger + one event tuple per call. Modes
-alternate in blocks of BLOCK_ROUNDS rounds, BLOCK_REPEATS blocks each; the table shows the median µs
-per call (wall and this thread's CPU time) and what the hooks add: the median of each block's
-difference to the plain block before it (the machine's speed drifts between blocks).
+The hooks are the probe's as register() installs them (SGLang's HookRegistry, or patched directly);
+plain puts SGLang's originals back on the classes (each hook's __wrapped__), so plain is SGLang's code.
+Summary = the probe's ledger only (no event tuples); full = ledger + events; `queue only` (allocator
+only) = the hooks at full with their queue dropped where a fold would take it (no fold, no ledger, no
+events: what the calls cost without the fold). Modes run in blocks of BLOCK_ROUNDS rounds, in a new
+shuffled order each of BLOCK_REPEATS times; the table shows the median µs per call (wall and this
+thread's CPU time) and what the hooks add: the median of each block's difference to the plain block
+of the same repetition (the machine's speed drifts between blocks), and the middle half of those
+differences.
+
+NOTE: the in-situ control: the same pure-Python work (a CONTROL_STEPS-step loop) timed alone, and
+    inside the tree round around SGLang's own dec_lock_ref against a bare wrapper of it, in shuffled
+    alternating blocks: how much more any Python costs between SGLang's calls on this machine than in
+    a loop of its own (the second table's figures are such loops).
 
 NOTE: the second table, the hooks' own work: each hook function called with a stub for SGLang's
     original (it returns the result a real call returned), against the stub called alone, in
@@ -51,6 +59,7 @@ from __future__ import annotations
 import marshal
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -78,11 +87,14 @@ from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
 from kvscope.probe import sglang as probe  # noqa: E402
+from kvscope.probe.sglang_ledger import FOLD_CALLS  # noqa: E402
 
 ROUNDS = 3_000
 REPEATS = 7
 BLOCK_ROUNDS = 400  # the first table: rounds per timed block, modes alternating block by block
-BLOCK_REPEATS = 41
+BLOCK_REPEATS = 121
+MODES = ("plain", "summary", "full", "queue only")
+CONTROL_STEPS = 20  # the in-situ control's loop
 PS = 4
 BATCH = 32  # requests in the bind measurement's decode batch
 BIND_STEPS = 200
@@ -296,46 +308,110 @@ def main() -> int:
     emit = probe.PROBE.emit
     fold_if_due = getattr(probe.PROBE, "fold_if_due", None)  # NOTE: absent before the bulk ledger: drain per step
     per_step = probe.PROBE.drain if fold_if_due is None else lambda: fold_if_due(time.monotonic())
+    pending = probe.PROBE.pending
+
+    def queue_only() -> None:  # NOTE: the hooks' queue dropped where the fold would take it: no ledger, no events
+        if len(pending) >= FOLD_CALLS:
+            pending.clear()
+
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for _ in range(BLOCK_REPEATS):  # NOTE: short blocks, the modes in turn: the machine's drift hits them alike
-        for mode in ("plain", "summary", "full"):
+    order = random.Random(0)
+    for _ in range(BLOCK_REPEATS):  # NOTE: short blocks, the modes in a new order each time: the drift hits them alike
+        for mode in order.sample(MODES, len(MODES)):
             _install(plain if mode == "plain" else hooked)
             probe.PROBE.emit = emit if mode == "full" else None
-            drain = (lambda: None) if mode == "plain" else per_step
+            drain = {"plain": lambda: None, "queue only": queue_only}.get(mode, per_step)
             results.setdefault(("allocator", mode), []).append(
                 timed(lambda d=drain: allocator_round(alloc, d, BLOCK_ROUNDS), 2 * BLOCK_ROUNDS)
             )
-            results.setdefault(("tree", mode), []).append(
-                timed(lambda: tree_round(tree, params, BLOCK_ROUNDS), 3 * BLOCK_ROUNDS)
-            )
+            if mode != "queue only":  # NOTE: the tree's hooks queue nothing
+                results.setdefault(("tree", mode), []).append(
+                    timed(lambda: tree_round(tree, params, BLOCK_ROUNDS), 3 * BLOCK_ROUNDS)
+                )
             probe.PROBE.state.recorder.idle()
+    _install(plain)
+    control = python_in_situ(tree, params)
     _install(hooked)
     probe.PROBE.emit = emit
     own = own_work(alloc, tree, params)
+    if not probe.PROBE.state.active:  # NOTE: the hooks went inert: these figures would time nothing
+        raise SystemExit(f"recording stopped during the bench: {probe.PROBE.state.reason}")
     probe.PROBE.state.recorder.close()
     print(
         f"{said}; machine: {platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
         f"torch {torch.__version__}; first table {BLOCK_ROUNDS} rounds x {BLOCK_REPEATS} blocks a mode, "
         f"second {ROUNDS} rounds x {REPEATS * 3}"
     )
-    header = ("operation", "mode", "wall µs/call", "cpu µs/call", "added wall", "added cpu")
-    print(f"{header[0]:<10} {header[1]:<8} {header[2]:>12} {header[3]:>12} {header[4]:>11} {header[5]:>10}")
+    header = ("operation", "mode", "wall µs/call", "cpu µs/call", "added wall", "added cpu", "(middle half)")
+    print(
+        f"{header[0]:<10} {header[1]:<10} {header[2]:>12} {header[3]:>12} {header[4]:>11} {header[5]:>10}  {header[6]}"
+    )
     for group in ("allocator", "tree"):
         base = results[(group, "plain")]
-        for mode in ("plain", "summary", "full"):
-            mine = results[(group, mode)]
+        for mode in MODES:
+            mine = results.get((group, mode))
+            if mine is None:
+                continue
             wall, cpu = (statistics.median(x[i] for x in mine) for i in (0, 1))
-            added_wall, added_cpu = (
-                statistics.median(m[i] - b[i] for m, b in zip(mine, base, strict=True)) for i in (0, 1)
-            )
-            added = "" if mode == "plain" else f"{added_wall:+11.2f} {added_cpu:+10.2f}"
-            print(f"{group:<10} {mode:<8} {wall:12.2f} {cpu:12.2f} {added}")
+            added_wall = statistics.median(m[0] - b[0] for m, b in zip(mine, base, strict=True))
+            low, added_cpu, high = _quartiles([m[1] - b[1] for m, b in zip(mine, base, strict=True)])
+            added = "" if mode == "plain" else f"{added_wall:+11.2f} {added_cpu:+10.2f}  {low:+.2f} to {high:+.2f}"
+            print(f"{group:<10} {mode:<10} {wall:12.2f} {cpu:12.2f} {added}")
+    hot_ns, (low, added_ns, high) = control
+    print(
+        f"\nthe same Python work (a {CONTROL_STEPS}-step loop), CPU ns: alone {hot_ns:.0f}; inside the tree "
+        f"round (around SGLang's dec_lock_ref), added over a bare wrapper: {added_ns:+.0f} "
+        f"(middle half {low:+.0f} to {high:+.0f})"
+    )
     print("\nthe hooks' own work (level full), CPU ns per call: stub alone, added by the hook (median, min-min)")
     for name, plain_ns, hooked_ns in own:
         base = statistics.median(plain_ns)
         added, least = statistics.median(hooked_ns) - base, min(hooked_ns) - min(plain_ns)
         print(f"{name:<20} {base:8.0f} {added:+9.0f} {least:+9.0f}")
     return 0
+
+
+def python_in_situ(tree: Any, params: Any) -> tuple[float, tuple[float, float, float]]:
+    """How much more the same pure-Python work costs between SGLang's calls than alone: a
+    CONTROL_STEPS-step loop, timed alone (CPU ns per call), and around SGLang's own
+    UnifiedRadixCache.dec_lock_ref in the tree round, against a bare wrapper of that method, in
+    shuffled alternating blocks (the added CPU ns per call: quartiles of the paired differences)."""
+    owner = type(tree)
+    sglang_dec = owner.__dict__["dec_lock_ref"]
+
+    def work() -> None:
+        for _ in range(CONTROL_STEPS):
+            pass
+
+    def bare(self: Any, node_id: Any, params: Any, skip_swa: bool = False) -> Any:
+        return sglang_dec(self, node_id, params, skip_swa)
+
+    def with_work(self: Any, node_id: Any, params: Any, skip_swa: bool = False) -> Any:
+        result = sglang_dec(self, node_id, params, skip_swa)
+        work()
+        return result
+
+    start = time.thread_time_ns()
+    for _ in range(ROUNDS * 10):
+        work()
+    alone = (time.thread_time_ns() - start) / (ROUNDS * 10)
+    times: dict[str, list[float]] = {"bare": [], "work": []}
+    order = random.Random(1)
+    try:
+        for _ in range(BLOCK_REPEATS):
+            for name in order.sample(sorted(times), 2):
+                owner.dec_lock_ref = bare if name == "bare" else with_work
+                start = time.thread_time_ns()
+                tree_round(tree, params, BLOCK_ROUNDS)
+                times[name].append((time.thread_time_ns() - start) / BLOCK_ROUNDS)
+    finally:
+        owner.dec_lock_ref = sglang_dec
+    return alone, _quartiles([w - b for w, b in zip(times["work"], times["bare"], strict=True)])
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    low, mid, high = statistics.quantiles(values, n=4)
+    return low, mid, high
 
 
 def _attr(target: str) -> Any:
