@@ -72,6 +72,7 @@ from kvscope.probe.sglang_views import (
     mamba_view,
     page_view,
     row_view,
+    session_holders,
     swa_pool,
     swa_view,
     tree_rows,
@@ -311,8 +312,9 @@ class SglangProbe:
     # -- the census -----------------------------------------------------------------------------
 
     def census(self, tree: Any, rows: Any, owners: list[Any], *, why: str) -> Any:
-        """Every page of each pool is exactly one of free / in the tree / in a live request's row;
-        stored as leak checks (one per pool), with a usage sample, before anything else happens."""
+        """Every page of each pool is exactly one of free / in the tree / in a live request's row (a
+        streaming session's record counts as one: session_holders); stored as leak checks (one per
+        pool), with a usage sample, before anything else happens."""
         rec = self.recorder()
         if rec is None:
             return None
@@ -324,8 +326,13 @@ class SglangProbe:
         self.census_step = rec.step
         allocator = tree.token_to_kv_pool_allocator
         full = getattr(allocator, "full_attn_allocator", allocator)
+        sessions, session_locks = session_holders(tree)
+        owners = [*owners, *sessions]  # NOTE: SGLang's owners leave out a session's record; it is held, not leaked
         live = {req.rid for req in owners}
         open_locks = {node: [h for h in held if h[0] not in live] for node, held in self.locks.items()}
+        for node in session_locks:  # NOTE: the session kept the lock its first turn took: one of the node's is its own
+            if open_locks.get(node):
+                del open_locks[node][0]
         in_tree = tree_slots(tree)
         view = page_view(full, in_tree, rows, owners)
         result = take_page_census(

@@ -8,12 +8,32 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvscope.probe.sglang_census import PageView
 from kvscope.telemetry import NodeRow
 
 PREVIEW_TOKENS = 8
+
+
+class SessionRecord(NamedTuple):
+    """A streaming session's KV record, as a census holder (named `session <id>`): between its turns
+    the session, not a request, holds its row, its pages past the tree's prefix and its Mamba slots
+    (SGLang's identity counts them as session_held)."""
+
+    rid: str
+    kv: Any
+
+
+def session_holders(tree: Any) -> tuple[list[SessionRecord], list[Any]]:
+    """UnifiedRadixCache's streaming sessions (StreamingSession.slots in 0.5.23; none in other trees):
+    each session's record that holds a row, and the node of each prefix lock a session holds (taken
+    by its first turn's request, kept by the session after that request finished)."""
+    slots = getattr(getattr(tree, "session", None), "slots", None)
+    if not slots:
+        return [], []
+    records = [SessionRecord(f"session {sid}", slot.kv) for sid, slot in slots.items() if slot.kv.holds_kv]
+    return records, [slot.lock.node for slot in slots.values() if slot.lock is not None]
 
 
 def row_view(rows: Any, owners: list[Any]) -> PageView:

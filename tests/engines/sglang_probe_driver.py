@@ -11,8 +11,9 @@ slots from a tiny Mamba2 state shape, and a TokenToKVPoolAllocator: page size 1,
 component requires without the extra buffer), mamba-buffer (the same with SGLang's Mamba extra buffer:
 ping-pong track slots, page size 4 on the paged allocator; its state tracking is not driven).
 SCENARIO: clean, leak-tail, lock-leak, double-free, leak-and-double-free, swa-leak (swa only),
-mamba-leak, mamba-double-free (mamba only; clean runs on mamba-buffer too), unknown-version,
-missing-target, changed-parameters, changed-tree-parameters, changed-mamba-parameters.
+mamba-leak, mamba-double-free (mamba only; clean runs on mamba-buffer too), session, session-close,
+session-lock-leak (a streaming session's turns; unified), unknown-version, missing-target, changed-parameters,
+changed-tree-parameters, changed-mamba-parameters.
 The environment names the capture (KVSCOPE_CAPTURE, KVSCOPE_PYTHON; `kvscope instrument` sets both).
 SGLang's own load_plugins() installs the probe.
 
@@ -48,6 +49,7 @@ import torch  # noqa: E402
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker  # noqa: E402
+from sglang.srt.managers.scheduler_components.pool_stats_observer import kv_private_tokens  # noqa: E402
 from sglang.srt.mem_cache import common  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # noqa: E402
@@ -61,6 +63,7 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa:
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 from sglang.srt.plugins import load_plugins  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.session.session_controller import Session  # noqa: E402
 
 from kvscope.probe import sglang as probe  # noqa: E402
 
@@ -137,9 +140,12 @@ class Engine:
 
     # -- the scheduler's request life -----------------------------------------------------------
 
-    def admit(self, rid: str, tokens: list[int], *, chunk: int | None = None) -> Req:
-        """Prefill: match, lock, row, (evict), alloc_extend per chunk, row write, bind."""
+    def admit(self, rid: str, tokens: list[int], *, chunk: int | None = None, session: Any = None) -> Req:
+        """Prefill: match, lock, row, (evict), alloc_extend per chunk, row write, bind. `session`: a
+        streaming session's turn (its first turn's record and lock go to the session at its row's
+        first allocation; a later turn borrows them)."""
         req = Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=16))
+        req.session = session
         req.init_next_round_input(self.tree)
         req.lock = self.tree.lock(req.last_node)
         if self.mamba and not req.kv.holds_mamba and self.rows.mamba_allocator.available_size() < 1:
@@ -173,6 +179,7 @@ class Engine:
         assert out is not None, f"{req.rid}: no room for {end - start} tokens"
         self.rows.write((kv.req_pool_idx, slice(0, end)), torch.cat((prefix_slots, out)).to(torch.int32))
         kv.kv_allocated_len = kv.kv_committed_len = end
+        self.tree.maybe_hand_to_session(req)  # NOTE: what alloc_for_extend does after each request's allocation
         probe.PROBE.next_step()  # NOTE: what the prepare_for_extend hook does around SGLang's own
         probe.PROBE.prepared([req], self.rows, self.tree, "extend")
 
@@ -213,8 +220,10 @@ class Engine:
         owners = self.checker._requests_owning_rows()
         uncached, swa_uncached = self.checker._get_total_uncached_sizes()  # NOTE: SGLang's own (its busy check's)
         full = self.alloc.full_available_size() if self.swa else self.alloc.available_size()
+        records = self.tree.session_records().values()  # NOTE: SGLang's pool stats: a session's private pages
+        session_held = sum(kv_private_tokens(kv, PS) for kv in records if kv.holds_kv)
         leak, line = SchedulerInvariantChecker._check_pool_invariant(
-            "full", full, self.tree.evictable_size(), self.tree.protected_size(), 0, PAGES * PS, uncached
+            "full", full, self.tree.evictable_size(), self.tree.protected_size(), session_held, PAGES * PS, uncached
         )
         pool = "pool"
         if self.swa and not leak:
@@ -292,6 +301,40 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
     engine.release(e)
     engine.release(d)
     points.append(engine.idle())
+    return points, injected
+
+
+def session_workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A streaming session's life (UnifiedRadixCache): its first turn matches a prefix in the tree and
+    locks it; that request's row, pages and lock go to the session at the row's first allocation and
+    stay with it when the request finishes; the second turn borrows them and gives them back to the
+    session; `session-close` then closes the session (SGLang's controller: release_session);
+    `session-lock-leak`: between the turns another request locks the node the session holds locked
+    and never unlocks it. Idle points between the turns, after them, and after the close."""
+    system = list(range(100, 112))
+    points = []
+    a = engine.admit("req-A", [*system, 1, 2, 3])  # NOTE: puts the shared prefix into the tree
+    engine.decode(a, 1)
+    engine.release(a)
+    session = Session(4096, session_id="sess-1", streaming=True)
+    first = engine.admit("req-S1", [*system, 4, 5, 6], session=session)
+    engine.decode(first, 3)
+    engine.release(first)  # NOTE: the session keeps the record and the prefix lock
+    injected: list[dict[str, Any]] = []
+    if scenario == "session-lock-leak":  # NOTE: another request's lock on the node the session holds, never released
+        leaker = engine.admit("req-L", [*system, 9, 9, 9])
+        injected.append({"kind": "lock-leak", "rid": "req-L", "node": probe._node(leaker.last_node)})
+        leaker.lock = None
+        engine.decode(leaker, 1)
+        engine.release(leaker)
+    points.append(engine.idle())
+    second = engine.admit("req-S2", [*system, 4, 5, 6, 7000, 7001, 7002, 8, 9], session=session)
+    engine.decode(second, 2)
+    engine.release(second)
+    points.append(engine.idle())
+    if scenario == "session-close":
+        probe._in_context(None, "close", lambda: engine.tree.release_session("sess-1"))  # NOTE: the controller's close
+        points.append(engine.idle())
     return points, injected
 
 
@@ -413,7 +456,8 @@ def main(scenario: str, tree_kind: str) -> None:
     engine = Engine(tree_kind)
     served, points, injected, error = True, [], [], None
     try:
-        points, injected = (mamba_workload if engine.mamba else workload)(engine, scenario)
+        work = mamba_workload if engine.mamba else session_workload if scenario.startswith("session") else workload
+        points, injected = work(engine, scenario)
     except Exception as err:  # NOTE: the engine's own objects failed: the test reports it
         served, error = False, f"{type(err).__name__}: {err}"
     rec = probe.PROBE.state.recorder

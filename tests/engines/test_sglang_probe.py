@@ -191,6 +191,44 @@ def test_a_leak_and_a_double_free_that_cancel_pass_sglangs_identity_and_not_the_
     assert json.loads(report.stdout)["verdict"] == "leak"
 
 
+def test_a_streaming_sessions_record_and_lock_between_turns_are_held_not_leaked(tmp_path: Path) -> None:
+    """Between a streaming session's turns no request holds its row, its pages past the tree's prefix or
+    the prefix lock its first turn took: the session does (SGLang counts them as session_held). The
+    census counts them held by `session sess-1`, not leaked; closing the session frees them."""
+    capture = tmp_path / "session.db"
+    result = drive("session-close", "unified", capture)
+    lines = [p["sglang"]["line"] for p in result["points"]]
+    assert [p["sglang"]["leak"] for p in result["points"]] == [False, False, False]
+    assert ["session_held=8," in lines[0], "session_held=12," in lines[1], "session_held=0," in lines[2]] == [True] * 3
+    assert all(c["ok"] for p in result["points"] for c in p["census"]), result["points"]
+    assert [full_census(p)["live"] for p in result["points"]] == [5, 6, 0]  # its row: the prefix and its own pages
+    db = Capture(capture)
+    try:
+        run_id = int(db.runs().iloc[-1].id)
+        nodes = db.tree_at(run_id, db.snapshot_steps(run_id)[0]).set_index("node_id")
+        prefix = nodes[nodes.owner == "session sess-1"]  # the shared prefix the session's row holds, and locks
+        assert len(prefix) == 1 and prefix.iloc[0].num_tokens == 12 and prefix.iloc[0].lock_ref == 1
+    finally:
+        db.close()
+    check = kvscope("check", str(capture))
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "clean: 3 idle leak checks" in check.stdout
+
+
+def test_a_lock_leaked_on_the_node_a_session_holds_locked_is_named(tmp_path: Path) -> None:
+    """Two open locks on one node whose takers have finished: the session's (kept) and req-L's (never
+    released). The census takes one as the session's and names the other."""
+    capture = tmp_path / "session-lock.db"
+    result = drive("session-lock-leak", "unified", capture)
+    node = result["injected"][0]["node"]
+    assert [p["sglang"]["leak"] for p in result["points"]] == [False, False]  # SGLang's identity passes
+    assert [full_census(p)["locks"] for p in result["points"]] == [{str(node): ["req-L"]}] * 2
+    assert [full_census(p)["leaked"] for p in result["points"]] == [[], []]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert f"1 tree node still locked by finished requests: node {node} locked by request req-L at step" in check.stdout
+
+
 def test_an_swa_pool_checks_clean_beside_the_full_pool(tmp_path: Path) -> None:
     """SGLang's SWATokenToKVPoolAllocator (a full and an SWA sub-pool) under UnifiedRadixCache with its
     SWA component: the census covers the swa pool (through SGLang's full -> SWA slot mapping)."""
