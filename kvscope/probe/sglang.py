@@ -121,6 +121,7 @@ class SglangProbe:
         self.state = ProbeState(engine=ENGINE)
         self.pid = -1
         self.hot = False
+        self.dp_rank: int | None = None  # NOTE: SGLang's DP rank of this scheduler, read as the recorder opens
         self.step = 0
         self.emit: Callable[[Iterable[Any]], None] | None = None
         self.emit_block: Callable[[tuple[Any, ...]], None] | None = None  # NOTE: the fold's events, in bulk
@@ -152,8 +153,12 @@ class SglangProbe:
             assert self.settings is not None
             self.hot, self.emit, self.emit_block = False, None, None
             with guarded(self.state):
+                self.dp_rank = _dp_rank()
+                rank = "" if self.dp_rank is None else f"dp {self.dp_rank} "
                 rec = self.state.recorder = open_recorder(
-                    self.settings, label=f"sglang {self.version} probe pid {self.pid}", config=self.config(patched=True)
+                    self.settings,
+                    label=f"sglang {self.version} probe {rank}pid {self.pid}",
+                    config=self.config(patched=True),
                 )
                 self.step = rec.step
                 self.emit = rec.item_sink() if rec.enabled else None
@@ -180,6 +185,7 @@ class SglangProbe:
                 "patched": patched,
                 "reason": reason,
                 "pid": os.getpid(),
+                "dp_rank": self.dp_rank,
                 "census": "pages",
                 "provides": ["pages", "ownership", "locks", "leak_checks", "requests", "usage.split"],
             }
@@ -395,6 +401,18 @@ class SglangProbe:
 # its first exception stops recording (one line) without reaching SGLang.
 
 PROBE = SglangProbe(None, "")
+
+
+def _dp_rank() -> int | None:
+    """This scheduler's data-parallel rank as SGLang published it for its process (runtime_context's
+    parallel ranks, 0.5.23: the replica a DP controller spawned it for); None without one, or where
+    nothing was published (a read of an unpublished rank raises)."""
+    context = sys.modules.get("sglang.srt.runtime_context")
+    try:
+        rank = None if context is None else context.get_parallel().dp_rank
+    except Exception:
+        return None
+    return rank if type(rank) is int else None
 
 
 def _failed(err: Exception) -> None:

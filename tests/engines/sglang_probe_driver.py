@@ -12,7 +12,8 @@ component requires without the extra buffer), mamba-buffer (the same with SGLang
 ping-pong track slots, page size 4 on the paged allocator; its state tracking is not driven).
 SCENARIO: clean, leak-tail, lock-leak, double-free, leak-and-double-free, swa-leak (swa only),
 mamba-leak, mamba-double-free (mamba only; clean runs on mamba-buffer too), session, session-close,
-session-lock-leak (a streaming session's turns; unified), unknown-version, missing-target, changed-parameters,
+session-lock-leak (a streaming session's turns; unified), dp (clean, as a DP replica's scheduler),
+unknown-version, missing-target, changed-parameters,
 changed-tree-parameters, changed-mamba-parameters.
 The environment names the capture (KVSCOPE_CAPTURE, KVSCOPE_PYTHON; `kvscope instrument` sets both).
 SGLang's own load_plugins() installs the probe.
@@ -67,6 +68,7 @@ from sglang.srt.session.session_controller import Session  # noqa: E402
 
 from kvscope.probe import sglang as probe  # noqa: E402
 
+DP_RANK = None  # the data-parallel rank published for the process: scenario dp (replica 1)
 PS = 4  # tokens per page
 PAGES = 16
 ROWS = 8
@@ -423,7 +425,8 @@ def publish_config() -> None:
     )
     args = ServerArgs(model_path=str(model), device="cpu", page_size=PS)
     args._mamba_cache_chunk_size = PS  # type: ignore[attr-defined]  # NOTE: as SGLang's fixtures seed it (no HF config)
-    runtime_context.publish(args, role="scheduler")
+    ranks = runtime_context.SpawnRanks(world_rank=0, dp_rank=DP_RANK) if DP_RANK is not None else None
+    runtime_context.publish(args, role="scheduler", ranks=ranks)  # NOTE: a DP controller's replica names its rank
 
 
 def main(scenario: str, tree_kind: str) -> None:
@@ -449,6 +452,9 @@ def main(scenario: str, tree_kind: str) -> None:
             h._replace(hook=probe._d_alloc_decode) if h.target == f"{probe.MAMBA_SLOTS}.free" else h
             for h in probe.hooks()
         ]
+    if scenario == "dp":  # NOTE: the clean life on a DP controller's replica 1
+        global DP_RANK
+        DP_RANK = 1
     load_plugins()  # NOTE: SGLang's own: discovers the sglang.srt.plugins entry point, applies the hooks
     said = probe.PROBE.state.reason or ("registered" if probe.PROBE.state.active else "inert")
     configure(tree_kind)

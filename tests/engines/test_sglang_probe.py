@@ -82,7 +82,8 @@ def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: st
     db = Capture(capture)
     try:
         run = db.runs().iloc[-1]
-        assert json.loads(run.config)["source"]["engine"] == "sglang"
+        source = json.loads(run.config)["source"]
+        assert (source["engine"], source["dp_rank"]) == ("sglang", None) and " probe pid " in run.label
         events = db.events(int(run.id), limit=10_000)
         assert {"alloc", "free", "match", "insert", "lock", "unlock", "evict"} <= set(events.kind), set(events.kind)
         assert {"req-A", "req-B", "req-C", "req-D", "req-E"} <= set(events[events.kind == "alloc"].rid)
@@ -115,6 +116,21 @@ def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: st
     check = kvscope("check", str(capture))
     assert check.returncode == 0, check.stdout + check.stderr
     assert "clean: 3 idle leak checks of the sglang 0.5.23 probe's page census held" in check.stdout
+
+
+def test_a_data_parallel_replicas_run_names_its_rank(tmp_path: Path) -> None:
+    """A scheduler a DP controller spawned for replica 1 (SGLang publishes the rank for the process): its
+    run is labelled and configured with the rank, as the vLLM probe's are."""
+    capture = tmp_path / "dp.db"
+    result = drive("dp", "unified", capture)
+    assert all(c["ok"] for p in result["points"] for c in p["census"])
+    db = Capture(capture)
+    try:
+        run = db.runs().iloc[-1]
+        assert json.loads(run.config)["source"]["dp_rank"] == 1
+        assert run.label.startswith("sglang 0.5.23 probe dp 1 pid "), run.label
+    finally:
+        db.close()
 
 
 def test_a_forgotten_tail_page_is_named_with_its_request_before_sglang_raises(tmp_path: Path) -> None:
