@@ -45,6 +45,22 @@ class Calls(NamedTuple):
     parts: tuple[Any, ...]
 
 
+def _pick(columns: Calls, where: np.ndarray, allocator: Any, binds: bool) -> Calls:
+    """One fold group's calls (the fold's calls at `where`, all made on `allocator`), only the
+    columns fold_group reads: kinds and parts where binds or a slot allocator's places need them."""
+    pick = _picker(where.tolist())
+    slots = binds or getattr(allocator, "page_size", None) is None
+    return Calls(
+        pick(columns.kinds) if slots else (),
+        (allocator,),
+        pick(columns.rids),
+        pick(columns.steps),
+        pick(columns.events),
+        pick(columns.tensors),
+        pick(columns.parts) if slots else (),
+    )
+
+
 def _picker(where: list[int]) -> Callable[[Any], tuple[Any, ...]]:
     """The items at `where` of a column, as a tuple (itemgetter, which gives no tuple for one)."""
     if len(where) == 1:
@@ -160,33 +176,20 @@ class PageLedger:
         tails = run_tails(runs)
         folded: list[Folded] = []
         first = allocators[0]
-        if allocators.count(first) == n:  # NOTE: one allocator (the common case): its takes, its frees
-            if not frees or kinds.count(FREE) == n:
-                folded.append(self.fold_group(first, not frees, None, columns, binds, tails))
-            else:
-                takes = np.frombuffer(bytes(kinds), np.int8) != FREE
-                slots = binds or getattr(first, "page_size", None) is None  # NOTE: kinds and parts are read
-                for side in (takes, ~takes):
-                    where = np.flatnonzero(side)
-                    pick = _picker(where.tolist())
-                    calls = Calls(
-                        pick(kinds) if slots else (),
-                        (first,),
-                        pick(columns.rids),
-                        pick(columns.steps),
-                        pick(columns.events),
-                        pick(columns.tensors),
-                        pick(columns.parts) if slots else (),
-                    )
-                    folded.append(self.fold_group(first, side is takes, where, calls, binds, tails))
+        one = allocators.count(first) == n  # NOTE: one allocator (the common case): no group by allocator
+        if one and (not frees or kinds.count(FREE) == n):  # NOTE: one group
+            folded.append(self.fold_group(first, not frees, None, columns, binds, tails))
         else:
             takes = np.frombuffer(bytes(kinds), np.int8) != FREE
-            groups = np.fromiter(map(id, allocators), np.int64, n) * 2 + takes
-            for group in np.unique(groups).tolist():
-                where = np.flatnonzero(groups == group)
-                pick = _picker(where.tolist())
-                calls = Calls(*map(pick, columns))
-                folded.append(self.fold_group(calls.allocators[0], bool(takes[where[0]]), where, calls, binds, tails))
+            if one:  # NOTE: its takes, then its frees: no id per call, no np.unique
+                groups = [np.flatnonzero(takes), np.flatnonzero(~takes)]
+            else:
+                ids = np.fromiter(map(id, allocators), np.int64, n) * 2 + takes
+                groups = [np.flatnonzero(ids == group) for group in np.unique(ids).tolist()]
+            for where in groups:
+                allocator = allocators[where[0]]
+                calls = _pick(columns, where, allocator, binds)
+                folded.append(self.fold_group(allocator, bool(takes[where[0]]), where, calls, binds, tails))
         if emit is not None:
             block = event_block(kinds, columns.rids, columns.steps, folded, self.step_now, now, binds)
             if block is not None:

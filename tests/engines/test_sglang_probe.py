@@ -63,6 +63,13 @@ def drive(scenario: str, tree: str, capture: Path) -> dict[str, Any]:
     return result
 
 
+def check_clean(capture: Path) -> subprocess.CompletedProcess[str]:
+    """`kvscope check` on the capture, which must say clean (exit 0)."""
+    check = kvscope("check", str(capture))
+    assert check.returncode == 0, check.stdout + check.stderr
+    return check
+
+
 def full_census(point: dict[str, Any]) -> dict[str, Any]:
     assert point["census"] is not None
     return next(c for c in point["census"] if c["pool"] == "full")
@@ -113,8 +120,7 @@ def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: st
         assert list(at_idle.full_available) == [c["free"] * 4 for c in map(full_census, result["points"])]
     finally:
         db.close()
-    check = kvscope("check", str(capture))
-    assert check.returncode == 0, check.stdout + check.stderr
+    check = check_clean(capture)
     assert "clean: 3 idle leak checks of the sglang 0.5.23 probe's page census held" in check.stdout
 
 
@@ -226,8 +232,7 @@ def test_a_streaming_sessions_record_and_lock_between_turns_are_held_not_leaked(
         assert len(prefix) == 1 and prefix.iloc[0].num_tokens == 12 and prefix.iloc[0].lock_ref == 1
     finally:
         db.close()
-    check = kvscope("check", str(capture))
-    assert check.returncode == 0, check.stdout + check.stderr
+    check = check_clean(capture)
     assert "clean: 3 idle leak checks" in check.stdout
 
 
@@ -259,8 +264,7 @@ def test_an_swa_pool_checks_clean_beside_the_full_pool(tmp_path: Path) -> None:
         assert list(checks.pool).count("swa") == 3 and checks.ok.astype(bool).all()
     finally:
         db.close()
-    check = kvscope("check", str(capture))
-    assert check.returncode == 0, check.stdout + check.stderr
+    check_clean(capture)
 
 
 def test_an_swa_page_stranded_by_a_full_only_free_is_named_with_its_request(tmp_path: Path) -> None:
@@ -310,8 +314,7 @@ def test_a_mamba_pool_checks_clean_beside_the_full_pool(tmp_path: Path) -> None:
         assert list(slots[slots.kind == "free"].rid) == ["req-E"] and list(slots.num_tokens) == [1] * 6
     finally:
         db.close()
-    check = kvscope("check", str(capture))
-    assert check.returncode == 0, check.stdout + check.stderr
+    check_clean(capture)
 
 
 def test_a_mamba_pool_with_sglangs_extra_buffer_checks_clean(tmp_path: Path) -> None:
@@ -334,8 +337,7 @@ def test_a_mamba_pool_with_sglangs_extra_buffer_checks_clean(tmp_path: Path) -> 
         assert list(slots[slots.kind == "free"].rid.drop_duplicates()) == ["req-A", "req-B", "req-C", "req-E", "req-D"]
     finally:
         db.close()
-    check = kvscope("check", str(capture))
-    assert check.returncode == 0, check.stdout + check.stderr
+    check_clean(capture)
 
 
 def test_a_mamba_slot_a_finished_request_never_freed_is_named_with_the_request(tmp_path: Path) -> None:
