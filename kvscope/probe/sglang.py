@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from kvscope.probe.core import (
+    LEVELS,
     ProbeState,
     Settings,
     guarded,
@@ -73,6 +74,7 @@ from kvscope.probe.sglang_views import (
     page_view,
     row_view,
     session_holders,
+    stale_locked_pages,
     swa_pool,
     swa_view,
     tree_rows,
@@ -105,11 +107,14 @@ _monotonic = time.monotonic
 
 class Hook(NamedTuple):
     """One SGLang target (a dotted path HookRegistry resolves) and its AROUND hook; direct: `hook`
-    is a factory, original method -> the method the probe puts on the class itself (no HookRegistry)."""
+    is a factory, original method -> the method the probe puts on the class itself (no HookRegistry);
+    per_op: on an allocator or tree operation (patched at level full only: at summary the census
+    reads what those operations left, see `hooks`)."""
 
     target: str
     hook: Callable[..., Any]
     direct: bool = False
+    per_op: bool = False
 
 
 class SglangProbe:
@@ -118,6 +123,7 @@ class SglangProbe:
     def __init__(self, settings: Settings | None, version: str) -> None:
         self.settings = settings
         self.version = version
+        self.lean = settings is not None and settings.level == "summary"  # NOTE: no per-operation hook (hooks)
         self.state = ProbeState(engine=ENGINE)
         self.pid = -1
         self.hot = False
@@ -188,6 +194,7 @@ class SglangProbe:
                 "dp_rank": self.dp_rank,
                 "census": "pages",
                 "provides": ["pages", "ownership", "locks", "leak_checks", "requests", "usage.split"],
+                "lacks": ["evictions"] if self.lean else [],  # NOTE: no tree hook at summary: nothing counts them
             }
         }
 
@@ -341,8 +348,18 @@ class SglangProbe:
                 del open_locks[node][0]
         in_tree = tree_slots(tree)
         view = page_view(full, in_tree, rows, owners)
+        locked = (  # NOTE: no lock ledger at summary: the tree's own counts against the live holders' locks
+            stale_locked_pages(tree, [*_lock_nodes(owners), *session_locks], view.live, view.page_size)
+            if self.lean
+            else None
+        )
         result = take_page_census(
-            "full", view, self.takers["full"], self.releasers["full"], {n: h for n, h in open_locks.items() if h}
+            "full",
+            view,
+            self.takers["full"],
+            self.releasers["full"],
+            {n: h for n, h in open_locks.items() if h},
+            locked,
         )
         results = [result]
         swa = swa_pool(allocator)
@@ -925,6 +942,13 @@ def _record_request(req: Any) -> None:
     )
     record.mark("finish", rec.step, _monotonic())
     rec.request(record)
+    if PROBE.lean:  # NOTE: no match hook at summary: the totals count each request once, as it is released
+        c = PROBE.cum
+        c[0] += prompt
+        c[1] += record.cached_tokens
+        c[2] += 1
+        if record.cached_tokens:
+            c[3] += 1
 
 
 def _h_on_idle(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -945,6 +969,11 @@ def _h_report_leak(original: Callable[..., Any], self: Any, *args: Any, **kwargs
     return original(self, *args, **kwargs)
 
 
+def _lock_nodes(owners: list[Any]) -> list[Any]:
+    """The node of each live request's tree lock (Req.lock, a TreeLock; None: it holds none)."""
+    return [lock.node for lock in (getattr(req, "lock", None) for req in owners) if lock is not None]
+
+
 def _root_of(tree: Any) -> Any:
     """The tree's root handle, kept per tree (the lock hooks compare a node with it): the node
     (RadixCache) or its id (UnifiedRadixCache, either tree core)."""
@@ -962,33 +991,36 @@ def _tokens(result: Any) -> int:
 
 
 def hooks() -> list[Hook]:
-    """What the probe hooks in SGLang 0.5.23 (file:line in docs/probe.md)."""
+    """What the probe hooks in SGLang 0.5.23 (file:line in docs/probe.md). At level summary only the
+    batch, request and idle ones (per_op False): the allocators' and the trees' methods stay SGLang's
+    own, and the census takes each page's taker from the binds, its locks from the tree's own counts
+    (docs/probe.md "Level summary on SGLang")."""
     return [
-        Hook(f"{PAGED}.alloc", _d_alloc, direct=True),
-        Hook(f"{PAGED}.alloc_extend", _d_alloc_extend, direct=True),
-        Hook(f"{PAGED}.alloc_decode", _d_alloc_decode, direct=True),
-        Hook(f"{PAGED}._release_page_ids", _d_release_pages, direct=True),
-        Hook(f"{TOKEN}.alloc", _d_alloc, direct=True),
-        Hook(f"{TOKEN}.free", _d_token_free, direct=True),
+        Hook(f"{PAGED}.alloc", _d_alloc, direct=True, per_op=True),
+        Hook(f"{PAGED}.alloc_extend", _d_alloc_extend, direct=True, per_op=True),
+        Hook(f"{PAGED}.alloc_decode", _d_alloc_decode, direct=True, per_op=True),
+        Hook(f"{PAGED}._release_page_ids", _d_release_pages, direct=True, per_op=True),
+        Hook(f"{TOKEN}.alloc", _d_alloc, direct=True, per_op=True),
+        Hook(f"{TOKEN}.free", _d_token_free, direct=True, per_op=True),
         Hook(f"{SWA}.__init__", _h_swa_init),
         Hook(f"{ROWS}.alloc", _h_rows_alloc),
         Hook(f"{ROWS}.free_rows", _h_rows_free),
-        Hook(f"{MAMBA_SLOTS}.alloc", _d_mamba_alloc, direct=True),
-        Hook(f"{MAMBA_SLOTS}.free", _d_mamba_free, direct=True),
-        Hook(f"{RADIX}.match_prefix", _d_match, direct=True),
-        Hook(f"{RADIX}.insert", _d_insert, direct=True),
-        Hook(f"{RADIX}.evict", _d_evict, direct=True),
-        Hook(f"{RADIX}.inc_lock_ref", _d_radix_inc_lock, direct=True),
-        Hook(f"{RADIX}.dec_lock_ref", _d_radix_dec_lock, direct=True),
-        Hook(f"{UNIFIED}.match_prefix", _d_match, direct=True),
-        Hook(f"{UNIFIED}.insert", _d_insert, direct=True),
-        Hook(f"{UNIFIED}.evict", _d_evict, direct=True),
-        Hook(f"{UNIFIED}.evict_for_alloc", _d_evict_for_alloc, direct=True),
-        Hook(f"{UNIFIED}.inc_lock_ref", _d_unified_inc_lock, direct=True),
-        Hook(f"{UNIFIED}.dec_lock_ref", _d_unified_dec_lock, direct=True),
-        Hook(f"{UNIFIED}.evict_host", _host_hook(HOST_EVICT_V)),
-        Hook(f"{UNIFIED}.load_back", _host_hook(LOAD_V)),
-        Hook(f"{UNIFIED}.backup_kv_cache", _host_hook(WRITE_V)),
+        Hook(f"{MAMBA_SLOTS}.alloc", _d_mamba_alloc, direct=True, per_op=True),
+        Hook(f"{MAMBA_SLOTS}.free", _d_mamba_free, direct=True, per_op=True),
+        Hook(f"{RADIX}.match_prefix", _d_match, direct=True, per_op=True),
+        Hook(f"{RADIX}.insert", _d_insert, direct=True, per_op=True),
+        Hook(f"{RADIX}.evict", _d_evict, direct=True, per_op=True),
+        Hook(f"{RADIX}.inc_lock_ref", _d_radix_inc_lock, direct=True, per_op=True),
+        Hook(f"{RADIX}.dec_lock_ref", _d_radix_dec_lock, direct=True, per_op=True),
+        Hook(f"{UNIFIED}.match_prefix", _d_match, direct=True, per_op=True),
+        Hook(f"{UNIFIED}.insert", _d_insert, direct=True, per_op=True),
+        Hook(f"{UNIFIED}.evict", _d_evict, direct=True, per_op=True),
+        Hook(f"{UNIFIED}.evict_for_alloc", _d_evict_for_alloc, direct=True, per_op=True),
+        Hook(f"{UNIFIED}.inc_lock_ref", _d_unified_inc_lock, direct=True, per_op=True),
+        Hook(f"{UNIFIED}.dec_lock_ref", _d_unified_dec_lock, direct=True, per_op=True),
+        Hook(f"{UNIFIED}.evict_host", _host_hook(HOST_EVICT_V), per_op=True),
+        Hook(f"{UNIFIED}.load_back", _host_hook(LOAD_V), per_op=True),
+        Hook(f"{UNIFIED}.backup_kv_cache", _host_hook(WRITE_V), per_op=True),
         Hook(f"{BATCH}.prepare_for_extend", _h_prepare("extend")),
         Hook(f"{BATCH}.prepare_for_decode", _h_prepare("decode")),
         Hook(RELEASE, _h_release),
@@ -1024,7 +1056,9 @@ def _register(version: str | None = None, table: dict[str, Callable[[], list[Hoo
         return _refuse(
             f"SGLang {version} is not supported (the probe knows {', '.join(sorted(table))}); nothing patched"
         )
-    wanted = make()
+    if settings.level not in LEVELS:
+        return _refuse(f"KVSCOPE_LEVEL must be summary or full, got {settings.level!r}; nothing patched")
+    wanted = [h for h in make() if not (h.per_op and PROBE.lean)]
     missing = [h.target for h in wanted if not (_method_of(h.target) if h.direct else _resolves(h.target))]
     if missing:
         return _refuse(f"SGLang {version}: {', '.join(missing)} not found; nothing patched")
@@ -1040,7 +1074,7 @@ def _register(version: str | None = None, table: dict[str, Callable[[], list[Hoo
     for _, owner, name, _, made in direct:
         setattr(owner, name, made)
     PROBE.state.active = True
-    return f"registered {len(wanted)} hooks on SGLang {version}"
+    return f"registered {len(wanted)} hooks on SGLang {version} (level {settings.level})"
 
 
 def _direct(h: Hook) -> tuple[type, str, Callable[..., Any], Callable[..., Any] | None]:

@@ -11,7 +11,9 @@ NOTE: the terms (one leak check per pool, pool = its name: full, swa (an SWA all
                  a double free; the next alloc hands out a page still in use. Named with its last
                  releaser (the request the free was made for)
     lockheld     a tree node still locked at the idle point by a request that is no longer live
-                 (a lock never released: its pages cannot be evicted)
+                 (a lock never released: its pages cannot be evicted). Level summary keeps no lock
+                 ledger: there, the pages of a node whose lock count (the tree's own) is above its
+                 live holders' (sglang_views.stale_locked_pages), named by their taker
 The check row's counts are tokens and balance by construction (each page counted once: in use
 first, then free, then leaked): total = available (free) + evictable (in the tree, no live row) +
 held (in a live row) + uncached (leaked); protected = tokens under a leaked lock. SGLang's own
@@ -57,6 +59,8 @@ class PageCensus:
     releasers: dict[int, Entry] = field(default_factory=dict)
     locks: dict[Any, list[tuple[str | None, int]]] = field(default_factory=dict)  # node -> stale holders
     live_owner: dict[int, str] = field(default_factory=dict)
+    stale_locked: list[int] = field(default_factory=list)  # NOTE: level summary: locked pages in no live row
+    named_takers: dict[int, Entry] = field(default_factory=dict)  # NOTE: of stale locked and unreleased doubleref pages
 
     @property
     def unit(self) -> str:
@@ -64,7 +68,7 @@ class PageCensus:
 
     @property
     def ok(self) -> bool:
-        return not (self.leaked or self.doubleref or self.locks)
+        return not (self.leaked or self.doubleref or self.locks or self.stale_locked)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -79,6 +83,7 @@ class PageCensus:
             "culprits": {str(p): e[0] for p, e in self.culprits.items()},
             "releasers": {str(p): e[0] for p, e in self.releasers.items()},
             "locks": {str(n): [h[0] for h in held] for n, held in self.locks.items()},
+            "stale_locked": {str(p): (self.named_takers.get(p) or (None,))[0] for p in self.stale_locked},
         }
 
 
@@ -88,14 +93,18 @@ def take_page_census(
     takers: Mapping[int, Entry],
     releasers: Mapping[int, Entry],
     stale_locks: Mapping[Any, list[tuple[str | None, int]]],
+    locked: set[int] | None = None,
 ) -> PageCensus:
-    """The census of one pool; `stale_locks`: open locks whose holder is no longer live."""
+    """The census of one pool; `stale_locks`: open locks whose holder is no longer live (the lock
+    ledger, level full); `locked`: the pages under a lock no live holder accounts for, by the tree's own
+    counts (level summary: sglang_views.stale_locked_pages)."""
     counts = Counter(view.free_list)
     free = set(counts)
     in_use = view.tree | set(view.live)
     pages = set(range(1, view.num_pages + 1))
     leaked = sorted(pages - free - in_use)
     doubleref = sorted((free & in_use) | {p for p, n in counts.items() if n > 1})
+    stale_locked = sorted(locked) if locked else []
     return PageCensus(
         pool=pool,
         page_size=view.page_size,
@@ -109,6 +118,8 @@ def take_page_census(
         releasers={p: releasers[p] for p in doubleref if p in releasers},
         locks=dict(stale_locks),
         live_owner=dict(view.live),
+        stale_locked=stale_locked,
+        named_takers={p: takers[p] for p in (*stale_locked, *doubleref) if p in takers},
     )
 
 
@@ -149,6 +160,11 @@ def violation(r: PageCensus) -> str | None:
             f"{len(r.locks)} tree node{'s' if len(r.locks) != 1 else ''} still locked by finished "
             "requests: " + "; ".join(_lock_text(n, held) for n, held in list(r.locks.items())[:MAX_NAMED])
         )
+    if r.stale_locked:
+        parts.append(
+            f"{_pages(len(r.stale_locked), r.unit)} under a tree lock no live request or session holds (a lock "
+            "never released; who locked it is recorded at level full): " + _stale_text(r)
+        )
     return " | ".join(parts) if parts else None
 
 
@@ -167,6 +183,22 @@ def _leak_text(page: int, r: PageCensus) -> str:
     return f"page {page} (slots {page * r.page_size}-{page * r.page_size + r.page_size - 1}) {who}"
 
 
+def _stale_text(r: PageCensus) -> str:
+    """The stale locked pages grouped by taker (a locked node's pages were taken together)."""
+    by_taker: dict[Entry | None, list[int]] = {}
+    for page in r.stale_locked:
+        by_taker.setdefault(r.named_takers.get(page), []).append(page)
+    groups = []
+    for taker, pages in list(by_taker.items())[:MAX_NAMED]:
+        who = f"taken by request {taker[0]} ({taker[2]} at step {taker[1]})" if taker else "taker not recorded"
+        groups.append(f"{'page' if len(pages) == 1 else 'pages'} {_named(pages)} {who}")
+    return "; ".join(groups) + (f" (+{len(by_taker) - MAX_NAMED} more takers)" if len(by_taker) > MAX_NAMED else "")
+
+
+def _named(pages: list[int]) -> str:
+    return ", ".join(map(str, pages[:MAX_NAMED])) + _more(len(pages))
+
+
 def _double_text(page: int, r: PageCensus) -> str:
     where = (
         f"free and in a live row of request {r.live_owner[page]}"
@@ -176,7 +208,14 @@ def _double_text(page: int, r: PageCensus) -> str:
         else "twice in the free list"
     )
     last = r.releasers.get(page)
-    who = f"; last released for request {last[0]} ({last[2]} at step {last[1]})" if last else ""
+    taker = r.named_takers.get(page)
+    who = (
+        f"; last released for request {last[0]} ({last[2]} at step {last[1]})"
+        if last
+        else f"; taken by request {taker[0]} ({taker[2]} at step {taker[1]}), its releaser not recorded"
+        if taker
+        else ""
+    )
     return f"{r.unit} {page} {where}{who}"
 
 

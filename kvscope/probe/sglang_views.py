@@ -63,6 +63,48 @@ def tree_slots(tree: Any) -> list[int]:
     return tree.all_values_flatten().tolist()
 
 
+def stale_locked_pages(tree: Any, holders: list[Any], live: dict[int, str], page_size: int) -> set[int]:
+    """The full pool's pages under a lock no live holder accounts for, from the tree's own lock counts
+    (level summary keeps no lock ledger). `holders`: the node each live lock was taken on (a running
+    request's TreeLock.node, a streaming session's); a lock counts on its node and every ancestor.
+    RadixCache and the Python tree core: the device pages of each node whose (full component's)
+    lock_ref is above its live holders' count. The Rust core keeps its counts in Rust: the pages its
+    walk of unlocked slots leaves out that no live row holds (a running request's row holds the prefix
+    it locked), which cannot see a lock stacked on a node a live request also holds."""
+    if tree.protected_size() == 0:
+        return set()
+    core = getattr(tree, "tree_core", None)
+    if core is None:
+        return _excess_lock_pages(tree.root_node, None, [h for h in holders if h is not None], page_size)
+    try:
+        root = core.root_node
+    except NotImplementedError:  # NOTE: the Rust core: no node handles outside Rust
+        every = core.walk_for_kv_canary(False, False).slot_indices.tolist()
+        unlocked = core.walk_for_kv_canary(True, False).slot_indices.tolist()
+        return {s // page_size for s in every} - {s // page_size for s in unlocked} - set(live)
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    nodes = [core.node_by_id(h) if isinstance(h, int) else h for h in holders if h is not None]
+    return _excess_lock_pages(root, int(ComponentType.FULL), nodes, page_size)
+
+
+def _excess_lock_pages(root: Any, full: int | None, holders: list[Any], page_size: int) -> set[int]:
+    held: dict[int, int] = {}
+    for node in holders:
+        while node is not None and node is not root:
+            held[id(node)] = held.get(id(node), 0) + 1
+            node = node.parent
+    pages: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        data = node if full is None else node.component_data[full]
+        if node is not root and int(data.lock_ref) > held.get(id(node), 0):
+            pages |= _pages_of(data.value, page_size)
+        stack.extend(node.children.values())
+    return pages
+
+
 def swa_pool(allocator: Any) -> Any:
     """The SWA sub-allocator of SGLang's SWATokenToKVPoolAllocator, None where there is no separate
     paged SWA pool: no SWA allocator, the all-SWA variant (one pool: the full census covers it), or

@@ -10,7 +10,8 @@ Mamba component, Python tree core, over SGLang's HybridReqToTokenPool with a Mam
 slots from a tiny Mamba2 state shape, and a TokenToKVPoolAllocator: page size 1, as the Mamba
 component requires without the extra buffer), mamba-buffer (the same with SGLang's Mamba extra buffer:
 ping-pong track slots, page size 4 on the paged allocator; its state tracking is not driven).
-SCENARIO: clean, leak-tail, lock-leak, double-free, leak-and-double-free, swa-leak (swa only),
+SCENARIO: clean, shared (clean; the request running across the idle point holds a lock on the
+shared prefix), leak-tail, lock-leak, double-free, leak-and-double-free, swa-leak (swa only),
 mamba-leak, mamba-double-free (mamba only; clean runs on mamba-buffer too), session, session-close,
 session-lock-leak (a streaming session's turns; unified), dp (clean, as a DP replica's scheduler),
 unknown-version, missing-target, changed-parameters,
@@ -293,7 +294,8 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
         kv.kv_allocated_len = kv.kv_committed_len = aligned
         injected.append({"kind": "swa-leak", "rid": "req-C", "page": peer})
     engine.release(c)
-    d = engine.admit("req-D", [50 + i for i in range(10)])  # stays running across the idle point
+    mine = [50 + i for i in range(10)]
+    d = engine.admit("req-D", [*system, *mine] if scenario == "shared" else mine)  # running across the idle point
     if scenario in ("double-free", "leak-and-double-free"):  # a page still in the tree is freed again
         page = min(int(s) // PS for s in engine.tree.all_values_flatten().tolist())
         probe._in_context("bad-free", "free", lambda: engine.alloc.free_page_ids(torch.tensor([page])))

@@ -51,10 +51,21 @@ def kvscope(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def drive(scenario: str, tree: str, capture: Path) -> dict[str, Any]:
+def drive(scenario: str, tree: str, capture: Path, level: str = "full") -> dict[str, Any]:
     """The driver under `kvscope instrument`; its JSON line, and stderr for the probe's lines."""
     out = kvscope(
-        "instrument", "--capture", str(capture), "--", SGLANG_PYTHON, "-W", "ignore", str(DRIVER), scenario, tree
+        "instrument",
+        "--capture",
+        str(capture),
+        "--level",
+        level,
+        "--",
+        SGLANG_PYTHON,
+        "-W",
+        "ignore",
+        str(DRIVER),
+        scenario,
+        tree,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -248,6 +259,102 @@ def test_a_lock_leaked_on_the_node_a_session_holds_locked_is_named(tmp_path: Pat
     check = kvscope("check", str(capture))
     assert check.returncode == 1, check.stdout + check.stderr
     assert f"1 tree node still locked by finished requests: node {node} locked by request req-L at step" in check.stdout
+
+
+@pytest.mark.parametrize("tree", ["unified", "rust", "classic"])
+def test_level_summary_patches_no_allocator_or_tree_method_and_a_request_holding_a_prefix_lock_is_clean(
+    tmp_path: Path, tree: str
+) -> None:
+    """Level summary registers only the batch, request and idle hooks: SGLang's allocator and tree
+    methods stay its own. Its census reads locks from the tree's own counts: a request running across
+    the idle point with a lock on the shared prefix is a live holder, not a leak."""
+    capture = tmp_path / f"shared-{tree}.db"
+    result = drive("shared", tree, capture, "summary")
+    assert result["said"] == "registered" and not result["patched"]
+    assert set(result["made_by"].values()) == {"radix_cache.py", "unified_radix_cache.py"}, result["made_by"]
+    assert "protected=12" in result["points"][1]["sglang"]["line"]  # req-D's lock on the 12-token system prompt
+    assert all(c["ok"] for p in result["points"] for c in p["census"])
+    db = Capture(capture)
+    try:
+        run = db.runs().iloc[-1]
+        assert run.level == "summary" and db.events(int(run.id), limit=10).empty
+        assert set(db.requests(int(run.id)).rid) == {"req-A", "req-B", "req-C", "req-D", "req-E"}
+    finally:
+        db.close()
+    check = check_clean(capture)
+    assert "clean: 3 idle leak checks of the sglang 0.5.23 probe's page census held" in check.stdout
+
+
+@pytest.mark.parametrize(
+    ("scenario", "tree", "named"),
+    [
+        (
+            "leak-and-double-free",
+            "unified",
+            [
+                "1 page leaked (in no free list, tree or live row): page {leaked} (slots {slots}) last taken by "
+                "request req-C (decode at step 9)",
+                "1 page freed while in use (a double free): page {freed} free and in the tree; taken by request "
+                "req-A (extend at step 1), its releaser not recorded",
+            ],
+        ),
+        (
+            "lock-leak",
+            "rust",
+            [
+                "3 pages under a tree lock no live request or session holds (a lock never released; who locked it "
+                "is recorded at level full): pages 1, 2, 3 taken by request req-A (extend at step 1)"
+            ],
+        ),
+        (
+            "session-lock-leak",
+            "unified",
+            ["3 pages under a tree lock no live request or session holds", "pages 1, 2, 3 taken by request req-A"],
+        ),
+        (
+            "swa-leak",
+            "swa",
+            [
+                "leak check failed at step 10: [swa]",
+                "1 page leaked (in no free list, tree or live row): page {swa} (slots",
+                "request req-C (decode at",
+            ],
+        ),
+        (
+            "mamba-double-free",
+            "mamba",
+            [
+                "leak check failed at step 10: [mamba]",
+                "1 slot freed while in use (a double free): slot {slot} free and in the tree; taken by request "
+                "req-A (extend at step 1), its releaser not recorded",
+            ],
+        ),
+    ],
+)
+def test_level_summary_names_the_leak_the_double_free_and_the_stale_lock_without_per_operation_hooks(
+    tmp_path: Path, scenario: str, tree: str, named: list[str]
+) -> None:
+    """Without the allocator's and the tree's hooks the census still finds each fault from SGLang's
+    own state (free lists, tree values, rows, the tree's lock counts), and names pages by the request
+    whose row took them (the binds); who freed or locked them is level full's (the cancelling pair:
+    SGLang's identity passes, the census does not; a stale lock stacked on the node a streaming
+    session holds locked)."""
+    capture = tmp_path / f"{scenario}.db"
+    result = drive(scenario, tree, capture, "summary")
+    assert not result["patched"]
+    pages = [i["page"] for i in result["injected"] if "page" in i]
+    if scenario in ("swa-leak", "mamba-double-free"):
+        named = [n.format(swa=pages[0] if pages else None, slot=result["injected"][0].get("slot")) for n in named]
+    if scenario == "leak-and-double-free":
+        assert result["points"][1]["sglang"]["leak"] is False  # the two errors cancel in SGLang's identity
+        leaked, freed = pages
+        named = [n.format(leaked=leaked, slots=f"{leaked * 4}-{leaked * 4 + 3}", freed=freed) for n in named]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    for line in named:
+        assert line in check.stdout, check.stdout
+    report = kvscope("report", "leaks", str(capture), "--json")
+    assert json.loads(report.stdout)["verdict"] == "leak"
 
 
 def test_an_swa_pool_checks_clean_beside_the_full_pool(tmp_path: Path) -> None:

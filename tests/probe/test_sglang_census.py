@@ -49,3 +49,26 @@ def test_request_rows_are_censused_as_pages_of_one() -> None:
     assert census_checks(6, [result])[0].violation == (
         "1 row leaked (in no free list, tree or live row): row 4 last taken by request req-X (alloc at step 2)"
     )
+
+
+def test_at_level_summary_stale_locked_pages_are_named_by_their_takers_and_a_double_free_by_its_taker() -> None:
+    """Level summary keeps no lock ledger and no releasers: the pages under a lock no live holder
+    accounts for (read from the tree's own counts) are named by who took them, grouped by taker; a
+    double free names the page's taker and says its releaser was not recorded."""
+    view = PageView(4, 8, [1, 5, 6, 7, 8], {1, 2, 3}, {4: "req-D"})
+    takers = {1: ("req-A", 1, "extend"), 2: ("req-A", 1, "extend"), 3: ("req-B", 4, "decode")}
+    result = take_page_census("full", view, takers, {}, {}, {2, 3})
+    assert (result.stale_locked, result.doubleref, result.leaked) == ([2, 3], [1], [])
+    assert not result.ok and result.as_json()["stale_locked"] == {"2": "req-A", "3": "req-B"}
+    assert census_checks(7, [result])[0].violation == (
+        "1 page freed while in use (a double free): page 1 free and in the tree; taken by request req-A (extend "
+        "at step 1), its releaser not recorded | 2 pages under a tree lock no live request or session holds (a "
+        "lock never released; who locked it is recorded at level full): page 2 taken by request req-A (extend at step "
+        "1); page 3 taken by request req-B (decode at step 4)"
+    )
+
+
+def test_no_stale_locked_page_holds() -> None:
+    view = PageView(4, 4, [3, 4], {1, 2}, {})
+    assert take_page_census("full", view, {}, {}, {}, set()).ok
+    assert take_page_census("full", view, {}, {}, {}, None).ok

@@ -30,7 +30,11 @@ class InstrumentCommand:
             "--level",
             choices=["summary", "full"],
             default="full",
-            help="summary: census, usage and requests; full: and every block event",
+            help=(
+                "summary: census, usage and requests (on SGLang without touching its allocators and trees: "
+                "no per-operation cost; who freed a page or locked a node is then not named); full: and every "
+                "block or page event, each page's releaser and each lock's holder"
+            ),
         )
         parser.add_argument(
             "command",
