@@ -12,7 +12,8 @@ NOTE: three kinds of source, told apart by the config's "source" key:
              "probe", "engine": "vllm" | "sglang", "version", "provides": [...]}. Its pool with
              the request that took each part, its idle leak checks, its requests (PROBE_PROVIDES);
              per engine (PROBE_ENGINES) vLLM's ref-counted blocks and block census; its `provides`
-             adds what a newer probe records (an SGLang probe's "locks", say).
+             adds what a newer probe records (an SGLang probe's "locks", say); its `lacks` removes
+             what its level left out (the SGLang probe at summary: "evictions").
 A capability a config cannot promise (tree snapshots, request arrival times, a host tier in the
 usage rows) is added from the data by the reader (`Capabilities.with_data`).
 """
@@ -169,6 +170,11 @@ CANNOT_SHOW: dict[str, dict[str, str]] = {
     "tree": {
         "*": "The cache tree: not provided. This source records no tree events or snapshots.",
     },
+    "evictions": {
+        "probe": "Evictions: not recorded. The probe ran at level summary, which leaves {engine}'s tree methods "
+        "unpatched (`kvscope instrument --level full` records every eviction).",
+        "*": "Evictions: not provided by this source.",
+    },
     "gpu": {
         "*": "GPU memory and utilization: not shown. The run was recorded inside {engine}, possibly on another "
         "machine, and this page would show this machine's GPU.",
@@ -229,9 +235,9 @@ def capabilities(config: Mapping[str, Any]) -> Capabilities:
         return Capabilities("attach", engine, version, frozenset(provided), block_size)
     if kind == "probe":
         extra = {name for name in named if name in PROBE_EXTRA}
-        return Capabilities(
-            "probe", engine, version, PROBE_PROVIDES | PROBE_ENGINES.get(engine, frozenset()) | extra, block_size
-        )
+        lacking = _names(source.get("lacks"))  # NOTE: what this run's level left out (SGLang at summary: evictions)
+        given = (PROBE_PROVIDES | PROBE_ENGINES.get(engine, frozenset()) | extra) - lacking
+        return Capabilities("probe", engine, version, frozenset(given), block_size)
     return Capabilities(kind or "unknown", engine, version, frozenset(), block_size)
 
 

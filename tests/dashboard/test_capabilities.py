@@ -102,6 +102,10 @@ def test_each_kind_of_source_provides_its_own_capabilities() -> None:
     for lacking in ("census", "blocks", "refs", "forest", "bogus", "ledger"):
         assert sglang.lacks(lacking), lacking
     assert "sglang" in sglang.cannot_show("ledger")
+    # the SGLang probe at level summary leaves its tree methods unpatched: no eviction is counted
+    summary = capabilities({"source": {**PROBE_SOURCE, "engine": "sglang", "lacks": ["evictions"]}})
+    assert summary.lacks("evictions") and sglang.has("evictions") and PROBE.has("evictions")
+    assert "level summary" in summary.cannot_show("evictions") and "sglang" in summary.cannot_show("evictions")
 
 
 def test_every_name_kvscope_attach_writes_maps_to_a_capability() -> None:
@@ -350,6 +354,23 @@ def test_the_probe_overview_shows_the_census_verdict_and_the_leaked_blocks_as_mi
     assert metrics(clean)["full: evictable"] == f"{BLOCK:,}" and "full: evictable" not in shown
     split = PROBE.cannot_show("usage.split")
     assert split in texts(at) and split not in texts(clean)
+
+
+def test_a_probe_run_without_eviction_counts_shows_no_eviction_figure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SGLang probe at level summary counts no eviction (its usage rows say 0): the Overview shows
+    none, and says why, instead of a zero."""
+    db = tmp_path / "sglang-summary.db"
+    source = {**PROBE_SOURCE, "engine": "sglang", "version": "0.5.23", "lacks": ["evictions"]}
+    with SQLRecorder(db, config={"source": source}, label="sglang 0.5.23 probe pid 1") as rec:
+        probe_life(rec, leak=False, arrivals=True)
+    at = open_page(db, monkeypatch)
+    shown = metrics(at)
+    assert shown["evictions"] == "–" and not any(label.startswith("evict") and label != "evictions" for label in shown)
+    assert next(m for m in at.metric if m.label == "evictions").help == capabilities({"source": source}).cannot_show(
+        "evictions"
+    )
 
 
 def test_the_probe_leaks_page_names_the_culprit_from_the_census(

@@ -106,7 +106,7 @@ def whole_run_eviction_metric(column: Any, chosen: Selection, run: Any, last: pd
     column.metric("evictions (whole run)", f"{count:,}", help=f"{tokens:,} tokens evicted in the whole run{average}")
 
 
-def traffic_metrics(chosen: Selection, run: Any, rows: pd.DataFrame) -> None:
+def traffic_metrics(chosen: Selection, run: Any, rows: pd.DataFrame, caps: Capabilities) -> None:
     last = rows.iloc[-1]
     rates = charts.hit_rates(last)
     cols = st.columns(5)
@@ -121,7 +121,9 @@ def traffic_metrics(chosen: Selection, run: Any, rows: pd.DataFrame) -> None:
         help="request-weighted: requests that hit any cached prefix / requests",
     )
     cols[2].metric("running / waiting", f"{int(last['num_running'])} / {int(last['num_waiting'])}")
-    if str(run["display_status"]) == "running":
+    if caps.lacks("evictions"):  # NOTE: e.g. the SGLang probe at level summary: its tree methods stay unpatched
+        cols[3].metric("evictions", "–", help=caps.cannot_show("evictions"))
+    elif str(run["display_status"]) == "running":
         recent_eviction_metric(cols[3], chosen, rows)
     else:
         whole_run_eviction_metric(cols[3], chosen, run, last)
@@ -167,7 +169,7 @@ def live_panel() -> None:
             data.verdict_report(chosen.path, chosen.run_id, chosen.stamp),
             caps,
         )
-        traffic_metrics(chosen, chosen.run, rows)
+        traffic_metrics(chosen, chosen.run, rows, caps)
         usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
         st.plotly_chart(charts.live_usage_figure(usage), key="overview.usage")
     else:  # NOTE: an engine's own figures (its /metrics): NULL where it exports nothing
