@@ -14,9 +14,11 @@ NOTE: the first table, two rounds on SGLang's real calls, timed apart.
                calls per round
 The hooks are the probe's as register() installs them (SGLang's HookRegistry, or patched directly);
 plain puts SGLang's originals back on the classes (each hook's __wrapped__), so plain is SGLang's code.
-Summary = the probe's ledger only (no event tuples); full = ledger + events; `queue only` (allocator
-only) = the hooks at full with their queue dropped where a fold would take it (no fold, no ledger, no
-events: what the calls cost without the fold). Modes run in blocks of BLOCK_ROUNDS rounds, in a new
+Summary = what level summary registers: no allocator or tree hook (those methods stay SGLang's, see
+docs/probe.md "Level summary on SGLang"), and the per-step ledger work (its binds are the `bind/step`
+row below); full = hooks, ledger and events; `queue only` (allocator only) = the hooks at full with
+their queue dropped where a fold would take it (no fold, no ledger, no events: what the calls cost
+without the fold). Modes run in blocks of BLOCK_ROUNDS rounds, in a new
 shuffled order each of BLOCK_REPEATS times; the table shows the median µs per call (wall and this
 thread's CPU time) and what the hooks add: the median of each block's difference to the plain block
 of the same repetition (the machine's speed drifts between blocks), and the middle half of those
@@ -38,7 +40,7 @@ NOTE: the second table, the hooks' own work: each hook function called with a st
     around the stub (a direct patch: the probe's method; an AROUND hook: SGLang's wrapper and the
     hook, so the wrapper's cost is in the row) plus the fold (drain) of what they queued, forced
     once per N calls (2: about one scheduler step's allocator calls folded every step; 256: the
-    bulk ledger's fold at FOLD_CALLS; ` s`: level summary, the same without events), then the
+    bulk ledger's fold at FOLD_CALLS), then the
     marshal of the recorder's buffer its hand-off does (the socket write is left out, and with it the
     host process's work, which on a 2-core machine runs beside the timed thread and slows it).
     `mamba alloc+fold/N` is MambaSlotAllocator.alloc(1) as the probe puts it in place (around the
@@ -51,7 +53,7 @@ NOTE: the second table, the hooks' own work: each hook function called with a st
     of free_slots) until the fold, and with it the free_slots tensor it came from, which plain frees
     at once here (a live SGLang request keeps its slot, and that tensor, itself).
     `bind/step x32` is not per call: the prepare_for_decode hook's bind for one decode step of 32
-    running requests (rows of 512+ tokens), with a fold after every step.
+    running requests (rows of 512+ tokens), with a fold after every step (both levels).
 """
 
 from __future__ import annotations
@@ -160,11 +162,6 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
         marshal.dumps((items, [], None))
         items.clear()
 
-    def summary_drain() -> None:  # NOTE: level summary: the ledger without events
-        emit, probe.PROBE.emit = probe.PROBE.emit, None
-        fold_and_hand_off()
-        probe.PROBE.emit = emit
-
     around = _wrap_fn(stub, noop, HookType.AROUND)
     match_as_installed = _as_installed("UnifiedRadixCache.match_prefix", stub)
     lock_as_installed = _as_installed("UnifiedRadixCache.inc_lock_ref", stub)
@@ -182,8 +179,6 @@ def own_work(alloc: Any, tree: Any, params: Any) -> list[tuple[str, list[float],
             (f"free+drain/{n}", None, lambda: free_as_installed(alloc, freed), fold_and_hand_off, n)
             for n in (2, 32, 256)
         ),
-        ("alloc+drain/256 s", out, lambda: alloc_as_installed(alloc, 16), summary_drain, 256),
-        ("free+drain/256 s", None, lambda: free_as_installed(alloc, freed), summary_drain, 256),
     ]
     slots = MambaSlotAllocator(512, "cpu")
     sglang_alloc = _attr(f"{probe.MAMBA_SLOTS}.alloc").__wrapped__
@@ -301,6 +296,9 @@ def main() -> int:
     HookRegistry.apply_hooks()
     hooked = {t.target: _attr(t.target) for t in probe.hooks()}
     plain = {target: attr.__wrapped__ for target, attr in hooked.items()}
+    lean = {
+        t.target: (plain if t.per_op else hooked)[t.target] for t in probe.hooks()
+    }  # NOTE: as level summary registers
     alloc, tree = build()
     req = Req("bench", "", array("q", [*range(1000, 1048), *range(5000, 5016)]), SamplingParams(max_new_tokens=1))
     params = MatchPrefixParams(key=RadixKey(array("q", [*range(1000, 1048), *range(5000, 5016)])), req=req)
@@ -318,7 +316,7 @@ def main() -> int:
     order = random.Random(0)
     for _ in range(BLOCK_REPEATS):  # NOTE: short blocks, the modes in a new order each time: the drift hits them alike
         for mode in order.sample(MODES, len(MODES)):
-            _install(plain if mode == "plain" else hooked)
+            _install(plain if mode == "plain" else lean if mode == "summary" else hooked)
             probe.PROBE.emit = emit if mode == "full" else None
             drain = {"plain": lambda: None, "queue only": queue_only}.get(mode, per_step)
             results.setdefault(("allocator", mode), []).append(
