@@ -359,8 +359,8 @@ def test_the_probe_overview_shows_the_census_verdict_and_the_leaked_blocks_as_mi
 def test_a_probe_run_without_eviction_counts_shows_no_eviction_figure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The SGLang probe at level summary counts no eviction (its usage rows say 0): the Overview shows
-    none, and says why, instead of a zero."""
+    """The SGLang probe at level summary counts no eviction (its usage rows say 0): the Overview and the
+    Evictions page show none, and say why, instead of a zero."""
     db = tmp_path / "sglang-summary.db"
     source = {**PROBE_SOURCE, "engine": "sglang", "version": "0.5.23", "lacks": ["evictions"]}
     with SQLRecorder(db, config={"source": source}, label="sglang 0.5.23 probe pid 1") as rec:
@@ -368,9 +368,10 @@ def test_a_probe_run_without_eviction_counts_shows_no_eviction_figure(
     at = open_page(db, monkeypatch)
     shown = metrics(at)
     assert shown["evictions"] == "–" and not any(label.startswith("evict") and label != "evictions" for label in shown)
-    assert next(m for m in at.metric if m.label == "evictions").help == capabilities({"source": source}).cannot_show(
-        "evictions"
-    )
+    line = capabilities({"source": source}).cannot_show("evictions")
+    assert next(m for m in at.metric if m.label == "evictions").help == line
+    at.switch_page("kvscope/dashboard/app_pages/evictions.py").run()
+    assert [e.value for e in at.info] == [line]  # not "no evictions"
 
 
 def test_the_probe_leaks_page_names_the_culprit_from_the_census(

@@ -53,13 +53,18 @@ def no_evictions(chosen: Selection, caps: Capabilities) -> None:
             f"events were not subscribed).{extra}"
         )
         return
-    level = "" if chosen.run.level == "full" else " (the run was recorded at level summary: no events)"
-    st.info(f"No evictions in this run{level}.")
+    if chosen.run.level != "full":
+        st.info("No evict events: the run was recorded at level summary, which stores no events.")
+        return
+    st.info("No evictions in this run.")
 
 
 def panel(chosen: Selection) -> None:
     """The summary, the evictions per step, and the log (refreshed while the run is running)."""
     caps = capabilities_of_json(getattr(chosen.run, "config", None))
+    if caps.lacks("evictions"):  # NOTE: e.g. the SGLang probe at level summary: nothing counted them
+        st.info(caps.cannot_show("evictions"))
+        return
     summary = data.eviction_summary(chosen.path, chosen.run_id, chosen.stamp)
     if summary.empty:
         no_evictions(chosen, caps)
