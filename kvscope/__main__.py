@@ -11,6 +11,9 @@ traceback:
 NOTE: the first of these signals raises Interrupted (a KeyboardInterrupt carrying `signum`)
 and sets all three to be ignored: shutting down (closing a capture as 'interrupted') cannot be
 interrupted again, however often the key is pressed. SIGKILL or SIGQUIT still stop it at once.
+A dependency missing from this python (kvscope installed with --no-deps in an engine's venv, as the
+probe needs: docs/probe.md) ends any verb with one line, exit 2: which module is missing and which kvscope
+to run instead; `instrument` needs none of them (it finds its recorder's python: app/instrument.py).
 Imports nothing from kvscope at module level: `kvscope` itself holds only the version.
 """
 
@@ -50,6 +53,15 @@ def verb_of(argv: Sequence[str]) -> str:
     return next((arg for arg in argv if not arg.startswith("-")), "")
 
 
+def missing_line(verb: str, module: str) -> str:
+    """One line for a dependency this python lacks."""
+    return (
+        f"kvscope{f' {verb}' if verb else ''}: error: {module} is not installed in this python ({sys.executable}): "
+        "kvscope is installed here without its dependencies (pip install --no-deps, as beside an engine); "
+        "run the kvscope of a venv where it is installed with them (`kvscope instrument` runs from here)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -57,6 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvscope.app.cli import main as cli_main
 
         return cli_main(args)
+    except ModuleNotFoundError as err:
+        top = (err.name or "").partition(".")[0]
+        if not top or top == "kvscope":  # NOTE: kvscope's own module missing is a defect: its traceback
+            raise
+        print(missing_line(verb_of(args), top), file=sys.stderr)
+        return 2
     except KeyboardInterrupt as stop:  # before the verb ran (cli.main reports the rest)
         signum = getattr(stop, "signum", signal.SIGINT)
         for each in STOP_SIGNALS:

@@ -21,6 +21,7 @@ NOTE: SGLANG_PLUGINS (SGLang strips the names; unset or empty loads every plugin
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -29,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvscope.telemetry import display_name, open_writer
+import kvscope
 
 PLUGIN_NAME = "kvscope"  # NOTE: the entry-point name in pyproject.toml's vllm.general_plugins
 LIST_PLUGINS_TIMEOUT_S = 60.0
@@ -41,6 +42,24 @@ LIST_PLUGINS = (
     "names = sorted({n for g, n in points if g.startswith('vllm.') and g != 'vllm.endpoint_plugins'})\n"
     "print(json.dumps({'names': names, 'kvscope': ('vllm.general_plugins', 'kvscope') in points}))\n"
 )
+
+
+# NOTE: what the recorder's host imports beside kvscope (kvscope/telemetry/remote.py: SQLRecorder, the store)
+HOST_DEPENDENCIES = ("sqlalchemy", "numpy")
+CHECK_TIMEOUT_S = 120.0
+# NOTE: run by the recorder's interpreter: the capture opened as its host will open it, then its name as
+# messages show it (a URL without its password); a bad one prints its one line and exits 2
+CHECK_CAPTURE = (
+    "import sys\n"
+    "from kvscope.telemetry.store import CaptureError, display_name, open_writer\n"
+    "try:\n"
+    "    open_writer(sys.argv[1]).dispose()\n"
+    "except (CaptureError, OSError, ValueError) as err:\n"
+    "    print(str(err).splitlines()[0] if str(err) else type(err).__name__)\n"
+    "    sys.exit(2)\n"
+    "print(display_name(sys.argv[1]))\n"
+)
+FIND_SPECS = "import importlib.util as u, sys\nprint(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))\n"
 
 
 def default_capture(now_s: float | None = None) -> str:
@@ -116,6 +135,73 @@ def engine_plugins(python: str, environ: dict[str, str]) -> list[str] | None:
     return [str(name) for name in found["names"]]
 
 
+def missing_dependencies(python: str) -> list[str]:
+    """HOST_DEPENDENCIES that `python` cannot import (asked without importing them)."""
+    if python == sys.executable:
+        return [name for name in HOST_DEPENDENCIES if importlib.util.find_spec(name) is None]
+    try:
+        out = subprocess.run(
+            [python, "-c", FIND_SPECS, *HOST_DEPENDENCIES], capture_output=True, text=True, timeout=CHECK_TIMEOUT_S
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ValueError(f"KVSCOPE_PYTHON={python}: cannot run it ({err})") from err
+    if out.returncode != 0:
+        raise ValueError(f"KVSCOPE_PYTHON={python}: not a working python (exit {out.returncode})")
+    return out.stdout.split()
+
+
+def recorder_python(environ: dict[str, str]) -> str:
+    """The interpreter of the recorder's host: KVSCOPE_PYTHON when set, else this one; either must
+    have kvscope's dependencies (a kvscope installed with --no-deps beside an engine has not)."""
+    python = environ.get("KVSCOPE_PYTHON") or sys.executable
+    missing = missing_dependencies(python)
+    if missing:
+        where = "KVSCOPE_PYTHON" if environ.get("KVSCOPE_PYTHON") else "this python"
+        raise ValueError(
+            f"{where} ({python}) has no {', '.join(missing)}, which the probe's recorder needs: set KVSCOPE_PYTHON "
+            "to the python of a venv where kvscope is installed with its dependencies, or run that venv's "
+            "kvscope instrument (the engine's venv needs kvscope only with --no-deps: docs/probe.md)"
+        )
+    return python
+
+
+def package_env(environ: dict[str, str]) -> dict[str, str]:
+    """`environ` with this kvscope first on PYTHONPATH (as the recorder's host is started)."""
+    root = str(Path(kvscope.__file__).resolve().parent.parent)
+    path = environ.get("PYTHONPATH")
+    return {**environ, "PYTHONPATH": root if not path else f"{root}{os.pathsep}{path}"}
+
+
+def check_capture(capture: str, python: str, environ: dict[str, str]) -> str:
+    """Refuses a capture the recorder could not write, in one line, before the engine starts; its name
+    as messages show it. A new file's directory is checked here; an existing capture or a database
+    (its schema, its server) by `python`, as the recorder's host will open it."""
+    path = Path(capture)
+    if "://" not in capture and not path.is_dir() and (not path.exists() or path.stat().st_size == 0):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"{capture}: cannot create its directory ({err.strerror})") from err
+        if not os.access(path.parent, os.W_OK | os.X_OK):
+            raise ValueError(f"{capture}: its directory is not writable")
+        return capture
+    try:
+        out = subprocess.run(
+            [python, "-c", CHECK_CAPTURE, capture],
+            capture_output=True,
+            text=True,
+            env=package_env(environ),
+            timeout=CHECK_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ValueError(f"cannot check the capture with {python}: {err}") from err
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        last = lines[-1] if lines else (out.stderr.strip().splitlines() or ["no answer"])[-1]
+        raise ValueError(last)
+    return lines[-1]
+
+
 def instrument_verb(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
     if not command:
@@ -123,17 +209,16 @@ def instrument_verb(args: argparse.Namespace) -> int:
     if shutil.which(command[0]) is None:
         raise ValueError(f"{command[0]}: command not found")
     capture = args.capture or default_capture()
-    env = instrument_env(capture, args.level, dict(os.environ), sys.executable)
+    env = instrument_env(capture, args.level, dict(os.environ), recorder_python(dict(os.environ)))
     python = None if "VLLM_PLUGINS" in env else engine_python(command)
     plugins = with_plugins(env.get("VLLM_PLUGINS"), None if python is None else engine_plugins(python, env))
-    writer = open_writer(env["KVSCOPE_CAPTURE"])  # NOTE: a bad path fails here, in one line, not in the engine
-    writer.dispose()
+    # NOTE: a bad capture fails here, in one line, not in the engine
+    shown = check_capture(env["KVSCOPE_CAPTURE"], env["KVSCOPE_PYTHON"], env)
     if plugins is None:
         route = "VLLM_PLUGINS unset: GET /kvscope/census is off (set VLLM_PLUGINS to your plugins and kvscope)"
     else:
         env["VLLM_PLUGINS"] = plugins
         route = f"VLLM_PLUGINS={plugins}"
-    shown = display_name(env["KVSCOPE_CAPTURE"])  # NOTE: a URL without its password
     print(
         f"kvscope instrument: recording into {shown} (level {args.level}; {route}); then kvscope check {shown}",
         file=sys.stderr,

@@ -42,7 +42,96 @@ def test_it_execs_the_command_with_the_probes_environment(tmp_path: Path) -> Non
         f"kvscope instrument: recording into {capture} (level summary; VLLM_PLUGINS=kvscope); "
         f"then kvscope check {capture}\n"
     )
-    assert capture.exists()  # made before the engine starts: a bad path fails here, not inside the engine
+    assert not capture.exists()  # NOTE: the recorder's host makes it; its directory was checked (below)
+
+
+def test_a_capture_whose_directory_it_cannot_make_is_one_line(tmp_path: Path) -> None:
+    """Checked before the engine starts, as the recorder's host would fail on it inside the engine."""
+    (tmp_path / "file").write_text("")
+    capture = tmp_path / "file" / "c.db"
+    out = kvscope("--capture", str(capture), "--", "true")
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == f"kvscope instrument: error: {capture}: cannot create its directory (File exists)\n"
+
+
+def test_it_imports_neither_sqlalchemy_nor_pandas_nor_numpy(tmp_path: Path) -> None:
+    """Its start is the engine's: the modules loaded when it would exec the engine."""
+    script = (
+        "import os, sys\n"
+        "def show(*_):\n"
+        "    print(' '.join(sorted({m.split('.')[0] for m in sys.modules} & {'sqlalchemy', 'pandas', 'numpy'})))\n"
+        "    sys.exit(0)\n"
+        "os.execvpe = show\n"
+        "from kvscope.__main__ import main\n"
+        f"main(['instrument', '--capture', {str(tmp_path / 'c.db')!r}, '--', 'true'])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False
+    )
+    assert (out.returncode, out.stdout) == (0, "\n"), out.stderr
+
+
+def engine_like_venv(tmp_path: Path) -> Path:
+    """A venv without kvscope's dependencies, kvscope on its path (as pip install --no-deps -e leaves it)."""
+    venv = tmp_path / "engine-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], capture_output=True, text=True
+    )
+    Path(site.stdout.strip(), "kvscope-checkout.pth").write_text(f"{ROOT}\n")
+    return python
+
+
+def in_venv(python: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCOPE_", "VLLM_PLUGINS", "PYTHONPATH"))}
+    return subprocess.run(
+        [str(python), "-m", "kvscope", *args],
+        capture_output=True,
+        text=True,
+        cwd=python.parent,
+        env={**base, **(env or {})},
+        timeout=120,
+        check=False,
+    )
+
+
+def test_in_an_engines_venv_without_its_dependencies_each_verb_says_which_kvscope_to_run(tmp_path: Path) -> None:
+    python = engine_like_venv(tmp_path)
+    for args in (("runs", "c.db"), ("check", "c.db"), ("report", "leaks", "c.db"), ("--help",)):
+        out = in_venv(python, *args)
+        verb = "" if args[0].startswith("-") else f" {args[0]}"
+        assert (out.returncode, out.stdout) == (2, ""), out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+        assert out.stderr.startswith(f"kvscope{verb}: error: numpy is not installed in this python ({python})")
+        assert "run the kvscope of a venv where it is installed with them" in out.stderr
+
+
+def test_instrument_in_an_engines_venv_needs_a_recorder_python_and_takes_kvscope_python(tmp_path: Path) -> None:
+    python = engine_like_venv(tmp_path)
+    capture = tmp_path / "c.db"
+    out = in_venv(python, "instrument", "--capture", str(capture), "--", "true")
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == (
+        f"kvscope instrument: error: this python ({python}) has no sqlalchemy, numpy, which the probe's recorder "
+        "needs: set KVSCOPE_PYTHON to the python of a venv where kvscope is installed with its dependencies, or "
+        "run that venv's kvscope instrument (the engine's venv needs kvscope only with --no-deps: docs/probe.md)\n"
+    )
+    out = in_venv(python, "instrument", "--capture", str(capture), "--", "true", env={"KVSCOPE_PYTHON": str(python)})
+    assert out.returncode == 2 and out.stderr.startswith(f"kvscope instrument: error: KVSCOPE_PYTHON ({python}) has no")
+    out = in_venv(
+        python,
+        "instrument",
+        "--capture",
+        str(capture),
+        "--",
+        str(python),
+        "-c",
+        SHOW_ENV,
+        env={"KVSCOPE_PYTHON": sys.executable, "VLLM_PLUGINS": "kvscope"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["KVSCOPE_PYTHON"] == sys.executable
 
 
 def test_the_commands_exit_code_is_its_own(tmp_path: Path) -> None:

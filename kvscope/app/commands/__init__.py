@@ -13,43 +13,66 @@
     attach          attach.py      a running server's KV cache into a capture (app/attach.py)
     instrument      instrument.py  a real engine with kvscope's probe inside it (app/instrument.py)
 
-COMMANDS is their order in `kvscope --help`. The contract is base.Command.
+VERBS is their order in `kvscope --help` (COMMANDS: their Commands). The contract is base.Command.
 """
 
 from __future__ import annotations
 
-from kvscope.app.commands.attach import AttachCommand
+import importlib
+from functools import cache
+from typing import Any
+
 from kvscope.app.commands.base import Command, HelpFormatter, Parser, add_command
-from kvscope.app.commands.check import CheckCommand
-from kvscope.app.commands.demo import DemoCommand
-from kvscope.app.commands.diff import DiffCommand
-from kvscope.app.commands.engine_options import POLICY_HELP
-from kvscope.app.commands.fleet import FleetCommand
-from kvscope.app.commands.instrument import InstrumentCommand
-from kvscope.app.commands.load import LoadCommand
-from kvscope.app.commands.plan import PlanCommand
-from kvscope.app.commands.replay import ReplayCommand
-from kvscope.app.commands.report import ReportCommand
-from kvscope.app.commands.run import RunCommand
-from kvscope.app.commands.runs import RunsCommand
-from kvscope.app.commands.serve import ServeCommand
-from kvscope.app.commands.upgrade import UpgradeCommand
 
-COMMANDS: tuple[Command, ...] = (
-    DemoCommand(),
-    RunsCommand(),
-    RunCommand(),
-    ServeCommand(),
-    ReportCommand(),
-    CheckCommand(),
-    DiffCommand(),
-    UpgradeCommand(),
-    PlanCommand(),
-    ReplayCommand(),
-    FleetCommand(),
-    LoadCommand(),
-    AttachCommand(),
-    InstrumentCommand(),
-)
+# NOTE: verb -> (its module here, its Command), in `kvscope --help` order. A verb's module is imported
+# only when its parser is built: `kvscope instrument` builds its own alone (cli.py), so its start
+# never loads the other verbs' option types (numpy, the planner's tables)
+VERBS = {
+    "demo": ("demo", "DemoCommand"),
+    "runs": ("runs", "RunsCommand"),
+    "run": ("run", "RunCommand"),
+    "serve": ("serve", "ServeCommand"),
+    "report": ("report", "ReportCommand"),
+    "check": ("check", "CheckCommand"),
+    "diff": ("diff", "DiffCommand"),
+    "upgrade": ("upgrade", "UpgradeCommand"),
+    "plan": ("plan", "PlanCommand"),
+    "replay": ("replay", "ReplayCommand"),
+    "fleet": ("fleet", "FleetCommand"),
+    "load": ("load", "LoadCommand"),
+    "attach": ("attach", "AttachCommand"),
+    "instrument": ("instrument", "InstrumentCommand"),
+}
 
-__all__ = ["COMMANDS", "POLICY_HELP", "Command", "HelpFormatter", "Parser", "add_command"]
+
+@cache
+def command(verb: str) -> Command:
+    """The verb's Command (one per process)."""
+    module, name = VERBS[verb]
+    made: Command = getattr(importlib.import_module(f"kvscope.app.commands.{module}"), name)()
+    return made
+
+
+def all_commands() -> tuple[Command, ...]:
+    return tuple(command(verb) for verb in VERBS)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "COMMANDS":
+        return all_commands()
+    if name == "POLICY_HELP":
+        return importlib.import_module("kvscope.app.commands.engine_options").POLICY_HELP
+    raise AttributeError(f"module 'kvscope.app.commands' has no attribute {name!r}")
+
+
+__all__ = [
+    "COMMANDS",
+    "POLICY_HELP",
+    "VERBS",
+    "Command",
+    "HelpFormatter",
+    "Parser",
+    "add_command",
+    "all_commands",
+    "command",
+]
