@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvscope.probe.census import CensusResult, census_checks, census_json, named, take_census
+from kvscope.probe.census import TERMS, CensusResult, census_checks, census_json, named, take_census
 from kvscope.probe.core import (
     ProbeState,
     Settings,
@@ -53,6 +53,7 @@ from kvscope.probe.core import (
     register_never_raising,
     settings_from_env,
 )
+from kvscope.probe.metrics import CensusTally
 from kvscope.probe.vllm_views import block_view, tree_rows
 from kvscope.telemetry import (
     EventKind,
@@ -142,6 +143,7 @@ class VllmProbe:
         self.parents: dict[int, tuple[int, Any]] = {}  # cached block -> (the block before it in its chain, its hash)
         self.dp_rank: int | None = None
         self.cum = {"prompt": 0, "hit": 0, "requests": 0, "hit_requests": 0, "evicted": 0, "retractions": 0}
+        self.tally = CensusTally()  # NOTE: the stored censuses, for /metrics (EngineCore.kvscope_metrics)
 
     # -- the recorder ------------------------------------------------------------------------
 
@@ -305,6 +307,7 @@ class VllmProbe:
         self.cached_free = len(view.hashed.intersection(view.queued))  # NOTE: the running count, recounted
         for check in census_checks(rec.step, result):
             rec.leak_check(check)
+        self.tally.note(rec.step, result, TERMS)
         self.note_parents()
         rec.tree_snapshot(rec.step, tree_rows(manager, self.parents, self.block_size or _block_size(manager)))
         rec.idle()
@@ -889,13 +892,24 @@ def _register(version: str | None = None, table: dict[str, Callable[[], list[Tar
 
 
 def _add_census_utility() -> None:
-    """EngineCore.kvscope_census: the census now, as JSON for GET /kvscope/census (vllm_endpoint.py).
-    vLLM runs utility calls on the engine's thread between steps; nothing is stored."""
+    """EngineCore.kvscope_census: the census now, as JSON for GET /kvscope/census (vllm_endpoint.py);
+    EngineCore.kvscope_metrics: the stored censuses' tally, for /metrics. vLLM runs utility calls on
+    the engine's thread between steps; nothing is stored."""
     import importlib
 
     core = importlib.import_module(CORE).EngineCore
     if not hasattr(core, "kvscope_census"):
         core.kvscope_census = _census_utility
+    if not hasattr(core, "kvscope_metrics"):
+        core.kvscope_metrics = _metrics_utility
+
+
+def _metrics_utility(self: Any) -> dict[str, Any]:
+    """The tally (metrics.py) and whether the probe still records, with this engine's DP rank."""
+    failure = getattr(PROBE.state.recorder, "failure", None)
+    recording = PROBE.state.active and failure is None
+    snapshot = PROBE.tally.snapshot(recording, None if recording else PROBE.state.reason or failure)
+    return {**snapshot, "dp_rank": dp_rank(self) or 0}
 
 
 def _census_utility(self: Any) -> dict[str, Any]:

@@ -1,14 +1,96 @@
-"""`GET /kvscope/census` on vLLM's API server: the `vllm.endpoint_plugins` half of the probe.
+"""`GET /kvscope/census` and the `kvscope_probe_*` series of `/metrics` on vLLM's API server: the
+`vllm.endpoint_plugins` half of the probe.
 
 vLLM loads endpoint plugins only when VLLM_PLUGINS names them (`VLLM_PLUGINS=kvscope`). The route asks
 every engine (one per DP rank) for `kvscope_census`, the utility method the general plugin adds to
 EngineCore (vllm.py): the census runs on the engine's thread, between steps, and answers JSON.
 
+NOTE: /metrics (the series: kvscope/probe/metrics.py). The census runs in the EngineCore process, the
+registry vLLM serves is the API server's: a task on the server's event loop asks every engine for
+`kvscope_metrics` (the stored censuses' tally: a dict, no census) every POLL_INTERVAL_S, awaiting the
+answer (never blocking the loop; at most POLL_TIMEOUT_S, then the engine reads kvscope_probe_up 0), and
+keeps the last answers; a Collector in prometheus_client's default registry turns them into series at
+each scrape (the age computed then). Labelled as vLLM's own vllm:* series: model_name (the served
+model name) and engine (the engine's DP rank). With --api-server-count > 1 vLLM serves a multiprocess
+registry instead, which this Collector is not in: the series are absent (one line at start says so).
+
 NOTE: no `from __future__ import annotations` here: FastAPI reads the handler's annotations as types,
 and a string annotation made it treat `request` as a query parameter (a 400 for every call).
 """
 
+import asyncio
+import os
+import sys
+import time
 from typing import Any
+
+from kvscope.probe.metrics import families
+
+POLL_INTERVAL_S = 2.0
+POLL_TIMEOUT_S = 10.0
+
+
+class EngineMetrics:
+    """The engines' last `kvscope_metrics` answers, kept by the poll task, read at each scrape."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.snapshots: dict[tuple[str, ...], dict[str, Any] | None] = {}
+        self.up: dict[tuple[str, ...], bool] = {}
+
+    def take(self, answers: list[Any]) -> None:
+        for answer in answers:
+            labels = (self.model_name, str(answer.get("dp_rank", 0)))
+            self.snapshots[labels] = answer
+            self.up[labels] = True
+
+    def lost(self) -> None:
+        """The last poll got no answer: every engine known reads down (its values stay)."""
+        self.up = dict.fromkeys(self.snapshots, False)
+        if not self.snapshots:
+            self.snapshots[(self.model_name, "0")] = None
+            self.up[(self.model_name, "0")] = False
+
+    async def poll(self, engine_core: Any) -> None:
+        """Until the server's event loop ends (the task is cancelled with it)."""
+        while True:
+            try:
+                answers = await asyncio.wait_for(engine_core.call_utility_all_async("kvscope_metrics"), POLL_TIMEOUT_S)
+                self.take(answers)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # NOTE: an engine gone, busy past the timeout, or without the probe: down
+                self.lost()
+            await asyncio.sleep(POLL_INTERVAL_S)
+
+    def collect(self) -> Any:
+        """prometheus_client's Collector protocol: the series now."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["model_name", "engine"]
+        for family in families(self.snapshots, self.up, time.time()):
+            make = CounterMetricFamily if family.kind == "counter" else GaugeMetricFamily
+            metric = make(family.name, family.help, labels=[*labels, *family.extra])
+            for values, value in family.samples:
+                metric.add_metric(list(values), value)
+            yield metric
+
+
+def start_metrics(engine_client: Any, state: Any) -> None:
+    """The poll task and the Collector, once per API server process."""
+    from prometheus_client import REGISTRY
+
+    served = engine_client.vllm_config.model_config.served_model_name
+    metrics = state.kvscope_metrics = EngineMetrics(str(served))
+    state.kvscope_poll = asyncio.get_running_loop().create_task(metrics.poll(engine_client.engine_core))
+    REGISTRY.register(metrics)
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        print(
+            "kvscope: vLLM serves a multiprocess registry (--api-server-count > 1): "
+            "the kvscope_probe_* series are not in /metrics",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class KvscopeEndpoint:
@@ -47,3 +129,5 @@ class KvscopeEndpoint:
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         state.kvscope_engine_client = engine_client
+        if engine_client is not None:
+            start_metrics(engine_client, state)

@@ -11,7 +11,10 @@ that run in this file's order after the attach test:
   4. faults (the test-only plugin in tests/engines/faults): a reference kept on a finished request's
      block, a request's blocks freed twice: `kvscope check` exits 1 and `report leaks` names exactly
      the blocks and requests the plugin says it touched; the server stops and the run closes finished,
-     still a leak. Last: after a double free vLLM's next use of those blocks would fail its own assert.
+     still a leak. Last: after a double free vLLM's next use of those blocks would fail its own assert;
+  5. alerts, before the server stops: a real Prometheus scrapes its /metrics with the shipped rule file
+     (deploy/prometheus): every rule's and dashboard panel's query gets data, the leak alert fires for
+     the faults' terms and no other alert does; then the server stops and the run closes finished.
 
 Run by `make test-engines`; the server start takes minutes here, so it starts once per test run.
 """
@@ -36,6 +39,7 @@ from streamlit.testing.v1 import AppTest
 from kvscope.debug.census_replay import replay_census
 from kvscope.telemetry import Capture, EventKind
 from tests.engines.conftest import ROOT, InstrumentedVllm
+from tests.engines.prometheus import prometheus_server
 from tests.engines.test_vllm_attach import counters, prompts
 from tests.engines.vllm_server import VLLM_PYTHON
 
@@ -194,6 +198,31 @@ def test_every_dashboard_page_renders_the_capture(
     assert any(PAGES[page] in h.value for h in at.header), [h.value for h in at.header]
 
 
+ALERT_RULES = ROOT / "deploy" / "prometheus" / "kvscope-alerts.yml"
+DASHBOARD = ROOT / "deploy" / "grafana" / "kvscope-probe.json"
+# NOTE: Grafana's variables as a query of every series would read them
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": ".+"}
+
+
+def rule_queries(groups: list[Any]) -> list[str]:
+    """Each alert's query, its comparison with a number cut off (the query must have data; the alert
+    only while it holds)."""
+    exprs = [rule["query"] for group in groups for rule in group["rules"]]
+    assert all(rule["health"] == "ok" for group in groups for rule in group["rules"]), groups
+    return [re.sub(r"\s*(>|<|==|!=|>=|<=)\s*[0-9.]+$", "", expr) for expr in exprs]
+
+
+def dashboard_queries(path: Path) -> list[str]:
+    dashboard = json.loads(path.read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            exprs.append(variable["definition"].removeprefix("label_values(").split(",")[0])
+    for name, value in GRAFANA_VARIABLES.items():
+        exprs = [expr.replace(name, value) for expr in exprs]
+    return exprs
+
+
 def injected(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
@@ -240,6 +269,34 @@ def test_injected_faults_are_named_exactly(instrumented_vllm: InstrumentedVllm) 
     assert all(p.agrees for p in points), [(p.step, p.differences()) for p in points if not p.agrees]
     assert points[-1].replayed_terms["lostref"].num_blocks == len(double["blocks"])
 
+
+def test_prometheus_gets_every_alert_and_dashboard_query_and_the_leak_alert_fires(
+    instrumented_vllm: InstrumentedVllm,
+) -> None:
+    """After the faults: a real Prometheus scraping the server's /metrics with the shipped rule file."""
+    server = instrumented_vllm.server
+    target = server.url.removeprefix("http://")
+    with prometheus_server([target], [ALERT_RULES], scrape_interval_s=1.0) as prom:
+        prom.wait_for_scrape()
+        prom.wait_for('kvscope_probe_up{engine="0"} == 1', timeout_s=60)
+        prom.wait_for("kvscope_probe_censuses_total offset 3s", timeout_s=60)  # NOTE: two samples for rate()
+        queries = rule_queries(prom.rule_groups()) + dashboard_queries(DASHBOARD)
+        assert len(queries) >= 10
+        for expr in queries:
+            assert prom.query(expr), f"no data for {expr}"
+        leaked = {s["metric"]["term"]: float(s["value"][1]) for s in prom.query("kvscope_probe_leaked_blocks")}
+        assert leaked["leaked"] == 2 and leaked["lostref"] >= 1 and leaked["orphans"] == 0, leaked
+        labels = prom.query("kvscope_probe_up")[0]["metric"]
+        assert (labels["model_name"], labels["engine"]) == (server.model, "0"), labels
+        vllm_labels = prom.query("vllm:num_requests_running")[0]["metric"]
+        assert (vllm_labels["model_name"], vllm_labels["engine"]) == (labels["model_name"], labels["engine"])
+        firing = prom.wait_for('ALERTS{alertname="KvscopeKVBlocksLeaked", alertstate="firing"}', timeout_s=60)
+        assert {a["metric"]["term"] for a in firing} == {"leaked", "lostref"}, firing
+        assert not [a for a in prom.alerts() if a["labels"]["alertname"] != "KvscopeKVBlocksLeaked"], prom.alerts()
+
+
+def test_the_run_closes_finished_and_stays_a_leak(instrumented_vllm: InstrumentedVllm) -> None:
+    capture = instrumented_vllm.capture
     instrumented_vllm.stop()  # NOTE: the server's last phase: the run closes as finished, its verdict stays a leak
     db = Capture(capture)
     try:
