@@ -48,7 +48,10 @@ class CensusTally:
 
     def note(self, step: int, result: Any, terms: Iterable[str]) -> None:
         """A stored census: `result` holds each of `terms` as a field (a list, a mapping or a difference)."""
-        counts = {term: term_count(getattr(result, term)) for term in terms}
+        self.note_counts(step, {term: term_count(getattr(result, term)) for term in terms})
+
+    def note_counts(self, step: int, counts: dict[str, int]) -> None:
+        """A stored census, as what each of its terms names."""
         self.num_censuses += 1
         self.num_failed += any(counts.values())
         self.last_step, self.last_unix_s, self.terms = step, time.time(), counts

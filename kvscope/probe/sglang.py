@@ -45,6 +45,7 @@ import pkgutil
 import sys
 import time
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from typing import Any, NamedTuple
 
 from kvscope.probe.core import (
@@ -59,6 +60,7 @@ from kvscope.probe.core import (
     say,
     settings_from_env,
 )
+from kvscope.probe.metrics import CensusTally
 from kvscope.probe.sglang_census import census_checks, census_line, take_page_census
 from kvscope.probe.sglang_ledger import (
     ALLOC,
@@ -67,6 +69,7 @@ from kvscope.probe.sglang_ledger import (
     PageLedger,
     _gather,
 )
+from kvscope.probe.sglang_metrics import SglangMetrics, page_terms
 from kvscope.probe.sglang_views import (
     live_pages,
     mamba_allocator,
@@ -147,6 +150,15 @@ class SglangProbe:
         self.usage_step = -1
         self.now = _monotonic()  # NOTE: read once per step (next_step) and per drain, not per event
         self.bound: dict[int, int] = {}  # NOTE: row -> the length whose pages bind gave its request (row hooks reset)
+        self.tally = CensusTally()  # NOTE: the stored censuses, for SGLang's /metrics (sglang_metrics.py)
+        self.metrics = SglangMetrics()
+
+    def publish(self, scheduler: Any) -> None:
+        """The censuses so far into SGLang's /metrics, labelled as the scheduler's series (never raises)."""
+        failure = getattr(self.state.recorder, "failure", None)
+        recording = self.state.active and failure is None
+        with suppress(Exception):  # NOTE: the metrics are the engine's; a failure here is not the engine's
+            self.metrics.publish(scheduler, self.tally, recording, None if recording else self.state.reason or failure)
 
     # -- the recorder ---------------------------------------------------------------------------
 
@@ -374,6 +386,7 @@ class SglangProbe:
             results.append(take_page_census("mamba", mamba_view(tree, rows, slots, owners), takers, releasers, {}))
         for check in census_checks(rec.step, results):
             rec.leak_check(check)
+        self.tally.note_counts(rec.step, page_terms(results))
         ps = view.page_size
         used = (view.num_pages - len(result.free)) * ps
         terms = PoolTerms(view.num_pages * ps, len(result.free) * ps, len(result.tree - result.live) * ps, 0)
@@ -957,6 +970,7 @@ def _h_on_idle(original: Callable[..., Any], self: Any, *args: Any, **kwargs: An
         with guarded(PROBE.state):
             checker = self.invariant_checker
             PROBE.census(self.tree_cache, self.req_to_token_pool, checker._requests_owning_rows(), why="idle")
+        PROBE.publish(self)
     return result
 
 
@@ -966,6 +980,7 @@ def _h_report_leak(original: Callable[..., Any], self: Any, *args: Any, **kwargs
             PROBE.census(
                 self.tree_cache, self.req_to_token_pool, self._requests_owning_rows(), why="SGLang's leak check failed"
             )
+        PROBE.publish(self)
     return original(self, *args, **kwargs)
 
 
