@@ -16,6 +16,10 @@ NOTE: VLLM_PLUGINS (vLLM splits it on "," and loads a plugin of any group only i
                            keeps it unset: the probe records, the route is off (the line says so).
 NOTE: SGLANG_PLUGINS (SGLang strips the names; unset or empty loads every plugin): a list without kvscope
     gets kvscope appended, as VLLM_PLUGINS does.
+NOTE: its start is the engine's: it imports no numpy, pandas or SQLAlchemy (cli.py parses this verb
+alone). The recorder's python (KVSCOPE_PYTHON as set, else this one) is asked whether it has kvscope's
+dependencies without importing them; a new capture file's directory is checked here, an existing capture
+or a database URL by that python, as the recorder's host will open it.
 """
 
 from __future__ import annotations

@@ -19,7 +19,10 @@ class InstrumentCommand:
         "Supported: vLLM 0.32.0 and SGLang 0.5.23; another version is refused in one line and the engine runs "
         "unrecorded. VLLM_PLUGINS gets kvscope (appended to a list you set; unset: the engine's own plugins "
         "and kvscope) so that GET /kvscope/census loads; a SGLANG_PLUGINS list you set gets kvscope appended. "
-        "Exit 2 on bad input (no command, a bad capture, kvscope not installed beside a vLLM engine)."
+        "KVSCOPE_PYTHON (the python of the probe's recorder) stays as you set it, else is this python; "
+        "either needs kvscope's dependencies (SQLAlchemy), which an engine's venv lacks. "
+        "Exit 2 on bad input (no command, a bad capture, kvscope not installed beside a vLLM engine, "
+        "a recorder python without kvscope's dependencies)."
     )
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
