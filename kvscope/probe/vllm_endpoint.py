@@ -52,15 +52,20 @@ class EngineMetrics:
             self.up[(self.model_name, "0")] = False
 
     async def poll(self, engine_core: Any) -> None:
-        """Until the server's event loop ends (the task is cancelled with it)."""
+        """Until the server's event loop ends (the task is cancelled with it), or an engine fails the
+        call: it has no kvscope_metrics (the probe refused its version) or it is gone, and vLLM would log
+        each failed call's traceback: asked no more, it reads down."""
         while True:
             try:
                 answers = await asyncio.wait_for(engine_core.call_utility_all_async("kvscope_metrics"), POLL_TIMEOUT_S)
-                self.take(answers)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # NOTE: an engine gone, busy past the timeout, or without the probe: down
+            except TimeoutError:  # NOTE: busy past the timeout, or hung: down until it answers again
                 self.lost()
+            except Exception as err:
+                self.lost()
+                print(f"kvscope: /metrics: the engine failed kvscope_metrics, asked no more: {err}", file=sys.stderr)
+                return
+            else:
+                self.take(answers)
             await asyncio.sleep(POLL_INTERVAL_S)
 
     def collect(self) -> Any:
@@ -77,8 +82,12 @@ class EngineMetrics:
 
 
 def start_metrics(engine_client: Any, state: Any) -> None:
-    """The poll task and the Collector, once per API server process."""
+    """The poll task and the Collector, once per API server process (none while the probe is inert:
+    KVSCOPE_CAPTURE unset)."""
     from prometheus_client import REGISTRY
+
+    if not os.environ.get("KVSCOPE_CAPTURE"):
+        return
 
     served = engine_client.vllm_config.model_config.served_model_name
     metrics = state.kvscope_metrics = EngineMetrics(str(served))

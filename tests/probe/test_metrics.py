@@ -104,3 +104,32 @@ def test_an_engine_that_does_not_answer_reads_down_and_keeps_its_last_values(mon
     got = samples(metrics)
     assert got[key("kvscope_probe_up", model_name="m", engine="0")] == 0
     assert got[key("kvscope_probe_censuses_total", model_name="m", engine="0")] == 0
+
+
+class RefusingEngine:
+    """An engine without kvscope_metrics (the probe refused its version): vLLM answers each call with a failure."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def call_utility_all_async(self, method: str) -> list[Any]:
+        self.calls += 1
+        raise RuntimeError(f"Call to {method} method failed: 'EngineCoreProc' object has no attribute {method!r}")
+
+
+def test_an_engine_that_fails_the_call_is_asked_no_more_and_reads_down(monkeypatch: Any) -> None:
+    import kvscope.probe.vllm_endpoint as endpoint
+
+    monkeypatch.setattr(endpoint, "POLL_INTERVAL_S", 0.01)
+    metrics, engine = EngineMetrics("m"), RefusingEngine()
+
+    async def poll_briefly() -> bool:
+        task = asyncio.get_running_loop().create_task(metrics.poll(engine))
+        await asyncio.sleep(0.2)
+        done = task.done()
+        task.cancel()
+        return done
+
+    assert asyncio.run(poll_briefly())
+    assert engine.calls == 1
+    assert samples(metrics)[key("kvscope_probe_up", model_name="m", engine="0")] == 0
