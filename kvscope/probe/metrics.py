@@ -47,8 +47,10 @@ class CensusTally:
     terms: dict[str, int] = field(default_factory=dict)
 
     def note(self, step: int, result: Any, terms: Iterable[str]) -> None:
-        """A stored census: `result` holds each of `terms` as a field (a list, a mapping or a difference)."""
-        self.note_counts(step, {term: term_count(getattr(result, term)) for term in terms})
+        """A stored census: `result` holds each of `terms` as a field (a list, a mapping or a difference);
+        a term it lacks is left out (the census's own terms decide the series)."""
+        fields = {term: getattr(result, term, None) for term in terms}
+        self.note_counts(step, {term: term_count(value) for term, value in fields.items() if value is not None})
 
     def note_counts(self, step: int, counts: dict[str, int]) -> None:
         """A stored census, as what each of its terms names."""

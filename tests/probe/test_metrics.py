@@ -52,6 +52,12 @@ def test_the_tally_counts_each_term_and_the_failed_censuses() -> None:
     assert snap["terms"] == dict.fromkeys(TERMS, 0) | {"leaked": 1, "lostref": 1}
 
 
+def test_a_term_the_census_lacks_is_left_out() -> None:
+    tally = CensusTally()
+    tally.note(1, census({1: 1}, {"a": [1]}), [*TERMS, "lingered"])
+    assert set(tally.snapshot(True, None)["terms"]) == set(TERMS)
+
+
 def test_the_series_carry_vllms_labels_and_each_census_term() -> None:
     tally = CensusTally()
     tally.note(7, census({1: 1, 2: 1}, {"a": [1]}), TERMS)
