@@ -38,7 +38,8 @@ NOTE: what survives
                    SIGINT/SIGTERM/SIGHUP while it runs is swallowed: the capture always ends closed
     process exit   without close() (an error ended the owner first): the exit-time close marks
                    the run 'crashed' ("the process exited without closing its run"), never
-                   'finished'
+                   'finished'; when an exception, Ctrl-C or sys.exit(N) ended it, as exits.py
+                   says (crashed with the exception's line, interrupted, "exited with code N")
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ import kvscope
 from kvscope.telemetry import schema
 from kvscope.telemetry.channel import Channel, ChannelClosed, Message
 from kvscope.telemetry.events import EventKind, PoolName, Recorder
+from kvscope.telemetry.exits import exit_status
 from kvscope.telemetry.packed import BATCH, ITEM_FIELDS, ITEM_WIDTH
 from kvscope.telemetry.records import LEVELS, LeakCheck, NodeRow, RequestRecord, Routing, RunStatus, UsageSample
 from kvscope.telemetry.store import (
@@ -526,8 +528,12 @@ class SQLRecorder(Recorder):
 
     def _close_at_exit(self) -> None:
         """The process exits and its owner never closed the run (an error ended it before): the
-        run did not finish."""
-        self.close(RunStatus.CRASHED, "the process exited without closing its run")
+        run did not finish (an exception's line when one ended it, exits.py)."""
+        ending = exit_status()
+        if ending.status == RunStatus.FINISHED:
+            self.close(RunStatus.CRASHED, "the process exited without closing its run")
+        else:
+            self.close(*ending)
 
     def _mark_ended(self, status: str, error: str | None) -> None:
         """NOTE: a write that failed for room (a full disk, a file-size limit) may leave the log too

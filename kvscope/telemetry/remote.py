@@ -28,6 +28,10 @@ NOTE: messages (channel.py frames)
                        ("ledger",) with body marshal of (takers, releasers) / ("failed", one line) later
 A host that dies, a full disk or a bad target stop recording: one line on stderr, later records
 are dropped, the engine goes on. Nothing here raises into the recording process after __init__.
+NOTE: how a run closes. Its owner's close(status) (the probe's: at the engine's shutdown); a process
+that exits before that closes it by how it ends (exits.py: finished only for a normal end; crashed
+with the exception's line, interrupted, or crashed "exited with code N"); a process killed before
+either leaves it to the host, which closes it crashed ("... ended without closing the run (killed)").
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from typing import Any
 import kvscope
 from kvscope.telemetry.channel import Channel, ChannelClosed
 from kvscope.telemetry.events import EventKind, EvictReason, PoolName, Recorder
+from kvscope.telemetry.exits import exit_status, watch_exits
 from kvscope.telemetry.records import LeakCheck, RequestRecord, Routing, UsageSample
 
 OPEN_TIMEOUT_S = 60.0  # NOTE: the host imports SQLAlchemy and creates the run (a second or two; more on a busy CPU)
@@ -295,10 +300,12 @@ class RemoteRecorder(Recorder):
         self._due_s = _monotonic() + flush_interval_s
         self._channel, self._process = _start_host(python or sys.executable)
         self.run_id = self._open(str(target), level, label, config or {})
-        # NOTE: an engine process that exits normally closes its run as finished; a multiprocessing
-        # child (vLLM's EngineCore) skips atexit and runs multiprocessing's finalizers instead
-        atexit.register(self.close)
-        self._finalizer = multiprocessing.util.Finalize(None, self.close, exitpriority=100)
+        # NOTE: a process that exits before its owner closed the run closes it by how it ends
+        # (exits.py: finished only for a normal end); a multiprocessing child (vLLM's EngineCore)
+        # skips atexit and runs multiprocessing's finalizers instead
+        watch_exits()
+        atexit.register(self._close_at_exit)
+        self._finalizer = multiprocessing.util.Finalize(None, self._close_at_exit, exitpriority=100)
 
     def _open(self, target: str, level: str, label: str, config: dict[str, Any]) -> int:
         try:
@@ -437,8 +444,12 @@ class RemoteRecorder(Recorder):
             self._hand_off()
             self._ask(("close", status, error), "closed")
         self._end_host()
-        atexit.unregister(self.close)
+        atexit.unregister(self._close_at_exit)
         self._finalizer.cancel()
+
+    def _close_at_exit(self) -> None:
+        """The process ends and its owner did not close the run: closed by how it ends (exits.py)."""
+        self.close(*exit_status())
 
     def _hand_off(self) -> None:
         self._due_s = _monotonic() + self._interval_s
@@ -608,7 +619,8 @@ def _host(channel: Channel) -> None:
         channel.send(("failed", str(err).splitlines()[0] if str(err) else type(err).__name__))
         return
     channel.send(("opened", recorder.run_id, os.getpid()))
-    status: tuple[str, str | None] = ("interrupted", "the recording process ended without closing the run")
+    # NOTE: the recording process died without closing (SIGKILL, a signal's default action, os._exit)
+    status: tuple[str, str | None] = ("crashed", "the recording process ended without closing the run (killed)")
     ledger = StreamLedger()
     try:
         while True:

@@ -132,7 +132,8 @@ def _set_visibility(nodes: Nodes, ev: Any, visibility: str, subtree: bool) -> No
     if not subtree:
         return
     for node_id in list(nodes):  # NOTE: parents need not come before children: walk up
-        path, up = [], node_id
+        path: list[int] = []
+        up = node_id
         while up is not None and up not in marked and up in nodes and len(path) <= len(nodes):
             path.append(up)
             up = nodes[up]["parent_id"]
