@@ -25,8 +25,9 @@ when the call did not come through a group's manager; rid = the request the call
     finish   the request's end: reason = vLLM's finish reason (stop, length, abort, ...)
 Block events (alloc, evict, lock, revive, free, unlock) carry the engine step's clock, read once as
 the step begins (between steps, their own): a step's events share one t_mono; seq orders them.
-EngineCore.shutdown closes the run as finished (a multiprocessing child never runs atexit; vLLM
-then kills the process tree).
+EngineCore.shutdown closes the run (a multiprocessing child never runs atexit; vLLM then kills the
+process tree): finished after a normal shutdown, crashed with the exception's line when an exception
+ended the engine (telemetry/exits.py says which status each ending gives).
 Per engine step a usage sample (tokens = blocks x block size: unhashed free-queue blocks as
 available, cached-free ones as evictable, the rest as used); per finished request its record; per
 idle edge the census terms as leak checks and a tree snapshot (and one every SNAPSHOT_EVERY_STEPS
@@ -36,6 +37,7 @@ steps while busy).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -64,6 +66,7 @@ from kvscope.telemetry import (
     RequestStatus,
     UsageSample,
 )
+from kvscope.telemetry.exits import ExitStatus, status_of
 from kvscope.telemetry.remote import CLOCK, EventStream, RemoteRecorder
 
 ENGINE = "vllm"
@@ -273,11 +276,11 @@ class VllmProbe:
         manager = scheduler.kv_cache_manager
         return self.census(manager, set(scheduler.requests), [b for _, b in scheduler.deferred_frees])
 
-    def close_run(self) -> None:
-        """The engine shuts down: the run ends finished (this process records nothing more)."""
+    def close_run(self, ending: ExitStatus) -> None:
+        """The engine shuts down: the run ends as the engine did (this process records nothing more)."""
         if self.pid == os.getpid():
             self.state.active = False
-            self.state.recorder.close("finished")
+            self.state.recorder.close(*ending)
 
     def named(self, result: CensusResult) -> CensusResult:
         """The census's culprits from the ledger: at full the recorder's host keeps it from the event
@@ -820,10 +823,14 @@ def _idle_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _engine_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
+    """NOTE: run_engine_core calls shutdown() in a `finally`: the exception that ended the busy loop is
+    still in flight there (sys.exc_info). A normal shutdown ends the loop with SystemExit (code None);
+    an engine error (vLLM reports the engine dead and re-raises it) closes the run crashed with its line."""
+
     def shutdown(self: Any) -> Any:
         if PROBE.state.active:
             with guarded(PROBE.state):
-                PROBE.close_run()
+                PROBE.close_run(status_of(sys.exc_info()[1]))
         return original(self)
 
     return shutdown

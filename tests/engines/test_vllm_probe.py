@@ -372,3 +372,25 @@ def test_a_steps_block_events_carry_the_steps_clock(refs: tuple[dict[str, Any], 
     assert all(len(events_of) == 1 for events_of in times.values()), times
     first, second = (times[step].pop() for step in result["steps"])
     assert first < second
+
+
+@pytest.mark.parametrize(
+    ("scenario", "status", "error"),
+    [("shutdown", "finished", None), ("crash", "crashed", "ValueError: Cannot get 13 free blocks from the pool")],
+)
+def test_an_engine_that_raises_ends_its_run_crashed_with_the_exceptions_line(
+    tmp_path: Path, scenario: str, status: str, error: str | None
+) -> None:
+    """vLLM's run_engine_core calls EngineCore.shutdown in a `finally`: after a normal shutdown (its
+    busy loop's SystemExit) the run is finished; after an engine error it is crashed, with the error's
+    line, and `kvscope check` is not clean."""
+    capture = tmp_path / f"{scenario}.db"
+    result = drive(scenario, capture)
+    assert not result["active"]
+    db = Capture(capture)
+    try:
+        run = db.runs().iloc[-1]
+        assert (run.status, run.error) == (status, error), result
+    finally:
+        db.close()
+    assert kvscope("check", str(capture)).returncode == (3 if scenario == "crash" else 0)

@@ -2,7 +2,7 @@
 Run with the vLLM venv's python, kvscope on PYTHONPATH:
 
     python vllm_probe_driver.py SCENARIO      (clean, extra-ref, double-free, unknown-version,
-                                               missing-target, inert, life, refs)
+                                               missing-target, inert, life, refs, shutdown, crash)
 
 The environment names the capture (KVSCOPE_CAPTURE, KVSCOPE_PYTHON). Prints one JSON line: what the
 probe said, the census results, the injected ground truth, and that vLLM's own calls still worked.
@@ -187,6 +187,9 @@ def main(scenario: str) -> None:
         said = probe._register(version="0.32.0", table=table)
     else:
         said = probe._register()
+    if scenario in ("shutdown", "crash"):
+        print(json.dumps({"said": said, **engine_ends(scenario == "crash")}))
+        return
     if scenario in ("life", "refs"):
         result = life() if scenario == "life" else refs()
         probe.PROBE.state.recorder.close()
@@ -236,6 +239,30 @@ def main(scenario: str) -> None:
             }
         )
     )
+
+
+def engine_ends(crash: bool) -> dict:
+    """A request served, then the engine's loop ends the way run_engine_core sees it: SystemExit at a
+    normal shutdown, or vLLM's own error (the block pool asked for more blocks than it has); either
+    way vLLM's EngineCore.shutdown runs in the `finally`, with the exception still in flight."""
+    kv, live = manager(), {}
+    probe.PROBE.step_begins()
+    serve(kv, live, "req-a", list(range(2 * BLOCK)))
+    idle(kv, live)  # NOTE: a passing census: only the run's status can keep `check` from clean
+    engine = SimpleNamespace(
+        structured_output_manager=SimpleNamespace(clear_backend=lambda: None), model_executor=None, scheduler=None
+    )
+    raised = None
+    try:
+        try:
+            if crash:
+                kv.block_pool.get_new_blocks(NUM_BLOCKS + 1)
+            raise SystemExit
+        finally:
+            EngineCore.shutdown(engine)
+    except BaseException as err:  # NOTE: the driver reports it and exits normally (the run is closed)
+        raised = f"{type(err).__name__}: {err}"
+    return {"raised": raised, "active": probe.PROBE.state.active}
 
 
 class probe_context:
