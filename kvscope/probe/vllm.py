@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvscope.probe.census import CensusResult, census_checks, census_json, named, take_census
+from kvscope.probe.census import CensusResult, census_blocks, census_checks, census_json, named, take_census
 from kvscope.probe.core import (
     ProbeState,
     Settings,
@@ -144,6 +144,7 @@ class VllmProbe:
         self.cached_calls: list[tuple[Any, int, int]] = []  # cache_full_blocks' (blocks, first, end) this step
         self.parents: dict[int, tuple[int, Any]] = {}  # cached block -> (the block before it in its chain, its hash)
         self.dp_rank: int | None = None
+        self.last_poll: tuple[Any, ...] | None = None  # NOTE: the last live poll's findings (None: it passed)
         self.cum = {"prompt": 0, "hit": 0, "requests": 0, "hit_requests": 0, "evicted": 0, "retractions": 0}
 
     # -- the recorder ------------------------------------------------------------------------
@@ -296,6 +297,28 @@ class VllmProbe:
         takers, releasers = answer
         return named(result, _as_ledger(takers), _as_ledger(releasers))
 
+    def polled(self, result: CensusResult) -> None:
+        """A live poll's census (GET /kvscope/census): stored, and handed on at once (an engine that
+        fails may die soon after), when it fails with other findings than the last poll's; a passing
+        poll, or one that repeats the last, is not (a server polled every second would flood the
+        capture with the same rows)."""
+        seen = (
+            None
+            if result.ok
+            else (result.leaked, result.lostref, result.unqueued, result.qheld, result.qcount, result.orphans)
+        )
+        if seen == self.last_poll or seen is None:
+            self.last_poll = seen
+            return
+        self.last_poll = seen
+        rec = self.recorder()
+        if rec is None:
+            return
+        for check in census_checks(rec.step, result):
+            rec.leak_check(check)
+        rec.census_blocks(census_blocks(rec.step, result))
+        rec.idle()
+
     def census(self, manager: Any, live_rids: set[str], deferred: list[list[Any]]) -> CensusResult | None:
         """The census now (on the engine's thread, between steps), stored as leak checks, and a
         tree snapshot."""
@@ -308,6 +331,7 @@ class VllmProbe:
         self.cached_free = len(view.hashed.intersection(view.queued))  # NOTE: the running count, recounted
         for check in census_checks(rec.step, result):
             rec.leak_check(check)
+        rec.census_blocks(census_blocks(rec.step, result))
         self.note_parents()
         rec.tree_snapshot(rec.step, tree_rows(manager, self.parents, self.block_size or _block_size(manager)))
         rec.idle()
@@ -920,6 +944,9 @@ def _census_utility(self: Any) -> dict[str, Any]:
                 {},
             )
         )
+        if PROBE.state.active:
+            with guarded(PROBE.state):
+                PROBE.polled(result)
         return census_json(result, os.getpid(), dp_rank(self) or 0)
     except Exception as err:  # NOTE: an answer, never an engine error
         return {"pid": os.getpid(), "error": f"{type(err).__name__}: {err}".splitlines()[0]}

@@ -71,7 +71,16 @@ from kvscope.telemetry.channel import Channel, ChannelClosed, Message
 from kvscope.telemetry.events import EventKind, PoolName, Recorder
 from kvscope.telemetry.exits import exit_status
 from kvscope.telemetry.packed import BATCH, ITEM_FIELDS, ITEM_WIDTH
-from kvscope.telemetry.records import LEVELS, LeakCheck, NodeRow, RequestRecord, Routing, RunStatus, UsageSample
+from kvscope.telemetry.records import (
+    LEVELS,
+    CensusBlock,
+    LeakCheck,
+    NodeRow,
+    RequestRecord,
+    Routing,
+    RunStatus,
+    UsageSample,
+)
 from kvscope.telemetry.store import (
     CaptureError,
     compiled_statement,
@@ -82,6 +91,7 @@ from kvscope.telemetry.store import (
     open_writer,
     server_url,
     settle,
+    upsert_statement,
 )
 from kvscope.telemetry.writer import HEARTBEAT_INTERVAL_S, WriterSettings
 
@@ -190,9 +200,22 @@ class SQLRecorder(Recorder):
             "event_chunks": (schema.event_chunks, [c.name for c in schema.event_chunks.c]),
             "event_columns": (schema.event_columns, [c.name for c in schema.event_columns.c]),
             "tree_snapshots": (schema.tree_snapshots, schema.TREE_SNAPSHOT_COLUMNS),
-            "leak_checks": (schema.leak_checks, schema.LEAK_CHECK_COLUMNS),
             "usage": (schema.usage, schema.USAGE_COLUMNS),
             "requests": (schema.requests, schema.REQUEST_COLUMNS),
+        }
+        # NOTE: two censuses in one step (a live poll, the idle census) repeat a key: the first row stays,
+        # a failing leak check replaces a passing one (schema's version notes, 8)
+        kept = {
+            "leak_checks": upsert_statement(
+                engine,
+                schema.leak_checks,
+                schema.LEAK_CHECK_COLUMNS,
+                schema.LEAK_CHECK_KEY,
+                lambda stored, new: stored.ok & ~new.ok,
+            ),
+            "census_blocks": upsert_statement(
+                engine, schema.census_blocks, schema.CENSUS_BLOCK_COLUMNS, schema.CENSUS_BLOCK_KEY
+            ),
         }
         heartbeat = (
             update(schema.runs)
@@ -203,7 +226,8 @@ class SQLRecorder(Recorder):
             file=None if path is None else str(path),
             url=None if path is not None else server_url(str(target)).render_as_string(hide_password=False),
             run_id=self.run_id,
-            inserts={name: insert_statement(engine, table, columns) for name, (table, columns) in tables.items()},
+            inserts={name: insert_statement(engine, table, columns) for name, (table, columns) in tables.items()}
+            | kept,
             heartbeat=compiled_statement(engine, heartbeat, ("heartbeat_at", "run_id")),
             heartbeat_interval_s=self._heartbeat_interval_s,
         )
@@ -330,6 +354,10 @@ class SQLRecorder(Recorder):
                 ),
             )
         )
+
+    def census_blocks(self, blocks: list[CensusBlock]) -> None:
+        run_id = self.run_id
+        self._rows.extend([("census_blocks", (run_id, *block.row())) for block in blocks])
 
     def request(self, rec: RequestRecord) -> None:
         """Store a request's final record (call once, when it ends or when the run closes)."""

@@ -14,7 +14,8 @@ NOTE: the three processes
                        past `flush_interval_s`, at idle points and on flush() the buffer goes to
                        the host as one marshal body. Imports: the standard library, channel.py.
     host process       SQLRecorder(target): starts the run, takes each batch into its buffer
-                       (extend_items, usage, leak_check, request, tree_snapshot) and hands it on. It detaches
+                       (extend_items, usage, leak_check, census_blocks, request, tree_snapshot) and
+                       hands it on. It detaches
                        (a second fork, a session of its own) so that an engine killing its own
                        process tree at shutdown (vLLM does) leaves it to close the run.
     writer process     SQLRecorder's own: packs and writes.
@@ -57,7 +58,7 @@ import kvscope
 from kvscope.telemetry.channel import Channel, ChannelClosed
 from kvscope.telemetry.events import EventKind, EvictReason, PoolName, Recorder
 from kvscope.telemetry.exits import exit_status, watch_exits
-from kvscope.telemetry.records import LeakCheck, RequestRecord, Routing, UsageSample
+from kvscope.telemetry.records import CensusBlock, LeakCheck, RequestRecord, Routing, UsageSample
 
 OPEN_TIMEOUT_S = 60.0  # NOTE: the host imports SQLAlchemy and creates the run (a second or two; more on a busy CPU)
 _monotonic = time.monotonic
@@ -405,6 +406,9 @@ class RemoteRecorder(Recorder):
     def leak_check(self, check: LeakCheck) -> None:
         self._rows.append(("leak_checks", _plain_tuple(check)))
 
+    def census_blocks(self, blocks: list[CensusBlock]) -> None:
+        self._rows.extend([("census_blocks", _plain_tuple(block)) for block in blocks])
+
     def request(self, rec: RequestRecord) -> None:
         self._rows.append(
             (
@@ -684,6 +688,8 @@ def _take(recorder: Any, items: list[Any], rows: list[tuple[str, tuple[Any, ...]
             )
         elif table == "leak_checks":
             recorder.leak_check(LeakCheck(*row))
+        elif table == "census_blocks":
+            recorder.census_blocks([CensusBlock(*row)])
         elif table == "tree_snapshots":
             recorder.tree_snapshot(row[0], row[1])
         elif table == "requests":

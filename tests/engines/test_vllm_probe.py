@@ -394,3 +394,33 @@ def test_an_engine_that_raises_ends_its_run_crashed_with_the_exceptions_line(
     finally:
         db.close()
     assert kvscope("check", str(capture)).returncode == (3 if scenario == "crash" else 0)
+
+
+def test_a_failed_live_census_is_stored_once_per_finding_and_the_crashed_run_checks_as_a_leak(tmp_path: Path) -> None:
+    """GET /kvscope/census's answers were never stored: an engine that then died left a capture that
+    said nothing of the double free it had shown. A failed poll is stored (a repeat of the same finding
+    at a later step is not), the engine's error closes the run crashed, `kvscope check` says leak and
+    `report leaks` names the blocks with the request they were released for."""
+    capture = tmp_path / "polled.db"
+    result = drive("polled-crash", capture)
+    first, second = result["blocks"]
+    assert result["lostref"] == [[first], [first], [first], [first, second]]
+    db = Capture(capture)
+    try:
+        run = db.runs().iloc[-1]
+        checks = db.leak_checks(int(run.id))
+        blocks = db.census_blocks(int(run.id))
+    finally:
+        db.close()
+    assert (run.status, run.error) == ("crashed", "ValueError: Cannot get 13 free blocks from the pool")
+    failed = checks[~checks.ok.astype(bool)]
+    assert sorted(set(failed.step)) == [1, 3] and set(failed.pool) == {"lostref"}  # NOTE: step 2 repeated step 1
+    assert sorted(zip(blocks.step, blocks.term, blocks.block, blocks.releaser_rid, strict=True)) == [
+        (1, "lostref", first, "req-hold"),
+        (3, "lostref", first, "req-hold"),
+        (3, "lostref", second, "req-hold"),
+    ]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    text = kvscope("report", "leaks", str(capture)).stdout
+    assert f"lostref: block {second} ref 0, accounted 1; last released for request req-hold" in text, text

@@ -2,7 +2,8 @@
 Run with the vLLM venv's python, kvscope on PYTHONPATH:
 
     python vllm_probe_driver.py SCENARIO      (clean, extra-ref, double-free, unknown-version,
-                                               missing-target, inert, life, refs, shutdown, crash)
+                                               missing-target, inert, life, refs, shutdown, crash,
+                                               polled-crash)
 
 The environment names the capture (KVSCOPE_CAPTURE, KVSCOPE_PYTHON). Prints one JSON line: what the
 probe said, the census results, the injected ground truth, and that vLLM's own calls still worked.
@@ -187,6 +188,9 @@ def main(scenario: str) -> None:
         said = probe._register(version="0.32.0", table=table)
     else:
         said = probe._register()
+    if scenario == "polled-crash":
+        print(json.dumps({"said": said, **polled_then_crash()}))
+        return
     if scenario in ("shutdown", "crash"):
         print(json.dumps({"said": said, **engine_ends(scenario == "crash")}))
         return
@@ -263,6 +267,40 @@ def engine_ends(crash: bool) -> dict:
     except BaseException as err:  # NOTE: the driver reports it and exits normally (the run is closed)
         raised = f"{type(err).__name__}: {err}"
     return {"raised": raised, "active": probe.PROBE.state.active}
+
+
+def polled_then_crash() -> dict:
+    """A live request's block is released once more (a double free); GET /kvscope/census polls the
+    engine (EngineCore.kvscope_census, the utility the probe adds) twice at step 1 and once at step 2
+    with the same finding, then at step 3 after a second block is released too often; then vLLM's own
+    error ends the engine (no idle census ever ran)."""
+    kv, live = manager(), {}
+    probe.PROBE.step_begins()
+    serve(kv, live, "req-hold", list(range(3 * BLOCK)))
+    table = kv.coordinator.single_type_managers[0].req_to_blocks["req-hold"]
+    engine = SimpleNamespace(
+        scheduler=SimpleNamespace(kv_cache_manager=kv, deferred_frees=[], requests=live, shutdown=lambda: None),
+        vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_rank=0)),
+        structured_output_manager=SimpleNamespace(clear_backend=lambda: None),
+        model_executor=None,
+    )
+    with probe_context("req-hold"):
+        kv.block_pool.free_blocks([table[0]])
+    answers = [EngineCore.kvscope_census(engine), EngineCore.kvscope_census(engine)]
+    probe.PROBE.step_begins()
+    answers.append(EngineCore.kvscope_census(engine))
+    probe.PROBE.step_begins()
+    with probe_context("req-hold"):
+        kv.block_pool.free_blocks([table[1]])
+    answers.append(EngineCore.kvscope_census(engine))
+    try:
+        try:
+            kv.block_pool.get_new_blocks(NUM_BLOCKS + 1)
+        finally:
+            EngineCore.shutdown(engine)
+    except ValueError:
+        pass
+    return {"lostref": [a["lostref"] for a in answers], "blocks": [table[0].block_id, table[1].block_id]}
 
 
 class probe_context:
