@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvscope.probe.census import MAX_NAMED, BlockView, census_blocks, census_checks, take_census
 from kvscope.telemetry import Capture, CensusBlock, SQLRecorder
 from kvscope.telemetry.remote import RemoteRecorder
@@ -78,7 +80,17 @@ def test_every_named_block_is_stored_and_reported_not_only_the_messages_eight(tm
 def test_a_second_census_at_the_same_step_never_stops_recording_nor_hides_a_failure(tmp_path: Path) -> None:
     """A live poll that fails and the idle census at the same step: the leak checks' key (run, step,
     pool) repeats. The failing rows stay whichever came first; the census blocks are kept once."""
-    target = tmp_path / "twice.db"
+    _two_censuses_at_one_step(str(tmp_path / "twice.db"))
+
+
+@pytest.mark.postgres
+def test_a_second_census_at_the_same_step_on_postgresql(postgres_url: str) -> None:
+    """The same on a server database (ON CONFLICT in PostgreSQL's dialect)."""
+    pytest.importorskip("psycopg", reason="the PostgreSQL driver (pip install 'kvscope[postgres]')")
+    _two_censuses_at_one_step(postgres_url)
+
+
+def _two_censuses_at_one_step(target: str) -> None:
     rec = SQLRecorder(target, level="summary", config=PROBE_CONFIG)
     clean = census_checks(7, take_census(BlockView({1: 0}, set(), [1], 1), [], [], set(), {}))
     leaky, blocks = _leaky_census(7)
@@ -94,8 +106,8 @@ def test_a_second_census_at_the_same_step_never_stops_recording_nor_hides_a_fail
     assert rec.failure is None
     db = Capture(target)
     try:
-        checks = db.leak_checks(1)
-        stored = db.census_blocks(1)
+        checks = db.leak_checks(rec.run_id)
+        stored = db.census_blocks(rec.run_id)
         status = db.runs().iloc[-1].status
     finally:
         db.close()
