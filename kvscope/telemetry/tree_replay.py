@@ -18,10 +18,11 @@ An insert event's reason is the new node's visibility (the scoped radix cache: p
 a global-sharing tree records none, and its nodes are public.
 Hit counts and access times of nodes born after the snapshot are approximate. An insert from a
 schema-version-1 capture carries no principal: such a node shows no owner.
-NOTE: stale parent links. A node id can be reused: vLLM's block ids are, and vLLM evicts a cached block
-while blocks cached below it stay (orphans; the probe's snapshot shows them under the root). A child's
-link then names an id that was evicted and inserted again later, possibly below that child (a prefix
-hit on the orphan, then the reused block cached after it): following the link loops. A link is only
+NOTE: stale parent links. A node id can be reused: vLLM's block ids are, and a cached block can be
+evicted while blocks cached below it stay (orphans; the probe's snapshot shows them under the root). A
+child's link then names an id that was evicted and inserted again later, possibly below that child (after
+a double free vLLM hands a chain's block out again and may cache it after the chain's own later blocks):
+following the link loops. A link is only
 the parent's when the parent was inserted no later than the child (each node keeps its insertion
 order, BORN; a split's new node takes its child's); a later parent means the link is stale, and the
 node shows under the root, as an orphan. A table that still holds a cycle (a snapshot written with

@@ -3,7 +3,7 @@ Run with the vLLM venv's python, kvscope on PYTHONPATH:
 
     python vllm_probe_driver.py SCENARIO      (clean, extra-ref, double-free, unknown-version,
                                                missing-target, inert, life, refs, shutdown, crash,
-                                               polled-crash)
+                                               polled-crash, reused-parent)
 
 The environment names the capture (KVSCOPE_CAPTURE, KVSCOPE_PYTHON). Prints one JSON line: what the
 probe said, the census results, the injected ground truth, and that vLLM's own calls still worked.
@@ -188,6 +188,9 @@ def main(scenario: str) -> None:
         said = probe._register(version="0.32.0", table=table)
     else:
         said = probe._register()
+    if scenario == "reused-parent":
+        print(json.dumps({"said": said, **reused_parent()}))
+        return
     if scenario == "polled-crash":
         print(json.dumps({"said": said, **polled_then_crash()}))
         return
@@ -267,6 +270,30 @@ def engine_ends(crash: bool) -> dict:
     except BaseException as err:  # NOTE: the driver reports it and exits normally (the run is closed)
         raised = f"{type(err).__name__}: {err}"
     return {"raised": raised, "active": probe.PROBE.state.active}
+
+
+def reused_parent() -> dict:
+    """A double free puts a live chain's first block Y at the free queue's tail, hash and all; a filler
+    request drains the queue but one block before it, and the same request grows by two blocks: vLLM
+    hands it that block, then Y (evicting Y's hash), and caches Y again after them, below its own
+    child X. Between the idle census's snapshot and the next, X's recorded parent is Y and Y sits below X."""
+    kv, live = manager(), {}
+    probe.PROBE.step_begins()
+    req = serve(kv, live, "req-a", list(range(2 * BLOCK + 1)))
+    idle(kv, live)  # NOTE: the snapshot holds Y and X
+    probe.PROBE.step_begins()
+    table = kv.coordinator.single_type_managers[0].req_to_blocks["req-a"]
+    first, second = table[0].block_id, table[1].block_id
+    with probe_context("req-a"):
+        kv.block_pool.free_blocks([table[0]])
+    serve(kv, live, "filler", [5000 + i for i in range((kv.block_pool.get_num_free_blocks() - 2) * BLOCK)])
+    for t in range(3 * BLOCK - 1):  # NOTE: five full blocks: the two new ones are full, so both are cached
+        req.append_output_token_ids(7000 + t)
+    kv.allocate_slots(req, len(req.all_token_ids) - req.num_computed_tokens)
+    req.num_computed_tokens = len(req.all_token_ids)
+    kv.cache_blocks(req, req.num_computed_tokens)
+    probe.PROBE.state.recorder.close()
+    return {"blocks": [b.block_id for b in table], "first": first, "second": second, "step": probe.PROBE.step}
 
 
 def polled_then_crash() -> dict:

@@ -133,8 +133,8 @@ def _links(table: pd.DataFrame) -> dict[int, int | None]:
 
 
 def test_a_link_to_a_reused_id_inserted_below_its_child_is_an_orphans_not_a_cycle() -> None:
-    """vLLM's ids are reused: block 7 is evicted while block 9, cached below it, stays (an orphan);
-    a later request hits 9 and caches the reused 7 after it. The replay followed 9's stale link to
+    """vLLM's ids are reused: block 7 is evicted while block 9, cached below it, stays (an orphan, as
+    after a double free); the reused 7 is cached after 9. The replay followed 9's stale link to
     the new 7, whose parent is 9 (a RecursionError on the Radix tree page); now 9 is an orphan under
     the root and 7 sits below it."""
     events = _events(("insert", 7, 16, 0), ("insert", 9, 16, 7), ("evict", 7, 16, 0), ("insert", 7, 16, 9))
