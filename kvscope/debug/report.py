@@ -31,7 +31,7 @@ from kvscope.telemetry import ENDED_WITHOUT_CLOSING, Capture, EventKind, RunStat
 from kvscope.telemetry import save_report as _store_report
 
 REPORT_KIND = "leaks"
-PRODUCER = f"kvscope {__version__} / leak report 1"  # a stored report from another producer is rebuilt
+PRODUCER = f"kvscope {__version__} / leak report 2"  # a stored report from another producer is rebuilt
 
 PROBE_NOTE = (
     "recorded inside the engine by kvscope's probe: its idle census checks every block's ref count "
@@ -122,6 +122,9 @@ class LeakReport:
     last_step: int | None = None  # the run's last step with a usage sample
     attached: str | None = None  # an attached engine's run ("vllm 0.32.0"): its leaks are not kvscope's to see
     probe: str | None = None  # a probe's run inside a real engine ("vllm 0.32.0"): its verdict is its census
+    # NOTE: every block (page) a probe's census named at the first and the last failing step (census_blocks;
+    # its checks' messages name a few): step, term, block, ref, accounted, taker and releaser ({rid, step, event})
+    census_blocks: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -213,6 +216,7 @@ def build_report(
             probe=attached_source(run, "probe"),
         )
         _from_checks(report, capture.leak_checks(report.run_id))
+        _from_census_blocks(report, capture)
         last_step = capture.step_range(report.run_id).hi.iloc[0]
         report.last_step = None if pd.isna(last_step) else int(last_step)
         requests = capture.requests(report.run_id)
@@ -247,6 +251,7 @@ def checks_report(target: str | Path, run_id: int | None = None) -> LeakReport:
             attached=attached_source(run),
         )
         _from_checks(report, capture.leak_checks(report.run_id))
+        _from_census_blocks(report, capture)
         last_step = capture.step_range(report.run_id).hi.iloc[0]
         report.last_step = None if pd.isna(last_step) else int(last_step)
         return report
@@ -300,6 +305,40 @@ def _from_checks(report: LeakReport, checks: pd.DataFrame) -> None:
         report.last_clean_step = int(before.step.max()) if not before.empty else None
     elif not checks.empty:
         report.last_clean_step = int(checks.step.max())
+
+
+def _from_census_blocks(report: LeakReport, capture: Capture) -> None:
+    """The blocks the census named at the first and the last failing step, every one of them."""
+    steps = {report.first_failure_step, report.last_failure_step} - {None}
+    if not steps:
+        return
+    blocks = capture.census_blocks(report.run_id)
+    report.census_blocks = [_census_block(row) for row in blocks[blocks.step.isin(steps)].itertuples()]
+
+
+def _census_block(row: Any) -> dict[str, Any]:
+    def who(prefix: str) -> dict[str, Any] | None:
+        step = getattr(row, f"{prefix}_step")
+        if step is None or pd.isna(step):
+            return None
+        return {
+            "rid": _text(getattr(row, f"{prefix}_rid")),
+            "step": int(step),
+            "event": _text(getattr(row, f"{prefix}_event")),
+        }
+
+    def count(value: Any) -> int | None:
+        return None if value is None or pd.isna(value) else int(value)
+
+    return {
+        "step": int(row.step),
+        "term": str(row.term),
+        "block": int(row.block),
+        "ref": count(row.ref),
+        "accounted": count(row.accounted),
+        "taker": who("taker"),
+        "releaser": who("releaser"),
+    }
 
 
 def _suspects(requests: pd.DataFrame, report: LeakReport) -> list[str]:
@@ -516,15 +555,41 @@ def _checks_lines(report: LeakReport) -> list[str]:
             f"leak checks: {report.checks_run} idle points; first failure at step {report.first_failure_step}:",
             *(f"    {m}" for m in report.first_failure),
         ]
+        lines += _blocks_lines(report, report.first_failure_step)
         if report.probe is not None and report.last_failure_step not in (None, report.first_failure_step):
             lines += [
                 f"  last failure at step {report.last_failure_step} (what the census finds wrong there):",
                 *(f"    {m}" for m in report.last_failure),
+                *_blocks_lines(report, report.last_failure_step),
             ]
         return lines
     if report.checks_run == 0:
         return ["leak checks: the run reached no idle point, so no leak check ran"]
     return [f"leak checks: {report.checks_run} idle points, all balanced"]
+
+
+def _blocks_lines(report: LeakReport, step: int | None) -> list[str]:
+    """Every block the census named at `step` (the messages above name a few), one line each."""
+    blocks = [b for b in report.census_blocks if b["step"] == step]
+    if not blocks:
+        return []
+    return [
+        f"  every block the census named at step {step} ({len(blocks)}):",
+        *(f"    {_block_text(b)}" for b in blocks),
+    ]
+
+
+def _block_text(block: dict[str, Any]) -> str:
+    text = f"{block['term']}: block {block['block']}"
+    if block["ref"] is not None:
+        text += f" ref {block['ref']}"
+    if block["accounted"] is not None:
+        text += f", accounted {block['accounted']}"
+    for key, verb in (("taker", "taken"), ("releaser", "released")):
+        who = block[key]
+        if who is not None:
+            text += f"; last {verb} for request {who['rid']} ({who['event']} at step {who['step']})"
+    return text
 
 
 def _leaks_line(report: LeakReport) -> str:

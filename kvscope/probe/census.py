@@ -25,10 +25,10 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from kvscope.telemetry import LeakCheck
+from kvscope.telemetry import CensusBlock, LeakCheck
 
 TERMS = ("leaked", "lostref", "unqueued", "qheld", "qcount", "orphans")
-MAX_NAMED = 8  # NOTE: blocks named in one check's message; the rest are counted
+MAX_NAMED = 8  # NOTE: blocks named in one check's message; the rest are counted there (census_blocks stores all)
 
 
 class BlockView(NamedTuple):
@@ -125,6 +125,21 @@ def census_checks(step: int, result: CensusResult) -> list[LeakCheck]:
         len(result.unqueued),
     )
     return [LeakCheck(step, term, *counts, idle=True, violation=_violation(term, result)) for term in TERMS]
+
+
+def census_blocks(step: int, result: CensusResult) -> list[CensusBlock]:
+    """Every block the census names, one per term (its leak check's message names MAX_NAMED of each):
+    a leaked block with its last taker, a lost reference with its last release."""
+    blocks = [
+        CensusBlock(step, "leaked", b, ref, accounted, taker=result.culprits.get(b))
+        for b, (ref, accounted) in sorted(result.leaked.items())
+    ]
+    blocks += [
+        CensusBlock(step, "lostref", b, ref, accounted, releaser=result.releasers.get(b))
+        for b, (ref, accounted) in sorted(result.lostref.items())
+    ]
+    blocks += [CensusBlock(step, "unqueued", b, 0) for b in result.unqueued]
+    return blocks + [CensusBlock(step, "qheld", b) for b in result.qheld]
 
 
 def census_json(result: CensusResult, pid: int, dp_rank: int) -> dict[str, Any]:

@@ -25,8 +25,9 @@ when the call did not come through a group's manager; rid = the request the call
     finish   the request's end: reason = vLLM's finish reason (stop, length, abort, ...)
 Block events (alloc, evict, lock, revive, free, unlock) carry the engine step's clock, read once as
 the step begins (between steps, their own): a step's events share one t_mono; seq orders them.
-EngineCore.shutdown closes the run as finished (a multiprocessing child never runs atexit; vLLM
-then kills the process tree).
+EngineCore.shutdown closes the run (a multiprocessing child never runs atexit; vLLM then kills the
+process tree): finished after a normal shutdown, crashed with the exception's line when an exception
+ended the engine (telemetry/exits.py says which status each ending gives).
 Per engine step a usage sample (tokens = blocks x block size: unhashed free-queue blocks as
 available, cached-free ones as evictable, the rest as used); per finished request its record; per
 idle edge the census terms as leak checks and a tree snapshot (and one every SNAPSHOT_EVERY_STEPS
@@ -36,11 +37,12 @@ steps while busy).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvscope.probe.census import TERMS, CensusResult, census_checks, census_json, named, take_census
+from kvscope.probe.census import TERMS, CensusResult, census_blocks, census_checks, census_json, named, take_census
 from kvscope.probe.core import (
     ProbeState,
     Settings,
@@ -65,6 +67,7 @@ from kvscope.telemetry import (
     RequestStatus,
     UsageSample,
 )
+from kvscope.telemetry.exits import ExitStatus, status_of
 from kvscope.telemetry.remote import CLOCK, EventStream, RemoteRecorder
 
 ENGINE = "vllm"
@@ -142,6 +145,7 @@ class VllmProbe:
         self.cached_calls: list[tuple[Any, int, int]] = []  # cache_full_blocks' (blocks, first, end) this step
         self.parents: dict[int, tuple[int, Any]] = {}  # cached block -> (the block before it in its chain, its hash)
         self.dp_rank: int | None = None
+        self.last_poll: tuple[Any, ...] | None = None  # NOTE: the last live poll's findings (None: it passed)
         self.cum = {"prompt": 0, "hit": 0, "requests": 0, "hit_requests": 0, "evicted": 0, "retractions": 0}
         self.tally = CensusTally()  # NOTE: the stored censuses, for /metrics (EngineCore.kvscope_metrics)
 
@@ -275,11 +279,11 @@ class VllmProbe:
         manager = scheduler.kv_cache_manager
         return self.census(manager, set(scheduler.requests), [b for _, b in scheduler.deferred_frees])
 
-    def close_run(self) -> None:
-        """The engine shuts down: the run ends finished (this process records nothing more)."""
+    def close_run(self, ending: ExitStatus) -> None:
+        """The engine shuts down: the run ends as the engine did (this process records nothing more)."""
         if self.pid == os.getpid():
             self.state.active = False
-            self.state.recorder.close("finished")
+            self.state.recorder.close(*ending)
 
     def named(self, result: CensusResult) -> CensusResult:
         """The census's culprits from the ledger: at full the recorder's host keeps it from the event
@@ -295,6 +299,28 @@ class VllmProbe:
         takers, releasers = answer
         return named(result, _as_ledger(takers), _as_ledger(releasers))
 
+    def polled(self, result: CensusResult) -> None:
+        """A live poll's census (GET /kvscope/census): stored, and handed on at once (an engine that
+        fails may die soon after), when it fails with other findings than the last poll's; a passing
+        poll, or one that repeats the last, is not (a server polled every second would flood the
+        capture with the same rows)."""
+        seen = (
+            None
+            if result.ok
+            else (result.leaked, result.lostref, result.unqueued, result.qheld, result.qcount, result.orphans)
+        )
+        if seen == self.last_poll or seen is None:
+            self.last_poll = seen
+            return
+        self.last_poll = seen
+        rec = self.recorder()
+        if rec is None:
+            return
+        for check in census_checks(rec.step, result):
+            rec.leak_check(check)
+        rec.census_blocks(census_blocks(rec.step, result))
+        rec.idle()
+
     def census(self, manager: Any, live_rids: set[str], deferred: list[list[Any]]) -> CensusResult | None:
         """The census now (on the engine's thread, between steps), stored as leak checks, and a
         tree snapshot."""
@@ -307,6 +333,7 @@ class VllmProbe:
         self.cached_free = len(view.hashed.intersection(view.queued))  # NOTE: the running count, recounted
         for check in census_checks(rec.step, result):
             rec.leak_check(check)
+        rec.census_blocks(census_blocks(rec.step, result))
         self.tally.note(rec.step, result, TERMS)
         self.note_parents()
         rec.tree_snapshot(rec.step, tree_rows(manager, self.parents, self.block_size or _block_size(manager)))
@@ -823,10 +850,14 @@ def _idle_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _engine_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
+    """NOTE: run_engine_core calls shutdown() in a `finally`: the exception that ended the busy loop is
+    still in flight there (sys.exc_info). A normal shutdown ends the loop with SystemExit (code None);
+    an engine error (vLLM reports the engine dead and re-raises it) closes the run crashed with its line."""
+
     def shutdown(self: Any) -> Any:
         if PROBE.state.active:
             with guarded(PROBE.state):
-                PROBE.close_run()
+                PROBE.close_run(status_of(sys.exc_info()[1]))
         return original(self)
 
     return shutdown
@@ -927,6 +958,9 @@ def _census_utility(self: Any) -> dict[str, Any]:
                 {},
             )
         )
+        if PROBE.state.active:
+            with guarded(PROBE.state):
+                PROBE.polled(result)
         return census_json(result, os.getpid(), dp_rank(self) or 0)
     except Exception as err:  # NOTE: an answer, never an engine error
         return {"pid": os.getpid(), "error": f"{type(err).__name__}: {err}".splitlines()[0]}

@@ -31,6 +31,7 @@ from kvscope.telemetry.events import (
 from kvscope.telemetry.principals import tenant_of
 from kvscope.telemetry.records import (
     LEVELS,
+    CensusBlock,
     LeakCheck,
     NodeRow,
     PoolTerms,
@@ -95,6 +96,7 @@ __all__ = [
     "STRUCTURAL_KINDS",
     "Capture",
     "CaptureError",
+    "CensusBlock",
     "CopyKind",
     "Event",
     "EventKind",

@@ -157,6 +157,9 @@ class Recorder:
     def leak_check(self, check: Any) -> None:
         """A LeakCheck (one pool's invariant terms)."""
 
+    def census_blocks(self, blocks: list[Any]) -> None:
+        """CensusBlocks: every block a census names (its leak checks' messages name a few)."""
+
     def request(self, rec: Any) -> None:
         """A RequestRecord, once, when the request ends (or the run closes)."""
 
@@ -222,6 +225,7 @@ class ListRecorder(Recorder):
         self.events: list[Event] = []
         self.samples: list[Any] = []
         self.checks: list[Any] = []
+        self.blocks: list[Any] = []
         self.requests: list[Any] = []
         self.snapshots: dict[int, list[Any]] = {}
 
@@ -230,6 +234,9 @@ class ListRecorder(Recorder):
 
     def leak_check(self, check: Any) -> None:
         self.checks.append(check)
+
+    def census_blocks(self, blocks: list[Any]) -> None:
+        self.blocks.extend(blocks)
 
     def request(self, rec: Any) -> None:
         self.requests.append(rec)

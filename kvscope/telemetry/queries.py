@@ -244,6 +244,19 @@ class Capture:
         c = schema.leak_checks.c
         return self.read_frame(select(schema.leak_checks).where(c.run_id == run_id).order_by(c.step, c.pool))
 
+    def census_blocks(self, run_id: int, step: int | None = None) -> pd.DataFrame:
+        """Every block the run's censuses named (CENSUS_BLOCK_COLUMNS), by step, term and block; at
+        one step when `step` is given. Empty for a capture from before version 8 (its leak checks'
+        messages are all it has)."""
+        c = schema.census_blocks.c
+        with self.engine.connect() as conn:
+            if not self.engine.dialect.has_table(conn, schema.census_blocks.name):
+                return pd.DataFrame(columns=list(schema.CENSUS_BLOCK_COLUMNS))
+        stmt = select(schema.census_blocks).where(c.run_id == run_id)
+        if step is not None:
+            stmt = stmt.where(c.step == step)
+        return self.read_frame(stmt.order_by(c.step, c.term, c.block))
+
     def requests(self, run_id: int) -> pd.DataFrame:
         c = schema.requests.c
         stmt = select(*schema.columns_as_of(schema.requests, self.schema_version))

@@ -38,7 +38,8 @@ NOTE: what survives
                    SIGINT/SIGTERM/SIGHUP while it runs is swallowed: the capture always ends closed
     process exit   without close() (an error ended the owner first): the exit-time close marks
                    the run 'crashed' ("the process exited without closing its run"), never
-                   'finished'
+                   'finished'; when an exception, Ctrl-C or sys.exit(N) ended it, as exits.py
+                   says (crashed with the exception's line, interrupted, "exited with code N")
 """
 
 from __future__ import annotations
@@ -68,8 +69,18 @@ import kvscope
 from kvscope.telemetry import schema
 from kvscope.telemetry.channel import Channel, ChannelClosed, Message
 from kvscope.telemetry.events import EventKind, PoolName, Recorder
+from kvscope.telemetry.exits import exit_status
 from kvscope.telemetry.packed import BATCH, ITEM_FIELDS, ITEM_WIDTH
-from kvscope.telemetry.records import LEVELS, LeakCheck, NodeRow, RequestRecord, Routing, RunStatus, UsageSample
+from kvscope.telemetry.records import (
+    LEVELS,
+    CensusBlock,
+    LeakCheck,
+    NodeRow,
+    RequestRecord,
+    Routing,
+    RunStatus,
+    UsageSample,
+)
 from kvscope.telemetry.store import (
     CaptureError,
     compiled_statement,
@@ -80,6 +91,7 @@ from kvscope.telemetry.store import (
     open_writer,
     server_url,
     settle,
+    upsert_statement,
 )
 from kvscope.telemetry.writer import HEARTBEAT_INTERVAL_S, WriterSettings
 
@@ -188,9 +200,22 @@ class SQLRecorder(Recorder):
             "event_chunks": (schema.event_chunks, [c.name for c in schema.event_chunks.c]),
             "event_columns": (schema.event_columns, [c.name for c in schema.event_columns.c]),
             "tree_snapshots": (schema.tree_snapshots, schema.TREE_SNAPSHOT_COLUMNS),
-            "leak_checks": (schema.leak_checks, schema.LEAK_CHECK_COLUMNS),
             "usage": (schema.usage, schema.USAGE_COLUMNS),
             "requests": (schema.requests, schema.REQUEST_COLUMNS),
+        }
+        # NOTE: two censuses in one step (a live poll, the idle census) repeat a key: the first row stays,
+        # a failing leak check replaces a passing one (schema's version notes, 8)
+        kept = {
+            "leak_checks": upsert_statement(
+                engine,
+                schema.leak_checks,
+                schema.LEAK_CHECK_COLUMNS,
+                schema.LEAK_CHECK_KEY,
+                lambda stored, new: stored.ok & ~new.ok,
+            ),
+            "census_blocks": upsert_statement(
+                engine, schema.census_blocks, schema.CENSUS_BLOCK_COLUMNS, schema.CENSUS_BLOCK_KEY
+            ),
         }
         heartbeat = (
             update(schema.runs)
@@ -201,7 +226,8 @@ class SQLRecorder(Recorder):
             file=None if path is None else str(path),
             url=None if path is not None else server_url(str(target)).render_as_string(hide_password=False),
             run_id=self.run_id,
-            inserts={name: insert_statement(engine, table, columns) for name, (table, columns) in tables.items()},
+            inserts={name: insert_statement(engine, table, columns) for name, (table, columns) in tables.items()}
+            | kept,
             heartbeat=compiled_statement(engine, heartbeat, ("heartbeat_at", "run_id")),
             heartbeat_interval_s=self._heartbeat_interval_s,
         )
@@ -328,6 +354,10 @@ class SQLRecorder(Recorder):
                 ),
             )
         )
+
+    def census_blocks(self, blocks: list[CensusBlock]) -> None:
+        run_id = self.run_id
+        self._rows.extend([("census_blocks", (run_id, *block.row())) for block in blocks])
 
     def request(self, rec: RequestRecord) -> None:
         """Store a request's final record (call once, when it ends or when the run closes)."""
@@ -526,8 +556,12 @@ class SQLRecorder(Recorder):
 
     def _close_at_exit(self) -> None:
         """The process exits and its owner never closed the run (an error ended it before): the
-        run did not finish."""
-        self.close(RunStatus.CRASHED, "the process exited without closing its run")
+        run did not finish (an exception's line when one ended it, exits.py)."""
+        ending = exit_status()
+        if ending.status == RunStatus.FINISHED:
+            self.close(RunStatus.CRASHED, "the process exited without closing its run")
+        else:
+            self.close(*ending)
 
     def _mark_ended(self, status: str, error: str | None) -> None:
         """NOTE: a write that failed for room (a full disk, a file-size limit) may leave the log too

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 LEVELS = ("off", "summary", "full")
 
@@ -130,6 +130,25 @@ class LeakCheck(NamedTuple):
         if self.idle and self.protected:
             return f"{terms}: {self.protected} tokens still locked at an idle point"
         return terms
+
+
+class CensusBlock(NamedTuple):
+    """One block (page) a census names under one of its terms (the leak check's pool) at a step:
+    its ref count and the references accounted for (None where the term reads none), and who last
+    took and released it, each (rid, step, event) or None when the probe did not see it."""
+
+    step: int
+    term: str
+    block: int
+    ref: int | None = None
+    accounted: int | None = None
+    taker: tuple[str | None, int, str] | None = None
+    releaser: tuple[str | None, int, str] | None = None
+
+    def row(self) -> tuple[Any, ...]:
+        """The census_blocks row after run_id (schema.CENSUS_BLOCK_COLUMNS[1:])."""
+        taker, releaser = self.taker or (None, None, None), self.releaser or (None, None, None)
+        return (self.step, self.term, self.block, self.ref, self.accounted, *taker, *releaser)
 
 
 @dataclass(frozen=True)

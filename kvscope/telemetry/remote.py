@@ -14,7 +14,8 @@ NOTE: the three processes
                        past `flush_interval_s`, at idle points and on flush() the buffer goes to
                        the host as one marshal body. Imports: the standard library, channel.py.
     host process       SQLRecorder(target): starts the run, takes each batch into its buffer
-                       (extend_items, usage, leak_check, request, tree_snapshot) and hands it on. It detaches
+                       (extend_items, usage, leak_check, census_blocks, request, tree_snapshot) and
+                       hands it on. It detaches
                        (a second fork, a session of its own) so that an engine killing its own
                        process tree at shutdown (vLLM does) leaves it to close the run.
     writer process     SQLRecorder's own: packs and writes.
@@ -28,6 +29,10 @@ NOTE: messages (channel.py frames)
                        ("ledger",) with body marshal of (takers, releasers) / ("failed", one line) later
 A host that dies, a full disk or a bad target stop recording: one line on stderr, later records
 are dropped, the engine goes on. Nothing here raises into the recording process after __init__.
+NOTE: how a run closes. Its owner's close(status) (the probe's: at the engine's shutdown); a process
+that exits before that closes it by how it ends (exits.py: finished only for a normal end; crashed
+with the exception's line, interrupted, or crashed "exited with code N"); a process killed before
+either leaves it to the host, which closes it crashed ("... ended without closing the run (killed)").
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ from typing import Any
 import kvscope
 from kvscope.telemetry.channel import Channel, ChannelClosed
 from kvscope.telemetry.events import EventKind, EvictReason, PoolName, Recorder
-from kvscope.telemetry.records import LeakCheck, RequestRecord, Routing, UsageSample
+from kvscope.telemetry.exits import exit_status, watch_exits
+from kvscope.telemetry.records import CensusBlock, LeakCheck, RequestRecord, Routing, UsageSample
 
 OPEN_TIMEOUT_S = 60.0  # NOTE: the host imports SQLAlchemy and creates the run (a second or two; more on a busy CPU)
 _monotonic = time.monotonic
@@ -295,10 +301,12 @@ class RemoteRecorder(Recorder):
         self._due_s = _monotonic() + flush_interval_s
         self._channel, self._process = _start_host(python or sys.executable)
         self.run_id = self._open(str(target), level, label, config or {})
-        # NOTE: an engine process that exits normally closes its run as finished; a multiprocessing
-        # child (vLLM's EngineCore) skips atexit and runs multiprocessing's finalizers instead
-        atexit.register(self.close)
-        self._finalizer = multiprocessing.util.Finalize(None, self.close, exitpriority=100)
+        # NOTE: a process that exits before its owner closed the run closes it by how it ends
+        # (exits.py: finished only for a normal end); a multiprocessing child (vLLM's EngineCore)
+        # skips atexit and runs multiprocessing's finalizers instead
+        watch_exits()
+        atexit.register(self._close_at_exit)
+        self._finalizer = multiprocessing.util.Finalize(None, self._close_at_exit, exitpriority=100)
 
     def _open(self, target: str, level: str, label: str, config: dict[str, Any]) -> int:
         try:
@@ -398,6 +406,9 @@ class RemoteRecorder(Recorder):
     def leak_check(self, check: LeakCheck) -> None:
         self._rows.append(("leak_checks", _plain_tuple(check)))
 
+    def census_blocks(self, blocks: list[CensusBlock]) -> None:
+        self._rows.extend([("census_blocks", _plain_tuple(block)) for block in blocks])
+
     def request(self, rec: RequestRecord) -> None:
         self._rows.append(
             (
@@ -437,8 +448,12 @@ class RemoteRecorder(Recorder):
             self._hand_off()
             self._ask(("close", status, error), "closed")
         self._end_host()
-        atexit.unregister(self.close)
+        atexit.unregister(self._close_at_exit)
         self._finalizer.cancel()
+
+    def _close_at_exit(self) -> None:
+        """The process ends and its owner did not close the run: closed by how it ends (exits.py)."""
+        self.close(*exit_status())
 
     def _hand_off(self) -> None:
         self._due_s = _monotonic() + self._interval_s
@@ -608,7 +623,8 @@ def _host(channel: Channel) -> None:
         channel.send(("failed", str(err).splitlines()[0] if str(err) else type(err).__name__))
         return
     channel.send(("opened", recorder.run_id, os.getpid()))
-    status: tuple[str, str | None] = ("interrupted", "the recording process ended without closing the run")
+    # NOTE: the recording process died without closing (SIGKILL, a signal's default action, os._exit)
+    status: tuple[str, str | None] = ("crashed", "the recording process ended without closing the run (killed)")
     ledger = StreamLedger()
     try:
         while True:
@@ -672,6 +688,8 @@ def _take(recorder: Any, items: list[Any], rows: list[tuple[str, tuple[Any, ...]
             )
         elif table == "leak_checks":
             recorder.leak_check(LeakCheck(*row))
+        elif table == "census_blocks":
+            recorder.census_blocks([CensusBlock(*row)])
         elif table == "tree_snapshots":
             recorder.tree_snapshot(row[0], row[1])
         elif table == "requests":

@@ -10,6 +10,7 @@ NOTE: tables and what one row is
                      running/waiting requests, cumulative hit/prompt/evicted/retracted counters
     tree_snapshots   one node of the cache tree at a step (the flat node table)
     leak_checks      one pool's idle invariant at a step: every term and the verdict
+    census_blocks    one block a probe's census names at a step, under one term (leak_checks.pool)
     requests         one request's life: principal, lengths, times and steps
     reports          a derived report stored with the run (the leak report, built when the run
                      closes): which events it covers (through_seq), who built it, its JSON
@@ -57,6 +58,13 @@ the new version): every older row stays valid, with NULL in the added columns.
        its own block hash's first 8 bytes), so a fleet's replicas can be compared page by page
        (duplicated prefixes). NULL: not known (a source that does not hash, a node whose parent
        chain breaks, or a file written before version 7).
+    8  census_blocks: every block (page) a probe's census names, one row per block and term, with its
+       ref count, the references accounted for, and who last took and released it. A leak check's
+       message names at most a few blocks; these rows name all. A file older than version 8 has no
+       such table: its readers fall back on the messages (a writer adds it to the file). A leak check
+       or a census block repeated at the same (step, pool/term), two censuses in one step (a live poll
+       and the idle census), keeps its first row, except that a failing leak check replaces a passing
+       one (store.upsert_statement): a failure is never lost to a duplicate, and never a write error.
 On PostgreSQL every integer column is BIGINT (SQLite's integers are 64-bit already); a server
 database is versioned and upgraded as a file is, under an advisory lock (store._ensure_schema).
 `reports` came after version 1 without a bump: it is an additive table (older readers never
@@ -96,7 +104,7 @@ def _bigint_on_postgresql(_type: Integer, _compiler: Any, **_kw: Any) -> str:
     return "BIGINT"
 
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 OLDEST_READABLE_VERSION = 1
 metadata = MetaData()
 
@@ -235,6 +243,29 @@ leak_checks = Table(
     Column("message", Text),
 )
 LEAK_CHECK_COLUMNS = tuple(c.name for c in leak_checks.columns)
+LEAK_CHECK_KEY = ("run_id", "step", "pool")
+
+# NOTE: version 8: every block a census names (census.census_blocks); a term's failing leak check at the same
+# step names them in its message too, cut after a few
+census_blocks = Table(
+    "census_blocks",
+    metadata,
+    Column("run_id", Integer, primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("term", String(8), primary_key=True),  # the leak check's pool: leaked, lostref, unqueued, ...
+    Column("block", Integer, primary_key=True),  # the block (vLLM) or page (SGLang) id
+    Column("ref", Integer),  # its ref count then; NULL: the term reads none
+    Column("accounted", Integer),  # the references its holders account for; NULL: the term counts none
+    Column("taker_rid", String(64)),  # who last took it (alloc or touch), at which step, by which event
+    Column("taker_step", Integer),
+    Column("taker_event", String(16)),
+    Column("releaser_rid", String(64)),  # who last released it (a free), at which step, by which event
+    Column("releaser_step", Integer),
+    Column("releaser_event", String(16)),
+)
+CENSUS_BLOCK_COLUMNS = tuple(c.name for c in census_blocks.columns)
+CENSUS_BLOCK_KEY = ("run_id", "step", "term", "block")
+CENSUS_SINCE = 8
 
 REQUEST_MOMENTS = ("arrive", "admit", "first_token", "finish", "retract")
 requests = Table(
@@ -302,7 +333,8 @@ event_strings = Table(
 Index("ix_event_strings_text", event_strings.c.run_id, event_strings.c.text)
 PACKED_TABLES = (event_chunks, event_columns, event_strings)
 PACKED_SINCE = 6
-OPTIONAL_TABLES = (reports, *PACKED_TABLES)  # NOTE: a file older than version 6 has no packed tables
+OPTIONAL_TABLES = (reports, census_blocks, *PACKED_TABLES)  # NOTE: older files lack the packed tables (< 6),
+# census_blocks (< 8)
 USAGE_COLUMNS = tuple(c.name for c in usage.columns)
 REQUEST_COLUMNS = tuple(c.name for c in requests.columns)
 
@@ -310,8 +342,9 @@ REQUEST_COLUMNS = tuple(c.name for c in requests.columns)
 def optional_tables(version: int) -> tuple[Table, ...]:
     """The tables a file of `version` may lack: from version 6 on the packed tables hold its
     events (a writer creates them when it brings an older file up to date), so a file without
-    them has lost its events."""
-    return (reports,) if version >= PACKED_SINCE else OPTIONAL_TABLES
+    them has lost its events; census_blocks came with version 8."""
+    census = (census_blocks,) if version < CENSUS_SINCE else ()
+    return (reports, *census) if version >= PACKED_SINCE else OPTIONAL_TABLES
 
 
 def since_version(column: Column) -> int:

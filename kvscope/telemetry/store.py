@@ -520,6 +520,33 @@ def insert_statement(engine: Engine, table: Table, columns: Sequence[str]) -> St
     return compiled_statement(engine, table.insert().values({c: None for c in columns}), columns)
 
 
+def upsert_statement(
+    engine: Engine, table: Table, columns: Sequence[str], key: Sequence[str], replace_when: Any = None
+) -> Statement:
+    """insert_statement's INSERT that keeps the row already stored at `key` (a second row at the same
+    key is skipped, never a write error); `replace_when(stored, new)`, a condition on the stored row's
+    columns and the new row's (ON CONFLICT's `excluded`), replaces the stored row where it holds.
+    SQLite and PostgreSQL; another database gets the plain INSERT."""
+    name = engine.dialect.name
+    if name == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert
+    elif name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert  # type: ignore[assignment]
+    else:
+        return insert_statement(engine, table, columns)
+    stmt = insert(table).values({c: None for c in columns})
+    if replace_when is None:
+        stmt = stmt.on_conflict_do_nothing(index_elements=list(key))
+    else:
+        rest = [c for c in columns if c not in key]
+        stmt = stmt.on_conflict_do_update(
+            index_elements=list(key),
+            set_={c: stmt.excluded[c] for c in rest},
+            where=replace_when(table.c, stmt.excluded),
+        )
+    return compiled_statement(engine, stmt, columns)
+
+
 def compiled_statement(engine: Engine, stmt: Any, columns: Sequence[str]) -> Statement:
     """`stmt` (its bind parameters named as `columns`) compiled for the engine's dialect, run
     through the driver with rows of values in `columns` order."""

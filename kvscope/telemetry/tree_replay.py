@@ -18,6 +18,15 @@ An insert event's reason is the new node's visibility (the scoped radix cache: p
 a global-sharing tree records none, and its nodes are public.
 Hit counts and access times of nodes born after the snapshot are approximate. An insert from a
 schema-version-1 capture carries no principal: such a node shows no owner.
+NOTE: stale parent links. A node id can be reused: vLLM's block ids are, and a cached block can be
+evicted while blocks cached below it stay (orphans; the probe's snapshot shows them under the root). A
+child's link then names an id that was evicted and inserted again later, possibly below that child (after
+a double free vLLM hands a chain's block out again and may cache it after the chain's own later blocks):
+following the link loops. A link is only
+the parent's when the parent was inserted no later than the child (each node keeps its insertion
+order, BORN; a split's new node takes its child's); a later parent means the link is stale, and the
+node shows under the root, as an orphan. A table that still holds a cycle (a snapshot written with
+one) shows each node of it: the link that closes the cycle is cut, the node shown under the root.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ NEW_NODE: dict[str, Any] = {
     "tier": "device",
 }
 Nodes = dict[int, dict[str, Any]]
+BORN = "_born"  # NOTE: a node's insertion order in the replay (not a column: the table drops it); snapshot: -1
 VISIBILITIES = ("private", "public", "pinned")
 
 
@@ -102,9 +112,11 @@ def _add_lock(nodes: Nodes, node_id: int, delta: int) -> None:
     """As inc_lock_ref: the node and its ancestors, not the root (whose parent reads None, or NaN
     from a snapshot frame)."""
     node = nodes.get(node_id)
-    while node is not None and not pd.isna(node["parent_id"]):
+    walked = 0
+    while node is not None and not pd.isna(node["parent_id"]) and walked <= len(nodes):  # NOTE: stale links may loop
         node["lock_ref"] += delta
         node = nodes.get(node["parent_id"])
+        walked += 1
 
 
 def _set_tombstone(nodes: Nodes, node_id: int, tombstone: bool) -> None:
@@ -121,8 +133,9 @@ def _set_visibility(nodes: Nodes, ev: Any, visibility: str, subtree: bool) -> No
     if not subtree:
         return
     for node_id in list(nodes):  # NOTE: parents need not come before children: walk up
-        path, up = [], node_id
-        while up is not None and up not in marked and up in nodes:
+        path: list[int] = []
+        up = node_id
+        while up is not None and up not in marked and up in nodes and len(path) <= len(nodes):
             path.append(up)
             up = nodes[up]["parent_id"]
         if up in marked:
@@ -152,20 +165,52 @@ def replay_tree(snapshot: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
     """`snapshot`: a node table (TREE_NODE_COLUMNS); `events`: the structural events after it in
     sequence order, with at least kind, node_id, num_tokens, aux, t_mono and principal."""
     nodes = {int(r["node_id"]): r for r in snapshot.reindex(columns=list(TREE_NODE_COLUMNS)).to_dict("records")}
-    for ev in events.itertuples():
+    for node in nodes.values():
+        node[BORN] = -1
+    for order, ev in enumerate(events.itertuples()):
         apply = APPLY.get(ev.kind)
         if apply is not None:
             apply(nodes, ev)
-    depth: dict[int, int] = {}
-
-    def depth_of(node_id: int) -> int:
-        if node_id not in depth:
-            node = nodes[node_id]
-            parent = node["parent_id"]
-            up = depth_of(int(parent)) if parent is not None and parent in nodes else 0
-            depth[node_id] = up + int(node["num_tokens"])
-        return depth[node_id]
-
+            if ev.kind == EventKind.INSERT:
+                nodes[ev.node_id][BORN] = order
+    root = _cut_stale_links(nodes)
+    depth = {} if root is None else {root: int(nodes[root]["num_tokens"])}
     for node_id in nodes:
-        nodes[node_id]["depth_tokens"] = depth_of(node_id)
+        nodes[node_id]["depth_tokens"] = _depth_of(nodes, node_id, depth, root)
     return pd.DataFrame(list(nodes.values()), columns=list(TREE_NODE_COLUMNS)).astype({"parent_id": "Int64"})
+
+
+def _parent(nodes: Nodes, node_id: int) -> int | None:
+    parent = nodes[node_id]["parent_id"]
+    return None if parent is None or pd.isna(parent) or int(parent) not in nodes else int(parent)
+
+
+def _cut_stale_links(nodes: Nodes) -> int | None:
+    """Each link to a parent inserted after its child goes to the root (stale: the id was reused);
+    returns the root (the node without a parent), None when there is not exactly one."""
+    roots = [n for n, node in nodes.items() if node["parent_id"] is None or pd.isna(node["parent_id"])]
+    root = roots[0] if len(roots) == 1 else None
+    for node in nodes.values():
+        parent = _parent(nodes, int(node["node_id"]))
+        if parent is not None and nodes[parent][BORN] > node[BORN]:
+            node["parent_id"] = root
+    return root
+
+
+def _depth_of(nodes: Nodes, node_id: int, depth: dict[int, int], root: int | None) -> int:
+    """The tokens from the root to the end of `node_id`, walking up iteratively; a link that closes a
+    cycle is cut (the node goes under the root) so every node is shown."""
+    path: list[int] = []
+    on_path: set[int] = set()
+    up: int | None = node_id
+    while up is not None and up not in depth:
+        if up in on_path:  # NOTE: the last node walked links back into the path: cut its link
+            nodes[path[-1]]["parent_id"] = root
+            break
+        path.append(up)
+        on_path.add(up)
+        up = _parent(nodes, up)
+    for node in reversed(path):
+        parent = _parent(nodes, node)
+        depth[node] = (depth[parent] if parent is not None else 0) + int(nodes[node]["num_tokens"])
+    return depth[node_id]

@@ -372,3 +372,78 @@ def test_a_steps_block_events_carry_the_steps_clock(refs: tuple[dict[str, Any], 
     assert all(len(events_of) == 1 for events_of in times.values()), times
     first, second = (times[step].pop() for step in result["steps"])
     assert first < second
+
+
+@pytest.mark.parametrize(
+    ("scenario", "status", "error"),
+    [("shutdown", "finished", None), ("crash", "crashed", "ValueError: Cannot get 13 free blocks from the pool")],
+)
+def test_an_engine_that_raises_ends_its_run_crashed_with_the_exceptions_line(
+    tmp_path: Path, scenario: str, status: str, error: str | None
+) -> None:
+    """vLLM's run_engine_core calls EngineCore.shutdown in a `finally`: after a normal shutdown (its
+    busy loop's SystemExit) the run is finished; after an engine error it is crashed, with the error's
+    line, and `kvscope check` is not clean."""
+    capture = tmp_path / f"{scenario}.db"
+    result = drive(scenario, capture)
+    assert not result["active"]
+    db = Capture(capture)
+    try:
+        run = db.runs().iloc[-1]
+        assert (run.status, run.error) == (status, error), result
+    finally:
+        db.close()
+    assert kvscope("check", str(capture)).returncode == (3 if scenario == "crash" else 0)
+
+
+def test_a_failed_live_census_is_stored_once_per_finding_and_the_crashed_run_checks_as_a_leak(tmp_path: Path) -> None:
+    """GET /kvscope/census's answers were never stored: an engine that then died left a capture that
+    said nothing of the double free it had shown. A failed poll is stored (a repeat of the same finding
+    at a later step is not), the engine's error closes the run crashed, `kvscope check` says leak and
+    `report leaks` names the blocks with the request they were released for."""
+    capture = tmp_path / "polled.db"
+    result = drive("polled-crash", capture)
+    first, second = result["blocks"]
+    assert result["lostref"] == [[first], [first], [first], [first, second]]
+    db = Capture(capture)
+    try:
+        run = db.runs().iloc[-1]
+        checks = db.leak_checks(int(run.id))
+        blocks = db.census_blocks(int(run.id))
+    finally:
+        db.close()
+    assert (run.status, run.error) == ("crashed", "ValueError: Cannot get 13 free blocks from the pool")
+    failed = checks[~checks.ok.astype(bool)]
+    assert sorted(set(failed.step)) == [1, 3] and set(failed.pool) == {"lostref"}  # NOTE: step 2 repeated step 1
+    assert sorted(zip(blocks.step, blocks.term, blocks.block, blocks.releaser_rid, strict=True)) == [
+        (1, "lostref", first, "req-hold"),
+        (3, "lostref", first, "req-hold"),
+        (3, "lostref", second, "req-hold"),
+    ]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    text = kvscope("report", "leaks", str(capture)).stdout
+    assert f"lostref: block {second} ref 0, accounted 1; last released for request req-hold" in text, text
+
+
+def test_the_tree_between_snapshots_survives_a_block_cached_again_below_its_own_child(tmp_path: Path) -> None:
+    """The Radix tree page's tree at a step is the last snapshot plus the events after it. A double free
+    let vLLM hand a chain's first block Y back to the same request and cache it below its own child X
+    (real BlockPool / KVCacheManager calls): X's recorded parent is Y, Y's is below X, and the rebuild
+    looped (RecursionError). Now X, whose parent link is stale, hangs off the root and Y stays in the chain."""
+    capture = tmp_path / "reused.db"
+    result = drive("reused-parent", capture)
+    first, second = result["first"], result["second"]
+    assert result["blocks"].count(first) == 2  # NOTE: vLLM's own table holds Y twice
+    db = Capture(capture)
+    try:
+        tree = db.tree_at(int(db.runs().iloc[-1].id), int(result["step"]))
+    finally:
+        db.close()
+    parent = dict(zip(tree.node_id.astype(int), tree.parent_id, strict=True))
+    assert parent[second] == 0
+    chain, up = [], first
+    while up != 0 and up not in chain:
+        chain.append(up)
+        up = int(parent[up])
+    assert up == 0 and second in chain, (chain, parent)

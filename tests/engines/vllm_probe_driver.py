@@ -2,7 +2,8 @@
 Run with the vLLM venv's python, kvscope on PYTHONPATH:
 
     python vllm_probe_driver.py SCENARIO      (clean, extra-ref, double-free, unknown-version,
-                                               missing-target, inert, life, refs)
+                                               missing-target, inert, life, refs, shutdown, crash,
+                                               polled-crash, reused-parent)
 
 The environment names the capture (KVSCOPE_CAPTURE, KVSCOPE_PYTHON). Prints one JSON line: what the
 probe said, the census results, the injected ground truth, and that vLLM's own calls still worked.
@@ -187,6 +188,15 @@ def main(scenario: str) -> None:
         said = probe._register(version="0.32.0", table=table)
     else:
         said = probe._register()
+    if scenario == "reused-parent":
+        print(json.dumps({"said": said, **reused_parent()}))
+        return
+    if scenario == "polled-crash":
+        print(json.dumps({"said": said, **polled_then_crash()}))
+        return
+    if scenario in ("shutdown", "crash"):
+        print(json.dumps({"said": said, **engine_ends(scenario == "crash")}))
+        return
     if scenario in ("life", "refs"):
         result = life() if scenario == "life" else refs()
         probe.PROBE.state.recorder.close()
@@ -236,6 +246,88 @@ def main(scenario: str) -> None:
             }
         )
     )
+
+
+def engine_ends(crash: bool) -> dict:
+    """A request served, then the engine's loop ends the way run_engine_core sees it: SystemExit at a
+    normal shutdown, or vLLM's own error (the block pool asked for more blocks than it has); either
+    way vLLM's EngineCore.shutdown runs in the `finally`, with the exception still in flight."""
+    kv, live = manager(), {}
+    probe.PROBE.step_begins()
+    serve(kv, live, "req-a", list(range(2 * BLOCK)))
+    idle(kv, live)  # NOTE: a passing census: only the run's status can keep `check` from clean
+    engine = SimpleNamespace(
+        structured_output_manager=SimpleNamespace(clear_backend=lambda: None), model_executor=None, scheduler=None
+    )
+    raised = None
+    try:
+        try:
+            if crash:
+                kv.block_pool.get_new_blocks(NUM_BLOCKS + 1)
+            raise SystemExit
+        finally:
+            EngineCore.shutdown(engine)
+    except BaseException as err:  # NOTE: the driver reports it and exits normally (the run is closed)
+        raised = f"{type(err).__name__}: {err}"
+    return {"raised": raised, "active": probe.PROBE.state.active}
+
+
+def reused_parent() -> dict:
+    """A double free puts a live chain's first block Y at the free queue's tail, hash and all; a filler
+    request drains the queue but one block before it, and the same request grows by two blocks: vLLM
+    hands it that block, then Y (evicting Y's hash), and caches Y again after them, below its own
+    child X. Between the idle census's snapshot and the next, X's recorded parent is Y and Y sits below X."""
+    kv, live = manager(), {}
+    probe.PROBE.step_begins()
+    req = serve(kv, live, "req-a", list(range(2 * BLOCK + 1)))
+    idle(kv, live)  # NOTE: the snapshot holds Y and X
+    probe.PROBE.step_begins()
+    table = kv.coordinator.single_type_managers[0].req_to_blocks["req-a"]
+    first, second = table[0].block_id, table[1].block_id
+    with probe_context("req-a"):
+        kv.block_pool.free_blocks([table[0]])
+    serve(kv, live, "filler", [5000 + i for i in range((kv.block_pool.get_num_free_blocks() - 2) * BLOCK)])
+    for t in range(3 * BLOCK - 1):  # NOTE: five full blocks: the two new ones are full, so both are cached
+        req.append_output_token_ids(7000 + t)
+    kv.allocate_slots(req, len(req.all_token_ids) - req.num_computed_tokens)
+    req.num_computed_tokens = len(req.all_token_ids)
+    kv.cache_blocks(req, req.num_computed_tokens)
+    probe.PROBE.state.recorder.close()
+    return {"blocks": [b.block_id for b in table], "first": first, "second": second, "step": probe.PROBE.step}
+
+
+def polled_then_crash() -> dict:
+    """A live request's block is released once more (a double free); GET /kvscope/census polls the
+    engine (EngineCore.kvscope_census, the utility the probe adds) twice at step 1 and once at step 2
+    with the same finding, then at step 3 after a second block is released too often; then vLLM's own
+    error ends the engine (no idle census ever ran)."""
+    kv, live = manager(), {}
+    probe.PROBE.step_begins()
+    serve(kv, live, "req-hold", list(range(3 * BLOCK)))
+    table = kv.coordinator.single_type_managers[0].req_to_blocks["req-hold"]
+    engine = SimpleNamespace(
+        scheduler=SimpleNamespace(kv_cache_manager=kv, deferred_frees=[], requests=live, shutdown=lambda: None),
+        vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_rank=0)),
+        structured_output_manager=SimpleNamespace(clear_backend=lambda: None),
+        model_executor=None,
+    )
+    with probe_context("req-hold"):
+        kv.block_pool.free_blocks([table[0]])
+    answers = [EngineCore.kvscope_census(engine), EngineCore.kvscope_census(engine)]
+    probe.PROBE.step_begins()
+    answers.append(EngineCore.kvscope_census(engine))
+    probe.PROBE.step_begins()
+    with probe_context("req-hold"):
+        kv.block_pool.free_blocks([table[1]])
+    answers.append(EngineCore.kvscope_census(engine))
+    try:
+        try:
+            kv.block_pool.get_new_blocks(NUM_BLOCKS + 1)
+        finally:
+            EngineCore.shutdown(engine)
+    except ValueError:
+        pass
+    return {"lostref": [a["lostref"] for a in answers], "blocks": [table[0].block_id, table[1].block_id]}
 
 
 class probe_context:

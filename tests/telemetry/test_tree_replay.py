@@ -106,3 +106,57 @@ def test_snapshot_plus_events_rebuilds_the_live_tree(kind: str, seed: int) -> No
     assert {"alice", "bob", None} <= owners, "the owners the replay must follow are missing"
     if kind == "swa-radix":
         assert checkpoints_with_tombstones, "no checkpoint held a tombstone; the test would prove little"
+
+
+def _root_snapshot(*rows: tuple[int, int | None, int]) -> pd.DataFrame:
+    """A snapshot frame: the root (0) and (node, parent, tokens) rows."""
+    nodes = [(0, None, 0), *rows]
+    frame = pd.DataFrame(
+        [
+            {"node_id": n, "parent_id": p, "num_tokens": t, "token_preview": "", "lock_ref": 0, "last_access_time": 0.0}
+            | {"hit_count": 0, "owner": None, "tombstone": False, "depth_tokens": 0}
+            for n, p, t in nodes
+        ]
+    )
+    return frame.astype({"parent_id": "Int64"})
+
+
+def _events(*rows: tuple[str, int, int, int]) -> pd.DataFrame:
+    return pd.DataFrame(
+        [(kind, node, tokens, aux, 0.0, None) for kind, node, tokens, aux in rows],
+        columns=["kind", "node_id", "num_tokens", "aux", "t_mono", "principal"],
+    )
+
+
+def _links(table: pd.DataFrame) -> dict[int, int | None]:
+    return {int(n): (None if pd.isna(p) else int(p)) for n, p in zip(table["node_id"], table["parent_id"], strict=True)}
+
+
+def test_a_link_to_a_reused_id_inserted_below_its_child_is_an_orphans_not_a_cycle() -> None:
+    """vLLM's ids are reused: block 7 is evicted while block 9, cached below it, stays (an orphan, as
+    after a double free); the reused 7 is cached after 9. The replay followed 9's stale link to
+    the new 7, whose parent is 9 (a RecursionError on the Radix tree page); now 9 is an orphan under
+    the root and 7 sits below it."""
+    events = _events(("insert", 7, 16, 0), ("insert", 9, 16, 7), ("evict", 7, 16, 0), ("insert", 7, 16, 9))
+    table = replay_tree(_root_snapshot(), events)
+    assert _links(table) == {0: None, 9: 0, 7: 9}
+    assert dict(zip(table["node_id"], table["depth_tokens"], strict=True)) == {0: 0, 9: 16, 7: 32}
+    # NOTE: no cycle, still stale: the reused 7 cached under another chain is not 9's parent
+    elsewhere = _events(("insert", 7, 16, 0), ("insert", 9, 16, 7), ("evict", 7, 16, 0), ("insert", 7, 16, 3))
+    assert _links(replay_tree(_root_snapshot((3, 0, 16)), elsewhere)) == {0: None, 3: 0, 9: 0, 7: 3}
+
+
+def test_a_snapshot_that_holds_a_cycle_shows_every_node() -> None:
+    """A snapshot written with a cycle (5 -> 6 -> 5, and 8 below it): every node is shown, the link
+    that closes the cycle cut to the root, depths finite."""
+    table = replay_tree(_root_snapshot((5, 6, 16), (6, 5, 16), (8, 6, 16), (3, 0, 16)), _events())
+    links = _links(table)
+    assert sorted(links) == [0, 3, 5, 6, 8]
+    for node in links:  # NOTE: every node reaches the root
+        seen, up = set(), node
+        while links[up] is not None:
+            assert up not in seen
+            seen.add(up)
+            up = links[up]
+        assert up == 0
+    assert sorted(table["depth_tokens"]) == [0, 16, 16, 32, 32]
