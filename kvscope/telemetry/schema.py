@@ -57,6 +57,10 @@ the new version): every older row stays valid, with NULL in the added columns.
        its own block hash's first 8 bytes), so a fleet's replicas can be compared page by page
        (duplicated prefixes). NULL: not known (a source that does not hash, a node whose parent
        chain breaks, or a file written before version 7).
+    8  leak_checks.census: which census a probe's check row belongs to (busy: periodic, between
+       steps while the engine works; idle: at a busy -> idle edge; drain: the last one, as the
+       engine shuts down; poll: a live GET /kvscope/census). NULL: not a probe's census (kvscope's
+       own engines check at idle points) or a file written before version 8.
 On PostgreSQL every integer column is BIGINT (SQLite's integers are 64-bit already); a server
 database is versioned and upgraded as a file is, under an advisory lock (store._ensure_schema).
 `reports` came after version 1 without a bump: it is an additive table (older readers never
@@ -96,7 +100,7 @@ def _bigint_on_postgresql(_type: Integer, _compiler: Any, **_kw: Any) -> str:
     return "BIGINT"
 
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 OLDEST_READABLE_VERSION = 1
 metadata = MetaData()
 
@@ -233,6 +237,7 @@ leak_checks = Table(
     Column("uncached", Integer, nullable=False),
     Column("ok", Boolean, nullable=False),
     Column("message", Text),
+    Column("census", String(8), info={"since": 8}),  # busy / idle / drain / poll; NULL: not a probe's census
 )
 LEAK_CHECK_COLUMNS = tuple(c.name for c in leak_checks.columns)
 
