@@ -285,7 +285,12 @@ def _violation(term: str, result: CensusResult) -> str | None:
 def _leak_text(block: int, result: CensusResult) -> str:
     ref, accounted = result.leaked[block]
     taker = result.culprits.get(block)
-    last = f"; last taken by request {taker[0]} ({taker[2]} at step {taker[1]})" if taker else "; taker not recorded"
+    if taker is None:
+        last = "; taker not recorded"
+    elif taker[0] is None:
+        last = f"; last taken outside any request's call ({taker[2]} at step {taker[1]})"
+    else:
+        last = f"; last taken by request {taker[0]} ({taker[2]} at step {taker[1]})"
     return (
         f"block {block} ref {ref}, accounted {accounted}{last}; culprit unknown: the census sees a reference "
         "no table accounts for, not whose take lacked its release"
