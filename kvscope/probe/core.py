@@ -8,8 +8,8 @@ NOTE: activation (the tracers' convention: entry points inert unless the environ
                       `kvscope instrument` passes its own), default this one
 NOTE: when the census runs while the engine is busy (between steps; 0 turns a bound off, both 0: only
     at idle edges and at drain); the defaults are measured (benchmarks/bench_census.py, RESULTS.md)
-    KVSCOPE_CENSUS_EVERY_STEPS  after this many engine steps since the last census, default 1000
-    KVSCOPE_CENSUS_EVERY_S      or after this many seconds since the last census, default 30
+    KVSCOPE_CENSUS_EVERY_STEPS  after this many engine steps since the last census, default 100
+    KVSCOPE_CENSUS_EVERY_S      or after this many seconds since the last census, default 10
     and never sooner than CENSUS_BUDGET_X times the last census's own duration (its engine-thread
     time stays at most 1/CENSUS_BUDGET_X of the time between censuses, whatever the pool's size)
 NOTE: a lingering request (finished or aborted, still in the engine's table: a delayed free for a KV
@@ -49,8 +49,8 @@ class Settings(NamedTuple):
     capture: str
     level: str
     python: str | None
-    census_every_steps: int = 1000
-    census_every_s: float = 30.0
+    census_every_steps: int = 100
+    census_every_s: float = 10.0
     linger_steps: int = 1000
     linger_s: float = 600.0
 
