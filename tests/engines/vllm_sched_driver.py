@@ -159,8 +159,11 @@ def install_faults() -> None:
         if FAULT["preempt_free"]:
             FAULT["preempt_free"] = False
             table = self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[request.request_id]
-            FAULT["freed_twice"] = (table[0].block_id, request.request_id)
-            self.kv_cache_manager.block_pool.free_blocks([table[0]])  # NOTE: the extra release
+            victim = table[0]
+            FAULT["freed_twice"] = (victim.block_id, request.request_id)
+            preempt(self, request, *args, **kwargs)
+            self.kv_cache_manager.block_pool.free_blocks([victim])  # NOTE: the extra release, straight to the pool
+            return
         preempt(self, request, *args, **kwargs)
 
     BlockPool.touch = faulty_touch  # type: ignore[method-assign]
