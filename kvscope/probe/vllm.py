@@ -353,6 +353,9 @@ class VllmProbe:
             self.note_parents()
             rec.tree_snapshot(rec.step, tree_rows(manager, self.parents, self.block_size or _block_size(manager)))
             rec.idle()
+        if kind == "busy":  # NOTE: what happens after it, before the next step (aborts), is a step of its own
+            rec.step += 1
+            self.step = rec.step
         self.steps_since_census = 0
         self.last_census_t = now = _monotonic()
         self.census_cost_s = now - started

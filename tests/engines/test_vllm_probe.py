@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kvscope.debug.census_replay import replay_census
 from kvscope.telemetry import Capture, EventKind
 from tests.engines.vllm_server import VLLM_PYTHON
 
@@ -422,6 +423,12 @@ def test_a_busy_census_names_blocks_taken_mid_run_and_nothing_on_clean_busy_step
         by_kind = checks.drop_duplicates("step").census.value_counts().to_dict()
         assert by_kind["idle"] == 1 and by_kind["drain"] == 1 and by_kind["busy"] == len(result["kinds"]) - 2
         assert not checks.duplicated(["step", "pool"]).any()
+        # NOTE: an abort between steps right after a busy census is a step of its own: that census did not see it
+        finish_step = int(db.requests(int(run.id)).set_index("rid").finish_step[result["aborted"]])
+        assert finish_step == result["fault_step"] > result["last_clean_step"]
+        points = replay_census(db, int(run.id))  # the idle census replays from the events (busy ones are not)
+        assert [p.step for p in points] == list(checks[checks.census == "idle"].step.unique())
+        assert all(p.agrees for p in points), [p.differences() for p in points]
     finally:
         db.close()
     check = kvscope("check", str(capture))

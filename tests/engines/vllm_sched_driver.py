@@ -195,7 +195,7 @@ def watch() -> list[tuple[int, str, Any]]:
 
     def recorded(sched: Any, kind: str) -> Any:
         result = census(sched, kind)
-        seen.append((probe.PROBE.step, kind, result))
+        seen.append((probe.PROBE.last_census_step, kind, result))
         return result
 
     probe.PROBE.census = recorded  # type: ignore[method-assign]
@@ -215,10 +215,14 @@ def busy(model_dir: str) -> dict[str, Any]:
     for i in range(10):
         prompt = shared + [i] * 9 if i % 2 else list(range(i * 100, i * 100 + 40))
         sched.add_request(request(f"req-{i}", prompt, 30))
-    core.loop(until=lambda: len(sched.finished_req_ids) > 0 and probe.PROBE.step >= 40)
+    core.loop(until=lambda: probe.PROBE.step >= 40 and probe.PROBE.steps_since_census == 0)
     clean_busy = [c for c in seen if c[1] == "busy"]
     pool = sched.kv_cache_manager.block_pool
-    taken = sorted(b.block_id for b in pool.get_new_blocks(2))  # NOTE: blocks no table holds (a leak)
+    # NOTE: right after a busy census, between steps: an abort (as EngineCore.abort_requests makes it) and
+    # blocks no table holds (a leak); both come after that census in the capture's events
+    aborted = sched.running[0].request_id
+    sched.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
+    taken = sorted(b.block_id for b in pool.get_new_blocks(2))
     fault_step = probe.PROBE.step
     for i in range(10, 14):
         sched.add_request(request(f"req-{i}", list(range(i * 100, i * 100 + 40)), 30))
@@ -228,8 +232,10 @@ def busy(model_dir: str) -> dict[str, Any]:
     return {
         "preemptions": probe.PROBE.cum["retractions"],
         "clean_busy": [census_summary(c[2]) for c in clean_busy],
+        "last_clean_step": clean_busy[-1][0],
         "taken": taken,
         "fault_step": fault_step,
+        "aborted": aborted,
         "after": [{"step": c[0], "kind": c[1], **census_summary(c[2])} for c in after],
         "kinds": [c[1] for c in seen],
         "steps": probe.PROBE.step,
