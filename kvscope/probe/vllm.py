@@ -311,7 +311,10 @@ class VllmProbe:
         if scheduler is None or self.pid != os.getpid():
             return None
         self.busy = False
-        return self.census(scheduler, "drain")
+        result = self.census(scheduler, "drain")
+        for request in list(scheduler.requests.values()):  # NOTE: the rows of those still running or waiting
+            _record_request(request, unfinished=True)
+        return result
 
     def close_run(self) -> None:
         """The engine shuts down: the run ends finished (this process records nothing more)."""
@@ -953,10 +956,12 @@ def _add_local_computed_blocks(original: Callable[..., Any]) -> Callable[..., An
     return add_local_computed_blocks
 
 
-def _record_request(request: Any) -> None:
+def _record_request(request: Any, *, unfinished: bool = False) -> None:
+    """A request's row, once: when it has finished (or, `unfinished`, as the engine shuts down with it
+    still running or waiting: no finish mark)."""
     rec = PROBE.recorder()
     rid = request.request_id
-    if rec is None or not request.is_finished() or rid in PROBE.recorded_rids:
+    if rec is None or rid in PROBE.recorded_rids or request.is_finished() == unfinished:
         return
     PROBE.recorded_rids.add(rid)
     prompt_len, hit = PROBE.lookups.pop(rid, (int(request.num_prompt_tokens), 0))
@@ -965,7 +970,11 @@ def _record_request(request: Any) -> None:
         rid,
         None,
         prompt_len,
-        RequestStatus.ABORTED if status == "FINISHED_ABORTED" else RequestStatus.FINISHED,
+        RequestStatus.UNFINISHED
+        if unfinished
+        else RequestStatus.ABORTED
+        if status == "FINISHED_ABORTED"
+        else RequestStatus.FINISHED,
         hit,
         int(request.num_output_tokens),
         int(getattr(request, "num_preemptions", 0)),
@@ -977,6 +986,9 @@ def _record_request(request: Any) -> None:
     for moment, mark in (("admit", PROBE.admitted.pop(rid, None)), ("retract", PROBE.retracted.pop(rid, None))):
         if mark is not None:
             record.mark(moment, *mark)
+    if unfinished:
+        rec.request(record)
+        return
     record.mark("finish", rec.step, now)
     rec.request(record)
     if PROBE.stream is not None:

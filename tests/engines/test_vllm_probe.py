@@ -457,7 +457,7 @@ def test_blocks_held_only_by_a_lingering_request_are_named_past_the_bound_and_no
     statuses = dict(zip(requests.rid, requests.status, strict=True))
     # an abort before scheduling and one while its step ran each have their row, once
     assert statuses["req-wait"] == "aborted" and statuses["req-long-1"] == "aborted", statuses
-    assert statuses["req-keep"] == "finished" and len(statuses) == 5
+    assert statuses["req-keep"] == "finished" and statuses["req-late"] == "unfinished" and len(statuses) == 6
 
 
 def test_a_prefix_hit_without_a_reference_is_blamed_on_the_request_that_hit(tmp_path: Path) -> None:

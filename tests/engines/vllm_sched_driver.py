@@ -266,6 +266,7 @@ def linger(model_dir: str) -> dict[str, Any]:
     sched.finish_requests("req-wait", RequestStatus.FINISHED_ABORTED)  # NOTE: aborted before it was scheduled
     core.aborts.append("req-long-1")  # NOTE: aborted while its step runs
     core.loop()
+    sched.add_request(request("req-late", list(range(800, 840)), 5))  # NOTE: arrives as the engine shuts down
     shut(core)
     return {
         "ended_step": ended_step,
