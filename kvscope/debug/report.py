@@ -125,6 +125,8 @@ class LeakReport:
     # NOTE: every block (page) a probe's census named at the first and the last failing step (census_blocks;
     # its checks' messages name a few): step, term, block, ref, accounted, taker and releaser ({rid, step, event})
     census_blocks: list[dict[str, Any]] = field(default_factory=list)
+    censuses: dict[str, int] = field(default_factory=dict)  # a probe's censuses by kind (busy, idle, drain, poll)
+    unchecked: int = 0  # a probe's requests that finished after its last census (no census saw their end)
 
     @property
     def clean(self) -> bool:
@@ -215,11 +217,14 @@ def build_report(
             attached=attached_source(run),
             probe=attached_source(run, "probe"),
         )
-        _from_checks(report, capture.leak_checks(report.run_id))
+        checks = capture.leak_checks(report.run_id)
+        _from_checks(report, checks)
         _from_census_blocks(report, capture)
         last_step = capture.step_range(report.run_id).hi.iloc[0]
         report.last_step = None if pd.isna(last_step) else int(last_step)
         requests = capture.requests(report.run_id)
+        if report.probe is not None:
+            _census_coverage(report, checks, requests)
         if report.level != "full" or report.probe is not None:
             report.note = SUMMARY_NOTE if report.probe is None else PAGE_PROBE_NOTE if _pages(report) else PROBE_NOTE
             report.onset_step = report.first_failure_step
@@ -339,6 +344,19 @@ def _census_block(row: Any) -> dict[str, Any]:
         "taker": who("taker"),
         "releaser": who("releaser"),
     }
+
+
+def _census_coverage(report: LeakReport, checks: pd.DataFrame, requests: pd.DataFrame) -> None:
+    """A probe's censuses by kind, and the requests that finished after the last one (a census at the
+    end of step S sees every request finished by then)."""
+    if checks.empty:
+        report.unchecked = len(requests)
+        return
+    kinds = checks.drop_duplicates("step")["census"] if "census" in checks else pd.Series(dtype=object)
+    if kinds.notna().any():  # NOTE: a probe that names no census kind (an older capture) checked at idle points
+        report.censuses = {str(k): int(n) for k, n in kinds.fillna("idle").value_counts().items()}
+    if not requests.empty and "finish_step" in requests:
+        report.unchecked = int((requests.finish_step > int(checks.step.max())).sum())
 
 
 def _suspects(requests: pd.DataFrame, report: LeakReport) -> list[str]:
@@ -565,6 +583,9 @@ def _checks_lines(report: LeakReport) -> list[str]:
         return lines
     if report.checks_run == 0:
         return ["leak checks: the run reached no idle point, so no leak check ran"]
+    if report.censuses:
+        unchecked = f"; {report.unchecked} requests finished after the last" if report.unchecked else ""
+        return [f"leak checks: {_censuses(report)}, all balanced{unchecked}"]
     return [f"leak checks: {report.checks_run} idle points, all balanced"]
 
 
@@ -699,11 +720,19 @@ def verdict(report: LeakReport) -> Verdict:
             CHECK_EXIT_CODES["inconclusive"],
             "inconclusive: the run finished without reaching an idle point, so no leak check ran",
         )
+    if report.probe is not None and report.unchecked:
+        return Verdict(
+            "inconclusive",
+            CHECK_EXIT_CODES["inconclusive"],
+            f"inconclusive: {_censuses(report)} of the {report.probe} probe held, but {report.unchecked} "
+            f"request{'s' if report.unchecked != 1 else ''} finished after the last one (step "
+            f"{report.last_clean_step}) and no census saw the blocks they left",
+        )
     if report.probe is not None:
         return Verdict(
             "clean",
             CHECK_EXIT_CODES["clean"],
-            f"clean: {_checks(report.checks_run)} of the {report.probe} probe's {_census_words(report)})",
+            f"clean: {_censuses(report)} of the {report.probe} probe's {_census_words(report)})",
         )
     if report.level != "full":
         return Verdict(
@@ -727,6 +756,14 @@ def _census_words(report: LeakReport) -> str:
     if _pages(report):
         return "page census held (every page free, in the tree or in a live request's row, exactly once"
     return "block census held (every block's references accounted for"
+
+
+def _censuses(report: LeakReport) -> str:
+    """'5 censuses (3 busy, 1 idle, 1 drain)'; a capture without census kinds: its idle checks."""
+    if not report.censuses:
+        return _checks(report.checks_run)
+    kinds = ", ".join(f"{report.censuses[k]} {k}" for k in ("busy", "idle", "drain", "poll") if k in report.censuses)
+    return f"{report.checks_run} census{'es' if report.checks_run != 1 else ''} ({kinds})"
 
 
 def _checks(count: int) -> str:

@@ -6,6 +6,17 @@ NOTE: activation (the tracers' convention: entry points inert unless the environ
     KVSCOPE_LEVEL     summary (census, usage, requests) or full (and every block event); default full
     KVSCOPE_PYTHON    the interpreter of the recorder's host process (one with kvscope's dependencies;
                       `kvscope instrument` passes its own), default this one
+NOTE: when the census runs while the engine is busy (between steps; 0 turns a bound off, both 0: only
+    at idle edges and at drain); the defaults are measured (benchmarks/bench_census.py, RESULTS.md)
+    KVSCOPE_CENSUS_EVERY_STEPS  after this many engine steps since the last census, default 100
+    KVSCOPE_CENSUS_EVERY_S      or after this many seconds since the last census, default 10
+    and never sooner than CENSUS_BUDGET_X times the last census's own duration (its engine-thread
+    time stays at most 1/CENSUS_BUDGET_X of the time between censuses, whatever the pool's size)
+NOTE: a lingering request (finished or aborted, still in the engine's table: a delayed free for a KV
+    transfer, or a free that never came) is a leak only once it has lingered past both bounds
+    KVSCOPE_LINGER_STEPS        engine steps, default 1000
+    KVSCOPE_LINGER_S            seconds, default 600 (above vLLM's own 480 s default timeout for a
+                                KV consumer that never reads a finished prefill's blocks)
 NOTE: never into the engine
     A patch is all or nothing: every target is resolved before the first is replaced; one that is
     missing (or an engine version the table does not name) patches nothing, prints one line and
@@ -18,7 +29,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -31,20 +42,51 @@ if TYPE_CHECKING:
 LEVELS = ("summary", "full")
 
 
+CENSUS_BUDGET_X = 100  # NOTE: a busy census's engine-thread time <= 1% of the time between censuses
+
+
 class Settings(NamedTuple):
     capture: str
     level: str
     python: str | None
+    census_every_steps: int = 100
+    census_every_s: float = 10.0
+    linger_steps: int = 1000
+    linger_s: float = 600.0
 
 
 def settings_from_env(environ: dict[str, str] | None = None) -> Settings | None:
-    """The probe's settings, or None when KVSCOPE_CAPTURE is unset (the probe stays inert)."""
+    """The probe's settings, or None when KVSCOPE_CAPTURE is unset (the probe stays inert). A bound
+    that is not a number >= 0 raises ValueError naming it (the plugin hook makes it one line)."""
     env = os.environ if environ is None else environ
     capture = env.get("KVSCOPE_CAPTURE", "").strip()
     if not capture:
         return None
     level = env.get("KVSCOPE_LEVEL", "full").strip() or "full"
-    return Settings(capture, level, env.get("KVSCOPE_PYTHON") or None)
+    defaults = Settings("", "", None)
+    return Settings(
+        capture,
+        level,
+        env.get("KVSCOPE_PYTHON") or None,
+        int(_bound(env, "KVSCOPE_CENSUS_EVERY_STEPS", defaults.census_every_steps, whole=True)),
+        _bound(env, "KVSCOPE_CENSUS_EVERY_S", defaults.census_every_s),
+        int(_bound(env, "KVSCOPE_LINGER_STEPS", defaults.linger_steps, whole=True)),
+        _bound(env, "KVSCOPE_LINGER_S", defaults.linger_s),
+    )
+
+
+def _bound(env: Mapping[str, str], name: str, default: float, *, whole: bool = False) -> float:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text) if whole else float(text)
+    except ValueError:
+        value = -1
+    if not value >= 0 or value == float("inf"):
+        kind = "a whole number" if whole else "a number of seconds"
+        raise ValueError(f"{name} must be {kind} >= 0, got {text!r}")
+    return value
 
 
 class Target(NamedTuple):

@@ -1,7 +1,8 @@
 """The probe inside vLLM's EngineCore process: wraps the block pool, the KV-cache manager and the
 scheduler of the versions in SUPPORTED, records block ownership through kvscope's recorder and
-runs the block census (census.py) at each busy -> idle edge of the engine loop; what the census and
-the tree snapshots read of the pool is in vllm_views.py.
+runs the block census (census.py) between engine steps: at each busy -> idle edge, periodically while
+busy, and at the drain as the engine shuts down; what the census and the tree snapshots read of the
+pool is in vllm_views.py.
 
 Loaded by vLLM's `vllm.general_plugins` entry point (`register`) in every vLLM process; inert
 unless KVSCOPE_CAPTURE is set. The classes are patched in every process that loads it; a run is
@@ -22,16 +23,29 @@ when the call did not come through a group's manager; rid = the request the call
     no_room  KVCacheManager.allocate_slots returned None (no room: the scheduler preempts or waits):
              num_tokens = the new tokens asked for, aux = the free blocks then
     retract  Scheduler._preempt_request
-    finish   the request's end: reason = vLLM's finish reason (stop, length, abort, ...)
+    finish   the request's end (Scheduler._free_request, every finish and abort passes there; its row
+             once): reason = vLLM's finish reason (stop, length, abort, ...)
+NOTE: who a block-pool call is for (the context): the manager-level wrappers set it, and so do the
+    scheduler's own paths that free outside KVCacheManager.free: _free_request, _free_request_blocks,
+    _preempt_request, and _drain_deferred_frees (each deferred block list is freed for the request
+    it was popped from; a copy's retained blocks are freed for none).
 Block events (alloc, evict, lock, revive, free, unlock) carry the engine step's clock, read once as
 the step begins (between steps, their own): a step's events share one t_mono; seq orders them.
-EngineCore.shutdown closes the run (a multiprocessing child never runs atexit; vLLM then kills the
-process tree): finished after a normal shutdown, crashed with the exception's line when an exception
-ended the engine (telemetry/exits.py says which status each ending gives).
+EngineCore.shutdown runs the last census (drain; not after an exception: the state a step left
+half done is not whole) and closes the run (a multiprocessing child never runs atexit; vLLM then
+kills the process tree): finished after a normal shutdown, crashed with the exception's line when an
+exception ended the engine (telemetry/exits.py says which status each ending gives).
 Per engine step a usage sample (tokens = blocks x block size: unhashed free-queue blocks as
 available, cached-free ones as evictable, the rest as used); per finished request its record; per
-idle edge the census terms as leak checks and a tree snapshot (and one every SNAPSHOT_EVERY_STEPS
-steps while busy).
+census the terms as leak checks (leak_checks.census = busy / idle / drain); at idle and drain a tree
+snapshot (and one every SNAPSHOT_EVERY_STEPS steps while busy).
+NOTE: the state a busy census reads at the end of _process_engine_step is whole: every block-pool
+change happens inside a scheduler call that leaves the tables and ref counts in step (allocate_slots
+touches and appends together, a free pops a table and frees or defers its blocks together), and the
+step wrapper runs after them on the same thread. With a batch queue (async scheduling, pipeline
+parallelism) the batches in flight hold their blocks in their requests' tables; blocks whose free
+waits for an in-flight step are in Scheduler.deferred_frees, a copy's retained blocks in the
+managers' pending copies: all of them are accounted.
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ from typing import Any
 
 from kvscope.probe.census import TERMS, CensusResult, census_blocks, census_checks, census_json, named, take_census
 from kvscope.probe.core import (
+    CENSUS_BUDGET_X,
     ProbeState,
     Settings,
     Target,
@@ -146,6 +161,13 @@ class VllmProbe:
         self.parents: dict[int, tuple[int, Any]] = {}  # cached block -> (the block before it in its chain, its hash)
         self.dp_rank: int | None = None
         self.last_poll: tuple[Any, ...] | None = None  # NOTE: the last live poll's findings (None: it passed)
+        self.last_census_step = -1  # NOTE: the step of the last stored census (a later one at it moves on a step)
+        self.steps_since_census = 0
+        self.last_census_t = _monotonic()  # when the last census ended (or the probe started)
+        self.census_cost_s = 0.0  # the engine-thread time of the last census
+        self.ended: dict[str, tuple[int, float]] = {}  # rid -> (step, t_mono) it ended, while it lingers
+        self.unpinned: dict[int, tuple[str, int]] = {}  # block -> (rid, step): a prefix hit that took no reference
+        self.deferred_owner: dict[int, tuple[list[Any], str]] = {}  # id(deferred list) -> (it, its request)
         self.cum = {"prompt": 0, "hit": 0, "requests": 0, "hit_requests": 0, "evicted": 0, "retractions": 0}
         self.tally = CensusTally()  # NOTE: the stored censuses, for /metrics (EngineCore.kvscope_metrics)
 
@@ -260,6 +282,18 @@ class VllmProbe:
             self.note_parents()
         if rec.step % SNAPSHOT_EVERY_STEPS == 0:
             rec.tree_snapshot(rec.step, tree_rows(manager, self.parents, size))
+        self.steps_since_census += 1
+
+    def census_due(self) -> bool:
+        """A busy census is due: enough steps or seconds since the last one (the settings), and at
+        least CENSUS_BUDGET_X times the last census's own time since it ended."""
+        settings = self.settings
+        if settings is None or not self.state.active:
+            return False
+        every_steps, every_s = settings.census_every_steps, settings.census_every_s
+        elapsed = _monotonic() - self.last_census_t
+        due = (every_steps > 0 and self.steps_since_census >= every_steps) or (every_s > 0 and elapsed >= every_s)
+        return due and elapsed >= CENSUS_BUDGET_X * self.census_cost_s
 
     def note_parents(self) -> None:
         """Each block cached this step: the block before it in its request's chain, and that block's
@@ -276,8 +310,18 @@ class VllmProbe:
         if not self.busy:
             return None
         self.busy = False
-        manager = scheduler.kv_cache_manager
-        return self.census(manager, set(scheduler.requests), [b for _, b in scheduler.deferred_frees])
+        return self.census(scheduler, "idle")
+
+    def drain(self, scheduler: Any) -> CensusResult | None:
+        """The engine shuts down: the last census, stored before the run closes (none when the
+        engine never built its scheduler)."""
+        if scheduler is None or self.pid != os.getpid():
+            return None
+        self.busy = False
+        result = self.census(scheduler, "drain")
+        for request in list(scheduler.requests.values()):  # NOTE: the rows of those still running or waiting
+            _record_request(request, unfinished=True)
+        return result
 
     def close_run(self, ending: ExitStatus) -> None:
         """The engine shuts down: the run ends as the engine did (this process records nothing more)."""
@@ -290,14 +334,14 @@ class VllmProbe:
         stream (the wrappers keep none: asked for the blocks the census names, when it names any);
         at summary, the wrappers' own maps."""
         if self.stream is None:
-            return named(result, self.last_taker, self.last_release)
+            return named(result, self.last_taker, self.last_release, unpinned=result.unpinned)
         wanted = sorted({*result.leaked, *result.lostref})
         rec = self.state.recorder
         answer = rec.stream_ledger(wanted) if wanted and isinstance(rec, RemoteRecorder) else None
         if answer is None:  # NOTE: nothing named, or recording stopped: the culprits are not known
             return result
         takers, releasers = answer
-        return named(result, _as_ledger(takers), _as_ledger(releasers))
+        return named(result, _as_ledger(takers), _as_ledger(releasers), unpinned=result.unpinned)
 
     def polled(self, result: CensusResult) -> None:
         """A live poll's census (GET /kvscope/census): stored, and handed on at once (an engine that
@@ -307,7 +351,15 @@ class VllmProbe:
         seen = (
             None
             if result.ok
-            else (result.leaked, result.lostref, result.unqueued, result.qheld, result.qcount, result.orphans)
+            else (
+                result.leaked,
+                result.lostref,
+                result.unqueued,
+                result.qheld,
+                result.qcount,
+                result.orphans,
+                result.lingered,
+            )
         )
         if seen == self.last_poll or seen is None:
             self.last_poll = seen
@@ -316,29 +368,81 @@ class VllmProbe:
         rec = self.recorder()
         if rec is None:
             return
-        for check in census_checks(rec.step, result):
-            rec.leak_check(check)
-        rec.census_blocks(census_blocks(rec.step, result))
+        self.store(rec, result, "poll")
         rec.idle()
 
-    def census(self, manager: Any, live_rids: set[str], deferred: list[list[Any]]) -> CensusResult | None:
-        """The census now (on the engine's thread, between steps), stored as leak checks, and a
-        tree snapshot."""
+    def census(self, scheduler: Any, kind: str) -> CensusResult | None:
+        """The census now (on the engine's thread, between steps), stored as leak checks of `kind`
+        (busy, idle, drain); at idle and drain a tree snapshot too."""
         rec = self.recorder()
         if rec is None:
             return None
-        tables = [m.req_to_blocks for m in manager.coordinator.single_type_managers]
-        view = block_view(manager.block_pool)
-        result = self.named(take_census(view, tables, deferred, live_rids, {}, {}))
+        started = _monotonic()
+        manager = scheduler.kv_cache_manager
+        result, view = self.take(scheduler)
         self.cached_free = len(view.hashed.intersection(view.queued))  # NOTE: the running count, recounted
-        for check in census_checks(rec.step, result):
+        self.store(rec, result, kind)
+        if kind != "busy":
+            self.note_parents()
+            rec.tree_snapshot(rec.step, tree_rows(manager, self.parents, self.block_size or _block_size(manager)))
+        if kind != "busy" or not result.ok:  # NOTE: a failing census is handed on now (the engine may die soon)
+            rec.idle()
+        if kind == "busy":  # NOTE: what happens after it, before the next step (aborts), is a step of its own
+            rec.step += 1
+            self.step = rec.step
+        self.steps_since_census = 0
+        self.last_census_t = now = _monotonic()
+        self.census_cost_s = now - started
+        return result
+
+    def store(self, rec: Any, result: CensusResult, kind: str) -> None:
+        """A census's rows: its terms as leak checks of `kind`, every block it names, the /metrics tally."""
+        if rec.step == self.last_census_step:  # NOTE: leak_checks' key is (run, step, term): one census a step
+            rec.step += 1
+            self.step = rec.step
+        self.last_census_step = rec.step
+        for check in census_checks(rec.step, result, kind):
             rec.leak_check(check)
         rec.census_blocks(census_blocks(rec.step, result))
         self.tally.note(rec.step, result, TERMS)
-        self.note_parents()
-        rec.tree_snapshot(rec.step, tree_rows(manager, self.parents, self.block_size or _block_size(manager)))
-        rec.idle()
-        return result
+
+    def take(self, scheduler: Any) -> tuple[CensusResult, Any]:
+        """The census of the scheduler's pool (nothing stored) and the pool's view it read."""
+        manager = scheduler.kv_cache_manager
+        singles = manager.coordinator.single_type_managers
+        deferred = [b for _, b in scheduler.deferred_frees]
+        deferred += [[*pair] for m in singles for pair in getattr(m, "_pending_cow_copies", ())]
+        view = block_view(manager.block_pool)
+        result = take_census(
+            view,
+            [m.req_to_blocks for m in singles],
+            deferred,
+            set(scheduler.requests),
+            {},
+            {},
+            lingering=self.lingering(scheduler.requests),
+            unpinned=self.unpinned,
+        )
+        return self.named(result), view
+
+    def lingering(self, requests: Mapping[str, Any]) -> dict[str, int]:
+        """The requests that ended but still sit in the scheduler's table past both bounds -> the
+        step they ended at. A request the probe never saw end is counted from now."""
+        ended, step, now = self.ended, self.step, _monotonic()
+        for rid in [r for r in ended if r not in requests]:
+            del ended[rid]
+        if any(rid not in requests for rid, _ in self.unpinned.values()):
+            self.unpinned = {b: hit for b, hit in self.unpinned.items() if hit[0] in requests}
+        settings = self.settings
+        max_steps, max_s = (settings.linger_steps, settings.linger_s) if settings else (0, 0.0)
+        found = {}
+        for rid, request in requests.items():
+            if not request.is_finished():
+                continue
+            since_step, since_t = ended.setdefault(rid, (step, now))
+            if step - since_step >= max_steps and now - since_t >= max_s:
+                found[rid] = since_step
+        return found
 
 
 # NOTE: the ledger's event names as the wrappers name them at summary: touch takes (lock, revive), free
@@ -765,26 +869,141 @@ def _preempt_request(original: Callable[..., Any]) -> Callable[..., Any]:
                     PROBE.retracted[request.request_id] = (rec.step, _monotonic())
                     if rec.enabled:
                         rec.record(EventKind.REQUEST_RETRACT, rid=request.request_id)
-        return original(self, request, *args, **kwargs)
+        return _in_context(original, request)(self, request, *args, **kwargs)
 
     _preempt.__name__ = "_preempt_request"
     return _preempt
 
 
-def _free_request_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
+def _in_context(original: Callable[..., Any], request: Any) -> Callable[..., Any]:
+    """`original` called with the block pool working for `request` (restored after)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not PROBE.state.active:
+            return original(*args, **kwargs)
+        ctx = PROBE.ctx
+        saved = ctx.rid
+        ctx.rid = getattr(request, "request_id", None)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            ctx.rid = saved
+
+    return call
+
+
+def _free_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Scheduler._free_request: every finish and abort passes here (update_from_output's stops,
+    finish_requests' aborts, waiting ones included): the request's row, once; a request still in the
+    scheduler's table after it (a delayed free for a KV transfer) lingers from now."""
+
     def _free_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         if PROBE.state.active:
             with guarded(PROBE.state):
                 _record_request(request)
-        return original(self, request, *args, **kwargs)
+        result = _in_context(original, request)(self, request, *args, **kwargs)
+        if PROBE.state.active:
+            with guarded(PROBE.state):
+                rid = request.request_id
+                if rid in self.requests:
+                    PROBE.ended.setdefault(rid, (PROBE.step, _monotonic()))
+        return result
 
     return _free_request
 
 
-def _record_request(request: Any) -> None:
+def _free_request_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Scheduler._free_request_blocks (a finished request's blocks, or a preempted one's): its row
+    when it finished; a block list deferred for an in-flight step remembers its request."""
+
+    def _free_request_blocks(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if not PROBE.state.active:
+            return original(self, request, *args, **kwargs)
+        with guarded(PROBE.state):
+            _record_request(request)
+        deferred = self.deferred_frees
+        before = deferred[-1] if deferred else None
+        result = _in_context(original, request)(self, request, *args, **kwargs)
+        if deferred and deferred[-1] is not before:
+            with guarded(PROBE.state):
+                blocks = deferred[-1][1]
+                PROBE.deferred_owner[id(blocks)] = (blocks, request.request_id)
+        return result
+
+    return _free_request_blocks
+
+
+def _drain_deferred_frees(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Scheduler._drain_deferred_frees frees the block lists whose step has run, straight through
+    BlockPool.free_blocks: each free is made for the request its list was popped from (the pool's
+    free_blocks is shadowed for the call by one that sets the context first; restored after)."""
+
+    def _drain(self: Any) -> Any:
+        owners = PROBE.deferred_owner
+        if not (PROBE.state.active and owners and self.deferred_frees):
+            return original(self)
+        ctx, pool = PROBE.ctx, self.kv_cache_manager.block_pool
+        rids = iter([_deferred_rid(owners, blocks) for fence, blocks in _drained(self)])
+        free_blocks = type(pool).free_blocks
+        saved = ctx.rid
+
+        def free_for_owner(blocks: Any) -> Any:
+            ctx.rid = next(rids, None)
+            return free_blocks(pool, blocks)
+
+        pool.free_blocks = free_for_owner
+        try:
+            return original(self)
+        finally:
+            del pool.free_blocks
+            ctx.rid = saved
+
+    return _drain
+
+
+def _drained(scheduler: Any) -> list[tuple[int, Any]]:
+    """The deferred entries _drain_deferred_frees will free now: those up to the first whose fence
+    step has not run (its own loop's rule)."""
+    found = []
+    for fence, blocks in scheduler.deferred_frees:
+        if fence > scheduler.processed_step_seq:
+            break
+        found.append((fence, blocks))
+    return found
+
+
+def _deferred_rid(owners: dict[int, tuple[list[Any], str]], blocks: Any) -> str | None:
+    entry = owners.pop(id(blocks), None)
+    return entry[1] if entry is not None and entry[0] is blocks else None
+
+
+def _add_local_computed_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
+    """SingleTypeKVCacheManager.add_local_computed_blocks (a request's prefix hit joins its table,
+    each block touched once): a hit block that ends in the table with its ref count not raised took
+    no reference (vLLM #37076's pattern); the request is that block's culprit."""
+    wrapped = _for_group(original)
+
+    def add_local_computed_blocks(self: Any, request_id: str, new_computed_blocks: Any, *args: Any, **kw: Any) -> Any:
+        if not (PROBE.state.active and new_computed_blocks):
+            return wrapped(self, request_id, new_computed_blocks, *args, **kw)
+        before = [(b, b.ref_cnt) for b in new_computed_blocks if not b.is_null]
+        result = wrapped(self, request_id, new_computed_blocks, *args, **kw)
+        with guarded(PROBE.state):
+            table = {id(b) for b in self.req_to_blocks.get(request_id, ())}
+            for block, ref in before:
+                if block.ref_cnt <= ref and id(block) in table:
+                    PROBE.unpinned[block.block_id] = (request_id, PROBE.step)
+        return result
+
+    return add_local_computed_blocks
+
+
+def _record_request(request: Any, *, unfinished: bool = False) -> None:
+    """A request's row, once: when it has finished (or, `unfinished`, as the engine shuts down with it
+    still running or waiting: no finish mark)."""
     rec = PROBE.recorder()
     rid = request.request_id
-    if rec is None or not request.is_finished() or rid in PROBE.recorded_rids:
+    if rec is None or rid in PROBE.recorded_rids or request.is_finished() == unfinished:
         return
     PROBE.recorded_rids.add(rid)
     prompt_len, hit = PROBE.lookups.pop(rid, (int(request.num_prompt_tokens), 0))
@@ -793,7 +1012,11 @@ def _record_request(request: Any) -> None:
         rid,
         None,
         prompt_len,
-        RequestStatus.ABORTED if status == "FINISHED_ABORTED" else RequestStatus.FINISHED,
+        RequestStatus.UNFINISHED
+        if unfinished
+        else RequestStatus.ABORTED
+        if status == "FINISHED_ABORTED"
+        else RequestStatus.FINISHED,
         hit,
         int(request.num_output_tokens),
         int(getattr(request, "num_preemptions", 0)),
@@ -805,6 +1028,9 @@ def _record_request(request: Any) -> None:
     for moment, mark in (("admit", PROBE.admitted.pop(rid, None)), ("retract", PROBE.retracted.pop(rid, None))):
         if mark is not None:
             record.mark(moment, *mark)
+    if unfinished:
+        rec.request(record)
+        return
     record.mark("finish", rec.step, now)
     rec.request(record)
     if PROBE.stream is not None:
@@ -834,6 +1060,8 @@ def _engine_step(original: Callable[..., Any]) -> Callable[..., Any]:
         if PROBE.state.active:
             with guarded(PROBE.state):
                 PROBE.step_ends(self.scheduler)
+                if PROBE.census_due() and self.has_work():  # NOTE: no work left: the idle edge's census follows
+                    PROBE.census(self.scheduler, "busy")
         return result
 
     return _process_engine_step
@@ -855,9 +1083,13 @@ def _engine_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
     an engine error (vLLM reports the engine dead and re-raises it) closes the run crashed with its line."""
 
     def shutdown(self: Any) -> Any:
+        ending = status_of(sys.exc_info()[1])
+        if PROBE.state.active and ending.status == "finished":
+            with guarded(PROBE.state):
+                PROBE.drain(getattr(self, "scheduler", None))
         if PROBE.state.active:
             with guarded(PROBE.state):
-                PROBE.close_run(status_of(sys.exc_info()[1]))
+                PROBE.close_run(ending)
         return original(self)
 
     return shutdown
@@ -878,11 +1110,13 @@ def targets() -> list[Target]:
         Target(MANAGER, "KVCacheManager", "cache_blocks", _for_request),
         Target(MANAGER, "KVCacheManager", "free", _for_request),
         Target(SINGLE, "SingleTypeKVCacheManager", "allocate_new_blocks", _for_group),
-        Target(SINGLE, "SingleTypeKVCacheManager", "add_local_computed_blocks", _for_group),
+        Target(SINGLE, "SingleTypeKVCacheManager", "add_local_computed_blocks", _add_local_computed_blocks),
         Target(SINGLE, "SingleTypeKVCacheManager", "free", _for_group),
         Target(SINGLE, "SingleTypeKVCacheManager", "_remove_blocks_in_range", _for_group),
         Target(SCHEDULER, "Scheduler", "_preempt_request", _preempt_request),
+        Target(SCHEDULER, "Scheduler", "_free_request", _free_request),
         Target(SCHEDULER, "Scheduler", "_free_request_blocks", _free_request_blocks),
+        Target(SCHEDULER, "Scheduler", "_drain_deferred_frees", _drain_deferred_frees),
         Target(CORE, "EngineCoreProc", "_process_engine_step", _engine_step),
         Target(CORE, "EngineCoreProc", "_notify_idle_state_callbacks", _idle_callbacks),
         Target(CORE, "EngineCore", "shutdown", _engine_shutdown),
@@ -945,19 +1179,7 @@ def _metrics_utility(self: Any) -> dict[str, Any]:
 
 def _census_utility(self: Any) -> dict[str, Any]:
     try:
-        scheduler = self.scheduler
-        manager = scheduler.kv_cache_manager
-        tables = [m.req_to_blocks for m in manager.coordinator.single_type_managers]
-        result = PROBE.named(
-            take_census(
-                block_view(manager.block_pool),
-                tables,
-                [b for _, b in scheduler.deferred_frees],
-                set(scheduler.requests),
-                {},
-                {},
-            )
-        )
+        result, _ = PROBE.take(self.scheduler)
         if PROBE.state.active:
             with guarded(PROBE.state):
                 PROBE.polled(result)

@@ -1,11 +1,13 @@
 """What the vLLM probe reads of vLLM's block pool at a census or a snapshot (vLLM 0.32): the pool as a
 BlockView for the census (census.py), and its cached blocks as NodeRows (vLLM's hash chains as a tree,
 with the requests whose block tables hold each block). Reads only, between engine steps; nothing here
-is on a hot path. Imports: stdlib, the probe's census and kvscope.telemetry."""
+is on a hot path. Imports: stdlib, numpy, the probe's census and kvscope.telemetry."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from kvscope.probe.census import BlockView
 from kvscope.telemetry import NodeRow
@@ -72,10 +74,28 @@ def tree_rows(manager: Any, parents: dict[int, tuple[int, Any]], block_size: int
 
 
 def block_view(pool: Any) -> BlockView:
+    """The pool for the census: ref counts as an array by block id (vLLM's block ids are their
+    indexes in pool.blocks, the null block's is 0), the free queue walked once, the hashed blocks
+    among it."""
+    blocks = pool.blocks
     free = pool.free_block_queue
+    queued_blocks = free_list(free, len(blocks))
     return BlockView(
-        ref_counts={b.block_id: b.ref_cnt for b in pool.blocks if not b.is_null},
-        hashed={b.block_id for b in pool.blocks if b.block_hash is not None},
-        queued=[b.block_id for b in free.get_all_free_blocks()],
+        ref_counts=np.fromiter([b.ref_cnt for b in blocks], dtype=np.int64, count=len(blocks)),
+        hashed={b.block_id for b in queued_blocks if b.block_hash is not None},
+        queued=[b.block_id for b in queued_blocks],
         queue_counter=free.num_free_blocks,
     )
+
+
+def free_list(queue: Any, num_blocks: int) -> list[Any]:
+    """The free queue's blocks, head first (FreeKVCacheBlockQueue's links). NOTE: never loop on the
+    engine's thread: links corrupted into a cycle (a block appended twice) stop the walk after one
+    more block than the pool has, and the census sees a queue longer than its counter."""
+    found: list[Any] = []
+    tail = queue.fake_free_list_tail
+    node = queue.fake_free_list_head.next_free_block
+    while node is not None and node is not tail and len(found) <= num_blocks:
+        found.append(node)
+        node = node.next_free_block
+    return found

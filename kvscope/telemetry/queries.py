@@ -242,7 +242,8 @@ class Capture:
 
     def leak_checks(self, run_id: int) -> pd.DataFrame:
         c = schema.leak_checks.c
-        return self.read_frame(select(schema.leak_checks).where(c.run_id == run_id).order_by(c.step, c.pool))
+        stmt = select(*schema.columns_as_of(schema.leak_checks, self.schema_version))
+        return self.read_frame(stmt.where(c.run_id == run_id).order_by(c.step, c.pool))
 
     def census_blocks(self, run_id: int, step: int | None = None) -> pd.DataFrame:
         """Every block the run's censuses named (CENSUS_BLOCK_COLUMNS), by step, term and block; at

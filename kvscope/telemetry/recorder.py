@@ -351,6 +351,7 @@ class SQLRecorder(Recorder):
                     *check[2:8],
                     check.ok,
                     None if check.ok else check.message(),
+                    check.census,
                 ),
             )
         )

@@ -95,7 +95,8 @@ class LeakCheck(NamedTuple):
 
     `violation`: a check that is not this equation (a census term of the vLLM probe: the terms
     above are the block pool's counts, the violation says what failed and names the culprits);
-    None when the term holds.
+    None when the term holds. `census`: which census of a probe the row belongs to (busy, idle,
+    drain, poll); None for kvscope's own engines' checks.
     """
 
     step: int
@@ -108,6 +109,7 @@ class LeakCheck(NamedTuple):
     uncached: int
     idle: bool = True
     violation: str | None = None
+    census: str | None = None
 
     @property
     def balanced(self) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kvscope.debug.census_replay import replay_census
 from kvscope.telemetry import Capture, EventKind
 from tests.engines.vllm_server import VLLM_PYTHON
 
@@ -60,7 +61,7 @@ def drive(scenario: str, capture: Path, level: str = "full") -> dict[str, Any]:
 def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_path: Path) -> None:
     capture = tmp_path / "clean.db"
     result = drive("clean", capture)
-    assert result["said"] == "patched 20 methods of vLLM 0.32.0" and result["served"]
+    assert result["said"] == "patched 22 methods of vLLM 0.32.0" and result["served"]
     assert [c["ok"] for c in result["censuses"]] == [True, True, True]
     db = Capture(capture)
     try:
@@ -77,7 +78,8 @@ def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_pa
         inserts = events[events.kind == "insert"]  # vLLM's hash chains: each parent is the root or a cached block
         assert len(inserts) > 0 and set(inserts.aux) - set(inserts.node_id) == {0}
         checks = db.leak_checks(int(run.id))
-        assert set(checks.pool) == {"leaked", "lostref", "unqueued", "qheld", "qcount", "orphans"}
+        assert set(checks.pool) == {"leaked", "lostref", "unqueued", "qheld", "qcount", "orphans", "lingered"}
+        assert set(checks.census) == {"idle"}
         assert checks.ok.astype(bool).all()
         assert set(db.requests(int(run.id)).rid) == {"req-a", "req-b", "req-c"}
     finally:
@@ -85,7 +87,7 @@ def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_pa
     assert len(_sql(capture, "SELECT DISTINCT step FROM tree_snapshots")) == 3  # one per idle edge
     check = kvscope("check", str(capture))
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "clean: 3 idle leak checks of the vllm 0.32.0 probe's block census held" in check.stdout
+    assert "clean: 3 censuses (3 idle) of the vllm 0.32.0 probe's block census held" in check.stdout
 
 
 @pytest.mark.parametrize("level", ["full", "summary"])
@@ -447,3 +449,120 @@ def test_the_tree_between_snapshots_survives_a_block_cached_again_below_its_own_
         chain.append(up)
         up = int(parent[up])
     assert up == 0 and second in chain, (chain, parent)
+
+
+# -- on vLLM's real Scheduler (tests/engines/vllm_sched_driver.py): censuses while busy, lingering holders,
+# culprits. Every due census runs (the driver lifts the 1% time budget: its steps take microseconds).
+
+SCHEDULED_ENV = {
+    "KVSCOPE_CENSUS_EVERY_STEPS": "5",
+    "KVSCOPE_CENSUS_EVERY_S": "0",
+    "KVSCOPE_LINGER_STEPS": "5",
+    "KVSCOPE_LINGER_S": "0",
+}
+
+
+def drive_scheduled(scenario: str, capture: Path, level: str = "full") -> dict[str, Any]:
+    out = kvscope(
+        "instrument",
+        "--capture",
+        str(capture),
+        "--level",
+        level,
+        "--",
+        VLLM_PYTHON,
+        str(DRIVER),
+        scenario,
+        env=SCHEDULED_ENV,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_a_busy_census_names_blocks_taken_mid_run_and_nothing_on_clean_busy_steps(tmp_path: Path) -> None:
+    capture = tmp_path / "busy.db"
+    result = drive_scheduled("busy", capture)
+    assert result["preemptions"] >= 1  # NOTE: the clean stretch preempts (20 blocks for 10 requests of 5)
+    assert len(result["clean_busy"]) >= 5 and all(c["ok"] for c in result["clean_busy"]), result["clean_busy"]
+    first = result["after"][0]
+    assert first["kind"] == "busy" and first["step"] <= result["fault_step"] + 5
+    assert first["leaked"] == result["taken"] and first["lostref"] == []
+    assert result["kinds"][-2:] == ["idle", "drain"]  # the busy -> idle edge, then the drain at shutdown
+    assert result["after"][-1]["kind"] == "drain" and result["after"][-1]["leaked"] == result["taken"]
+    db = Capture(capture)
+    try:
+        run = db.runs().iloc[-1]
+        checks = db.leak_checks(int(run.id))
+        assert run.status == "finished"
+        by_kind = checks.drop_duplicates("step").census.value_counts().to_dict()
+        assert by_kind["idle"] == 1 and by_kind["drain"] == 1 and by_kind["busy"] == len(result["kinds"]) - 2
+        assert not checks.duplicated(["step", "pool"]).any()
+        # NOTE: an abort between steps right after a busy census is a step of its own: that census did not see it
+        finish_step = int(db.requests(int(run.id)).set_index("rid").finish_step[result["aborted"]])
+        assert finish_step == result["fault_step"] > result["last_clean_step"]
+        points = replay_census(db, int(run.id))  # the idle census replays from the events (busy ones are not)
+        assert [p.step for p in points] == list(checks[checks.census == "idle"].step.unique())
+        assert all(p.agrees for p in points), [p.differences() for p in points]
+    finally:
+        db.close()
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert f"leak check failed at step {first['step']}: [leaked]" in check.stdout
+
+
+def test_blocks_held_only_by_a_lingering_request_are_named_past_the_bound_and_not_before(tmp_path: Path) -> None:
+    capture = tmp_path / "linger.db"
+    result = drive_scheduled("linger", capture)
+    ended, kept = result["ended_step"], result["kept"]
+    before = [c for c in result["censuses"] if c["step"] - ended < 5]
+    after = [c for c in result["censuses"] if c["step"] - ended >= 5]
+    assert before and all(c["lingered"] == {} for c in before), before
+    assert after and all(c["lingered"] == {str(b): ["req-keep"] for b in kept} for c in after), after
+    assert all(c["leaked"] == [] and c["lostref"] == [] for c in result["censuses"])
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1 and "[lingered]" in check.stdout, check.stdout
+    assert f"block {kept[0]} held by req-keep (ended at step {ended})" in check.stdout, check.stdout
+    db = Capture(capture)
+    try:
+        requests = db.requests(int(db.runs().iloc[-1].id))
+    finally:
+        db.close()
+    assert not requests.rid.duplicated().any()
+    statuses = dict(zip(requests.rid, requests.status, strict=True))
+    # an abort before scheduling and one while its step ran each have their row, once
+    assert statuses["req-wait"] == "aborted" and statuses["req-long-1"] == "aborted", statuses
+    assert statuses["req-keep"] == "finished" and statuses["req-late"] == "unfinished" and len(statuses) == 6
+
+
+def test_a_prefix_hit_without_a_reference_is_blamed_on_the_request_that_hit(tmp_path: Path) -> None:
+    capture = tmp_path / "unpinned.db"
+    result = drive_scheduled("unpinned", capture)
+    block = result["skipped"]
+    named = [c for c in result["censuses"] if c["lostref"]]
+    assert named and all(c["lostref"] == [block] for c in named)
+    assert all(c["unpinned"] == {str(block): ["req-hit", named[0]["unpinned"][str(block)][1]]} for c in named)
+    text = named[0]["violations"][0]
+    assert f"block {block} ref 1, accounted 2; culprit request req-hit: its prefix hit" in text
+    assert "req-first" not in text  # NOTE: the request that took the block properly is never named
+
+
+@pytest.mark.parametrize("level", ["full", "summary"])
+def test_a_double_free_on_the_preemption_path_names_its_release_and_no_culprit(tmp_path: Path, level: str) -> None:
+    capture = tmp_path / "preempt.db"
+    result = drive_scheduled("preempt-free", capture, level)
+    block, rid = result["freed_twice"]
+    named = [c for c in result["censuses"] if c["lostref"]]
+    assert named and named[0]["lostref"] == [block]
+    text = named[0]["violations"][0]
+    assert f"last released for request {rid} (free at step {named[0]['step']})" in text, text
+    assert "culprit unknown" in text and "culprit request" not in text
+
+
+def test_frees_deferred_for_an_in_flight_step_are_made_for_their_request(tmp_path: Path) -> None:
+    capture = tmp_path / "deferred.db"
+    result = drive_scheduled("deferred", capture, "summary")
+    assert result["deferred_then"] >= 1  # NOTE: the abort's free waited for its step (Scheduler.deferred_frees)
+    released = result["released_for"]
+    assert "req-1" in released.values() and None not in released.values(), released
+    assert all(c["ok"] for c in result["censuses"])

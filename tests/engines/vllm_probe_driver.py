@@ -3,7 +3,9 @@ Run with the vLLM venv's python, kvscope on PYTHONPATH:
 
     python vllm_probe_driver.py SCENARIO      (clean, extra-ref, double-free, unknown-version,
                                                missing-target, inert, life, refs, shutdown, crash,
-                                               polled-crash, reused-parent)
+                                               polled-crash, reused-parent; on vLLM's real Scheduler
+                                               (vllm_sched_driver.py): busy, linger, unpinned,
+                                               preempt-free, deferred)
 
 The environment names the capture (KVSCOPE_CAPTURE, KVSCOPE_PYTHON). Prints one JSON line: what the
 probe said, the census results, the injected ground truth, and that vLLM's own calls still worked.
@@ -27,6 +29,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request, RequestStatus
 
 from kvscope.probe import vllm as probe
+from tests.engines.vllm_sched_driver import SCHEDULED, scheduled
 
 BLOCK = 16
 NUM_BLOCKS = 12
@@ -74,9 +77,14 @@ def finish(
     del live[req.request_id]
 
 
+def scheduler_of(kv: KVCacheManager, live: dict[str, Request]) -> SimpleNamespace:
+    """What the census reads of a Scheduler, for a driver that calls the manager itself."""
+    return SimpleNamespace(kv_cache_manager=kv, requests=live, deferred_frees=[])
+
+
 def idle(kv: KVCacheManager, live: dict[str, Request]) -> dict:
     probe.PROBE.busy = True
-    result = probe.PROBE.census(kv, set(live), [])
+    result = probe.PROBE.idle_edge(scheduler_of(kv, live))
     return (
         {}
         if result is None
@@ -176,6 +184,9 @@ def refs() -> dict:
 def main(scenario: str) -> None:
     init_none_hash(sha256)
     said = ""
+    if scenario in SCHEDULED:
+        print(json.dumps(scheduled(scenario)))
+        return
     if scenario == "unknown-version":
         said = probe._register(version="0.31.9")
     elif scenario == "missing-target":
