@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.probe.census import MAX_NAMED, BlockView, census_blocks, census_checks, take_census
+from kvscope.probe.census import MAX_NAMED, TERMS, BlockView, census_blocks, census_checks, take_census
 from kvscope.telemetry import Capture, CensusBlock, SQLRecorder
 from kvscope.telemetry.remote import RemoteRecorder
 
@@ -114,5 +114,5 @@ def _two_censuses_at_one_step(target: str) -> None:
     assert status == "finished"
     for step in (7, 8):
         at = checks[checks.step == step].set_index("pool")
-        assert len(at) == 6 and not bool(at.ok["leaked"]) and not bool(at.ok["lostref"]), at
+        assert len(at) == len(TERMS) and not bool(at.ok["leaked"]) and not bool(at.ok["lostref"]), at
     assert len(stored[stored.step == 7]) == len(blocks)
