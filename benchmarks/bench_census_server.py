@@ -22,10 +22,12 @@ import os
 import random
 import sqlite3
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, ExitStack
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -36,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._results import command_line, machine_lines, write_section  # noqa: E402
 from benchmarks.bench_probe_e2e import CONCURRENCY, NUM_BLOCKS, OUTPUT, PROMPT, one_round, server_pids  # noqa: E402
-from tests.engines.vllm_server import vllm_server  # noqa: E402
+from tests.engines.vllm_server import VllmServer, vllm_server  # noqa: E402
 
 OFF = {"KVSCOPE_CENSUS_EVERY_STEPS": "0", "KVSCOPE_CENSUS_EVERY_S": "0"}
 SIDES = ("off", "default")
@@ -54,6 +56,23 @@ def censuses(capture: Path) -> int:
         return 0
 
 
+def server(side: str, capture: Path) -> AbstractContextManager[VllmServer]:
+    wrap = (sys.executable, "-m", "kvscope", "instrument", "--capture", str(capture), "--")
+    env = {"VLLM_PLUGINS": "kvscope", **(OFF if side == "off" else {})}
+    return vllm_server(wrap=wrap, env=env, kv_events=False, num_blocks=NUM_BLOCKS, args=("--shutdown-timeout", "10"))
+
+
+def code_line() -> str:
+    """The code measured: this checkout's commit, and whether it differs from it."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return done.stdout.strip()
+
+    dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+    return f"- code: {git('rev-parse', '--short', 'HEAD')} ({git('log', '-1', '--format=%s')[:80]}){dirty}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=8, help="timed pairs of rounds (off, default)")
@@ -64,17 +83,11 @@ def main() -> None:
     load_before = os.getloadavg()
     started = time.perf_counter()
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="kvs-census-") as tmp:
-        servers, captures = {}, {}
-        for side in SIDES:
-            print(f"starting the {side} server (busy census {side}) ...", flush=True)
-            captures[side] = Path(tmp) / f"{side}.db"
-            wrap = (sys.executable, "-m", "kvscope", "instrument", "--capture", str(captures[side]), "--")
-            env = {"VLLM_PLUGINS": "kvscope", **(OFF if side == "off" else {})}
-            servers[side] = stack.enter_context(
-                vllm_server(
-                    wrap=wrap, env=env, kv_events=False, num_blocks=NUM_BLOCKS, args=("--shutdown-timeout", "10")
-                )
-            )
+        captures = {side: Path(tmp) / f"{side}.db" for side in SIDES}
+        print("starting both servers (busy census off, default) ...", flush=True)
+        with ThreadPoolExecutor(len(SIDES)) as starting:  # NOTE: together: a start takes minutes here
+            futures = {side: starting.submit(stack.enter_context, server(side, captures[side])) for side in SIDES}
+            servers = {side: future.result() for side, future in futures.items()}
         model = {s: httpx.get(f"{servers[s].url}/v1/models").json()["data"][0]["id"] for s in SIDES}
         rates: dict[str, list[float]] = {s: [] for s in SIDES}
         cpu: dict[str, list[float]] = {s: [] for s in SIDES}
@@ -104,6 +117,7 @@ def main() -> None:
     lines = [
         f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         f"- command: `{command_line()}`",
+        code_line(),
         *machine_lines("cpu"),
         f"- load average (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load_before)}; after "
         f"{', '.join(f'{x:.2f}' for x in load_after)}; whole run {time.perf_counter() - started:.0f} s",
