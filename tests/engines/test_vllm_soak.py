@@ -54,7 +54,10 @@ ANCHORS = 2
 ANCHOR_TOKENS = (1500, 1100)  # NOTE: two lengths: the anchors drift apart and never end together
 MAX_MODEL_LEN = 2048
 NUM_BLOCKS = 200  # 199 usable: the anchors' 2 x 48 and 14 requests of 5 to 8 blocks overflow it at times
-CRASH_NUM_BLOCKS = 32  # life 2 (contexts of 256): a pool the traffic overflows at once, so vLLM preempts soon
+CRASH_NUM_BLOCKS = 48  # life 2 (contexts of 256): a pool the traffic overflows at once, so vLLM preempts soon
+# NOTE: life 2's census runs every CRASH_CENSUS_EVERY_STEPS: vLLM handed a double-freed block out again 6, 29
+# and more steps after the fault here (the sooner, the smaller the pool), and the census must come first
+CRASH_CENSUS_EVERY_STEPS = 2
 CENSUS_EVERY_STEPS = 8
 CENSUS_EVERY_S = 2.0
 LINGER_STEPS = 16
@@ -302,7 +305,9 @@ class Soak:
     crash_live: list[Any] = field(default_factory=list)  # GET /kvscope/census after the double free, until it died
 
 
-def instrumented(tmp: Path, name: str) -> tuple[dict[str, str], tuple[str, ...], Path, Path]:
+def instrumented(
+    tmp: Path, name: str, every_steps: int = CENSUS_EVERY_STEPS
+) -> tuple[dict[str, str], tuple[str, ...], Path, Path]:
     capture, faults_log = tmp / f"{name}.db", tmp / f"{name}-faults.jsonl"
     path = ":".join((str(FAULTS_DIR), str(ROOT)))
     env = {
@@ -310,6 +315,7 @@ def instrumented(tmp: Path, name: str) -> tuple[dict[str, str], tuple[str, ...],
         "VLLM_PLUGINS": "kvscope,kvscope_test_faults",
         "KVSCOPE_TEST_FAULTS_LOG": str(faults_log),
         **PROBE_ENV,
+        "KVSCOPE_CENSUS_EVERY_STEPS": str(every_steps),
     }
     wrap = (sys.executable, "-m", "kvscope", "instrument", "--capture", str(capture), "--")
     return env, wrap, capture, faults_log
@@ -319,7 +325,7 @@ def instrumented(tmp: Path, name: str) -> tuple[dict[str, str], tuple[str, ...],
 def soak(tmp_path_factory: pytest.TempPathFactory) -> Soak:
     tmp = tmp_path_factory.mktemp("vllm-soak")
     env, wrap, capture, faults_log = instrumented(tmp, "soak")
-    crash_env, crash_wrap, crash_capture, crash_faults_log = instrumented(tmp, "crash")
+    crash_env, crash_wrap, crash_capture, crash_faults_log = instrumented(tmp, "crash", CRASH_CENSUS_EVERY_STEPS)
     result = Soak(capture, faults_log, tmp / "soak.log", crash_capture=crash_capture, crash_faults_log=crash_faults_log)
     result.crash_log = tmp / "crash.log"
     second = vllm_server(
@@ -582,7 +588,8 @@ def test_a_double_free_on_preemption_is_named_before_it_kills_the_engine(soak: S
     assert len(faults) == 1, (faults, soak.crash_log.read_text()[-3000:])
     assert soak.crash_seen, f"the engine lived on after the double free: {soak.crash_log.read_text()[-2000:]}"
     live = [engine.get("lostref") for answer in soak.crash_live for engine in answer]  # NOTE: what was live to see
-    fault_named(soak.crash_capture, faults[0], {"lostref"}, CENSUS_BOUND_STEPS, f"(live censuses: {live})")
+    bound = 2 * CRASH_CENSUS_EVERY_STEPS + 1
+    fault_named(soak.crash_capture, faults[0], {"lostref"}, bound, f"(live censuses: {live})")
     status, error = run_status(soak.crash_capture)
     assert status == "crashed" and error and "ref_cnt" in error, (status, error)
     check = kvscope("check", str(soak.crash_capture))
