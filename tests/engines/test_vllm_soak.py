@@ -51,9 +51,10 @@ SOAK_S = 300.0  # the issue's bound: at least 5 minutes never idle
 # soak's server takes contexts of MAX_MODEL_LEN), so one is always in the engine; the rest churn
 CONCURRENCY = 16
 ANCHORS = 2
-ANCHOR_TOKENS = (1500, 1100)  # NOTE: two lengths: the anchors drift apart and never end together
-MAX_MODEL_LEN = 2048
-NUM_BLOCKS = 200  # 199 usable: the anchors' 2 x 48 and 14 requests of 5 to 8 blocks overflow it at times
+ANCHOR_TOKENS = (460, 380)  # NOTE: two lengths: the anchors drift apart and never end together
+ANCHOR_PROMPT = 40
+MAX_MODEL_LEN = 512  # NOTE: the test model's max_position_embeddings
+NUM_BLOCKS = 128  # 127 usable: the anchors' 2 x 16 and 14 requests of 5 to 8 blocks overflow it at times
 CRASH_NUM_BLOCKS = 48  # life 2 (contexts of 256): a pool the traffic overflows at once, so vLLM preempts soon
 # NOTE: life 2's census runs every CRASH_CENSUS_EVERY_STEPS: vLLM handed a double-freed block out again 6, 29
 # and more steps after the fault here (the sooner, the smaller the pool), and the census must come first
@@ -180,7 +181,8 @@ class Load:
             while not self.stop.is_set():
                 n += 1
                 head = rng.choice(prefixes) if rng.random() < 1 / 3 and not anchor else []
-                prompt = head + tokens(rng, rng.randrange(70 if head else 40, 100) - len(head))  # 99 + 150 < 256
+                size = ANCHOR_PROMPT if anchor else rng.randrange(70 if head else 40, 100)  # NOTE: 99 + 150 < 256
+                prompt = head + tokens(rng, size - len(head))
                 length = ANCHOR_TOKENS[i] if anchor else rng.randrange(self.min_tokens, self.max_tokens)
                 # NOTE: an anchor streams, so that it leaves (vLLM aborts it) as soon as the load stops: the
                 # drain at SIGTERM then waits only for the short requests
