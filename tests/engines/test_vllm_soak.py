@@ -46,15 +46,17 @@ pytestmark = [
 
 SOAK_S = 300.0  # the issue's bound: at least 5 minutes never idle
 # NOTE: never idle on a loaded 2-core machine: with 6, 8 and 16 clients of requests up to 256 tokens the
-# engine still ran out of work now and then (its API server and the clients, starved of CPU, handed requests
-# over slower than the engine ended them). ANCHORS of those clients send requests of ANCHOR_TOKENS (the
-# soak's server takes contexts of MAX_MODEL_LEN), so one is always in the engine; the rest churn
+# engine still ran out of work now and then (its API server, starved of CPU for seconds, handed requests over
+# slower than the engine ended them; then 14 arrived at once). So the engine runs at most MAX_NUM_SEQS at a
+# time and keeps the rest of the CONCURRENCY clients' requests waiting: a stall must outlast all of them to
+# leave it idle. ANCHORS of the clients stream ANCHOR_TOKENS-long requests in contexts of MAX_MODEL_LEN
 CONCURRENCY = 16
+MAX_NUM_SEQS = 8
 ANCHORS = 2
 ANCHOR_TOKENS = (460, 380)  # NOTE: two lengths: the anchors drift apart and never end together
 ANCHOR_PROMPT = 40
 MAX_MODEL_LEN = 512  # NOTE: the test model's max_position_embeddings
-NUM_BLOCKS = 128  # 127 usable: the anchors' 2 x 16 and 14 requests of 5 to 8 blocks overflow it at times
+NUM_BLOCKS = 64  # 63 usable: 2 anchors of up to 16 blocks and 6 requests of 5 to 8 overflow it at times
 CRASH_NUM_BLOCKS = 48  # life 2 (contexts of 256): a pool the traffic overflows at once, so vLLM preempts soon
 # NOTE: life 2's census runs every CRASH_CENSUS_EVERY_STEPS: vLLM handed a double-freed block out again 6, 29
 # and more steps after the fault here (the sooner, the smaller the pool), and the census must come first
@@ -349,7 +351,8 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> Soak:
                 log_path=result.log,
                 num_blocks=NUM_BLOCKS,
                 kv_events=False,
-                args=(*STOP, "--max-model-len", str(MAX_MODEL_LEN)),  # NOTE: vLLM's last value wins
+                # NOTE: vLLM's last value wins
+                args=(*STOP, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS)),
             ) as server:
                 load = Load(server, "soak", seed=1, anchors=ANCHORS)
                 soak_life(server, load, result)
