@@ -539,7 +539,7 @@ def test_a_prefix_hit_without_a_reference_is_named_with_its_request(soak: Soak) 
     for hit, end in long:
         rows = fault_named(soak.capture, hit, {"lostref"}, CENSUS_BOUND_STEPS)
         assert rows[0].step < end["step"], (rows, end)
-        assert all(hit["rid"] in n.text for n in rows), rows
+        assert all(hit["rid"] in n.text and n.census == "busy" for n in rows), rows
 
 
 def noref_windows(log: Path) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -558,7 +558,7 @@ def test_an_aborted_request_that_keeps_its_blocks_is_named_lingering(soak: Soak)
     [fault] = [f for f in injected(soak.faults_log) if f["fault"] == "linger"]
     past_both = max(fault["step"] + LINGER_STEPS, step_at(soak.capture, fault["mono"] + LINGER_S))
     rows = fault_named(soak.capture, fault, {"lingered"}, past_both - fault["step"] + CENSUS_BOUND_STEPS)
-    assert all(fault["rid"] in n.text for n in rows), rows
+    assert all(fault["rid"] in n.text and n.census == "busy" for n in rows), rows
     # NOTE: the request arrived, so it has a row, with its status, though its blocks were never freed
     stored = query(soak.capture, f"SELECT status FROM requests WHERE run_id = ? AND rid = '{fault['rid']}'")
     assert stored == [("aborted",)], stored
