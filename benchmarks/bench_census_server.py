@@ -7,12 +7,13 @@ kept up.
     PYTHONPATH=. .venv/bin/python benchmarks/bench_census_server.py [--rounds 8] [--requests 48]
 
 NOTE: as bench_probe_e2e: a round sends REQUESTS completions at concurrency 8 to one server and times
-them; the rounds alternate off, default, off, default ... and each pair gets the same prompts (new to
-both servers); a warm-up pair is not counted. Beside requests/s and the server's CPU ms per request,
-each round counts the censuses its server stored (distinct steps of leak_checks rows written during
-the round): with the periodic census off only idle edges store one, so a difference in that count
-is what the default period adds. A probe without a busy census stores about as many either way and
-shows no cost: that reading says so.
+them; the rounds alternate between the two servers, each pair gets the same prompts (new to both
+servers), and each side goes first in every other pair (a round right after the other server's may
+find its threads still spinning on the cores); a warm-up pair is not counted. Beside requests/s and
+the server's CPU ms per request, each round counts the censuses its server stored (distinct steps of
+leak_checks rows written during the round): with the periodic census off only idle edges store one,
+so a difference in that count is what the default period adds. A round too short for the default
+period stores as many either way: the reading then says so.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def main() -> None:
         stored: dict[str, list[int]] = {s: [] for s in SIDES}
         for pair in range(args.rounds + 1):
             prompts = [[rng.randrange(3, 512) for _ in range(PROMPT)] for _ in range(args.requests)]
-            for side in SIDES:
+            for side in SIDES if pair % 2 else SIDES[::-1]:  # NOTE: each side goes first in every other pair
                 pids = server_pids(servers[side], captures[side])
                 before = censuses(captures[side])
                 rate, ms = one_round(servers[side], model[side], prompts, pids)
@@ -141,7 +142,7 @@ def main() -> None:
         f"spread {min(cpu_ratios):.3f} to {max(cpu_ratios):.3f}",
         f"- censuses the default period added per round (median): {added:+g}"
         + (
-            ": none, so this probe runs no busy census and the figures above measure nothing of it"
+            ": none in rounds this short, so the figures measure what the setting costs besides its censuses"
             if added <= 0
             else ""
         ),
