@@ -46,15 +46,20 @@ SIDES = ("off", "default")
 
 
 def censuses(capture: Path) -> int:
-    """Censuses the capture holds so far (distinct steps of leak checks; 0 before its first)."""
-    try:
-        conn = sqlite3.connect(f"file:{capture}?mode=ro", uri=True)
+    """Censuses the capture holds so far (distinct steps of leak checks; 0 before its first). A read
+    the recorder's write locks out is retried (a miscount would read as censuses removed)."""
+    for _ in range(50):
         try:
-            return int(conn.execute("SELECT count(DISTINCT run_id || ':' || step) FROM leak_checks").fetchone()[0])
-        finally:
-            conn.close()
-    except sqlite3.Error:
-        return 0
+            conn = sqlite3.connect(f"file:{capture}?mode=ro", uri=True, timeout=5)
+            try:
+                return int(conn.execute("SELECT count(DISTINCT run_id || ':' || step) FROM leak_checks").fetchone()[0])
+            finally:
+                conn.close()
+        except sqlite3.OperationalError as err:
+            if "no such table" in str(err) or "unable to open" in str(err):
+                return 0
+            time.sleep(0.1)
+    raise RuntimeError(f"{capture}: leak_checks could not be read")
 
 
 def server(side: str, capture: Path) -> AbstractContextManager[VllmServer]:
