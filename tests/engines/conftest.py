@@ -28,6 +28,7 @@ from tests.engines.vllm_server import VllmServer, vllm_server
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS_DIR = Path(__file__).resolve().parent / "faults"
 SHARED_ORDER = ("test_vllm_attach", "test_vllm_discover", "test_vllm_probe_server")
+LAST = ("test_vllm_soak",)  # its own servers: after the shared one's phases (its last stops it)
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,13 @@ def instrumented_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Inst
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The shared server's phases in SHARED_ORDER; every other test keeps its place before them."""
+    """The shared server's phases in SHARED_ORDER, then the modules of LAST; every other test keeps
+    its place before them."""
 
     def rank(item: pytest.Item) -> int:
         module = item.path.stem if item.path.parent == Path(__file__).parent else ""
+        if module in LAST:
+            return 1 + len(SHARED_ORDER) + LAST.index(module)
         uses = "instrumented_vllm" in getattr(item, "fixturenames", ())
         return 1 + SHARED_ORDER.index(module) if uses and module in SHARED_ORDER else 0
 
