@@ -11,7 +11,8 @@ slots from a tiny Mamba2 state shape, and a TokenToKVPoolAllocator: page size 1,
 component requires without the extra buffer), mamba-buffer (the same with SGLang's Mamba extra buffer:
 ping-pong track slots, page size 4 on the paged allocator; its state tracking is not driven).
 SCENARIO: clean, shared (clean; the request running across the idle point holds a lock on the
-shared prefix), leak-tail, lock-leak, double-free, leak-and-double-free, swa-leak (swa only),
+shared prefix), leak-tail, lock-leak, double-free, double-free-reused (the freed page
+handed to req-D's row while the tree keeps it), leak-and-double-free, swa-leak (swa only),
 mamba-leak, mamba-double-free (mamba only; clean runs on mamba-buffer too), session, session-close,
 session-lock-leak (a streaming session's turns; unified), dp (clean, as a DP replica's scheduler),
 unknown-version, missing-target, changed-parameters,
@@ -295,6 +296,10 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
         injected.append({"kind": "swa-leak", "rid": "req-C", "page": peer})
     engine.release(c)
     mine = [50 + i for i in range(10)]
+    if scenario == "double-free-reused":  # a page still in the tree is freed again, and req-D's prefill takes it
+        page = min(int(s) // PS for s in engine.tree.all_values_flatten().tolist())
+        probe._in_context("bad-free", "free", lambda: engine.alloc.free_page_ids(torch.tensor([page])))
+        injected.append({"kind": "double-free", "rid": "bad-free", "page": page})
     d = engine.admit("req-D", [*system, *mine] if scenario == "shared" else mine)  # running across the idle point
     if scenario in ("double-free", "leak-and-double-free"):  # a page still in the tree is freed again
         page = min(int(s) // PS for s in engine.tree.all_values_flatten().tolist())

@@ -208,6 +208,25 @@ def test_a_double_free_is_named_with_the_request_it_was_made_for(tmp_path: Path)
     ) in check.stdout
 
 
+@pytest.mark.parametrize("tree", ["classic", "rust"])
+def test_a_page_a_double_free_handed_to_a_running_request_while_the_tree_keeps_it_is_named(
+    tmp_path: Path, tree: str
+) -> None:
+    """The tree's page freed again, then taken by req-D's prefill: in no free list, so free / tree /
+    row sets balance; it has two owners (the tree and req-D's own row part), and SGLang's identity
+    counts it twice and raises. The census before the raise names both holders and the releaser."""
+    capture = tmp_path / f"reused-{tree}.db"
+    result = drive("double-free-reused", tree, capture)
+    page = result["injected"][0]["page"]
+    assert result["points"][1]["sglang"]["raised"].startswith("pool memory leak detected!")
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert (
+        f"1 page held twice (a double free handed out a page still in use): page {page} in the tree and request "
+        "req-D's row; last released for request bad-free (free at step"
+    ) in check.stdout
+
+
 def test_a_leak_and_a_double_free_that_cancel_pass_sglangs_identity_and_not_the_census(tmp_path: Path) -> None:
     capture = tmp_path / "pair.db"
     result = drive("leak-and-double-free", "unified", capture)
