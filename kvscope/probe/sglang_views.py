@@ -291,27 +291,38 @@ def page_rows(core: Any, live: dict[int, str], page_size: int) -> list[NodeRow]:
     """The Rust tree core keeps its nodes in Rust: the tree as pages, from its KV-canary walk (every
     device slot with its position and the slot before it): node = page id, parent = the page of the
     slot before its first slot (the root, id 0, at position 0), lock_ref 1 when the walk of unlocked
-    slots leaves the page out. No tokens, access times or hit counts: "", 0.0 and 0."""
+    slots leaves the page out. No tokens, access times or hit counts: "", 0.0 and 0.
+    NOTE: a corrupt tree (a double free handed a page to a second node) lists a page twice: its row
+    is its first place, the preview says where else it is (the census names it: twice); a parent is
+    a page already written (else the root), so the rows are unique and acyclic by construction."""
     walk = core.walk_for_kv_canary(False, False)
     unlocked = core.walk_for_kv_canary(True, False)
     free_of_locks = {int(s) // page_size for s in unlocked.slot_indices.tolist()}
     rows = [NodeRow(0, None, 0, "", 0, 0.0, 0, None, False, 0)]
-    firsts = [
+    firsts = sorted(
         (int(pos), int(slot) // page_size, int(prev))
         for slot, pos, prev in zip(
             walk.slot_indices.tolist(), walk.positions.tolist(), walk.prev_slot_indices.tolist(), strict=True
         )
         if int(pos) % page_size == 0
-    ]
-    pages = {page for _, page, _ in firsts}
-    for pos, page, prev in sorted(firsts):
-        parent = prev // page_size if prev >= 0 and prev // page_size in pages else 0  # NOTE: or an orphan's
+    )
+    elsewhere: dict[int, list[int]] = {}
+    kept: dict[int, tuple[int, int]] = {}
+    for pos, page, prev in firsts:
+        if page in kept:
+            elsewhere.setdefault(page, []).append(pos)
+        else:
+            kept[page] = (pos, prev)
+    written = {0}
+    for page, (pos, prev) in kept.items():
+        parent = prev // page_size if prev >= 0 else 0
+        also = elsewhere.get(page)
         rows.append(
             NodeRow(
                 page,
-                parent,
+                parent if parent in written else 0,  # NOTE: or an orphan's, or a later page's
                 page_size,
-                "",
+                "" if also is None else f"also at position {', '.join(map(str, also))} (a page held twice)",
                 0 if page in free_of_locks else 1,
                 0.0,
                 0,
@@ -320,4 +331,5 @@ def page_rows(core: Any, live: dict[int, str], page_size: int) -> list[NodeRow]:
                 pos + page_size,
             )
         )
+        written.add(page)
     return rows

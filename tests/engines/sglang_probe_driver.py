@@ -12,7 +12,8 @@ component requires without the extra buffer), mamba-buffer (the same with SGLang
 ping-pong track slots, page size 4 on the paged allocator; its state tracking is not driven).
 SCENARIO: clean, shared (clean; the request running across the idle point holds a lock on the
 shared prefix), leak-tail, lock-leak, double-free, double-free-reused (the freed page
-handed to req-D's row while the tree keeps it), leak-and-double-free, swa-leak (swa only),
+handed to req-D's row while the tree keeps it), double-free-in-tree (then req-D's release puts it in
+a second tree node), leak-and-double-free, swa-leak (swa only),
 mamba-leak, mamba-double-free (mamba only; clean runs on mamba-buffer too), session, session-close,
 session-lock-leak (a streaming session's turns; unified), dp (clean, as a DP replica's scheduler),
 unknown-version, missing-target, changed-parameters,
@@ -296,7 +297,7 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
         injected.append({"kind": "swa-leak", "rid": "req-C", "page": peer})
     engine.release(c)
     mine = [50 + i for i in range(10)]
-    if scenario == "double-free-reused":  # a page still in the tree is freed again, and req-D's prefill takes it
+    if scenario in ("double-free-reused", "double-free-in-tree"):  # a tree page freed again, req-D's prefill takes it
         page = min(int(s) // PS for s in engine.tree.all_values_flatten().tolist())
         probe._in_context("bad-free", "free", lambda: engine.alloc.free_page_ids(torch.tensor([page])))
         injected.append({"kind": "double-free", "rid": "bad-free", "page": page})
@@ -305,10 +306,13 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
         page = min(int(s) // PS for s in engine.tree.all_values_flatten().tolist())
         probe._in_context("bad-free", "free", lambda: engine.alloc.free_page_ids(torch.tensor([page])))
         injected.append({"kind": "double-free", "rid": "bad-free", "page": page})
+    if scenario == "double-free-in-tree":  # req-D's release puts the page into a second tree node
+        engine.release(d)
     points.append(engine.idle())
     e = engine.admit("req-E", [300 + i for i in range(32)])  # pressure: evicts the tree's leaves
     engine.release(e)
-    engine.release(d)
+    if d.rid in engine.live:
+        engine.release(d)
     points.append(engine.idle())
     return points, injected
 

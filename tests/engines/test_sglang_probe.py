@@ -227,6 +227,27 @@ def test_a_page_a_double_free_handed_to_a_running_request_while_the_tree_keeps_i
     ) in check.stdout
 
 
+def test_a_rust_tree_holding_a_page_twice_is_stored_as_evidence_and_its_census_kept(tmp_path: Path) -> None:
+    """req-D's release puts the page a double free handed it into a second node of the Rust tree: the
+    snapshot lists the page twice (it was a UNIQUE failure that stopped the recorder and lost the
+    census). The page's row is its first place, the preview says where else; the census is stored."""
+    capture = tmp_path / "in-tree.db"
+    result = drive("double-free-in-tree", "rust", capture)
+    page = result["injected"][0]["page"]
+    assert "recording stopped" not in result["stderr"], result["stderr"][-2000:]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert f"page {page} in 2 tree nodes; last released for request bad-free" in check.stdout
+    db = Capture(capture)
+    try:
+        run_id = int(db.runs().iloc[-1].id)
+        nodes = db.tree_at(run_id, db.snapshot_steps(run_id)[1]).set_index("node_id")
+        assert nodes.loc[page].token_preview.endswith("(a page held twice)")
+        assert set(nodes.parent_id.dropna().astype(int)) <= set(nodes.index)
+    finally:
+        db.close()
+
+
 def test_a_leak_and_a_double_free_that_cancel_pass_sglangs_identity_and_not_the_census(tmp_path: Path) -> None:
     capture = tmp_path / "pair.db"
     result = drive("leak-and-double-free", "unified", capture)
