@@ -952,7 +952,11 @@ def _record_request(req: Any) -> None:
 
 
 def _h_on_idle(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    result = original(self, *args, **kwargs)  # NOTE: SGLang's own check first (it may raise: _report_leak)
+    try:
+        result = original(self, *args, **kwargs)  # NOTE: SGLang's own check first
+    except Exception:  # NOTE: a check SGLang raises from (strict) that no hook below saw: census, then its raise
+        _census_before_raise(self.invariant_checker, "SGLang's idle check raised")
+        raise
     if PROBE.state.active and (PROBE.busy or PROBE.pending):
         with guarded(PROBE.state):
             checker = self.invariant_checker
@@ -961,12 +965,26 @@ def _h_on_idle(original: Callable[..., Any], self: Any, *args: Any, **kwargs: An
 
 
 def _h_report_leak(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    if PROBE.state.active:  # NOTE: before SGLang raises "memory leak detected!": the census and its culprits
-        with guarded(PROBE.state):
-            PROBE.census(
-                self.tree_cache, self.req_to_token_pool, self._requests_owning_rows(), why="SGLang's leak check failed"
-            )
+    _census_before_raise(self, "SGLang's leak check failed")  # NOTE: before SGLang raises "memory leak detected!"
     return original(self, *args, **kwargs)
+
+
+def _h_check_req_pool(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    """SGLang's request-row count at an idle point raises (strict) without passing _report_leak."""
+    try:
+        return original(self, *args, **kwargs)
+    except Exception:
+        _census_before_raise(self, "SGLang's request-row check failed")
+        raise
+
+
+def _census_before_raise(checker: Any, why: str) -> None:
+    """The census of an idle point SGLang's check fails at, stored before its error goes on unchanged;
+    once per idle point (not again at the step of the last census with nothing moved since)."""
+    probe = PROBE
+    if probe.state.active and (probe.busy or probe.pending or probe.census_step != probe.step):
+        with guarded(PROBE.state):
+            probe.census(checker.tree_cache, checker.req_to_token_pool, checker._requests_owning_rows(), why=why)
 
 
 def _lock_nodes(owners: list[Any]) -> list[Any]:
@@ -1026,6 +1044,7 @@ def hooks() -> list[Hook]:
         Hook(RELEASE, _h_release),
         Hook(f"{SCHEDULER}.on_idle", _h_on_idle),
         Hook(f"{CHECKER}._report_leak", _h_report_leak),
+        Hook(f"{CHECKER}._check_req_pool", _h_check_req_pool),
     ]
 
 

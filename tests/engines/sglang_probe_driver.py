@@ -13,7 +13,9 @@ ping-pong track slots, page size 4 on the paged allocator; its state tracking is
 SCENARIO: clean, shared (clean; the request running across the idle point holds a lock on the
 shared prefix), leak-tail, lock-leak, double-free, double-free-reused (the freed page
 handed to req-D's row while the tree keeps it), double-free-in-tree (then req-D's release puts it in
-a second tree node), leak-and-double-free, swa-leak (swa only),
+a second tree node), row-leak (req-A's row never freed: SGLang's strict _check_req_pool raises in its real
+Scheduler.on_idle, run on a stand-in scheduler: Engine.on_idle), row-leak-unhooked (the same without
+the probe's hook on _check_req_pool), leak-and-double-free, swa-leak (swa only),
 mamba-leak, mamba-double-free (mamba only; clean runs on mamba-buffer too), session, session-close,
 session-lock-leak (a streaming session's turns; unified), dp (clean, as a DP replica's scheduler),
 unknown-version, missing-target, changed-parameters,
@@ -28,13 +30,15 @@ alloc_decode page by page -> release_kv_cache (checkpoint into the tree, free th
 free the row). What the probe's prepare_for_extend / prepare_for_decode hooks do after SGLang's
 own (bind a request's row pages to it) is called here directly: ScheduleBatch needs a model runner.
 The idle point runs SGLang's own SchedulerInvariantChecker count identity, then its _report_leak
-(strict: it raises ValueError, as in a server) when the identity fails, then the probe's census.
+(strict: it raises ValueError, as in a server) when the identity fails, then (no request running) its
+_check_req_pool (strict: raises on a row count off), then, when nothing raised, the probe's census.
 Prints one JSON line: what the probe said, SGLang's identity per idle point, the censuses, the
 injected ground truth.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -51,9 +55,14 @@ os.environ.setdefault("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", "1")
 
 import torch  # noqa: E402
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
+from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker  # noqa: E402
-from sglang.srt.managers.scheduler_components.pool_stats_observer import kv_private_tokens  # noqa: E402
+from sglang.srt.managers.scheduler_components.pool_stats_observer import (  # noqa: E402
+    SchedulerPoolStatsObserver,
+    kv_private_tokens,
+)
 from sglang.srt.mem_cache import common  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # noqa: E402
@@ -134,7 +143,19 @@ class Engine:
             tree_cache=self.tree,
             token_to_kv_pool_allocator=self.alloc,
             req_to_token_pool=self.rows,
-            pool_stats_observer=None,
+            pool_stats_observer=SchedulerPoolStatsObserver(
+                tree_cache=self.tree,
+                token_to_kv_pool_allocator=self.alloc,
+                req_to_token_pool=self.rows,
+                session_controller=None,
+                hisparse_coordinator=None,
+                is_hybrid_swa=self.swa,
+                is_hybrid_ssm=self.mamba,
+                enable_hisparse=False,
+                full_tokens_per_layer=None,
+                swa_tokens_per_layer=PAGES * PS if self.swa else None,
+                max_total_num_tokens=PAGES * PS,
+            ),
             get_last_batch=lambda: SimpleNamespace(reqs=list(self.live.values())),
             get_running_batch=lambda: None,
             scheduler_stage_metrics=None,
@@ -253,6 +274,11 @@ class Engine:
                     file=sys.stderr,
                     flush=True,
                 )
+        if not (leak or self.live):  # NOTE: SGLang counts the request rows fully idle only (no running request)
+            try:
+                self.checker._check_req_pool()
+            except ValueError as err:  # NOTE: strict: on_idle raises before its end (the probe's idle census)
+                leak, raised = True, str(err).splitlines()[0]
         census = None
         if not leak:
             probe.PROBE.busy = True
@@ -263,6 +289,52 @@ class Engine:
             "reported": probe.PROBE.censuses,
         }
 
+    def on_idle(self) -> dict[str, Any]:
+        """SGLang's own Scheduler.on_idle (and the probe's hook around it, as a server runs it) on a
+        stand-in scheduler: the engine's pools, tree and SGLang's invariant checker; no-ops for the
+        metrics, events, load publishing and sleep it also does."""
+        nothing = SimpleNamespace(
+            drop_sync_wait_carry=lambda: None,
+            record_scheduler_idle=lambda: None,
+            record_scheduler_active=lambda t: None,
+            _maybe_log_idle_metrics=lambda: None,
+            publish_kv_events=lambda: None,
+            reset=lambda: None,
+            publish_load_stat=lambda *args, **kwargs: None,
+            get_loads=None,
+            record=lambda stage: contextlib.nullcontext(),
+            enter=lambda stage: None,
+            exit=lambda previous: None,
+            _trace_stage=None,
+        )
+        scheduler = SimpleNamespace(
+            dp_attn_adapter=nothing,
+            metrics_reporter=nothing,
+            kv_events_publisher=nothing,
+            new_token_ratio_tracker=nothing,
+            load_publisher=nothing,
+            load_inquirer=nothing,
+            scheduler_stage_metrics=nothing,
+            maybe_send_health_check_signal=lambda: None,
+            is_fully_idle=lambda: not self.live,
+            publish_load_snapshot=lambda force: None,
+            maybe_sleep_on_idle=lambda: None,
+            enable_unified_memory=False,
+            enable_hisparse=False,
+            disaggregation_mode=DisaggregationMode.NULL,
+            invariant_checker=self.checker,
+            pool_stats_observer=self.checker.pool_stats_observer,
+            token_to_kv_pool_allocator=self.alloc,
+            tree_cache=self.tree,
+            req_to_token_pool=self.rows,
+        )
+        raised = None
+        try:
+            Scheduler.on_idle(scheduler)
+        except ValueError as err:
+            raised = str(err).splitlines()[0]
+        return {"sglang": {"leak": raised is not None, "line": None, "raised": raised}, "census": None}
+
 
 def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     system = list(range(100, 112))  # 12 tokens: three pages every request shares
@@ -270,8 +342,14 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
     points = []
     a = engine.admit("req-A", [*system, 1, 2, 3])
     engine.decode(a, 3)
-    engine.release(a)
-    points.append(engine.idle())
+    if scenario.startswith("row-leak"):  # its release gives back pages and lock, and forgets to free its row
+        injected.append({"kind": "row-leak", "rid": "req-A", "row": int(a.kv.req_pool_idx)})
+        engine.rows.free = lambda req: None
+        engine.release(a)
+        del engine.rows.free
+    else:
+        engine.release(a)
+    points.append(engine.on_idle() if scenario.startswith("row-leak") else engine.idle())
     b = engine.admit("req-B", [*system, 4, 5, 6, 7, 8], chunk=8)  # chunked prefill, prefix hit on the tree
     lock_node = b.last_node
     if scenario == "lock-leak":  # the prefix lock is dropped without its unlock
@@ -449,6 +527,8 @@ def main(scenario: str, tree_kind: str) -> None:
             *probe.hooks(),
             probe.Hook(f"{probe.UNIFIED}.gone_in_0_5_24", probe._h_on_idle),
         ]
+    elif scenario == "row-leak-unhooked":  # NOTE: no hook on _check_req_pool: on_idle's own raise path alone
+        probe.SUPPORTED["0.5.23"] = lambda: [h for h in probe.hooks() if not h.target.endswith("._check_req_pool")]
     elif scenario == "changed-parameters":  # NOTE: a direct hook made for other parameters than SGLang's method has
         probe.SUPPORTED["0.5.23"] = lambda: [
             h._replace(hook=probe._d_alloc_decode) if h.target == f"{probe.PAGED}.alloc" else h for h in probe.hooks()

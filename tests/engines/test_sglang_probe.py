@@ -248,6 +248,40 @@ def test_a_rust_tree_holding_a_page_twice_is_stored_as_evidence_and_its_census_k
         db.close()
 
 
+@pytest.mark.parametrize(
+    ("scenario", "tree", "why"),
+    [
+        ("row-leak", "unified", "SGLang's request-row check failed"),
+        ("row-leak", "rust", "SGLang's request-row check failed"),
+        ("row-leak", "classic", "SGLang's request-row check failed"),
+        ("row-leak-unhooked", "unified", "SGLang's idle check raised"),
+    ],
+)
+def test_a_leaked_row_is_named_before_sglangs_strict_row_check_raises(
+    tmp_path: Path, scenario: str, tree: str, why: str
+) -> None:
+    """req-A's release forgets its row: SGLang's page identity holds, and in its real Scheduler.on_idle
+    _check_req_pool raises (strict, its default) before on_idle's end, where the probe's idle census
+    ran. The census runs on that raise (the hook on _check_req_pool; without it, the hook around
+    on_idle), is stored, and SGLang's error goes on unchanged."""
+    capture = tmp_path / f"{scenario}-{tree}.db"
+    result = drive(scenario, tree, capture)
+    row = result["injected"][0]["row"]
+    assert result["points"][0]["sglang"]["raised"].startswith("req_to_token_pool memory leak detected!")
+    line = (
+        f"page census ({why}) at step 4, capture {capture} run 1: [req] 1 row leaked (in no free list, tree or "
+        f"live row): row {row} last taken by request req-A (alloc at step 0)"
+    )
+    assert f"kvscope probe: {line}" in result["stderr"]
+    db = Capture(capture)
+    try:
+        checks = db.leak_checks(int(db.runs().iloc[-1].id))
+        first_check = checks[checks.step == checks.step.min()].set_index("pool")
+        assert not bool(first_check.loc["req"].ok) and f"row {row} last taken" in first_check.loc["req"].message
+    finally:
+        db.close()
+
+
 def test_a_leak_and_a_double_free_that_cancel_pass_sglangs_identity_and_not_the_census(tmp_path: Path) -> None:
     capture = tmp_path / "pair.db"
     result = drive("leak-and-double-free", "unified", capture)
