@@ -44,6 +44,7 @@ import os
 import pkgutil
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -91,7 +92,9 @@ ROWS = f"{MEM}.memory_pool.ReqToTokenPool"
 MAMBA_SLOTS = f"{MEM}.allocator.mamba.MambaSlotAllocator"
 RADIX = f"{MEM}.radix_cache.RadixCache"
 UNIFIED = f"{MEM}.unified_radix_cache.UnifiedRadixCache"
+BASE = f"{MEM}.allocator.base.BaseTokenToKVPoolAllocator"
 BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
+ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
 RELEASE = f"{MEM}.common.release_kv_cache"
@@ -342,10 +345,8 @@ class SglangProbe:
         sessions, session_locks = session_holders(tree)
         owners = [*owners, *sessions]  # NOTE: SGLang's owners leave out a session's record; it is held, not leaked
         live = {req.rid for req in owners}
-        open_locks = {node: [h for h in held if h[0] not in live] for node, held in self.locks.items()}
-        for node in session_locks:  # NOTE: the session kept the lock its first turn took: one of the node's is its own
-            if open_locks.get(node):
-                del open_locks[node][0]
+        live_locks = Counter(_node(node) for node in [*_lock_nodes(owners), *session_locks])
+        open_locks = {node: stale_locks(held, live, live_locks[node]) for node, held in self.locks.items()}
         in_tree = tree_slots(tree)
         view = page_view(full, in_tree, rows, owners)
         locked = (  # NOTE: no lock ledger at summary: the tree's own counts against the live holders' locks
@@ -678,7 +679,9 @@ def _d_match(original: Callable[..., Any]) -> Callable[..., Any]:
         req = params.req
         if req is None or not probe.state.active:  # NOTE: a tree's own re-match (checkpoint) is no request's query
             return original(self, params)
-        rid = probe.rid = req.rid  # NOTE: sticky: the matched request's allocations follow (bind corrects a batch's)
+        rid = (
+            req.rid
+        )  # NOTE: the match's own; the calls after it are no request's until a hook says so (bind names takers)
         result = original(self, params)
         try:
             if probe.hot or _ready():
@@ -877,6 +880,16 @@ def _drop_holder(held: list[tuple[str | None, int]], rid: str | None) -> None:
     del held[0]
 
 
+def stale_locks(held: list[tuple[str | None, int]], live: set[str], num_live: int) -> list[tuple[str | None, int]]:
+    """The open locks on one node beyond the `num_live` its live holders hold (the running requests'
+    TreeLock nodes, a streaming session's): SGLang's tree counts locks, not holders, so the count
+    decides how many are stale; the live are the live requests' own first, then those taken outside
+    any request's call (rid None: the holder was never known), then the oldest."""
+    order = sorted(range(len(held)), key=lambda i: (held[i][0] not in live, held[i][0] is not None, i))
+    kept = set(order[:num_live])
+    return [h for i, h in enumerate(held) if i not in kept]
+
+
 def _host_hook(kind: str) -> Callable[..., Any]:
     """HiCache component: host eviction, load back, backup (counted as events on pool host)."""
 
@@ -912,6 +925,29 @@ def _h_prepare(event: str) -> Callable[..., Any]:
         return result
 
     return hook
+
+
+def _h_checkpoint(original: Callable[..., Any], self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """RadixCache / UnifiedRadixCache.checkpoint(req, up_to=...): its insert, re-lock and frees are the
+    request's (checkpoint_kv_cache runs it after each prefill, outside any other request's call)."""
+    if not PROBE.state.active:
+        return original(self, req, *args, **kwargs)
+    return _in_context(req.rid, "checkpoint", lambda: original(self, req, *args, **kwargs))
+
+
+def _h_admit(original: Callable[..., Any], self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """PrefillAdder._commit_prefill_admission(req, ...): the prefix lock it takes is the request's."""
+    if not PROBE.state.active:
+        return original(self, req, *args, **kwargs)
+    return _in_context(req.rid, "admit", lambda: original(self, req, *args, **kwargs))
+
+
+def _h_free_group_end(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    """free_group_end: the pages a batch's free group gathered from several requests' calls, released
+    at once: no one request's (rid None, event group)."""
+    if not PROBE.state.active:
+        return original(self, *args, **kwargs)
+    return _in_context(None, "group", lambda: original(self, *args, **kwargs))
 
 
 def _h_release(original: Callable[..., Any], req: Any, tree_cache: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1039,6 +1075,12 @@ def hooks() -> list[Hook]:
         Hook(f"{UNIFIED}.evict_host", _host_hook(HOST_EVICT_V), per_op=True),
         Hook(f"{UNIFIED}.load_back", _host_hook(LOAD_V), per_op=True),
         Hook(f"{UNIFIED}.backup_kv_cache", _host_hook(WRITE_V), per_op=True),
+        Hook(f"{RADIX}.checkpoint", _h_checkpoint, per_op=True),
+        Hook(f"{UNIFIED}.checkpoint", _h_checkpoint, per_op=True),
+        Hook(f"{ADDER}._commit_prefill_admission", _h_admit, per_op=True),
+        Hook(f"{BASE}.free_group_end", _h_free_group_end, per_op=True),
+        Hook(f"{PAGED}.free_group_end", _h_free_group_end, per_op=True),
+        Hook(f"{SWA}.free_group_end", _h_free_group_end, per_op=True),
         Hook(f"{BATCH}.prepare_for_extend", _h_prepare("extend")),
         Hook(f"{BATCH}.prepare_for_decode", _h_prepare("decode")),
         Hook(RELEASE, _h_release),

@@ -253,7 +253,7 @@ def _double_text(page: int, r: PageCensus) -> str:
     last = r.releasers.get(page)
     taker = r.named_takers.get(page)
     who = (
-        f"; last released for request {last[0]} ({last[2]} at step {last[1]})"
+        f"; {_released(last)}"
         if last
         else f"; taken by request {taker[0]} ({taker[2]} at step {taker[1]}), its releaser not recorded"
         if taker
@@ -268,12 +268,26 @@ def _twice_text(page: int, r: PageCensus) -> str:
     where = [f"{in_tree} tree nodes" if in_tree > 1 else TREE] if in_tree else []
     held = " and ".join([*where, *(f"request {h}'s row" for h in holders if h != TREE)])
     last = r.releasers.get(page)
-    who = f"; last released for request {last[0]} ({last[2]} at step {last[1]})" if last else ""
-    return f"{r.unit} {page} in {held}{who}"
+    return f"{r.unit} {page} in {held}" + (f"; {_released(last)}" if last else "")
+
+
+def _released(last: Entry) -> str:
+    """Who made a page's last free: the request whose call freed it, or why no request is known."""
+    rid, step, event = last
+    if rid is not None:
+        return f"last released for request {rid} ({event} at step {step})"
+    if event == "group":
+        return f"last released by a batch's free group at step {step} (request unknown: a group frees several at once)"
+    return f"last released at step {step} outside any request's call (request unknown)"
 
 
 def _lock_text(node: Any, held: list[tuple[str | None, int]]) -> str:
-    return f"node {node} locked by " + ", ".join(f"request {rid} at step {step}" for rid, step in held)
+    return f"node {node} locked by " + ", ".join(
+        f"request {rid} at step {step}"
+        if rid is not None
+        else f"an unknown request at step {step} (locked outside any request's call)"
+        for rid, step in held
+    )
 
 
 def _pages(count: int, unit: str = "page") -> str:

@@ -15,7 +15,9 @@ shared prefix), leak-tail, lock-leak, double-free, double-free-reused (the freed
 handed to req-D's row while the tree keeps it), double-free-in-tree (then req-D's release puts it in
 a second tree node), row-leak (req-A's row never freed: SGLang's strict _check_req_pool raises in its real
 Scheduler.on_idle, run on a stand-in scheduler: Engine.on_idle), row-leak-unhooked (the same without
-the probe's hook on _check_req_pool), leak-and-double-free, swa-leak (swa only),
+the probe's hook on _check_req_pool), group-double-free (a tree page freed again in a free group),
+batch-lock-leak (two requests in one prefill batch, SGLang's checkpoint_kv_cache after it; the first
+one's lock leaks), leak-and-double-free, swa-leak (swa only),
 mamba-leak, mamba-double-free (mamba only; clean runs on mamba-buffer too), session, session-close,
 session-lock-leak (a streaming session's turns; unified), dp (clean, as a DP replica's scheduler),
 unknown-version, missing-target, changed-parameters,
@@ -57,6 +59,7 @@ import torch  # noqa: E402
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape  # noqa: E402
 from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
+from sglang.srt.managers.schedule_policy import PrefillAdder, _PrefillAdmission  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker  # noqa: E402
 from sglang.srt.managers.scheduler_components.pool_stats_observer import (  # noqa: E402
@@ -170,10 +173,36 @@ class Engine:
         """Prefill: match, lock, row, (evict), alloc_extend per chunk, row write, bind. `session`: a
         streaming session's turn (its first turn's record and lock go to the session at its row's
         first allocation; a later turn borrows them)."""
+        req = self.arrive(rid, tokens, session)
+        self.commit(req)
+        self.take_row(req, tokens, chunk)
+        return req
+
+    def arrive(self, rid: str, tokens: list[int], session: Any = None) -> Req:
+        """A waiting request's match (the scheduler matches its waiting queue before it admits any)."""
         req = Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=16))
         req.session = session
         req.init_next_round_input(self.tree)
-        req.lock = self.tree.lock(req.last_node)
+        return req
+
+    def commit(self, req: Req) -> None:
+        """SGLang's own PrefillAdder._commit_prefill_admission (the probe's hook around it) on a
+        stand-in adder: the request's prefix lock and extend_end; no budget is kept."""
+        adder = SimpleNamespace(
+            tree_cache=self.tree,
+            can_run_list=[],
+            new_chunked_req=None,
+            _update_prefill_budget=lambda *args, **kwargs: None,
+            _request_slot_reserve_for_req=lambda req, extend_input_len: 0,
+            _account_prefill_cache_admission=lambda req, prefix_len: None,
+        )
+        extend_len = len(req.origin_input_ids) - req.prefix_len
+        PrefillAdder._commit_prefill_admission(
+            adder, req, _PrefillAdmission(req.prefix_len, extend_len, 16, False, 0), 0
+        )
+
+    def take_row(self, req: Req, tokens: list[int], chunk: int | None = None) -> None:
+        rid = req.rid
         if self.mamba and not req.kv.holds_mamba and self.rows.mamba_allocator.available_size() < 1:
             self.tree.evict(EvictParams(num_tokens=0, mamba_num=1))  # NOTE: what the scheduler's admission does
         probe._in_context(None, "extend", lambda: self.rows.alloc([req]))  # NOTE: in prepare_for_extend: no request
@@ -183,7 +212,6 @@ class Engine:
         for end in dict.fromkeys(ends):
             self.extend(req, end)
             prefix = end
-        return req
 
     def extend(self, req: Req, end: int) -> None:
         kv = req.kv
@@ -350,6 +378,8 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
     else:
         engine.release(a)
     points.append(engine.on_idle() if scenario.startswith("row-leak") else engine.idle())
+    if scenario == "batch-lock-leak":  # one prefill batch of two: match both, admit both, checkpoint both
+        return batch_workload(engine, points, system)
     b = engine.admit("req-B", [*system, 4, 5, 6, 7, 8], chunk=8)  # chunked prefill, prefix hit on the tree
     lock_node = b.last_node
     if scenario == "lock-leak":  # the prefix lock is dropped without its unlock
@@ -386,6 +416,12 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
         injected.append({"kind": "double-free", "rid": "bad-free", "page": page})
     if scenario == "double-free-in-tree":  # req-D's release puts the page into a second tree node
         engine.release(d)
+    if scenario == "group-double-free":  # a page still in the tree freed in a batch's free group, by no request's call
+        page = min(int(s) // PS for s in engine.tree.all_values_flatten().tolist())
+        engine.alloc.free_group_begin()
+        engine.alloc.free(torch.arange(page * PS, page * PS + PS))
+        engine.alloc.free_group_end()
+        injected.append({"kind": "double-free", "rid": None, "page": page})
     points.append(engine.idle())
     e = engine.admit("req-E", [300 + i for i in range(32)])  # pressure: evicts the tree's leaves
     engine.release(e)
@@ -393,6 +429,26 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
         engine.release(d)
     points.append(engine.idle())
     return points, injected
+
+
+def batch_workload(engine: Engine, points: list[dict[str, Any]], system: list[int]) -> tuple[list[Any], list[Any]]:
+    """A prefill batch as the scheduler runs it: both waiting requests matched first (req-Q last), then
+    admitted (SGLang's PrefillAdder commit: each one's prefix lock), their rows filled, then SGLang's
+    checkpoint_kv_cache for each after the prefill (the tree re-locks each on its new node); req-P's
+    release then finds no lock to drop (its lock leaks), req-Q's is clean."""
+    p = engine.arrive("req-P", [*system, *range(20, 28)])
+    q = engine.arrive("req-Q", [*system, *range(40, 48)])
+    for req in (p, q):
+        engine.commit(req)
+        engine.take_row(req, list(req.origin_input_ids))
+    for req in (p, q):
+        common.checkpoint_kv_cache(req, engine.tree)
+    node = probe._node(p.lock.node)
+    p.lock = None
+    engine.release(p)
+    engine.release(q)
+    points.append(engine.idle())
+    return points, [{"kind": "lock-leak", "rid": "req-P", "node": node}]
 
 
 def session_workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -106,3 +106,18 @@ def test_a_page_id_outside_the_pool_in_the_free_list_is_named_not_counted() -> N
     check = census_checks(2, [result])[0]
     assert result.outside == [0] and (check.total, check.available) == (16, 8)
     assert check.violation == "1 page id outside 1..4 in the free list: 0"
+
+
+def test_a_double_free_by_no_requests_call_says_the_releaser_is_unknown_and_why() -> None:
+    view = PageView(4, 4, [1, 3, 4], {1, 2}, {})
+    group = take_page_census("full", view, {}, {1: (None, 7, "group")}, {})
+    assert census_checks(8, [group])[0].violation == (
+        "1 page freed while in use (a double free): page 1 free and in the tree; last released by a batch's free "
+        "group at step 7 (request unknown: a group frees several at once)"
+    )
+    stray = take_page_census("full", view, {}, {1: (None, 7, "free")}, {11: [(None, 3)]})
+    assert census_checks(8, [stray])[0].violation == (
+        "1 page freed while in use (a double free): page 1 free and in the tree; last released at step 7 outside "
+        "any request's call (request unknown) | 1 tree node still locked by finished requests: node 11 locked by "
+        "an unknown request at step 3 (locked outside any request's call)"
+    )
