@@ -103,6 +103,7 @@ MATCH_V, INSERT_V, LOCK_V, UNLOCK_V, EVICT_V = (
 )
 HOST_EVICT_V, LOAD_V, WRITE_V = (k._value_ for k in (EventKind.HOST_EVICT, EventKind.LOAD, EventKind.WRITE))
 ALLOC_V, FREE_V = EventKind.ALLOC._value_, EventKind.FREE._value_
+RETRACT_V = EventKind.REQUEST_RETRACT._value_
 CAPACITY_V = EvictReason.CAPACITY._value_
 SNAPSHOT_EVERY_STEPS = 256  # NOTE: while busy; a snapshot walks every node (as the idle census does)
 _monotonic = time.monotonic
@@ -142,8 +143,17 @@ class SglangProbe:
         self.pools, self.takers, self.releasers = ledger.pools, ledger.takers, ledger.releasers
         self.locks: dict[Any, list[tuple[str | None, int]]] = {}  # node -> [(rid, step) of each open lock]
         self.recorded: set[str] = set()
-        self.cum = [0, 0, 0, 0, 0]  # NOTE: prompt tokens, hit tokens, requests, requests with a hit, evicted tokens
+        self.cum = [
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+        ]  # NOTE: prompt tokens, hit tokens, requests, hit requests, evicted tokens, retractions
         self.censuses = 0
+        self.retractions: dict[str, int] = {}  # NOTE: rid -> retractions so far (its row takes them at release)
+        self.retract_marks: dict[str, tuple[int, float]] = {}  # NOTE: rid -> (step, time) of its last retraction
         self.census_step = -1
         self.roots: dict[int, Any] = {}  # id(tree) -> its root handle
         self.sources: tuple[Any, Any, int] | None = None  # (tree, full allocator, batch size) of the last prepare
@@ -262,7 +272,7 @@ class SglangProbe:
                 c[2],
                 c[3],
                 c[4],
-                0,
+                c[5],
                 full_used=total - available,
             )
         )
@@ -324,6 +334,21 @@ class SglangProbe:
             width = 1 + track.shape[1]
             slots = sys.modules["torch"].cat((slots.unsqueeze(1), track.long()), 1).reshape(-1)
         self.pending.append((BIND, rows.mamba_allocator, rids, self.step, "extend", slots, [width] * len(rids)))
+
+    def retracted_requests(self, reqs: Iterable[Any]) -> None:
+        """retract_decode's retracted requests: counted, and a retract event each (num_tokens = the
+        output tokens it had)."""
+        rec = self.recorder()
+        if rec is None:
+            return
+        for req in reqs:
+            self.retractions[req.rid] = self.retractions.get(req.rid, 0) + 1
+            self.retract_marks[req.rid] = (self.step, _monotonic())
+            self.cum[5] += 1
+            if self.emit is not None:
+                self.emit(
+                    (self.step, self.now, RETRACT_V, "full", req.rid, None, len(req.output_ids), 0, None, None, None)
+                )
 
     # -- the census -----------------------------------------------------------------------------
 
@@ -394,7 +419,7 @@ class SglangProbe:
                     c[2],
                     c[3],
                     c[4],
-                    0,
+                    c[5],
                     full_used=used,
                 )
             )
@@ -953,12 +978,30 @@ def _h_free_group_end(original: Callable[..., Any], self: Any, *args: Any, **kwa
 def _h_release(original: Callable[..., Any], req: Any, tree_cache: Any, *args: Any, **kwargs: Any) -> Any:
     if not PROBE.state.active:
         return original(req, tree_cache, *args, **kwargs)
+    retracting = PROBE.event == "retract"  # NOTE: retract_decode's release: the request comes back later
     try:
-        if _ready():
+        if not retracting and _ready():
             _record_request(req)
     except Exception as err:
         _failed(err)
-    return _in_context(req.rid, "release", lambda: original(req, tree_cache, *args, **kwargs))
+    event = "retract" if retracting else "release"
+    return _in_context(req.rid, event, lambda: original(req, tree_cache, *args, **kwargs))
+
+
+def _h_retract(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    """ScheduleBatch.retract_decode: each retracted request's release is a retraction (counted on its
+    request row, the usage samples' cum_retractions and a retract event), not its end."""
+    if not PROBE.state.active:
+        return original(self, *args, **kwargs)
+    result = _in_context(None, "retract", lambda: original(self, *args, **kwargs))
+    try:
+        if _ready():
+            PROBE.retracted_requests(result[0])
+            for req in result[2]:  # NOTE: aborted instead (no room even alone): released here, never again
+                _record_request(req)
+    except Exception as err:
+        _failed(err)
+    return result
 
 
 def _record_request(req: Any) -> None:
@@ -972,10 +1015,13 @@ def _record_request(req: Any) -> None:
         None,
         prompt,
         "finished" if req.finished() else "released",
-        int(getattr(req, "prefix_len", 0) or 0),
+        int(getattr(req, "cached_tokens", 0) or 0),  # NOTE: SGLang's own; prefix_len has moved on to the prompt
         len(req.output_ids),
-        0,
+        PROBE.retractions.pop(req.rid, 0),
     )
+    retracted_at = PROBE.retract_marks.pop(req.rid, None)
+    if retracted_at is not None:
+        record.mark("retract", *retracted_at)
     record.mark("finish", rec.step, _monotonic())
     rec.request(record)
     if PROBE.lean:  # NOTE: no match hook at summary: the totals count each request once, as it is released
@@ -1084,6 +1130,7 @@ def hooks() -> list[Hook]:
         Hook(f"{BATCH}.prepare_for_extend", _h_prepare("extend")),
         Hook(f"{BATCH}.prepare_for_decode", _h_prepare("decode")),
         Hook(RELEASE, _h_release),
+        Hook(f"{BATCH}.retract_decode", _h_retract),
         Hook(f"{SCHEDULER}.on_idle", _h_on_idle),
         Hook(f"{CHECKER}._report_leak", _h_report_leak),
         Hook(f"{CHECKER}._check_req_pool", _h_check_req_pool),

@@ -17,7 +17,8 @@ a second tree node), row-leak (req-A's row never freed: SGLang's strict _check_r
 Scheduler.on_idle, run on a stand-in scheduler: Engine.on_idle), row-leak-unhooked (the same without
 the probe's hook on _check_req_pool), group-double-free (a tree page freed again in a free group),
 batch-lock-leak (two requests in one prefill batch, SGLang's checkpoint_kv_cache after it; the first
-one's lock leaks), leak-and-double-free, swa-leak (swa only),
+one's lock leaks), retract (SGLang's retract_decode on a decode batch of two), leak-and-double-free,
+swa-leak (swa only),
 mamba-leak, mamba-double-free (mamba only; clean runs on mamba-buffer too), session, session-close,
 session-lock-leak (a streaming session's turns; unified), dp (clean, as a DP replica's scheduler),
 unknown-version, missing-target, changed-parameters,
@@ -58,7 +59,7 @@ os.environ.setdefault("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", "1")
 import torch  # noqa: E402
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape  # noqa: E402
 from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
-from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch  # noqa: E402
 from sglang.srt.managers.schedule_policy import PrefillAdder, _PrefillAdmission  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker  # noqa: E402
@@ -231,6 +232,9 @@ class Engine:
         else:
             out = self.alloc.alloc_extend(prefix_lens, prefix_lens, seq_lens, seq_lens, last, end - start)
         assert out is not None, f"{req.rid}: no room for {end - start} tokens"
+        if not req.retracted_stain:  # NOTE: what prepare_for_extend counts as SGLang's Req.cached_tokens
+            req.cached_tokens += start - req.already_computed
+            req.already_computed = end
         self.rows.write((kv.req_pool_idx, slice(0, end)), torch.cat((prefix_slots, out)).to(torch.int32))
         kv.kv_allocated_len = kv.kv_committed_len = end
         self.tree.maybe_hand_to_session(req)  # NOTE: what alloc_for_extend does after each request's allocation
@@ -380,6 +384,8 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
     points.append(engine.on_idle() if scenario.startswith("row-leak") else engine.idle())
     if scenario == "batch-lock-leak":  # one prefill batch of two: match both, admit both, checkpoint both
         return batch_workload(engine, points, system)
+    if scenario == "retract":  # a decode batch retracts one request, which comes back and finishes
+        return retract_workload(engine, points, system)
     b = engine.admit("req-B", [*system, 4, 5, 6, 7, 8], chunk=8)  # chunked prefill, prefix hit on the tree
     lock_node = b.last_node
     if scenario == "lock-leak":  # the prefix lock is dropped without its unlock
@@ -449,6 +455,38 @@ def batch_workload(engine: Engine, points: list[dict[str, Any]], system: list[in
     engine.release(q)
     points.append(engine.idle())
     return points, [{"kind": "lock-leak", "rid": "req-P", "node": node}]
+
+
+def retract_workload(engine: Engine, points: list[dict[str, Any]], system: list[int]) -> tuple[list[Any], list[Any]]:
+    """SGLang's own ScheduleBatch.retract_decode (the probe's hook around it) on a stand-in decode batch of
+    two: it retracts req-R2 (fewer output tokens: SGLang's order) and releases its row and pages; req-R2
+    comes back (prefilled again) and finishes; req-R1 finishes."""
+    r1 = engine.admit("req-R1", [*system, 1, 2, 3])
+    engine.decode(r1, 2)
+    r2 = engine.admit("req-R2", [*system, 7, 8, 9])
+    engine.decode(r2, 1)
+    batch = SimpleNamespace(
+        reqs=[r1, r2],
+        req_to_token_pool=engine.rows,
+        token_to_kv_pool_allocator=engine.alloc,
+        tree_cache=engine.tree,
+        hisparse_coordinator=None,
+        _get_decode_retraction_order=ScheduleBatch._get_decode_retraction_order,
+        filter_batch=lambda keep_indices: None,
+    )
+    batch.check_decode_mem = lambda selected_indices: len(selected_indices) < 2  # NOTE: room once one is out
+    batch.release_req = lambda idx, remaining, offload_kv=True: ScheduleBatch.release_req(
+        batch, idx, remaining, offload_kv
+    )
+    retracted, _, _ = ScheduleBatch.retract_decode(batch)
+    assert [req.rid for req in retracted] == ["req-R2"], [req.rid for req in retracted]
+    del engine.live["req-R2"]
+    again = engine.admit("req-R2", [*system, 7, 8, 9])
+    engine.decode(again, 2)
+    engine.release(again)
+    engine.release(r1)
+    points.append(engine.idle())
+    return points, [{"kind": "retract", "rid": "req-R2"}]
 
 
 def session_workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -300,6 +300,8 @@ def test_a_lock_leaked_in_a_prefill_batch_is_named_with_its_own_request(tmp_path
         locks = db.events(run_id, kinds=["lock", "unlock"], limit=None)
         held = held_locks(locks, int(locks.step.max()))
         assert [(int(n), r) for n, r in zip(held.node_id, held.rid, strict=True)] == [(node, "req-P")], held
+        cached = db.requests(run_id).set_index("rid").cached_tokens.to_dict()
+        assert cached == {"req-A": 0, "req-P": 12, "req-Q": 12}  # SGLang's Req.cached_tokens: the 12-token prefix hit
     finally:
         db.close()
 
@@ -316,6 +318,27 @@ def test_a_double_free_a_batchs_free_group_released_blames_no_bystander(tmp_path
         f"page {page} free and in the tree; last released by a batch's free group at step 10 (request unknown"
     ) in check.stdout
     assert "req-D" not in check.stdout
+
+
+def test_a_retracted_request_is_counted_and_its_row_written_once_it_finishes(tmp_path: Path) -> None:
+    """SGLang's retract_decode takes req-R2 out of a decode batch of two (its release is a retraction,
+    not its end); req-R2 comes back and finishes: its row says finished with 1 retraction, a retract
+    event names it, the usage samples count 1 retraction; the idle census is clean."""
+    capture = tmp_path / "retract.db"
+    result = drive("retract", "unified", capture)
+    assert all(c["ok"] for p in result["points"] for c in p["census"])
+    db = Capture(capture)
+    try:
+        run_id = int(db.runs().iloc[-1].id)
+        rows = db.requests(run_id).set_index("rid")
+        assert (rows.loc["req-R2"].status, int(rows.loc["req-R2"].num_retractions)) == ("finished", 1)
+        assert int(rows.loc["req-R1"].num_retractions) == 0
+        events = db.events(run_id, limit=None)
+        assert list(events[events.kind == "retract"].rid) == ["req-R2"]
+        assert int(db.usage(run_id).cum_retractions.max()) == 1
+    finally:
+        db.close()
+    check_clean(capture)
 
 
 def test_a_leak_and_a_double_free_that_cancel_pass_sglangs_identity_and_not_the_census(tmp_path: Path) -> None:
