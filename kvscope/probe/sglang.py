@@ -26,10 +26,15 @@ ids, num_tokens = pages x page size; rid = the request the probe's context names
     alloc / free (pool mamba)  MambaSlotAllocator.alloc / free: slots = Mamba state slot ids, num_tokens =
              slots; each slot's taker / releaser in the allocator's mamba ledger, and prepare_for_extend
              binds each request's row slots to it (the same queue and fold as the pages)
-The census (Scheduler.on_idle after SGLang's own check; SchedulerInvariantChecker._report_leak
-before SGLang raises) writes one leak check per pool (full; swa under an SWA allocator, read through
-SGLang's full -> SWA slot mapping; req; mamba under a HybridReqToTokenPool's MambaSlotAllocator) and
-a tree snapshot (tree_rows); a request record per release_kv_cache. Per step a usage sample from
+    retract  ScheduleBatch.retract_decode: each retracted request (num_tokens = its output tokens)
+NOTE: the request context (rid) is the request whose own call runs: release_kv_cache, the tree's
+checkpoint, PrefillAdder's admission (its lock); None for a batch's calls (prepare_for_*, a free
+group's end: event group) and outside any hook; a match names its request on its own event only.
+The census (Scheduler.on_idle after SGLang's own check; before SGLang raises: _report_leak,
+_check_req_pool, any other raise out of on_idle) writes one leak check per pool (full; swa under an
+SWA allocator, read through SGLang's full -> SWA slot mapping; req; mamba under a
+HybridReqToTokenPool's MambaSlotAllocator) and a tree snapshot (tree_rows); a request record per
+release_kv_cache (not at a retraction's). Per step a usage sample from
 the allocator's and the tree's own counters (available, evictable, protected; written when the next
 step begins, or by the census), and a tree snapshot every SNAPSHOT_EVERY_STEPS steps while busy.
 """
