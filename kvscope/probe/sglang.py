@@ -1042,7 +1042,7 @@ def _h_on_idle(original: Callable[..., Any], self: Any, *args: Any, **kwargs: An
     try:
         result = original(self, *args, **kwargs)  # NOTE: SGLang's own check first
     except Exception:  # NOTE: a check SGLang raises from (strict) that no hook below saw: census, then its raise
-        _census_before_raise(self.invariant_checker, "SGLang's idle check raised")
+        _census_before_raise(self, "SGLang's idle check raised", scheduler=True)
         raise
     if PROBE.state.active and (PROBE.busy or PROBE.pending):
         with guarded(PROBE.state):
@@ -1065,12 +1065,14 @@ def _h_check_req_pool(original: Callable[..., Any], self: Any, *args: Any, **kwa
         raise
 
 
-def _census_before_raise(checker: Any, why: str) -> None:
+def _census_before_raise(owner: Any, why: str, *, scheduler: bool = False) -> None:
     """The census of an idle point SGLang's check fails at, stored before its error goes on unchanged;
-    once per idle point (not again at the step of the last census with nothing moved since)."""
+    once per idle point (not again at the step of the last census with nothing moved since). `owner`:
+    SGLang's invariant checker, or (scheduler) the Scheduler that holds it."""
     probe = PROBE
     if probe.state.active and (probe.busy or probe.pending or probe.census_step != probe.step):
-        with guarded(PROBE.state):
+        with guarded(probe.state):
+            checker = owner.invariant_checker if scheduler else owner
             probe.census(checker.tree_cache, checker.req_to_token_pool, checker._requests_owning_rows(), why=why)
 
 
