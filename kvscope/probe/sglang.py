@@ -26,10 +26,15 @@ ids, num_tokens = pages x page size; rid = the request the probe's context names
     alloc / free (pool mamba)  MambaSlotAllocator.alloc / free: slots = Mamba state slot ids, num_tokens =
              slots; each slot's taker / releaser in the allocator's mamba ledger, and prepare_for_extend
              binds each request's row slots to it (the same queue and fold as the pages)
-The census (Scheduler.on_idle after SGLang's own check; SchedulerInvariantChecker._report_leak
-before SGLang raises) writes one leak check per pool (full; swa under an SWA allocator, read through
-SGLang's full -> SWA slot mapping; req; mamba under a HybridReqToTokenPool's MambaSlotAllocator) and
-a tree snapshot (tree_rows); a request record per release_kv_cache. Per step a usage sample from
+    retract  ScheduleBatch.retract_decode: each retracted request (num_tokens = its output tokens)
+NOTE: the request context (rid) is the request whose own call runs: release_kv_cache, the tree's
+checkpoint, PrefillAdder's admission (its lock); None for a batch's calls (prepare_for_*, a free
+group's end: event group) and outside any hook; a match names its request on its own event only.
+The census (Scheduler.on_idle after SGLang's own check; before SGLang raises: _report_leak,
+_check_req_pool, any other raise out of on_idle) writes one leak check per pool (full; swa under an
+SWA allocator, read through SGLang's full -> SWA slot mapping; req; mamba under a
+HybridReqToTokenPool's MambaSlotAllocator) and a tree snapshot (tree_rows); a request record per
+release_kv_cache (not at a retraction's). Per step a usage sample from
 the allocator's and the tree's own counters (available, evictable, protected; written when the next
 step begins, or by the census), and a tree snapshot every SNAPSHOT_EVERY_STEPS steps while busy.
 """
@@ -44,6 +49,7 @@ import os
 import pkgutil
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from contextlib import suppress
 from typing import Any, NamedTuple
@@ -94,7 +100,9 @@ ROWS = f"{MEM}.memory_pool.ReqToTokenPool"
 MAMBA_SLOTS = f"{MEM}.allocator.mamba.MambaSlotAllocator"
 RADIX = f"{MEM}.radix_cache.RadixCache"
 UNIFIED = f"{MEM}.unified_radix_cache.UnifiedRadixCache"
+BASE = f"{MEM}.allocator.base.BaseTokenToKVPoolAllocator"
 BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
+ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
 RELEASE = f"{MEM}.common.release_kv_cache"
@@ -103,6 +111,7 @@ MATCH_V, INSERT_V, LOCK_V, UNLOCK_V, EVICT_V = (
 )
 HOST_EVICT_V, LOAD_V, WRITE_V = (k._value_ for k in (EventKind.HOST_EVICT, EventKind.LOAD, EventKind.WRITE))
 ALLOC_V, FREE_V = EventKind.ALLOC._value_, EventKind.FREE._value_
+RETRACT_V = EventKind.REQUEST_RETRACT._value_
 CAPACITY_V = EvictReason.CAPACITY._value_
 SNAPSHOT_EVERY_STEPS = 256  # NOTE: while busy; a snapshot walks every node (as the idle census does)
 _monotonic = time.monotonic
@@ -142,8 +151,17 @@ class SglangProbe:
         self.pools, self.takers, self.releasers = ledger.pools, ledger.takers, ledger.releasers
         self.locks: dict[Any, list[tuple[str | None, int]]] = {}  # node -> [(rid, step) of each open lock]
         self.recorded: set[str] = set()
-        self.cum = [0, 0, 0, 0, 0]  # NOTE: prompt tokens, hit tokens, requests, requests with a hit, evicted tokens
+        self.cum = [
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+        ]  # NOTE: prompt tokens, hit tokens, requests, hit requests, evicted tokens, retractions
         self.censuses = 0
+        self.retractions: dict[str, int] = {}  # NOTE: rid -> retractions so far (its row takes them at release)
+        self.retract_marks: dict[str, tuple[int, float]] = {}  # NOTE: rid -> (step, time) of its last retraction
         self.census_step = -1
         self.roots: dict[int, Any] = {}  # id(tree) -> its root handle
         self.sources: tuple[Any, Any, int] | None = None  # (tree, full allocator, batch size) of the last prepare
@@ -271,7 +289,7 @@ class SglangProbe:
                 c[2],
                 c[3],
                 c[4],
-                0,
+                c[5],
                 full_used=total - available,
             )
         )
@@ -334,6 +352,21 @@ class SglangProbe:
             slots = sys.modules["torch"].cat((slots.unsqueeze(1), track.long()), 1).reshape(-1)
         self.pending.append((BIND, rows.mamba_allocator, rids, self.step, "extend", slots, [width] * len(rids)))
 
+    def retracted_requests(self, reqs: Iterable[Any]) -> None:
+        """retract_decode's retracted requests: counted, and a retract event each (num_tokens = the
+        output tokens it had)."""
+        rec = self.recorder()
+        if rec is None:
+            return
+        for req in reqs:
+            self.retractions[req.rid] = self.retractions.get(req.rid, 0) + 1
+            self.retract_marks[req.rid] = (self.step, _monotonic())
+            self.cum[5] += 1
+            if self.emit is not None:
+                self.emit(
+                    (self.step, self.now, RETRACT_V, "full", req.rid, None, len(req.output_ids), 0, None, None, None)
+                )
+
     # -- the census -----------------------------------------------------------------------------
 
     def census(self, tree: Any, rows: Any, owners: list[Any], *, why: str) -> Any:
@@ -354,10 +387,8 @@ class SglangProbe:
         sessions, session_locks = session_holders(tree)
         owners = [*owners, *sessions]  # NOTE: SGLang's owners leave out a session's record; it is held, not leaked
         live = {req.rid for req in owners}
-        open_locks = {node: [h for h in held if h[0] not in live] for node, held in self.locks.items()}
-        for node in session_locks:  # NOTE: the session kept the lock its first turn took: one of the node's is its own
-            if open_locks.get(node):
-                del open_locks[node][0]
+        live_locks = Counter(_node(node) for node in [*_lock_nodes(owners), *session_locks])
+        open_locks = {node: stale_locks(held, live, live_locks[node]) for node, held in self.locks.items()}
         in_tree = tree_slots(tree)
         view = page_view(full, in_tree, rows, owners)
         locked = (  # NOTE: no lock ledger at summary: the tree's own counts against the live holders' locks
@@ -406,7 +437,7 @@ class SglangProbe:
                     c[2],
                     c[3],
                     c[4],
-                    0,
+                    c[5],
                     full_used=used,
                 )
             )
@@ -691,7 +722,9 @@ def _d_match(original: Callable[..., Any]) -> Callable[..., Any]:
         req = params.req
         if req is None or not probe.state.active:  # NOTE: a tree's own re-match (checkpoint) is no request's query
             return original(self, params)
-        rid = probe.rid = req.rid  # NOTE: sticky: the matched request's allocations follow (bind corrects a batch's)
+        rid = (
+            req.rid
+        )  # NOTE: the match's own; the calls after it are no request's until a hook says so (bind names takers)
         result = original(self, params)
         try:
             if probe.hot or _ready():
@@ -890,6 +923,16 @@ def _drop_holder(held: list[tuple[str | None, int]], rid: str | None) -> None:
     del held[0]
 
 
+def stale_locks(held: list[tuple[str | None, int]], live: set[str], num_live: int) -> list[tuple[str | None, int]]:
+    """The open locks on one node beyond the `num_live` its live holders hold (the running requests'
+    TreeLock nodes, a streaming session's): SGLang's tree counts locks, not holders, so the count
+    decides how many are stale; the live are the live requests' own first, then those taken outside
+    any request's call (rid None: the holder was never known), then the oldest."""
+    order = sorted(range(len(held)), key=lambda i: (held[i][0] not in live, held[i][0] is not None, i))
+    kept = set(order[:num_live])
+    return [h for i, h in enumerate(held) if i not in kept]
+
+
 def _host_hook(kind: str) -> Callable[..., Any]:
     """HiCache component: host eviction, load back, backup (counted as events on pool host)."""
 
@@ -927,15 +970,56 @@ def _h_prepare(event: str) -> Callable[..., Any]:
     return hook
 
 
+def _h_checkpoint(original: Callable[..., Any], self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """RadixCache / UnifiedRadixCache.checkpoint(req, up_to=...): its insert, re-lock and frees are the
+    request's (checkpoint_kv_cache runs it after each prefill, outside any other request's call)."""
+    if not PROBE.state.active:
+        return original(self, req, *args, **kwargs)
+    return _in_context(req.rid, "checkpoint", lambda: original(self, req, *args, **kwargs))
+
+
+def _h_admit(original: Callable[..., Any], self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """PrefillAdder._commit_prefill_admission(req, ...): the prefix lock it takes is the request's."""
+    if not PROBE.state.active:
+        return original(self, req, *args, **kwargs)
+    return _in_context(req.rid, "admit", lambda: original(self, req, *args, **kwargs))
+
+
+def _h_free_group_end(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    """free_group_end: the pages a batch's free group gathered from several requests' calls, released
+    at once: no one request's (rid None, event group)."""
+    if not PROBE.state.active:
+        return original(self, *args, **kwargs)
+    return _in_context(None, "group", lambda: original(self, *args, **kwargs))
+
+
 def _h_release(original: Callable[..., Any], req: Any, tree_cache: Any, *args: Any, **kwargs: Any) -> Any:
     if not PROBE.state.active:
         return original(req, tree_cache, *args, **kwargs)
+    retracting = PROBE.event == "retract"  # NOTE: retract_decode's release: the request comes back later
     try:
-        if _ready():
+        if not retracting and _ready():
             _record_request(req)
     except Exception as err:
         _failed(err)
-    return _in_context(req.rid, "release", lambda: original(req, tree_cache, *args, **kwargs))
+    event = "retract" if retracting else "release"
+    return _in_context(req.rid, event, lambda: original(req, tree_cache, *args, **kwargs))
+
+
+def _h_retract(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    """ScheduleBatch.retract_decode: each retracted request's release is a retraction (counted on its
+    request row, the usage samples' cum_retractions and a retract event), not its end."""
+    if not PROBE.state.active:
+        return original(self, *args, **kwargs)
+    result = _in_context(None, "retract", lambda: original(self, *args, **kwargs))
+    try:
+        if _ready():
+            PROBE.retracted_requests(result[0])
+            for req in result[2]:  # NOTE: aborted instead (no room even alone): released here, never again
+                _record_request(req)
+    except Exception as err:
+        _failed(err)
+    return result
 
 
 def _record_request(req: Any) -> None:
@@ -949,10 +1033,13 @@ def _record_request(req: Any) -> None:
         None,
         prompt,
         "finished" if req.finished() else "released",
-        int(getattr(req, "prefix_len", 0) or 0),
+        int(getattr(req, "cached_tokens", 0) or 0),  # NOTE: SGLang's own; prefix_len has moved on to the prompt
         len(req.output_ids),
-        0,
+        PROBE.retractions.pop(req.rid, 0),
     )
+    retracted_at = PROBE.retract_marks.pop(req.rid, None)
+    if retracted_at is not None:
+        record.mark("retract", *retracted_at)
     record.mark("finish", rec.step, _monotonic())
     rec.request(record)
     if PROBE.lean:  # NOTE: no match hook at summary: the totals count each request once, as it is released
@@ -965,7 +1052,12 @@ def _record_request(req: Any) -> None:
 
 
 def _h_on_idle(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    result = original(self, *args, **kwargs)  # NOTE: SGLang's own check first (it may raise: _report_leak)
+    try:
+        result = original(self, *args, **kwargs)  # NOTE: SGLang's own check first
+    except Exception:  # NOTE: a check SGLang raises from (strict) that no hook below saw: census, then its raise
+        _census_before_raise(self, "SGLang's idle check raised", scheduler=True)
+        PROBE.publish(self)  # NOTE: the checker's own hooks have no metrics collector; the scheduler has
+        raise
     if PROBE.state.active and (PROBE.busy or PROBE.pending):
         with guarded(PROBE.state):
             checker = self.invariant_checker
@@ -975,13 +1067,28 @@ def _h_on_idle(original: Callable[..., Any], self: Any, *args: Any, **kwargs: An
 
 
 def _h_report_leak(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    if PROBE.state.active:  # NOTE: before SGLang raises "memory leak detected!": the census and its culprits
-        with guarded(PROBE.state):
-            PROBE.census(
-                self.tree_cache, self.req_to_token_pool, self._requests_owning_rows(), why="SGLang's leak check failed"
-            )
-        PROBE.publish(self)
+    _census_before_raise(self, "SGLang's leak check failed")  # NOTE: before SGLang raises "memory leak detected!"
     return original(self, *args, **kwargs)
+
+
+def _h_check_req_pool(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    """SGLang's request-row count at an idle point raises (strict) without passing _report_leak."""
+    try:
+        return original(self, *args, **kwargs)
+    except Exception:
+        _census_before_raise(self, "SGLang's request-row check failed")
+        raise
+
+
+def _census_before_raise(owner: Any, why: str, *, scheduler: bool = False) -> None:
+    """The census of an idle point SGLang's check fails at, stored before its error goes on unchanged;
+    once per idle point (not again at the step of the last census with nothing moved since). `owner`:
+    SGLang's invariant checker, or (scheduler) the Scheduler that holds it."""
+    probe = PROBE
+    if probe.state.active and (probe.busy or probe.pending or probe.census_step != probe.step):
+        with guarded(probe.state):
+            checker = owner.invariant_checker if scheduler else owner
+            probe.census(checker.tree_cache, checker.req_to_token_pool, checker._requests_owning_rows(), why=why)
 
 
 def _lock_nodes(owners: list[Any]) -> list[Any]:
@@ -1036,11 +1143,19 @@ def hooks() -> list[Hook]:
         Hook(f"{UNIFIED}.evict_host", _host_hook(HOST_EVICT_V), per_op=True),
         Hook(f"{UNIFIED}.load_back", _host_hook(LOAD_V), per_op=True),
         Hook(f"{UNIFIED}.backup_kv_cache", _host_hook(WRITE_V), per_op=True),
+        Hook(f"{RADIX}.checkpoint", _h_checkpoint, per_op=True),
+        Hook(f"{UNIFIED}.checkpoint", _h_checkpoint, per_op=True),
+        Hook(f"{ADDER}._commit_prefill_admission", _h_admit, per_op=True),
+        Hook(f"{BASE}.free_group_end", _h_free_group_end, per_op=True),
+        Hook(f"{PAGED}.free_group_end", _h_free_group_end, per_op=True),
+        Hook(f"{SWA}.free_group_end", _h_free_group_end, per_op=True),
         Hook(f"{BATCH}.prepare_for_extend", _h_prepare("extend")),
         Hook(f"{BATCH}.prepare_for_decode", _h_prepare("decode")),
         Hook(RELEASE, _h_release),
+        Hook(f"{BATCH}.retract_decode", _h_retract),
         Hook(f"{SCHEDULER}.on_idle", _h_on_idle),
         Hook(f"{CHECKER}._report_leak", _h_report_leak),
+        Hook(f"{CHECKER}._check_req_pool", _h_check_req_pool),
     ]
 
 

@@ -10,6 +10,12 @@ NOTE: the terms (one leak check per pool, pool = its name: full, swa (an SWA all
     doubleref    a page both free and in use (in the tree or a live row), or twice in the free list:
                  a double free; the next alloc hands out a page still in use. Named with its last
                  releaser (the request the free was made for)
+    twice        a page with two owners, none of them the free list: in two tree nodes, in the tree and
+                 in a live row's own part (past its tree prefix), or in two rows' own parts. A page has
+                 at most one owner (a row's tree prefix is the tree's): the double free that handed it
+                 out again while its owner kept it. Named with both holders and its last releaser
+    outside      a page id outside 1..N in the free list (page 0 is SGLang's padding page): counted in
+                 no term, named
     lockheld     a tree node still locked at the idle point by a request that is no longer live
                  (a lock never released: its pages cannot be evicted). Level summary keeps no lock
                  ledger: there, the pages of a node whose lock count (the tree's own) is above its
@@ -36,13 +42,20 @@ Entry = tuple[str | None, int, str]  # (rid, step, event)
 
 class PageView(NamedTuple):
     """A pool at one moment: its page size, page count (ids 1..num_pages; 0 is SGLang's padding
-    page), the free list as listed (duplicates kept), the tree's pages, and live row pages -> rid."""
+    page), the free list as listed (duplicates kept), the tree's pages, and live row pages -> rid;
+    `owned`: each live row's own pages (past its tree prefix), one (page, rid) per row holding it, and
+    `tree_twice`: the pages two tree nodes hold (the ownership count: PageCensus.twice)."""
 
     page_size: int
     num_pages: int
     free_list: list[int]
     tree: set[int]
     live: dict[int, str]
+    owned: tuple[tuple[int, str], ...] = ()
+    tree_twice: frozenset[int] = frozenset()
+
+
+TREE = "the tree"
 
 
 @dataclass
@@ -61,6 +74,8 @@ class PageCensus:
     live_owner: dict[int, str] = field(default_factory=dict)
     stale_locked: list[int] = field(default_factory=list)  # NOTE: level summary: locked pages in no live row
     named_takers: dict[int, Entry] = field(default_factory=dict)  # NOTE: of stale locked and unreleased doubleref pages
+    twice: dict[int, list[str]] = field(default_factory=dict)  # NOTE: page -> its holders (TREE or a rid), two or more
+    outside: list[int] = field(default_factory=list)  # NOTE: free-list ids outside 1..num_pages
 
     @property
     def unit(self) -> str:
@@ -68,7 +83,7 @@ class PageCensus:
 
     @property
     def ok(self) -> bool:
-        return not (self.leaked or self.doubleref or self.locks or self.stale_locked)
+        return not (self.leaked or self.doubleref or self.twice or self.outside or self.locks or self.stale_locked)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -80,6 +95,8 @@ class PageCensus:
             "live": len(self.live),
             "leaked": self.leaked,
             "doubleref": self.doubleref,
+            "twice": {str(p): held for p, held in self.twice.items()},
+            "outside": self.outside,
             "culprits": {str(p): e[0] for p, e in self.culprits.items()},
             "releasers": {str(p): e[0] for p, e in self.releasers.items()},
             "locks": {str(n): [h[0] for h in held] for n, held in self.locks.items()},
@@ -98,12 +115,14 @@ def take_page_census(
     """The census of one pool; `stale_locks`: open locks whose holder is no longer live (the lock
     ledger, level full); `locked`: the pages under a lock no live holder accounts for, by the tree's own
     counts (level summary: sglang_views.stale_locked_pages)."""
-    counts = Counter(view.free_list)
+    pages = set(range(1, view.num_pages + 1))
+    counts = Counter(p for p in view.free_list if p in pages)
+    outside = sorted({p for p in view.free_list if p not in pages})
     free = set(counts)
     in_use = view.tree | set(view.live)
-    pages = set(range(1, view.num_pages + 1))
     leaked = sorted(pages - free - in_use)
     doubleref = sorted((free & in_use) | {p for p, n in counts.items() if n > 1})
+    twice = holders_of_twice_owned(view)
     stale_locked = sorted(locked) if locked else []
     return PageCensus(
         pool=pool,
@@ -115,12 +134,25 @@ def take_page_census(
         leaked=leaked,
         doubleref=doubleref,
         culprits={p: takers[p] for p in leaked if p in takers},
-        releasers={p: releasers[p] for p in doubleref if p in releasers},
+        releasers={p: releasers[p] for p in (*doubleref, *twice) if p in releasers},
         locks=dict(stale_locks),
         live_owner=dict(view.live),
         stale_locked=stale_locked,
-        named_takers={p: takers[p] for p in (*stale_locked, *doubleref) if p in takers},
+        named_takers={p: takers[p] for p in (*stale_locked, *doubleref, *twice) if p in takers},
+        twice=twice,
+        outside=outside,
     )
+
+
+def holders_of_twice_owned(view: PageView) -> dict[int, list[str]]:
+    """The pages with more than one owner -> their holders (TREE once per tree node holding it, then
+    each row's request): a page is the tree's or one live row's own, never both."""
+    holders: dict[int, list[str]] = {p: [TREE, TREE] for p in view.tree_twice}
+    for page, rid in view.owned:
+        if page in view.tree and page not in holders:
+            holders[page] = [TREE]
+        holders.setdefault(page, []).append(rid)
+    return {p: held for p, held in sorted(holders.items()) if len(held) > 1}
 
 
 def census_checks(step: int, results: list[PageCensus]) -> list[LeakCheck]:
@@ -154,6 +186,17 @@ def violation(r: PageCensus) -> str | None:
             f"{_pages(len(r.doubleref), r.unit)} freed while in use (a double free): "
             + "; ".join(_double_text(p, r) for p in r.doubleref[:MAX_NAMED])
             + _more(len(r.doubleref))
+        )
+    if r.twice:
+        twice = list(r.twice)
+        parts.append(
+            f"{_pages(len(twice), r.unit)} held twice (a double free handed out a {r.unit} still in use): "
+            + "; ".join(_twice_text(p, r) for p in twice[:MAX_NAMED])
+            + _more(len(twice))
+        )
+    if r.outside:
+        parts.append(
+            f"{_pages(len(r.outside), r.unit + ' id')} outside 1..{r.num_pages} in the free list: {_named(r.outside)}"
         )
     if r.locks:
         parts.append(
@@ -210,7 +253,7 @@ def _double_text(page: int, r: PageCensus) -> str:
     last = r.releasers.get(page)
     taker = r.named_takers.get(page)
     who = (
-        f"; last released for request {last[0]} ({last[2]} at step {last[1]})"
+        f"; {_released(last)}"
         if last
         else f"; taken by request {taker[0]} ({taker[2]} at step {taker[1]}), its releaser not recorded"
         if taker
@@ -219,8 +262,32 @@ def _double_text(page: int, r: PageCensus) -> str:
     return f"{r.unit} {page} {where}{who}"
 
 
+def _twice_text(page: int, r: PageCensus) -> str:
+    holders = r.twice[page]
+    in_tree = holders.count(TREE)
+    where = [f"{in_tree} tree nodes" if in_tree > 1 else TREE] if in_tree else []
+    held = " and ".join([*where, *(f"request {h}'s row" for h in holders if h != TREE)])
+    last = r.releasers.get(page)
+    return f"{r.unit} {page} in {held}" + (f"; {_released(last)}" if last else "")
+
+
+def _released(last: Entry) -> str:
+    """Who made a page's last free: the request whose call freed it, or why no request is known."""
+    rid, step, event = last
+    if rid is not None:
+        return f"last released for request {rid} ({event} at step {step})"
+    if event == "group":
+        return f"last released by a batch's free group at step {step} (request unknown: a group frees several at once)"
+    return f"last released at step {step} outside any request's call (request unknown)"
+
+
 def _lock_text(node: Any, held: list[tuple[str | None, int]]) -> str:
-    return f"node {node} locked by " + ", ".join(f"request {rid} at step {step}" for rid, step in held)
+    return f"node {node} locked by " + ", ".join(
+        f"request {rid} at step {step}"
+        if rid is not None
+        else f"an unknown request at step {step} (locked outside any request's call)"
+        for rid, step in held
+    )
 
 
 def _pages(count: int, unit: str = "page") -> str:

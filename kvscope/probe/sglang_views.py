@@ -7,6 +7,7 @@ numpy, the probe's census and kvscope.telemetry (torch is the engine's, found in
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -37,14 +38,28 @@ def session_holders(tree: Any) -> tuple[list[SessionRecord], list[Any]]:
 
 
 def row_view(rows: Any, owners: list[Any]) -> PageView:
-    live = {int(req.kv.req_pool_idx): req.rid for req in owners if req.kv.req_pool_idx is not None}
-    return PageView(1, int(rows.size), [int(r) for r in rows.free_slots], set(), live)
+    owned = [(int(req.kv.req_pool_idx), req.rid) for req in owners if req.kv.req_pool_idx is not None]
+    return PageView(1, int(rows.size), [int(r) for r in rows.free_slots], set(), dict(owned), tuple(owned))
 
 
 def page_view(allocator: Any, in_tree: list[int], rows: Any, owners: list[Any]) -> PageView:
     ps = int(allocator.page_size)
     tree_pages = {s // ps for s in in_tree}
-    return PageView(ps, _num_pages(allocator), _free_list(allocator), tree_pages, live_pages(rows, owners, ps))
+    owned = [(page, rid) for rid, part in _owned_rows(rows, owners) for page in {s // ps for s in part.tolist()}]
+    return PageView(
+        ps,
+        _num_pages(allocator),
+        _free_list(allocator),
+        tree_pages,
+        live_pages(rows, owners, ps),
+        tuple(owned),
+        twice(in_tree, ps),
+    )
+
+
+def twice(slots: list[int], page_size: int) -> frozenset[int]:
+    """The pages of the slots listed more than once (a tree's values: a slot two nodes hold)."""
+    return frozenset(s // page_size for s, n in Counter(slots).items() if n > 1)
 
 
 def _num_pages(allocator: Any) -> int:
@@ -132,7 +147,13 @@ def swa_view(allocator: Any, swa: Any, in_tree: list[int], rows: Any, owners: li
         for peer in mapping[row.to(mapping.dtype)].tolist():
             if peer > 0:
                 live.setdefault(peer // ps, rid)
-    return PageView(ps, _num_pages(swa), _free_list(swa), tree_pages, live)
+    owned = [
+        (page, rid)
+        for rid, part in _owned_rows(rows, owners)
+        for page in {p // ps for p in mapping[part.to(mapping.dtype)].tolist() if p > 0}
+    ]
+    tree_twice = twice([p for p in peers if p > 0], ps)
+    return PageView(ps, _num_pages(swa), _free_list(swa), tree_pages, live, tuple(owned), tree_twice)
 
 
 def mamba_allocator(rows: Any) -> Any:
@@ -153,9 +174,10 @@ def mamba_view(tree: Any, rows: Any, allocator: Any, owners: list[Any]) -> PageV
     the tree's states live in that pool's own slots), a live request's = its row's mamba index and its
     ping-pong track slots (SGLang's extra buffer; -1 where empty)."""
     in_tree = getattr(tree, "supports_mamba", lambda: False)() and getattr(rows, "mamba_ckpt_pool", None) is None
-    held_by_tree = set(tree.all_mamba_values_flatten().tolist()) if in_tree else set()
+    tree_slots = tree.all_mamba_values_flatten().tolist() if in_tree else []
     held = [req for req in owners if req.kv.req_pool_idx is not None]
     live: dict[int, str] = {}
+    owned: list[tuple[int, str]] = []  # NOTE: a row's Mamba slots are its own (a hit copies the tree's state)
     if held:
         mapping = rows.req_index_to_mamba_index_mapping
         index = mapping.new_tensor([int(req.kv.req_pool_idx) for req in held]).long()
@@ -164,10 +186,11 @@ def mamba_view(tree: Any, rows: Any, allocator: Any, owners: list[Any]) -> PageV
             columns.append(rows.req_index_to_mamba_ping_pong_track_buffer_mapping[index].long())
         table = sys.modules["torch"].cat(columns, 1).tolist()
         for req, slots in zip(held, table, strict=True):
-            for slot in slots:
-                if slot > 0:
-                    live.setdefault(slot, req.rid)
-    return PageView(1, int(allocator.size), allocator.free_slots.tolist(), held_by_tree, live)
+            for slot in {s for s in slots if s > 0}:
+                live.setdefault(slot, req.rid)
+                owned.append((slot, req.rid))
+    free = allocator.free_slots.tolist()
+    return PageView(1, int(allocator.size), free, set(tree_slots), live, tuple(owned), twice(tree_slots, 1))
 
 
 def _index(slots: list[int], like: Any) -> Any:
@@ -182,6 +205,16 @@ def live_pages(rows: Any, owners: Any, page_size: int) -> dict[int, str]:
         for slot in row.tolist():
             live.setdefault(int(slot) // page_size, rid)
     return live
+
+
+def _owned_rows(rows: Any, owners: Any) -> Iterator[tuple[str, Any]]:
+    """(rid, its row's own part: past the tree prefix it locked, [cache_protected_len, kv_allocated_len),
+    what SGLang counts as the request's private tokens) of each live request holding a row."""
+    table = rows.req_to_token
+    for req in owners:
+        kv = req.kv
+        if kv.req_pool_idx is not None:
+            yield req.rid, table[kv.req_pool_idx, int(kv.cache_protected_len) : int(kv.kv_allocated_len)]
 
 
 def _live_rows(rows: Any, owners: Any) -> Iterator[tuple[str, Any]]:
@@ -258,27 +291,38 @@ def page_rows(core: Any, live: dict[int, str], page_size: int) -> list[NodeRow]:
     """The Rust tree core keeps its nodes in Rust: the tree as pages, from its KV-canary walk (every
     device slot with its position and the slot before it): node = page id, parent = the page of the
     slot before its first slot (the root, id 0, at position 0), lock_ref 1 when the walk of unlocked
-    slots leaves the page out. No tokens, access times or hit counts: "", 0.0 and 0."""
+    slots leaves the page out. No tokens, access times or hit counts: "", 0.0 and 0.
+    NOTE: a corrupt tree (a double free handed a page to a second node) lists a page twice: its row
+    is its first place, the preview says where else it is (the census names it: twice); a parent is
+    a page already written (else the root), so the rows are unique and acyclic by construction."""
     walk = core.walk_for_kv_canary(False, False)
     unlocked = core.walk_for_kv_canary(True, False)
     free_of_locks = {int(s) // page_size for s in unlocked.slot_indices.tolist()}
     rows = [NodeRow(0, None, 0, "", 0, 0.0, 0, None, False, 0)]
-    firsts = [
+    firsts = sorted(
         (int(pos), int(slot) // page_size, int(prev))
         for slot, pos, prev in zip(
             walk.slot_indices.tolist(), walk.positions.tolist(), walk.prev_slot_indices.tolist(), strict=True
         )
         if int(pos) % page_size == 0
-    ]
-    pages = {page for _, page, _ in firsts}
-    for pos, page, prev in sorted(firsts):
-        parent = prev // page_size if prev >= 0 and prev // page_size in pages else 0  # NOTE: or an orphan's
+    )
+    elsewhere: dict[int, list[int]] = {}
+    kept: dict[int, tuple[int, int]] = {}
+    for pos, page, prev in firsts:
+        if page in kept:
+            elsewhere.setdefault(page, []).append(pos)
+        else:
+            kept[page] = (pos, prev)
+    written = {0}
+    for page, (pos, prev) in kept.items():
+        parent = prev // page_size if prev >= 0 else 0
+        also = elsewhere.get(page)
         rows.append(
             NodeRow(
                 page,
-                parent,
+                parent if parent in written else 0,  # NOTE: or an orphan's, or a later page's
                 page_size,
-                "",
+                "" if also is None else f"also at position {', '.join(map(str, also))} (a page held twice)",
                 0 if page in free_of_locks else 1,
                 0.0,
                 0,
@@ -287,4 +331,5 @@ def page_rows(core: Any, live: dict[int, str], page_size: int) -> list[NodeRow]:
                 pos + page_size,
             )
         )
+        written.add(page)
     return rows

@@ -11,7 +11,14 @@ slots from a tiny Mamba2 state shape, and a TokenToKVPoolAllocator: page size 1,
 component requires without the extra buffer), mamba-buffer (the same with SGLang's Mamba extra buffer:
 ping-pong track slots, page size 4 on the paged allocator; its state tracking is not driven).
 SCENARIO: clean, shared (clean; the request running across the idle point holds a lock on the
-shared prefix), leak-tail, lock-leak, double-free, leak-and-double-free, swa-leak (swa only),
+shared prefix), leak-tail, lock-leak, double-free, double-free-reused (the freed page
+handed to req-D's row while the tree keeps it), double-free-in-tree (then req-D's release puts it in
+a second tree node), row-leak (req-A's row never freed: SGLang's strict _check_req_pool raises in its real
+Scheduler.on_idle, run on a stand-in scheduler: Engine.on_idle), row-leak-unhooked (the same without
+the probe's hook on _check_req_pool), group-double-free (a tree page freed again in a free group),
+batch-lock-leak (two requests in one prefill batch, SGLang's checkpoint_kv_cache after it; the first
+one's lock leaks), retract (SGLang's retract_decode on a decode batch of two), leak-and-double-free,
+swa-leak (swa only),
 mamba-leak, mamba-double-free (mamba only; clean runs on mamba-buffer too), session, session-close,
 session-lock-leak (a streaming session's turns; unified), dp (clean, as a DP replica's scheduler),
 unknown-version, missing-target, changed-parameters,
@@ -26,13 +33,15 @@ alloc_decode page by page -> release_kv_cache (checkpoint into the tree, free th
 free the row). What the probe's prepare_for_extend / prepare_for_decode hooks do after SGLang's
 own (bind a request's row pages to it) is called here directly: ScheduleBatch needs a model runner.
 The idle point runs SGLang's own SchedulerInvariantChecker count identity, then its _report_leak
-(strict: it raises ValueError, as in a server) when the identity fails, then the probe's census.
+(strict: it raises ValueError, as in a server) when the identity fails, then (no request running) its
+_check_req_pool (strict: raises on a row count off), then, when nothing raised, the probe's census.
 Prints one JSON line: what the probe said, SGLang's identity per idle point, the censuses, the
 injected ground truth.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -49,9 +58,15 @@ os.environ.setdefault("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", "1")
 
 import torch  # noqa: E402
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape  # noqa: E402
-from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch  # noqa: E402
+from sglang.srt.managers.schedule_policy import PrefillAdder, _PrefillAdmission  # noqa: E402
+from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker  # noqa: E402
-from sglang.srt.managers.scheduler_components.pool_stats_observer import kv_private_tokens  # noqa: E402
+from sglang.srt.managers.scheduler_components.pool_stats_observer import (  # noqa: E402
+    SchedulerPoolStatsObserver,
+    kv_private_tokens,
+)
 from sglang.srt.mem_cache import common  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # noqa: E402
@@ -132,7 +147,19 @@ class Engine:
             tree_cache=self.tree,
             token_to_kv_pool_allocator=self.alloc,
             req_to_token_pool=self.rows,
-            pool_stats_observer=None,
+            pool_stats_observer=SchedulerPoolStatsObserver(
+                tree_cache=self.tree,
+                token_to_kv_pool_allocator=self.alloc,
+                req_to_token_pool=self.rows,
+                session_controller=None,
+                hisparse_coordinator=None,
+                is_hybrid_swa=self.swa,
+                is_hybrid_ssm=self.mamba,
+                enable_hisparse=False,
+                full_tokens_per_layer=None,
+                swa_tokens_per_layer=PAGES * PS if self.swa else None,
+                max_total_num_tokens=PAGES * PS,
+            ),
             get_last_batch=lambda: SimpleNamespace(reqs=list(self.live.values())),
             get_running_batch=lambda: None,
             scheduler_stage_metrics=None,
@@ -147,10 +174,36 @@ class Engine:
         """Prefill: match, lock, row, (evict), alloc_extend per chunk, row write, bind. `session`: a
         streaming session's turn (its first turn's record and lock go to the session at its row's
         first allocation; a later turn borrows them)."""
+        req = self.arrive(rid, tokens, session)
+        self.commit(req)
+        self.take_row(req, tokens, chunk)
+        return req
+
+    def arrive(self, rid: str, tokens: list[int], session: Any = None) -> Req:
+        """A waiting request's match (the scheduler matches its waiting queue before it admits any)."""
         req = Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=16))
         req.session = session
         req.init_next_round_input(self.tree)
-        req.lock = self.tree.lock(req.last_node)
+        return req
+
+    def commit(self, req: Req) -> None:
+        """SGLang's own PrefillAdder._commit_prefill_admission (the probe's hook around it) on a
+        stand-in adder: the request's prefix lock and extend_end; no budget is kept."""
+        adder = SimpleNamespace(
+            tree_cache=self.tree,
+            can_run_list=[],
+            new_chunked_req=None,
+            _update_prefill_budget=lambda *args, **kwargs: None,
+            _request_slot_reserve_for_req=lambda req, extend_input_len: 0,
+            _account_prefill_cache_admission=lambda req, prefix_len: None,
+        )
+        extend_len = len(req.origin_input_ids) - req.prefix_len
+        PrefillAdder._commit_prefill_admission(
+            adder, req, _PrefillAdmission(req.prefix_len, extend_len, 16, False, 0), 0
+        )
+
+    def take_row(self, req: Req, tokens: list[int], chunk: int | None = None) -> None:
+        rid = req.rid
         if self.mamba and not req.kv.holds_mamba and self.rows.mamba_allocator.available_size() < 1:
             self.tree.evict(EvictParams(num_tokens=0, mamba_num=1))  # NOTE: what the scheduler's admission does
         probe._in_context(None, "extend", lambda: self.rows.alloc([req]))  # NOTE: in prepare_for_extend: no request
@@ -160,7 +213,6 @@ class Engine:
         for end in dict.fromkeys(ends):
             self.extend(req, end)
             prefix = end
-        return req
 
     def extend(self, req: Req, end: int) -> None:
         kv = req.kv
@@ -180,6 +232,9 @@ class Engine:
         else:
             out = self.alloc.alloc_extend(prefix_lens, prefix_lens, seq_lens, seq_lens, last, end - start)
         assert out is not None, f"{req.rid}: no room for {end - start} tokens"
+        if not req.retracted_stain:  # NOTE: what prepare_for_extend counts as SGLang's Req.cached_tokens
+            req.cached_tokens += start - req.already_computed
+            req.already_computed = end
         self.rows.write((kv.req_pool_idx, slice(0, end)), torch.cat((prefix_slots, out)).to(torch.int32))
         kv.kv_allocated_len = kv.kv_committed_len = end
         self.tree.maybe_hand_to_session(req)  # NOTE: what alloc_for_extend does after each request's allocation
@@ -251,6 +306,11 @@ class Engine:
                     file=sys.stderr,
                     flush=True,
                 )
+        if not (leak or self.live):  # NOTE: SGLang counts the request rows fully idle only (no running request)
+            try:
+                self.checker._check_req_pool()
+            except ValueError as err:  # NOTE: strict: on_idle raises before its end (the probe's idle census)
+                leak, raised = True, str(err).splitlines()[0]
         census = None
         if not leak:
             probe.PROBE.busy = True
@@ -261,6 +321,52 @@ class Engine:
             "reported": probe.PROBE.censuses,
         }
 
+    def on_idle(self) -> dict[str, Any]:
+        """SGLang's own Scheduler.on_idle (and the probe's hook around it, as a server runs it) on a
+        stand-in scheduler: the engine's pools, tree and SGLang's invariant checker; no-ops for the
+        metrics, events, load publishing and sleep it also does."""
+        nothing = SimpleNamespace(
+            drop_sync_wait_carry=lambda: None,
+            record_scheduler_idle=lambda: None,
+            record_scheduler_active=lambda t: None,
+            _maybe_log_idle_metrics=lambda: None,
+            publish_kv_events=lambda: None,
+            reset=lambda: None,
+            publish_load_stat=lambda *args, **kwargs: None,
+            get_loads=None,
+            record=lambda stage: contextlib.nullcontext(),
+            enter=lambda stage: None,
+            exit=lambda previous: None,
+            _trace_stage=None,
+        )
+        scheduler = SimpleNamespace(
+            dp_attn_adapter=nothing,
+            metrics_reporter=nothing,
+            kv_events_publisher=nothing,
+            new_token_ratio_tracker=nothing,
+            load_publisher=nothing,
+            load_inquirer=nothing,
+            scheduler_stage_metrics=nothing,
+            maybe_send_health_check_signal=lambda: None,
+            is_fully_idle=lambda: not self.live,
+            publish_load_snapshot=lambda force: None,
+            maybe_sleep_on_idle=lambda: None,
+            enable_unified_memory=False,
+            enable_hisparse=False,
+            disaggregation_mode=DisaggregationMode.NULL,
+            invariant_checker=self.checker,
+            pool_stats_observer=self.checker.pool_stats_observer,
+            token_to_kv_pool_allocator=self.alloc,
+            tree_cache=self.tree,
+            req_to_token_pool=self.rows,
+        )
+        raised = None
+        try:
+            Scheduler.on_idle(scheduler)
+        except ValueError as err:
+            raised = str(err).splitlines()[0]
+        return {"sglang": {"leak": raised is not None, "line": None, "raised": raised}, "census": None}
+
 
 def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     system = list(range(100, 112))  # 12 tokens: three pages every request shares
@@ -268,8 +374,18 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
     points = []
     a = engine.admit("req-A", [*system, 1, 2, 3])
     engine.decode(a, 3)
-    engine.release(a)
-    points.append(engine.idle())
+    if scenario.startswith("row-leak"):  # its release gives back pages and lock, and forgets to free its row
+        injected.append({"kind": "row-leak", "rid": "req-A", "row": int(a.kv.req_pool_idx)})
+        engine.rows.free = lambda req: None
+        engine.release(a)
+        del engine.rows.free
+    else:
+        engine.release(a)
+    points.append(engine.on_idle() if scenario.startswith("row-leak") else engine.idle())
+    if scenario == "batch-lock-leak":  # one prefill batch of two: match both, admit both, checkpoint both
+        return batch_workload(engine, points, system)
+    if scenario == "retract":  # a decode batch retracts one request, which comes back and finishes
+        return retract_workload(engine, points, system)
     b = engine.admit("req-B", [*system, 4, 5, 6, 7, 8], chunk=8)  # chunked prefill, prefix hit on the tree
     lock_node = b.last_node
     if scenario == "lock-leak":  # the prefix lock is dropped without its unlock
@@ -295,17 +411,82 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
         injected.append({"kind": "swa-leak", "rid": "req-C", "page": peer})
     engine.release(c)
     mine = [50 + i for i in range(10)]
+    if scenario in ("double-free-reused", "double-free-in-tree"):  # a tree page freed again, req-D's prefill takes it
+        page = min(int(s) // PS for s in engine.tree.all_values_flatten().tolist())
+        probe._in_context("bad-free", "free", lambda: engine.alloc.free_page_ids(torch.tensor([page])))
+        injected.append({"kind": "double-free", "rid": "bad-free", "page": page})
     d = engine.admit("req-D", [*system, *mine] if scenario == "shared" else mine)  # running across the idle point
     if scenario in ("double-free", "leak-and-double-free"):  # a page still in the tree is freed again
         page = min(int(s) // PS for s in engine.tree.all_values_flatten().tolist())
         probe._in_context("bad-free", "free", lambda: engine.alloc.free_page_ids(torch.tensor([page])))
         injected.append({"kind": "double-free", "rid": "bad-free", "page": page})
+    if scenario == "double-free-in-tree":  # req-D's release puts the page into a second tree node
+        engine.release(d)
+    if scenario == "group-double-free":  # a page still in the tree freed in a batch's free group, by no request's call
+        page = min(int(s) // PS for s in engine.tree.all_values_flatten().tolist())
+        engine.alloc.free_group_begin()
+        engine.alloc.free(torch.arange(page * PS, page * PS + PS))
+        engine.alloc.free_group_end()
+        injected.append({"kind": "double-free", "rid": None, "page": page})
     points.append(engine.idle())
     e = engine.admit("req-E", [300 + i for i in range(32)])  # pressure: evicts the tree's leaves
     engine.release(e)
-    engine.release(d)
+    if d.rid in engine.live:
+        engine.release(d)
     points.append(engine.idle())
     return points, injected
+
+
+def batch_workload(engine: Engine, points: list[dict[str, Any]], system: list[int]) -> tuple[list[Any], list[Any]]:
+    """A prefill batch as the scheduler runs it: both waiting requests matched first (req-Q last), then
+    admitted (SGLang's PrefillAdder commit: each one's prefix lock), their rows filled, then SGLang's
+    checkpoint_kv_cache for each after the prefill (the tree re-locks each on its new node); req-P's
+    release then finds no lock to drop (its lock leaks), req-Q's is clean."""
+    p = engine.arrive("req-P", [*system, *range(20, 28)])
+    q = engine.arrive("req-Q", [*system, *range(40, 48)])
+    for req in (p, q):
+        engine.commit(req)
+        engine.take_row(req, list(req.origin_input_ids))
+    for req in (p, q):
+        common.checkpoint_kv_cache(req, engine.tree)
+    node = probe._node(p.lock.node)
+    p.lock = None
+    engine.release(p)
+    engine.release(q)
+    points.append(engine.idle())
+    return points, [{"kind": "lock-leak", "rid": "req-P", "node": node}]
+
+
+def retract_workload(engine: Engine, points: list[dict[str, Any]], system: list[int]) -> tuple[list[Any], list[Any]]:
+    """SGLang's own ScheduleBatch.retract_decode (the probe's hook around it) on a stand-in decode batch of
+    two: it retracts req-R2 (fewer output tokens: SGLang's order) and releases its row and pages; req-R2
+    comes back (prefilled again) and finishes; req-R1 finishes."""
+    r1 = engine.admit("req-R1", [*system, 1, 2, 3])
+    engine.decode(r1, 2)
+    r2 = engine.admit("req-R2", [*system, 7, 8, 9])
+    engine.decode(r2, 1)
+    batch = SimpleNamespace(
+        reqs=[r1, r2],
+        req_to_token_pool=engine.rows,
+        token_to_kv_pool_allocator=engine.alloc,
+        tree_cache=engine.tree,
+        hisparse_coordinator=None,
+        _get_decode_retraction_order=ScheduleBatch._get_decode_retraction_order,
+        filter_batch=lambda keep_indices: None,
+    )
+    batch.check_decode_mem = lambda selected_indices: len(selected_indices) < 2  # NOTE: room once one is out
+    batch.release_req = lambda idx, remaining, offload_kv=True: ScheduleBatch.release_req(
+        batch, idx, remaining, offload_kv
+    )
+    retracted, _, _ = ScheduleBatch.retract_decode(batch)
+    assert [req.rid for req in retracted] == ["req-R2"], [req.rid for req in retracted]
+    del engine.live["req-R2"]
+    again = engine.admit("req-R2", [*system, 7, 8, 9])
+    engine.decode(again, 2)
+    engine.release(again)
+    engine.release(r1)
+    points.append(engine.idle())
+    return points, [{"kind": "retract", "rid": "req-R2"}]
 
 
 def session_workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -440,6 +621,8 @@ def main(scenario: str, tree_kind: str) -> None:
             *probe.hooks(),
             probe.Hook(f"{probe.UNIFIED}.gone_in_0_5_24", probe._h_on_idle),
         ]
+    elif scenario == "row-leak-unhooked":  # NOTE: no hook on _check_req_pool: on_idle's own raise path alone
+        probe.SUPPORTED["0.5.23"] = lambda: [h for h in probe.hooks() if not h.target.endswith("._check_req_pool")]
     elif scenario == "changed-parameters":  # NOTE: a direct hook made for other parameters than SGLang's method has
         probe.SUPPORTED["0.5.23"] = lambda: [
             h._replace(hook=probe._d_alloc_decode) if h.target == f"{probe.PAGED}.alloc" else h for h in probe.hooks()

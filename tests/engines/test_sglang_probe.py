@@ -104,7 +104,7 @@ def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: st
         assert (source["engine"], source["dp_rank"]) == ("sglang", None) and " probe pid " in run.label
         events = db.events(int(run.id), limit=10_000)
         assert {"alloc", "free", "match", "insert", "lock", "unlock", "evict"} <= set(events.kind), set(events.kind)
-        assert {"req-A", "req-B", "req-C", "req-D", "req-E"} <= set(events[events.kind == "alloc"].rid)
+        assert events[events.kind == "alloc"].rid.isna().all()  # a batch's (prepare): bind names each page's taker
         allocs = events[events.kind == "alloc"]
         rows = zip(allocs.step, allocs.pool, allocs.slots, strict=True)
         taken = [(step, pool, page) for step, pool, pages in rows for page in array("i", pages)]
@@ -206,6 +206,139 @@ def test_a_double_free_is_named_with_the_request_it_was_made_for(tmp_path: Path)
         f"1 page freed while in use (a double free): page {page} free and in the tree; last released for "
         "request bad-free"
     ) in check.stdout
+
+
+@pytest.mark.parametrize("tree", ["classic", "rust"])
+def test_a_page_a_double_free_handed_to_a_running_request_while_the_tree_keeps_it_is_named(
+    tmp_path: Path, tree: str
+) -> None:
+    """The tree's page freed again, then taken by req-D's prefill: in no free list, so free / tree /
+    row sets balance; it has two owners (the tree and req-D's own row part), and SGLang's identity
+    counts it twice and raises. The census before the raise names both holders and the releaser."""
+    capture = tmp_path / f"reused-{tree}.db"
+    result = drive("double-free-reused", tree, capture)
+    page = result["injected"][0]["page"]
+    assert result["points"][1]["sglang"]["raised"].startswith("pool memory leak detected!")
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert (
+        f"1 page held twice (a double free handed out a page still in use): page {page} in the tree and request "
+        "req-D's row; last released for request bad-free (free at step"
+    ) in check.stdout
+
+
+def test_a_rust_tree_holding_a_page_twice_is_stored_as_evidence_and_its_census_kept(tmp_path: Path) -> None:
+    """req-D's release puts the page a double free handed it into a second node of the Rust tree: the
+    snapshot lists the page twice (it was a UNIQUE failure that stopped the recorder and lost the
+    census). The page's row is its first place, the preview says where else; the census is stored."""
+    capture = tmp_path / "in-tree.db"
+    result = drive("double-free-in-tree", "rust", capture)
+    page = result["injected"][0]["page"]
+    assert "recording stopped" not in result["stderr"], result["stderr"][-2000:]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert f"page {page} in 2 tree nodes; last released for request bad-free" in check.stdout
+    db = Capture(capture)
+    try:
+        run_id = int(db.runs().iloc[-1].id)
+        nodes = db.tree_at(run_id, db.snapshot_steps(run_id)[1]).set_index("node_id")
+        assert nodes.loc[page].token_preview.endswith("(a page held twice)")
+        assert set(nodes.parent_id.dropna().astype(int)) <= set(nodes.index)
+    finally:
+        db.close()
+
+
+@pytest.mark.parametrize(
+    ("scenario", "tree", "why"),
+    [
+        ("row-leak", "unified", "SGLang's request-row check failed"),
+        ("row-leak", "rust", "SGLang's request-row check failed"),
+        ("row-leak", "classic", "SGLang's request-row check failed"),
+        ("row-leak-unhooked", "unified", "SGLang's idle check raised"),
+    ],
+)
+def test_a_leaked_row_is_named_before_sglangs_strict_row_check_raises(
+    tmp_path: Path, scenario: str, tree: str, why: str
+) -> None:
+    """req-A's release forgets its row: SGLang's page identity holds, and in its real Scheduler.on_idle
+    _check_req_pool raises (strict, its default) before on_idle's end, where the probe's idle census
+    ran. The census runs on that raise (the hook on _check_req_pool; without it, the hook around
+    on_idle), is stored, and SGLang's error goes on unchanged."""
+    capture = tmp_path / f"{scenario}-{tree}.db"
+    result = drive(scenario, tree, capture)
+    row = result["injected"][0]["row"]
+    assert result["points"][0]["sglang"]["raised"].startswith("req_to_token_pool memory leak detected!")
+    line = (
+        f"page census ({why}) at step 4, capture {capture} run 1: [req] 1 row leaked (in no free list, tree or "
+        f"live row): row {row} last taken by request req-A (alloc at step 0)"
+    )
+    assert f"kvscope probe: {line}" in result["stderr"]
+    db = Capture(capture)
+    try:
+        checks = db.leak_checks(int(db.runs().iloc[-1].id))
+        first_check = checks[checks.step == checks.step.min()].set_index("pool")
+        assert not bool(first_check.loc["req"].ok) and f"row {row} last taken" in first_check.loc["req"].message
+    finally:
+        db.close()
+
+
+@pytest.mark.parametrize("tree", ["unified", "classic"])
+def test_a_lock_leaked_in_a_prefill_batch_is_named_with_its_own_request(tmp_path: Path, tree: str) -> None:
+    """Two requests in one prefill batch, matched before either is admitted (req-Q last): each one's
+    admission lock and its re-lock by SGLang's checkpoint_kv_cache after the prefill are its own, not
+    the last matched request's; req-P's leaked lock names req-P, and the lock events replayed (the
+    Radix tree page's holders) leave req-P's lock alone held: no finished bystander holds one."""
+    from kvscope.dashboard.leak_views import held_locks
+
+    capture = tmp_path / f"batch-{tree}.db"
+    result = drive("batch-lock-leak", tree, capture)
+    node = result["injected"][0]["node"]
+    assert full_census(result["points"][-1])["locks"] == {str(node): ["req-P"]}
+    db = Capture(capture)
+    try:
+        run_id = int(db.runs().iloc[-1].id)
+        locks = db.events(run_id, kinds=["lock", "unlock"], limit=None)
+        held = held_locks(locks, int(locks.step.max()))
+        assert [(int(n), r) for n, r in zip(held.node_id, held.rid, strict=True)] == [(node, "req-P")], held
+        cached = db.requests(run_id).set_index("rid").cached_tokens.to_dict()
+        assert cached == {"req-A": 0, "req-P": 12, "req-Q": 12}  # SGLang's Req.cached_tokens: the 12-token prefix hit
+    finally:
+        db.close()
+
+
+def test_a_double_free_a_batchs_free_group_released_blames_no_bystander(tmp_path: Path) -> None:
+    """A free group gathers several requests' frees and releases them at its end, in no request's call:
+    the double free's releaser is unknown, said so, and not the request that last matched (req-D)."""
+    capture = tmp_path / "group.db"
+    result = drive("group-double-free", "classic", capture)
+    page = result["injected"][0]["page"]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert (
+        f"page {page} free and in the tree; last released by a batch's free group at step 10 (request unknown"
+    ) in check.stdout
+    assert "req-D" not in check.stdout
+
+
+def test_a_retracted_request_is_counted_and_its_row_written_once_it_finishes(tmp_path: Path) -> None:
+    """SGLang's retract_decode takes req-R2 out of a decode batch of two (its release is a retraction,
+    not its end); req-R2 comes back and finishes: its row says finished with 1 retraction, a retract
+    event names it, the usage samples count 1 retraction; the idle census is clean."""
+    capture = tmp_path / "retract.db"
+    result = drive("retract", "unified", capture)
+    assert all(c["ok"] for p in result["points"] for c in p["census"])
+    db = Capture(capture)
+    try:
+        run_id = int(db.runs().iloc[-1].id)
+        rows = db.requests(run_id).set_index("rid")
+        assert (rows.loc["req-R2"].status, int(rows.loc["req-R2"].num_retractions)) == ("finished", 1)
+        assert int(rows.loc["req-R1"].num_retractions) == 0
+        events = db.events(run_id, limit=None)
+        assert list(events[events.kind == "retract"].rid) == ["req-R2"]
+        assert int(db.usage(run_id).cum_retractions.max()) == 1
+    finally:
+        db.close()
+    check_clean(capture)
 
 
 def test_a_leak_and_a_double_free_that_cancel_pass_sglangs_identity_and_not_the_census(tmp_path: Path) -> None:
@@ -416,9 +549,10 @@ def test_a_mamba_pool_checks_clean_beside_the_full_pool(tmp_path: Path) -> None:
         assert list(checks.pool).count("mamba") == 3 and checks.ok.astype(bool).all()
         events = db.events(run_id, limit=10_000)
         slots = events[events.pool == "mamba"]
-        # A, B (a copy of A's state, taken at its match), C, D; then the tree evicts a state for req-E, which takes it
+        # A, B (a copy of A's state, taken at its match), C, D; then the tree evicts a state for req-E, which takes it:
+        # the eviction is the tree's, in no request's call (req-E's match no longer makes it the context)
         assert list(slots.kind) == ["alloc"] * 4 + ["free", "alloc"]
-        assert list(slots[slots.kind == "free"].rid) == ["req-E"] and list(slots.num_tokens) == [1] * 6
+        assert slots[slots.kind == "free"].rid.isna().all() and list(slots.num_tokens) == [1] * 6
     finally:
         db.close()
     check_clean(capture)

@@ -72,3 +72,52 @@ def test_no_stale_locked_page_holds() -> None:
     view = PageView(4, 4, [3, 4], {1, 2}, {})
     assert take_page_census("full", view, {}, {}, {}, set()).ok
     assert take_page_census("full", view, {}, {}, {}, None).ok
+
+
+def test_a_page_a_double_free_handed_out_again_is_named_with_both_holders() -> None:
+    """Page 1 was freed while the tree held it and taken again by req-E: it is in no free list, so
+    the sets balance; its owners do not (the tree and req-E's own row part). Page 5 is in two tree
+    nodes, page 6 in the own parts of two rows. A row's tree prefix (page 2 in req-D's row) is the
+    tree's, not a second owner."""
+    live = {1: "req-E", 2: "req-D", 3: "req-D", 4: "req-F", 6: "req-D"}
+    owned = ((1, "req-E"), (3, "req-D"), (6, "req-D"), (6, "req-F"), (4, "req-F"))
+    view = PageView(4, 8, [7, 8], {1, 2, 5}, live, owned, frozenset({5}))
+    releasers = {1: ("bad-free", 10, "free")}
+    result = take_page_census("full", view, {}, releasers, {})
+    assert (result.leaked, result.doubleref) == ([], [])
+    assert result.twice == {1: ["the tree", "req-E"], 5: ["the tree", "the tree"], 6: ["req-D", "req-F"]}
+    assert not result.ok
+    assert census_checks(12, [result])[0].violation == (
+        "3 pages held twice (a double free handed out a page still in use): page 1 in the tree and request "
+        "req-E's row; last released for request bad-free (free at step 10); page 5 in 2 tree nodes; page 6 in "
+        "request req-D's row and request req-F's row"
+    )
+
+
+def test_a_row_prefix_shared_with_the_tree_holds() -> None:
+    view = PageView(4, 4, [4], {1, 2}, {1: "req-D", 2: "req-D", 3: "req-D"}, ((3, "req-D"),))
+    assert take_page_census("full", view, {}, {}, {}).ok
+
+
+def test_a_page_id_outside_the_pool_in_the_free_list_is_named_not_counted() -> None:
+    """SGLang's padding page 0 in the free list: flagged; the pool's counts stay its own 4 pages."""
+    view = PageView(4, 4, [0, 3, 4], {1, 2}, {})
+    result = take_page_census("full", view, {}, {}, {})
+    check = census_checks(2, [result])[0]
+    assert result.outside == [0] and (check.total, check.available) == (16, 8)
+    assert check.violation == "1 page id outside 1..4 in the free list: 0"
+
+
+def test_a_double_free_by_no_requests_call_says_the_releaser_is_unknown_and_why() -> None:
+    view = PageView(4, 4, [1, 3, 4], {1, 2}, {})
+    group = take_page_census("full", view, {}, {1: (None, 7, "group")}, {})
+    assert census_checks(8, [group])[0].violation == (
+        "1 page freed while in use (a double free): page 1 free and in the tree; last released by a batch's free "
+        "group at step 7 (request unknown: a group frees several at once)"
+    )
+    stray = take_page_census("full", view, {}, {1: (None, 7, "free")}, {11: [(None, 3)]})
+    assert census_checks(8, [stray])[0].violation == (
+        "1 page freed while in use (a double free): page 1 free and in the tree; last released at step 7 outside "
+        "any request's call (request unknown) | 1 tree node still locked by finished requests: node 11 locked by "
+        "an unknown request at step 3 (locked outside any request's call)"
+    )

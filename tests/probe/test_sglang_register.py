@@ -62,8 +62,10 @@ def test_at_level_summary_the_allocators_and_trees_stay_sglangs() -> None:
         "ReqToTokenPool.free_rows",
         "ScheduleBatch.prepare_for_extend",
         "ScheduleBatch.prepare_for_decode",
+        "ScheduleBatch.retract_decode",
         "common.release_kv_cache",
         "Scheduler.on_idle",
         "SchedulerInvariantChecker._report_leak",
+        "SchedulerInvariantChecker._check_req_pool",
     }
     assert all(h.per_op for h in probe.hooks() if h.direct)
