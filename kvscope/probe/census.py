@@ -17,7 +17,8 @@ NOTE: the terms (each a leak check, pool = the term's name, at most 8 characters
               scheduler's table past the lingering bounds (a delayed free that never came)
 A term holds when its list is empty (qcount: when the difference is 0). Every check row carries
 the pool's counts, each block in exactly one: total blocks (the null block excluded) = available
-(in the free queue, unhashed) + evictable (in the free queue, hashed) + held (ref > 0, not queued)
+(in the free queue, unhashed) + evictable (in the free queue, hashed) + held (ref != 0, not queued:
+a negative count, left by a double free, is held here and named by lostref)
 + uncached (ref 0, not queued: the unqueued term's blocks); protected is 0. The row's verdict is
 its term's alone.
 NOTE: culprits (a request is named only for what the probe saw its own call do)
@@ -117,7 +118,7 @@ def take_census(
         num_blocks=len(ids),
         num_free=len(view.queued),
         num_cached_free=len(set(view.queued) & view.hashed),
-        num_held=int(np.count_nonzero(refs > 0)),
+        num_held=int(np.count_nonzero((refs != 0) & ~in_queue) + np.count_nonzero(in_queue & (refs > 0))),
         leaked={int(b): (int(r), int(a)) for b, r, a in zip(ids[over], refs[over], accounted[over], strict=True)},
         lostref={int(b): (int(r), int(a)) for b, r, a in zip(ids[under], refs[under], accounted[under], strict=True)},
         unqueued=sorted(int(b) for b in ids[(refs == 0) & ~in_queue]),

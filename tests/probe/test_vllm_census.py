@@ -61,6 +61,18 @@ def test_a_release_too_many_states_the_last_release_and_leaves_the_culprit_unkno
     assert "block 1 ref 1, accounted 0; last taken by request r1 (touch at step 2); culprit unknown" in text
 
 
+def test_a_negative_count_out_of_the_free_queue_fails_lostref_alone_and_every_row_balances() -> None:
+    """A double free can leave a block at ref -1 outside the free queue (vLLM handed it out and freed
+    it again): it is held, named by lostref, and the pool's counts still add up on every row (it was
+    in no bucket: every term's row read '1 tokens missing')."""
+    tables = [{"r1": [block(1)]}]
+    result = take_census(pool({1: -1, 3: 0}, [3]), tables, [], {"r1"}, {})
+    checks = census_checks(5, result)
+    assert all(c.balanced for c in checks), [c.message() for c in checks]
+    assert [c.pool for c in checks if not c.ok] == ["lostref"]
+    assert result.lostref == {1: (-1, 1)}
+
+
 def test_every_check_row_says_which_census_it_belongs_to() -> None:
     result = take_census(pool({1: 0}, [1]), [], [], set(), {})
     checks = census_checks(3, result, "drain")
