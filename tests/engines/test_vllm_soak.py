@@ -96,17 +96,27 @@ class NamedBlock(NamedTuple):
 
 
 def named_blocks(capture: Path) -> list[NamedBlock]:
-    """Every block a stored census of the capture's last run named, with what it said of it, read
-    from the leak checks' one-line messages (`block N ...; block M ...`). Every check of this test
-    reads the capture through this function; a structured table of named blocks replaces the
-    parsing here (a row per block: step, term, block, the requests named and why)."""
+    """Every block a stored census of the capture's last run named (census_blocks: every one, where the
+    check's one-line message names a few), with what it said of it: the message's words for the block
+    where it names it, and the stored taker and releaser (the requests named and the events)."""
     kinds = census_kinds(capture)
-    named = []
+    said: dict[tuple[int, str, int], str] = {}
+    times: dict[int, float] = {}
     for step, t, term, message in query(
         capture, "SELECT step, t_mono, pool, message FROM leak_checks WHERE run_id = ? AND NOT ok"
     ):
+        times[int(step)] = float(t)
         for match in re.finditer(r"block (\d+)\b(.*?)(?=; block \d+\b| \(\+\d+ more\)|$)", message or ""):
-            named.append(NamedBlock(step, t, kinds.get(step, "idle"), term, int(match[1]), match[2]))
+            said[(int(step), str(term), int(match[1]))] = match[2]
+    named = []
+    for step, term, block, taker, taker_event, releaser, releaser_event in query(
+        capture,
+        "SELECT step, term, block, taker_rid, taker_event, releaser_rid, releaser_event FROM census_blocks "
+        "WHERE run_id = ?",
+    ):
+        stored = f"; taker {taker} ({taker_event}); releaser {releaser} ({releaser_event})"
+        text = said.get((int(step), str(term), int(block)), "") + stored
+        named.append(NamedBlock(int(step), times.get(int(step), 0.0), kinds.get(int(step), "idle"), term, block, text))
     return named
 
 
