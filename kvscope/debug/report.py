@@ -762,7 +762,9 @@ def _censuses(report: LeakReport) -> str:
     """'5 censuses (3 busy, 1 idle, 1 drain)'; a capture without census kinds: its idle checks."""
     if not report.censuses:
         return _checks(report.checks_run)
-    kinds = ", ".join(f"{report.censuses[k]} {k}" for k in ("busy", "idle", "drain", "poll") if k in report.censuses)
+    kinds = ", ".join(
+        f"{report.censuses[k]} {k}" for k in ("busy", "idle", "drain", "crash", "poll") if k in report.censuses
+    )
     return f"{report.checks_run} census{'es' if report.checks_run != 1 else ''} ({kinds})"
 
 

@@ -41,7 +41,7 @@ import numpy as np
 from kvscope.telemetry import CensusBlock, LeakCheck
 
 TERMS = ("leaked", "lostref", "unqueued", "qheld", "qcount", "orphans", "lingered")
-CENSUS_KINDS = ("busy", "idle", "drain", "poll")  # NOTE: leak_checks.census
+CENSUS_KINDS = ("busy", "idle", "drain", "crash", "poll")  # NOTE: leak_checks.census
 MAX_NAMED = 8  # NOTE: blocks named in one check's message; the rest are counted there (census_blocks stores all)
 
 Ledger = Mapping[int, tuple[str | None, int, str]]  # block -> (rid, step, event) of its last take or release

@@ -31,10 +31,11 @@ NOTE: who a block-pool call is for (the context): the manager-level wrappers set
     it was popped from; a copy's retained blocks are freed for none).
 Block events (alloc, evict, lock, revive, free, unlock) carry the engine step's clock, read once as
 the step begins (between steps, their own): a step's events share one t_mono; seq orders them.
-EngineCore.shutdown runs the last census (drain; not after an exception: the state a step left
-half done is not whole) and closes the run (a multiprocessing child never runs atexit; vLLM then
-kills the process tree): finished after a normal shutdown, crashed with the exception's line when an
-exception ended the engine (telemetry/exits.py says which status each ending gives).
+EngineCore.shutdown runs the last census (drain after a normal shutdown, crash after an engine
+error; none when a signal stopped a step in flight) and closes the run (a multiprocessing child never
+runs atexit; vLLM then kills the process tree): finished after a normal shutdown, crashed with the
+exception's line when an error ended the engine, interrupted when the error came after a shutdown was
+asked for (engine_ending; telemetry/exits.py says which status each ending gives).
 Per engine step a usage sample (tokens = blocks x block size: unhashed free-queue blocks as
 available, cached-free ones as evictable, the rest as used); per finished request its record; per
 census the terms as leak checks (leak_checks.census = busy / idle / drain); at idle and drain a tree
@@ -312,13 +313,13 @@ class VllmProbe:
         self.busy = False
         return self.census(scheduler, "idle")
 
-    def drain(self, scheduler: Any) -> CensusResult | None:
-        """The engine shuts down: the last census, stored before the run closes (none when the
-        engine never built its scheduler)."""
+    def drain(self, scheduler: Any, kind: str = "drain") -> CensusResult | None:
+        """The engine shuts down: the last census (`kind`: drain, or crash after an engine error),
+        stored before the run closes (none when the engine never built its scheduler)."""
         if scheduler is None or self.pid != os.getpid():
             return None
         self.busy = False
-        result = self.census(scheduler, "drain")
+        result = self.census(scheduler, kind)
         for request in list(scheduler.requests.values()):  # NOTE: the rows of those still running or waiting
             _record_request(request, unfinished=True)
         return result
@@ -1077,16 +1078,35 @@ def _idle_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
     return _notify_idle_state_callbacks
 
 
+# NOTE: the last census by how the engine ended: after a normal shutdown (drain); after an engine error
+# (crash: it reads what the error left, so a step's half-done work shows too, e.g. blocks vLLM had taken
+# out of the free queue read as unqueued); none after a signal stopped a step in flight (interrupted)
+_DRAIN_KINDS = {"finished": "drain", "crashed": "crash"}
+
+
+def engine_ending(engine: Any, err: BaseException | None) -> ExitStatus:
+    """How the EngineCore ended, from the exception in flight at its shutdown (telemetry/exits.py). An
+    error raised after a shutdown was asked for is the signal's doing, not the engine's: SIGTERM or
+    SIGINT to the whole process group (a terminal's Ctrl-C, a killpg) reaches vLLM's workers too, and
+    the step in flight fails ('RuntimeError: cancelled'): interrupted, with the error's line."""
+    ending = status_of(err)
+    asked = getattr(engine, "shutdown_state", 0)
+    if ending.status == "crashed" and not isinstance(err, SystemExit) and isinstance(asked, int) and asked > 0:
+        return ExitStatus("interrupted", f"a shutdown was asked for while a step ran: {ending.error}")
+    return ending
+
+
 def _engine_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
     """NOTE: run_engine_core calls shutdown() in a `finally`: the exception that ended the busy loop is
     still in flight there (sys.exc_info). A normal shutdown ends the loop with SystemExit (code None);
     an engine error (vLLM reports the engine dead and re-raises it) closes the run crashed with its line."""
 
     def shutdown(self: Any) -> Any:
-        ending = status_of(sys.exc_info()[1])
-        if PROBE.state.active and ending.status == "finished":
+        ending = engine_ending(self, sys.exc_info()[1])
+        kind = _DRAIN_KINDS.get(ending.status)
+        if PROBE.state.active and kind is not None:
             with guarded(PROBE.state):
-                PROBE.drain(getattr(self, "scheduler", None))
+                PROBE.drain(getattr(self, "scheduler", None), kind)
         if PROBE.state.active:
             with guarded(PROBE.state):
                 PROBE.close_run(ending)

@@ -67,7 +67,8 @@ the new version): every older row stays valid, with NULL in the added columns.
        one (store.upsert_statement): a failure is never lost to a duplicate, and never a write error.
        leak_checks.census: which census a probe's check row belongs to (busy: periodic, between
        steps while the engine works; idle: at a busy -> idle edge; drain: the last one, as the
-       engine shuts down; poll: a live GET /kvscope/census). NULL: not a probe's census (kvscope's
+       engine shuts down; crash: the last one after an engine error, reading what the error left;
+       poll: a live GET /kvscope/census). NULL: not a probe's census (kvscope's
        own engines check at idle points) or a file written before version 8.
 On PostgreSQL every integer column is BIGINT (SQLite's integers are 64-bit already); a server
 database is versioned and upgraded as a file is, under an advisory lock (store._ensure_schema).
@@ -245,7 +246,7 @@ leak_checks = Table(
     Column("uncached", Integer, nullable=False),
     Column("ok", Boolean, nullable=False),
     Column("message", Text),
-    Column("census", String(8), info={"since": 8}),  # busy / idle / drain / poll; NULL: not a probe's census
+    Column("census", String(8), info={"since": 8}),  # busy / idle / drain / crash / poll; NULL: not a probe's census
 )
 LEAK_CHECK_COLUMNS = tuple(c.name for c in leak_checks.columns)
 LEAK_CHECK_KEY = ("run_id", "step", "pool")
