@@ -416,8 +416,12 @@ def test_a_failed_live_census_is_stored_once_per_finding_and_the_crashed_run_che
         db.close()
     assert (run.status, run.error) == ("crashed", "ValueError: Cannot get 13 free blocks from the pool")
     failed = checks[~checks.ok.astype(bool)]
-    assert sorted(set(failed.step)) == [1, 3] and set(failed.pool) == {"lostref"}  # NOTE: step 2 repeated step 1
-    assert sorted(zip(blocks.step, blocks.term, blocks.block, blocks.releaser_rid, strict=True)) == [
+    # NOTE: step 2 repeated step 1; step 4 is the last census, after vLLM's error ended the engine
+    assert sorted(set(failed.step)) == [1, 3, 4] and set(failed.pool) == {"lostref"}
+    kinds = dict(zip(failed.step, failed.census, strict=True))
+    assert (kinds[1], kinds[3], kinds[4]) == ("poll", "poll", "crash")
+    polled = blocks[blocks.step < 4]
+    assert sorted(zip(polled.step, polled.term, polled.block, polled.releaser_rid, strict=True)) == [
         (1, "lostref", first, "req-hold"),
         (3, "lostref", first, "req-hold"),
         (3, "lostref", second, "req-hold"),
