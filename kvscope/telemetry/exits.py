@@ -3,7 +3,9 @@ Standard library only: the probe's side of RemoteRecorder (inside an engine) imp
 
 NOTE: the status a run closes with (RunStatus's values), by how the process ends
     normal end, sys.exit(0) / sys.exit()       finished
-    an uncaught exception                       crashed, error = its one line ("AssertionError: ...")
+    an uncaught exception                       crashed, error = its one line ("ValueError: ..."; one with
+                                                no message by where it was raised: "AssertionError at
+                                                vllm/v1/core/block_pool.py:300: assert block.ref_cnt == 0")
     KeyboardInterrupt (Ctrl-C, SIGINT)          interrupted, error "KeyboardInterrupt"
     sys.exit(N), N != 0 (or a message)          crashed, error "exited with code N" ("exited: message")
     killed (SIGKILL, SIGTERM's default action,  no exit handler runs: the recorder's host closes the run
@@ -19,6 +21,7 @@ NOTE: where the cause is read
 
 from __future__ import annotations
 
+import linecache
 import sys
 import threading
 from typing import Any, NamedTuple
@@ -76,7 +79,24 @@ def status_of(err: BaseException | None) -> ExitStatus:
         return ExitStatus(CRASHED, f"exited: {one_line(str(code))}")
     if isinstance(err, KeyboardInterrupt):
         return ExitStatus(INTERRUPTED, "KeyboardInterrupt")
-    return ExitStatus(CRASHED, one_line(f"{type(err).__name__}: {err}" if str(err) else type(err).__name__))
+    return ExitStatus(CRASHED, one_line(f"{type(err).__name__}: {err}" if str(err) else _bare(err)))
+
+
+def _bare(err: BaseException) -> str:
+    """An exception without a message (a bare `assert`) by where it was raised: its type, the innermost
+    frame's file and line, and that line's source ("AssertionError at vllm/v1/core/block_pool.py:300:
+    assert block.ref_cnt == 0")."""
+    name = type(err).__name__
+    tb = err.__traceback__
+    if tb is None:
+        return name
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path, line = tb.tb_frame.f_code.co_filename, tb.tb_lineno
+    parts = path.replace("\\", "/").split("/")
+    where = "/".join(parts[parts.index("site-packages") + 1 :] if "site-packages" in parts else parts[-2:])
+    source = linecache.getline(path, line).strip()
+    return f"{name} at {where}:{line}" + (f": {source}" if source else "")
 
 
 def exit_status() -> ExitStatus:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvscope.telemetry import Capture
+from kvscope.telemetry.exits import status_of
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("exit_driver.py")
@@ -72,3 +73,23 @@ def test_a_run_closes_finished_only_when_its_process_ends_normally(
     assert check.returncode == (0 if status == "finished" else 3), check.stdout + check.stderr
     if error is not None:
         assert error in check.stdout, check.stdout
+
+
+def test_an_exception_without_a_message_is_named_by_where_it_was_raised() -> None:
+    """vLLM's `assert block.ref_cnt == 0` has no message: its line alone ('AssertionError') told an
+    on-call engineer nothing; the file, line and source of the raise do."""
+
+    def pool_check(ref_cnt: int) -> None:
+        if ref_cnt != 0:
+            raise RuntimeError  # NOTE: as a bare assert does (pytest rewrites a test module's asserts)
+
+    try:
+        pool_check(-1)
+    except RuntimeError as err:
+        ending = status_of(err)
+    assert ending.status == "crashed" and ending.error is not None
+    assert ending.error.startswith("RuntimeError at telemetry/test_run_exits.py:"), ending.error
+    assert ending.error.endswith(
+        ": raise RuntimeError  # NOTE: as a bare assert does (pytest rewrites a test module's asserts)"
+    ), ending.error
+    assert status_of(ValueError("no room")).error == "ValueError: no room"
