@@ -315,12 +315,7 @@ def _violation(term: str, result: CensusResult) -> str | None:
 def _leak_text(block: int, result: CensusResult) -> str:
     ref, accounted = result.leaked[block]
     taker = result.culprits.get(block)
-    if taker is None:
-        last = "; taker not recorded"
-    elif taker[0] is None:
-        last = f"; last taken outside any request's call ({taker[2]} at step {taker[1]})"
-    else:
-        last = f"; last taken by request {taker[0]} ({taker[2]} at step {taker[1]})"
+    last = "; taker not recorded" if taker is None else _fact("taken", taker)
     return (
         f"block {block} ref {ref}, accounted {accounted}{last}; culprit unknown: the census sees a reference "
         "no table accounts for, not whose take lacked its release"
@@ -336,16 +331,19 @@ def _lost_text(block: int, result: CensusResult) -> str:
             f"{hit[1]} put the block in its table without taking a reference"
         )
     last = result.releasers.get(block)
-    if last is None:
-        fact = ""
-    elif last[0] is None:
-        fact = f"; last released outside any request's call ({last[2]} at step {last[1]})"
-    else:
-        fact = f"; last released for request {last[0]} ({last[2]} at step {last[1]})"
+    fact = "" if last is None else _fact("released", last, by="for")
     return (
         f"block {block} ref {ref}, accounted {accounted}{fact}; culprit unknown: the census sees one "
         "release too many, not which release was the extra one"
     )
+
+
+def _fact(what: str, entry: tuple[str | None, int, str], by: str = "by") -> str:
+    """What the ledger says of a block's last take or release, stated as a fact, not as the culprit."""
+    rid, step, event = entry
+    if rid is None:
+        return f"; last {what} outside any request's call ({event} at step {step})"
+    return f"; last {what} {by} request {rid} ({event} at step {step})"
 
 
 def _linger_text(block: int, result: CensusResult) -> str:

@@ -734,7 +734,8 @@ def _reset_prefix_cache(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _for_request(original: Callable[..., Any]) -> Callable[..., Any]:
-    """KVCacheManager methods taking the Request first: the block pool works for its id meanwhile."""
+    """Methods taking the Request first (KVCacheManager's; the scheduler's _free_request,
+    _free_request_blocks and _preempt_request): the block pool works for its id meanwhile."""
 
     def for_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         if not PROBE.state.active:
@@ -861,6 +862,8 @@ def _allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _preempt_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    wrapped = _for_request(original)  # NOTE: the preempted request's blocks are freed for it
+
     def _preempt(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         if PROBE.state.active:
             with guarded(PROBE.state):
@@ -870,39 +873,23 @@ def _preempt_request(original: Callable[..., Any]) -> Callable[..., Any]:
                     PROBE.retracted[request.request_id] = (rec.step, _monotonic())
                     if rec.enabled:
                         rec.record(EventKind.REQUEST_RETRACT, rid=request.request_id)
-        return _in_context(original, request)(self, request, *args, **kwargs)
+        return wrapped(self, request, *args, **kwargs)
 
     _preempt.__name__ = "_preempt_request"
     return _preempt
-
-
-def _in_context(original: Callable[..., Any], request: Any) -> Callable[..., Any]:
-    """`original` called with the block pool working for `request` (restored after)."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if not PROBE.state.active:
-            return original(*args, **kwargs)
-        ctx = PROBE.ctx
-        saved = ctx.rid
-        ctx.rid = getattr(request, "request_id", None)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            ctx.rid = saved
-
-    return call
 
 
 def _free_request(original: Callable[..., Any]) -> Callable[..., Any]:
     """Scheduler._free_request: every finish and abort passes here (update_from_output's stops,
     finish_requests' aborts, waiting ones included): the request's row, once; a request still in the
     scheduler's table after it (a delayed free for a KV transfer) lingers from now."""
+    wrapped = _for_request(original)
 
     def _free_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         if PROBE.state.active:
             with guarded(PROBE.state):
                 _record_request(request)
-        result = _in_context(original, request)(self, request, *args, **kwargs)
+        result = wrapped(self, request, *args, **kwargs)
         if PROBE.state.active:
             with guarded(PROBE.state):
                 rid = request.request_id
@@ -916,6 +903,7 @@ def _free_request(original: Callable[..., Any]) -> Callable[..., Any]:
 def _free_request_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
     """Scheduler._free_request_blocks (a finished request's blocks, or a preempted one's): its row
     when it finished; a block list deferred for an in-flight step remembers its request."""
+    wrapped = _for_request(original)
 
     def _free_request_blocks(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         if not PROBE.state.active:
@@ -924,7 +912,7 @@ def _free_request_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
             _record_request(request)
         deferred = self.deferred_frees
         before = deferred[-1] if deferred else None
-        result = _in_context(original, request)(self, request, *args, **kwargs)
+        result = wrapped(self, request, *args, **kwargs)
         if deferred and deferred[-1] is not before:
             with guarded(PROBE.state):
                 blocks = deferred[-1][1]
