@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import kvscope
+from kvscope.probe.core import settings_from_env
 
 PLUGIN_NAME = "kvscope"  # NOTE: the entry-point name in pyproject.toml's vllm.general_plugins
 LIST_PLUGINS_TIMEOUT_S = 60.0
@@ -214,6 +215,7 @@ def instrument_verb(args: argparse.Namespace) -> int:
         raise ValueError(f"{command[0]}: command not found")
     capture = args.capture or default_capture()
     env = instrument_env(capture, args.level, dict(os.environ), recorder_python(dict(os.environ)))
+    settings_from_env(env)  # NOTE: a bad KVSCOPE_CENSUS_* or KVSCOPE_LINGER_* bound fails here, not in the engine
     python = None if "VLLM_PLUGINS" in env else engine_python(command)
     plugins = with_plugins(env.get("VLLM_PLUGINS"), None if python is None else engine_plugins(python, env))
     # NOTE: a bad capture fails here, in one line, not in the engine

@@ -5,8 +5,22 @@ which has none of kvscope's other dependencies. Engine modules (vllm.py) are loa
 engine's plugin entry points, never from here.
 """
 
-from kvscope.probe.census import TERMS, BlockView, CensusResult, census_checks, take_census
+from typing import Any
+
 from kvscope.probe.core import PatchResult, ProbeState, Settings, Target, guarded, patch_all, settings_from_env
+
+_CENSUS = ("TERMS", "BlockView", "CensusResult", "census_checks", "take_census")
+
+
+def __getattr__(name: str) -> Any:
+    """The census's names, loaded on first use (it needs numpy): `kvscope instrument` checks the
+    probe's settings with the core alone before it execs the engine."""
+    if name in _CENSUS:
+        from kvscope.probe import census
+
+        return getattr(census, name)
+    raise AttributeError(f"module 'kvscope.probe' has no attribute {name!r}")
+
 
 __all__ = [
     "TERMS",

@@ -154,6 +154,16 @@ def test_the_commands_exit_code_is_its_own(tmp_path: Path) -> None:
             None,
             "kvscope instrument: error: argument --level: invalid choice: 'debug' (choose from 'summary', 'full')",
         ),
+        (
+            ("--", "true"),
+            {"KVSCOPE_CENSUS_EVERY_STEPS": "often"},
+            "kvscope instrument: error: KVSCOPE_CENSUS_EVERY_STEPS must be a whole number >= 0, got 'often'",
+        ),
+        (
+            ("--", "true"),
+            {"KVSCOPE_LINGER_S": "-1"},
+            "kvscope instrument: error: KVSCOPE_LINGER_S must be a number of seconds >= 0, got '-1'",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

@@ -49,9 +49,10 @@ def _env() -> dict[str, str]:
     return {**env, "PYTHONPATH": str(ROOT)}
 
 
-def drive(scenario: str, capture: Path, level: str = "full") -> dict[str, Any]:
+def drive(scenario: str, capture: Path, level: str = "full", env: dict[str, str] | None = None) -> dict[str, Any]:
     """The driver under `kvscope instrument`; its JSON line (and stderr, for the probe's lines)."""
-    out = kvscope("instrument", "--capture", str(capture), "--level", level, "--", VLLM_PYTHON, str(DRIVER), scenario)
+    command = ("instrument", "--capture", str(capture), "--level", level, "--", VLLM_PYTHON, str(DRIVER), scenario)
+    out = kvscope(*command, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     result["stderr"] = out.stderr
@@ -467,21 +468,7 @@ SCHEDULED_ENV = {
 
 
 def drive_scheduled(scenario: str, capture: Path, level: str = "full") -> dict[str, Any]:
-    out = kvscope(
-        "instrument",
-        "--capture",
-        str(capture),
-        "--level",
-        level,
-        "--",
-        VLLM_PYTHON,
-        str(DRIVER),
-        scenario,
-        env=SCHEDULED_ENV,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+    return drive(scenario, capture, level, env=SCHEDULED_ENV)
 
 
 def test_a_busy_census_names_blocks_taken_mid_run_and_nothing_on_clean_busy_steps(tmp_path: Path) -> None:
