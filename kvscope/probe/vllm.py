@@ -84,7 +84,7 @@ from kvscope.telemetry import (
     UsageSample,
 )
 from kvscope.telemetry.exits import ExitStatus, status_of
-from kvscope.telemetry.remote import CLOCK, EventStream, RemoteRecorder
+from kvscope.telemetry.remote import CLOCK, EventStream, RemoteRecorder, signals_held
 
 ENGINE = "vllm"
 BLOCK_POOL = "vllm.v1.core.block_pool"
@@ -1092,12 +1092,15 @@ def _engine_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
     def shutdown(self: Any) -> Any:
         ending = engine_ending(self, sys.exc_info()[1])
         kind = _DRAIN_KINDS.get(ending.status)
-        if PROBE.state.active and kind is not None:
-            with guarded(PROBE.state):
-                PROBE.drain(getattr(self, "scheduler", None), kind)
-        if PROBE.state.active:
-            with guarded(PROBE.state):
-                PROBE.close_run(ending)
+        # NOTE: run_engine_core resets SIGTERM to its default before it calls shutdown, and the API server
+        # sends one more at once: held (then handed on) until the last census and the close are done
+        with signals_held():
+            if PROBE.state.active and kind is not None:
+                with guarded(PROBE.state):
+                    PROBE.drain(getattr(self, "scheduler", None), kind)
+            if PROBE.state.active:
+                with guarded(PROBE.state):
+                    PROBE.close_run(ending)
         return original(self)
 
     return shutdown

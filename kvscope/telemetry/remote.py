@@ -444,7 +444,7 @@ class RemoteRecorder(Recorder):
         if self.closed or os.getpid() != self._pid:
             return
         self.closed = True
-        with _signals_held():  # NOTE: a SIGTERM after the last batch must not cut the close off (vLLM sends two)
+        with signals_held():  # NOTE: a SIGTERM after the last batch must not cut the close off (vLLM sends two)
             self._hand_off()
             self._ask(("close", status, error), "closed")
         self._end_host()
@@ -467,7 +467,7 @@ class RemoteRecorder(Recorder):
             return
         try:
             body = marshal.dumps((items, rows, stream))
-            with _signals_held():
+            with signals_held():
                 self._channel.send(("batch", self._step), body)
         except (ValueError, TypeError) as err:
             self._stop(f"a record could not be handed on ({err})")
@@ -489,7 +489,7 @@ class RemoteRecorder(Recorder):
         if self.failure is not None:
             return None
         try:
-            with _signals_held():
+            with signals_held():
                 self._channel.send(("ledger",), marshal.dumps(list(slots)))
             while True:
                 answer = self._channel.receive()
@@ -520,7 +520,7 @@ class RemoteRecorder(Recorder):
         if self.failure is not None:
             return
         try:
-            with _signals_held():
+            with signals_held():
                 self._channel.send(question)
             while True:
                 answer = self._channel.receive()
@@ -577,7 +577,7 @@ _HELD_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
 
 @contextmanager
-def _signals_held() -> Iterator[None]:
+def signals_held() -> Iterator[None]:
     """Hold SIGINT/SIGTERM/SIGHUP while one message goes out.
 
     NOTE: an engine's handler may raise on a signal (vLLM's EngineCore raises SystemExit on SIGTERM);

@@ -390,7 +390,7 @@ def test_a_signal_during_a_send_is_delivered_after_it_not_inside_it(other_thread
     import signal
     import threading
 
-    from kvscope.telemetry.remote import _signals_held
+    from kvscope.telemetry.remote import signals_held
 
     stop = threading.Event()
     helper = threading.Thread(target=stop.wait, daemon=True)
@@ -400,7 +400,7 @@ def test_a_signal_during_a_send_is_delivered_after_it_not_inside_it(other_thread
     engine_handler = lambda *_: order.append("handler")  # noqa: E731
     before = signal.signal(signal.SIGTERM, engine_handler)
     try:
-        with _signals_held():
+        with signals_held():
             os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(1000):  # bytecodes: the point where Python runs a pending handler
                 pass
