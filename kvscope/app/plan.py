@@ -333,6 +333,11 @@ def fleet_replay_verb(args: argparse.Namespace, out: TextIO | None = None) -> in
 
     methods = dispatch_methods(_check_fleet_args(args))
     source = load_source(args.source, args.run)
+    if args.dp_size > len(source.requests):  # NOTE: each replica is a cache in memory; the rest would stay empty
+        raise ValueError(
+            f"--dp-size {args.dp_size:,} is more replicas than {source.label} has requests "
+            f"({len(source.requests):,}): give at most {len(source.requests):,}"
+        )
     page_size = args.page_size or source.page_size or 1
     _check_page_size(page_size)
     capacity = args.capacities[0] // page_size * page_size
