@@ -135,3 +135,13 @@ def test_a_fleet_missing_a_declared_replica_is_inconclusive_never_clean(
     found = json.loads(capsys.readouterr().out)
     assert [(r["rank"], r["run"], r["exit_code"]) for r in found["replicas"]] == [(0, 1, 0), (1, None, 3), (2, 2, 0)]
     assert found["verdict"] == "inconclusive"
+
+
+def test_check_fleet_before_the_capture_reads_as_after_it(fleet_db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    after = main(["check", str(fleet_db), "--fleet"]), capsys.readouterr()
+    before = main(["check", "--fleet", str(fleet_db)]), capsys.readouterr()
+    assert before == after and after[1].out.startswith(f"{fleet_db} fleet old rank 0")
+    assert main(["check"]) == 2
+    assert capsys.readouterr().err == (
+        "kvscope check: error: name the capture to check: kvscope check CAPTURE [--fleet [ID]]\n"
+    )
