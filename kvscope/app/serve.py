@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import multiprocessing
 import re
 import shutil
@@ -121,6 +122,7 @@ def serve_verb(args: argparse.Namespace) -> int:
     from kvscope.telemetry.fingerprint import environment_fingerprint
 
     kv_events = options.kv_events if options.kv_events is not None and options.kv_events.enabled else None
+    fleet_id = uuid.uuid4().hex
     config: dict[str, Any] = {
         "serve": {
             "host": options.host,
@@ -128,6 +130,7 @@ def serve_verb(args: argparse.Namespace) -> int:
             "model_id": options.model_id,
             "api_keys": options.api_keys is not None,
             "kv_events": asdict(options.kv_events) if options.kv_events else None,
+            "start": fleet_id,  # NOTE: names this start's runs (one per rank), to store their reports at the end
         },
         "engine": options.engine.fingerprint(),
         "model": asdict(options.model),
@@ -143,12 +146,42 @@ def serve_verb(args: argparse.Namespace) -> int:
         config=config,
         kv_events=kv_events,
     )
-    fleet_id = uuid.uuid4().hex
 
     def start(rank: int, to_scheduler: str, to_front: str) -> multiprocessing.process.BaseProcess:
         return start_scheduler(rank_spec(spec, options, fleet_id, rank), to_scheduler, to_front)
 
-    return serve(options, listener, start)
+    code = serve(options, listener, start)
+    if options.capture and options.level == "full":
+        store_reports(options.capture, fleet_id)
+    return code
+
+
+def store_reports(capture: str, start_id: str) -> None:
+    """The leak report of each run this start recorded (one per rank), stored in the capture as `run`
+    stores its own: the dashboard and `report leaks` then read it instead of replaying the events."""
+    from kvscope.app.report import store_leak_report
+    from kvscope.telemetry import Capture, CaptureError
+
+    try:
+        reader = Capture(capture)
+        try:
+            runs = [int(row.id) for row in reader.runs().itertuples() if _start_of(row.config) == start_id]
+        finally:
+            reader.close()
+    except (CaptureError, OSError, ValueError) as err:
+        print(f"kvscope serve: leak report not stored ({err})", file=sys.stderr)
+        return
+    for run_id in runs:
+        print(f"kvscope serve: run {run_id}: {store_leak_report(capture, run_id)}", flush=True)
+
+
+def _start_of(config: Any) -> str | None:
+    try:
+        found = json.loads(config) if isinstance(config, str) else config
+    except ValueError:
+        return None
+    serve = found.get("serve") if isinstance(found, dict) else None
+    return serve.get("start") if isinstance(serve, dict) else None
 
 
 def rank_spec(spec: ServeSpec, options: ServeOptions, fleet_id: str, rank: int) -> ServeSpec:
