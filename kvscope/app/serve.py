@@ -172,7 +172,11 @@ def store_reports(capture: str, start_id: str) -> None:
         print(f"kvscope serve: leak report not stored ({err})", file=sys.stderr)
         return
     for run_id in runs:
-        print(f"kvscope serve: run {run_id}: {store_leak_report(capture, run_id)}", flush=True)
+        try:
+            print(f"kvscope serve: run {run_id}: {store_leak_report(capture, run_id)}", flush=True)
+        except KeyboardInterrupt:  # NOTE: a stop while it replays: the run is closed already, only its report is lost
+            print(f"kvscope serve: run {run_id}: leak report not stored (stopped while it was built)", flush=True)
+            return
 
 
 def _start_of(config: Any) -> str | None:
