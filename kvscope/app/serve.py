@@ -118,7 +118,7 @@ def serve_verb(args: argparse.Namespace) -> int:
     listener = bind_listener(options.host, options.port)
     from kvscope.app.runner import kv_fingerprint
     from kvscope.mem import resolve_device
-    from kvscope.server.scheduler import ServeSpec, start_scheduler
+    from kvscope.server.scheduler import EXIT_RECORDING_STOPPED, ServeSpec, start_scheduler
     from kvscope.telemetry.fingerprint import environment_fingerprint
 
     kv_events = options.kv_events if options.kv_events is not None and options.kv_events.enabled else None
@@ -151,7 +151,7 @@ def serve_verb(args: argparse.Namespace) -> int:
         return start_scheduler(rank_spec(spec, options, fleet_id, rank), to_scheduler, to_front)
 
     code = serve(options, listener, start)
-    if options.capture and options.level == "full":
+    if options.capture and options.level == "full" and code != EXIT_RECORDING_STOPPED:  # NOTE: run's rule
         store_reports(options.capture, fleet_id)
     return code
 
@@ -325,9 +325,14 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
                 code = code or 1
         await front.close()
     why = f" ({stopped[0]})" if stopped else ""
+    from kvscope.server.scheduler import EXIT_RECORDING_STOPPED
     from kvscope.telemetry.store import display_name
 
     where = f"; capture {display_name(options.capture)}" if options.capture else ""
+    incomplete = [r for r, process in enumerate(processes) if process.exitcode == EXIT_RECORDING_STOPPED]
+    if incomplete:  # NOTE: the server served on; the capture stops where recording did (kvscope check says where)
+        where += f" (incomplete: recording stopped{rank_name(incomplete, options)})"
+        code = code or EXIT_RECORDING_STOPPED
     print(f"kvscope serve: stopped{why}{where}", flush=True)
     return code
 
