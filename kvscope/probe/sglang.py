@@ -1,8 +1,9 @@
 """The probe inside SGLang's scheduler process: hooks on the allocators, the request-row pool and the
 radix trees of the versions in SUPPORTED, registered through SGLang's own plugin framework
 (HookRegistry, AROUND hooks; the allocators' and the trees' hot methods patched directly, see `_register`), and the
-page census (sglang_census.py) at each idle point; the page ledger (Mamba slots included) in
-sglang_ledger.py; what a census and a snapshot read of SGLang's pools and trees in sglang_views.py.
+page census (sglang_census.py) at each idle point, periodically while busy and as the scheduler loop ends; the
+page ledger (Mamba slots included) in sglang_ledger.py; what a census and a snapshot read of SGLang's pools
+and trees in sglang_views.py.
 
 Loaded by SGLang's `sglang.srt.plugins` entry point (`register`): `load_plugins()` runs it first
 thing in every SGLang process (the scheduler, spawned, included); inert unless KVSCOPE_CAPTURE is
@@ -31,8 +32,10 @@ NOTE: the request context (rid) is the request whose own call runs: release_kv_c
 checkpoint, PrefillAdder's admission (its lock); None for a batch's calls (prepare_for_*, a free
 group's end: event group) and outside any hook; a match names its request on its own event only.
 The census (Scheduler.on_idle after SGLang's own check; before SGLang raises: _report_leak,
-_check_req_pool, any other raise out of on_idle) writes one leak check per pool (full; swa under an
-SWA allocator, read through SGLang's full -> SWA slot mapping; req; mamba under a
+_check_req_pool, any other raise out of on_idle; busy: before ingest_requests, first in each iteration of
+the normal and overlap loops, when due; drain / crash: as run_event_loop returns / raises, then the run
+closes as the loop ended) writes one leak check per pool, of its kind, and every page it names
+(census_blocks) (full; swa under an SWA allocator, read through SGLang's full -> SWA slot mapping; req; mamba under a
 HybridReqToTokenPool's MambaSlotAllocator) and a tree snapshot (tree_rows); a request record per
 release_kv_cache (not at a retraction's). Per step a usage sample from
 the allocator's and the tree's own counters (available, evictable, protected; written when the next
