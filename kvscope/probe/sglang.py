@@ -402,6 +402,8 @@ class SglangProbe:
                     checker = scheduler.invariant_checker
                     owners = checker._requests_owning_rows()
                     self.census(checker.tree_cache, checker.req_to_token_pool, owners, why=kind, kind=kind)
+                    for req in owners:  # NOTE: the rows of those still running (the census saw their pages held)
+                        _record_request(req, unfinished=True)
                 self.publish(scheduler)
             if self.state.active:
                 with guarded(self.state):
@@ -1071,7 +1073,9 @@ def _h_retract(original: Callable[..., Any], self: Any, *args: Any, **kwargs: An
     return result
 
 
-def _record_request(req: Any) -> None:
+def _record_request(req: Any, *, unfinished: bool = False) -> None:
+    """A request's row, once: at its release (finished, or released unfinished: an abort), or, `unfinished`,
+    as the scheduler loop ends with it still holding its row (no finish mark)."""
     rec = PROBE.recorder()
     if rec is None or req.rid in PROBE.recorded:
         return
@@ -1081,7 +1085,7 @@ def _record_request(req: Any) -> None:
         req.rid,
         None,
         prompt,
-        "finished" if req.finished() else "released",
+        "unfinished" if unfinished else "finished" if req.finished() else "released",
         int(getattr(req, "cached_tokens", 0) or 0),  # NOTE: SGLang's own; prefix_len has moved on to the prompt
         len(req.output_ids),
         PROBE.retractions.pop(req.rid, 0),
@@ -1089,7 +1093,8 @@ def _record_request(req: Any) -> None:
     retracted_at = PROBE.retract_marks.pop(req.rid, None)
     if retracted_at is not None:
         record.mark("retract", *retracted_at)
-    record.mark("finish", rec.step, _monotonic())
+    if not unfinished:
+        record.mark("finish", rec.step, _monotonic())
     rec.request(record)
     if PROBE.lean:  # NOTE: no match hook at summary: the totals count each request once, as it is released
         c = PROBE.cum

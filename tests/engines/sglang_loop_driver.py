@@ -174,6 +174,7 @@ def main(scenario: str) -> None:
                 "steps": probe.PROBE.step,
                 "injected": loop.injected,
                 "raised": raised,
+                "running": sorted(engine.live),
             }
         )
     )

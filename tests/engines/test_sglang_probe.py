@@ -737,7 +737,8 @@ def test_a_scheduler_that_is_never_idle_gets_busy_censuses_that_name_a_leaked_pa
 ) -> None:
     """SGLang's own event loop never reaches on_idle (a batch every iteration); the busy census at the start
     of an iteration, due every EVERY_STEPS steps, names the page a released request kept within EVERY_STEPS
-    steps, with its request; none says anything before it; the ShutdownReq's drain census names it too."""
+    steps, with its request; none says anything before it; the ShutdownReq's drain census names it too, and
+    the requests still running then get their rows, unfinished."""
     capture = tmp_path / "busy.db"
     result = drive_loop("busy", capture)
     fault = result["injected"]
@@ -761,6 +762,13 @@ def test_a_scheduler_that_is_never_idle_gets_busy_censuses_that_name_a_leaked_pa
     assert check.returncode == 1 and f"page {fault['pages'][0]} (slots" in check.stdout, check.stdout + check.stderr
     report = json.loads(kvscope("report", "leaks", str(capture), "--json").stdout)
     assert report["censuses"] == {"busy": len(kinds) - 1, "drain": 1}
+    db = Capture(capture)
+    try:
+        requests = db.requests(int(run.id)).set_index("rid")
+    finally:
+        db.close()
+    assert result["running"] and set(requests.index[requests.status == "unfinished"]) == set(result["running"])
+    assert requests.loc[result["running"]].finish_step.isna().all() and len(requests) == len(set(requests.index))
 
 
 def test_every_page_a_busy_census_names_is_stored_more_than_its_message_names(tmp_path: Path) -> None:
