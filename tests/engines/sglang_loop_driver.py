@@ -3,7 +3,10 @@ event_loop_normal, ingest_requests, handle_shutdown; with SGLANG_ENABLE_STRICT_M
 SchedulerInvariantChecker.self_check_during_busy) on a stand-in scheduler over the real pools and tree of
 sglang_probe_driver.Engine, a loop that is never idle: each iteration's batch is a prefill of a new request
 while fewer than two run, else a decode step of those running; a request finishes after OUTPUT_LEN tokens
-(released in process_batch_result). Run with the SGLang venv's python, the repository on PYTHONPATH:
+(released in process_batch_result). SGLang's SchedulerInvariantChecker counts the requests owning rows
+from the stand-in's last and running batches, as a server's does (get_next_batch_to_run merges a prefill
+batch into the running batch, whose released requests drop out). Run with the SGLang venv's python, the
+repository on PYTHONPATH:
 
     python sglang_loop_driver.py SCENARIO
 
@@ -18,6 +21,7 @@ Prints one JSON line: the injected fault (its pages and the probe's step then) a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -45,19 +49,27 @@ class Loop:
         self.made = 0
         self.injected: dict[str, Any] | None = None
 
-    def next_batch(self) -> Any:
-        running = list(self.engine.live.values())
-        if len(running) < 2:
+    def next_batch(self, running_batch: Any, last_batch: Any) -> Any:
+        """get_next_batch_to_run as SGLang plans it: the last prefill batch merges into the running batch,
+        whose released requests drop out; a new prefill batch while fewer than two run (its request joins
+        it in run_batch), else the running batch itself decodes. Returns (running batch, batch to run)."""
+        reqs = [
+            *running_batch.reqs,
+            *(last_batch.reqs if last_batch is not None and last_batch.kind == "prefill" else []),
+        ]
+        running = SimpleNamespace(kind="decode", reqs=[r for r in reqs if r.rid in self.engine.live])
+        if len(running.reqs) < 2:
             self.made += 1
             tail = [200 + self.made * 7 + i for i in range(3)]  # NOTE: 15 tokens: a part-filled tail page
-            return SimpleNamespace(kind="prefill", rid=f"req-{self.made:03d}", tokens=[*SYSTEM, *tail])
-        return SimpleNamespace(kind="decode", reqs=running)
+            batch = SimpleNamespace(kind="prefill", rid=f"req-{self.made:03d}", tokens=[*SYSTEM, *tail], reqs=[])
+            return running, batch
+        return running, running
 
     def run(self, batch: Any) -> None:
         if self.scenario == "interrupted" and self.iteration == FAULT_AT:
             raise RuntimeError("cancelled")  # NOTE: the step in flight when a signal reached the process group
         if batch.kind == "prefill":
-            self.engine.admit(batch.rid, batch.tokens)
+            batch.reqs.append(self.engine.admit(batch.rid, batch.tokens))
             return
         for req in batch.reqs:
             self.engine.decode(req, 1)
@@ -110,10 +122,10 @@ def stand_in(engine: driver.Engine, loop: Loop) -> SimpleNamespace:
         gracefully_exit=False,
         _engine_paused=False,
         _deferred_input_requests=[],
-        running_batch=None,
+        running_batch=SimpleNamespace(kind="decode", reqs=[]),
         last_batch=None,
         cur_batch_for_debug=None,
-        invariant_checker=engine.checker,
+        invariant_checker=None,
         tree_cache=engine.tree,
         req_to_token_pool=engine.rows,
     )
@@ -132,6 +144,10 @@ def stand_in(engine: driver.Engine, loop: Loop) -> SimpleNamespace:
         for req in reqs:
             Scheduler.handle_shutdown(s, req)
 
+    # NOTE: SGLang's checker counts the requests owning rows from the scheduler's last and running batches
+    s.invariant_checker = engine.checker = dataclasses.replace(
+        engine.checker, get_last_batch=lambda: s.last_batch, get_running_batch=lambda: s.running_batch
+    )
     s.request_receiver = SimpleNamespace(recv_requests=receive)
     s.process_input_requests = process_input_requests
     s._poll_timeout_aborts = lambda: []
@@ -139,7 +155,7 @@ def stand_in(engine: driver.Engine, loop: Loop) -> SimpleNamespace:
     s.event_loop_normal = lambda: Scheduler.event_loop_normal(s)
     s.on_idle = lambda: Scheduler.on_idle(s)  # NOTE: never reached: every iteration has a batch
     s.get_next_batch_to_run = lambda running_batch, last_batch: SimpleNamespace(
-        running_batch=running_batch, batch_to_run=loop.next_batch()
+        **dict(zip(("running_batch", "batch_to_run"), loop.next_batch(running_batch, last_batch), strict=True))
     )
     s.run_batch = lambda batch: loop.run(batch)
     s.process_batch_result = lambda batch, result: loop.finish(batch)
