@@ -259,10 +259,11 @@ def engine_progress(progress: Progress, num_requests: int) -> ProgressHook:
     return on_step
 
 
-def run(spec: RunSpec, out: TextIO = sys.stdout) -> EngineStats:
+def run(spec: RunSpec, out: TextIO | None = None) -> EngineStats:
     """Run the spec's requests into its capture and print the summary on `out`. A request or a
     config that cannot run raises ValueError before any capture is created; a capture that
     stopped recording raises RecordingStopped once the summary is printed."""
+    out = sys.stdout if out is None else out
     requests = checked_requests(spec)
     path = capture_path(spec)
     start = time.monotonic()

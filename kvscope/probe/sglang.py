@@ -494,6 +494,7 @@ class SglangProbe:
             rec.flush() if hasattr(rec, "flush") else rec.idle()
         self.last_census_t = now = _monotonic()
         self.census_cost_s = now - started
+        self.tally.spent(self.census_cost_s)
         return tuple(results)
 
     def say_failures(self, results: list[Any], rec: Any, why: str, *, repeat: bool) -> None:

@@ -393,6 +393,7 @@ class VllmProbe:
         self.steps_since_census = 0
         self.last_census_t = now = _monotonic()
         self.census_cost_s = now - started
+        self.tally.spent(self.census_cost_s)
         return result
 
     def store(self, rec: Any, result: CensusResult, kind: str) -> None:
@@ -1183,7 +1184,9 @@ def _metrics_utility(self: Any) -> dict[str, Any]:
 
 def _census_utility(self: Any) -> dict[str, Any]:
     try:
+        started = _monotonic()
         result, _ = PROBE.take(self.scheduler)
+        PROBE.tally.spent(_monotonic() - started)
         if PROBE.state.active:
             with guarded(PROBE.state):
                 PROBE.polled(result)

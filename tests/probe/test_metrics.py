@@ -86,6 +86,17 @@ def test_the_series_carry_vllms_labels_and_each_census_term() -> None:
     assert got[key("kvscope_probe_up", **engine)] == 1
 
 
+def test_the_census_seconds_sum_each_censuss_engine_thread_time_and_are_absent_until_told() -> None:
+    tally = CensusTally()
+    metrics = EngineMetrics("m")
+    metrics.take([{**tally.snapshot(True, None), "dp_rank": 0}])
+    assert not [name for name, _ in samples(metrics) if name.startswith("kvscope_probe_census_seconds")]
+    tally.spent(0.25)
+    tally.spent(0.5)
+    metrics.take([{**tally.snapshot(True, None), "dp_rank": 0}])
+    assert samples(metrics)[key("kvscope_probe_census_seconds_total", model_name="m", engine="0")] == 0.75
+
+
 def test_a_stopped_recording_reads_0_with_its_reason_and_no_census_yet_has_no_census_series() -> None:
     metrics = EngineMetrics("m")
     metrics.take([{**CensusTally().snapshot(False, "the recorder's host process ended"), "dp_rank": 0}])
