@@ -191,6 +191,7 @@ def main(scenario: str) -> None:
                 "injected": loop.injected,
                 "raised": raised,
                 "running": sorted(engine.live),
+                "tally": probe.PROBE.tally.snapshot(False, None),  # NOTE: what /metrics exports (sglang_metrics.py)
             }
         )
     )
