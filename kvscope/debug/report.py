@@ -579,8 +579,9 @@ def render_text(report: LeakReport, max_leaks: int | None = None) -> str:
 
 def _checks_lines(report: LeakReport) -> list[str]:
     if report.first_failure_step is not None:
+        where = _censuses(report) if report.censuses else f"{report.checks_run} idle points"
         lines = [
-            f"leak checks: {report.checks_run} idle points; first failure at step {report.first_failure_step}:",
+            f"leak checks: {where}; first failure at step {report.first_failure_step}:",
             *(f"    {m}" for m in report.first_failure),
         ]
         lines += _blocks_lines(report, report.first_failure_step)
@@ -604,14 +605,15 @@ def _blocks_lines(report: LeakReport, step: int | None) -> list[str]:
     blocks = [b for b in report.census_blocks if b["step"] == step]
     if not blocks:
         return []
+    unit = "page" if _pages(report) else "block"
     return [
-        f"  every block the census named at step {step} ({len(blocks)}):",
-        *(f"    {_block_text(b)}" for b in blocks),
+        f"  every {unit} the census named at step {step} ({len(blocks)}):",
+        *(f"    {_block_text(b, unit)}" for b in blocks),
     ]
 
 
-def _block_text(block: dict[str, Any]) -> str:
-    text = f"{block['term']}: block {block['block']}"
+def _block_text(block: dict[str, Any], unit: str = "block") -> str:
+    text = f"{block['term']}: {unit} {block['block']}"
     if block["ref"] is not None:
         text += f" ref {block['ref']}"
     if block["accounted"] is not None:

@@ -791,7 +791,7 @@ def test_every_page_a_busy_census_names_is_stored_more_than_its_message_names(tm
     report = kvscope("report", "leaks", str(capture))
     assert report.returncode == 0, report.stderr
     for page in fault["pages"]:
-        assert f"leaked: block {page}; last taken for request {fault['rid']}" in report.stdout, report.stdout
+        assert f"leaked: page {page}; last taken for request {fault['rid']}" in report.stdout, report.stdout
     listed = json.loads(kvscope("report", "leaks", str(capture), "--json").stdout)["census_blocks"]
     assert sorted(b["block"] for b in listed if b["step"] == first[0]) == fault["pages"]
 
