@@ -71,7 +71,7 @@ from kvscope.server.chat import ChatError, render_chat
 from kvscope.server.choice import Choice, Entry, Piece, render_logprobs
 from kvscope.server.errors import ApiError, error_response
 from kvscope.server.metrics import ServerMetrics
-from kvscope.server.openai_params import MAX_CHOICES, ParamError, RequestParams, parse_params
+from kvscope.server.openai_params import IGNORED, MAX_CHOICES, ParamError, RequestParams, parse_params
 from kvscope.server.protocol import (
     AbortReq,
     GenerateReq,
@@ -88,6 +88,7 @@ from kvscope.workloads.tokenizer import ByteTokenizer
 
 DISCONNECT_POLL_S = 0.2
 BROADCAST_WAIT_S = 2.0
+MAX_IGNORED_LOGGED = 64  # NOTE: distinct ignored field names logged; a client inventing names cannot fill the log
 
 
 def resolve_principal(keys: dict[str, Principal] | None, authorization: str | None, user: str | None) -> str | None:
@@ -228,6 +229,7 @@ class Front:
         to_fronts = [to_front] if isinstance(to_front, str) else to_front
         self.state = state
         self.tokenizer = ByteTokenizer()
+        self.ignored_seen: set[str] = set()
         self.metrics = ServerMetrics(state.engine.pool.page_size, state.model_id, len(to_schedulers))
         self.context = zmq.asyncio.Context()
         self.links = [self.connect(a, b) for a, b in zip(to_schedulers, to_fronts, strict=True)]
@@ -809,6 +811,9 @@ class Front:
             )
         except ParamError as err:
             raise ApiError(400, str(err), param=err.param, code=err.code) from None
+        self.log_ignored(params.ignored)
+        if params.truncate_prompt_tokens is not None:
+            prompts = [self.truncated(ids, params.truncate_prompt_tokens) for ids in prompts]
         if len(prompts) * params.n > MAX_CHOICES:
             raise ApiError(
                 400,
@@ -833,7 +838,9 @@ class Front:
                 code="invalid_type",
             )
         prompt_key = "messages" if chat else "prompt"
-        max_tokens = [params.max_tokens or self.default_max_tokens(ids, prompt_key) for ids in prompts]
+        # NOTE: as vLLM 0.32: max_tokens past the context is cut to what is left (the reply ends with 'length')
+        rooms = [self.default_max_tokens(ids, prompt_key) for ids in prompts]
+        max_tokens = [room if params.max_tokens is None else min(params.max_tokens, room) for room in rooms]
         for ids, limit in zip(prompts, max_tokens, strict=True):
             self.check_request(ids, limit, params.max_key)
             if params.sampling.min_tokens > limit:
@@ -846,6 +853,23 @@ class Front:
         return GenRequest(
             chat, prompts, max_tokens, stream, bool(options.get("include_usage")), principal, arrival, params
         )
+
+    def log_ignored(self, names: tuple[str, ...]) -> None:
+        """One line per field name the first time a request carries it (as vLLM logs ignored fields)."""
+        for name in names:
+            if name not in self.ignored_seen and len(self.ignored_seen) < MAX_IGNORED_LOGGED:
+                self.ignored_seen.add(name)
+                why = IGNORED.get(name, "unknown to this server")
+                print(f"kvscope serve: request field {name!r} is accepted and ignored ({why})", file=sys.stderr)
+
+    def truncated(self, ids: list[int], keep: int) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context's length)."""
+        if keep == 0:
+            raise ApiError(
+                400, "'truncate_prompt_tokens' must be -1 or >= 1", param="truncate_prompt_tokens", code="invalid_value"
+            )
+        keep = self.state.engine.pool.max_context_len if keep == -1 else keep
+        return ids[-keep:]
 
     def prompt_ids(self, prompt: Any) -> list[list[int]]:
         """The prompts of completions' `prompt`: a string, token ids, or a batch (a list) of either."""
