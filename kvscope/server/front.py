@@ -230,7 +230,9 @@ class Front:
         self.state = state
         self.tokenizer = ByteTokenizer()
         self.ignored_seen: set[str] = set()
-        self.metrics = ServerMetrics(state.engine.pool.page_size, state.model_id, len(to_schedulers))
+        self.metrics = ServerMetrics(
+            state.engine.pool.page_size, state.model_id, len(to_schedulers), state.engine.cache.kind
+        )
         self.context = zmq.asyncio.Context()
         self.links = [self.connect(a, b) for a, b in zip(to_schedulers, to_fronts, strict=True)]
         self.router = Router(state.load_balance_method, len(self.links), state.engine.pool.page_size)

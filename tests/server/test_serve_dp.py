@@ -134,15 +134,25 @@ def test_metrics_label_every_series_with_its_rank(tmp_path_factory: pytest.TempP
     _, _, metrics, _ = loaded("round_robin", tmp_path_factory)
     for rank in ("0", "1"):
         assert f'kvscope_scheduler_up{{dp_rank="{rank}"}} 1.0' in metrics
-        for name in ("sglang:num_running_reqs", "sglang:prompt_tokens_total", "sglang:kv_used_tokens"):
+        for name in ("sglang:num_running_reqs", "sglang:kv_used_tokens"):
             assert f'{name}{{dp_rank="{rank}",engine_type="unified",model_name="{MODEL}"}}' in metrics, name
-        assert f'sglang:e2e_request_latency_seconds_count{{dp_rank="{rank}"' in metrics
+        assert f'sglang:queue_time_seconds_count{{dp_rank="{rank}"' in metrics
+    # NOTE: as SGLang's tokenizer exports them: one series for the server, whatever rank served
+    tokenizer = ("sglang:prompt_tokens_total", "sglang:cached_tokens_total", "sglang:generation_tokens_total")
+    tokenizer += ("sglang:time_to_first_token_seconds", "sglang:inter_token_latency_seconds")
+    tokenizer += ("sglang:e2e_request_latency_seconds",)
     unlabelled = [
         line
         for line in metrics.splitlines()
-        if line and not line.startswith("#") and "dp_rank=" not in line and not line.startswith("kvscope_requests")
+        if line
+        and not line.startswith("#")
+        and "dp_rank=" not in line
+        and not line.startswith(("kvscope_requests", *tokenizer))
     ]
     assert unlabelled == []
+    for name in tokenizer:
+        assert not [line for line in metrics.splitlines() if line.startswith(name) and "dp_rank" in line], name
+    assert 'sglang:evicted_tokens_total{cache_type="RadixCache",dp_rank="0",pp_rank="0",tp_rank="0"}' in metrics
 
 
 def free_port_pair() -> int:
