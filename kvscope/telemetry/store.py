@@ -111,6 +111,17 @@ def display_name(target: str | Path) -> str:
     return _parse_url(str(target)).render_as_string(hide_password=True) if is_url(target) else str(target)
 
 
+def link_name(target: str | Path) -> str:
+    """The target as a link or a page may carry it: a URL with no password at all (not even
+    hidden: a link is matched to the capture the server was given by this name, and the password
+    stays where the server holds it); a path as it is."""
+    if not is_url(target):
+        return str(target)
+    url = _parse_url(str(target))
+    bare = URL.create(url.drivername, url.username, None, url.host, url.port, url.database, url.query)
+    return bare.render_as_string(hide_password=False)
+
+
 def server_url(target: str) -> URL:
     """A database URL as kvscope opens it: `postgresql://` (and `postgres://`) through psycopg 3."""
     url = _parse_url(target)
