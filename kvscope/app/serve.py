@@ -13,8 +13,8 @@ dropped (its requests in flight fail 503) while another lives; when none is left
 
 NOTE: the order of things
     1. the arguments, the keys file, the KV-events config, the engine config against the model
-       and the machine (N ranks' pools), and the listening socket: any error is one line, exit
-       2, and nothing has started (no scheduler, no capture)
+       and the machine (N ranks' pools), the listening socket and the capture (opened as its
+       writers will, then closed): any error is one line, exit 2, and no scheduler has started
     2. the schedulers start; the first StatsOut of each means ready (Ctrl-C reaches the whole
        process group: the schedulers drain on it, as on the ShutdownReq that follows)
     3. uvicorn serves on the socket bound in 1; then "kvscope serve: ready on http://HOST:PORT"
@@ -115,6 +115,11 @@ def check_ranks_fit(engine: EngineConfig, model: ModelConfig, dp_size: int) -> N
 def serve_verb(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     listener = bind_listener(options.host, options.port)
+    try:
+        check_capture(options.capture)
+    except BaseException:
+        listener.close()
+        raise
     from kvscope.app.runner import kv_fingerprint
     from kvscope.mem import resolve_device
     from kvscope.server.scheduler import ServeSpec, start_scheduler
@@ -149,6 +154,17 @@ def serve_verb(args: argparse.Namespace) -> int:
         return start_scheduler(rank_spec(spec, options, fleet_id, rank), to_scheduler, to_front)
 
     return serve(options, listener, start)
+
+
+def check_capture(capture: str | None) -> None:
+    """Open the capture as its writers will (creating its schema), so that a database that cannot
+    be opened (refused, a wrong password, no such database) or a file that cannot be written is
+    CaptureError with one line before any scheduler starts."""
+    if capture is None:
+        return
+    from kvscope.telemetry.store import open_writer
+
+    open_writer(capture).dispose()
 
 
 def rank_spec(spec: ServeSpec, options: ServeOptions, fleet_id: str, rank: int) -> ServeSpec:

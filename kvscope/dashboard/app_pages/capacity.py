@@ -100,7 +100,9 @@ if caps.lacks("request_stream"):
     st.stop()
 rule = cache_curves(data.run_config(chosen.run))
 try:
-    curves, prompt_tokens = data.capacity_curves(chosen.path, chosen.run_id, chosen.stamp, page_size, rule.sharing)
+    curves, prompt_tokens = data.capacity_curves(
+        chosen.path, chosen.run_id, float(chosen.run.started_at or 0.0), page_size, rule.sharing
+    )
 except ValueError as err:
     st.info(
         f"No hit-rate curve for this run: {str(err).removeprefix(f'{display_name(chosen.path)} run {chosen.run_id}: ')}"
