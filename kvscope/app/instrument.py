@@ -214,7 +214,8 @@ def instrument_verb(args: argparse.Namespace) -> int:
     if shutil.which(command[0]) is None:
         raise ValueError(f"{command[0]}: command not found")
     capture = args.capture or default_capture()
-    env = instrument_env(capture, args.level, dict(os.environ), recorder_python(dict(os.environ)))
+    chosen = {name: value for name, value in vars(args).items() if name.startswith("KVSCOPE_") and value is not None}
+    env = instrument_env(capture, args.level, {**os.environ, **chosen}, recorder_python(dict(os.environ)))
     settings_from_env(env)  # NOTE: a bad KVSCOPE_CENSUS_* or KVSCOPE_LINGER_* bound fails here, not in the engine
     python = None if "VLLM_PLUGINS" in env else engine_python(command)
     plugins = with_plugins(env.get("VLLM_PLUGINS"), None if python is None else engine_plugins(python, env))

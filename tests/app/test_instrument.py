@@ -45,6 +45,26 @@ def test_it_execs_the_command_with_the_probes_environment(tmp_path: Path) -> Non
     assert not capture.exists()  # NOTE: the recorder's host makes it; its directory was checked (below)
 
 
+def test_census_options_set_their_variables_over_the_environments(tmp_path: Path) -> None:
+    capture = tmp_path / "probe.db"
+    args = ("--capture", str(capture), "--census-every-steps", "5", "--linger-s", "30")
+    out = kvscope(
+        *args,
+        "--",
+        sys.executable,
+        "-c",
+        SHOW_ENV,
+        env={"KVSCOPE_CENSUS_EVERY_STEPS": "7", "KVSCOPE_LINGER_STEPS": "9"},
+    )
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    assert {name: shown[name] for name in shown if "CENSUS" in name or "LINGER" in name} == {
+        "KVSCOPE_CENSUS_EVERY_STEPS": "5",  # the option over the environment's 7
+        "KVSCOPE_LINGER_S": "30",
+        "KVSCOPE_LINGER_STEPS": "9",  # no option: the environment's stays
+    }
+
+
 def test_a_capture_whose_directory_it_cannot_make_is_one_line(tmp_path: Path) -> None:
     """Checked before the engine starts, as the recorder's host would fail on it inside the engine."""
     (tmp_path / "file").write_text("")
@@ -158,6 +178,11 @@ def test_the_commands_exit_code_is_its_own(tmp_path: Path) -> None:
             ("--", "true"),
             {"KVSCOPE_CENSUS_EVERY_STEPS": "often"},
             "kvscope instrument: error: KVSCOPE_CENSUS_EVERY_STEPS must be a whole number >= 0, got 'often'",
+        ),
+        (
+            ("--census-every-s", "soon", "--", "true"),
+            None,
+            "kvscope instrument: error: KVSCOPE_CENSUS_EVERY_S must be a number of seconds >= 0, got 'soon'",
         ),
         (
             ("--", "true"),

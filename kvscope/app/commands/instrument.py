@@ -4,6 +4,34 @@ from __future__ import annotations
 
 import argparse
 
+# NOTE: each sets its KVSCOPE_* variable over the environment's; the probe's settings check the value
+CENSUS_OPTIONS = (
+    (
+        "--census-every-steps",
+        "KVSCOPE_CENSUS_EVERY_STEPS",
+        "N",
+        "a census while busy after N engine steps since the last (0: off; default 100)",
+    ),
+    (
+        "--census-every-s",
+        "KVSCOPE_CENSUS_EVERY_S",
+        "SECONDS",
+        "or after this long since the last (0: off; default 10)",
+    ),
+    (
+        "--linger-steps",
+        "KVSCOPE_LINGER_STEPS",
+        "N",
+        "a finished request still holding blocks is a leak after N steps (default 1000)",
+    ),
+    (
+        "--linger-s",
+        "KVSCOPE_LINGER_S",
+        "SECONDS",
+        "and after this long (default 600)",
+    ),
+)
+
 
 class InstrumentCommand:
     name = "instrument"
@@ -13,8 +41,9 @@ class InstrumentCommand:
         "does). kvscope must be installed in the engine's venv (pip install --no-deps, docs/probe.md): the "
         "engine then loads the probe through its plugin entry point (vLLM: vllm.general_plugins, in every "
         "process; SGLang: sglang.srt.plugins, in the scheduler); the engine records every block or page "
-        "alloc, touch, cache, free and eviction with its request, and at each busy -> idle edge a census of "
-        "every block's references (vLLM) or every page's place (SGLang), stored as leak checks: `kvscope "
+        "alloc, touch, cache, free and eviction with its request, and a census of every block's references "
+        "(vLLM) or every page's place (SGLang) at each busy -> idle edge, while busy (--census-every-steps / "
+        "--census-every-s) and at shutdown, stored as leak checks: `kvscope "
         "check CAPTURE` exits 0 (clean), 1 (a leak, with the block and the request that last took it) or 3. "
         "Supported: vLLM 0.32.0 and SGLang 0.5.23; another version is refused in one line and the engine runs "
         "unrecorded. VLLM_PLUGINS gets kvscope (appended to a list you set; unset: the engine's own plugins "
@@ -39,6 +68,8 @@ class InstrumentCommand:
                 "block or page event, each page's releaser and each lock's holder"
             ),
         )
+        for option, env, kind, text in CENSUS_OPTIONS:
+            parser.add_argument(option, metavar=kind, dest=env, help=f"{text} (sets {env}; docs/probe.md)")
         parser.add_argument(
             "command",
             nargs=argparse.REMAINDER,
