@@ -268,11 +268,14 @@ def gpus() -> pd.DataFrame:
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner="Replaying the request stream for the hit-rate curve…")
 def capacity_curves(
-    path: str, run_id: int, stamp: float, page_size: int, sharing: tuple[str, ...] = ("global",)
+    path: str, run_id: int, started_at: float, page_size: int, sharing: tuple[str, ...] = ("global",)
 ) -> tuple[dict[str, pd.DataFrame], int]:
     """The one-pass hit-rate curves of the run's request stream (regenerated from its config),
     by sharing rule ("global"; "isolated": keys per user), in the order of `sharing`; and the
-    stream's prompt tokens. Raises ValueError when the stream cannot be rebuilt."""
+    stream's prompt tokens. Raises ValueError when the stream cannot be rebuilt.
+
+    NOTE: keyed by the run's start, not the read stamp: the stream comes from the config alone, so
+    a live run's curve is computed once, not on every refresh of every tab (100k requests: ~20 s)."""
     from kvscope.dashboard.charts import curve_frame
     from kvscope.planning import load_requests, one_pass_curve
 

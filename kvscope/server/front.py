@@ -36,6 +36,9 @@ NOTE: data-parallel ranks (`serve --dp-size N`, docs/serve.md)
     request carries Routing(method, cached on the chosen rank, most cached on another) to its
     requests row. A rank whose process died: its requests in flight end 503, dispatch skips it,
     /health reads "degraded" (200) while another rank lives; with none left, as one scheduler dead.
+    A rank that sends nothing for a bound (mark_silent; every rank sends its stats twice a second)
+    is unresponsive: dispatch skips it and /health reads "degraded" until its next message; its
+    requests in flight wait for it (or for the stop, which ends them 503).
 """
 
 from __future__ import annotations
@@ -243,6 +246,7 @@ class Front:
         self.aborts: set[asyncio.Task[None]] = set()
         self.scheduler_error: str | None = None  # set once every scheduler process is gone
         self.lost: set[str] = set()  # requests ended by their rank's death, until their handler answers
+        self.heard_at_s = [time.monotonic()] * len(self.links)  # each rank's last message (monotonic)
 
     def connect(self, to_scheduler: str, to_front: str) -> Link:
         push = self.context.socket(zmq.PUSH)
@@ -268,6 +272,7 @@ class Front:
         link = self.links[rank]
         while True:
             frame = await link.pull.recv()
+            self.heard(rank)
             msg = decode_to_front(frame)
             if isinstance(msg, StatsOut):
                 self.took_stats(rank, msg)
@@ -277,6 +282,31 @@ class Front:
                 pending = self.pending.get(msg.rid)
                 if pending is not None:
                     pending.queue.put_nowait(msg)
+
+    def heard(self, rank: int) -> None:
+        """A message from `rank`: it answers (again, with a line, if it was marked silent)."""
+        self.heard_at_s[rank] = time.monotonic()
+        replica = self.router.replicas[rank]
+        if not replica.answering:
+            replica.answering = True
+            print(f"kvscope serve: {self.rank_label(rank)} answers again", file=sys.stderr, flush=True)
+
+    def mark_silent(self, bound_s: float) -> list[int]:
+        """Mark every live rank that has sent nothing for `bound_s` as not answering; the ranks
+        newly marked."""
+        newly = []
+        for rank, replica in enumerate(self.router.replicas):
+            if replica.live and replica.answering and self.silent_for_s(rank) > bound_s:
+                replica.answering = False
+                newly.append(rank)
+        return newly
+
+    def silent_for_s(self, rank: int) -> float:
+        """Seconds since `rank` last sent anything."""
+        return time.monotonic() - self.heard_at_s[rank]
+
+    def rank_label(self, rank: int) -> str:
+        return "the scheduler process" + ("" if len(self.links) == 1 else f" of dp rank {rank}")
 
     def took_stats(self, rank: int, stats: StatsOut) -> None:
         self.router.took_stats(rank, stats)
@@ -309,12 +339,19 @@ class Front:
         `error` (503); the last one gone is scheduler_exited."""
         self.router.rank_exited(rank)
         self.metrics.rank_died(rank)
+        self.fail_in_flight(rank, error)
+        if self.scheduler_error is None and not self.router.live_ranks():
+            self.scheduler_exited(error)
+
+    def in_flight_on(self, rank: int) -> bool:
+        return any(pending.rank == rank for pending in self.pending.values())
+
+    def fail_in_flight(self, rank: int, error: str) -> None:
+        """End the requests in flight on `rank` with `error` (503: the server's fault)."""
         for rid, pending in list(self.pending.items()):
             if pending.rank == rank:
                 self.lost.add(rid)
                 pending.queue.put_nowait(TokenOut(rid, [], finished=True, finish_reason="error", error=error))
-        if self.scheduler_error is None and not self.router.live_ranks():
-            self.scheduler_exited(error)
 
     def refusal(self, rid: str) -> tuple[int, str, str]:
         """A request that ended in error: (status, type, code); 503 when its scheduler is gone."""
@@ -498,10 +535,11 @@ class Front:
     async def health(self, request: Request) -> Response:
         if not self.accepting:
             return error_response(503, "the server is shutting down", type_="server_error", code="shutting_down")
-        dead = self.router.dead_ranks()
-        if not dead:
+        dead, silent = self.router.dead_ranks(), self.router.silent_ranks()
+        if not dead and not silent:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "degraded", "live_dp_ranks": self.router.live_ranks(), "dead_dp_ranks": dead})
+        status = {"status": "degraded", "live_dp_ranks": self.router.answering_ranks(), "dead_dp_ranks": dead}
+        return JSONResponse(status | ({"unresponsive_dp_ranks": silent} if silent else {}))
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self.model_card()]})
@@ -618,7 +656,13 @@ class Front:
                 "dp_size": len(self.router.replicas),
                 "load_balance_method": self.state.load_balance_method,
                 "dp_ranks": [
-                    {"dp_rank": rank, "live": r.live, "pid": r.pid, "pools": pools_json(r.stats)}
+                    {
+                        "dp_rank": rank,
+                        "live": r.live,
+                        "answering": r.answering,
+                        "pid": r.pid,
+                        "pools": pools_json(r.stats),
+                    }
                     for rank, r in enumerate(self.router.replicas)
                 ],
                 **self.state.extra_info,

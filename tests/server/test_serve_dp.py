@@ -1,7 +1,8 @@
 """`kvscope serve --dp-size 2`: two scheduler processes behind one front, each its own run in the
 one capture; the router's choice and what it saw land in every request's row; prefix_affinity
 loses fewer cached tokens to routing than round_robin; /metrics labels each rank; rank r's KV
-events on port + r; a killed rank fails its own requests and the other serves on."""
+events on port + r; a killed rank fails its own requests and the other serves on; a frozen rank is
+skipped and does not hold up the stop."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ import httpx
 import pytest
 import zmq
 
+from kvscope.app.serve import DRAIN_S, RANK_SILENT_S
 from kvscope.server.kv_events import decode_batch
-from tests.server.serving import Server, serving
+from tests.server.serving import Server, serving, start_server
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "kvscope-tiny"
@@ -267,3 +269,40 @@ def test_a_killed_rank_fails_its_requests_and_the_other_serves_on(tmp_path: Path
         assert code == 1
         assert "the scheduler process of dp rank 1 exited; serving on 1 of 2 ranks" in printed
         assert "the scheduler process of dp rank 0 exited\n" in printed
+
+
+def test_a_frozen_rank_is_skipped_reported_and_does_not_hold_up_the_stop(tmp_path: Path) -> None:
+    """A rank stopped with SIGSTOP (a hung process): after the silence bound dispatch skips it, /health
+    reads degraded, its stream ends 503 at the stop, and SIGTERM ends the server within its drain bound."""
+    server = start_server(None, "--level", "off", "--dp-size", "2")
+    pids: list[int] = []
+    try:
+        ok = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+        assert httpx.post(f"{server.url}/v1/completions", json=ok, timeout=60).status_code == 200  # rank 0
+        started, events = threading.Event(), []  # round robin: the stream goes to rank 1
+        streamer = threading.Thread(target=stream_events, args=(server.url, started, events), daemon=True)
+        streamer.start()
+        assert started.wait(60), "the stream never started"
+        pids = rank_pids(server)
+        os.kill(pids[1], signal.SIGSTOP)
+        deadline = time.monotonic() + RANK_SILENT_S + GONE_WITHIN_S
+        health: dict[str, Any] = {}
+        while time.monotonic() < deadline and health.get("status") != "degraded":
+            time.sleep(0.5)
+            health = httpx.get(f"{server.url}/health", timeout=30).json()
+        assert health == {"status": "degraded", "live_dp_ranks": [0], "dead_dp_ranks": [], "unresponsive_dp_ranks": [1]}
+        for _ in range(4):  # round robin would send every other one to the frozen rank
+            assert httpx.post(f"{server.url}/v1/completions", json=ok, timeout=30).status_code == 200
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(DRAIN_S)  # NOTE: a bound on a hang: it never ended before
+        streamer.join(GONE_WITHIN_S)
+        assert not streamer.is_alive() and events[-1]["error"]["code"] == "scheduler_unavailable", events[-1]
+        assert not Path(f"/proc/{pids[1]}").exists() or "zombie" in Path(f"/proc/{pids[1]}/status").read_text()
+        _, printed = server.stop()
+        assert code == 1
+        assert "the scheduler process of dp rank 1 has not answered for 10 s; serving on 1 of 2 ranks" in printed
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        server.kill()
