@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from kvscope.probe.sglang import FAMILIES
 from kvscope.telemetry import Capture
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,6 +31,15 @@ SGLANG_PYTHON = os.environ.get(
     "KVSCOPE_SGLANG_PYTHON",
     str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvscope" / "sglang-venv" / "bin" / "python"),
 )
+# NOTE: the venv's own SGLang; every other release a family lists as tested runs from its unpacked wheel
+# (`make sglang-src`: SGLANG_SRC/<release>/sglang), first on the driver's path, with the venv's packages
+VENV_RELEASE = "0.5.23"
+SGLANG_SRC = Path(
+    os.environ.get(
+        "KVSCOPE_SGLANG_SRC", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvscope" / "sglang-src"
+    )
+)
+RELEASES = [release for family in FAMILIES for release in family.releases]
 pytestmark = [
     pytest.mark.engines,
     pytest.mark.skipif(
@@ -38,21 +48,32 @@ pytestmark = [
 ]
 
 
-def kvscope(*args: str) -> subprocess.CompletedProcess[str]:
+def release_path(release: str) -> list[str]:
+    """What goes before the repository on the driver's path for `release`: nothing for the venv's own."""
+    if release == VENV_RELEASE:
+        return []
+    source = SGLANG_SRC / release
+    if not (source / "sglang").is_dir():
+        pytest.skip(f"SGLang {release}'s source is not unpacked in {SGLANG_SRC}: `make sglang-src` unpacks it")
+    return [str(source)]
+
+
+def kvscope(*args: str, path: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCOPE_", "SGLANG_"))}
     return subprocess.run(
         [sys.executable, "-m", "kvscope", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**env, "PYTHONPATH": str(ROOT)},
+        env={**env, "PYTHONPATH": os.pathsep.join([*(path or []), str(ROOT)])},
         timeout=600,
         check=False,
     )
 
 
-def drive(scenario: str, tree: str, capture: Path, level: str = "full") -> dict[str, Any]:
-    """The driver under `kvscope instrument`; its JSON line, and stderr for the probe's lines."""
+def drive(scenario: str, tree: str, capture: Path, level: str = "full", release: str = VENV_RELEASE) -> dict[str, Any]:
+    """The driver under `kvscope instrument` on SGLang `release`; its JSON line, and stderr for the
+    probe's lines."""
     out = kvscope(
         "instrument",
         "--capture",
@@ -66,6 +87,7 @@ def drive(scenario: str, tree: str, capture: Path, level: str = "full") -> dict[
         str(DRIVER),
         scenario,
         tree,
+        path=release_path(release),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -86,12 +108,13 @@ def full_census(point: dict[str, Any]) -> dict[str, Any]:
     return next(c for c in point["census"] if c["pool"] == "full")
 
 
+@pytest.mark.parametrize("release", RELEASES)
 @pytest.mark.parametrize(
     ("tree", "core"), [("unified", "UnifiedTreeCore"), ("rust", "RustUnifiedTreeCore"), ("classic", "RadixCache")]
 )
-def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: str, core: str) -> None:
+def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: str, core: str, release: str) -> None:
     capture = tmp_path / f"clean-{tree}.db"
-    result = drive("clean", tree, capture)
+    result = drive("clean", tree, capture, release=release)
     assert result["said"] == "registered" and result["patched"] and result["core"] == core
     assert set(result["made_by"].values()) == {"sglang.py"}, result["made_by"]  # patched directly, no AROUND layer
     assert [p["sglang"]["leak"] for p in result["points"]] == [False, False, False]
@@ -132,7 +155,7 @@ def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: st
     finally:
         db.close()
     check = check_clean(capture)
-    assert "clean: 3 idle leak checks of the sglang 0.5.23 probe's page census held" in check.stdout
+    assert f"clean: 3 idle leak checks of the sglang {release} probe's page census held" in check.stdout
 
 
 def test_a_data_parallel_replicas_run_names_its_rank(tmp_path: Path) -> None:
@@ -150,9 +173,10 @@ def test_a_data_parallel_replicas_run_names_its_rank(tmp_path: Path) -> None:
         db.close()
 
 
-def test_a_forgotten_tail_page_is_named_with_its_request_before_sglang_raises(tmp_path: Path) -> None:
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_forgotten_tail_page_is_named_with_its_request_before_sglang_raises(tmp_path: Path, release: str) -> None:
     capture = tmp_path / "tail.db"
-    result = drive("leak-tail", "rust", capture)
+    result = drive("leak-tail", "rust", capture, release=release)
     page = result["injected"][0]["page"]
     point = result["points"][1]
     assert point["sglang"]["raised"].startswith("pool memory leak detected!")  # SGLang's own check: totals only
@@ -176,9 +200,10 @@ def test_a_forgotten_tail_page_is_named_with_its_request_before_sglang_raises(tm
     assert "last taken by request req-C (decode at step 9)" in explained.stdout
 
 
-def test_a_leaked_lock_sglangs_identity_passes_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_leaked_lock_sglangs_identity_passes_is_named(tmp_path: Path, release: str) -> None:
     capture = tmp_path / "lock.db"
-    result = drive("lock-leak", "unified", capture)
+    result = drive("lock-leak", "unified", capture, release=release)
     node = result["injected"][0]["node"]
     assert [p["sglang"]["leak"] for p in result["points"]] == [False, False, False]  # protected counts as balanced
     assert full_census(result["points"][1])["locks"] == {str(node): ["req-B"]}
@@ -196,9 +221,10 @@ def test_a_leaked_lock_sglangs_identity_passes_is_named(tmp_path: Path) -> None:
     )
 
 
-def test_a_double_free_is_named_with_the_request_it_was_made_for(tmp_path: Path) -> None:
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_double_free_is_named_with_the_request_it_was_made_for(tmp_path: Path, release: str) -> None:
     capture = tmp_path / "double.db"
-    result = drive("double-free", "classic", capture)
+    result = drive("double-free", "classic", capture, release=release)
     page = result["injected"][0]["page"]
     check = kvscope("check", str(capture))
     assert check.returncode == 1, check.stdout + check.stderr
@@ -625,38 +651,63 @@ def test_a_mamba_double_free_is_named_with_the_request_it_was_made_for(tmp_path:
 @pytest.mark.parametrize(
     ("scenario", "line"),
     [
-        ("unknown-version", "kvscope probe: SGLang 0.5.23 is not supported (the probe knows 0.5.22); nothing patched"),
         (
             "missing-target",
-            "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache."
-            "gone_in_0_5_24 not found; nothing patched",
-        ),
-        (
-            "changed-parameters",
-            "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc "
-            "takes other parameters; nothing patched",
+            "SGLang 0.5.23: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.gone_in_0_5_24 not found "
+            "(UnifiedRadixCache has no 'gone_in_0_5_24'); nothing patched",
         ),
         (
             "changed-tree-parameters",
-            "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.dec_lock_ref "
-            "takes other parameters; nothing patched",
+            "SGLang 0.5.23: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.dec_lock_ref takes (self, "
+            "node_id, params, skip_swa) where the probe needs (self, node, params, ...); nothing patched",
         ),
         (
             "changed-mamba-parameters",
-            "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.allocator.mamba.MambaSlotAllocator.free "
-            "takes other parameters; nothing patched",
+            "SGLang 0.5.23: sglang.srt.mem_cache.allocator.mamba.MambaSlotAllocator.free takes (self, free_index) "
+            "where the probe needs (self, seq_lens, seq_lens_cpu, last_loc, ...); nothing patched",
+        ),
+        (
+            "changed-trailing-parameters",
+            "SGLang 0.5.23: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.evict_for_alloc takes other "
+            "parameters; nothing patched",
         ),
     ],
 )
-def test_a_version_or_target_it_does_not_know_patches_nothing(tmp_path: Path, scenario: str, line: str) -> None:
-    """One line; no hook registered (not even on the targets that exist); SGLang serves on."""
-    capture = tmp_path / f"{scenario}.db"
-    result = drive(scenario, "unified", capture)
-    assert result["stderr"].count("kvscope probe:") == 1 and line in result["stderr"]
+def test_a_target_whose_code_differs_from_its_familys_patches_nothing(tmp_path: Path, scenario: str, line: str) -> None:
+    """One line naming the target; no hook registered (not even on the targets that match); SGLang
+    serves on (a gone method, a changed shape, a direct method one parameter short of SGLang's)."""
+    assert_refused(drive(scenario, "unified", tmp_path / f"{scenario}.db"), line, tmp_path / f"{scenario}.db")
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_tested_release_whose_allocator_changed_shape_refuses_in_one_line(tmp_path: Path, release: str) -> None:
+    """The family's table faked to want alloc(self, seq_lens, seq_lens_cpu, last_loc) on each release:
+    one refusal line naming the target and the parameters SGLang's method has; nothing patched."""
+    capture = tmp_path / "changed.db"
+    line = (
+        f"SGLang {release}: sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc takes (self, "
+        "need_size) where the probe needs (self, seq_lens, seq_lens_cpu, last_loc, ...); nothing patched"
+    )
+    assert_refused(drive("changed-parameters", "unified", capture, release=release), line, capture)
+
+
+def assert_refused(result: dict[str, Any], line: str, capture: Path) -> None:
+    assert result["stderr"].count("kvscope probe:") == 1 and f"kvscope probe: {line}\n" in result["stderr"]
     assert not result["patched"] and not result["active"]
     check = kvscope("check", str(capture))
     assert check.returncode == 3, check.stdout + check.stderr
     assert "probe refused" in check.stdout
+
+
+def test_a_release_no_family_lists_as_tested_loads_by_its_shapes_and_says_so(tmp_path: Path) -> None:
+    """SGLang 0.5.23 taken as untested: its code matches family 0.5.23, so the probe loads as that
+    family and says so in one line; the capture is recorded as on a tested release."""
+    capture = tmp_path / "untested.db"
+    result = drive("untested-release", "unified", capture)
+    assert result["said"] == "registered" and result["patched"]
+    assert result["stderr"].count("kvscope probe:") == 1
+    assert "kvscope probe: SGLang 0.5.23: not tested; its shapes match family 0.5.23\n" in result["stderr"]
+    check_clean(capture)
 
 
 @pytest.mark.parametrize(("tree", "below_root"), [("unified", "4 nodes"), ("rust", "14 nodes")])
