@@ -750,3 +750,51 @@ def test_the_calls_since_the_last_fold_reach_the_capture_when_the_process_exits(
     finally:
         db.close()
     assert recorded == [tuple(c) for c in calls], (recorded, calls)
+
+
+DESCRIBE = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tests.engines.sglang_standins import install
+install()
+from kvscope.probe.sglang import describe_installed
+print(json.dumps(describe_installed()))
+"""
+
+
+@pytest.mark.parametrize(
+    ("release", "family", "differs"),
+    [
+        ("0.5.23", "0.5.23", None),
+        ("0.5.22", "0.5.22", None),
+        ("0.5.21", None, "nearest 0.5.22: sglang.srt.mem_cache.radix_cache.RadixCache.checkpoint not found"),
+        ("0.5.20", None, "nearest 0.5.22: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.backup_kv_cache"),
+        ("0.5.19", None, "nearest 0.5.22: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.backup_kv_cache"),
+        ("0.5.18", None, "nearest 0.5.23: sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows not found"),
+    ],
+)
+def test_each_release_loads_as_the_family_docs_probe_md_names_or_says_which_target_differs(
+    release: str, family: str | None, differs: str | None
+) -> None:
+    """What `kvscope probe-check` reads of each release (describe_installed, SGLang's real modules): the
+    family it loads as, tested; or none, naming the nearest family's first differing target, with every
+    target's shape and match listed (docs/probe.md's version table)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCOPE_", "SGLANG_"))}
+    out = subprocess.run(
+        [SGLANG_PYTHON, "-W", "ignore", "-c", DESCRIBE.format(root=str(ROOT))],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": os.pathsep.join([*release_path(release), str(ROOT)])},
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    described = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (described["version"], described["family"], described["loads"]) == (release, family, family is not None)
+    assert described["tested"] is (family is not None) and "pages" in described["records"]
+    matched = [row["match"] for row in described["targets"]]
+    if differs is None:
+        assert described["line"] == "" and all(matched)
+    else:
+        assert described["line"].startswith(f"SGLang {release}: not tested and matches no known family ({differs}")
+        assert not all(matched) and described["line"].endswith("; nothing patched")
