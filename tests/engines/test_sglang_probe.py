@@ -679,16 +679,15 @@ def test_a_target_whose_code_differs_from_its_familys_patches_nothing(tmp_path: 
     assert_refused(drive(scenario, "unified", tmp_path / f"{scenario}.db"), line, tmp_path / f"{scenario}.db")
 
 
-@pytest.mark.parametrize("release", RELEASES)
-def test_a_tested_release_whose_allocator_changed_shape_refuses_in_one_line(tmp_path: Path, release: str) -> None:
-    """The family's table faked to want alloc(self, seq_lens, seq_lens_cpu, last_loc) on each release:
-    one refusal line naming the target and the parameters SGLang's method has; nothing patched."""
+def test_a_tested_release_whose_allocator_changed_shape_refuses_in_one_line(tmp_path: Path) -> None:
+    """The family's table faked to want alloc(self, seq_lens, seq_lens_cpu, last_loc): one refusal line
+    naming the target and the parameters SGLang's method has; nothing patched."""
     capture = tmp_path / "changed.db"
     line = (
-        f"SGLang {release}: sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc takes (self, "
+        "SGLang 0.5.23: sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc takes (self, "
         "need_size) where the probe needs (self, seq_lens, seq_lens_cpu, last_loc, ...); nothing patched"
     )
-    assert_refused(drive("changed-parameters", "unified", capture, release=release), line, capture)
+    assert_refused(drive("changed-parameters", "unified", capture), line, capture)
 
 
 def assert_refused(result: dict[str, Any], line: str, capture: Path) -> None:
@@ -765,8 +764,7 @@ print(json.dumps(describe_installed()))
 @pytest.mark.parametrize(
     ("release", "family", "differs"),
     [
-        ("0.5.23", "0.5.23", None),
-        ("0.5.22", "0.5.22", None),
+        ("0.5.23", "0.5.23", None),  # NOTE: 0.5.22's family is its clean runs' (registered, its label)
         ("0.5.21", None, "nearest 0.5.22: sglang.srt.mem_cache.radix_cache.RadixCache.checkpoint not found"),
         ("0.5.20", None, "nearest 0.5.22: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.backup_kv_cache"),
         ("0.5.19", None, "nearest 0.5.22: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.backup_kv_cache"),
