@@ -1227,10 +1227,17 @@ def sglang_version() -> str:
     return installed_version("sglang")
 
 
-def describe_installed(version: str | None = None) -> dict[str, Any]:
+def describe_installed(version: str | None = None, families: tuple[Family, ...] | None = None) -> dict[str, Any]:
     """For `kvscope probe-check`: the installed SGLang's version, the family it loads as (or why none),
-    each target's shape and match, and what a capture records (shapes.describe)."""
-    described = describe("SGLang", version or sglang_version(), FAMILIES)
+    each target's shape and match, and what a capture records (shapes.describe), refused as `_register`
+    would refuse it (a directly patched method with one parameter more than the probe's: `_fit`)."""
+    version = version or sglang_version()
+    families = FAMILIES if families is None else families
+    described = describe("SGLang", version, families)
+    chosen = next((f for f in families if f.name == described["family"]), None)
+    why = None if chosen is None else _fit(version, chosen.build())[1]
+    if why is not None:
+        described.update(family=None, tested=False, loads=False, line=why)
     described["records"] = PROBE.config(patched=described["loads"])["source"]["provides"]
     return described
 
@@ -1257,26 +1264,36 @@ def _register(version: str | None = None, families: tuple[Family, ...] | None = 
     if choice.family is None:
         return _refuse(choice.line)
     wanted = [h for h in choice.family.build() if not (h.per_op and PROBE.lean)]
-    missing = [h.target for h in wanted if not (_method_of(h.target) if h.direct else _resolves(h.target))]
-    if missing:
-        return _refuse(f"SGLang {version}: {', '.join(missing)} not found; nothing patched")
-    direct = [(h.target, *_direct(h)) for h in wanted if h.direct]  # NOTE: all made before any is put in place
-    changed = [target for target, _, _, _, made in direct if made is None]
-    if changed:
-        return _refuse(f"SGLang {version}: {', '.join(changed)} takes other parameters; nothing patched")
+    direct, why = _fit(version, wanted)  # NOTE: all made before any is put in place
+    if why is not None:
+        return _refuse(why)
     around = [h for h in wanted if not h.direct]
     if around:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         for h in around:
             HookRegistry.register(h.target, h.hook, HookType.AROUND)
-    for _, owner, name, _, made in direct:
+    for owner, name, _, made in direct:
         setattr(owner, name, made)
     PROBE.state.active = True
     if choice.line:
         say(choice.line)
     family = f"family {choice.family.name}, " if choice.family.name != version else ""
     return f"registered {len(wanted)} hooks on SGLang {version} ({family}level {settings.level})"
+
+
+def _fit(version: str, wanted: list[Hook]) -> tuple[list[tuple[type, str, Any, Any]], str | None]:
+    """Every target of `wanted` resolved and each direct hook's method made: (class, name, SGLang's
+    method, the probe's) per direct hook, or the line that refuses them all (a target gone; a direct
+    method whose parameters are not exactly SGLang's, though its shape, the leading ones, matched)."""
+    missing = [h.target for h in wanted if not (_method_of(h.target) if h.direct else _resolves(h.target))]
+    if missing:
+        return [], f"SGLang {version}: {', '.join(missing)} not found; nothing patched"
+    made = [(h.target, _direct(h)) for h in wanted if h.direct]
+    changed = [target for target, (_, _, _, method) in made if method is None]
+    if changed:
+        return [], f"SGLang {version}: {', '.join(changed)} takes other parameters; nothing patched"
+    return [found for _, found in made], None
 
 
 def _direct(h: Hook) -> tuple[type, str, Callable[..., Any], Callable[..., Any] | None]:

@@ -131,3 +131,32 @@ def test_each_hooks_shape_holds_the_parameters_its_wrapper_passes() -> None:
     family_0522 = {s.target: s.params for s in probe.shapes_of(probe.hooks_0522())}
     assert family_0522[f"{probe.UNIFIED}.evict_for_alloc"] == ("self", "params")
     assert [f.name for f in probe.FAMILIES] == ["0.5.23", "0.5.22"]  # newest first
+
+
+def test_probe_check_says_a_direct_method_with_one_parameter_more_than_the_probes_will_not_load(
+    pool: type[Pool],
+) -> None:
+    """SGLang's alloc gained a trailing parameter: the shape (its leading parameters) still matches, but
+    the probe's method would drop it, so the registration refuses; describe_installed says the same."""
+    pool.alloc = lambda self, need_size, hint=None: need_size  # type: ignore[method-assign,assignment,misc]
+    family = probe._family("0.5.23", ("0.5.23",), _pool_table, ())
+    line = f"SGLang 0.5.23: {__name__}.Pool.alloc takes other parameters; nothing patched"
+    described = probe.describe_installed("0.5.23", (family,))
+    assert (described["loads"], described["family"], described["line"]) == (False, None, line)
+    assert described["targets"][0]["match"]  # the shape alone matches
+    assert probe._register("0.5.23", (family,)) == line and not hasattr(pool.alloc, "__wrapped__")
+
+
+def test_probe_check_says_which_family_a_matching_release_loads_as(pool: type[Pool]) -> None:
+    family = probe._family("0.5.23", ("0.5.23",), _pool_table, ())
+    described = probe.describe_installed("0.5.23", (family,))
+    assert (described["loads"], described["family"], described["tested"], described["line"]) == (
+        True,
+        "0.5.23",
+        True,
+        "",
+    )
+    assert described["targets"] == [
+        {"target": f"{__name__}.Pool.alloc", "params": ["self", "need_size"], "reads": [], "match": True, "why": None}
+    ]
+    assert "pages" in described["records"]
