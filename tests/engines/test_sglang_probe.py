@@ -4,7 +4,10 @@ UnifiedRadixCache with the Python and the Rust tree core, classic RadixCache, th
 installed by SGLang's own load_plugins() and driven through the scheduler's request life by
 sglang_probe_driver.py, started under `kvscope instrument` the way an operator starts
 SGLang. The capture's leak checks are the probe's page census; `kvscope check` and `report leaks`
-judge it. About 40 s per run, mostly SGLang's imports.
+judge it. About 40 s per run, mostly SGLang's imports. The clean life, the tail leak, the lock leak
+and the double free run on every release a family of the probe lists as tested (RELEASES: 0.5.22's
+unpacked wheel ahead of the venv's packages); the older releases' refusal lines are checked by
+describe_installed on their real modules.
 
 Run by `make test-engines` (`pytest -m engines`; KVSCOPE_SGLANG_PYTHON names the venv's python).
 """
