@@ -98,7 +98,8 @@ def found_line(info: EngineInfo, url: str, stream: dict[str, Any] | None, captur
     return f"kvscope attach: {what} at {url}: {', '.join(parts)}; {events}; capture {capture}"
 
 
-def attach(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def attach(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
     capture = args.capture or None
     if capture is not None:
         attach_ready(capture)  # NOTE: before anything is asked of the server: an older capture is refused at once

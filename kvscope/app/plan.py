@@ -43,8 +43,9 @@ CURVE_CONVENTION = "tree"  # the one-pass curve's capacity convention (exact the
 # -- plan ----------------------------------------------------------------------------------------
 
 
-def plan_verb(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def plan_verb(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """--gpu-mem, --weights-gib and --vllm-activation-gib arrive in bytes (commands/plan.py parses the units)."""
+    out = sys.stdout if out is None else out
     model = resolve_model(args.model, args.weights_gib)
     free, total, gpu_lines, gpus = _gpu_memory(args.gpu_mem, args.tp)
     inputs = PlanInputs(
@@ -91,7 +92,9 @@ def _gpu_memory(gpu_mem_bytes: int | None, tp_size: int) -> tuple[int, int, list
 # -- replay --------------------------------------------------------------------------------------
 
 
-def replay_verb(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def replay_verb(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     if getattr(args, "dp_size", None) is not None or getattr(args, "dispatch", None) is not None:
         return fleet_replay_verb(args, out)
     scoped = _check_replay_args(args)
@@ -322,13 +325,19 @@ def _curve_json(curve: HitRateCurve) -> dict[str, Any]:
     }
 
 
-def fleet_replay_verb(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def fleet_replay_verb(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """`kvscope replay --dp-size N [--dispatch METHOD|all]`: the trace routed among N radix caches
     (planning/fleet_replay.py), one row per dispatch method."""
+    out = sys.stdout if out is None else out
     from kvscope.planning.fleet_replay import dispatch_methods, fleet_json, format_fleet, replay_fleet
 
     methods = dispatch_methods(_check_fleet_args(args))
     source = load_source(args.source, args.run)
+    if args.dp_size > len(source.requests):  # NOTE: each replica is a cache in memory; the rest would stay empty
+        raise ValueError(
+            f"--dp-size {args.dp_size:,} is more replicas than {source.label} has requests "
+            f"({len(source.requests):,}): give at most {len(source.requests):,}"
+        )
     page_size = args.page_size or source.page_size or 1
     _check_page_size(page_size)
     capacity = args.capacities[0] // page_size * page_size

@@ -27,7 +27,8 @@ def bar(done: int, total: int, width: int = BAR_WIDTH) -> str:
 class Progress:
     """A line on `out` redrawn at most every `interval_s`, first after `delay_s` (both seconds)."""
 
-    def __init__(self, out: TextIO = sys.stderr, *, delay_s: float = 0.0, interval_s: float = 0.0) -> None:
+    def __init__(self, out: TextIO | None = None, *, delay_s: float = 0.0, interval_s: float = 0.0) -> None:
+        out = sys.stderr if out is None else out
         self.out = out
         self.live = out.isatty()
         self.delay_s = delay_s

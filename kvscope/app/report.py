@@ -28,7 +28,7 @@ from kvscope.debug import LeakReport, ProgressHook, build_report, render_text, s
 from kvscope.debug.diff import diff, render_diff
 from kvscope.debug.engine_log import read_engine_log
 from kvscope.debug.engine_log import render_text as render_engine_log
-from kvscope.debug.report import verdict
+from kvscope.debug.report import CHECK_EXIT_CODES, Verdict, verdict
 from kvscope.telemetry import Capture, CaptureError, display_name
 
 PROGRESS_DELAY_S = 1.0  # a replay shorter than this shows no progress
@@ -44,8 +44,9 @@ def ledger_progress(progress: Progress) -> ProgressHook:
     return on_progress
 
 
-def replay_report(target: str | Path, run_id: int | None, err: TextIO = sys.stderr) -> LeakReport:
+def replay_report(target: str | Path, run_id: int | None, err: TextIO | None = None) -> LeakReport:
     """The leak report of a run, replayed afresh, with progress on `err`."""
+    err = sys.stderr if err is None else err
     progress = Progress(err, delay_s=PROGRESS_DELAY_S)
     try:
         return build_report(target, run_id, on_progress=ledger_progress(progress))
@@ -53,9 +54,10 @@ def replay_report(target: str | Path, run_id: int | None, err: TextIO = sys.stde
         progress.close()
 
 
-def store_leak_report(target: str | Path, run_id: int, err: TextIO = sys.stderr) -> str:
+def store_leak_report(target: str | Path, run_id: int, err: TextIO | None = None) -> str:
     """Build the leak report of the run just closed and store it in the capture, so the
     dashboard and `report leaks` need not replay the events again. Returns the verdict line."""
+    err = sys.stderr if err is None else err
     try:
         report = replay_report(target, run_id, err)
         save_report(target, report)
@@ -195,19 +197,30 @@ def check_fleet(args: argparse.Namespace) -> int:
     for replica in fleet.replicas:
         report = replay_report(args.capture, replica.run_id)
         checked.append((replica, report, verdict(report)))
-    worst = min((c for _, _, c in checked), key=lambda c: FLEET_VERDICT_ORDER.index(c.exit_code))
+    missing = fleet.missing_ranks()  # NOTE: a replica without a run was never checked: inconclusive, never clean
+    unseen = Verdict(
+        "inconclusive",
+        CHECK_EXIT_CODES["inconclusive"],
+        f"inconclusive: no run of this replica in the capture (the fleet declares {fleet.size}), "
+        "so it was never checked",
+    )
+    verdicts = [c for _, _, c in checked] + [unseen] * len(missing)
+    worst = min(verdicts, key=lambda c: FLEET_VERDICT_ORDER.index(c.exit_code))
     name = display_name(args.capture)
     if args.json:
+        rows: list[tuple[int, int | None, str | None, Verdict]]
+        rows = [(r.rank, report.run_id, report.status, c) for r, report, c in checked]
+        rows += [(rank, None, None, unseen) for rank in missing]
         replicas = [
             {
-                "rank": r.rank,
-                "run": report.run_id,
-                "status": report.status,
+                "rank": rank,
+                "run": run_id,
+                "status": status,
                 "verdict": c.verdict,
                 "exit_code": c.exit_code,
                 "reason": c.reason,
             }
-            for r, report, c in checked
+            for rank, run_id, status, c in sorted(rows, key=lambda row: row[0])
         ]
         print(
             json.dumps(
@@ -222,9 +235,12 @@ def check_fleet(args: argparse.Namespace) -> int:
             )
         )
     else:
-        for replica, report, check in checked:
-            print(f"{name} fleet {fleet.id} rank {replica.rank} (run {report.run_id}): {check.reason}")
-        print(f"{name} fleet {fleet.id}: {worst.verdict} ({len(checked)} replicas)")
+        lines = [(r.rank, f"rank {r.rank} (run {report.run_id}): {c.reason}") for r, report, c in checked]
+        lines += [(rank, f"rank {rank}: {unseen.reason}") for rank in missing]
+        for _, line in sorted(lines):
+            print(f"{name} fleet {fleet.id} {line}")
+        of = f" of {fleet.size}" if missing else ""
+        print(f"{name} fleet {fleet.id}: {worst.verdict} ({len(checked)} replicas{of})")
     return worst.exit_code
 
 

@@ -62,6 +62,16 @@ class LeakKind(StrEnum):
 # NOTE: a leak the ledger finds in a run that stopped mid-step may be a free still pending in
 # that step (frees are grouped per step); these kinds are single events, certain wherever they are
 DEFINITE_KINDS = (LeakKind.DOUBLE_FREE, LeakKind.USE_AFTER_FREE)
+
+
+def certain(report: LeakReport, leak: Leak) -> bool:
+    """A leak the run's end cannot explain: the run finished, the kind is a single wrong event, or
+    the free was due before the run's last sampled step (a whole step ended after it, with no free)."""
+    if report.finished or leak.kind in DEFINITE_KINDS:
+        return True
+    return leak.free_due_step is not None and report.last_step is not None and leak.free_due_step < report.last_step
+
+
 CHECK_EXIT_CODES = {"clean": 0, "leak": 1, "inconclusive": 3}  # kvscope check's (2: unreadable, from the CLI)
 _STOPPED = {
     RunStatus.RUNNING.value: "the run is still running",
@@ -617,12 +627,13 @@ def _leaks_line(report: LeakReport) -> str:
     """What the capture can and cannot say about leaks: 'none' only when it can know."""
     if report.leaks:
         roots = len(report.root_leaks)
+        pending = [leak for leak in report.root_leaks if not certain(report, leak)]
         cut = (
             ""
-            if report.finished
+            if not pending
             else (
-                " (found where the run stopped: one that is not "
-                f"{' or '.join(DEFINITE_KINDS)} may be a free still pending in that step)"
+                f" ({len(pending)} found where the run stopped: a free may still have been pending in that "
+                f"step; the others were due {'' if len(pending) < roots else 'no '}earlier)"
             )
         )
         consequences = len(report.leaks) - roots
@@ -705,7 +716,7 @@ def verdict(report: LeakReport) -> Verdict:
             f"inconclusive: an attached engine ({report.attached}) runs its own leak check; kvscope sees "
             "its cached pages, not its slots (`kvscope report engine-log LOG` explains its leak messages)",
         )
-    leaks = [leak for leak in report.root_leaks if report.finished or leak.kind in DEFINITE_KINDS]
+    leaks = [leak for leak in report.root_leaks if certain(report, leak)]
     if leaks or report.first_failure_step is not None:
         return Verdict("leak", CHECK_EXIT_CODES["leak"], _leak_reason(report, leaks))
     if not report.finished:
@@ -713,7 +724,10 @@ def verdict(report: LeakReport) -> Verdict:
         why = f" ({report.error})" if report.error else _at_step(report)
         when = "so far" if report.status == RunStatus.RUNNING else "before it stopped"
         balanced = f"{_checks(report.checks_run)} balanced {when}"
-        return Verdict("inconclusive", CHECK_EXIT_CODES["inconclusive"], f"inconclusive: {stopped}{why}; {balanced}")
+        pending = _pending_line(report)
+        return Verdict(
+            "inconclusive", CHECK_EXIT_CODES["inconclusive"], f"inconclusive: {stopped}{why}; {balanced}{pending}"
+        )
     if report.checks_run == 0:
         return Verdict(
             "inconclusive",
@@ -772,13 +786,26 @@ def _checks(count: int) -> str:
     return f"{count} idle leak check{'s' if count != 1 else ''}"
 
 
+def _pending_line(report: LeakReport) -> str:
+    """Why the leaks the ledger found where an unfinished run stopped do not make it a leak."""
+    pending = report.root_leaks
+    if not pending:
+        return ""
+    kinds = ", ".join(sorted({str(leak.kind) for leak in pending}))
+    return (
+        f"; {len(pending)} {kinds} slot group{'s' if len(pending) != 1 else ''} found where it stopped "
+        f"{'are' if len(pending) != 1 else 'is'} not counted: each was due to be freed in the last step, "
+        "whose frees may still have been pending"
+    )
+
+
 def _leak_reason(report: LeakReport, leaks: list[Leak]) -> str:
     if not leaks:
-        return f"leak check failed at step {report.first_failure_step}: {report.first_failure[0]}"
+        return f"leak: the leak check failed at step {report.first_failure_step}: {report.first_failure[0]}"
     leak = leaks[0]
     who = f" ({leak.rid})" if leak.rid else ""
     more = f" and {len(report.leaks) - 1} more" if len(report.leaks) > 1 else ""
-    return f"{leak.kind}: {len(leak.slots)} slots of pool {leak.pool}{who}{more}"
+    return f"leak: {leak.kind}: {len(leak.slots)} slots of pool {leak.pool}{who}{more}"
 
 
 def check_reason(report: LeakReport) -> str:

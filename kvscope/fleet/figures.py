@@ -76,6 +76,11 @@ class Fleet:
     size: int | None  # the size its runs declare (None: not declared)
     replicas: list[Replica] = field(default_factory=list)
 
+    def missing_ranks(self) -> list[int]:
+        """Ranks below the declared size with no run in the capture (none when no size is declared)."""
+        present = {r.rank for r in self.replicas}
+        return [rank for rank in range(self.size or 0) if rank not in present]
+
 
 class Duplication(NamedTuple):
     held_tokens: int  # the replicas' distinct cached tokens, summed over replicas

@@ -27,6 +27,7 @@ def test_fleet_json_carries_the_figures(fleet_db: Path, capsys: pytest.CaptureFi
     dup = found["duplication"]
     assert (dup["held_tokens"], dup["unique_tokens"], dup["duplicated_tokens"]) == (12, 8, 4)
     assert found["other_fleets"] == ["old"] and found["notes"] == []
+    assert found["runs_in_no_fleet"] == [4]
 
 
 def test_fleet_table_names_the_fleet_and_its_notes(fleet_db: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -34,6 +35,7 @@ def test_fleet_table_names_the_fleet_and_its_notes(fleet_db: Path, capsys: pytes
     out = capsys.readouterr().out
     assert out.startswith("fleet old (kvscope): 1 replicas of 1")
     assert "duplication: not known" in out and "other fleets in this capture: f1" in out
+    assert out.splitlines()[-1] == "runs in no fleet: 4 (kvscope check CAPTURE --run ID)"
 
 
 def test_a_capture_without_a_fleet_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -105,3 +107,43 @@ def test_check_fleet_bad_input_is_one_line(
     assert main(["check", str(fleet_db), *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_fleet_missing_a_declared_replica_is_inconclusive_never_clean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `--dp-size 3` fleet whose capture holds ranks 0 and 2 only: the clean replicas do not make
+    the fleet clean, rank 1 was never checked."""
+    from kvscope.telemetry import LeakCheck
+    from tests.fleet.fleet_capture import usage, write_replica
+
+    path = tmp_path / "partial.db"
+    for rank in (0, 2):
+        config = {"fleet": {"id": "p", "size": 3, "dispatch": "round_robin", "rank": rank}}
+        write_replica(path, config, [], usage(2, 60, 10, 18, 6), LeakCheck(2, "full", 100, 96, 4, 0, 0, 0), [])
+    assert main(["check", str(path), "--fleet", "p", "--run", "1"]) == 2
+    capsys.readouterr()
+    for rank in (1, 2):
+        assert main(["check", str(path), "--run", str(rank)]) == 0  # each present replica alone is clean
+    capsys.readouterr()
+    assert main(["check", str(path), "--fleet", "p"]) == 3
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == (
+        f"{path} fleet p rank 1: inconclusive: no run of this replica in the capture (the fleet declares 3), "
+        "so it was never checked"
+    )
+    assert lines[-1] == f"{path} fleet p: inconclusive (2 replicas of 3)"
+    assert main(["check", str(path), "--fleet", "p", "--json"]) == 3
+    found = json.loads(capsys.readouterr().out)
+    assert [(r["rank"], r["run"], r["exit_code"]) for r in found["replicas"]] == [(0, 1, 0), (1, None, 3), (2, 2, 0)]
+    assert found["verdict"] == "inconclusive"
+
+
+def test_check_fleet_before_the_capture_reads_as_after_it(fleet_db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    after = main(["check", str(fleet_db), "--fleet"]), capsys.readouterr()
+    before = main(["check", "--fleet", str(fleet_db)]), capsys.readouterr()
+    assert before == after and after[1].out.startswith(f"{fleet_db} fleet old rank 0")
+    assert main(["check"]) == 2
+    assert capsys.readouterr().err == (
+        "kvscope check: error: name the capture to check: kvscope check CAPTURE [--fleet [ID]]\n"
+    )

@@ -88,6 +88,8 @@ def test_replay_dp_size_json_compares_every_method(tmp_path: Path, capsys: pytes
     ("extra", "message"),
     [
         (["--dp-size", "0", "--capacities", "1k"], "--dp-size must be >= 1"),
+        (["--dp-size", "1000000", "--capacities", "1k"], "--dp-size 1,000,000 is more replicas than"),
+        (["--dp-size", "5", "--capacities", "1k"], "has requests (4): give at most 4"),
         (["--dp-size", "2", "--capacities", "1k,2k"], "one capacity per replica"),
         (["--dp-size", "2"], "one capacity per replica"),
         (["--dp-size", "2", "--capacities", "1k", "--curve-only"], "--curve-only"),
