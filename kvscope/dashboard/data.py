@@ -160,6 +160,7 @@ def request_page(
     rid: str | None,
     limit: int,
     offset: int,
+    newest_first: bool = False,
 ) -> pd.DataFrame:
     return open_capture(path).request_rows(
         run_id,
@@ -168,6 +169,7 @@ def request_page(
         rid=rid,
         limit=limit,
         offset=offset,
+        newest_first=newest_first,
     )
 
 

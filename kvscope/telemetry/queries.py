@@ -274,11 +274,12 @@ class Capture:
         limit: int | None = None,
         offset: int = 0,
         ordered: bool = True,
+        newest_first: bool = False,
     ) -> pd.DataFrame:
-        """Requests rows (ordered as requests(): by arrival step, then rid; in no order unless
-        `ordered`), of `principals`, `statuses` or one `rid` when given, as `columns` (every column
-        by default), a page of `limit` rows past `offset`: a page of a run of 300k requests
-        without reading them all."""
+        """Requests rows (ordered as requests(): by arrival step, then rid, or the reverse when
+        `newest_first`; in no order unless `ordered`), of `principals`, `statuses` or one `rid` when
+        given, as `columns` (every column by default), a page of `limit` rows past `offset`: a page
+        of a run of 300k requests without reading them all."""
         c = schema.requests.c
         as_of = {col.name: col for col in schema.columns_as_of(schema.requests, self.schema_version)}
         picked = [as_of[name] for name in columns] if columns is not None else list(as_of.values())
@@ -290,7 +291,8 @@ class Capture:
         if rid is not None:
             stmt = stmt.where(c.rid == rid)
         if ordered:
-            stmt = stmt.order_by(c.arrive_step, c.rid)
+            keys = (c.arrive_step.desc(), c.rid.desc()) if newest_first else (c.arrive_step, c.rid)
+            stmt = stmt.order_by(*keys)
         stmt = stmt.offset(offset or None)
         return self.read_frame(stmt.limit(limit) if limit is not None else stmt)
 

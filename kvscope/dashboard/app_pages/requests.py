@@ -14,6 +14,7 @@ from kvscope.dashboard import capability, charts, data, latency, live, reads, re
 from kvscope.dashboard.frame import Selection, selection
 
 PAGE_ROWS = 60
+ORDERS = ("newest first", "oldest first")
 PICK_FROM_MAX = 2_000  # NOTE: more requests: the picker is a box to type an id in
 ALL = "(all requests)"
 RID_KEY = "requests.rid"
@@ -164,13 +165,26 @@ def table_section(chosen: Selection, totals: pd.DataFrame, notes: Any, clock: ti
     with notes:
         url_state.show_notes()
     num_pages = max(1, -(-num_shown // PAGE_ROWS))
+    cols = st.columns([1, 2])
+    # NOTE: a live run opens on its newest requests (page 1 follows them as they finish); a closed one on its first
+    order = cols[1].radio(
+        "order", ORDERS, index=0 if chosen.running else 1, horizontal=True, key=f"requests.order.{chosen.running}"
+    )
     page = int(
-        st.number_input(
+        cols[0].number_input(
             f"page (of {num_pages}, {PAGE_ROWS} requests each, by arrival)", 1, num_pages, 1, key="requests.page"
         )
     )
     window = data.request_page(
-        chosen.path, chosen.run_id, chosen.stamp, chosen.tenant, statuses, rid, PAGE_ROWS, (page - 1) * PAGE_ROWS
+        chosen.path,
+        chosen.run_id,
+        chosen.stamp,
+        chosen.tenant,
+        statuses,
+        rid,
+        PAGE_ROWS,
+        (page - 1) * PAGE_ROWS,
+        newest_first=order == ORDERS[0],
     )
     allocs = data.allocs_of_requests(chosen.path, chosen.run_id, chosen.stamp, tuple(window["rid"]))
     st.caption(
