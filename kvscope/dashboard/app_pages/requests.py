@@ -28,6 +28,19 @@ LATENCY_COLUMNS = {
         for name in ("p50", "p90", "p99", "max")
     },
 }
+# NOTE: the table's default columns fit a 1440 px window: who, what it asked, what it got, when, how long
+COMPACT_COLUMNS: tuple[str, ...] = ("rid", "principal", "status", "prompt_len", "cached_tokens", "output_len")
+COMPACT_COLUMNS += ("num_retractions", *(f"{name} (ms)" for name in timing.LATENCIES))
+NARROW_COLUMNS = {
+    "prompt_len": st.column_config.NumberColumn("prompt", width=70, help="prompt tokens"),
+    "cached_tokens": st.column_config.NumberColumn("cached", width=70, help="prompt tokens the cache matched"),
+    "output_len": st.column_config.NumberColumn("output", width=70, help="generated tokens"),
+    "num_retractions": st.column_config.NumberColumn("retracted", width=70, help="times retracted for memory"),
+    **{
+        f"{name} (ms)": st.column_config.NumberColumn(f"{name} (ms)", width=110, format="%.1f")
+        for name in timing.LATENCIES
+    },
+}
 TIME_COLUMNS = {
     name: st.column_config.DatetimeColumn(name, format=timing.DATETIME_COLUMN_FORMAT)
     for name in ("arrive", "admit", "first token", "finish", "retract")
@@ -198,11 +211,11 @@ def table_section(chosen: Selection, totals: pd.DataFrame, notes: Any, clock: ti
         + (timing.zone_name() if clock is not None else "seconds since the first arrival")
         + "; latencies in milliseconds."
     )
-    st.dataframe(
-        latency.request_table(window, timing.latencies(window), clock),
-        hide_index=True,
-        column_config=TIME_COLUMNS if clock is not None else None,
-    )
+    table = latency.request_table(window, timing.latencies(window), clock)
+    if not st.toggle("all columns", key="requests.all_columns", help="every stored column: steps, each moment's time"):
+        table = table[[c for c in table.columns if c in COMPACT_COLUMNS or c in ("arrive", "arrive (s)")]]
+    columns = {**NARROW_COLUMNS, **(TIME_COLUMNS if clock is not None else {})}
+    st.dataframe(table, hide_index=True, column_config=columns)
 
 
 chosen = selection()
