@@ -7,6 +7,7 @@ or a kvscope.debug report."""
 
 from __future__ import annotations
 
+import atexit
 import json
 from typing import Any, NamedTuple
 
@@ -26,8 +27,11 @@ MAX_POINTS = 600
 
 @st.cache_resource(show_spinner=False)
 def open_capture(path: str) -> Capture:
-    """The one store per capture (read-only). A CaptureError is raised, not cached."""
-    return Capture(path)
+    """The one store per capture (read-only). A CaptureError is raised, not cached. When the dashboard
+    stops, a capture whose runs all closed is folded back into one file (its -wal and -shm go)."""
+    capture = Capture(path)
+    atexit.register(capture.close_and_settle)
+    return capture
 
 
 @st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)

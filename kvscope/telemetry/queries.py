@@ -60,6 +60,19 @@ class Capture:
     def close(self) -> None:
         self.engine.dispose()
 
+    def close_and_settle(self) -> bool:
+        """Close, and fold a closed capture file's log back into it (store.settle_file): a reader that
+        outlives its writer (a dashboard left open) is then the last to close the file, and only the
+        last may turn it back into one file. Nothing is done while a run still records, or for a
+        database. True when the file was settled."""
+        path = store.file_of(self.target)
+        try:
+            recording = path is not None and (self.runs()["display_status"] == "running").any()
+        except Exception:  # NOTE: at exit, on a file that went away or broke: leave it as it is
+            recording = True
+        self.engine.dispose()
+        return path is not None and not recording and store.settle_file(path)
+
     @property
     def schema_version(self) -> int:
         """The file's schema version now (a writer appending a run upgrades an older file)."""
