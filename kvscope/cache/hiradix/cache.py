@@ -140,6 +140,8 @@ class HiRadixCache(BasePrefixCache):
         self.eviction_granularity = "leaf"  # NOTE: a leaf moves to the host whole
         self.recorder = recorder
         self.strict = strict
+        self._staged: list[np.ndarray] = []  # NOTE: one eviction's leaves written to the host (freed at its flush)
+        self._dropped: dict[int, np.ndarray] = {}  # NOTE: one write_back eviction's dropped leaves, by chunk id
         self.reset()
 
     def reset(self) -> None:
@@ -471,20 +473,44 @@ class HiRadixCache(BasePrefixCache):
         self.tree.check_evictable(num_tokens, swa_num_tokens)
         if num_tokens <= 0:
             return 0
-        self._wrote_back = False
+        self._staged.clear()
         freed = self.tree.evict_leaves(num_tokens, self._evict_leaf)
-        if self._wrote_back:
-            self.controller.wait_all()  # NOTE: the written rows must be copied before their device slots are reused
-            self.writing_check()
-        self.allocator.free_many(freed)
+        staged = {id(chunk) for chunk in self._staged}
+        # NOTE: SGLang 0.5.18 frees each evicted leaf with allocator.free (its pages sorted, put in
+        # front), in eviction order; write_back frees the leaves it wrote to the host last, at a
+        # flush: before a leaf it drops, and at the end (its flush_staged)
+        pending: list[np.ndarray] = []
+        for chunk in freed:
+            if id(chunk) in staged:
+                pending.append(chunk)
+                continue
+            if pending and chunk is self._dropped.get(id(chunk)):
+                self._flush_staged(pending)
+            self._free_leaf_slots(chunk)
+        self._flush_staged(pending)
+        self._dropped.clear()
         return sum(len(chunk) for chunk in freed)
+
+    def _free_leaf_slots(self, chunk: np.ndarray) -> None:
+        self.allocator.free(torch.from_numpy(chunk).to(self.allocator.device))
+
+    def _flush_staged(self, pending: list[np.ndarray]) -> None:
+        """The leaves written to the host during this eviction: their copies done, their device slots freed."""
+        if not pending:
+            return
+        self.controller.wait_all()  # NOTE: the written rows must be copied before their device slots are reused
+        self.writing_check()
+        for chunk in pending:
+            self._free_leaf_slots(chunk)
+        pending.clear()
 
     def _evict_leaf(self, leaf: HiTreeNode, want: int) -> np.ndarray | None:
         """Demote a backed-up leaf, or drop one the host has no copy of (write_back writes it
         first); None when a load still reads a host copy below it."""
         del want  # NOTE: whole leaves only
+        written = False
         if leaf.host_value is None and not self.through:
-            self._wrote_back |= self.write_backup(leaf, lock=False) > 0
+            written = self.write_backup(leaf, lock=False) > 0
             if leaf.host_value is None and any(n.host_ref_counter for n, _, _ in hi_walk(leaf)):
                 return None  # NOTE: a load reads a host copy below: neither written nor droppable now
         backed_up = leaf.host_value is not None
@@ -500,7 +526,15 @@ class HiRadixCache(BasePrefixCache):
                 slots=leaf.value,
                 reason=reason,
             )
-        return self._demote(leaf) if backed_up else self._drop(leaf)
+        if backed_up:
+            chunk = self._demote(leaf)
+            if written:
+                self._staged.append(chunk)  # NOTE: freed at the flush, once its copy is done
+            return chunk
+        chunk = self._drop(leaf)
+        if not self.through:
+            self._dropped[id(chunk)] = chunk  # NOTE: a write_back drop flushes the staged leaves first
+        return chunk
 
     def _demote(self, leaf: HiTreeNode) -> np.ndarray:
         """A backed-up device leaf becomes host-only; returns its device slots (the caller frees)."""

@@ -370,3 +370,19 @@ def test_a_split_makes_a_new_upper_node_created_then_and_an_insert_raises_only_i
     assert (first.creation_time, first.priority) == (1.0, 0)
     assert upper.creation_time > 1.0 and upper.priority == 5
     check_all(t)
+
+
+def test_an_evicted_leaf_frees_its_pages_sorted_as_sglangs_allocator_free_does() -> None:
+    """Page size 2: a leaf whose rows hold page y then page x (y > x) gives back [x, y] in front of the
+    free list, as SGLang 0.5.18's HiRadixCache frees each leaf with allocator.free (unique pages)."""
+    t = make_tiers(page_size=2)
+    low, high = alloc_seq(t, 2), alloc_seq(t, 2)
+    assert low is not None and high is not None
+    x, y = int(low[0]) // 2, int(high[0]) // 2
+    assert x < y
+    t.cache.insert(ids(1, 2, 3, 4), torch.cat([high, low]))  # NOTE: rows in page order y, x
+    t.controller.wait_all()  # NOTE: write_through: the copy to the host holds the leaf until acknowledged
+    t.cache.writing_check()
+    t.cache.evict(EvictParams(4))
+    assert t.allocator.free_pages[:2].tolist() == [x, y]
+    check_all(t)
