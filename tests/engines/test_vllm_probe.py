@@ -18,7 +18,7 @@ import pytest
 
 from kvscope.debug.census_replay import replay_census
 from kvscope.telemetry import Capture, EventKind
-from tests.engines.vllm_server import VLLM_PYTHON
+from tests.engines.vllm_server import RELEASES, VENV_RELEASE, VLLM_PYTHON, release_path
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("vllm_probe_driver.py")
@@ -28,6 +28,22 @@ pytestmark = [
         not Path(VLLM_PYTHON).exists(), reason=f"no vLLM venv at {VLLM_PYTHON}: `make test-engines` makes it"
     ),
 ]
+
+
+@pytest.fixture(params=list(RELEASES))
+def release(request: pytest.FixtureRequest) -> str:
+    """A vLLM release the in-process tests run on: the venv's, or another's unpacked source over it."""
+    name: str = request.param
+    path = release_path(name)
+    if path is not None and not Path(path, "vllm").is_dir():
+        pytest.skip(f"no vLLM {name} source at {path}: `make vllm-src` unpacks it")
+    return name
+
+
+def on(release: str) -> dict[str, str]:
+    """The environment that runs `release`: its source first on PYTHONPATH, then kvscope's."""
+    path = release_path(release)
+    return {} if path is None else {"PYTHONPATH": f"{path}:{ROOT}"}
 
 
 def kvscope(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -59,10 +75,11 @@ def drive(scenario: str, capture: Path, level: str = "full", env: dict[str, str]
     return result
 
 
-def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_path: Path) -> None:
+def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_path: Path, release: str) -> None:
     capture = tmp_path / "clean.db"
-    result = drive("clean", capture)
-    assert result["said"] == "patched 22 methods of vLLM 0.32.0" and result["served"]
+    result = drive("clean", capture, env=on(release))
+    assert result["said"] == f"patched 22 methods of vLLM {release} (family {RELEASES[release]})" and result["served"]
+    assert "kvscope probe:" not in result["stderr"]  # NOTE: a tested release that matches says nothing more
     assert [c["ok"] for c in result["censuses"]] == [True, True, True]
     db = Capture(capture)
     try:
@@ -88,15 +105,17 @@ def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_pa
     assert len(_sql(capture, "SELECT DISTINCT step FROM tree_snapshots")) == 3  # one per idle edge
     check = kvscope("check", str(capture))
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "clean: 3 censuses (3 idle) of the vllm 0.32.0 probe's block census held" in check.stdout
+    assert f"clean: 3 censuses (3 idle) of the vllm {release} probe's block census held" in check.stdout
 
 
 @pytest.mark.parametrize("level", ["full", "summary"])
-def test_an_extra_reference_is_a_leak_named_with_its_block_and_request(tmp_path: Path, level: str) -> None:
+def test_an_extra_reference_is_a_leak_named_with_its_block_and_request(
+    tmp_path: Path, level: str, release: str
+) -> None:
     """At full the culprit comes from the recorder host's ledger of the event stream (the wrappers keep
     none), at summary from the wrappers' own: the same words either way."""
     capture = tmp_path / "leak.db"
-    result = drive("extra-ref", capture, level)
+    result = drive("extra-ref", capture, level, env=on(release))
     block = result["injected"][0]["block"]
     assert [c["ok"] for c in result["censuses"]] == [True, False, False]
     check = kvscope("check", str(capture))
@@ -112,9 +131,11 @@ def test_an_extra_reference_is_a_leak_named_with_its_block_and_request(tmp_path:
 
 
 @pytest.mark.parametrize("level", ["full", "summary"])
-def test_a_double_free_is_named_with_the_request_it_was_released_for(tmp_path: Path, level: str) -> None:
+def test_a_double_free_is_named_with_the_request_it_was_released_for(tmp_path: Path, level: str, release: str) -> None:
+    """At summary the releaser is the free wrapper's own: it keeps this pool's blocks (0.34's blocks name
+    their pool by a weak reference) and a double free takes its slow path."""
     capture = tmp_path / "double.db"
-    result = drive("double-free", capture, level)
+    result = drive("double-free", capture, level, env=on(release))
     block = result["injected"][0]["block"]
     check = kvscope("check", str(capture))
     assert check.returncode == 1, check.stdout + check.stderr
@@ -122,21 +143,35 @@ def test_a_double_free_is_named_with_the_request_it_was_released_for(tmp_path: P
     assert f"block {block} ref 0, accounted 1; last released for request req-hold" in check.stdout, check.stdout
 
 
+def test_a_release_no_family_lists_loads_when_its_shapes_match_and_says_so(tmp_path: Path) -> None:
+    capture = tmp_path / "untested.db"
+    result = drive("untested-version", capture)
+    line = f"kvscope probe: vLLM 0.99.0: not tested; its shapes match family {RELEASES[VENV_RELEASE]}"
+    assert result["stderr"].count("kvscope probe:") == 1 and line in result["stderr"], result["stderr"]
+    assert result["patched"] and result["active"] and result["served"]
+    assert kvscope("check", str(capture)).returncode == 0
+
+
 @pytest.mark.parametrize(
     ("scenario", "line"),
     [
-        ("unknown-version", "kvscope probe: vLLM 0.31.9 is not supported (the probe knows 0.32.0); nothing patched"),
+        (
+            "changed-shape",
+            "kvscope probe: vLLM 0.32.0: vllm.v1.core.block_pool.BlockPool.touch takes (self, block_ids) where the "
+            "probe needs (self, blocks, ...); nothing patched",
+        ),
         (
             "missing-target",
-            "kvscope probe: vLLM 0.32.0: vllm.v1.core.block_pool.BlockPool.gone_in_0_33 not found; nothing patched",
+            "kvscope probe: vLLM 0.32.0: vllm.v1.core.block_pool.BlockPool.gone_in_0_35 not found; nothing patched",
         ),
     ],
 )
-def test_a_version_or_target_it_does_not_know_patches_nothing(tmp_path: Path, scenario: str, line: str) -> None:
-    """One line; no method wrapped (not even the targets that exist); vLLM serves on; the capture says why."""
+def test_a_shape_or_target_it_does_not_know_patches_nothing(tmp_path: Path, scenario: str, line: str) -> None:
+    """One line naming the target; no method wrapped (not even the targets that match); vLLM serves on;
+    the capture says why."""
     capture = tmp_path / f"{scenario}.db"
     result = drive(scenario, capture)
-    assert result["stderr"].count("kvscope probe:") == 1 and line in result["stderr"]
+    assert result["stderr"].count("kvscope probe:") == 1 and line in result["stderr"], result["stderr"]
     assert not result["patched"] and not result["active"] and result["served"]
     check = kvscope("check", str(capture))
     assert check.returncode == 3, check.stdout + check.stderr
@@ -467,13 +502,13 @@ SCHEDULED_ENV = {
 }
 
 
-def drive_scheduled(scenario: str, capture: Path, level: str = "full") -> dict[str, Any]:
-    return drive(scenario, capture, level, env=SCHEDULED_ENV)
+def drive_scheduled(scenario: str, capture: Path, level: str = "full", release: str = VENV_RELEASE) -> dict[str, Any]:
+    return drive(scenario, capture, level, env={**SCHEDULED_ENV, **on(release)})
 
 
-def test_a_busy_census_names_blocks_taken_mid_run_and_nothing_on_clean_busy_steps(tmp_path: Path) -> None:
+def test_a_busy_census_names_blocks_taken_mid_run_and_nothing_on_clean_busy_steps(tmp_path: Path, release: str) -> None:
     capture = tmp_path / "busy.db"
-    result = drive_scheduled("busy", capture)
+    result = drive_scheduled("busy", capture, release=release)
     assert result["preemptions"] >= 1  # NOTE: the clean stretch preempts (20 blocks for 10 requests of 5)
     assert len(result["clean_busy"]) >= 5 and all(c["ok"] for c in result["clean_busy"]), result["clean_busy"]
     first = result["after"][0]

@@ -1,8 +1,8 @@
 """Drives the probe against vLLM's real BlockPool / KVCacheManager in one process (no server).
 Run with the vLLM venv's python, kvscope on PYTHONPATH:
 
-    python vllm_probe_driver.py SCENARIO      (clean, extra-ref, double-free, unknown-version,
-                                               missing-target, inert, life, refs, shutdown, crash,
+    python vllm_probe_driver.py SCENARIO      (clean, extra-ref, double-free, untested-version,
+                                               changed-shape, missing-target, inert, life, refs, shutdown, crash,
                                                polled-crash, reused-parent; on vLLM's real Scheduler
                                                (vllm_sched_driver.py): busy, linger, unpinned,
                                                preempt-free, deferred)
@@ -22,6 +22,7 @@ import torch
 from vllm.config import CacheConfig, ParallelConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
+from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.engine.core import EngineCore
@@ -187,16 +188,21 @@ def main(scenario: str) -> None:
     if scenario in SCHEDULED:
         print(json.dumps(scheduled(scenario)))
         return
-    if scenario == "unknown-version":
-        said = probe._register(version="0.31.9")
-    elif scenario == "missing-target":
-        table = {
-            "0.32.0": lambda: [
-                *probe.targets(),
-                probe.Target(probe.BLOCK_POOL, "BlockPool", "gone_in_0_33", probe._touch),
-            ]
-        }
-        said = probe._register(version="0.32.0", table=table)
+    if scenario == "untested-version":  # NOTE: a release no family lists, whose code is this one's
+        said = probe._register(version="0.99.0")
+    elif scenario == "changed-shape":  # NOTE: this release's code with one target's parameter renamed
+        touch = BlockPool.touch
+
+        def renamed(self: BlockPool, block_ids: list) -> None:
+            touch(self, block_ids)
+
+        BlockPool.touch = renamed  # type: ignore[method-assign]
+        said = probe._register()
+    elif scenario == "missing-target":  # NOTE: the shapes match, a target the family builds is gone
+        chosen = probe.choose(probe.ENGINE_NAME, probe.vllm_version(), probe.FAMILIES).family
+        assert chosen is not None
+        gone = probe.Target(probe.BLOCK_POOL, "BlockPool", "gone_in_0_35", probe._touch)
+        said = probe._register(families=[chosen._replace(build=lambda: [*chosen.build(), gone])])
     else:
         said = probe._register()
     if scenario == "reused-parent":
