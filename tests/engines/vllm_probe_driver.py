@@ -182,6 +182,26 @@ def refs() -> dict:
     }
 
 
+def evict_first() -> dict:
+    """vLLM 0.34's free_blocks(..., evict_first=True) (blocks another tier holds): a request's cached
+    blocks go to the free queue's front, not through append_n. The probe's cached-free count against
+    the slow count (hashed, ref 0, queued), after an ordinary free and after an evict-first one."""
+    kv, live = manager(), {}
+    counts = []
+    for rid, evict in (("r1", False), ("r2", True)):
+        probe.PROBE.step_begins()
+        serve(kv, live, rid, list(range(len(rid) * 5000, len(rid) * 5000 + 3 * BLOCK + 1)) if evict else [1] * 49)
+        table = kv.coordinator.single_type_managers[0].req_to_blocks.pop(rid)
+        del live[rid]
+        with probe_context(rid):
+            kv.block_pool.free_blocks(reversed(table), evict_first=evict)
+        slow = step_ends(kv, live)
+        counts.append({"probe": probe.PROBE.cached_free, "slow": slow})
+    census = idle(kv, live)
+    probe.PROBE.state.recorder.close()
+    return {"counts": counts, "census": census}
+
+
 def main(scenario: str) -> None:
     init_none_hash(sha256)
     said = ""
@@ -213,6 +233,9 @@ def main(scenario: str) -> None:
         return
     if scenario in ("shutdown", "crash"):
         print(json.dumps({"said": said, **engine_ends(scenario == "crash")}))
+        return
+    if scenario == "evict-first":
+        print(json.dumps({"said": said, **evict_first()}))
         return
     if scenario in ("life", "refs"):
         result = life() if scenario == "life" else refs()
