@@ -65,9 +65,24 @@ def _env() -> dict[str, str]:
     return {**env, "PYTHONPATH": str(ROOT)}
 
 
-def drive(scenario: str, capture: Path, level: str = "full", env: dict[str, str] | None = None) -> dict[str, Any]:
-    """The driver under `kvscope instrument`; its JSON line (and stderr, for the probe's lines)."""
-    command = ("instrument", "--capture", str(capture), "--level", level, "--", VLLM_PYTHON, str(DRIVER), scenario)
+def drive(
+    scenario: str, capture: Path, level: str = "full", env: dict[str, str] | None = None, *, checked: bool = False
+) -> dict[str, Any]:
+    """The driver under `kvscope instrument`; its JSON line (and stderr, for the probe's lines). `checked`:
+    instrument first checks the probe's shapes in the driver's python (seconds: off unless asked)."""
+    skip = () if checked else ("--no-probe-check",)
+    command = (
+        "instrument",
+        "--capture",
+        str(capture),
+        "--level",
+        level,
+        *skip,
+        "--",
+        VLLM_PYTHON,
+        str(DRIVER),
+        scenario,
+    )
     out = kvscope(*command, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -77,9 +92,12 @@ def drive(scenario: str, capture: Path, level: str = "full", env: dict[str, str]
 
 def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_path: Path, release: str) -> None:
     capture = tmp_path / "clean.db"
-    result = drive("clean", capture, env=on(release))
-    assert result["said"] == f"patched 22 methods of vLLM {release} (family {RELEASES[release]})" and result["served"]
+    result = drive("clean", capture, env=on(release), checked=True)
+    family = RELEASES[release]
+    assert result["said"] == f"patched 22 methods of vLLM {release} (family {family})" and result["served"]
     assert "kvscope probe:" not in result["stderr"]  # NOTE: a tested release that matches says nothing more
+    said = f"kvscope instrument: vLLM {release}: the probe loads with family {family} (tested; 25 shapes match)"
+    assert said in result["stderr"].splitlines(), result["stderr"]  # NOTE: before the engine started
     assert [c["ok"] for c in result["censuses"]] == [True, True, True]
     db = Capture(capture)
     try:
@@ -188,6 +206,32 @@ def test_a_shape_or_target_it_does_not_know_patches_nothing(tmp_path: Path, scen
     check = kvscope("check", str(capture))
     assert check.returncode == 3, check.stdout + check.stderr
     assert "probe refused" in check.stdout
+
+
+def test_probe_check_names_a_changed_target_and_exits_1(tmp_path: Path) -> None:
+    """`kvscope probe-check --python` on an environment whose code differs from its family in one target
+    (the 0.32 venv with a shadowing sitecustomize renaming BlockPool.touch's parameter): that target marked
+    DIFFERS with why, the refusal line, exit 1; the JSON says the same."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import vllm.v1.core.block_pool as bp\n"
+        "def touch(self, block_ids):\n"
+        "    return None\n"
+        "bp.BlockPool.touch = touch\n"
+    )
+    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    text = kvscope("probe-check", "--python", VLLM_PYTHON, env=env)
+    assert text.returncode == 1, text.stdout + text.stderr
+    lines = text.stdout.splitlines()
+    assert lines[0] == (
+        f"vLLM {VENV_RELEASE}: vllm.v1.core.block_pool.BlockPool.touch takes (self, block_ids) where the probe "
+        "needs (self, blocks, ...); nothing patched (the engine runs unrecorded)"
+    )
+    differs = [line for line in lines if "DIFFERS" in line]
+    assert differs == ["    DIFFERS vllm.v1.core.block_pool.BlockPool.touch(self, blocks, ...)"], lines
+    found = json.loads(kvscope("probe-check", "--python", VLLM_PYTHON, "--json", env=env).stdout)
+    [engine] = found["engines"]
+    assert (engine["engine"], engine["loads"], engine["family"]) == ("vLLM", False, None)
+    assert [t["target"] for t in engine["targets"] if not t["match"]] == ["vllm.v1.core.block_pool.BlockPool.touch"]
 
 
 def test_a_capture_it_cannot_write_stops_recording_in_one_line_and_vllm_serves_on(tmp_path: Path) -> None:
