@@ -607,22 +607,27 @@ def _touch(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _free_blocks(original: Callable[..., Any], *, weak_pool: bool = False) -> Callable[..., Any]:
-    """BlockPool.free_blocks. `weak_pool` (family 0.34): a block names its pool by a weak reference
-    (the pool's _weak_self), not the pool itself: this pool's blocks are those whose `pool` is that."""
+    """BlockPool.free_blocks. Family 0.34 (`weak_pool`): a block names its pool by a weak reference (the
+    pool's _weak_self), so this pool's blocks are those whose `pool` is that; and `evict_first` (blocks
+    another tier holds) puts the cached blocks that reach ref 0 at the free queue's front (prepend_n,
+    not append_n): the cached-free count takes them here. Earlier families never pass evict_first (a
+    default parameter costs nothing; *args/**kwargs would, on every free)."""
 
-    def free_blocks(self: Any, ordered_blocks: Any, *args: Any, **kwargs: Any) -> Any:
+    def free_blocks(self: Any, ordered_blocks: Any, evict_first: bool = False) -> Any:
         probe = PROBE
         if not probe.state.active:
-            return original(self, ordered_blocks, *args, **kwargs)
+            return original(self, ordered_blocks, evict_first) if evict_first else original(self, ordered_blocks)
         # NOTE: an iterator (reversed(...)) is read once: keep it for after
         blocks = ordered_blocks if type(ordered_blocks) is list else [*ordered_blocks]
         queue = self.free_block_queue
         queued = queue.num_free_blocks
-        result = original(self, blocks, *args, **kwargs)
+        result = original(self, blocks, evict_first) if evict_first else original(self, blocks)
         try:
+            mine = self._weak_self if weak_pool else self  # NOTE: what this pool's blocks hold in `pool`
+            if evict_first and self.enable_caching:
+                probe.cached_free += _freed_cached(blocks, mine)
             if blocks and (probe.hot or probe.recorder() is not None):
                 ctx, emit = probe.ctx, probe.emit
-                mine = self._weak_self if weak_pool else self  # NOTE: what this pool's blocks hold in `pool`
                 if emit is None:
                     releasers, released = probe.last_release, (ctx.rid, probe.step, "free")
                     if queue.num_free_blocks - queued == len(blocks):  # NOTE: all this pool's, none null, all at ref 0
@@ -663,30 +668,11 @@ def _free_blocks(original: Callable[..., Any], *, weak_pool: bool = False) -> Ca
     return free_blocks
 
 
-def _free_blocks_evict_first(original: Callable[..., Any]) -> Callable[..., Any]:
-    """BlockPool.free_blocks of family 0.34 (`evict_first`, a weakly referenced pool): with evict_first
-    set (blocks whose contents another tier holds) the cached blocks that reach ref 0 go to the free
-    queue's front (prepend_n), not through append_n: the cached-free count takes them here."""
-    inner = _free_blocks(original, weak_pool=True)
-
-    def free_blocks(self: Any, ordered_blocks: Any, *args: Any, **kwargs: Any) -> Any:
-        evict_first = args[0] if args else kwargs.get("evict_first", False)
-        if not (evict_first and PROBE.state.active):
-            return inner(self, ordered_blocks, *args, **kwargs)
-        blocks = ordered_blocks if type(ordered_blocks) is list else [*ordered_blocks]
-        result = inner(self, blocks, *args, **kwargs)
-        if self.enable_caching and PROBE.state.active:
-            with guarded(PROBE.state):
-                mine = self._weak_self
-                front = {
-                    b.block_id
-                    for b in blocks
-                    if b.pool is mine and not b.is_null and b.ref_cnt == 0 and b.block_hash is not None
-                }
-                PROBE.cached_free += len(front)
-        return result
-
-    return free_blocks
+def _freed_cached(blocks: list[Any], mine: Any) -> int:
+    """This pool's hashed blocks among `blocks` that a free left at ref 0 (each once)."""
+    return len(
+        {b.block_id for b in blocks if b.pool is mine and not b.is_null and not b.ref_cnt and b.block_hash is not None}
+    )
 
 
 def _append_n(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -1213,7 +1199,10 @@ def targets_033() -> list[Target]:
 
 
 def targets_034() -> list[Target]:
-    return _targets(_free_blocks_evict_first, lambda original: _get_computed_blocks(original, _hit_bound_034))
+    return _targets(
+        lambda original: _free_blocks(original, weak_pool=True),
+        lambda original: _get_computed_blocks(original, _hit_bound_034),
+    )
 
 
 # NOTE: what each family needs of vLLM's code (shapes.py): every wrapped method with the leading
