@@ -71,3 +71,14 @@ def test_the_architecture_doc_maps_every_package() -> None:
     text = (ROOT / "docs" / "architecture.md").read_text()
     missing = [p for p in packages() if f"`kvscope/{p}/`" not in text]
     assert not missing, f"docs/architecture.md's package map omits {missing}"
+
+
+def test_the_readme_page_table_lists_every_dashboard_page() -> None:
+    """The page table in the README names each page the dashboard's navigation has, in its order."""
+    from kvscope.dashboard.frame import PAGE_FILES
+
+    readme = (ROOT / "README.md").read_text()
+    table = re.search(r"^\| page \| shows \|\n\|---\|---\|\n((?:\|.*\n)+)", readme, re.M)
+    assert table, "README.md has no page table"
+    rows = [line.split("|")[1].strip() for line in table.group(1).splitlines()]
+    assert rows == list(PAGE_FILES), rows

@@ -24,16 +24,14 @@ def fleet_verb(args: argparse.Namespace) -> int:
             return _no_fleet(args, loose_runs(capture, found))
         figures = fleet_figures(capture, pick_fleet(found, args.fleet))
         others = [f.id for f in found if f.id != figures.fleet.id]
+        loose = loose_runs(capture, found)
     finally:
         capture.close()
     if args.json:
-        print(
-            json.dumps(
-                {"capture": display_name(args.capture), **figures_json(figures), "other_fleets": others}, indent=2
-            )
-        )
+        shown = {"capture": display_name(args.capture), **figures_json(figures), "other_fleets": others}
+        print(json.dumps({**shown, "runs_in_no_fleet": loose}, indent=2))
     else:
-        print("\n".join(fleet_lines(figures, others)))
+        print("\n".join(fleet_lines(figures, others, loose)))
     return 0
 
 
@@ -49,7 +47,7 @@ def _no_fleet(args: argparse.Namespace, runs: list[int]) -> int:
     return 1
 
 
-def fleet_lines(figures: FleetFigures, others: list[str]) -> list[str]:
+def fleet_lines(figures: FleetFigures, others: list[str], loose: list[int] | None = None) -> list[str]:
     fleet = figures.fleet
     size = "" if fleet.size is None else f" of {fleet.size}"
     lines = [f"fleet {fleet.id} ({fleet.source}): {len(fleet.replicas)} replicas{size}"]
@@ -79,6 +77,8 @@ def fleet_lines(figures: FleetFigures, others: list[str]) -> list[str]:
     lines += ["", *figures.notes] if figures.notes else []
     if others:
         lines.append(f"other fleets in this capture: {', '.join(others)} (--fleet ID)")
+    if loose:
+        lines.append(f"runs in no fleet: {', '.join(map(str, loose))} (kvscope check CAPTURE --run ID)")
     return lines
 
 

@@ -267,7 +267,14 @@ def run(spec: RunSpec, out: TextIO | None = None) -> EngineStats:
     requests = checked_requests(spec)
     path = capture_path(spec)
     start = time.monotonic()
-    capture, stats = record_run(spec, path, requests)
+    try:
+        capture, stats = record_run(spec, path, requests)
+    except (KeyboardInterrupt, SystemExit) as stop:
+        partial = getattr(stop, "stats", None)  # NOTE: record_run's, with the run closed 'interrupted'
+        if partial is not None:
+            with signals_held():  # NOTE: a second Ctrl-C must not cut the summary of the first short
+                print_summary(partial, time.monotonic() - start, path, out, stopped=getattr(stop, "line", None))
+        raise
     wall_s = time.monotonic() - start
     failure = getattr(capture, "failure", None)
     verdict = None
@@ -324,6 +331,8 @@ def record_run(spec: RunSpec, path: str | Path | None, requests: list[Req]) -> t
         status, stats = RunStatus.INCOMPLETE, engine.stats
     except (KeyboardInterrupt, SystemExit) as stop:
         status, error = RunStatus.INTERRUPTED, stop_line(stop, engine)
+        if engine is not None:  # NOTE: for run()'s partial summary (the signal's number rides on it too)
+            stop.stats, stop.line = engine.stats, error  # type: ignore[union-attr]
         raise
     except BaseException as err:
         status, error = RunStatus.CRASHED, f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
@@ -400,7 +409,10 @@ def print_summary(
     out: TextIO,
     leak_report: str | None = None,
     failure: str | None = None,
+    stopped: str | None = None,
 ) -> None:
+    """The run's summary; `failure`: why recording stopped; `stopped`: why the run was interrupted
+    (its figures are then those so far, and the capture holds the run closed 'interrupted')."""
     checks = stats.leak_checks_passed + stats.leak_checks_failed
     verdict = (
         f"{stats.leak_checks_failed} FAILED"
@@ -409,8 +421,14 @@ def print_summary(
         if checks
         else "none ran: no idle point"
     )
-    where = f" (incomplete: {failure})" if failure else ""
-    cut = " (cut short: the run stopped when recording stopped)" if failure else ""
+    where = f" (incomplete: {failure})" if failure else f" (interrupted: {stopped})" if stopped else ""
+    cut = (
+        " (cut short: the run stopped when recording stopped)"
+        if failure
+        else f" (cut short: {stopped}; the rest never ran)"
+        if stopped
+        else ""
+    )
     lines = [
         f"requests          {stats.num_finished} finished, {stats.num_aborted} aborted of {stats.num_requests}{cut}",
         f"prompt tokens     {stats.prompt_tokens}",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import multiprocessing
 import re
 import shutil
@@ -117,10 +118,11 @@ def serve_verb(args: argparse.Namespace) -> int:
     listener = bind_listener(options.host, options.port)
     from kvscope.app.runner import kv_fingerprint
     from kvscope.mem import resolve_device
-    from kvscope.server.scheduler import ServeSpec, start_scheduler
+    from kvscope.server.scheduler import EXIT_RECORDING_STOPPED, ServeSpec, start_scheduler
     from kvscope.telemetry.fingerprint import environment_fingerprint
 
     kv_events = options.kv_events if options.kv_events is not None and options.kv_events.enabled else None
+    fleet_id = uuid.uuid4().hex
     config: dict[str, Any] = {
         "serve": {
             "host": options.host,
@@ -128,6 +130,7 @@ def serve_verb(args: argparse.Namespace) -> int:
             "model_id": options.model_id,
             "api_keys": options.api_keys is not None,
             "kv_events": asdict(options.kv_events) if options.kv_events else None,
+            "start": fleet_id,  # NOTE: names this start's runs (one per rank), to store their reports at the end
         },
         "engine": options.engine.fingerprint(),
         "model": asdict(options.model),
@@ -143,12 +146,46 @@ def serve_verb(args: argparse.Namespace) -> int:
         config=config,
         kv_events=kv_events,
     )
-    fleet_id = uuid.uuid4().hex
 
     def start(rank: int, to_scheduler: str, to_front: str) -> multiprocessing.process.BaseProcess:
         return start_scheduler(rank_spec(spec, options, fleet_id, rank), to_scheduler, to_front)
 
-    return serve(options, listener, start)
+    code = serve(options, listener, start)
+    if options.capture and options.level == "full" and code != EXIT_RECORDING_STOPPED:  # NOTE: run's rule
+        store_reports(options.capture, fleet_id)
+    return code
+
+
+def store_reports(capture: str, start_id: str) -> None:
+    """The leak report of each run this start recorded (one per rank), stored in the capture as `run`
+    stores its own: the dashboard and `report leaks` then read it instead of replaying the events."""
+    from kvscope.app.report import store_leak_report
+    from kvscope.telemetry import Capture, CaptureError
+
+    try:
+        reader = Capture(capture)
+        try:
+            runs = [int(row.id) for row in reader.runs().itertuples() if _start_of(row.config) == start_id]
+        finally:
+            reader.close()
+    except (CaptureError, OSError, ValueError) as err:
+        print(f"kvscope serve: leak report not stored ({err})", file=sys.stderr)
+        return
+    for run_id in runs:
+        try:
+            print(f"kvscope serve: run {run_id}: {store_leak_report(capture, run_id)}", flush=True)
+        except KeyboardInterrupt:  # NOTE: a stop while it replays: the run is closed already, only its report is lost
+            print(f"kvscope serve: run {run_id}: leak report not stored (stopped while it was built)", flush=True)
+            return
+
+
+def _start_of(config: Any) -> str | None:
+    try:
+        found = json.loads(config) if isinstance(config, str) else config
+    except ValueError:
+        return None
+    serve = found.get("serve") if isinstance(found, dict) else None
+    return serve.get("start") if isinstance(serve, dict) else None
 
 
 def rank_spec(spec: ServeSpec, options: ServeOptions, fleet_id: str, rank: int) -> ServeSpec:
@@ -288,9 +325,14 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
                 code = code or 1
         await front.close()
     why = f" ({stopped[0]})" if stopped else ""
+    from kvscope.server.scheduler import EXIT_RECORDING_STOPPED
     from kvscope.telemetry.store import display_name
 
     where = f"; capture {display_name(options.capture)}" if options.capture else ""
+    incomplete = [r for r, process in enumerate(processes) if process.exitcode == EXIT_RECORDING_STOPPED]
+    if incomplete:  # NOTE: the server served on; the capture stops where recording did (kvscope check says where)
+        where += f" (incomplete: recording stopped{rank_name(incomplete, options)})"
+        code = code or EXIT_RECORDING_STOPPED
     print(f"kvscope serve: stopped{why}{where}", flush=True)
     return code
 

@@ -63,13 +63,13 @@ def discover(url: str, *, engine: str = "auto", timeout_s: float = 5.0) -> Engin
     root = base_url(url)
     with httpx.Client(timeout=timeout_s) as client:
         tried = []
+        doc, status = server_info(client, root)  # NOTE: asked for vLLM too: kvscope serve answers /version as well
+        kind = shape_of(doc)
+        if doc is not None and kind is not None and engine in ("auto", kind):
+            return sglang_info(client, root, doc) if kind == "sglang" else kvscope_info(client, root, doc)
+        if kind is not None:
+            raise AttachError(f"{root} is a {kind} server, not {engine}: use --engine {kind} or auto")
         if engine != "vllm":
-            doc, status = server_info(client, root)
-            kind = shape_of(doc)
-            if doc is not None and kind is not None and engine in ("auto", kind):
-                return sglang_info(client, root, doc) if kind == "sglang" else kvscope_info(client, root, doc)
-            if kind is not None:
-                raise AttachError(f"{root} is a {kind} server, not {engine}: use --engine {kind} or auto")
             tried.append(f"an SGLang server (/server_info: {status})")
         if engine in ("auto", "vllm"):
             version, status = vllm_version(client, root)

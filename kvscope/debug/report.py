@@ -62,6 +62,16 @@ class LeakKind(StrEnum):
 # NOTE: a leak the ledger finds in a run that stopped mid-step may be a free still pending in
 # that step (frees are grouped per step); these kinds are single events, certain wherever they are
 DEFINITE_KINDS = (LeakKind.DOUBLE_FREE, LeakKind.USE_AFTER_FREE)
+
+
+def certain(report: LeakReport, leak: Leak) -> bool:
+    """A leak the run's end cannot explain: the run finished, the kind is a single wrong event, or
+    the free was due before the run's last sampled step (a whole step ended after it, with no free)."""
+    if report.finished or leak.kind in DEFINITE_KINDS:
+        return True
+    return leak.free_due_step is not None and report.last_step is not None and leak.free_due_step < report.last_step
+
+
 CHECK_EXIT_CODES = {"clean": 0, "leak": 1, "inconclusive": 3}  # kvscope check's (2: unreadable, from the CLI)
 _STOPPED = {
     RunStatus.RUNNING.value: "the run is still running",
@@ -569,8 +579,9 @@ def render_text(report: LeakReport, max_leaks: int | None = None) -> str:
 
 def _checks_lines(report: LeakReport) -> list[str]:
     if report.first_failure_step is not None:
+        where = _censuses(report) if report.censuses else f"{report.checks_run} idle points"
         lines = [
-            f"leak checks: {report.checks_run} idle points; first failure at step {report.first_failure_step}:",
+            f"leak checks: {where}; first failure at step {report.first_failure_step}:",
             *(f"    {m}" for m in report.first_failure),
         ]
         lines += _blocks_lines(report, report.first_failure_step)
@@ -594,14 +605,15 @@ def _blocks_lines(report: LeakReport, step: int | None) -> list[str]:
     blocks = [b for b in report.census_blocks if b["step"] == step]
     if not blocks:
         return []
+    unit = "page" if _pages(report) else "block"
     return [
-        f"  every block the census named at step {step} ({len(blocks)}):",
-        *(f"    {_block_text(b)}" for b in blocks),
+        f"  every {unit} the census named at step {step} ({len(blocks)}):",
+        *(f"    {_block_text(b, unit)}" for b in blocks),
     ]
 
 
-def _block_text(block: dict[str, Any]) -> str:
-    text = f"{block['term']}: block {block['block']}"
+def _block_text(block: dict[str, Any], unit: str = "block") -> str:
+    text = f"{block['term']}: {unit} {block['block']}"
     if block["ref"] is not None:
         text += f" ref {block['ref']}"
     if block["accounted"] is not None:
@@ -617,12 +629,13 @@ def _leaks_line(report: LeakReport) -> str:
     """What the capture can and cannot say about leaks: 'none' only when it can know."""
     if report.leaks:
         roots = len(report.root_leaks)
+        pending = [leak for leak in report.root_leaks if not certain(report, leak)]
         cut = (
             ""
-            if report.finished
+            if not pending
             else (
-                " (found where the run stopped: one that is not "
-                f"{' or '.join(DEFINITE_KINDS)} may be a free still pending in that step)"
+                f" ({len(pending)} found where the run stopped: a free may still have been pending in that "
+                f"step; the others were due {'' if len(pending) < roots else 'no '}earlier)"
             )
         )
         consequences = len(report.leaks) - roots
@@ -705,7 +718,7 @@ def verdict(report: LeakReport) -> Verdict:
             f"inconclusive: an attached engine ({report.attached}) runs its own leak check; kvscope sees "
             "its cached pages, not its slots (`kvscope report engine-log LOG` explains its leak messages)",
         )
-    leaks = [leak for leak in report.root_leaks if report.finished or leak.kind in DEFINITE_KINDS]
+    leaks = [leak for leak in report.root_leaks if certain(report, leak)]
     if leaks or report.first_failure_step is not None:
         return Verdict("leak", CHECK_EXIT_CODES["leak"], _leak_reason(report, leaks))
     if not report.finished:
@@ -713,7 +726,10 @@ def verdict(report: LeakReport) -> Verdict:
         why = f" ({report.error})" if report.error else _at_step(report)
         when = "so far" if report.status == RunStatus.RUNNING else "before it stopped"
         balanced = f"{_checks(report.checks_run)} balanced {when}"
-        return Verdict("inconclusive", CHECK_EXIT_CODES["inconclusive"], f"inconclusive: {stopped}{why}; {balanced}")
+        pending = _pending_line(report)
+        return Verdict(
+            "inconclusive", CHECK_EXIT_CODES["inconclusive"], f"inconclusive: {stopped}{why}; {balanced}{pending}"
+        )
     if report.checks_run == 0:
         return Verdict(
             "inconclusive",
@@ -772,13 +788,26 @@ def _checks(count: int) -> str:
     return f"{count} idle leak check{'s' if count != 1 else ''}"
 
 
+def _pending_line(report: LeakReport) -> str:
+    """Why the leaks the ledger found where an unfinished run stopped do not make it a leak."""
+    pending = report.root_leaks
+    if not pending:
+        return ""
+    kinds = ", ".join(sorted({str(leak.kind) for leak in pending}))
+    return (
+        f"; {len(pending)} {kinds} slot group{'s' if len(pending) != 1 else ''} found where it stopped "
+        f"{'are' if len(pending) != 1 else 'is'} not counted: each was due to be freed in the last step, "
+        "whose frees may still have been pending"
+    )
+
+
 def _leak_reason(report: LeakReport, leaks: list[Leak]) -> str:
     if not leaks:
-        return f"leak check failed at step {report.first_failure_step}: {report.first_failure[0]}"
+        return f"leak: the leak check failed at step {report.first_failure_step}: {report.first_failure[0]}"
     leak = leaks[0]
     who = f" ({leak.rid})" if leak.rid else ""
     more = f" and {len(report.leaks) - 1} more" if len(report.leaks) > 1 else ""
-    return f"{leak.kind}: {len(leak.slots)} slots of pool {leak.pool}{who}{more}"
+    return f"leak: {leak.kind}: {len(leak.slots)} slots of pool {leak.pool}{who}{more}"
 
 
 def check_reason(report: LeakReport) -> str:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvscope.telemetry import NULL_RECORDER, Recorder
+from kvscope.telemetry.exits import CRASHED, FINISHED, INTERRUPTED, ExitStatus, status_of
 
 if TYPE_CHECKING:
     from kvscope.telemetry.remote import RemoteRecorder
@@ -43,6 +44,10 @@ LEVELS = ("summary", "full")
 
 
 CENSUS_BUDGET_X = 100  # NOTE: a busy census's engine-thread time <= 1% of the time between censuses
+# NOTE: the last census by how the engine ended: after a normal shutdown (drain); after an engine error (crash:
+# it reads what the error left, a step's half-done work included); none when a shutdown was asked for and an
+# error followed (interrupted: the signal's doing, not the engine's)
+LAST_CENSUS = {FINISHED: "drain", CRASHED: "crash"}
 
 
 class Settings(NamedTuple):
@@ -87,6 +92,28 @@ def _bound(env: Mapping[str, str], name: str, default: float, *, whole: bool = F
         kind = "a whole number" if whole else "a number of seconds"
         raise ValueError(f"{name} must be {kind} >= 0, got {text!r}")
     return value
+
+
+def busy_census_due(
+    settings: Settings | None, steps_since: int, since_s: float, cost_s: float, budget_x: float = CENSUS_BUDGET_X
+) -> bool:
+    """A busy census is due: `steps_since` engine steps or `since_s` seconds since the last census ended
+    reach a setting, and `since_s` is at least `budget_x` times the last census's own time (`cost_s`)."""
+    if settings is None:
+        return False
+    every_steps, every_s = settings.census_every_steps, settings.census_every_s
+    due = (every_steps > 0 and steps_since >= every_steps) or (every_s > 0 and since_s >= every_s)
+    return due and since_s >= budget_x * cost_s
+
+
+def engine_ending(err: BaseException | None, *, shutdown_asked: bool) -> ExitStatus:
+    """How an engine's loop ended, from the exception that ended it (None: it returned; telemetry/exits.py).
+    An error raised after a shutdown was asked for is the signal's doing, not the engine's (a signal to the
+    whole process group stops the step in flight): interrupted, with the error's line."""
+    ending = status_of(err)
+    if ending.status == CRASHED and shutdown_asked and not isinstance(err, SystemExit):
+        return ExitStatus(INTERRUPTED, f"a shutdown was asked for while a step ran: {ending.error}")
+    return ending
 
 
 class Target(NamedTuple):

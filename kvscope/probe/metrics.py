@@ -9,6 +9,12 @@ engine; every series below has them)
                                              difference, the rest blocks); 0 = the term holds
     kvscope_probe_censuses_total             counter: censuses run and stored since the engine started
     kvscope_probe_censuses_failed_total      counter: of them, those with any term violated
+    kvscope_probe_censuses_by_kind_total{kind}
+                                             counter: the censuses run and stored, by kind (busy, idle,
+                                             drain, crash, poll: when each runs, docs/probe.md)
+    kvscope_probe_census_seconds_total       counter: the engine thread's time spent in censuses: its rate()
+                                             is the probe's share of the engine thread (<= 0.01 by the
+                                             census's own budget; absent where the engine does not say)
     kvscope_probe_last_census_step           gauge: the engine step of the last census
     kvscope_probe_last_census_timestamp_seconds
                                              gauge: when it ran (Unix time): its age is time() - this
@@ -45,15 +51,24 @@ class CensusTally:
     last_step: int | None = None
     last_unix_s: float | None = None  # NOTE: wall clock: the API server computes the age in its own process
     terms: dict[str, int] = field(default_factory=dict)
+    kinds: dict[str, int] = field(default_factory=dict)  # NOTE: censuses by kind (census.CENSUS_KINDS)
+    census_s: float | None = None  # NOTE: engine-thread seconds, every census's own time summed (None: not told)
 
-    def note(self, step: int, result: Any, terms: Iterable[str]) -> None:
+    def spent(self, seconds: float) -> None:
+        """A census's engine-thread time (stored or not: a live poll's too)."""
+        self.census_s = (self.census_s or 0.0) + seconds
+
+    def note(self, step: int, result: Any, terms: Iterable[str], kind: str | None = None) -> None:
         """A stored census: `result` holds each of `terms` as a field (a list, a mapping or a difference);
         a term it lacks is left out (the census's own terms decide the series)."""
         fields = {term: getattr(result, term, None) for term in terms}
-        self.note_counts(step, {term: term_count(value) for term, value in fields.items() if value is not None})
+        counts = {term: term_count(value) for term, value in fields.items() if value is not None}
+        self.note_counts(step, counts, kind)
 
-    def note_counts(self, step: int, counts: dict[str, int]) -> None:
-        """A stored census, as what each of its terms names."""
+    def note_counts(self, step: int, counts: dict[str, int], kind: str | None = None) -> None:
+        """A stored census of `kind`, as what each of its terms names."""
+        if kind is not None:
+            self.kinds[kind] = self.kinds.get(kind, 0) + 1
         self.num_censuses += 1
         self.num_failed += any(counts.values())
         self.last_step, self.last_unix_s, self.terms = step, time.time(), counts
@@ -66,6 +81,8 @@ class CensusTally:
             "last_step": self.last_step,
             "last_unix_s": self.last_unix_s,
             "terms": dict(self.terms),
+            "kinds": dict(self.kinds),
+            "census_s": self.census_s,
             "recording": recording,
             "reason": reason or "",
         }
@@ -92,6 +109,8 @@ def families(
     leaked = Family(f"{PREFIX}leaked_blocks", "gauge", "what the last census's term names (0: it holds)", ("term",), [])
     runs = Family(f"{PREFIX}censuses", "counter", "censuses run and stored", (), [])
     failed = Family(f"{PREFIX}censuses_failed", "counter", "censuses with a term violated", (), [])
+    kinds = Family(f"{PREFIX}censuses_by_kind", "counter", "censuses run and stored, by kind", ("kind",), [])
+    spent = Family(f"{PREFIX}census_seconds", "counter", "engine-thread seconds spent in censuses", (), [])
     step = Family(f"{PREFIX}last_census_step", "gauge", "the engine step of the last census", (), [])
     stamp = Family(f"{PREFIX}last_census_timestamp_seconds", "gauge", "when the last census ran (Unix time)", (), [])
     age = Family(f"{PREFIX}last_census_age_seconds", "gauge", "seconds since the last census", (), [])
@@ -103,11 +122,15 @@ def families(
             continue
         runs.samples.append((labels, float(snap["censuses"])))
         failed.samples.append((labels, float(snap["failed"])))
+        if snap.get("census_s") is not None:
+            spent.samples.append((labels, float(snap["census_s"])))
         recording.samples.append(((*labels, str(snap["reason"])), float(bool(snap["recording"]))))
+        for kind, count in sorted(snap.get("kinds", {}).items()):  # NOTE: an older probe's snapshot has none
+            kinds.samples.append(((*labels, kind), float(count)))
         for term, count in sorted(snap["terms"].items()):
             leaked.samples.append(((*labels, term), float(count)))
         if snap["last_step"] is not None:
             step.samples.append((labels, float(snap["last_step"])))
             stamp.samples.append((labels, float(snap["last_unix_s"])))
             age.samples.append((labels, max(0.0, now_unix_s - float(snap["last_unix_s"]))))
-    return [leaked, runs, failed, step, stamp, age, recording, alive]
+    return [leaked, runs, failed, kinds, spent, step, stamp, age, recording, alive]

@@ -1,8 +1,9 @@
 """The probe inside SGLang's scheduler process: hooks on the allocators, the request-row pool and the
 radix trees of the versions in SUPPORTED, registered through SGLang's own plugin framework
 (HookRegistry, AROUND hooks; the allocators' and the trees' hot methods patched directly, see `_register`), and the
-page census (sglang_census.py) at each idle point; the page ledger (Mamba slots included) in
-sglang_ledger.py; what a census and a snapshot read of SGLang's pools and trees in sglang_views.py.
+page census (sglang_census.py) at each idle point, periodically while busy and as the scheduler loop ends; the
+page ledger (Mamba slots included) in sglang_ledger.py; what a census and a snapshot read of SGLang's pools
+and trees in sglang_views.py.
 
 Loaded by SGLang's `sglang.srt.plugins` entry point (`register`): `load_plugins()` runs it first
 thing in every SGLang process (the scheduler, spawned, included); inert unless KVSCOPE_CAPTURE is
@@ -31,8 +32,10 @@ NOTE: the request context (rid) is the request whose own call runs: release_kv_c
 checkpoint, PrefillAdder's admission (its lock); None for a batch's calls (prepare_for_*, a free
 group's end: event group) and outside any hook; a match names its request on its own event only.
 The census (Scheduler.on_idle after SGLang's own check; before SGLang raises: _report_leak,
-_check_req_pool, any other raise out of on_idle) writes one leak check per pool (full; swa under an
-SWA allocator, read through SGLang's full -> SWA slot mapping; req; mamba under a
+_check_req_pool, any other raise out of on_idle; busy: before ingest_requests, first in each iteration of
+the normal and overlap loops, when due; drain / crash: as run_event_loop returns / raises, then the run
+closes as the loop ended) writes one leak check per pool, of its kind, and every page it names
+(census_blocks) (full; swa under an SWA allocator, read through SGLang's full -> SWA slot mapping; req; mamba under a
 HybridReqToTokenPool's MambaSlotAllocator) and a tree snapshot (tree_rows); a request record per
 release_kv_cache (not at a retraction's). Per step a usage sample from
 the allocator's and the tree's own counters (available, evictable, protected; written when the next
@@ -55,9 +58,13 @@ from contextlib import suppress
 from typing import Any, NamedTuple
 
 from kvscope.probe.core import (
+    CENSUS_BUDGET_X,
+    LAST_CENSUS,
     LEVELS,
     ProbeState,
     Settings,
+    busy_census_due,
+    engine_ending,
     guarded,
     installed_version,
     open_recorder,
@@ -67,7 +74,7 @@ from kvscope.probe.core import (
     settings_from_env,
 )
 from kvscope.probe.metrics import CensusTally
-from kvscope.probe.sglang_census import census_checks, census_line, take_page_census
+from kvscope.probe.sglang_census import census_blocks, census_checks, census_line, take_page_census, violation
 from kvscope.probe.sglang_ledger import (
     ALLOC,
     BIND,
@@ -90,6 +97,7 @@ from kvscope.probe.sglang_views import (
     tree_slots,
 )
 from kvscope.telemetry import EventKind, EvictReason, PoolTerms, RequestRecord, UsageSample
+from kvscope.telemetry.remote import signals_held
 
 ENGINE = "sglang"
 MEM = "sglang.srt.mem_cache"
@@ -170,6 +178,10 @@ class SglangProbe:
         self.bound: dict[int, int] = {}  # NOTE: row -> the length whose pages bind gave its request (row hooks reset)
         self.tally = CensusTally()  # NOTE: the stored censuses, for SGLang's /metrics (sglang_metrics.py)
         self.metrics = SglangMetrics()
+        self.in_loop = False  # NOTE: inside SGLang's normal or overlap event loop (busy censuses run only there)
+        self.last_census_t = _monotonic()  # NOTE: when the last census ended (or the probe started)
+        self.census_cost_s = 0.0  # NOTE: the scheduler-thread time of the last census
+        self.last_said: tuple[str, ...] = ()  # NOTE: the failing pools' lines the last census printed
 
     def publish(self, scheduler: Any) -> None:
         """The censuses so far into SGLang's /metrics, labelled as the scheduler's series (never raises)."""
@@ -369,13 +381,45 @@ class SglangProbe:
 
     # -- the census -----------------------------------------------------------------------------
 
-    def census(self, tree: Any, rows: Any, owners: list[Any], *, why: str) -> Any:
+    def busy_census_due(self) -> bool:
+        """A busy census is due: core.busy_census_due over the steps and seconds since the last census."""
+        steps_since = self.step - max(self.census_step, 0)
+        since_s = _monotonic() - self.last_census_t
+        return busy_census_due(self.settings, steps_since, since_s, self.census_cost_s, CENSUS_BUDGET_X)
+
+    def end_run(self, scheduler: Any, err: BaseException | None) -> None:
+        """SGLang's scheduler loop ended (`err`: what it raised): the last census, kind by how it ended
+        (core.LAST_CENSUS: drain after a shutdown, crash after an error, none when interrupted), then the
+        run closes as the loop ended (core.engine_ending; a shutdown was asked for once SGLang's
+        ShutdownReq set gracefully_exit). Never raises."""
+        if not self.state.active or self.pid != os.getpid():
+            return
+        ending = engine_ending(err, shutdown_asked=getattr(scheduler, "gracefully_exit", False) is True)
+        kind = LAST_CENSUS.get(ending.status)
+        with signals_held():  # NOTE: a signal's handler must not cut the last census or the close off
+            if kind is not None:
+                with guarded(self.state):
+                    checker = scheduler.invariant_checker
+                    owners = checker._requests_owning_rows()
+                    self.census(checker.tree_cache, checker.req_to_token_pool, owners, why=kind, kind=kind)
+                    for req in owners:  # NOTE: the rows of those still running (the census saw their pages held)
+                        _record_request(req, unfinished=True)
+                self.publish(scheduler)
+            if self.state.active:
+                with guarded(self.state):
+                    self.drain()  # NOTE: the calls since the last fold (none after a census)
+                    self.state.active = False
+                    self.state.recorder.close(*ending)
+
+    def census(self, tree: Any, rows: Any, owners: list[Any], *, why: str, kind: str = "idle") -> Any:
         """Every page of each pool is exactly one of free / in the tree / in a live request's row (a
         streaming session's record counts as one: session_holders); stored as leak checks (one per
-        pool), with a usage sample, before anything else happens."""
+        pool) of census `kind` (busy, idle, drain, crash) with every page it names, and a usage
+        sample, before anything else happens; a tree snapshot too, but at a busy census."""
         rec = self.recorder()
         if rec is None:
             return None
+        started = _monotonic()
         self.drain()
         self.busy = False
         self.censuses += 1
@@ -415,9 +459,10 @@ class SglangProbe:
         if slots is not None:
             takers, releasers = self.takers["mamba"].get(id(slots), {}), self.releasers["mamba"].get(id(slots), {})
             results.append(take_page_census("mamba", mamba_view(tree, rows, slots, owners), takers, releasers, {}))
-        for check in census_checks(rec.step, results):
+        for check in census_checks(rec.step, results, kind):
             rec.leak_check(check)
-        self.tally.note_counts(rec.step, page_terms(results))
+        rec.census_blocks(census_blocks(rec.step, results))
+        self.tally.note_counts(rec.step, page_terms(results), kind)
         ps = view.page_size
         used = (view.num_pages - len(result.free)) * ps
         terms = PoolTerms(view.num_pages * ps, len(result.free) * ps, len(result.tree - result.live) * ps, 0)
@@ -442,19 +487,26 @@ class SglangProbe:
                 )
             )
             self.usage_step = rec.step
-        rec.tree_snapshot(rec.step, tree_rows(tree, view.live, ps))
-        for failed in (r for r in results if not r.ok):
-            say(
-                census_line(
-                    failed,
-                    why=why,
-                    capture=self.settings.capture if self.settings else "",
-                    run_id=getattr(rec, "run_id", None),
-                    step=rec.step,
-                )
-            )
-        rec.flush() if hasattr(rec, "flush") else rec.idle()
+        if kind != "busy":  # NOTE: while busy, prepared() takes one every SNAPSHOT_EVERY_STEPS steps
+            rec.tree_snapshot(rec.step, tree_rows(tree, view.live, ps))
+        self.say_failures(results, rec, why, repeat=kind != "busy")
+        if kind != "busy" or not all(r.ok for r in results):  # NOTE: a failing census is handed on now
+            rec.flush() if hasattr(rec, "flush") else rec.idle()
+        self.last_census_t = now = _monotonic()
+        self.census_cost_s = now - started
+        self.tally.spent(self.census_cost_s)
         return tuple(results)
+
+    def say_failures(self, results: list[Any], rec: Any, why: str, *, repeat: bool) -> None:
+        """Each failing pool's line into SGLang's log (`kvscope report engine-log` reads it); a busy census
+        that finds what the last census printed says nothing (a leak stays until a restart)."""
+        failed = tuple(f"{r.pool} {violation(r)}" for r in results if not r.ok)
+        if not repeat and failed == self.last_said:
+            return
+        self.last_said = failed
+        for r in (r for r in results if not r.ok):
+            capture = self.settings.capture if self.settings else ""
+            say(census_line(r, why=why, capture=capture, run_id=getattr(rec, "run_id", None), step=rec.step))
 
 
 # -- the hooks (SGLang's AROUND form: hook(original, *args, **kwargs)) --------------------------------
@@ -1022,7 +1074,9 @@ def _h_retract(original: Callable[..., Any], self: Any, *args: Any, **kwargs: An
     return result
 
 
-def _record_request(req: Any) -> None:
+def _record_request(req: Any, *, unfinished: bool = False) -> None:
+    """A request's row, once: at its release (finished, or released unfinished: an abort), or, `unfinished`,
+    as the scheduler loop ends with it still holding its row (no finish mark)."""
     rec = PROBE.recorder()
     if rec is None or req.rid in PROBE.recorded:
         return
@@ -1032,7 +1086,7 @@ def _record_request(req: Any) -> None:
         req.rid,
         None,
         prompt,
-        "finished" if req.finished() else "released",
+        "unfinished" if unfinished else "finished" if req.finished() else "released",
         int(getattr(req, "cached_tokens", 0) or 0),  # NOTE: SGLang's own; prefix_len has moved on to the prompt
         len(req.output_ids),
         PROBE.retractions.pop(req.rid, 0),
@@ -1040,7 +1094,8 @@ def _record_request(req: Any) -> None:
     retracted_at = PROBE.retract_marks.pop(req.rid, None)
     if retracted_at is not None:
         record.mark("retract", *retracted_at)
-    record.mark("finish", rec.step, _monotonic())
+    if not unfinished:
+        record.mark("finish", rec.step, _monotonic())
     rec.request(record)
     if PROBE.lean:  # NOTE: no match hook at summary: the totals count each request once, as it is released
         c = PROBE.cum
@@ -1063,6 +1118,47 @@ def _h_on_idle(original: Callable[..., Any], self: Any, *args: Any, **kwargs: An
             checker = self.invariant_checker
             PROBE.census(self.tree_cache, self.req_to_token_pool, checker._requests_owning_rows(), why="idle")
         PROBE.publish(self)
+    return result
+
+
+def _h_event_loop(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    """Scheduler.event_loop_normal / event_loop_overlap: while one runs, busy censuses may run (_h_ingest)."""
+    if not PROBE.state.active:
+        return original(self, *args, **kwargs)
+    saved = PROBE.in_loop
+    PROBE.in_loop = True
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        PROBE.in_loop = saved
+
+
+def _h_ingest(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    """Scheduler.ingest_requests, first in each iteration of the event loop: before it, the busy census
+    when one is due and something moved since the last census (docs/probe.md "When the SGLang probe's
+    censuses run": the state here is the one SGLang's own busy check reads)."""
+    probe = PROBE
+    if probe.in_loop and probe.state.active and (probe.busy or probe.pending) and probe.busy_census_due():
+        with guarded(probe.state):
+            checker = self.invariant_checker
+            owners = checker._requests_owning_rows()
+            probe.census(checker.tree_cache, checker.req_to_token_pool, owners, why="busy", kind="busy")
+        probe.publish(self)
+    return original(self, *args, **kwargs)
+
+
+def _h_run_loop(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    """Scheduler.run_event_loop returns once SGLang's ShutdownReq set gracefully_exit, and raises what
+    ended the loop otherwise; run_scheduler_process catches an Exception there, logs it and returns, so
+    the process ends normally: the run's end is read here (SglangProbe.end_run), then it goes on."""
+    try:
+        result = original(self, *args, **kwargs)
+    except BaseException as err:
+        with suppress(Exception):  # NOTE: never into the engine (end_run guards its own work too)
+            PROBE.end_run(self, err)
+        raise
+    with suppress(Exception):
+        PROBE.end_run(self, None)
     return result
 
 
@@ -1154,6 +1250,10 @@ def hooks() -> list[Hook]:
         Hook(RELEASE, _h_release),
         Hook(f"{BATCH}.retract_decode", _h_retract),
         Hook(f"{SCHEDULER}.on_idle", _h_on_idle),
+        Hook(f"{SCHEDULER}.event_loop_normal", _h_event_loop),
+        Hook(f"{SCHEDULER}.event_loop_overlap", _h_event_loop),
+        Hook(f"{SCHEDULER}.ingest_requests", _h_ingest),
+        Hook(f"{SCHEDULER}.run_event_loop", _h_run_loop),
         Hook(f"{CHECKER}._report_leak", _h_report_leak),
         Hook(f"{CHECKER}._check_req_pool", _h_check_req_pool),
     ]

@@ -34,9 +34,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from kvscope.telemetry import LeakCheck
+from kvscope.telemetry import CensusBlock, LeakCheck
 
-MAX_NAMED = 8
+MAX_NAMED = 8  # NOTE: pages named in one check's message; census_blocks stores every one
 Entry = tuple[str | None, int, str]  # (rid, step, event)
 
 
@@ -155,8 +155,9 @@ def holders_of_twice_owned(view: PageView) -> dict[int, list[str]]:
     return {p: held for p, held in sorted(holders.items()) if len(held) > 1}
 
 
-def census_checks(step: int, results: list[PageCensus]) -> list[LeakCheck]:
-    """One leak check per pool: the page counts in tokens, the violation naming pages and requests."""
+def census_checks(step: int, results: list[PageCensus], census: str | None = None) -> list[LeakCheck]:
+    """One leak check per pool: the page counts in tokens, the violation naming pages and requests;
+    `census`: which census it was (census.CENSUS_KINDS)."""
     checks = []
     for r in results:
         ps = r.page_size
@@ -167,9 +168,51 @@ def census_checks(step: int, results: list[PageCensus]) -> list[LeakCheck]:
         uncached = len(r.leaked) * ps
         total = available + evictable + held + uncached
         checks.append(
-            LeakCheck(step, r.pool, total, available, evictable, 0, held, uncached, idle=True, violation=violation(r))
+            LeakCheck(
+                step,
+                r.pool,
+                total,
+                available,
+                evictable,
+                0,
+                held,
+                uncached,
+                idle=True,
+                violation=violation(r),
+                census=census,
+            )
         )
     return checks
+
+
+# NOTE: census_blocks' term for a page (at most 8 characters): what the census named it for, with the pool's
+# tag before it for every pool but full ("s." swa, "r." req rows, "m." mamba slots): a page id is one pool's
+#     leaked   in no free list, tree or live row (taker: its last taker)
+#     double   free and in use, or twice in the free list (releaser: its last releaser; taker where known)
+#     twice    two owners (ref: how many, accounted: 1; releaser: its last releaser)
+#     beyond   a free-list id outside 1..N (counted in no term)
+#     locked   under a tree lock no live request or session holds (level summary; taker: its last taker)
+# A lock that level full's ledger names is a tree node's, not a page's: its check's message names it.
+POOL_TAGS = {"full": "", "swa": "s.", "req": "r.", "mamba": "m."}
+
+
+def census_blocks(step: int, results: list[PageCensus]) -> list[CensusBlock]:
+    """Every page each pool's census names (its check's message names MAX_NAMED of each finding)."""
+    blocks = []
+    for r in results:
+        tag = POOL_TAGS.get(r.pool, r.pool[:1] + ".")
+        blocks += [CensusBlock(step, f"{tag}leaked", p, taker=r.culprits.get(p)) for p in r.leaked]
+        blocks += [
+            CensusBlock(step, f"{tag}double", p, taker=r.named_takers.get(p), releaser=r.releasers.get(p))
+            for p in r.doubleref
+        ]
+        blocks += [
+            CensusBlock(step, f"{tag}twice", p, len(held), 1, r.named_takers.get(p), r.releasers.get(p))
+            for p, held in r.twice.items()
+        ]
+        blocks += [CensusBlock(step, f"{tag}beyond", p) for p in r.outside]
+        blocks += [CensusBlock(step, f"{tag}locked", p, taker=r.named_takers.get(p)) for p in r.stale_locked]
+    return blocks
 
 
 def violation(r: PageCensus) -> str | None:

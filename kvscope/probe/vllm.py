@@ -60,9 +60,11 @@ from typing import Any
 from kvscope.probe.census import TERMS, CensusResult, census_blocks, census_checks, census_json, named, take_census
 from kvscope.probe.core import (
     CENSUS_BUDGET_X,
+    LAST_CENSUS,
     ProbeState,
     Settings,
     Target,
+    busy_census_due,
     guarded,
     installed_version,
     open_recorder,
@@ -72,6 +74,7 @@ from kvscope.probe.core import (
     say,
     settings_from_env,
 )
+from kvscope.probe.core import engine_ending as core_engine_ending
 from kvscope.probe.metrics import CensusTally
 from kvscope.probe.shapes import Family, Shape, choose
 from kvscope.probe.vllm_views import block_view, tree_rows
@@ -85,7 +88,7 @@ from kvscope.telemetry import (
     RequestStatus,
     UsageSample,
 )
-from kvscope.telemetry.exits import ExitStatus, status_of
+from kvscope.telemetry.exits import ExitStatus
 from kvscope.telemetry.remote import CLOCK, EventStream, RemoteRecorder, signals_held
 
 ENGINE = "vllm"
@@ -290,15 +293,11 @@ class VllmProbe:
         self.steps_since_census += 1
 
     def census_due(self) -> bool:
-        """A busy census is due: enough steps or seconds since the last one (the settings), and at
-        least CENSUS_BUDGET_X times the last census's own time since it ended."""
-        settings = self.settings
-        if settings is None or not self.state.active:
+        """A busy census is due (core.busy_census_due: the settings and the cost budget)."""
+        if not self.state.active:
             return False
-        every_steps, every_s = settings.census_every_steps, settings.census_every_s
-        elapsed = _monotonic() - self.last_census_t
-        due = (every_steps > 0 and self.steps_since_census >= every_steps) or (every_s > 0 and elapsed >= every_s)
-        return due and elapsed >= CENSUS_BUDGET_X * self.census_cost_s
+        since_s = _monotonic() - self.last_census_t
+        return busy_census_due(self.settings, self.steps_since_census, since_s, self.census_cost_s, CENSUS_BUDGET_X)
 
     def note_parents(self) -> None:
         """Each block cached this step: the block before it in its request's chain, and that block's
@@ -398,6 +397,7 @@ class VllmProbe:
         self.steps_since_census = 0
         self.last_census_t = now = _monotonic()
         self.census_cost_s = now - started
+        self.tally.spent(self.census_cost_s)
         return result
 
     def store(self, rec: Any, result: CensusResult, kind: str) -> None:
@@ -409,7 +409,7 @@ class VllmProbe:
         for check in census_checks(rec.step, result, kind):
             rec.leak_check(check)
         rec.census_blocks(census_blocks(rec.step, result))
-        self.tally.note(rec.step, result, TERMS)
+        self.tally.note(rec.step, result, TERMS, kind)
 
     def take(self, scheduler: Any) -> tuple[CensusResult, Any]:
         """The census of the scheduler's pool (nothing stored) and the pool's view it read."""
@@ -1118,22 +1118,16 @@ def _idle_callbacks(original: Callable[..., Any]) -> Callable[..., Any]:
     return _notify_idle_state_callbacks
 
 
-# NOTE: the last census by how the engine ended: after a normal shutdown (drain); after an engine error
-# (crash: it reads what the error left, so a step's half-done work shows too, e.g. blocks vLLM had taken
-# out of the free queue read as unqueued); none after a signal stopped a step in flight (interrupted)
-_DRAIN_KINDS = {"finished": "drain", "crashed": "crash"}
+_DRAIN_KINDS = LAST_CENSUS  # NOTE: the last census by how the engine ended (core.LAST_CENSUS)
 
 
 def engine_ending(engine: Any, err: BaseException | None) -> ExitStatus:
-    """How the EngineCore ended, from the exception in flight at its shutdown (telemetry/exits.py). An
-    error raised after a shutdown was asked for is the signal's doing, not the engine's: SIGTERM or
-    SIGINT to the whole process group (a terminal's Ctrl-C, a killpg) reaches vLLM's workers too, and
-    the step in flight fails ('RuntimeError: cancelled'): interrupted, with the error's line."""
-    ending = status_of(err)
+    """How the EngineCore ended, from the exception in flight at its shutdown (core.engine_ending). A
+    shutdown was asked for when its shutdown_state is set: SIGTERM or SIGINT to the whole process group
+    (a terminal's Ctrl-C, a killpg) reaches vLLM's workers too, and the step in flight fails
+    ('RuntimeError: cancelled'): interrupted, with the error's line."""
     asked = getattr(engine, "shutdown_state", 0)
-    if ending.status == "crashed" and not isinstance(err, SystemExit) and isinstance(asked, int) and asked > 0:
-        return ExitStatus("interrupted", f"a shutdown was asked for while a step ran: {ending.error}")
-    return ending
+    return core_engine_ending(err, shutdown_asked=isinstance(asked, int) and asked > 0)
 
 
 def _engine_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -1365,7 +1359,9 @@ def _metrics_utility(self: Any) -> dict[str, Any]:
 
 def _census_utility(self: Any) -> dict[str, Any]:
     try:
+        started = _monotonic()
         result, _ = PROBE.take(self.scheduler)
+        PROBE.tally.spent(_monotonic() - started)
         if PROBE.state.active:
             with guarded(PROBE.state):
                 PROBE.polled(result)

@@ -66,6 +66,7 @@ IDLE_POLL_S = 0.05
 SEND_RETRY_S = 0.2
 SEND_GIVE_UP_S = 5.0
 EXIT_OK, EXIT_CRASHED = 0, 1
+EXIT_RECORDING_STOPPED = 4  # NOTE: as `kvscope run` and `attach`: the engine served on, its capture is incomplete
 FRONT_DIED = "the HTTP front died (the kvscope serve process ended without stopping the scheduler)"
 
 
@@ -125,7 +126,9 @@ def scheduler_main(spec: ServeSpec, to_scheduler: str, to_front: str) -> int:
         recorder.close(status, error)
         if loop is not None:
             loop.close()
-    return EXIT_OK if status == RunStatus.FINISHED else EXIT_CRASHED
+    if status != RunStatus.FINISHED:
+        return EXIT_CRASHED
+    return EXIT_RECORDING_STOPPED if getattr(recorder, "failure", None) else EXIT_OK
 
 
 class StopFlag:

@@ -39,7 +39,8 @@ def upgrade(target: str | Path, *, progress: Callable[[int, int, int], None] | N
     """Pack every row-layout run of the capture; returns what was packed. `progress(run_id,
     events done, events in the run)` is called after each chunk."""
     name = display_name(target)
-    _check_upgradable(target, name)
+    if not _check_upgradable(target, name):
+        return []  # NOTE: nothing to do: the file is not opened for writing, so not rewritten
     engine = open_writer(target)  # NOTE: brings the file to the current version (the packed tables)
     try:
         with engine.connect() as conn:
@@ -58,17 +59,22 @@ def upgrade(target: str | Path, *, progress: Callable[[int, int, int], None] | N
         engine.dispose()
 
 
-def _check_upgradable(target: str | Path, name: str) -> None:
+def _check_upgradable(target: str | Path, name: str) -> bool:
     """A capture this kvscope reads (missing, foreign, damaged or newer files are refused, and
-    no file is created), with no run still being recorded."""
+    no file is created), with no run still being recorded; True when it has something to upgrade
+    (an older schema, or events in the row layout)."""
     capture = Capture(target)
     try:
         runs = capture.runs()
+        older = capture.schema_version < schema.SCHEMA_VERSION
+        with capture.engine.connect() as conn:
+            rows = conn.execute(select(schema.events.c.run_id).limit(1)).first() is not None
     finally:
         capture.close()
     live = [int(r.id) for r in runs.itertuples() if r.display_status == "running"]
     if live:
         raise CaptureError(f"{name}: run {live[0]} is still being recorded; upgrade it once it has ended")
+    return older or rows
 
 
 def _pack_run(engine: Engine, run_id: int, total: int, progress: Callable[[int, int, int], None] | None) -> UpgradedRun:

@@ -194,6 +194,7 @@ OLD_SPELLINGS = [
     (["replay", "t.jsonl"], "--policy", "--eviction-policy", "fifo"),
     (["load", "--url", "http://127.0.0.1:1", "--workload", "random"], "--duration", "--duration-s", "2.5"),
     (["load", "--url", "http://127.0.0.1:1", "--workload", "random"], "--timeout", "--timeout-s", "7"),
+    (["demo"], "--delay", "--delay-s", "0.1"),
 ]
 
 

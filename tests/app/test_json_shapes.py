@@ -97,7 +97,7 @@ def test_check_json_and_run_selector(tmp_path: Path) -> None:
 
 def test_report_json_carries_the_verdict() -> None:
     report = as_json("report", "leaks", LEAKY)
-    assert report["verdict"] == "leak" and report["reason"].startswith("orphaned: ")
+    assert report["verdict"] == "leak" and report["reason"].startswith("leak: orphaned: ")
     assert {"capture", "run_id", "level", "status", "leaks", "first_failure_step", "onset_step"} <= set(report)
     clean = as_json("report", "leaks", CLEAN, "--run", "1")
     assert clean["verdict"] == "clean" and clean["leaks"] == []

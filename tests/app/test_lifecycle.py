@@ -140,11 +140,14 @@ def test_a_run_stopped_midway_is_closed_as_interrupted(
     for signum in signals:
         proc.send_signal(signum)
         time.sleep(pause_s)
-    code, err = finish(proc)
-    assert code == CODES[signals[0]], err
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == CODES[signals[0]], err
     assert err == "kvscope run: interrupted\n"
     status, error, requests = run_status(tmp_path / "c.db")
     assert status == "interrupted" and error is not None and error.startswith(f"{signals[0].name} at step ")
+    # NOTE: the summary so far, and where the capture is, as a finished run prints them
+    assert out.splitlines()[-1] == f"capture           c.db (interrupted: {error})", out
+    assert f" (cut short: {error}; the rest never ran)" in out.splitlines()[0], out
     assert requests.get(RequestStatus.IN_FLIGHT, 0) > 0, requests
     assert not (tmp_path / "c.db-wal").exists(), "the capture's WAL should be folded in when it closes"
     check = subprocess.run(

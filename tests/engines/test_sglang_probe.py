@@ -26,6 +26,8 @@ from kvscope.telemetry import Capture
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("sglang_probe_driver.py")
 EXIT_DRIVER = Path(__file__).with_name("sglang_exit_driver.py")
+LOOP_DRIVER = Path(__file__).with_name("sglang_loop_driver.py")
+EVERY_STEPS = 4  # NOTE: the loop driver's busy census period (it lifts the cost budget: its steps take microseconds)
 SGLANG_PYTHON = os.environ.get(
     "KVSCOPE_SGLANG_PYTHON",
     str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvscope" / "sglang-venv" / "bin" / "python"),
@@ -38,14 +40,14 @@ pytestmark = [
 ]
 
 
-def kvscope(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCOPE_", "SGLANG_"))}
+def kvscope(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCOPE_", "SGLANG_"))}
     return subprocess.run(
         [sys.executable, "-m", "kvscope", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**env, "PYTHONPATH": str(ROOT)},
+        env={**base, **(env or {}), "PYTHONPATH": str(ROOT)},
         timeout=600,
         check=False,
     )
@@ -132,7 +134,7 @@ def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: st
     finally:
         db.close()
     check = check_clean(capture)
-    assert "clean: 3 idle leak checks of the sglang 0.5.23 probe's page census held" in check.stdout
+    assert "clean: 3 censuses (3 idle) of the sglang 0.5.23 probe's page census held" in check.stdout
 
 
 def test_a_data_parallel_replicas_run_names_its_rank(tmp_path: Path) -> None:
@@ -377,7 +379,7 @@ def test_a_streaming_sessions_record_and_lock_between_turns_are_held_not_leaked(
     finally:
         db.close()
     check = check_clean(capture)
-    assert "clean: 3 idle leak checks" in check.stdout
+    assert "clean: 3 censuses (3 idle)" in check.stdout
 
 
 def test_a_lock_leaked_on_the_node_a_session_holds_locked_is_named(tmp_path: Path) -> None:
@@ -415,7 +417,7 @@ def test_level_summary_patches_no_allocator_or_tree_method_and_a_request_holding
     finally:
         db.close()
     check = check_clean(capture)
-    assert "clean: 3 idle leak checks of the sglang 0.5.23 probe's page census held" in check.stdout
+    assert "clean: 3 censuses (3 idle) of the sglang 0.5.23 probe's page census held" in check.stdout
 
 
 @pytest.mark.parametrize(
@@ -699,3 +701,129 @@ def test_the_calls_since_the_last_fold_reach_the_capture_when_the_process_exits(
     finally:
         db.close()
     assert recorded == [tuple(c) for c in calls], (recorded, calls)
+
+
+def drive_loop(scenario: str, capture: Path) -> dict[str, Any]:
+    """sglang_loop_driver.py (SGLang's own scheduler loop, never idle) under `kvscope instrument`, a busy
+    census due every EVERY_STEPS steps; its JSON line, and stderr."""
+    env = {"KVSCOPE_CENSUS_EVERY_STEPS": str(EVERY_STEPS), "KVSCOPE_CENSUS_EVERY_S": "0"}
+    command = ["instrument", "--capture", str(capture), "--", SGLANG_PYTHON, "-W", "ignore", str(LOOP_DRIVER)]
+    out = kvscope(*command, scenario, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    result["stderr"] = out.stderr
+    return result
+
+
+def stored(capture: Path) -> tuple[Any, Any, Any]:
+    """The run's row, its leak checks (the census's kind on each) and its census_blocks."""
+    db = Capture(capture)
+    try:
+        run = db.runs().iloc[-1]
+        return run, db.leak_checks(int(run.id)), db.census_blocks(int(run.id))
+    finally:
+        db.close()
+
+
+def by_census(checks: Any) -> list[tuple[int, str, bool]]:
+    """(step, kind, every pool held) of each census, in order."""
+    oks = checks.groupby("step").ok.all()
+    kinds = checks.drop_duplicates("step").set_index("step").census
+    return [(int(step), str(kinds[step]), bool(ok)) for step, ok in oks.items()]
+
+
+def test_a_scheduler_that_is_never_idle_gets_busy_censuses_that_name_a_leaked_page_and_a_drain_census(
+    tmp_path: Path,
+) -> None:
+    """SGLang's own event loop never reaches on_idle (a batch every iteration); the busy census at the start
+    of an iteration, due every EVERY_STEPS steps, names the page a released request kept within EVERY_STEPS
+    steps, with its request; none says anything before it; the ShutdownReq's drain census names it too, and
+    the requests still running then get their rows, unfinished."""
+    capture = tmp_path / "busy.db"
+    result = drive_loop("busy", capture)
+    fault = result["injected"]
+    assert result["raised"] is None and result["iterations"] == 40 and result["said"] == "closed"
+    run, checks, blocks = stored(capture)
+    assert (run.status, run.error) == ("finished", None)
+    censuses = by_census(checks)
+    kinds = [kind for _, kind, _ in censuses]
+    assert kinds[-1] == "drain" and set(kinds[:-1]) == {"busy"} and len(kinds) >= 10, kinds
+    clean = [c for c in censuses if c[0] < fault["step"]]
+    assert len(clean) >= 3 and all(ok for _, _, ok in clean), censuses  # NOTE: no false positive while busy
+    first = next(c for c in censuses if not c[2])
+    assert first[1] == "busy" and fault["step"] <= first[0] <= fault["step"] + EVERY_STEPS, (first, fault)
+    assert not any(ok for step, _, ok in censuses if step >= first[0])  # a leak stays: every later census names it
+    named = blocks[(blocks.step == first[0])]
+    assert list(zip(named.term, named.block, named.taker_rid, strict=True)) == [
+        ("leaked", fault["pages"][0], fault["rid"])
+    ]
+    assert set(blocks.step) == {step for step, _, ok in censuses if not ok}
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1 and f"page {fault['pages'][0]} (slots" in check.stdout, check.stdout + check.stderr
+    report = json.loads(kvscope("report", "leaks", str(capture), "--json").stdout)
+    assert report["censuses"] == {"busy": len(kinds) - 1, "drain": 1}
+    tally = result["tally"]  # NOTE: the /metrics tally: every census by kind, and their engine-thread time
+    assert tally["kinds"] == report["censuses"] and tally["censuses"] == len(kinds) and tally["census_s"] > 0
+    db = Capture(capture)
+    try:
+        requests = db.requests(int(run.id)).set_index("rid")
+    finally:
+        db.close()
+    assert result["running"] and set(requests.index[requests.status == "unfinished"]) == set(result["running"])
+    assert requests.loc[result["running"]].finish_step.isna().all() and len(requests) == len(set(requests.index))
+
+
+def test_every_page_a_busy_census_names_is_stored_more_than_its_message_names(tmp_path: Path) -> None:
+    """A running request's call takes 10 pages it never gives back: the busy census's message names 8 and
+    counts the rest; census_blocks holds all 10 with their taker, and `report leaks` lists every one."""
+    capture = tmp_path / "many.db"
+    result = drive_loop("busy-many", capture)
+    fault = result["injected"]
+    assert len(fault["pages"]) == 10
+    _, checks, blocks = stored(capture)
+    first = next(c for c in by_census(checks) if not c[2])
+    assert first[1] == "busy" and first[0] <= fault["step"] + EVERY_STEPS
+    message = checks[(checks.step == first[0]) & (checks.pool == "full")].message.iloc[0]
+    assert "10 pages leaked" in message and "(+2 more)" in message
+    named = blocks[blocks.step == first[0]]
+    assert sorted(named.block) == fault["pages"] and set(named.term) == {"leaked"}
+    assert set(named.taker_rid) == {fault["rid"]} and set(named.taker_event) == {"alloc"}
+    report = kvscope("report", "leaks", str(capture))
+    assert report.returncode == 0, report.stderr
+    for page in fault["pages"]:
+        assert f"leaked: page {page}; last taken for request {fault['rid']}" in report.stdout, report.stdout
+    listed = json.loads(kvscope("report", "leaks", str(capture), "--json").stdout)["census_blocks"]
+    assert sorted(b["block"] for b in listed if b["step"] == first[0]) == fault["pages"]
+
+
+def test_a_scheduler_loop_that_raises_leaves_a_crashed_run_with_a_crash_census_that_check_calls_a_leak(
+    tmp_path: Path,
+) -> None:
+    """SGLang's strict busy check (self_check_during_busy) raises from its own loop on the page a released
+    request kept; run_scheduler_process catches it and the process ends normally. The run is crashed with
+    SGLang's line, its last census (kind crash) names the page, and `kvscope check` says leak."""
+    capture = tmp_path / "crash.db"
+    result = drive_loop("crash", capture)
+    assert result["raised"].startswith("AssertionError: Full Pool Mem Leak Detected!"), result
+    run, checks, blocks = stored(capture)
+    assert run.status == "crashed" and run.error == result["raised"], (run.status, run.error)
+    censuses = by_census(checks)
+    assert censuses[-1][1] == "crash" and not censuses[-1][2] and all(ok for _, _, ok in censuses[:-1]), censuses
+    assert list(blocks[blocks.step == censuses[-1][0]].block) == result["injected"]["pages"]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert f"leak check failed at step {censuses[-1][0]}: [full]" in check.stdout, check.stdout
+
+
+def test_an_error_after_a_shutdown_request_closes_the_run_interrupted_without_a_last_census(tmp_path: Path) -> None:
+    """A ShutdownReq sets gracefully_exit and the same iteration's batch fails (a signal to the process group
+    stops the step in flight): interrupted with the error's line, no drain or crash census."""
+    capture = tmp_path / "interrupted.db"
+    result = drive_loop("interrupted", capture)
+    assert result["raised"] == "RuntimeError: cancelled"
+    run, checks, _ = stored(capture)
+    assert (run.status, run.error) == (
+        "interrupted",
+        "a shutdown was asked for while a step ran: RuntimeError: cancelled",
+    )
+    assert {kind for _, kind, _ in by_census(checks)} == {"busy"}

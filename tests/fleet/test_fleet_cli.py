@@ -27,6 +27,7 @@ def test_fleet_json_carries_the_figures(fleet_db: Path, capsys: pytest.CaptureFi
     dup = found["duplication"]
     assert (dup["held_tokens"], dup["unique_tokens"], dup["duplicated_tokens"]) == (12, 8, 4)
     assert found["other_fleets"] == ["old"] and found["notes"] == []
+    assert found["runs_in_no_fleet"] == [4]
 
 
 def test_fleet_table_names_the_fleet_and_its_notes(fleet_db: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -34,6 +35,7 @@ def test_fleet_table_names_the_fleet_and_its_notes(fleet_db: Path, capsys: pytes
     out = capsys.readouterr().out
     assert out.startswith("fleet old (kvscope): 1 replicas of 1")
     assert "duplication: not known" in out and "other fleets in this capture: f1" in out
+    assert out.splitlines()[-1] == "runs in no fleet: 4 (kvscope check CAPTURE --run ID)"
 
 
 def test_a_capture_without_a_fleet_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -135,3 +137,13 @@ def test_a_fleet_missing_a_declared_replica_is_inconclusive_never_clean(
     found = json.loads(capsys.readouterr().out)
     assert [(r["rank"], r["run"], r["exit_code"]) for r in found["replicas"]] == [(0, 1, 0), (1, None, 3), (2, 2, 0)]
     assert found["verdict"] == "inconclusive"
+
+
+def test_check_fleet_before_the_capture_reads_as_after_it(fleet_db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    after = main(["check", str(fleet_db), "--fleet"]), capsys.readouterr()
+    before = main(["check", "--fleet", str(fleet_db)]), capsys.readouterr()
+    assert before == after and after[1].out.startswith(f"{fleet_db} fleet old rank 0")
+    assert main(["check"]) == 2
+    assert capsys.readouterr().err == (
+        "kvscope check: error: name the capture to check: kvscope check CAPTURE [--fleet [ID]]\n"
+    )

@@ -22,7 +22,7 @@ from kvscope.probe import (
     settings_from_env,
     take_census,
 )
-from kvscope.probe.core import unpatch_all
+from kvscope.probe.core import LAST_CENSUS, Settings, busy_census_due, engine_ending, unpatch_all
 
 
 class Block(NamedTuple):
@@ -212,3 +212,24 @@ def test_the_census_and_lingering_bounds_come_from_the_environment() -> None:
 def test_a_bound_that_is_not_a_number_at_least_zero_is_refused_by_name(name: str, value: str) -> None:
     with pytest.raises(ValueError, match=f"{name} must be .* >= 0, got '{value}'"):
         settings_from_env({"KVSCOPE_CAPTURE": "/tmp/x.db", name: value})
+
+
+def test_a_busy_census_is_due_after_either_bound_and_never_within_its_cost_budget() -> None:
+    every = Settings("/tmp/x.db", "full", None, census_every_steps=10, census_every_s=5.0)
+    assert not busy_census_due(every, 9, 4.9, 0.0)
+    assert busy_census_due(every, 10, 0.5, 0.0) and busy_census_due(every, 1, 5.0, 0.0)
+    assert not busy_census_due(every, 10, 0.5, 0.01)  # NOTE: 0.5 s < 100 x the last census's 10 ms
+    assert busy_census_due(every, 10, 1.0, 0.01)
+    off = every._replace(census_every_steps=0, census_every_s=0.0)
+    assert not busy_census_due(off, 10**6, 10.0**6, 0.0) and not busy_census_due(None, 10, 10.0, 0.0)
+
+
+def test_how_an_engines_loop_ended_gives_its_runs_status_and_last_census() -> None:
+    assert engine_ending(None, shutdown_asked=True) == ("finished", None) and LAST_CENSUS["finished"] == "drain"
+    crashed = engine_ending(AssertionError("leak"), shutdown_asked=False)
+    assert crashed == ("crashed", "AssertionError: leak") and LAST_CENSUS["crashed"] == "crash"
+    stopped = engine_ending(RuntimeError("cancelled"), shutdown_asked=True)
+    assert stopped == ("interrupted", "a shutdown was asked for while a step ran: RuntimeError: cancelled")
+    assert "interrupted" not in LAST_CENSUS
+    assert engine_ending(KeyboardInterrupt(), shutdown_asked=False) == ("interrupted", "KeyboardInterrupt")
+    assert engine_ending(SystemExit(0), shutdown_asked=True) == ("finished", None)

@@ -52,6 +52,15 @@ def test_the_tally_counts_each_term_and_the_failed_censuses() -> None:
     assert snap["terms"] == dict.fromkeys(TERMS, 0) | {"leaked": 1, "lostref": 1}
 
 
+def test_the_tally_counts_the_censuses_of_each_kind() -> None:
+    tally = CensusTally()
+    for step, kind in enumerate(["busy", "busy", "idle", "busy", "drain"]):
+        tally.note(step, census({1: 1}, {"a": [1]}), TERMS, kind)
+    tally.note(9, census({1: 1}, {"a": [1]}), TERMS)  # NOTE: no kind given: counted in the total alone
+    snap = tally.snapshot(True, None)
+    assert snap["censuses"] == 6 and snap["kinds"] == {"busy": 3, "idle": 1, "drain": 1}
+
+
 def test_a_term_the_census_lacks_is_left_out() -> None:
     tally = CensusTally()
     tally.note(1, census({1: 1}, {"a": [1]}), [*TERMS, "lingered"])
@@ -60,7 +69,7 @@ def test_a_term_the_census_lacks_is_left_out() -> None:
 
 def test_the_series_carry_vllms_labels_and_each_census_term() -> None:
     tally = CensusTally()
-    tally.note(7, census({1: 1, 2: 1}, {"a": [1]}), TERMS)
+    tally.note(7, census({1: 1, 2: 1}, {"a": [1]}), TERMS, "busy")
     metrics = EngineMetrics("my-model")
     metrics.take([{**tally.snapshot(True, None), "dp_rank": 1}])
     got = samples(metrics)
@@ -69,11 +78,23 @@ def test_the_series_carry_vllms_labels_and_each_census_term() -> None:
     assert got[key("kvscope_probe_leaked_blocks", **engine, term="orphans")] == 0
     assert got[key("kvscope_probe_censuses_total", **engine)] == 1
     assert got[key("kvscope_probe_censuses_failed_total", **engine)] == 1
+    assert got[key("kvscope_probe_censuses_by_kind_total", **engine, kind="busy")] == 1
     assert got[key("kvscope_probe_last_census_step", **engine)] == 7
     assert 0 <= got[key("kvscope_probe_last_census_age_seconds", **engine)] < 60
     assert abs(got[key("kvscope_probe_last_census_timestamp_seconds", **engine)] - time.time()) < 60
     assert got[key("kvscope_probe_recording", **engine, reason="")] == 1
     assert got[key("kvscope_probe_up", **engine)] == 1
+
+
+def test_the_census_seconds_sum_each_censuss_engine_thread_time_and_are_absent_until_told() -> None:
+    tally = CensusTally()
+    metrics = EngineMetrics("m")
+    metrics.take([{**tally.snapshot(True, None), "dp_rank": 0}])
+    assert not [name for name, _ in samples(metrics) if name.startswith("kvscope_probe_census_seconds")]
+    tally.spent(0.25)
+    tally.spent(0.5)
+    metrics.take([{**tally.snapshot(True, None), "dp_rank": 0}])
+    assert samples(metrics)[key("kvscope_probe_census_seconds_total", model_name="m", engine="0")] == 0.75
 
 
 def test_a_stopped_recording_reads_0_with_its_reason_and_no_census_yet_has_no_census_series() -> None:

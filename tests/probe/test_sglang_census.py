@@ -4,7 +4,7 @@ counts cancel is named page by page."""
 
 from __future__ import annotations
 
-from kvscope.probe.sglang_census import PageView, census_checks, take_page_census
+from kvscope.probe.sglang_census import PageView, census_blocks, census_checks, take_page_census
 
 TAKERS = {7: ("req-C", 9, "decode"), 2: ("req-A", 1, "alloc")}
 RELEASERS = {1: ("bad-free", 10, "free")}
@@ -121,3 +121,33 @@ def test_a_double_free_by_no_requests_call_says_the_releaser_is_unknown_and_why(
         "any request's call (request unknown) | 1 tree node still locked by finished requests: node 11 locked by "
         "an unknown request at step 3 (locked outside any request's call)"
     )
+
+
+def test_every_page_each_pool_names_is_a_census_block_under_its_pools_term() -> None:
+    """More pages than a message names (8), a double free, a page held twice, an id outside the pool, and a
+    leaked request row: one row each, the pool's tag on the term, the taker or releaser the ledger holds."""
+    leaked = list(range(3, 14))  # 11 pages in nothing
+    view = PageView(4, 16, [0, 1, 14, 15], {1, 2, 16}, {}, owned=((16, "req-D"),))
+    takers = {p: ("req-C", 9, "alloc") for p in leaked}
+    full = take_page_census("full", view, takers, {1: ("bad-free", 10, "free")}, {})
+    rows = take_page_census("req", PageView(1, 4, [1, 2], set(), {3: "req-D"}), {4: ("req-X", 2, "alloc")}, {}, {})
+    checks = census_checks(12, [full, rows], "busy")
+    assert [c.census for c in checks] == ["busy", "busy"] and "(+3 more)" in (checks[0].violation or "")
+    blocks = census_blocks(12, [full, rows])
+    assert [(b.term, b.block) for b in blocks] == [
+        *(("leaked", p) for p in leaked),
+        ("double", 1),
+        ("twice", 16),
+        ("beyond", 0),
+        ("r.leaked", 4),
+    ]
+    assert all(b.step == 12 and len(b.term) <= 8 for b in blocks)
+    assert {b.taker for b in blocks[: len(leaked)]} == {("req-C", 9, "alloc")}
+    assert blocks[len(leaked)].releaser == ("bad-free", 10, "free")
+    assert (blocks[len(leaked) + 1].ref, blocks[len(leaked) + 1].accounted) == (2, 1)  # the tree and req-D's row
+    assert blocks[-1].taker == ("req-X", 2, "alloc")
+
+
+def test_a_census_that_holds_names_no_page() -> None:
+    view = PageView(4, 8, [5, 6, 7, 8], {1, 2}, {3: "req-D", 4: "req-D"})
+    assert census_blocks(3, [take_page_census("full", view, TAKERS, RELEASERS, {})]) == []

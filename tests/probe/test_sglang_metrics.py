@@ -24,8 +24,8 @@ LABELS = {
     "dp_rank": "1",
 }
 
-# NOTE: the scheduler process: two censuses of a real page census (sglang_census.take_page_census), the
-# second naming a leaked page; then recording stops and is published once more
+# NOTE: the scheduler process: three censuses of a real page census (sglang_census.take_page_census), two
+# busy and the drain, the last two naming a leaked page; then recording stops and is published once more
 SCHEDULER = f"""
 import sys
 from types import SimpleNamespace
@@ -37,8 +37,8 @@ scheduler = SimpleNamespace(metrics_collector=SimpleNamespace(labels={LABELS!r})
 tally, metrics = CensusTally(), SglangMetrics()
 clean = take_page_census("full", PageView(1, 4, [1, 2, 3, 4], set(), {{}}), {{}}, {{}}, {{}})
 leak = take_page_census("full", PageView(1, 4, [1, 2, 3], set(), {{}}), {{}}, {{}}, {{}})
-for step, result in ((3, clean), (8, leak)):
-    tally.note_counts(step, page_terms([result]))
+for step, result, kind in ((3, clean, "busy"), (8, leak, "busy"), (9, leak, "drain")):
+    tally.note_counts(step, page_terms([result]), kind)
     metrics.publish(scheduler, tally, True, None)
 if sys.argv[1] == "stop":
     metrics.publish(scheduler, tally, False, "the recorder's host process ended")
@@ -77,9 +77,13 @@ def test_the_series_carry_sglangs_scheduler_labels_and_each_pools_terms(tmp_path
     assert leaked == {"full.leaked": 1, "full.doubleref": 0, "full.locks": 0, "full.stale_locked": 0}
     for labels, _ in got["kvscope_probe_leaked_blocks"]:
         assert {k: v for k, v in labels.items() if k != "term"} == LABELS
-    assert got["kvscope_probe_censuses_total"] == [(LABELS, 2.0)]
-    assert got["kvscope_probe_censuses_failed_total"] == [(LABELS, 1.0)]
-    assert got["kvscope_probe_last_census_step"] == [(LABELS, 8.0)]
+    assert got["kvscope_probe_censuses_total"] == [(LABELS, 3.0)]
+    assert got["kvscope_probe_censuses_failed_total"] == [(LABELS, 2.0)]
+    by_kind = sorted(
+        (labels.pop("kind"), labels, value) for labels, value in got["kvscope_probe_censuses_by_kind_total"]
+    )
+    assert by_kind == [("busy", LABELS, 2.0), ("drain", LABELS, 1.0)]
+    assert got["kvscope_probe_last_census_step"] == [(LABELS, 9.0)]
     assert got["kvscope_probe_recording"] == [({**LABELS, "reason": ""}, 1.0)]
     assert "kvscope_probe_up" not in got and "kvscope_probe_last_census_timestamp_seconds" in got
 

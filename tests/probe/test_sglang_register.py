@@ -65,6 +65,10 @@ def test_at_level_summary_the_allocators_and_trees_stay_sglangs() -> None:
         "ScheduleBatch.retract_decode",
         "common.release_kv_cache",
         "Scheduler.on_idle",
+        "Scheduler.event_loop_normal",
+        "Scheduler.event_loop_overlap",
+        "Scheduler.ingest_requests",
+        "Scheduler.run_event_loop",
         "SchedulerInvariantChecker._report_leak",
         "SchedulerInvariantChecker._check_req_pool",
     }

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,8 +48,9 @@ class Server:
             self.process.wait(10)
 
 
-def start_server(capture: Path | None, *extra: str) -> Server:
-    """`kvscope serve` recording into `capture` (None: no --capture), with `extra` options."""
+def start_server(capture: Path | None, *extra: str, preexec_fn: Callable[[], None] | None = None) -> Server:
+    """`kvscope serve` recording into `capture` (None: no --capture), with `extra` options (and
+    `preexec_fn` run in the child before it starts, e.g. a resource limit)."""
     cmd = [
         sys.executable,
         "-m",
@@ -63,7 +64,12 @@ def start_server(capture: Path | None, *extra: str) -> Server:
         *extra,
     ]
     process = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=preexec_fn,
     )
     lines: queue.Queue[str] = queue.Queue()
 

@@ -286,9 +286,12 @@ def test_sigterm_finishes_the_capture_and_metrics_agree(server: Server) -> None:
     assert (reason, completion) == ("length", 24)
     assert code == 0, printed
     assert "kvscope serve: stopped (SIGTERM)" in printed
+    # NOTE: its leak report is stored at the end, as `run` stores its own (the dashboard reads it, no replay)
+    assert "kvscope serve: run 1: clean: " in printed and printed.rstrip().endswith("(stored in the capture)")
     with sqlite3.connect(server.capture) as db:
         status, config = db.execute("select status, config from runs").fetchone()
         assert status == "finished"
+        assert db.execute("select count(*) from reports where run_id = 1").fetchone()[0] >= 1
     stored = json.loads(config)  # the engine, model and machine, as `kvscope run` stores them
     assert stored["engine"]["torch_threads"] == max(1, len(os.sched_getaffinity(0)) - 1)  # auto on the CPU
     assert stored["model"]["vocab_size"] == 512 and stored["environment"]["device"] == "cpu"

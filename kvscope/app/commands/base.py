@@ -25,6 +25,7 @@ OLD_SPELLINGS = {
     "--policy": "--eviction-policy",  # replay
     "--duration": "--duration-s",  # load (attach says --duration-s)
     "--timeout": "--timeout-s",  # load
+    "--delay": "--delay-s",  # demo
 }
 
 

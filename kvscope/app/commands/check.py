@@ -16,7 +16,8 @@ class CheckCommand:
     )
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("capture", help="a capture file or a SQLAlchemy URL")
+        # NOTE: optional only so that `check --fleet CAPTURE` (the fleet's ID left out) reads as `check CAPTURE --fleet`
+        parser.add_argument("capture", nargs="?", help="a capture file or a SQLAlchemy URL")
         parser.add_argument("--run", type=int, help="run id (default: the latest run)")
         parser.add_argument(
             "--fleet",
@@ -30,5 +31,10 @@ class CheckCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.app.report import check_verb
+
+        if args.capture is None:
+            if not args.fleet:
+                raise ValueError("name the capture to check: kvscope check CAPTURE [--fleet [ID]]")
+            args.capture, args.fleet = args.fleet, ""  # NOTE: --fleet took the capture as its ID
 
         return check_verb(args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvscope.app.commands.base import add_old_spelling
 from kvscope.app.units import finite_float
 
 
@@ -18,7 +19,16 @@ class DemoCommand:
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu or cuda")
         parser.add_argument("--page-size", type=int, default=4, help="tokens per page (>= 2)")
-        parser.add_argument("--delay", type=finite_float(0, low_open=False), default=0.3, help="seconds between steps")
+        add_old_spelling(
+            parser,
+            parser.add_argument(
+                "--delay-s",
+                dest="delay",
+                type=finite_float(0, low_open=False),
+                default=0.3,
+                help="seconds between steps",
+            ),
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.app.demo import demo_verb

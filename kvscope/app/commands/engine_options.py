@@ -110,7 +110,11 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
         help="host pool size as a multiple of the device pool (default: 2.0)",
     )
     group.add_argument(
-        "--host-tokens", type=positive_count, metavar="TOKENS", help="host pool size in tokens (overrides --host-ratio)"
+        "--host-tokens",
+        type=positive_count,
+        metavar="TOKENS",
+        help="host pool size in tokens (overrides --host-ratio); as SGLang sizes it, the pool gets one page "
+        "more than the whole pages that fit (2048 at page size 1: 2049 tokens)",
     )
 
 

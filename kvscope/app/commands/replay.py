@@ -42,7 +42,8 @@ class ReplayCommand:
                 dest="eviction",
                 default="page",
                 choices=["page", "leaf"],
-                help="page: only the pages needed, the curve's model; leaf: SGLang's whole leaves",
+                help="page (the default here, unlike run and serve: the one-pass curve is exact only for it): "
+                "only the pages needed; leaf: SGLang's whole leaves, as run and serve default to",
             ),
         )
         parser.add_argument(

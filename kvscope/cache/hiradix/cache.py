@@ -274,9 +274,9 @@ class HiRadixCache(BasePrefixCache):
             if child is None:
                 break
             child.last_access_time = now
-            child.priority = max(child.priority, priority)
             if not key.startswith(child.key, pos):
                 child = self._split(child, common_page_len(child.key, key, pos, self.page_size))
+            child.priority = max(child.priority, priority)  # NOTE: after a split only the upper piece (SGLang's)
             start = pos // TOKEN_BYTES
             if child.value is None:
                 self._adopt(child, np.array(host[start : start + child.key_len], dtype=np.int64))

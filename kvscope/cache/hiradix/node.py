@@ -77,8 +77,8 @@ class HiTreeNode(NodeBase):
 def split_hi_node(child: HiTreeNode, split_len: int, page_bytes: int, recorder: Recorder) -> HiTreeNode:
     """Cut `child` after split_len tokens on both tiers; the new upper node takes its place.
 
-    NOTE: as tree.split_node: both halves keep lock_ref, hit_count, priority, owner and
-    creation time; the upper half takes last_access_time. Here both halves
+    NOTE: as tree.split_node: both halves keep lock_ref, hit_count, priority and owner; the
+    upper half is new (created at the split, SGLang's `_split_node`). Here both halves
     also keep host_ref_counter and the in-flight op ids (the caller adds the upper half to
     those ops).
     """
@@ -90,7 +90,7 @@ def split_hi_node(child: HiTreeNode, split_len: int, page_bytes: int, recorder: 
     upper = HiTreeNode(child.key[:cut], upper_value, child.last_access_time, upper_host)
     upper.parent, upper.lock_ref, upper.hit_count = parent, child.lock_ref, child.hit_count
     upper.priority, upper.owner = child.priority, child.owner
-    upper.creation_time, upper.host_ref_counter = child.creation_time, child.host_ref_counter
+    upper.host_ref_counter = child.host_ref_counter
     upper.write_op, upper.load_op = child.write_op, child.load_op
     child.key, child.parent = child.key[cut:], upper
     if child.value is not None:

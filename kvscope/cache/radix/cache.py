@@ -223,8 +223,6 @@ class RadixCache(BasePrefixCache):
             if child is None:
                 break
             last_access_time, child.last_access_time = child.last_access_time, now
-            if priority > child.priority:
-                child.priority = priority
             if not key.startswith(child.key, pos):
                 lower, child = (
                     child,
@@ -234,6 +232,8 @@ class RadixCache(BasePrefixCache):
                 )
                 if self._page_granular:
                     lower.last_access_time = last_access_time  # NOTE: the lower piece was not accessed
+            if priority > child.priority:  # NOTE: after a split only the upper piece (SGLang 0.5.23's insert)
+                child.priority = priority
             if not chunked:
                 child.hit_count += 1
             pos += len(child.key)

@@ -128,8 +128,10 @@ def split_node(child: T, split_len: int, page_bytes: int, recorder: Recorder) ->
     """Cut `child` after split_len tokens; the new upper node (of child's class) takes its place
     under the parent.
 
-    NOTE: both halves keep the lock ref, the hit count, priority, owner and creation time; the
-    upper half takes child's last_access_time. A family with more state per node copies it after.
+    NOTE: both halves keep the lock ref, the hit count, priority and owner; the upper half is a new
+    node, as SGLang 0.5.23's `_split_node` makes one: its last_access_time and creation_time are
+    child's last_access_time (the walk that splits sets it to now first), so fifo / filo see the
+    upper piece as created at the split. A family with more state per node copies it after.
     """
     parent = child.parent
     assert parent is not None
@@ -137,7 +139,6 @@ def split_node(child: T, split_len: int, page_bytes: int, recorder: Recorder) ->
     upper = type(child)(child.key[:cut], child.value[:split_len], child.last_access_time)
     upper.parent, upper.lock_ref = parent, child.lock_ref
     upper.hit_count, upper.priority, upper.owner = child.hit_count, child.priority, child.owner
-    upper.creation_time = child.creation_time
     child.key, child.value, child.parent = child.key[cut:], child.value[split_len:], upper
     upper.children[child.key[:page_bytes]] = child
     parent.children[upper.key[:page_bytes]] = upper

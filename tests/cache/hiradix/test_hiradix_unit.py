@@ -14,7 +14,9 @@ from kvscope.cache.hiradix import LOAD_BACK_MIN_TOKENS, HiMatchResult, HiRadixCa
 from kvscope.mem import IntegrityError
 from tests.cache.hiradix.helpers import (
     Tiers,
+    alloc_seq,
     check_all,
+    ids,
     insert_seq,
     make_tiers,
     node_of,
@@ -350,3 +352,21 @@ def test_bad_construction_is_refused() -> None:
     t = make_tiers()
     with pytest.raises(ValueError):
         HiRadixCache(t.allocator, 1, t.controller, write_policy="write_sometimes")  # type: ignore[arg-type]
+
+
+def test_a_split_makes_a_new_upper_node_created_then_and_an_insert_raises_only_its_priority() -> None:
+    """As the radix tree (SGLang's HiRadixCache splits with the same `_split_node`)."""
+    t = make_tiers()
+    slots = alloc_seq(t, 4)
+    assert slots is not None
+    t.cache.insert(ids(1, 2, 3, 4), slots)
+    first = node_of(t, ids(1, 2, 3, 4))
+    first.creation_time = 1.0
+    more = alloc_seq(t, 4)
+    assert more is not None
+    t.allocator.free(more[: t.cache.insert(ids(1, 2, 7, 8), more, priority=5)])
+    upper = first.parent
+    assert upper is not None and upper is not t.cache.root
+    assert (first.creation_time, first.priority) == (1.0, 0)
+    assert upper.creation_time > 1.0 and upper.priority == 5
+    check_all(t)

@@ -218,3 +218,23 @@ def test_paged_eviction_returns_pages_in_row_order_as_sglang() -> None:
     cache.evict(EvictParams(4))
     again = allocator.alloc(4)
     assert again is not None and again.tolist() == [4, 5, 2, 3]
+
+
+def test_a_split_makes_a_new_upper_node_created_then_and_an_insert_raises_only_its_priority() -> None:
+    """SGLang 0.5.23's `_split_node` makes the upper piece a new TreeNode (creation_time: the split),
+    and its insert raises the priority of the upper piece only: fifo / filo and priority eviction see
+    the lower piece as it was."""
+    allocator = make_token_allocator(32, 1)
+    cache = RadixCache(allocator, 1, eviction_policy="fifo")
+    cache.insert(ids(1, 2, 3, 4), allocator.alloc(4))  # type: ignore[arg-type]
+    first = cache.root.children[ids(1).tobytes()]
+    first.creation_time = first.last_access_time = 1.0
+    cache.insert(ids(1, 2, 7, 8), allocator.alloc(4), priority=5)  # type: ignore[arg-type]
+    upper = cache.root.children[ids(1).tobytes()]
+    lower = upper.children[ids(3).tobytes()]
+    assert lower is first and (lower.creation_time, lower.priority) == (1.0, 0)
+    assert upper.creation_time > 1.0 and upper.creation_time == upper.last_access_time and upper.priority == 5
+    cache.check_integrity()
+    cache.match_prefix(ids(1, 2, 3, 9))  # NOTE: a match splits [3, 4] at 3: its upper piece is new too
+    assert lower.parent is not None and lower.parent.creation_time > 1.0 and lower.creation_time == 1.0
+    cache.check_integrity()
