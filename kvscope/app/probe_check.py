@@ -56,6 +56,8 @@ def load_line(engine: dict[str, Any]) -> str:
     name = f"{engine['engine']} {engine['version']}"
     if not engine["plugin_installed"]:
         return f"{name}: kvscope is not installed beside it (pip install --no-deps, docs/probe.md): no probe will load"
+    if engine["loads"] is None:
+        return str(engine["line"])
     if not engine["loads"]:
         return f"{engine['line']} (the engine runs unrecorded)"
     tested = "tested" if engine.get("tested") else "not tested"
@@ -87,7 +89,8 @@ def render(engines: list[dict[str, Any]], python: str) -> str:
 
 
 def probe_check_verb(args: argparse.Namespace) -> int:
-    """0: the probe loads on every engine found; 1: it would refuse one (or is not installed beside it)."""
+    """0: the probe loads on every engine found (or decides at load: no families); 1: it would refuse one,
+    or is not installed beside it."""
     python = args.python or sys.executable
     engines = ask(python, dict(os.environ))
     if not engines:
@@ -96,4 +99,4 @@ def probe_check_verb(args: argparse.Namespace) -> int:
         print(json.dumps({"python": python, "engines": engines}, indent=2))
     else:
         print(render(engines, python))
-    return 0 if all(e["loads"] and e["plugin_installed"] for e in engines) else 1
+    return 1 if any(e["loads"] is False or not e["plugin_installed"] for e in engines) else 0

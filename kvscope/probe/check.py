@@ -47,9 +47,9 @@ def engine_report(engine: Engine) -> dict[str, Any]:
         line = f"{engine.name} {version}: the probe cannot be imported ({type(err).__name__}: {err})"
         return {**found, "loads": False, "family": None, "line": line.splitlines()[0], "targets": [], "records": []}
     families = getattr(probe, "FAMILIES", None)
-    if not families:
-        line = f"{engine.name} {version}: this kvscope's probe has no shape families for {engine.name}"
-        return {**found, "loads": False, "family": None, "line": line, "targets": [], "records": []}
+    if not families:  # NOTE: a probe that still picks its hooks by version alone: whether it loads is not known here
+        line = f"{engine.name} {version}: this kvscope's {engine.name} probe has no shape families; it decides at load"
+        return {**found, "loads": None, "family": None, "line": line, "targets": [], "records": []}
     return {**found, **describe(engine.name, version, families), "records": list(getattr(probe, "PROVIDES", ()))}
 
 
