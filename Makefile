@@ -9,7 +9,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvscope-installed
 
-.PHONY: run demo test test-engines test-postgres sglang-518-src vllm-src sglang-venv lint format typecheck unit bench samples clean install
+.PHONY: run demo test test-engines test-postgres sglang-518-src sglang-src vllm-src sglang-venv lint format typecheck unit bench samples clean install
 
 install: $(STAMP)
 
@@ -112,6 +112,23 @@ $(VLLM_SRC)/%/.kvscope-unpacked: $(STAMP)
 	@cd $(VLLM_SRC)/$*/src && $(abspath $(BIN))/python -m zipfile -e ../wheel/*.whl . && rm -rf ../wheel
 	@touch $@
 
+# SGLang's other releases beside the venv's 0.5.23, unpacked and not installed (about 35 MB each, once):
+# tests/engines/test_sglang_probe.py puts one first on the driver's path, ahead of the SGLang venv's own
+# packages. 0.5.22 is a family's tested release (kvscope/probe/sglang.py FAMILIES); on the older ones the
+# tests check the one line that refuses them.
+SGLANG_SRC      ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvscope/sglang-src
+SGLANG_RELEASES := 0.5.18 0.5.19 0.5.20 0.5.21 0.5.22
+SGLANG_SRC_STAMPS := $(foreach v,$(SGLANG_RELEASES),$(SGLANG_SRC)/$(v)/.kvscope-unpacked)
+
+sglang-src: $(SGLANG_SRC_STAMPS)
+
+$(SGLANG_SRC)/%/.kvscope-unpacked: $(STAMP)
+	@echo "kvscope: unpacking SGLang $*'s source in $(SGLANG_SRC)/$* (no install)"
+	@mkdir -p $(SGLANG_SRC)/$*/wheel
+	@$(SHOW) $(BIN)/python -m pip download --disable-pip-version-check --no-deps sglang==$* -d $(SGLANG_SRC)/$*/wheel
+	@cd $(SGLANG_SRC)/$* && $(abspath $(BIN))/python -m zipfile -e wheel/sglang-$*-*.whl .
+	@touch $@
+
 # SGLang 0.5.23 in a venv of its own outside the repository, for the probe's tests on SGLang's real memory
 # classes (tests/engines/test_sglang_probe.py). No GPU closure: sglang with --no-deps, then only the packages its
 # memory, plugin and scheduler modules import (about 3 minutes and 1.5 GB the first time). Its GPU-only imports
@@ -138,11 +155,11 @@ $(SGLANG_STAMP):
 
 # NOTE: kvscope goes into the vLLM venv with --no-deps (its probe is a vllm.general_plugins entry point; none
 # of vLLM's packages change: tests/engines/test_vllm_probe.py checks) and without build isolation (offline)
-test-engines: $(STAMP) $(VLLM_STAMP) $(VLLM_SRC_STAMPS) $(SGLANG_518_STAMP) $(SGLANG_STAMP)
+test-engines: $(STAMP) $(VLLM_STAMP) $(VLLM_SRC_STAMPS) $(SGLANG_518_STAMP) $(SGLANG_SRC_STAMPS) $(SGLANG_STAMP)
 	@$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	@$(SGLANG_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	KVSCOPE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVSCOPE_VLLM_SRC=$(VLLM_SRC) KVSCOPE_SGLANG_518_SRC=$(SGLANG_518_SRC) \
-		KVSCOPE_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python $(BIN)/pytest -m engines
+		KVSCOPE_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python KVSCOPE_SGLANG_SRC=$(SGLANG_SRC) $(BIN)/pytest -m engines
 
 # The PostgreSQL-marked tests (tests/telemetry/test_postgres_*.py; `make test` skips them, saying why) against
 # a throwaway cluster: tests/postgres_cluster.py installs Debian's postgresql when no server is found (root),

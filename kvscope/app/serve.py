@@ -13,8 +13,8 @@ dropped (its requests in flight fail 503) while another lives; when none is left
 
 NOTE: the order of things
     1. the arguments, the keys file, the KV-events config, the engine config against the model
-       and the machine (N ranks' pools), and the listening socket: any error is one line, exit
-       2, and nothing has started (no scheduler, no capture)
+       and the machine (N ranks' pools), the listening socket and the capture (opened as its
+       writers will, then closed): any error is one line, exit 2, and no scheduler has started
     2. the schedulers start; the first StatsOut of each means ready (Ctrl-C reaches the whole
        process group: the schedulers drain on it, as on the ShutdownReq that follows)
     3. uvicorn serves on the socket bound in 1; then "kvscope serve: ready on http://HOST:PORT"
@@ -22,6 +22,10 @@ NOTE: the order of things
        ShutdownReq (it finishes the requests in flight, flushes and closes the capture), uvicorn
        waits for the open responses, the scheduler is joined; one line, exit 0. A scheduler
        that dies on its own fails its requests in flight; the last one to die exits 1.
+       A rank silent for RANK_SILENT_S (hung: a stopped process, a stuck kernel) is marked
+       unresponsive with one line: dispatch skips it and /health reads "degraded" until it
+       speaks again. At the stop its requests in flight end 503 at once and its process is
+       killed (SIGTERM, then SIGKILL), so the stop never waits on it; exit 1.
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ READY_TIMEOUT_S = 300.0
 GRACEFUL_S = 30
 DRAIN_S = 25  # requests in flight may finish this long; then they are aborted, before uvicorn's own limit
 JOIN_TIMEOUT_S = 60.0
+# NOTE: a rank that sends nothing this long is unresponsive (it sends its stats every 0.5 s, busy or idle)
+RANK_SILENT_S = 10.0
+KILL_WAIT_S = 2.0  # a rank that does not answer: SIGTERM, this long, then SIGKILL (a stopped process takes only that)
 
 
 @dataclass
@@ -116,6 +123,11 @@ def check_ranks_fit(engine: EngineConfig, model: ModelConfig, dp_size: int) -> N
 def serve_verb(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     listener = bind_listener(options.host, options.port)
+    try:
+        check_capture(options.capture)
+    except BaseException:
+        listener.close()
+        raise
     from kvscope.app.runner import kv_fingerprint
     from kvscope.mem import resolve_device
     from kvscope.server.scheduler import EXIT_RECORDING_STOPPED, ServeSpec, start_scheduler
@@ -186,6 +198,17 @@ def _start_of(config: Any) -> str | None:
         return None
     serve = found.get("serve") if isinstance(found, dict) else None
     return serve.get("start") if isinstance(serve, dict) else None
+
+
+def check_capture(capture: str | None) -> None:
+    """Open the capture as its writers will (creating its schema), so that a database that cannot
+    be opened (refused, a wrong password, no such database) or a file that cannot be written is
+    CaptureError with one line before any scheduler starts."""
+    if capture is None:
+        return
+    from kvscope.telemetry.store import open_writer
+
+    open_writer(capture).dispose()
 
 
 def rank_spec(spec: ServeSpec, options: ServeOptions, fleet_id: str, rank: int) -> ServeSpec:
@@ -304,6 +327,7 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
             if not watch_ranks(front, processes, options):
                 code = 1
                 break
+            watch_silence(front, options)
             if serving is not None and serving.done():
                 code = 1
                 break
@@ -311,17 +335,20 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
                 await asyncio.wait_for(stop.wait(), 0.5)
     finally:
         front.accepting = False
+        front.mark_silent(RANK_SILENT_S)
+        silent = front.router.silent_ranks()
+        for rank in silent:
+            front.fail_in_flight(rank, f"{front.rank_label(rank)} does not answer")
         if any(p.is_alive() for p in processes):
             with contextlib.suppress(Exception):
                 await front.send(ShutdownReq(abort_in_flight=False))
         if server is not None and serving is not None:
             server.should_exit = True
-            await drain(front, serving, any(p.is_alive() for p in processes))
-        for process in processes:
-            await loop.run_in_executor(None, process.join, JOIN_TIMEOUT_S)
+            await drain(front, serving, any(p.is_alive() for p in processes), silent)
+        for rank, process in enumerate(processes):
+            await loop.run_in_executor(None, process.join, 0.0 if rank in silent else JOIN_TIMEOUT_S)
             if process.is_alive():
-                process.terminate()
-                await loop.run_in_executor(None, process.join, 5.0)
+                await loop.run_in_executor(None, end_process, process)
                 code = code or 1
         await front.close()
     why = f" ({stopped[0]})" if stopped else ""
@@ -355,14 +382,47 @@ def watch_ranks(front: Front, processes: list[multiprocessing.process.BaseProces
     return bool(front.router.live_ranks())
 
 
-async def drain(front: Front, serving: asyncio.Task[None], scheduler_alive: bool) -> None:
+def watch_silence(front: Front, options: ServeOptions) -> None:
+    """Mark the ranks silent for RANK_SILENT_S as unresponsive, one line each."""
+    for rank in front.mark_silent(RANK_SILENT_S):
+        answering = len(front.router.answering_ranks())
+        rest = f"; serving on {answering} of {options.dp_size} ranks" if answering else "; no rank answers"
+        print(
+            f"kvscope serve: error: {front.rank_label(rank)} has not answered for {RANK_SILENT_S:g} s{rest}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def end_process(process: multiprocessing.process.BaseProcess) -> None:
+    """SIGTERM, then SIGKILL after KILL_WAIT_S: a stopped (or hung) process takes only SIGKILL."""
+    process.terminate()
+    process.join(KILL_WAIT_S)
+    if process.is_alive():
+        process.kill()
+        process.join(KILL_WAIT_S)
+
+
+async def drain(front: Front, serving: asyncio.Task[None], scheduler_alive: bool, silent: list[int]) -> None:
     """Let the requests in flight finish for DRAIN_S, then abort them, so every stream ends with
-    its last message before uvicorn's graceful limit (which would cancel it mid-stream)."""
+    its last message before uvicorn's graceful limit (which would cancel it mid-stream). A rank
+    that goes silent meanwhile with requests in flight has them ended at once and joins `silent`
+    (a rank silent without any is closing its capture: it is left to finish)."""
     from kvscope.server.protocol import ShutdownReq
 
     try:
-        await asyncio.wait_for(asyncio.shield(serving), DRAIN_S)
-        return
+        deadline = time.monotonic() + DRAIN_S
+        while not serving.done() and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(serving), 0.5)
+            for rank in front.router.answering_ranks():
+                if front.silent_for_s(rank) > RANK_SILENT_S and front.in_flight_on(rank):
+                    front.fail_in_flight(rank, f"{front.rank_label(rank)} does not answer")
+                    silent.append(rank)
+        if serving.done():
+            serving.result()
+            return
+        raise TimeoutError
     except TimeoutError:
         if scheduler_alive:
             with contextlib.suppress(Exception):

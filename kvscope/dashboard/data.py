@@ -7,6 +7,7 @@ or a kvscope.debug report."""
 
 from __future__ import annotations
 
+import atexit
 import json
 from typing import Any, NamedTuple
 
@@ -26,8 +27,11 @@ MAX_POINTS = 600
 
 @st.cache_resource(show_spinner=False)
 def open_capture(path: str) -> Capture:
-    """The one store per capture (read-only). A CaptureError is raised, not cached."""
-    return Capture(path)
+    """The one store per capture (read-only). A CaptureError is raised, not cached. When the dashboard
+    stops, a capture whose runs all closed is folded back into one file (its -wal and -shm go)."""
+    capture = Capture(path)
+    atexit.register(capture.close_and_settle)
+    return capture
 
 
 @st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
@@ -160,6 +164,7 @@ def request_page(
     rid: str | None,
     limit: int,
     offset: int,
+    newest_first: bool = False,
 ) -> pd.DataFrame:
     return open_capture(path).request_rows(
         run_id,
@@ -168,6 +173,7 @@ def request_page(
         rid=rid,
         limit=limit,
         offset=offset,
+        newest_first=newest_first,
     )
 
 
@@ -268,11 +274,14 @@ def gpus() -> pd.DataFrame:
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner="Replaying the request stream for the hit-rate curve…")
 def capacity_curves(
-    path: str, run_id: int, stamp: float, page_size: int, sharing: tuple[str, ...] = ("global",)
+    path: str, run_id: int, started_at: float, page_size: int, sharing: tuple[str, ...] = ("global",)
 ) -> tuple[dict[str, pd.DataFrame], int]:
     """The one-pass hit-rate curves of the run's request stream (regenerated from its config),
     by sharing rule ("global"; "isolated": keys per user), in the order of `sharing`; and the
-    stream's prompt tokens. Raises ValueError when the stream cannot be rebuilt."""
+    stream's prompt tokens. Raises ValueError when the stream cannot be rebuilt.
+
+    NOTE: keyed by the run's start, not the read stamp: the stream comes from the config alone, so
+    a live run's curve is computed once, not on every refresh of every tab (100k requests: ~20 s)."""
     from kvscope.dashboard.charts import curve_frame
     from kvscope.planning import load_requests, one_pass_curve
 

@@ -19,7 +19,7 @@ import pandas as pd
 import streamlit as st
 
 from kvscope.dashboard import data, tenants, url_state
-from kvscope.telemetry import CaptureError, display_name
+from kvscope.telemetry import CaptureError, display_name, link_name
 
 CAPTURE_DIRS = (Path("runs"), Path("sample_runs"))
 PAGES_DIR = Path(__file__).parent / "app_pages"
@@ -90,7 +90,8 @@ def capture_options(requested: str | None, found: list[Path]) -> list[str]:
 
 
 def _same_file_key(name: str) -> str:
-    return name if "://" in name else os.path.realpath(name)
+    """One key per capture: a file's real path; a URL without its password (what links carry)."""
+    return link_name(name) if "://" in name else os.path.realpath(name)
 
 
 def _listed_as(name: str, options: list[str]) -> str | None:
@@ -106,7 +107,10 @@ def _pick_capture(options: list[str]) -> str:
         if listed is not None:
             st.session_state[CAPTURE_KEY] = listed
         else:
-            url_state.note(f"The link's capture {linked!r} is not one this dashboard lists: showing {options[0]!r}.")
+            url_state.note(
+                f"The link's capture {display_name(linked)!r} is not one this dashboard lists: "
+                f"showing {display_name(options[0])!r}."
+            )
     if st.session_state.get(CAPTURE_KEY) not in options:
         st.session_state[CAPTURE_KEY] = options[0]
     return str(st.sidebar.selectbox("Capture", options, key=CAPTURE_KEY, format_func=display_name))
@@ -162,7 +166,7 @@ def render_frame() -> Selection | None:
         st.error(str(err))
         return None
     if runs.empty:
-        st.info(f"{path}: the capture holds no runs yet.")
+        st.info(f"{display_name(path)}: the capture holds no runs yet.")
         return None
     run = _pick_run(path, runs)
     refresh = st.sidebar.toggle(
@@ -175,7 +179,7 @@ def render_frame() -> Selection | None:
     _status_line(run, status)
     stamp = _stamp(run)
     tenant = tenants.pick_tenant(_principals(path, int(run.id), stamp))
-    url_state.reset(capture=path, run=int(run.id), tenant=tenant)
+    url_state.reset(capture=link_name(path), run=int(run.id), tenant=tenant)
     url_state.show_notes()
     chosen = Selection(path, int(run.id), run, stamp, bool(refresh) and status == "running", status, tenant)
     st.session_state[STATE_KEY] = chosen

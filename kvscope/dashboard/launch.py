@@ -9,9 +9,10 @@ names, e.g. a postgresql:// URL that other engines write into too), waits until 
 /health, starts `kvscope load` against it (the multi-tenant workload through the official
 openai client), then `streamlit run app.py -- --db <capture>` bound to 127.0.0.1 (unless
 --host says otherwise), headless, with Streamlit's usage statistics off and its Deploy
-button hidden. Ctrl-C (or SIGTERM, or the server or the dashboard ending) stops all three,
-waits for them, folds the capture's log into it (one file: a dashboard still reading when
-the server closed it kept it in WAL mode) and exits 0 after Ctrl-C so `make` prints no error
+button hidden. Ctrl-C (or SIGTERM, or the server or the dashboard ending: the launcher says which
+one and how, its exit code or the signal that killed it) stops all three, waits for them, folds the
+capture's log into it (one file: a dashboard still reading when the server closed it kept it in WAL
+mode) and exits 0 after Ctrl-C so `make` prints no error
 line. Streamlit's file watcher is off: it would watch the whole tree, .venv included, and
 flood the terminal with "Inotify queue overflowed". Torch-free: the engine runs in the
 server's scheduler process.
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         load = subprocess.Popen(load_command(args.serve_port, args.workload, args.num_requests, args.rate), cwd=ROOT)
         say(f"starting the dashboard on http://{args.host}:{args.port} (Ctrl-C stops all three)")
         dashboard = subprocess.Popen(dashboard_command(capture, args.port, args.host), cwd=ROOT)
-        return _wait_any(dashboard, server)
+        return _wait_any({"the dashboard": dashboard, "kvscope serve": server})
     except KeyboardInterrupt:
         say("stopping the load, the dashboard and the server")
         return 0  # a Ctrl-C is how this is meant to end: no error line from make
@@ -206,13 +207,26 @@ def main(argv: list[str] | None = None) -> int:
         say(f"stopped; the capture is {_shown(capture)}")
 
 
-def _wait_any(*processes: subprocess.Popen[bytes]) -> int:
-    """Until one of them ends; its exit code."""
+def _wait_any(processes: dict[str, subprocess.Popen[bytes]]) -> int:
+    """Until one of them ends: says which one and how, and returns its exit code (1 for one
+    killed by a signal: make then reports a failure, not a status of 245)."""
     while True:
-        for process in processes:
+        for name, process in processes.items():
             if process.poll() is not None:
-                return int(process.returncode)
+                print(f"kvscope: error: {name} {ended_how(process.returncode)}; stopping the rest", file=sys.stderr)
+                return process.returncode if process.returncode >= 0 else 1
         time.sleep(0.5)
+
+
+def ended_how(returncode: int) -> str:
+    """'exited with code 2', 'was killed by SIGSEGV (signal 11)'."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = "an unknown signal"
+    return f"was killed by {name} (signal {-returncode})"
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ FRAME_KEYS = ("capture", "run", "tenant")
 PAGE_KEYS = ("step", "node", "rid")
 MAX_TEXT_LEN = 200
 WRITTEN_KEY = "kvscope.url.written"  # the query parameters this session wrote last
+HISTORY_KEY = "kvscope.url.history"  # key -> the values this session wrote lately (newest last)
+HISTORY_LEN = 64
 PENDING_KEY = "kvscope.url.pending"  # values from the URL not applied yet
 NOTES_KEY = "kvscope.url.notes"
 
@@ -86,7 +88,15 @@ def take_new() -> None:
     last become pending (checked for type; bad ones become notes)."""
     current = {k: v for k, v in st.query_params.to_dict().items() if k in (*FRAME_KEYS, *PAGE_KEYS)}
     written = st.session_state.get(WRITTEN_KEY)
-    new = current if written is None else {k: v for k, v in current.items() if written.get(k) != v}
+    history: dict[str, list[str]] = st.session_state.get(HISTORY_KEY, {})
+    # NOTE: a value this session wrote lately is an echo, not a link: a live page writes its step every
+    # second from a fragment, and a rerun may carry the browser's URL from before the last write
+    # (it then read as a link to an older step and turned the tree's 'follow newest' off)
+    new = (
+        current
+        if written is None
+        else {k: v for k, v in current.items() if written.get(k) != v and v not in history.get(k, ())}
+    )
     parsed = parse(new)
     st.session_state[PENDING_KEY] = parsed.values
     st.session_state[NOTES_KEY] = parsed.notes
@@ -112,6 +122,7 @@ def show_notes() -> None:
 def publish(**values: Any) -> None:
     """Put these values in the URL (None removes a key) and remember them as written."""
     written = dict(st.session_state.get(WRITTEN_KEY) or {})
+    history: dict[str, list[str]] = st.session_state.setdefault(HISTORY_KEY, {})
     for key, value in values.items():
         if value is None:
             written.pop(key, None)
@@ -119,6 +130,10 @@ def publish(**values: Any) -> None:
         else:
             written[key] = str(value)
             st.query_params[key] = str(value)
+            recent = history.setdefault(key, [])
+            if str(value) not in recent[-1:]:
+                recent.append(str(value))
+                del recent[:-HISTORY_LEN]
     st.session_state[WRITTEN_KEY] = written
 
 

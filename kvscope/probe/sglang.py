@@ -1,5 +1,5 @@
 """The probe inside SGLang's scheduler process: hooks on the allocators, the request-row pool and the
-radix trees of the versions in SUPPORTED, registered through SGLang's own plugin framework
+radix trees of the code families in FAMILIES (shapes.py), registered through SGLang's own plugin framework
 (HookRegistry, AROUND hooks; the allocators' and the trees' hot methods patched directly, see `_register`), and the
 page census (sglang_census.py) at each idle point, periodically while busy and as the scheduler loop ends; the
 page ledger (Mamba slots included) in sglang_ledger.py; what a census and a snapshot read of SGLang's pools
@@ -7,8 +7,9 @@ and trees in sglang_views.py.
 
 Loaded by SGLang's `sglang.srt.plugins` entry point (`register`): `load_plugins()` runs it first
 thing in every SGLang process (the scheduler, spawned, included); inert unless KVSCOPE_CAPTURE is
-set. All or nothing: every target is resolved before the first hook is registered; a version the
-table does not name, or a target that is gone, registers nothing and says so in one line.
+set. All or nothing: every target is resolved before the first hook is registered; a release whose
+code matches no family's shapes (shapes.choose), or a target that is gone, registers nothing and says
+so in one line.
 
 NOTE: what each action records (pool = full, or swa for an SWA allocator's sub-pool; slots = page
 ids, num_tokens = pages x page size; rid = the request the probe's context names, None outside one)
@@ -96,6 +97,7 @@ from kvscope.probe.sglang_views import (
     tree_rows,
     tree_slots,
 )
+from kvscope.probe.shapes import Family, Shape, choose, describe
 from kvscope.telemetry import EventKind, EvictReason, PoolTerms, RequestRecord, UsageSample
 from kvscope.telemetry.remote import signals_held
 
@@ -110,6 +112,7 @@ RADIX = f"{MEM}.radix_cache.RadixCache"
 UNIFIED = f"{MEM}.unified_radix_cache.UnifiedRadixCache"
 BASE = f"{MEM}.allocator.base.BaseTokenToKVPoolAllocator"
 BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
+REQ = "sglang.srt.managers.schedule_batch.Req"
 ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
@@ -1259,11 +1262,84 @@ def hooks() -> list[Hook]:
     ]
 
 
-SUPPORTED: dict[str, Callable[[], list[Hook]]] = {"0.5.23": hooks}
+def hooks_0522() -> list[Hook]:
+    """SGLang 0.5.22: 0.5.23's hooks, but UnifiedRadixCache.evict_for_alloc takes (self, params) alone
+    (0.5.23 added the keyword allocation_reclaim_satisfied): the evict wrapper's parameters."""
+    return [h._replace(hook=_d_evict) if h.target == f"{UNIFIED}.evict_for_alloc" else h for h in hooks()]
+
+
+# NOTE: the classes whose attributes the probe and its census read (sglang_views.py, the hooks above);
+# a release that renamed one loads no family (shapes.py: reads). The functions the census calls on
+# SGLang's objects are targets of their own (their leading parameters).
+READS = (
+    Shape(f"{MEM}.memory_pool.ReqToTokenPool", reads=("req_to_token", "free_slots", "size")),
+    Shape(PAGED, reads=("page_size", "size", "free_pages")),
+    Shape(f"{MEM}.radix_cache.TreeNode", reads=("children", "parent", "key", "value", "lock_ref", "id")),
+    Shape(BATCH, reads=("reqs", "req_to_token_pool", "tree_cache")),
+    Shape(REQ, reads=("rid", "kv", "origin_input_ids", "output_ids", "cached_tokens")),
+    Shape(f"{REQ}KvInfo", reads=("req_pool_idx", "kv_allocated_len", "cache_protected_len", "holds_kv")),
+    Shape(SCHEDULER, reads=("invariant_checker", "tree_cache")),
+    Shape(CHECKER, reads=("tree_cache", "req_to_token_pool")),
+    Shape(f"{CHECKER}._requests_owning_rows", params=("self",)),
+    Shape(f"{MEM}.base_prefix_cache.BasePrefixCache.session_records", params=("self",)),
+    Shape(f"{UNIFIED}.root_node_handle", params=("self",)),
+)
+
+
+def shapes_of(table: list[Hook], reads: tuple[Shape, ...] = READS) -> tuple[Shape, ...]:
+    """Each hook's target with the leading parameters its wrapper passes (a direct hook: every one of
+    its method's), then the classes read."""
+    return (*(Shape(h.target, params=_params_of(h)) for h in table), *reads)
+
+
+def _params_of(h: Hook) -> tuple[str, ...]:
+    """The parameter names a hook relies on: a direct hook's method's (made from a stand-in method);
+    an AROUND hook's, after `original` up to its *args."""
+    if h.direct:
+        made = h.hook(_stand_in)
+        return tuple(inspect.signature(made, follow_wrapped=False).parameters)
+    names = []
+    for p in list(inspect.signature(h.hook).parameters.values())[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            break
+        names.append(p.name)
+    return tuple(names)
+
+
+def _stand_in(*args: Any, **kwargs: Any) -> None:
+    """What a direct hook's factory wraps when only its method's parameters are asked for."""
+
+
+def _family(
+    name: str, releases: tuple[str, ...], build: Callable[[], list[Hook]], reads: tuple[Shape, ...] = READS
+) -> Family:
+    return Family(name, releases, shapes_of(build(), reads), build)
+
+
+# NOTE: newest first; a release tested on a family is in its `releases` (docs/probe.md's version table)
+FAMILIES: tuple[Family, ...] = (
+    _family("0.5.23", ("0.5.23",), hooks),
+    _family("0.5.22", ("0.5.22",), hooks_0522),
+)
 
 
 def sglang_version() -> str:
     return installed_version("sglang")
+
+
+def describe_installed(version: str | None = None, families: tuple[Family, ...] | None = None) -> dict[str, Any]:
+    """For `kvscope probe-check`: the installed SGLang's version, the family it loads as (or why none),
+    each target's shape and match, and what a capture records (shapes.describe), refused as `_register`
+    would refuse it (a directly patched method with one parameter more than the probe's: `_fit`)."""
+    version = version or sglang_version()
+    families = FAMILIES if families is None else families
+    described = describe("SGLang", version, families)
+    chosen = next((f for f in families if f.name == described["family"]), None)
+    why = None if chosen is None else _fit(version, chosen.build())[1]
+    if why is not None:
+        described.update(family=None, tested=False, loads=False, line=why)
+    described["records"] = PROBE.config(patched=described["loads"])["source"]["provides"]
+    return described
 
 
 def register() -> None:
@@ -1271,40 +1347,53 @@ def register() -> None:
     register_never_raising(_register)
 
 
-def _register(version: str | None = None, table: dict[str, Callable[[], list[Hook]]] | None = None) -> str:
-    """Register every hook of this SGLang version with HookRegistry, or none; one line says what."""
+def _register(version: str | None = None, families: tuple[Family, ...] | None = None) -> str:
+    """Register every hook of the family the installed SGLang's code matches, or none; one line says
+    what (shapes.choose: a tested release that matches says nothing more; an untested one that matches
+    a family says so; any other names the target that differs)."""
     settings = settings_from_env()
     if settings is None:
         return "inert: KVSCOPE_CAPTURE is unset"
     if PROBE.state.active:
         return "already registered in this process"
     version = version or sglang_version()
-    table = SUPPORTED if table is None else table
     PROBE.__init__(settings, version)  # type: ignore[misc]
-    make = table.get(version)
-    if make is None:
-        return _refuse(
-            f"SGLang {version} is not supported (the probe knows {', '.join(sorted(table))}); nothing patched"
-        )
     if settings.level not in LEVELS:
         return _refuse(f"KVSCOPE_LEVEL must be summary or full, got {settings.level!r}; nothing patched")
-    wanted = [h for h in make() if not (h.per_op and PROBE.lean)]
-    missing = [h.target for h in wanted if not (_method_of(h.target) if h.direct else _resolves(h.target))]
-    if missing:
-        return _refuse(f"SGLang {version}: {', '.join(missing)} not found; nothing patched")
-    direct = [(h.target, *_direct(h)) for h in wanted if h.direct]  # NOTE: all made before any is put in place
-    changed = [target for target, _, _, _, made in direct if made is None]
-    if changed:
-        return _refuse(f"SGLang {version}: {', '.join(changed)} takes other parameters; nothing patched")
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    choice = choose("SGLang", version, FAMILIES if families is None else families)
+    if choice.family is None:
+        return _refuse(choice.line)
+    wanted = [h for h in choice.family.build() if not (h.per_op and PROBE.lean)]
+    direct, why = _fit(version, wanted)  # NOTE: all made before any is put in place
+    if why is not None:
+        return _refuse(why)
+    around = [h for h in wanted if not h.direct]
+    if around:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for h in wanted:
-        if not h.direct:
+        for h in around:
             HookRegistry.register(h.target, h.hook, HookType.AROUND)
-    for _, owner, name, _, made in direct:
+    for owner, name, _, made in direct:
         setattr(owner, name, made)
     PROBE.state.active = True
-    return f"registered {len(wanted)} hooks on SGLang {version} (level {settings.level})"
+    if choice.line:
+        say(choice.line)
+    family = f"family {choice.family.name}, " if choice.family.name != version else ""
+    return f"registered {len(wanted)} hooks on SGLang {version} ({family}level {settings.level})"
+
+
+def _fit(version: str, wanted: list[Hook]) -> tuple[list[tuple[type, str, Any, Any]], str | None]:
+    """Every target of `wanted` resolved and each direct hook's method made: (class, name, SGLang's
+    method, the probe's) per direct hook, or the line that refuses them all (a target gone; a direct
+    method whose parameters are not exactly SGLang's, though its shape, the leading ones, matched)."""
+    missing = [h.target for h in wanted if not (_method_of(h.target) if h.direct else _resolves(h.target))]
+    if missing:
+        return [], f"SGLang {version}: {', '.join(missing)} not found; nothing patched"
+    made = [(h.target, _direct(h)) for h in wanted if h.direct]
+    changed = [target for target, (_, _, _, method) in made if method is None]
+    if changed:
+        return [], f"SGLang {version}: {', '.join(changed)} takes other parameters; nothing patched"
+    return [found for _, found in made], None
 
 
 def _direct(h: Hook) -> tuple[type, str, Callable[..., Any], Callable[..., Any] | None]:

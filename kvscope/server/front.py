@@ -36,6 +36,9 @@ NOTE: data-parallel ranks (`serve --dp-size N`, docs/serve.md)
     request carries Routing(method, cached on the chosen rank, most cached on another) to its
     requests row. A rank whose process died: its requests in flight end 503, dispatch skips it,
     /health reads "degraded" (200) while another rank lives; with none left, as one scheduler dead.
+    A rank that sends nothing for a bound (mark_silent; every rank sends its stats twice a second)
+    is unresponsive: dispatch skips it and /health reads "degraded" until its next message; its
+    requests in flight wait for it (or for the stop, which ends them 503).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ from kvscope.server.chat import ChatError, render_chat
 from kvscope.server.choice import Choice, Entry, Piece, render_logprobs
 from kvscope.server.errors import ApiError, error_response
 from kvscope.server.metrics import ServerMetrics
-from kvscope.server.openai_params import MAX_CHOICES, ParamError, RequestParams, parse_params
+from kvscope.server.openai_params import IGNORED, MAX_CHOICES, ParamError, RequestParams, parse_params
 from kvscope.server.protocol import (
     AbortReq,
     GenerateReq,
@@ -88,6 +91,7 @@ from kvscope.workloads.tokenizer import ByteTokenizer
 
 DISCONNECT_POLL_S = 0.2
 BROADCAST_WAIT_S = 2.0
+MAX_IGNORED_LOGGED = 64  # NOTE: distinct ignored field names logged; a client inventing names cannot fill the log
 
 
 def resolve_principal(keys: dict[str, Principal] | None, authorization: str | None, user: str | None) -> str | None:
@@ -228,7 +232,10 @@ class Front:
         to_fronts = [to_front] if isinstance(to_front, str) else to_front
         self.state = state
         self.tokenizer = ByteTokenizer()
-        self.metrics = ServerMetrics(state.engine.pool.page_size, state.model_id, len(to_schedulers))
+        self.ignored_seen: set[str] = set()
+        self.metrics = ServerMetrics(
+            state.engine.pool.page_size, state.model_id, len(to_schedulers), state.engine.cache.kind
+        )
         self.context = zmq.asyncio.Context()
         self.links = [self.connect(a, b) for a, b in zip(to_schedulers, to_fronts, strict=True)]
         self.router = Router(state.load_balance_method, len(self.links), state.engine.pool.page_size)
@@ -239,6 +246,7 @@ class Front:
         self.aborts: set[asyncio.Task[None]] = set()
         self.scheduler_error: str | None = None  # set once every scheduler process is gone
         self.lost: set[str] = set()  # requests ended by their rank's death, until their handler answers
+        self.heard_at_s = [time.monotonic()] * len(self.links)  # each rank's last message (monotonic)
 
     def connect(self, to_scheduler: str, to_front: str) -> Link:
         push = self.context.socket(zmq.PUSH)
@@ -264,6 +272,7 @@ class Front:
         link = self.links[rank]
         while True:
             frame = await link.pull.recv()
+            self.heard(rank)
             msg = decode_to_front(frame)
             if isinstance(msg, StatsOut):
                 self.took_stats(rank, msg)
@@ -273,6 +282,31 @@ class Front:
                 pending = self.pending.get(msg.rid)
                 if pending is not None:
                     pending.queue.put_nowait(msg)
+
+    def heard(self, rank: int) -> None:
+        """A message from `rank`: it answers (again, with a line, if it was marked silent)."""
+        self.heard_at_s[rank] = time.monotonic()
+        replica = self.router.replicas[rank]
+        if not replica.answering:
+            replica.answering = True
+            print(f"kvscope serve: {self.rank_label(rank)} answers again", file=sys.stderr, flush=True)
+
+    def mark_silent(self, bound_s: float) -> list[int]:
+        """Mark every live rank that has sent nothing for `bound_s` as not answering; the ranks
+        newly marked."""
+        newly = []
+        for rank, replica in enumerate(self.router.replicas):
+            if replica.live and replica.answering and self.silent_for_s(rank) > bound_s:
+                replica.answering = False
+                newly.append(rank)
+        return newly
+
+    def silent_for_s(self, rank: int) -> float:
+        """Seconds since `rank` last sent anything."""
+        return time.monotonic() - self.heard_at_s[rank]
+
+    def rank_label(self, rank: int) -> str:
+        return "the scheduler process" + ("" if len(self.links) == 1 else f" of dp rank {rank}")
 
     def took_stats(self, rank: int, stats: StatsOut) -> None:
         self.router.took_stats(rank, stats)
@@ -305,12 +339,19 @@ class Front:
         `error` (503); the last one gone is scheduler_exited."""
         self.router.rank_exited(rank)
         self.metrics.rank_died(rank)
+        self.fail_in_flight(rank, error)
+        if self.scheduler_error is None and not self.router.live_ranks():
+            self.scheduler_exited(error)
+
+    def in_flight_on(self, rank: int) -> bool:
+        return any(pending.rank == rank for pending in self.pending.values())
+
+    def fail_in_flight(self, rank: int, error: str) -> None:
+        """End the requests in flight on `rank` with `error` (503: the server's fault)."""
         for rid, pending in list(self.pending.items()):
             if pending.rank == rank:
                 self.lost.add(rid)
                 pending.queue.put_nowait(TokenOut(rid, [], finished=True, finish_reason="error", error=error))
-        if self.scheduler_error is None and not self.router.live_ranks():
-            self.scheduler_exited(error)
 
     def refusal(self, rid: str) -> tuple[int, str, str]:
         """A request that ended in error: (status, type, code); 503 when its scheduler is gone."""
@@ -494,10 +535,11 @@ class Front:
     async def health(self, request: Request) -> Response:
         if not self.accepting:
             return error_response(503, "the server is shutting down", type_="server_error", code="shutting_down")
-        dead = self.router.dead_ranks()
-        if not dead:
+        dead, silent = self.router.dead_ranks(), self.router.silent_ranks()
+        if not dead and not silent:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "degraded", "live_dp_ranks": self.router.live_ranks(), "dead_dp_ranks": dead})
+        status = {"status": "degraded", "live_dp_ranks": self.router.answering_ranks(), "dead_dp_ranks": dead}
+        return JSONResponse(status | ({"unresponsive_dp_ranks": silent} if silent else {}))
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self.model_card()]})
@@ -614,7 +656,13 @@ class Front:
                 "dp_size": len(self.router.replicas),
                 "load_balance_method": self.state.load_balance_method,
                 "dp_ranks": [
-                    {"dp_rank": rank, "live": r.live, "pid": r.pid, "pools": pools_json(r.stats)}
+                    {
+                        "dp_rank": rank,
+                        "live": r.live,
+                        "answering": r.answering,
+                        "pid": r.pid,
+                        "pools": pools_json(r.stats),
+                    }
                     for rank, r in enumerate(self.router.replicas)
                 ],
                 **self.state.extra_info,
@@ -809,6 +857,9 @@ class Front:
             )
         except ParamError as err:
             raise ApiError(400, str(err), param=err.param, code=err.code) from None
+        self.log_ignored(params.ignored)
+        if params.truncate_prompt_tokens is not None:
+            prompts = [self.truncated(ids, params.truncate_prompt_tokens) for ids in prompts]
         if len(prompts) * params.n > MAX_CHOICES:
             raise ApiError(
                 400,
@@ -833,7 +884,9 @@ class Front:
                 code="invalid_type",
             )
         prompt_key = "messages" if chat else "prompt"
-        max_tokens = [params.max_tokens or self.default_max_tokens(ids, prompt_key) for ids in prompts]
+        # NOTE: as vLLM 0.32: max_tokens past the context is cut to what is left (the reply ends with 'length')
+        rooms = [self.default_max_tokens(ids, prompt_key) for ids in prompts]
+        max_tokens = [room if params.max_tokens is None else min(params.max_tokens, room) for room in rooms]
         for ids, limit in zip(prompts, max_tokens, strict=True):
             self.check_request(ids, limit, params.max_key)
             if params.sampling.min_tokens > limit:
@@ -846,6 +899,23 @@ class Front:
         return GenRequest(
             chat, prompts, max_tokens, stream, bool(options.get("include_usage")), principal, arrival, params
         )
+
+    def log_ignored(self, names: tuple[str, ...]) -> None:
+        """One line per field name the first time a request carries it (as vLLM logs ignored fields)."""
+        for name in names:
+            if name not in self.ignored_seen and len(self.ignored_seen) < MAX_IGNORED_LOGGED:
+                self.ignored_seen.add(name)
+                why = IGNORED.get(name, "unknown to this server")
+                print(f"kvscope serve: request field {name!r} is accepted and ignored ({why})", file=sys.stderr)
+
+    def truncated(self, ids: list[int], keep: int) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context's length)."""
+        if keep == 0:
+            raise ApiError(
+                400, "'truncate_prompt_tokens' must be -1 or >= 1", param="truncate_prompt_tokens", code="invalid_value"
+            )
+        keep = self.state.engine.pool.max_context_len if keep == -1 else keep
+        return ids[-keep:]
 
     def prompt_ids(self, prompt: Any) -> list[list[int]]:
         """The prompts of completions' `prompt`: a string, token ids, or a batch (a list) of either."""

@@ -12,7 +12,7 @@ NOTE: the wire format is SGLang's (>= 0.5.22, map-encoded events; research note 
                     {"type": "BlockRemoved", "block_hashes", "medium"} | {"type": "AllBlocksCleared"}
     replay          a DEALER/REQ sends [b"", start_seq (8 bytes)] to the ROUTER; it answers every
                     kept batch with seq >= start_seq as [b"", topic, seq, payload], then
-                    [b"", topic, seq = -1 (signed), b""] to end
+                    [b"", b"" (no topic, as SGLang 0.5.23 sends it), seq = -1 (signed), b""] to end
 Block hashes are SGLang 0.5.23's (HiCache's page hash, `get_hash_str` page by page, and the
 event id `hash_str_to_int64` of mem_cache/utils.py; read in the released wheel):
     digest(page)    sha256(digest(parent page), all 32 bytes, absent for a page under the root
@@ -373,7 +373,7 @@ class KVEventPublisher:
             for seq, payload in self.kept:
                 if seq >= first:
                     self.replay.send_multipart((identity, b"", self.topic, seq.to_bytes(8, "big"), payload))
-            self.replay.send_multipart((identity, b"", self.topic, END_OF_REPLAY, b""))
+            self.replay.send_multipart((identity, b"", b"", END_OF_REPLAY, b""))  # NOTE: SGLang's: no topic
 
     def close(self) -> None:
         self.pub.close()

@@ -9,9 +9,16 @@ tests/server/test_grafana_dashboard.py checks SGLang's published Grafana dashboa
 totals, exposed as counters through a collector (a Counter cannot be set), so hit rate over a
 window is a ratio of sums:
     sum(rate(sglang:cached_tokens_total[1m])) / sum(rate(sglang:prompt_tokens_total[1m]))
-With `serve --dp-size N` (N > 1) every series carries a dp_rank label ("0" .. "N-1", as SGLang
-labels a data-parallel rank's), one per replica, and kvscope_scheduler_up{dp_rank} is 1 while the
-rank's scheduler process lives, 0 once it died; with one rank the series are exactly as before.
+NOTE: labels follow which of SGLang 0.5.23's collectors exports the family:
+    scheduler   (gauges, queue time, kvscope_*)          model_name, engine_type; with
+                `serve --dp-size N` (N > 1) also dp_rank ("0" .. "N-1"), one series per replica,
+                and kvscope_scheduler_up{dp_rank} is 1 while the rank's process lives, 0 once it died
+    tokenizer   (prompt/cached/generation token totals,  model_name, engine_type only: SGLang's one
+                time to first token, inter-token and     tokenizer manager sees every rank's
+                end-to-end latency)                      requests, so one series for the server
+    radix cache (evicted_tokens_total)                   cache_type (the cache's class name),
+                tp_rank, pp_rank, dp_rank: "0" each (SGLang's ranks without DP attention), summed
+                over the server's replicas as SGLang's multiprocess registry sums its processes
 """
 
 from __future__ import annotations
@@ -29,8 +36,19 @@ from kvscope.server.protocol import PoolStats, StatsOut
 # per pool: (SGLang's prefix, pool label); kvscope's own protected count is labelled by pool
 POOL_PREFIX = {"full": "sglang:kv", "swa": "sglang:swa"}
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-IDENTITY_LABELS = ("model_name", "engine_type")  # on every sglang:* series, as SGLang labels its own
+IDENTITY_LABELS = ("model_name", "engine_type")  # on the scheduler's and tokenizer's sglang:* series
+CACHE_LABELS = ("cache_type", "tp_rank", "pp_rank", "dp_rank")  # on the radix cache's (evicted_tokens_total)
+# kvscope's cache kind -> the class name SGLang labels its cache series with (scoped-radix is kvscope's own)
+SGLANG_CACHE_TYPES = {
+    "radix": "RadixCache",
+    "swa-radix": "SWARadixCache",
+    "hiradix": "HiRadixCache",
+    "chunk": "ChunkCache",
+    "none": "ChunkCache",
+    "scoped-radix": "ScopedRadixCache",
+}
 RANK_LABEL = "dp_rank"  # on every series of a server with several data-parallel ranks
+AUTO_KIND = "auto"  # the engine's --cache auto (kvscope.engine.AUTO; the server layer only reads its name)
 ENGINE_TYPE = "unified"  # SGLang's engine_type of a server that is neither a prefill nor a decode node
 GEN_THROUGHPUT_STALE_S = 30.0  # SGLang reads gen_throughput as 0 once no report came for 30 s
 
@@ -152,10 +170,6 @@ class SchedulerCollector(Collector):
         yield self._gauge("sglang:num_running_reqs", "requests running", stats.num_running)
         yield self._gauge("sglang:num_queue_reqs", "requests waiting", stats.num_waiting)
         yield self._plain(GaugeMetricFamily, "kvscope_scheduler_step", "the scheduler's step counter", stats.step)
-        yield self._counter("sglang:prompt_tokens", "prompt tokens admitted", stats.prompt_tokens)
-        yield self._cached_tokens(stats)
-        yield self._counter("sglang:generation_tokens", "tokens generated", stats.generated_tokens)
-        yield self._counter("sglang:evicted_tokens", "tokens evicted from the prefix cache", stats.evicted_tokens)
         for name, doc, value in (
             ("kvscope_retractions", "requests retracted (preempted) for memory", stats.num_retractions),
             ("kvscope_leak_checks_passed", "idle leak checks passed", stats.leak_checks_passed),
@@ -186,19 +200,6 @@ class SchedulerCollector(Collector):
             protected.add_metric([*self.rank_values, pool], each.protected)
         yield protected
 
-    def _cached_tokens(self, stats: StatsOut) -> CounterMetricFamily:
-        """SGLang's cache_source values: device hits, and host hits (loaded back) when there is a host tier."""
-        cached = CounterMetricFamily(
-            "sglang:cached_tokens",
-            "prompt tokens the prefix cache matched, by source",
-            labels=[*self.labels, "cache_source"],
-        )
-        host = stats.host_hit_tokens
-        cached.add_metric([*self.identity, "device"], stats.cached_tokens - (host or 0))
-        if host is not None:
-            cached.add_metric([*self.identity, "host"], host)
-        return cached
-
     def _plain(
         self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str, value: float
     ) -> Metric:
@@ -219,13 +220,46 @@ class SchedulerCollector(Collector):
 
 
 class RanksCollector(Collector):
-    """Every rank's series, one family per name (a registry refuses a name collected twice)."""
+    """Every rank's series, one family per name (a registry refuses a name collected twice), and the
+    server-wide ones: the tokenizer's token totals and the radix cache's evictions, summed over ranks."""
 
-    def __init__(self, ranks: list[SchedulerCollector]) -> None:
+    def __init__(self, ranks: list[SchedulerCollector], model_name: str, cache_kind: str) -> None:
         self.ranks = ranks
+        self.identity = [model_name, ENGINE_TYPE]
+        self.cache_kind = cache_kind
 
     def collect(self) -> Iterator[Metric]:
-        return merge_families(metric for rank in self.ranks for metric in rank.collect())
+        yield from merge_families(metric for rank in self.ranks for metric in rank.collect())
+        reported = [rank.stats for rank in self.ranks if rank.stats is not None]
+        if reported:
+            yield from self._totals(reported)
+
+    def _totals(self, reported: list[StatsOut]) -> Iterator[Metric]:
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=IDENTITY_LABELS)
+            family.add_metric(self.identity, value)
+            return family
+
+        yield counter("sglang:prompt_tokens", "prompt tokens admitted", sum(s.prompt_tokens for s in reported))
+        host = [s.host_hit_tokens for s in reported if s.host_hit_tokens is not None]
+        cached = CounterMetricFamily(
+            "sglang:cached_tokens",
+            "prompt tokens the prefix cache matched, by source (SGLang's: device, and host when loaded back)",
+            labels=[*IDENTITY_LABELS, "cache_source"],
+        )
+        cached.add_metric([*self.identity, "device"], sum(s.cached_tokens for s in reported) - sum(host))
+        if host:
+            cached.add_metric([*self.identity, "host"], sum(host))
+        yield cached
+        yield counter("sglang:generation_tokens", "tokens generated", sum(s.generated_tokens for s in reported))
+        evicted = CounterMetricFamily(
+            "sglang:evicted_tokens", "tokens evicted from the prefix cache", labels=CACHE_LABELS
+        )
+        kind = self.cache_kind
+        if kind == AUTO_KIND:  # NOTE: auto is the SWA tree for a hybrid model (it reports an swa pool)
+            kind = "swa-radix" if any("swa" in s.pools for s in reported) else "radix"
+        evicted.add_metric([SGLANG_CACHE_TYPES.get(kind, kind), "0", "0", "0"], sum(s.evicted_tokens for s in reported))
+        yield evicted
 
 
 def merge_families(metrics: Iterable[Metric]) -> Iterator[Metric]:
@@ -251,22 +285,26 @@ class Latencies:
 class ServerMetrics:
     """The server's registry: a scheduler collector per rank and the front's histograms."""
 
-    def __init__(self, page_size: int, model_name: str, dp_size: int = 1) -> None:
+    def __init__(self, page_size: int, model_name: str, dp_size: int = 1, cache_kind: str = "radix") -> None:
         self.registry = CollectorRegistry()
         self.ranks = [SchedulerCollector(page_size, model_name, None if dp_size == 1 else r) for r in range(dp_size)]
-        self.registry.register(RanksCollector(self.ranks))
-        labels = IDENTITY_LABELS if dp_size == 1 else (*IDENTITY_LABELS, RANK_LABEL)
+        self.registry.register(RanksCollector(self.ranks, model_name, cache_kind))
+        by_rank = IDENTITY_LABELS if dp_size == 1 else (*IDENTITY_LABELS, RANK_LABEL)
 
-        def histogram(name: str, doc: str) -> Histogram:
+        def histogram(name: str, doc: str, labels: tuple[str, ...] = IDENTITY_LABELS) -> Histogram:
             return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
 
-        families = (
-            histogram("sglang:queue_time_seconds", "arrival to first admission"),
+        queue_time = histogram("sglang:queue_time_seconds", "arrival to first admission", by_rank)  # the scheduler's
+        served = (  # NOTE: the tokenizer's: one series for the server, whatever rank served the request
             histogram("sglang:time_to_first_token_seconds", "arrival to the first generated token"),
             histogram("sglang:inter_token_latency_seconds", "between successive generated tokens"),
             histogram("sglang:e2e_request_latency_seconds", "arrival to the last token"),
         )
-        self.latencies = [Latencies(*(family.labels(*rank.identity) for family in families)) for rank in self.ranks]
+        identity = [model_name, ENGINE_TYPE]
+        self.latencies = [
+            Latencies(queue_time.labels(*rank.identity), *(family.labels(*identity) for family in served))
+            for rank in self.ranks
+        ]
 
     def latency(self, rank: int = 0) -> Latencies:
         return self.latencies[rank]

@@ -5,9 +5,14 @@
 NOTE: every top-level field of a request body is, for its endpoint, in exactly one of
     supported_names(chat)   it does what OpenAI (or vLLM, for its extensions) says, or the
                             request is a 400
+    IGNORED                 accepted whatever its value, as vLLM accepts it: here it changes
+                            nothing (no chat template, one queue, no special tokens, ...); the
+                            front logs its name once
     refused_names(chat)     400 naming it, unless it has its neutral value (the one that asks
-                            for nothing: null, [], false, ...)
-    anything else           400 "unrecognized request argument" naming it
+                            for nothing: null, [], false, ...): what would change the answer and
+                            cannot be done here
+    anything else           accepted and ignored, its name logged once, as vLLM (pydantic's
+                            default) does
 docs/serve.md's parameter table lists the same names; tests/server/test_openai_params.py keeps
 the two equal.
 NOTE: a stop string is matched on the generated token ids (the byte tokenizer's ids of its UTF-8
@@ -49,38 +54,47 @@ SHARED = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "truncate_prompt_tokens",
 )
 COMPLETIONS_ONLY = ("prompt", "echo", "logprobs", "best_of")
+# name -> why it changes nothing here (the front logs it with the name)
+IGNORED: dict[str, str] = {
+    "add_special_tokens": "the byte tokenizer adds no special tokens",
+    "priority": "one queue, first come first served",
+    "request_id": "the server names each request itself",
+    "chat_template": "the server's chat rendering is fixed",
+    "chat_template_kwargs": "the server's chat rendering is fixed",
+    "add_generation_prompt": "the rendering always ends with the assistant's header",
+    "reasoning_effort": "not a reasoning model",
+    "parallel_tool_calls": "no tool is ever called",
+    "tools": "no tool is ever called (tool_choice other than none is refused)",
+    "functions": "no function is ever called (function_call other than none is refused)",
+    "skip_special_tokens": "special ids never have text here",
+    "spaces_between_special_tokens": "special ids never have text here",
+    "store": "nothing is stored for OpenAI's dashboards",
+    "metadata": "nothing is stored for OpenAI's dashboards",
+    "service_tier": "one tier",
+    "guided_json": "removed in vLLM, which ignores it too: the output is NOT constrained",
+    "guided_regex": "removed in vLLM, which ignores it too: the output is NOT constrained",
+    "guided_choice": "removed in vLLM, which ignores it too: the output is NOT constrained",
+    "guided_grammar": "removed in vLLM, which ignores it too: the output is NOT constrained",
+}
 CHAT_ONLY = ("messages", "max_completion_tokens", "logprobs", "top_logprobs")
 # name -> the neutral values a client may send without asking for the feature
 REFUSED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
     "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
-    "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
-    "reasoning_effort": (None,),
     "web_search_options": (None,),
-    "store": (None, False),
-    "metadata": (None,),
-    "service_tier": (None, "auto", "default"),
     "prompt_logprobs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "structured_outputs": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
-    "skip_special_tokens": (None, True),
-    "chat_template": (None,),
-    "chat_template_kwargs": (None,),
-    "add_generation_prompt": (None, True),
     "continue_final_message": (None, False),
+    "return_token_ids": (None, False),
 }
 COMPLETIONS_REFUSED: dict[str, tuple[Any, ...]] = {"suffix": (None, "")}
 CHAT_REFUSED: dict[str, tuple[Any, ...]] = {"echo": (None, False)}  # vLLM's chat echo repeats the last message
@@ -101,11 +115,13 @@ class RequestParams:
     n: int
     max_tokens: int | None  # None: the rest of the context
     max_key: str  # the field max_tokens came from, for errors
+    truncate_prompt_tokens: int | None  # keep only the prompt's last k tokens (vLLM's); None: the whole prompt
     echo: bool
     num_logprobs: int | None  # None: no logprobs
     stop: tuple[str, ...]
     include_stop_str_in_output: bool
     sampling: SamplingParams
+    ignored: tuple[str, ...] = ()  # fields accepted that change nothing here (IGNORED, or unknown)
 
 
 def parse_params(
@@ -113,7 +129,7 @@ def parse_params(
 ) -> RequestParams:
     """The request's parameters, or ParamError naming the first bad one (`encode`: a stop string's ids).
     The prompt or messages, `model`, `user`, `stream` and `stream_options` are the front's."""
-    check_names(body, chat)
+    ignored = check_names(body, chat)
     n = integer(body, "n", 1, low=1)
     max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = integer(body, max_key, None, low=1)
@@ -147,12 +163,18 @@ def parse_params(
         n,
         max_tokens,
         max_key,
+        integer(body, "truncate_prompt_tokens", None, low=-1),
         False if chat else boolean(body, "echo", False),
         num_logprobs,
         stop,
         boolean(body, "include_stop_str_in_output", False),
         sampling,
+        ignored,
     )
+
+
+def ignored_names() -> tuple[str, ...]:
+    return tuple(IGNORED)
 
 
 def supported_names(chat: bool) -> tuple[str, ...]:
@@ -163,17 +185,22 @@ def refused_names(chat: bool) -> dict[str, tuple[Any, ...]]:
     return {**REFUSED, **(CHAT_REFUSED if chat else COMPLETIONS_REFUSED)}
 
 
-def check_names(body: dict[str, Any], chat: bool) -> None:
+def check_names(body: dict[str, Any], chat: bool) -> tuple[str, ...]:
+    """The fields accepted that change nothing here (IGNORED ones, unknown ones); ParamError for a
+    refused one that asks for something."""
     supported, refused = supported_names(chat), refused_names(chat)
+    ignored = []
     for name, value in body.items():
         if name in supported:
             continue
         if name not in refused:
-            raise ParamError(f"unrecognized request argument supplied: {name!r}", name, "unknown_parameter")
+            ignored.append(name)
+            continue
         if not any(is_neutral(value, neutral) for neutral in refused[name]):
             raise ParamError(
                 f"'{name}' is not supported by this server (kvscope serve); leave it out", name, "unsupported_parameter"
             )
+    return tuple(ignored)
 
 
 def is_neutral(value: Any, neutral: Any) -> bool:

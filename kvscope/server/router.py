@@ -15,6 +15,9 @@ NOTE: what the router knows of each rank (docs/serve.md, "Data-parallel ranks")
                  the first, in r's set x page size
     live         False once the rank's process died: choose skips it and its held pages are
                  dropped (its cache died with it); with none live, choose raises DispatchError
+    answering    False while the rank's process lives but has sent nothing for a bound (the front
+                 marks it: a hung process, as a stuck kernel leaves it): choose skips it as a dead
+                 one, its pages kept; True again with its next message
 Every choice with N > 1 carries RouteInfo(method, cached on the chosen rank, most cached on
 another); with one rank, choose is rank 0 and None (no routing to record).
 The router holds no sockets and no tasks: the front reads each rank's socket and calls it, from
@@ -37,7 +40,12 @@ class Replica:
     stats: StatsOut | None = None
     pages: set[int] = field(default_factory=set)  # block hashes of the full pages its cache holds (N > 1)
     live: bool = True
+    answering: bool = True
     pid: int | None = None
+
+    @property
+    def dispatchable(self) -> bool:
+        return self.live and self.answering
 
     def cached_tokens(self, page_hashes: list[int], page_size: int) -> int:
         """The prompt's longest prefix this replica holds, in tokens."""
@@ -84,7 +92,16 @@ class Router:
         replica.pages.clear()
 
     def live_ranks(self) -> list[int]:
+        """Ranks whose process lives (answering or not)."""
         return [rank for rank, replica in enumerate(self.replicas) if replica.live]
+
+    def answering_ranks(self) -> list[int]:
+        """Ranks whose process lives and answers: the ones choose picks from."""
+        return [rank for rank, replica in enumerate(self.replicas) if replica.dispatchable]
+
+    def silent_ranks(self) -> list[int]:
+        """Ranks whose process lives but does not answer."""
+        return [rank for rank, replica in enumerate(self.replicas) if replica.live and not replica.answering]
 
     def dead_ranks(self) -> list[int]:
         return [rank for rank, replica in enumerate(self.replicas) if not replica.live]
@@ -100,7 +117,7 @@ class Router:
         if len(self.replicas) == 1:
             return 0, None
         cached = self.cached_tokens(input_ids)
-        live = [replica.live for replica in self.replicas]
+        live = [replica.dispatchable for replica in self.replicas]
         rank = self.dispatcher.choose(len(input_ids), cached, live)
         elsewhere = max((n for r, n in enumerate(cached) if r != rank), default=0)
         return rank, RouteInfo(self.dispatcher.method, cached[rank], elsewhere)

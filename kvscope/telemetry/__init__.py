@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from kvscope.telemetry.queries import ENDED_WITHOUT_CLOSING, Capture, display_status
     from kvscope.telemetry.recorder import SQLRecorder, decode_slots, install_signal_handlers, slots_blob
     from kvscope.telemetry.sharing import reuse_by_principal, run_principals, visibility_changes
-    from kvscope.telemetry.store import CaptureError, display_name, open_reader, open_writer, save_report
+    from kvscope.telemetry.store import CaptureError, display_name, link_name, open_reader, open_writer, save_report
     from kvscope.telemetry.tree_replay import STRUCTURAL_KINDS, replay_tree
 
 _LAZY = {
@@ -73,7 +73,14 @@ _LAZY = {
     "kvscope.telemetry.queries": ("ENDED_WITHOUT_CLOSING", "Capture", "display_status"),
     "kvscope.telemetry.recorder": ("SQLRecorder", "decode_slots", "install_signal_handlers", "slots_blob"),
     "kvscope.telemetry.sharing": ("reuse_by_principal", "run_principals", "visibility_changes"),
-    "kvscope.telemetry.store": ("CaptureError", "display_name", "open_reader", "open_writer", "save_report"),
+    "kvscope.telemetry.store": (
+        "CaptureError",
+        "display_name",
+        "link_name",
+        "open_reader",
+        "open_writer",
+        "save_report",
+    ),
     "kvscope.telemetry.tree_replay": ("STRUCTURAL_KINDS", "replay_tree"),
 }
 _MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
@@ -126,6 +133,7 @@ __all__ = [
     "eviction_summary",
     "evictions_over_steps",
     "install_signal_handlers",
+    "link_name",
     "open_reader",
     "open_writer",
     "recent_evictions",

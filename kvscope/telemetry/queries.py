@@ -60,6 +60,19 @@ class Capture:
     def close(self) -> None:
         self.engine.dispose()
 
+    def close_and_settle(self) -> bool:
+        """Close, and fold a closed capture file's log back into it (store.settle_file): a reader that
+        outlives its writer (a dashboard left open) is then the last to close the file, and only the
+        last may turn it back into one file. Nothing is done while a run still records, or for a
+        database. True when the file was settled."""
+        path = store.file_of(self.target)
+        try:
+            recording = path is not None and (self.runs()["display_status"] == "running").any()
+        except Exception:  # NOTE: at exit, on a file that went away or broke: leave it as it is
+            recording = True
+        self.engine.dispose()
+        return path is not None and not recording and store.settle_file(path)
+
     @property
     def schema_version(self) -> int:
         """The file's schema version now (a writer appending a run upgrades an older file)."""
@@ -274,11 +287,12 @@ class Capture:
         limit: int | None = None,
         offset: int = 0,
         ordered: bool = True,
+        newest_first: bool = False,
     ) -> pd.DataFrame:
-        """Requests rows (ordered as requests(): by arrival step, then rid; in no order unless
-        `ordered`), of `principals`, `statuses` or one `rid` when given, as `columns` (every column
-        by default), a page of `limit` rows past `offset`: a page of a run of 300k requests
-        without reading them all."""
+        """Requests rows (ordered as requests(): by arrival step, then rid, or the reverse when
+        `newest_first`; in no order unless `ordered`), of `principals`, `statuses` or one `rid` when
+        given, as `columns` (every column by default), a page of `limit` rows past `offset`: a page
+        of a run of 300k requests without reading them all."""
         c = schema.requests.c
         as_of = {col.name: col for col in schema.columns_as_of(schema.requests, self.schema_version)}
         picked = [as_of[name] for name in columns] if columns is not None else list(as_of.values())
@@ -290,7 +304,8 @@ class Capture:
         if rid is not None:
             stmt = stmt.where(c.rid == rid)
         if ordered:
-            stmt = stmt.order_by(c.arrive_step, c.rid)
+            keys = (c.arrive_step.desc(), c.rid.desc()) if newest_first else (c.arrive_step, c.rid)
+            stmt = stmt.order_by(*keys)
         stmt = stmt.offset(offset or None)
         return self.read_frame(stmt.limit(limit) if limit is not None else stmt)
 

@@ -44,7 +44,7 @@ from typing import Any, Literal
 from sqlalchemy import URL, Connection, Engine, Table, create_engine, event, inspect, select, text, update
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
-from sqlalchemy.pool import QueuePool, SingletonThreadPool
+from sqlalchemy.pool import QueuePool
 from sqlalchemy.schema import CreateColumn
 
 from kvscope.telemetry import schema
@@ -66,6 +66,9 @@ DEFAULT_DRIVERS = {"postgresql": "postgresql+psycopg", "postgres": "postgresql+p
 # NOTE: the PostgreSQL advisory lock (transaction-scoped) every writer holds while it creates or upgrades the
 # schema: concurrent writers on one new database queue on it, the first creates, the others find the tables
 SCHEMA_LOCK_KEY = 0x6B7673636F7065  # "kvscope"
+# NOTE: a reader's pool: a connection is lent to one thread at a time and never closed while lent (the
+# dashboard reads from a new thread on every rerun of every tab); past the idle ones kept, more open as needed
+READER_IDLE_CONNECTIONS = 4
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 # NOTE: SQLite primary result codes (extended code & 0xff) a reader reports as one line
 _DAMAGED_CODES = {11, 26}  # SQLITE_CORRUPT, SQLITE_NOTADB
@@ -106,6 +109,17 @@ def file_of(target: str | Path) -> Path | None:
 def display_name(target: str | Path) -> str:
     """The target as messages name it (a URL without its password)."""
     return _parse_url(str(target)).render_as_string(hide_password=True) if is_url(target) else str(target)
+
+
+def link_name(target: str | Path) -> str:
+    """The target as a link or a page may carry it: a URL with no password at all (not even
+    hidden: a link is matched to the capture the server was given by this name, and the password
+    stays where the server holds it); a path as it is."""
+    if not is_url(target):
+        return str(target)
+    url = _parse_url(str(target))
+    bare = URL.create(url.drivername, url.username, None, url.host, url.port, url.database, url.query)
+    return bare.render_as_string(hide_password=False)
 
 
 def server_url(target: str) -> URL:
@@ -333,7 +347,9 @@ def _sqlite_reader_engine(path: Path, name: str, mode: ReadMode) -> Engine:
     uri = file_uri(path, mode="ro", **({"immutable": "1"} if mode == "immutable" else {}))
     engine = create_engine(
         URL.create("sqlite", database=str(path)),
-        poolclass=SingletonThreadPool,
+        poolclass=QueuePool,
+        pool_size=READER_IDLE_CONNECTIONS,
+        max_overflow=-1,
         creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False),
     )
     _on_connect(engine, f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")

@@ -47,7 +47,7 @@ def test_the_fleet_page_shows_replicas_duplication_and_routing_loss(
     assert metrics["held (all replicas)"] == "12" and metrics["unique"] == "8"
     assert metrics["duplicated"] == "4 (33.3%)"
     routing = at.dataframe[1].value.set_index("dispatch")
-    assert routing.loc["round_robin", "loss_share"] == pytest.approx(0.4)
+    assert routing.loc["round_robin", "loss_share"] == pytest.approx(40.0)  # NOTE: percent, shown as 40.00%
 
 
 def test_a_fleet_without_page_hashes_says_so_in_one_line(fleet_db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -68,8 +68,9 @@ def test_chart_builders_draw_the_figures() -> None:
     dup = pd.DataFrame({"t_s": [0.0, 1.0], "unique_tokens": [8, 9], "duplicated_tokens": [4, 2]})
     fig = duplication_figure(dup)
     assert [t.name for t in fig.data] == ["unique", "duplicated"] and list(fig.data[1].y) == [4, 2]
-    routing = pd.DataFrame({"dispatch": ["round_robin"], "loss_share": [0.4]})
-    assert list(routing_figure(routing).data[0].y) == [0.4]
+    routing = pd.DataFrame({"dispatch": ["round_robin"], "loss_share": [0.0071]})
+    fig = routing_figure(routing)
+    assert list(fig.data[0].y) == [0.0071] and fig.layout.yaxis.tickformat == ".2~%"  # 0.71%, not "1%"
 
 
 def test_the_page_follows_the_fleet_while_another_replica_still_runs(

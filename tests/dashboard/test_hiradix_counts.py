@@ -81,6 +81,8 @@ def test_protected_tokens_are_not_called_a_leak_when_the_leak_check_finds_none(
     shown = metrics(at)["full: protected"]
     assert shown.value == f"{protected:,}"  # type: ignore[attr-defined]
     assert "never released" not in shown.help and "copies still in flight" in shown.help  # type: ignore[attr-defined]
+    said = [c.value for c in at.caption if "protected with no request running" in c.value]
+    assert len(said) == 1 and f"full: {protected:,} protected" in said[0] and "copies still in flight" in said[0]
 
 
 def test_a_leaked_lock_is_called_never_released(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -256,3 +256,20 @@ def test_every_install_step_runs_under_the_progress_printer() -> None:
     installs = [line for line in (launch.ROOT / "Makefile").read_text().splitlines() if "PIP) " in line]
     # NOTE: two installs per venv: kvscope's own, vLLM's and SGLang's (make test-engines builds the last two)
     assert len(installs) == 6 and all(line.strip().startswith("@$(SHOW) $(") for line in installs), installs
+
+
+def test_the_launcher_says_which_child_ended_and_how(capsys: pytest.CaptureFixture[str]) -> None:
+    """A child of `make run` that dies (the dashboard killed by a segfault) is named with its signal."""
+    crashing = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"])
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert launch._wait_any({"the dashboard": crashing, "kvscope serve": waiting}) == 1
+    finally:
+        waiting.kill()
+        waiting.wait()
+    assert capsys.readouterr().err == (
+        "kvscope: error: the dashboard was killed by SIGSEGV (signal 11); stopping the rest\n"
+    )
+    exiting = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    assert launch._wait_any({"kvscope serve": exiting}) == 3
+    assert capsys.readouterr().err == "kvscope: error: kvscope serve exited with code 3; stopping the rest\n"

@@ -156,3 +156,23 @@ def test_a_fragment_rerun_reads_the_runs_newest_stamp(tmp_path: Path) -> None:
         assert int(data.step_range(now.path, now.run_id, now.stamp).iloc[0]["hi"]) == 4
     finally:
         recorder.close()
+
+
+def test_the_live_requests_table_opens_on_the_newest_requests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """70 finished requests (more than a page): while the run runs, page 1 holds the newest; once it
+    closed, the table opens on the first ones, by arrival."""
+    recorder = SQLRecorder(tmp_path / "live.db", level="full", label="live")
+    try:
+        grow(recorder, range(70))
+        monkeypatch.setenv("KVSCOPE_DB", str(tmp_path / "live.db"))
+        monkeypatch.chdir(ROOT)
+        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60).run()
+        at.switch_page("kvscope/dashboard/app_pages/requests.py").run()
+        assert not at.exception, [e.value for e in at.exception]
+        shown = at.dataframe[-1].value
+        assert list(shown.iloc[:, 0][:2]) == ["r69", "r68"], shown.head()
+    finally:
+        recorder.close()
+    time.sleep(data.LIVE_TTL_S + 0.1)
+    at.run()
+    assert list(at.dataframe[-1].value.iloc[:, 0][:2]) == ["r0", "r1"]

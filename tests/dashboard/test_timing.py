@@ -134,6 +134,22 @@ def test_requests_page_shows_latency_percentiles_and_wall_clock_times(
     assert rows.loc["r1", "arrive"].timestamp() == pytest.approx(wall, abs=1e-3)
     assert rows.loc["r2", "queue (ms)"] == pytest.approx(30.0)
     assert "arrive_t" not in rows.columns  # no monotonic seconds on the page
+    # NOTE: by default the columns that fit a 1440 px window; the steps and other moments on request
+    assert list(rows.columns) == [
+        "principal",
+        "status",
+        "arrive",
+        "queue (ms)",
+        "time to first token (ms)",
+        "end to end (ms)",
+        "prompt_len",
+        "cached_tokens",
+        "output_len",
+        "num_retractions",
+    ]
+    at.toggle(key="requests.all_columns").set_value(True).run()
+    every = at.dataframe[-1].value.columns
+    assert {"admit", "finish", "arrive_step", "finish_step"} <= set(every)
 
 
 def test_an_older_capture_without_the_anchor_shows_times_from_its_start(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -124,6 +124,30 @@ def test_the_chosen_step_stays_while_a_live_run_grows(tmp_path: Path, monkeypatc
         recorder.close()
 
 
+def test_a_stale_url_echo_of_the_live_tree_step_does_not_turn_follow_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The page writes its step to the URL every second; a rerun that carries the browser's URL from
+    before the last write (step 9, written by this session) is no link: 'follow newest' stays on."""
+    db = tmp_path / "live.db"
+    recorder = SQLRecorder(db, level="full", label="live")
+    try:
+        grow(recorder, range(10))
+        at = open_link(db, "tree", {}, monkeypatch)
+        assert at.caption[0].value.startswith("Step 9:")
+        grow(recorder, range(10, 12))
+        at.run()
+        assert at.caption[0].value.startswith("Step 11:")
+        at.query_params["step"] = "9"  # NOTE: the browser's URL, one write behind
+        at.run()
+        assert at.toggle(key="tree.follow").value is True
+        grow(recorder, range(12, 14))
+        at.run()
+        assert at.caption[0].value.startswith("Step 13:")
+    finally:
+        recorder.close()
+
+
 def test_every_status_reads_the_same_in_the_picker_and_the_status_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -21,8 +21,10 @@ one's lock leaks), retract (SGLang's retract_decode on a decode batch of two), l
 swa-leak (swa only),
 mamba-leak, mamba-double-free (mamba only; clean runs on mamba-buffer too), session, session-close,
 session-lock-leak (a streaming session's turns; unified), dp (clean, as a DP replica's scheduler),
-unknown-version, missing-target, changed-parameters,
-changed-tree-parameters, changed-mamba-parameters.
+untested-release (no family lists the release as tested), missing-target, changed-parameters,
+changed-tree-parameters, changed-mamba-parameters (a changed shape), changed-trailing-parameters (a direct
+hook's method one parameter short of SGLang's; EDITS). SGLang's release is the one first on the path
+(PYTHONPATH names an unpacked release's source before the venv's 0.5.23).
 The environment names the capture (KVSCOPE_CAPTURE, KVSCOPE_PYTHON; `kvscope instrument` sets both).
 SGLang's own load_plugins() installs the probe.
 
@@ -42,6 +44,7 @@ injected ground truth.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -84,6 +87,7 @@ from sglang.srt.session.session_controller import Session  # noqa: E402
 
 from kvscope.probe import sglang as probe  # noqa: E402
 
+ADMISSION_FIELDS = len(dataclasses.fields(_PrefillAdmission))  # NOTE: 0.5.23 added replay_len
 DP_RANK = None  # the data-parallel rank published for the process: scenario dp (replica 1)
 PS = 4  # tokens per page
 PAGES = 16
@@ -193,13 +197,14 @@ class Engine:
             tree_cache=self.tree,
             can_run_list=[],
             new_chunked_req=None,
+            exact_chunk_fill=False,  # NOTE: read by 0.5.22's admission (a budget option: no budget is kept)
             _update_prefill_budget=lambda *args, **kwargs: None,
             _request_slot_reserve_for_req=lambda req, extend_input_len: 0,
             _account_prefill_cache_admission=lambda req, prefix_len: None,
         )
         extend_len = len(req.origin_input_ids) - req.prefix_len
         PrefillAdder._commit_prefill_admission(
-            adder, req, _PrefillAdmission(req.prefix_len, extend_len, 16, False, 0), 0
+            adder, req, _PrefillAdmission(*(req.prefix_len, extend_len, 16, False, 0)[:ADMISSION_FIELDS]), 0
         )
 
     def take_row(self, req: Req, tokens: list[int], chunk: int | None = None) -> None:
@@ -612,31 +617,31 @@ def publish_config() -> None:
     runtime_context.publish(args, role="scheduler", ranks=ranks)  # NOTE: a DP controller's replica names its rank
 
 
+def _swapped(target: str, hook: Any) -> Any:
+    """A table edit: `target`'s hook made for other parameters than SGLang's method has."""
+    return lambda table: [h._replace(hook=hook) if h.target == target else h for h in table]
+
+
+EDITS = {  # NOTE: scenario -> an edit of each family's hook table (its shapes follow the edited table)
+    "missing-target": lambda table: [*table, probe.Hook(f"{probe.UNIFIED}.gone_in_0_5_24", probe._h_on_idle)],
+    "row-leak-unhooked": lambda table: [h for h in table if not h.target.endswith("._check_req_pool")],
+    "changed-parameters": _swapped(f"{probe.PAGED}.alloc", probe._d_alloc_decode),
+    "changed-tree-parameters": _swapped(f"{probe.UNIFIED}.dec_lock_ref", probe._d_radix_dec_lock),
+    "changed-mamba-parameters": _swapped(f"{probe.MAMBA_SLOTS}.free", probe._d_alloc_decode),
+    # NOTE: 0.5.23: the leading parameters match (the shape holds); SGLang's method has one more (direct check)
+    "changed-trailing-parameters": _swapped(f"{probe.UNIFIED}.evict_for_alloc", probe._d_evict),
+}
+
+
 def main(scenario: str, tree_kind: str) -> None:
-    if scenario == "unknown-version":
-        probe.SUPPORTED.clear()
-        probe.SUPPORTED["0.5.22"] = probe.hooks
-    elif scenario == "missing-target":
-        probe.SUPPORTED["0.5.23"] = lambda: [
-            *probe.hooks(),
-            probe.Hook(f"{probe.UNIFIED}.gone_in_0_5_24", probe._h_on_idle),
-        ]
-    elif scenario == "row-leak-unhooked":  # NOTE: no hook on _check_req_pool: on_idle's own raise path alone
-        probe.SUPPORTED["0.5.23"] = lambda: [h for h in probe.hooks() if not h.target.endswith("._check_req_pool")]
-    elif scenario == "changed-parameters":  # NOTE: a direct hook made for other parameters than SGLang's method has
-        probe.SUPPORTED["0.5.23"] = lambda: [
-            h._replace(hook=probe._d_alloc_decode) if h.target == f"{probe.PAGED}.alloc" else h for h in probe.hooks()
-        ]
-    elif scenario == "changed-tree-parameters":  # NOTE: the classic tree's unlock made for the unified tree's
-        probe.SUPPORTED["0.5.23"] = lambda: [
-            h._replace(hook=probe._d_radix_dec_lock) if h.target == f"{probe.UNIFIED}.dec_lock_ref" else h
-            for h in probe.hooks()
-        ]
-    elif scenario == "changed-mamba-parameters":  # NOTE: the Mamba slot hooks are direct too (refused as a whole)
-        probe.SUPPORTED["0.5.23"] = lambda: [
-            h._replace(hook=probe._d_alloc_decode) if h.target == f"{probe.MAMBA_SLOTS}.free" else h
-            for h in probe.hooks()
-        ]
+    edit = EDITS.get(scenario)
+    if scenario == "untested-release":  # NOTE: the release in no family's tested list: loads by its shapes
+        probe.FAMILIES = tuple(f._replace(releases=()) for f in probe.FAMILIES)
+    elif edit is not None:  # NOTE: every family's table edited, its shapes taken again from the edited table
+        probe.FAMILIES = tuple(
+            probe._family(f.name, f.releases, lambda f=f: edit(f.build()))  # type: ignore[misc]
+            for f in probe.FAMILIES
+        )
     if scenario == "dp":  # NOTE: the clean life on a DP controller's replica 1
         global DP_RANK
         DP_RANK = 1

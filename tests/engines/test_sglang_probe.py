@@ -4,7 +4,10 @@ UnifiedRadixCache with the Python and the Rust tree core, classic RadixCache, th
 installed by SGLang's own load_plugins() and driven through the scheduler's request life by
 sglang_probe_driver.py, started under `kvscope instrument` the way an operator starts
 SGLang. The capture's leak checks are the probe's page census; `kvscope check` and `report leaks`
-judge it. About 40 s per run, mostly SGLang's imports.
+judge it. About 40 s per run, mostly SGLang's imports. The clean life, the tail leak, the lock leak
+and the double free run on every release a family of the probe lists as tested (RELEASES: 0.5.22's
+unpacked wheel ahead of the venv's packages); the older releases' refusal lines are checked by
+describe_installed on their real modules.
 
 Run by `make test-engines` (`pytest -m engines`; KVSCOPE_SGLANG_PYTHON names the venv's python).
 """
@@ -21,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from kvscope.probe.sglang import FAMILIES
 from kvscope.telemetry import Capture
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +36,15 @@ SGLANG_PYTHON = os.environ.get(
     "KVSCOPE_SGLANG_PYTHON",
     str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvscope" / "sglang-venv" / "bin" / "python"),
 )
+# NOTE: the venv's own SGLang; every other release a family lists as tested runs from its unpacked wheel
+# (`make sglang-src`: SGLANG_SRC/<release>/sglang), first on the driver's path, with the venv's packages
+VENV_RELEASE = "0.5.23"
+SGLANG_SRC = Path(
+    os.environ.get(
+        "KVSCOPE_SGLANG_SRC", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvscope" / "sglang-src"
+    )
+)
+RELEASES = [release for family in FAMILIES for release in family.releases]
 pytestmark = [
     pytest.mark.engines,
     pytest.mark.skipif(
@@ -40,21 +53,34 @@ pytestmark = [
 ]
 
 
-def kvscope(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def release_path(release: str) -> list[str]:
+    """What goes before the repository on the driver's path for `release`: nothing for the venv's own."""
+    if release == VENV_RELEASE:
+        return []
+    source = SGLANG_SRC / release
+    if not (source / "sglang").is_dir():
+        pytest.skip(f"SGLang {release}'s source is not unpacked in {SGLANG_SRC}: `make sglang-src` unpacks it")
+    return [str(source)]
+
+
+def kvscope(
+    *args: str, env: dict[str, str] | None = None, path: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCOPE_", "SGLANG_"))}
     return subprocess.run(
         [sys.executable, "-m", "kvscope", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**base, **(env or {}), "PYTHONPATH": str(ROOT)},
+        env={**base, **(env or {}), "PYTHONPATH": os.pathsep.join([*(path or []), str(ROOT)])},
         timeout=600,
         check=False,
     )
 
 
-def drive(scenario: str, tree: str, capture: Path, level: str = "full") -> dict[str, Any]:
-    """The driver under `kvscope instrument`; its JSON line, and stderr for the probe's lines."""
+def drive(scenario: str, tree: str, capture: Path, level: str = "full", release: str = VENV_RELEASE) -> dict[str, Any]:
+    """The driver under `kvscope instrument` on SGLang `release`; its JSON line, and stderr for the
+    probe's lines."""
     out = kvscope(
         "instrument",
         "--capture",
@@ -68,6 +94,7 @@ def drive(scenario: str, tree: str, capture: Path, level: str = "full") -> dict[
         str(DRIVER),
         scenario,
         tree,
+        path=release_path(release),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -88,12 +115,13 @@ def full_census(point: dict[str, Any]) -> dict[str, Any]:
     return next(c for c in point["census"] if c["pool"] == "full")
 
 
+@pytest.mark.parametrize("release", RELEASES)
 @pytest.mark.parametrize(
     ("tree", "core"), [("unified", "UnifiedTreeCore"), ("rust", "RustUnifiedTreeCore"), ("classic", "RadixCache")]
 )
-def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: str, core: str) -> None:
+def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: str, core: str, release: str) -> None:
     capture = tmp_path / f"clean-{tree}.db"
-    result = drive("clean", tree, capture)
+    result = drive("clean", tree, capture, release=release)
     assert result["said"] == "registered" and result["patched"] and result["core"] == core
     assert set(result["made_by"].values()) == {"sglang.py"}, result["made_by"]  # patched directly, no AROUND layer
     assert [p["sglang"]["leak"] for p in result["points"]] == [False, False, False]
@@ -134,7 +162,7 @@ def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: st
     finally:
         db.close()
     check = check_clean(capture)
-    assert "clean: 3 censuses (3 idle) of the sglang 0.5.23 probe's page census held" in check.stdout
+    assert f"clean: 3 censuses (3 idle) of the sglang {release} probe's page census held" in check.stdout
 
 
 def test_a_data_parallel_replicas_run_names_its_rank(tmp_path: Path) -> None:
@@ -152,9 +180,10 @@ def test_a_data_parallel_replicas_run_names_its_rank(tmp_path: Path) -> None:
         db.close()
 
 
-def test_a_forgotten_tail_page_is_named_with_its_request_before_sglang_raises(tmp_path: Path) -> None:
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_forgotten_tail_page_is_named_with_its_request_before_sglang_raises(tmp_path: Path, release: str) -> None:
     capture = tmp_path / "tail.db"
-    result = drive("leak-tail", "rust", capture)
+    result = drive("leak-tail", "rust", capture, release=release)
     page = result["injected"][0]["page"]
     point = result["points"][1]
     assert point["sglang"]["raised"].startswith("pool memory leak detected!")  # SGLang's own check: totals only
@@ -178,9 +207,10 @@ def test_a_forgotten_tail_page_is_named_with_its_request_before_sglang_raises(tm
     assert "last taken by request req-C (decode at step 9)" in explained.stdout
 
 
-def test_a_leaked_lock_sglangs_identity_passes_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_leaked_lock_sglangs_identity_passes_is_named(tmp_path: Path, release: str) -> None:
     capture = tmp_path / "lock.db"
-    result = drive("lock-leak", "unified", capture)
+    result = drive("lock-leak", "unified", capture, release=release)
     node = result["injected"][0]["node"]
     assert [p["sglang"]["leak"] for p in result["points"]] == [False, False, False]  # protected counts as balanced
     assert full_census(result["points"][1])["locks"] == {str(node): ["req-B"]}
@@ -198,9 +228,10 @@ def test_a_leaked_lock_sglangs_identity_passes_is_named(tmp_path: Path) -> None:
     )
 
 
-def test_a_double_free_is_named_with_the_request_it_was_made_for(tmp_path: Path) -> None:
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_double_free_is_named_with_the_request_it_was_made_for(tmp_path: Path, release: str) -> None:
     capture = tmp_path / "double.db"
-    result = drive("double-free", "classic", capture)
+    result = drive("double-free", "classic", capture, release=release)
     page = result["injected"][0]["page"]
     check = kvscope("check", str(capture))
     assert check.returncode == 1, check.stdout + check.stderr
@@ -627,38 +658,62 @@ def test_a_mamba_double_free_is_named_with_the_request_it_was_made_for(tmp_path:
 @pytest.mark.parametrize(
     ("scenario", "line"),
     [
-        ("unknown-version", "kvscope probe: SGLang 0.5.23 is not supported (the probe knows 0.5.22); nothing patched"),
         (
             "missing-target",
-            "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache."
-            "gone_in_0_5_24 not found; nothing patched",
-        ),
-        (
-            "changed-parameters",
-            "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc "
-            "takes other parameters; nothing patched",
+            "SGLang 0.5.23: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.gone_in_0_5_24 not found "
+            "(UnifiedRadixCache has no 'gone_in_0_5_24'); nothing patched",
         ),
         (
             "changed-tree-parameters",
-            "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.dec_lock_ref "
-            "takes other parameters; nothing patched",
+            "SGLang 0.5.23: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.dec_lock_ref takes (self, "
+            "node_id, params, skip_swa) where the probe needs (self, node, params, ...); nothing patched",
         ),
         (
             "changed-mamba-parameters",
-            "kvscope probe: SGLang 0.5.23: sglang.srt.mem_cache.allocator.mamba.MambaSlotAllocator.free "
-            "takes other parameters; nothing patched",
+            "SGLang 0.5.23: sglang.srt.mem_cache.allocator.mamba.MambaSlotAllocator.free takes (self, free_index) "
+            "where the probe needs (self, seq_lens, seq_lens_cpu, last_loc, ...); nothing patched",
+        ),
+        (
+            "changed-trailing-parameters",
+            "SGLang 0.5.23: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.evict_for_alloc takes other "
+            "parameters; nothing patched",
         ),
     ],
 )
-def test_a_version_or_target_it_does_not_know_patches_nothing(tmp_path: Path, scenario: str, line: str) -> None:
-    """One line; no hook registered (not even on the targets that exist); SGLang serves on."""
-    capture = tmp_path / f"{scenario}.db"
-    result = drive(scenario, "unified", capture)
-    assert result["stderr"].count("kvscope probe:") == 1 and line in result["stderr"]
+def test_a_target_whose_code_differs_from_its_familys_patches_nothing(tmp_path: Path, scenario: str, line: str) -> None:
+    """One line naming the target; no hook registered (not even on the targets that match); SGLang
+    serves on (a gone method, a changed shape, a direct method one parameter short of SGLang's)."""
+    assert_refused(drive(scenario, "unified", tmp_path / f"{scenario}.db"), line, tmp_path / f"{scenario}.db")
+
+
+def test_a_tested_release_whose_allocator_changed_shape_refuses_in_one_line(tmp_path: Path) -> None:
+    """The family's table faked to want alloc(self, seq_lens, seq_lens_cpu, last_loc): one refusal line
+    naming the target and the parameters SGLang's method has; nothing patched."""
+    capture = tmp_path / "changed.db"
+    line = (
+        "SGLang 0.5.23: sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc takes (self, "
+        "need_size) where the probe needs (self, seq_lens, seq_lens_cpu, last_loc, ...); nothing patched"
+    )
+    assert_refused(drive("changed-parameters", "unified", capture), line, capture)
+
+
+def assert_refused(result: dict[str, Any], line: str, capture: Path) -> None:
+    assert result["stderr"].count("kvscope probe:") == 1 and f"kvscope probe: {line}\n" in result["stderr"]
     assert not result["patched"] and not result["active"]
     check = kvscope("check", str(capture))
     assert check.returncode == 3, check.stdout + check.stderr
     assert "probe refused" in check.stdout
+
+
+def test_a_release_no_family_lists_as_tested_loads_by_its_shapes_and_says_so(tmp_path: Path) -> None:
+    """SGLang 0.5.23 taken as untested: its code matches family 0.5.23, so the probe loads as that
+    family and says so in one line; the capture is recorded as on a tested release."""
+    capture = tmp_path / "untested.db"
+    result = drive("untested-release", "unified", capture)
+    assert result["said"] == "registered" and result["patched"]
+    assert result["stderr"].count("kvscope probe:") == 1
+    assert "kvscope probe: SGLang 0.5.23: not tested; its shapes match family 0.5.23\n" in result["stderr"]
+    check_clean(capture)
 
 
 @pytest.mark.parametrize(("tree", "below_root"), [("unified", "4 nodes"), ("rust", "14 nodes")])
@@ -827,3 +882,50 @@ def test_an_error_after_a_shutdown_request_closes_the_run_interrupted_without_a_
         "a shutdown was asked for while a step ran: RuntimeError: cancelled",
     )
     assert {kind for _, kind, _ in by_census(checks)} == {"busy"}
+
+
+DESCRIBE = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tests.engines.sglang_standins import install
+install()
+from kvscope.probe.sglang import describe_installed
+print(json.dumps(describe_installed()))
+"""
+
+
+@pytest.mark.parametrize(
+    ("release", "family", "differs"),
+    [
+        ("0.5.23", "0.5.23", None),  # NOTE: 0.5.22's family is its clean runs' (registered, its label)
+        ("0.5.21", None, "nearest 0.5.22: sglang.srt.mem_cache.radix_cache.RadixCache.checkpoint not found"),
+        ("0.5.20", None, "nearest 0.5.22: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.backup_kv_cache"),
+        ("0.5.19", None, "nearest 0.5.22: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.backup_kv_cache"),
+        ("0.5.18", None, "nearest 0.5.23: sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows not found"),
+    ],
+)
+def test_each_release_loads_as_the_family_docs_probe_md_names_or_says_which_target_differs(
+    release: str, family: str | None, differs: str | None
+) -> None:
+    """What `kvscope probe-check` reads of each release (describe_installed, SGLang's real modules): the
+    family it loads as, tested; or none, naming the nearest family's first differing target, with every
+    target's shape and match listed (docs/probe.md's version table)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCOPE_", "SGLANG_"))}
+    out = subprocess.run(
+        [SGLANG_PYTHON, "-W", "ignore", "-c", DESCRIBE.format(root=str(ROOT))],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": os.pathsep.join([*release_path(release), str(ROOT)])},
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    described = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (described["version"], described["family"], described["loads"]) == (release, family, family is not None)
+    assert described["tested"] is (family is not None) and "pages" in described["records"]
+    matched = [row["match"] for row in described["targets"]]
+    if differs is None:
+        assert described["line"] == "" and all(matched)
+    else:
+        assert described["line"].startswith(f"SGLang {release}: not tested and matches no known family ({differs}")
+        assert not all(matched) and described["line"].endswith("; nothing patched")

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvscope.probe import sglang as probe
+from kvscope.probe.shapes import Family
 
 
 @pytest.fixture(autouse=True)
@@ -25,12 +26,15 @@ def _hook(original: Any, *args: Any, **kwargs: Any) -> Any:
     return original(*args, **kwargs)
 
 
-TABLE = {
-    "0.5.23": lambda: [
+def _table() -> list[probe.Hook]:
+    return [
         probe.Hook("kvscope_nowhere.Pool.alloc", _hook, direct=True, per_op=True),
         probe.Hook("kvscope_nowhere.Batch.prepare_for_decode", _hook),
     ]
-}
+
+
+# NOTE: no shapes: the family matches whatever is installed, so the hooks' own resolution decides
+FAMILIES = (Family("0.5.23", ("0.5.23",), (), _table),)
 
 
 @pytest.mark.parametrize(("level", "missing"), [("full", "Pool.alloc, kvscope_nowhere.Batch"), ("summary", "Batch")])
@@ -38,7 +42,7 @@ def test_level_summary_needs_only_the_targets_it_hooks(
     monkeypatch: pytest.MonkeyPatch, level: str, missing: str
 ) -> None:
     monkeypatch.setenv("KVSCOPE_LEVEL", level)
-    said = probe._register("0.5.23", TABLE)
+    said = probe._register("0.5.23", FAMILIES)
     assert said.startswith(f"SGLang 0.5.23: kvscope_nowhere.{missing}.") and said.endswith("; nothing patched")
     assert not probe.PROBE.state.active
 
@@ -47,7 +51,7 @@ def test_a_level_that_is_neither_refuses_and_patches_nothing(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("KVSCOPE_LEVEL", "verbose")
-    said = probe._register("0.5.23", TABLE)
+    said = probe._register("0.5.23", FAMILIES)
     assert said == "KVSCOPE_LEVEL must be summary or full, got 'verbose'; nothing patched"
     assert not probe.PROBE.state.active and capsys.readouterr().err.count("\n") == 1
 
@@ -73,3 +77,90 @@ def test_at_level_summary_the_allocators_and_trees_stay_sglangs() -> None:
         "SchedulerInvariantChecker._check_req_pool",
     }
     assert all(h.per_op for h in probe.hooks() if h.direct)
+
+
+class Pool:
+    """A stand-in allocator class whose method a direct hook patches (restored after each test)."""
+
+    def alloc(self, need_size: int) -> int:
+        return need_size
+
+
+def _pool_table() -> list[probe.Hook]:
+    return [probe.Hook(f"{__name__}.Pool.alloc", probe._d_alloc, direct=True, per_op=True)]
+
+
+@pytest.fixture
+def pool() -> Iterator[type[Pool]]:
+    original = Pool.__dict__["alloc"]
+    yield Pool
+    Pool.alloc = original  # type: ignore[method-assign]
+
+
+def test_a_tested_release_whose_code_changed_shape_refuses_in_one_line_naming_the_target(
+    pool: type[Pool], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The family's shape says alloc(self, need_size); the installed method takes (self, num_pages):
+    one line names the target and why, and nothing is patched."""
+    pool.alloc = lambda self, num_pages: num_pages  # type: ignore[method-assign,assignment,misc]
+    family = probe._family("0.5.23", ("0.5.23",), _pool_table, ())
+    said = probe._register("0.5.23", (family,))
+    assert said == (
+        f"SGLang 0.5.23: {__name__}.Pool.alloc takes (self, num_pages) where the probe needs (self, need_size, ...); "
+        "nothing patched"
+    )
+    assert capsys.readouterr().err == f"kvscope probe: {said}\n"
+    assert not hasattr(pool.alloc, "__wrapped__") and not probe.PROBE.state.active
+
+
+def test_an_untested_release_whose_shapes_match_a_family_loads_as_it_and_says_so(
+    pool: type[Pool], capsys: pytest.CaptureFixture[str]
+) -> None:
+    gone = probe.Hook(f"{__name__}.Pool.gone", _hook)
+    newer = probe._family("0.5.23", ("0.5.23",), lambda: [*_pool_table(), gone], ())
+    older = probe._family("0.5.22", ("0.5.22",), _pool_table, ())
+    said = probe._register("0.5.24", (newer, older))
+    assert said == "registered 1 hooks on SGLang 0.5.24 (family 0.5.22, level full)"
+    assert capsys.readouterr().err == "kvscope probe: SGLang 0.5.24: not tested; its shapes match family 0.5.22\n"
+    assert pool.alloc.__wrapped__ is not None and probe.PROBE.state.active  # type: ignore[attr-defined]
+
+
+def test_each_hooks_shape_holds_the_parameters_its_wrapper_passes() -> None:
+    """A direct hook's shape is its method's every parameter (SGLang's must be the same); an AROUND
+    hook's, those it names before its *args."""
+    shapes = {s.target: s.params for s in probe.shapes_of(probe.hooks())}
+    assert shapes[f"{probe.UNIFIED}.evict_for_alloc"] == ("self", "params", "allocation_reclaim_satisfied")
+    assert shapes[probe.RELEASE] == ("req", "tree_cache")
+    assert shapes[f"{probe.ADDER}._commit_prefill_admission"] == ("self", "req")
+    family_0522 = {s.target: s.params for s in probe.shapes_of(probe.hooks_0522())}
+    assert family_0522[f"{probe.UNIFIED}.evict_for_alloc"] == ("self", "params")
+    assert [f.name for f in probe.FAMILIES] == ["0.5.23", "0.5.22"]  # newest first
+
+
+def test_probe_check_says_a_direct_method_with_one_parameter_more_than_the_probes_will_not_load(
+    pool: type[Pool],
+) -> None:
+    """SGLang's alloc gained a trailing parameter: the shape (its leading parameters) still matches, but
+    the probe's method would drop it, so the registration refuses; describe_installed says the same."""
+    pool.alloc = lambda self, need_size, hint=None: need_size  # type: ignore[method-assign,assignment,misc]
+    family = probe._family("0.5.23", ("0.5.23",), _pool_table, ())
+    line = f"SGLang 0.5.23: {__name__}.Pool.alloc takes other parameters; nothing patched"
+    described = probe.describe_installed("0.5.23", (family,))
+    assert (described["loads"], described["family"], described["line"]) == (False, None, line)
+    assert described["targets"][0]["match"]  # the shape alone matches
+    assert probe._register("0.5.23", (family,)) == line and not hasattr(pool.alloc, "__wrapped__")
+
+
+def test_probe_check_says_which_family_a_matching_release_loads_as(pool: type[Pool]) -> None:
+    family = probe._family("0.5.23", ("0.5.23",), _pool_table, ())
+    described = probe.describe_installed("0.5.23", (family,))
+    assert (described["loads"], described["family"], described["tested"], described["line"]) == (
+        True,
+        "0.5.23",
+        True,
+        "",
+    )
+    assert described["targets"] == [
+        {"target": f"{__name__}.Pool.alloc", "params": ["self", "need_size"], "reads": [], "match": True, "why": None}
+    ]
+    assert "pages" in described["records"]

@@ -99,10 +99,11 @@ class Subscriber:
         while True:
             assert self.dealer.poll(int(TIMEOUT_S * 1000)), "the replay socket did not answer"
             empty, topic, seq, payload = self.dealer.recv_multipart()
-            assert empty == b"" and topic == self.topic
             number = int.from_bytes(seq, "big", signed=True)
-            if number == -1:
+            if number == -1:  # NOTE: SGLang 0.5.23's end marker: no topic, no payload
+                assert (empty, topic, payload) == (b"", b"", b"")
                 return out
+            assert empty == b"" and topic == self.topic
             out.append((number, payload))
             self.replayed[number] = payload
 

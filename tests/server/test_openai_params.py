@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvscope.server.openai_params import refused_names, supported_names
+from kvscope.server.openai_params import ignored_names, refused_names, supported_names
 from kvscope.workloads.tokenizer import EOS_ID, ByteTokenizer
 from tests.server.serving import Server, serving
 
@@ -61,6 +61,8 @@ def doc_table() -> dict[str, dict[str, str]]:
 def server_status(name: str, chat: bool) -> str:
     if name in supported_names(chat):
         return "yes"
+    if name in ignored_names():
+        return "ignored"
     return "refused" if name in refused_names(chat) else "—"
 
 
@@ -71,7 +73,7 @@ def test_the_doc_table_is_the_servers_list() -> None:
         for endpoint, chat in ENDPOINTS.items():
             assert cells[endpoint] == server_status(name, chat), (name, endpoint)
     for chat in ENDPOINTS.values():
-        missing = (set(supported_names(chat)) | set(refused_names(chat))) - set(table)
+        missing = (set(supported_names(chat)) | set(refused_names(chat)) | set(ignored_names())) - set(table)
         assert not missing, f"in the server, not in docs/serve.md's table: {sorted(missing)}"
 
 
@@ -103,6 +105,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "min_tokens": {"min_tokens": 1},
     "top_logprobs": {"logprobs": True, "top_logprobs": 2},
     "echo": {"echo": True},
+    "truncate_prompt_tokens": {"truncate_prompt_tokens": 1},
 }
 
 
@@ -118,19 +121,36 @@ def test_every_supported_parameter_is_accepted_and_every_refused_one_is_a_400_na
             if cells[endpoint] == "yes":
                 reply = post(server, chat, example(name, chat))
                 assert reply.status_code == 200, (endpoint, name, reply.text)
+            elif cells[endpoint] == "ignored":  # NOTE: whatever it asks, as vLLM accepts it
+                reply = post(server, chat, {name: {"asks-for": "something"}})
+                assert reply.status_code == 200, (endpoint, name, reply.text)
             elif cells[endpoint] == "refused":
                 reply = post(server, chat, {name: {"asks-for": "something"}})
                 error = reply.json()["error"]
                 assert (reply.status_code, error["param"], error["type"]) == (400, name, "invalid_request_error")
                 assert error["code"] == "unsupported_parameter"
-    unknown = post(server, False, {"frobnicate": 1})
-    assert (unknown.status_code, unknown.json()["error"]["param"]) == (400, "frobnicate")
+    unknown = post(server, False, {"frobnicate": 1})  # NOTE: as vLLM: an unknown field is ignored (and logged)
+    assert unknown.status_code == 200, unknown.text
     neutral = post(
         server,
         True,
-        {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "store": False, "echo": False},
+        {"tools": [{"type": "function"}], "tool_choice": "none", "response_format": {"type": "text"}, "echo": False},
     )
     assert neutral.status_code == 200, neutral.text
+    asked = post(server, True, {"tools": [{"type": "function"}], "tool_choice": "auto"})
+    assert (asked.status_code, asked.json()["error"]["param"]) == (400, "tool_choice")
+
+
+def test_max_tokens_past_the_context_is_cut_and_truncate_prompt_tokens_keeps_the_prompts_tail(server: Server) -> None:
+    long = post(server, False, {"prompt": "y" * 80, "max_tokens": 500, "logit_bias": ALWAYS_X})
+    assert long.status_code == 200, long.text
+    choice, usage = long.json()["choices"][0], long.json()["usage"]
+    assert (choice["finish_reason"], usage["prompt_tokens"] + usage["completion_tokens"]) == ("length", CONTEXT_LEN)
+    cut = post(server, False, {"prompt": "abcdef", "truncate_prompt_tokens": 2, "echo": True, "max_tokens": 1})
+    assert cut.status_code == 200, cut.text
+    assert (cut.json()["usage"]["prompt_tokens"], cut.json()["choices"][0]["text"][:2]) == (2, "ef")
+    zero = post(server, True, {"truncate_prompt_tokens": 0})
+    assert (zero.status_code, zero.json()["error"]["param"]) == (400, "truncate_prompt_tokens")
 
 
 @pytest.mark.parametrize(
@@ -162,7 +182,6 @@ def test_every_supported_parameter_is_accepted_and_every_refused_one_is_a_400_na
         (False, {"logit_bias": {"abc": 1}}, "logit_bias"),
         (False, {"ignore_eos": "yes"}, "ignore_eos"),
         (False, {"echo": 1}, "echo"),
-        (False, {"top_logprobs": 2}, "top_logprobs"),  # a chat parameter
         (True, {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         (True, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         (True, {"echo": True}, "echo"),

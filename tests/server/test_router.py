@@ -68,6 +68,18 @@ def test_prefix_affinity_routes_to_the_rank_holding_the_prompt_and_records_what_
     assert router.cached_tokens(prompt) == [4, 0, 4]
 
 
+def test_a_rank_that_does_not_answer_is_skipped_until_it_answers_again() -> None:
+    router = Router("round_robin", num_ranks=2, page_size=PAGE_SIZE)
+    router.replicas[1].answering = False
+    assert [router.choose([7] * 8)[0] for _ in range(3)] == [0, 0, 0]
+    assert router.live_ranks() == [0, 1] and router.answering_ranks() == [0] and router.silent_ranks() == [1]
+    router.replicas[0].answering = False
+    with pytest.raises(DispatchError):
+        router.choose([7] * 8)
+    router.replicas[1].answering = True
+    assert router.choose([7] * 8)[0] == 1 and router.dead_ranks() == []
+
+
 def test_a_dead_rank_is_never_chosen_and_none_live_is_a_dispatch_error() -> None:
     router = Router("round_robin", num_ranks=3, page_size=PAGE_SIZE)
     router.rank_exited(1)

@@ -1,7 +1,8 @@
 """`kvscope serve --dp-size 2`: two scheduler processes behind one front, each its own run in the
 one capture; the router's choice and what it saw land in every request's row; prefix_affinity
 loses fewer cached tokens to routing than round_robin; /metrics labels each rank; rank r's KV
-events on port + r; a killed rank fails its own requests and the other serves on."""
+events on port + r; a killed rank fails its own requests and the other serves on; a frozen rank is
+skipped and does not hold up the stop."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ import httpx
 import pytest
 import zmq
 
+from kvscope.app.serve import DRAIN_S, RANK_SILENT_S
 from kvscope.server.kv_events import decode_batch
-from tests.server.serving import Server, serving
+from tests.server.serving import Server, serving, start_server
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "kvscope-tiny"
@@ -134,15 +136,25 @@ def test_metrics_label_every_series_with_its_rank(tmp_path_factory: pytest.TempP
     _, _, metrics, _ = loaded("round_robin", tmp_path_factory)
     for rank in ("0", "1"):
         assert f'kvscope_scheduler_up{{dp_rank="{rank}"}} 1.0' in metrics
-        for name in ("sglang:num_running_reqs", "sglang:prompt_tokens_total", "sglang:kv_used_tokens"):
+        for name in ("sglang:num_running_reqs", "sglang:kv_used_tokens"):
             assert f'{name}{{dp_rank="{rank}",engine_type="unified",model_name="{MODEL}"}}' in metrics, name
-        assert f'sglang:e2e_request_latency_seconds_count{{dp_rank="{rank}"' in metrics
+        assert f'sglang:queue_time_seconds_count{{dp_rank="{rank}"' in metrics
+    # NOTE: as SGLang's tokenizer exports them: one series for the server, whatever rank served
+    tokenizer = ("sglang:prompt_tokens_total", "sglang:cached_tokens_total", "sglang:generation_tokens_total")
+    tokenizer += ("sglang:time_to_first_token_seconds", "sglang:inter_token_latency_seconds")
+    tokenizer += ("sglang:e2e_request_latency_seconds",)
     unlabelled = [
         line
         for line in metrics.splitlines()
-        if line and not line.startswith("#") and "dp_rank=" not in line and not line.startswith("kvscope_requests")
+        if line
+        and not line.startswith("#")
+        and "dp_rank=" not in line
+        and not line.startswith(("kvscope_requests", *tokenizer))
     ]
     assert unlabelled == []
+    for name in tokenizer:
+        assert not [line for line in metrics.splitlines() if line.startswith(name) and "dp_rank" in line], name
+    assert 'sglang:evicted_tokens_total{cache_type="RadixCache",dp_rank="0",pp_rank="0",tp_rank="0"}' in metrics
 
 
 def free_port_pair() -> int:
@@ -257,3 +269,40 @@ def test_a_killed_rank_fails_its_requests_and_the_other_serves_on(tmp_path: Path
         assert code == 1
         assert "the scheduler process of dp rank 1 exited; serving on 1 of 2 ranks" in printed
         assert "the scheduler process of dp rank 0 exited\n" in printed
+
+
+def test_a_frozen_rank_is_skipped_reported_and_does_not_hold_up_the_stop(tmp_path: Path) -> None:
+    """A rank stopped with SIGSTOP (a hung process): after the silence bound dispatch skips it, /health
+    reads degraded, its stream ends 503 at the stop, and SIGTERM ends the server within its drain bound."""
+    server = start_server(None, "--level", "off", "--dp-size", "2")
+    pids: list[int] = []
+    try:
+        ok = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+        assert httpx.post(f"{server.url}/v1/completions", json=ok, timeout=60).status_code == 200  # rank 0
+        started, events = threading.Event(), []  # round robin: the stream goes to rank 1
+        streamer = threading.Thread(target=stream_events, args=(server.url, started, events), daemon=True)
+        streamer.start()
+        assert started.wait(60), "the stream never started"
+        pids = rank_pids(server)
+        os.kill(pids[1], signal.SIGSTOP)
+        deadline = time.monotonic() + RANK_SILENT_S + GONE_WITHIN_S
+        health: dict[str, Any] = {}
+        while time.monotonic() < deadline and health.get("status") != "degraded":
+            time.sleep(0.5)
+            health = httpx.get(f"{server.url}/health", timeout=30).json()
+        assert health == {"status": "degraded", "live_dp_ranks": [0], "dead_dp_ranks": [], "unresponsive_dp_ranks": [1]}
+        for _ in range(4):  # round robin would send every other one to the frozen rank
+            assert httpx.post(f"{server.url}/v1/completions", json=ok, timeout=30).status_code == 200
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(DRAIN_S)  # NOTE: a bound on a hang: it never ended before
+        streamer.join(GONE_WITHIN_S)
+        assert not streamer.is_alive() and events[-1]["error"]["code"] == "scheduler_unavailable", events[-1]
+        assert not Path(f"/proc/{pids[1]}").exists() or "zombie" in Path(f"/proc/{pids[1]}/status").read_text()
+        _, printed = server.stop()
+        assert code == 1
+        assert "the scheduler process of dp rank 1 has not answered for 10 s; serving on 1 of 2 ranks" in printed
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        server.kill()

@@ -65,7 +65,7 @@ def rid_of(response_id: str) -> str:
     return response_id.split("-", 1)[1]
 
 
-IDENTITY = {"model_name": MODEL, "engine_type": "unified"}  # on every sglang:* series, as SGLang labels its own
+IDENTITY = {"model_name": MODEL, "engine_type": "unified"}  # on SGLang's scheduler and tokenizer series
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -74,6 +74,11 @@ def metrics(url: str) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name.startswith("sglang:evicted_tokens"):  # NOTE: the radix cache's labels, as SGLang's
+                ranks = {k: sample.labels[k] for k in ("tp_rank", "pp_rank", "dp_rank")}
+                assert ranks == dict.fromkeys(ranks, "0") and sample.labels["cache_type"].endswith("Cache"), sample
+                out[sample.name] = sample.value
+                continue
             if sample.name.startswith("sglang:"):
                 assert {k: sample.labels.get(k) for k in IDENTITY} == IDENTITY, sample
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in IDENTITY)
@@ -151,7 +156,7 @@ BAD = [
     (json.dumps({"model": MODEL, "prompt": [100000]}).encode(), 400, "prompt"),
     (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
     (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": "5"}).encode(), 400, "max_tokens"),
-    (json.dumps({"model": MODEL, "prompt": "x" * 3000, "max_tokens": 4}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "x" * 3000, "max_tokens": 4}).encode(), 400, "prompt"),  # leaves no room
     (json.dumps({"model": "gpt-4", "prompt": "hi"}).encode(), 404, "model"),
     (json.dumps({"model": MODEL, "prompt": "hi", "stream": "yes"}).encode(), 400, "stream"),
     (json.dumps({"model": MODEL, "prompt": "hi", "user": 7}).encode(), 400, "user"),

@@ -68,3 +68,36 @@ def test_cached_tokens_are_labelled_by_cache_source() -> None:
 
     assert cached(host_hits=300) == {"device": 700.0, "host": 300.0}
     assert cached(host_hits=None) == {"device": 1000.0}  # no host tier
+
+
+def labels_of(metrics: ServerMetrics) -> dict[str, list[dict[str, str]]]:
+    families = text_string_to_metric_families(metrics.render().decode())
+    return {s.name: [dict(x.labels) for x in f.samples if x.name == s.name] for f in families for s in f.samples}
+
+
+def test_each_family_carries_the_labels_of_the_sglang_collector_that_exports_it() -> None:
+    """SGLang 0.5.23: the tokenizer's token totals and request latencies are one series per server (no
+    dp_rank); the radix cache's evicted_tokens_total carries cache_type, tp_rank, pp_rank and dp_rank,
+    not model_name; the scheduler's gauges and queue time carry dp_rank with several ranks."""
+    metrics = ServerMetrics(page_size=4, model_name="m", dp_size=2, cache_kind="hiradix")
+    for rank in (0, 1):
+        metrics.update(stats(prompt=100, cached=40, generated=7, host_hits=10), rank)
+        metrics.latency(rank).e2e.observe(0.5)
+        metrics.latency(rank).queue_time.observe(0.1)
+    found = labels_of(metrics)
+    identity = {"model_name": "m", "engine_type": "unified"}
+    for name in (
+        "sglang:prompt_tokens_total",
+        "sglang:generation_tokens_total",
+        "sglang:e2e_request_latency_seconds_count",
+    ):
+        assert found[name] == [identity], name
+    assert sorted(s["cache_source"] for s in found["sglang:cached_tokens_total"]) == ["device", "host"]
+    assert found["sglang:evicted_tokens_total"] == [
+        {"cache_type": "HiRadixCache", "tp_rank": "0", "pp_rank": "0", "dp_rank": "0"}
+    ]
+    assert [s["dp_rank"] for s in found["sglang:num_running_reqs"]] == ["0", "1"]
+    assert [s["dp_rank"] for s in found["sglang:queue_time_seconds_count"]] == ["0", "1"]
+    text = metrics.render().decode()
+    assert 'sglang:prompt_tokens_total{engine_type="unified",model_name="m"} 200.0' in text  # both ranks summed
+    assert 'sglang:e2e_request_latency_seconds_count{engine_type="unified",model_name="m"} 2.0' in text

@@ -88,6 +88,7 @@ def one_line_error(done: subprocess.CompletedProcess[str], *expected: str) -> st
 
 
 def test_a_refused_connection_a_wrong_password_and_a_missing_database_are_one_line_each(postgres_url: str) -> None:
+    """Every verb that opens a capture; `serve` too (it used to start its scheduler, print 2-3 lines, exit 1)."""
     url = make_url(postgres_url)
     cases = {
         "refused": (url.set(port=free_port()), "Connection refused"),
@@ -96,11 +97,15 @@ def test_a_refused_connection_a_wrong_password_and_a_missing_database_are_one_li
     }
     for _name, (bad, expected) in cases.items():
         target = bad.render_as_string(hide_password=False)
-        for args in (("runs", target), ("check", target), ("run", "--workload", "random", "--capture", target)):
-            line = one_line_error(
-                kvscope(*args, "--num-requests", "2") if args[0] == "run" else kvscope(*args), expected
-            )
-            assert "cannot open the database" in line
+        for args in (
+            ("runs", target),
+            ("check", target),
+            ("fleet", target),
+            ("run", "--workload", "random", "--num-requests", "2", "--capture", target),
+            ("serve", "--port", str(free_port()), "--capture", target),  # before any scheduler starts
+        ):
+            line = one_line_error(kvscope(*args), expected)
+            assert line.startswith(f"kvscope {args[0]}: error: ") and "cannot open the database" in line
             assert str(bad.password) not in line  # a URL is printed without its password
 
 

@@ -42,8 +42,8 @@ class ReplayCommand:
                 dest="eviction",
                 default="page",
                 choices=["page", "leaf"],
-                help="page (the default here, unlike run and serve: the one-pass curve is exact only for it): "
-                "only the pages needed; leaf: SGLang's whole leaves, as run and serve default to",
+                help="page: only the pages needed (unlike run and serve, which follow SGLang's leaf: the one-pass "
+                "curve is exact only for page); leaf: SGLang's whole leaves",
             ),
         )
         parser.add_argument(

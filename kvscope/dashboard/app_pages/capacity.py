@@ -19,6 +19,7 @@ from kvscope.planning import (
     plan_memory,
     resolve_model,
 )
+from kvscope.telemetry import display_name
 
 
 def kv_bytes_per_token(model_name: str, kv_dtype: str, tp: int) -> float | None:
@@ -99,9 +100,13 @@ if caps.lacks("request_stream"):
     st.stop()
 rule = cache_curves(data.run_config(chosen.run))
 try:
-    curves, prompt_tokens = data.capacity_curves(chosen.path, chosen.run_id, chosen.stamp, page_size, rule.sharing)
+    curves, prompt_tokens = data.capacity_curves(
+        chosen.path, chosen.run_id, float(chosen.run.started_at or 0.0), page_size, rule.sharing
+    )
 except ValueError as err:
-    st.info(f"No hit-rate curve for this run: {str(err).removeprefix(f'{chosen.path} run {chosen.run_id}: ')}")
+    st.info(
+        f"No hit-rate curve for this run: {str(err).removeprefix(f'{display_name(chosen.path)} run {chosen.run_id}: ')}"
+    )
     st.stop()
 names = curve_names(rule.sharing)
 curve = curves[rule.sharing[0]]

@@ -30,6 +30,15 @@ REPLICA_COLUMNS = {
 }
 
 
+ROUTING_COLUMNS = {
+    "dispatch": st.column_config.TextColumn("dispatch"),
+    "num_requests": st.column_config.NumberColumn("requests"),
+    "prompt_tokens": st.column_config.NumberColumn("prompt tokens"),
+    "loss_tokens": st.column_config.NumberColumn("lost tokens", help="prompt tokens another replica had cached"),
+    "loss_share": st.column_config.NumberColumn("loss", format="%.2f%%", help="lost / prompt tokens"),
+}
+
+
 def pick(found: list[Fleet], run_id: int) -> Fleet:
     """The fleet of the selected run, else the latest; a picker when there are several."""
     default = next((f for f in found if any(r.run_id == run_id for r in f.replicas)), found[-1])
@@ -81,7 +90,8 @@ def routing_section(routing: pd.DataFrame) -> None:
     if routing.empty:
         return
     st.subheader("Routing loss per dispatch method")
-    st.dataframe(routing, hide_index=True)
+    shown = routing.assign(loss_share=100 * routing["loss_share"])  # NOTE: '%.2f%%' prints the number as is
+    st.dataframe(shown, hide_index=True, column_config=ROUTING_COLUMNS)
     st.plotly_chart(routing_figure(routing), key="fleet.routing")
 
 

@@ -14,6 +14,7 @@ from kvscope.dashboard import capability, charts, data, leak_views, reads, url_s
 from kvscope.dashboard.frame import PAGES_DIR, Selection, selection
 from kvscope.dashboard.verdict import attached_verdict, leak_verdict, show_verdict
 from kvscope.debug import Leak, LeakKind, LeakReport, render_text, verdict
+from kvscope.telemetry import link_name
 from kvscope.telemetry.capabilities import Capabilities
 
 MAX_ROWS = 1000  # culprits shipped to the browser
@@ -121,7 +122,7 @@ def census_culprits_section(chosen: Selection, report: LeakReport) -> None:
             str(PAGES_DIR / "requests.py"),
             label=f"request {rid} on Requests",
             icon=":material/person:",
-            query_params={"capture": chosen.path, "run": str(chosen.run_id), "rid": rid},
+            query_params={"capture": link_name(chosen.path), "run": str(chosen.run_id), "rid": rid},
         )
 
 
@@ -172,7 +173,7 @@ def open_culprit(chosen: Selection, leaks: list[Leak], index: int) -> None:
     leak = leaks[index]
     cols = st.columns([1, 2, 2])
     cols[0].markdown(f"**culprit #{index + 1}**")
-    common = {"capture": chosen.path, "run": str(chosen.run_id)}
+    common = {"capture": link_name(chosen.path), "run": str(chosen.run_id)}
     if leak.rid is not None:
         cols[1].page_link(
             str(PAGES_DIR / "requests.py"),
@@ -218,7 +219,12 @@ def node_links(chosen: Selection, paths: pd.DataFrame, step: int) -> None:
             str(PAGES_DIR / "tree.py"),
             label=f"node {row.node}",
             icon=":material/account_tree:",
-            query_params={"capture": chosen.path, "run": str(chosen.run_id), "step": str(step), "node": str(row.node)},
+            query_params={
+                "capture": link_name(chosen.path),
+                "run": str(chosen.run_id),
+                "step": str(step),
+                "node": str(row.node),
+            },
         )
 
 

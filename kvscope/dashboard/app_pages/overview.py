@@ -71,6 +71,10 @@ def pool_metrics(last: pd.Series, checks: pd.DataFrame, report: LeakReport, caps
                 help=f"{caps.unit} running requests hold outside the cache (plus any leaked ones)",
             )
         next(cols).metric(f"{pool}: free", f"{int(terms['free']):,}")
+        if caps.has("locks") and int(terms["protected"]) and not int(last["num_running"]):
+            # NOTE: said on the page, not only in the tooltip: locked tokens with nothing running look like a leak
+            why = protected_help(pool, int(last["step"]), 0, checks, report)
+            st.caption(f"**{pool}: {int(terms['protected']):,} protected with no request running**: {why}.")
     if caps.has("slots"):
         st.caption(
             f"Request pool: {int(last['req_total'] - last['req_available']):,} of {int(last['req_total']):,} "

@@ -14,6 +14,7 @@ from kvscope.dashboard import capability, charts, data, latency, live, reads, re
 from kvscope.dashboard.frame import Selection, selection
 
 PAGE_ROWS = 60
+ORDERS = ("newest first", "oldest first")
 PICK_FROM_MAX = 2_000  # NOTE: more requests: the picker is a box to type an id in
 ALL = "(all requests)"
 RID_KEY = "requests.rid"
@@ -25,6 +26,19 @@ LATENCY_COLUMNS = {
     **{
         f"{name} (ms)": st.column_config.NumberColumn(f"{name} (ms)", format="%.1f", width=90)
         for name in ("p50", "p90", "p99", "max")
+    },
+}
+# NOTE: the table's default columns fit a 1440 px window: who, what it asked, what it got, when, how long
+COMPACT_COLUMNS: tuple[str, ...] = ("rid", "principal", "status", "prompt_len", "cached_tokens", "output_len")
+COMPACT_COLUMNS += ("num_retractions", *(f"{name} (ms)" for name in timing.LATENCIES))
+NARROW_COLUMNS = {
+    "prompt_len": st.column_config.NumberColumn("prompt", width=70, help="prompt tokens"),
+    "cached_tokens": st.column_config.NumberColumn("cached", width=70, help="prompt tokens the cache matched"),
+    "output_len": st.column_config.NumberColumn("output", width=70, help="generated tokens"),
+    "num_retractions": st.column_config.NumberColumn("retracted", width=70, help="times retracted for memory"),
+    **{
+        f"{name} (ms)": st.column_config.NumberColumn(f"{name} (ms)", width=110, format="%.1f")
+        for name in timing.LATENCIES
     },
 }
 TIME_COLUMNS = {
@@ -164,13 +178,26 @@ def table_section(chosen: Selection, totals: pd.DataFrame, notes: Any, clock: ti
     with notes:
         url_state.show_notes()
     num_pages = max(1, -(-num_shown // PAGE_ROWS))
+    cols = st.columns([1, 2])
+    # NOTE: a live run opens on its newest requests (page 1 follows them as they finish); a closed one on its first
+    order = cols[1].radio(
+        "order", ORDERS, index=0 if chosen.running else 1, horizontal=True, key=f"requests.order.{chosen.running}"
+    )
     page = int(
-        st.number_input(
+        cols[0].number_input(
             f"page (of {num_pages}, {PAGE_ROWS} requests each, by arrival)", 1, num_pages, 1, key="requests.page"
         )
     )
     window = data.request_page(
-        chosen.path, chosen.run_id, chosen.stamp, chosen.tenant, statuses, rid, PAGE_ROWS, (page - 1) * PAGE_ROWS
+        chosen.path,
+        chosen.run_id,
+        chosen.stamp,
+        chosen.tenant,
+        statuses,
+        rid,
+        PAGE_ROWS,
+        (page - 1) * PAGE_ROWS,
+        newest_first=order == ORDERS[0],
     )
     allocs = data.allocs_of_requests(chosen.path, chosen.run_id, chosen.stamp, tuple(window["rid"]))
     st.caption(
@@ -184,11 +211,11 @@ def table_section(chosen: Selection, totals: pd.DataFrame, notes: Any, clock: ti
         + (timing.zone_name() if clock is not None else "seconds since the first arrival")
         + "; latencies in milliseconds."
     )
-    st.dataframe(
-        latency.request_table(window, timing.latencies(window), clock),
-        hide_index=True,
-        column_config=TIME_COLUMNS if clock is not None else None,
-    )
+    table = latency.request_table(window, timing.latencies(window), clock)
+    if not st.toggle("all columns", key="requests.all_columns", help="every stored column: steps, each moment's time"):
+        table = table[[c for c in table.columns if c in COMPACT_COLUMNS or c in ("arrive", "arrive (s)")]]
+    columns = {**NARROW_COLUMNS, **(TIME_COLUMNS if clock is not None else {})}
+    st.dataframe(table, hide_index=True, column_config=columns)
 
 
 chosen = selection()

@@ -44,5 +44,5 @@ def duplication_figure(duplication: pd.DataFrame) -> go.Figure:
 def routing_figure(routing: pd.DataFrame) -> go.Figure:
     """The routing loss per dispatch method, as a share of its requests' prompt tokens."""
     fig = go.Figure(go.Bar(x=routing["dispatch"], y=routing["loss_share"], marker_color=COLORS["missing"]))
-    fig.update_layout(yaxis_title="routing loss (share of prompt tokens)", yaxis_tickformat=".0%", height=260)
+    fig.update_layout(yaxis_title="routing loss (share of prompt tokens)", yaxis_tickformat=".2~%", height=260)
     return fig

@@ -26,7 +26,7 @@ from typing import Any
 
 from tests.engines.sglang_standins._anything import standin
 
-STANDINS = ("triton", "tvm_ffi", "torchvision", "compressed_tensors", "aiohttp", "IPython", "sgl_kernel")
+STANDINS = ("triton", "tvm_ffi", "torchvision", "compressed_tensors", "aiohttp", "IPython", "sgl_kernel", "xgrammar")
 
 
 class _StandinFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -45,3 +45,18 @@ class _StandinFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install() -> None:
     if not any(isinstance(f, _StandinFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _StandinFinder())
+        _configs_registered_as_on_their_transformers()
+
+
+def _configs_registered_as_on_their_transformers() -> None:
+    """SGLang 0.5.18 and 0.5.19 pin transformers 5.12.1 and register configs (qwen3_asr) that the shared
+    venv's transformers 5.19.0 already has, which raises there: such a registration replaces the
+    built-in one, as it took the unused name on 5.12.1. Names transformers lacks register as before."""
+    from transformers import AutoConfig
+
+    register = AutoConfig.register
+
+    def register_over_builtin(model_type: str, config: Any, exist_ok: bool = False) -> None:
+        register(model_type, config, exist_ok=True)
+
+    AutoConfig.register = staticmethod(register_over_builtin)  # type: ignore[method-assign]

@@ -52,6 +52,14 @@ class AnythingBase(metaclass=_AnythingType):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        """A field of a stand-in class in a pydantic model (xgrammar's StructuralTag in SGLang's request
+        models) takes any value."""
+        from pydantic_core import core_schema
+
+        return core_schema.any_schema()
+
 
 def standin(name: str, **names: Any) -> types.ModuleType:
     """A module `name` whose every missing attribute is an Anything (submodules too)."""
