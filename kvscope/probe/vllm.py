@@ -1,8 +1,8 @@
 """The probe inside vLLM's EngineCore process: wraps the block pool, the KV-cache manager and the
-scheduler of the versions in SUPPORTED, records block ownership through kvscope's recorder and
-runs the block census (census.py) between engine steps: at each busy -> idle edge, periodically while
-busy, and at the drain as the engine shuts down; what the census and the tree snapshots read of the
-pool is in vllm_views.py.
+scheduler of a release whose code matches one of FAMILIES (shapes.py, newest first), records block
+ownership through kvscope's recorder and runs the block census (census.py) between engine steps: at
+each busy -> idle edge, periodically while busy, and at the drain as the engine shuts down; what the
+census and the tree snapshots read of the pool is in vllm_views.py.
 
 Loaded by vLLM's `vllm.general_plugins` entry point (`register`) in every vLLM process; inert
 unless KVSCOPE_CAPTURE is set. The classes are patched in every process that loads it; a run is
@@ -54,7 +54,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvscope.probe.census import TERMS, CensusResult, census_blocks, census_checks, census_json, named, take_census
@@ -71,10 +71,12 @@ from kvscope.probe.core import (
     patch_all,
     refuse,
     register_never_raising,
+    say,
     settings_from_env,
 )
 from kvscope.probe.core import engine_ending as core_engine_ending
 from kvscope.probe.metrics import CensusTally
+from kvscope.probe.shapes import Family, Shape, choose
 from kvscope.probe.vllm_views import block_view, tree_rows
 from kvscope.telemetry import (
     EventKind,
@@ -139,9 +141,10 @@ class Context:
 class VllmProbe:
     """The probe's state in one process: the recorder, the context, the ledger of takers."""
 
-    def __init__(self, settings: Settings | None, version: str) -> None:
+    def __init__(self, settings: Settings | None, version: str, family: str | None = None) -> None:
         self.settings = settings
         self.version = version
+        self.family = family  # NOTE: the shapes family patched (FAMILIES), None when refused
         self.state = ProbeState(engine=ENGINE)
         self.ctx = Context()
         self.pid = -1  # NOTE: the process whose recorder is open (a forked child opens its own)
@@ -212,12 +215,13 @@ class VllmProbe:
                 "kind": "probe",
                 "engine": ENGINE,
                 "version": self.version,
+                "family": self.family,
                 "patched": patched,
                 "reason": reason,
                 "pid": os.getpid(),
                 "dp_rank": self.dp_rank,
                 "block_size": self.block_size or None,  # NOTE: the Capacity page plans with it
-                "provides": ["blocks", "ownership", "refs", "leak_checks", "requests", "tree"],
+                "provides": list(PROVIDES),
             }
         }
 
@@ -602,17 +606,26 @@ def _touch(original: Callable[..., Any]) -> Callable[..., Any]:
     return touch
 
 
-def _free_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
-    def free_blocks(self: Any, ordered_blocks: Any) -> Any:
+def _free_blocks(original: Callable[..., Any], *, weak_pool: bool = False) -> Callable[..., Any]:
+    """BlockPool.free_blocks. Family 0.34 (`weak_pool`): a block names its pool by a weak reference (the
+    pool's _weak_self), so this pool's blocks are those whose `pool` is that; and `evict_first` (blocks
+    another tier holds) puts the cached blocks that reach ref 0 at the free queue's front (prepend_n,
+    not append_n): the cached-free count takes them here. Earlier families never pass evict_first (a
+    default parameter costs nothing; *args/**kwargs would, on every free)."""
+
+    def free_blocks(self: Any, ordered_blocks: Any, evict_first: bool = False) -> Any:
         probe = PROBE
         if not probe.state.active:
-            return original(self, ordered_blocks)
+            return original(self, ordered_blocks, evict_first) if evict_first else original(self, ordered_blocks)
         # NOTE: an iterator (reversed(...)) is read once: keep it for after
         blocks = ordered_blocks if type(ordered_blocks) is list else [*ordered_blocks]
         queue = self.free_block_queue
         queued = queue.num_free_blocks
-        result = original(self, blocks)
+        result = original(self, blocks, evict_first) if evict_first else original(self, blocks)
         try:
+            mine = self._weak_self if weak_pool else self  # NOTE: what this pool's blocks hold in `pool`
+            if evict_first and self.enable_caching:
+                probe.cached_free += _freed_cached(blocks, mine)
             if blocks and (probe.hot or probe.recorder() is not None):
                 ctx, emit = probe.ctx, probe.emit
                 if emit is None:
@@ -623,7 +636,7 @@ def _free_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
                     else:
                         for b in blocks:  # NOTE: this pool's blocks only (vLLM frees others' into their own pool)
                             pool = b.pool
-                            if (pool is self or pool is None) and not b.is_null:
+                            if (pool is mine or pool is None) and not b.is_null:
                                 releasers[b.block_id] = released
                 elif queue.num_free_blocks - queued == len(blocks):
                     slots = probe.slot_buf
@@ -636,7 +649,7 @@ def _free_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
                     still: list[Any] = []
                     for b in blocks:
                         pool = b.pool
-                        if (pool is not self and pool is not None) or b.is_null:
+                        if (pool is not mine and pool is not None) or b.is_null:
                             continue
                         (still if b.ref_cnt else zero).append(b)
                     if not probe.now_ns:
@@ -653,6 +666,13 @@ def _free_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return free_blocks
+
+
+def _freed_cached(blocks: list[Any], mine: Any) -> int:
+    """This pool's hashed blocks among `blocks` that a free left at ref 0 (each once)."""
+    return len(
+        {b.block_id for b in blocks if b.pool is mine and not b.is_null and not b.ref_cnt and b.block_hash is not None}
+    )
 
 
 def _append_n(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -768,11 +788,33 @@ def _for_group(original: Callable[..., Any]) -> Callable[..., Any]:
     return for_group
 
 
-def _get_computed_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
+def _hit_bound_030(request: Any, bound: int | None) -> int:
+    """Family 0.30: the lookup's bound on the hit is the last-token rule alone."""
+    return int(request.num_tokens) - 1
+
+
+def _hit_bound_033(request: Any, bound: int | None) -> int:
+    """Family 0.33: the scheduler may pass a tighter bound (get_computed_blocks' max_cache_hit_length)."""
+    return int(request.num_tokens) - 1 if bound is None else int(bound)
+
+
+def _hit_bound_034(request: Any, bound: int | None) -> int:
+    """Family 0.34: the request's own limit too (Request.prefix_cache_hit_limit: prompt logprobs read
+    the cache only up to their first scored row); the least of the three, as vLLM's
+    Request.get_max_cache_hit_length takes it."""
+    limits = (int(request.num_tokens) - 1, request.prefix_cache_hit_limit, bound)
+    return min(int(limit) for limit in limits if limit is not None)
+
+
+def _get_computed_blocks(
+    original: Callable[..., Any], hit_bound: Callable[[Any, int | None], int] = _hit_bound_030
+) -> Callable[..., Any]:
+    """KVCacheManager.get_computed_blocks: a `match` event, the request's arrival; `hit_bound` is the
+    family's rule for the longest hit the lookup allows (the stop reason is named against it)."""
     wrapped = _for_request(original)
 
-    def get_computed_blocks(self: Any, request: Any) -> Any:
-        result = wrapped(self, request)
+    def get_computed_blocks(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = wrapped(self, request, *args, **kwargs)
         if PROBE.state.active:
             with guarded(PROBE.state):
                 rec = PROBE.recorder()
@@ -794,18 +836,26 @@ def _get_computed_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
                             num_tokens=hit,
                             aux=query - hit,
                             node_id=len(result[0].blocks[0]) if result[0].blocks else 0,
-                            reason=lookup_stop(self, query, hit),
+                            reason=lookup_stop(self, query, hit, hit_bound(request, _bound_of(args, kwargs))),
                         )
         return result
 
     return get_computed_blocks
 
 
-def lookup_stop(manager: Any, query_tokens: int, hit_tokens: int) -> LookupStop:
-    """Why vLLM 0.32's lookup (KVCacheManager.get_computed_blocks -> FullAttentionManager.
+def _bound_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    """get_computed_blocks' max_cache_hit_length as the caller passed it (families 0.33 and 0.34)."""
+    return args[0] if args else kwargs.get("max_cache_hit_length")
+
+
+def lookup_stop(manager: Any, query_tokens: int, hit_tokens: int, max_hit_tokens: int | None = None) -> LookupStop:
+    """Why vLLM's lookup (KVCacheManager.get_computed_blocks -> FullAttentionManager.
     find_longest_cache_hit) stopped at `hit_tokens`, from the lengths alone: it looks up at most
     (query - 1) // block_size full blocks (the last token is always recomputed) and stops at the
-    first whose hash is not cached. Other layouts answer OTHER rather than guess."""
+    first whose hash is not cached. Other layouts answer OTHER rather than guess, and so does a lookup
+    bounded tighter than the last-token rule (`max_hit_tokens`: a bound the scheduler passed, a
+    request's prefix_cache_hit_limit) or hashes covering tokens after their block (0.33's lookahead
+    hash keys: a block's hash waits for the tokens after it)."""
     singles = manager.coordinator.single_type_managers
     single = singles[0] if len(singles) == 1 else None
     if (
@@ -814,6 +864,8 @@ def lookup_stop(manager: Any, query_tokens: int, hit_tokens: int) -> LookupStop:
         or manager.use_eagle
         or single.block_size != manager.block_pool.hash_block_size
         or hit_tokens % single.block_size
+        or (max_hit_tokens is not None and max_hit_tokens != query_tokens - 1)
+        or getattr(manager.block_pool, "num_hash_lookahead_tokens", 0)
     ):
         return LookupStop.OTHER
     block_size = int(single.block_size)
@@ -1100,17 +1152,20 @@ def _engine_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
     return shutdown
 
 
-def targets() -> list[Target]:
-    """What the probe wraps in vLLM 0.32 (file:line in docs/probe.md)."""
+Factory = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def _targets(free_blocks: Factory, get_computed_blocks: Factory) -> list[Target]:
+    """What the probe wraps (file:line in docs/probe.md); the families differ in two wrappers."""
     return [
         Target(BLOCK_POOL, "BlockPool", "get_new_blocks", _get_new_blocks),
         Target(BLOCK_POOL, "BlockPool", "_maybe_evict_cached_block", _maybe_evict),
         Target(BLOCK_POOL, "BlockPool", "touch", _touch),
-        Target(BLOCK_POOL, "BlockPool", "free_blocks", _free_blocks),
+        Target(BLOCK_POOL, "BlockPool", "free_blocks", free_blocks),
         Target(BLOCK_POOL, "BlockPool", "cache_full_blocks", _cache_full_blocks),
         Target(BLOCK_POOL, "BlockPool", "reset_prefix_cache", _reset_prefix_cache),
         Target(UTILS, "FreeKVCacheBlockQueue", "append_n", _append_n),
-        Target(MANAGER, "KVCacheManager", "get_computed_blocks", _get_computed_blocks),
+        Target(MANAGER, "KVCacheManager", "get_computed_blocks", get_computed_blocks),
         Target(MANAGER, "KVCacheManager", "allocate_slots", _allocate_slots),
         Target(MANAGER, "KVCacheManager", "cache_blocks", _for_request),
         Target(MANAGER, "KVCacheManager", "free", _for_request),
@@ -1128,7 +1183,125 @@ def targets() -> list[Target]:
     ]
 
 
-SUPPORTED: dict[str, Callable[[], list[Target]]] = {"0.32.0": targets}
+def targets() -> list[Target]:
+    """Family 0.30's targets (vLLM 0.30.0 to 0.32.0)."""
+    return _targets(_free_blocks, _get_computed_blocks)
+
+
+def targets_033() -> list[Target]:
+    return _targets(_free_blocks, lambda original: _get_computed_blocks(original, _hit_bound_033))
+
+
+def targets_034() -> list[Target]:
+    return _targets(
+        lambda original: _free_blocks(original, weak_pool=True),
+        lambda original: _get_computed_blocks(original, _hit_bound_034),
+    )
+
+
+# NOTE: what each family needs of vLLM's code (shapes.py): every wrapped method with the leading
+# parameters its wrapper passes or reads, and the attributes the probe, its census (vllm_views.py) and
+# its tree snapshots read on vLLM's objects. A release that differs in any of them patches nothing.
+_REQUEST_READS = (
+    "request_id",
+    "num_tokens",
+    "num_prompt_tokens",
+    "num_output_tokens",
+    "arrival_time",
+    "status",
+    "is_finished",
+    "get_finished_reason",
+)
+_POOL_READS = ("blocks", "free_block_queue", "num_gpu_blocks", "hash_block_size", "enable_caching")
+
+
+def _shapes(
+    *,
+    free_params: tuple[str, ...],
+    lookup_params: tuple[str, ...],
+    pool_reads: tuple[str, ...],
+    request_reads: tuple[str, ...],
+) -> tuple[Shape, ...]:
+    pool, utils, manager = f"{BLOCK_POOL}.BlockPool", f"{UTILS}", f"{MANAGER}.KVCacheManager"
+    single, sched, core = f"{SINGLE}.SingleTypeKVCacheManager", f"{SCHEDULER}.Scheduler", CORE
+    return (
+        Shape(f"{pool}.get_new_blocks", ("self", "num_blocks"), _POOL_READS + pool_reads),
+        Shape(f"{pool}._maybe_evict_cached_block", ("self", "block")),
+        Shape(f"{pool}.touch", ("self", "blocks")),
+        Shape(f"{pool}.free_blocks", free_params),
+        Shape(
+            f"{pool}.cache_full_blocks",
+            ("self", "request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size", "kv_cache_group_id"),
+        ),
+        Shape(f"{pool}.reset_prefix_cache", ("self",)),
+        Shape(f"{utils}.KVCacheBlock", (), ("block_id", "ref_cnt", "pool", "block_hash", "is_null", "next_free_block")),
+        Shape(
+            f"{utils}.FreeKVCacheBlockQueue.append_n",
+            ("self", "blocks"),
+            ("num_free_blocks", "fake_free_list_head", "fake_free_list_tail"),
+        ),
+        Shape(f"{manager}.get_computed_blocks", lookup_params, ("block_pool", "coordinator", "use_eagle")),
+        Shape(f"{manager}.prefix_cache_lookup_enabled", ("self", "request")),
+        Shape(f"{manager}.allocate_slots", ("self", "request", "num_new_tokens")),
+        Shape(f"{manager}.cache_blocks", ("self", "request")),
+        Shape(f"{manager}.free", ("self", "request")),
+        Shape(
+            f"{single}.allocate_new_blocks",
+            ("self", "request_id"),
+            ("req_to_blocks", "block_size", "kv_cache_group_id"),
+        ),
+        Shape(f"{single}.add_local_computed_blocks", ("self", "request_id", "new_computed_blocks")),
+        Shape(f"{single}.free", ("self", "request_id")),
+        Shape(f"{single}._remove_blocks_in_range", ("self", "request_id")),
+        Shape(f"{sched}._preempt_request", ("self", "request"), ("kv_cache_manager", "requests", "running", "waiting")),
+        Shape(f"{sched}._free_request", ("self", "request")),
+        Shape(f"{sched}._free_request_blocks", ("self", "request"), ("deferred_frees",)),
+        Shape(f"{sched}._drain_deferred_frees", ("self",), ("processed_step_seq",)),
+        Shape(f"{core}.EngineCoreProc._process_engine_step", ("self",), ("scheduler", "vllm_config", "has_work")),
+        Shape(f"{core}.EngineCoreProc._notify_idle_state_callbacks", ("self",)),
+        Shape(f"{core}.EngineCore.shutdown", ("self",)),
+        Shape("vllm.v1.request.Request", (), _REQUEST_READS + request_reads),
+    )
+
+
+# NOTE: newest first (docs/probe.md's version table: each release, its family, the tests that ran on it)
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "0.34",
+        ("0.34.0",),
+        _shapes(
+            free_params=("self", "ordered_blocks", "evict_first"),
+            lookup_params=("self", "request", "max_cache_hit_length"),
+            pool_reads=("num_hash_lookahead_tokens", "_weak_self"),
+            request_reads=("prefix_cache_hit_limit",),
+        ),
+        targets_034,
+    ),
+    Family(
+        "0.33",
+        ("0.33.0",),
+        _shapes(
+            free_params=("self", "ordered_blocks"),
+            lookup_params=("self", "request", "max_cache_hit_length"),
+            pool_reads=("num_hash_lookahead_tokens",),
+            request_reads=(),
+        ),
+        targets_033,
+    ),
+    Family(
+        "0.30",
+        ("0.30.0", "0.31.0", "0.32.0"),
+        _shapes(
+            free_params=("self", "ordered_blocks"),
+            lookup_params=("self", "request"),
+            pool_reads=(),
+            request_reads=(),
+        ),
+        targets,
+    ),
+)
+ENGINE_NAME = "vLLM"
+PROVIDES = ("blocks", "ownership", "refs", "leak_checks", "requests", "tree")
 
 
 def vllm_version() -> str:
@@ -1140,25 +1313,27 @@ def register() -> None:
     register_never_raising(_register)
 
 
-def _register(version: str | None = None, table: dict[str, Callable[[], list[Target]]] | None = None) -> str:
-    """Patch the targets of this vLLM version; returns one line saying what happened."""
+def _register(version: str | None = None, families: Sequence[Family] | None = None) -> str:
+    """Patch the targets of the family this vLLM's code matches (shapes.py); returns one line saying
+    what happened. An untested release that matches a family says so in one line and patches."""
     settings = settings_from_env()
     if settings is None:
         return "inert: KVSCOPE_CAPTURE is unset"
     if PROBE.state.active:
         return "already patched in this process"
     version = version or vllm_version()
-    table = SUPPORTED if table is None else table
-    PROBE.__init__(settings, version)  # type: ignore[misc]
-    make = table.get(version)
-    if make is None:
-        return _refuse(f"vLLM {version} is not supported (the probe knows {', '.join(sorted(table))}); nothing patched")
-    result = patch_all(make())
+    choice = choose(ENGINE_NAME, version, FAMILIES if families is None else families)
+    PROBE.__init__(settings, version, choice.family.name if choice.family else None)  # type: ignore[misc]
+    if choice.family is None:
+        return _refuse(choice.line)
+    if choice.line:
+        say(choice.line)
+    result = patch_all(choice.family.build())
     if result.missing:
         return _refuse(f"vLLM {version}: {', '.join(result.missing)} not found; nothing patched")
     PROBE.state.active = True
     _add_census_utility()
-    return f"patched {len(result.patched)} methods of vLLM {version}"
+    return f"patched {len(result.patched)} methods of vLLM {version} (family {choice.family.name})"
 
 
 def _add_census_utility() -> None:

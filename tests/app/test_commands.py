@@ -37,6 +37,7 @@ def test_verbs_without_an_engine_never_load_torch(tmp_path: Path) -> None:
         ["diff", missing, missing],
         ["upgrade", missing],
         ["instrument"],
+        ["probe-check", "--python", missing],
         ["plan", "--model", "no-such-model"],
         ["replay", missing],
         ["fleet", missing],

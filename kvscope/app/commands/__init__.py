@@ -12,6 +12,7 @@
     load            load.py        traffic for a server, through the official openai client (app/load.py)
     attach          attach.py      a running server's KV cache into a capture (app/attach.py)
     instrument      instrument.py  a real engine with kvscope's probe inside it (app/instrument.py)
+    probe-check     probe_check.py whether the probe will load on an engine's code (app/probe_check.py)
 
 VERBS is their order in `kvscope --help` (COMMANDS: their Commands). The contract is base.Command.
 """
@@ -42,6 +43,7 @@ VERBS = {
     "load": ("load", "LoadCommand"),
     "attach": ("attach", "AttachCommand"),
     "instrument": ("instrument", "InstrumentCommand"),
+    "probe-check": ("probe_check", "ProbeCheckCommand"),
 }
 
 

@@ -45,9 +45,13 @@ class InstrumentCommand:
         "(vLLM) or every page's place (SGLang) at each busy -> idle edge, while busy (--census-every-steps / "
         "--census-every-s) and at shutdown, stored as leak checks: `kvscope "
         "check CAPTURE` exits 0 (clean), 1 (a leak, with the block and the request that last took it) or 3. "
-        "Supported: vLLM 0.32.0 and SGLang 0.5.23; another version is refused in one line and the engine runs "
-        "unrecorded. VLLM_PLUGINS gets kvscope (appended to a list you set; unset: the engine's own plugins "
-        "and kvscope) so that GET /kvscope/census loads; a SGLANG_PLUGINS list you set gets kvscope appended. "
+        "Before the engine starts it says, for the command's python (CMD itself or a script's #! python), "
+        "whether the probe will load on that engine's code and with which family (kvscope probe-check; "
+        "--no-probe-check skips it): releases are supported by the shapes of their code (docs/probe.md's "
+        "version table), and a release whose code differs is refused in one line naming the target while "
+        "the engine runs unrecorded. VLLM_PLUGINS gets kvscope (appended to a list you set; unset: the "
+        "engine's own plugins and kvscope) so that GET /kvscope/census loads; a SGLANG_PLUGINS list you set "
+        "gets kvscope appended. "
         "KVSCOPE_PYTHON (the python of the probe's recorder) stays as you set it, else is this python; "
         "either needs kvscope's dependencies (SQLAlchemy), which an engine's venv lacks. "
         "Exit 2 on bad input (no command, a bad capture, kvscope not installed beside a vLLM engine, "
@@ -66,6 +70,15 @@ class InstrumentCommand:
                 "summary: census, usage and requests (on SGLang without touching its allocators and trees: "
                 "no per-operation cost; who freed a page or locked a node is then not named); full: and every "
                 "block or page event, each page's releaser and each lock's holder"
+            ),
+        )
+        parser.add_argument(
+            "--no-probe-check",
+            action="store_true",
+            help=(
+                "start the engine without first checking, in the command's python, whether the probe will "
+                "load on its code (kvscope probe-check's first line; the check imports the engine's modules, "
+                "seconds)"
             ),
         )
         for option, env, kind, text in CENSUS_OPTIONS:
