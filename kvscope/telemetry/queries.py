@@ -47,6 +47,9 @@ class Capture:
     def __init__(self, target: str | Path) -> None:
         self.target = str(target)
         self.name = display_name(target)  # NOTE: what messages print: a URL without its password
+        path = store.file_of(target)
+        # NOTE: a writer's log beside the file when it was opened (close_and_settle folds only those)
+        self._writer_log = path is not None and any(Path(f"{path}{end}").exists() for end in ("-wal", "-shm"))
         self.engine: Engine = open_reader(target)
         self.packed = PackedEvents(self.engine, self.target)
         try:
@@ -63,15 +66,18 @@ class Capture:
     def close_and_settle(self) -> bool:
         """Close, and fold a closed capture file's log back into it (store.settle_file): a reader that
         outlives its writer (a dashboard left open) is then the last to close the file, and only the
-        last may turn it back into one file. Nothing is done while a run still records, or for a
-        database. True when the file was settled."""
+        last may turn it back into one file. Nothing is done while a run still records, for a file
+        that had no log beside it when it was opened (its writer had closed it), or for a database.
+        True when the file was settled."""
         path = store.file_of(self.target)
         try:
             recording = path is not None and (self.runs()["display_status"] == "running").any()
         except Exception:  # NOTE: at exit, on a file that went away or broke: leave it as it is
             recording = True
         self.engine.dispose()
-        return path is not None and not recording and store.settle_file(path)
+        if path is None or recording or not self._writer_log:
+            return False  # NOTE: a file its writer had closed before: left byte for byte as it is
+        return store.settle_file(path)
 
     @property
     def schema_version(self) -> int:

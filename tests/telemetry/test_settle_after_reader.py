@@ -39,3 +39,22 @@ def test_the_last_reader_to_close_a_closed_capture_leaves_one_file(tmp_path: Pat
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT status FROM runs").fetchone()[0] == "finished"
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+
+
+def test_a_capture_its_writer_had_closed_is_not_converted(tmp_path: Path) -> None:
+    """A WAL-mode capture with no log beside it when it was opened (a copy of a closed file, a test's
+    data file) is not the dashboard's to convert: its header stays WAL."""
+    path = tmp_path / "c.db"
+    with SQLRecorder(path, level="full", label="closed") as recorder:
+        recorder.step = 1
+        recorder.usage(usage(1))
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA journal_mode = WAL")
+    with sqlite3.connect(path) as conn:  # NOTE: the last close folds the log away; the header stays WAL
+        conn.execute("SELECT 1")
+    before = path.read_bytes()
+    assert sidecars(path) == [] and before[18:20] == b"\x02\x02"
+    reader = Capture(path)
+    assert len(reader.runs()) == 1
+    assert reader.close_and_settle() is False
+    assert path.read_bytes()[18:20] == b"\x02\x02"
