@@ -235,7 +235,7 @@ def instrument_verb(args: argparse.Namespace) -> int:
     plugins = with_plugins(env.get("VLLM_PLUGINS"), known)
     # NOTE: a bad capture fails here, in one line, not in the engine
     shown = check_capture(env["KVSCOPE_CAPTURE"], env["KVSCOPE_PYTHON"], env)
-    if python is not None and not args.no_probe_check:
+    if python is not None and args.probe_check:
         say_probe_check(python, env)
     if plugins is None:
         route = "VLLM_PLUGINS unset: GET /kvscope/census is off (set VLLM_PLUGINS to your plugins and kvscope)"

@@ -70,7 +70,7 @@ def drive(
 ) -> dict[str, Any]:
     """The driver under `kvscope instrument`; its JSON line (and stderr, for the probe's lines). `checked`:
     instrument first checks the probe's shapes in the driver's python (seconds: off unless asked)."""
-    skip = () if checked else ("--no-probe-check",)
+    skip = ("--probe-check",) if checked else ()
     command = (
         "instrument",
         "--capture",

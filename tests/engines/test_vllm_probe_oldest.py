@@ -32,7 +32,7 @@ def test_the_oldest_release_serves_under_the_probe_and_checks_clean(tmp_path: Pa
     if source is None or not Path(source, "vllm").is_dir():
         pytest.skip(f"no vLLM {OLDEST} source at {source}: `make vllm-src` unpacks it")
     capture = tmp_path / "oldest.db"
-    wrap = [sys.executable, "-m", "kvscope", "instrument", "--capture", str(capture), "--no-probe-check", "--"]
+    wrap = [sys.executable, "-m", "kvscope", "instrument", "--capture", str(capture), "--"]
     env = {"PYTHONPATH": f"{source}:{ROOT}"}
     # NOTE: as the shared server: vLLM's default --shutdown-timeout 0 kills the EngineCore before the probe's close
     with vllm_server(wrap=wrap, env=env, kv_events=False, args=("--shutdown-timeout", "10")) as server:

@@ -45,11 +45,11 @@ class InstrumentCommand:
         "(vLLM) or every page's place (SGLang) at each busy -> idle edge, while busy (--census-every-steps / "
         "--census-every-s) and at shutdown, stored as leak checks: `kvscope "
         "check CAPTURE` exits 0 (clean), 1 (a leak, with the block and the request that last took it) or 3. "
-        "Before the engine starts it says, for the command's python (CMD itself or a script's #! python), "
-        "whether the probe will load on that engine's code and with which family (kvscope probe-check; "
-        "--no-probe-check skips it): releases are supported by the shapes of their code (docs/probe.md's "
-        "version table), and a release whose code differs is refused in one line naming the target while "
-        "the engine runs unrecorded. VLLM_PLUGINS gets kvscope (appended to a list you set; unset: the "
+        "Releases are supported by the shapes of their code (docs/probe.md's version table); a release "
+        "whose code differs is refused in one line naming the target while the engine runs unrecorded. "
+        "The probe says which as it loads; --probe-check (or kvscope probe-check beforehand) says it "
+        "before the engine starts, at the cost of importing the engine's modules once more. "
+        "VLLM_PLUGINS gets kvscope (appended to a list you set; unset: the "
         "engine's own plugins and kvscope) so that GET /kvscope/census loads; a SGLANG_PLUGINS list you set "
         "gets kvscope appended. "
         "KVSCOPE_PYTHON (the python of the probe's recorder) stays as you set it, else is this python; "
@@ -73,12 +73,12 @@ class InstrumentCommand:
             ),
         )
         parser.add_argument(
-            "--no-probe-check",
+            "--probe-check",
             action="store_true",
             help=(
-                "start the engine without first checking, in the command's python, whether the probe will "
-                "load on its code (kvscope probe-check's first line; the check imports the engine's modules, "
-                "seconds)"
+                "before the engine starts, check in the command's python whether the probe will load on its "
+                "code (kvscope probe-check's first line). Off by default: the check imports the engine's "
+                "modules, seconds before the engine starts, and the probe says the same as it loads"
             ),
         )
         for option, env, kind, text in CENSUS_OPTIONS:
