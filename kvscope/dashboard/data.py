@@ -244,15 +244,16 @@ def leak_report(path: str, run_id: int, stamp: float) -> LeakReport:
 @st.cache_resource(ttl=CACHE_TTL_S, max_entries=16, show_spinner=False)
 def verdict_report(path: str, run_id: int, stamp: float) -> LeakReport:
     """The report the Overview's verdict is read from (kvscope.debug.verdict, as `kvscope check`):
-    the one stored with the run when it still describes it; a finished run's whole report
-    (leak_report: only the ledger can say clean); else, for a run that has not finished, its
-    leak checks alone (never a replay: the Overview must stay cheap on a live run)."""
+    the one stored with the run when it still describes it; a closed run's whole report (leak_report:
+    only the ledger can say clean, and a leak found before an interrupted or crashed run stopped is a
+    leak, as check says); else, for a run still running, its leak checks alone (never a replay: the
+    Overview must stay cheap on a live run)."""
     stored = stored_report(open_capture(path), run_id)
     if stored is not None:
         return stored
     known = runs(path)
     run = known[known.id == run_id]
-    if not run.empty and str(run.iloc[0].display_status) == "finished" and str(run.iloc[0].level) == "full":
+    if not run.empty and str(run.iloc[0].display_status) != "running" and str(run.iloc[0].level) == "full":
         return leak_report(path, run_id, stamp)
     return checks_report(path, run_id)
 
