@@ -129,6 +129,14 @@ def front() -> Iterator[Front]:
         made.context.term()
 
 
+def test_parse_accepts_what_vllm_accepts_and_cuts_max_tokens_to_the_context(front: Front) -> None:
+    """An unknown field and a no-op one are taken (their names kept for the log), and max_tokens past the
+    context is cut to what the prompt leaves (vLLM 0.32's answer: 200, finish 'length')."""
+    body = {"prompt": "x" * 120, "max_tokens": 9, "no_such_option": 1, "priority": 3}
+    parsed = front.parse(body, False, "Bearer k1", 0.0)
+    assert parsed.max_tokens == [8] and parsed.params.ignored == ("no_such_option", "priority")
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
@@ -138,13 +146,12 @@ def front() -> Iterator[Front]:
         ({"prompt": "", "auth": True}, 400, "prompt"),
         ({"prompt": [[1], []], "auth": True}, 400, "prompt"),
         ({"prompt": [True], "auth": True}, 400, "prompt"),
-        ({"prompt": "x" * 120, "max_tokens": 9, "auth": True}, 400, "max_tokens"),
+        ({"prompt": "x" * 128, "max_tokens": 9, "auth": True}, 400, "prompt"),  # NOTE: leaves no room
         ({"prompt": "hi", "max_tokens": True, "auth": True}, 400, "max_tokens"),
         ({"prompt": "hi", "max_tokens": -1, "auth": True}, 400, "max_tokens"),
         ({"prompt": "hi", "n": 0, "auth": True}, 400, "n"),
         ({"prompt": "hi", "temperature": -0.5, "auth": True}, 400, "temperature"),
-        ({"prompt": "hi", "tools": [{"type": "function"}], "auth": True}, 400, "tools"),
-        ({"prompt": "hi", "no_such_option": 1, "auth": True}, 400, "no_such_option"),
+        ({"prompt": "hi", "tools": [{"type": "function"}], "tool_choice": "auto", "auth": True}, 400, "tool_choice"),
         ({"prompt": "hi", "stream_options": 1, "auth": True}, 400, "stream_options"),
     ],
 )

@@ -189,11 +189,11 @@ def numbers() -> Iterator[Case]:
             dumps(put(base(CHAT), "temperature", 7)).replace(b": 7", b": " + constant),
             param="temperature",
         )
-    yield Case(
-        "4300 digits is an integer, out of range",
+    yield Case(  # NOTE: a whole number, so (as vLLM 0.32) cut to what the context leaves: answered
+        "4300 digits is an integer, cut to the context",
         COMPLETIONS,
         dumps(put(base(COMPLETIONS), "max_tokens", 7)).replace(b": 7", b": " + b"9" * 4300),
-        param="max_tokens",
+        bad=False,
     )
 
 
