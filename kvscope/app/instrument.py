@@ -190,20 +190,22 @@ def check_capture(capture: str, python: str, environ: dict[str, str]) -> str:
         if not os.access(path.parent, os.W_OK | os.X_OK):
             raise ValueError(f"{capture}: its directory is not writable")
         return capture
+    return answer_of(python, ["-c", CHECK_CAPTURE, capture], environ, CHECK_TIMEOUT_S)
+
+
+def answer_of(python: str, argv: list[str], environ: dict[str, str], timeout_s: float) -> str:
+    """Runs `python argv...` with this kvscope first on its path and returns the last line it printed;
+    a python that cannot run, fails or prints nothing is a ValueError in one line (its own last line)."""
     try:
         out = subprocess.run(
-            [python, "-c", CHECK_CAPTURE, capture],
-            capture_output=True,
-            text=True,
-            env=package_env(environ),
-            timeout=CHECK_TIMEOUT_S,
+            [python, *argv], capture_output=True, text=True, env=package_env(environ), timeout=timeout_s
         )
     except (OSError, subprocess.TimeoutExpired) as err:
-        raise ValueError(f"cannot check the capture with {python}: {err}") from err
+        raise ValueError(f"{python}: cannot run it ({err})") from err
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
-        last = lines[-1] if lines else (out.stderr.strip().splitlines() or ["no answer"])[-1]
-        raise ValueError(last)
+        said = lines[-1] if lines else (out.stderr.strip().splitlines() or ["no answer"])[-1]
+        raise ValueError(said if out.returncode == 0 or lines else f"{python} exited {out.returncode}: {said}")
     return lines[-1]
 
 

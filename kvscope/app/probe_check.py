@@ -13,11 +13,10 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 from typing import Any
 
-from kvscope.app.instrument import package_env
+from kvscope.app.instrument import answer_of
 
 CHECK_TIMEOUT_S = 300.0  # NOTE: importing an engine's modules takes seconds to tens of seconds on a busy machine
 LEVELS = {
@@ -31,23 +30,11 @@ def ask(python: str, environ: dict[str, str]) -> list[dict[str, Any]]:
     if shutil.which(python) is None:
         raise ValueError(f"{python}: no such python")
     try:
-        out = subprocess.run(
-            [python, "-m", "kvscope.probe.check"],
-            capture_output=True,
-            text=True,
-            env=package_env(environ),
-            timeout=CHECK_TIMEOUT_S,
-        )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise ValueError(f"{python}: cannot run the probe check ({err})") from err
-    lines = out.stdout.strip().splitlines()
-    try:
-        found = json.loads(lines[-1]) if out.returncode == 0 and lines else None
-    except ValueError:
-        found = None
+        found = json.loads(answer_of(python, ["-m", "kvscope.probe.check"], environ, CHECK_TIMEOUT_S))
+    except ValueError as err:
+        raise ValueError(f"the probe check failed: {err}") from err
     if not isinstance(found, list):
-        said = (out.stderr.strip().splitlines() or ["no answer"])[-1]
-        raise ValueError(f"{python}: the probe check failed (exit {out.returncode}): {said}")
+        raise ValueError(f"{python}: the probe check failed: its answer is not a list of engines")
     return found
 
 

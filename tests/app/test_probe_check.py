@@ -56,4 +56,4 @@ def test_a_python_that_cannot_run_the_check_is_one_line_and_exit_2(tmp_path: Pat
     broken.chmod(0o755)
     out = kvscope("--python", str(broken))
     assert (out.returncode, out.stdout) == (2, "")
-    assert out.stderr == f"kvscope probe-check: error: {broken}: the probe check failed (exit 3): no python here\n"
+    assert out.stderr == f"kvscope probe-check: error: the probe check failed: {broken} exited 3: no python here\n"
