@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/bench_alloc.py [--quick] [--device auto|cpu|cuda] [--no-write]
 
-Prints a Markdown table; with --write (the default) also replaces the `## bench_alloc`
-section of benchmarks/RESULTS.md.
+Prints a Markdown table; with --write (the default) also sets its rows in the
+`## bench_alloc` table of benchmarks/RESULTS.md.
 
 NOTE: what one timed step is
     decode:  one allocation for the whole batch (alloc(256) at page size 1, alloc_decode
@@ -422,7 +422,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--write",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="replace the bench_alloc section of benchmarks/RESULTS.md",
+        help="set its rows in the bench_alloc table of benchmarks/RESULTS.md",
     )
     parser.add_argument(
         "--threads",

@@ -13,8 +13,8 @@ The jobs run in turn, repeat after repeat. The target: the one-pass curve in at 
 time of one replay at one capacity. Then it
 checks the curve on --grid log-spaced capacities: page-granular tree-convention replays must
 equal it request by request; slot-convention replays must lie between the curve at C - L and
-at C; whole-leaf replays give the gap. With --write (the default) it replaces the
-`## bench_curve` section of benchmarks/RESULTS.md.
+at C; whole-leaf replays give the gap. With --write (the default) it sets its rows in the
+`## bench_curve` table of benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def parse_args() -> argparse.Namespace:
         "--write",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="write the bench_curve section of benchmarks/RESULTS.md",
+        help="set its rows in the bench_curve table of benchmarks/RESULTS.md",
     )
     return parser.parse_args()
 

@@ -21,8 +21,8 @@ Two captures (the target is every page <= 2 s on 10,000,000 events):
 With --keep DIR the captures are built there (as NAME.part, renamed once complete) and reused.
 Then times each page of the real app (AppTest, the capture picked by KVSCOPE_DB): cold =
 st.cache_data and st.cache_resource cleared first (opening the store, the page's reads, chart
-building and Streamlit's own work), warm = the same page again (cached). Writes the
-`## bench_dashboard` section of benchmarks/RESULTS.md.
+building and Streamlit's own work), warm = the same page again (cached). Sets its rows in the
+`## bench_dashboard` table of benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

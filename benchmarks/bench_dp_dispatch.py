@@ -4,8 +4,8 @@ method: requests answered, each rank's requests and hit rate, and the routing lo
     .venv/bin/python benchmarks/bench_dp_dispatch.py [--num-requests N] [--concurrency C]
                                                      [--methods M ...] [--write | --no-write]
 
-Prints a Markdown table; with --write (the default) also replaces the `## bench_dp_dispatch`
-section of benchmarks/RESULTS.md.
+Prints a Markdown table; with --write (the default) also sets its rows in the
+`## bench_dp_dispatch` table of benchmarks/RESULTS.md.
 
 NOTE: what runs, per method: `python -m kvscope serve --port 0 --device cpu --dp-size 2
 --load-balance-method M --level summary --capture TMP/M.db` (the tiny model, serve's default

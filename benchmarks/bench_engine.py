@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/bench_engine.py [--quick] [--device auto|cpu|cuda|both] [--repeats N]
                                                  [--no-keep-freed-memory] [--no-write]
 
-Prints Markdown tables; with --write (the default) also replaces the `## bench_engine` section
-of benchmarks/RESULTS.md. `--device auto` is `both` (CPU, then CUDA) where a GPU is present,
+Prints Markdown tables; with --write (the default) also sets its rows in the `## bench_engine`
+table of benchmarks/RESULTS.md. `--device auto` is `both` (CPU, then CUDA) where a GPU is present,
 else `cpu`. One torch intra-op thread throughout (`torch.set_num_threads(1)`).
 
 NOTE: cases; all requests arrive at once, the model is MODEL_PRESETS["tiny"] (float32)
@@ -720,7 +720,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--write",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="replace the bench_engine section of benchmarks/RESULTS.md",
+        help="set its rows in the bench_engine table of benchmarks/RESULTS.md",
     )
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)

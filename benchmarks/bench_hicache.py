@@ -5,8 +5,8 @@ bandwidth on this machine.
     .venv/bin/python benchmarks/bench_hicache.py [--quick] [--num-requests 400] [--kv-tokens TOKENS]
         [--open-conversations 16] [--repeats 3] [--no-write]
 
-Prints Markdown tables; with --write (the default) also replaces the `## bench_hicache` section
-of benchmarks/RESULTS.md. One torch intra-op thread throughout (`torch.set_num_threads(1)`),
+Prints Markdown tables; with --write (the default) also sets its rows in the `## bench_hicache`
+table of benchmarks/RESULTS.md. One torch intra-op thread throughout (`torch.set_num_threads(1)`),
 device cpu, recording off, model MODEL_PRESETS["tiny"] (float32).
 
 NOTE: engine runs. The trace is `generate("multi-turn", num_requests=N, seed=0,
@@ -351,7 +351,7 @@ def parse_args() -> argparse.Namespace:
         "--write",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="replace the bench_hicache section of RESULTS.md (default: on)",
+        help="set its rows in the bench_hicache table of benchmarks/RESULTS.md (default: on)",
     )
     return parser.parse_args()
 

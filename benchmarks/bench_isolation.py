@@ -10,7 +10,7 @@ clock the trace's arrival time, at one capacity (tree convention: the tree holds
 between requests; page-granular LRU eviction, where the one-pass curves are exact). Policies:
 global sharing (radix), k = inf (dedup off and on), k = inf + the tenants' system prompts pinned, and
 k in {2, 3, 5} x epoch in {10, 60, 600 s}, each with dedup off and on. With --write (the
-default) it replaces the `## bench_isolation` section of benchmarks/RESULTS.md.
+default) it sets its rows in the `## bench_isolation` table of benchmarks/RESULTS.md.
 
 NOTE: the loss H_global - H_policy, in prompt tokens (shown as percentage points of all prompt
 tokens), per request i: B_i = hits under global sharing, X_i = those of them in nodes another
@@ -258,7 +258,7 @@ def parse_args() -> argparse.Namespace:
         "--write",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="write the bench_isolation section of benchmarks/RESULTS.md",
+        help="set its rows in the bench_isolation table of benchmarks/RESULTS.md",
     )
     return parser.parse_args()
 

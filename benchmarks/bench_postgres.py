@@ -21,7 +21,7 @@ NOTE: what it does
                by KVSCOPE_DB = the URL, the newest run shown; the writers' runs are one fleet's ranks, with routed
                requests and a tree snapshot of shared and own page hashes every SNAPSHOT_EVERY_STEPS steps), cold
                (Streamlit's caches cleared) and warm, medians of --rounds; target ≤ 2 s each
-Writes the `## bench_postgres` section of benchmarks/RESULTS.md unless --no-write.
+Sets its rows in the `## bench_postgres` table of benchmarks/RESULTS.md unless --no-write.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@ patched at level summary and full, recording into a real capture.
 
     KVSCOPE_PYTHON=.venv/bin/python PYTHONPATH=. ~/.cache/kvscope/vllm-venv/bin/python benchmarks/bench_probe.py
         [--against REV]     also time kvscope/probe/vllm.py as of git REV (before/after in one run)
-        [--repeats N] [--rounds N]
+        [--repeats N] [--rounds N] [--no-write]
+
+Sets its rows (this checkout's levels) in the `## bench_probe` table of benchmarks/RESULTS.md.
 
 NOTE: one round = get_new_blocks(4), touch(2 of them), free_blocks(2), free_blocks(reversed(4)) on a
 1024-block pool with caching on: 4 block-pool calls, 12 blocks (the research's micro round), inside

@@ -2,7 +2,9 @@
 plain vs hooked at level summary and full, recording into a real capture.
 
     KVSCOPE_PYTHON=.venv/bin/python PYTHONPATH=. ~/.cache/kvscope/sglang-venv/bin/python -W ignore \\
-        benchmarks/bench_probe_sglang.py
+        benchmarks/bench_probe_sglang.py [--no-write]
+
+Sets its rows in the `## bench_probe_sglang` table of benchmarks/RESULTS.md.
 
 NOTE: the first table, two rounds on SGLang's real calls, timed apart.
     allocator  PagedTokenToKVPoolAllocator (page size 4, 4096 pages): alloc(16 tokens) then free of

@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/bench_radix.py benchmarks/traces/shared_prefix.jsonl \\
         benchmarks/traces/multi_turn.jsonl [--page-size 1 16] [--capacity 200000] [--policy lru] [--no-write]
 
-Prints Markdown tables; with --write (the default) also replaces the `## bench_radix`
-section of benchmarks/RESULTS.md.
+Prints Markdown tables; with --write (the default) also sets its rows in the
+`## bench_radix` table of benchmarks/RESULTS.md.
 
 NOTE: one request of the replay (prompt P, output O, all_ids = P + O, seq_len = |all_ids|)
     match   m = match_prefix(P, user)                      timed
@@ -580,7 +580,7 @@ def parse_args() -> argparse.Namespace:
         "--write",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="write the bench_radix section of benchmarks/RESULTS.md",
+        help="set its rows in the bench_radix table of benchmarks/RESULTS.md",
     )
     parser.add_argument("--no-sglang", action="store_true", help="skip the SGLang side even if present")
     return parser.parse_args()

@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/bench_recorder.py [--events N] [--rounds R] [--quick] [--profile] [--no-write]
 
-Prints Markdown tables; with --write (the default) also replaces the `## bench_recorder`
-section of benchmarks/RESULTS.md. `--profile` then profiles the writer's packing of one
+Prints Markdown tables; with --write (the default) also sets its rows in the
+`## bench_recorder` table of benchmarks/RESULTS.md. `--profile` then profiles the writer's packing of one
 buffer (at most PROFILE_NUM_EVENTS) in this process with cProfile and prints its top
 functions to stderr.
 
@@ -623,7 +623,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--write",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="replace the bench_recorder section of benchmarks/RESULTS.md",
+        help="set its rows in the bench_recorder table of benchmarks/RESULTS.md",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -4,8 +4,8 @@ against the same workload through the engine directly (what `kvscope run` does) 
     .venv/bin/python benchmarks/bench_serve.py [--num-requests N] [--rounds R] [--device cpu|cuda]
                                                [--workload NAME] [--quick] [--write | --no-write]
 
-Prints Markdown tables; with --write (the default) also replaces the `## bench_serve` section of
-benchmarks/RESULTS.md.
+Prints Markdown tables; with --write (the default) also sets its rows in the `## bench_serve` table
+of benchmarks/RESULTS.md.
 
 NOTE: what runs
     server    `python -m kvscope serve --port 0 --level off --max-running-requests 64 --torch-threads 1`
@@ -239,7 +239,7 @@ def main() -> None:
         "--write",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="write the section of benchmarks/RESULTS.md",
+        help="set its rows in the bench_serve table of benchmarks/RESULTS.md",
     )
     args = parser.parse_args()
     if args.quick:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -114,3 +115,12 @@ def test_the_command_line_adds_reported_rows(tmp_path: Path, capsys: pytest.Capt
     with pytest.raises(SystemExit):
         results.main(["bench_probe", *common, "--row", "a", "1", "≤ 2", "no target"])
     assert "a target needs a verdict" in capsys.readouterr().err
+
+
+def test_links_to_results_md_sections_name_a_section() -> None:
+    root = BENCH_DIR.parent
+    sections = set(headings((BENCH_DIR / "RESULTS.md").read_text()))
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    links = [(page.name, anchor) for page in pages for anchor in re.findall(r"RESULTS\.md#([\w-]+)", page.read_text())]
+    assert links, "README.md's benchmark table links no RESULTS.md section"
+    assert [link for link in links if link[1] not in sections] == []
