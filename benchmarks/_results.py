@@ -152,7 +152,8 @@ def read_section(text: str, name: str) -> Section | None:
         return None
     lines = body.strip().splitlines()
     table = [line for line in lines if line.startswith("|")]
-    runs = dict(m.groups() for m in (re.match(r"(\d+)\. (.+)$", line) for line in lines) if m)
+    matches = (re.match(r"(\d+)\. (.+)$", line) for line in lines)
+    runs: dict[str, str] = {m.group(1): m.group(2) for m in matches if m}
     about = " ".join(line for line in lines[: lines.index(table[0])] if line.strip()) if table else ""
     if not about or len(table) < 3 or _cells(table[0]) != list(COLUMNS) or "Runs:" not in lines:
         raise ValueError(f"section {name!r}: not a sentence, a table ({' | '.join(COLUMNS)}) and its runs")
