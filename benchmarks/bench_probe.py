@@ -188,9 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             f"| {hand_off:.2f} | **{added + hand_off:.2f}** |"
         )
     if not args.no_write:
-        write_figures(
-            "bench_probe", ABOUT, figures(modes), this_run("cpu", f"load average {load:.2f} (1 min) at the start")
-        )
+        run = this_run("cpu", f"load average {load:.2f} (1 min) at the start")
+        write_figures("bench_probe", ABOUT, figures(modes), run)
     return 0
 
 

@@ -124,3 +124,9 @@ def test_links_to_results_md_sections_name_a_section() -> None:
     links = [(page.name, anchor) for page in pages for anchor in re.findall(r"RESULTS\.md#([\w-]+)", page.read_text())]
     assert links, "README.md's benchmark table links no RESULTS.md section"
     assert [link for link in links if link[1] not in sections] == []
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_script_writes_its_own_section(script: str) -> None:
+    source = (BENCH_DIR / f"{script}.py").read_text()
+    assert f'write_figures("{script}"' in source, f"{script}.py does not write its rows to ## {script}"
