@@ -227,8 +227,11 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+ENGINES = (("vllm", "vLLM"), ("sglang", "SGLang"))  # NOTE: named in the machine line when imported
+
+
 def machine(device_type: str = "cpu", load: str = "", extra: str = "") -> str:
-    """One line: CPU, cores, Python (and torch where it is imported), device, `extra`, and the load.
+    """One line: CPU, cores, Python (torch, vLLM, SGLang where imported), device, `extra`, the load.
 
     `load` says what the script measured of the machine's load; by default the 1-minute load
     average as the figures are written.
@@ -244,8 +247,9 @@ def machine(device_type: str = "cpu", load: str = "", extra: str = "") -> str:
         parts.append(f"device {device_type} ({torch.cuda.get_device_name()}, CUDA {torch.version.cuda})")
     else:
         parts.append(f"device {device_type}")
-    if extra:
-        parts.append(extra)
+    loaded = [(name, sys.modules[module]) for module, name in ENGINES if module in sys.modules]
+    engines = [f"{name} {getattr(engine, '__version__', '?')}" for name, engine in loaded]
+    parts += [*engines, *([extra] if extra else [])]
     parts.append(load or f"load average {os.getloadavg()[0]:.2f} (1 min) as written")
     return "; ".join(parts)
 
