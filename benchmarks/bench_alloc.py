@@ -391,8 +391,8 @@ def section_body(
 
 
 ABOUT = (
-    "Steps per second of kvscope's token allocators on a decode-like and a prefill-like step pattern "
-    "(script docstring), and what strict mode costs; CPU only until a GPU run adds its rows."
+    "Steps per second of kvscope's token allocators on decode-like and prefill-like steps, and what "
+    "strict mode costs; CPU only until a GPU run adds its rows."
 )
 
 
