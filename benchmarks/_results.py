@@ -254,9 +254,9 @@ def machine(device_type: str = "cpu", load: str = "", extra: str = "") -> str:
     return "; ".join(parts)
 
 
-def this_run(device_type: str = "cpu", load: str = "", command: str = "") -> Run:
-    """The Run of this process: now, its command line (or `command`), this machine."""
-    return Run(now(), command or command_line(), machine(device_type, load))
+def this_run(device_type: str = "cpu", load: str = "", extra: str = "") -> Run:
+    """The Run of this process: now, its command line, this machine (see `machine`)."""
+    return Run(now(), command_line(), machine(device_type, load, extra))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -675,7 +675,8 @@ def main(argv: list[str] | None = None) -> None:
     body = section_body(callers, [sustained, writer], raw, time.perf_counter() - start_s, args.rounds)
     print(body)
     if args.write:
-        write_figures("bench_recorder", ABOUT, figures(callers, sustained, writer, raw), this_run("cpu"))
+        versions = f"SQLite {sqlite3.sqlite_version}, SQLAlchemy {sqlalchemy.__version__}"
+        write_figures("bench_recorder", ABOUT, figures(callers, sustained, writer, raw), this_run(extra=versions))
     if args.profile:
         num_profile_steps = min(num_steps, PROFILE_NUM_EVENTS // EVENTS_PER_STEP)
         profile_writer(steps, num_profile_steps)
