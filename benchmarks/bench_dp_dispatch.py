@@ -4,8 +4,8 @@ method: requests answered, each rank's requests and hit rate, and the routing lo
     .venv/bin/python benchmarks/bench_dp_dispatch.py [--num-requests N] [--concurrency C]
                                                      [--methods M ...] [--write | --no-write]
 
-Prints a Markdown table; with --write (the default) also replaces the `## bench_dp_dispatch`
-section of benchmarks/RESULTS.md.
+Prints a Markdown table; with --write (the default) also sets its rows in the
+`## bench_dp_dispatch` table of benchmarks/RESULTS.md.
 
 NOTE: what runs, per method: `python -m kvscope serve --port 0 --device cpu --dp-size 2
 --load-balance-method M --level summary --capture TMP/M.db` (the tiny model, serve's default
@@ -27,12 +27,11 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-from _results import command_line, machine_lines, write_section
+from _results import Figure, this_run, write_figures
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # NOTE: tests.server.serving starts the server as the server tests do
@@ -141,6 +140,41 @@ def table(outcomes: list[Outcome], num_requests: int) -> str:
     return "\n".join(rows)
 
 
+ABOUT = (
+    "`kvscope serve --dp-size 2` under a multi-tenant load, per dispatch method: requests answered, "
+    "hit rate per rank and the routing loss (cached tokens another rank held)."
+)
+
+
+def figures(outcomes: list[Outcome], num_requests: int) -> list[Figure]:
+    return [
+        Figure(
+            f"dispatch {o.method}",
+            f"routing loss {o.routing_loss:.1%}; hit rate per rank "
+            f"{' / '.join(f'{rate:.1%}' for rate in o.rank_hit_rates)}; requests per rank "
+            f"{' / '.join(str(n) for n in o.rank_requests)}; {o.completed}/{num_requests} answered, {o.failed} failed; "
+            f"{o.requests_per_s:.2f} requests/s",
+        )
+        for o in outcomes
+    ]
+
+
+def notes(num_requests: int, concurrency: int) -> list[str]:
+    """How the table was measured: the commands, the figures' definitions."""
+    serve = ["-m kvscope serve --port 0 --device cpu --capture TMP/METHOD.db", *SERVE_OPTIONS]
+    example = " ".join([*serve, "--load-balance-method METHOD"])
+    loads = " ".join(load_args("URL", num_requests, concurrency)[1:])
+    return [
+        "",
+        f"- server: `python {example}`; load: `python {loads}`",
+        "- routing loss: Σ max(0, elsewhere − routed cached tokens) / Σ prompt tokens of the routed "
+        "requests, from the capture's requests rows; hit rate per rank: Σ cached / Σ prompt tokens",
+        "- one run per method, the two ranks and the load client sharing the machine's cores: "
+        "requests/s is noisy; the routing loss and hit rates depend on the workload, not the timing, "
+        "except through which requests overlap",
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=96)
@@ -150,29 +184,10 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvscope-bench-dp-") as tmp:
         outcomes = [run_method(m, args.num_requests, args.concurrency, Path(tmp)) for m in args.methods]
-    body = table(outcomes, args.num_requests)
-    print(body)
+    print(table(outcomes, args.num_requests))
+    print("\n".join(notes(args.num_requests, args.concurrency)))
     if args.write:
-        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        example = " ".join(
-            [
-                "-m kvscope serve --port 0 --device cpu --capture TMP/METHOD.db",
-                *SERVE_OPTIONS,
-                "--load-balance-method METHOD",
-            ]
-        )
-        loads = " ".join(load_args("URL", args.num_requests, args.concurrency)[1:])
-        notes = [
-            "",
-            f"- server: `python {example}`; load: `python {loads}`",
-            "- routing loss: Σ max(0, elsewhere − routed cached tokens) / Σ prompt tokens of the routed "
-            "requests, from the capture's requests rows; hit rate per rank: Σ cached / Σ prompt tokens",
-            "- one run per method, the two ranks and the load client sharing the machine's cores: "
-            "requests/s is noisy; the routing loss and hit rates depend on the workload, not the timing, "
-            "except through which requests overlap",
-        ]
-        header = [f"Run {stamp}: `{command_line()}`", "", *machine_lines("cpu"), *notes, ""]
-        write_section("bench_dp_dispatch", "\n".join(header) + "\n" + body)
+        write_figures("bench_dp_dispatch", ABOUT, figures(outcomes, args.num_requests), this_run("cpu"))
     return 0
 
 

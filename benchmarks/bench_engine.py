@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/bench_engine.py [--quick] [--device auto|cpu|cuda|both] [--repeats N]
                                                  [--no-keep-freed-memory] [--no-write]
 
-Prints Markdown tables; with --write (the default) also replaces the `## bench_engine` section
-of benchmarks/RESULTS.md. `--device auto` is `both` (CPU, then CUDA) where a GPU is present,
+Prints Markdown tables; with --write (the default) also sets its rows in the `## bench_engine`
+table of benchmarks/RESULTS.md. `--device auto` is `both` (CPU, then CUDA) where a GPU is present,
 else `cpu`. One torch intra-op thread throughout (`torch.set_num_threads(1)`).
 
 NOTE: cases; all requests arrive at once, the model is MODEL_PRESETS["tiny"] (float32)
@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from _results import command_line, machine_lines, write_section
+from _results import Figure, command_line, machine, this_run, write_figures
 
 from kvscope.app import to_engine_requests
 from kvscope.engine.config import EngineConfig, PoolConfig, SchedulerConfig
@@ -546,6 +546,38 @@ def verdict_lines(results: list[CaseResult]) -> list[str]:
     return lines
 
 
+ABOUT = (
+    "The engine (tiny model) on three workloads: requests/s and tokens/s at recording off, and what "
+    "recording at level full costs in wall and CPU time; CPU only until a GPU run adds its rows."
+)
+
+
+def figures(results: list[CaseResult]) -> list[Figure]:
+    """RESULTS.md rows: per device and case, the throughput at off and the cost of recording."""
+    rows = []
+    for r in results:
+        s, run_s = r.outcome.stats, r.median("off", "run_s")
+        rows.append(
+            Figure(
+                f"{r.device_type} {r.case.name}: throughput at level off",
+                f"{fmt_rate(s.num_finished / run_s)} requests/s, {fmt_rate(s.generated_tokens / run_s)} "
+                f"generated tokens/s",
+            )
+        )
+    for r in results:
+        wall, cpu = r.overhead("full"), r.overhead("full", "cpu_s")
+        rows.append(
+            Figure(
+                f"{r.device_type} {r.case.name}: recording full vs off, with close",
+                f"{pct(wall)} wall, {pct(cpu)} CPU time; "
+                f"{pct(same_run_overhead(r.splits[1]))} estimated within one run",
+                f"≤ {TARGET_OVERHEAD:.0%} (wall and CPU)",
+                target_verdict(wall, cpu).split(" (")[0],
+            )
+        )
+    return rows
+
+
 def context_lines(
     results: list[CaseResult],
     device_types: list[str],
@@ -554,14 +586,11 @@ def context_lines(
     total_s: float,
     load: tuple[float, float],
 ) -> list[str]:
-    machine = machine_lines("cuda" if "cuda" in device_types else "cpu")
-    if len(device_types) > 1:
-        machine[-1] = machine[-1].replace("- device: cuda", "- devices: cpu, then cuda")
     malloc = f"{MALLOPT_TEXT} after phase 1" if kept else "glibc defaults throughout"
     lines = [
         f"- date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- command: `{command_line()}`",
-        *machine,
+        f"- machine: {machine(' then '.join(device_types))}",
         f"- model `tiny` (float32), one torch thread (`torch.set_num_threads(1)`); {args.repeats} rounds per "
         f"case, {MALLOC_RUNS} runs in phase 1; malloc: {malloc}; load average (1 min) {load[0]:.2f} at the "
         f"start, {load[1]:.2f} at the end; whole run {total_s:.0f} s",
@@ -691,7 +720,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--write",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="replace the bench_engine section of benchmarks/RESULTS.md",
+        help="set its rows in the bench_engine table of benchmarks/RESULTS.md",
     )
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
@@ -728,7 +757,8 @@ def main(argv: list[str] | None = None) -> None:
     body = section_body(results, device_types, context, shim_costs, kept)
     print(body)
     if args.write:
-        write_section("bench_engine", body)
+        load = f"load average {load_start:.2f} (1 min) at the start, {os.getloadavg()[0]:.2f} at the end"
+        write_figures("bench_engine", ABOUT, figures(results), this_run(" then ".join(device_types), load))
 
 
 if __name__ == "__main__":

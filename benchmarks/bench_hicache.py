@@ -5,8 +5,8 @@ bandwidth on this machine.
     .venv/bin/python benchmarks/bench_hicache.py [--quick] [--num-requests 400] [--kv-tokens TOKENS]
         [--open-conversations 16] [--repeats 3] [--no-write]
 
-Prints Markdown tables; with --write (the default) also replaces the `## bench_hicache` section
-of benchmarks/RESULTS.md. One torch intra-op thread throughout (`torch.set_num_threads(1)`),
+Prints Markdown tables; with --write (the default) also sets its rows in the `## bench_hicache`
+table of benchmarks/RESULTS.md. One torch intra-op thread throughout (`torch.set_num_threads(1)`),
 device cpu, recording off, model MODEL_PRESETS["tiny"] (float32).
 
 NOTE: engine runs. The trace is `generate("multi-turn", num_requests=N, seed=0,
@@ -51,11 +51,12 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import _results
 import numpy as np
 import torch
-from _results import command_line, machine_lines, write_section
+from _results import command_line, machine, this_run, write_figures
 
 from kvscope.app import to_engine_requests
 from kvscope.cache.hiradix import HiRadixCache
@@ -304,6 +305,37 @@ def bandwidth_table(shape: Shape, seconds: dict[tuple[int, str], list[float]]) -
     return lines
 
 
+ABOUT = (
+    "What the host tier buys on multi-turn at one device capacity: hit rate and wall time of radix "
+    "against hiradix (three write policies, host x2 and x4), and CacheController's copy bandwidth (CPU)."
+)
+
+
+def result_rows(
+    cfgs: list[Config], figures: dict[str, Figures], times: dict[str, list[float]], bw: list[Any]
+) -> list[_results.Figure]:
+    """RESULTS.md rows: each cache's hit rate and wall time, then each shape and batch's bandwidth."""
+    base = figures["radix"].cached_tokens / figures["radix"].prompt_tokens
+    base_wall = statistics.median(times["radix"])
+    rows = []
+    for c in cfgs:
+        rate = figures[c.label].cached_tokens / figures[c.label].prompt_tokens
+        wall = statistics.median(times[c.label])
+        value = f"{rate:.1%} ({(rate - base) * 100:+.1f} pp), wall {wall:.2f} s ({wall / base_wall - 1:+.0%})"
+        rows.append(_results.Figure(f"hit rate and wall time, {c.label}", value))
+    for shape, seconds in bw:
+        for b in sorted({b for b, _ in seconds}):
+            num_bytes = b * shape.bytes_per_token
+            w, ld = statistics.median(seconds[(b, "write")]), statistics.median(seconds[(b, "load")])
+            rows.append(
+                _results.Figure(
+                    f"copy bandwidth, {shape.name}, batch of {b:,} tokens",
+                    f"write {fmt_bytes_per_s(num_bytes / w)}, load {fmt_bytes_per_s(num_bytes / ld)}",
+                )
+            )
+    return rows
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds (development)")
@@ -319,7 +351,7 @@ def parse_args() -> argparse.Namespace:
         "--write",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="replace the bench_hicache section of RESULTS.md (default: on)",
+        help="set its rows in the bench_hicache table of benchmarks/RESULTS.md (default: on)",
     )
     return parser.parse_args()
 
@@ -359,7 +391,7 @@ def main() -> None:
         [
             f"- date: {now}",
             f"- command: `{command_line()}`",
-            *machine_lines("cpu"),
+            f"- machine: {machine('cpu')}",
             f"- load average (1 min) at the start: {load_avg:.2f}; whole run {time.perf_counter() - start:.0f} s",
             f"- workload: multi-turn, {len(trace):,} requests, seed 0, "
             f"max_open_conversations {args.open_conversations} "
@@ -391,7 +423,8 @@ def main() -> None:
     )
     print(body)
     if args.write:
-        write_section("bench_hicache", body)
+        run = this_run("cpu", f"load average {load_avg:.2f} (1 min) at the start")
+        write_figures("bench_hicache", ABOUT, result_rows(cfgs, figures, times, bw), run)
 
 
 if __name__ == "__main__":

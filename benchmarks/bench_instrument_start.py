@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import command_line, cpu_model, write_section  # noqa: E402
+from _results import Figure, command_line, machine, this_run, write_figures  # noqa: E402
 
 HEAVY = ("numpy", "pandas", "sqlalchemy")
 
@@ -62,6 +62,12 @@ def import_profile(checkout: Path, tmp: Path) -> tuple[float, list[str]]:
     return top_us / 1e6, sorted(heavy)
 
 
+ABOUT = (
+    "`kvscope instrument`'s wall time from its start to the engine's exec (the engine here: `true`), "
+    "beside bare python."
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, help="another checkout of kvscope to time beside this one")
@@ -78,7 +84,7 @@ def main() -> None:
             for name, checkout in checkouts.items():
                 times[name].append(wall_s(instrument_argv(tmp / f"c{run}-{len(name)}.db"), env_for(checkout), tmp))
         profiles = {name: import_profile(checkout, tmp) for name, checkout in checkouts.items()}
-    rows = []
+    rows, figures = [], []
     for name, values in times.items():
         imports_s, heavy = profiles.get(name, (None, None))
         shown_imports = "" if imports_s is None else f"{imports_s:.3f}"
@@ -87,13 +93,18 @@ def main() -> None:
             f"| {name} | {statistics.median(values):.3f} | {min(values):.3f} | {max(values):.3f} "
             f"| {shown_imports} | {shown_heavy} |"
         )
+        label = f"--before: {args.before_label or args.before}" if name == "--before" else name
+        value = f"{statistics.median(values):.3f} s median ({min(values):.3f} to {max(values):.3f} s)"
+        if imports_s is not None:
+            value += f"; imports {shown_imports} s; numpy, pandas, SQLAlchemy loaded: {shown_heavy}"
+        figures.append(Figure(f"start to the engine's exec, {label}", value))
     body = "\n".join(
         [
             f"Run {datetime.now(UTC):%Y-%m-%d %H:%M} UTC with `{command_line()}`"
             + (f" (--before: {args.before_label or args.before})" if args.before else "")
             + ".",
             "",
-            f"- CPU: {cpu_model()}, {os.cpu_count()} logical cores; Python {sys.version.split()[0]}",
+            f"- machine: {machine('cpu')}",
             "",
             f"Wall time from starting `python -m kvscope instrument --capture NEW_FILE -- true` to `true`'s end "
             f"(the verb execs it: its start is the engine's), {args.runs} alternating rounds; import time is the sum "
@@ -106,7 +117,7 @@ def main() -> None:
     )
     print(body)
     if not args.no_write:
-        write_section("bench_instrument_start", body)
+        write_figures("bench_instrument_start", ABOUT, figures, this_run("cpu"))
 
 
 if __name__ == "__main__":

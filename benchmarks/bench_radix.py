@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/bench_radix.py benchmarks/traces/shared_prefix.jsonl \\
         benchmarks/traces/multi_turn.jsonl [--page-size 1 16] [--capacity 200000] [--policy lru] [--no-write]
 
-Prints Markdown tables; with --write (the default) also replaces the `## bench_radix`
-section of benchmarks/RESULTS.md.
+Prints Markdown tables; with --write (the default) also sets its rows in the
+`## bench_radix` table of benchmarks/RESULTS.md.
 
 NOTE: one request of the replay (prompt P, output O, all_ids = P + O, seq_len = |all_ids|)
     match   m = match_prefix(P, user)                      timed
@@ -71,7 +71,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from _results import command_line, machine_lines, write_section
+from _results import Figure, command_line, machine, this_run, write_figures
 
 from kvscope.cache import RadixCache
 from kvscope.mem import make_token_allocator
@@ -498,7 +498,7 @@ def report(
     parts = [
         f"- date: {now}",
         f"- command: `{command_line()}`",
-        *machine_lines("cpu"),
+        f"- machine: {machine('cpu')}",
         f"- SGLang: {sglang_status}",
         f"- load average (1 min) at the start: {load_at_start:.2f}",
         f"- traces: {traces} (written by `benchmarks/gen_traces.py`, default seed 0); capacity "
@@ -530,6 +530,36 @@ def report(
     return "\n".join(parts)
 
 
+ABOUT = (
+    "kvscope's RadixCache replaying the shared-prefix and multi-turn traces (match, insert, evict, "
+    "allocation), beside SGLang's own RadixCache in the same process when it is importable."
+)
+
+
+def figures(results: list[ReplayResult], pairs: list[tuple[ReplayResult, ReplayResult]]) -> list[Figure]:
+    """RESULTS.md rows: kvscope's replay per trace and page size, then its time over SGLang's."""
+    rows = [
+        Figure(
+            f"kvscope, {r.trace}, page size {r.page_size}",
+            f"{fmt_rate(r.requests_per_s)} req/s end to end; µs per match {r.match_us:.1f}, insert "
+            f"{r.insert_us:.1f}, evict call {r.evict_us:.1f}; token hit rate {r.hit_rate:.2%}",
+        )
+        for r in results
+        if r.label == "kvscope"
+    ]
+    for ours, theirs in pairs:
+        rows.append(
+            Figure(
+                f"kvscope / SGLang time, {ours.trace}, page size {ours.page_size}",
+                f"match {ours.match_us / theirs.match_us:.2f}, insert {ours.insert_us / theirs.insert_us:.2f}, "
+                f"evict call {ours.evict_us / max(theirs.evict_us, 1e-9):.2f}, end to end "
+                f"{theirs.requests_per_s / ours.requests_per_s:.2f} (below 1: kvscope faster); "
+                f"hit lengths {hits_verdict(ours, theirs)}",
+            )
+        )
+    return rows
+
+
 # -- main --------------------------------------------------------------------------------------
 
 
@@ -550,7 +580,7 @@ def parse_args() -> argparse.Namespace:
         "--write",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="write the bench_radix section of benchmarks/RESULTS.md",
+        help="set its rows in the bench_radix table of benchmarks/RESULTS.md",
     )
     parser.add_argument("--no-sglang", action="store_true", help="skip the SGLang side even if present")
     return parser.parse_args()
@@ -583,7 +613,8 @@ def main() -> None:
     body = report(args, results, pairs, sglang_status, time.perf_counter() - start, load_at_start)
     print(body)
     if args.write:
-        write_section("bench_radix", body)
+        load = f"load average {load_at_start:.2f} (1 min) at the start; SGLang: {sglang_status}"
+        write_figures("bench_radix", ABOUT, figures(results, pairs), this_run("cpu", load))
 
 
 if __name__ == "__main__":

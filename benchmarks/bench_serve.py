@@ -4,8 +4,8 @@ against the same workload through the engine directly (what `kvscope run` does) 
     .venv/bin/python benchmarks/bench_serve.py [--num-requests N] [--rounds R] [--device cpu|cuda]
                                                [--workload NAME] [--quick] [--write | --no-write]
 
-Prints Markdown tables; with --write (the default) also replaces the `## bench_serve` section of
-benchmarks/RESULTS.md.
+Prints Markdown tables; with --write (the default) also sets its rows in the `## bench_serve` table
+of benchmarks/RESULTS.md.
 
 NOTE: what runs
     server    `python -m kvscope serve --port 0 --level off --max-running-requests 64 --torch-threads 1`
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _results import command_line, machine_lines, write_section
+from _results import Figure, this_run, write_figures
 
 from kvscope.app.runner import to_engine_requests
 from kvscope.engine import EngineConfig, PoolConfig, model_config
@@ -215,6 +215,12 @@ def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
 
+ABOUT = (
+    "`kvscope serve` (tiny model) under the openai client against the engine in-process: requests/s, "
+    "latency, what the front and the client path add, and what recording at level full costs while serving."
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=128)
@@ -227,13 +233,13 @@ def main() -> None:
         action="store_true",
         help="instead: what recording costs while serving, a server at --level full (capture in a "
         f"temporary directory) beside one at --level off, concurrency {COMPARED}, alternating; "
-        "writes the bench_serve_recording section",
+        "sets its rows in the bench_serve section",
     )
     parser.add_argument(
         "--write",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="write the section of benchmarks/RESULTS.md",
+        help="set its rows in the bench_serve table of benchmarks/RESULTS.md",
     )
     args = parser.parse_args()
     if args.quick:
@@ -300,6 +306,29 @@ def main() -> None:
     ratio = serve_per / loop_per
     e2e_ratio = med([p["e2e_s"]["mean"] for p in points[COMPARED]]) / med([c["e2e_mean_s"] for c in closed])
     verdict = "met" if ratio <= TARGET else "NOT met"
+    figures = [
+        Figure("engine in-process, every request at once (`kvscope run`)", f"{1 / base:.1f} req/s"),
+        Figure(
+            f"engine in-process, closed loop of {COMPARED}",
+            f"{1 / loop_per:.1f} req/s, e2e p50 {ms(med([c['e2e_p50_s'] for c in closed]))} ms",
+        ),
+        *(
+            Figure(
+                f"serve, concurrency {c}",
+                f"{med([p['throughput']['requests_per_s'] for p in points[c]]):.1f} req/s; TTFT p50 "
+                f"{ms(med([p['ttft_s']['p50'] for p in points[c]]))} ms, "
+                f"p99 {ms(med([p['ttft_s']['p99'] for p in points[c]]))} ms; "
+                f"e2e p50 {ms(med([p['e2e_s']['p50'] for p in points[c]]))} ms",
+            )
+            for c in CONCURRENCIES
+        ),
+        Figure(
+            f"serve / closed loop in-process, time per request at concurrency {COMPARED}",
+            f"{ratio:.3f} (per round {min(ratios):.3f} to {max(ratios):.3f})",
+            f"≤ {TARGET:.2f}",
+            "met" if ratio <= TARGET else "not met",
+        ),
+    ]
     lines += [
         "",
         f"What the front + ZMQ + client path adds at concurrency {COMPARED} (serve / the closed loop in-process): "
@@ -308,28 +337,14 @@ def main() -> None:
         f"{serve_per / base:.3f} (that batch admits many prompts per prefill step, which a closed loop of "
         f"{COMPARED} cannot).",
     ]
-    report(
-        args,
-        "bench_serve",
-        lines,
-        [
-            "- the server runs in its own processes (front, scheduler) on the same machine as the load generator; "
-            "client CPU is this process's CPU time during a point",
-            f"- 1-minute load average before / after: {load_before:.2f} / {load_after:.2f} (other processes on the "
-            "machine slow every point)",
-        ],
-    )
+    report(args, lines, figures, f"load average (1 min) {load_before:.2f} before, {load_after:.2f} after")
 
 
-def report(args: argparse.Namespace, section: str, lines: list[str], notes: list[str]) -> None:
-    """Print the body; with --write, store it under `section` of RESULTS.md with the date, the
-    command line, the machine and `notes`."""
-    body = "\n".join(lines)
-    print(body)
+def report(args: argparse.Namespace, lines: list[str], figures: list[Figure], load: str) -> None:
+    """Print the body; with --write, set `figures` in the bench_serve section of RESULTS.md."""
+    print("\n".join(lines))
     if args.write:
-        stamp = time.strftime("%Y-%m-%d", time.gmtime())
-        header = [f"Run {stamp}: `{command_line()}`", "", *machine_lines(args.device), *notes, ""]
-        write_section(section, "\n".join(header) + "\n" + body)
+        write_figures("bench_serve", ABOUT, figures, this_run(args.device, load))
 
 
 def recording_cost(args: argparse.Namespace, trace: list[TraceRequest]) -> None:
@@ -392,15 +407,25 @@ def recording_cost(args: argparse.Namespace, trace: list[TraceRequest]) -> None:
         f"the server's CPU per request; {events_per_request:.0f} events per request). The rest of recording, "
         "record() and the hand-offs on the scheduler's thread, is measured per event by bench_recorder.",
     ]
-    report(
-        args,
-        "bench_serve_recording",
-        lines,
-        [
-            "- both servers and the load generator share the machine",
-            f"- 1-minute load average before / after: {load_before:.2f} / {load_after:.2f}",
-        ],
-    )
+    figures = [
+        Figure(
+            f"recording full vs off, time per request at concurrency {COMPARED}",
+            f"{wall:+.1%} (per round {min(wall_ratios) - 1:+.1%} to {max(wall_ratios) - 1:+.1%})",
+            "≤ +3%",
+            "met" if wall <= 0.03 else "not met",
+        ),
+        Figure(
+            f"recording full vs off, server CPU per request at concurrency {COMPARED}",
+            f"{cpu_cost:+.1%} (per round {min(cpu_ratios) - 1:+.1%} to {max(cpu_ratios) - 1:+.1%})",
+            "≤ +3%",
+            "met" if cpu_cost <= 0.03 else "not met",
+        ),
+        Figure(
+            "full server's recorder writer process, CPU per request",
+            f"{writer * 1000:.2f} ms ({writer / statistics.median(cpu['full']):.1%} of the server's CPU per request)",
+        ),
+    ]
+    report(args, lines, figures, f"load average (1 min) {load_before:.2f} before, {load_after:.2f} after")
 
 
 def captured_events(path: Path) -> int:
