@@ -188,7 +188,9 @@ def _stand_ins(src: Path) -> dict[str, types.ModuleType]:
         "sglang.kernels.ops": _module("sglang.kernels.ops"),
         "sglang.kernels.ops.memory": _module("sglang.kernels.ops.memory"),
         "sglang.kernels.ops.memory.allocator": _module(
-            "sglang.kernels.ops.memory.allocator", alloc_extend_kernel=_ExtendKernel(), alloc_decode_kernel=_DecodeKernel()
+            "sglang.kernels.ops.memory.allocator",
+            alloc_extend_kernel=_ExtendKernel(),
+            alloc_decode_kernel=_DecodeKernel(),
         ),
         "sglang.srt.mem_cache.memory_pool": _module(
             "sglang.srt.mem_cache.memory_pool", KVCache=object, ReqToTokenPool=object
