@@ -15,7 +15,7 @@ NOTE: stand-ins
     utils.get_num_new_pages         ceil(seq / ps) - ceil(prefix / ps), summed (its definition)
     base_swa_memory_pool.BaseSWAKVPool  holds the mapping the allocator registers; translates by it
     events.KVCacheEventMixin        records nothing
-    utils.get_eviction_strategy     the policy's class from evict_policy.py, by name (utils.py's table)
+    utils.get_eviction_strategy     the policy's class from evict_policy.py, by name (as utils.py's table)
 The modules are loaded with the `sglang` names and then taken out of sys.modules again, so
 nothing else in the test process sees a partial `sglang` package.
 """
@@ -139,19 +139,19 @@ class _NoEvents:
 
 _loaded: dict[str, Any] = {}
 
-STRATEGIES = {
-    "lru": "LRUStrategy",
-    "lfu": "LFUStrategy",
-    "fifo": "FIFOStrategy",
-    "mru": "MRUStrategy",
-    "filo": "FILOStrategy",
-    "priority": "PriorityStrategy",
-    "slru": "SLRUStrategy",
-}
+
+def strategies(evict_policy: types.ModuleType) -> dict[str, type]:
+    """evict_policy.py's strategies by policy name: the class name without "Strategy", lower case
+    (LRUStrategy is "lru"), as utils.py's table names them."""
+    return {
+        name.removesuffix("Strategy").lower(): cls
+        for name, cls in vars(evict_policy).items()
+        if name.endswith("Strategy") and isinstance(cls, type) and name != "EvictionStrategy"
+    }
 
 
 def _eviction_strategy(policy: str) -> Any:
-    return getattr(_loaded["evict_policy"], STRATEGIES[policy.lower()])()
+    return strategies(_loaded["evict_policy"])[policy.lower()]()
 
 
 def _module(name: str, **attrs: Any) -> types.ModuleType:
@@ -238,6 +238,7 @@ def load_sglang_518(src: Path) -> types.SimpleNamespace:
                 del sys.modules[name]
     return types.SimpleNamespace(
         RadixCache=radix.RadixCache,
+        policies=sorted(strategies(_loaded["evict_policy"])),
         radix_module=radix,
         TokenToKVPoolAllocator=token.TokenToKVPoolAllocator,
         PagedTokenToKVPoolAllocator=paged.PagedTokenToKVPoolAllocator,

@@ -39,7 +39,7 @@ from tests.engines.differential import (
     tick_clock,
     tokens,
 )
-from tests.engines.sglang518 import SRC_ENV, STRATEGIES, load_sglang_518, sglang_518_source
+from tests.engines.sglang518 import SRC_ENV, load_sglang_518, sglang_518_source
 
 SRC = sglang_518_source()
 pytestmark = [
@@ -53,7 +53,8 @@ pytestmark = [
 
 
 def test_kvscope_offers_the_policies_sglang_0_5_18_does() -> None:
-    assert sorted(POLICIES) == sorted(STRATEGIES)
+    assert SRC is not None
+    assert sorted(POLICIES) == load_sglang_518(SRC).policies
 
 
 def allocators(sgl: object, page_size: int, size: int, need_sort: bool) -> tuple[object, object]:
@@ -150,7 +151,7 @@ class Pair:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    policy=st.sampled_from(sorted(STRATEGIES)),
+    policy=st.sampled_from(sorted(POLICIES)),
     page_size=st.sampled_from([1, 2, 4]),
     need_sort=st.booleans(),
     seed=st.integers(0, 2**16),
