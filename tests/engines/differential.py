@@ -1,5 +1,6 @@
-"""What the differential tests against SGLang 0.5.18 share: a step clock both trees stamp nodes
-with, the random token sequences, and the side-by-side comparisons of allocators and trees.
+"""What the differential tests against SGLang 0.5.18 share: a tick clock both trees stamp nodes
+with, the random token sequences, the pair of allocators, and the side-by-side comparisons of
+allocators and trees.
 
 NOTE: why a tick clock. Both trees stamp nodes with time.monotonic(); SGLang breaks a tie in its
 eviction heap by whatever order its set of leaves iterates in (object addresses), kvscope by node
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from kvscope.cache.base import TOKEN_DTYPE
+from kvscope.mem import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 
 
 class TickClock:
@@ -55,6 +57,17 @@ def tokens(rng: np.random.Generator, earlier: list[np.ndarray], longest: int = 6
         keep = base[: rng.integers(0, len(base) + 1)]
     tail = rng.integers(0, 3, size=rng.integers(1, 24)).astype(np.int32)
     return np.concatenate((keep, tail))[:longest]
+
+
+def allocators(sgl: object, page_size: int, size: int, need_sort: bool) -> tuple[object, object]:
+    """kvscope's and SGLang's allocator of one size: the token allocator at page size 1, else paged."""
+    if page_size == 1:
+        mine: object = TokenToKVPoolAllocator(size, "cpu", need_sort=need_sort, strict=True)
+        theirs = sgl.TokenToKVPoolAllocator(size, torch.int64, "cpu", None, need_sort)
+    else:
+        mine = PagedTokenToKVPoolAllocator(size, page_size, "cpu", need_sort=need_sort, strict=True)
+        theirs = sgl.PagedTokenToKVPoolAllocator(size, page_size, torch.int64, "cpu", None, need_sort)
+    return mine, theirs
 
 
 def same_free_lists(mine: Any, theirs: Any, where: str) -> None:

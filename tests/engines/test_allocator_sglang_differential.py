@@ -22,9 +22,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.engines.differential import same_free_lists, slots_alloc
+from tests.engines.differential import allocators, same_free_lists, slots_alloc
 from tests.engines.sglang518 import SRC_ENV, load_sglang_518, sglang_518_source
-from tests.engines.test_radix_sglang_differential import allocators
 
 SRC = sglang_518_source()
 pytestmark = [

@@ -30,8 +30,8 @@ from hypothesis import strategies as st
 import kvscope.cache.radix.cache as radix_module
 from kvscope.cache import EvictParams, RadixCache
 from kvscope.cache.tree.eviction import POLICIES
-from kvscope.mem import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from tests.engines.differential import (
+    allocators,
     kvscope_tree,
     same_free_lists,
     sglang_tree,
@@ -55,17 +55,6 @@ pytestmark = [
 def test_kvscope_offers_the_policies_sglang_0_5_18_does() -> None:
     assert SRC is not None
     assert sorted(POLICIES) == load_sglang_518(SRC).policies
-
-
-def allocators(sgl: object, page_size: int, size: int, need_sort: bool) -> tuple[object, object]:
-    """kvscope's and SGLang's allocator of one size: the token allocator at page size 1, else paged."""
-    if page_size == 1:
-        mine: object = TokenToKVPoolAllocator(size, "cpu", need_sort=need_sort, strict=True)
-        theirs = sgl.TokenToKVPoolAllocator(size, torch.int64, "cpu", None, need_sort)
-    else:
-        mine = PagedTokenToKVPoolAllocator(size, page_size, "cpu", need_sort=need_sort, strict=True)
-        theirs = sgl.PagedTokenToKVPoolAllocator(size, page_size, torch.int64, "cpu", None, need_sort)
-    return mine, theirs
 
 
 class Pair:
