@@ -79,8 +79,8 @@ $(VLLM_STAMP):
 		>/dev/null
 	@touch $(VLLM_STAMP)
 
-# SGLang 0.5.18's source, unpacked and not installed: tests/engines/test_swa_differential.py runs its
-# SWARadixCache and allocators beside kvscope's (tests/engines/sglang518.py stands in for the GPU-only imports).
+# SGLang 0.5.18's source, unpacked and not installed: tests/engines/test_*_differential.py run its
+# RadixCache, SWARadixCache and allocators beside kvscope's (tests/engines/sglang518.py stands in for the GPU-only imports).
 SGLANG_518_SRC   ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvscope/sglang-0.5.18
 SGLANG_518_STAMP := $(SGLANG_518_SRC)/.kvscope-unpacked
 

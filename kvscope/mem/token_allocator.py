@@ -246,17 +246,22 @@ class BaseTokenAllocator:
             else:  # NOTE: segment frees, pages in chunk order (SGLang evicts with free_segment)
                 self._segment_group.append(torch.from_numpy(joined[::ps] // ps).to(self.device))
             return
-        if ps == 1 or self.need_sort or len(chunks) == 1:
+        if ps == 1 or len(chunks) == 1:
             pages = joined[::ps] // ps
         else:
             pages = np.concatenate([c[::ps] // ps for c in reversed(chunks)])
         self._return_pages(torch.from_numpy(pages).to(self.device))
 
     def _return_pages(self, pages: torch.Tensor) -> None:
-        if self.need_sort:
-            self.release_pages = torch.cat((self.release_pages, pages))
-        elif self.reuse_order == "fifo":
-            self.free_pages = torch.cat((self.free_pages, pages))
+        """To the release list with need_sort, else the free list: at its end at page size 1, in
+        front when paged (as SGLang 0.5.18 does both)."""
+        if self.reuse_order == "fifo":
+            if self.need_sort:
+                self.release_pages = torch.cat((self.release_pages, pages))
+            else:
+                self.free_pages = torch.cat((self.free_pages, pages))
+        elif self.need_sort:
+            self.release_pages = torch.cat((pages, self.release_pages))
         else:
             self.free_pages = torch.cat((pages, self.free_pages))
 

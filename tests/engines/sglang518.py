@@ -1,18 +1,21 @@
-"""Loads SGLang 0.5.18's own SWARadixCache and token allocators on the CPU, for differential tests.
+"""Loads SGLang 0.5.18's own RadixCache, SWARadixCache and token allocators on the CPU, for
+differential tests.
 
 The SGLang source is an unpacked wheel (`make sglang-518-src` puts one in
 ~/.cache/kvscope/sglang-0.5.18; `KVSCOPE_SGLANG_518_SRC` names another). Only these files run
 as SGLang wrote them: mem_cache/allocator/{base,token,paged,swa}.py, base_prefix_cache.py,
-cache_init_params.py, radix_cache.py (for RadixKey) and swa_radix_cache.py. Everything else
+cache_init_params.py, evict_policy.py, radix_cache.py and swa_radix_cache.py. Everything else
 their imports reach (GPU kernels, metrics, KV events, environment flags, the memory pools)
 is a small stand-in written here; none of it decides a slot.
 
 NOTE: stand-ins
     environ.envs                    every flag reads False (SGLang's defaults for the SWA options)
     kernels...alloc_extend_kernel   runs paged.py's own alloc_extend_naive (the Triton kernel's reference)
+    kernels...alloc_decode_kernel   the same, each request extended by its one new token
     utils.get_num_new_pages         ceil(seq / ps) - ceil(prefix / ps), summed (its definition)
     base_swa_memory_pool.BaseSWAKVPool  holds the mapping the allocator registers; translates by it
     events.KVCacheEventMixin        records nothing
+    utils.get_eviction_strategy     the policy's class from evict_policy.py, by name (as utils.py's table)
 The modules are loaded with the `sglang` names and then taken out of sys.modules again, so
 nothing else in the test process sees a partial `sglang` package.
 """
@@ -59,6 +62,22 @@ def _num_new_pages(
     return int((after - before).sum())
 
 
+def _extend(
+    prefix_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    last_loc: torch.Tensor,
+    free_pages: torch.Tensor,
+    out_indices: torch.Tensor,
+    page_size: int,
+) -> None:
+    """alloc_extend_naive, when the free pages suffice: otherwise the allocator drops the output
+    and returns None (the kernel's reads past the free list are the GPU's; naive would raise)."""
+    if _num_new_pages(seq_lens, page_size, prefix_lens) > len(free_pages):
+        return
+    paged = sys.modules.get("sglang.srt.mem_cache.allocator.paged") or _loaded["paged"]
+    paged.alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size, out_indices.device)
+
+
 class _ExtendKernel:
     """`alloc_extend_kernel[grid](...)` runs paged.py's alloc_extend_naive, its CPU reference."""
 
@@ -72,17 +91,27 @@ class _ExtendKernel:
             _bs_pow2: int,
             page_size: int,
         ) -> None:
-            paged = sys.modules.get("sglang.srt.mem_cache.allocator.paged") or _loaded["paged"]
-            paged.alloc_extend_naive(
-                prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size, out_indices.device
-            )
+            _extend(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size)
 
         return launch
 
 
-class _NoKernel:
+class _DecodeKernel:
+    """`alloc_decode_kernel[grid](...)`: one token per request is an extend from seq_len - 1, so it
+    runs alloc_extend_naive over those prefixes (the decode kernel has no CPU reference of its own)."""
+
     def __getitem__(self, grid: Any) -> Any:
-        raise NotImplementedError("alloc_decode is not driven by these tests")
+        def launch(
+            seq_lens: torch.Tensor,
+            last_loc: torch.Tensor,
+            free_pages: torch.Tensor,
+            out_indices: torch.Tensor,
+            _bs_pow2: int,
+            page_size: int,
+        ) -> None:
+            _extend(seq_lens - 1, seq_lens, last_loc, free_pages, out_indices, page_size)
+
+        return launch
 
 
 class _BaseSWAKVPool:
@@ -109,6 +138,20 @@ class _NoEvents:
 
 
 _loaded: dict[str, Any] = {}
+
+
+def strategies(evict_policy: types.ModuleType) -> dict[str, type]:
+    """evict_policy.py's strategies by policy name: the class name without "Strategy", lower case
+    (LRUStrategy is "lru"), as utils.py's table names them."""
+    return {
+        name.removesuffix("Strategy").lower(): cls
+        for name, cls in vars(evict_policy).items()
+        if name.endswith("Strategy") and isinstance(cls, type) and name != "EvictionStrategy"
+    }
+
+
+def _eviction_strategy(policy: str) -> Any:
+    return strategies(_loaded["evict_policy"])[policy.lower()]()
 
 
 def _module(name: str, **attrs: Any) -> types.ModuleType:
@@ -145,7 +188,9 @@ def _stand_ins(src: Path) -> dict[str, types.ModuleType]:
         "sglang.kernels.ops": _module("sglang.kernels.ops"),
         "sglang.kernels.ops.memory": _module("sglang.kernels.ops.memory"),
         "sglang.kernels.ops.memory.allocator": _module(
-            "sglang.kernels.ops.memory.allocator", alloc_extend_kernel=_ExtendKernel(), alloc_decode_kernel=_NoKernel()
+            "sglang.kernels.ops.memory.allocator",
+            alloc_extend_kernel=_ExtendKernel(),
+            alloc_decode_kernel=_DecodeKernel(),
         ),
         "sglang.srt.mem_cache.memory_pool": _module(
             "sglang.srt.mem_cache.memory_pool", KVCache=object, ReqToTokenPool=object
@@ -164,7 +209,7 @@ def _stand_ins(src: Path) -> dict[str, types.ModuleType]:
         "sglang.srt.mem_cache.events": _module("sglang.srt.mem_cache.events", KVCacheEventMixin=_NoEvents),
         "sglang.srt.mem_cache.utils": _module(
             "sglang.srt.mem_cache.utils",
-            get_eviction_strategy=lambda *a, **k: None,
+            get_eviction_strategy=_eviction_strategy,
             get_hash_str=lambda *a, **k: "",
             split_node_hash_value=lambda value, split_len, page_size: (None, None),
         ),
@@ -172,14 +217,17 @@ def _stand_ins(src: Path) -> dict[str, types.ModuleType]:
 
 
 def load_sglang_518(src: Path) -> types.SimpleNamespace:
-    """SGLang 0.5.18's classes: SWARadixCache, SWATokenToKVPoolAllocator, the parameter classes."""
+    """SGLang 0.5.18's classes: the caches, the allocators, the parameter classes; `radix_module`
+    is radix_cache.py's module (its `time` is what the trees stamp nodes with)."""
     before = set(sys.modules)
     try:
         sys.modules.update(_stand_ins(src))
         importlib.import_module("sglang.srt.mem_cache.allocator")  # its __init__ only imports its files
         paged = importlib.import_module("sglang.srt.mem_cache.allocator.paged")
         _loaded["paged"] = paged
+        token = importlib.import_module("sglang.srt.mem_cache.allocator.token")
         swa_alloc = importlib.import_module("sglang.srt.mem_cache.allocator.swa")
+        _loaded["evict_policy"] = importlib.import_module("sglang.srt.mem_cache.evict_policy")
         base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
         params = importlib.import_module("sglang.srt.mem_cache.cache_init_params")
         radix = importlib.import_module("sglang.srt.mem_cache.radix_cache")
@@ -189,6 +237,11 @@ def load_sglang_518(src: Path) -> types.SimpleNamespace:
             if name == "sglang" or name.startswith("sglang."):
                 del sys.modules[name]
     return types.SimpleNamespace(
+        RadixCache=radix.RadixCache,
+        policies=sorted(strategies(_loaded["evict_policy"])),
+        radix_module=radix,
+        TokenToKVPoolAllocator=token.TokenToKVPoolAllocator,
+        PagedTokenToKVPoolAllocator=paged.PagedTokenToKVPoolAllocator,
         SWARadixCache=swa_radix.SWARadixCache,
         SWATokenToKVPoolAllocator=swa_alloc.SWATokenToKVPoolAllocator,
         KVPool=_BaseSWAKVPool,

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from kvscope.cache import EvictParams
 from kvscope.cache.swa_radix import SWARadixCache
 from kvscope.mem import SWATokenToKVPoolAllocator
+from tests.engines.differential import slots_alloc, tokens
 from tests.engines.sglang518 import SRC_ENV, load_sglang_518, sglang_518_source
 
 SRC = sglang_518_source()
@@ -85,12 +86,7 @@ class Pair:
         self.same_pools(where)
 
     def alloc(self, p: int, s: int, last: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if self.ps == 1:
-            return self.kv_alloc.alloc(s - p), self.sg_alloc.alloc(s - p)
-        mine = self.kv_alloc.alloc_extend([p], [s], [last], s - p)
-        cpu = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
-        theirs = self.sg_alloc.alloc_extend(cpu(p), cpu(p), cpu(s), cpu(s), cpu(last), s - p)
-        return mine, theirs
+        return slots_alloc(self.kv_alloc, self.sg_alloc, self.ps, p, s, last)
 
     def serve(
         self, prompt: np.ndarray, all_ids: np.ndarray, slide: bool, grouped: bool, hold: bool, where: str
@@ -146,16 +142,6 @@ class Pair:
         for alloc in (self.kv_alloc, self.sg_alloc):
             if grouped:
                 alloc.free_group_end()
-
-
-def tokens(rng: np.random.Generator, earlier: list[np.ndarray]) -> np.ndarray:
-    """A sequence that shares a random prefix with an earlier one most of the time."""
-    keep = np.empty(0, dtype=np.int32)
-    if earlier and rng.random() < 0.8:
-        base = earlier[rng.integers(len(earlier))]
-        keep = base[: rng.integers(0, len(base) + 1)]
-    tail = rng.integers(0, 3, size=rng.integers(1, 24)).astype(np.int32)
-    return np.concatenate((keep, tail))[:60]
 
 
 @settings(max_examples=40, deadline=None)

@@ -48,11 +48,18 @@ class RefFreeList:
 
     def _return(self, slots: list[int]) -> None:
         ps = self.page_size
-        pages = slots if ps == 1 else sorted({s // ps for s in slots})
-        if self.need_sort:
-            self.release += pages
-        elif ps == 1:
-            self.free += pages
+        self._give(slots if ps == 1 else sorted({s // ps for s in slots}))
+
+    def _give(self, pages: list[int]) -> None:
+        """To the release list with need_sort, else the free list: appended at page size 1, in front
+        when paged (SGLang's paged allocator prepends to either)."""
+        if self.page_size == 1:
+            if self.need_sort:
+                self.release += pages
+            else:
+                self.free += pages
+        elif self.need_sort:
+            self.release = pages + self.release
         else:
             self.free = pages + self.free
 
@@ -62,10 +69,8 @@ class RefFreeList:
         pages = [s // ps for i, s in enumerate(slots) if i == 0 or s % ps == 0]
         if self.group is not None:
             self.segment_group.extend(pages)
-        elif self.need_sort:
-            self.release += pages
         else:
-            self.free = pages + self.free
+            self._give(pages)
 
     def group_end(self) -> None:
         """SGLang's paged free_group_end: the group's free() pages, sorted and unique, go in
@@ -75,10 +80,7 @@ class RefFreeList:
         if group:
             self._return(group)
         if segments:
-            if self.need_sort:
-                self.release += segments
-            else:
-                self.free = segments + self.free
+            self._give(segments)
 
 
 def ref_extend(

@@ -35,14 +35,13 @@ from kvscope.cache.base import (
 )
 from kvscope.cache.tree import (
     TOKEN_BYTES,
-    LockedTree,
+    PageFiledTree,
     TreeNode,
     cache_finished_req,
     cache_unfinished_req,
     check_node_shape,
     check_tree_options,
     common_page_len,
-    detach_child,
     export_rows,
     get_policy,
     node_values,
@@ -53,10 +52,6 @@ from kvscope.cache.tree import (
 from kvscope.cache.tree.node import PageHashMemo, foreign_tokens
 from kvscope.mem import BaseTokenAllocator, ReqToTokenPool
 from kvscope.telemetry import NULL_RECORDER, EventKind, EvictReason, PoolName, Recorder
-
-
-def childless(node: TreeNode) -> bool:
-    return not node.children
 
 
 class RadixCache(BasePrefixCache):
@@ -91,14 +86,9 @@ class RadixCache(BasePrefixCache):
 
     def reset(self) -> None:
         """Forget the tree (the caller clears the allocator too, as flush_cache does)."""
-        self.tree = LockedTree(
-            TreeNode(now=time.monotonic()),
-            self.allocator,
-            self.policy,
-            deeper_first=self._page_granular,
-            strict=self.strict,
-            detach=self._detach,
-            is_leaf=childless,
+        root = TreeNode(now=time.monotonic())
+        self.tree = PageFiledTree(
+            root, self.allocator, self.policy, deeper_first=self._page_granular, strict=self.strict
         )
 
     @property
@@ -250,11 +240,13 @@ class RadixCache(BasePrefixCache):
         priority: int,
         rid: str | None,
     ) -> TreeNode:
-        self.tree.claim(value)
+        tree = self.tree
+        if tree.strict:
+            tree.claim(value)
         leaf = TreeNode(key, value, time.monotonic())
         leaf.parent, leaf.owner, leaf.hit_count, leaf.priority = parent, user, hits, priority
         parent.children[key[: self.page_bytes]] = leaf
-        self.tree.count_new(parent, leaf, value)
+        tree.count_new(parent, leaf, value)
         if self.recorder.enabled:
             self.recorder.record(
                 EventKind.INSERT,
@@ -267,9 +259,6 @@ class RadixCache(BasePrefixCache):
                 principal=user,
             )
         return leaf
-
-    def _detach(self, leaf: TreeNode) -> None:
-        detach_child(leaf, self.page_bytes)
 
     # -- locks -----------------------------------------------------------------------------
 
@@ -298,7 +287,10 @@ class RadixCache(BasePrefixCache):
         self.tree.check_evictable(num_tokens, swa_num_tokens)
         if num_tokens <= 0:
             return 0
-        freed = self.tree.evict_leaves(num_tokens, self._evict_leaf)
+        if self._page_granular or self.recorder.enabled:
+            freed = self.tree.evict_leaves(num_tokens, self._evict_leaf)
+        else:
+            freed = self.tree.evict_whole_leaves(num_tokens)
         self.allocator.free_many(freed)
         return sum(len(chunk) for chunk in freed)
 

@@ -2,7 +2,7 @@
 and the leaf heap, LockedTree (locks, counts, evictable leaves, the eviction loop), the tree
 invariants, and request caching."""
 
-from kvscope.cache.tree.core import ROOT_PRIORITY, LockedTree, check_tree_options
+from kvscope.cache.tree.core import ROOT_PRIORITY, LockedTree, PageFiledTree, check_tree_options
 from kvscope.cache.tree.eviction import POLICIES, EvictionPolicy, LeafHeap, get_policy
 from kvscope.cache.tree.integrity import check_node_shape, check_sizes, check_tree_slots
 from kvscope.cache.tree.node import (
@@ -35,6 +35,7 @@ __all__ = [
     "LeafHeap",
     "LockedTree",
     "NodeBase",
+    "PageFiledTree",
     "RequestTree",
     "SlotNode",
     "TreeNode",

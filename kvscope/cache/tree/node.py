@@ -70,7 +70,17 @@ class TreeNode(NodeBase):
     __slots__ = ("children", "value")
 
     def __init__(self, key: bytes = b"", value: np.ndarray = EMPTY_SLOTS, now: float = 0.0) -> None:
-        super().__init__(key, now)
+        # NOTE: NodeBase.__init__'s fields set here, not by a super() call: every insert and split makes
+        # one (a slot left unset fails at its first read)
+        self.id = next(_node_ids)
+        self.parent: Self | None = None
+        self.key = key
+        self.lock_ref = 0
+        self.last_access_time = now
+        self.creation_time = now
+        self.hit_count = 0
+        self.priority = 0
+        self.owner: str | None = None
         self.children: dict[bytes, Self] = {}
         self.value = value
 

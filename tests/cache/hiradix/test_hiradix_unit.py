@@ -386,3 +386,24 @@ def test_an_evicted_leaf_frees_its_pages_sorted_as_sglangs_allocator_free_does()
     t.cache.evict(EvictParams(4))
     assert t.allocator.free_pages[:2].tolist() == [x, y]
     check_all(t)
+
+
+def test_write_back_frees_the_leaves_it_wrote_during_an_eviction_last() -> None:
+    """SGLang 0.5.18's write_back eviction frees a leaf it writes to the host only once the copies are
+    done (its flush_staged, at the end), while a leaf that already had a host copy is freed at once:
+    with the older leaf written and the newer one demoted, the demoted leaf's slots come back first."""
+    t = make_tiers("write_back", device_tokens=32)
+    demoted = ids(*range(100, 112))  # NOTE: at least LOAD_BACK_MIN_TOKENS, to load it back
+    inserted = insert_seq(t, demoted)
+    assert inserted is not None
+    t.cache.evict(EvictParams(12))  # written to the host, host-only now
+    written = insert_seq(t, ids(1, 2, 3, 4))
+    assert written is not None
+    match = t.cache.match_prefix(demoted)  # NOTE: after the insert: the demoted leaf is the newer one
+    loaded, last = t.cache.init_load_back(match.last_host_node, match.host_hit_length)
+    assert len(loaded) == 12 and last.tier == "device+host"
+    t.controller.wait_all()
+    t.cache.loading_check()
+    assert t.cache.evict(EvictParams(16)).num_tokens_evicted == 16
+    assert t.allocator.free_pages[-16:].tolist() == loaded.tolist() + written[1].tolist()
+    check_all(t)
