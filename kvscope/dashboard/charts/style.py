@@ -59,6 +59,7 @@ COLORS: dict[str, str] = {
     "decode": "#1f77b4",
     "prefill chunk": "#000000",
     "retracted": "#d62728",
+    "admitted (first token not recorded)": "#9edae5",
     "cached": "#2ca02c",
     "computed": "#c7c7c7",
     # evictions
