@@ -157,6 +157,22 @@ def step_axis(values: Iterable[Any] = (), title: str = "step") -> dict[str, Any]
     return axis
 
 
+WALL_CLOCK = "time"  # NOTE: the column a page adds to usage rows for a wall-clock x axis (local datetimes)
+
+
+def run_axis(frame: pd.DataFrame, x: str = "step") -> dict[str, Any]:
+    """The x axis of a chart over a run: its steps, or (x = WALL_CLOCK) the wall-clock time of
+    each row, to line the chart up with an incident's time; the hover names the step either way."""
+    if x != WALL_CLOCK:
+        return step_axis(frame["step"])
+    return {
+        "title": {"text": "wall-clock time"},
+        "type": "date",
+        "tickformat": "%H:%M:%S",
+        "hoverformat": "%H:%M:%S.%L",
+    }
+
+
 def legend_above(fig: go.Figure, top_margin: int = 60, y: float = 1.02) -> go.Figure:
     """Put the legend in a row above the plot area (and above subplot titles, with a larger
     `y`), where it covers no data."""
