@@ -15,7 +15,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import attached, capability, charts, data
+from kvscope.dashboard import attached, capability, charts, data, reads, x_axis
 from kvscope.dashboard.charts import attached as attached_charts
 from kvscope.dashboard.frame import Selection
 from kvscope.telemetry import CaptureError
@@ -154,13 +154,15 @@ def used_timeline(chosen: Selection, caps: Capabilities, usage: pd.DataFrame) ->
     used = attached.used_series(usage)
     st.subheader("Device tokens over time")
     if used.notna().any():
+        clock = reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run)
+        shown, x = x_axis.pick(usage, clock, "attached.memory.x_axis")
         st.caption(
             "One step per scrape of the engine's /metrics: **used** as the engine reports it"
             + (", **available** (free) and **evictable** (cached, unlocked)" if caps.has("usage.split") else "")
             + f", against the capacity (dotted). Downsampled to at most {data.MAX_POINTS} points (each bucket "
             "of scrapes keeps its peak row)."
         )
-        st.plotly_chart(attached_charts.device_tokens_figure(usage, used), key="attached.memory.tokens")
+        st.plotly_chart(attached_charts.device_tokens_figure(shown, used, x), key="attached.memory.tokens")
     else:
         st.caption("Used tokens: not provided by this source's /metrics.")
 

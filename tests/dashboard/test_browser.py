@@ -19,12 +19,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pytest
 
 from kvscope.telemetry import PoolTerms, UsageSample
 from kvscope.telemetry.recorder import SQLRecorder
+from tests.dashboard import test_probe_capture
 from tests.dashboard.conftest import ROOT
 
 CHROMIUM = Path(os.environ.get("KVSCOPE_CHROMIUM", "/usr/bin/chromium"))
@@ -289,3 +291,60 @@ def test_the_tiers_page_draws_both_tiers_in_a_browser(tmp_path: Path, page: Page
             assert charts.nth(i).locator(".scatterlayer .trace path.js-line").count() >= 1, i
         text = main_text(page)
         assert "device tokens allocated" in text and "host tokens allocated" in text and "one tier" not in text
+
+
+def console_errors(page: Page, url: str, title: str) -> list[str]:
+    """The browser console's errors while a page renders (plotly reports SVG attributes it could
+    not place there, e.g. '<text> attribute y: Expected length, "-Infinity"')."""
+    errors: list[str] = []
+
+    def keep(message: Any) -> None:
+        if message.type == "error" and "Failed to load resource" not in message.text:
+            errors.append(message.text)
+
+    page.on("console", keep)
+    try:
+        rendered(page, url, title)
+        page.wait_for_timeout(1000)
+    finally:
+        page.remove_listener("console", keep)
+    return errors
+
+
+@pytest.fixture(scope="module")
+def probe_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """test_probe_capture's capture shaped like the vLLM probe's (two steps, finish-only requests)."""
+    return Path(test_probe_capture.probe_capture.__wrapped__(tmp_path_factory))
+
+
+def test_memory_and_requests_log_no_infinity_errors(probe_db: Path, tmp_path: Path, page: Page) -> None:
+    """A probe capture (two steps) and an attached one: plotly put a step axis's title at
+    y = -Infinity when every tick sat on the plot's edges."""
+    from tests.dashboard.test_attached import vllm_like
+
+    for db in (probe_db, vllm_like(tmp_path / "vllm.db")):
+        with streamlit_server(db) as url:
+            for path, title in (("memory", "Memory"), ("requests", "Requests")):
+                errors = console_errors(page, f"{url}/{path}", title)
+                assert not [e for e in errors if "Infinity" in e or "NaN" in e], (db.name, path, errors)
+
+
+def test_node_details_fit_a_1440_px_window_and_a_click_picks_a_node(server_url: str, page: Page) -> None:
+    wide = page.context.browser.new_page(viewport={"width": 1440, "height": 1000})
+    try:
+        rendered(wide, f"{server_url}/tree?step=20", "Radix tree")
+        assert sideways_overflow(wide, 0) <= 1, "the node details scroll sideways"
+        picker = wide.locator('[data-testid="stSelectbox"]').filter(has_text="node (").locator("input").first
+        before = picker.input_value()
+        slices = wide.locator('[data-testid="stPlotlyChart"] g.slice')
+        slices.nth(1).click()  # NOTE: the first slice is the root; the second a subtree below it
+        wide.wait_for_function(
+            "before => new URLSearchParams(location.search).get('node') !== before",
+            arg=before,
+            timeout=RENDER_TIMEOUT_MS,
+        )
+        settled(wide, "Radix tree")
+        node = parse_qs(urlparse(wide.url).query)["node"][0]
+        assert node != before and picker.input_value() == node  # NOTE: the table is a canvas: no text to read
+    finally:
+        wide.close()

@@ -402,7 +402,8 @@ def test_the_probe_tree_shows_ref_counts_and_the_requests_holding_a_block(
     at.selectbox(key="tree.node").set_value(1).run()
     assert not at.exception
     detail, holders = frames(at)[0], frames(at)[1]
-    assert int(detail["lock_ref"].iloc[0]) == 1  # the snapshot's ref count
+    shown = dict(zip(detail["field"], detail["value"], strict=True))
+    assert shown["ref count (requests holding the block)"] == "1"  # the snapshot's ref count
     assert holders.to_dict("records") == [
         {"request": "r2", "references": 1, "since step": 2, "by": "touch (prefix hit)"}
     ]

@@ -134,6 +134,18 @@ def test_small_counts_get_a_tick_at_every_integer_large_ones_keep_automatic_tick
     assert live.yaxis2.dtick == 1 and live.yaxis2.title.text == "requests"
 
 
+def test_a_short_runs_step_ticks_sit_inside_the_plot() -> None:
+    """Ticks at every step on a line's own range put the first and last on the plot's edges, and with
+    none between them (two steps) plotly.js puts the axis title at y = -Infinity (a console error in
+    the browser: tests/dashboard/test_browser.py sees it). Half a step of room on each side."""
+    two_steps = usage_frame(swa=False).head(2)
+    steps = two_steps["step"].astype(float)
+    for fig in (charts.memory_timeline_figure(two_steps), charts.live_usage_figure(two_steps)):
+        assert list(fig.layout.xaxis.range) == [steps.min() - 0.5, steps.max() + 0.5]
+    assert "range" not in charts.style.step_axis(range(0, 500))  # automatic ticks: plotly's own range
+    assert "range" not in charts.style.step_axis([float("nan")])  # no step known: nothing to pad
+
+
 def test_running_keeps_its_colour_with_or_without_an_swa_pool() -> None:
     def running(fig: go.Figure) -> str:
         return next(t.line.color for t in fig.data if t.name == "running")

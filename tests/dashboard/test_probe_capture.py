@@ -4,8 +4,12 @@ shows of it, and says it cannot show, is tests/dashboard/test_capabilities.py's.
 
 from __future__ import annotations
 
+import base64
+import json
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -71,3 +75,65 @@ def test_every_page_opens_a_probe_capture(probe_capture: Path, page: str, monkey
     if page != "overview":
         at.switch_page(f"kvscope/dashboard/app_pages/{page}.py").run()
     assert not at.exception, [e.value for e in at.exception]
+
+
+def timeline(at: AppTest) -> dict[str, Any]:
+    chart = next(c for c in at.get("plotly_chart") if c.proto.id.endswith("requests.timeline"))
+    return dict(json.loads(chart.proto.spec))
+
+
+def values(raw: Any) -> list[Any]:
+    """A trace's array as the browser gets it: a list, or plotly's typed array (base64 bytes)."""
+    if isinstance(raw, dict) and "bdata" in raw:
+        return list(np.frombuffer(base64.b64decode(raw["bdata"]), dtype=raw["dtype"]))
+    return list(raw or [])
+
+
+def drawn(fig: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
+    """Each trace's (request, step) pairs that plotly draws: a bar's start, a marker's step."""
+    found: dict[str, list[tuple[str, float]]] = {}
+    for trace in fig["data"]:
+        at, length = values(trace.get("x")), values(trace.get("x"))
+        if trace["type"] == "bar":  # NOTE: a bar from base to base + x; drawn only where both are known
+            at = values(trace.get("base"))
+        pairs = [
+            (str(y), float(x))
+            for y, x, n in zip(values(trace.get("y")), at, length, strict=False)
+            if x is not None and n is not None and not np.isnan(x) and not np.isnan(n)
+        ]
+        if pairs:
+            found[trace["name"]] = pairs
+    return found
+
+
+def test_the_probe_request_timeline_shows_what_the_probe_recorded(
+    probe_capture: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SGLang probe records a request's finish only: a mark at its finish step. The vLLM probe adds
+    its arrival and admission, not its first token: waiting, then one bar from admit to finish."""
+    monkeypatch.setenv("KVSCOPE_DB", str(probe_capture))
+    monkeypatch.chdir(ROOT)
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60).run()
+    at.switch_page("kvscope/dashboard/app_pages/requests.py").run()
+    assert drawn(timeline(at)) == {"finished": [("r1", 1.0), ("r2", 2.0)]}
+    assert any("records only when each request finished" in c.value for c in at.caption)
+
+    db = tmp_path / "vllm-probe.db"
+    with SQLRecorder(db, config={"source": {"kind": "probe", "engine": "vllm", "version": "0.32.0"}}) as rec:
+        for rid, arrive, admit, finish in (("a", 1, 2, 5), ("b", 2, 4, 6)):
+            done = RequestRecord(rid, None, 64, "finished", 0, 8)
+            done.mark("arrive", arrive, float(arrive))
+            done.mark("admit", admit, float(admit))
+            done.mark("finish", finish, float(finish))
+            rec.step = finish
+            rec.request(done)
+    monkeypatch.setenv("KVSCOPE_DB", str(db))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60).run()
+    at.switch_page("kvscope/dashboard/app_pages/requests.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    shown = drawn(timeline(at))
+    assert shown == {
+        "waiting": [("a", 1.0), ("b", 2.0)],
+        "admitted (first token not recorded)": [("a", 2.0), ("b", 4.0)],
+    }
+    assert any("records no first token" in c.value for c in at.caption)

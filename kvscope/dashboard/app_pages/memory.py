@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import capability, charts, data, reported, tenants
+from kvscope.dashboard import capability, charts, data, reads, reported, tenants, x_axis
 from kvscope.dashboard.frame import Selection, selection
 from kvscope.telemetry.capabilities import Capabilities
 
@@ -82,8 +82,10 @@ def sharing_section(chosen: Selection) -> None:
     visibility_changes_section(chosen, kind)
 
 
-def pools_section(usage: pd.DataFrame, caps: Capabilities) -> None:
+def pools_section(chosen: Selection, usage: pd.DataFrame, caps: Capabilities) -> None:
     st.subheader("Pools over time")
+    clock = reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run)
+    shown, x = x_axis.pick(usage, clock, "memory.x_axis")
     if caps.lacks("locks"):
         st.caption(
             f"Stacked per pool, in tokens ({caps.unit} x their size): **free**"
@@ -92,7 +94,7 @@ def pools_section(usage: pd.DataFrame, caps: Capabilities) -> None:
             "running, anything left here is missing, a leak). Downsampled in SQL to at most "
             f"{data.MAX_POINTS} recorded rows (each bucket of steps keeps its peak row)."
         )
-        st.plotly_chart(charts.memory_timeline_figure(usage), key="memory.timeline")
+        st.plotly_chart(charts.memory_timeline_figure(shown, x), key="memory.timeline")
         return
     st.caption(
         "Stacked per pool: **free** (the allocator's free list), **evictable** (cached, unlocked), "
@@ -101,7 +103,7 @@ def pools_section(usage: pd.DataFrame, caps: Capabilities) -> None:
         f"leak). Downsampled in SQL to at most {data.MAX_POINTS} recorded rows (each bucket of steps keeps its "
         "peak row, so the terms of a point are one step's and stack to its total)."
     )
-    st.plotly_chart(charts.memory_timeline_figure(usage), key="memory.timeline")
+    st.plotly_chart(charts.memory_timeline_figure(shown, x), key="memory.timeline")
 
 
 def occupancy_section(chosen: Selection, usage: pd.DataFrame) -> None:
@@ -171,7 +173,7 @@ def page(chosen: Selection, caps: Capabilities) -> None:
         )
         return
     if caps.has("ownership"):
-        pools_section(usage, caps)
+        pools_section(chosen, usage, caps)
     else:
         reported.used_timeline(chosen, caps, usage)
     if caps.has("tenants"):

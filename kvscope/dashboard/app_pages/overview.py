@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import capability, charts, data, live, reported
+from kvscope.dashboard import capability, charts, data, live, reads, reported, x_axis
 from kvscope.dashboard.frame import Selection, selection
 from kvscope.dashboard.verdict import attached_verdict, leak_verdict, protected_help, run_seconds, show_verdict
 from kvscope.debug import LeakReport
@@ -175,7 +175,9 @@ def live_panel() -> None:
         )
         traffic_metrics(chosen, chosen.run, rows, caps)
         usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
-        st.plotly_chart(charts.live_usage_figure(usage), key="overview.usage")
+        clock = reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run)
+        shown, x = x_axis.pick(usage, clock, "overview.x_axis")
+        st.plotly_chart(charts.live_usage_figure(shown, x), key="overview.usage")
     else:  # NOTE: an engine's own figures (its /metrics): NULL where it exports nothing
         reported.pool_panel(chosen, caps, rows.iloc[-1])
         reported.traffic_panel(chosen, caps, rows.iloc[-1])

@@ -172,6 +172,19 @@ def panel(chosen: Selection) -> None:
     table_section(chosen, totals, notes, clock)
 
 
+def missing_moments(window: pd.DataFrame) -> str:
+    """What the timeline cannot draw because the source records no such moment (one sentence)."""
+    known = {c: c in window and bool(window[c].notna().any()) for c in ("admit_step", "first_token_step")}
+    if not known["admit_step"] and not known["first_token_step"]:
+        return (
+            " This source records only when each request finished (and any retraction): each request is a "
+            "dot at its finish step."
+        )
+    if not known["first_token_step"]:
+        return " This source records no first token: an admitted request is one bar from admit to finish."
+    return ""
+
+
 def table_section(chosen: Selection, totals: pd.DataFrame, notes: Any, clock: timing.Clock | None) -> None:
     st.subheader("Requests")
     rid, statuses, num_shown = request_filter(chosen, totals)
@@ -203,6 +216,7 @@ def table_section(chosen: Selection, totals: pd.DataFrame, notes: Any, clock: ti
     st.caption(
         "Steps on the x axis: waiting (arrive → admit), prefill (admit → first token; dots are the steps that "
         "allocated prefill chunks), decode (first token → finish); a cross marks a retraction."
+        + missing_moments(window)
     )
     st.plotly_chart(charts.request_timeline_figure(window, allocs), key="requests.timeline")
     st.plotly_chart(charts.cached_tokens_figure(window), key="requests.cached")

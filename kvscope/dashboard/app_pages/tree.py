@@ -8,15 +8,32 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import capability, charts, data, leak_views, live, reads, reported, tenants, url_state
+from kvscope.dashboard import (
+    capability,
+    charts,
+    data,
+    leak_views,
+    live,
+    node_details,
+    reads,
+    reported,
+    tenants,
+    url_state,
+)
 from kvscope.dashboard.frame import Selection, selection
-from kvscope.dashboard.timing import COUNTER_CLOCK_CACHES, DATETIME_COLUMN_FORMAT, Clock, zone_name
+from kvscope.dashboard.timing import COUNTER_CLOCK_CACHES, Clock, zone_name
 from kvscope.telemetry.capabilities import Capabilities, capabilities_of_json
 
 STEP_KEY = "tree.step"
 FOLLOW_KEY = "tree.follow"
 CHOSEN_KEY = "tree.chosen_step"  # (capture, run, step) the user or a link chose: kept while the run grows
 NODE_KEY = "tree.node"
+ICICLE_KEY = "tree.icicle"
+CLICKED_KEY = "tree.clicked"  # the icicle click last applied to the node picker (a selection stays set)
+DETAIL_COLUMNS = {  # NOTE: 720 px: fits beside the sidebar on a 1280-px-wide window
+    "field": st.column_config.TextColumn("field", width=300),
+    "value": st.column_config.TextColumn("value", width=420),
+}
 
 
 def _moved(path: str, run_id: int) -> None:
@@ -84,8 +101,21 @@ def step_caption(chosen: Selection, clock: Clock | None, step: int, nodes: pd.Da
     )
 
 
-def pick_node(drawn: pd.DataFrame, nodes: pd.DataFrame) -> int:
+def _apply_click(clicked: int | None, choices: list[int]) -> None:
+    """A click on the icicle picks its node, once per click (the chart's selection stays set
+    over reruns: the picker must stay free to move)."""
+    if clicked is None or clicked == st.session_state.get(CLICKED_KEY):
+        return
+    st.session_state[CLICKED_KEY] = clicked
+    if clicked in choices:
+        st.session_state[NODE_KEY] = clicked
+    else:
+        st.caption(f"Node {clicked} is not among the nodes listed here (the tenant filter).")
+
+
+def pick_node(drawn: pd.DataFrame, nodes: pd.DataFrame, clicked: int | None) -> int:
     choices = drawn.sort_values("value", ascending=False)["node_id"].astype(int).tolist()  # only what is drawn
+    _apply_click(clicked, choices)
     linked = url_state.pending("node")
     if linked is not None:
         if linked in set(nodes["node_id"].astype(int)):
@@ -95,36 +125,36 @@ def pick_node(drawn: pd.DataFrame, nodes: pd.DataFrame) -> int:
             url_state.note(f"The link's node {linked} is not in the tree at this step.")
     if st.session_state.get(NODE_KEY) not in choices:
         st.session_state[NODE_KEY] = choices[0]
-    node_id = int(st.selectbox(f"node (the {len(choices):,} drawn, largest subtrees first)", choices, key=NODE_KEY))
+    node_id = int(
+        st.selectbox(
+            f"node (the {len(choices):,} drawn, largest subtrees first; or click one in the tree)",
+            choices,
+            key=NODE_KEY,
+        )
+    )
     url_state.publish(node=node_id)
     return node_id
 
 
-def node_details(
-    chosen: Selection, clock: Clock | None, step: int, nodes: pd.DataFrame, drawn: pd.DataFrame, show_preview: bool
+def details_section(
+    chosen: Selection,
+    clock: Clock | None,
+    step: int,
+    nodes: pd.DataFrame,
+    drawn: pd.DataFrame,
+    show_preview: bool,
+    clicked: int | None,
 ) -> None:
     st.subheader("Node details")
-    node_id = pick_node(drawn, nodes)
-    detail = nodes[nodes["node_id"] == node_id].drop(columns=[] if show_preview else ["token_preview"])
-    columns = {}
-    if data.cache_kind(chosen.run) in COUNTER_CLOCK_CACHES:
-        columns["last_access_time"] = st.column_config.NumberColumn(
-            "last access (order)",
-            format="%d",
-            help="this cache stamps accesses with a counter, not a clock: a "
-            "larger number is a later access (a node born after the last snapshot: approximate)",
-        )
-    elif clock is not None and "last_access_time" in detail:
-        detail = detail.assign(last_access_time=clock.datetimes(detail["last_access_time"]))
-        columns["last_access_time"] = st.column_config.DatetimeColumn(
-            "last access", format=DATETIME_COLUMN_FORMAT, help=f"wall-clock time, {zone_name()}"
-        )
+    node_id = pick_node(drawn, nodes, clicked)
+    detail = nodes[nodes["node_id"] == node_id]
     caps = capabilities_of_json(getattr(chosen.run, "config", None))
-    if caps.has("refs"):
-        columns["lock_ref"] = st.column_config.NumberColumn(
-            "ref count", help="the block's ref count: the requests that hold it (a prefix hit shares a block)"
-        )
-    st.dataframe(detail, hide_index=True, column_config=columns)
+    if len(detail):
+        counter_clock = data.cache_kind(chosen.run) in COUNTER_CLOCK_CACHES
+        table = node_details.details_frame(detail.iloc[0], clock, counter_clock, caps.has("refs"), show_preview)
+        st.dataframe(table, hide_index=True, column_config=DETAIL_COLUMNS)
+        if not counter_clock and clock is not None:
+            st.caption(f"Times are {zone_name()}; a node born after the last snapshot has an approximate access time.")
     refs = int(detail["lock_ref"].fillna(0).iloc[0]) if len(detail) else 0
     if caps.has("locks"):
         lock_holders(chosen, step, node_id, nodes, refs)
@@ -258,7 +288,13 @@ def tree_section(
     if nodes.empty:
         st.info("The tree is empty at this step.")
     else:
-        st.plotly_chart(charts.tree_figure(drawn, color_by, show_preview), key="tree.icicle")
+        event = st.plotly_chart(
+            charts.tree_figure(drawn, color_by, show_preview),
+            key=ICICLE_KEY,
+            on_select="rerun",
+            selection_mode="points",
+        )
+        clicked = node_details.clicked_node(event)
         listed = drawn if chosen.tenant is None else tenants.of_tenant(drawn, chosen.tenant, column="owner")
         if chosen.tenant is not None:
             st.caption(
@@ -266,7 +302,7 @@ def tree_section(
                 f"**{chosen.tenant}**" + (" (none at this step)." if listed.empty else ".")
             )
         if not listed.empty:
-            node_details(chosen, clock, step, nodes, listed, show_preview)
+            details_section(chosen, clock, step, nodes, listed, show_preview, clicked)
 
 
 def page(chosen: Selection, caps: Capabilities) -> None:

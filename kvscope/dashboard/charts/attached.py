@@ -6,16 +6,17 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from kvscope.dashboard.charts.style import BOTTOM_MARGIN, color, count_axis, legend_above, step_axis
+from kvscope.dashboard.charts.style import BOTTOM_MARGIN, color, count_axis, legend_above, run_axis, step_axis
 
 
 def _known(series: pd.Series) -> bool:
     return bool(pd.to_numeric(series, errors="coerce").notna().any())
 
 
-def device_tokens_figure(usage: pd.DataFrame, used: pd.Series) -> go.Figure:
+def device_tokens_figure(usage: pd.DataFrame, used: pd.Series, x: str = "step") -> go.Figure:
     """Device tokens over the scrapes: used (solid), and free (available) and evictable
-    (cached, reclaimable) when the source splits its pool; the capacity dotted."""
+    (cached, reclaimable) when the source splits its pool; the capacity dotted. The x axis: the
+    steps, or (x = "time") the wall-clock time the page added to each row."""
     steps = usage["step"].astype(int)
     fig = go.Figure()
     series = [("used", used, color("full"), "solid")]
@@ -27,7 +28,15 @@ def device_tokens_figure(usage: pd.DataFrame, used: pd.Series) -> go.Figure:
     for name, values, line_color, dash in series:
         if _known(values):
             fig.add_trace(
-                go.Scatter(x=steps, y=values, name=name, mode="lines", line={"color": line_color, "dash": dash})
+                go.Scatter(
+                    x=usage[x],
+                    y=values,
+                    customdata=steps,
+                    hovertemplate="%{y:,} tokens (step %{customdata})",
+                    name=name,
+                    mode="lines",
+                    line={"color": line_color, "dash": dash},
+                )
             )
     values = pd.concat([s for _, s, _, _ in series])
     fig.update_layout(
@@ -35,7 +44,7 @@ def device_tokens_figure(usage: pd.DataFrame, used: pd.Series) -> go.Figure:
         hovermode="x unified",
         margin={"b": BOTTOM_MARGIN},
         yaxis=count_axis(values, "tokens"),
-        xaxis=step_axis(steps),
+        xaxis=run_axis(usage, x),
     )
     return legend_above(fig)
 

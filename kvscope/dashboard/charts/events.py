@@ -145,25 +145,52 @@ def _trace_values(fig: go.Figure, axis: str) -> list[float]:
     return [v for trace in fig.data if getattr(trace, axis) is not None for v in getattr(trace, axis)]
 
 
+UNTIMED_PHASE = "admitted (first token not recorded)"
+
+
+def _phase_bar(rows: pd.DataFrame, name: str, start: str, end: str) -> go.Bar:
+    lo, hi = rows[start].astype(float), rows[end].astype(float)
+    return go.Bar(
+        y=rows["rid"],
+        x=(hi - lo).clip(lower=0.5),
+        base=lo,
+        orientation="h",
+        name=name,
+        marker_color=color(name),
+        hovertemplate=f"%{{y}} {name}: step %{{base}}–%{{x}}<extra></extra>",
+    )
+
+
+def _moments(rows: pd.DataFrame, kind: str, name: str, symbol: str) -> go.Scatter:
+    return go.Scatter(
+        y=rows["rid"],
+        x=rows[f"{kind}_step"],
+        mode="markers",
+        name=name,
+        marker={"symbol": symbol, "size": 10, "color": color(name)},
+        hovertemplate=f"%{{y}}: {kind} at step %{{x}}<extra></extra>",
+    )
+
+
 def request_timeline_figure(requests: pd.DataFrame, allocs: pd.DataFrame) -> go.Figure:
-    """One row per request: waiting, prefill, decode bars; prefill chunks as dots, retractions as crosses."""
+    """One row per request: waiting, prefill, decode bars; prefill chunks as dots, retractions as
+    crosses. What a source does not record is not drawn: without a first token (the vLLM probe), an
+    admitted request is one bar from admit to finish; a request known only by its finish (the SGLang
+    probe) is a mark at its finish step."""
     rows = requests.reset_index(drop=True)
     steps = [c for _, *moments in PHASES for c in moments] + ["retract_step"]
-    rows = rows.assign(**{c: pd.to_numeric(rows[c], errors="coerce").astype(float) for c in steps if c in rows})
+    rows = rows.assign(
+        **{c: pd.to_numeric(rows[c], errors="coerce").astype(float) if c in rows else float("nan") for c in steps}
+    )
     fig = go.Figure()
     for name, start, end in PHASES:
-        lo, hi = rows[start].astype(float), rows[end].astype(float)
-        fig.add_trace(
-            go.Bar(
-                y=rows["rid"],
-                x=(hi - lo).clip(lower=0.5),
-                base=lo,
-                orientation="h",
-                name=name,
-                marker_color=color(name),
-                hovertemplate=f"%{{y}} {name}: step %{{base}}–%{{x}}<extra></extra>",
-            )
-        )
+        fig.add_trace(_phase_bar(rows, name, start, end))
+    untimed = rows[rows["first_token_step"].isna() & rows["admit_step"].notna() & rows["finish_step"].notna()]
+    if not untimed.empty:
+        fig.add_trace(_phase_bar(untimed, UNTIMED_PHASE, "admit_step", "finish_step"))
+    only_finish = rows[rows["admit_step"].isna() & rows["first_token_step"].isna() & rows["finish_step"].notna()]
+    if not only_finish.empty:
+        fig.add_trace(_moments(only_finish, "finish", "finished", "circle"))
     if not allocs.empty:
         admitted = rows.set_index("rid")[["admit_step", "first_token_step"]].astype(float)  # NOTE: unknown: NaN
         chunks = allocs.join(admitted, on="rid")
@@ -180,21 +207,12 @@ def request_timeline_figure(requests: pd.DataFrame, allocs: pd.DataFrame) -> go.
                 hovertemplate="%{y}: chunk of %{text} tokens at step %{x}<extra></extra>",
             )
         )
-    retracted = rows[rows["retract_step"].notna()]
-    fig.add_trace(
-        go.Scatter(
-            y=retracted["rid"],
-            x=retracted["retract_step"],
-            mode="markers",
-            name="retracted",
-            marker={"symbol": "x", "size": 10, "color": color("retracted")},
-        )
-    )
+    fig.add_trace(_moments(rows[rows["retract_step"].notna()], "retract", "retracted", "x"))
     fig.update_layout(
         barmode="overlay",
         height=max(320, 18 * len(rows) + 100),
         margin={"b": BOTTOM_MARGIN},
-        xaxis=step_axis(rows[steps[:-1]].to_numpy().ravel()),
+        xaxis=step_axis(rows[steps].to_numpy().ravel()),
         yaxis={"autorange": "reversed", "type": "category"},
     )
     return legend_above(fig)

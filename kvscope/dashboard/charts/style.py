@@ -59,6 +59,7 @@ COLORS: dict[str, str] = {
     "decode": "#1f77b4",
     "prefill chunk": "#000000",
     "retracted": "#d62728",
+    "admitted (first token not recorded)": "#9edae5",
     "cached": "#2ca02c",
     "computed": "#c7c7c7",
     # evictions
@@ -142,8 +143,34 @@ def count_axis(values: Iterable[Any] = (), title: str | None = None, from_zero: 
 
 
 def step_axis(values: Iterable[Any] = (), title: str = "step") -> dict[str, Any]:
-    """A count axis over the data's own span (steps start where the run's data starts)."""
-    return count_axis(values, title, from_zero=False)
+    """A count axis over the data's own span (steps start where the run's data starts).
+
+    NOTE: a tick at every integer on a line's own range puts the first and last ticks on the
+    plot's edges; with no tick between them (a run of one or two steps) plotly.js places the
+    axis title at y = -Infinity (an SVG error in the browser's console). Half a step of room on
+    each side keeps every tick inside the plot."""
+    values = list(values)
+    axis = count_axis(values, title, from_zero=False)
+    numbers = pd.to_numeric(pd.Series(values, dtype=object), errors="coerce").dropna()
+    if axis["tickmode"] == "linear" and len(numbers):
+        axis["range"] = [float(numbers.min()) - 0.5, float(numbers.max()) + 0.5]
+    return axis
+
+
+WALL_CLOCK = "time"  # NOTE: the column a page adds to usage rows for a wall-clock x axis (local datetimes)
+
+
+def run_axis(frame: pd.DataFrame, x: str = "step") -> dict[str, Any]:
+    """The x axis of a chart over a run: its steps, or (x = WALL_CLOCK) the wall-clock time of
+    each row, to line the chart up with an incident's time; the hover names the step either way."""
+    if x != WALL_CLOCK:
+        return step_axis(frame["step"])
+    return {
+        "title": {"text": "wall-clock time"},
+        "type": "date",
+        "tickformat": "%H:%M:%S",
+        "hoverformat": "%H:%M:%S.%L",
+    }
 
 
 def legend_above(fig: go.Figure, top_margin: int = 60, y: float = 1.02) -> go.Figure:

@@ -16,7 +16,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvscope.dashboard.charts.style import BOTTOM_MARGIN, color, count_axis, legend_above, step_axis
+from kvscope.dashboard.charts.style import BOTTOM_MARGIN, color, count_axis, legend_above, run_axis
 
 TERMS = ("requests", "protected", "evictable", "free")
 TERM_NAMES = {"requests": "held by requests", "protected": "protected", "evictable": "evictable", "free": "free"}
@@ -29,8 +29,8 @@ def pools_of(usage: pd.DataFrame) -> list[str]:
     return ["full", "swa"] if has_swa else ["full"]
 
 
-def pool_terms(usage: pd.DataFrame, pool: str) -> pd.DataFrame:
-    """step, total and the four stacked terms of one pool, in tokens."""
+def pool_terms(usage: pd.DataFrame, pool: str, x: str = "step") -> pd.DataFrame:
+    """step (and the x column, when it is another), total and the four stacked terms of one pool, in tokens."""
     total = usage[f"{pool}_total"].astype(float)
     free = usage[f"{pool}_available"].astype(float)
     evictable = usage[f"{pool}_evictable"].astype(float)
@@ -38,6 +38,7 @@ def pool_terms(usage: pd.DataFrame, pool: str) -> pd.DataFrame:
     return pd.DataFrame(
         {
             "step": usage["step"],
+            **({x: usage[x]} if x != "step" else {}),
             "total": total,
             "free": free,
             "evictable": evictable,
@@ -47,16 +48,19 @@ def pool_terms(usage: pd.DataFrame, pool: str) -> pd.DataFrame:
     )
 
 
-def memory_timeline_figure(usage: pd.DataFrame) -> go.Figure:
-    """One stacked area per pool, side by side on one shared step axis."""
+def memory_timeline_figure(usage: pd.DataFrame, x: str = "step") -> go.Figure:
+    """One stacked area per pool, side by side on one shared axis: the steps, or (x = "time") the
+    wall-clock time the page added to each row."""
     pools = pools_of(usage)
     fig = make_subplots(rows=1, cols=len(pools), shared_xaxes="all", subplot_titles=[POOL_TITLES[p] for p in pools])
     for col, pool in enumerate(pools, 1):
-        terms = pool_terms(usage, pool)
+        terms = pool_terms(usage, pool, x)
         for term in TERMS:
             fig.add_trace(
                 go.Scatter(
-                    x=terms["step"],
+                    x=terms[x],
+                    customdata=terms["step"],
+                    hovertemplate="%{y:,} tokens (step %{customdata})",
                     y=terms[term],
                     name=TERM_NAMES[term],
                     stackgroup=pool,
@@ -70,35 +74,47 @@ def memory_timeline_figure(usage: pd.DataFrame) -> go.Figure:
                 col=col,
             )
         fig.update_yaxes(count_axis(terms["total"], "tokens"), row=1, col=col)
-        fig.update_xaxes(step_axis(terms["step"]), row=1, col=col)
+        fig.update_xaxes(run_axis(terms, x), row=1, col=col)
     fig.update_layout(height=400, hovermode="x unified")
     return legend_above(fig, top_margin=80, y=1.1)
 
 
-def live_usage_figure(usage: pd.DataFrame) -> go.Figure:
+def live_usage_figure(usage: pd.DataFrame, x: str = "step") -> go.Figure:
     """Allocated fraction of each pool (total - free: "used" plus evictable), and running / waiting
-    requests, over steps."""
+    requests, over steps (or, x = "time", the wall-clock time the page added to each row)."""
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     for pool in pools_of(usage):
         terms = pool_terms(usage, pool)
         allocated = (terms["total"] - terms["free"]) / terms["total"].where(terms["total"] > 0)
         fig.add_trace(
             go.Scatter(
-                x=terms["step"], y=allocated, name=f"{pool} allocated", mode="lines", line={"color": color(pool)}
+                x=usage[x],
+                y=allocated,
+                customdata=usage["step"],
+                hovertemplate="%{y:.1%} (step %{customdata})",
+                name=f"{pool} allocated",
+                mode="lines",
+                line={"color": color(pool)},
             )
         )
     for column in ("num_running", "num_waiting"):
         name = column.removeprefix("num_")
         fig.add_trace(
             go.Scatter(
-                x=usage["step"], y=usage[column], name=name, mode="lines", line={"dash": "dot", "color": color(name)}
+                x=usage[x],
+                y=usage[column],
+                customdata=usage["step"],
+                hovertemplate="%{y} (step %{customdata})",
+                name=name,
+                mode="lines",
+                line={"dash": "dot", "color": color(name)},
             ),
             secondary_y=True,
         )
     counts = pd.concat([usage["num_running"], usage["num_waiting"]])
     fig.update_yaxes(title_text="allocated (total - free)", tickformat=".0%", range=[0, 1.05], secondary_y=False)
     fig.update_yaxes(count_axis(counts, "requests"), rangemode="tozero", showgrid=False, secondary_y=True)
-    fig.update_xaxes(step_axis(usage["step"]))
+    fig.update_xaxes(run_axis(usage, x))
     fig.update_layout(height=300, margin={"b": BOTTOM_MARGIN})
     return legend_above(fig)
 
