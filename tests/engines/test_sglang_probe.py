@@ -5,9 +5,9 @@ installed by SGLang's own load_plugins() and driven through the scheduler's requ
 sglang_probe_driver.py, started under `kvscope instrument` the way an operator starts
 SGLang. The capture's leak checks are the probe's page census; `kvscope check` and `report leaks`
 judge it. About 40 s per run, mostly SGLang's imports. The clean life, the tail leak, the lock leak
-and the double free run on every release a family of the probe lists as tested (RELEASES: 0.5.22's
-unpacked wheel ahead of the venv's packages); the older releases' refusal lines are checked by
-describe_installed on their real modules.
+and the double free run on every release a family of the probe lists as tested (RELEASES: 0.5.20,
+0.5.21 and 0.5.22 from their unpacked wheels ahead of the venv's packages; the Rust tree core from
+0.5.21 on); the older releases' refusal lines are checked by describe_installed on their real modules.
 
 Run by `make test-engines` (`pytest -m engines`; KVSCOPE_SGLANG_PYTHON names the venv's python).
 """
@@ -61,6 +61,8 @@ def has_checkpoint(release: str) -> bool:
 
 def rust_or_unified(release: str) -> str:
     return "rust" if has_rust_core(release) else "unified"
+
+
 pytestmark = [
     pytest.mark.engines,
     pytest.mark.skipif(
@@ -914,10 +916,10 @@ print(json.dumps(describe_installed()))
     ("release", "family", "differs"),
     [
         ("0.5.23", "0.5.23", None),  # NOTE: 0.5.22's family is its clean runs' (registered, its label)
-        ("0.5.21", None, "nearest 0.5.22: sglang.srt.mem_cache.radix_cache.RadixCache.checkpoint not found"),
-        ("0.5.20", None, "nearest 0.5.22: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.backup_kv_cache"),
-        ("0.5.19", None, "nearest 0.5.22: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.backup_kv_cache"),
-        ("0.5.18", None, "nearest 0.5.23: sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows not found"),
+        ("0.5.21", "0.5.21", None),
+        ("0.5.20", "0.5.20", None),
+        ("0.5.19", None, "nearest 0.5.20: sglang.srt.managers.schedule_policy.PrefillAdder._commit_prefill_admission"),
+        ("0.5.18", None, "nearest 0.5.20: sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows not found"),
     ],
 )
 def test_each_release_loads_as_the_family_docs_probe_md_names_or_says_which_target_differs(
