@@ -49,6 +49,7 @@ import atexit
 import functools
 import inspect
 import multiprocessing.util
+import operator
 import os
 import pkgutil
 import sys
@@ -124,6 +125,16 @@ HOST_EVICT_V, LOAD_V, WRITE_V = (k._value_ for k in (EventKind.HOST_EVICT, Event
 ALLOC_V, FREE_V = EventKind.ALLOC._value_, EventKind.FREE._value_
 RETRACT_V = EventKind.REQUEST_RETRACT._value_
 CAPACITY_V = EvictReason.CAPACITY._value_
+
+
+class LiveReader(NamedTuple):
+    """How a family reads the scheduler's live requests: `owners`, SGLang's invariant checker -> the
+    requests that own a row; `lock_nodes`, those requests -> the tree node each one's prefix lock is on."""
+
+    owners: Callable[[Any], list[Any]]
+    lock_nodes: Callable[[list[Any]], list[Any]]
+
+
 SNAPSHOT_EVERY_STEPS = 256  # NOTE: while busy; a snapshot walks every node (as the idle census does)
 _monotonic = time.monotonic
 
@@ -390,7 +401,7 @@ class SglangProbe:
         since_s = _monotonic() - self.last_census_t
         return busy_census_due(self.settings, steps_since, since_s, self.census_cost_s, CENSUS_BUDGET_X)
 
-    def end_run(self, scheduler: Any, err: BaseException | None) -> None:
+    def end_run(self, scheduler: Any, err: BaseException | None, live: LiveReader) -> None:
         """SGLang's scheduler loop ended (`err`: what it raised): the last census, kind by how it ended
         (core.LAST_CENSUS: drain after a shutdown, crash after an error, none when interrupted), then the
         run closes as the loop ended (core.engine_ending; a shutdown was asked for once SGLang's
@@ -403,8 +414,9 @@ class SglangProbe:
             if kind is not None:
                 with guarded(self.state):
                     checker = scheduler.invariant_checker
-                    owners = checker._requests_owning_rows()
-                    self.census(checker.tree_cache, checker.req_to_token_pool, owners, why=kind, kind=kind)
+                    owners = live.owners(checker)
+                    tree, rows = checker.tree_cache, checker.req_to_token_pool
+                    self.census(tree, rows, owners, why=kind, kind=kind, lock_nodes=live.lock_nodes)
                     for req in owners:  # NOTE: the rows of those still running (the census saw their pages held)
                         _record_request(req, unfinished=True)
                 self.publish(scheduler)
@@ -414,7 +426,16 @@ class SglangProbe:
                     self.state.active = False
                     self.state.recorder.close(*ending)
 
-    def census(self, tree: Any, rows: Any, owners: list[Any], *, why: str, kind: str = "idle") -> Any:
+    def census(
+        self,
+        tree: Any,
+        rows: Any,
+        owners: list[Any],
+        *,
+        why: str,
+        kind: str = "idle",
+        lock_nodes: Callable[[list[Any]], list[Any]] | None = None,
+    ) -> Any:
         """Every page of each pool is exactly one of free / in the tree / in a live request's row (a
         streaming session's record counts as one: session_holders); stored as leak checks (one per
         pool) of census `kind` (busy, idle, drain, crash) with every page it names, and a usage
@@ -431,15 +452,16 @@ class SglangProbe:
         self.census_step = rec.step
         allocator = tree.token_to_kv_pool_allocator
         full = getattr(allocator, "full_attn_allocator", allocator)
+        lock_nodes = lock_nodes or _lock_nodes  # NOTE: the family's (LiveReader); Req.lock from 0.5.22
         sessions, session_locks = session_holders(tree)
         owners = [*owners, *sessions]  # NOTE: SGLang's owners leave out a session's record; it is held, not leaked
         live = {req.rid for req in owners}
-        live_locks = Counter(_node(node) for node in [*_lock_nodes(owners), *session_locks])
+        live_locks = Counter(_node(node) for node in [*lock_nodes(owners), *session_locks])
         open_locks = {node: stale_locks(held, live, live_locks[node]) for node, held in self.locks.items()}
         in_tree = tree_slots(tree)
         view = page_view(full, in_tree, rows, owners)
         locked = (  # NOTE: no lock ledger at summary: the tree's own counts against the live holders' locks
-            stale_locked_pages(tree, [*_lock_nodes(owners), *session_locks], view.live, view.page_size)
+            stale_locked_pages(tree, [*lock_nodes(owners), *session_locks], view.live, view.page_size)
             if self.lean
             else None
         )
@@ -767,36 +789,46 @@ def _in_context(rid: str | None, event: str, call: Callable[[], Any]) -> Any:
 # in _inserted / _evicted / _locked / _unlocked.
 
 
-def _d_match(original: Callable[..., Any]) -> Callable[..., Any]:
-    """match_prefix(params) of RadixCache and UnifiedRadixCache: the request's hit and asked tokens
-    into the running totals (usage samples), and at level full a match event."""
+def _matcher(hit_len: Callable[[Any], int]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The factory of match_prefix(params) of RadixCache and UnifiedRadixCache: the request's hit and
+    asked tokens into the running totals (usage samples), and at level full a match event. `hit_len`:
+    the device hit's length read from SGLang's MatchResult (device_prefix_len from 0.5.22; the length of
+    its device_indices before)."""
 
-    @functools.wraps(original)
-    def match_prefix(self: Any, params: Any) -> Any:
-        probe = PROBE
-        req = params.req
-        if req is None or not probe.state.active:  # NOTE: a tree's own re-match (checkpoint) is no request's query
-            return original(self, params)
-        rid = (
-            req.rid
-        )  # NOTE: the match's own; the calls after it are no request's until a hook says so (bind names takers)
-        result = original(self, params)
-        try:
-            if probe.hot or _ready():
-                hit, asked = result.device_prefix_len, len(params.key)
-                c = probe.cum
-                c[0] += asked
-                c[1] += hit
-                c[2] += 1
-                if hit:
-                    c[3] += 1
-                if probe.emit is not None:
-                    probe.emit((probe.step, probe.now, MATCH_V, "full", rid, None, hit, asked - hit, None, None, None))
-        except Exception as err:
-            _failed(err)
-        return result
+    def factory(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def match_prefix(self: Any, params: Any) -> Any:
+            probe = PROBE
+            req = params.req
+            if req is None or not probe.state.active or probe.event == "checkpoint":
+                return original(
+                    self, params
+                )  # NOTE: the cache step's own re-match (0.5.21's names its req) is no query
+            rid = req.rid  # NOTE: the match's own; the calls after it are no request's until a hook says so
+            result = original(self, params)
+            try:
+                if probe.hot or _ready():
+                    hit, asked = hit_len(result), len(params.key)
+                    c = probe.cum
+                    c[0] += asked
+                    c[1] += hit
+                    c[2] += 1
+                    if hit:
+                        c[3] += 1
+                    if probe.emit is not None:
+                        event = (probe.step, probe.now, MATCH_V, "full", rid, None, hit, asked - hit, None, None, None)
+                        probe.emit(event)
+            except Exception as err:
+                _failed(err)
+            return result
 
-    return match_prefix
+        return match_prefix
+
+    return factory
+
+
+_d_match = _matcher(operator.attrgetter("device_prefix_len"))
+_d_match_indices = _matcher(lambda result: len(result.device_indices))  # NOTE: before 0.5.22
 
 
 def _d_insert(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -1026,8 +1058,9 @@ def _h_prepare(event: str) -> Callable[..., Any]:
 
 
 def _h_checkpoint(original: Callable[..., Any], self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """RadixCache / UnifiedRadixCache.checkpoint(req, up_to=...): its insert, re-lock and frees are the
-    request's (checkpoint_kv_cache runs it after each prefill, outside any other request's call)."""
+    """RadixCache / UnifiedRadixCache.checkpoint(req, up_to=...) (0.5.22 on; before, cache_unfinished_req(req,
+    chunked)): its insert, re-lock and frees are the request's (SGLang runs it after each prefill chunk,
+    outside any other request's call)."""
     if not PROBE.state.active:
         return original(self, req, *args, **kwargs)
     return _in_context(req.rid, "checkpoint", lambda: original(self, req, *args, **kwargs))
@@ -1109,23 +1142,99 @@ def _record_request(req: Any, *, unfinished: bool = False) -> None:
             c[3] += 1
 
 
-def _h_on_idle(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    try:
-        result = original(self, *args, **kwargs)  # NOTE: SGLang's own check first
-    except Exception:  # NOTE: a check SGLang raises from (strict) that no hook below saw: census, then its raise
-        _census_before_raise(self, "SGLang's idle check raised", scheduler=True)
-        PROBE.publish(self)  # NOTE: the checker's own hooks have no metrics collector; the scheduler has
-        raise
-    if PROBE.state.active and (PROBE.busy or PROBE.pending):
-        with guarded(PROBE.state):
-            checker = self.invariant_checker
-            PROBE.census(self.tree_cache, self.req_to_token_pool, checker._requests_owning_rows(), why="idle")
-        PROBE.publish(self)
-    return result
+def _requests_owning_rows(checker: Any) -> list[Any]:
+    """The requests that own a row, as SGLang's invariant checker lists them (0.5.22 on)."""
+    return list(checker._requests_owning_rows())
+
+
+def _batch_owners(checker: Any) -> list[Any]:
+    """The requests that own a row, read where SGLang's checker reads them before 0.5.22 had a method for
+    it (its uncached count): the last batch's, the running batch's (when another object) and the chunked
+    request parked between its chunks, each once, that holds a row."""
+    last, running = checker.get_last_batch(), checker.get_running_batch()
+    reqs = [] if last is None else list(last.reqs)
+    if running is not None and running is not last:  # NOTE: identity: ScheduleBatch's == compares tensors
+        reqs += running.reqs
+    chunked = checker.get_chunked_req()
+    if chunked is not None:
+        reqs.append(chunked)
+    owners: dict[int, Any] = {}
+    for req in reqs:
+        if req.kv.holds_kv:
+            owners.setdefault(id(req), req)
+    return list(owners.values())
+
+
+def _census_hooks(live: LiveReader) -> list[Hook]:
+    """The scheduler's and the checker's hooks that run a census (idle, busy, before SGLang raises, as the
+    loop ends), each reading the live requests and their locks with the family's `live`."""
+
+    def on_idle(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            result = original(self, *args, **kwargs)  # NOTE: SGLang's own check first
+        except Exception:  # NOTE: a check SGLang raises from (strict) that no hook below saw: census, then its raise
+            _census_before_raise(self.invariant_checker, "SGLang's idle check raised", live)
+            PROBE.publish(self)  # NOTE: the checker's own hooks have no metrics collector; the scheduler has
+            raise
+        if PROBE.state.active and (PROBE.busy or PROBE.pending):
+            with guarded(PROBE.state):
+                owners = live.owners(self.invariant_checker)
+                PROBE.census(self.tree_cache, self.req_to_token_pool, owners, why="idle", lock_nodes=live.lock_nodes)
+            PROBE.publish(self)
+        return result
+
+    def ingest_requests(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+        """Scheduler.ingest_requests, first in each iteration of the event loop: before it, the busy census
+        when one is due and something moved since the last census (docs/probe.md "When the SGLang probe's
+        censuses run": the state here is the one SGLang's own busy check reads)."""
+        probe = PROBE
+        if probe.in_loop and probe.state.active and (probe.busy or probe.pending) and probe.busy_census_due():
+            with guarded(probe.state):
+                checker = self.invariant_checker
+                owners, rows = live.owners(checker), checker.req_to_token_pool
+                probe.census(checker.tree_cache, rows, owners, why="busy", kind="busy", lock_nodes=live.lock_nodes)
+            probe.publish(self)
+        return original(self, *args, **kwargs)
+
+    def run_event_loop(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+        """Scheduler.run_event_loop returns once SGLang's ShutdownReq set gracefully_exit, and raises what
+        ended the loop otherwise; run_scheduler_process catches an Exception there, logs it and returns, so
+        the process ends normally: the run's end is read here (SglangProbe.end_run), then it goes on."""
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException as err:
+            with suppress(Exception):  # NOTE: never into the engine (end_run guards its own work too)
+                PROBE.end_run(self, err, live)
+            raise
+        with suppress(Exception):
+            PROBE.end_run(self, None, live)
+        return result
+
+    def report_leak(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+        _census_before_raise(self, "SGLang's leak check failed", live)  # NOTE: before "memory leak detected!"
+        return original(self, *args, **kwargs)
+
+    def check_req_pool(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+        """SGLang's request-row count at an idle point raises (strict) without passing _report_leak."""
+        try:
+            return original(self, *args, **kwargs)
+        except Exception:
+            _census_before_raise(self, "SGLang's request-row check failed", live)
+            raise
+
+    return [
+        Hook(f"{SCHEDULER}.on_idle", on_idle),
+        Hook(f"{SCHEDULER}.event_loop_normal", _h_event_loop),
+        Hook(f"{SCHEDULER}.event_loop_overlap", _h_event_loop),
+        Hook(f"{SCHEDULER}.ingest_requests", ingest_requests),
+        Hook(f"{SCHEDULER}.run_event_loop", run_event_loop),
+        Hook(f"{CHECKER}._report_leak", report_leak),
+        Hook(f"{CHECKER}._check_req_pool", check_req_pool),
+    ]
 
 
 def _h_event_loop(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    """Scheduler.event_loop_normal / event_loop_overlap: while one runs, busy censuses may run (_h_ingest)."""
+    """Scheduler.event_loop_normal / event_loop_overlap: while one runs, busy censuses may run (ingest_requests)."""
     if not PROBE.state.active:
         return original(self, *args, **kwargs)
     saved = PROBE.in_loop
@@ -1136,63 +1245,29 @@ def _h_event_loop(original: Callable[..., Any], self: Any, *args: Any, **kwargs:
         PROBE.in_loop = saved
 
 
-def _h_ingest(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    """Scheduler.ingest_requests, first in each iteration of the event loop: before it, the busy census
-    when one is due and something moved since the last census (docs/probe.md "When the SGLang probe's
-    censuses run": the state here is the one SGLang's own busy check reads)."""
-    probe = PROBE
-    if probe.in_loop and probe.state.active and (probe.busy or probe.pending) and probe.busy_census_due():
-        with guarded(probe.state):
-            checker = self.invariant_checker
-            owners = checker._requests_owning_rows()
-            probe.census(checker.tree_cache, checker.req_to_token_pool, owners, why="busy", kind="busy")
-        probe.publish(self)
-    return original(self, *args, **kwargs)
-
-
-def _h_run_loop(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    """Scheduler.run_event_loop returns once SGLang's ShutdownReq set gracefully_exit, and raises what
-    ended the loop otherwise; run_scheduler_process catches an Exception there, logs it and returns, so
-    the process ends normally: the run's end is read here (SglangProbe.end_run), then it goes on."""
-    try:
-        result = original(self, *args, **kwargs)
-    except BaseException as err:
-        with suppress(Exception):  # NOTE: never into the engine (end_run guards its own work too)
-            PROBE.end_run(self, err)
-        raise
-    with suppress(Exception):
-        PROBE.end_run(self, None)
-    return result
-
-
-def _h_report_leak(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    _census_before_raise(self, "SGLang's leak check failed")  # NOTE: before SGLang raises "memory leak detected!"
-    return original(self, *args, **kwargs)
-
-
-def _h_check_req_pool(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    """SGLang's request-row count at an idle point raises (strict) without passing _report_leak."""
-    try:
-        return original(self, *args, **kwargs)
-    except Exception:
-        _census_before_raise(self, "SGLang's request-row check failed")
-        raise
-
-
-def _census_before_raise(owner: Any, why: str, *, scheduler: bool = False) -> None:
+def _census_before_raise(checker: Any, why: str, live: LiveReader) -> None:
     """The census of an idle point SGLang's check fails at, stored before its error goes on unchanged;
-    once per idle point (not again at the step of the last census with nothing moved since). `owner`:
-    SGLang's invariant checker, or (scheduler) the Scheduler that holds it."""
+    once per idle point (not again at the step of the last census with nothing moved since)."""
     probe = PROBE
     if probe.state.active and (probe.busy or probe.pending or probe.census_step != probe.step):
         with guarded(probe.state):
-            checker = owner.invariant_checker if scheduler else owner
-            probe.census(checker.tree_cache, checker.req_to_token_pool, checker._requests_owning_rows(), why=why)
+            owners = live.owners(checker)
+            probe.census(checker.tree_cache, checker.req_to_token_pool, owners, why=why, lock_nodes=live.lock_nodes)
 
 
 def _lock_nodes(owners: list[Any]) -> list[Any]:
-    """The node of each live request's tree lock (Req.lock, a TreeLock; None: it holds none)."""
+    """The node of each live request's tree lock (Req.lock, a TreeLock, 0.5.22 on; None: it holds none)."""
     return [lock.node for lock in (getattr(req, "lock", None) for req in owners) if lock is not None]
+
+
+def _last_nodes(owners: list[Any]) -> list[Any]:
+    """The node of each live request's tree lock before 0.5.22: its last_node, locked from its admission
+    (PrefillAdder._req_inc_lock_ref), moved by cache_unfinished_req, unlocked at its release (unpin)."""
+    return [req.last_node for req in owners if req.last_node is not None]
+
+
+LIVE = LiveReader(_requests_owning_rows, _lock_nodes)
+LIVE_0521 = LiveReader(_batch_owners, _last_nodes)  # NOTE: 0.5.21 and older: no _requests_owning_rows, no Req.lock
 
 
 def _root_of(tree: Any) -> Any:
@@ -1211,11 +1286,8 @@ def _tokens(result: Any) -> int:
     return result if isinstance(result, int) else 0
 
 
-def hooks() -> list[Hook]:
-    """What the probe hooks in SGLang 0.5.23 (file:line in docs/probe.md). At level summary only the
-    batch, request and idle ones (per_op False): the allocators' and the trees' methods stay SGLang's
-    own, and the census takes each page's taker from the binds, its locks from the tree's own counts
-    (docs/probe.md "Level summary on SGLang")."""
+def _pool_hooks() -> list[Hook]:
+    """The allocators' and the request rows' hooks (ReqToTokenPool.free_rows: 0.5.19 on)."""
     return [
         Hook(f"{PAGED}.alloc", _d_alloc, direct=True, per_op=True),
         Hook(f"{PAGED}.alloc_extend", _d_alloc_extend, direct=True, per_op=True),
@@ -1228,23 +1300,42 @@ def hooks() -> list[Hook]:
         Hook(f"{ROWS}.free_rows", _h_rows_free),
         Hook(f"{MAMBA_SLOTS}.alloc", _d_mamba_alloc, direct=True, per_op=True),
         Hook(f"{MAMBA_SLOTS}.free", _d_mamba_free, direct=True, per_op=True),
-        Hook(f"{RADIX}.match_prefix", _d_match, direct=True, per_op=True),
+    ]
+
+
+def _tree_hooks(
+    match: Callable[..., Any], evict_for_alloc: Callable[..., Any], host: tuple[tuple[str, str], ...]
+) -> list[Hook]:
+    """Both trees' hot methods (`match`: the factory for match_prefix, whose result changed;
+    `evict_for_alloc`: for UnifiedRadixCache's, whose keywords changed), and the HiCache component's
+    `host` methods ((name, event kind) each)."""
+    return [
+        Hook(f"{RADIX}.match_prefix", match, direct=True, per_op=True),
         Hook(f"{RADIX}.insert", _d_insert, direct=True, per_op=True),
         Hook(f"{RADIX}.evict", _d_evict, direct=True, per_op=True),
         Hook(f"{RADIX}.inc_lock_ref", _d_radix_inc_lock, direct=True, per_op=True),
         Hook(f"{RADIX}.dec_lock_ref", _d_radix_dec_lock, direct=True, per_op=True),
-        Hook(f"{UNIFIED}.match_prefix", _d_match, direct=True, per_op=True),
+        Hook(f"{UNIFIED}.match_prefix", match, direct=True, per_op=True),
         Hook(f"{UNIFIED}.insert", _d_insert, direct=True, per_op=True),
         Hook(f"{UNIFIED}.evict", _d_evict, direct=True, per_op=True),
-        Hook(f"{UNIFIED}.evict_for_alloc", _d_evict_for_alloc, direct=True, per_op=True),
+        Hook(f"{UNIFIED}.evict_for_alloc", evict_for_alloc, direct=True, per_op=True),
         Hook(f"{UNIFIED}.inc_lock_ref", _d_unified_inc_lock, direct=True, per_op=True),
         Hook(f"{UNIFIED}.dec_lock_ref", _d_unified_dec_lock, direct=True, per_op=True),
-        Hook(f"{UNIFIED}.evict_host", _host_hook(HOST_EVICT_V), per_op=True),
-        Hook(f"{UNIFIED}.load_back", _host_hook(LOAD_V), per_op=True),
-        Hook(f"{UNIFIED}.backup_kv_cache", _host_hook(WRITE_V), per_op=True),
-        Hook(f"{RADIX}.checkpoint", _h_checkpoint, per_op=True),
-        Hook(f"{UNIFIED}.checkpoint", _h_checkpoint, per_op=True),
-        Hook(f"{ADDER}._commit_prefill_admission", _h_admit, per_op=True),
+        *(Hook(f"{UNIFIED}.{name}", _host_hook(kind), per_op=True) for name, kind in host),
+    ]
+
+
+HOST = (("evict_host", HOST_EVICT_V), ("load_back", LOAD_V), ("backup_kv_cache", WRITE_V))
+
+
+def _request_hooks(prefill_cache: str, admission: str) -> list[Hook]:
+    """The calls whose tree and pool work is one request's: both trees' `prefill_cache` method (what caches
+    a prefill's tokens: checkpoint from 0.5.22, cache_unfinished_req before), PrefillAdder's `admission`
+    (where the prefix lock is taken), release_kv_cache; a free group's end is no request's."""
+    return [
+        Hook(f"{RADIX}.{prefill_cache}", _h_checkpoint, per_op=True),
+        Hook(f"{UNIFIED}.{prefill_cache}", _h_checkpoint, per_op=True),
+        Hook(f"{ADDER}.{admission}", _h_admit, per_op=True),
         Hook(f"{BASE}.free_group_end", _h_free_group_end, per_op=True),
         Hook(f"{PAGED}.free_group_end", _h_free_group_end, per_op=True),
         Hook(f"{SWA}.free_group_end", _h_free_group_end, per_op=True),
@@ -1252,20 +1343,54 @@ def hooks() -> list[Hook]:
         Hook(f"{BATCH}.prepare_for_decode", _h_prepare("decode")),
         Hook(RELEASE, _h_release),
         Hook(f"{BATCH}.retract_decode", _h_retract),
-        Hook(f"{SCHEDULER}.on_idle", _h_on_idle),
-        Hook(f"{SCHEDULER}.event_loop_normal", _h_event_loop),
-        Hook(f"{SCHEDULER}.event_loop_overlap", _h_event_loop),
-        Hook(f"{SCHEDULER}.ingest_requests", _h_ingest),
-        Hook(f"{SCHEDULER}.run_event_loop", _h_run_loop),
-        Hook(f"{CHECKER}._report_leak", _h_report_leak),
-        Hook(f"{CHECKER}._check_req_pool", _h_check_req_pool),
+    ]
+
+
+def hooks() -> list[Hook]:
+    """What the probe hooks in SGLang 0.5.23 (file:line in docs/probe.md). At level summary only the
+    batch, request and idle ones (per_op False): the allocators' and the trees' methods stay SGLang's
+    own, and the census takes each page's taker from the binds, its locks from the tree's own counts
+    (docs/probe.md "Level summary on SGLang")."""
+    return [
+        *_pool_hooks(),
+        *_tree_hooks(_d_match, _d_evict_for_alloc, HOST),
+        *_request_hooks("checkpoint", "_commit_prefill_admission"),
+        *_census_hooks(LIVE),
     ]
 
 
 def hooks_0522() -> list[Hook]:
     """SGLang 0.5.22: 0.5.23's hooks, but UnifiedRadixCache.evict_for_alloc takes (self, params) alone
     (0.5.23 added the keyword allocation_reclaim_satisfied): the evict wrapper's parameters."""
-    return [h._replace(hook=_d_evict) if h.target == f"{UNIFIED}.evict_for_alloc" else h for h in hooks()]
+    return [
+        *_pool_hooks(),
+        *_tree_hooks(_d_match, _d_evict, HOST),
+        *_request_hooks("checkpoint", "_commit_prefill_admission"),
+        *_census_hooks(LIVE),
+    ]
+
+
+def hooks_0521() -> list[Hook]:
+    """SGLang 0.5.21: no checkpoint (a prefill's tokens go into the tree through cache_unfinished_req,
+    called after each prefill chunk, the request's own) and no _requests_owning_rows on the checker (the
+    census's owners come from the scheduler's batches and chunked request: _batch_owners)."""
+    return [
+        *_pool_hooks(),
+        *_tree_hooks(_d_match_indices, _d_evict, HOST),
+        *_request_hooks("cache_unfinished_req", "_commit_prefill_admission"),
+        *_census_hooks(LIVE_0521),
+    ]
+
+
+def hooks_0520() -> list[Hook]:
+    """SGLang 0.5.20: 0.5.21's, but UnifiedRadixCache has no backup_kv_cache (no host-pool retraction
+    backup): the HiCache component's host eviction and load back only."""
+    return [
+        *_pool_hooks(),
+        *_tree_hooks(_d_match_indices, _d_evict, HOST[:2]),
+        *_request_hooks("cache_unfinished_req", "_commit_prefill_admission"),
+        *_census_hooks(LIVE_0521),
+    ]
 
 
 # NOTE: the classes whose attributes the probe and its census read (sglang_views.py, the hooks above);
@@ -1283,6 +1408,18 @@ READS = (
     Shape(f"{CHECKER}._requests_owning_rows", params=("self",)),
     Shape(f"{MEM}.base_prefix_cache.BasePrefixCache.session_records", params=("self",)),
     Shape(f"{UNIFIED}.root_node_handle", params=("self",)),
+    Shape(f"{MEM}.base_prefix_cache.MatchResult", reads=("device_prefix_len", "last_device_node")),
+    Shape(f"{MEM}.base_prefix_cache.InsertResult", reads=("prefix_len", "last_device_node")),
+    Shape(f"{MEM}.base_prefix_cache.EvictResult", reads=("num_tokens_evicted",)),
+)
+# NOTE: before 0.5.22 the checker has no _requests_owning_rows (_batch_owners reads its batch getters), a
+# live request's lock is on its last_node (_last_nodes) and MatchResult holds the device hit's indices
+_BEFORE_0522 = {CHECKER, f"{CHECKER}._requests_owning_rows", f"{MEM}.base_prefix_cache.BasePrefixCache.session_records"}
+READS_0521 = (
+    *(s for s in READS if s.target not in _BEFORE_0522 and not s.target.endswith(".MatchResult")),
+    Shape(CHECKER, reads=("tree_cache", "req_to_token_pool", "get_last_batch", "get_running_batch", "get_chunked_req")),
+    Shape(REQ, reads=("last_node",)),
+    Shape(f"{MEM}.base_prefix_cache.MatchResult", reads=("device_indices", "last_device_node")),
 )
 
 
@@ -1320,6 +1457,8 @@ def _family(
 FAMILIES: tuple[Family, ...] = (
     _family("0.5.23", ("0.5.23",), hooks),
     _family("0.5.22", ("0.5.22",), hooks_0522),
+    _family("0.5.21", ("0.5.21",), hooks_0521, READS_0521),
+    _family("0.5.20", ("0.5.20",), hooks_0520, READS_0521),
 )
 
 

@@ -65,12 +65,10 @@ from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch  # noqa: E402
 from sglang.srt.managers.schedule_policy import PrefillAdder, _PrefillAdmission  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
+from sglang.srt.managers.scheduler_components import pool_stats_observer  # noqa: E402
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker  # noqa: E402
-from sglang.srt.managers.scheduler_components.pool_stats_observer import (  # noqa: E402
-    SchedulerPoolStatsObserver,
-    kv_private_tokens,
-)
 from sglang.srt.mem_cache import common  # noqa: E402
+from sglang.srt.mem_cache.allocator import paged  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
@@ -88,6 +86,12 @@ from sglang.srt.session.session_controller import Session  # noqa: E402
 from kvscope.probe import sglang as probe  # noqa: E402
 
 ADMISSION_FIELDS = len(dataclasses.fields(_PrefillAdmission))  # NOTE: 0.5.23 added replay_len
+# NOTE: the trees' checkpoint came with 0.5.22, as did Req.prefix_len, Req.lock (a TreeLock) and
+# release_kv_cache's checkpoint keyword; before, a request holds its match in prefix_indices, its lock on
+# last_node (lock_receipt), release_kv_cache takes is_insert, and a prefill's tokens are cached through
+# cache_unfinished_req (SGLang 0.5.21's batch_result_processor: after each prefill of a request that goes on)
+CHECKPOINT = hasattr(RadixCache, "checkpoint")
+LOCK_NODES = probe._lock_nodes if CHECKPOINT else probe._last_nodes  # NOTE: the family's reading of live locks
 DP_RANK = None  # the data-parallel rank published for the process: scenario dp (replica 1)
 PS = 4  # tokens per page
 PAGES = 16
@@ -128,7 +132,8 @@ class Engine:
             self.tree: Any = RadixCache(params)
         else:
             extra = ComponentType.SWA if self.swa else ComponentType.MAMBA if self.mamba else None
-            params = CacheInitParams(
+            params = fitted(  # NOTE: tree_core_backend from 0.5.21 (the Rust core); asked of 0.5.20, core() says
+                CacheInitParams,
                 disable=False,
                 req_to_token_pool=self.rows,
                 token_to_kv_pool_allocator=self.alloc,
@@ -140,7 +145,8 @@ class Engine:
             )
             self.tree = UnifiedRadixCache(params)
         self.live: dict[str, Req] = {}
-        self.checker = SchedulerInvariantChecker(
+        self.checker = fitted(
+            SchedulerInvariantChecker,
             is_hybrid_swa=self.swa,
             is_hybrid_ssm=self.mamba,
             disaggregation_mode=None,
@@ -151,7 +157,8 @@ class Engine:
             tree_cache=self.tree,
             token_to_kv_pool_allocator=self.alloc,
             req_to_token_pool=self.rows,
-            pool_stats_observer=SchedulerPoolStatsObserver(
+            pool_stats_observer=fitted(
+                pool_stats_observer.SchedulerPoolStatsObserver,
                 tree_cache=self.tree,
                 token_to_kv_pool_allocator=self.alloc,
                 req_to_token_pool=self.rows,
@@ -163,11 +170,31 @@ class Engine:
                 full_tokens_per_layer=None,
                 swa_tokens_per_layer=PAGES * PS if self.swa else None,
                 max_total_num_tokens=PAGES * PS,
+                get_last_batch=self.last_batch,
+                get_running_batch=lambda: None,
             ),
-            get_last_batch=lambda: SimpleNamespace(reqs=list(self.live.values())),
+            get_last_batch=self.last_batch,
             get_running_batch=lambda: None,
             scheduler_stage_metrics=None,
         )
+
+    def last_batch(self) -> Any:
+        """The scheduler's last batch as SGLang's checker reads it: the live requests."""
+        return SimpleNamespace(reqs=list(self.live.values()), is_empty=lambda: not self.live)
+
+    def owners(self) -> list[Req]:
+        """The live requests that own a row: SGLang's own list (0.5.22 on), else the probe's reading of
+        the checker's batches (what its family's census hooks read)."""
+        if CHECKPOINT:
+            return list(self.checker._requests_owning_rows())
+        return probe._batch_owners(self.checker)
+
+    def session_held(self) -> int:
+        """The tokens SGLang's pool stats count as a streaming session's (none without a session)."""
+        if not CHECKPOINT:
+            return int(self.checker.pool_stats_observer.session_held_tokens())
+        records = self.tree.session_records().values()  # NOTE: SGLang's pool stats: a session's private pages
+        return sum(pool_stats_observer.kv_private_tokens(kv, PS) for kv in records if kv.holds_kv)
 
     def core(self) -> str:
         return type(getattr(self.tree, "tree_core", self.tree)).__name__
@@ -202,9 +229,10 @@ class Engine:
             _request_slot_reserve_for_req=lambda req, extend_input_len: 0,
             _account_prefill_cache_admission=lambda req, prefix_len: None,
         )
-        extend_len = len(req.origin_input_ids) - req.prefix_len
+        adder._req_inc_lock_ref = lambda req: PrefillAdder._req_inc_lock_ref(adder, req)  # NOTE: before 0.5.22
+        extend_len = len(req.origin_input_ids) - prefix_len(req)
         PrefillAdder._commit_prefill_admission(
-            adder, req, _PrefillAdmission(*(req.prefix_len, extend_len, 16, False, 0)[:ADMISSION_FIELDS]), 0
+            adder, req, _PrefillAdmission(*(prefix_len(req), extend_len, 16, False, 0)[:ADMISSION_FIELDS]), 0
         )
 
     def take_row(self, req: Req, tokens: list[int], chunk: int | None = None) -> None:
@@ -213,18 +241,22 @@ class Engine:
             self.tree.evict(EvictParams(num_tokens=0, mamba_num=1))  # NOTE: what the scheduler's admission does
         probe._in_context(None, "extend", lambda: self.rows.alloc([req]))  # NOTE: in prepare_for_extend: no request
         self.live[rid] = req
-        prefix = req.prefix_len
+        prefix = prefix_len(req)
         ends = [min(len(tokens), prefix + chunk), len(tokens)] if chunk else [len(tokens)]
         for end in dict.fromkeys(ends):
             self.extend(req, end)
             prefix = end
+            if not CHECKPOINT:  # NOTE: the request's prefill result: its tokens into the tree (the probe's hook)
+                common.maybe_cache_unfinished_req(req, self.tree, **({"chunked": True} if end < len(tokens) else {}))
 
     def extend(self, req: Req, end: int) -> None:
         kv = req.kv
-        start = kv.kv_allocated_len or req.prefix_len
+        start = kv.kv_allocated_len or prefix_len(req)
         row = self.rows.req_to_token[kv.req_pool_idx]
         if kv.kv_allocated_len:
             prefix_slots = row[:start].to(torch.int64)
+        elif not CHECKPOINT:
+            prefix_slots = req.prefix_indices.to(torch.int64)
         elif req.prefix_len:
             prefix_slots = self.tree.prefix_device_indices(req).to(torch.int64)
         else:
@@ -242,7 +274,8 @@ class Engine:
             req.already_computed = end
         self.rows.write((kv.req_pool_idx, slice(0, end)), torch.cat((prefix_slots, out)).to(torch.int32))
         kv.kv_allocated_len = kv.kv_committed_len = end
-        self.tree.maybe_hand_to_session(req)  # NOTE: what alloc_for_extend does after each request's allocation
+        if CHECKPOINT:
+            self.tree.maybe_hand_to_session(req)  # NOTE: what alloc_for_extend does after each request's allocation
         probe.PROBE.next_step()  # NOTE: what the prepare_for_extend hook does around SGLang's own
         probe.PROBE.prepared([req], self.rows, self.tree, "extend")
 
@@ -273,18 +306,20 @@ class Engine:
         if req.rid != "req-D" or self.mamba:  # NOTE: finished by length, as the scheduler marks it (req-D is
             # released unfinished, but a Mamba tree takes only finished requests' states)
             req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
-        common.release_kv_cache(req, self.tree, checkpoint=True)  # NOTE: the hooked module global
+        if CHECKPOINT:
+            common.release_kv_cache(req, self.tree, checkpoint=True)  # NOTE: the hooked module global
+        else:
+            common.release_kv_cache(req, self.tree, is_insert=True)
         del self.live[req.rid]
 
     # -- the idle point -------------------------------------------------------------------------
 
     def idle(self) -> dict[str, Any]:
         """SGLang's count identity (raise on a leak, strict), then the probe's census."""
-        owners = self.checker._requests_owning_rows()
+        owners = self.owners()
         uncached, swa_uncached = self.checker._get_total_uncached_sizes()  # NOTE: SGLang's own (its busy check's)
         full = self.alloc.full_available_size() if self.swa else self.alloc.available_size()
-        records = self.tree.session_records().values()  # NOTE: SGLang's pool stats: a session's private pages
-        session_held = sum(kv_private_tokens(kv, PS) for kv in records if kv.holds_kv)
+        session_held = self.session_held()
         leak, line = SchedulerInvariantChecker._check_pool_invariant(
             "full", full, self.tree.evictable_size(), self.tree.protected_size(), session_held, PAGES * PS, uncached
         )
@@ -319,7 +354,7 @@ class Engine:
         census = None
         if not leak:
             probe.PROBE.busy = True
-            census = probe.PROBE.census(self.tree, self.rows, owners, why="idle")
+            census = probe.PROBE.census(self.tree, self.rows, owners, why="idle", lock_nodes=LOCK_NODES)
         return {
             "sglang": {"leak": leak, "line": line, "raised": raised},
             "census": None if census is None else [c.as_json() for c in census],
@@ -373,6 +408,57 @@ class Engine:
         return {"sglang": {"leak": raised is not None, "line": None, "raised": raised}, "census": None}
 
 
+class CpuLaunch:
+    """A Triton kernel's launch (`kernel[grid](*args)`) done on the CPU by `run`: before 0.5.22 the paged
+    allocator launches its Triton kernels whatever the platform (0.5.22 added its CPU path), and Triton is
+    a stand-in here (sglang_standins)."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def __getitem__(self, grid: Any) -> Any:
+        return self.run
+
+
+def _extend_on_cpu(prefix_lens: Any, seq_lens: Any, last_loc: Any, free_pages: Any, out: Any, _: int, ps: int) -> None:
+    paged.alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out, ps, out.device)  # NOTE: SGLang's own
+
+
+def _decode_on_cpu(seq_lens: Any, last_loc: Any, free_pages: Any, out: Any, _: int, ps: int) -> None:
+    """One slot per request: the next in its last page, or the first of a new page (requests that start a
+    page take the free pages in batch order), as the kernel does."""
+    starts = ((seq_lens - 1) % ps == 0).to(torch.int64)
+    if not len(free_pages):
+        out.copy_(last_loc + 1)
+        return
+    rank = (torch.cumsum(starts, 0) - starts).clamp(max=len(free_pages) - 1)
+    out.copy_(torch.where(starts.bool(), free_pages[rank] * ps, last_loc + 1))
+
+
+if not hasattr(paged, "alloc_decode_naive"):
+    paged.alloc_extend_kernel = CpuLaunch(_extend_on_cpu)
+    paged.alloc_decode_kernel = CpuLaunch(_decode_on_cpu)
+
+
+def fitted(cls: Any, **fields: Any) -> Any:
+    """SGLang's dataclass `cls` made from the fields of `fields` it has (a release adds or drops some)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{name: value for name, value in fields.items() if name in names})
+
+
+def prefix_len(req: Req) -> int:
+    """The tokens of the request's match on the device (Req.prefix_len from 0.5.22; prefix_indices before)."""
+    return int(req.prefix_len) if CHECKPOINT else len(req.prefix_indices)
+
+
+def drop_lock(req: Req) -> None:
+    """The request's prefix lock dropped without its unlock (what its release would unlock)."""
+    if CHECKPOINT:
+        req.lock = None
+    else:
+        req.last_node = None  # NOTE: before 0.5.22 release_kv_cache unpins req.last_node (none: no unlock)
+
+
 def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     system = list(range(100, 112))  # 12 tokens: three pages every request shares
     injected: list[dict[str, Any]] = []
@@ -394,7 +480,7 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
     b = engine.admit("req-B", [*system, 4, 5, 6, 7, 8], chunk=8)  # chunked prefill, prefix hit on the tree
     lock_node = b.last_node
     if scenario == "lock-leak":  # the prefix lock is dropped without its unlock
-        b.lock = None
+        drop_lock(b)
         injected.append({"kind": "lock-leak", "rid": "req-B", "node": probe._node(lock_node)})
     engine.decode(b, 2)
     engine.release(b)
@@ -614,7 +700,10 @@ def publish_config() -> None:
     args = ServerArgs(model_path=str(model), device="cpu", page_size=PS)
     args._mamba_cache_chunk_size = PS  # type: ignore[attr-defined]  # NOTE: as SGLang's fixtures seed it (no HF config)
     ranks = runtime_context.SpawnRanks(world_rank=0, dp_rank=DP_RANK) if DP_RANK is not None else None
-    runtime_context.publish(args, role="scheduler", ranks=ranks)  # NOTE: a DP controller's replica names its rank
+    if ranks is None:  # NOTE: 0.5.20's publish takes no ranks (the dp scenario runs on the venv's 0.5.23)
+        runtime_context.publish(args, role="scheduler")
+    else:
+        runtime_context.publish(args, role="scheduler", ranks=ranks)  # NOTE: a DP controller's replica names its rank
 
 
 def _swapped(target: str, hook: Any) -> Any:
@@ -623,7 +712,7 @@ def _swapped(target: str, hook: Any) -> Any:
 
 
 EDITS = {  # NOTE: scenario -> an edit of each family's hook table (its shapes follow the edited table)
-    "missing-target": lambda table: [*table, probe.Hook(f"{probe.UNIFIED}.gone_in_0_5_24", probe._h_on_idle)],
+    "missing-target": lambda table: [*table, probe.Hook(f"{probe.UNIFIED}.gone_in_0_5_24", probe._h_event_loop)],
     "row-leak-unhooked": lambda table: [h for h in table if not h.target.endswith("._check_req_pool")],
     "changed-parameters": _swapped(f"{probe.PAGED}.alloc", probe._d_alloc_decode),
     "changed-tree-parameters": _swapped(f"{probe.UNIFIED}.dec_lock_ref", probe._d_radix_dec_lock),

@@ -134,7 +134,12 @@ def test_each_hooks_shape_holds_the_parameters_its_wrapper_passes() -> None:
     assert shapes[f"{probe.ADDER}._commit_prefill_admission"] == ("self", "req")
     family_0522 = {s.target: s.params for s in probe.shapes_of(probe.hooks_0522())}
     assert family_0522[f"{probe.UNIFIED}.evict_for_alloc"] == ("self", "params")
-    assert [f.name for f in probe.FAMILIES] == ["0.5.23", "0.5.22"]  # newest first
+    family_0521 = {s.target: s.params for s in probe.shapes_of(probe.hooks_0521())}
+    assert family_0521[f"{probe.RADIX}.cache_unfinished_req"] == ("self", "req")  # no checkpoint before 0.5.22
+    assert f"{probe.RADIX}.checkpoint" not in family_0521
+    assert f"{probe.UNIFIED}.backup_kv_cache" in family_0521
+    assert f"{probe.UNIFIED}.backup_kv_cache" not in {h.target for h in probe.hooks_0520()}
+    assert [f.name for f in probe.FAMILIES] == ["0.5.23", "0.5.22", "0.5.21", "0.5.20"]  # newest first
 
 
 def test_probe_check_says_a_direct_method_with_one_parameter_more_than_the_probes_will_not_load(
