@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's; any other string is taken, as vLLM takes it
 
 
 class ChatError(ValueError):
@@ -50,8 +50,8 @@ def render_chat(messages: Any) -> str:
         if not isinstance(message, dict):
             raise ChatError(f"{where} must be an object", where)
         role = message.get("role")
-        if role not in ROLES:
-            raise ChatError(f"{where}.role must be one of {', '.join(ROLES)}", f"{where}.role")
+        if not isinstance(role, str):
+            raise ChatError(f"{where}.role must be a string ({', '.join(ROLES)}, or a custom role)", f"{where}.role")
         lines.append(f"<|{role}|>\n{message_text(message.get('content'), where)}\n")
     lines.append("<|assistant|>\n")
     return "".join(lines)

