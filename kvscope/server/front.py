@@ -591,9 +591,13 @@ class Front:
 
     async def flush_cache(self, request: Request) -> Response:
         """SGLang's /flush_cache?timeout=S on every live rank: 200 once each flushed its prefix
-        cache; 400 when one had requests running or waiting (after waiting up to S seconds)."""
+        cache; 400 when one had requests running or waiting (after waiting up to S seconds).
+        With --api-keys it needs a key, as SGLang's admin-optional routes do; /health_generate not."""
         if not self.accepting:
             return error_response(503, "the server is shutting down", type_="server_error", code="shutting_down")
+        resolve_principal(
+            self.state.api_keys, request.headers.get("authorization"), None
+        )  # NOTE: a key, when keys are set
         try:
             timeout_s = float(request.query_params.get("timeout", "0"))
         except ValueError:

@@ -39,8 +39,16 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield srv
 
 
-def generate(url: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{url}/generate", json=body, timeout=60)
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("native-keys")
+    (tmp / "keys.json").write_text(json.dumps({"k-acme": {"tenant": "acme", "user": "alice"}}))
+    with serving(tmp / "serve.db", "--api-keys", str(tmp / "keys.json")) as srv:
+        yield srv
+
+
+def generate(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.post(f"{url}/generate", json=body, headers=headers, timeout=60)
 
 
 def stream_events(url: str, body: dict[str, Any]) -> list[Any]:
@@ -251,3 +259,17 @@ def test_two_ranks_flush_both_caches_and_answer_the_health_check(fleet: Server) 
     assert all(values[f"sglang:kv_evictable_tokens{{dp_rank={r}}}"] == 0 for r in (0, 1)), values
     code, printed = fleet.stop()
     assert code == 0, printed
+
+
+def test_with_keys_generate_and_flush_need_one_and_the_probe_does_not(keyed: Server) -> None:
+    body = {"text": "who asks", "sampling_params": {"max_new_tokens": 2}}
+    assert generate(keyed.url, body).status_code == 401
+    assert httpx.post(f"{keyed.url}/flush_cache", timeout=30).status_code == 401
+    assert httpx.get(f"{keyed.url}/health_generate", timeout=30).status_code == 200
+    bearer = {"Authorization": "Bearer k-acme"}
+    assert generate(keyed.url, body, bearer).status_code == 200
+    assert httpx.post(f"{keyed.url}/flush_cache", headers=bearer, timeout=30).status_code == 200
+    code, printed = keyed.stop()
+    assert code == 0, printed
+    assert keyed.capture is not None
+    assert "acme/alice" in Capture(keyed.capture).requests(1).principal.tolist()
