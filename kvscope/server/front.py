@@ -595,9 +595,7 @@ class Front:
         With --api-keys it needs a key, as SGLang's admin-optional routes do; /health_generate not."""
         if not self.accepting:
             return error_response(503, "the server is shutting down", type_="server_error", code="shutting_down")
-        resolve_principal(
-            self.state.api_keys, request.headers.get("authorization"), None
-        )  # NOTE: a key, when keys are set
+        resolve_principal(self.state.api_keys, request.headers.get("authorization"), None)  # 401 without a key
         try:
             timeout_s = float(request.query_params.get("timeout", "0"))
         except ValueError:
