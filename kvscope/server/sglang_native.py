@@ -28,7 +28,7 @@ NOTE: SGLang's meanings, where they differ from the OpenAI routes'
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvscope.engine.sampling_params import SamplingParams
@@ -166,66 +166,68 @@ def parse_generate(body: Any, vocab_size: int, eos_id: int, encode: Callable[[st
     """A checked /generate body, or ParamError naming the first bad field."""
     if not isinstance(body, dict):
         raise ParamError("the request body must be a JSON object", "body", "invalid_json")
-    ignored = check_fields(body, NATIVE_FIELDS, NATIVE_REFUSED, "")
+    ignored = check_fields(body, NATIVE_FIELDS, NATIVE_REFUSED)
     input_ids = prompt_of(body, vocab_size, encode)
-    raw = body.get("sampling_params")
-    raw = {} if raw is None else raw
-    if not isinstance(raw, dict):
-        raise ParamError(
-            "'sampling_params' must be an object (a list is a batch, not supported here)",
-            "sampling_params",
-            "invalid_type",
-        )
-    unknown = [name for name in raw if name not in SAMPLING_FIELDS + tuple(SAMPLING_IGNORED) + tuple(SAMPLING_REFUSED)]
-    if unknown:
-        raise ParamError(
-            f"unknown sampling parameter {unknown[0]!r}", f"sampling_params.{unknown[0]}", "unknown_parameter"
-        )
-    ignored += check_fields(raw, SAMPLING_FIELDS, SAMPLING_REFUSED, "sampling_params.")
-    max_new_tokens = max_new_tokens_of(raw)
     rid = body.get("rid")
     if rid is not None and (not isinstance(rid, str) or not rid):
         raise ParamError(
             "'rid' must be a non-empty string (a list is a batch, not supported here)", "rid", "invalid_type"
         )
     stream = boolean(body, "stream", False)
-    stop = stop_strings(raw.get("stop"))
+    raw = body.get("sampling_params")
+    if not isinstance(raw, dict | None):
+        raise ParamError(
+            "'sampling_params' must be an object (a list is a batch, not supported here)",
+            "sampling_params",
+            "invalid_type",
+        )
+    try:
+        params = parse_sampling(raw or {}, vocab_size, eos_id, encode)
+    except ParamError as err:  # NOTE: the sampling checks name the bare key ('top_k' ...); the reply its path
+        message = str(err).removeprefix("'")
+        raise ParamError(f"'sampling_params.{message}", f"sampling_params.{err.param}", err.code) from None
     return NativeRequest(
-        input_ids,
-        max_new_tokens,
-        stream,
-        rid,
-        RequestParams(
-            n=1,
-            max_tokens=max_new_tokens,
-            max_key="sampling_params.max_new_tokens",
-            truncate_prompt_tokens=None,
-            echo=False,
-            num_logprobs=None,
-            stop=stop,
-            include_stop_str_in_output=boolean(raw, "no_stop_trim", False),
-            sampling=sampling_of(raw, vocab_size, eos_id, tuple(tuple(encode(s)) for s in stop), max_new_tokens),
-            ignored=tuple(ignored),
-        ),
+        input_ids, params.max_tokens, stream, rid, replace(params, ignored=(*ignored, *params.ignored))
     )
 
 
-def check_fields(
-    body: dict[str, Any], honoured: tuple[str, ...], refused: dict[str, tuple[Any, ...]], path: str
-) -> list[str]:
+def parse_sampling(
+    raw: dict[str, Any], vocab_size: int, eos_id: int, encode: Callable[[str], list[int]]
+) -> RequestParams:
+    """SGLang's sampling_params as the OpenAI routes' RequestParams (n 1, no logprobs), range-checked
+    as SGLang's verify() does; ParamError naming the bare key, its message starting with it quoted."""
+    unknown = [name for name in raw if name not in SAMPLING_FIELDS + tuple(SAMPLING_IGNORED) + tuple(SAMPLING_REFUSED)]
+    if unknown:
+        raise ParamError(f"'{unknown[0]}' is not a sampling parameter SGLang knows", unknown[0], "unknown_parameter")
+    ignored = check_fields(raw, SAMPLING_FIELDS, SAMPLING_REFUSED)
+    max_new_tokens = max_new_tokens_of(raw)
+    stop = stop_strings(raw.get("stop"))
+    return RequestParams(
+        n=1,
+        max_tokens=max_new_tokens,
+        max_key="sampling_params.max_new_tokens",
+        truncate_prompt_tokens=None,
+        echo=False,
+        num_logprobs=None,
+        stop=stop,
+        include_stop_str_in_output=boolean(raw, "no_stop_trim", False),
+        sampling=sampling_of(raw, vocab_size, eos_id, tuple(tuple(encode(s)) for s in stop), max_new_tokens),
+        ignored=tuple(f"sampling_params.{name}" for name in ignored),
+    )
+
+
+def check_fields(body: dict[str, Any], honoured: tuple[str, ...], refused: dict[str, tuple[Any, ...]]) -> list[str]:
     """The names accepted that change nothing here; ParamError for a refused one that asks for something."""
     ignored = []
     for name, value in body.items():
         if name in honoured:
             continue
         if name not in refused:
-            ignored.append(path + name)
+            ignored.append(name)
             continue
         if not any(is_neutral(value, neutral) for neutral in refused[name]):
             raise ParamError(
-                f"'{path}{name}' is not supported by this server (kvscope serve); leave it out",
-                path + name,
-                "unsupported_parameter",
+                f"'{name}' is not supported by this server (kvscope serve); leave it out", name, "unsupported_parameter"
             )
     return ignored
 
@@ -260,8 +262,8 @@ def max_new_tokens_of(raw: dict[str, Any]) -> int | None:
     value: int = integer(raw, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS, low=0)
     if value == 0:
         raise ParamError(
-            "'sampling_params.max_new_tokens' 0 (a prefill alone) is not supported by this server; ask for 1 or more",
-            "sampling_params.max_new_tokens",
+            "'max_new_tokens' 0 (a prefill alone) is not supported by this server; ask for 1 or more",
+            "max_new_tokens",
             "unsupported_parameter",
         )
     return value
@@ -275,55 +277,34 @@ def sampling_of(
     max_new_tokens: int | None,
 ) -> SamplingParams:
     """kvscope's SamplingParams for SGLang's sampling_params, range-checked as SGLang's verify() does."""
-    temperature = field_number(raw, "temperature", 1.0, low=0.0)
-    top_p = field_number(raw, "top_p", 1.0, low=0.0, high=1.0)
+    temperature = number(raw, "temperature", 1.0, low=0.0)
+    top_p = number(raw, "top_p", 1.0, low=0.0, high=1.0)
     if top_p <= 0:
-        raise ParamError(f"'sampling_params.top_p' must be in (0, 1], got {top_p:g}", "sampling_params.top_p")
-    top_k: int = field_integer(raw, "top_k", -1, low=-1)
+        raise ParamError(f"'top_p' must be in (0, 1], got {top_p:g}", "top_p")
+    top_k: int = integer(raw, "top_k", -1, low=-1)
     if top_k == 0:
-        raise ParamError("'sampling_params.top_k' must be -1 (every token) or at least 1", "sampling_params.top_k")
-    min_new_tokens: int = field_integer(raw, "min_new_tokens", 0, low=0)
+        raise ParamError("'top_k' must be -1 (every token) or at least 1", "top_k")
+    min_new_tokens: int = integer(raw, "min_new_tokens", 0, low=0)
     if max_new_tokens is not None and min_new_tokens > max_new_tokens:
         raise ParamError(
-            f"'sampling_params.min_new_tokens' ({min_new_tokens}) must be <= max_new_tokens ({max_new_tokens})",
-            "sampling_params.min_new_tokens",
+            f"'min_new_tokens' ({min_new_tokens}) must be <= max_new_tokens ({max_new_tokens})",
+            "min_new_tokens",
         )
     return SamplingParams(
         temperature=0.0 if temperature < SGLANG_GREEDY_EPS else temperature,
         top_p=top_p,
         top_k=-1 if top_k >= vocab_size else top_k,
-        min_p=field_number(raw, "min_p", 0.0, low=0.0, high=1.0),
-        presence_penalty=field_number(raw, "presence_penalty", 0.0, low=-2.0, high=2.0),
-        frequency_penalty=field_number(raw, "frequency_penalty", 0.0, low=-2.0, high=2.0),
-        seed=field_integer(raw, "sampling_seed", None, low=INT64_MIN, high=INT64_MAX),
+        min_p=number(raw, "min_p", 0.0, low=0.0, high=1.0),
+        presence_penalty=number(raw, "presence_penalty", 0.0, low=-2.0, high=2.0),
+        frequency_penalty=number(raw, "frequency_penalty", 0.0, low=-2.0, high=2.0),
+        seed=integer(raw, "sampling_seed", None, low=INT64_MIN, high=INT64_MAX),
         logit_bias=logit_bias_of(raw.get("logit_bias"), vocab_size),
         min_tokens=min_new_tokens,
         eos_id=eos_id,
         ignore_eos=boolean(raw, "ignore_eos", False),
-        stop_token_ids=field_token_ids(raw, vocab_size),
+        stop_token_ids=token_ids(raw.get("stop_token_ids"), vocab_size),
         stop_sequences=stop_sequences,
     )
-
-
-def field_number(raw: dict[str, Any], name: str, default: float, *, low: float, high: float | None = None) -> float:
-    try:
-        return number(raw, name, default, low=low, high=high)
-    except ParamError as err:
-        raise ParamError(f"'sampling_params.{str(err)[1:]}", f"sampling_params.{name}", err.code) from None
-
-
-def field_integer(raw: dict[str, Any], name: str, default: int | None, *, low: int, high: int | None = None) -> Any:
-    try:
-        return integer(raw, name, default, low=low, high=high)
-    except ParamError as err:
-        raise ParamError(f"'sampling_params.{str(err)[1:]}", f"sampling_params.{name}", err.code) from None
-
-
-def field_token_ids(raw: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
-    try:
-        return token_ids(raw.get("stop_token_ids"), vocab_size)
-    except ParamError as err:
-        raise ParamError(f"'sampling_params.{str(err)[1:]}", "sampling_params.stop_token_ids", err.code) from None
 
 
 def logit_bias_of(value: Any, vocab_size: int) -> dict[int, float]:
@@ -331,19 +312,19 @@ def logit_bias_of(value: Any, vocab_size: int) -> dict[int, float]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ParamError("'sampling_params.logit_bias' must be an object", "sampling_params.logit_bias", "invalid_type")
+        raise ParamError("'logit_bias' must be an object", "logit_bias", "invalid_type")
     out: dict[int, float] = {}
     for key, bias in value.items():
         token_id = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else None
         if token_id is None or not 0 <= token_id < vocab_size:
             raise ParamError(
-                f"'sampling_params.logit_bias' key {key!r} is not a token id in [0, {vocab_size})",
-                "sampling_params.logit_bias",
+                f"'logit_bias' key {key!r} is not a token id in [0, {vocab_size})",
+                "logit_bias",
             )
         if not isinstance(bias, (int, float)) or isinstance(bias, bool) or bias != bias or abs(bias) == float("inf"):
             raise ParamError(
-                f"'sampling_params.logit_bias' value for {key!r} must be a finite number",
-                "sampling_params.logit_bias",
+                f"'logit_bias' value for {key!r} must be a finite number",
+                "logit_bias",
                 "invalid_type",
             )
         out[token_id] = float(bias)
