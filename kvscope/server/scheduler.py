@@ -211,9 +211,9 @@ class ServeLoop:
                 return
             if self.abort_requested:
                 self.abort_all()
+            self.check_pending_flush()  # NOTE: before a drain's exit, so a waiting flush is answered
             if self.draining and scheduler.is_idle():
                 break
-            self.check_pending_flush()
             self.step()
         self.engine.idle_check()
         self.engine.finish_run()
