@@ -131,7 +131,8 @@ $(SGLANG_SRC)/%/.kvscope-unpacked: $(STAMP)
 
 # SGLang 0.5.23 in a venv of its own outside the repository, for the probe's tests on SGLang's real memory
 # classes (tests/engines/test_sglang_probe.py). No GPU closure: sglang with --no-deps, then only the packages its
-# memory, plugin and scheduler modules import (about 3 minutes and 1.5 GB the first time). Its GPU-only imports
+# memory, plugin and scheduler modules import, and aiohttp for its bench_serving client
+# (tests/engines/test_sglang_bench_serving.py; about 3 minutes and 1.5 GB the first time). Its GPU-only imports
 # (triton, tvm_ffi, torchvision, ...) are import-only stand-ins in tests/engines/sglang_standins/, put on the
 # path by the tests, never installed here.
 SGLANG_VENV  ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvscope/sglang-venv
@@ -139,7 +140,7 @@ SGLANG_STAMP := $(SGLANG_VENV)/.kvscope-sglang-installed
 SGLANG_PIP   := $(SGLANG_VENV)/bin/python -m pip install --disable-pip-version-check --progress-bar off
 SGLANG_DEPS  := numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm \
 	transformers==5.19.0 openai dill sentencepiece gguf setproctitle einops uvicorn fastapi opentelemetry-api \
-	interegular partial_json_parser
+	interegular partial_json_parser aiohttp
 
 sglang-venv: $(SGLANG_STAMP)
 
@@ -158,6 +159,7 @@ $(SGLANG_STAMP):
 test-engines: $(STAMP) $(VLLM_STAMP) $(VLLM_SRC_STAMPS) $(SGLANG_518_STAMP) $(SGLANG_SRC_STAMPS) $(SGLANG_STAMP)
 	@$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	@$(SGLANG_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+	@$(SGLANG_VENV)/bin/python -c "import aiohttp" 2>/dev/null || $(SGLANG_PIP) -q aiohttp  # NOTE: bench_serving's client; venvs made before it was a dep
 	KVSCOPE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVSCOPE_VLLM_SRC=$(VLLM_SRC) KVSCOPE_SGLANG_518_SRC=$(SGLANG_518_SRC) \
 		KVSCOPE_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python KVSCOPE_SGLANG_SRC=$(SGLANG_SRC) $(BIN)/pytest -m engines
 

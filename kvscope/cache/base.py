@@ -35,6 +35,8 @@ Contract:
   `evict_tokens(num_tokens, swa_num_tokens)` does the same and returns only the full-pool
   tokens freed, as an int (no EvictParams / EvictResult: the engine's path).
 - `evictable_size()` / `protected_size()`: tokens in unlocked / locked tree nodes.
+- `with cache.evicting_as(EvictReason.RESET):` the evictions inside record that reason where
+  they would record `capacity` (a flush of the whole cache records `reset`); restored on exit.
 - `check_integrity()` raises IntegrityError with the numbers if any tree invariant breaks.
 - `pretty_print()` returns the tree as text; `export_nodes()` the flat node table.
 - `root`: the tree's root node (None for a cache with no tree): a request that matched
@@ -55,7 +57,8 @@ Caches over a full pool and a sliding-window pool (SWATokenToKVPoolAllocator) im
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -63,7 +66,7 @@ import numpy as np
 import torch
 
 from kvscope.mem import ReqToTokenPool, SWATokenToKVPoolAllocator, free_swa_range
-from kvscope.telemetry import NodeRow  # NOTE: a row of the tree_snapshots table (the one schema)
+from kvscope.telemetry import EvictReason, NodeRow  # NOTE: NodeRow: a row of the tree_snapshots table (the one schema)
 
 TOKEN_DTYPE = np.int32
 
@@ -145,6 +148,17 @@ class CacheableRequest(Protocol):
 
 class BasePrefixCache(ABC):
     page_size: int
+    evict_reason: EvictReason = EvictReason.CAPACITY  # NOTE: what a plain eviction records (see evicting_as)
+
+    @contextmanager
+    def evicting_as(self, reason: EvictReason) -> Iterator[None]:
+        """Evictions in this scope record `reason` where they would record capacity."""
+        saved = self.evict_reason
+        self.evict_reason = reason
+        try:
+            yield
+        finally:
+            self.evict_reason = saved
 
     @abstractmethod
     def match_prefix(self, token_ids: np.ndarray, user: str | None = None, rid: str | None = None) -> MatchResult: ...

@@ -139,6 +139,15 @@ class Engine:
         self.step()
         return [r for r, num_outputs in before if len(r.output_ids) != num_outputs or r.state in ENDED]
 
+    def flush_cache(self) -> bool:
+        """SGLang's flush_cache: with no request running or waiting, every cached token leaves the
+        prefix cache (each leaf evicted and recorded as an eviction is); otherwise nothing
+        changes and the answer is False."""
+        if not self.scheduler.is_idle():
+            return False
+        self.memory.evict_all()
+        return True
+
     def idle_check(self) -> bool:
         """The idle leak check, once per idle point; True when it ran now."""
         scheduler = self.scheduler

@@ -39,7 +39,7 @@ from kvscope.mem import (
     make_token_allocator,
     resolve_device,
 )
-from kvscope.telemetry import LeakCheck, PoolTerms, Recorder
+from kvscope.telemetry import EvictReason, LeakCheck, PoolTerms, Recorder
 
 
 class HostTierTotals(NamedTuple):
@@ -114,6 +114,14 @@ class MemorySystem:
         full = min(max(num_tokens - self.full_available(), 0), self.cache.evictable_size())
         return self.cache.evict_tokens(full) if full else 0
 
+    def evict_all(self) -> int:
+        """Evict every unlocked cached token (SGLang's flush_cache, called with nothing running):
+        each leaf leaves as an eviction does, freed and recorded with reason reset; returns the
+        full-pool tokens freed."""
+        full = self.cache.evictable_size()
+        with self.cache.evicting_as(EvictReason.RESET):
+            return self.cache.evict_tokens(full) if full else 0
+
     # -- the sliding window --------------------------------------------------------------------
 
     def free_windows_before_extend(self, batch: Sequence[Req], hook: WindowHook | None) -> None:
@@ -178,6 +186,12 @@ class SWAMemorySystem(MemorySystem):
         full = min(max(num_tokens - self.full_available(), 0), cache.evictable_size())
         swa = min(max(num_tokens - self.swa_available(), 0), cache.swa_evictable_size())
         return cache.evict_tokens(full, swa) if full or swa else 0
+
+    def evict_all(self) -> int:
+        cache = self.cache
+        full, swa = cache.evictable_size(), cache.swa_evictable_size()
+        with cache.evicting_as(EvictReason.RESET):
+            return cache.evict_tokens(full, swa) if full or swa else 0
 
     # -- the sliding window --------------------------------------------------------------------
 
@@ -245,6 +259,14 @@ class HiMemorySystem(MemorySystem):
 
     def copied_tokens(self) -> tuple[int, int]:
         return self.cache.num_write_tokens, self.cache.num_load_back_tokens
+
+    def evict_all(self) -> int:
+        """The device tier as every cache (a backed-up leaf becomes host-only: to-host), then every
+        host copy no copy in flight holds (host_evict, reason reset)."""
+        freed = super().evict_all()
+        with self.cache.evicting_as(EvictReason.RESET):
+            self.cache.evict_host(self.cache.host_tokens())
+        return freed
 
     def host_totals(self) -> HostTierTotals:
         cache = self.cache

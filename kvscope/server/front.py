@@ -48,7 +48,7 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -84,6 +84,8 @@ from kvscope.server.openai_params import (
 )
 from kvscope.server.protocol import (
     AbortReq,
+    FlushCacheOut,
+    FlushCacheReq,
     GenerateReq,
     PagesOut,
     RouteInfo,
@@ -94,10 +96,20 @@ from kvscope.server.protocol import (
     encode,
 )
 from kvscope.server.router import Router
+from kvscope.server.sglang_native import (
+    HEALTH_CHECK_PREFIX,
+    NativeRequest,
+    finish_reason_json,
+    ignored_why,
+    meta_info,
+    parse_generate,
+)
 from kvscope.workloads.tokenizer import ByteTokenizer
 
 DISCONNECT_POLL_S = 0.2
 BROADCAST_WAIT_S = 2.0
+HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT
+FLUSH_ANSWER_S = 10.0  # beyond a flush's own timeout, how long a rank may take to answer it
 MAX_IGNORED_LOGGED = 64  # NOTE: distinct ignored field names logged; a client inventing names cannot fill the log
 
 
@@ -255,6 +267,7 @@ class Front:
         self.scheduler_error: str | None = None  # set once every scheduler process is gone
         self.lost: set[str] = set()  # requests ended by their rank's death, until their handler answers
         self.heard_at_s = [time.monotonic()] * len(self.links)  # each rank's last message (monotonic)
+        self.flushes: dict[str, asyncio.Future[FlushCacheOut]] = {}  # /flush_cache answers awaited, by flush id
 
     def connect(self, to_scheduler: str, to_front: str) -> Link:
         push = self.context.socket(zmq.PUSH)
@@ -286,6 +299,10 @@ class Front:
                 self.took_stats(rank, msg)
             elif isinstance(msg, PagesOut):
                 self.router.took_pages(rank, msg)
+            elif isinstance(msg, FlushCacheOut):
+                waiter = self.flushes.get(msg.flush_id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(msg)
             else:
                 pending = self.pending.get(msg.rid)
                 if pending is not None:
@@ -423,8 +440,10 @@ class Front:
                 code="context_length_exceeded",
             )
 
-    async def generate(self, child: Child, req: GenRequest, request: Request) -> AsyncGenerator[TokenOut, None]:
-        """The scheduler's TokenOuts for one choice of `req`; aborts it when the caller stops early."""
+    async def generate(
+        self, child: Child, principal: str | None, arrival_wall_s: float, request: Request
+    ) -> AsyncGenerator[TokenOut, None]:
+        """The scheduler's TokenOuts for one choice; aborts it when the caller stops early."""
         rid = child.rid
         rank, routing = self.dispatch(child.input_ids)
         pending = Pending(asyncio.Queue(), time.monotonic(), rank)
@@ -438,8 +457,8 @@ class Front:
                     rid,
                     child.input_ids,
                     child.max_tokens,
-                    req.principal,
-                    req.arrival_wall_s,
+                    principal,
+                    arrival_wall_s,
                     child.sampling,
                     child.num_prompt_logprobs,
                     routing,
@@ -490,7 +509,7 @@ class Front:
         """(position in `children`, TokenOut) of every choice as they come; one choice is read
         directly, several through one queue fed by a task each (closing this aborts them all)."""
         if len(children) == 1:
-            outs = self.generate(children[0], req, request)
+            outs = self.generate(children[0], req.principal, req.arrival_wall_s, request)
             try:
                 async for out in outs:
                     yield 0, out
@@ -500,7 +519,7 @@ class Front:
         queue: asyncio.Queue[tuple[int, TokenOut | None]] = asyncio.Queue()
 
         async def pump(k: int, child: Child) -> None:
-            outs = self.generate(child, req, request)
+            outs = self.generate(child, req.principal, req.arrival_wall_s, request)
             try:
                 async for out in outs:
                     queue.put_nowait((k, out))
@@ -530,10 +549,15 @@ class Front:
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/get_model_info", self.model_info, methods=["GET"]),
+            Route("/model_info", self.model_info, methods=["GET"]),
+            Route("/generate", self.native_generate, methods=["POST", "PUT"]),
+            Route("/flush_cache", self.flush_cache, methods=["GET", "POST"]),
+            Route("/health_generate", self.health_generate, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/server_info", self.server_info, methods=["GET"]),
+            Route("/get_server_info", self.server_info, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
         ]
         return Starlette(
@@ -548,6 +572,165 @@ class Front:
             return JSONResponse({"status": "ok"})
         status = {"status": "degraded", "live_dp_ranks": self.router.answering_ranks(), "dead_dp_ranks": dead}
         return JSONResponse(status | ({"unresponsive_dp_ranks": silent} if silent else {}))
+
+    async def health_generate(self, request: Request) -> Response:
+        """SGLang's liveness probe: a real one-token generation (SGLang's: greedy, input_ids [0]);
+        200 once it finishes, 503 if it cannot or takes longer than HEALTH_CHECK_TIMEOUT_S."""
+        if not self.accepting:
+            return error_response(503, "the server is shutting down", type_="server_error", code="shutting_down")
+        child = Child(f"{HEALTH_CHECK_PREFIX}_{uuid.uuid4().hex}", 0, [0], 1, SamplingParams(), None)
+        try:
+            done = await asyncio.wait_for(self.one_token(child, request), HEALTH_CHECK_TIMEOUT_S)
+        except TimeoutError:
+            done = f"no token in {HEALTH_CHECK_TIMEOUT_S:g} s"
+        if done is True:
+            return Response(status_code=200)
+        return error_response(503, f"health check failed: {done}", type_="server_error", code="unhealthy")
+
+    async def one_token(self, child: Child, request: Request) -> bool | str:
+        """True once `child` finished with its token; else why not."""
+        try:
+            async for out in self.generate(child, None, time.time(), request):
+                if out.finished:
+                    return out.finish_reason in ("length", "stop") or (out.error or str(out.finish_reason))
+        except ApiError as err:  # no rank to dispatch to
+            return err.message
+        return "the client went away"
+
+    async def flush_cache(self, request: Request) -> Response:
+        """SGLang's /flush_cache?timeout=S on every live rank: 200 once each flushed its prefix
+        cache; 400 when one had requests running or waiting (after waiting up to S seconds).
+        With --api-keys it needs a key, as SGLang's admin-optional routes do; /health_generate not."""
+        if not self.accepting:
+            return error_response(503, "the server is shutting down", type_="server_error", code="shutting_down")
+        resolve_principal(self.state.api_keys, request.headers.get("authorization"), None)  # 401 without a key
+        try:
+            timeout_s = float(request.query_params.get("timeout", "0"))
+        except ValueError:
+            timeout_s = -1.0
+        if not 0 <= timeout_s < float("inf"):
+            return error_response(
+                400, "'timeout' must be a number of seconds >= 0", param="timeout", code="invalid_value"
+            )
+        ranks = self.router.live_ranks()
+        loop = asyncio.get_running_loop()
+        waiters = {uuid.uuid4().hex: rank for rank in ranks}
+        for flush_id in waiters:
+            self.flushes[flush_id] = loop.create_future()
+        try:
+            for flush_id, rank in waiters.items():
+                await self.send(FlushCacheReq(flush_id, timeout_s), rank)
+            futures = [self.flushes[flush_id] for flush_id in waiters]
+            answers = await asyncio.wait_for(asyncio.gather(*futures), timeout_s + FLUSH_ANSWER_S)
+        except TimeoutError:
+            return error_response(
+                503, "a scheduler did not answer the flush", type_="server_error", code="scheduler_unavailable"
+            )
+        finally:
+            for flush_id in waiters:
+                self.flushes.pop(flush_id, None)
+        failed = [(rank, a.message) for rank, a in zip(ranks, answers, strict=True) if not a.success]
+        if failed:
+            lines = [message if len(ranks) == 1 else f"dp rank {rank}: {message}" for rank, message in failed]
+            return error_response(400, "; ".join(lines), code="cache_not_flushed")
+        return Response("Cache flushed.\n", media_type="text/plain")
+
+    async def native_generate(self, request: Request) -> Response:
+        """SGLang's /generate (sglang_native.py): one prompt; its text, output_ids and meta_info."""
+        arrival = time.time()
+        try:
+            if not self.accepting:
+                raise ApiError(503, "the server is shutting down", type_="server_error", code="shutting_down")
+            body = await read_json(request)
+            principal = resolve_principal(self.state.api_keys, request.headers.get("authorization"), None)
+            native, child = self.parse_native(body)
+        except ApiError as err:
+            return err.response()
+        run = Run(child, Choice(0, False, native.params, child.input_ids), echo=False)
+        if native.stream:
+            return StreamingResponse(
+                self.native_stream(run, principal, arrival, request), media_type="text/event-stream"
+            )
+        outs = self.generate(child, principal, arrival, request)
+        try:
+            async for out in outs:
+                if out.finish_reason == "error":
+                    status, type_, code = self.refusal(out.rid)
+                    return error_response(
+                        status, out.error or "the scheduler refused the request", type_=type_, code=code
+                    )
+                run.take(out)
+        finally:
+            await outs.aclose()
+        if not run.outcome.finish_reason:  # the client went away
+            return error_response(499, "client closed the request", code="client_closed")
+        return JSONResponse(self.native_reply(run, arrival))
+
+    def parse_native(self, body: Any) -> tuple[NativeRequest, Child]:
+        """The checked /generate request and its one scheduler request; ApiError naming the bad field."""
+        tokenizer = self.tokenizer
+        try:
+            native = parse_generate(
+                body, self.state.model.vocab_size, tokenizer.eos_id, lambda text: tokenizer.encode(text).tolist()
+            )
+        except ParamError as err:
+            raise ApiError(400, str(err), param=err.param, code=err.code) from None
+        self.log_ignored(native.ignored, ignored_why)
+        ids = native.input_ids
+        prompt_key = "text" if isinstance(body.get("text"), str) else "input_ids"
+        max_tokens = native.max_new_tokens or self.default_max_tokens(ids, prompt_key)
+        self.check_request(ids, max_tokens, native.params.max_key)
+        if native.params.sampling.min_tokens > max_tokens:
+            raise ApiError(
+                400,
+                f"'sampling_params.min_new_tokens' is more than the {max_tokens} tokens this prompt leaves",
+                param="sampling_params.min_new_tokens",
+                code="invalid_value",
+            )
+        rid = native.rid or uuid.uuid4().hex
+        if rid in self.pending:
+            raise ApiError(400, f"request id {rid!r} is already in flight", param="rid", code="invalid_value")
+        return native, Child(rid, 0, ids, max_tokens, native.params.sampling, None)
+
+    def native_reply(self, run: Run, arrival: float) -> dict[str, Any]:
+        """SGLang's reply: the text and output_ids so far, and meta_info (finish_reason once ended)."""
+        outcome, child = run.outcome, run.child
+        finish = finish_reason_json(
+            outcome.finish_reason, run.choice.stop_reason, child.max_tokens, self.tokenizer.eos_id, outcome.error
+        )
+        latency = None if finish is None else time.time() - arrival
+        info = meta_info(child.rid, finish, outcome.prompt_tokens, len(outcome.ids), outcome.cached_tokens, latency)
+        return {"text": run.text, "output_ids": list(outcome.ids), "meta_info": info}
+
+    async def native_stream(
+        self, run: Run, principal: str | None, arrival: float, request: Request
+    ) -> AsyncIterator[str]:
+        """SGLang's stream: one event per scheduler message, each with everything so far, then [DONE]."""
+        outs = self.generate(run.child, principal, arrival, request)
+        try:
+            async for out in outs:
+                if out.finish_reason == "error":
+                    _, type_, code = self.refusal(out.rid)
+                    message = out.error or "the scheduler refused the request"
+                    yield sse({"error": {"message": message, "type": type_, "param": None, "code": code}})
+                    break
+                run.take(out)
+                yield sse(self.native_reply(run, arrival))
+        except Exception as err:  # NOTE: a bug mid-stream: the stream ends with an error event, not cut
+            report_internal_error(request.scope, err)
+            yield sse(
+                {
+                    "error": {
+                        "message": f"internal error: {type(err).__name__}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "internal_error",
+                    }
+                }
+            )
+        finally:
+            await outs.aclose()
+        yield "data: [DONE]\n\n"
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self.model_card()]})
@@ -919,12 +1102,13 @@ class Front:
         continuous = include_usage and bool(options.get("continuous_usage_stats"))
         return GenRequest(chat, prompts, max_tokens, stream, include_usage, principal, arrival, params, continuous)
 
-    def log_ignored(self, names: tuple[str, ...]) -> None:
-        """One line per field name the first time a request carries it (as vLLM logs ignored fields)."""
+    def log_ignored(self, names: tuple[str, ...], why_of: Callable[[str], str] | None = None) -> None:
+        """One line per field name the first time a request carries it (as vLLM logs ignored fields);
+        `why_of`: the reason for a name (default: the OpenAI routes' IGNORED)."""
         for name in names:
             if name not in self.ignored_seen and len(self.ignored_seen) < MAX_IGNORED_LOGGED:
                 self.ignored_seen.add(name)
-                why = IGNORED.get(name, "unknown to this server")
+                why = why_of(name) if why_of is not None else IGNORED.get(name, "unknown to this server")
                 print(f"kvscope serve: request field {name!r} is accepted and ignored ({why})", file=sys.stderr)
 
     def truncated(self, ids: list[int], keep: int) -> list[int]:

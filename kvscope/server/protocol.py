@@ -1,8 +1,9 @@
 """The messages between the HTTP front and the scheduler process (msgspec structs over ZMQ).
 
-    front --PUSH--> scheduler   GenerateReq, AbortReq, ShutdownReq
+    front --PUSH--> scheduler   GenerateReq, AbortReq, ShutdownReq, FlushCacheReq
     front <--PUSH-- scheduler   TokenOut (per request, per step it produced tokens), StatsOut,
-                                PagesOut (with --dp-size > 1: the step's cache deltas, for the router)
+                                PagesOut (with --dp-size > 1: the step's cache deltas, for the router),
+                                FlushCacheOut (the answer to a FlushCacheReq, by its id)
 
 NOTE: the front tokenizes and detokenizes; the scheduler sees token ids only. A request's
 principal is resolved by the front (API key and `user`) and travels as `principal`
@@ -45,6 +46,14 @@ class ShutdownReq(msgspec.Struct, tag="shutdown"):
     """Stop taking requests; finish (abort_in_flight=False) or abort those in flight; close."""
 
     abort_in_flight: bool = False
+
+
+class FlushCacheReq(msgspec.Struct, tag="flush"):
+    """SGLang's /flush_cache: flush the prefix cache when nothing runs or waits; with timeout_s > 0,
+    wait up to that long for that moment (one such wait at a time)."""
+
+    flush_id: str
+    timeout_s: float = 0.0
 
 
 class Logprob(msgspec.Struct, array_like=True):
@@ -105,8 +114,14 @@ class PagesOut(msgspec.Struct, tag="pages"):
     removed: list[int]
 
 
-ToScheduler = GenerateReq | AbortReq | ShutdownReq
-ToFront = TokenOut | StatsOut | PagesOut
+class FlushCacheOut(msgspec.Struct, tag="flushed"):
+    flush_id: str
+    success: bool
+    message: str = ""  # why not, when not
+
+
+ToScheduler = GenerateReq | AbortReq | ShutdownReq | FlushCacheReq
+ToFront = TokenOut | StatsOut | PagesOut | FlushCacheOut
 
 _encoder = msgspec.msgpack.Encoder()
 _to_scheduler = msgspec.msgpack.Decoder(ToScheduler)

@@ -18,6 +18,11 @@ NOTE: the loop
     after each step: a TokenOut per request whose output grew or that ended, the step's
     KV events, the step's PagesOut (a replica of `serve --dp-size N`: the pages its cache
     gained and lost, for the front's router), and a StatsOut when stats_interval_s has passed
+    flush   FlushCacheReq (SGLang's /flush_cache): flushed at once when nothing runs or waits;
+            else refused at once (timeout 0), or kept (one at a time) and flushed at the first
+            idle point before its deadline, refused past it. A flush evicts every cached leaf
+            (recorded as evictions), sends the KV events' AllBlocksCleared, the router its
+            removed pages, and fresh stats
     stop    ShutdownReq, SIGTERM or SIGINT: new requests are refused, those in flight finish
             (ShutdownReq(abort_in_flight=True) or a second signal aborts them), the idle
             check runs, the capture closes ('finished'), exit 0. An exception: the capture
@@ -47,6 +52,8 @@ from kvscope.engine.config import EngineConfig
 from kvscope.server.kv_events import AllBlocksCleared, CachedPages, KVEventPublisher, KVEventsConfig, page_deltas
 from kvscope.server.protocol import (
     AbortReq,
+    FlushCacheOut,
+    FlushCacheReq,
     GenerateReq,
     Logprob,
     PagesOut,
@@ -187,6 +194,7 @@ class ServeLoop:
         self.front_died = False
         self.last_stats_s = 0.0
         self.parent = multiprocessing.parent_process()
+        self.pending_flush: tuple[FlushCacheReq, float] | None = None  # a flush waiting for idle, its deadline
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -203,6 +211,7 @@ class ServeLoop:
                 return
             if self.abort_requested:
                 self.abort_all()
+            self.check_pending_flush()  # NOTE: before a drain's exit, so a waiting flush is answered
             if self.draining and scheduler.is_idle():
                 break
             self.step()
@@ -252,11 +261,13 @@ class ServeLoop:
                 continue
             self.handle(msg)
 
-    def handle(self, msg: GenerateReq | AbortReq | ShutdownReq) -> None:
+    def handle(self, msg: GenerateReq | AbortReq | ShutdownReq | FlushCacheReq) -> None:
         if isinstance(msg, GenerateReq):
             self.generate(msg)
         elif isinstance(msg, AbortReq):
             self.abort(msg.rid)
+        elif isinstance(msg, FlushCacheReq):
+            self.flush_or_wait(msg)
         else:
             self.draining = True
             self.abort_requested = self.abort_requested or msg.abort_in_flight
@@ -295,6 +306,35 @@ class ServeLoop:
         except (ValueError, OverflowError) as err:
             return self.refuse(msg.rid, (str(err).splitlines() or ["invalid request"])[0])
         self.flights[msg.rid] = flight
+
+    def flush_or_wait(self, msg: FlushCacheReq) -> None:
+        """SGLang's flush: at once when idle; else refused (timeout 0) or kept until idle or its deadline."""
+        if self.pending_flush is not None:
+            return self.send(FlushCacheOut(msg.flush_id, False, "another flush_cache is already waiting"))
+        if msg.timeout_s <= 0 or self.engine.scheduler.is_idle():
+            return self.answer_flush(msg)
+        self.pending_flush = (msg, time.monotonic() + msg.timeout_s)
+
+    def check_pending_flush(self) -> None:
+        if self.pending_flush is None:
+            return
+        msg, deadline = self.pending_flush
+        if self.engine.scheduler.is_idle():
+            self.pending_flush = None
+            self.answer_flush(msg)
+        elif time.monotonic() >= deadline:
+            self.pending_flush = None
+            self.send(FlushCacheOut(msg.flush_id, False, f"timed out after {msg.timeout_s:g} s waiting for idle"))
+
+    def answer_flush(self, msg: FlushCacheReq) -> None:
+        scheduler = self.engine.scheduler
+        num_running = len(scheduler.running) + (scheduler.chunked_req is not None)
+        if not self.engine.flush_cache():
+            why = f"cache not flushed: {num_running} requests running, {len(scheduler.waiting)} waiting"
+            return self.send(FlushCacheOut(msg.flush_id, False, why))
+        self.publish_kv_events(cleared=True)
+        self.send_stats()
+        self.send(FlushCacheOut(msg.flush_id, True))
 
     def prompt_logprobs(self, input_ids: list[int], num_top: int) -> list[Logprob | None]:
         """The prompt's logprobs from one dense forward (the reference the paged path matches; a
@@ -390,7 +430,7 @@ class ServeLoop:
             )
         )
 
-    def send(self, msg: TokenOut | StatsOut | PagesOut) -> None:
+    def send(self, msg: TokenOut | StatsOut | PagesOut | FlushCacheOut) -> None:
         frame = encode(msg)
         waited_s = 0.0
         while not self.front_died:
@@ -403,13 +443,14 @@ class ServeLoop:
                 if self.draining and waited_s >= SEND_GIVE_UP_S:
                     return  # NOTE: stopping and no front reads: the message has no one to go to
 
-    def publish_kv_events(self) -> None:
-        """The step's cache changes: KV events when configured, a PagesOut for a replica's router."""
+    def publish_kv_events(self, cleared: bool = False) -> None:
+        """The step's cache changes: KV events when configured, a PagesOut for a replica's router.
+        `cleared`: the cache was flushed, published as SGLang publishes its reset (AllBlocksCleared)."""
         if self.pages is None:
             return
         events = self.pages.diff()
         if self.publisher is not None:
-            self.publisher.publish(events)
+            self.publisher.publish([AllBlocksCleared()] if cleared else events)
         if self.spec.report_pages and events:
             self.send(PagesOut(*page_deltas(events)))
 

@@ -28,6 +28,7 @@ from kvscope.server.kv_events import (
     decode_batch,
     node_page_list,
 )
+from kvscope.server.protocol import FlushCacheOut, FlushCacheReq
 from tests.server.test_scheduler_process import MODEL, prompts, serve, short_dir  # noqa: F401 - fixture
 
 PAGE_SIZE = 4
@@ -114,6 +115,13 @@ class Subscriber:
 
     def pages(self) -> Pages:
         return rebuild(self.batches())
+
+    def wait_until_held(self, hashes: list[int]) -> bool:
+        """Whether every page of `hashes` is in the rebuilt set within the timeout."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while not set(hashes) <= set(self.pages()) and time.monotonic() < deadline:
+            self.pump(0.2)
+        return set(hashes) <= set(self.pages())
 
     def wait_for(self, expected: Pages) -> Pages:
         deadline = time.monotonic() + TIMEOUT_S
@@ -237,6 +245,35 @@ def test_a_subscriber_rebuilds_the_cache_pages_and_replay_fills_what_it_missed(s
     assert {batch.attn_dp_rank for batch in batches} == {0}  # one rank: rank 0, as SGLang stamps it
     assert local.stats.evicted_tokens > 0
     assert any(isinstance(e, BlockRemoved) for e in events), "the small pool evicted: pages must leave"
+
+
+def test_a_flush_publishes_all_blocks_cleared_and_the_pages_come_back_after(short_dir: Path) -> None:  # noqa: F811
+    config = KVEventsConfig(
+        publisher="zmq", endpoint=f"ipc://{short_dir}/kv", replay_endpoint=f"ipc://{short_dir}/rp", topic="kv"
+    )
+    trunk = np.array(SGLANG_VECTORS["trunk"][0], dtype=np.int32)
+    context: zmq.Context[Any] = zmq.Context()
+    try:
+        with serve(short_dir, kv_events=config, engine=ENGINE) as front:
+            front.wait_ready()
+            sub = Subscriber(context, config)
+            sub.replay(0)
+            front.generate("trunk", trunk, 2)
+            front.wait_ended(["trunk"])
+            assert sub.wait_until_held(SGLANG_VECTORS["trunk"][1])
+            front.send(FlushCacheReq("f1"))
+            deadline = time.monotonic() + TIMEOUT_S
+            while not front.flushes and time.monotonic() < deadline:
+                front.receive()
+            assert front.flushes == [FlushCacheOut("f1", True)]
+            assert sub.wait_for({}) == {}
+            cleared = [decode_batch(payload).events for payload in sub.live.values()]
+            assert [AllBlocksCleared()] in cleared  # SGLang's reset event, not one BlockRemoved per page
+            front.generate("again", trunk, 2)
+            front.wait_ended(["again"])
+            assert sub.wait_until_held(SGLANG_VECTORS["trunk"][1])
+    finally:
+        context.destroy(linger=0)
 
 
 def test_the_config_takes_sglang_keys() -> None:

@@ -25,6 +25,7 @@ from kvscope.engine import Engine, EngineConfig, PoolConfig, Req, model_config
 from kvscope.server.kv_events import KVEventsConfig
 from kvscope.server.protocol import (
     AbortReq,
+    FlushCacheOut,
     GenerateReq,
     ShutdownReq,
     StatsOut,
@@ -55,11 +56,12 @@ class Front:
     ends: dict[str, TokenOut] = field(default_factory=dict)
     outs: list[TokenOut] = field(default_factory=list)
     stats: list[StatsOut] = field(default_factory=list)
+    flushes: list[FlushCacheOut] = field(default_factory=list)
 
     def send(self, msg: ToScheduler) -> None:
         self.push.send(encode(msg))
 
-    def receive(self, timeout_s: float = TIMEOUT_S) -> TokenOut | StatsOut:
+    def receive(self, timeout_s: float = TIMEOUT_S) -> TokenOut | StatsOut | FlushCacheOut:
         if not self.pull.poll(int(timeout_s * 1000)):
             raise AssertionError(
                 f"no message from the scheduler in {timeout_s}s "
@@ -68,6 +70,8 @@ class Front:
         msg = decode_to_front(self.pull.recv())
         if isinstance(msg, StatsOut):
             self.stats.append(msg)
+        elif isinstance(msg, FlushCacheOut):
+            self.flushes.append(msg)
         else:
             self.outs.append(msg)
             self.tokens.setdefault(msg.rid, []).extend(msg.new_token_ids)

@@ -515,9 +515,7 @@ class HiRadixCache(BasePrefixCache):
                 return None  # NOTE: a load reads a host copy below: neither written nor droppable now
         backed_up = leaf.host_value is not None
         if self.recorder.enabled:
-            reason = (
-                EvictReason.TO_HOST if backed_up else EvictReason.DROP if not self.through else EvictReason.CAPACITY
-            )
+            reason = EvictReason.TO_HOST if backed_up else EvictReason.DROP if not self.through else self.evict_reason
             self.recorder.record(
                 EventKind.EVICT,
                 pool=PoolName.FULL,
@@ -587,7 +585,7 @@ class HiRadixCache(BasePrefixCache):
             node = heapq.heappop(heap)[2]
             assert node.host_value is not None and node.parent is not None
             evicted += len(node.host_value)
-            self._free_host_copy(node, EvictReason.CAPACITY)
+            self._free_host_copy(node, self.evict_reason)
             parent = node.parent
             del parent.children[node.key[: self.page_bytes]]
             node.parent = None

@@ -51,7 +51,7 @@ from kvscope.cache.tree import (
 )
 from kvscope.cache.tree.node import PageHashMemo, foreign_tokens
 from kvscope.mem import BaseTokenAllocator, ReqToTokenPool
-from kvscope.telemetry import NULL_RECORDER, EventKind, EvictReason, PoolName, Recorder
+from kvscope.telemetry import NULL_RECORDER, EventKind, PoolName, Recorder
 
 
 class RadixCache(BasePrefixCache):
@@ -305,7 +305,7 @@ class RadixCache(BasePrefixCache):
                 node_id=leaf.id,
                 num_tokens=len(chunk),
                 slots=chunk,
-                reason=EvictReason.CAPACITY,
+                reason=self.evict_reason,
             )
         return chunk
 

@@ -716,7 +716,7 @@ class ScopedRadixCache(BasePrefixCache):
                 node_id=leaf.id,
                 num_tokens=len(chunk),
                 slots=chunk,
-                reason=EvictReason.CAPACITY,
+                reason=self.evict_reason,
             )
         return chunk
 

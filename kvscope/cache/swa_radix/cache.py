@@ -576,7 +576,7 @@ class SWARadixCache(SWAPrefixCache):
                 node_id=leaf.id,
                 num_tokens=len(leaf.value),
                 slots=leaf.value,
-                reason=EvictReason.CAPACITY,
+                reason=self.evict_reason,
                 aux=int(leaf.tombstone),
             )
         return leaf.value

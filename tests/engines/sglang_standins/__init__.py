@@ -12,8 +12,10 @@ NOTE: why each is here (what imports it; none has a CPU wheel that imports witho
     tvm_ffi                         sgl-kernel's JIT bindings, imported by srt.utils
     torchvision                     multimodal utilities reached from schedule_batch
     compressed_tensors              quantization configs reached from model_config
-    aiohttp, IPython                utilities reached from srt.utils
+    aiohttp, IPython                utilities reached from srt.utils (aiohttp is real for SGLang's
+                                    bench_serving client: install(real=("aiohttp",)))
     sgl_kernel                      the CUDA kernels package (its import is guarded in most places)
+    datasets                        Hugging Face datasets, imported by bench_serving's MMMU loader (unused)
 """
 
 from __future__ import annotations
@@ -26,12 +28,25 @@ from typing import Any
 
 from tests.engines.sglang_standins._anything import standin
 
-STANDINS = ("triton", "tvm_ffi", "torchvision", "compressed_tensors", "aiohttp", "IPython", "sgl_kernel", "xgrammar")
+STANDINS = (
+    "triton",
+    "tvm_ffi",
+    "torchvision",
+    "compressed_tensors",
+    "aiohttp",
+    "IPython",
+    "sgl_kernel",
+    "xgrammar",
+    "datasets",
+)
 
 
 class _StandinFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, real: tuple[str, ...] = ()) -> None:
+        self.names = tuple(name for name in STANDINS if name not in real)
+
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname.split(".")[0] not in STANDINS:
+        if fullname.split(".")[0] not in self.names:
             return None
         return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
 
@@ -42,9 +57,10 @@ class _StandinFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def install() -> None:
+def install(real: tuple[str, ...] = ()) -> None:
+    """`real`: names of STANDINS to import as installed instead (the first install decides)."""
     if not any(isinstance(f, _StandinFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _StandinFinder())
+        sys.meta_path.insert(0, _StandinFinder(real))
         _configs_registered_as_on_their_transformers()
 
 
