@@ -306,3 +306,36 @@ def test_a_frozen_rank_is_skipped_reported_and_does_not_hold_up_the_stop(tmp_pat
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         server.kill()
+
+
+@pytest.mark.parametrize("in_flight", [True, False], ids=["a-stream-in-flight", "idle"])
+def test_a_stopped_single_scheduler_does_not_hold_up_the_stop(tmp_path: Path, in_flight: bool) -> None:
+    """Issue 40, point 20: one scheduler (no --dp-size) stopped with SIGSTOP just before SIGTERM, too soon
+    for the silence bound: the server ends within its drain bound (it waited JOIN_TIMEOUT_S, 66 s, and
+    printed nothing), says in one line why it killed the scheduler, and exits 1."""
+    server = start_server(tmp_path / "c.db", "--level", "summary")
+    pids: list[int] = []
+    try:
+        ok = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+        assert httpx.post(f"{server.url}/v1/completions", json=ok, timeout=60).status_code == 200
+        started, events = threading.Event(), []
+        if in_flight:
+            streamer = threading.Thread(target=stream_events, args=(server.url, started, events), daemon=True)
+            streamer.start()
+            assert started.wait(60), "the stream never started"
+        pids = rank_pids(server)
+        os.kill(pids[0], signal.SIGSTOP)
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(DRAIN_S)  # NOTE: a bound on a hang
+        _, printed = server.stop()
+        assert code == 1, printed
+        killed = "kvscope serve: error: the scheduler process is stopped (SIGSTOP): killed it; its run stays running"
+        assert printed.count(killed) == 1 and "Traceback" not in printed, printed
+        if in_flight:
+            streamer.join(GONE_WITHIN_S)
+            assert events[-1]["error"]["code"] == "scheduler_unavailable", events[-1]
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        server.kill()
