@@ -8,8 +8,10 @@ traceback:
     SIGTERM  kvscope <verb>: interrupted   exit 143
     SIGHUP   kvscope <verb>: interrupted   exit 129
 
-NOTE: the first of these signals raises Interrupted (a KeyboardInterrupt carrying `signum`)
-and sets all three to be ignored: shutting down (closing a capture as 'interrupted') cannot be
+NOTE: once the verb has returned its exit code, the three are ignored: the process is only exiting, its
+result printed, and a signal then changes nothing (Python's exit would hand SIGTERM back to its default
+action: exit -15 and no line). The first of these signals raises Interrupted (a KeyboardInterrupt
+carrying `signum`) and sets all three to be ignored: shutting down (closing a capture as 'interrupted') cannot be
 interrupted again, however often the key is pressed. SIGKILL or SIGQUIT still stop it at once.
 A dependency missing from this python (kvscope installed with --no-deps in an engine's venv, as the
 probe needs: docs/probe.md) ends any verb with one line, exit 2: which module is missing and which kvscope
@@ -41,6 +43,14 @@ def _stop(signum: int, _frame: FrameType | None) -> None:
     raise Interrupted(signum)
 
 
+def ignore_stop_signals() -> None:
+    """Once the verb has its exit code, what is left is the interpreter's exit: a stop signal then changes
+    nothing. NOTE: Python's exit puts a handler it installed back to the default action, so a SIGTERM
+    there killed the process (exit -15, no line) or raised in an atexit hook (a traceback); SIG_IGN stays."""
+    for each in STOP_SIGNALS:
+        signal.signal(each, signal.SIG_IGN)
+
+
 def install_stop_handlers() -> None:
     """SIGINT, SIGTERM and SIGHUP raise Interrupted once, then are ignored."""
     for each in STOP_SIGNALS:
@@ -68,7 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         install_stop_handlers()
         from kvscope.app.cli import main as cli_main
 
-        return cli_main(args)
+        code = cli_main(args)
+        ignore_stop_signals()
+        return code
     except ModuleNotFoundError as err:
         top = (err.name or "").partition(".")[0]
         if not top or top == "kvscope":  # NOTE: kvscope's own module missing is a defect: its traceback

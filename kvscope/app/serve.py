@@ -25,7 +25,10 @@ NOTE: the order of things
        A rank silent for RANK_SILENT_S (hung: a stopped process, a stuck kernel) is marked
        unresponsive with one line: dispatch skips it and /health reads "degraded" until it
        speaks again. At the stop its requests in flight end 503 at once and its process is
-       killed (SIGTERM, then SIGKILL), so the stop never waits on it; exit 1.
+       killed (SIGTERM, then SIGKILL), so the stop never waits on it; exit 1. A scheduler stopped by a
+       signal (SIGSTOP: it runs nothing until SIGCONT) counts as unresponsive at once, at the stop and
+       while it is joined; one that has not exited JOIN_TIMEOUT_S after the stop is killed too. Each
+       scheduler killed at the stop is one line saying why.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import time
 import uuid
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -58,6 +62,7 @@ READY_TIMEOUT_S = 300.0
 GRACEFUL_S = 30
 DRAIN_S = 25  # requests in flight may finish this long; then they are aborted, before uvicorn's own limit
 JOIN_TIMEOUT_S = 60.0
+JOIN_POLL_S = 0.2  # NOTE: how often a join looks whether its process was stopped by a signal
 # NOTE: a rank that sends nothing this long is unresponsive (it sends its stats every 0.5 s, busy or idle)
 RANK_SILENT_S = 10.0
 KILL_WAIT_S = 2.0  # a rank that does not answer: SIGTERM, this long, then SIGKILL (a stopped process takes only that)
@@ -337,6 +342,7 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
         front.accepting = False
         front.mark_silent(RANK_SILENT_S)
         silent = front.router.silent_ranks()
+        silent += [r for r in stopped_ranks(processes) if r not in silent]
         for rank in silent:
             front.fail_in_flight(rank, f"{front.rank_label(rank)} does not answer")
         if any(p.is_alive() for p in processes):
@@ -346,8 +352,21 @@ async def _serve(options: ServeOptions, listener: socket.socket, start: StartSch
             server.should_exit = True
             await drain(front, serving, any(p.is_alive() for p in processes), silent)
         for rank, process in enumerate(processes):
-            await loop.run_in_executor(None, process.join, 0.0 if rank in silent else JOIN_TIMEOUT_S)
+            await loop.run_in_executor(None, join_unless_stopped, process, 0.0 if rank in silent else JOIN_TIMEOUT_S)
             if process.is_alive():
+                why = (
+                    "is stopped (SIGSTOP)"
+                    if process_stopped(process.pid)
+                    else "does not answer"
+                    if rank in silent
+                    else f"had not exited {JOIN_TIMEOUT_S:g} s after the stop"
+                )
+                kept = "; its run stays running (ended without closing)" if options.capture else ""
+                print(
+                    f"kvscope serve: error: the scheduler process{rank_name([rank], options)} {why}: killed it{kept}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 await loop.run_in_executor(None, end_process, process)
                 code = code or 1
         await front.close()
@@ -394,6 +413,30 @@ def watch_silence(front: Front, options: ServeOptions) -> None:
         )
 
 
+def process_stopped(pid: int | None) -> bool:
+    """Whether the process is stopped by a signal (SIGSTOP, SIGTSTP: state T in /proc/PID/stat): it runs
+    nothing until SIGCONT, so nothing it was asked will be done. False where there is no /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return False
+    fields = stat.rpartition(")")[2].split()
+    return bool(fields) and fields[0] in ("T", "t")
+
+
+def stopped_ranks(processes: list[multiprocessing.process.BaseProcess]) -> list[int]:
+    return [rank for rank, process in enumerate(processes) if process.is_alive() and process_stopped(process.pid)]
+
+
+def join_unless_stopped(process: multiprocessing.process.BaseProcess, timeout_s: float) -> None:
+    """Join for up to `timeout_s`, giving up as soon as the process is stopped by a signal."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        process.join(min(JOIN_POLL_S, max(0.0, deadline - time.monotonic())))
+        if not process.is_alive() or process_stopped(process.pid) or time.monotonic() >= deadline:
+            return
+
+
 def end_process(process: multiprocessing.process.BaseProcess) -> None:
     """SIGTERM, then SIGKILL after KILL_WAIT_S: a stopped (or hung) process takes only SIGKILL."""
     process.terminate()
@@ -416,7 +459,11 @@ async def drain(front: Front, serving: asyncio.Task[None], scheduler_alive: bool
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(serving), 0.5)
             for rank in front.router.answering_ranks():
-                if front.silent_for_s(rank) > RANK_SILENT_S and front.in_flight_on(rank):
+                if (
+                    rank not in silent
+                    and front.in_flight_on(rank)
+                    and (front.silent_for_s(rank) > RANK_SILENT_S or process_stopped(front.router.replicas[rank].pid))
+                ):
                     front.fail_in_flight(rank, f"{front.rank_label(rank)} does not answer")
                     silent.append(rank)
         if serving.done():

@@ -3,11 +3,13 @@
 run has flushed since the page opened (a fragment rerun does not rerun app.py's frame, whose
 selection and stamp stay as they were).
 
-NOTE: the Overview's live panel does the same by hand (its own, older code)."""
+NOTE: the Overview's and the Tiers page's live panels do the same by hand (their own, older code), through
+fragment(): every fragment shows a damaged capture it meets as app.py does, in one line."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import streamlit as st
 
@@ -34,6 +36,27 @@ def refreshed(chosen: Selection) -> Selection:
     return chosen._replace(run=run, stamp=stamp, status=status)
 
 
+@contextmanager
+def damage_shown() -> Iterator[None]:
+    """A CaptureError met inside is the page's one error line. NOTE: a fragment's own reruns happen
+    outside app.py's handler, so each fragment's body runs under this."""
+    try:
+        yield
+    except CaptureError as err:
+        st.error(str(err))
+
+
+def fragment(body: Callable[[], None], live: bool) -> None:
+    """Run `body` as a fragment (again about every second when `live`), a damaged capture one line."""
+
+    def guarded() -> None:
+        with damage_shown():
+            body()
+
+    guarded.__qualname__ = f"{body.__module__}.{body.__qualname__}"
+    st.fragment(guarded, run_every=LIVE_EVERY_S if live else None)()
+
+
 def follow(panel: Callable[[Selection], None], name: str, live_with: Callable[[Selection], bool] | None = None) -> None:
     """Run `panel` with the freshest selection: once, or (a live run) again about every second.
     `name` tells the page's fragments apart. `live_with(chosen)`: the page also follows other runs
@@ -45,15 +68,11 @@ def follow(panel: Callable[[Selection], None], name: str, live_with: Callable[[S
 
     def live_panel() -> None:
         now = refreshed(selection())
-        try:
-            panel(now)
-        except CaptureError as err:  # NOTE: as app.py shows it: a fragment's exception never reaches app.py
-            st.error(str(err))
-            return
+        panel(now)
         if now.live:
             st.caption(f"run {now.run_id} · **{now.status}** · this page refreshes every second")
         elif live:
             st.caption("runs of this page still running · this page refreshes every second")
 
-    live_panel.__qualname__ = f"{__name__}.{name}"
-    st.fragment(live_panel, run_every=LIVE_EVERY_S if live else None)()
+    live_panel.__qualname__ = name
+    fragment(live_panel, live)

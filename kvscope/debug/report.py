@@ -227,6 +227,8 @@ def build_report(
             attached=attached_source(run),
             probe=attached_source(run, "probe"),
         )
+        if report.status != RunStatus.RUNNING:
+            capture.check_pages()  # NOTE: a verdict (clean included) is read from this file: all of it must be sound
         checks = capture.leak_checks(report.run_id)
         _from_checks(report, checks)
         _from_census_blocks(report, capture)
@@ -289,6 +291,7 @@ def stored_report(capture: Capture, run_id: int) -> LeakReport | None:
     run = runs[runs.id == run_id]
     if run.empty or run.iloc[0].display_status == "running" or row.through_seq != capture.last_event_seq(run_id):
         return None
+    capture.check_pages()  # NOTE: a stored verdict reads no event: a page damaged since must still be seen
     try:
         report = LeakReport.from_json(row.body)
     except (ValueError, TypeError, KeyError):

@@ -59,6 +59,8 @@ class Capture:
             raise
         self._snapshots: OrderedDict[tuple[int, int], pd.DataFrame] = OrderedDict()
         self._lock = threading.Lock()
+        # NOTE: every page was checked at open (a small file), or needs no check (a server database)
+        self._pages_checked = path is None or _small_file(target)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -78,6 +80,18 @@ class Capture:
         if path is None or recording or not self._writer_log:
             return False  # NOTE: a file its writer had closed before: left byte for byte as it is
         return store.settle_file(path)
+
+    def check_pages(self) -> None:
+        """Before a verdict: SQLite's check of every page of a file too big to check at open, once per
+        Capture (store.quick_check). The cheap checks at open (the header's length, tables, columns,
+        chunk keys) cannot see a damaged page in the middle, and a verdict read from a stored report
+        or from the events alone would not meet one; raises the one-line CaptureError."""
+        with self._lock:
+            if self._pages_checked:
+                return
+            with self.engine.connect() as conn:
+                store.quick_check(conn, self.name)
+            self._pages_checked = True
 
     @property
     def schema_version(self) -> int:

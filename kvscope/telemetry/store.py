@@ -154,6 +154,26 @@ def check_sqlite_file(path: Path, *, allow_empty: bool = False) -> None:
     header = read_head(path, 100)
     if len(header) < 100 or not header.startswith(SQLITE_MAGIC):
         raise CaptureError(f"{path}: not a kvscope capture (not a SQLite database)")
+    cut = _truncation(path, header)
+    if cut:
+        raise CaptureError(f"{path}: damaged capture ({cut})")
+
+
+def _truncation(path: Path, header: bytes) -> str | None:
+    """'truncated: N bytes, the header says M' when the file is shorter than the pages its header
+    counts and no log beside it holds the rest; None otherwise (a header whose count SQLite itself
+    would not trust says nothing). NOTE: reads the header only, so it costs the same on any size."""
+    for log in (Path(f"{path}-wal"), Path(f"{path}-journal")):
+        if log.exists() and log.stat().st_size:
+            return None  # NOTE: a log beside the file may hold pages a checkpoint or a rollback writes back
+    page_size = struct.unpack(">H", header[16:18])[0]
+    page_size = 65536 if page_size == 1 else page_size
+    num_pages = struct.unpack(">I", header[28:32])[0]
+    change_counter, valid_for = header[24:28], header[92:96]
+    if num_pages == 0 or change_counter != valid_for:
+        return None
+    size, expected = path.stat().st_size, page_size * num_pages
+    return f"truncated: {size} bytes, the header says {expected}" if size < expected else None
 
 
 def read_mode(dir_writable: bool, wal_mode: bool, wal_bytes: int, has_shm: bool) -> ReadMode:
@@ -187,15 +207,8 @@ def _read_mode_of(path: Path) -> ReadMode:
 def _damage_detail(path: Path, reason: str) -> str:
     """SQLite's reason, and the sizes when the file is shorter than its header says (and no
     log holds the rest)."""
-    wal = Path(f"{path}-wal")
-    if wal.exists() and wal.stat().st_size:
-        return reason
-    header = read_head(path, 100)
-    page_size = struct.unpack(">H", header[16:18])[0]
-    page_size = 65536 if page_size == 1 else page_size
-    expected = page_size * struct.unpack(">I", header[28:32])[0]
-    size = path.stat().st_size
-    return f"truncated: {size} bytes, the header says {expected}; {reason}" if size < expected else reason
+    cut = _truncation(path, read_head(path, 100))
+    return f"{cut}; {reason}" if cut else reason
 
 
 def _sqlite_error_of(err: BaseException) -> tuple[str, int] | None:
@@ -263,12 +276,18 @@ def check_schema(conn: Connection, name: str) -> int:
         if not tables:
             raise EmptyCaptureError(f"{name}: empty capture (no run recorded in it yet)")
         if schema.meta.name not in tables:
+            kept = sorted(tables & {t.name for t in schema.metadata.sorted_tables})
+            if kept:  # NOTE: kvscope's other tables without the one that says which schema wrote them
+                raise CaptureError(f"{name}: damaged capture (no {schema.meta.name} table beside {kept})")
             raise CaptureError(f"{name}: not a kvscope capture (no {schema.meta.name} table)")
+        _check_columns(conn, name, schema.OLDEST_READABLE_VERSION, [schema.meta])
         found = stored_version(conn)
     except SQLAlchemyError as err:
         raise CaptureError(f"{name}: unreadable capture ({first_line(err)})") from err
-    if found is None or not found.isdigit() or int(found) < schema.OLDEST_READABLE_VERSION:
-        raise CaptureError(f"{name}: not a kvscope capture (no schema version)")
+    if found is None:
+        raise CaptureError(f"{name}: damaged capture (no schema version in {schema.meta.name})")
+    if not found.isdigit() or int(found) < schema.OLDEST_READABLE_VERSION:
+        raise CaptureError(f"{name}: damaged capture (schema version {found!r} is none kvscope ever wrote)")
     if int(found) > schema.SCHEMA_VERSION:
         raise CaptureError(
             f"{name}: written by a newer kvscope (schema version {found}; this one reads up to "
@@ -278,10 +297,27 @@ def check_schema(conn: Connection, name: str) -> int:
     missing = {t.name for t in schema.metadata.sorted_tables} - optional - tables
     if missing:
         raise CaptureError(f"{name}: damaged capture (missing tables {sorted(missing)})")
+    _check_columns(conn, name, int(found), [t for t in schema.metadata.sorted_tables if t.name in tables])
     return int(found)
 
 
-def _quick_check(conn: Connection, name: str) -> None:
+def _check_columns(conn: Connection, name: str, version: int, tables: Sequence[Table]) -> None:
+    """Each of `tables` has every column a file of `version` holds (one PRAGMA table_info per table:
+    the same cost on any size); a missing one is damage, not a reader's traceback."""
+    inspector = inspect(conn)
+    for table in tables:
+        try:
+            found = {c["name"] for c in inspector.get_columns(table.name)}
+        except SQLAlchemyError as err:
+            raise CaptureError(f"{name}: damaged capture (table {table.name}: {first_line(err)})") from err
+        lacking = [c.name for c in table.columns if schema.since_version(c) <= version and c.name not in found]
+        if lacking:
+            raise CaptureError(f"{name}: damaged capture (table {table.name} lacks columns {lacking})")
+
+
+def quick_check(conn: Connection, name: str) -> None:
+    """SQLite's own check of every page of the file (PRAGMA quick_check; about 2.7 s per GB): a
+    damaged page anywhere is one CaptureError line."""
     found = conn.exec_driver_sql("PRAGMA quick_check(1)").scalar_one_or_none()
     if found != "ok":
         # NOTE: SQLite heads the first problem with "*** in database main ***"
@@ -314,7 +350,7 @@ def open_reader(target: str | Path) -> Engine:
         with engine.connect() as conn:
             check_schema(conn, name)
             if path is not None and path.stat().st_size <= QUICK_CHECK_MAX_BYTES:
-                _quick_check(conn, name)
+                quick_check(conn, name)
     except BaseException:
         engine.dispose()
         raise

@@ -218,3 +218,25 @@ def test_the_entry_point_imports_nothing_heavy() -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("verb", ["upgrade", "runs"])
+def test_a_signal_after_the_verb_has_ended_changes_nothing(tmp_path: Path, verb: str) -> None:
+    """Issue 40, point 21: SIGTERM once the verb's result is printed, while the interpreter exits. Python's
+    exit hands the signal back to its default action (exit -15, no line) or raises it in an atexit hook (a
+    traceback); the verb's own code and output stand, and stderr stays empty. A signal that comes before
+    the verb has returned (its line printed, its return not yet taken) is the house stop: one line, 143."""
+    capture = tmp_path / "c.db"
+    capture.write_bytes(Path(CLEAN).read_bytes())
+    for delay_s in (0.0, 0.005, 0.02, 0.05):
+        proc = kvscope(verb, str(capture), cwd=ROOT)
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        time.sleep(delay_s)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert first and (proc.returncode, err) in ((0, ""), (143, f"kvscope {verb}: interrupted\n")), (
+            delay_s,
+            proc.returncode,
+            err,
+        )

@@ -306,3 +306,77 @@ def test_a_frozen_rank_is_skipped_reported_and_does_not_hold_up_the_stop(tmp_pat
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         server.kill()
+
+
+@pytest.mark.parametrize("in_flight", [True, False], ids=["a-stream-in-flight", "idle"])
+def test_a_stopped_single_scheduler_does_not_hold_up_the_stop(tmp_path: Path, in_flight: bool) -> None:
+    """Issue 40, point 20: one scheduler (no --dp-size) stopped with SIGSTOP just before SIGTERM, too soon
+    for the silence bound: the server ends within its drain bound (it waited JOIN_TIMEOUT_S, 66 s, and
+    printed nothing), says in one line why it killed the scheduler, and exits 1."""
+    server = start_server(tmp_path / "c.db", "--level", "summary")
+    pids: list[int] = []
+    try:
+        ok = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+        assert httpx.post(f"{server.url}/v1/completions", json=ok, timeout=60).status_code == 200
+        started, events = threading.Event(), []
+        if in_flight:
+            streamer = threading.Thread(target=stream_events, args=(server.url, started, events), daemon=True)
+            streamer.start()
+            assert started.wait(60), "the stream never started"
+        pids = rank_pids(server)
+        os.kill(pids[0], signal.SIGSTOP)
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(DRAIN_S)  # NOTE: a bound on a hang
+        _, printed = server.stop()
+        assert code == 1, printed
+        killed = "kvscope serve: error: the scheduler process is stopped (SIGSTOP): killed it; its run stays running"
+        assert printed.count(killed) == 1 and "Traceback" not in printed, printed
+        if in_flight:
+            streamer.join(GONE_WITHIN_S)
+            assert events[-1]["error"]["code"] == "scheduler_unavailable", events[-1]
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        server.kill()
+
+
+CTRL_C_TRIES = 3
+
+
+def test_ctrl_c_under_load_ends_within_the_drain_bound_without_a_traceback(tmp_path: Path) -> None:
+    """Issue 40, point 21: Ctrl-C (SIGINT to the whole process group: the front and both schedulers) while a
+    load keeps every slot busy, several times: each stop ends within the drain bound, exit 0, with no
+    traceback from any process (stdout and stderr are one stream here) and its one 'stopped' line."""
+    for attempt in range(CTRL_C_TRIES):
+        server = start_server(tmp_path / f"c{attempt}.db", "--level", "full", "--dp-size", "2", preexec_fn=os.setsid)
+        load_args = ["--workload", "multi-tenant", "--num-requests", "400", "--concurrency", "8", "--max-tokens", "64"]
+        load = subprocess.Popen(
+            [sys.executable, "-m", "kvscope", "load", "--url", server.url, *load_args, "--quiet"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=REPO,
+        )
+        try:
+            deadline = time.monotonic() + GONE_WITHIN_S
+            while time.monotonic() < deadline and not busy(server.url):
+                time.sleep(0.2)
+            assert busy(server.url), "the load never ran"
+            os.killpg(server.process.pid, signal.SIGINT)
+            code = server.process.wait(DRAIN_S)  # NOTE: a bound on a hang
+            _, printed = server.stop()
+            assert code == 0 and "Traceback" not in printed, (attempt, printed)
+            assert printed.count("kvscope serve: stopped (SIGINT)") == 1, (attempt, printed)
+        finally:
+            load.kill()
+            load.wait(10)
+            server.kill()
+
+
+def busy(url: str) -> bool:
+    """Whether requests are running on the server (its /metrics' running gauge above 0)."""
+    with contextlib.suppress(httpx.HTTPError):
+        for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+            if line.startswith("sglang:num_running_reqs") and float(line.rsplit(" ", 1)[1]) > 0:
+                return True
+    return False

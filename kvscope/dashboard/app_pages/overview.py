@@ -15,8 +15,6 @@ from kvscope.dashboard.verdict import attached_verdict, leak_verdict, protected_
 from kvscope.debug import LeakReport
 from kvscope.telemetry.capabilities import Capabilities
 
-LIVE_EVERY_S = 1.0
-
 
 def _pct(value: float | None) -> str:
     return "–" if value is None else f"{value:.1%}"
@@ -186,4 +184,4 @@ def live_panel() -> None:
 
 chosen = selection()
 st.header("Overview")
-st.fragment(live_panel, run_every=LIVE_EVERY_S if chosen.live else None)()
+live.fragment(live_panel, chosen.live)

@@ -14,7 +14,6 @@ from kvscope.dashboard import capability, charts, data, live, reported
 from kvscope.dashboard.frame import PAGES_DIR, Selection, selection
 from kvscope.telemetry import CaptureError
 
-LIVE_EVERY_S = 1.0
 TREE_COLOR_KEY = "tree.color"  # the Radix tree page's colour-by selectbox
 
 
@@ -189,11 +188,7 @@ def tree_section(chosen: Selection) -> None:
 
 
 def live_panel() -> None:
-    """NOTE: a fragment's own reruns happen outside app.py's handler: a damaged page is one line here too."""
-    try:
-        tiers_view(live.refreshed(selection()))
-    except CaptureError as err:
-        st.error(str(err))
+    tiers_view(live.refreshed(selection()))
 
 
 def tiers_view(chosen: Selection) -> None:
@@ -237,7 +232,7 @@ if caps.lacks("tiers"):
 if caps.lacks("ownership"):  # NOTE: the engine's own figures (its /metrics) and the page forest of its KV events
     reported.tiers(chosen, caps)
     st.stop()
-st.fragment(live_panel, run_every=LIVE_EVERY_S if chosen.live else None)()
+live.fragment(live_panel, chosen.live)
 if caps.has("tree") and st.button(
     "Open the Radix tree coloured by tier", key="tiers.to_tree", icon=":material/account_tree:"
 ):
