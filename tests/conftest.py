@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 import torch
 
+# NOTE: the readers' cache of page checks (kvscope/telemetry/page_checks.py) goes to a folder of this run,
+# inherited by the subprocesses tests start: a test never reads or writes the user's own cache
+os.environ.setdefault("KVSCOPE_CACHE_DIR", tempfile.mkdtemp(prefix="kvscope-test-cache-"))
 CUDA = torch.cuda.is_available()
 POSTGRES_URL_VAR = "KVSCOPE_TEST_POSTGRES_URL"
 torch.set_num_threads(1)  # tiny tensors: a second intra-op thread only adds stalls on 2-core machines

@@ -21,7 +21,7 @@ from typing import Any
 import pandas as pd
 from sqlalchemy import Boolean, ColumnElement, Engine, Integer, Select, cast, func, literal, or_, select
 
-from kvscope.telemetry import schema, store
+from kvscope.telemetry import page_checks, schema, store
 from kvscope.telemetry.event_source import (
     EVENT_COLUMNS,
     EventFilter,
@@ -32,7 +32,7 @@ from kvscope.telemetry.event_source import (
     read_events,
 )
 from kvscope.telemetry.events import EventKind
-from kvscope.telemetry.store import display_name, driver_rows, open_reader, stored_version
+from kvscope.telemetry.store import CaptureError, display_name, driver_rows, open_reader, stored_version
 from kvscope.telemetry.tree_replay import REPLAY_COLUMNS, STRUCTURAL_KINDS, replay_tree
 
 STALE_HEARTBEAT_S = 30.0
@@ -85,12 +85,24 @@ class Capture:
         """Before a verdict: SQLite's check of every page of a file too big to check at open, once per
         Capture (store.quick_check). The cheap checks at open (the header's length, tables, columns,
         chunk keys) cannot see a damaged page in the middle, and a verdict read from a stored report
-        or from the events alone would not meet one; raises the one-line CaptureError."""
+        or from the events alone would not meet one; raises the one-line CaptureError. A file that
+        passed before, unchanged since, is not checked again (page_checks.py)."""
         with self._lock:
             if self._pages_checked:
                 return
-            with self.engine.connect() as conn:
-                store.quick_check(conn, self.name)
+            path = store.file_of(self.target)
+            if path is not None and page_checks.passed(path):
+                self._pages_checked = True
+                return
+            try:
+                with self.engine.connect() as conn:
+                    store.quick_check(conn, self.name)
+            except CaptureError:
+                if path is not None:
+                    page_checks.forget(path)
+                raise
+            if path is not None:
+                page_checks.remember(path)
             self._pages_checked = True
 
     @property
