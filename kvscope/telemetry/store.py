@@ -531,6 +531,29 @@ def save_report(target: str | Path, run_id: int, kind: str, through_seq: int, pr
         engine.dispose()
 
 
+def save_ledger_checkpoint(
+    engine: Engine, run_id: int, through_seq: int, step: int, producer: str, body: bytes
+) -> None:
+    """Store (or replace) a run's ledger checkpoint (schema.ledger_checkpoints), in one transaction:
+    a reader sees the old state or the new one."""
+    table = schema.ledger_checkpoints
+    with engine.begin() as conn:
+        conn.execute(table.delete().where(table.c.run_id == run_id))
+        conn.execute(
+            table.insert(),
+            [
+                {
+                    "run_id": run_id,
+                    "through_seq": through_seq,
+                    "step": step,
+                    "producer": producer,
+                    "built_at": time.time(),
+                    "body": body,
+                }
+            ],
+        )
+
+
 def insert_statement(engine: Engine, table: Table, columns: Sequence[str]) -> Statement:
     """An executemany-ready INSERT of positional rows (`columns` order) in the dialect's paramstyle."""
     return compiled_statement(engine, table.insert().values({c: None for c in columns}), columns)
