@@ -6,11 +6,15 @@ starts from it with the same verdict and culprits.
     python -m kvscope.debug.checkpoint CAPTURE [--run ID ...] [--every SECONDS] [--parent PID]
 
 NOTE: which runs it follows: the given ones, or every running run at level full with a retention
-row (a `kvscope serve --dp-size N` records N of them). It ends when every run it follows has
-closed and the parent process (the verb that started it) is gone or all its runs closed. It is a
-reader of the capture and writes only ledger_checkpoints rows; when it cannot follow a run (its
-events were dropped past the checkpoint, the size bound won) it says so in one line and stops
-following it: readers then find the checkpoint short of the run's first kept event.
+row (a `kvscope serve --dp-size N` records N of them), from the moment its bound is a quarter used
+(START_SHARE: the capture's size, or the run's age against its window): until then nothing can be
+dropped soon and it only looks every few seconds, so a server far under its bound pays nothing.
+It replays from the run's first event then (the writer drops nothing a checkpoint does not cover).
+It ends when every run it follows has closed and the parent process (the verb that started it) is
+gone; the verb stops it before its capture closes. It reads the capture and writes only
+ledger_checkpoints rows; when it cannot follow a run (its events were dropped past the checkpoint:
+the size bound won) it says so in one line and stops following it, and readers then find the
+checkpoint short of the run's first kept event.
 """
 
 from __future__ import annotations
@@ -21,15 +25,19 @@ import sys
 import time
 from contextlib import suppress
 from dataclasses import dataclass, field
+from typing import Any
 
+import pandas as pd
 from sqlalchemy import Engine
 
 from kvscope.debug import ledger_state
 from kvscope.debug.replay import EventsDropped, Replay
 from kvscope.debug.report import ReportState, _bisect_onset
 from kvscope.telemetry import Capture, CaptureError, RunStatus, open_writer, save_ledger_checkpoint
+from kvscope.telemetry.store import file_of
 
 EVERY_S = 2.0
+START_SHARE = 0.25
 
 
 @dataclass
@@ -95,7 +103,25 @@ class Checkpointer:
         if self.runs is not None:
             return ids & set(self.runs)
         kept = capture.retention()
-        return ids & {int(i) for i in kept.run_id}
+        kept = kept[kept.run_id.isin(ids)]
+        return {int(row.run_id) for row in kept.itertuples() if self._due(capture, row)}
+
+    def _due(self, capture: Capture, kept: Any) -> bool:
+        """The run's bound is a quarter used (or it is followed already)."""
+        if int(kept.run_id) in self.followed:
+            return True
+        runs = capture.runs()
+        started = float(runs[runs.id == kept.run_id].started_at.iloc[0])
+        if pd.notna(kept.keep_events_s) and time.time() - started >= START_SHARE * float(kept.keep_events_s):
+            return True
+        if pd.isna(kept.max_bytes):
+            return False
+        path = file_of(self.target)
+        if path is None:
+            used = capture.event_bytes().get(int(kept.run_id), 0)
+        else:
+            used = sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists())
+        return used >= START_SHARE * float(kept.max_bytes)
 
     def round(self) -> bool:
         """One pass over the runs; False once there is nothing left to follow."""

@@ -34,7 +34,9 @@ def encode(ledger: Ledger, extra: dict[str, Any]) -> bytes:
         keys = sorted(slots_of)
         arrays[f"{name}.keys"] = np.asarray(keys, np.int64)
         arrays[f"{name}.lengths"] = np.asarray([len(slots_of[k]) for k in keys], np.int64)
-        arrays[f"{name}.slots"] = np.concatenate([np.asarray(slots_of[k], np.int64) for k in keys] or [np.empty(0)])
+        arrays[f"{name}.slots"] = np.concatenate(
+            [np.asarray(slots_of[k], np.int64) for k in keys] or [np.empty(0, np.int64)]
+        )
     owners = ledger.owners
     meta = {
         "held": {str(kind): [[r, n] for r, n in table.items() if n] for kind, table in owners.held.items()},
@@ -57,7 +59,7 @@ def encode(ledger: Ledger, extra: dict[str, Any]) -> bytes:
     }
     arrays["meta"] = np.frombuffer(json.dumps(meta, default=int).encode(), np.uint8)
     out = io.BytesIO()
-    np.savez_compressed(out, **arrays)  # NOTE: the per-slot arrays are mostly their fill values
+    np.savez_compressed(out, allow_pickle=False, **arrays)  # NOTE: the per-slot arrays are mostly their fill values
     return out.getvalue()
 
 
