@@ -394,12 +394,15 @@ class Capture:
 
     def tree_at(self, run_id: int, step: int) -> pd.DataFrame:
         """The node table at `step`: the latest snapshot at or before it, then the structural
-        events after it (insert, split, evict, lock, unlock, tombstone) replayed up to `step`."""
+        events after it (insert, split, evict, lock, unlock, tombstone) replayed up to `step`.
+        CaptureError when retention dropped events that replay would need (a snapshot at `step`
+        itself, one at a leak check, is always there)."""
         t = schema.tree_snapshots.c
         with self.engine.connect() as conn:
             base_step = conn.execute(
                 select(func.max(t.step)).where(t.run_id == run_id, t.step <= step)
             ).scalar_one_or_none()
+        self._check_kept(run_id, step, base_step)
         nodes = pd.DataFrame(columns=list(schema.TREE_SNAPSHOT_COLUMNS))
         if base_step is not None:
             nodes = self._snapshot(run_id, int(base_step))
@@ -408,6 +411,17 @@ class Capture:
             run_id, kinds=STRUCTURAL_KINDS, step_range=(start + 1, step), limit=None, columns=REPLAY_COLUMNS
         )
         return replay_tree(nodes.drop(columns=["run_id", "step"], errors="ignore"), events)
+
+    def _check_kept(self, run_id: int, step: int, base_step: int | None) -> None:
+        kept = self.run_retention(run_id)
+        if kept is None or int(kept.first_seq) == 0 or base_step == step:
+            return
+        first_step = int(kept.first_step)
+        if base_step is None or base_step < first_step:
+            raise store.CaptureError(
+                f"{self.name}: the tree at step {step} cannot be rebuilt: events before step {first_step} were "
+                "dropped by retention (the tree is kept at the leak checks' steps, and from that step on)"
+            )
 
     def _snapshot(self, run_id: int, step: int) -> pd.DataFrame:
         """One snapshot's rows, remembered (a snapshot never changes once written): the tree page

@@ -608,6 +608,7 @@ class SQLRecorder(Recorder):
 
 def _retention_statements(engine: Any) -> RetentionStatements:
     r, k, c, x = schema.event_retention, schema.event_columns, schema.event_chunks, schema.ledger_checkpoints
+    t, checks = schema.tree_snapshots, schema.leak_checks
     moved = ("first_seq", "first_step", "dropped_chunks", "dropped_bytes", "dropped_at")
     update_row = update(r).where(r.c.run_id == bindparam("run_id")).values({n: bindparam(n) for n in moved})
     return RetentionStatements(
@@ -625,6 +626,15 @@ def _retention_statements(engine: Any) -> RetentionStatements:
         ),
         checkpoint=compiled_statement(
             engine, select(x.c.through_seq).where(x.c.run_id == bindparam("run_id")), ("run_id",)
+        ),
+        delete_snapshots=compiled_statement(
+            engine,
+            delete(t).where(
+                t.c.run_id == bindparam("run_id"),
+                t.c.step < bindparam("first_step"),
+                t.c.step.not_in(select(checks.c.step).where(checks.c.run_id == bindparam("run_id"))),
+            ),
+            ("run_id", "first_step"),
         ),
     )
 

@@ -1,12 +1,16 @@
 """Retention: a run keeps its raw events for a window (`--keep-events 6h`) or under a size
 bound (`--max-size 20GiB`), dropping its oldest whole chunks; everything else it records
-(requests, leak checks, census blocks, usage, tree snapshots) it keeps for its whole life.
+(requests, leak checks, census blocks, usage, the tree snapshots at its leak checks) it keeps for
+its whole life.
 
 NOTE: who drops what, when
     The writer process runs a pass after each commit (RetentionPass.after_write), in its own
     thread between transactions: the engine never waits for it. A pass deletes the oldest chunks
     of its own run (event_columns, then event_chunks) and moves the run's event_retention row in
     the same transaction, so a reader sees either the chunks or the row that says they are gone.
+    The tree snapshots of steps before the first kept event's step go with them, but those at a
+    leak check's step: a tree at a later step is rebuilt from a snapshot and the events after it,
+    and the events after those are gone (a census's snapshot stays, as every leak check does).
     It never drops the run's newest chunk (a run with events keeps at least one chunk, and so its
     string dictionary, which is never dropped: later chunks use its codes).
 NOTE: the size a bound counts
@@ -21,9 +25,9 @@ NOTE: the ledger gate
     A run recorded at level `full` by kvscope's engine has its verdict from the slot ledger, which
     needs every event from the run's start. Such a run is `gated`: a pass drops only the chunks a
     stored ledger checkpoint (ledger_checkpoints.through_seq) already covers, so a replay starts
-    from that state and its verdict stays exact. Only when the size bound itself is passed does a
-    pass drop past the gate: the bound wins, and readers see that the checkpoint stops short of
-    the first kept event (their verdict is then inconclusive, never clean).
+    from that state and its verdict stays exact. Only when the size passes HARD_WATER of the bound
+    does a pass drop past the gate: the bound wins, and readers see that the checkpoint stops short
+    of the first kept event (their verdict is then inconclusive, never clean).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any, NamedTuple, Protocol
 
 HIGH_WATER = 0.9  # NOTE: a pass drops when the size passes this share of the bound ...
 LOW_WATER = 0.75  # ... down to this share
+HARD_WATER = 0.97  # NOTE: a gated run waits for its ledger checkpoint up to this share, then the bound wins
 _UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _UNITS_BYTES = {
     "": 1,
@@ -141,7 +146,7 @@ class RetentionPass:
         count = max(self._past_window(), self._over_size(used))
         count = min(count, len(self.kept) - 1)  # NOTE: the newest chunk stays
         if count and self.retention.gated:
-            hard = self.retention.max_bytes is not None and used > self.retention.max_bytes
+            hard = self.retention.max_bytes is not None and used > HARD_WATER * self.retention.max_bytes
             if not hard:
                 count = min(count, self._covered(sink))
         if count > 0:
@@ -191,6 +196,7 @@ class RetentionPass:
             [
                 (s.delete_columns, [(self.run_id, last.number)]),
                 (s.delete_chunks, [(self.run_id, last.number)]),
+                (s.delete_snapshots, [(self.run_id, first_kept.first_step)]),
                 (
                     s.update,
                     [

@@ -75,14 +75,16 @@ class Statement(NamedTuple):
 class RetentionStatements(NamedTuple):
     """The retention pass's statements (retention.py): the run's event_retention row (insert: its
     columns; update: first_seq, first_step, dropped_chunks, dropped_bytes, dropped_at, run_id), the
-    deletes of its chunks up to a number (run_id, chunk) and the read of its ledger checkpoint's
-    through_seq (run_id)."""
+    deletes of its chunks up to a number (run_id, chunk), the read of its ledger checkpoint's
+    through_seq (run_id) and the delete of its tree snapshots before a step but at a leak check's
+    (run_id, first_step)."""
 
     insert: Statement
     update: Statement
     delete_columns: Statement
     delete_chunks: Statement
     checkpoint: Statement
+    delete_snapshots: Statement
 
 
 class WriterSettings(NamedTuple):

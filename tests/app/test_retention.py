@@ -71,12 +71,14 @@ def record(tmp_path: Path, name: str, *extra: str, env: dict[str, str] | None = 
     return capture
 
 
-# NOTE: what a run keeps for its whole life, without the clocks (two runs of one trace differ only there)
+# NOTE: what a run keeps for its whole life, without the clocks (two runs of one trace differ only there);
+# of its tree snapshots, those at its leak checks
 KEPT_FOR_LIFE = (
     "SELECT rid, status, prompt_len, cached_tokens, output_len, arrive_step, finish_step FROM requests ORDER BY rid",
     "SELECT step, pool, total, available, evictable, protected, held, uncached, ok FROM leak_checks ORDER BY 1, 2",
     "SELECT step, full_available, full_evictable, num_running FROM usage ORDER BY step",
-    "SELECT step, node_id, parent_id, num_tokens, lock_ref FROM tree_snapshots ORDER BY 1, 2",
+    "SELECT step, node_id, parent_id, num_tokens, lock_ref FROM tree_snapshots "
+    "WHERE step IN (SELECT step FROM leak_checks) ORDER BY 1, 2",
 )
 
 
