@@ -25,9 +25,10 @@ NOTE: the ledger gate
     A run recorded at level `full` by kvscope's engine has its verdict from the slot ledger, which
     needs every event from the run's start. Such a run is `gated`: a pass drops only the chunks a
     stored ledger checkpoint (ledger_checkpoints.through_seq) already covers, so a replay starts
-    from that state and its verdict stays exact. Only when the size passes HARD_WATER of the bound
-    does a pass drop past the gate: the bound wins, and readers see that the checkpoint stops short
-    of the first kept event (their verdict is then inconclusive, never clean).
+    from that state and its verdict stays exact. The size bound does not wait for the gate (the
+    checkpointer starts when a quarter of the bound is used, and is far ahead by HIGH_WATER): when it
+    is behind, the bound wins, and readers see that the checkpoint stops short of the first kept
+    event (their verdict is then inconclusive, never clean). A window waits for it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from typing import Any, NamedTuple, Protocol
 
 HIGH_WATER = 0.9  # NOTE: a pass drops when the size passes this share of the bound ...
 LOW_WATER = 0.75  # ... down to this share
-HARD_WATER = 0.97  # NOTE: a gated run waits for its ledger checkpoint up to this share, then the bound wins
 _UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _UNITS_BYTES = {
     "": 1,
@@ -143,12 +143,10 @@ class RetentionPass:
             return
         used = sink.used_bytes()
         used = self.kept_bytes if used is None else used
-        count = max(self._past_window(), self._over_size(used))
-        count = min(count, len(self.kept) - 1)  # NOTE: the newest chunk stays
-        if count and self.retention.gated:
-            hard = self.retention.max_bytes is not None and used > HARD_WATER * self.retention.max_bytes
-            if not hard:
-                count = min(count, self._covered(sink))
+        window = self._past_window()
+        if window and self.retention.gated:
+            window = min(window, self._covered(sink))
+        count = min(max(window, self._over_size(used)), len(self.kept) - 1)  # NOTE: the newest chunk stays
         if count > 0:
             self._drop(sink, count)
 

@@ -477,15 +477,18 @@ def _create_or_upgrade(conn: Connection, name: str) -> None:
         return
     version = check_schema(conn, name)
     if version < schema.SCHEMA_VERSION:
-        _upgrade(conn, version)
+        _upgrade(conn, version, tables)
     schema.metadata.create_all(conn, tables=[t for t in schema.OPTIONAL_TABLES if t.name not in tables])
 
 
-def _upgrade(conn: Connection, version: int) -> None:
+def _upgrade(conn: Connection, version: int, tables: set[str]) -> None:
     """Bring a file of an older readable version up to SCHEMA_VERSION: add the later columns
-    (NULL in every existing row), then store the new version (in the caller's transaction)."""
+    (NULL in every existing row) to the tables it has (a table it lacks is created whole after),
+    then store the new version (in the caller's transaction)."""
     preparer = conn.dialect.identifier_preparer
     for column in schema.added_after(version):
+        if column.table.name not in tables:
+            continue
         ddl = CreateColumn(column).compile(dialect=conn.dialect)
         conn.execute(text(f"ALTER TABLE {preparer.format_table(column.table)} ADD COLUMN {ddl}"))
     conn.execute(

@@ -59,7 +59,19 @@ def test_runs_json(tmp_path: Path) -> None:
     shape = as_json("runs", str(two_runs(tmp_path)))
     assert list(shape) == ["capture", "runs"] and [r["id"] for r in shape["runs"]] == [1, 2]
     run = shape["runs"][0]
-    assert list(run) == ["id", "label", "status", "level", "started_at", "started_at_unix", "seconds", "error"]
+    assert list(run) == [
+        "id",
+        "label",
+        "status",
+        "level",
+        "started_at",
+        "started_at_unix",
+        "seconds",
+        "error",
+        "event_bytes",
+        "retention",
+    ]
+    assert run["event_bytes"] >= 0 and run["retention"] is None  # NOTE: a run without a bound drops nothing
     assert run["status"] == "finished" and run["level"] == "full" and run["label"] == "shared-prefix"
     assert run["started_at"].endswith("Z") and isinstance(run["started_at_unix"], float)
     assert run["seconds"] > 0 and run["error"] is None

@@ -14,10 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from kvscope.telemetry import EventKind, PoolName, Retention, SQLRecorder
+from kvscope.telemetry import Capture, CaptureError
 
 ROOT = Path(__file__).resolve().parents[2]
 BOUND_BYTES = 1 << 20
@@ -45,7 +44,7 @@ def write_trace(path: Path, num_requests: int = 160, prompt_len: int = 900) -> P
     return path
 
 
-def record(tmp_path: Path, name: str, *extra: str, env: dict[str, str] | None = None) -> Path:
+def record(tmp_path: Path, name: str, *extra: str, env: dict[str, str] | None = None, faults: bool = True) -> Path:
     capture = tmp_path / name
     trace = (
         write_trace(tmp_path / "trace.jsonl") if not (tmp_path / "trace.jsonl").exists() else tmp_path / "trace.jsonl"
@@ -60,14 +59,11 @@ def record(tmp_path: Path, name: str, *extra: str, env: dict[str, str] | None = 
         "4096",
         "--torch-threads",
         "1",
-        "--inject",
-        "leak-tail:0.1",
-        "--inject",
-        "double-free:0.05",
+        *(("--inject", "leak-tail:0.1", "--inject", "double-free:0.05") if faults else ()),
         *extra,
         env=env,
     )
-    assert out.returncode == 1, out.stderr  # NOTE: the injected leaks fail the idle check
+    assert out.returncode == (1 if faults else 0), out.stderr  # NOTE: the injected leaks fail the idle check
     return capture
 
 
@@ -116,3 +112,29 @@ def test_a_bounded_run_keeps_its_verdict_and_culprits(tmp_path: Path) -> None:
     assert f"retention: events before step {report_bounded['dropped_before_step']}" in text
     runs = kvscope("runs", str(bounded)).stdout
     assert "retention: keeps at most 1.0 MiB; events from step" in runs
+    first_step = report_bounded["dropped_before_step"]
+    census_steps = {step for (step,) in rows(bounded, "SELECT step FROM leak_checks")}
+    capture = Capture(bounded)
+    try:
+        with pytest.raises(CaptureError, match=f"events before step {first_step} were dropped by retention"):
+            capture.tree_at(1, first_step - 1)
+        for step in census_steps:  # NOTE: the tree at a leak check stays whole
+            assert len(capture.tree_at(1, step)) == len(Capture(unbounded).tree_at(1, step))
+    finally:
+        capture.close()
+
+
+def test_events_dropped_past_the_checkpoint_make_the_verdict_inconclusive(tmp_path: Path) -> None:
+    """No checkpoint in time (the checkpointer sleeps through the run): the size bound wins over the
+    gate, and `check` says the verdict cannot be known, never clean and never a ledger's guess."""
+    late = record(
+        tmp_path, "late.db", "--max-size", f"{BOUND_BYTES}B", env={"KVSCOPE_CHECKPOINT_EVERY_S": "3600"}, faults=False
+    )
+    assert late.stat().st_size <= BOUND_BYTES
+    out = kvscope("check", str(late))
+    assert out.returncode == 3, out.stdout
+    assert out.stdout.strip().endswith(
+        "inconclusive: events before step "
+        f"{as_json('report', 'leaks', str(late), '--json')['dropped_before_step']} were dropped by retention "
+        "before the ledger summarized them: culprits before it cannot be named"
+    )

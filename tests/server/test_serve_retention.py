@@ -6,7 +6,6 @@ the ledger resumed at its checkpoint, not from the checks alone)."""
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import subprocess
 import sys

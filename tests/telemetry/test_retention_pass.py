@@ -1,7 +1,7 @@
 """The writer's retention pass (telemetry/retention.py) on a real capture file: it drops the oldest
 whole chunks past the window or over the size bound, never the newest, moves the run's
-event_retention row with them, and a gated run drops only what its ledger checkpoint covers
-unless the size bound itself is passed. Readers read what is kept as an undamaged run."""
+event_retention row with them; a gated run's window drops only what its ledger checkpoint covers,
+and a size bound does not wait for it. Readers read what is kept as an undamaged run."""
 
 from __future__ import annotations
 
@@ -67,15 +67,13 @@ def test_a_gated_run_drops_nothing_its_checkpoint_does_not_cover(tmp_path: Path)
     assert retained(gated)[0] == 0 and retained(ungated)[0] > 0
 
 
-def test_a_gated_run_passes_its_checkpoint_only_over_the_size_bound(tmp_path: Path) -> None:
+def test_a_size_bound_does_not_wait_for_the_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "c.db"
     record(path, Retention(max_bytes=400_000, gated=True), steps=150)
     assert path.stat().st_size <= 400_000 and retained(path)[0] > 0
 
 
-@pytest.mark.parametrize(
-    ("text", "seconds"), [("90s", 90), ("30m", 1800), ("6h", 21600), ("7d", 604800), ("1.5", 1.5)]
-)
+@pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("30m", 1800), ("6h", 21600), ("7d", 604800), ("1.5", 1.5)])
 def test_durations(text: str, seconds: float) -> None:
     assert parse_duration_s(text) == seconds
 
