@@ -15,7 +15,7 @@ import pytest
 from kvscope.telemetry import Capture, EventKind, PoolName, Retention, SQLRecorder, parse_duration_s, parse_size_bytes
 
 
-def record(path: Path, retention: Retention, *, steps: int = 60, sleep_s: float = 0.0) -> int:
+def record(path: Path | str, retention: Retention, *, steps: int = 60, sleep_s: float = 0.0) -> int:
     recorder = SQLRecorder(path, retention=retention)
     for step in range(steps):
         recorder.step = step
