@@ -24,6 +24,10 @@ def start_checkpointer(
     command = [sys.executable, "-m", "kvscope.debug.checkpoint", str(target), "--parent", str(os.getpid())]
     if run_id is not None:
         command += ["--run", str(run_id)]
+    if retention.max_bytes is not None:
+        command += ["--max-bytes", str(retention.max_bytes)]
+    if retention.keep_events_s is not None:
+        command += ["--keep-s", str(retention.keep_events_s)]
     every = os.environ.get("KVSCOPE_CHECKPOINT_EVERY_S")
     if every:
         command += ["--every", every]

@@ -88,6 +88,9 @@ class Checkpointer:
     target: str
     runs: list[int] | None = None  # None: every gated run that records
     parent_pid: int | None = None
+    max_bytes: int | None = None  # NOTE: the bounds it was started for: nothing is due before a quarter
+    keep_s: float | None = None
+    started_s: float = field(default_factory=time.monotonic)
     followed: dict[int, Followed] = field(default_factory=dict)
     engine: Engine | None = None  # NOTE: the one writing connection, for the process's life
 
@@ -123,8 +126,23 @@ class Checkpointer:
             used = sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists())
         return used >= START_SHARE * float(kept.max_bytes)
 
+    def idle(self) -> bool:
+        """Nothing can be due yet: no run followed, a capture file under a quarter of `max_bytes` and a
+        quarter of `keep_s` not past (a stat, no read: an idle server's capture is not opened)."""
+        if self.followed or (self.max_bytes is None and self.keep_s is None):
+            return False
+        if self.keep_s is not None and time.monotonic() - self.started_s >= START_SHARE * self.keep_s:
+            return False
+        path = file_of(self.target)
+        if self.max_bytes is None or path is None:
+            return self.max_bytes is None and path is not None
+        size = sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists())
+        return size < START_SHARE * self.max_bytes
+
     def round(self) -> bool:
         """One pass over the runs; False once there is nothing left to follow."""
+        if self.idle():
+            return self.parent_pid is None or _alive(self.parent_pid)
         capture = Capture(self.target)  # NOTE: afresh each round: the chunks read once are not kept
         if self.engine is None:
             self.engine = open_writer(self.target)
@@ -162,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", type=int, action="append", help="follow this run (default: every gated run)")
     parser.add_argument("--every", type=float, default=EVERY_S, help="seconds between checkpoints")
     parser.add_argument("--parent", type=int, help="stop when this process is gone and no run is left")
+    parser.add_argument("--max-bytes", type=int, help="the runs' size bound (nothing is due before a quarter)")
+    parser.add_argument("--keep-s", type=float, help="the runs' window (nothing is due before a quarter)")
     args = parser.parse_args(argv)
-    checkpointer = Checkpointer(args.capture, args.run, args.parent)
+    checkpointer = Checkpointer(args.capture, args.run, args.parent, args.max_bytes, args.keep_s)
     try:
         while checkpointer.round():
             time.sleep(args.every)
