@@ -62,7 +62,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 import numpy as np
-from sqlalchemy import bindparam, delete, select, update
+from sqlalchemy import bindparam, delete, literal_column, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
 import kvscope
@@ -81,7 +81,7 @@ from kvscope.telemetry.records import (
     RunStatus,
     UsageSample,
 )
-from kvscope.telemetry.retention import Retention
+from kvscope.telemetry.retention import USAGE_EVERY_STEPS, Retention
 from kvscope.telemetry.store import (
     CaptureError,
     compiled_statement,
@@ -608,7 +608,7 @@ class SQLRecorder(Recorder):
 
 def _retention_statements(engine: Any) -> RetentionStatements:
     r, k, c, x = schema.event_retention, schema.event_columns, schema.event_chunks, schema.ledger_checkpoints
-    t, checks = schema.tree_snapshots, schema.leak_checks
+    t, checks, u = schema.tree_snapshots, schema.leak_checks, schema.usage
     moved = ("first_seq", "first_step", "dropped_chunks", "dropped_bytes", "dropped_at")
     update_row = update(r).where(r.c.run_id == bindparam("run_id")).values({n: bindparam(n) for n in moved})
     return RetentionStatements(
@@ -635,6 +635,17 @@ def _retention_statements(engine: Any) -> RetentionStatements:
                 t.c.step.not_in(select(checks.c.step).where(checks.c.run_id == bindparam("run_id"))),
             ),
             ("run_id", "first_step"),
+        ),
+        thin_usage=compiled_statement(
+            engine,
+            delete(u).where(
+                u.c.run_id == bindparam("run_id"),
+                u.c.step >= bindparam("from_step"),
+                u.c.step < bindparam("first_step"),
+                u.c.step % literal_column(str(USAGE_EVERY_STEPS)) != literal_column("0"),  # NOTE: no bound literals
+                u.c.step.not_in(select(checks.c.step).where(checks.c.run_id == bindparam("run_id"))),
+            ),
+            ("run_id", "from_step", "first_step"),
         ),
     )
 

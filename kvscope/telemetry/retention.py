@@ -10,7 +10,9 @@ NOTE: who drops what, when
     the same transaction, so a reader sees either the chunks or the row that says they are gone.
     The tree snapshots of steps before the first kept event's step go with them, but those at a
     leak check's step: a tree at a later step is rebuilt from a snapshot and the events after it,
-    and the events after those are gone (a census's snapshot stays, as every leak check does).
+    and the events after those are gone (a census's snapshot stays, as every leak check does). The
+    usage series is downsampled past the same step: one row in USAGE_EVERY_STEPS steps stays, and
+    the row at each leak check (its counters are cumulative, so rates over the rows left hold).
     It never drops the run's newest chunk (a run with events keeps at least one chunk, and so its
     string dictionary, which is never dropped: later chunks use its codes).
 NOTE: the size a bound counts
@@ -39,6 +41,7 @@ import time
 from collections import deque
 from typing import Any, NamedTuple, Protocol
 
+USAGE_EVERY_STEPS = 10  # NOTE: past the kept events, one usage row in this many steps stays (and each at a leak check)
 HIGH_WATER = 0.9  # NOTE: a pass drops when the size passes this share of the bound ...
 LOW_WATER = 0.75  # ... down to this share
 _UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -124,6 +127,7 @@ class RetentionPass:
         self.dropped_chunks = 0
         self.dropped_bytes = 0
         self.started = False
+        self.thinned_to = 0  # NOTE: usage rows before this step are thinned already
 
     def first_rows(self) -> list[tuple[Any, list[Any]]]:
         """The run's event_retention row, written with its first batch."""
@@ -195,6 +199,7 @@ class RetentionPass:
                 (s.delete_columns, [(self.run_id, last.number)]),
                 (s.delete_chunks, [(self.run_id, last.number)]),
                 (s.delete_snapshots, [(self.run_id, first_kept.first_step)]),
+                (s.thin_usage, [(self.run_id, self.thinned_to, first_kept.first_step)]),
                 (
                     s.update,
                     [
@@ -215,3 +220,4 @@ class RetentionPass:
         self.kept_bytes -= num_bytes
         self.dropped_chunks += count
         self.dropped_bytes += num_bytes
+        self.thinned_to = first_kept.first_step

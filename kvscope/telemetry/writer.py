@@ -76,8 +76,9 @@ class RetentionStatements(NamedTuple):
     """The retention pass's statements (retention.py): the run's event_retention row (insert: its
     columns; update: first_seq, first_step, dropped_chunks, dropped_bytes, dropped_at, run_id), the
     deletes of its chunks up to a number (run_id, chunk), the read of its ledger checkpoint's
-    through_seq (run_id) and the delete of its tree snapshots before a step but at a leak check's
-    (run_id, first_step)."""
+    through_seq (run_id), the delete of its tree snapshots before a step but at a leak check's
+    (run_id, first_step), and the thinning of its usage rows between two steps (run_id, from_step,
+    first_step)."""
 
     insert: Statement
     update: Statement
@@ -85,6 +86,7 @@ class RetentionStatements(NamedTuple):
     delete_chunks: Statement
     checkpoint: Statement
     delete_snapshots: Statement
+    thin_usage: Statement
 
 
 class WriterSettings(NamedTuple):

@@ -68,11 +68,12 @@ def record(tmp_path: Path, name: str, *extra: str, env: dict[str, str] | None = 
 
 
 # NOTE: what a run keeps for its whole life, without the clocks (two runs of one trace differ only there);
-# of its tree snapshots, those at its leak checks
+# of its tree snapshots, those at its leak checks; of its usage rows, one in ten steps and those at leak checks
 KEPT_FOR_LIFE = (
     "SELECT rid, status, prompt_len, cached_tokens, output_len, arrive_step, finish_step FROM requests ORDER BY rid",
     "SELECT step, pool, total, available, evictable, protected, held, uncached, ok FROM leak_checks ORDER BY 1, 2",
-    "SELECT step, full_available, full_evictable, num_running FROM usage ORDER BY step",
+    "SELECT step, full_available, full_evictable, num_running FROM usage "
+    "WHERE step % 10 = 0 OR step IN (SELECT step FROM leak_checks) ORDER BY step",
     "SELECT step, node_id, parent_id, num_tokens, lock_ref FROM tree_snapshots "
     "WHERE step IN (SELECT step FROM leak_checks) ORDER BY 1, 2",
 )

@@ -12,13 +12,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvscope.telemetry import Capture, EventKind, PoolName, Retention, SQLRecorder, parse_duration_s, parse_size_bytes
+from kvscope.telemetry import (
+    Capture,
+    EventKind,
+    LeakCheck,
+    PoolName,
+    PoolTerms,
+    Retention,
+    SQLRecorder,
+    UsageSample,
+    parse_duration_s,
+    parse_size_bytes,
+)
 
 
 def record(path: Path | str, retention: Retention, *, steps: int = 60, sleep_s: float = 0.0) -> int:
     recorder = SQLRecorder(path, retention=retention)
     for step in range(steps):
         recorder.step = step
+        recorder.usage(UsageSample(step, PoolTerms(4096, 1024, 0, 0), None, 0, 0, 1, 0, 100, 64, 1, 1, 0, 0))
+        if step == CHECK_STEP:
+            recorder.leak_check(LeakCheck(step, "full", 4096, 4096, 0, 0, 0, 0))
         for i in range(40):
             recorder.record(EventKind.ALLOC, pool=PoolName.FULL, rid=f"r{step}", slots=np.arange(i * 32, i * 32 + 32))
         recorder.flush()
@@ -26,6 +40,9 @@ def record(path: Path | str, retention: Retention, *, steps: int = 60, sleep_s: 
             time.sleep(sleep_s)
     recorder.close()
     return recorder.run_id
+
+
+CHECK_STEP = 13
 
 
 def retained(path: Path) -> tuple[int, int, int]:
@@ -51,6 +68,16 @@ def test_a_size_bound_keeps_the_file_under_it_and_the_run_readable(tmp_path: Pat
         assert int(events.seq.min()) == first_seq and int(events.seq.max()) == 60 * 40 - 1
     finally:
         capture.close()
+    conn = sqlite3.connect(path)
+    try:
+        ((first_step,),) = conn.execute("SELECT first_step FROM event_retention").fetchall()
+        steps = [step for (step,) in conn.execute("SELECT step FROM usage ORDER BY step")]
+    finally:
+        conn.close()
+    # NOTE: past the kept events one usage row in ten steps stays, and the one at the leak check
+    assert first_step > CHECK_STEP and steps == sorted(
+        {s for s in range(first_step) if s % 10 == 0} | {CHECK_STEP} | set(range(first_step, 60))
+    )
 
 
 def test_a_window_drops_what_is_older_and_keeps_the_newest_chunk(tmp_path: Path) -> None:
