@@ -223,6 +223,7 @@ class Writer:
             else None
         )
         self._marks: list[ChunkMark] = []  # NOTE: the chunks of the transaction being written
+        self.retention_failed = False
 
     def write(self, batches: list[Message]) -> None:
         """Write the batches in one transaction (or drop them once recording stopped)."""
@@ -260,14 +261,19 @@ class Writer:
 
     def _retain(self) -> None:
         """The retention pass, between transactions (retention.py); one that fails (a busy or full
-        database) drops nothing and is tried again after the next batch."""
+        database) drops nothing and is tried again after the next batch; the first failure is one
+        line on stderr (the capture may then outgrow its bound)."""
         if self.retention is None:
             return
         for mark in self._marks:
             self.retention.wrote(mark)
         self._marks = []
-        with suppress(Exception):
+        try:
             self.retention.after_write(self._sink())
+        except Exception as err:
+            if not self.retention_failed:
+                self.retention_failed = True
+                print(f"kvscope recorder: retention could not drop events: {first_line(err)}", file=sys.stderr)
 
     def beat(self) -> None:
         """The heartbeat alone (no batch came for a while); skipped once recording stopped, and

@@ -21,6 +21,7 @@ from kvscope.telemetry import (
     Retention,
     SQLRecorder,
     UsageSample,
+    open_writer,
     parse_duration_s,
     parse_size_bytes,
 )
@@ -116,3 +117,26 @@ def test_bad_durations_and_sizes(text: str) -> None:
         parse_duration_s(text)
     with pytest.raises(ValueError):
         parse_size_bytes(text)
+
+
+def test_a_pass_that_cannot_drop_says_so_once_and_loses_nothing(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "c.db"
+    open_writer(path).dispose()
+    conn = sqlite3.connect(path)
+    with conn:  # NOTE: a database that refuses the deletes (as a full disk or a lost server would)
+        conn.execute("CREATE TRIGGER keep BEFORE DELETE ON event_chunks BEGIN SELECT RAISE(ABORT, 'kept'); END")
+    conn.close()
+    record(path, Retention(keep_events_s=0.01), steps=12, sleep_s=0.05)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "retention" in line]
+    assert lines == ["kvscope recorder: retention could not drop events: kept"]
+    assert retained(path)[0] == 0 and rows_of(path, "SELECT count(*) FROM usage") == [(12,)]
+
+
+def rows_of(path: Path, sql: str) -> list[tuple]:
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
