@@ -42,8 +42,8 @@ from collections import deque
 from typing import Any, NamedTuple, Protocol
 
 USAGE_EVERY_STEPS = 10  # NOTE: past the kept events, one usage row in this many steps stays (and each at a leak check)
-HIGH_WATER = 0.9  # NOTE: a pass drops when the size passes this share of the bound ...
-LOW_WATER = 0.75  # ... down to this share
+HIGH_WATER = 0.8  # NOTE: a pass drops when the size passes this share of the bound ...
+LOW_WATER = 0.6  # ... down to this share (the margin takes a batch and a checkpoint rewritten beside it)
 _UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _UNITS_BYTES = {
     "": 1,
