@@ -27,10 +27,10 @@ NOTE: the ledger gate
     A run recorded at level `full` by kvscope's engine has its verdict from the slot ledger, which
     needs every event from the run's start. Such a run is `gated`: a pass drops only the chunks a
     stored ledger checkpoint (ledger_checkpoints.through_seq) already covers, so a replay starts
-    from that state and its verdict stays exact. The size bound does not wait for the gate (the
-    checkpointer starts when a quarter of the bound is used, and is far ahead by HIGH_WATER): when it
-    is behind, the bound wins, and readers see that the checkpoint stops short of the first kept
-    event (their verdict is then inconclusive, never clean). A window waits for it.
+    from that state and its verdict stays exact. A size bound waits for the gate up to HARD_WATER
+    (the checkpointer starts when a quarter of the bound is used, and is ahead long before): past it
+    the bound wins, and readers see that the checkpoint stops short of the first kept event (their
+    verdict is then inconclusive, never clean).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from typing import Any, NamedTuple, Protocol
 USAGE_EVERY_STEPS = 10  # NOTE: past the kept events, one usage row in this many steps stays (and each at a leak check)
 HIGH_WATER = 0.8  # NOTE: a pass drops when the size passes this share of the bound ...
 LOW_WATER = 0.6  # ... down to this share (the margin takes a batch and a checkpoint rewritten beside it)
+HARD_WATER = 0.95  # NOTE: a gated run's size drops wait for its ledger checkpoint up to this share
 _UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _UNITS_BYTES = {
     "": 1,
@@ -147,10 +148,11 @@ class RetentionPass:
             return
         used = sink.used_bytes()
         used = self.kept_bytes if used is None else used
-        window = self._past_window()
-        if window and self.retention.gated:
-            window = min(window, self._covered(sink))
-        count = min(max(window, self._over_size(used)), len(self.kept) - 1)  # NOTE: the newest chunk stays
+        count = max(self._past_window(), self._over_size(used))
+        bound = self.retention.max_bytes
+        if count and self.retention.gated and (bound is None or used <= HARD_WATER * bound):
+            count = min(count, self._covered(sink))
+        count = min(count, len(self.kept) - 1)  # NOTE: the newest chunk stays
         if count > 0:
             self._drop(sink, count)
 
