@@ -29,6 +29,7 @@ from typing import Any
 
 import pandas as pd
 from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from kvscope.debug import ledger_state
 from kvscope.debug.replay import EventsDropped, Replay
@@ -174,6 +175,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _round(checkpointer: Checkpointer, said: set[str]) -> bool:
+    """One round; a failed one (the database busy past its timeout, a chunk dropped while it was read)
+    is said once per kind of failure and tried again next round: the replay applied whole events."""
+    try:
+        return checkpointer.round()
+    except (CaptureError, SQLAlchemyError, ValueError, OSError) as err:
+        kind = type(err).__name__
+        if kind not in said:
+            said.add(kind)
+            print(f"kvscope checkpoint: a round failed, trying again: {err}".splitlines()[0], file=sys.stderr)
+        return checkpointer.parent_pid is None or _alive(checkpointer.parent_pid)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvscope.debug.checkpoint")
     parser.add_argument("capture")
@@ -184,12 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-s", type=float, help="the runs' window (nothing is due before a quarter)")
     args = parser.parse_args(argv)
     checkpointer = Checkpointer(args.capture, args.run, args.parent, args.max_bytes, args.keep_s)
+    said: set[str] = set()
     try:
-        while checkpointer.round():
+        while _round(checkpointer, said):
             time.sleep(args.every)
-    except (CaptureError, ValueError) as err:
-        print(f"kvscope checkpoint: stopped: {err}", file=sys.stderr, flush=True)
-        return 1
     except KeyboardInterrupt:
         return 0
     finally:

@@ -16,7 +16,7 @@ import pytest
 from tests.app.test_retention import write_trace
 from tests.server.serving import start_server
 
-BOUND_BYTES = 768 << 10
+BOUND_BYTES = 2 << 20
 LOAD_S = 60
 
 
