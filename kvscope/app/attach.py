@@ -37,7 +37,7 @@ from kvscope.attach.errors import AttachError
 from kvscope.attach.recorder import AttachRecorder, attach_ready, source_config
 from kvscope.attach.scrape import EngineSample, scrape
 from kvscope.attach.subscriber import EventSubscriber
-from kvscope.telemetry import RunStatus, display_name
+from kvscope.telemetry import Retention, RunStatus, display_name
 
 MAX_FAILED_SCRAPES = 5
 POLL_MS = 50
@@ -112,7 +112,8 @@ def attach(args: argparse.Namespace, out: TextIO | None = None) -> int:
     subscriber = subscribe(stream) if stream is not None else None
     counters: dict[str, Any] = {}
     try:
-        recorder = AttachRecorder(capture, source_config(info, args.url, stream))
+        retention = Retention(getattr(args, "keep_events", None), getattr(args, "max_size", None))
+        recorder = AttachRecorder(capture, source_config(info, args.url, stream), retention=retention)
         try:
             outcome = watch(args, info, subscriber, recorder)
         except (KeyboardInterrupt, SystemExit) as stop:

@@ -86,11 +86,32 @@ def _text(value: Any) -> str | None:
     return str(value)
 
 
-def run_entry(row: Any) -> dict[str, Any]:
-    """One run as `kvscope runs --json` gives it; an empty or malformed field is None."""
+def run_entry(row: Any, event_bytes: int | None = None, kept: Any = None) -> dict[str, Any]:
+    """One run as `kvscope runs --json` gives it; an empty or malformed field is None. `event_bytes`:
+    its kept events' packed bytes; `kept`: its retention row (None: no bound, nothing dropped)."""
     started = _number(row.started_at)
     end = _number(row.ended_at)
     end = _number(row.heartbeat_at) if end is None else end
+    return {
+        **_base_entry(row, started, end),
+        "event_bytes": event_bytes,
+        "retention": None if kept is None else _retention_entry(kept),
+    }
+
+
+def _retention_entry(kept: Any) -> dict[str, Any]:
+    """A run's bounds and what it dropped (schema.event_retention)."""
+    dropped = int(kept.first_seq)
+    return {
+        "keep_events_s": _number(kept.keep_events_s),
+        "max_bytes": None if _number(kept.max_bytes) is None else int(kept.max_bytes),
+        "dropped_events": dropped,
+        "dropped_bytes": int(kept.dropped_bytes),
+        "events_from_step": int(kept.first_step) if dropped else None,
+    }
+
+
+def _base_entry(row: Any, started: float | None, end: float | None) -> dict[str, Any]:
     return {
         "id": int(row.id),
         "label": _text(row.label),
@@ -107,13 +128,16 @@ def runs_verb(args: argparse.Namespace) -> int:
     capture = Capture(args.capture)
     try:
         frame = capture.runs()
+        sizes = capture.event_bytes()
+        retention = capture.retention()
     finally:
         capture.close()
     if args.run is not None:
         if args.run not in set(frame.id):
             raise ValueError(f"{capture.name}: no run {args.run} (runs: {', '.join(map(str, frame.id)) or 'none'})")
         frame = frame[frame.id == args.run]
-    entries = [run_entry(row) for row in frame.itertuples()]
+    kept = {int(row.run_id): row for row in retention.itertuples()}
+    entries = [run_entry(row, sizes.get(int(row.id), 0), kept.get(int(row.id))) for row in frame.itertuples()]
     if args.json:
         print(json.dumps({"capture": capture.name, "runs": entries}, indent=2))
     elif not entries:
@@ -124,17 +148,46 @@ def runs_verb(args: argparse.Namespace) -> int:
 
 
 def runs_table(entries: list[dict[str, Any]]) -> list[str]:
-    lines = [f"{'id':>4}  {'status':<22} {'level':<8} {'started (UTC)':<20} {'seconds':>8}  label"]
+    lines = [f"{'id':>4}  {'status':<22} {'level':<8} {'started (UTC)':<20} {'seconds':>8} {'events':>9}  label"]
     for run in entries:
         started = "-" if run["started_at"] is None else run["started_at"].replace("T", " ").rstrip("Z")
         seconds = "-" if run["seconds"] is None else f"{run['seconds']:.1f}"
+        size = "-" if run.get("event_bytes") is None else _bytes_text(run["event_bytes"])
         lines.append(
             f"{run['id']:>4}  {run['status'] or '-':<22} {run['level'] or '-':<8} {started:<20} "
-            f"{seconds:>8}  {run['label'] or '-'}"
+            f"{seconds:>8} {size:>9}  {run['label'] or '-'}"
         )
         if run["error"]:
             lines.append(f"{'':>6}error: {run['error']}")
+        if run.get("retention"):
+            lines.append(f"{'':>6}retention: {_retention_text(run['retention'])}")
     return lines
+
+
+def _bytes_text(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"
+
+
+def _retention_text(kept: dict[str, Any]) -> str:
+    bounds = [f"{_seconds_text(kept['keep_events_s'])} of events" if kept["keep_events_s"] else None]
+    bounds.append(f"at most {_bytes_text(kept['max_bytes'])}" if kept["max_bytes"] else None)
+    keeps = " and ".join(b for b in bounds if b)
+    if not kept["dropped_events"]:
+        return f"keeps {keeps}; nothing dropped yet"
+    return (
+        f"keeps {keeps}; events from step {kept['events_from_step']} on ({kept['dropped_events']:,} older "
+        f"events, {_bytes_text(kept['dropped_bytes'])}, dropped)"
+    )
+
+
+def _seconds_text(seconds: float) -> str:
+    for unit, scale in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= scale and seconds % scale == 0:
+            return f"{int(seconds // scale)}{unit}"
+    return f"{seconds:g}s"
 
 
 # -- report leaks, check, diff ---------------------------------------------------------------

@@ -31,6 +31,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from kvscope.app.checkpointer import start_checkpointer, stop_checkpointer
 from kvscope.app.progress import Progress, bar
 from kvscope.app.report import store_leak_report
 from kvscope.app.units import scoped_cache_options
@@ -64,6 +65,7 @@ from kvscope.telemetry import (
     NULL_RECORDER,
     FaultKind,
     Recorder,
+    Retention,
     RunStatus,
     SQLRecorder,
     display_name,
@@ -97,6 +99,7 @@ class RunSpec:
     faults: tuple[FaultSpec, ...] = ()
     fault_seed: int = 0
     store_report: bool = True  # level full: build the leak report at close and store it in the capture
+    retention: Retention | None = None  # what the run keeps of its events (None: all)
 
     @property
     def label(self) -> str:
@@ -176,7 +179,15 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         faults=tuple(faults),
         fault_seed=args.inject_seed,
         store_report=not args.no_report,
+        retention=retention_from_args(args),
     )
+
+
+def retention_from_args(args: argparse.Namespace) -> Retention | None:
+    """The retention options (commands/retention_options.py); gated on the ledger at level full, whose
+    verdict replays every event (telemetry/retention.py)."""
+    retention = Retention(getattr(args, "keep_events", None), getattr(args, "max_size", None), args.level == "full")
+    return retention if retention.bounded else None
 
 
 def run_verb(args: argparse.Namespace) -> int:
@@ -308,13 +319,19 @@ def record_run(spec: RunSpec, path: str | Path | None, requests: list[Req]) -> t
     recorder: Recorder = NULL_RECORDER
     progress = Progress(interval_s=PROGRESS_INTERVAL_S)
     engine: Engine | None = None
+    checkpointer = None
     status, error = RunStatus.FINISHED, None
     try:
         if path is not None:
             with signals_held():  # a capture is never left half made: a Ctrl-C here comes once it exists
                 capture = recorder = SQLRecorder(
-                    path, level=spec.level, label=spec.label, config=fingerprint(spec, spec.engine.device)
+                    path,
+                    level=spec.level,
+                    label=spec.label,
+                    config=fingerprint(spec, spec.engine.device),
+                    retention=spec.retention,
                 )
+                checkpointer = start_checkpointer(path, spec.retention, capture.run_id)
         monitor = DebugMonitor(recorder) if spec.debug else None
         engine = Engine(
             spec.engine,
@@ -342,6 +359,7 @@ def record_run(spec: RunSpec, path: str | Path | None, requests: list[Req]) -> t
             progress.close()
             if engine is not None and status != RunStatus.FINISHED:
                 engine.stats.close_in_flight()
+            stop_checkpointer(checkpointer)
             recorder.close(status, error)
     return capture, stats
 

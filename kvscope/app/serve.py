@@ -81,11 +81,12 @@ class ServeOptions:
     kv_events: Any  # KVEventsConfig | None
     dp_size: int = 1
     load_balance_method: str = "round_robin"
+    retention: Any = None  # telemetry.Retention (None: every event kept)
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     """Everything checked before anything starts; ValueError or OSError with one line."""
-    from kvscope.app.runner import default_capture_path, engine_from_args
+    from kvscope.app.runner import default_capture_path, engine_from_args, retention_from_args
     from kvscope.server.api_keys import load_api_keys
     from kvscope.server.kv_events import KVEventsConfig
 
@@ -106,7 +107,18 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     model_id = f"kvscope-{name}" if re.fullmatch(r"[A-Za-z0-9._-]+", name) else "kvscope-custom"
     method = getattr(args, "load_balance_method", "round_robin")
     return ServeOptions(
-        engine, model, model_id, args.host, args.port, capture, args.level, keys, kv_events, dp_size, method
+        engine,
+        model,
+        model_id,
+        args.host,
+        args.port,
+        capture,
+        args.level,
+        keys,
+        kv_events,
+        dp_size,
+        method,
+        retention_from_args(args),
     )
 
 
@@ -162,12 +174,19 @@ def serve_verb(args: argparse.Namespace) -> int:
         label="serve",
         config=config,
         kv_events=kv_events,
+        retention=options.retention,
     )
 
     def start(rank: int, to_scheduler: str, to_front: str) -> multiprocessing.process.BaseProcess:
         return start_scheduler(rank_spec(spec, options, fleet_id, rank), to_scheduler, to_front)
 
-    code = serve(options, listener, start)
+    from kvscope.app.checkpointer import start_checkpointer, stop_checkpointer
+
+    checkpointer = None if options.capture is None else start_checkpointer(options.capture, options.retention)
+    try:
+        code = serve(options, listener, start)
+    finally:
+        stop_checkpointer(checkpointer)
     if options.capture and options.level == "full" and code != EXIT_RECORDING_STOPPED:  # NOTE: run's rule
         store_reports(options.capture, fleet_id)
     return code

@@ -92,6 +92,16 @@ def byte_size(text: str) -> int:
     return value
 
 
+def duration_s(text: str) -> float:
+    """'90s', '30m', '6h', '7d' (a bare number is seconds) as seconds."""
+    from kvscope.telemetry.retention import parse_duration_s
+
+    try:
+        return parse_duration_s(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def token_counts(text: str) -> list[int]:
     """Comma-separated token counts, at least one."""
     values = [token_count(item) for item in text.split(",") if item.strip()]

@@ -43,6 +43,7 @@ from kvscope.telemetry import schema
 from kvscope.telemetry.events import EventKind, EvictReason, PoolName
 from kvscope.telemetry.recorder import SQLRecorder
 from kvscope.telemetry.records import NodeRow, PoolTerms, RunStatus, UsageSample
+from kvscope.telemetry.retention import Retention
 from kvscope.telemetry.store import (
     CaptureError,
     EmptyCaptureError,
@@ -123,6 +124,7 @@ class AttachRecorder:
         *,
         snapshot_every: int = SNAPSHOT_EVERY,
         flush_interval_s: float = 0.2,
+        retention: Retention | None = None,
     ) -> None:
         attach_ready(target)
         self.target = target
@@ -130,7 +132,12 @@ class AttachRecorder:
         self.snapshot_every = snapshot_every
         label = " ".join(["attach", str(source.get("engine")), *([source["version"]] if source.get("version") else [])])
         self.sql = SQLRecorder(
-            target, level="full", label=label, config={"source": source}, flush_interval_s=flush_interval_s
+            target,
+            level="full",
+            label=label,
+            config={"source": source},
+            flush_interval_s=flush_interval_s,
+            retention=retention,  # NOTE: never gated: an attached run's verdict replays no ledger
         )
         with self.sql.engine.begin() as conn:  # NOTE: no slots are ever recorded: readers take it as summary
             conn.execute(update(schema.runs).where(schema.runs.c.id == self.sql.run_id).values(level="summary"))

@@ -1,5 +1,11 @@
 """Rebuild the ledger from a `full` capture, step by step; and resume it as a running
-capture grows (the dashboard's Leaks page on a live run replays only what is new)."""
+capture grows (the dashboard's Leaks page on a live run replays only what is new).
+
+NOTE: retention. A run whose oldest events were dropped (telemetry/retention.py) is replayed from
+its ledger checkpoint (ledger_state.py) when that covers every dropped event, and then reaches the
+state a replay from the first event would; otherwise the replay stops with EventsDropped (the
+ledger would start from nothing and misread every slot taken before: no verdict may come of it).
+"""
 
 from __future__ import annotations
 
@@ -9,12 +15,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvscope.debug import ledger_state
 from kvscope.debug.ledger import APPLY_COLUMNS, Ledger
 from kvscope.telemetry import Capture, EventKind
 
 StepHook = Callable[[int, Ledger], None]  # called when the replay moves past a step
 ProgressHook = Callable[[int], None]  # events applied so far
 KIND_OF = {kind.value: kind for kind in EventKind}  # a stored kind back to its EventKind
+SEQ_AT = APPLY_COLUMNS.index("seq")
+
+
+class EventsDropped(Exception):
+    """Events the replay needs were dropped by retention and no ledger checkpoint covers them."""
+
+    def __init__(self, first_step: int, first_seq: int) -> None:
+        super().__init__(
+            f"events before step {first_step} were dropped by retention before the ledger summarized "
+            "them: culprits before it cannot be named"
+        )
+        self.first_step = first_step
+        self.first_seq = first_seq
 
 
 @dataclass
@@ -26,15 +46,20 @@ class Replay:
     ledger: Ledger = field(default_factory=Ledger)
     current: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    resumed_from: int | None = None  # NOTE: the checkpoint's last event, when the replay started there
+    onset_before: int | None = None  # the onset the checkpoint had found (its ledger broke at that step)
 
     def advance(
         self, capture: Capture, on_step_end: StepHook | None = None, *, on_progress: ProgressHook | None = None
     ) -> int:
         """Apply the events after the last one applied; `on_step_end` sees every step completed
         on the way. Returns the number of events applied."""
+        self._resume(capture)
         ledger, done = self.ledger, 0
         apply, empty, kind_of = ledger.apply, np.empty(0, dtype=np.int64), KIND_OF
         for batch in capture.event_stream(self.run_id, APPLY_COLUMNS, after_seq=ledger.last_seq):
+            if batch and batch[0][SEQ_AT] != ledger.last_seq + 1:  # NOTE: dropped while being read
+                raise EventsDropped(int(batch[0][1]), int(batch[0][SEQ_AT]))
             for kind, step, seq, pool, rid, node_id, num_tokens, aux, blob, reason in batch:
                 if step != self.current:
                     if on_step_end is not None and self.current is not None:
@@ -46,6 +71,23 @@ class Replay:
             if on_progress is not None:
                 on_progress(done)
         return done
+
+    def _resume(self, capture: Capture) -> None:
+        """Start from the run's checkpoint when events after the last one applied were dropped."""
+        kept = capture.run_retention(self.run_id)
+        if kept is None or int(kept.first_seq) <= self.ledger.last_seq + 1:
+            return
+        found = capture.ledger_checkpoint(self.run_id)
+        first_seq, first_step = int(kept.first_seq), int(kept.first_step)
+        if found is None or found.producer != ledger_state.FORMAT or int(found.through_seq) < first_seq - 1:
+            raise EventsDropped(first_step, first_seq)
+        try:
+            self.ledger, extra = ledger_state.decode(bytes(found.body))
+        except ValueError:
+            raise EventsDropped(first_step, first_seq) from None
+        self.current = extra.get("current")
+        self.onset_before = extra.get("onset")
+        self.resumed_from = self.ledger.last_seq
 
 
 def replay(

@@ -26,7 +26,7 @@ import pandas as pd
 
 from kvscope import __version__
 from kvscope.debug.ledger import HOST_COPY, REQUEST, Holding, Ledger
-from kvscope.debug.replay import ProgressHook, Replay
+from kvscope.debug.replay import EventsDropped, ProgressHook, Replay
 from kvscope.telemetry import ENDED_WITHOUT_CLOSING, Capture, EventKind, RunStatus, decode_slots
 from kvscope.telemetry import save_report as _store_report
 
@@ -137,6 +137,13 @@ class LeakReport:
     census_blocks: list[dict[str, Any]] = field(default_factory=list)
     censuses: dict[str, int] = field(default_factory=dict)  # a probe's censuses by kind (busy, idle, drain, poll)
     unchecked: int = 0  # a probe's requests that finished after its last census (no census saw their end)
+    # NOTE: retention (docs/captures.md): the run's events before seq dropped_events (step dropped_before_step)
+    # are gone; the ledger resumed from its checkpoint (resumed_from: its last event), or could not
+    # (events_missing: why; no verdict comes from the ledger then)
+    dropped_events: int = 0
+    dropped_before_step: int | None = None
+    resumed_from: int | None = None
+    events_missing: str | None = None
 
     @property
     def clean(self) -> bool:
@@ -232,6 +239,7 @@ def build_report(
         checks = capture.leak_checks(report.run_id)
         _from_checks(report, checks)
         _from_census_blocks(report, capture)
+        _from_retention(report, capture)
         last_step = capture.step_range(report.run_id).hi.iloc[0]
         report.last_step = None if pd.isna(last_step) else int(last_step)
         requests = capture.requests(report.run_id)
@@ -325,6 +333,13 @@ def _from_checks(report: LeakReport, checks: pd.DataFrame) -> None:
         report.last_clean_step = int(checks.step.max())
 
 
+def _from_retention(report: LeakReport, capture: Capture) -> None:
+    kept = capture.run_retention(report.run_id)
+    if kept is not None and int(kept.first_seq) > 0:
+        report.dropped_events = int(kept.first_seq)
+        report.dropped_before_step = int(kept.first_step)
+
+
 def _from_census_blocks(report: LeakReport, capture: Capture) -> None:
     """The blocks the census named at the first and the last failing step, every one of them."""
     steps = {report.first_failure_step, report.last_failure_step} - {None}
@@ -386,9 +401,17 @@ def _from_ledger(
 ) -> None:
     people = dict(zip(requests.rid, requests.principal, strict=True)) if not requests.empty else {}
     with state.replay.lock:
-        state.replay.advance(capture, state.after_step, on_progress=on_progress)
+        try:
+            state.replay.advance(capture, state.after_step, on_progress=on_progress)
+        except EventsDropped as dropped:
+            report.events_missing = str(dropped)
+            report.dropped_before_step = dropped.first_step
+            return
         ledger, current = state.replay.ledger, state.replay.current
-        series = list(state.series)
+        report.resumed_from = state.replay.resumed_from
+        onset_before = state.replay.onset_before
+        series = [(onset_before, True)] if onset_before is not None else []
+        series += state.series
         if current is not None:  # the last step, as far as the capture goes
             series.append((current, bool(series and series[-1][1]) or ledger.is_broken()))
         report.onset_step = _bisect_onset(series)
@@ -558,6 +581,7 @@ def render_text(report: LeakReport, max_leaks: int | None = None) -> str:
     if report.note:
         lines.append(f"note: {report.note}")
     lines += _checks_lines(report)
+    lines += _retention_lines(report)
     if report.onset_step is not None:
         clean = f"; last clean check at step {report.last_clean_step}" if report.last_clean_step is not None else ""
         lines.append(f"onset: step {report.onset_step} (bisected over the invariant series{clean})")
@@ -578,6 +602,23 @@ def render_text(report: LeakReport, max_leaks: int | None = None) -> str:
     check = verdict(report)
     lines.append(f"verdict: {check.verdict} (kvscope check exits {check.exit_code})")
     return "\n".join(lines)
+
+
+def _retention_lines(report: LeakReport) -> list[str]:
+    if report.events_missing is not None:
+        return [f"retention: {report.events_missing}; the verdict rests on the leak checks alone"]
+    if report.dropped_before_step is None:
+        return []
+    resumed = (
+        f"; the ledger resumed from its checkpoint at event #{report.resumed_from}, so the leaks and culprits "
+        "it names stand, and the events before that step cannot be shown"
+        if report.resumed_from is not None
+        else ""
+    )
+    return [
+        f"retention: events before step {report.dropped_before_step} ({report.dropped_events:,} events) "
+        f"were dropped{resumed}"
+    ]
 
 
 def _checks_lines(report: LeakReport) -> list[str]:
@@ -724,6 +765,8 @@ def verdict(report: LeakReport) -> Verdict:
     leaks = [leak for leak in report.root_leaks if certain(report, leak)]
     if leaks or report.first_failure_step is not None:
         return Verdict("leak", CHECK_EXIT_CODES["leak"], _leak_reason(report, leaks))
+    if report.events_missing is not None:
+        return Verdict("inconclusive", CHECK_EXIT_CODES["inconclusive"], f"inconclusive: {report.events_missing}")
     if not report.finished:
         stopped = _STOPPED.get(report.status, f"the run's status is {report.status!r}")
         why = f" ({report.error})" if report.error else _at_step(report)

@@ -17,6 +17,9 @@ NOTE: a lingering request (finished or aborted, still in the engine's table: a d
     KVSCOPE_LINGER_STEPS        engine steps, default 1000
     KVSCOPE_LINGER_S            seconds, default 600 (above vLLM's own 480 s default timeout for a
                                 KV consumer that never reads a finished prefill's blocks)
+NOTE: retention (docs/captures.md): what the capture keeps of the events, an engine running for weeks
+    KVSCOPE_KEEP_EVENTS         a window (90s, 30m, 6h, 7d); default none
+    KVSCOPE_MAX_SIZE            a size (512MiB, 20GiB, 20GB; none: no bound), default 4GiB
 NOTE: never into the engine
     A patch is all or nothing: every target is resolved before the first is replaced; one that is
     missing (or an engine version the table does not name) patches nothing, prints one line and
@@ -36,6 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvscope.telemetry import NULL_RECORDER, Recorder
 from kvscope.telemetry.exits import CRASHED, FINISHED, INTERRUPTED, ExitStatus, status_of
+from kvscope.telemetry.retention import parse_duration_s, parse_size_bytes
 
 if TYPE_CHECKING:
     from kvscope.telemetry.remote import RemoteRecorder
@@ -48,6 +52,7 @@ CENSUS_BUDGET_X = 100  # NOTE: a busy census's engine-thread time <= 1% of the t
 # it reads what the error left, a step's half-done work included); none when a shutdown was asked for and an
 # error followed (interrupted: the signal's doing, not the engine's)
 LAST_CENSUS = {FINISHED: "drain", CRASHED: "crash"}
+DEFAULT_MAX_BYTES = 4 * 2**30  # NOTE: KVSCOPE_MAX_SIZE's default: an engine runs for weeks (as serve's --max-size)
 
 
 class Settings(NamedTuple):
@@ -58,6 +63,8 @@ class Settings(NamedTuple):
     census_every_s: float = 10.0
     linger_steps: int = 1000
     linger_s: float = 600.0
+    keep_events_s: float | None = None
+    max_bytes: int | None = DEFAULT_MAX_BYTES
 
 
 def settings_from_env(environ: dict[str, str] | None = None) -> Settings | None:
@@ -77,7 +84,21 @@ def settings_from_env(environ: dict[str, str] | None = None) -> Settings | None:
         _bound(env, "KVSCOPE_CENSUS_EVERY_S", defaults.census_every_s),
         int(_bound(env, "KVSCOPE_LINGER_STEPS", defaults.linger_steps, whole=True)),
         _bound(env, "KVSCOPE_LINGER_S", defaults.linger_s),
+        _retention_value(env, "KVSCOPE_KEEP_EVENTS", parse_duration_s, None),
+        _retention_value(env, "KVSCOPE_MAX_SIZE", parse_size_bytes, defaults.max_bytes),
     )
+
+
+def _retention_value(env: Mapping[str, str], name: str, parse: Callable[[str], Any], default: Any) -> Any:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    if text.lower() == "none":
+        return None
+    try:
+        return parse(text)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
 
 
 def _bound(env: Mapping[str, str], name: str, default: float, *, whole: bool = False) -> float:
@@ -207,7 +228,14 @@ def open_recorder(settings: Settings, *, label: str, config: dict[str, Any]) -> 
 
     if settings.level not in LEVELS:
         raise ValueError(f"KVSCOPE_LEVEL must be summary or full, got {settings.level!r}")
-    return RemoteRecorder(settings.capture, level=settings.level, label=label, config=config, python=settings.python)
+    return RemoteRecorder(
+        settings.capture,
+        level=settings.level,
+        label=label,
+        config=config,
+        python=settings.python,
+        retention=(settings.keep_events_s, settings.max_bytes),
+    )
 
 
 def installed_version(*dists: str) -> str:

@@ -85,6 +85,7 @@ class ServeSpec:
     level: str = "full"
     label: str = "serve"
     config: dict[str, Any] = field(default_factory=dict)  # the run fingerprint stored in the capture
+    retention: Any = None  # telemetry.Retention: what the run keeps of its events (None: all)
     kv_events: KVEventsConfig | None = None  # already this rank's (KVEventsConfig.for_rank)
     stats_interval_s: float = 0.5
     dp_rank: int = 0  # this replica's rank in `serve --dp-size N`
@@ -117,7 +118,9 @@ def scheduler_main(spec: ServeSpec, to_scheduler: str, to_front: str) -> int:
         if spec.capture is not None:
             from kvscope.telemetry import SQLRecorder
 
-            recorder = SQLRecorder(spec.capture, level=spec.level, label=spec.label, config=spec.config)
+            recorder = SQLRecorder(
+                spec.capture, level=spec.level, label=spec.label, config=spec.config, retention=spec.retention
+            )
         loop = ServeLoop(spec, recorder, stop, to_scheduler, to_front)
         loop.run()
         if loop.front_died:

@@ -55,8 +55,17 @@ if TYPE_CHECKING:
     from kvscope.telemetry.fingerprint import environment_fingerprint
     from kvscope.telemetry.queries import ENDED_WITHOUT_CLOSING, Capture, display_status
     from kvscope.telemetry.recorder import SQLRecorder, decode_slots, install_signal_handlers, slots_blob
+    from kvscope.telemetry.retention import Retention, parse_duration_s, parse_size_bytes
     from kvscope.telemetry.sharing import reuse_by_principal, run_principals, visibility_changes
-    from kvscope.telemetry.store import CaptureError, display_name, link_name, open_reader, open_writer, save_report
+    from kvscope.telemetry.store import (
+        CaptureError,
+        display_name,
+        link_name,
+        open_reader,
+        open_writer,
+        save_ledger_checkpoint,
+        save_report,
+    )
     from kvscope.telemetry.tree_replay import STRUCTURAL_KINDS, replay_tree
 
 _LAZY = {
@@ -72,6 +81,7 @@ _LAZY = {
     "kvscope.telemetry.fingerprint": ("environment_fingerprint",),
     "kvscope.telemetry.queries": ("ENDED_WITHOUT_CLOSING", "Capture", "display_status"),
     "kvscope.telemetry.recorder": ("SQLRecorder", "decode_slots", "install_signal_handlers", "slots_blob"),
+    "kvscope.telemetry.retention": ("Retention", "parse_duration_s", "parse_size_bytes"),
     "kvscope.telemetry.sharing": ("reuse_by_principal", "run_principals", "visibility_changes"),
     "kvscope.telemetry.store": (
         "CaptureError",
@@ -79,6 +89,7 @@ _LAZY = {
         "link_name",
         "open_reader",
         "open_writer",
+        "save_ledger_checkpoint",
         "save_report",
     ),
     "kvscope.telemetry.tree_replay": ("STRUCTURAL_KINDS", "replay_tree"),
@@ -119,6 +130,7 @@ __all__ = [
     "Recorder",
     "RequestRecord",
     "RequestStatus",
+    "Retention",
     "Routing",
     "RunStatus",
     "SQLRecorder",
@@ -136,11 +148,14 @@ __all__ = [
     "link_name",
     "open_reader",
     "open_writer",
+    "parse_duration_s",
+    "parse_size_bytes",
     "recent_evictions",
     "replay_tree",
     "reuse_by_principal",
     "run_principals",
     "running_lengths",
+    "save_ledger_checkpoint",
     "save_report",
     "slots_blob",
     "tenant_of",

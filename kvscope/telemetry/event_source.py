@@ -13,7 +13,8 @@ NOTE: cost. A packed chunk is immutable once written, so its decoded columns are
 (run, chunk, column) up to CACHE_BYTES; a read by kind or step range skips the chunks whose
 metadata rules them out, and a live run's new chunks are read as they appear. The filters
 are numpy masks over the chunks read, so a read touches at most the run's events once.
-NOTE: trust. A run's chunks must cover its seqs from 0 without a gap or an overlap, each column
+NOTE: trust. A run's chunks must cover its seqs from 0 (or from the first event its retention kept:
+event_retention.first_seq) without a gap or an overlap, each column
 must be of a type packed.narrow writes and hold one value per event (slots: the sum of the
 counts), every code must be in the dictionary, and a run without chunks must have no column or
 string rows either. Anything else is a damaged capture (CaptureError, one line): events are
@@ -158,20 +159,28 @@ class PackedEvents:
         c = schema.event_chunks.c
         if not self.has_tables():
             return pd.DataFrame(columns=["chunk", "first_seq", "num_events", "first_step", "last_step", "kinds"])
-        with self.engine.connect() as conn:
+        with consistent_reads(self.engine) as conn:  # NOTE: the retention pass drops chunks meanwhile
             rows = conn.execute(
                 select(c.chunk, c.first_seq, c.num_events, c.first_step, c.last_step, c.kinds)
                 .where(c.run_id == run_id)
                 .order_by(c.first_seq)
             ).fetchall()
+            first_kept = self._first_kept(conn).get(run_id, 0)
         frame = pd.DataFrame(
             [tuple(r) for r in rows], columns=["chunk", "first_seq", "num_events", "first_step", "last_step", "kinds"]
         )
         if frame.empty:
             self._check_no_parts(run_id)
         else:
-            self._check_contiguous(run_id, frame)
+            self._check_contiguous(run_id, frame, first_kept)
         return frame
+
+    def _first_kept(self, conn: Any) -> dict[int, int]:
+        """Per run that dropped events by retention, the first event it kept (schema version 9)."""
+        r = schema.event_retention
+        if not self.engine.dialect.has_table(conn, r.name):
+            return {}
+        return {int(run): int(seq) for run, seq in conn.execute(select(r.c.run_id, r.c.first_seq))}
 
     def check_structure(self, *, with_columns: bool) -> None:
         """Every packed run's chunks against their column and string rows (see the trust note),
@@ -192,13 +201,14 @@ class PackedEvents:
                 select(k.run_id, k.chunk, func.count()).where(k.name.in_(STORED_COLUMNS)).group_by(k.run_id, k.chunk)
             ).fetchall()
             string_runs = {int(r) for (r,) in conn.execute(select(s.run_id).distinct())}
+            first_kept = self._first_kept(conn)
             columns = (
                 conn.execute(select(k.run_id, k.chunk, k.name, k.dtype, func.length(k.data))).fetchall()
                 if with_columns
                 else []
             )
         for run_id, frame in chunks.groupby("run_id"):
-            self._check_contiguous(int(run_id), frame)
+            self._check_contiguous(int(run_id), frame, first_kept.get(int(run_id), 0))
         counts = {
             (int(r), int(ch)): int(n) for r, ch, n in zip(chunks.run_id, chunks.chunk, chunks.num_events, strict=True)
         }
@@ -242,10 +252,10 @@ class PackedEvents:
     def damaged(self, run_id: int, what: str) -> CaptureError:
         return CaptureError(f"{self.name}: damaged capture (run {run_id}: {what})")
 
-    def _check_contiguous(self, run_id: int, frame: pd.DataFrame) -> None:
+    def _check_contiguous(self, run_id: int, frame: pd.DataFrame, first_kept: int = 0) -> None:
         first = frame.first_seq.to_numpy(np.int64)
         counts = frame.num_events.to_numpy(np.int64)
-        expected = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        expected = first_kept + np.concatenate([[0], np.cumsum(counts)[:-1]])
         wrong = np.flatnonzero((first != expected) | (counts < 0))
         if len(wrong):
             i = int(wrong[0])

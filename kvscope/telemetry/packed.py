@@ -97,13 +97,31 @@ class Chunk:
     columns: dict[str, tuple[str, bytes]]  # name -> (stored dtype, data)
     new_strings: list[tuple[int, str]]
 
+    @property
+    def num_bytes(self) -> int:
+        """Its columns' packed bytes (schema.event_chunks.num_bytes)."""
+        return sum(len(data) for _, data in self.columns.values())
+
+    @property
+    def last_t_mono(self) -> float:
+        return float(np.frombuffer(self.columns["t_mono"][1], "<f8")[-1]) if self.num_events else 0.0
+
     def table_rows(self, run_id: int, number: int) -> dict[str, list[tuple[Any, ...]]]:
         """The chunk as rows of the packed tables (schema.PACKED_TABLES' columns, in order), as
         the run's chunk `number`."""
         return {
             "event_strings": [(run_id, code, text) for code, text in self.new_strings],
             "event_chunks": [
-                (run_id, number, self.first_seq, self.num_events, self.first_step, self.last_step, self.kinds)
+                (
+                    run_id,
+                    number,
+                    self.first_seq,
+                    self.num_events,
+                    self.first_step,
+                    self.last_step,
+                    self.kinds,
+                    self.num_bytes,
+                )
             ],
             "event_columns": [(run_id, number, name, dtype, data) for name, (dtype, data) in self.columns.items()],
         }

@@ -129,6 +129,48 @@ class Capture:
         frame["display_status"] = [display_status(row) for row in frame.itertuples()]
         return frame
 
+    def retention(self) -> pd.DataFrame:
+        """Each run's retention row (schema.event_retention: its bounds, the first event it kept,
+        what it dropped); empty for a file before version 9 or runs without a bound."""
+        with self.engine.connect() as conn:
+            if not self.engine.dialect.has_table(conn, schema.event_retention.name):
+                return pd.DataFrame(columns=[c.name for c in schema.event_retention.c])
+        return self.read_frame(select(schema.event_retention).order_by(schema.event_retention.c.run_id))
+
+    def run_retention(self, run_id: int) -> Any | None:
+        """The run's retention row, or None (no bound: nothing was ever dropped)."""
+        frame = self.retention()
+        found = frame[frame.run_id == run_id]
+        return None if found.empty else found.iloc[0]
+
+    def event_bytes(self) -> dict[int, int]:
+        """Per run, its kept events' packed bytes (event_chunks.num_bytes; the columns' lengths for
+        chunks written before version 9, and for a run of the row layout nothing)."""
+        c, k = schema.event_chunks.c, schema.event_columns.c
+        if not self.packed.has_tables():
+            return {}
+        sizes = {}
+        with self.engine.connect() as conn:
+            has_bytes = self.schema_version >= schema.RETENTION_SINCE
+            counted = func.sum(c.num_bytes) if has_bytes else literal(0)
+            unknown = func.count() - func.count(c.num_bytes) if has_bytes else func.count()
+            rows = conn.execute(select(c.run_id, counted, unknown).group_by(c.run_id)).fetchall()
+            for run_id, num_bytes, num_unknown in rows:
+                if num_unknown:
+                    num_bytes = conn.execute(
+                        select(func.sum(func.length(k.data))).where(k.run_id == run_id)
+                    ).scalar_one_or_none()
+                sizes[int(run_id)] = int(num_bytes or 0)
+        return sizes
+
+    def ledger_checkpoint(self, run_id: int) -> Any | None:
+        """The run's stored ledger state (through_seq, step, producer, body), or None."""
+        x = schema.ledger_checkpoints.c
+        with self.engine.connect() as conn:
+            if not self.engine.dialect.has_table(conn, schema.ledger_checkpoints.name):
+                return None
+            return conn.execute(select(x.through_seq, x.step, x.producer, x.body).where(x.run_id == run_id)).first()
+
     def latest_run_id(self) -> int | None:
         with self.engine.connect() as conn:
             return conn.execute(select(func.max(schema.runs.c.id))).scalar_one_or_none()
@@ -378,12 +420,15 @@ class Capture:
 
     def tree_at(self, run_id: int, step: int) -> pd.DataFrame:
         """The node table at `step`: the latest snapshot at or before it, then the structural
-        events after it (insert, split, evict, lock, unlock, tombstone) replayed up to `step`."""
+        events after it (insert, split, evict, lock, unlock, tombstone) replayed up to `step`.
+        CaptureError when retention dropped events that replay would need (a snapshot at `step`
+        itself, one at a leak check, is always there)."""
         t = schema.tree_snapshots.c
         with self.engine.connect() as conn:
             base_step = conn.execute(
                 select(func.max(t.step)).where(t.run_id == run_id, t.step <= step)
             ).scalar_one_or_none()
+        self._check_kept(run_id, step, base_step)
         nodes = pd.DataFrame(columns=list(schema.TREE_SNAPSHOT_COLUMNS))
         if base_step is not None:
             nodes = self._snapshot(run_id, int(base_step))
@@ -392,6 +437,17 @@ class Capture:
             run_id, kinds=STRUCTURAL_KINDS, step_range=(start + 1, step), limit=None, columns=REPLAY_COLUMNS
         )
         return replay_tree(nodes.drop(columns=["run_id", "step"], errors="ignore"), events)
+
+    def _check_kept(self, run_id: int, step: int, base_step: int | None) -> None:
+        kept = self.run_retention(run_id)
+        if kept is None or int(kept.first_seq) == 0 or base_step == step:
+            return
+        first_step = int(kept.first_step)
+        if base_step is None or base_step < first_step:
+            raise store.CaptureError(
+                f"{self.name}: the tree at step {step} cannot be rebuilt: events before step {first_step} were "
+                "dropped by retention (the tree is kept at the leak checks' steps, and from that step on)"
+            )
 
     def _snapshot(self, run_id: int, step: int) -> pd.DataFrame:
         """One snapshot's rows, remembered (a snapshot never changes once written): the tree page

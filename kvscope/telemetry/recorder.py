@@ -62,7 +62,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 import numpy as np
-from sqlalchemy import bindparam, update
+from sqlalchemy import bindparam, delete, literal_column, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
 import kvscope
@@ -81,6 +81,7 @@ from kvscope.telemetry.records import (
     RunStatus,
     UsageSample,
 )
+from kvscope.telemetry.retention import USAGE_EVERY_STEPS, Retention
 from kvscope.telemetry.store import (
     CaptureError,
     compiled_statement,
@@ -93,7 +94,7 @@ from kvscope.telemetry.store import (
     settle,
     upsert_statement,
 )
-from kvscope.telemetry.writer import HEARTBEAT_INTERVAL_S, WriterSettings
+from kvscope.telemetry.writer import HEARTBEAT_INTERVAL_S, RetentionStatements, WriterSettings
 
 DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 SLOTS_AT = ITEM_FIELDS.index("slots")
@@ -133,6 +134,7 @@ class SQLRecorder(Recorder):
         flush_interval_s: float = 0.2,
         flush_max_events: int = 200_000,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+        retention: Retention | None = None,
     ) -> None:
         if level not in LEVELS[1:]:
             raise ValueError(f"recording level must be 'summary' or 'full' here, got {level!r}")
@@ -164,6 +166,7 @@ class SQLRecorder(Recorder):
         self._writer_closed = False
         self._writer_ready = False
         self._heartbeat_interval_s = heartbeat_interval_s
+        self.retention = retention if retention is not None and retention.bounded else None
         try:
             self.run_id = self._start_run(label, config or {})
         except SQLAlchemyError as err:
@@ -230,6 +233,8 @@ class SQLRecorder(Recorder):
             | kept,
             heartbeat=compiled_statement(engine, heartbeat, ("heartbeat_at", "run_id")),
             heartbeat_interval_s=self._heartbeat_interval_s,
+            retention=self.retention,
+            retention_statements=None if self.retention is None else _retention_statements(engine),
         )
 
     @property
@@ -599,6 +604,50 @@ class SQLRecorder(Recorder):
             self.close(RunStatus.INTERRUPTED)
         else:
             self.close(RunStatus.CRASHED, f"{exc_type.__name__}: {exc}")
+
+
+def _retention_statements(engine: Any) -> RetentionStatements:
+    r, k, c, x = schema.event_retention, schema.event_columns, schema.event_chunks, schema.ledger_checkpoints
+    t, checks, u = schema.tree_snapshots, schema.leak_checks, schema.usage
+    moved = ("first_seq", "first_step", "dropped_chunks", "dropped_bytes", "dropped_at")
+    update_row = update(r).where(r.c.run_id == bindparam("run_id")).values({n: bindparam(n) for n in moved})
+    return RetentionStatements(
+        insert=insert_statement(engine, r, [col.name for col in r.c]),
+        update=compiled_statement(engine, update_row, (*moved, "run_id")),
+        delete_columns=compiled_statement(
+            engine,
+            delete(k).where(k.c.run_id == bindparam("run_id"), k.c.chunk <= bindparam("chunk")),
+            ("run_id", "chunk"),
+        ),
+        delete_chunks=compiled_statement(
+            engine,
+            delete(c).where(c.c.run_id == bindparam("run_id"), c.c.chunk <= bindparam("chunk")),
+            ("run_id", "chunk"),
+        ),
+        checkpoint=compiled_statement(
+            engine, select(x.c.through_seq).where(x.c.run_id == bindparam("run_id")), ("run_id",)
+        ),
+        delete_snapshots=compiled_statement(
+            engine,
+            delete(t).where(
+                t.c.run_id == bindparam("run_id"),
+                t.c.step < bindparam("first_step"),
+                t.c.step.not_in(select(checks.c.step).where(checks.c.run_id == bindparam("run_id"))),
+            ),
+            ("run_id", "first_step"),
+        ),
+        thin_usage=compiled_statement(
+            engine,
+            delete(u).where(
+                u.c.run_id == bindparam("run_id"),
+                u.c.step >= bindparam("from_step"),
+                u.c.step < bindparam("first_step"),
+                u.c.step % literal_column(str(USAGE_EVERY_STEPS)) != literal_column("0"),  # NOTE: no bound literals
+                u.c.step.not_in(select(checks.c.step).where(checks.c.run_id == bindparam("run_id"))),
+            ),
+            ("run_id", "from_step", "first_step"),
+        ),
+    )
 
 
 def _start_writer(settings: WriterSettings) -> tuple[Channel, subprocess.Popen[bytes]]:

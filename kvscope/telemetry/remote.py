@@ -20,7 +20,8 @@ NOTE: the three processes
                        process tree at shutdown (vLLM does) leaves it to close the run.
     writer process     SQLRecorder's own: packs and writes.
 NOTE: messages (channel.py frames)
-    recorder -> host   ("open", target, level, label, config JSON), then ("batch", step) with body
+    recorder -> host   ("open", target, level, label, config JSON, retention (keep_events_s, max_bytes)
+                       or None), then ("batch", step) with body
                        marshal of (items, rows, stream: EventStream.pending() or None; the host
                        appends its events after the items and notes the stream's hot records in a
                        StreamLedger), ("ledger",) with body marshal of slots (who last took and
@@ -59,6 +60,7 @@ from kvscope.telemetry.channel import Channel, ChannelClosed
 from kvscope.telemetry.events import EventKind, EvictReason, PoolName, Recorder
 from kvscope.telemetry.exits import exit_status, watch_exits
 from kvscope.telemetry.records import CensusBlock, LeakCheck, RequestRecord, Routing, UsageSample
+from kvscope.telemetry.retention import Retention
 
 OPEN_TIMEOUT_S = 60.0  # NOTE: the host imports SQLAlchemy and creates the run (a second or two; more on a busy CPU)
 _monotonic = time.monotonic
@@ -284,7 +286,10 @@ class RemoteRecorder(Recorder):
         config: dict[str, Any] | None = None,
         python: str | None = None,
         flush_interval_s: float = 0.2,
+        retention: tuple[float | None, int | None] | None = None,
     ) -> None:
+        """`retention`: what the host keeps of the events (retention.Retention's keep_events_s,
+        max_bytes; never gated: a probe's verdict is its census, not a ledger replay)."""
         if level not in ("summary", "full"):
             raise RecorderStartError(f"recording level must be 'summary' or 'full', got {level!r}")
         self.level = level
@@ -300,6 +305,7 @@ class RemoteRecorder(Recorder):
         self._interval_s = flush_interval_s
         self._due_s = _monotonic() + flush_interval_s
         self._channel, self._process = _start_host(python or sys.executable)
+        self._retention = retention
         self.run_id = self._open(str(target), level, label, config or {})
         # NOTE: a process that exits before its owner closed the run closes it by how it ends
         # (exits.py: finished only for a normal end); a multiprocessing child (vLLM's EngineCore)
@@ -310,7 +316,9 @@ class RemoteRecorder(Recorder):
 
     def _open(self, target: str, level: str, label: str, config: dict[str, Any]) -> int:
         try:
-            self._channel.send(("open", target, level, label, json.dumps(config, default=str, sort_keys=True)))
+            self._channel.send(
+                ("open", target, level, label, json.dumps(config, default=str, sort_keys=True), self._retention)
+            )
             answer = self._channel.receive(OPEN_TIMEOUT_S)
         except ChannelClosed:
             answer = None
@@ -616,9 +624,15 @@ def _host(channel: Channel) -> None:
 
     first = channel.receive()
     assert first is not None and first.kind == "open", "the recorder speaks first"
-    _, target, level, label, config = first.header
+    _, target, level, label, config, retention = first.header
     try:
-        recorder = SQLRecorder(target, level=level, label=label, config=json.loads(config))
+        recorder = SQLRecorder(
+            target,
+            level=level,
+            label=label,
+            config=json.loads(config),
+            retention=None if retention is None else Retention(*retention),
+        )
     except Exception as err:
         channel.send(("failed", str(err).splitlines()[0] if str(err) else type(err).__name__))
         return

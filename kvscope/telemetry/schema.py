@@ -14,6 +14,10 @@ NOTE: tables and what one row is
     requests         one request's life: principal, lengths, times and steps
     reports          a derived report stored with the run (the leak report, built when the run
                      closes): which events it covers (through_seq), who built it, its JSON
+    event_retention  one run's retention (version 9): its bounds and the events it dropped, oldest
+                     whole chunks first (first_seq: the first event still kept)
+    ledger_checkpoints  one run's slot ledger as of an event (through_seq), so a replay starts there
+                     when the events before it were dropped (debug/checkpoint.py writes and reads it)
 
 NOTE: versions. A reader reads every version from OLDEST_READABLE_VERSION to SCHEMA_VERSION
 and refuses a newer file (it cannot know what it would miss). A column added after version 1
@@ -70,6 +74,11 @@ the new version): every older row stays valid, with NULL in the added columns.
        engine shuts down; crash: the last one after an engine error, reading what the error left;
        poll: a live GET /kvscope/census). NULL: not a probe's census (kvscope's
        own engines check at idle points) or a file written before version 8.
+    9  retention (docs/captures.md): event_retention (a run's bounds, and which events it dropped:
+       events before first_seq are gone, in whole chunks, oldest first), ledger_checkpoints (the
+       ledger's state as of through_seq, from which a replay resumes), event_chunks.num_bytes (the
+       chunk's packed bytes, so a run's size is a sum; NULL: a chunk written before version 9).
+       A run without an event_retention row dropped nothing: its chunks start at seq 0.
 On PostgreSQL every integer column is BIGINT (SQLite's integers are 64-bit already); a server
 database is versioned and upgraded as a file is, under an advisory lock (store._ensure_schema).
 `reports` came after version 1 without a bump: it is an additive table (older readers never
@@ -109,7 +118,7 @@ def _bigint_on_postgresql(_type: Integer, _compiler: Any, **_kw: Any) -> str:
     return "BIGINT"
 
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 OLDEST_READABLE_VERSION = 1
 metadata = MetaData()
 
@@ -317,6 +326,7 @@ event_chunks = Table(
     Column("first_step", Integer, nullable=False),
     Column("last_step", Integer, nullable=False),
     Column("kinds", Text, nullable=False),  # the distinct kinds, comma-separated
+    Column("num_bytes", Integer, info={"since": 9}),  # its columns' packed bytes; NULL: written before 9
 )
 event_columns = Table(
     "event_columns",
@@ -339,8 +349,33 @@ event_strings = Table(
 Index("ix_event_strings_text", event_strings.c.run_id, event_strings.c.text)
 PACKED_TABLES = (event_chunks, event_columns, event_strings)
 PACKED_SINCE = 6
-OPTIONAL_TABLES = (reports, census_blocks, *PACKED_TABLES)  # NOTE: older files lack the packed tables (< 6),
-# census_blocks (< 8)
+# NOTE: version 9, retention: what a run keeps of its events, and the ledger's state where they start
+event_retention = Table(
+    "event_retention",
+    metadata,
+    Column("run_id", Integer, primary_key=True),
+    Column("keep_events_s", Float),  # the window set by the user; NULL: no time bound
+    Column("max_bytes", Integer),  # the size bound; NULL: none
+    Column("first_seq", Integer, nullable=False),  # the first event kept: every event before it was dropped
+    Column("first_step", Integer, nullable=False),  # that event's step (-1: nothing dropped yet)
+    Column("dropped_chunks", Integer, nullable=False),
+    Column("dropped_bytes", Integer, nullable=False),  # the dropped chunks' packed bytes
+    Column("dropped_at", Float),  # unix seconds of the last drop
+)
+ledger_checkpoints = Table(
+    "ledger_checkpoints",
+    metadata,
+    Column("run_id", Integer, primary_key=True),
+    Column("through_seq", Integer, nullable=False),  # the last event the state covers
+    Column("step", Integer, nullable=False),  # that event's step
+    Column("producer", String(64), nullable=False),  # what wrote it (a state of another format is not read)
+    Column("built_at", Float, nullable=False),
+    Column("body", LargeBinary, nullable=False),
+)
+RETENTION_TABLES = (event_retention, ledger_checkpoints)
+RETENTION_SINCE = 9
+OPTIONAL_TABLES = (reports, census_blocks, *PACKED_TABLES, *RETENTION_TABLES)  # NOTE: older files lack the
+# packed tables (< 6), census_blocks (< 8), the retention tables (< 9)
 USAGE_COLUMNS = tuple(c.name for c in usage.columns)
 REQUEST_COLUMNS = tuple(c.name for c in requests.columns)
 
@@ -348,9 +383,10 @@ REQUEST_COLUMNS = tuple(c.name for c in requests.columns)
 def optional_tables(version: int) -> tuple[Table, ...]:
     """The tables a file of `version` may lack: from version 6 on the packed tables hold its
     events (a writer creates them when it brings an older file up to date), so a file without
-    them has lost its events; census_blocks came with version 8."""
+    them has lost its events; census_blocks came with version 8, the retention tables with 9."""
     census = (census_blocks,) if version < CENSUS_SINCE else ()
-    return (reports, *census) if version >= PACKED_SINCE else OPTIONAL_TABLES
+    retention = RETENTION_TABLES if version < RETENTION_SINCE else ()
+    return (reports, *census, *retention) if version >= PACKED_SINCE else OPTIONAL_TABLES
 
 
 def since_version(column: Column) -> int:

@@ -513,15 +513,18 @@ def _create_or_upgrade(conn: Connection, name: str) -> None:
         return
     version = check_schema(conn, name)
     if version < schema.SCHEMA_VERSION:
-        _upgrade(conn, version)
+        _upgrade(conn, version, tables)
     schema.metadata.create_all(conn, tables=[t for t in schema.OPTIONAL_TABLES if t.name not in tables])
 
 
-def _upgrade(conn: Connection, version: int) -> None:
+def _upgrade(conn: Connection, version: int, tables: set[str]) -> None:
     """Bring a file of an older readable version up to SCHEMA_VERSION: add the later columns
-    (NULL in every existing row), then store the new version (in the caller's transaction)."""
+    (NULL in every existing row) to the tables it has (a table it lacks is created whole after),
+    then store the new version (in the caller's transaction)."""
     preparer = conn.dialect.identifier_preparer
     for column in schema.added_after(version):
+        if column.table.name not in tables:
+            continue
         ddl = CreateColumn(column).compile(dialect=conn.dialect)
         conn.execute(text(f"ALTER TABLE {preparer.format_table(column.table)} ADD COLUMN {ddl}"))
     conn.execute(
@@ -565,6 +568,29 @@ def save_report(target: str | Path, run_id: int, kind: str, through_seq: int, pr
     finally:
         settle(engine)
         engine.dispose()
+
+
+def save_ledger_checkpoint(
+    engine: Engine, run_id: int, through_seq: int, step: int, producer: str, body: bytes
+) -> None:
+    """Store (or replace) a run's ledger checkpoint (schema.ledger_checkpoints), in one transaction:
+    a reader sees the old state or the new one."""
+    table = schema.ledger_checkpoints
+    with engine.begin() as conn:
+        conn.execute(table.delete().where(table.c.run_id == run_id))
+        conn.execute(
+            table.insert(),
+            [
+                {
+                    "run_id": run_id,
+                    "through_seq": through_seq,
+                    "step": step,
+                    "producer": producer,
+                    "built_at": time.time(),
+                    "body": body,
+                }
+            ],
+        )
 
 
 def insert_statement(engine: Engine, table: Table, columns: Sequence[str]) -> Statement:

@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 from kvscope.telemetry.channel import Channel, ChannelClosed, Message
 from kvscope.telemetry.packed import ITEM_WIDTH, Packer
+from kvscope.telemetry.retention import ChunkMark, Retention, RetentionPass
 from kvscope.telemetry.sqlite_files import BUSY_TIMEOUT_MS, execute_when_free, file_uri, first_line
 
 HEARTBEAT_INTERVAL_S = 5.0  # NOTE: readers call a run dead after queries.STALE_HEARTBEAT_S (30 s) without one
@@ -71,10 +72,28 @@ class Statement(NamedTuple):
         return [tuple(row[i] for i in order) for row in rows]
 
 
+class RetentionStatements(NamedTuple):
+    """The retention pass's statements (retention.py): the run's event_retention row (insert: its
+    columns; update: first_seq, first_step, dropped_chunks, dropped_bytes, dropped_at, run_id), the
+    deletes of its chunks up to a number (run_id, chunk), the read of its ledger checkpoint's
+    through_seq (run_id), the delete of its tree snapshots before a step but at a leak check's
+    (run_id, first_step), and the thinning of its usage rows between two steps (run_id, from_step,
+    first_step)."""
+
+    insert: Statement
+    update: Statement
+    delete_columns: Statement
+    delete_chunks: Statement
+    checkpoint: Statement
+    delete_snapshots: Statement
+    thin_usage: Statement
+
+
 class WriterSettings(NamedTuple):
     """What the writer writes where: `file` (a SQLite file) or `url` (any other database,
     through SQLAlchemy); the run; one insert per table and the heartbeat update (columns
-    heartbeat_at, run_id), written at least every `heartbeat_interval_s`."""
+    heartbeat_at, run_id), written at least every `heartbeat_interval_s`; what the run keeps
+    of its events (`retention`, with its statements; None: everything)."""
 
     file: str | None
     url: str | None
@@ -82,8 +101,11 @@ class WriterSettings(NamedTuple):
     inserts: dict[str, Statement]
     heartbeat: Statement
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
+    retention: Retention | None = None
+    retention_statements: RetentionStatements | None = None
 
     def to_plain(self) -> tuple[Any, ...]:
+        statements = self.retention_statements
         return (
             self.file,
             self.url,
@@ -91,13 +113,22 @@ class WriterSettings(NamedTuple):
             {name: tuple(s) for name, s in self.inserts.items()},
             tuple(self.heartbeat),
             self.heartbeat_interval_s,
+            None if self.retention is None else tuple(self.retention),
+            None if statements is None else tuple(tuple(s) for s in statements),
         )
 
     @classmethod
     def from_plain(cls, plain: tuple[Any, ...]) -> WriterSettings:
-        file, url, run_id, inserts, heartbeat, interval_s = plain
+        file, url, run_id, inserts, heartbeat, interval_s, retention, statements = plain
         return cls(
-            file, url, run_id, {name: Statement(*s) for name, s in inserts.items()}, Statement(*heartbeat), interval_s
+            file,
+            url,
+            run_id,
+            {name: Statement(*s) for name, s in inserts.items()},
+            Statement(*heartbeat),
+            interval_s,
+            None if retention is None else Retention(*retention),
+            None if statements is None else RetentionStatements(*(Statement(*s) for s in statements)),
         )
 
 
@@ -129,6 +160,16 @@ class SQLiteSink:
                 conn.execute("ROLLBACK")
             raise
 
+    def used_bytes(self) -> int | None:
+        """The database's pages in use, in bytes (free pages are reused before the file grows)."""
+        conn = self.conn
+        pages = conn.execute("PRAGMA page_count").fetchone()[0] - conn.execute("PRAGMA freelist_count").fetchone()[0]
+        return int(pages) * int(conn.execute("PRAGMA page_size").fetchone()[0])
+
+    def scalar(self, statement: Statement, row: tuple[Any, ...]) -> Any:
+        found = self.conn.execute(statement.sql, statement.params([row])[0]).fetchone()
+        return None if found is None else found[0]
+
     def close(self) -> None:
         self.conn.close()
 
@@ -151,6 +192,14 @@ class DatabaseSink:
             for statement, rows in work:
                 conn.exec_driver_sql(statement.sql, statement.params(rows))
 
+    def used_bytes(self) -> int | None:
+        return None  # NOTE: a shared server database: the pass counts the run's own event bytes
+
+    def scalar(self, statement: Statement, row: tuple[Any, ...]) -> Any:
+        with self.engine.connect() as conn:
+            found = conn.exec_driver_sql(statement.sql, statement.params([row])[0]).first()
+        return None if found is None else found[0]
+
     def close(self) -> None:
         self.engine.dispose()
 
@@ -167,6 +216,14 @@ class Writer:
         self.next_item = 0
         self.next_row = 0
         self.complete_step = -1  # NOTE: every row of steps <= this is committed
+        retention, statements = settings.retention, settings.retention_statements
+        self.retention = (
+            RetentionPass(settings.run_id, retention, statements)
+            if retention is not None and retention.bounded and statements is not None
+            else None
+        )
+        self._marks: list[ChunkMark] = []  # NOTE: the chunks of the transaction being written
+        self.retention_failed = False
 
     def write(self, batches: list[Message]) -> None:
         """Write the batches in one transaction (or drop them once recording stopped)."""
@@ -200,6 +257,23 @@ class Writer:
             self.failure = first_line(err)
             return
         self.complete_step = max(self.complete_step, done_step)
+        self._retain()
+
+    def _retain(self) -> None:
+        """The retention pass, between transactions (retention.py); one that fails (a busy or full
+        database) drops nothing and is tried again after the next batch; the first failure is one
+        line on stderr (the capture may then outgrow its bound)."""
+        if self.retention is None:
+            return
+        for mark in self._marks:
+            self.retention.wrote(mark)
+        self._marks = []
+        try:
+            self.retention.after_write(self._sink())
+        except Exception as err:
+            if not self.retention_failed:
+                self.retention_failed = True
+                print(f"kvscope recorder: retention could not drop events: {first_line(err)}", file=sys.stderr)
 
     def beat(self) -> None:
         """The heartbeat alone (no batch came for a while); skipped once recording stopped, and
@@ -221,6 +295,7 @@ class Writer:
         inserts, run_id = self.settings.inserts, self.settings.run_id
         tables: dict[str, list[Any]] = {name: [] for name in inserts}
         step = CHUNK_ITEMS * ITEM_WIDTH
+        self._marks = []
         for start in range(0, len(items), step):
             chunk = self.packer.pack(
                 items[start : start + step] if len(items) > step else items, has_batches=has_batches
@@ -228,10 +303,16 @@ class Writer:
             number, self.num_chunks = self.num_chunks, self.num_chunks + 1
             for table, values in chunk.table_rows(run_id, number).items():
                 tables[table] += values
+            self._marks.append(
+                ChunkMark(
+                    number, chunk.first_seq, chunk.num_events, chunk.first_step, chunk.last_t_mono, chunk.num_bytes
+                )
+            )
         for table, row in rows:
             tables[table].append(row)
         work = [(inserts[name], values) for name, values in tables.items() if values]
-        return [*work, (self.settings.heartbeat, [(time.time(), run_id)])]
+        first = self.retention.first_rows() if self.retention is not None else []
+        return [*first, *work, (self.settings.heartbeat, [(time.time(), run_id)])]
 
     def close(self) -> None:
         if self.sink is not None:

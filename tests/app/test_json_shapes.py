@@ -59,7 +59,19 @@ def test_runs_json(tmp_path: Path) -> None:
     shape = as_json("runs", str(two_runs(tmp_path)))
     assert list(shape) == ["capture", "runs"] and [r["id"] for r in shape["runs"]] == [1, 2]
     run = shape["runs"][0]
-    assert list(run) == ["id", "label", "status", "level", "started_at", "started_at_unix", "seconds", "error"]
+    assert list(run) == [
+        "id",
+        "label",
+        "status",
+        "level",
+        "started_at",
+        "started_at_unix",
+        "seconds",
+        "error",
+        "event_bytes",
+        "retention",
+    ]
+    assert run["event_bytes"] >= 0 and run["retention"] is None  # NOTE: a run without a bound drops nothing
     assert run["status"] == "finished" and run["level"] == "full" and run["label"] == "shared-prefix"
     assert run["started_at"].endswith("Z") and isinstance(run["started_at_unix"], float)
     assert run["seconds"] > 0 and run["error"] is None
@@ -79,7 +91,7 @@ def test_runs_on_a_row_with_empty_fields(tmp_path: Path) -> None:
     conn.close()
     out = kvscope("runs", str(path))
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
-    assert out.stdout.splitlines()[1].split() == ["1", "finished", "-", "-", "-", "-"]
+    assert out.stdout.splitlines()[1].split() == ["1", "finished", "-", "-", "-", "35.6", "KiB", "-"]
     run = as_json("runs", str(path))["runs"][0]
     assert run["started_at"] is None and run["seconds"] is None and run["level"] is None
 

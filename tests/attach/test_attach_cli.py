@@ -12,6 +12,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import pytest
 from kvscope.attach.recorder import OLD_CAPTURE, AttachRecorder, attach_ready
 from kvscope.attach.scrape import EngineSample
 from kvscope.attach.wire import Batch, Cleared, Removed, Stored
-from kvscope.telemetry import CaptureError, SQLRecorder
+from kvscope.telemetry import CaptureError, Retention, SQLRecorder
 from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.records import PoolTerms, UsageSample
 from tests.telemetry.test_schema import V1_CAPTURE
@@ -205,3 +206,30 @@ def test_diff_and_check_read_an_attached_capture_without_inventing_figures(tmp_p
     check = kvscope("check", str(attached))
     assert check.returncode == 3, check.stdout + check.stderr  # an attached engine's leaks: not known here
     assert "an attached engine (vllm 0.32.0) runs its own leak check" in check.stdout
+
+
+def test_an_attached_run_under_a_window_drops_its_oldest_events_and_keeps_its_usage(tmp_path: Path) -> None:
+    """attach --keep-events: the recorder drops the oldest whole chunks (no ledger to wait for) and keeps
+    the usage series (one row in ten steps past the kept events); the tree at the last snapshot still reads."""
+    db = tmp_path / "a.db"
+    recorder = AttachRecorder(
+        db, SOURCE, snapshot_every=5, flush_interval_s=0.0, retention=Retention(keep_events_s=0.05)
+    )
+    recorder.sql.wait_ready()
+    for tick in range(20):
+        recorder.apply(Batch(float(tick), (stored([100 + tick], None, [tick, tick + 1]),), None))
+        recorder.tick(vllm_sample(used=2))
+        time.sleep(0.1)  # NOTE: the writer writes each tick's chunk on its own (batches that queue share one)
+    recorder.close({"delivered": 20, "lost_batches": 0})
+    ((first_seq, first_step, dropped_chunks),) = rows(
+        db, "SELECT first_seq, first_step, dropped_chunks FROM event_retention"
+    )
+    assert first_seq > 0 and dropped_chunks > 0
+    steps = {step for (step,) in rows(db, "SELECT step FROM usage")}  # NOTE: thinned past the kept events
+    assert steps == {s for s in range(1, first_step) if s % 10 == 0} | set(range(first_step, 21))
+    capture = Capture(db)
+    try:
+        assert int(capture.events(1, limit=None).seq.min()) == first_seq
+        assert len(capture.tree_at(1, 20)) > 1
+    finally:
+        capture.close()

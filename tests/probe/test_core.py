@@ -202,7 +202,17 @@ def test_the_census_and_lingering_bounds_come_from_the_environment() -> None:
             "KVSCOPE_LINGER_S": "1.5",
         }
     )
-    assert given is not None and given[3:] == (7, 0.0, 3, 1.5)
+    assert given is not None and given[3:7] == (7, 0.0, 3, 1.5)
+
+
+def test_the_retention_bounds_come_from_the_environment() -> None:
+    base = {"KVSCOPE_CAPTURE": "/tmp/x.db"}
+    defaults = settings_from_env(base)
+    assert defaults is not None and (defaults.keep_events_s, defaults.max_bytes) == (None, 4 * 2**30)
+    given = settings_from_env({**base, "KVSCOPE_KEEP_EVENTS": "6h", "KVSCOPE_MAX_SIZE": "none"})
+    assert given is not None and (given.keep_events_s, given.max_bytes) == (21600.0, None)
+    with pytest.raises(ValueError, match="KVSCOPE_MAX_SIZE: '20 apples' is not a size"):
+        settings_from_env({**base, "KVSCOPE_MAX_SIZE": "20 apples"})
 
 
 @pytest.mark.parametrize(

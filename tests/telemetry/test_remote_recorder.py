@@ -60,6 +60,26 @@ def test_what_it_records_reads_back(tmp_path: Path) -> None:
         capture.close()
 
 
+def test_the_probes_retention_reaches_its_host_and_drops_the_oldest_events(tmp_path: Path) -> None:
+    """KVSCOPE_KEEP_EVENTS / KVSCOPE_MAX_SIZE (probe.core.Settings) travel with the open message: the
+    host's writer keeps the window and says what it dropped."""
+    target = tmp_path / "kept.db"
+    rec = RemoteRecorder(target, retention=(0.05, 4 << 30))
+    for step in range(1, 16):
+        rec.step = step
+        rec.record(EventKind.ALLOC, pool=PoolName.FULL, rid=f"r{step}", num_tokens=2, slots=[step, step + 100], aux=0)
+        rec.flush()
+        time.sleep(0.15)
+    rec.close()
+    capture = Capture(target)
+    try:
+        kept = capture.run_retention(rec.run_id)
+        assert kept is not None and (kept.keep_events_s, kept.max_bytes) == (0.05, 4 << 30)
+        assert int(kept.first_seq) > 0 and int(capture.events(rec.run_id, limit=None).seq.min()) == int(kept.first_seq)
+    finally:
+        capture.close()
+
+
 def test_an_idle_point_reaches_the_capture_while_the_run_is_open(tmp_path: Path) -> None:
     """A live reader sees the census of the last idle point, not only what a later batch pushes out."""
     target = tmp_path / "live.db"

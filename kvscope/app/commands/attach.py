@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvscope.app.commands.retention_options import SERVE_MAX_SIZE, add_retention_options
 from kvscope.app.units import finite_float
 
 
@@ -47,6 +48,7 @@ class AttachCommand:
             metavar="PATH",
             help="capture file, new or made by kvscope schema 5 or newer (default runs/<time>-attach-<engine>.db)",
         )
+        add_retention_options(parser, default_max_size=SERVE_MAX_SIZE)
         parser.add_argument(
             "--scrape-s",
             type=finite_float(0),

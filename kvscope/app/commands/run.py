@@ -6,6 +6,7 @@ import argparse
 
 from kvscope.app.commands.base import add_old_spelling
 from kvscope.app.commands.engine_options import add_engine_options
+from kvscope.app.commands.retention_options import add_retention_options
 from kvscope.app.units import finite_float, positive_count
 from kvscope.workloads import WORKLOADS
 
@@ -34,6 +35,7 @@ class RunCommand:
             help="summary: usage, requests, leak checks, tree snapshots; full: plus every memory event",
         )
         parser.add_argument("--capture", metavar="PATH", help="capture file (default runs/<time>-<workload>.db)")
+        add_retention_options(parser)
         add_old_spelling(
             parser,
             parser.add_argument(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvscope.app.commands.engine_options import add_engine_options
+from kvscope.app.commands.retention_options import SERVE_MAX_SIZE, add_retention_options
 from kvscope.app.units import port_number
 from kvscope.fleet.dispatch import DISPATCH_METHODS
 
@@ -23,6 +24,7 @@ class ServeCommand:
         parser.add_argument("--port", type=port_number, default=30000, help="port to listen on (0: any free port)")
         add_engine_options(parser)
         parser.add_argument("--capture", metavar="PATH", help="capture file (default runs/<time>-serve.db)")
+        add_retention_options(parser, default_max_size=SERVE_MAX_SIZE)
         parser.add_argument(
             "--level",
             default="full",
