@@ -47,17 +47,10 @@ LOW_WATER = 0.6  # ... down to this share (the margin takes a batch and a checkp
 HARD_WATER = 0.95  # NOTE: a gated run's size drops wait for its ledger checkpoint up to this share
 _UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _UNITS_BYTES = {
-    "": 1,
     "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+    **{f"{p}{end}": 2 ** (10 * (k + 1)) for k, p in enumerate("kmgt") for end in ("", "i", "ib")},
+    **{f"{p}b": 10 ** (3 * (k + 1)) for k, p in enumerate("kmgt")},
+}  # NOTE: as units.BYTE_SCALES spells them (G, Gi, GiB binary; GB decimal), but a unit is required
 
 
 def parse_duration_s(text: str) -> float:
@@ -70,11 +63,17 @@ def parse_duration_s(text: str) -> float:
 
 
 def parse_size_bytes(text: str) -> int:
-    """'20GiB', '500MB', '64MiB' (or a bare number of bytes) as bytes > 0; ValueError otherwise."""
-    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", text.lower())
-    value = int(float(found.group(1)) * _UNITS_BYTES[found.group(2) or ""]) if found else 0
+    """'20GiB', '20G', '500MB', '4096B' as bytes > 0; ValueError otherwise. A bare number is refused:
+    the command line reads a bare memory size as GiB, an environment variable might mean bytes, and
+    the same text must mean one size in `--max-size` and KVSCOPE_MAX_SIZE."""
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]+)\s*", text.lower())
+    scale = _UNITS_BYTES.get(found.group(2)) if found else None
+    value = int(float(found.group(1)) * scale) if found and scale else 0
     if value <= 0:
-        raise ValueError(f"{text!r} is not a size (a positive number with B, KB, MB, GB, KiB, MiB or GiB: '20GiB')")
+        raise ValueError(
+            f"{text!r} is not a size (a positive number with its unit: 4096B, 512MiB or 512M, 20GiB or 20G; "
+            "KB, MB, GB are decimal)"
+        )
     return value
 
 

@@ -106,7 +106,10 @@ def test_durations(text: str, seconds: float) -> None:
     assert parse_duration_s(text) == seconds
 
 
-@pytest.mark.parametrize(("text", "num_bytes"), [("20GiB", 20 * 2**30), ("500MB", 500 * 10**6), ("4096", 4096)])
+@pytest.mark.parametrize(
+    ("text", "num_bytes"),
+    [("20GiB", 20 * 2**30), ("20G", 20 * 2**30), ("512Mi", 512 * 2**20), ("500MB", 500 * 10**6), ("4096B", 4096)],
+)
 def test_sizes(text: str, num_bytes: int) -> None:
     assert parse_size_bytes(text) == num_bytes
 
@@ -140,3 +143,11 @@ def rows_of(path: Path, sql: str) -> list[tuple]:
         return conn.execute(sql).fetchall()
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize("text", ["4096", "20", "20 apples", "1.5X"])
+def test_a_size_needs_its_unit(text: str) -> None:
+    """--max-size and KVSCOPE_MAX_SIZE read one text alike: a bare number (GiB on the command line's
+    memory sizes, bytes to some) is refused rather than read one way in one place."""
+    with pytest.raises(ValueError, match="with its unit"):
+        parse_size_bytes(text)

@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import argparse
 
-from kvscope.app.units import byte_size, duration_s
+from kvscope.app.units import duration_s
+from kvscope.telemetry.retention import parse_size_bytes
 
 SERVE_MAX_SIZE = "4GiB"  # NOTE: a server runs for weeks: its capture stays under a few GB by default
 
 
 def max_size(text: str) -> int | None:
-    """A size (units.byte_size), or 'none' for no size bound."""
-    return None if text.strip().lower() in ("none", "off", "0") else byte_size(text)
+    """A size with its unit, read as KVSCOPE_MAX_SIZE is (retention.parse_size_bytes), or 'none' for no
+    size bound."""
+    if text.strip().lower() in ("none", "off", "0"):
+        return None
+    try:
+        return parse_size_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_retention_options(parser: argparse.ArgumentParser, *, default_max_size: str | None = None) -> None:
