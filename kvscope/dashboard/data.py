@@ -213,6 +213,11 @@ def allocs_of_requests(path: str, run_id: int, stamp: float, rids: tuple[str, ..
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def in_flight(path: str, run_id: int, stamp: float, since_step: int, step: int) -> pd.DataFrame:
+    return telemetry.in_flight(open_capture(path), run_id, since_step, step)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def running_lengths(path: str, run_id: int, stamp: float, step: int) -> pd.DataFrame:
     return telemetry.running_lengths(open_capture(path), run_id, step)
 

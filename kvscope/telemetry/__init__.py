@@ -49,6 +49,7 @@ if TYPE_CHECKING:
         eviction_log,
         eviction_summary,
         evictions_over_steps,
+        in_flight,
         recent_evictions,
         running_lengths,
     )
@@ -75,6 +76,7 @@ _LAZY = {
         "eviction_log",
         "eviction_summary",
         "evictions_over_steps",
+        "in_flight",
         "recent_evictions",
         "running_lengths",
     ),
@@ -144,6 +146,7 @@ __all__ = [
     "eviction_log",
     "eviction_summary",
     "evictions_over_steps",
+    "in_flight",
     "install_signal_handlers",
     "link_name",
     "open_reader",

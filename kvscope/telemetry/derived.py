@@ -1,5 +1,5 @@
 """Derived reads over a capture's events, for the dashboard: the eviction log (age, idle,
-regret), running requests' lengths at a step, eviction rates. Each returns a DataFrame.
+regret), running requests' lengths at a step, the requests in flight, eviction rates. Each returns a DataFrame.
 
 NOTE: definitions (also shown on the pages)
     node age       eviction step/time minus the step/time the node was born (its insert, or the
@@ -16,6 +16,8 @@ NOTE: definitions (also shown on the pages)
                    branched off at the same parent for other reasons counts too: an upper bound.
     running length a running request's tokens at a step: the hit of its latest match by then plus
                    the full-pool tokens allocated for it since
+    in flight      a request that arrived in a step range and had not finished or been aborted
+                   by its end: running when its latest life event is its admission, else waiting
 
 NOTE: cost. Every read goes through Capture.events (either layout: event_source.py) and asks
 for the kinds and columns it needs, with a step range where the definition bounds it (running
@@ -279,6 +281,34 @@ def running_lengths(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
     live["seq_len"] = live["hit"] + live["rid"].map(grown).fillna(0).astype("int64")
     live["rid"] = decode_strings(capture, run_id, live["rid"])
     return live[["rid", "seq_len"]].sort_values("rid", kind="stable").reset_index(drop=True)
+
+
+IN_FLIGHT_COLUMNS = ("rid", "state", "arrive_step", "admit_step", "principal")
+LIFE = (EventKind.REQUEST_ARRIVE, EventKind.REQUEST_ADMIT, *ENDS)
+
+
+def in_flight(capture: Capture, run_id: int, since_step: int, step: int) -> pd.DataFrame:
+    """Requests that arrived in steps since_step..step and had not finished or been aborted by
+    `step`, newest arrival first: `state` running (admitted) or waiting (arrived, or retracted
+    since its admission); arrive_step, admit_step (NaN: not admitted now), principal. A request
+    that arrived before since_step is not read (the caller says so). NOTE: reads the life events
+    of that step range only; rids stay codes until the end."""
+    coded = ("rid",)
+    life = _all(capture, run_id, LIFE, ["step", "kind", "rid", "principal"], (since_step, step), coded)
+    life = life[present(life["rid"])]
+    arrived = life[life["kind"] == EventKind.REQUEST_ARRIVE.value].drop_duplicates("rid", keep="first")
+    latest = life.drop_duplicates("rid", keep="last").set_index("rid")
+    admits = life[life["kind"] == EventKind.REQUEST_ADMIT.value].drop_duplicates("rid", keep="last").set_index("rid")
+    out = arrived[["rid", "step", "principal"]].rename(columns={"step": "arrive_step"})
+    last_kind = out["rid"].map(latest["kind"])
+    ended = last_kind.isin([EventKind.REQUEST_FINISH.value, EventKind.REQUEST_ABORT.value])
+    out = out[~ended.to_numpy()].copy()
+    last_kind = last_kind[~ended]
+    out["state"] = np.where(last_kind.to_numpy() == EventKind.REQUEST_ADMIT.value, "running", "waiting")
+    out["admit_step"] = out["rid"].map(admits["step"]).where(out["state"] == "running")
+    out["rid"] = decode_strings(capture, run_id, out["rid"])
+    out = out.iloc[::-1]  # NOTE: newest arrival first (events are in seq order)
+    return out[list(IN_FLIGHT_COLUMNS)].reset_index(drop=True)
 
 
 def _last_per_rid(events: pd.DataFrame) -> pd.DataFrame:

@@ -176,3 +176,37 @@ def test_the_live_requests_table_opens_on_the_newest_requests(tmp_path: Path, mo
     time.sleep(data.LIVE_TTL_S + 0.1)
     at.run()
     assert list(at.dataframe[-1].value.iloc[:, 0][:2]) == ["r0", "r1"]
+
+
+def test_the_live_requests_page_shows_the_requests_in_flight_newest_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request's record is written when it ends; while the run runs, the page lists the requests that
+    arrived and have not ended from their events: admitted ones running, the others waiting, newest
+    first; one that finished is not among them. Closed, the run has none in flight and no such list."""
+    recorder = SQLRecorder(tmp_path / "live.db", level="full", label="live")
+    try:
+        grow(recorder, range(3))
+        lives = {"done": ("arrive", "admit", "finish"), "old": ("arrive", "admit"), "new": ("arrive",)}
+        kinds = {
+            "arrive": EventKind.REQUEST_ARRIVE,
+            "admit": EventKind.REQUEST_ADMIT,
+            "finish": EventKind.REQUEST_FINISH,
+        }
+        for rid, moments in lives.items():
+            for moment in moments:
+                recorder.record(kinds[moment], rid=rid, num_tokens=8)
+        grow(recorder, range(3, 5))
+        monkeypatch.setenv("KVSCOPE_DB", str(tmp_path / "live.db"))
+        monkeypatch.chdir(ROOT)
+        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60).run()
+        at.switch_page("kvscope/dashboard/app_pages/requests.py").run()
+        assert not at.exception, [e.value for e in at.exception]
+        assert "In flight at step 4: 1 running, 1 waiting" in [h.value for h in at.subheader]
+        shown = at.dataframe[0].value
+        assert list(zip(shown["rid"], shown["state"], strict=True)) == [("new", "waiting"), ("old", "running")]
+    finally:
+        recorder.close()
+    time.sleep(data.LIVE_TTL_S + 0.1)
+    at.run()
+    assert not any(h.value.startswith("In flight") for h in at.subheader)

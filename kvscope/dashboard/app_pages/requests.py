@@ -15,6 +15,7 @@ from kvscope.dashboard.frame import Selection, selection
 
 PAGE_ROWS = 60
 ORDERS = ("newest first", "oldest first")
+IN_FLIGHT_WINDOW_STEPS = 5_000  # NOTE: a live run's in-flight requests are read from this many recent steps' events
 PICK_FROM_MAX = 2_000  # NOTE: more requests: the picker is a box to type an id in
 ALL = "(all requests)"
 RID_KEY = "requests.rid"
@@ -136,7 +137,7 @@ def panel(chosen: Selection) -> None:
     notes = st.container()
     totals = data.request_totals(chosen.path, chosen.run_id, chosen.stamp, None)
     if chosen.running:
-        st.caption("A request's record is written when it ends: running requests appear once they finish.")
+        in_flight_section(chosen)
     if totals.empty:
         with notes:
             url_state.show_notes()
@@ -170,6 +171,36 @@ def panel(chosen: Selection) -> None:
     throughput_section(chosen, clock)
     lookups_section(chosen)
     table_section(chosen, totals, notes, clock)
+
+
+def in_flight_section(chosen: Selection) -> None:
+    """A live run's requests that have not ended, newest first: a request's record (its lengths and
+    latencies, the table below) is written when it ends, so these come from its arrive and admit
+    events, read over the last IN_FLIGHT_WINDOW_STEPS steps."""
+    caps = capability.of(chosen)
+    if caps.kind != "engine" or str(chosen.run.level) != "full":
+        st.caption(
+            "A request's record is written when it ends: running requests appear once they finish (this source "
+            "records no arrival events to show them before)."
+        )
+        return
+    last = data.step_range(chosen.path, chosen.run_id, chosen.stamp)["hi"].iloc[0]
+    if pd.isna(last):
+        return
+    last = int(last)
+    since = max(0, last - IN_FLIGHT_WINDOW_STEPS)
+    frame = data.in_flight(chosen.path, chosen.run_id, chosen.stamp, since, last)
+    running = int((frame["state"] == "running").sum())
+    st.subheader(f"In flight at step {last:,}: {running:,} running, {len(frame) - running:,} waiting")
+    st.caption(
+        f"Requests that arrived in the last {IN_FLIGHT_WINDOW_STEPS:,} steps and have not finished, newest first; "
+        "their record (lengths, latencies) joins the table below when they end."
+    )
+    if not frame.empty:
+        shown = frame.rename(columns={"arrive_step": "arrived (step)", "admit_step": "admitted (step)"})
+        if shown["principal"].isna().all():
+            shown = shown.drop(columns=["principal"])
+        st.dataframe(shown, hide_index=True, key="requests.in_flight")
 
 
 def missing_moments(window: pd.DataFrame) -> str:
