@@ -159,7 +159,7 @@ $(SGLANG_STAMP):
 test-engines: $(STAMP) $(VLLM_STAMP) $(VLLM_SRC_STAMPS) $(SGLANG_518_STAMP) $(SGLANG_SRC_STAMPS) $(SGLANG_STAMP)
 	@$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	@$(SGLANG_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
-	@$(SGLANG_VENV)/bin/python -c "import aiohttp" 2>/dev/null || $(SGLANG_PIP) -q aiohttp  # NOTE: bench_serving's client; venvs made before it was a dep
+	@$(SGLANG_VENV)/bin/python -c "import aiohttp" 2>/dev/null || $(SHOW) $(SGLANG_PIP) aiohttp  # NOTE: bench_serving's client; venvs made before it was a dep
 	KVSCOPE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVSCOPE_VLLM_SRC=$(VLLM_SRC) KVSCOPE_SGLANG_518_SRC=$(SGLANG_518_SRC) \
 		KVSCOPE_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python KVSCOPE_SGLANG_SRC=$(SGLANG_SRC) $(BIN)/pytest -m engines
 

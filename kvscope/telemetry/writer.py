@@ -226,7 +226,13 @@ class Writer:
         self.retention_failed = False
 
     def write(self, batches: list[Message]) -> None:
-        """Write the batches in one transaction (or drop them once recording stopped)."""
+        """Write the batches in one transaction (or drop them once recording stopped). Under a size
+        bound, one transaction per batch with a retention pass after each: batches that piled up
+        while the writer was slow would otherwise land at once, past the pass's margin."""
+        if len(batches) > 1 and self.retention is not None and self.retention.retention.max_bytes is not None:
+            for message in batches:
+                self.write([message])
+            return
         items: list[Any] = []
         rows: list[tuple[str, tuple[Any, ...]]] = []
         has_batches = False
