@@ -20,7 +20,6 @@ checkpoint short of the run's first kept event.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from contextlib import suppress
@@ -35,6 +34,7 @@ from kvscope.debug import ledger_state
 from kvscope.debug.replay import EventsDropped, Replay
 from kvscope.debug.report import ReportState, _bisect_onset
 from kvscope.telemetry import Capture, CaptureError, RunStatus, open_writer, save_ledger_checkpoint
+from kvscope.telemetry.queries import pid_alive
 from kvscope.telemetry.store import file_of
 
 EVERY_S = 2.0
@@ -143,7 +143,7 @@ class Checkpointer:
     def round(self) -> bool:
         """One pass over the runs; False once there is nothing left to follow."""
         if self.idle():
-            return self.parent_pid is None or _alive(self.parent_pid)
+            return self.parent_pid is None or pid_alive(self.parent_pid)
         capture = Capture(self.target)  # NOTE: afresh each round: the chunks read once are not kept
         if self.engine is None:
             self.engine = open_writer(self.target)
@@ -162,17 +162,7 @@ class Checkpointer:
         finally:
             capture.close()
         waiting = any(not f.done for f in self.followed.values())
-        return waiting or (self.parent_pid is not None and _alive(self.parent_pid))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return waiting or (self.parent_pid is not None and pid_alive(self.parent_pid))
 
 
 def _round(checkpointer: Checkpointer, said: set[str]) -> bool:
@@ -185,7 +175,7 @@ def _round(checkpointer: Checkpointer, said: set[str]) -> bool:
         if kind not in said:
             said.add(kind)
             print(f"kvscope checkpoint: a round failed, trying again: {err}".splitlines()[0], file=sys.stderr)
-        return checkpointer.parent_pid is None or _alive(checkpointer.parent_pid)
+        return checkpointer.parent_pid is None or pid_alive(checkpointer.parent_pid)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -717,17 +717,7 @@ class Front:
                 run.take(out)
                 yield sse(self.native_reply(run, arrival))
         except Exception as err:  # NOTE: a bug mid-stream: the stream ends with an error event, not cut
-            report_internal_error(request.scope, err)
-            yield sse(
-                {
-                    "error": {
-                        "message": f"internal error: {type(err).__name__}",
-                        "type": "server_error",
-                        "param": None,
-                        "code": "internal_error",
-                    }
-                }
-            )
+            yield internal_error_event(request.scope, err)
         finally:
             await outs.aclose()
         yield "data: [DONE]\n\n"
@@ -994,17 +984,7 @@ class Front:
                         run=run,
                     )
         except Exception as err:  # NOTE: a bug mid-stream: the stream ends with an error event, not cut
-            report_internal_error(request.scope, err)
-            yield sse(
-                {
-                    "error": {
-                        "message": f"internal error: {type(err).__name__}",
-                        "type": "server_error",
-                        "param": None,
-                        "code": "internal_error",
-                    }
-                }
-            )
+            yield internal_error_event(request.scope, err)
             failed = True
         finally:
             await outs.aclose()
@@ -1236,6 +1216,13 @@ class ErrorBoundary:
             else:
                 with suppress(Exception):
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def internal_error_event(scope: Scope, err: BaseException) -> str:
+    """A bug met mid-stream, reported, as the stream's last event (the client sees an error, not a cut)."""
+    report_internal_error(scope, err)
+    error = {"message": f"internal error: {type(err).__name__}", "type": "server_error", "param": None}
+    return sse({"error": {**error, "code": "internal_error"}})
 
 
 def report_internal_error(scope: Scope, err: BaseException) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,10 +191,15 @@ def refused_names(chat: bool) -> dict[str, tuple[Any, ...]]:
 def check_names(body: dict[str, Any], chat: bool) -> tuple[str, ...]:
     """The fields accepted that change nothing here (IGNORED ones, unknown ones); ParamError for a
     refused one that asks for something."""
-    supported, refused = supported_names(chat), refused_names(chat)
+    return tuple(check_fields(body, supported_names(chat), refused_names(chat)))
+
+
+def check_fields(body: dict[str, Any], honoured: Collection[str], refused: Mapping[str, tuple[Any, ...]]) -> list[str]:
+    """The names in `body` accepted that change nothing here (neither honoured nor refused); ParamError
+    for a refused one whose value asks for something (not one of its neutral values)."""
     ignored = []
     for name, value in body.items():
-        if name in supported:
+        if name in honoured:
             continue
         if name not in refused:
             ignored.append(name)
@@ -203,7 +208,7 @@ def check_names(body: dict[str, Any], chat: bool) -> tuple[str, ...]:
             raise ParamError(
                 f"'{name}' is not supported by this server (kvscope serve); leave it out", name, "unsupported_parameter"
             )
-    return tuple(ignored)
+    return ignored
 
 
 def is_neutral(value: Any, neutral: Any) -> bool:

@@ -38,9 +38,9 @@ from kvscope.server.openai_params import (
     ParamError,
     RequestParams,
     boolean,
+    check_fields,
     integer,
     is_int,
-    is_neutral,
     number,
     stop_strings,
     token_ids,
@@ -214,22 +214,6 @@ def parse_sampling(
         sampling=sampling_of(raw, vocab_size, eos_id, tuple(tuple(encode(s)) for s in stop), max_new_tokens),
         ignored=tuple(f"sampling_params.{name}" for name in ignored),
     )
-
-
-def check_fields(body: dict[str, Any], honoured: tuple[str, ...], refused: dict[str, tuple[Any, ...]]) -> list[str]:
-    """The names accepted that change nothing here; ParamError for a refused one that asks for something."""
-    ignored = []
-    for name, value in body.items():
-        if name in honoured:
-            continue
-        if name not in refused:
-            ignored.append(name)
-            continue
-        if not any(is_neutral(value, neutral) for neutral in refused[name]):
-            raise ParamError(
-                f"'{name}' is not supported by this server (kvscope serve); leave it out", name, "unsupported_parameter"
-            )
-    return ignored
 
 
 def prompt_of(body: dict[str, Any], vocab_size: int, encode: Callable[[str], list[int]]) -> list[int]:

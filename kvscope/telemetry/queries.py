@@ -485,7 +485,7 @@ def display_status(row: Any) -> str:
     if row.status != "running":
         return str(row.status)
     pid, heartbeat_at = _number(row.pid), _number(row.heartbeat_at)
-    if row.host == socket.gethostname() and pid and not _pid_alive(int(pid)):
+    if row.host == socket.gethostname() and pid and not pid_alive(int(pid)):
         return ENDED_WITHOUT_CLOSING
     if heartbeat_at is not None and time.time() - heartbeat_at > STALE_HEARTBEAT_S:
         return ENDED_WITHOUT_CLOSING
@@ -501,7 +501,8 @@ def _number(value: Any) -> float | None:
     return None if number != number else number
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this id runs on this host (one we may not signal counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
