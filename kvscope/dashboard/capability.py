@@ -21,7 +21,9 @@ def of(chosen: Selection) -> Capabilities:
     engine may record)."""
     caps = capabilities_of_json(getattr(chosen.run, "config", None))
     present = {"tree_snapshots": bool(data.snapshot_steps(chosen.path, chosen.run_id, chosen.stamp))}
-    if caps.kind != "engine":
+    if caps.kind == "engine":  # NOTE: arrive and admit events are written at level full only
+        present["in_flight"] = str(getattr(chosen.run, "level", "")) == "full"
+    else:
         present["latencies"] = _has_arrivals(chosen)
         if caps.has("tiers") or _has_host_tier(chosen):
             present["tiers"] = True

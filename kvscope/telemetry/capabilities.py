@@ -39,6 +39,7 @@ CAPABILITIES = {
     "census": "the probe's idle block census: its terms, and the request that last took a leaked block",
     "requests": "a record per request (prompt, cached tokens, finish)",
     "latencies": "each request's arrival, admission and first-token times",
+    "in_flight": "each request's arrive and admit events as they happen (the requests not yet ended)",
     "request_counts": "running and waiting requests, per step or scrape",
     "hit_rate": "the prefix cache's hit and query counters",
     "tree": "the cache tree at any step (events replayed from snapshots)",
@@ -145,6 +146,10 @@ CANNOT_SHOW: dict[str, dict[str, str]] = {
     "latencies": {
         "*": "Latencies: not provided. This capture stores each request when it finishes, without its arrival and "
         "admission times.",
+    },
+    "in_flight": {
+        "*": "Requests in flight: not provided. A request's record is written when it ends, and this source records "
+        "no arrival events to show it before (kvscope's engine records them at level full).",
     },
     "tenants": {
         "*": "Sharing between tenants: not provided. {engine}'s requests carry no principal (user or tenant).",

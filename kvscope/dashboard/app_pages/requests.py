@@ -178,11 +178,8 @@ def in_flight_section(chosen: Selection) -> None:
     latencies, the table below) is written when it ends, so these come from its arrive and admit
     events, read over the last IN_FLIGHT_WINDOW_STEPS steps."""
     caps = capability.of(chosen)
-    if caps.kind != "engine" or str(chosen.run.level) != "full":
-        st.caption(
-            "A request's record is written when it ends: running requests appear once they finish (this source "
-            "records no arrival events to show them before)."
-        )
+    if caps.lacks("in_flight"):
+        capability.cannot(caps, "in_flight")
         return
     last = data.step_range(chosen.path, chosen.run_id, chosen.stamp)["hi"].iloc[0]
     if pd.isna(last):
