@@ -7,6 +7,7 @@ The page is the URL's path (st.navigation: /tree, /leaks, ...); the rest is quer
     step     the Radix tree page's step
     node     the Radix tree page's node in 'Node details'
     rid      the Requests page's request
+    x        the x axis of Memory's and the Overview's charts: step or time (wall clock)
 The frame writes capture and run on every rerun; a page adds its own keys (`publish`), and a
 page's keys leave the URL on the other pages.
 
@@ -25,7 +26,8 @@ from urllib.parse import urlencode
 import streamlit as st
 
 FRAME_KEYS = ("capture", "run", "tenant")
-PAGE_KEYS = ("step", "node", "rid")
+PAGE_KEYS = ("step", "node", "rid", "x")
+AXES = ("step", "time")  # x's values
 MAX_TEXT_LEN = 200
 WRITTEN_KEY = "kvscope.url.written"  # the query parameters this session wrote last
 HISTORY_KEY = "kvscope.url.history"  # key -> the values this session wrote lately (newest last)
@@ -42,15 +44,15 @@ class Parsed(NamedTuple):
 
 
 def parse(params: Mapping[str, str]) -> Parsed:
-    """Type-check the link's values: run, step and node whole numbers >= 0; capture, tenant and
-    rid non-empty printable text. Unknown keys are ignored."""
+    """Type-check the link's values: run, step and node whole numbers >= 0; x one of AXES; capture,
+    tenant and rid non-empty printable text. Unknown keys are ignored."""
     values: dict[str, Any] = {}
     notes: list[str] = []
     for key in (*FRAME_KEYS, *PAGE_KEYS):
         if key not in params:
             continue
         text = str(params[key]).strip()
-        value = _whole(text) if key in ("run", "step", "node") else _text(text)
+        value = _whole(text) if key in ("run", "step", "node") else _axis(text) if key == "x" else _text(text)
         if value is None:
             notes.append(f"The link's {key} {_shown(text)} is not {_expected(key)}: ignored.")
         else:
@@ -62,11 +64,17 @@ def _whole(text: str) -> int | None:
     return int(text) if text.isascii() and text.isdigit() and len(text) <= 12 else None
 
 
+def _axis(text: str) -> str | None:
+    return text if text in AXES else None
+
+
 def _text(text: str) -> str | None:
     return text if text and len(text) <= MAX_TEXT_LEN and text.isprintable() else None
 
 
 def _expected(key: str) -> str:
+    if key == "x":
+        return " or ".join(AXES)
     return "a whole number" if key in ("run", "step", "node") else "a name"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from kvscope.dashboard import url_state
 from kvscope.dashboard.charts.style import WALL_CLOCK
 from kvscope.dashboard.timing import Clock, zone_name
 
@@ -32,10 +33,14 @@ def has_times(usage: pd.DataFrame, clock: Clock | None) -> bool:
 
 def pick(usage: pd.DataFrame, clock: Clock | None, key: str) -> tuple[pd.DataFrame, str]:
     """(the rows, the x column for the chart builders): a choice of steps or wall-clock time where the
-    capture has times for its steps, else steps and one line saying why."""
+    capture has times for its steps, else steps and one line saying why. The choice is the URL's `x`."""
+    linked = url_state.pending("x")
     if clock is None or not has_times(usage, clock):
         st.caption("This capture has no timestamps for its steps: the x axis is the step.")
+        url_state.publish(x=None)
         return usage, STEPS
+    if linked is not None:
+        st.session_state[key] = TIMES if linked == "time" else STEPS
     axis = st.radio(
         "x axis",
         (STEPS, TIMES),
@@ -44,6 +49,7 @@ def pick(usage: pd.DataFrame, clock: Clock | None, key: str) -> tuple[pd.DataFra
         help=f"wall-clock time ({zone_name()}): when each step was recorded, to line the chart up with an "
         "incident's time; the hover names the step either way",
     )
+    url_state.publish(x="time" if axis == TIMES else None)
     if axis == STEPS:
         return usage, STEPS
     return with_wall_clock(usage, clock), WALL_CLOCK

@@ -184,3 +184,18 @@ def test_a_capture_named_absolute_and_relative_is_listed_once(tmp_path: Path, mo
     options = frame.capture_options(str(tmp_path / "runs" / "a.db"), found)
     assert len(options) == 2 and options[0] == str(tmp_path / "runs" / "a.db")
     assert frame.capture_options("sqlite:///runs/a.db", found)[0] == "sqlite:///runs/a.db"
+
+
+def test_the_x_axis_is_in_the_url_and_a_link_opens_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory's (and the Overview's) wall-clock axis is the URL's x=time: picked, the URL says so; a
+    link with it opens the chart on wall-clock time; a bad value is a note and the step axis."""
+    at = open_link(LEAKY, "memory", {}, monkeypatch)
+    assert _param(at, "x") is None
+    next(r for r in at.radio if r.label == "x axis").set_value("wall-clock time").run()
+    assert _param(at, "x") == "time"
+    linked = open_link(LEAKY, "memory", {"x": "time"}, monkeypatch)
+    assert not linked.exception, [e.value for e in linked.exception]
+    assert next(r for r in linked.radio if r.label == "x axis").value == "wall-clock time"
+    bad = open_link(LEAKY, "memory", {"x": "hours"}, monkeypatch)
+    assert next(r for r in bad.radio if r.label == "x axis").value == "step"
+    assert any("x 'hours' is not step or time" in i.value for i in bad.info)
