@@ -238,9 +238,12 @@ class Run:
         return piece
 
     def with_echo(self, out: TokenOut) -> Piece:
+        """NOTE: with return_token_ids the echoed prompt is left out of the text (its ids are in the
+        reply), as vLLM 0.32 does."""
         self.echo = False
         head, tail = self.choice.echo(out.prompt_logprobs), self.choice.feed(out)
-        return Piece(head.text + tail.text, head.entries + tail.entries)
+        head_text = "" if self.choice.params.return_token_ids else head.text
+        return Piece(head_text + tail.text, head.entries + tail.entries)
 
 
 class Front:
@@ -887,16 +890,17 @@ class Front:
         if any(not run.outcome.finish_reason for run in runs):  # the client went away
             return error_response(499, "client closed the request", code="client_closed")
         choices = [self.choice_json(run, chat) for run in runs]
-        return JSONResponse(
-            {
-                "id": response_id(rid, chat),
-                "object": "chat.completion" if chat else "text_completion",
-                "created": created,
-                "model": self.state.model_id,
-                "choices": choices,
-                "usage": usage(runs),
-            }
-        )
+        reply: dict[str, Any] = {
+            "id": response_id(rid, chat),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": self.state.model_id,
+            "choices": choices,
+            "usage": usage(runs),
+        }
+        if chat and req.params.return_token_ids:  # NOTE: chat has one prompt; vLLM puts its ids on the reply
+            reply["prompt_token_ids"] = runs[0].child.input_ids
+        return JSONResponse(reply)
 
     def runs(self, req: GenRequest, rid: str) -> list[Run]:
         echo = req.params.echo
@@ -917,6 +921,10 @@ class Front:
             out["message"] = {"role": "assistant", "content": run.text}
         else:
             out["text"] = run.text
+        if choice.params.return_token_ids:
+            if not chat:
+                out["prompt_token_ids"] = run.child.input_ids
+            out["token_ids"] = list(choice.ids)
         return out
 
     async def stream(
@@ -934,7 +942,10 @@ class Front:
             stop_reason: str | int | None = None,
             role: bool = False,
             run: Run | None = None,
+            ids: list[int] | None = None,
         ) -> str:
+            """`ids`: the token ids this chunk carries (return_token_ids); a choice's first chunk also
+            carries its prompt's ids (on the choice in completions, on the chunk in chat, as vLLM)."""
             logprobs = render_logprobs(piece.entries, req.chat) if wants_logprobs and piece is not None else None
             choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
             if finish is not None:
@@ -947,10 +958,20 @@ class Front:
             else:
                 choice["text"] = text or ""
             body = {"id": rid, "object": kind, "created": created, "model": self.state.model_id, "choices": [choice]}
+            if req.params.return_token_ids and run is not None:
+                first = index not in prompt_sent
+                prompt_sent.add(index)
+                if req.chat and role:
+                    body["prompt_token_ids"] = run.child.input_ids
+                elif not req.chat and first:
+                    choice["prompt_token_ids"] = run.child.input_ids
+                if not role:
+                    choice["token_ids"] = ids or []
             if req.continuous_usage and run is not None:
                 body["usage"] = usage_so_far(run)
             return sse(body)
 
+        prompt_sent: set[int] = set()  # choices whose prompt ids were sent (return_token_ids)
         if req.chat:
             for run in runs:
                 yield chunk(run.choice.index, "", role=True, run=run)
@@ -973,8 +994,9 @@ class Front:
                     break
                 run = runs[k]
                 piece = run.take(out)
-                if piece.text or (wants_logprobs and piece.entries):
-                    yield chunk(run.choice.index, piece.text, piece, run=run)
+                new_ids = list(out.new_token_ids) if req.params.return_token_ids else []
+                if piece.text or (wants_logprobs and piece.entries) or new_ids:
+                    yield chunk(run.choice.index, piece.text, piece, run=run, ids=new_ids)
                 if out.finished:
                     yield chunk(
                         run.choice.index,

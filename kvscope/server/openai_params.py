@@ -61,6 +61,7 @@ SHARED = (
     "frequency_penalty",
     "repetition_penalty",
     "truncate_prompt_tokens",
+    "return_token_ids",
 )
 COMPLETIONS_ONLY = ("prompt", "echo", "logprobs")
 # name -> why it changes nothing here (the front logs it with the name)
@@ -101,7 +102,6 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
     "continue_final_message": (None, False),
-    "return_token_ids": (None, False),
 }
 COMPLETIONS_REFUSED: dict[str, tuple[Any, ...]] = {"suffix": (None, "")}
 CHAT_REFUSED: dict[str, tuple[Any, ...]] = {"echo": (None, False)}  # vLLM's chat echo repeats the last message
@@ -129,6 +129,7 @@ class RequestParams:
     include_stop_str_in_output: bool
     sampling: SamplingParams
     ignored: tuple[str, ...] = ()  # fields accepted that change nothing here (IGNORED, or unknown)
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the reply
 
 
 def parse_params(
@@ -173,6 +174,7 @@ def parse_params(
         boolean(body, "include_stop_str_in_output", False),
         sampling,
         ignored,
+        boolean(body, "return_token_ids", False),
     )
 
 

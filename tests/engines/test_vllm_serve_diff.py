@@ -85,6 +85,8 @@ CASES = [
     completions("request_id", request_id="client-chosen"),
     completions("truncate_prompt_tokens 2", truncate_prompt_tokens=2),
     completions("return_token_ids", return_token_ids=True),
+    completions("return_token_ids with echo", return_token_ids=True, echo=True),
+    completions("stream, return_token_ids", stream=True, return_token_ids=True),
     completions("prompt_logprobs 1", prompt_logprobs=1),
     completions("response_format json_object", response_format={"type": "json_object"}),
     completions("logprobs 2", logprobs=2),
@@ -129,6 +131,7 @@ CASES = [
     chat("top_logprobs 2 without logprobs", top_logprobs=2),
     chat("prompt_logprobs 1", prompt_logprobs=1),
     chat("return_token_ids", return_token_ids=True),
+    chat("stream, return_token_ids", stream=True, return_token_ids=True),
     chat("continue_final_message", messages=[*HI, {"role": "assistant", "content": "he"}], continue_final_message=True),
     chat("an unknown field", frobnicate=1),
     chat("max_tokens beyond the context", max_tokens=1000),
@@ -189,7 +192,25 @@ def contract(reply: httpx.Response) -> tuple[dict[str, str], dict[str, set[str]]
         "prompt_tokens": str(usage.get("prompt_tokens")),
         "completion_tokens": str(usage.get("completion_tokens")),
         "logprobs": ",".join(sorted({"yes" if c.get("logprobs") else "no" for c in choices})),
+        **token_ids_contract(body, usage),
     }, keys
+
+
+def token_ids_contract(body: dict[str, Any], usage: dict[str, Any]) -> dict[str, str]:
+    """return_token_ids: the prompt's ids (both servers tokenize alike) and whether the choices' ids are
+    as many as the completion tokens; nothing when the reply carries none."""
+    choices = body["choices"]
+    prompts = [body.get("prompt_token_ids")] + [c.get("prompt_token_ids") for c in choices]
+    ids = [c.get("token_ids") for c in choices]
+    if all(p is None for p in prompts) and all(i is None for i in ids):
+        return {}
+    counted = sum(len(i or []) for i in ids) == usage.get("completion_tokens")
+    return {
+        "prompt_token_ids": json.dumps(next(p for p in prompts if p is not None), separators=(",", ":"))
+        if any(p is not None for p in prompts)
+        else "none",
+        "token_ids": "as many as completion_tokens" if all(i is not None for i in ids) and counted else "not",
+    }
 
 
 def field_path(param: Any) -> str:

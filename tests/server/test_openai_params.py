@@ -105,6 +105,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "top_logprobs": {"logprobs": True, "top_logprobs": 2},
     "echo": {"echo": True},
     "truncate_prompt_tokens": {"truncate_prompt_tokens": 1},
+    "return_token_ids": {"return_token_ids": True},
 }
 
 
@@ -304,6 +305,40 @@ def test_logprobs_and_echo(server: Server) -> None:
     content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
     assert content is not None and len(content) == 3
     assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in content)
+
+
+def test_return_token_ids_gives_the_prompts_and_each_choices_ids_streamed_and_not(server: Server) -> None:
+    """vLLM's `return_token_ids`: completions' choices carry `prompt_token_ids` and `token_ids` (every id
+    generated: as many as completion_tokens); chat's reply carries the prompt's ids; a stream's chunks carry
+    each choice's new ids, which add up to the unstreamed reply's, and its first chunk the prompt's."""
+    prompt = "abc"
+    body = {"prompt": prompt, "max_tokens": 4, "n": 2, "ignore_eos": True, "seed": 3, "temperature": 1.0}
+    whole = post(server, False, {**body, "return_token_ids": True}).json()
+    prompt_ids = ByteTokenizer().encode(prompt).tolist()
+    ids = {c["index"]: c["token_ids"] for c in whole["choices"]}
+    assert [c["prompt_token_ids"] for c in whole["choices"]] == [prompt_ids, prompt_ids]
+    assert sum(map(len, ids.values())) == whole["usage"]["completion_tokens"] == 8
+    assert all(ByteTokenizer().decode(ids[c["index"]]) == c["text"] for c in whole["choices"])
+    plain = post(server, False, body).json()
+    assert all("token_ids" not in c and "prompt_token_ids" not in c for c in plain["choices"])
+    streamed = post(server, False, {**body, "return_token_ids": True, "stream": True})
+    chunks = [json.loads(e[6:]) for e in streamed.text.split("\n\n") if e.startswith("data: {")]
+    got: dict[int, list[int]] = {}
+    prompts: dict[int, int] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            got.setdefault(choice["index"], []).extend(choice["token_ids"])
+            prompts[choice["index"]] = prompts.get(choice["index"], 0) + ("prompt_token_ids" in choice)
+    assert (got, prompts) == (ids, {0: 1, 1: 1})
+    echoed = post(server, False, {"prompt": prompt, "max_tokens": 2, "echo": True, "return_token_ids": True}).json()
+    choice = echoed["choices"][0]
+    assert choice["text"] == ByteTokenizer().decode(choice["token_ids"])  # vLLM's: the ids replace the echo
+    chat = post(server, True, {"max_tokens": 3, "ignore_eos": True, "return_token_ids": True}).json()
+    assert chat["prompt_token_ids"] and len(chat["choices"][0]["token_ids"]) == 3
+    chat_stream = post(server, True, {"max_tokens": 3, "ignore_eos": True, "return_token_ids": True, "stream": True})
+    chat_chunks = [json.loads(e[6:]) for e in chat_stream.text.split("\n\n") if e.startswith("data: {")]
+    assert chat_chunks[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert sum(len(c["choices"][0].get("token_ids", [])) for c in chat_chunks) == 3
 
 
 def test_continuous_usage_stats_puts_each_choices_usage_so_far_on_every_chunk(server: Server) -> None:
