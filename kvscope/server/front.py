@@ -11,20 +11,16 @@ until the TokenOuts that finish them (choice.py turns them into text and logprob
 that goes away (a closed stream, or a disconnect while a plain response is pending) makes the
 handler send AbortReq for each choice still running.
 
-NOTE: principals (docs/serve.md)
-    no --api-keys   principal = the request's `user` (or None)
-    --api-keys      a key maps to {"tenant": T, "user": U}; principal = "T/U". A request `user`
-                    may only narrow it: "S" (no slash) or "T/U/S" both give "T/U/S"; "T/U" is
-                    the key's own principal; any other value with a slash (another tenant, or
-                    another user of the same tenant) is 403.
-Every request error is OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
+A request's principal comes from its API key and `user` (api_keys.resolve_principal). The SGLang
+native routes (/generate, /health_generate, /flush_cache) are sglang_routes.py's, on the same
+sockets and queues. Every request error is OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
 
 NOTE: bad input never reaches a handler as a Python surprise
     the body     read_json (body.py): not JSON, not UTF-8, NaN / Infinity / 1e999, an integer longer than
                  MAX_INT_DIGITS, nesting deeper than MAX_JSON_DEPTH, a lone UTF-16 surrogate
                  ("\\ud800", which no text encoding carries) in any string or key: 400 naming
                  the field's path (e.g. "messages[0].content")
-    a handler    ErrorBoundary (around every route): an ApiError it lets out is its JSON error;
+    a handler    errors.ErrorBoundary (around every route): an ApiError it lets out is its JSON error;
                  a client gone while sending its body ends quietly; anything else is one line on
                  stderr and a 500 (a bug, never a traceback); a stream already started ends
     the scheduler dead: its requests in flight end 503 server_error (a server fault, not the
@@ -44,13 +40,12 @@ NOTE: data-parallel ranks (`serve --dp-size N`, docs/serve.md)
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -59,33 +54,29 @@ import zmq.asyncio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kvscope
 from kvscope.engine import EngineConfig, ModelConfig
-from kvscope.engine.sampling_params import SamplingParams
 from kvscope.fleet.dispatch import DispatchError
-from kvscope.server.api_keys import Principal
+from kvscope.server.api_keys import Principal, resolve_principal
 from kvscope.server.body import read_json
 from kvscope.server.chat import ChatError, render_chat
-from kvscope.server.choice import Choice, Entry, Piece, render_logprobs
-from kvscope.server.errors import ApiError, error_response
+from kvscope.server.choice import Choice, Piece, render_logprobs
+from kvscope.server.errors import ApiError, ErrorBoundary, error_response, http_error, internal_error_event, sse
 from kvscope.server.metrics import ServerMetrics
 from kvscope.server.openai_params import (
     IGNORED,
     MAX_CHOICES,
     MAX_PROMPTS,
     ParamError,
-    RequestParams,
     parse_params,
 )
 from kvscope.server.protocol import (
     AbortReq,
     FlushCacheOut,
-    FlushCacheReq,
     GenerateReq,
     PagesOut,
     RouteInfo,
@@ -96,14 +87,8 @@ from kvscope.server.protocol import (
     encode,
 )
 from kvscope.server.router import Router
-from kvscope.server.sglang_native import (
-    HEALTH_CHECK_PREFIX,
-    NativeRequest,
-    finish_reason_json,
-    ignored_why,
-    meta_info,
-    parse_generate,
-)
+from kvscope.server.runs import Child, GenRequest, Run, usage, usage_so_far
+from kvscope.server.sglang_routes import SGLangRoutes
 from kvscope.workloads.tokenizer import ByteTokenizer
 
 DISCONNECT_POLL_S = 0.2
@@ -111,31 +96,6 @@ BROADCAST_WAIT_S = 2.0
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT
 FLUSH_ANSWER_S = 10.0  # beyond a flush's own timeout, how long a rank may take to answer it
 MAX_IGNORED_LOGGED = 64  # NOTE: distinct ignored field names logged; a client inventing names cannot fill the log
-
-
-def resolve_principal(keys: dict[str, Principal] | None, authorization: str | None, user: str | None) -> str | None:
-    """The request's principal (see the module NOTE); ApiError 401 or 403."""
-    if keys is None:
-        return user
-    scheme, _, key = (authorization or "").partition(" ")
-    who = keys.get(key.strip()) if scheme.lower() == "bearer" else None
-    if who is None:
-        message = "missing API key (Authorization: Bearer KEY)" if not authorization else "invalid API key"
-        raise ApiError(401, message, code="invalid_api_key")
-    base = f"{who.tenant}/{who.user}"
-    if not user or user == base:
-        return base
-    if "/" not in user:
-        return f"{base}/{user}"
-    if user.startswith(base + "/") and user != base + "/":
-        return user
-    raise ApiError(
-        403,
-        f"user {user!r} is outside this key's principal {base!r}",
-        type_="permission_error",
-        param="user",
-        code="permission_denied",
-    )
 
 
 @dataclass
@@ -164,86 +124,6 @@ class Link:
 
     push: zmq.asyncio.Socket
     pull: zmq.asyncio.Socket
-
-
-@dataclass
-class Outcome:
-    ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-
-
-@dataclass
-class GenRequest:
-    """A validated completions or chat request: one or more prompts, `params.n` choices each."""
-
-    chat: bool
-    prompts: list[list[int]]
-    max_tokens: list[int]  # per prompt
-    stream: bool
-    include_usage: bool
-    principal: str | None
-    arrival_wall_s: float
-    params: RequestParams
-    continuous_usage: bool = False  # every chunk carries its choice's usage so far (vLLM's continuous_usage_stats)
-
-    def children(self, rid: str) -> list[Child]:
-        """One scheduler request per choice: choice index = prompt index * n + i. Choice i of a
-        seeded request draws from seed + i (vLLM's rule), so n > 1 gives n different samples."""
-        n, sampling = self.params.n, self.params.sampling
-        echo_logprobs = self.params.num_logprobs if self.params.echo else None
-        out = []
-        for p, (prompt, max_tokens) in enumerate(zip(self.prompts, self.max_tokens, strict=True)):
-            for i in range(n):
-                index = p * n + i
-                seed = None if sampling.seed is None else sampling.seed + i
-                own = sampling if seed == sampling.seed else replace(sampling, seed=seed)
-                child_rid = rid if len(self.prompts) * n == 1 else f"{rid}-{index}"
-                out.append(Child(child_rid, index, prompt, max_tokens, own, echo_logprobs))
-        return out
-
-
-@dataclass
-class Child:
-    """One choice's scheduler request."""
-
-    rid: str
-    index: int
-    input_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    num_prompt_logprobs: int | None
-
-
-@dataclass
-class Run:
-    """A choice in progress: what the client has been sent and the usage so far."""
-
-    child: Child
-    choice: Choice
-    echo: bool
-    outcome: Outcome = field(default_factory=Outcome)
-    text: str = ""
-    entries: list[Entry] = field(default_factory=list)
-
-    def take(self, out: TokenOut) -> Piece:
-        """`out`'s text and logprob entries (the prompt first, for echo, with the first message)."""
-        absorb(self.outcome, out)
-        piece = self.choice.feed(out) if not self.echo else self.with_echo(out)
-        self.text += piece.text
-        self.entries += piece.entries
-        return piece
-
-    def with_echo(self, out: TokenOut) -> Piece:
-        """NOTE: with return_token_ids the echoed prompt is left out of the text (its ids are in the
-        reply), as vLLM 0.32 does."""
-        self.echo = False
-        head, tail = self.choice.echo(out.prompt_logprobs), self.choice.feed(out)
-        head_text = "" if self.choice.params.return_token_ids else head.text
-        return Piece(head_text + tail.text, head.entries + tail.entries)
 
 
 class Front:
@@ -553,9 +433,7 @@ class Front:
             Route("/version", self.version, methods=["GET"]),
             Route("/get_model_info", self.model_info, methods=["GET"]),
             Route("/model_info", self.model_info, methods=["GET"]),
-            Route("/generate", self.native_generate, methods=["POST", "PUT"]),
-            Route("/flush_cache", self.flush_cache, methods=["GET", "POST"]),
-            Route("/health_generate", self.health_generate, methods=["GET"]),
+            *SGLangRoutes(self).routes(),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
@@ -575,155 +453,6 @@ class Front:
             return JSONResponse({"status": "ok"})
         status = {"status": "degraded", "live_dp_ranks": self.router.answering_ranks(), "dead_dp_ranks": dead}
         return JSONResponse(status | ({"unresponsive_dp_ranks": silent} if silent else {}))
-
-    async def health_generate(self, request: Request) -> Response:
-        """SGLang's liveness probe: a real one-token generation (SGLang's: greedy, input_ids [0]);
-        200 once it finishes, 503 if it cannot or takes longer than HEALTH_CHECK_TIMEOUT_S."""
-        if not self.accepting:
-            return error_response(503, "the server is shutting down", type_="server_error", code="shutting_down")
-        child = Child(f"{HEALTH_CHECK_PREFIX}_{uuid.uuid4().hex}", 0, [0], 1, SamplingParams(), None)
-        try:
-            done = await asyncio.wait_for(self.one_token(child, request), HEALTH_CHECK_TIMEOUT_S)
-        except TimeoutError:
-            done = f"no token in {HEALTH_CHECK_TIMEOUT_S:g} s"
-        if done is True:
-            return Response(status_code=200)
-        return error_response(503, f"health check failed: {done}", type_="server_error", code="unhealthy")
-
-    async def one_token(self, child: Child, request: Request) -> bool | str:
-        """True once `child` finished with its token; else why not."""
-        try:
-            async for out in self.generate(child, None, time.time(), request):
-                if out.finished:
-                    return out.finish_reason in ("length", "stop") or (out.error or str(out.finish_reason))
-        except ApiError as err:  # no rank to dispatch to
-            return err.message
-        return "the client went away"
-
-    async def flush_cache(self, request: Request) -> Response:
-        """SGLang's /flush_cache?timeout=S on every live rank: 200 once each flushed its prefix
-        cache; 400 when one had requests running or waiting (after waiting up to S seconds).
-        With --api-keys it needs a key, as SGLang's admin-optional routes do; /health_generate not."""
-        if not self.accepting:
-            return error_response(503, "the server is shutting down", type_="server_error", code="shutting_down")
-        resolve_principal(self.state.api_keys, request.headers.get("authorization"), None)  # 401 without a key
-        try:
-            timeout_s = float(request.query_params.get("timeout", "0"))
-        except ValueError:
-            timeout_s = -1.0
-        if not 0 <= timeout_s < float("inf"):
-            return error_response(
-                400, "'timeout' must be a number of seconds >= 0", param="timeout", code="invalid_value"
-            )
-        ranks = self.router.live_ranks()
-        loop = asyncio.get_running_loop()
-        waiters = {uuid.uuid4().hex: rank for rank in ranks}
-        for flush_id in waiters:
-            self.flushes[flush_id] = loop.create_future()
-        try:
-            for flush_id, rank in waiters.items():
-                await self.send(FlushCacheReq(flush_id, timeout_s), rank)
-            futures = [self.flushes[flush_id] for flush_id in waiters]
-            answers = await asyncio.wait_for(asyncio.gather(*futures), timeout_s + FLUSH_ANSWER_S)
-        except TimeoutError:
-            return error_response(
-                503, "a scheduler did not answer the flush", type_="server_error", code="scheduler_unavailable"
-            )
-        finally:
-            for flush_id in waiters:
-                self.flushes.pop(flush_id, None)
-        failed = [(rank, a.message) for rank, a in zip(ranks, answers, strict=True) if not a.success]
-        if failed:
-            lines = [message if len(ranks) == 1 else f"dp rank {rank}: {message}" for rank, message in failed]
-            return error_response(400, "; ".join(lines), code="cache_not_flushed")
-        return Response("Cache flushed.\n", media_type="text/plain")
-
-    async def native_generate(self, request: Request) -> Response:
-        """SGLang's /generate (sglang_native.py): one prompt; its text, output_ids and meta_info."""
-        arrival = time.time()
-        try:
-            if not self.accepting:
-                raise ApiError(503, "the server is shutting down", type_="server_error", code="shutting_down")
-            body = await read_json(request)
-            principal = resolve_principal(self.state.api_keys, request.headers.get("authorization"), None)
-            native, child = self.parse_native(body)
-        except ApiError as err:
-            return err.response()
-        run = Run(child, Choice(0, False, native.params, child.input_ids), echo=False)
-        if native.stream:
-            return StreamingResponse(
-                self.native_stream(run, principal, arrival, request), media_type="text/event-stream"
-            )
-        outs = self.generate(child, principal, arrival, request)
-        try:
-            async for out in outs:
-                if out.finish_reason == "error":
-                    status, type_, code = self.refusal(out.rid)
-                    return error_response(
-                        status, out.error or "the scheduler refused the request", type_=type_, code=code
-                    )
-                run.take(out)
-        finally:
-            await outs.aclose()
-        if not run.outcome.finish_reason:  # the client went away
-            return error_response(499, "client closed the request", code="client_closed")
-        return JSONResponse(self.native_reply(run, arrival))
-
-    def parse_native(self, body: Any) -> tuple[NativeRequest, Child]:
-        """The checked /generate request and its one scheduler request; ApiError naming the bad field."""
-        tokenizer = self.tokenizer
-        try:
-            native = parse_generate(
-                body, self.state.model.vocab_size, tokenizer.eos_id, lambda text: tokenizer.encode(text).tolist()
-            )
-        except ParamError as err:
-            raise ApiError(400, str(err), param=err.param, code=err.code) from None
-        self.log_ignored(native.ignored, ignored_why)
-        ids = native.input_ids
-        prompt_key = "text" if isinstance(body.get("text"), str) else "input_ids"
-        max_tokens = native.max_new_tokens or self.default_max_tokens(ids, prompt_key)
-        self.check_request(ids, max_tokens, native.params.max_key)
-        if native.params.sampling.min_tokens > max_tokens:
-            raise ApiError(
-                400,
-                f"'sampling_params.min_new_tokens' is more than the {max_tokens} tokens this prompt leaves",
-                param="sampling_params.min_new_tokens",
-                code="invalid_value",
-            )
-        rid = native.rid or uuid.uuid4().hex
-        if rid in self.pending:
-            raise ApiError(400, f"request id {rid!r} is already in flight", param="rid", code="invalid_value")
-        return native, Child(rid, 0, ids, max_tokens, native.params.sampling, None)
-
-    def native_reply(self, run: Run, arrival: float) -> dict[str, Any]:
-        """SGLang's reply: the text and output_ids so far, and meta_info (finish_reason once ended)."""
-        outcome, child = run.outcome, run.child
-        finish = finish_reason_json(
-            outcome.finish_reason, run.choice.stop_reason, child.max_tokens, self.tokenizer.eos_id, outcome.error
-        )
-        latency = None if finish is None else time.time() - arrival
-        info = meta_info(child.rid, finish, outcome.prompt_tokens, len(outcome.ids), outcome.cached_tokens, latency)
-        return {"text": run.text, "output_ids": list(outcome.ids), "meta_info": info}
-
-    async def native_stream(
-        self, run: Run, principal: str | None, arrival: float, request: Request
-    ) -> AsyncIterator[str]:
-        """SGLang's stream: one event per scheduler message, each with everything so far, then [DONE]."""
-        outs = self.generate(run.child, principal, arrival, request)
-        try:
-            async for out in outs:
-                if out.finish_reason == "error":
-                    _, type_, code = self.refusal(out.rid)
-                    message = out.error or "the scheduler refused the request"
-                    yield sse({"error": {"message": message, "type": type_, "param": None, "code": code}})
-                    break
-                run.take(out)
-                yield sse(self.native_reply(run, arrival))
-        except Exception as err:  # NOTE: a bug mid-stream: the stream ends with an error event, not cut
-            yield internal_error_event(request.scope, err)
-        finally:
-            await outs.aclose()
-        yield "data: [DONE]\n\n"
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self.model_card()]})
@@ -1161,104 +890,10 @@ class Front:
         )
 
 
-def usage_so_far(run: Run) -> dict[str, int]:
-    """One choice's usage after the tokens streamed so far (vLLM's continuous_usage_stats)."""
-    prompt, completion = run.outcome.prompt_tokens or len(run.child.input_ids), len(run.outcome.ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def usage(runs: list[Run]) -> dict[str, Any]:
-    """OpenAI's usage of a whole reply: each prompt counted once (its first choice's), every choice's output."""
-    firsts = [run.outcome for run in runs if run.child.index % run.choice.params.n == 0]
-    prompt = sum(o.prompt_tokens for o in firsts)
-    cached = sum(o.cached_tokens for o in firsts)
-    completion = sum(run.outcome.completion_tokens or len(run.outcome.ids) for run in runs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
 def pools_json(stats: StatsOut | None) -> dict[str, dict[str, int]]:
     pools = stats.pools if stats is not None else {}
     return {name: msgspec.structs.asdict(each) for name, each in pools.items()}
 
 
-def absorb(outcome: Outcome, out: TokenOut) -> None:
-    outcome.ids.extend(out.new_token_ids)
-    outcome.prompt_tokens = out.prompt_tokens or outcome.prompt_tokens
-    outcome.cached_tokens = out.cached_tokens or outcome.cached_tokens
-    outcome.completion_tokens = out.completion_tokens or outcome.completion_tokens
-    if out.finished:
-        outcome.finish_reason = out.finish_reason or "length"
-        outcome.error = out.error
-
-
 def response_id(rid: str, chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + rid
-
-
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-class ErrorBoundary:
-    """Around every route (see the module NOTE): no exception leaves the app, so uvicorn never
-    prints a traceback and no bad request is a 500."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def watched(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, watched)
-        except ClientDisconnect:
-            return  # NOTE: the client went away (mid-body, mid-stream): no one to answer
-        except ApiError as err:
-            if not started:
-                await err.response()(scope, receive, send)
-        except Exception as err:
-            report_internal_error(scope, err)
-            if not started:
-                await error_response(
-                    500, f"internal error: {type(err).__name__}", type_="server_error", code="internal_error"
-                )(scope, receive, send)
-            else:
-                with suppress(Exception):
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def internal_error_event(scope: Scope, err: BaseException) -> str:
-    """A bug met mid-stream, reported, as the stream's last event (the client sees an error, not a cut)."""
-    report_internal_error(scope, err)
-    error = {"message": f"internal error: {type(err).__name__}", "type": "server_error", "param": None}
-    return sse({"error": {**error, "code": "internal_error"}})
-
-
-def report_internal_error(scope: Scope, err: BaseException) -> None:
-    """One line on stderr for a bug a request ran into (never a traceback)."""
-    line = (str(err).splitlines() or [""])[0][:200]
-    print(
-        f"kvscope serve: internal error on {scope.get('method', '')} {scope.get('path', '')}: "
-        f"{type(err).__name__}: {line!r}",
-        file=sys.stderr,
-        flush=True,
-    )
-
-
-async def http_error(request: Request, exc: Exception) -> Response:
-    status = exc.status_code if isinstance(exc, HTTPException) else 500
-    detail = exc.detail if isinstance(exc, HTTPException) else str(exc)
-    return error_response(status, str(detail), code="not_found" if status == 404 else None)

@@ -12,12 +12,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.engine import EngineConfig, PoolConfig, model_config
-from kvscope.server.api_keys import Principal, load_api_keys
+from kvscope.server.api_keys import Principal, load_api_keys, resolve_principal
 from kvscope.server.body import decode_json
 from kvscope.server.chat import ChatError, render_chat
 from kvscope.server.choice import Detokenizer
 from kvscope.server.errors import ApiError
-from kvscope.server.front import Front, FrontState, resolve_principal
+from kvscope.server.front import Front, FrontState
 from kvscope.server.metrics import COUNTERS, GAUGES, HISTOGRAMS, ServerMetrics
 from kvscope.server.protocol import PoolStats, StatsOut
 from kvscope.telemetry import tenant_of
