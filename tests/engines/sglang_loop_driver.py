@@ -1,5 +1,6 @@
 """Runs SGLang 0.5.23's own scheduler loop (Scheduler.run_event_loop -> dispatch_event_loop ->
-event_loop_normal, ingest_requests, handle_shutdown; with SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY its
+event_loop_normal, ingest_requests, handle_shutdown; 0.5.19's, its unpacked wheel first on the path:
+recv_requests, then its own process_input_requests; with SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY its
 SchedulerInvariantChecker.self_check_during_busy) on a stand-in scheduler over the real pools and tree of
 sglang_probe_driver.Engine, a loop that is never idle: each iteration's batch is a prefill of a new request
 while fewer than two run, else a decode step of those running; a request finishes after OUTPUT_LEN tokens
