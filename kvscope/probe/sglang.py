@@ -33,12 +33,12 @@ NOTE: the request context (rid) is the request whose own call runs: release_kv_c
 checkpoint, PrefillAdder's admission (its lock); None for a batch's calls (prepare_for_*, a free
 group's end: event group) and outside any hook; a match names its request on its own event only.
 The census (Scheduler.on_idle after SGLang's own check; before SGLang raises: _report_leak,
-_check_req_pool, any other raise out of on_idle; busy: before ingest_requests, first in each iteration of
-the normal and overlap loops, when due; drain / crash: as run_event_loop returns / raises, then the run
-closes as the loop ended) writes one leak check per pool, of its kind, and every page it names
-(census_blocks) (full; swa under an SWA allocator, read through SGLang's full -> SWA slot mapping; req; mamba under a
-HybridReqToTokenPool's MambaSlotAllocator) and a tree snapshot (tree_rows); a request record per
-release_kv_cache (not at a retraction's). Per step a usage sample from
+_check_req_pool, any other raise out of on_idle; busy: before ingest_requests (process_input_requests on
+0.5.19), first in each iteration of the normal and overlap loops, when due; drain / crash: as run_event_loop
+returns / raises, then the run closes as the loop ended) writes one leak check per pool, of its kind, and
+every page it names (census_blocks) (full; swa under an SWA allocator, read through SGLang's full -> SWA slot
+mapping; req; mamba under a HybridReqToTokenPool's MambaSlotAllocator) and a tree snapshot (tree_rows); a
+request record per release_kv_cache (not at a retraction's). Per step a usage sample from
 the allocator's and the tree's own counters (available, evictable, protected; written when the next
 step begins, or by the census), and a tree snapshot every SNAPSHOT_EVERY_STEPS steps while busy.
 """
@@ -947,6 +947,20 @@ def _d_unified_inc_lock(original: Callable[..., Any]) -> Callable[..., Any]:
     return inc_lock_ref
 
 
+def _d_unified_dec_lock_0519(original: Callable[..., Any]) -> Callable[..., Any]:
+    """UnifiedRadixCache.dec_lock_ref(node_id, params=None, skip_swa=False): SGLang 0.5.19 (params made
+    required in 0.5.20)."""
+
+    @functools.wraps(original)
+    def dec_lock_ref(self: Any, node_id: Any, params: Any = None, skip_swa: bool = False) -> Any:
+        result = original(self, node_id, params, skip_swa)
+        if PROBE.state.active:
+            _unlocked(self, node_id, result)
+        return result
+
+    return dec_lock_ref
+
+
 def _d_unified_dec_lock(original: Callable[..., Any]) -> Callable[..., Any]:
     """UnifiedRadixCache.dec_lock_ref(node_id, params, skip_swa=False)."""
 
@@ -1152,12 +1166,25 @@ def _batch_owners(checker: Any) -> list[Any]:
     it (its uncached count): the last batch's, the running batch's (when another object) and the chunked
     request parked between its chunks, each once, that holds a row."""
     last, running = checker.get_last_batch(), checker.get_running_batch()
+    return _holders(last, running, [checker.get_chunked_req()])
+
+
+def _batch_owners_0519(checker: Any) -> list[Any]:
+    """_batch_owners for SGLang 0.5.19, whose checker reaches no chunked request: the one each batch was
+    built with (ScheduleBatch.chunked_req, kept on the last batch after SGLang filters the request out of
+    its reqs to run the next chunk)."""
+    last, running = checker.get_last_batch(), checker.get_running_batch()
+    batches = [b for b in (last, running) if b is not None]
+    return _holders(last, running, [b.chunked_req for b in batches])
+
+
+def _holders(last: Any, running: Any, chunked: list[Any]) -> list[Any]:
+    """The requests of the last batch, the running batch (when another object) and `chunked`, each once,
+    that hold a row."""
     reqs = [] if last is None else list(last.reqs)
     if running is not None and running is not last:  # NOTE: identity: ScheduleBatch's == compares tensors
         reqs += running.reqs
-    chunked = checker.get_chunked_req()
-    if chunked is not None:
-        reqs.append(chunked)
+    reqs += [req for req in chunked if req is not None]
     owners: dict[int, Any] = {}
     for req in reqs:
         if req.kv.holds_kv:
@@ -1165,9 +1192,11 @@ def _batch_owners(checker: Any) -> list[Any]:
     return list(owners.values())
 
 
-def _census_hooks(live: LiveReader) -> list[Hook]:
+def _census_hooks(live: LiveReader, busy_point: str = "ingest_requests") -> list[Hook]:
     """The scheduler's and the checker's hooks that run a census (idle, busy, before SGLang raises, as the
-    loop ends), each reading the live requests and their locks with the family's `live`."""
+    loop ends), each reading the live requests and their locks with the family's `live`; `busy_point`: the
+    Scheduler method the normal and overlap loops call first in each iteration (ingest_requests from 0.5.20,
+    process_input_requests before)."""
 
     def on_idle(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -1183,8 +1212,8 @@ def _census_hooks(live: LiveReader) -> list[Hook]:
             PROBE.publish(self)
         return result
 
-    def ingest_requests(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-        """Scheduler.ingest_requests, first in each iteration of the event loop: before it, the busy census
+    def busy(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+        """Scheduler.`busy_point`, first in each iteration of the event loop: before it, the busy census
         when one is due and something moved since the last census (docs/probe.md "When the SGLang probe's
         censuses run": the state here is the one SGLang's own busy check reads)."""
         probe = PROBE
@@ -1226,7 +1255,7 @@ def _census_hooks(live: LiveReader) -> list[Hook]:
         Hook(f"{SCHEDULER}.on_idle", on_idle),
         Hook(f"{SCHEDULER}.event_loop_normal", _h_event_loop),
         Hook(f"{SCHEDULER}.event_loop_overlap", _h_event_loop),
-        Hook(f"{SCHEDULER}.ingest_requests", ingest_requests),
+        Hook(f"{SCHEDULER}.{busy_point}", busy),
         Hook(f"{SCHEDULER}.run_event_loop", run_event_loop),
         Hook(f"{CHECKER}._report_leak", report_leak),
         Hook(f"{CHECKER}._check_req_pool", check_req_pool),
@@ -1267,7 +1296,8 @@ def _last_nodes(owners: list[Any]) -> list[Any]:
 
 
 LIVE = LiveReader(_requests_owning_rows, _lock_nodes)
-LIVE_0521 = LiveReader(_batch_owners, _last_nodes)  # NOTE: 0.5.21 and older: no _requests_owning_rows, no Req.lock
+LIVE_0521 = LiveReader(_batch_owners, _last_nodes)  # NOTE: 0.5.20, 0.5.21: no _requests_owning_rows, no Req.lock
+LIVE_0519 = LiveReader(_batch_owners_0519, _last_nodes)  # NOTE: no get_chunked_req on the checker
 
 
 def _root_of(tree: Any) -> Any:
@@ -1304,11 +1334,15 @@ def _pool_hooks() -> list[Hook]:
 
 
 def _tree_hooks(
-    match: Callable[..., Any], evict_for_alloc: Callable[..., Any], host: tuple[tuple[str, str], ...]
+    match: Callable[..., Any],
+    evict_for_alloc: Callable[..., Any],
+    host: tuple[tuple[str, str], ...],
+    unified_unlock: Callable[..., Any] = _d_unified_dec_lock,
 ) -> list[Hook]:
     """Both trees' hot methods (`match`: the factory for match_prefix, whose result changed;
-    `evict_for_alloc`: for UnifiedRadixCache's, whose keywords changed), and the HiCache component's
-    `host` methods ((name, event kind) each)."""
+    `evict_for_alloc`: for UnifiedRadixCache's, whose keywords changed; `unified_unlock`: for its
+    dec_lock_ref, whose params had a default in 0.5.19), and the HiCache component's `host` methods
+    ((name, event kind) each)."""
     return [
         Hook(f"{RADIX}.match_prefix", match, direct=True, per_op=True),
         Hook(f"{RADIX}.insert", _d_insert, direct=True, per_op=True),
@@ -1320,7 +1354,7 @@ def _tree_hooks(
         Hook(f"{UNIFIED}.evict", _d_evict, direct=True, per_op=True),
         Hook(f"{UNIFIED}.evict_for_alloc", evict_for_alloc, direct=True, per_op=True),
         Hook(f"{UNIFIED}.inc_lock_ref", _d_unified_inc_lock, direct=True, per_op=True),
-        Hook(f"{UNIFIED}.dec_lock_ref", _d_unified_dec_lock, direct=True, per_op=True),
+        Hook(f"{UNIFIED}.dec_lock_ref", unified_unlock, direct=True, per_op=True),
         *(Hook(f"{UNIFIED}.{name}", _host_hook(kind), per_op=True) for name, kind in host),
     ]
 
@@ -1393,6 +1427,19 @@ def hooks_0520() -> list[Hook]:
     ]
 
 
+def hooks_0519() -> list[Hook]:
+    """SGLang 0.5.19: 0.5.20's, but the admission's prefix lock is taken inside PrefillAdder.add_one_req
+    (no _commit_prefill_admission), UnifiedRadixCache.dec_lock_ref's params default to None, the loops call
+    process_input_requests first in each iteration (no ingest_requests: the busy census's point), and the
+    checker has no get_chunked_req (the census's owners: _batch_owners_0519)."""
+    return [
+        *_pool_hooks(),
+        *_tree_hooks(_d_match_indices, _d_evict, HOST[:2], _d_unified_dec_lock_0519),
+        *_request_hooks("cache_unfinished_req", "add_one_req"),
+        *_census_hooks(LIVE_0519, "process_input_requests"),
+    ]
+
+
 # NOTE: the classes whose attributes the probe and its census read (sglang_views.py, the hooks above);
 # a release that renamed one loads no family (shapes.py: reads). The functions the census calls on
 # SGLang's objects are targets of their own (their leading parameters).
@@ -1420,6 +1467,12 @@ READS_0521 = (
     Shape(CHECKER, reads=("tree_cache", "req_to_token_pool", "get_last_batch", "get_running_batch", "get_chunked_req")),
     Shape(REQ, reads=("last_node",)),
     Shape(f"{MEM}.base_prefix_cache.MatchResult", reads=("device_indices", "last_device_node")),
+)
+READS_0519 = (  # NOTE: the checker without get_chunked_req; the batch's chunked request read instead
+    *(s for s in READS_0521 if s.target not in (CHECKER, BATCH, PAGED)),
+    Shape(PAGED, reads=("page_size", "size", "free_pages", "release_pages")),  # NOTE: no get_all_free_pages
+    Shape(CHECKER, reads=("tree_cache", "req_to_token_pool", "get_last_batch", "get_running_batch")),
+    Shape(BATCH, reads=("reqs", "req_to_token_pool", "tree_cache", "chunked_req")),
 )
 
 
@@ -1459,6 +1512,7 @@ FAMILIES: tuple[Family, ...] = (
     _family("0.5.22", ("0.5.22",), hooks_0522),
     _family("0.5.21", ("0.5.21",), hooks_0521, READS_0521),
     _family("0.5.20", ("0.5.20",), hooks_0520, READS_0521),
+    _family("0.5.19", ("0.5.19",), hooks_0519, READS_0519),
 )
 
 

@@ -67,7 +67,14 @@ def _num_pages(allocator: Any) -> int:
 
 
 def _free_list(allocator: Any) -> list[int]:
-    free = allocator.get_all_free_pages()
+    """The allocator's free pages: SGLang's get_all_free_pages (0.5.20 on); before, its free_pages and the
+    release_pages its frees may stage (merged into free_pages by merge_and_sort_free)."""
+    getter = getattr(allocator, "get_all_free_pages", None)
+    if getter is None:
+        return [
+            p for part in (allocator.free_pages, allocator.release_pages) if part is not None for p in part.tolist()
+        ]
+    free = getter()
     return [] if free is None else free.tolist()
 
 

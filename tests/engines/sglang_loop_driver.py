@@ -1,5 +1,6 @@
 """Runs SGLang 0.5.23's own scheduler loop (Scheduler.run_event_loop -> dispatch_event_loop ->
-event_loop_normal, ingest_requests, handle_shutdown; with SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY its
+event_loop_normal, ingest_requests, handle_shutdown; 0.5.19's, its unpacked wheel first on the path:
+recv_requests, then its own process_input_requests; with SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY its
 SchedulerInvariantChecker.self_check_during_busy) on a stand-in scheduler over the real pools and tree of
 sglang_probe_driver.Engine, a loop that is never idle: each iteration's batch is a prefill of a new request
 while fewer than two run, else a decode step of those running; a request finishes after OUTPUT_LEN tokens
@@ -57,11 +58,13 @@ class Loop:
             *running_batch.reqs,
             *(last_batch.reqs if last_batch is not None and last_batch.kind == "prefill" else []),
         ]
-        running = SimpleNamespace(kind="decode", reqs=[r for r in reqs if r.rid in self.engine.live])
+        running = SimpleNamespace(kind="decode", reqs=[r for r in reqs if r.rid in self.engine.live], chunked_req=None)
         if len(running.reqs) < 2:
             self.made += 1
             tail = [200 + self.made * 7 + i for i in range(3)]  # NOTE: 15 tokens: a part-filled tail page
-            batch = SimpleNamespace(kind="prefill", rid=f"req-{self.made:03d}", tokens=[*SYSTEM, *tail], reqs=[])
+            batch = SimpleNamespace(
+                kind="prefill", rid=f"req-{self.made:03d}", tokens=[*SYSTEM, *tail], reqs=[], chunked_req=None
+            )
             return running, batch
         return running, running
 
@@ -122,7 +125,7 @@ def stand_in(engine: driver.Engine, loop: Loop) -> SimpleNamespace:
         gracefully_exit=False,
         _engine_paused=False,
         _deferred_input_requests=[],
-        running_batch=SimpleNamespace(kind="decode", reqs=[]),
+        running_batch=SimpleNamespace(kind="decode", reqs=[], chunked_req=None),
         last_batch=None,
         cur_batch_for_debug=None,
         invariant_checker=None,
@@ -132,7 +135,7 @@ def stand_in(engine: driver.Engine, loop: Loop) -> SimpleNamespace:
 
     from sglang.srt.managers.io_struct import ShutdownReq
 
-    def receive(local_reqs: list[Any]) -> list[Any]:
+    def receive(local_reqs: list[Any] | None = None) -> list[Any]:
         loop.iteration += 1
         return (
             [ShutdownReq()]
@@ -152,6 +155,12 @@ def stand_in(engine: driver.Engine, loop: Loop) -> SimpleNamespace:
     s.process_input_requests = process_input_requests
     s._poll_timeout_aborts = lambda: []
     s.ingest_requests = lambda stop_at_pause=False: Scheduler.ingest_requests(s, stop_at_pause)
+    if not hasattr(Scheduler, "ingest_requests"):  # NOTE: 0.5.19's loop: recv_requests, then SGLang's own
+        s.session_controller = SimpleNamespace(maybe_reap=lambda now: None)  # process_input_requests
+        s._request_dispatcher = lambda req: Scheduler.handle_shutdown(s, req)
+        s.flush_wrapper = SimpleNamespace(check_pending=lambda: None)
+        s.external_corpus_manager = s.rust_server = None
+        s.process_input_requests = lambda reqs: Scheduler.process_input_requests(s, reqs)
     s.event_loop_normal = lambda: Scheduler.event_loop_normal(s)
     s.on_idle = lambda: Scheduler.on_idle(s)  # NOTE: never reached: every iteration has a batch
     s.get_next_batch_to_run = lambda running_batch, last_batch: SimpleNamespace(
@@ -171,7 +180,8 @@ def main(scenario: str) -> None:
     driver.publish_config()
     from sglang.srt.runtime_context import get_parallel
 
-    get_parallel().override_permanently(pp_rank=0, pp_size=1, attn_tp_rank=0, attn_cp_rank=0)  # NOTE: one rank
+    if hasattr(Scheduler, "ingest_requests"):  # NOTE: one rank (ingest_requests reads them; 0.5.19's loop does not)
+        get_parallel().override_permanently(pp_rank=0, pp_size=1, attn_tp_rank=0, attn_cp_rank=0)
     engine = driver.Engine("unified")
     loop = Loop(engine, scenario)
     scheduler = stand_in(engine, loop)

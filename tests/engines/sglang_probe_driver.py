@@ -62,8 +62,9 @@ os.environ.setdefault("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", "1")
 import torch  # noqa: E402
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape  # noqa: E402
 from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
+from sglang.srt.managers import schedule_policy  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch  # noqa: E402
-from sglang.srt.managers.schedule_policy import PrefillAdder, _PrefillAdmission  # noqa: E402
+from sglang.srt.managers.schedule_policy import PrefillAdder  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.managers.scheduler_components import pool_stats_observer  # noqa: E402
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker  # noqa: E402
@@ -85,13 +86,18 @@ from sglang.srt.session.session_controller import Session  # noqa: E402
 
 from kvscope.probe import sglang as probe  # noqa: E402
 
-ADMISSION_FIELDS = len(dataclasses.fields(_PrefillAdmission))  # NOTE: 0.5.23 added replay_len
+# NOTE: _commit_prefill_admission (and its _PrefillAdmission) came with 0.5.20; 0.5.19 locks inside add_one_req
+ADMISSION = getattr(schedule_policy, "_PrefillAdmission", None)
+ADMISSION_FIELDS = 0 if ADMISSION is None else len(dataclasses.fields(ADMISSION))  # NOTE: 0.5.23 added replay_len
 # NOTE: the trees' checkpoint came with 0.5.22, as did Req.prefix_len, Req.lock (a TreeLock) and
 # release_kv_cache's checkpoint keyword; before, a request holds its match in prefix_indices, its lock on
 # last_node (lock_receipt), release_kv_cache takes is_insert, and a prefill's tokens are cached through
 # cache_unfinished_req (SGLang 0.5.21's batch_result_processor: after each prefill of a request that goes on)
 CHECKPOINT = hasattr(RadixCache, "checkpoint")
-LOCK_NODES = probe._lock_nodes if CHECKPOINT else probe._last_nodes  # NOTE: the family's reading of live locks
+# NOTE: the family's reading of the live requests and their locks (the checker's get_chunked_req from 0.5.20)
+CHUNKED_GETTER = "get_chunked_req" in {f.name for f in dataclasses.fields(SchedulerInvariantChecker)}
+LIVE = probe.LIVE if CHECKPOINT else probe.LIVE_0521 if CHUNKED_GETTER else probe.LIVE_0519
+LOCK_NODES = LIVE.lock_nodes
 DP_RANK = None  # the data-parallel rank published for the process: scenario dp (replica 1)
 PS = 4  # tokens per page
 PAGES = 16
@@ -180,14 +186,14 @@ class Engine:
 
     def last_batch(self) -> Any:
         """The scheduler's last batch as SGLang's checker reads it: the live requests."""
-        return SimpleNamespace(reqs=list(self.live.values()), is_empty=lambda: not self.live)
+        return SimpleNamespace(reqs=list(self.live.values()), is_empty=lambda: not self.live, chunked_req=None)
 
     def owners(self) -> list[Req]:
         """The live requests that own a row: SGLang's own list (0.5.22 on), else the probe's reading of
         the checker's batches (what its family's census hooks read)."""
         if CHECKPOINT:
             return list(self.checker._requests_owning_rows())
-        return probe._batch_owners(self.checker)
+        return LIVE.owners(self.checker)
 
     def session_held(self) -> int:
         """The tokens SGLang's pool stats count as a streaming session's (none without a session)."""
@@ -219,7 +225,15 @@ class Engine:
 
     def commit(self, req: Req) -> None:
         """SGLang's own PrefillAdder._commit_prefill_admission (the probe's hook around it) on a
-        stand-in adder: the request's prefix lock and extend_end; no budget is kept."""
+        stand-in adder: the request's prefix lock and extend_end; no budget is kept. Before 0.5.20: SGLang's
+        own PrefillAdder.add_one_req on a real adder (no chunk limit; its token budget lifted by an offset
+        of the whole pool: req-E is admitted to put the pool under pressure)."""
+        if ADMISSION is None:
+            adder = PrefillAdder(PS, self.tree, self.alloc, None, 0.0, CONTEXT * ROWS, None)
+            adder.rem_total_token_offset = -PAGES * PS
+            adder.add_one_req(req, False, None)
+            assert adder.can_run_list == [req], f"{req.rid}: not admitted ({adder.budget_state()})"
+            return
         adder = SimpleNamespace(
             tree_cache=self.tree,
             can_run_list=[],
@@ -232,7 +246,7 @@ class Engine:
         adder._req_inc_lock_ref = lambda req: PrefillAdder._req_inc_lock_ref(adder, req)  # NOTE: before 0.5.22
         extend_len = len(req.origin_input_ids) - prefix_len(req)
         PrefillAdder._commit_prefill_admission(
-            adder, req, _PrefillAdmission(*(prefix_len(req), extend_len, 16, False, 0)[:ADMISSION_FIELDS]), 0
+            adder, req, ADMISSION(*(prefix_len(req), extend_len, 16, False, 0)[:ADMISSION_FIELDS]), 0
         )
 
     def take_row(self, req: Req, tokens: list[int], chunk: int | None = None) -> None:
@@ -446,17 +460,29 @@ def fitted(cls: Any, **fields: Any) -> Any:
     return cls(**{name: value for name, value in fields.items() if name in names})
 
 
+def free_page(alloc: Any, page: int) -> None:
+    """The page given back to the allocator (free_page_ids from 0.5.20; before, its slots through free)."""
+    if hasattr(alloc, "free_page_ids"):
+        alloc.free_page_ids(torch.tensor([page]))
+    else:
+        alloc.free(torch.arange(page * PS, page * PS + PS))
+
+
 def prefix_len(req: Req) -> int:
     """The tokens of the request's match on the device (Req.prefix_len from 0.5.22; prefix_indices before)."""
     return int(req.prefix_len) if CHECKPOINT else len(req.prefix_indices)
 
 
-def drop_lock(req: Req) -> None:
+def drop_lock(engine: Engine, req: Req) -> None:
     """The request's prefix lock dropped without its unlock (what its release would unlock)."""
     if CHECKPOINT:
         req.lock = None
-    else:
-        req.last_node = None  # NOTE: before 0.5.22 release_kv_cache unpins req.last_node (none: no unlock)
+    elif ADMISSION is not None:
+        req.last_node = None  # NOTE: 0.5.20, 0.5.21: release_kv_cache unpins req.last_node (none: no unlock)
+    else:  # NOTE: 0.5.19's release unlocks req.last_node whatever it is: the tree skips this request's unlock
+        tree = engine.tree
+        unlock = type(tree)._dec_req_lock
+        tree._dec_req_lock = lambda r, **kwargs: None if r is req else unlock(tree, r, **kwargs)
 
 
 def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -480,7 +506,7 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
     b = engine.admit("req-B", [*system, 4, 5, 6, 7, 8], chunk=8)  # chunked prefill, prefix hit on the tree
     lock_node = b.last_node
     if scenario == "lock-leak":  # the prefix lock is dropped without its unlock
-        drop_lock(b)
+        drop_lock(engine, b)
         injected.append({"kind": "lock-leak", "rid": "req-B", "node": probe._node(lock_node)})
     engine.decode(b, 2)
     engine.release(b)
@@ -504,12 +530,12 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
     mine = [50 + i for i in range(10)]
     if scenario in ("double-free-reused", "double-free-in-tree"):  # a tree page freed again, req-D's prefill takes it
         page = min(int(s) // PS for s in engine.tree.all_values_flatten().tolist())
-        probe._in_context("bad-free", "free", lambda: engine.alloc.free_page_ids(torch.tensor([page])))
+        probe._in_context("bad-free", "free", lambda: free_page(engine.alloc, page))
         injected.append({"kind": "double-free", "rid": "bad-free", "page": page})
     d = engine.admit("req-D", [*system, *mine] if scenario == "shared" else mine)  # running across the idle point
     if scenario in ("double-free", "leak-and-double-free"):  # a page still in the tree is freed again
         page = min(int(s) // PS for s in engine.tree.all_values_flatten().tolist())
-        probe._in_context("bad-free", "free", lambda: engine.alloc.free_page_ids(torch.tensor([page])))
+        probe._in_context("bad-free", "free", lambda: free_page(engine.alloc, page))
         injected.append({"kind": "double-free", "rid": "bad-free", "page": page})
     if scenario == "double-free-in-tree":  # req-D's release puts the page into a second tree node
         engine.release(d)

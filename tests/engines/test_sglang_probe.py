@@ -5,9 +5,9 @@ installed by SGLang's own load_plugins() and driven through the scheduler's requ
 sglang_probe_driver.py, started under `kvscope instrument` the way an operator starts
 SGLang. The capture's leak checks are the probe's page census; `kvscope check` and `report leaks`
 judge it. About 40 s per run, mostly SGLang's imports. The clean life, the tail leak, the lock leak
-and the double free run on every release a family of the probe lists as tested (RELEASES: 0.5.20,
-0.5.21 and 0.5.22 from their unpacked wheels ahead of the venv's packages; the Rust tree core from
-0.5.21 on); the older releases' refusal lines are checked by describe_installed on their real modules.
+and the double free run on every release a family of the probe lists as tested (RELEASES: 0.5.19,
+0.5.20, 0.5.21 and 0.5.22 from their unpacked wheels ahead of the venv's packages; the Rust tree core from
+0.5.21 on); 0.5.18's refusal line is checked by describe_installed on its real modules.
 
 Run by `make test-engines` (`pytest -m engines`; KVSCOPE_SGLANG_PYTHON names the venv's python).
 """
@@ -237,6 +237,8 @@ def test_a_leaked_lock_sglangs_identity_passes_is_named(tmp_path: Path, release:
         run_id = int(db.runs().iloc[-1].id)
         nodes = db.tree_at(run_id, db.snapshot_steps(run_id)[1])
         assert nodes.set_index("node_id").loc[node].lock_ref == 1  # the snapshot shows the stale lock
+        locks = db.events(run_id, kinds=["lock"], limit=None)
+        assert locks.rid.notna().all(), locks  # each taken in its request's own call: admission, cache step
     finally:
         db.close()
     check = kvscope("check", str(capture))
@@ -776,12 +778,12 @@ def test_the_calls_since_the_last_fold_reach_the_capture_when_the_process_exits(
     assert recorded == [tuple(c) for c in calls], (recorded, calls)
 
 
-def drive_loop(scenario: str, capture: Path) -> dict[str, Any]:
-    """sglang_loop_driver.py (SGLang's own scheduler loop, never idle) under `kvscope instrument`, a busy
-    census due every EVERY_STEPS steps; its JSON line, and stderr."""
+def drive_loop(scenario: str, capture: Path, release: str = VENV_RELEASE) -> dict[str, Any]:
+    """sglang_loop_driver.py (SGLang `release`'s own scheduler loop, never idle) under `kvscope instrument`, a
+    busy census due every EVERY_STEPS steps; its JSON line, and stderr."""
     env = {"KVSCOPE_CENSUS_EVERY_STEPS": str(EVERY_STEPS), "KVSCOPE_CENSUS_EVERY_S": "0"}
     command = ["instrument", "--capture", str(capture), "--", SGLANG_PYTHON, "-W", "ignore", str(LOOP_DRIVER)]
-    out = kvscope(*command, scenario, env=env)
+    out = kvscope(*command, scenario, env=env, path=release_path(release))
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     result["stderr"] = out.stderr
@@ -805,15 +807,16 @@ def by_census(checks: Any) -> list[tuple[int, str, bool]]:
     return [(int(step), str(kinds[step]), bool(ok)) for step, ok in oks.items()]
 
 
+@pytest.mark.parametrize("release", [VENV_RELEASE, "0.5.19"])  # NOTE: 0.5.19's point: process_input_requests
 def test_a_scheduler_that_is_never_idle_gets_busy_censuses_that_name_a_leaked_page_and_a_drain_census(
-    tmp_path: Path,
+    tmp_path: Path, release: str
 ) -> None:
     """SGLang's own event loop never reaches on_idle (a batch every iteration); the busy census at the start
     of an iteration, due every EVERY_STEPS steps, names the page a released request kept within EVERY_STEPS
     steps, with its request; none says anything before it; the ShutdownReq's drain census names it too, and
     the requests still running then get their rows, unfinished."""
     capture = tmp_path / "busy.db"
-    result = drive_loop("busy", capture)
+    result = drive_loop("busy", capture, release)
     fault = result["injected"]
     assert result["raised"] is None and result["iterations"] == 40 and result["said"] == "closed"
     run, checks, blocks = stored(capture)
@@ -918,8 +921,8 @@ print(json.dumps(describe_installed()))
         ("0.5.23", "0.5.23", None),  # NOTE: 0.5.22's family is its clean runs' (registered, its label)
         ("0.5.21", "0.5.21", None),
         ("0.5.20", "0.5.20", None),
-        ("0.5.19", None, "nearest 0.5.20: sglang.srt.managers.schedule_policy.PrefillAdder._commit_prefill_admission"),
-        ("0.5.18", None, "nearest 0.5.20: sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows not found"),
+        ("0.5.19", "0.5.19", None),
+        ("0.5.18", None, "nearest 0.5.19: sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows not found"),
     ],
 )
 def test_each_release_loads_as_the_family_docs_probe_md_names_or_says_which_target_differs(

@@ -139,7 +139,13 @@ def test_each_hooks_shape_holds_the_parameters_its_wrapper_passes() -> None:
     assert f"{probe.RADIX}.checkpoint" not in family_0521
     assert f"{probe.UNIFIED}.backup_kv_cache" in family_0521
     assert f"{probe.UNIFIED}.backup_kv_cache" not in {h.target for h in probe.hooks_0520()}
-    assert [f.name for f in probe.FAMILIES] == ["0.5.23", "0.5.22", "0.5.21", "0.5.20"]  # newest first
+    family_0519 = {s.target: s.params for s in probe.shapes_of(probe.hooks_0519())}
+    assert family_0519[f"{probe.ADDER}.add_one_req"] == ("self", "req")  # no _commit_prefill_admission before 0.5.20
+    assert f"{probe.ADDER}._commit_prefill_admission" not in family_0519
+    assert family_0519[f"{probe.SCHEDULER}.process_input_requests"] == ("self",)  # the busy census's point
+    assert f"{probe.SCHEDULER}.ingest_requests" not in family_0519
+    assert family_0519[f"{probe.UNIFIED}.dec_lock_ref"] == ("self", "node_id", "params", "skip_swa")
+    assert [f.name for f in probe.FAMILIES] == ["0.5.23", "0.5.22", "0.5.21", "0.5.20", "0.5.19"]  # newest first
 
 
 def test_probe_check_says_a_direct_method_with_one_parameter_more_than_the_probes_will_not_load(
@@ -169,3 +175,21 @@ def test_probe_check_says_which_family_a_matching_release_loads_as(pool: type[Po
         {"target": f"{__name__}.Pool.alloc", "params": ["self", "need_size"], "reads": [], "match": True, "why": None}
     ]
     assert "pages" in described["records"]
+
+
+def test_the_0519_census_owners_take_the_chunked_request_a_batch_keeps_out_of_its_reqs() -> None:
+    """SGLang 0.5.19's checker reaches no chunked request: the census's owners read it from the batch built
+    with it (ScheduleBatch.chunked_req), which keeps it after SGLang filters it out of its reqs for its next
+    chunk; a request that holds no row is none, and one in two places counts once."""
+    from types import SimpleNamespace
+
+    def req(rid: str, holds: bool = True) -> Any:
+        return SimpleNamespace(rid=rid, kv=SimpleNamespace(holds_kv=holds))
+
+    chunked, running_req, done = req("chunked"), req("decoding"), req("released", holds=False)
+    last = SimpleNamespace(reqs=[done], chunked_req=chunked)
+    running = SimpleNamespace(reqs=[running_req, chunked], chunked_req=None)
+    checker = SimpleNamespace(get_last_batch=lambda: last, get_running_batch=lambda: running)
+    assert [r.rid for r in probe._batch_owners_0519(checker)] == ["decoding", "chunked"]
+    running.reqs = [running_req]
+    assert [r.rid for r in probe._batch_owners_0519(checker)] == ["decoding", "chunked"]
