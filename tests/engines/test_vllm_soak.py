@@ -55,8 +55,8 @@ SOAK_S = 300.0  # the issue's bound: at least 5 minutes never idle
 # at a load of 9 to 13 on 2 cores: 2 to 7 moments without a request in 5 minutes remained, each after the
 # API server stalled and handed over 14 requests at once; vLLM's --max-num-seqs 8, to keep requests
 # waiting, made it 25: not kept.) Strictly never idle since (test_the_server_is_never_idle_throughout_the_soak):
-# with the soak begun after the short clients' first answers (soak_life), 0 idle steps in 2 runs at a load
-# of 10 to 16; one run without that wait went idle once, 11 s into the traffic.
+# with the soak begun after the short clients' first answers (soak_life), 0 idle steps in 3 runs at a load
+# of 11 to 16; one run without that wait went idle once, 11 s into the traffic.
 CONCURRENCY = 16
 ANCHORS = 2
 ANCHOR_TOKENS = (460, 380)  # NOTE: two lengths: the anchors drift apart and never end together
