@@ -11,8 +11,13 @@ registry vLLM serves is the API server's: a task on the server's event loop asks
 answer (never blocking the loop; at most POLL_TIMEOUT_S, then the engine reads kvscope_probe_up 0), and
 keeps the last answers; a Collector in prometheus_client's default registry turns them into series at
 each scrape (the age computed then). Labelled as vLLM's own vllm:* series: model_name (the served
-model name) and engine (the engine's DP rank). With --api-server-count > 1 vLLM serves a multiprocess
-registry instead, which this Collector is not in: the series are absent (one line at start says so).
+model name) and engine (the engine's DP rank).
+NOTE: --api-server-count > 1 (PROMETHEUS_MULTIPROC_DIR set): each API server's GET /metrics builds a fresh
+registry of prometheus_client's MultiProcessCollector alone (vLLM's own series, summed from every process's
+files) at each scrape, so no registered Collector is served. The plugin then puts its own GET /metrics route
+before vLLM's: the same multiprocess registry plus this process's Collector. Every API server polls the
+engines itself, so each serves the series with the engines' values (each its own poll, at most
+POLL_INTERVAL_S apart). Without vLLM's route to stand before, one line at start says the series are absent.
 
 NOTE: no `from __future__ import annotations` here: FastAPI reads the handler's annotations as types,
 and a string annotation made it treat `request` as a query parameter (a 400 for every call).
@@ -73,7 +78,8 @@ class EngineMetrics:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         labels = ["model_name", "engine"]
-        for family in families(self.snapshots, self.up, time.time()):
+        # NOTE: copies: a scrape runs on a worker thread while the poll task replaces the answers
+        for family in families(dict(self.snapshots), dict(self.up), time.time()):
             make = CounterMetricFamily if family.kind == "counter" else GaugeMetricFamily
             metric = make(family.name, family.help, labels=[*labels, *family.extra])
             for values, value in family.samples:
@@ -92,14 +98,41 @@ def start_metrics(engine_client: Any, state: Any) -> None:
     served = engine_client.vllm_config.model_config.served_model_name
     metrics = state.kvscope_metrics = EngineMetrics(str(served))
     state.kvscope_poll = asyncio.get_running_loop().create_task(metrics.poll(engine_client.engine_core))
-    REGISTRY.register(metrics)
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        print(
-            "kvscope: vLLM serves a multiprocess registry (--api-server-count > 1): "
-            "the kvscope_probe_* series are not in /metrics",
-            file=sys.stderr,
-            flush=True,
-        )
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        REGISTRY.register(metrics)  # NOTE: else served by multiprocess_metrics's route (attach_router)
+
+
+def multiprocess_text(state: Any) -> bytes:
+    """/metrics with vLLM's multiprocess registry (--api-server-count > 1): what vLLM's own route serves
+    (a MultiProcessCollector over every process's files, made per scrape, as vLLM makes it) and this API
+    server's kvscope_probe_* series (state.kvscope_metrics, once the engine client is there)."""
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    ours = getattr(state, "kvscope_metrics", None)
+    if ours is not None:
+        registry.register(ours)
+    return generate_latest(registry)
+
+
+def serve_multiprocess_metrics(app: Any) -> bool:
+    """A GET /metrics route serving multiprocess_text, put before vLLM's first /metrics route (routes
+    match in order); False when vLLM has none (nothing then serves the series)."""
+    from prometheus_client import CONTENT_TYPE_LATEST
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    def metrics(request: Request) -> Response:  # NOTE: sync, as vLLM's: the files are read on a worker thread
+        return Response(content=multiprocess_text(request.app.state), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    routes = app.router.routes
+    first = next((i for i, route in enumerate(routes) if getattr(route, "path", None) == "/metrics"), None)
+    if first is None:
+        return False
+    app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
+    routes.insert(first, routes.pop())
+    return True
 
 
 class KvscopeEndpoint:
@@ -135,6 +168,13 @@ class KvscopeEndpoint:
             return JSONResponse(answers)
 
         app.add_api_route("/kvscope/census", census, methods=["GET"])
+        multiprocess = os.environ.get("KVSCOPE_CAPTURE") and os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if multiprocess and not serve_multiprocess_metrics(app):
+            print(
+                "kvscope: vLLM serves no /metrics route here: the kvscope_probe_* series are not served",
+                file=sys.stderr,
+                flush=True,
+            )
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         state.kvscope_engine_client = engine_client
