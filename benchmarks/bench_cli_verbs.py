@@ -65,7 +65,8 @@ def main() -> None:
         timed(argv)  # NOTE: untimed: see the module docstring
         runs = [timed(argv) for _ in range(args.rounds)]
         wall, cpu = statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs)
-        value = f"{wall:.2f} s wall, {cpu:.2f} s CPU" + (f" ({size_gb:.1f} GB file)" if size_gb and size_gb >= 0.1 else "")
+        size = f" ({size_gb:.1f} GB file)" if size_gb and size_gb >= 0.1 else ""
+        value = f"{wall:.2f} s wall, {cpu:.2f} s CPU{size}"
         print(f"{name}: {value}", flush=True)
         target = f"≤ {TARGET_CHECK_S:g} s" if name == "check" else ""
         met = ("met" if wall <= TARGET_CHECK_S else "not met") if target else "no target"
