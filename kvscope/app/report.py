@@ -6,9 +6,11 @@ NOTE: exit codes. The reading verbs (`runs`, `report leaks`, `report engine-log`
 once they have read and reported, whatever they found, and 2 on bad input; only `check` gates
 (0 clean, 1 leak, 3 inconclusive).
 
-`report leaks` and `check` always replay the capture afresh (the stored report is the
-dashboard's shortcut), with the ledger replay's progress on stderr. Each verb's `--json`
-shape is documented in docs/cli.md ("Exit codes and JSON").
+`report leaks`, `check` and `diff` read the report stored when the run closed while it still
+describes the run (stored_report: a 100-million-event run's replay takes most of an hour), and
+replay the capture afresh otherwise or with `--replay`, with the ledger replay's progress on
+stderr; each says which it did. Each verb's `--json` shape is documented in docs/cli.md ("Exit
+codes and JSON").
 
 NOTE: none of these load torch (tests/app/test_json_shapes.py runs them and looks).
 """
@@ -21,14 +23,14 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from kvscope.app.progress import Progress
 from kvscope.debug import LeakReport, ProgressHook, build_report, render_text, save_report
 from kvscope.debug.diff import diff, render_diff
 from kvscope.debug.engine_log import read_engine_log
 from kvscope.debug.engine_log import render_text as render_engine_log
-from kvscope.debug.report import CHECK_EXIT_CODES, Verdict, verdict
+from kvscope.debug.report import CHECK_EXIT_CODES, REPORT_KIND, Verdict, run_row, stored_report, verdict
 from kvscope.telemetry import Capture, CaptureError, display_name
 
 PROGRESS_DELAY_S = 1.0  # a replay shorter than this shows no progress
@@ -52,6 +54,46 @@ def replay_report(target: str | Path, run_id: int | None, err: TextIO | None = N
         return build_report(target, run_id, on_progress=ledger_progress(progress))
     finally:
         progress.close()
+
+
+class FoundReport(NamedTuple):
+    """A run's leak report and where it came from: "stored" (read back from the capture) or "replayed"."""
+
+    report: LeakReport
+    source: str
+    why: str  # why it was replayed ("" when stored)
+
+
+def leak_report(
+    target: str | Path, run_id: int | None, *, replay: bool = False, err: TextIO | None = None
+) -> FoundReport:
+    """The run's leak report: the one stored when it closed while it still describes the run
+    (stored_report), else (or with `replay`) replayed afresh."""
+    if replay:
+        return FoundReport(replay_report(target, run_id, err), "replayed", "--replay")
+    capture = Capture(target)
+    try:
+        number = int(run_row(capture, run_id).id)
+        stored = stored_report(capture, number)
+        why = (
+            "no report was stored"
+            if capture.stored_report(number, REPORT_KIND) is None
+            else "the stored one no longer describes the run"
+        )
+    finally:
+        capture.close()
+    if stored is not None:
+        return FoundReport(stored, "stored", "")
+    return FoundReport(replay_report(target, number, err), "replayed", why)
+
+
+def source_line(found: FoundReport) -> str:
+    """Which report a verdict was read from, in one line."""
+    if found.source != "stored":
+        return f"replayed from the capture's events ({found.why})"
+    built = found.report.stored_at
+    when = "" if built is None else f", built {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(built))}"
+    return f"from the leak report stored when the run closed{when} (--replay replays the events)"
 
 
 def store_leak_report(target: str | Path, run_id: int, err: TextIO | None = None) -> str:
@@ -194,20 +236,25 @@ def _seconds_text(seconds: float) -> str:
 
 
 def report_verb(args: argparse.Namespace) -> int:
-    report = replay_report(args.capture, args.run)
+    found = leak_report(args.capture, args.run, replay=args.replay)
+    report = found.report
     if args.json:
         check = verdict(report)
-        print(json.dumps({**json.loads(report.to_json()), "verdict": check.verdict, "reason": check.reason}, indent=2))
+        shape = {**json.loads(report.to_json()), "verdict": check.verdict, "reason": check.reason}
+        print(json.dumps({**shape, "source": found.source}, indent=2))
     else:
-        print(render_text(report))
+        header, _, rest = render_text(report).partition("\n")
+        print(f"{header}\nreport: {source_line(found)}\n{rest}")
     return 0
 
 
 def check_verb(args: argparse.Namespace) -> int:
-    """Exit 0 clean, 1 leak, 3 inconclusive (2, unreadable, comes from cli.main)."""
+    """Exit 0 clean, 1 leak, 3 inconclusive (2, unreadable, comes from cli.main). The verdict line
+    is the one line on stdout; where it was read from goes to stderr."""
     if getattr(args, "fleet", None) is not None:
         return check_fleet(args)
-    report = replay_report(args.capture, args.run)
+    found = leak_report(args.capture, args.run, replay=args.replay)
+    report = found.report
     check = verdict(report)
     if args.json:
         print(
@@ -219,12 +266,14 @@ def check_verb(args: argparse.Namespace) -> int:
                     "verdict": check.verdict,
                     "exit_code": check.exit_code,
                     "reason": check.reason,
+                    "source": found.source,
                 },
                 indent=2,
             )
         )
     else:
         print(f"{report.capture}: {check.reason}")
+        print(f"kvscope check: {source_line(found)}", file=sys.stderr)
     return check.exit_code
 
 
@@ -247,9 +296,11 @@ def check_fleet(args: argparse.Namespace) -> int:
     finally:
         capture.close()
     checked = []
+    sources: list[str] = []  # per replica checked: "stored" or "replayed"
     for replica in fleet.replicas:
-        report = replay_report(args.capture, replica.run_id)
-        checked.append((replica, report, verdict(report)))
+        found = leak_report(args.capture, replica.run_id, replay=args.replay)
+        sources.append(found.source)
+        checked.append((replica, found.report, verdict(found.report)))
     missing = fleet.missing_ranks()  # NOTE: a replica without a run was never checked: inconclusive, never clean
     unseen = Verdict(
         "inconclusive",
@@ -261,9 +312,11 @@ def check_fleet(args: argparse.Namespace) -> int:
     worst = min(verdicts, key=lambda c: FLEET_VERDICT_ORDER.index(c.exit_code))
     name = display_name(args.capture)
     if args.json:
-        rows: list[tuple[int, int | None, str | None, Verdict]]
-        rows = [(r.rank, report.run_id, report.status, c) for r, report, c in checked]
-        rows += [(rank, None, None, unseen) for rank in missing]
+        rows: list[tuple[int, int | None, str | None, Verdict, str | None]]
+        rows = [
+            (r.rank, report.run_id, report.status, c, s) for (r, report, c), s in zip(checked, sources, strict=True)
+        ]
+        rows += [(rank, None, None, unseen, None) for rank in missing]
         replicas = [
             {
                 "rank": rank,
@@ -272,8 +325,9 @@ def check_fleet(args: argparse.Namespace) -> int:
                 "verdict": c.verdict,
                 "exit_code": c.exit_code,
                 "reason": c.reason,
+                "source": source,
             }
-            for rank, run_id, status, c in sorted(rows, key=lambda row: row[0])
+            for rank, run_id, status, c, source in sorted(rows, key=lambda row: row[0])
         ]
         print(
             json.dumps(
@@ -294,6 +348,8 @@ def check_fleet(args: argparse.Namespace) -> int:
             print(f"{name} fleet {fleet.id} {line}")
         of = f" of {fleet.size}" if missing else ""
         print(f"{name} fleet {fleet.id}: {worst.verdict} ({len(checked)} replicas{of})")
+        stored = sources.count("stored")
+        print(f"kvscope check: {stored} from their stored reports, {len(sources) - stored} replayed", file=sys.stderr)
     return worst.exit_code
 
 
@@ -304,7 +360,7 @@ def diff_verb(args: argparse.Namespace) -> int:
     run_a, run_b = (runs[0], runs[-1]) if runs else (None, None)
     progress = Progress(sys.stderr, delay_s=PROGRESS_DELAY_S)
     try:
-        result = diff(args.a, args.b, run_a, run_b, on_progress=ledger_progress(progress))
+        result = diff(args.a, args.b, run_a, run_b, on_progress=ledger_progress(progress), replay=args.replay)
     finally:
         progress.close()
     print(json.dumps(result, indent=2, default=str) if args.json else render_diff(result))

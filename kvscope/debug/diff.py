@@ -5,6 +5,8 @@ which their configs differ.
 NOTE: a side (summarize) is a plain dict, printed as it is by `kvscope diff --json`:
     capture, run, status, level   the run
     verdict, reason               kvscope check's verdict (clean / leak / inconclusive) and its line
+    source       the leak report it is read from: "stored" (at close) or "replayed" (none stored that
+                 still describes the run, or --replay)
     metrics      name -> number (hit rates as fractions of 1), aggregated in SQL
     last_check   pool -> step, total, available, evictable, protected, held, uncached, missing
                  (missing = total - the other terms; negative when tokens are counted twice)
@@ -31,7 +33,7 @@ ALL_ROWS = 10_000_000  # usage rows read for the run's figures: every one
 
 
 def summarize(
-    target: str | Path, run_id: int | None = None, *, on_progress: ProgressHook | None = None
+    target: str | Path, run_id: int | None = None, *, on_progress: ProgressHook | None = None, replay: bool = False
 ) -> dict[str, Any]:
     """One side of a diff: the run (default: the latest) of a capture, by name."""
     capture = Capture(target)
@@ -48,11 +50,11 @@ def summarize(
         side["last_check"] = _last_check(capture.leak_checks(number))
         side["events"] = {str(row.kind): int(row.count) for row in capture.event_counts(number).itertuples()}
         side["config"] = flatten({k: v for k, v in _config(run.config).items() if k not in IGNORED_CONFIG})
-        report = stored_report(capture, number)
+        report = None if replay else stored_report(capture, number)
     finally:
         capture.close()
     check = verdict(report or build_report(target, number, on_progress=on_progress))
-    side.update(verdict=check.verdict, reason=check.reason)
+    side.update(verdict=check.verdict, reason=check.reason, source="replayed" if report is None else "stored")
     return side
 
 
@@ -132,10 +134,12 @@ def diff(
     run_b: int | None = None,
     *,
     on_progress: ProgressHook | None = None,
+    replay: bool = False,
 ) -> dict[str, Any]:
-    """Both sides, the deltas B - A of what both have, and the config settings that differ."""
-    left = summarize(a, run_a, on_progress=on_progress)
-    right = summarize(b, run_b, on_progress=on_progress)
+    """Both sides, the deltas B - A of what both have, and the config settings that differ. With
+    `replay`, each side's verdict comes from a fresh replay, never from a stored report."""
+    left = summarize(a, run_a, on_progress=on_progress, replay=replay)
+    right = summarize(b, run_b, on_progress=on_progress, replay=replay)
     return {"a": left, "b": right, "deltas": _deltas(left, right), "config_differences": _config_diff(left, right)}
 
 
@@ -178,6 +182,7 @@ def render_diff(result: dict[str, Any]) -> str:
         ("run", str(left["run"]), str(right["run"]), ""),
         ("status", left["status"], right["status"], ""),
         ("verdict", left["verdict"], right["verdict"], ""),
+        ("leak report", left["source"], right["source"], ""),
     ]
     for name in dict.fromkeys([*left["metrics"], *right["metrics"]]):
         delta = deltas["metrics"].get(name)

@@ -8,9 +8,10 @@ the first step at which the ledger's invariant series breaks, found by bisection
 and the requests table (onset, suspect requests).
 
 NOTE: a replay costs ~7 µs per event, too slow to redo on every dashboard view of a
-million-event capture. `kvscope run` therefore stores the report in the capture when the run
-closes (`save_report`); `stored_report` returns it only while it still describes the run (the
-run is no longer running, the report covers its last event, and this version built it).
+million-event capture (or for `check` on a 100-million-event one: most of an hour). `kvscope run`
+therefore stores the report in the capture when the run closes (`save_report`); `stored_report`
+returns it only while it still describes the run (the run is no longer running, the report covers
+its last event, its last step and the same leak checks, and this version built it).
 """
 
 from __future__ import annotations
@@ -291,7 +292,9 @@ def save_report(target: str | Path, report: LeakReport) -> None:
 
 
 def stored_report(capture: Capture, run_id: int) -> LeakReport | None:
-    """The report stored with the run, if it still describes it (see the NOTE above)."""
+    """The report stored with the run, if it still describes it (see the NOTE above): built by this
+    version, the run closed, through the run's last event, at its last step and over the same leak
+    checks. None otherwise (the caller replays): a stale or unreadable report is never read."""
     row = capture.stored_report(run_id, REPORT_KIND)
     if row is None or row.producer != PRODUCER:
         return None
@@ -302,15 +305,41 @@ def stored_report(capture: Capture, run_id: int) -> LeakReport | None:
     capture.check_pages()  # NOTE: a stored verdict reads no event: a page damaged since must still be seen
     try:
         report = LeakReport.from_json(row.body)
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, AttributeError):
         return None  # a damaged body: the caller rebuilds
+    if report.run_id != run_id or report.through_seq != row.through_seq:
+        return None
+    last_step = capture.step_range(run_id).hi.iloc[0]
+    last_step = None if pd.isna(last_step) else int(last_step)
+    if report.last_step is None:  # NOTE: a report stored before it had last_step: as build_report reads it
+        report.last_step = last_step
+    elif report.last_step != last_step:
+        return None
+    if _checks_summary(report) != _checks_summary(_checks_only(capture, run_id)):
+        return None  # leak checks written (or changed) after it was built
+    report.capture = capture.name  # NOTE: the file's name now (it may have been stored under another)
     report.stored_at = float(row.built_at)
     report.status = str(run.iloc[0].display_status)
     report.error = _text(run.iloc[0].error)
-    if report.last_step is None:  # NOTE: a report stored before it had last_step: as build_report reads it
-        last_step = capture.step_range(run_id).hi.iloc[0]
-        report.last_step = None if pd.isna(last_step) else int(last_step)
     return report
+
+
+def _checks_only(capture: Capture, run_id: int) -> LeakReport:
+    report = LeakReport(capture.name, run_id, "", "")
+    _from_checks(report, capture.leak_checks(run_id))
+    return report
+
+
+def _checks_summary(report: LeakReport) -> tuple[Any, ...]:
+    """What a report reads from the run's leak checks (_from_checks)."""
+    return (
+        report.checks_run,
+        report.first_failure_step,
+        report.first_failure,
+        report.last_failure_step,
+        report.last_failure,
+        report.last_clean_step,
+    )
 
 
 def _text(value: Any) -> str | None:

@@ -44,7 +44,7 @@ from kvscope.telemetry.packed import (
     widen_array,
     writes_dtype,
 )
-from kvscope.telemetry.store import CaptureError, consistent_reads, driver_rows
+from kvscope.telemetry.store import CaptureError, consistent_reads, distinct_in_key, driver_rows
 
 CACHE_BYTES = 1 << 30
 FEW_STRINGS = 256  # NOTE: up to this many codes or texts are looked up by SQL, not by the whole dictionary
@@ -200,7 +200,7 @@ class PackedEvents:
             keys = conn.execute(
                 select(k.run_id, k.chunk, func.count()).where(k.name.in_(STORED_COLUMNS)).group_by(k.run_id, k.chunk)
             ).fetchall()
-            string_runs = {int(r) for (r,) in conn.execute(select(s.run_id).distinct())}
+            string_runs = {int(r) for (r,) in conn.execute(distinct_in_key(s.run_id))}
             first_kept = self._first_kept(conn)
             columns = (
                 conn.execute(select(k.run_id, k.chunk, k.name, k.dtype, func.length(k.data))).fetchall()

@@ -32,7 +32,14 @@ from kvscope.telemetry.event_source import (
     read_events,
 )
 from kvscope.telemetry.events import EventKind
-from kvscope.telemetry.store import CaptureError, display_name, driver_rows, open_reader, stored_version
+from kvscope.telemetry.store import (
+    CaptureError,
+    display_name,
+    distinct_in_key,
+    driver_rows,
+    open_reader,
+    stored_version,
+)
 from kvscope.telemetry.tree_replay import REPLAY_COLUMNS, STRUCTURAL_KINDS, replay_tree
 
 STALE_HEARTBEAT_S = 30.0
@@ -180,9 +187,11 @@ class Capture:
     def step_range(self, run_id: int) -> pd.DataFrame:
         """One row: the run's first and last step with a usage sample (lo, hi; NULL when none)."""
         u = schema.usage.c
-        return self.read_frame(
-            select(func.min(u.step).label("lo"), func.max(u.step).label("hi")).where(u.run_id == run_id)
-        )
+        # NOTE: one subquery each: SQLite reads min() or max() alone from the key's end, but scans the
+        # run's every row for both in one SELECT (0.9 s on 850k steps)
+        lo = select(func.min(u.step)).where(u.run_id == run_id).scalar_subquery()
+        hi = select(func.max(u.step)).where(u.run_id == run_id).scalar_subquery()
+        return self.read_frame(select(lo.label("lo"), hi.label("hi")))
 
     def latest_usage(self, run_id: int, window_s: float = RATE_WINDOW_S) -> pd.DataFrame:
         """The last usage row and the first one at most `window_s` seconds before it (for rates),
@@ -237,14 +246,16 @@ class Capture:
             .label(f"peak_rank_{i}")
             for i, peak in enumerate(peaks)
         ]
-        # NOTE: narrow: the sort carries 2-4 ints; steps past `hi` (a live run went on) wait for the next read
-        ranked = select(u.step, *ranks).where(u.run_id == run_id, u.step <= hi).subquery()
-        kept = select(ranked.c.step).where(or_(ranked.c.step == hi, *(ranked.c[rank.name] == 1 for rank in ranks)))
         columns = [
             _used_of_older().label(c.name) if c.name == "full_used" and version < 5 else c
             for c in schema.columns_as_of(schema.usage, version)
             if c.name != "run_id"
         ]
+        if width == 1:  # NOTE: a bucket per step keeps every row: no ranking (2 min of sorting on 850k steps)
+            return self.read_frame(select(*columns).where(u.run_id == run_id, u.step <= hi).order_by(u.step))
+        # NOTE: narrow: the sort carries 2-4 ints; steps past `hi` (a live run went on) wait for the next read
+        ranked = select(u.step, *ranks).where(u.run_id == run_id, u.step <= hi).subquery()
+        kept = select(ranked.c.step).where(or_(ranked.c.step == hi, *(ranked.c[rank.name] == 1 for rank in ranks)))
         return self.read_frame(select(*columns).where(u.run_id == run_id, u.step.in_(kept)).order_by(u.step))
 
     def events(
@@ -415,7 +426,7 @@ class Capture:
     def snapshot_steps(self, run_id: int) -> list[int]:
         t = schema.tree_snapshots.c
         with self.engine.connect() as conn:
-            rows = conn.execute(select(t.step).where(t.run_id == run_id).distinct().order_by(t.step))
+            rows = conn.execute(distinct_in_key(t.step, t.run_id == run_id))  # ix_tree_step
             return [int(s) for (s,) in rows]
 
     def tree_at(self, run_id: int, step: int) -> pd.DataFrame:

@@ -41,7 +41,21 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Literal
 
-from sqlalchemy import URL, Connection, Engine, Table, create_engine, event, inspect, select, text, update
+from sqlalchemy import (
+    URL,
+    ColumnElement,
+    Connection,
+    Engine,
+    Select,
+    Table,
+    create_engine,
+    event,
+    func,
+    inspect,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import QueuePool
@@ -258,6 +272,18 @@ def driver_rows(engine: Engine, stmt: Any, capture_name: str, batch_rows: int = 
             raise
         finally:
             cursor.close()
+
+
+def distinct_in_key(column: Any, *where: ColumnElement[bool]) -> Select[Any]:
+    """The distinct values of `column`, ascending, among the rows `where` selects, read by hopping
+    from one value to the next through an index whose key leads with `where`'s equalities and then
+    `column` (a recursive query: one index seek per value). NOTE: SELECT DISTINCT reads every row
+    of the range instead: 17 million tree-snapshot rows for 852 snapshot steps (16 s), 3.4 million
+    event strings for one run id (1.3 s) on a 100-million-event capture."""
+    hops = select(func.min(column).label("value")).where(*where).cte(f"hops_{column.name}", recursive=True)
+    following = select(func.min(column)).where(*where, column > hops.c.value).scalar_subquery()
+    hops = hops.union_all(select(following).where(hops.c.value.is_not(None)))
+    return select(hops.c.value).where(hops.c.value.is_not(None))
 
 
 def reraise_read_error(capture_name: str, err: BaseException) -> None:

@@ -107,7 +107,9 @@ def test_check_exit_code_and_reason(tmp_path: Path, case: str) -> None:
         "verdict": verdict,
         "exit_code": code,
         "reason": out.stdout.split(": ", 1)[1].strip(),
+        "source": as_json["source"],
     }
+    assert as_json["source"] in ("stored", "replayed")
 
 
 def test_a_run_still_running_is_inconclusive(tmp_path: Path) -> None:

@@ -100,7 +100,7 @@ def test_runs_on_a_row_with_empty_fields(tmp_path: Path) -> None:
 def test_check_json_and_run_selector(tmp_path: Path) -> None:
     path = str(two_runs(tmp_path))
     first, second = as_json("check", path, "--run", "1"), as_json("check", path)
-    assert list(first) == ["capture", "run", "status", "verdict", "exit_code", "reason"]
+    assert list(first) == ["capture", "run", "status", "verdict", "exit_code", "reason", "source"]
     assert (first["run"], first["verdict"], first["exit_code"]) == (1, "clean", 0)
     assert (second["run"], second["verdict"], second["exit_code"]) == (2, "leak", 1)
     assert kvscope("check", path, "--run", "1").returncode == 0 and kvscope("check", path).returncode == 1

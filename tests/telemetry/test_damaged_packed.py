@@ -25,6 +25,7 @@ DAMAGE = {
     "seq-gap": "UPDATE event_chunks SET first_seq = 5",
 }
 # NOTE: damage only a read of the events can see (the slots' counts, the codes in use): the verbs that replay
+# (with --replay: the sample's stored report, built while its events were whole, is read without them)
 READ_DAMAGE = {
     "slots-short": "UPDATE event_columns SET data = substr(data, 1, 100) WHERE name = 'slots' AND length(data) > 100",
     "strings-gone": "DELETE FROM event_strings WHERE code > 3",
@@ -75,7 +76,7 @@ def test_a_damaged_packed_capture_is_one_line_and_exit_2(packed: Path, tmp_path:
 @pytest.mark.parametrize("case", sorted(READ_DAMAGE))
 def test_damage_a_replay_meets_is_one_line_and_exit_2(packed: Path, tmp_path: Path, case: str) -> None:
     path = damaged_copy(packed, tmp_path, case)
-    for verb in (["check", str(path)], ["report", "leaks", str(path)]):
+    for verb in (["check", str(path), "--replay"], ["report", "leaks", str(path), "--replay"]):
         assert_one_damage_line(kvscope(*verb), path)
 
 

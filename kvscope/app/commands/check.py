@@ -28,6 +28,11 @@ class CheckCommand:
             "default: the capture's latest fleet): one line per replica, and the worst verdict is the exit code",
         )
         parser.add_argument("--json", action="store_true", help="print the verdict as JSON (the exit code is the same)")
+        parser.add_argument(
+            "--replay",
+            action="store_true",
+            help="replay the capture's events even when the leak report stored at close still describes the run",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.app.report import check_verb

@@ -25,6 +25,11 @@ class DiffCommand:
             help="run id of both captures; given twice, of A then B (default: each capture's latest run)",
         )
         parser.add_argument("--json", action="store_true", help="print both sides, the deltas and the verdicts as JSON")
+        parser.add_argument(
+            "--replay",
+            action="store_true",
+            help="replay the capture's events even when the leak report stored at close still describes the run",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.app.report import diff_verb

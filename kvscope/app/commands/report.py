@@ -22,6 +22,11 @@ class LeaksTopic:
         parser.add_argument("capture", help="a capture file or a SQLAlchemy URL")
         parser.add_argument("--run", type=int, help="run id (default: the latest run)")
         parser.add_argument("--json", action="store_true", help="print the report and its verdict as JSON")
+        parser.add_argument(
+            "--replay",
+            action="store_true",
+            help="replay the capture's events even when the leak report stored at close still describes the run",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.app.report import report_verb
