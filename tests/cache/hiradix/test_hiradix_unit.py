@@ -315,6 +315,20 @@ def test_write_back_drops_subtree_the_host_cannot_take() -> None:
     check_all(control)
 
 
+def test_write_back_keeps_the_host_copy_of_a_leaf_it_just_wrote_when_a_later_leaf_needs_room() -> None:
+    """SGLang 0.5.18 pins a leaf written during a write_back eviction until its flush: the next
+    leaf's write finds the host full, evicts no pinned copy, and is dropped instead (found by
+    tests/engines/test_hiradix_sglang_differential.py; unpinned, the first copy was freed)."""
+    t = make_tiers("write_back", host_tokens=8)
+    first, second = ids(1, 2, 3, 4, 5, 6), ids(9, 8, 7, 6, 5, 4)
+    insert_seq(t, first)
+    insert_seq(t, second)
+    assert t.cache.evict(EvictParams(12)).num_tokens_evicted == 12  # first written (6 of 8), second dropped
+    assert t.cache.match_prefix(first).host_hit_length == 6
+    assert t.cache.match_prefix(second).host_hit_length == 0 and t.cache.num_dropped_tokens == 6
+    check_all(t)
+
+
 def test_check_integrity_catches_a_host_slot_leak_and_a_broken_closure() -> None:
     t = make_tiers("write_through")
     insert_seq(t, SEQ)
