@@ -1,5 +1,5 @@
 """Differential: kvscope's HiRadixCache against SGLang 0.5.18's own HiRadixCache, on random
-workloads: every write policy, LRU and LFU, page size 1 and 4, a roomy and a tight host pool
+workloads: every write policy, every eviction policy, page size 1 and 4, a roomy and a tight host pool
 (docs/memory-semantics.md §2.8, §7).
 
 SGLang's class runs as written over tests/engines/sglang_hicache_standin.py: its controller's
@@ -42,6 +42,7 @@ import kvscope.cache.hiradix.cache as hiradix_module
 from kvscope.cache import EvictParams
 from kvscope.cache.base import TOKEN_DTYPE
 from kvscope.cache.hiradix import HiRadixCache
+from kvscope.cache.tree.eviction import POLICIES
 from kvscope.mem import (
     CacheController,
     HostKVPool,
@@ -219,10 +220,10 @@ class Pair:
         self.sg.evict_host(num_tokens)  # NOTE: returns nothing in 0.5.18: the host free lists tell
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
-    policy=st.sampled_from(["lru", "lfu"]),
+    policy=st.sampled_from(sorted(POLICIES)),
     page_size=st.sampled_from([1, 4]),
     host_ratio=st.sampled_from([0.5, 2.0]),
     seed=st.integers(0, 2**16),
