@@ -80,7 +80,8 @@ $(VLLM_STAMP):
 	@touch $(VLLM_STAMP)
 
 # SGLang 0.5.18's source, unpacked and not installed: tests/engines/test_*_differential.py run its
-# RadixCache, SWARadixCache and allocators beside kvscope's (tests/engines/sglang518.py stands in for the GPU-only imports).
+# RadixCache, SWARadixCache, HiRadixCache and allocators beside kvscope's (tests/engines/sglang518.py and
+# sglang_hicache_standin.py stand in for the GPU-only imports and the HiCache controller).
 SGLANG_518_SRC   ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvscope/sglang-0.5.18
 SGLANG_518_STAMP := $(SGLANG_518_SRC)/.kvscope-unpacked
 

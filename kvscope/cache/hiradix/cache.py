@@ -142,6 +142,7 @@ class HiRadixCache(BasePrefixCache):
         self.strict = strict
         self._staged: list[np.ndarray] = []  # NOTE: one eviction's leaves written to the host (freed at its flush)
         self._dropped: dict[int, np.ndarray] = {}  # NOTE: one write_back eviction's dropped leaves, by chunk id
+        self._pinned: list[HiTreeNode] = []  # NOTE: staged leaves whose host copies no host eviction may take yet
         self.reset()
 
     def reset(self) -> None:
@@ -276,9 +277,11 @@ class HiRadixCache(BasePrefixCache):
             if child is None:
                 break
             child.last_access_time = now
+            # NOTE: before a split, so both pieces take it (SGLang 0.5.18's HiRadixCache; its RadixCache
+            # raises only the upper piece's)
+            child.priority = max(child.priority, priority)
             if not key.startswith(child.key, pos):
                 child = self._split(child, common_page_len(child.key, key, pos, self.page_size))
-            child.priority = max(child.priority, priority)  # NOTE: after a split only the upper piece (SGLang's)
             start = pos // TOKEN_BYTES
             if child.value is None:
                 self._adopt(child, np.array(host[start : start + child.key_len], dtype=np.int64))
@@ -474,7 +477,10 @@ class HiRadixCache(BasePrefixCache):
         if num_tokens <= 0:
             return 0
         self._staged.clear()
-        freed = self.tree.evict_leaves(num_tokens, self._evict_leaf)
+        try:
+            freed = self.tree.evict_leaves(num_tokens, self._evict_leaf)
+        finally:
+            self._unpin_staged()
         staged = {id(chunk) for chunk in self._staged}
         # NOTE: SGLang 0.5.18 frees each evicted leaf with allocator.free (its pages sorted, put in
         # front), in eviction order; write_back frees the leaves it wrote to the host last, at a
@@ -504,6 +510,13 @@ class HiRadixCache(BasePrefixCache):
             self._free_leaf_slots(chunk)
         pending.clear()
 
+    def _unpin_staged(self) -> None:
+        """SGLang's flush_staged releases the host copies of the leaves it wrote (their device
+        frees are replayed in evict_tokens' second pass)."""
+        for node in self._pinned:
+            node.host_ref_counter -= 1
+        self._pinned.clear()
+
     def _evict_leaf(self, leaf: HiTreeNode, want: int) -> np.ndarray | None:
         """Demote a backed-up leaf, or drop one the host has no copy of (write_back writes it
         first); None when a load still reads a host copy below it."""
@@ -511,6 +524,8 @@ class HiRadixCache(BasePrefixCache):
         written = False
         if leaf.host_value is None and not self.through:
             written = self.write_backup(leaf, lock=False) > 0
+            if not written:
+                self._unpin_staged()  # NOTE: SGLang flushes the staged leaves before it drops one
             if leaf.host_value is None and any(n.host_ref_counter for n, _, _ in hi_walk(leaf)):
                 return None  # NOTE: a load reads a host copy below: neither written nor droppable now
         backed_up = leaf.host_value is not None
@@ -528,6 +543,8 @@ class HiRadixCache(BasePrefixCache):
             chunk = self._demote(leaf)
             if written:
                 self._staged.append(chunk)  # NOTE: freed at the flush, once its copy is done
+                leaf.host_ref_counter += 1  # NOTE: until then a host eviction must not free its copy
+                self._pinned.append(leaf)
             return chunk
         chunk = self._drop(leaf)
         if not self.through:
@@ -550,7 +567,12 @@ class HiRadixCache(BasePrefixCache):
         """Delete a device leaf that has no host copy, with its host-only subtree (write_back's
         host pressure: its device tokens are counted as dropped); returns its device slots (the
         caller frees)."""
-        below = [n for n, _, _ in hi_walk(leaf) if n is not leaf]
+        below: list[HiTreeNode] = []
+        stack = list(leaf.children.values())
+        while stack:  # NOTE: SGLang's order (its stack takes the last child first): the host frees follow it
+            node = stack.pop()
+            below.append(node)
+            stack.extend(node.children.values())
         for node in below:
             assert node.host_value is not None and node.host_ref_counter == 0
             self._free_host_copy(node, EvictReason.DROP)

@@ -315,6 +315,20 @@ def test_write_back_drops_subtree_the_host_cannot_take() -> None:
     check_all(control)
 
 
+def test_write_back_keeps_the_host_copy_of_a_leaf_it_just_wrote_when_a_later_leaf_needs_room() -> None:
+    """SGLang 0.5.18 pins a leaf written during a write_back eviction until its flush: the next
+    leaf's write finds the host full, evicts no pinned copy, and is dropped instead (found by
+    tests/engines/test_hiradix_sglang_differential.py; unpinned, the first copy was freed)."""
+    t = make_tiers("write_back", host_tokens=8)
+    first, second = ids(1, 2, 3, 4, 5, 6), ids(9, 8, 7, 6, 5, 4)
+    insert_seq(t, first)
+    insert_seq(t, second)
+    assert t.cache.evict(EvictParams(12)).num_tokens_evicted == 12  # first written (6 of 8), second dropped
+    assert t.cache.match_prefix(first).host_hit_length == 6
+    assert t.cache.match_prefix(second).host_hit_length == 0 and t.cache.num_dropped_tokens == 6
+    check_all(t)
+
+
 def test_check_integrity_catches_a_host_slot_leak_and_a_broken_closure() -> None:
     t = make_tiers("write_through")
     insert_seq(t, SEQ)
@@ -354,8 +368,10 @@ def test_bad_construction_is_refused() -> None:
         HiRadixCache(t.allocator, 1, t.controller, write_policy="write_sometimes")  # type: ignore[arg-type]
 
 
-def test_a_split_makes_a_new_upper_node_created_then_and_an_insert_raises_only_its_priority() -> None:
-    """As the radix tree (SGLang's HiRadixCache splits with the same `_split_node`)."""
+def test_a_split_makes_a_new_upper_node_created_then_and_an_insert_raises_both_pieces_priority() -> None:
+    """The upper piece is new, as in the radix tree; but SGLang 0.5.18's HiRadixCache.insert raises
+    the node's priority before it splits it, so both pieces keep the raised one (its RadixCache
+    raises only the upper piece's; tests/engines/test_hiradix_sglang_differential.py found it)."""
     t = make_tiers()
     slots = alloc_seq(t, 4)
     assert slots is not None
@@ -367,7 +383,7 @@ def test_a_split_makes_a_new_upper_node_created_then_and_an_insert_raises_only_i
     t.allocator.free(more[: t.cache.insert(ids(1, 2, 7, 8), more, priority=5)])
     upper = first.parent
     assert upper is not None and upper is not t.cache.root
-    assert (first.creation_time, first.priority) == (1.0, 0)
+    assert (first.creation_time, first.priority) == (1.0, 5)
     assert upper.creation_time > 1.0 and upper.priority == 5
     check_all(t)
 
