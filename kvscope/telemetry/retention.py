@@ -31,6 +31,10 @@ NOTE: the ledger gate
     (the checkpointer starts when a quarter of the bound is used, and is ahead long before): past it
     the bound wins, and readers see that the checkpoint stops short of the first kept event (their
     verdict is then inconclusive, never clean).
+NOTE: a bound that cannot be kept
+    What a run keeps for life is never dropped, so a bound smaller than it (and the newest chunk) is
+    passed: the pass then says so once (over_bound_line: the writer prints it on the verb's stderr),
+    and readers say it of the capture as it is (over_bound: `kvscope runs`, the dashboard's sidebar).
 """
 
 from __future__ import annotations
@@ -75,6 +79,38 @@ def parse_size_bytes(text: str) -> int:
             "KB, MB, GB are decimal)"
         )
     return value
+
+
+def size_text(num_bytes: float) -> str:
+    """A size for people: '1.2 MiB', '512 B'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{int(num_bytes)} B"
+
+
+class OverBound(NamedTuple):
+    """A capture past a run's size bound: its bytes in use and, of those, what no pass may drop
+    (everything but the kept events: leak checks, censuses, requests, usage, tree snapshots)."""
+
+    used_bytes: int
+    max_bytes: int
+    kept_for_life_bytes: int
+
+    def text(self) -> str:
+        return (
+            f"the capture holds {size_text(self.used_bytes)}, over its bound of {size_text(self.max_bytes)}: what "
+            f"is kept for life (leak checks, censuses, requests, usage, tree snapshots) takes "
+            f"{size_text(self.kept_for_life_bytes)} of it, and none of it is dropped"
+        )
+
+
+def over_bound(max_bytes: int | None, used_bytes: int | None, event_bytes: int) -> OverBound | None:
+    """The capture past `max_bytes` (None: within it, or no size bound). `used_bytes`: the size the
+    bound counts (module NOTE); `event_bytes`: the kept events' packed bytes within it."""
+    if max_bytes is None or used_bytes is None or used_bytes <= max_bytes:
+        return None
+    return OverBound(used_bytes, max_bytes, max(0, used_bytes - event_bytes))
 
 
 class Retention(NamedTuple):
@@ -128,6 +164,7 @@ class RetentionPass:
         self.dropped_bytes = 0
         self.started = False
         self.thinned_to = 0  # NOTE: usage rows before this step are thinned already
+        self.said_over = False  # NOTE: the line that the bound cannot be kept is said once
 
     def first_rows(self) -> list[tuple[Any, list[Any]]]:
         """The run's event_retention row, written with its first batch."""
@@ -141,12 +178,12 @@ class RetentionPass:
         self.kept.append(mark)
         self.kept_bytes += mark.num_bytes
 
-    def after_write(self, sink: Sink) -> None:
-        """Drop what the bounds no longer keep (see the module NOTE); a failure is the caller's."""
+    def after_write(self, sink: Sink) -> str | None:
+        """Drop what the bounds no longer keep (see the module NOTE); a failure is the caller's.
+        Returns a line, once, when the capture stays past its size bound with nothing left to drop."""
+        used = self._used(sink)
         if len(self.kept) < 2:
-            return
-        used = sink.used_bytes()
-        used = self.kept_bytes if used is None else used
+            return self._over_bound_line(used)
         count = max(self._past_window(), self._over_size(used))
         bound = self.retention.max_bytes
         if count and self.retention.gated and (bound is None or used <= HARD_WATER * bound):
@@ -154,6 +191,22 @@ class RetentionPass:
         count = min(count, len(self.kept) - 1)  # NOTE: the newest chunk stays
         if count > 0:
             self._drop(sink, count)
+            used = self._used(sink) if bound is not None and used > bound else used
+        return self._over_bound_line(used)
+
+    def _used(self, sink: Sink) -> int:
+        used = sink.used_bytes()
+        return self.kept_bytes if used is None else used
+
+    def _over_bound_line(self, used: int) -> str | None:
+        """Past the bound with only the newest chunk left: what is kept for life fills it."""
+        if self.said_over or len(self.kept) > 1:
+            return None
+        over = over_bound(self.retention.max_bytes, used, self.kept_bytes)
+        if over is None:
+            return None
+        self.said_over = True
+        return f"kvscope recorder: run {self.run_id} cannot keep its size bound: {over.text()}; give a larger bound"
 
     def _past_window(self) -> int:
         keep_s = self.retention.keep_events_s

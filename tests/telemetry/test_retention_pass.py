@@ -5,7 +5,10 @@ and a size bound waits for it up to 95% of the bound. Readers read what is kept 
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -57,10 +60,13 @@ def retained(path: Path) -> tuple[int, int, int]:
     return int(first_seq), int(num_chunks), int(first_chunk_seq)
 
 
-def test_a_size_bound_keeps_the_file_under_it_and_the_run_readable(tmp_path: Path) -> None:
+def test_a_size_bound_keeps_the_file_under_it_and_the_run_readable(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "c.db"
     bound = 400_000
     record(path, Retention(max_bytes=bound))
+    assert "cannot keep its size bound" not in capfd.readouterr().err
     first_seq, num_chunks, first_chunk_seq = retained(path)
     assert path.stat().st_size <= bound and first_seq > 0 and num_chunks >= 1 and first_chunk_seq == first_seq
     capture = Capture(path)
@@ -135,6 +141,34 @@ def test_a_pass_that_cannot_drop_says_so_once_and_loses_nothing(
     lines = [line for line in capfd.readouterr().err.splitlines() if "retention" in line]
     assert lines == ["kvscope recorder: retention could not drop events: kept"]
     assert retained(path)[0] == 0 and rows_of(path, "SELECT count(*) FROM usage") == [(12,)]
+
+
+def test_a_bound_smaller_than_what_is_kept_for_life_is_said_and_nothing_kept_for_life_goes(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The capture's tables alone take more than 64 KiB: the bound cannot be kept. The writer says so
+    once on stderr, drops every event but the newest chunk and no leak check; `kvscope runs` says it
+    too, as text and as JSON."""
+    path = tmp_path / "c.db"
+    bound = 64 * 1024
+    record(path, Retention(max_bytes=bound), steps=30)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "bound" in line]
+    assert len(lines) == 1 and lines[0].startswith("kvscope recorder: run 1 cannot keep its size bound: the capture")
+    assert "over its bound of 64.0 KiB" in lines[0] and "kept for life" in lines[0]
+    assert retained(path)[1] == 1 and rows_of(path, "SELECT step FROM leak_checks") == [(CHECK_STEP,)]
+    out = subprocess.run(
+        [sys.executable, "-m", "kvscope", "runs", str(path)], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert "WARNING: the size bound is not kept: the capture holds" in out, out
+    listed = subprocess.run(
+        [sys.executable, "-m", "kvscope", "runs", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    over = json.loads(listed)["runs"][0]["retention"]["over_bound"]
+    assert over["used_bytes"] > bound and bound < over["kept_for_life_bytes"] <= over["used_bytes"]
 
 
 def rows_of(path: Path, sql: str) -> list[tuple]:
