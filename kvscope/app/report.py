@@ -103,6 +103,27 @@ def run_entry(
     }
 
 
+def run_retention(target: str, run_id: int) -> dict[str, Any] | None:
+    """One run's retention entry (as in `kvscope runs --json`) read from its capture; None when it
+    has no bound or the capture cannot be read (the verb that recorded it said why)."""
+    try:
+        capture = Capture(target)
+    except CaptureError:
+        return None
+    try:
+        kept = capture.run_retention(run_id)
+        return None if kept is None else _retention_entry(kept, capture.over_bounds().get(run_id))
+    except CaptureError:
+        return None
+    finally:
+        capture.close()
+
+
+def retention_lines(kept: dict[str, Any]) -> list[str]:
+    """What a bounded run kept and dropped, and the warning when its bound is not kept."""
+    return [_retention_text(kept), *_over_bound_lines(kept)]
+
+
 def _retention_entry(kept: Any, over: OverBound | None) -> dict[str, Any]:
     """A run's bounds and what it dropped (schema.event_retention); `over_bound`: the capture's
     bytes in use and what is kept for life of them when it is past the size bound, else None."""
@@ -173,7 +194,7 @@ def runs_table(entries: list[dict[str, Any]]) -> list[str]:
             lines.append(f"{'':>6}error: {run['error']}")
         if run.get("retention"):
             lines.append(f"{'':>6}retention: {_retention_text(run['retention'])}")
-            lines += _over_bound_lines(run["retention"])
+            lines += [f"{'':>6}{line}" for line in _over_bound_lines(run["retention"])]
     return lines
 
 
@@ -194,7 +215,7 @@ def _over_bound_lines(kept: dict[str, Any]) -> list[str]:
     if not over:
         return []
     text = OverBound(over["used_bytes"], kept["max_bytes"], over["kept_for_life_bytes"]).text()
-    return [f"{'':>6}WARNING: the size bound is not kept: {text}"]
+    return [f"WARNING: the size bound is not kept: {text}"]
 
 
 def _seconds_text(seconds: float) -> str:
