@@ -28,7 +28,9 @@ NOTE: the ledger gate
     needs every event from the run's start. Such a run is `gated`: a pass drops only the chunks a
     stored ledger checkpoint (ledger_checkpoints.through_seq) already covers, so a replay starts
     from that state and its verdict stays exact. A size bound waits for the gate up to HARD_WATER
-    (the checkpointer starts when a quarter of the bound is used, and is ahead long before): past it
+    less the newest chunk's bytes, so the next batch still fits (a fast engine's batch is MBs: an
+    8 MiB bound was passed by one while the gate held). The checkpointer starts when a quarter of
+    the bound is used, and is ahead long before; past that point
     the bound wins, and readers see that the checkpoint stops short of the first kept event (their
     verdict is then inconclusive, never clean).
 NOTE: a bound that cannot be kept
@@ -186,8 +188,8 @@ class RetentionPass:
             return self._over_bound_line(used)
         count = max(self._past_window(), self._over_size(used))
         bound = self.retention.max_bytes
-        if count and self.retention.gated and (bound is None or used <= HARD_WATER * bound):
-            count = min(count, self._covered(sink))
+        if count and self.retention.gated and (bound is None or used + self.kept[-1].num_bytes <= HARD_WATER * bound):
+            count = min(count, self._covered(sink))  # NOTE: while a batch like the last one still fits under it
         count = min(count, len(self.kept) - 1)  # NOTE: the newest chunk stays
         if count > 0:
             self._drop(sink, count)

@@ -107,6 +107,24 @@ def test_a_size_bound_passes_the_checkpoint_only_near_the_bound(tmp_path: Path) 
     assert path.stat().st_size <= 400_000 and retained(path)[0] > 0
 
 
+def test_a_gated_run_without_a_checkpoint_keeps_its_bound_under_large_batches(tmp_path: Path) -> None:
+    """No checkpointer: the gate holds the drops until the bound must win. Each batch is about a tenth of
+    the bound, so the gate gives way while the next batch still fits (at 95% of the bound, one landed past it)."""
+    path = tmp_path / "c.db"
+    bound = 600_000
+    recorder = SQLRecorder(path, retention=Retention(max_bytes=bound, gated=True))
+    rng = np.random.default_rng(3)
+    for step in range(60):
+        recorder.step = step
+        for i in range(30):
+            recorder.record(
+                EventKind.ALLOC, pool=PoolName.FULL, rid=f"r{step}-{i}", slots=rng.integers(0, 1 << 30, 400)
+            )
+        recorder.flush()
+    recorder.close()
+    assert retained(path)[0] > 0 and path.stat().st_size <= bound
+
+
 @pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("30m", 1800), ("6h", 21600), ("7d", 604800), ("1.5", 1.5)])
 def test_durations(text: str, seconds: float) -> None:
     assert parse_duration_s(text) == seconds
