@@ -272,8 +272,7 @@ class Writer:
         run keeps for life passes."""
         if self.retention is None:
             return
-        for mark in self._marks:
-            self.retention.wrote(mark)
+        self.retention.wrote(self._marks)
         self._marks = []
         try:
             line = self.retention.after_write(self._sink())

@@ -125,6 +125,23 @@ def test_a_gated_run_without_a_checkpoint_keeps_its_bound_under_large_batches(tm
     assert retained(path)[0] > 0 and path.stat().st_size <= bound
 
 
+def test_batches_of_several_chunks_fit_under_the_bound(tmp_path: Path) -> None:
+    """A slow writer's batch holds up to flush_max_events events, several chunks of 65,536 in one
+    transaction: the pass keeps room for the largest recent one, so a file bounded at about four
+    batches stays under its bound (at 80% to 60% alone, a batch landed past it)."""
+    path = tmp_path / "c.db"
+    slots = np.arange(8)
+    recorder = SQLRecorder(path, retention=Retention(max_bytes=6 << 20), flush_interval_s=3600.0)
+    for step in range(12):
+        recorder.step = step
+        for i in range(70_000):
+            recorder.record(EventKind.ALLOC, pool=PoolName.FULL, rid="r", node_id=i, slots=slots + i)
+        recorder.flush()
+    recorder.close()
+    assert rows_of(path, "SELECT max(chunk) FROM event_chunks") == [(2 * 12 - 1,)]  # NOTE: two chunks a batch
+    assert retained(path)[0] > 0 and path.stat().st_size <= 6 << 20
+
+
 @pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("30m", 1800), ("6h", 21600), ("7d", 604800), ("1.5", 1.5)])
 def test_durations(text: str, seconds: float) -> None:
     assert parse_duration_s(text) == seconds
