@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 import torch
@@ -375,6 +376,7 @@ def polled_then_crash() -> dict:
 
 CHURN_ROUNDS = 240
 CHURN_CENSUS_EVERY = 40
+CHURN_ROUND_S = 0.005
 
 
 def churn() -> dict:
@@ -396,6 +398,7 @@ def churn() -> dict:
                 injected.append({"kind": "extra-ref", "block": held[0].block_id, "rid": rid})
         step_ends(kv, live)
         probe.PROBE.state.recorder.flush()  # NOTE: opened at the first step
+        time.sleep(CHURN_ROUND_S)  # NOTE: the run lasts past a 0.5 s window however fast the machine
         if (i + 1) % CHURN_CENSUS_EVERY == 0:
             censuses.append(idle(kv, live))
     probe.PROBE.state.recorder.close()
