@@ -32,6 +32,7 @@ from typing import Any, TextIO
 import zmq
 
 from kvscope.app.progress import Progress
+from kvscope.app.report import retention_lines, run_retention
 from kvscope.attach.discover import EngineInfo, discover
 from kvscope.attach.errors import AttachError
 from kvscope.attach.recorder import AttachRecorder, attach_ready, source_config
@@ -127,6 +128,7 @@ def attach(args: argparse.Namespace, out: TextIO | None = None) -> int:
             subscriber.close()
     recorder.close(counters, outcome.status, outcome.error)
     summary = summarize(recorder, counters, display_name(capture), outcome)
+    summary["retention"] = run_retention(str(capture), recorder.run_id) if retention.bounded else None
     if args.json:
         out.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     else:
@@ -311,6 +313,7 @@ def summarize(recorder: AttachRecorder, counters: dict[str, Any], capture: str, 
 
 def summary_text(summary: dict[str, Any]) -> str:
     pages, stream = summary["pages"], summary["stream"]
+    kept = summary.get("retention")
     rate = summary["hit_rate"]
     lines = [
         f"ended             {summary['ended']}",
@@ -329,6 +332,7 @@ def summary_text(summary: dict[str, Any]) -> str:
             else []
         ),
         f"scrapes           {summary['ticks']}",
+        *[f"{'retention' if i == 0 else '':<18}{line}" for i, line in enumerate(retention_lines(kept) if kept else [])],
         f"capture           {summary['capture']} (run {summary['run_id']}, {summary['status']})",
     ]
     return "\n".join(lines) + "\n"

@@ -32,6 +32,7 @@ from kvscope.debug.engine_log import read_engine_log
 from kvscope.debug.engine_log import render_text as render_engine_log
 from kvscope.debug.report import CHECK_EXIT_CODES, REPORT_KIND, Verdict, run_row, stored_report, verdict
 from kvscope.telemetry import Capture, CaptureError, display_name
+from kvscope.telemetry.retention import OverBound, size_text
 
 PROGRESS_DELAY_S = 1.0  # a replay shorter than this shows no progress
 
@@ -128,21 +129,46 @@ def _text(value: Any) -> str | None:
     return str(value)
 
 
-def run_entry(row: Any, event_bytes: int | None = None, kept: Any = None) -> dict[str, Any]:
+def run_entry(
+    row: Any, event_bytes: int | None = None, kept: Any = None, over: OverBound | None = None
+) -> dict[str, Any]:
     """One run as `kvscope runs --json` gives it; an empty or malformed field is None. `event_bytes`:
-    its kept events' packed bytes; `kept`: its retention row (None: no bound, nothing dropped)."""
+    its kept events' packed bytes; `kept`: its retention row (None: no bound, nothing dropped);
+    `over`: the capture is past its size bound (Capture.over_bounds)."""
     started = _number(row.started_at)
     end = _number(row.ended_at)
     end = _number(row.heartbeat_at) if end is None else end
     return {
         **_base_entry(row, started, end),
         "event_bytes": event_bytes,
-        "retention": None if kept is None else _retention_entry(kept),
+        "retention": None if kept is None else _retention_entry(kept, over),
     }
 
 
-def _retention_entry(kept: Any) -> dict[str, Any]:
-    """A run's bounds and what it dropped (schema.event_retention)."""
+def run_retention(target: str, run_id: int) -> dict[str, Any] | None:
+    """One run's retention entry (as in `kvscope runs --json`) read from its capture; None when it
+    has no bound or the capture cannot be read (the verb that recorded it said why)."""
+    try:
+        capture = Capture(target)
+    except CaptureError:
+        return None
+    try:
+        kept = capture.run_retention(run_id)
+        return None if kept is None else _retention_entry(kept, capture.over_bounds().get(run_id))
+    except CaptureError:
+        return None
+    finally:
+        capture.close()
+
+
+def retention_lines(kept: dict[str, Any]) -> list[str]:
+    """What a bounded run kept and dropped, and the warning when its bound is not kept."""
+    return [_retention_text(kept), *_over_bound_lines(kept)]
+
+
+def _retention_entry(kept: Any, over: OverBound | None) -> dict[str, Any]:
+    """A run's bounds and what it dropped (schema.event_retention); `over_bound`: the capture's
+    bytes in use and what is kept for life of them when it is past the size bound, else None."""
     dropped = int(kept.first_seq)
     return {
         "keep_events_s": _number(kept.keep_events_s),
@@ -150,6 +176,9 @@ def _retention_entry(kept: Any) -> dict[str, Any]:
         "dropped_events": dropped,
         "dropped_bytes": int(kept.dropped_bytes),
         "events_from_step": int(kept.first_step) if dropped else None,
+        "over_bound": None
+        if over is None
+        else {"used_bytes": over.used_bytes, "kept_for_life_bytes": over.kept_for_life_bytes},
     }
 
 
@@ -172,6 +201,7 @@ def runs_verb(args: argparse.Namespace) -> int:
         frame = capture.runs()
         sizes = capture.event_bytes()
         retention = capture.retention()
+        over = capture.over_bounds()
     finally:
         capture.close()
     if args.run is not None:
@@ -179,7 +209,10 @@ def runs_verb(args: argparse.Namespace) -> int:
             raise ValueError(f"{capture.name}: no run {args.run} (runs: {', '.join(map(str, frame.id)) or 'none'})")
         frame = frame[frame.id == args.run]
     kept = {int(row.run_id): row for row in retention.itertuples()}
-    entries = [run_entry(row, sizes.get(int(row.id), 0), kept.get(int(row.id))) for row in frame.itertuples()]
+    entries = [
+        run_entry(row, sizes.get(int(row.id), 0), kept.get(int(row.id)), over.get(int(row.id)))
+        for row in frame.itertuples()
+    ]
     if args.json:
         print(json.dumps({"capture": capture.name, "runs": entries}, indent=2))
     elif not entries:
@@ -194,7 +227,7 @@ def runs_table(entries: list[dict[str, Any]]) -> list[str]:
     for run in entries:
         started = "-" if run["started_at"] is None else run["started_at"].replace("T", " ").rstrip("Z")
         seconds = "-" if run["seconds"] is None else f"{run['seconds']:.1f}"
-        size = "-" if run.get("event_bytes") is None else _bytes_text(run["event_bytes"])
+        size = "-" if run.get("event_bytes") is None else size_text(run["event_bytes"])
         lines.append(
             f"{run['id']:>4}  {run['status'] or '-':<22} {run['level'] or '-':<8} {started:<20} "
             f"{seconds:>8} {size:>9}  {run['label'] or '-'}"
@@ -203,26 +236,28 @@ def runs_table(entries: list[dict[str, Any]]) -> list[str]:
             lines.append(f"{'':>6}error: {run['error']}")
         if run.get("retention"):
             lines.append(f"{'':>6}retention: {_retention_text(run['retention'])}")
+            lines += [f"{'':>6}{line}" for line in _over_bound_lines(run["retention"])]
     return lines
-
-
-def _bytes_text(num_bytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.1f} {unit}"
-    return f"{num_bytes} B"
 
 
 def _retention_text(kept: dict[str, Any]) -> str:
     bounds = [f"{_seconds_text(kept['keep_events_s'])} of events" if kept["keep_events_s"] else None]
-    bounds.append(f"at most {_bytes_text(kept['max_bytes'])}" if kept["max_bytes"] else None)
+    bounds.append(f"at most {size_text(kept['max_bytes'])}" if kept["max_bytes"] else None)
     keeps = " and ".join(b for b in bounds if b)
     if not kept["dropped_events"]:
         return f"keeps {keeps}; nothing dropped yet"
     return (
         f"keeps {keeps}; events from step {kept['events_from_step']} on ({kept['dropped_events']:,} older "
-        f"events, {_bytes_text(kept['dropped_bytes'])}, dropped)"
+        f"events, {size_text(kept['dropped_bytes'])}, dropped)"
     )
+
+
+def _over_bound_lines(kept: dict[str, Any]) -> list[str]:
+    over = kept.get("over_bound")
+    if not over:
+        return []
+    text = OverBound(over["used_bytes"], kept["max_bytes"], over["kept_for_life_bytes"]).text()
+    return [f"WARNING: the size bound is not kept: {text}"]
 
 
 def _seconds_text(seconds: float) -> str:

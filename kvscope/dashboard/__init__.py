@@ -3,8 +3,8 @@ cached reads (data.py, and reads.py for the links, time and leak views), pure bu
 (charts/, timing.py, latency.py, leak_views.py), the pages (app_pages/), what a run's source can
 show (capability.py, over kvscope.telemetry.capabilities: each page section renders when its
 capability is provided, else one line), the sections that read an engine's own figures (its
-/metrics and the page forest of its KV events: reported.py, attached.py) and `make run`'s
-launcher (launch.py).
+/metrics and the page forest of its KV events: reported.py, attached.py), what retention dropped
+of a run's events (retained.py) and `make run`'s launcher (launch.py).
 
 It reads captures through kvscope.telemetry's read functions (read-only; it holds no SQL) and
 the leak report through kvscope.debug; it never imports torch or the engine layers

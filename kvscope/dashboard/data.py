@@ -90,6 +90,25 @@ def event_counts(path: str, run_id: int, stamp: float) -> pd.DataFrame:
     return open_capture(path).event_counts(run_id)
 
 
+class Retained(NamedTuple):
+    """What retention did to a run's events (None: nothing dropped) and whether the capture is past its
+    size bound now (OverBound.text, else None)."""
+
+    first_step: int | None
+    dropped_events: int
+    over_bound: str | None
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def retained(path: str, run_id: int, stamp: float) -> Retained:
+    capture = open_capture(path)
+    kept = capture.run_retention(run_id)
+    if kept is None:
+        return Retained(None, 0, None)
+    dropped, over = int(kept.first_seq), capture.over_bounds().get(run_id)
+    return Retained(int(kept.first_step) if dropped else None, dropped, None if over is None else over.text())
+
+
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def step_range(path: str, run_id: int, stamp: float) -> pd.DataFrame:
     return open_capture(path).step_range(run_id)

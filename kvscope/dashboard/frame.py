@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import data, tenants, url_state
+from kvscope.dashboard import data, retained, tenants, url_state
 from kvscope.telemetry import CaptureError, display_name, link_name
 
 CAPTURE_DIRS = (Path("runs"), Path("sample_runs"))
@@ -182,6 +182,7 @@ def render_frame() -> Selection | None:
     url_state.reset(capture=link_name(path), run=int(run.id), tenant=tenant)
     url_state.show_notes()
     chosen = Selection(path, int(run.id), run, stamp, bool(refresh) and status == "running", status, tenant)
+    retained.over_bound_line(chosen)
     st.session_state[STATE_KEY] = chosen
     return chosen
 

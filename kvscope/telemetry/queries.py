@@ -32,6 +32,7 @@ from kvscope.telemetry.event_source import (
     read_events,
 )
 from kvscope.telemetry.events import EventKind
+from kvscope.telemetry.retention import OverBound, over_bound
 from kvscope.telemetry.store import (
     CaptureError,
     display_name,
@@ -169,6 +170,36 @@ class Capture:
                     ).scalar_one_or_none()
                 sizes[int(run_id)] = int(num_bytes or 0)
         return sizes
+
+    def used_bytes(self) -> int | None:
+        """The size a size bound counts (retention.py's NOTE): a SQLite file's pages in use; None on
+        a server database (a bound there counts the run's own event bytes)."""
+        if self.engine.dialect.name != "sqlite":
+            return None
+        with self.engine.connect() as conn:
+            pages, free, page_bytes = (
+                int(conn.exec_driver_sql(f"PRAGMA {name}").scalar_one())
+                for name in ("page_count", "freelist_count", "page_size")
+            )
+        return (pages - free) * page_bytes
+
+    def over_bounds(self) -> dict[int, OverBound]:
+        """Each run whose size bound the capture is past now, and by what (retention.over_bound)."""
+        bounded = self.retention()
+        bounded = bounded[bounded.max_bytes.notna()]
+        if bounded.empty:
+            return {}
+        sizes, used = self.event_bytes(), self.used_bytes()
+        found = {}
+        for row in bounded.itertuples():
+            run_id = int(row.run_id)
+            own = sizes.get(run_id, 0)
+            over = over_bound(
+                int(row.max_bytes), own if used is None else used, own if used is None else sum(sizes.values())
+            )
+            if over is not None:
+                found[run_id] = over
+        return found
 
     def ledger_checkpoint(self, run_id: int) -> Any | None:
         """The run's stored ledger state (through_seq, step, producer, body), or None."""

@@ -19,8 +19,10 @@ NOTE: the size a bound counts
     A SQLite file: the database's pages in use, (page_count - freelist_count) * page_size, over
     every table and run in the file. A freed page is reused by the next writes, so the file's
     size is the high-water mark of pages in use: a pass starts dropping above HIGH_WATER of the
-    bound and drops to LOW_WATER, so the file stays under the bound while one batch is smaller
-    than the margin. The -wal log is not counted (it is folded in, up to a few MB at a time).
+    bound, or when the next batch (as large as the largest of the last RECENT_BATCHES) would not
+    fit, and drops to LOW_WATER, or lower to leave room for two such batches (a slow writer's
+    batch is up to flush_max_events: several MB). The -wal log is not counted (it is folded in,
+    up to a few MB at a time).
     A server database (PostgreSQL): the run's own packed event bytes (the database is shared by
     many engines' runs; its tables' sizes are the server's).
 NOTE: the ledger gate
@@ -28,9 +30,15 @@ NOTE: the ledger gate
     needs every event from the run's start. Such a run is `gated`: a pass drops only the chunks a
     stored ledger checkpoint (ledger_checkpoints.through_seq) already covers, so a replay starts
     from that state and its verdict stays exact. A size bound waits for the gate up to HARD_WATER
-    (the checkpointer starts when a quarter of the bound is used, and is ahead long before): past it
+    less the largest recent batch's bytes, so the next batch still fits (a fast engine's batch is MBs: an
+    8 MiB bound was passed by one while the gate held). The checkpointer starts when a quarter of
+    the bound is used, and is ahead long before; past that point
     the bound wins, and readers see that the checkpoint stops short of the first kept event (their
     verdict is then inconclusive, never clean).
+NOTE: a bound that cannot be kept
+    What a run keeps for life is never dropped, so a bound smaller than it (and the newest chunk) is
+    passed: the pass then says so once (over_bound_line: the writer prints it on the verb's stderr),
+    and readers say it of the capture as it is (over_bound: `kvscope runs`, the dashboard's sidebar).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from typing import Any, NamedTuple, Protocol
 USAGE_EVERY_STEPS = 10  # NOTE: past the kept events, one usage row in this many steps stays (and each at a leak check)
 HIGH_WATER = 0.8  # NOTE: a pass drops when the size passes this share of the bound ...
 LOW_WATER = 0.6  # ... down to this share (the margin takes a batch and a checkpoint rewritten beside it)
+RECENT_BATCHES = 8  # NOTE: the next batch may be as large as the largest of these (its room is kept free)
 HARD_WATER = 0.95  # NOTE: a gated run's size drops wait for its ledger checkpoint up to this share
 _UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _UNITS_BYTES = {
@@ -75,6 +84,38 @@ def parse_size_bytes(text: str) -> int:
             "KB, MB, GB are decimal)"
         )
     return value
+
+
+def size_text(num_bytes: float) -> str:
+    """A size for people: '1.2 MiB', '512 B'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{int(num_bytes)} B"
+
+
+class OverBound(NamedTuple):
+    """A capture past a run's size bound: its bytes in use and, of those, what no pass may drop
+    (everything but the kept events: leak checks, censuses, requests, usage, tree snapshots)."""
+
+    used_bytes: int
+    max_bytes: int
+    kept_for_life_bytes: int
+
+    def text(self) -> str:
+        return (
+            f"the capture holds {size_text(self.used_bytes)}, over its bound of {size_text(self.max_bytes)}: what "
+            f"is kept for life (leak checks, censuses, requests, usage, tree snapshots) takes "
+            f"{size_text(self.kept_for_life_bytes)} of it, and none of it is dropped"
+        )
+
+
+def over_bound(max_bytes: int | None, used_bytes: int | None, event_bytes: int) -> OverBound | None:
+    """The capture past `max_bytes` (None: within it, or no size bound). `used_bytes`: the size the
+    bound counts (module NOTE); `event_bytes`: the kept events' packed bytes within it."""
+    if max_bytes is None or used_bytes is None or used_bytes <= max_bytes:
+        return None
+    return OverBound(used_bytes, max_bytes, max(0, used_bytes - event_bytes))
 
 
 class Retention(NamedTuple):
@@ -128,6 +169,8 @@ class RetentionPass:
         self.dropped_bytes = 0
         self.started = False
         self.thinned_to = 0  # NOTE: usage rows before this step are thinned already
+        self.said_over = False  # NOTE: the line that the bound cannot be kept is said once
+        self.batches: deque[int] = deque(maxlen=RECENT_BATCHES)
 
     def first_rows(self) -> list[tuple[Any, list[Any]]]:
         """The run's event_retention row, written with its first batch."""
@@ -137,23 +180,47 @@ class RetentionPass:
         r = self.retention
         return [(self.statements.insert, [(self.run_id, r.keep_events_s, r.max_bytes, 0, -1, 0, 0, None)])]
 
-    def wrote(self, mark: ChunkMark) -> None:
-        self.kept.append(mark)
-        self.kept_bytes += mark.num_bytes
+    def wrote(self, marks: list[ChunkMark]) -> None:
+        """The chunks of one transaction (a batch can hold several: CHUNK_ITEMS events each)."""
+        for mark in marks:
+            self.kept.append(mark)
+            self.kept_bytes += mark.num_bytes
+        self.batches.append(sum(m.num_bytes for m in marks))
 
-    def after_write(self, sink: Sink) -> None:
-        """Drop what the bounds no longer keep (see the module NOTE); a failure is the caller's."""
+    @property
+    def batch_bytes(self) -> int:
+        """The largest of the recent transactions' event bytes: room the next one may need."""
+        return max(self.batches, default=0)
+
+    def after_write(self, sink: Sink) -> str | None:
+        """Drop what the bounds no longer keep (see the module NOTE); a failure is the caller's.
+        Returns a line, once, when the capture stays past its size bound with nothing left to drop."""
+        used = self._used(sink)
         if len(self.kept) < 2:
-            return
-        used = sink.used_bytes()
-        used = self.kept_bytes if used is None else used
+            return self._over_bound_line(used)
         count = max(self._past_window(), self._over_size(used))
         bound = self.retention.max_bytes
-        if count and self.retention.gated and (bound is None or used <= HARD_WATER * bound):
-            count = min(count, self._covered(sink))
+        if count and self.retention.gated and (bound is None or used + self.batch_bytes <= HARD_WATER * bound):
+            count = min(count, self._covered(sink))  # NOTE: while a batch like the last one still fits under it
         count = min(count, len(self.kept) - 1)  # NOTE: the newest chunk stays
         if count > 0:
             self._drop(sink, count)
+            used = self._used(sink) if bound is not None and used > bound else used
+        return self._over_bound_line(used)
+
+    def _used(self, sink: Sink) -> int:
+        used = sink.used_bytes()
+        return self.kept_bytes if used is None else used
+
+    def _over_bound_line(self, used: int) -> str | None:
+        """Past the bound with only the newest chunk left: what is kept for life fills it."""
+        if self.said_over or len(self.kept) > 1:
+            return None
+        over = over_bound(self.retention.max_bytes, used, self.kept_bytes)
+        if over is None:
+            return None
+        self.said_over = True
+        return f"kvscope recorder: run {self.run_id} cannot keep its size bound: {over.text()}; give a larger bound"
 
     def _past_window(self) -> int:
         keep_s = self.retention.keep_events_s
@@ -168,10 +235,12 @@ class RetentionPass:
         return count
 
     def _over_size(self, used: int) -> int:
-        bound = self.retention.max_bytes
-        if bound is None or used <= HIGH_WATER * bound:
+        """How many of the oldest chunks go: past HIGH_WATER, or when the next batch would not fit,
+        down to LOW_WATER (or lower, to leave room for two batches)."""
+        bound, batch = self.retention.max_bytes, self.batch_bytes
+        if bound is None or (used <= HIGH_WATER * bound and used + batch <= bound):
             return 0
-        need, count, freed = used - LOW_WATER * bound, 0, 0
+        need, count, freed = used - min(LOW_WATER * bound, bound - 2 * batch), 0, 0
         for mark in self.kept:
             if freed >= need:
                 break

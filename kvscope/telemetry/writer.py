@@ -268,18 +268,21 @@ class Writer:
     def _retain(self) -> None:
         """The retention pass, between transactions (retention.py); one that fails (a busy or full
         database) drops nothing and is tried again after the next batch; the first failure is one
-        line on stderr (the capture may then outgrow its bound)."""
+        line on stderr (the capture may then outgrow its bound), and so is a bound that what the
+        run keeps for life passes."""
         if self.retention is None:
             return
-        for mark in self._marks:
-            self.retention.wrote(mark)
+        self.retention.wrote(self._marks)
         self._marks = []
         try:
-            self.retention.after_write(self._sink())
+            line = self.retention.after_write(self._sink())
         except Exception as err:
             if not self.retention_failed:
                 self.retention_failed = True
                 print(f"kvscope recorder: retention could not drop events: {first_line(err)}", file=sys.stderr)
+            return
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
 
     def beat(self) -> None:
         """The heartbeat alone (no batch came for a while); skipped once recording stopped, and

@@ -139,3 +139,32 @@ def test_events_dropped_past_the_checkpoint_make_the_verdict_inconclusive(tmp_pa
         f"{as_json('report', 'leaks', str(late), '--json')['dropped_before_step']} were dropped by retention "
         "before the ledger summarized them: culprits before it cannot be named"
     )
+
+
+def test_a_bound_what_is_kept_for_life_fills_is_said_on_the_verbs_stderr_and_in_runs(tmp_path: Path) -> None:
+    """`kvscope run --max-size 64KiB`: the capture's tables alone are larger. The run goes on, loses no
+    request or leak check, and says once on stderr that its bound cannot be kept; `kvscope runs` warns."""
+    capture = tmp_path / "tight.db"
+    trace = write_trace(tmp_path / "small.jsonl", num_requests=24, prompt_len=200)
+    out = kvscope(
+        "run",
+        "--trace",
+        str(trace),
+        "--capture",
+        str(capture),
+        "--kv-tokens",
+        "4096",
+        "--torch-threads",
+        "1",
+        "--max-size",
+        "64KiB",
+    )
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    said = [line for line in out.stderr.splitlines() if "cannot keep its size bound" in line]
+    assert len(said) == 1 and said[0].startswith(
+        "kvscope recorder: run 1 cannot keep its size bound: the capture holds"
+    )
+    assert rows(capture, "SELECT count(*) FROM requests") == [(24,)] and rows(
+        capture, "SELECT count(*) FROM leak_checks"
+    )
+    assert "WARNING: the size bound is not kept: the capture holds" in kvscope("runs", str(capture)).stdout

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,10 @@ SCRAPE_S = 0.3
 STOP_TIMEOUT_S = 60.0
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
-    tmp = tmp_path_factory.mktemp("attach-serve")
-    ipc = Path(os.path.realpath("/tmp")) / f"kvs-attach-{os.getpid()}"  # NOTE: ipc:// paths stay short
+@contextmanager
+def serving_kv_events(tmp: Path) -> Iterator[Server]:
+    """`kvscope serve` at level full, publishing its KV events on ipc:// (short paths under /tmp)."""
+    ipc = Path(os.path.realpath("/tmp")) / f"kvs-attach-{os.getpid()}-{tmp.name}"
     ipc.mkdir(exist_ok=True)
     config = {
         "publisher": "zmq",
@@ -46,21 +47,30 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, P
         "replay_endpoint": f"ipc://{ipc}/replay.sock",
         "topic": "kv",
     }
-    with serving(
-        tmp / "serve.db",
-        "--page-size",
-        str(PAGE_SIZE),
-        "--kv-tokens",
-        str(KV_TOKENS),
-        "--level",
-        "full",
-        "--kv-events-config",
-        json.dumps(config),
-    ) as server:
+    try:
+        with serving(
+            tmp / "serve.db",
+            "--page-size",
+            str(PAGE_SIZE),
+            "--kv-tokens",
+            str(KV_TOKENS),
+            "--level",
+            "full",
+            "--kv-events-config",
+            json.dumps(config),
+        ) as server:
+            yield server
+    finally:
+        for leftover in ipc.iterdir():
+            leftover.unlink()
+        ipc.rmdir()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
+    tmp = tmp_path_factory.mktemp("attach-serve")
+    with serving_kv_events(tmp) as server:
         yield server, tmp
-    for leftover in ipc.iterdir():
-        leftover.unlink()
-    ipc.rmdir()
 
 
 class Attached:

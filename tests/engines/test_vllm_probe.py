@@ -668,3 +668,44 @@ def test_frees_deferred_for_an_in_flight_step_are_made_for_their_request(tmp_pat
     released = result["released_for"]
     assert "req-1" in released.values() and None not in released.values(), released
     assert all(c["ok"] for c in result["censuses"])
+
+
+RETAIN_BOUND_BYTES = 320 * 1024
+
+
+def test_retention_settings_are_honoured_and_check_says_what_an_unbounded_capture_says(tmp_path: Path) -> None:
+    """KVSCOPE_MAX_SIZE and KVSCOPE_KEEP_EVENTS in vLLM's real block pool (the churn scenario: many
+    requests, a leak injected early, a census every 40 rounds): the bounded captures drop their oldest
+    events, the size-bounded one stays within its bound, every leak check and request is kept, and
+    `check` gives the unbounded capture's verdict and reason (the census needs no dropped event)."""
+    captures = {
+        "all": (tmp_path / "all.db", {"KVSCOPE_MAX_SIZE": "none"}),
+        "size": (tmp_path / "size.db", {"KVSCOPE_MAX_SIZE": f"{RETAIN_BOUND_BYTES}B"}),
+        "window": (tmp_path / "window.db", {"KVSCOPE_KEEP_EVENTS": "0.5s", "KVSCOPE_MAX_SIZE": "none"}),
+    }
+    results = {name: drive("churn", path, env=env) for name, (path, env) in captures.items()}
+    assert all(r["injected"] and not r["censuses"][-1]["ok"] for r in results.values())
+    verdicts = {}
+    for name, (path, _) in captures.items():
+        out = kvscope("check", str(path), "--json")
+        assert out.returncode == 1, out.stdout + out.stderr
+        verdicts[name] = {k: json.loads(out.stdout)[k] for k in ("verdict", "reason")}
+        assert "Traceback" not in results[name]["stderr"] and "cannot keep" not in results[name]["stderr"]
+    assert verdicts["size"] == verdicts["window"] == verdicts["all"] and verdicts["all"]["verdict"] == "leak"
+    all_db = captures["all"][0]
+    assert _sql(all_db, "SELECT count(*) FROM event_retention") == [(0,)]  # NOTE: 'none': no bound, no row
+    kept_for_life = (
+        "SELECT step, pool, ok, held FROM leak_checks ORDER BY 1, 2",
+        "SELECT rid, status, prompt_len FROM requests ORDER BY rid",
+        "SELECT step, term, block FROM census_blocks ORDER BY 1, 2, 3",
+    )
+    for name in ("size", "window"):
+        path, _ = captures[name]
+        ((first_seq, max_bytes, keep_s),) = _sql(
+            path, "SELECT first_seq, max_bytes, keep_events_s FROM event_retention"
+        )
+        assert first_seq > 0, name
+        assert (max_bytes, keep_s) == ((RETAIN_BOUND_BYTES, None) if name == "size" else (None, 0.5)), name
+        for query in kept_for_life:
+            assert _sql(path, query) == _sql(all_db, query), (name, query)
+    assert captures["size"][0].stat().st_size <= RETAIN_BOUND_BYTES < all_db.stat().st_size

@@ -3,7 +3,7 @@ Run with the vLLM venv's python, kvscope on PYTHONPATH:
 
     python vllm_probe_driver.py SCENARIO      (clean, extra-ref, double-free, untested-version,
                                                changed-shape, missing-target, inert, life, refs, shutdown, crash,
-                                               polled-crash, reused-parent; on vLLM's real Scheduler
+                                               polled-crash, reused-parent, churn; on vLLM's real Scheduler
                                                (vllm_sched_driver.py): busy, linger, unpinned,
                                                preempt-free, deferred)
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 import torch
@@ -234,6 +235,9 @@ def main(scenario: str) -> None:
     if scenario in ("shutdown", "crash"):
         print(json.dumps({"said": said, **engine_ends(scenario == "crash")}))
         return
+    if scenario == "churn":
+        print(json.dumps({"said": said, **churn()}))
+        return
     if scenario == "evict-first":
         print(json.dumps({"said": said, **evict_first()}))
         return
@@ -368,6 +372,37 @@ def polled_then_crash() -> dict:
     except ValueError:
         pass
     return {"lostref": [a["lostref"] for a in answers], "blocks": [table[0].block_id, table[1].block_id]}
+
+
+CHURN_ROUNDS = 240
+CHURN_CENSUS_EVERY = 40
+CHURN_ROUND_S = 0.005
+
+
+def churn() -> dict:
+    """Many short requests of distinct tokens (each caches blocks and evicts older ones), a hand-off
+    per round (a chunk each) and an idle census every CHURN_CENSUS_EVERY rounds; in round 3 vLLM keeps
+    one extra reference of a finished request's block (a leak every later census names). Enough events
+    that a small KVSCOPE_MAX_SIZE or KVSCOPE_KEEP_EVENTS drops the oldest ones."""
+    kv, live, censuses, injected = manager(), {}, [], []
+    for i in range(CHURN_ROUNDS):
+        probe.PROBE.step_begins()
+        for j in range(2):
+            rid = f"req-{i}-{j}"
+            req = serve(kv, live, rid, [10_000 + 1000 * (2 * i + j) + t for t in range(3 * BLOCK + 1)])
+            held = list(kv.coordinator.single_type_managers[0].req_to_blocks[rid])
+            finish(kv, live, req)
+            if i == 3 and j == 0:
+                with probe_context(rid):
+                    kv.block_pool.touch([held[0]])
+                injected.append({"kind": "extra-ref", "block": held[0].block_id, "rid": rid})
+        step_ends(kv, live)
+        probe.PROBE.state.recorder.flush()  # NOTE: opened at the first step
+        time.sleep(CHURN_ROUND_S)  # NOTE: the run lasts past a 0.5 s window however fast the machine
+        if (i + 1) % CHURN_CENSUS_EVERY == 0:
+            censuses.append(idle(kv, live))
+    probe.PROBE.state.recorder.close()
+    return {"censuses": censuses, "injected": injected}
 
 
 class probe_context:

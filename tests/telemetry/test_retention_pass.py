@@ -5,7 +5,10 @@ and a size bound waits for it up to 95% of the bound. Readers read what is kept 
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -57,10 +60,13 @@ def retained(path: Path) -> tuple[int, int, int]:
     return int(first_seq), int(num_chunks), int(first_chunk_seq)
 
 
-def test_a_size_bound_keeps_the_file_under_it_and_the_run_readable(tmp_path: Path) -> None:
+def test_a_size_bound_keeps_the_file_under_it_and_the_run_readable(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "c.db"
     bound = 400_000
     record(path, Retention(max_bytes=bound))
+    assert "cannot keep its size bound" not in capfd.readouterr().err
     first_seq, num_chunks, first_chunk_seq = retained(path)
     assert path.stat().st_size <= bound and first_seq > 0 and num_chunks >= 1 and first_chunk_seq == first_seq
     capture = Capture(path)
@@ -101,6 +107,41 @@ def test_a_size_bound_passes_the_checkpoint_only_near_the_bound(tmp_path: Path) 
     assert path.stat().st_size <= 400_000 and retained(path)[0] > 0
 
 
+def test_a_gated_run_without_a_checkpoint_keeps_its_bound_under_large_batches(tmp_path: Path) -> None:
+    """No checkpointer: the gate holds the drops until the bound must win. Each batch is about a tenth of
+    the bound, so the gate gives way while the next batch still fits (at 95% of the bound, one landed past it)."""
+    path = tmp_path / "c.db"
+    bound = 600_000
+    recorder = SQLRecorder(path, retention=Retention(max_bytes=bound, gated=True))
+    rng = np.random.default_rng(3)
+    for step in range(60):
+        recorder.step = step
+        for i in range(30):
+            recorder.record(
+                EventKind.ALLOC, pool=PoolName.FULL, rid=f"r{step}-{i}", slots=rng.integers(0, 1 << 30, 400)
+            )
+        recorder.flush()
+    recorder.close()
+    assert retained(path)[0] > 0 and path.stat().st_size <= bound
+
+
+def test_batches_of_several_chunks_fit_under_the_bound(tmp_path: Path) -> None:
+    """A slow writer's batch holds up to flush_max_events events, several chunks of 65,536 in one
+    transaction: the pass keeps room for the largest recent one, so a file bounded at about four
+    batches stays under its bound (at 80% to 60% alone, a batch landed past it)."""
+    path = tmp_path / "c.db"
+    slots = np.arange(8)
+    recorder = SQLRecorder(path, retention=Retention(max_bytes=6 << 20), flush_interval_s=3600.0)
+    for step in range(12):
+        recorder.step = step
+        for i in range(70_000):
+            recorder.record(EventKind.ALLOC, pool=PoolName.FULL, rid="r", node_id=i, slots=slots + i)
+        recorder.flush()
+    recorder.close()
+    assert rows_of(path, "SELECT max(chunk) FROM event_chunks") == [(2 * 12 - 1,)]  # NOTE: two chunks a batch
+    assert retained(path)[0] > 0 and path.stat().st_size <= 6 << 20
+
+
 @pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("30m", 1800), ("6h", 21600), ("7d", 604800), ("1.5", 1.5)])
 def test_durations(text: str, seconds: float) -> None:
     assert parse_duration_s(text) == seconds
@@ -135,6 +176,34 @@ def test_a_pass_that_cannot_drop_says_so_once_and_loses_nothing(
     lines = [line for line in capfd.readouterr().err.splitlines() if "retention" in line]
     assert lines == ["kvscope recorder: retention could not drop events: kept"]
     assert retained(path)[0] == 0 and rows_of(path, "SELECT count(*) FROM usage") == [(12,)]
+
+
+def test_a_bound_smaller_than_what_is_kept_for_life_is_said_and_nothing_kept_for_life_goes(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The capture's tables alone take more than 64 KiB: the bound cannot be kept. The writer says so
+    once on stderr, drops every event but the newest chunk and no leak check; `kvscope runs` says it
+    too, as text and as JSON."""
+    path = tmp_path / "c.db"
+    bound = 64 * 1024
+    record(path, Retention(max_bytes=bound), steps=30)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "bound" in line]
+    assert len(lines) == 1 and lines[0].startswith("kvscope recorder: run 1 cannot keep its size bound: the capture")
+    assert "over its bound of 64.0 KiB" in lines[0] and "kept for life" in lines[0]
+    assert retained(path)[1] == 1 and rows_of(path, "SELECT step FROM leak_checks") == [(CHECK_STEP,)]
+    out = subprocess.run(
+        [sys.executable, "-m", "kvscope", "runs", str(path)], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert "WARNING: the size bound is not kept: the capture holds" in out, out
+    listed = subprocess.run(
+        [sys.executable, "-m", "kvscope", "runs", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    over = json.loads(listed)["runs"][0]["retention"]["over_bound"]
+    assert over["used_bytes"] > bound and bound < over["kept_for_life_bytes"] <= over["used_bytes"]
 
 
 def rows_of(path: Path, sql: str) -> list[tuple]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import attached, capability, charts, data, live, reads, reported, timing
+from kvscope.dashboard import attached, capability, charts, data, live, reads, reported, retained, timing
 from kvscope.dashboard.frame import Selection, selection
 from kvscope.telemetry.capabilities import Capabilities, capabilities_of_json
 
@@ -137,5 +137,6 @@ def log_section(chosen: Selection, total: int) -> None:
 
 chosen = selection()
 st.header("Evictions")
+retained.dropped_line(chosen)
 capability.source_header(chosen, capability.of(chosen))
 live.follow(panel, "evictions")

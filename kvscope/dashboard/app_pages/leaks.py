@@ -10,7 +10,7 @@ from datetime import datetime
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import capability, charts, data, leak_views, reads, url_state
+from kvscope.dashboard import capability, charts, data, leak_views, reads, retained, url_state
 from kvscope.dashboard.frame import PAGES_DIR, Selection, selection
 from kvscope.dashboard.verdict import attached_verdict, leak_verdict, show_verdict
 from kvscope.debug import Leak, LeakKind, LeakReport, render_text, verdict
@@ -252,6 +252,7 @@ def injection_differences(report: LeakReport, paths: pd.DataFrame) -> list[str]:
 
 chosen = selection()
 st.header("Leaks")
+retained.dropped_line(chosen)
 caps: Capabilities = capability.of(chosen)
 capability.source_header(chosen, caps)
 if caps.lacks("leak_checks"):  # NOTE: kvscope cannot balance this source's pool: never "clean"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import capability, charts, data, reads, reported, tenants, x_axis
+from kvscope.dashboard import capability, charts, data, reads, reported, retained, tenants, x_axis
 from kvscope.dashboard.frame import Selection, selection
 from kvscope.telemetry.capabilities import Capabilities
 
@@ -185,4 +185,5 @@ def page(chosen: Selection, caps: Capabilities) -> None:
 
 chosen = selection()
 st.header("Memory")
+retained.dropped_line(chosen)
 page(chosen, capability.of(chosen))

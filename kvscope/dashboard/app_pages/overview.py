@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import capability, charts, data, live, reads, reported, x_axis
+from kvscope.dashboard import capability, charts, data, live, reads, reported, retained, x_axis
 from kvscope.dashboard.frame import Selection, selection
 from kvscope.dashboard.verdict import attached_verdict, leak_verdict, protected_help, run_seconds, show_verdict
 from kvscope.debug import LeakReport
@@ -184,4 +184,5 @@ def live_panel() -> None:
 
 chosen = selection()
 st.header("Overview")
+retained.dropped_line(chosen)
 live.fragment(live_panel, chosen.live)

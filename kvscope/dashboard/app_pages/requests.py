@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import capability, charts, data, latency, live, reads, reported, timing, url_state
+from kvscope.dashboard import capability, charts, data, latency, live, reads, reported, retained, timing, url_state
 from kvscope.dashboard.frame import Selection, selection
 
 PAGE_ROWS = 60
@@ -262,6 +262,7 @@ def table_section(chosen: Selection, totals: pd.DataFrame, notes: Any, clock: ti
 
 chosen = selection()
 st.header("Requests")
+retained.dropped_line(chosen)
 caps = capability.of(chosen)
 capability.source_header(chosen, caps)
 if caps.has("requests"):

@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import capability, charts, data, live, reported
+from kvscope.dashboard import capability, charts, data, live, reported, retained
 from kvscope.dashboard.frame import PAGES_DIR, Selection, selection
 from kvscope.telemetry import CaptureError
 
@@ -224,6 +224,7 @@ def tiers_view(chosen: Selection) -> None:
 
 chosen = selection()
 st.header("Tiers")
+retained.dropped_line(chosen)
 caps = capability.of(chosen)
 capability.source_header(chosen, caps)
 if caps.lacks("tiers"):

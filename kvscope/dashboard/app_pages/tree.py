@@ -17,6 +17,7 @@ from kvscope.dashboard import (
     node_details,
     reads,
     reported,
+    retained,
     tenants,
     url_state,
 )
@@ -329,4 +330,5 @@ def page(chosen: Selection, caps: Capabilities) -> None:
 
 chosen = selection()
 st.header("Radix tree")
+retained.dropped_line(chosen)
 page(chosen, capability.of(chosen))
