@@ -288,8 +288,8 @@ def test_one_fold_of_a_paged_allocators_mixed_calls_equals_folding_each_call_alo
 
 def test_the_allocator_hooks_keep_no_object_per_call_beyond_the_calls_tensor() -> None:
     """Each queued call keeps only SGLang's index tensor alive for the cyclic GC: its who and when are
-    plain values on the flat queue, not a tuple per call (kept tuples doubled the objects the GC's
-    young generation fills with between folds, and with it how often it collects). The fold reads
+    plain values on the flat queue, not a tuple per call (kept tuples doubled the objects each of
+    the GC's collections between folds scans and promotes). The fold reads
     them back: one event per call."""
     import gc
 
