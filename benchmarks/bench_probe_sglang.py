@@ -93,7 +93,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
 from benchmarks._results import Figure, this_run, write_figures  # noqa: E402
 from kvscope.probe import sglang as probe  # noqa: E402
-from kvscope.probe.sglang_ledger import FOLD_CALLS  # noqa: E402
+from kvscope.probe.sglang_ledger import FIELDS, FOLD_CALLS  # noqa: E402
 
 ROUNDS = 3_000
 REPEATS = 7
@@ -352,7 +352,7 @@ def main() -> int:
     pending = probe.PROBE.pending
 
     def queue_only() -> None:  # NOTE: the hooks' queue dropped where the fold would take it: no ledger, no events
-        if len(pending) >= FOLD_CALLS:
+        if len(pending) >= FOLD_CALLS * FIELDS:
             pending.clear()
 
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}

@@ -351,10 +351,10 @@ class SglangProbe:
         if not rids:
             return
         slots = _gather(table, starts, parts)
-        self.pending.append((BIND, allocator, rids, self.step, event, slots, parts))
+        self.pending.extend((BIND, allocator, rids, self.step, event, slots, parts))
         if peers is not None:
             mapping, swa = peers
-            self.pending.append((BIND, swa, rids, self.step, event, mapping[slots], parts))
+            self.pending.extend((BIND, swa, rids, self.step, event, mapping[slots], parts))
 
     def bind_mamba(self, reqs: Any, rows: Any) -> None:
         """After prepare_for_extend: each request's Mamba slots (its row's mamba index, and its
@@ -376,7 +376,7 @@ class SglangProbe:
             track = rows.req_index_to_mamba_ping_pong_track_buffer_mapping[index]
             width = 1 + track.shape[1]
             slots = sys.modules["torch"].cat((slots.unsqueeze(1), track.long()), 1).reshape(-1)
-        self.pending.append((BIND, rows.mamba_allocator, rids, self.step, "extend", slots, [width] * len(rids)))
+        self.pending.extend((BIND, rows.mamba_allocator, rids, self.step, "extend", slots, [width] * len(rids)))
 
     def retracted_requests(self, reqs: Iterable[Any]) -> None:
         """retract_decode's retracted requests: counted, and a retract event each (num_tokens = the
@@ -593,7 +593,7 @@ def _d_alloc(original: Callable[..., Any]) -> Callable[..., Any]:
         out = original(self, need_size)
         probe = PROBE
         if out is not None and probe.state.active and (probe.hot or _ready()):
-            probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
+            probe.pending.extend((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
         return out
 
     return alloc
@@ -616,7 +616,7 @@ def _d_alloc_extend(original: Callable[..., Any]) -> Callable[..., Any]:
         )
         probe = PROBE
         if out is not None and probe.state.active and (probe.hot or _ready()):
-            probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
+            probe.pending.extend((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
         return out
 
     return alloc_extend
@@ -628,7 +628,7 @@ def _d_alloc_decode(original: Callable[..., Any]) -> Callable[..., Any]:
         out = original(self, seq_lens, seq_lens_cpu, last_loc)
         probe = PROBE
         if out is not None and probe.state.active and (probe.hot or _ready()):
-            probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
+            probe.pending.extend((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
         return out
 
     return alloc_decode
@@ -640,7 +640,7 @@ def _d_release_pages(original: Callable[..., Any]) -> Callable[..., Any]:
         probe = PROBE
         if probe.state.active and (probe.hot or _ready()):
             for ids in page_ids:
-                probe.pending.append((FREE, self, probe.rid, probe.step, probe.event, ids, None))
+                probe.pending.extend((FREE, self, probe.rid, probe.step, probe.event, ids, None))
         return original(self, *page_ids)
 
     return _release_page_ids
@@ -654,7 +654,7 @@ def _d_token_free(original: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 if (probe.hot or _ready()) and free_index.numel():
                     kept = free_index if free_index._base is None else free_index.clone()
-                    probe.pending.append((FREE, self, probe.rid, probe.step, probe.event, kept, None))
+                    probe.pending.extend((FREE, self, probe.rid, probe.step, probe.event, kept, None))
             except Exception as err:
                 _failed(err)
         return original(self, free_index)
@@ -718,9 +718,9 @@ def _d_mamba_alloc(original: Callable[..., Any]) -> Callable[..., Any]:
                 else:
                     run = ledger.slot_run = [self, self.free_slots, 0, left, run[4], run[5]]
                     ledger.slot_runs.append(run)
-                probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", at, need_size))
+                probe.pending.extend((ALLOC, self, probe.rid, probe.step, "alloc", at, need_size))
             else:
-                probe.pending.append((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
+                probe.pending.extend((ALLOC, self, probe.rid, probe.step, "alloc", out, None))
         return out
 
     return alloc
@@ -757,7 +757,7 @@ def _d_mamba_free(original: Callable[..., Any]) -> Callable[..., Any]:
                 freed = size - before.nbytes  # NOTE: a new chain: it began with before, at the pops so far
                 probe.ledger.slot_run = run = [self, after, freed, size, after.itemsize, (before, probe.ledger.pops)]
                 probe.ledger.slot_runs.append(run)
-            probe.pending.append((FREE, self, probe.rid, probe.step, probe.event, freed, None))
+            probe.pending.extend((FREE, self, probe.rid, probe.step, probe.event, freed, None))
         return out
 
     return free

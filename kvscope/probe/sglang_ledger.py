@@ -1,7 +1,8 @@
 """The SGLang probe's page ledger: whom each page was last taken by and released for, kept in bulk.
 
 The allocator hooks and the bind only queue their index tensors (`PageLedger.pending`, no read per
-call; a Mamba slot call, most often, no tensor: see PageLedger.slot_runs); a fold takes the queue in
+call; a Mamba slot call, most often, no tensor: see PageLedger.slot_runs), as FIELDS plain values laid
+end to end (no tuple kept per call: see FIELDS); a fold takes the queue in
 call order into the ledgers (a numpy array per pool and per Mamba slot allocator, page -> entry id)
 and, at level full, emits one alloc / free event per allocator call. The probe folds every
 FOLD_INTERVAL_S or FOLD_CALLS entries, at each census and at exit. Imports: stdlib and numpy (torch
@@ -25,12 +26,16 @@ from kvscope.telemetry import EventKind
 KIND_NAMES = (EventKind.ALLOC._value_, EventKind.FREE._value_)  # NOTE: an event block's kinds, by ALLOC / FREE
 ALLOC, FREE, BIND = 0, 1, 2  # NOTE: what a pending entry records
 FOLD_CALLS = 512  # NOTE: pending entries that fold at the next step (else every FOLD_INTERVAL_S, and at a census)
+# NOTE: a pending entry is FIELDS values appended to the flat queue (PageLedger.pending.extend((kind, ...))),
+# not a tuple kept per call: a kept tuple is one more object for each of Python's cyclic GC collections
+# to scan and promote (what is kept until a fold sets one off about every 550 calls: ~0.3 µs per call)
+FIELDS = 7
 FOLD_INTERVAL_S = 0.2  # NOTE: as the recorder's hand-off: a step's events wait at most this long
 NO_RUN: list[Any] = [None, None, 0, 0, 0, None]  # NOTE: no open slot run (never written: a free starts a new list)
 _monotonic = time.monotonic
 Entry = tuple[str | None, int, str]  # NOTE: (rid, step, event), as sglang_census
 Pending = tuple[int, Any, Any, int, str, Any, Any]  # NOTE: (ALLOC/FREE/BIND, allocator, rid or a bind's rids,
-# step, event, index tensor, None or a bind's slots per request)
+# step, event, index tensor, None or a bind's slots per request): one entry's FIELDS values, as queued
 
 
 class Calls(NamedTuple):
@@ -127,7 +132,7 @@ class PageLedger:
     each page."""
 
     def __init__(self) -> None:
-        self.pending: list[Pending] = []  # NOTE: allocator calls and binds not yet folded, in order
+        self.pending: list[Any] = []  # NOTE: allocator calls and binds not yet folded, in order: Pending values, flat
         # NOTE: req rows: a dict; mamba: id(MambaSlotAllocator) -> its Ledger (an int8 checkpoint pool or a
         # draft head has its own allocator)
         self.takers: dict[str, Any] = {"full": Ledger(), "swa": Ledger(), "req": {}, "mamba": {}}
@@ -146,7 +151,7 @@ class PageLedger:
 
     def due(self, now: float) -> bool:
         """A fold every FOLD_CALLS entries or FOLD_INTERVAL_S (the probe asks once per step)."""
-        return len(self.pending) >= FOLD_CALLS or now - self.folded_at >= FOLD_INTERVAL_S
+        return len(self.pending) >= FOLD_CALLS * FIELDS or now - self.folded_at >= FOLD_INTERVAL_S
 
     def pool_of(self, allocator: Any) -> str:
         return self.pools.get(id(allocator), "full")
@@ -168,8 +173,8 @@ class PageLedger:
             self.slot_run = run = [run[0], run[1], 0, run[3], run[4], (run[1], self.pops)]
             self.slot_runs.append(run)
         self.folded_at = now = _monotonic()
-        n = len(pending)
-        columns = Calls(*zip(*pending, strict=True))
+        n = len(pending) // FIELDS
+        columns = Calls(*(tuple(pending[i::FIELDS]) for i in range(FIELDS)))
         kinds, allocators = columns.kinds, columns.allocators
         binds = BIND in kinds
         frees = FREE in kinds
@@ -179,6 +184,8 @@ class PageLedger:
         one = allocators.count(first) == n  # NOTE: one allocator (the common case): no group by allocator
         if one and (not frees or kinds.count(FREE) == n):  # NOTE: one group
             folded.append(self.fold_group(first, not frees, None, columns, binds, tails))
+        elif one and getattr(first, "page_size", None) is not None:  # NOTE: one paged allocator (no SWA, no Mamba)
+            folded.append(self.fold_mixed(first, columns, binds))
         else:
             takes = np.frombuffer(bytes(kinds), np.int8) != FREE
             if one:  # NOTE: its takes, then its frees: no id per call, no np.unique
@@ -196,6 +203,30 @@ class PageLedger:
                 emit(block)
         self.step_now = {step: self.step_now.get(step, now)}
         return now
+
+    def fold_mixed(self, allocator: Any, calls: Calls, binds: bool) -> Folded:
+        """One paged allocator's takes (allocs and binds) and frees together, in one pass: one
+        concatenation of all the calls' tensors, each page's call, and a write into the takers' and the
+        releasers' ledger, as fold_group gives for the takes and the frees apart (both ledgers are
+        given every entry; each keeps the ones whose pages it writes)."""
+        page_size = int(allocator.page_size)
+        tensors = calls.tensors
+        rids: Sequence[Any] = calls.rids
+        steps: Sequence[int] = calls.steps
+        events: Sequence[str] = calls.events
+        frees = np.frombuffer(bytes(calls.kinds), np.int8) == FREE
+        if binds:  # NOTE: a bind: one entry per request, parts[i][j] slots each
+            rids, steps, events, counts, call_of = _expand_binds(calls)
+            entry_frees = np.zeros(len(counts), bool)
+            entry_frees[call_of >= 0] = frees[call_of[call_of >= 0]]
+        else:
+            counts = np.fromiter(map(type(tensors[0]).numel, tensors), np.int64, len(tensors))
+            call_of, entry_frees = None, frees
+        pages, segs, freed = mixed_pages(_to_numpy(tensors), counts, entry_frees, page_size)
+        pool = self.pool_of(allocator)
+        self.takers[pool].write(pages[~freed], segs[~freed], rids, steps, events)
+        self.releasers[pool].write(pages[freed], segs[freed], rids, steps, events)
+        return Folded(pages, segs if call_of is None else call_of[segs], page_size, pool, None)
 
     def fold_group(
         self,
@@ -365,6 +396,39 @@ def fold_pages(values: np.ndarray, counts: np.ndarray, page_size: int, *, dedup:
         keys = np.unique(segs * stride + pages)
         return keys % stride, keys // stride
     return pages, segs
+
+
+def mixed_pages(
+    values: np.ndarray, counts: np.ndarray, frees: np.ndarray, page_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """fold_pages over takes and frees laid end to end in call order (`frees[i]`: entry i is a
+    free): (pages, segs, freed) with each take's pages as fold_pages(dedup=True) gives them and
+    each free's as given, entries in order; freed[j]: pages[j] is a free's."""
+    segs = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    freed = np.repeat(frees, counts)
+    keep = freed | (values > 0)
+    if not keep.all():  # NOTE: a take's slot 0 and -1
+        values, segs, freed = values[keep], segs[keep], freed[keep]
+    if page_size == 1 or not len(values):
+        return values, segs, freed
+    shift = page_size.bit_length() - 1
+    pages = values >> shift if page_size == 1 << shift else values // page_size
+    pages[freed] = values[freed]  # NOTE: a free's values are page ids already
+    first = freed.copy()  # NOTE: a take's slots come page by page: drop the repeats in a run
+    first[0] = True
+    first[1:] |= (pages[1:] != pages[:-1]) | (segs[1:] != segs[:-1])
+    pages, segs, freed = pages[first], segs[first], freed[first]
+    same = segs[1:] == segs[:-1]  # NOTE: pairs in one entry: both a take's or both a free's
+    if not ((pages[1:] <= pages[:-1]) & same & ~freed[1:]).any():
+        return pages, segs, freed
+    taken = ~freed  # NOTE: a take not in ascending pages: its distinct pages, sorted, as fold_pages
+    stride = int(pages.max()) + 1
+    keys = np.unique(segs[taken] * stride + pages[taken])
+    segs = np.concatenate((keys // stride, segs[freed]))
+    order = np.argsort(segs, kind="stable")  # NOTE: back in entry order (a take's pages before no free's)
+    pages = np.concatenate((keys % stride, pages[freed]))[order]
+    freed = np.concatenate((np.zeros(len(keys), bool), np.ones(len(segs) - len(keys), bool)))[order]
+    return pages, segs[order], freed
 
 
 def _to_numpy(tensors: tuple[Any, ...]) -> np.ndarray:

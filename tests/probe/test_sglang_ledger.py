@@ -20,6 +20,12 @@ from kvscope.telemetry.remote import block_as_items
 PAGE_SIZE = 4
 
 
+def queue(ledger: PageLedger, entries: list[tuple[object, ...]]) -> None:
+    """Entries onto the ledger's queue as the probe's hooks put them there: each one's values, flat."""
+    for entry in entries:
+        ledger.pending.extend(entry)
+
+
 def slots_of(*pages: int) -> torch.Tensor:
     """The token slots of whole pages, as SGLang's paged alloc returns them."""
     return torch.tensor([p * PAGE_SIZE + i for p in pages for i in range(PAGE_SIZE)], dtype=torch.int64)
@@ -53,12 +59,15 @@ def test_calls_and_binds_folded_together_name_the_last_taker_and_releaser() -> N
     then taken again by req-C: one fold of all four must name req-C, as four folds would."""
     ledger = PageLedger()
     allocator = SimpleNamespace(page_size=PAGE_SIZE)
-    ledger.pending += [
-        (ALLOC, allocator, None, 1, "alloc", slots_of(3, 4), None),
-        (BIND, allocator, ["req-B", "req-E"], 1, "extend", slots_of(3, 4), [4, 4]),
-        (FREE, allocator, "req-B", 2, "release", torch.tensor([3]), None),
-        (ALLOC, allocator, "req-C", 3, "alloc", slots_of(3), None),
-    ]
+    queue(
+        ledger,
+        [
+            (ALLOC, allocator, None, 1, "alloc", slots_of(3, 4), None),
+            (BIND, allocator, ["req-B", "req-E"], 1, "extend", slots_of(3, 4), [4, 4]),
+            (FREE, allocator, "req-B", 2, "release", torch.tensor([3]), None),
+            (ALLOC, allocator, "req-C", 3, "alloc", slots_of(3), None),
+        ],
+    )
     ledger.drain(3, None)
     takers, releasers = ledger.takers["full"], ledger.releasers["full"]
     assert (takers[3], takers[4]) == (("req-C", 3, "alloc"), ("req-E", 1, "extend"))
@@ -75,15 +84,18 @@ def test_a_folds_event_block_reads_back_as_one_event_per_allocator_call_in_call_
     full, swa = SimpleNamespace(page_size=PAGE_SIZE), SimpleNamespace(page_size=2)
     ledger.pools[id(swa)] = "swa"
     ledger.step_now = {1: 10.5}
-    ledger.pending += [
-        (ALLOC, full, "req-A", 1, "alloc", slots_of(3, 4), None),
-        (ALLOC, swa, "req-A", 1, "alloc", torch.tensor([6, 7, 8, 9]), None),
-        (BIND, full, ["req-A"], 1, "extend", slots_of(3, 4), [8]),
-        (FREE, full, "req-B", 2, "release", torch.tensor([7, 2]), None),
-        (ALLOC, full, None, 2, "alloc", torch.tensor([0, 0, 21, 20]), None),  # NOTE: the padding slot dropped
-        (FREE, swa, "req-B", 2, "release", torch.tensor([4]), None),
-        (FREE, full, "req-C", 2, "release", torch.tensor([], dtype=torch.int64), None),
-    ]
+    queue(
+        ledger,
+        [
+            (ALLOC, full, "req-A", 1, "alloc", slots_of(3, 4), None),
+            (ALLOC, swa, "req-A", 1, "alloc", torch.tensor([6, 7, 8, 9]), None),
+            (BIND, full, ["req-A"], 1, "extend", slots_of(3, 4), [8]),
+            (FREE, full, "req-B", 2, "release", torch.tensor([7, 2]), None),
+            (ALLOC, full, None, 2, "alloc", torch.tensor([0, 0, 21, 20]), None),  # NOTE: the padding slot dropped
+            (FREE, swa, "req-B", 2, "release", torch.tensor([4]), None),
+            (FREE, full, "req-C", 2, "release", torch.tensor([], dtype=torch.int64), None),
+        ],
+    )
     blocks: list[tuple[object, ...]] = []
     now = ledger.drain(2, blocks.append)
     assert now is not None and len(blocks) == 1
@@ -213,3 +225,91 @@ def test_mamba_calls_folded_in_bulk_name_the_slots_each_call_took_or_gave_back(
         assert {s: e[0] for s, e in mine_freed.items()} == releasers[p]
     assert not ledger.takers["full"] and not ledger.releasers["full"]
     assert all(run[2] == 0 for run in ledger.slot_runs)  # NOTE: at most the open run, going on, nothing in it yet
+
+
+def _slots(pages: list[int], page_size: int, padding: int) -> torch.Tensor:
+    """A take's token slots: the pages' slots page by page (in the pages' order), `padding` slot-0
+    entries first (SGLang's padding slot, which the fold drops)."""
+    return torch.tensor([0] * padding + [p * page_size + i for p in pages for i in range(page_size)], dtype=torch.int64)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from("aafb"),
+            st.lists(st.integers(1, 9), max_size=4),
+            st.integers(0, 2),
+            st.integers(1, 3),
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    st.sampled_from((1, 2, 4)),
+)
+@example([("a", [3, 1], 0, 1), ("f", [1], 0, 1), ("a", [1, 3, 3], 1, 1)], 4)  # NOTE: a take not in page order
+def test_one_fold_of_a_paged_allocators_mixed_calls_equals_folding_each_call_alone(
+    ops: list[tuple[str, list[int], int, int]], page_size: int
+) -> None:
+    """Allocs (pages in any order, repeats, the padding slot), frees (page ids, repeats kept) and
+    binds of one paged allocator, queued in random order: one fold of them all gives the same events,
+    in call order, and the same takers and releasers as a fold after every call (the one-allocator
+    fold, PageLedger.fold_mixed; breaking its dedup, its page order or its entry order fails this)."""
+    allocator = SimpleNamespace(page_size=page_size)
+    entries: list[tuple[object, ...]] = []
+    for n, (op, pages, padding, many) in enumerate(ops):
+        rid, step = f"req-{n}", n // 3
+        if op == "a":
+            entries.append((ALLOC, allocator, rid, step, "alloc", _slots(pages, page_size, padding), None))
+        elif op == "f":
+            entries.append((FREE, allocator, rid, step, "release", torch.tensor(pages, dtype=torch.int64), None))
+        else:  # NOTE: a bind of `many` requests, each the same pages' slots
+            slots = torch.cat([_slots(pages, page_size, padding)] * many)
+            parts = [len(slots) // many] * many
+            entries.append((BIND, allocator, [f"{rid}-{j}" for j in range(many)], step, "extend", slots, parts))
+
+    def events(ledger: PageLedger, folds: list[list[tuple[object, ...]]]) -> list[tuple[object, ...]]:
+        got: list[tuple[object, ...]] = []
+        for batch in folds:
+            queue(ledger, batch)
+            blocks: list[tuple[object, ...]] = []
+            ledger.drain(9, blocks.append)
+            for block in blocks:
+                items = block_as_items(block)
+                got += [(items[i], items[i + 2], items[i + 4], items[i + 6], items[i + 10].tolist())
+                        for i in range(0, len(items), 11)]  # fmt: skip
+        return got
+
+    once, each = PageLedger(), PageLedger()
+    assert events(once, [entries]) == events(each, [[e] for e in entries])
+    for name in ("takers", "releasers"):
+        assert dict(getattr(once, name)["full"]) == dict(getattr(each, name)["full"])
+
+
+def test_the_allocator_hooks_keep_no_object_per_call_beyond_the_calls_tensor() -> None:
+    """Each queued call keeps only SGLang's index tensor alive for the cyclic GC: its who and when are
+    plain values on the flat queue, not a tuple per call (kept tuples doubled the objects each of
+    the GC's collections between folds scans and promotes). The fold reads
+    them back: one event per call."""
+    import gc
+
+    class Paged:
+        page_size = PAGE_SIZE
+
+        def alloc(self, need_size: int) -> torch.Tensor:
+            return torch.arange(need_size, dtype=torch.int64) + PAGE_SIZE
+
+    probe = sglang.SglangProbe(None, "test")
+    probe.state.active, probe.hot = True, True
+    alloc, pool, calls = sglang._d_alloc(Paged.alloc), Paged(), 300
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sglang, "PROBE", probe)
+        gc.collect()
+        before = len(gc.get_objects())
+        for _ in range(calls):
+            alloc(pool, PAGE_SIZE)
+        kept = len(gc.get_objects()) - before
+        blocks: list[tuple[object, ...]] = []
+        probe.ledger.drain(0, blocks.append)
+    assert calls <= kept <= calls + 20
+    assert len(block_as_items(blocks[0])) == 11 * calls and probe.ledger.takers["full"][1][0] is None

@@ -1,0 +1,183 @@
+"""Two versions of the SGLang probe's per-operation hooks and fold in one process, on SGLang 0.5.23's
+real classes: CPU µs added per call, each version against plain SGLang and the new one against the old,
+in paired blocks.
+
+    git archive main kvscope/probe | tar -x -C OLD_TREE
+    PYTHONPATH=. KVSCOPE_PYTHON=.venv/bin/python ~/.cache/kvscope/sglang-venv/bin/python -W ignore \\
+        benchmarks/bench_probe_sglang_ab.py OLD_TREE [--blocks N] [--label TEXT] [--no-write]
+
+OLD_TREE holds the other version's kvscope/probe/sglang.py and sglang_ledger.py; they are loaded as
+modules of their own beside this tree's (the old sglang.py on the old ledger; both on this tree's other
+modules), each with its own probe and recorder. NOTE: why this and not two runs of
+bench_probe_sglang.py: on the shared 2-core machine the load moves between runs by more than a sub-µs
+change; here plain, old and new alternate in short blocks (BLOCK_ROUNDS rounds, a new shuffled order
+each of BLOCKS repetitions) in one process, and each figure is the median of the blocks' paired
+differences, with their middle half. The rounds are bench_probe_sglang.py's:
+    allocator  PagedTokenToKVPoolAllocator (page size 4): alloc(16) + the free of it, 2 calls a round
+    tree       UnifiedRadixCache (Python core): a request's match_prefix, lock, unlock, 3 calls a round
+Each round then runs its probe's per-step fold_if_due (plain: nothing), and each block ends with its
+recorder's hand-off (idle(), untimed); what a block leaves queued folds in that version's next block.
+Sets its rows in the `## bench_probe_sglang_ab` table of benchmarks/RESULTS.md (--label: which two
+versions, in the rows' names).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from array import array
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_probe_sglang as bench  # NOTE: SGLang stand-ins installed, SGLang imported
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+from benchmarks._results import Figure, this_run, write_figures
+from kvscope.probe import sglang as new
+from kvscope.probe import sglang_ledger as new_ledger
+from kvscope.probe.core import settings_from_env
+
+BLOCK_ROUNDS = 400
+HOOKS = {  # NOTE: class -> (method, the probe's factory for it)
+    PagedTokenToKVPoolAllocator: (("alloc", "_d_alloc"), ("_release_page_ids", "_d_release_pages")),
+    UnifiedRadixCache: (
+        ("match_prefix", "_d_match"),
+        ("inc_lock_ref", "_d_unified_inc_lock"),
+        ("dec_lock_ref", "_d_unified_dec_lock"),
+    ),
+}
+Modes = dict[str, tuple[dict[type, dict[str, Any]], Any]]
+TARGET_US = 1.0
+ABOUT = (
+    "CPU µs that two versions of the SGLang probe's per-operation hooks and fold (level full) add per call of "
+    "SGLang 0.5.23's real paged allocator and UnifiedRadixCache, paired in one process against plain SGLang "
+    "and each other."
+)
+
+
+def _module(name: str, path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_old(tree: Path) -> Any:
+    """The old sglang.py, importing the old sglang_ledger.py in place of this tree's."""
+    old_ledger = _module("kvscope_probe_sglang_ledger_old", tree / "kvscope/probe/sglang_ledger.py")
+    sys.modules["kvscope.probe.sglang_ledger"] = old_ledger
+    try:
+        return _module("kvscope_probe_sglang_old", tree / "kvscope/probe/sglang.py")
+    finally:
+        sys.modules["kvscope.probe.sglang_ledger"] = new_ledger
+
+
+def versions(old: Any) -> Modes:
+    """plain, old, new: each the methods to put on the classes, and its probe (None: plain)."""
+    plain = {owner: {name: owner.__dict__[name] for name, _ in pairs} for owner, pairs in HOOKS.items()}
+    out: Modes = {"plain": (plain, None)}
+    for tag, module in (("old", old), ("new", new)):
+        module.PROBE.__init__(settings_from_env(), "0.5.23")
+        module.PROBE.state.active = True
+        assert module.PROBE.recorder() is not None, f"the {tag} probe did not open its recorder"
+        made = {
+            owner: {name: getattr(module, factory)(plain[owner][name]) for name, factory in pairs}
+            for owner, pairs in HOOKS.items()
+        }
+        out[tag] = (made, module.PROBE)
+    return out
+
+
+def tree_round(tree: Any, params: Any, step: Callable[[], None]) -> None:
+    for _ in range(BLOCK_ROUNDS):
+        node = tree.match_prefix(params).last_device_node
+        tree.unlock(tree.lock(node))
+        step()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("old_tree", type=Path, help="holds the old kvscope/probe/sglang.py and sglang_ledger.py")
+    parser.add_argument("--blocks", type=int, default=201, help="repetitions of each mode's block")
+    parser.add_argument("--label", default="old -> new", help="which versions, for the rows' names")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md as it is")
+    args = parser.parse_args()
+    if not (args.old_tree / "kvscope/probe/sglang_ledger.py").is_file():
+        print(f"bench_probe_sglang_ab: no kvscope/probe/sglang_ledger.py under {args.old_tree}")
+        return 2
+    os.environ["KVSCOPE_CAPTURE"] = str(Path(tempfile.mkdtemp(prefix="kvscope-bench-ab-")) / "ab.db")
+    modes = versions(load_old(args.old_tree))
+    alloc, tree = bench.build()
+    ids = array("q", [*range(1000, 1048), *range(5000, 5016)])
+    req = bench.Req("bench", "", ids, bench.SamplingParams(max_new_tokens=1))
+    params = bench.MatchPrefixParams(key=bench.RadixKey(ids), req=req)
+    rounds: dict[str, tuple[Callable[[Callable[[], None]], None], int]] = {
+        "allocator": (lambda step: bench.allocator_round(alloc, step, BLOCK_ROUNDS), 2),
+        "tree": (lambda step: tree_round(tree, params, step), 3),
+    }
+    loads = [os.getloadavg()[0]]
+    us = timed_blocks(modes, rounds, args.blocks)
+    loads.append(os.getloadavg()[0])
+    for _, probe in modes.values():
+        if probe is not None:
+            probe.drain()
+            probe.state.recorder.close()
+    load = f"load average {loads[0]:.1f} -> {loads[1]:.1f}"
+    print(f"{load}; {args.blocks} blocks of {BLOCK_ROUNDS} rounds a mode")
+    figures = []
+    for group in rounds:
+        plain = us[(group, "plain")]
+        print(f"{group}: plain {statistics.median(plain):.2f} µs per call; CPU µs added, median (middle half)")
+        figures.append(Figure(f"{group} plain: SGLang's own CPU per real call", f"{statistics.median(plain):.2f} µs"))
+        for label, mine, base in (
+            ("old", us[(group, "old")], plain),
+            ("new", us[(group, "new")], plain),
+            ("new - old", us[(group, "new")], us[(group, "old")]),
+        ):
+            low, mid, high = statistics.quantiles([m - b for m, b in zip(mine, base, strict=True)], n=4)
+            print(f"  {label:<10} {mid:+.2f} ({low:+.2f} to {high:+.2f})")
+            value = f"{mid:+.2f} µs (middle half {low:+.2f} to {high:+.2f})"
+            name = f"{group} full, {label} ({args.label}): CPU added per real call"
+            if label == "new - old":
+                figures.append(Figure(name, value))
+            else:
+                figures.append(Figure(name, value, f"≤ {TARGET_US:g} µs", "met" if mid <= TARGET_US else "not met"))
+    if not args.no_write:
+        write_figures("bench_probe_sglang_ab", ABOUT, figures, this_run("cpu", load))
+    return 0
+
+
+def timed_blocks(
+    modes: Modes, rounds: dict[str, tuple[Callable[[Callable[[], None]], None], int]], blocks: int
+) -> dict[tuple[str, str], list[float]]:
+    """CPU µs per call of each (group, mode) block, the modes in a new shuffled order each repetition."""
+    us: dict[tuple[str, str], list[float]] = {}
+    order = random.Random(0)
+    for _ in range(blocks):
+        for group, (run, calls) in rounds.items():
+            for mode in order.sample(sorted(modes), len(modes)):
+                methods, probe = modes[mode]
+                for owner, named in methods.items():
+                    for name, method in named.items():
+                        setattr(owner, name, method)
+                step = (lambda p=probe: p.fold_if_due(time.monotonic())) if probe else (lambda: None)
+                start = time.thread_time_ns()
+                run(step)
+                us.setdefault((group, mode), []).append((time.thread_time_ns() - start) / BLOCK_ROUNDS / calls / 1e3)
+                if probe is not None:
+                    probe.state.recorder.idle()
+    return us
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
