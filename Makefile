@@ -87,7 +87,9 @@ SGLANG_518_STAMP := $(SGLANG_518_SRC)/.kvscope-unpacked
 
 sglang-518-src: $(SGLANG_518_STAMP)
 
-$(SGLANG_518_STAMP): $(STAMP)
+# NOTE: `| $(STAMP)` (order-only) on each unpacked source: it needs the venv's pip to exist, and does not go
+# stale when kvscope's venv is reinstalled (a pyproject change re-downloaded every release's wheel)
+$(SGLANG_518_STAMP): | $(STAMP)
 	@echo "kvscope: unpacking SGLang 0.5.18's source in $(SGLANG_518_SRC) (no install, about 25 MB)"
 	@mkdir -p $(SGLANG_518_SRC)/wheel
 	@$(SHOW) $(BIN)/python -m pip download --disable-pip-version-check --no-deps sglang==0.5.18 \
@@ -105,7 +107,7 @@ VLLM_SRC_STAMPS := $(foreach w,$(VLLM_SRC_WHEELS),$(VLLM_SRC)/$(lastword $(subst
 
 vllm-src: $(VLLM_SRC_STAMPS)
 
-$(VLLM_SRC)/%/.kvscope-unpacked: $(STAMP)
+$(VLLM_SRC)/%/.kvscope-unpacked: | $(STAMP)
 	@echo "kvscope: unpacking $(filter %==$*,$(VLLM_SRC_WHEELS))'s source in $(VLLM_SRC)/$* (no install)"
 	@rm -rf $(VLLM_SRC)/$*/wheel $(VLLM_SRC)/$*/src && mkdir -p $(VLLM_SRC)/$*/wheel $(VLLM_SRC)/$*/src
 	@$(SHOW) $(BIN)/python -m pip download --disable-pip-version-check --no-deps $(filter %==$*,$(VLLM_SRC_WHEELS)) \
@@ -123,7 +125,7 @@ SGLANG_SRC_STAMPS := $(foreach v,$(SGLANG_RELEASES),$(SGLANG_SRC)/$(v)/.kvscope-
 
 sglang-src: $(SGLANG_SRC_STAMPS)
 
-$(SGLANG_SRC)/%/.kvscope-unpacked: $(STAMP)
+$(SGLANG_SRC)/%/.kvscope-unpacked: | $(STAMP)
 	@echo "kvscope: unpacking SGLang $*'s source in $(SGLANG_SRC)/$* (no install)"
 	@mkdir -p $(SGLANG_SRC)/$*/wheel
 	@$(SHOW) $(BIN)/python -m pip download --disable-pip-version-check --no-deps sglang==$* -d $(SGLANG_SRC)/$*/wheel
