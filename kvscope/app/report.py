@@ -76,15 +76,12 @@ def leak_report(
     try:
         number = int(run_row(capture, run_id).id)
         stored = stored_report(capture, number)
-        why = (
-            "no report was stored"
-            if capture.stored_report(number, REPORT_KIND) is None
-            else "the stored one no longer describes the run"
-        )
+        if stored is not None:
+            return FoundReport(stored, "stored", "")
+        never = capture.stored_report(number, REPORT_KIND) is None
     finally:
         capture.close()
-    if stored is not None:
-        return FoundReport(stored, "stored", "")
+    why = "no report was stored" if never else "the stored one no longer describes the run"
     return FoundReport(replay_report(target, number, err), "replayed", why)
 
 

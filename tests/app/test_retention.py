@@ -49,7 +49,17 @@ def record(tmp_path: Path, name: str, *extra: str, env: dict[str, str] | None = 
     trace = (
         write_trace(tmp_path / "trace.jsonl") if not (tmp_path / "trace.jsonl").exists() else tmp_path / "trace.jsonl"
     )
-    out = kvscope(
+    faulted = ("--inject", "leak-tail:0.1", "--inject", "double-free:0.05") if faults else ()
+    out = run_trace(trace, capture, *faulted, *extra, env=env)
+    assert out.returncode == (1 if faults else 0), out.stderr  # NOTE: the injected leaks fail the idle check
+    return capture
+
+
+def run_trace(
+    trace: Path, capture: Path, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`kvscope run` of a trace into `capture` (the small engine these tests use)."""
+    return kvscope(
         "run",
         "--trace",
         str(trace),
@@ -59,12 +69,9 @@ def record(tmp_path: Path, name: str, *extra: str, env: dict[str, str] | None = 
         "4096",
         "--torch-threads",
         "1",
-        *(("--inject", "leak-tail:0.1", "--inject", "double-free:0.05") if faults else ()),
         *extra,
         env=env,
     )
-    assert out.returncode == (1 if faults else 0), out.stderr  # NOTE: the injected leaks fail the idle check
-    return capture
 
 
 # NOTE: what a run keeps for its whole life, without the clocks (two runs of one trace differ only there);
@@ -146,19 +153,7 @@ def test_a_bound_what_is_kept_for_life_fills_is_said_on_the_verbs_stderr_and_in_
     request or leak check, and says once on stderr that its bound cannot be kept; `kvscope runs` warns."""
     capture = tmp_path / "tight.db"
     trace = write_trace(tmp_path / "small.jsonl", num_requests=24, prompt_len=200)
-    out = kvscope(
-        "run",
-        "--trace",
-        str(trace),
-        "--capture",
-        str(capture),
-        "--kv-tokens",
-        "4096",
-        "--torch-threads",
-        "1",
-        "--max-size",
-        "64KiB",
-    )
+    out = run_trace(trace, capture, "--max-size", "64KiB")
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     said = [line for line in out.stderr.splitlines() if "cannot keep its size bound" in line]
     assert len(said) == 1 and said[0].startswith(

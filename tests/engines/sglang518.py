@@ -29,6 +29,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 SRC_ENV = "KVSCOPE_SGLANG_518_SRC"
@@ -40,6 +41,18 @@ def sglang_518_source() -> Path | None:
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvscope" / "sglang-0.5.18"
     path = Path(os.environ.get(SRC_ENV, cache))
     return path if (path / MARKER).is_file() else None
+
+
+def needs_source(src: Path | None) -> list[pytest.MarkDecorator]:
+    """A differential test module's marks: an engines test, skipped (saying how to get it) without the source."""
+    return [
+        pytest.mark.engines,
+        pytest.mark.skipif(
+            src is None,
+            reason=f"SGLang 0.5.18 source not unpacked: run `make sglang-518-src` "
+            f"or set {SRC_ENV} to an unpacked sglang-0.5.18 wheel",
+        ),
+    ]
 
 
 class _Flag:
@@ -216,26 +229,43 @@ def _stand_ins(src: Path) -> dict[str, types.ModuleType]:
     }
 
 
-def load_sglang_518(src: Path) -> types.SimpleNamespace:
-    """SGLang 0.5.18's classes: the caches, the allocators, the parameter classes; `radix_module`
-    is radix_cache.py's module (its `time` is what the trees stamp nodes with)."""
+def import_over(stand_ins: dict[str, types.ModuleType], *names: str) -> dict[str, types.ModuleType]:
+    """SGLang's modules `names` (short: "allocator.paged" is sglang.srt.mem_cache.allocator.paged),
+    imported over `stand_ins`; every sglang module leaves sys.modules again, so each load is
+    its own copy and nothing of it is seen by other tests. The package's __init__s only import files."""
     before = set(sys.modules)
     try:
-        sys.modules.update(_stand_ins(src))
-        importlib.import_module("sglang.srt.mem_cache.allocator")  # its __init__ only imports its files
-        paged = importlib.import_module("sglang.srt.mem_cache.allocator.paged")
-        _loaded["paged"] = paged
-        token = importlib.import_module("sglang.srt.mem_cache.allocator.token")
-        swa_alloc = importlib.import_module("sglang.srt.mem_cache.allocator.swa")
-        _loaded["evict_policy"] = importlib.import_module("sglang.srt.mem_cache.evict_policy")
-        base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
-        params = importlib.import_module("sglang.srt.mem_cache.cache_init_params")
-        radix = importlib.import_module("sglang.srt.mem_cache.radix_cache")
-        swa_radix = importlib.import_module("sglang.srt.mem_cache.swa_radix_cache")
+        sys.modules.update(stand_ins)
+        return {name: importlib.import_module(f"sglang.srt.mem_cache.{name}") for name in names}
     finally:
         for name in set(sys.modules) - before:
             if name == "sglang" or name.startswith("sglang."):
                 del sys.modules[name]
+
+
+def load_sglang_518(src: Path) -> types.SimpleNamespace:
+    """SGLang 0.5.18's classes: the caches, the allocators, the parameter classes; `radix_module`
+    is radix_cache.py's module (its `time` is what the trees stamp nodes with)."""
+    m = import_over(
+        _stand_ins(src),
+        "allocator",
+        "allocator.paged",
+        "allocator.token",
+        "allocator.swa",
+        "evict_policy",
+        "base_prefix_cache",
+        "cache_init_params",
+        "radix_cache",
+        "swa_radix_cache",
+    )
+    _loaded["paged"], _loaded["evict_policy"] = m["allocator.paged"], m["evict_policy"]
+    paged, token, swa_alloc, base = (
+        m["allocator.paged"],
+        m["allocator.token"],
+        m["allocator.swa"],
+        m["base_prefix_cache"],
+    )
+    params, radix, swa_radix = m["cache_init_params"], m["radix_cache"], m["swa_radix_cache"]
     return types.SimpleNamespace(
         RadixCache=radix.RadixCache,
         policies=sorted(strategies(_loaded["evict_policy"])),

@@ -39,8 +39,6 @@ The data a copy would move is not modelled: no test here reads KV rows.
 from __future__ import annotations
 
 import enum
-import importlib
-import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -48,7 +46,7 @@ from unittest import mock
 
 import torch
 
-from tests.engines.sglang518 import _loaded, _module, _package, _stand_ins
+from tests.engines.sglang518 import _loaded, _module, _package, _stand_ins, import_over
 
 MEMORY = types.SimpleNamespace(hicache_ratio=2.0)  # NOTE: runtime_context.get_memory(): host slots per device slot
 
@@ -272,21 +270,25 @@ def _hicache_stand_ins(src: Path) -> dict[str, types.ModuleType]:
 def load_sglang_518_hiradix(src: Path) -> types.SimpleNamespace:
     """SGLang 0.5.18's HiRadixCache and allocators over the stand-ins; `modules` are the modules
     whose `time` stamps the tree's nodes (radix_cache.py and hiradix_cache.py)."""
-    before = set(sys.modules)
-    try:
-        sys.modules.update(_hicache_stand_ins(src))
-        importlib.import_module("sglang.srt.mem_cache.allocator")
-        _loaded["paged"] = paged = importlib.import_module("sglang.srt.mem_cache.allocator.paged")
-        token = importlib.import_module("sglang.srt.mem_cache.allocator.token")
-        _loaded["evict_policy"] = importlib.import_module("sglang.srt.mem_cache.evict_policy")
-        base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
-        params = importlib.import_module("sglang.srt.mem_cache.cache_init_params")
-        radix = importlib.import_module("sglang.srt.mem_cache.radix_cache")
-        hiradix = importlib.import_module("sglang.srt.mem_cache.hiradix_cache")
-    finally:
-        for name in set(sys.modules) - before:
-            if name == "sglang" or name.startswith("sglang."):
-                del sys.modules[name]
+    m = import_over(
+        _hicache_stand_ins(src),
+        "allocator",
+        "allocator.paged",
+        "allocator.token",
+        "evict_policy",
+        "base_prefix_cache",
+        "cache_init_params",
+        "radix_cache",
+        "hiradix_cache",
+    )
+    _loaded["paged"], _loaded["evict_policy"] = m["allocator.paged"], m["evict_policy"]
+    paged, token, base, params = (
+        m["allocator.paged"],
+        m["allocator.token"],
+        m["base_prefix_cache"],
+        m["cache_init_params"],
+    )
+    radix, hiradix = m["radix_cache"], m["hiradix_cache"]
     return types.SimpleNamespace(
         HiRadixCache=hiradix.HiRadixCache,
         modules=(radix, hiradix),

@@ -17,23 +17,15 @@ After every call: the same slots returned (or both None), the same free and rele
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.engines.differential import allocators, same_free_lists, slots_alloc
-from tests.engines.sglang518 import SRC_ENV, load_sglang_518, sglang_518_source
+from tests.engines.sglang518 import load_sglang_518, needs_source, sglang_518_source
 
 SRC = sglang_518_source()
-pytestmark = [
-    pytest.mark.engines,
-    pytest.mark.skipif(
-        SRC is None,
-        reason=f"SGLang 0.5.18 source not unpacked: run `make sglang-518-src` "
-        f"or set {SRC_ENV} to an unpacked sglang-0.5.18 wheel",
-    ),
-]
+pytestmark = needs_source(SRC)
 
 
 def one(values: list[int]) -> torch.Tensor:

@@ -33,7 +33,6 @@ import types
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -52,18 +51,11 @@ from kvscope.mem import (
     TokenToKVPoolAllocator,
 )
 from tests.engines.differential import same_free_lists, slots_alloc, tick_clock, tokens
-from tests.engines.sglang518 import SRC_ENV, sglang_518_source
+from tests.engines.sglang518 import needs_source, sglang_518_source
 from tests.engines.sglang_hicache_standin import DevicePool, load_sglang_518_hiradix, make_hiradix
 
 SRC = sglang_518_source()
-pytestmark = [
-    pytest.mark.engines,
-    pytest.mark.skipif(
-        SRC is None,
-        reason=f"SGLang 0.5.18 source not unpacked: run `make sglang-518-src` "
-        f"or set {SRC_ENV} to an unpacked sglang-0.5.18 wheel",
-    ),
-]
+pytestmark = needs_source(SRC)
 
 
 @functools.cache

@@ -21,7 +21,6 @@ Full evicted counts may differ only as §14.1 says: kvscope's is at least SGLang
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -30,17 +29,10 @@ from kvscope.cache import EvictParams
 from kvscope.cache.swa_radix import SWARadixCache
 from kvscope.mem import SWATokenToKVPoolAllocator
 from tests.engines.differential import slots_alloc, tokens
-from tests.engines.sglang518 import SRC_ENV, load_sglang_518, sglang_518_source
+from tests.engines.sglang518 import load_sglang_518, needs_source, sglang_518_source
 
 SRC = sglang_518_source()
-pytestmark = [
-    pytest.mark.engines,
-    pytest.mark.skipif(
-        SRC is None,
-        reason=f"SGLang 0.5.18 source not unpacked: run `make sglang-518-src` "
-        f"or set {SRC_ENV} to an unpacked sglang-0.5.18 wheel",
-    ),
-]
+pytestmark = needs_source(SRC)
 
 
 class Pair:
