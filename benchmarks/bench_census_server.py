@@ -45,7 +45,16 @@ from benchmarks._results import (  # noqa: E402
     this_run,
     write_figures,
 )
-from benchmarks.bench_probe_e2e import CONCURRENCY, NUM_BLOCKS, OUTPUT, PROMPT, one_round, server_pids  # noqa: E402
+from benchmarks.bench_probe_e2e import (  # noqa: E402
+    CONCURRENCY,
+    NUM_BLOCKS,
+    OUTPUT,
+    PROBE_ENV,
+    PROMPT,
+    one_round,
+    require_probe,
+    server_pids,
+)
 from tests.engines.vllm_server import VllmServer, vllm_server  # noqa: E402
 
 OFF = {"KVSCOPE_CENSUS_EVERY_STEPS": "0", "KVSCOPE_CENSUS_EVERY_S": "0"}
@@ -80,7 +89,7 @@ def census_seconds(url: str) -> float:
 
 def server(side: str, capture: Path) -> AbstractContextManager[VllmServer]:
     wrap = (sys.executable, "-m", "kvscope", "instrument", "--capture", str(capture), "--")
-    env = {"VLLM_PLUGINS": "kvscope", **(OFF if side == "off" else {})}
+    env = {**PROBE_ENV, **(OFF if side == "off" else {})}
     return vllm_server(wrap=wrap, env=env, kv_events=False, num_blocks=NUM_BLOCKS, args=("--shutdown-timeout", "10"))
 
 
@@ -117,6 +126,8 @@ def main() -> None:
         with ThreadPoolExecutor(len(SIDES)) as starting:  # NOTE: together: a start takes minutes here
             futures = {side: starting.submit(stack.enter_context, server(side, captures[side])) for side in SIDES}
             servers = {side: future.result() for side, future in futures.items()}
+        for side in SIDES:
+            require_probe(servers[side])
         model = {s: httpx.get(f"{servers[s].url}/v1/models").json()["data"][0]["id"] for s in SIDES}
         rates: dict[str, list[float]] = {s: [] for s in SIDES}
         cpu: dict[str, list[float]] = {s: [] for s in SIDES}

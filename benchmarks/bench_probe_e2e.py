@@ -62,6 +62,19 @@ def cpu_s(pids: set[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+# NOTE: the server runs this checkout's probe, not whatever kvscope its venv has installed (an editable
+# install made from another checkout finds no kvscope from the server's working folder)
+PROBE_ENV = {"VLLM_PLUGINS": "kvscope", "PYTHONPATH": str(ROOT)}
+
+
+def require_probe(server: VllmServer) -> None:
+    """Exit in one line when the probe did not load in `server`: timed without it, a round would read
+    the probe as free."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    if "kvscope_probe_" not in text:
+        sys.exit(f"{server.url}: the kvscope probe did not load in the server (no kvscope_probe_* series on /metrics)")
+
+
 def server_pids(server: VllmServer, capture: Path | None = None) -> set[int]:
     """The server's process tree (API server, EngineCore, workers), and the probe's recorder host
     (detached in a session of its own: found by the capture it holds open)."""
@@ -126,9 +139,8 @@ def main() -> None:
         print("starting the on server (kvscope instrument) ...", flush=True)
         capture = Path(tmp) / "e2e.db"
         wrap = (sys.executable, "-m", "kvscope", "instrument", "--capture", str(capture), "--level", args.level, "--")
-        on = stack.enter_context(
-            vllm_server(wrap=wrap, env={"VLLM_PLUGINS": "kvscope"}, kv_events=False, num_blocks=NUM_BLOCKS)
-        )
+        on = stack.enter_context(vllm_server(wrap=wrap, env=PROBE_ENV, kv_events=False, num_blocks=NUM_BLOCKS))
+        require_probe(on)
         model = {s.url: httpx.get(f"{s.url}/v1/models").json()["data"][0]["id"] for s in (off, on)}
         rates: dict[str, list[float]] = {"off": [], "on": []}
         cpu: dict[str, list[float]] = {"off": [], "on": []}
