@@ -1,6 +1,7 @@
 """What many sessions of one dashboard cost the capture they watch, counted in SQL statements and
 connections (every statement SQLite runs for this process, through SQLAlchemy or the driver's own
-cursor): sessions at one read stamp share one set of reads; a live refresh opens no connection."""
+cursor): sessions at one read stamp share one set of reads and one usage chart; a live refresh opens no
+connection."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from sqlalchemy import event
 from sqlalchemy.pool import Pool
 from streamlit.testing.v1 import AppTest
 
-from kvscope.dashboard import data
+from kvscope.dashboard import charts, data
 from kvscope.telemetry import EventKind, LeakCheck, PoolName, PoolTerms, UsageSample
 from kvscope.telemetry.recorder import SQLRecorder
 from tests.dashboard.conftest import ROOT
@@ -124,3 +125,20 @@ def test_a_live_refresh_opens_no_connection(live_capture: SQLRecorder) -> None:
     assert {m.label: m.value for m in at.metric}["running / waiting"] == "2 / 5"  # step 5's sample: a new stamp
     assert refresh.reads(), "the refresh read nothing"
     assert refresh.connections == 0, f"{refresh.connections} connections opened by one refresh"
+
+
+def test_sessions_at_one_stamp_share_one_usage_chart(
+    live_capture: SQLRecorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[int] = []
+    real = charts.live_usage_figure
+
+    def counted(usage: Any, x: str = "step") -> Any:
+        built.append(len(usage))
+        return real(usage, x)
+
+    monkeypatch.setattr(charts, "live_usage_figure", counted)
+    for _ in range(NUM_SESSIONS):
+        at = _overview()
+        assert at.get("plotly_chart"), "the Overview shows no usage chart"
+    assert built == [3], f"the usage chart was built {len(built)} times for {NUM_SESSIONS} sessions at one stamp"
