@@ -4,6 +4,7 @@ is writing, and how long their pages take to settle.
     .venv/bin/python benchmarks/bench_readers.py [--sessions 10] [--rounds 2] [--window-s 20] [--nice 10]
                                                  [--no-write]
     .venv/bin/python benchmarks/bench_readers.py --cold [--sessions 10] [--events 400000] [--rounds 1]
+    .venv/bin/python benchmarks/bench_readers.py --refresh-cpu [--sessions 10] [--events 300000] [--rounds 8]
 
 Live (the default), how a team watches one run: a writer records bench_dashboard.py's level-full
 workload through a real SQLRecorder (a process of its own, writing as fast as it can until told to
@@ -19,6 +20,10 @@ window starts). Figures: the writer's events/s in a window with N sessions over 
 the same round (target: it falls by no more than 5 %), the page's settle time (a session's first
 request to the server's script_finished) and the live panel's (a rerun request to its
 script_finished) with 1 and with N sessions, and the server's CPU share in each window.
+
+--refresh-cpu, what the machine's load does not blur: the CPU seconds one live refresh costs the
+dashboard's process (the real app through AppTest, sessions kept open and rerun): the first session
+at a new read stamp (the reads and its own rerun) and each further session at that stamp.
 
 --cold, the torture case kept from before: every session is a process of its own running the whole
 app through AppTest, opening --pages cold in turn (Streamlit's caches cleared) as fast as it can
@@ -352,6 +357,78 @@ def p90(values: list[float]) -> float:
     return statistics.quantiles(values, n=10)[-1]
 
 
+# -- refresh CPU: what one live refresh costs the dashboard's process, whatever the machine's load --------
+
+
+def refresh_cpu(args: argparse.Namespace) -> list[Figure]:
+    """The CPU seconds (this process's, every thread: time.process_time) of an open session's rerun of
+    the Overview (the real app through AppTest: a whole rerun, its live panel included) at a new read
+    stamp (the first session to see it: the reads and its own rerun) and of --sessions - 1 more open
+    sessions at that stamp (what each further session adds), over --rounds new stamps of a live
+    capture of --events events; the writer, a process of its own, waits while a refresh is timed."""
+    from _pages import open_page
+
+    with tempfile.TemporaryDirectory(prefix="bench-readers-") as name:
+        db, stop = Path(name) / "live.db", Path(name) / "stop"
+        writer = subprocess.Popen([sys.executable, __file__, "--step-writer", str(db), str(stop), str(args.events)])
+        try:
+            _wait_until(lambda: Path(f"{stop}.ready").exists(), 600, "the writer did not write its events")
+            os.environ["KVSCOPE_DB"] = str(db)
+            os.chdir(HERE.parent)
+            sessions = [open_page("overview") for _ in range(args.sessions)]  # NOTE: untimed: open, imports
+            first, more = [], []
+            for round_no in range(args.rounds):
+                Path(f"{stop}.{round_no}").touch()  # NOTE: the writer writes a few steps: a new stamp
+                _wait_until(Path(f"{stop}.{round_no}.done").exists, 60, "the writer did not step")
+                time.sleep(1.1)  # NOTE: the step's flush, and the run list (so the stamp) is cached for a second
+                start = time.process_time()
+                sessions[0].run()
+                first.append(time.process_time() - start)
+                start = time.process_time()
+                for session in sessions[1:]:
+                    session.run()
+                more.append((time.process_time() - start) / (args.sessions - 1))
+        finally:
+            stop.touch()
+            writer.wait(timeout=120)
+    return [
+        Figure(
+            f"live refresh CPU, {args.events:,}-event capture: the first session's rerun at a new stamp",
+            spread(first),
+        ),
+        Figure(
+            f"live refresh CPU, {args.events:,}-event capture: each further session's rerun at that stamp",
+            spread(more),
+        ),
+    ]
+
+
+def step_writer(path: Path, stop: Path, num_events: int) -> None:
+    """In the writer's process: `num_events` events, then a few steps each time `{stop}.N` appears."""
+    from bench_dashboard import build_synthetic_capture
+
+    asked = [0]
+
+    def keep_going(events: int) -> bool:
+        if events < num_events:
+            return True
+        if not Path(f"{stop}.ready").exists():
+            Path(f"{stop}.ready").touch()
+        while not stop.exists():
+            if Path(f"{stop}.{asked[0]}").exists():
+                Path(f"{stop}.{asked[0]}.done").touch()  # NOTE: after this step's flush (0.2 s)
+                asked[0] += 1
+                return True
+            time.sleep(0.05)
+        return False
+
+    build_synthetic_capture(path, 10**12, keep_going=keep_going)
+
+
+def write_steps(given: list[str]) -> None:
+    step_writer(Path(given[0]), Path(given[1]), int(given[2]))
+
+
 def cold(args: argparse.Namespace) -> list[Figure]:
     pages = [p for p in args.pages.split(",") if p]
     cases = [0, 1, args.sessions]
@@ -395,16 +472,21 @@ def main() -> None:
     parser.add_argument("--settle-s", type=float, default=8.0, help="live: sessions open this long before a window")
     parser.add_argument("--nice", type=int, default=None, help="live: the server's niceness (default: the launcher's)")
     parser.add_argument("--cold", action="store_true", help="the cold-reload torture case instead (see above)")
+    parser.add_argument("--refresh-cpu", action="store_true", help="the CPU of one live refresh instead (see above)")
     parser.add_argument("--events", type=int, default=400_000, help="--cold: events the writer writes per capture")
     parser.add_argument("--pages", default="overview,requests", help="--cold: pages each session opens in turn")
     parser.add_argument("--no-write", action="store_true", help="print, do not write RESULTS.md")
     parser.add_argument("--writer", nargs=2, metavar=("DB", "EVENTS_OR_STOP"), help=argparse.SUPPRESS)
+    parser.add_argument("--step-writer", nargs=3, metavar=("DB", "STOP", "EVENTS"), help=argparse.SUPPRESS)
     parser.add_argument("--live-writer", nargs=2, metavar=("DB", "STOP"), help=argparse.SUPPRESS)
     parser.add_argument("--reader", nargs=4, metavar=("DB", "DONE", "PAGES", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--client", nargs=4, metavar=("URL", "SESSIONS", "SECONDS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.writer:
         print(write_capture(Path(args.writer[0]), int(args.writer[1])))
+        return
+    if args.step_writer:
+        write_steps(args.step_writer)
         return
     if args.live_writer:
         write_until(Path(args.live_writer[0]), Path(args.live_writer[1]))
@@ -419,7 +501,7 @@ def main() -> None:
         return
     if args.sessions < 2 or args.events < 10_000 or args.rounds < 1 or args.window_s < 1:
         parser.error("--sessions is at least 2, --events at least 10,000, --rounds at least 1, --window-s at least 1")
-    figures = cold(args) if args.cold else live(args)
+    figures = cold(args) if args.cold else refresh_cpu(args) if args.refresh_cpu else live(args)
     for figure in figures:
         print(f"{figure.name}: {figure.value}")
     if not args.no_write:
