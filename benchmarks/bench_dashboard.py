@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -235,8 +236,11 @@ class _Running(NamedTuple):
     arrive_t: float
 
 
-def build_synthetic_capture(path: Path, num_events: int, seed: int = 0) -> tuple[int, int]:
-    """Returns (events, steps) written. See the module docstring."""
+def build_synthetic_capture(
+    path: Path, num_events: int, seed: int = 0, keep_going: Callable[[int], bool] | None = None
+) -> tuple[int, int]:
+    """Returns (events, steps) written. See the module docstring. `keep_going(events)`, asked every
+    step: False ends the run there (bench_readers' writer, which writes until told to stop)."""
     rng = random.Random(seed)
     running: list[_Running] = []
     events, step, cum = 0, 0, [0, 0, 0, 0]  # prompt tokens, hit tokens, requests, hit requests
@@ -245,7 +249,7 @@ def build_synthetic_capture(path: Path, num_events: int, seed: int = 0) -> tuple
     config = {"engine": {"cache": {"kind": "radix"}, "pool": {"page_size": PAGE_SIZE}}}  # the Memory page's waste view
     with _CountingRecorder(path, level="full", label="bench-dashboard", config=config) as rec:
         tree = _SyntheticTree(rec, rng)
-        while events < num_events:
+        while events < num_events and (keep_going is None or keep_going(events)):
             rec.step = step
             admitted = [_arrive(tree, rec, rng, f"r{step}-{i}", step, cum) for i in range(REQUESTS_PER_STEP)]
             if len(tree.parent) > TREE_BUDGET_NODES or tree.num_free < POOL_TOKENS // 8:

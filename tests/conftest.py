@@ -17,6 +17,9 @@ import torch
 # NOTE: the readers' cache of page checks (kvscope/telemetry/page_checks.py) goes to a folder of this run,
 # inherited by the subprocesses tests start: a test never reads or writes the user's own cache
 os.environ.setdefault("KVSCOPE_CACHE_DIR", tempfile.mkdtemp(prefix="kvscope-test-cache-"))
+# NOTE: the dashboard lowers its process's priority (kvscope/dashboard/priority.py): AppTest runs it in the
+# test process, which must keep its own (the engines the later tests start inherit it)
+os.environ.setdefault("KVSCOPE_DASHBOARD_NICE", "0")
 CUDA = torch.cuda.is_available()
 POSTGRES_URL_VAR = "KVSCOPE_TEST_POSTGRES_URL"
 torch.set_num_threads(1)  # tiny tensors: a second intra-op thread only adds stalls on 2-core machines

@@ -279,7 +279,7 @@ def verdict_report(path: str, run_id: int, stamp: float) -> LeakReport:
     run = known[known.id == run_id]
     if not run.empty and str(run.iloc[0].display_status) != "running" and str(run.iloc[0].level) == "full":
         return leak_report(path, run_id, stamp)
-    return checks_report(path, run_id)
+    return checks_report(path, run_id, capture=open_capture(path))
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)

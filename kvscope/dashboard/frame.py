@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard import data, retained, tenants, url_state
+from kvscope.dashboard import data, priority, retained, tenants, url_state
 from kvscope.telemetry import CaptureError, display_name, link_name
 
 CAPTURE_DIRS = (Path("runs"), Path("sample_runs"))
@@ -147,9 +147,23 @@ def _status_line(run: Any, status: str) -> None:
         st.sidebar.caption(error)
 
 
+@st.cache_resource(show_spinner=False)
+def _yielded_cpu(nice: int) -> int:
+    """Once per process (per niceness asked): the dashboard's threads at `nice` (priority.py)."""
+    return priority.yield_cpu(nice)
+
+
+def _yield_cpu() -> None:
+    try:
+        _yielded_cpu(priority.requested_nice())
+    except ValueError as err:
+        st.sidebar.error(str(err))
+
+
 def render_frame() -> Selection | None:
     """The sidebar; returns the selection, or shows one line and returns None when there is none."""
     st.sidebar.title("kvscope")
+    _yield_cpu()
     url_state.take_new()
     requested = requested_capture()
     options = capture_options(requested, find_captures())

@@ -2,13 +2,14 @@
 
     python -m kvscope.dashboard.launch [--workload multi-tenant] [--num-requests N] [--rate R]
                                        [--host 127.0.0.1] [--port 8501] [--serve-port 30000]
-                                       [--runs-dir DIR | --capture URL]
+                                       [--runs-dir DIR | --capture URL] [--nice 0..19]
 
 Starts `kvscope serve` on loopback recording `runs/<time>-live.db` (or the database `--capture`
 names, e.g. a postgresql:// URL that other engines write into too), waits until it answers
 /health, starts `kvscope load` against it (the multi-tenant workload through the official
-openai client), then `streamlit run app.py -- --db <capture>` bound to 127.0.0.1 (unless
---host says otherwise), headless, with Streamlit's usage statistics off and its Deploy
+openai client), then `streamlit run app.py -- --db <capture> --nice N` bound to 127.0.0.1 (unless
+--host says otherwise), headless, at a lower scheduling priority than the engine (--nice, 10 unless
+told; 0: off), with Streamlit's usage statistics off and its Deploy
 button hidden. Ctrl-C (or SIGTERM, or the server or the dashboard ending: the launcher says which
 one and how, its exit code or the signal that killed it) stops all three, waits for them, folds the
 capture's log into it (one file: a dashboard still reading when the server closed it kept it in WAL
@@ -29,6 +30,7 @@ import urllib.request
 from pathlib import Path
 from types import FrameType
 
+from kvscope.dashboard.priority import DEFAULT_NICE, MAX_NICE
 from kvscope.telemetry.sqlite_files import settle_file
 from kvscope.telemetry.store import display_name, file_of, is_url
 
@@ -81,7 +83,9 @@ def load_command(port: int, workload: str, num_requests: int, rate: float) -> li
     ]
 
 
-def dashboard_command(capture: Path | str, port: int | None = None, host: str = DEFAULT_HOST) -> list[str]:
+def dashboard_command(
+    capture: Path | str, port: int | None = None, host: str = DEFAULT_HOST, nice: int | None = None
+) -> list[str]:
     server = [] if port is None else ["--server.port", str(port)]
     settings = [arg for key, value in STREAMLIT_SETTINGS.items() for arg in (f"--{key}", value)]
     return [
@@ -97,6 +101,7 @@ def dashboard_command(capture: Path | str, port: int | None = None, host: str = 
         "--",
         "--db",
         str(capture),
+        *([] if nice is None else ["--nice", str(nice)]),
     ]
 
 
@@ -164,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--serve-port", type=int, default=DEFAULT_SERVE_PORT, help="port the server listens on")
     parser.add_argument("--host", default=DEFAULT_HOST, help="address the dashboard listens on (0.0.0.0: every one)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port the dashboard listens on")
+    parser.add_argument(
+        "--nice",
+        type=int,
+        choices=range(MAX_NICE + 1),
+        metavar=f"0..{MAX_NICE}",
+        default=DEFAULT_NICE,
+        help="the dashboard's scheduling niceness, so the engine gets the CPU first (0: off)",
+    )
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs", help="folder of the new capture")
     parser.add_argument(
         "--capture",
@@ -192,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"sending the {args.workload} workload at {args.rate:g} requests/s")
         load = subprocess.Popen(load_command(args.serve_port, args.workload, args.num_requests, args.rate), cwd=ROOT)
         say(f"starting the dashboard on http://{args.host}:{args.port} (Ctrl-C stops all three)")
-        dashboard = subprocess.Popen(dashboard_command(capture, args.port, args.host), cwd=ROOT)
+        dashboard = subprocess.Popen(dashboard_command(capture, args.port, args.host, args.nice), cwd=ROOT)
         return _wait_any({"the dashboard": dashboard, "kvscope serve": server})
     except KeyboardInterrupt:
         say("stopping the load, the dashboard and the server")

@@ -259,11 +259,14 @@ def build_report(
         capture.close()
 
 
-def checks_report(target: str | Path, run_id: int | None = None) -> LeakReport:
+def checks_report(target: str | Path, run_id: int | None = None, capture: Capture | None = None) -> LeakReport:
     """The report of a run that has not finished, from its leak checks alone (no ledger replay:
     cheap on a live run; its verdict is a leak or inconclusive, never clean). A finished run at
-    level full gets the whole report (build_report): only the ledger can say it is clean."""
-    capture = Capture(target)
+    level full gets the whole report (build_report): only the ledger can say it is clean.
+    `capture`: `target` already open, read through and left open (the dashboard's, so a live page's
+    every refresh does not open and check the file again)."""
+    own = capture is None
+    capture = Capture(target) if capture is None else capture
     try:
         run = run_row(capture, run_id)
         if str(run.display_status) == RunStatus.FINISHED and str(run.level) == "full":
@@ -282,7 +285,8 @@ def checks_report(target: str | Path, run_id: int | None = None) -> LeakReport:
         report.last_step = None if pd.isna(last_step) else int(last_step)
         return report
     finally:
-        capture.close()
+        if own:
+            capture.close()
 
 
 def save_report(target: str | Path, report: LeakReport) -> None:

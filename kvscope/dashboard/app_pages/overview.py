@@ -174,8 +174,9 @@ def live_panel() -> None:
         traffic_metrics(chosen, chosen.run, rows, caps)
         usage = data.usage(chosen.path, chosen.run_id, chosen.stamp)
         clock = reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run)
-        shown, x = x_axis.pick(usage, clock, "overview.x_axis")
-        st.plotly_chart(charts.live_usage_figure(shown, x), key="overview.usage")
+        _, x = x_axis.pick(usage, clock, "overview.x_axis")
+        figure = live.usage_chart(chosen.path, chosen.run_id, chosen.stamp, x, clock)
+        st.plotly_chart(figure, key="overview.usage")
     else:  # NOTE: an engine's own figures (its /metrics): NULL where it exports nothing
         reported.pool_panel(chosen, caps, rows.iloc[-1])
         reported.traffic_panel(chosen, caps, rows.iloc[-1])
