@@ -34,7 +34,8 @@ def test_the_oldest_release_serves_under_the_probe_and_checks_clean(tmp_path: Pa
     capture = tmp_path / "oldest.db"
     wrap = [sys.executable, "-m", "kvscope", "instrument", "--capture", str(capture), "--"]
     env = {"PYTHONPATH": f"{source}:{ROOT}"}
-    # NOTE: vLLM's default --shutdown-timeout 0 kills the EngineCore before the probe's close; 10 s was too short under load (the run closed `crashed`)
+    # NOTE: vLLM's default --shutdown-timeout 0 kills the EngineCore before the probe's close; 10 s was too
+    # short under load (the run closed `crashed`)
     with vllm_server(wrap=wrap, env=env, kv_events=False, args=("--shutdown-timeout", "60")) as server:
         assert httpx.get(f"{server.url}/version", timeout=30).json()["version"] == OLDEST
         shared = list(range(100, 164))
