@@ -4,10 +4,10 @@ the busy census and the lingering bounds set small.
 
 Two server lives, started together (the second waits idle while the first soaks) and after the
 shared server's phases (tests/engines/conftest.py ranks this module last):
-  life 1  SOAK_S of traffic at fixed concurrency; at 40% blocks taken outside any block table
-          (kvsfault-stray), at 50% a prefix hit without a reference (kvsfault-noref), at 60% an
-          aborted request that keeps its blocks (kvsfault-linger); then SIGTERM while requests
-          are in flight: the drain's census closes the run
+  life 1  API_SERVERS API servers; SOAK_S of traffic at fixed concurrency; at 40% blocks taken
+          outside any block table (kvsfault-stray), at 50% a prefix hit without a reference
+          (kvsfault-noref), at 60% an aborted request that keeps its blocks (kvsfault-linger);
+          then SIGTERM once the last requests were answered: the drain's census closes the run
   life 2  a double free on the preemption path (kvsfault-pdfree), the fault that kills the
           EngineCore through vLLM's own assert: traffic until it dies
 Each test below checks one promise on what the lives stored (the lives run once, in a module
@@ -333,6 +333,7 @@ class Soak:
     requests: list[int] = field(default_factory=list)  # the status codes of the soak's traffic (its drain aside)
     errors: list[str] = field(default_factory=list)
     prometheus: dict[str, Any] | None = None  # what a real Prometheus saw while the faults stood (None: no helper)
+    api_servers: list[str] = field(default_factory=list)  # life 1's API server processes, by their titles
     crash_capture: Path | None = None  # life 2
     crash_faults_log: Path | None = None
     crash_log: Path | None = None
@@ -388,7 +389,6 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> Soak:
             ) as server:
                 load = Load(server, "soak", seed=1, log=tmp / "soak-traffic.jsonl", anchors=ANCHOR_TOKENS)
                 soak_life(server, load, result)
-            # NOTE: the block's end stopped the server (SIGTERM) while the last requests ran: vLLM drains them
         finally:
             if load is not None:
                 load.finish()
@@ -399,8 +399,10 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> Soak:
 
 
 STOP = ("--shutdown-timeout", "10")  # NOTE: vLLM's default 0 kills the EngineCore before the probe closes its run
-# NOTE: life 1's drain: 16 requests of up to 150 tokens. At 7 steps a second (a load of 13 on 2 cores here) they
-# outlasted 10 s, vLLM killed the EngineCore mid-drain and the run closed crashed, with no drain census
+# NOTE: life 1's stop. With one API server it drained 16 requests of up to 150 tokens: at 7 steps a second (a
+# load of 13 on 2 cores here) they outlasted 10 s, vLLM killed the EngineCore mid-drain and the run closed
+# crashed, with no drain census. With several, nothing is in flight, but the launcher's one deadline covers
+# the API servers' and the EngineCore's exits on a loaded machine
 DRAIN_STOP = ("--shutdown-timeout", "60")
 
 
@@ -412,7 +414,10 @@ def stop_when_started(server: Any, starting: Future[VllmServer]) -> None:
 
 
 def soak_life(server: VllmServer, load: Load, result: Soak) -> None:
-    """SOAK_S of traffic, the faults mid-way; the clients stop sending (what they sent still runs).
+    """SOAK_S of traffic, the faults mid-way; the clients stop sending, and once their last requests
+    were answered the server gets SIGTERM. (With several API servers vLLM 0.32 does not drain requests
+    in flight: each API server stops its engine client at once, their requests are never answered,
+    and once --shutdown-timeout ran out vLLM kills every process, the EngineCore with no census.)
     The soak begins once each short client had an answer (while Prometheus starts): a fresh API server
     once handed back no answer for 7 s while the engine ended its first requests (idle 11 s into the
     traffic). Not the anchors' first answers: at 3 steps a second here they took 172 s."""
@@ -422,6 +427,7 @@ def soak_life(server: VllmServer, load: Load, result: Soak) -> None:
         while load.warming() and time.monotonic() < deadline:
             time.sleep(0.2)
         result.started_mono = time.monotonic()
+        result.api_servers = api_server_processes(server.pid)
         for fault, at in FAULT_AT.items():
             time.sleep(max(0.0, result.started_mono + at * SOAK_S - time.monotonic()))
             INJECT[fault](server, result.faults_log)
@@ -429,13 +435,25 @@ def soak_life(server: VllmServer, load: Load, result: Soak) -> None:
         if prom is not None:
             result.prometheus = prom()
     result.ended_mono = time.monotonic()
-    load.stop()
+    load.finish()
     stop_gracefully(server)
 
 
+def api_server_processes(pid: int) -> list[str]:
+    """The titles of `pid`'s children that vLLM named as API servers (VLLM::APIServer_<index>)."""
+    titles = []
+    children = [c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    for child in children:
+        with suppress(OSError):
+            title = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0].decode()
+            if title.startswith("VLLM::APIServer"):
+                titles.append(title)
+    return sorted(titles)
+
+
 def stop_gracefully(server: VllmServer, timeout_s: float = 90.0) -> None:
-    """SIGTERM to the API server alone, as a service manager stops it: vLLM drains what is in flight,
-    then shuts its engine down (a normal shutdown: the drain census, the run finished). A signal to the
+    """SIGTERM to the server's main process alone (the API server; with several, vLLM's launcher), as a
+    service manager stops it: vLLM drains what is in flight (one API server only), then shuts its engine down (a normal shutdown: the drain census, the run finished). A signal to the
     whole process group, as the server fixture's stop and a terminal's Ctrl-C send, reaches vLLM's
     workers too: the step in flight fails and the run closes interrupted, with no drain census."""
     os.kill(server.pid, signal.SIGTERM)
@@ -646,8 +664,8 @@ def test_an_aborted_request_that_keeps_its_blocks_is_named_lingering(soak: Soak)
 
 
 def test_the_drain_census_closes_the_run_and_names_what_still_stands(soak: Soak) -> None:
-    """SIGTERM with requests in flight: a census after the engine's last step (helper busy: at the
-    drain), naming the blocks still kept (stray, linger); the run is finished and a leak."""
+    """SIGTERM after the traffic: a census after the engine's last step (helper busy: at the drain),
+    naming the blocks still kept (stray, linger); the run is finished and a leak."""
     assert run_status(soak.capture)[0] == "finished", soak.log.read_text()[-3000:]
     ((last_usage,),) = query(soak.capture, "SELECT max(step) FROM usage WHERE run_id = ?")
     ((last_census,),) = query(soak.capture, "SELECT max(step) FROM leak_checks WHERE run_id = ?")
@@ -687,9 +705,10 @@ def test_a_double_free_on_preemption_is_named_before_it_kills_the_engine(soak: S
 
 
 def test_the_leak_gauge_and_its_alert_fire_on_a_real_prometheus_scrape(soak: Soak) -> None:
-    """Prometheus (Debian's package, on loopback) scraped life 1 with the repository's rules: the
-    leak gauge reads the stray blocks and the leak alert fires (helper alerts' prometheus.py and
-    rule file)."""
+    """Prometheus (Debian's package, on loopback) scraped life 1, a server of API_SERVERS API server
+    processes on one port, with the repository's rules: the leak gauge reads the stray blocks and the
+    leak alert fires (helper alerts' prometheus.py and rule file)."""
+    assert soak.api_servers == [f"VLLM::APIServer_{i}" for i in range(API_SERVERS)], soak.api_servers
     assert soak.prometheus is not None, "tests/engines/prometheus.py (helper alerts) is not in this tree"
     leaked = {s["metric"].get("term"): float(s["value"][1]) for s in soak.prometheus["leaked"]}
     assert leaked.get("leaked", 0) >= 2, leaked
