@@ -453,9 +453,10 @@ def api_server_processes(pid: int) -> list[str]:
 
 def stop_gracefully(server: VllmServer, timeout_s: float = 90.0) -> None:
     """SIGTERM to the server's main process alone (the API server; with several, vLLM's launcher), as a
-    service manager stops it: vLLM drains what is in flight (one API server only), then shuts its engine down (a normal shutdown: the drain census, the run finished). A signal to the
-    whole process group, as the server fixture's stop and a terminal's Ctrl-C send, reaches vLLM's
-    workers too: the step in flight fails and the run closes interrupted, with no drain census."""
+    service manager stops it: vLLM drains what is in flight (with one API server only), then shuts its
+    engine down (a normal shutdown: the drain census, the run finished). A signal to the whole process
+    group, as the server fixture's stop and a terminal's Ctrl-C send, reaches vLLM's workers too: the
+    step in flight fails and the run closes interrupted, with no drain census."""
     os.kill(server.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
