@@ -83,6 +83,9 @@ PROBE_ENV = {
 CENSUS_DUE_S = 2 * CENSUS_EVERY_S + 1.0  # NOTE: a busy census runs within this of any moment of a busy stretch
 CENSUS_BOUND_S = CENSUS_DUE_S + 1.0  # NOTE: and is stored within this
 WARM_TIMEOUT_S = 180.0  # NOTE: each short client's first answer, before the soak's 5 minutes begin
+# NOTE: the soak's steps, at least (its length is in time): at a load of 5 on 2 cores 59,000 steps ran in its
+# 5 minutes, at a load of 28 only 942 (3 a second: torch's threads on an overloaded machine), still never idle
+MIN_SOAK_STEPS = 300
 MAX_ERROR_SHARE = 0.01  # NOTE: transport errors (a connection the server closed under the client), of the answers
 FAULT_AT = {"stray": 0.4, "noref": 0.5, "linger": 0.6}  # fractions of SOAK_S
 INJECT_TIMEOUT_S = 60.0
@@ -586,7 +589,7 @@ def test_the_server_is_never_idle_throughout_the_soak(soak: Soak) -> None:
     assert set(soak.requests) == {200}, set(soak.requests)
     assert len(soak.errors) <= MAX_ERROR_SHARE * len(soak.requests), soak.errors[:3]
     first, last = step_at(soak.capture, soak.started_mono), step_at(soak.capture, soak.ended_mono) - 1
-    assert last - first > 1000, (first, last)
+    assert last - first > MIN_SOAK_STEPS, (first, last)
     idle = query(
         soak.capture,
         "SELECT DISTINCT step FROM leak_checks WHERE run_id = ? AND census = 'idle'"
