@@ -62,6 +62,7 @@ ANCHOR_TOKENS = (4000, 3600)  # NOTE: one relay per length (soak_traffic.py)
 MAX_MODEL_LEN = 4096  # NOTE: the soak's model's max_position_embeddings (vllm_server's context_tokens)
 NUM_BLOCKS = 512  # NOTE: 511 usable: each relay's two requests (up to 189 blocks) and 14 of 5 to 8 blocks
 API_SERVERS = 2  # NOTE: vLLM's --api-server-count: Prometheus scrapes the series of several API servers
+CRASH_CLIENTS = 16
 CRASH_NUM_BLOCKS = 48  # life 2 (contexts of 256): a pool the traffic overflows at once, so vLLM preempts soon
 # NOTE: life 2's census runs every CRASH_CENSUS_EVERY_STEPS: vLLM handed a double-freed block out again 6, 29
 # and more steps after the fault here (the sooner, the smaller the pool), and the census must come first
@@ -514,7 +515,7 @@ def crash_life(server: VllmServer, result: Soak) -> None:
     assert result.crash_faults_log is not None
     log = result.crash_faults_log.with_name("crash-traffic.jsonl")
     # NOTE: long requests: they preempt
-    load = Load(server, "kvsfault-pdfree", seed=2, log=log, min_tokens=100, max_tokens=150, clients=16)
+    load = Load(server, "kvsfault-pdfree", seed=2, log=log, min_tokens=100, max_tokens=150, clients=CRASH_CLIENTS)
     with load.running():
         fault = wait_for_fault(result.crash_faults_log, "preempt-double-free", timeout_s=CRASH_TIMEOUT_S)
         deadline = time.monotonic() + CRASH_TIMEOUT_S
