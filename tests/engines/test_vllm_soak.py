@@ -11,8 +11,8 @@ shared server's phases (tests/engines/conftest.py ranks this module last):
   life 2  a double free on the preemption path (kvsfault-pdfree), the fault that kills the
           EngineCore through vLLM's own assert: traffic until it dies
 Each test below checks one promise on what the lives stored (the lives run once, in a module
-fixture). Run by `make test-engines`; about 9 minutes here, server starts included (11 at a load of 11 to
-16 on 2 cores: the short clients' first answers took 43 s and the drain 37 s).
+fixture). Run by `make test-engines`; 11 to 14.5 minutes here at a load of 13 to 28 on 2 cores, server
+starts included (life 1's two API servers were up in 3.5 minutes, life 2's one in 2.5, started together).
 """
 
 from __future__ import annotations
