@@ -40,9 +40,11 @@ def release_path(release: str) -> str | None:
     return None if release == VENV_RELEASE else str(VLLM_SRC / release / "src")
 
 
+SERVE_DRIVER = Path(__file__).with_name("vllm_serve_driver.py")
 BLOCK = 32
 NUM_BLOCKS = 12  # --num-gpu-blocks-override; vLLM keeps one as its null block
 READY_TIMEOUT_S = 600.0  # NOTE: 2-5 minutes alone; far more on a machine busy with other builds
+CONTEXT_TOKENS = 512  # NOTE: the model's max_position_embeddings unless a test asks for more
 MODEL_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -53,7 +55,7 @@ MODEL_CONFIG = {
     "num_key_value_heads": 2,
     "head_dim": 64,
     "vocab_size": 512,
-    "max_position_embeddings": 512,
+    "max_position_embeddings": CONTEXT_TOKENS,
     "torch_dtype": "float32",
     "rms_norm_eps": 1e-5,
     "bos_token_id": 1,
@@ -148,16 +150,20 @@ def vllm_server(
     log_path: Path | None = None,
     args: Sequence[str] = (),
     tokenizer: bool = False,
+    api_servers: int = 1,
+    context_tokens: int = CONTEXT_TOKENS,
 ) -> Iterator[VllmServer]:
     """`wrap`: a command the server's command is appended to (`kvscope instrument ... --`); `env`:
     variables added to the server's environment; `kv_events`: publish KV events (attach reads them);
     `log_path`: where its output goes (default a file in its temp dir, removed with it); `args`: more
-    of vLLM's arguments; `tokenizer`: serve with kvscope's byte tokenizer (see the module's doc)."""
+    of vLLM's arguments; `tokenizer`: serve with kvscope's byte tokenizer (see the module's doc);
+    `api_servers`: vLLM's --api-server-count (above 1 through `vllm serve`, SERVE_DRIVER, whose
+    launcher is the server's process); `context_tokens`: the model's max_position_embeddings."""
     assert Path(VLLM_PYTHON).exists(), f"no vLLM venv at {VLLM_PYTHON}: `make test-engines` makes it"
     tmp = Path(tempfile.mkdtemp(prefix="kvs-vllm-", dir="/tmp"))  # NOTE: ipc:// paths must stay short
     model = tmp / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    (model / "config.json").write_text(json.dumps({**MODEL_CONFIG, "max_position_embeddings": context_tokens}))
     if tokenizer:
         write_byte_tokenizer(model)
     port = free_port()
@@ -175,9 +181,7 @@ def vllm_server(
         [
             *wrap,
             VLLM_PYTHON,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
+            *(["-m", "vllm.entrypoints.openai.api_server", "--model"] if api_servers == 1 else [str(SERVE_DRIVER)]),
             str(model),
             "--load-format",
             "dummy",
@@ -195,6 +199,7 @@ def vllm_server(
             "--port",
             str(port),
             *(["--kv-events-config", json.dumps(events)] if kv_events else []),
+            *([] if api_servers == 1 else ["--api-server-count", str(api_servers)]),
             *args,
         ],
         stdout=log,
