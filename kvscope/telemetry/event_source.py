@@ -23,6 +23,7 @@ missing, and no verdict may be read from what is left.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ import pandas as pd
 from sqlalchemy import Engine, func, select
 
 from kvscope.telemetry import schema
+from kvscope.telemetry.events import EventKind
 from kvscope.telemetry.packed import (
     COLUMN_DTYPES,
     NO_CODE,
@@ -99,6 +101,7 @@ class EventFilter:
 
 
 ALL_EVENTS = EventFilter()
+SUMMARY_COLUMNS = ("chunk", "num_events", "kind_counts", "principals")
 
 
 class _Codes(NamedTuple):
@@ -415,17 +418,56 @@ class PackedEvents:
                 )
         return [int(known[t]) for t in texts if t in known]
 
-    def kind_counts(self, run_id: int) -> dict[str, int]:
-        """Events per kind over the run's chunks (empty for a run of the row layout)."""
-        total: dict[int, int] = {}
-        for chunk in self.chunks(run_id).itertuples(index=False):
-            codes, counts = np.unique(self.event_values(run_id, chunk, "kind"), return_counts=True)
-            for code, count in zip(codes.tolist(), counts.tolist(), strict=True):
-                total[code] = total.get(code, 0) + count
-        if not total:
-            return {}
-        names = self.strings(run_id, np.asarray(list(total), np.int64))
-        return {str(name): count for name, count in zip(names, total.values(), strict=True)}
+    def summaries(self, run_id: int, version: int) -> pd.DataFrame:
+        """The run's chunks with their summaries (chunk, num_events, kind_counts, principals: JSON,
+        None in a chunk written before schema version 10), in seq order; empty for the row layout."""
+        if not self.has_tables():
+            return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
+        as_of = {col.name: col for col in schema.columns_as_of(schema.event_chunks, version)}
+        c = schema.event_chunks.c
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(*(as_of[name] for name in SUMMARY_COLUMNS)).where(c.run_id == run_id).order_by(c.first_seq)
+            ).fetchall()
+        return pd.DataFrame([tuple(r) for r in rows], columns=list(SUMMARY_COLUMNS))
+
+    def kind_counts(self, run_id: int, version: int) -> dict[str, int]:
+        """Events per kind over the run's chunks (empty for a run of the row layout): the chunks'
+        stored counts, and the kind column of a chunk written before version 10."""
+        total: dict[str, int] = {}
+        for chunk in self.summaries(run_id, version).itertuples(index=False):
+            for name, count in self._chunk_kind_counts(run_id, chunk).items():
+                total[name] = total.get(name, 0) + count
+        return total
+
+    def _chunk_kind_counts(self, run_id: int, chunk: Any) -> dict[str, int]:
+        if chunk.kind_counts is not None:
+            return {str(k): int(n) for k, n in self._summary(run_id, chunk, "kind_counts").items()}
+        codes, counts = np.unique(self.event_values(run_id, chunk, "kind"), return_counts=True)
+        return {str(k): int(n) for k, n in zip(self.strings(run_id, codes), counts.tolist(), strict=True)}
+
+    def match_principals(self, run_id: int, version: int) -> set[str]:
+        """The distinct principals of the run's match events: the chunks' stored lists, and the
+        kind and principal columns of a chunk written before version 10."""
+        found: set[str] = set()
+        older = []
+        for chunk in self.summaries(run_id, version).itertuples(index=False):
+            if chunk.principals is None:
+                older.append(chunk)
+            else:
+                found.update(str(p) for p in self._summary(run_id, chunk, "principals"))
+        match = self.codes_of(run_id, [EventKind.MATCH.value]) if older else []
+        for chunk in older if match else ():
+            codes = self.event_values(run_id, chunk, "principal")[self.event_values(run_id, chunk, "kind") == match[0]]
+            unique = np.unique(codes)
+            found.update(str(p) for p in self.strings(run_id, unique[unique != NO_CODE]))
+        return found
+
+    def _summary(self, run_id: int, chunk: Any, name: str) -> Any:
+        try:
+            return json.loads(getattr(chunk, name))
+        except ValueError:
+            raise self.damaged(run_id, f"event chunk {int(chunk.chunk)}'s {name} is not JSON") from None
 
 
 def read_events(
@@ -647,17 +689,14 @@ def _rows(capture: Any, run_id: int, names: list[str], where: EventFilter) -> pd
     return frame
 
 
-def distinct_strings(capture: Any, run_id: int, column: str, kinds: Sequence[str]) -> list[str]:
-    """The distinct non-NULL values of a string column among events of `kinds` (a packed run
-    decodes only the distinct codes)."""
+def match_principals(capture: Any, run_id: int) -> set[str]:
+    """The distinct non-NULL principals of the run's match events (a packed run reads its chunks'
+    summaries: PackedEvents.match_principals)."""
     packed: PackedEvents = capture.packed
-    chunks = packed.chunks(run_id)
-    if chunks.empty:
-        frame = read_events(capture, run_id, [column], EventFilter.of(kinds=kinds))
-        return sorted({str(v) for v in frame[column].dropna().unique()})
-    codes = packed_arrays(packed, chunks, run_id, ["seq", column], EventFilter.of(kinds=kinds))[column]
-    unique = np.unique(codes)
-    return sorted(str(v) for v in packed.strings(run_id, unique[unique != NO_CODE]))
+    if not packed.chunks(run_id).empty:
+        return packed.match_principals(run_id, capture.schema_version)
+    frame = read_events(capture, run_id, ["principal"], EventFilter.of(kinds=[EventKind.MATCH.value]))
+    return {str(v) for v in frame["principal"].dropna().unique()}
 
 
 def last_seq(capture: Any, run_id: int) -> int:

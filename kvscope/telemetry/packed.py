@@ -28,6 +28,7 @@ per request, in order.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import compress
@@ -36,6 +37,8 @@ from operator import is_, is_not
 from typing import Any
 
 import numpy as np
+
+from kvscope.telemetry.events import EventKind
 
 ITEM_FIELDS = ("step", "t_mono", "kind", "pool", "rid", "node_id", "num_tokens", "aux", "reason", "principal", "slots")
 ITEM_WIDTH = len(ITEM_FIELDS)
@@ -96,6 +99,8 @@ class Chunk:
     kinds: str  # the distinct kinds, sorted, comma-separated
     columns: dict[str, tuple[str, bytes]]  # name -> (stored dtype, data)
     new_strings: list[tuple[int, str]]
+    kind_counts: str = "{}"  # {kind: events}, JSON (schema version 10)
+    principals: str = "[]"  # the distinct principals of its match events, sorted, JSON
 
     @property
     def num_bytes(self) -> int:
@@ -121,6 +126,8 @@ class Chunk:
                     self.last_step,
                     self.kinds,
                     self.num_bytes,
+                    self.kind_counts,
+                    self.principals,
                 )
             ],
             "event_columns": [(run_id, number, name, dtype, data) for name, (dtype, data) in self.columns.items()],
@@ -161,6 +168,7 @@ class Packer:
         first = self.next_seq
         self.next_seq += n
         new, codes.new = codes.new, []
+        kind_counts, principals = summaries(columns["kind"], columns["principal"], codes)
         return Chunk(
             first_seq=first,
             num_events=n,
@@ -169,7 +177,21 @@ class Packer:
             kinds=",".join(sorted(set(kind))),
             columns={name: narrow(name, columns[name]) for name in STORED_COLUMNS},
             new_strings=new,
+            kind_counts=kind_counts,
+            principals=principals,
         )
+
+
+def summaries(kind: np.ndarray, principal: np.ndarray, codes: StringCodes) -> tuple[str, str]:
+    """A chunk's summaries (schema version 10), from its kind and principal codes: its events per
+    kind ({kind: events}) and its match events' distinct principals (a sorted list), as JSON."""
+    texts = codes.texts
+    found, counts = np.unique(kind, return_counts=True)
+    per_kind = {texts[int(c)]: int(n) for c, n in zip(found.tolist(), counts.tolist(), strict=True)}
+    match = dict.get(codes, EventKind.MATCH.value)  # NOTE: dict.get: the lookup never adds a code
+    named = np.unique(principal[kind == match]) if match is not None else principal[:0]
+    names = sorted(texts[int(c)] for c in named.tolist() if c != NO_CODE)
+    return json.dumps(per_kind, sort_keys=True), json.dumps(names)
 
 
 _NARROW_INTS = tuple(np.dtype(t) for t in ("<i1", "<i2", "<i4", "<i8"))

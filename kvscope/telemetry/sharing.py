@@ -14,10 +14,9 @@ every aggregate is pandas over those columns (grouped by step or principal), nev
 from __future__ import annotations
 
 import pandas as pd
-from sqlalchemy import select
 
 from kvscope.telemetry import schema
-from kvscope.telemetry.event_source import decode_strings, distinct_strings
+from kvscope.telemetry.event_source import decode_strings, match_principals
 from kvscope.telemetry.events import EventKind
 from kvscope.telemetry.queries import Capture
 
@@ -28,14 +27,11 @@ VISIBILITY_COLUMNS = ("step", "kind", "num_events", "num_tokens")
 
 
 def run_principals(capture: Capture, run_id: int) -> list[str]:
-    """The distinct principals of the run's requests and match events, sorted."""
-    r = schema.requests.c
-    of_requests = capture.read_frame(
-        select(r.principal).where(r.run_id == run_id, r.principal.is_not(None)).distinct()
-    ).iloc[:, 0]
-    found = {str(p) for p in of_requests}
+    """The distinct principals of the run's requests and match events, sorted: the requests' by
+    their index (Capture.request_principals), the match events' from the chunks' summaries."""
+    found = set(capture.request_principals(run_id))
     if capture.schema_version >= schema.since_version(schema.events.c.principal):
-        found.update(distinct_strings(capture, run_id, "principal", [EventKind.MATCH.value]))
+        found.update(match_principals(capture, run_id))
     return sorted(found)
 
 
