@@ -43,6 +43,7 @@ from kvscope.telemetry.packed import (
     NULL_INT,
     STORED_COLUMNS,
     STRING_COLUMNS,
+    summaries,
     widen_array,
     writes_dtype,
 )
@@ -432,42 +433,41 @@ class PackedEvents:
         return pd.DataFrame([tuple(r) for r in rows], columns=list(SUMMARY_COLUMNS))
 
     def kind_counts(self, run_id: int, version: int) -> dict[str, int]:
-        """Events per kind over the run's chunks (empty for a run of the row layout): the chunks'
-        stored counts, and the kind column of a chunk written before version 10."""
+        """Events per kind over the run's chunks (empty for a run of the row layout), from their
+        summaries (chunk_summaries)."""
         total: dict[str, int] = {}
         for chunk in self.summaries(run_id, version).itertuples(index=False):
-            for name, count in self._chunk_kind_counts(run_id, chunk).items():
+            for name, count in self.chunk_summaries(run_id, chunk)[0].items():
                 total[name] = total.get(name, 0) + count
         return total
 
-    def _chunk_kind_counts(self, run_id: int, chunk: Any) -> dict[str, int]:
-        if chunk.kind_counts is not None:
-            return {str(k): int(n) for k, n in self._summary(run_id, chunk, "kind_counts").items()}
-        codes, counts = np.unique(self.event_values(run_id, chunk, "kind"), return_counts=True)
-        return {str(k): int(n) for k, n in zip(self.strings(run_id, codes), counts.tolist(), strict=True)}
-
     def match_principals(self, run_id: int, version: int) -> set[str]:
-        """The distinct principals of the run's match events: the chunks' stored lists, and the
-        kind and principal columns of a chunk written before version 10."""
+        """The distinct principals of the run's match events, from the chunks' summaries."""
         found: set[str] = set()
-        older = []
         for chunk in self.summaries(run_id, version).itertuples(index=False):
-            if chunk.principals is None:
-                older.append(chunk)
-            else:
-                found.update(str(p) for p in self._summary(run_id, chunk, "principals"))
-        match = self.codes_of(run_id, [EventKind.MATCH.value]) if older else []
-        for chunk in older if match else ():
-            codes = self.event_values(run_id, chunk, "principal")[self.event_values(run_id, chunk, "kind") == match[0]]
-            unique = np.unique(codes)
-            found.update(str(p) for p in self.strings(run_id, unique[unique != NO_CODE]))
+            found.update(self.chunk_summaries(run_id, chunk)[1])
         return found
 
-    def _summary(self, run_id: int, chunk: Any, name: str) -> Any:
+    def chunk_summaries(self, run_id: int, chunk: Any) -> tuple[dict[str, int], list[str]]:
+        """A chunk's (a row of `summaries`) events per kind and its match events' principals: as stored,
+        or (a chunk written before version 10) computed from its kind and principal columns."""
+        if pd.isna(chunk.kind_counts) or pd.isna(chunk.principals):  # NOTE: NULL reads as None or NaN
+            stored = self.computed_summaries(run_id, chunk)
+        else:
+            stored = (chunk.kind_counts, chunk.principals)
         try:
-            return json.loads(getattr(chunk, name))
-        except ValueError:
-            raise self.damaged(run_id, f"event chunk {int(chunk.chunk)}'s {name} is not JSON") from None
+            per_kind, principals = json.loads(stored[0]), json.loads(stored[1])
+            return {str(k): int(n) for k, n in per_kind.items()}, [str(p) for p in principals]
+        except (ValueError, TypeError, AttributeError):
+            raise self.damaged(
+                run_id, f"event chunk {int(chunk.chunk)}'s summaries are not what kvscope writes"
+            ) from None
+
+    def computed_summaries(self, run_id: int, chunk: Any) -> tuple[str, str]:
+        """packed.summaries of a chunk (a row of `summaries` or `chunks`), from its stored columns."""
+        match = self.codes_of(run_id, [EventKind.MATCH.value])
+        kind, principal = self.event_values(run_id, chunk, "kind"), self.event_values(run_id, chunk, "principal")
+        return summaries(kind, principal, match[0] if match else None, lambda codes: self.strings(run_id, codes))
 
 
 def read_events(

@@ -29,7 +29,7 @@ per request, in order.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import compress
 from itertools import repeat as forever
@@ -82,6 +82,10 @@ class StringCodes(dict[Any, int]):
         self.texts.append(str(key))
         self.new.append((code, str(key)))
         return code
+
+    def decode(self, codes: np.ndarray) -> list[str]:
+        texts = self.texts
+        return [texts[c] for c in codes.tolist()]
 
     def encode(self, values: Sequence[Any]) -> np.ndarray:
         # NOTE: pool, reason and principal are mostly NULL; any() stops at the first string
@@ -168,7 +172,8 @@ class Packer:
         first = self.next_seq
         self.next_seq += n
         new, codes.new = codes.new, []
-        kind_counts, principals = summaries(columns["kind"], columns["principal"], codes)
+        match = dict.get(codes, EventKind.MATCH.value)  # NOTE: dict.get: the lookup never adds a code
+        kind_counts, principals = summaries(columns["kind"], columns["principal"], match, codes.decode)
         return Chunk(
             first_seq=first,
             num_events=n,
@@ -182,15 +187,16 @@ class Packer:
         )
 
 
-def summaries(kind: np.ndarray, principal: np.ndarray, codes: StringCodes) -> tuple[str, str]:
-    """A chunk's summaries (schema version 10), from its kind and principal codes: its events per
+def summaries(
+    kind: np.ndarray, principal: np.ndarray, match: int | None, decode: Callable[[np.ndarray], Sequence[str]]
+) -> tuple[str, str]:
+    """A chunk's summaries (schema version 10), from its kind and principal codes (`match`: the code
+    of the match kind, None when the run has none; `decode`: codes to their strings): its events per
     kind ({kind: events}) and its match events' distinct principals (a sorted list), as JSON."""
-    texts = codes.texts
     found, counts = np.unique(kind, return_counts=True)
-    per_kind = {texts[int(c)]: int(n) for c, n in zip(found.tolist(), counts.tolist(), strict=True)}
-    match = dict.get(codes, EventKind.MATCH.value)  # NOTE: dict.get: the lookup never adds a code
+    per_kind = dict(zip(map(str, decode(found)), counts.tolist(), strict=True))
     named = np.unique(principal[kind == match]) if match is not None else principal[:0]
-    names = sorted(texts[int(c)] for c in named.tolist() if c != NO_CODE)
+    names = sorted(map(str, decode(named[named != NO_CODE])))
     return json.dumps(per_kind, sort_keys=True), json.dumps(names)
 
 
