@@ -123,7 +123,7 @@ def test_a_summary_that_is_not_json_is_one_damaged_capture_line(recorded: Path, 
         conn.execute("UPDATE event_chunks SET principals = 'not json' WHERE chunk = 1")
     capture = Capture(damaged)
     try:
-        with pytest.raises(Exception, match="damaged capture .*event chunk 1's summaries"):
+        with pytest.raises(Exception, match=r"damaged capture .*event chunk 1's summaries"):
             capture.packed.match_principals(1, capture.schema_version)
     finally:
         capture.close()
