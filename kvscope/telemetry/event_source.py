@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -43,6 +43,7 @@ from kvscope.telemetry.packed import (
     NULL_INT,
     STORED_COLUMNS,
     STRING_COLUMNS,
+    SUMMARY_FIELDS,
     summaries,
     widen_array,
     writes_dtype,
@@ -102,7 +103,7 @@ class EventFilter:
 
 
 ALL_EVENTS = EventFilter()
-SUMMARY_COLUMNS = ("chunk", "num_events", "kind_counts", "principals")
+SUMMARY_COLUMNS = ("chunk", "num_events", "kind_counts", "groups")
 
 
 class _Codes(NamedTuple):
@@ -420,8 +421,8 @@ class PackedEvents:
         return [int(known[t]) for t in texts if t in known]
 
     def summaries(self, run_id: int, version: int) -> pd.DataFrame:
-        """The run's chunks with their summaries (chunk, num_events, kind_counts, principals: JSON,
-        None in a chunk written before schema version 10), in seq order; empty for the row layout."""
+        """The run's chunks with their summaries (chunk, num_events, kind_counts, groups: JSON, None in
+        a chunk written before schema version 10), in seq order; empty for the row layout."""
         if not self.has_tables():
             return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
         as_of = {col.name: col for col in schema.columns_as_of(schema.event_chunks, version)}
@@ -436,38 +437,44 @@ class PackedEvents:
         """Events per kind over the run's chunks (empty for a run of the row layout), from their
         summaries (chunk_summaries)."""
         total: dict[str, int] = {}
-        for chunk in self.summaries(run_id, version).itertuples(index=False):
-            for name, count in self.chunk_summaries(run_id, chunk)[0].items():
-                total[name] = total.get(name, 0) + count
+        for per_kind, _groups in self.each_summary(run_id, version):
+            for name, count in per_kind.items():
+                total[name] = total.get(name, 0) + int(count)
         return total
 
-    def match_principals(self, run_id: int, version: int) -> set[str]:
-        """The distinct principals of the run's match events, from the chunks' summaries."""
-        found: set[str] = set()
-        for chunk in self.summaries(run_id, version).itertuples(index=False):
-            found.update(self.chunk_summaries(run_id, chunk)[1])
-        return found
+    def grouped(self, run_id: int, version: int, name: str) -> list[list[Any]]:
+        """Every chunk's rows of one group of its summaries (packed.summaries' NOTE), chunk after chunk."""
+        return [row for _per_kind, groups in self.each_summary(run_id, version) for row in groups.get(name, [])]
 
-    def chunk_summaries(self, run_id: int, chunk: Any) -> tuple[dict[str, int], list[str]]:
-        """A chunk's (a row of `summaries`) events per kind and its match events' principals: as stored,
-        or (a chunk written before version 10) computed from its kind and principal columns."""
-        if pd.isna(chunk.kind_counts) or pd.isna(chunk.principals):  # NOTE: NULL reads as None or NaN
+    def each_summary(self, run_id: int, version: int) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+        """Each chunk's summaries, (kind_counts, groups), parsed."""
+        for chunk in self.summaries(run_id, version).itertuples(index=False):
+            yield self.chunk_summaries(run_id, chunk)
+
+    def chunk_summaries(self, run_id: int, chunk: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A chunk's (a row of `summaries`) summaries, parsed: as stored, or (a chunk written before
+        version 10) computed from its columns."""
+        if pd.isna(chunk.kind_counts) or pd.isna(chunk.groups):  # NOTE: NULL reads as None or NaN
             stored = self.computed_summaries(run_id, chunk)
         else:
-            stored = (chunk.kind_counts, chunk.principals)
+            stored = (chunk.kind_counts, chunk.groups)
         try:
-            per_kind, principals = json.loads(stored[0]), json.loads(stored[1])
-            return {str(k): int(n) for k, n in per_kind.items()}, [str(p) for p in principals]
-        except (ValueError, TypeError, AttributeError):
-            raise self.damaged(
-                run_id, f"event chunk {int(chunk.chunk)}'s summaries are not what kvscope writes"
-            ) from None
+            per_kind, groups = json.loads(stored[0]), json.loads(stored[1])
+        except ValueError:
+            per_kind = groups = None
+        if not isinstance(per_kind, dict) or not isinstance(groups, dict):
+            raise self.damaged(run_id, f"event chunk {int(chunk.chunk)}'s summaries are not what kvscope writes")
+        return per_kind, groups
 
     def computed_summaries(self, run_id: int, chunk: Any) -> tuple[str, str]:
         """packed.summaries of a chunk (a row of `summaries` or `chunks`), from its stored columns."""
-        match = self.codes_of(run_id, [EventKind.MATCH.value])
-        kind, principal = self.event_values(run_id, chunk, "kind"), self.event_values(run_id, chunk, "principal")
-        return summaries(kind, principal, match[0] if match else None, lambda codes: self.strings(run_id, codes))
+        columns = {name: self.event_values(run_id, chunk, name) for name in SUMMARY_FIELDS}
+
+        def code_of(kind: str) -> int | None:
+            found = self.codes_of(run_id, [kind])
+            return found[0] if found else None
+
+        return summaries(columns, code_of, lambda codes: self.strings(run_id, codes))
 
 
 def read_events(
@@ -691,10 +698,11 @@ def _rows(capture: Any, run_id: int, names: list[str], where: EventFilter) -> pd
 
 def match_principals(capture: Any, run_id: int) -> set[str]:
     """The distinct non-NULL principals of the run's match events (a packed run reads its chunks'
-    summaries: PackedEvents.match_principals)."""
+    summaries)."""
     packed: PackedEvents = capture.packed
     if not packed.chunks(run_id).empty:
-        return packed.match_principals(run_id, capture.schema_version)
+        reuse = packed.grouped(run_id, capture.schema_version, "reuse")
+        return {str(p) for p, kind, _tokens in reuse if kind == EventKind.MATCH.value and p is not None}
     frame = read_events(capture, run_id, ["principal"], EventFilter.of(kinds=[EventKind.MATCH.value]))
     return {str(v) for v in frame["principal"].dropna().unique()}
 

@@ -29,7 +29,7 @@ per request, in order.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress
 from itertools import repeat as forever
@@ -103,8 +103,8 @@ class Chunk:
     kinds: str  # the distinct kinds, sorted, comma-separated
     columns: dict[str, tuple[str, bytes]]  # name -> (stored dtype, data)
     new_strings: list[tuple[int, str]]
-    kind_counts: str = "{}"  # {kind: events}, JSON (schema version 10)
-    principals: str = "[]"  # the distinct principals of its match events, sorted, JSON
+    kind_counts: str = "{}"  # {kind: events}, JSON (schema version 10: summaries)
+    groups: str = "{}"  # its events grouped for the dashboard's sums, JSON (summaries)
 
     @property
     def num_bytes(self) -> int:
@@ -131,7 +131,7 @@ class Chunk:
                     self.kinds,
                     self.num_bytes,
                     self.kind_counts,
-                    self.principals,
+                    self.groups,
                 )
             ],
             "event_columns": [(run_id, number, name, dtype, data) for name, (dtype, data) in self.columns.items()],
@@ -172,8 +172,8 @@ class Packer:
         first = self.next_seq
         self.next_seq += n
         new, codes.new = codes.new, []
-        match = dict.get(codes, EventKind.MATCH.value)  # NOTE: dict.get: the lookup never adds a code
-        kind_counts, principals = summaries(columns["kind"], columns["principal"], match, codes.decode)
+        # NOTE: dict.get: a kind's lookup never adds a code
+        kind_counts, groups = summaries(columns, lambda kind: dict.get(codes, kind), codes.decode)
         return Chunk(
             first_seq=first,
             num_events=n,
@@ -183,21 +183,79 @@ class Packer:
             columns={name: narrow(name, columns[name]) for name in STORED_COLUMNS},
             new_strings=new,
             kind_counts=kind_counts,
-            principals=principals,
+            groups=groups,
         )
 
 
+SUMMARY_FIELDS = ("kind", "pool", "reason", "principal", "step", "num_tokens", "aux")  # NOTE: what summaries read
+REUSE_KINDS = (EventKind.MATCH.value, EventKind.CROSS_HIT.value)
+
+
 def summaries(
-    kind: np.ndarray, principal: np.ndarray, match: int | None, decode: Callable[[np.ndarray], Sequence[str]]
+    columns: Mapping[str, np.ndarray],
+    code_of: Callable[[str], int | None],
+    decode: Callable[[np.ndarray], Sequence[str]],
 ) -> tuple[str, str]:
-    """A chunk's summaries (schema version 10), from its kind and principal codes (`match`: the code
-    of the match kind, None when the run has none; `decode`: codes to their strings): its events per
-    kind ({kind: events}) and its match events' distinct principals (a sorted list), as JSON."""
+    """A chunk's summaries (schema version 10), as JSON, from its SUMMARY_FIELDS columns (strings as
+    codes; `code_of`: a kind's code, None when the run has none; `decode`: codes to their strings).
+
+    NOTE: what they hold (each a sum a read adds up over the chunks; None: NULL)
+        kind_counts           {kind: events}
+        groups["reuse"]       [principal, kind, tokens] per principal and kind of match and cross_hit events
+        groups["evictions"]   [reason, pool, evictions, tokens, first step, last step] per reason and pool
+        groups["stops"]       [reason, lookups, hit tokens, missed tokens] per reason of match events that
+                              name one"""
+    kind = np.asarray(columns["kind"])
     found, counts = np.unique(kind, return_counts=True)
     per_kind = dict(zip(map(str, decode(found)), counts.tolist(), strict=True))
-    named = np.unique(principal[kind == match]) if match is not None else principal[:0]
-    names = sorted(map(str, decode(named[named != NO_CODE])))
-    return json.dumps(per_kind, sort_keys=True), json.dumps(names)
+    text = _texts(decode)
+    c = columns
+    match, evict = _is(kind, [code_of(EventKind.MATCH.value)]), _is(kind, [code_of(EventKind.EVICT.value)])
+    reuse = _grouped(_is(kind, [code_of(k) for k in REUSE_KINDS]), [c["principal"], kind], [(c["num_tokens"], "sum")])
+    evictions = _grouped(
+        evict,
+        [c["reason"], c["pool"]],
+        [(None, "count"), (c["num_tokens"], "sum"), (c["step"], "min"), (c["step"], "max")],
+    )
+    named = match & (np.asarray(c["reason"]) != NO_CODE)
+    stops = _grouped(named, [c["reason"]], [(None, "count"), (c["num_tokens"], "sum"), (c["aux"], "sum")])
+    groups = {
+        "reuse": [[text(p), text(k), *rest] for p, k, *rest in reuse],
+        "evictions": [[text(r), text(p), *rest] for r, p, *rest in evictions],
+        "stops": [[text(r), *rest] for r, *rest in stops],
+    }
+    return json.dumps(per_kind, sort_keys=True), json.dumps(groups, sort_keys=True)
+
+
+def _is(kind: np.ndarray, codes: Sequence[int | None]) -> np.ndarray:
+    return np.isin(kind, [code for code in codes if code is not None])
+
+
+def _texts(decode: Callable[[np.ndarray], Sequence[str]]) -> Callable[[int], str | None]:
+    return lambda code: None if code == NO_CODE else str(decode(np.asarray([code], np.int64))[0])
+
+
+def _grouped(
+    mask: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[tuple[np.ndarray | None, str]]
+) -> list[list[int]]:
+    """Rows of the masked events grouped by `keys` (codes): the keys, then each (column, "count" | "sum"
+    | "min" | "max") of the group, as Python ints, in key order."""
+    if not mask.any():
+        return []
+    stacked = np.stack([np.asarray(k)[mask].astype(np.int64) for k in keys], axis=1)
+    unique, inverse = np.unique(stacked, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    out = [unique[:, i] for i in range(unique.shape[1])]
+    for column, how in values:
+        if how == "count":
+            out.append(np.bincount(inverse, minlength=len(unique)))
+            continue
+        picked = np.asarray(column)[mask].astype(np.int64)
+        start = {"sum": 0, "min": np.iinfo(np.int64).max, "max": np.iinfo(np.int64).min}[how]
+        result = np.full(len(unique), start, np.int64)
+        {"sum": np.add, "min": np.minimum, "max": np.maximum}[how].at(result, inverse, picked)
+        out.append(result)
+    return [list(row) for row in zip(*(o.tolist() for o in out), strict=True)]
 
 
 _NARROW_INTS = tuple(np.dtype(t) for t in ("<i1", "<i2", "<i4", "<i8"))

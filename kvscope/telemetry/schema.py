@@ -80,12 +80,13 @@ the new version): every older row stays valid, with NULL in the added columns.
        chunk's packed bytes, so a run's size is a sum; NULL: a chunk written before version 9).
        A run without an event_retention row dropped nothing: its chunks start at seq 0.
    10  summaries a page reads instead of scanning events (the dashboard at 100 M events):
-       event_chunks.kind_counts (the chunk's events per kind, a JSON object) and
-       event_chunks.principals (the distinct principals of its match events, a JSON list), so a
-       run's events per kind and its principals are a sum over its chunk rows; retention drops them
-       with their chunk, so they always describe the events kept. NULL: a chunk written before
-       version 10 (readers read its kind and principal columns instead; `kvscope upgrade` fills them
-       in). ix_requests_principal: a run's request principals, one index seek per principal.
+       event_chunks.kind_counts (the chunk's events per kind) and event_chunks.groups (its match
+       and cross-hit tokens per principal, its evictions per reason and pool, its lookups per
+       stop reason: packed.summaries), JSON, so a run's event counts, principals, reuse, eviction
+       summary and lookup stops are sums over its chunk rows; retention drops them with their
+       chunk, so they always describe the events kept. NULL: a chunk written before version 10
+       (readers compute its summaries from its columns; `kvscope upgrade` stores them).
+       ix_requests_principal: a run's request principals, one index seek per principal.
 On PostgreSQL every integer column is BIGINT (SQLite's integers are 64-bit already); a server
 database is versioned and upgraded as a file is, under an advisory lock (store._ensure_schema).
 `reports` came after version 1 without a bump: it is an additive table (older readers never
@@ -338,7 +339,7 @@ event_chunks = Table(
     Column("kinds", Text, nullable=False),  # the distinct kinds, comma-separated
     Column("num_bytes", Integer, info={"since": 9}),  # its columns' packed bytes; NULL: written before 9
     Column("kind_counts", Text, info={"since": 10}),  # {kind: events}, JSON; NULL: written before 10
-    Column("principals", Text, info={"since": 10}),  # its match events' principals, a JSON list; NULL: before 10
+    Column("groups", Text, info={"since": 10}),  # its events grouped for the pages' sums (packed.summaries), JSON
 )
 CHUNK_SUMMARY_SINCE = 10
 event_columns = Table(

@@ -1,6 +1,6 @@
 """`kvscope upgrade`: pack the event rows of runs written before schema version 6 into chunks
-(packed.py), and store the summaries of chunks written before version 10 (their events per kind and
-their match events' principals), so they read as fast as new runs. Readers read the row layout and
+(packed.py), and store the summaries of chunks written before version 10 (packed.summaries: their events
+per kind and grouped sums), so they read as fast as new runs. Readers read the row layout and
 unsummarized chunks too; upgrading is for speed and size, never needed to open a file.
 
 NOTE: what it keeps. Every event keeps its seq, step, time and fields; a chunk never spans a
@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, bindparam, delete, func, select, update
 
 from kvscope.telemetry import schema
-from kvscope.telemetry.packed import ITEM_WIDTH, Packer
+from kvscope.telemetry.packed import ITEM_WIDTH, SUMMARY_FIELDS, Packer
 from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.store import (
     CaptureError,
@@ -177,16 +177,16 @@ def _summarize_run(
         engine,
         update(schema.event_chunks)
         .where(c.run_id == bindparam("run"), c.chunk == bindparam("number"))
-        .values(kind_counts=bindparam("counts"), principals=bindparam("names")),
+        .values(kind_counts=bindparam("counts"), groups=bindparam("names")),
         ("counts", "names", "run", "number"),
     )
     capture = Capture(target)
     try:
         chunks = capture.packed.summaries(run_id, schema.SCHEMA_VERSION)
-        todo = chunks[chunks.kind_counts.isna() | chunks.principals.isna()]
+        todo = chunks[chunks.kind_counts.isna() | chunks.groups.isna()]
         for start in range(0, len(todo), SUMMARY_CHUNKS):
             part = todo.iloc[start : start + SUMMARY_CHUNKS]
-            capture.packed.prefetch(run_id, part.chunk.tolist(), ["kind", "principal"])
+            capture.packed.prefetch(run_id, part.chunk.tolist(), list(SUMMARY_FIELDS))
             rows = [
                 (*capture.packed.computed_summaries(run_id, chunk), run_id, int(chunk.chunk))
                 for chunk in part.itertuples(index=False)

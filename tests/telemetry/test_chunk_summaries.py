@@ -11,14 +11,16 @@ import shutil
 import sqlite3
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvscope.app import main
-from kvscope.telemetry import schema, sharing
+from kvscope.telemetry import derived, schema, sharing
 from kvscope.telemetry.event_source import match_principals
 from kvscope.telemetry.packed import NO_CODE, summaries
 from kvscope.telemetry.queries import Capture
@@ -44,13 +46,20 @@ def from_events(capture: Capture) -> tuple[dict[str, int], list[str]]:
 
 def stored_summaries(path: Path) -> list[tuple[int, str | None, str | None]]:
     with sqlite3.connect(path) as conn:
-        return conn.execute("SELECT chunk, kind_counts, principals FROM event_chunks ORDER BY chunk").fetchall()
+        return conn.execute("SELECT chunk, kind_counts, groups FROM event_chunks ORDER BY chunk").fetchall()
 
 
 def forget_summaries(path: Path, every: int) -> None:
     """Make every `every`-th chunk look written before version 10 (its summaries NULL)."""
     with sqlite3.connect(path) as conn:
-        conn.execute("UPDATE event_chunks SET kind_counts = NULL, principals = NULL WHERE chunk % ? = 0", (every,))
+        conn.execute("UPDATE event_chunks SET kind_counts = NULL, groups = NULL WHERE chunk % ? = 0", (every,))
+
+
+ALTERED = {
+    "reuse": [["zed", "match", 5]],
+    "evictions": [["lru", "full", 2, 7, 3, 4]],
+    "stops": [["tail", 1, 5, 6]],
+}
 
 
 def reads(path: Path) -> tuple[dict[str, int], list[str], list[str]]:
@@ -63,20 +72,53 @@ def reads(path: Path) -> tuple[dict[str, int], list[str], list[str]]:
         capture.close()
 
 
-def test_each_chunk_stores_its_own_kinds_and_match_principals(recorded: Path) -> None:
+def groups_of(events: pd.DataFrame) -> dict[str, list[list[Any]]]:
+    """packed.summaries' groups, computed from events with pandas (None for NULL)."""
+
+    def rows(frame: pd.DataFrame, keys: list[str], **sums: tuple[str, str]) -> list[list[Any]]:
+        if frame.empty:
+            return []
+        table = frame.groupby(keys, dropna=False, sort=False).agg(**sums).reset_index()
+        out = [[None if v is None or v != v else v for v in row] for row in table.itertuples(index=False)]
+        return [[*r[: len(keys)], *(int(v) for v in r[len(keys) :])] for r in out]
+
+    reuse = events[events.kind.isin(["match", "cross_hit"])]
+    evicts = events[events.kind == "evict"]
+    named = events[(events.kind == "match") & events.reason.notna()]
+    return {
+        "reuse": rows(reuse, ["principal", "kind"], tokens=("num_tokens", "sum")),
+        "evictions": rows(
+            evicts,
+            ["reason", "pool"],
+            n=("seq", "size"),
+            tokens=("num_tokens", "sum"),
+            first=("step", "min"),
+            last=("step", "max"),
+        ),
+        "stops": rows(named, ["reason"], n=("seq", "size"), hit=("num_tokens", "sum"), missed=("aux", "sum")),
+    }
+
+
+def key_sorted(groups: dict[str, list[list[Any]]]) -> dict[str, list[list[Any]]]:
+    return {name: sorted(rows, key=lambda r: [str(v) for v in r]) for name, rows in groups.items()}
+
+
+def test_each_chunk_stores_its_own_kinds_and_groups(recorded: Path) -> None:
     capture = Capture(recorded)
     try:
         chunks = capture.packed.chunks(1)
         assert len(chunks) > 3  # NOTE: flushed at random: many chunks
-        for (number, counts, principals), chunk in zip(
+        every = capture.events(
+            1, limit=None, columns=["step", "kind", "pool", "reason", "principal", "num_tokens", "aux"]
+        )
+        for (number, counts, groups), chunk in zip(
             stored_summaries(recorded), chunks.itertuples(index=False), strict=True
         ):
-            events = capture.events(
-                1, limit=None, columns=["kind", "principal"], step_range=None, rid=None
-            ).iloc[int(chunk.first_seq) : int(chunk.first_seq) + int(chunk.num_events)]
-            matches = events[events.kind == "match"].principal.dropna()
+            events = every.iloc[int(chunk.first_seq) : int(chunk.first_seq) + int(chunk.num_events)]
             assert json.loads(counts) == dict(Counter(str(k) for k in events.kind)), number
-            assert json.loads(principals) == sorted({str(p) for p in matches}), number
+            assert key_sorted(json.loads(groups)) == key_sorted(groups_of(events)), number
+        assert any(json.loads(g)["evictions"] for _, _, g in stored_summaries(recorded))
+        assert any(json.loads(g)["reuse"] for _, _, g in stored_summaries(recorded))
     finally:
         capture.close()
 
@@ -110,21 +152,35 @@ def test_the_reads_come_from_the_stored_summaries(recorded: Path, tmp_path: Path
     altered = tmp_path / "altered.db"
     shutil.copy(recorded, altered)
     with sqlite3.connect(altered) as conn:
-        conn.execute("""UPDATE event_chunks SET kind_counts = '{"match": 1000000}', principals = '["zed"]'""")
+        conn.execute(
+            f"UPDATE event_chunks SET kind_counts = '{{\"match\": 1000000}}', groups = '{json.dumps(ALTERED)}'"
+        )
+    num_chunks = len(stored_summaries(altered))
     counts, match_principals, run_principals = reads(altered)
-    assert counts == {"match": 1000000 * len(stored_summaries(altered))}
+    assert counts == {"match": 1000000 * num_chunks}
     assert match_principals == ["zed"] and "zed" in run_principals
+    capture = Capture(altered)
+    try:
+        summary = derived.eviction_summary(capture, 1)
+        assert summary.values.tolist() == [["lru", "full", 2 * num_chunks, 7 * num_chunks, 3, 4]]
+        assert derived.lookup_stops(capture, 1).values.tolist() == [
+            ["tail", num_chunks, 5 * num_chunks, 6 * num_chunks]
+        ]
+        reuse = sharing.reuse_by_principal(capture, 1)
+        assert reuse.values.tolist() == [["zed", 5 * num_chunks, 0]]
+    finally:
+        capture.close()
 
 
 def test_a_summary_that_is_not_json_is_one_damaged_capture_line(recorded: Path, tmp_path: Path) -> None:
     damaged = tmp_path / "damaged.db"
     shutil.copy(recorded, damaged)
     with sqlite3.connect(damaged) as conn:
-        conn.execute("UPDATE event_chunks SET principals = 'not json' WHERE chunk = 1")
+        conn.execute("UPDATE event_chunks SET groups = 'not json' WHERE chunk = 1")
     capture = Capture(damaged)
     try:
         with pytest.raises(Exception, match=r"damaged capture .*event chunk 1's summaries"):
-            capture.packed.match_principals(1, capture.schema_version)
+            match_principals(capture, 1)
     finally:
         capture.close()
 
@@ -134,7 +190,7 @@ def test_an_older_file_upgraded_gets_summaries_and_the_principal_index(tmp_path:
     shutil.copy(V5[0], path)
     before = reads(path)
     assert upgrade(path)
-    assert all(counts is not None and principals is not None for _, counts, principals in stored_summaries(path))
+    assert all(counts is not None and groups is not None for _, counts, groups in stored_summaries(path))
     with sqlite3.connect(path) as conn:
         indexes = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert schema.ix_requests_principal.name in indexes
@@ -149,7 +205,7 @@ def test_a_version_9_file_with_chunks_upgrades_with_progress(recorded: Path, tmp
     with sqlite3.connect(older) as conn:
         conn.execute("DROP INDEX ix_requests_principal")
         conn.execute("ALTER TABLE event_chunks DROP COLUMN kind_counts")
-        conn.execute("ALTER TABLE event_chunks DROP COLUMN principals")
+        conn.execute("ALTER TABLE event_chunks DROP COLUMN groups")
         conn.execute("UPDATE kvscope_meta SET value = '9' WHERE key = 'schema_version'")
     before = reads(older)
     seen: list[tuple[int, int, int]] = []
@@ -162,16 +218,44 @@ def test_a_version_9_file_with_chunks_upgrades_with_progress(recorded: Path, tmp
     assert capsys.readouterr().out.endswith("nothing to upgrade (every run is packed already)\n")
 
 
+TEXTS = ["match", "evict", "cross_hit", "alloc", "p0", "p1", "lru"]  # NOTE: one run dictionary: kinds and names
+
+
 @given(
-    st.lists(st.tuples(st.integers(0, 4), st.integers(NO_CODE, 4)), max_size=60),
-    st.one_of(st.none(), st.integers(0, 4)),
+    st.lists(st.tuples(st.integers(0, 3), *(st.sampled_from([NO_CODE, 4, 5, 6]),) * 3, st.integers(0, 9)), max_size=60),
 )
-def test_summaries_count_every_kind_and_name_each_match_principal_once(
-    events: list[tuple[int, int]], match: int | None
-) -> None:
-    texts = ["a", "b", "match", "d", "e"]
-    kind = np.asarray([k for k, _ in events], np.int32)
-    principal = np.asarray([p for _, p in events], np.int32)
-    counts, principals = summaries(kind, principal, match, lambda codes: [texts[c] for c in codes.tolist()])
-    assert json.loads(counts) == dict(Counter(texts[k] for k, _ in events))
-    assert json.loads(principals) == sorted({texts[p] for k, p in events if k == match and p != NO_CODE})
+def test_summaries_group_the_events_of_one_chunk(events: list[tuple[int, int, int, int, int]]) -> None:
+    """Against pandas' groupby (groups_of) on the decoded events: principal, reason and pool NULL or not."""
+    kind, pool, reason, principal, value = (
+        (np.asarray(column, np.int64) for column in zip(*events, strict=True))
+        if events
+        else [np.zeros(0, np.int64)] * 5
+    )
+    columns = {
+        "kind": kind,
+        "pool": pool,
+        "reason": reason,
+        "principal": principal,
+        "step": value,
+        "num_tokens": 2 * value,
+        "aux": value + 1,
+    }
+    present = {TEXTS[k] for k in kind.tolist()}
+
+    def code_of(text: str) -> int | None:
+        return TEXTS.index(text) if text in present else None
+
+    def decode(codes: np.ndarray) -> list[str]:
+        return [TEXTS[c] for c in codes.tolist()]
+
+    kind_counts, groups = summaries(columns, code_of, decode)
+    frame = pd.DataFrame(
+        {
+            name: [None if c == NO_CODE else TEXTS[c] for c in columns[name].tolist()]
+            for name in ("kind", "pool", "reason", "principal")
+        }
+        | {"step": value, "num_tokens": 2 * value, "aux": value + 1, "seq": np.arange(len(value))},
+        columns=["kind", "pool", "reason", "principal", "step", "num_tokens", "aux", "seq"],
+    )
+    assert json.loads(kind_counts) == dict(Counter(frame.kind))
+    assert key_sorted(json.loads(groups)) == key_sorted(groups_of(frame))
