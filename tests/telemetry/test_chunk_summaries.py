@@ -221,6 +221,7 @@ def test_a_version_9_file_with_chunks_upgrades_with_progress(recorded: Path, tmp
 TEXTS = ["match", "evict", "cross_hit", "alloc", "p0", "p1", "lru"]  # NOTE: one run dictionary: kinds and names
 
 
+@settings(deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 3), *(st.sampled_from([NO_CODE, 4, 5, 6]),) * 3, st.integers(0, 9)), max_size=60),
 )
