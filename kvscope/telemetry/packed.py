@@ -238,23 +238,28 @@ def _texts(decode: Callable[[np.ndarray], Sequence[str]]) -> Callable[[int], str
 def _grouped(
     mask: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[tuple[np.ndarray | None, str]]
 ) -> list[list[int]]:
-    """Rows of the masked events grouped by `keys` (codes): the keys, then each (column, "count" | "sum"
-    | "min" | "max") of the group, as Python ints, in key order."""
+    """Rows of the masked events grouped by one or two `keys` (codes), in key order: the keys, then
+    each (column, "count" | "sum" | "min" | "max") of the group, as Python ints.
+
+    NOTE: the keys are one int64 (each code + 1 in 32 bits), and each group's values a run of the events
+    sorted by it, reduced at once (np.unique over rows and ufunc.at cost 0.8 µs an event)."""
     if not mask.any():
         return []
-    stacked = np.stack([np.asarray(k)[mask].astype(np.int64) for k in keys], axis=1)
-    unique, inverse = np.unique(stacked, axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    out = [unique[:, i] for i in range(unique.shape[1])]
+    key = np.zeros(int(mask.sum()), np.int64)
+    for k in keys:
+        key = (key << 32) | (np.asarray(k)[mask].astype(np.int64) + 1)
+    order = np.argsort(key, kind="stable")
+    ordered = key[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    unique = ordered[starts]
+    shifts = [32 * (len(keys) - 1 - i) for i in range(len(keys))]
+    out = [((unique >> shift) & 0xFFFFFFFF) - 1 for shift in shifts]
+    reduce = {"sum": np.add, "min": np.minimum, "max": np.maximum}
     for column, how in values:
         if how == "count":
-            out.append(np.bincount(inverse, minlength=len(unique)))
-            continue
-        picked = np.asarray(column)[mask].astype(np.int64)
-        start = {"sum": 0, "min": np.iinfo(np.int64).max, "max": np.iinfo(np.int64).min}[how]
-        result = np.full(len(unique), start, np.int64)
-        {"sum": np.add, "min": np.minimum, "max": np.maximum}[how].at(result, inverse, picked)
-        out.append(result)
+            out.append(np.diff(np.r_[starts, len(ordered)]))
+        else:
+            out.append(reduce[how].reduceat(np.asarray(column)[mask].astype(np.int64)[order], starts))
     return [list(row) for row in zip(*(o.tolist() for o in out), strict=True)]
 
 
