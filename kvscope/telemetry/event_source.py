@@ -474,7 +474,7 @@ class PackedEvents:
             found = self.codes_of(run_id, [kind])
             return found[0] if found else None
 
-        return summaries(columns, code_of, lambda codes: self.strings(run_id, codes))
+        return summaries(columns, code_of, lambda codes: [str(s) for s in self.strings(run_id, codes)])
 
 
 def read_events(
