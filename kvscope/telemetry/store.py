@@ -59,7 +59,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import QueuePool
-from sqlalchemy.schema import CreateColumn
+from sqlalchemy.schema import CreateColumn, CreateIndex
 
 from kvscope.telemetry import schema
 from kvscope.telemetry.sqlite_files import (
@@ -556,7 +556,9 @@ def _upgrade(conn: Connection, version: int, tables: set[str]) -> None:
     for since, indexes in schema.INDEXES_SINCE.items():
         for index in indexes if since > version else ():
             if index.table is not None and index.table.name in tables:
-                index.create(conn, checkfirst=True)
+                # NOTE: IF NOT EXISTS, not checkfirst: SQLAlchemy's index lookup on PostgreSQL passes a bind
+                # parameter that the BIGINT rule (schema.py) casts to a type generate_subscripts refuses
+                conn.execute(CreateIndex(index, if_not_exists=True))
     conn.execute(
         update(schema.meta).where(schema.meta.c.key == "schema_version").values(value=str(schema.SCHEMA_VERSION))
     )
