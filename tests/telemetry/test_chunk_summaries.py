@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import sqlite3
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,11 @@ from hypothesis import strategies as st
 from kvscope.app import main
 from kvscope.telemetry import derived, schema, sharing
 from kvscope.telemetry.event_source import match_principals
+from kvscope.telemetry.events import EventKind, EvictReason, PoolName
 from kvscope.telemetry.packed import NO_CODE, summaries
 from kvscope.telemetry.queries import Capture
+from kvscope.telemetry.recorder import SQLRecorder
+from kvscope.telemetry.retention import Retention
 from kvscope.telemetry.upgrade import upgrade
 from tests.telemetry.test_packed_oracles import V5, record_random_events
 
@@ -260,3 +264,31 @@ def test_summaries_group_the_events_of_one_chunk(events: list[tuple[int, int, in
     )
     assert json.loads(kind_counts) == dict(Counter(frame.kind))
     assert key_sorted(json.loads(groups)) == key_sorted(groups_of(frame))
+
+
+def test_a_bounded_run_sums_the_events_it_kept(tmp_path: Path) -> None:
+    """Retention drops a chunk's summaries with it: the sums describe the kept events, as reading them would."""
+    path = tmp_path / "bounded.db"
+    with SQLRecorder(path, retention=Retention(keep_events_s=0.2)) as recorder:
+        for step in range(12):
+            recorder.step = step
+            recorder.record(EventKind.MATCH, rid=f"r{step}", num_tokens=step, principal=f"u{step}")
+            recorder.record(
+                EventKind.EVICT, pool=PoolName.FULL, node_id=step, num_tokens=4, reason=EvictReason.CAPACITY
+            )
+            recorder.flush()
+            time.sleep(0.05)
+    capture = Capture(path)
+    try:
+        kept = capture.events(1, limit=None, columns=["step", "kind", "principal"])
+        assert kept.step.min() > 0 and len(kept)  # NOTE: some chunks were dropped, some kept
+        assert dict(zip(capture.event_counts(1).kind, capture.event_counts(1)["count"], strict=True)) == dict(
+            Counter(kept.kind)
+        )
+        assert match_principals(capture, 1) == set(kept.principal.dropna())
+        summary = derived.eviction_summary(capture, 1)
+        assert summary.values.tolist() == [
+            ["capacity", "full", len(kept) // 2, 4 * (len(kept) // 2), kept.step.min(), 11]
+        ]
+    finally:
+        capture.close()
