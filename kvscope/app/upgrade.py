@@ -1,4 +1,5 @@
-"""`kvscope upgrade CAPTURE`: pack the event rows of runs recorded before schema version 6.
+"""`kvscope upgrade CAPTURE`: pack the event rows of runs recorded before schema version 6, and store
+the summaries of event chunks written before version 10.
 
 Reading never needs it (readers read both layouts); it makes an older capture as fast to
 read as a new one and usually smaller. One line per packed run, or JSON.
@@ -12,7 +13,7 @@ import sys
 
 from kvscope.app.progress import Progress, bar
 from kvscope.telemetry.store import display_name
-from kvscope.telemetry.upgrade import upgrade
+from kvscope.telemetry.upgrade import UpgradedRun, upgrade
 
 PROGRESS_DELAY_S = 1.0
 
@@ -24,8 +25,12 @@ def upgrade_verb(args: argparse.Namespace) -> int:
         if progress.due():
             progress.draw(f"packing run {run_id}: {bar(done, total)} {done:,}/{total:,} events ")
 
+    def on_summary(run_id: int, done: int, total: int) -> None:
+        if progress.due():
+            progress.draw(f"summarizing run {run_id}: {bar(done, total)} {done:,}/{total:,} chunks ")
+
     try:
-        packed = upgrade(args.capture, progress=on_progress)
+        packed = upgrade(args.capture, progress=on_progress, summarizing=on_summary)
     finally:
         progress.close()
     name = display_name(args.capture)
@@ -34,7 +39,10 @@ def upgrade_verb(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "capture": name,
-                    "runs": [{"run": r.run_id, "events": r.events, "chunks": r.chunks} for r in packed],
+                    "runs": [
+                        {"run": r.run_id, "events": r.events, "chunks": r.chunks, "summarized_chunks": r.summarized}
+                        for r in packed
+                    ],
                 },
                 indent=2,
             )
@@ -43,6 +51,12 @@ def upgrade_verb(args: argparse.Namespace) -> int:
         print(f"{name}: nothing to upgrade (every run is packed already)")
     else:
         for r in packed:
-            chunks = "1 chunk" if r.chunks == 1 else f"{r.chunks:,} chunks"
-            print(f"{name}: run {r.run_id}: {r.events:,} events packed into {chunks}")
+            print(f"{name}: run {r.run_id}: {_done(r)}")
     return 0
+
+
+def _done(run: UpgradedRun) -> str:
+    chunks = "1 chunk" if run.chunks == 1 else f"{run.chunks:,} chunks"
+    packed = f"{run.events:,} events packed into {chunks}" if run.events else ""
+    summarized = f"summaries of {run.summarized:,} chunk(s) stored" if run.summarized else ""
+    return "; ".join(part for part in (packed, summarized) if part) or "up to date"

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
+from kvscope import telemetry
 from kvscope.dashboard import data
 from kvscope.dashboard.timing import Clock, clock_of
 from kvscope.telemetry import EventKind, decode_slots
@@ -86,13 +87,7 @@ def block_events(path: str, run_id: int, stamp: float) -> pd.DataFrame:
 def lookup_stops(path: str, run_id: int, stamp: float) -> pd.DataFrame:
     """Prefix lookups by why they stopped (the match events' reason, which a probe records):
     reason, lookups, hit tokens, missed tokens; empty when no match event names a reason."""
-    events = data.open_capture(path).events(
-        run_id, kinds=[EventKind.MATCH], limit=None, columns=["reason", "num_tokens", "aux"]
-    )
-    named = events[events["reason"].notna()] if "reason" in events else events.iloc[0:0]
-    if named.empty:
-        return pd.DataFrame(columns=["why the lookup stopped", "lookups", "hit tokens", "missed tokens"])
-    table = named.groupby("reason").agg(lookups=("reason", "size"), hit=("num_tokens", "sum"), missed=("aux", "sum"))
-    table = table.sort_values("lookups", ascending=False).reset_index()
+    table = telemetry.lookup_stops(data.open_capture(path), run_id)
+    table = table.sort_values("lookups", ascending=False).reset_index(drop=True)
     table.columns = ["why the lookup stopped", "lookups", "hit tokens", "missed tokens"]
     return table

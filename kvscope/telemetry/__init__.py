@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         eviction_summary,
         evictions_over_steps,
         in_flight,
+        lookup_stops,
         recent_evictions,
         running_lengths,
     )
@@ -77,6 +78,7 @@ _LAZY = {
         "eviction_summary",
         "evictions_over_steps",
         "in_flight",
+        "lookup_stops",
         "recent_evictions",
         "running_lengths",
     ),
@@ -149,6 +151,7 @@ __all__ = [
     "in_flight",
     "install_signal_handlers",
     "link_name",
+    "lookup_stops",
     "open_reader",
     "open_writer",
     "parse_duration_s",

@@ -336,24 +336,63 @@ def allocs_of_requests(capture: Capture, run_id: int, rids: Sequence[str]) -> pd
 
 def eviction_summary(capture: Capture, run_id: int) -> pd.DataFrame:
     """reason ('?' when none), pool, num_evictions, evicted_tokens, first_step, last_step per
-    reason and pool, most evictions first (ties: by reason, then pool, NULL first)."""
+    reason and pool, most evictions first (ties: by reason, then pool, NULL first). A packed run's
+    from its chunks' summaries (packed.summaries), a run of the row layout's from its events."""
     columns = ["reason", "pool", "num_evictions", "evicted_tokens", "first_step", "last_step"]
+    rows = _summed_evictions(capture, run_id) if _has_chunks(capture, run_id) else _evictions_of_events(capture, run_id)
+    rows.sort(key=lambda r: (_null_first(r[0]), _null_first(r[1])))
+    rows.sort(key=lambda r: -r[2])  # NOTE: stable: ties keep the (reason, pool) order, as SQL's GROUP BY gave it
+    return pd.DataFrame([("?" if r[0] is None else r[0], *r[1:]) for r in rows], columns=columns)
+
+
+def _has_chunks(capture: Capture, run_id: int) -> bool:
+    return not capture.packed.chunks(run_id).empty
+
+
+def _summed_evictions(capture: Capture, run_id: int) -> list[tuple[Any, ...]]:
+    """(reason, pool, evictions, tokens, first step, last step) summed over the chunks' summaries."""
+    total: dict[tuple[str | None, str | None], list[int]] = {}
+    for reason, pool, count, tokens, first, last in capture.packed.grouped(run_id, capture.schema_version, "evictions"):
+        found = total.setdefault((reason, pool), [0, 0, first, last])
+        found[0], found[1] = found[0] + int(count), found[1] + int(tokens)
+        found[2], found[3] = min(found[2], int(first)), max(found[3], int(last))
+    return [(reason, pool, *values) for (reason, pool), values in total.items()]
+
+
+def _evictions_of_events(capture: Capture, run_id: int) -> list[tuple[Any, ...]]:
     ev = _all(capture, run_id, [EVICT], ["step", "pool", "num_tokens", "reason"])
     if ev.empty:
-        return pd.DataFrame(columns=columns)
+        return []
     groups = ev.groupby(["reason", "pool"], dropna=False, sort=False).agg(
         num_evictions=("seq", "size"),
         evicted_tokens=("num_tokens", "sum"),
         first_step=("step", "min"),
         last_step=("step", "max"),
     )
-    rows: list[tuple[Any, ...]] = [
+    return [
         (_text(reason), _text(pool), *(int(v) for v in values))
         for (reason, pool), values in zip(groups.index, groups.itertuples(index=False), strict=True)
     ]
-    rows.sort(key=lambda r: (_null_first(r[0]), _null_first(r[1])))
-    rows.sort(key=lambda r: -r[2])  # NOTE: stable: ties keep the (reason, pool) order, as SQL's GROUP BY gave it
-    return pd.DataFrame([("?" if r[0] is None else r[0], *r[1:]) for r in rows], columns=columns)
+
+
+def lookup_stops(capture: Capture, run_id: int) -> pd.DataFrame:
+    """Prefix lookups by why they stopped (the reason of the match events that name one): reason,
+    lookups, hit_tokens, missed_tokens, by reason; empty when none names a reason. A packed run's from
+    its chunks' summaries."""
+    columns = ["reason", "lookups", "hit_tokens", "missed_tokens"]
+    if _has_chunks(capture, run_id):
+        total: dict[str, list[int]] = {}
+        for reason, lookups, hit, missed in capture.packed.grouped(run_id, capture.schema_version, "stops"):
+            found = total.setdefault(str(reason), [0, 0, 0])
+            found[0], found[1], found[2] = found[0] + int(lookups), found[1] + int(hit), found[2] + int(missed)
+        return pd.DataFrame([(r, *v) for r, v in sorted(total.items())], columns=columns)
+    events = _all(capture, run_id, [EventKind.MATCH], ["reason", "num_tokens", "aux"])
+    named = events[events["reason"].notna()]
+    table = named.groupby("reason").agg(lookups=("reason", "size"), hit=("num_tokens", "sum"), missed=("aux", "sum"))
+    return pd.DataFrame(
+        [(str(r), *(int(v) for v in row)) for r, row in zip(table.index, table.itertuples(index=False), strict=True)],
+        columns=columns,
+    )
 
 
 def _text(value: object) -> str | None:

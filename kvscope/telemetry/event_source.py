@@ -23,9 +23,10 @@ missing, and no verdict may be read from what is left.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -34,6 +35,7 @@ import pandas as pd
 from sqlalchemy import Engine, func, select
 
 from kvscope.telemetry import schema
+from kvscope.telemetry.events import EventKind
 from kvscope.telemetry.packed import (
     COLUMN_DTYPES,
     NO_CODE,
@@ -41,6 +43,8 @@ from kvscope.telemetry.packed import (
     NULL_INT,
     STORED_COLUMNS,
     STRING_COLUMNS,
+    SUMMARY_FIELDS,
+    summaries,
     widen_array,
     writes_dtype,
 )
@@ -99,6 +103,7 @@ class EventFilter:
 
 
 ALL_EVENTS = EventFilter()
+SUMMARY_COLUMNS = ("chunk", "num_events", "kind_counts", "groups")
 
 
 class _Codes(NamedTuple):
@@ -415,17 +420,61 @@ class PackedEvents:
                 )
         return [int(known[t]) for t in texts if t in known]
 
-    def kind_counts(self, run_id: int) -> dict[str, int]:
-        """Events per kind over the run's chunks (empty for a run of the row layout)."""
-        total: dict[int, int] = {}
-        for chunk in self.chunks(run_id).itertuples(index=False):
-            codes, counts = np.unique(self.event_values(run_id, chunk, "kind"), return_counts=True)
-            for code, count in zip(codes.tolist(), counts.tolist(), strict=True):
-                total[code] = total.get(code, 0) + count
-        if not total:
-            return {}
-        names = self.strings(run_id, np.asarray(list(total), np.int64))
-        return {str(name): count for name, count in zip(names, total.values(), strict=True)}
+    def summaries(self, run_id: int, version: int) -> pd.DataFrame:
+        """The run's chunks with their summaries (chunk, num_events, kind_counts, groups: JSON, None in
+        a chunk written before schema version 10), in seq order; empty for the row layout."""
+        if not self.has_tables():
+            return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
+        as_of = {col.name: col for col in schema.columns_as_of(schema.event_chunks, version)}
+        c = schema.event_chunks.c
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(*(as_of[name] for name in SUMMARY_COLUMNS)).where(c.run_id == run_id).order_by(c.first_seq)
+            ).fetchall()
+        return pd.DataFrame([tuple(r) for r in rows], columns=list(SUMMARY_COLUMNS))
+
+    def kind_counts(self, run_id: int, version: int) -> dict[str, int]:
+        """Events per kind over the run's chunks (empty for a run of the row layout), from their
+        summaries (chunk_summaries)."""
+        total: dict[str, int] = {}
+        for per_kind, _groups in self.each_summary(run_id, version):
+            for name, count in per_kind.items():
+                total[name] = total.get(name, 0) + int(count)
+        return total
+
+    def grouped(self, run_id: int, version: int, name: str) -> list[list[Any]]:
+        """Every chunk's rows of one group of its summaries (packed.summaries' NOTE), chunk after chunk."""
+        return [row for _per_kind, groups in self.each_summary(run_id, version) for row in groups.get(name, [])]
+
+    def each_summary(self, run_id: int, version: int) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+        """Each chunk's summaries, (kind_counts, groups), parsed."""
+        for chunk in self.summaries(run_id, version).itertuples(index=False):
+            yield self.chunk_summaries(run_id, chunk)
+
+    def chunk_summaries(self, run_id: int, chunk: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A chunk's (a row of `summaries`) summaries, parsed: as stored, or (a chunk written before
+        version 10) computed from its columns."""
+        if pd.isna(chunk.kind_counts) or pd.isna(chunk.groups):  # NOTE: NULL reads as None or NaN
+            stored = self.computed_summaries(run_id, chunk)
+        else:
+            stored = (chunk.kind_counts, chunk.groups)
+        try:
+            per_kind, groups = json.loads(stored[0]), json.loads(stored[1])
+        except ValueError:
+            per_kind = groups = None
+        if not isinstance(per_kind, dict) or not isinstance(groups, dict):
+            raise self.damaged(run_id, f"event chunk {int(chunk.chunk)}'s summaries are not what kvscope writes")
+        return per_kind, groups
+
+    def computed_summaries(self, run_id: int, chunk: Any) -> tuple[str, str]:
+        """packed.summaries of a chunk (a row of `summaries` or `chunks`), from its stored columns."""
+        columns = {name: self.event_values(run_id, chunk, name) for name in SUMMARY_FIELDS}
+
+        def code_of(kind: str) -> int | None:
+            found = self.codes_of(run_id, [kind])
+            return found[0] if found else None
+
+        return summaries(columns, code_of, lambda codes: [str(s) for s in self.strings(run_id, codes)])
 
 
 def read_events(
@@ -647,17 +696,15 @@ def _rows(capture: Any, run_id: int, names: list[str], where: EventFilter) -> pd
     return frame
 
 
-def distinct_strings(capture: Any, run_id: int, column: str, kinds: Sequence[str]) -> list[str]:
-    """The distinct non-NULL values of a string column among events of `kinds` (a packed run
-    decodes only the distinct codes)."""
+def match_principals(capture: Any, run_id: int) -> set[str]:
+    """The distinct non-NULL principals of the run's match events (a packed run reads its chunks'
+    summaries)."""
     packed: PackedEvents = capture.packed
-    chunks = packed.chunks(run_id)
-    if chunks.empty:
-        frame = read_events(capture, run_id, [column], EventFilter.of(kinds=kinds))
-        return sorted({str(v) for v in frame[column].dropna().unique()})
-    codes = packed_arrays(packed, chunks, run_id, ["seq", column], EventFilter.of(kinds=kinds))[column]
-    unique = np.unique(codes)
-    return sorted(str(v) for v in packed.strings(run_id, unique[unique != NO_CODE]))
+    if not packed.chunks(run_id).empty:
+        reuse = packed.grouped(run_id, capture.schema_version, "reuse")
+        return {str(p) for p, kind, _tokens in reuse if kind == EventKind.MATCH.value and p is not None}
+    frame = read_events(capture, run_id, ["principal"], EventFilter.of(kinds=[EventKind.MATCH.value]))
+    return {str(v) for v in frame["principal"].dropna().unique()}
 
 
 def last_seq(capture: Any, run_id: int) -> int:

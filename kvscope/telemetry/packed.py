@@ -28,7 +28,8 @@ per request, in order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress
 from itertools import repeat as forever
@@ -36,6 +37,8 @@ from operator import is_, is_not
 from typing import Any
 
 import numpy as np
+
+from kvscope.telemetry.events import EventKind
 
 ITEM_FIELDS = ("step", "t_mono", "kind", "pool", "rid", "node_id", "num_tokens", "aux", "reason", "principal", "slots")
 ITEM_WIDTH = len(ITEM_FIELDS)
@@ -80,6 +83,10 @@ class StringCodes(dict[Any, int]):
         self.new.append((code, str(key)))
         return code
 
+    def decode(self, codes: np.ndarray) -> list[str]:
+        texts = self.texts
+        return [texts[c] for c in codes.tolist()]
+
     def encode(self, values: Sequence[Any]) -> np.ndarray:
         # NOTE: pool, reason and principal are mostly NULL; any() stops at the first string
         if not any(values) and values.count(None) == len(values):
@@ -96,6 +103,8 @@ class Chunk:
     kinds: str  # the distinct kinds, sorted, comma-separated
     columns: dict[str, tuple[str, bytes]]  # name -> (stored dtype, data)
     new_strings: list[tuple[int, str]]
+    kind_counts: str = "{}"  # {kind: events}, JSON (schema version 10: summaries)
+    groups: str = "{}"  # its events grouped for the dashboard's sums, JSON (summaries)
 
     @property
     def num_bytes(self) -> int:
@@ -121,6 +130,8 @@ class Chunk:
                     self.last_step,
                     self.kinds,
                     self.num_bytes,
+                    self.kind_counts,
+                    self.groups,
                 )
             ],
             "event_columns": [(run_id, number, name, dtype, data) for name, (dtype, data) in self.columns.items()],
@@ -161,6 +172,8 @@ class Packer:
         first = self.next_seq
         self.next_seq += n
         new, codes.new = codes.new, []
+        # NOTE: dict.get: a kind's lookup never adds a code
+        kind_counts, groups = summaries(columns, lambda kind: dict.get(codes, kind), codes.decode)
         return Chunk(
             first_seq=first,
             num_events=n,
@@ -169,7 +182,85 @@ class Packer:
             kinds=",".join(sorted(set(kind))),
             columns={name: narrow(name, columns[name]) for name in STORED_COLUMNS},
             new_strings=new,
+            kind_counts=kind_counts,
+            groups=groups,
         )
+
+
+SUMMARY_FIELDS = ("kind", "pool", "reason", "principal", "step", "num_tokens", "aux")  # NOTE: what summaries read
+REUSE_KINDS = (EventKind.MATCH.value, EventKind.CROSS_HIT.value)
+
+
+def summaries(
+    columns: Mapping[str, np.ndarray],
+    code_of: Callable[[str], int | None],
+    decode: Callable[[np.ndarray], Sequence[str]],
+) -> tuple[str, str]:
+    """A chunk's summaries (schema version 10), as JSON, from its SUMMARY_FIELDS columns (strings as
+    codes; `code_of`: a kind's code, None when the run has none; `decode`: codes to their strings).
+
+    NOTE: what they hold (each a sum a read adds up over the chunks; None: NULL)
+        kind_counts           {kind: events}
+        groups["reuse"]       [principal, kind, tokens] per principal and kind of match and cross_hit events
+        groups["evictions"]   [reason, pool, evictions, tokens, first step, last step] per reason and pool
+        groups["stops"]       [reason, lookups, hit tokens, missed tokens] per reason of match events that
+                              name one"""
+    kind = np.asarray(columns["kind"])
+    found, counts = np.unique(kind, return_counts=True)
+    per_kind = dict(zip(map(str, decode(found)), counts.tolist(), strict=True))
+    text = _texts(decode)
+    c = columns
+    match, evict = _is(kind, [code_of(EventKind.MATCH.value)]), _is(kind, [code_of(EventKind.EVICT.value)])
+    reuse = _grouped(_is(kind, [code_of(k) for k in REUSE_KINDS]), [c["principal"], kind], [(c["num_tokens"], "sum")])
+    evictions = _grouped(
+        evict,
+        [c["reason"], c["pool"]],
+        [(None, "count"), (c["num_tokens"], "sum"), (c["step"], "min"), (c["step"], "max")],
+    )
+    named = match & (np.asarray(c["reason"]) != NO_CODE)
+    stops = _grouped(named, [c["reason"]], [(None, "count"), (c["num_tokens"], "sum"), (c["aux"], "sum")])
+    groups = {
+        "reuse": [[text(p), text(k), *rest] for p, k, *rest in reuse],
+        "evictions": [[text(r), text(p), *rest] for r, p, *rest in evictions],
+        "stops": [[text(r), *rest] for r, *rest in stops],
+    }
+    return json.dumps(per_kind, sort_keys=True), json.dumps(groups, sort_keys=True)
+
+
+def _is(kind: np.ndarray, codes: Sequence[int | None]) -> np.ndarray:
+    return np.isin(kind, [code for code in codes if code is not None])
+
+
+def _texts(decode: Callable[[np.ndarray], Sequence[str]]) -> Callable[[int], str | None]:
+    return lambda code: None if code == NO_CODE else str(decode(np.asarray([code], np.int64))[0])
+
+
+def _grouped(
+    mask: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[tuple[np.ndarray | None, str]]
+) -> list[list[int]]:
+    """Rows of the masked events grouped by one or two `keys` (codes), in key order: the keys, then
+    each (column, "count" | "sum" | "min" | "max") of the group, as Python ints.
+
+    NOTE: the keys are one int64 (each code + 1 in 32 bits), and each group's values a run of the events
+    sorted by it, reduced at once (np.unique over rows and ufunc.at cost 0.8 µs an event)."""
+    if not mask.any():
+        return []
+    key = np.zeros(int(mask.sum()), np.int64)
+    for k in keys:
+        key = (key << 32) | (np.asarray(k)[mask].astype(np.int64) + 1)
+    order = np.argsort(key, kind="stable")
+    ordered = key[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    unique = ordered[starts]
+    shifts = [32 * (len(keys) - 1 - i) for i in range(len(keys))]
+    out = [((unique >> shift) & 0xFFFFFFFF) - 1 for shift in shifts]
+    reduce = {"sum": np.add, "min": np.minimum, "max": np.maximum}
+    for column, how in values:
+        if how == "count":
+            out.append(np.diff(np.r_[starts, len(ordered)]))
+        else:
+            out.append(reduce[how].reduceat(np.asarray(column)[mask].astype(np.int64)[order], starts))
+    return [list(row) for row in zip(*(o.tolist() for o in out), strict=True)]
 
 
 _NARROW_INTS = tuple(np.dtype(t) for t in ("<i1", "<i2", "<i4", "<i8"))

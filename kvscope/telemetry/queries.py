@@ -362,7 +362,7 @@ class Capture:
 
     def event_counts(self, run_id: int) -> pd.DataFrame:
         """kind, count: the run's events per kind, by kind."""
-        counts = self.packed.kind_counts(run_id)
+        counts = self.packed.kind_counts(run_id, self.schema_version)
         if counts:
             return pd.DataFrame(sorted(counts.items()), columns=["kind", "count"])
         e = schema.events.c
@@ -449,10 +449,14 @@ class Capture:
         return None if found is None else float(found)
 
     def request_principals(self, run_id: int) -> list[str]:
-        """The distinct principals of the run's requests (no NULL), sorted."""
+        """The distinct principals of the run's requests (no NULL), sorted: one seek per principal through
+        ix_requests_principal (schema version 10; SELECT DISTINCT read every request row)."""
         c = schema.requests.c
-        stmt = select(c.principal).where(c.run_id == run_id, c.principal.is_not(None)).distinct()
-        return sorted(str(p) for p in self.read_frame(stmt).iloc[:, 0])
+        if self.schema_version < schema.CHUNK_SUMMARY_SINCE:  # NOTE: no index to hop through: one pass
+            stmt = select(c.principal).where(c.run_id == run_id, c.principal.is_not(None)).distinct()
+            return sorted(str(p) for p in self.read_frame(stmt).iloc[:, 0])
+        with self.engine.connect() as conn:
+            return sorted(str(p) for (p,) in conn.execute(distinct_in_key(c.principal, c.run_id == run_id)))
 
     def snapshot_steps(self, run_id: int) -> list[int]:
         t = schema.tree_snapshots.c

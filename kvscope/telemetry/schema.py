@@ -79,6 +79,14 @@ the new version): every older row stays valid, with NULL in the added columns.
        ledger's state as of through_seq, from which a replay resumes), event_chunks.num_bytes (the
        chunk's packed bytes, so a run's size is a sum; NULL: a chunk written before version 9).
        A run without an event_retention row dropped nothing: its chunks start at seq 0.
+   10  summaries a page reads instead of scanning events (the dashboard at 100 M events):
+       event_chunks.kind_counts (the chunk's events per kind) and event_chunks.groups (its match
+       and cross-hit tokens per principal, its evictions per reason and pool, its lookups per
+       stop reason: packed.summaries), JSON, so a run's event counts, principals, reuse, eviction
+       summary and lookup stops are sums over its chunk rows; retention drops them with their
+       chunk, so they always describe the events kept. NULL: a chunk written before version 10
+       (readers compute its summaries from its columns; `kvscope upgrade` stores them).
+       ix_requests_principal: a run's request principals, one index seek per principal.
 On PostgreSQL every integer column is BIGINT (SQLite's integers are 64-bit already); a server
 database is versioned and upgraded as a file is, under an advisory lock (store._ensure_schema).
 `reports` came after version 1 without a bump: it is an additive table (older readers never
@@ -118,7 +126,7 @@ def _bigint_on_postgresql(_type: Integer, _compiler: Any, **_kw: Any) -> str:
     return "BIGINT"
 
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 OLDEST_READABLE_VERSION = 1
 metadata = MetaData()
 
@@ -304,6 +312,9 @@ Index("ix_tree_step", tree_snapshots.c.run_id, tree_snapshots.c.step)
 # NOTE: version 6: the Requests page reads a page of a run's requests in arrival order (files made
 # before it have no such index and sort instead)
 Index("ix_requests_arrival", requests.c.run_id, requests.c.arrive_step, requests.c.rid)
+# NOTE: version 10: a run's principals, hopped through (store.distinct_in_key); a writer adds it to an older file
+ix_requests_principal = Index("ix_requests_principal", requests.c.run_id, requests.c.principal)
+INDEXES_SINCE = {10: (ix_requests_principal,)}  # NOTE: the indexes of existing tables a version added
 
 reports = Table(
     "reports",
@@ -327,7 +338,10 @@ event_chunks = Table(
     Column("last_step", Integer, nullable=False),
     Column("kinds", Text, nullable=False),  # the distinct kinds, comma-separated
     Column("num_bytes", Integer, info={"since": 9}),  # its columns' packed bytes; NULL: written before 9
+    Column("kind_counts", Text, info={"since": 10}),  # {kind: events}, JSON; NULL: written before 10
+    Column("groups", Text, info={"since": 10}),  # its events grouped for the pages' sums (packed.summaries), JSON
 )
+CHUNK_SUMMARY_SINCE = 10
 event_columns = Table(
     "event_columns",
     metadata,

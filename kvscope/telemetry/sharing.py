@@ -14,10 +14,9 @@ every aggregate is pandas over those columns (grouped by step or principal), nev
 from __future__ import annotations
 
 import pandas as pd
-from sqlalchemy import select
 
 from kvscope.telemetry import schema
-from kvscope.telemetry.event_source import decode_strings, distinct_strings
+from kvscope.telemetry.event_source import match_principals
 from kvscope.telemetry.events import EventKind
 from kvscope.telemetry.queries import Capture
 
@@ -28,14 +27,11 @@ VISIBILITY_COLUMNS = ("step", "kind", "num_events", "num_tokens")
 
 
 def run_principals(capture: Capture, run_id: int) -> list[str]:
-    """The distinct principals of the run's requests and match events, sorted."""
-    r = schema.requests.c
-    of_requests = capture.read_frame(
-        select(r.principal).where(r.run_id == run_id, r.principal.is_not(None)).distinct()
-    ).iloc[:, 0]
-    found = {str(p) for p in of_requests}
+    """The distinct principals of the run's requests and match events, sorted: the requests' by
+    their index (Capture.request_principals), the match events' from the chunks' summaries."""
+    found = set(capture.request_principals(run_id))
     if capture.schema_version >= schema.since_version(schema.events.c.principal):
-        found.update(distinct_strings(capture, run_id, "principal", [EventKind.MATCH.value]))
+        found.update(match_principals(capture, run_id))
     return sorted(found)
 
 
@@ -53,14 +49,13 @@ def reuse_by_principal(capture: Capture, run_id: int) -> pd.DataFrame:
     them in nodes another principal owns. Empty before schema version 3."""
     if capture.schema_version < 3:
         return pd.DataFrame(columns=list(REUSE_COLUMNS))
-    reuse = capture.events(
-        run_id, kinds=REUSE_KINDS, limit=None, columns=["kind", "principal", "num_tokens"], coded=("principal",)
-    )
+    if not capture.packed.chunks(run_id).empty:  # NOTE: summed per chunk as it was written (packed.summaries)
+        grouped = capture.packed.grouped(run_id, capture.schema_version, "reuse")
+        reuse = pd.DataFrame(grouped, columns=["principal", "kind", "num_tokens"]).astype({"principal": object})
+    else:
+        reuse = capture.events(run_id, kinds=REUSE_KINDS, limit=None, columns=["kind", "principal", "num_tokens"])
     if reuse.empty:
         return pd.DataFrame(columns=list(REUSE_COLUMNS))
-    if reuse["principal"].dtype.kind in "iu":  # NOTE: summed by code first; the few principals then decoded
-        reuse = reuse.groupby(["principal", "kind"], sort=False)["num_tokens"].sum().reset_index()
-        reuse["principal"] = decode_strings(capture, run_id, reuse["principal"])
     sums = reuse.groupby(["principal", "kind"], dropna=False, sort=True)["num_tokens"].sum().reset_index()
     # NOTE: a NULL principal is a group of its own, named None (as SQL's GROUP BY gives it), not NaN
     sums["principal"] = sums["principal"].astype(object).where(sums["principal"].notna(), None)

@@ -59,7 +59,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import QueuePool
-from sqlalchemy.schema import CreateColumn
+from sqlalchemy.schema import CreateColumn, CreateIndex
 
 from kvscope.telemetry import schema
 from kvscope.telemetry.sqlite_files import (
@@ -545,14 +545,20 @@ def _create_or_upgrade(conn: Connection, name: str) -> None:
 
 def _upgrade(conn: Connection, version: int, tables: set[str]) -> None:
     """Bring a file of an older readable version up to SCHEMA_VERSION: add the later columns
-    (NULL in every existing row) to the tables it has (a table it lacks is created whole after),
-    then store the new version (in the caller's transaction)."""
+    (NULL in every existing row) and indexes to the tables it has (a table it lacks is created whole
+    after), then store the new version (in the caller's transaction)."""
     preparer = conn.dialect.identifier_preparer
     for column in schema.added_after(version):
         if column.table.name not in tables:
             continue
         ddl = CreateColumn(column).compile(dialect=conn.dialect)
         conn.execute(text(f"ALTER TABLE {preparer.format_table(column.table)} ADD COLUMN {ddl}"))
+    for since, indexes in schema.INDEXES_SINCE.items():
+        for index in indexes if since > version else ():
+            if index.table is not None and index.table.name in tables:
+                # NOTE: IF NOT EXISTS, not checkfirst: SQLAlchemy's index lookup on PostgreSQL passes a bind
+                # parameter that the BIGINT rule (schema.py) casts to a type generate_subscripts refuses
+                conn.execute(CreateIndex(index, if_not_exists=True))
     conn.execute(
         update(schema.meta).where(schema.meta.c.key == "schema_version").values(value=str(schema.SCHEMA_VERSION))
     )

@@ -1,12 +1,15 @@
 """`kvscope upgrade`: pack the event rows of runs written before schema version 6 into chunks
-(packed.py), so they read as fast as new runs. Readers read the row layout too; upgrading is
-for speed and size, never needed to open a file.
+(packed.py), and store the summaries of chunks written before version 10 (packed.summaries: their events
+per kind and grouped sums), so they read as fast as new runs. Readers read the row layout and
+unsummarized chunks too; upgrading is for speed and size, never needed to open a file.
 
 NOTE: what it keeps. Every event keeps its seq, step, time and fields; a chunk never spans a
 gap in the seqs (a run stopped by a failed write has none, but a hand-edited file may). A run
 is packed in one transaction: its chunks are written and its rows deleted together, so a kill
 leaves each run either as rows or as chunks. A run still being written (status running, with a
-live writer) is refused, and so is a file this kvscope cannot read.
+live writer) is refused, and so is a file this kvscope cannot read. A run's summaries are stored in
+transactions of SUMMARY_CHUNKS chunks: a kill leaves some chunks summarized and the rest as they were
+(a reader computes those, and the next upgrade goes on).
 """
 
 from __future__ import annotations
@@ -16,28 +19,45 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, delete, func, select
+from sqlalchemy import Connection, Engine, bindparam, delete, func, select, update
 
 from kvscope.telemetry import schema
-from kvscope.telemetry.packed import ITEM_WIDTH, Packer
+from kvscope.telemetry.packed import ITEM_WIDTH, SUMMARY_FIELDS, Packer
 from kvscope.telemetry.queries import Capture
-from kvscope.telemetry.store import CaptureError, display_name, first_line, insert_statement, open_writer, settle
+from kvscope.telemetry.store import (
+    CaptureError,
+    compiled_statement,
+    display_name,
+    first_line,
+    insert_statement,
+    open_writer,
+    settle,
+    stored_version,
+)
 from kvscope.telemetry.writer import Statement
 
 CHUNK_EVENTS = 200_000
+SUMMARY_CHUNKS = 64  # chunks summarized per transaction (a 100 M-event run has about 5,000)
 ROW_FIELDS = schema.EVENT_COLUMNS[1:]  # NOTE: seq, then packed.ITEM_FIELDS in the same order
 
 
 @dataclass
 class UpgradedRun:
     run_id: int
-    events: int
+    events: int  # packed from rows (0: the run was packed already)
     chunks: int
+    summarized: int = 0  # chunks whose summaries were stored
 
 
-def upgrade(target: str | Path, *, progress: Callable[[int, int, int], None] | None = None) -> list[UpgradedRun]:
-    """Pack every row-layout run of the capture; returns what was packed. `progress(run_id,
-    events done, events in the run)` is called after each chunk."""
+def upgrade(
+    target: str | Path,
+    *,
+    progress: Callable[[int, int, int], None] | None = None,
+    summarizing: Callable[[int, int, int], None] | None = None,
+) -> list[UpgradedRun]:
+    """Pack every row-layout run of the capture and summarize every chunk without summaries; returns
+    what was done, by run. `progress(run_id, events done, events in the run)` is called after each
+    packed chunk, `summarizing(run_id, chunks done, chunks to do)` after each summarized one."""
     name = display_name(target)
     if not _check_upgradable(target, name):
         return []  # NOTE: nothing to do: the file is not opened for writing, so not rewritten
@@ -46,11 +66,12 @@ def upgrade(target: str | Path, *, progress: Callable[[int, int, int], None] | N
         with engine.connect() as conn:
             e = schema.events.c
             counts = conn.execute(select(e.run_id, func.count()).group_by(e.run_id).order_by(e.run_id)).fetchall()
-        done = []
-        for run_id, total in counts:
-            done.append(_pack_run(engine, int(run_id), int(total), progress))
+        done = {int(run_id): _pack_run(engine, int(run_id), int(total), progress) for run_id, total in counts}
+        for run_id in _unsummarized_runs(engine):
+            summarized = _summarize_run(target, engine, run_id, summarizing)
+            done.setdefault(run_id, UpgradedRun(run_id, 0, 0)).summarized = summarized
         settle(engine)
-        return done
+        return [done[run_id] for run_id in sorted(done)]
     except CaptureError:
         raise
     except Exception as err:
@@ -62,19 +83,20 @@ def upgrade(target: str | Path, *, progress: Callable[[int, int, int], None] | N
 def _check_upgradable(target: str | Path, name: str) -> bool:
     """A capture this kvscope reads (missing, foreign, damaged or newer files are refused, and
     no file is created), with no run still being recorded; True when it has something to upgrade
-    (an older schema, or events in the row layout)."""
+    (an older schema, events in the row layout, or chunks without summaries)."""
     capture = Capture(target)
     try:
         runs = capture.runs()
         older = capture.schema_version < schema.SCHEMA_VERSION
         with capture.engine.connect() as conn:
             rows = conn.execute(select(schema.events.c.run_id).limit(1)).first() is not None
+        unsummarized = bool(_unsummarized_runs(capture.engine))
     finally:
         capture.close()
     live = [int(r.id) for r in runs.itertuples() if r.display_status == "running"]
     if live:
         raise CaptureError(f"{name}: run {live[0]} is still being recorded; upgrade it once it has ended")
-    return older or rows
+    return older or rows or unsummarized
 
 
 def _pack_run(engine: Engine, run_id: int, total: int, progress: Callable[[int, int, int], None] | None) -> UpgradedRun:
@@ -127,3 +149,52 @@ def _write_chunk(
             insert = inserts[table]
             conn.exec_driver_sql(insert.sql, insert.params(values))
     return number + 1
+
+
+def _unsummarized_runs(engine: Engine) -> list[int]:
+    """The runs with a chunk that has no summaries (written before version 10)."""
+    c = schema.event_chunks.c
+    with engine.connect() as conn:
+        tables = engine.dialect.get_table_names(conn)
+        if schema.event_chunks.name not in tables or int(stored_version(conn) or 0) < schema.CHUNK_SUMMARY_SINCE:
+            return [] if schema.event_chunks.name not in tables else _runs_with_chunks(conn)
+        return [int(r) for (r,) in conn.execute(select(c.run_id).where(c.kind_counts.is_(None)).distinct())]
+
+
+def _runs_with_chunks(conn: Connection) -> list[int]:
+    """Every run with chunks (a file older than version 10: none has summaries yet)."""
+    c = schema.event_chunks.c
+    return [int(r) for (r,) in conn.execute(select(c.run_id).distinct().order_by(c.run_id))]
+
+
+def _summarize_run(
+    target: str | Path, engine: Engine, run_id: int, summarizing: Callable[[int, int, int], None] | None
+) -> int:
+    """Store the summaries of the run's chunks that have none, SUMMARY_CHUNKS chunks a transaction;
+    returns how many. The columns are read through a Capture (its checks and decoding)."""
+    c = schema.event_chunks.c
+    statement = compiled_statement(
+        engine,
+        update(schema.event_chunks)
+        .where(c.run_id == bindparam("run"), c.chunk == bindparam("number"))
+        .values(kind_counts=bindparam("counts"), groups=bindparam("names")),
+        ("counts", "names", "run", "number"),
+    )
+    capture = Capture(target)
+    try:
+        chunks = capture.packed.summaries(run_id, schema.SCHEMA_VERSION)
+        todo = chunks[chunks.kind_counts.isna() | chunks.groups.isna()]
+        for start in range(0, len(todo), SUMMARY_CHUNKS):
+            part = todo.iloc[start : start + SUMMARY_CHUNKS]
+            capture.packed.prefetch(run_id, part.chunk.tolist(), list(SUMMARY_FIELDS))
+            rows = [
+                (*capture.packed.computed_summaries(run_id, chunk), run_id, int(chunk.chunk))
+                for chunk in part.itertuples(index=False)
+            ]
+            with engine.begin() as conn:
+                conn.exec_driver_sql(statement.sql, statement.params(rows))
+            if summarizing is not None:
+                summarizing(run_id, start + len(part), len(todo))
+        return len(todo)
+    finally:
+        capture.close()

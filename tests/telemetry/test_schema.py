@@ -78,7 +78,16 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "cum_loaded_tokens",
         "tier",
     ]
-    routing = ["dispatch", "routed_cached_tokens", "elsewhere_cached_tokens", "page_hashes", "census", "num_bytes"]
+    routing = [
+        "dispatch",
+        "routed_cached_tokens",
+        "elsewhere_cached_tokens",
+        "page_hashes",
+        "census",
+        "num_bytes",
+        "kind_counts",
+        "groups",
+    ]
     assert sorted(c.name for c in schema.added_after(1)) == sorted(
         ["principal", "visibility", *tier_columns, "full_used", *routing]
     )
@@ -86,8 +95,9 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
     assert sorted(c.name for c in schema.added_after(3)) == sorted([*tier_columns, "full_used", *routing])
     assert sorted(c.name for c in schema.added_after(4)) == sorted(["full_used", *routing])
     assert sorted(c.name for c in schema.added_after(6)) == sorted(routing)
-    assert sorted(c.name for c in schema.added_after(7)) == ["census", "num_bytes"]
-    assert [c.name for c in schema.added_after(8)] == ["num_bytes"]
+    assert sorted(c.name for c in schema.added_after(7)) == ["census", "groups", "kind_counts", "num_bytes"]
+    assert [c.name for c in schema.added_after(8)] == ["num_bytes", "kind_counts", "groups"]
+    assert [c.name for c in schema.added_after(9)] == ["kind_counts", "groups"]
     assert schema.added_after(schema.SCHEMA_VERSION) == []
     as_v1 = schema.columns_as_of(schema.events, 1)
     assert [c.name for c in as_v1] == list(schema.EVENT_COLUMNS)

@@ -1,0 +1,59 @@
+"""The telemetry reads behind the dashboard's whole-run sums, each timed once on a fresh Capture (no
+Streamlit, no cache): for a capture too large to render every page in the time at hand, and to say
+which read a slow page waits on.
+
+    .venv/bin/python benchmarks/cold_reads.py CAPTURE READ [READ ...]
+
+READ is one of the names in READS. It writes no figures: add them to RESULTS.md with _results.py,
+naming this command.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def reads(capture: Any, run_id: int) -> dict[str, Callable[[], Any]]:
+    from kvscope import telemetry
+
+    return {
+        "run_principals": lambda: telemetry.run_principals(capture, run_id),
+        "event_counts": lambda: capture.event_counts(run_id),
+        "eviction_summary": lambda: telemetry.eviction_summary(capture, run_id),
+        "reuse_by_principal": lambda: telemetry.reuse_by_principal(capture, run_id),
+        "lookup_stops": lambda: telemetry.lookup_stops(capture, run_id),
+        "request_principals": lambda: capture.request_principals(run_id),
+        "usage": lambda: capture.usage(run_id, 600),
+        "request_totals": lambda: capture.request_totals(run_id),
+        "evictions_over_steps": lambda: telemetry.evictions_over_steps(capture, run_id, 600),
+    }
+
+
+def main() -> None:
+    if len(sys.argv) < 3:
+        raise SystemExit(__doc__)
+    sys.path.insert(0, str(ROOT))
+    from kvscope.telemetry import Capture
+
+    for name in sys.argv[2:]:
+        capture = Capture(sys.argv[1])
+        try:
+            run_id = int(capture.runs().id.iloc[-1])
+            read = reads(capture, run_id)[name]
+            start = time.perf_counter()
+            found = read()
+            took = time.perf_counter() - start
+        finally:
+            capture.close()
+        print(f"{name}: {took:.2f} s ({len(found):,} rows); load {os.getloadavg()[0]:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
