@@ -5,8 +5,10 @@ call; a Mamba slot call, most often, no tensor: see PageLedger.slot_runs), as FI
 end to end (no tuple kept per call: see FIELDS); a fold takes the queue in
 call order into the ledgers (a numpy array per pool and per Mamba slot allocator, page -> entry id)
 and, at level full, emits one alloc / free event per allocator call. The probe folds every
-FOLD_INTERVAL_S or FOLD_CALLS entries, at each census and at exit. Imports: stdlib and numpy (torch
-is the engine's, found in sys.modules, never imported here).
+FOLD_INTERVAL_S or FOLD_CALLS entries on a worker thread of the ledger's own (fold_later: the engine
+thread only takes the queue), and at each census and at exit on the engine thread, after what the
+worker was handed (drain). Imports: stdlib and numpy (torch is the engine's, found in sys.modules,
+never imported here).
 """
 
 from __future__ import annotations
