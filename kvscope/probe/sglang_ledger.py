@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import compress, repeat
@@ -36,6 +37,7 @@ FOLD_CALLS = 512  # NOTE: pending entries that fold at the next step (else every
 # to scan and promote (what is kept until a fold sets one off about every 550 calls: ~0.3 µs per call)
 FIELDS = 7
 FOLD_INTERVAL_S = 0.2  # NOTE: as the recorder's hand-off: a step's events wait at most this long
+WORKER_POLL_S = 1.0  # NOTE: how often an idle fold worker looks whether its ledger is gone
 NO_RUN: list[Any] = [None, None, 0, 0, 0, None]  # NOTE: no open slot run (never written: a free starts a new list)
 _monotonic = time.monotonic
 Entry = tuple[str | None, int, str]  # NOTE: (rid, step, event), as sglang_census
@@ -252,27 +254,27 @@ class PageLedger:
                 emit(block)
 
     def start_worker(self) -> None:
-        """The background fold's thread (a daemon: at exit the probe's drain folds what is left)."""
+        """The background fold's thread (a daemon: at exit the probe's drain folds what is left). It
+        holds the ledger weakly: it ends within WORKER_POLL_S of the ledger's end (a probe's lasts as
+        long as its process)."""
         self.lock = threading.Lock()  # NOTE: after a fork a lock the parent's worker held stays held
         self.wake = threading.Event()
         self.worker_pid = os.getpid()
-        self.worker = threading.Thread(target=self.work, name="kvscope-sglang-fold", daemon=True)
+        self.worker = threading.Thread(
+            target=_work, args=(weakref.ref(self), self.wake), name="kvscope-sglang-fold", daemon=True
+        )
         self.worker.start()
 
-    def work(self) -> None:
-        """The worker's loop: fold what was taken each time it is woken; a failure is kept for the
-        engine thread (hand_over), never raised here. NOTE: never ends: a daemon thread."""
-        wake = self.wake
-        while True:
-            wake.wait()
-            wake.clear()  # NOTE: before the fold: a batch taken meanwhile sets it again
-            try:
-                with self.lock:
-                    self.fold_queued()
-            except Exception as err:
-                self.failure = err
-                with self.lock:
-                    self.batches.clear()
+    def fold_woken(self) -> None:
+        """The worker's part each time it is woken: fold what was taken; a failure is kept for the
+        engine thread (hand_over), never raised on the worker, and what was left to fold dropped."""
+        try:
+            with self.lock:
+                self.fold_queued()
+        except Exception as err:
+            self.failure = err
+            with self.lock:
+                self.batches.clear()
 
     def fold(self, batch: Batch) -> tuple[Any, ...] | None:
         """One taken batch into the ledgers; its event block (None: no event, or none asked for)."""
@@ -381,6 +383,19 @@ class PageLedger:
         if where is not None:
             at = where[at] if call_of is None else np.where(at >= 0, where[at], -1)
         return Folded(pages, at, page_size, pool, where)
+
+
+def _work(ledger_of: Callable[[], PageLedger | None], wake: threading.Event) -> None:
+    """A ledger's worker thread: folds each time it is woken, until its ledger is gone."""
+    while True:
+        woken = wake.wait(WORKER_POLL_S)
+        ledger = ledger_of()
+        if ledger is None:
+            return
+        if woken:
+            wake.clear()  # NOTE: before the fold: a batch taken meanwhile sets it again
+            ledger.fold_woken()
+        del ledger  # NOTE: not held while waiting: the ledger can end
 
 
 class Folded(NamedTuple):

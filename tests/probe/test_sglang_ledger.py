@@ -5,6 +5,7 @@ tensors (the engine test runs the same code on SGLang's real allocators)."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -299,7 +300,6 @@ def test_the_allocator_hooks_keep_no_object_per_call_beyond_the_calls_tensor() -
     plain values on the flat queue, not a tuple per call (kept tuples doubled the objects each of
     the GC's collections between folds scans and promotes). The fold reads
     them back: one event per call."""
-    import gc
 
     class Paged:
         page_size = PAGE_SIZE
@@ -417,3 +417,53 @@ def test_a_failed_background_fold_is_raised_on_the_callers_thread_at_its_next_ha
         ledger.hand_over(None)
     ledger.hand_over(None)  # NOTE: raised once
     assert not ledger.batches
+
+
+def test_a_ledgers_fold_worker_ends_once_the_ledger_is_gone() -> None:
+    """The worker holds its ledger weakly: a ledger dropped (a test's, a probe made again) takes its
+    thread with it instead of leaving one waiting for ever."""
+    ledger = PageLedger()
+    queue(ledger, [(ALLOC, SimpleNamespace(page_size=PAGE_SIZE), "req-A", 1, "alloc", slots_of(3), None)])
+    ledger.fold_later(1, True)
+    blocks = ledger.blocks
+    _wait_for(lambda: len(blocks) == 1)
+    worker = ledger.worker
+    assert worker is not None and worker.is_alive()
+    del ledger
+    gc.collect()
+    worker.join(timeout=20)
+    assert not worker.is_alive()
+
+
+class _Gated:
+    """A paged allocator whose page size is read only once the test opens the gate: a fold of its
+    calls on the worker stays in flight until then."""
+
+    def __init__(self) -> None:
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    @property
+    def page_size(self) -> int:
+        self.entered.set()
+        self.gate.wait(20)
+        return PAGE_SIZE
+
+
+def test_a_drain_waits_for_the_workers_fold_in_flight_and_folds_after_it() -> None:
+    """A census's drain while the worker is still folding an earlier batch waits for that fold, then
+    folds what was queued since: the later call wins in the ledger and the events stay in call order."""
+    ledger, gated, plain = PageLedger(), _Gated(), SimpleNamespace(page_size=PAGE_SIZE)
+    queue(ledger, [(ALLOC, gated, "req-A", 1, "alloc", slots_of(3), None)])
+    ledger.fold_later(1, True)
+    assert gated.entered.wait(20)
+    queue(ledger, [(ALLOC, plain, "req-B", 2, "alloc", slots_of(3), None)])
+    blocks: list[tuple[object, ...]] = []
+    census = threading.Thread(target=ledger.drain, args=(2, blocks.append))
+    census.start()
+    census.join(timeout=0.5)
+    waited = census.is_alive()
+    gated.gate.set()
+    census.join(timeout=20)
+    assert waited and not census.is_alive()
+    assert [(rid, step) for _, rid, step, _ in _folded_calls(blocks)] == [("req-A", 1), ("req-B", 2)]
+    assert ledger.takers["full"][3] == ("req-B", 2, "alloc")
