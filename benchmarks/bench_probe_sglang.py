@@ -22,9 +22,9 @@ row below); full = hooks, ledger and events; `queue only` (allocator only) = the
 their queue dropped where a fold would take it (no fold, no ledger, no events: what the calls cost
 without the fold). Modes run in blocks of BLOCK_ROUNDS rounds, in a new
 shuffled order each of BLOCK_REPEATS times; the table shows the median µs per call (wall and this
-thread's CPU time) and what the hooks add: the median of each block's difference to the plain block
-of the same repetition (the machine's speed drifts between blocks), and the middle half of those
-differences.
+thread's CPU time; the process's CPU beside it, the probe's fold worker's included) and what the
+hooks add: the median of each block's difference to the plain block of the same repetition (the
+machine's speed drifts between blocks), and the middle half of those differences.
 
 NOTE: the in-situ control: the same pure-Python work (a CONTROL_STEPS-step loop) timed alone, and
     inside the tree round around SGLang's own dec_lock_ref against a bare wrapper of it, in shuffled
@@ -119,12 +119,15 @@ def verdict(added_us: float) -> str:
     return "met" if added_us <= TARGET_US else "not met"
 
 
-def real_call_figures(group: str, mode: str, cpu: float, added: tuple[float, float, float]) -> Figure:
-    """A row of the first table: SGLang's own time (plain) or what a mode adds, µs per real call."""
+def real_call_figures(
+    group: str, mode: str, cpu: float, added: tuple[float, float, float], added_process: float
+) -> Figure:
+    """A row of the first table: SGLang's own time (plain) or what a mode adds, µs per real call (the
+    engine thread's CPU, the target's measure; the process's beside it)."""
     if mode == "plain":
         return Figure(f"{group} plain: SGLang's own CPU per real call", f"{cpu:.2f} µs")
     low, mid, high = added
-    value = f"{mid:+.2f} µs (middle half {low:+.2f} to {high:+.2f})"
+    value = f"{mid:+.2f} µs (middle half {low:+.2f} to {high:+.2f}); process CPU {added_process:+.2f}"
     if mode == "queue only":
         return Figure(f"{group} {mode}: CPU added per real call", value)
     return Figure(f"{group} {mode}: CPU added per real call", value, f"≤ {TARGET_US:g} µs", verdict(mid))
@@ -322,10 +325,29 @@ def _cpu_ns(call: Any, drain: Any = None, every: int = 0) -> float:
     return (time.thread_time_ns() - start) / ROUNDS
 
 
-def timed(run: Any, calls: int) -> tuple[float, float]:
-    start, start_cpu = time.perf_counter(), time.thread_time()
+def timed(run: Any, calls: int) -> tuple[float, float, float]:
+    """µs per call: wall, this (the engine's) thread's CPU, and the process's CPU, the probe's fold
+    worker's included (the block's end waits for it to finish what the block handed it)."""
+    start, start_cpu, start_process = time.perf_counter(), time.thread_time(), time.process_time()
     run()
-    return (time.perf_counter() - start) / calls * 1e6, (time.thread_time() - start_cpu) / calls * 1e6
+    cpu = time.thread_time()
+    settle(probe.PROBE)
+    wall, process = time.perf_counter(), time.process_time()
+    return (wall - start) / calls * 1e6, (cpu - start_cpu) / calls * 1e6, (process - start_process) / calls * 1e6
+
+
+def settle(probe: Any) -> None:
+    """Until the probe's fold worker (if its ledger has one) has folded what it was handed."""
+    ledger = getattr(probe, "ledger", None)
+    lock = getattr(ledger, "lock", None)
+    if lock is None:
+        return
+    for _ in range(100_000):  # NOTE: taken batches wait for the worker; it pops each under the lock
+        if not ledger.batches:
+            break
+        time.sleep(0.0002)
+    with lock:
+        pass
 
 
 def main() -> int:
@@ -355,7 +377,7 @@ def main() -> int:
         if len(pending) >= FOLD_CALLS * FIELDS:
             pending.clear()
 
-    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     order = random.Random(0)
     for _ in range(BLOCK_REPEATS):  # NOTE: short blocks, the modes in a new order each time: the drift hits them alike
         for mode in order.sample(MODES, len(MODES)):
@@ -386,6 +408,7 @@ def main() -> int:
     header = ("operation", "mode", "wall µs/call", "cpu µs/call", "added wall", "added cpu", "(middle half)")
     print(
         f"{header[0]:<10} {header[1]:<10} {header[2]:>12} {header[3]:>12} {header[4]:>11} {header[5]:>10}  {header[6]}"
+        "  added process cpu"
     )
     figures: list[Figure] = []
     for group in ("allocator", "tree"):
@@ -397,9 +420,14 @@ def main() -> int:
             wall, cpu = (statistics.median(x[i] for x in mine) for i in (0, 1))
             added_wall = statistics.median(m[0] - b[0] for m, b in zip(mine, base, strict=True))
             low, added_cpu, high = _quartiles([m[1] - b[1] for m, b in zip(mine, base, strict=True)])
-            added = "" if mode == "plain" else f"{added_wall:+11.2f} {added_cpu:+10.2f}  {low:+.2f} to {high:+.2f}"
+            added_process = statistics.median(m[2] - b[2] for m, b in zip(mine, base, strict=True))
+            added = (
+                ""
+                if mode == "plain"
+                else f"{added_wall:+11.2f} {added_cpu:+10.2f}  {low:+.2f} to {high:+.2f}  {added_process:+.2f}"
+            )
             print(f"{group:<10} {mode:<10} {wall:12.2f} {cpu:12.2f} {added}")
-            figures.append(real_call_figures(group, mode, cpu, (low, added_cpu, high)))
+            figures.append(real_call_figures(group, mode, cpu, (low, added_cpu, high), added_process))
     hot_ns, (low, added_ns, high) = control
     print(
         f"\nthe same Python work (a {CONTROL_STEPS}-step loop), CPU ns: alone {hot_ns:.0f}; inside the tree "

@@ -17,6 +17,9 @@ differences, with their middle half. The rounds are bench_probe_sglang.py's:
     tree       UnifiedRadixCache (Python core): a request's match_prefix, lock, unlock, 3 calls a round
 Each round then runs its probe's per-step fold_if_due (plain: nothing), and each block ends with its
 recorder's hand-off (idle(), untimed); what a block leaves queued folds in that version's next block.
+Two clocks per block: the engine thread's CPU (time.thread_time) and the whole process's
+(time.process_time); a version that folds on a thread of its own has that fold's CPU in its own
+block's process figure (the block's end waits for the worker to finish what the block handed it).
 Sets its rows in the `## bench_probe_sglang_ab` table of benchmarks/RESULTS.md (--label: which two
 versions, in the rows' names).
 """
@@ -126,7 +129,7 @@ def main() -> int:
         "tree": (lambda step: tree_round(tree, params, step), 3),
     }
     loads = [os.getloadavg()[0]]
-    us = timed_blocks(modes, rounds, args.blocks)
+    us, process_us = timed_blocks(modes, rounds, args.blocks)
     loads.append(os.getloadavg()[0])
     for _, probe in modes.values():
         if probe is not None:
@@ -139,15 +142,18 @@ def main() -> int:
         plain = us[(group, "plain")]
         print(f"{group}: plain {statistics.median(plain):.2f} µs per call; CPU µs added, median (middle half)")
         figures.append(Figure(f"{group} plain: SGLang's own CPU per real call", f"{statistics.median(plain):.2f} µs"))
-        for label, mine, base in (
-            ("old", us[(group, "old")], plain),
-            ("new", us[(group, "new")], plain),
-            ("new - old", us[(group, "new")], us[(group, "old")]),
-        ):
-            low, mid, high = statistics.quantiles([m - b for m, b in zip(mine, base, strict=True)], n=4)
-            print(f"  {label:<10} {mid:+.2f} ({low:+.2f} to {high:+.2f})")
-            value = f"{mid:+.2f} µs (middle half {low:+.2f} to {high:+.2f})"
-            name = f"{group} full, {label} ({args.label}): CPU added per real call"
+        for label, mine, base in (("old", "old", "plain"), ("new", "new", "plain"), ("new - old", "new", "old")):
+            low, mid, high = statistics.quantiles(_paired(us, group, mine, base), n=4)
+            p_low, p_mid, p_high = statistics.quantiles(_paired(process_us, group, mine, base), n=4)
+            print(
+                f"  {label:<10} engine thread {mid:+.2f} ({low:+.2f} to {high:+.2f}), "
+                f"process {p_mid:+.2f} ({p_low:+.2f} to {p_high:+.2f})"
+            )
+            value = (
+                f"{mid:+.2f} µs (middle half {low:+.2f} to {high:+.2f}); "
+                f"process {p_mid:+.2f} ({p_low:+.2f} to {p_high:+.2f})"
+            )
+            name = f"{group} full, {label} ({args.label}): engine-thread CPU added per real call"
             if label == "new - old":
                 figures.append(Figure(name, value))
             else:
@@ -157,11 +163,17 @@ def main() -> int:
     return 0
 
 
+def _paired(us: dict[tuple[str, str], list[float]], group: str, mine: str, base: str) -> list[float]:
+    return [m - b for m, b in zip(us[(group, mine)], us[(group, base)], strict=True)]
+
+
 def timed_blocks(
     modes: Modes, rounds: dict[str, tuple[Callable[[Callable[[], None]], None], int]], blocks: int
-) -> dict[tuple[str, str], list[float]]:
-    """CPU µs per call of each (group, mode) block, the modes in a new shuffled order each repetition."""
+) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str], list[float]]]:
+    """CPU µs per call of each (group, mode) block, the modes in a new shuffled order each repetition:
+    the engine thread's, and the process's (its fold worker's included)."""
     us: dict[tuple[str, str], list[float]] = {}
+    process_us: dict[tuple[str, str], list[float]] = {}
     order = random.Random(0)
     for _ in range(blocks):
         for group, (run, calls) in rounds.items():
@@ -171,12 +183,18 @@ def timed_blocks(
                     for name, method in named.items():
                         setattr(owner, name, method)
                 step = (lambda p=probe: p.fold_if_due(time.monotonic())) if probe else (lambda: None)
-                start = time.thread_time_ns()
+                start, start_process = time.thread_time_ns(), time.process_time_ns()
                 run(step)
-                us.setdefault((group, mode), []).append((time.thread_time_ns() - start) / BLOCK_ROUNDS / calls / 1e3)
+                end = time.thread_time_ns()
+                bench.settle(probe)
+                end_process = time.process_time_ns()
+                us.setdefault((group, mode), []).append((end - start) / BLOCK_ROUNDS / calls / 1e3)
+                process_us.setdefault((group, mode), []).append(
+                    (end_process - start_process) / BLOCK_ROUNDS / calls / 1e3
+                )
                 if probe is not None:
                     probe.state.recorder.idle()
-    return us
+    return us, process_us
 
 
 if __name__ == "__main__":

@@ -233,8 +233,8 @@ class SglangProbe:
         return self.state.recorder
 
     def drain_at_exit(self) -> None:
-        """The calls since the last fold, into the capture before the recorder closes."""
-        if self.state.active and self.pending:
+        """The calls since the last fold (and a background fold's), into the capture before the recorder closes."""
+        if self.state.active:
             with guarded(self.state):
                 self.drain()
 
@@ -266,9 +266,18 @@ class SglangProbe:
             self.now = self.ledger.step_now[self.step] = now
 
     def fold_if_due(self, now: float) -> None:
-        """The per-step part of the ledger's work: a fold every FOLD_CALLS entries or FOLD_INTERVAL_S."""
-        if self.ledger.due(now):
-            self.drain()
+        """The per-step part of the ledger's work: the event blocks folded since the last step to the
+        recorder, and a fold every FOLD_CALLS entries or FOLD_INTERVAL_S, on the ledger's worker thread
+        (a census's drain folds what is left on this thread first)."""
+        ledger = self.ledger
+        emit = self.emit_block if self.emit is not None else None
+        if ledger.blocks or ledger.failure is not None:
+            ledger.hand_over(emit)
+        if ledger.due(now):
+            folded = ledger.fold_later(self.step, emit is not None)
+            if folded is not None:
+                self.now = folded
+                self.busy = True
 
     def drain(self) -> None:
         """Fold the calls and binds queued since the last fold into the ledger (and, level full,

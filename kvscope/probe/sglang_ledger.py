@@ -5,15 +5,21 @@ call; a Mamba slot call, most often, no tensor: see PageLedger.slot_runs), as FI
 end to end (no tuple kept per call: see FIELDS); a fold takes the queue in
 call order into the ledgers (a numpy array per pool and per Mamba slot allocator, page -> entry id)
 and, at level full, emits one alloc / free event per allocator call. The probe folds every
-FOLD_INTERVAL_S or FOLD_CALLS entries, at each census and at exit. Imports: stdlib and numpy (torch
-is the engine's, found in sys.modules, never imported here).
+FOLD_INTERVAL_S or FOLD_CALLS entries on a worker thread of the ledger's own (fold_later: the engine
+thread only takes the queue), and at each census and at exit on the engine thread, after what the
+worker was handed (drain). Imports: stdlib and numpy (torch is the engine's, found in sys.modules,
+never imported here).
 """
 
 from __future__ import annotations
 
 import operator
+import os
 import sys
+import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import compress, repeat
 from operator import itemgetter
@@ -31,6 +37,7 @@ FOLD_CALLS = 512  # NOTE: pending entries that fold at the next step (else every
 # to scan and promote (what is kept until a fold sets one off about every 550 calls: ~0.3 µs per call)
 FIELDS = 7
 FOLD_INTERVAL_S = 0.2  # NOTE: as the recorder's hand-off: a step's events wait at most this long
+WORKER_POLL_S = 1.0  # NOTE: how often an idle fold worker looks whether its ledger is gone
 NO_RUN: list[Any] = [None, None, 0, 0, 0, None]  # NOTE: no open slot run (never written: a free starts a new list)
 _monotonic = time.monotonic
 Entry = tuple[str | None, int, str]  # NOTE: (rid, step, event), as sglang_census
@@ -126,6 +133,17 @@ class Ledger(Mapping[int, Entry]):
         return int(np.count_nonzero(self.ids >= 0))
 
 
+class Batch(NamedTuple):
+    """The calls taken for one fold (PageLedger.take): the flat queue, the Mamba slot runs, the
+    steps' clock reads; the take's clock read; whether its events are asked for (level full)."""
+
+    pending: list[Any]
+    runs: list[list[Any]]
+    times: dict[int, float]
+    now: float
+    events: bool
+
+
 class PageLedger:
     """The queue of allocator calls and binds not yet folded, and the ledgers they fold into: per
     pool (full, swa; req rows are a dict the row hooks write at once) the last taker and releaser of
@@ -148,6 +166,15 @@ class PageLedger:
         self.pops = 0
         self.folded_at = _monotonic()
         self.step_now: dict[int, float] = {}  # NOTE: step -> its clock read (the t_mono of its folded events)
+        # NOTE: taken batches not folded yet (in order), and folded event blocks not handed to the recorder
+        # yet; the fold's lock (held by whichever thread folds: the worker, or drain's caller), the worker
+        self.batches: deque[Batch] = deque()
+        self.blocks: deque[tuple[Any, ...]] = deque()
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.worker: threading.Thread | None = None
+        self.worker_pid = -1
+        self.failure: Exception | None = None  # NOTE: a background fold's error, for the engine thread
 
     def due(self, now: float) -> bool:
         """A fold every FOLD_CALLS entries or FOLD_INTERVAL_S (the probe asks once per step)."""
@@ -159,26 +186,105 @@ class PageLedger:
     def drain(self, step: int, emit: Callable[[tuple[Any, ...]], None] | None) -> float | None:
         """Fold the allocator calls and binds recorded since the last fold into the ledger, in
         order, and (level full) their alloc / free events in call order as one event block (`emit`:
-        the recorder's event_block; None at level summary): per allocator and ledger one
-        concatenation, one transfer off the device and a few numpy passes; per call only C-level
-        passes over the recorded columns, no Python object per call. `step`: the step now (its
-        clock read stays). The fold's clock read, None when nothing was pending."""
-        if not self.pending:
+        the recorder's event_block; None at level summary), on the calling thread: first what a
+        background fold (fold_later) has queued or is folding, so the ledgers are exact when this
+        returns. Per allocator and ledger one concatenation, one transfer off the device and a few
+        numpy passes; per call only C-level passes over the recorded columns, no Python object per
+        call. `step`: the step now (its clock read stays). The fold's clock read, None when nothing
+        was pending."""
+        now = self.take(step, emit is not None)
+        if self.worker is not None and self.worker_pid != os.getpid():  # NOTE: forked: the parent's worker is gone
+            self.lock, self.worker = threading.Lock(), None
+        with self.lock:
+            self.fold_queued()
+        self.hand_over(emit)
+        return now
+
+    def fold_later(self, step: int, events: bool) -> float | None:
+        """drain's work, off the calling (the engine's) thread: the queue is taken here (take), and a
+        worker thread of the ledger's own folds it; its event block goes to the recorder at the
+        caller's next hand_over. The fold's clock read, None when nothing was pending."""
+        now = self.take(step, events)
+        if now is not None:
+            if self.worker_pid != os.getpid():  # NOTE: none yet, or forked (a fork keeps no thread but its own)
+                self.start_worker()
+            self.wake.set()
+        return now
+
+    def take(self, step: int, events: bool) -> float | None:
+        """The calls queued so far, the Mamba runs and the steps' clock reads, as one Batch for a
+        fold, in order (caller: the thread the Mamba hooks run on, the engine's). The queue is taken
+        by a copy and a delete of exactly what was copied: a call another thread queues meanwhile
+        stays queued (a clear would lose it)."""
+        pending = self.pending[:]
+        if not pending:
             return None
-        pending = self.pending.copy()  # NOTE: emptied in place: the probe's hooks hold this list
-        self.pending.clear()
+        del self.pending[: len(pending)]  # NOTE: emptied in place: the probe's hooks hold this list
         runs, self.slot_runs = self.slot_runs, []
         if self.slot_run is not NO_RUN:  # NOTE: the open run goes on as a new chain: it begins with what is free now
             run = self.slot_run
             self.slot_run = run = [run[0], run[1], 0, run[3], run[4], (run[1], self.pops)]
             self.slot_runs.append(run)
         self.folded_at = now = _monotonic()
+        times, self.step_now = self.step_now, {step: self.step_now.get(step, now)}
+        self.batches.append(Batch(pending, runs, times, now, events))
+        return now
+
+    def fold_queued(self) -> None:
+        """Fold the batches taken so far, oldest first, each into the ledgers and its event block
+        onto `blocks` (caller: holds `lock`, so only one thread folds and the batches fold in order).
+        A batch's tensors are let go here: on a worker, SGLang's index tensors are freed there."""
+        while self.batches:
+            batch = self.batches.popleft()
+            block = self.fold(batch)
+            if block is not None:
+                self.blocks.append(block)
+            del batch
+
+    def hand_over(self, emit: Callable[[tuple[Any, ...]], None] | None) -> None:
+        """The folded event blocks to the recorder (`emit`; None: dropped), oldest first, on the
+        caller's thread (the engine's: the recorder's buffer is not written from the worker); a
+        failed background fold's error raised here, where the caller's guard stops recording."""
+        if self.failure is not None:
+            err, self.failure = self.failure, None
+            raise err
+        while self.blocks:
+            block = self.blocks.popleft()
+            if emit is not None:
+                emit(block)
+
+    def start_worker(self) -> None:
+        """The background fold's thread (a daemon: at exit the probe's drain folds what is left). It
+        holds the ledger weakly: it ends within WORKER_POLL_S of the ledger's end (a probe's lasts as
+        long as its process)."""
+        self.lock = threading.Lock()  # NOTE: after a fork a lock the parent's worker held stays held
+        self.wake = threading.Event()
+        self.worker_pid = os.getpid()
+        self.worker = threading.Thread(
+            target=_work, args=(weakref.ref(self), self.wake), name="kvscope-sglang-fold", daemon=True
+        )
+        self.worker.start()
+
+    def fold_woken(self) -> None:
+        """The worker's part each time it is woken: fold what was taken; a failure is kept for the
+        engine thread (hand_over), never raised on the worker, and what was left to fold dropped."""
+        try:
+            with self.lock:
+                self.fold_queued()
+        except Exception as err:
+            self.failure = err
+            with self.lock:
+                self.batches.clear()
+
+    def fold(self, batch: Batch) -> tuple[Any, ...] | None:
+        """One taken batch into the ledgers; its event block (None: no event, or none asked for)."""
+        pending, now = batch.pending, batch.now
         n = len(pending) // FIELDS
         columns = Calls(*(tuple(pending[i::FIELDS]) for i in range(FIELDS)))
         kinds, allocators = columns.kinds, columns.allocators
         binds = BIND in kinds
         frees = FREE in kinds
-        tails = run_tails(runs)
+        tails = run_tails(batch.runs)
         folded: list[Folded] = []
         first = allocators[0]
         one = allocators.count(first) == n  # NOTE: one allocator (the common case): no group by allocator
@@ -197,12 +303,9 @@ class PageLedger:
                 allocator = allocators[where[0]]
                 calls = _pick(columns, where, allocator, binds)
                 folded.append(self.fold_group(allocator, bool(takes[where[0]]), where, calls, binds, tails))
-        if emit is not None:
-            block = event_block(kinds, columns.rids, columns.steps, folded, self.step_now, now, binds)
-            if block is not None:
-                emit(block)
-        self.step_now = {step: self.step_now.get(step, now)}
-        return now
+        if not batch.events:
+            return None
+        return event_block(kinds, columns.rids, columns.steps, folded, batch.times, now, binds)
 
     def fold_mixed(self, allocator: Any, calls: Calls, binds: bool) -> Folded:
         """One paged allocator's takes (allocs and binds) and frees together, in one pass: one
@@ -280,6 +383,19 @@ class PageLedger:
         if where is not None:
             at = where[at] if call_of is None else np.where(at >= 0, where[at], -1)
         return Folded(pages, at, page_size, pool, where)
+
+
+def _work(ledger_of: Callable[[], PageLedger | None], wake: threading.Event) -> None:
+    """A ledger's worker thread: folds each time it is woken, until its ledger is gone."""
+    while True:
+        woken = wake.wait(WORKER_POLL_S)
+        ledger = ledger_of()
+        if ledger is None:
+            return
+        if woken:
+            wake.clear()  # NOTE: before the fold: a batch taken meanwhile sets it again
+            ledger.fold_woken()
+        del ledger  # NOTE: not held while waiting: the ledger can end
 
 
 class Folded(NamedTuple):

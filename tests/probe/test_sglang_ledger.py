@@ -5,6 +5,12 @@ tensors (the engine test runs the same code on SGLang's real allocators)."""
 
 from __future__ import annotations
 
+import gc
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
@@ -147,7 +153,7 @@ class SlotFreeList:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    st.lists(st.tuples(st.sampled_from("aafffgcdx"), st.integers(0, 4), st.sampled_from((0, 0, 0, 1))), max_size=60),
+    st.lists(st.tuples(st.sampled_from("aafffgcdbx"), st.integers(0, 4), st.sampled_from((0, 0, 0, 1))), max_size=60),
     st.integers(2, 12),
 )
 @example([("a", 1, 0), ("f", 1, 0), ("d", 0, 0), ("a", 1, 0), ("a", 1, 0)], 2)  # NOTE: a chain across a fold
@@ -156,7 +162,8 @@ def test_mamba_calls_folded_in_bulk_name_the_slots_each_call_took_or_gave_back(
     ops: list[tuple[str, int, int]], size: int
 ) -> None:
     """Random allocs, frees (of a view rewritten right after the call, as SGLang frees a request's
-    ping-pong slot; k = 0: a free of nothing), groups, clears and folds on two Mamba free lists (an
+    ping-pong slot; k = 0: a free of nothing), groups, clears and folds (d: on this thread, b: on the
+    ledger's worker, while the calls go on) on two Mamba free lists (an
     active pool and, now and then, a second one: an int8 checkpoint pool's), through the probe's own
     alloc and free hooks: each call's event names exactly the slots it took or gave back, in call
     order, and each pool's ledgers name each slot's last taker and releaser, as if every call had been
@@ -213,6 +220,8 @@ def test_mamba_calls_folded_in_bulk_name_the_slots_each_call_took_or_gave_back(
                 releasers[p].update(dict.fromkeys(rest.tolist(), None))
             elif op == "d":
                 fold()
+            elif op == "b":
+                ledger.fold_later(0, True)
             elif op == "x":  # NOTE: clear(): a new free_slots, not the last one's slice (a chain ends)
                 pool.clear()
                 pool.batch = None
@@ -291,7 +300,6 @@ def test_the_allocator_hooks_keep_no_object_per_call_beyond_the_calls_tensor() -
     plain values on the flat queue, not a tuple per call (kept tuples doubled the objects each of
     the GC's collections between folds scans and promotes). The fold reads
     them back: one event per call."""
-    import gc
 
     class Paged:
         page_size = PAGE_SIZE
@@ -313,3 +321,149 @@ def test_the_allocator_hooks_keep_no_object_per_call_beyond_the_calls_tensor() -
         probe.ledger.drain(0, blocks.append)
     assert calls <= kept <= calls + 20
     assert len(block_as_items(blocks[0])) == 11 * calls and probe.ledger.takers["full"][1][0] is None
+
+
+def _folded_calls(blocks: list[tuple[object, ...]]) -> list[tuple[object, ...]]:
+    """(kind, rid, step, pages) of each event in the blocks, in order."""
+    got = []
+    for block in blocks:
+        items = block_as_items(block)
+        got += [(items[i + 2], items[i + 4], items[i], items[i + 10].tolist()) for i in range(0, len(items), 11)]
+    return got
+
+
+def _wait_for(done: Callable[[], bool]) -> None:
+    """Until done() (the worker's fold), at most 20 s."""
+    deadline = time.monotonic() + 20
+    while not done():
+        assert time.monotonic() < deadline, "the ledger's worker did not fold within 20 s"
+        time.sleep(0.001)
+
+
+def test_a_background_fold_frees_sglangs_tensors_off_the_callers_thread_and_a_drain_then_is_exact() -> None:
+    """fold_later takes the queue on the caller's (the engine's) thread and folds it on the ledger's
+    worker, where the kept index tensors are let go; the next drain folds what was queued since on the
+    caller's thread, and hands over both folds' events in call order, the ledgers naming the last
+    writer as one inline fold would."""
+    ledger = PageLedger()
+    allocator = SimpleNamespace(page_size=PAGE_SIZE)
+    freed_on: list[int] = []
+    first = slots_of(3, 4)
+    weakref.finalize(first, lambda: freed_on.append(threading.get_ident()))
+    queue(ledger, [(ALLOC, allocator, "req-A", 1, "alloc", first, None)])
+    del first
+    assert ledger.fold_later(1, True) is not None and not ledger.pending
+    _wait_for(lambda: len(ledger.blocks) == 1)
+    assert freed_on and freed_on[0] != threading.get_ident()
+    queue(ledger, [(FREE, allocator, "req-A", 2, "release", torch.tensor([3]), None)])
+    queue(ledger, [(ALLOC, allocator, "req-B", 2, "alloc", slots_of(3), None)])
+    blocks: list[tuple[object, ...]] = []
+    ledger.drain(2, blocks.append)
+    assert _folded_calls(blocks) == [
+        ("alloc", "req-A", 1, [3, 4]),
+        ("free", "req-A", 2, [3]),
+        ("alloc", "req-B", 2, [3]),
+    ]
+    assert ledger.takers["full"][3] == ("req-B", 2, "alloc") and ledger.releasers["full"][3] == ("req-A", 2, "release")
+    assert not ledger.batches and not ledger.blocks
+
+
+def test_calls_queued_from_other_threads_while_batches_are_taken_are_never_lost() -> None:
+    """Threads queue allocator calls as fast as they can while this one takes batch after batch for
+    the worker (switching threads every microsecond): every call comes out of the folds exactly
+    once, each thread's in its order (a take that copied the queue and then cleared it lost the
+    calls queued in between)."""
+    ledger = PageLedger()
+    allocator = SimpleNamespace(page_size=1)
+    num_threads, num_calls = 4, 20_000
+    ones = [torch.tensor([1 + i]) for i in range(64)]
+
+    def hammer(rid: str) -> None:
+        extend = ledger.pending.extend
+        for i in range(num_calls):
+            extend((ALLOC, allocator, rid, i, "alloc", ones[i % 64], None))
+
+    threads = [threading.Thread(target=hammer, args=(f"t{n}",)) for n in range(num_threads)]
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            ledger.fold_later(0, True)
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(was)
+    blocks: list[tuple[object, ...]] = []
+    ledger.drain(0, blocks.append)
+    got = _folded_calls(blocks)
+    assert len(got) == num_threads * num_calls
+    for n in range(num_threads):
+        assert [(step, pages) for _, rid, step, pages in got if rid == f"t{n}"] == [
+            (i, [1 + i % 64]) for i in range(num_calls)
+        ]
+
+
+def test_a_failed_background_fold_is_raised_on_the_callers_thread_at_its_next_hand_over() -> None:
+    """The worker never raises: a fold's error waits for the engine thread's next hand_over (the
+    probe's step), which raises it where the probe's guard stops recording."""
+    ledger = PageLedger()
+    queue(ledger, [(ALLOC, SimpleNamespace(page_size=PAGE_SIZE), "req-A", 1, "alloc", "not a tensor", None)])
+    ledger.fold_later(1, True)
+    _wait_for(lambda: ledger.failure is not None)
+    assert ledger.worker is not None and ledger.worker.is_alive()
+    with pytest.raises(AttributeError):
+        ledger.hand_over(None)
+    ledger.hand_over(None)  # NOTE: raised once
+    assert not ledger.batches
+
+
+def test_a_ledgers_fold_worker_ends_once_the_ledger_is_gone() -> None:
+    """The worker holds its ledger weakly: a ledger dropped (a test's, a probe made again) takes its
+    thread with it instead of leaving one waiting for ever."""
+    ledger = PageLedger()
+    queue(ledger, [(ALLOC, SimpleNamespace(page_size=PAGE_SIZE), "req-A", 1, "alloc", slots_of(3), None)])
+    ledger.fold_later(1, True)
+    blocks = ledger.blocks
+    _wait_for(lambda: len(blocks) == 1)
+    worker = ledger.worker
+    assert worker is not None and worker.is_alive()
+    del ledger
+    gc.collect()
+    worker.join(timeout=20)
+    assert not worker.is_alive()
+
+
+class _Gated:
+    """A paged allocator whose page size is read only once the test opens the gate: a fold of its
+    calls on the worker stays in flight until then."""
+
+    def __init__(self) -> None:
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    @property
+    def page_size(self) -> int:
+        self.entered.set()
+        self.gate.wait(20)
+        return PAGE_SIZE
+
+
+def test_a_drain_waits_for_the_workers_fold_in_flight_and_folds_after_it() -> None:
+    """A census's drain while the worker is still folding an earlier batch waits for that fold, then
+    folds what was queued since: the later call wins in the ledger and the events stay in call order."""
+    ledger, gated, plain = PageLedger(), _Gated(), SimpleNamespace(page_size=PAGE_SIZE)
+    queue(ledger, [(ALLOC, gated, "req-A", 1, "alloc", slots_of(3), None)])
+    ledger.fold_later(1, True)
+    assert gated.entered.wait(20)
+    queue(ledger, [(ALLOC, plain, "req-B", 2, "alloc", slots_of(3), None)])
+    blocks: list[tuple[object, ...]] = []
+    census = threading.Thread(target=ledger.drain, args=(2, blocks.append))
+    census.start()
+    census.join(timeout=0.5)
+    waited = census.is_alive()
+    gated.gate.set()
+    census.join(timeout=20)
+    assert waited and not census.is_alive()
+    assert [(rid, step) for _, rid, step, _ in _folded_calls(blocks)] == [("req-A", 1), ("req-B", 2)]
+    assert ledger.takers["full"][3] == ("req-B", 2, "alloc")
