@@ -536,6 +536,46 @@ def python_values(packed: PackedEvents, run_id: int, name: str, values: np.ndarr
     return list(values.tolist())
 
 
+def chunk_columns(
+    packed: PackedEvents, run_id: int, chunk: Any, names: Sequence[str], after_seq: int
+) -> dict[str, np.ndarray]:
+    """The events of one chunk (a row of `chunks`) after `after_seq` as arrays: `seq`, the string
+    columns as objects (None for NULL), node_id with NULL_INT, and for `slots` the events'
+    `slot_counts` (NO_SLOTS: none) with all their `slots` end to end as int64."""
+    skip = max(0, after_seq - int(chunk.first_seq) + 1)
+    n = int(chunk.num_events)
+    out: dict[str, np.ndarray] = {"seq": np.arange(int(chunk.first_seq) + skip, int(chunk.first_seq) + n)}
+    packed.prefetch(run_id, [int(chunk.chunk)], _stored(names))
+    for name in names:
+        if name == "slots":
+            counts = widen_array("slot_counts", packed.event_values(run_id, chunk, "slot_counts"))
+            slots = widen_array("slots", packed.event_values(run_id, chunk, "slots")).astype(np.int64)
+            out["slot_counts"] = counts[skip:]
+            out["slots"] = slots[int(np.maximum(counts[:skip], 0).sum()) :]
+        elif name in STRING_COLUMNS:
+            out[name] = packed.strings(run_id, packed.event_values(run_id, chunk, name)[skip:])
+        elif name != "seq":
+            out[name] = widen_array(name, packed.event_values(run_id, chunk, name)[skip:])
+    return out
+
+
+def row_columns(rows: Sequence[Sequence[Any]], names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Rows of `names` (a run of the row layout, slots as blobs) as chunk_columns arrays."""
+    out: dict[str, np.ndarray] = {}
+    for i, name in enumerate(names):
+        values = [row[i] for row in rows]
+        if name == "slots":
+            out["slot_counts"] = np.asarray([NO_SLOTS if v is None else len(v) // 4 for v in values], np.int64)
+            out["slots"] = np.frombuffer(b"".join(v for v in values if v), "<i4").astype(np.int64)
+        elif name in STRING_COLUMNS:
+            out[name] = np.asarray(values, dtype=object)
+        elif name == "node_id":
+            out[name] = np.asarray([NULL_INT if v is None else v for v in values], np.int64)
+        else:
+            out[name] = np.asarray(values, np.float64 if name == "t_mono" else np.int64)
+    return out
+
+
 def _chunk_frame(
     packed: PackedEvents, run_id: int, row: Any, names: list[str], where: EventFilter, codes: _Codes
 ) -> dict[str, np.ndarray]:
