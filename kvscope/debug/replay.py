@@ -4,7 +4,9 @@ capture grows (the dashboard's Leaks page on a live run replays only what is new
 NOTE: retention. A run whose oldest events were dropped (telemetry/retention.py) is replayed from
 its ledger checkpoint (ledger_state.py) when that covers every dropped event, and then reaches the
 state a replay from the first event would; otherwise the replay stops with EventsDropped (the
-ledger would start from nothing and misread every slot taken before: no verdict may come of it).
+ledger would start from nothing and misread every slot taken before: no verdict may come of it). A
+read that fails while the writer drops the chunks it was reading is tried again, from the checkpoint
+(or it stops with EventsDropped); one that fails with nothing dropped ahead is a damaged capture.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import numpy as np
 
 from kvscope.debug import ledger_state
 from kvscope.debug.ledger import APPLY_COLUMNS, Ledger
-from kvscope.telemetry import Capture, EventKind
+from kvscope.telemetry import Capture, CaptureError, EventKind
 from kvscope.telemetry.packed import NO_SLOTS, NULL_INT
 
 StepHook = Callable[[int, Ledger], None]  # called when the replay moves past a step
 ProgressHook = Callable[[int], None]  # events applied so far
 KIND_OF = {kind.value: kind for kind in EventKind}  # a stored kind back to its EventKind
 SEQ_AT = APPLY_COLUMNS.index("seq")
+READ_TRIES = 3  # NOTE: a read that retention's drops cut short is tried again from where it stopped
 FREE = EventKind.FREE.value
 MOVES = [EventKind.ALLOC.value, FREE]  # NOTE: the stored kinds a replay applies in runs (_apply_columns)
 
@@ -57,17 +60,29 @@ class Replay:
     ) -> int:
         """Apply the events after the last one applied; `on_step_end` sees every step completed
         on the way. Returns the number of events applied."""
-        self._resume(capture)
         done = 0
-        for columns in capture.event_column_stream(self.run_id, APPLY_COLUMNS, after_seq=self.ledger.last_seq):
-            seqs = columns["seq"]
-            if len(seqs) and seqs[0] != self.ledger.last_seq + 1:  # NOTE: dropped while being read
-                raise EventsDropped(int(columns["step"][0]), int(seqs[0]))
-            self._apply_columns(columns, on_step_end)
-            done += len(seqs)
-            if on_progress is not None:
-                on_progress(done)
+        for attempt in range(READ_TRIES):
+            self._resume(capture)
+            try:
+                for columns in capture.event_column_stream(self.run_id, APPLY_COLUMNS, after_seq=self.ledger.last_seq):
+                    seqs = columns["seq"]
+                    if len(seqs) and seqs[0] != self.ledger.last_seq + 1:  # NOTE: dropped while being read
+                        raise EventsDropped(int(columns["step"][0]), int(seqs[0]))
+                    self._apply_columns(columns, on_step_end)
+                    done += len(seqs)
+                    if on_progress is not None:
+                        on_progress(done)
+                return done
+            except CaptureError:
+                if attempt + 1 == READ_TRIES or not self._dropped_ahead(capture):
+                    raise
         return done
+
+    def _dropped_ahead(self, capture: Capture) -> bool:
+        """Retention dropped events this replay has still to apply: a read that failed meanwhile may
+        have read a chunk as it went (its columns gone, its row listed), not a damaged capture."""
+        kept = capture.run_retention(self.run_id)
+        return kept is not None and int(kept.first_seq) > self.ledger.last_seq + 1
 
     def _apply_columns(self, columns: dict[str, np.ndarray], on_step_end: StepHook | None) -> None:
         """NOTE: a run of one step's allocs and frees in one pool (not swa) is applied at once
