@@ -140,6 +140,14 @@ class Sink(Protocol):
     def scalar(self, statement: Any, row: tuple[Any, ...]) -> Any: ...
 
 
+class Strings(Protocol):
+    """The writer's string dictionary (packed.StringCodes): which codes the dropped chunks alone used."""
+
+    def unused_through(self, chunk: int) -> Any: ...
+
+    def forget(self, codes: Any) -> None: ...
+
+
 class ChunkMark(NamedTuple):
     """What the pass remembers of a chunk its writer wrote."""
 
@@ -159,8 +167,9 @@ class RetentionPass:
     """The writer's side: the chunks of its run still kept, and the drops. `statements` are the
     sink's statements (writer.RetentionStatements)."""
 
-    def __init__(self, run_id: int, retention: Retention, statements: Any) -> None:
+    def __init__(self, run_id: int, retention: Retention, statements: Any, strings: Strings | None = None) -> None:
         self.run_id = run_id
+        self.strings = strings
         self.retention = retention
         self.statements = statements
         self.kept: deque[ChunkMark] = deque()
@@ -264,8 +273,11 @@ class RetentionPass:
         last, first_kept = gone[-1], self.kept[count]
         num_bytes = sum(m.num_bytes for m in gone)
         s = self.statements
+        unused = [] if self.strings is None else self.strings.unused_through(last.number).tolist()
+        strings = [(s.delete_strings, [(self.run_id, code) for code in unused])] if unused else []
         sink.write(
             [
+                *strings,
                 (s.delete_columns, [(self.run_id, last.number)]),
                 (s.delete_chunks, [(self.run_id, last.number)]),
                 (s.delete_snapshots, [(self.run_id, first_kept.first_step)]),
@@ -285,6 +297,8 @@ class RetentionPass:
                 ),
             ]
         )
+        if self.strings is not None and unused:
+            self.strings.forget(unused)
         for _ in range(count):
             self.kept.popleft()
         self.kept_bytes -= num_bytes
