@@ -157,7 +157,12 @@ def figures(rounds: list[Round], bound_mib: float) -> list[Figure]:
             f"checkpointer beside the gated writer (a checkpoint every {CHECKPOINT_EVERY_S:g} s): CPU s, and the "
             "events its last stored checkpoint covers, per round",
             f"{cpu} s CPU; covered {covered} events"
-            + (f"; {statistics.median(per_event):.2f} µs CPU per event covered" if per_event else ""),
+            + (
+                f"; {statistics.median(per_event):.2f} µs CPU per event covered "
+                f"({fmt_rate(1e6 / statistics.median(per_event))} events folded per CPU second)"
+                if per_event
+                else ""
+            ),
         )
     )
     return rows

@@ -10,8 +10,9 @@ NOTE: a chunk
                    COLUMN_DTYPES; t_mono is always float64); a read of some columns reads only
                    their rows
     event_strings  the run's string dictionary: every kind, pool, rid, reason and principal
-                   is an int32 code (NO_CODE: NULL), defined once per run, in the transaction of
-                   the first chunk that uses it
+                   is an int32 code (NO_CODE: NULL), defined in the transaction of the first
+                   chunk that uses it (again, after retention dropped it with the chunks that
+                   used it: StringCodes)
     slots          every event's slots, concatenated; `slot_counts` says how many belong to each
                    event (NO_SLOTS: NULL, as an event recorded without slots)
     node_id        NULL is NULL_INT (no recorded node id is that negative); stored narrower, NULL

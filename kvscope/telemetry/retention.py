@@ -13,8 +13,9 @@ NOTE: who drops what, when
     and the events after those are gone (a census's snapshot stays, as every leak check does). The
     usage series is downsampled past the same step: one row in USAGE_EVERY_STEPS steps stays, and
     the row at each leak check (its counters are cumulative, so rates over the rows left hold).
-    It never drops the run's newest chunk (a run with events keeps at least one chunk, and so its
-    string dictionary, which is never dropped: later chunks use its codes).
+    The strings that only the dropped chunks used go in the same transaction (packed.StringCodes
+    knows each code's last chunk; a code used again later is written again). It never drops the
+    run's newest chunk (a run with events keeps at least one chunk).
 NOTE: the size a bound counts
     A SQLite file: the database's pages in use, (page_count - freelist_count) * page_size, over
     every table and run in the file. A freed page is reused by the next writes, so the file's
