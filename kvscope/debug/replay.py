@@ -88,15 +88,11 @@ class Replay:
         """NOTE: a run of one step's allocs and frees in one pool (not swa) is applied at once
         (Ledger.apply_takes_and_frees); every other event alone, in order."""
         ledger, kind_of = self.ledger, KIND_OF
-        kinds, pools, steps = columns["kind"], columns["pool"], columns["step"]
-        counts = columns["slot_counts"]
+        kinds, steps, counts = columns["kind"], columns["step"], columns["slot_counts"]
+        if not len(kinds):
+            return
+        pools, moves, starts, ends = _runs(kinds, columns["pool"], steps)
         slot_ends = np.cumsum(np.maximum(counts, 0))
-        pools = np.where(pools == None, "full", pools)  # noqa: E711 (elementwise)
-        moves = np.isin(kinds, MOVES) & (pools != "swa")
-        starts = np.flatnonzero(
-            np.concatenate([[True], (steps[1:] != steps[:-1]) | (pools[1:] != pools[:-1]) | ~moves[1:] | ~moves[:-1]])
-        )
-        ends = np.append(starts[1:], len(kinds))
         seqs, rids, slots = columns["seq"], columns["rid"], columns["slots"]
         step_of, seq_of, node_of = steps.tolist(), seqs.tolist(), columns["node_id"].tolist()
         tokens_of, aux_of, reasons = columns["num_tokens"].tolist(), columns["aux"].tolist(), columns["reason"]
@@ -148,6 +144,16 @@ class Replay:
         self.current = extra.get("current")
         self.onset_before = extra.get("onset")
         self.resumed_from = self.ledger.last_seq
+
+
+def _runs(kinds: np.ndarray, pools: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The pools (NULL read as full), which events are allocs or frees outside swa, and where the
+    runs of those (one step, one pool) and the other events (one each) start and end."""
+    pools = np.where(pools == None, "full", pools)  # noqa: E711 (elementwise)
+    moves = np.isin(kinds, MOVES) & (pools != "swa")
+    apart = (steps[1:] != steps[:-1]) | (pools[1:] != pools[:-1]) | ~moves[1:] | ~moves[:-1]
+    starts = np.flatnonzero(np.concatenate([[True], apart]))
+    return pools, moves, starts, np.append(starts[1:], len(kinds))
 
 
 def replay(
