@@ -13,6 +13,8 @@ SQLite file in its own temporary directory; events/s = N / (first record -> clos
                  kvscope.debug.checkpoint`, every CHECKPOINT_EVERY_S), as serve and run start it: drops
                  wait for its checkpoints; its CPU seconds (/proc/PID/stat, read before it is stopped)
                  per event it replayed are its cost
+After each unbounded round, a checkpointer round over that whole capture in this process (CPU time):
+the events its replay folds per CPU second, the rate it must beat to keep up with a writer.
 The events are a consistent slot life, so the ledger replays them as it does an engine's: each step
 allocates ALLOCS_PER_STEP blocks of SLOTS_PER_BLOCK slots for as many requests and frees those
 allocated HOLD_STEPS steps before, its request ids recurring (each new id is a string the run keeps
@@ -39,7 +41,10 @@ from _results import Figure, this_run, write_figures
 from bench_recorder import fmt_rate
 
 from kvscope.app.checkpointer import start_checkpointer, stop_checkpointer
-from kvscope.telemetry import EventKind, PoolName, Retention
+from kvscope.debug.checkpoint import Followed
+from kvscope.debug.replay import Replay
+from kvscope.debug.report import ReportState
+from kvscope.telemetry import Capture, EventKind, PoolName, Retention, open_writer
 from kvscope.telemetry.recorder import SQLRecorder
 
 DEFAULT_NUM_EVENTS = 1_000_000
@@ -65,6 +70,7 @@ class Round(NamedTuple):
     dropped_chunks: int
     checkpointer_cpu_s: float = 0.0
     replayed_events: int = 0
+    fold_events_per_cpu_s: float = 0.0  # NOTE: unbounded: one checkpointer round over the whole capture
 
 
 def cpu_s_of(pid: int) -> float:
@@ -115,9 +121,25 @@ def one_round(case: str, num_events: int, bound_bytes: int) -> Round:
         stop_checkpointer(checkpointer)
         dropped, replayed = read_back(path)
         file_bytes = path.stat().st_size
+        fold_rate = fold_events_per_cpu_s(path, recorder.run_id) if case == "unbounded" else 0.0
     if case != "unbounded" and (dropped == 0 or file_bytes > bound_bytes):
         raise SystemExit(f"{case}: {dropped} chunks dropped, file {file_bytes:,} bytes against {bound_bytes:,}")
-    return Round(case, recorded / elapsed_s, file_bytes, dropped, cpu_s, replayed)
+    return Round(case, recorded / elapsed_s, file_bytes, dropped, cpu_s, replayed, fold_rate)
+
+
+def fold_events_per_cpu_s(path: Path, run_id: int) -> float:
+    """A checkpointer's first round over the whole closed capture, in this process: events its
+    replay folds (and stores) per CPU second."""
+    followed = Followed(ReportState(Replay(run_id)))
+    capture, engine = Capture(path), open_writer(path)
+    try:
+        start_s = time.process_time()
+        followed.round(capture, engine)
+        cpu_s = time.process_time() - start_s
+    finally:
+        capture.close()
+        engine.dispose()
+    return (followed.saved_seq + 1) / cpu_s
 
 
 def read_back(path: Path) -> tuple[int, int]:
@@ -150,6 +172,14 @@ def figures(rounds: list[Round], bound_mib: float) -> list[Figure]:
             f"{median['gated'] / median['unbounded']:.2f}x of no bound",
         ),
     ]
+    folds = [r.fold_events_per_cpu_s for r in rounds if r.case == "unbounded"]
+    rows.append(
+        Figure(
+            "checkpointer's replay (ledger fold and stored checkpoints) of a whole unbounded capture, one round "
+            "in-process: events folded per CPU second",
+            f"{fmt_rate(statistics.median(folds))} ({', '.join(fmt_rate(v) for v in folds)})",
+        )
+    )
     cpu = ", ".join(f"{r.checkpointer_cpu_s:.2f}" for r in gated)
     covered = ", ".join(f"{r.replayed_events:,}" for r in gated)
     rows.append(
@@ -157,7 +187,12 @@ def figures(rounds: list[Round], bound_mib: float) -> list[Figure]:
             f"checkpointer beside the gated writer (a checkpoint every {CHECKPOINT_EVERY_S:g} s): CPU s, and the "
             "events its last stored checkpoint covers, per round",
             f"{cpu} s CPU; covered {covered} events"
-            + (f"; {statistics.median(per_event):.2f} µs CPU per event covered" if per_event else ""),
+            + (
+                f"; {statistics.median(per_event):.2f} µs CPU per event covered "
+                f"({fmt_rate(1e6 / statistics.median(per_event))} events folded per CPU second)"
+                if per_event
+                else ""
+            ),
         )
     )
     return rows
@@ -184,7 +219,12 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"round {number + 1} {case:<9} {fmt_rate(done.events_per_s):>8} events/s, file "
                 f"{done.file_bytes / 2**20:.1f} MiB, {done.dropped_chunks} chunks dropped, checkpointer "
-                f"{done.checkpointer_cpu_s:.2f} s CPU over {done.replayed_events:,} events",
+                f"{done.checkpointer_cpu_s:.2f} s CPU over {done.replayed_events:,} events"
+                + (
+                    f"; a replay folds {fmt_rate(done.fold_events_per_cpu_s)}/CPU s"
+                    if done.fold_events_per_cpu_s
+                    else ""
+                ),
                 flush=True,
             )
     rows = figures(rounds, args.bound_mib)

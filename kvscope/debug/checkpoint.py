@@ -38,6 +38,7 @@ from kvscope.telemetry.queries import pid_alive
 from kvscope.telemetry.store import file_of
 
 EVERY_S = 2.0
+SAVE_EVERY_S = 1.0  # NOTE: within a long round (a first replay catching up), a checkpoint this often
 START_SHARE = 0.25
 
 
@@ -51,14 +52,26 @@ class Followed:
     note: str | None = None
 
     def round(self, capture: Capture, engine: Engine) -> None:
-        """Replay what is new; store the state when it moved."""
-        replay = self.state.replay
+        """Replay what is new; store the state when it moved, and on the way every SAVE_EVERY_S
+        (a first replay that catches up with a long run lets the writer drop as it goes)."""
+        replay, saved_s = self.state.replay, time.monotonic()
+
+        def save_on_the_way(_done: int) -> None:
+            nonlocal saved_s
+            if time.monotonic() - saved_s >= SAVE_EVERY_S:
+                self._save(engine)
+                saved_s = time.monotonic()
+
         try:
-            replay.advance(capture, self.state.after_step)
+            replay.advance(capture, self.state.after_step, on_progress=save_on_the_way)
         except EventsDropped as dropped:
             self.done, self.note = True, f"run {replay.run_id}: {dropped}"
             return
+        self._save(engine)
+
+    def _save(self, engine: Engine) -> None:
         self._compress()
+        replay = self.state.replay
         ledger = replay.ledger
         if ledger.last_seq > self.saved_seq:
             extra = {"current": replay.current, "onset": _bisect_onset(self.state.series)}

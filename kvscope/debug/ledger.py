@@ -218,6 +218,50 @@ class Ledger:
                 np.empty(0, dtype=np.int64) if slots is None else np.asarray(slots, dtype=np.int64),
             )
 
+    def apply_takes_and_frees(
+        self,
+        step: int,
+        pool: str,
+        seqs: np.ndarray,
+        frees: np.ndarray,
+        rids: list[str | None],
+        counts: np.ndarray,
+        slots: np.ndarray,
+    ) -> None:
+        """Consecutive alloc (`frees[i]` False) and free events of one step in one pool, not swa (its
+        frees unpair SWA peers, its allocs pair them): the same ledger as apply() on each in turn, in
+        a few array operations (a replay's bulk). Event i has `counts[i]` of `slots` (NO_SLOTS, -1:
+        none)."""
+        if not len(seqs):
+            return
+        table, counts = self.pools[pool], np.maximum(counts, 0)
+        index = self.rid_index
+        refs = np.fromiter(
+            (-1 if r is None else index[r] if r in index else self.request_index(r) for r in rids), np.int64, len(rids)
+        )
+        if not table.take_and_free(step, seqs, refs, frees, counts, slots):
+            ends = np.cumsum(counts)
+            for i, (seq, free) in enumerate(zip(seqs.tolist(), frees.tolist(), strict=True)):
+                kind = EventKind.FREE if free else EventKind.ALLOC
+                self.apply(kind, step, seq, pool, rids[i], None, 0, 0, slots[ends[i] - counts[i] : ends[i]])
+            return
+        self.last_seq = int(seqs[-1])
+        self._pend_after(pool, frees, rids, counts, slots)
+
+    def _pend_after(
+        self, pool: str, frees: np.ndarray, rids: list[str | None], counts: np.ndarray, slots: np.ndarray
+    ) -> None:
+        """_pending_full as apply() one event at a time leaves it: a free clears it, a full alloc joins it."""
+        freed_at = np.flatnonzero(frees)
+        start = int(freed_at[-1]) + 1 if len(freed_at) else 0
+        if start:
+            self._pending_full.clear()
+        if pool != "full" or start == len(rids):
+            return
+        ends = np.cumsum(counts)
+        for i in range(start, len(rids)):
+            self._pending_full.append((rids[i], slots[ends[i] - counts[i] : ends[i]]))
+
     def _on_alloc(
         self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int, slots: np.ndarray
     ) -> None:

@@ -7,11 +7,12 @@ the first step at which the ledger's invariant series breaks, found by bisection
 `summary` capture has no slot indices: the report says so and works from the leak checks
 and the requests table (onset, suspect requests).
 
-NOTE: a replay costs ~7 µs per event, too slow to redo on every dashboard view of a
-million-event capture (or for `check` on a 100-million-event one: most of an hour). `kvscope run`
-therefore stores the report in the capture when the run closes (`save_report`); `stored_report`
-returns it only while it still describes the run (the run is no longer running, the report covers
-its last event, its last step and the same leak checks, and this version built it).
+NOTE: a replay costs ~7 µs per event (~3 µs where a step's allocs and frees come in runs), too slow
+to redo on every dashboard view of a million-event capture (or for `check` on a 100-million-event
+one: most of an hour). `kvscope run` therefore stores the report in the capture when the run closes
+(`save_report`); `stored_report` returns it only while it still describes the run (the run is no
+longer running, the report covers its last event, its last step and the same leak checks, and this
+version built it).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ OWNER_KINDS = (REQUEST, TREE, HOST_COPY)
 # NOTE: a node owns its device slots (TREE) and its host copy (HOST_COPY, hiradix) apart: either
 # may leave the tree while the other stays, so each kind has its own set of live references
 SMALL_MOVE = 16  # slots counted one by one below this; np.unique above
+TO_FREE = -2  # NOTE: move_many's new owner of a slot a run of events left free (a request's ref is >= -1)
 
 
 def distinct(slots: np.ndarray) -> np.ndarray:
@@ -61,6 +62,23 @@ class Owners:
         if kind != FREE and len(old_kind):
             self.held[kind][ref] += len(old_kind)
             self.touched.add((kind, ref))
+
+    def move_many(self, old_kind: np.ndarray, old_ref: np.ndarray, new_ref: np.ndarray, takers: np.ndarray) -> None:
+        """Distinct slots went from (old_kind, old_ref) to a request (new_ref; -2: free) through a run
+        of allocs and frees; `takers`: the requests that took slots on the way (they are touched,
+        as `move` one event at a time would touch them, even when they gave the slots up again)."""
+        for k, table in self.held.items():
+            refs = old_ref[old_kind == k]
+            if len(refs):
+                values, counts = np.unique(refs, return_counts=True)
+                for r, c in zip(values.tolist(), counts.tolist(), strict=True):
+                    table[r] -= c
+                    self.touched.add((k, r))
+        values, counts = np.unique(new_ref[new_ref != TO_FREE], return_counts=True)
+        held = self.held[REQUEST]
+        for r, c in zip(values.tolist(), counts.tolist(), strict=True):
+            held[r] += c
+        self.touched.update((REQUEST, r) for r in set(takers.tolist()))
 
     def orphaned_owners(self, alive: dict[int, Container[int]]) -> set[tuple[int, int]]:
         """`alive`: per owner kind, the live references. Only a touched owner can have changed:
@@ -121,6 +139,46 @@ class PoolLedger:
         self.assign(slots, FREE, -1, step, seq)
         self.freed_by[slots], self.freed_step[slots], self.freed_seq[slots] = by, step, seq
         return already
+
+    def take_and_free(
+        self, step: int, seqs: np.ndarray, refs: np.ndarray, frees: np.ndarray, counts: np.ndarray, slots: np.ndarray
+    ) -> bool:
+        """The events of one step, in order, that each move their slots (`counts[i]` of `slots`) to
+        request `refs[i]` (an alloc) or free them (`frees[i]`, by request `refs[i]`): what `assign`
+        and `free` would do one event at a time, in a few array operations. Returns False, and
+        changes nothing, where one at a time must decide: a slot twice in one event, or a double free.
+
+        NOTE: sorted by (slot, event), each slot's occurrences are in event order: the state a slot
+        has before an occurrence is the previous occurrence's (free or taken), or for its first the
+        table's; its last occurrence is its state after the run."""
+        if not len(slots):
+            return True
+        events = np.repeat(np.arange(len(seqs)), counts)
+        order = np.lexsort((events, slots))
+        s, e = slots[order], events[order]
+        same = s[1:] == s[:-1]  # NOTE: s[i + 1] is the slot s[i] was
+        if (same & (e[1:] == e[:-1])).any():
+            return False
+        self._fit(s[-1:])
+        freeing = frees[e]
+        was_free = self.kind[s] == FREE
+        was_free[1:][same] = freeing[:-1][same]
+        if (was_free & freeing).any():
+            return False
+        last = np.append(~same, True)
+        first = np.insert(~same, 0, True)
+        ends, by = s[last], e[last]
+        new_ref = np.where(frees[by], TO_FREE, refs[by])
+        takers = refs[~frees & (counts > 0)]
+        self.owners.move_many(self.kind[s[first]], self.ref[s[first]], new_ref, takers)
+        self.kind[ends] = np.where(frees[by], FREE, REQUEST)
+        self.ref[ends] = np.where(frees[by], -1, refs[by])
+        self.step[ends], self.seq[ends] = step, seqs[by]
+        freed, freer = s[freeing], e[freeing]
+        final = np.append(freed[1:] != freed[:-1], True)[: len(freed)]
+        freed, freer = freed[final], freer[final]
+        self.freed_by[freed], self.freed_step[freed], self.freed_seq[freed] = refs[freer], step, seqs[freer]
+        return True
 
     def rename(self, slots: np.ndarray, kind: int, ref: int) -> None:
         """Slots of owner kind `kind` (TREE or HOST_COPY) move to node `ref` (a split), keeping

@@ -116,10 +116,14 @@ class _Codes(NamedTuple):
 
 class _Dictionary:
     """A run's strings: `lookup[code + 1]` is the text of a code (slot 0: NO_CODE, None), and
-    `inverse` the code of a text. Codes are dense from 0, so new ones extend both."""
+    `inverse` the code of a text; `defined[code + 1]` says a code's row was read. NOTE: retention
+    deletes the strings of the chunks it drops (packed.StringCodes), so the codes read may skip
+    some (from the first too); a chunk kept uses none of those, and a code used again is written
+    again under the same number."""
 
     def __init__(self) -> None:
         self.lookup = np.full(1, None, dtype=object)
+        self.defined = np.ones(1, bool)
         self.inverse: dict[str, int] = {}
 
     @property
@@ -129,13 +133,22 @@ class _Dictionary:
     def extend(self, rows: Sequence[Any]) -> None:
         if not rows:
             return
+        codes = np.asarray([int(code) for code, _text in rows], np.int64)
         texts = [str(text) for _code, text in rows]
-        if int(rows[0][0]) != self.size or int(rows[-1][0]) != self.size + len(rows) - 1:
-            raise CaptureError(
-                f"damaged capture (the run's string codes skip from {self.size - 1} to {int(rows[0][0])})"
-            )
-        self.inverse.update((text, self.size + i) for i, text in enumerate(texts))
-        self.lookup = np.concatenate([self.lookup, np.asarray(texts, dtype=object)])
+        if int(codes.min()) < 0:
+            raise CaptureError(f"damaged capture (the run's string code {int(codes.min())} is out of range)")
+        top = int(codes.max())
+        if top >= self.size:
+            grown = top + 2 - len(self.lookup)
+            self.lookup = np.concatenate([self.lookup, np.full(grown, None, dtype=object)])
+            self.defined = np.concatenate([self.defined, np.zeros(grown, bool)])
+        self.lookup[codes + 1] = np.asarray(texts, dtype=object)
+        self.defined[codes + 1] = True
+        self.inverse.update(zip(texts, codes.tolist(), strict=True))
+
+    def undefined(self, codes: np.ndarray) -> np.ndarray:
+        """The distinct codes among `codes` (NO_CODE and up, each below `size`) not read yet."""
+        return np.unique(codes[~self.defined[codes.astype(np.int64) + 1]])
 
 
 class PackedEvents:
@@ -385,7 +398,17 @@ class PackedEvents:
             found = self._dictionary(run_id, refresh=True)
             if top >= found.size:
                 raise self.damaged(run_id, f"no string for code {top}")
+        missing = found.undefined(codes)
+        if len(missing):  # NOTE: written again after this dictionary was read (retention), or missing
+            found.extend(self._rows_of(run_id, missing.tolist()))
+            if len(found.undefined(missing)):
+                raise self.damaged(run_id, f"no string for code {int(found.undefined(missing)[0])}")
         return found.lookup[codes.astype(np.int64) + 1]
+
+    def _rows_of(self, run_id: int, codes: list[int]) -> list[Any]:
+        s = schema.event_strings.c
+        with self.engine.connect() as conn:
+            return list(conn.execute(select(s.code, s.text).where(s.run_id == run_id, s.code.in_(codes))).fetchall())
 
     def codes_of(self, run_id: int, texts: Sequence[str]) -> list[int]:
         """The codes of `texts` in the run's dictionary (a text the run never used has none)."""
@@ -399,9 +422,7 @@ class PackedEvents:
     def _few_strings(self, run_id: int, present: np.ndarray, top: int) -> np.ndarray:
         """A lookup (index code + 1) holding the texts of the `present` codes only."""
         wanted = [int(c) for c in present.tolist() if c != NO_CODE]
-        s = schema.event_strings.c
-        with self.engine.connect() as conn:
-            known = dict(conn.execute(select(s.code, s.text).where(s.run_id == run_id, s.code.in_(wanted))).fetchall())
+        known = dict(self._rows_of(run_id, wanted))
         lookup = np.full(top + 2, None, dtype=object)
         for code in wanted:
             if code not in known:
@@ -583,6 +604,46 @@ def python_values(packed: PackedEvents, run_id: int, name: str, values: np.ndarr
     if name == "node_id":
         return [None if v == NULL_INT else v for v in values.tolist()]
     return list(values.tolist())
+
+
+def chunk_columns(
+    packed: PackedEvents, run_id: int, chunk: Any, names: Sequence[str], after_seq: int
+) -> dict[str, np.ndarray]:
+    """The events of one chunk (a row of `chunks`) after `after_seq` as arrays: `seq`, the string
+    columns as objects (None for NULL), node_id with NULL_INT, and for `slots` the events'
+    `slot_counts` (NO_SLOTS: none) with all their `slots` end to end as int64."""
+    skip = max(0, after_seq - int(chunk.first_seq) + 1)
+    n = int(chunk.num_events)
+    out: dict[str, np.ndarray] = {"seq": np.arange(int(chunk.first_seq) + skip, int(chunk.first_seq) + n)}
+    packed.prefetch(run_id, [int(chunk.chunk)], _stored(names))
+    for name in names:
+        if name == "slots":
+            counts = widen_array("slot_counts", packed.event_values(run_id, chunk, "slot_counts"))
+            slots = widen_array("slots", packed.event_values(run_id, chunk, "slots")).astype(np.int64)
+            out["slot_counts"] = counts[skip:]
+            out["slots"] = slots[int(np.maximum(counts[:skip], 0).sum()) :]
+        elif name in STRING_COLUMNS:
+            out[name] = packed.strings(run_id, packed.event_values(run_id, chunk, name)[skip:])
+        elif name != "seq":
+            out[name] = widen_array(name, packed.event_values(run_id, chunk, name)[skip:])
+    return out
+
+
+def row_columns(rows: Sequence[Sequence[Any]], names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Rows of `names` (a run of the row layout, slots as blobs) as chunk_columns arrays."""
+    out: dict[str, np.ndarray] = {}
+    for i, name in enumerate(names):
+        values = [row[i] for row in rows]
+        if name == "slots":
+            out["slot_counts"] = np.asarray([NO_SLOTS if v is None else len(v) // 4 for v in values], np.int64)
+            out["slots"] = np.frombuffer(b"".join(v for v in values if v), "<i4").astype(np.int64)
+        elif name in STRING_COLUMNS:
+            out[name] = np.asarray(values, dtype=object)
+        elif name == "node_id":
+            out[name] = np.asarray([NULL_INT if v is None else v for v in values], np.int64)
+        else:
+            out[name] = np.asarray(values, np.float64 if name == "t_mono" else np.int64)
+    return out
 
 
 def _chunk_frame(

@@ -10,8 +10,9 @@ NOTE: a chunk
                    COLUMN_DTYPES; t_mono is always float64); a read of some columns reads only
                    their rows
     event_strings  the run's string dictionary: every kind, pool, rid, reason and principal
-                   is an int32 code (NO_CODE: NULL), defined once per run, in the transaction of
-                   the first chunk that uses it
+                   is an int32 code (NO_CODE: NULL), defined in the transaction of the first
+                   chunk that uses it (again, after retention dropped it with the chunks that
+                   used it: StringCodes)
     slots          every event's slots, concatenated; `slot_counts` says how many belong to each
                    event (NO_SLOTS: NULL, as an event recorded without slots)
     node_id        NULL is NULL_INT (no recorded node id is that negative); stored narrower, NULL
@@ -62,6 +63,7 @@ STORED_COLUMNS = tuple(COLUMN_DTYPES)
 NO_CODE = -1
 NO_SLOTS = -1
 NULL_INT = np.iinfo(np.int64).min
+NOT_USED, FORGOTTEN = -1, -2  # NOTE: StringCodes.last_chunk of a code no chunk used yet, and of one whose row is gone
 
 
 BATCH: Any = ...  # NOTE: the node_id of a batch item (Ellipsis: a singleton marshal carries)
@@ -69,12 +71,19 @@ BATCH: Any = ...  # NOTE: the node_id of a batch item (Ellipsis: a singleton mar
 
 class StringCodes(dict[Any, int]):
     """The run's dictionary, string -> code; an unseen string gets the next code (and is kept
-    in `new` until the chunk that defines it is written)."""
+    in `new` until the chunk that defines it is written).
+
+    NOTE: retention drops strings with the chunks (telemetry/retention.py): `last_chunk[code]` is
+    the last chunk (in pack order) that used a code, and `unused_through(n)` the codes no chunk after
+    chunk n uses. Once their rows are deleted (`forgotten`), a code keeps its string here: a later
+    chunk that uses it again defines the same code again (`new`), so a code means one string for the
+    run's life."""
 
     def __init__(self) -> None:
         super().__init__({None: NO_CODE})
         self.texts: list[str] = []  # code -> string
         self.new: list[tuple[int, str]] = []
+        self.last_chunk = np.full(1024, NOT_USED, np.int64)
 
     def __missing__(self, key: Any) -> int:
         code = len(self.texts)
@@ -92,6 +101,29 @@ class StringCodes(dict[Any, int]):
         if not any(values) and values.count(None) == len(values):
             return np.full(len(values), NO_CODE, np.int32)
         return np.fromiter(map(self.__getitem__, values), np.int32, len(values))
+
+    def used_in(self, chunk: int, codes: np.ndarray) -> None:
+        """Chunk `chunk` holds `codes`: those forgotten are defined again with it."""
+        codes = codes[codes != NO_CODE]
+        if not len(codes):
+            return
+        if len(self.texts) > len(self.last_chunk):
+            grown = np.full(2 * len(self.texts), NOT_USED, np.int64)
+            grown[: len(self.last_chunk)] = self.last_chunk
+            self.last_chunk = grown
+        back = codes[self.last_chunk[codes] == FORGOTTEN]
+        if len(back):
+            self.new += [(code, self.texts[code]) for code in np.unique(back).tolist()]
+        self.last_chunk[codes] = chunk
+
+    def unused_through(self, chunk: int) -> np.ndarray:
+        """The codes whose rows are written and that no chunk after `chunk` uses."""
+        used = self.last_chunk[: len(self.texts)]
+        return np.flatnonzero((used >= 0) & (used <= chunk))
+
+    def forget(self, codes: Sequence[int]) -> None:
+        """Their rows were deleted (in the transaction that dropped their last chunk)."""
+        self.last_chunk[np.asarray(codes, np.int64)] = FORGOTTEN
 
 
 @dataclass
@@ -145,6 +177,7 @@ class Packer:
     def __init__(self) -> None:
         self.codes = StringCodes()
         self.next_seq = 0
+        self.num_chunks = 0  # NOTE: chunks packed so far: a chunk's number is its place in pack order
 
     def pack(self, items: list[Any], *, has_batches: bool = False, slot_dtype: str = SLOT_WIRE_DTYPE) -> Chunk:
         """`items`: flat, ITEM_WIDTH values per item (see the module's note); `has_batches`:
@@ -162,6 +195,9 @@ class Packer:
         for name, values in (("kind", kind), ("pool", pool), ("reason", reason), ("principal", principal)):
             columns[name] = _repeated(codes.encode(values), repeat)
         columns["rid"] = codes.encode(rid)
+        for name in STRING_COLUMNS:
+            codes.used_in(self.num_chunks, columns[name])
+        self.num_chunks += 1
         columns["step"] = _repeated(np.fromiter(step, np.int64, len(step)), repeat)
         columns["t_mono"] = _repeated(np.fromiter(t_mono, np.float64, len(t_mono)), repeat)
         columns["node_id"] = _node_ids(node_id)

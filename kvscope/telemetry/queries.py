@@ -26,10 +26,12 @@ from kvscope.telemetry.event_source import (
     EVENT_COLUMNS,
     EventFilter,
     PackedEvents,
+    chunk_columns,
     last_seq,
     packed_arrays,
     python_values,
     read_events,
+    row_columns,
 )
 from kvscope.telemetry.events import EventKind
 from kvscope.telemetry.retention import OverBound, over_bound
@@ -337,6 +339,17 @@ class Capture:
             rows = list(zip(*values, strict=True))
             for start in range(0, len(rows), batch_rows):
                 yield rows[start : start + batch_rows]
+
+    def event_column_stream(self, run_id: int, columns: Sequence[str], *, after_seq: int = -1) -> Iterator[dict]:
+        """The run's events after `after_seq` as event_source.chunk_columns arrays, a chunk at a time
+        (a run of the row layout: a batch of rows at a time): the ledger replay's bulk path."""
+        chunks = self.packed.chunks(run_id)
+        if chunks.empty:
+            for batch in self._row_stream(run_id, columns, after_seq, 20_000):
+                yield row_columns(batch, columns)
+            return
+        for chunk in chunks[chunks.first_seq + chunks.num_events - 1 > after_seq].itertuples(index=False):
+            yield chunk_columns(self.packed, run_id, chunk, columns, after_seq)
 
     def _row_stream(
         self, run_id: int, columns: Sequence[str], after_seq: int, batch_rows: int

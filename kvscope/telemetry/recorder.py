@@ -608,7 +608,7 @@ class SQLRecorder(Recorder):
 
 def _retention_statements(engine: Any) -> RetentionStatements:
     r, k, c, x = schema.event_retention, schema.event_columns, schema.event_chunks, schema.ledger_checkpoints
-    t, checks, u = schema.tree_snapshots, schema.leak_checks, schema.usage
+    t, checks, u, strings = schema.tree_snapshots, schema.leak_checks, schema.usage, schema.event_strings
     moved = ("first_seq", "first_step", "dropped_chunks", "dropped_bytes", "dropped_at")
     update_row = update(r).where(r.c.run_id == bindparam("run_id")).values({n: bindparam(n) for n in moved})
     return RetentionStatements(
@@ -646,6 +646,11 @@ def _retention_statements(engine: Any) -> RetentionStatements:
                 u.c.step.not_in(select(checks.c.step).where(checks.c.run_id == bindparam("run_id"))),
             ),
             ("run_id", "from_step", "first_step"),
+        ),
+        delete_strings=compiled_statement(
+            engine,
+            delete(strings).where(strings.c.run_id == bindparam("run_id"), strings.c.code == bindparam("code")),
+            ("run_id", "code"),
         ),
     )
 

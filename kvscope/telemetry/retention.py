@@ -13,8 +13,9 @@ NOTE: who drops what, when
     and the events after those are gone (a census's snapshot stays, as every leak check does). The
     usage series is downsampled past the same step: one row in USAGE_EVERY_STEPS steps stays, and
     the row at each leak check (its counters are cumulative, so rates over the rows left hold).
-    It never drops the run's newest chunk (a run with events keeps at least one chunk, and so its
-    string dictionary, which is never dropped: later chunks use its codes).
+    The strings that only the dropped chunks used go in the same transaction (packed.StringCodes
+    knows each code's last chunk; a code used again later is written again). It never drops the
+    run's newest chunk (a run with events keeps at least one chunk).
 NOTE: the size a bound counts
     A SQLite file: the database's pages in use, (page_count - freelist_count) * page_size, over
     every table and run in the file. A freed page is reused by the next writes, so the file's
@@ -140,6 +141,14 @@ class Sink(Protocol):
     def scalar(self, statement: Any, row: tuple[Any, ...]) -> Any: ...
 
 
+class Strings(Protocol):
+    """The writer's string dictionary (packed.StringCodes): which codes the dropped chunks alone used."""
+
+    def unused_through(self, chunk: int) -> Any: ...
+
+    def forget(self, codes: Any) -> None: ...
+
+
 class ChunkMark(NamedTuple):
     """What the pass remembers of a chunk its writer wrote."""
 
@@ -159,8 +168,9 @@ class RetentionPass:
     """The writer's side: the chunks of its run still kept, and the drops. `statements` are the
     sink's statements (writer.RetentionStatements)."""
 
-    def __init__(self, run_id: int, retention: Retention, statements: Any) -> None:
+    def __init__(self, run_id: int, retention: Retention, statements: Any, strings: Strings | None = None) -> None:
         self.run_id = run_id
+        self.strings = strings
         self.retention = retention
         self.statements = statements
         self.kept: deque[ChunkMark] = deque()
@@ -264,8 +274,11 @@ class RetentionPass:
         last, first_kept = gone[-1], self.kept[count]
         num_bytes = sum(m.num_bytes for m in gone)
         s = self.statements
+        unused = [] if self.strings is None else self.strings.unused_through(last.number).tolist()
+        strings = [(s.delete_strings, [(self.run_id, code) for code in unused])] if unused else []
         sink.write(
             [
+                *strings,
                 (s.delete_columns, [(self.run_id, last.number)]),
                 (s.delete_chunks, [(self.run_id, last.number)]),
                 (s.delete_snapshots, [(self.run_id, first_kept.first_step)]),
@@ -285,6 +298,8 @@ class RetentionPass:
                 ),
             ]
         )
+        if self.strings is not None and unused:
+            self.strings.forget(unused)
         for _ in range(count):
             self.kept.popleft()
         self.kept_bytes -= num_bytes

@@ -77,8 +77,8 @@ class RetentionStatements(NamedTuple):
     columns; update: first_seq, first_step, dropped_chunks, dropped_bytes, dropped_at, run_id), the
     deletes of its chunks up to a number (run_id, chunk), the read of its ledger checkpoint's
     through_seq (run_id), the delete of its tree snapshots before a step but at a leak check's
-    (run_id, first_step), and the thinning of its usage rows between two steps (run_id, from_step,
-    first_step)."""
+    (run_id, first_step), the thinning of its usage rows between two steps (run_id, from_step,
+    first_step), and the delete of one of its strings (run_id, code)."""
 
     insert: Statement
     update: Statement
@@ -87,6 +87,7 @@ class RetentionStatements(NamedTuple):
     checkpoint: Statement
     delete_snapshots: Statement
     thin_usage: Statement
+    delete_strings: Statement
 
 
 class WriterSettings(NamedTuple):
@@ -212,13 +213,12 @@ class Writer:
         self.failure: str | None = None  # NOTE: set once a write failed: recording stopped
         self.sink: SQLiteSink | DatabaseSink | None = None  # NOTE: opened by the first write
         self.packer = Packer()
-        self.num_chunks = 0
         self.next_item = 0
         self.next_row = 0
         self.complete_step = -1  # NOTE: every row of steps <= this is committed
         retention, statements = settings.retention, settings.retention_statements
         self.retention = (
-            RetentionPass(settings.run_id, retention, statements)
+            RetentionPass(settings.run_id, retention, statements, self.packer.codes)
             if retention is not None and retention.bounded and statements is not None
             else None
         )
@@ -309,7 +309,7 @@ class Writer:
             chunk = self.packer.pack(
                 items[start : start + step] if len(items) > step else items, has_batches=has_batches
             )
-            number, self.num_chunks = self.num_chunks, self.num_chunks + 1
+            number = self.packer.num_chunks - 1  # NOTE: pack order, as the packer's string codes count chunks
             for table, values in chunk.table_rows(run_id, number).items():
                 tables[table] += values
             self._marks.append(

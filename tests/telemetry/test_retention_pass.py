@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sqlalchemy import select
 
 from kvscope.telemetry import (
     Capture,
@@ -27,6 +28,7 @@ from kvscope.telemetry import (
     open_writer,
     parse_duration_s,
     parse_size_bytes,
+    schema,
 )
 
 
@@ -85,6 +87,42 @@ def test_a_size_bound_keeps_the_file_under_it_and_the_run_readable(
     assert first_step > CHECK_STEP and steps == sorted(
         {s for s in range(first_step) if s % 10 == 0} | {CHECK_STEP} | set(range(first_step, 60))
     )
+
+
+def kept_strings(target: Path | str, run_id: int) -> tuple[set[str], set[str]]:
+    """The run's event_strings rows, and the strings its kept events use."""
+    capture = Capture(target)
+    try:
+        events = capture.events(run_id, limit=None)
+        s = schema.event_strings.c
+        with capture.engine.connect() as conn:
+            rows = {str(t) for (t,) in conn.execute(select(s.text).where(s.run_id == run_id))}
+    finally:
+        capture.close()
+    return rows, {str(v) for name in ("kind", "pool", "rid") for v in events[name].dropna()}
+
+
+def test_the_strings_only_dropped_events_used_go_with_them(tmp_path: Path) -> None:
+    """Every event its own long request id (as a server's are): the strings stay those of the kept events,
+    the file under its bound; a string dropped and used again is written again and reads back."""
+    path, bound = tmp_path / "c.db", 400_000
+    recorder = SQLRecorder(path, retention=Retention(max_bytes=bound))
+    for step in range(60):
+        recorder.step = step
+        for i in range(40):
+            rid = "again" if i == 0 and step in (0, 59) else f"request-{step:06d}-{i:04d}-{'x' * 32}"
+            recorder.record(EventKind.ALLOC, pool=PoolName.FULL, rid=rid, slots=np.arange(i * 32, i * 32 + 32))
+        recorder.flush()
+    recorder.close()
+    rows, used = kept_strings(path, recorder.run_id)
+    assert rows == used and "again" in rows and not any(r.startswith("request-000000") for r in rows)
+    assert path.stat().st_size <= bound
+    capture = Capture(path)
+    try:
+        last = capture.events(recorder.run_id, limit=None).iloc[-40]
+        assert (int(last.step), last.rid) == (59, "again")
+    finally:
+        capture.close()
 
 
 def test_a_window_drops_what_is_older_and_keeps_the_newest_chunk(tmp_path: Path) -> None:
