@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -113,6 +114,13 @@ def _bound(env: Mapping[str, str], name: str, default: float, *, whole: bool = F
         kind = "a whole number" if whole else "a number of seconds"
         raise ValueError(f"{name} must be {kind} >= 0, got {text!r}")
     return value
+
+
+def census_clock() -> float:
+    """The clock a census's own cost is read on: the engine thread's CPU seconds. Not the wall clock: a
+    census descheduled for a second on a loaded machine would put the next one off by CENSUS_BUDGET_X
+    seconds for CPU it never used."""
+    return time.thread_time()
 
 
 def busy_census_due(

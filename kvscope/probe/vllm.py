@@ -65,6 +65,7 @@ from kvscope.probe.core import (
     Settings,
     Target,
     busy_census_due,
+    census_clock,
     guarded,
     installed_version,
     open_recorder,
@@ -376,7 +377,7 @@ class VllmProbe:
         rec = self.recorder()
         if rec is None:
             return None
-        started = _monotonic()
+        started = census_clock()
         manager = scheduler.kv_cache_manager
         result, view = self.take(scheduler)
         self.cached_free = len(view.hashed.intersection(view.queued))  # NOTE: the running count, recounted
@@ -390,8 +391,8 @@ class VllmProbe:
             rec.step += 1
             self.step = rec.step
         self.steps_since_census = 0
-        self.last_census_t = now = _monotonic()
-        self.census_cost_s = now - started
+        self.last_census_t = _monotonic()
+        self.census_cost_s = census_clock() - started
         self.tally.spent(self.census_cost_s)
         return result
 

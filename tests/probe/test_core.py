@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import types
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -22,7 +23,7 @@ from kvscope.probe import (
     settings_from_env,
     take_census,
 )
-from kvscope.probe.core import LAST_CENSUS, Settings, busy_census_due, engine_ending, unpatch_all
+from kvscope.probe.core import LAST_CENSUS, Settings, busy_census_due, census_clock, engine_ending, unpatch_all
 
 
 class Block(NamedTuple):
@@ -232,6 +233,17 @@ def test_a_busy_census_is_due_after_either_bound_and_never_within_its_cost_budge
     assert busy_census_due(every, 10, 1.0, 0.01)
     off = every._replace(census_every_steps=0, census_every_s=0.0)
     assert not busy_census_due(off, 10**6, 10.0**6, 0.0) and not busy_census_due(None, 10, 10.0, 0.0)
+
+
+def test_a_census_that_waits_costs_its_cpu_not_its_wait() -> None:
+    """A census descheduled on a loaded machine (here: asleep) must not put the next one off by 100x
+    the wait: its cost is read on the engine thread's CPU clock."""
+    every = Settings("/tmp/x.db", "full", None, census_every_steps=10, census_every_s=5.0)
+    started = census_clock()
+    time.sleep(0.3)
+    cost_s = census_clock() - started
+    assert cost_s < 0.05
+    assert busy_census_due(every, 10, 5.0, cost_s)
 
 
 def test_how_an_engines_loop_ended_gives_its_runs_status_and_last_census() -> None:
