@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvscope.probe import sglang as probe
+from kvscope.probe.sglang_shapes import shapes_of
 from kvscope.probe.shapes import Family
 
 
@@ -128,18 +129,18 @@ def test_an_untested_release_whose_shapes_match_a_family_loads_as_it_and_says_so
 def test_each_hooks_shape_holds_the_parameters_its_wrapper_passes() -> None:
     """A direct hook's shape is its method's every parameter (SGLang's must be the same); an AROUND
     hook's, those it names before its *args."""
-    shapes = {s.target: s.params for s in probe.shapes_of(probe.hooks())}
+    shapes = {s.target: s.params for s in shapes_of(probe.hooks())}
     assert shapes[f"{probe.UNIFIED}.evict_for_alloc"] == ("self", "params", "allocation_reclaim_satisfied")
     assert shapes[probe.RELEASE] == ("req", "tree_cache")
     assert shapes[f"{probe.ADDER}._commit_prefill_admission"] == ("self", "req")
-    family_0522 = {s.target: s.params for s in probe.shapes_of(probe.hooks_0522())}
+    family_0522 = {s.target: s.params for s in shapes_of(probe.hooks_0522())}
     assert family_0522[f"{probe.UNIFIED}.evict_for_alloc"] == ("self", "params")
-    family_0521 = {s.target: s.params for s in probe.shapes_of(probe.hooks_0521())}
+    family_0521 = {s.target: s.params for s in shapes_of(probe.hooks_0521())}
     assert family_0521[f"{probe.RADIX}.cache_unfinished_req"] == ("self", "req")  # no checkpoint before 0.5.22
     assert f"{probe.RADIX}.checkpoint" not in family_0521
     assert f"{probe.UNIFIED}.backup_kv_cache" in family_0521
     assert f"{probe.UNIFIED}.backup_kv_cache" not in {h.target for h in probe.hooks_0520()}
-    family_0519 = {s.target: s.params for s in probe.shapes_of(probe.hooks_0519())}
+    family_0519 = {s.target: s.params for s in shapes_of(probe.hooks_0519())}
     assert family_0519[f"{probe.ADDER}.add_one_req"] == ("self", "req")  # no _commit_prefill_admission before 0.5.20
     assert f"{probe.ADDER}._commit_prefill_admission" not in family_0519
     assert family_0519[f"{probe.SCHEDULER}.process_input_requests"] == ("self",)  # the busy census's point
