@@ -93,6 +93,7 @@ from kvscope.probe.sglang_shapes import (
     MAMBA_SLOTS,
     PAGED,
     RADIX,
+    READS_0518,
     READS_0519,
     READS_0521,
     RELEASE,
@@ -105,12 +106,15 @@ from kvscope.probe.sglang_shapes import (
     _family,
 )
 from kvscope.probe.sglang_views import (
+    Holder,
+    kv_span_0518,
     live_pages,
     mamba_allocator,
     mamba_view,
     page_view,
     row_view,
     session_holders,
+    session_holders_0518,
     stale_locked_pages,
     swa_pool,
     swa_view,
@@ -133,12 +137,18 @@ CAPACITY_V = EvictReason.CAPACITY._value_
 
 class LiveReader(NamedTuple):
     """How a family reads the scheduler's live requests: `owners`, SGLang's invariant checker -> the
-    requests that own a row; `lock_nodes`, those requests -> the tree node each one's prefix lock is on."""
+    requests that own a row; `lock_nodes`, those requests -> the tree node each one's prefix lock is on;
+    `kv_of`, a request -> its KV record (req_pool_idx, cache_protected_len, kv_allocated_len: its own
+    ReqKvInfo from 0.5.19, a KvSpan of what 0.5.18 keeps on the request); `sessions`, the tree -> its
+    streaming sessions' records and the nodes they hold locked (sglang_views.session_holders)."""
 
     owners: Callable[[Any], list[Any]]
     lock_nodes: Callable[[list[Any]], list[Any]]
+    kv_of: Callable[[Any], Any] = operator.attrgetter("kv")
+    sessions: Callable[[Any], tuple[list[Holder], list[Any]]] = session_holders
 
 
+_KV = operator.attrgetter("kv")  # NOTE: a request's KV record from 0.5.19 (LiveReader.kv_of)
 SNAPSHOT_EVERY_STEPS = 256  # NOTE: while busy; a snapshot walks every node (as the idle census does)
 _monotonic = time.monotonic
 
@@ -270,22 +280,24 @@ class SglangProbe:
             self.now = now
             self.busy = True
 
-    def prepared(self, reqs: Any, rows: Any, tree: Any, event: str) -> None:
+    def prepared(self, reqs: Any, rows: Any, tree: Any, event: str, kv_of: Callable[[Any], Any] = _KV) -> None:
         """After SGLang's prepare_for_extend / prepare_for_decode: the batch's row pages bound to its
-        requests; the pool's counters kept by reference for this step's usage sample (written when the
-        next step begins); a tree snapshot every SNAPSHOT_EVERY_STEPS steps."""
+        requests (`kv_of`: the family's reader of a request's KV record, LiveReader); the pool's counters
+        kept by reference for this step's usage sample (written when the next step begins); a tree
+        snapshot every SNAPSHOT_EVERY_STEPS steps."""
         allocator = tree.token_to_kv_pool_allocator
         full = getattr(allocator, "full_attn_allocator", allocator)
         page_size = int(full.page_size)
         swa = swa_pool(allocator)
         peers = None if swa is None else (allocator.full_to_swa_index_mapping, swa)
-        self.bind_requests(reqs, rows, page_size, full, event, peers)
+        self.bind_requests(reqs, rows, page_size, full, event, peers, kv_of)
         if event == "extend" and getattr(rows, "req_index_to_mamba_index_mapping", None) is not None:
-            self.bind_mamba(reqs, rows)
+            self.bind_mamba(reqs, rows, kv_of)
         self.sources = (tree, full, len(reqs))
         rec = self.recorder()
         if rec is not None and rec.step % SNAPSHOT_EVERY_STEPS == 0:
-            rec.tree_snapshot(rec.step, tree_rows(tree, live_pages(rows, reqs, page_size), page_size))
+            holders = [Holder(req.rid, kv_of(req)) for req in reqs]
+            rec.tree_snapshot(rec.step, tree_rows(tree, live_pages(rows, holders, page_size), page_size))
 
     def step_usage(self, rec: Any, tree: Any, full: Any, running: int) -> None:
         """One usage sample from the allocator's and the tree's own counters (no page is walked)."""
@@ -314,7 +326,14 @@ class SglangProbe:
         self.usage_step = rec.step
 
     def bind_requests(
-        self, reqs: Any, rows: Any, page_size: int, allocator: Any, event: str, peers: tuple[Any, Any] | None = None
+        self,
+        reqs: Any,
+        rows: Any,
+        page_size: int,
+        allocator: Any,
+        event: str,
+        peers: tuple[Any, Any] | None = None,
+        kv_of: Callable[[Any], Any] = _KV,
     ) -> None:
         """Each request's row pages are its own (after prepare_for_extend / prepare_for_decode): the
         slots its row gained since its last bind (a decode step: one per request), not the whole row,
@@ -328,7 +347,7 @@ class SglangProbe:
         parts: list[int] = []
         width = table.shape[1]
         for req in reqs:
-            kv = req.kv
+            kv = kv_of(req)
             if kv.req_pool_idx is None:
                 continue
             row, end = kv.req_pool_idx, kv.kv_allocated_len
@@ -348,14 +367,14 @@ class SglangProbe:
             mapping, swa = peers
             self.pending.extend((BIND, swa, rids, self.step, event, mapping[slots], parts))
 
-    def bind_mamba(self, reqs: Any, rows: Any) -> None:
+    def bind_mamba(self, reqs: Any, rows: Any, kv_of: Callable[[Any], Any] = _KV) -> None:
         """After prepare_for_extend: each request's Mamba slots (its row's mamba index, and its
         ping-pong track slots with SGLang's extra buffer: -1 where empty, dropped by the fold) are its
         own. HybridReqToTokenPool.alloc takes them in the batch's prepare, where no request is the
         context: one gather from the row mappings, queued as a bind (no tensor read here)."""
         rids, picked = [], []
         for req in reqs:
-            row = req.kv.req_pool_idx
+            row = kv_of(req).req_pool_idx
             if row is not None:
                 rids.append(req.rid)
                 picked.append(int(row))
@@ -408,7 +427,7 @@ class SglangProbe:
                     checker = scheduler.invariant_checker
                     owners = live.owners(checker)
                     tree, rows = checker.tree_cache, checker.req_to_token_pool
-                    self.census(tree, rows, owners, why=kind, kind=kind, lock_nodes=live.lock_nodes)
+                    self.census(tree, rows, owners, why=kind, kind=kind, live=live)
                     for req in owners:  # NOTE: the rows of those still running (the census saw their pages held)
                         _record_request(req, unfinished=True)
                 self.publish(scheduler)
@@ -426,12 +445,13 @@ class SglangProbe:
         *,
         why: str,
         kind: str = "idle",
-        lock_nodes: Callable[[list[Any]], list[Any]] | None = None,
+        live: LiveReader | None = None,
     ) -> Any:
         """Every page of each pool is exactly one of free / in the tree / in a live request's row (a
         streaming session's record counts as one: session_holders); stored as leak checks (one per
         pool) of census `kind` (busy, idle, drain, crash) with every page it names, and a usage
-        sample, before anything else happens; a tree snapshot too, but at a busy census."""
+        sample, before anything else happens; a tree snapshot too, but at a busy census. `live`: the
+        family's reader of the requests' locks, KV records and the tree's sessions (LIVE when None)."""
         rec = self.recorder()
         if rec is None:
             return None
@@ -444,18 +464,19 @@ class SglangProbe:
         self.census_step = rec.step
         allocator = tree.token_to_kv_pool_allocator
         full = getattr(allocator, "full_attn_allocator", allocator)
-        lock_nodes = lock_nodes or _lock_nodes  # NOTE: the family's (LiveReader); Req.lock from 0.5.22
-        sessions, session_locks = session_holders(tree)
-        owners = [*owners, *sessions]  # NOTE: SGLang's owners leave out a session's record; it is held, not leaked
-        live = {req.rid for req in owners}
-        live_locks = Counter(_node(node) for node in [*lock_nodes(owners), *session_locks])
-        open_locks = {node: stale_locks(held, live, live_locks[node]) for node, held in self.locks.items()}
+        live = live or LIVE
+        sessions, session_locks = live.sessions(tree)
+        lock_nodes = [*live.lock_nodes(owners), *session_locks]
+        kv_of = live.kv_of
+        owners = [*(Holder(req.rid, kv_of(req)) for req in owners), *sessions]  # NOTE: SGLang's owners leave out
+        # a session's record; it is held, not leaked
+        live_rids = {holder.rid for holder in owners}
+        live_locks = Counter(_node(node) for node in lock_nodes)
+        open_locks = {node: stale_locks(held, live_rids, live_locks[node]) for node, held in self.locks.items()}
         in_tree = tree_slots(tree)
         view = page_view(full, in_tree, rows, owners)
         locked = (  # NOTE: no lock ledger at summary: the tree's own counts against the live holders' locks
-            stale_locked_pages(tree, [*lock_nodes(owners), *session_locks], view.live, view.page_size)
-            if self.lean
-            else None
+            stale_locked_pages(tree, lock_nodes, view.live, view.page_size) if self.lean else None
         )
         result = take_page_census(
             "full",
@@ -654,14 +675,25 @@ def _d_token_free(original: Callable[..., Any]) -> Callable[..., Any]:
     return free
 
 
-def _h_rows_alloc(original: Callable[..., Any], self: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:
-    result = original(self, reqs, *args, **kwargs)
+def _rows_alloc(kv_of: Callable[[Any], Any]) -> Callable[..., Any]:
+    """ReqToTokenPool.alloc(reqs): each row's taker; `kv_of` reads the row SGLang gave each request."""
+
+    def hook(original: Callable[..., Any], self: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:
+        return _rows_taken(original(self, reqs, *args, **kwargs), reqs, kv_of)
+
+    return hook
+
+
+_h_rows_alloc = _rows_alloc(_KV)  # NOTE: ReqToTokenPool.alloc from 0.5.19 (the row on the request's ReqKvInfo)
+
+
+def _rows_taken(result: Any, reqs: Any, kv_of: Callable[[Any], Any]) -> Any:
     if result is not None and PROBE.state.active:
         try:
             if _ready():
                 takers, bound, step = PROBE.takers["req"], PROBE.bound, PROBE.step
                 for req in reqs:
-                    row = int(req.kv.req_pool_idx)
+                    row = int(kv_of(req).req_pool_idx)
                     takers[row] = (req.rid, step, "alloc")
                     bound.pop(row, None)
         except Exception as err:
@@ -670,16 +702,29 @@ def _h_rows_alloc(original: Callable[..., Any], self: Any, reqs: Any, *args: Any
 
 
 def _h_rows_free(original: Callable[..., Any], self: Any, indices: Any, *args: Any, **kwargs: Any) -> Any:
+    """ReqToTokenPool.free_rows(indices) (0.5.19 on): each row's releaser."""
     if PROBE.state.active:
-        try:
-            if _ready():
-                releasers, bound, entry = PROBE.releasers["req"], PROBE.bound, (PROBE.rid, PROBE.step, PROBE.event)
-                for row in indices:
-                    releasers[int(row)] = entry
-                    bound.pop(int(row), None)
-        except Exception as err:
-            _failed(err)
+        _rows_released(indices)
     return original(self, indices, *args, **kwargs)
+
+
+def _h_rows_free_0518(original: Callable[..., Any], self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """ReqToTokenPool.free(req) (SGLang 0.5.18: the pool frees the request's own row, req.req_pool_idx,
+    and clears it): that row's releaser."""
+    if PROBE.state.active:
+        _rows_released(() if req.req_pool_idx is None else (req.req_pool_idx,))
+    return original(self, req, *args, **kwargs)
+
+
+def _rows_released(indices: Any) -> None:
+    try:
+        if _ready():
+            releasers, bound, entry = PROBE.releasers["req"], PROBE.bound, (PROBE.rid, PROBE.step, PROBE.event)
+            for row in indices:
+                releasers[int(row)] = entry
+                bound.pop(int(row), None)
+    except Exception as err:
+        _failed(err)
 
 
 def _d_mamba_alloc(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -1044,7 +1089,10 @@ def _host_hook(kind: str) -> Callable[..., Any]:
     return hook
 
 
-def _h_prepare(event: str) -> Callable[..., Any]:
+def _h_prepare(event: str, kv_of: Callable[[Any], Any] = _KV) -> Callable[..., Any]:
+    """ScheduleBatch.prepare_for_`event`: a step begins; after SGLang's own, its requests' row pages are
+    bound to them (`kv_of`: the family's reader of a request's KV record)."""
+
     def hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
         if not PROBE.state.active:
             return original(self, *args, **kwargs)
@@ -1055,7 +1103,7 @@ def _h_prepare(event: str) -> Callable[..., Any]:
         result = _in_context(None, event, lambda: original(self, *args, **kwargs))
         try:
             if _ready():
-                PROBE.prepared(self.reqs, self.req_to_token_pool, self.tree_cache, event)
+                PROBE.prepared(self.reqs, self.req_to_token_pool, self.tree_cache, event, kv_of)
         except Exception as err:
             _failed(err)
         return result
@@ -1170,16 +1218,32 @@ def _batch_owners_0519(checker: Any) -> list[Any]:
     return _holders(last, running, [b.chunked_req for b in batches])
 
 
-def _holders(last: Any, running: Any, chunked: list[Any]) -> list[Any]:
+def _batch_owners_0518(checker: Any) -> list[Any]:
+    """_batch_owners_0519 for SGLang 0.5.18, whose request holds a row while its own req_pool_idx is set
+    (no ReqKvInfo.holds_kv: its ReqKvInfo is None until its first allocation and after its release)."""
+    last, running = checker.get_last_batch(), checker.get_running_batch()
+    batches = [b for b in (last, running) if b is not None]
+    return _holders(last, running, [b.chunked_req for b in batches], _holds_row_0518)
+
+
+def _holds_kv(req: Any) -> bool:
+    return bool(req.kv.holds_kv)
+
+
+def _holds_row_0518(req: Any) -> bool:
+    return req.req_pool_idx is not None
+
+
+def _holders(last: Any, running: Any, chunked: list[Any], holds: Callable[[Any], bool] = _holds_kv) -> list[Any]:
     """The requests of the last batch, the running batch (when another object) and `chunked`, each once,
-    that hold a row."""
+    that hold a row (`holds`)."""
     reqs = [] if last is None else list(last.reqs)
     if running is not None and running is not last:  # NOTE: identity: ScheduleBatch's == compares tensors
         reqs += running.reqs
     reqs += [req for req in chunked if req is not None]
     owners: dict[int, Any] = {}
     for req in reqs:
-        if req.kv.holds_kv:
+        if holds(req):
             owners.setdefault(id(req), req)
     return list(owners.values())
 
@@ -1200,7 +1264,7 @@ def _census_hooks(live: LiveReader, busy_point: str = "ingest_requests") -> list
         if PROBE.state.active and (PROBE.busy or PROBE.pending):
             with guarded(PROBE.state):
                 owners = live.owners(self.invariant_checker)
-                PROBE.census(self.tree_cache, self.req_to_token_pool, owners, why="idle", lock_nodes=live.lock_nodes)
+                PROBE.census(self.tree_cache, self.req_to_token_pool, owners, why="idle", live=live)
             PROBE.publish(self)
         return result
 
@@ -1213,7 +1277,7 @@ def _census_hooks(live: LiveReader, busy_point: str = "ingest_requests") -> list
             with guarded(probe.state):
                 checker = self.invariant_checker
                 owners, rows = live.owners(checker), checker.req_to_token_pool
-                probe.census(checker.tree_cache, rows, owners, why="busy", kind="busy", lock_nodes=live.lock_nodes)
+                probe.census(checker.tree_cache, rows, owners, why="busy", kind="busy", live=live)
             probe.publish(self)
         return original(self, *args, **kwargs)
 
@@ -1273,7 +1337,7 @@ def _census_before_raise(checker: Any, why: str, live: LiveReader) -> None:
     if probe.state.active and (probe.busy or probe.pending or probe.census_step != probe.step):
         with guarded(probe.state):
             owners = live.owners(checker)
-            probe.census(checker.tree_cache, checker.req_to_token_pool, owners, why=why, lock_nodes=live.lock_nodes)
+            probe.census(checker.tree_cache, checker.req_to_token_pool, owners, why=why, live=live)
 
 
 def _lock_nodes(owners: list[Any]) -> list[Any]:
@@ -1290,6 +1354,8 @@ def _last_nodes(owners: list[Any]) -> list[Any]:
 LIVE = LiveReader(_requests_owning_rows, _lock_nodes)
 LIVE_0521 = LiveReader(_batch_owners, _last_nodes)  # NOTE: 0.5.20, 0.5.21: no _requests_owning_rows, no Req.lock
 LIVE_0519 = LiveReader(_batch_owners_0519, _last_nodes)  # NOTE: no get_chunked_req on the checker
+# NOTE: 0.5.18: a request's row and protected length on Req itself; a session slot's lock on its last_node
+LIVE_0518 = LiveReader(_batch_owners_0518, _last_nodes, kv_span_0518, session_holders_0518)
 
 
 def _root_of(tree: Any) -> Any:
@@ -1308,8 +1374,13 @@ def _tokens(result: Any) -> int:
     return result if isinstance(result, int) else 0
 
 
-def _pool_hooks() -> list[Hook]:
-    """The allocators' and the request rows' hooks (ReqToTokenPool.free_rows: 0.5.19 on)."""
+def _pool_hooks(
+    rows_alloc: Callable[..., Any] | None = None,
+    rows_free: tuple[str, Callable[..., Any]] = ("free_rows", _h_rows_free),
+) -> list[Hook]:
+    """The allocators' and the request rows' hooks (`rows_alloc`: ReqToTokenPool.alloc's, reading each row
+    with the family's reader, _h_rows_alloc when None; `rows_free`: the method that frees rows and its
+    hook, free_rows from 0.5.19, free(req) on 0.5.18)."""
     return [
         Hook(f"{PAGED}.alloc", _d_alloc, direct=True, per_op=True),
         Hook(f"{PAGED}.alloc_extend", _d_alloc_extend, direct=True, per_op=True),
@@ -1318,8 +1389,8 @@ def _pool_hooks() -> list[Hook]:
         Hook(f"{TOKEN}.alloc", _d_alloc, direct=True, per_op=True),
         Hook(f"{TOKEN}.free", _d_token_free, direct=True, per_op=True),
         Hook(f"{SWA}.__init__", _h_swa_init),
-        Hook(f"{ROWS}.alloc", _h_rows_alloc),
-        Hook(f"{ROWS}.free_rows", _h_rows_free),
+        Hook(f"{ROWS}.alloc", rows_alloc or _h_rows_alloc),
+        Hook(f"{ROWS}.{rows_free[0]}", rows_free[1]),
         Hook(f"{MAMBA_SLOTS}.alloc", _d_mamba_alloc, direct=True, per_op=True),
         Hook(f"{MAMBA_SLOTS}.free", _d_mamba_free, direct=True, per_op=True),
     ]
@@ -1327,12 +1398,13 @@ def _pool_hooks() -> list[Hook]:
 
 def _tree_hooks(
     match: Callable[..., Any],
-    evict_for_alloc: Callable[..., Any],
+    evict_for_alloc: Callable[..., Any] | None,
     host: tuple[tuple[str, str], ...],
     unified_unlock: Callable[..., Any] = _d_unified_dec_lock,
 ) -> list[Hook]:
     """Both trees' hot methods (`match`: the factory for match_prefix, whose result changed;
-    `evict_for_alloc`: for UnifiedRadixCache's, whose keywords changed; `unified_unlock`: for its
+    `evict_for_alloc`: for UnifiedRadixCache's, whose keywords changed, None where it has none (0.5.18:
+    the allocation path calls evict); `unified_unlock`: for its
     dec_lock_ref, whose params had a default in 0.5.19), and the HiCache component's `host` methods
     ((name, event kind) each)."""
     return [
@@ -1344,7 +1416,11 @@ def _tree_hooks(
         Hook(f"{UNIFIED}.match_prefix", match, direct=True, per_op=True),
         Hook(f"{UNIFIED}.insert", _d_insert, direct=True, per_op=True),
         Hook(f"{UNIFIED}.evict", _d_evict, direct=True, per_op=True),
-        Hook(f"{UNIFIED}.evict_for_alloc", evict_for_alloc, direct=True, per_op=True),
+        *(
+            []
+            if evict_for_alloc is None
+            else [Hook(f"{UNIFIED}.evict_for_alloc", evict_for_alloc, direct=True, per_op=True)]
+        ),
         Hook(f"{UNIFIED}.inc_lock_ref", _d_unified_inc_lock, direct=True, per_op=True),
         Hook(f"{UNIFIED}.dec_lock_ref", unified_unlock, direct=True, per_op=True),
         *(Hook(f"{UNIFIED}.{name}", _host_hook(kind), per_op=True) for name, kind in host),
@@ -1354,10 +1430,11 @@ def _tree_hooks(
 HOST = (("evict_host", HOST_EVICT_V), ("load_back", LOAD_V), ("backup_kv_cache", WRITE_V))
 
 
-def _request_hooks(prefill_cache: str, admission: str) -> list[Hook]:
+def _request_hooks(prefill_cache: str, admission: str, kv_of: Callable[[Any], Any] = _KV) -> list[Hook]:
     """The calls whose tree and pool work is one request's: both trees' `prefill_cache` method (what caches
     a prefill's tokens: checkpoint from 0.5.22, cache_unfinished_req before), PrefillAdder's `admission`
-    (where the prefix lock is taken), release_kv_cache; a free group's end is no request's."""
+    (where the prefix lock is taken), release_kv_cache; a free group's end is no request's; the batch's
+    prepares bind with `kv_of` (LiveReader)."""
     return [
         Hook(f"{RADIX}.{prefill_cache}", _h_checkpoint, per_op=True),
         Hook(f"{UNIFIED}.{prefill_cache}", _h_checkpoint, per_op=True),
@@ -1365,8 +1442,8 @@ def _request_hooks(prefill_cache: str, admission: str) -> list[Hook]:
         Hook(f"{BASE}.free_group_end", _h_free_group_end, per_op=True),
         Hook(f"{PAGED}.free_group_end", _h_free_group_end, per_op=True),
         Hook(f"{SWA}.free_group_end", _h_free_group_end, per_op=True),
-        Hook(f"{BATCH}.prepare_for_extend", _h_prepare("extend")),
-        Hook(f"{BATCH}.prepare_for_decode", _h_prepare("decode")),
+        Hook(f"{BATCH}.prepare_for_extend", _h_prepare("extend", kv_of)),
+        Hook(f"{BATCH}.prepare_for_decode", _h_prepare("decode", kv_of)),
         Hook(RELEASE, _h_release),
         Hook(f"{BATCH}.retract_decode", _h_retract),
     ]
@@ -1432,6 +1509,19 @@ def hooks_0519() -> list[Hook]:
     ]
 
 
+def hooks_0518() -> list[Hook]:
+    """SGLang 0.5.18: 0.5.19's, but ReqToTokenPool frees a request's row with free(req) (no free_rows), the
+    row index and the tree's protected length are on Req (ReqKvInfo holds the allocated length only, and is
+    None while no KV is held: LIVE_0518's kv_of), and UnifiedRadixCache has no evict_for_alloc (allocation
+    evicts through evict, hooked)."""
+    return [
+        *_pool_hooks(_rows_alloc(kv_span_0518), ("free", _h_rows_free_0518)),
+        *_tree_hooks(_d_match_indices, None, HOST[:2], _d_unified_dec_lock_0519),
+        *_request_hooks("cache_unfinished_req", "add_one_req", kv_span_0518),
+        *_census_hooks(LIVE_0518, "process_input_requests"),
+    ]
+
+
 # NOTE: newest first; a release tested on a family is in its `releases` (docs/probe.md's version table)
 FAMILIES: tuple[Family, ...] = (
     _family("0.5.23", ("0.5.23",), hooks),
@@ -1439,6 +1529,7 @@ FAMILIES: tuple[Family, ...] = (
     _family("0.5.21", ("0.5.21",), hooks_0521, READS_0521),
     _family("0.5.20", ("0.5.20",), hooks_0520, READS_0521),
     _family("0.5.19", ("0.5.19",), hooks_0519, READS_0519),
+    _family("0.5.18", ("0.5.18",), hooks_0518, READS_0518),
 )
 
 

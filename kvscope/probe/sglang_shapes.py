@@ -79,6 +79,15 @@ READS_0519 = (  # NOTE: the checker without get_chunked_req; the batch's chunked
     Shape(BATCH, reads=("reqs", "req_to_token_pool", "tree_cache", "chunked_req")),
 )
 
+_ROW_0518 = ("req_pool_idx", "cache_protected_len")
+_SLOT_0518 = (*_ROW_0518, "kv", "last_node", "is_holding_kv")  # NOTE: a streaming session's record between turns
+READS_0518 = (  # NOTE: the row and the protected length on Req, the allocated length alone on ReqKvInfo
+    *(s for s in READS_0519 if s.target not in (REQ, f"{REQ}KvInfo")),
+    Shape(REQ, reads=("rid", "kv", "origin_input_ids", "output_ids", "cached_tokens", "last_node", *_ROW_0518)),
+    Shape(f"{REQ}KvInfo", reads=("kv_allocated_len",)),
+    Shape("sglang.srt.session.streaming_session.SessionSlot", reads=_SLOT_0518),
+)
+
 
 def shapes_of(table: list[Hook], reads: tuple[Shape, ...] = READS) -> tuple[Shape, ...]:
     """Each hook's target with the leading parameters its wrapper passes (a direct hook: every one of

@@ -63,7 +63,7 @@ import torch  # noqa: E402
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape  # noqa: E402
 from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang.srt.managers import schedule_policy  # noqa: E402
-from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ReqKvInfo, ScheduleBatch  # noqa: E402
 from sglang.srt.managers.schedule_policy import PrefillAdder  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.managers.scheduler_components import pool_stats_observer  # noqa: E402
@@ -96,8 +96,19 @@ ADMISSION_FIELDS = 0 if ADMISSION is None else len(dataclasses.fields(ADMISSION)
 CHECKPOINT = hasattr(RadixCache, "checkpoint")
 # NOTE: the family's reading of the live requests and their locks (the checker's get_chunked_req from 0.5.20)
 CHUNKED_GETTER = "get_chunked_req" in {f.name for f in dataclasses.fields(SchedulerInvariantChecker)}
-LIVE = probe.LIVE if CHECKPOINT else probe.LIVE_0521 if CHUNKED_GETTER else probe.LIVE_0519
-LOCK_NODES = LIVE.lock_nodes
+# NOTE: 0.5.18 keeps a request's row and protected length on Req, its allocated length on a ReqKvInfo made at
+# its first allocation (alloc_for_extend) and dropped at its release; its committed length on Req too
+ROW_ON_REQ = "req_pool_idx" not in {f.name for f in dataclasses.fields(ReqKvInfo)}
+LIVE = (
+    probe.LIVE
+    if CHECKPOINT
+    else probe.LIVE_0521
+    if CHUNKED_GETTER
+    else probe.LIVE_0518
+    if ROW_ON_REQ
+    else probe.LIVE_0519
+)
+KV_OF = LIVE.kv_of  # NOTE: a request -> its KV record (row, protected and allocated lengths), as the family reads it
 DP_RANK = None  # the data-parallel rank published for the process: scenario dp (replica 1)
 PS = 4  # tokens per page
 PAGES = 16
@@ -264,7 +275,7 @@ class Engine:
                 common.maybe_cache_unfinished_req(req, self.tree, **({"chunked": True} if end < len(tokens) else {}))
 
     def extend(self, req: Req, end: int) -> None:
-        kv = req.kv
+        kv = KV_OF(req)
         start = kv.kv_allocated_len or prefix_len(req)
         row = self.rows.req_to_token[kv.req_pool_idx]
         if kv.kv_allocated_len:
@@ -287,16 +298,16 @@ class Engine:
             req.cached_tokens += start - req.already_computed
             req.already_computed = end
         self.rows.write((kv.req_pool_idx, slice(0, end)), torch.cat((prefix_slots, out)).to(torch.int32))
-        kv.kv_allocated_len = kv.kv_committed_len = end
+        set_kv_len(req, end)
         if CHECKPOINT:
             self.tree.maybe_hand_to_session(req)  # NOTE: what alloc_for_extend does after each request's allocation
         probe.PROBE.next_step()  # NOTE: what the prepare_for_extend hook does around SGLang's own
-        probe.PROBE.prepared([req], self.rows, self.tree, "extend")
+        probe.PROBE.prepared([req], self.rows, self.tree, "extend", KV_OF)
 
     def decode(self, req: Req, steps: int) -> None:
         """One token per step; a new page whenever the last one is full."""
-        kv = req.kv
         for i in range(steps):
+            kv = KV_OF(req)
             seq = kv.kv_allocated_len + 1
             self.make_room(PS)
             last = self.rows.req_to_token[kv.req_pool_idx, seq - 2 : seq - 1].to(torch.int64)
@@ -306,9 +317,9 @@ class Engine:
                 out = self.alloc.alloc_decode(torch.tensor([seq]), torch.tensor([seq]), last)
             self.rows.write((kv.req_pool_idx, slice(seq - 1, seq)), out.to(torch.int32))
             req.output_ids.append(7000 + i)
-            kv.kv_allocated_len = kv.kv_committed_len = seq
+            set_kv_len(req, seq)
             probe.PROBE.next_step()
-            probe.PROBE.prepared([req], self.rows, self.tree, "decode")
+            probe.PROBE.prepared([req], self.rows, self.tree, "decode", KV_OF)
 
     def make_room(self, tokens: int) -> None:
         if self.alloc.available_size() < tokens:
@@ -368,7 +379,7 @@ class Engine:
         census = None
         if not leak:
             probe.PROBE.busy = True
-            census = probe.PROBE.census(self.tree, self.rows, owners, why="idle", lock_nodes=LOCK_NODES)
+            census = probe.PROBE.census(self.tree, self.rows, owners, why="idle", live=LIVE)
         return {
             "sglang": {"leak": leak, "line": line, "raised": raised},
             "census": None if census is None else [c.as_json() for c in census],
@@ -468,6 +479,18 @@ def free_page(alloc: Any, page: int) -> None:
         alloc.free(torch.arange(page * PS, page * PS + PS))
 
 
+def set_kv_len(req: Req, length: int) -> None:
+    """The request's KV allocated and committed up to `length` (what alloc_for_extend / alloc_for_decode and
+    the forward pass leave); on 0.5.18 its ReqKvInfo is made at its first allocation, as alloc_for_extend
+    makes it, and its committed length is on Req."""
+    if not ROW_ON_REQ:
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = length
+        return
+    if req.kv is None:
+        req.kv = ReqKvInfo(kv_allocated_len=length, swa_evicted_seqlen=0)
+    req.kv.kv_allocated_len = req.kv_committed_len = length
+
+
 def prefix_len(req: Req) -> int:
     """The tokens of the request's match on the device (Req.prefix_len from 0.5.22; prefix_indices before)."""
     return int(req.prefix_len) if CHECKPOINT else len(req.prefix_indices)
@@ -492,7 +515,7 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
     a = engine.admit("req-A", [*system, 1, 2, 3])
     engine.decode(a, 3)
     if scenario.startswith("row-leak"):  # its release gives back pages and lock, and forgets to free its row
-        injected.append({"kind": "row-leak", "rid": "req-A", "row": int(a.kv.req_pool_idx)})
+        injected.append({"kind": "row-leak", "rid": "req-A", "row": int(KV_OF(a).req_pool_idx)})
         engine.rows.free = lambda req: None
         engine.release(a)
         del engine.rows.free
@@ -513,18 +536,18 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
     c = engine.admit("req-C", [*system, 9, 9, 9, 9, 9, 9])
     engine.decode(c, 1)
     if scenario in ("leak-tail", "leak-and-double-free"):  # the unaligned tail page is never given back
-        kv = c.kv
+        kv = KV_OF(c)
         aligned = kv.kv_allocated_len // PS * PS
         tail = int(engine.rows.req_to_token[kv.req_pool_idx, aligned]) // PS
-        kv.kv_allocated_len = kv.kv_committed_len = aligned
+        set_kv_len(c, aligned)
         injected.append({"kind": "leak-tail", "rid": "req-C", "page": tail})
     if scenario == "swa-leak":  # the tail page is freed through the full sub-allocator only: its SWA peer strands
-        kv = c.kv
+        kv = KV_OF(c)
         aligned = kv.kv_allocated_len // PS * PS
         tail_slots = engine.rows.req_to_token[kv.req_pool_idx, aligned : kv.kv_allocated_len].to(torch.int64)
         peer = int(engine.alloc.full_to_swa_index_mapping[tail_slots[0]]) // PS
         engine.alloc.full_attn_allocator.free(tail_slots)
-        kv.kv_allocated_len = kv.kv_committed_len = aligned
+        set_kv_len(c, aligned)
         injected.append({"kind": "swa-leak", "rid": "req-C", "page": peer})
     engine.release(c)
     mine = [50 + i for i in range(10)]
@@ -782,6 +805,7 @@ def main(scenario: str, tree_kind: str) -> None:
         f"{tree.__name__}.{name}": Path(getattr(tree, name).__code__.co_filename).name
         for tree in (RadixCache, UnifiedRadixCache)
         for name in (*tree_methods, *(("evict_for_alloc",) if tree is UnifiedRadixCache else ()))
+        if hasattr(tree, name)  # NOTE: 0.5.18's UnifiedRadixCache has no evict_for_alloc
     }
     print(
         json.dumps(
