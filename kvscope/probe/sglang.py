@@ -33,8 +33,8 @@ NOTE: the request context (rid) is the request whose own call runs: release_kv_c
 checkpoint, PrefillAdder's admission (its lock); None for a batch's calls (prepare_for_*, a free
 group's end: event group) and outside any hook; a match names its request on its own event only.
 The census (Scheduler.on_idle after SGLang's own check; before SGLang raises: _report_leak,
-_check_req_pool, any other raise out of on_idle; busy: before ingest_requests (process_input_requests on
-0.5.19), first in each iteration of the normal and overlap loops, when due; drain / crash: as run_event_loop
+_check_req_pool, any other raise out of on_idle; busy: before ingest_requests (process_input_requests before
+0.5.20), first in each iteration of the normal and overlap loops, when due; drain / crash: as run_event_loop
 returns / raises, then the run closes as the loop ended) writes one leak check per pool, of its kind, and
 every page it names (census_blocks) (full; swa under an SWA allocator, read through SGLang's full -> SWA slot
 mapping; req; mamba under a HybridReqToTokenPool's MambaSlotAllocator) and a tree snapshot (tree_rows); a
@@ -148,6 +148,7 @@ class LiveReader(NamedTuple):
     sessions: Callable[[Any], tuple[list[Holder], list[Any]]] = session_holders
 
 
+TREE_METHODS = ("match_prefix", "insert", "evict", "inc_lock_ref", "dec_lock_ref")  # NOTE: patched at level full
 _KV = operator.attrgetter("kv")  # NOTE: a request's KV record from 0.5.19 (LiveReader.kv_of)
 SNAPSHOT_EVERY_STEPS = 256  # NOTE: while busy; a snapshot walks every node (as the idle census does)
 _monotonic = time.monotonic
@@ -198,6 +199,8 @@ class SglangProbe:
         self.last_census_t = _monotonic()  # NOTE: when the last census ended (or the probe started)
         self.census_cost_s = 0.0  # NOTE: the scheduler-thread time of the last census
         self.last_said: tuple[str, ...] = ()  # NOTE: the failing pools' lines the last census printed
+        self.patched: dict[str, dict[type, Any]] = {}  # NOTE: method name -> {SGLang's class: the probe's method}
+        self.trees_seen: set[type] = set()  # NOTE: the tree classes whose hooked methods were checked (tree_unseen)
 
     def publish(self, scheduler: Any) -> None:
         """The censuses so far into SGLang's /metrics, labelled as the scheduler's series (never raises)."""
@@ -280,11 +283,32 @@ class SglangProbe:
             self.now = now
             self.busy = True
 
+    def tree_unseen(self, tree: Any) -> str | None:
+        """Why the probe cannot see this tree's calls, once per tree class: a class that overrides a tree
+        method the probe patched on a class it derives from (SGLang 0.5.18's HiRadixCache, built for a plain
+        model with --enable-hierarchical-cache, overrides RadixCache's match, insert, evict and locks); None
+        when each such method of its class is the probe's (a tree that wraps one, not derived from it, calls
+        the wrapped tree's own)."""
+        cls = type(tree)
+        if cls in self.trees_seen:
+            return None
+        self.trees_seen.add(cls)
+        for name in TREE_METHODS:
+            for owner, made in self.patched.get(name, {}).items():
+                if issubclass(cls, owner) and getattr(cls, name, None) is not made:
+                    return f"{cls.__name__}.{name} overrides the tree method the probe patched, so its calls go unseen"
+        return None
+
     def prepared(self, reqs: Any, rows: Any, tree: Any, event: str, kv_of: Callable[[Any], Any] = _KV) -> None:
         """After SGLang's prepare_for_extend / prepare_for_decode: the batch's row pages bound to its
         requests (`kv_of`: the family's reader of a request's KV record, LiveReader); the pool's counters
         kept by reference for this step's usage sample (written when the next step begins); a tree
-        snapshot every SNAPSHOT_EVERY_STEPS steps."""
+        snapshot every SNAPSHOT_EVERY_STEPS steps. A tree whose calls the probe cannot see (tree_unseen)
+        stops recording: its ledger would be partial."""
+        unseen = self.tree_unseen(tree)
+        if unseen is not None:
+            self.state.stop(f"SGLang {self.version}: {unseen}; nothing more is recorded (no partial ledger)")
+            return
         allocator = tree.token_to_kv_pool_allocator
         full = getattr(allocator, "full_attn_allocator", allocator)
         page_size = int(full.page_size)
@@ -1585,6 +1609,7 @@ def _register(version: str | None = None, families: tuple[Family, ...] | None = 
             HookRegistry.register(h.target, h.hook, HookType.AROUND)
     for owner, name, _, made in direct:
         setattr(owner, name, made)
+        PROBE.patched.setdefault(name, {})[owner] = made
     PROBE.state.active = True
     if choice.line:
         say(choice.line)

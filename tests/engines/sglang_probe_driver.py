@@ -4,7 +4,8 @@ has no CPU build of its kernels). Run with the SGLang venv's python, the reposit
     python sglang_probe_driver.py SCENARIO [TREE]
 
 TREE: unified (UnifiedRadixCache, Python tree core), rust (the same, Rust tree core), classic
-(RadixCache), swa (UnifiedRadixCache with its SWA component, Python tree core, over SGLang's
+(RadixCache), overriding (a RadixCache subclass overriding inc_lock_ref: OverridingRadixCache),
+swa (UnifiedRadixCache with its SWA component, Python tree core, over SGLang's
 SWATokenToKVPoolAllocator and SWAKVPool: a full and an swa pool), mamba (UnifiedRadixCache with its
 Mamba component, Python tree core, over SGLang's HybridReqToTokenPool with a MambaPool of MAMBA_SLOTS
 slots from a tiny Mamba2 state shape, and a TokenToKVPoolAllocator: page size 1, as the Mamba
@@ -127,6 +128,14 @@ def configure(tree_kind: str) -> None:
         MAMBA_SLOTS = 8
 
 
+class OverridingRadixCache(RadixCache):
+    """A tree class that overrides a method the probe patched on RadixCache, as SGLang 0.5.18's HiRadixCache
+    (what --enable-hierarchical-cache builds for a plain model) overrides its match, insert, evict and locks."""
+
+    def inc_lock_ref(self, node: Any) -> Any:
+        return super().inc_lock_ref(node)
+
+
 class Engine:
     """SGLang's pools and tree, and the requests the scheduler would hold."""
 
@@ -142,11 +151,11 @@ class Engine:
         else:
             self.alloc = PagedTokenToKVPoolAllocator(PAGES * PS, PS, torch.int64, "cpu", None, False)
         self.rows: Any = mamba_rows(self.buffer) if self.mamba else ReqToTokenPool(ROWS, CONTEXT, "cpu", False)
-        if tree_kind == "classic":
+        if tree_kind in ("classic", "overriding"):
             params = CacheInitParams(
                 disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc, page_size=PS
             )
-            self.tree: Any = RadixCache(params)
+            self.tree: Any = (OverridingRadixCache if tree_kind == "overriding" else RadixCache)(params)
         else:
             extra = ComponentType.SWA if self.swa else ComponentType.MAMBA if self.mamba else None
             params = fitted(  # NOTE: tree_core_backend from 0.5.21 (the Rust core); asked of 0.5.20, core() says
@@ -824,5 +833,54 @@ def main(scenario: str, tree_kind: str) -> None:
     )
 
 
+def run_cases(cases: list[str], out_dir: Path, run: Any) -> None:
+    """Each case (`run(case)`) in a child forked after SGLang's imports, the costly part of a run, paid once
+    for them all: the child records into its own capture (out_dir/<case>.db, its KVSCOPE_CAPTURE) and
+    writes its stdout and stderr to out_dir/<case>.out and .err, then exits as a process does (its exit
+    handlers run: the probe's last fold and the recorder's close). The parent never loads the probe. Prints
+    one JSON line: case -> its exit code, stdout, stderr and capture."""
+    results = {}
+    for case in cases:
+        name = case.replace(":", "-")
+        capture, out, err = (out_dir / f"{name}{suffix}" for suffix in (".db", ".out", ".err"))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(case, capture, out, err, run)
+        _, status = os.waitpid(pid, 0)
+        results[case] = {
+            "code": os.waitstatus_to_exitcode(status),
+            "stdout": out.read_text(),
+            "stderr": err.read_text(),
+            "capture": str(capture),
+        }
+    print(json.dumps(results))
+
+
+def _child(case: str, capture: Path, out: Path, err: Path, run: Any) -> None:
+    import atexit
+    import traceback
+
+    code = 1
+    try:
+        os.environ["KVSCOPE_CAPTURE"] = str(capture)
+        for fd, path in ((1, out), (2, err)):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        run(case)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()  # NOTE: as the process would exit: the probe's and the recorder's handlers
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "unified")
+    if sys.argv[1] == "--cases":  # NOTE: --cases OUT_DIR SCENARIO:TREE ...: one child per case (run_cases)
+        run_cases(sys.argv[3:], Path(sys.argv[2]), lambda case: main(*case.split(":")))
+    else:
+        main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "unified")
