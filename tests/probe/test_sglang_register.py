@@ -194,3 +194,52 @@ def test_the_0519_census_owners_take_the_chunked_request_a_batch_keeps_out_of_it
     assert [r.rid for r in probe._batch_owners_0519(checker)] == ["decoding", "chunked"]
     running.reqs = [running_req]
     assert [r.rid for r in probe._batch_owners_0519(checker)] == ["decoding", "chunked"]
+
+
+class Tree:
+    """A stand-in tree class whose insert a direct hook patches (restored after the test)."""
+
+    def insert(self, params: Any) -> Any:
+        return params
+
+
+class OverridingTree(Tree):
+    """Overrides the patched insert (as SGLang 0.5.18's HiRadixCache overrides RadixCache's)."""
+
+    def insert(self, params: Any) -> Any:
+        return super().insert(params)
+
+
+class DerivedTree(Tree):
+    """Derives from the tree and keeps its insert: the probe's."""
+
+
+class WrappingTree:
+    """Wraps a tree, not derived from it (as StreamingSession wraps a classic tree): calls the tree's own."""
+
+    def __init__(self) -> None:
+        self.inner = Tree()
+
+    def insert(self, params: Any) -> Any:
+        return self.inner.insert(params)
+
+
+def test_a_tree_class_that_overrides_a_patched_method_is_named_once_and_no_other_is() -> None:
+    original = Tree.__dict__["insert"]
+    try:
+        family = probe._family(
+            "0.5.23",
+            ("0.5.23",),
+            lambda: [probe.Hook(f"{__name__}.Tree.insert", probe._d_insert, direct=True, per_op=True)],
+            (),
+        )
+        assert probe._register("0.5.23", (family,)).startswith("registered 1 hooks")
+        unseen = probe.PROBE.tree_unseen
+        assert (
+            unseen(OverridingTree())
+            == "OverridingTree.insert overrides the tree method the probe patched, so its calls go unseen"
+        )
+        assert unseen(OverridingTree()) is None  # NOTE: once per class
+        assert unseen(Tree()) is None and unseen(DerivedTree()) is None and unseen(WrappingTree()) is None
+    finally:
+        Tree.insert = original  # type: ignore[method-assign]
