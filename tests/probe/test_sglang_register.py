@@ -146,7 +146,10 @@ def test_each_hooks_shape_holds_the_parameters_its_wrapper_passes() -> None:
     assert family_0519[f"{probe.SCHEDULER}.process_input_requests"] == ("self",)  # the busy census's point
     assert f"{probe.SCHEDULER}.ingest_requests" not in family_0519
     assert family_0519[f"{probe.UNIFIED}.dec_lock_ref"] == ("self", "node_id", "params", "skip_swa")
-    assert [f.name for f in probe.FAMILIES] == ["0.5.23", "0.5.22", "0.5.21", "0.5.20", "0.5.19"]  # newest first
+    family_0518 = {s.target: s.params for s in shapes_of(probe.hooks_0518())}
+    assert family_0518[f"{probe.ROWS}.free"] == ("self", "req")  # the row pool frees a request's own row
+    assert f"{probe.ROWS}.free_rows" not in family_0518 and f"{probe.UNIFIED}.evict_for_alloc" not in family_0518
+    assert [f.name for f in probe.FAMILIES] == ["0.5.23", "0.5.22", "0.5.21", "0.5.20", "0.5.19", "0.5.18"]
 
 
 def test_probe_check_says_a_direct_method_with_one_parameter_more_than_the_probes_will_not_load(
