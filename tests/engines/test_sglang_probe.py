@@ -83,7 +83,7 @@ def release_path(release: str) -> list[str]:
 
 
 def kvscope(
-    *args: str, env: dict[str, str] | None = None, path: list[str] | None = None
+    *args: str, env: dict[str, str] | None = None, path: list[str] | None = None, timeout_s: float = 600
 ) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCOPE_", "SGLANG_"))}
     return subprocess.run(
@@ -92,7 +92,7 @@ def kvscope(
         text=True,
         cwd=ROOT,
         env={**base, **(env or {}), "PYTHONPATH": os.pathsep.join([*(path or []), str(ROOT)])},
-        timeout=600,
+        timeout=timeout_s,
         check=False,
     )
 
@@ -132,19 +132,29 @@ def cases_of(release: str) -> list[str]:
     return [*cases, f"leak-tail:{rust_or_unified(release)}", "lock-leak:unified", "double-free:classic"]
 
 
+CASE_TIMEOUT_S = 300  # NOTE: a case's share of a driver process's time limit (a loaded machine runs one in minutes)
+
+
 def run_cases(driver: Path, release: str, cases: list[str], out_dir: Path, env: dict[str, str] | None = None) -> Any:
     """`driver` --cases under `kvscope instrument` on SGLang `release`: case -> its exit code, stdout, stderr
-    and capture (run_cases in sglang_probe_driver.py)."""
+    and capture (run_cases in sglang_probe_driver.py); a str saying why when the driver process failed."""
     command = ["instrument", "--capture", str(out_dir / "parent.db"), "--level", "full", "--", SGLANG_PYTHON]
-    out = kvscope(
-        *command, "-W", "ignore", str(driver), "--cases", str(out_dir), *cases, env=env, path=release_path(release)
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    command += ["-W", "ignore", str(driver), "--cases", str(out_dir), *cases]
+    try:
+        out = kvscope(*command, env=env, path=release_path(release), timeout_s=300 + CASE_TIMEOUT_S * len(cases))
+    except subprocess.TimeoutExpired as err:
+        return f"SGLang {release}'s cases ran past {err.timeout} s"
+    if out.returncode != 0:
+        return out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def case_result(found: dict[str, Any]) -> tuple[dict[str, Any], Path]:
-    """One case of run_cases: its JSON line with its stderr, and its capture."""
+def case_result(run: Any, case: str) -> tuple[dict[str, Any], Path]:
+    """One case of run_cases: its JSON line with its stderr, and its capture (a failed driver process fails
+    each of its cases' tests, run once)."""
+    if isinstance(run, str):
+        pytest.fail(run)
+    found = run[case]
     assert found["code"] == 0, found["stderr"][-3000:]
     result: dict[str, Any] = json.loads(found["stdout"].strip().splitlines()[-1])
     result["stderr"] = found["stderr"]
@@ -161,7 +171,7 @@ def batched(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if release not in runs:
             out_dir = tmp_path_factory.mktemp(f"sglang-{release}")
             runs[release] = run_cases(DRIVER, release, cases_of(release), out_dir)
-        result, capture = case_result(runs[release][f"{scenario}:{tree}"])
+        result, capture = case_result(runs[release], f"{scenario}:{tree}")
         assert result["served"], result["error"]
         return result, capture
 
@@ -860,7 +870,7 @@ def looped(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if release not in runs:
             out_dir = tmp_path_factory.mktemp(f"sglang-loop-{release}")
             runs[release] = run_cases(LOOP_DRIVER, release, loop_cases_of(release), out_dir, env)
-        return case_result(runs[release][scenario])
+        return case_result(runs[release], scenario)
 
     return case
 
