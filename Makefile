@@ -117,8 +117,7 @@ $(VLLM_SRC)/%/.kvscope-unpacked: | $(STAMP)
 
 # SGLang's other releases beside the venv's 0.5.23, unpacked and not installed (about 35 MB each, once):
 # tests/engines/test_sglang_probe.py puts one first on the driver's path, ahead of the SGLang venv's own
-# packages. 0.5.19 to 0.5.22 are families' tested releases (kvscope/probe/sglang.py FAMILIES); on 0.5.18 the
-# tests check the one line that refuses it.
+# packages. 0.5.18 to 0.5.22 are families' tested releases (kvscope/probe/sglang.py FAMILIES).
 SGLANG_SRC      ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvscope/sglang-src
 SGLANG_RELEASES := 0.5.18 0.5.19 0.5.20 0.5.21 0.5.22
 SGLANG_SRC_STAMPS := $(foreach v,$(SGLANG_RELEASES),$(SGLANG_SRC)/$(v)/.kvscope-unpacked)

@@ -33,8 +33,8 @@ NOTE: the request context (rid) is the request whose own call runs: release_kv_c
 checkpoint, PrefillAdder's admission (its lock); None for a batch's calls (prepare_for_*, a free
 group's end: event group) and outside any hook; a match names its request on its own event only.
 The census (Scheduler.on_idle after SGLang's own check; before SGLang raises: _report_leak,
-_check_req_pool, any other raise out of on_idle; busy: before ingest_requests (process_input_requests on
-0.5.19), first in each iteration of the normal and overlap loops, when due; drain / crash: as run_event_loop
+_check_req_pool, any other raise out of on_idle; busy: before ingest_requests (process_input_requests before
+0.5.20), first in each iteration of the normal and overlap loops, when due; drain / crash: as run_event_loop
 returns / raises, then the run closes as the loop ended) writes one leak check per pool, of its kind, and
 every page it names (census_blocks) (full; swa under an SWA allocator, read through SGLang's full -> SWA slot
 mapping; req; mamba under a HybridReqToTokenPool's MambaSlotAllocator) and a tree snapshot (tree_rows); a
@@ -85,39 +85,47 @@ from kvscope.probe.sglang_ledger import (
     _gather,
 )
 from kvscope.probe.sglang_metrics import SglangMetrics, page_terms
+from kvscope.probe.sglang_shapes import (
+    ADDER,
+    BASE,
+    BATCH,
+    CHECKER,
+    MAMBA_SLOTS,
+    PAGED,
+    RADIX,
+    READS_0518,
+    READS_0519,
+    READS_0521,
+    RELEASE,
+    ROWS,
+    SCHEDULER,
+    SWA,
+    TOKEN,
+    UNIFIED,
+    Hook,
+    _family,
+)
 from kvscope.probe.sglang_views import (
+    Holder,
+    kv_span_0518,
     live_pages,
     mamba_allocator,
     mamba_view,
     page_view,
     row_view,
     session_holders,
+    session_holders_0518,
     stale_locked_pages,
     swa_pool,
     swa_view,
     tree_rows,
     tree_slots,
 )
-from kvscope.probe.shapes import Family, Shape, choose, describe
+from kvscope.probe.shapes import Family, choose, describe
 from kvscope.telemetry import EventKind, EvictReason, PoolTerms, RequestRecord, UsageSample
 from kvscope.telemetry.remote import signals_held
 
 ENGINE = "sglang"
-MEM = "sglang.srt.mem_cache"
-PAGED = f"{MEM}.allocator.paged.PagedTokenToKVPoolAllocator"
-TOKEN = f"{MEM}.allocator.token.TokenToKVPoolAllocator"
-SWA = f"{MEM}.allocator.swa.SWATokenToKVPoolAllocator"
-ROWS = f"{MEM}.memory_pool.ReqToTokenPool"
-MAMBA_SLOTS = f"{MEM}.allocator.mamba.MambaSlotAllocator"
-RADIX = f"{MEM}.radix_cache.RadixCache"
-UNIFIED = f"{MEM}.unified_radix_cache.UnifiedRadixCache"
-BASE = f"{MEM}.allocator.base.BaseTokenToKVPoolAllocator"
-BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
-REQ = "sglang.srt.managers.schedule_batch.Req"
-ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
-SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
-CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
-RELEASE = f"{MEM}.common.release_kv_cache"
 MATCH_V, INSERT_V, LOCK_V, UNLOCK_V, EVICT_V = (
     k._value_ for k in (EventKind.MATCH, EventKind.INSERT, EventKind.LOCK, EventKind.UNLOCK, EventKind.EVICT)
 )
@@ -129,26 +137,21 @@ CAPACITY_V = EvictReason.CAPACITY._value_
 
 class LiveReader(NamedTuple):
     """How a family reads the scheduler's live requests: `owners`, SGLang's invariant checker -> the
-    requests that own a row; `lock_nodes`, those requests -> the tree node each one's prefix lock is on."""
+    requests that own a row; `lock_nodes`, those requests -> the tree node each one's prefix lock is on;
+    `kv_of`, a request -> its KV record (req_pool_idx, cache_protected_len, kv_allocated_len: its own
+    ReqKvInfo from 0.5.19, a KvSpan of what 0.5.18 keeps on the request); `sessions`, the tree -> its
+    streaming sessions' records and the nodes they hold locked (sglang_views.session_holders)."""
 
     owners: Callable[[Any], list[Any]]
     lock_nodes: Callable[[list[Any]], list[Any]]
+    kv_of: Callable[[Any], Any] = operator.attrgetter("kv")
+    sessions: Callable[[Any], tuple[list[Holder], list[Any]]] = session_holders
 
 
+TREE_METHODS = ("match_prefix", "insert", "evict", "inc_lock_ref", "dec_lock_ref")  # NOTE: patched at level full
+_KV = operator.attrgetter("kv")  # NOTE: a request's KV record from 0.5.19 (LiveReader.kv_of)
 SNAPSHOT_EVERY_STEPS = 256  # NOTE: while busy; a snapshot walks every node (as the idle census does)
 _monotonic = time.monotonic
-
-
-class Hook(NamedTuple):
-    """One SGLang target (a dotted path HookRegistry resolves) and its AROUND hook; direct: `hook`
-    is a factory, original method -> the method the probe puts on the class itself (no HookRegistry);
-    per_op: on an allocator or tree operation (patched at level full only: at summary the census
-    reads what those operations left, see `hooks`)."""
-
-    target: str
-    hook: Callable[..., Any]
-    direct: bool = False
-    per_op: bool = False
 
 
 class SglangProbe:
@@ -196,6 +199,8 @@ class SglangProbe:
         self.last_census_t = _monotonic()  # NOTE: when the last census ended (or the probe started)
         self.census_cost_s = 0.0  # NOTE: the scheduler-thread time of the last census
         self.last_said: tuple[str, ...] = ()  # NOTE: the failing pools' lines the last census printed
+        self.patched: dict[str, dict[type, Any]] = {}  # NOTE: method name -> {SGLang's class: the probe's method}
+        self.trees_seen: set[type] = set()  # NOTE: the tree classes whose hooked methods were checked (tree_unseen)
 
     def publish(self, scheduler: Any) -> None:
         """The censuses so far into SGLang's /metrics, labelled as the scheduler's series (never raises)."""
@@ -287,22 +292,45 @@ class SglangProbe:
             self.now = now
             self.busy = True
 
-    def prepared(self, reqs: Any, rows: Any, tree: Any, event: str) -> None:
+    def tree_unseen(self, tree: Any) -> str | None:
+        """Why the probe cannot see this tree's calls, once per tree class: a class that overrides a tree
+        method the probe patched on a class it derives from (SGLang 0.5.18's HiRadixCache, built for a plain
+        model with --enable-hierarchical-cache, overrides RadixCache's match, insert, evict and locks); None
+        when each such method of its class is the probe's (a tree that wraps one, not derived from it, calls
+        the wrapped tree's own)."""
+        cls = type(tree)
+        if cls in self.trees_seen:
+            return None
+        self.trees_seen.add(cls)
+        for name in TREE_METHODS:
+            for owner, made in self.patched.get(name, {}).items():
+                if issubclass(cls, owner) and getattr(cls, name, None) is not made:
+                    return f"{cls.__name__}.{name} overrides the tree method the probe patched, so its calls go unseen"
+        return None
+
+    def prepared(self, reqs: Any, rows: Any, tree: Any, event: str, kv_of: Callable[[Any], Any] = _KV) -> None:
         """After SGLang's prepare_for_extend / prepare_for_decode: the batch's row pages bound to its
-        requests; the pool's counters kept by reference for this step's usage sample (written when the
-        next step begins); a tree snapshot every SNAPSHOT_EVERY_STEPS steps."""
+        requests (`kv_of`: the family's reader of a request's KV record, LiveReader); the pool's counters
+        kept by reference for this step's usage sample (written when the next step begins); a tree
+        snapshot every SNAPSHOT_EVERY_STEPS steps. A tree whose calls the probe cannot see (tree_unseen)
+        stops recording: its ledger would be partial."""
+        unseen = self.tree_unseen(tree)
+        if unseen is not None:
+            self.state.stop(f"SGLang {self.version}: {unseen}; nothing more is recorded (no partial ledger)")
+            return
         allocator = tree.token_to_kv_pool_allocator
         full = getattr(allocator, "full_attn_allocator", allocator)
         page_size = int(full.page_size)
         swa = swa_pool(allocator)
         peers = None if swa is None else (allocator.full_to_swa_index_mapping, swa)
-        self.bind_requests(reqs, rows, page_size, full, event, peers)
+        self.bind_requests(reqs, rows, page_size, full, event, peers, kv_of)
         if event == "extend" and getattr(rows, "req_index_to_mamba_index_mapping", None) is not None:
-            self.bind_mamba(reqs, rows)
+            self.bind_mamba(reqs, rows, kv_of)
         self.sources = (tree, full, len(reqs))
         rec = self.recorder()
         if rec is not None and rec.step % SNAPSHOT_EVERY_STEPS == 0:
-            rec.tree_snapshot(rec.step, tree_rows(tree, live_pages(rows, reqs, page_size), page_size))
+            holders = [Holder(req.rid, kv_of(req)) for req in reqs]
+            rec.tree_snapshot(rec.step, tree_rows(tree, live_pages(rows, holders, page_size), page_size))
 
     def step_usage(self, rec: Any, tree: Any, full: Any, running: int) -> None:
         """One usage sample from the allocator's and the tree's own counters (no page is walked)."""
@@ -331,7 +359,14 @@ class SglangProbe:
         self.usage_step = rec.step
 
     def bind_requests(
-        self, reqs: Any, rows: Any, page_size: int, allocator: Any, event: str, peers: tuple[Any, Any] | None = None
+        self,
+        reqs: Any,
+        rows: Any,
+        page_size: int,
+        allocator: Any,
+        event: str,
+        peers: tuple[Any, Any] | None = None,
+        kv_of: Callable[[Any], Any] = _KV,
     ) -> None:
         """Each request's row pages are its own (after prepare_for_extend / prepare_for_decode): the
         slots its row gained since its last bind (a decode step: one per request), not the whole row,
@@ -345,7 +380,7 @@ class SglangProbe:
         parts: list[int] = []
         width = table.shape[1]
         for req in reqs:
-            kv = req.kv
+            kv = kv_of(req)
             if kv.req_pool_idx is None:
                 continue
             row, end = kv.req_pool_idx, kv.kv_allocated_len
@@ -365,14 +400,14 @@ class SglangProbe:
             mapping, swa = peers
             self.pending.extend((BIND, swa, rids, self.step, event, mapping[slots], parts))
 
-    def bind_mamba(self, reqs: Any, rows: Any) -> None:
+    def bind_mamba(self, reqs: Any, rows: Any, kv_of: Callable[[Any], Any] = _KV) -> None:
         """After prepare_for_extend: each request's Mamba slots (its row's mamba index, and its
         ping-pong track slots with SGLang's extra buffer: -1 where empty, dropped by the fold) are its
         own. HybridReqToTokenPool.alloc takes them in the batch's prepare, where no request is the
         context: one gather from the row mappings, queued as a bind (no tensor read here)."""
         rids, picked = [], []
         for req in reqs:
-            row = req.kv.req_pool_idx
+            row = kv_of(req).req_pool_idx
             if row is not None:
                 rids.append(req.rid)
                 picked.append(int(row))
@@ -425,7 +460,7 @@ class SglangProbe:
                     checker = scheduler.invariant_checker
                     owners = live.owners(checker)
                     tree, rows = checker.tree_cache, checker.req_to_token_pool
-                    self.census(tree, rows, owners, why=kind, kind=kind, lock_nodes=live.lock_nodes)
+                    self.census(tree, rows, owners, why=kind, kind=kind, live=live)
                     for req in owners:  # NOTE: the rows of those still running (the census saw their pages held)
                         _record_request(req, unfinished=True)
                 self.publish(scheduler)
@@ -443,12 +478,13 @@ class SglangProbe:
         *,
         why: str,
         kind: str = "idle",
-        lock_nodes: Callable[[list[Any]], list[Any]] | None = None,
+        live: LiveReader | None = None,
     ) -> Any:
         """Every page of each pool is exactly one of free / in the tree / in a live request's row (a
         streaming session's record counts as one: session_holders); stored as leak checks (one per
         pool) of census `kind` (busy, idle, drain, crash) with every page it names, and a usage
-        sample, before anything else happens; a tree snapshot too, but at a busy census."""
+        sample, before anything else happens; a tree snapshot too, but at a busy census. `live`: the
+        family's reader of the requests' locks, KV records and the tree's sessions (LIVE when None)."""
         rec = self.recorder()
         if rec is None:
             return None
@@ -461,18 +497,19 @@ class SglangProbe:
         self.census_step = rec.step
         allocator = tree.token_to_kv_pool_allocator
         full = getattr(allocator, "full_attn_allocator", allocator)
-        lock_nodes = lock_nodes or _lock_nodes  # NOTE: the family's (LiveReader); Req.lock from 0.5.22
-        sessions, session_locks = session_holders(tree)
-        owners = [*owners, *sessions]  # NOTE: SGLang's owners leave out a session's record; it is held, not leaked
-        live = {req.rid for req in owners}
-        live_locks = Counter(_node(node) for node in [*lock_nodes(owners), *session_locks])
-        open_locks = {node: stale_locks(held, live, live_locks[node]) for node, held in self.locks.items()}
+        live = live or LIVE
+        sessions, session_locks = live.sessions(tree)
+        lock_nodes = [*live.lock_nodes(owners), *session_locks]
+        kv_of = live.kv_of
+        owners = [*(Holder(req.rid, kv_of(req)) for req in owners), *sessions]  # NOTE: SGLang's owners leave out
+        # a session's record; it is held, not leaked
+        live_rids = {holder.rid for holder in owners}
+        live_locks = Counter(_node(node) for node in lock_nodes)
+        open_locks = {node: stale_locks(held, live_rids, live_locks[node]) for node, held in self.locks.items()}
         in_tree = tree_slots(tree)
         view = page_view(full, in_tree, rows, owners)
         locked = (  # NOTE: no lock ledger at summary: the tree's own counts against the live holders' locks
-            stale_locked_pages(tree, [*lock_nodes(owners), *session_locks], view.live, view.page_size)
-            if self.lean
-            else None
+            stale_locked_pages(tree, lock_nodes, view.live, view.page_size) if self.lean else None
         )
         result = take_page_census(
             "full",
@@ -671,14 +708,25 @@ def _d_token_free(original: Callable[..., Any]) -> Callable[..., Any]:
     return free
 
 
-def _h_rows_alloc(original: Callable[..., Any], self: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:
-    result = original(self, reqs, *args, **kwargs)
+def _rows_alloc(kv_of: Callable[[Any], Any]) -> Callable[..., Any]:
+    """ReqToTokenPool.alloc(reqs): each row's taker; `kv_of` reads the row SGLang gave each request."""
+
+    def hook(original: Callable[..., Any], self: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:
+        return _rows_taken(original(self, reqs, *args, **kwargs), reqs, kv_of)
+
+    return hook
+
+
+_h_rows_alloc = _rows_alloc(_KV)  # NOTE: ReqToTokenPool.alloc from 0.5.19 (the row on the request's ReqKvInfo)
+
+
+def _rows_taken(result: Any, reqs: Any, kv_of: Callable[[Any], Any]) -> Any:
     if result is not None and PROBE.state.active:
         try:
             if _ready():
                 takers, bound, step = PROBE.takers["req"], PROBE.bound, PROBE.step
                 for req in reqs:
-                    row = int(req.kv.req_pool_idx)
+                    row = int(kv_of(req).req_pool_idx)
                     takers[row] = (req.rid, step, "alloc")
                     bound.pop(row, None)
         except Exception as err:
@@ -687,16 +735,29 @@ def _h_rows_alloc(original: Callable[..., Any], self: Any, reqs: Any, *args: Any
 
 
 def _h_rows_free(original: Callable[..., Any], self: Any, indices: Any, *args: Any, **kwargs: Any) -> Any:
+    """ReqToTokenPool.free_rows(indices) (0.5.19 on): each row's releaser."""
     if PROBE.state.active:
-        try:
-            if _ready():
-                releasers, bound, entry = PROBE.releasers["req"], PROBE.bound, (PROBE.rid, PROBE.step, PROBE.event)
-                for row in indices:
-                    releasers[int(row)] = entry
-                    bound.pop(int(row), None)
-        except Exception as err:
-            _failed(err)
+        _rows_released(indices)
     return original(self, indices, *args, **kwargs)
+
+
+def _h_rows_free_0518(original: Callable[..., Any], self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """ReqToTokenPool.free(req) (SGLang 0.5.18: the pool frees the request's own row, req.req_pool_idx,
+    and clears it): that row's releaser."""
+    if PROBE.state.active:
+        _rows_released(() if req.req_pool_idx is None else (req.req_pool_idx,))
+    return original(self, req, *args, **kwargs)
+
+
+def _rows_released(indices: Any) -> None:
+    try:
+        if _ready():
+            releasers, bound, entry = PROBE.releasers["req"], PROBE.bound, (PROBE.rid, PROBE.step, PROBE.event)
+            for row in indices:
+                releasers[int(row)] = entry
+                bound.pop(int(row), None)
+    except Exception as err:
+        _failed(err)
 
 
 def _d_mamba_alloc(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -1061,7 +1122,10 @@ def _host_hook(kind: str) -> Callable[..., Any]:
     return hook
 
 
-def _h_prepare(event: str) -> Callable[..., Any]:
+def _h_prepare(event: str, kv_of: Callable[[Any], Any] = _KV) -> Callable[..., Any]:
+    """ScheduleBatch.prepare_for_`event`: a step begins; after SGLang's own, its requests' row pages are
+    bound to them (`kv_of`: the family's reader of a request's KV record)."""
+
     def hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
         if not PROBE.state.active:
             return original(self, *args, **kwargs)
@@ -1072,7 +1136,7 @@ def _h_prepare(event: str) -> Callable[..., Any]:
         result = _in_context(None, event, lambda: original(self, *args, **kwargs))
         try:
             if _ready():
-                PROBE.prepared(self.reqs, self.req_to_token_pool, self.tree_cache, event)
+                PROBE.prepared(self.reqs, self.req_to_token_pool, self.tree_cache, event, kv_of)
         except Exception as err:
             _failed(err)
         return result
@@ -1187,16 +1251,32 @@ def _batch_owners_0519(checker: Any) -> list[Any]:
     return _holders(last, running, [b.chunked_req for b in batches])
 
 
-def _holders(last: Any, running: Any, chunked: list[Any]) -> list[Any]:
+def _batch_owners_0518(checker: Any) -> list[Any]:
+    """_batch_owners_0519 for SGLang 0.5.18, whose request holds a row while its own req_pool_idx is set
+    (no ReqKvInfo.holds_kv: its ReqKvInfo is None until its first allocation and after its release)."""
+    last, running = checker.get_last_batch(), checker.get_running_batch()
+    batches = [b for b in (last, running) if b is not None]
+    return _holders(last, running, [b.chunked_req for b in batches], _holds_row_0518)
+
+
+def _holds_kv(req: Any) -> bool:
+    return bool(req.kv.holds_kv)
+
+
+def _holds_row_0518(req: Any) -> bool:
+    return req.req_pool_idx is not None
+
+
+def _holders(last: Any, running: Any, chunked: list[Any], holds: Callable[[Any], bool] = _holds_kv) -> list[Any]:
     """The requests of the last batch, the running batch (when another object) and `chunked`, each once,
-    that hold a row."""
+    that hold a row (`holds`)."""
     reqs = [] if last is None else list(last.reqs)
     if running is not None and running is not last:  # NOTE: identity: ScheduleBatch's == compares tensors
         reqs += running.reqs
     reqs += [req for req in chunked if req is not None]
     owners: dict[int, Any] = {}
     for req in reqs:
-        if req.kv.holds_kv:
+        if holds(req):
             owners.setdefault(id(req), req)
     return list(owners.values())
 
@@ -1217,7 +1297,7 @@ def _census_hooks(live: LiveReader, busy_point: str = "ingest_requests") -> list
         if PROBE.state.active and (PROBE.busy or PROBE.pending):
             with guarded(PROBE.state):
                 owners = live.owners(self.invariant_checker)
-                PROBE.census(self.tree_cache, self.req_to_token_pool, owners, why="idle", lock_nodes=live.lock_nodes)
+                PROBE.census(self.tree_cache, self.req_to_token_pool, owners, why="idle", live=live)
             PROBE.publish(self)
         return result
 
@@ -1230,7 +1310,7 @@ def _census_hooks(live: LiveReader, busy_point: str = "ingest_requests") -> list
             with guarded(probe.state):
                 checker = self.invariant_checker
                 owners, rows = live.owners(checker), checker.req_to_token_pool
-                probe.census(checker.tree_cache, rows, owners, why="busy", kind="busy", lock_nodes=live.lock_nodes)
+                probe.census(checker.tree_cache, rows, owners, why="busy", kind="busy", live=live)
             probe.publish(self)
         return original(self, *args, **kwargs)
 
@@ -1290,7 +1370,7 @@ def _census_before_raise(checker: Any, why: str, live: LiveReader) -> None:
     if probe.state.active and (probe.busy or probe.pending or probe.census_step != probe.step):
         with guarded(probe.state):
             owners = live.owners(checker)
-            probe.census(checker.tree_cache, checker.req_to_token_pool, owners, why=why, lock_nodes=live.lock_nodes)
+            probe.census(checker.tree_cache, checker.req_to_token_pool, owners, why=why, live=live)
 
 
 def _lock_nodes(owners: list[Any]) -> list[Any]:
@@ -1307,6 +1387,8 @@ def _last_nodes(owners: list[Any]) -> list[Any]:
 LIVE = LiveReader(_requests_owning_rows, _lock_nodes)
 LIVE_0521 = LiveReader(_batch_owners, _last_nodes)  # NOTE: 0.5.20, 0.5.21: no _requests_owning_rows, no Req.lock
 LIVE_0519 = LiveReader(_batch_owners_0519, _last_nodes)  # NOTE: no get_chunked_req on the checker
+# NOTE: 0.5.18: a request's row and protected length on Req itself; a session slot's lock on its last_node
+LIVE_0518 = LiveReader(_batch_owners_0518, _last_nodes, kv_span_0518, session_holders_0518)
 
 
 def _root_of(tree: Any) -> Any:
@@ -1325,8 +1407,13 @@ def _tokens(result: Any) -> int:
     return result if isinstance(result, int) else 0
 
 
-def _pool_hooks() -> list[Hook]:
-    """The allocators' and the request rows' hooks (ReqToTokenPool.free_rows: 0.5.19 on)."""
+def _pool_hooks(
+    rows_alloc: Callable[..., Any] | None = None,
+    rows_free: tuple[str, Callable[..., Any]] = ("free_rows", _h_rows_free),
+) -> list[Hook]:
+    """The allocators' and the request rows' hooks (`rows_alloc`: ReqToTokenPool.alloc's, reading each row
+    with the family's reader, _h_rows_alloc when None; `rows_free`: the method that frees rows and its
+    hook, free_rows from 0.5.19, free(req) on 0.5.18)."""
     return [
         Hook(f"{PAGED}.alloc", _d_alloc, direct=True, per_op=True),
         Hook(f"{PAGED}.alloc_extend", _d_alloc_extend, direct=True, per_op=True),
@@ -1335,8 +1422,8 @@ def _pool_hooks() -> list[Hook]:
         Hook(f"{TOKEN}.alloc", _d_alloc, direct=True, per_op=True),
         Hook(f"{TOKEN}.free", _d_token_free, direct=True, per_op=True),
         Hook(f"{SWA}.__init__", _h_swa_init),
-        Hook(f"{ROWS}.alloc", _h_rows_alloc),
-        Hook(f"{ROWS}.free_rows", _h_rows_free),
+        Hook(f"{ROWS}.alloc", rows_alloc or _h_rows_alloc),
+        Hook(f"{ROWS}.{rows_free[0]}", rows_free[1]),
         Hook(f"{MAMBA_SLOTS}.alloc", _d_mamba_alloc, direct=True, per_op=True),
         Hook(f"{MAMBA_SLOTS}.free", _d_mamba_free, direct=True, per_op=True),
     ]
@@ -1344,12 +1431,13 @@ def _pool_hooks() -> list[Hook]:
 
 def _tree_hooks(
     match: Callable[..., Any],
-    evict_for_alloc: Callable[..., Any],
+    evict_for_alloc: Callable[..., Any] | None,
     host: tuple[tuple[str, str], ...],
     unified_unlock: Callable[..., Any] = _d_unified_dec_lock,
 ) -> list[Hook]:
     """Both trees' hot methods (`match`: the factory for match_prefix, whose result changed;
-    `evict_for_alloc`: for UnifiedRadixCache's, whose keywords changed; `unified_unlock`: for its
+    `evict_for_alloc`: for UnifiedRadixCache's, whose keywords changed, None where it has none (0.5.18:
+    the allocation path calls evict); `unified_unlock`: for its
     dec_lock_ref, whose params had a default in 0.5.19), and the HiCache component's `host` methods
     ((name, event kind) each)."""
     return [
@@ -1361,7 +1449,11 @@ def _tree_hooks(
         Hook(f"{UNIFIED}.match_prefix", match, direct=True, per_op=True),
         Hook(f"{UNIFIED}.insert", _d_insert, direct=True, per_op=True),
         Hook(f"{UNIFIED}.evict", _d_evict, direct=True, per_op=True),
-        Hook(f"{UNIFIED}.evict_for_alloc", evict_for_alloc, direct=True, per_op=True),
+        *(
+            []
+            if evict_for_alloc is None
+            else [Hook(f"{UNIFIED}.evict_for_alloc", evict_for_alloc, direct=True, per_op=True)]
+        ),
         Hook(f"{UNIFIED}.inc_lock_ref", _d_unified_inc_lock, direct=True, per_op=True),
         Hook(f"{UNIFIED}.dec_lock_ref", unified_unlock, direct=True, per_op=True),
         *(Hook(f"{UNIFIED}.{name}", _host_hook(kind), per_op=True) for name, kind in host),
@@ -1371,10 +1463,11 @@ def _tree_hooks(
 HOST = (("evict_host", HOST_EVICT_V), ("load_back", LOAD_V), ("backup_kv_cache", WRITE_V))
 
 
-def _request_hooks(prefill_cache: str, admission: str) -> list[Hook]:
+def _request_hooks(prefill_cache: str, admission: str, kv_of: Callable[[Any], Any] = _KV) -> list[Hook]:
     """The calls whose tree and pool work is one request's: both trees' `prefill_cache` method (what caches
     a prefill's tokens: checkpoint from 0.5.22, cache_unfinished_req before), PrefillAdder's `admission`
-    (where the prefix lock is taken), release_kv_cache; a free group's end is no request's."""
+    (where the prefix lock is taken), release_kv_cache; a free group's end is no request's; the batch's
+    prepares bind with `kv_of` (LiveReader)."""
     return [
         Hook(f"{RADIX}.{prefill_cache}", _h_checkpoint, per_op=True),
         Hook(f"{UNIFIED}.{prefill_cache}", _h_checkpoint, per_op=True),
@@ -1382,8 +1475,8 @@ def _request_hooks(prefill_cache: str, admission: str) -> list[Hook]:
         Hook(f"{BASE}.free_group_end", _h_free_group_end, per_op=True),
         Hook(f"{PAGED}.free_group_end", _h_free_group_end, per_op=True),
         Hook(f"{SWA}.free_group_end", _h_free_group_end, per_op=True),
-        Hook(f"{BATCH}.prepare_for_extend", _h_prepare("extend")),
-        Hook(f"{BATCH}.prepare_for_decode", _h_prepare("decode")),
+        Hook(f"{BATCH}.prepare_for_extend", _h_prepare("extend", kv_of)),
+        Hook(f"{BATCH}.prepare_for_decode", _h_prepare("decode", kv_of)),
         Hook(RELEASE, _h_release),
         Hook(f"{BATCH}.retract_decode", _h_retract),
     ]
@@ -1449,70 +1542,17 @@ def hooks_0519() -> list[Hook]:
     ]
 
 
-# NOTE: the classes whose attributes the probe and its census read (sglang_views.py, the hooks above);
-# a release that renamed one loads no family (shapes.py: reads). The functions the census calls on
-# SGLang's objects are targets of their own (their leading parameters).
-READS = (
-    Shape(f"{MEM}.memory_pool.ReqToTokenPool", reads=("req_to_token", "free_slots", "size")),
-    Shape(PAGED, reads=("page_size", "size", "free_pages")),
-    Shape(f"{MEM}.radix_cache.TreeNode", reads=("children", "parent", "key", "value", "lock_ref", "id")),
-    Shape(BATCH, reads=("reqs", "req_to_token_pool", "tree_cache")),
-    Shape(REQ, reads=("rid", "kv", "origin_input_ids", "output_ids", "cached_tokens")),
-    Shape(f"{REQ}KvInfo", reads=("req_pool_idx", "kv_allocated_len", "cache_protected_len", "holds_kv")),
-    Shape(SCHEDULER, reads=("invariant_checker", "tree_cache")),
-    Shape(CHECKER, reads=("tree_cache", "req_to_token_pool")),
-    Shape(f"{CHECKER}._requests_owning_rows", params=("self",)),
-    Shape(f"{MEM}.base_prefix_cache.BasePrefixCache.session_records", params=("self",)),
-    Shape(f"{UNIFIED}.root_node_handle", params=("self",)),
-    Shape(f"{MEM}.base_prefix_cache.MatchResult", reads=("device_prefix_len", "last_device_node")),
-    Shape(f"{MEM}.base_prefix_cache.InsertResult", reads=("prefix_len", "last_device_node")),
-    Shape(f"{MEM}.base_prefix_cache.EvictResult", reads=("num_tokens_evicted",)),
-)
-# NOTE: before 0.5.22 the checker has no _requests_owning_rows (_batch_owners reads its batch getters), a
-# live request's lock is on its last_node (_last_nodes) and MatchResult holds the device hit's indices
-_BEFORE_0522 = {CHECKER, f"{CHECKER}._requests_owning_rows", f"{MEM}.base_prefix_cache.BasePrefixCache.session_records"}
-READS_0521 = (
-    *(s for s in READS if s.target not in _BEFORE_0522 and not s.target.endswith(".MatchResult")),
-    Shape(CHECKER, reads=("tree_cache", "req_to_token_pool", "get_last_batch", "get_running_batch", "get_chunked_req")),
-    Shape(REQ, reads=("last_node",)),
-    Shape(f"{MEM}.base_prefix_cache.MatchResult", reads=("device_indices", "last_device_node")),
-)
-READS_0519 = (  # NOTE: the checker without get_chunked_req; the batch's chunked request read instead
-    *(s for s in READS_0521 if s.target not in (CHECKER, BATCH, PAGED)),
-    Shape(PAGED, reads=("page_size", "size", "free_pages", "release_pages")),  # NOTE: no get_all_free_pages
-    Shape(CHECKER, reads=("tree_cache", "req_to_token_pool", "get_last_batch", "get_running_batch")),
-    Shape(BATCH, reads=("reqs", "req_to_token_pool", "tree_cache", "chunked_req")),
-)
-
-
-def shapes_of(table: list[Hook], reads: tuple[Shape, ...] = READS) -> tuple[Shape, ...]:
-    """Each hook's target with the leading parameters its wrapper passes (a direct hook: every one of
-    its method's), then the classes read."""
-    return (*(Shape(h.target, params=_params_of(h)) for h in table), *reads)
-
-
-def _params_of(h: Hook) -> tuple[str, ...]:
-    """The parameter names a hook relies on: a direct hook's method's (made from a stand-in method);
-    an AROUND hook's, after `original` up to its *args."""
-    if h.direct:
-        made = h.hook(_stand_in)
-        return tuple(inspect.signature(made, follow_wrapped=False).parameters)
-    names = []
-    for p in list(inspect.signature(h.hook).parameters.values())[1:]:
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            break
-        names.append(p.name)
-    return tuple(names)
-
-
-def _stand_in(*args: Any, **kwargs: Any) -> None:
-    """What a direct hook's factory wraps when only its method's parameters are asked for."""
-
-
-def _family(
-    name: str, releases: tuple[str, ...], build: Callable[[], list[Hook]], reads: tuple[Shape, ...] = READS
-) -> Family:
-    return Family(name, releases, shapes_of(build(), reads), build)
+def hooks_0518() -> list[Hook]:
+    """SGLang 0.5.18: 0.5.19's, but ReqToTokenPool frees a request's row with free(req) (no free_rows), the
+    row index and the tree's protected length are on Req (ReqKvInfo holds the allocated length only, and is
+    None while no KV is held: LIVE_0518's kv_of), and UnifiedRadixCache has no evict_for_alloc (allocation
+    evicts through evict, hooked)."""
+    return [
+        *_pool_hooks(_rows_alloc(kv_span_0518), ("free", _h_rows_free_0518)),
+        *_tree_hooks(_d_match_indices, None, HOST[:2], _d_unified_dec_lock_0519),
+        *_request_hooks("cache_unfinished_req", "add_one_req", kv_span_0518),
+        *_census_hooks(LIVE_0518, "process_input_requests"),
+    ]
 
 
 # NOTE: newest first; a release tested on a family is in its `releases` (docs/probe.md's version table)
@@ -1522,6 +1562,7 @@ FAMILIES: tuple[Family, ...] = (
     _family("0.5.21", ("0.5.21",), hooks_0521, READS_0521),
     _family("0.5.20", ("0.5.20",), hooks_0520, READS_0521),
     _family("0.5.19", ("0.5.19",), hooks_0519, READS_0519),
+    _family("0.5.18", ("0.5.18",), hooks_0518, READS_0518),
 )
 
 
@@ -1577,6 +1618,7 @@ def _register(version: str | None = None, families: tuple[Family, ...] | None = 
             HookRegistry.register(h.target, h.hook, HookType.AROUND)
     for owner, name, _, made in direct:
         setattr(owner, name, made)
+        PROBE.patched.setdefault(name, {})[owner] = made
     PROBE.state.active = True
     if choice.line:
         say(choice.line)

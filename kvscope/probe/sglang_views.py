@@ -17,24 +17,54 @@ from kvscope.telemetry import NodeRow
 PREVIEW_TOKENS = 8
 
 
-class SessionRecord(NamedTuple):
-    """A streaming session's KV record, as a census holder (named `session <id>`): between its turns
-    the session, not a request, holds its row, its pages past the tree's prefix and its Mamba slots
-    (SGLang's identity counts them as session_held)."""
+class Holder(NamedTuple):
+    """What a census reads of one holder of a row: a live request, or a streaming session's KV record
+    between its turns (named `session <id>`: the session, not a request, then holds its row, its pages
+    past the tree's prefix and its Mamba slots; SGLang's identity counts them as session_held). `kv`:
+    its KV record (`req_pool_idx`, `cache_protected_len`, `kv_allocated_len`; the family's reader of a
+    request makes it: the request's own ReqKvInfo from 0.5.19, a KvSpan on 0.5.18)."""
 
     rid: str
     kv: Any
 
 
-def session_holders(tree: Any) -> tuple[list[SessionRecord], list[Any]]:
+class KvSpan(NamedTuple):
+    """SGLang 0.5.18's KV record of a request (or a session's slot), read where 0.5.18 keeps it: the row
+    and the tree's protected length on the request itself, the allocated length on its ReqKvInfo (None
+    once released, or before its first allocation: nothing allocated)."""
+
+    req_pool_idx: int | None
+    cache_protected_len: int
+    kv_allocated_len: int
+
+
+def kv_span_0518(holder: Any) -> KvSpan:
+    """A 0.5.18 request's (or SessionSlot's) KV record as the census and the binds read it."""
+    kv = holder.kv
+    return KvSpan(holder.req_pool_idx, holder.cache_protected_len, 0 if kv is None else kv.kv_allocated_len)
+
+
+def session_holders(tree: Any) -> tuple[list[Holder], list[Any]]:
     """UnifiedRadixCache's streaming sessions (StreamingSession.slots in 0.5.23; none in other trees):
     each session's record that holds a row, and the node of each prefix lock a session holds (taken
     by its first turn's request, kept by the session after that request finished)."""
     slots = getattr(getattr(tree, "session", None), "slots", None)
     if not slots:
         return [], []
-    records = [SessionRecord(f"session {sid}", slot.kv) for sid, slot in slots.items() if slot.kv.holds_kv]
+    records = [Holder(f"session {sid}", slot.kv) for sid, slot in slots.items() if slot.kv.holds_kv]
     return records, [slot.lock.node for slot in slots.values() if slot.lock is not None]
+
+
+def session_holders_0518(tree: Any) -> tuple[list[Holder], list[Any]]:
+    """session_holders for SGLang 0.5.18, whose SessionSlot keeps its row, protected length and lock node
+    (`last_node`, locked by its first turn until the close) itself, and a ReqKvInfo only while it holds KV
+    (`is_holding_kv`)."""
+    slots = getattr(getattr(tree, "session", None), "slots", None)
+    if not slots:
+        return [], []
+    held = [(sid, slot) for sid, slot in slots.items() if slot.is_holding_kv]
+    records = [Holder(f"session {sid}", kv_span_0518(slot)) for sid, slot in held]
+    return records, [slot.last_node for slot in slots.values() if slot.last_node is not None]
 
 
 def row_view(rows: Any, owners: list[Any]) -> PageView:

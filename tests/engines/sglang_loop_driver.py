@@ -23,6 +23,7 @@ Prints one JSON line: the injected fault (its pages and the probe's step then) a
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -58,13 +59,12 @@ class Loop:
             *running_batch.reqs,
             *(last_batch.reqs if last_batch is not None and last_batch.kind == "prefill" else []),
         ]
-        running = SimpleNamespace(kind="decode", reqs=[r for r in reqs if r.rid in self.engine.live], chunked_req=None)
+        running = batch_of("decode", [r for r in reqs if r.rid in self.engine.live])
         if len(running.reqs) < 2:
             self.made += 1
             tail = [200 + self.made * 7 + i for i in range(3)]  # NOTE: 15 tokens: a part-filled tail page
-            batch = SimpleNamespace(
-                kind="prefill", rid=f"req-{self.made:03d}", tokens=[*SYSTEM, *tail], reqs=[], chunked_req=None
-            )
+            batch = batch_of("prefill", [])
+            batch.rid, batch.tokens = f"req-{self.made:03d}", [*SYSTEM, *tail]
             return running, batch
         return running, running
 
@@ -94,12 +94,17 @@ class Loop:
             self.engine.release(req)
 
     def leak_tail(self, req: Any) -> None:
-        kv = req.kv
+        kv = driver.KV_OF(req)
         aligned = kv.kv_allocated_len // driver.PS * driver.PS
         assert aligned < kv.kv_allocated_len, (req.rid, kv.kv_allocated_len)
         tail = int(self.engine.rows.req_to_token[kv.req_pool_idx, aligned]) // driver.PS
-        kv.kv_allocated_len = kv.kv_committed_len = aligned
+        driver.set_kv_len(req, aligned)
         self.injected = {"kind": "leak-tail", "rid": req.rid, "pages": [tail], "step": probe.PROBE.step}
+
+
+def batch_of(kind: str, reqs: list[Any]) -> SimpleNamespace:
+    """A stand-in ScheduleBatch: its kind, its requests, and what SGLang's checker reads of it."""
+    return SimpleNamespace(kind=kind, reqs=reqs, chunked_req=None, is_empty=lambda: not reqs)
 
 
 def stand_in(engine: driver.Engine, loop: Loop) -> SimpleNamespace:
@@ -107,7 +112,7 @@ def stand_in(engine: driver.Engine, loop: Loop) -> SimpleNamespace:
     probe's hooked methods are SGLang's own, called on it."""
     nothing = SimpleNamespace(
         start_scheduler_time_accounting=lambda: None,
-        record_scheduler_active=lambda t: None,
+        record_scheduler_active=lambda *t: None,  # NOTE: 0.5.20, 0.5.21 pass no time
         record_scheduler_idle=lambda: None,
     )
     s = SimpleNamespace(
@@ -125,10 +130,11 @@ def stand_in(engine: driver.Engine, loop: Loop) -> SimpleNamespace:
         gracefully_exit=False,
         _engine_paused=False,
         _deferred_input_requests=[],
-        running_batch=SimpleNamespace(kind="decode", reqs=[], chunked_req=None),
+        running_batch=batch_of("decode", []),
         last_batch=None,
         cur_batch_for_debug=None,
         invariant_checker=None,
+        ps=SimpleNamespace(pp_rank=0, attn_tp_rank=0, attn_cp_rank=0),  # NOTE: 0.5.20, 0.5.21's ranks (one)
         tree_cache=engine.tree,
         req_to_token_pool=engine.rows,
     )
@@ -154,7 +160,11 @@ def stand_in(engine: driver.Engine, loop: Loop) -> SimpleNamespace:
     s.request_receiver = SimpleNamespace(recv_requests=receive)
     s.process_input_requests = process_input_requests
     s._poll_timeout_aborts = lambda: []
-    s.ingest_requests = lambda stop_at_pause=False: Scheduler.ingest_requests(s, stop_at_pause)
+    ingest = getattr(Scheduler, "ingest_requests", None)  # NOTE: 0.5.20 on
+    if ingest is not None and "stop_at_pause" in inspect.signature(ingest).parameters:  # NOTE: 0.5.22 added it
+        s.ingest_requests = lambda stop_at_pause=False: Scheduler.ingest_requests(s, stop_at_pause)
+    elif ingest is not None:
+        s.ingest_requests = lambda: Scheduler.ingest_requests(s)
     if not hasattr(Scheduler, "ingest_requests"):  # NOTE: 0.5.19's loop: recv_requests, then SGLang's own
         s.session_controller = SimpleNamespace(maybe_reap=lambda now: None)  # process_input_requests
         s._request_dispatcher = lambda req: Scheduler.handle_shutdown(s, req)
@@ -208,4 +218,7 @@ def main(scenario: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--cases":  # NOTE: --cases OUT_DIR SCENARIO ...: one child per scenario (driver.run_cases)
+        driver.run_cases(sys.argv[3:], Path(sys.argv[2]), main)
+    else:
+        main(sys.argv[1])

@@ -4,7 +4,8 @@ has no CPU build of its kernels). Run with the SGLang venv's python, the reposit
     python sglang_probe_driver.py SCENARIO [TREE]
 
 TREE: unified (UnifiedRadixCache, Python tree core), rust (the same, Rust tree core), classic
-(RadixCache), swa (UnifiedRadixCache with its SWA component, Python tree core, over SGLang's
+(RadixCache), overriding (a RadixCache subclass overriding inc_lock_ref: OverridingRadixCache),
+swa (UnifiedRadixCache with its SWA component, Python tree core, over SGLang's
 SWATokenToKVPoolAllocator and SWAKVPool: a full and an swa pool), mamba (UnifiedRadixCache with its
 Mamba component, Python tree core, over SGLang's HybridReqToTokenPool with a MambaPool of MAMBA_SLOTS
 slots from a tiny Mamba2 state shape, and a TokenToKVPoolAllocator: page size 1, as the Mamba
@@ -63,7 +64,7 @@ import torch  # noqa: E402
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape  # noqa: E402
 from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang.srt.managers import schedule_policy  # noqa: E402
-from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ReqKvInfo, ScheduleBatch  # noqa: E402
 from sglang.srt.managers.schedule_policy import PrefillAdder  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.managers.scheduler_components import pool_stats_observer  # noqa: E402
@@ -96,8 +97,19 @@ ADMISSION_FIELDS = 0 if ADMISSION is None else len(dataclasses.fields(ADMISSION)
 CHECKPOINT = hasattr(RadixCache, "checkpoint")
 # NOTE: the family's reading of the live requests and their locks (the checker's get_chunked_req from 0.5.20)
 CHUNKED_GETTER = "get_chunked_req" in {f.name for f in dataclasses.fields(SchedulerInvariantChecker)}
-LIVE = probe.LIVE if CHECKPOINT else probe.LIVE_0521 if CHUNKED_GETTER else probe.LIVE_0519
-LOCK_NODES = LIVE.lock_nodes
+# NOTE: 0.5.18 keeps a request's row and protected length on Req, its allocated length on a ReqKvInfo made at
+# its first allocation (alloc_for_extend) and dropped at its release; its committed length on Req too
+ROW_ON_REQ = "req_pool_idx" not in {f.name for f in dataclasses.fields(ReqKvInfo)}
+LIVE = (
+    probe.LIVE
+    if CHECKPOINT
+    else probe.LIVE_0521
+    if CHUNKED_GETTER
+    else probe.LIVE_0518
+    if ROW_ON_REQ
+    else probe.LIVE_0519
+)
+KV_OF = LIVE.kv_of  # NOTE: a request -> its KV record (row, protected and allocated lengths), as the family reads it
 DP_RANK = None  # the data-parallel rank published for the process: scenario dp (replica 1)
 PS = 4  # tokens per page
 PAGES = 16
@@ -116,6 +128,14 @@ def configure(tree_kind: str) -> None:
         MAMBA_SLOTS = 8
 
 
+class OverridingRadixCache(RadixCache):
+    """A tree class that overrides a method the probe patched on RadixCache, as SGLang 0.5.18's HiRadixCache
+    (what --enable-hierarchical-cache builds for a plain model) overrides its match, insert, evict and locks."""
+
+    def inc_lock_ref(self, node: Any) -> Any:
+        return super().inc_lock_ref(node)
+
+
 class Engine:
     """SGLang's pools and tree, and the requests the scheduler would hold."""
 
@@ -131,11 +151,11 @@ class Engine:
         else:
             self.alloc = PagedTokenToKVPoolAllocator(PAGES * PS, PS, torch.int64, "cpu", None, False)
         self.rows: Any = mamba_rows(self.buffer) if self.mamba else ReqToTokenPool(ROWS, CONTEXT, "cpu", False)
-        if tree_kind == "classic":
+        if tree_kind in ("classic", "overriding"):
             params = CacheInitParams(
                 disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc, page_size=PS
             )
-            self.tree: Any = RadixCache(params)
+            self.tree: Any = (OverridingRadixCache if tree_kind == "overriding" else RadixCache)(params)
         else:
             extra = ComponentType.SWA if self.swa else ComponentType.MAMBA if self.mamba else None
             params = fitted(  # NOTE: tree_core_backend from 0.5.21 (the Rust core); asked of 0.5.20, core() says
@@ -264,7 +284,7 @@ class Engine:
                 common.maybe_cache_unfinished_req(req, self.tree, **({"chunked": True} if end < len(tokens) else {}))
 
     def extend(self, req: Req, end: int) -> None:
-        kv = req.kv
+        kv = KV_OF(req)
         start = kv.kv_allocated_len or prefix_len(req)
         row = self.rows.req_to_token[kv.req_pool_idx]
         if kv.kv_allocated_len:
@@ -287,16 +307,16 @@ class Engine:
             req.cached_tokens += start - req.already_computed
             req.already_computed = end
         self.rows.write((kv.req_pool_idx, slice(0, end)), torch.cat((prefix_slots, out)).to(torch.int32))
-        kv.kv_allocated_len = kv.kv_committed_len = end
+        set_kv_len(req, end)
         if CHECKPOINT:
             self.tree.maybe_hand_to_session(req)  # NOTE: what alloc_for_extend does after each request's allocation
         probe.PROBE.next_step()  # NOTE: what the prepare_for_extend hook does around SGLang's own
-        probe.PROBE.prepared([req], self.rows, self.tree, "extend")
+        probe.PROBE.prepared([req], self.rows, self.tree, "extend", KV_OF)
 
     def decode(self, req: Req, steps: int) -> None:
         """One token per step; a new page whenever the last one is full."""
-        kv = req.kv
         for i in range(steps):
+            kv = KV_OF(req)
             seq = kv.kv_allocated_len + 1
             self.make_room(PS)
             last = self.rows.req_to_token[kv.req_pool_idx, seq - 2 : seq - 1].to(torch.int64)
@@ -306,9 +326,9 @@ class Engine:
                 out = self.alloc.alloc_decode(torch.tensor([seq]), torch.tensor([seq]), last)
             self.rows.write((kv.req_pool_idx, slice(seq - 1, seq)), out.to(torch.int32))
             req.output_ids.append(7000 + i)
-            kv.kv_allocated_len = kv.kv_committed_len = seq
+            set_kv_len(req, seq)
             probe.PROBE.next_step()
-            probe.PROBE.prepared([req], self.rows, self.tree, "decode")
+            probe.PROBE.prepared([req], self.rows, self.tree, "decode", KV_OF)
 
     def make_room(self, tokens: int) -> None:
         if self.alloc.available_size() < tokens:
@@ -368,7 +388,7 @@ class Engine:
         census = None
         if not leak:
             probe.PROBE.busy = True
-            census = probe.PROBE.census(self.tree, self.rows, owners, why="idle", lock_nodes=LOCK_NODES)
+            census = probe.PROBE.census(self.tree, self.rows, owners, why="idle", live=LIVE)
         return {
             "sglang": {"leak": leak, "line": line, "raised": raised},
             "census": None if census is None else [c.as_json() for c in census],
@@ -468,6 +488,18 @@ def free_page(alloc: Any, page: int) -> None:
         alloc.free(torch.arange(page * PS, page * PS + PS))
 
 
+def set_kv_len(req: Req, length: int) -> None:
+    """The request's KV allocated and committed up to `length` (what alloc_for_extend / alloc_for_decode and
+    the forward pass leave); on 0.5.18 its ReqKvInfo is made at its first allocation, as alloc_for_extend
+    makes it, and its committed length is on Req."""
+    if not ROW_ON_REQ:
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = length
+        return
+    if req.kv is None:
+        req.kv = ReqKvInfo(kv_allocated_len=length, swa_evicted_seqlen=0)
+    req.kv.kv_allocated_len = req.kv_committed_len = length
+
+
 def prefix_len(req: Req) -> int:
     """The tokens of the request's match on the device (Req.prefix_len from 0.5.22; prefix_indices before)."""
     return int(req.prefix_len) if CHECKPOINT else len(req.prefix_indices)
@@ -492,7 +524,7 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
     a = engine.admit("req-A", [*system, 1, 2, 3])
     engine.decode(a, 3)
     if scenario.startswith("row-leak"):  # its release gives back pages and lock, and forgets to free its row
-        injected.append({"kind": "row-leak", "rid": "req-A", "row": int(a.kv.req_pool_idx)})
+        injected.append({"kind": "row-leak", "rid": "req-A", "row": int(KV_OF(a).req_pool_idx)})
         engine.rows.free = lambda req: None
         engine.release(a)
         del engine.rows.free
@@ -513,18 +545,18 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
     c = engine.admit("req-C", [*system, 9, 9, 9, 9, 9, 9])
     engine.decode(c, 1)
     if scenario in ("leak-tail", "leak-and-double-free"):  # the unaligned tail page is never given back
-        kv = c.kv
+        kv = KV_OF(c)
         aligned = kv.kv_allocated_len // PS * PS
         tail = int(engine.rows.req_to_token[kv.req_pool_idx, aligned]) // PS
-        kv.kv_allocated_len = kv.kv_committed_len = aligned
+        set_kv_len(c, aligned)
         injected.append({"kind": "leak-tail", "rid": "req-C", "page": tail})
     if scenario == "swa-leak":  # the tail page is freed through the full sub-allocator only: its SWA peer strands
-        kv = c.kv
+        kv = KV_OF(c)
         aligned = kv.kv_allocated_len // PS * PS
         tail_slots = engine.rows.req_to_token[kv.req_pool_idx, aligned : kv.kv_allocated_len].to(torch.int64)
         peer = int(engine.alloc.full_to_swa_index_mapping[tail_slots[0]]) // PS
         engine.alloc.full_attn_allocator.free(tail_slots)
-        kv.kv_allocated_len = kv.kv_committed_len = aligned
+        set_kv_len(c, aligned)
         injected.append({"kind": "swa-leak", "rid": "req-C", "page": peer})
     engine.release(c)
     mine = [50 + i for i in range(10)]
@@ -782,6 +814,7 @@ def main(scenario: str, tree_kind: str) -> None:
         f"{tree.__name__}.{name}": Path(getattr(tree, name).__code__.co_filename).name
         for tree in (RadixCache, UnifiedRadixCache)
         for name in (*tree_methods, *(("evict_for_alloc",) if tree is UnifiedRadixCache else ()))
+        if hasattr(tree, name)  # NOTE: 0.5.18's UnifiedRadixCache has no evict_for_alloc
     }
     print(
         json.dumps(
@@ -800,5 +833,54 @@ def main(scenario: str, tree_kind: str) -> None:
     )
 
 
+def run_cases(cases: list[str], out_dir: Path, run: Any) -> None:
+    """Each case (`run(case)`) in a child forked after SGLang's imports, the costly part of a run, paid once
+    for them all: the child records into its own capture (out_dir/<case>.db, its KVSCOPE_CAPTURE) and
+    writes its stdout and stderr to out_dir/<case>.out and .err, then exits as a process does (its exit
+    handlers run: the probe's last fold and the recorder's close). The parent never loads the probe. Prints
+    one JSON line: case -> its exit code, stdout, stderr and capture."""
+    results = {}
+    for case in cases:
+        name = case.replace(":", "-")
+        capture, out, err = (out_dir / f"{name}{suffix}" for suffix in (".db", ".out", ".err"))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(case, capture, out, err, run)
+        _, status = os.waitpid(pid, 0)
+        results[case] = {
+            "code": os.waitstatus_to_exitcode(status),
+            "stdout": out.read_text(),
+            "stderr": err.read_text(),
+            "capture": str(capture),
+        }
+    print(json.dumps(results))
+
+
+def _child(case: str, capture: Path, out: Path, err: Path, run: Any) -> None:
+    import atexit
+    import traceback
+
+    code = 1
+    try:
+        os.environ["KVSCOPE_CAPTURE"] = str(capture)
+        for fd, path in ((1, out), (2, err)):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        run(case)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()  # NOTE: as the process would exit: the probe's and the recorder's handlers
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "unified")
+    if sys.argv[1] == "--cases":  # NOTE: --cases OUT_DIR SCENARIO:TREE ...: one child per case (run_cases)
+        run_cases(sys.argv[3:], Path(sys.argv[2]), lambda case: main(*case.split(":")))
+    else:
+        main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "unified")

@@ -5,9 +5,10 @@ installed by SGLang's own load_plugins() and driven through the scheduler's requ
 sglang_probe_driver.py, started under `kvscope instrument` the way an operator starts
 SGLang. The capture's leak checks are the probe's page census; `kvscope check` and `report leaks`
 judge it. About 40 s per run, mostly SGLang's imports. The clean life, the tail leak, the lock leak
-and the double free run on every release a family of the probe lists as tested (RELEASES: 0.5.19,
-0.5.20, 0.5.21 and 0.5.22 from their unpacked wheels ahead of the venv's packages; the Rust tree core from
-0.5.21 on); 0.5.18's refusal line is checked by describe_installed on its real modules.
+and the double free, and the busy and drain censuses and the crashed run of SGLang's own loop, run on
+every release a family of the probe lists as tested (RELEASES: 0.5.18 to 0.5.22 from their unpacked
+wheels ahead of the venv's packages; the Rust tree core from 0.5.21 on), each release's cases in one
+driver process (its SGLang imported once, a forked child per case: `batched`, `looped`).
 
 Run by `make test-engines` (`pytest -m engines`; KVSCOPE_SGLANG_PYTHON names the venv's python).
 """
@@ -82,7 +83,7 @@ def release_path(release: str) -> list[str]:
 
 
 def kvscope(
-    *args: str, env: dict[str, str] | None = None, path: list[str] | None = None
+    *args: str, env: dict[str, str] | None = None, path: list[str] | None = None, timeout_s: float = 600
 ) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCOPE_", "SGLANG_"))}
     return subprocess.run(
@@ -91,7 +92,7 @@ def kvscope(
         text=True,
         cwd=ROOT,
         env={**base, **(env or {}), "PYTHONPATH": os.pathsep.join([*(path or []), str(ROOT)])},
-        timeout=600,
+        timeout=timeout_s,
         check=False,
     )
 
@@ -121,6 +122,62 @@ def drive(scenario: str, tree: str, capture: Path, level: str = "full", release:
     return result
 
 
+def cases_of(release: str) -> list[str]:
+    """The driver's cases (SCENARIO:TREE) the per-release tests below read, run in one driver process per
+    release (sglang_probe_driver.run_cases: SGLang imported once, a child per case with its own capture):
+    the clean life on each tree the release has, the tail leak, the lock leak and the double free; on 0.5.18,
+    whose HiRadixCache overrides the tree methods the probe patches, a tree class that does so."""
+    trees = [tree for tree, _ in TREES if tree != "rust" or has_rust_core(release)]
+    cases = [f"clean:{tree}" for tree in [*trees, *(["overriding"] if release == "0.5.18" else [])]]
+    return [*cases, f"leak-tail:{rust_or_unified(release)}", "lock-leak:unified", "double-free:classic"]
+
+
+CASE_TIMEOUT_S = 300  # NOTE: a case's share of a driver process's time limit (a loaded machine runs one in minutes)
+
+
+def run_cases(driver: Path, release: str, cases: list[str], out_dir: Path, env: dict[str, str] | None = None) -> Any:
+    """`driver` --cases under `kvscope instrument` on SGLang `release`: case -> its exit code, stdout, stderr
+    and capture (run_cases in sglang_probe_driver.py); a str saying why when the driver process failed."""
+    command = ["instrument", "--capture", str(out_dir / "parent.db"), "--level", "full", "--", SGLANG_PYTHON]
+    command += ["-W", "ignore", str(driver), "--cases", str(out_dir), *cases]
+    try:
+        out = kvscope(*command, env=env, path=release_path(release), timeout_s=300 + CASE_TIMEOUT_S * len(cases))
+    except subprocess.TimeoutExpired as err:
+        return f"SGLang {release}'s cases ran past {err.timeout} s"
+    if out.returncode != 0:
+        return out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def case_result(run: Any, case: str) -> tuple[dict[str, Any], Path]:
+    """One case of run_cases: its JSON line with its stderr, and its capture (a failed driver process fails
+    each of its cases' tests, run once)."""
+    if isinstance(run, str):
+        pytest.fail(run)
+    found = run[case]
+    assert found["code"] == 0, found["stderr"][-3000:]
+    result: dict[str, Any] = json.loads(found["stdout"].strip().splitlines()[-1])
+    result["stderr"] = found["stderr"]
+    return result, Path(found["capture"])
+
+
+@pytest.fixture(scope="module")
+def batched(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(scenario, tree, release) -> (the driver's result, its capture), every case of a release run at its
+    first ask (cases_of)."""
+    runs: dict[str, Any] = {}
+
+    def case(scenario: str, tree: str, release: str) -> tuple[dict[str, Any], Path]:
+        if release not in runs:
+            out_dir = tmp_path_factory.mktemp(f"sglang-{release}")
+            runs[release] = run_cases(DRIVER, release, cases_of(release), out_dir)
+        result, capture = case_result(runs[release], f"{scenario}:{tree}")
+        assert result["served"], result["error"]
+        return result, capture
+
+    return case
+
+
 def check_clean(capture: Path) -> subprocess.CompletedProcess[str]:
     """`kvscope check` on the capture, which must say clean (exit 0)."""
     check = kvscope("check", str(capture))
@@ -137,9 +194,8 @@ def full_census(point: dict[str, Any]) -> dict[str, Any]:
     ("tree", "core", "release"),
     [(tree, core, release) for release in RELEASES for tree, core in TREES if tree != "rust" or has_rust_core(release)],
 )
-def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: str, core: str, release: str) -> None:
-    capture = tmp_path / f"clean-{tree}.db"
-    result = drive("clean", tree, capture, release=release)
+def test_a_clean_request_life_checks_clean_on_each_tree(batched: Any, tree: str, core: str, release: str) -> None:
+    result, capture = batched("clean", tree, release)
     assert result["said"] == "registered" and result["patched"] and result["core"] == core
     assert set(result["made_by"].values()) == {"sglang.py"}, result["made_by"]  # patched directly, no AROUND layer
     assert [p["sglang"]["leak"] for p in result["points"]] == [False, False, False]
@@ -183,6 +239,24 @@ def test_a_clean_request_life_checks_clean_on_each_tree(tmp_path: Path, tree: st
     assert f"clean: 3 censuses (3 idle) of the sglang {release} probe's page census held" in check.stdout
 
 
+def test_a_tree_class_that_overrides_a_patched_tree_method_stops_recording_in_one_line(batched: Any) -> None:
+    """SGLang 0.5.18 builds HiRadixCache for a plain model with --enable-hierarchical-cache, and it overrides
+    the RadixCache methods the probe patches (match, insert, evict, locks): its calls would go unseen and the
+    lock ledger be partial. A tree class overriding one (OverridingRadixCache's inc_lock_ref) stops recording
+    at its first step, in one line naming the class and the method; the run closes incomplete and `kvscope
+    check` says inconclusive (exit 3), never clean."""
+    result, capture = batched("clean", "overriding", "0.5.18")
+    said = (
+        "kvscope probe: recording stopped: SGLang 0.5.18: OverridingRadixCache.inc_lock_ref overrides the tree "
+        "method the probe patched, so its calls go unseen; nothing more is recorded (no partial ledger)"
+    )
+    assert said in result["stderr"] and all(p["census"] is None for p in result["points"])
+    run, checks, _ = stored(capture)
+    assert run.status == "incomplete" and checks.empty, (run.status, checks)
+    check = kvscope("check", str(capture))
+    assert check.returncode == 3 and "inconclusive: the capture is incomplete" in check.stdout, check.stdout
+
+
 def test_a_data_parallel_replicas_run_names_its_rank(tmp_path: Path) -> None:
     """A scheduler a DP controller spawned for replica 1 (SGLang publishes the rank for the process): its
     run is labelled and configured with the rank, as the vLLM probe's are."""
@@ -199,9 +273,10 @@ def test_a_data_parallel_replicas_run_names_its_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("release", RELEASES)
-def test_a_forgotten_tail_page_is_named_with_its_request_before_sglang_raises(tmp_path: Path, release: str) -> None:
-    capture = tmp_path / "tail.db"
-    result = drive("leak-tail", rust_or_unified(release), capture, release=release)
+def test_a_forgotten_tail_page_is_named_with_its_request_before_sglang_raises(
+    tmp_path: Path, batched: Any, release: str
+) -> None:
+    result, capture = batched("leak-tail", rust_or_unified(release), release)
     page = result["injected"][0]["page"]
     point = result["points"][1]
     assert point["sglang"]["raised"].startswith("pool memory leak detected!")  # SGLang's own check: totals only
@@ -226,9 +301,8 @@ def test_a_forgotten_tail_page_is_named_with_its_request_before_sglang_raises(tm
 
 
 @pytest.mark.parametrize("release", RELEASES)
-def test_a_leaked_lock_sglangs_identity_passes_is_named(tmp_path: Path, release: str) -> None:
-    capture = tmp_path / "lock.db"
-    result = drive("lock-leak", "unified", capture, release=release)
+def test_a_leaked_lock_sglangs_identity_passes_is_named(batched: Any, release: str) -> None:
+    result, capture = batched("lock-leak", "unified", release)
     node = result["injected"][0]["node"]
     assert [p["sglang"]["leak"] for p in result["points"]] == [False, False, False]  # protected counts as balanced
     assert full_census(result["points"][1])["locks"] == {str(node): ["req-B"]}
@@ -249,9 +323,8 @@ def test_a_leaked_lock_sglangs_identity_passes_is_named(tmp_path: Path, release:
 
 
 @pytest.mark.parametrize("release", RELEASES)
-def test_a_double_free_is_named_with_the_request_it_was_made_for(tmp_path: Path, release: str) -> None:
-    capture = tmp_path / "double.db"
-    result = drive("double-free", "classic", capture, release=release)
+def test_a_double_free_is_named_with_the_request_it_was_made_for(batched: Any, release: str) -> None:
+    result, capture = batched("double-free", "classic", release)
     page = result["injected"][0]["page"]
     check = kvscope("check", str(capture))
     assert check.returncode == 1, check.stdout + check.stderr
@@ -778,16 +851,28 @@ def test_the_calls_since_the_last_fold_reach_the_capture_when_the_process_exits(
     assert recorded == [tuple(c) for c in calls], (recorded, calls)
 
 
-def drive_loop(scenario: str, capture: Path, release: str = VENV_RELEASE) -> dict[str, Any]:
-    """sglang_loop_driver.py (SGLang `release`'s own scheduler loop, never idle) under `kvscope instrument`, a
-    busy census due every EVERY_STEPS steps; its JSON line, and stderr."""
+def loop_cases_of(release: str) -> list[str]:
+    """sglang_loop_driver.py's scenarios the tests below read on `release`, run in one driver process per
+    release (run_cases): the busy and drain censuses and the crashed run on every release; the many-page
+    leak and the interrupted run on the venv's own."""
+    return ["busy", "crash", *(["busy-many", "interrupted"] if release == VENV_RELEASE else [])]
+
+
+@pytest.fixture(scope="module")
+def looped(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(scenario, release) -> (sglang_loop_driver.py's result, its capture): SGLang `release`'s own scheduler
+    loop, never idle, a busy census due every EVERY_STEPS steps; every scenario of a release run at its first
+    ask (loop_cases_of)."""
+    runs: dict[str, Any] = {}
     env = {"KVSCOPE_CENSUS_EVERY_STEPS": str(EVERY_STEPS), "KVSCOPE_CENSUS_EVERY_S": "0"}
-    command = ["instrument", "--capture", str(capture), "--", SGLANG_PYTHON, "-W", "ignore", str(LOOP_DRIVER)]
-    out = kvscope(*command, scenario, env=env, path=release_path(release))
-    assert out.returncode == 0, out.stderr[-3000:]
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    result["stderr"] = out.stderr
-    return result
+
+    def case(scenario: str, release: str = VENV_RELEASE) -> tuple[dict[str, Any], Path]:
+        if release not in runs:
+            out_dir = tmp_path_factory.mktemp(f"sglang-loop-{release}")
+            runs[release] = run_cases(LOOP_DRIVER, release, loop_cases_of(release), out_dir, env)
+        return case_result(runs[release], scenario)
+
+    return case
 
 
 def stored(capture: Path) -> tuple[Any, Any, Any]:
@@ -807,16 +892,15 @@ def by_census(checks: Any) -> list[tuple[int, str, bool]]:
     return [(int(step), str(kinds[step]), bool(ok)) for step, ok in oks.items()]
 
 
-@pytest.mark.parametrize("release", [VENV_RELEASE, "0.5.19"])  # NOTE: 0.5.19's point: process_input_requests
+@pytest.mark.parametrize("release", RELEASES)  # NOTE: before 0.5.20 the point is process_input_requests
 def test_a_scheduler_that_is_never_idle_gets_busy_censuses_that_name_a_leaked_page_and_a_drain_census(
-    tmp_path: Path, release: str
+    looped: Any, release: str
 ) -> None:
     """SGLang's own event loop never reaches on_idle (a batch every iteration); the busy census at the start
     of an iteration, due every EVERY_STEPS steps, names the page a released request kept within EVERY_STEPS
     steps, with its request; none says anything before it; the ShutdownReq's drain census names it too, and
     the requests still running then get their rows, unfinished."""
-    capture = tmp_path / "busy.db"
-    result = drive_loop("busy", capture, release)
+    result, capture = looped("busy", release)
     fault = result["injected"]
     assert result["raised"] is None and result["iterations"] == 40 and result["said"] == "closed"
     run, checks, blocks = stored(capture)
@@ -849,11 +933,10 @@ def test_a_scheduler_that_is_never_idle_gets_busy_censuses_that_name_a_leaked_pa
     assert requests.loc[result["running"]].finish_step.isna().all() and len(requests) == len(set(requests.index))
 
 
-def test_every_page_a_busy_census_names_is_stored_more_than_its_message_names(tmp_path: Path) -> None:
+def test_every_page_a_busy_census_names_is_stored_more_than_its_message_names(looped: Any) -> None:
     """A running request's call takes 10 pages it never gives back: the busy census's message names 8 and
     counts the rest; census_blocks holds all 10 with their taker, and `report leaks` lists every one."""
-    capture = tmp_path / "many.db"
-    result = drive_loop("busy-many", capture)
+    result, capture = looped("busy-many")
     fault = result["injected"]
     assert len(fault["pages"]) == 10
     _, checks, blocks = stored(capture)
@@ -872,14 +955,14 @@ def test_every_page_a_busy_census_names_is_stored_more_than_its_message_names(tm
     assert sorted(b["block"] for b in listed if b["step"] == first[0]) == fault["pages"]
 
 
+@pytest.mark.parametrize("release", RELEASES)
 def test_a_scheduler_loop_that_raises_leaves_a_crashed_run_with_a_crash_census_that_check_calls_a_leak(
-    tmp_path: Path,
+    looped: Any, release: str
 ) -> None:
     """SGLang's strict busy check (self_check_during_busy) raises from its own loop on the page a released
     request kept; run_scheduler_process catches it and the process ends normally. The run is crashed with
     SGLang's line, its last census (kind crash) names the page, and `kvscope check` says leak."""
-    capture = tmp_path / "crash.db"
-    result = drive_loop("crash", capture)
+    result, capture = looped("crash", release)
     assert result["raised"].startswith("AssertionError: Full Pool Mem Leak Detected!"), result
     run, checks, blocks = stored(capture)
     assert run.status == "crashed" and run.error == result["raised"], (run.status, run.error)
@@ -891,11 +974,10 @@ def test_a_scheduler_loop_that_raises_leaves_a_crashed_run_with_a_crash_census_t
     assert f"leak check failed at step {censuses[-1][0]}: [full]" in check.stdout, check.stdout
 
 
-def test_an_error_after_a_shutdown_request_closes_the_run_interrupted_without_a_last_census(tmp_path: Path) -> None:
+def test_an_error_after_a_shutdown_request_closes_the_run_interrupted_without_a_last_census(looped: Any) -> None:
     """A ShutdownReq sets gracefully_exit and the same iteration's batch fails (a signal to the process group
     stops the step in flight): interrupted with the error's line, no drain or crash census."""
-    capture = tmp_path / "interrupted.db"
-    result = drive_loop("interrupted", capture)
+    result, capture = looped("interrupted")
     assert result["raised"] == "RuntimeError: cancelled"
     run, checks, _ = stored(capture)
     assert (run.status, run.error) == (
@@ -910,30 +992,37 @@ import json, sys
 sys.path.insert(0, {root!r})
 from tests.engines.sglang_standins import install
 install()
-from kvscope.probe.sglang import describe_installed
-print(json.dumps(describe_installed()))
+from kvscope.probe.sglang import FAMILIES, describe_installed
+print(json.dumps(describe_installed(families=tuple(f for f in FAMILIES if f.name not in {drop!r}))))
 """
 
 
 @pytest.mark.parametrize(
-    ("release", "family", "differs"),
+    ("release", "family", "differs", "drop"),
     [
-        ("0.5.23", "0.5.23", None),  # NOTE: 0.5.22's family is its clean runs' (registered, its label)
-        ("0.5.21", "0.5.21", None),
-        ("0.5.20", "0.5.20", None),
-        ("0.5.19", "0.5.19", None),
-        ("0.5.18", None, "nearest 0.5.19: sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows not found"),
+        ("0.5.23", "0.5.23", None, ()),  # NOTE: 0.5.22's family is its clean runs' (registered, its label)
+        ("0.5.21", "0.5.21", None, ()),
+        ("0.5.20", "0.5.20", None, ()),
+        ("0.5.19", "0.5.19", None, ()),
+        ("0.5.18", "0.5.18", None, ()),
+        # NOTE: without its own family 0.5.18 matches none: the first shape 0.5.19's differs in
+        (
+            "0.5.18",
+            None,
+            "nearest 0.5.19: sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows not found",
+            ("0.5.18",),
+        ),
     ],
 )
 def test_each_release_loads_as_the_family_docs_probe_md_names_or_says_which_target_differs(
-    release: str, family: str | None, differs: str | None
+    release: str, family: str | None, differs: str | None, drop: tuple[str, ...]
 ) -> None:
     """What `kvscope probe-check` reads of each release (describe_installed, SGLang's real modules): the
     family it loads as, tested; or none, naming the nearest family's first differing target, with every
-    target's shape and match listed (docs/probe.md's version table)."""
+    target's shape and match listed (docs/probe.md's version table). `drop`: families left out."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSCOPE_", "SGLANG_"))}
     out = subprocess.run(
-        [SGLANG_PYTHON, "-W", "ignore", "-c", DESCRIBE.format(root=str(ROOT))],
+        [SGLANG_PYTHON, "-W", "ignore", "-c", DESCRIBE.format(root=str(ROOT), drop=set(drop))],
         capture_output=True,
         text=True,
         env={**env, "PYTHONPATH": os.pathsep.join([*release_path(release), str(ROOT)])},
@@ -944,9 +1033,37 @@ def test_each_release_loads_as_the_family_docs_probe_md_names_or_says_which_targ
     described = json.loads(out.stdout.strip().splitlines()[-1])
     assert (described["version"], described["family"], described["loads"]) == (release, family, family is not None)
     assert described["tested"] is (family is not None) and "pages" in described["records"]
+    assert [f["name"] for f in described["families"]] == [f.name for f in FAMILIES if f.name not in drop]
     matched = [row["match"] for row in described["targets"]]
     if differs is None:
         assert described["line"] == "" and all(matched)
     else:
         assert described["line"].startswith(f"SGLang {release}: not tested and matches no known family ({differs}")
         assert not all(matched) and described["line"].endswith("; nothing patched")
+
+
+def test_probe_check_says_sglang_0518_loads_as_its_own_family_with_every_shape(tmp_path: Path) -> None:
+    """`kvscope probe-check --python` on SGLang 0.5.18 (its unpacked wheel first on the venv's path; a
+    sitecustomize puts the GPU-only imports' stand-ins in for SGLang's python alone): it loads with family
+    0.5.18, tested, every shape matching, among them the row pool's free(self, req) and the row and
+    protected length read on Req; exit 0. The JSON says the same."""
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import sys\nif sys.executable == {SGLANG_PYTHON!r}:\n"
+        f"    sys.path.insert(0, {str(ROOT)!r})\n"
+        "    from tests.engines.sglang_standins import install\n    install()\n"
+    )
+    path = [str(tmp_path), *release_path("0.5.18")]
+    text = kvscope("probe-check", "--python", SGLANG_PYTHON, path=path)
+    assert text.returncode == 0, text.stdout + text.stderr
+    lines = text.stdout.splitlines()
+    found = json.loads(kvscope("probe-check", "--python", SGLANG_PYTHON, "--json", path=path).stdout)
+    [engine] = found["engines"]
+    targets = {t["target"]: t for t in engine["targets"]}
+    assert lines[0] == f"SGLang 0.5.18: the probe loads with family 0.5.18 (tested; {len(targets)} shapes match)"
+    assert (engine["version"], engine["family"], engine["loads"], engine["tested"]) == ("0.5.18", "0.5.18", True, True)
+    assert all(t["match"] for t in engine["targets"]) and "DIFFERS" not in text.stdout
+    rows = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
+    assert targets[f"{rows}.free"]["params"] == ["self", "req"] and f"{rows}.free_rows" not in targets
+    assert "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.evict_for_alloc" not in targets
+    req = [t for t in engine["targets"] if t["target"] == "sglang.srt.managers.schedule_batch.Req"]
+    assert {"req_pool_idx", "cache_protected_len"} <= {name for t in req for name in t["reads"]}

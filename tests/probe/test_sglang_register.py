@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvscope.probe import sglang as probe
+from kvscope.probe.sglang_shapes import shapes_of
 from kvscope.probe.shapes import Family
 
 
@@ -128,24 +129,27 @@ def test_an_untested_release_whose_shapes_match_a_family_loads_as_it_and_says_so
 def test_each_hooks_shape_holds_the_parameters_its_wrapper_passes() -> None:
     """A direct hook's shape is its method's every parameter (SGLang's must be the same); an AROUND
     hook's, those it names before its *args."""
-    shapes = {s.target: s.params for s in probe.shapes_of(probe.hooks())}
+    shapes = {s.target: s.params for s in shapes_of(probe.hooks())}
     assert shapes[f"{probe.UNIFIED}.evict_for_alloc"] == ("self", "params", "allocation_reclaim_satisfied")
     assert shapes[probe.RELEASE] == ("req", "tree_cache")
     assert shapes[f"{probe.ADDER}._commit_prefill_admission"] == ("self", "req")
-    family_0522 = {s.target: s.params for s in probe.shapes_of(probe.hooks_0522())}
+    family_0522 = {s.target: s.params for s in shapes_of(probe.hooks_0522())}
     assert family_0522[f"{probe.UNIFIED}.evict_for_alloc"] == ("self", "params")
-    family_0521 = {s.target: s.params for s in probe.shapes_of(probe.hooks_0521())}
+    family_0521 = {s.target: s.params for s in shapes_of(probe.hooks_0521())}
     assert family_0521[f"{probe.RADIX}.cache_unfinished_req"] == ("self", "req")  # no checkpoint before 0.5.22
     assert f"{probe.RADIX}.checkpoint" not in family_0521
     assert f"{probe.UNIFIED}.backup_kv_cache" in family_0521
     assert f"{probe.UNIFIED}.backup_kv_cache" not in {h.target for h in probe.hooks_0520()}
-    family_0519 = {s.target: s.params for s in probe.shapes_of(probe.hooks_0519())}
+    family_0519 = {s.target: s.params for s in shapes_of(probe.hooks_0519())}
     assert family_0519[f"{probe.ADDER}.add_one_req"] == ("self", "req")  # no _commit_prefill_admission before 0.5.20
     assert f"{probe.ADDER}._commit_prefill_admission" not in family_0519
     assert family_0519[f"{probe.SCHEDULER}.process_input_requests"] == ("self",)  # the busy census's point
     assert f"{probe.SCHEDULER}.ingest_requests" not in family_0519
     assert family_0519[f"{probe.UNIFIED}.dec_lock_ref"] == ("self", "node_id", "params", "skip_swa")
-    assert [f.name for f in probe.FAMILIES] == ["0.5.23", "0.5.22", "0.5.21", "0.5.20", "0.5.19"]  # newest first
+    family_0518 = {s.target: s.params for s in shapes_of(probe.hooks_0518())}
+    assert family_0518[f"{probe.ROWS}.free"] == ("self", "req")  # the row pool frees a request's own row
+    assert f"{probe.ROWS}.free_rows" not in family_0518 and f"{probe.UNIFIED}.evict_for_alloc" not in family_0518
+    assert [f.name for f in probe.FAMILIES] == ["0.5.23", "0.5.22", "0.5.21", "0.5.20", "0.5.19", "0.5.18"]
 
 
 def test_probe_check_says_a_direct_method_with_one_parameter_more_than_the_probes_will_not_load(
@@ -193,3 +197,52 @@ def test_the_0519_census_owners_take_the_chunked_request_a_batch_keeps_out_of_it
     assert [r.rid for r in probe._batch_owners_0519(checker)] == ["decoding", "chunked"]
     running.reqs = [running_req]
     assert [r.rid for r in probe._batch_owners_0519(checker)] == ["decoding", "chunked"]
+
+
+class Tree:
+    """A stand-in tree class whose insert a direct hook patches (restored after the test)."""
+
+    def insert(self, params: Any) -> Any:
+        return params
+
+
+class OverridingTree(Tree):
+    """Overrides the patched insert (as SGLang 0.5.18's HiRadixCache overrides RadixCache's)."""
+
+    def insert(self, params: Any) -> Any:
+        return super().insert(params)
+
+
+class DerivedTree(Tree):
+    """Derives from the tree and keeps its insert: the probe's."""
+
+
+class WrappingTree:
+    """Wraps a tree, not derived from it (as StreamingSession wraps a classic tree): calls the tree's own."""
+
+    def __init__(self) -> None:
+        self.inner = Tree()
+
+    def insert(self, params: Any) -> Any:
+        return self.inner.insert(params)
+
+
+def test_a_tree_class_that_overrides_a_patched_method_is_named_once_and_no_other_is() -> None:
+    original = Tree.__dict__["insert"]
+    try:
+        family = probe._family(
+            "0.5.23",
+            ("0.5.23",),
+            lambda: [probe.Hook(f"{__name__}.Tree.insert", probe._d_insert, direct=True, per_op=True)],
+            (),
+        )
+        assert probe._register("0.5.23", (family,)).startswith("registered 1 hooks")
+        unseen = probe.PROBE.tree_unseen
+        assert (
+            unseen(OverridingTree())
+            == "OverridingTree.insert overrides the tree method the probe patched, so its calls go unseen"
+        )
+        assert unseen(OverridingTree()) is None  # NOTE: once per class
+        assert unseen(Tree()) is None and unseen(DerivedTree()) is None and unseen(WrappingTree()) is None
+    finally:
+        Tree.insert = original  # type: ignore[method-assign]
