@@ -66,6 +66,7 @@ from kvscope.probe.core import (
     ProbeState,
     Settings,
     busy_census_due,
+    census_clock,
     engine_ending,
     guarded,
     installed_version,
@@ -197,7 +198,7 @@ class SglangProbe:
         self.metrics = SglangMetrics()
         self.in_loop = False  # NOTE: inside SGLang's normal or overlap event loop (busy censuses run only there)
         self.last_census_t = _monotonic()  # NOTE: when the last census ended (or the probe started)
-        self.census_cost_s = 0.0  # NOTE: the scheduler-thread time of the last census
+        self.census_cost_s = 0.0  # NOTE: the scheduler thread's CPU time in the last census
         self.last_said: tuple[str, ...] = ()  # NOTE: the failing pools' lines the last census printed
         self.patched: dict[str, dict[type, Any]] = {}  # NOTE: method name -> {SGLang's class: the probe's method}
         self.trees_seen: set[type] = set()  # NOTE: the tree classes whose hooked methods were checked (tree_unseen)
@@ -488,7 +489,7 @@ class SglangProbe:
         rec = self.recorder()
         if rec is None:
             return None
-        started = _monotonic()
+        started = census_clock()
         self.drain()
         self.busy = False
         self.censuses += 1
@@ -563,8 +564,8 @@ class SglangProbe:
         self.say_failures(results, rec, why, repeat=kind != "busy")
         if kind != "busy" or not all(r.ok for r in results):  # NOTE: a failing census is handed on now
             rec.flush() if hasattr(rec, "flush") else rec.idle()
-        self.last_census_t = now = _monotonic()
-        self.census_cost_s = now - started
+        self.last_census_t = _monotonic()
+        self.census_cost_s = census_clock() - started
         self.tally.spent(self.census_cost_s)
         return tuple(results)
 
