@@ -52,13 +52,7 @@ class Owners:
                     self.held[k][r] -= 1
                     self.touched.add((k, r))
         else:
-            for k, table in self.held.items():
-                refs = old_ref[old_kind == k]
-                if len(refs):
-                    values, counts = np.unique(refs, return_counts=True)
-                    for r, c in zip(values.tolist(), counts.tolist(), strict=True):
-                        table[r] -= c
-                        self.touched.add((k, r))
+            self._release(old_kind, old_ref)
         if kind != FREE and len(old_kind):
             self.held[kind][ref] += len(old_kind)
             self.touched.add((kind, ref))
@@ -67,6 +61,15 @@ class Owners:
         """Distinct slots went from (old_kind, old_ref) to a request (new_ref; -2: free) through a run
         of allocs and frees; `takers`: the requests that took slots on the way (they are touched,
         as `move` one event at a time would touch them, even when they gave the slots up again)."""
+        self._release(old_kind, old_ref)
+        values, counts = np.unique(new_ref[new_ref != TO_FREE], return_counts=True)
+        held = self.held[REQUEST]
+        for r, c in zip(values.tolist(), counts.tolist(), strict=True):
+            held[r] += c
+        self.touched.update((REQUEST, r) for r in set(takers.tolist()))
+
+    def _release(self, old_kind: np.ndarray, old_ref: np.ndarray) -> None:
+        """The owners (old_kind, old_ref) each lose their slots, counted per owner in one pass a kind."""
         for k, table in self.held.items():
             refs = old_ref[old_kind == k]
             if len(refs):
@@ -74,11 +77,6 @@ class Owners:
                 for r, c in zip(values.tolist(), counts.tolist(), strict=True):
                     table[r] -= c
                     self.touched.add((k, r))
-        values, counts = np.unique(new_ref[new_ref != TO_FREE], return_counts=True)
-        held = self.held[REQUEST]
-        for r, c in zip(values.tolist(), counts.tolist(), strict=True):
-            held[r] += c
-        self.touched.update((REQUEST, r) for r in set(takers.tolist()))
 
     def orphaned_owners(self, alive: dict[int, Container[int]]) -> set[tuple[int, int]]:
         """`alive`: per owner kind, the live references. Only a touched owner can have changed:
