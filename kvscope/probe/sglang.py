@@ -746,7 +746,8 @@ def _h_rows_free_0518(original: Callable[..., Any], self: Any, req: Any, *args: 
     """ReqToTokenPool.free(req) (SGLang 0.5.18: the pool frees the request's own row, req.req_pool_idx,
     and clears it): that row's releaser."""
     if PROBE.state.active:
-        _rows_released(() if req.req_pool_idx is None else (req.req_pool_idx,))
+        row = getattr(req, "req_pool_idx", None)  # NOTE: read before SGLang clears it; never raises into SGLang
+        _rows_released(() if row is None else (row,))
     return original(self, req, *args, **kwargs)
 
 

@@ -37,6 +37,18 @@ RETRY_S = 0.5  # NOTE: after a transport error (a dead server answers at once)
 JOIN_S = 130.0  # NOTE: a short request's time out is 120 s
 
 
+def completion_body(model: str, prompt: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
+    """A soak request: greedy, exactly `max_tokens` long (the soak's clients and its test's own requests)."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,  # NOTE: random weights may pick EOS at once
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
 @dataclass
 class Traffic:
     url: str
@@ -70,7 +82,9 @@ class Traffic:
                 rid = f"{self.rid_prefix}-{i}-{n}"
                 try:
                     response = client.post(
-                        f"{self.url}/v1/completions", headers={"X-Request-Id": rid}, json=self.body(prompt, length)
+                        f"{self.url}/v1/completions",
+                        headers={"X-Request-Id": rid},
+                        json=completion_body(self.model, prompt, length),
                     )
                     self.note(client=i, status=response.status_code)
                 except httpx.HTTPError as err:
@@ -97,7 +111,7 @@ class Traffic:
     def stream(self, i: int, rid: str, prompt: list[int], length: int, half: threading.Event) -> None:
         """One anchor request, read until it ends or the traffic stops; `half` is set once it streamed
         half its tokens (or ended, or failed)."""
-        body = {**self.body(prompt, length), "stream": True}
+        body = completion_body(self.model, prompt, length, stream=True)
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         try:
             with httpx.stream(
@@ -114,15 +128,6 @@ class Traffic:
             self.stop.wait(RETRY_S)
         finally:
             half.set()
-
-    def body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "ignore_eos": True,  # NOTE: random weights may pick EOS at once
-            "temperature": 0,
-        }
 
     def run(self, stdin: TextIO) -> None:
         shorts = [threading.Thread(target=self.short, args=(i,), daemon=True) for i in range(self.clients)]

@@ -38,6 +38,7 @@ import httpx
 import pytest
 
 from tests.engines.conftest import FAULTS_DIR, ROOT
+from tests.engines.soak_traffic import completion_body
 from tests.engines.vllm_server import READY_TIMEOUT_S, VLLM_PYTHON, VllmServer, vllm_server
 
 pytestmark = [
@@ -266,22 +267,11 @@ def tokens(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(3, 512) for _ in range(count)]
 
 
-def body(server: VllmServer, prompt: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
-    return {
-        "model": server.model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,  # NOTE: random weights may pick EOS at once
-        "temperature": 0,
-        "stream": stream,
-    }
-
-
 def complete(server: VllmServer, rid: str, prompt: list[int], max_tokens: int) -> None:
     response = httpx.post(
         f"{server.url}/v1/completions",
         headers={"X-Request-Id": rid},
-        json=body(server, prompt, max_tokens),
+        json=completion_body(server.model, prompt, max_tokens),
         timeout=300,
     )
     assert response.status_code == 200, response.text
@@ -297,7 +287,7 @@ def first_chunk(server: VllmServer, rid: str, prompt: list[int], max_tokens: int
             "POST",
             f"{server.url}/v1/completions",
             headers={"X-Request-Id": rid},
-            json=body(server, prompt, max_tokens, True),
+            json=completion_body(server.model, prompt, max_tokens, stream=True),
             timeout=300,
         ) as response:
             for line in response.iter_lines():
