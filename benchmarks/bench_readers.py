@@ -49,7 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from _results import Figure, spread_verdict, this_run, write_figures
+from _results import Figure, interval_verdict, stop_cleanly_on_sigterm, this_run, write_figures
 
 HERE = Path(__file__).resolve().parent
 ABOUT = (
@@ -300,12 +300,13 @@ def live_figures(args: argparse.Namespace, windows: dict[int, list[Window]], nic
     ratios_one = [w.events_per_s / a.events_per_s for w, a in zip(windows[1], windows[0], strict=True)]
     drop = 1 - statistics.median(ratios)
     alone = statistics.median(w.events_per_s for w in windows[0])
+    verdict, interval = interval_verdict(ratios, MAX_DROP, cost_is_drop=True)
     figures = [
         Figure(
             f"{live}: writer events/s with {many} sessions on one server / alone (median of {args.rounds} rounds)",
-            f"{1 - drop:.3f} (rounds {', '.join(f'{r:.3f}' for r in ratios)}; alone {alone:,.0f}/s)",
+            f"{1 - drop:.3f} (rounds {', '.join(f'{r:.3f}' for r in ratios)}; alone {alone:,.0f}/s; {interval})",
             f"≥ {1 - MAX_DROP:.2f}",
-            spread_verdict(ratios, drop, MAX_DROP) if len(ratios) > 1 else ("met" if drop <= MAX_DROP else "not met"),
+            verdict,
         ),
         Figure(
             f"{live}: writer events/s with 1 session / alone (median of {args.rounds} rounds)",
@@ -482,6 +483,7 @@ def main() -> None:
     parser.add_argument("--reader", nargs=4, metavar=("DB", "DONE", "PAGES", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--client", nargs=4, metavar=("URL", "SESSIONS", "SECONDS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    stop_cleanly_on_sigterm()
     if args.writer:
         print(write_capture(Path(args.writer[0]), int(args.writer[1])))
         return

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _results import Figure, this_run, write_figures
+from _results import Figure, stop_cleanly_on_sigterm, this_run, write_figures
 
 from kvscope.app.runner import to_engine_requests
 from kvscope.engine import EngineConfig, PoolConfig, model_config
@@ -242,6 +242,7 @@ def main() -> None:
         help="set its rows in the bench_serve table of benchmarks/RESULTS.md",
     )
     args = parser.parse_args()
+    stop_cleanly_on_sigterm()
     if args.quick:
         args.num_requests, args.rounds = 32, 1
     torch.set_num_threads(TORCH_THREADS)

@@ -130,3 +130,52 @@ def test_links_to_results_md_sections_name_a_section() -> None:
 def test_each_script_writes_its_own_section(script: str) -> None:
     source = (BENCH_DIR / f"{script}.py").read_text()
     assert f'write_figures("{script}"' in source, f"{script}.py does not write its rows to ## {script}"
+
+
+def test_the_median_interval_covers_as_the_binomial_law_says() -> None:
+    """The interval's coverage is checked against a simulation: samples of a known median, the share
+    of intervals that hold it."""
+    import random
+
+    rng = random.Random(3)
+    for n in (8, 12, 16):
+        held = 0
+        for _ in range(4000):
+            values = [rng.lognormvariate(0, 0.3) for _ in range(n)]  # NOTE: median exactly 1
+            low, high, _ = results.median_interval(values)
+            held += low <= 1.0 <= high
+        _, _, cover = results.median_interval(list(range(n)))
+        assert cover >= 0.95
+        assert abs(held / 4000 - cover) < 0.02, (n, held / 4000, cover)
+
+
+def test_a_cost_is_settled_only_when_its_whole_interval_is_on_one_side_of_the_target() -> None:
+    tight = [0.99, 1.0, 1.01, 0.995, 1.005, 0.99, 1.0, 1.01, 1.02, 0.98, 1.0, 1.0]
+    assert results.interval_verdict(tight, 0.02, cost_is_drop=True)[0] == "met"
+    assert results.interval_verdict([0.9] * 12, 0.02, cost_is_drop=True)[0] == "not met"
+    assert results.interval_verdict([1.1] * 12, 0.02, cost_is_drop=False)[0] == "not met"
+    assert results.interval_verdict([0.5, 1.5] * 6, 0.02, cost_is_drop=True)[0] == "unclear"
+    verdict, words = results.interval_verdict([1.0] * 4, 0.02, cost_is_drop=True)
+    assert verdict == "unclear" and "too few pairs" in words  # NOTE: 4 values cover at most 87.5%
+
+
+def test_a_bench_killed_by_sigterm_leaves_through_its_finally(tmp_path: Path) -> None:
+    """What a bench started (a server) is stopped in its `finally` / `with` exit when `kill` or
+    `timeout` ends it: Python's default SIGTERM skips them."""
+    import subprocess
+    import time
+
+    stopped = tmp_path / "stopped"
+    script = (
+        f"import sys; sys.path.insert(0, {str(BENCH_DIR)!r}); import _results, time\n"
+        "_results.stop_cleanly_on_sigterm()\n"
+        "try:\n    print('up', flush=True); time.sleep(60)\n"
+        f"finally:\n    open({str(stopped)!r}, 'w').write('stopped')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+    started = time.monotonic()
+    proc.terminate()
+    assert proc.wait(timeout=30) == 143
+    assert time.monotonic() - started < 30
+    assert stopped.read_text() == "stopped"
