@@ -2,7 +2,7 @@
 patched at level summary and full, recording into a real capture.
 
     KVSCOPE_PYTHON=.venv/bin/python PYTHONPATH=. ~/.cache/kvscope/vllm-venv/bin/python benchmarks/bench_probe.py
-        [--against REV]     also time kvscope/probe/vllm.py as of git REV (before/after in one run)
+        [--against REV]     also time kvscope/probe/vllm.py (and its parts) as of git REV (before/after in one run)
         [--repeats N] [--rounds N] [--no-write]
 
 Sets its rows (this checkout's levels) in the `## bench_probe` table of benchmarks/RESULTS.md.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import os
 import platform
 import statistics
@@ -41,8 +40,10 @@ from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
 
+from benchmarks._apart import load_apart
 from benchmarks._results import Figure, this_run, write_figures
 from kvscope.probe import vllm as probe
+from kvscope.probe import vllm_hooks
 from kvscope.probe.core import Settings, patch_all, unpatch_all
 
 ROUNDS = 2_000
@@ -66,23 +67,33 @@ def one_mode(pool: BlockPool, read_clock: Any, rounds: int) -> float:
     return (time.thread_time() - start_cpu) / (rounds * CALLS_PER_ROUND) * 1e6
 
 
-def module_at(rev: str) -> ModuleType:
-    """kvscope/probe/vllm.py as of git `rev`, loaded beside today's (its own PROBE)."""
-    source = subprocess.run(
-        ["git", "show", f"{rev}:kvscope/probe/vllm.py"], check=True, capture_output=True, text=True
-    ).stdout
-    spec = importlib.util.spec_from_loader(f"kvscope.probe.vllm_at_{rev}", loader=None)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    exec(compile(source, f"vllm.py@{rev}", "exec"), module.__dict__)
-    return module
+PARTS = ("vllm_probe", "vllm_hooks", "vllm_families", "vllm")  # NOTE: import order; vllm.py alone before the split
+
+
+def module_at(rev: str) -> tuple[ModuleType, ModuleType]:
+    """kvscope/probe/vllm.py as of git `rev` and its parts of that rev, loaded beside today's (its own
+    PROBE): (vllm.py, the module whose PROBE its wrappers read: vllm_hooks.py, or vllm.py itself before
+    the split)."""
+    sources = {}
+    for part in PARTS:
+        shown = subprocess.run(["git", "show", f"{rev}:kvscope/probe/{part}.py"], capture_output=True, text=True)
+        if shown.returncode == 0:
+            sources[f"kvscope.probe.{part}"] = shown.stdout
+    if "kvscope.probe.vllm" not in sources:
+        raise SystemExit(f"bench_probe: no kvscope/probe/vllm.py at {rev}")
+    loaded = load_apart(sources, f"at_{rev}")
+    face = loaded["kvscope.probe.vllm"]
+    return face, loaded.get("kvscope.probe.vllm_hooks", face)
 
 
 class Mode:
     """One column: plain vLLM, or a probe module at a level with its own probe and recorder."""
 
-    def __init__(self, name: str, module: ModuleType | None, level: str, capture: Path) -> None:
+    def __init__(
+        self, name: str, module: ModuleType | None, level: str, capture: Path, wrappers: ModuleType | None = None
+    ) -> None:
         self.name, self.module = name, module
+        self.wrappers = wrappers or module  # NOTE: the module whose PROBE the wrappers read
         self.cpu_us: list[float] = []
         self.added_us: list[float] = []
         self.hand_off_us: list[float] = []
@@ -92,14 +103,14 @@ class Mode:
             self.probe = module.VllmProbe(Settings(str(capture), level, python), "0.32.0")
             self.probe.state.active = True
             self.probe.ctx.rid, self.probe.ctx.group = "req-bench", 0
-            module.PROBE = self.probe
+            self.wrappers.PROBE = self.probe
             self.probe.recorder()
 
     def time(self, rounds: int) -> float:
         pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=16)
         if self.module is None:
             return one_mode(pool, None, rounds)
-        self.module.PROBE = self.probe
+        self.wrappers.PROBE = self.probe
         targets = self.module.targets()
         patch_all(targets)
         try:
@@ -152,12 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md as it is")
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="bench-probe-"))
-    plan: list[tuple[str, ModuleType | None, str]] = [("plain", None, ""), ("summary", probe, "summary")]
-    plan.append(("full", probe, "full"))
+    plan: list[tuple[str, ModuleType | None, str, ModuleType | None]] = [("plain", None, "", None)]
+    plan += [("summary", probe, "summary", vllm_hooks), ("full", probe, "full", vllm_hooks)]
     if args.against:
-        old = module_at(args.against)
-        plan += [(f"summary@{args.against}", old, "summary"), (f"full@{args.against}", old, "full")]
-    modes = [Mode(name, module, level, tmp / f"{i}.db") for i, (name, module, level) in enumerate(plan)]
+        old, old_wrappers = module_at(args.against)
+        plan += [(f"{level}@{args.against}", old, level, old_wrappers) for level in ("summary", "full")]
+    modes = [Mode(name, module, level, tmp / f"{i}.db", hooks) for i, (name, module, level, hooks) in enumerate(plan)]
     load = os.getloadavg()[0]
     try:
         for rep in range(args.repeats):

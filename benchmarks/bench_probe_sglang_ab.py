@@ -6,9 +6,10 @@ in paired blocks.
     PYTHONPATH=. KVSCOPE_PYTHON=.venv/bin/python ~/.cache/kvscope/sglang-venv/bin/python -W ignore \\
         benchmarks/bench_probe_sglang_ab.py OLD_TREE [--blocks N] [--label TEXT] [--no-write]
 
-OLD_TREE holds the other version's kvscope/probe/sglang.py and sglang_ledger.py; they are loaded as
-modules of their own beside this tree's (the old sglang.py on the old ledger; both on this tree's other
-modules), each with its own probe and recorder. NOTE: why this and not two runs of
+OLD_TREE holds the other version's kvscope/probe/sglang.py and sglang_ledger.py (and, since they were
+split from sglang.py, sglang_probe.py, sglang_hooks.py, sglang_families.py and sglang_live.py); they are
+loaded as modules of their own beside this tree's (the old sglang.py on the old ones; all on this tree's
+other modules), each with its own probe and recorder. NOTE: why this and not two runs of
 bench_probe_sglang.py: on the shared 2-core machine the load moves between runs by more than a sub-µs
 change; here plain, old and new alternate in short blocks (BLOCK_ROUNDS rounds, a new shuffled order
 each of BLOCKS repetitions) in one process, and each figure is the median of the blocks' paired
@@ -27,7 +28,6 @@ versions, in the rows' names).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import random
 import statistics
@@ -44,9 +44,9 @@ import bench_probe_sglang as bench  # NOTE: SGLang stand-ins installed, SGLang i
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+from benchmarks._apart import load_apart
 from benchmarks._results import Figure, this_run, write_figures
 from kvscope.probe import sglang as new
-from kvscope.probe import sglang_ledger as new_ledger
 from kvscope.probe.core import settings_from_env
 
 BLOCK_ROUNDS = 400
@@ -67,22 +67,19 @@ ABOUT = (
 )
 
 
-def _module(name: str, path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+PARTS = ("sglang_ledger", "sglang_live", "sglang_probe", "sglang_hooks", "sglang_families", "sglang")  # NOTE: import
+# order; before the split, sglang.py and sglang_ledger.py alone
 
 
 def load_old(tree: Path) -> Any:
-    """The old sglang.py, importing the old sglang_ledger.py in place of this tree's."""
-    old_ledger = _module("kvscope_probe_sglang_ledger_old", tree / "kvscope/probe/sglang_ledger.py")
-    sys.modules["kvscope.probe.sglang_ledger"] = old_ledger
-    try:
-        return _module("kvscope_probe_sglang_old", tree / "kvscope/probe/sglang.py")
-    finally:
-        sys.modules["kvscope.probe.sglang_ledger"] = new_ledger
+    """The old sglang.py, on the old tree's parts of it (sglang_ledger.py and, since the split, its state,
+    hooks, families and live readers) in place of this tree's: those it has are loaded apart."""
+    sources = {
+        f"kvscope.probe.{part}": (tree / f"kvscope/probe/{part}.py").read_text()
+        for part in PARTS
+        if (tree / f"kvscope/probe/{part}.py").is_file()
+    }
+    return load_apart(sources, "old")["kvscope.probe.sglang"]
 
 
 def versions(old: Any) -> Modes:

@@ -2,7 +2,7 @@
 paths of every target it hooks, the hook table's entry (`Hook`), the attributes each family's census and
 hooks read on SGLang's classes (`READS` and its per-release variants) and the shapes a family's hook table
 implies (`shapes_of`: each target with the leading parameters its wrapper passes). The families in
-sglang.py pair these with their hook tables; a release that differs in any of them registers nothing.
+sglang_families.py pair these with their hook tables; a release that differs in any of them registers nothing.
 
 NOTE: imports nothing of SGLang: `kvscope probe-check` describes a release's code before it runs.
 """
@@ -44,7 +44,7 @@ class Hook(NamedTuple):
     per_op: bool = False
 
 
-# NOTE: the classes whose attributes the probe and its census read (sglang_views.py, the hooks in sglang.py);
+# NOTE: the classes whose attributes the probe and its census read (sglang_views.py, the hooks in sglang_hooks.py);
 # a release that renamed one loads no family (shapes.py: reads). The functions the census calls on
 # SGLang's objects are targets of their own (their leading parameters).
 READS = (

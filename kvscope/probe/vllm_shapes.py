@@ -1,7 +1,7 @@
 """What kvscope's vLLM probe needs of vLLM's code, as shapes (kvscope/probe/shapes.py): every method it
 wraps with the leading parameters its wrapper passes or reads, and the attributes the probe, its census
-(vllm_views.py) and its tree snapshots read on vLLM's objects. The families in vllm.py pair these with
-their wrappers; a release that differs in any of them patches nothing.
+(vllm_views.py) and its tree snapshots read on vLLM's objects. The families in vllm_families.py pair these
+with their wrappers; a release that differs in any of them patches nothing.
 
 NOTE: imports nothing of vLLM: `kvscope probe-check` describes a release's code before it runs.
 """

@@ -32,6 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import tests.engines.sglang_probe_driver as driver  # NOTE: it installs SGLang's stand-ins first
+from kvscope.probe import sglang_probe
 
 Scheduler, probe = driver.Scheduler, driver.probe
 
@@ -184,7 +185,7 @@ def stand_in(engine: driver.Engine, loop: Loop) -> SimpleNamespace:
 def main(scenario: str) -> None:
     if scenario == "crash":
         driver.os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
-    probe.CENSUS_BUDGET_X = 0  # NOTE: these steps take microseconds: every due census runs
+    sglang_probe.CENSUS_BUDGET_X = 0  # NOTE: these steps take microseconds: every due census runs (SglangProbe's)
     driver.load_plugins()
     driver.PAGES = 40 if scenario == "busy-many" else 20
     driver.publish_config()

@@ -197,7 +197,9 @@ def full_census(point: dict[str, Any]) -> dict[str, Any]:
 def test_a_clean_request_life_checks_clean_on_each_tree(batched: Any, tree: str, core: str, release: str) -> None:
     result, capture = batched("clean", tree, release)
     assert result["said"] == "registered" and result["patched"] and result["core"] == core
-    assert set(result["made_by"].values()) == {"sglang.py"}, result["made_by"]  # patched directly, no AROUND layer
+    assert set(result["made_by"].values()) == {"sglang_hooks.py"}, result[
+        "made_by"
+    ]  # patched directly, no AROUND layer
     assert [p["sglang"]["leak"] for p in result["points"]] == [False, False, False]
     assert all(c["ok"] for p in result["points"] for c in p["census"])
     assert full_census(result["points"][1])["live"] == 3  # req-D's three pages, running across the idle point

@@ -74,7 +74,7 @@ def finish(
     kv: KVCacheManager, live: dict[str, Request], req: Request, status: RequestStatus = RequestStatus.FINISHED_STOPPED
 ) -> None:
     req.status = status
-    probe._record_request(req)
+    probe.PROBE.record_request(req)
     kv.free(req)
     del live[req.request_id]
 

@@ -34,6 +34,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvscope.probe import vllm as probe
+from kvscope.probe import vllm_probe
 
 RUNNER_HAS_INDEX = "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__
 SCHEDULED = ("busy", "linger", "unpinned", "preempt-free", "deferred")
@@ -185,7 +186,7 @@ def scheduled(scenario: str) -> dict[str, Any]:
     (model_dir / "config.json").write_text(__import__("json").dumps(MODEL_CONFIG))
     install_faults()
     said = probe._register()
-    probe.CENSUS_BUDGET_X = 0  # NOTE: these steps take microseconds: every due census runs
+    vllm_probe.CENSUS_BUDGET_X = 0  # NOTE: these steps take microseconds: every due census runs (VllmProbe's)
     run = {"busy": busy, "linger": linger, "unpinned": unpinned, "preempt-free": preempt_free, "deferred": deferred}
     result = run[scenario](str(model_dir))
     return {"said": said, "active": probe.PROBE.state.active, **result}

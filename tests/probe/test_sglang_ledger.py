@@ -19,7 +19,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvscope.probe import sglang
+from kvscope.probe import sglang_hooks
 from kvscope.probe.sglang_ledger import ALLOC, BIND, FREE, Ledger, PageLedger, fold_pages
 from kvscope.telemetry.remote import block_as_items
 
@@ -170,9 +170,9 @@ def test_mamba_calls_folded_in_bulk_name_the_slots_each_call_took_or_gave_back(
     folded on its own. Breaking the hooks' run logic (a run kept past what its free_slots holds, a
     chain not ended at a clear, a pop's place), the fold's (run_tails, chain_takes) or a chain going
     on across folds fails it."""
-    probe = sglang.SglangProbe(None, "test")
+    probe = sglang_hooks.SglangProbe(None, "test")
     probe.state.active, probe.hot = True, True
-    alloc, free = sglang._d_mamba_alloc(SlotFreeList.alloc), sglang._d_mamba_free(SlotFreeList.free)
+    alloc, free = sglang_hooks._d_mamba_alloc(SlotFreeList.alloc), sglang_hooks._d_mamba_free(SlotFreeList.free)
     pools = (SlotFreeList(size), SlotFreeList(3))
     ledger = probe.ledger
     held: tuple[list[int], list[int]] = ([], [])
@@ -189,7 +189,7 @@ def test_mamba_calls_folded_in_bulk_name_the_slots_each_call_took_or_gave_back(
             got.extend((items[i + 2], items[i + 4], items[i + 10].tolist()) for i in range(0, len(items), 11))
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sglang, "PROBE", probe)
+        patch.setattr(sglang_hooks, "PROBE", probe)  # NOTE: the hooks read their module's PROBE
         for n, (op, k, p) in enumerate(ops):
             probe.rid = rid = f"req-{n}"
             pool = pools[p]
@@ -311,11 +311,11 @@ def test_the_allocator_hooks_keep_no_object_per_call_beyond_the_calls_tensor() -
         def alloc(self, need_size: int) -> torch.Tensor:
             return torch.arange(need_size, dtype=torch.int64) + PAGE_SIZE
 
-    probe = sglang.SglangProbe(None, "test")
+    probe = sglang_hooks.SglangProbe(None, "test")
     probe.state.active, probe.hot = True, True
-    alloc, pool, calls = sglang._d_alloc(Paged.alloc), Paged(), 300
+    alloc, pool, calls = sglang_hooks._d_alloc(Paged.alloc), Paged(), 300
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sglang, "PROBE", probe)
+        patch.setattr(sglang_hooks, "PROBE", probe)  # NOTE: the hooks read their module's PROBE
         gc.collect()
         before = tuples_tracked()
         for _ in range(calls):
