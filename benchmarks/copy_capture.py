@@ -1,0 +1,116 @@
+"""Copy a SQLite capture into a PostgreSQL database, table by table with COPY: the same runs on a server,
+so the dashboard's pages and reads can be timed there on a capture too large to record twice.
+
+    .venv/bin/python benchmarks/copy_capture.py CAPTURE URL
+
+URL names an empty database (postgresql://USER:PASSWORD@HOST:PORT/DB). The schema is made as a writer
+makes it (store.open_writer: every table and index of this kvscope's schema, the current version), so
+CAPTURE must be a file of that same version (`kvscope upgrade` brings an older one up to date). Rows
+go in through binary COPY in the tables' order, booleans as booleans; runs.id's sequence is moved past the
+copied ids; then VACUUM ANALYZE, as autovacuum would have left a database that was written over hours.
+Prints each table's rows and seconds. Not a kvscope feature: a capture on a server is written there
+by its recorder; this exists to measure the readers on a large one.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH_ROWS = 20_000
+
+
+def copy_capture(source: Path, url: str) -> None:
+    from kvscope.telemetry import schema
+    from kvscope.telemetry.store import open_writer, stored_version
+
+    conn = sqlite3.connect(f"file:{source}?mode=ro", uri=True)
+    version = conn.execute("SELECT value FROM kvscope_meta WHERE key = 'schema_version'").fetchone()
+    if version is None or int(version[0]) != schema.SCHEMA_VERSION:
+        raise SystemExit(f"{source}: schema version {version and version[0]}, not {schema.SCHEMA_VERSION}")
+    engine = open_writer(url)
+    try:
+        with engine.connect() as server:
+            if any(server.exec_driver_sql(f"SELECT 1 FROM {t.name} LIMIT 1").first() for t in _data_tables(schema)):
+                raise SystemExit(f"{url.split('@')[-1]}: the database already holds rows; give an empty one")
+            assert stored_version(server) == str(schema.SCHEMA_VERSION)
+        present = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        raw = engine.raw_connection()
+        try:
+            for table in _data_tables(schema):
+                if table.name not in present:
+                    continue
+                names = [c.name for c in table.columns]
+                types = [_server_type(raw, table.name, name) for name in names]
+                start = time.perf_counter()
+                copied = _copy_table(conn, raw, table.name, names, types)
+                print(f"{table.name}: {copied:,} rows in {time.perf_counter() - start:.1f} s", flush=True)
+            cursor = raw.cursor()
+            cursor.execute("SELECT setval(pg_get_serial_sequence('runs', 'id'), (SELECT max(id) FROM runs))")
+            raw.commit()
+        finally:
+            raw.close()
+        start = time.perf_counter()
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as server:
+            server.exec_driver_sql("VACUUM ANALYZE")
+        print(f"VACUUM ANALYZE: {time.perf_counter() - start:.1f} s", flush=True)
+    finally:
+        conn.close()
+        engine.dispose()
+
+
+def _data_tables(schema: Any) -> list[Any]:
+    return [t for t in schema.metadata.sorted_tables if t.name != schema.meta.name]
+
+
+def _server_type(raw: Any, table: str, column: str) -> str:
+    """The column's type on the server (its pg_type name: int8, int4 for runs.id, float8, ...)."""
+    cursor = raw.cursor()
+    cursor.execute(
+        "SELECT t.typname FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid"
+        " WHERE a.attrelid = %s::regclass AND a.attname = %s",
+        (table, column),
+    )
+    return str(cursor.fetchone()[0])
+
+
+def _copy_table(conn: sqlite3.Connection, raw: Any, table: str, names: list[str], types: list[str]) -> int:
+    """Every row of `table` through one binary COPY (committed at the end); the rows copied."""
+    columns = ", ".join(f'"{n}"' for n in names)
+    rows = conn.execute(f'SELECT {columns} FROM "{table}"')
+    bools = [i for i, name in enumerate(types) if name == "bool"]
+    copied = 0
+    cursor = raw.cursor()
+    cursor.execute(f'TRUNCATE "{table}"')  # NOTE: with wal_level=minimal, a COPY after it skips the WAL
+    with cursor.copy(f'COPY "{table}" ({columns}) FROM STDIN (FORMAT BINARY)') as copy:
+        copy.set_types(types)
+        while batch := rows.fetchmany(BATCH_ROWS):
+            for row in batch:
+                if bools:
+                    row = list(row)
+                    for i in bools:
+                        row[i] = None if row[i] is None else bool(row[i])
+                copy.write_row(row)
+            copied += len(batch)
+    raw.commit()
+    return copied
+
+
+def main() -> None:
+    if len(sys.argv) != 3:
+        raise SystemExit(__doc__)
+    sys.path.insert(0, str(ROOT))
+    source = Path(sys.argv[1])
+    if not source.is_file():
+        raise SystemExit(f"{source}: no such file")
+    start = time.perf_counter()
+    copy_capture(source, sys.argv[2])
+    print(f"copied {source} in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
