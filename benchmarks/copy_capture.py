@@ -1,15 +1,17 @@
 """Copy a SQLite capture into a PostgreSQL database, table by table with COPY: the same runs on a server,
 so the dashboard's pages and reads can be timed there on a capture too large to record twice.
 
-    .venv/bin/python benchmarks/copy_capture.py CAPTURE URL
+    .venv/bin/python benchmarks/copy_capture.py CAPTURE URL [TABLE,TABLE...]
 
 URL names an empty database (postgresql://USER:PASSWORD@HOST:PORT/DB). The schema is made as a writer
 makes it (store.open_writer: every table and index of this kvscope's schema, the current version), so
-CAPTURE must be a file of that same version (`kvscope upgrade` brings an older one up to date). Rows
-go in through binary COPY in the tables' order, booleans as booleans; runs.id's sequence is moved past the
-copied ids; then VACUUM ANALYZE, as autovacuum would have left a database that was written over hours.
-Prints each table's rows and seconds. Not a kvscope feature: a capture on a server is written there
-by its recorder; this exists to measure the readers on a large one.
+CAPTURE must be a file of that same version (`kvscope upgrade` brings an older one up to date). Rows go
+in through binary COPY, a few tables at once, booleans as booleans; runs.id's sequence is moved past
+the copied ids; then VACUUM ANALYZE, as autovacuum would have left a database written over hours.
+Prints each table's rows and seconds. With TABLE,... only those tables are copied (they must be empty
+there): the rest of a capture whose other tables are on the server already (its reports, stored after
+its events). Not a kvscope feature: a capture on a server is written there by its recorder; this
+exists to time the readers on a large one.
 """
 
 from __future__ import annotations
@@ -17,49 +19,48 @@ from __future__ import annotations
 import sqlite3
 import sys
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH_ROWS = 20_000
+WORKERS = 3  # NOTE: tables copied at once: the bytes of event_columns wait on the server, the many small
+# rows of tree_snapshots and requests on this process
 
 
-def copy_capture(source: Path, url: str) -> None:
+def copy_capture(source: Path, url: str, only: Sequence[str] = ()) -> None:
+    """`source`'s tables (`only` these, when given) into `url`, where they must be empty; COPYs run
+    WORKERS tables at a time, each on its own connections."""
     from kvscope.telemetry import schema
     from kvscope.telemetry.store import open_writer, stored_version
 
     conn = sqlite3.connect(f"file:{source}?mode=ro", uri=True)
-    version = conn.execute("SELECT value FROM kvscope_meta WHERE key = 'schema_version'").fetchone()
+    try:
+        version = conn.execute("SELECT value FROM kvscope_meta WHERE key = 'schema_version'").fetchone()
+        present = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    finally:
+        conn.close()
     if version is None or int(version[0]) != schema.SCHEMA_VERSION:
         raise SystemExit(f"{source}: schema version {version and version[0]}, not {schema.SCHEMA_VERSION}")
+    tables = [t for t in _data_tables(schema) if t.name in present and (not only or t.name in only)]
     engine = open_writer(url)
     try:
         with engine.connect() as server:
-            if any(server.exec_driver_sql(f"SELECT 1 FROM {t.name} LIMIT 1").first() for t in _data_tables(schema)):
-                raise SystemExit(f"{url.split('@')[-1]}: the database already holds rows; give an empty one")
             assert stored_version(server) == str(schema.SCHEMA_VERSION)
-        present = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        raw = engine.raw_connection()
-        try:
-            for table in _data_tables(schema):
-                if table.name not in present:
-                    continue
-                names = [c.name for c in table.columns]
-                types = [_server_type(raw, table.name, name) for name in names]
-                start = time.perf_counter()
-                copied = _copy_table(conn, raw, table.name, names, types)
-                print(f"{table.name}: {copied:,} rows in {time.perf_counter() - start:.1f} s", flush=True)
-            cursor = raw.cursor()
-            cursor.execute("SELECT setval(pg_get_serial_sequence('runs', 'id'), (SELECT max(id) FROM runs))")
-            raw.commit()
-        finally:
-            raw.close()
+            if any(server.exec_driver_sql(f'SELECT 1 FROM "{t.name}" LIMIT 1').first() for t in tables):
+                raise SystemExit(f"{url.split('@')[-1]}: a table to copy already holds rows; give an empty database")
+        with ThreadPoolExecutor(WORKERS) as pool:
+            for done in pool.map(lambda table: _copy_table(source, engine, table), tables):
+                print(done, flush=True)
+        with engine.begin() as server:
+            server.exec_driver_sql("SELECT setval(pg_get_serial_sequence('runs', 'id'), (SELECT max(id) FROM runs))")
         start = time.perf_counter()
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as server:
             server.exec_driver_sql("VACUUM ANALYZE")
         print(f"VACUUM ANALYZE: {time.perf_counter() - start:.1f} s", flush=True)
     finally:
-        conn.close()
         engine.dispose()
 
 
@@ -78,37 +79,47 @@ def _server_type(raw: Any, table: str, column: str) -> str:
     return str(cursor.fetchone()[0])
 
 
-def _copy_table(conn: sqlite3.Connection, raw: Any, table: str, names: list[str], types: list[str]) -> int:
-    """Every row of `table` through one binary COPY (committed at the end); the rows copied."""
+def _copy_table(source: Path, engine: Any, table: Any) -> str:
+    """Every row of `table` through one binary COPY, committed at the end (after a TRUNCATE in the same
+    transaction: with wal_level=minimal the rows then skip the WAL); a line saying what was copied."""
+    names = [c.name for c in table.columns]
     columns = ", ".join(f'"{n}"' for n in names)
-    rows = conn.execute(f'SELECT {columns} FROM "{table}"')
-    bools = [i for i, name in enumerate(types) if name == "bool"]
-    copied = 0
-    cursor = raw.cursor()
-    cursor.execute(f'TRUNCATE "{table}"')  # NOTE: with wal_level=minimal, a COPY after it skips the WAL
-    with cursor.copy(f'COPY "{table}" ({columns}) FROM STDIN (FORMAT BINARY)') as copy:
-        copy.set_types(types)
-        while batch := rows.fetchmany(BATCH_ROWS):
-            for row in batch:
-                if bools:
-                    row = list(row)
-                    for i in bools:
-                        row[i] = None if row[i] is None else bool(row[i])
-                copy.write_row(row)
-            copied += len(batch)
-    raw.commit()
-    return copied
+    start = time.perf_counter()
+    conn = sqlite3.connect(f"file:{source}?mode=ro", uri=True)
+    raw = engine.raw_connection()
+    try:
+        types = [_server_type(raw, table.name, name) for name in names]
+        bools = [i for i, name in enumerate(types) if name == "bool"]
+        rows = conn.execute(f'SELECT {columns} FROM "{table.name}"')
+        copied = 0
+        cursor = raw.cursor()
+        cursor.execute(f'TRUNCATE "{table.name}"')
+        with cursor.copy(f'COPY "{table.name}" ({columns}) FROM STDIN (FORMAT BINARY)') as copy:
+            copy.set_types(types)
+            while batch := rows.fetchmany(BATCH_ROWS):
+                for row in batch:
+                    if bools:
+                        row = list(row)
+                        for i in bools:
+                            row[i] = None if row[i] is None else bool(row[i])
+                    copy.write_row(row)
+                copied += len(batch)
+        raw.commit()
+    finally:
+        raw.close()
+        conn.close()
+    return f"{table.name}: {copied:,} rows in {time.perf_counter() - start:.1f} s"
 
 
 def main() -> None:
-    if len(sys.argv) != 3:
+    if len(sys.argv) not in (3, 4):
         raise SystemExit(__doc__)
     sys.path.insert(0, str(ROOT))
     source = Path(sys.argv[1])
     if not source.is_file():
         raise SystemExit(f"{source}: no such file")
     start = time.perf_counter()
-    copy_capture(source, sys.argv[2])
+    copy_capture(source, sys.argv[2], sys.argv[3].split(",") if len(sys.argv) == 4 else ())
     print(f"copied {source} in {time.perf_counter() - start:.0f} s", flush=True)
 
 
