@@ -340,7 +340,7 @@ class PackedEvents:
             c.run_id == run_id, c.chunk.between(missing[0], missing[-1]), c.name.in_(list(names))
         )
         wanted = set(missing)
-        for rows in driver_rows(self.engine, stmt, self.name, batch_rows=64):
+        for rows in driver_rows(self.engine, stmt, self.name, batch_rows=64, binary=True):
             for chunk, name, stored, data in rows:
                 if chunk in wanted:
                     self._keep(
