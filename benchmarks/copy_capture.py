@@ -4,8 +4,9 @@ so the dashboard's pages and reads can be timed there on a capture too large to 
     .venv/bin/python benchmarks/copy_capture.py CAPTURE URL [TABLE,TABLE...]
 
 URL names an empty database (postgresql://USER:PASSWORD@HOST:PORT/DB). The schema is made as a writer
-makes it (store.open_writer: every table and index of this kvscope's schema, the current version), so
-CAPTURE must be a file of that same version (`kvscope upgrade` brings an older one up to date). Rows go
+makes it (store.open_writer: every table and index of this kvscope's schema, the current version). A
+CAPTURE of an older version (from 10 on) is copied as a writer would have upgraded it: its columns, the
+later ones NULL, which its readers take as "not stored" (`kvscope upgrade URL` fills them). Rows go
 in through binary COPY, a few tables at once, booleans as booleans; runs.id's sequence is moved past
 the copied ids; then VACUUM ANALYZE, as autovacuum would have left a database written over hours.
 Prints each table's rows and seconds. With TABLE,... only those tables are copied (they must be empty
@@ -26,6 +27,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH_ROWS = 20_000
+OLDEST_COPIED = 10  # NOTE: an older file's columns differ in more than added ones (version 5's NOT NULLs)
 WORKERS = 3  # NOTE: tables copied at once: the bytes of event_columns wait on the server, the many small
 # rows of tree_snapshots and requests on this process
 
@@ -42,8 +44,10 @@ def copy_capture(source: Path, url: str, only: Sequence[str] = ()) -> None:
         present = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     finally:
         conn.close()
-    if version is None or int(version[0]) != schema.SCHEMA_VERSION:
-        raise SystemExit(f"{source}: schema version {version and version[0]}, not {schema.SCHEMA_VERSION}")
+    if version is None or not OLDEST_COPIED <= int(version[0]) <= schema.SCHEMA_VERSION:
+        raise SystemExit(
+            f"{source}: schema version {version and version[0]}, not {OLDEST_COPIED}-{schema.SCHEMA_VERSION}"
+        )
     tables = [t for t in _data_tables(schema) if t.name in present and (not only or t.name in only)]
     engine = open_writer(url)
     try:
@@ -82,12 +86,13 @@ def _server_type(raw: Any, table: str, column: str) -> str:
 def _copy_table(source: Path, engine: Any, table: Any) -> str:
     """Every row of `table` through one binary COPY, committed at the end (after a TRUNCATE in the same
     transaction: with wal_level=minimal the rows then skip the WAL); a line saying what was copied."""
-    names = [c.name for c in table.columns]
-    columns = ", ".join(f'"{n}"' for n in names)
     start = time.perf_counter()
     conn = sqlite3.connect(f"file:{source}?mode=ro", uri=True)
     raw = engine.raw_connection()
     try:
+        have = {row[1] for row in conn.execute(f'PRAGMA table_info("{table.name}")')}
+        names = [c.name for c in table.columns if c.name in have]
+        columns = ", ".join(f'"{n}"' for n in names)
         types = [_server_type(raw, table.name, name) for name in names]
         bools = [i for i, name in enumerate(types) if name == "bool"]
         rows = conn.execute(f'SELECT {columns} FROM "{table.name}"')
