@@ -413,6 +413,7 @@ class Capture:
         principals: Sequence[str] | None = None,
         statuses: Sequence[str] | None = None,
         rid: str | None = None,
+        rids: Sequence[str] | None = None,
         columns: Sequence[str] | None = None,
         limit: int | None = None,
         offset: int = 0,
@@ -421,7 +422,7 @@ class Capture:
     ) -> pd.DataFrame:
         """Requests rows (ordered as requests(): by arrival step, then rid, or the reverse when
         `newest_first`; in no order unless `ordered`), of `principals`, `statuses` or one `rid` when
-        given, as `columns` (every column by default), a page of `limit` rows past `offset`: a page
+        given (or any of `rids`), as `columns` (every column by default), a page of `limit` rows past `offset`: a page
         of a run of 300k requests without reading them all."""
         c = schema.requests.c
         as_of = {col.name: col for col in schema.columns_as_of(schema.requests, self.schema_version)}
@@ -433,6 +434,8 @@ class Capture:
             stmt = stmt.where(c.status.in_(list(statuses)))
         if rid is not None:
             stmt = stmt.where(c.rid == rid)
+        if rids is not None:
+            stmt = stmt.where(c.rid.in_(list(rids)))
         if ordered:
             keys = (c.arrive_step.desc(), c.rid.desc()) if newest_first else (c.arrive_step, c.rid)
             stmt = stmt.order_by(*keys)
