@@ -31,6 +31,13 @@ def reads(capture: Any, run_id: int) -> dict[str, Callable[[], Any]]:
         "lookup_stops": lambda: telemetry.lookup_stops(capture, run_id),
         "request_principals": lambda: capture.request_principals(run_id),
         "usage": lambda: capture.usage(run_id, 600),
+        "latest_usage": lambda: capture.latest_usage(run_id),
+        "request_times": lambda: capture.request_rows(
+            run_id, columns=["arrive_t", "admit_t", "first_token_t", "finish_t"], ordered=False
+        ),
+        "request_timeline": lambda: telemetry.allocs_of_requests(
+            capture, run_id, list(capture.request_rows(run_id, columns=["rid"], limit=60)["rid"])
+        ),
         "request_totals": lambda: capture.request_totals(run_id),
         "evictions_over_steps": lambda: telemetry.evictions_over_steps(capture, run_id, 600),
     }

@@ -322,13 +322,31 @@ def allocs_of_requests(capture: Capture, run_id: int, rids: Sequence[str]) -> pd
     if not rids:
         return pd.DataFrame(columns=["rid", "step", "tokens"])
     allocs = capture.events(
-        run_id, kinds=[EventKind.ALLOC], rids=list(rids), limit=None, columns=["step", "rid", "pool", "num_tokens"]
+        run_id,
+        kinds=[EventKind.ALLOC],
+        rids=list(rids),
+        step_range=life_steps(capture, run_id, rids),
+        limit=None,
+        columns=["step", "rid", "pool", "num_tokens"],
     )
     allocs = allocs[allocs["pool"] == PoolName.FULL.value]
     if allocs.empty:
         return pd.DataFrame(columns=["rid", "step", "tokens"])
     sums = allocs.groupby(["rid", "step"], sort=True)["num_tokens"].sum()
     return sums.rename("tokens").reset_index()
+
+
+def life_steps(capture: Capture, run_id: int, rids: Sequence[str]) -> tuple[int, int] | None:
+    """The steps every event of these requests falls in: from their earliest arrival step to their latest
+    finish step (no upper bound when one has none: unfinished or aborted); None (every step) when one has
+    no row or no arrival step. NOTE: a request allocates only after it arrived (the probes mark arrival at
+    its first lookup) and before it finished; the bound lets a packed run read only the chunks of those
+    steps (a page of 60 requests read every chunk's rids: minutes at 100 M events)."""
+    rows = capture.request_rows(run_id, rids=list(rids), columns=["arrive_step", "finish_step"], ordered=False)
+    if len(rows) < len(set(rids)) or rows["arrive_step"].isna().any():
+        return None
+    last = LAST_STEP if rows["finish_step"].isna().any() else int(rows["finish_step"].max())
+    return int(rows["arrive_step"].min()), last
 
 
 # -- evictions over time ---------------------------------------------------------------------
