@@ -32,8 +32,9 @@ on a big run: `kvscope upgrade` packs it.
 from __future__ import annotations
 
 import bisect
+import json
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,8 +42,10 @@ import pandas as pd
 from sqlalchemy import desc, select
 
 from kvscope.telemetry import schema
+from kvscope.telemetry.carry import EVICT_STEP_DTYPE, Held, apply_lock_carry, lock_carry, read_evict_steps
 from kvscope.telemetry.event_source import decode_strings, present
 from kvscope.telemetry.events import EventKind, PoolName
+from kvscope.telemetry.packed import NO_CODE, NULL_INT
 from kvscope.telemetry.queries import Capture
 
 EVICTION_LOG_COLUMNS = (
@@ -80,10 +83,13 @@ def _all(
     columns: Sequence[str],
     step_range: tuple[int, int] | None = None,
     coded: Sequence[str] = (),
+    after_seq: int | None = None,
 ) -> pd.DataFrame:
-    """Every event of `kinds` (in `step_range`), as `columns` plus seq, in seq order (`coded`:
-    string columns left as codes, see Capture.events)."""
-    return capture.events(run_id, kinds=kinds, step_range=step_range, limit=None, columns=columns, coded=coded)
+    """Every event of `kinds` (in `step_range`, after `after_seq`), as `columns` plus seq, in seq
+    order (`coded`: string columns left as codes, see Capture.events)."""
+    return capture.events(
+        run_id, kinds=kinds, step_range=step_range, after_seq=after_seq, limit=None, columns=columns, coded=coded
+    )
 
 
 def _isin(values: pd.Series, wanted: Iterable[int]) -> np.ndarray:
@@ -405,15 +411,28 @@ def _null_first(value: str | None) -> tuple[bool, str]:
 
 def evictions_over_steps(capture: Capture, run_id: int, max_points: int) -> pd.DataFrame:
     """Evictions and evicted tokens per bucket of steps (at most `max_points` buckets; `step` is
-    each bucket's last step with an eviction, `steps` its width)."""
-    ev = _all(capture, run_id, [EVICT], ["step", "t_mono", "num_tokens"])
+    each bucket's last step with an eviction, `steps` its width). A packed run's from its chunks'
+    evictions per step (carry.py), a run of the row layout's from its events."""
+    if _has_chunks(capture, run_id):
+        carried = capture.packed.carried(run_id, capture.schema_version, "evict_steps")
+        per_step = np.concatenate([read_evict_steps(bytes(b)) for b in carried.evict_steps] or [_NO_EVICT_STEPS])
+        ev = pd.DataFrame(
+            {
+                "step": per_step["step"],
+                "evictions": per_step["evictions"],
+                "num_tokens": per_step["tokens"],
+                "t_mono": per_step["t_mono"],
+            }
+        )
+    else:
+        ev = _all(capture, run_id, [EVICT], ["step", "t_mono", "num_tokens"]).assign(evictions=1)
     if ev.empty:
         return pd.DataFrame(columns=["step", "num_evictions", "evicted_tokens", "t_mono", "steps"])
     lo = int(ev.step.min())
     width = max(1, -(-(int(ev.step.max()) - lo + 1) // max_points))
     out = ev.groupby(((ev.step - lo) // width).to_numpy()).agg(
         step=("step", "max"),
-        num_evictions=("seq", "size"),
+        num_evictions=("evictions", "sum"),
         evicted_tokens=("num_tokens", "sum"),
         t_mono=("t_mono", "min"),
     )
@@ -422,9 +441,93 @@ def evictions_over_steps(capture: Capture, run_id: int, max_points: int) -> pd.D
     return out
 
 
+_NO_EVICT_STEPS = np.zeros(0, EVICT_STEP_DTYPE)
+
+
 def recent_evictions(capture: Capture, run_id: int, since_step: int) -> pd.DataFrame:
     ev = _all(capture, run_id, [EVICT], ["num_tokens"], (since_step, LAST_STEP))
     return pd.DataFrame({"num_evictions": [len(ev)], "evicted_tokens": [int(ev.num_tokens.sum())]})
+
+
+# -- locks held ------------------------------------------------------------------------------
+
+HELD_LOCK_COLUMNS = ("node_id", "rid", "since_step")
+LOCKS = (EventKind.LOCK, EventKind.UNLOCK)
+LOCK_FIELDS = ["step", "kind", "rid", "node_id", "aux", "reason"]
+LOCK_STRINGS = ("kind", "rid", "reason")
+
+
+def held_locks(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
+    """The locks held after `step`, in the order they were taken: node_id, rid (the holder: a request,
+    a host-tier copy's "write|load <aux>", or None) and since_step, the step of the lock. An unlock
+    releases the latest lock of the same holder on the same node; one with none held releases
+    nothing (the slot ledger's rule). NOTE: a packed run's from its chunks' lock carries (carry.py),
+    with events read only for the chunks that straddle `step`; a run of the row layout's from all its
+    lock and unlock events up to `step`."""
+    held: Held = {}
+    if not _has_chunks(capture, run_id):
+        events = _all(capture, run_id, LOCKS, LOCK_FIELDS, (FIRST_STEP, step))
+        texts: dict[str, int] = {}
+        columns = _lock_columns(events, lambda values: _local_codes(values, texts))
+        apply_lock_carry(held, json.loads(lock_carry(columns, 0, texts.get)))
+        names = np.asarray([None, *texts], dtype=object)  # NOTE: local code c is names[c + 1]
+        return _held_frame(held, lambda codes: names[codes + 1])
+    chunks = capture.packed.carried(run_id, capture.schema_version, "lock_carry", (FIRST_STEP, step))
+    partial = chunks[chunks.last_step > step]
+    events = pd.DataFrame(columns=["seq", *LOCK_FIELDS])
+    if len(partial):
+        events = _all(
+            capture, run_id, LOCKS, LOCK_FIELDS, (FIRST_STEP, step), LOCK_STRINGS, int(partial.first_seq.min()) - 1
+        )
+    for chunk in chunks.itertuples(index=False):
+        if chunk.last_step <= step:
+            carry = chunk.lock_carry
+        else:
+            first = int(chunk.first_seq)
+            mine = events[(events.seq >= first) & (events.seq < first + int(chunk.num_events))]
+            carry = lock_carry(
+                _lock_columns(mine, np.asarray), first, lambda text: capture.packed.code_of(run_id, text)
+            )
+        apply_lock_carry(held, json.loads(carry))
+    return _held_frame(held, lambda codes: decode_strings(capture, run_id, codes))
+
+
+def _lock_columns(events: pd.DataFrame, codes: Callable[[pd.Series], np.ndarray]) -> dict[str, np.ndarray]:
+    """Lock events as read (Capture.events) as lock_carry's columns; `codes` turns a string column
+    into int codes."""
+    columns = {name: events[name].to_numpy() for name in ("seq", "step", "aux")}
+    columns.update({name: np.asarray(codes(events[name]), np.int64) for name in LOCK_STRINGS})
+    node = events["node_id"]
+    known = pd.notna(node).to_numpy()
+    values = pd.to_numeric(node.where(known, 0)).to_numpy()
+    columns["node_id"] = np.where(known, values.astype(np.int64), NULL_INT)
+    return columns
+
+
+def _local_codes(values: pd.Series, texts: dict[str, int]) -> np.ndarray:
+    """Strings (NULL: None or NaN) as codes numbered in `texts` (NO_CODE for NULL)."""
+    return np.fromiter(
+        (NO_CODE if v is None or v != v else texts.setdefault(str(v), len(texts)) for v in values.tolist()),
+        np.int64,
+        len(values),
+    )
+
+
+def _held_frame(held: Held, decode: Callable[[np.ndarray], np.ndarray]) -> pd.DataFrame:
+    """The held locks in seq order; rid codes decoded (a copy's holder is named already)."""
+    rows = sorted((seq, node, holder, since) for (node, holder), stack in held.items() for seq, since in stack)
+    holders = np.empty(len(rows), dtype=object)
+    holders[:] = [r[2] for r in rows]
+    coded = np.fromiter((isinstance(h, int) for h in holders), bool, len(holders))
+    if coded.any():
+        holders[coded] = decode(holders[coded].astype(np.int64))
+    return pd.DataFrame(
+        {
+            "node_id": np.asarray([r[1] for r in rows], np.int64),
+            "rid": holders,
+            "since_step": np.asarray([r[3] for r in rows], np.int64),
+        }
+    )
 
 
 # -- usage -----------------------------------------------------------------------------------
