@@ -9,22 +9,22 @@ NOTE: the two carries
                   evictions, their tokens and the first one's t_mono (EVICT_STEP_DTYPE records,
                   little-endian bytes; b"": none). Every event of a step lands in one bucket of
                   evictions_over_steps, so these sum to the same buckets as the events.
-    lock_carry    per (node, holder) whose locks the chunk changes for later steps (JSON): [node,
-                  holder, releases, [[seq, step], ...]]: `releases` unlocks that found none of the
-                  chunk's own locks held (they release the latest locks held before the chunk, as
-                  many as there are), then the chunk's own locks still held at its end, in seq
-                  order. A holder is a rid's code (NO_CODE: none) or a host-tier copy's
-                  "write|load <aux>" (held_locks' lock_holder). Per (node, holder) the locks form
-                  a stack (an unlock releases the latest lock, and one with none held releases
-                  nothing), and a stack's changes compose: pop `releases` (at most its height),
-                  push the rest. So the locks held after a step are the chunks' carries applied in
+    lock_carry    LOCK_CARRY_DTYPE records (node, holder, seq, step) of the chunk's changes to the
+                  locks held for later steps: first a release record (seq RELEASE) per unlock that
+                  found none of the chunk's own locks held on its node for its holder (it releases
+                  the latest lock held before the chunk, if any), then the chunk's locks still held
+                  at its end, in seq order. A holder is a rid's code (NO_CODE: none) or a host-tier
+                  copy's -2 - (2 * aux + 0 for write, 1 for load) (held_locks' lock_holder names it
+                  "write|load <aux>"; an op id is never negative). Per (node, holder) the locks
+                  form a stack (an unlock releases the latest lock, and one with none held releases
+                  nothing), and a stack's changes compose: pop the releases (at most its height),
+                  push the rest. So the locks held after a step are the chunks' records replayed in
                   seq order, exactly what replaying every lock and unlock up to it gives.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,14 +34,14 @@ from kvscope.telemetry.events import EventKind
 NO_CODE = -1  # NOTE: packed.NO_CODE (packed imports this module)
 NULL_INT = np.iinfo(np.int64).min  # NOTE: packed.NULL_INT
 EVICT_STEP_DTYPE = np.dtype([("step", "<i8"), ("evictions", "<i8"), ("tokens", "<i8"), ("t_mono", "<f8")])
+LOCK_CARRY_DTYPE = np.dtype([("node", "<i8"), ("holder", "<i8"), ("seq", "<i8"), ("step", "<i8")])
 CARRY_FIELDS = ("kind", "step", "t_mono", "num_tokens", "node_id", "rid", "reason", "aux")  # NOTE: what carries read
 COPY_REASONS = ("write", "load")  # NOTE: a lock without a rid for one of these is a host-tier copy's
-Held = dict[tuple[int, Any], list[tuple[int, int]]]  # (node, holder) -> [(seq, step)] held, oldest first
 
 
 def carries(
     columns: Mapping[str, np.ndarray], first_seq: int, code_of: Callable[[str], int | None]
-) -> tuple[bytes, str]:
+) -> tuple[bytes, bytes]:
     """A chunk's (evict_steps, lock_carry) from its CARRY_FIELDS columns (strings as codes, node_id
     with NULL_INT; `code_of`: a string's code, None when the run has none)."""
     kind = np.asarray(columns["kind"])
@@ -75,55 +75,71 @@ def read_evict_steps(data: bytes) -> np.ndarray:
     return np.frombuffer(data, EVICT_STEP_DTYPE)
 
 
-def lock_carry(columns: Mapping[str, np.ndarray], first_seq: int, code_of: Callable[[str], int | None]) -> str:
-    """The lock_carry JSON of a chunk's events (in seq order; the first has seq `first_seq`, or
+def lock_carry(columns: Mapping[str, np.ndarray], first_seq: int, code_of: Callable[[str], int | None]) -> bytes:
+    """The lock_carry records of a chunk's events (in seq order; the first has seq `first_seq`, or
     `columns` has a "seq" column: some events of one chunk, or of the row layout)."""
     kind = np.asarray(columns["kind"])
     node = np.asarray(columns["node_id"]).astype(np.int64)
     is_lock = kind == _code(code_of, EventKind.LOCK.value)
     mask = (is_lock | (kind == _code(code_of, EventKind.UNLOCK.value))) & (node != NULL_INT)
     if not mask.any():
-        return "[]"
+        return b""
     seqs = np.asarray(columns["seq"]) if "seq" in columns else first_seq + np.arange(len(kind))
-    seq = seqs[mask].astype(np.int64)
-    holder, named = _holders(columns, mask, code_of)
-    pairs = np.stack([node[mask], holder], axis=1)
-    keys, group = np.unique(pairs, axis=0, return_inverse=True)
-    group = group.reshape(-1)
-    releases, held = _stacks(group, np.where(is_lock[mask], 1, -1))
-    step = np.asarray(columns["step"])[mask].astype(np.int64)
-    out: list[list[Any]] = []
-    for g in np.flatnonzero((releases > 0) | np.bincount(group[held], minlength=len(keys)).astype(bool)).tolist():
-        mine = held & (group == g)
-        node_id, code = (int(v) for v in keys[g])
-        kept = [[int(q), int(s)] for q, s in zip(seq[mine].tolist(), step[mine].tolist(), strict=True)]
-        out.append([node_id, named.get(code, code), int(releases[g]), kept])
-    return json.dumps(out, separators=(",", ":"))
+    holder = _holders(columns, mask, code_of)
+    node = node[mask]
+    group = np.unique(np.stack([node, holder], axis=1), axis=0, return_inverse=True)[1].reshape(-1)
+    released, held = _stacks(group, np.where(is_lock[mask], 1, -1))
+    # NOTE: a release row per unlock that found the chunk's stack empty (each group's first such unlock
+    # stands for them), then the locks still held, in seq order
+    first_of = np.unique(group, return_index=True)[1]
+    times = released[group[first_of]]
+    out = np.concatenate(
+        [
+            _records(np.repeat(node[first_of], times), np.repeat(holder[first_of], times), RELEASE, 0),
+            _records(node[held], holder[held], seqs[mask][held], np.asarray(columns["step"])[mask][held]),
+        ]
+    )
+    return out.tobytes()
 
 
-def _holders(
-    columns: Mapping[str, np.ndarray], mask: np.ndarray, code_of: Callable[[str], int | None]
-) -> tuple[np.ndarray, dict[int, str]]:
-    """Each masked event's holder as an int (a rid code, NO_CODE: none; a copy: a key below -1)
-    and the copies' names by key."""
+RELEASE = -1  # NOTE: the seq of a release record
+
+
+def _records(node: np.ndarray, holder: np.ndarray, seq: Any, step: Any) -> np.ndarray:
+    out = np.empty(len(node), LOCK_CARRY_DTYPE)
+    out["node"], out["holder"], out["seq"], out["step"] = node, holder, seq, step
+    return out
+
+
+def _holders(columns: Mapping[str, np.ndarray], mask: np.ndarray, code_of: Callable[[str], int | None]) -> np.ndarray:
+    """Each masked event's holder as an int: a rid code (NO_CODE: none), or a host-tier copy's
+    holder_key (by reason and aux)."""
     rid = np.asarray(columns["rid"])[mask].astype(np.int64)
     reason = np.asarray(columns["reason"])[mask].astype(np.int64)
     aux = np.asarray(columns["aux"])[mask].astype(np.int64)
-    named: dict[int, str] = {}
-    for text in COPY_REASONS:
+    for index, text in enumerate(COPY_REASONS):
         copy = (rid == NO_CODE) & (reason == _code(code_of, text))
-        for value in np.unique(aux[copy]).tolist():
-            key = -2 - len(named)
-            named[key] = f"{text} {value}"
-            rid = np.where(copy & (aux == value), key, rid)
-    return rid, named
+        rid = np.where(copy, -2 - (2 * aux + index), rid)
+    return rid
+
+
+def holder_names(holders: np.ndarray, decode: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """Holders (lock_carry's ints) as names: rid codes decoded, copies as "write|load <aux>"."""
+    out = np.empty(len(holders), dtype=object)
+    coded = holders >= NO_CODE
+    if coded.any():
+        out[coded] = decode(holders[coded])
+    copies = np.flatnonzero(~coded)
+    key = -2 - holders[copies]
+    out[copies] = [f"{COPY_REASONS[k % 2]} {k // 2}" for k in key.tolist()]
+    return out
 
 
 def _stacks(group: np.ndarray, change: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per group, the releases that found its stack empty, and per event whether it is a lock still
-    held at the end (events in seq order; change +1 lock, -1 unlock).
+    held at the end (events in order; change +1 lock, -1 unlock).
 
-    NOTE: per group, in seq order, the height after each event is the running sum c reflected at 0:
+    NOTE: per group, in order, the height after each event is the running sum c reflected at 0:
     c - min(0, running min of c); a lock is held iff no later event of its group is lower, and the
     releases that found the stack empty are -min(0, min c). The running minima restart per group by
     moving group g down by g * span (each group then lies below every earlier one)."""
@@ -146,12 +162,22 @@ def _stacks(group: np.ndarray, change: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return releases, held
 
 
-def apply_lock_carry(held: Held, carry: Iterable[list[Any]]) -> None:
-    """Apply one chunk's lock_carry (parsed) to the locks held before it."""
-    for node, holder, releases, kept in carry:
-        key = (int(node), holder)
-        stack = held.get(key)
-        if stack is not None and releases:
-            del stack[max(0, len(stack) - int(releases)) :]
-        if kept:
-            held.setdefault(key, []).extend((int(q), int(s)) for q, s in kept)
+def read_lock_carry(data: bytes) -> np.ndarray:
+    if len(data) % LOCK_CARRY_DTYPE.itemsize:
+        raise ValueError(f"{len(data)} bytes are not whole lock-carry records")
+    return np.frombuffer(data, LOCK_CARRY_DTYPE)
+
+
+def held_after(carried: Sequence[np.ndarray]) -> np.ndarray:
+    """The locks held after the chunks whose lock_carry records are `carried` (in seq order): their
+    records of the locks still held, in seq order. NOTE: a chunk's releases come first in its records
+    and pop the latest locks held before it; the stacks are replayed at once (_stacks)."""
+    records = np.concatenate([*carried, np.zeros(0, LOCK_CARRY_DTYPE)])
+    if not len(records):
+        return records
+    pairs = np.stack([records["node"], records["holder"]], axis=1)
+    group = np.unique(pairs, axis=0, return_inverse=True)[1].reshape(-1)
+    is_lock = records["seq"] != RELEASE
+    held = _stacks(group, np.where(is_lock, 1, -1))[1]
+    found = records[held]
+    return found[np.argsort(found["seq"], kind="stable")]

@@ -32,7 +32,6 @@ on a big run: `kvscope upgrade` packs it.
 from __future__ import annotations
 
 import bisect
-import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -42,7 +41,14 @@ import pandas as pd
 from sqlalchemy import desc, select
 
 from kvscope.telemetry import schema
-from kvscope.telemetry.carry import EVICT_STEP_DTYPE, Held, apply_lock_carry, lock_carry, read_evict_steps
+from kvscope.telemetry.carry import (
+    EVICT_STEP_DTYPE,
+    held_after,
+    holder_names,
+    lock_carry,
+    read_evict_steps,
+    read_lock_carry,
+)
 from kvscope.telemetry.event_source import decode_strings, present
 from kvscope.telemetry.events import EventKind, PoolName
 from kvscope.telemetry.packed import NO_CODE, NULL_INT
@@ -464,12 +470,11 @@ def held_locks(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
     nothing (the slot ledger's rule). NOTE: a packed run's from its chunks' lock carries (carry.py),
     with events read only for the chunks that straddle `step`; a run of the row layout's from all its
     lock and unlock events up to `step`."""
-    held: Held = {}
     if not _has_chunks(capture, run_id):
         events = _all(capture, run_id, LOCKS, LOCK_FIELDS, (FIRST_STEP, step))
         texts: dict[str, int] = {}
         columns = _lock_columns(events, lambda values: _local_codes(values, texts))
-        apply_lock_carry(held, json.loads(lock_carry(columns, 0, texts.get)))
+        held = held_after([read_lock_carry(lock_carry(columns, 0, texts.get))])
         names = np.asarray([None, *texts], dtype=object)  # NOTE: local code c is names[c + 1]
         return _held_frame(held, lambda codes: names[codes + 1])
     chunks = capture.packed.carried(run_id, capture.schema_version, "lock_carry", (FIRST_STEP, step))
@@ -479,17 +484,16 @@ def held_locks(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
         events = _all(
             capture, run_id, LOCKS, LOCK_FIELDS, (FIRST_STEP, step), LOCK_STRINGS, int(partial.first_seq.min()) - 1
         )
+    carried = []
     for chunk in chunks.itertuples(index=False):
         if chunk.last_step <= step:
-            carry = chunk.lock_carry
-        else:
-            first = int(chunk.first_seq)
-            mine = events[(events.seq >= first) & (events.seq < first + int(chunk.num_events))]
-            carry = lock_carry(
-                _lock_columns(mine, np.asarray), first, lambda text: capture.packed.code_of(run_id, text)
-            )
-        apply_lock_carry(held, json.loads(carry))
-    return _held_frame(held, lambda codes: decode_strings(capture, run_id, codes))
+            carried.append(read_lock_carry(bytes(chunk.lock_carry)))
+            continue
+        first = int(chunk.first_seq)
+        mine = events[(events.seq >= first) & (events.seq < first + int(chunk.num_events))]
+        columns = _lock_columns(mine, np.asarray)
+        carried.append(read_lock_carry(lock_carry(columns, first, lambda text: capture.packed.code_of(run_id, text))))
+    return _held_frame(held_after(carried), lambda codes: decode_strings(capture, run_id, codes))
 
 
 def _lock_columns(events: pd.DataFrame, codes: Callable[[pd.Series], np.ndarray]) -> dict[str, np.ndarray]:
@@ -513,19 +517,13 @@ def _local_codes(values: pd.Series, texts: dict[str, int]) -> np.ndarray:
     )
 
 
-def _held_frame(held: Held, decode: Callable[[np.ndarray], np.ndarray]) -> pd.DataFrame:
-    """The held locks in seq order; rid codes decoded (a copy's holder is named already)."""
-    rows = sorted((seq, node, holder, since) for (node, holder), stack in held.items() for seq, since in stack)
-    holders = np.empty(len(rows), dtype=object)
-    holders[:] = [r[2] for r in rows]
-    coded = np.fromiter((isinstance(h, int) for h in holders), bool, len(holders))
-    if coded.any():
-        holders[coded] = decode(holders[coded].astype(np.int64))
+def _held_frame(held: np.ndarray, decode: Callable[[np.ndarray], np.ndarray]) -> pd.DataFrame:
+    """LOCK_CARRY_DTYPE records of held locks (in seq order) as held_locks' frame."""
     return pd.DataFrame(
         {
-            "node_id": np.asarray([r[1] for r in rows], np.int64),
-            "rid": holders,
-            "since_step": np.asarray([r[3] for r in rows], np.int64),
+            "node_id": held["node"].astype(np.int64),
+            "rid": holder_names(held["holder"].astype(np.int64), decode),
+            "since_step": held["step"].astype(np.int64),
         }
     )
 

@@ -515,7 +515,7 @@ class PackedEvents:
             )
         return frame
 
-    def computed_carries(self, run_id: int, chunk: Any) -> tuple[bytes, str]:
+    def computed_carries(self, run_id: int, chunk: Any) -> tuple[bytes, bytes]:
         """carry.carries of a chunk (a row of `carried`, `summaries` or `chunks`: with first_seq), from
         its stored columns."""
         columns = {name: widen_array(name, self.event_values(run_id, chunk, name)) for name in CARRY_FIELDS}

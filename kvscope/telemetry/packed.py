@@ -139,7 +139,7 @@ class Chunk:
     kind_counts: str = "{}"  # {kind: events}, JSON (schema version 10: summaries)
     groups: str = "{}"  # its events grouped for the dashboard's sums, JSON (summaries)
     evict_steps: bytes = b""  # its evictions per step (schema version 11: carry.py)
-    lock_carry: str = "[]"  # its net change to the locks held, JSON (carry.py)
+    lock_carry: bytes = b""  # its net change to the locks held (carry.py)
 
     @property
     def num_bytes(self) -> int:

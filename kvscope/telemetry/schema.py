@@ -347,7 +347,7 @@ event_chunks = Table(
     Column("kind_counts", Text, info={"since": 10}),  # {kind: events}, JSON; NULL: written before 10
     Column("groups", Text, info={"since": 10}),  # its events grouped for the pages' sums (packed.summaries), JSON
     Column("evict_steps", LargeBinary, info={"since": 11}),  # its evictions per step (carry.py); NULL: before 11
-    Column("lock_carry", Text, info={"since": 11}),  # its net change to the locks held (carry.py), JSON
+    Column("lock_carry", LargeBinary, info={"since": 11}),  # its net change to the locks held (carry.py)
 )
 CHUNK_SUMMARY_SINCE = 10
 CARRY_SINCE = 11

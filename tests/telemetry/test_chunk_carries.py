@@ -114,7 +114,7 @@ def assert_same_reads(path: Path) -> None:
         capture.close()
 
 
-def chunk_carries(path: Path) -> list[tuple[int, bytes | None, str | None]]:
+def chunk_carries(path: Path) -> list[tuple[int, bytes | None, bytes | None]]:
     with sqlite3.connect(path) as conn:
         return conn.execute("SELECT chunk, evict_steps, lock_carry FROM event_chunks ORDER BY chunk").fetchall()
 
@@ -123,7 +123,7 @@ def test_carries_give_what_every_event_gives(recorded: Path) -> None:
     chunks = chunk_carries(recorded)
     assert len(chunks) > 20
     assert all(evicts is not None and carry is not None for _, evicts, carry in chunks)
-    assert sum(carry != "[]" for _, _, carry in chunks) > 5  # locks held over a chunk's end
+    assert sum(len(carry) > 0 for _, _, carry in chunks) > 5  # locks held over a chunk's end
     assert_same_reads(recorded)
 
 
@@ -174,7 +174,7 @@ def test_a_wrong_carry_is_seen(recorded: Path, tmp_path: Path) -> None:
     broken = tmp_path / "broken.db"
     shutil.copy(recorded, broken)
     with sqlite3.connect(broken) as conn:
-        conn.execute("UPDATE event_chunks SET evict_steps = X'', lock_carry = '[]' WHERE lock_carry != '[]'")
+        conn.execute("UPDATE event_chunks SET evict_steps = X'', lock_carry = X'' WHERE length(lock_carry) > 0")
     with pytest.raises(AssertionError):
         assert_same_reads(broken)
 
