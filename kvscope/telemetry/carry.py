@@ -20,6 +20,11 @@ NOTE: the two carries
                   nothing), and a stack's changes compose: pop the releases (at most its height),
                   push the rest. So the locks held after a step are the chunks' records replayed in
                   seq order, exactly what replaying every lock and unlock up to it gives.
+    request_carry the number of open records (8 bytes), then per request whose latest match or end
+                  (finish, abort, retract) in the chunk is a match, an open record (rid code, seq,
+                  step, hit tokens: REQUEST_OPEN_DTYPE), then the rids (int32 codes) of those whose
+                  latest is an end. A request runs after a step iff its latest such event by then is
+                  a match: its latest record over the chunks is an open one.
 """
 
 from __future__ import annotations
@@ -41,11 +46,12 @@ COPY_REASONS = ("write", "load")  # NOTE: a lock without a rid for one of these 
 
 def carries(
     columns: Mapping[str, np.ndarray], first_seq: int, code_of: Callable[[str], int | None]
-) -> tuple[bytes, bytes]:
-    """A chunk's (evict_steps, lock_carry) from its CARRY_FIELDS columns (strings as codes, node_id
-    with NULL_INT; `code_of`: a string's code, None when the run has none)."""
+) -> tuple[bytes, bytes, bytes]:
+    """A chunk's (evict_steps, lock_carry, request_carry) from its CARRY_FIELDS columns (strings as
+    codes, node_id with NULL_INT; `code_of`: a string's code, None when the run has none)."""
     kind = np.asarray(columns["kind"])
-    return evict_steps(columns, kind == _code(code_of, EventKind.EVICT.value)), lock_carry(columns, first_seq, code_of)
+    evicts = evict_steps(columns, kind == _code(code_of, EventKind.EVICT.value))
+    return evicts, lock_carry(columns, first_seq, code_of), request_carry(columns, first_seq, code_of)
 
 
 def _code(code_of: Callable[[str], int | None], text: str) -> int:
@@ -181,3 +187,63 @@ def held_after(carried: Sequence[np.ndarray]) -> np.ndarray:
     held = _stacks(group, np.where(is_lock, 1, -1))[1]
     found = records[held]
     return found[np.argsort(found["seq"], kind="stable")]
+
+
+def request_carry(columns: Mapping[str, np.ndarray], first_seq: int, code_of: Callable[[str], int | None]) -> bytes:
+    """The request_carry of a chunk's events (in seq order; the first has seq `first_seq`, or
+    `columns` has a "seq" column): the number of open records (8 bytes), the open records
+    (REQUEST_OPEN_DTYPE), then the closed rids (int32 codes)."""
+    kind = np.asarray(columns["kind"])
+    rid = np.asarray(columns["rid"]).astype(np.int64)
+    is_match = kind == _code(code_of, EventKind.MATCH.value)
+    mask = (is_match | np.isin(kind, [_code(code_of, k.value) for k in REQUEST_ENDS])) & (rid != NO_CODE)
+    if not mask.any():
+        return b""
+    seqs = np.asarray(columns["seq"]) if "seq" in columns else first_seq + np.arange(len(kind))
+    where = np.flatnonzero(mask)
+    rids = rid[where]
+    last = where[len(rids) - 1 - np.unique(rids[::-1], return_index=True)[1]]  # NOTE: each rid's last event
+    opened = last[is_match[last]]
+    closed = last[~is_match[last]]
+    opens = np.empty(len(opened), REQUEST_OPEN_DTYPE)
+    opens["rid"], opens["seq"] = rid[opened], seqs[opened]
+    opens["step"], opens["hit"] = np.asarray(columns["step"])[opened], np.asarray(columns["num_tokens"])[opened]
+    return np.int64(len(opens)).tobytes() + opens.tobytes() + rid[closed].astype("<i4").tobytes()
+
+
+REQUEST_OPEN_DTYPE = np.dtype([("rid", "<i8"), ("seq", "<i8"), ("step", "<i8"), ("hit", "<i8")])
+REQUEST_ENDS = (EventKind.REQUEST_FINISH, EventKind.REQUEST_ABORT, EventKind.REQUEST_RETRACT)
+
+
+def read_request_carry(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """(open records, closed rids) of a request_carry."""
+    if not data:
+        return np.zeros(0, REQUEST_OPEN_DTYPE), np.zeros(0, np.int64)
+    num_open = int(np.frombuffer(data[:8], "<i8")[0])
+    end = 8 + num_open * REQUEST_OPEN_DTYPE.itemsize
+    if num_open < 0 or end > len(data) or (len(data) - end) % 4:
+        raise ValueError(f"{len(data)} bytes are not a request carry of {num_open} open records")
+    return np.frombuffer(data[8:end], REQUEST_OPEN_DTYPE), np.frombuffer(data[end:], "<i4").astype(np.int64)
+
+
+def running_after(carried: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """The open records of the requests running after the chunks whose request carries are `carried`
+    (in seq order): each rid's latest record, where it is an open one; by rid."""
+    opens = [o for o, _ in carried]
+    rids = np.concatenate([np.zeros(0, np.int64), *(np.r_[o["rid"], c] for o, c in carried)])
+    if not len(rids):
+        return np.zeros(0, REQUEST_OPEN_DTYPE)
+    is_open = np.concatenate(
+        [np.zeros(0, bool), *(np.r_[np.ones(len(o), bool), np.zeros(len(c), bool)] for o, c in carried)]
+    )
+    where = np.concatenate(
+        [np.zeros(0, np.int64), *(np.r_[np.arange(len(o)), np.full(len(c), -1)] for o, c in carried)]
+    )
+    chunk = np.concatenate([np.zeros(0, np.int64), *(np.full(len(o) + len(c), i) for i, (o, c) in enumerate(carried))])
+    last = len(rids) - 1 - np.unique(rids[::-1], return_index=True)[1]
+    last = last[is_open[last]]
+    if not len(last):
+        return np.zeros(0, REQUEST_OPEN_DTYPE)
+    return np.concatenate(
+        [opens[c][w : w + 1] for c, w in zip(chunk[last].tolist(), where[last].tolist(), strict=True)]
+    )

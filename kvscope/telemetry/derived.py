@@ -48,6 +48,9 @@ from kvscope.telemetry.carry import (
     lock_carry,
     read_evict_steps,
     read_lock_carry,
+    read_request_carry,
+    request_carry,
+    running_after,
 )
 from kvscope.telemetry.event_source import decode_strings, present
 from kvscope.telemetry.events import EventKind, PoolName
@@ -272,18 +275,13 @@ def _later_matches(touches: pd.DataFrame, nodes: set[int], after_seq: int) -> _L
 def running_lengths(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
     """rid, seq_len of every request running at `step`: matched by then and not finished,
     aborted or retracted since its latest match (sorted by rid). NOTE: joins on rid codes;
-    only the running requests' rids are decoded."""
+    only the running requests' rids are decoded. A packed run's running requests come from its
+    chunks' request carries (carry.py; events read only for the chunks that straddle `step`), a run
+    of the row layout's from its match and end events."""
     coded = ("rid",)
-    matches = _all(capture, run_id, [EventKind.MATCH], ["step", "rid", "num_tokens"], (FIRST_STEP, step), coded)
-    latest = _last_per_rid(matches).rename(columns={"seq": "mseq", "step": "mstep", "num_tokens": "hit"})
-    ends = _last_per_rid(_all(capture, run_id, ENDS, ["rid"], (FIRST_STEP, step), coded)).rename(
-        columns={"seq": "eseq"}
-    )
-    live = latest[["rid", "mseq"]].merge(ends, on="rid", how="left")
-    live = live[live.eseq.isna() | (live.eseq < live.mseq)]
+    live = _running(capture, run_id, step)
     if live.empty:
         return pd.DataFrame({"rid": pd.Series(dtype=object), "seq_len": pd.Series(dtype="int64")})
-    live = live.merge(latest[["mseq", "mstep", "hit"]], on="mseq")
     allocs = _all(
         capture, run_id, [EventKind.ALLOC], ["rid", "pool", "num_tokens"], (int(live.mstep.min()), step), coded
     )
@@ -293,6 +291,49 @@ def running_lengths(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
     live["seq_len"] = live["hit"] + live["rid"].map(grown).fillna(0).astype("int64")
     live["rid"] = decode_strings(capture, run_id, live["rid"])
     return live[["rid", "seq_len"]].sort_values("rid", kind="stable").reset_index(drop=True)
+
+
+def _running(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
+    """rid (a code where the run has codes), mseq, mstep, hit of the requests running at `step`: each
+    one's latest match."""
+    coded = ("rid",)
+    if not _has_chunks(capture, run_id):
+        matches = _all(capture, run_id, [EventKind.MATCH], ["step", "rid", "num_tokens"], (FIRST_STEP, step), coded)
+        latest = _last_per_rid(matches).rename(columns={"seq": "mseq", "step": "mstep", "num_tokens": "hit"})
+        ends = _last_per_rid(_all(capture, run_id, ENDS, ["rid"], (FIRST_STEP, step), coded))
+        live = latest.merge(ends.rename(columns={"seq": "eseq"}), on="rid", how="left")
+        live = live[live.eseq.isna() | (live.eseq < live.mseq)]
+        return live[["rid", "mseq", "mstep", "hit"]].reset_index(drop=True)
+    chunks = capture.packed.carried(run_id, capture.schema_version, "request_carry", (FIRST_STEP, step))
+    partial = chunks[chunks.last_step > step]
+    events = pd.DataFrame(columns=["seq", *REQUEST_FIELDS])
+    if len(partial):
+        after = int(partial.first_seq.min()) - 1
+        events = _all(
+            capture, run_id, [EventKind.MATCH, *ENDS], REQUEST_FIELDS, (FIRST_STEP, step), ("kind", "rid"), after
+        )
+    carried = []
+    for chunk in chunks.itertuples(index=False):
+        if chunk.last_step <= step:
+            carried.append(read_request_carry(bytes(chunk.request_carry)))
+            continue
+        first = int(chunk.first_seq)
+        mine = events[(events.seq >= first) & (events.seq < first + int(chunk.num_events))]
+        columns = {name: mine[name].to_numpy() for name in ["seq", *REQUEST_FIELDS]}
+        code_of = lambda text: capture.packed.code_of(run_id, text)  # noqa: E731
+        carried.append(read_request_carry(request_carry(columns, first, code_of)))
+    opens = running_after(carried)
+    return pd.DataFrame(
+        {
+            "rid": opens["rid"].astype(np.int64),
+            "mseq": opens["seq"].astype(np.int64),
+            "mstep": opens["step"].astype(np.int64),
+            "hit": opens["hit"].astype(np.int64),
+        }
+    )
+
+
+REQUEST_FIELDS = ["step", "kind", "rid", "num_tokens"]
 
 
 IN_FLIGHT_COLUMNS = ("rid", "state", "arrive_step", "admit_step", "principal")

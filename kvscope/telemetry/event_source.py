@@ -105,7 +105,16 @@ class EventFilter:
 
 ALL_EVENTS = EventFilter()
 SUMMARY_COLUMNS = ("chunk", "num_events", "kind_counts", "groups")
-CARRY_COLUMNS = ("chunk", "first_seq", "num_events", "first_step", "last_step", "evict_steps", "lock_carry")
+CARRY_COLUMNS = (
+    "chunk",
+    "first_seq",
+    "num_events",
+    "first_step",
+    "last_step",
+    "evict_steps",
+    "lock_carry",
+    "request_carry",
+)
 
 
 class _Codes(NamedTuple):
@@ -491,9 +500,9 @@ class PackedEvents:
 
     def carried(self, run_id: int, version: int, name: str, steps: tuple[int, int] | None = None) -> pd.DataFrame:
         """The run's chunks (in `steps`, inclusive: those with an event in it) with one of their carries
-        (carry.py: "evict_steps" or "lock_carry"), in seq order: chunk, first_seq, num_events, first_step,
-        last_step and `name`, as stored, or (a chunk written before schema version 11) computed from its
-        columns. Empty for the row layout."""
+        (carry.py: evict_steps, lock_carry or request_carry), in seq order: chunk, first_seq,
+        num_events, first_step, last_step and `name`, as stored, or (a chunk written before schema
+        version 11) computed from its columns. Empty for the row layout."""
         columns = ["chunk", "first_seq", "num_events", "first_step", "last_step", name]
         if not self.has_tables():
             return pd.DataFrame(columns=columns)
@@ -515,7 +524,7 @@ class PackedEvents:
             )
         return frame
 
-    def computed_carries(self, run_id: int, chunk: Any) -> tuple[bytes, bytes]:
+    def computed_carries(self, run_id: int, chunk: Any) -> tuple[bytes, bytes, bytes]:
         """carry.carries of a chunk (a row of `carried`, `summaries` or `chunks`: with first_seq), from
         its stored columns."""
         columns = {name: widen_array(name, self.event_values(run_id, chunk, name)) for name in CARRY_FIELDS}

@@ -140,6 +140,7 @@ class Chunk:
     groups: str = "{}"  # its events grouped for the dashboard's sums, JSON (summaries)
     evict_steps: bytes = b""  # its evictions per step (schema version 11: carry.py)
     lock_carry: bytes = b""  # its net change to the locks held (carry.py)
+    request_carry: bytes = b""  # the requests it leaves running or ends (carry.py)
 
     @property
     def num_bytes(self) -> int:
@@ -169,6 +170,7 @@ class Chunk:
                     self.groups,
                     self.evict_steps,
                     self.lock_carry,
+                    self.request_carry,
                 )
             ],
             "event_columns": [(run_id, number, name, dtype, data) for name, (dtype, data) in self.columns.items()],
@@ -215,7 +217,7 @@ class Packer:
         new, codes.new = codes.new, []
         # NOTE: dict.get: a kind's lookup never adds a code
         kind_counts, groups = summaries(columns, lambda kind: dict.get(codes, kind), codes.decode)
-        evict_steps, lock_carry = carries(columns, first, lambda text: dict.get(codes, text))
+        evict_steps, lock_carry, request_carry = carries(columns, first, lambda text: dict.get(codes, text))
         return Chunk(
             first_seq=first,
             num_events=n,
@@ -228,6 +230,7 @@ class Packer:
             groups=groups,
             evict_steps=evict_steps,
             lock_carry=lock_carry,
+            request_carry=request_carry,
         )
 
 

@@ -1,7 +1,7 @@
 """`kvscope upgrade`: pack the event rows of runs written before schema version 6 into chunks
 (packed.py), and store the summaries of chunks written before version 10 (packed.summaries: their events
 per kind and grouped sums) and their carries of version 11 (carry.py: evictions per step, net lock
-changes), so they read as fast as new runs. Readers read the row layout and
+changes, requests left running), so they read as fast as new runs. Readers read the row layout and
 unsummarized chunks too; upgrading is for speed and size, never needed to open a file.
 
 NOTE: what it keeps. Every event keeps its seq, step, time and fields; a chunk never spans a
@@ -162,7 +162,8 @@ def _unsummarized_runs(engine: Engine) -> list[int]:
         if schema.event_chunks.name not in tables or int(stored_version(conn) or 0) < schema.CHUNK_SUMMARY_SINCE:
             return [] if schema.event_chunks.name not in tables else _runs_with_chunks(conn)
         carries = int(stored_version(conn) or 0) >= schema.CARRY_SINCE
-        missing = or_(c.kind_counts.is_(None), *((c.evict_steps.is_(None), c.lock_carry.is_(None)) if carries else ()))
+        later = (c.evict_steps.is_(None), c.lock_carry.is_(None), c.request_carry.is_(None)) if carries else ()
+        missing = or_(c.kind_counts.is_(None), *later)
         return [int(r) for (r,) in conn.execute(select(c.run_id).where(missing).distinct())]
 
 
@@ -175,7 +176,13 @@ def _runs_with_chunks(conn: Connection) -> list[int]:
 def _unsummarized_chunks(capture: Capture, run_id: int) -> pd.DataFrame:
     """The run's chunks (chunk, first_seq, num_events) missing a summary or a carry, in seq order."""
     c = schema.event_chunks.c
-    missing = or_(c.kind_counts.is_(None), c.groups.is_(None), c.evict_steps.is_(None), c.lock_carry.is_(None))
+    missing = or_(
+        c.kind_counts.is_(None),
+        c.groups.is_(None),
+        c.evict_steps.is_(None),
+        c.lock_carry.is_(None),
+        c.request_carry.is_(None),
+    )
     return capture.read_frame(
         select(c.chunk, c.first_seq, c.num_events).where(c.run_id == run_id, missing).order_by(c.first_seq)
     )
@@ -196,8 +203,9 @@ def _summarize_run(
             groups=bindparam("names"),
             evict_steps=bindparam("evicts"),
             lock_carry=bindparam("locks"),
+            request_carry=bindparam("requests"),
         ),
-        ("counts", "names", "evicts", "locks", "run", "number"),
+        ("counts", "names", "evicts", "locks", "requests", "run", "number"),
     )
     capture = Capture(target)
     try:

@@ -23,7 +23,7 @@ from kvscope.telemetry.events import CopyKind, EventKind, EvictReason, PoolName
 from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.recorder import SQLRecorder
 from kvscope.telemetry.upgrade import upgrade
-from tests.telemetry.test_packed_oracles import V5
+from tests.telemetry.test_packed_oracles import V5, record_random_events
 
 SEEDS = (0, 1, 2)
 NUM_STEPS = 150
@@ -114,16 +114,18 @@ def assert_same_reads(path: Path) -> None:
         capture.close()
 
 
-def chunk_carries(path: Path) -> list[tuple[int, bytes | None, bytes | None]]:
+def chunk_carries(path: Path) -> list[tuple[int, bytes | None, bytes | None, bytes | None]]:
     with sqlite3.connect(path) as conn:
-        return conn.execute("SELECT chunk, evict_steps, lock_carry FROM event_chunks ORDER BY chunk").fetchall()
+        return conn.execute(
+            "SELECT chunk, evict_steps, lock_carry, request_carry FROM event_chunks ORDER BY chunk"
+        ).fetchall()
 
 
 def test_carries_give_what_every_event_gives(recorded: Path) -> None:
     chunks = chunk_carries(recorded)
     assert len(chunks) > 20
-    assert all(evicts is not None and carry is not None for _, evicts, carry in chunks)
-    assert sum(len(carry) > 0 for _, _, carry in chunks) > 5  # locks held over a chunk's end
+    assert all(None not in row for row in chunks)
+    assert sum(len(carry) > 0 for _, _, carry, _ in chunks) > 5  # locks held over a chunk's end
     assert_same_reads(recorded)
 
 
@@ -145,7 +147,9 @@ def test_chunks_without_carries_read_the_same_and_upgrade_stores_them(recorded: 
     older = tmp_path / "older.db"
     shutil.copy(recorded, older)
     with sqlite3.connect(older) as conn:
-        conn.execute("UPDATE event_chunks SET evict_steps = NULL, lock_carry = NULL WHERE chunk % 3 = 0")
+        conn.execute(
+            "UPDATE event_chunks SET evict_steps = NULL, lock_carry = NULL, request_carry = NULL WHERE chunk % 3 = 0"
+        )
     assert_same_reads(older)
     done = upgrade(older)
     assert sum(r.summarized for r in done) == -(-len(chunk_carries(recorded)) // 3)
@@ -161,6 +165,7 @@ def test_a_version_10_file_gets_the_carries_from_upgrade(recorded: Path, tmp_pat
     with sqlite3.connect(older) as conn:
         conn.execute("ALTER TABLE event_chunks DROP COLUMN evict_steps")
         conn.execute("ALTER TABLE event_chunks DROP COLUMN lock_carry")
+        conn.execute("ALTER TABLE event_chunks DROP COLUMN request_carry")
         conn.execute("UPDATE kvscope_meta SET value = '10' WHERE key = 'schema_version'")
     assert_same_reads(older)
     assert main(["upgrade", str(older)]) == 0
@@ -205,3 +210,55 @@ def test_evict_steps_of_a_chunk_hold_one_record_per_step() -> None:
     }
     records = read_evict_steps(evict_steps(columns, np.array([True, True, False, True, True, False])))
     assert records.tolist() == [(4, 2, 3, 0.25), (9, 2, 9, 1.5)]
+
+
+def running_of_events(capture: Capture, step: int) -> pd.DataFrame:
+    """running_lengths as it read before version 11: every match and end event up to `step`, each
+    request's latest match and latest end, then its full-pool allocations since that match."""
+    ends = [EventKind.REQUEST_FINISH, EventKind.REQUEST_ABORT, EventKind.REQUEST_RETRACT]
+    window = (-(1 << 62), step)
+    matches = capture.events(
+        1, kinds=[EventKind.MATCH], step_range=window, limit=None, columns=["step", "rid", "num_tokens"]
+    )
+    latest = matches[matches.rid.notna()].drop_duplicates("rid", keep="last")
+    latest = latest.rename(columns={"seq": "mseq", "step": "mstep", "num_tokens": "hit"})
+    ended = capture.events(1, kinds=ends, step_range=window, limit=None, columns=["rid"])
+    ended = ended[ended.rid.notna()].drop_duplicates("rid", keep="last").rename(columns={"seq": "eseq"})
+    live = latest.merge(ended, on="rid", how="left")
+    live = live[live.eseq.isna() | (live.eseq < live.mseq)].copy()
+    if live.empty:
+        return pd.DataFrame({"rid": pd.Series(dtype=object), "seq_len": pd.Series(dtype="int64")})
+    allocs = capture.events(
+        1,
+        kinds=[EventKind.ALLOC],
+        step_range=(int(live.mstep.min()), step),
+        limit=None,
+        columns=["rid", "pool", "num_tokens"],
+    )
+    allocs = allocs[(allocs.pool == "full") & allocs.rid.isin(list(live.rid))].merge(live[["rid", "mseq"]], on="rid")
+    grown = allocs[allocs.seq > allocs.mseq].groupby("rid")["num_tokens"].sum()
+    live["seq_len"] = live["hit"] + live["rid"].map(grown).fillna(0).astype("int64")
+    return live[["rid", "seq_len"]].sort_values("rid", kind="stable").reset_index(drop=True)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_running_requests_from_the_carries_equal_the_events(seed: int, tmp_path: Path) -> None:
+    path = tmp_path / "random.db"
+    record_random_events(path, seed)
+    older = tmp_path / "older.db"
+    shutil.copy(path, older)
+    with sqlite3.connect(older) as conn:
+        conn.execute("UPDATE event_chunks SET request_carry = NULL WHERE chunk % 2 = 0")
+    for capture in (Capture(path), Capture(older)):
+        try:
+            last = int(capture.packed.chunks(1).last_step.max())
+            chunks = capture.packed.chunks(1)
+            edges = sorted({int(s) for s in chunks.last_step} | {int(s) - 1 for s in chunks.first_step})
+            running = 0
+            for step in [-1, *edges[:: max(1, len(edges) // 12)], last]:
+                got, want = derived.running_lengths(capture, 1, step), running_of_events(capture, step)
+                pd.testing.assert_frame_equal(got, want, check_dtype=False)
+                running += len(want)
+            assert running > 0
+        finally:
+            capture.close()

@@ -89,6 +89,7 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "groups",
         "evict_steps",
         "lock_carry",
+        "request_carry",
     ]
     assert sorted(c.name for c in schema.added_after(1)) == sorted(
         ["principal", "visibility", *tier_columns, "full_used", *routing]
@@ -104,6 +105,7 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "kind_counts",
         "lock_carry",
         "num_bytes",
+        "request_carry",
     ]
     assert [c.name for c in schema.added_after(8)] == [
         "num_bytes",
@@ -112,8 +114,14 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "evict_steps",
         "lock_carry",
     ]
-    assert [c.name for c in schema.added_after(9)] == ["kind_counts", "groups", "evict_steps", "lock_carry"]
-    assert [c.name for c in schema.added_after(10)] == ["evict_steps", "lock_carry"]
+    assert [c.name for c in schema.added_after(9)] == [
+        "kind_counts",
+        "groups",
+        "evict_steps",
+        "lock_carry",
+        "request_carry",
+    ]
+    assert [c.name for c in schema.added_after(10)] == ["evict_steps", "lock_carry", "request_carry"]
     assert schema.added_after(schema.SCHEMA_VERSION) == []
     as_v1 = schema.columns_as_of(schema.events, 1)
     assert [c.name for c in as_v1] == list(schema.EVENT_COLUMNS)
