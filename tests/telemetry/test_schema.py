@@ -113,6 +113,7 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "groups",
         "evict_steps",
         "lock_carry",
+        "request_carry",
     ]
     assert [c.name for c in schema.added_after(9)] == [
         "kind_counts",
