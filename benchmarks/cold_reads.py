@@ -40,7 +40,16 @@ def reads(capture: Any, run_id: int) -> dict[str, Callable[[], Any]]:
         ),
         "request_totals": lambda: capture.request_totals(run_id),
         "evictions_over_steps": lambda: telemetry.evictions_over_steps(capture, run_id, 600),
+        "held_locks": lambda: telemetry.held_locks(capture, run_id, last_step(capture, run_id)),
+        "eviction_log": lambda: telemetry.eviction_log(capture, run_id, 200, 0),
+        "latest_snapshot": lambda: capture.tree_at(run_id, capture.snapshot_steps(run_id)[-1]),
+        "running_lengths": lambda: telemetry.running_lengths(capture, run_id, last_step(capture, run_id)),
     }
+
+
+def last_step(capture: Any, run_id: int) -> int:
+    """The run's last step (the pages' default), from its step range (not timed apart)."""
+    return int(capture.step_range(run_id).hi.iloc[0])
 
 
 def main() -> None:
