@@ -1,7 +1,7 @@
 """Dashboard page loads on a 10-million-event capture: each page rendered through AppTest, cold and warm.
 
     .venv/bin/python benchmarks/bench_dashboard.py [--events N] [--engine-events N] [--quick] [--no-write]
-                                                    [--keep DIR] [--only synthetic|engine]
+                                                    [--keep DIR] [--only synthetic|engine] [--postgres URL]
 
 Two captures (the target is every page <= 2 s on 10,000,000 events):
 - synthetic (--events, default 10,000,000): written straight through a real SQLRecorder at level
@@ -19,6 +19,9 @@ Two captures (the target is every page <= 2 s on 10,000,000 events):
   workload (34 requests per 1,000 events; page size 4; 16,384 KV tokens) with a few injected
   leak-tail faults, so the Leaks page has culprits and the Capacity page a request stream to replay.
 With --keep DIR the captures are built there (as NAME.part, renamed once complete) and reused.
+With --postgres URL each capture is also copied into that PostgreSQL database (copy_capture.py; a
+database that already holds runs is taken as that copy, as it is) and its pages timed there too, as
+"<source> capture on PostgreSQL".
 Then times each page of the real app (AppTest, the capture picked by KVSCOPE_DB): cold =
 st.cache_data and st.cache_resource cleared first (opening the store, the page's reads, chart
 building and Streamlit's own work), warm = the same page again (cached). Sets its rows in the
@@ -41,6 +44,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from _pages import time_pages as time_app_pages
 from _results import Figure, command_line, machine, this_run, write_figures
+from copy_capture import copy_capture
 
 from kvscope.debug.report import build_report, save_report
 from kvscope.telemetry import EventKind, EvictReason, LeakCheck, PoolName, PoolTerms, RequestRecord, UsageSample
@@ -364,9 +368,9 @@ def _arrive(
     return _Running(rid, parent, hit + miss, hit, [tree.alloc(miss)], step + rng.randint(4, 32), time.monotonic())
 
 
-def time_pages(path: Path, rounds: int) -> list[tuple[str, float, float]]:
+def time_pages(db: Path | str, rounds: int) -> list[tuple[str, float, float]]:
     out = []
-    for page, (cold, warm) in time_app_pages(str(path), PAGES, rounds).items():
+    for page, (cold, warm) in time_app_pages(str(db), PAGES, rounds).items():
         out.append((page, cold, warm))
         print(f"{page}: cold {cold:.2f} s, warm {warm:.2f} s (medians of {rounds})", file=sys.stderr, flush=True)
     return out
@@ -407,10 +411,28 @@ ABOUT = (
 )
 
 
-def page_figures(source: str, num_events: int, timings: list[tuple[str, float, float]]) -> list[Figure]:
+def _server_copy(path: Path, url: str) -> str:
+    """`url`, holding a copy of the capture at `path` (made now unless it holds runs already)."""
+    from kvscope.telemetry.store import open_writer
+
+    engine = open_writer(url)
+    try:
+        with engine.connect() as conn:
+            copied = conn.exec_driver_sql("SELECT count(*) FROM runs").scalar_one()
+    finally:
+        engine.dispose()
+    if not copied:
+        print(f"copying {path} into the PostgreSQL database…", file=sys.stderr, flush=True)
+        copy_capture(path, url)
+    return url
+
+
+def page_figures(
+    source: str, num_events: int, timings: list[tuple[str, float, float]], *, named: bool = False
+) -> list[Figure]:
     return [
         Figure(
-            f"{source} capture, {page} page",
+            f"{source}, {page} page" if named else f"{source} capture, {page} page",
             f"{cold:.2f} s cold, {warm:.2f} s warm ({num_events:,} events)",
             f"≤ {TARGET_PAGE_S:g} s",
             "met" if max(cold, warm) <= TARGET_PAGE_S else "not met",
@@ -432,6 +454,11 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print, do not write RESULTS.md")
     parser.add_argument("--keep", type=Path, help="build the captures in this folder and keep them (reused if there)")
     parser.add_argument("--only", choices=["engine", "synthetic"], help="one capture only")
+    parser.add_argument(
+        "--postgres",
+        metavar="URL",
+        help="also time the pages on a copy of each capture in this PostgreSQL database (empty, or the copy)",
+    )
     parser.add_argument(
         "--rounds",
         type=int,
@@ -502,6 +529,12 @@ def main() -> None:
             if not args.skip_replay:
                 lines += ["", _replay_line(path)]
             lines.append("")
+            if args.postgres:
+                timings = time_pages(_server_copy(path, args.postgres), args.rounds)
+                figures += page_figures(f"{source} capture on PostgreSQL", events, timings, named=True)
+                lines += [f"**{source} on PostgreSQL** (the same runs, copied):", "", "| page | cold (s) | warm (s) |"]
+                lines += ["|---|---:|---:|", *(f"| {page} | {cold:.2f} | {warm:.2f} |" for page, cold, warm in timings)]
+                lines.append("")
     body = "\n".join(lines).rstrip()
     print(body)
     if not args.no_write:

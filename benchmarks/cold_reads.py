@@ -31,9 +31,25 @@ def reads(capture: Any, run_id: int) -> dict[str, Callable[[], Any]]:
         "lookup_stops": lambda: telemetry.lookup_stops(capture, run_id),
         "request_principals": lambda: capture.request_principals(run_id),
         "usage": lambda: capture.usage(run_id, 600),
+        "latest_usage": lambda: capture.latest_usage(run_id),
+        "request_times": lambda: capture.request_rows(
+            run_id, columns=["arrive_t", "admit_t", "first_token_t", "finish_t"], ordered=False
+        ),
+        "request_timeline": lambda: telemetry.allocs_of_requests(
+            capture, run_id, list(capture.request_rows(run_id, columns=["rid"], limit=60)["rid"])
+        ),
         "request_totals": lambda: capture.request_totals(run_id),
         "evictions_over_steps": lambda: telemetry.evictions_over_steps(capture, run_id, 600),
+        "held_locks": lambda: telemetry.held_locks(capture, run_id, last_step(capture, run_id)),
+        "eviction_log": lambda: telemetry.eviction_log(capture, run_id, 200, 0),
+        "latest_snapshot": lambda: capture.tree_at(run_id, capture.snapshot_steps(run_id)[-1]),
+        "running_lengths": lambda: telemetry.running_lengths(capture, run_id, last_step(capture, run_id)),
     }
+
+
+def last_step(capture: Any, run_id: int) -> int:
+    """The run's last step (the pages' default), from its step range (not timed apart)."""
+    return int(capture.step_range(run_id).hi.iloc[0])
 
 
 def main() -> None:

@@ -4,10 +4,8 @@ keyed by (path, run_id, stamp, ...); no SQL here)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import streamlit as st
 
@@ -15,11 +13,9 @@ from kvscope import telemetry
 from kvscope.dashboard import data
 from kvscope.dashboard.timing import Clock, clock_of
 from kvscope.telemetry import EventKind, decode_slots
-from kvscope.telemetry.event_source import decode_strings
 
 ALL_ROWS = 10_000_000
 EVENT_COLUMNS = ["seq", "step", "kind", "rid", "node_id", "num_tokens", "aux", "reason"]  # NOTE: what is read:
-LOCK_COLUMNS = ["seq", "step", "kind", "rid", "node_id", "aux", "reason"]  # NOTE: what held_locks needs
 # never slots or t_mono (on a 10M-event capture the slot blobs of every lock event alone cost seconds)
 
 
@@ -47,19 +43,16 @@ def run_clock(path: str, run_id: int, stamp: float, run: Any) -> Clock | None:
 
 
 @st.cache_data(ttl=data.CACHE_TTL_S, show_spinner=False)
-def lock_events(path: str, run_id: int, stamp: float) -> pd.DataFrame:
-    """Every lock and unlock of tree nodes, in event order (empty for a summary capture); rids
-    as codes where the run has them (a 10M-event run has ~700k locks): see rid_names."""
-    events = data.open_capture(path).events(
-        run_id, kinds=[EventKind.LOCK, EventKind.UNLOCK], limit=None, columns=LOCK_COLUMNS, coded=("rid",)
-    )
-    return events.reindex(columns=LOCK_COLUMNS)
+def has_lock_events(path: str, run_id: int, stamp: float) -> bool:
+    """Whether the run recorded a lock or an unlock of a tree node (none in a summary capture)."""
+    found = data.open_capture(path).events(run_id, kinds=[EventKind.LOCK, EventKind.UNLOCK], limit=1, columns=["seq"])
+    return not found.empty
 
 
-def rid_names(path: str, run_id: int) -> Callable[[np.ndarray], np.ndarray]:
-    """Decodes the rid codes of lock_events."""
-    capture = data.open_capture(path)
-    return lambda codes: decode_strings(capture, run_id, codes)
+@st.cache_data(ttl=data.CACHE_TTL_S, show_spinner=False)
+def held_locks(path: str, run_id: int, stamp: float, step: int) -> pd.DataFrame:
+    """The locks held after `step` (telemetry.held_locks: node_id, rid, since_step), holders named."""
+    return telemetry.held_locks(data.open_capture(path), run_id, step)
 
 
 @st.cache_data(ttl=data.CACHE_TTL_S, show_spinner=False)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,8 +41,20 @@ import pandas as pd
 from sqlalchemy import desc, select
 
 from kvscope.telemetry import schema
+from kvscope.telemetry.carry import (
+    EVICT_STEP_DTYPE,
+    held_after,
+    holder_names,
+    lock_carry,
+    read_evict_steps,
+    read_lock_carry,
+    read_request_carry,
+    request_carry,
+    running_after,
+)
 from kvscope.telemetry.event_source import decode_strings, present
 from kvscope.telemetry.events import EventKind, PoolName
+from kvscope.telemetry.packed import NO_CODE, NULL_INT
 from kvscope.telemetry.queries import Capture
 
 EVICTION_LOG_COLUMNS = (
@@ -80,10 +92,13 @@ def _all(
     columns: Sequence[str],
     step_range: tuple[int, int] | None = None,
     coded: Sequence[str] = (),
+    after_seq: int | None = None,
 ) -> pd.DataFrame:
-    """Every event of `kinds` (in `step_range`), as `columns` plus seq, in seq order (`coded`:
-    string columns left as codes, see Capture.events)."""
-    return capture.events(run_id, kinds=kinds, step_range=step_range, limit=None, columns=columns, coded=coded)
+    """Every event of `kinds` (in `step_range`, after `after_seq`), as `columns` plus seq, in seq
+    order (`coded`: string columns left as codes, see Capture.events)."""
+    return capture.events(
+        run_id, kinds=kinds, step_range=step_range, after_seq=after_seq, limit=None, columns=columns, coded=coded
+    )
 
 
 def _isin(values: pd.Series, wanted: Iterable[int]) -> np.ndarray:
@@ -260,18 +275,13 @@ def _later_matches(touches: pd.DataFrame, nodes: set[int], after_seq: int) -> _L
 def running_lengths(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
     """rid, seq_len of every request running at `step`: matched by then and not finished,
     aborted or retracted since its latest match (sorted by rid). NOTE: joins on rid codes;
-    only the running requests' rids are decoded."""
+    only the running requests' rids are decoded. A packed run's running requests come from its
+    chunks' request carries (carry.py; events read only for the chunks that straddle `step`), a run
+    of the row layout's from its match and end events."""
     coded = ("rid",)
-    matches = _all(capture, run_id, [EventKind.MATCH], ["step", "rid", "num_tokens"], (FIRST_STEP, step), coded)
-    latest = _last_per_rid(matches).rename(columns={"seq": "mseq", "step": "mstep", "num_tokens": "hit"})
-    ends = _last_per_rid(_all(capture, run_id, ENDS, ["rid"], (FIRST_STEP, step), coded)).rename(
-        columns={"seq": "eseq"}
-    )
-    live = latest[["rid", "mseq"]].merge(ends, on="rid", how="left")
-    live = live[live.eseq.isna() | (live.eseq < live.mseq)]
+    live = _running(capture, run_id, step)
     if live.empty:
         return pd.DataFrame({"rid": pd.Series(dtype=object), "seq_len": pd.Series(dtype="int64")})
-    live = live.merge(latest[["mseq", "mstep", "hit"]], on="mseq")
     allocs = _all(
         capture, run_id, [EventKind.ALLOC], ["rid", "pool", "num_tokens"], (int(live.mstep.min()), step), coded
     )
@@ -281,6 +291,49 @@ def running_lengths(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
     live["seq_len"] = live["hit"] + live["rid"].map(grown).fillna(0).astype("int64")
     live["rid"] = decode_strings(capture, run_id, live["rid"])
     return live[["rid", "seq_len"]].sort_values("rid", kind="stable").reset_index(drop=True)
+
+
+def _running(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
+    """rid (a code where the run has codes), mseq, mstep, hit of the requests running at `step`: each
+    one's latest match."""
+    coded = ("rid",)
+    if not _has_chunks(capture, run_id):
+        matches = _all(capture, run_id, [EventKind.MATCH], ["step", "rid", "num_tokens"], (FIRST_STEP, step), coded)
+        latest = _last_per_rid(matches).rename(columns={"seq": "mseq", "step": "mstep", "num_tokens": "hit"})
+        ends = _last_per_rid(_all(capture, run_id, ENDS, ["rid"], (FIRST_STEP, step), coded))
+        live = latest.merge(ends.rename(columns={"seq": "eseq"}), on="rid", how="left")
+        live = live[live.eseq.isna() | (live.eseq < live.mseq)]
+        return live[["rid", "mseq", "mstep", "hit"]].reset_index(drop=True)
+    chunks = capture.packed.carried(run_id, capture.schema_version, "request_carry", (FIRST_STEP, step))
+    partial = chunks[chunks.last_step > step]
+    events = pd.DataFrame(columns=["seq", *REQUEST_FIELDS])
+    if len(partial):
+        after = int(partial.first_seq.min()) - 1
+        events = _all(
+            capture, run_id, [EventKind.MATCH, *ENDS], REQUEST_FIELDS, (FIRST_STEP, step), ("kind", "rid"), after
+        )
+    carried = []
+    for chunk in chunks.itertuples(index=False):
+        if chunk.last_step <= step:
+            carried.append(read_request_carry(bytes(chunk.request_carry)))
+            continue
+        first = int(chunk.first_seq)
+        mine = events[(events.seq >= first) & (events.seq < first + int(chunk.num_events))]
+        columns = {name: mine[name].to_numpy() for name in ["seq", *REQUEST_FIELDS]}
+        code_of = lambda text: capture.packed.code_of(run_id, text)  # noqa: E731
+        carried.append(read_request_carry(request_carry(columns, first, code_of)))
+    opens = running_after(carried)
+    return pd.DataFrame(
+        {
+            "rid": opens["rid"].astype(np.int64),
+            "mseq": opens["seq"].astype(np.int64),
+            "mstep": opens["step"].astype(np.int64),
+            "hit": opens["hit"].astype(np.int64),
+        }
+    )
+
+
+REQUEST_FIELDS = ["step", "kind", "rid", "num_tokens"]
 
 
 IN_FLIGHT_COLUMNS = ("rid", "state", "arrive_step", "admit_step", "principal")
@@ -322,13 +375,31 @@ def allocs_of_requests(capture: Capture, run_id: int, rids: Sequence[str]) -> pd
     if not rids:
         return pd.DataFrame(columns=["rid", "step", "tokens"])
     allocs = capture.events(
-        run_id, kinds=[EventKind.ALLOC], rids=list(rids), limit=None, columns=["step", "rid", "pool", "num_tokens"]
+        run_id,
+        kinds=[EventKind.ALLOC],
+        rids=list(rids),
+        step_range=life_steps(capture, run_id, rids),
+        limit=None,
+        columns=["step", "rid", "pool", "num_tokens"],
     )
     allocs = allocs[allocs["pool"] == PoolName.FULL.value]
     if allocs.empty:
         return pd.DataFrame(columns=["rid", "step", "tokens"])
     sums = allocs.groupby(["rid", "step"], sort=True)["num_tokens"].sum()
     return sums.rename("tokens").reset_index()
+
+
+def life_steps(capture: Capture, run_id: int, rids: Sequence[str]) -> tuple[int, int] | None:
+    """The steps every event of these requests falls in: from their earliest arrival step to their latest
+    finish step (no upper bound when one has none: unfinished or aborted); None (every step) when one has
+    no row or no arrival step. NOTE: a request allocates only after it arrived (the probes mark arrival at
+    its first lookup) and before it finished; the bound lets a packed run read only the chunks of those
+    steps (a page of 60 requests read every chunk's rids: minutes at 100 M events)."""
+    rows = capture.request_rows(run_id, rids=list(rids), columns=["arrive_step", "finish_step"], ordered=False)
+    if len(rows) < len(set(rids)) or rows["arrive_step"].isna().any():
+        return None
+    last = LAST_STEP if rows["finish_step"].isna().any() else int(rows["finish_step"].max())
+    return int(rows["arrive_step"].min()), last
 
 
 # -- evictions over time ---------------------------------------------------------------------
@@ -405,15 +476,28 @@ def _null_first(value: str | None) -> tuple[bool, str]:
 
 def evictions_over_steps(capture: Capture, run_id: int, max_points: int) -> pd.DataFrame:
     """Evictions and evicted tokens per bucket of steps (at most `max_points` buckets; `step` is
-    each bucket's last step with an eviction, `steps` its width)."""
-    ev = _all(capture, run_id, [EVICT], ["step", "t_mono", "num_tokens"])
+    each bucket's last step with an eviction, `steps` its width). A packed run's from its chunks'
+    evictions per step (carry.py), a run of the row layout's from its events."""
+    if _has_chunks(capture, run_id):
+        carried = capture.packed.carried(run_id, capture.schema_version, "evict_steps")
+        per_step = np.concatenate([read_evict_steps(bytes(b)) for b in carried.evict_steps] or [_NO_EVICT_STEPS])
+        ev = pd.DataFrame(
+            {
+                "step": per_step["step"],
+                "evictions": per_step["evictions"],
+                "num_tokens": per_step["tokens"],
+                "t_mono": per_step["t_mono"],
+            }
+        )
+    else:
+        ev = _all(capture, run_id, [EVICT], ["step", "t_mono", "num_tokens"]).assign(evictions=1)
     if ev.empty:
         return pd.DataFrame(columns=["step", "num_evictions", "evicted_tokens", "t_mono", "steps"])
     lo = int(ev.step.min())
     width = max(1, -(-(int(ev.step.max()) - lo + 1) // max_points))
     out = ev.groupby(((ev.step - lo) // width).to_numpy()).agg(
         step=("step", "max"),
-        num_evictions=("seq", "size"),
+        num_evictions=("evictions", "sum"),
         evicted_tokens=("num_tokens", "sum"),
         t_mono=("t_mono", "min"),
     )
@@ -422,9 +506,85 @@ def evictions_over_steps(capture: Capture, run_id: int, max_points: int) -> pd.D
     return out
 
 
+_NO_EVICT_STEPS = np.zeros(0, EVICT_STEP_DTYPE)
+
+
 def recent_evictions(capture: Capture, run_id: int, since_step: int) -> pd.DataFrame:
     ev = _all(capture, run_id, [EVICT], ["num_tokens"], (since_step, LAST_STEP))
     return pd.DataFrame({"num_evictions": [len(ev)], "evicted_tokens": [int(ev.num_tokens.sum())]})
+
+
+# -- locks held ------------------------------------------------------------------------------
+
+HELD_LOCK_COLUMNS = ("node_id", "rid", "since_step")
+LOCKS = (EventKind.LOCK, EventKind.UNLOCK)
+LOCK_FIELDS = ["step", "kind", "rid", "node_id", "aux", "reason"]
+LOCK_STRINGS = ("kind", "rid", "reason")
+
+
+def held_locks(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
+    """The locks held after `step`, in the order they were taken: node_id, rid (the holder: a request,
+    a host-tier copy's "write|load <aux>", or None) and since_step, the step of the lock. An unlock
+    releases the latest lock of the same holder on the same node; one with none held releases
+    nothing (the slot ledger's rule). NOTE: a packed run's from its chunks' lock carries (carry.py),
+    with events read only for the chunks that straddle `step`; a run of the row layout's from all its
+    lock and unlock events up to `step`."""
+    if not _has_chunks(capture, run_id):
+        events = _all(capture, run_id, LOCKS, LOCK_FIELDS, (FIRST_STEP, step))
+        texts: dict[str, int] = {}
+        columns = _lock_columns(events, lambda values: _local_codes(values, texts))
+        held = held_after([read_lock_carry(lock_carry(columns, 0, texts.get))])
+        names = np.asarray([None, *texts], dtype=object)  # NOTE: local code c is names[c + 1]
+        return _held_frame(held, lambda codes: names[codes + 1])
+    chunks = capture.packed.carried(run_id, capture.schema_version, "lock_carry", (FIRST_STEP, step))
+    partial = chunks[chunks.last_step > step]
+    events = pd.DataFrame(columns=["seq", *LOCK_FIELDS])
+    if len(partial):
+        events = _all(
+            capture, run_id, LOCKS, LOCK_FIELDS, (FIRST_STEP, step), LOCK_STRINGS, int(partial.first_seq.min()) - 1
+        )
+    carried = []
+    for chunk in chunks.itertuples(index=False):
+        if chunk.last_step <= step:
+            carried.append(read_lock_carry(bytes(chunk.lock_carry)))
+            continue
+        first = int(chunk.first_seq)
+        mine = events[(events.seq >= first) & (events.seq < first + int(chunk.num_events))]
+        columns = _lock_columns(mine, np.asarray)
+        carried.append(read_lock_carry(lock_carry(columns, first, lambda text: capture.packed.code_of(run_id, text))))
+    return _held_frame(held_after(carried), lambda codes: decode_strings(capture, run_id, codes))
+
+
+def _lock_columns(events: pd.DataFrame, codes: Callable[[pd.Series], np.ndarray]) -> dict[str, np.ndarray]:
+    """Lock events as read (Capture.events) as lock_carry's columns; `codes` turns a string column
+    into int codes."""
+    columns = {name: events[name].to_numpy() for name in ("seq", "step", "aux")}
+    columns.update({name: np.asarray(codes(events[name]), np.int64) for name in LOCK_STRINGS})
+    node = events["node_id"]
+    known = pd.notna(node).to_numpy()
+    values = pd.to_numeric(node.where(known, 0)).to_numpy()
+    columns["node_id"] = np.where(known, values.astype(np.int64), NULL_INT)
+    return columns
+
+
+def _local_codes(values: pd.Series, texts: dict[str, int]) -> np.ndarray:
+    """Strings (NULL: None or NaN) as codes numbered in `texts` (NO_CODE for NULL)."""
+    return np.fromiter(
+        (NO_CODE if v is None or v != v else texts.setdefault(str(v), len(texts)) for v in values.tolist()),
+        np.int64,
+        len(values),
+    )
+
+
+def _held_frame(held: np.ndarray, decode: Callable[[np.ndarray], np.ndarray]) -> pd.DataFrame:
+    """LOCK_CARRY_DTYPE records of held locks (in seq order) as held_locks' frame."""
+    return pd.DataFrame(
+        {
+            "node_id": held["node"].astype(np.int64),
+            "rid": holder_names(held["holder"].astype(np.int64), decode),
+            "since_step": held["step"].astype(np.int64),
+        }
+    )
 
 
 # -- usage -----------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import pandas as pd
 from sqlalchemy import Engine, func, select
 
 from kvscope.telemetry import schema
+from kvscope.telemetry.carry import CARRY_FIELDS, carries
 from kvscope.telemetry.events import EventKind
 from kvscope.telemetry.packed import (
     COLUMN_DTYPES,
@@ -104,6 +105,16 @@ class EventFilter:
 
 ALL_EVENTS = EventFilter()
 SUMMARY_COLUMNS = ("chunk", "num_events", "kind_counts", "groups")
+CARRY_COLUMNS = (
+    "chunk",
+    "first_seq",
+    "num_events",
+    "first_step",
+    "last_step",
+    "evict_steps",
+    "lock_carry",
+    "request_carry",
+)
 
 
 class _Codes(NamedTuple):
@@ -340,7 +351,7 @@ class PackedEvents:
             c.run_id == run_id, c.chunk.between(missing[0], missing[-1]), c.name.in_(list(names))
         )
         wanted = set(missing)
-        for rows in driver_rows(self.engine, stmt, self.name, batch_rows=64):
+        for rows in driver_rows(self.engine, stmt, self.name, batch_rows=64, binary=True):
             for chunk, name, stored, data in rows:
                 if chunk in wanted:
                     self._keep(
@@ -486,6 +497,43 @@ class PackedEvents:
         if not isinstance(per_kind, dict) or not isinstance(groups, dict):
             raise self.damaged(run_id, f"event chunk {int(chunk.chunk)}'s summaries are not what kvscope writes")
         return per_kind, groups
+
+    def carried(self, run_id: int, version: int, name: str, steps: tuple[int, int] | None = None) -> pd.DataFrame:
+        """The run's chunks (in `steps`, inclusive: those with an event in it) with one of their carries
+        (carry.py: evict_steps, lock_carry or request_carry), in seq order: chunk, first_seq,
+        num_events, first_step, last_step and `name`, as stored, or (a chunk written before schema
+        version 11) computed from its columns. Empty for the row layout."""
+        columns = ["chunk", "first_seq", "num_events", "first_step", "last_step", name]
+        if not self.has_tables():
+            return pd.DataFrame(columns=columns)
+        as_of = {col.name: col for col in schema.columns_as_of(schema.event_chunks, version)}
+        c = schema.event_chunks.c
+        stmt = select(*(as_of[n] for n in columns)).where(c.run_id == run_id).order_by(c.first_seq)
+        if steps is not None:
+            stmt = stmt.where(c.last_step >= steps[0], c.first_step <= steps[1])
+        with consistent_reads(self.engine) as conn:
+            frame = pd.DataFrame([tuple(r) for r in conn.execute(stmt).fetchall()], columns=columns)
+        missing = frame[name].isna().to_numpy()
+        if missing.any():
+            index = CARRY_COLUMNS.index(name) - len(CARRY_COLUMNS)
+            self.prefetch(run_id, frame.chunk[missing].tolist(), list(CARRY_FIELDS))
+            frame.loc[missing, name] = pd.Series(
+                [self.computed_carries(run_id, chunk)[index] for chunk in frame[missing].itertuples(index=False)],
+                index=frame.index[missing],
+                dtype=object,
+            )
+        return frame
+
+    def computed_carries(self, run_id: int, chunk: Any) -> tuple[bytes, bytes, bytes]:
+        """carry.carries of a chunk (a row of `carried`, `summaries` or `chunks`: with first_seq), from
+        its stored columns."""
+        columns = {name: widen_array(name, self.event_values(run_id, chunk, name)) for name in CARRY_FIELDS}
+        return carries(columns, int(chunk.first_seq), lambda text: self.code_of(run_id, text))
+
+    def code_of(self, run_id: int, text: str) -> int | None:
+        """The code of one text in the run's dictionary (None: the run never used it)."""
+        found = self.codes_of(run_id, [text])
+        return found[0] if found else None
 
     def computed_summaries(self, run_id: int, chunk: Any) -> tuple[str, str]:
         """packed.summaries of a chunk (a row of `summaries` or `chunks`), from its stored columns."""

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from kvscope.telemetry.carry import carries
 from kvscope.telemetry.events import EventKind
 
 ITEM_FIELDS = ("step", "t_mono", "kind", "pool", "rid", "node_id", "num_tokens", "aux", "reason", "principal", "slots")
@@ -137,6 +138,9 @@ class Chunk:
     new_strings: list[tuple[int, str]]
     kind_counts: str = "{}"  # {kind: events}, JSON (schema version 10: summaries)
     groups: str = "{}"  # its events grouped for the dashboard's sums, JSON (summaries)
+    evict_steps: bytes = b""  # its evictions per step (schema version 11: carry.py)
+    lock_carry: bytes = b""  # its net change to the locks held (carry.py)
+    request_carry: bytes = b""  # the requests it leaves running or ends (carry.py)
 
     @property
     def num_bytes(self) -> int:
@@ -164,6 +168,9 @@ class Chunk:
                     self.num_bytes,
                     self.kind_counts,
                     self.groups,
+                    self.evict_steps,
+                    self.lock_carry,
+                    self.request_carry,
                 )
             ],
             "event_columns": [(run_id, number, name, dtype, data) for name, (dtype, data) in self.columns.items()],
@@ -210,6 +217,7 @@ class Packer:
         new, codes.new = codes.new, []
         # NOTE: dict.get: a kind's lookup never adds a code
         kind_counts, groups = summaries(columns, lambda kind: dict.get(codes, kind), codes.decode)
+        evict_steps, lock_carry, request_carry = carries(columns, first, lambda text: dict.get(codes, text))
         return Chunk(
             first_seq=first,
             num_events=n,
@@ -220,6 +228,9 @@ class Packer:
             new_strings=new,
             kind_counts=kind_counts,
             groups=groups,
+            evict_steps=evict_steps,
+            lock_carry=lock_carry,
+            request_carry=request_carry,
         )
 
 

@@ -87,6 +87,14 @@ the new version): every older row stays valid, with NULL in the added columns.
        chunk, so they always describe the events kept. NULL: a chunk written before version 10
        (readers compute its summaries from its columns; `kvscope upgrade` stores them).
        ix_requests_principal: a run's request principals, one index seek per principal.
+   11  what a chunk carries to a read at one step (telemetry/carry.py), so the Evictions page's chart
+       and the Radix tree page's lock holders read one value per chunk at 100 M events:
+       event_chunks.evict_steps (its evictions per step: step, evictions, tokens, first t_mono) and
+       event_chunks.lock_carry (per node and holder, the unlocks that release locks taken before the
+       chunk and the chunk's locks still held at its end) and event_chunks.request_carry (each
+       request's latest match, where the chunk leaves it running, and the requests it ends), so the
+       Memory page's running requests do too. NULL: a chunk written before 11 (readers compute them
+       from its columns; `kvscope upgrade` stores them).
 On PostgreSQL every integer column is BIGINT (SQLite's integers are 64-bit already); a server
 database is versioned and upgraded as a file is, under an advisory lock (store._ensure_schema).
 `reports` came after version 1 without a bump: it is an additive table (older readers never
@@ -126,7 +134,7 @@ def _bigint_on_postgresql(_type: Integer, _compiler: Any, **_kw: Any) -> str:
     return "BIGINT"
 
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 OLDEST_READABLE_VERSION = 1
 metadata = MetaData()
 
@@ -340,8 +348,12 @@ event_chunks = Table(
     Column("num_bytes", Integer, info={"since": 9}),  # its columns' packed bytes; NULL: written before 9
     Column("kind_counts", Text, info={"since": 10}),  # {kind: events}, JSON; NULL: written before 10
     Column("groups", Text, info={"since": 10}),  # its events grouped for the pages' sums (packed.summaries), JSON
+    Column("evict_steps", LargeBinary, info={"since": 11}),  # its evictions per step (carry.py); NULL: before 11
+    Column("lock_carry", LargeBinary, info={"since": 11}),  # its net change to the locks held (carry.py)
+    Column("request_carry", LargeBinary, info={"since": 11}),  # the requests it leaves running or ends (carry.py)
 )
 CHUNK_SUMMARY_SINCE = 10
+CARRY_SINCE = 11
 event_columns = Table(
     "event_columns",
     metadata,

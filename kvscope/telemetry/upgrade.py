@@ -1,6 +1,7 @@
 """`kvscope upgrade`: pack the event rows of runs written before schema version 6 into chunks
 (packed.py), and store the summaries of chunks written before version 10 (packed.summaries: their events
-per kind and grouped sums), so they read as fast as new runs. Readers read the row layout and
+per kind and grouped sums) and their carries of version 11 (carry.py: evictions per step, net lock
+changes, requests left running), so they read as fast as new runs. Readers read the row layout and
 unsummarized chunks too; upgrading is for speed and size, never needed to open a file.
 
 NOTE: what it keeps. Every event keeps its seq, step, time and fields; a chunk never spans a
@@ -19,9 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, bindparam, delete, func, select, update
+import pandas as pd
+from sqlalchemy import Connection, Engine, bindparam, delete, func, or_, select, update
 
 from kvscope.telemetry import schema
+from kvscope.telemetry.carry import CARRY_FIELDS
 from kvscope.telemetry.packed import ITEM_WIDTH, SUMMARY_FIELDS, Packer
 from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.store import (
@@ -158,13 +161,31 @@ def _unsummarized_runs(engine: Engine) -> list[int]:
         tables = engine.dialect.get_table_names(conn)
         if schema.event_chunks.name not in tables or int(stored_version(conn) or 0) < schema.CHUNK_SUMMARY_SINCE:
             return [] if schema.event_chunks.name not in tables else _runs_with_chunks(conn)
-        return [int(r) for (r,) in conn.execute(select(c.run_id).where(c.kind_counts.is_(None)).distinct())]
+        carries = int(stored_version(conn) or 0) >= schema.CARRY_SINCE
+        later = (c.evict_steps.is_(None), c.lock_carry.is_(None), c.request_carry.is_(None)) if carries else ()
+        missing = or_(c.kind_counts.is_(None), *later)
+        return [int(r) for (r,) in conn.execute(select(c.run_id).where(missing).distinct())]
 
 
 def _runs_with_chunks(conn: Connection) -> list[int]:
     """Every run with chunks (a file older than version 10: none has summaries yet)."""
     c = schema.event_chunks.c
     return [int(r) for (r,) in conn.execute(select(c.run_id).distinct().order_by(c.run_id))]
+
+
+def _unsummarized_chunks(capture: Capture, run_id: int) -> pd.DataFrame:
+    """The run's chunks (chunk, first_seq, num_events) missing a summary or a carry, in seq order."""
+    c = schema.event_chunks.c
+    missing = or_(
+        c.kind_counts.is_(None),
+        c.groups.is_(None),
+        c.evict_steps.is_(None),
+        c.lock_carry.is_(None),
+        c.request_carry.is_(None),
+    )
+    return capture.read_frame(
+        select(c.chunk, c.first_seq, c.num_events).where(c.run_id == run_id, missing).order_by(c.first_seq)
+    )
 
 
 def _summarize_run(
@@ -177,18 +198,28 @@ def _summarize_run(
         engine,
         update(schema.event_chunks)
         .where(c.run_id == bindparam("run"), c.chunk == bindparam("number"))
-        .values(kind_counts=bindparam("counts"), groups=bindparam("names")),
-        ("counts", "names", "run", "number"),
+        .values(
+            kind_counts=bindparam("counts"),
+            groups=bindparam("names"),
+            evict_steps=bindparam("evicts"),
+            lock_carry=bindparam("locks"),
+            request_carry=bindparam("requests"),
+        ),
+        ("counts", "names", "evicts", "locks", "requests", "run", "number"),
     )
     capture = Capture(target)
     try:
-        chunks = capture.packed.summaries(run_id, schema.SCHEMA_VERSION)
-        todo = chunks[chunks.kind_counts.isna() | chunks.groups.isna()]
+        todo = _unsummarized_chunks(capture, run_id)
         for start in range(0, len(todo), SUMMARY_CHUNKS):
             part = todo.iloc[start : start + SUMMARY_CHUNKS]
-            capture.packed.prefetch(run_id, part.chunk.tolist(), list(SUMMARY_FIELDS))
+            capture.packed.prefetch(run_id, part.chunk.tolist(), sorted({*SUMMARY_FIELDS, *CARRY_FIELDS}))
             rows = [
-                (*capture.packed.computed_summaries(run_id, chunk), run_id, int(chunk.chunk))
+                (
+                    *capture.packed.computed_summaries(run_id, chunk),
+                    *capture.packed.computed_carries(run_id, chunk),
+                    run_id,
+                    int(chunk.chunk),
+                )
                 for chunk in part.itertuples(index=False)
             ]
             with engine.begin() as conn:

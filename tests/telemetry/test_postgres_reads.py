@@ -16,8 +16,10 @@ from typing import Any
 import pandas as pd
 import pytest
 
+from kvscope.dashboard.leak_views import held_locks
 from kvscope.debug.report import build_report
 from kvscope.telemetry import derived, sharing
+from kvscope.telemetry.events import EventKind
 from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.upgrade import upgrade
 from tests.conftest import postgres_database
@@ -101,6 +103,15 @@ def test_the_server_copies_hold_the_runs(copies: Copies) -> None:
         pd.testing.assert_frame_equal(capture.events(1, limit=None), events, obj=f"events ({name})")
 
 
+def held_locks_of_events(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
+    """The locks held after `step`, paired from every lock and unlock (the Radix tree page's read before
+    schema version 11)."""
+    columns = ["seq", "step", "kind", "rid", "node_id", "aux", "reason"]
+    events = capture.events(run_id, kinds=[EventKind.LOCK, EventKind.UNLOCK], limit=None, columns=columns)
+    held = held_locks(events, step).reset_index(drop=True)
+    return held.astype({"node_id": "int64", "since_step": "int64", "rid": object})
+
+
 def test_derived_reads_are_the_same_on_both_databases(copies: Copies) -> None:
     pair = copies.pair
     total = int(oracle_reads.eviction_summary(copies.oracle, 1)["num_evictions"].sum())
@@ -110,6 +121,7 @@ def test_derived_reads_are_the_same_on_both_databases(copies: Copies) -> None:
         same(derived.running_lengths, copies, step, oracle=oracle_reads.running_lengths)
         same(derived.recent_evictions, copies, step, oracle=oracle_reads.recent_evictions)
         same(derived.usage_at, copies, step, oracle=oracle_reads.usage_at)
+        same(derived.held_locks, copies, step, oracle=held_locks_of_events)
     rids = pair.rids()
     for chosen in (rids[:1], rids[::3], rids, [], ["no such request"]):
         same(derived.allocs_of_requests, copies, chosen, oracle=oracle_reads.allocs_of_requests)

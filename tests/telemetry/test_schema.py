@@ -87,6 +87,9 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "num_bytes",
         "kind_counts",
         "groups",
+        "evict_steps",
+        "lock_carry",
+        "request_carry",
     ]
     assert sorted(c.name for c in schema.added_after(1)) == sorted(
         ["principal", "visibility", *tier_columns, "full_used", *routing]
@@ -95,9 +98,31 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
     assert sorted(c.name for c in schema.added_after(3)) == sorted([*tier_columns, "full_used", *routing])
     assert sorted(c.name for c in schema.added_after(4)) == sorted(["full_used", *routing])
     assert sorted(c.name for c in schema.added_after(6)) == sorted(routing)
-    assert sorted(c.name for c in schema.added_after(7)) == ["census", "groups", "kind_counts", "num_bytes"]
-    assert [c.name for c in schema.added_after(8)] == ["num_bytes", "kind_counts", "groups"]
-    assert [c.name for c in schema.added_after(9)] == ["kind_counts", "groups"]
+    assert sorted(c.name for c in schema.added_after(7)) == [
+        "census",
+        "evict_steps",
+        "groups",
+        "kind_counts",
+        "lock_carry",
+        "num_bytes",
+        "request_carry",
+    ]
+    assert [c.name for c in schema.added_after(8)] == [
+        "num_bytes",
+        "kind_counts",
+        "groups",
+        "evict_steps",
+        "lock_carry",
+        "request_carry",
+    ]
+    assert [c.name for c in schema.added_after(9)] == [
+        "kind_counts",
+        "groups",
+        "evict_steps",
+        "lock_carry",
+        "request_carry",
+    ]
+    assert [c.name for c in schema.added_after(10)] == ["evict_steps", "lock_carry", "request_carry"]
     assert schema.added_after(schema.SCHEMA_VERSION) == []
     as_v1 = schema.columns_as_of(schema.events, 1)
     assert [c.name for c in as_v1] == list(schema.EVENT_COLUMNS)

@@ -171,15 +171,14 @@ def lock_holders(chosen: Selection, step: int, node_id: int, nodes: pd.DataFrame
     if lock_ref <= 0:
         return
     is_root = nodes.loc[nodes["node_id"] == node_id, "parent_id"].isna().all()  # NOTE: or an unknown node
-    locks = reads.lock_events(chosen.path, chosen.run_id, chosen.stamp)
-    if locks.empty:
+    if not reads.has_lock_events(chosen.path, chosen.run_id, chosen.stamp):
         st.caption(
             f"Node {node_id} has {lock_ref} lock(s)"
             + (" (its own, permanent: a lock below does not add to it)" if is_root else "")
             + "; who holds locks needs a capture recorded at level full."
         )
         return
-    held = leak_views.held_locks(locks, step, reads.rid_names(chosen.path, chosen.run_id))
+    held = reads.held_locks(chosen.path, chosen.run_id, chosen.stamp, step)
     holders = leak_views.holders_of(node_id, held, nodes)
     if is_root:
         st.caption(
