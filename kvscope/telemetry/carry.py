@@ -93,7 +93,7 @@ def lock_carry(columns: Mapping[str, np.ndarray], first_seq: int, code_of: Calla
     seqs = np.asarray(columns["seq"]) if "seq" in columns else first_seq + np.arange(len(kind))
     holder = _holders(columns, mask, code_of)
     node = node[mask]
-    group = np.unique(np.stack([node, holder], axis=1), axis=0, return_inverse=True)[1].reshape(-1)
+    group = _pair_groups(node, holder)
     released, held = _stacks(group, np.where(is_lock[mask], 1, -1))
     # NOTE: a release row per unlock that found the chunk's stack empty (each group's first such unlock
     # stands for them), then the locks still held, in seq order
@@ -141,6 +141,17 @@ def holder_names(holders: np.ndarray, decode: Callable[[np.ndarray], np.ndarray]
     return out
 
 
+def _pair_groups(node: np.ndarray, holder: np.ndarray) -> np.ndarray:
+    """A group id per (node, holder) pair, 0.. in pair order (np.unique over rows sorts a copy of every
+    row as bytes: 1.6 s for the 630k records of a 100 M-event run, against 0.1 s for this)."""
+    order = np.lexsort((holder, node))
+    n, h = node[order], holder[order]
+    starts = np.r_[True, (n[1:] != n[:-1]) | (h[1:] != h[:-1])]
+    group = np.empty(len(node), np.int64)
+    group[order] = np.cumsum(starts) - 1
+    return group
+
+
 def _stacks(group: np.ndarray, change: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per group, the releases that found its stack empty, and per event whether it is a lock still
     held at the end (events in order; change +1 lock, -1 unlock).
@@ -181,8 +192,7 @@ def held_after(carried: Sequence[np.ndarray]) -> np.ndarray:
     records = np.concatenate([*carried, np.zeros(0, LOCK_CARRY_DTYPE)])
     if not len(records):
         return records
-    pairs = np.stack([records["node"], records["holder"]], axis=1)
-    group = np.unique(pairs, axis=0, return_inverse=True)[1].reshape(-1)
+    group = _pair_groups(records["node"], records["holder"])
     is_lock = records["seq"] != RELEASE
     held = _stacks(group, np.where(is_lock, 1, -1))[1]
     found = records[held]
@@ -228,22 +238,20 @@ def read_request_carry(data: bytes) -> tuple[np.ndarray, np.ndarray]:
 
 def running_after(carried: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     """The open records of the requests running after the chunks whose request carries are `carried`
-    (in seq order): each rid's latest record, where it is an open one; by rid."""
-    opens = [o for o, _ in carried]
-    rids = np.concatenate([np.zeros(0, np.int64), *(np.r_[o["rid"], c] for o, c in carried)])
-    if not len(rids):
-        return np.zeros(0, REQUEST_OPEN_DTYPE)
-    is_open = np.concatenate(
-        [np.zeros(0, bool), *(np.r_[np.ones(len(o), bool), np.zeros(len(c), bool)] for o, c in carried)]
-    )
-    where = np.concatenate(
-        [np.zeros(0, np.int64), *(np.r_[np.arange(len(o)), np.full(len(c), -1)] for o, c in carried)]
-    )
-    chunk = np.concatenate([np.zeros(0, np.int64), *(np.full(len(o) + len(c), i) for i, (o, c) in enumerate(carried))])
-    last = len(rids) - 1 - np.unique(rids[::-1], return_index=True)[1]
-    last = last[is_open[last]]
-    if not len(last):
-        return np.zeros(0, REQUEST_OPEN_DTYPE)
-    return np.concatenate(
-        [opens[c][w : w + 1] for c, w in zip(chunk[last].tolist(), where[last].tolist(), strict=True)]
-    )
+    (in seq order): each rid's latest record, where it is an open one; by rid.
+
+    NOTE: only a rid with an open record can run: per such rid its latest open record, then whether a
+    chunk at or after that one closes it (a chunk holds one record per rid, so a close there is later)."""
+    opens = np.concatenate([np.zeros(0, REQUEST_OPEN_DTYPE), *(o for o, _ in carried)])
+    if not len(opens):
+        return opens
+    open_chunk = np.repeat(np.arange(len(carried)), [len(o) for o, _ in carried])
+    latest = len(opens) - 1 - np.unique(opens["rid"][::-1], return_index=True)[1]  # NOTE: sorted by rid
+    rids, since = opens["rid"][latest], open_chunk[latest]
+    closes = np.concatenate([np.zeros(0, np.int64), *(c for _, c in carried)])
+    close_chunk = np.repeat(np.arange(len(carried)), [len(c) for _, c in carried])
+    mine = np.isin(closes, rids)
+    at = np.searchsorted(rids, closes[mine])
+    last_close = np.full(len(rids), -1, np.int64)
+    np.maximum.at(last_close, at, close_chunk[mine])
+    return opens[latest[last_close < since]]

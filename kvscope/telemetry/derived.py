@@ -581,7 +581,7 @@ def _held_frame(held: np.ndarray, decode: Callable[[np.ndarray], np.ndarray]) ->
     return pd.DataFrame(
         {
             "node_id": held["node"].astype(np.int64),
-            "rid": holder_names(held["holder"].astype(np.int64), decode),
+            "rid": pd.Series(holder_names(held["holder"].astype(np.int64), decode), dtype=object),
             "since_step": held["step"].astype(np.int64),
         }
     )
