@@ -2,7 +2,7 @@
 printed as each finishes: for a capture so large that bench_dashboard.py's rounds (a warm-up render
 of every page, then cold and warm renders) do not fit the time at hand.
 
-    .venv/bin/python benchmarks/cold_pages.py CAPTURE PAGE [PAGE ...]
+    .venv/bin/python benchmarks/cold_pages.py CAPTURE PAGE [PAGE ...]    (CAPTURE: a file or a database URL)
 
 Every kvscope.dashboard module is imported and the first page rendered once, untimed; then each page
 once with Streamlit's caches cleared (cold), with the 1-minute load average beside it. It writes no

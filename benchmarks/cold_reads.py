@@ -2,7 +2,7 @@
 Streamlit, no cache): for a capture too large to render every page in the time at hand, and to say
 which read a slow page waits on.
 
-    .venv/bin/python benchmarks/cold_reads.py CAPTURE READ [READ ...]
+    .venv/bin/python benchmarks/cold_reads.py CAPTURE READ [READ ...]    (CAPTURE: a file or a database URL)
 
 READ is one of the names in READS. It writes no figures: add them to RESULTS.md with _results.py,
 naming this command.

@@ -511,8 +511,9 @@ class PackedEvents:
         stmt = select(*(as_of[n] for n in columns)).where(c.run_id == run_id).order_by(c.first_seq)
         if steps is not None:
             stmt = stmt.where(c.last_step >= steps[0], c.first_step <= steps[1])
-        with consistent_reads(self.engine) as conn:
-            frame = pd.DataFrame([tuple(r) for r in conn.execute(stmt).fetchall()], columns=columns)
+        # NOTE: binary: a carry is a bytea (PostgreSQL would send it as hex text, twice its bytes)
+        rows = [row for batch in driver_rows(self.engine, stmt, self.name, binary=True) for row in batch]
+        frame = pd.DataFrame(rows, columns=columns)
         missing = frame[name].isna().to_numpy()
         if missing.any():
             index = CARRY_COLUMNS.index(name) - len(CARRY_COLUMNS)

@@ -1,5 +1,5 @@
-"""A run's packed event columns read back from PostgreSQL in the server's binary format (against a real
-server: `make test-postgres`): the same values as recorded, and no bytea sent as hex text."""
+"""A run's packed event columns and chunk carries read back from PostgreSQL in the server's binary format
+(against a real server: `make test-postgres`): the same values as recorded, and no bytea sent as hex text."""
 
 from __future__ import annotations
 
@@ -45,15 +45,22 @@ def test_event_columns_come_back_from_the_server_in_binary_format_with_the_value
         for i, these in enumerate(slots):
             recorder.step = i // 100
             recorder.record(EventKind.ALLOC, pool=PoolName.FULL, rid=f"r{i}", num_tokens=len(these), slots=these)
+            if i % 3 == 0:
+                recorder.record(EventKind.LOCK, rid=f"r{i}", node_id=i % 11, num_tokens=1)
     formats = CursorFormats(monkeypatch)
     capture = Capture(postgres_url)
     try:
-        read = capture.events(recorder.run_id, limit=None, columns=["seq", "step", "rid", "num_tokens", "slots"])
+        read = capture.events(
+            recorder.run_id, kinds=[EventKind.ALLOC], limit=None, columns=["step", "rid", "num_tokens", "slots"]
+        )
+        carried = capture.packed.carried(recorder.run_id, capture.schema_version, "lock_carry")
+        computed = [capture.packed.computed_carries(recorder.run_id, c)[1] for c in carried.itertuples(index=False)]
     finally:
         capture.close()
-    assert read.seq.tolist() == list(range(NUM_EVENTS))
     assert read.step.tolist() == [i // 100 for i in range(NUM_EVENTS)]
     assert read.rid.tolist() == [f"r{i}" for i in range(NUM_EVENTS)]
     assert read.num_tokens.tolist() == [len(s) for s in slots]
     assert [np.frombuffer(b, "<i4").tolist() for b in read.slots] == [s.tolist() for s in slots]
+    assert carried.lock_carry.tolist() == computed and all(computed)
     assert formats.formats_of("event_columns.data") == {1}, "event columns read as text: bytea sent as hex digits"
+    assert formats.formats_of("event_chunks.lock_carry") == {1}, "carries read as text: bytea sent as hex digits"
