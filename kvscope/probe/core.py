@@ -216,9 +216,27 @@ class ProbeState:
         with suppress(Exception):  # NOTE: never into the engine
             self.recorder.close("incomplete", reason)
 
+    def recording(self) -> tuple[bool, str | None]:
+        """Whether the probe records now (active, and its recorder has not failed) and, when not, why: what
+        /metrics exports as kvscope_probe_recording and its reason (metrics.py)."""
+        failure = getattr(self.recorder, "failure", None)
+        recording = self.active and failure is None
+        return recording, None if recording else self.reason or failure
+
 
 def say(line: str) -> None:
     print(f"kvscope probe: {line}", file=sys.stderr, flush=True)
+
+
+def error_line(err: BaseException) -> str:
+    """An exception as the one line the probe says and stores: its type and its text's first line."""
+    return f"{type(err).__name__}: {err}".splitlines()[0]
+
+
+def run_label(engine: str, version: str, pid: int, dp_rank: int | None = None) -> str:
+    """A probe run's label in the capture (`vllm 0.32.0 probe dp 1 pid 4242`; no `dp R` without a rank)."""
+    rank = "" if dp_rank is None else f"dp {dp_rank} "
+    return f"{engine} {version} probe {rank}pid {pid}"
 
 
 @contextmanager
@@ -227,7 +245,7 @@ def guarded(state: ProbeState) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        state.stop(f"{type(err).__name__}: {err}".splitlines()[0])
+        state.stop(error_line(err))
 
 
 def open_recorder(settings: Settings, *, label: str, config: dict[str, Any]) -> RemoteRecorder:
@@ -261,7 +279,7 @@ def register_never_raising(register: Callable[[], str]) -> None:
     try:
         register()
     except Exception as err:  # NOTE: never into the engine
-        say(f"not recording: {type(err).__name__}: {err}".splitlines()[0])
+        say(f"not recording: {error_line(err)}")
 
 
 def refuse(state: ProbeState, settings: Settings | None, reason: str, *, label: str, config: dict[str, Any]) -> str:

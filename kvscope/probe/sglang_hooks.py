@@ -12,7 +12,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-from kvscope.probe.core import guarded
+from kvscope.probe.core import error_line, guarded
 from kvscope.probe.sglang_ledger import ALLOC, FREE
 from kvscope.probe.sglang_live import _KV, LiveReader
 from kvscope.probe.sglang_probe import SglangProbe, _node
@@ -33,7 +33,7 @@ PROBE = SglangProbe(None, "")
 
 
 def _failed(err: Exception) -> None:
-    PROBE.state.stop(f"{type(err).__name__}: {err}".splitlines()[0])
+    PROBE.state.stop(error_line(err))
 
 
 def _ready() -> bool:

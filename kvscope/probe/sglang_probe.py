@@ -27,6 +27,7 @@ from kvscope.probe.core import (
     engine_ending,
     guarded,
     open_recorder,
+    run_label,
     say,
 )
 from kvscope.probe.metrics import CensusTally
@@ -109,10 +110,9 @@ class SglangProbe:
 
     def publish(self, scheduler: Any) -> None:
         """The censuses so far into SGLang's /metrics, labelled as the scheduler's series (never raises)."""
-        failure = getattr(self.state.recorder, "failure", None)
-        recording = self.state.active and failure is None
+        recording, why = self.state.recording()
         with suppress(Exception):  # NOTE: the metrics are the engine's; a failure here is not the engine's
-            self.metrics.publish(scheduler, self.tally, recording, None if recording else self.state.reason or failure)
+            self.metrics.publish(scheduler, self.tally, recording, why)
 
     # -- the recorder ---------------------------------------------------------------------------
 
@@ -126,10 +126,9 @@ class SglangProbe:
             self.hot, self.emit, self.emit_block = False, None, None
             with guarded(self.state):
                 self.dp_rank = _dp_rank()
-                rank = "" if self.dp_rank is None else f"dp {self.dp_rank} "
                 rec = self.state.recorder = open_recorder(
                     self.settings,
-                    label=f"sglang {self.version} probe {rank}pid {self.pid}",
+                    label=run_label(ENGINE, self.version, self.pid, self.dp_rank),
                     config=self.config(patched=True),
                 )
                 self.step = rec.step

@@ -65,6 +65,7 @@ from typing import Any
 from kvscope.probe.census import census_json
 from kvscope.probe.core import (
     Target,
+    error_line,
     guarded,
     installed_version,
     patch_all,
@@ -154,9 +155,7 @@ def _add_census_utility() -> None:
 
 def _metrics_utility(self: Any) -> dict[str, Any]:
     """The tally (metrics.py) and whether the probe still records, with this engine's DP rank."""
-    failure = getattr(PROBE.state.recorder, "failure", None)
-    recording = PROBE.state.active and failure is None
-    snapshot = PROBE.tally.snapshot(recording, None if recording else PROBE.state.reason or failure)
+    snapshot = PROBE.tally.snapshot(*PROBE.state.recording())
     return {**snapshot, "dp_rank": dp_rank(self) or 0}
 
 
@@ -170,7 +169,7 @@ def _census_utility(self: Any) -> dict[str, Any]:
                 PROBE.polled(result)
         return census_json(result, os.getpid(), dp_rank(self) or 0)
     except Exception as err:  # NOTE: an answer, never an engine error
-        return {"pid": os.getpid(), "error": f"{type(err).__name__}: {err}".splitlines()[0]}
+        return {"pid": os.getpid(), "error": error_line(err)}
 
 
 def _refuse(reason: str) -> str:

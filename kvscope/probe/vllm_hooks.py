@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvscope.probe.core import LAST_CENSUS, guarded
+from kvscope.probe.core import LAST_CENSUS, error_line, guarded
 from kvscope.probe.core import engine_ending as core_engine_ending
 from kvscope.probe.vllm_probe import (
     ALLOC_V,
@@ -41,7 +41,7 @@ os.register_at_fork(after_in_child=lambda: PROBE.forked())
 
 def _failed(err: Exception) -> None:
     """kvscope's part of a hot wrapper raised: recording stops (one line); the engine never sees it."""
-    PROBE.state.stop(f"{type(err).__name__}: {err}".splitlines()[0])
+    PROBE.state.stop(error_line(err))
 
 
 # NOTE: the block-pool wrappers are hot (several calls per request per step). What keeps them cheap

@@ -22,6 +22,7 @@ from kvscope.probe.core import (
     census_clock,
     guarded,
     open_recorder,
+    run_label,
 )
 from kvscope.probe.metrics import CensusTally
 from kvscope.probe.vllm_views import block_view, tree_rows
@@ -123,10 +124,9 @@ class VllmProbe:
             assert self.settings is not None
             self.hot, self.emit, self.stream = False, None, None
             with guarded(self.state):
-                rank = "" if self.dp_rank is None else f"dp {self.dp_rank} "
                 rec = self.state.recorder = open_recorder(
                     self.settings,
-                    label=f"vllm {self.version} probe {rank}pid {self.pid}",
+                    label=run_label(ENGINE, self.version, self.pid, self.dp_rank),
                     config=self.config(patched=True),
                 )
                 self.step = rec.step

@@ -23,7 +23,16 @@ from kvscope.probe import (
     settings_from_env,
     take_census,
 )
-from kvscope.probe.core import LAST_CENSUS, Settings, busy_census_due, census_clock, engine_ending, unpatch_all
+from kvscope.probe.core import (
+    LAST_CENSUS,
+    Settings,
+    busy_census_due,
+    census_clock,
+    engine_ending,
+    error_line,
+    run_label,
+    unpatch_all,
+)
 
 
 class Block(NamedTuple):
@@ -161,6 +170,26 @@ def test_an_exception_in_kvscopes_part_stops_recording_and_never_reaches_the_eng
         raise RuntimeError("a second one is not reported again")
     assert not state.active and state.reason == "OSError: No space left on device"
     assert capsys.readouterr().err == "kvscope probe: recording stopped: OSError: No space left on device\n"
+
+
+def test_the_probes_state_says_whether_it_records_and_why_not() -> None:
+    """Both probes' /metrics read it (kvscope_probe_recording and its reason): a stopped probe says its
+    reason; an active one whose recorder failed says the recorder's failure."""
+
+    class Failing:
+        failure = "disk full"
+
+    assert ProbeState(active=True).recording() == (True, None)
+    assert ProbeState(active=False, reason="refused").recording() == (False, "refused")
+    assert ProbeState(recorder=Failing(), active=True).recording() == (False, "disk full")  # type: ignore[arg-type]
+    assert ProbeState(recorder=Failing(), reason="stopped").recording() == (False, "stopped")  # type: ignore[arg-type]
+
+
+def test_a_runs_label_names_the_engine_version_rank_and_process() -> None:
+    assert run_label("vllm", "0.32.0", 42, 1) == "vllm 0.32.0 probe dp 1 pid 42"
+    assert run_label("sglang", "0.5.23", 7) == "sglang 0.5.23 probe pid 7"
+    assert run_label("sglang", "0.5.23", 7, 0) == "sglang 0.5.23 probe dp 0 pid 7"
+    assert error_line(ValueError("first\nsecond")) == "ValueError: first"
 
 
 def test_the_probe_is_inert_without_a_capture() -> None:
