@@ -38,6 +38,22 @@ def record(path: Path, steps: list[int], rng: np.random.Generator, with_swa: boo
             )
 
 
+def every_and_kept(
+    steps: list[int], rng: np.random.Generator, with_swa: bool, max_points: int, full_total: int = 1024
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A run recorded at `steps`, read back whole (by step) and downsampled to `max_points`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "usage.db"
+        record(path, steps, rng, with_swa, full_total=full_total)
+        capture = Capture(path)
+        try:
+            run_id = int(capture.latest_run_id() or 0)
+            every = capture.usage(run_id, max_points=10 * len(steps)).set_index("step")
+            return every, capture.usage(run_id, max_points=max_points)
+        finally:
+            capture.close()
+
+
 def in_use(frame: pd.DataFrame, pool: str) -> pd.Series:
     return frame[f"{pool}_total"] - frame[f"{pool}_available"]
 
@@ -55,16 +71,7 @@ def test_downsampled_rows_are_whole_rows_whose_terms_stack_to_the_total(
 ) -> None:
     rng = np.random.default_rng(seed)
     steps = np.cumsum(rng.integers(1, max_gap + 1, size=num_steps)).tolist()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "usage.db"
-        record(path, steps, rng, with_swa)
-        capture = Capture(path)
-        try:
-            run_id = int(capture.latest_run_id() or 0)
-            every = capture.usage(run_id, max_points=10 * num_steps).set_index("step")
-            kept = capture.usage(run_id, max_points=max_points)
-        finally:
-            capture.close()
+    every, kept = every_and_kept(steps, rng, with_swa, max_points)
     assert len(every) == num_steps
     assert len(kept) <= max_points
     assert kept["step"].is_monotonic_increasing and kept["step"].iloc[-1] == steps[-1]
@@ -108,14 +115,5 @@ def test_each_bucket_keeps_each_pools_peak_row_and_the_latest_on_a_tie(
     """Totals of 4 tokens make ties common: the kept steps are exactly the rule's, peak then latest."""
     rng = np.random.default_rng(seed)
     steps = (first_step + np.cumsum(rng.integers(1, 3, size=num_steps))).tolist()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "usage.db"
-        record(path, steps, rng, with_swa, full_total=4)
-        capture = Capture(path)
-        try:
-            run_id = int(capture.latest_run_id() or 0)
-            every = capture.usage(run_id, max_points=10 * num_steps).set_index("step")
-            kept = capture.usage(run_id, max_points=max_points)
-        finally:
-            capture.close()
+    every, kept = every_and_kept(steps, rng, with_swa, max_points, full_total=4)
     assert kept["step"].tolist() == peak_steps(every, max_points)
