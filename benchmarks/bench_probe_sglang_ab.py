@@ -47,6 +47,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from benchmarks._apart import load_apart
 from benchmarks._results import Figure, this_run, write_figures
 from kvscope.probe import sglang as new
+from kvscope.probe import sglang_hooks as new_hooks
 from kvscope.probe.core import settings_from_env
 
 BLOCK_ROUNDS = 400
@@ -71,27 +72,29 @@ PARTS = ("sglang_ledger", "sglang_live", "sglang_probe", "sglang_hooks", "sglang
 # order; before the split, sglang.py and sglang_ledger.py alone
 
 
-def load_old(tree: Path) -> Any:
+def load_old(tree: Path) -> tuple[Any, Any]:
     """The old sglang.py, on the old tree's parts of it (sglang_ledger.py and, since the split, its state,
-    hooks, families and live readers) in place of this tree's: those it has are loaded apart."""
+    hooks, families and live readers) in place of this tree's: those it has are loaded apart. Returns it
+    and the module of its hook factories (sglang_hooks.py since the split, sglang.py before)."""
     sources = {
         f"kvscope.probe.{part}": (tree / f"kvscope/probe/{part}.py").read_text()
         for part in PARTS
         if (tree / f"kvscope/probe/{part}.py").is_file()
     }
-    return load_apart(sources, "old")["kvscope.probe.sglang"]
+    modules = load_apart(sources, "old")
+    return modules["kvscope.probe.sglang"], modules.get("kvscope.probe.sglang_hooks", modules["kvscope.probe.sglang"])
 
 
-def versions(old: Any) -> Modes:
+def versions(old: tuple[Any, Any]) -> Modes:
     """plain, old, new: each the methods to put on the classes, and its probe (None: plain)."""
     plain = {owner: {name: owner.__dict__[name] for name, _ in pairs} for owner, pairs in HOOKS.items()}
     out: Modes = {"plain": (plain, None)}
-    for tag, module in (("old", old), ("new", new)):
+    for tag, (module, factories) in (("old", old), ("new", (new, new_hooks))):
         module.PROBE.__init__(settings_from_env(), "0.5.23")
         module.PROBE.state.active = True
         assert module.PROBE.recorder() is not None, f"the {tag} probe did not open its recorder"
         made = {
-            owner: {name: getattr(module, factory)(plain[owner][name]) for name, factory in pairs}
+            owner: {name: getattr(factories, factory)(plain[owner][name]) for name, factory in pairs}
             for owner, pairs in HOOKS.items()
         }
         out[tag] = (made, module.PROBE)

@@ -41,6 +41,7 @@ import bench_probe_sglang as bench  # NOTE: SGLang stand-ins installed, SGLang i
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
 from kvscope.probe import sglang as probe
+from kvscope.probe import sglang_hooks
 from kvscope.probe.core import settings_from_env
 from kvscope.probe.sglang_ledger import ALLOC, FIELDS, FOLD_CALLS, FREE
 
@@ -108,7 +109,10 @@ def variants(plain: dict[str, Any], fold: FoldClock) -> dict[str, tuple[dict[str
         if len(pending) >= FOLD_CALLS * FIELDS:
             pending.clear()
 
-    hooks = {"alloc": probe._d_alloc(sglang_alloc), "_release_page_ids": probe._d_release_pages(sglang_release)}
+    hooks = {
+        "alloc": sglang_hooks._d_alloc(sglang_alloc),
+        "_release_page_ids": sglang_hooks._d_release_pages(sglang_release),
+    }
     return {
         "plain": (plain, lambda: None),
         "wrapper": (wrap(read_only), lambda: None),

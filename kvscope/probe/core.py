@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from kvscope.telemetry import NULL_RECORDER, Recorder
 from kvscope.telemetry.exits import CRASHED, FINISHED, INTERRUPTED, ExitStatus, status_of
@@ -262,6 +262,45 @@ def open_recorder(settings: Settings, *, label: str, config: dict[str, Any]) -> 
         python=settings.python,
         retention=(settings.keep_events_s, settings.max_bytes),
     )
+
+
+class OpensPerProcess(Protocol):
+    """A probe whose recorder belongs to one process (a forked or spawned child opens its own)."""
+
+    state: ProbeState
+    settings: Settings | None
+    pid: int
+    version: str
+    dp_rank: int | None
+
+    def config(self, *, patched: bool, reason: str | None = None) -> dict[str, Any]: ...
+
+    def unwire(self) -> None:
+        """Forget the hot path's sinks (a child must not write into its parent's buffers)."""
+
+    def wire(self, rec: Any) -> None:
+        """Point the hot path at `rec`, just opened."""
+
+
+def process_recorder(probe: OpensPerProcess, engine: str) -> Any:
+    """The probe's recorder in this process, opened at the process's first event; None once
+    recording stopped (an open that fails stops it, never reaching the engine)."""
+    if not probe.state.active:
+        return None
+    if probe.pid != os.getpid():
+        probe.pid = os.getpid()
+        assert probe.settings is not None
+        with guarded(probe.state):
+            probe.unwire()
+            rec = probe.state.recorder = open_recorder(
+                probe.settings,
+                label=run_label(engine, probe.version, probe.pid, probe.dp_rank),
+                config=probe.config(patched=True),
+            )
+            probe.wire(rec)
+        if not probe.state.active:
+            return None
+    return probe.state.recorder
 
 
 def installed_version(*dists: str) -> str:

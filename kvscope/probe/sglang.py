@@ -67,24 +67,9 @@ from kvscope.probe.sglang_families import (
     hooks_0521,
     hooks_0522,
 )
-from kvscope.probe.sglang_hooks import (
-    PROBE,
-    _d_alloc,
-    _d_alloc_decode,
-    _d_evict,
-    _d_insert,
-    _d_mamba_alloc,
-    _d_mamba_free,
-    _d_match,
-    _d_radix_dec_lock,
-    _d_release_pages,
-    _d_unified_dec_lock,
-    _d_unified_inc_lock,
-    _h_event_loop,
-    _in_context,
-)
-from kvscope.probe.sglang_live import LIVE, LIVE_0518, LIVE_0519, LIVE_0521, LiveReader, _batch_owners_0519
-from kvscope.probe.sglang_probe import SNAPSHOT_EVERY_STEPS, SglangProbe, _node, stale_locks
+from kvscope.probe.sglang_hooks import PROBE
+from kvscope.probe.sglang_live import LIVE, LIVE_0518, LIVE_0519, LIVE_0521, LiveReader
+from kvscope.probe.sglang_probe import SNAPSHOT_EVERY_STEPS, SglangProbe, stale_locks
 from kvscope.probe.sglang_shapes import (
     ADDER,
     MAMBA_SLOTS,
@@ -95,11 +80,10 @@ from kvscope.probe.sglang_shapes import (
     SCHEDULER,
     UNIFIED,
     Hook,
-    _family,
 )
 from kvscope.probe.shapes import Family, choose, describe
 
-__all__ = [  # NOTE: this module's face before the split: what tests, drivers and benchmarks reach through it
+__all__ = [  # NOTE: the names drivers and tests reach through this module; private helpers: their own modules
     "ADDER",
     "FAMILIES",
     "HOST",
@@ -119,23 +103,6 @@ __all__ = [  # NOTE: this module's face before the split: what tests, drivers an
     "Hook",
     "LiveReader",
     "SglangProbe",
-    "_batch_owners_0519",
-    "_d_alloc",
-    "_d_alloc_decode",
-    "_d_evict",
-    "_d_insert",
-    "_d_mamba_alloc",
-    "_d_mamba_free",
-    "_d_match",
-    "_d_radix_dec_lock",
-    "_d_release_pages",
-    "_d_unified_dec_lock",
-    "_d_unified_inc_lock",
-    "_family",
-    "_h_event_loop",
-    "_in_context",
-    "_node",
-    "_register",
     "describe_installed",
     "hooks",
     "hooks_0518",

@@ -26,8 +26,7 @@ from kvscope.probe.core import (
     census_clock,
     engine_ending,
     guarded,
-    open_recorder,
-    run_label,
+    process_recorder,
     say,
 )
 from kvscope.probe.metrics import CensusTally
@@ -118,28 +117,19 @@ class SglangProbe:
 
     def recorder(self) -> Any:
         """This process's recorder, opened at its first event; None once recording stopped."""
-        if not self.state.active:
-            return None
-        if self.pid != os.getpid():
-            self.pid = os.getpid()
-            assert self.settings is not None
-            self.hot, self.emit, self.emit_block = False, None, None
-            with guarded(self.state):
-                self.dp_rank = _dp_rank()
-                rec = self.state.recorder = open_recorder(
-                    self.settings,
-                    label=run_label(ENGINE, self.version, self.pid, self.dp_rank),
-                    config=self.config(patched=True),
-                )
-                self.step = rec.step
-                self.emit = rec.item_sink() if rec.enabled else None
-                self.emit_block = rec.event_block if rec.enabled else None
-                self.hot = True
-                atexit.register(self.drain_at_exit)  # NOTE: after the recorder's own: runs before its close
-                multiprocessing.util.Finalize(None, self.drain_at_exit, exitpriority=101)  # NOTE: a spawned scheduler
-            if not self.state.active:
-                return None
-        return self.state.recorder
+        return process_recorder(self, ENGINE)
+
+    def unwire(self) -> None:
+        self.hot, self.emit, self.emit_block = False, None, None
+        self.dp_rank = _dp_rank()  # NOTE: the run's label names it: a spawned scheduler knows its own
+
+    def wire(self, rec: Any) -> None:
+        self.step = rec.step
+        self.emit = rec.item_sink() if rec.enabled else None
+        self.emit_block = rec.event_block if rec.enabled else None
+        self.hot = True
+        atexit.register(self.drain_at_exit)  # NOTE: after the recorder's own: runs before its close
+        multiprocessing.util.Finalize(None, self.drain_at_exit, exitpriority=101)  # NOTE: a spawned scheduler
 
     def drain_at_exit(self) -> None:
         """The calls since the last fold (and a background fold's), into the capture before the recorder closes."""
@@ -241,23 +231,15 @@ class SglangProbe:
         total = int(full.size)
         available = int(full.available_size())
         terms = PoolTerms(total, available, int(tree.evictable_size()), int(tree.protected_size()))
+        self.record_usage(rec, terms, running, total - available)
+
+    def record_usage(self, rec: Any, terms: PoolTerms, running: int, full_used: int) -> None:
+        """The step's usage sample: `terms` and the running count beside the probe's cumulative
+        counters (prompt, hit, requests, ... in self.cum); one per step (usage_step)."""
         c = self.cum
         rec.usage(
             UsageSample(
-                rec.step,
-                terms,
-                None,
-                0,
-                0,
-                running,
-                0,
-                c[0],
-                c[1],
-                c[2],
-                c[3],
-                c[4],
-                c[5],
-                full_used=total - available,
+                rec.step, terms, None, 0, 0, running, 0, c[0], c[1], c[2], c[3], c[4], c[5], full_used=full_used
             )
         )
         self.usage_step = rec.step
@@ -472,27 +454,8 @@ class SglangProbe:
         ps = view.page_size
         used = (view.num_pages - len(result.free)) * ps
         terms = PoolTerms(view.num_pages * ps, len(result.free) * ps, len(result.tree - result.live) * ps, 0)
-        c = self.cum
         if self.usage_step != rec.step:
-            rec.usage(
-                UsageSample(
-                    rec.step,
-                    terms,
-                    None,
-                    0,
-                    0,
-                    len(owners),
-                    0,
-                    c[0],
-                    c[1],
-                    c[2],
-                    c[3],
-                    c[4],
-                    c[5],
-                    full_used=used,
-                )
-            )
-            self.usage_step = rec.step
+            self.record_usage(rec, terms, len(owners), used)
         if kind != "busy":  # NOTE: while busy, prepared() takes one every SNAPSHOT_EVERY_STEPS steps
             rec.tree_snapshot(rec.step, tree_rows(tree, view.live, ps))
         self.say_failures(results, rec, why, repeat=kind != "busy")

@@ -76,11 +76,11 @@ from kvscope.probe.core import (
 )
 from kvscope.probe.shapes import Family, choose
 from kvscope.probe.vllm_families import FAMILIES, targets, targets_033, targets_034
-from kvscope.probe.vllm_hooks import _DRAIN_KINDS, PROBE, _touch, engine_ending, lookup_stop
+from kvscope.probe.vllm_hooks import PROBE, engine_ending, lookup_stop
 from kvscope.probe.vllm_probe import ENGINE, PROVIDES, SNAPSHOT_EVERY_STEPS, Context, VllmProbe, _monotonic, dp_rank
 from kvscope.probe.vllm_shapes import BLOCK_POOL, CORE
 
-__all__ = [  # NOTE: this module's face before the split: what tests, drivers and benchmarks reach through it
+__all__ = [  # NOTE: the names drivers and tests reach through this module; private helpers: their own modules
     "BLOCK_POOL",
     "ENGINE",
     "ENGINE_NAME",
@@ -88,12 +88,9 @@ __all__ = [  # NOTE: this module's face before the split: what tests, drivers an
     "PROBE",
     "PROVIDES",
     "SNAPSHOT_EVERY_STEPS",
-    "_DRAIN_KINDS",
     "Context",
     "Target",
     "VllmProbe",
-    "_register",
-    "_touch",
     "choose",
     "dp_rank",
     "engine_ending",

@@ -20,9 +20,7 @@ from kvscope.probe.core import (
     Settings,
     busy_census_due,
     census_clock,
-    guarded,
-    open_recorder,
-    run_label,
+    process_recorder,
 )
 from kvscope.probe.metrics import CensusTally
 from kvscope.probe.vllm_views import block_view, tree_rows
@@ -117,27 +115,18 @@ class VllmProbe:
 
     def recorder(self) -> Any:
         """The recorder of this process, opened at the first event; None once recording stopped."""
-        if not self.state.active:
-            return None
-        if self.pid != os.getpid():
-            self.pid = os.getpid()
-            assert self.settings is not None
-            self.hot, self.emit, self.stream = False, None, None
-            with guarded(self.state):
-                rec = self.state.recorder = open_recorder(
-                    self.settings,
-                    label=run_label(ENGINE, self.version, self.pid, self.dp_rank),
-                    config=self.config(patched=True),
-                )
-                self.step = rec.step
-                if rec.enabled:
-                    self.stream = stream = rec.event_stream()
-                    stream.slot_ids = _block_ids  # NOTE: the wrappers append the blocks themselves
-                    self.emit, self.slot_buf = stream.records.extend, stream.slots
-                self.hot = True
-            if not self.state.active:
-                return None
-        return self.state.recorder
+        return process_recorder(self, ENGINE)
+
+    def unwire(self) -> None:
+        self.hot, self.emit, self.stream = False, None, None
+
+    def wire(self, rec: Any) -> None:
+        self.step = rec.step
+        if rec.enabled:
+            self.stream = stream = rec.event_stream()
+            stream.slot_ids = _block_ids  # NOTE: the wrappers append the blocks themselves
+            self.emit, self.slot_buf = stream.records.extend, stream.slots
+        self.hot = True
 
     def forked(self) -> None:
         """In a forked child: the parent's recorder is not this process's (it opens its own)."""

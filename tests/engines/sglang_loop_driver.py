@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import tests.engines.sglang_probe_driver as driver  # NOTE: it installs SGLang's stand-ins first
-from kvscope.probe import sglang_probe
+from kvscope.probe import sglang_hooks, sglang_probe
 
 Scheduler, probe = driver.Scheduler, driver.probe
 
@@ -79,7 +79,7 @@ class Loop:
             self.engine.decode(req, 1)
         if self.scenario == "busy-many" and self.iteration == FAULT_AT:
             req = batch.reqs[0]
-            out = probe._in_context(req.rid, "alloc", lambda: self.engine.alloc.alloc(MANY_PAGES * driver.PS))
+            out = sglang_hooks._in_context(req.rid, "alloc", lambda: self.engine.alloc.alloc(MANY_PAGES * driver.PS))
             pages = sorted({int(s) // driver.PS for s in out.tolist()})
             self.injected = {"kind": "leak", "rid": req.rid, "pages": pages, "step": probe.PROBE.step}
 

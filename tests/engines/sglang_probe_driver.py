@@ -86,6 +86,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.session.session_controller import Session  # noqa: E402
 
 from kvscope.probe import sglang as probe  # noqa: E402
+from kvscope.probe import sglang_hooks, sglang_probe, sglang_shapes  # noqa: E402
 
 # NOTE: _commit_prefill_admission (and its _PrefillAdmission) came with 0.5.20; 0.5.19 locks inside add_one_req
 ADMISSION = getattr(schedule_policy, "_PrefillAdmission", None)
@@ -273,7 +274,9 @@ class Engine:
         rid = req.rid
         if self.mamba and not req.kv.holds_mamba and self.rows.mamba_allocator.available_size() < 1:
             self.tree.evict(EvictParams(num_tokens=0, mamba_num=1))  # NOTE: what the scheduler's admission does
-        probe._in_context(None, "extend", lambda: self.rows.alloc([req]))  # NOTE: in prepare_for_extend: no request
+        sglang_hooks._in_context(
+            None, "extend", lambda: self.rows.alloc([req])
+        )  # NOTE: in prepare_for_extend: no request
         self.live[rid] = req
         prefix = prefix_len(req)
         ends = [min(len(tokens), prefix + chunk), len(tokens)] if chunk else [len(tokens)]
@@ -539,7 +542,7 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
     lock_node = b.last_node
     if scenario == "lock-leak":  # the prefix lock is dropped without its unlock
         drop_lock(engine, b)
-        injected.append({"kind": "lock-leak", "rid": "req-B", "node": probe._node(lock_node)})
+        injected.append({"kind": "lock-leak", "rid": "req-B", "node": sglang_probe._node(lock_node)})
     engine.decode(b, 2)
     engine.release(b)
     c = engine.admit("req-C", [*system, 9, 9, 9, 9, 9, 9])
@@ -562,12 +565,12 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
     mine = [50 + i for i in range(10)]
     if scenario in ("double-free-reused", "double-free-in-tree"):  # a tree page freed again, req-D's prefill takes it
         page = min(int(s) // PS for s in engine.tree.all_values_flatten().tolist())
-        probe._in_context("bad-free", "free", lambda: free_page(engine.alloc, page))
+        sglang_hooks._in_context("bad-free", "free", lambda: free_page(engine.alloc, page))
         injected.append({"kind": "double-free", "rid": "bad-free", "page": page})
     d = engine.admit("req-D", [*system, *mine] if scenario == "shared" else mine)  # running across the idle point
     if scenario in ("double-free", "leak-and-double-free"):  # a page still in the tree is freed again
         page = min(int(s) // PS for s in engine.tree.all_values_flatten().tolist())
-        probe._in_context("bad-free", "free", lambda: free_page(engine.alloc, page))
+        sglang_hooks._in_context("bad-free", "free", lambda: free_page(engine.alloc, page))
         injected.append({"kind": "double-free", "rid": "bad-free", "page": page})
     if scenario == "double-free-in-tree":  # req-D's release puts the page into a second tree node
         engine.release(d)
@@ -598,7 +601,7 @@ def batch_workload(engine: Engine, points: list[dict[str, Any]], system: list[in
         engine.take_row(req, list(req.origin_input_ids))
     for req in (p, q):
         common.checkpoint_kv_cache(req, engine.tree)
-    node = probe._node(p.lock.node)
+    node = sglang_probe._node(p.lock.node)
     p.lock = None
     engine.release(p)
     engine.release(q)
@@ -657,7 +660,7 @@ def session_workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]
     injected: list[dict[str, Any]] = []
     if scenario == "session-lock-leak":  # NOTE: another request's lock on the node the session holds, never released
         leaker = engine.admit("req-L", [*system, 9, 9, 9])
-        injected.append({"kind": "lock-leak", "rid": "req-L", "node": probe._node(leaker.last_node)})
+        injected.append({"kind": "lock-leak", "rid": "req-L", "node": sglang_probe._node(leaker.last_node)})
         leaker.lock = None
         engine.decode(leaker, 1)
         engine.release(leaker)
@@ -667,7 +670,9 @@ def session_workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]
     engine.release(second)
     points.append(engine.idle())
     if scenario == "session-close":
-        probe._in_context(None, "close", lambda: engine.tree.release_session("sess-1"))  # NOTE: the controller's close
+        sglang_hooks._in_context(
+            None, "close", lambda: engine.tree.release_session("sess-1")
+        )  # NOTE: the controller's close
         points.append(engine.idle())
     return points, injected
 
@@ -700,7 +705,7 @@ def mamba_workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]],
     d = engine.admit("req-D", [50 + i for i in range(10)])  # stays running across the idle point
     if scenario == "mamba-double-free":  # a slot still in the tree is freed again
         slot = min(int(s) for s in engine.tree.all_mamba_values_flatten().tolist())
-        probe._in_context("bad-free", "free", lambda: engine.rows.mamba_allocator.free(torch.tensor([slot])))
+        sglang_hooks._in_context("bad-free", "free", lambda: engine.rows.mamba_allocator.free(torch.tensor([slot])))
         injected.append({"kind": "mamba-double-free", "rid": "bad-free", "slot": slot})
     points.append(engine.idle())
     e = engine.admit("req-E", [300 + i for i in range(8)])  # no free slot: the tree evicts a state
@@ -770,13 +775,13 @@ def _swapped(target: str, hook: Any) -> Any:
 
 
 EDITS = {  # NOTE: scenario -> an edit of each family's hook table (its shapes follow the edited table)
-    "missing-target": lambda table: [*table, probe.Hook(f"{probe.UNIFIED}.gone_in_0_5_24", probe._h_event_loop)],
+    "missing-target": lambda table: [*table, probe.Hook(f"{probe.UNIFIED}.gone_in_0_5_24", sglang_hooks._h_event_loop)],
     "row-leak-unhooked": lambda table: [h for h in table if not h.target.endswith("._check_req_pool")],
-    "changed-parameters": _swapped(f"{probe.PAGED}.alloc", probe._d_alloc_decode),
-    "changed-tree-parameters": _swapped(f"{probe.UNIFIED}.dec_lock_ref", probe._d_radix_dec_lock),
-    "changed-mamba-parameters": _swapped(f"{probe.MAMBA_SLOTS}.free", probe._d_alloc_decode),
+    "changed-parameters": _swapped(f"{probe.PAGED}.alloc", sglang_hooks._d_alloc_decode),
+    "changed-tree-parameters": _swapped(f"{probe.UNIFIED}.dec_lock_ref", sglang_hooks._d_radix_dec_lock),
+    "changed-mamba-parameters": _swapped(f"{probe.MAMBA_SLOTS}.free", sglang_hooks._d_alloc_decode),
     # NOTE: 0.5.23: the leading parameters match (the shape holds); SGLang's method has one more (direct check)
-    "changed-trailing-parameters": _swapped(f"{probe.UNIFIED}.evict_for_alloc", probe._d_evict),
+    "changed-trailing-parameters": _swapped(f"{probe.UNIFIED}.evict_for_alloc", sglang_hooks._d_evict),
 }
 
 
@@ -786,7 +791,7 @@ def main(scenario: str, tree_kind: str) -> None:
         probe.FAMILIES = tuple(f._replace(releases=()) for f in probe.FAMILIES)
     elif edit is not None:  # NOTE: every family's table edited, its shapes taken again from the edited table
         probe.FAMILIES = tuple(
-            probe._family(f.name, f.releases, lambda f=f: edit(f.build()))  # type: ignore[misc]
+            sglang_shapes._family(f.name, f.releases, lambda f=f: edit(f.build()))  # type: ignore[misc]
             for f in probe.FAMILIES
         )
     if scenario == "dp":  # NOTE: the clean life on a DP controller's replica 1

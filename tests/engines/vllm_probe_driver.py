@@ -31,6 +31,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request, RequestStatus
 
 from kvscope.probe import vllm as probe
+from kvscope.probe import vllm_hooks
 from tests.engines.vllm_sched_driver import SCHEDULED, scheduled
 
 BLOCK = 16
@@ -222,7 +223,7 @@ def main(scenario: str) -> None:
     elif scenario == "missing-target":  # NOTE: the shapes match, a target the family builds is gone
         chosen = probe.choose(probe.ENGINE_NAME, probe.vllm_version(), probe.FAMILIES).family
         assert chosen is not None
-        gone = probe.Target(probe.BLOCK_POOL, "BlockPool", "gone_in_0_35", probe._touch)
+        gone = probe.Target(probe.BLOCK_POOL, "BlockPool", "gone_in_0_35", vllm_hooks._touch)
         said = probe._register(families=[chosen._replace(build=lambda: [*chosen.build(), gone])])
     else:
         said = probe._register()

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvscope.probe import sglang as probe
+from kvscope.probe import sglang_hooks, sglang_live, sglang_shapes
 from kvscope.probe.sglang_shapes import shapes_of
 from kvscope.probe.shapes import Family
 
@@ -88,7 +89,7 @@ class Pool:
 
 
 def _pool_table() -> list[probe.Hook]:
-    return [probe.Hook(f"{__name__}.Pool.alloc", probe._d_alloc, direct=True, per_op=True)]
+    return [probe.Hook(f"{__name__}.Pool.alloc", sglang_hooks._d_alloc, direct=True, per_op=True)]
 
 
 @pytest.fixture
@@ -104,7 +105,7 @@ def test_a_tested_release_whose_code_changed_shape_refuses_in_one_line_naming_th
     """The family's shape says alloc(self, need_size); the installed method takes (self, num_pages):
     one line names the target and why, and nothing is patched."""
     pool.alloc = lambda self, num_pages: num_pages  # type: ignore[method-assign,assignment,misc]
-    family = probe._family("0.5.23", ("0.5.23",), _pool_table, ())
+    family = sglang_shapes._family("0.5.23", ("0.5.23",), _pool_table, ())
     said = probe._register("0.5.23", (family,))
     assert said == (
         f"SGLang 0.5.23: {__name__}.Pool.alloc takes (self, num_pages) where the probe needs (self, need_size, ...); "
@@ -118,8 +119,8 @@ def test_an_untested_release_whose_shapes_match_a_family_loads_as_it_and_says_so
     pool: type[Pool], capsys: pytest.CaptureFixture[str]
 ) -> None:
     gone = probe.Hook(f"{__name__}.Pool.gone", _hook)
-    newer = probe._family("0.5.23", ("0.5.23",), lambda: [*_pool_table(), gone], ())
-    older = probe._family("0.5.22", ("0.5.22",), _pool_table, ())
+    newer = sglang_shapes._family("0.5.23", ("0.5.23",), lambda: [*_pool_table(), gone], ())
+    older = sglang_shapes._family("0.5.22", ("0.5.22",), _pool_table, ())
     said = probe._register("0.5.24", (newer, older))
     assert said == "registered 1 hooks on SGLang 0.5.24 (family 0.5.22, level full)"
     assert capsys.readouterr().err == "kvscope probe: SGLang 0.5.24: not tested; its shapes match family 0.5.22\n"
@@ -158,7 +159,7 @@ def test_probe_check_says_a_direct_method_with_one_parameter_more_than_the_probe
     """SGLang's alloc gained a trailing parameter: the shape (its leading parameters) still matches, but
     the probe's method would drop it, so the registration refuses; describe_installed says the same."""
     pool.alloc = lambda self, need_size, hint=None: need_size  # type: ignore[method-assign,assignment,misc]
-    family = probe._family("0.5.23", ("0.5.23",), _pool_table, ())
+    family = sglang_shapes._family("0.5.23", ("0.5.23",), _pool_table, ())
     line = f"SGLang 0.5.23: {__name__}.Pool.alloc takes other parameters; nothing patched"
     described = probe.describe_installed("0.5.23", (family,))
     assert (described["loads"], described["family"], described["line"]) == (False, None, line)
@@ -167,7 +168,7 @@ def test_probe_check_says_a_direct_method_with_one_parameter_more_than_the_probe
 
 
 def test_probe_check_says_which_family_a_matching_release_loads_as(pool: type[Pool]) -> None:
-    family = probe._family("0.5.23", ("0.5.23",), _pool_table, ())
+    family = sglang_shapes._family("0.5.23", ("0.5.23",), _pool_table, ())
     described = probe.describe_installed("0.5.23", (family,))
     assert (described["loads"], described["family"], described["tested"], described["line"]) == (
         True,
@@ -194,9 +195,9 @@ def test_the_0519_census_owners_take_the_chunked_request_a_batch_keeps_out_of_it
     last = SimpleNamespace(reqs=[done], chunked_req=chunked)
     running = SimpleNamespace(reqs=[running_req, chunked], chunked_req=None)
     checker = SimpleNamespace(get_last_batch=lambda: last, get_running_batch=lambda: running)
-    assert [r.rid for r in probe._batch_owners_0519(checker)] == ["decoding", "chunked"]
+    assert [r.rid for r in sglang_live._batch_owners_0519(checker)] == ["decoding", "chunked"]
     running.reqs = [running_req]
-    assert [r.rid for r in probe._batch_owners_0519(checker)] == ["decoding", "chunked"]
+    assert [r.rid for r in sglang_live._batch_owners_0519(checker)] == ["decoding", "chunked"]
 
 
 class Tree:
@@ -230,10 +231,10 @@ class WrappingTree:
 def test_a_tree_class_that_overrides_a_patched_method_is_named_once_and_no_other_is() -> None:
     original = Tree.__dict__["insert"]
     try:
-        family = probe._family(
+        family = sglang_shapes._family(
             "0.5.23",
             ("0.5.23",),
-            lambda: [probe.Hook(f"{__name__}.Tree.insert", probe._d_insert, direct=True, per_op=True)],
+            lambda: [probe.Hook(f"{__name__}.Tree.insert", sglang_hooks._d_insert, direct=True, per_op=True)],
             (),
         )
         assert probe._register("0.5.23", (family,)).startswith("registered 1 hooks")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvscope.probe.vllm import _DRAIN_KINDS, engine_ending
+from kvscope.probe.vllm import engine_ending
+from kvscope.probe.vllm_hooks import _DRAIN_KINDS
 
 
 def test_a_normal_shutdown_is_finished_with_a_drain_census() -> None:
