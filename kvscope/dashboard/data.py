@@ -166,6 +166,12 @@ def request_times(path: str, run_id: int, stamp: float, tenant: str | None) -> p
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def request_latency_histograms(path: str, run_id: int, stamp: float, tenant: str | None) -> pd.DataFrame | None:
+    """The latency histograms the writer kept (None: the run has none, read request_times)."""
+    return open_capture(path).request_latency_histograms(run_id, _principals_of(path, run_id, stamp, tenant))
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def request_ids(path: str, run_id: int, stamp: float, tenant: str | None) -> list[str]:
     frame = open_capture(path).request_rows(
         run_id, principals=_principals_of(path, run_id, stamp, tenant), columns=["rid"]
