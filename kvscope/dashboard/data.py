@@ -165,6 +165,11 @@ def request_times(path: str, run_id: int, stamp: float, tenant: str | None) -> p
     )
 
 
+# NOTE: more requests (of the tenant shown): the Requests page reads its latencies from the histograms the writer
+# kept, where the capture has them (schema version 12), not from every request's times
+EXACT_LATENCIES_MAX = 100_000
+
+
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def request_latency_histograms(path: str, run_id: int, stamp: float, tenant: str | None) -> pd.DataFrame | None:
     """The latency histograms the writer kept (None: the run has none, read request_times)."""

@@ -18,9 +18,6 @@ PAGE_ROWS = 60
 ORDERS = ("newest first", "oldest first")
 IN_FLIGHT_WINDOW_STEPS = 5_000  # NOTE: a live run's in-flight requests are read from this many recent steps' events
 PICK_FROM_MAX = 2_000  # NOTE: more requests: the picker is a box to type an id in
-# NOTE: more requests (of the tenant shown): percentiles from the latency histograms the writer kept, where the
-# capture has them (schema version 12), not from every request's times
-EXACT_LATENCIES_MAX = 100_000
 ALL = "(all requests)"
 RID_KEY = "requests.rid"
 RID_TEXT_KEY = "requests.rid_text"
@@ -65,7 +62,7 @@ def latency_section(latency_ms: pd.DataFrame) -> None:
 
 
 def histogram_latency_section(histograms: pd.DataFrame) -> None:
-    """latency_section for more than EXACT_LATENCIES_MAX requests: from the capture's latency histograms."""
+    """latency_section for more than data.EXACT_LATENCIES_MAX requests: from the capture's latency histograms."""
     st.subheader("Latency")
     st.caption(
         "**queue** = admit − arrive, **time to first token** = first token − arrive, **end to end** = "
@@ -79,8 +76,8 @@ def histogram_latency_section(histograms: pd.DataFrame) -> None:
 
 
 def latencies_of(chosen: Selection, num_requests: int) -> None:
-    """The latency section: exact up to EXACT_LATENCIES_MAX requests, from the histograms past it."""
-    if num_requests > EXACT_LATENCIES_MAX:
+    """The latency section: exact up to data.EXACT_LATENCIES_MAX requests, from the histograms past it."""
+    if num_requests > data.EXACT_LATENCIES_MAX:
         histograms = data.request_latency_histograms(chosen.path, chosen.run_id, chosen.stamp, chosen.tenant)
         if histograms is not None:
             histogram_latency_section(histograms)
