@@ -135,7 +135,9 @@ class Capture:
 
     def runs(self) -> pd.DataFrame:
         r = schema.runs.c
-        frame = self.read_frame(select(*schema.columns_as_of(schema.runs, self.schema_version)).order_by(r.id))
+        # NOTE: runs.request_sums is the readers' bookkeeping (has_request_sums), not a property of the run
+        columns = [c for c in schema.columns_as_of(schema.runs, self.schema_version) if c.name != "request_sums"]
+        frame = self.read_frame(select(*columns).order_by(r.id))
         frame["display_status"] = [display_status(row) for row in frame.itertuples()]
         return frame
 
