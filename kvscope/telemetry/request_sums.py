@@ -16,7 +16,7 @@ Pure numpy: the writer process imports it without SQLAlchemy.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,42 +54,62 @@ def sums_rows(run_id: int, columns: Sequence[str], rows: Sequence[Sequence[Any]]
     `columns` order: one per key present, to be added to what is stored."""
     if not rows:
         return [], []
-    at = {name: i for i, name in enumerate(columns)}
-    principals = [NO_PRINCIPAL if r[at["principal"]] is None else str(r[at["principal"]]) for r in rows]
-    groups, codes = _codes([(p, str(r[at["status"]])) for p, r in zip(principals, rows, strict=True)])
+    by_name = dict(zip(columns, zip(*rows, strict=True), strict=True))  # NOTE: the batch's columns, by name
+    principals = [NO_PRINCIPAL if p is None else str(p) for p in by_name["principal"]]
+    groups, codes = _codes(list(zip(principals, map(str, by_name["status"]), strict=True)))
     counts = np.bincount(codes, minlength=len(groups))
     totals = [
-        np.bincount(codes, weights=_numbers(rows, at[name]), minlength=len(groups))
+        np.bincount(codes, weights=_numbers(by_name[name]), minlength=len(groups))
         for name in ("prompt_len", "cached_tokens", "num_retractions")
     ]
     sums = [(run_id, p, s, int(counts[i]), *(int(t[i]) for t in totals)) for i, (p, s) in enumerate(groups)]
     names, principal_codes = _codes(principals)
-    latencies: list[Any] = []
-    for latency, (end, start) in REQUEST_LATENCIES.items():
-        with np.errstate(invalid="ignore"):
-            delta = (_numbers(rows, at[end]) - _numbers(rows, at[start])) * 1000.0
-        kept = np.isfinite(delta) & (delta >= 0)
-        latencies += _histogram_rows(run_id, latency, names, principal_codes[kept], delta[kept])
-    return sums, latencies
+    return sums, _histogram_rows(run_id, names, principal_codes, [_latency_ms(by_name, span) for span in SPANS])
+
+
+SPANS = tuple(REQUEST_LATENCIES.values())
+LATENCY_NAMES = tuple(REQUEST_LATENCIES)
+BUCKET_SPAN = 1 << 32  # NOTE: a key packs (latency, principal code, bucket + 1) into one int64
+
+
+def _latency_ms(by_name: Mapping[str, Sequence[Any]], span: tuple[str, str]) -> np.ndarray:
+    """One latency of each request in ms; NaN where it does not count (a moment missing, end before start)."""
+    with np.errstate(invalid="ignore"):
+        delta = (_numbers(by_name[span[0]]) - _numbers(by_name[span[1]])) * 1000.0
+    return np.where(delta >= 0, delta, np.nan)
 
 
 def _histogram_rows(
-    run_id: int, latency: str, names: list[str], principal_codes: np.ndarray, latency_ms: np.ndarray
+    run_id: int, names: list[str], principal_codes: np.ndarray, latency_ms: list[np.ndarray]
 ) -> list[Any]:
-    if not len(latency_ms):
+    """One sort over every (latency, principal, bucket) key of the batch; per key its count, least, greatest."""
+    values = np.concatenate(latency_ms)
+    which = np.repeat(np.arange(len(latency_ms), dtype=np.int64), len(principal_codes))
+    codes = np.tile(principal_codes, len(latency_ms))
+    kept = np.isfinite(values)
+    values, which, codes = values[kept], which[kept], codes[kept]
+    if not len(values):
         return []
-    buckets = buckets_of(latency_ms)
-    keys, inverse = np.unique(np.stack([principal_codes, buckets]), axis=1, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    counts = np.bincount(inverse, minlength=keys.shape[1])
-    least = np.full(keys.shape[1], np.inf)
-    most = np.full(keys.shape[1], -np.inf)
-    np.minimum.at(least, inverse, latency_ms)
-    np.maximum.at(most, inverse, latency_ms)
-    return [
-        (run_id, names[int(code)], latency, int(bucket), int(n), float(lo), float(hi))
-        for code, bucket, n, lo, hi in zip(keys[0], keys[1], counts, least, most, strict=True)
-    ]
+    keys = (which * len(names) + codes) * BUCKET_SPAN + (buckets_of(values) + 1)
+    order = np.lexsort((values, keys))  # NOTE: by key, then value: a run's first and last are its least and greatest
+    keys, values = keys[order], values[order]
+    starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+    ends = np.append(starts[1:], len(keys)) - 1
+    firsts = keys[starts]
+    group, bucket = np.divmod(firsts, BUCKET_SPAN)
+    latency, code = np.divmod(group, len(names))
+    return list(
+        zip(
+            [run_id] * len(starts),
+            [names[c] for c in code.tolist()],
+            [LATENCY_NAMES[w] for w in latency.tolist()],
+            (bucket - 1).tolist(),
+            (ends - starts + 1).tolist(),
+            values[starts].tolist(),
+            values[ends].tolist(),
+            strict=True,
+        )
+    )
 
 
 def _codes(keys: list[Any]) -> tuple[list[Any], np.ndarray]:
@@ -99,9 +119,9 @@ def _codes(keys: list[Any]) -> tuple[list[Any], np.ndarray]:
     return list(index), codes
 
 
-def _numbers(rows: Sequence[Sequence[Any]], i: int) -> np.ndarray:
-    """Column i as floats (None: NaN)."""
-    return np.fromiter((math.nan if r[i] is None else r[i] for r in rows), dtype=float, count=len(rows))
+def _numbers(column: Sequence[Any]) -> np.ndarray:
+    """A column as floats (None: NaN)."""
+    return np.array(column, dtype=float)
 
 
 class Histogram:
