@@ -39,6 +39,7 @@ def reads(capture: Any, run_id: int) -> dict[str, Callable[[], Any]]:
             capture, run_id, list(capture.request_rows(run_id, columns=["rid"], limit=60)["rid"])
         ),
         "request_totals": lambda: capture.request_totals(run_id),
+        "request_latency_histograms": lambda: capture.request_latency_histograms(run_id),
         "evictions_over_steps": lambda: telemetry.evictions_over_steps(capture, run_id, 600),
         "held_locks": lambda: telemetry.held_locks(capture, run_id, last_step(capture, run_id)),
         "eviction_log": lambda: telemetry.eviction_log(capture, run_id, 200, 0),

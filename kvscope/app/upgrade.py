@@ -1,5 +1,5 @@
 """`kvscope upgrade CAPTURE`: pack the event rows of runs recorded before schema version 6, and store
-the summaries of event chunks written before version 10.
+the summaries of event chunks written before version 10 and the request sums of runs written before 12.
 
 Reading never needs it (readers read both layouts); it makes an older capture as fast to
 read as a new one and usually smaller. One line per packed run, or JSON.
@@ -29,8 +29,12 @@ def upgrade_verb(args: argparse.Namespace) -> int:
         if progress.due():
             progress.draw(f"summarizing run {run_id}: {bar(done, total)} {done:,}/{total:,} chunks ")
 
+    def on_sums(run_id: int, done: int, total: int) -> None:
+        if progress.due():
+            progress.draw(f"summing the requests of run {run_id}: {bar(done, total)} {done:,}/{total:,} requests ")
+
     try:
-        packed = upgrade(args.capture, progress=on_progress, summarizing=on_summary)
+        packed = upgrade(args.capture, progress=on_progress, summarizing=on_summary, summing=on_sums)
     finally:
         progress.close()
     name = display_name(args.capture)
@@ -40,7 +44,13 @@ def upgrade_verb(args: argparse.Namespace) -> int:
                 {
                     "capture": name,
                     "runs": [
-                        {"run": r.run_id, "events": r.events, "chunks": r.chunks, "summarized_chunks": r.summarized}
+                        {
+                            "run": r.run_id,
+                            "events": r.events,
+                            "chunks": r.chunks,
+                            "summarized_chunks": r.summarized,
+                            "summed_requests": r.requests_summed,
+                        }
                         for r in packed
                     ],
                 },
@@ -59,4 +69,5 @@ def _done(run: UpgradedRun) -> str:
     chunks = "1 chunk" if run.chunks == 1 else f"{run.chunks:,} chunks"
     packed = f"{run.events:,} events packed into {chunks}" if run.events else ""
     summarized = f"summaries of {run.summarized:,} chunk(s) stored" if run.summarized else ""
-    return "; ".join(part for part in (packed, summarized) if part) or "up to date"
+    summed = "" if run.requests_summed is None else f"sums of {run.requests_summed:,} request(s) stored"
+    return "; ".join(part for part in (packed, summarized, summed) if part) or "up to date"

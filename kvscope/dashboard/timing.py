@@ -23,11 +23,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
-LATENCIES = {
-    "queue": ("admit_t", "arrive_t"),
-    "time to first token": ("first_token_t", "arrive_t"),
-    "end to end": ("finish_t", "arrive_t"),
-}
+from kvscope.telemetry import REQUEST_LATENCIES, Histogram
+
+LATENCIES = REQUEST_LATENCIES  # NOTE: name -> (end, start) moments; the writer's histograms use the same
+REQUEST_TIMES = ("arrive_t", "admit_t", "first_token_t", "finish_t")  # NOTE: the moments LATENCIES reads
 PERCENTILES = (50, 90, 99)
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 DATETIME_COLUMN_FORMAT = "YYYY-MM-DD HH:mm:ss.SSS"  # NOTE: st.column_config.DatetimeColumn's (moment.js) to the ms
@@ -115,6 +114,32 @@ def latency_percentiles(latency_ms: pd.DataFrame) -> pd.DataFrame:
         for q in PERCENTILES:
             row[f"p{q} (ms)"] = float(np.percentile(values, q)) if len(values) else math.nan
         row["max (ms)"] = float(values.max()) if len(values) else math.nan
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def histogram_percentiles(histograms: pd.DataFrame) -> pd.DataFrame:
+    """latency_percentiles' table, read from the latency histograms a capture keeps (Capture.
+    request_latency_histograms: each value within telemetry.MAX_RELATIVE_ERROR; max exact), with a box per
+    latency beside it (q1, median, q3, and whiskers at the furthest values within 1.5 IQR: low, high)."""
+    rows = []
+    for name in LATENCIES:
+        part = histograms[histograms["latency"] == name]
+        hist = Histogram(
+            part["bucket"].to_numpy(),
+            part["num_requests"].to_numpy(),
+            part["min_ms"].to_numpy(),
+            part["max_ms"].to_numpy(),
+        )
+        row: dict[str, Any] = {"latency": name, "requests": hist.num_values}
+        for q in PERCENTILES:
+            row[f"p{q} (ms)"] = hist.percentile(q)
+        row["max (ms)"] = hist.percentile(100)
+        q1, median, q3 = (hist.percentile(q) for q in (25, 50, 75))
+        row |= {"q1": q1, "median": median, "q3": q3}
+        reach = 1.5 * (q3 - q1)
+        row["low"] = hist.lowest_from(q1 - reach) if hist.num_values else math.nan
+        row["high"] = hist.highest_to(q3 + reach) if hist.num_values else math.nan
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from kvscope.telemetry.fingerprint import environment_fingerprint
     from kvscope.telemetry.queries import ENDED_WITHOUT_CLOSING, Capture, display_status
     from kvscope.telemetry.recorder import SQLRecorder, decode_slots, install_signal_handlers, slots_blob
+    from kvscope.telemetry.request_sums import MAX_RELATIVE_ERROR, REQUEST_LATENCIES, Histogram
     from kvscope.telemetry.retention import Retention, parse_duration_s, parse_size_bytes
     from kvscope.telemetry.sharing import reuse_by_principal, run_principals, visibility_changes
     from kvscope.telemetry.store import (
@@ -87,6 +88,7 @@ _LAZY = {
     "kvscope.telemetry.fingerprint": ("environment_fingerprint",),
     "kvscope.telemetry.queries": ("ENDED_WITHOUT_CLOSING", "Capture", "display_status"),
     "kvscope.telemetry.recorder": ("SQLRecorder", "decode_slots", "install_signal_handlers", "slots_blob"),
+    "kvscope.telemetry.request_sums": ("MAX_RELATIVE_ERROR", "REQUEST_LATENCIES", "Histogram"),
     "kvscope.telemetry.retention": ("Retention", "parse_duration_s", "parse_size_bytes"),
     "kvscope.telemetry.sharing": ("reuse_by_principal", "run_principals", "visibility_changes"),
     "kvscope.telemetry.store": (
@@ -116,7 +118,9 @@ __all__ = [
     "ENDED_WITHOUT_CLOSING",
     "EVICTION_LOG_COLUMNS",
     "LEVELS",
+    "MAX_RELATIVE_ERROR",
     "NULL_RECORDER",
+    "REQUEST_LATENCIES",
     "STRUCTURAL_KINDS",
     "Capture",
     "CaptureError",
@@ -126,6 +130,7 @@ __all__ = [
     "EventKind",
     "EvictReason",
     "FaultKind",
+    "Histogram",
     "LeakCheck",
     "ListRecorder",
     "LookupStop",

@@ -135,7 +135,9 @@ class Capture:
 
     def runs(self) -> pd.DataFrame:
         r = schema.runs.c
-        frame = self.read_frame(select(schema.runs).order_by(r.id))
+        # NOTE: runs.request_sums is the readers' bookkeeping (has_request_sums), not a property of the run
+        columns = [c for c in schema.columns_as_of(schema.runs, self.schema_version) if c.name != "request_sums"]
+        frame = self.read_frame(select(*columns).order_by(r.id))
         frame["display_status"] = [display_status(row) for row in frame.itertuples()]
         return frame
 
@@ -447,7 +449,10 @@ class Capture:
     def request_totals(self, run_id: int, principals: Sequence[str] | None = None) -> pd.DataFrame:
         """Per status of the requests (of `principals` when given): requests, prompt tokens,
         cached tokens and retractions (status, num_requests, prompt_tokens, cached_tokens,
-        retractions), by status."""
+        retractions), by status: from the run's request sums where it has them (schema version 12),
+        else from its request rows."""
+        if self.has_request_sums(run_id):
+            return self._summed_totals(run_id, principals)
         c = schema.requests.c
         stmt = select(
             c.status,
@@ -459,6 +464,45 @@ class Capture:
         if principals is not None:
             stmt = stmt.where(c.principal.in_(list(principals)))
         return self.read_frame(stmt.group_by(c.status).order_by(c.status))
+
+    def has_request_sums(self, run_id: int) -> bool:
+        """Whether every request row of the run is summed in request_sums and request_latencies."""
+        if self.schema_version < schema.REQUEST_SUMS_SINCE:
+            return False
+        r = schema.runs.c
+        with self.engine.connect() as conn:
+            return bool(conn.execute(select(r.request_sums).where(r.id == run_id)).scalar())
+
+    def _summed_totals(self, run_id: int, principals: Sequence[str] | None) -> pd.DataFrame:
+        c = schema.request_sums.c
+        stmt = select(
+            c.status,
+            _int_sum(c.num_requests).label("num_requests"),
+            _int_sum(c.prompt_tokens).label("prompt_tokens"),
+            _int_sum(c.cached_tokens).label("cached_tokens"),
+            _int_sum(c.retractions).label("retractions"),
+        ).where(c.run_id == run_id)
+        if principals is not None:
+            stmt = stmt.where(c.principal.in_(list(principals)))
+        return self.read_frame(stmt.group_by(c.status).order_by(c.status))
+
+    def request_latency_histograms(self, run_id: int, principals: Sequence[str] | None = None) -> pd.DataFrame | None:
+        """The latency histograms of the run's requests (of `principals` when given): latency, bucket,
+        num_requests, min_ms, max_ms by latency and bucket (request_sums.py's buckets); None for a run
+        without request sums (written before schema version 12 and not upgraded)."""
+        if not self.has_request_sums(run_id):
+            return None
+        c = schema.request_latencies.c
+        stmt = select(
+            c.latency,
+            c.bucket,
+            _int_sum(c.num_requests).label("num_requests"),
+            func.min(c.min_ms).label("min_ms"),
+            func.max(c.max_ms).label("max_ms"),
+        ).where(c.run_id == run_id)
+        if principals is not None:
+            stmt = stmt.where(c.principal.in_(list(principals)))
+        return self.read_frame(stmt.group_by(c.latency, c.bucket).order_by(c.latency, c.bucket))
 
     def first_arrival(self, run_id: int) -> float | None:
         """The earliest monotonic arrival time of the run's requests (None without any)."""

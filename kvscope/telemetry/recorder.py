@@ -62,11 +62,11 @@ from types import FrameType, TracebackType
 from typing import Any
 
 import numpy as np
-from sqlalchemy import bindparam, delete, literal_column, select, update
+from sqlalchemy import bindparam, case, delete, literal_column, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
 import kvscope
-from kvscope.telemetry import schema
+from kvscope.telemetry import request_sums, schema
 from kvscope.telemetry.channel import Channel, ChannelClosed, Message
 from kvscope.telemetry.events import EventKind, PoolName, Recorder
 from kvscope.telemetry.exits import exit_status
@@ -84,6 +84,7 @@ from kvscope.telemetry.records import (
 from kvscope.telemetry.retention import USAGE_EVERY_STEPS, Retention
 from kvscope.telemetry.store import (
     CaptureError,
+    add_statement,
     compiled_statement,
     display_name,
     file_of,
@@ -94,7 +95,7 @@ from kvscope.telemetry.store import (
     settle,
     upsert_statement,
 )
-from kvscope.telemetry.writer import HEARTBEAT_INTERVAL_S, RetentionStatements, WriterSettings
+from kvscope.telemetry.writer import HEARTBEAT_INTERVAL_S, RetentionStatements, Statement, WriterSettings
 
 DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 SLOTS_AT = ITEM_FIELDS.index("slots")
@@ -191,6 +192,7 @@ class SQLRecorder(Recorder):
                     pid=os.getpid(),
                     level=self.level,
                     config=json.dumps(config, default=str, sort_keys=True),
+                    request_sums=True,  # NOTE: its writer sums every request row it writes (request_sums.py)
                 )
             )
             assert result.inserted_primary_key is not None
@@ -220,6 +222,7 @@ class SQLRecorder(Recorder):
                 engine, schema.census_blocks, schema.CENSUS_BLOCK_COLUMNS, schema.CENSUS_BLOCK_KEY
             ),
         }
+        kept |= request_sum_statements(engine)
         heartbeat = (
             update(schema.runs)
             .where(schema.runs.c.id == bindparam("run_id"))
@@ -604,6 +607,30 @@ class SQLRecorder(Recorder):
             self.close(RunStatus.INTERRUPTED)
         else:
             self.close(RunStatus.CRASHED, f"{exc_type.__name__}: {exc}")
+
+
+def request_sum_statements(engine: Any) -> dict[str, Statement]:
+    """The upserts that add a batch's request sums (request_sums.sums_rows) to those stored, by table."""
+
+    def added(names: tuple[str, ...]) -> Any:
+        return lambda stored, new: {n: stored[n] + new[n] for n in names}
+
+    def widened(stored: Any, new: Any) -> dict[str, Any]:
+        return {
+            "num_requests": stored.num_requests + new.num_requests,
+            "min_ms": case((new.min_ms < stored.min_ms, new.min_ms), else_=stored.min_ms),
+            "max_ms": case((new.max_ms > stored.max_ms, new.max_ms), else_=stored.max_ms),
+        }
+
+    sums, latencies = request_sums.SUM_COLUMNS, request_sums.LATENCY_COLUMNS
+    return {
+        "request_sums": add_statement(
+            engine, schema.request_sums, sums, request_sums.SUM_KEY, added(sums[len(request_sums.SUM_KEY) :])
+        ),
+        "request_latencies": add_statement(
+            engine, schema.request_latencies, latencies, request_sums.LATENCY_KEY, widened
+        ),
+    }
 
 
 def _retention_statements(engine: Any) -> RetentionStatements:

@@ -95,6 +95,13 @@ the new version): every older row stays valid, with NULL in the added columns.
        request's latest match, where the chunk leaves it running, and the requests it ends), so the
        Memory page's running requests do too. NULL: a chunk written before 11 (readers compute them
        from its columns; `kvscope upgrade` stores them).
+   12  a run's request sums, kept by the writer as it writes the request rows (request_sums.py), so the
+       Requests page reads a few hundred rows at 100 M events: request_sums (per principal and status:
+       requests, prompt and cached tokens, retractions) and request_latencies (per principal, latency and
+       bucket: requests, least and greatest latency), and runs.request_sums, true for a run whose every
+       request row is summed there (its writer kept them, or `kvscope upgrade` stored them). NULL: a run
+       written before 12 (readers read its request rows). Request rows are never dropped (retention), and
+       neither are these sums.
 On PostgreSQL every integer column is BIGINT (SQLite's integers are 64-bit already); a server
 database is versioned and upgraded as a file is, under an advisory lock (store._ensure_schema).
 `reports` came after version 1 without a bump: it is an additive table (older readers never
@@ -134,7 +141,7 @@ def _bigint_on_postgresql(_type: Integer, _compiler: Any, **_kw: Any) -> str:
     return "BIGINT"
 
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 OLDEST_READABLE_VERSION = 1
 metadata = MetaData()
 
@@ -159,6 +166,7 @@ runs = Table(
     Column("level", String(16), nullable=False),
     Column("config", Text, nullable=False),  # JSON fingerprint
     Column("error", Text),
+    Column("request_sums", Boolean, info={"since": 12}),  # every request row is summed in request_sums
 )
 
 events = Table(
@@ -324,6 +332,32 @@ Index("ix_requests_arrival", requests.c.run_id, requests.c.arrive_step, requests
 ix_requests_principal = Index("ix_requests_principal", requests.c.run_id, requests.c.principal)
 INDEXES_SINCE = {10: (ix_requests_principal,)}  # NOTE: the indexes of existing tables a version added
 
+# NOTE: version 12, the writer's sums of a run's requests (request_sums.py); principal '' for none
+request_sums = Table(
+    "request_sums",
+    metadata,
+    Column("run_id", Integer, primary_key=True),
+    Column("principal", String(64), primary_key=True),
+    Column("status", String(16), primary_key=True),
+    Column("num_requests", Integer, nullable=False),
+    Column("prompt_tokens", Integer, nullable=False),
+    Column("cached_tokens", Integer, nullable=False),
+    Column("retractions", Integer, nullable=False),
+)
+request_latencies = Table(
+    "request_latencies",
+    metadata,
+    Column("run_id", Integer, primary_key=True),
+    Column("principal", String(64), primary_key=True),
+    Column("latency", String(24), primary_key=True),  # a name of request_sums.REQUEST_LATENCIES
+    Column("bucket", Integer, primary_key=True),
+    Column("num_requests", Integer, nullable=False),
+    Column("min_ms", Float, nullable=False),
+    Column("max_ms", Float, nullable=False),
+)
+REQUEST_SUM_TABLES = (request_sums, request_latencies)
+REQUEST_SUMS_SINCE = 12
+
 reports = Table(
     "reports",
     metadata,
@@ -400,8 +434,8 @@ ledger_checkpoints = Table(
 )
 RETENTION_TABLES = (event_retention, ledger_checkpoints)
 RETENTION_SINCE = 9
-OPTIONAL_TABLES = (reports, census_blocks, *PACKED_TABLES, *RETENTION_TABLES)  # NOTE: older files lack the
-# packed tables (< 6), census_blocks (< 8), the retention tables (< 9)
+OPTIONAL_TABLES = (reports, census_blocks, *PACKED_TABLES, *RETENTION_TABLES, *REQUEST_SUM_TABLES)  # NOTE: older
+# files lack the packed tables (< 6), census_blocks (< 8), the retention tables (< 9), the request sums (< 12)
 USAGE_COLUMNS = tuple(c.name for c in usage.columns)
 REQUEST_COLUMNS = tuple(c.name for c in requests.columns)
 
@@ -409,10 +443,12 @@ REQUEST_COLUMNS = tuple(c.name for c in requests.columns)
 def optional_tables(version: int) -> tuple[Table, ...]:
     """The tables a file of `version` may lack: from version 6 on the packed tables hold its
     events (a writer creates them when it brings an older file up to date), so a file without
-    them has lost its events; census_blocks came with version 8, the retention tables with 9."""
+    them has lost its events; census_blocks came with version 8, the retention tables with 9, the
+    request sums with 12."""
     census = (census_blocks,) if version < CENSUS_SINCE else ()
     retention = RETENTION_TABLES if version < RETENTION_SINCE else ()
-    return (reports, *census, *retention) if version >= PACKED_SINCE else OPTIONAL_TABLES
+    sums = REQUEST_SUM_TABLES if version < REQUEST_SUMS_SINCE else ()
+    return (reports, *census, *retention, *sums) if version >= PACKED_SINCE else OPTIONAL_TABLES
 
 
 def since_version(column: Column) -> int:

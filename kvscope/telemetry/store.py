@@ -666,6 +666,22 @@ def upsert_statement(
     return compiled_statement(engine, stmt, columns)
 
 
+def add_statement(engine: Engine, table: Table, columns: Sequence[str], key: Sequence[str], merged: Any) -> Statement:
+    """insert_statement's INSERT that, where a row is stored at `key` already, sets each column of
+    `merged(stored, new)` (a dict of expressions over the stored row's columns and the new row's) instead:
+    sums that every batch adds to. SQLite and PostgreSQL only (CaptureError on another database)."""
+    name = engine.dialect.name
+    if name == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert
+    elif name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert  # type: ignore[assignment]
+    else:
+        raise CaptureError(f"{engine.url.get_backend_name()}: kvscope writes captures to SQLite or PostgreSQL only")
+    stmt = insert(table).values({c: None for c in columns})
+    stmt = stmt.on_conflict_do_update(index_elements=list(key), set_=merged(table.c, stmt.excluded))
+    return compiled_statement(engine, stmt, columns)
+
+
 def compiled_statement(engine: Engine, stmt: Any, columns: Sequence[str]) -> Statement:
     """`stmt` (its bind parameters named as `columns`) compiled for the engine's dialect, run
     through the driver with rows of values in `columns` order."""

@@ -1,7 +1,8 @@
 """`kvscope upgrade`: pack the event rows of runs written before schema version 6 into chunks
 (packed.py), and store the summaries of chunks written before version 10 (packed.summaries: their events
 per kind and grouped sums) and their carries of version 11 (carry.py: evictions per step, net lock
-changes, requests left running), so they read as fast as new runs. Readers read the row layout and
+changes, requests left running), and the request sums of version 12 (request_sums.py: totals and latency
+histograms per principal) of runs written before it, so they read as fast as new runs. Readers read the row layout and
 unsummarized chunks too; upgrading is for speed and size, never needed to open a file.
 
 NOTE: what it keeps. Every event keeps its seq, step, time and fields; a chunk never spans a
@@ -10,7 +11,8 @@ is packed in one transaction: its chunks are written and its rows deleted togeth
 leaves each run either as rows or as chunks. A run still being written (status running, with a
 live writer) is refused, and so is a file this kvscope cannot read. A run's summaries are stored in
 transactions of SUMMARY_CHUNKS chunks: a kill leaves some chunks summarized and the rest as they were
-(a reader computes those, and the next upgrade goes on).
+(a reader computes those, and the next upgrade goes on). A run's request sums are stored in one
+transaction with its mark (runs.request_sums): a kill leaves the run read from its request rows.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from kvscope.telemetry import schema
 from kvscope.telemetry.carry import CARRY_FIELDS
 from kvscope.telemetry.packed import ITEM_WIDTH, SUMMARY_FIELDS, Packer
 from kvscope.telemetry.queries import Capture
+from kvscope.telemetry.recorder import request_sum_statements
+from kvscope.telemetry.request_sums import REQUEST_LATENCIES, sums_rows
 from kvscope.telemetry.store import (
     CaptureError,
     compiled_statement,
@@ -40,7 +44,9 @@ from kvscope.telemetry.store import (
 from kvscope.telemetry.writer import Statement
 
 CHUNK_EVENTS = 200_000
+SUM_REQUESTS = 200_000  # request rows read and summed at a time
 SUMMARY_CHUNKS = 64  # chunks summarized per transaction (a 100 M-event run has about 5,000)
+REQUEST_TIMES = tuple(sorted({moment for span in REQUEST_LATENCIES.values() for moment in span}))
 ROW_FIELDS = schema.EVENT_COLUMNS[1:]  # NOTE: seq, then packed.ITEM_FIELDS in the same order
 
 
@@ -50,6 +56,7 @@ class UpgradedRun:
     events: int  # packed from rows (0: the run was packed already)
     chunks: int
     summarized: int = 0  # chunks whose summaries were stored
+    requests_summed: int | None = None  # requests whose sums were stored (None: the run had them)
 
 
 def upgrade(
@@ -57,10 +64,13 @@ def upgrade(
     *,
     progress: Callable[[int, int, int], None] | None = None,
     summarizing: Callable[[int, int, int], None] | None = None,
+    summing: Callable[[int, int, int], None] | None = None,
 ) -> list[UpgradedRun]:
-    """Pack every row-layout run of the capture and summarize every chunk without summaries; returns
-    what was done, by run. `progress(run_id, events done, events in the run)` is called after each
-    packed chunk, `summarizing(run_id, chunks done, chunks to do)` after each summarized one."""
+    """Pack every row-layout run of the capture, summarize every chunk without summaries and sum the
+    requests of every run without request sums; returns what was done, by run. `progress(run_id, events
+    done, events in the run)` is called after each packed chunk, `summarizing(run_id, chunks done, chunks
+    to do)` after each summarized one, `summing(run_id, requests done, requests in the run)` after each
+    batch of requests summed."""
     name = display_name(target)
     if not _check_upgradable(target, name):
         return []  # NOTE: nothing to do: the file is not opened for writing, so not rewritten
@@ -73,6 +83,9 @@ def upgrade(
         for run_id in _unsummarized_runs(engine):
             summarized = _summarize_run(target, engine, run_id, summarizing)
             done.setdefault(run_id, UpgradedRun(run_id, 0, 0)).summarized = summarized
+        for run_id in _runs_without_request_sums(engine):
+            summed = _sum_requests(engine, run_id, summing)
+            done.setdefault(run_id, UpgradedRun(run_id, 0, 0)).requests_summed = summed
         settle(engine)
         return [done[run_id] for run_id in sorted(done)]
     except CaptureError:
@@ -94,12 +107,13 @@ def _check_upgradable(target: str | Path, name: str) -> bool:
         with capture.engine.connect() as conn:
             rows = conn.execute(select(schema.events.c.run_id).limit(1)).first() is not None
         unsummarized = bool(_unsummarized_runs(capture.engine))
+        unsummed = bool(_runs_without_request_sums(capture.engine))
     finally:
         capture.close()
     live = [int(r.id) for r in runs.itertuples() if r.display_status == "running"]
     if live:
         raise CaptureError(f"{name}: run {live[0]} is still being recorded; upgrade it once it has ended")
-    return older or rows or unsummarized
+    return older or rows or unsummarized or unsummed
 
 
 def _pack_run(engine: Engine, run_id: int, total: int, progress: Callable[[int, int, int], None] | None) -> UpgradedRun:
@@ -229,3 +243,37 @@ def _summarize_run(
         return len(todo)
     finally:
         capture.close()
+
+
+def _runs_without_request_sums(engine: Engine) -> list[int]:
+    """The runs whose request rows are not summed (written before version 12; every run of an older file)."""
+    r = schema.runs.c
+    with engine.connect() as conn:
+        if int(stored_version(conn) or 0) < schema.REQUEST_SUMS_SINCE:
+            return [int(i) for (i,) in conn.execute(select(r.id).order_by(r.id))]
+        rows = conn.execute(select(r.id).where(or_(r.request_sums.is_(None), ~r.request_sums)).order_by(r.id))
+        return [int(i) for (i,) in rows]
+
+
+def _sum_requests(engine: Engine, run_id: int, summing: Callable[[int, int, int], None] | None) -> int:
+    """Store the sums of the run's request rows (request_sums.py) and mark the run summed, in one
+    transaction (a kill leaves the run unsummed, its readers on its rows); returns how many requests."""
+    c = schema.requests.c
+    columns = ("principal", "status", "prompt_len", "cached_tokens", "num_retractions", *REQUEST_TIMES)
+    statements = request_sum_statements(engine)
+    done = 0
+    with engine.begin() as conn:
+        total = int(conn.execute(select(func.count()).where(c.run_id == run_id)).scalar_one())
+        for table in schema.REQUEST_SUM_TABLES:  # NOTE: sums a killed run's writer stored before it was marked
+            conn.execute(delete(table).where(table.c.run_id == run_id))
+        cursor = conn.execute(select(*(c[n] for n in columns)).where(c.run_id == run_id))
+        while rows := cursor.fetchmany(SUM_REQUESTS):
+            sums, latencies = sums_rows(run_id, columns, rows)
+            for name, values in (("request_sums", sums), ("request_latencies", latencies)):
+                if values:
+                    conn.exec_driver_sql(statements[name].sql, statements[name].params(values))
+            done += len(rows)
+            if summing is not None:
+                summing(run_id, done, total)
+        conn.execute(update(schema.runs).where(schema.runs.c.id == run_id).values(request_sums=True))
+    return done

@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 from kvscope.telemetry.channel import Channel, ChannelClosed, Message
 from kvscope.telemetry.packed import ITEM_WIDTH, Packer
+from kvscope.telemetry.request_sums import sums_rows
 from kvscope.telemetry.retention import ChunkMark, Retention, RetentionPass
 from kvscope.telemetry.sqlite_files import BUSY_TIMEOUT_MS, execute_when_free, file_uri, first_line
 
@@ -319,6 +320,9 @@ class Writer:
             )
         for table, row in rows:
             tables[table].append(row)
+        if tables.get("requests") and "request_sums" in inserts:  # NOTE: summed in the same transaction
+            columns = inserts["requests"].columns
+            tables["request_sums"], tables["request_latencies"] = sums_rows(run_id, columns, tables["requests"])
         work = [(inserts[name], values) for name, values in tables.items() if values]
         first = self.retention.first_rows() if self.retention is not None else []
         return [*first, *work, (self.settings.heartbeat, [(time.time(), run_id)])]

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from kvscope.dashboard import charts, tenants
-from kvscope.telemetry import Capture, reuse_by_principal, tenant_of
+from kvscope.dashboard import charts, data, tenants, timing
+from kvscope.telemetry import MAX_RELATIVE_ERROR, Capture, reuse_by_principal, tenant_of
 from tests.dashboard.conftest import ROOT
 
 TIMEOUT_S = 60
@@ -96,6 +96,25 @@ def test_a_link_opens_with_its_tenant_and_a_bad_one_is_a_note(
     bad = open_page(capture_path, "requests", monkeypatch, {"tenant": "nobody"})
     assert bad.selectbox(key=tenants.TENANT_KEY).value == tenants.ALL_TENANTS
     assert any("tenant 'nobody'" in i.value for i in bad.info)
+
+
+def test_past_the_exact_bound_a_tenants_latencies_come_from_its_histograms(
+    capture_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The histogram read (a run past data.EXACT_LATENCIES_MAX requests, here lowered to 0) through the page:
+    the caption says so, and the tenant's table is the exact one to within MAX_RELATIVE_ERROR."""
+    monkeypatch.setattr(data, "EXACT_LATENCIES_MAX", 0)
+    at = open_page(capture_path, "requests", monkeypatch, {"tenant": "t1"})
+    assert any("latency histograms" in c.value for c in at.caption)
+    requests = Capture(capture_path).requests(1)
+    of_t1 = requests[[tenant_of(p) == "t1" for p in requests["principal"]]]
+    exact = timing.latency_percentiles(timing.latencies(of_t1)).set_index("latency")
+    shown = at.dataframe[0].value.set_index("latency")
+    assert shown["requests"].tolist() == exact["requests"].tolist()
+    for column in ("p50 (ms)", "p90 (ms)", "p99 (ms)", "max (ms)"):
+        for name in exact.index:
+            bound = MAX_RELATIVE_ERROR * exact.loc[name, column] + 0.001
+            assert abs(shown.loc[name, column] - exact.loc[name, column]) <= bound, (name, column)
 
 
 def test_memory_page_shows_reuse_share_tokens_per_tenant_and_why_there_are_no_promotions(

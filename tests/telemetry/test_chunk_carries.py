@@ -24,6 +24,7 @@ from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.recorder import SQLRecorder
 from kvscope.telemetry.upgrade import upgrade
 from tests.telemetry.test_packed_oracles import V5, record_random_events
+from tests.telemetry.test_request_sums import drop_request_sums
 
 SEEDS = (0, 1, 2)
 NUM_STEPS = 150
@@ -166,6 +167,7 @@ def test_a_version_10_file_gets_the_carries_from_upgrade(recorded: Path, tmp_pat
         conn.execute("ALTER TABLE event_chunks DROP COLUMN evict_steps")
         conn.execute("ALTER TABLE event_chunks DROP COLUMN lock_carry")
         conn.execute("ALTER TABLE event_chunks DROP COLUMN request_carry")
+        drop_request_sums(conn)
         conn.execute("UPDATE kvscope_meta SET value = '10' WHERE key = 'schema_version'")
     assert_same_reads(older)
     assert main(["upgrade", str(older)]) == 0

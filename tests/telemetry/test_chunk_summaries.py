@@ -30,6 +30,7 @@ from kvscope.telemetry.recorder import SQLRecorder
 from kvscope.telemetry.retention import Retention
 from kvscope.telemetry.upgrade import upgrade
 from tests.telemetry.test_packed_oracles import V5, record_random_events
+from tests.telemetry.test_request_sums import drop_request_sums
 
 SEEDS = (0, 1, 2)
 
@@ -213,6 +214,7 @@ def test_a_version_9_file_with_chunks_upgrades_with_progress(recorded: Path, tmp
         conn.execute("ALTER TABLE event_chunks DROP COLUMN evict_steps")
         conn.execute("ALTER TABLE event_chunks DROP COLUMN lock_carry")
         conn.execute("ALTER TABLE event_chunks DROP COLUMN request_carry")
+        drop_request_sums(conn)
         conn.execute("UPDATE kvscope_meta SET value = '9' WHERE key = 'schema_version'")
     before = reads(older)
     seen: list[tuple[int, int, int]] = []

@@ -90,6 +90,7 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "evict_steps",
         "lock_carry",
         "request_carry",
+        "request_sums",
     ]
     assert sorted(c.name for c in schema.added_after(1)) == sorted(
         ["principal", "visibility", *tier_columns, "full_used", *routing]
@@ -106,6 +107,7 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "lock_carry",
         "num_bytes",
         "request_carry",
+        "request_sums",
     ]
     assert [c.name for c in schema.added_after(8)] == [
         "num_bytes",
@@ -114,6 +116,7 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "evict_steps",
         "lock_carry",
         "request_carry",
+        "request_sums",
     ]
     assert [c.name for c in schema.added_after(9)] == [
         "kind_counts",
@@ -121,8 +124,10 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "evict_steps",
         "lock_carry",
         "request_carry",
+        "request_sums",
     ]
-    assert [c.name for c in schema.added_after(10)] == ["evict_steps", "lock_carry", "request_carry"]
+    assert [c.name for c in schema.added_after(10)] == ["evict_steps", "lock_carry", "request_carry", "request_sums"]
+    assert [c.name for c in schema.added_after(11)] == ["request_sums"]
     assert schema.added_after(schema.SCHEMA_VERSION) == []
     as_v1 = schema.columns_as_of(schema.events, 1)
     assert [c.name for c in as_v1] == list(schema.EVENT_COLUMNS)

@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
+from kvscope import telemetry
 from kvscope.dashboard import capability, charts, data, latency, live, reads, reported, retained, timing, url_state
 from kvscope.dashboard.frame import Selection, selection
 
@@ -58,6 +59,30 @@ def latency_section(latency_ms: pd.DataFrame) -> None:
     table = timing.latency_percentiles(latency_ms)
     st.dataframe(table, hide_index=True, column_config=LATENCY_COLUMNS)
     st.plotly_chart(latency.latency_figure(latency_ms), key="requests.latency")
+
+
+def histogram_latency_section(histograms: pd.DataFrame) -> None:
+    """latency_section for more than data.EXACT_LATENCIES_MAX requests: from the capture's latency histograms."""
+    st.subheader("Latency")
+    st.caption(
+        "**queue** = admit − arrive, **time to first token** = first token − arrive, **end to end** = "
+        "finish − arrive, over the requests that reached that stage. Percentiles and boxes are read from "
+        f"latency histograms kept as the requests were recorded: each within {telemetry.MAX_RELATIVE_ERROR:.2%} "
+        "(buckets 1.1% wide); max is exact."
+    )
+    table = timing.histogram_percentiles(histograms)
+    st.dataframe(table[list(LATENCY_COLUMNS)], hide_index=True, column_config=LATENCY_COLUMNS)
+    st.plotly_chart(latency.latency_box_figure(table), key="requests.latency")
+
+
+def latencies_of(chosen: Selection, num_requests: int) -> None:
+    """The latency section: exact up to data.EXACT_LATENCIES_MAX requests, from the histograms past it."""
+    if num_requests > data.EXACT_LATENCIES_MAX:
+        histograms = data.request_latency_histograms(chosen.path, chosen.run_id, chosen.stamp, chosen.tenant)
+        if histograms is not None:
+            histogram_latency_section(histograms)
+            return
+    latency_section(timing.latencies(data.request_times(chosen.path, chosen.run_id, chosen.stamp, chosen.tenant)))
 
 
 def throughput_section(chosen: Selection, clock: timing.Clock | None) -> None:
@@ -156,16 +181,16 @@ def panel(chosen: Selection) -> None:
             st.info(f"No finished request of tenant {chosen.tenant} in this run.")
             return
     clock = reads.run_clock(chosen.path, chosen.run_id, chosen.stamp, chosen.run)
-    latency_ms = timing.latencies(data.request_times(chosen.path, chosen.run_id, chosen.stamp, chosen.tenant))
+    num_requests = int(totals["num_requests"].sum())
 
     cols = st.columns(4)
-    cols[0].metric("requests", f"{int(totals['num_requests'].sum()):,}")
+    cols[0].metric("requests", f"{num_requests:,}")
     cols[1].metric("prompt tokens", f"{int(totals['prompt_tokens'].sum()):,}")
     cols[2].metric("cached tokens", f"{int(totals['cached_tokens'].sum()):,}")
     cols[3].metric("retractions", f"{int(totals['retractions'].sum()):,}")
     caps = capability.of(chosen)
     if caps.has("latencies"):
-        latency_section(latency_ms)
+        latencies_of(chosen, num_requests)
     else:
         capability.cannot(caps, "latencies")
     throughput_section(chosen, clock)
