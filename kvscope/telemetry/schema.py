@@ -95,6 +95,11 @@ the new version): every older row stays valid, with NULL in the added columns.
        request's latest match, where the chunk leaves it running, and the requests it ends), so the
        Memory page's running requests do too. NULL: a chunk written before 11 (readers compute them
        from its columns; `kvscope upgrade` stores them).
+   13  event_chunks.miss_nodes (carry.py): the distinct nodes at which the chunk's matches stopped
+       having missed tokens, so the Evictions page's log finds each evicted node's first later miss
+       in the few chunks that name it, not in every match of the run. NULL: a chunk written before
+       13 (readers compute it from its columns; `kvscope upgrade` stores it). (12 is the request
+       sums of the req100m branch, written beside this one.)
 On PostgreSQL every integer column is BIGINT (SQLite's integers are 64-bit already); a server
 database is versioned and upgraded as a file is, under an advisory lock (store._ensure_schema).
 `reports` came after version 1 without a bump: it is an additive table (older readers never
@@ -134,7 +139,7 @@ def _bigint_on_postgresql(_type: Integer, _compiler: Any, **_kw: Any) -> str:
     return "BIGINT"
 
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 13
 OLDEST_READABLE_VERSION = 1
 metadata = MetaData()
 
@@ -351,9 +356,11 @@ event_chunks = Table(
     Column("evict_steps", LargeBinary, info={"since": 11}),  # its evictions per step (carry.py); NULL: before 11
     Column("lock_carry", LargeBinary, info={"since": 11}),  # its net change to the locks held (carry.py)
     Column("request_carry", LargeBinary, info={"since": 11}),  # the requests it leaves running or ends (carry.py)
+    Column("miss_nodes", LargeBinary, info={"since": 13}),  # the nodes its matches missed at (carry.py)
 )
 CHUNK_SUMMARY_SINCE = 10
 CARRY_SINCE = 11
+MISS_NODES_SINCE = 13
 event_columns = Table(
     "event_columns",
     metadata,

@@ -90,6 +90,7 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "evict_steps",
         "lock_carry",
         "request_carry",
+        "miss_nodes",
     ]
     assert sorted(c.name for c in schema.added_after(1)) == sorted(
         ["principal", "visibility", *tier_columns, "full_used", *routing]
@@ -104,6 +105,7 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "groups",
         "kind_counts",
         "lock_carry",
+        "miss_nodes",
         "num_bytes",
         "request_carry",
     ]
@@ -114,6 +116,7 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "evict_steps",
         "lock_carry",
         "request_carry",
+        "miss_nodes",
     ]
     assert [c.name for c in schema.added_after(9)] == [
         "kind_counts",
@@ -121,8 +124,10 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "evict_steps",
         "lock_carry",
         "request_carry",
+        "miss_nodes",
     ]
-    assert [c.name for c in schema.added_after(10)] == ["evict_steps", "lock_carry", "request_carry"]
+    assert [c.name for c in schema.added_after(10)] == ["evict_steps", "lock_carry", "request_carry", "miss_nodes"]
+    assert [c.name for c in schema.added_after(11)] == [c.name for c in schema.added_after(12)] == ["miss_nodes"]
     assert schema.added_after(schema.SCHEMA_VERSION) == []
     as_v1 = schema.columns_as_of(schema.events, 1)
     assert [c.name for c in as_v1] == list(schema.EVENT_COLUMNS)
