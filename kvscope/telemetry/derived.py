@@ -300,13 +300,15 @@ def _later_matches(capture: Capture, run_id: int, ev: pd.DataFrame, parents: Seq
 
 
 def _chunks_naming(chunks: pd.DataFrame, wanted: Sequence[int]) -> dict[int, list[int]]:
-    """node -> the indexes (into `chunks`, ascending) of the chunks whose miss_nodes name it."""
-    keys = np.asarray(wanted, np.int64)
+    """node -> the indexes (into `chunks`, ascending) of the chunks whose miss_nodes name it. NOTE: one
+    isin over every chunk's nodes end to end, not one per chunk (about 10,000 chunks at 100 M events)."""
+    parts = [read_miss_nodes(bytes(data)) for data in chunks.miss_nodes]
+    nodes = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    index = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+    named = np.isin(nodes, np.asarray(wanted, np.int64))
     out: dict[int, list[int]] = defaultdict(list)
-    for index, data in enumerate(chunks.miss_nodes):
-        nodes = read_miss_nodes(bytes(data))
-        for node in keys[np.isin(keys, nodes, assume_unique=True)].tolist():
-            out[node].append(index)
+    for node, at in zip(nodes[named].tolist(), index[named].tolist(), strict=True):
+        out[node].append(at)
     return out
 
 
