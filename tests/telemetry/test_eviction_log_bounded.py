@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sqlalchemy import func, select
 
 from kvscope.telemetry import derived, schema
 from kvscope.telemetry.carry import read_miss_nodes
@@ -258,3 +259,35 @@ def test_a_miss_before_the_eviction_in_its_chunk_is_not_its_regret(tmp_path: Pat
     assert log[["node_id", "parent_id", "needed_again_step", "needed_again_by", "regret_tokens"]].values.tolist() == [
         [2, 1, 3, "d", 4]
     ]
+
+
+def test_the_first_arrival_is_one_seek_of_its_index_and_upgrade_adds_it(tmp_path: Path) -> None:
+    """Version 13's ix_requests_arrive_t: a writer makes it, an upgrade of a version-12 file adds it,
+    and the first arrival's query reads through it (not every request row)."""
+    path = tmp_path / "run.db"
+    record_random_events(path, 1, num_steps=10)
+    with sqlite3.connect(path) as conn:
+        conn.executemany(
+            "INSERT INTO requests (run_id, rid, status, prompt_len, cached_tokens, output_len, num_retractions,"
+            " arrive_step, arrive_t) VALUES (1, ?, 'finished', 1, 0, 1, 0, ?, ?)",
+            [(f"q{i}", i, t) for i, t in enumerate((7.5, 3.25, None, 9.0))],
+        )
+        conn.execute("DROP INDEX ix_requests_arrive_t")
+        conn.execute("UPDATE kvscope_meta SET value = '12' WHERE key = 'schema_version'")
+        conn.execute("ALTER TABLE event_chunks DROP COLUMN miss_nodes")
+    conn.close()
+    upgrade(path)
+    capture = Capture(path)
+    try:
+        assert capture.first_arrival(1) == 3.25
+        c = schema.requests.c
+        stmt = select(func.min(c.arrive_t)).where(c.run_id == 1)
+        with capture.engine.connect() as conn:
+            plan = " ".join(str(r) for r in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled(stmt)}").fetchall())
+    finally:
+        capture.close()
+    assert "COVERING INDEX ix_requests_arrive_t" in plan, plan  # NOTE: arrive_t read from the index itself
+
+
+def compiled(stmt: Any) -> str:
+    return str(stmt.compile(compile_kwargs={"literal_binds": True}))
