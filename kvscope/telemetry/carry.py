@@ -25,6 +25,10 @@ NOTE: the two carries
                   step, hit tokens: REQUEST_OPEN_DTYPE), then the rids (int32 codes) of those whose
                   latest is an end. A request runs after a step iff its latest such event by then is
                   a match: its latest record over the chunks is an open one.
+    miss_nodes    (schema version 13) the distinct nodes, ascending ("<i8"), at which the chunk's
+                  match events stopped having missed tokens (aux > 0): the eviction log's regret looks
+                  for the first such match at a node after its eviction, and reads only the chunks
+                  that name it (b"": none).
 """
 
 from __future__ import annotations
@@ -41,17 +45,32 @@ NULL_INT = np.iinfo(np.int64).min  # NOTE: packed.NULL_INT
 EVICT_STEP_DTYPE = np.dtype([("step", "<i8"), ("evictions", "<i8"), ("tokens", "<i8"), ("t_mono", "<f8")])
 LOCK_CARRY_DTYPE = np.dtype([("node", "<i8"), ("holder", "<i8"), ("seq", "<i8"), ("step", "<i8")])
 CARRY_FIELDS = ("kind", "step", "t_mono", "num_tokens", "node_id", "rid", "reason", "aux")  # NOTE: what carries read
+MISS_FIELDS = ("kind", "node_id", "aux")  # NOTE: what miss_nodes reads
 COPY_REASONS = ("write", "load")  # NOTE: a lock without a rid for one of these is a host-tier copy's
 
 
 def carries(
     columns: Mapping[str, np.ndarray], first_seq: int, code_of: Callable[[str], int | None]
-) -> tuple[bytes, bytes, bytes]:
-    """A chunk's (evict_steps, lock_carry, request_carry) from its CARRY_FIELDS columns (strings as
-    codes, node_id with NULL_INT; `code_of`: a string's code, None when the run has none)."""
+) -> tuple[bytes, bytes, bytes, bytes]:
+    """A chunk's (evict_steps, lock_carry, request_carry, miss_nodes) from its CARRY_FIELDS columns
+    (strings as codes, node_id with NULL_INT; `code_of`: a string's code, None when the run has none)."""
     kind = np.asarray(columns["kind"])
     evicts = evict_steps(columns, kind == _code(code_of, EventKind.EVICT.value))
-    return evicts, lock_carry(columns, first_seq, code_of), request_carry(columns, first_seq, code_of)
+    misses = miss_nodes(columns, kind == _code(code_of, EventKind.MATCH.value))
+    return evicts, lock_carry(columns, first_seq, code_of), request_carry(columns, first_seq, code_of), misses
+
+
+def miss_nodes(columns: Mapping[str, np.ndarray], is_match: np.ndarray) -> bytes:
+    """The distinct nodes of the masked (match) events that missed tokens, ascending, as "<i8" bytes."""
+    node = np.asarray(columns["node_id"]).astype(np.int64)
+    missed = is_match & (np.asarray(columns["aux"]) > 0) & (node != NULL_INT)
+    return np.unique(node[missed]).astype("<i8").tobytes()
+
+
+def read_miss_nodes(data: bytes) -> np.ndarray:
+    if len(data) % 8:
+        raise ValueError(f"{len(data)} bytes are not whole node ids")
+    return np.frombuffer(data, "<i8")
 
 
 def _code(code_of: Callable[[str], int | None], text: str) -> int:

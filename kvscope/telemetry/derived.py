@@ -48,6 +48,7 @@ from kvscope.telemetry.carry import (
     lock_carry,
     read_evict_steps,
     read_lock_carry,
+    read_miss_nodes,
     read_request_carry,
     request_carry,
     running_after,
@@ -123,9 +124,12 @@ def _isin(values: pd.Series, wanted: Iterable[int]) -> np.ndarray:
 def eviction_log(capture: Capture, run_id: int, limit: int, offset: int) -> pd.DataFrame:
     """One page of the log (evictions in event order), with age, idle, parent and regret.
 
-    NOTE: two reads. The run's touches (every insert, split, match and lock) are read as kind,
-    node and aux alone, enough to follow each evicted node's births, splits and later matches;
-    the step, time and request of the few touches the page names are then read by seq."""
+    NOTE: three reads, bounded by the page. A row's birth, last touch and parent come from touches
+    (insert, split, match, lock) before its eviction, so the touches before the page's last
+    eviction are read, as kind, node and aux alone; its regret is the first later match that
+    missed at its node or parent, read from the few chunks whose miss_nodes name them
+    (_later_matches); then the step, time and request of the few touches the page names are read
+    by seq."""
     ev = capture.events(
         run_id,
         kinds=[EVICT],
@@ -136,12 +140,14 @@ def eviction_log(capture: Capture, run_id: int, limit: int, offset: int) -> pd.D
     ev = ev.rename(columns={"num_tokens": "evicted_tokens"})
     if ev.empty:
         return pd.DataFrame(columns=list(EVICTION_LOG_COLUMNS))
-    touches = _all(capture, run_id, NODE_TOUCHES, ["kind", "node_id", "aux"])
+    touches = capture.events(
+        run_id, kinds=NODE_TOUCHES, limit=None, columns=["kind", "node_id", "aux"], before_seq=int(ev.seq.max())
+    )
     nodes = sorted({int(n) for n in ev.node_id})
     history = _NodeHistory(touches)
     history.load_chains(nodes)
     parents = [history.parent_at(int(n), int(s)) for n, s in zip(ev.node_id, ev.seq, strict=True)]
-    later = _later_matches(touches, set(nodes) | {p for p in parents if p is not None}, int(ev.seq.min()))
+    later = _later_matches(capture, run_id, ev, parents)
     found = []
     for row, parent in zip(ev.itertuples(index=False), parents, strict=True):
         again = min(
@@ -244,8 +250,11 @@ class _NodeHistory:
 
 
 class _LaterMatches:
-    def __init__(self, frame_: pd.DataFrame) -> None:
+    def __init__(self) -> None:
         self.by_node: dict[int, list[Match]] = defaultdict(list)
+
+    def add(self, frame_: pd.DataFrame) -> None:
+        """Matches (seq, node_id, aux) later than every one added before."""
         for r in frame_.itertuples(index=False):
             self.by_node[int(r.node_id)].append((int(r.seq), int(r.aux)))
 
@@ -257,16 +266,59 @@ class _LaterMatches:
         return matches[index] if index < len(matches) else None
 
 
-def _later_matches(touches: pd.DataFrame, nodes: set[int], after_seq: int) -> _LaterMatches:
-    """Matches that stopped at one of `nodes` after `after_seq` and missed tokens."""
-    t = touches
-    found = (
-        (t["kind"] == EventKind.MATCH.value).to_numpy()
-        & (t["aux"] > 0).to_numpy()
-        & (t["seq"] > after_seq).to_numpy()
-        & _isin(t["node_id"], nodes)
+def _later_matches(capture: Capture, run_id: int, ev: pd.DataFrame, parents: Sequence[int | None]) -> _LaterMatches:
+    """Matches that stopped at an evicted node of `ev` or its parent after the page's first eviction
+    and missed tokens: enough of them that each row's first such match after its own eviction is
+    among them. A packed run reads, per row, the chunks whose miss_nodes (carry.py) name its node or
+    parent, in seq order until one holds such a match (at most the eviction's own chunk and one
+    more); a run of the row layout reads every match after the page's first eviction."""
+    rows = [(int(s), int(n), p) for s, n, p in zip(ev.seq, ev.node_id, parents, strict=True)]
+    wanted = sorted({n for _, n, _ in rows} | {p for _, _, p in rows if p is not None})
+    after = int(ev.seq.min())
+    chunks = capture.packed.carried(run_id, capture.schema_version, "miss_nodes")
+    later = _LaterMatches()
+    if chunks.empty:
+        later.add(_misses_at(capture, run_id, wanted, after, None))
+        return later
+    chunks = chunks[(chunks.first_seq + chunks.num_events - 1 > after).to_numpy()].reset_index(drop=True)
+    naming = _chunks_naming(chunks, wanted)
+    read: dict[int, pd.DataFrame] = {}
+    for seq, node, parent in rows:
+        at = sorted({*naming.get(node, ()), *naming.get(parent, ())} if parent is not None else naming.get(node, ()))
+        for index in at:
+            first, end = int(chunks.first_seq[index]), int(chunks.first_seq[index] + chunks.num_events[index])
+            if end - 1 <= seq:
+                continue
+            if index not in read:
+                read[index] = _misses_at(capture, run_id, wanted, first - 1, end)
+            misses = read[index]
+            if ((misses.seq.to_numpy() > seq) & misses.node_id.isin([node, parent]).to_numpy()).any():
+                break
+    for index in sorted(read):
+        later.add(read[index])
+    return later
+
+
+def _chunks_naming(chunks: pd.DataFrame, wanted: Sequence[int]) -> dict[int, list[int]]:
+    """node -> the indexes (into `chunks`, ascending) of the chunks whose miss_nodes name it. NOTE: one
+    isin over every chunk's nodes end to end, not one per chunk (about 10,000 chunks at 100 M events)."""
+    parts = [read_miss_nodes(bytes(data)) for data in chunks.miss_nodes]
+    nodes = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    index = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+    named = np.isin(nodes, np.asarray(wanted, np.int64))
+    out: dict[int, list[int]] = defaultdict(list)
+    for node, at in zip(nodes[named].tolist(), index[named].tolist(), strict=True):
+        out[node].append(at)
+    return out
+
+
+def _misses_at(capture: Capture, run_id: int, nodes: Sequence[int], after: int, before: int | None) -> pd.DataFrame:
+    """seq, node_id, aux of the matches between `after` and `before` (exclusive) that stopped at one of
+    `nodes` and missed tokens."""
+    found = capture.events(
+        run_id, kinds=[EventKind.MATCH], limit=None, columns=["node_id", "aux"], after_seq=after, before_seq=before
     )
-    return _LaterMatches(t.loc[found, ["seq", "node_id", "aux"]])
+    return found.loc[(found["aux"] > 0).to_numpy() & _isin(found["node_id"], nodes), ["seq", "node_id", "aux"]]
 
 
 # -- running requests ------------------------------------------------------------------------

@@ -32,10 +32,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, null, select
 
 from kvscope.telemetry import schema
-from kvscope.telemetry.carry import CARRY_FIELDS, carries
+from kvscope.telemetry.carry import CARRY_FIELDS, MISS_FIELDS, carries, miss_nodes
 from kvscope.telemetry.events import EventKind
 from kvscope.telemetry.packed import (
     COLUMN_DTYPES,
@@ -65,6 +65,7 @@ class EventFilter:
     kinds: tuple[str, ...] | None = None
     step_range: tuple[int, int] | None = None  # inclusive
     after_seq: int | None = None
+    before_seq: int | None = None
     rids: tuple[str, ...] | None = None
     node_id: int | None = None
     seqs: tuple[int, ...] | None = None  # sorted, unique
@@ -82,6 +83,7 @@ class EventFilter:
         kinds: Sequence[Any] | None = None,
         step_range: tuple[int, int] | None = None,
         after_seq: int | None = None,
+        before_seq: int | None = None,
         rid: str | None = None,
         rids: Sequence[str] | None = None,
         node_id: int | None = None,
@@ -95,6 +97,7 @@ class EventFilter:
             None if kinds is None else tuple(str(k) for k in kinds),
             step_range,
             after_seq,
+            before_seq,
             None if chosen is None else tuple(chosen),
             node_id,
             None if seqs is None else tuple(sorted({int(q) for q in seqs})),
@@ -114,6 +117,7 @@ CARRY_COLUMNS = (
     "evict_steps",
     "lock_carry",
     "request_carry",
+    "miss_nodes",
 )
 
 
@@ -500,15 +504,16 @@ class PackedEvents:
 
     def carried(self, run_id: int, version: int, name: str, steps: tuple[int, int] | None = None) -> pd.DataFrame:
         """The run's chunks (in `steps`, inclusive: those with an event in it) with one of their carries
-        (carry.py: evict_steps, lock_carry or request_carry), in seq order: chunk, first_seq,
-        num_events, first_step, last_step and `name`, as stored, or (a chunk written before schema
-        version 11) computed from its columns. Empty for the row layout."""
+        (carry.py: evict_steps, lock_carry, request_carry or miss_nodes), in seq order: chunk,
+        first_seq, num_events, first_step, last_step and `name`, as stored, or (a chunk written before
+        schema version 11, or 13 for miss_nodes) computed from its columns. Empty for the row layout."""
         columns = ["chunk", "first_seq", "num_events", "first_step", "last_step", name]
         if not self.has_tables():
             return pd.DataFrame(columns=columns)
         as_of = {col.name: col for col in schema.columns_as_of(schema.event_chunks, version)}
         c = schema.event_chunks.c
-        stmt = select(*(as_of[n] for n in columns)).where(c.run_id == run_id).order_by(c.first_seq)
+        stored = [as_of[n] if n in as_of else null().label(n) for n in columns]  # NOTE: a file older than the carry
+        stmt = select(*stored).where(c.run_id == run_id).order_by(c.first_seq)
         if steps is not None:
             stmt = stmt.where(c.last_step >= steps[0], c.first_step <= steps[1])
         # NOTE: binary: a carry is a bytea (PostgreSQL would send it as hex text, twice its bytes)
@@ -516,16 +521,27 @@ class PackedEvents:
         frame = pd.DataFrame(rows, columns=columns)
         missing = frame[name].isna().to_numpy()
         if missing.any():
-            index = CARRY_COLUMNS.index(name) - len(CARRY_COLUMNS)
-            self.prefetch(run_id, frame.chunk[missing].tolist(), list(CARRY_FIELDS))
             frame.loc[missing, name] = pd.Series(
-                [self.computed_carries(run_id, chunk)[index] for chunk in frame[missing].itertuples(index=False)],
-                index=frame.index[missing],
-                dtype=object,
+                self.computed_carry(run_id, frame[missing], name), index=frame.index[missing], dtype=object
             )
         return frame
 
-    def computed_carries(self, run_id: int, chunk: Any) -> tuple[bytes, bytes, bytes]:
+    def computed_carry(self, run_id: int, chunks: pd.DataFrame, name: str) -> list[bytes]:
+        """One carry of each of `chunks` (rows with chunk and first_seq), from their stored columns. NOTE: miss_nodes
+        alone reads three columns, not all of CARRY_FIELDS."""
+        if name == "miss_nodes":
+            self.prefetch(run_id, chunks.chunk.tolist(), list(MISS_FIELDS))
+            match = self.code_of(run_id, EventKind.MATCH.value)
+            out = []
+            for chunk in chunks.itertuples(index=False):
+                values = {n: widen_array(n, self.event_values(run_id, chunk, n)) for n in MISS_FIELDS}
+                out.append(miss_nodes(values, values["kind"] == (-2 if match is None else match)))
+            return out
+        index = CARRY_COLUMNS.index(name) - len(CARRY_COLUMNS)
+        self.prefetch(run_id, chunks.chunk.tolist(), list(CARRY_FIELDS))
+        return [self.computed_carries(run_id, chunk)[index] for chunk in chunks.itertuples(index=False)]
+
+    def computed_carries(self, run_id: int, chunk: Any) -> tuple[bytes, bytes, bytes, bytes]:
         """carry.carries of a chunk (a row of `carried`, `summaries` or `chunks`: with first_seq), from
         its stored columns."""
         columns = {name: widen_array(name, self.event_values(run_id, chunk, name)) for name in CARRY_FIELDS}
@@ -579,6 +595,8 @@ def _chunks_that_may_pass(chunks: pd.DataFrame, where: EventFilter) -> pd.DataFr
         chunks = chunks[(chunks.last_step >= where.step_range[0]) & (chunks.first_step <= where.step_range[1])]
     if where.after_seq is not None:
         chunks = chunks[chunks.first_seq + chunks.num_events - 1 > where.after_seq]
+    if where.before_seq is not None:
+        chunks = chunks[chunks.first_seq < where.before_seq]
     if where.seqs is not None:
         wanted_seqs = np.asarray(where.seqs, np.int64)
         ends = (chunks.first_seq + chunks.num_events).to_numpy()
@@ -711,6 +729,8 @@ def _chunk_frame(
         mask &= (step >= step_range[0]) & (step <= step_range[1])
     if after_seq is not None and after_seq >= row.first_seq:
         mask[: after_seq - int(row.first_seq) + 1] = False
+    if where.before_seq is not None and where.before_seq < row.first_seq + n:
+        mask[max(0, where.before_seq - int(row.first_seq)) :] = False
     if seqs is not None:  # NOTE: sorted; the chunk holds seqs first_seq .. first_seq + n - 1
         first = int(row.first_seq)
         inside = seqs[(seqs >= first) & (seqs < first + n)] - first
@@ -788,6 +808,8 @@ def _rows(capture: Any, run_id: int, names: list[str], where: EventFilter) -> pd
         stmt = stmt.where(e.step.between(*where.step_range))
     if where.after_seq is not None:
         stmt = stmt.where(e.seq > where.after_seq)
+    if where.before_seq is not None:
+        stmt = stmt.where(e.seq < where.before_seq)
     if where.rids is not None:
         stmt = stmt.where(e.rid.in_(list(where.rids)))
     if where.node_id is not None:

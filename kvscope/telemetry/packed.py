@@ -141,6 +141,7 @@ class Chunk:
     evict_steps: bytes = b""  # its evictions per step (schema version 11: carry.py)
     lock_carry: bytes = b""  # its net change to the locks held (carry.py)
     request_carry: bytes = b""  # the requests it leaves running or ends (carry.py)
+    miss_nodes: bytes = b""  # the nodes its matches missed tokens at (schema version 13: carry.py)
 
     @property
     def num_bytes(self) -> int:
@@ -171,6 +172,7 @@ class Chunk:
                     self.evict_steps,
                     self.lock_carry,
                     self.request_carry,
+                    self.miss_nodes,
                 )
             ],
             "event_columns": [(run_id, number, name, dtype, data) for name, (dtype, data) in self.columns.items()],
@@ -217,7 +219,7 @@ class Packer:
         new, codes.new = codes.new, []
         # NOTE: dict.get: a kind's lookup never adds a code
         kind_counts, groups = summaries(columns, lambda kind: dict.get(codes, kind), codes.decode)
-        evict_steps, lock_carry, request_carry = carries(columns, first, lambda text: dict.get(codes, text))
+        evict_steps, lock_carry, request_carry, misses = carries(columns, first, lambda text: dict.get(codes, text))
         return Chunk(
             first_seq=first,
             num_events=n,
@@ -231,6 +233,7 @@ class Packer:
             evict_steps=evict_steps,
             lock_carry=lock_carry,
             request_carry=request_carry,
+            miss_nodes=misses,
         )
 
 

@@ -309,14 +309,16 @@ class Capture:
         coded: Sequence[str] = (),
         seqs: Sequence[int] | None = None,
         after_seq: int | None = None,
+        before_seq: int | None = None,
     ) -> pd.DataFrame:
         """The run's events in seq order (every column but run_id unless `columns` says), from
         either layout (event_source.py); `limit` None: all of them; `rids`: any of these requests;
         `coded`: these string columns as codes where the run has them (event_source.read_events);
-        `seqs`: only the events of these sequence numbers; `after_seq`: only those after it."""
+        `seqs`: only the events of these sequence numbers; `after_seq`, `before_seq`: only those after, before it."""
         where = EventFilter.of(
             kinds=kinds,
             after_seq=after_seq,
+            before_seq=before_seq,
             rid=rid,
             rids=rids,
             node_id=node_id,

@@ -175,8 +175,12 @@ def _unsummarized_runs(engine: Engine) -> list[int]:
         tables = engine.dialect.get_table_names(conn)
         if schema.event_chunks.name not in tables or int(stored_version(conn) or 0) < schema.CHUNK_SUMMARY_SINCE:
             return [] if schema.event_chunks.name not in tables else _runs_with_chunks(conn)
-        carries = int(stored_version(conn) or 0) >= schema.CARRY_SINCE
-        later = (c.evict_steps.is_(None), c.lock_carry.is_(None), c.request_carry.is_(None)) if carries else ()
+        version = int(stored_version(conn) or 0)
+        carries = (c.evict_steps.is_(None), c.lock_carry.is_(None), c.request_carry.is_(None))
+        later = (
+            *(carries if version >= schema.CARRY_SINCE else ()),
+            *(c.miss_nodes.is_(None),) * (version >= schema.MISS_NODES_SINCE),
+        )
         missing = or_(c.kind_counts.is_(None), *later)
         return [int(r) for (r,) in conn.execute(select(c.run_id).where(missing).distinct())]
 
@@ -188,9 +192,10 @@ def _runs_with_chunks(conn: Connection) -> list[int]:
 
 
 def _unsummarized_chunks(capture: Capture, run_id: int) -> pd.DataFrame:
-    """The run's chunks (chunk, first_seq, num_events) missing a summary or a carry, in seq order."""
+    """The run's chunks (chunk, first_seq, num_events, whole) missing a summary or a carry, in seq
+    order; `whole`: missing more than miss_nodes (a chunk of version 11 lacks that one alone)."""
     c = schema.event_chunks.c
-    missing = or_(
+    older = or_(
         c.kind_counts.is_(None),
         c.groups.is_(None),
         c.evict_steps.is_(None),
@@ -198,7 +203,9 @@ def _unsummarized_chunks(capture: Capture, run_id: int) -> pd.DataFrame:
         c.request_carry.is_(None),
     )
     return capture.read_frame(
-        select(c.chunk, c.first_seq, c.num_events).where(c.run_id == run_id, missing).order_by(c.first_seq)
+        select(c.chunk, c.first_seq, c.num_events, older.label("whole"))
+        .where(c.run_id == run_id, or_(older, c.miss_nodes.is_(None)))
+        .order_by(c.first_seq)
     )
 
 
@@ -218,15 +225,24 @@ def _summarize_run(
             evict_steps=bindparam("evicts"),
             lock_carry=bindparam("locks"),
             request_carry=bindparam("requests"),
+            miss_nodes=bindparam("misses"),
         ),
-        ("counts", "names", "evicts", "locks", "requests", "run", "number"),
+        ("counts", "names", "evicts", "locks", "requests", "misses", "run", "number"),
+    )
+    misses_only = compiled_statement(
+        engine,
+        update(schema.event_chunks)
+        .where(c.run_id == bindparam("run"), c.chunk == bindparam("number"))
+        .values(miss_nodes=bindparam("misses")),
+        ("misses", "run", "number"),
     )
     capture = Capture(target)
     try:
         todo = _unsummarized_chunks(capture, run_id)
         for start in range(0, len(todo), SUMMARY_CHUNKS):
             part = todo.iloc[start : start + SUMMARY_CHUNKS]
-            capture.packed.prefetch(run_id, part.chunk.tolist(), sorted({*SUMMARY_FIELDS, *CARRY_FIELDS}))
+            whole, misses = part[part.whole.astype(bool)], part[~part.whole.astype(bool)]
+            capture.packed.prefetch(run_id, whole.chunk.tolist(), sorted({*SUMMARY_FIELDS, *CARRY_FIELDS}))
             rows = [
                 (
                     *capture.packed.computed_summaries(run_id, chunk),
@@ -234,10 +250,15 @@ def _summarize_run(
                     run_id,
                     int(chunk.chunk),
                 )
-                for chunk in part.itertuples(index=False)
+                for chunk in whole.itertuples(index=False)
             ]
+            computed = capture.packed.computed_carry(run_id, misses, "miss_nodes") if len(misses) else []
             with engine.begin() as conn:
-                conn.exec_driver_sql(statement.sql, statement.params(rows))
+                if rows:
+                    conn.exec_driver_sql(statement.sql, statement.params(rows))
+                if computed:
+                    nodes = [(data, run_id, int(n)) for data, n in zip(computed, misses.chunk, strict=True)]
+                    conn.exec_driver_sql(misses_only.sql, misses_only.params(nodes))
             if summarizing is not None:
                 summarizing(run_id, start + len(part), len(todo))
         return len(todo)

@@ -115,10 +115,10 @@ def assert_same_reads(path: Path) -> None:
         capture.close()
 
 
-def chunk_carries(path: Path) -> list[tuple[int, bytes | None, bytes | None, bytes | None]]:
+def chunk_carries(path: Path) -> list[tuple[int, bytes | None, bytes | None, bytes | None, bytes | None]]:
     with sqlite3.connect(path) as conn:
         return conn.execute(
-            "SELECT chunk, evict_steps, lock_carry, request_carry FROM event_chunks ORDER BY chunk"
+            "SELECT chunk, evict_steps, lock_carry, request_carry, miss_nodes FROM event_chunks ORDER BY chunk"
         ).fetchall()
 
 
@@ -126,7 +126,7 @@ def test_carries_give_what_every_event_gives(recorded: Path) -> None:
     chunks = chunk_carries(recorded)
     assert len(chunks) > 20
     assert all(None not in row for row in chunks)
-    assert sum(len(carry) > 0 for _, _, carry, _ in chunks) > 5  # locks held over a chunk's end
+    assert sum(len(carry) > 0 for _, _, carry, _, _ in chunks) > 5  # locks held over a chunk's end
     assert_same_reads(recorded)
 
 
@@ -167,6 +167,7 @@ def test_a_version_10_file_gets_the_carries_from_upgrade(recorded: Path, tmp_pat
         conn.execute("ALTER TABLE event_chunks DROP COLUMN evict_steps")
         conn.execute("ALTER TABLE event_chunks DROP COLUMN lock_carry")
         conn.execute("ALTER TABLE event_chunks DROP COLUMN request_carry")
+        conn.execute("ALTER TABLE event_chunks DROP COLUMN miss_nodes")
         drop_request_sums(conn)
         conn.execute("UPDATE kvscope_meta SET value = '10' WHERE key = 'schema_version'")
     assert_same_reads(older)

@@ -214,6 +214,7 @@ def test_a_version_9_file_with_chunks_upgrades_with_progress(recorded: Path, tmp
         conn.execute("ALTER TABLE event_chunks DROP COLUMN evict_steps")
         conn.execute("ALTER TABLE event_chunks DROP COLUMN lock_carry")
         conn.execute("ALTER TABLE event_chunks DROP COLUMN request_carry")
+        conn.execute("ALTER TABLE event_chunks DROP COLUMN miss_nodes")
         drop_request_sums(conn)
         conn.execute("UPDATE kvscope_meta SET value = '9' WHERE key = 'schema_version'")
     before = reads(older)

@@ -90,6 +90,7 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "evict_steps",
         "lock_carry",
         "request_carry",
+        "miss_nodes",
         "request_sums",
     ]
     assert sorted(c.name for c in schema.added_after(1)) == sorted(
@@ -105,6 +106,7 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "groups",
         "kind_counts",
         "lock_carry",
+        "miss_nodes",
         "num_bytes",
         "request_carry",
         "request_sums",
@@ -116,6 +118,7 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "evict_steps",
         "lock_carry",
         "request_carry",
+        "miss_nodes",
         "request_sums",
     ]
     assert [c.name for c in schema.added_after(9)] == [
@@ -124,10 +127,18 @@ def test_only_later_columns_read_as_null_from_an_older_file() -> None:
         "evict_steps",
         "lock_carry",
         "request_carry",
+        "miss_nodes",
         "request_sums",
     ]
-    assert [c.name for c in schema.added_after(10)] == ["evict_steps", "lock_carry", "request_carry", "request_sums"]
-    assert [c.name for c in schema.added_after(11)] == ["request_sums"]
+    assert [c.name for c in schema.added_after(10)] == [
+        "evict_steps",
+        "lock_carry",
+        "request_carry",
+        "miss_nodes",
+        "request_sums",
+    ]
+    assert [c.name for c in schema.added_after(11)] == ["miss_nodes", "request_sums"]
+    assert [c.name for c in schema.added_after(12)] == ["miss_nodes"]
     assert schema.added_after(schema.SCHEMA_VERSION) == []
     as_v1 = schema.columns_as_of(schema.events, 1)
     assert [c.name for c in as_v1] == list(schema.EVENT_COLUMNS)
