@@ -562,6 +562,17 @@ _NO_EVICT_STEPS = np.zeros(0, EVICT_STEP_DTYPE)
 
 
 def recent_evictions(capture: Capture, run_id: int, since_step: int) -> pd.DataFrame:
+    """The evictions (and evicted tokens) of steps >= `since_step`. A packed run's from the evictions per
+    step of the chunks from that step on (carry.py); a run of the row layout's from its events.
+    NOTE: the Overview reads it at every live refresh; decoding the window's events cost in proportion to
+    the engine's event rate (the writer beside the dashboard paid for that CPU)."""
+    if _has_chunks(capture, run_id):
+        carried = capture.packed.carried(run_id, capture.schema_version, "evict_steps", (since_step, LAST_STEP))
+        per_step = np.concatenate([read_evict_steps(bytes(b)) for b in carried.evict_steps] or [_NO_EVICT_STEPS])
+        recent = per_step[per_step["step"] >= since_step]
+        return pd.DataFrame(
+            {"num_evictions": [int(recent["evictions"].sum())], "evicted_tokens": [int(recent["tokens"].sum())]}
+        )
     ev = _all(capture, run_id, [EVICT], ["num_tokens"], (since_step, LAST_STEP))
     return pd.DataFrame({"num_evictions": [len(ev)], "evicted_tokens": [int(ev.num_tokens.sum())]})
 

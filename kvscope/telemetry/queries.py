@@ -16,10 +16,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
-from sqlalchemy import Boolean, ColumnElement, Engine, Integer, Select, cast, func, literal, select
+from sqlalchemy import Boolean, ColumnElement, Connection, Engine, Integer, Select, cast, func, literal, select
 
 from kvscope.telemetry import page_checks, schema, store
 from kvscope.telemetry.event_source import (
@@ -47,8 +47,19 @@ from kvscope.telemetry.tree_replay import REPLAY_COLUMNS, STRUCTURAL_KINDS, repl
 
 STALE_HEARTBEAT_S = 30.0
 RATE_WINDOW_S = 10.0  # latest_usage: how far back the earlier row of a rate is
+BEFORE_ANY_STEP = -(1 << 62)  # latest_usage: below every step a run records
 SNAPSHOTS_KEPT = 4  # tree snapshots a Capture remembers
 ENDED_WITHOUT_CLOSING = "ended without closing"
+
+
+class PoolsSeen(NamedTuple):
+    """Capture._usage_pools's count of a run's usage rows so far: through which step, from which first
+    step, and whether an SWA pool and a host tier were seen."""
+
+    lo: int
+    through_step: int
+    swa: bool
+    host: bool
 
 
 class Capture:
@@ -69,6 +80,7 @@ class Capture:
             raise
         self._snapshots: OrderedDict[tuple[int, int], pd.DataFrame] = OrderedDict()
         self._lock = threading.Lock()
+        self._pools_seen: dict[int, PoolsSeen] = {}  # NOTE: per run, _usage_pools's count so far
         # NOTE: every page was checked at open (a small file), or needs no check (a server database)
         self._pages_checked = path is None or _small_file(target)
 
@@ -232,9 +244,22 @@ class Capture:
         """The last usage row and the first one at most `window_s` seconds before it (for rates),
         in step order (one row when they are the same)."""
         u = schema.usage.c
-        last_step = select(func.max(u.step)).where(u.run_id == run_id).scalar_subquery()
-        last_t = select(func.max(u.t_mono)).where(u.run_id == run_id).scalar_subquery()
-        window_start = select(func.min(u.step)).where(u.run_id == run_id, u.t_mono >= last_t - window_s)
+        # NOTE: a run's t_mono never decreases with its step (one recorder's monotonic clock), so the last
+        # row is the latest and the window starts after the last row older than it: both walk the key
+        # (run_id, step) from its end. max(t_mono) and min(step) WHERE t_mono >= ... scanned the run's every
+        # row, at every live refresh of every page that shows rates (20 ms at 75k steps, growing with the run)
+        latest = select(u.step, u.t_mono).where(u.run_id == run_id).order_by(u.step.desc()).limit(1).subquery()
+        last_step = select(latest.c.step).scalar_subquery()
+        before = (
+            select(u.step)
+            .where(u.run_id == run_id, u.t_mono < select(latest.c.t_mono).scalar_subquery() - window_s)
+            .order_by(u.step.desc())
+            .limit(1)
+            .scalar_subquery()
+        )
+        window_start = select(func.min(u.step)).where(
+            u.run_id == run_id, u.step > func.coalesce(before, BEFORE_ANY_STEP)
+        )
         columns = [
             _used_of_older().label(c.name) if c.name == "full_used" and self.schema_version < 5 else c
             for c in schema.columns_as_of(schema.usage, self.schema_version)
@@ -257,20 +282,20 @@ class Capture:
         version = self.schema_version
         has_host = version >= schema.since_version(u.host_total)
         with self.engine.connect() as conn:
-            lo, hi, num_swa, num_host = conn.execute(
+            # NOTE: min() and max() each from the key's end (together in one SELECT, SQLite scans the run)
+            lo, hi = conn.execute(
                 select(
-                    func.min(u.step),
-                    func.max(u.step),
-                    func.count(u.swa_total),
-                    func.count(u.host_total) if has_host else literal(0),
-                ).where(u.run_id == run_id)
+                    select(func.min(u.step)).where(u.run_id == run_id).scalar_subquery(),
+                    select(func.max(u.step)).where(u.run_id == run_id).scalar_subquery(),
+                )
             ).one()
-        if lo is None:
-            return pd.DataFrame(columns=[c.name for c in schema.usage.columns])
+            if lo is None:
+                return pd.DataFrame(columns=[c.name for c in schema.usage.columns])
+            has_swa, has_host_rows = self._usage_pools(conn, run_id, lo, hi, has_host)
         peaks = [
             _in_use_full(version),
-            *([u.swa_total - u.swa_available] if num_swa else []),
-            *([u.host_total - u.host_available] if num_host else []),
+            *([u.swa_total - u.swa_available] if has_swa else []),
+            *([u.host_total - u.host_available] if has_host_rows else []),
         ]
         num_buckets = max(1, (max_points - 1) // len(peaks))
         width = max(1, -(-(hi - lo + 1) // num_buckets))
@@ -293,6 +318,28 @@ class Capture:
             found = conn.execute(select(*keys).where(u.run_id == run_id, u.step <= hi).group_by(offset // width))
             kept = {hi, *(lo + int(key) % span for row in found for key in row)}
         return self.read_frame(select(*columns).where(u.run_id == run_id, u.step.in_(sorted(kept))).order_by(u.step))
+
+    def _usage_pools(self, conn: Connection, run_id: int, lo: int, hi: int, has_host: bool) -> tuple[bool, bool]:
+        """Whether the run's usage rows through `hi` hold an SWA pool, and a host tier: counted once per
+        row, from where the last call on this run stopped (a live run's refresh counts only its new rows;
+        counting the run's every row at every refresh cost as much as the downsampling itself). Counted
+        afresh when the run's first step moved (retention thinned its rows) or `hi` went back.
+        NOTE: a run seen with a pool keeps it for its life: rows are appended, never changed."""
+        with self._lock:
+            seen = self._pools_seen.get(run_id)
+        if seen is None or seen.lo != lo or hi < seen.through_step:
+            seen = PoolsSeen(lo, BEFORE_ANY_STEP, False, False)
+        if hi > seen.through_step and not (seen.swa and (seen.host or not has_host)):
+            u = schema.usage.c
+            num_swa, num_host = conn.execute(
+                select(func.count(u.swa_total), func.count(u.host_total) if has_host else literal(0)).where(
+                    u.run_id == run_id, u.step > seen.through_step, u.step <= hi
+                )
+            ).one()
+            seen = PoolsSeen(lo, hi, seen.swa or bool(num_swa), seen.host or bool(num_host))
+        with self._lock:
+            self._pools_seen[run_id] = seen
+        return seen.swa, seen.host
 
     def events(
         self,

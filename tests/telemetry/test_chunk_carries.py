@@ -265,3 +265,28 @@ def test_running_requests_from_the_carries_equal_the_events(seed: int, tmp_path:
             assert running > 0
         finally:
             capture.close()
+
+
+def test_recent_evictions_read_the_carries_not_the_events(recorded: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Overview's live eviction rate (derived.recent_evictions) sums the chunks' evictions per step: it
+    decodes no event column (it decoded every event of its window at every refresh), and gives what the
+    events give from every step, those that straddle two chunks included."""
+    capture = Capture(recorded)
+    try:
+        last = int(capture.packed.chunks(1).last_step.max())
+        evicts = capture.events(1, kinds=[EventKind.EVICT], limit=None, columns=["step", "num_tokens"])
+        want = {
+            step: (int((evicts.step >= step).sum()), int(evicts.num_tokens[evicts.step >= step].sum()))
+            for step in range(-1, last + 3)
+        }
+
+        def no_events(*_args: object) -> None:
+            raise AssertionError("recent_evictions decoded an event column")
+
+        monkeypatch.setattr(capture.packed, "event_values", no_events)
+        monkeypatch.setattr(capture.packed, "prefetch", no_events)
+        for step, (num_evictions, tokens) in want.items():
+            got = derived.recent_evictions(capture, 1, step).iloc[0]
+            assert (int(got.num_evictions), int(got.evicted_tokens)) == (num_evictions, tokens), step
+    finally:
+        capture.close()
