@@ -65,6 +65,8 @@ IGNORED_KINDS = frozenset(
 LOCK_KINDS = frozenset({EventKind.LOCK, EventKind.UNLOCK})
 COPY_KINDS = frozenset(k.value for k in CopyKind)  # a lock event's reason when a copy op holds it
 Handler = Callable[[int, int, str, str | None, Any, int, int, np.ndarray], None]
+NO_SLOTS = np.empty(0, dtype=np.int64)  # an event without slots (shared: never written to)
+NO_SLOTS.flags.writeable = False
 
 
 class Holding(NamedTuple):
@@ -151,8 +153,11 @@ class Ledger:
     bad_reads: list[BadRead] = field(default_factory=list)
     last_seq: int = -1  # the last event applied
     # NOTE: a batched SWA allocation records full r1, full r2, ..., then swa r1, swa r2, ...;
-    # the full halves wait here until their SWA halves pair with them (cleared by any other event)
+    # the full halves wait here until their SWA halves pair with them (cleared by any other event).
+    # A replay's run of full allocs joins them unlisted (_pending_run: its rids, the slots' ends,
+    # counts and slots, from which index) until a SWA alloc or a checkpoint reads them (pending())
     _pending_full: list[tuple[str | None, np.ndarray]] = field(default_factory=list)
+    _pending_run: tuple[list[str | None], np.ndarray, np.ndarray, np.ndarray, int] | None = None
 
     def __post_init__(self) -> None:
         self.pools = {p: PoolLedger(self.owners) for p in POOLS}
@@ -205,6 +210,7 @@ class Ledger:
             aux = 0  # a request's lock (see the NOTE above)
         if kind != EventKind.ALLOC:
             self._pending_full.clear()
+            self._pending_run = None
         handler = self._handlers.get(kind)
         if handler is not None:
             handler(
@@ -215,7 +221,7 @@ class Ledger:
                 node_id,
                 num_tokens,
                 aux,
-                np.empty(0, dtype=np.int64) if slots is None else np.asarray(slots, dtype=np.int64),
+                NO_SLOTS if slots is None else np.asarray(slots, dtype=np.int64),
             )
 
     def apply_takes_and_frees(
@@ -256,11 +262,20 @@ class Ledger:
         start = int(freed_at[-1]) + 1 if len(freed_at) else 0
         if start:
             self._pending_full.clear()
+            self._pending_run = None
         if pool != "full" or start == len(rids):
             return
-        ends = np.cumsum(counts)
-        for i in range(start, len(rids)):
-            self._pending_full.append((rids[i], slots[ends[i] - counts[i] : ends[i]]))
+        self.pending()  # NOTE: an earlier run still unlisted goes first
+        self._pending_run = (rids, np.cumsum(counts), counts, slots, start)
+
+    def pending(self) -> list[tuple[str | None, np.ndarray]]:
+        """The full allocs waiting for their SWA halves (see _pending_full), in event order."""
+        if self._pending_run is not None:
+            rids, ends, counts, slots, start = self._pending_run
+            self._pending_run = None
+            for i in range(start, len(rids)):
+                self._pending_full.append((rids[i], slots[ends[i] - counts[i] : ends[i]]))
+        return self._pending_full
 
     def _on_alloc(
         self, step: int, seq: int, pool: str, rid: str | None, node_id: Any, n: int, aux: int, slots: np.ndarray
@@ -268,11 +283,11 @@ class Ledger:
         ref = self.request_index(rid) if rid is not None else -1
         self.pools[pool].assign(slots, REQUEST, ref, step, seq)
         if pool == "full":
-            self._pending_full.append((rid, slots))
+            self.pending().append((rid, slots))
             return
         if pool != "swa":
             return
-        for i, (full_rid, full) in enumerate(self._pending_full):
+        for i, (full_rid, full) in enumerate(self.pending()):
             if full_rid == rid and len(full) == len(slots):
                 self._pair(full, slots)
                 del self._pending_full[i]
@@ -367,6 +382,8 @@ class Ledger:
                 del self.full_to_swa[full_slot]
 
     def _swa_of(self, full_slots: np.ndarray) -> np.ndarray:
+        if not self.full_to_swa:
+            return NO_SLOTS
         return np.array([self.full_to_swa[s] for s in full_slots.tolist() if s in self.full_to_swa], dtype=np.int64)
 
     def _on_evict(
@@ -375,7 +392,8 @@ class Ledger:
         held = self.node_slots.get(int(node_id))
         if held is None:
             return
-        rest = held[~np.isin(held, slots)]
+        whole = len(held) == len(slots) and np.array_equal(held, slots)  # NOTE: the usual eviction
+        rest = held[:0] if whole else held[~np.isin(held, slots)]
         if len(rest):
             self.node_slots[int(node_id)] = rest
         else:

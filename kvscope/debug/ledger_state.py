@@ -54,7 +54,7 @@ def encode(ledger: Ledger, extra: dict[str, Any]) -> bytes:
         "double_frees": [list(d) for d in ledger.double_frees],
         "bad_reads": [list(b) for b in ledger.bad_reads],
         "last_seq": ledger.last_seq,
-        "pending_full": [[rid, slots.tolist()] for rid, slots in ledger._pending_full],
+        "pending_full": [[rid, slots.tolist()] for rid, slots in ledger.pending()],
         "extra": extra,
     }
     arrays["meta"] = np.frombuffer(json.dumps(meta, default=int).encode(), np.uint8)

@@ -93,38 +93,42 @@ class Replay:
             return
         pools, moves, starts, ends = _runs(kinds, columns["pool"], steps)
         slot_ends = np.cumsum(np.maximum(counts, 0))
-        seqs, rids, slots = columns["seq"], columns["rid"], columns["slots"]
+        seqs, slots = columns["seq"], columns["slots"]
+        # NOTE: per event, Python values (indexing an array one element at a time costs more than the event)
         step_of, seq_of, node_of = steps.tolist(), seqs.tolist(), columns["node_id"].tolist()
-        tokens_of, aux_of, reasons = columns["num_tokens"].tolist(), columns["aux"].tolist(), columns["reason"]
+        tokens_of, aux_of, reasons = columns["num_tokens"].tolist(), columns["aux"].tolist(), columns["reason"].tolist()
+        kinds_of, pools_of, rids = kinds.tolist(), pools.tolist(), columns["rid"].tolist()
+        count_of, slot_end_of, move_of = counts.tolist(), slot_ends.tolist(), moves.tolist()
+        frees = kinds == FREE
         for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
             step = step_of[start]
             if step != self.current:
                 if on_step_end is not None and self.current is not None:
                     on_step_end(self.current, ledger)
                 self.current = step
-            first, last = int(slot_ends[start]) - max(int(counts[start]), 0), int(slot_ends[end - 1])
-            if moves[start]:
+            first, last = slot_end_of[start] - max(count_of[start], 0), slot_end_of[end - 1]
+            if move_of[start]:
                 ledger.apply_takes_and_frees(
                     step,
-                    str(pools[start]),
+                    str(pools_of[start]),
                     seqs[start:end],
-                    kinds[start:end] == FREE,
-                    rids[start:end].tolist(),
+                    frees[start:end],
+                    rids[start:end],
                     counts[start:end],
                     slots[first:last],
                 )
                 continue
             node = node_of[start]
             ledger.apply(
-                kind_of[kinds[start]],
+                kind_of[kinds_of[start]],
                 step,
                 seq_of[start],
-                pools[start],
+                pools_of[start],
                 rids[start],
                 None if node == NULL_INT else node,
                 tokens_of[start],
                 aux_of[start],
-                None if counts[start] == NO_SLOTS else slots[first:last],
+                None if count_of[start] == NO_SLOTS else slots[first:last],
                 reasons[start],
             )
 

@@ -74,6 +74,7 @@ def certain(report: LeakReport, leak: Leak) -> bool:
     return leak.free_due_step is not None and report.last_step is not None and leak.free_due_step < report.last_step
 
 
+READ_RIDS = 500  # requests read at once by rid (an IN list: SQLite's bound variables are limited)
 CHECK_EXIT_CODES = {"clean": 0, "leak": 1, "inconclusive": 3}  # kvscope check's (2: unreadable, from the CLI)
 _STOPPED = {
     RunStatus.RUNNING.value: "the run is still running",
@@ -244,17 +245,17 @@ def build_report(
         _from_retention(report, capture)
         last_step = capture.step_range(report.run_id).hi.iloc[0]
         report.last_step = None if pd.isna(last_step) else int(last_step)
-        requests = capture.requests(report.run_id)
-        if report.probe is not None:
-            _census_coverage(report, checks, requests)
         if report.level != "full" or report.probe is not None:
+            requests = capture.requests(report.run_id)
+            if report.probe is not None:
+                _census_coverage(report, checks, requests)
             report.note = SUMMARY_NOTE if report.probe is None else PAGE_PROBE_NOTE if _pages(report) else PROBE_NOTE
             report.onset_step = report.first_failure_step
             report.suspects = _suspects(requests, report)
             return report
         if state is None or state.replay.run_id != report.run_id:
             state = ReportState(Replay(report.run_id))
-        _from_ledger(report, capture, requests, on_progress, state)
+        _from_ledger(report, capture, on_progress, state)
         return report
     finally:
         capture.close()
@@ -430,10 +431,7 @@ def _suspects(requests: pd.DataFrame, report: LeakReport) -> list[str]:
     return [str(r) for r in ended.rid]
 
 
-def _from_ledger(
-    report: LeakReport, capture: Capture, requests: pd.DataFrame, on_progress: ProgressHook | None, state: ReportState
-) -> None:
-    people = dict(zip(requests.rid, requests.principal, strict=True)) if not requests.empty else {}
+def _from_ledger(report: LeakReport, capture: Capture, on_progress: ProgressHook | None, state: ReportState) -> None:
     with state.replay.lock:
         try:
             state.replay.advance(capture, state.after_step, on_progress=on_progress)
@@ -450,7 +448,8 @@ def _from_ledger(
             series.append((current, bool(series and series[-1][1]) or ledger.is_broken()))
         report.onset_step = _bisect_onset(series)
         report.through_seq = ledger.last_seq
-        report.leaks = _link_consequences(_leaks(ledger, people))
+        report.leaks = _link_consequences(_leaks(ledger))
+    _name_principals(capture, report.run_id, report.leaks)
     injected = capture.events(report.run_id, kinds=[EventKind.INJECT], limit=100_000)
     report.injected = [
         {
@@ -510,7 +509,21 @@ def _orphan_detail(ledger: Ledger, hold: Holding) -> str:
     )
 
 
-def _leaks(ledger: Ledger, people: dict[str, Any]) -> list[Leak]:
+def _name_principals(capture: Capture, run_id: int, leaks: list[Leak]) -> None:
+    """Each leak's principal: its request's (a copy op's leak has none). NOTE: only the requests the
+    leaks name are read (a 100 M-event run has millions of requests), in batches of READ_RIDS."""
+    named = [leak for leak in leaks if leak.kind != LeakKind.COPY_NEVER_ACKNOWLEDGED]
+    wanted = sorted({leak.rid or "" for leak in named})
+    people: dict[str, Any] = {}
+    for start in range(0, len(wanted), READ_RIDS):
+        rows = capture.request_rows(run_id, rids=wanted[start : start + READ_RIDS], columns=["rid", "principal"])
+        people.update(zip(rows.rid, rows.principal, strict=True))
+    for leak in named:
+        leak.principal = people.get(leak.rid or "")
+
+
+def _leaks(ledger: Ledger) -> list[Leak]:
+    """The ledger's defects as leaks, their principals not named yet (_name_principals)."""
     leaks = []
     for hold in ledger.orphans():
         due = _ended_step(ledger, hold.rid) if hold.owner == REQUEST else hold.gone_step
@@ -520,7 +533,7 @@ def _leaks(ledger: Ledger, people: dict[str, Any]) -> list[Leak]:
                 hold.pool,
                 hold.slots,
                 hold.rid,
-                people.get(hold.rid or ""),
+                None,
                 hold.step,
                 hold.seq,
                 due,
@@ -536,7 +549,7 @@ def _leaks(ledger: Ledger, people: dict[str, Any]) -> list[Leak]:
                 twice.pool,
                 twice.slots,
                 twice.rid,
-                people.get(twice.rid or ""),
+                None,
                 detail=f"freed again at step {twice.step} (event #{twice.seq}); first freed at step "
                 f"{twice.first_step} (event #{twice.first_seq})",
                 event=twice.seq,
@@ -560,7 +573,7 @@ def _leaks(ledger: Ledger, people: dict[str, Any]) -> list[Leak]:
                 "full",
                 [] if slots is None else slots.tolist(),
                 held.rid,
-                people.get(held.rid or ""),
+                None,
                 held.step,
                 held.seq,
                 _ended_step(ledger, held.rid),
@@ -598,7 +611,7 @@ def _leaks(ledger: Ledger, people: dict[str, Any]) -> list[Leak]:
                 "full",
                 read.slots,
                 read.freer,
-                people.get(read.freer or ""),
+                None,
                 detail=f"freed at step {read.free_step} (event #{read.free_seq}) while still in use; "
                 f"{reader} read it at step {read.step} (event #{read.seq}), position {read.position}",
                 event=read.free_seq,
