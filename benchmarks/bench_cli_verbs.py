@@ -5,7 +5,7 @@
 
 CAPTURE is a closed `full` capture whose leak report was stored at close (as `kvscope run` and
 bench_dashboard.py --keep leave it): `check` and `report leaks` read that report (docs/cli.md), and
-`check --replay` is not timed (a replay costs ~7 µs per event: most of an hour on 100 M events). Each
+`check --replay` is not timed (a replay costs ~6-11 µs of CPU per event: about an hour on 100 M events). Each
 verb runs once untimed first (the capture's pages in the OS cache, and the page check of a large file
 done and remembered, as for any verdict after the first); the figures are the medians of --rounds.
 CPU seconds are reported beside wall-clock because a shared machine's load stretches the latter.

@@ -7,9 +7,9 @@ the first step at which the ledger's invariant series breaks, found by bisection
 `summary` capture has no slot indices: the report says so and works from the leak checks
 and the requests table (onset, suspect requests).
 
-NOTE: a replay costs ~7 µs per event (~3 µs where a step's allocs and frees come in runs), too slow
+NOTE: a replay costs ~6-11 µs of CPU per event (more as a run grows; bench_replay), too slow
 to redo on every dashboard view of a million-event capture (or for `check` on a 100-million-event
-one: most of an hour). `kvscope run` therefore stores the report in the capture when the run closes
+one: about an hour). `kvscope run` therefore stores the report in the capture when the run closes
 (`save_report`); `stored_report` returns it only while it still describes the run (the run is no
 longer running, the report covers its last event, its last step and the same leak checks, and this
 version built it).
