@@ -26,9 +26,7 @@ def apply_all(ledger: Ledger, rows: list[tuple]) -> Ledger:
 
 
 def summary(ledger: Ledger) -> tuple:
-    leaks = [
-        (leak.kind, leak.pool, leak.slots, leak.rid, leak.allocated_step, leak.detail) for leak in _leaks(ledger, {})
-    ]
+    leaks = [(leak.kind, leak.pool, leak.slots, leak.rid, leak.allocated_step, leak.detail) for leak in _leaks(ledger)]
     return leaks, ledger.is_broken(), ledger.last_seq, sorted(ledger.live), len(ledger.node_slots)
 
 

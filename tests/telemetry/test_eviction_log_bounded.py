@@ -26,6 +26,7 @@ from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.recorder import SQLRecorder
 from kvscope.telemetry.upgrade import upgrade
 from tests.telemetry.test_packed_oracles import record_random_events
+from tests.telemetry.test_request_sums import drop_request_sums, drop_version_13
 
 TOUCHES = ("insert", "split", "match", "lock")
 
@@ -210,7 +211,8 @@ def test_a_version_11_file_reads_the_same_log_and_upgrade_stores_miss_nodes(tmp_
     record_random_events(path, 3)
     shutil.copy(path, older)
     with sqlite3.connect(older) as conn:
-        conn.execute("ALTER TABLE event_chunks DROP COLUMN miss_nodes")
+        drop_version_13(conn)
+        drop_request_sums(conn)
         conn.execute("UPDATE kvscope_meta SET value = '11' WHERE key = 'schema_version'")
     conn.close()
     logs = {}

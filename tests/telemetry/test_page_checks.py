@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,10 +58,12 @@ def test_a_file_changed_since_is_checked_again_and_its_damage_seen(checks: list[
     path = tmp_path / "capture.db"
     shutil.copy(SAMPLE, path)
     verdict_of(path)
-    size = path.stat().st_size
-    page = 4096
-    with path.open("r+b") as file:  # NOTE: garbage over a page in the middle: SQLite's check names it
-        file.seek((size // page // 2) * page)
+    with sqlite3.connect(path) as conn:  # NOTE: a page of the events: no read of a stored verdict touches it
+        pages = [n for (n,) in conn.execute("SELECT pageno FROM dbstat WHERE name = 'event_columns' ORDER BY pageno")]
+        page = int(conn.execute("PRAGMA page_size").fetchone()[0])
+    conn.close()
+    with path.open("r+b") as file:  # NOTE: garbage over it: only SQLite's check names it
+        file.seek((pages[len(pages) // 2] - 1) * page)
         file.write(b"\xa5" * page)
     with pytest.raises(CaptureError, match="damaged capture"):
         verdict_of(path)

@@ -59,6 +59,8 @@ def test_a_version_11_database_is_summed_by_upgrade(postgres_url: str) -> None:
         for table in schema.REQUEST_SUM_TABLES:
             conn.execute(f"DROP TABLE {table.name}")
         conn.execute("ALTER TABLE runs DROP COLUMN request_sums")
+        conn.execute("ALTER TABLE event_chunks DROP COLUMN miss_nodes")  # NOTE: and version 13's additions
+        conn.execute("DROP INDEX ix_requests_arrive_t")
         conn.execute("UPDATE kvscope_meta SET value = '11' WHERE key = 'schema_version'")
     before = Capture(postgres_url)
     try:

@@ -192,9 +192,16 @@ def drop_request_sums(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE runs DROP COLUMN request_sums")
 
 
+def drop_version_13(conn: sqlite3.Connection) -> None:
+    """What version 13 added: event_chunks.miss_nodes and the index ix_requests_arrive_t."""
+    conn.execute("ALTER TABLE event_chunks DROP COLUMN miss_nodes")
+    conn.execute("DROP INDEX ix_requests_arrive_t")
+
+
 def as_version_11(path: Path) -> None:
-    """What a version-11 writer leaves: no request sums, no runs.request_sums, version 11."""
+    """What a version-11 writer leaves: no request sums, no runs.request_sums, no miss_nodes, version 11."""
     with sqlite3.connect(path) as conn:
+        drop_version_13(conn)
         drop_request_sums(conn)
         conn.execute("UPDATE kvscope_meta SET value = '11' WHERE key = 'schema_version'")
 
