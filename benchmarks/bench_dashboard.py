@@ -241,10 +241,17 @@ class _Running(NamedTuple):
 
 
 def build_synthetic_capture(
-    path: Path, num_events: int, seed: int = 0, keep_going: Callable[[int], bool] | None = None
+    path: Path,
+    num_events: int,
+    seed: int = 0,
+    keep_going: Callable[[int], bool] | None = None,
+    *,
+    store_report: bool = True,
 ) -> tuple[int, int]:
     """Returns (events, steps) written. See the module docstring. `keep_going(events)`, asked every
-    step: False ends the run there (bench_readers' writer, which writes until told to stop)."""
+    step: False ends the run there (bench_readers' writer, which writes until told to stop). Without
+    `store_report`, no leak report is stored at the end (a live writer's hundreds of millions of events
+    would take an hour to replay after the figures are in)."""
     rng = random.Random(seed)
     running: list[_Running] = []
     events, step, cum = 0, 0, [0, 0, 0, 0]  # prompt tokens, hit tokens, requests, hit requests
@@ -334,6 +341,8 @@ def build_synthetic_capture(
                 next_report += PROGRESS_EVERY
             step += 1
         tree.snapshot(step - 1)
+    if not store_report:
+        return events, step
     print(
         f"  recorded {events:,} events in {time.perf_counter() - start:.0f} s; storing the leak report…",
         file=sys.stderr,

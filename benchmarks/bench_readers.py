@@ -150,7 +150,7 @@ def write_until(path: Path, stop: Path) -> None:
             last[0] = now
         return not stop.exists()
 
-    build_synthetic_capture(path, 10**12, keep_going=keep_going)
+    build_synthetic_capture(path, 10**12, keep_going=keep_going, store_report=False)
 
 
 class WriterProgress:
@@ -423,7 +423,7 @@ def step_writer(path: Path, stop: Path, num_events: int) -> None:
             time.sleep(0.05)
         return False
 
-    build_synthetic_capture(path, 10**12, keep_going=keep_going)
+    build_synthetic_capture(path, 10**12, keep_going=keep_going, store_report=False)
 
 
 def write_steps(given: list[str]) -> None:
