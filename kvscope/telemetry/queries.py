@@ -501,14 +501,17 @@ class Capture:
         retractions), by status: from the run's request sums where it has them (schema version 12),
         else from its request rows."""
         if self.has_request_sums(run_id):
-            return self._summed_totals(run_id, principals)
-        c = schema.requests.c
+            c = schema.request_sums.c
+            count, prompt, retractions = _int_sum(c.num_requests), c.prompt_tokens, c.retractions
+        else:
+            c = schema.requests.c
+            count, prompt, retractions = func.count(), c.prompt_len, c.num_retractions
         stmt = select(
             c.status,
-            func.count().label("num_requests"),
-            _int_sum(c.prompt_len).label("prompt_tokens"),
+            count.label("num_requests"),
+            _int_sum(prompt).label("prompt_tokens"),
             _int_sum(c.cached_tokens).label("cached_tokens"),
-            _int_sum(c.num_retractions).label("retractions"),
+            _int_sum(retractions).label("retractions"),
         ).where(c.run_id == run_id)
         if principals is not None:
             stmt = stmt.where(c.principal.in_(list(principals)))
@@ -521,19 +524,6 @@ class Capture:
         r = schema.runs.c
         with self.engine.connect() as conn:
             return bool(conn.execute(select(r.request_sums).where(r.id == run_id)).scalar())
-
-    def _summed_totals(self, run_id: int, principals: Sequence[str] | None) -> pd.DataFrame:
-        c = schema.request_sums.c
-        stmt = select(
-            c.status,
-            _int_sum(c.num_requests).label("num_requests"),
-            _int_sum(c.prompt_tokens).label("prompt_tokens"),
-            _int_sum(c.cached_tokens).label("cached_tokens"),
-            _int_sum(c.retractions).label("retractions"),
-        ).where(c.run_id == run_id)
-        if principals is not None:
-            stmt = stmt.where(c.principal.in_(list(principals)))
-        return self.read_frame(stmt.group_by(c.status).order_by(c.status))
 
     def request_latency_histograms(self, run_id: int, principals: Sequence[str] | None = None) -> pd.DataFrame | None:
         """The latency histograms of the run's requests (of `principals` when given): latency, bucket,
