@@ -83,6 +83,7 @@ class Capture:
         self._pools_seen: dict[int, PoolsSeen] = {}  # NOTE: per run, _usage_pools's count so far
         # NOTE: every page was checked at open (a small file), or needs no check (a server database)
         self._pages_checked = path is None or _small_file(target)
+        self._newest_version_seen = False  # NOTE: a file at this code's newest schema stays there
 
     def close(self) -> None:
         self.engine.dispose()
@@ -129,9 +130,15 @@ class Capture:
 
     @property
     def schema_version(self) -> int:
-        """The file's schema version now (a writer appending a run upgrades an older file)."""
+        """The file's schema version now (a writer appending a run upgrades an older file). Read once
+        the file is at the newest version this code writes (no writer of ours moves it further, and
+        open_reader refuses a newer one), so the run list of a live session costs no second read."""
+        if self._newest_version_seen:
+            return schema.SCHEMA_VERSION
         with self.engine.connect() as conn:
-            return int(stored_version(conn) or schema.SCHEMA_VERSION)  # open_reader checked it is there
+            version = int(stored_version(conn) or schema.SCHEMA_VERSION)  # open_reader checked it is there
+        self._newest_version_seen = version >= schema.SCHEMA_VERSION
+        return version
 
     def read_frame(self, stmt: Select[Any]) -> pd.DataFrame:
         """A Core SELECT's rows as a DataFrame, one column per selected name. NOTE: read through
