@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -74,51 +72,16 @@ STATE_JS = """() => {
 }"""
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def dashboard(capture: str) -> Iterator[str]:
-    """A fresh `streamlit run app.py` on `capture`; yields its URL; stopped on the way out."""
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "streamlit",
-        "run",
-        str(ROOT / "app.py"),
-        "--server.headless",
-        "true",
-        "--server.port",
-        str(port),
-        "--browser.gatherUsageStats",
-        "false",
-        "--server.fileWatcherType",
-        "none",
-    ]
-    env = {**os.environ, "KVSCOPE_DB": capture}
-    server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """A fresh dashboard server on `capture`; yields its URL; stopped on the way out."""
+    from kvscope.dashboard.launch import dashboard_on
+
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"bench_browser: streamlit exited ({server.returncode}) before it served")
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"bench_browser: streamlit did not listen within {START_TIMEOUT_S:.0f} s")
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        with dashboard_on(capture, start_timeout_s=START_TIMEOUT_S) as (url, _server):
+            yield url
+    except RuntimeError as err:
+        raise SystemExit(f"bench_browser: {err}") from None
 
 
 def has_heading(state: dict[str, Any], heading: str) -> bool:

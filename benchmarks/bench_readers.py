@@ -37,14 +37,12 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -205,14 +203,6 @@ def run_client(url: str, num_sessions: int, seconds: float, out: Path) -> None:
     )
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/_stcore/health", timeout=1) as reply:
-            return bool(reply.status == 200)
-    except OSError:
-        return False
-
-
 def _wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -263,31 +253,29 @@ def live(args: argparse.Namespace) -> list[Figure]:
             [sys.executable, __file__, "--live-writer", str(db), str(stop)], stdout=subprocess.PIPE, text=True
         )
         progress = WriterProgress(writer)
-        server = None
         try:
             _wait_until(lambda: progress.latest[1] >= 20_000, 120, "the writer did not record 20,000 events")
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            log = (folder / "streamlit.log").open("wb")
-            command = launch.dashboard_command(db, port, nice=args.nice)
-            server = subprocess.Popen(command, cwd=launch.ROOT, stdout=log, stderr=log)
-            _wait_until(lambda: _healthy(url), 120, "the dashboard did not answer")
-            warm = one_window(url, server.pid, progress, 1, argparse.Namespace(settle_s=15.0, window_s=1.0), folder)
-            server_nice = sorted(niceness(server.pid))
-            print(f"warm-up: page {warm.client['page_s']}; server threads at nice {server_nice}")
-            for round_no in range(args.rounds):
-                for n in cases if round_no % 2 == 0 else cases[::-1]:
-                    window = one_window(url, server.pid, progress, n, args, folder)
-                    windows[n].append(window)
-                    print(
-                        f"round {round_no + 1}, {n:2d} sessions: writer {window.events_per_s:,.0f} events/s, "
-                        f"server {window.server_cpu_share:.2f} CPU, client {window.client.get('cpu_s', 0):.1f} CPU s"
-                    )
+            with (
+                (folder / "streamlit.log").open("wb") as log,
+                launch.dashboard_on(db, nice=args.nice, log=log, start_timeout_s=120) as (url, server),
+            ):
+                warm_args = argparse.Namespace(settle_s=15.0, window_s=1.0)
+                warm = one_window(url, server.pid, progress, 1, warm_args, folder)
+                server_nice = sorted(niceness(server.pid))
+                print(f"warm-up: page {warm.client['page_s']}; server threads at nice {server_nice}")
+                for round_no in range(args.rounds):
+                    for n in cases if round_no % 2 == 0 else cases[::-1]:
+                        window = one_window(url, server.pid, progress, n, args, folder)
+                        windows[n].append(window)
+                        print(
+                            f"round {round_no + 1}, {n:2d} sessions: writer {window.events_per_s:,.0f} events/s, "
+                            f"server {window.server_cpu_share:.2f} CPU, "
+                            f"client {window.client.get('cpu_s', 0):.1f} CPU s"
+                        )
+        except RuntimeError as err:
+            raise SystemExit(f"bench_readers: the dashboard: {err}") from None
         finally:
             stop.touch()
-            if server is not None:
-                server.terminate()
-                server.wait(timeout=30)
             writer.terminate()
             writer.wait(timeout=60)
     return live_figures(args, windows, "/".join(map(str, server_nice)))
@@ -346,12 +334,6 @@ def spread(values: list[float]) -> str:
     if len(values) < 2:
         return f"{len(values)} sample(s){': ' + ', '.join(f'{v:.2f} s' for v in values) if values else ''}"
     return f"median {statistics.median(values):.2f} s, p90 {p90(values):.2f} s over {len(values)}"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def p90(values: list[float]) -> float:

@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from typing import IO
 
 from kvscope.dashboard.priority import DEFAULT_NICE, MAX_NICE
 from kvscope.telemetry.sqlite_files import settle_file
@@ -103,6 +107,51 @@ def dashboard_command(
         str(capture),
         *([] if nice is None else ["--nice", str(nice)]),
     ]
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def dashboard_healthy(url: str) -> bool:
+    """Streamlit's own health check answers 200 at `url`."""
+    try:
+        with urllib.request.urlopen(f"{url}/_stcore/health", timeout=1) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+@contextmanager
+def dashboard_on(
+    capture: Path | str, *, nice: int | None = None, log: IO[bytes] | None = None, start_timeout_s: float = 60.0
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """The dashboard (dashboard_command) on `capture` at a free loopback port, for tests and benchmarks:
+    yields (its URL, its process) once Streamlit's health check answers; stopped and reaped on the
+    way out. RuntimeError when it ends, or stays silent for `start_timeout_s`, first."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    output = subprocess.DEVNULL if log is None else log
+    server = subprocess.Popen(dashboard_command(capture, port, nice=nice), cwd=ROOT, stdout=output, stderr=output)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not dashboard_healthy(url):
+            if server.poll() is not None:
+                raise RuntimeError(f"streamlit exited ({server.returncode}) before it served")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"streamlit did not answer on port {port} within {start_timeout_s:.0f} s")
+            time.sleep(0.2)
+        yield url, server
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 def live_capture_path(runs_dir: Path, now: float | None = None) -> Path:

@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +20,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
+from kvscope.dashboard.launch import dashboard_on
 from kvscope.telemetry import PoolTerms, UsageSample
 from kvscope.telemetry.recorder import SQLRecorder
 from tests.dashboard import test_probe_capture
@@ -52,6 +49,13 @@ PAGES = {
 README_SCREENSHOT = ROOT / "docs" / "screenshot.png"  # refreshed only with KVSCOPE_UPDATE_SCREENSHOT=1
 START_TIMEOUT_S = 60.0
 RENDER_TIMEOUT_MS = 60_000
+SETTLED_JS = """(title) => {
+  const q = (s) => [...document.querySelectorAll(s)];
+  const running = '[data-testid="stStatusWidget"], [data-testid="stSpinner"], [data-testid="stSkeleton"]';
+  const charts = q('[data-testid="stPlotlyChart"]');
+  return q('h1, h2').some((h) => h.innerText.trim().startsWith(title)) && q(running).length === 0
+    && charts.length > 0 && charts.every((c) => c.querySelector('.main-svg') !== null);
+}"""
 
 try:
     from playwright.sync_api import Page, sync_playwright
@@ -71,49 +75,10 @@ pytestmark = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_for_port(port: int, server: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert server.poll() is None, "streamlit exited before it served"
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise AssertionError(f"streamlit did not listen on port {port} within {START_TIMEOUT_S:.0f} s")
-
-
 @contextmanager
 def streamlit_server(db: Path) -> Iterator[str]:
-    port = free_port()
-    env = {**os.environ, "KVSCOPE_DB": str(db)}
-    command = [
-        sys.executable,
-        "-m",
-        "streamlit",
-        "run",
-        str(ROOT / "app.py"),
-        "--server.headless",
-        "true",
-        "--server.port",
-        str(port),
-        "--browser.gatherUsageStats",
-        "false",
-        "--server.fileWatcherType",
-        "none",
-    ]
-    server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_port(port, server)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(timeout=20)
+    with dashboard_on(db, start_timeout_s=START_TIMEOUT_S) as (url, _server):
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +103,11 @@ def rendered(page: Page, url: str, title: str) -> None:
 
 
 def settled(page: Page, title: str) -> None:
-    page.get_by_role("heading", name=title).first.wait_for(timeout=RENDER_TIMEOUT_MS)
-    page.wait_for_selector('[data-testid="stStatusWidget"]', state="detached", timeout=RENDER_TIMEOUT_MS)
-    page.locator('[data-testid="stPlotlyChart"]').first.wait_for(timeout=RENDER_TIMEOUT_MS)
-    page.wait_for_timeout(1000)  # let plotly lay the charts out before checks and screenshots
+    """The page's heading is there, nothing runs (Streamlit's status widget, a spinner, a skeleton) and
+    every Plotly chart has drawn, and still is a second later (a rerun that had not started yet)."""
+    for _ in range(2):
+        page.wait_for_function(SETTLED_JS, arg=title, timeout=RENDER_TIMEOUT_MS)
+        page.wait_for_timeout(1000)  # let plotly lay the charts out before checks and screenshots
 
 
 def main_text(page: Page) -> str:
