@@ -134,6 +134,12 @@ class WriterSettings(NamedTuple):
         )
 
 
+# NOTE: the -wal log left on disk after it restarts. A reader holding one snapshot (a long dashboard
+# read) keeps the log from restarting, so it grows by what is written meanwhile; without a limit SQLite
+# keeps that high-water size on disk for the file's life.
+WAL_LIMIT_BYTES = 64 << 20
+
+
 class SQLiteSink:
     """Transactions on a capture file through sqlite3."""
 
@@ -146,6 +152,7 @@ class SQLiteSink:
             f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}",
             "PRAGMA synchronous = NORMAL",
             "PRAGMA cache_size = -65536",
+            f"PRAGMA journal_size_limit = {WAL_LIMIT_BYTES}",
         ):
             execute_when_free(cursor, pragma)
         cursor.close()
