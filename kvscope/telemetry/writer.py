@@ -35,6 +35,7 @@ be written is skipped (the next batch reports a real write failure); none once r
 
 from __future__ import annotations
 
+import json
 import marshal
 import os
 import signal
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from kvscope.telemetry.channel import Channel, ChannelClosed, Message
-from kvscope.telemetry.packed import ITEM_WIDTH, Packer
+from kvscope.telemetry.packed import ITEM_WIDTH, Packer, SummaryFold
 from kvscope.telemetry.request_sums import sums_rows
 from kvscope.telemetry.retention import ChunkMark, Retention, RetentionPass
 from kvscope.telemetry.sqlite_files import BUSY_TIMEOUT_MS, execute_when_free, file_uri, first_line
@@ -214,6 +215,9 @@ class Writer:
         self.failure: str | None = None  # NOTE: set once a write failed: recording stopped
         self.sink: SQLiteSink | DatabaseSink | None = None  # NOTE: opened by the first write
         self.packer = Packer()
+        # NOTE: the run's chunk summaries folded (schema 14), stored with the chunks it folds; None once a
+        # retention drop ended it (the empty fold stored then says so: readers read every chunk)
+        self.fold: SummaryFold | None = SummaryFold()
         self.next_item = 0
         self.next_row = 0
         self.complete_step = -1  # NOTE: every row of steps <= this is committed
@@ -318,14 +322,28 @@ class Writer:
                     number, chunk.first_seq, chunk.num_events, chunk.first_step, chunk.last_t_mono, chunk.num_bytes
                 )
             )
+            if self.fold is not None:
+                self.fold.add(number, chunk.num_events, json.loads(chunk.kind_counts), json.loads(chunk.groups))
         for table, row in rows:
             tables[table].append(row)
         if tables.get("requests") and "request_sums" in inserts:  # NOTE: summed in the same transaction
             columns = inserts["requests"].columns
             tables["request_sums"], tables["request_latencies"] = sums_rows(run_id, columns, tables["requests"])
+        if "run_summaries" in inserts:
+            tables["run_summaries"] = self._fold_rows(bool(self._marks))
         work = [(inserts[name], values) for name, values in tables.items() if values]
         first = self.retention.first_rows() if self.retention is not None else []
         return [*first, *work, (self.settings.heartbeat, [(time.time(), run_id)])]
+
+    def _fold_rows(self, packed: bool) -> list[tuple[Any, ...]]:
+        """The run's run_summaries row when this transaction packed chunks; after the retention pass's first
+        drop, the empty fold once (through_chunk -1: the run's readers read every chunk kept) and then none."""
+        if self.fold is None:
+            return []
+        if self.retention is not None and self.retention.dropped_chunks:
+            self.fold = None
+            return [SummaryFold().row(self.settings.run_id)]
+        return [self.fold.row(self.settings.run_id)] if packed else []
 
     def close(self) -> None:
         if self.sink is not None:
