@@ -318,6 +318,11 @@ class SummaryFold:
                 else:
                     merged[key] = [_FOLD[how](a, b) for how, a, b in zip(folds, found, values, strict=True)]
 
+    @property
+    def num_rows(self) -> int:
+        """Its groups' rows (what storing it writes out)."""
+        return sum(len(rows) for rows in self.groups.values())
+
     def rows(self, name: str) -> list[list[Any]]:
         """One group's rows, one per key, in the shape of a chunk's."""
         return [[*key, *values] for key, values in self.groups[name].items()]

@@ -112,9 +112,10 @@ the new version): every older row stays valid, with NULL in the added columns.
        index seek, not a pass over every request row (3.6-4.7 s at 100 M events).
    14  run_summaries: a run's chunk summaries (version 10's kind_counts and groups) folded into one row
        (packed.SummaryFold: counts and sums added, least and greatest kept, per key), which the writer
-       updates in the transaction that writes the chunks it folds, so a run's event counts, principals,
-       reuse, eviction summary and lookup stops read one row and the chunks written after it (a live
-       run's last few), not every chunk (1 s of the Memory page's 2.6 s at 100 M events). It folds the
+       updates in a transaction that writes chunks it folds (every one, or every few chunks for a fold
+       of many keys: writer.FOLD_ROWS_PER_CHUNK; and the closing one), so a run's event counts, principals,
+       reuse, eviction summary and lookup stops read one row and the chunks written after it (a few at
+       most), not every chunk (1 s of the Memory page's 2.6 s at 100 M events). It folds the
        run's chunks numbered up to through_chunk: num_chunks of them, num_events events. A reader uses
        it only where the chunks kept up to there still count that many (retention drops whole chunks and
        the row cannot take them out: their least and greatest steps are lost in it), and otherwise reads

@@ -258,3 +258,27 @@ def test_a_version_13_file_reads_chunk_by_chunk_and_upgrade_folds_it(
     assert open_reads(path) == whole
     assert main(["upgrade", str(path)]) == 0
     assert capsys.readouterr().out.endswith("nothing to upgrade (every run is packed already)\n")
+
+
+def test_a_fold_of_many_keys_is_stored_every_few_chunks_and_when_the_run_closes(tmp_path: Path) -> None:
+    """700 principals (700 reuse rows, more than FOLD_ROWS_PER_CHUNK): the writer stores the fold every second
+    chunk, so a reader between reads the chunk after it too, and the closing batch stores the rest."""
+    path = tmp_path / "many.db"
+    assert 512 < 700 <= 2 * 512  # NOTE: writer.FOLD_ROWS_PER_CHUNK: stored every second chunk
+    stored: list[int | None] = []
+    with SQLRecorder(path, level="full") as recorder:
+        for step in range(7):  # NOTE: one chunk a flush
+            recorder.step = step
+            for i in range(700):
+                recorder.record(EventKind.MATCH, rid=f"r{i}", num_tokens=step + i % 3, principal=f"u{i}")
+            recorder.flush()
+            fold = stored_fold(path)
+            stored.append(fold[0][1] if fold else None)
+            capture = Capture(path)
+            try:
+                assert len(capture.packed.chunks(1)) == step + 1
+                assert same(read_through_fold(capture), chunk_by_chunk(capture))
+            finally:
+                capture.close()
+    assert stored == [None, 1, 1, 3, 3, 5, 5]
+    assert stored_fold(path)[0][1:4] == (6, 7, 7 * 700)  # NOTE: the closing batch stored the last chunk's
