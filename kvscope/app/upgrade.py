@@ -1,5 +1,6 @@
 """`kvscope upgrade CAPTURE`: pack the event rows of runs recorded before schema version 6, and store
-the summaries of event chunks written before version 10 and the request sums of runs written before 12.
+the summaries of event chunks written before version 10, the request sums of runs written before 12 and
+the fold of a run's chunk summaries (one row) of runs written before 14.
 
 Reading never needs it (readers read both layouts); it makes an older capture as fast to
 read as a new one and usually smaller. One line per packed run, or JSON.
@@ -33,8 +34,12 @@ def upgrade_verb(args: argparse.Namespace) -> int:
         if progress.due():
             progress.draw(f"summing the requests of run {run_id}: {bar(done, total)} {done:,}/{total:,} requests ")
 
+    def on_fold(run_id: int, done: int, total: int) -> None:
+        if progress.due():
+            progress.draw(f"folding the summaries of run {run_id}: {bar(done, total)} {done:,}/{total:,} chunks ")
+
     try:
-        packed = upgrade(args.capture, progress=on_progress, summarizing=on_summary, summing=on_sums)
+        packed = upgrade(args.capture, progress=on_progress, summarizing=on_summary, summing=on_sums, folding=on_fold)
     finally:
         progress.close()
     name = display_name(args.capture)
@@ -50,6 +55,7 @@ def upgrade_verb(args: argparse.Namespace) -> int:
                             "chunks": r.chunks,
                             "summarized_chunks": r.summarized,
                             "summed_requests": r.requests_summed,
+                            "folded_chunks": r.folded,
                         }
                         for r in packed
                     ],
@@ -70,4 +76,5 @@ def _done(run: UpgradedRun) -> str:
     packed = f"{run.events:,} events packed into {chunks}" if run.events else ""
     summarized = f"summaries of {run.summarized:,} chunk(s) stored" if run.summarized else ""
     summed = "" if run.requests_summed is None else f"sums of {run.requests_summed:,} request(s) stored"
-    return "; ".join(part for part in (packed, summarized, summed) if part) or "up to date"
+    folded = f"summaries of {run.folded:,} chunk(s) folded into one row" if run.folded else ""
+    return "; ".join(part for part in (packed, summarized, summed, folded) if part) or "up to date"

@@ -469,7 +469,7 @@ def eviction_summary(capture: Capture, run_id: int) -> pd.DataFrame:
 
 
 def _has_chunks(capture: Capture, run_id: int) -> bool:
-    return not capture.packed.chunks(run_id).empty
+    return capture.packed.has_chunks(run_id)
 
 
 def _summed_evictions(capture: Capture, run_id: int) -> list[tuple[Any, ...]]:

@@ -39,12 +39,14 @@ from kvscope.telemetry.carry import CARRY_FIELDS, MISS_FIELDS, carries, miss_nod
 from kvscope.telemetry.events import EventKind
 from kvscope.telemetry.packed import (
     COLUMN_DTYPES,
+    GROUP_FOLDS,
     NO_CODE,
     NO_SLOTS,
     NULL_INT,
     STORED_COLUMNS,
     STRING_COLUMNS,
     SUMMARY_FIELDS,
+    SummaryFold,
     summaries,
     widen_array,
     writes_dtype,
@@ -207,6 +209,15 @@ class PackedEvents:
         else:
             self._check_contiguous(run_id, frame, first_kept)
         return frame
+
+    def has_chunks(self, run_id: int) -> bool:
+        """Whether the run's events are packed (it has a chunk): one index seek, not `chunks`' read of every chunk
+        row (0.07 s at 100 M events) to ask whether there is one; opening the capture checked them (check_structure)."""
+        if not self.has_tables():
+            return False
+        c = schema.event_chunks.c
+        with self.engine.connect() as conn:
+            return conn.execute(select(c.chunk).where(c.run_id == run_id).limit(1)).first() is not None
 
     def _first_kept(self, conn: Any) -> dict[int, int]:
         """Per run that dropped events by retention, the first event it kept (schema version 9)."""
@@ -456,22 +467,24 @@ class PackedEvents:
                 )
         return [int(known[t]) for t in texts if t in known]
 
-    def summaries(self, run_id: int, version: int) -> pd.DataFrame:
-        """The run's chunks with their summaries (chunk, num_events, kind_counts, groups: JSON, None in
-        a chunk written before schema version 10), in seq order; empty for the row layout."""
+    def summaries(self, run_id: int, version: int, after_chunk: int = -1, conn: Any = None) -> pd.DataFrame:
+        """The run's chunks (numbered past `after_chunk`) with their summaries (chunk, num_events, kind_counts,
+        groups: JSON, None in a chunk written before schema version 10), in seq order; empty for the row layout."""
         if not self.has_tables():
             return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
         as_of = {col.name: col for col in schema.columns_as_of(schema.event_chunks, version)}
         c = schema.event_chunks.c
-        with self.engine.connect() as conn:
-            rows = conn.execute(
-                select(*(as_of[name] for name in SUMMARY_COLUMNS)).where(c.run_id == run_id).order_by(c.first_seq)
-            ).fetchall()
+        stmt = select(*(as_of[name] for name in SUMMARY_COLUMNS)).where(c.run_id == run_id, c.chunk > after_chunk)
+        if conn is None:
+            with self.engine.connect() as own:
+                rows = own.execute(stmt.order_by(c.first_seq)).fetchall()
+        else:
+            rows = conn.execute(stmt.order_by(c.first_seq)).fetchall()
         return pd.DataFrame([tuple(r) for r in rows], columns=list(SUMMARY_COLUMNS))
 
     def kind_counts(self, run_id: int, version: int) -> dict[str, int]:
         """Events per kind over the run's chunks (empty for a run of the row layout), from their
-        summaries (chunk_summaries)."""
+        summaries (each_summary)."""
         total: dict[str, int] = {}
         for per_kind, _groups in self.each_summary(run_id, version):
             for name, count in per_kind.items():
@@ -479,13 +492,39 @@ class PackedEvents:
         return total
 
     def grouped(self, run_id: int, version: int, name: str) -> list[list[Any]]:
-        """Every chunk's rows of one group of its summaries (packed.summaries' NOTE), chunk after chunk."""
+        """Rows of one group of the run's summaries (packed.summaries' NOTE), as each_summary gives them: a
+        key may have several rows (a caller adds them up, or takes their least and greatest)."""
         return [row for _per_kind, groups in self.each_summary(run_id, version) for row in groups.get(name, [])]
 
     def each_summary(self, run_id: int, version: int) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-        """Each chunk's summaries, (kind_counts, groups), parsed."""
-        for chunk in self.summaries(run_id, version).itertuples(index=False):
+        """The run's summaries, (kind_counts, groups), parsed: its stored fold (schema version 14), when it still
+        describes the run's chunks, then each chunk after it (a live run's last few); else each chunk's."""
+        with consistent_reads(self.engine) as conn:  # NOTE: the fold and the chunks after it from one commit
+            fold = self.fold(run_id, version, conn)
+            chunks = self.summaries(run_id, version, -1 if fold is None else fold.through_chunk, conn)
+        if fold is not None:
+            yield fold.kind_counts, {name: fold.rows(name) for name in GROUP_FOLDS}
+        for chunk in chunks.itertuples(index=False):
             yield self.chunk_summaries(run_id, chunk)
+
+    def fold(self, run_id: int, version: int, conn: Any) -> SummaryFold | None:
+        """The run's stored fold of its chunks' summaries (run_summaries), or None: none stored (a file or run
+        written before version 14, or no chunks), or the chunks kept up to its through_chunk are no longer what
+        it folds (retention dropped some: a stored fold cannot take them out)."""
+        if version < schema.RUN_SUMMARIES_SINCE or not self.has_tables():
+            return None
+        f, c = schema.run_summaries.c, schema.event_chunks.c
+        row = conn.execute(select(schema.run_summaries).where(f.run_id == run_id)).first()
+        if row is None:
+            return None
+        kept = select(func.count(), func.coalesce(func.sum(c.num_events), 0))
+        count, events = conn.execute(kept.where(c.run_id == run_id, c.chunk <= row.through_chunk)).one()
+        if int(count) != int(row.num_chunks) or int(events) != int(row.num_events):
+            return None
+        try:
+            return SummaryFold.of_row(row)
+        except (ValueError, TypeError, KeyError, IndexError) as err:
+            raise self.damaged(run_id, "its folded summaries (run_summaries) are not what kvscope writes") from err
 
     def chunk_summaries(self, run_id: int, chunk: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """A chunk's (a row of `summaries`) summaries, parsed: as stored, or (a chunk written before
@@ -832,7 +871,7 @@ def match_principals(capture: Any, run_id: int) -> set[str]:
     """The distinct non-NULL principals of the run's match events (a packed run reads its chunks'
     summaries)."""
     packed: PackedEvents = capture.packed
-    if not packed.chunks(run_id).empty:
+    if packed.has_chunks(run_id):
         reuse = packed.grouped(run_id, capture.schema_version, "reuse")
         return {str(p) for p, kind, _tokens in reuse if kind == EventKind.MATCH.value and p is not None}
     frame = read_events(capture, run_id, ["principal"], EventFilter.of(kinds=[EventKind.MATCH.value]))

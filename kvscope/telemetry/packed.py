@@ -277,6 +277,81 @@ def summaries(
     return json.dumps(per_kind, sort_keys=True), json.dumps(groups, sort_keys=True)
 
 
+# NOTE: per group of `summaries`: how many leading values of a row are its key, and how each later value folds
+GROUP_FOLDS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "reuse": (2, ("sum",)),
+    "evictions": (2, ("sum", "sum", "min", "max")),
+    "stops": (1, ("sum", "sum", "sum")),
+}
+_FOLD: dict[str, Callable[[int, int], int]] = {"sum": lambda a, b: a + b, "min": min, "max": max}
+
+
+class SummaryFold:
+    """Chunks' summaries (`summaries`, parsed) folded into one, as a run's whole (schema version 14): events
+    per kind added, each group's rows merged by key (counts and sums added, least and greatest kept). Its
+    kind_counts and group rows sum (or min and max) to what the chunks' own give; a row's order is not kept.
+
+    NOTE: it folds every chunk numbered up to through_chunk (num_chunks of them, num_events events) and
+    cannot take one out again (a least or greatest step is lost in it): retention's drops end it."""
+
+    def __init__(self) -> None:
+        self.through_chunk = -1
+        self.num_chunks = 0
+        self.num_events = 0
+        self.kind_counts: dict[str, int] = {}
+        self.groups: dict[str, dict[tuple[Any, ...], list[int]]] = {name: {} for name in GROUP_FOLDS}
+
+    def add(self, number: int, num_events: int, kind_counts: Mapping[str, Any], groups: Mapping[str, Any]) -> None:
+        """Fold chunk `number` (the next after through_chunk) in: its events and its parsed summaries."""
+        self.through_chunk = max(self.through_chunk, number)
+        self.num_chunks += 1
+        self.num_events += num_events
+        for kind, count in kind_counts.items():
+            self.kind_counts[kind] = self.kind_counts.get(kind, 0) + int(count)
+        for name, (width, folds) in GROUP_FOLDS.items():
+            merged = self.groups[name]
+            for row in groups.get(name, []):
+                key, values = tuple(row[:width]), [int(v) for v in row[width:]]
+                found = merged.get(key)
+                if found is None:
+                    merged[key] = values
+                else:
+                    merged[key] = [_FOLD[how](a, b) for how, a, b in zip(folds, found, values, strict=True)]
+
+    @property
+    def num_rows(self) -> int:
+        """Its groups' rows (what storing it writes out)."""
+        return sum(len(rows) for rows in self.groups.values())
+
+    def rows(self, name: str) -> list[list[Any]]:
+        """One group's rows, one per key, in the shape of a chunk's."""
+        return [[*key, *values] for key, values in self.groups[name].items()]
+
+    def row(self, run_id: int) -> tuple[Any, ...]:
+        """Its run_summaries row (schema.RUN_SUMMARY_COLUMNS)."""
+        groups = {name: self.rows(name) for name in GROUP_FOLDS}
+        counts = json.dumps(self.kind_counts, sort_keys=True)
+        return (
+            run_id,
+            self.through_chunk,
+            self.num_chunks,
+            self.num_events,
+            counts,
+            json.dumps(groups, sort_keys=True),
+        )
+
+    @classmethod
+    def of_row(cls, row: Any) -> SummaryFold:
+        """A stored run_summaries row's fold (ValueError: not what kvscope writes)."""
+        fold = cls()
+        counts, groups = json.loads(row.kind_counts), json.loads(row.groups)
+        if not isinstance(counts, dict) or not isinstance(groups, dict):
+            raise ValueError("not a fold")
+        fold.add(int(row.through_chunk), int(row.num_events), counts, groups)
+        fold.num_chunks = int(row.num_chunks)
+        return fold
+
+
 def _is(kind: np.ndarray, codes: Sequence[int | None]) -> np.ndarray:
     return np.isin(kind, [code for code in codes if code is not None])
 

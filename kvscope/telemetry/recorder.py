@@ -223,6 +223,7 @@ class SQLRecorder(Recorder):
             ),
         }
         kept |= request_sum_statements(engine)
+        kept["run_summaries"] = run_summary_statement(engine)
         heartbeat = (
             update(schema.runs)
             .where(schema.runs.c.id == bindparam("run_id"))
@@ -631,6 +632,15 @@ def request_sum_statements(engine: Any) -> dict[str, Statement]:
             engine, schema.request_latencies, latencies, request_sums.LATENCY_KEY, widened
         ),
     }
+
+
+def run_summary_statement(engine: Any) -> Statement:
+    """The upsert that stores a run's folded summaries (packed.SummaryFold.row), replacing those stored."""
+    key = ("run_id",)
+    rest = [n for n in schema.RUN_SUMMARY_COLUMNS if n not in key]
+    return add_statement(
+        engine, schema.run_summaries, schema.RUN_SUMMARY_COLUMNS, key, lambda _stored, new: {n: new[n] for n in rest}
+    )
 
 
 def _retention_statements(engine: Any) -> RetentionStatements:

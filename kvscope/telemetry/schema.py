@@ -18,6 +18,8 @@ NOTE: tables and what one row is
                      whole chunks first (first_seq: the first event still kept)
     ledger_checkpoints  one run's slot ledger as of an event (through_seq), so a replay starts there
                      when the events before it were dropped (debug/checkpoint.py writes and reads it)
+    run_summaries    one run's chunk summaries folded into one (version 14): through which chunk, and
+                     how many chunks and events it folds
 
 NOTE: versions. A reader reads every version from OLDEST_READABLE_VERSION to SCHEMA_VERSION
 and refuses a newer file (it cannot know what it would miss). A column added after version 1
@@ -108,6 +110,17 @@ the new version): every older row stays valid, with NULL in the added columns.
        13 (readers compute it from its columns; `kvscope upgrade` stores it). ix_requests_arrive_t:
        a run's first arrival (Capture.first_arrival, the pages' clock without a config anchor) in one
        index seek, not a pass over every request row (3.6-4.7 s at 100 M events).
+   14  run_summaries: a run's chunk summaries (version 10's kind_counts and groups) folded into one row
+       (packed.SummaryFold: counts and sums added, least and greatest kept, per key), which the writer
+       updates in a transaction that writes chunks it folds (every one, or every few chunks for a fold
+       of many keys: writer.FOLD_ROWS_PER_CHUNK; and the closing one), so a run's event counts, principals,
+       reuse, eviction summary and lookup stops read one row and the chunks written after it (a few at
+       most), not every chunk (1 s of the Memory page's 2.6 s at 100 M events). It folds the
+       run's chunks numbered up to through_chunk: num_chunks of them, num_events events. A reader uses
+       it only where the chunks kept up to there still count that many (retention drops whole chunks and
+       the row cannot take them out: their least and greatest steps are lost in it), and otherwise reads
+       every chunk; after a drop the writer stores an empty fold (through_chunk -1). No row: a run
+       written before 14 (`kvscope upgrade` stores it).
 On PostgreSQL every integer column is BIGINT (SQLite's integers are 64-bit already); a server
 database is versioned and upgraded as a file is, under an advisory lock (store._ensure_schema).
 `reports` came after version 1 without a bump: it is an additive table (older readers never
@@ -147,7 +160,7 @@ def _bigint_on_postgresql(_type: Integer, _compiler: Any, **_kw: Any) -> str:
     return "BIGINT"
 
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 OLDEST_READABLE_VERSION = 1
 metadata = MetaData()
 
@@ -447,8 +460,28 @@ ledger_checkpoints = Table(
 )
 RETENTION_TABLES = (event_retention, ledger_checkpoints)
 RETENTION_SINCE = 9
-OPTIONAL_TABLES = (reports, census_blocks, *PACKED_TABLES, *RETENTION_TABLES, *REQUEST_SUM_TABLES)  # NOTE: older
-# files lack the packed tables (< 6), census_blocks (< 8), the retention tables (< 9), the request sums (< 12)
+# NOTE: version 14, a run's chunk summaries folded (packed.SummaryFold), written with the chunks it folds
+run_summaries = Table(
+    "run_summaries",
+    metadata,
+    Column("run_id", Integer, primary_key=True),
+    Column("through_chunk", Integer, nullable=False),  # the last chunk folded (-1: none)
+    Column("num_chunks", Integer, nullable=False),  # the chunks folded: every chunk numbered up to through_chunk
+    Column("num_events", Integer, nullable=False),  # their events
+    Column("kind_counts", Text, nullable=False),  # {kind: events}, JSON, as a chunk's
+    Column("groups", Text, nullable=False),  # a chunk's groups (packed.summaries), merged by key, JSON
+)
+RUN_SUMMARY_COLUMNS = tuple(c.name for c in run_summaries.columns)
+RUN_SUMMARIES_SINCE = 14
+OPTIONAL_TABLES = (
+    reports,
+    census_blocks,
+    *PACKED_TABLES,
+    *RETENTION_TABLES,
+    *REQUEST_SUM_TABLES,
+    run_summaries,
+)  # NOTE: older files lack the packed tables (< 6), census_blocks (< 8), the retention tables (< 9), the request
+# sums (< 12), run_summaries (< 14)
 USAGE_COLUMNS = tuple(c.name for c in usage.columns)
 REQUEST_COLUMNS = tuple(c.name for c in requests.columns)
 
@@ -457,11 +490,12 @@ def optional_tables(version: int) -> tuple[Table, ...]:
     """The tables a file of `version` may lack: from version 6 on the packed tables hold its
     events (a writer creates them when it brings an older file up to date), so a file without
     them has lost its events; census_blocks came with version 8, the retention tables with 9, the
-    request sums with 12."""
+    request sums with 12, run_summaries with 14."""
     census = (census_blocks,) if version < CENSUS_SINCE else ()
     retention = RETENTION_TABLES if version < RETENTION_SINCE else ()
     sums = REQUEST_SUM_TABLES if version < REQUEST_SUMS_SINCE else ()
-    return (reports, *census, *retention, *sums) if version >= PACKED_SINCE else OPTIONAL_TABLES
+    folds = (run_summaries,) if version < RUN_SUMMARIES_SINCE else ()
+    return (reports, *census, *retention, *sums, *folds) if version >= PACKED_SINCE else OPTIONAL_TABLES
 
 
 def since_version(column: Column) -> int:

@@ -49,7 +49,7 @@ def reuse_by_principal(capture: Capture, run_id: int) -> pd.DataFrame:
     them in nodes another principal owns. Empty before schema version 3."""
     if capture.schema_version < 3:
         return pd.DataFrame(columns=list(REUSE_COLUMNS))
-    if not capture.packed.chunks(run_id).empty:  # NOTE: summed per chunk as it was written (packed.summaries)
+    if capture.packed.has_chunks(run_id):  # NOTE: summed as it was written (packed.summaries, SummaryFold)
         grouped = capture.packed.grouped(run_id, capture.schema_version, "reuse")
         reuse = pd.DataFrame(grouped, columns=["principal", "kind", "num_tokens"]).astype({"principal": object})
     else:

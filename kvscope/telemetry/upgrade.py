@@ -1,8 +1,9 @@
 """`kvscope upgrade`: pack the event rows of runs written before schema version 6 into chunks
 (packed.py), and store the summaries of chunks written before version 10 (packed.summaries: their events
 per kind and grouped sums) and their carries of version 11 (carry.py: evictions per step, net lock
-changes, requests left running), and the request sums of version 12 (request_sums.py: totals and latency
-histograms per principal) of runs written before it, so they read as fast as new runs. Readers read the row layout and
+changes, requests left running), the request sums of version 12 (request_sums.py: totals and latency
+histograms per principal) of runs written before it, and the fold of a run's chunk summaries of version 14
+(run_summaries: packed.SummaryFold), so they read as fast as new runs. Readers read the row layout and
 unsummarized chunks too; upgrading is for speed and size, never needed to open a file.
 
 NOTE: what it keeps. Every event keeps its seq, step, time and fields; a chunk never spans a
@@ -12,7 +13,8 @@ leaves each run either as rows or as chunks. A run still being written (status r
 live writer) is refused, and so is a file this kvscope cannot read. A run's summaries are stored in
 transactions of SUMMARY_CHUNKS chunks: a kill leaves some chunks summarized and the rest as they were
 (a reader computes those, and the next upgrade goes on). A run's request sums are stored in one
-transaction with its mark (runs.request_sums): a kill leaves the run read from its request rows.
+transaction with its mark (runs.request_sums): a kill leaves the run read from its request rows. A run's
+fold is stored in one transaction, after its chunks' summaries: a kill leaves the run read chunk by chunk.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from sqlalchemy import Connection, Engine, bindparam, delete, func, or_, select,
 
 from kvscope.telemetry import schema
 from kvscope.telemetry.carry import CARRY_FIELDS
-from kvscope.telemetry.packed import ITEM_WIDTH, SUMMARY_FIELDS, Packer
+from kvscope.telemetry.packed import ITEM_WIDTH, SUMMARY_FIELDS, Packer, SummaryFold
 from kvscope.telemetry.queries import Capture
-from kvscope.telemetry.recorder import request_sum_statements
+from kvscope.telemetry.recorder import request_sum_statements, run_summary_statement
 from kvscope.telemetry.request_sums import REQUEST_LATENCIES, sums_rows
 from kvscope.telemetry.store import (
     CaptureError,
@@ -46,6 +48,7 @@ from kvscope.telemetry.writer import Statement
 CHUNK_EVENTS = 200_000
 SUM_REQUESTS = 200_000  # request rows read and summed at a time
 SUMMARY_CHUNKS = 64  # chunks summarized per transaction (a 100 M-event run has about 5,000)
+FOLD_CHUNKS = 256  # chunks folded between two progress calls
 REQUEST_TIMES = tuple(sorted({moment for span in REQUEST_LATENCIES.values() for moment in span}))
 ROW_FIELDS = schema.EVENT_COLUMNS[1:]  # NOTE: seq, then packed.ITEM_FIELDS in the same order
 
@@ -57,6 +60,7 @@ class UpgradedRun:
     chunks: int
     summarized: int = 0  # chunks whose summaries were stored
     requests_summed: int | None = None  # requests whose sums were stored (None: the run had them)
+    folded: int = 0  # chunks whose summaries were folded into the run's run_summaries row
 
 
 def upgrade(
@@ -65,12 +69,14 @@ def upgrade(
     progress: Callable[[int, int, int], None] | None = None,
     summarizing: Callable[[int, int, int], None] | None = None,
     summing: Callable[[int, int, int], None] | None = None,
+    folding: Callable[[int, int, int], None] | None = None,
 ) -> list[UpgradedRun]:
     """Pack every row-layout run of the capture, summarize every chunk without summaries and sum the
-    requests of every run without request sums; returns what was done, by run. `progress(run_id, events
-    done, events in the run)` is called after each packed chunk, `summarizing(run_id, chunks done, chunks
-    to do)` after each summarized one, `summing(run_id, requests done, requests in the run)` after each
-    batch of requests summed."""
+    requests of every run without request sums, and fold the chunk summaries of every run without a fold
+    that describes them; returns what was done, by run. `progress(run_id, events done, events in the run)`
+    is called after each packed chunk, `summarizing(run_id, chunks done, chunks to do)` after each
+    summarized one, `summing(run_id, requests done, requests in the run)` after each batch of requests
+    summed, `folding(run_id, chunks done, chunks in the run)` after each FOLD_CHUNKS chunks folded."""
     name = display_name(target)
     if not _check_upgradable(target, name):
         return []  # NOTE: nothing to do: the file is not opened for writing, so not rewritten
@@ -86,6 +92,8 @@ def upgrade(
         for run_id in _runs_without_request_sums(engine):
             summed = _sum_requests(engine, run_id, summing)
             done.setdefault(run_id, UpgradedRun(run_id, 0, 0)).requests_summed = summed
+        for run_id, folded in _fold_runs(target, engine, folding):
+            done.setdefault(run_id, UpgradedRun(run_id, 0, 0)).folded = folded
         settle(engine)
         return [done[run_id] for run_id in sorted(done)]
     except CaptureError:
@@ -108,12 +116,13 @@ def _check_upgradable(target: str | Path, name: str) -> bool:
             rows = conn.execute(select(schema.events.c.run_id).limit(1)).first() is not None
         unsummarized = bool(_unsummarized_runs(capture.engine))
         unsummed = bool(_runs_without_request_sums(capture.engine))
+        unfolded = bool(_unfolded_runs(capture))
     finally:
         capture.close()
     live = [int(r.id) for r in runs.itertuples() if r.display_status == "running"]
     if live:
         raise CaptureError(f"{name}: run {live[0]} is still being recorded; upgrade it once it has ended")
-    return older or rows or unsummarized or unsummed
+    return older or rows or unsummarized or unsummed or unfolded
 
 
 def _pack_run(engine: Engine, run_id: int, total: int, progress: Callable[[int, int, int], None] | None) -> UpgradedRun:
@@ -298,3 +307,40 @@ def _sum_requests(engine: Engine, run_id: int, summing: Callable[[int, int, int]
                 summing(run_id, done, total)
         conn.execute(update(schema.runs).where(schema.runs.c.id == run_id).values(request_sums=True))
     return done
+
+
+def _unfolded_runs(capture: Capture) -> list[int]:
+    """The runs with chunks and no stored fold of their summaries that folds every chunk they keep (written
+    before version 14, or a run whose retention drop ended its fold)."""
+    if not capture.packed.has_tables():
+        return []
+    c = schema.event_chunks.c
+    with capture.engine.connect() as conn:
+        last = conn.execute(select(c.run_id, func.max(c.chunk)).group_by(c.run_id).order_by(c.run_id)).fetchall()
+        folds = {run_id: capture.packed.fold(int(run_id), capture.schema_version, conn) for run_id, _ in last}
+    return [int(r) for r, top in last if (fold := folds[r]) is None or fold.through_chunk < int(top)]
+
+
+def _fold_runs(
+    target: str | Path, engine: Engine, folding: Callable[[int, int, int], None] | None
+) -> list[tuple[int, int]]:
+    """Store the fold of each unfolded run's chunk summaries (as stored, or computed for a chunk without);
+    returns (run, chunks folded) per run."""
+    statement = run_summary_statement(engine)
+    capture = Capture(target)
+    done = []
+    try:
+        for run_id in _unfolded_runs(capture):
+            fold = SummaryFold()
+            chunks = capture.packed.summaries(run_id, capture.schema_version)
+            for i, chunk in enumerate(chunks.itertuples(index=False), 1):
+                per_kind, groups = capture.packed.chunk_summaries(run_id, chunk)
+                fold.add(int(chunk.chunk), int(chunk.num_events), per_kind, groups)
+                if folding is not None and (i % FOLD_CHUNKS == 0 or i == len(chunks)):
+                    folding(run_id, i, len(chunks))
+            with engine.begin() as conn:
+                conn.exec_driver_sql(statement.sql, statement.params([fold.row(run_id)]))
+            done.append((run_id, len(chunks)))
+        return done
+    finally:
+        capture.close()

@@ -208,9 +208,10 @@ def test_damaged_events_are_one_line_and_the_usage_charts_stay(
     path = tmp_path / "damaged.db"
     path.write_bytes(hiradix_db.read_bytes())
     with sqlite3.connect(path) as conn:
-        # NOTE: chunks without summaries (as written before schema 10): the page's eviction sums then read
-        # the events themselves, which are damaged below
+        # NOTE: chunks without summaries (as written before schema 10) nor their run's fold (14): the page's
+        # eviction sums then read the events themselves, which are damaged below
         conn.execute("UPDATE event_chunks SET kind_counts = NULL, groups = NULL")
+        conn.execute("DELETE FROM run_summaries")
         conn.commit()
         conn.execute("VACUUM")
         page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])

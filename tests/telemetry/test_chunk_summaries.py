@@ -153,10 +153,12 @@ def test_chunks_without_summaries_read_the_same_and_upgrade_stores_theirs(record
 
 
 def test_the_reads_come_from_the_stored_summaries(recorded: Path, tmp_path: Path) -> None:
-    """A summary is what the reads take (not the events): one altered by hand shows."""
+    """A summary is what the reads take (not the events): one altered by hand shows. The run's fold of its
+    summaries (version 14, test_run_summaries.py) goes, so they are read chunk by chunk."""
     altered = tmp_path / "altered.db"
     shutil.copy(recorded, altered)
     with sqlite3.connect(altered) as conn:
+        conn.execute("DELETE FROM run_summaries")
         conn.execute(
             f"UPDATE event_chunks SET kind_counts = '{{\"match\": 1000000}}', groups = '{json.dumps(ALTERED)}'"
         )
@@ -182,6 +184,7 @@ def test_a_summary_that_is_not_json_is_one_damaged_capture_line(recorded: Path, 
     shutil.copy(recorded, damaged)
     with sqlite3.connect(damaged) as conn:
         conn.execute("UPDATE event_chunks SET groups = 'not json' WHERE chunk = 1")
+        conn.execute("DELETE FROM run_summaries")  # NOTE: read chunk by chunk (test_run_summaries: a damaged fold)
     capture = Capture(damaged)
     try:
         with pytest.raises(Exception, match=r"damaged capture .*event chunk 1's summaries"):
