@@ -606,18 +606,15 @@ def held_locks(capture: Capture, run_id: int, step: int) -> pd.DataFrame:
         events = _all(
             capture, run_id, LOCKS, LOCK_FIELDS, (FIRST_STEP, step), LOCK_STRINGS, int(partial.first_seq.min()) - 1
         )
-    carried, whole = [], []  # NOTE: whole: the stored carries of the chunks since the last straddling one
+    carried = []
     for chunk in chunks.itertuples(index=False):
         if chunk.last_step <= step:
-            whole.append(bytes(chunk.lock_carry))
+            carried.append(read_lock_carry(bytes(chunk.lock_carry)))
             continue
-        carried.append(read_lock_carry(b"".join(whole)))  # NOTE: records end to end: one array, not thousands
-        whole = []
         first = int(chunk.first_seq)
         mine = events[(events.seq >= first) & (events.seq < first + int(chunk.num_events))]
         columns = _lock_columns(mine, np.asarray)
         carried.append(read_lock_carry(lock_carry(columns, first, lambda text: capture.packed.code_of(run_id, text))))
-    carried.append(read_lock_carry(b"".join(whole)))
     return _held_frame(held_after(carried), lambda codes: decode_strings(capture, run_id, codes))
 
 

@@ -1,12 +1,13 @@
 """The tree replay and the lock and request carries give exactly what their first, per-record versions
 gave, kept here as the reference models, on random inputs: snapshots whose links loop or name missing
 nodes, reused node ids, locks taken and released in one chunk or carried over many, pair keys too wide
-for one int64 (the lexsort path)."""
+for one int64 (the lexsort path), held locks composed in blocks of any size."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+from unittest.mock import patch
 
 import numpy as np
 import pandas as pd
@@ -269,6 +270,22 @@ def ref_held_after(carried: Sequence[np.ndarray]) -> np.ndarray:
     return found[np.argsort(found["seq"], kind="stable")]
 
 
+def old_running_after(carried: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    opens = np.concatenate([np.zeros(0, carry.REQUEST_OPEN_DTYPE), *(o for o, _ in carried)])
+    if not len(opens):
+        return opens
+    open_chunk = np.repeat(np.arange(len(carried)), [len(o) for o, _ in carried])
+    latest = len(opens) - 1 - np.unique(opens["rid"][::-1], return_index=True)[1]
+    rids, since = opens["rid"][latest], open_chunk[latest]
+    closes = np.concatenate([np.zeros(0, np.int64), *(c for _, c in carried)])
+    close_chunk = np.repeat(np.arange(len(carried)), [len(c) for _, c in carried])
+    mine = np.isin(closes, rids)
+    at = np.searchsorted(rids, closes[mine])
+    last_close = np.full(len(rids), -1, np.int64)
+    np.maximum.at(last_close, at, close_chunk[mine])
+    return opens[latest[last_close < since]]
+
+
 def ref_running_after(carried: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     """Chunk by chunk: each rid's latest record."""
     latest: dict[int, Any] = {}
@@ -318,9 +335,13 @@ def lock_chunks(draw: Any) -> tuple[list[dict[str, np.ndarray]], list[int]]:
 
 
 @settings(max_examples=250, deadline=None)
-@given(lock_chunks())
-def test_lock_carries_and_held_locks_equal_the_reference(drawn: Any) -> None:
-    chunks, firsts = drawn
+@given(lock_chunks(), st.integers(1, 20))
+def test_lock_carries_and_held_locks_equal_the_reference(drawn: Any, block_records: int) -> None:
+    with patch.object(carry, "BLOCK_RECORDS", block_records):  # NOTE: blocks of a few records, too
+        check_lock_carries(*drawn)
+
+
+def check_lock_carries(chunks: list[dict[str, np.ndarray]], firsts: list[int]) -> None:
     made, expected = [], []
     for columns, first in zip(chunks, firsts, strict=True):
         made.append(carry.read_lock_carry(carry.lock_carry(columns, first, CODES.get)))
@@ -338,14 +359,14 @@ def test_lock_carries_and_held_locks_equal_the_reference(drawn: Any) -> None:
 @st.composite
 def request_chunks(draw: Any) -> list[tuple[np.ndarray, np.ndarray]]:
     """Request carries of chunks of match and end events of a few rids (request_carry: one record per
-    rid per chunk)."""
-    carried, seq = [], 0
+    rid per chunk); codes spread far apart (scale) take running_after's sorting path."""
+    carried, seq, scale = [], 0, draw(st.sampled_from([1, 2**25]))
     for size in draw(st.lists(st.integers(0, 10), min_size=1, max_size=8)):
         kind = np.array(draw(st.lists(st.sampled_from([2, 2, 3, 4, 5, 0]), min_size=size, max_size=size)), np.int64)
         rid = np.array(draw(st.lists(st.sampled_from([carry.NO_CODE, 3, 7, 8, 20]), min_size=size, max_size=size)))
         columns = {
             "kind": kind,
-            "rid": rid.astype(np.int64),
+            "rid": np.where(rid == carry.NO_CODE, rid, rid * scale).astype(np.int64),
             "step": np.arange(seq, seq + size, dtype=np.int64),
             "num_tokens": np.arange(size, dtype=np.int64),
         }
@@ -360,4 +381,5 @@ def test_running_requests_equal_the_reference(carried: list[tuple[np.ndarray, np
     for cut in range(len(carried) + 1):
         running = carry.running_after(carried[:cut])
         assert running.dtype == carry.REQUEST_OPEN_DTYPE
+        assert running.tobytes() == old_running_after(carried[:cut]).tobytes()
         assert running.tobytes() == ref_running_after(carried[:cut]).tobytes()
