@@ -31,9 +31,11 @@ one) shows each node of it: the link that closes the cycle is cut, the node show
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from kvscope.telemetry.events import EventKind, EvictReason
@@ -49,7 +51,7 @@ NEW_NODE: dict[str, Any] = {
     "depth_tokens": 0,
     "tier": "device",
 }
-Nodes = dict[int, dict[str, Any]]
+Nodes = dict[int, dict[str, Any]]  # NOTE: a node's parent_id is an int, or None for the root (NaN and NA read as None)
 BORN = "_born"  # NOTE: a node's insertion order in the replay (not a column: the table drops it); snapshot: -1
 VISIBILITIES = ("private", "public", "pinned")
 
@@ -61,7 +63,7 @@ def _insert(nodes: Nodes, ev: Any) -> None:
     nodes[ev.node_id] = {
         **NEW_NODE,
         "node_id": ev.node_id,
-        "parent_id": ev.aux,
+        "parent_id": _link(ev.aux),
         "num_tokens": ev.num_tokens,
         "last_access_time": ev.t_mono,
         "owner": ev.principal,
@@ -108,14 +110,22 @@ def _revive(nodes: Nodes, ev: Any) -> None:
     _set_tier(nodes, ev.node_id, "device+host", only_from="host")
 
 
+def _link(parent: Any) -> int | None:
+    """A parent id as the node table holds it: an int, or None for none (None, NaN or NA as read)."""
+    return None if parent is None or pd.isna(parent) else int(parent)
+
+
 def _add_lock(nodes: Nodes, node_id: int, delta: int) -> None:
-    """As inc_lock_ref: the node and its ancestors, not the root (whose parent reads None, or NaN
-    from a snapshot frame)."""
+    """As inc_lock_ref: the node and its ancestors, not the root (whose parent is None)."""
     node = nodes.get(node_id)
+    most = len(nodes)  # NOTE: stale links may loop: at most len(nodes) + 1 nodes are walked
     walked = 0
-    while node is not None and not pd.isna(node["parent_id"]) and walked <= len(nodes):  # NOTE: stale links may loop
+    while node is not None and walked <= most:
+        parent = node["parent_id"]
+        if parent is None:
+            return
         node["lock_ref"] += delta
-        node = nodes.get(node["parent_id"])
+        node = nodes.get(parent)
         walked += 1
 
 
@@ -164,31 +174,84 @@ REPLAY_COLUMNS = ("step", "kind", "pool", "node_id", "num_tokens", "aux", "reaso
 def replay_tree(snapshot: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
     """`snapshot`: a node table (TREE_NODE_COLUMNS); `events`: the structural events after it in
     sequence order, with at least kind, node_id, num_tokens, aux, t_mono and principal."""
-    nodes = {int(r["node_id"]): r for r in snapshot.reindex(columns=list(TREE_NODE_COLUMNS)).to_dict("records")}
-    for node in nodes.values():
-        node[BORN] = -1
-    for order, ev in enumerate(events.itertuples()):
+    nodes = _snapshot_nodes(snapshot)
+    for order, ev in enumerate(_rows(events)):
         apply = APPLY.get(ev.kind)
         if apply is not None:
             apply(nodes, ev)
             if ev.kind == EventKind.INSERT:
                 nodes[ev.node_id][BORN] = order
     root = _cut_stale_links(nodes)
-    depth = {} if root is None else {root: int(nodes[root]["num_tokens"])}
-    for node_id in nodes:
-        nodes[node_id]["depth_tokens"] = _depth_of(nodes, node_id, depth, root)
-    return pd.DataFrame(list(nodes.values()), columns=list(TREE_NODE_COLUMNS)).astype({"parent_id": "Int64"})
+    if not _chain_depths(nodes):
+        depth = {} if root is None else {root: int(nodes[root]["num_tokens"])}
+        for node_id in nodes:
+            nodes[node_id]["depth_tokens"] = _depth_of(nodes, node_id, depth, root)
+    return _node_frame(nodes)
+
+
+def _chain_depths(nodes: Nodes) -> bool:
+    """Sets every node's depth_tokens, the tokens of its chain of parents up to one without a parent
+    in the table, and returns True; False (nothing set) when a chain loops (_depth_of cuts the loop).
+
+    NOTE: pointer doubling: after round k, sum[i] holds the tokens of the first 2**k nodes of i's chain
+    and up[i] the node after them (-1: the chain ended). A chain without a loop ends within
+    log2(len(nodes)) + 1 rounds."""
+    index = {node_id: i for i, node_id in enumerate(nodes)}
+    up = np.fromiter((index.get(node["parent_id"], -1) for node in nodes.values()), np.int64, len(nodes))
+    total = np.fromiter((int(node["num_tokens"]) for node in nodes.values()), np.int64, len(nodes))
+    for _ in range(len(nodes).bit_length() + 1):
+        going = np.flatnonzero(up >= 0)
+        if not len(going):
+            break
+        above = up[going]
+        total[going] += total[above]
+        up[going] = up[above]
+    if (up >= 0).any():
+        return False
+    for node, depth in zip(nodes.values(), total.tolist(), strict=True):
+        node["depth_tokens"] = depth
+    return True
+
+
+def _snapshot_nodes(snapshot: pd.DataFrame) -> Nodes:
+    """A snapshot frame's rows as nodes (each a dict of TREE_NODE_COLUMNS and BORN -1), by node id.
+    NOTE: column by column (Series.tolist), not to_dict("records"), which boxes every cell on its own."""
+    frame = snapshot.reindex(columns=list(TREE_NODE_COLUMNS))
+    values = {name: frame[name].tolist() for name in TREE_NODE_COLUMNS}
+    values["parent_id"] = [_link(p) for p in values["parent_id"]]
+    values[BORN] = [-1] * len(frame)
+    names = list(values)
+    return {
+        int(node["node_id"]): node
+        for node in (dict(zip(names, row, strict=True)) for row in zip(*values.values(), strict=True))
+    }
+
+
+def _rows(events: pd.DataFrame) -> Any:
+    """The events as named tuples of Python values (itertuples, without its per-cell boxing of
+    extension arrays)."""
+    row = namedtuple("row", list(events.columns), rename=True)  # type: ignore[misc]
+    return map(row._make, zip(*(events[name].tolist() for name in events.columns), strict=True))
+
+
+def _node_frame(nodes: Nodes) -> pd.DataFrame:
+    """The node table; NOTE: built column by column, as a frame from the rows would be typed (an empty
+    one has object columns)."""
+    rows = list(nodes.values())
+    columns = {name: [node[name] for node in rows] for name in TREE_NODE_COLUMNS}
+    frame = pd.DataFrame(columns if rows else None, columns=list(TREE_NODE_COLUMNS), dtype=None if rows else object)
+    return frame.astype({"parent_id": "Int64"})
 
 
 def _parent(nodes: Nodes, node_id: int) -> int | None:
     parent = nodes[node_id]["parent_id"]
-    return None if parent is None or pd.isna(parent) or int(parent) not in nodes else int(parent)
+    return parent if parent in nodes else None  # NOTE: None is never a node id
 
 
 def _cut_stale_links(nodes: Nodes) -> int | None:
     """Each link to a parent inserted after its child goes to the root (stale: the id was reused);
     returns the root (the node without a parent), None when there is not exactly one."""
-    roots = [n for n, node in nodes.items() if node["parent_id"] is None or pd.isna(node["parent_id"])]
+    roots = [n for n, node in nodes.items() if node["parent_id"] is None]
     root = roots[0] if len(roots) == 1 else None
     for node in nodes.values():
         parent = _parent(nodes, int(node["node_id"]))
