@@ -44,9 +44,11 @@ def run_clock(path: str, run_id: int, stamp: float, run: Any) -> Clock | None:
 
 @st.cache_data(ttl=data.CACHE_TTL_S, show_spinner=False)
 def has_lock_events(path: str, run_id: int, stamp: float) -> bool:
-    """Whether the run recorded a lock or an unlock of a tree node (none in a summary capture)."""
-    found = data.open_capture(path).events(run_id, kinds=[EventKind.LOCK, EventKind.UNLOCK], limit=1, columns=["seq"])
-    return not found.empty
+    """Whether the run recorded a lock or an unlock of a tree node (none in a summary capture). NOTE: from
+    the run's events per kind (its folded summaries, schema 14: one row), not a search of its chunks."""
+    counts = data.event_counts(path, run_id, stamp)
+    locks = counts[counts["kind"].isin([EventKind.LOCK.value, EventKind.UNLOCK.value])]
+    return bool((locks["count"] > 0).any())
 
 
 @st.cache_data(ttl=data.CACHE_TTL_S, show_spinner=False)

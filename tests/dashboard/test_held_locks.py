@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -9,7 +10,11 @@ import pandas as pd
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvscope.dashboard import reads
 from kvscope.dashboard.leak_views import held_locks, lock_holder
+from kvscope.telemetry import Capture, EventKind, PoolTerms, UsageSample
+from kvscope.telemetry.recorder import SQLRecorder
+from tests.dashboard.test_times_and_widths import LEAKY
 
 
 def reference_held_locks(locks: pd.DataFrame, step: int) -> pd.DataFrame:
@@ -90,3 +95,20 @@ def test_held_locks_of_rid_codes_name_the_same_holders(events: list[tuple[Any, .
     want = held_locks(as_strings, step)
     assert got["node_id"].astype(int).tolist() == want["node_id"].astype(int).tolist()
     assert [None if pd.isna(r) else r for r in got["rid"]] == [None if pd.isna(r) else r for r in want["rid"]]
+
+
+def test_has_lock_events_agrees_with_a_search_of_the_events(tmp_path: Path) -> None:
+    """The Radix tree page asks whether a run recorded any lock from its events per kind (one folded
+    row): the same answer as searching its events, on a level-full sample and on a summary capture."""
+    summary = tmp_path / "summary.db"
+    with SQLRecorder(summary, level="summary", label="summary") as recorder:
+        recorder.step = 1
+        recorder.usage(UsageSample(1, PoolTerms(100, 60, 30, 10), None, 4, 2, 2, 1, 10, 5, 1, 1, 0, 0))
+    for db, expected in ((LEAKY, True), (summary, False)):
+        capture = Capture(db)
+        try:
+            searched = capture.events(1, kinds=[EventKind.LOCK, EventKind.UNLOCK], limit=1, columns=["seq"])
+        finally:
+            capture.close()
+        assert (not searched.empty) is expected, f"{db.name}: the sample is not what the test needs"
+        assert reads.has_lock_events(str(db), 1, 0.0) is expected, db.name
