@@ -896,7 +896,8 @@ def _pending_line(report: LeakReport) -> str:
 
 def _leak_reason(report: LeakReport, leaks: list[Leak]) -> str:
     if not leaks:
-        return f"leak: the leak check failed at step {report.first_failure_step}: {report.first_failure[0]}"
+        unnamed = f"; {report.events_missing}" if report.events_missing is not None else ""
+        return f"leak: the leak check failed at step {report.first_failure_step}: {report.first_failure[0]}{unnamed}"
     leak = leaks[0]
     who = f" ({leak.rid})" if leak.rid else ""
     more = f" and {len(report.leaks) - 1} more" if len(report.leaks) > 1 else ""

@@ -102,7 +102,7 @@ def as_json(*args: str) -> dict:
 
 def test_a_bounded_run_keeps_its_verdict_and_culprits(tmp_path: Path) -> None:
     unbounded = record(tmp_path, "all.db")
-    bounded = record(tmp_path, "bounded.db", "--max-size", f"{BOUND_BYTES}B", env={"KVSCOPE_CHECKPOINT_EVERY_S": "0.5"})
+    bounded = record_checkpointed(tmp_path, unbounded)
     assert bounded.stat().st_size <= BOUND_BYTES < unbounded.stat().st_size
     ((first_seq, dropped_bytes),) = rows(bounded, "SELECT first_seq, dropped_bytes FROM event_retention")
     assert first_seq > 0 and dropped_bytes > BOUND_BYTES // 2
@@ -130,6 +130,27 @@ def test_a_bounded_run_keeps_its_verdict_and_culprits(tmp_path: Path) -> None:
             assert len(capture.tree_at(1, step)) == len(Capture(unbounded).tree_at(1, step))
     finally:
         capture.close()
+
+
+TRIES = 3
+
+
+def record_checkpointed(tmp_path: Path, unbounded: Path) -> Path:
+    """The bounded recording of `record`'s run with its ledger checkpointer keeping up. On a loaded
+    machine the checkpointer (a process of its own) can be starved for seconds, and the size bound
+    then wins over the gate, as documented: a checkpointer stopped for 3 s in this run does it. Such a
+    capture must say so (the leak check's verdict, and why no culprit is named); the run is then
+    recorded again, at most TRIES times."""
+    for attempt in range(TRIES):
+        every = {"KVSCOPE_CHECKPOINT_EVERY_S": "0.5"}
+        bounded = record(tmp_path, f"bounded-{attempt}.db", "--max-size", f"{BOUND_BYTES}B", env=every)
+        missing = as_json("report", "leaks", str(bounded), "--json")["events_missing"]
+        if missing is None:
+            return bounded
+        check = as_json("check", str(bounded), "--json")
+        assert check["verdict"] == "leak" and check["reason"].endswith(f"; {missing}"), check
+        assert missing.endswith("before the ledger summarized them: culprits before it cannot be named"), missing
+    pytest.fail(f"the ledger checkpointer fell behind the size bound in {TRIES} recordings of {unbounded.name}'s run")
 
 
 def test_events_dropped_past_the_checkpoint_make_the_verdict_inconclusive(tmp_path: Path) -> None:
