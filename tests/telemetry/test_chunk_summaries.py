@@ -275,9 +275,9 @@ def test_summaries_group_the_events_of_one_chunk(events: list[tuple[int, int, in
     assert key_sorted(json.loads(groups)) == key_sorted(groups_of(frame))
 
 
-def test_a_bounded_run_sums_the_events_it_kept(tmp_path: Path) -> None:
-    """Retention drops a chunk's summaries with it: the sums describe the kept events, as reading them would."""
-    path = tmp_path / "bounded.db"
+def record_bounded(path: Path) -> None:
+    """12 steps of a match and an eviction each, a chunk per step, under a 0.2 s window: retention
+    drops the oldest chunks as the run goes."""
     with SQLRecorder(path, retention=Retention(keep_events_s=0.2)) as recorder:
         for step in range(12):
             recorder.step = step
@@ -287,6 +287,12 @@ def test_a_bounded_run_sums_the_events_it_kept(tmp_path: Path) -> None:
             )
             recorder.flush()
             time.sleep(0.05)
+
+
+def test_a_bounded_run_sums_the_events_it_kept(tmp_path: Path) -> None:
+    """Retention drops a chunk's summaries with it: the sums describe the kept events, as reading them would."""
+    path = tmp_path / "bounded.db"
+    record_bounded(path)
     capture = Capture(path)
     try:
         kept = capture.events(1, limit=None, columns=["step", "kind", "principal"])

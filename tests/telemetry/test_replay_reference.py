@@ -190,36 +190,8 @@ def test_a_chain_longer_than_one_doubling_round_sums_every_node() -> None:
     assert replayed["depth_tokens"].tolist() == list(range(1, num_nodes + 1))
 
 
-# -- the reference lock and request carries (carry.py before one sort did both) ----------------------
-
-
-def ref_pair_groups(node: np.ndarray, holder: np.ndarray) -> np.ndarray:
-    order = np.lexsort((holder, node))
-    n, h = node[order], holder[order]
-    starts = np.r_[True, (n[1:] != n[:-1]) | (h[1:] != h[:-1])]
-    group = np.empty(len(node), np.int64)
-    group[order] = np.cumsum(starts) - 1
-    return group
-
-
-def ref_stacks(group: np.ndarray, change: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    order = np.argsort(group, kind="stable")
-    g, d = group[order], change[order]
-    span = 2 * len(d) + 1
-    total = np.cumsum(d)
-    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
-    before = np.r_[0, total][starts]
-    c = total - np.repeat(before, np.diff(np.r_[starts, len(d)]))
-    low = np.minimum.accumulate(c - g * span) + g * span
-    height = c - np.minimum(low, 0)
-    rev = (g.max() - g)[::-1]
-    lowest_after = (np.minimum.accumulate(height[::-1] - rev * span) + rev * span)[::-1]
-    held = np.zeros(len(d), bool)
-    held[order] = (d > 0) & (lowest_after >= height)
-    ends = np.r_[starts[1:], len(d)] - 1
-    releases = np.zeros(int(group.max()) + 1, np.int64)
-    releases[g[ends]] = -np.minimum(low[ends], 0)
-    return releases, held
+# -- the reference lock and request carries: stacks walked event by event (lock carries), and carry.py
+# before one sort did both (requests) ---------------------------------------------------------------
 
 
 def model_held(chunks: Sequence[dict[str, np.ndarray]], firsts: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -239,34 +211,58 @@ def model_held(chunks: Sequence[dict[str, np.ndarray]], firsts: Sequence[int]) -
 
 
 def ref_lock_carry(columns: dict[str, np.ndarray], first_seq: int) -> bytes:
+    """Event by event, a stack per (node, holder): an unlock pops its lock, or (none in the chunk)
+    releases one carried in; the releases first, by (node, holder), then the locks still held."""
     kind, node = columns["kind"], columns["node_id"]
-    is_lock = kind == LOCK
-    mask = (is_lock | (kind == UNLOCK)) & (node != carry.NULL_INT)
+    mask = np.isin(kind, [LOCK, UNLOCK]) & (node != carry.NULL_INT)
     if not mask.any():
         return b""
-    seqs = first_seq + np.arange(len(kind))
-    holder = carry._holders(columns, mask, CODES.get)
-    node = node[mask]
-    group = ref_pair_groups(node, holder)
-    released, held = ref_stacks(group, np.where(is_lock[mask], 1, -1))
-    first_of = np.unique(group, return_index=True)[1]
-    times = released[group[first_of]]
+    stacks: dict[tuple[int, int], list[int]] = {}
+    releases: dict[tuple[int, int], int] = {}
+    holder_of = dict(zip(np.flatnonzero(mask).tolist(), carry._holders(columns, mask, CODES.get).tolist(), strict=True))
+    for i, holder in holder_of.items():
+        key = (int(node[i]), holder)
+        stack = stacks.setdefault(key, [])
+        if kind[i] == LOCK:
+            stack.append(i)
+        elif stack:
+            stack.pop()
+        else:
+            releases[key] = releases.get(key, 0) + 1
+    released = [key for key, times in sorted(releases.items()) for _ in range(times)]
+    held = sorted(i for stack in stacks.values() for i in stack)
     out = np.concatenate(
         [
-            carry._records(np.repeat(node[first_of], times), np.repeat(holder[first_of], times), carry.RELEASE, 0),
-            carry._records(node[held], holder[held], seqs[mask][held], columns["step"][mask][held]),
+            carry._records(
+                np.array([n for n, _ in released], np.int64),
+                np.array([h for _, h in released], np.int64),
+                carry.RELEASE,
+                0,
+            ),
+            carry._records(
+                node[held],
+                np.array([holder_of[i] for i in held], np.int64),
+                first_seq + np.array(held, np.int64),
+                columns["step"][held],
+            ),
         ]
     )
     return out.tobytes()
 
 
 def ref_held_after(carried: Sequence[np.ndarray]) -> np.ndarray:
+    """Record by record, a stack per (node, holder): a release pops the latest lock carried in."""
     records = np.concatenate([*carried, np.zeros(0, carry.LOCK_CARRY_DTYPE)])
-    if not len(records):
-        return records
-    group = ref_pair_groups(records["node"], records["holder"])
-    held = ref_stacks(group, np.where(records["seq"] != carry.RELEASE, 1, -1))[1]
-    found = records[held]
+    stacks: dict[tuple[int, int], list[int]] = {}
+    for i, (node, holder, seq) in enumerate(
+        zip(records["node"].tolist(), records["holder"].tolist(), records["seq"].tolist(), strict=True)
+    ):
+        stack = stacks.setdefault((node, holder), [])
+        if seq != carry.RELEASE:
+            stack.append(i)
+        elif stack:
+            stack.pop()
+    found = records[sorted(i for stack in stacks.values() for i in stack)]
     return found[np.argsort(found["seq"], kind="stable")]
 
 

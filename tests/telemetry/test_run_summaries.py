@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,8 @@ from kvscope.telemetry.events import EventKind, EvictReason, PoolName
 from kvscope.telemetry.packed import GROUP_FOLDS, SummaryFold
 from kvscope.telemetry.queries import Capture
 from kvscope.telemetry.recorder import SQLRecorder
-from kvscope.telemetry.retention import Retention
 from kvscope.telemetry.upgrade import upgrade
+from tests.telemetry.test_chunk_summaries import record_bounded
 from tests.telemetry.test_packed_oracles import record_random_events
 
 
@@ -205,15 +204,7 @@ def test_a_retention_drop_ends_the_fold_and_the_reads_describe_the_kept_events(t
     """Retention drops whole chunks, which a fold cannot take out (the least step of an eviction): the
     writer stores the empty fold after its first drop, and the reads are those of the kept chunks."""
     path = tmp_path / "bounded.db"
-    with SQLRecorder(path, retention=Retention(keep_events_s=0.2)) as recorder:
-        for step in range(12):
-            recorder.step = step
-            recorder.record(EventKind.MATCH, rid=f"r{step}", num_tokens=step, principal=f"u{step}")
-            recorder.record(
-                EventKind.EVICT, pool=PoolName.FULL, node_id=step, num_tokens=4, reason=EvictReason.CAPACITY
-            )
-            recorder.flush()
-            time.sleep(0.05)
+    record_bounded(path)
     assert stored_fold(path) == [(1, -1, 0, 0, "{}", '{"evictions": [], "reuse": [], "stops": []}')]
     capture = Capture(path)
     try:
