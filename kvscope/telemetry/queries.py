@@ -44,6 +44,7 @@ from kvscope.telemetry.store import (
     stored_version,
 )
 from kvscope.telemetry.tree_replay import REPLAY_COLUMNS, STRUCTURAL_KINDS, replay_tree
+from kvscope.telemetry.usage_buckets import UsageBuckets, bucket_width
 
 STALE_HEARTBEAT_S = 30.0
 RATE_WINDOW_S = 10.0  # latest_usage: how far back the earlier row of a rate is
@@ -81,6 +82,7 @@ class Capture:
         self._snapshots: OrderedDict[tuple[int, int], pd.DataFrame] = OrderedDict()
         self._lock = threading.Lock()
         self._pools_seen: dict[int, PoolsSeen] = {}  # NOTE: per run, _usage_pools's count so far
+        self._usage_buckets: dict[tuple[int, int], UsageBuckets] = {}  # NOTE: per run and bucket count, usage's
         # NOTE: every page was checked at open (a small file), or needs no check (a server database)
         self._pages_checked = path is None or _small_file(target)
         self._newest_version_seen = False  # NOTE: a file at this code's newest schema stays there
@@ -305,26 +307,40 @@ class Capture:
             *([u.host_total - u.host_available] if has_host_rows else []),
         ]
         num_buckets = max(1, (max_points - 1) // len(peaks))
-        width = max(1, -(-(hi - lo + 1) // num_buckets))
         columns = [
             _used_of_older().label(c.name) if c.name == "full_used" and version < 5 else c
             for c in schema.columns_as_of(schema.usage, version)
             if c.name != "run_id"
         ]
-        if width == 1:  # NOTE: a bucket per step keeps every row
+        if bucket_width(hi - lo + 1, num_buckets) == 1:  # NOTE: a bucket per step keeps every row
             return self.read_frame(select(*columns).where(u.run_id == run_id, u.step <= hi).order_by(u.step))
-        # NOTE: one aggregate per bucket, not a rank per row: a bucket's peak row holds the max of
-        # peak * span + (step - lo), where span = hi - lo + 1 > step - lo >= 0, so the key orders by peak, then
-        # by step (the latest on a tie), and its step is key mod span (exact while |peak| * span < 2**63). A
-        # ranking window (ROW_NUMBER per bucket) sorted the run's every row with its ranks: 11 s of the Overview
-        # at 100 M events (880k steps). Steps past `hi` (a live run went on) wait for the next read
-        span = hi - lo + 1
-        offset = u.step - lo
-        keys = [func.max(func.coalesce(peak, -1) * span + offset) for peak in peaks]
-        with self.engine.connect() as conn:
-            found = conn.execute(select(*keys).where(u.run_id == run_id, u.step <= hi).group_by(offset // width))
-            kept = {hi, *(lo + int(key) % span for row in found for key in row)}
-        return self.read_frame(select(*columns).where(u.run_id == run_id, u.step.in_(sorted(kept))).order_by(u.step))
+        # NOTE: one aggregate per bucket, not a rank per row (usage_buckets.py: the keys): a ranking window
+        # (ROW_NUMBER per bucket) sorted the run's every row with its ranks, 11 s of the Overview at 100 M
+        # events (880k steps); and only the buckets the last read of this run left open, so a live refresh
+        # aggregates the rows appended since (0.3-0.5 s at 850k steps when it aggregated them all). Steps past
+        # `hi` (a live run went on) wait for the next read
+        pools, cache_key = (has_swa, has_host_rows), (run_id, num_buckets)
+        with self._lock:
+            cached = self._usage_buckets.get(cache_key)
+        for start_over in (False, True):
+            base = cached if cached is not None and not start_over and cached.fits(lo, pools, num_buckets, hi) else None
+            buckets = UsageBuckets.empty(lo, pools, num_buckets, hi) if base is None else base.widened(hi)
+            offset = u.step - lo
+            keys = [func.max(func.coalesce(peak, -1) * buckets.scale + offset) for peak in peaks]
+            with self.engine.connect() as conn:
+                found = conn.execute(
+                    select(*keys)
+                    .where(u.run_id == run_id, u.step >= lo + buckets.first_open_offset, u.step <= hi)
+                    .group_by(offset // buckets.width)
+                ).all()
+            buckets = buckets.with_found([tuple(row) for row in found], hi)
+            kept = sorted(buckets.steps())
+            frame = self.read_frame(select(*columns).where(u.run_id == run_id, u.step.in_(kept)).order_by(u.step))
+            if len(frame) == len(kept) or base is None:  # NOTE: else retention thinned a kept peak row away
+                break
+        with self._lock:
+            self._usage_buckets[cache_key] = buckets
+        return frame
 
     def _usage_pools(self, conn: Connection, run_id: int, lo: int, hi: int, has_host: bool) -> tuple[bool, bool]:
         """Whether the run's usage rows through `hi` hold an SWA pool, and a host tier: counted once per

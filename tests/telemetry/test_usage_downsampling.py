@@ -5,6 +5,7 @@ steps broke all three (a negative "held by requests")."""
 
 from __future__ import annotations
 
+import sqlite3
 import tempfile
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import numpy as np
 import pandas as pd
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sqlalchemy import event
 
 from kvscope.dashboard.charts import pool_terms, pools_of
 from kvscope.telemetry import Capture, PoolTerms, UsageSample
@@ -86,13 +88,15 @@ def test_downsampled_rows_are_whole_rows_whose_terms_stack_to_the_total(
 
 
 def peak_steps(every: pd.DataFrame, max_points: int) -> list[int]:
-    """The steps Capture.usage keeps, by its rule computed here row by row: buckets of equal width
-    over [lo, hi], in each one per pool the row with the most tokens in use (missing: -1), the latest
-    on a tie; and the last row."""
+    """The steps Capture.usage keeps, by its rule computed here row by row: buckets over [lo, hi] of
+    the least power-of-two width that leaves at most (max_points - 1) // pools of them, in each one
+    per pool the row with the most tokens in use (missing: -1), the latest on a tie; and the last row."""
     steps = every.index.to_numpy()
     lo, hi = int(steps.min()), int(steps.max())
     pools = pools_of(every.reset_index())
-    width = -(-(hi - lo + 1) // max(1, (max_points - 1) // len(pools)))
+    width = 1
+    while -(-(hi - lo + 1) // width) > max(1, (max_points - 1) // len(pools)):
+        width *= 2
     kept = {hi}
     for _, rows in every.groupby((steps - lo) // width):
         for pool in pools:
@@ -117,3 +121,104 @@ def test_each_bucket_keeps_each_pools_peak_row_and_the_latest_on_a_tie(
     steps = (first_step + np.cumsum(rng.integers(1, 3, size=num_steps))).tolist()
     every, kept = every_and_kept(steps, rng, with_swa, max_points, full_total=4)
     assert kept["step"].tolist() == peak_steps(every, max_points)
+
+
+# -- a live run: reads as rows are appended (and thinned) equal a fresh reader's -------------------
+
+
+def append_rows(path: Path, steps: list[int], rng: np.random.Generator, with_swa: bool) -> None:
+    """Rows at `steps` as a live writer appends them: a copy of the run's first row, 4 tokens per pool
+    (ties are common), an SWA pool when `with_swa`."""
+    with sqlite3.connect(path) as conn:
+        conn.row_factory = sqlite3.Row
+        first = dict(conn.execute("SELECT * FROM usage ORDER BY step LIMIT 1").fetchone())
+        rows = [
+            {
+                **first,
+                "step": step,
+                "t_mono": float(step),
+                "full_available": int(rng.integers(0, 5)),
+                "swa_total": 4 if with_swa else None,
+                "swa_available": int(rng.integers(0, 5)) if with_swa else None,
+            }
+            for step in steps
+        ]
+        names = ", ".join(first)
+        conn.executemany(f"INSERT INTO usage ({names}) VALUES ({', '.join(':' + n for n in first)})", rows)
+
+
+def thin_rows(path: Path, rng: np.random.Generator) -> None:
+    """As retention thins a run's old usage rows: about a third of them go, the last row stays."""
+    with sqlite3.connect(path) as conn:
+        steps = [step for (step,) in conn.execute("SELECT step FROM usage ORDER BY step")][:-1]
+        gone = [(step,) for step in steps if rng.random() < 0.35]
+        conn.executemany("DELETE FROM usage WHERE step = ?", gone)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    batches=st.lists(st.integers(1, 90), min_size=1, max_size=6),
+    max_points=st.integers(3, 30),
+    swa_from=st.sampled_from([None, 0, 2]),
+    thin_after=st.sets(st.integers(0, 5), max_size=2),
+)
+def test_reads_of_a_growing_run_equal_a_fresh_readers(
+    seed: int, batches: list[int], max_points: int, swa_from: int | None, thin_after: set[int]
+) -> None:
+    """One reader kept open across a live run's appends (Capture.usage goes on from the buckets its last
+    read left open: usage_buckets.py) reads what a reader opened afresh reads, and the rule's steps; with
+    an SWA pool that appears mid-run and old rows thinned away (a kept peak row among them, at times)."""
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "live.db"
+        record(path, [0], rng, with_swa=swa_from == 0, full_total=4)
+        live, last = Capture(path), 0
+        try:
+            for i, size in enumerate(batches):
+                steps = (last + np.cumsum(rng.integers(1, 3, size=size))).tolist()
+                append_rows(path, steps, rng, with_swa=swa_from is not None and i >= swa_from)
+                last = steps[-1]
+                if i in thin_after:
+                    thin_rows(path, rng)
+                kept = live.usage(1, max_points=max_points)
+                fresh = Capture(path)
+                try:
+                    every = fresh.usage(1, max_points=10 * (last + 1)).set_index("step")
+                    assert kept.equals(fresh.usage(1, max_points=max_points))
+                finally:
+                    fresh.close()
+                assert kept["step"].tolist() == peak_steps(every, max_points)
+        finally:
+            live.close()
+
+
+def vm_steps_of_a_refresh(path: Path, num_steps: int) -> int:
+    """SQLite's virtual-machine instructions (in hundreds) of one Capture.usage after 100 rows were
+    appended to a run of `num_steps` steps that the same reader had read."""
+    rng = np.random.default_rng(0)
+    record(path, [0], rng, with_swa=False, full_total=4)
+    append_rows(path, list(range(1, num_steps)), rng, with_swa=False)
+    capture = Capture(path)
+    counted = [0]
+
+    def count() -> int:
+        counted[0] += 1
+        return 0
+
+    try:
+        capture.usage(1)
+        append_rows(path, list(range(num_steps, num_steps + 100)), rng, with_swa=False)
+        event.listen(capture.engine, "connect", lambda conn, _record: conn.set_progress_handler(count, 100))
+        capture.engine.dispose()  # NOTE: the pooled connections opened before the listener go
+        assert capture.usage(1)["step"].iloc[-1] == num_steps + 99
+    finally:
+        capture.close()
+    return counted[0]
+
+
+def test_a_live_refresh_aggregates_the_rows_appended_since_not_the_run(tmp_path: Path) -> None:
+    """The same refresh on a run ten times as long costs about the same (aggregating every row: 10x)."""
+    short = vm_steps_of_a_refresh(tmp_path / "short.db", 4_000)
+    long = vm_steps_of_a_refresh(tmp_path / "long.db", 40_000)
+    assert long < 2 * short + 50, (short, long)
