@@ -16,6 +16,9 @@ is checked after timing (count, total slot bytes and total num_tokens of the pac
                loop goes; events/s = M / (first record -> close() returned, all on disk). The
                record loop includes the hand-offs to the writer process (marshal and send)
                and any wait for it (back-pressure); its CPU time is the caller's cost
+    requests   the sustained case with REQUESTS_PER_STEP finished requests' records (recorder.request)
+               a step as well, built before timing: what the requests table and the request sums
+               (schema 12, folded by the writer) cost the writer per event
     writer     the same M events recorded with the writer paused, then one timed flush()
                (hand-off, the writer process's packing and writing, its acknowledgement)
     raw        sqlite3 executemany of the same M events as rows of the layout before schema 6
@@ -23,7 +26,7 @@ is checked after timing (count, total slot bytes and total num_tokens of the pac
                (a) with the secondary indexes kept while recording (step, kind; its rid and
                node indexes were built at close), (b) without them (the (run_id, seq) primary
                key keeps its automatic index), (c) as a plain rowid table with no index
-The sustained and writer cases run --rounds times, alternating; the tables show medians.
+The sustained, requests and writer cases run --rounds times, alternating; the tables show medians.
 The mixed events repeat a fixed set of NUM_TEMPLATE_STEPS steps x EVENTS_PER_STEP events
 (built before timing; recorder.step advances every EVENTS_PER_STEP events): KIND_SHARES of
 each kind, alloc/free with 1-32 slots (int64 numpy arrays), the rest without slots.
@@ -56,6 +59,7 @@ from sqlalchemy.schema import CreateIndex, CreateTable
 from kvscope.telemetry import NULL_RECORDER, EventKind, PoolName, schema
 from kvscope.telemetry.packed import Packer, widen
 from kvscope.telemetry.recorder import SQLRecorder, slots_blob
+from kvscope.telemetry.records import RequestRecord
 
 DEFAULT_NUM_EVENTS = 2_000_000
 DEFAULT_ROUNDS = 3
@@ -74,6 +78,7 @@ KIND_SHARES = {
 }
 SLOTTED_KINDS = (EventKind.ALLOC, EventKind.FREE)
 MAX_SLOTS = 32
+REQUESTS_PER_STEP = 3  # NOTE: a finished request per 33 events (the probe's captures: about one per 29)
 NUM_RIDS = 1000
 NUM_NODES = 20_000
 PAUSED = {"flush_interval_s": 3600.0, "flush_max_events": 1 << 62}
@@ -176,12 +181,48 @@ def expected_of(steps: list[list[Args]], num_steps: int) -> Expected:
     return Expected(num_steps * EVENTS_PER_STEP, sum(p[0] for p in picked), sum(p[1] for p in picked))
 
 
-def produce(recorder: SQLRecorder, steps: list[list[Args]], num_steps: int) -> None:
+def produce(
+    recorder: SQLRecorder, steps: list[list[Args]], num_steps: int, requests: list[RequestRecord] | None = None
+) -> None:
+    """The events; with `requests`, REQUESTS_PER_STEP of them recorded after each step's events."""
     record = recorder.record
     for step in range(num_steps):
         recorder.step = step
         for kind, pool, rid, node_id, num_tokens, slots, aux in steps[step % len(steps)]:
             record(kind, pool=pool, rid=rid, node_id=node_id, num_tokens=num_tokens, slots=slots, aux=aux)
+        if requests is not None:
+            for i in range(step * REQUESTS_PER_STEP, (step + 1) * REQUESTS_PER_STEP):
+                recorder.request(requests[i])
+
+
+def finished_requests(num_steps: int, seed: int) -> list[RequestRecord]:
+    """REQUESTS_PER_STEP finished requests a step, each with its four moments (latencies for the sums)."""
+    rng = np.random.default_rng(seed)
+    found = []
+    for i in range(num_steps * REQUESTS_PER_STEP):
+        step = i // REQUESTS_PER_STEP
+        arrive = step * 0.01
+        waits = np.cumsum(rng.exponential(0.05, size=3)).tolist()
+        times = {
+            "arrive": arrive,
+            "admit": arrive + waits[0],
+            "first_token": arrive + waits[1],
+            "finish": arrive + waits[2],
+        }
+        prompt = int(rng.integers(16, 2048))
+        found.append(
+            RequestRecord(
+                f"req-{i}",
+                f"tenant-{i % 7}",
+                prompt,
+                status="finished",
+                cached_tokens=int(rng.integers(0, prompt)),
+                output_len=int(rng.integers(1, 256)),
+                times=times,
+                steps={moment: step for moment in times},
+            )
+        )
+    return found
 
 
 def loop_alone_s(steps: list[list[Args]], num_steps: int) -> float:
@@ -230,9 +271,10 @@ def raw_rows(steps: list[list[Args]], num_steps: int) -> list[tuple[Any, ...]]:
 # -- checks and helpers ------------------------------------------------------------------
 
 
-def check_rows(db_path: Path, expected: Expected) -> None:
+def check_rows(db_path: Path, expected: Expected, num_requests: int = 0) -> None:
     """The capture holds exactly the events recorded: (events, slot bytes, tokens), from the
-    packed chunks (or the events table of the raw cases)."""
+    packed chunks (or the events table of the raw cases); and `num_requests` requests, each in the
+    request sums."""
     conn = sqlite3.connect(db_path)
     try:
         tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -254,6 +296,13 @@ def check_rows(db_path: Path, expected: Expected) -> None:
                     "SELECT count(*), coalesce(sum(length(slots)), 0), coalesce(sum(num_tokens), 0) FROM events"
                 ).fetchone()
             )
+        if num_requests:
+            rows = conn.execute("SELECT count(*) FROM requests").fetchone()[0]
+            summed = conn.execute("SELECT coalesce(sum(num_requests), 0) FROM request_sums").fetchone()[0]
+            if (rows, summed) != (num_requests, num_requests):
+                raise AssertionError(
+                    f"{db_path.name}: {rows} request rows, {summed} in the sums, {num_requests} recorded"
+                )
     finally:
         conn.close()
     if tuple(found) != tuple(expected):
@@ -330,21 +379,25 @@ def caller_figure(case: CallerCase, num_events: int, chunks_s: list[float]) -> C
 # -- throughput --------------------------------------------------------------------------
 
 
-def run_sustained(steps: list[list[Args]], num_steps: int, expected: Expected) -> Throughput:
+def run_sustained(
+    steps: list[list[Args]], num_steps: int, expected: Expected, requests: list[RequestRecord] | None = None
+) -> Throughput:
     with fresh_db() as db_path:
         children_before = children_cpu_s()
         recorder = SQLRecorder(db_path)
         recorder.wait_ready()
         children_before += writer_started_cpu_s(recorder)
         start_s, start_cpu_s = time.perf_counter(), time.process_time()
-        produce(recorder, steps, num_steps)
+        produce(recorder, steps, num_steps, requests)
         recorded_s, recorded_cpu_s = time.perf_counter(), time.process_time()
         recorder.close()
         closed_s = time.perf_counter()
         writer_cpu_s = children_cpu_s() - children_before
-        check_rows(db_path, expected)
+        check_rows(db_path, expected, 0 if requests is None else len(requests))
     return Throughput(
-        "recorder, sustained (defaults): record loop + close()",
+        "recorder, sustained (defaults): record loop + close()"
+        if requests is None
+        else f"recorder, sustained, and {REQUESTS_PER_STEP} finished requests a step",
         expected.num_events,
         recorded_s - start_s,
         closed_s - recorded_s,
@@ -595,6 +648,32 @@ def figures(
     ]
 
 
+def writer_ns(rounds: list[Throughput]) -> list[float]:
+    return [r.writer_cpu_s / r.num_events * 1e9 for r in rounds]
+
+
+def request_figures(sustained_rounds: list[Throughput], requests_rounds: list[Throughput]) -> list[Figure]:
+    """What the requests' rows and sums add to the writer, per event: each round's pair, alternated."""
+    without, with_ = writer_ns(sustained_rounds), writer_ns(requests_rounds)
+    added = sorted(b - a for a, b in zip(without, with_, strict=True))
+    pairs = ", ".join(f"{a:,.0f} / {b:,.0f}" for a, b in zip(without, with_, strict=True))
+    return [
+        Figure(
+            f"writer process CPU per event, sustained, without / with {REQUESTS_PER_STEP} finished requests a step "
+            "(their rows and request sums)",
+            f"{statistics.median(without):,.0f} / {statistics.median(with_):,.0f} ns, medians of "
+            f"{len(added)} alternating rounds ({pairs}); added per event: median {statistics.median(added):+,.0f} ns "
+            f"(rounds {added[0]:+,.0f} to {added[-1]:+,.0f}), per request "
+            f"{statistics.median(added) * EVENTS_PER_STEP / REQUESTS_PER_STEP / 1000:+,.1f} µs",
+        )
+    ]
+
+
+def requests_line(sustained_rounds: list[Throughput], requests_rounds: list[Throughput]) -> str:
+    (figure,) = request_figures(sustained_rounds, requests_rounds)
+    return f"\n{figure.name}: {figure.value}"
+
+
 # -- main --------------------------------------------------------------------------------
 
 
@@ -649,13 +728,21 @@ def main(argv: list[str] | None = None) -> None:
     steps = template_steps(args.seed)
     num_steps = args.events // EVENTS_PER_STEP
     expected = expected_of(steps, num_steps)
-    sustained_rounds, writer_rounds = [], []
+    requests = finished_requests(num_steps, args.seed)
+    sustained_rounds: list[Throughput] = []
+    requests_rounds: list[Throughput] = []
+    writer_rounds: list[Throughput] = []
     for round_no in range(args.rounds):
-        cases = [("sustained", run_sustained, sustained_rounds), ("writer only", run_writer_only, writer_rounds)]
-        for name, run_case, results in cases if round_no % 2 == 0 else cases[::-1]:
-            results.append(run_case(steps, num_steps, expected))
+        cases: list[tuple[str, Callable[[], Throughput], list[Throughput]]] = [
+            ("sustained", lambda: run_sustained(steps, num_steps, expected), sustained_rounds),
+            ("requests", lambda: run_sustained(steps, num_steps, expected, requests), requests_rounds),
+            ("writer only", lambda: run_writer_only(steps, num_steps, expected), writer_rounds),
+        ]
+        for name, run_case, results in cases[round_no % 3 :] + cases[: round_no % 3]:
+            results.append(run_case())
             progress(f"{name}, round {round_no + 1}")
     sustained, writer = median_throughput(sustained_rounds), median_throughput(writer_rounds)
+    with_requests = median_throughput(requests_rounds)
     for key, label, record_s in (
         ("mixed-paused", "mixed events, writer paused (record loop of the writer-only case)", writer.record_s),
         ("mixed-running", "mixed events, writer running (record loop of the sustained case)", sustained.record_s),
@@ -672,11 +759,13 @@ def main(argv: list[str] | None = None) -> None:
         raw[variant] = run_raw(variant, rows, expected)
         progress(f"raw ({variant})")
     del rows
-    body = section_body(callers, [sustained, writer], raw, time.perf_counter() - start_s, args.rounds)
+    body = section_body(callers, [sustained, writer, with_requests], raw, time.perf_counter() - start_s, args.rounds)
     print(body)
+    print(requests_line(sustained_rounds, requests_rounds))
     if args.write:
         versions = f"SQLite {sqlite3.sqlite_version}, SQLAlchemy {sqlalchemy.__version__}"
-        write_figures("bench_recorder", ABOUT, figures(callers, sustained, writer, raw), this_run(extra=versions))
+        found = figures(callers, sustained, writer, raw) + request_figures(sustained_rounds, requests_rounds)
+        write_figures("bench_recorder", ABOUT, found, this_run(extra=versions))
     if args.profile:
         num_profile_steps = min(num_steps, PROFILE_NUM_EVENTS // EVENTS_PER_STEP)
         profile_writer(steps, num_profile_steps)
