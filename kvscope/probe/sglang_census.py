@@ -16,6 +16,9 @@ NOTE: the terms (one leak check per pool, pool = its name: full, swa (an SWA all
                  out again while its owner kept it. Named with both holders and its last releaser
     outside      a page id outside 1..N in the free list (page 0 is SGLang's padding page): counted in
                  no term, named
+    stray        a page id outside 1..N in the tree or a live row: such an id in the free list was handed
+                 out (the padding page, put there by a free that read a cleared SWA mapping). Counted in no
+                 term, named with its holders and its last releaser (the free that put it in the list)
     lockheld     a tree node still locked at the idle point by a request that is no longer live
                  (a lock never released: its pages cannot be evicted). Level summary keeps no lock
                  ledger: there, the pages of a node whose lock count (the tree's own) is above its
@@ -76,6 +79,7 @@ class PageCensus:
     named_takers: dict[int, Entry] = field(default_factory=dict)  # NOTE: of stale locked and unreleased doubleref pages
     twice: dict[int, list[str]] = field(default_factory=dict)  # NOTE: page -> its holders (TREE or a rid), two or more
     outside: list[int] = field(default_factory=list)  # NOTE: free-list ids outside 1..num_pages
+    stray: dict[int, list[str]] = field(default_factory=dict)  # NOTE: ids outside 1..num_pages in use -> holders
 
     @property
     def unit(self) -> str:
@@ -83,7 +87,9 @@ class PageCensus:
 
     @property
     def ok(self) -> bool:
-        return not (self.leaked or self.doubleref or self.twice or self.outside or self.locks or self.stale_locked)
+        return not (
+            self.leaked or self.doubleref or self.twice or self.outside or self.stray or self.locks or self.stale_locked
+        )
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -97,6 +103,7 @@ class PageCensus:
             "doubleref": self.doubleref,
             "twice": {str(p): held for p, held in self.twice.items()},
             "outside": self.outside,
+            "stray": {str(p): held for p, held in self.stray.items()},
             "culprits": {str(p): e[0] for p, e in self.culprits.items()},
             "releasers": {str(p): e[0] for p, e in self.releasers.items()},
             "locks": {str(n): [h[0] for h in held] for n, held in self.locks.items()},
@@ -118,8 +125,12 @@ def take_page_census(
     pages = set(range(1, view.num_pages + 1))
     counts = Counter(p for p in view.free_list if p in pages)
     outside = sorted({p for p in view.free_list if p not in pages})
+    stray = {
+        p: [*([TREE] if p in view.tree else []), *([view.live[p]] if p in view.live else [])]
+        for p in sorted((view.tree | set(view.live)) - pages)
+    }
     free = set(counts)
-    in_use = view.tree | set(view.live)
+    in_use = (view.tree | set(view.live)) & pages
     leaked = sorted(pages - free - in_use)
     doubleref = sorted((free & in_use) | {p for p, n in counts.items() if n > 1})
     twice = holders_of_twice_owned(view)
@@ -129,18 +140,19 @@ def take_page_census(
         page_size=view.page_size,
         num_pages=view.num_pages,
         free=free,
-        tree=set(view.tree),
-        live=set(view.live),
+        tree=view.tree & pages,
+        live=set(view.live) & pages,
         leaked=leaked,
         doubleref=doubleref,
         culprits={p: takers[p] for p in leaked if p in takers},
-        releasers={p: releasers[p] for p in (*doubleref, *twice) if p in releasers},
+        releasers={p: releasers[p] for p in (*doubleref, *twice, *stray) if p in releasers},
         locks=dict(stale_locks),
         live_owner=dict(view.live),
         stale_locked=stale_locked,
-        named_takers={p: takers[p] for p in (*stale_locked, *doubleref, *twice) if p in takers},
+        named_takers={p: takers[p] for p in (*stale_locked, *doubleref, *twice, *stray) if p in takers},
         twice=twice,
         outside=outside,
+        stray=stray,
     )
 
 
@@ -191,6 +203,7 @@ def census_checks(step: int, results: list[PageCensus], census: str | None = Non
 #     double   free and in use, or twice in the free list (releaser: its last releaser; taker where known)
 #     twice    two owners (ref: how many, accounted: 1; releaser: its last releaser)
 #     beyond   a free-list id outside 1..N (counted in no term)
+#     stray    an id outside 1..N in the tree or a live row (ref: its holders; taker, releaser where known)
 #     locked   under a tree lock no live request or session holds (level summary; taker: its last taker)
 # A lock that level full's ledger names is a tree node's, not a page's: its check's message names it.
 POOL_TAGS = {"full": "", "swa": "s.", "req": "r.", "mamba": "m."}
@@ -211,6 +224,10 @@ def census_blocks(step: int, results: list[PageCensus]) -> list[CensusBlock]:
             for p, held in r.twice.items()
         ]
         blocks += [CensusBlock(step, f"{tag}beyond", p) for p in r.outside]
+        blocks += [
+            CensusBlock(step, f"{tag}stray", p, len(held), 0, r.named_takers.get(p), r.releasers.get(p))
+            for p, held in r.stray.items()
+        ]
         blocks += [CensusBlock(step, f"{tag}locked", p, taker=r.named_takers.get(p)) for p in r.stale_locked]
     return blocks
 
@@ -240,6 +257,13 @@ def violation(r: PageCensus) -> str | None:
     if r.outside:
         parts.append(
             f"{_pages(len(r.outside), r.unit + ' id')} outside 1..{r.num_pages} in the free list: {_named(r.outside)}"
+        )
+    if r.stray:
+        stray = list(r.stray)
+        parts.append(
+            f"{_pages(len(stray), r.unit + ' id')} outside 1..{r.num_pages} in use (handed out from the free list): "
+            + "; ".join(_stray_text(p, r) for p in stray[:MAX_NAMED])
+            + _more(len(stray))
         )
     if r.locks:
         parts.append(
@@ -312,6 +336,17 @@ def _twice_text(page: int, r: PageCensus) -> str:
     held = " and ".join([*where, *(f"request {h}'s row" for h in holders if h != TREE)])
     last = r.releasers.get(page)
     return f"{r.unit} {page} in {held}" + (f"; {_released(last)}" if last else "")
+
+
+def _stray_text(page: int, r: PageCensus) -> str:
+    held = " and ".join(TREE if h == TREE else f"request {h}'s row" for h in r.stray[page])
+    taker = r.named_takers.get(page)
+    last = r.releasers.get(page)
+    return (
+        f"{r.unit} {page} in {held}"
+        + (f", taken by request {taker[0]} ({taker[2]} at step {taker[1]})" if taker else "")
+        + (f"; {_released(last)}" if last else "")
+    )
 
 
 def _released(last: Entry) -> str:

@@ -561,6 +561,14 @@ def workload(engine: Engine, scenario: str) -> tuple[list[dict[str, Any]], list[
         engine.alloc.full_attn_allocator.free(tail_slots)
         set_kv_len(c, aligned)
         injected.append({"kind": "swa-leak", "rid": "req-C", "page": peer})
+    if scenario == "swa-padding":  # its first page's SWA peer freed out of the window twice: the second free
+        # reads the mapping the first cleared, the padding slot 0, and SGLang (invariant checks off: its default)
+        # puts page 0 in the SWA free list
+        kv = KV_OF(c)
+        first = engine.rows.req_to_token[kv.req_pool_idx, :PS].to(torch.int64)
+        for _ in range(2):
+            sglang_hooks._in_context("req-C", "free", lambda: engine.alloc.free_swa_segment(first, start_pos=0))
+        injected.append({"kind": "swa-padding", "rid": "req-C", "page": 0})
     engine.release(c)
     mine = [50 + i for i in range(10)]
     if scenario in ("double-free-reused", "double-free-in-tree"):  # a tree page freed again, req-D's prefill takes it

@@ -655,6 +655,34 @@ def test_an_swa_page_stranded_by_a_full_only_free_is_named_with_its_request(tmp_
     assert "verdict: leak (kvscope check exits 1)" in report.stdout and "req-C" in report.stdout
 
 
+def test_the_padding_page_an_swa_double_free_handed_out_is_named_with_the_free_that_put_it_there(
+    tmp_path: Path,
+) -> None:
+    """Issue 38's report (SGLang's padding page 0 in an SWA free list: "total=432 for a 416-token pool"),
+    on SGLang's own SWATokenToKVPoolAllocator: req-C's first page's SWA peer freed out of the window twice;
+    the second free reads the mapping the first cleared (the padding slot) and, with SGLang's invariant
+    checks off (its default), puts page 0 in the SWA free list; req-D's prefill takes it. The census names
+    page 0 in req-D's row and req-C's free (before: page 0 counted as a held page, and every census clean)."""
+    capture = tmp_path / "swa-padding.db"
+    result = drive("swa-padding", "swa", capture)
+    assert result["points"][1]["sglang"]["raised"].startswith("swa pool memory leak detected!")  # totals only
+    named = (
+        "[swa] 1 page id outside 1..16 in use (handed out from the free list): page 0 in request req-D's row, "
+        "taken by request req-D (extend at step 10); last released for request req-C (free at step 9)"
+    )
+    assert named in result["stderr"]
+    check = kvscope("check", str(capture))
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "page 0 in request req-D's row" in check.stdout and "req-C (free at step 9)" in check.stdout
+    db = Capture(capture)
+    try:
+        blocks = db.census_blocks(int(db.runs().iloc[-1].id))
+    finally:
+        db.close()
+    stray = blocks[blocks.term == "s.stray"]
+    assert set(stray.block) == {0} and set(stray.releaser_rid) == {"req-C"}, blocks
+
+
 def mamba_census(point: dict[str, Any]) -> dict[str, Any]:
     assert point["census"] is not None
     return next(c for c in point["census"] if c["pool"] == "mamba")

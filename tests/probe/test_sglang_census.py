@@ -108,6 +108,30 @@ def test_a_page_id_outside_the_pool_in_the_free_list_is_named_not_counted() -> N
     assert check.violation == "1 page id outside 1..4 in the free list: 0"
 
 
+def test_the_padding_page_handed_out_to_a_row_and_the_tree_is_named_with_its_releaser_not_counted() -> None:
+    """Page 0 in use (a free that read a cleared SWA mapping put it in the free list, an alloc handed it
+    out): named with its holders, who took it and the free that put it there; the counts stay the
+    pool's own 4 pages (the live row's page 0 counted as held made the totals 5 pages, and read clean)."""
+    view = PageView(4, 4, [2, 3], {0, 1}, {0: "req-D", 4: "req-D"})
+    takers = {0: ("req-D", 9, "extend")}
+    result = take_page_census("swa", view, takers, {0: ("req-C", 8, "free")}, {})
+    check = census_checks(10, [result])[0]
+    assert result.stray == {0: ["the tree", "req-D"]} and not result.ok
+    assert (check.total, check.available, check.evictable, check.held) == (16, 8, 4, 4)
+    assert check.violation == (
+        "1 page id outside 1..4 in use (handed out from the free list): page 0 in the tree and request req-D's row, "
+        "taken by request req-D (extend at step 9); last released for request req-C (free at step 8)"
+    )
+    (block,) = census_blocks(10, [result])
+    assert (block.term, block.block, block.ref, block.taker, block.releaser) == (
+        "s.stray",
+        0,
+        2,
+        ("req-D", 9, "extend"),
+        ("req-C", 8, "free"),
+    )
+
+
 def test_a_double_free_by_no_requests_call_says_the_releaser_is_unknown_and_why() -> None:
     view = PageView(4, 4, [1, 3, 4], {1, 2}, {})
     group = take_page_census("full", view, {}, {1: (None, 7, "group")}, {})
