@@ -63,6 +63,16 @@ def vm_steps_of_latest_usage(path: Path, num_steps: int) -> int:
     steps = list(range(num_steps))
     record(path, steps, [step * 0.01 for step in steps])
     capture = Capture(path)
+    counted = count_vm_steps(capture)
+    try:
+        assert capture.latest_usage(1, window_s=1.0).step.tolist() == [num_steps - 101, num_steps - 1]
+    finally:
+        capture.close()
+    return counted[0]
+
+
+def count_vm_steps(capture: Capture) -> list[int]:
+    """From now on, the hundreds of SQLite VM instructions `capture`'s reads run, in the list's one item."""
     counted = [0]
 
     def count() -> int:
@@ -71,11 +81,7 @@ def vm_steps_of_latest_usage(path: Path, num_steps: int) -> int:
 
     event.listen(capture.engine, "connect", lambda conn, _record: conn.set_progress_handler(count, 100))
     capture.engine.dispose()  # NOTE: the pooled connections opened before the listener go
-    try:
-        assert capture.latest_usage(1, window_s=1.0).step.tolist() == [num_steps - 101, num_steps - 1]
-    finally:
-        capture.close()
-    return counted[0]
+    return counted
 
 
 def test_a_refresh_costs_the_window_not_the_run(tmp_path: Path) -> None:

@@ -13,11 +13,11 @@ import numpy as np
 import pandas as pd
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sqlalchemy import event
 
 from kvscope.dashboard.charts import pool_terms, pools_of
 from kvscope.telemetry import Capture, PoolTerms, UsageSample
 from kvscope.telemetry.recorder import SQLRecorder
+from tests.telemetry.test_latest_usage import count_vm_steps
 
 TERMS = ("free", "evictable", "protected", "requests")
 
@@ -200,17 +200,10 @@ def vm_steps_of_a_refresh(path: Path, num_steps: int) -> int:
     record(path, [0], rng, with_swa=False, full_total=4)
     append_rows(path, list(range(1, num_steps)), rng, with_swa=False)
     capture = Capture(path)
-    counted = [0]
-
-    def count() -> int:
-        counted[0] += 1
-        return 0
-
     try:
         capture.usage(1)
         append_rows(path, list(range(num_steps, num_steps + 100)), rng, with_swa=False)
-        event.listen(capture.engine, "connect", lambda conn, _record: conn.set_progress_handler(count, 100))
-        capture.engine.dispose()  # NOTE: the pooled connections opened before the listener go
+        counted = count_vm_steps(capture)
         assert capture.usage(1)["step"].iloc[-1] == num_steps + 99
     finally:
         capture.close()
