@@ -357,6 +357,7 @@ def main() -> int:
     capture = Path(tempfile.mkdtemp(prefix="kvscope-bench-sgl-")) / "bench.db"
     os.environ["KVSCOPE_CAPTURE"] = str(capture)
     os.environ.setdefault("KVSCOPE_PYTHON", sys.executable)
+    os.environ["KVSCOPE_LEVEL"] = "full"  # NOTE: every hook in place; `lean` below is what summary keeps
     said = probe._register()
     HookRegistry.apply_hooks()
     hooked = {t.target: _attr(t.target) for t in probe.hooks()}

@@ -90,7 +90,7 @@ def versions(old: tuple[Any, Any]) -> Modes:
     plain = {owner: {name: owner.__dict__[name] for name, _ in pairs} for owner, pairs in HOOKS.items()}
     out: Modes = {"plain": (plain, None)}
     for tag, (module, factories) in (("old", old), ("new", (new, new_hooks))):
-        module.PROBE.__init__(settings_from_env(), "0.5.23")
+        module.PROBE.__init__(settings_from_env(engine="sglang"), "0.5.23")
         module.PROBE.state.active = True
         assert module.PROBE.recorder() is not None, f"the {tag} probe did not open its recorder"
         made = {
@@ -119,6 +119,7 @@ def main() -> int:
         print(f"bench_probe_sglang_ab: no kvscope/probe/sglang_ledger.py under {args.old_tree}")
         return 2
     os.environ["KVSCOPE_CAPTURE"] = str(Path(tempfile.mkdtemp(prefix="kvscope-bench-ab-")) / "ab.db")
+    os.environ["KVSCOPE_LEVEL"] = "full"  # NOTE: the per-operation hooks it compares (SGLang's default is summary)
     modes = versions(load_old(args.old_tree))
     alloc, tree = bench.build()
     ids = array("q", [*range(1000, 1048), *range(5000, 5016)])

@@ -159,7 +159,8 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=121, help="repetitions of each variant's block")
     args = parser.parse_args()
     os.environ.setdefault("KVSCOPE_CAPTURE", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"parts-{os.getpid()}.db"))
-    probe.PROBE.__init__(settings_from_env(), "0.5.23")
+    os.environ["KVSCOPE_LEVEL"] = "full"  # NOTE: what it takes apart (SGLang's default is summary)
+    probe.PROBE.__init__(settings_from_env(engine="sglang"), "0.5.23")
     probe.PROBE.state.active = True
     assert probe.PROBE.recorder() is not None, "the probe did not open its recorder"
     cls = PagedTokenToKVPoolAllocator

@@ -72,11 +72,14 @@ def default_capture(now_s: float | None = None) -> str:
     return str(Path("runs") / f"{stamp}-instrument.db")
 
 
-def instrument_env(capture: str, level: str, environ: dict[str, str], python: str) -> dict[str, str]:
-    """The command's environment: the capture, the level, and the interpreter of the recorder's host."""
+def instrument_env(capture: str, level: str | None, environ: dict[str, str], python: str) -> dict[str, str]:
+    """The command's environment: the capture, the level (None: KVSCOPE_LEVEL as the environment has it,
+    unset: the engine's default), and the interpreter of the recorder's host."""
     if "://" not in capture:
         capture = str(Path(capture).resolve())
-    env = {**environ, "KVSCOPE_CAPTURE": capture, "KVSCOPE_LEVEL": level, "KVSCOPE_PYTHON": python}
+    env = {**environ, "KVSCOPE_CAPTURE": capture, "KVSCOPE_PYTHON": python}
+    if level is not None:
+        env["KVSCOPE_LEVEL"] = level
     sglang_plugins = environ.get("SGLANG_PLUGINS")  # NOTE: SGLang's allowlist; unset or empty loads every plugin
     if sglang_plugins and PLUGIN_NAME not in [p.strip() for p in sglang_plugins.split(",")]:
         env["SGLANG_PLUGINS"] = f"{sglang_plugins},{PLUGIN_NAME}"  # as VLLM_PLUGINS: the user's plugins stay
@@ -231,7 +234,9 @@ def instrument_verb(args: argparse.Namespace) -> int:
     capture = args.capture or default_capture()
     chosen = {name: value for name, value in vars(args).items() if name.startswith("KVSCOPE_") and value is not None}
     env = instrument_env(capture, args.level, {**os.environ, **chosen}, recorder_python(dict(os.environ)))
-    settings_from_env(env)  # NOTE: a bad KVSCOPE_CENSUS_* or KVSCOPE_LINGER_* bound fails here, not in the engine
+    settings_from_env(
+        env, engine="vllm"
+    )  # NOTE: a bad KVSCOPE_CENSUS_* or LINGER_* bound fails here, not in the engine
     python = engine_python(command)
     known = None if python is None or "VLLM_PLUGINS" in env else engine_plugins(python, env)
     plugins = with_plugins(env.get("VLLM_PLUGINS"), known)
@@ -244,8 +249,9 @@ def instrument_verb(args: argparse.Namespace) -> int:
     else:
         env["VLLM_PLUGINS"] = plugins
         route = f"VLLM_PLUGINS={plugins}"
+    level = env.get("KVSCOPE_LEVEL", "").strip() or "full on vLLM, summary on SGLang"
     print(
-        f"kvscope instrument: recording into {shown} (level {args.level}; {route}); then kvscope check {shown}",
+        f"kvscope instrument: recording into {shown} (level {level}; {route}); then kvscope check {shown}",
         file=sys.stderr,
         flush=True,
     )

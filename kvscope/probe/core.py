@@ -3,7 +3,9 @@ every wrapper runs its recording under, and the hand-off to kvscope's recorder.
 
 NOTE: activation (the tracers' convention: entry points inert unless the environment says so)
     KVSCOPE_CAPTURE   a capture file or database URL; unset: the probe patches nothing
-    KVSCOPE_LEVEL     summary (census, usage, requests) or full (and every block event); default full
+    KVSCOPE_LEVEL     summary (census, usage, requests) or full (and every block event); default the
+                      engine's (DEFAULT_LEVEL: full on vLLM, where it costs under 1 µs per call; summary
+                      on SGLang, where full costs 2-3 µs per allocator or tree call, docs/probe.md)
     KVSCOPE_PYTHON    the interpreter of the recorder's host process (one with kvscope's dependencies;
                       `kvscope instrument` passes its own), default this one
 NOTE: when the census runs while the engine is busy (between steps; 0 turns a bound off, both 0: only
@@ -46,6 +48,10 @@ if TYPE_CHECKING:
     from kvscope.telemetry.remote import RemoteRecorder
 
 LEVELS = ("summary", "full")
+# NOTE: the level when KVSCOPE_LEVEL is unset: what stays within the probe's 1 µs per wrapped operation on
+# each engine's real calls (RESULTS.md: bench_probe, bench_probe_sglang). SGLang's full hooks every allocator
+# and tree call at 2-3 µs each there, so it is a debugging level on SGLang, asked for by name.
+DEFAULT_LEVEL = {"vllm": "full", "sglang": "summary"}
 
 
 CENSUS_BUDGET_X = 100  # NOTE: a busy census's engine-thread time <= 1% of the time between censuses
@@ -68,14 +74,15 @@ class Settings(NamedTuple):
     max_bytes: int | None = DEFAULT_MAX_BYTES
 
 
-def settings_from_env(environ: dict[str, str] | None = None) -> Settings | None:
-    """The probe's settings, or None when KVSCOPE_CAPTURE is unset (the probe stays inert). A bound
-    that is not a number >= 0 raises ValueError naming it (the plugin hook makes it one line)."""
+def settings_from_env(environ: dict[str, str] | None = None, *, engine: str) -> Settings | None:
+    """The probe's settings, or None when KVSCOPE_CAPTURE is unset (the probe stays inert); the level
+    is `engine`'s default (DEFAULT_LEVEL) unless KVSCOPE_LEVEL names one. A bound that is not a number
+    >= 0 raises ValueError naming it (the plugin hook makes it one line)."""
     env = os.environ if environ is None else environ
     capture = env.get("KVSCOPE_CAPTURE", "").strip()
     if not capture:
         return None
-    level = env.get("KVSCOPE_LEVEL", "full").strip() or "full"
+    level = env.get("KVSCOPE_LEVEL", "").strip() or DEFAULT_LEVEL[engine]
     defaults = Settings("", "", None)
     return Settings(
         capture,

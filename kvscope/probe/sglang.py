@@ -144,7 +144,7 @@ def _register(version: str | None = None, families: tuple[Family, ...] | None = 
     """Register every hook of the family the installed SGLang's code matches, or none; one line says
     what (shapes.choose: a tested release that matches says nothing more; an untested one that matches
     a family says so; any other names the target that differs)."""
-    settings = settings_from_env()
+    settings = settings_from_env(engine="sglang")
     if settings is None:
         return "inert: KVSCOPE_CAPTURE is unset"
     if PROBE.state.active:

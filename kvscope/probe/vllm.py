@@ -117,7 +117,7 @@ def register() -> None:
 def _register(version: str | None = None, families: Sequence[Family] | None = None) -> str:
     """Patch the targets of the family this vLLM's code matches (shapes.py); returns one line saying
     what happened. An untested release that matches a family says so in one line and patches."""
-    settings = settings_from_env()
+    settings = settings_from_env(engine="vllm")
     if settings is None:
         return "inert: KVSCOPE_CAPTURE is unset"
     if PROBE.state.active:

@@ -45,6 +45,21 @@ def test_it_execs_the_command_with_the_probes_environment(tmp_path: Path) -> Non
     assert not capture.exists()  # NOTE: the recorder's host makes it; its directory was checked (below)
 
 
+@pytest.mark.parametrize(
+    ("environment", "shown"), [({}, "full on vLLM, summary on SGLang"), ({"KVSCOPE_LEVEL": "full"}, "full")]
+)
+def test_without_level_the_environments_stays_else_each_engine_takes_its_default(
+    tmp_path: Path, environment: dict[str, str], shown: str
+) -> None:
+    """No --level: KVSCOPE_LEVEL as the environment has it; unset, the probe takes its engine's default
+    (DEFAULT_LEVEL), and the line says which that is."""
+    capture = tmp_path / "probe.db"
+    out = kvscope("--capture", str(capture), "--", sys.executable, "-c", SHOW_ENV, env=environment)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout).get("KVSCOPE_LEVEL") == environment.get("KVSCOPE_LEVEL")
+    assert out.stderr.startswith(f"kvscope instrument: recording into {capture} (level {shown}; "), out.stderr
+
+
 def test_census_options_set_their_variables_over_the_environments(tmp_path: Path) -> None:
     capture = tmp_path / "probe.db"
     args = ("--capture", str(capture), "--census-every-steps", "5", "--linger-s", "30")

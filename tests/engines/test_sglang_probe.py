@@ -865,7 +865,19 @@ def test_the_calls_since_the_last_fold_reach_the_capture_when_the_process_exits(
     census, still leaves every allocator call since the last fold in the capture (sglang_exit_driver.py:
     SGLang's real allocator, in the process itself or a spawned child, as SGLang's scheduler is)."""
     capture = tmp_path / f"exit-{mode}.db"
-    out = kvscope("instrument", "--capture", str(capture), "--", SGLANG_PYTHON, "-W", "ignore", str(EXIT_DRIVER), mode)
+    out = kvscope(
+        "instrument",
+        "--capture",
+        str(capture),
+        "--level",
+        "full",
+        "--",
+        SGLANG_PYTHON,
+        "-W",
+        "ignore",
+        str(EXIT_DRIVER),
+        mode,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     calls = json.loads(out.stdout.strip().splitlines()[-1])["calls"]
     db = Capture(capture)

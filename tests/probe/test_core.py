@@ -193,10 +193,21 @@ def test_a_runs_label_names_the_engine_version_rank_and_process() -> None:
 
 
 def test_the_probe_is_inert_without_a_capture() -> None:
-    assert settings_from_env({}) is None
-    assert settings_from_env({"KVSCOPE_CAPTURE": "  "}) is None
-    settings = settings_from_env({"KVSCOPE_CAPTURE": "/tmp/x.db", "KVSCOPE_PYTHON": "/usr/bin/python3"})
+    assert settings_from_env({}, engine="vllm") is None
+    assert settings_from_env({"KVSCOPE_CAPTURE": "  "}, engine="vllm") is None
+    settings = settings_from_env({"KVSCOPE_CAPTURE": "/tmp/x.db", "KVSCOPE_PYTHON": "/usr/bin/python3"}, engine="vllm")
     assert settings is not None and settings.level == "full" and settings.python == "/usr/bin/python3"
+
+
+@pytest.mark.parametrize(("engine", "level"), [("vllm", "full"), ("sglang", "summary")])
+def test_without_kvscope_level_each_engine_takes_the_level_within_its_cost_target(engine: str, level: str) -> None:
+    """DEFAULT_LEVEL: full on vLLM (under 1 µs per block-pool call), summary on SGLang (its full costs
+    2-3 µs per allocator or tree call); KVSCOPE_LEVEL names either on both."""
+    base = {"KVSCOPE_CAPTURE": "/tmp/x.db"}
+    assert settings_from_env(base, engine=engine).level == level  # type: ignore[union-attr]
+    assert settings_from_env({**base, "KVSCOPE_LEVEL": " "}, engine=engine).level == level  # type: ignore[union-attr]
+    for named in ("summary", "full"):
+        assert settings_from_env({**base, "KVSCOPE_LEVEL": named}, engine=engine).level == named  # type: ignore[union-attr]
 
 
 def test_a_forked_child_does_not_write_into_its_parents_recorder() -> None:
@@ -220,7 +231,7 @@ def test_a_forked_child_does_not_write_into_its_parents_recorder() -> None:
 
 def test_the_census_and_lingering_bounds_come_from_the_environment() -> None:
     base = {"KVSCOPE_CAPTURE": "/tmp/x.db"}
-    defaults = settings_from_env(base)
+    defaults = settings_from_env(base, engine="vllm")
     assert defaults is not None and defaults.census_every_steps > 0 and defaults.census_every_s > 0
     assert defaults.linger_steps > 0 and defaults.linger_s > 0
     given = settings_from_env(
@@ -230,19 +241,20 @@ def test_the_census_and_lingering_bounds_come_from_the_environment() -> None:
             "KVSCOPE_CENSUS_EVERY_S": "0",
             "KVSCOPE_LINGER_STEPS": "3",
             "KVSCOPE_LINGER_S": "1.5",
-        }
+        },
+        engine="vllm",
     )
     assert given is not None and given[3:7] == (7, 0.0, 3, 1.5)
 
 
 def test_the_retention_bounds_come_from_the_environment() -> None:
     base = {"KVSCOPE_CAPTURE": "/tmp/x.db"}
-    defaults = settings_from_env(base)
+    defaults = settings_from_env(base, engine="vllm")
     assert defaults is not None and (defaults.keep_events_s, defaults.max_bytes) == (None, 4 * 2**30)
-    given = settings_from_env({**base, "KVSCOPE_KEEP_EVENTS": "6h", "KVSCOPE_MAX_SIZE": "none"})
+    given = settings_from_env({**base, "KVSCOPE_KEEP_EVENTS": "6h", "KVSCOPE_MAX_SIZE": "none"}, engine="vllm")
     assert given is not None and (given.keep_events_s, given.max_bytes) == (21600.0, None)
     with pytest.raises(ValueError, match="KVSCOPE_MAX_SIZE: '20 apples' is not a size"):
-        settings_from_env({**base, "KVSCOPE_MAX_SIZE": "20 apples"})
+        settings_from_env({**base, "KVSCOPE_MAX_SIZE": "20 apples"}, engine="vllm")
 
 
 @pytest.mark.parametrize(
@@ -251,7 +263,7 @@ def test_the_retention_bounds_come_from_the_environment() -> None:
 )
 def test_a_bound_that_is_not_a_number_at_least_zero_is_refused_by_name(name: str, value: str) -> None:
     with pytest.raises(ValueError, match=f"{name} must be .* >= 0, got '{value}'"):
-        settings_from_env({"KVSCOPE_CAPTURE": "/tmp/x.db", name: value})
+        settings_from_env({"KVSCOPE_CAPTURE": "/tmp/x.db", name: value}, engine="vllm")
 
 
 def test_a_busy_census_is_due_after_either_bound_and_never_within_its_cost_budget() -> None:

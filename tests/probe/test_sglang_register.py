@@ -49,6 +49,18 @@ def test_level_summary_needs_only_the_targets_it_hooks(
     assert not probe.PROBE.state.active
 
 
+def test_without_kvscope_level_sglang_records_at_summary_and_leaves_the_per_operation_targets_alone(
+    pool: type[Pool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang's default level is summary (full costs 2-3 µs per allocator or tree call on its real
+    calls): its per-operation methods stay SGLang's."""
+    monkeypatch.delenv("KVSCOPE_LEVEL", raising=False)
+    family = sglang_shapes._family("0.5.23", ("0.5.23",), _pool_table, ())
+    said = probe._register("0.5.23", (family,))
+    assert said == "registered 0 hooks on SGLang 0.5.23 (level summary)"
+    assert not hasattr(pool.alloc, "__wrapped__") and probe.PROBE.lean and probe.PROBE.state.active
+
+
 def test_a_level_that_is_neither_refuses_and_patches_nothing(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -116,8 +128,9 @@ def test_a_tested_release_whose_code_changed_shape_refuses_in_one_line_naming_th
 
 
 def test_an_untested_release_whose_shapes_match_a_family_loads_as_it_and_says_so(
-    pool: type[Pool], capsys: pytest.CaptureFixture[str]
+    pool: type[Pool], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("KVSCOPE_LEVEL", "full")
     gone = probe.Hook(f"{__name__}.Pool.gone", _hook)
     newer = sglang_shapes._family("0.5.23", ("0.5.23",), lambda: [*_pool_table(), gone], ())
     older = sglang_shapes._family("0.5.22", ("0.5.22",), _pool_table, ())
@@ -154,10 +167,12 @@ def test_each_hooks_shape_holds_the_parameters_its_wrapper_passes() -> None:
 
 
 def test_probe_check_says_a_direct_method_with_one_parameter_more_than_the_probes_will_not_load(
-    pool: type[Pool],
+    pool: type[Pool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SGLang's alloc gained a trailing parameter: the shape (its leading parameters) still matches, but
-    the probe's method would drop it, so the registration refuses; describe_installed says the same."""
+    the probe's method would drop it, so the registration at level full refuses; describe_installed says
+    the same."""
+    monkeypatch.setenv("KVSCOPE_LEVEL", "full")
     pool.alloc = lambda self, need_size, hint=None: need_size  # type: ignore[method-assign,assignment,misc]
     family = sglang_shapes._family("0.5.23", ("0.5.23",), _pool_table, ())
     line = f"SGLang 0.5.23: {__name__}.Pool.alloc takes other parameters; nothing patched"
@@ -228,7 +243,10 @@ class WrappingTree:
         return self.inner.insert(params)
 
 
-def test_a_tree_class_that_overrides_a_patched_method_is_named_once_and_no_other_is() -> None:
+def test_a_tree_class_that_overrides_a_patched_method_is_named_once_and_no_other_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVSCOPE_LEVEL", "full")  # NOTE: the tree's methods are patched at full only
     original = Tree.__dict__["insert"]
     try:
         family = sglang_shapes._family(

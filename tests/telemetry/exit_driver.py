@@ -20,7 +20,7 @@ from kvscope.probe.core import open_recorder, settings_from_env
 
 
 def engine(how: str) -> None:
-    settings = settings_from_env()
+    settings = settings_from_env(engine="vllm")
     assert settings is not None
     config = {"source": {"kind": "probe", "engine": "vllm", "version": "0.32.0"}}
     rec = open_recorder(settings, label="exit driver", config=config)
