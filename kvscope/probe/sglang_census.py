@@ -33,7 +33,7 @@ passes when a leak and a double free cancel; the census names both.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -236,35 +236,21 @@ def violation(r: PageCensus) -> str | None:
     """What failed, in one line (None when the pool's census holds)."""
     parts = []
     if r.leaked:
-        parts.append(
-            f"{_pages(len(r.leaked), r.unit)} leaked (in no free list, tree or live row): "
-            + "; ".join(_leak_text(p, r) for p in r.leaked[:MAX_NAMED])
-            + _more(len(r.leaked))
-        )
+        head = f"{_pages(len(r.leaked), r.unit)} leaked (in no free list, tree or live row)"
+        parts.append(_finding(head, r.leaked, _leak_text, r))
     if r.doubleref:
-        parts.append(
-            f"{_pages(len(r.doubleref), r.unit)} freed while in use (a double free): "
-            + "; ".join(_double_text(p, r) for p in r.doubleref[:MAX_NAMED])
-            + _more(len(r.doubleref))
-        )
+        head = f"{_pages(len(r.doubleref), r.unit)} freed while in use (a double free)"
+        parts.append(_finding(head, r.doubleref, _double_text, r))
     if r.twice:
-        twice = list(r.twice)
-        parts.append(
-            f"{_pages(len(twice), r.unit)} held twice (a double free handed out a {r.unit} still in use): "
-            + "; ".join(_twice_text(p, r) for p in twice[:MAX_NAMED])
-            + _more(len(twice))
-        )
+        head = f"{_pages(len(r.twice), r.unit)} held twice (a double free handed out a {r.unit} still in use)"
+        parts.append(_finding(head, list(r.twice), _twice_text, r))
     if r.outside:
         parts.append(
             f"{_pages(len(r.outside), r.unit + ' id')} outside 1..{r.num_pages} in the free list: {_named(r.outside)}"
         )
     if r.stray:
-        stray = list(r.stray)
-        parts.append(
-            f"{_pages(len(stray), r.unit + ' id')} outside 1..{r.num_pages} in use (handed out from the free list): "
-            + "; ".join(_stray_text(p, r) for p in stray[:MAX_NAMED])
-            + _more(len(stray))
-        )
+        head = f"{_pages(len(r.stray), r.unit + ' id')} outside 1..{r.num_pages} in use (handed out from the free list)"
+        parts.append(_finding(head, list(r.stray), _stray_text, r))
     if r.locks:
         parts.append(
             f"{len(r.locks)} tree node{'s' if len(r.locks) != 1 else ''} still locked by finished "
@@ -285,9 +271,19 @@ def census_line(r: PageCensus, *, why: str, capture: str, run_id: int | None, st
     return f"page census ({why}) at step {step}, {where}: [{r.pool}] {violation(r)}"
 
 
+def _finding(head: str, pages: list[int], text: Callable[[int, PageCensus], str], r: PageCensus) -> str:
+    """One finding of the line: its head, then each of the first MAX_NAMED pages as `text` says it."""
+    return f"{head}: " + "; ".join(text(p, r) for p in pages[:MAX_NAMED]) + _more(len(pages))
+
+
+def _taken(taker: Entry) -> str:
+    rid, step, event = taker
+    return f"taken by request {rid} ({event} at step {step})"
+
+
 def _leak_text(page: int, r: PageCensus) -> str:
     taker = r.culprits.get(page)
-    who = f"last taken by request {taker[0]} ({taker[2]} at step {taker[1]})" if taker else "taker not recorded"
+    who = f"last {_taken(taker)}" if taker else "taker not recorded"
     if r.pool in ("req", "mamba"):
         return f"{r.unit} {page} {who}"
     return f"page {page} (slots {page * r.page_size}-{page * r.page_size + r.page_size - 1}) {who}"
@@ -300,7 +296,7 @@ def _stale_text(r: PageCensus) -> str:
         by_taker.setdefault(r.named_takers.get(page), []).append(page)
     groups = []
     for taker, pages in list(by_taker.items())[:MAX_NAMED]:
-        who = f"taken by request {taker[0]} ({taker[2]} at step {taker[1]})" if taker else "taker not recorded"
+        who = _taken(taker) if taker else "taker not recorded"
         groups.append(f"{'page' if len(pages) == 1 else 'pages'} {_named(pages)} {who}")
     return "; ".join(groups) + (f" (+{len(by_taker) - MAX_NAMED} more takers)" if len(by_taker) > MAX_NAMED else "")
 
@@ -319,13 +315,7 @@ def _double_text(page: int, r: PageCensus) -> str:
     )
     last = r.releasers.get(page)
     taker = r.named_takers.get(page)
-    who = (
-        f"; {_released(last)}"
-        if last
-        else f"; taken by request {taker[0]} ({taker[2]} at step {taker[1]}), its releaser not recorded"
-        if taker
-        else ""
-    )
+    who = f"; {_released(last)}" if last else f"; {_taken(taker)}, its releaser not recorded" if taker else ""
     return f"{r.unit} {page} {where}{who}"
 
 
@@ -344,7 +334,7 @@ def _stray_text(page: int, r: PageCensus) -> str:
     last = r.releasers.get(page)
     return (
         f"{r.unit} {page} in {held}"
-        + (f", taken by request {taker[0]} ({taker[2]} at step {taker[1]})" if taker else "")
+        + (f", {_taken(taker)}" if taker else "")
         + (f"; {_released(last)}" if last else "")
     )
 
