@@ -80,6 +80,7 @@ class PageCensus:
     twice: dict[int, list[str]] = field(default_factory=dict)  # NOTE: page -> its holders (TREE or a rid), two or more
     outside: list[int] = field(default_factory=list)  # NOTE: free-list ids outside 1..num_pages
     stray: dict[int, list[str]] = field(default_factory=dict)  # NOTE: ids outside 1..num_pages in use -> holders
+    frees_seen: bool = True  # NOTE: False at level summary (no free hooked): a double free's releaser is full's
 
     @property
     def unit(self) -> str:
@@ -118,10 +119,13 @@ def take_page_census(
     releasers: Mapping[int, Entry],
     stale_locks: Mapping[Any, list[tuple[str | None, int]]],
     locked: set[int] | None = None,
+    *,
+    frees_seen: bool = True,
 ) -> PageCensus:
     """The census of one pool; `stale_locks`: open locks whose holder is no longer live (the lock
     ledger, level full); `locked`: the pages under a lock no live holder accounts for, by the tree's own
-    counts (level summary: sglang_views.stale_locked_pages)."""
+    counts (level summary: sglang_views.stale_locked_pages); `frees_seen`: whether the pool's frees are
+    hooked (`releasers` is then the ledger's; not at level summary)."""
     pages = set(range(1, view.num_pages + 1))
     counts = Counter(p for p in view.free_list if p in pages)
     outside = sorted({p for p in view.free_list if p not in pages})
@@ -153,6 +157,7 @@ def take_page_census(
         twice=twice,
         outside=outside,
         stray=stray,
+        frees_seen=frees_seen,
     )
 
 
@@ -315,7 +320,10 @@ def _double_text(page: int, r: PageCensus) -> str:
     )
     last = r.releasers.get(page)
     taker = r.named_takers.get(page)
-    who = f"; {_released(last)}" if last else f"; {_taken(taker)}, its releaser not recorded" if taker else ""
+    if last:
+        return f"{r.unit} {page} {where}; {_released(last)}"
+    unknown = "its releaser not recorded" if r.frees_seen else "who freed it is recorded at level full"
+    who = f"; {_taken(taker)}, {unknown}" if taker else f"; {unknown}"
     return f"{r.unit} {page} {where}{who}"
 
 

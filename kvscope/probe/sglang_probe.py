@@ -435,18 +435,21 @@ class SglangProbe:
             self.releasers["full"],
             {n: h for n, h in open_locks.items() if h},
             locked,
+            frees_seen=not self.lean,  # NOTE: the rows' frees are hooked at both levels, the pools' at full only
         )
         results = [result]
         swa = swa_pool(allocator)
         if swa is not None:
             swa_pages = swa_view(allocator, swa, in_tree, rows, owners)
-            results.append(take_page_census("swa", swa_pages, self.takers["swa"], self.releasers["swa"], {}))
+            swa_takers, swa_releasers = self.takers["swa"], self.releasers["swa"]
+            results.append(take_page_census("swa", swa_pages, swa_takers, swa_releasers, {}, frees_seen=not self.lean))
         row_result = take_page_census("req", row_view(rows, owners), self.takers["req"], self.releasers["req"], {})
         results.append(row_result)
         slots = mamba_allocator(rows)
         if slots is not None:
             takers, releasers = self.takers["mamba"].get(id(slots), {}), self.releasers["mamba"].get(id(slots), {})
-            results.append(take_page_census("mamba", mamba_view(tree, rows, slots, owners), takers, releasers, {}))
+            mamba_pages = mamba_view(tree, rows, slots, owners)
+            results.append(take_page_census("mamba", mamba_pages, takers, releasers, {}, frees_seen=not self.lean))
         for check in census_checks(rec.step, results, kind):
             rec.leak_check(check)
         rec.census_blocks(census_blocks(rec.step, results))

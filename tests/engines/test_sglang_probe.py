@@ -556,7 +556,7 @@ def test_level_summary_patches_no_allocator_or_tree_method_and_a_request_holding
                 "1 page leaked (in no free list, tree or live row): page {leaked} (slots {slots}) last taken by "
                 "request req-C (decode at step 9)",
                 "1 page freed while in use (a double free): page {freed} free and in the tree; taken by request "
-                "req-A (extend at step 1), its releaser not recorded",
+                "req-A (extend at step 1), who freed it is recorded at level full",
             ],
         ),
         (
@@ -587,7 +587,7 @@ def test_level_summary_patches_no_allocator_or_tree_method_and_a_request_holding
             [
                 "leak check failed at step 10: [mamba]",
                 "1 slot freed while in use (a double free): slot {slot} free and in the tree; taken by request "
-                "req-A (extend at step 1), its releaser not recorded",
+                "req-A (extend at step 1), who freed it is recorded at level full",
             ],
         ),
     ],

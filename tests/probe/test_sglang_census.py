@@ -4,6 +4,8 @@ counts cancel is named page by page."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvscope.probe.sglang_census import PageView, census_blocks, census_checks, take_page_census
 
 TAKERS = {7: ("req-C", 9, "decode"), 2: ("req-A", 1, "alloc")}
@@ -38,8 +40,8 @@ def test_a_page_twice_in_the_free_list_and_a_lock_left_by_a_finished_request() -
     result = take_page_census("full", view, {}, {}, {11: [("req-B", 4)]})
     assert result.doubleref == [4] and not result.leaked
     assert census_checks(5, [result])[0].violation == (
-        "1 page freed while in use (a double free): page 4 twice in the free list | 1 tree node still locked by "
-        "finished requests: node 11 locked by request req-B at step 4"
+        "1 page freed while in use (a double free): page 4 twice in the free list; its releaser not recorded | 1 "
+        "tree node still locked by finished requests: node 11 locked by request req-B at step 4"
     )
 
 
@@ -54,18 +56,34 @@ def test_request_rows_are_censused_as_pages_of_one() -> None:
 def test_at_level_summary_stale_locked_pages_are_named_by_their_takers_and_a_double_free_by_its_taker() -> None:
     """Level summary keeps no lock ledger and no releasers: the pages under a lock no live holder
     accounts for (read from the tree's own counts) are named by who took them, grouped by taker; a
-    double free names the page's taker and says its releaser was not recorded."""
+    double free names the page's taker and says who freed it is level full's to record."""
     view = PageView(4, 8, [1, 5, 6, 7, 8], {1, 2, 3}, {4: "req-D"})
     takers = {1: ("req-A", 1, "extend"), 2: ("req-A", 1, "extend"), 3: ("req-B", 4, "decode")}
-    result = take_page_census("full", view, takers, {}, {}, {2, 3})
+    result = take_page_census("full", view, takers, {}, {}, {2, 3}, frees_seen=False)
     assert (result.stale_locked, result.doubleref, result.leaked) == ([2, 3], [1], [])
     assert not result.ok and result.as_json()["stale_locked"] == {"2": "req-A", "3": "req-B"}
     assert census_checks(7, [result])[0].violation == (
         "1 page freed while in use (a double free): page 1 free and in the tree; taken by request req-A (extend "
-        "at step 1), its releaser not recorded | 2 pages under a tree lock no live request or session holds (a "
-        "lock never released; who locked it is recorded at level full): page 2 taken by request req-A (extend at step "
-        "1); page 3 taken by request req-B (decode at step 4)"
+        "at step 1), who freed it is recorded at level full | 2 pages under a tree lock no live request or "
+        "session holds (a lock never released; who locked it is recorded at level full): page 2 taken by request "
+        "req-A (extend at step 1); page 3 taken by request req-B (decode at step 4)"
     )
+
+
+@pytest.mark.parametrize(
+    ("frees_seen", "unknown"), [(True, "its releaser not recorded"), (False, "who freed it is recorded at level full")]
+)
+def test_a_double_free_whose_free_was_not_seen_says_why_no_releaser_is_named(frees_seen: bool, unknown: str) -> None:
+    """Hooked frees (level full) with no releaser for the page: the free was not recorded (before the
+    probe, or dropped); frees not hooked (summary): level full records who freed it. Said with or
+    without a taker."""
+    view = PageView(4, 4, [1, 1, 3], {2}, {})  # NOTE: page 1 twice in the free list, page 4 leaked
+    for takers, said in (
+        ({1: ("req-A", 1, "extend")}, f"taken by request req-A (extend at step 1), {unknown}"),
+        ({}, unknown),
+    ):
+        result = take_page_census("full", view, takers, {}, {}, frees_seen=frees_seen)
+        assert f"page 1 twice in the free list; {said}" in census_checks(3, [result])[0].violation
 
 
 def test_no_stale_locked_page_holds() -> None:
