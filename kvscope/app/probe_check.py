@@ -71,7 +71,11 @@ def render(engines: list[dict[str, Any]], python: str) -> str:
                 lines.append(f"            {target['why']}")
         if engine["loads"] and engine["plugin_installed"]:
             lines.append(f"  records ({', '.join(engine['records'])}):")
-            lines.extend(f"    --level {level}: {what}" for level, what in LEVELS.items())
+            default = engine.get("default_level")  # NOTE: absent from an older kvscope beside the engine
+            lines.extend(
+                f"    --level {level}{' (the default)' if level == default else ''}: {what}"
+                for level, what in LEVELS.items()
+            )
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ import json
 from importlib import metadata
 from typing import Any, NamedTuple
 
-from kvscope.probe.core import installed_version
+from kvscope.probe.core import DEFAULT_LEVEL, installed_version
 from kvscope.probe.shapes import describe
 
 
@@ -40,7 +40,12 @@ def report() -> list[dict[str, Any]]:
 
 def engine_report(engine: Engine) -> dict[str, Any]:
     version = installed_version(*engine.dists)
-    found: dict[str, Any] = {"engine": engine.name, "version": version, "plugin_installed": _plugin(engine)}
+    found: dict[str, Any] = {
+        "engine": engine.name,
+        "version": version,
+        "plugin_installed": _plugin(engine),
+        "default_level": DEFAULT_LEVEL[engine.package],  # NOTE: without --level or KVSCOPE_LEVEL
+    }
     try:
         probe = importlib.import_module(engine.probe)
     except Exception as err:  # NOTE: a finding, never a traceback

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from kvscope.app.probe_check import LEVELS, render
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -57,3 +61,16 @@ def test_a_python_that_cannot_run_the_check_is_one_line_and_exit_2(tmp_path: Pat
     out = kvscope("--python", str(broken))
     assert (out.returncode, out.stdout) == (2, "")
     assert out.stderr == f"kvscope probe-check: error: the probe check failed: {broken} exited 3: no python here\n"
+
+
+@pytest.mark.parametrize(("engine", "default"), [("vLLM", "full"), ("SGLang", "summary")])
+def test_the_levels_lines_mark_the_engines_default(engine: str, default: str) -> None:
+    """Each engine's default level (DEFAULT_LEVEL: what stays within 1 µs per wrapped call there) is
+    marked; an older kvscope's answer without the field marks none."""
+    found = {"engine": engine, "version": "1", "plugin_installed": True, "loads": True, "family": "1", "tested": True}
+    found |= {"line": "", "targets": [], "records": ["usage"], "families": []}
+    marked = [
+        line for line in render([{**found, "default_level": default}], "python").splitlines() if "(the default)" in line
+    ]
+    assert marked == [f"    --level {default} (the default): {LEVELS[default]}"]
+    assert "(the default)" not in render([found], "python")

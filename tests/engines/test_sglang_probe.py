@@ -1103,6 +1103,8 @@ def test_probe_check_says_sglang_0518_loads_as_its_own_family_with_every_shape(t
     targets = {t["target"]: t for t in engine["targets"]}
     assert lines[0] == f"SGLang 0.5.18: the probe loads with family 0.5.18 (tested; {len(targets)} shapes match)"
     assert (engine["version"], engine["family"], engine["loads"], engine["tested"]) == ("0.5.18", "0.5.18", True, True)
+    assert engine["default_level"] == "summary"  # NOTE: SGLang's full costs 2-3 µs per allocator or tree call
+    assert "    --level summary (the default): the census, usage, requests, tree snapshots" in lines, lines
     assert all(t["match"] for t in engine["targets"]) and "DIFFERS" not in text.stdout
     rows = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
     assert targets[f"{rows}.free"]["params"] == ["self", "req"] and f"{rows}.free_rows" not in targets
