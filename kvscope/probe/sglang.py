@@ -52,11 +52,20 @@ step begins, or by the census), and a tree snapshot every SNAPSHOT_EVERY_STEPS s
 from __future__ import annotations
 
 import inspect
+import os
 import pkgutil
 from collections.abc import Callable
 from typing import Any
 
-from kvscope.probe.core import LEVELS, installed_version, refuse, register_never_raising, say, settings_from_env
+from kvscope.probe.core import (
+    DEFAULT_LEVEL,
+    LEVELS,
+    installed_version,
+    refuse,
+    register_never_raising,
+    say,
+    settings_from_env,
+)
 from kvscope.probe.sglang_families import (
     FAMILIES,
     HOST,
@@ -123,12 +132,14 @@ def sglang_version() -> str:
 def describe_installed(version: str | None = None, families: tuple[Family, ...] | None = None) -> dict[str, Any]:
     """For `kvscope probe-check`: the installed SGLang's version, the family it loads as (or why none),
     each target's shape and match, and what a capture records (shapes.describe), refused as `_register`
-    would refuse it (a directly patched method with one parameter more than the probe's: `_fit`)."""
+    would refuse it at the level it would run at (KVSCOPE_LEVEL, else SGLang's default): a directly patched
+    method with one parameter more than the probe's (`_fit`), at summary only those it patches."""
     version = version or sglang_version()
     families = FAMILIES if families is None else families
     described = describe("SGLang", version, families)
     chosen = next((f for f in families if f.name == described["family"]), None)
-    why = None if chosen is None else _fit(version, chosen.build())[1]
+    lean = (os.environ.get("KVSCOPE_LEVEL", "").strip() or DEFAULT_LEVEL["sglang"]) == "summary"
+    why = None if chosen is None else _fit(version, [h for h in chosen.build() if not (h.per_op and lean)])[1]
     if why is not None:
         described.update(family=None, tested=False, loads=False, line=why)
     described["records"] = PROBE.config(patched=described["loads"])["source"]["provides"]

@@ -182,6 +182,19 @@ def test_probe_check_says_a_direct_method_with_one_parameter_more_than_the_probe
     assert probe._register("0.5.23", (family,)) == line and not hasattr(pool.alloc, "__wrapped__")
 
 
+def test_probe_check_at_level_summary_loads_where_only_a_per_operation_method_changed(
+    pool: type[Pool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same change at summary (SGLang's default): the method is not patched, so the probe loads, and
+    describe_installed says so as _register does."""
+    monkeypatch.delenv("KVSCOPE_LEVEL", raising=False)
+    pool.alloc = lambda self, need_size, hint=None: need_size  # type: ignore[method-assign,assignment,misc]
+    family = sglang_shapes._family("0.5.23", ("0.5.23",), _pool_table, ())
+    described = probe.describe_installed("0.5.23", (family,))
+    assert (described["loads"], described["family"], described["line"]) == (True, "0.5.23", "")
+    assert probe._register("0.5.23", (family,)) == "registered 0 hooks on SGLang 0.5.23 (level summary)"
+
+
 def test_probe_check_says_which_family_a_matching_release_loads_as(pool: type[Pool]) -> None:
     family = sglang_shapes._family("0.5.23", ("0.5.23",), _pool_table, ())
     described = probe.describe_installed("0.5.23", (family,))
