@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import kvscope
-from kvscope.probe.core import settings_from_env
+from kvscope.probe.core import LEVELS, settings_from_env
 
 PLUGIN_NAME = "kvscope"  # NOTE: the entry-point name in pyproject.toml's vllm.general_plugins
 LIST_PLUGINS_TIMEOUT_S = 60.0
@@ -234,9 +234,12 @@ def instrument_verb(args: argparse.Namespace) -> int:
     capture = args.capture or default_capture()
     chosen = {name: value for name, value in vars(args).items() if name.startswith("KVSCOPE_") and value is not None}
     env = instrument_env(capture, args.level, {**os.environ, **chosen}, recorder_python(dict(os.environ)))
-    settings_from_env(
-        env, engine="vllm"
-    )  # NOTE: a bad KVSCOPE_CENSUS_* or LINGER_* bound fails here, not in the engine
+    # NOTE: a bad KVSCOPE_CENSUS_* or LINGER_* bound fails here, not in the engine (the bounds are the same for
+    # either engine; the level is not checked here)
+    settings_from_env(env, engine="vllm")
+    level = env.get("KVSCOPE_LEVEL", "").strip()
+    if level and level not in LEVELS:  # NOTE: the environment's, kept without --level: the probe would refuse it
+        raise ValueError(f"KVSCOPE_LEVEL must be summary or full, got {level!r}")
     python = engine_python(command)
     known = None if python is None or "VLLM_PLUGINS" in env else engine_plugins(python, env)
     plugins = with_plugins(env.get("VLLM_PLUGINS"), known)
@@ -249,9 +252,9 @@ def instrument_verb(args: argparse.Namespace) -> int:
     else:
         env["VLLM_PLUGINS"] = plugins
         route = f"VLLM_PLUGINS={plugins}"
-    level = env.get("KVSCOPE_LEVEL", "").strip() or "full on vLLM, summary on SGLang"
     print(
-        f"kvscope instrument: recording into {shown} (level {level}; {route}); then kvscope check {shown}",
+        f"kvscope instrument: recording into {shown} (level {level or 'full on vLLM, summary on SGLang'}; {route}); "
+        f"then kvscope check {shown}",
         file=sys.stderr,
         flush=True,
     )

@@ -60,6 +60,13 @@ def test_without_level_the_environments_stays_else_each_engine_takes_its_default
     assert out.stderr.startswith(f"kvscope instrument: recording into {capture} (level {shown}; "), out.stderr
 
 
+def test_a_level_in_the_environment_that_is_neither_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Kept without --level, so checked here: the probe would refuse it inside the engine."""
+    out = kvscope("--capture", str(tmp_path / "c.db"), "--", "true", env={"KVSCOPE_LEVEL": "verbose"})
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == "kvscope instrument: error: KVSCOPE_LEVEL must be summary or full, got 'verbose'\n"
+
+
 def test_census_options_set_their_variables_over_the_environments(tmp_path: Path) -> None:
     capture = tmp_path / "probe.db"
     args = ("--capture", str(capture), "--census-every-steps", "5", "--linger-s", "30")
